@@ -1,0 +1,102 @@
+"""Kimi Delta Attention layer (reference path): projections, short conv, gate, KDA, gated norm.
+
+Math: ../shared/reference/model-facts.md §1–§2. The KDA core runs per sequence through
+`k3rt.kernels.kda.ref` (chunked form for prefill chunks, recurrence for single-token decode),
+reading and writing the sequence's state in place through its SequenceCache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3rt.backend.distributed import SINGLE, TPContext
+from k3rt.backend.layers.linear import (
+    ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, ShardSpec, set_shard_spec,
+)
+from k3rt.backend.layers.norm import rms_norm_gated
+from k3rt.backend.models.batch import ForwardBatch
+from k3rt.kernels.kda.ref import kda_chunked, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent
+from k3rt.kernels.short_conv.ref import causal_conv1d
+from k3rt.model_config import ModelConfig
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, *, tp: TPContext = SINGLE, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        kc = cfg.kda
+        self.layer_idx, self.eps = layer_idx, cfg.rms_norm_eps
+        self.head_dim, self.lower_bound = kc.head_dim, kc.gate_lower_bound
+        self.num_heads = tp.shard(kc.num_heads, "linear_attn_config.num_heads")
+        p, h, d = kc.proj_dim, cfg.hidden_size, kc.head_dim
+        self.local_proj = self.num_heads * d
+        self.q_proj = ColumnParallelLinear(h, p, tp=tp, dtype=dtype)
+        self.k_proj = ColumnParallelLinear(h, p, tp=tp, dtype=dtype)
+        self.v_proj = ColumnParallelLinear(h, p, tp=tp, dtype=dtype)
+        # depthwise conv over q|k|v channels, [3*P_local, W]; fp32 like vLLM (costs nothing, exact)
+        self.conv_weight = set_shard_spec(
+            nn.Parameter(torch.empty(3 * self.local_proj, kc.conv_kernel_size), requires_grad=False),
+            ShardSpec(0, (p, p, p)),
+        )
+        self.f_a_proj = ReplicatedLinear(h, d, dtype=dtype)
+        self.f_b_proj = ColumnParallelLinear(d, p, tp=tp, dtype=dtype)
+        self.A_log = set_shard_spec(nn.Parameter(torch.empty(self.num_heads), requires_grad=False), ShardSpec(0))
+        self.dt_bias = set_shard_spec(nn.Parameter(torch.empty(self.local_proj), requires_grad=False), ShardSpec(0))
+        self.b_proj = ColumnParallelLinear(h, kc.num_heads, tp=tp, dtype=dtype)
+        if kc.use_full_rank_gate:
+            self.g_proj = ColumnParallelLinear(h, p, tp=tp, dtype=dtype)
+        else:
+            self.g_a_proj = ReplicatedLinear(h, d, dtype=dtype)
+            self.g_b_proj = ColumnParallelLinear(d, p, tp=tp, dtype=dtype)
+        self.o_norm_weight = set_shard_spec(nn.Parameter(torch.ones(d, dtype=dtype), requires_grad=False), ShardSpec())
+        self.o_proj = RowParallelLinear(p, h, tp=tp, dtype=dtype)
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(conv_state, recurrent_state) shapes of one sequence for this layer on this rank."""
+        return (self.conv_weight.shape[1] - 1, 3 * self.local_proj), (self.num_heads, self.head_dim, self.head_dim)
+
+    def _gate(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.f_b_proj(self.f_a_proj(x)).view(*x.shape[:-1], self.num_heads, self.head_dim)
+        dt_bias = self.dt_bias.view(self.num_heads, self.head_dim)
+        if self.lower_bound is None:
+            return kda_gate_softplus(f, self.A_log, dt_bias)
+        return kda_gate_lower_bound(f, self.A_log, dt_bias, self.lower_bound)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        # x: [N, hidden] flat tokens of all sequences in the batch
+        n, hd, d = x.shape[0], self.num_heads, self.head_dim
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [N, 3P]
+        g = self._gate(x)  # [N, H, K] fp32 log-decay
+        beta = torch.sigmoid(self.b_proj(x).float())  # [N, H]
+        out = torch.empty(n, hd, d, dtype=x.dtype, device=x.device)
+        for i, (b, e) in enumerate(batch.spans()):
+            if e == b:
+                continue
+            cache = batch.caches[i] if batch.caches is not None else None
+            conv_state, rec_state = cache.kda_state(self.layer_idx) if cache is not None else (None, None)
+            y, new_conv = causal_conv1d(qkv[None, b:e], self.conv_weight,
+                                        None if conv_state is None else conv_state[None], activation="silu")
+            q, k, v = y[0].view(e - b, 3, hd, d).unbind(1)
+            args = (q[None], k[None], v[None], g[None, b:e], beta[None, b:e])
+            init = None if rec_state is None else rec_state[None]
+            start = batch.start_positions[i]
+            positions = tuple(p - start for p in (batch.state_positions or [()] * len(batch.seq_lens))[i])
+            if e - b == 1 and not positions:
+                o, final = kda_recurrent(*args, initial_state=init)
+                states: list[torch.Tensor] = []
+            else:
+                o, final, states = kda_chunked(*args, initial_state=init, state_positions=positions)
+            out[b:e] = o[0]
+            if positions:
+                # conv state after p new tokens = the last W-1 pre-conv inputs: rows p..p+W-2 of [old ; new]
+                w = self.conv_weight.shape[1] - 1
+                old = conv_state if conv_state is not None else qkv.new_zeros(w, qkv.shape[1])
+                hist = torch.cat([old.to(qkv.dtype), qkv[b:e]])
+                for p, s in zip(positions, states):
+                    batch.emitted_states[(i, self.layer_idx, start + p)] = (hist[p:p + w].clone(), s[0])
+            if cache is not None:
+                conv_state.copy_(new_conv[0])
+                rec_state.copy_(final[0])
+        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        o = rms_norm_gated(out, gate.view(n, hd, d), self.o_norm_weight, self.eps)
+        return self.o_proj(o.reshape(n, hd * d))
