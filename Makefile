@@ -1,0 +1,41 @@
+# One-command set-up on a fresh machine: `make demo`, `make test`, `make install`.
+# On a machine without a GPU the venv gets the pinned CPU torch (torch==2.13.0) — never an
+# unpinned torch, which would pull a multi-GB CUDA build. On a GPU machine whose python3 already
+# has torch (the device image: torch 2.11 + triton 3.6), the venv reuses it via system site-packages.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.k3rt-installed
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && $(PY) -c "import torch" >/dev/null 2>&1 && echo 1)
+DEMO_MODEL ?= .cache/tiny-k3
+PYTEST_ARGS ?=
+
+.PHONY: install test demo clean
+
+$(STAMP): pyproject.toml setup.py
+ifeq ($(HAS_GPU),1)
+	$(PY) -m venv --system-site-packages $(VENV)
+	$(BIN)/pip install -q -e ".[backend,test]"
+else
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip
+	$(BIN)/pip install -q torch==2.13.0 triton==3.6.0 "numpy<2.4"
+	$(BIN)/pip install -q -e ".[backend,test]" torch==2.13.0
+endif
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+
+# The main job on the default model. Until the trained k3-tiny ships (issue: embedded default
+# model), that is a random K3-architecture checkpoint made on the fly: the text is noise, the
+# point is the whole path (config, loader, tokenizer, incremental KDA state + MLA cache).
+demo: install
+	$(BIN)/k3rt make-tiny --arch k3 --out $(DEMO_MODEL)
+	$(BIN)/k3rt inspect --model $(DEMO_MODEL)
+	$(BIN)/k3rt generate --model $(DEMO_MODEL) --prompt "def fibonacci(n):" --max-tokens 32 --temperature 0
+
+clean:
+	rm -rf $(VENV) .cache build *.egg-info

@@ -1,0 +1,130 @@
+"""The `k3rt` command line. Subcommands import the engine lazily, so `k3rt --help` and
+`k3rt inspect` stay fast and need no torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXAMPLES = """examples:
+  k3rt make-tiny --arch k3 --out /tmp/tiny-k3           # small random checkpoint + tokenizer
+  k3rt generate --model /tmp/tiny-k3 --prompt "def add(a, b):" --max-tokens 32 --temperature 0
+  k3rt inspect --model /tmp/tiny-k3 --tp 2 --json      # sizes from config.json alone
+"""
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt (reference CPU path)",
+                       description="Generate a completion on the plain-torch reference path, with an incremental "
+                                   "KDA state and MLA cache. Streams text unless --json.")
+    p.add_argument("--model", required=True, help="checkpoint folder (config.json, *.safetensors, tokenizer files)")
+    p.add_argument("--prompt", required=True, help="prompt text (tokenized as is, no chat template)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); >0 samples")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default 1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="RNG seed for sampling (default: random)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="compute dtype (default: the checkpoint's torch_dtype)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    p.add_argument("--json", action="store_true", help="print one JSON object: prompt_token_ids, token_ids, text")
+
+
+def _cmd_generate(a: argparse.Namespace) -> int:
+    from k3rt.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
+                            max_tokens=a.max_tokens, ignore_eos=a.ignore_eos)
+    from k3rt.backend.generate import generate
+    from k3rt.backend.models.loader import load_model
+    from k3rt.backend.tokenizer import load_tokenizer
+    from k3rt.backend.tokenizer.detokenizer import IncrementalDetokenizer
+
+    tok = load_tokenizer(a.model)
+    model = load_model(a.model, dtype=a.dtype, progress=not a.json)
+    prompt_ids = tok.encode(a.prompt)
+    detok = IncrementalDetokenizer(tok)
+    out: list[int] = []
+    for t in generate(model, prompt_ids, params, tok.eos_token_ids):
+        out.append(t)
+        if not a.json:
+            sys.stdout.write(detok.push(t))
+            sys.stdout.flush()
+    if a.json:
+        print(json.dumps({"prompt_token_ids": prompt_ids, "token_ids": out, "text": tok.decode(out)}))
+    else:
+        sys.stdout.write(detok.flush() + "\n")
+    return 0
+
+
+def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-tiny", help="write a small random checkpoint for tests and demos",
+                       description="Write config.json, safetensors weights (published Kimi tensor names) and a "
+                                   "small byte-level BPE tokenizer with a chat template. Deterministic per --seed.")
+    p.add_argument("--arch", choices=["kimi_linear", "k3"], default="kimi_linear",
+                   help="kimi_linear: Kimi-Linear layout; k3: full-rank gate, lower-bound gate, gated MLA, "
+                        "LatentMoE, SiTU, attention residuals")
+    p.add_argument("--out", required=True, help="output folder (created)")
+    p.add_argument("--seed", type=int, default=0, help="weights and tokenizer seed (default 0)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16",
+                   help="weights dtype on disk (default bfloat16, as published)")
+
+
+def _cmd_make_tiny(a: argparse.Namespace) -> int:
+    from k3rt.backend.models.tiny import make_tiny
+
+    out = make_tiny(a.out, arch=a.arch, seed=a.seed, dtype=a.dtype)
+    print(f"wrote {a.arch} tiny checkpoint to {out}")
+    return 0
+
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="sizes of a model from its config.json",
+                       description="Parameter count, layer pattern (K = KDA, M = MLA; D = dense MLP, E = MoE), "
+                                   "KDA state bytes per sequence and MLA bytes per token at a TP degree. "
+                                   "Reads config.json only.")
+    p.add_argument("--model", required=True, help="checkpoint folder (only config.json is read)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    p.add_argument("--json", action="store_true", help="print JSON (default: indented human-readable JSON too)")
+
+
+def _cmd_inspect(a: argparse.Namespace) -> int:
+    from k3rt.inspect_model import inspect_model_dir
+
+    info = inspect_model_dir(a.model, a.tp)
+    print(json.dumps(info) if a.json else json.dumps(info, indent=2))
+    return 0
+
+
+COMMANDS = {"generate": _cmd_generate, "make-tiny": _cmd_make_tiny, "inspect": _cmd_inspect}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="k3rt", description="k3rt: inference runtime for the Kimi hybrid family "
+                                "(KDA + MLA + MoE/LatentMoE).", epilog=EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate(sub)
+    _add_make_tiny(sub)
+    _add_inspect(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return COMMANDS[a.command](a)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        # ConfigError / CheckpointError / bad sampling values are ValueErrors naming the field
+        print(f"k3rt {a.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
