@@ -45,7 +45,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     tok = load_tokenizer(a.model)
     model = load_model(a.model, dtype=a.dtype, progress=not a.json)
     prompt_ids = tok.encode(a.prompt)
-    detok = IncrementalDetokenizer(tok)
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=True)
     out: list[int] = []
     for t in generate(model, prompt_ids, params, tok.eos_token_ids):
         out.append(t)
@@ -53,7 +53,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
             sys.stdout.write(detok.push(t))
             sys.stdout.flush()
     if a.json:
-        print(json.dumps({"prompt_token_ids": prompt_ids, "token_ids": out, "text": tok.decode(out)}))
+        print(json.dumps({"prompt_token_ids": prompt_ids, "token_ids": out, "text": tok.decode(out, skip_special_tokens=True)}))
     else:
         sys.stdout.write(detok.flush() + "\n")
     return 0

@@ -155,7 +155,7 @@ def _cast_ok(name: str) -> bool:
 def make_tiny(out_dir: str | Path, *, arch: str = "kimi_linear", seed: int = 0, dtype: str = "bfloat16",
               vocab_size: int | None = None, max_shard_bytes: int | None = None) -> Path:
     """Write a small random checkpoint (config, safetensors, tokenizer) to out_dir and return it."""
-    from k3rt.backend.tokenizer import write_tiny_tokenizer
+    from k3rt.backend.tokenizer import load_tokenizer, write_tiny_tokenizer
 
     if arch not in TINY_CONFIGS:
         raise ValueError(f"arch: {arch!r} not one of {sorted(TINY_CONFIGS)}")
@@ -164,8 +164,9 @@ def make_tiny(out_dir: str | Path, *, arch: str = "kimi_linear", seed: int = 0, 
     if vocab_size is not None:
         raw["vocab_size"] = vocab_size
     out.mkdir(parents=True, exist_ok=True)
-    ids = write_tiny_tokenizer(out, vocab_size=raw["vocab_size"], seed=seed)
-    raw.update(ids)
+    write_tiny_tokenizer(out, vocab_size=raw["vocab_size"], seed=seed)
+    tok = load_tokenizer(out)
+    raw.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_ids[0], pad_token_id=tok.pad_token_id)
     cfg = parse_model_config(raw)
     model = build_model(cfg, dtype=torch.float32)
     random_init(model, seed)
