@@ -1,0 +1,97 @@
+"""The tokenizer interface the rest of k3rt uses: text <-> token ids, raw token bytes, and chat prompts.
+
+Two implementations exist, chosen by `load_tokenizer` from the files in the model directory: `HFTokenizer`
+(tokenizer.json) and `TiktokenTokenizer` (Kimi's tiktoken.model). Neither ever adds BOS/EOS on its own; chat
+templates carry their own markers. Streaming text out of generated ids is `IncrementalDetokenizer`'s job.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from k3rt.backend.tokenizer.chat_template import ChatTemplate
+
+# Kimi's end-of-turn marker; generation stops on it even where the config names only [EOS].
+IM_END = "<|im_end|>"
+
+
+class Tokenizer(ABC):
+    """A loaded vocabulary. Instances are immutable after construction and safe to share between threads."""
+
+    @property
+    @abstractmethod
+    def source_dir(self) -> Path:
+        """The model directory this tokenizer was loaded from (used in error messages)."""
+
+    @abstractmethod
+    def encode(self, text: str, *, allow_special: bool = True) -> list[int]:
+        """Token ids for `text`, without BOS/EOS. With `allow_special`, special-token strings in `text`
+        (e.g. "<|im_end|>") become their single ids; without it they are encoded as ordinary text, which is
+        what untrusted user content needs."""
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """The text of `ids`; invalid UTF-8 (e.g. a cut multi-byte character) becomes U+FFFD."""
+
+    @abstractmethod
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for; a special token gives its UTF-8 text. Byte-level tokens may
+        hold part of a UTF-8 character. Concatenating these over a sequence and decoding gives `decode`."""
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of token ids, special tokens included (largest id + 1)."""
+
+    @property
+    @abstractmethod
+    def bos_token_id(self) -> int | None: ...
+
+    @property
+    @abstractmethod
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation: the EOS token, generation_config's `eos_token_id`s and <|im_end|>,
+        deduplicated, in that order."""
+
+    @property
+    @abstractmethod
+    def pad_token_id(self) -> int | None: ...
+
+    @property
+    @abstractmethod
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids that `decode(..., skip_special_tokens=True)` drops."""
+
+    @property
+    @abstractmethod
+    def chat_template(self) -> ChatTemplate | None: ...
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render `messages` (OpenAI-style dicts) with the model's chat template; returns text to `encode`
+        with `allow_special=True`. Raises ValueError if the model has no chat template."""
+        template = self.chat_template
+        if template is None:
+            raise ValueError(
+                f"the tokenizer in {self.source_dir} has no chat template (looked for chat_template.jinja and "
+                f"'chat_template' in tokenizer_config.json)"
+            )
+        return template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
+
+
+def collect_eos_token_ids(
+    eos_token_id: int | None, generation_eos_ids: Sequence[int], im_end_id: int | None
+) -> tuple[int, ...]:
+    """The `eos_token_ids` rule shared by the implementations: EOS, then generation_config's ids, then
+    <|im_end|>, each once."""
+    candidates = [eos_token_id, *generation_eos_ids, im_end_id]
+    return tuple(dict.fromkeys(i for i in candidates if i is not None))
