@@ -1,0 +1,170 @@
+"""The offline engine: schedule -> run -> update, over one page pool and the radix prefix cache.
+
+`Engine(EngineConfig(...))` loads the model (or uses the null runner), sizes the pool from the
+cache config and the model's layout, and exposes `add_request` / `step` / `abort` for streaming
+callers and `generate` for batch use. It knows nothing of tokenization or HTTP.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from k3rt.backend.cache.pool import PagePool
+from k3rt.backend.runner.base import Runner
+from k3rt.backend.scheduler.request import FinishReason, Request, Status
+from k3rt.backend.scheduler.scheduler import Scheduler
+from k3rt.cache_layout import CacheLayout, compute_layout
+from k3rt.config import EngineConfig
+from k3rt.model_config import ModelConfig, load_model_config
+from k3rt.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    rid: int
+    new_token_ids: list[int]  # tokens generated in this step
+    output_ids: list[int]  # all generated tokens so far
+    finished: bool
+    finish_reason: str | None
+    prompt_len: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, *, model=None) -> None:
+        import torch
+
+        self.cfg = cfg
+        self.model_cfg: ModelConfig = load_model_config(cfg.model)
+        model_dtype = cfg.dtype or self.model_cfg.dtype
+        cc = cfg.cache
+        self.layout: CacheLayout = compute_layout(
+            self.model_cfg, tp=cfg.tp, kv_dtype=cc.kv_dtype or model_dtype, conv_dtype=cc.conv_dtype or model_dtype,
+            state_dtype=cc.state_dtype, block_size=cc.block_size)
+        num_pages = cc.num_pages if cc.memory_gb is None else self.layout.num_pages(int(cc.memory_gb * 2**30))
+        if num_pages < self.layout.pages_per_state_set + 2:
+            raise ValueError(f"memory_gb: the pool holds {num_pages} pages; one request needs at least "
+                             f"{self.layout.pages_per_state_set + 2}")
+        self.pool = PagePool(self.layout, num_pages, device=cfg.device, poison_freed=cc.poison_freed)
+        info = self.layout.as_dict() | {"num_pages": num_pages}
+        log.info("cache layout: %s", info)
+        if self.layout.padding_fraction > 0.02:
+            log.warning("KDA state padding %.1f%% of each page", 100 * self.layout.padding_fraction)
+        self.runner = self._make_runner(model, torch)
+        self.scheduler = Scheduler(cfg.scheduler, cc, self.pool, self.layout.block_size)
+        self.requests: dict[int, Request] = {}
+        self._rids = itertools.count()
+        self._eos = frozenset(self.model_cfg.eos_token_ids)
+        self._pending_aborts: list[int] = []
+
+    def _make_runner(self, model, torch) -> Runner:
+        if self.cfg.runner == "null":
+            from k3rt.backend.runner.null_runner import NullRunner
+
+            return NullRunner(self.model_cfg.vocab_size)
+        from k3rt.backend.models.loader import load_model
+        from k3rt.backend.runner.model_runner import ModelRunner
+
+        torch.manual_seed(self.cfg.seed)
+        if model is None:
+            model = load_model(self.cfg.model, dtype=self.cfg.dtype, device=self.cfg.device)
+        return ModelRunner(model, self.pool)
+
+    # ---- requests ----
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
+                    cache_salt: str | None = None, eos_token_ids: Sequence[int] | None = None) -> int:
+        """Queue a request; returns its id. Raises ValueError naming the field for bad input."""
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("prompt: must contain at least one token")
+        v = self.model_cfg.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < v), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} outside the vocabulary [0, {v})")
+        limit = self.model_cfg.max_position_embeddings
+        if len(prompt) + params.max_tokens > limit:
+            raise ValueError(f"prompt: {len(prompt)} tokens + max_tokens {params.max_tokens} exceed the context "
+                             f"length {limit}")
+        if len(self.scheduler.waiting) >= self.cfg.scheduler.max_waiting:
+            raise OverflowError(f"max_waiting: {self.cfg.scheduler.max_waiting} requests already waiting")
+        eos = self._eos if eos_token_ids is None else frozenset(eos_token_ids)
+        stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos)
+        rid = next(self._rids)
+        gen = None
+        if params.seed is not None and self.cfg.runner == "model":
+            from k3rt.backend.sampling.sampler import make_generator
+
+            gen = make_generator(params.seed)
+        req = Request(rid, prompt, len(prompt), params, cache_salt, stop, gen)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def abort(self, rid: int) -> None:
+        """Abort a request; applied between steps. Its pages and state are freed."""
+        if rid in self.requests:
+            self._pending_aborts.append(rid)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[RequestOutput]:
+        """One schedule -> run -> update cycle. Returns outputs of requests that advanced or ended."""
+        outputs = []
+        for rid in self._pending_aborts:
+            req = self.requests.pop(rid, None)
+            if req is not None and not req.finished:
+                self.scheduler.abort(req)
+                outputs.append(self._output(req, []))
+        self._pending_aborts.clear()
+        out = self.scheduler.schedule()
+        sampled = self.runner.execute(out)
+        self.scheduler.update(out, sampled)
+        for c in out.chunks:
+            if c.needs_logits:
+                req = c.req
+                outputs.append(self._output(req, [sampled[req.rid]]))
+                if req.finished:
+                    self.requests.pop(req.rid, None)
+        return outputs
+
+    def _output(self, req: Request, new: list[int]) -> RequestOutput:
+        return RequestOutput(req.rid, new, req.output_ids, req.finished,
+                             req.finish_reason.value if req.finish_reason else None, req.prompt_len, req.cached_tokens)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, cache_salt: str | None = None) -> list[RequestOutput]:
+        """Run prompts to completion (continuous batching); outputs in prompt order."""
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        rids = [self.add_request(p, sp, cache_salt=cache_salt) for p, sp in zip(prompts, plist)]
+        final: dict[int, RequestOutput] = {}
+        while len(final) < len(rids):
+            if not self.has_unfinished:
+                raise RuntimeError("engine stalled with unfinished requests")
+            for o in self.step():
+                if o.finished:
+                    final[o.rid] = o
+        return [final[r] for r in rids]
+
+    def check(self) -> None:
+        self.scheduler.check()
+
+    @property
+    def stats(self):
+        return self.scheduler.stats
+
+
+def engine_config_for_tests(model: str, **cache_overrides) -> EngineConfig:
+    """fp32 caches so cache-on output can be compared with cache-off output exactly."""
+    from k3rt.config import CacheConfig
+
+    return EngineConfig(model=model, dtype="float32",
+                        cache=replace(CacheConfig(kv_dtype="float32", conv_dtype="float32"), **cache_overrides))

@@ -1,0 +1,1 @@
+"""Model runners: execute one SchedulerOutput and return the sampled tokens."""

@@ -1,0 +1,61 @@
+"""The reference model runner: builds the varlen ForwardBatch from scheduled chunks, runs the torch
+model over the page pool, writes emitted snapshot states, samples."""
+
+from __future__ import annotations
+
+import torch
+
+from k3rt.backend.cache.pool import PagePool
+from k3rt.backend.models.batch import ForwardBatch
+from k3rt.backend.models.kimi import KimiForCausalLM
+from k3rt.backend.runner.base import Runner
+from k3rt.backend.runner.paged_cache import PagedSequenceCache
+from k3rt.backend.sampling.sampler import sample
+from k3rt.backend.scheduler.scheduler import SchedulerOutput
+
+
+class ModelRunner(Runner):
+    def __init__(self, model: KimiForCausalLM, pool: PagePool) -> None:
+        self.model, self.pool = model, pool
+        L = pool.layout
+        self.kda_slots = {layer: L.kda_slot(layer) for group in L.kda_groups for layer in group}
+        self.mla_slots = {layer: i for i, layer in enumerate(L.mla_group)}
+        if L.kda_groups:
+            conv_shape, rec_shape = model.model.layers[L.kda_groups[0][0]].self_attn.state_shapes()
+            pool.set_kda_shapes(conv_shape, rec_shape)
+        self.device = pool.tensors[0].device
+
+    def execute(self, out: SchedulerOutput) -> dict[int, int]:
+        if not out.chunks:
+            return {}
+        if out.page_copies:
+            src, dst = zip(*out.page_copies)
+            self.pool.copy_pages(list(src), list(dst), tensors=len(self.pool.layout.mla_group))
+        for src, dst in out.state_copies:
+            self.pool.copy_state_set(src, dst)
+        ids, caches, seq_lens, starts, positions, logit_rows = [], [], [], [], [], []
+        row = 0
+        for c in out.chunks:
+            r = c.req
+            ids.extend(r.token_ids[c.start:c.start + c.num_tokens])
+            seq_lens.append(c.num_tokens)
+            starts.append(c.start)
+            caches.append(PagedSequenceCache(self.pool, r.block_table, r.state_set, self.kda_slots,
+                                             self.mla_slots, c.start + c.num_tokens))
+            positions.append(tuple(p for p, _ in c.snapshots))
+            row += c.num_tokens
+            if c.needs_logits:
+                logit_rows.append(row - 1)
+        batch = ForwardBatch(seq_lens, starts, caches,
+                             logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=self.device),
+                             state_positions=positions)
+        logits = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch)
+        for i, c in enumerate(out.chunks):
+            for pos, dest in c.snapshots:
+                for layer, (g, t) in self.kda_slots.items():
+                    conv, rec = batch.emitted_states[(i, layer, pos)]
+                    self.pool.conv[t][dest[g]].copy_(conv)
+                    self.pool.rec[t][dest[g]].copy_(rec)
+        sampled_reqs = [c.req for c in out.chunks if c.needs_logits]
+        toks = sample(logits, [r.params for r in sampled_reqs], [r.generator for r in sampled_reqs])
+        return {r.rid: t for r, t in zip(sampled_reqs, toks)}

@@ -1,0 +1,24 @@
+"""A runner with no compute: deterministic fake next tokens (a function of the token prefix).
+
+Drives scheduler and cache tests and trace replays (`k3rt bench cache`). Because the fake token
+depends only on the sequence so far, cache-on and cache-off runs produce the same tokens.
+"""
+
+from __future__ import annotations
+
+from k3rt.backend.runner.base import Runner
+from k3rt.backend.scheduler.scheduler import SchedulerOutput
+
+
+class NullRunner(Runner):
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def next_token(self, token_ids: list[int]) -> int:
+        n = len(token_ids)
+        last = token_ids[-1]
+        prev = token_ids[-2] if n > 1 else 0
+        return (last * 1000003 + prev * 9176 + n * 31) % self.vocab_size
+
+    def execute(self, out: SchedulerOutput) -> dict[int, int]:
+        return {c.req.rid: self.next_token(c.req.token_ids) for c in out.chunks if c.needs_logits}

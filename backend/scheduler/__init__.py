@@ -1,0 +1,1 @@
+"""Continuous batching over the page pool and the radix prefix cache."""

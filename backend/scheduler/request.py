@@ -1,0 +1,63 @@
+"""One generation request as the scheduler tracks it.
+
+No "prefill" or "decode" phase is stored: a request has `token_ids` (prompt + generated) and
+`num_computed` (tokens whose KV and KDA state are in its cache). Each step feeds some of the
+remaining tokens; when the fed tokens reach the end, the step also samples the next token.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from k3rt.backend.cache.radix import Node
+from k3rt.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # a stop/EOS token was sampled
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # aborted by the caller or rejected
+
+
+@dataclass(eq=False)
+class Request:
+    rid: int
+    token_ids: list[int]  # prompt then generated tokens
+    prompt_len: int
+    params: SamplingParams
+    salt: str | None = None
+    stop_ids: frozenset[int] = frozenset()
+    generator: torch.Generator | None = None
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    num_computed: int = 0  # tokens whose KV/state this request's cache holds
+    block_table: list[int] = field(default_factory=list)  # one pool ref per entry
+    state_set: list[int] | None = None  # live KDA state set (owned)
+    lock_node: Node | None = None  # deepest tree node this request holds a lock on
+    snapshot_plan: list[int] = field(default_factory=list)  # ascending absolute positions to publish
+    fences: list[int] = field(default_factory=list)  # extra refs on copy sources, held until the copies ran
+    pending_page_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) MLA page CoW
+    pending_state_copies: list[tuple[list[int], list[int]]] = field(default_factory=list)  # snapshot -> live
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at (last) admission
+    num_preemptions: int = 0
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,326 @@
+"""Continuous batching with chunk-aligned prefill over one page pool and the radix prefix cache.
+
+The scheduling model (one rule, no phases): every request has `num_computed` of its `token_ids`
+in its cache; a step hands out a token budget, decode-like requests (one token left) first, then
+continuing prefills, then new admissions. A request whose fed tokens reach the end of its
+`token_ids` gets logits and samples the next token.
+
+Chunk alignment: a non-final chunk ends on the snapshot grid (`hash_block_size`), and a chunk that
+starts off the grid (a conversation resuming from an end-of-turn snapshot) stops at the next grid
+point, so every snapshot emitted inside a chunk sits a whole number of KDA chunks from its start.
+Snapshots are emitted by the forward itself (ForwardBatch.state_positions), so publishing them costs
+no extra steps. A snapshot published at p holds the state after exactly p tokens.
+
+Resources: admission counts MLA pages, one live state set, one copy-on-write page when the hit ends
+mid-page, and the snapshot state sets of the first chunk. Under pressure the prefix cache is evicted
+first, then the newest running request is preempted (its pages and state freed, requeued at the
+front; on readmission it recomputes, usually from the cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from k3rt.backend.cache.pool import PagePool
+from k3rt.backend.cache.radix import RadixCache
+from k3rt.backend.scheduler.request import FinishReason, Request, Status
+from k3rt.config import CacheConfig, SchedulerConfig
+
+
+@dataclass
+class ScheduledChunk:
+    req: Request
+    start: int  # absolute position of the first fed token
+    num_tokens: int
+    needs_logits: bool  # the chunk reaches the end of token_ids: sample the next token
+    snapshots: list[tuple[int, list[int]]] = field(default_factory=list)  # (position, dest state set)
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    page_copies: list[tuple[int, int]]  # MLA partial-page copy-on-write: (src page, dst page), all tensors
+    state_copies: list[tuple[list[int], list[int]]]  # snapshot -> live state set, before the forward
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+@dataclass
+class SchedulerStats:
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (counted once per request)
+    computed_tokens: int = 0  # tokens fed through the model
+    cached_tokens: int = 0  # prompt tokens served from the cache at first admission
+    preemptions: int = 0
+    snapshots_published: int = 0
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, cache_cfg: CacheConfig, pool: PagePool, block_size: int) -> None:
+        self.cfg, self.cache_cfg, self.pool, self.B = cfg, cache_cfg, pool, block_size
+        self.tree = RadixCache(pool, block_size)
+        self.grid = block_size if cache_cfg.full_block_mode else cache_cfg.hash_block_size
+        self.S = pool.layout.pages_per_state_set
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+        self._preempted_this_step = False
+
+    # ---- queue ----
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def abort(self, req: Request) -> None:
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+            req.status, req.finish_reason = Status.FINISHED, FinishReason.ABORT
+        elif req.status is Status.RUNNING:
+            self._finish(req, FinishReason.ABORT)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ----
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.cfg.max_num_batched_tokens
+        chunks: dict[int, ScheduledChunk] = {}
+        self._preempted_this_step = False
+        # decode-like requests first (one token to feed), then continuing prefills, oldest first
+        order = [r for r in self.running if len(r.token_ids) - r.num_computed == 1]
+        order += [r for r in self.running if len(r.token_ids) - r.num_computed > 1]
+        for req in order:
+            if budget <= 0:
+                break
+            if req.status is not Status.RUNNING:
+                continue  # preempted earlier in this step
+            budget -= self._schedule_chunk(req, budget, chunks)
+        # no admissions in a step that had to preempt: the freed memory belongs to running requests
+        while (self.waiting and budget > 0 and len(self.running) < self.cfg.max_running
+               and not self._preempted_this_step):
+            req = self.waiting[0]
+            if not self._admit(req):
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            budget -= self._schedule_chunk(req, budget, chunks)
+        scheduled = [c for c in chunks.values() if c.req.status is Status.RUNNING]
+        # copies run before the forward of the step that first schedules the request
+        page_copies = [pc for c in scheduled for pc in c.req.pending_page_copies]
+        state_copies = [sc for c in scheduled for sc in c.req.pending_state_copies]
+        for c in scheduled:
+            c.req.pending_page_copies, c.req.pending_state_copies = [], []
+        return SchedulerOutput(scheduled, page_copies, state_copies)
+
+    def _chunk_len(self, req: Request, budget: int) -> int:
+        start, remaining = req.num_computed, len(req.token_ids) - req.num_computed
+        n = min(remaining, budget)
+        if n < remaining:
+            n = (start + n) // self.grid * self.grid - start  # non-final chunks end on the grid
+        if n > 1 and start % self.grid:
+            nxt = (start // self.grid + 1) * self.grid
+            if start + n > nxt:
+                n = nxt - start  # off-grid start: stop at the next grid point
+        return max(n, 0)
+
+    def _schedule_chunk(self, req: Request, budget: int, chunks: dict[int, ScheduledChunk]) -> int:
+        n = self._chunk_len(req, budget)
+        if n == 0:
+            return 0
+        start = req.num_computed
+        if not self._ensure_pages(req, start + n, chunks):
+            return 0
+        snaps = []
+        while req.snapshot_plan and req.snapshot_plan[0] <= start:
+            req.snapshot_plan.pop(0)
+        for p in req.snapshot_plan:
+            if p > start + n:
+                break
+            if self.pool.num_free < self.S:
+                self.tree.evict(self.S - self.pool.num_free)
+            if self.pool.num_free < self.S:
+                break  # snapshots are optional: skip rather than preempt for them
+            snaps.append((p, self.pool.allocate(self.S, zero=False)))
+        needs_logits = start + n == len(req.token_ids)
+        chunks[req.rid] = ScheduledChunk(req, start, n, needs_logits, snaps)
+        return n
+
+    def _ensure_pages(self, req: Request, end: int, chunks: dict[int, ScheduledChunk]) -> bool:
+        need = (end + self.B - 1) // self.B - len(req.block_table)
+        while need > 0 and not self._make_room(need, req, chunks):
+            if req.status is not Status.RUNNING:
+                return False
+        if need > 0:
+            req.block_table.extend(self.pool.allocate(need))
+        return req.status is Status.RUNNING
+
+    def _make_room(self, need: int, req: Request, chunks: dict[int, ScheduledChunk]) -> bool:
+        """Evict cache, then preempt the newest running request, until `need` pages are free."""
+        if self.pool.num_free >= need:
+            return True
+        self.tree.evict(need - self.pool.num_free)
+        if self.pool.num_free >= need:
+            return True
+        victim = self.running[-1]
+        self._preempt(victim, chunks)
+        return self.pool.num_free >= need and victim is not req
+
+    # ---- admission ----
+
+    def _admit(self, req: Request) -> bool:
+        prompt_hit = req.num_preemptions == 0
+        n = len(req.token_ids)
+        hit_len = hit_state = 0
+        node = None
+        pages: list[int] = []
+        if self.cache_cfg.enable_prefix_cache and n > 1:
+            m = self.tree.match(req.token_ids[: n - 1], req.salt)  # the last token must be computed
+            hit_len, hit_state, node, pages = m.kv_hit, m.state_hit, m.state_node, m.block_pages
+        partial = hit_state % self.B != 0
+        need = self.S + int(partial) + 1
+        if self.pool.num_free < need:
+            self.tree.evict(need - self.pool.num_free)
+            if self.pool.num_free < need:
+                return False
+        # take the copy sources' references first: the allocations below must not evict them
+        full = hit_state // self.B
+        req.block_table = pages[:full]
+        self.pool.ref(req.block_table)
+        page_copies, state_copies = [], []
+        if partial:
+            src = pages[full]
+            self.pool.ref([src])
+            req.fences.append(src)
+            dst = self.pool.allocate(1, zero=False)[0]
+            page_copies.append((src, dst))
+            req.block_table.append(dst)
+        if node is not None:
+            assert node.snapshot is not None
+            self.pool.ref(node.snapshot)
+            req.fences.extend(node.snapshot)
+            req.state_set = self.pool.allocate(self.S, zero=False)
+            state_copies.append((list(node.snapshot), req.state_set))
+            self.tree.lock(node)
+            req.lock_node = node
+        else:
+            req.state_set = self.pool.allocate(self.S, zero=True)
+        req.pending_page_copies, req.pending_state_copies = page_copies, state_copies
+        req.num_computed = hit_state
+        req.status = Status.RUNNING
+        req.snapshot_plan = self._plan_snapshots(n, hit_state, hit_len)
+        if prompt_hit:
+            req.cached_tokens = min(hit_state, req.prompt_len)
+            self.stats.prompt_tokens += req.prompt_len
+            self.stats.cached_tokens += req.cached_tokens
+        return True
+
+    def _plan_snapshots(self, n: int, state_hit: int, kv_hit: int) -> list[int]:
+        """Positions (absolute, on the grid, in (state_hit, n)) where this request publishes snapshots."""
+        if not self.cache_cfg.enable_prefix_cache:
+            return []
+        g, B = self.grid, self.B
+        pos: set[int] = set()
+        # physical block boundaries (the grid point at or below each one)
+        pos.update((b // g) * g for b in range(B, n, B))
+        if not self.cache_cfg.full_block_mode:
+            replay = (n - 1) // g * g  # an identical repeat matches n-1 tokens: keep the grid point below
+            pos.update(replay - i * g for i in range(self.cache_cfg.tail_snapshots))
+            if kv_hit > state_hit:
+                pos.add(kv_hit // g * g)  # a junction seen a second time: another path branches here
+        return sorted(p for p in pos if state_hit < p < n)
+
+    # ---- after the forward ----
+
+    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
+        """Advance requests by what ran; publish snapshots; append sampled tokens. Returns finished requests."""
+        finished = []
+        for c in out.chunks:
+            req = c.req
+            req.num_computed += c.num_tokens
+            self.stats.computed_tokens += c.num_tokens
+            for pos, dest in c.snapshots:
+                self._publish(req, pos, dest)
+            if req.fences:
+                self.pool.unref(req.fences)  # this step's copies have run
+                req.fences = []
+            if c.needs_logits:
+                tok = sampled[req.rid]
+                req.token_ids.append(tok)
+                reason = None
+                if tok in req.stop_ids:
+                    reason = FinishReason.STOP
+                elif req.num_output >= req.params.max_tokens:
+                    reason = FinishReason.LENGTH
+                if reason is not None:
+                    self._finish(req, reason)
+                    finished.append(req)
+        return finished
+
+    def _publish(self, req: Request, pos: int, dest: list[int]) -> None:
+        node = self.tree.insert(req.token_ids[:pos], req.block_table, req.salt, snapshot=dest)
+        self.stats.snapshots_published += 1
+        self._move_lock(req, node)
+
+    def _move_lock(self, req: Request, node) -> None:
+        self.tree.lock(node)
+        old, req.lock_node = req.lock_node, node
+        self.tree.unlock(old)
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        nc = req.num_computed
+        if self.cache_cfg.enable_prefix_cache and nc > 0 and req.state_set is not None and (
+                not self.cache_cfg.full_block_mode or nc % self.B == 0):
+            # the live state is the state after exactly nc fed tokens: donate it (no copy)
+            node = self.tree.insert(req.token_ids[:nc], req.block_table, req.salt, snapshot=req.state_set)
+            req.state_set = None
+            self._move_lock(req, node)
+        self._release(req)
+        req.status, req.finish_reason = Status.FINISHED, reason
+        self.running.remove(req)
+
+    def _release(self, req: Request) -> None:
+        self.tree.unlock(req.lock_node)
+        req.lock_node = None
+        self.pool.unref(req.block_table)
+        req.block_table = []
+        if req.state_set is not None:
+            self.pool.unref(req.state_set)
+            req.state_set = None
+        if req.fences:
+            self.pool.unref(req.fences)
+            req.fences = []
+
+    def _preempt(self, req: Request, chunks: dict[int, ScheduledChunk]) -> None:
+        c = chunks.pop(req.rid, None)
+        if c is not None:
+            for _, dest in c.snapshots:
+                self.pool.unref(dest)
+        req.pending_page_copies, req.pending_state_copies = [], []
+        self._preempted_this_step = True
+        self._release(req)
+        req.num_computed = 0
+        req.snapshot_plan = []
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.stats.preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    # ---- accounting ----
+
+    def check(self) -> None:
+        """Rebuild page references from requests and the tree; compare with the pool's counts."""
+        holders = [r.lock_node for r in self.running if r.lock_node is not None]
+        self.tree.check(holders)
+        refs = dict.fromkeys(range(self.pool.num_pages), 0)
+        for p, k in self.tree.tree_page_refs().items():
+            refs[p] += k
+        for r in self.running:
+            for p in r.block_table + (r.state_set or []) + r.fences:
+                refs[p] += 1
+        assert [refs[p] for p in range(self.pool.num_pages)] == self.pool.refcount, "page refcounts drifted"
+        assert sorted(self.pool.free_list) == [p for p in range(self.pool.num_pages) if refs[p] == 0]

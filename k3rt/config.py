@@ -1,0 +1,69 @@
+"""Typed, frozen engine configuration, composed per component and passed down. No torch.
+
+Validated in __post_init__; errors name the field and the limit. Derived values are properties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+KDA_CHUNK = 64  # the chunked KDA kernels' chunk: snapshot grids must be multiples of it
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    memory_gb: float | None = None  # cache pool size; None: use num_pages
+    num_pages: int | None = 256  # used when memory_gb is None
+    block_size: int | None = None  # tokens per MLA page; None: smallest that holds a KDA state
+    hash_block_size: int = 64  # snapshot grid (prefix-cache hit granularity), multiple of KDA_CHUNK
+    full_block_mode: bool = False  # baseline: hits only at block boundaries, no tails/junctions
+    enable_prefix_cache: bool = True
+    tail_snapshots: int = 2  # grid points kept just before each prompt's end (incl. replay boundary)
+    kv_dtype: str | None = None  # None: the model's compute dtype
+    conv_dtype: str | None = None  # None: the model's compute dtype
+    state_dtype: str = "float32"  # KDA recurrent state
+    poison_freed: bool = False  # debug: fill freed pages with NaN so a stale read cannot hide
+
+    def __post_init__(self) -> None:
+        if self.hash_block_size < KDA_CHUNK or self.hash_block_size % KDA_CHUNK:
+            raise ValueError(f"hash_block_size: must be a positive multiple of {KDA_CHUNK}, got {self.hash_block_size}")
+        if self.memory_gb is None and (self.num_pages is None or self.num_pages < 1):
+            raise ValueError("num_pages: set memory_gb or num_pages >= 1")
+        if self.memory_gb is not None and self.memory_gb <= 0:
+            raise ValueError(f"memory_gb: must be > 0, got {self.memory_gb}")
+        if self.tail_snapshots < 1:
+            raise ValueError(f"tail_snapshots: must be >= 1 (the replay boundary), got {self.tail_snapshots}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget per step (decode tokens first, then prefill chunks)
+    max_running: int = 256
+    max_waiting: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < KDA_CHUNK:
+            # a smaller budget could never end a non-final chunk on the snapshot grid
+            raise ValueError(f"max_num_batched_tokens: must be >= {KDA_CHUNK}, got {self.max_num_batched_tokens}")
+        if self.max_running < 1:
+            raise ValueError(f"max_running: must be >= 1, got {self.max_running}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting: must be >= 0, got {self.max_waiting}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # checkpoint folder
+    dtype: str | None = None  # compute dtype; None: the checkpoint's
+    device: str = "cpu"
+    tp: int = 1
+    runner: str = "model"  # "model" (reference torch path) or "null" (no compute, fake tokens)
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.runner not in ("model", "null"):
+            raise ValueError(f"runner: {self.runner!r} not one of model, null")
+        if self.tp < 1:
+            raise ValueError(f"tp: must be >= 1, got {self.tp}")
