@@ -50,7 +50,8 @@ class Engine:
         if num_pages < self.layout.pages_per_state_set + 2:
             raise ValueError(f"memory_gb: the pool holds {num_pages} pages; one request needs at least "
                              f"{self.layout.pages_per_state_set + 2}")
-        self.pool = PagePool(self.layout, num_pages, device=cfg.device, poison_freed=cc.poison_freed)
+        self.pool = PagePool(self.layout, num_pages, device=cfg.device, poison_freed=cc.poison_freed,
+                             materialize=cfg.runner != "null")
         info = self.layout.as_dict() | {"num_pages": num_pages}
         log.info("cache layout: %s", info)
         if self.layout.padding_fraction > 0.02:

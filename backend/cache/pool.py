@@ -23,11 +23,14 @@ class OutOfPages(RuntimeError):
 
 class PagePool:
     def __init__(self, layout: CacheLayout, num_pages: int, *, device: torch.device | str = "cpu",
-                 poison_freed: bool = False) -> None:
+                 poison_freed: bool = False, materialize: bool = True) -> None:
+        """materialize=False keeps only the accounting (no memory): the null runner and trace replays."""
         if num_pages < 1:
             raise ValueError(f"num_pages: need at least 1 page, got {num_pages}")
         self.layout, self.num_pages, self.poison_freed = layout, num_pages, poison_freed
-        self.tensors = [torch.zeros(num_pages, layout.page_size_bytes, dtype=torch.uint8, device=device)
+        self.materialize = materialize
+        rows = num_pages if materialize else 0
+        self.tensors = [torch.zeros(rows, layout.page_size_bytes, dtype=torch.uint8, device=device)
                         for _ in range(layout.group_size)]
         self.refcount = [0] * num_pages
         # pop() from the end: low ids are handed out first, which keeps tests' expected ids readable
@@ -39,7 +42,7 @@ class PagePool:
         kv = _TORCH_DTYPES[L.kv_dtype]
         cache_dim = L.mla_bytes_per_token // torch.empty(0, dtype=kv).element_size()
         # MLA view: [num_pages, block_size, L+R]
-        self.mla = [t.view(kv).view(self.num_pages, L.block_size, cache_dim) for t in self.tensors]
+        self.mla = [t.view(kv).view(t.shape[0], L.block_size, cache_dim) for t in self.tensors]
         self.conv: list[torch.Tensor | None] = []
         self.rec: list[torch.Tensor | None] = []
         self._kda_shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
@@ -69,7 +72,7 @@ class PagePool:
         pages = [self.free_list.pop() for _ in range(n)]
         for p in pages:
             self.refcount[p] = 1
-        if zero and pages:
+        if zero and pages and self.materialize:
             idx = torch.tensor(pages, device=self.tensors[0].device)
             for t in self.tensors:
                 t.index_fill_(0, idx, 0)
@@ -87,7 +90,7 @@ class PagePool:
             self.refcount[p] -= 1
             if self.refcount[p] == 0:
                 freed.append(p)
-        if freed and self.poison_freed:
+        if freed and self.poison_freed and self.materialize:
             idx = torch.tensor(freed, device=self.tensors[0].device)
             for t in self.tensors:
                 t.index_fill_(0, idx, 0xFF)  # all-ones bytes: NaN in every float view

@@ -52,6 +52,7 @@ class SchedulerOutput:
 class SchedulerStats:
     prompt_tokens: int = 0  # prompt tokens of admitted requests (counted once per request)
     computed_tokens: int = 0  # tokens fed through the model
+    computed_prompt_tokens: int = 0  # of those, prompt positions (recomputation after preemption included)
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     preemptions: int = 0
     snapshots_published: int = 0
@@ -242,6 +243,7 @@ class Scheduler:
             req = c.req
             req.num_computed += c.num_tokens
             self.stats.computed_tokens += c.num_tokens
+            self.stats.computed_prompt_tokens += max(0, min(c.start + c.num_tokens, req.prompt_len) - c.start)
             for pos, dest in c.snapshots:
                 self._publish(req, pos, dest)
             if req.fences:
