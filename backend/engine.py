@@ -24,11 +24,11 @@ from k3rt.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     rid: int
     new_token_ids: list[int]  # tokens generated in this step
-    output_ids: list[int]  # all generated tokens so far
+    output_ids: list[int] | None  # all generated tokens; set once finished (stream callers use new_token_ids)
     finished: bool
     finish_reason: str | None
     prompt_len: int
@@ -129,17 +129,19 @@ class Engine:
         out = self.scheduler.schedule()
         sampled = self.runner.execute(out)
         self.scheduler.update(out, sampled)
+        for req in out.decodes:
+            outputs.append(self._output(req, [sampled[req.rid]]))
         for c in out.chunks:
             if c.needs_logits:
-                req = c.req
-                outputs.append(self._output(req, [sampled[req.rid]]))
-                if req.finished:
-                    self.requests.pop(req.rid, None)
+                outputs.append(self._output(c.req, [sampled[c.req.rid]]))
         return outputs
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
-        return RequestOutput(req.rid, new, req.output_ids, req.finished,
-                             req.finish_reason.value if req.finish_reason else None, req.prompt_len, req.cached_tokens)
+        if not req.finished:
+            return RequestOutput(req.rid, new, None, False, None, req.prompt_len, req.cached_tokens)
+        self.requests.pop(req.rid, None)
+        return RequestOutput(req.rid, new, req.output_ids, True, req.finish_reason.value if req.finish_reason else None,
+                             req.prompt_len, req.cached_tokens)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, cache_salt: str | None = None) -> list[RequestOutput]:

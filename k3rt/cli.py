@@ -12,6 +12,9 @@ EXAMPLES = """examples:
   k3rt make-tiny --arch k3 --out /tmp/tiny-k3           # small random checkpoint + tokenizer
   k3rt generate --model /tmp/tiny-k3 --prompt "def add(a, b):" --max-tokens 32 --temperature 0
   k3rt inspect --model /tmp/tiny-k3 --tp 2 --json      # sizes from config.json alone
+  k3rt inspect --model kimi-linear-48b --memory-gb 40  # a config-only preset
+  k3rt bench cache --workload system-prompt --block-size 1920
+  k3rt bench scheduler
 """
 
 
@@ -87,18 +90,94 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
                                    "Reads config.json only.")
     p.add_argument("--model", required=True, help="checkpoint folder (only config.json is read)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    p.add_argument("--memory-gb", type=float, default=None, help="cache pool size: adds num_pages to the output")
+    p.add_argument("--block-size", type=int, default=None, help="override tokens per page (default: smallest valid)")
     p.add_argument("--json", action="store_true", help="print JSON (default: indented human-readable JSON too)")
 
 
 def _cmd_inspect(a: argparse.Namespace) -> int:
     from k3rt.inspect_model import inspect_model_dir
 
-    info = inspect_model_dir(a.model, a.tp)
+    info = inspect_model_dir(a.model, a.tp, memory_gb=a.memory_gb, block_size=a.block_size)
     print(json.dumps(info) if a.json else json.dumps(info, indent=2))
     return 0
 
 
-COMMANDS = {"generate": _cmd_generate, "make-tiny": _cmd_make_tiny, "inspect": _cmd_inspect}
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks of the scheduler and prefix cache (no model compute)",
+                       description="Replays through the real scheduler and cache with the null runner.")
+    bsub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    c = bsub.add_parser("cache", help="prefix-cache replay: tokens computed vs an ideal cache, k3rt vs baseline",
+                        description="Replay a Mooncake-format trace (--trace) or a synthetic workload through the "
+                                    "scheduler and radix cache with the null runner, in k3rt mode (snapshot grid "
+                                    "--hash-block-size, partial tails, junctions) and in the full-block baseline "
+                                    "(hits only at block boundaries). Only config.json of --model is read.")
+    c.add_argument("--model", default="kimi-linear-48b", help="checkpoint folder or preset (default kimi-linear-48b)")
+    src = c.add_mutually_exclusive_group()
+    src.add_argument("--trace", help="Mooncake JSONL: timestamp, input_length, output_length, hash_ids (512 tok/id)")
+    src.add_argument("--workload", choices=["system-prompt", "multi-turn"], default="system-prompt",
+                     help="synthetic workload (default system-prompt)")
+    c.add_argument("--tp", type=int, default=1)
+    c.add_argument("--block-size", type=int, default=None, help="tokens per page (default: smallest valid)")
+    c.add_argument("--hash-block-size", type=int, default=64, help="snapshot grid in tokens (default 64)")
+    c.add_argument("--cache-gb", type=float, default=40.0, help="cache pool size in GiB (default 40)")
+    c.add_argument("--concurrency", type=int, default=16, help="sessions in flight (default 16)")
+    c.add_argument("--users", type=int, default=32, help="synthetic: users / sessions (default 32)")
+    c.add_argument("--turns", type=int, default=4, help="synthetic: turns per session (default 4)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s = bsub.add_parser("scheduler", help="host time per engine step at 16/64/256 running requests",
+                        description="Times schedule + null run + update with every request decoding.")
+    s.add_argument("--model", default="kimi-linear-48b", help="checkpoint folder or preset (default kimi-linear-48b)")
+    s.add_argument("--running", type=int, nargs="+", default=[16, 64, 256])
+    s.add_argument("--steps", type=int, default=300)
+    s.add_argument("--json", action="store_true")
+
+
+def _cmd_bench(a: argparse.Namespace) -> int:
+    if a.bench == "scheduler":
+        import gc
+
+        from k3rt.backend.bench.scheduler_bench import bench_steps, default_config
+
+        gc.freeze()  # long-lived engine objects out of the collector's way, as a server would
+        rows = [bench_steps(default_config(a.model), r, steps=a.steps) for r in a.running]
+        if a.json:
+            print(json.dumps(rows))
+        else:
+            print(f"{'running':>8} {'median ms':>10} {'p90 ms':>8} {'mean ms':>8}")
+            for r in rows:
+                print(f"{r['running']:>8} {r['median_ms']:>10.3f} {r['p90_ms']:>8.3f} {r['mean_ms']:>8.3f}")
+        return 0
+    from dataclasses import asdict
+
+    from k3rt.backend.bench import workloads
+    from k3rt.backend.bench.cache_replay import format_table, replay
+    from k3rt.config import CacheConfig, EngineConfig, SchedulerConfig
+    from k3rt.model_config import load_model_config
+
+    vocab = load_model_config(a.model).vocab_size
+    if a.trace:
+        sessions = list(workloads.mooncake(a.trace, vocab))
+    else:
+        gen = workloads.WORKLOADS[a.workload]
+        kw = {"users": a.users} if a.workload == "system-prompt" else {"sessions": a.users}
+        sessions = list(gen(vocab, turns=a.turns, seed=a.seed, **kw))
+    results = []
+    for mode, full in (("k3rt", False), ("full-block", True)):
+        cache = CacheConfig(memory_gb=a.cache_gb, num_pages=None, block_size=a.block_size,
+                            hash_block_size=a.hash_block_size, full_block_mode=full)
+        cfg = EngineConfig(model=a.model, runner="null", tp=a.tp, cache=cache,
+                           scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_running=max(64, a.concurrency)))
+        results.append(replay(cfg, sessions, concurrency=a.concurrency, mode=mode, progress=not a.json))
+    if a.json:
+        print(json.dumps([asdict(r) | {"hit_rate": r.hit_rate, "computed_over_ideal": r.vs_ideal} for r in results]))
+    else:
+        print(format_table(results))
+    return 0
+
+
+COMMANDS = {"generate": _cmd_generate, "make-tiny": _cmd_make_tiny, "inspect": _cmd_inspect, "bench": _cmd_bench}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_make_tiny(sub)
     _add_inspect(sub)
+    _add_bench(sub)
     return p
 
 

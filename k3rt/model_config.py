@@ -421,6 +421,11 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """config.json of a checkpoint folder, or a config-only preset name (k3rt/presets.py)."""
+    from k3rt.presets import PRESETS
+
+    if str(model_dir) in PRESETS and not Path(model_dir).is_dir():
+        return parse_model_config(PRESETS[str(model_dir)])
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"config.json: not found in {model_dir}")

@@ -62,6 +62,7 @@ class RadixCache:
         self.roots: dict[str | None, Node] = {}
         self._tick = itertools.count(1)
         self.state_pages = pool.layout.pages_per_state_set
+        self.snapshot_count = 0  # kept incrementally; check() recounts
 
     def root(self, salt: str | None) -> Node:
         r = self.roots.get(salt)
@@ -144,6 +145,7 @@ class RadixCache:
         if snapshot is not None:
             if node.snapshot is None:
                 node.snapshot = snapshot
+                self.snapshot_count += 1
             else:
                 self.pool.unref(snapshot)
         return node
@@ -201,6 +203,7 @@ class RadixCache:
             if n.snapshot is None:
                 continue
             snap, n.snapshot = n.snapshot, None
+            self.snapshot_count -= 1
             self.pool.unref(snap)
             self._prune(n)
         return self.pool.num_free - before
@@ -272,6 +275,7 @@ class RadixCache:
                 assert n.snapshot is not None, f"unlocked leaf without snapshot {n}"
             if n.snapshot is not None:
                 assert len(n.snapshot) == self.state_pages
+        assert self.snapshot_count == self.num_snapshots(), "snapshot count drifted"
         for p, k in self.tree_page_refs().items():
             assert self.pool.refcount[p] >= k, f"page {p}: refcount {self.pool.refcount[p]} < tree refs {k}"
 

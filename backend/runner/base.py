@@ -15,5 +15,5 @@ class Runner(ABC):
         Order: page copies and state copies first, then the forward (which reads/writes the
         requests' pages and live state sets in place and emits snapshot states), then the
         emitted states are written to their destination state sets. Returns {rid: sampled token}
-        for every chunk with needs_logits.
+        for every decode request and every chunk with needs_logits.
         """

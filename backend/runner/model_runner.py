@@ -11,7 +11,7 @@ from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.backend.runner.base import Runner
 from k3rt.backend.runner.paged_cache import PagedSequenceCache
 from k3rt.backend.sampling.sampler import sample
-from k3rt.backend.scheduler.scheduler import SchedulerOutput
+from k3rt.backend.scheduler.scheduler import ScheduledChunk, SchedulerOutput
 
 
 class ModelRunner(Runner):
@@ -26,7 +26,7 @@ class ModelRunner(Runner):
         self.device = pool.tensors[0].device
 
     def execute(self, out: SchedulerOutput) -> dict[int, int]:
-        if not out.chunks:
+        if not out.chunks and not out.decodes:
             return {}
         if out.page_copies:
             src, dst = zip(*out.page_copies)
@@ -35,7 +35,8 @@ class ModelRunner(Runner):
             self.pool.copy_state_set(src, dst)
         ids, caches, seq_lens, starts, positions, logit_rows = [], [], [], [], [], []
         row = 0
-        for c in out.chunks:
+        chunks = [ScheduledChunk(r, r.num_computed, 1, True) for r in out.decodes] + out.chunks
+        for c in chunks:
             r = c.req
             ids.extend(r.token_ids[c.start:c.start + c.num_tokens])
             seq_lens.append(c.num_tokens)
@@ -50,12 +51,12 @@ class ModelRunner(Runner):
                              logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=self.device),
                              state_positions=positions)
         logits = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch)
-        for i, c in enumerate(out.chunks):
+        for i, c in enumerate(chunks):
             for pos, dest in c.snapshots:
                 for layer, (g, t) in self.kda_slots.items():
                     conv, rec = batch.emitted_states[(i, layer, pos)]
                     self.pool.conv[t][dest[g]].copy_(conv)
                     self.pool.rec[t][dest[g]].copy_(rec)
-        sampled_reqs = [c.req for c in out.chunks if c.needs_logits]
+        sampled_reqs = [c.req for c in chunks if c.needs_logits]
         toks = sample(logits, [r.params for r in sampled_reqs], [r.generator for r in sampled_reqs])
         return {r.rid: t for r, t in zip(sampled_reqs, toks)}

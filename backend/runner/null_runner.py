@@ -21,4 +21,6 @@ class NullRunner(Runner):
         return (last * 1000003 + prev * 9176 + n * 31) % self.vocab_size
 
     def execute(self, out: SchedulerOutput) -> dict[int, int]:
-        return {c.req.rid: self.next_token(c.req.token_ids) for c in out.chunks if c.needs_logits}
+        sampled = {r.rid: self.next_token(r.token_ids) for r in out.decodes}
+        sampled.update((c.req.rid, self.next_token(c.req.token_ids)) for c in out.chunks if c.needs_logits)
+        return sampled

@@ -28,7 +28,7 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # aborted by the caller or rejected
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     rid: int
     token_ids: list[int]  # prompt then generated tokens

@@ -39,13 +39,14 @@ class ScheduledChunk:
 
 @dataclass
 class SchedulerOutput:
-    chunks: list[ScheduledChunk]
+    decodes: list[Request]  # one token each at position num_computed, always sampled (the fast path)
+    chunks: list[ScheduledChunk]  # multi-token chunks (prefill, or a resumed request)
     page_copies: list[tuple[int, int]]  # MLA partial-page copy-on-write: (src page, dst page), all tensors
     state_copies: list[tuple[list[int], list[int]]]  # snapshot -> live state set, before the forward
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return len(self.decodes) + sum(c.num_tokens for c in self.chunks)
 
 
 @dataclass
@@ -68,6 +69,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.stats = SchedulerStats()
         self._preempted_this_step = False
+        self._step_decodes: list[Request] = []
 
     # ---- queue ----
 
@@ -91,15 +93,24 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         chunks: dict[int, ScheduledChunk] = {}
         self._preempted_this_step = False
-        # decode-like requests first (one token to feed), then continuing prefills, oldest first
-        order = [r for r in self.running if len(r.token_ids) - r.num_computed == 1]
-        order += [r for r in self.running if len(r.token_ids) - r.num_computed > 1]
-        for req in order:
+        B = self.B
+        # decode-like requests (one token to feed) first, oldest first: the hot path, kept lean
+        decodes: list[Request] = []
+        multi: list[Request] = []
+        for req in self.running:
+            (decodes if len(req.token_ids) - req.num_computed == 1 else multi).append(req)
+        del decodes[budget:]
+        self._step_decodes = decodes
+        for req in list(decodes):
+            nc = req.num_computed
+            if nc % B == 0 and nc // B >= len(req.block_table) and not self._ensure_pages(req, nc + 1, chunks):
+                continue  # req itself was preempted (and dropped from decodes)
+        budget -= len(decodes)
+        for req in multi:
             if budget <= 0:
                 break
-            if req.status is not Status.RUNNING:
-                continue  # preempted earlier in this step
-            budget -= self._schedule_chunk(req, budget, chunks)
+            if req.status is Status.RUNNING:  # not preempted earlier in this step
+                budget -= self._schedule_chunk(req, budget, chunks)
         # no admissions in a step that had to preempt: the freed memory belongs to running requests
         while (self.waiting and budget > 0 and len(self.running) < self.cfg.max_running
                and not self._preempted_this_step):
@@ -109,13 +120,15 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(req)
             budget -= self._schedule_chunk(req, budget, chunks)
-        scheduled = [c for c in chunks.values() if c.req.status is Status.RUNNING]
+        scheduled = list(chunks.values())
+        page_copies: list[tuple[int, int]] = []
+        state_copies: list[tuple[list[int], list[int]]] = []
         # copies run before the forward of the step that first schedules the request
-        page_copies = [pc for c in scheduled for pc in c.req.pending_page_copies]
-        state_copies = [sc for c in scheduled for sc in c.req.pending_state_copies]
-        for c in scheduled:
-            c.req.pending_page_copies, c.req.pending_state_copies = [], []
-        return SchedulerOutput(scheduled, page_copies, state_copies)
+        for req in [c.req for c in scheduled] + [r for r in decodes if r.pending_page_copies or r.pending_state_copies]:
+            page_copies += req.pending_page_copies
+            state_copies += req.pending_state_copies
+            req.pending_page_copies, req.pending_state_copies = [], []
+        return SchedulerOutput(decodes, scheduled, page_copies, state_copies)
 
     def _chunk_len(self, req: Request, budget: int) -> int:
         start, remaining = req.num_computed, len(req.token_ids) - req.num_computed
@@ -238,29 +251,41 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
         """Advance requests by what ran; publish snapshots; append sampled tokens. Returns finished requests."""
-        finished = []
-        for c in out.chunks:
-            req = c.req
-            req.num_computed += c.num_tokens
-            self.stats.computed_tokens += c.num_tokens
-            self.stats.computed_prompt_tokens += max(0, min(c.start + c.num_tokens, req.prompt_len) - c.start)
-            for pos, dest in c.snapshots:
-                self._publish(req, pos, dest)
+        finished: list[Request] = []
+        stats = self.stats
+        stats.computed_tokens += len(out.decodes)
+        for req in out.decodes:
+            if req.num_computed < req.prompt_len:
+                stats.computed_prompt_tokens += 1
+            req.num_computed += 1
             if req.fences:
                 self.pool.unref(req.fences)  # this step's copies have run
                 req.fences = []
+            self._append(req, sampled[req.rid], finished)
+        for c in out.chunks:
+            req = c.req
+            req.num_computed += c.num_tokens
+            stats.computed_tokens += c.num_tokens
+            stats.computed_prompt_tokens += max(0, min(c.start + c.num_tokens, req.prompt_len) - c.start)
+            for pos, dest in c.snapshots:
+                self._publish(req, pos, dest)
+            if req.fences:
+                self.pool.unref(req.fences)
+                req.fences = []
             if c.needs_logits:
-                tok = sampled[req.rid]
-                req.token_ids.append(tok)
-                reason = None
-                if tok in req.stop_ids:
-                    reason = FinishReason.STOP
-                elif req.num_output >= req.params.max_tokens:
-                    reason = FinishReason.LENGTH
-                if reason is not None:
-                    self._finish(req, reason)
-                    finished.append(req)
+                self._append(req, sampled[req.rid], finished)
         return finished
+
+    def _append(self, req: Request, tok: int, finished: list[Request]) -> None:
+        req.token_ids.append(tok)
+        if tok in req.stop_ids:
+            reason = FinishReason.STOP
+        elif len(req.token_ids) - req.prompt_len >= req.params.max_tokens:
+            reason = FinishReason.LENGTH
+        else:
+            return
+        self._finish(req, reason)
+        finished.append(req)
 
     def _publish(self, req: Request, pos: int, dest: list[int]) -> None:
         node = self.tree.insert(req.token_ids[:pos], req.block_table, req.salt, snapshot=dest)
@@ -297,6 +322,8 @@ class Scheduler:
             req.fences = []
 
     def _preempt(self, req: Request, chunks: dict[int, ScheduledChunk]) -> None:
+        if req in self._step_decodes:
+            self._step_decodes.remove(req)
         c = chunks.pop(req.rid, None)
         if c is not None:
             for _, dest in c.snapshots:
@@ -316,6 +343,8 @@ class Scheduler:
 
     def check(self) -> None:
         """Rebuild page references from requests and the tree; compare with the pool's counts."""
+        for r in self.running:
+            assert not r.fences or r.pending_page_copies or r.pending_state_copies, f"request {r.rid}: stale fences"
         holders = [r.lock_node for r in self.running if r.lock_node is not None]
         self.tree.check(holders)
         refs = dict.fromkeys(range(self.pool.num_pages), 0)
