@@ -17,7 +17,8 @@ from k3rt.sampling_params import SamplingParams
 
 
 def params_to_dict(p: SamplingParams) -> dict[str, Any]:
-    return dataclasses.asdict(p)
+    """JSON-shaped (tuples become lists), so a decoded message compares equal to the sent one."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(p).items()}
 
 
 def params_from_dict(d: dict[str, Any]) -> SamplingParams:
