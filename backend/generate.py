@@ -26,13 +26,15 @@ def generate(model: KimiForCausalLM, prompt_ids: Sequence[int], params: Sampling
         raise ValueError(f"prompt: {len(prompt_ids)} tokens + max_tokens {params.max_tokens} exceed the context length {limit}")
     device = model.lm_head.weight.device
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-    gen = make_generator(params.seed)
+    gen = make_generator(params.seed, device)
     cache = model.new_cache(device)
     n = len(prompt_ids)
     ids = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
     logits = model(ids, ForwardBatch([n], [0], [cache], logits_indices=torch.tensor([n - 1], device=device)))
+    out: list[int] = []
     for step in range(params.max_tokens):
-        tok = sample(logits, [params], [gen])[0]
+        tok = sample(logits, [params], [gen], [prompt_ids], [out])[0]
+        out.append(tok)
         yield tok
         if tok in stops or step + 1 == params.max_tokens:
             return

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -12,6 +14,12 @@ class SamplingParams:
     temperature: 0 means greedy (argmax, exactly deterministic); otherwise logits / temperature.
     top_k: keep the k most likely tokens (0 = off). top_p: nucleus mass (1.0 = off).
     min_p: drop tokens whose probability is below min_p * p_max (0 = off).
+    repetition_penalty: HF semantics over prompt + output tokens: a present token's logit is divided by
+        the penalty if positive, multiplied by it otherwise (1.0 = off; > 1 discourages repeats).
+    frequency_penalty, presence_penalty: OpenAI semantics over output tokens only:
+        logit -= frequency_penalty * count + presence_penalty * (count > 0)  (0.0 = off).
+    logprobs: also return the sampled token's logprob and the top-N (N = logprobs, 0..20) alternatives
+        (None = off). The backend sampler documents which distribution they come from.
     seed: per-request RNG seed (None: nondeterministic). max_tokens: tokens to generate at most.
     stop_token_ids: extra ids that end generation (besides the model's EOS unless ignore_eos).
     """
@@ -20,17 +28,27 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: int | None = None
     seed: int | None = None
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        # comparisons are written so that NaN fails them
         checks = [
             ("temperature", self.temperature >= 0.0, "must be >= 0"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be >= 0 (0 disables)"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0.0, "must be > 0 (1 disables)"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("logprobs", self.logprobs is None or (not isinstance(self.logprobs, bool) and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"must be None or an int in [0, {MAX_LOGPROBS}]"),
             ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
             ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be in [0, 2^63)"),
         ]
@@ -41,3 +59,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
