@@ -33,6 +33,8 @@ class RequestOutput:
     finish_reason: str | None
     prompt_len: int
     cached_tokens: int  # prompt tokens served from the prefix cache
+    logprobs: list[float] | None = None  # of new_token_ids, when params.logprobs is set
+    top_logprobs: list[list[list[float]]] | None = None  # per new token: [[token_id, logprob], ...]
 
 
 class Engine:
@@ -62,6 +64,7 @@ class Engine:
         self._rids = itertools.count()
         self._eos = frozenset(self.model_cfg.eos_token_ids)
         self._pending_aborts: list[int] = []
+        self._grammar_backend = None
 
     def _make_runner(self, model, torch) -> Runner:
         if self.cfg.runner == "null":
@@ -79,7 +82,8 @@ class Engine:
     # ---- requests ----
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
-                    cache_salt: str | None = None, eos_token_ids: Sequence[int] | None = None) -> int:
+                    cache_salt: str | None = None, eos_token_ids: Sequence[int] | None = None,
+                    grammar: dict | None = None) -> int:
         """Queue a request; returns its id. Raises ValueError naming the field for bad input."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
@@ -104,9 +108,24 @@ class Engine:
 
             gen = make_generator(params.seed)
         req = Request(rid, prompt, len(prompt), params, cache_salt, stop, gen)
+        if grammar is not None:
+            req.grammar = self._grammar_matcher(grammar)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
+
+    def _grammar_matcher(self, spec: dict):
+        """A matcher for this request; compiled grammars are cached by the backend (by spec key)."""
+        if self.cfg.runner == "null":
+            raise ValueError("grammar: constrained decoding needs the model runner")
+        if self._grammar_backend is None:
+            from k3rt.backend.grammar import create_grammar_backend
+            from k3rt.backend.tokenizer import load_tokenizer
+
+            self._grammar_backend = create_grammar_backend(self.cfg.grammar_backend, load_tokenizer(self.cfg.model))
+        from k3rt.backend.grammar import GrammarSpec
+
+        return self._grammar_backend.matcher(self._grammar_backend.compile(GrammarSpec.from_dict(spec)))
 
     def abort(self, rid: int) -> None:
         """Abort a request; applied between steps. Its pages and state are freed."""
@@ -137,11 +156,15 @@ class Engine:
         return outputs
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
+        lp = top = None
+        if req.params.logprobs is not None and new and req.last_logprob is not None:
+            lp = [req.last_logprob]
+            top = [[[t, v] for t, v in req.last_top_logprobs or []]]
         if not req.finished:
-            return RequestOutput(req.rid, new, None, False, None, req.prompt_len, req.cached_tokens)
+            return RequestOutput(req.rid, new, None, False, None, req.prompt_len, req.cached_tokens, lp, top)
         self.requests.pop(req.rid, None)
         return RequestOutput(req.rid, new, req.output_ids, True, req.finish_reason.value if req.finish_reason else None,
-                             req.prompt_len, req.cached_tokens)
+                             req.prompt_len, req.cached_tokens, lp, top)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, cache_salt: str | None = None) -> list[RequestOutput]:

@@ -58,6 +58,7 @@ class EngineConfig:
     device: str = "cpu"
     tp: int = 1
     runner: str = "model"  # "model" (reference torch path) or "null" (no compute, fake tokens)
+    grammar_backend: str = "llguidance"  # or "outlines"
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -65,5 +66,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.runner not in ("model", "null"):
             raise ValueError(f"runner: {self.runner!r} not one of model, null")
+        if self.grammar_backend not in ("llguidance", "outlines"):
+            raise ValueError(f"grammar_backend: {self.grammar_backend!r} not one of llguidance, outlines")
         if self.tp < 1:
             raise ValueError(f"tp: must be >= 1, got {self.tp}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -49,6 +50,10 @@ class Request:
     pending_state_copies: list[tuple[list[int], list[int]]] = field(default_factory=list)  # snapshot -> live
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at (last) admission
     num_preemptions: int = 0
+    grammar: Any = None  # a GrammarMatcher (backend/grammar) constraining sampling, or None
+    # set by the runner for the token sampled this step when params.logprobs is not None
+    last_logprob: float | None = None
+    last_top_logprobs: list[tuple[int, float]] | None = None
 
     @property
     def num_output(self) -> int:

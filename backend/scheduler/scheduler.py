@@ -278,7 +278,7 @@ class Scheduler:
 
     def _append(self, req: Request, tok: int, finished: list[Request]) -> None:
         req.token_ids.append(tok)
-        if tok in req.stop_ids:
+        if tok in req.stop_ids or (req.grammar is not None and req.grammar.is_terminated()):
             reason = FinishReason.STOP
         elif len(req.token_ids) - req.prompt_len >= req.params.max_tokens:
             reason = FinishReason.LENGTH

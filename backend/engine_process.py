@@ -1,0 +1,140 @@
+"""The engine (scheduler) process: owns the Engine, talks to the gateway over ZMQ PUSH/PULL.
+
+Loop: drain incoming messages (never blocking while there is work), run one engine step, push one
+UpdateBatch per step. Bad requests are answered with a RequestUpdate carrying `error` and never stop
+the loop; only a failure of the step itself is fatal (reported as EngineError, then exit non-zero).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+
+import zmq
+
+from k3rt.config import EngineConfig
+from k3rt.protocol import (
+    AbortRequest, EngineError, FlushCache, GenerateRequest, Ready, RequestUpdate, Shutdown, ShutdownAck,
+    UpdateBatch, decode, encode, params_from_dict,
+)
+
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    def __init__(self, cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
+        from k3rt.backend.engine import Engine
+
+        self.cfg = cfg
+        self.ctx = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind(in_addr)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.connect(out_addr)
+        self.engine = Engine(cfg)
+        self.rids: dict[str, int] = {}  # gateway rid -> engine rid
+        self.names: dict[int, str] = {}
+        self.running = True
+
+    def info(self) -> dict:
+        e = self.engine
+        return {"model": self.cfg.model, "architecture": e.model_cfg.arch, "vocab_size": e.model_cfg.vocab_size,
+                "max_model_len": e.model_cfg.max_position_embeddings, "num_pages": e.pool.num_pages,
+                "pid": os.getpid(), **e.layout.as_dict()}
+
+    def stats(self) -> dict:
+        e, s = self.engine, self.engine.stats
+        return {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
+                "pages_used": e.pool.num_pages - e.pool.num_free, "pages_total": e.pool.num_pages,
+                "snapshots": e.scheduler.tree.snapshot_count, "prompt_tokens": s.prompt_tokens,
+                "cached_tokens": s.cached_tokens, "computed_tokens": s.computed_tokens}
+
+    def handle(self, msg, errors: list[RequestUpdate]) -> None:
+        if isinstance(msg, GenerateRequest):
+            try:
+                if msg.rid in self.rids:
+                    raise ValueError(f"rid: {msg.rid!r} is already in use")
+                params = params_from_dict(msg.params)
+                rid = self.engine.add_request(msg.prompt_ids, params, cache_salt=msg.cache_salt,
+                                              eos_token_ids=msg.eos_token_ids, grammar=msg.grammar)
+            except (ValueError, TypeError, OverflowError) as e:
+                errors.append(RequestUpdate(msg.rid, [], True, "error", len(msg.prompt_ids), error=str(e)))
+                return
+            self.rids[msg.rid], self.names[rid] = rid, msg.rid
+        elif isinstance(msg, AbortRequest):
+            rid = self.rids.get(msg.rid)
+            if rid is not None:
+                self.engine.abort(rid)
+        elif isinstance(msg, FlushCache):
+            self.engine.scheduler.tree.reset()
+        elif isinstance(msg, Shutdown):
+            self.running = False
+
+    def run(self) -> None:
+        self.push.send(encode(Ready(self.info())))
+        poller = zmq.Poller()
+        poller.register(self.pull, zmq.POLLIN)
+        last_stats = 0.0
+        while self.running:
+            busy = self.engine.has_unfinished
+            errors: list[RequestUpdate] = []
+            # block only when idle; otherwise take whatever arrived and step
+            if poller.poll(0 if busy else 50):
+                while True:
+                    try:
+                        data = self.pull.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self.handle(decode(data), errors)
+            updates = errors
+            if self.engine.has_unfinished:
+                for o in self.engine.step():
+                    name = self.names.get(o.rid)
+                    if name is None:
+                        continue
+                    updates.append(RequestUpdate(name, o.new_token_ids, o.finished, o.finish_reason, o.prompt_len,
+                                                 o.cached_tokens, o.logprobs, o.top_logprobs))
+                    if o.finished:
+                        del self.rids[name], self.names[o.rid]
+            now = time.monotonic()
+            if updates or now - last_stats > 1.0:
+                self.push.send(encode(UpdateBatch(updates, self.stats())))
+                last_stats = now
+        # drain: abort everything still known, tell the gateway, then ack the shutdown
+        for name, rid in list(self.rids.items()):
+            self.engine.abort(rid)
+        if self.engine.has_unfinished:
+            outs = self.engine.step()
+            self.push.send(encode(UpdateBatch([RequestUpdate(self.names[o.rid], o.new_token_ids, o.finished,
+                                                             o.finish_reason, o.prompt_len, o.cached_tokens)
+                                               for o in outs if o.rid in self.names])))
+        self.push.send(encode(ShutdownAck()))
+        self.push.close(linger=2000)
+        self.pull.close(linger=0)
+        self.ctx.term()
+
+
+def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str, log_level: str = "WARNING") -> None:
+    """Entry point of the engine process (multiprocessing 'spawn' target)."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gateway owns shutdown; it sends Shutdown
+    loop = None
+    try:
+        loop = EngineLoop(cfg, in_addr, out_addr)
+        loop.run()
+    except Exception as e:  # fatal: report, then exit non-zero so the gateway fails fast
+        msg = f"{type(e).__name__}: {e}"
+        log.error("engine process failed: %s\n%s", msg, traceback.format_exc())
+        try:
+            ctx = zmq.Context.instance()
+            s = ctx.socket(zmq.PUSH)
+            s.connect(out_addr)
+            s.send(encode(EngineError(msg)))
+            s.close(linger=2000)
+        except Exception:
+            pass
+        sys.exit(1)
