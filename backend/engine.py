@@ -106,7 +106,7 @@ class Engine:
         if params.seed is not None and self.cfg.runner == "model":
             from k3rt.backend.sampling.sampler import make_generator
 
-            gen = make_generator(params.seed)
+            gen = make_generator(params.seed, self.cfg.device)
         req = Request(rid, prompt, len(prompt), params, cache_salt, stop, gen)
         if grammar is not None:
             req.grammar = self._grammar_matcher(grammar)

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from k3rt.backend.generate import generate
 from k3rt.backend.models.loader import load_model
@@ -102,4 +101,4 @@ def test_param_count_matches_model_for_published_48b_shape_at_small_scale() -> N
     cfg = parse_model_config(raw)
     model = build_model(cfg)
     assert param_count(cfg)["total"] == sum(p.numel() for p in model.parameters())
-    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # one tensor, not a copy
