@@ -34,6 +34,7 @@ class RequestOutput:
     prompt_len: int
     cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[float] | None = None  # of new_token_ids, when params.logprobs is set
+    prompt_logprobs: dict[int, float] | None = None  # position -> log p(prompt token); set once finished
     top_logprobs: list[list[list[float]]] | None = None  # per new token: [[token_id, logprob], ...]
 
 
@@ -83,7 +84,7 @@ class Engine:
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
                     cache_salt: str | None = None, eos_token_ids: Sequence[int] | None = None,
-                    grammar: dict | None = None) -> int:
+                    grammar: dict | None = None, prompt_logprobs_from: int | None = None) -> int:
         """Queue a request; returns its id. Raises ValueError naming the field for bad input."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
@@ -108,6 +109,10 @@ class Engine:
 
             gen = make_generator(params.seed, self.cfg.device)
         req = Request(rid, prompt, len(prompt), params, cache_salt, stop, gen)
+        if prompt_logprobs_from is not None:
+            if not 1 <= prompt_logprobs_from < len(prompt):
+                raise ValueError(f"prompt_logprobs_from: {prompt_logprobs_from} outside [1, {len(prompt) - 1}]")
+            req.prompt_logprobs_from = prompt_logprobs_from
         if grammar is not None:
             req.grammar = self._grammar_matcher(grammar)
         self.requests[rid] = req
@@ -161,10 +166,12 @@ class Engine:
             lp = [req.last_logprob]
             top = [[[t, v] for t, v in req.last_top_logprobs or []]]
         if not req.finished:
-            return RequestOutput(req.rid, new, None, False, None, req.prompt_len, req.cached_tokens, lp, top)
+            return RequestOutput(req.rid, new, None, False, None, req.prompt_len, req.cached_tokens,
+                                 logprobs=lp, top_logprobs=top)
         self.requests.pop(req.rid, None)
         return RequestOutput(req.rid, new, req.output_ids, True, req.finish_reason.value if req.finish_reason else None,
-                             req.prompt_len, req.cached_tokens, lp, top)
+                             req.prompt_len, req.cached_tokens, logprobs=lp, top_logprobs=top,
+                             prompt_logprobs=dict(req.prompt_logprobs) if req.prompt_logprobs_from is not None else None)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, cache_salt: str | None = None) -> list[RequestOutput]:

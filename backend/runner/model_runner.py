@@ -35,6 +35,7 @@ class ModelRunner(Runner):
         for src, dst in out.state_copies:
             self.pool.copy_state_set(src, dst)
         ids, caches, seq_lens, starts, positions, logit_rows = [], [], [], [], [], []
+        score_rows: list[tuple[object, int, int]] = []  # (request, row, position) for prompt logprobs
         row = 0
         chunks = [ScheduledChunk(r, r.num_computed, 1, True) for r in out.decodes] + out.chunks
         for c in chunks:
@@ -45,13 +46,25 @@ class ModelRunner(Runner):
             caches.append(PagedSequenceCache(self.pool, r.block_table, r.state_set, self.kda_slots,
                                              self.mla_slots, c.start + c.num_tokens))
             positions.append(tuple(p for p, _ in c.snapshots))
+            f = r.prompt_logprobs_from
+            if f is not None:
+                # the logits at position p score token p+1; only tokens the request already has
+                for p in range(max(c.start, f - 1), min(c.start + c.num_tokens, len(r.token_ids) - 1)):
+                    score_rows.append((r, row + p - c.start, p))
             row += c.num_tokens
             if c.needs_logits:
                 logit_rows.append(row - 1)
+        rows = logit_rows + [x[1] for x in score_rows]
         batch = ForwardBatch(seq_lens, starts, caches,
-                             logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=self.device),
+                             logits_indices=torch.tensor(rows, dtype=torch.long, device=self.device),
                              state_positions=positions)
         logits = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch)
+        if score_rows:
+            lp = torch.log_softmax(logits[len(logit_rows):], dim=-1)
+            nxt = torch.tensor([r.token_ids[p + 1] for r, _, p in score_rows], device=self.device)
+            for (r, _, p), v in zip(score_rows, lp.gather(1, nxt[:, None])[:, 0].tolist()):
+                r.prompt_logprobs[p + 1] = v
+            logits = logits[: len(logit_rows)]
         for i, c in enumerate(chunks):
             for pos, dest in c.snapshots:
                 for layer, (g, t) in self.kda_slots.items():

@@ -51,6 +51,10 @@ class Request:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at (last) admission
     num_preemptions: int = 0
     grammar: Any = None  # a GrammarMatcher (backend/grammar) constraining sampling, or None
+    # score the prompt: log p(token[i] | tokens[:i]) for every i >= prompt_logprobs_from (select/scoring);
+    # the prefix-cache hit is capped so that position prompt_logprobs_from - 1 is computed
+    prompt_logprobs_from: int | None = None
+    prompt_logprobs: dict[int, float] = field(default_factory=dict)
     # set by the runner for the token sampled this step when params.logprobs is not None
     last_logprob: float | None = None
     last_top_logprobs: list[tuple[int, float]] | None = None

@@ -102,6 +102,8 @@ class Scheduler:
         del decodes[budget:]
         self._step_decodes = decodes
         for req in list(decodes):
+            if req.status is not Status.RUNNING:
+                continue  # preempted by an earlier request of this loop: it holds nothing now
             nc = req.num_computed
             if nc % B == 0 and nc // B >= len(req.block_table) and not self._ensure_pages(req, nc + 1, chunks):
                 continue  # req itself was preempted (and dropped from decodes)
@@ -191,14 +193,18 @@ class Scheduler:
         hit_len = hit_state = 0
         node = None
         pages: list[int] = []
-        if self.cache_cfg.enable_prefix_cache and n > 1:
-            m = self.tree.match(req.token_ids[: n - 1], req.salt)  # the last token must be computed
-            hit_len, hit_state, node, pages = m.kv_hit, m.state_hit, m.state_node, m.block_pages
-        partial = hit_state % self.B != 0
-        need = self.S + int(partial) + 1
-        if self.pool.num_free < need:
-            self.tree.evict(need - self.pool.num_free)
-            if self.pool.num_free < need:
+        # the last token must be computed (its logits are sampled); scoring needs logits from f-1 on
+        limit = n - 1 if req.prompt_logprobs_from is None else min(n - 1, req.prompt_logprobs_from - 1)
+        while True:
+            if self.cache_cfg.enable_prefix_cache and limit > 0:
+                m = self.tree.match(req.token_ids[:limit], req.salt)
+                hit_len, hit_state, node, pages = m.kv_hit, m.state_hit, m.state_node, m.block_pages
+            partial = hit_state % self.B != 0
+            need = self.S + int(partial) + 1
+            if self.pool.num_free >= need:
+                break
+            # eviction may drop the very snapshot and pages just matched: match again after it
+            if self.tree.evict(need - self.pool.num_free) == 0:
                 return False
         # take the copy sources' references first: the allocations below must not evict them
         full = hit_state // self.B
