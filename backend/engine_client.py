@@ -113,7 +113,8 @@ class EngineClient:
 
     async def generate(self, prompt_ids: list[int], params: dict[str, Any], *, cache_salt: str | None = None,
                        grammar: dict[str, Any] | None = None, eos_token_ids: list[int] | None = None,
-                       rid: str | None = None) -> AsyncIterator[RequestUpdate]:
+                       rid: str | None = None, prompt_logprobs_from: int | None = None,
+                       ) -> AsyncIterator[RequestUpdate]:
         """Stream the request's updates until it finishes. Cancelling the iterator aborts the request."""
         if self.dead:
             raise EngineDead(self.dead)
@@ -122,7 +123,8 @@ class EngineClient:
         self.queues[rid] = q
         finished = False
         try:
-            await self.push.send(encode(GenerateRequest(rid, prompt_ids, params, cache_salt, grammar, eos_token_ids)))
+            await self.push.send(encode(GenerateRequest(rid, prompt_ids, params, cache_salt, grammar, eos_token_ids,
+                                                        prompt_logprobs_from)))
             while True:
                 u = await q.get()
                 yield u

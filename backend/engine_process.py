@@ -60,7 +60,8 @@ class EngineLoop:
                     raise ValueError(f"rid: {msg.rid!r} is already in use")
                 params = params_from_dict(msg.params)
                 rid = self.engine.add_request(msg.prompt_ids, params, cache_salt=msg.cache_salt,
-                                              eos_token_ids=msg.eos_token_ids, grammar=msg.grammar)
+                                              eos_token_ids=msg.eos_token_ids, grammar=msg.grammar,
+                                              prompt_logprobs_from=msg.prompt_logprobs_from)
             except (ValueError, TypeError, OverflowError) as e:
                 errors.append(RequestUpdate(msg.rid, [], True, "error", len(msg.prompt_ids), error=str(e)))
                 return
@@ -96,8 +97,9 @@ class EngineLoop:
                     name = self.names.get(o.rid)
                     if name is None:
                         continue
+                    plp = None if o.prompt_logprobs is None else {str(k): v for k, v in o.prompt_logprobs.items()}
                     updates.append(RequestUpdate(name, o.new_token_ids, o.finished, o.finish_reason, o.prompt_len,
-                                                 o.cached_tokens, o.logprobs, o.top_logprobs))
+                                                 o.cached_tokens, o.logprobs, o.top_logprobs, prompt_logprobs=plp))
                     if o.finished:
                         del self.rids[name], self.names[o.rid]
             now = time.monotonic()

@@ -2,6 +2,8 @@
 
 Direction: gateway -> engine process: GenerateRequest, AbortRequest, FlushCache, Shutdown.
            engine process -> gateway: Ready, UpdateBatch (of RequestUpdate), ShutdownAck, EngineError.
+           DSL client -> gateway (ZMQ DEALER -> ROUTER): ProgramRun, ProgramClose.
+           gateway -> DSL client: ProgramEvent (streamed text), ProgramResult.
 Token ids travel as lists of ints, never as text. No pickle anywhere on the wire. No torch.
 """
 
@@ -38,6 +40,7 @@ class GenerateRequest:
     cache_salt: str | None = None  # namespaces the prefix cache
     grammar: dict[str, Any] | None = None  # GrammarSpec.to_dict() for constrained decoding
     eos_token_ids: list[int] | None = None  # None: the model's
+    prompt_logprobs_from: int | None = None  # score prompt tokens from this position (DSL select)
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class RequestUpdate:
     logprobs: list[float] | None = None  # one per new token when requested
     top_logprobs: list[list[list[float]]] | None = None  # per new token: [[token_id, logprob], ...]
     error: str | None = None  # a message naming the field when the engine rejected the request
+    prompt_logprobs: dict[str, float] | None = None  # position (str, JSON keys) -> logprob; with `finished`
 
 
 @dataclass(frozen=True)
@@ -90,8 +94,44 @@ class EngineError:
     message: str  # a fatal engine-process error; the gateway fails every waiting request
 
 
+@dataclass(frozen=True)
+class ProgramRun:
+    """Run these ops of program session `pid` (created on first use). final: drop the session after."""
+
+    pid: str
+    program: dict[str, Any]  # frontend.ir.Program.to_dict()
+    final: bool = True
+    stream: bool = False  # send ProgramEvent messages as text is generated
+
+
+@dataclass(frozen=True)
+class ProgramClose:
+    pid: str  # the client is done (or gone): cancel what runs, drop the session's states
+
+
+@dataclass(frozen=True)
+class ProgramEvent:
+    pid: str
+    state: int
+    name: str | None  # the variable being generated
+    delta: str
+    done: bool = False  # the variable is complete
+
+
+@dataclass(frozen=True)
+class ProgramResult:
+    pid: str
+    variables: dict[str, dict[str, Any]]  # state id (str) -> name -> value (str, or list after join)
+    texts: dict[str, str]  # state id -> full text
+    messages: dict[str, list[dict[str, str]]]  # state id -> chat messages
+    meta: dict[str, dict[str, Any]] = field(default_factory=dict)  # state id -> name -> token counts, scores
+    error: str | None = None
+    error_line: int | None = None  # the program's source line of the failing op
+
+
 MESSAGES: dict[str, type] = {c.__name__: c for c in (
-    GenerateRequest, AbortRequest, FlushCache, Shutdown, Ready, RequestUpdate, UpdateBatch, ShutdownAck, EngineError)}
+    GenerateRequest, AbortRequest, FlushCache, Shutdown, Ready, RequestUpdate, UpdateBatch, ShutdownAck, EngineError,
+    ProgramRun, ProgramClose, ProgramEvent, ProgramResult)}
 
 
 def encode(msg: Any) -> bytes:

@@ -19,6 +19,7 @@ front; on readmission it recomputes, usually from the cache).
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -114,14 +115,19 @@ class Scheduler:
             if req.status is Status.RUNNING:  # not preempted earlier in this step
                 budget -= self._schedule_chunk(req, budget, chunks)
         # no admissions in a step that had to preempt: the freed memory belongs to running requests
+        deferred: list[Request] = []
         while (self.waiting and budget > 0 and len(self.running) < self.cfg.max_running
                and not self._preempted_this_step):
             req = self.waiting[0]
+            if self._wait_for_shared_prefix(req):
+                deferred.append(self.waiting.popleft())  # admitted once the sharer published it
+                continue
             if not self._admit(req):
                 break
             self.waiting.popleft()
             self.running.append(req)
             budget -= self._schedule_chunk(req, budget, chunks)
+        self.waiting.extendleft(reversed(deferred))
         scheduled = list(chunks.values())
         page_copies: list[tuple[int, int]] = []
         state_copies: list[tuple[list[int], list[int]]] = []
@@ -238,6 +244,31 @@ class Scheduler:
             self.stats.cached_tokens += req.cached_tokens
         return True
 
+    def _wait_for_shared_prefix(self, req: Request) -> bool:
+        """In-batch prefix sharing: if a running request is still prefilling a prefix this one shares
+        (beyond what the cache holds), have it publish a snapshot at the shared grid point and keep this
+        request waiting until then, so N requests with one system prompt compute it once."""
+        g, toks = self.grid, req.token_ids
+        if not self.cache_cfg.enable_prefix_cache or self.cache_cfg.full_block_mode or len(toks) <= g:
+            return False
+        head = toks[:g]
+        hit = None
+        for p in self.running:
+            if p.num_computed >= p.prompt_len or p.salt != req.salt or p.token_ids[:g] != head:
+                continue
+            n = min(len(toks) - 1, p.prompt_len)
+            lo = g
+            while lo + g <= n and p.token_ids[lo:lo + g] == toks[lo:lo + g]:
+                lo += g  # whole grid blocks in common
+            if hit is None:
+                hit = self.tree.match(toks[: len(toks) - 1], req.salt, touch=False).state_hit
+            if lo <= hit or p.num_computed > lo:
+                continue  # nothing to gain, or the sharer already went past that point
+            if lo not in p.snapshot_plan:
+                bisect.insort(p.snapshot_plan, lo)
+            return True
+        return False
+
     def _plan_snapshots(self, n: int, state_hit: int, kv_hit: int) -> list[int]:
         """Positions (absolute, on the grid, in (state_hit, n)) where this request publishes snapshots."""
         if not self.cache_cfg.enable_prefix_cache:
@@ -305,7 +336,9 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         nc = req.num_computed
+        # pending copies: aborted before its first forward, so the live state set was never filled
         if self.cache_cfg.enable_prefix_cache and nc > 0 and req.state_set is not None and (
+                not req.pending_state_copies and not req.pending_page_copies) and (
                 not self.cache_cfg.full_block_mode or nc % self.B == 0):
             # the live state is the state after exactly nc fed tokens: donate it (no copy)
             node = self.tree.insert(req.token_ids[:nc], req.block_table, req.salt, snapshot=req.state_set)

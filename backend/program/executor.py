@@ -1,0 +1,268 @@
+"""Executes program ops (frontend/ir.py) against the engine, one asyncio task per program state.
+
+A state is text built from segments. Its prompt token ids are the token ids of every generated span
+(exactly what the model produced) with each run of constant text between them tokenized as a whole;
+shipped and client-side runs therefore produce identical prompts. Ops of one state run in order;
+forked states run concurrently. A fork first commits the parent's uncomputed text (a one-token
+request), so the children find the shared prefix in the cache instead of computing it n times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from k3rt.backend.program.generator import Generator
+from k3rt.backend.program.roles import RoleText
+from k3rt.frontend.ir import Op, Program
+from k3rt.protocol import params_from_dict
+from k3rt.sampling_params import SamplingParams
+
+DEFAULT_MAX_TOKENS = 128
+COMMIT_MIN_TOKENS = 64  # a fork commits the parent's prefix when at least this much is uncomputed
+
+
+class OpError(Exception):
+    def __init__(self, message: str, line: int) -> None:
+        super().__init__(message)
+        self.line = line
+
+
+@dataclass
+class StateData:
+    base_ids: list[int] = field(default_factory=list)  # tokens up to the end of the last generated span
+    run: str = ""  # constant text after it, not yet tokenized
+    text: str = ""
+    messages: list[dict[str, str]] = field(default_factory=list)
+    role: str | None = None
+    role_start: int = 0  # offset in text where the current role's content starts
+    vars: dict[str, Any] = field(default_factory=dict)
+    new_vars: list[str] = field(default_factory=list)  # names set since this state was forked (for join)
+    meta: dict[str, Any] = field(default_factory=dict)
+    computed: int = 0  # prompt tokens known to be in the prefix cache
+
+    def fork_copy(self) -> "StateData":
+        child = copy.deepcopy(self)
+        child.new_vars = []
+        return child
+
+
+class ProgramSession:
+    def __init__(self, pid: str, gen: Generator, roles: RoleText, *,
+                 on_event: Callable[[int, str | None, str, bool], None] | None = None,
+                 cache_salt: str | None = None) -> None:
+        self.pid, self.gen, self.roles, self.on_event, self.salt = pid, gen, roles, on_event, cache_salt
+        self.states: dict[int, StateData] = {0: StateData()}
+        self.queues: dict[int, asyncio.Queue] = {}
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.ready: dict[int, asyncio.Event] = {}
+        self.defaults: dict[str, Any] = {}
+        self.error: OpError | None = None
+
+    # ---- tokens ----
+
+    def prompt_ids(self, st: StateData) -> list[int]:
+        return st.base_ids + (self.gen.tok.encode(st.run) if st.run else [])
+
+    def _append_text(self, st: StateData, text: str) -> None:
+        st.run += text
+        st.text += text
+
+    # ---- running ----
+
+    def _queue(self, sid: int) -> asyncio.Queue:
+        if sid not in self.queues:
+            self.queues[sid] = asyncio.Queue()
+            self.ready.setdefault(sid, asyncio.Event())
+            if sid == 0:
+                self.ready[0].set()
+            self.tasks[sid] = asyncio.create_task(self._worker(sid))
+        return self.queues[sid]
+
+    async def _worker(self, sid: int) -> None:
+        q = self.queues[sid]
+        await self.ready[sid].wait()
+        while True:
+            op: Op = await q.get()
+            try:
+                if self.error is None:
+                    await self._apply(sid, op)
+            except OpError as e:
+                self.error = self.error or e
+            except asyncio.CancelledError:
+                q.task_done()
+                raise
+            except Exception as e:  # a bug or an engine failure: report it against the op's line
+                self.error = self.error or OpError(f"{type(e).__name__}: {e}", op.line)
+            q.task_done()
+
+    async def run(self, program: Program) -> None:
+        """Run these ops (appended to any earlier ones of this session); returns when all have run."""
+        self.defaults.update(program.default_params)
+        for op in program.ops:
+            self._queue(op.state).put_nowait(op)
+        await asyncio.gather(*(q.join() for q in list(self.queues.values())))
+        # forks inside this batch may have created queues after the gather started
+        await asyncio.gather(*(q.join() for q in list(self.queues.values())))
+
+    def cancel(self) -> None:
+        for t in self.tasks.values():
+            t.cancel()
+
+    # ---- ops ----
+
+    async def _apply(self, sid: int, op: Op) -> None:
+        st = self.states[sid]
+        k = op.kind
+        if k == "text":
+            self._append_text(st, op.value or "")
+        elif k == "var":
+            if op.name not in st.vars:
+                raise OpError(f"variable {op.name!r} is not defined in this state", op.line)
+            v = st.vars[op.name]
+            self._append_text(st, v if isinstance(v, str) else str(v))
+        elif k == "role_begin":
+            if st.role is not None:
+                raise OpError(f"role {op.value!r} begins inside role {st.role!r}", op.line)
+            self._append_text(st, self.roles.prefix[op.value])
+            st.role, st.role_start = op.value, len(st.text)
+        elif k == "role_end":
+            if st.role != op.value:
+                raise OpError(f"role {op.value!r} ends but {st.role!r} is open", op.line)
+            st.messages.append({"role": op.value, "content": st.text[st.role_start:]})
+            self._append_text(st, self.roles.suffix[op.value])
+            st.role = None
+        elif k == "gen":
+            await self._gen(sid, st, op)
+        elif k == "select":
+            await self._select(sid, st, op)
+        elif k == "fork":
+            await self._commit(st)
+            for c in op.children:
+                self.states[c] = st.fork_copy()
+                self._queue(c)
+                self.ready[c].set()
+        elif k == "join":
+            for c in op.children:
+                if c in self.queues:
+                    await self.queues[c].join()
+            gathered: dict[str, list[Any]] = {}
+            for c in op.children:
+                child = self.states[c]
+                for name in child.new_vars:
+                    gathered.setdefault(name, []).append(child.vars[name])
+            for name, values in gathered.items():
+                self._set_var(st, name, values)
+
+    @staticmethod
+    def _set_var(st: StateData, name: str, value: Any) -> None:
+        st.vars[name] = value
+        if name not in st.new_vars:
+            st.new_vars.append(name)
+
+    def _params(self, op: Op) -> SamplingParams:
+        merged = {"max_tokens": DEFAULT_MAX_TOKENS, **self.defaults, **op.params}
+        try:
+            return params_from_dict(merged)
+        except (ValueError, TypeError) as e:
+            raise OpError(str(e), op.line) from None
+
+    async def _gen(self, sid: int, st: StateData, op: Op) -> None:
+        params = self._params(op)
+        prompt = self.prompt_ids(st)
+        emit = None
+        if self.on_event is not None:
+            emit = lambda d: self.on_event(sid, op.name, d, False)  # noqa: E731
+        res = await self.gen.generate(prompt, params, stop=op.stop, grammar=op.grammar, cache_salt=self.salt,
+                                      on_text=emit)
+        if res.error:
+            raise OpError(res.error, op.line)
+        if self.on_event is not None:
+            self.on_event(sid, op.name, "", True)
+        ids = res.token_ids
+        eos = set(self.gen.tok.eos_token_ids) | set(params.stop_token_ids)
+        if res.finish_reason == "stop_string":
+            self._append_text(st, res.text)  # the tokens ran past the stop string: keep text only
+        else:
+            if ids and ids[-1] in eos and not params.ignore_eos:
+                ids = ids[:-1]  # the stop token ends the span; role_end adds the template's own end text
+            st.base_ids = prompt + ids
+            st.run = ""
+            st.text += res.text
+        st.computed = max(st.computed, len(prompt) + len(res.token_ids) - 1)
+        if op.name:
+            self._set_var(st, op.name, res.text)
+            st.meta[op.name] = {"prompt_tokens": res.prompt_tokens, "completion_tokens": len(res.token_ids),
+                                "cached_tokens": res.cached_tokens, "finish_reason": res.finish_reason}
+
+    async def _select(self, sid: int, st: StateData, op: Op) -> None:
+        tok = self.gen.tok
+        run_ids = tok.encode(st.run) if st.run else []
+        prompts, starts, spans = [], [], []
+        for choice in op.choices:
+            # tokenize the constant text and the choice jointly: the choice may merge with the text's
+            # last token, so scoring starts where the joint tokens first differ (token healing)
+            joint = tok.encode(st.run + choice)
+            k = 0
+            while k < min(len(joint), len(run_ids)) and joint[k] == run_ids[k]:
+                k += 1
+            if k == len(joint):  # the choice added nothing new (empty choice): score its last token
+                k -= 1
+            k = max(k, 0)
+            p = st.base_ids + joint
+            start = max(len(st.base_ids) + k, 1)
+            prompts.append(p)
+            starts.append(start)
+            spans.append(len(p) - start)
+        scored = await self.gen.score(prompts, starts, cache_salt=self.salt)
+        token_lps = [[lp[i] for i in sorted(lp)] for lp in scored]
+        if any(not t for t in token_lps):
+            raise OpError("select: a choice produced no scorable tokens", op.line)
+        scores: list[float]
+        if op.method == "token_length_normalized":
+            scores = [sum(t) / len(t) for t in token_lps]
+        elif op.method == "greedy":
+            width = max(len(t) for t in token_lps)
+            padded = [t + [sum(t) / len(t)] * (width - len(t)) for t in token_lps]
+            best = max(range(len(padded)), key=lambda i: padded[i])
+            scores = [1.0 if i == best else 0.0 for i in range(len(padded))]
+        else:  # unconditional_likelihood_normalized: subtract each choice's likelihood without context
+            bos = tok.bos_token_id
+            uncond_prompts, uncond_starts = [], []
+            for choice in op.choices:
+                ids = tok.encode(choice)
+                lead = [bos] if bos is not None else ids[:1]
+                uncond_prompts.append(lead + (ids if bos is not None else ids[1:]) or lead + lead)
+                uncond_starts.append(1)
+            uncond = await self.gen.score(uncond_prompts, uncond_starts, cache_salt=self.salt)
+            scores = [sum(t) / len(t) - (sum(u.values()) / max(1, len(u))) for t, u in zip(token_lps, uncond)]
+        best = max(range(len(scores)), key=lambda i: scores[i])
+        self._append_text(st, op.choices[best])
+        if op.name:
+            self._set_var(st, op.name, op.choices[best])
+            st.meta[op.name] = {"choices": op.choices, "scores": scores, "token_logprobs": token_lps,
+                                "method": op.method}
+
+    async def _commit(self, st: StateData) -> None:
+        prompt = self.prompt_ids(st)
+        if len(prompt) - st.computed >= COMMIT_MIN_TOKENS:
+            res = await self.gen.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                                          cache_salt=self.salt)
+            if res.error is None:
+                st.computed = len(prompt)
+
+    # ---- results ----
+
+    def result(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"variables": {}, "texts": {}, "messages": {}, "meta": {}}
+        for sid, st in self.states.items():
+            out["variables"][str(sid)] = st.vars
+            out["texts"][str(sid)] = st.text
+            out["messages"][str(sid)] = st.messages
+            out["meta"][str(sid)] = st.meta
+        if self.error is not None:
+            out["error"], out["error_line"] = str(self.error), self.error.line
+        return out

@@ -1,0 +1,116 @@
+"""The DSL endpoint of the gateway: a ZMQ ROUTER that runs shipped programs, one asyncio task per
+program session, next to the engine client. A client that disconnects (ROUTER_NOTIFY) or sends
+ProgramClose has its programs cancelled, which aborts their engine requests."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from k3rt.backend.program.executor import ProgramSession
+from k3rt.backend.program.generator import Generator
+from k3rt.backend.program.roles import role_text
+from k3rt.backend.tokenizer import Tokenizer
+from k3rt.frontend.ir import Program
+from k3rt.protocol import ProgramClose, ProgramEvent, ProgramResult, ProgramRun, decode, encode
+
+log = logging.getLogger(__name__)
+
+
+class _Entry:
+    def __init__(self, session: ProgramSession, ident: bytes) -> None:
+        self.session, self.ident = session, ident
+        self.lock = asyncio.Lock()
+        self.runs: set[asyncio.Task] = set()
+
+
+class ProgramServer:
+    def __init__(self, client: Any, tokenizer: Tokenizer, addr: str) -> None:
+        self.gen = Generator(client, tokenizer)
+        self.roles = role_text(tokenizer)
+        self.addr = addr
+        self.sessions: dict[str, _Entry] = {}
+        self.outq: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue()
+        self.programs_run = 0
+
+    async def serve(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        try:
+            # draft API in some libzmq builds: where missing, clients' ProgramClose is the only signal
+            self.sock.setsockopt(zmq.ROUTER_NOTIFY, zmq.NOTIFY_DISCONNECT)
+        except zmq.ZMQError:
+            log.info("ROUTER_NOTIFY unavailable: relying on ProgramClose to cancel programs of gone clients")
+        self.sock.bind(self.addr)
+        sender = asyncio.create_task(self._send_loop())
+        try:
+            while True:
+                frames = await self.sock.recv_multipart()
+                ident, data = frames[0], frames[-1]
+                if not data:  # ROUTER_NOTIFY: this peer disconnected
+                    for pid in [p for p, e in self.sessions.items() if e.ident == ident]:
+                        self._drop(pid)
+                    continue
+                try:
+                    msg = decode(data)
+                except Exception as e:
+                    log.warning("undecodable DSL message from %r: %s", ident, e)
+                    continue
+                if isinstance(msg, ProgramRun):
+                    entry = self._entry(ident, msg)
+                    task = asyncio.create_task(self._run(entry, msg))
+                    entry.runs.add(task)
+                    task.add_done_callback(entry.runs.discard)
+                elif isinstance(msg, ProgramClose):
+                    self._drop(msg.pid)
+        finally:
+            sender.cancel()
+            for pid in list(self.sessions):
+                self._drop(pid)
+            self.sock.close(linger=0)
+            self.ctx.term()
+
+    async def _send_loop(self) -> None:
+        while True:
+            ident, data = await self.outq.get()
+            await self.sock.send_multipart([ident, data])
+
+    def _drop(self, pid: str) -> None:
+        entry = self.sessions.pop(pid, None)
+        if entry is not None:
+            entry.session.cancel()  # its engine requests are aborted as their streams close
+            for t in list(entry.runs):
+                t.cancel()
+
+    def _entry(self, ident: bytes, msg: ProgramRun) -> "_Entry":
+        entry = self.sessions.get(msg.pid)
+        if entry is None:
+            on_event = None
+            if msg.stream:
+                def on_event(sid: int, name: str | None, delta: str, done: bool, pid: str = msg.pid) -> None:
+                    self.outq.put_nowait((ident, encode(ProgramEvent(pid, sid, name, delta, done))))
+            entry = _Entry(ProgramSession(msg.pid, self.gen, self.roles, on_event=on_event), ident)
+            self.sessions[msg.pid] = entry
+        return entry
+
+    async def _run(self, entry: "_Entry", msg: ProgramRun) -> None:
+        session, ident = entry.session, entry.ident
+        async with entry.lock:  # flushes of one session run in order
+            try:
+                program = Program.from_dict(msg.program)
+                await session.run(program)
+                result = session.result()
+            except asyncio.CancelledError:
+                return
+            except Exception as e:  # malformed program: answer with an error, never crash the server
+                result = {**session.result(), "error": f"{type(e).__name__}: {e}", "error_line": None}
+        self.programs_run += 1
+        if msg.final or result.get("error"):
+            self._drop(msg.pid)
+        self.outq.put_nowait((ident, encode(ProgramResult(msg.pid, result["variables"], result["texts"],
+                                                          result["messages"], result.get("meta", {}),
+                                                          result.get("error"), result.get("error_line")))))

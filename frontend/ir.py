@@ -1,0 +1,76 @@
+"""The program IR: what a traced `@k3rt.function` becomes, and what the gateway executes.
+
+A program is a list of ops, each applied to one *state* (0 is the root; `fork` creates more). Ops of
+one state run in order; different states run concurrently once forked. Everything here is plain
+data (JSON via to_dict/from_dict), so programs ship over the wire. No torch, no tokenizer.
+
+Ops:
+  text(value)                      append constant text
+  var(name)                        append the value of a variable set earlier (gen/select output)
+  gen(name, params, grammar, stop) generate; stores text in variables[name] (name may be None)
+  select(name, choices, method)    score the choices from the current state, append the best
+  role_begin(role) / role_end(role)  chat roles (system/user/assistant/tool): template text around content
+  fork(children)                   the listed new states start as copies of this one
+  join(children, mode)             wait for the children; "gather_variable": their new variables are
+                                   appended to this state's variables as lists
+Each op records the source `line` of the program that produced it, so errors point at user code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+OP_KINDS = ("text", "var", "gen", "select", "role_begin", "role_end", "fork", "join")
+ROLES = ("system", "user", "assistant", "tool")
+CHOICE_METHODS = ("token_length_normalized", "greedy", "unconditional_likelihood_normalized")
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str
+    state: int = 0
+    value: str | None = None  # text / role name
+    name: str | None = None  # variable name
+    params: dict[str, Any] = field(default_factory=dict)  # sampling params overrides (gen)
+    stop: list[str] = field(default_factory=list)  # stop strings (gen)
+    grammar: dict[str, Any] | None = None  # GrammarSpec dict (gen with regex / json_schema / choices)
+    choices: list[str] = field(default_factory=list)  # select
+    method: str = "token_length_normalized"  # select
+    children: list[int] = field(default_factory=list)  # fork / join
+    line: int = 0  # source line in the user's program
+
+    def __post_init__(self) -> None:
+        if self.kind not in OP_KINDS:
+            raise ValueError(f"op kind: {self.kind!r} not one of {OP_KINDS}")
+        if self.kind in ("role_begin", "role_end") and self.value not in ROLES:
+            raise ValueError(f"role: {self.value!r} not one of {ROLES}")
+        if self.kind == "select":
+            if not self.choices:
+                raise ValueError("choices: select needs at least one choice")
+            if self.method not in CHOICE_METHODS:
+                raise ValueError(f"choices_method: {self.method!r} not one of {CHOICE_METHODS}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v not in (None, [], {}, 0, "") or k == "kind"}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "Op":
+        return Op(**d)
+
+
+@dataclass(frozen=True)
+class Program:
+    ops: list[Op]
+    num_states: int = 1
+    default_params: dict[str, Any] = field(default_factory=dict)  # run(...) sampling defaults
+    name: str = "program"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ops": [o.to_dict() for o in self.ops], "num_states": self.num_states,
+                "default_params": self.default_params, "name": self.name}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "Program":
+        return Program([Op.from_dict(o) for o in d["ops"]], d.get("num_states", 1), d.get("default_params", {}),
+                       d.get("name", "program"))
