@@ -15,6 +15,7 @@ EXAMPLES = """examples:
   k3rt inspect --model kimi-linear-48b --memory-gb 40  # a config-only preset
   k3rt bench cache --workload system-prompt --block-size 1920
   k3rt bench scheduler
+  k3rt serve --model /tmp/tiny-k3 --port 30000          # OpenAI-compatible server (GET /health, /v1/...)
 """
 
 
@@ -177,7 +178,59 @@ def _cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": _cmd_generate, "make-tiny": _cmd_make_tiny, "inspect": _cmd_inspect, "bench": _cmd_bench}
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (gateway + engine process)",
+                       description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics. "
+                                   "The gateway process (uvloop + uvicorn) tokenizes and streams; the engine process "
+                                   "schedules and runs the model. Ready when GET /health answers 200. SIGINT/SIGTERM "
+                                   "drain and exit 0; an engine crash fails waiting requests with 503 and exits 1.")
+    p.add_argument("--model", required=True, help="checkpoint folder (config.json, *.safetensors, tokenizer files)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=30000, help="port to listen on (default 30000)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: none)")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: the folder's name)")
+    p.add_argument("--max-running", type=int, default=256, help="requests decoding at once (default 256)")
+    p.add_argument("--max-waiting", type=int, default=4096,
+                   help="requests queued beyond those; more are answered 429 (default 4096)")
+    p.add_argument("--max-batched-tokens", type=int, default=2048, help="tokens per engine step (default 2048)")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="prompt + output tokens per request (default: the model's maximum)")
+    p.add_argument("--grammar-backend", choices=["llguidance", "outlines"], default="llguidance",
+                   help="constrained decoding backend (default llguidance)")
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument("--cache-pages", type=int, default=None, help="cache pool size in pages (default 256)")
+    cache.add_argument("--cache-gb", type=float, default=None, help="cache pool size in GiB")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="compute dtype (default: the checkpoint's torch_dtype)")
+    p.add_argument("--device", default="cpu", help="torch device of the engine (default cpu)")
+    p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+    p.add_argument("--drain-timeout", type=float, default=10.0,
+                   help="seconds running requests may finish after SIGTERM/SIGINT before abort (default 10)")
+    p.add_argument("--log-level", default=argparse.SUPPRESS, help="logging level (default WARNING)")
+
+
+def _cmd_serve(a: argparse.Namespace) -> int:
+    from k3rt.config import CacheConfig, EngineConfig, SchedulerConfig
+    from k3rt.server.config import ServerConfig
+
+    if a.cache_gb is not None:
+        cache = CacheConfig(memory_gb=a.cache_gb, num_pages=None)
+    else:
+        cache = CacheConfig(num_pages=a.cache_pages) if a.cache_pages is not None else CacheConfig()
+    engine = EngineConfig(model=a.model, dtype=a.dtype, device=a.device, seed=a.seed, grammar_backend=a.grammar_backend,
+                          cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=a.max_batched_tokens,
+                                                                 max_running=a.max_running, max_waiting=a.max_waiting))
+    cfg = ServerConfig(engine=engine, host=a.host, port=a.port, api_key=a.api_key,
+                       served_model_name=a.served_model_name, context_length=a.context_length,
+                       drain_timeout_s=a.drain_timeout, log_level=a.log_level.upper())
+    if not Path(a.model, "config.json").is_file():
+        raise FileNotFoundError(f"model: no config.json in {a.model}")
+    from k3rt.server.launch import serve
+
+    return serve(cfg)
+
+
+COMMANDS = {"generate": _cmd_generate, "make-tiny": _cmd_make_tiny, "inspect": _cmd_inspect, "bench": _cmd_bench, "serve": _cmd_serve}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -190,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_tiny(sub)
     _add_inspect(sub)
     _add_bench(sub)
+    _add_serve(sub)
     return p
 
 

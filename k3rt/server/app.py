@@ -1,0 +1,174 @@
+"""The FastAPI app: routes, body parsing, the API-key check, error rendering and request counting.
+
+Routes
+  GET  /health                  200 once the engine is ready; 503 while starting, shutting down, or dead
+  GET  /v1/models               the served model (also GET /v1/models/{id})
+  POST /v1/chat/completions     chat.py
+  POST /v1/completions          completions.py
+  GET  /metrics                 Prometheus text format (metrics.py)
+  GET  /v1/k3rt/stats           debug: the engine's latest stats (running, waiting, pages, snapshots, ...)
+  POST /v1/k3rt/flush_cache     debug: drop every unlocked prefix-cache entry
+
+Bodies are read (up to `max_body_bytes`) and parsed by the schemas' strict pydantic models here, not by
+FastAPI's validation, so that every error is OpenAI's error object with a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Any
+
+import orjson
+from fastapi import Depends, FastAPI, Request
+from fastapi.routing import APIRouter
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from k3rt.server.errors import APIError, from_validation_error
+from k3rt.server.generation import ServerContext
+from k3rt.server.metrics import CONTENT_TYPE
+from k3rt.server.schemas import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+
+# the endpoint label of k3rt_requests_total; other paths count as "other" (no label per unknown path)
+ROUTES = frozenset({"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
+                    "/v1/k3rt/stats", "/v1/k3rt/flush_cache"})
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body has {declared} bytes; the limit is {limit}", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the request body exceeds the limit of {limit} bytes", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _parse(request: Request, model: type[BaseModel], limit: int) -> Any:
+    body = await _read_body(request, limit)
+    if not body.strip():
+        raise APIError(400, "the request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise from_validation_error(e.errors(include_url=False)) from None
+
+
+class _CountRequests:
+    """ASGI middleware: counts responses by route and status code (k3rt_requests_total)."""
+
+    def __init__(self, app: ASGIApp, ctx: ServerContext, routes: set[str]) -> None:
+        self.app, self.ctx, self.routes = app, ctx, routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = path if path in self.routes else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.ctx.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def create_app(ctx: ServerContext) -> FastAPI:
+    cfg = ctx.config
+    app = FastAPI(title="k3rt", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+
+    async def check_api_key(request: Request) -> None:
+        if cfg.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), cfg.api_key.encode()):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        gw = ctx.gateway
+        if gw.ready:
+            return json_response({"status": "ok"})
+        why = "draining" if gw.draining else ("dead" if gw.dead else "starting")
+        return json_response({"status": why}, status=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "k3rt",
+                "max_model_len": ctx.gateway.context_length}
+
+    @v1.get("/models")
+    async def list_models() -> Response:
+        return json_response({"object": "list", "data": [model_card()]})
+
+    @v1.get("/models/{model_id:path}")
+    async def get_model(model_id: str) -> Response:
+        ctx.check_model(model_id)
+        return json_response(model_card())
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        from k3rt.server.chat import chat_completion
+
+        req = await _parse(request, ChatCompletionRequest, cfg.max_body_bytes)
+        return await chat_completion(ctx, req, request)
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        from k3rt.server.completions import completion
+
+        req = await _parse(request, CompletionRequest, cfg.max_body_bytes)
+        return await completion(ctx, req, request)
+
+    @v1.get("/k3rt/stats")
+    async def stats() -> Response:
+        return json_response({"stats": ctx.gateway.stats, "info": ctx.gateway.client.info,
+                              "ready": ctx.gateway.ready})
+
+    @v1.post("/k3rt/flush_cache")
+    async def flush_cache() -> Response:
+        await ctx.gateway.flush_cache()
+        return json_response({"flushed": True})
+
+    app.include_router(v1)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> Response:
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> Response:
+        message = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on "
+                   f"{request.url.path}"}.get(e.status_code, str(e.detail))
+        return APIError(e.status_code, message, code="not_found" if e.status_code == 404 else None,
+                        headers=dict(e.headers or {})).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path)
+        return APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error").response()
+
+    app.add_middleware(_CountRequests, ctx=ctx, routes=ROUTES)
+    return app

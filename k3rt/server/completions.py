@@ -1,0 +1,148 @@
+"""POST /v1/completions: prompt text or token ids (one or a batch) -> a gateway Job -> text_completion.
+
+Choice `index` is prompt_index * n + choice_in_prompt, as OpenAI numbers a batch. `echo` prepends the
+prompt text; `suffix` and best_of > n are not served (400).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from k3rt.server.errors import bad_request
+from k3rt.server.generation import (
+    MIN_LOGPROB, Choice, ServerContext, check_logprobs, check_vocab, grammar_sources, new_id, now,
+    resolve_max_tokens, run_to_end, sampling_params, sse, stream_deltas, token_text, total_usage,
+    validate_grammar,
+)
+from k3rt.server.schemas import CompletionRequest, check_common, stop_list
+
+if TYPE_CHECKING:
+    from k3rt.backend.gateway import ChoiceDelta, TokenLogprob
+
+MAX_PROMPTS = 64  # prompts per batch request
+
+
+async def _prompts(ctx: ServerContext, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [await ctx.gateway.encode(prompt)]
+    if not prompt:
+        raise bad_request("prompt", "must not be an empty list")
+    if len(prompt) > MAX_PROMPTS and not isinstance(prompt[0], int):
+        raise bad_request("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    if isinstance(prompt[0], str):
+        return [await ctx.gateway.encode(p) for p in prompt]
+    return [list(p) for p in prompt]
+
+
+async def completion(ctx: ServerContext, req: CompletionRequest, request: Request) -> Response:
+    from k3rt.backend.gateway import Job
+
+    check_common(req)
+    ctx.check_model(req.model)
+    if req.suffix:
+        raise bad_request("suffix", "is not supported")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of", f"only best_of == n is supported, got best_of={req.best_of}, n={req.n}")
+    check_logprobs(req.logprobs, "logprobs")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo", "echo together with logprobs (prompt logprobs) is not supported")
+    gw = ctx.gateway
+    prompts = await _prompts(ctx, req.prompt)
+    check_vocab(prompts, gw.client.info.get("vocab_size", gw.tokenizer.vocab_size), "prompt")
+    max_tokens = resolve_max_tokens(req.max_tokens, "max_tokens", [len(p) for p in prompts], "prompt",
+                                    gw.context_length)
+    constraints = grammar_sources(req, req.response_format)
+    if len(constraints) > 1:
+        raise bad_request(constraints[1][0], f"only one output constraint per request; {constraints[0][0]} is "
+                          f"already set")
+    grammar = await validate_grammar(ctx, *constraints[0]) if constraints else None
+    params = sampling_params(req, max_tokens, req.logprobs)
+    job = Job(prompts, params, req.n, stop_list(req), grammar, req.cache_salt)
+    out = _CompletionOutput(ctx, req, prompts)
+    if req.stream:
+        body = await stream_deltas(ctx, job, req.n, "completions", out.render_delta, out.render_end)
+        return StreamingResponse(_with_echo(out, body), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    choices = await run_to_end(ctx, job, req.n, request, "completions")
+    return out.response(choices)
+
+
+async def _with_echo(out: _CompletionOutput, body: Any) -> Any:
+    for event in out.render_echo():
+        yield event
+    async for event in body:
+        yield event
+
+
+class _CompletionOutput:
+    def __init__(self, ctx: ServerContext, req: CompletionRequest, prompts: list[list[int]]) -> None:
+        self.ctx, self.req, self.prompts = ctx, req, prompts
+        self.id, self.created, self.model = new_id("cmpl"), now(), req.model
+        self.include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        self.offsets: dict[int, int] = {}  # choice -> characters of text so far (logprobs text_offset)
+
+    def _echo(self, index: int) -> str:
+        if not self.req.echo:
+            return ""
+        return self.ctx.gateway.tokenizer.decode(self.prompts[index // self.req.n])
+
+    def _logprobs(self, index: int, lps: list[TokenLogprob]) -> dict[str, Any]:
+        tokens, values, tops, offsets = [], [], [], []
+        offset = self.offsets.get(index, 0)
+        for lp in lps:
+            text = token_text(self.ctx, lp.token_id)[0]
+            tokens.append(text)
+            values.append(max(lp.logprob, MIN_LOGPROB))
+            tops.append({token_text(self.ctx, t)[0]: max(v, MIN_LOGPROB) for t, v in lp.top})
+            offsets.append(offset)
+            offset += len(text)
+        self.offsets[index] = offset
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def response(self, choices: list[Choice]) -> Response:
+        from k3rt.server.app import json_response
+
+        out = []
+        for i, c in enumerate(choices):
+            choice: dict[str, Any] = {"index": i, "text": self._echo(i) + c.text, "finish_reason": c.finish_reason,
+                                      "logprobs": self._logprobs(i, c.logprobs) if self.req.logprobs is not None
+                                      else None}
+            if self.req.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            out.append(choice)
+        body: dict[str, Any] = {"id": self.id, "object": "text_completion", "created": self.created,
+                                "model": self.model, "choices": out, "usage": total_usage(choices, self.req.n)}
+        if self.req.return_token_ids:
+            body["prompt_token_ids"] = self.prompts[0] if len(self.prompts) == 1 else self.prompts
+        return json_response(body)
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+        body: dict[str, Any] = {"id": self.id, "object": "text_completion", "created": self.created,
+                                "model": self.model, "choices": choices}
+        if self.include_usage:
+            body["usage"] = usage
+        return sse(body)
+
+    def render_echo(self) -> list[bytes]:
+        num = len(self.prompts) * self.req.n
+        return [self._chunk([{"index": i, "text": self._echo(i), "logprobs": None, "finish_reason": None}])
+                for i in range(num)] if self.req.echo else []
+
+    def render_delta(self, d: ChoiceDelta) -> list[bytes]:
+        lps = self._logprobs(d.index, d.logprobs) if self.req.logprobs is not None and d.logprobs else None
+        if not d.text and d.finish_reason is None and lps is None:
+            return []
+        choice: dict[str, Any] = {"index": d.index, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason}
+        if self.req.return_token_ids:
+            choice["token_ids"] = d.token_ids
+        return [self._chunk([choice])]
+
+    def render_end(self, choices: list[Choice]) -> list[bytes]:
+        if not self.include_usage:
+            return []
+        return [self._chunk([], total_usage(choices, self.req.n))]

@@ -1,0 +1,35 @@
+"""`ServerConfig`: everything `k3rt serve` is started with, parsed once by the CLI. No torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from k3rt.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None  # when set, /v1/* requires "Authorization: Bearer <api_key>"
+    served_model_name: str | None = None  # None: the model folder's name
+    context_length: int | None = None  # None: the model's max_position_embeddings
+    drain_timeout_s: float = 10.0  # on SIGTERM/SIGINT, how long running requests may finish before abort
+    max_body_bytes: int = 32 << 20  # request bodies above this are answered 413
+    log_level: str = "WARNING"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port: must be in [0, 65535], got {self.port}")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"context_length: must be >= 1, got {self.context_length}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key: must not be empty")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.engine.model).resolve().name

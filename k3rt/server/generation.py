@@ -1,0 +1,302 @@
+"""The part of a generation request that chat and completions share: from OpenAI fields to a gateway
+`Job` (sampling parameters, length limits, grammar), running it (to the end, or as an SSE stream,
+aborting either way when the client goes away), and the OpenAI shapes both endpoints use (usage,
+logprob entries, SSE framing, gateway errors as HTTP errors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.requests import Request
+
+from k3rt.sampling_params import MAX_LOGPROBS, SamplingParams
+from k3rt.server.config import ServerConfig
+from k3rt.server.errors import APIError, bad_request
+from k3rt.server.metrics import RequestTimer, ServerMetrics
+from k3rt.server.schemas import SamplingFields
+
+if TYPE_CHECKING:
+    from k3rt.backend.gateway import ChoiceDelta, Gateway, Job, TokenLogprob
+
+MIN_LOGPROB = -9999.0  # what OpenAI reports for impossible tokens (JSON has no -inf)
+
+
+@dataclass
+class ServerContext:
+    """What every route needs: the gateway, the config, the metrics. One per app."""
+
+    gateway: Gateway
+    config: ServerConfig
+    metrics: ServerMetrics
+
+    def check_model(self, name: str) -> None:
+        if name not in (self.config.model_name, self.config.engine.model):
+            raise APIError(404, f"model: `{name}` does not exist; this server serves `{self.config.model_name}`",
+                           param="model", code="model_not_found")
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k, min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty, frequency_penalty=req.frequency_penalty,
+            presence_penalty=req.presence_penalty, logprobs=logprobs, seed=req.seed, max_tokens=max_tokens,
+            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos)
+    except ValueError as e:  # SamplingParams names the field first
+        raise bad_request(str(e).split(":", 1)[0], str(e).split(":", 1)[1].strip()) from None
+
+
+def resolve_max_tokens(requested: int | None, param: str, prompt_lens: list[int], prompt_param: str,
+                       context_length: int) -> int:
+    """Output tokens per choice: `requested`, or what is left of the context. 413 if a prompt alone fills
+    the context, 400 naming `param` if prompt + requested exceeds it."""
+    longest = max(prompt_lens)
+    if longest >= context_length:
+        raise APIError(413, f"{prompt_param}: the prompt has {longest} tokens; the context length is "
+                       f"{context_length}, which leaves no room for output", param=prompt_param,
+                       code="context_length_exceeded")
+    if requested is None:
+        return context_length - longest
+    if requested < 1:
+        raise bad_request(param, f"must be >= 1, got {requested}")
+    if longest + requested > context_length:
+        raise bad_request(param, f"{requested} output tokens + {longest} prompt tokens exceed the context length "
+                          f"{context_length}", code="context_length_exceeded")
+    return requested
+
+
+def check_vocab(prompts: list[list[int]], vocab_size: int, param: str) -> None:
+    for p in prompts:
+        if not p:
+            raise bad_request(param, "must contain at least one token")
+        bad = next((t for t in p if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise bad_request(param, f"token id {bad} outside the vocabulary [0, {vocab_size})")
+
+
+def grammar_sources(req: SamplingFields, response_format: Any) -> list[tuple[str, Any]]:
+    """(param, GrammarSpec) for every constraint the request asked for via response_format, regex, choice."""
+    from k3rt.backend.grammar import GrammarError, GrammarSpec
+
+    out: list[tuple[str, Any]] = []
+    try:
+        if response_format is not None and response_format.type == "json_object":
+            out.append(("response_format", GrammarSpec.json_object()))
+        elif response_format is not None and response_format.type == "json_schema":
+            js = response_format.json_schema
+            if js is None or js.schema_ is None:
+                raise bad_request("response_format.json_schema.schema", "a JSON schema object is required")
+            out.append(("response_format", GrammarSpec.json_schema(js.schema_, strict=bool(js.strict))))
+        if req.regex is not None:
+            out.append(("regex", GrammarSpec.regex(req.regex)))
+        if req.choice is not None:
+            out.append(("choice", GrammarSpec.choice(req.choice)))
+    except GrammarError as e:
+        param = next((p for p in ("regex", "choice") if str(e).startswith(p)), "response_format")
+        raise bad_request(param, str(e), code="invalid_grammar") from None
+    return out
+
+
+async def validate_grammar(ctx: ServerContext, param: str, spec: Any) -> dict[str, Any]:
+    from k3rt.backend.grammar import GrammarError
+
+    try:
+        await ctx.gateway.validate_grammar(spec)
+    except GrammarError as e:
+        raise bad_request(param, str(e), code="invalid_grammar") from None
+    return spec.to_dict()
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def token_text(ctx: ServerContext, token_id: int) -> tuple[str, bytes]:
+    raw = ctx.gateway.tokenizer.token_bytes(token_id)
+    return raw.decode("utf-8", errors="replace"), raw
+
+
+def chat_logprob(ctx: ServerContext, lp: TokenLogprob) -> dict[str, Any]:
+    def entry(t: int, v: float) -> dict[str, Any]:
+        text, raw = token_text(ctx, t)
+        return {"token": text, "logprob": max(v, MIN_LOGPROB), "bytes": list(raw)}
+
+    return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+
+
+def check_logprobs(num: int | None, param: str) -> None:
+    if num is not None and not 0 <= num <= MAX_LOGPROBS:
+        raise bad_request(param, f"must be in [0, {MAX_LOGPROBS}], got {num}")
+
+
+@dataclass
+class Choice:
+    """One choice accumulated from its deltas (non-streaming responses, usage)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, d: ChoiceDelta) -> None:
+        self.text += d.text
+        self.token_ids += d.token_ids
+        self.logprobs += d.logprobs or []
+        self.prompt_tokens, self.cached_tokens = d.prompt_tokens or self.prompt_tokens, d.cached_tokens
+        if d.finish_reason is not None:
+            self.finish_reason = d.finish_reason
+
+
+def total_usage(choices: list[Choice], n: int) -> dict[str, Any]:
+    """Prompts count once per prompt (not per choice); cached tokens are the best of a prompt's choices."""
+    prompt = cached = 0
+    for p in range(0, len(choices), n):
+        group = choices[p:p + n]
+        prompt += group[0].prompt_tokens
+        cached += max(c.cached_tokens for c in group)
+    return usage(prompt, sum(len(c.token_ids) for c in choices), cached)
+
+
+def delta_error(d: ChoiceDelta) -> APIError:
+    if d.engine_dead:
+        return APIError(503, f"the engine failed: {d.error}", code="engine_failed")
+    msg = d.error or "generation failed"
+    if msg.startswith("max_waiting"):
+        return APIError(429, msg, code="too_many_requests", headers={"Retry-After": "1"})
+    param = msg.split(":", 1)[0] if ":" in msg and " " not in msg.split(":", 1)[0] else None
+    return APIError(400, msg, param=param, code="rejected_by_engine")
+
+
+def gateway_error(e: Exception) -> APIError:
+    from k3rt.backend.gateway import EngineUnavailable, Overloaded
+
+    if isinstance(e, Overloaded):
+        return APIError(429, str(e), code="too_many_requests", headers={"Retry-After": str(e.retry_after_s)})
+    if isinstance(e, EngineUnavailable):
+        return APIError(503, str(e), code="unavailable", headers={"Retry-After": "5"})
+    raise e
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def run_to_end(ctx: ServerContext, job: Job, n: int, request: Request, endpoint: str) -> list[Choice]:
+    """Run `job` and collect every choice. Aborts the job if the client disconnects first; raises APIError
+    for a choice the engine rejected or could not finish."""
+    choices = [Choice() for _ in range(len(job.prompts) * n)]
+    timer = RequestTimer(ctx.metrics)
+    try:
+        gen = ctx.gateway.generate(job)
+    except Exception as e:
+        raise gateway_error(e) from None
+
+    async def consume() -> None:
+        async for d in gen:
+            if d.finish_reason == "error":
+                raise delta_error(d)
+            choices[d.index].add(d)
+            timer.tokens(d.index, len(d.token_ids))
+
+    consumer = asyncio.create_task(consume())
+    watcher = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not consumer.done():
+            consumer.cancel()  # cancelling the consumer closes the job: its engine requests are aborted
+    if not consumer.done() or consumer.cancelled():
+        ctx.metrics.disconnects.labels(endpoint).inc()
+        raise APIError(499, "the client closed the connection", code="client_closed")
+    try:
+        consumer.result()
+    except APIError:
+        raise
+    except Exception as e:
+        raise gateway_error(e) from None
+    u = total_usage(choices, n)
+    timer.done(u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"])
+    return choices
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def stream_deltas(ctx: ServerContext, job: Job, n: int, endpoint: str,
+                        render: Callable[[ChoiceDelta], list[bytes]],
+                        finish: Callable[[list[Choice]], list[bytes]]) -> AsyncIterator[bytes]:
+    """SSE bytes for `job`: `render` turns each delta into events, `finish` adds the closing events (usage).
+    An error after the stream started is sent as an OpenAI error event. A client disconnect cancels this
+    generator inside its await; the gateway's `generate` then cancels the job's choices (engine aborts)."""
+    try:
+        gen = ctx.gateway.generate(job)
+    except Exception as e:
+        raise gateway_error(e) from None
+    return _stream(ctx, gen, job, n, endpoint, render, finish)
+
+
+async def _stream(ctx: ServerContext, gen: AsyncIterator[ChoiceDelta], job: Job, n: int, endpoint: str,
+                  render: Callable[[ChoiceDelta], list[bytes]],
+                  finish: Callable[[list[Choice]], list[bytes]]) -> AsyncIterator[bytes]:
+    choices = [Choice() for _ in range(len(job.prompts) * n)]
+    timer = RequestTimer(ctx.metrics)
+    completed = False
+    try:
+        async for d in gen:
+            if d.finish_reason == "error":
+                yield sse(delta_error(d).body())
+                completed = True
+                return
+            choices[d.index].add(d)
+            timer.tokens(d.index, len(d.token_ids))
+            for event in render(d):
+                yield event
+        for event in finish(choices):
+            yield event
+        yield SSE_DONE
+        completed = True
+        u = total_usage(choices, n)
+        timer.done(u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"])
+    finally:
+        if not completed:
+            ctx.metrics.disconnects.labels(endpoint).inc()
+        _close_now(gen)
+
+
+def _close_now(gen: AsyncIterator[Any]) -> None:
+    """Close a suspended (or finished) async generator without awaiting: this can run inside a cancelled
+    scope, where an await would be cancelled again. The gateway's generate() cleans up synchronously, so
+    one step of aclose() runs its whole finally block."""
+    closing = gen.aclose()  # type: ignore[attr-defined]
+    try:
+        closing.send(None)
+    except (StopIteration, RuntimeError):
+        pass
+    finally:
+        closing.close()

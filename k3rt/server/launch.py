@@ -1,0 +1,113 @@
+"""`k3rt serve`: the gateway process (uvloop + uvicorn + the app) and the engine process it spawns.
+
+Lifecycle
+  start    bind the port first (a busy port fails before anything is spawned), serve HTTP at once
+           (/health answers 503), spawn the engine in the background; /health turns 200 on its Ready.
+  signal   SIGINT/SIGTERM: stop accepting, answer 503 to new requests on open connections, let running
+           requests finish for up to `drain_timeout_s` (then cancel them: their engine requests are
+           aborted), then the engine drain handshake (Shutdown -> ShutdownAck) and join; exit 0.
+           A second SIGINT skips the wait.
+  crash    the engine process dies or reports EngineError: every waiting request is answered 503 (or an
+           error event on a stream), the server shuts down the same way, and the exit status is 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+
+from k3rt.server.config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"port: cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
+def serve(cfg: ServerConfig) -> int:
+    """Run the server until a signal or an engine failure; returns the process exit status."""
+    import uvloop
+
+    return uvloop.run(_serve(cfg))
+
+
+async def _serve(cfg: ServerConfig) -> int:
+    import uvicorn
+
+    from k3rt.backend.engine_client import EngineDead
+    from k3rt.backend.gateway import Gateway, GatewayConfig
+    from k3rt.server.app import create_app
+    from k3rt.server.generation import ServerContext
+    from k3rt.server.metrics import ServerMetrics
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # our loop handlers own the signals; uvicorn's would re-raise them at exit (exit status -15)
+            yield
+
+    gateway = Gateway(GatewayConfig(cfg.engine, cfg.context_length, cfg.log_level))
+    sock = _bind(cfg.host, cfg.port)
+    port = sock.getsockname()[1]
+    ctx = ServerContext(gateway, cfg, ServerMetrics(lambda: gateway.stats))
+    server = Server(uvicorn.Config(create_app(ctx), log_config=None, log_level=cfg.log_level.lower(),
+                                   access_log=False, lifespan="off", timeout_graceful_shutdown=cfg.drain_timeout_s))
+    exit_code = 0
+    loop = asyncio.get_running_loop()
+
+    def stop(reason: str) -> None:
+        if server.should_exit:
+            if reason == "SIGINT":
+                server.force_exit = True  # a second Ctrl-C: don't wait for running requests
+            return
+        log.warning("shutting down (%s)", reason)
+        gateway.draining = True
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop, sig.name)
+
+    async def run_engine() -> None:
+        nonlocal exit_code
+        try:
+            await gateway.start()
+        except EngineDead as e:
+            log.error("the engine failed to start: %s", e)
+            exit_code = 1
+            stop("engine failed to start")
+            return
+        print(f"k3rt serve: ready on http://{cfg.host}:{port} (model {cfg.model_name}, engine pid "
+              f"{gateway.client.info.get('pid')})", file=sys.stderr, flush=True)
+        while gateway.dead is None:
+            await asyncio.sleep(0.1)
+        if not gateway.draining:
+            exit_code = 1
+            stop("engine process failed")
+
+    engine_task = asyncio.create_task(run_engine())
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        engine_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await engine_task
+        await gateway.shutdown()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    if gateway.dead is not None and exit_code == 0 and not gateway.draining:
+        exit_code = 1
+    return exit_code

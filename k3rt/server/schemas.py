@@ -1,0 +1,177 @@
+"""Request bodies of the OpenAI-compatible endpoints, as pydantic models parsed strictly from JSON.
+
+Strict: a string is never coerced into a number or a bool, NaN and infinities are rejected, and every
+field has OpenAI's type. Unknown fields are ignored (clients send newer OpenAI fields than we know).
+Range checks that need more than a type live in `SamplingFields.sampling_params` and in chat.py /
+completions.py, so each error names its field and the limit. Responses are plain dicts (see chat.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from k3rt.sampling_params import MAX_LOGPROBS
+
+MAX_N = 128  # OpenAI's limit on choices per request
+MAX_STOP = 16  # stop strings per request (OpenAI allows 4; more costs nothing here)
+MAX_STOP_LEN = 1024  # characters per stop string
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class JSONSchemaFormat(_Strict):
+    name: str = "output"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ContentPart(_Strict):
+    # only "text" is served; other part types are rejected by chat.py with the part's index
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str | dict[str, Any]
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class SamplingFields(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM-style extensions)."""
+
+    model: str
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # extensions
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    cache_salt: str | None = None
+    return_token_ids: bool = False  # debug: add prompt_token_ids and per-choice token_ids to the response
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[Message]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    response_format: ResponseFormat | None = None
+
+
+def check_common(req: SamplingFields) -> None:
+    """Range checks OpenAI documents for the shared fields; raises APIError naming the field."""
+    from k3rt.server.errors import bad_request
+
+    if not 1 <= req.n <= MAX_N:
+        raise bad_request("n", f"must be in [1, {MAX_N}], got {req.n}")
+    if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
+        raise bad_request("temperature", f"must be in [0, 2], got {req.temperature}")
+    if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
+        raise bad_request("top_p", f"must be in (0, 1], got {req.top_p}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(req, name)
+        if not -2.0 <= v <= 2.0:
+            raise bad_request(name, f"must be in [-2, 2], got {v}")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options", "only allowed when stream is true")
+    if req.seed is not None and not 0 <= req.seed < 2**63:
+        raise bad_request("seed", f"must be in [0, 2^63), got {req.seed}")
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > MAX_STOP:
+        raise bad_request("stop", f"at most {MAX_STOP} stop strings, got {len(stops)}")
+    for s in stops:
+        if not s or len(s) > MAX_STOP_LEN:
+            raise bad_request("stop", f"each stop string must have 1 to {MAX_STOP_LEN} characters, got {len(s)}")
+    if req.choice is not None and (not req.choice or not all(req.choice)):
+        raise bad_request("choice", "must be a non-empty list of non-empty strings")
+    if req.regex is not None and not req.regex:
+        raise bad_request("regex", "must be a non-empty pattern")
+    if req.top_k < 0:
+        raise bad_request("top_k", f"must be >= 0 (0 disables), got {req.top_k}")
+    if not 0.0 <= req.min_p <= 1.0:
+        raise bad_request("min_p", f"must be in [0, 1], got {req.min_p}")
+    if not 0.0 < req.repetition_penalty <= 10.0:
+        raise bad_request("repetition_penalty", f"must be in (0, 10], got {req.repetition_penalty}")
+
+
+def stop_list(req: SamplingFields) -> tuple[str, ...]:
+    return (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+
+
+__all__ = ["MAX_LOGPROBS", "MAX_N", "ChatCompletionRequest", "CompletionRequest", "Message", "SamplingFields",
+           "Tool", "check_common", "stop_list"]
