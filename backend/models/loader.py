@@ -41,6 +41,7 @@ class Target:
     part: int | None = None
 
 
+_NOT_TEXT_MODEL = ("vision_tower.", "mm_projector.")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
 # per-layer renames: checkpoint suffix -> (k3rt suffix, part)
@@ -64,9 +65,13 @@ _RENAMES: dict[str, tuple[str, int | None]] = {
 
 def resolve(name: str, cfg: ModelConfig) -> Target | None:
     """Map a checkpoint tensor name to its k3rt target; None for tensors k3rt deliberately skips."""
+    if name.startswith(_NOT_TEXT_MODEL) or "rotary_emb." in name:
+        return None  # multimodal K3: the vision tower and projector; rotary buffers (Kimi MLA is NoPE)
     for prefix in ("language_model.", "model.language_model."):
         if name.startswith(prefix):
             name = name[len(prefix):] if prefix == "language_model." else "model." + name[len(prefix):]
+            if name.startswith("layers."):  # `language_model.layers.N` spelling (vLLM/SGLang accept it)
+                name = "model." + name
     m = _LAYER.match(name)
     if not m:
         return Target(name)
@@ -171,8 +176,13 @@ def load_weights(model: KimiForCausalLM, model_dir: Path, *, tp: TPContext = SIN
             except Exception as e:
                 raise CheckpointError(f"{name}: cannot read from {f.name}, file truncated or corrupt ({e})") from e
             want = _full_slot_shape(param, t, tp)
-            if t.param.endswith(".A_log") and src.numel() > math.prod(want) and src.dim() == 1:
-                src = src[: math.prod(want)]  # K3 stores A_log zero-padded to head_dim entries; heads first
+            if t.param.endswith(".A_log") and src.dim() == 1 and src.numel() == cfg.kda.head_dim > math.prod(want):
+                # K3 stores A_log zero-padded to head_dim entries, heads first; a non-zero tail means
+                # some other layout (e.g. per-channel), which must not be silently truncated
+                if src[math.prod(want):].any():
+                    raise CheckpointError(f"{name}: A_log of shape {tuple(src.shape)} has non-zero entries past "
+                                          f"num_heads={math.prod(want)} (expected zero padding, in {f.name})")
+                src = src[: math.prod(want)]
             if tuple(src.shape) != want:
                 # checkpoints store some tensors with singleton dims (A_log [1,1,H,1], conv [C,1,W])
                 squeezed = tuple(s for s in src.shape if s != 1)
