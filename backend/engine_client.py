@@ -9,6 +9,7 @@ set, so callers answer 5xx instead of hanging.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -163,4 +164,6 @@ class EngineClient:
             path = a.removeprefix("ipc://")
             if os.path.exists(path):
                 os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(self.addrs.to_engine.removeprefix("ipc://")))  # Addresses.fresh()'s folder
         self.proc = None

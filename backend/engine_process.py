@@ -39,6 +39,7 @@ class EngineLoop:
         self.rids: dict[str, int] = {}  # gateway rid -> engine rid
         self.names: dict[int, str] = {}
         self.running = True
+        self.parent_pid = os.getppid()  # the gateway; if it dies without Shutdown, nobody reads our messages
 
     def info(self) -> dict:
         e = self.engine
@@ -81,6 +82,13 @@ class EngineLoop:
         poller.register(self.pull, zmq.POLLIN)
         last_stats = 0.0
         while self.running:
+            if os.getppid() != self.parent_pid:
+                # the gateway was killed (SIGKILL, OOM): exit instead of running on as an orphan
+                log.error("the gateway (pid %d) is gone; the engine process exits", self.parent_pid)
+                self.push.close(linger=0)
+                self.pull.close(linger=0)
+                self.ctx.term()
+                return
             busy = self.engine.has_unfinished
             errors: list[RequestUpdate] = []
             # block only when idle; otherwise take whatever arrived and step

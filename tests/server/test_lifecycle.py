@@ -236,3 +236,16 @@ def test_limits_then_engine_crash(tiny_model, log_dir) -> None:
     finally:
         if s.proc.poll() is None:
             s.kill()
+
+
+def test_killed_gateway_leaves_no_engine(tiny_model, log_dir) -> None:
+    s = start_server(tiny_model, log_dir)
+    try:
+        engine_pid = s.stats()["stats"]["engine_pid"]
+        assert engine_pid in s.track()
+        os.kill(s.proc.pid, signal.SIGKILL)
+        assert s.proc.wait(30) == -signal.SIGKILL
+        assert s.stop() == -signal.SIGKILL  # asserts the engine (and everything else it started) exited too
+    finally:
+        if s.proc.poll() is None:
+            s.kill()
