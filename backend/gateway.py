@@ -144,10 +144,12 @@ class TextStream:
         self._pending += text
         if not self._stop:
             return
-        hits = [(i, s) for s in self._stop if (i := self._pending.find(s)) >= 0]
+        # the output ends where the first stop string to complete ends (the longest one, if several end there),
+        # whatever the tokenization; the pending text held no complete stop string before this append
+        hits = [(i + len(s), -len(s), s) for s in self._stop if (i := self._pending.find(s)) >= 0]
         if hits:
-            i, s = min(hits)
-            self._pending = self._pending[:i]
+            end, neg_len, s = min(hits)
+            self._pending = self._pending[:end + neg_len]
             self.stopped, self.stop_string = True, s
 
     def _held_suffix(self) -> int:

@@ -30,9 +30,13 @@ def _run(tokenizer, ids: list[int], stop: list[str], updates: list[int]) -> tupl
 
 
 def _reference(tokenizer, ids: list[int], stop: list[str]) -> str:
+    """The text up to the first stop string to complete (character by character), without it."""
     text = tokenizer.decode(ids, skip_special_tokens=True)
-    cut = min((i for s in stop if (i := text.find(s)) >= 0), default=len(text))
-    return text[:cut]
+    for end in range(1, len(text) + 1):
+        ending = [s for s in stop if text[:end].endswith(s)]
+        if ending:
+            return text[:end - max(map(len, ending))]
+    return text
 
 
 WORDS = ["the", " cache", " keeps", " snapshots", ";", " when", " a", " request", " ends", ",", " its", " pages",
