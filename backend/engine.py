@@ -51,7 +51,8 @@ class Engine:
             state_dtype=cc.state_dtype, block_size=cc.block_size)
         num_pages = cc.num_pages if cc.memory_gb is None else self.layout.num_pages(int(cc.memory_gb * 2**30))
         if num_pages < self.layout.pages_per_state_set + 2:
-            raise ValueError(f"memory_gb: the pool holds {num_pages} pages; one request needs at least "
+            raise ValueError(f"{'num_pages' if cc.memory_gb is None else 'memory_gb'}: the pool holds {num_pages} "
+                             f"pages; one request needs at least "
                              f"{self.layout.pages_per_state_set + 2}")
         self.pool = PagePool(self.layout, num_pages, device=cfg.device, poison_freed=cc.poison_freed,
                              materialize=cfg.runner != "null")
@@ -98,6 +99,12 @@ class Engine:
         if len(prompt) + params.max_tokens > limit:
             raise ValueError(f"prompt: {len(prompt)} tokens + max_tokens {params.max_tokens} exceed the context "
                              f"length {limit}")
+        # a request that cannot fit in the whole pool would preempt itself every step, forever
+        fed = len(prompt) + params.max_tokens - 1  # the last sampled token is never fed
+        pages = -(-fed // self.layout.block_size) + self.layout.pages_per_state_set
+        if pages > self.pool.num_pages:
+            raise ValueError(f"prompt: {len(prompt)} tokens + max_tokens {params.max_tokens} need {pages} cache pages "
+                             f"(KV and KDA state); the pool has {self.pool.num_pages}")
         if len(self.scheduler.waiting) >= self.cfg.scheduler.max_waiting:
             raise OverflowError(f"max_waiting: {self.cfg.scheduler.max_waiting} requests already waiting")
         eos = self._eos if eos_token_ids is None else frozenset(eos_token_ids)

@@ -1,0 +1,126 @@
+"""Helpers shared by the engine-core tests (test_scheduler, test_engine_cache): tiny checkpoints,
+engine builders, a runner wrapper that records every step, and a driver that runs Engine.check()
+after every step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from k3rt.backend.cache.radix import Node
+from k3rt.backend.engine import Engine, engine_config_for_tests
+from k3rt.backend.runner.base import Runner
+from k3rt.backend.scheduler.scheduler import SchedulerOutput
+from k3rt.config import SchedulerConfig
+from k3rt.sampling_params import SamplingParams
+
+MAX_STEPS = 20_000
+
+
+def tiny_checkpoint(tmp_path_factory, arch: str = "kimi_linear") -> Path:
+    from k3rt.backend.models.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, seed=0, dtype="float32")
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def make_engine(ckpt: Path, *, runner: str = "null", budget: int = 256, max_running: int = 256,
+                max_waiting: int = 4096, model=None, **cache) -> Engine:
+    cfg = engine_config_for_tests(str(ckpt), **cache)
+    cfg = replace(cfg, runner=runner, scheduler=SchedulerConfig(max_num_batched_tokens=budget,
+                                                                max_running=max_running, max_waiting=max_waiting))
+    eng = Engine(cfg, model=model)
+    eng.runner = Recorder(eng.runner)
+    return eng
+
+
+@dataclass
+class Chunk:
+    rid: int
+    start: int
+    num_tokens: int
+    total: int  # len(token_ids) when scheduled
+    needs_logits: bool
+    snapshots: list[int]
+
+
+@dataclass
+class Step:
+    decodes: list[tuple[int, int]] = field(default_factory=list)  # (rid, position fed)
+    chunks: list[Chunk] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(c.num_tokens for c in self.chunks)
+
+
+class Recorder(Runner):
+    """Wraps a runner and records what every step scheduled."""
+
+    def __init__(self, inner: Runner) -> None:
+        self.inner = inner
+        self.steps: list[Step] = []
+
+    def execute(self, out: SchedulerOutput) -> dict[int, int]:
+        self.steps.append(Step(
+            [(r.rid, r.num_computed) for r in out.decodes],
+            [Chunk(c.req.rid, c.start, c.num_tokens, len(c.req.token_ids), c.needs_logits, [p for p, _ in c.snapshots])
+             for c in out.chunks]))
+        return self.inner.execute(out)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def run(engine: Engine, prompts, params, *, salts=None, after_step=None) -> list:
+    """Add the requests, step to completion with Engine.check() after every step; outputs in order."""
+    plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    salts = salts or [None] * len(prompts)
+    rids = [engine.add_request(p, sp, cache_salt=s) for p, sp, s in zip(prompts, plist, salts)]
+    final = {}
+    for _ in range(MAX_STEPS):
+        if len(final) == len(rids):
+            break
+        assert engine.has_unfinished, "engine stalled with unfinished requests"
+        for o in engine.step():
+            if o.finished:
+                final[o.rid] = o
+        engine.check()
+        if after_step is not None:
+            after_step(engine)
+    else:
+        raise AssertionError(f"not finished after {MAX_STEPS} steps")
+    return [final[r] for r in rids]
+
+
+def tree_pages(engine: Engine) -> set[int]:
+    return set(engine.scheduler.tree.tree_page_refs())
+
+
+def assert_at_rest(engine: Engine) -> None:
+    """No request holds anything: every page is free or held by the tree only, and reset frees all."""
+    sched, pool = engine.scheduler, engine.pool
+    assert not sched.running and not sched.waiting
+    engine.check()
+    refs = sched.tree.tree_page_refs()
+    assert pool.num_free + len(refs) == pool.num_pages
+    assert [refs.get(p, 0) for p in range(pool.num_pages)] == pool.refcount
+    sched.tree.reset()
+    sched.tree.check()
+    assert pool.num_free == pool.num_pages and sched.tree.num_snapshots() == 0
+    assert all(not r.children for r in sched.tree.roots.values())
+
+
+def path_tokens(node: Node) -> list[int]:
+    out: list[int] = []
+    while node.parent is not None:
+        out[:0] = node.key
+        node = node.parent
+    return out
+
+
+def snapshot_nodes(engine: Engine) -> list[Node]:
+    return [n for n in engine.scheduler.tree._nodes() if n.snapshot is not None]
