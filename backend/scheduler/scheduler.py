@@ -142,7 +142,10 @@ class Scheduler:
         start, remaining = req.num_computed, len(req.token_ids) - req.num_computed
         n = min(remaining, budget)
         if n < remaining:
-            n = (start + n) // self.grid * self.grid - start  # non-final chunks end on the grid
+            aligned = (start + n) // self.grid * self.grid - start  # non-final chunks end on the grid
+            # ...unless the budget left cannot reach the next grid point: then take what there is (no grid
+            # point lies inside, so no snapshot is due) and the next chunk realigns, rather than starving
+            n = aligned if aligned > 0 else n
         if n > 1 and start % self.grid:
             nxt = (start // self.grid + 1) * self.grid
             if start + n > nxt:
