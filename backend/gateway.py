@@ -94,6 +94,7 @@ class ChoiceDelta:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # why the engine rejected or failed this choice (finish_reason "error")
     engine_dead: bool = False  # the error is the engine process's death, not this request's fault
+    internal: bool = False  # the error is a gateway bug (logged), not the request's fault
 
 
 class TextStream:
@@ -317,3 +318,8 @@ class Gateway:
                         return
         except EngineDead as e:
             out.put_nowait(ChoiceDelta(index, "", [], None, "error", len(prompt_ids), error=str(e), engine_dead=True))
+        except Exception as e:
+            # whatever went wrong, this choice must end, or its HTTP request would wait forever
+            log.exception("choice %d failed", index)
+            out.put_nowait(ChoiceDelta(index, "", [], None, "error", len(prompt_ids), error=f"{type(e).__name__}: {e}",
+                                       internal=True))

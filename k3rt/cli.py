@@ -15,6 +15,7 @@ EXAMPLES = """examples:
   k3rt inspect --model kimi-linear-48b --memory-gb 40  # a config-only preset
   k3rt bench cache --workload system-prompt --block-size 1920
   k3rt bench scheduler
+  k3rt bench serve --url http://127.0.0.1:30000 --workload system-prompt --concurrency 16
   k3rt serve --model /tmp/tiny-k3 --port 30000          # OpenAI-compatible server (GET /health, /v1/...)
 """
 
@@ -133,9 +134,30 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--running", type=int, nargs="+", default=[16, 64, 256])
     s.add_argument("--steps", type=int, default=300)
     s.add_argument("--json", action="store_true")
+    v = bsub.add_parser("serve", help="load a running server: throughput, TTFT / ITL percentiles, cache hit rate",
+                        description="Send a seeded synthetic workload to an OpenAI-compatible server (streaming chat "
+                                    "completions, fixed output lengths) and report request and token throughput, "
+                                    "time-to-first-token, inter-token latency and request latency percentiles, and "
+                                    "the prefix-cache hit rate from usage.prompt_tokens_details.cached_tokens.")
+    v.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:30000")
+    v.add_argument("--workload", choices=["sharegpt", "system-prompt", "multi-turn"], default="sharegpt",
+                   help="sharegpt: varied independent chats; system-prompt: one long shared system prompt; "
+                        "multi-turn: conversations resending their history (default sharegpt)")
+    v.add_argument("--concurrency", type=int, default=8, help="requests (conversations) in flight (default 8)")
+    v.add_argument("--requests", type=int, default=64, help="requests in all (default 64)")
+    v.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
+    v.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation (default 4)")
+    v.add_argument("--model-name", default=None, help="model id to send (default: the server's first model)")
+    v.add_argument("--api-key", default=None, help="Bearer key, if the server needs one")
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
+    if a.bench == "serve":
+        from k3rt.server.bench import main as bench_serve
+
+        return bench_serve(a)
     if a.bench == "scheduler":
         import gc
 

@@ -8,6 +8,7 @@ response_format (json_object / json_schema), regex, choice, or a forced tool cal
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -127,19 +128,18 @@ async def chat_completion(ctx: ServerContext, req: ChatCompletionRequest, reques
                           f"already set")
     grammar = await validate_grammar(ctx, *constraints[0]) if constraints else None
 
-    parser_factory = None
+    make_parser = None
     text_end_id = None
-    if mode.kind == "auto":
-        probe = tool_calls.KimiToolParser.create(gw.special_token_id, gw.tokenizer.decode)
-        if probe is not None:
-            text_end_id = probe.section_begin_id
+    probe = tool_calls.KimiToolParser.create(gw.special_token_id, gw.tokenizer.decode) if mode.kind == "auto" else None
+    if probe is not None:  # None: the vocabulary has no tool-call tokens, so there is nothing to parse
+        text_end_id = probe.section_begin_id
 
-            def parser_factory() -> tool_calls.KimiToolParser:
-                return tool_calls.KimiToolParser.create(gw.special_token_id, gw.tokenizer.decode)  # type: ignore
+        def make_parser() -> tool_calls.KimiToolParser:
+            return tool_calls.KimiToolParser(probe.ids, gw.tokenizer.decode)
 
     params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     job = Job([prompt_ids], params, req.n, stop_list(req), grammar, req.cache_salt, text_end_id)
-    out = _ChatOutput(ctx, req, mode, prompt_ids, parser_factory)
+    out = _ChatOutput(ctx, req, mode, prompt_ids, make_parser)
     if req.stream:
         body = await stream_deltas(ctx, job, req.n, "chat", out.render_delta, out.render_end)
         return StreamingResponse(_with_roles(out, body), media_type="text/event-stream",
@@ -159,10 +159,10 @@ class _ChatOutput:
     """Renders one request's choices: the whole chat.completion, or its stream of chunks."""
 
     def __init__(self, ctx: ServerContext, req: ChatCompletionRequest, mode: _ToolMode, prompt_ids: list[int],
-                 parser_factory: Any) -> None:
+                 make_parser: Callable[[], tool_calls.KimiToolParser] | None) -> None:
         self.ctx, self.req, self.mode, self.prompt_ids = ctx, req, mode, prompt_ids
         self.id, self.created, self.model = new_id("chatcmpl"), now(), req.model
-        self.parsers = {i: parser_factory() for i in range(req.n)} if parser_factory else {}
+        self.parsers = {i: make_parser() for i in range(req.n)} if make_parser else {}
         self.sent_call_head: set[int] = set()  # "named" streams: choices whose first call chunk went out
         self.required_text: dict[int, str] = {}  # "required" streams: the JSON array so far, per choice
         self.include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)

@@ -42,10 +42,15 @@ class ServerContext:
                            param="model", code="model_not_found")
 
 
+# Below this a temperature is greedy: dividing float32 logits by it would overflow to inf (vLLM does the same).
+MIN_TEMPERATURE = 1e-5
+
+
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    temperature = 1.0 if req.temperature is None else req.temperature
     try:
         return SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
+            temperature=0.0 if temperature < MIN_TEMPERATURE else temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k, min_p=req.min_p,
             repetition_penalty=req.repetition_penalty, frequency_penalty=req.frequency_penalty,
             presence_penalty=req.presence_penalty, logprobs=logprobs, seed=req.seed, max_tokens=max_tokens,
@@ -108,6 +113,10 @@ def grammar_sources(req: SamplingFields, response_format: Any) -> list[tuple[str
 async def validate_grammar(ctx: ServerContext, param: str, spec: Any) -> dict[str, Any]:
     from k3rt.backend.grammar import GrammarError
 
+    try:
+        orjson.dumps(spec.to_dict())  # it travels to the engine as JSON (64-bit integers at most)
+    except TypeError as e:
+        raise bad_request(param, f"cannot be sent to the engine: {e}", code="invalid_grammar") from None
     try:
         await ctx.gateway.validate_grammar(spec)
     except GrammarError as e:
@@ -172,6 +181,8 @@ def total_usage(choices: list[Choice], n: int) -> dict[str, Any]:
 def delta_error(d: ChoiceDelta) -> APIError:
     if d.engine_dead:
         return APIError(503, f"the engine failed: {d.error}", code="engine_failed")
+    if d.internal:
+        return APIError(500, f"internal error: {d.error}", code="internal_error")
     msg = d.error or "generation failed"
     if msg.startswith("max_waiting"):
         return APIError(429, msg, code="too_many_requests", headers={"Retry-After": "1"})

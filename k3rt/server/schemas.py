@@ -161,12 +161,15 @@ def check_common(req: SamplingFields) -> None:
         raise bad_request("choice", "must be a non-empty list of non-empty strings")
     if req.regex is not None and not req.regex:
         raise bad_request("regex", "must be a non-empty pattern")
-    if req.top_k < 0:
-        raise bad_request("top_k", f"must be >= 0 (0 disables), got {req.top_k}")
+    if not 0 <= req.top_k < 2**31:
+        raise bad_request("top_k", f"must be in [0, 2^31) (0 disables), got {req.top_k}")
     if not 0.0 <= req.min_p <= 1.0:
         raise bad_request("min_p", f"must be in [0, 1], got {req.min_p}")
-    if not 0.0 < req.repetition_penalty <= 10.0:
-        raise bad_request("repetition_penalty", f"must be in (0, 10], got {req.repetition_penalty}")
+    if not 0.01 <= req.repetition_penalty <= 10.0:
+        raise bad_request("repetition_penalty", f"must be in [0.01, 10], got {req.repetition_penalty}")
+    for t in req.stop_token_ids or ():
+        if not 0 <= t < 2**31:
+            raise bad_request("stop_token_ids", f"token ids must be in [0, 2^31), got {t}")
 
 
 def stop_list(req: SamplingFields) -> tuple[str, ...]:

@@ -242,6 +242,16 @@ def test_cached_prompt_tokens_reported(client) -> None:
     assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
 
 
+def test_n_choices_compute_the_prompt_once(server, client) -> None:
+    prompt = "Four answers to one long question about prefix caching and state snapshots. " * 12
+    before = server.stats()["stats"]["computed_tokens"]
+    r = client.completions.create(model=MODEL_NAME, prompt=prompt, n=4, max_tokens=2, temperature=1.0, seed=1,
+                                  extra_body={"ignore_eos": True, "cache_salt": "n-choices"})
+    computed = server.stats()["stats"]["computed_tokens"] - before
+    assert len(r.choices) == 4 and r.usage.completion_tokens == 8
+    assert computed < 2 * r.usage.prompt_tokens, (computed, r.usage)
+
+
 def test_metrics_endpoint(server, client) -> None:
     chat(client, "metrics please", max_tokens=3, **GREEDY)
     text = httpx.get(server.url + "/metrics").text

@@ -88,6 +88,11 @@ BAD = [
      "tool_choice"),
     ("tool-choice-required-without-tools", CHAT, _chat(tool_choice="required"), 400, "tool_choice"),
     ("tool-choice-bogus", CHAT, _chat(tool_choice="sometimes"), 400, "tool_choice"),
+    ("top-k-huge", CHAT, _chat(top_k=10**25), 400, "top_k"),
+    ("stop-token-id-huge", CHAT, _chat(stop_token_ids=[10**25]), 400, "stop_token_ids"),
+    ("schema-int-past-64-bits", CHAT, _chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "integer", "minimum": 10**25}}}), 400, "response_format"),
+    ("repetition-penalty-tiny", CHAT, _chat(repetition_penalty=1e-300), 400, "repetition_penalty"),
     ("ignore-eos-wrong-type", CHAT, _chat(ignore_eos="x"), 400, "ignore_eos"),
     ("cache-salt-wrong-type", CHAT, _chat(cache_salt=5), 400, "cache_salt"),
     ("user-wrong-type", CHAT, _chat(user=5), 400, "user"),

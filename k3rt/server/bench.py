@@ -1,0 +1,220 @@
+"""`k3rt bench serve`: load a running OpenAI-compatible server and report throughput, TTFT and
+inter-token latency percentiles and the prefix-cache hit rate (from `usage.prompt_tokens_details`).
+
+Workloads are synthetic and seeded, so two runs (or two servers) see the same requests:
+  sharegpt        independent chats of varied prompt and output length (lengths drawn like ShareGPT's
+                  long-tailed ones, text from a fixed word list)
+  system-prompt   one long shared system prompt, then a short distinct question per request
+  multi-turn      conversations whose every turn resends the history plus the previous reply; a
+                  conversation's turns run one after the other, `concurrency` conversations at a time
+Outputs have a fixed length (`ignore_eos`, a k3rt/vLLM extension), so token throughput is comparable.
+Needs only httpx (and tqdm for the progress bar): no torch, no engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+WORKLOADS = ("sharegpt", "system-prompt", "multi-turn")
+_WORDS = ("the cache keeps snapshots of every shared prefix so that a second request with the same system "
+          "prompt resumes from the stored state instead of recomputing it while the scheduler batches decode "
+          "steps and prefill chunks under one token budget per step").split()
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    latency_s: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    reply: str = ""
+    error: str | None = None
+
+
+@dataclass
+class Report:
+    workload: str
+    requests: int
+    errors: int
+    concurrency: int
+    duration_s: float
+    request_throughput: float  # requests/s
+    output_throughput: float  # generated tokens/s
+    input_throughput: float  # prompt tokens/s
+    cache_hit_rate: float  # cached / prompt tokens
+    ttft_ms: dict[str, float]  # p50 / p90 / p99 / mean
+    itl_ms: dict[str, float]
+    latency_ms: dict[str, float]
+
+
+def _text(rng: random.Random, num_words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(num_words))
+
+
+def _pct(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "mean": 0.0}
+    s = sorted(values)
+
+    def at(q: float) -> float:
+        return 1000 * s[min(len(s) - 1, int(q * len(s)))]
+
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "mean": 1000 * statistics.fmean(s)}
+
+
+class _Bench:
+    def __init__(self, url: str, model: str | None, api_key: str | None) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=600,
+                                      limits=httpx.Limits(max_connections=None))
+        self.model = model
+
+    async def resolve_model(self) -> str:
+        if self.model is None:
+            r = await self.http.get("/v1/models")
+            r.raise_for_status()
+            self.model = r.json()["data"][0]["id"]
+        return self.model
+
+    async def chat(self, messages: list[dict[str, str]], max_tokens: int) -> Result:
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        start = last = time.perf_counter()
+        res = Result(ok=False)
+        try:
+            async with self.http.stream("POST", "/v1/chat/completions", json=body) as r:
+                if r.status_code != 200:
+                    res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                    return res
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        res.error = chunk["error"].get("message")
+                        return res
+                    now = time.perf_counter()
+                    for c in chunk.get("choices", []):
+                        content = c.get("delta", {}).get("content")
+                        if content:
+                            if not res.reply:
+                                res.ttft_s = now - start
+                            else:
+                                res.itl_s.append(now - last)
+                            last = now
+                            res.reply += content
+                    usage = chunk.get("usage")
+                    if usage:
+                        res.prompt_tokens = usage["prompt_tokens"]
+                        res.completion_tokens = usage["completion_tokens"]
+                        res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        except httpx.HTTPError as e:
+            res.error = f"{type(e).__name__}: {e}"
+            return res
+        res.latency_s = time.perf_counter() - start
+        res.ok = True
+        return res
+
+
+def _conversations(workload: str, num_requests: int, max_tokens: int, turns: int,
+                   rng: random.Random) -> list[list[tuple[list[dict], int]]]:
+    """Per conversation, per turn: (the turn's new messages, its output tokens); history is added at run time."""
+    if workload == "sharegpt":
+        # long-tailed prompt and output lengths, like ShareGPT's (most short, a few long)
+        return [[([{"role": "user", "content": _text(rng, min(2000, int(rng.lognormvariate(4.0, 1.0))) + 1)}],
+                  max(4, min(max_tokens, int(rng.expovariate(1 / max_tokens)))))]
+                for _ in range(num_requests)]
+    if workload == "system-prompt":
+        system = {"role": "system", "content": _text(random.Random(1234), 600)}
+        return [[([system, {"role": "user", "content": f"Question {i}: " + _text(rng, rng.randint(5, 30))}],
+                  max_tokens)] for i in range(num_requests)]
+    convs, left = [], num_requests
+    while left > 0:
+        n = min(turns, left)
+        convs.append([([{"role": "user", "content": _text(rng, rng.randint(20, 120))}], max_tokens)
+                      for _ in range(n)])
+        left -= n
+    return convs
+
+
+async def run_bench(url: str, *, workload: str = "sharegpt", concurrency: int = 8, num_requests: int = 64,
+                    max_tokens: int = 64, turns: int = 4, model: str | None = None, api_key: str | None = None,
+                    seed: int = 0, progress: bool = True) -> Report:
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload: {workload!r} not one of {', '.join(WORKLOADS)}")
+    if concurrency < 1 or num_requests < 1:
+        raise ValueError("concurrency and requests: must be >= 1")
+    rng = random.Random(seed)
+    bench = _Bench(url, model, api_key)
+    await bench.resolve_model()
+    convs = _conversations(workload, num_requests, max_tokens, turns, rng)
+    results: list[Result] = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=num_requests, desc=f"bench serve {workload}", unit="req")
+    gate = asyncio.Semaphore(concurrency)
+
+    async def conversation(conv: list[tuple[list[dict], int]]) -> None:
+        async with gate:
+            history: list[dict] = []
+            for new, out_len in conv:
+                res = await bench.chat(history + new, out_len)
+                results.append(res)
+                if bar is not None:
+                    bar.update(1)
+                if not res.ok:
+                    return
+                history += new + [{"role": "assistant", "content": res.reply}]
+
+    start = time.perf_counter()
+    try:
+        await asyncio.gather(*(conversation(c) for c in convs))
+    finally:
+        await bench.http.aclose()
+        if bar is not None:
+            bar.close()
+    duration = time.perf_counter() - start
+    ok = [r for r in results if r.ok]
+    prompt = sum(r.prompt_tokens for r in ok)
+    return Report(
+        workload=workload, requests=len(results), errors=len(results) - len(ok), concurrency=concurrency,
+        duration_s=duration, request_throughput=len(ok) / duration,
+        output_throughput=sum(r.completion_tokens for r in ok) / duration, input_throughput=prompt / duration,
+        cache_hit_rate=sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+        ttft_ms=_pct([r.ttft_s for r in ok]), itl_ms=_pct([x for r in ok for x in r.itl_s]),
+        latency_ms=_pct([r.latency_s for r in ok]))
+
+
+def format_report(r: Report) -> str:
+    lines = [f"workload {r.workload}: {r.requests} requests ({r.errors} errors), concurrency {r.concurrency}, "
+             f"{r.duration_s:.1f} s",
+             f"  throughput   {r.request_throughput:.2f} req/s, {r.output_throughput:.1f} output tok/s, "
+             f"{r.input_throughput:.1f} prompt tok/s",
+             f"  cache hit    {100 * r.cache_hit_rate:.1f}% of prompt tokens",
+             f"  {'':12} {'p50':>9} {'p90':>9} {'p99':>9} {'mean':>9}  (ms)"]
+    for name, d in (("TTFT", r.ttft_ms), ("ITL", r.itl_ms), ("latency", r.latency_ms)):
+        lines.append(f"  {name:12} {d['p50']:9.1f} {d['p90']:9.1f} {d['p99']:9.1f} {d['mean']:9.1f}")
+    return "\n".join(lines)
+
+
+def main(args: Any) -> int:
+    """`k3rt bench serve` (args from the CLI parser)."""
+    report = asyncio.run(run_bench(args.url, workload=args.workload, concurrency=args.concurrency,
+                                   num_requests=args.requests, max_tokens=args.max_tokens, turns=args.turns,
+                                   model=args.model_name, api_key=args.api_key, seed=args.seed,
+                                   progress=not args.json))
+    print(json.dumps(asdict(report)) if args.json else format_report(report))
+    return 0 if report.errors == 0 else 1
