@@ -1,4 +1,8 @@
-"""Kimi Delta Attention ops. `ref` holds the plain-torch oracle every KDA kernel is tested against."""
+"""Kimi Delta Attention ops. `ref` holds the plain-torch oracle every KDA kernel is tested against.
+
+The Triton kernels (`kda_decode`, `kda_chunk_fwd`) are exported lazily, so importing the reference
+ops never imports Triton.
+"""
 from k3rt.kernels.kda.ref import (
     kda_chunked,
     kda_gate_lower_bound,
@@ -7,4 +11,25 @@ from k3rt.kernels.kda.ref import (
     l2norm,
 )
 
-__all__ = ["kda_chunked", "kda_gate_lower_bound", "kda_gate_softplus", "kda_recurrent", "l2norm"]
+_TRITON_EXPORTS = {
+    "kda_decode": "k3rt.kernels.kda.triton_decode",
+    "kda_chunk_fwd": "k3rt.kernels.kda.triton_chunk",
+}
+
+__all__ = [
+    "kda_chunk_fwd",
+    "kda_chunked",
+    "kda_decode",
+    "kda_gate_lower_bound",
+    "kda_gate_softplus",
+    "kda_recurrent",
+    "l2norm",
+]
+
+
+def __getattr__(name: str):
+    if name in _TRITON_EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_TRITON_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

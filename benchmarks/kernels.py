@@ -1,0 +1,531 @@
+#!/usr/bin/env python3
+"""Correctness check and timing of the Triton KDA kernels against the torch oracle and fla.
+
+GPU mode (default), one H200-class GPU:
+  1. device-to-device copy bandwidth (bytes read + written), the ceiling for the state-traffic floor;
+  2. correctness at a moderate shape: kda_decode and kda_chunk_fwd (fp32 and bf16 scratch) vs
+     kernels/kda/ref.py, and fla's kernels vs the same oracle (to show they are called right);
+  3. KDA decode, N in {1, 16, 64, 256} sequences, H=32, D=128, bf16 activations, fp32 state,
+     replayed from a CUDA graph, the state rotated over enough layers to defeat the L2; against fla
+     `fused_recurrent_kda` (in-place state, gate/beta/l2norm in kernel; it has no conv) and against
+     the floor 2 x state bytes / copy bandwidth;
+  4. KDA prefill, T in {4K, 16K, 64K} and varlen 8 x 4K, against fla `chunk_kda` (g pre-gated,
+     l2norm in kernel, initial and final state).
+Times are medians of CUDA-event-timed repetitions after warm-up. A table goes to stdout, all numbers
+to JSON ($OUT/kernels.json, or --out). Items past --budget-s are skipped and say so.
+
+--smoke: a tiny CPU run under the Triton interpreter (no GPU, no fla, no meaningful times) so CI
+notices when this script rots.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny CPU run under the Triton interpreter")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default $OUT/kernels.json or ./kernels.json)")
+    p.add_argument("--budget-s", type=float, default=420.0, help="skip remaining items after this many seconds")
+    p.add_argument("--no-fla", action="store_true", help="do not import or time fla")
+    p.add_argument("--decode-n", type=int, nargs="*", default=[1, 16, 64, 256])
+    p.add_argument("--prefill", nargs="*", default=["4096", "16384", "65536", "8x4096"],
+                   help="prefill cases: T (one sequence) or NxT (N sequences of T)")
+    return p.parse_args()
+
+
+ARGS = _args()
+if ARGS.smoke:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton sees any @jit
+
+import torch  # noqa: E402
+
+
+def _import_k3rt_kernels() -> None:
+    """Import k3rt.kernels from this checkout, installed or not (the device machine has no install)."""
+    try:
+        import k3rt.kernels.kda  # noqa: F401
+        return
+    except ModuleNotFoundError:
+        pass
+    pkg = types.ModuleType("k3rt")
+    pkg.__path__ = [str(ROOT / "k3rt")]  # namespace only: k3rt/__init__ (the DSL) is not needed
+    sys.modules["k3rt"] = pkg
+    spec = importlib.util.spec_from_file_location(
+        "k3rt.kernels", ROOT / "kernels" / "__init__.py", submodule_search_locations=[str(ROOT / "kernels")]
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["k3rt.kernels"] = mod
+    spec.loader.exec_module(mod)
+    pkg.kernels = mod
+
+
+_import_k3rt_kernels()
+from k3rt.kernels.kda import kda_chunk_fwd, kda_decode  # noqa: E402
+from k3rt.kernels.kda.ref import kda_chunked, kda_gate_lower_bound, kda_recurrent  # noqa: E402
+from k3rt.kernels.short_conv.ref import causal_conv1d  # noqa: E402
+
+LB = -5.0  # K3's gate_lower_bound
+T0 = time.monotonic()
+RESULT: dict = {}
+
+
+def out_path() -> Path:
+    if ARGS.out is not None:
+        return ARGS.out
+    return Path(os.environ["OUT"]) / "kernels.json" if os.environ.get("OUT") else Path("kernels.json")
+
+
+def save() -> None:
+    path = out_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(RESULT, indent=1, default=str))
+
+
+def over_budget() -> bool:
+    return time.monotonic() - T0 > ARGS.budget_s
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - T0:7.1f}s] {msg}", flush=True)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return math.inf
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def time_ms(fn, reps: int, warmup: int) -> dict:
+    """Median (and spread) of CUDA-event-timed calls after warm-up; perf_counter on CPU."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            ts.append(s.elapsed_time(e))
+    else:
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t) * 1e3)
+    return {"median_ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts), "reps": reps}
+
+
+def item(section: str, name: str, fn) -> dict | None:
+    """Run one measured item: record its dict, or the error / the skip, in RESULT[section]."""
+    rec: dict = {"name": name}
+    if over_budget():
+        rec["skipped"] = f"budget {ARGS.budget_s:.0f}s spent"
+        log(f"{section}/{name}: skipped (budget)")
+    else:
+        try:
+            rec.update(fn())
+        except Exception as e:  # one broken item must not lose the rest of a device run
+            rec["error"] = f"{type(e).__name__}: {e}"
+            log(f"{section}/{name}: ERROR {rec['error']}")
+            traceback.print_exc()
+    RESULT.setdefault(section, []).append(rec)
+    save()
+    return rec
+
+
+# ------------------------------------------------------------------------------------------
+# inputs
+
+
+def gate_params(H: int, D: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    A_log = torch.log(torch.empty(H).uniform_(1, 16, generator=gen))
+    dt = torch.exp(torch.empty(H * D).uniform_(math.log(1e-3), math.log(0.1), generator=gen))
+    return A_log.to(DEV), (dt + torch.log(-torch.expm1(-dt))).to(DEV)
+
+
+def decode_inputs(N: int, H: int, D: int, dtype: torch.dtype, layers: int = 1, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    P = H * D
+    A_log, dt_bias = gate_params(H, D, gen)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    return dict(
+        qkv_pre=r(N, 3 * P).to(dtype).to(DEV),
+        conv_weight=(r(3 * P, 4) * 0.5).to(DEV),
+        conv_states=[r(N, 3, 3 * P).to(dtype).to(DEV) for _ in range(layers)],
+        f=r(N, P).to(dtype).to(DEV),
+        A_log=A_log,
+        dt_bias=dt_bias,
+        b=r(N, H).to(dtype).to(DEV),
+        states=[(r(N, H, D, D) * 0.1).to(DEV) for _ in range(layers)],
+        slots=torch.arange(N, dtype=torch.int32, device=DEV),
+    )
+
+
+def prefill_inputs(lens: list[int], H: int, D: int, dtype: torch.dtype, seed: int = 0) -> dict:
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    T = sum(lens)
+    A_log = torch.zeros(H, device=DEV)
+    dt_bias = torch.full((H * D,), -3.0, device=DEV)
+    r = lambda *s: torch.randn(*s, generator=gen, device=DEV)  # noqa: E731
+    f = r(T, H, D)
+    return dict(
+        q=r(T, H, D).to(dtype), k=r(T, H, D).to(dtype), v=r(T, H, D).to(dtype),
+        g=kda_gate_lower_bound(f, A_log, dt_bias.view(H, D), LB),
+        beta=torch.sigmoid(r(T, H)),
+        cu=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV),
+        cu_list=[0, *torch.tensor(lens).cumsum(0).tolist()],
+        state=r(len(lens), H, D, D) * 0.1,
+        slots=torch.arange(len(lens), dtype=torch.int32, device=DEV),
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# correctness
+
+
+def decode_reference(x: dict, H: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    N = x["qkv_pre"].shape[0]
+    y, _ = causal_conv1d(x["qkv_pre"].float()[:, None], x["conv_weight"], x["conv_states"][0].float())
+    q, k, v = y.view(N, 1, 3, H, D).unbind(2)  # [N, 1, H, D]
+    g = kda_gate_lower_bound(x["f"].float().view(N, 1, H, D), x["A_log"], x["dt_bias"].view(H, D), LB)
+    beta = torch.sigmoid(x["b"].float()).view(N, 1, H)
+    o, s = kda_recurrent(q, k, v, g, beta, initial_state=x["states"][0])
+    return o[:, 0], s
+
+
+def check_decode(N: int, H: int, D: int) -> dict:
+    x = decode_inputs(N, H, D, ACT, seed=1)
+    o_ref, s_ref = decode_reference(x, H, D)
+    o = kda_decode(x["qkv_pre"], x["conv_weight"], x["conv_states"][0], x["f"], x["A_log"], x["dt_bias"],
+                   x["b"], x["states"][0], x["slots"], lower_bound=LB)
+    e_o, e_s = rel_err(o, o_ref), rel_err(x["states"][0], s_ref)
+    tol = 5e-3 if ACT == torch.bfloat16 else 1e-4
+    return {"shape": f"N={N} H={H} D={D} {ACT}", "rel_err_o": e_o, "rel_err_state": e_s,
+            "ok": e_o <= tol and e_s <= 1e-4}
+
+
+def check_chunk(lens: list[int], H: int, D: int, scratch: torch.dtype) -> dict:
+    x = prefill_inputs(lens, H, D, ACT, seed=2)
+    s0 = x["state"].clone()
+    snaps = [[p for p in (64, lens[0]) if p <= lens[0]]] + [[] for _ in lens[1:]]
+    dest = [[len(lens) + j for j in range(len(snaps[0]))]] + [[] for _ in lens[1:]]
+    state = torch.cat([x["state"], torch.zeros(len(snaps[0]), H, D, D, device=DEV)])
+    o = kda_chunk_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu"], state, x["slots"],
+                      snapshot_positions=snaps, snapshot_slots=dest, scratch_dtype=scratch)
+    e_o = e_s = 0.0
+    for i, (b, e) in enumerate(zip(x["cu_list"], x["cu_list"][1:])):
+        args = [x[n][None, b:e] for n in ("q", "k", "v", "g", "beta")]
+        o_r, s_r, snap_r = kda_chunked(*args, initial_state=s0[i][None], state_positions=snaps[i])
+        e_o = max(e_o, rel_err(o[b:e], o_r[0]))
+        e_s = max(e_s, rel_err(state[i], s_r[0]))
+        for d, s in zip(dest[i], snap_r):
+            e_s = max(e_s, rel_err(state[d], s[0]))
+    tol = {torch.float32: 5e-3, torch.bfloat16: 2e-2}[scratch] if DEV == "cuda" else 3e-3
+    return {"shape": f"lens={lens} H={H} D={D} {ACT} scratch={scratch}", "rel_err_o": e_o,
+            "rel_err_state": e_s, "ok": e_o <= tol and e_s <= tol}
+
+
+def check_fla_decode(N: int, H: int, D: int) -> dict:
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    r = lambda *s: torch.randn(*s, generator=gen, device=DEV)  # noqa: E731
+    q, k, v = (r(N, 1, H, D).to(ACT) for _ in range(3))
+    f, b = r(N, 1, H, D).to(ACT), r(N, 1, H).to(ACT)
+    A_log, dt_bias = gate_params(H, D, torch.Generator().manual_seed(3))
+    state = r(N, H, D, D) * 0.1
+    g = kda_gate_lower_bound(f.float(), A_log, dt_bias.view(H, D), LB)
+    o_ref, s_ref = kda_recurrent(q, k, v, g, torch.sigmoid(b.float()), initial_state=state)
+    o = fla_decode(q, k, v, f, b, A_log, dt_bias, state, torch.arange(N, dtype=torch.int32, device=DEV))
+    return {"shape": f"fla fused_recurrent N={N} H={H} D={D}", "rel_err_o": rel_err(o, o_ref),
+            "rel_err_state": rel_err(state, s_ref),
+            "ok": rel_err(o, o_ref) <= 1e-2 and rel_err(state, s_ref) <= 1e-3}
+
+
+def check_fla_chunk(lens: list[int], H: int, D: int) -> dict:
+    x = prefill_inputs(lens, H, D, ACT, seed=4)
+    s0 = x["state"].clone()
+    o, s = fla_chunk(x)
+    e_o = e_s = 0.0
+    for i, (b, e) in enumerate(zip(x["cu_list"], x["cu_list"][1:])):
+        args = [x[n][None, b:e] for n in ("q", "k", "v", "g", "beta")]
+        o_r, s_r, _ = kda_chunked(*args, initial_state=s0[i][None])
+        e_o, e_s = max(e_o, rel_err(o[0, b:e], o_r[0])), max(e_s, rel_err(s[i], s_r[0]))
+    return {"shape": f"fla chunk_kda lens={lens} H={H} D={D}", "rel_err_o": e_o, "rel_err_state": e_s,
+            "ok": e_o <= 2e-2 and e_s <= 2e-2}
+
+
+# ------------------------------------------------------------------------------------------
+# fla wrappers (fla must be importable: carried as a wheel on the device machine)
+
+FLA = None
+
+
+def load_fla() -> str:
+    global FLA
+    if ARGS.no_fla or ARGS.smoke:
+        return "fla skipped"
+    try:
+        import fla
+        from fla.ops.kda import chunk_kda
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+        FLA = types.SimpleNamespace(chunk_kda=chunk_kda, fused_recurrent_kda_fwd=fused_recurrent_kda_fwd)
+        return f"fla {getattr(fla, '__version__', '?')}"
+    except Exception as e:
+        return f"fla missing ({type(e).__name__}: {e})"
+
+
+def fla_decode(q, k, v, f, b, A_log, dt_bias, state, slots, out=None):
+    """fla's decode path: in-place state at ssm_state_indices, gate/beta/l2norm inside, no conv."""
+    o, _ = FLA.fused_recurrent_kda_fwd(
+        q, k, v, f, b, A_log=A_log, dt_bias=dt_bias, initial_state=state, scale=q.shape[-1] ** -0.5,
+        inplace_final_state=True, ssm_state_indices=slots, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=LB, out=out,
+    )
+    return o
+
+
+def fla_chunk(x: dict):
+    return FLA.chunk_kda(
+        x["q"][None], x["k"][None], x["v"][None], x["g"][None], x["beta"][None],
+        scale=x["q"].shape[-1] ** -0.5, initial_state=x["state"], output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=x["cu"].long(),
+        cu_seqlens_cpu=torch.tensor(x["cu_list"], dtype=torch.long),
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# timing
+
+
+def graph_time(calls: list, reps: int) -> dict:
+    """Per-call time of `calls` (one pass) replayed from one CUDA graph."""
+    if DEV != "cuda":
+        t = time_ms(lambda: [c() for c in calls], reps=1, warmup=0)
+        return {"us_per_call": 1e3 * t["median_ms"] / len(calls), "graph": False}
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            for c in calls:
+                c()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    t = time_ms(graph.replay, reps=reps, warmup=3)
+    return {"us_per_call": 1e3 * t["median_ms"] / len(calls), "us_per_call_min": 1e3 * t["min_ms"] / len(calls),
+            "calls_per_graph": len(calls), "graph": True}
+
+
+def rotation_layers(state_bytes: int) -> int:
+    """Enough distinct layer buffers that one pass over them is 3x the L2 (cold state each call)."""
+    if DEV != "cuda":
+        return 1
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20) or (60 << 20)
+    return max(1, min(64, math.ceil(3 * l2 / state_bytes)))
+
+
+def bench_decode(N: int, H: int, D: int, impl: str) -> dict:
+    state_bytes = N * H * D * D * 4
+    L = rotation_layers(state_bytes)
+    x = decode_inputs(N, H, D, ACT, layers=L, seed=5)
+    outs = [torch.empty(N, H, D, dtype=ACT, device=DEV) for _ in range(L)]
+    if impl == "k3rt":
+        calls = [
+            (lambda l=l: kda_decode(x["qkv_pre"], x["conv_weight"], x["conv_states"][l], x["f"], x["A_log"],
+                                    x["dt_bias"], x["b"], x["states"][l], x["slots"], lower_bound=LB, out=outs[l]))
+            for l in range(L)
+        ]
+    else:
+        P = H * D
+        q, k, v = (x["qkv_pre"][:, i * P:(i + 1) * P].reshape(N, 1, H, D).contiguous() for i in range(3))
+        f, b = x["f"].view(N, 1, H, D), x["b"].view(N, 1, H)
+        calls = [
+            (lambda l=l: fla_decode(q, k, v, f, b, x["A_log"], x["dt_bias"], x["states"][l], x["slots"],
+                                    out=outs[l].view(N, 1, H, D)))
+            for l in range(L)
+        ]
+    calls = calls * max(1, math.ceil(8 / L))
+    t = graph_time(calls, reps=30 if DEV == "cuda" else 1)
+    floor_us = 2 * state_bytes / BW * 1e6 if BW else None
+    t.update({"N": N, "impl": impl, "rotation_layers": L, "state_MB": state_bytes / 1e6, "floor_us": floor_us,
+              "state_GBps": 2 * state_bytes / (t["us_per_call"] * 1e-6) / 1e9})
+    return t
+
+
+def kernel_split_ms(fn, reps: int) -> dict:
+    """Median time of each of kda_chunk_fwd's two launches (events around each; syncs in between)."""
+    import k3rt.kernels.kda.triton_chunk as tc
+
+    names = ("_kda_chunk_intra_kernel", "_kda_chunk_state_kernel")
+    orig = {n: getattr(tc, n) for n in names}
+    times: dict = {n: [] for n in names}
+
+    class Timed:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid):
+            launch = orig[self.name][grid]
+
+            def run(*a, **kw):
+                if DEV == "cuda":
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    s.record()
+                    launch(*a, **kw)
+                    e.record()
+                    e.synchronize()
+                    times[self.name].append(s.elapsed_time(e))
+                else:
+                    t = time.perf_counter()
+                    launch(*a, **kw)
+                    times[self.name].append((time.perf_counter() - t) * 1e3)
+            return run
+
+    try:
+        for n in names:
+            setattr(tc, n, Timed(n))
+        for _ in range(reps):
+            fn()
+    finally:
+        for n in names:
+            setattr(tc, n, orig[n])
+    return {f"{n.strip('_').removeprefix('kda_chunk_')}_ms": statistics.median(t) for n, t in times.items() if t}
+
+
+def bench_prefill(case: str, H: int, D: int, impl: str, scratch=None) -> dict:
+    n, _, t = case.rpartition("x")
+    lens = [int(t)] * (int(n) if n else 1)
+    x = prefill_inputs(lens, H, D, ACT, seed=6)
+    if impl == "k3rt":
+        fn = lambda: kda_chunk_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu"], x["state"],  # noqa: E731
+                                   x["slots"], cu_seqlens_cpu=x["cu_list"], scratch_dtype=scratch)
+    else:
+        fn = lambda: fla_chunk(x)  # noqa: E731
+    t0 = time.monotonic()
+    fn()
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    first_s = time.monotonic() - t0
+    reps = 10 if sum(lens) <= 16384 else 5
+    t = time_ms(fn, reps=reps if DEV == "cuda" else 1, warmup=2 if DEV == "cuda" else 0)
+    t.update({"case": case, "tokens": sum(lens), "impl": impl if scratch is None else f"{impl} scratch={scratch}",
+              "first_call_s": first_s, "Mtok_per_s": sum(lens) / (t["median_ms"] * 1e-3) / 1e6})
+    if impl == "k3rt":  # where the time goes: the parallel intra-chunk pass vs the sequential state pass
+        t.update(kernel_split_ms(fn, reps=3 if DEV == "cuda" else 1))
+    return t
+
+
+def copy_bandwidth() -> dict:
+    n = (1 << 30) // 4  # 1 GiB of fp32
+    src = torch.randn(n, device=DEV)
+    dst = torch.empty_like(src)
+    t = time_ms(lambda: dst.copy_(src), reps=20, warmup=3)
+    return {"bytes_moved": 2 * n * 4, "GBps": 2 * n * 4 / (t["median_ms"] * 1e-3) / 1e9, **t}
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    global DEV, ACT, BW
+    smoke = ARGS.smoke or not torch.cuda.is_available()
+    DEV = "cpu" if smoke else "cuda"
+    ACT = torch.float32 if smoke else torch.bfloat16
+    BW = None
+    import triton
+
+    RESULT.update(mode="smoke" if smoke else "gpu", torch=torch.__version__, triton=triton.__version__,
+                  device=torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu (triton interpreter)")
+    RESULT["fla"] = load_fla()
+    log(f"{RESULT['device']} torch {torch.__version__} triton {triton.__version__}; {RESULT['fla']}")
+    if DEV == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # the oracle runs in true fp32
+        bw = item("bandwidth", "d2d copy 1 GiB", copy_bandwidth)
+        BW = bw.get("GBps", 0) * 1e9 or None
+
+    # Kimi shapes throughout: the kernels specialize on H and D, so the checks compile what is timed
+    H, D = (32, 128) if not smoke else (2, 16)
+    item("correctness", "kda_decode", lambda: check_decode(8 if not smoke else 2, H, D))
+    lens = [300, 64, 1000] if not smoke else [65, 3]
+    item("correctness", "kda_chunk_fwd fp32 scratch", lambda: check_chunk(lens, H, D, torch.float32))
+    if FLA is not None:
+        item("correctness", "fla fused_recurrent_kda", lambda: check_fla_decode(8, H, D))
+
+    decode_n = ARGS.decode_n if not smoke else [2]
+    prefill = ARGS.prefill if not smoke else ["65", "2x33"]
+    for N in decode_n:
+        item("decode", f"k3rt N={N}", lambda N=N: bench_decode(N, H, D, "k3rt"))
+        if FLA is not None:
+            item("decode", f"fla N={N}", lambda N=N: bench_decode(N, H, D, "fla"))
+    for case in prefill:
+        item("prefill", f"k3rt {case} fp32 scratch", lambda c=case: bench_prefill(c, H, D, "k3rt", torch.float32))
+    # 16-bit scratch after the fp32 items: a device fault here cannot cost the numbers above
+    if not smoke:
+        item("correctness", "kda_chunk_fwd bf16 scratch", lambda: check_chunk(lens, H, D, torch.bfloat16))
+        for case in prefill:
+            item("prefill", f"k3rt {case} bf16 scratch",
+                 lambda c=case: bench_prefill(c, H, D, "k3rt", torch.bfloat16))
+    if FLA is not None:  # last: fla's chunk kernels autotune on first use (minutes on a fresh machine)
+        item("correctness", "fla chunk_kda", lambda: check_fla_chunk([300, 64, 1000], H, D))
+        for case in prefill:
+            item("prefill", f"fla {case}", lambda c=case: bench_prefill(c, H, D, "fla"))
+
+    print_table()
+    save()
+    ok = all(c.get("ok") for c in RESULT.get("correctness", []))
+    log(f"wrote {out_path()}; correctness {'OK' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+def print_table() -> None:
+    print(f"\n== {RESULT['device']} | {RESULT['fla']} | copy "
+          f"{(RESULT.get('bandwidth') or [{}])[0].get('GBps', float('nan')):.0f} GB/s ==")
+    for c in RESULT.get("correctness", []):
+        print(f"check {c['name']:<32} {c.get('shape', ''):<58} o {c.get('rel_err_o', float('nan')):.2e} "
+              f"state {c.get('rel_err_state', float('nan')):.2e} {'ok' if c.get('ok') else 'FAIL'} "
+              f"{c.get('error', c.get('skipped', ''))}")
+    by = {}
+    for d in RESULT.get("decode", []):
+        if "N" in d:
+            by.setdefault(d["N"], {})[d["impl"]] = d
+    print(f"\ndecode (H=32 D=128, CUDA graph, us/call)  {'N':>4} {'k3rt':>9} {'fla':>9} {'floor':>9} {'k3rt GB/s':>10}")
+    for N, r in sorted(by.items()):
+        k, f = r.get("k3rt", {}), r.get("fla", {})
+        fl = k.get("floor_us") or f.get("floor_us")
+        print(f"{'':42}{N:>4} {k.get('us_per_call', float('nan')):9.2f} {f.get('us_per_call', float('nan')):9.2f} "
+              f"{fl if fl is not None else float('nan'):9.2f} {k.get('state_GBps', float('nan')):10.0f}")
+    print(f"\nprefill (H=32 D=128, ms)  {'case':>8} {'impl':<34} {'median':>9} {'Mtok/s':>8} {'first s':>8} "
+          f"{'intra':>8} {'state':>8}")
+    for p in RESULT.get("prefill", []):
+        if "median_ms" in p:
+            print(f"{'':26}{p['case']:>8} {p['impl']:<34} {p['median_ms']:9.3f} {p['Mtok_per_s']:8.2f} "
+                  f"{p['first_call_s']:8.1f} {p.get('intra_kernel_ms', float('nan')):8.3f} "
+                  f"{p.get('state_kernel_ms', float('nan')):8.3f}")
+        else:
+            print(f"{'':26}{p['name']:<44} {p.get('error', p.get('skipped', ''))}")
+    for sec in ("decode",):
+        for d in RESULT.get(sec, []):
+            if "error" in d or "skipped" in d:
+                print(f"{sec} {d['name']}: {d.get('error', d.get('skipped'))}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,320 @@
+"""The Triton KDA kernels (decode step, chunked prefill) agree with the torch oracle.
+
+Without a GPU the kernels run in the Triton interpreter (TRITON_INTERPRET=1, set below before the
+kernel modules are imported), so the CPU cases use tiny fp32/fp16 shapes. The `gpu` cases run the
+compiled kernels at Kimi shapes (H=32, D=128, bf16 activations, fp32 state).
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the @triton.jit decorations below
+
+pytest.importorskip("triton")
+
+from k3rt.kernels.kda import kda_chunk_fwd, kda_decode  # noqa: E402
+from k3rt.kernels.kda import triton_decode  # noqa: E402
+from k3rt.kernels.kda.ref import (  # noqa: E402
+    kda_chunked,
+    kda_gate_lower_bound,
+    kda_gate_softplus,
+    kda_recurrent,
+)
+from k3rt.kernels.short_conv.ref import causal_conv1d  # noqa: E402
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+LOWER_BOUND = -5.0
+W = 4
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs():
+    """NaN-fill kernel outputs and scratch, so anything left unwritten fails the comparison."""
+    triton_decode.set_poison(True)
+    yield
+    triton_decode.set_poison(False)
+
+
+def rel_err(a: Tensor, b: Tensor) -> float:
+    """||a - b|| / ||b|| in fp64; NaN anywhere gives inf."""
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return math.inf
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def gate_params(gen: torch.Generator, H: int, D: int, gate: str) -> tuple[Tensor, Tensor]:
+    """(A_log [H], dt_bias [H*D]) drawn like fla's init (safe gate: A_log = 0)."""
+    if gate == "softplus":
+        A_log = torch.log(torch.empty(H).uniform_(1, 16, generator=gen))
+    else:
+        A_log = torch.zeros(H)
+    dt = torch.exp(torch.empty(H * D).uniform_(math.log(1e-3), math.log(0.1), generator=gen))
+    return A_log, dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+
+
+def gate(f: Tensor, A_log: Tensor, dt_bias: Tensor, kind: str) -> Tensor:
+    H = A_log.numel()
+    f = f.view(*f.shape[:-1], H, -1)
+    dt = dt_bias.view(H, -1)
+    if kind == "softplus":
+        return kda_gate_softplus(f, A_log, dt)
+    return kda_gate_lower_bound(f, A_log, dt, LOWER_BOUND)
+
+
+# --------------------------------------------------------------------------------------------
+# decode
+
+
+def decode_case(N: int, H: int, D: int, kind: str, dtype: torch.dtype, num_slots: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    P = H * D
+    A_log, dt_bias = gate_params(gen, H, D, kind)
+    case = dict(
+        qkv_pre=torch.randn(N, 3 * P, generator=gen).to(dtype),
+        conv_weight=torch.randn(3 * P, W, generator=gen) * 0.5,
+        conv_state=torch.randn(num_slots, W - 1, 3 * P, generator=gen).to(dtype),
+        f=torch.randn(N, P, generator=gen).to(dtype),
+        A_log=A_log,
+        dt_bias=dt_bias,
+        b=torch.randn(N, H, generator=gen).to(dtype),
+        state=torch.randn(num_slots, H, D, D, generator=gen) * 0.5,
+    )
+    return {k: v.to(DEV) for k, v in case.items()}
+
+
+def decode_ref(case: dict, slots: list[int], kind: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(o [N, H, D] fp32, state, conv_state) after one step, from ref.py + short_conv/ref.py."""
+    state, conv_state = case["state"].clone(), case["conv_state"].clone()
+    num_slots, H, D, _ = state.shape
+    N = len(slots)
+    o = torch.zeros(N, H, D, dtype=torch.float32, device=state.device)
+    for n, s in enumerate(slots):
+        if s < 0:
+            continue
+        # the kernel keeps the conv output in fp32: so does the oracle here
+        y, new_conv = causal_conv1d(case["qkv_pre"][None, n:n + 1].float(), case["conv_weight"],
+                                    conv_state[s][None].float())
+        q, k, v = y[0].view(1, 3, H, D).unbind(1)  # [1, H, D] each
+        g = gate(case["f"][n:n + 1].float(), case["A_log"], case["dt_bias"], kind)  # [1, H, D]
+        beta = torch.sigmoid(case["b"][n:n + 1].float())  # [1, H]
+        o_n, s_n = kda_recurrent(q[None], k[None], v[None], g[None], beta[None], initial_state=state[s][None])
+        o[n] = o_n[0, 0].float()
+        state[s] = s_n[0]
+        conv_state[s] = new_conv[0].to(conv_state.dtype)
+    return o, state, conv_state
+
+
+@pytest.mark.parametrize("kind", ["softplus", "lower_bound"])
+@pytest.mark.parametrize(
+    "N,D,slots",
+    [(1, 16, [2]), (3, 16, [4, -1, 0]), (3, 32, [1, 3, -1])],
+    ids=["N1_D16", "N3_D16_pad", "N3_D32_pad"],
+)
+def test_decode_matches_ref(N: int, D: int, slots: list[int], kind: str) -> None:
+    H, num_slots = 2, 5
+    case = decode_case(N, H, D, kind, torch.float32, num_slots)
+    o_ref, state_ref, conv_ref = decode_ref(case, slots, kind)
+    state0, conv0 = case["state"].clone(), case["conv_state"].clone()
+    slot_t = torch.tensor(slots, dtype=torch.int32, device=DEV)
+    o = kda_decode(**case, slot_indices=slot_t, lower_bound=LOWER_BOUND if kind == "lower_bound" else None)
+    assert o.shape == (N, H, D) and o.dtype == torch.float32
+    assert rel_err(o, o_ref) <= 1e-4
+    assert rel_err(case["state"], state_ref) <= 1e-4
+    assert rel_err(case["conv_state"], conv_ref) <= 1e-6
+    for n, s in enumerate(slots):
+        if s < 0:
+            assert torch.equal(o[n], torch.zeros_like(o[n]))  # padding: zero output
+    untouched = [s for s in range(num_slots) if s not in slots]
+    assert torch.equal(case["state"][untouched], state0[untouched])
+    assert torch.equal(case["conv_state"][untouched], conv0[untouched])
+
+
+def test_decode_two_steps_int64_slots_fp16() -> None:
+    """Chained steps reuse the updated conv and recurrent state; fp16 activations, int64 slots."""
+    N, H, D, kind = 2, 2, 16, "softplus"
+    case = decode_case(N, H, D, kind, torch.float16, num_slots=3, seed=1)
+    ref = {k: v.clone() for k, v in case.items()}
+    slots = [2, 0]
+    slot_t = torch.tensor(slots, dtype=torch.int64, device=DEV)
+    for step in range(2):
+        o_ref, ref["state"], ref["conv_state"] = decode_ref(ref, slots, kind)
+        o = kda_decode(**case, slot_indices=slot_t)
+        assert o.dtype == torch.float16
+        assert rel_err(o, o_ref) <= 2e-3, step  # fp16 output rounding
+        assert rel_err(case["state"], ref["state"]) <= 1e-4, step
+        assert torch.equal(case["conv_state"], ref["conv_state"]), step
+        gen = torch.Generator().manual_seed(10 + step)
+        case["qkv_pre"] = torch.randn(N, 3 * H * D, generator=gen).to(torch.float16).to(DEV)
+        ref["qkv_pre"] = case["qkv_pre"]
+
+
+def test_decode_rejects_bad_inputs() -> None:
+    case = decode_case(2, 2, 16, "softplus", torch.float32, num_slots=3)
+    slots = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="qkv_pre"):
+        kda_decode(**{**case, "qkv_pre": case["qkv_pre"][:, :-1]}, slot_indices=slots)
+    with pytest.raises(ValueError, match="state must be fp32"):
+        kda_decode(**{**case, "state": case["state"].half()}, slot_indices=slots)
+    with pytest.raises(ValueError, match="slot_indices"):
+        kda_decode(**case, slot_indices=slots.float())
+    with pytest.raises(ValueError, match="conv_weight must be fp32"):
+        kda_decode(**{**case, "conv_weight": case["conv_weight"].half()}, slot_indices=slots)
+    with pytest.raises(ValueError, match="lower_bound"):
+        kda_decode(**case, slot_indices=slots, lower_bound=-6.0)
+
+
+# --------------------------------------------------------------------------------------------
+# chunked prefill
+
+
+def chunk_case(lens: list[int], H: int, D: int, kind: str, dtype: torch.dtype, num_slots: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    A_log, dt_bias = gate_params(gen, H, D, kind)
+    case = dict(
+        q=torch.randn(T, H, D, generator=gen).to(dtype),
+        k=torch.randn(T, H, D, generator=gen).to(dtype),
+        v=torch.randn(T, H, D, generator=gen).to(dtype),
+        g=gate(torch.randn(T, H * D, generator=gen), A_log, dt_bias, kind),
+        beta=torch.sigmoid(torch.randn(T, H, generator=gen)),
+        cu_seqlens=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32),
+        state=torch.randn(num_slots, H, D, D, generator=gen) * 0.5,
+    )
+    return {k: v.to(DEV) for k, v in case.items()}
+
+
+def check_chunk(case: dict, slots: list[int], *, has_init: list[bool] | None = None,
+                snaps: tuple[list[list[int]], list[list[int]]] | None = None,
+                tol: float = 1e-4, **kw) -> None:
+    state0 = case["state"].clone()
+    slot_t = torch.tensor(slots, dtype=torch.int32, device=DEV)
+    init_t = None if has_init is None else torch.tensor(has_init, device=DEV)
+    o = kda_chunk_fwd(**case, slot_indices=slot_t, has_initial_state=init_t,
+                      snapshot_positions=snaps[0] if snaps else None,
+                      snapshot_slots=snaps[1] if snaps else None, **kw)
+    cu = case["cu_seqlens"].tolist()
+    assert o.shape == case["v"].shape and o.dtype == case["v"].dtype
+    written = set()
+    for i, s in enumerate(slots):
+        b, e = cu[i], cu[i + 1]
+        use_init = s >= 0 and (has_init is None or has_init[i])
+        args = [case[n][None, b:e] for n in ("q", "k", "v", "g", "beta")]
+        positions = snaps[0][i] if snaps else []
+        o_ref, s_ref, s_snaps = kda_chunked(*args, initial_state=state0[s][None] if use_init else None,
+                                            state_positions=positions)
+        assert rel_err(o[b:e], o_ref[0]) <= tol, f"o of sequence {i}"
+        if s >= 0:
+            assert rel_err(case["state"][s], s_ref[0]) <= tol, f"final state of sequence {i}"
+            written.add(s)
+        for p, d, s_p in zip(positions, snaps[1][i] if snaps else [], s_snaps):
+            assert rel_err(case["state"][d], s_p[0]) <= tol, f"snapshot at {p} of sequence {i}"
+            written.add(d)
+    untouched = [s for s in range(state0.shape[0]) if s not in written]
+    assert torch.equal(case["state"][untouched], state0[untouched])
+
+
+@pytest.mark.parametrize(
+    "T,kind,with_h0",
+    [(1, "softplus", True), (63, "lower_bound", False), (64, "softplus", False),
+     (65, "lower_bound", True), (130, "softplus", True), (130, "lower_bound", False)],
+    ids=lambda x: str(x),
+)
+def test_chunk_single_sequence(T: int, kind: str, with_h0: bool) -> None:
+    case = chunk_case([T], H=2, D=16, kind=kind, dtype=torch.float32, num_slots=3)
+    check_chunk(case, [1], has_init=[with_h0])
+
+
+def test_chunk_varlen_padding_slot_d32() -> None:
+    """Three sequences (63, 1, 130 tokens), one without a slot (zero start, no final write)."""
+    case = chunk_case([63, 1, 130], H=2, D=32, kind="lower_bound", dtype=torch.float32, num_slots=5)
+    check_chunk(case, [3, -1, 0])
+
+
+def test_chunk_varlen_mixed_initial_state_and_snapshots() -> None:
+    case = chunk_case([130, 65, 64], H=2, D=16, kind="softplus", dtype=torch.float32, num_slots=9, seed=3)
+    snaps = ([[64, 128, 130], [65], [64]], [[4, 5, 6], [7], [8]])
+    check_chunk(case, [0, 1, 2], has_init=[True, False, True], snaps=snaps)
+
+
+def test_chunk_fp16_inputs_and_scratch() -> None:
+    """The 16-bit scratch path (16-bit tensor-core dots on the GPU); fp16 runs in the interpreter."""
+    case = chunk_case([65, 63], H=2, D=16, kind="lower_bound", dtype=torch.float16, num_slots=2, seed=4)
+    check_chunk(case, [1, 0], tol=3e-3, scratch_dtype=torch.float16)
+
+
+def test_chunk_rejects_bad_inputs() -> None:
+    case = chunk_case([64, 3], H=2, D=16, kind="softplus", dtype=torch.float32, num_slots=4)
+    slots = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="g must"):
+        kda_chunk_fwd(**{**case, "g": case["g"].half()}, slot_indices=slots)
+    with pytest.raises(ValueError, match="slot_indices"):
+        kda_chunk_fwd(**case, slot_indices=slots[:1])
+    with pytest.raises(ValueError, match="snapshot position"):
+        kda_chunk_fwd(**case, slot_indices=slots, snapshot_positions=[[32], []], snapshot_slots=[[2], []])
+    with pytest.raises(ValueError, match="snapshot_positions and snapshot_slots"):
+        kda_chunk_fwd(**case, slot_indices=slots, snapshot_positions=[[64]], snapshot_slots=[[2]])
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        kda_chunk_fwd(**case, slot_indices=slots, cu_seqlens_cpu=[0, 64, 60])
+
+
+def test_benchmark_smoke(tmp_path: Path) -> None:
+    """benchmarks/kernels.py --smoke runs end to end on the CPU interpreter and writes its JSON."""
+    out = tmp_path / "kernels.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "kernels.py"), "--smoke", "--out", str(out)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    import json
+
+    result = json.loads(out.read_text())
+    assert result["mode"] == "smoke"
+    assert all(c["ok"] for c in result["correctness"]), result["correctness"]
+
+
+# --------------------------------------------------------------------------------------------
+# GPU, Kimi shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["softplus", "lower_bound"])
+def test_gpu_decode_kimi_shape(kind: str) -> None:
+    N, H, D = 64, 32, 128
+    case = decode_case(N, H, D, kind, torch.bfloat16, num_slots=N + 8, seed=5)
+    slots = list(range(3, N + 3))
+    slots[5] = slots[17] = -1
+    o_ref, state_ref, conv_ref = decode_ref(case, slots, kind)
+    slot_t = torch.tensor(slots, dtype=torch.int32, device=DEV)
+    o = kda_decode(**case, slot_indices=slot_t, lower_bound=LOWER_BOUND if kind == "lower_bound" else None)
+    torch.cuda.synchronize()
+    assert o.dtype == torch.bfloat16
+    assert rel_err(o, o_ref) <= 5e-3
+    assert rel_err(case["state"], state_ref) <= 1e-4
+    assert torch.equal(case["conv_state"], conv_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize(
+    "scratch,tol", [(torch.float32, 5e-3), (torch.bfloat16, 2e-2)], ids=["fp32_scratch", "bf16_scratch"]
+)
+def test_gpu_chunk_kimi_shape(scratch: torch.dtype, tol: float) -> None:
+    lens = [2048, 1000, 64, 1]
+    case = chunk_case(lens, H=32, D=128, kind="lower_bound", dtype=torch.bfloat16, num_slots=8, seed=6)
+    snaps = ([[64, 1024, 2048], [1000], [], []], [[4, 5, 6], [7], [], []])
+    check_chunk(case, [0, 1, 2, 3], has_init=[True, False, True, True], snaps=snaps, tol=tol,
+                scratch_dtype=scratch)
