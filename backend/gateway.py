@@ -6,7 +6,7 @@ here, in a worker thread, so a bad or slow grammar becomes a 400 before the engi
 its ZMQ sockets). It knows nothing of HTTP or OpenAI's JSON: a `Job` goes in, `ChoiceDelta`s come out.
 
 One job fans out into one engine request per (prompt, choice); each runs in its own asyncio task that
-turns the engine's token updates into text deltas. Closing `generate()` early (the HTTP client went
+turns the engine's token updates into text deltas. Closing the job's stream early (the HTTP client went
 away) cancels those tasks, and a cancelled task aborts its engine request, which frees its pages and
 state. A stop string ends a choice the same way, so the engine stops generating tokens nobody reads.
 """
@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -162,6 +162,33 @@ class TextStream:
         return 0
 
 
+class JobStream:
+    """The deltas of a running job, in arrival order; ends when every choice has finished."""
+
+    def __init__(self, tasks: list[asyncio.Task], out: asyncio.Queue[ChoiceDelta]) -> None:
+        self._tasks, self._out = tasks, out
+        self._remaining = len(tasks)
+
+    def __aiter__(self) -> JobStream:
+        return self
+
+    async def __anext__(self) -> ChoiceDelta:
+        if not self._remaining:
+            raise StopAsyncIteration
+        delta = await self._out.get()
+        if delta.finish_reason is not None:
+            self._remaining -= 1
+        return delta
+
+    def close(self) -> None:
+        """Abort the choices still running. Synchronous, so it is safe where an await would be cancelled
+        again (a handler whose client disconnected); each cancelled choice task sends its engine abort."""
+        self._remaining = 0
+        for t in self._tasks:
+            if not t.done():
+                t.cancel()
+
+
 class Gateway:
     """Tokenizer + grammar validation + admission + the engine process. Use from one event loop."""
 
@@ -249,11 +276,11 @@ class Gateway:
             raise Overloaded(f"too many requests: {self.in_flight} generations in flight, the limit is {limit} "
                              f"(max_running + max_waiting); this request needs {num_requests}")
 
-    async def generate(self, job: Job) -> AsyncIterator[ChoiceDelta]:
-        """Run every choice of `job`; yields deltas as they come, until every choice has finished.
+    def generate(self, job: Job) -> JobStream:
+        """Start every choice of `job` now; returns the stream of their deltas.
 
-        Raises Overloaded or EngineUnavailable before anything starts. Closing the iterator early aborts
-        the choices still running."""
+        Raises Overloaded or EngineUnavailable at once, before anything starts. Iterate the stream to the
+        end, or `close()` it to abort the choices still running (a job nobody reads runs to its end)."""
         num = len(job.prompts) * job.n
         self._admit(num)
         out: asyncio.Queue[ChoiceDelta] = asyncio.Queue()
@@ -269,18 +296,7 @@ class Gateway:
                 # a done callback, not a finally: a task cancelled before it starts never runs its body
                 task.add_done_callback(self._choice_done)
                 tasks.append(task)
-        remaining = num
-        try:
-            while remaining:
-                delta = await out.get()
-                if delta.finish_reason is not None:
-                    remaining -= 1
-                yield delta
-        finally:
-            # only synchronous calls here: this may run inside a cancelled scope (client disconnect)
-            for t in tasks:
-                if not t.done():
-                    t.cancel()
+        return JobStream(tasks, out)
 
     def _choice_done(self, task: asyncio.Task) -> None:
         self.in_flight -= 1

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from k3rt.server import tools as tool_calls
-from k3rt.server.errors import APIError, bad_request
+from k3rt.server.errors import bad_request
 from k3rt.server.generation import (
     Choice, ServerContext, check_logprobs, check_vocab, chat_logprob, grammar_sources, new_id, now,
     resolve_max_tokens, run_to_end, sampling_params, sse, stream_deltas, total_usage, validate_grammar,
@@ -141,18 +141,10 @@ async def chat_completion(ctx: ServerContext, req: ChatCompletionRequest, reques
     job = Job([prompt_ids], params, req.n, stop_list(req), grammar, req.cache_salt, text_end_id)
     out = _ChatOutput(ctx, req, mode, prompt_ids, make_parser)
     if req.stream:
-        body = await stream_deltas(ctx, job, req.n, "chat", out.render_delta, out.render_end)
-        return StreamingResponse(_with_roles(out, body), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        body = stream_deltas(ctx, job, req.n, "chat", out.render_start(), out.render_delta, out.render_end)
+        return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     choices = await run_to_end(ctx, job, req.n, request, "chat")
     return out.response(choices)
-
-
-async def _with_roles(out: _ChatOutput, body: Any) -> Any:
-    for event in out.render_start():
-        yield event
-    async for event in body:
-        yield event
 
 
 class _ChatOutput:

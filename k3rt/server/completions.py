@@ -65,18 +65,10 @@ async def completion(ctx: ServerContext, req: CompletionRequest, request: Reques
     job = Job(prompts, params, req.n, stop_list(req), grammar, req.cache_salt)
     out = _CompletionOutput(ctx, req, prompts)
     if req.stream:
-        body = await stream_deltas(ctx, job, req.n, "completions", out.render_delta, out.render_end)
-        return StreamingResponse(_with_echo(out, body), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        body = stream_deltas(ctx, job, req.n, "completions", out.render_echo(), out.render_delta, out.render_end)
+        return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     choices = await run_to_end(ctx, job, req.n, request, "completions")
     return out.response(choices)
-
-
-async def _with_echo(out: _CompletionOutput, body: Any) -> Any:
-    for event in out.render_echo():
-        yield event
-    async for event in body:
-        yield event
 
 
 class _CompletionOutput:

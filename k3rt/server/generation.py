@@ -23,7 +23,7 @@ from k3rt.server.metrics import RequestTimer, ServerMetrics
 from k3rt.server.schemas import SamplingFields
 
 if TYPE_CHECKING:
-    from k3rt.backend.gateway import ChoiceDelta, Gateway, Job, TokenLogprob
+    from k3rt.backend.gateway import ChoiceDelta, Gateway, Job, JobStream, TokenLogprob
 
 MIN_LOGPROB = -9999.0  # what OpenAI reports for impossible tokens (JSON has no -inf)
 
@@ -219,12 +219,12 @@ async def run_to_end(ctx: ServerContext, job: Job, n: int, request: Request, end
     choices = [Choice() for _ in range(len(job.prompts) * n)]
     timer = RequestTimer(ctx.metrics)
     try:
-        gen = ctx.gateway.generate(job)
+        stream = ctx.gateway.generate(job)
     except Exception as e:
         raise gateway_error(e) from None
 
     async def consume() -> None:
-        async for d in gen:
+        async for d in stream:
             if d.finish_reason == "error":
                 raise delta_error(d)
             choices[d.index].add(d)
@@ -236,17 +236,12 @@ async def run_to_end(ctx: ServerContext, job: Job, n: int, request: Request, end
         await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-        if not consumer.done():
-            consumer.cancel()  # cancelling the consumer closes the job: its engine requests are aborted
+        consumer.cancel()
+        stream.close()  # aborts the choices still running: the client is gone, or one choice failed
     if not consumer.done() or consumer.cancelled():
         ctx.metrics.disconnects.labels(endpoint).inc()
         raise APIError(499, "the client closed the connection", code="client_closed")
-    try:
-        consumer.result()
-    except APIError:
-        raise
-    except Exception as e:
-        raise gateway_error(e) from None
+    consumer.result()  # raises the APIError of a failed choice
     u = total_usage(choices, n)
     timer.done(u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"])
     return choices
@@ -259,27 +254,31 @@ def sse(data: dict[str, Any]) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-async def stream_deltas(ctx: ServerContext, job: Job, n: int, endpoint: str,
-                        render: Callable[[ChoiceDelta], list[bytes]],
-                        finish: Callable[[list[Choice]], list[bytes]]) -> AsyncIterator[bytes]:
-    """SSE bytes for `job`: `render` turns each delta into events, `finish` adds the closing events (usage).
-    An error after the stream started is sent as an OpenAI error event. A client disconnect cancels this
-    generator inside its await; the gateway's `generate` then cancels the job's choices (engine aborts)."""
+def stream_deltas(ctx: ServerContext, job: Job, n: int, endpoint: str, start: list[bytes],
+                  render: Callable[[ChoiceDelta], list[bytes]],
+                  finish: Callable[[list[Choice]], list[bytes]]) -> AsyncIterator[bytes]:
+    """SSE bytes for `job`: the `start` events (roles, echo), then `render` of each delta, then `finish`'s
+    closing events (usage).
+    Admission errors (429, 503) are raised here, before any response starts; an error after the stream
+    started is sent as an OpenAI error event. A client disconnect cancels the body iterator inside its
+    await; its `finally` then closes the job, which aborts the choices' engine requests."""
     try:
-        gen = ctx.gateway.generate(job)
+        stream = ctx.gateway.generate(job)
     except Exception as e:
         raise gateway_error(e) from None
-    return _stream(ctx, gen, job, n, endpoint, render, finish)
+    return _stream(ctx, stream, job, n, endpoint, start, render, finish)
 
 
-async def _stream(ctx: ServerContext, gen: AsyncIterator[ChoiceDelta], job: Job, n: int, endpoint: str,
+async def _stream(ctx: ServerContext, stream: JobStream, job: Job, n: int, endpoint: str, start: list[bytes],
                   render: Callable[[ChoiceDelta], list[bytes]],
                   finish: Callable[[list[Choice]], list[bytes]]) -> AsyncIterator[bytes]:
     choices = [Choice() for _ in range(len(job.prompts) * n)]
     timer = RequestTimer(ctx.metrics)
     completed = False
     try:
-        async for d in gen:
+        for event in start:
+            yield event
+        async for d in stream:
             if d.finish_reason == "error":
                 yield sse(delta_error(d).body())
                 completed = True
@@ -297,17 +296,4 @@ async def _stream(ctx: ServerContext, gen: AsyncIterator[ChoiceDelta], job: Job,
     finally:
         if not completed:
             ctx.metrics.disconnects.labels(endpoint).inc()
-        _close_now(gen)
-
-
-def _close_now(gen: AsyncIterator[Any]) -> None:
-    """Close a suspended (or finished) async generator without awaiting: this can run inside a cancelled
-    scope, where an await would be cancelled again. The gateway's generate() cleans up synchronously, so
-    one step of aclose() runs its whole finally block."""
-    closing = gen.aclose()  # type: ignore[attr-defined]
-    try:
-        closing.send(None)
-    except (StopIteration, RuntimeError):
-        pass
-    finally:
-        closing.close()
+        stream.close()  # also reached when an abandoned body iterator is finalized

@@ -161,9 +161,11 @@ def test_json_schema_output_validates(client) -> None:
         assert isinstance(json.loads(obj.choices[0].message.content), dict)
 
 
+CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lima"]}},
+               "required": ["city"], "additionalProperties": False}
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                      "parameters": WEATHER_SCHEMA}},
+                                      "parameters": CITY_SCHEMA}},
     {"type": "function", "function": {"name": "get_time", "parameters": {
         "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
         "required": ["zone"], "additionalProperties": False}}},
@@ -177,7 +179,7 @@ def test_forced_tool_call_arguments_validate(client) -> None:
     assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
     (call,) = msg.tool_calls
     assert call.type == "function" and call.function.name == "get_weather" and call.id == "functions.get_weather:0"
-    jsonschema.validate(json.loads(call.function.arguments), WEATHER_SCHEMA)
+    jsonschema.validate(json.loads(call.function.arguments), CITY_SCHEMA)
     # streamed: the call's head first, then argument fragments
     chunks = list(chat(client, "What's the weather in Paris?", max_tokens=64, tools=TOOLS, stream=True,
                        tool_choice={"type": "function", "function": {"name": "get_weather"}}, **GREEDY))
@@ -197,7 +199,7 @@ def test_forced_tool_call_arguments_validate(client) -> None:
                    {"id": "functions.get_time:0", "type": "function",
                     "function": {"name": "get_time", "arguments": "{\"zone\": \"UTC\"}"}}]},
                {"role": "tool", "tool_call_id": "functions.get_time:0", "content": "12:00"}]
-    r2 = client.chat.completions.create(model=MODEL_NAME, messages=history, max_tokens=64, tools=TOOLS,
+    r2 = client.chat.completions.create(model=MODEL_NAME, messages=history, max_tokens=1, tools=TOOLS,
                                         tool_choice={"type": "function", "function": {"name": "get_weather"}}, **GREEDY)
     assert r2.choices[0].message.tool_calls[0].id == "functions.get_weather:1"
 

@@ -220,6 +220,8 @@ def test_limits_then_engine_crash(tiny_model, log_dir) -> None:
         r = httpx.post(s.url + "/v1/chat/completions", json={**long, "max_tokens": 2}, headers=auth)
         assert r.status_code == 429 and r.headers["Retry-After"].isdigit(), r.text
         assert "too many requests" in r.json()["error"]["message"]
+        r = httpx.post(s.url + "/v1/chat/completions", json={**long, "max_tokens": 2, "stream": True}, headers=auth)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_requests"  # before any SSE starts
         # kill the engine: both waiting clients hear about it, the gateway exits non-zero
         engine_pid = s.stats(auth)["stats"]["engine_pid"]
         s.track()
