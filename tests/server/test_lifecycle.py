@@ -39,6 +39,7 @@ def _wait_for(predicate, timeout: float, what: str):
 
 
 def test_64_concurrent_streams_complete(server, client) -> None:
+    httpx.post(server.url + "/v1/k3rt/flush_cache", timeout=10).raise_for_status()  # a cold cache, as in isolation
     max_tokens = 10
     extra = {"ignore_eos": True}
     refs = {p: client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": p}],
@@ -183,6 +184,8 @@ def test_limits_then_engine_crash(tiny_model, log_dir) -> None:
                      "--context-length", "256", "--drain-timeout", "3")
     auth = {"Authorization": f"Bearer {key}"}
     try:
+        # HTTP is up while the engine loads (seconds: torch import, weights), and says so
+        assert s.saw_503_before_ready
         # the API key guards /v1/*, not /health or /metrics
         assert httpx.get(s.url + "/v1/models").status_code == 401
         r = httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
