@@ -231,6 +231,11 @@ class Gateway:
             self._grammar.close()
 
     @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may use: the model's vocabulary (logits width) once the engine is up."""
+        return int(self.client.info.get("vocab_size", self.tokenizer.vocab_size))
+
+    @property
     def stats(self) -> dict[str, Any]:
         """The engine's latest stats (running, waiting, pages, snapshots, tokens) plus the gateway's."""
         return {**self.client.stats, "in_flight": self.in_flight, "engine_pid": self.client.info.get("pid")}

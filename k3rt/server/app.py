@@ -19,7 +19,6 @@ import hmac
 import logging
 from typing import Any
 
-import orjson
 from fastapi import Depends, FastAPI, Request
 from fastapi.routing import APIRouter
 from pydantic import BaseModel, ValidationError
@@ -28,7 +27,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from k3rt.server.errors import APIError, from_validation_error
-from k3rt.server.generation import ServerContext
+from k3rt.server.generation import ServerContext, json_response
 from k3rt.server.metrics import CONTENT_TYPE
 from k3rt.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -38,10 +37,6 @@ log = logging.getLogger(__name__)
 # the endpoint label of k3rt_requests_total; other paths count as "other" (no label per unknown path)
 ROUTES = frozenset({"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
                     "/v1/k3rt/stats", "/v1/k3rt/flush_cache"})
-
-
-def json_response(body: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

@@ -18,7 +18,7 @@ from starlette.responses import Response, StreamingResponse
 from k3rt.server import tools as tool_calls
 from k3rt.server.errors import bad_request
 from k3rt.server.generation import (
-    Choice, ServerContext, check_logprobs, check_vocab, chat_logprob, grammar_sources, new_id, now,
+    Choice, ServerContext, chat_logprob, check_logprobs, check_vocab, grammar_sources, json_response, new_id, now,
     resolve_max_tokens, run_to_end, sampling_params, sse, stream_deltas, total_usage, validate_grammar,
 )
 from k3rt.server.schemas import ChatCompletionRequest, check_common, stop_list
@@ -73,7 +73,8 @@ def _tool_mode(req: ChatCompletionRequest) -> _ToolMode:
     names = [t.function.name for t in tools]
     for i, name in enumerate(names):
         if not tool_calls.FUNCTION_NAME.match(name):
-            raise bad_request(f"tools[{i}].function.name", f"must match {tool_calls.FUNCTION_NAME.pattern}, got {name!r}")
+            raise bad_request(f"tools[{i}].function.name",
+                              f"must match {tool_calls.FUNCTION_NAME.pattern}, got {name!r}")
     if len(set(names)) != len(names):
         raise bad_request("tools", "function names must be unique")
     choice = req.tool_choice
@@ -108,7 +109,7 @@ async def chat_completion(ctx: ServerContext, req: ChatCompletionRequest, reques
     except Exception as e:  # jinja2.TemplateError (e.g. an unsupported role), ValueError (no template)
         raise bad_request("messages", f"the chat template rejected them: {e}") from None
     prompt_ids = await gw.encode(text)
-    check_vocab([prompt_ids], gw.client.info.get("vocab_size", gw.tokenizer.vocab_size), "messages")
+    check_vocab([prompt_ids], gw.vocab_size, "messages")
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(requested, param, [len(prompt_ids)], "messages", gw.context_length)
@@ -162,8 +163,6 @@ class _ChatOutput:
     # ---- whole response ----
 
     def response(self, choices: list[Choice]) -> Response:
-        from k3rt.server.app import json_response
-
         body = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": [self._choice(i, c) for i, c in enumerate(choices)],
                 "usage": total_usage(choices, self.req.n)}

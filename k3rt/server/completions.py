@@ -14,7 +14,7 @@ from starlette.responses import Response, StreamingResponse
 from k3rt.server.errors import bad_request
 from k3rt.server.generation import (
     MIN_LOGPROB, Choice, ServerContext, check_logprobs, check_vocab, grammar_sources, new_id, now,
-    resolve_max_tokens, run_to_end, sampling_params, sse, stream_deltas, token_text, total_usage,
+    json_response, resolve_max_tokens, run_to_end, sampling_params, sse, stream_deltas, token_text, total_usage,
     validate_grammar,
 )
 from k3rt.server.schemas import CompletionRequest, check_common, stop_list
@@ -53,7 +53,7 @@ async def completion(ctx: ServerContext, req: CompletionRequest, request: Reques
         raise bad_request("echo", "echo together with logprobs (prompt logprobs) is not supported")
     gw = ctx.gateway
     prompts = await _prompts(ctx, req.prompt)
-    check_vocab(prompts, gw.client.info.get("vocab_size", gw.tokenizer.vocab_size), "prompt")
+    check_vocab(prompts, gw.vocab_size, "prompt")
     max_tokens = resolve_max_tokens(req.max_tokens, "max_tokens", [len(p) for p in prompts], "prompt",
                                     gw.context_length)
     constraints = grammar_sources(req, req.response_format)
@@ -97,8 +97,6 @@ class _CompletionOutput:
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
     def response(self, choices: list[Choice]) -> Response:
-        from k3rt.server.app import json_response
-
         out = []
         for i, c in enumerate(choices):
             choice: dict[str, Any] = {"index": i, "text": self._echo(i) + c.text, "finish_reason": c.finish_reason,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from starlette.requests import Request
+from starlette.responses import Response
 
 from k3rt.sampling_params import MAX_LOGPROBS, SamplingParams
 from k3rt.server.config import ServerConfig
@@ -44,6 +45,10 @@ class ServerContext:
 
 # Below this a temperature is greedy: dividing float32 logits by it would overflow to inf (vLLM does the same).
 MIN_TEMPERATURE = 1e-5
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
