@@ -192,7 +192,9 @@ class JobStream:
 class Gateway:
     """Tokenizer + grammar validation + admission + the engine process. Use from one event loop."""
 
-    def __init__(self, cfg: GatewayConfig) -> None:
+    def __init__(self, cfg: GatewayConfig, *, client: Any = None) -> None:
+        """`client`: an engine client (default: an `EngineClient`, which spawns the engine process); tests
+        pass an `InProcEngineClient`, which has the same interface and runs the engine on a thread."""
         self.cfg = cfg
         self.tokenizer: Tokenizer = load_tokenizer(cfg.engine.model)
         model_len = load_model_config(cfg.engine.model).max_position_embeddings
@@ -201,7 +203,7 @@ class Gateway:
                              f"got {cfg.context_length}")
         self.context_length = cfg.context_length or model_len
         self.eos_token_ids = list(self.tokenizer.eos_token_ids)
-        self.client = EngineClient(cfg.engine, log_level=cfg.log_level)
+        self.client = client if client is not None else EngineClient(cfg.engine, log_level=cfg.log_level)
         self.in_flight = 0  # engine requests started and not yet ended
         self.draining = False  # shutting down: no new requests
         self._grammar: GrammarBackend | None = None
