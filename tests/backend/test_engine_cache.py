@@ -206,8 +206,13 @@ def test_abort_before_the_first_forward_publishes_no_state(arch):
     decoding = eng.add_request(rand_tokens(rng, 10), greedy(20))
     eng.step()
     late = eng.add_request(prompt[:128] + rand_tokens(rng, 100), greedy(2))
-    eng.step()  # admitted with its hit at 128; 63 tokens of budget left: no chunk this step
-    req = next(r for r in eng.scheduler.running if r.rid == late)
+    # admitted with its hit at 128 but not yet forwarded (its copies pending), as when a step's budget
+    # runs out right after admission: drive the admission by hand, since the scheduler now always
+    # gives an admitted request a chunk in the same step
+    sched = eng.scheduler
+    req = sched.waiting.popleft()
+    assert sched._admit(req)
+    sched.running.append(req)
     assert req.num_computed == 128 and req.pending_state_copies
     eng.scheduler.tree.evict(eng.pool.num_pages)  # memory pressure: every snapshot goes, the locked path stays
     eng.check()
