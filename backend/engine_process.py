@@ -52,7 +52,8 @@ class EngineLoop:
         return {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
                 "pages_used": e.pool.num_pages - e.pool.num_free, "pages_total": e.pool.num_pages,
                 "snapshots": e.scheduler.tree.snapshot_count, "prompt_tokens": s.prompt_tokens,
-                "cached_tokens": s.cached_tokens, "computed_tokens": s.computed_tokens}
+                "cached_tokens": s.cached_tokens, "computed_tokens": s.computed_tokens,
+                "computed_prompt_tokens": s.computed_prompt_tokens}
 
     def handle(self, msg, errors: list[RequestUpdate]) -> None:
         if isinstance(msg, GenerateRequest):

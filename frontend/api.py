@@ -56,9 +56,10 @@ class TextExpr(Expr):
 @dataclass
 class VarExpr(Expr):
     name: str
+    state: int = 0  # the state whose variable this is
 
     def ops(self) -> list[Op]:
-        return [Op("var", name=self.name)]
+        return [Op("var", state=self.state, name=self.name)]
 
 
 @dataclass
@@ -105,7 +106,7 @@ def _expr(x: Any) -> Expr:
     from k3rt.frontend.state import VarValue
 
     if isinstance(x, VarValue):
-        return VarExpr(x.name)
+        return VarExpr(x.name, x.sid)
     raise TypeError(f"cannot append {type(x).__name__} to a program state (use str, gen, select or a role)")
 
 
@@ -142,7 +143,8 @@ def gen(name: str | None = None, max_tokens: int | None = None, stop: str | list
 
 
 def gen_int(name: str | None = None, **kw: Any) -> Expr:
-    return gen(name, regex=r"-?\d+", **kw)
+    # [0-9], not \d: constraints use Rust regex semantics, where \d matches every Unicode digit
+    return gen(name, regex=r"-?[0-9]+", **kw)
 
 
 def gen_string(name: str | None = None, **kw: Any) -> Expr:

@@ -75,7 +75,9 @@ class RemoteBackend(Backend):
                     sock.send(data)
             if sock in events:
                 while sock.poll(0):
-                    self._dispatch(decode(sock.recv()))
+                    data = sock.recv()
+                    if data:  # an empty frame is the server's liveness probe
+                        self._dispatch(decode(data))
         sock.close(linger=500)
         wake.close(linger=0)
 

@@ -43,7 +43,10 @@ class Session:
         self.round_trips = 0
         self.error: str | None = None
         self.lock = threading.RLock()
+        # not self.lock: flush() holds that while the I/O thread delivers stream events
+        self.stream_lock = threading.Lock()
         self.streams: dict[tuple[int, str | None], queue.Queue] = {}
+        self.streams_ended = False
 
     # ---- recording ----
 
@@ -132,8 +135,13 @@ class Session:
     # ---- streaming ----
 
     def _queue(self, sid: int, name: str | None) -> queue.Queue:
-        with self.lock:
-            return self.streams.setdefault((sid, name), queue.Queue())
+        with self.stream_lock:
+            q = self.streams.get((sid, name))
+            if q is None:
+                q = self.streams[(sid, name)] = queue.Queue()
+                if self.streams_ended:  # asked for after the program ended: nothing more will come
+                    q.put(_END)
+            return q
 
     def _on_event(self, sid: int, name: str | None, delta: str, done: bool) -> None:
         for key in ((sid, name), (sid, None)) if name is not None else ((sid, None),):
@@ -144,11 +152,15 @@ class Session:
                 q.put(_END)
 
     def _end_streams(self) -> None:
-        with self.lock:
+        with self.stream_lock:
+            self.streams_ended = True
             for q in self.streams.values():
                 q.put(_END)
 
     def stream_iter(self, sid: int, name: str | None):
+        if not self.stream:  # as in SGLang: a state run without stream=True yields the finished value once
+            yield self.text(sid) if name is None else str(self.value(sid, name))
+            return
         q = self._queue(sid, name)
         while True:
             item = q.get()

@@ -80,6 +80,10 @@ class ProgramState:
     def __iadd__(self, expr: Any) -> "ProgramState":
         line = sys._getframe(1).f_lineno
         for op in _expr(expr).ops():
+            if op.kind == "var" and op.state != self.sid:
+                # another state's variable (a fork child's): the server's var op reads this state's
+                # variables, so resolve it here, one round trip, as `"text" + child["x"]` does
+                op = Op("text", value=str(self.session.value(op.state, op.name)))
             self.session.add(replace(op, state=self.sid, line=line))
         return self
 

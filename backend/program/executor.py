@@ -117,6 +117,15 @@ class ProgramSession:
     async def _apply(self, sid: int, op: Op) -> None:
         st = self.states[sid]
         k = op.kind
+        before = len(st.text)
+        await self._apply_op(sid, st, op)
+        # gen streams its own deltas; other text reaches the whole-text stream here, a select's
+        # choice also its variable's stream (which it completes)
+        if self.on_event is not None and k != "gen" and len(st.text) > before:
+            self.on_event(sid, op.name if k == "select" else None, st.text[before:], k == "select")
+
+    async def _apply_op(self, sid: int, st: StateData, op: Op) -> None:
+        k = op.kind
         if k == "text":
             self._append_text(st, op.value or "")
         elif k == "var":

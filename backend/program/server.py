@@ -1,6 +1,9 @@
 """The DSL endpoint of the gateway: a ZMQ ROUTER that runs shipped programs, one asyncio task per
-program session, next to the engine client. A client that disconnects (ROUTER_NOTIFY) or sends
-ProgramClose has its programs cancelled, which aborts their engine requests."""
+program session, next to the engine client. A client that sends ProgramClose or goes away has its
+programs cancelled, which aborts their engine requests. Going away is noticed by ROUTER_NOTIFY where
+libzmq has it (a draft API: pyzmq's bundled libzmq does not), and otherwise by probing: every
+PROBE_INTERVAL_S each client with open sessions is sent an empty frame, which ROUTER_MANDATORY makes
+fail with EHOSTUNREACH once the peer's connection is closed (a killed process's included)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ from k3rt.frontend.ir import Program
 from k3rt.protocol import ProgramClose, ProgramEvent, ProgramResult, ProgramRun, decode, encode
 
 log = logging.getLogger(__name__)
+
+PROBE_INTERVAL_S = 1.0
 
 
 class _Entry:
@@ -40,20 +45,20 @@ class ProgramServer:
     async def serve(self) -> None:
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer raises instead of vanishing
         try:
-            # draft API in some libzmq builds: where missing, clients' ProgramClose is the only signal
             self.sock.setsockopt(zmq.ROUTER_NOTIFY, zmq.NOTIFY_DISCONNECT)
-        except zmq.ZMQError:
-            log.info("ROUTER_NOTIFY unavailable: relying on ProgramClose to cancel programs of gone clients")
+        except (zmq.ZMQError, AttributeError):
+            log.info("ROUTER_NOTIFY unavailable: gone clients are found by probing")
         self.sock.bind(self.addr)
         sender = asyncio.create_task(self._send_loop())
+        prober = asyncio.create_task(self._probe_loop())
         try:
             while True:
                 frames = await self.sock.recv_multipart()
                 ident, data = frames[0], frames[-1]
                 if not data:  # ROUTER_NOTIFY: this peer disconnected
-                    for pid in [p for p, e in self.sessions.items() if e.ident == ident]:
-                        self._drop(pid)
+                    self._drop_client(ident)
                     continue
                 try:
                     msg = decode(data)
@@ -69,6 +74,7 @@ class ProgramServer:
                     self._drop(msg.pid)
         finally:
             sender.cancel()
+            prober.cancel()
             for pid in list(self.sessions):
                 self._drop(pid)
             self.sock.close(linger=0)
@@ -77,7 +83,22 @@ class ProgramServer:
     async def _send_loop(self) -> None:
         while True:
             ident, data = await self.outq.get()
-            await self.sock.send_multipart([ident, data])
+            try:
+                await self.sock.send_multipart([ident, data])
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EHOSTUNREACH:
+                    raise
+                self._drop_client(ident)  # the client is gone: nobody will read its programs' results
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            for ident in {e.ident for e in self.sessions.values()}:
+                self.outq.put_nowait((ident, b""))  # clients ignore empty frames
+
+    def _drop_client(self, ident: bytes) -> None:
+        for pid in [p for p, e in self.sessions.items() if e.ident == ident]:
+            self._drop(pid)
 
     def _drop(self, pid: str) -> None:
         entry = self.sessions.pop(pid, None)
