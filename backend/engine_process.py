@@ -133,6 +133,11 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str, log_level: str =
     """Entry point of the engine process (multiprocessing 'spawn' target)."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gateway owns shutdown; it sends Shutdown
+    if cfg.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        # leave a core to the gateway process: oversubscribed intra-op threads made CPU steps 10-50x slower
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     loop = None
     try:
         loop = EngineLoop(cfg, in_addr, out_addr)

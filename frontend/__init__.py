@@ -2,7 +2,7 @@
 
 from k3rt.frontend.api import (
     assistant, assistant_begin, assistant_end, function, gen, gen_int, gen_string, select, system, system_begin,
-    system_end, user, user_begin, user_end,
+    system_end, tool, tool_begin, tool_end, user, user_begin, user_end,
 )
 from k3rt.frontend.client import connect, get_default_backend, set_default_backend
 from k3rt.frontend.runner import ProgramError
@@ -10,5 +10,5 @@ from k3rt.frontend.runner import ProgramError
 __all__ = [
     "ProgramError", "assistant", "assistant_begin", "assistant_end", "connect", "function", "gen", "gen_int",
     "gen_string", "get_default_backend", "select", "set_default_backend", "system", "system_begin", "system_end",
-    "user", "user_begin", "user_end",
+    "tool", "tool_begin", "tool_end", "user", "user_begin", "user_end",
 ]

@@ -174,6 +174,7 @@ def _role(role: str) -> tuple[Callable[..., Expr], Callable[[], Expr], Callable[
 system, system_begin, system_end = _role("system")
 user, user_begin, user_end = _role("user")
 assistant, assistant_begin, assistant_end = _role("assistant")
+tool, tool_begin, tool_end = _role("tool")
 
 
 class SglFunction:

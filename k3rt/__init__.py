@@ -16,7 +16,8 @@ Engine code lives in `k3rt.backend` and is imported only by what starts an engin
 
 from k3rt.frontend import (
     ProgramError, assistant, assistant_begin, assistant_end, connect, function, gen, gen_int, gen_string,
-    get_default_backend, select, set_default_backend, system, system_begin, system_end, user, user_begin, user_end,
+    get_default_backend, select, set_default_backend, system, system_begin, system_end, tool, tool_begin, tool_end,
+    user, user_begin, user_end,
 )
 from k3rt.sampling_params import SamplingParams
 
@@ -24,7 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ProgramError", "Runtime", "SamplingParams", "__version__", "assistant", "assistant_begin", "assistant_end",
     "connect", "function", "gen", "gen_int", "gen_string", "get_default_backend", "select", "set_default_backend",
-    "system", "system_begin", "system_end", "user", "user_begin", "user_end",
+    "system", "system_begin", "system_end", "tool", "tool_begin", "tool_end", "user", "user_begin", "user_end",
 ]
 
 
