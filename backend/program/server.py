@@ -40,6 +40,8 @@ class ProgramServer:
         self.addr = addr
         self.sessions: dict[str, _Entry] = {}
         self.outq: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue()
+        self.bound = asyncio.Event()  # set once the socket is bound (or binding failed)
+        self.endpoint: str | None = None  # the bound address (a wildcard port resolved)
         self.programs_run = 0
 
     async def serve(self) -> None:
@@ -50,7 +52,11 @@ class ProgramServer:
             self.sock.setsockopt(zmq.ROUTER_NOTIFY, zmq.NOTIFY_DISCONNECT)
         except (zmq.ZMQError, AttributeError):
             log.info("ROUTER_NOTIFY unavailable: gone clients are found by probing")
-        self.sock.bind(self.addr)
+        try:
+            self.sock.bind(self.addr)
+        finally:
+            self.bound.set()
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         sender = asyncio.create_task(self._send_loop())
         prober = asyncio.create_task(self._probe_loop())
         try:

@@ -19,6 +19,7 @@ class ServerConfig:
     drain_timeout_s: float = 10.0  # on SIGTERM/SIGINT, how long running requests may finish before abort
     max_body_bytes: int = 32 << 20  # request bodies above this are answered 413
     log_level: str = "WARNING"
+    dsl_addr: str | None = "auto"  # ZMQ endpoint for shipped DSL programs; "auto": tcp://host:port+1; None: off
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -27,8 +28,15 @@ class ServerConfig:
             raise ValueError(f"context_length: must be >= 1, got {self.context_length}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
+        if self.dsl_addr not in (None, "auto") and not self.dsl_addr.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"dsl_addr: {self.dsl_addr!r} must be 'auto', or start with tcp:// or ipc://")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key: must not be empty")
+
+    def resolved_dsl_addr(self, http_port: int) -> str | None:
+        if self.dsl_addr != "auto":
+            return self.dsl_addr
+        return f"tcp://{self.host}:{http_port + 1}" if self.port else f"tcp://{self.host}:*"
 
     @property
     def model_name(self) -> str:

@@ -90,10 +90,25 @@ async def _serve(cfg: ServerConfig) -> int:
             exit_code = 1
             stop("engine failed to start")
             return
+        dsl = cfg.resolved_dsl_addr(port)
+        if dsl is not None:
+            from k3rt.backend.program.server import ProgramServer
+
+            programs = ProgramServer(gateway.client, gateway.tokenizer, dsl)
+            dsl_task = asyncio.create_task(programs.serve())
+            await programs.bound.wait()
+            if dsl_task.done():
+                dsl_task.result()  # the endpoint could not bind: fail loudly
+            dsl = programs.endpoint
         print(f"k3rt serve: ready on http://{cfg.host}:{port} (model {cfg.model_name}, engine pid "
-              f"{gateway.client.info.get('pid')})", file=sys.stderr, flush=True)
-        while gateway.dead is None:
-            await asyncio.sleep(0.1)
+              f"{gateway.client.info.get('pid')}" + (f", DSL programs at {dsl}" if dsl else "") + ")",
+              file=sys.stderr, flush=True)
+        try:
+            while gateway.dead is None:
+                await asyncio.sleep(0.1)
+        finally:
+            if dsl is not None:
+                dsl_task.cancel()
         if not gateway.draining:
             exit_code = 1
             stop("engine process failed")
