@@ -21,4 +21,7 @@ def _packages() -> tuple[list[str], dict[str, str]]:
 
 
 packages, package_dir = _packages()
-setup(packages=packages, package_dir=package_dir, package_data={"k3rt.backend": ["py.typed"]})
+# the models shipped inside the package (k3rt/models/<name>/: config, weights, tokenizer, model card)
+MODEL_FILES = ["*/*.json", "*/*.safetensors", "*/*.md", "*/*.jinja", "*/*.model"]
+setup(packages=packages, package_dir=package_dir,
+      package_data={"k3rt.backend": ["py.typed"], "k3rt.models": MODEL_FILES})

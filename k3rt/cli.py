@@ -6,11 +6,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
+
+from k3rt.models import DEFAULT_MODEL, resolve_model_dir
+
+MODEL_HELP = (f"checkpoint folder (config.json, *.safetensors, tokenizer files) or the name of a model shipped "
+              f"with k3rt (default {DEFAULT_MODEL})")
 
 EXAMPLES = """examples:
   k3rt make-tiny --arch k3 --out /tmp/tiny-k3           # small random checkpoint + tokenizer
   k3rt generate --model /tmp/tiny-k3 --prompt "def add(a, b):" --max-tokens 32 --temperature 0
+  k3rt generate --prompt "def fibonacci(n):"             # the shipped default model (k3-tiny)
   k3rt inspect --model /tmp/tiny-k3 --tp 2 --json      # sizes from config.json alone
   k3rt inspect --model kimi-linear-48b --memory-gb 40  # a config-only preset
   k3rt bench cache --workload system-prompt --block-size 1920
@@ -24,7 +29,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt (reference CPU path)",
                        description="Generate a completion on the plain-torch reference path, with an incremental "
                                    "KDA state and MLA cache. Streams text unless --json.")
-    p.add_argument("--model", required=True, help="checkpoint folder (config.json, *.safetensors, tokenizer files)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--prompt", required=True, help="prompt text (tokenized as is, no chat template)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); >0 samples")
@@ -47,8 +52,9 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     from k3rt.backend.tokenizer import load_tokenizer
     from k3rt.backend.tokenizer.detokenizer import IncrementalDetokenizer
 
-    tok = load_tokenizer(a.model)
-    model = load_model(a.model, dtype=a.dtype, progress=not a.json)
+    model_dir = resolve_model_dir(a.model)
+    tok = load_tokenizer(model_dir)
+    model = load_model(model_dir, dtype=a.dtype, progress=not a.json)
     prompt_ids = tok.encode(a.prompt)
     detok = IncrementalDetokenizer(tok, skip_special_tokens=True)
     out: list[int] = []
@@ -206,7 +212,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                                    "The gateway process (uvloop + uvicorn) tokenizes and streams; the engine process "
                                    "schedules and runs the model. Ready when GET /health answers 200. SIGINT/SIGTERM "
                                    "drain and exit 0; an engine crash fails waiting requests with 503 and exits 1.")
-    p.add_argument("--model", required=True, help="checkpoint folder (config.json, *.safetensors, tokenizer files)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=30000, help="port to listen on (default 30000)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: none)")
@@ -239,14 +245,15 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         cache = CacheConfig(memory_gb=a.cache_gb, num_pages=None)
     else:
         cache = CacheConfig(num_pages=a.cache_pages) if a.cache_pages is not None else CacheConfig()
-    engine = EngineConfig(model=a.model, dtype=a.dtype, device=a.device, seed=a.seed, grammar_backend=a.grammar_backend,
+    model_dir = resolve_model_dir(a.model)
+    engine = EngineConfig(model=str(model_dir), dtype=a.dtype, device=a.device, seed=a.seed, grammar_backend=a.grammar_backend,
                           cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=a.max_batched_tokens,
                                                                  max_running=a.max_running, max_waiting=a.max_waiting))
     cfg = ServerConfig(engine=engine, host=a.host, port=a.port, api_key=a.api_key,
                        served_model_name=a.served_model_name, context_length=a.context_length,
                        drain_timeout_s=a.drain_timeout, log_level=a.log_level.upper())
-    if not Path(a.model, "config.json").is_file():
-        raise FileNotFoundError(f"model: no config.json in {a.model}")
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"model: no config.json in {model_dir}")
     from k3rt.server.launch import serve
 
     return serve(cfg)

@@ -421,12 +421,15 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """config.json of a checkpoint folder, or a config-only preset name (k3rt/presets.py)."""
+    """config.json of a checkpoint folder, a shipped model's name (k3rt/models/), or a config-only
+    preset name (k3rt/presets.py)."""
+    from k3rt.models import resolve_model_dir
     from k3rt.presets import PRESETS
 
     if str(model_dir) in PRESETS and not Path(model_dir).is_dir():
         return parse_model_config(PRESETS[str(model_dir)])
-    path = Path(model_dir) / "config.json"
+    model_dir = resolve_model_dir(model_dir)
+    path = model_dir / "config.json"
     if not path.is_file():
         raise ConfigError(f"config.json: not found in {model_dir}")
     try:

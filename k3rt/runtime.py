@@ -26,12 +26,12 @@ class Runtime:
         from k3rt.frontend.client import connect
 
         if engine_config is None:
-            if model is None:
-                raise ValueError("model: pass a checkpoint folder (k3rt ships no default model yet; "
-                                 "`k3rt make-tiny --out DIR` makes a small random one)")
             from k3rt.config import SchedulerConfig
+            from k3rt.models import resolve_model_dir
 
-            engine_config = EngineConfig(model=str(model), dtype=dtype, cache=CacheConfig(num_pages=cache_pages),
+            # model omitted: the default model shipped inside the package (k3rt/models/k3-tiny)
+            engine_config = EngineConfig(model=str(resolve_model_dir(model)), dtype=dtype,
+                                         cache=CacheConfig(num_pages=cache_pages),
                                          scheduler=SchedulerConfig(max_running=max_running))
         self.config = engine_config
         self.endpoint = endpoint or f"ipc://{tempfile.mkdtemp(prefix='k3rt-dsl-')}/programs"

@@ -92,6 +92,15 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return sum(self.seq_lens)
 
+    @property
+    def dense_shape(self) -> tuple[int, int] | None:
+        """(B, T) when the step is B fresh sequences of one length T, with no caches and no state
+        snapshots (training and evaluation windows): layers may then run on [B, T] at once."""
+        if self.caches is not None or (self.state_positions and any(self.state_positions)) or not self.seq_lens:
+            return None
+        t = self.seq_lens[0]
+        return (len(self.seq_lens), t) if t > 0 and all(n == t for n in self.seq_lens) else None
+
     def spans(self) -> list[tuple[int, int]]:
         """(begin, end) row ranges of each sequence in the flat token tensor."""
         out, b = [], 0

@@ -2,7 +2,8 @@
 
 Math: ../shared/reference/model-facts.md §1–§2. The KDA core runs per sequence through
 `k3rt.kernels.kda.ref` (chunked form for prefill chunks, recurrence for single-token decode),
-reading and writing the sequence's state in place through its SequenceCache.
+reading and writing the sequence's state in place through its SequenceCache. A step of fresh
+equal-length sequences without caches (training, evaluation) runs as one [B, T] batch instead.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from k3rt.backend.models.batch import ForwardBatch
 from k3rt.kernels.kda.ref import kda_chunked, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent
 from k3rt.kernels.short_conv.ref import causal_conv1d
 from k3rt.model_config import ModelConfig
+
+
+def _kda_fresh_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    return kda_chunked(q, k, v, g, beta)[0]
 
 
 class KimiDeltaAttention(nn.Module):
@@ -48,6 +53,9 @@ class KimiDeltaAttention(nn.Module):
         else:
             self.g_a_proj = ReplicatedLinear(h, d, dtype=dtype)
             self.g_b_proj = ColumnParallelLinear(d, p, tp=tp, dtype=dtype)
+        # core of the dense path: (q, k, v, g, beta) [B, T, ...] -> o [B, T, H, V] from a zero state;
+        # training swaps in a faster equivalent form (backend/models/train.py use_fast_kda)
+        self.dense_core = _kda_fresh_ref
         self.o_norm_weight = set_shard_spec(nn.Parameter(torch.ones(d, dtype=dtype), requires_grad=False), ShardSpec())
         self.o_proj = RowParallelLinear(p, h, tp=tp, dtype=dtype)
 
@@ -68,6 +76,28 @@ class KimiDeltaAttention(nn.Module):
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [N, 3P]
         g = self._gate(x)  # [N, H, K] fp32 log-decay
         beta = torch.sigmoid(self.b_proj(x).float())  # [N, H]
+        if batch.dense_shape is not None:
+            out = self._forward_dense(qkv, g, beta, *batch.dense_shape)
+        else:
+            out = self._forward_varlen(x, qkv, g, beta, batch)
+        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        o = rms_norm_gated(out, gate.view(n, hd, d), self.o_norm_weight, self.eps)
+        return self.o_proj(o.reshape(n, hd * d))
+
+    def _forward_dense(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, b: int, t: int) -> torch.Tensor:
+        """B fresh equal-length sequences at once: qkv [B*T, 3P], g [B*T, H, K], beta [B*T, H] -> [B*T, H, K]."""
+        hd, d = self.num_heads, self.head_dim
+        y, _ = causal_conv1d(qkv.view(b, t, -1), self.conv_weight, None, activation="silu")
+        q, k, v = y.view(b, t, 3, hd, d).unbind(2)
+        # the KDA core is fp32 math (ref.py's contract); keep autocast from lowering its matmuls
+        with torch.autocast(qkv.device.type, enabled=False):
+            o = self.dense_core(q, k, v, g.view(b, t, hd, d), beta.view(b, t, hd))
+        return o.reshape(b * t, hd, d)
+
+    def _forward_varlen(self, x: torch.Tensor, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        batch: ForwardBatch) -> torch.Tensor:
+        """Sequence by sequence, reading and writing each one's cache (prefill chunks and decode)."""
+        n, hd, d = x.shape[0], self.num_heads, self.head_dim
         out = torch.empty(n, hd, d, dtype=x.dtype, device=x.device)
         for i, (b, e) in enumerate(batch.spans()):
             if e == b:
@@ -97,6 +127,4 @@ class KimiDeltaAttention(nn.Module):
             if cache is not None:
                 conv_state.copy_(new_conv[0])
                 rec_state.copy_(final[0])
-        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
-        o = rms_norm_gated(out, gate.view(n, hd, d), self.o_norm_weight, self.eps)
-        return self.o_proj(o.reshape(n, hd * d))
+        return out

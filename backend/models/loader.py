@@ -22,6 +22,7 @@ from k3rt.backend.distributed import SINGLE, TPContext
 from k3rt.backend.layers.linear import ShardSpec
 from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.model_config import ModelConfig, load_model_config
+from k3rt.models import resolve_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +216,9 @@ def _is_expert_stack(param: nn.Parameter) -> bool:
 
 def load_model(model_dir: str | Path, *, dtype: str | None = None, tp: TPContext = SINGLE,
                device: str = "cpu", progress: bool = True) -> KimiForCausalLM:
-    """config.json + weights -> an eval-mode KimiForCausalLM on `device`."""
-    model_dir = Path(model_dir)
+    """config.json + weights -> an eval-mode KimiForCausalLM on `device`. `model_dir` may also name a
+    model shipped with k3rt (`k3-tiny`)."""
+    model_dir = resolve_model_dir(model_dir)
     cfg = load_model_config(model_dir)
     if cfg.ignored_fields:
         log.warning("config.json fields k3rt does not use: %s", ", ".join(cfg.ignored_fields))

@@ -5,11 +5,14 @@ projected, cached and dotted, never rotated (model-facts §5). Two equivalent fo
   expanded (prefill/extend): K, V = kv_b_proj(c) per head; ordinary causal attention, qk dim P+R.
   absorbed (decode): q_nope folded through W_UK so scores are taken against the latent directly, and
     the latent-weighted sum is lifted through W_UV afterwards. Never materializes per-head K/V.
+A step of fresh equal-length sequences without caches (training, evaluation) takes the expanded
+form on [B, T] at once through F.scaled_dot_product_attention.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from k3rt.backend.distributed import SINGLE, TPContext
@@ -86,6 +89,30 @@ class MultiHeadLatentAttention(nn.Module):
         q = self.q_proj(x) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(n, h, m.qk_head_dim)
         lat = self.latent(x)
+        if batch.dense_shape is not None:
+            out = self._attend_dense(q, lat, *batch.dense_shape)
+        else:
+            out = self._attend_varlen(x, q, lat, batch)
+        if m.use_output_gate:
+            out = out * torch.sigmoid(self.g_proj(x).float()).view(n, h, m.v_head_dim).to(out.dtype)
+        return self.o_proj(out.reshape(n, h * m.v_head_dim))
+
+    def _attend_dense(self, q: torch.Tensor, lat: torch.Tensor, b: int, t: int) -> torch.Tensor:
+        """Expanded form for B fresh equal-length sequences at once (training, evaluation), through
+        SDPA: q [B*T, H, P+R], lat [B*T, L+R] -> [B*T, H, V]."""
+        m, h = self.cfg, self.num_heads
+        lora, nope = m.kv_lora_rank, m.qk_nope_head_dim
+        kv = self.kv_b_proj(lat[:, :lora]).view(b, t, h, nope + m.v_head_dim)
+        k_pe = lat[:, lora:].view(b, t, 1, m.qk_rope_head_dim).expand(b, t, h, m.qk_rope_head_dim)
+        k = torch.cat([kv[..., :nope].float(), k_pe.float()], dim=-1)  # [B, T, H, P+R]
+        v = kv[..., nope:].float()
+        # fp32 like mla_expanded; under autocast SDPA itself lowers the inputs (flash attention on GPU)
+        o = F.scaled_dot_product_attention(q.view(b, t, h, -1).transpose(1, 2).float(), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True, scale=m.scale)
+        return o.transpose(1, 2).reshape(b * t, h, m.v_head_dim).to(q.dtype)
+
+    def _attend_varlen(self, x: torch.Tensor, q: torch.Tensor, lat: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        m, n, h = self.cfg, x.shape[0], self.num_heads
         out = torch.empty(n, h, m.v_head_dim, dtype=x.dtype, device=x.device)
         dims = (m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.scale)
         for i, (b, e) in enumerate(batch.spans()):
@@ -98,6 +125,4 @@ class MultiHeadLatentAttention(nn.Module):
                 full = lat[b:e]
             attend = mla_absorbed if (e - b == 1 and start > 0) else mla_expanded
             out[b:e] = attend(q[b:e], full, self.kv_b_proj.weight, start, *dims)
-        if m.use_output_gate:
-            out = out * torch.sigmoid(self.g_proj(x).float()).view(n, h, m.v_head_dim).to(out.dtype)
-        return self.o_proj(out.reshape(n, h * m.v_head_dim))
+        return out

@@ -12,7 +12,8 @@ from k3rt.backend.tokenizer.base import Tokenizer
 from k3rt.backend.tokenizer.detokenizer import IncrementalDetokenizer
 from k3rt.backend.tokenizer.hf import TOKENIZER_JSON_FILE, HFTokenizer
 from k3rt.backend.tokenizer.tiktoken_file import TIKTOKEN_MODEL_FILE, TiktokenTokenizer
-from k3rt.backend.tokenizer.tiny import write_tiny_tiktoken_tokenizer, write_tiny_tokenizer
+from k3rt.backend.tokenizer.tiny import write_tiny_tiktoken_tokenizer, write_tiny_tokenizer, write_trained_tokenizer
+from k3rt.models import resolve_model_dir
 
 __all__ = [
     "HFTokenizer",
@@ -22,13 +23,15 @@ __all__ = [
     "load_tokenizer",
     "write_tiny_tiktoken_tokenizer",
     "write_tiny_tokenizer",
+    "write_trained_tokenizer",
 ]
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
-    """The tokenizer of the model in `model_dir`: tokenizer.json if present, else tiktoken.model.
-    Raises FileNotFoundError naming the directory and the files looked for."""
-    model_dir = Path(model_dir)
+    """The tokenizer of the model in `model_dir` (a folder, or the name of a model shipped with k3rt):
+    tokenizer.json if present, else tiktoken.model. Raises FileNotFoundError naming the directory and the
+    files looked for."""
+    model_dir = resolve_model_dir(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist (or is not a directory)")
     if (model_dir / TOKENIZER_JSON_FILE).is_file():

@@ -1,4 +1,5 @@
-"""Tiny Kimi-style tokenizers for test checkpoints (`k3rt make-tiny`), trained offline in milliseconds.
+"""Tiny Kimi-style tokenizers for test checkpoints (`k3rt make-tiny`), trained offline in milliseconds, and
+`write_trained_tokenizer`, the same layout trained on a real corpus (the default model's 8K vocabulary).
 
 `write_tiny_tokenizer` writes tokenizer.json + tokenizer_config.json; `write_tiny_tiktoken_tokenizer` writes
 the same vocabulary as Kimi ships it, tiktoken.model + tokenizer_config.json. Both encode every text to the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -176,24 +178,33 @@ def _special_token_names(num_base: int, num_reserved: int) -> list[str]:
     return [named.get(offset, f"<|reserved_token_{num_base + offset}|>") for offset in range(num_reserved)]
 
 
-def _train_base_tokens(vocab_size: int, seed: int) -> list[bytes]:
-    """Byte strings of the base tokens, index = id = tiktoken rank."""
+def _num_base_tokens(vocab_size: int) -> int:
     num_base = vocab_size - TINY_NUM_RESERVED_SPECIAL_TOKENS
     if num_base < 256:
         raise ValueError(
             f"vocab_size={vocab_size} leaves {num_base} base tokens; at least 256 (one per byte) plus "
             f"{TINY_NUM_RESERVED_SPECIAL_TOKENS} special tokens are needed"
         )
+    return num_base
+
+
+def _train_bpe(texts: Iterable[str], num_base: int, what: str) -> list[bytes]:
+    """Byte strings of `num_base` base tokens learned from `texts`, index = id = tiktoken rank."""
     backend = HFBackend(models.BPE())
     backend.pre_tokenizer = _kimi_pre_tokenizer()
     trainer = trainers.BpeTrainer(
         vocab_size=num_base, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    backend.train_from_iterator(_corpus(num_base - 256, seed), trainer)
+    backend.train_from_iterator(texts, trainer)
     vocab = backend.get_vocab()
     if len(vocab) != num_base:
-        raise ValueError(f"the tiny corpus only supports {len(vocab)} base tokens, {num_base} were asked for")
+        raise ValueError(f"{what} only supports {len(vocab)} base tokens, {num_base} were asked for")
     return [byte_level_decode(token) for token in sorted(vocab, key=vocab.__getitem__)]
+
+
+def _train_base_tokens(vocab_size: int, seed: int) -> list[bytes]:
+    num_base = _num_base_tokens(vocab_size)
+    return _train_bpe(_corpus(num_base - 256, seed), num_base, "the tiny corpus")
 
 
 def _merges_from_ranks(tokens: list[bytes]) -> list[tuple[str, str]]:
@@ -244,9 +255,19 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 def write_tiny_tokenizer(out_dir: Path, *, vocab_size: int = 512, seed: int = 0) -> None:
     """Write tokenizer.json and tokenizer_config.json for a `vocab_size`-id Kimi-style vocabulary (exactly
     `vocab_size` ids, the special tokens included) into `out_dir`, creating it if needed."""
-    out_dir = Path(out_dir)
+    _write_tokenizer_files(Path(out_dir), _train_base_tokens(vocab_size, seed), vocab_size)
+
+
+def write_trained_tokenizer(out_dir: Path, texts: Iterable[str], *, vocab_size: int = 8192) -> None:
+    """Train the same Kimi-style byte-level BPE on `texts` (a real corpus, e.g. the default model's training
+    split) and write tokenizer.json + tokenizer_config.json into `out_dir`: exactly `vocab_size` ids, the
+    last TINY_NUM_RESERVED_SPECIAL_TOKENS of them the special tokens, with the Kimi chat template. The same
+    texts in the same order give byte-identical files."""
+    _write_tokenizer_files(Path(out_dir), _train_bpe(texts, _num_base_tokens(vocab_size), "the corpus"), vocab_size)
+
+
+def _write_tokenizer_files(out_dir: Path, tokens: list[bytes], vocab_size: int) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokens = _train_base_tokens(vocab_size, seed)
     special_names = _special_token_names(len(tokens), TINY_NUM_RESERVED_SPECIAL_TOKENS)
 
     vocab = {byte_level_encode(token): i for i, token in enumerate(tokens)}

@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""Evaluate a shipped model (default k3-tiny) on the corpus's held-out modules, writing JSON.
+
+    python scripts/eval_default_model.py                       # CPU, fp32 compute, -> .cache/eval/k3-tiny.json
+    python scripts/eval_default_model.py --device cuda --out $OUT/eval.json
+
+1. Held-out bits per byte through the runtime's loader (`load_model`), beside a token-unigram
+   baseline from the training split (both as in the training script).
+2. Function completion: --num-functions functions (default 100) of 3..30 lines, spread evenly over
+   the held-out modules in (file, line) order. The prompt is the function's header, its signature
+   lines and docstring if it has one, dedented to column 0. The k3rt offline Engine completes each
+   prompt greedily; a completion ends at its function's end, the first non-blank line that starts at
+   column 0 (the dedent heuristic), or at EOS or --max-tokens. The score is the share of completions
+   that hold at least one non-blank line and for which `ast.parse(header + completion)` succeeds (a
+   docstring alone parses, so an empty completion does not count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bootstrap import ROOT, import_k3rt  # noqa: E402
+
+import_k3rt()
+
+from k3rt.backend.corpus import Document, read_corpus  # noqa: E402
+from k3rt.models import resolve_model_dir  # noqa: E402
+
+_TOP_LEVEL_LINE = re.compile(r"\n(?=[^\s])")
+
+
+@dataclass(frozen=True)
+class FunctionCase:
+    module: str  # the held-out document's path
+    qualname: str
+    lineno: int
+    header: str  # dedented signature (+ docstring) ending in "\n"
+    reference: str  # the dedented original function
+
+
+def _functions(doc: Document) -> list[FunctionCase]:
+    lines = doc.text.split("\n")
+    cases: list[FunctionCase] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                case = _case(doc.name, lines, child, prefix)
+                if case is not None:
+                    cases.append(case)
+                visit(child, f"{prefix}{child.name}.")
+
+    visit(ast.parse(doc.text), "")
+    return cases
+
+
+def _case(module: str, lines: list[str], fn: ast.FunctionDef | ast.AsyncFunctionDef, prefix: str) -> FunctionCase | None:
+    if fn.end_lineno is None or not 3 <= fn.end_lineno - fn.lineno <= 30:
+        return None
+    body = fn.body
+    has_doc = isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
+        and isinstance(body[0].value.value, str)
+    if has_doc and len(body) == 1:
+        return None  # nothing to complete after the docstring
+    header_end = body[0].end_lineno if has_doc else body[0].lineno - 1
+    if header_end is None or header_end < fn.lineno or (body[1] if has_doc else body[0]).lineno <= header_end:
+        return None  # a body on the def line, or a statement sharing the docstring's line
+    indent = len(lines[fn.lineno - 1]) - len(lines[fn.lineno - 1].lstrip())
+
+    def dedent(rows: list[str]) -> str:
+        return "\n".join(r[indent:] if r[:indent].strip() == "" else r for r in rows) + "\n"
+
+    header = dedent(lines[fn.lineno - 1:header_end])
+    reference = dedent(lines[fn.lineno - 1:fn.end_lineno])
+    try:
+        ast.parse(reference)
+    except SyntaxError:
+        return None
+    return FunctionCase(module, prefix + fn.name, fn.lineno, header, reference)
+
+
+def select_functions(docs: list[Document], n: int) -> list[FunctionCase]:
+    """n cases spread evenly over all eligible functions of the held-out documents, in (file, line) order."""
+    pool = [c for d in sorted(docs, key=lambda d: d.name) for c in _functions(d)]
+    if len(pool) <= n:
+        return pool
+    return [pool[round(i * (len(pool) - 1) / (n - 1))] for i in range(n)] if n > 1 else pool[:1]
+
+
+def function_end(completion: str) -> int | None:
+    """Index where the function ends in `completion` (the first non-blank line at column 0), or None."""
+    m = _TOP_LEVEL_LINE.search(completion)
+    return None if m is None else m.start() + 1
+
+
+def complete_functions(model_dir: Path, cases: list[FunctionCase], *, device: str, dtype: str | None,
+                       max_tokens: int) -> list[dict]:
+    from k3rt.backend.engine import Engine
+    from k3rt.backend.tokenizer import load_tokenizer
+    from k3rt.config import CacheConfig, EngineConfig
+    from k3rt.sampling_params import SamplingParams
+
+    tok = load_tokenizer(model_dir)
+    engine = Engine(EngineConfig(model=str(model_dir), dtype=dtype, device=device,
+                                 cache=CacheConfig(memory_gb=2.0, num_pages=None)))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    rids = {engine.add_request(tok.encode(c.header), params): i for i, c in enumerate(cases)}
+    out_ids: dict[int, list[int]] = {rid: [] for rid in rids}
+    result: dict[int, dict] = {}
+    aborted: set[int] = set()
+    eos = set(tok.eos_token_ids)
+    while engine.has_unfinished:
+        for o in engine.step():
+            if o.rid in result:
+                continue
+            out_ids[o.rid].extend(o.new_token_ids)
+            text = tok.decode([t for t in out_ids[o.rid] if t not in eos], skip_special_tokens=True)
+            end = function_end(text)
+            if end is not None or o.finished:
+                stop = "dedent" if end is not None else (o.finish_reason or "length")
+                result[o.rid] = {"completion": text[:end] if end is not None else text, "stop": stop,
+                                 "tokens": len(out_ids[o.rid])}
+                if not o.finished and o.rid not in aborted:
+                    engine.abort(o.rid)
+                    aborted.add(o.rid)
+    rows = []
+    for rid, i in sorted(rids.items(), key=lambda kv: kv[1]):
+        c, r = cases[i], result[rid]
+        try:
+            ast.parse(c.header + r["completion"])
+            ok = bool(r["completion"].strip())
+        except SyntaxError:
+            ok = False
+        rows.append({**asdict(c), **r, "parses": ok})
+    return rows
+
+
+def heldout_bpb(model_dir: Path, corpus, *, device: str, dtype: str, seq_len: int, batch_size: int) -> dict:
+    from k3rt.backend.models import train as T
+    from k3rt.backend.models.loader import load_model
+    from k3rt.backend.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    eos = tok.eos_token_ids[0]
+    heldout_docs = corpus.split("heldout")
+    heldout_ids = [ids[:-1] for ids in T.encode_documents(heldout_docs, tok)]
+    windows = T.EvalWindows.build(heldout_ids, [d.text for d in heldout_docs], seq_len, eos)
+    model = load_model(model_dir, dtype=dtype, device=device, progress=False)
+    bpb = T.bits_per_byte(model, windows, batch_size)
+    unigram = T.unigram_bits_per_byte(T.encode_documents(corpus.split("train"), tok), windows, tok.vocab_size)
+    return {"heldout_bits_per_byte": round(bpb, 4), "unigram_bits_per_byte": round(unigram, 4),
+            "heldout_bytes": windows.num_bytes, "heldout_tokens": int(windows.mask.sum())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="k3-tiny", help="checkpoint folder or shipped model name (default k3-tiny)")
+    p.add_argument("--corpus", type=Path, default=ROOT / ".cache" / "corpus", help="corpus folder")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
+    p.add_argument("--num-functions", type=int, default=100)
+    p.add_argument("--max-tokens", type=int, default=256, help="completion length cap per function")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--skip-bpb", action="store_true", help="only the function-completion test")
+    p.add_argument("--skip-functions", action="store_true", help="only bits per byte")
+    p.add_argument("--out", type=Path, default=ROOT / ".cache" / "eval" / "k3-tiny.json")
+    a = p.parse_args(argv)
+
+    t0 = time.monotonic()
+    model_dir = resolve_model_dir(a.model)
+    corpus = read_corpus(a.corpus)
+    report: dict = {"model": str(model_dir), "corpus_content_hash": corpus.meta["content_hash"],
+                    "device": a.device, "dtype": a.dtype}
+    if not a.skip_bpb:
+        report.update(heldout_bpb(model_dir, corpus, device=a.device, dtype=a.dtype, seq_len=a.seq_len,
+                                  batch_size=a.batch_size))
+        print(f"held-out bits/byte {report['heldout_bits_per_byte']:.4f} "
+              f"(unigram baseline {report['unigram_bits_per_byte']:.4f}) [{time.monotonic() - t0:.0f} s]", flush=True)
+    if not a.skip_functions:
+        cases = select_functions(corpus.split("heldout", ("code",)), a.num_functions)
+        rows = complete_functions(model_dir, cases, device=a.device, dtype=a.dtype, max_tokens=a.max_tokens)
+        n_ok = sum(r["parses"] for r in rows)
+        report.update(function_completion={"num_functions": len(rows), "parse_rate": round(n_ok / max(1, len(rows)), 3),
+                                           "stops": {s: sum(r["stop"] == s for r in rows) for s in {r["stop"] for r in rows}},
+                                           "max_tokens": a.max_tokens, "cases": rows})
+        print(f"function completion: {n_ok}/{len(rows)} parse ({n_ok / max(1, len(rows)):.0%}) "
+              f"[{time.monotonic() - t0:.0f} s]", flush=True)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

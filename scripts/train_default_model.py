@@ -1,0 +1,355 @@
+#!/usr/bin/env python3
+"""Train k3-tiny, the default model shipped with k3rt, with k3rt's own model modules.
+
+    # once, on the machine whose stdlib is the corpus (writes .cache/corpus and the tokenizer):
+    python scripts/prepare_corpus.py
+    # one GPU call (the corpus folder travels; see k3rt/models/k3-tiny/README.md):
+    python scripts/train_default_model.py --device cuda --out $OUT/k3-tiny --time-budget-s 480
+
+Steps: read the corpus (content hash printed), load the tokenizer (--tokenizer, trained on the
+training split by prepare_corpus.py), tokenize, build KimiForCausalLM from K3_TINY_CONFIG, train
+(AdamW, warmup + cosine, clipping, bf16 autocast on GPU, seeded), keep the checkpoint with the best
+validation bits/byte (corpus.VALIDATION_MODULES), evaluate held-out bits/byte beside a unigram
+baseline, export config.json + bf16 safetensors shards (<= 15 MB) + tokenizer + training.json into
+--out, then reload the export through the runtime's loader and evaluate it again.
+
+Time: --time-budget-s bounds the whole run (default 480 s). Unless --max-steps is given, the cosine
+horizon is calibrated from the measured step time after --calibrate-steps steps, leaving the reserve
+for the final evaluation and export, and capped at --max-epochs passes over the training tokens (the
+corpus is small: more passes overfit). The horizon is stored in the checkpoint so --resume continues
+the same schedule. The loop also stops early when the budget is reached, and always saves and exports.
+
+Resume: a checkpoint (model, optimizer, step, horizon, log) goes to --work-dir every --ckpt-every
+steps and at the end; --resume continues from it. Batches depend only on (seed, step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bootstrap import ROOT, import_k3rt  # noqa: E402
+
+import_k3rt()
+
+from k3rt.backend.corpus import read_corpus  # noqa: E402
+from k3rt.backend.models import train as T  # noqa: E402
+from k3rt.backend.models.loader import build_model, load_model  # noqa: E402
+from k3rt.backend.models.tiny import write_checkpoint  # noqa: E402
+from k3rt.backend.tokenizer import load_tokenizer, write_trained_tokenizer  # noqa: E402
+from k3rt.model_config import param_count, parse_model_config  # noqa: E402
+
+MAX_SHARD_BYTES = 15_000_000
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - T0:7.1f}s] {msg}", flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--corpus", type=Path, default=ROOT / ".cache" / "corpus", help="corpus folder (prepare_corpus.py)")
+    p.add_argument("--tokenizer", type=Path, default=ROOT / "k3rt" / "models" / "k3-tiny",
+                   help="folder with tokenizer.json (trained into --work-dir from the corpus if absent)")
+    p.add_argument("--out", type=Path, default=ROOT / "k3rt" / "models" / "k3-tiny", help="export folder")
+    p.add_argument("--work-dir", type=Path, default=ROOT / ".cache" / "train", help="checkpoints, token cache, logs")
+    p.add_argument("--resume", action="store_true", help="continue from --work-dir/ckpt.pt")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--smoke", action="store_true", help="toy model and sizes on CPU, a few steps (tests)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=32, help="windows per step (tokens/step = this * seq-len)")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of the peak")
+    p.add_argument("--warmup-steps", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--router-bias-rate", type=float, default=1e-3, help="aux-loss-free balancing step per update")
+    p.add_argument("--max-steps", type=int, default=0, help="cosine horizon; 0: calibrate from the time budget")
+    p.add_argument("--max-epochs", type=float, default=6.0, help="cap on the calibrated horizon, in passes")
+    p.add_argument("--stop-after-steps", type=int, default=0,
+                   help="end this call after that many steps, keeping the schedule (resume later with --resume)")
+    p.add_argument("--calibrate-steps", type=int, default=30, help="steps timed before fixing the horizon")
+    p.add_argument("--time-budget-s", type=float, default=480.0, help="wall clock for the whole run, export included")
+    p.add_argument("--reserve-s", type=float, default=None, help="kept for final eval + export (default max(20, 5%%))")
+    p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--eval-every", type=int, default=200, help="validation eval (and best-checkpoint) interval")
+    p.add_argument("--valid-windows", type=int, default=0, help="validation windows scored per eval (0: all)")
+    p.add_argument("--final-eval-windows", type=int, default=0, help="held-out windows scored at the end (0: all)")
+    p.add_argument("--kda", choices=["fast", "ref"], default="fast",
+                   help="KDA core while training: fast (train.kda_chunked_fresh) or ref (kernels/kda/ref.py)")
+    p.add_argument("--ckpt-every", type=int, default=500)
+    p.add_argument("--export-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--commit", default=None, help="source commit recorded in training.json (default: git HEAD)")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.device = "cpu"
+        for k, v in {"seq_len": 64, "batch_size": 8, "warmup_steps": 5, "log_every": 5, "eval_every": 10,
+                     "valid_windows": 16, "final_eval_windows": 16, "calibrate_steps": 5, "ckpt_every": 10}.items():
+            if getattr(a, k) == p.get_default(k):
+                setattr(a, k, v)
+        if a.max_steps == 0:
+            a.max_steps = 20
+    if a.reserve_s is None:
+        a.reserve_s = max(20.0, 0.05 * a.time_budget_s) if not a.smoke else 0.0
+    return a
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def file_hash(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def load_or_train_tokenizer(a: argparse.Namespace, corpus) -> Path:
+    if (a.tokenizer / "tokenizer.json").is_file():
+        return a.tokenizer
+    out = a.work_dir / "tokenizer"
+    if not (out / "tokenizer.json").is_file():
+        log(f"no tokenizer in {a.tokenizer}: training one on the training split into {out}")
+        write_trained_tokenizer(out, [d.text for d in corpus.split("train", ("code", "doc"))],
+                                vocab_size=T.K3_TINY_CONFIG["vocab_size"])
+    return out
+
+
+def encode(a: argparse.Namespace, corpus, tok, tok_dir: Path) -> dict[str, list[list[int]]]:
+    """Token ids of the train / valid / heldout documents, cached in --work-dir by corpus + tokenizer hash.
+    Evaluation documents lose their trailing EOS: it stands for no bytes of their text."""
+    key = hashlib.sha256((corpus.meta["content_hash"] + file_hash([tok_dir / f for f in TOKENIZER_FILES])).encode())
+    cache = a.work_dir / f"tokens-{key.hexdigest()[:16]}.pt"
+    if cache.is_file():
+        return {split: [d.tolist() for d in docs] for split, docs in torch.load(cache).items()}
+    ids = {split: T.encode_documents(corpus.split(split), tok) for split in ("train", "valid", "heldout")}
+    for split in ("valid", "heldout"):
+        ids[split] = [d[:-1] for d in ids[split]]
+    a.work_dir.mkdir(parents=True, exist_ok=True)
+    torch.save({split: [torch.tensor(d, dtype=torch.int32) for d in docs] for split, docs in ids.items()}, cache)
+    return ids
+
+
+def model_config(a: argparse.Namespace, tok) -> dict:
+    raw = dict(T.SMOKE_CONFIG if a.smoke else T.K3_TINY_CONFIG)
+    raw.update(vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_ids[0],
+               pad_token_id=tok.pad_token_id)
+    return raw
+
+
+def save_checkpoint(path: Path, model, opt, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), **state}, tmp)
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    global T0
+    T0 = time.monotonic()
+    a = parse_args(argv)
+    deadline = T0 + a.time_budget_s - a.reserve_s
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    device = torch.device(a.device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    amp_dtype = torch.bfloat16 if cuda else None
+    log(f"torch {torch.__version__} on {torch.cuda.get_device_name() if cuda else 'cpu'}; args {vars(a)}")
+
+    corpus = read_corpus(a.corpus)
+    log(f"corpus {a.corpus}: content hash {corpus.meta['content_hash']} (python {corpus.meta.get('python')}), "
+        f"{len(corpus.documents)} documents")
+    tok_dir = load_or_train_tokenizer(a, corpus)
+    tok = load_tokenizer(tok_dir)
+    ids = encode(a, corpus, tok, tok_dir)
+    eos = tok.eos_token_ids[0]
+    stream = T.TokenStream(ids["train"], a.seq_len, a.batch_size, a.seed)
+    valid, heldout = (T.EvalWindows.build(ids[s], [d.text for d in corpus.split(s)], a.seq_len, eos)
+                      for s in ("valid", "heldout"))
+    if a.valid_windows:
+        valid = valid.subset(a.valid_windows)
+    if a.final_eval_windows:
+        heldout = heldout.subset(a.final_eval_windows)
+    log(f"tokenizer {tok_dir} ({tok.vocab_size} ids): {len(stream.tokens):,} training tokens "
+        f"({stream.steps_per_epoch} steps per epoch); validation {int(valid.mask.sum()):,} tokens; "
+        f"held-out {int(heldout.mask.sum()):,} tokens over {heldout.num_bytes:,} bytes")
+
+    raw = model_config(a, tok)
+    cfg = parse_model_config(raw)
+    torch.manual_seed(a.seed)
+    model = build_model(cfg, dtype=torch.float32)
+    T.init_for_training(model, a.seed)
+    model.to(device)
+    T.make_trainable(model)
+    moes = T.use_training_moe(model)
+    if a.kda == "fast":
+        T.use_fast_kda(model)
+    counts = param_count(cfg)
+    log(f"model: {counts['total']:,} parameters ({counts['active_per_token']:,} active per token), "
+        f"layers {''.join('K' if t == 'kda' else 'M' for t in cfg.layer_types)}")
+    opt = torch.optim.AdamW(T.param_groups(model, a.weight_decay), lr=a.lr, betas=(0.9, 0.95), eps=1e-8,
+                            fused=cuda)
+
+    a.work_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path = a.work_dir / "ckpt.pt"
+    max_epoch_steps = max(1, int(a.max_epochs * stream.steps_per_epoch))
+    step, total_steps, history, evals, tokens_seen = 0, a.max_steps or None, [], [], 0
+    train_seconds, best = 0.0, {"valid_bpb": math.inf, "step": 0, "state": None}
+    if a.resume and ckpt_path.is_file():
+        ck = torch.load(ckpt_path, map_location=device, weights_only=False)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        step, total_steps, history, evals = ck["step"], ck["total_steps"], ck["history"], ck["evals"]
+        tokens_seen, train_seconds, best = ck["tokens_seen"], ck["train_seconds"], ck["best"]
+        log(f"resumed from {ckpt_path} at step {step} of {total_steps}")
+
+    def state() -> dict:
+        return {"step": step, "total_steps": total_steps, "history": history, "evals": evals, "best": best,
+                "tokens_seen": tokens_seen, "train_seconds": train_seconds, "args": {k: str(v) for k, v in vars(a).items()}}
+
+    def validate() -> float:
+        model.eval()
+        bpb = T.bits_per_byte(model, valid, a.batch_size, autocast_dtype=amp_dtype)
+        model.train()
+        evals.append({"step": step, "valid_bpb": round(bpb, 4)})
+        if bpb < best["valid_bpb"]:
+            best.update(valid_bpb=bpb, step=step, state={k: v.detach().to("cpu", copy=True)
+                                                         for k, v in model.state_dict().items()})
+        log(f"step {step}: validation bits/byte {bpb:.4f} (best {best['valid_bpb']:.4f} at step {best['step']})")
+        return bpb
+
+    model.train()
+    calib_start: float | None = None
+    loop_start = time.monotonic()
+    stop_reason = "max steps"
+    first_step = step
+    while total_steps is None or step < total_steps:
+        if time.monotonic() > deadline:
+            stop_reason = "time budget"
+            break
+        if a.stop_after_steps and step - first_step >= a.stop_after_steps:
+            stop_reason = "--stop-after-steps"
+            break
+        horizon = total_steps or 10**9
+        lr = T.cosine_lr(step, horizon, a.warmup_steps, a.lr, a.min_lr_ratio)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        inputs, targets = (t.to(device, non_blocking=True) for t in stream.batch(step))
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            nll, count = T.lm_loss(model, inputs, targets)
+            loss = nll / count
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        imbalance = T.balance_routers(moes, a.router_bias_rate)
+        step += 1
+        tokens_seen += inputs.numel()
+
+        # time steps first_step+5 .. +5+calibrate_steps (the first ones pay for allocator warm-up)
+        if total_steps is None and step == first_step + 5:
+            if cuda:
+                torch.cuda.synchronize()
+            calib_start = time.monotonic()
+        if total_steps is None and calib_start is not None and step == first_step + 5 + a.calibrate_steps:
+            if cuda:
+                torch.cuda.synchronize()
+            per_step = (time.monotonic() - calib_start) / a.calibrate_steps
+            by_time = step + max(1, int((deadline - time.monotonic()) / per_step * 0.97))
+            total_steps = min(by_time, max(step + 1, max_epoch_steps))
+            log(f"calibrated: {per_step * 1e3:.0f} ms/step ({a.batch_size * a.seq_len / per_step:,.0f} tokens/s); "
+                f"the budget allows {by_time} steps ({by_time / stream.steps_per_epoch:.1f} epochs) "
+                f"-> cosine horizon {total_steps} steps")
+        if step % a.log_every == 0 or step == 1:
+            row = {"step": step, "loss": round(loss.item(), 4), "lr": lr, "grad_norm": round(grad_norm.item(), 3),
+                   "router_max_over_mean": round(max((x.item() for x in imbalance), default=1.0), 2),
+                   "tokens": tokens_seen, "elapsed_s": round(time.monotonic() - T0, 1)}
+            history.append(row)
+            log(f"step {step}/{total_steps or '?'} loss {row['loss']:.4f} lr {lr:.2e} |g| {row['grad_norm']:.2f} "
+                f"router max/mean {row['router_max_over_mean']:.2f} tokens {tokens_seen:,}")
+        if step % a.eval_every == 0:
+            validate()
+        if step % a.ckpt_every == 0:
+            train_seconds += time.monotonic() - loop_start
+            loop_start = time.monotonic()
+            save_checkpoint(ckpt_path, model, opt, state())
+    if cuda:
+        torch.cuda.synchronize()
+    train_seconds += time.monotonic() - loop_start
+    log(f"training stopped at step {step} ({stop_reason}); {tokens_seen:,} tokens in {train_seconds:.0f} s")
+    last_valid = validate() if not evals or evals[-1]["step"] != step else evals[-1]["valid_bpb"]
+    save_checkpoint(ckpt_path, model, opt, state())
+    if best["step"] != step and best["state"] is not None:
+        log(f"exporting the best validation checkpoint (step {best['step']}, {best['valid_bpb']:.4f} bits/byte; "
+            f"last step {last_valid:.4f})")
+        model.load_state_dict(best["state"])
+
+    model.eval()
+    bpb = T.bits_per_byte(model, heldout, a.batch_size, autocast_dtype=amp_dtype)
+    unigram = T.unigram_bits_per_byte(ids["train"], heldout, tok.vocab_size)
+    log(f"held-out bits/byte {bpb:.4f} (unigram baseline {unigram:.4f}) on {heldout.num_bytes:,} bytes")
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+
+    a.out.mkdir(parents=True, exist_ok=True)
+    for stale in [*a.out.glob("*.safetensors"), *a.out.glob("model.safetensors.index.json")]:
+        stale.unlink()  # an earlier export's shards would otherwise be read with (or instead of) these
+    write_checkpoint(model.cpu(), a.out, raw, dtype=a.export_dtype, max_shard_bytes=MAX_SHARD_BYTES)
+    if tok_dir.resolve() != a.out.resolve():
+        for f in TOKENIZER_FILES:
+            shutil.copy(tok_dir / f, a.out / f)
+    shards = sorted(a.out.glob("*.safetensors"))
+    weight_bytes = sum(p.stat().st_size for p in shards)
+    log(f"exported {len(shards)} shard(s), {weight_bytes / 1e6:.2f} MB, to {a.out}")
+
+    shipped = load_model(a.out, dtype="float32", device=a.device, progress=False)
+    shipped_bpb = T.bits_per_byte(shipped, heldout, a.batch_size)
+    log(f"reloaded export: held-out bits/byte {shipped_bpb:.4f} (fp32 compute on the {a.export_dtype} weights)")
+    report = {
+        "model": "k3-tiny", "commit": a.commit or git_commit(), "corpus_content_hash": corpus.meta["content_hash"],
+        "corpus_python": corpus.meta.get("python"), "heldout_modules": corpus.meta.get("heldout_modules"),
+        "tokenizer_sha256": file_hash([a.out / f for f in TOKENIZER_FILES]),
+        "parameters": counts, "weight_bytes": weight_bytes, "shards": [p.name for p in shards],
+        "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+        "steps": step, "cosine_horizon": total_steps, "stop_reason": stop_reason, "tokens_seen": tokens_seen,
+        "exported_step": best["step"] if best["step"] != step and best["state"] is not None else step,
+        "valid_bits_per_byte_exported": round(min(best["valid_bpb"], last_valid), 4),
+        "peak_gpu_memory_gib": None if peak_gib is None else round(peak_gib, 1),
+        "epochs": round(tokens_seen / max(1, len(stream.tokens)), 2), "train_seconds": round(train_seconds, 1),
+        "wall_seconds": round(time.monotonic() - T0, 1),
+        "heldout_bits_per_byte": round(bpb, 4), "heldout_bits_per_byte_shipped_weights": round(shipped_bpb, 4),
+        "unigram_bits_per_byte": round(unigram, 4), "heldout_bytes": heldout.num_bytes,
+        "hyperparameters": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()
+                            if k not in ("corpus", "tokenizer", "out", "work_dir")},
+        "evals": evals, "loss_curve": history,
+    }
+    (a.out / "training.json").write_text(json.dumps(report, indent=1) + "\n")
+    (a.work_dir / "training.json").write_text(json.dumps(report, indent=1) + "\n")
+    log(f"wrote {a.out / 'training.json'}; total {time.monotonic() - T0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    sys.exit(main())

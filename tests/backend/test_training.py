@@ -1,0 +1,307 @@
+"""Training the default model (k3-tiny): the training-only forms equal the reference layers, the loss
+falls, a smoke run of scripts/train_default_model.py exports a checkpoint that the runtime's loader
+reloads to the same logits and resumes exactly, the corpus is deterministic, and `k3-tiny` resolves
+to the package folder wherever a model folder is accepted.
+
+The corpus tests run on a miniature stdlib folder written here (a few real stdlib files plus planted
+cases), so they do not depend on which CPython runs them.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3rt.backend.corpus import build_corpus, read_corpus, stdlib_dir, write_corpus
+from k3rt.backend.models import train as T
+from k3rt.backend.models.batch import ForwardBatch
+from k3rt.backend.models.loader import build_model, load_model
+from k3rt.backend.tokenizer import load_tokenizer, write_trained_tokenizer
+from k3rt.kernels.kda.ref import kda_chunked, kda_gate_lower_bound
+from k3rt.model_config import load_model_config, parse_model_config
+from k3rt.models import DEFAULT_MODEL, MODELS_DIR, resolve_model_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _few_threads():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def smoke_model(vocab: int = 512, seed: int = 0):
+    cfg = parse_model_config({**T.SMOKE_CONFIG, "vocab_size": vocab})
+    model = build_model(cfg)
+    T.init_for_training(model, seed)
+    with torch.no_grad():  # move off the init's zeros so mixing and routing are exercised
+        for name, p in model.named_parameters():
+            if name.endswith(("_res_proj.weight", "e_score_correction_bias")):
+                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(seed))
+    return model
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+# ---- training forms equal the reference -----------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(2, 200, 3, 16), (1, 64, 2, 8), (2, 1, 2, 8), (1, 63, 2, 16), (1, 130, 1, 32)],
+                         ids=lambda s: "B{}-T{}-H{}-D{}".format(*s))
+def test_kda_chunked_fresh_matches_reference_and_gradients(shape) -> None:
+    b, t, h, d = shape
+    g_ = torch.Generator().manual_seed(t)
+    q, k, v = (torch.randn(b, t, h, d, generator=g_, requires_grad=True) for _ in range(3))
+    g = kda_gate_lower_bound(3 * torch.randn(b, t, h, d, generator=g_), torch.zeros(h), torch.zeros(h, d), -5.0)
+    g.requires_grad_()
+    beta = torch.rand(b, t, h, generator=g_, requires_grad=True)
+    want, _, _ = kda_chunked(q, k, v, g, beta)
+    got = T.kda_chunked_fresh(q, k, v, g, beta)
+    assert rel(got, want) < 1e-5
+    w = torch.randn(want.shape, generator=g_)
+    grads_want = torch.autograd.grad((want * w).sum(), [q, k, v, g, beta])
+    grads_got = torch.autograd.grad((got * w).sum(), [q, k, v, g, beta])
+    for gw, gg in zip(grads_want, grads_got):
+        assert torch.isfinite(gg).all()
+        assert (gg - gw).abs().max() <= 1e-5 * max(1.0, gw.abs().max().item())
+
+
+def test_kda_chunked_fresh_is_finite_at_the_gate_bound() -> None:
+    q, k, v = (torch.randn(1, 256, 2, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    beta = torch.full((1, 256, 2), 0.5)
+    for fill in (-4.999, -1e-6):
+        g = torch.full((1, 256, 2, 16), fill)
+        got = T.kda_chunked_fresh(q, k, v, g, beta)
+        assert torch.isfinite(got).all()
+        assert rel(got, kda_chunked(q, k, v, g, beta)[0]) < 1e-5
+
+
+def test_dense_path_matches_per_sequence_cached_path() -> None:
+    model = smoke_model()
+    ids = torch.randint(0, 512, (3, 70), generator=torch.Generator().manual_seed(1))
+    dense = model(ids.reshape(-1), ForwardBatch([70] * 3))
+    per_seq = torch.cat([model(ids[i], ForwardBatch.single(70, cache=model.new_cache())) for i in range(3)])
+    assert ForwardBatch([70] * 3).dense_shape == (3, 70) and ForwardBatch([70, 69]).dense_shape is None
+    assert rel(dense, per_seq) < 1e-5
+
+
+def test_training_forms_match_reference_logits_and_count_routes() -> None:
+    ref = smoke_model()
+    ids = torch.randint(0, 512, (2, 100), generator=torch.Generator().manual_seed(2))
+    want = ref(ids.reshape(-1), ForwardBatch([100, 100]))
+    trained = copy.deepcopy(ref)
+    moes = T.use_training_moe(trained)
+    assert T.use_fast_kda(trained) == 3
+    got = T.window_logits(trained, ids)
+    assert rel(got, want) < 1e-5
+    k = trained.cfg.moe.num_experts_per_token
+    assert [m.routed_counts.sum().item() for m in moes] == [200 * k] * len(moes)
+    bias_before = [m.e_score_correction_bias.clone() for m in moes]
+    T.balance_routers(moes, 0.01)
+    for m, before in zip(moes, bias_before):
+        assert m.routed_counts.sum() == 0
+        assert ((m.e_score_correction_bias - before).abs() <= 0.01 + 1e-7).all()
+
+
+def test_loss_decreases_on_a_repeated_batch() -> None:
+    torch.manual_seed(0)
+    model = smoke_model()
+    T.make_trainable(model)
+    moes = T.use_training_moe(model)
+    T.use_fast_kda(model)
+    assert not model.model.layers[1].mlp.e_score_correction_bias.requires_grad
+    opt = torch.optim.AdamW(T.param_groups(model, 0.1), lr=3e-3, betas=(0.9, 0.95))
+    ids = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(3))
+    losses = []
+    for step in range(25):
+        nll, count = T.lm_loss(model, ids[:, :-1], ids[:, 1:])
+        loss = nll / count
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        T.balance_routers(moes, 1e-3)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 2.0, losses
+
+
+def test_cosine_schedule() -> None:
+    lrs = [T.cosine_lr(s, 100, 10, 1.0, 0.1) for s in range(101)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0) and lrs[100] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+
+
+def test_token_stream_is_deterministic_and_covers_each_epoch() -> None:
+    docs = [list(range(i * 100, i * 100 + 90)) for i in range(10)]
+    a, b = T.TokenStream(docs, 16, 4, seed=5), T.TokenStream(docs, 16, 4, seed=5)
+    for step in (0, 3, a.steps_per_epoch + 1):
+        assert torch.equal(a.batch(step)[0], b.batch(step)[0])
+    starts = torch.cat([a.batch(s)[0][:, 0] for s in range(a.steps_per_epoch)])
+    assert len(set(starts.tolist())) == a.steps_per_epoch * 4
+    inputs, targets = a.batch(0)
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+
+
+def test_eval_windows_score_every_token_once() -> None:
+    docs, texts = [[5, 6, 7, 8, 9], [1, 2]], ["abcdefg", "xy"]
+    w = T.EvalWindows.build(docs, texts, seq_len=3, eos_id=0)
+    assert w.inputs.tolist() == [[0, 5, 6], [7, 8, 0], [0, 1, 0]]
+    assert w.targets[w.mask].tolist() == [5, 6, 7, 8, 9, 1, 2] and w.num_bytes == 9
+
+
+# ---- corpus ---------------------------------------------------------------------------------------
+
+def mini_stdlib(root: Path) -> Path:
+    """A stdlib-shaped folder: real modules for text, plus the cases the corpus rules must handle."""
+    lib = root / "lib"
+    real = stdlib_dir()
+    for name in ("textwrap.py", "bisect.py", "abc.py", "copy.py", "dataclasses.py", "keyword.py"):
+        (lib / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(real / name, lib / name)
+    (lib / "json").mkdir()
+    shutil.copy(real / "json" / "decoder.py", lib / "json" / "decoder.py")
+    files = {
+        "test/test_textwrap.py": "import textwrap\n\ndef test_wrap():\n    assert textwrap.wrap('a b', 1)\n",
+        "test/test_abc.py": "import abc\n\ndef test_abc():\n    assert abc.ABC\n",
+        "bad_syntax.py": "def broken(:\n    pass\n",
+        "encodings/cp9999.py": '""" Python Character Mapping Codec cp9999 generated from \'X.TXT\' with gencodec.py.\n"""\nx = 1\n',
+        "site-packages/pkg.py": "x = 1\n",
+        "_sysconfigdata__linux.py": "build_time_vars = {}\n",
+        "dup_of_keyword.py": (real / "keyword.py").read_text(),
+        "crlf.py": "def f():\r\n    return 1\r\n",
+        "pydoc_data/topics.py": "topics = {'assert': 'The \"assert\" statement\\n*****\\n\\nAssert statements check.\\n',"
+                                " 'if': 'The \"if\" statement\\n****\\n\\nIf selects.\\n'}\n",
+    }
+    for name, text in files.items():
+        (lib / name).parent.mkdir(parents=True, exist_ok=True)
+        (lib / name).write_bytes(text.encode())
+    return lib
+
+
+def test_corpus_is_deterministic_and_splits_by_module(tmp_path: Path) -> None:
+    lib = mini_stdlib(tmp_path)
+    a = build_corpus(lib, heldout=("textwrap", "json"), valid=("bisect",))
+    b = build_corpus(lib, heldout=("textwrap", "json"), valid=("bisect",))
+    assert a.meta["content_hash"] == b.meta["content_hash"] and a.documents == b.documents
+    by_name = {d.name: d for d in a.documents}
+    assert by_name["textwrap.py"].split == "heldout" and by_name["json/decoder.py"].split == "heldout"
+    assert by_name["bisect.py"].split == "valid" and by_name["test/test_abc.py"].split == "train"
+    for dropped in ("test/test_textwrap.py", "bad_syntax.py", "encodings/cp9999.py", "site-packages/pkg.py",
+                    "_sysconfigdata__linux.py", "pydoc_data/topics.py"):
+        assert dropped not in by_name, dropped
+    assert "dup_of_keyword.py" in by_name and "keyword.py" not in by_name  # the first of identical files stays
+    assert by_name["crlf.py"].text == "def f():\n    return 1\n"
+    assert by_name["topics/assert"].kind == "doc" and by_name["topics/assert"].split == "train"
+    chats = [d for d in a.documents if d.kind == "chat"]
+    assert chats and all(d.split == "train" for d in chats)
+    said = " ".join(m["content"] for d in chats for m in d.messages)
+    assert "textwrap" not in said and "bisect" not in said  # nothing derived from held-out code
+    assert a.meta["missing_modules"] == []
+
+    written = write_corpus(a, tmp_path / "corpus")
+    assert read_corpus(written.parent).documents == a.documents
+    meta = json.loads((tmp_path / "corpus" / "corpus.meta.json").read_text())
+    assert meta["content_hash"] == a.meta["content_hash"]
+
+
+# ---- the training script end to end ---------------------------------------------------------------
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def smoke_inputs(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("smoke")
+    corpus = build_corpus(mini_stdlib(root), heldout=("textwrap",), valid=("bisect",))
+    write_corpus(corpus, root / "corpus")
+    write_trained_tokenizer(root / "tok", [d.text for d in corpus.split("train", ("code", "doc"))], vocab_size=1024)
+    return root / "corpus", root / "tok"
+
+
+def _train(smoke_inputs, out: Path, work: Path, *extra: str) -> None:
+    corpus, tok = smoke_inputs
+    train = _load_script("train_default_model")
+    assert train.main(["--smoke", "--corpus", str(corpus), "--tokenizer", str(tok), "--out", str(out),
+                       "--work-dir", str(work), "--export-dtype", "float32", "--max-steps", "8", *extra]) == 0
+
+
+def test_smoke_run_exports_what_the_loader_reloads(smoke_inputs, tmp_path: Path) -> None:
+    out, work = tmp_path / "out", tmp_path / "work"
+    _train(smoke_inputs, out, work)
+    report = json.loads((out / "training.json").read_text())
+    assert report["steps"] == 8 and report["stop_reason"] == "max steps"
+    assert report["heldout_bits_per_byte"] == pytest.approx(report["heldout_bits_per_byte_shipped_weights"], abs=1e-3)
+    assert report["loss_curve"][-1]["loss"] < report["loss_curve"][0]["loss"]
+    assert (out / "tokenizer.json").read_bytes() == (smoke_inputs[1] / "tokenizer.json").read_bytes()
+    assert all(p.stat().st_size <= 15_000_000 for p in out.glob("*.safetensors"))
+
+    ck = torch.load(work / "ckpt.pt", weights_only=False)
+    trained = build_model(load_model_config(out))
+    trained.load_state_dict(ck["model"])
+    shipped = load_model(out, progress=False)
+    ids = torch.randint(0, trained.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(4))
+    batch = ForwardBatch([40, 40])
+    assert torch.equal(shipped(ids.reshape(-1), batch), trained.eval()(ids.reshape(-1), batch))
+
+
+def test_smoke_run_resumes_exactly(smoke_inputs, tmp_path: Path) -> None:
+    _train(smoke_inputs, tmp_path / "a", tmp_path / "wa")
+    _train(smoke_inputs, tmp_path / "b", tmp_path / "wb", "--stop-after-steps", "5")
+    _train(smoke_inputs, tmp_path / "b", tmp_path / "wb", "--resume")
+    a = torch.load(tmp_path / "wa" / "ckpt.pt", weights_only=False)
+    b = torch.load(tmp_path / "wb" / "ckpt.pt", weights_only=False)
+    assert a["step"] == b["step"] == 8
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+
+
+# ---- name resolution ------------------------------------------------------------------------------
+
+def test_k3_tiny_resolves_to_the_package_folder(tmp_path: Path) -> None:
+    shipped = MODELS_DIR / "k3-tiny"
+    assert DEFAULT_MODEL == "k3-tiny" and shipped.is_dir()
+    assert resolve_model_dir("k3-tiny") == shipped and resolve_model_dir(None) == shipped
+    assert resolve_model_dir(tmp_path) == tmp_path  # an existing folder wins
+    assert resolve_model_dir("no-such-model") == Path("no-such-model")
+    from k3rt.cli import build_parser
+
+    for cmd in (["generate", "--prompt", "x"], ["serve"]):
+        assert build_parser().parse_args(cmd).model == "k3-tiny"
+    assert load_tokenizer("k3-tiny").vocab_size == T.K3_TINY_CONFIG["vocab_size"]
+
+
+@pytest.mark.skipif(not (MODELS_DIR / "k3-tiny" / "config.json").is_file(), reason="k3-tiny weights not shipped yet")
+def test_shipped_k3_tiny_loads_by_name() -> None:
+    cfg = load_model_config("k3-tiny")
+    assert cfg.arch == "kimi_k3" and cfg.vocab_size == load_tokenizer("k3-tiny").vocab_size
+    model = load_model("k3-tiny", dtype="float32", progress=False)
+    ids = torch.tensor(load_tokenizer("k3-tiny").encode("def add(a, b):\n    return"))
+    logits = model(ids, ForwardBatch.single(len(ids)))
+    assert torch.isfinite(logits).all()
+    weights = sum(p.stat().st_size for p in (MODELS_DIR / "k3-tiny").glob("*.safetensors"))
+    assert weights <= 25_000_000 and all(p.stat().st_size <= 15_000_000 for p in (MODELS_DIR / "k3-tiny").glob("*.safetensors"))
+
+
+def test_encode_documents_equals_tokenizer_encode(smoke_inputs) -> None:
+    corpus_dir, tok_dir = smoke_inputs
+    tok = load_tokenizer(tok_dir)
+    docs = read_corpus(corpus_dir).documents
+    docs = [d for d in docs if d.kind == "chat"][:5] + [d for d in docs if d.kind != "chat"][:5]
+    want = [[*(tok.encode(tok.apply_chat_template(list(d.messages), add_generation_prompt=False))
+               if d.kind == "chat" else tok.encode(d.text, allow_special=False)), tok.eos_token_ids[0]] for d in docs]
+    assert T.encode_documents(docs, tok) == want
