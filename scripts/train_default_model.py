@@ -157,6 +157,11 @@ def model_config(a: argparse.Namespace, tok) -> dict:
     return raw
 
 
+def write_report(a: argparse.Namespace, report: dict) -> None:
+    for folder in (a.out, a.work_dir):
+        (folder / "training.json").write_text(json.dumps(report, indent=1) + "\n")
+
+
 def save_checkpoint(path: Path, model, opt, state: dict) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), **state}, tmp)
@@ -306,46 +311,53 @@ def main(argv: list[str] | None = None) -> int:
             f"last step {last_valid:.4f})")
         model.load_state_dict(best["state"])
 
-    model.eval()
-    bpb = T.bits_per_byte(model, heldout, a.batch_size, autocast_dtype=amp_dtype)
-    unigram = T.unigram_bits_per_byte(ids["train"], heldout, tok.vocab_size)
-    log(f"held-out bits/byte {bpb:.4f} (unigram baseline {unigram:.4f}) on {heldout.num_bytes:,} bytes")
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-
-    a.out.mkdir(parents=True, exist_ok=True)
-    for stale in [*a.out.glob("*.safetensors"), *a.out.glob("model.safetensors.index.json")]:
-        stale.unlink()  # an earlier export's shards would otherwise be read with (or instead of) these
-    write_checkpoint(model.cpu(), a.out, raw, dtype=a.export_dtype, max_shard_bytes=MAX_SHARD_BYTES)
-    if tok_dir.resolve() != a.out.resolve():
-        for f in TOKENIZER_FILES:
-            shutil.copy(tok_dir / f, a.out / f)
-    shards = sorted(a.out.glob("*.safetensors"))
-    weight_bytes = sum(p.stat().st_size for p in shards)
-    log(f"exported {len(shards)} shard(s), {weight_bytes / 1e6:.2f} MB, to {a.out}")
-
-    shipped = load_model(a.out, dtype="float32", device=a.device, progress=False)
-    shipped_bpb = T.bits_per_byte(shipped, heldout, a.batch_size)
-    log(f"reloaded export: held-out bits/byte {shipped_bpb:.4f} (fp32 compute on the {a.export_dtype} weights)")
     report = {
         "model": "k3-tiny", "commit": a.commit or git_commit(), "corpus_content_hash": corpus.meta["content_hash"],
         "corpus_python": corpus.meta.get("python"), "heldout_modules": corpus.meta.get("heldout_modules"),
-        "tokenizer_sha256": file_hash([a.out / f for f in TOKENIZER_FILES]),
-        "parameters": counts, "weight_bytes": weight_bytes, "shards": [p.name for p in shards],
-        "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+        "parameters": counts, "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
         "steps": step, "cosine_horizon": total_steps, "stop_reason": stop_reason, "tokens_seen": tokens_seen,
+        "epochs": round(tokens_seen / max(1, len(stream.tokens)), 2), "train_seconds": round(train_seconds, 1),
         "exported_step": best["step"] if best["step"] != step and best["state"] is not None else step,
         "valid_bits_per_byte_exported": round(min(best["valid_bpb"], last_valid), 4),
         "peak_gpu_memory_gib": None if peak_gib is None else round(peak_gib, 1),
-        "epochs": round(tokens_seen / max(1, len(stream.tokens)), 2), "train_seconds": round(train_seconds, 1),
-        "wall_seconds": round(time.monotonic() - T0, 1),
-        "heldout_bits_per_byte": round(bpb, 4), "heldout_bits_per_byte_shipped_weights": round(shipped_bpb, 4),
-        "unigram_bits_per_byte": round(unigram, 4), "heldout_bytes": heldout.num_bytes,
         "hyperparameters": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()
                             if k not in ("corpus", "tokenizer", "out", "work_dir")},
         "evals": evals, "loss_curve": history,
     }
-    (a.out / "training.json").write_text(json.dumps(report, indent=1) + "\n")
-    (a.work_dir / "training.json").write_text(json.dumps(report, indent=1) + "\n")
+
+    # export first: the evaluations below must not be able to lose the trained weights
+    a.out.mkdir(parents=True, exist_ok=True)
+    for stale in [*a.out.glob("*.safetensors"), *a.out.glob("model.safetensors.index.json")]:
+        stale.unlink()  # an earlier export's shards would otherwise be read with (or instead of) these
+    write_checkpoint(model.cpu(), a.out, raw, dtype=a.export_dtype, max_shard_bytes=MAX_SHARD_BYTES)
+    model.to(device)
+    if tok_dir.resolve() != a.out.resolve():
+        for f in TOKENIZER_FILES:
+            shutil.copy(tok_dir / f, a.out / f)
+    shards = sorted(a.out.glob("*.safetensors"))
+    report.update(weight_bytes=sum(p.stat().st_size for p in shards), shards=[p.name for p in shards],
+                  tokenizer_sha256=file_hash([a.out / f for f in TOKENIZER_FILES]))
+    log(f"exported {len(shards)} shard(s), {report['weight_bytes'] / 1e6:.2f} MB, to {a.out}")
+    write_report(a, report)
+
+    model.eval()
+    bpb = T.bits_per_byte(model, heldout, a.batch_size, autocast_dtype=amp_dtype)
+    unigram = T.unigram_bits_per_byte(ids["train"], heldout, tok.vocab_size)
+    report.update(heldout_bits_per_byte=round(bpb, 4), unigram_bits_per_byte=round(unigram, 4),
+                  heldout_bytes=heldout.num_bytes)
+    log(f"held-out bits/byte {bpb:.4f} (unigram baseline {unigram:.4f}) on {heldout.num_bytes:,} bytes")
+    write_report(a, report)
+    try:
+        shipped = load_model(a.out, dtype="float32", device=a.device, progress=False)
+        shipped_bpb = T.bits_per_byte(shipped, heldout, a.batch_size)
+        report["heldout_bits_per_byte_shipped_weights"] = round(shipped_bpb, 4)
+        log(f"reloaded export: held-out bits/byte {shipped_bpb:.4f} (fp32 compute on the {a.export_dtype} weights)")
+    except Exception as e:  # the export is on disk; report the failure instead of losing the run's record
+        report["reload_error"] = f"{type(e).__name__}: {e}"
+        log(f"reloading the export failed: {report['reload_error']}")
+    report["wall_seconds"] = round(time.monotonic() - T0, 1)
+    write_report(a, report)
     log(f"wrote {a.out / 'training.json'}; total {time.monotonic() - T0:.0f} s")
     return 0
 
