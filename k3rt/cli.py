@@ -234,6 +234,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
     p.add_argument("--drain-timeout", type=float, default=10.0,
                    help="seconds running requests may finish after SIGTERM/SIGINT before abort (default 10)")
+    p.add_argument("--dsl-addr", default="auto",
+                   help="ZMQ endpoint for @k3rt.function programs (k3rt.connect(ADDR)); 'auto' = tcp://HOST:PORT+1 "
+                        "(a free port when --port is 0), 'off' disables it")
     p.add_argument("--log-level", default=argparse.SUPPRESS, help="logging level (default WARNING)")
 
 
@@ -251,7 +254,8 @@ def _cmd_serve(a: argparse.Namespace) -> int:
                                                                  max_running=a.max_running, max_waiting=a.max_waiting))
     cfg = ServerConfig(engine=engine, host=a.host, port=a.port, api_key=a.api_key,
                        served_model_name=a.served_model_name, context_length=a.context_length,
-                       drain_timeout_s=a.drain_timeout, log_level=a.log_level.upper())
+                       drain_timeout_s=a.drain_timeout, log_level=a.log_level.upper(),
+                       dsl_addr=None if a.dsl_addr == "off" else a.dsl_addr)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"model: no config.json in {model_dir}")
     from k3rt.server.launch import serve
