@@ -7,7 +7,6 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.k3rt-installed
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && $(PY) -c "import torch" >/dev/null 2>&1 && echo 1)
-DEMO_MODEL ?= .cache/tiny-k3
 PYTEST_ARGS ?=
 
 .PHONY: install test demo clean
@@ -29,13 +28,11 @@ install: $(STAMP)
 test: install
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
 
-# The main job on the default model. Until the trained k3-tiny ships (issue: embedded default
-# model), that is a random K3-architecture checkpoint made on the fly: the text is noise, the
-# point is the whole path (config, loader, tokenizer, incremental KDA state + MLA cache).
+# The main job on the embedded default model (k3-tiny, shipped inside the package): an example
+# @k3rt.function program that completes a Python function, summarizes it as schema-constrained
+# JSON and holds a short multi-turn exchange, on CPU.
 demo: install
-	$(BIN)/k3rt make-tiny --arch k3 --out $(DEMO_MODEL)
-	$(BIN)/k3rt inspect --model $(DEMO_MODEL)
-	$(BIN)/k3rt generate --model $(DEMO_MODEL) --prompt "def fibonacci(n):" --max-tokens 32 --temperature 0
+	$(BIN)/python examples/demo.py
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info
