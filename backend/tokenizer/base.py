@@ -88,6 +88,35 @@ class Tokenizer(ABC):
         return template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
 
 
+class LoadedTokenizer(Tokenizer):
+    """The descriptive properties, read from attributes every loader sets in its constructor:
+    _vocab_size, _bos_id, _eos_ids, _pad_id, _special_ids, _chat_template."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos_ids
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._pad_id
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        return self._special_ids
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        return self._chat_template
+
+
 def collect_eos_token_ids(
     eos_token_id: int | None, generation_eos_ids: Sequence[int], im_end_id: int | None
 ) -> tuple[int, ...]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import tokenizers
 
-from k3rt.backend.tokenizer.base import IM_END, Tokenizer, collect_eos_token_ids
+from k3rt.backend.tokenizer.base import IM_END, LoadedTokenizer, collect_eos_token_ids
 from k3rt.backend.tokenizer.chat_template import ChatTemplate
 from k3rt.backend.tokenizer.config import read_tokenizer_config
 
@@ -63,7 +63,7 @@ def _mentions_byte_level(component: Any) -> bool:
     return False
 
 
-class HFTokenizer(Tokenizer):
+class HFTokenizer(LoadedTokenizer):
     """Loads `<model_dir>/tokenizer.json` and the optional tokenizer-side JSON files beside it."""
 
     def __init__(self, model_dir: str | Path) -> None:
@@ -133,27 +133,3 @@ class HFTokenizer(Tokenizer):
         if not 0 <= token_id < self._vocab_size:
             raise ValueError(f"token id {token_id} is outside the vocabulary [0, {self._vocab_size})")
         return self._id_to_bytes[token_id]
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self._bos_id
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self._eos_ids
-
-    @property
-    def pad_token_id(self) -> int | None:
-        return self._pad_id
-
-    @property
-    def special_token_ids(self) -> frozenset[int]:
-        return self._special_ids
-
-    @property
-    def chat_template(self) -> ChatTemplate | None:
-        return self._chat_template

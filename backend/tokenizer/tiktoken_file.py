@@ -22,7 +22,7 @@ from pathlib import Path
 
 import tiktoken
 
-from k3rt.backend.tokenizer.base import IM_END, Tokenizer, collect_eos_token_ids
+from k3rt.backend.tokenizer.base import IM_END, LoadedTokenizer, collect_eos_token_ids
 from k3rt.backend.tokenizer.chat_template import ChatTemplate
 from k3rt.backend.tokenizer.config import read_tokenizer_config
 
@@ -94,7 +94,7 @@ def _pieces(text: str) -> Iterator[str]:
         yield window[piece_start:]
 
 
-class TiktokenTokenizer(Tokenizer):
+class TiktokenTokenizer(LoadedTokenizer):
     """Loads `<model_dir>/tiktoken.model` and the special-token names from tokenizer_config.json."""
 
     def __init__(self, model_dir: str | Path) -> None:
@@ -157,27 +157,3 @@ class TiktokenTokenizer(Tokenizer):
             return self._encoding.decode_single_token_bytes(token_id)
         except (KeyError, OverflowError) as e:
             raise ValueError(f"token id {token_id} is outside the vocabulary [0, {self._vocab_size})") from e
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self._bos_id
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self._eos_ids
-
-    @property
-    def pad_token_id(self) -> int | None:
-        return self._pad_id
-
-    @property
-    def special_token_ids(self) -> frozenset[int]:
-        return self._special_ids
-
-    @property
-    def chat_template(self) -> ChatTemplate | None:
-        return self._chat_template
