@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -35,6 +36,7 @@ class RequestOutput:
     cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[float] | None = None  # of new_token_ids, when params.logprobs is set
     prompt_logprobs: dict[int, float] | None = None  # position -> log p(prompt token); set once finished
+    error: str | None = None  # why the request failed (finish_reason "error"), naming the field
     top_logprobs: list[list[list[float]]] | None = None  # per new token: [[token_id, logprob], ...]
 
 
@@ -121,23 +123,49 @@ class Engine:
                 raise ValueError(f"prompt_logprobs_from: {prompt_logprobs_from} outside [1, {len(prompt) - 1}]")
             req.prompt_logprobs_from = prompt_logprobs_from
         if grammar is not None:
-            req.grammar = self._grammar_matcher(grammar)
+            # compiled off the scheduler loop: the request waits (not admitted) until its grammar is ready
+            req.grammar_future = self._grammar_submit(grammar)
+            req.grammar_deadline = time.monotonic() + self._grammar_backend.compile_timeout_s
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
 
-    def _grammar_matcher(self, spec: dict):
-        """A matcher for this request; compiled grammars are cached by the backend (by spec key)."""
+    def _grammar_submit(self, spec: dict):
+        """Start compiling the request's grammar on the backend's worker threads (cached by spec key)."""
         if self.cfg.runner == "null":
             raise ValueError("grammar: constrained decoding needs the model runner")
+        from k3rt.backend.grammar import GrammarSpec
+
+        parsed = GrammarSpec.from_dict(spec)  # a malformed spec raises here, naming the field
         if self._grammar_backend is None:
             from k3rt.backend.grammar import create_grammar_backend
             from k3rt.backend.tokenizer import load_tokenizer
 
-            self._grammar_backend = create_grammar_backend(self.cfg.grammar_backend, load_tokenizer(self.cfg.model))
-        from k3rt.backend.grammar import GrammarSpec
+            self._grammar_backend = create_grammar_backend(self.cfg.grammar_backend, load_tokenizer(self.cfg.model),
+                                                           vocab_size=self.model_cfg.vocab_size)
+        return self._grammar_backend.submit(parsed)
 
-        return self._grammar_backend.matcher(self._grammar_backend.compile(GrammarSpec.from_dict(spec)))
+    def _resolve_grammars(self, outputs: list[RequestOutput]) -> None:
+        """Waiting requests whose grammar finished compiling get their matcher; failures end the request."""
+        now = time.monotonic()
+        for req in [r for r in self.scheduler.waiting if r.grammar_future is not None]:
+            fut = req.grammar_future
+            error = None
+            if fut.done():
+                try:
+                    req.grammar = fut.result().matcher()
+                except Exception as e:  # GrammarError: an invalid regex/schema named by the backend
+                    error = f"grammar: {e}"
+            elif now > req.grammar_deadline:
+                error = (f"grammar: compiling took longer than {self._grammar_backend.compile_timeout_s:g} s "
+                         f"({self.cfg.grammar_backend} backend)")
+            else:
+                continue
+            req.grammar_future = None
+            if error is not None:
+                req.error = error
+                self.scheduler.abort(req, FinishReason.ERROR)
+                outputs.append(self._output(req, []))
 
     def abort(self, rid: int) -> None:
         """Abort a request; applied between steps. Its pages and state are freed."""
@@ -157,6 +185,7 @@ class Engine:
                 self.scheduler.abort(req)
                 outputs.append(self._output(req, []))
         self._pending_aborts.clear()
+        self._resolve_grammars(outputs)
         out = self.scheduler.schedule()
         sampled = self.runner.execute(out)
         self.scheduler.update(out, sampled)
@@ -178,7 +207,8 @@ class Engine:
         self.requests.pop(req.rid, None)
         return RequestOutput(req.rid, new, req.output_ids, True, req.finish_reason.value if req.finish_reason else None,
                              req.prompt_len, req.cached_tokens, logprobs=lp, top_logprobs=top,
-                             prompt_logprobs=dict(req.prompt_logprobs) if req.prompt_logprobs_from is not None else None)
+                             prompt_logprobs=dict(req.prompt_logprobs) if req.prompt_logprobs_from is not None else None,
+                             error=req.error)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, cache_salt: str | None = None) -> list[RequestOutput]:

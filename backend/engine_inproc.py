@@ -81,7 +81,8 @@ class InProcEngineClient:
                         del self.names[o.rid]
                     plp = None if o.prompt_logprobs is None else {str(k): v for k, v in o.prompt_logprobs.items()}
                     self._deliver(RequestUpdate(name, o.new_token_ids, o.finished, o.finish_reason, o.prompt_len,
-                                                o.cached_tokens, o.logprobs, o.top_logprobs, prompt_logprobs=plp))
+                                                o.cached_tokens, o.logprobs, o.top_logprobs, error=o.error,
+                                                 prompt_logprobs=plp))
 
     def _submit(self, kind: str, arg: Any) -> None:
         with self._work:

@@ -108,7 +108,8 @@ class EngineLoop:
                         continue
                     plp = None if o.prompt_logprobs is None else {str(k): v for k, v in o.prompt_logprobs.items()}
                     updates.append(RequestUpdate(name, o.new_token_ids, o.finished, o.finish_reason, o.prompt_len,
-                                                 o.cached_tokens, o.logprobs, o.top_logprobs, prompt_logprobs=plp))
+                                                 o.cached_tokens, o.logprobs, o.top_logprobs, error=o.error,
+                                                 prompt_logprobs=plp))
                     if o.finished:
                         del self.rids[name], self.names[o.rid]
             now = time.monotonic()

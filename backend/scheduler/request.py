@@ -27,6 +27,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # a stop/EOS token was sampled
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # aborted by the caller or rejected
+    ERROR = "error"  # the request could not be served (Request.error says why)
 
 
 @dataclass(eq=False, slots=True)
@@ -51,6 +52,9 @@ class Request:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at (last) admission
     num_preemptions: int = 0
     grammar: Any = None  # a GrammarMatcher (backend/grammar) constraining sampling, or None
+    grammar_future: Any = None  # a Future of the compiled grammar; the request is not admitted before it resolves
+    grammar_deadline: float = 0.0  # monotonic time after which a still-compiling grammar fails the request
+    error: str | None = None  # set with FinishReason.ERROR
     # score the prompt: log p(token[i] | tokens[:i]) for every i >= prompt_logprobs_from (select/scoring);
     # the prefix-cache hit is capped so that position prompt_logprobs_from - 1 is computed
     prompt_logprobs_from: int | None = None

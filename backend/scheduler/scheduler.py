@@ -77,12 +77,12 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def abort(self, req: Request) -> None:
+    def abort(self, req: Request, reason: FinishReason = FinishReason.ABORT) -> None:
         if req.status is Status.WAITING:
             self.waiting.remove(req)
-            req.status, req.finish_reason = Status.FINISHED, FinishReason.ABORT
+            req.status, req.finish_reason = Status.FINISHED, reason
         elif req.status is Status.RUNNING:
-            self._finish(req, FinishReason.ABORT)
+            self._finish(req, reason)
 
     @property
     def has_work(self) -> bool:
@@ -119,8 +119,9 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.cfg.max_running
                and not self._preempted_this_step):
             req = self.waiting[0]
-            if self._wait_for_shared_prefix(req):
-                deferred.append(self.waiting.popleft())  # admitted once the sharer published it
+            if req.grammar_future is not None or self._wait_for_shared_prefix(req):
+                # admitted once its grammar is compiled / the sharer published the shared prefix
+                deferred.append(self.waiting.popleft())
                 continue
             if not self._admit(req):
                 break
