@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from abc import ABC, abstractmethod
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,11 +22,12 @@ _PARAM_NAMES = {"max_tokens": "max_tokens", "max_new_tokens": "max_tokens", "tem
                 "ignore_eos": "ignore_eos", "seed": "seed", "stop_token_ids": "stop_token_ids"}
 
 
-class Expr:
+class Expr(ABC):
     """Something that can be appended to a program state."""
 
+    @abstractmethod
     def ops(self) -> list[Op]:
-        raise NotImplementedError  # pragma: no cover - every subclass defines it
+        """The IR ops this expression records (state and line are filled in by the state)."""
 
     def __add__(self, other: Expr | str) -> "ExprList":
         return ExprList([self, _expr(other)])
