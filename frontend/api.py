@@ -56,15 +56,6 @@ class TextExpr(Expr):
 
 
 @dataclass
-class VarExpr(Expr):
-    name: str
-    state: int = 0  # the state whose variable this is
-
-    def ops(self) -> list[Op]:
-        return [Op("var", state=self.state, name=self.name)]
-
-
-@dataclass
 class GenExpr(Expr):
     name: str | None
     params: dict[str, Any]
@@ -105,10 +96,6 @@ def _expr(x: Any) -> Expr:
         return x
     if isinstance(x, str):
         return TextExpr(x)
-    from k3rt.frontend.state import VarValue
-
-    if isinstance(x, VarValue):
-        return VarExpr(x.name, x.sid)
     raise TypeError(f"cannot append {type(x).__name__} to a program state (use str, gen, select or a role)")
 
 

@@ -6,7 +6,6 @@ data (JSON via to_dict/from_dict), so programs ship over the wire. No torch, no 
 
 Ops:
   text(value)                      append constant text
-  var(name)                        append the value of a variable set earlier (gen/select output)
   gen(name, params, grammar, stop) generate; stores text in variables[name] (name may be None)
   select(name, choices, method)    score the choices from the current state, append the best
   role_begin(role) / role_end(role)  chat roles (system/user/assistant/tool): template text around content
@@ -21,7 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-OP_KINDS = ("text", "var", "gen", "select", "role_begin", "role_end", "fork", "join")
+OP_KINDS = ("text", "gen", "select", "role_begin", "role_end", "fork", "join")
 ROLES = ("system", "user", "assistant", "tool")
 CHOICE_METHODS = ("token_length_normalized", "greedy", "unconditional_likelihood_normalized")
 

@@ -66,16 +66,6 @@ class Session:
 
     # ---- values ----
 
-    def lookup(self, sid: int, name: str) -> Any:
-        from k3rt.frontend.state import VarValue
-
-        with self.lock:
-            changing = any(op.state == sid and (op.kind == "join" or (op.kind in ("gen", "select") and op.name == name))
-                           for op in self.pending)
-            if not changing and name in self.vars.get(sid, {}):
-                return self.vars[sid][name]
-            return VarValue(self, sid, name)
-
     def value(self, sid: int, name: str) -> Any:
         self.flush()
         try:

@@ -1,5 +1,5 @@
 """Program states on the client. Appending records ops into the program's session; nothing runs until a
-value is needed (`s["x"]` used as a string, `s.text()`, the end of the program). Then the pending ops
+value is needed (`s["x"]`, `s.text()`, the end of the program). Then the pending ops
 ship in one message and run on the server. A program whose control flow never looks at generated
 values therefore ships whole, in one round trip; one that does pays a round trip at each look.
 """
@@ -17,60 +17,6 @@ if TYPE_CHECKING:
     from k3rt.frontend.runner import Session
 
 
-class VarValue:
-    """A variable that may not be generated yet. Appending it to a state stays lazy; any use as a Python
-    value (str(), ==, +, len, iteration, attribute access) resolves it, flushing pending ops."""
-
-    __slots__ = ("session", "sid", "name")
-
-    def __init__(self, session: "Session", sid: int, name: str) -> None:
-        self.session, self.sid, self.name = session, sid, name
-
-    def resolve(self) -> Any:
-        return self.session.value(self.sid, self.name)
-
-    def __str__(self) -> str:
-        return str(self.resolve())
-
-    def __repr__(self) -> str:
-        return repr(self.resolve())
-
-    def __format__(self, spec: str) -> str:
-        return format(self.resolve(), spec)
-
-    def __eq__(self, other: object) -> bool:
-        return self.resolve() == (other.resolve() if isinstance(other, VarValue) else other)
-
-    def __hash__(self) -> int:
-        return hash(self.resolve())
-
-    def __bool__(self) -> bool:
-        return bool(self.resolve())
-
-    def __len__(self) -> int:
-        return len(self.resolve())
-
-    def __iter__(self):
-        return iter(self.resolve())
-
-    def __getitem__(self, i: Any) -> Any:
-        return self.resolve()[i]
-
-    def __contains__(self, x: Any) -> bool:
-        return x in self.resolve()
-
-    def __add__(self, other: Any) -> Any:
-        return self.resolve() + (str(other) if isinstance(other, VarValue) else other)
-
-    def __radd__(self, other: Any) -> Any:
-        if isinstance(other, Expr):
-            return other + _expr(self)
-        return other + self.resolve()
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self.resolve(), attr)
-
-
 class ProgramState:
     """`s` inside a program: `s += "text" | gen(...) | select(...) | role(...)`, `s[name]`, `s.fork(n)`."""
 
@@ -80,15 +26,13 @@ class ProgramState:
     def __iadd__(self, expr: Any) -> "ProgramState":
         line = sys._getframe(1).f_lineno
         for op in _expr(expr).ops():
-            if op.kind == "var" and op.state != self.sid:
-                # another state's variable (a fork child's): the server's var op reads this state's
-                # variables, so resolve it here, one round trip, as `"text" + child["x"]` does
-                op = Op("text", value=str(self.session.value(op.state, op.name)))
             self.session.add(replace(op, state=self.sid, line=line))
         return self
 
     def __getitem__(self, name: str) -> Any:
-        return self.session.lookup(self.sid, name)
+        """The variable's value (a str, or a list after join). Reading it inside a program ships the ops
+        recorded so far (one round trip) — so programs that never read values ship whole."""
+        return self.session.value(self.sid, name)
 
     def get_var(self, name: str) -> Any:
         return self.session.value(self.sid, name)

@@ -128,11 +128,6 @@ class ProgramSession:
         k = op.kind
         if k == "text":
             self._append_text(st, op.value or "")
-        elif k == "var":
-            if op.name not in st.vars:
-                raise OpError(f"variable {op.name!r} is not defined in this state", op.line)
-            v = st.vars[op.name]
-            self._append_text(st, v if isinstance(v, str) else str(v))
         elif k == "role_begin":
             if st.role is not None:
                 raise OpError(f"role {op.value!r} begins inside role {st.role!r}", op.line)
