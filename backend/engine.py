@@ -87,7 +87,7 @@ class Engine:
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
                     cache_salt: str | None = None, eos_token_ids: Sequence[int] | None = None,
-                    grammar: dict | None = None, prompt_logprobs_from: int | None = None) -> int:
+                    grammar: dict | None = None, prompt_logprobs_from: int | None = None, pin: bool = False) -> int:
         """Queue a request; returns its id. Raises ValueError naming the field for bad input."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
@@ -118,6 +118,7 @@ class Engine:
 
             gen = make_generator(params.seed, self.cfg.device)
         req = Request(rid, prompt, len(prompt), params, cache_salt, stop, gen)
+        req.pin = pin
         if prompt_logprobs_from is not None:
             if not 1 <= prompt_logprobs_from < len(prompt):
                 raise ValueError(f"prompt_logprobs_from: {prompt_logprobs_from} outside [1, {len(prompt) - 1}]")
@@ -166,6 +167,10 @@ class Engine:
                 req.error = error
                 self.scheduler.abort(req, FinishReason.ERROR)
                 outputs.append(self._output(req, []))
+
+    def unpin(self, rid: int) -> None:
+        """Let the cache evict the end-of-request snapshot a `pin=True` request kept (no-op otherwise)."""
+        self.scheduler.unpin(rid)
 
     def abort(self, rid: int) -> None:
         """Abort a request; applied between steps. Its pages and state are freed."""

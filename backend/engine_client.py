@@ -24,7 +24,7 @@ import zmq.asyncio
 
 from k3rt.config import EngineConfig
 from k3rt.protocol import (
-    AbortRequest, EngineError, FlushCache, GenerateRequest, Ready, RequestUpdate, Shutdown, ShutdownAck,
+    AbortRequest, EngineError, FlushCache, GenerateRequest, Ready, RequestUpdate, Shutdown, ShutdownAck, Unpin,
     UpdateBatch, decode, encode,
 )
 
@@ -114,7 +114,7 @@ class EngineClient:
 
     async def generate(self, prompt_ids: list[int], params: dict[str, Any], *, cache_salt: str | None = None,
                        grammar: dict[str, Any] | None = None, eos_token_ids: list[int] | None = None,
-                       rid: str | None = None, prompt_logprobs_from: int | None = None,
+                       rid: str | None = None, prompt_logprobs_from: int | None = None, pin: bool = False,
                        ) -> AsyncIterator[RequestUpdate]:
         """Stream the request's updates until it finishes. Cancelling the iterator aborts the request."""
         if self.dead:
@@ -125,7 +125,7 @@ class EngineClient:
         finished = False
         try:
             await self.push.send(encode(GenerateRequest(rid, prompt_ids, params, cache_salt, grammar, eos_token_ids,
-                                                        prompt_logprobs_from)))
+                                                        prompt_logprobs_from, pin)))
             while True:
                 u = await q.get()
                 yield u
@@ -137,6 +137,11 @@ class EngineClient:
             if not finished and not self.dead:
                 # the client went away (or the caller stopped early): free the request's pages now
                 await self.push.send(encode(AbortRequest(rid)))
+
+    async def unpin(self, rid: str) -> None:
+        """Release a finished pin=True request's end-of-request snapshot."""
+        if not self.dead:
+            await self.push.send(encode(Unpin(rid)))
 
     async def flush_cache(self) -> None:
         await self.push.send(encode(FlushCache()))

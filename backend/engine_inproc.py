@@ -19,6 +19,7 @@ class InProcEngineClient:
         self.cfg, self._model = cfg, model
         self.queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestUpdate]]] = {}
         self.names: dict[int, str] = {}
+        self.pinned: dict[str, int] = {}  # name -> engine rid of pin=True requests (engine thread only)
         self.info: dict[str, Any] = {}
         self.stats: dict[str, Any] = {}
         self.dead: str | None = None
@@ -57,8 +58,14 @@ class InProcEngineClient:
                     try:
                         rid = eng.add_request(prompt, params_from_dict(params), **kw)
                         self.names[rid] = rid_name
+                        if kw.get("pin"):
+                            self.pinned[rid_name] = rid
                     except (ValueError, TypeError, OverflowError) as e:
                         self._deliver(RequestUpdate(rid_name, [], True, "error", len(prompt), error=str(e)))
+                elif kind == "unpin":
+                    rid = self.pinned.pop(arg, None)
+                    if rid is not None:
+                        eng.unpin(rid)
                 elif kind == "flush":
                     eng.scheduler.tree.reset()
                 elif kind == "abort":
@@ -91,7 +98,7 @@ class InProcEngineClient:
 
     async def generate(self, prompt_ids: list[int], params: dict[str, Any], *, cache_salt: str | None = None,
                        grammar: dict[str, Any] | None = None, eos_token_ids: list[int] | None = None,
-                       rid: str | None = None, prompt_logprobs_from: int | None = None,
+                       rid: str | None = None, prompt_logprobs_from: int | None = None, pin: bool = False,
                        ) -> AsyncIterator[RequestUpdate]:
         rid = rid or uuid.uuid4().hex
         q: asyncio.Queue[RequestUpdate] = asyncio.Queue()
@@ -99,7 +106,7 @@ class InProcEngineClient:
         finished = False
         try:
             kw = dict(cache_salt=cache_salt, eos_token_ids=eos_token_ids, grammar=grammar,
-                      prompt_logprobs_from=prompt_logprobs_from)
+                      prompt_logprobs_from=prompt_logprobs_from, pin=pin)
             self._submit("add", (rid, list(prompt_ids), params, kw))
             while True:
                 u = await q.get()
@@ -111,6 +118,9 @@ class InProcEngineClient:
             self.queues.pop(rid, None)
             if not finished:
                 self._submit("abort", rid)
+
+    async def unpin(self, rid: str) -> None:
+        self._submit("unpin", rid)
 
     async def flush_cache(self) -> None:
         self._submit("flush", None)

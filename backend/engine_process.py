@@ -18,7 +18,7 @@ import zmq
 
 from k3rt.config import EngineConfig
 from k3rt.protocol import (
-    AbortRequest, EngineError, FlushCache, GenerateRequest, Ready, RequestUpdate, Shutdown, ShutdownAck,
+    AbortRequest, EngineError, FlushCache, GenerateRequest, Ready, RequestUpdate, Shutdown, ShutdownAck, Unpin,
     UpdateBatch, decode, encode, params_from_dict,
 )
 
@@ -38,6 +38,7 @@ class EngineLoop:
         self.engine = Engine(cfg)
         self.rids: dict[str, int] = {}  # gateway rid -> engine rid
         self.names: dict[int, str] = {}
+        self.pinned: dict[str, int] = {}  # gateway rid -> engine rid of pin=True requests
         self.running = True
         self.parent_pid = os.getppid()  # the gateway; if it dies without Shutdown, nobody reads our messages
 
@@ -51,7 +52,7 @@ class EngineLoop:
         e, s = self.engine, self.engine.stats
         return {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
                 "pages_used": e.pool.num_pages - e.pool.num_free, "pages_total": e.pool.num_pages,
-                "snapshots": e.scheduler.tree.snapshot_count, "prompt_tokens": s.prompt_tokens,
+                "snapshots": e.scheduler.tree.snapshot_count, "pins": len(e.scheduler.pins), "prompt_tokens": s.prompt_tokens,
                 "cached_tokens": s.cached_tokens, "computed_tokens": s.computed_tokens,
                 "computed_prompt_tokens": s.computed_prompt_tokens}
 
@@ -63,15 +64,21 @@ class EngineLoop:
                 params = params_from_dict(msg.params)
                 rid = self.engine.add_request(msg.prompt_ids, params, cache_salt=msg.cache_salt,
                                               eos_token_ids=msg.eos_token_ids, grammar=msg.grammar,
-                                              prompt_logprobs_from=msg.prompt_logprobs_from)
+                                              prompt_logprobs_from=msg.prompt_logprobs_from, pin=msg.pin)
             except (ValueError, TypeError, OverflowError) as e:
                 errors.append(RequestUpdate(msg.rid, [], True, "error", len(msg.prompt_ids), error=str(e)))
                 return
             self.rids[msg.rid], self.names[rid] = rid, msg.rid
+            if msg.pin:
+                self.pinned[msg.rid] = rid  # kept after it finishes, until Unpin
         elif isinstance(msg, AbortRequest):
             rid = self.rids.get(msg.rid)
             if rid is not None:
                 self.engine.abort(rid)
+        elif isinstance(msg, Unpin):
+            rid = self.pinned.pop(msg.rid, None)
+            if rid is not None:
+                self.engine.unpin(rid)
         elif isinstance(msg, FlushCache):
             self.engine.scheduler.tree.reset()
         elif isinstance(msg, Shutdown):

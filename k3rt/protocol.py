@@ -1,6 +1,6 @@
 """Every message that crosses a process boundary, as typed dataclasses, and their one codec (orjson).
 
-Direction: gateway -> engine process: GenerateRequest, AbortRequest, FlushCache, Shutdown.
+Direction: gateway -> engine process: GenerateRequest, AbortRequest, Unpin, FlushCache, Shutdown.
            engine process -> gateway: Ready, UpdateBatch (of RequestUpdate), ShutdownAck, EngineError.
            DSL client -> gateway (ZMQ DEALER -> ROUTER): ProgramRun, ProgramClose.
            gateway -> DSL client: ProgramEvent (streamed text), ProgramResult.
@@ -41,6 +41,12 @@ class GenerateRequest:
     grammar: dict[str, Any] | None = None  # GrammarSpec.to_dict() for constrained decoding
     eos_token_ids: list[int] | None = None  # None: the model's
     prompt_logprobs_from: int | None = None  # score prompt tokens from this position (DSL select)
+    pin: bool = False  # keep the end-of-request cache snapshot until Unpin(rid) (a DSL program's prefix)
+
+
+@dataclass(frozen=True)
+class Unpin:
+    rid: str  # a finished pin=True request: its end-of-request snapshot may be evicted again
 
 
 @dataclass(frozen=True)
@@ -130,7 +136,7 @@ class ProgramResult:
 
 
 MESSAGES: dict[str, type] = {c.__name__: c for c in (
-    GenerateRequest, AbortRequest, FlushCache, Shutdown, Ready, RequestUpdate, UpdateBatch, ShutdownAck, EngineError,
+    GenerateRequest, AbortRequest, Unpin, FlushCache, Shutdown, Ready, RequestUpdate, UpdateBatch, ShutdownAck, EngineError,
     ProgramRun, ProgramClose, ProgramEvent, ProgramResult)}
 
 

@@ -93,7 +93,7 @@ class Runtime:
             s = c.engine.stats
             return {"prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
                     "computed_tokens": s.computed_tokens, "computed_prompt_tokens": s.computed_prompt_tokens,
-                    "snapshots": c.engine.scheduler.tree.snapshot_count}
+                    "snapshots": c.engine.scheduler.tree.snapshot_count, "pins": len(c.engine.scheduler.pins)}
         return dict(c.stats)
 
     def shutdown(self) -> None:

@@ -29,7 +29,7 @@ from k3rt.backend.cache.pool import PagePool
 
 
 class Node:
-    __slots__ = ("key", "start", "parent", "children", "pages", "snapshot", "lock", "last_access")
+    __slots__ = ("key", "start", "parent", "children", "pages", "snapshot", "lock", "last_access", "pins")
 
     def __init__(self, key: list[int], start: int, parent: Node | None) -> None:
         self.key = key
@@ -40,6 +40,7 @@ class Node:
         self.snapshot: list[int] | None = None
         self.lock = 0
         self.last_access = 0
+        self.pins = 0  # holders that need this node's snapshot kept (a DSL program between its calls)
 
     @property
     def end(self) -> int:
@@ -187,7 +188,7 @@ class RadixCache:
     def evict(self, num_pages: int) -> int:
         """Free at least num_pages pool pages if possible; returns pages actually freed.
 
-        Candidates are all snapshots, least recently used first; ties go to the snapshot that saves
+        Candidates are all unpinned snapshots, least recently used first; ties go to the snapshot that saves
         the least recompute per byte. A snapshot that is the source of a pending copy carries the
         copier's extra page references, so evicting it from the tree never frees it under the copy.
         Evicting an unlocked leaf's snapshot deletes the leaf and its pages (and then every parent
@@ -196,7 +197,8 @@ class RadixCache:
         if num_pages <= 0:
             return 0
         before = self.pool.num_free
-        heap = [(n.last_access, self._saved_per_byte(n), id(n), n) for n in self._nodes() if n.snapshot is not None]
+        heap = [(n.last_access, self._saved_per_byte(n), id(n), n) for n in self._nodes()
+                if n.snapshot is not None and not n.pins]
         heapq.heapify(heap)
         while heap and self.pool.num_free - before < num_pages:
             *_, n = heapq.heappop(heap)
@@ -275,6 +277,7 @@ class RadixCache:
                 assert n.snapshot is not None, f"unlocked leaf without snapshot {n}"
             if n.snapshot is not None:
                 assert len(n.snapshot) == self.state_pages
+            assert n.pins >= 0 and (not n.pins or n.snapshot is not None), f"{n}: pinned without a snapshot"
         assert self.snapshot_count == self.num_snapshots(), "snapshot count drifted"
         for p, k in self.tree_page_refs().items():
             assert self.pool.refcount[p] >= k, f"page {p}: refcount {self.pool.refcount[p]} < tree refs {k}"

@@ -43,10 +43,12 @@ class StateData:
     new_vars: list[str] = field(default_factory=list)  # names set since this state was forked (for join)
     meta: dict[str, Any] = field(default_factory=dict)
     computed: int = 0  # prompt tokens known to be in the prefix cache
+    pinned_rid: str | None = None  # the last gen's engine request, whose end snapshot stays pinned
 
     def fork_copy(self) -> "StateData":
         child = copy.deepcopy(self)
         child.new_vars = []
+        child.pinned_rid = None  # the parent's pin stays the parent's
         return child
 
 
@@ -109,8 +111,14 @@ class ProgramSession:
         await asyncio.gather(*(q.join() for q in list(self.queues.values())))
 
     def cancel(self) -> None:
+        """Stop the session: cancel its tasks and release the cache pins its states hold."""
         for t in self.tasks.values():
             t.cancel()
+        loop = asyncio.get_running_loop()
+        for st in self.states.values():
+            if st.pinned_rid is not None:
+                loop.create_task(self.gen.unpin(st.pinned_rid))
+                st.pinned_rid = None
 
     # ---- ops ----
 
@@ -180,8 +188,13 @@ class ProgramSession:
         emit = None
         if self.on_event is not None:
             emit = lambda d: self.on_event(sid, op.name, d, False)  # noqa: E731
+        # pin the end-of-generation snapshot: the program's next call resumes from it, so it must survive
+        # cache pressure in between; the previous pin of this state is released once this one exists
         res = await self.gen.generate(prompt, params, stop=op.stop, grammar=op.grammar, cache_salt=self.salt,
-                                      on_text=emit)
+                                      on_text=emit, pin=True)
+        previous, st.pinned_rid = st.pinned_rid, res.rid
+        if previous is not None:
+            await self.gen.unpin(previous)
         if res.error:
             raise OpError(res.error, op.line)
         if self.on_event is not None:

@@ -6,6 +6,7 @@ Text and stop strings go through the gateway's TextStream, so programs and the H
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -24,6 +25,7 @@ class GenResult:
     prompt_tokens: int
     cached_tokens: int
     error: str | None = None
+    rid: str = ""  # the engine request id (to unpin a pin=True request later)
 
 
 class Generator:
@@ -32,11 +34,13 @@ class Generator:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *, stop: list[str] = (),
                        grammar: dict | None = None, cache_salt: str | None = None,
-                       on_text: Callable[[str], None] | None = None) -> GenResult:
+                       on_text: Callable[[str], None] | None = None, pin: bool = False) -> GenResult:
         ts = TextStream(self.tok, tuple(stop))  # the gateway's detokenizer + stop-string logic
         text, ids = [], []
         reason, prompt_tokens, cached, error = "abort", len(prompt_ids), 0, None
-        stream = self.client.generate(prompt_ids, params_to_dict(params), cache_salt=cache_salt, grammar=grammar)
+        rid = uuid.uuid4().hex
+        stream = self.client.generate(prompt_ids, params_to_dict(params), cache_salt=cache_salt, grammar=grammar,
+                                      rid=rid, pin=pin)
 
         def emit(delta: str) -> None:
             if delta:
@@ -61,7 +65,11 @@ class Generator:
                 emit(ts.take())
         finally:
             await stream.aclose()
-        return GenResult("".join(text), ids, reason, prompt_tokens, cached, error)
+        return GenResult("".join(text), ids, reason, prompt_tokens, cached, error, rid)
+
+    async def unpin(self, rid: str) -> None:
+        """Let the cache evict the snapshot a pin=True generation kept."""
+        await self.client.unpin(rid)
 
     async def score(self, prompts: list[list[int]], starts: list[int], *, cache_salt: str | None = None,
                     ) -> list[dict[int, float]]:

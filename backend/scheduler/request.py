@@ -55,6 +55,7 @@ class Request:
     grammar_future: Any = None  # a Future of the compiled grammar; the request is not admitted before it resolves
     grammar_deadline: float = 0.0  # monotonic time after which a still-compiling grammar fails the request
     error: str | None = None  # set with FinishReason.ERROR
+    pin: bool = False  # keep the end-of-request snapshot unevictable until Scheduler.unpin(rid)
     # score the prompt: log p(token[i] | tokens[:i]) for every i >= prompt_logprobs_from (select/scoring);
     # the prefix-cache hit is capped so that position prompt_logprobs_from - 1 is computed
     prompt_logprobs_from: int | None = None

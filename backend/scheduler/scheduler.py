@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from k3rt.backend.cache.pool import PagePool
-from k3rt.backend.cache.radix import RadixCache
+from k3rt.backend.cache.radix import Node, RadixCache
 from k3rt.backend.scheduler.request import FinishReason, Request, Status
 from k3rt.config import CacheConfig, SchedulerConfig
 
@@ -71,6 +71,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._preempted_this_step = False
         self._step_decodes: list[Request] = []
+        self.pins: dict[int, Node] = {}  # rid of a finished pinned request -> the node whose snapshot it keeps
 
     # ---- queue ----
 
@@ -83,6 +84,12 @@ class Scheduler:
             req.status, req.finish_reason = Status.FINISHED, reason
         elif req.status is Status.RUNNING:
             self._finish(req, reason)
+
+    def unpin(self, rid: int) -> None:
+        """Release the pin a finished `pin=True` request holds on its end-of-request snapshot."""
+        node = self.pins.pop(rid, None)
+        if node is not None:
+            node.pins -= 1
 
     @property
     def has_work(self) -> bool:
@@ -348,6 +355,9 @@ class Scheduler:
             node = self.tree.insert(req.token_ids[:nc], req.block_table, req.salt, snapshot=req.state_set)
             req.state_set = None
             self._move_lock(req, node)
+            if req.pin and node is not None:
+                node.pins += 1
+                self.pins[req.rid] = node
         self._release(req)
         req.status, req.finish_reason = Status.FINISHED, reason
         self.running.remove(req)
@@ -389,6 +399,11 @@ class Scheduler:
         for r in self.running:
             assert not r.fences or r.pending_page_copies or r.pending_state_copies, f"request {r.rid}: stale fences"
         holders = [r.lock_node for r in self.running if r.lock_node is not None]
+        pinned: dict[int, int] = {}
+        for node in self.pins.values():
+            pinned[id(node)] = pinned.get(id(node), 0) + 1
+        for n in self.tree._nodes():
+            assert n.pins == pinned.get(id(n), 0), f"{n}: pins {n.pins} != {pinned.get(id(n), 0)}"
         self.tree.check(holders)
         refs = dict.fromkeys(range(self.pool.num_pages), 0)
         for p, k in self.tree.tree_page_refs().items():
