@@ -253,6 +253,14 @@ class Gateway:
             return self.tokenizer.encode(text)
         return await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode, text)
 
+    async def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        """Token ids of a chat prompt; message contents never become special tokens (Tokenizer.encode_chat)."""
+        size = sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 0 for m in messages)
+        if size < 4096:
+            return self.tokenizer.encode_chat(messages, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.tokenizer.encode_chat(messages, **kwargs))
+
     def special_token_id(self, text: str) -> int | None:
         """The id of a special token such as "<|tool_call_begin|>", or None if the vocabulary lacks it."""
         ids = self.tokenizer.encode(text)

@@ -87,6 +87,35 @@ class Tokenizer(ABC):
             )
         return template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
 
+    def encode_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> list[int]:
+        """Token ids of the rendered conversation, where only the template's own text may produce special
+        tokens: message contents are encoded with `allow_special=False`, so a user who types
+        "<|im_end|>" gets those characters, not a turn boundary. The template is rendered with a marker in
+        place of each string content and the pieces are encoded separately; a template that transforms
+        contents (so a marker does not come back exactly once) falls back to encoding the whole text."""
+        marked, contents = [], []
+        for m in messages:
+            c = m.get("content")
+            if isinstance(c, str) and c:
+                marked.append({**m, "content": f"\x00K3RT{len(contents)}\x00"})
+                contents.append(c)
+            else:
+                marked.append(m)
+        text = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
+        pieces = text.split("\x00")
+        # pieces alternate template text / "K3RT{i}" markers when every marker appears once, in order
+        if len(pieces) != 2 * len(contents) + 1 or [p for p in pieces[1::2]] != [f"K3RT{i}" for i in range(len(contents))]:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                        tools=tools, **kwargs))
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if i % 2 == 0:
+                ids += self.encode(piece) if piece else []
+            else:
+                ids += self.encode(contents[i // 2], allow_special=False)
+        return ids
+
 
 class LoadedTokenizer(Tokenizer):
     """The descriptive properties, read from attributes every loader sets in its constructor:

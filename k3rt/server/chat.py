@@ -105,10 +105,10 @@ async def chat_completion(ctx: ServerContext, req: ChatCompletionRequest, reques
     gw = ctx.gateway
     tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     try:
-        text = gw.tokenizer.apply_chat_template(messages, tools=tool_dicts)
+        # message contents cannot inject special tokens: only the template's text may produce them
+        prompt_ids = await gw.encode_chat(messages, tools=tool_dicts)
     except Exception as e:  # jinja2.TemplateError (e.g. an unsupported role), ValueError (no template)
         raise bad_request("messages", f"the chat template rejected them: {e}") from None
-    prompt_ids = await gw.encode(text)
     check_vocab([prompt_ids], gw.vocab_size, "messages")
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
