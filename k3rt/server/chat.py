@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from k3rt.server import tools as tool_calls
 from k3rt.server.errors import bad_request
 from k3rt.server.generation import (
     Choice, ServerContext, chat_logprob, check_logprobs, check_vocab, grammar_sources, json_response, new_id, now,
-    resolve_max_tokens, run_to_end, sampling_params, sse, stream_deltas, total_usage, validate_grammar,
+    resolve_max_tokens, respond, sampling_params, sse, total_usage, validate_grammar,
 )
 from k3rt.server.schemas import ChatCompletionRequest, check_common, stop_list
 
@@ -141,11 +141,8 @@ async def chat_completion(ctx: ServerContext, req: ChatCompletionRequest, reques
     params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     job = Job([prompt_ids], params, req.n, stop_list(req), grammar, req.cache_salt, text_end_id)
     out = _ChatOutput(ctx, req, mode, prompt_ids, make_parser)
-    if req.stream:
-        body = stream_deltas(ctx, job, req.n, "chat", out.render_start(), out.render_delta, out.render_end)
-        return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    choices = await run_to_end(ctx, job, req.n, request, "chat")
-    return out.response(choices)
+    return await respond(ctx, job, req.n, request, "chat", bool(req.stream), out.render_start, out.render_delta,
+                         out.render_end, out.response)
 
 
 class _ChatOutput:

@@ -9,12 +9,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from k3rt.server.errors import bad_request
 from k3rt.server.generation import (
     MIN_LOGPROB, Choice, ServerContext, check_logprobs, check_vocab, grammar_sources, new_id, now,
-    json_response, resolve_max_tokens, run_to_end, sampling_params, sse, stream_deltas, token_text, total_usage,
+    json_response, resolve_max_tokens, respond, sampling_params, sse, token_text, total_usage,
     validate_grammar,
 )
 from k3rt.server.schemas import CompletionRequest, check_common, stop_list
@@ -64,11 +64,8 @@ async def completion(ctx: ServerContext, req: CompletionRequest, request: Reques
     params = sampling_params(req, max_tokens, req.logprobs)
     job = Job(prompts, params, req.n, stop_list(req), grammar, req.cache_salt)
     out = _CompletionOutput(ctx, req, prompts)
-    if req.stream:
-        body = stream_deltas(ctx, job, req.n, "completions", out.render_echo(), out.render_delta, out.render_end)
-        return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    choices = await run_to_end(ctx, job, req.n, request, "completions")
-    return out.response(choices)
+    return await respond(ctx, job, req.n, request, "completions", bool(req.stream), out.render_echo,
+                         out.render_delta, out.render_end, out.response)
 
 
 class _CompletionOutput:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from k3rt.sampling_params import MAX_LOGPROBS, SamplingParams
 from k3rt.server.config import ServerConfig
@@ -302,3 +302,14 @@ async def _stream(ctx: ServerContext, stream: JobStream, job: Job, n: int, endpo
         if not completed:
             ctx.metrics.disconnects.labels(endpoint).inc()
         stream.close()  # also reached when an abandoned body iterator is finalized
+
+
+async def respond(ctx: ServerContext, job: Job, n: int, request: Request, endpoint: str, stream: bool,
+                  start: Callable[[], list[bytes]], render: Callable[[ChoiceDelta], list[bytes]],
+                  finish: Callable[[list[Choice]], list[bytes]],
+                  response: Callable[[list[Choice]], Response]) -> Response:
+    """The end of every generation endpoint: the job's deltas as an SSE stream, or the whole response."""
+    if stream:
+        body = stream_deltas(ctx, job, n, endpoint, start(), render, finish)
+        return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return response(await run_to_end(ctx, job, n, request, endpoint))

@@ -22,18 +22,9 @@ from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.backend.models.loader import CheckpointError, build_model, load_model
 from k3rt.backend.models.tiny import TINY_CONFIGS, export_checkpoint, random_init, write_checkpoint
 from k3rt.model_config import ConfigError, parse_model_config
+from tests.backend.threads import single_thread  # noqa: F401  (autouse fixture)
 
 ARCHS = list(TINY_CONFIGS)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors gain nothing from intra-op threads, and spinning OpenMP workers make the run
-    many times slower when the CPUs are shared; restore the setting for the other modules."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def tiny(arch: str = "kimi_linear", seed: int = 0, **overrides) -> tuple[KimiForCausalLM, dict]:

@@ -23,18 +23,9 @@ from k3rt.backend.models.mla import MultiHeadLatentAttention, mla_absorbed, mla_
 from k3rt.backend.models.moe import MoE, route
 from k3rt.backend.models.tiny import TINY_CONFIGS, random_init
 from k3rt.model_config import ActivationConfig, ModelConfig, MoEConfig, parse_model_config
+from tests.backend.threads import single_thread  # noqa: F401  (autouse fixture)
 
 TOL = 1e-5
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors gain nothing from intra-op threads, and spinning OpenMP workers make the run
-    many times slower when the CPUs are shared; restore the setting for the other modules."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def config(arch: str, lac: dict | None = None, **overrides) -> ModelConfig:

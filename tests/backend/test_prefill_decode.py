@@ -21,21 +21,12 @@ from k3rt.backend.models.loader import build_model
 from k3rt.backend.models.mla import MultiHeadLatentAttention
 from k3rt.backend.models.tiny import TINY_CONFIGS, random_init
 from k3rt.model_config import ModelConfig, parse_model_config
+from tests.backend.threads import single_thread  # noqa: F401  (autouse fixture)
 
 TOL = 1e-5
 DECODE_STEPS = 8
 PROMPT_LENS = [1, 63, 64, 65, 200]
 ODD_SIZES = [37, 1, 13, 2, 5, 29]  # cycled: chunk boundaries fall at odd offsets, some chunks are single tokens
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors gain nothing from intra-op threads, and spinning OpenMP workers make the run
-    many times slower when the CPUs are shared; restore the setting for the other modules."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def config(arch: str, **overrides) -> ModelConfig:

@@ -9,13 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
 import k3rt
+from tests.procs import alive, descendants
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -36,31 +36,6 @@ def multi_turn(s, q1, q2):
     s += k3rt.assistant(k3rt.gen("a3", max_tokens=12, stop="\n"))
 
 
-def _children(pid: int) -> set[int]:
-    out, todo = set(), [pid]
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(entry))
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            if c not in out:
-                out.add(c)
-                todo.append(c)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _is_resource_tracker(pid: int) -> bool:
     try:
         return b"multiprocessing.resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -70,20 +45,20 @@ def _is_resource_tracker(pid: int) -> bool:
 
 def _wait_gone(pids: set[int], timeout: float) -> set[int]:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.1)
-    return {p for p in pids if _alive(p)}
+    return {p for p in pids if alive(p)}
 
 
 def test_spawned_engine_matches_in_process_and_leaves_nothing(tiny_model, rt, monkeypatch) -> None:
     for k, v in ONE_THREAD.items():
         monkeypatch.setenv(k, v)
     want = multi_turn.run(q1="Hi", q2="Is it raining?", backend=rt, temperature=0)
-    existing = _children(os.getpid())
+    existing = descendants(os.getpid())
     with k3rt.Runtime(model=str(tiny_model), dtype="float32") as spawned:
         # multiprocessing's resource tracker is one per client process, shared by every spawn and gone
         # with the process (test_killed_client_process_leaves_nothing checks that): not the Runtime's
-        started = {p for p in _children(os.getpid()) - existing if not _is_resource_tracker(p)}
+        started = {p for p in descendants(os.getpid()) - existing if not _is_resource_tracker(p)}
         assert spawned.client.proc.pid in started  # the engine is a process of its own
         before = spawned.backend.round_trips
         got = multi_turn.run(q1="Hi", q2="Is it raining?", backend=spawned, temperature=0)
@@ -125,7 +100,7 @@ def test_killed_client_process_leaves_nothing(tiny_model, tmp_path: Path) -> Non
         line = proc.stdout.readline()
         assert line, "the client exited before its Runtime started"
         out = json.loads(line)
-        tracked = _children(proc.pid)
+        tracked = descendants(proc.pid)
         assert out["engine"] in tracked and isinstance(out["a"], str)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
@@ -133,7 +108,7 @@ def test_killed_client_process_leaves_nothing(tiny_model, tmp_path: Path) -> Non
         assert not left, f"processes left after the client was killed: {left}"
     finally:
         for p in tracked | {proc.pid}:
-            if _alive(p):
+            if alive(p):
                 os.kill(p, signal.SIGKILL)
 
 
