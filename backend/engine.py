@@ -69,6 +69,7 @@ class Engine:
         self._eos = frozenset(self.model_cfg.eos_token_ids)
         self._pending_aborts: list[int] = []
         self._grammar_backend = None
+        self._compiling: list[Request] = []  # waiting requests whose grammar future has not resolved
 
     def _make_runner(self, model, torch) -> Runner:
         if self.cfg.runner == "null":
@@ -127,6 +128,7 @@ class Engine:
             # compiled off the scheduler loop: the request waits (not admitted) until its grammar is ready
             req.grammar_future = self._grammar_submit(grammar)
             req.grammar_deadline = time.monotonic() + self._grammar_backend.compile_timeout_s
+            self._compiling.append(req)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -148,8 +150,13 @@ class Engine:
 
     def _resolve_grammars(self, outputs: list[RequestOutput]) -> None:
         """Waiting requests whose grammar finished compiling get their matcher; failures end the request."""
+        if not self._compiling:
+            return  # the common case costs nothing per step
         now = time.monotonic()
-        for req in [r for r in self.scheduler.waiting if r.grammar_future is not None]:
+        pending, self._compiling = self._compiling, []
+        for req in pending:
+            if req.finished:
+                continue  # aborted while its grammar compiled
             fut = req.grammar_future
             error = None
             if fut.done():
@@ -161,6 +168,7 @@ class Engine:
                 error = (f"grammar: compiling took longer than {self._grammar_backend.compile_timeout_s:g} s "
                          f"({self.cfg.grammar_backend} backend)")
             else:
+                self._compiling.append(req)
                 continue
             req.grammar_future = None
             if error is not None:
