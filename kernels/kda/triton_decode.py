@@ -25,30 +25,9 @@ from torch import Tensor
 
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-# Under TRITON_INTERPRET=1 (CPU) PDL intrinsics cannot run; every USE_PDL constexpr is forced False.
-INTERPRET = bool(triton.knobs.runtime.interpret)
+from k3rt.kernels.common import INTERPRET, check, poison_like, set_poison  # noqa: F401  (re-exported)
+
 _LOWER_BOUND_MIN = -5.0
-_POISON = False
-
-
-def set_poison(flag: bool) -> None:
-    """Tests: fill freshly allocated outputs and scratch with NaN so unwritten elements fail."""
-    global _POISON
-    _POISON = bool(flag)
-
-
-def poison_like(t: Tensor) -> Tensor:
-    if _POISON and t.is_floating_point():
-        t.fill_(float("nan"))
-    return t
-
-
-def check(t: Tensor, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> None:
-    """Raise ValueError naming expected vs actual shape (and dtype when given)."""
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    if dtype is not None and t.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
 
 
 @triton.jit

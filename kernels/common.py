@@ -1,0 +1,49 @@
+"""Helpers every Triton launcher shares: contract checks, NaN poisoning for tests, interpreter flag.
+
+Import this module only after TRITON_INTERPRET is settled (tests set it before importing kernels):
+`INTERPRET` is read once, at import.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+
+# Under TRITON_INTERPRET=1 (CPU) PDL intrinsics cannot run and 16-bit dots are wrong: launchers
+# force USE_PDL off and use fp32/ieee paths when this is set.
+INTERPRET = bool(triton.knobs.runtime.interpret)
+
+_POISON = False
+
+
+def set_poison(flag: bool) -> None:
+    """Tests: fill freshly allocated outputs and scratch with NaN so unwritten elements fail."""
+    global _POISON
+    _POISON = bool(flag)
+
+
+def poison_like(t: Tensor) -> Tensor:
+    """NaN-fill a freshly allocated float tensor when poisoning is on (tests); else return it as is."""
+    if _POISON and t.is_floating_point():
+        t.fill_(float("nan"))
+    return t
+
+
+def check(t: Tensor, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> None:
+    """Raise ValueError naming expected vs actual shape (and dtype when given)."""
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+
+
+def check_same_device(**tensors: Tensor) -> None:
+    """Raise ValueError if the named tensors are not all on one device."""
+    devs = {n: t.device for n, t in tensors.items() if t is not None}
+    if len(set(devs.values())) > 1:
+        raise ValueError("tensors on different devices: " + ", ".join(f"{n}={d}" for n, d in devs.items()))
+
+
+def pdl_kwargs(use_pdl: bool) -> dict:
+    """Launch kwargs for programmatic dependent launch (never under the interpreter)."""
+    return {"launch_pdl": True} if use_pdl and not INTERPRET else {}
