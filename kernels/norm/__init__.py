@@ -1,0 +1,22 @@
+"""RMSNorm ops: the plain norm (optionally fused with the residual add) and KDA's gated output norm.
+
+`rms_norm_ref` / `rms_norm_gated_ref` (ref.py) are the torch oracles, imported eagerly. The Triton ops
+`rms_norm` / `rms_norm_gated` (triton_norm.py) are exported lazily, so the references never import Triton.
+"""
+from k3rt.kernels.norm.ref import rms_norm as rms_norm_ref
+from k3rt.kernels.norm.ref import rms_norm_gated as rms_norm_gated_ref
+
+_TRITON_EXPORTS = {
+    "rms_norm": "k3rt.kernels.norm.triton_norm",
+    "rms_norm_gated": "k3rt.kernels.norm.triton_norm",
+}
+
+__all__ = ["rms_norm", "rms_norm_gated", "rms_norm_gated_ref", "rms_norm_ref"]
+
+
+def __getattr__(name: str):
+    if name in _TRITON_EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_TRITON_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
