@@ -1,0 +1,96 @@
+"""The Triton attention-residual mix agrees with kernels/attn_res/ref.py.
+
+Without a GPU the kernel runs in the Triton interpreter (set below, before Triton is imported): tiny
+fp32/fp16 shapes. The `gpu` cases run the compiled kernel at Kimi widths in bf16.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from torch import Tensor
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the @triton.jit decorations
+
+pytest.importorskip("triton")
+
+from k3rt.kernels import common  # noqa: E402
+from k3rt.kernels.attn_res import attn_res_mix, attn_res_mix_ref  # noqa: E402
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs():
+    common.set_poison(True)
+    yield
+    common.set_poison(False)
+
+
+def rel_err(a: Tensor, b: Tensor) -> float:
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return math.inf
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def case(seed: int, jmax: int, N: int, D: int, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    # sources of very different scales, so the softmax over depth is far from uniform
+    scale = torch.exp(torch.randn(jmax, 1, 1, generator=gen))
+    buf = (torch.randn(jmax, N, D, generator=gen) * scale).to(dtype).to(DEV)
+    nw = (1 + 0.2 * torch.randn(D, generator=gen)).to(DEV)
+    pw = (torch.randn(1, D, generator=gen) * 2).to(DEV)
+    return buf, nw, pw
+
+
+@pytest.mark.parametrize("J,N,D", [(1, 3, 16), (2, 1, 37), (5, 4, 64), (16, 2, 300)], ids=lambda v: str(v))
+def test_mix_matches_ref(J: int, N: int, D: int) -> None:
+    buf, nw, pw = case(J * 7 + N, J + 2, N, D)
+    got = attn_res_mix(buf, nw, pw, 1e-5, num_sources=J)
+    assert rel_err(got, attn_res_mix_ref(buf, J, nw, pw, 1e-5)) < 1e-5
+
+
+def test_single_source_is_the_prefix() -> None:
+    buf, nw, pw = case(1, 3, 5, 24)
+    assert torch.allclose(attn_res_mix(buf, nw, pw, 1e-5, num_sources=1), buf[0], rtol=1e-6, atol=0)
+
+
+def test_row_slice_of_larger_buffer_fp16_out() -> None:
+    """The runner's [Jmax, Nmax, D] buffer sliced to the live N rows: strided slots, no copy."""
+    buf, nw, pw = case(9, 6, 10, 48, torch.float16)
+    live = buf[:, :7]
+    out = torch.empty(7, 48, dtype=torch.float16, device=DEV)
+    got = attn_res_mix(live, nw, pw.view(-1), 1e-6, num_sources=4, out=out)
+    assert got is out and rel_err(got, attn_res_mix_ref(live, 4, nw, pw, 1e-6)) < 2e-3
+
+
+def test_contract_errors() -> None:
+    buf, nw, pw = case(2, 3, 2, 8)
+    with pytest.raises(ValueError, match="num_sources must be in"):
+        attn_res_mix(buf, nw, pw, 1e-5, num_sources=4)
+    with pytest.raises(ValueError, match="num_sources must be in"):
+        attn_res_mix(buf, nw, pw, 1e-5, num_sources=0)
+    with pytest.raises(ValueError, match="sources must be"):
+        attn_res_mix(buf[0], nw, pw, 1e-5)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        attn_res_mix(buf.transpose(1, 2), nw, pw, 1e-5)
+    with pytest.raises(ValueError, match="norm_weight"):
+        attn_res_mix(buf, nw[:4], pw, 1e-5)
+    with pytest.raises(ValueError, match="proj_weight"):
+        attn_res_mix(buf, nw, pw[:, :4], 1e-5)
+    with pytest.raises(ValueError, match="out must be"):
+        attn_res_mix(buf, nw, pw, 1e-5, out=torch.empty(2, 8, dtype=torch.float16, device=DEV))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [1, 64, 8192])
+@pytest.mark.parametrize("J", [2, 9, 16])
+def test_gpu_mix_kimi_width(N: int, J: int) -> None:
+    buf, nw, pw = case(N + J, J, N, 2304, torch.bfloat16)
+    got = attn_res_mix(buf, nw.bfloat16(), pw.bfloat16(), 1e-5, num_sources=J, use_pdl=True)
+    assert rel_err(got, attn_res_mix_ref(buf, J, nw.bfloat16(), pw.bfloat16(), 1e-5)) < 1e-2
