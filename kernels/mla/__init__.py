@@ -1,0 +1,29 @@
+"""Kimi MLA attention ops. `ref` holds the plain-torch oracles every MLA kernel is tested against.
+
+The Triton kernels (`mla_decode`, `mla_decode_num_splits`, `mla_prefill`) are exported lazily, so
+importing the reference ops never imports Triton.
+"""
+from k3rt.kernels.mla.ref import gather_latents, mla_decode_ref, mla_prefill_ref
+
+_TRITON_EXPORTS = {
+    "mla_decode": "k3rt.kernels.mla.triton_decode",
+    "mla_decode_num_splits": "k3rt.kernels.mla.triton_decode",
+    "mla_prefill": "k3rt.kernels.mla.triton_prefill",
+}
+
+__all__ = [
+    "gather_latents",
+    "mla_decode",
+    "mla_decode_num_splits",
+    "mla_decode_ref",
+    "mla_prefill",
+    "mla_prefill_ref",
+]
+
+
+def __getattr__(name: str):
+    if name in _TRITON_EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_TRITON_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
