@@ -1,20 +1,27 @@
-"""Fused KDA decode step (Triton): short conv + SiLU, l2norm, gate, beta and the delta-rule update.
+"""Fused KDA decode step (Triton): short conv + SiLU, l2norm, gate, beta, the delta-rule update
+and, optionally, the gated output RMSNorm.
 
 One launch does one layer's decode step for a batch of N sequences, one token each. Per (sequence,
-head) a program:
-  1. runs the depthwise causal conv (width W) on this head's q, k and v channels from the cached
-     W-1 pre-conv inputs, applies SiLU, and shifts the new input into the conv cache in place;
+head, V slice) a program:
+  1. runs the depthwise causal conv (width W) on this head's q and k channels and its slice of the
+     v channels from the cached W-1 pre-conv inputs, applies SiLU;
   2. normalizes q and k (`x / sqrt(sum x^2 + 1e-6)`), scales q by `scale` (K^-0.5);
   3. computes the per-channel log decay g from the raw f_b_proj output (softplus or lower-bound
      form, model-facts §1.1) and beta = sigmoid(b);
-  4. updates the fp32 state S [K, V] in place (model-facts §1.2):
-         S' = diag(exp g) S;  S = S' + beta k (v - S'^T k)^T;  o = S^T q.
+  4. updates its [K, D/v_split] columns of the fp32 state S in place (model-facts §1.2):
+         S' = diag(exp g) S;  S = S' + beta k (v - S'^T k)^T;  o = S^T q
+     walking them in [K, BV] tiles (value columns are independent in the update);
+  5. with o_gate/o_norm_weight, writes rmsnorm(o) * weight * sigmoid(gate) over the head's D values.
 
-The oracle is `ref.py` (`kda_recurrent`, the gates, `l2norm`) plus `short_conv/ref.py`
-(`causal_conv1d`). One program owns a whole head and walks the state in [K, BV] tiles (value
-columns are independent in the update). The head is not split over programs: every V tile needs the
-head's whole q/k conv window, and splitting would race on the in-place conv-cache update. So small
-batches launch only N*H programs (N=1, H=32: 32 of 132 SMs), the main gap to fla at N=1.
+Splitting a head's V over programs (v_split > 1) lets N=1 launch H*v_split programs instead of H.
+Each program recomputes the head's cheap q/k conv; the v-channel conv cache is written by the
+program owning those channels. The q/k cache and the norm need the whole head, so the programs of a
+head count their arrivals in an int32 workspace and the last to arrive shifts the q/k cache (every
+reader of it is done by then), applies the norm to the fp32 o row the others left in scratch, and
+zeroes the counter again. No host sync, no data-dependent shapes: CUDA-graph safe.
+
+The oracle is `ref.py` (`kda_recurrent`, the gates, `l2norm`), `short_conv/ref.py`
+(`causal_conv1d`) and `backend/layers/norm.py` (`rms_norm_gated`).
 """
 from __future__ import annotations
 
@@ -25,33 +32,66 @@ from torch import Tensor
 
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from k3rt.kernels.common import INTERPRET, check, poison_like, set_poison  # noqa: F401  (re-exported)
+from k3rt.kernels.common import INTERPRET, check, pdl_kwargs, poison_like, set_poison  # noqa: F401  (re-exported)
 
 _LOWER_BOUND_MIN = -5.0
+# default_v_split: split heads over V until this many programs run (about 2 per SM on an H200),
+# never below this many value columns per program
+_TARGET_PROGRAMS = 256
+_MIN_SPLIT_COLS = 16
 
 
 @triton.jit
-def _conv_silu_step(x_row, w_ptr, cs_ptr, ch, mask, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
-    """Causal conv of one token on channels `ch`, then SiLU; shifts the conv cache in place.
-
-    x_row: the token's pre-conv row; cs_ptr: this slot's cache [W-1, C] (oldest first);
-    w_ptr: conv weight [C, W] fp32; WP = next_pow2(W). Returns fp32 [len(ch)].
-    """
+def _conv_window(x_row, cs_ptr, ch, mask, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """The conv window of one token on channels `ch`: [WP, len(ch)] fp32, rows 0..W-2 from the
+    cache [W-1, C] (oldest first), row W-1 the token's pre-conv row x_row."""
     r = tl.arange(0, WP)
-    # window rows 0..W-2 come from the cache, row W-1 is the token itself
     hist = tl.load(cs_ptr + r[:, None] * C + ch[None, :], mask=(r < W - 1)[:, None] & mask[None, :], other=0.0)
     x = tl.load(x_row + ch, mask=mask, other=0.0)
-    win = tl.where((r == W - 1)[:, None], x.to(tl.float32)[None, :], hist.to(tl.float32))  # [WP, len(ch)]
+    return tl.where((r == W - 1)[:, None], x.to(tl.float32)[None, :], hist.to(tl.float32))
+
+
+@triton.jit
+def _conv_silu(win, w_ptr, ch, mask, W: tl.constexpr, WP: tl.constexpr):
+    """SiLU(sum_r win[r] * w[ch, r]): the conv output of the window's last row, fp32."""
+    r = tl.arange(0, WP)
     taps = tl.load(w_ptr + ch[None, :] * W + r[:, None], mask=(r < W)[:, None] & mask[None, :], other=0.0)
     acc = tl.sum(win * taps, axis=0)
-    # A value may be held (and loaded) by several threads; all of them must have read the cache
-    # before any thread overwrites it.
-    tl.debug_barrier()
-    # new cache row r-1 = window row r, for r = 1..W-1
-    tl.store(cs_ptr + (r[:, None] - 1) * C + ch[None, :], win.to(cs_ptr.dtype.element_ty),
-             mask=((r >= 1) & (r < W))[:, None] & mask[None, :])
     return acc * tl.sigmoid(acc)
 
+
+@triton.jit
+def _conv_shift_store(win, cs_ptr, ch, mask, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """Write window rows 1..W-1 as the new cache rows 0..W-2 (the cache after this token)."""
+    r = tl.arange(0, WP)
+    tl.store(cs_ptr + (r[:, None] - 1) * C + ch[None, :], win.to(cs_ptr.dtype.element_ty),
+             mask=((r >= 1) & (r < W))[:, None] & mask[None, :])
+
+
+@triton.jit
+def _gate_beta(f_row, dt_ptr, a_log_ptr, b_row, i_h, offs_k, mask_k, lower_bound, D: tl.constexpr,
+               USE_LOWER_BOUND: tl.constexpr):
+    """(exp(g) [BK], beta): the per-key-channel decay and the update strength (model-facts §1.1)."""
+    x = tl.load(f_row + i_h * D + offs_k, mask=mask_k, other=0.0)
+    x = x.to(tl.float32) + tl.load(dt_ptr + i_h * D + offs_k, mask=mask_k, other=0.0)
+    a = tl.exp(tl.load(a_log_ptr + i_h).to(tl.float32))
+    if USE_LOWER_BOUND:
+        g = lower_bound * tl.sigmoid(a * x)
+    else:
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        g = -a * softplus
+    beta = tl.sigmoid(tl.load(b_row + i_h).to(tl.float32))
+    return tl.exp(g), beta
+
+
+@triton.jit
+def _norm_gate_row(raw_row, gate_row, w_ptr, o_row, offs, mask, eps, D: tl.constexpr):
+    """o = rmsnorm(raw) * weight * sigmoid(gate) over one head's D values, fp32 math."""
+    x = tl.load(raw_row + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    gt = tl.load(gate_row + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(o_row + offs, (x * rstd * w * tl.sigmoid(gt)).to(o_row.dtype.element_ty), mask=mask)
 
 @triton.jit
 def _kda_decode_kernel(
@@ -65,59 +105,77 @@ def _kda_decode_kernel(
     state_ptr,  # [num_slots, H, D, D] fp32
     slot_ptr,  # [N] int32/int64
     o_ptr,  # [N, H, D]
+    gate_ptr, stride_gate_n, stride_gate_h,  # [N, H, D] output gate (NORM only)
+    norm_w_ptr,  # [D] output norm weight (NORM only)
+    raw_ptr,  # [N, H, D] fp32 scratch: o before the norm (NORM only)
+    count_ptr,  # [N*H] int32, zero between launches: programs of a head done so far (NV > 1 only)
     scale,
     lower_bound,
+    eps,
     H: tl.constexpr,
     D: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    BVS: tl.constexpr,
+    NV: tl.constexpr,
     W: tl.constexpr,
     WP: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr,
+    NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
+    i_v = tl.program_id(2)  # this program owns value columns [i_v*BVS, (i_v+1)*BVS) of the head
     offs_k = tl.arange(0, BK)
     mask_k = offs_k < D
-    o_row = o_ptr + (i_n * H + i_h).to(tl.int64) * D
+    row = (i_n * H + i_h).to(tl.int64) * D
+    o_row = o_ptr + row
     if USE_PDL:
         gdc_wait()
     slot = tl.load(slot_ptr + i_n).to(tl.int64)
     if slot < 0:
         # padding entry: zero output, no state touched
-        for v0 in tl.static_range(0, D, BV):
-            offs_v = v0 + tl.arange(0, BV)
+        for v0 in tl.static_range(0, BVS, BV):
+            offs_v = i_v * BVS + v0 + tl.arange(0, BV)
             zero = tl.zeros([BV], dtype=tl.float32).to(o_ptr.dtype.element_ty)
             tl.store(o_row + offs_v, zero, mask=offs_v < D)
     else:
         C = 3 * H * D
         x_row = qkv_ptr + i_n.to(tl.int64) * stride_qkv_n
         cs = conv_state_ptr + slot * ((W - 1) * C)
-        q = _conv_silu_step(x_row, conv_w_ptr, cs, i_h * D + offs_k, mask_k, C, W, WP)
-        k = _conv_silu_step(x_row, conv_w_ptr, cs, H * D + i_h * D + offs_k, mask_k, C, W, WP)
+        q_ch = i_h * D + offs_k
+        k_ch = H * D + q_ch
+        win_q = _conv_window(x_row, cs, q_ch, mask_k, C, W, WP)
+        win_k = _conv_window(x_row, cs, k_ch, mask_k, C, W, WP)
+        q = _conv_silu(win_q, conv_w_ptr, q_ch, mask_k, W, WP)
+        k = _conv_silu(win_k, conv_w_ptr, k_ch, mask_k, W, WP)
+        if NV == 1:
+            # a value may be held (and loaded) by several threads: all must have read the cache
+            # before any overwrites it
+            tl.debug_barrier()
+            _conv_shift_store(win_q, cs, q_ch, mask_k, C, W, WP)
+            _conv_shift_store(win_k, cs, k_ch, mask_k, C, W, WP)
         q = q * (scale / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6))
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-
-        x = tl.load(f_ptr + i_n.to(tl.int64) * stride_f_n + i_h * D + offs_k, mask=mask_k, other=0.0)
-        x = x.to(tl.float32) + tl.load(dt_bias_ptr + i_h * D + offs_k, mask=mask_k, other=0.0)
-        a = tl.exp(tl.load(a_log_ptr + i_h).to(tl.float32))
-        if USE_LOWER_BOUND:
-            g = lower_bound * tl.sigmoid(a * x)
-        else:
-            softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-            g = -a * softplus
-        decay = tl.exp(g)  # [BK]
-        beta = tl.sigmoid(tl.load(b_ptr + i_n.to(tl.int64) * stride_b_n + i_h).to(tl.float32))
+        decay, beta = _gate_beta(f_ptr + i_n.to(tl.int64) * stride_f_n, dt_bias_ptr, a_log_ptr,
+                                 b_ptr + i_n.to(tl.int64) * stride_b_n, i_h, offs_k, mask_k, lower_bound,
+                                 D, USE_LOWER_BOUND)
 
         if USE_PDL:
             gdc_launch_dependents()  # dependents may start their prologue; they gdc_wait for us
         s_base = state_ptr + (slot * H + i_h) * (D * D)
+        raw_row = raw_ptr + row
         # value columns are independent in the update: walk the state in [BK, BV] tiles
-        for v0 in tl.static_range(0, D, BV):
-            offs_v = v0 + tl.arange(0, BV)
+        for v0 in tl.static_range(0, BVS, BV):
+            offs_v = i_v * BVS + v0 + tl.arange(0, BV)
             mask_v = offs_v < D
-            v = _conv_silu_step(x_row, conv_w_ptr, cs, 2 * H * D + i_h * D + offs_v, mask_v, C, W, WP)
+            v_ch = 2 * H * D + i_h * D + offs_v
+            win_v = _conv_window(x_row, cs, v_ch, mask_v, C, W, WP)
+            v = _conv_silu(win_v, conv_w_ptr, v_ch, mask_v, W, WP)
+            tl.debug_barrier()
+            # these v channels belong to this program alone
+            _conv_shift_store(win_v, cs, v_ch, mask_v, C, W, WP)
             s_ptrs = s_base + offs_k[:, None] * D + offs_v[None, :]
             mask2 = mask_k[:, None] & mask_v[None, :]
             S = tl.load(s_ptrs, mask=mask2, other=0.0)  # S: [BK, BV] fp32
@@ -127,17 +185,41 @@ def _kda_decode_kernel(
             S = S + k[:, None] * u[None, :]
             o = tl.sum(S * q[:, None], axis=0)  # S^T q: [BV]
             tl.store(s_ptrs, S, mask=mask2)
-            tl.store(o_row + offs_v, o.to(o_ptr.dtype.element_ty), mask=mask_v)
+            if NORM:
+                tl.store(raw_row + offs_v, o, mask=mask_v)
+            else:
+                tl.store(o_row + offs_v, o.to(o_ptr.dtype.element_ty), mask=mask_v)
+
+        gate_row = gate_ptr + i_n.to(tl.int64) * stride_gate_n + i_h * stride_gate_h
+        if NV > 1:
+            # The head's q/k cache may be overwritten, and its norm taken, only once every program
+            # of the head has read the cache and written its o columns: the last one to arrive
+            # does both. The barrier orders all threads' accesses before the release.
+            tl.debug_barrier()
+            cnt = count_ptr + (i_n * H + i_h)
+            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if arrived == NV - 1:
+                _conv_shift_store(win_q, cs, q_ch, mask_k, C, W, WP)
+                _conv_shift_store(win_k, cs, k_ch, mask_k, C, W, WP)
+                if NORM:
+                    _norm_gate_row(raw_row, gate_row, norm_w_ptr, o_row, offs_k, mask_k, eps, D)
+                tl.store(cnt, 0)  # ready for the next launch
+        elif NORM:
+            tl.debug_barrier()  # the row's tiles were written by other threads of this program
+            _norm_gate_row(raw_row, gate_row, norm_w_ptr, o_row, offs_k, mask_k, eps, D)
 
 
 def _launch_decode(
     qkv_pre: Tensor, conv_weight: Tensor, conv_state: Tensor, f: Tensor, A_log: Tensor,
     dt_bias: Tensor, b: Tensor, state: Tensor, slot_indices: Tensor, out: Tensor,
-    lower_bound: float | None, scale: float, use_pdl: bool, num_warps: int, block_v: int,
+    o_gate: Tensor | None, o_norm_weight: Tensor | None, raw: Tensor | None, counts: Tensor | None,
+    lower_bound: float | None, scale: float, eps: float, use_pdl: bool, num_warps: int, block_v: int,
+    v_split: int,
 ) -> None:
     N = qkv_pre.shape[0]
     _, H, D, _ = state.shape
     W = conv_weight.shape[1]
+    norm = o_gate is not None
     # contract (the public function has already raised ValueError on user-facing mismatches)
     assert qkv_pre.shape == (N, 3 * H * D) and qkv_pre.stride(1) == 1
     assert conv_weight.shape == (3 * H * D, W) and conv_weight.is_contiguous()
@@ -150,17 +232,46 @@ def _launch_decode(
     assert state.shape[2:] == (D, D) and state.dtype == torch.float32 and state.is_contiguous()
     assert slot_indices.shape == (N,) and slot_indices.dtype in (torch.int32, torch.int64)
     assert out.shape == (N, H, D) and out.is_contiguous()
+    assert D % v_split == 0 and triton.next_power_of_2(D // v_split) == D // v_split
+    if norm:
+        assert o_gate.shape == (N, H, D) and o_gate.stride(2) == 1
+        assert o_norm_weight.shape == (D,) and o_norm_weight.is_contiguous()
+        assert raw.shape == (N, H, D) and raw.dtype == torch.float32 and raw.is_contiguous()
+    if v_split > 1:
+        assert counts.dtype == torch.int32 and counts.numel() >= N * H and counts.is_contiguous()
     if N == 0:
         return
-    _kda_decode_kernel[(N, H)](
+    bvs = D // v_split if v_split > 1 else triton.next_power_of_2(D)
+    _kda_decode_kernel[(N, H, v_split)](
         qkv_pre, qkv_pre.stride(0), conv_weight, conv_state, f, f.stride(0), A_log, dt_bias,
-        b, b.stride(0), state, slot_indices, out, scale,
-        0.0 if lower_bound is None else float(lower_bound),
-        H=H, D=D, BK=triton.next_power_of_2(D), BV=min(block_v, triton.next_power_of_2(D)),
+        b, b.stride(0), state, slot_indices, out,
+        o_gate if norm else out, o_gate.stride(0) if norm else 0, o_gate.stride(1) if norm else 0,
+        o_norm_weight if norm else out, raw if norm else out, counts if v_split > 1 else slot_indices,
+        scale, 0.0 if lower_bound is None else float(lower_bound), eps,
+        H=H, D=D, BK=triton.next_power_of_2(D), BV=min(block_v, bvs), BVS=bvs, NV=v_split,
         W=W, WP=triton.next_power_of_2(W),
-        USE_LOWER_BOUND=lower_bound is not None, USE_PDL=use_pdl and not INTERPRET,
-        num_warps=num_warps, **({"launch_pdl": True} if use_pdl and not INTERPRET else {}),
+        USE_LOWER_BOUND=lower_bound is not None, NORM=norm, USE_PDL=use_pdl and not INTERPRET,
+        num_warps=num_warps, **pdl_kwargs(use_pdl),
     )
+
+
+def default_v_split(N: int, H: int, D: int) -> int:
+    """Programs per head: enough (sequence, head, V slice) programs to cover the GPU at small N;
+    1 once N*H alone fills it (splitting then only repeats the q/k conv)."""
+    split = 1
+    while N * H * split < _TARGET_PROGRAMS and D // (2 * split) >= _MIN_SPLIT_COLS:
+        split *= 2
+    return split
+
+
+def kda_decode_workspace(max_batch: int, num_heads: int, device: torch.device | str) -> Tensor:
+    """Zeroed per-head arrival counters for `kda_decode(..., workspace=)` with V split over programs.
+
+    The kernel returns every counter to zero before it exits, so one workspace serves every layer
+    and every step (allocate it once, outside CUDA-graph capture). Without one, each split launch
+    allocates and zeroes its own (a memset per call).
+    """
+    return torch.zeros(max_batch * num_heads, dtype=torch.int32, device=device)
 
 
 def kda_decode(
@@ -180,6 +291,11 @@ def kda_decode(
     use_pdl: bool = False,
     num_warps: int = 4,
     block_v: int = 32,
+    o_gate: Tensor | None = None,
+    o_norm_weight: Tensor | None = None,
+    o_norm_eps: float = 1e-5,
+    v_split: int | None = None,
+    workspace: Tensor | None = None,
 ) -> Tensor:
     """One fused KDA decode step for N sequences (one token each) of one layer.
 
@@ -198,9 +314,20 @@ def kda_decode(
         scale: query scale; None means D**-0.5.
         out: optional [N, H, D] output buffer (activation dtype).
         use_pdl: launch with programmatic dependent launch (GPU only; ignored by the interpreter).
+        o_gate: optional [N, H, D] (or [N, H*D]) output gate, last dim contiguous (a column slice of
+            a fused projection is fine). With o_norm_weight, the output is the KDA output norm
+            `rms_norm_gated(o, o_gate, o_norm_weight, o_norm_eps)` (backend/layers/norm.py),
+            computed in fp32 from the unrounded o.
+        o_norm_weight: [D] output norm weight (any float dtype); given together with o_gate.
+        o_norm_eps: the output norm's eps (Kimi: rms_norm_eps, 1e-5).
+        v_split: programs per head, each owning D/v_split value columns (a power of two dividing
+            D); None picks `default_v_split(N, H, D)`.
+        workspace: int32 counters from `kda_decode_workspace(>= N, H)`, zero between launches; used
+            when v_split > 1 (None allocates zeroed counters per call).
 
     Returns:
-        o: [N, H, D] in qkv_pre.dtype (not yet through the gated RMSNorm).
+        o: [N, H, D] in qkv_pre.dtype: the raw recurrence output, or its gated RMSNorm when o_gate
+            and o_norm_weight are given. Padding rows are zero either way.
     """
     if state.dim() != 4 or state.dtype != torch.float32:
         raise ValueError(
@@ -245,7 +372,23 @@ def kda_decode(
     for name, t in (("qkv_pre", qkv_pre), ("f", f), ("b", b)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
-    devices = {t.device for t in (qkv_pre, conv_weight, conv_state, f, A_log, dt_bias, b, state, slot_indices)}
+    o_gate, o_norm_weight = _check_norm(o_gate, o_norm_weight, N, H, D)
+    v_split = default_v_split(N, H, D) if v_split is None else int(v_split)
+    if v_split < 1 or D % v_split != 0 or (D // v_split) & (D // v_split - 1):
+        raise ValueError(f"v_split must be a power of two dividing D={D} into powers of two, got {v_split}")
+    counts = None
+    if v_split > 1:
+        if workspace is None:
+            workspace = kda_decode_workspace(N, H, qkv_pre.device)
+        elif workspace.dtype != torch.int32 or workspace.numel() < N * H or not workspace.is_contiguous():
+            raise ValueError(
+                f"workspace must be contiguous int32 with >= N*H={N * H} elements, "
+                f"got {workspace.dtype} {list(workspace.shape)}"
+            )
+        counts = workspace
+    tensors = (qkv_pre, conv_weight, conv_state, f, A_log, dt_bias, b, state, slot_indices, o_gate,
+               o_norm_weight, counts)
+    devices = {t.device for t in tensors if t is not None}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
     if out is None:
@@ -253,9 +396,31 @@ def kda_decode(
         poison_like(out)
     elif tuple(out.shape) != (N, H, D) or not out.is_contiguous():
         raise ValueError(f"out must be contiguous [N, H, D]={[N, H, D]}, got {list(out.shape)}")
+    raw = None
+    if o_gate is not None:
+        raw = poison_like(torch.empty(N, H, D, dtype=torch.float32, device=qkv_pre.device))
     _launch_decode(
         qkv_pre, conv_weight, conv_state, f, A_log.contiguous().view(H), dt_bias.contiguous().view(H * D),
-        b, state, slot_indices, out, lower_bound, D**-0.5 if scale is None else float(scale),
-        use_pdl, num_warps, block_v,
+        b, state, slot_indices, out, o_gate, o_norm_weight, raw, counts, lower_bound,
+        D**-0.5 if scale is None else float(scale), float(o_norm_eps), use_pdl, num_warps, block_v, v_split,
     )
     return out
+
+
+def _check_norm(o_gate: Tensor | None, o_norm_weight: Tensor | None, N: int, H: int, D: int
+                ) -> tuple[Tensor | None, Tensor | None]:
+    """Validate the optional output-norm operands; returns (o_gate as [N, H, D], weight as [D])."""
+    if (o_gate is None) != (o_norm_weight is None):
+        raise ValueError("o_gate and o_norm_weight must be given together")
+    if o_gate is None:
+        return None, None
+    if o_gate.dim() == 2 and tuple(o_gate.shape) == (N, H * D) and o_gate.stride(-1) == 1:
+        o_gate = o_gate.view(N, H, D)
+    if tuple(o_gate.shape) != (N, H, D) or o_gate.stride(-1) != 1:
+        raise ValueError(
+            f"o_gate must be [N, H, D]=[{N}, {H}, {D}] (or [N, H*D]) with a contiguous last dim, "
+            f"got {list(o_gate.shape)} strides {o_gate.stride()}"
+        )
+    if o_norm_weight.numel() != D or not o_norm_weight.is_floating_point():
+        raise ValueError(f"o_norm_weight must be a float tensor of D={D} values, got {list(o_norm_weight.shape)}")
+    return o_gate, o_norm_weight.contiguous().view(D)

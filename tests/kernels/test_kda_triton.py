@@ -160,6 +160,58 @@ def test_decode_two_steps_int64_slots_fp16() -> None:
         ref["qkv_pre"] = case["qkv_pre"]
 
 
+@pytest.mark.parametrize(
+    "v_split,block_v", [(1, 8), (2, 32), (4, 4)], ids=["split1_tiles4", "split2", "split4_tiles2"]
+)
+def test_decode_v_split_two_steps_shared_workspace(v_split: int, block_v: int) -> None:
+    """Heads split over V: the last program of a head shifts the q/k conv cache; counters return to 0."""
+    N, H, D, kind = 3, 2, 32, "lower_bound"
+    case = decode_case(N, H, D, kind, torch.float32, num_slots=5, seed=7)
+    ref = {k: v.clone() for k, v in case.items()}
+    slots = [4, -1, 1]
+    slot_t = torch.tensor(slots, dtype=torch.int32, device=DEV)
+    ws = triton_decode.kda_decode_workspace(N + 2, H, DEV)
+    for step in range(2):
+        o_ref, ref["state"], ref["conv_state"] = decode_ref(ref, slots, kind)
+        o = kda_decode(**case, slot_indices=slot_t, lower_bound=LOWER_BOUND, v_split=v_split,
+                       block_v=block_v, workspace=ws)
+        assert rel_err(o, o_ref) <= 1e-4, step
+        assert torch.equal(o[1], torch.zeros_like(o[1]))
+        assert rel_err(case["state"], ref["state"]) <= 1e-4, step
+        assert torch.equal(case["conv_state"], ref["conv_state"]), step
+        assert torch.equal(ws, torch.zeros_like(ws)), step
+        gen = torch.Generator().manual_seed(20 + step)
+        case["qkv_pre"] = ref["qkv_pre"] = torch.randn(N, 3 * H * D, generator=gen).to(DEV)
+
+
+@pytest.mark.parametrize(
+    "v_split,block_v,gate_2d", [(1, 8, False), (1, 32, True), (2, 16, False), (4, 8, True)],
+    ids=["split1_tiles4", "split1_one_tile_2d_gate", "split2", "split4"],
+)
+def test_decode_fused_gated_rmsnorm(v_split: int, block_v: int, gate_2d: bool) -> None:
+    """o_gate/o_norm_weight: the output is rms_norm_gated(o) (fp32 math); state and cache as without."""
+    from k3rt.backend.layers.norm import rms_norm_gated
+
+    N, H, D, kind, eps = 3, 2, 32, "softplus", 1e-5
+    case = decode_case(N, H, D, kind, torch.float32, num_slots=4, seed=8)
+    slots = [2, 0, -1]
+    o_ref, state_ref, conv_ref = decode_ref(case, slots, kind)
+    gen = torch.Generator().manual_seed(9)
+    # the gate as a column slice of a wider projection output: strided rows
+    proj = torch.randn(N, 3 * H * D, generator=gen).to(DEV)
+    gate = proj[:, H * D:2 * H * D]
+    weight = (1 + 0.3 * torch.randn(D, generator=gen)).to(DEV)
+    want = rms_norm_gated(o_ref, gate.reshape(N, H, D), weight, eps)
+    want[2] = 0.0  # padding row
+    o = kda_decode(**case, slot_indices=torch.tensor(slots, dtype=torch.int32, device=DEV),
+                   o_gate=gate if gate_2d else gate.view(N, H, D), o_norm_weight=weight, o_norm_eps=eps,
+                   v_split=v_split, block_v=block_v)
+    assert rel_err(o, want) <= 1e-4
+    assert torch.equal(o[2], torch.zeros_like(o[2]))
+    assert rel_err(case["state"], state_ref) <= 1e-4
+    assert torch.equal(case["conv_state"], conv_ref)
+
+
 def test_decode_rejects_bad_inputs() -> None:
     case = decode_case(2, 2, 16, "softplus", torch.float32, num_slots=3)
     slots = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
@@ -173,6 +225,15 @@ def test_decode_rejects_bad_inputs() -> None:
         kda_decode(**{**case, "conv_weight": case["conv_weight"].half()}, slot_indices=slots)
     with pytest.raises(ValueError, match="lower_bound"):
         kda_decode(**case, slot_indices=slots, lower_bound=-6.0)
+    with pytest.raises(ValueError, match="together"):
+        kda_decode(**case, slot_indices=slots, o_gate=torch.randn(2, 2, 16, device=DEV))
+    with pytest.raises(ValueError, match="o_gate"):
+        kda_decode(**case, slot_indices=slots, o_gate=torch.randn(2, 2, 8, device=DEV),
+                   o_norm_weight=torch.ones(16, device=DEV))
+    with pytest.raises(ValueError, match="v_split"):
+        kda_decode(**case, slot_indices=slots, v_split=3)
+    with pytest.raises(ValueError, match="workspace"):
+        kda_decode(**case, slot_indices=slots, v_split=2, workspace=torch.zeros(3, dtype=torch.int32, device=DEV))
 
 
 # --------------------------------------------------------------------------------------------
