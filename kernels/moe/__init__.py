@@ -1,0 +1,33 @@
+"""Kimi MoE ops: the sigmoid router's top-k and the fused routed experts. `ref` holds the plain-torch
+oracles every MoE kernel is tested against.
+
+The Triton ops (`moe_route`, `fused_experts`, `moe_align_fwd`) are exported lazily, so importing the
+reference ops never imports Triton.
+"""
+from k3rt.kernels.moe.ref import act_and_mul_ref, align_ref, fused_experts_ref, route_ref
+
+_TRITON_EXPORTS = {
+    "moe_route": "k3rt.kernels.moe.triton_router",
+    "fused_experts": "k3rt.kernels.moe.triton_experts",
+    "ExpertTiles": "k3rt.kernels.moe.triton_experts",
+    "moe_align_fwd": "k3rt.kernels.moe.triton_align",
+}
+
+__all__ = [
+    "ExpertTiles",
+    "act_and_mul_ref",
+    "align_ref",
+    "fused_experts",
+    "fused_experts_ref",
+    "moe_align_fwd",
+    "moe_route",
+    "route_ref",
+]
+
+
+def __getattr__(name: str):
+    if name in _TRITON_EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_TRITON_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

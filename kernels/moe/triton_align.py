@@ -1,0 +1,170 @@
+"""Expert alignment for the grouped GEMMs (Triton): sort (token, slot) pairs by expert, pad each
+expert's run to a multiple of BLOCK_M, and name the expert of every BLOCK_M block.
+
+Pair p = t * k + j is the token t's j-th routing slot. The output layout (oracle: `ref.py::align_ref`):
+  sorted_pair_ids [num_blocks_max * BLOCK_M] int32: expert 0's pairs (ascending p), padded with the
+      sentinel P = T*k up to a multiple of BLOCK_M, then expert 1's, ...; slots past the last used
+      block are left unwritten (no block points at them);
+  block_expert [num_blocks_max] int32: the expert whose rows a block holds, -1 past the last one.
+Sizes come from T*k, E and BLOCK_M only (no host sync, CUDA-graph safe):
+  num_blocks_max = (P + min(E, P) * (BLOCK_M - 1)) // BLOCK_M  (every non-empty expert pads < BLOCK_M).
+
+No atomics: the pairs are cut into chunks of BP; a pair's slot is
+  padded_start[e] + (e's pairs in earlier chunks) + (e's pairs before it in its chunk),
+so the layout is a pure function of the ids. Three launches: per-chunk histograms; one program for
+the prefix sums, padding and block experts; the scatter. When all pairs fit one chunk (decode),
+the one program does all of it.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from k3rt.kernels.common import INTERPRET, pdl_kwargs
+
+CHUNK = 512  # pairs per chunk: T <= 64 at k = 8 is one chunk, hence one launch
+_SUB = 64  # columns of the in-chunk rank comparison held at once
+
+
+@triton.jit
+def _scatter_chunk(ids_ptr, base_ptr, sorted_ptr, c, P, BP: tl.constexpr, SUB: tl.constexpr):
+    """Write chunk c's pair ids to their slots; base_ptr[e] is e's first slot for this chunk."""
+    li = tl.arange(0, BP)
+    offs = c * BP + li
+    ok = offs < P
+    e = tl.load(ids_ptr + offs, mask=ok, other=-1)
+    # stable rank among the chunk's pairs of the same expert, SUB columns at a time
+    rank = tl.zeros([BP], dtype=tl.int32)
+    for j0 in tl.static_range(0, BP, SUB):
+        lj = j0 + tl.arange(0, SUB)
+        ej = tl.load(ids_ptr + c * BP + lj, mask=c * BP + lj < P, other=-2)
+        same = (e[:, None] == ej[None, :]) & (lj[None, :] < li[:, None])
+        rank += tl.sum(same.to(tl.int32), axis=1)
+    slot = tl.load(base_ptr + e, mask=ok, other=0) + rank
+    tl.store(sorted_ptr + slot, offs, mask=ok)
+
+
+@triton.jit
+def _moe_align_count_kernel(ids_ptr, counts_ptr, P, E_P: tl.constexpr, BP: tl.constexpr, USE_PDL: tl.constexpr):
+    c = tl.program_id(0)
+    offs = c * BP + tl.arange(0, BP)
+    if USE_PDL:
+        gdc_wait()
+    e = tl.load(ids_ptr + offs, mask=offs < P, other=0)
+    if USE_PDL:
+        gdc_launch_dependents()
+    tl.store(counts_ptr + c * E_P + tl.arange(0, E_P), tl.histogram(e, E_P, mask=offs < P))
+
+
+@triton.jit
+def _moe_align_offsets_kernel(
+    ids_ptr,  # [P] int32 expert of each pair
+    counts_ptr,  # [NC, E_P] int32: chunk histograms in, each chunk's first slot per expert out
+    start_ptr,  # [E_P] int32 scratch: padded_start (single-chunk mode)
+    sorted_ptr, block_expert_ptr,
+    P, NC, NB,
+    E_P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BP: tl.constexpr,
+    SUB: tl.constexpr,
+    TILE_C: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    SINGLE_CHUNK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    offs_e = tl.arange(0, E_P)
+    rc = tl.arange(0, TILE_C)
+    if USE_PDL:
+        gdc_wait()
+    if SINGLE_CHUNK:
+        offs = tl.arange(0, BP)
+        tot = tl.histogram(tl.load(ids_ptr + offs, mask=offs < P, other=0), E_P, mask=offs < P)
+    else:
+        tot = tl.zeros([E_P], dtype=tl.int32)
+        for c0 in range(0, NC, TILE_C):
+            m = (c0 + rc < NC)[:, None]
+            tot += tl.sum(tl.load(counts_ptr + (c0 + rc)[:, None] * E_P + offs_e[None, :], mask=m, other=0), axis=0)
+    if USE_PDL:
+        gdc_launch_dependents()
+    padded = (tot + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pend = tl.cumsum(padded, axis=0)
+    pstart = pend - padded
+    total = tl.sum(padded, axis=0)
+    if not SINGLE_CHUNK:
+        run = pstart
+        for c0 in range(0, NC, TILE_C):
+            ptrs = counts_ptr + (c0 + rc)[:, None] * E_P + offs_e[None, :]
+            m = (c0 + rc < NC)[:, None]
+            cnt = tl.load(ptrs, mask=m, other=0)
+            tl.store(ptrs, tl.cumsum(cnt, axis=0) - cnt + run[None, :], mask=m)
+            run += tl.sum(cnt, axis=0)
+    # the sentinel P in each expert's padding tail (fewer than BLOCK_M slots)
+    tail = pstart + tot
+    for j0 in tl.static_range(0, BLOCK_M, 16):
+        pj = j0 + tl.arange(0, 16)
+        tl.store(sorted_ptr + tail[:, None] + pj[None, :], tl.zeros([E_P, 16], dtype=tl.int32) + P,
+                 mask=pj[None, :] < (padded - tot)[:, None])
+    # block b belongs to the first expert whose padded run ends after slot b * BLOCK_M
+    for b0 in range(0, NB, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        owner = tl.sum((pend[None, :] <= b[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        owner = tl.where(b * BLOCK_M < total, owner, -1)
+        tl.store(block_expert_ptr + b, owner, mask=b < NB)
+    if SINGLE_CHUNK:
+        tl.store(start_ptr + offs_e, pstart)
+        tl.debug_barrier()  # the scatter gathers padded_start back from memory
+        _scatter_chunk(ids_ptr, start_ptr, sorted_ptr, 0, P, BP, SUB)
+
+
+@triton.jit
+def _moe_align_scatter_kernel(ids_ptr, counts_ptr, sorted_ptr, P, E_P: tl.constexpr, BP: tl.constexpr,
+                              SUB: tl.constexpr, USE_PDL: tl.constexpr):
+    c = tl.program_id(0)
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    _scatter_chunk(ids_ptr, counts_ptr + c * E_P, sorted_ptr, c, P, BP, SUB)
+
+
+def num_blocks_max(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on the padded blocks of any routing of num_pairs pairs over num_experts experts."""
+    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+
+
+def moe_align_fwd(topk_ids: Tensor, num_experts: int, block_m: int, *, use_pdl: bool = False) -> tuple[Tensor, Tensor]:
+    """topk_ids [T, k] int32 contiguous, ids in [0, num_experts) -> (sorted_pair_ids, block_expert).
+
+    Layout and sizes: see the module docstring. block_m must be a power of two >= 16.
+    """
+    assert topk_ids.dim() == 2 and topk_ids.dtype == torch.int32 and topk_ids.is_contiguous()
+    assert block_m >= 16 and block_m & (block_m - 1) == 0 and 1 <= num_experts <= 4096
+    P = topk_ids.numel()
+    dev = topk_ids.device
+    NB = num_blocks_max(P, num_experts, block_m)
+    sorted_ids = torch.empty(NB * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(NB, dtype=torch.int32, device=dev)
+    if P == 0:
+        return sorted_ids, block_expert
+    E_P = max(16, triton.next_power_of_2(num_experts))
+    NC = triton.cdiv(P, CHUNK)
+    counts = torch.empty(NC, E_P, dtype=torch.int32, device=dev)
+    start = torch.empty(E_P, dtype=torch.int32, device=dev)
+    single = NC == 1
+    pdl = use_pdl and not INTERPRET
+    if not single:
+        _moe_align_count_kernel[(NC,)](topk_ids, counts, P, E_P=E_P, BP=CHUNK, USE_PDL=pdl, num_warps=4,
+                                       **pdl_kwargs(use_pdl))
+    _moe_align_offsets_kernel[(1,)](
+        topk_ids, counts, start, sorted_ids, block_expert, P, NC, NB,
+        E_P=E_P, BLOCK_M=block_m, BP=CHUNK, SUB=_SUB, TILE_C=max(1, min(16, 8192 // E_P)),
+        BLOCK_B=max(1, min(64, 8192 // E_P)), SINGLE_CHUNK=single, USE_PDL=pdl, num_warps=8,
+        **pdl_kwargs(use_pdl),
+    )
+    if not single:
+        _moe_align_scatter_kernel[(NC,)](topk_ids, counts, sorted_ids, P, E_P=E_P, BP=CHUNK, SUB=_SUB,
+                                         USE_PDL=pdl, num_warps=8, **pdl_kwargs(use_pdl))
+    return sorted_ids, block_expert

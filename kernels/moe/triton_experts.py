@@ -1,0 +1,299 @@
+"""Fused routed experts (Triton): out[t] = sum_j w[t, j] * w2[e] act_and_mul(w13[e] x[t]), e = ids[t, j].
+
+Four steps, every buffer sized from T*k, E and the tile config (no host sync, CUDA-graph safe):
+  1. `triton_align.moe_align_fwd`: pairs p = t*k + j sorted by expert, each expert's run padded to
+     BLOCK_M rows, the expert of each block;
+  2. gate/up grouped GEMM: per (block, BLOCK_N columns of I) program, gather x rows, accumulate the
+     gate and the up tile in fp32 against w13[e], apply SiLU/SiTU and the product in the epilogue,
+     store h [slot, I] in x.dtype (padding rows come out as act(0) * 0 = 0);
+  3. down grouped GEMM: h rows of a block against w2[e] in fp32, times the pair's routing weight,
+     stored per pair in x.dtype: y [P, D] (row p = t*k + j);
+  4. the sum over the k slots of each token, in slot order, in fp32.
+No atomics anywhere, so the result is bit-reproducible. Oracle: `ref.py::fused_experts_ref`.
+
+Decode (few pairs) is bandwidth-bound: BLOCK_M = 16 rows (one MMA tile; most rows are padding),
+narrow N tiles so the selected experts' weights are spread over many programs and streamed once.
+Prefill is compute-bound: BLOCK_M 64/128, wide tiles for the tensor cores.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs, poison_like
+from k3rt.kernels.moe.triton_align import moe_align_fwd
+from k3rt.model_config import ActivationConfig
+
+
+@dataclass(frozen=True)
+class ExpertTiles:
+    """Tile config of the two grouped GEMMs (block_m is shared: it is the alignment's padding)."""
+
+    block_m: int
+    block_n1: int  # gate/up: columns of I per program (each program does a gate and an up tile)
+    block_k1: int
+    block_n2: int  # down: columns of D per program
+    block_k2: int
+    num_warps1: int
+    num_warps2: int
+    num_stages: int
+
+
+DECODE_TILES = ExpertTiles(16, 32, 128, 64, 128, 4, 4, 4)
+PREFILL_TILES_64 = ExpertTiles(64, 64, 64, 128, 64, 4, 4, 3)
+PREFILL_TILES_128 = ExpertTiles(128, 64, 64, 128, 64, 8, 8, 3)
+# Interpreter: small tiles keep the CPU runs short.
+INTERPRET_TILES = ExpertTiles(16, 16, 16, 16, 16, 4, 4, 1)
+
+
+def pick_tiles(num_pairs: int, num_experts: int) -> ExpertTiles:
+    """Decode tiles up to 2048 pairs; then BLOCK_M 64 until experts average 256 rows, then 128."""
+    if INTERPRET:
+        return INTERPRET_TILES
+    if num_pairs <= 2048:
+        return DECODE_TILES
+    return PREFILL_TILES_64 if num_pairs < 256 * num_experts else PREFILL_TILES_128
+
+
+@triton.jit
+def _tanh(y):
+    # tanh through sigmoid: libdevice.tanh does not run under the interpreter
+    return 2.0 * tl.sigmoid(2.0 * y) - 1.0
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr, stride_xt,  # [T, D]
+    w13_ptr,  # [E, 2I, D] contiguous
+    h_ptr,  # [S, I] contiguous, S = sorted slots
+    sorted_ptr, block_expert_ptr,
+    P, D, I,
+    beta, lin_beta,
+    TOPK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SITU: tl.constexpr,
+    LIN_SAT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(I, BLOCK_N)
+    pid_m = pid // n_tiles
+    pid_n = pid % n_tiles
+    if USE_PDL:
+        gdc_wait()
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= 0:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + offs_m)
+        row_ok = pair < P
+        tok = tl.where(row_ok, pair // TOPK, 0).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < I
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
+        w_e = w13_ptr + e.to(tl.int64) * (2 * I) * D
+        g_ptrs = w_e + offs_n[None, :].to(tl.int64) * D + offs_k[:, None]  # [BK, BN] of gate rows
+        u_ptrs = g_ptrs + I * D  # the up rows follow the gate rows
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+                bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = k0 + offs_k < D
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        if USE_PDL:
+            gdc_launch_dependents()
+        if SITU:
+            gate = beta * _tanh(acc_g / beta) * tl.sigmoid(acc_g)
+            if LIN_SAT:
+                acc_u = lin_beta * _tanh(acc_u / lin_beta)
+        else:
+            gate = acc_g * tl.sigmoid(acc_g)
+        h = gate * acc_u
+        h_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * I + offs_n[None, :]
+        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_ok[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    h_ptr,  # [S, I] contiguous
+    w2_ptr,  # [E, D, I] contiguous
+    y_ptr,  # [P, D] contiguous, row p = t*k + j
+    topk_w_ptr,  # [P] fp32
+    sorted_ptr, block_expert_ptr,
+    P, D, I,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(D, BLOCK_N)
+    pid_m = pid // n_tiles
+    pid_n = pid % n_tiles
+    if USE_PDL:
+        gdc_wait()
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= 0:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < D
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * I + offs_k[None, :]
+        b_ptrs = w2_ptr + e.to(tl.int64) * D * I + offs_n[None, :].to(tl.int64) * I + offs_k[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = k0 + offs_k < I
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        if USE_PDL:
+            gdc_launch_dependents()
+        pair = tl.load(sorted_ptr + offs_m)
+        row_ok = pair < P
+        w = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)
+        y = acc * w[:, None]
+        y_ptrs = y_ptr + pair[:, None].to(tl.int64) * D + offs_n[None, :]
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_sum_kernel(y_ptr, out_ptr, stride_ot, D, TOPK: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = offs < D
+    if USE_PDL:
+        gdc_wait()
+    row = y_ptr + t.to(tl.int64) * TOPK * D + offs
+    acc = tl.load(row, mask=mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(1, TOPK):
+        acc += tl.load(row + j * D, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        gdc_launch_dependents()
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_act(act: ActivationConfig) -> None:
+    if act.name == "silu":
+        return
+    if act.name != "situ" or act.situ_beta is None or act.situ_beta <= 0:
+        raise ValueError(f"act must be silu, or situ with situ_beta > 0, got {act}")
+    if act.situ_linear_beta is not None and act.situ_linear_beta <= 0:
+        raise ValueError(f"act.situ_linear_beta must be > 0 or None, got {act.situ_linear_beta}")
+
+
+def fused_experts(
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    *,
+    act: ActivationConfig,
+    out: Tensor | None = None,
+    use_pdl: bool = False,
+    tiles: ExpertTiles | None = None,
+) -> Tensor:
+    """Routed experts of one MoE layer for T tokens (model-facts §6; SiTU §7.3).
+
+    Args:
+        x: [T, D] activations (bf16, fp16 or fp32; last dim contiguous). For LatentMoE, D is the
+            latent width and x is already down-projected.
+        w13: [E, 2I, D] contiguous, x.dtype: each expert's gate rows, then its up rows.
+        w2: [E, D, I] contiguous, x.dtype.
+        topk_weights: [T, k] fp32 contiguous routing weights (scaling included).
+        topk_ids: [T, k] int32 contiguous, values in [0, E) (not checked: that would sync).
+        act: silu, or situ with situ_beta (and optional situ_linear_beta).
+        out: optional [T, D] x.dtype output (last dim contiguous).
+        use_pdl: chain the launches with programmatic dependent launch (GPU only).
+        tiles: tile config override (benchmarks); default `pick_tiles(T*k, E)`.
+
+    Returns:
+        [T, D] in x.dtype. Rounding: h and the per-pair outputs are stored in x.dtype (ref.py).
+    """
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.stride(-1) != 1:
+        raise ValueError(f"x must be bf16/fp16/fp32 [T, D] with a contiguous last dim, got {x.dtype} "
+                         f"{list(x.shape)} strides {x.stride()}")
+    T, D = x.shape
+    if w13.dim() != 3 or w13.shape[2] != D or w13.shape[1] % 2:
+        raise ValueError(f"w13 must be [E, 2I, D={D}], got {list(w13.shape)}")
+    E, I = w13.shape[0], w13.shape[1] // 2
+    check(w13, "w13", (E, 2 * I, D), x.dtype)
+    check(w2, "w2", (E, D, I), x.dtype)
+    for name, t in (("w13", w13), ("w2", w2)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids must be [T={T}, k], got {list(topk_ids.shape)}")
+    k = topk_ids.shape[1]
+    check(topk_ids, "topk_ids", (T, k), torch.int32)
+    check(topk_weights, "topk_weights", (T, k), torch.float32)
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    _check_act(act)
+    if out is not None:
+        check(out, "out", (T, D), x.dtype)
+        if out.stride(-1) != 1:
+            raise ValueError(f"out must have a contiguous last dim, got strides {out.stride()}")
+    check_same_device(x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
+    if out is None:
+        out = poison_like(torch.empty(T, D, dtype=x.dtype, device=x.device))
+    P = T * k
+    if P == 0:
+        return out
+    cfg = tiles or pick_tiles(P, E)
+    sorted_ids, block_expert = moe_align_fwd(topk_ids, E, cfg.block_m, use_pdl=use_pdl)
+    num_blocks = block_expert.numel()
+    h = poison_like(torch.empty(sorted_ids.numel(), I, dtype=x.dtype, device=x.device))
+    y = poison_like(torch.empty(P, D, dtype=x.dtype, device=x.device))
+    pdl = use_pdl and not INTERPRET
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    situ = act.name == "situ"
+    bn1, bk1 = min(cfg.block_n1, triton.next_power_of_2(I)), min(cfg.block_k1, max(16, triton.next_power_of_2(D)))
+    _moe_gate_up_kernel[(num_blocks * triton.cdiv(I, bn1),)](
+        x, x.stride(0), w13, h, sorted_ids, block_expert, P, D, I,
+        float(act.situ_beta or 1.0), float(act.situ_linear_beta or 1.0),
+        TOPK=k, BLOCK_M=cfg.block_m, BLOCK_N=bn1, BLOCK_K=bk1, EVEN_K=D % bk1 == 0,
+        SITU=situ, LIN_SAT=situ and act.situ_linear_beta is not None, DOT_PRECISION=precision,
+        USE_PDL=pdl, num_warps=cfg.num_warps1, num_stages=cfg.num_stages, **pdl_kwargs(use_pdl),
+    )
+    bn2, bk2 = min(cfg.block_n2, triton.next_power_of_2(D)), min(cfg.block_k2, max(16, triton.next_power_of_2(I)))
+    _moe_down_kernel[(num_blocks * triton.cdiv(D, bn2),)](
+        h, w2, y, topk_weights, sorted_ids, block_expert, P, D, I,
+        BLOCK_M=cfg.block_m, BLOCK_N=bn2, BLOCK_K=bk2, EVEN_K=I % bk2 == 0, DOT_PRECISION=precision,
+        USE_PDL=pdl, num_warps=cfg.num_warps2, num_stages=cfg.num_stages, **pdl_kwargs(use_pdl),
+    )
+    block_d = min(1024, triton.next_power_of_2(D))
+    _moe_sum_kernel[(T, triton.cdiv(D, block_d))](
+        y, out, out.stride(0), D, TOPK=k, BLOCK_D=block_d, USE_PDL=pdl, num_warps=4, **pdl_kwargs(use_pdl),
+    )
+    return out
