@@ -80,8 +80,18 @@ class Engine:
         from k3rt.backend.runner.model_runner import ModelRunner
 
         torch.manual_seed(self.cfg.seed)
-        if model is None:
+        if model is None and self.cfg.random_weights:
+            from k3rt.backend.models.random_init import random_model
+
+            model = random_model(self.model_cfg, dtype=self.cfg.dtype, device=self.cfg.device, seed=self.cfg.seed)
+        elif model is None:
             model = load_model(self.cfg.model, dtype=self.cfg.dtype, device=self.cfg.device)
+        if self.cfg.runner == "gpu":
+            from k3rt.backend.runner.gpu.ops import KernelConfig
+            from k3rt.backend.runner.gpu.runner import GpuModelRunner
+
+            return GpuModelRunner(model, self.pool, kernels=KernelConfig(self.cfg.kernels, self.cfg.use_pdl),
+                                  cuda_graphs=self.cfg.cuda_graphs)
         return ModelRunner(model, self.pool)
 
     # ---- requests ----
@@ -114,7 +124,7 @@ class Engine:
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos)
         rid = next(self._rids)
         gen = None
-        if params.seed is not None and self.cfg.runner == "model":
+        if params.seed is not None and self.cfg.runner != "null":
             from k3rt.backend.sampling.sampler import make_generator
 
             gen = make_generator(params.seed, self.cfg.device)

@@ -57,15 +57,21 @@ class EngineConfig:
     dtype: str | None = None  # compute dtype; None: the checkpoint's
     device: str = "cpu"
     tp: int = 1
-    runner: str = "model"  # "model" (reference torch path) or "null" (no compute, fake tokens)
+    # "model": the reference torch path (any device); "gpu": fused Triton kernels, device-side batch
+    # description, decode in CUDA graphs; "null": no compute, fake tokens (scheduler benchmarks)
+    runner: str = "model"
+    kernels: bool = True  # gpu runner: Triton kernels (off: the same path with torch ops; tests)
+    cuda_graphs: bool = True  # gpu runner: replay decode steps from captured CUDA graphs
+    use_pdl: bool = False  # gpu runner: programmatic dependent launch between chained decode kernels
+    random_weights: bool = False  # build the model from its config with random weights (benchmarks)
     grammar_backend: str = "llguidance"  # or "outlines"
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if self.runner not in ("model", "null"):
-            raise ValueError(f"runner: {self.runner!r} not one of model, null")
+        if self.runner not in ("model", "gpu", "null"):
+            raise ValueError(f"runner: {self.runner!r} not one of model, gpu, null")
         if self.grammar_backend not in ("llguidance", "outlines"):
             raise ValueError(f"grammar_backend: {self.grammar_backend!r} not one of llguidance, outlines")
         if self.tp < 1:

@@ -35,6 +35,7 @@ class PagePool:
         self.refcount = [0] * num_pages
         # pop() from the end: low ids are handed out first, which keeps tests' expected ids readable
         self.free_list = list(range(num_pages - 1, -1, -1))
+        self.reserved: list[int] = []  # pages held outside the scheduler (the GPU runner's padding page)
         self._views()
 
     def _views(self) -> None:
@@ -65,6 +66,12 @@ class PagePool:
     @property
     def num_free(self) -> int:
         return len(self.free_list)
+
+    def reserve(self) -> int:
+        """Take one page out of circulation for good (a scratch page that no request ever owns)."""
+        page = self.allocate(1)[0]
+        self.reserved.append(page)
+        return page
 
     def allocate(self, n: int, *, zero: bool = True) -> list[int]:
         if n > len(self.free_list):

@@ -10,6 +10,7 @@ from k3rt.backend.models.batch import ForwardBatch
 from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.backend.runner.base import Runner
 from k3rt.backend.runner.paged_cache import PagedSequenceCache
+from k3rt.backend.runner.sampling import sample_requests
 from k3rt.backend.sampling.sampler import Sampler
 from k3rt.backend.scheduler.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -71,26 +72,4 @@ class ModelRunner(Runner):
                     conv, rec = batch.emitted_states[(i, layer, pos)]
                     self.pool.conv[t][dest[g]].copy_(conv)
                     self.pool.rec[t][dest[g]].copy_(rec)
-        return self._sample(logits, [c.req for c in chunks if c.needs_logits])
-
-    def _sample(self, logits: torch.Tensor, reqs: list) -> dict[int, int]:
-        mask = None
-        if any(r.grammar is not None for r in reqs):
-            from k3rt.backend.grammar import fill_batch_bitmask
-
-            mask = torch.zeros(len(reqs), (logits.shape[1] + 31) // 32, dtype=torch.int32)
-            fill_batch_bitmask([r.grammar for r in reqs], mask)
-            mask = mask.to(self.device)
-        # penalties need token histories; slice them only for rows that use one
-        hist = [r.params.repetition_penalty != 1.0 or r.params.frequency_penalty or r.params.presence_penalty
-                for r in reqs]
-        out = self.sampler.sample_batch(
-            logits, [r.params for r in reqs], [r.generator for r in reqs],
-            [r.token_ids[:r.prompt_len] if h else () for r, h in zip(reqs, hist)],
-            [r.token_ids[r.prompt_len:] if h else () for r, h in zip(reqs, hist)], allowed_mask=mask)
-        for i, (r, tok) in enumerate(zip(reqs, out.token_ids)):
-            if r.grammar is not None and not r.grammar.accept(tok):
-                raise RuntimeError(f"grammar rejected token {tok} it allowed (request {r.rid})")
-            if out.logprobs is not None and r.params.logprobs is not None:
-                r.last_logprob, r.last_top_logprobs = out.logprobs[i], out.top_logprobs[i]
-        return {r.rid: t for r, t in zip(reqs, out.token_ids)}
+        return sample_requests(self.sampler, logits, [c.req for c in chunks if c.needs_logits])

@@ -411,5 +411,7 @@ class Scheduler:
         for r in self.running:
             for p in r.block_table + (r.state_set or []) + r.fences:
                 refs[p] += 1
+        for p in self.pool.reserved:
+            refs[p] += 1
         assert [refs[p] for p in range(self.pool.num_pages)] == self.pool.refcount, "page refcounts drifted"
         assert sorted(self.pool.free_list) == [p for p in range(self.pool.num_pages) if refs[p] == 0]

@@ -28,10 +28,12 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def make_engine(ckpt: Path, *, runner: str = "null", budget: int = 256, max_running: int = 256,
-                max_waiting: int = 4096, model=None, **cache) -> Engine:
+                max_waiting: int = 4096, model=None, engine: dict | None = None, **cache) -> Engine:
+    """engine: EngineConfig overrides (device, kernels, cuda_graphs, ...); cache: CacheConfig overrides."""
     cfg = engine_config_for_tests(str(ckpt), **cache)
     cfg = replace(cfg, runner=runner, scheduler=SchedulerConfig(max_num_batched_tokens=budget,
-                                                                max_running=max_running, max_waiting=max_waiting))
+                                                                max_running=max_running, max_waiting=max_waiting),
+                  **(engine or {}))
     eng = Engine(cfg, model=model)
     eng.runner = Recorder(eng.runner)
     return eng
@@ -106,11 +108,13 @@ def assert_at_rest(engine: Engine) -> None:
     assert not sched.running and not sched.waiting
     engine.check()
     refs = sched.tree.tree_page_refs()
+    for p in pool.reserved:  # runner scratch pages stay held for good
+        refs[p] = refs.get(p, 0) + 1
     assert pool.num_free + len(refs) == pool.num_pages
     assert [refs.get(p, 0) for p in range(pool.num_pages)] == pool.refcount
     sched.tree.reset()
     sched.tree.check()
-    assert pool.num_free == pool.num_pages and sched.tree.num_snapshots() == 0
+    assert pool.num_free + len(pool.reserved) == pool.num_pages and sched.tree.num_snapshots() == 0
     assert all(not r.children for r in sched.tree.roots.values())
 
 

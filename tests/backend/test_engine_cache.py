@@ -109,7 +109,7 @@ def assert_snapshots_exact(engine, arch: Arch) -> int:
             page = node.snapshot[g]
             for what, got, want in (("conv", pool.conv[t][page], ref.conv[layer]),
                                     ("recurrent", pool.rec[t][page], ref.rec[layer])):
-                err = (got - want).abs().max().item()
+                err = (got.cpu() - want).abs().max().item()
                 assert err <= TOL, f"{where}: layer {layer} {what} state off by {err}"
         root = node
         while root.parent is not None:
@@ -119,7 +119,8 @@ def assert_snapshots_exact(engine, arch: Arch) -> int:
         pos = torch.arange(node.end)
         pages = torch.tensor(m.block_pages)[pos // L.block_size]
         for i, layer in enumerate(L.mla_group):
-            err = (pool.mla[i][pages, pos % L.block_size] - ref.kv[layer]).abs().max().item()
+            err = (pool.mla[i][pages.to(pool.mla[i].device), (pos % L.block_size).to(pool.mla[i].device)].cpu()
+                   - ref.kv[layer]).abs().max().item()
             assert err <= TOL, f"{where}: layer {layer} latent KV off by {err}"
     return len(nodes)
 
@@ -160,12 +161,31 @@ VARIANTS = [
     pytest.param(12, True, id="tiny-pool-poisoned"),
 ]
 
+# the engine's compute paths: the reference runner; the GPU runner's path on the CPU with torch ops
+# in place of the kernels (its step packing, state handling and snapshots); the GPU runner on CUDA
+# with the Triton kernels and decode graphs
+PATHS = [
+    pytest.param(("model", {}), id="reference"),
+    pytest.param(("gpu", {"kernels": False, "cuda_graphs": False}), id="gpu-path-torch-ops"),
+    pytest.param(("gpu", {"device": "cuda"}), id="gpu-runner-cuda", marks=pytest.mark.gpu),
+]
 
+
+def engine_for(arch: Arch, path, **kw):
+    runner, over = path
+    model = arch.model
+    if over.get("device") == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        model = copy.deepcopy(arch.model).cuda()
+    return make_engine(arch.ckpt, runner=runner, model=model, engine=over, **kw)
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("num_pages, poison", VARIANTS)
-def test_oracle(arch, num_pages, poison):
+def test_oracle(arch, num_pages, poison, path):
     tiny = num_pages < 1024
-    eng = make_engine(arch.ckpt, runner="model", model=arch.model, num_pages=num_pages, poison_freed=poison,
-                      budget=256)
+    eng = engine_for(arch, path, num_pages=num_pages + (path[0] == "gpu"), poison_freed=poison, budget=256)
     assert eng.layout.block_size == 48 and eng.layout.pages_per_state_set == 3
     evicted = []
     evict = eng.scheduler.tree.evict

@@ -1,0 +1,89 @@
+"""The model's forward pass on the GPU path.
+
+It runs the same modules (and weights) as the reference path in `backend/models/`, rearranged once
+(fused input GEMMs, absorbed MLA weights) and with the attention/expert/norm math routed to the
+Triton kernels. Everything the layers index with comes from the device-side `GpuStep`, so a
+decode step contains no host synchronization and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3rt.backend.cache.pool import PagePool
+from k3rt.backend.layers.norm import rms_norm
+from k3rt.backend.models.attn_res import AttnResStream, attn_res_mix
+from k3rt.backend.models.kimi import KimiForCausalLM
+from k3rt.backend.models.moe import MoE
+from k3rt.backend.runner.gpu.ffn import moe_forward
+from k3rt.backend.runner.gpu.kda import KdaWeights, kda_forward
+from k3rt.backend.runner.gpu.mla import MlaWeights, mla_forward
+from k3rt.backend.runner.gpu.ops import KernelConfig, kernel
+from k3rt.backend.runner.gpu.step import GpuStep
+
+
+class GpuForward:
+    def __init__(self, model: KimiForCausalLM, pool: PagePool, kernels: KernelConfig) -> None:
+        self.model, self.pool, self.k = model, pool, kernels
+        L = pool.layout
+        self.cfg = model.cfg
+        self.layers = list(model.model.layers)
+        self.prepared: dict[int, KdaWeights | MlaWeights] = {}
+        for g, group in enumerate(L.kda_groups):
+            for t, i in enumerate(group):
+                self.prepared[i] = KdaWeights.of(self.layers[i].self_attn, g, t)
+        for t, i in enumerate(L.mla_group):
+            self.prepared[i] = MlaWeights.of(self.layers[i].self_attn, t)
+        self.norm_kernel = kernel("norm", "rms_norm") if kernels.triton else None
+        self.mix_kernel = kernel("attn_res", "attn_res_mix") if kernels.triton else None
+
+    @property
+    def conv_width(self) -> int:
+        kda = [w for w in self.prepared.values() if isinstance(w, KdaWeights)]
+        return kda[0].conv_weight.shape[1] if kda else 1
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.norm_kernel is not None:
+            return self.norm_kernel(x, weight, eps)
+        return rms_norm(x, weight, eps)
+
+    def mix(self, stream: AttnResStream, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
+        assert stream.prefix is not None
+        if not stream.blocks:
+            return stream.prefix
+        if self.mix_kernel is not None:
+            return self.mix_kernel(torch.stack([*stream.blocks, stream.prefix]), norm_w, proj_w.reshape(-1), eps)
+        return attn_res_mix(stream.blocks, stream.prefix, norm_w, proj_w, eps)
+
+    def attention(self, i: int, x: torch.Tensor, step: GpuStep, decode: bool) -> torch.Tensor:
+        w = self.prepared[i]
+        attn = self.layers[i].self_attn
+        if isinstance(w, KdaWeights):
+            return kda_forward(attn, w, x, step, self.pool.conv[w.tensor], self.pool.rec[w.tensor], self.k,
+                               decode=decode)
+        return mla_forward(attn, w, x, step, self.pool.mla[w.slot], self.k)
+
+    def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        mlp = self.layers[i].mlp
+        return moe_forward(mlp, x, self.k) if isinstance(mlp, MoE) else mlp(x)
+
+    @torch.no_grad()
+    def __call__(self, step: GpuStep, *, decode: bool = False) -> torch.Tensor:
+        """-> fp32 logits [len(step.logit_rows), vocab]."""
+        m, eps = self.model.model, self.cfg.rms_norm_eps
+        h = m.embed_tokens(step.ids)
+        if not self.cfg.attn_res_block_size:
+            for i, layer in enumerate(self.layers):
+                h = h + self.attention(i, self.norm(h, layer.input_layernorm.weight, eps), step, decode)
+                h = h + self.ffn(i, self.norm(h, layer.post_attention_layernorm.weight, eps))
+        else:
+            stream = AttnResStream(h, self.cfg.attn_res_block_size)
+            for i, layer in enumerate(self.layers):
+                x = self.mix(stream, layer.self_attention_res_norm.weight, layer.self_attention_res_proj.weight, eps)
+                stream.begin_layer(i)
+                stream.add(self.attention(i, self.norm(x, layer.input_layernorm.weight, eps), step, decode))
+                x = self.mix(stream, layer.mlp_res_norm.weight, layer.mlp_res_proj.weight, eps)
+                stream.add(self.ffn(i, self.norm(x, layer.post_attention_layernorm.weight, eps)))
+            h = self.mix(stream, m.output_attn_res_norm.weight, m.output_attn_res_proj.weight, eps)
+        h = h if step.logit_rows.numel() == h.shape[0] else h[step.logit_rows]
+        return self.model.lm_head(self.norm(h, m.norm.weight, eps))

@@ -1,0 +1,138 @@
+"""KDA layer on the GPU path: one fused q|k|v GEMM, conv windows gathered on the device, the
+recurrence through the Triton kernels (torch reference when kernels are off), states in the pool.
+
+Two forms:
+  general (any step): conv over gathered windows, `kda_chunk_fwd` over the packed varlen batch,
+    snapshot states written to their destination state sets;
+  decode (every sequence feeds one token, no snapshots; the form captured in CUDA graphs): the
+    fused `kda_decode` step, conv cache and recurrent state updated in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from k3rt.backend.layers.norm import rms_norm_gated
+from k3rt.backend.models.kda import KimiDeltaAttention
+from k3rt.backend.runner.gpu.ops import KernelConfig
+from k3rt.backend.runner.gpu.step import GpuStep
+from k3rt.kernels.kda.ref import kda_chunked, kda_gate_lower_bound, kda_gate_softplus
+
+
+@dataclass
+class KdaWeights:
+    """Weights of one KDA layer, rearranged once for the GPU path (views share storage where possible)."""
+
+    w_in: torch.Tensor  # [3P + P(gate, full rank) + D(f_a) + H(b), hidden]: every projection of x, one GEMM
+    splits: tuple[int, ...]
+    low_rank_gate: bool
+    conv_weight: torch.Tensor  # [3P, W] fp32
+    A_log: torch.Tensor  # [H] fp32
+    dt_bias: torch.Tensor  # [H*D] fp32
+    group: int  # KDA group (page of the state set) and tensor index in the pool
+    tensor: int
+
+    @staticmethod
+    def of(attn: KimiDeltaAttention, group: int, tensor: int) -> "KdaWeights":
+        p = attn.local_proj
+        parts = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+        low_rank = not hasattr(attn, "g_proj")
+        parts.append(attn.g_a_proj.weight if low_rank else attn.g_proj.weight)
+        parts += [attn.f_a_proj.weight, attn.b_proj.weight]
+        w = torch.cat([t.detach() for t in parts], dim=0).contiguous()
+        splits = (3 * p, parts[3].shape[0], attn.head_dim, attn.num_heads)
+        return KdaWeights(w, splits, low_rank, attn.conv_weight.detach().float().contiguous(),
+                          attn.A_log.detach().float().reshape(-1).contiguous(),
+                          attn.dt_bias.detach().float().reshape(-1).contiguous(), group, tensor)
+
+
+def _gate(attn: KimiDeltaAttention, w: KdaWeights, f_a: torch.Tensor) -> torch.Tensor:
+    f = attn.f_b_proj(f_a).view(f_a.shape[0], attn.num_heads, attn.head_dim)
+    dt = w.dt_bias.view(attn.num_heads, attn.head_dim)
+    if attn.lower_bound is None:
+        return kda_gate_softplus(f, w.A_log, dt)
+    return kda_gate_lower_bound(f, w.A_log, dt, attn.lower_bound)
+
+
+def kda_forward(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: GpuStep,
+                conv_pool: torch.Tensor, rec_pool: torch.Tensor, k: KernelConfig, *, decode: bool) -> torch.Tensor:
+    """x [T, hidden] -> [T, hidden]; conv_pool [P, W-1, 3P], rec_pool [P, H, K, V] (pool views)."""
+    T, H, D = x.shape[0], attn.num_heads, attn.head_dim
+    qkv, gate, f_a, b = torch.split(F.linear(x, w.w_in), w.splits, dim=-1)
+    if w.low_rank_gate:
+        gate = attn.g_b_proj(gate)
+    pages = step.state_pages[:, w.group]
+    if decode and k.triton:
+        from k3rt.kernels.kda import kda_decode
+
+        f = attn.f_b_proj(f_a)
+        if conv_pool.is_contiguous() and rec_pool.is_contiguous():
+            o = kda_decode(qkv, w.conv_weight, conv_pool, f, w.A_log, w.dt_bias, b, rec_pool, pages,
+                           lower_bound=attn.lower_bound, use_pdl=k.use_pdl)
+        else:
+            # pool pages interleave conv and recurrent state, so the views are strided per page and
+            # the kernel wants contiguous slots: run on a gathered copy and write it back
+            conv, rec = conv_pool[pages], rec_pool[pages]
+            slots = torch.arange(T, device=x.device)
+            o = kda_decode(qkv, w.conv_weight, conv, f, w.A_log, w.dt_bias, b, rec, slots,
+                           lower_bound=attn.lower_bound, use_pdl=k.use_pdl)
+            conv_pool[pages], rec_pool[pages] = conv, rec
+    else:
+        o = _general(attn, w, qkv, f_a, b, step, conv_pool, rec_pool, pages, k)
+    o = rms_norm_gated(o, gate.reshape(T, H, D), attn.o_norm_weight, attn.eps)
+    return attn.o_proj(o.reshape(T, H * D))
+
+
+def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f_a: torch.Tensor, b: torch.Tensor,
+             step: GpuStep, conv_pool: torch.Tensor, rec_pool: torch.Tensor, pages: torch.Tensor,
+             k: KernelConfig) -> torch.Tensor:
+    T, H, D = qkv.shape[0], attn.num_heads, attn.head_dim
+    W = w.conv_weight.shape[1]
+    old = conv_pool[pages]  # [B, W-1, C]
+    ext = torch.cat([old.reshape(-1, old.shape[-1]).to(qkv.dtype), qkv])
+    y = torch.zeros(T, qkv.shape[1], dtype=torch.float32, device=qkv.device)
+    for tap in range(W):  # one [T, C] gather per tap keeps the working set at 2 rows of the step
+        y.addcmul_(ext[step.conv_idx[:, tap]].float(), w.conv_weight[:, tap])
+    y = F.silu(y).to(qkv.dtype)
+    conv_pool[pages] = ext[step.conv_tail_idx].to(conv_pool.dtype)
+    q, kk, v = y.view(T, 3, H, D).unbind(1)
+    g = _gate(attn, w, f_a)
+    beta = torch.sigmoid(b.float())
+    nseq, snaps = step.num_seqs, step.snapshots
+    # the recurrence runs on a contiguous copy of the sequences' states: slots 0..B-1 live, B.. snapshots
+    states = torch.empty(nseq + len(snaps), H, D, D, dtype=torch.float32, device=qkv.device)
+    states[:nseq] = rec_pool[pages]
+    if k.triton:
+        from k3rt.kernels.kda import kda_chunk_fwd
+
+        pos: list[list[int]] = [[] for _ in range(nseq)]
+        dst: list[list[int]] = [[] for _ in range(nseq)]
+        for j, (i, p, _) in enumerate(snaps):
+            pos[i].append(p - step.starts[i])
+            dst[i].append(nseq + j)
+        slots = torch.arange(nseq, device=qkv.device)
+        o = kda_chunk_fwd(q, kk, v, g, beta, step.cu_seqlens, states, slots,
+                          snapshot_positions=pos if snaps else None, snapshot_slots=dst if snaps else None,
+                          cu_seqlens_cpu=step.cu)
+    else:
+        o = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
+        for i in range(nseq):
+            s, e = step.cu[i], step.cu[i + 1]
+            mine = [(j, p - step.starts[i]) for j, (si, p, _) in enumerate(snaps) if si == i]
+            out, final, emitted = kda_chunked(q[None, s:e].float(), kk[None, s:e].float(), v[None, s:e].float(),
+                                              g[None, s:e], beta[None, s:e], initial_state=states[i:i + 1],
+                                              state_positions=tuple(p for _, p in mine))
+            o[s:e] = out[0].to(o.dtype)
+            states[i] = final[0]
+            for (j, _), st in zip(mine, emitted):
+                states[nseq + j] = st[0]
+    rec_pool[pages] = states[:nseq]
+    if snaps:
+        windows = ext[step.snap_conv_idx].to(conv_pool.dtype)  # [S, W-1, C]
+        dest = torch.tensor([d[w.group] for _, _, d in snaps], device=qkv.device)
+        conv_pool[dest] = windows
+        rec_pool[dest] = states[nseq:]
+    return o

@@ -1,0 +1,118 @@
+"""MLA layer on the GPU path: latents written into the pool's pages by one scatter, then
+
+  decode form (one new token): the query is folded through W_UK once, attention runs over the
+    latent pages directly (`mla_decode`, split along the context), and the latent-weighted sum is
+    lifted through W_UV: K and V are never materialized;
+  expanded form (prefill chunks): the whole context's latents are gathered from the pages and
+    expanded through kv_b_proj with one GEMM, then varlen causal attention (`mla_prefill`).
+
+Without the Triton kernels both forms fall back to a per-sequence torch loop (eager only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from k3rt.backend.models.mla import MultiHeadLatentAttention
+from k3rt.backend.runner.gpu.ops import KernelConfig, kernel
+from k3rt.backend.runner.gpu.step import GpuStep
+
+
+@dataclass
+class MlaWeights:
+    w_in: torch.Tensor  # [q_a or q | kv_a | gate?, hidden]: every projection of x, one GEMM
+    splits: tuple[int, ...]
+    w_uk: torch.Tensor  # [H, P, L]
+    w_uv_t: torch.Tensor  # [H, L, V]
+    slot: int  # tensor index of this layer in the pool's MLA group
+
+    @staticmethod
+    def of(attn: MultiHeadLatentAttention, slot: int) -> "MlaWeights":
+        m, h = attn.cfg, attn.num_heads
+        first = attn.q_proj.weight if m.q_lora_rank is None else attn.q_a_proj.weight
+        parts = [first, attn.kv_a_proj_with_mqa.weight]
+        if m.use_output_gate:
+            parts.append(attn.g_proj.weight)
+        w = attn.kv_b_proj.weight.detach().view(h, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        return MlaWeights(torch.cat([p.detach() for p in parts]).contiguous(), tuple(p.shape[0] for p in parts),
+                          w[:, :m.qk_nope_head_dim].contiguous(), w[:, m.qk_nope_head_dim:].transpose(1, 2).contiguous(),
+                          slot)
+
+
+def mla_forward(attn: MultiHeadLatentAttention, w: MlaWeights, x: torch.Tensor, step: GpuStep,
+                kv_pages: torch.Tensor, k: KernelConfig) -> torch.Tensor:
+    """x [T, hidden] -> [T, hidden]; kv_pages [P, block_size, L+R] (this layer's pool view)."""
+    m, T, H = attn.cfg, x.shape[0], attn.num_heads
+    parts = torch.split(F.linear(x, w.w_in), w.splits, dim=-1)
+    q = parts[0] if m.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(parts[0]))
+    q = q.view(T, H, m.qk_head_dim)
+    ckv = parts[1]
+    lat = torch.cat([attn.kv_a_layernorm(ckv[:, :m.kv_lora_rank]), ckv[:, m.kv_lora_rank:]], dim=-1)
+    flat = kv_pages.view(-1, kv_pages.shape[-1])
+    flat.index_copy_(0, step.kv_slot, lat.to(flat.dtype))
+    out = torch.empty(T, H, m.v_head_dim, dtype=x.dtype, device=x.device)
+    if step.decode_seqs.numel():
+        rows = step.decode_rows
+        out[rows] = _decode(q if len(rows) == T else q[rows], w, step, kv_pages, m, k)
+    if step.prefill_seqs:
+        out[step.prefill_rows] = _expanded(attn, q[step.prefill_rows], step, flat, m, k)
+    if m.use_output_gate:
+        out = out * torch.sigmoid(parts[2].float()).view(T, H, m.v_head_dim).to(out.dtype)
+    return attn.o_proj(out.reshape(T, H * m.v_head_dim))
+
+
+def _decode(q: torch.Tensor, w: MlaWeights, step: GpuStep, kv_pages: torch.Tensor, m, k: KernelConfig) -> torch.Tensor:
+    P = m.qk_nope_head_dim
+    q_lat = torch.bmm(q[..., :P].transpose(0, 1), w.w_uk.to(q.dtype)).transpose(0, 1)  # [N, H, L]
+    qcat = torch.cat([q_lat, q[..., P:]], dim=-1).contiguous()
+    seqs = step.decode_seqs
+    all_seqs = seqs.numel() == step.num_seqs
+    table = step.block_table if all_seqs else step.block_table[seqs]
+    ctx = step.ctx_lens if all_seqs else step.ctx_lens[seqs]
+    fn = kernel("mla", "mla_decode") if k.triton else None
+    if fn is not None:
+        o_lat = fn(qcat, kv_pages, table, ctx, m.scale, kv_lora_rank=m.kv_lora_rank, use_pdl=k.use_pdl)
+    else:
+        o_lat = _decode_torch(qcat, kv_pages, step, m)
+    return torch.bmm(o_lat.transpose(0, 1), w.w_uv_t.to(o_lat.dtype)).transpose(0, 1)  # [N, H, V]
+
+
+def _decode_torch(qcat: torch.Tensor, kv_pages: torch.Tensor, step: GpuStep, m) -> torch.Tensor:
+    B = kv_pages.shape[1]
+    flat = kv_pages.view(-1, kv_pages.shape[-1])
+    out = torch.empty(*qcat.shape[:2], m.kv_lora_rank, dtype=qcat.dtype, device=qcat.device)
+    dec = [i for i, d in enumerate(step.decode_form) if d]
+    for j, i in enumerate(dec):
+        n = step.starts[i] + 1
+        pos = torch.arange(n, device=qcat.device)
+        kv = flat[step.block_table[i].long()[pos // B] * B + pos % B].float()  # [S, L+R]
+        p = torch.softmax(qcat[j].float() @ kv.t() * m.scale, dim=-1)  # [H, S]
+        out[j] = (p @ kv[:, :m.kv_lora_rank]).to(out.dtype)
+    return out
+
+
+def _expanded(attn: MultiHeadLatentAttention, q: torch.Tensor, step: GpuStep, flat: torch.Tensor, m,
+              k: KernelConfig) -> torch.Tensor:
+    H, P, V, L = attn.num_heads, m.qk_nope_head_dim, m.v_head_dim, m.kv_lora_rank
+    ctx = flat[step.ctx_slot].to(q.dtype)  # [Tk, L+R]
+    kv = attn.kv_b_proj(ctx[:, :L]).view(-1, H, P + V)
+    k_nope, v, k_pe = kv[..., :P], kv[..., P:], ctx[:, L:]
+    fn = kernel("mla", "mla_prefill") if k.triton else None
+    if fn is not None:
+        return fn(q.contiguous(), k_nope.contiguous(), k_pe.contiguous(), v.contiguous(), step.cu_q, step.cu_k,
+                  step.max_q, step.max_k, m.scale)
+    out = torch.empty(q.shape[0], H, V, dtype=q.dtype, device=q.device)
+    qo = ko = 0
+    for i in step.prefill_seqs:
+        nq, nk = step.lens[i], step.starts[i] + step.lens[i]
+        kk = torch.cat([k_nope[ko:ko + nk], k_pe[ko:ko + nk, None, :].expand(nk, H, k_pe.shape[-1])], dim=-1)
+        # query j sits at absolute position nk - nq + j and sees keys 0..that position
+        mask = torch.arange(nk, device=q.device)[None, :] <= (nk - nq + torch.arange(nq, device=q.device))[:, None]
+        o = F.scaled_dot_product_attention(q[qo:qo + nq].transpose(0, 1).float(), kk.transpose(0, 1).float(),
+                                           v[ko:ko + nk].transpose(0, 1).float(), attn_mask=mask, scale=m.scale)
+        out[qo:qo + nq] = o.transpose(0, 1).to(out.dtype)
+        qo, ko = qo + nq, ko + nk
+    return out

@@ -1,0 +1,26 @@
+"""Which implementation each op of the GPU path uses.
+
+`KernelConfig.triton` selects the Triton kernels (on a GPU, or under the Triton interpreter in tests);
+off, every op runs its torch reference, which is also what runs where a kernel does not exist yet.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from functools import cache
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    triton: bool = True
+    use_pdl: bool = False  # programmatic dependent launch between chained decode kernels (GPU only)
+
+
+@cache
+def kernel(module: str, name: str):
+    """The Triton op `name` of `k3rt.kernels.<module>`, or None where that op is not built."""
+    try:
+        return getattr(importlib.import_module(f"k3rt.kernels.{module}"), name)
+    except (ImportError, AttributeError):
+        return None

@@ -1,0 +1,172 @@
+"""The GPU model runner: the scheduler's step -> one packed device batch -> the fast forward ->
+sampling, with decode steps replayed from CUDA graphs.
+
+Per step the host packs every index (backend/runner/gpu/step.py) into two pinned buffers and
+copies them to the device once; the only synchronization is reading the sampled tokens back.
+Decode-only steps of up to `max(graph_sizes)` sequences replay a graph captured for the next
+larger size; the padding rows point at one reserved pool page (state set and MLA page), so they
+compute garbage nobody reads and touch no live state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from k3rt.backend.cache.pool import PagePool
+from k3rt.backend.models.kimi import KimiForCausalLM
+from k3rt.backend.runner.base import Runner
+from k3rt.backend.runner.gpu.forward import GpuForward
+from k3rt.backend.runner.gpu.ops import KernelConfig, kernel
+from k3rt.backend.runner.gpu.sample import sample_step
+from k3rt.backend.runner.gpu.step import GpuStep, StepSeq, build_step, pack_step, step_views
+from k3rt.backend.sampling.sampler import Sampler
+from k3rt.backend.scheduler.scheduler import ScheduledChunk, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    flat64: torch.Tensor
+    flat32: torch.Tensor
+    logits: torch.Tensor
+
+
+class GpuModelRunner(Runner):
+    def __init__(self, model: KimiForCausalLM, pool: PagePool, *, kernels: KernelConfig = KernelConfig(),
+                 cuda_graphs: bool = True, graph_sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES,
+                 max_model_len: int | None = None) -> None:
+        self.model, self.pool, self.kernels = model, pool, kernels
+        L = pool.layout
+        if L.kda_groups:
+            conv_shape, rec_shape = model.model.layers[L.kda_groups[0][0]].self_attn.state_shapes()
+            pool.set_kda_shapes(conv_shape, rec_shape)
+        self.device = pool.tensors[0].device
+        self.fwd = GpuForward(model, pool, kernels)
+        self.num_groups = max(1, len(L.kda_groups))
+        self.block_size = L.block_size
+        limit = max_model_len or model.cfg.max_position_embeddings
+        self.max_blocks = min(-(-limit // L.block_size), pool.num_pages)
+        self.sampler = Sampler(model.cfg.vocab_size, self.device)
+        self.pad_page = pool.reserve()  # padding rows of graph-replayed batches write here, never read
+        self.graphs: dict[int, _Graph] = {}
+        self.graph_sizes = tuple(sorted(graph_sizes))
+        self.step_times: list[float] = []
+        if cuda_graphs and self.device.type == "cuda":
+            missing = self._graph_blockers()
+            if missing:
+                log.warning("CUDA graphs off: no graph-safe kernel for %s", ", ".join(missing))
+            else:
+                self.capture()
+
+    def _graph_blockers(self) -> list[str]:
+        need = [("kda", "kda_decode"), ("mla", "mla_decode")] if self.kernels.triton else []
+        if any(type(layer.mlp).__name__ == "MoE" for layer in self.model.model.layers):
+            need += [("moe", "fused_experts")]
+        if not self.kernels.triton:
+            return ["every op (kernels are off)"]
+        return [f"{m}.{n}" for m, n in need if kernel(m, n) is None]
+
+    # ---- steps ----
+
+    def _seq(self, c: ScheduledChunk) -> StepSeq:
+        r = c.req
+        return StepSeq(r.token_ids[c.start:c.start + c.num_tokens], c.start, r.block_table, r.state_set,
+                       c.needs_logits, list(c.snapshots))
+
+    def _pad_seq(self) -> StepSeq:
+        return StepSeq([0], 0, [self.pad_page], [self.pad_page] * self.num_groups, True)
+
+    def execute(self, out: SchedulerOutput) -> dict[int, int]:
+        if not out.chunks and not out.decodes:
+            return {}
+        t0 = time.perf_counter()
+        if out.page_copies:
+            src, dst = zip(*out.page_copies)
+            self.pool.copy_pages(list(src), list(dst), tensors=len(self.pool.layout.mla_group))
+        for src, dst in out.state_copies:
+            self.pool.copy_state_set(src, dst)
+        chunks = [ScheduledChunk(r, r.num_computed, 1, True) for r in out.decodes] + out.chunks
+        seqs = [self._seq(c) for c in chunks]
+        score_rows = self._score_rows(chunks)
+        n = len(seqs)
+        size = next((s for s in self.graph_sizes if s >= n), None)
+        if self.graphs and not out.chunks and not score_rows and size in self.graphs:
+            logits = self._replay(seqs, size)[:n]
+        else:
+            step = self._build(seqs, [row for _, row, _ in score_rows])
+            logits = self.fwd(step, decode=step.decode_only)
+        reqs = [c.req for c in chunks if c.needs_logits]
+        if score_rows:
+            self._score(logits[len(reqs):], score_rows)
+            logits = logits[:len(reqs)]
+        tokens = sample_step(self.sampler, logits, reqs)
+        self.step_times.append(time.perf_counter() - t0)
+        return tokens
+
+    def _build(self, seqs: list[StepSeq], extra_rows: list[int]) -> GpuStep:
+        return build_step(seqs, block_size=self.block_size, conv_width=self.fwd.conv_width,
+                          num_groups=self.num_groups, device=self.device, extra_logit_rows=extra_rows)
+
+    @staticmethod
+    def _score_rows(chunks: list[ScheduledChunk]) -> list[tuple[object, int, int]]:
+        """(request, packed row, position) of prompt positions whose next-token logprob is asked for."""
+        rows, row = [], 0
+        for c in chunks:
+            r, f = c.req, c.req.prompt_logprobs_from
+            if f is not None:
+                for p in range(max(c.start, f - 1), min(c.start + c.num_tokens, len(r.token_ids) - 1)):
+                    rows.append((r, row + p - c.start, p))
+            row += c.num_tokens
+        return rows
+
+    def _score(self, logits: torch.Tensor, rows: list[tuple[object, int, int]]) -> None:
+        lp = torch.log_softmax(logits, dim=-1)
+        nxt = torch.tensor([r.token_ids[p + 1] for r, _, p in rows], device=self.device)
+        for (r, _, p), v in zip(rows, lp.gather(1, nxt[:, None])[:, 0].tolist()):
+            r.prompt_logprobs[p + 1] = v
+
+    # ---- CUDA graphs ----
+
+    def _pack(self, seqs: list[StepSeq]):
+        return pack_step(seqs, block_size=self.block_size, conv_width=self.fwd.conv_width,
+                         num_groups=self.num_groups, max_blocks=self.max_blocks)
+
+    def capture(self) -> None:
+        """Capture one decode graph per size, largest first (they share one memory pool)."""
+        from tqdm import tqdm
+
+        pool = torch.cuda.graph_pool_handle()
+        t0 = time.perf_counter()
+        for size in tqdm(sorted(self.graph_sizes, reverse=True), desc="capturing decode graphs", unit="graph",
+                         leave=False):
+            meta, (h64, h32) = self._pack([self._pad_seq()] * size)
+            flat64, flat32 = h64.to(self.device), h32.to(self.device)
+            step = step_views(meta, flat64, flat32)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compile and autotune outside the capture
+                    self.fwd(step, decode=True)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.fwd(step, decode=True)
+            self.graphs[size] = _Graph(graph, flat64, flat32, logits)
+        torch.cuda.synchronize()
+        log.info("captured %d decode graphs in %.1f s", len(self.graphs), time.perf_counter() - t0)
+
+    def _replay(self, seqs: list[StepSeq], size: int) -> torch.Tensor:
+        g = self.graphs[size]
+        _, (h64, h32) = self._pack(seqs + [self._pad_seq()] * (size - len(seqs)))
+        g.flat64.copy_(h64.pin_memory(), non_blocking=True)
+        g.flat32.copy_(h32.pin_memory(), non_blocking=True)
+        g.graph.replay()
+        return g.logits
