@@ -1,6 +1,7 @@
 """Kimi Delta Attention ops. `ref` holds the plain-torch oracle every KDA kernel is tested against.
 
-The Triton kernels (`kda_decode`, `kda_chunk_fwd`) are exported lazily, so importing the reference
+The Triton kernels (`kda_decode`, `kda_chunk_fwd`, `kda_verify`/`kda_commit` for speculative
+verification) are exported lazily, so importing the reference
 ops never imports Triton.
 """
 from k3rt.kernels.kda.ref import (
@@ -13,16 +14,22 @@ from k3rt.kernels.kda.ref import (
 
 _TRITON_EXPORTS = {
     "kda_decode": "k3rt.kernels.kda.triton_decode",
+    "kda_decode_workspace": "k3rt.kernels.kda.triton_decode",
+    "kda_verify": "k3rt.kernels.kda.triton_verify",
+    "kda_commit": "k3rt.kernels.kda.triton_verify",
     "kda_chunk_fwd": "k3rt.kernels.kda.triton_chunk",
 }
 
 __all__ = [
     "kda_chunk_fwd",
     "kda_chunked",
+    "kda_commit",
     "kda_decode",
+    "kda_decode_workspace",
     "kda_gate_lower_bound",
     "kda_gate_softplus",
     "kda_recurrent",
+    "kda_verify",
     "l2norm",
 ]
 

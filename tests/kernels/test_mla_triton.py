@@ -1,0 +1,317 @@
+"""The Triton MLA kernels (split-context decode over the paged latent cache, varlen causal prefill)
+agree with the torch oracles in kernels/mla/ref.py and, through them, with the model's attention.
+
+Without a GPU the kernels run in the Triton interpreter (TRITON_INTERPRET=1, set before the kernel
+modules are imported), at tiny fp32/fp16 shapes. The `gpu` cases run the compiled kernels at the
+Kimi-Linear-48B shape (H=32, L=512, R=64, P=V=128, page 1888) in bf16.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the @triton.jit decorations below
+
+pytest.importorskip("triton")
+
+from k3rt.backend.models.mla import mla_absorbed  # noqa: E402
+from k3rt.kernels import common  # noqa: E402
+from k3rt.kernels.mla import mla_decode, mla_decode_num_splits, mla_prefill  # noqa: E402
+from k3rt.kernels.mla.ref import mla_decode_ref, mla_prefill_ref  # noqa: E402
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs():
+    """NaN-fill kernel outputs and split partials, so anything left unwritten fails the comparison."""
+    common.set_poison(True)
+    yield
+    common.set_poison(False)
+
+
+def rel_err(a: Tensor, b: Tensor) -> float:
+    """||a - b|| / ||b|| in fp64; NaN anywhere gives inf."""
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return math.inf
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+# --------------------------------------------------------------------------------------------
+# decode
+
+
+def decode_case(lens: list[int], H: int, L: int, R: int, block_size: int, dtype: torch.dtype, seed: int,
+                spare_blocks: int = 2, table_pad: int = 0):
+    """Random queries and a shuffled page pool, made on DEV (the GPU pools are GBs). Table entries
+    past a sequence's pages are valid but wrong page ids; with table_pad > 0 the table is a strided
+    view of a wider tensor."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    N = len(lens)
+    max_blocks = max(1, max(math.ceil(s / block_size) for s in lens)) + spare_blocks
+    num_pages = N * max_blocks + 3
+    kv = torch.randn(num_pages, block_size, L + R, generator=gen, device=DEV).to(dtype)
+    perm = torch.randperm(num_pages, generator=gen, device=DEV)
+    table = perm[:N * max_blocks].view(N, max_blocks).int()
+    if table_pad:
+        wide = torch.randint(0, num_pages, (N, max_blocks + table_pad), generator=gen, device=DEV,
+                             dtype=torch.int32)
+        wide[:, :max_blocks] = table
+        table = wide[:, :max_blocks]
+    # q rows are a strided view (a wider buffer, as when q is sliced out of a fused projection)
+    q = torch.randn(N, H, L + R + 8, generator=gen, device=DEV).to(dtype)[..., :L + R]
+    return dict(q=q, kv_cache=kv, block_table=table, seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEV))
+
+
+def check_decode(case: dict, L: int, scale: float, tol: float, **kw) -> Tensor:
+    want = mla_decode_ref(**case, scale=scale, kv_lora_rank=L)
+    got = mla_decode(**case, scale=scale, kv_lora_rank=L, **kw)
+    assert got.shape == want.shape and got.dtype == case["q"].dtype
+    assert rel_err(got, want) <= tol, rel_err(got, want)
+    for n in (case["seq_lens"] == 0).nonzero().flatten().tolist():
+        assert torch.equal(got[n], torch.zeros_like(got[n]))  # padding row: exact zero
+    return got
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 16], ids=["splits1", "splits3", "splits16_past_end"])
+@pytest.mark.parametrize("block_size", [16, 48], ids=["bs16", "bs48"])
+def test_decode_matches_ref(block_size: int, num_splits: int) -> None:
+    """Ragged lengths: 1, within a page, crossing pages, a padding row (0); splits past the end."""
+    lens = [1, 17, 0, 2 * block_size + 5]
+    case = decode_case(lens, H=4, L=32, R=16, block_size=block_size, dtype=torch.float32,
+                       seed=10 * block_size + num_splits, table_pad=3)
+    check_decode(case, 32, scale=0.2, tol=1e-5, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("H", [5, 40], ids=["H5_masked", "H40_two_head_blocks"])
+def test_decode_odd_head_counts(H: int) -> None:
+    case = decode_case([33, 1], H=H, L=16, R=16, block_size=16, dtype=torch.float32, seed=H)
+    check_decode(case, 16, scale=0.3, tol=1e-5, num_splits=2)
+
+
+def test_decode_fp16_default_splits_into_out() -> None:
+    """fp16 path, num_splits chosen by the heuristic, and a preallocated output."""
+    case = decode_case([80, 3, 64], H=4, L=32, R=16, block_size=32, dtype=torch.float16, seed=7)
+    out = torch.full((3, 4, 32), float("nan"), dtype=torch.float16, device=DEV)
+    got = check_decode(case, 32, scale=0.2, tol=2e-3, out=out)
+    assert got.data_ptr() == out.data_ptr()
+
+
+def test_decode_extreme_scores_stay_finite() -> None:
+    """Large logits (one dominant token per split) must not overflow the online softmax or combine."""
+    case = decode_case([70, 5], H=4, L=32, R=16, block_size=16, dtype=torch.float32, seed=8)
+    case["kv_cache"] *= 8
+    check_decode(case, 32, scale=1.0, tol=1e-5, num_splits=4)
+
+
+def test_decode_lifts_to_model_absorbed() -> None:
+    """Kernel output through W_UV equals the model's mla_absorbed for the newest token."""
+    gen = torch.Generator().manual_seed(9)
+    H, L, R, P, V, S = 4, 32, 16, 16, 16, 45
+    scale = (P + R) ** -0.5
+    latent = torch.randn(S, L + R, generator=gen)
+    kv_b = torch.randn(H * (P + V), L, generator=gen) * L**-0.5
+    q = torch.randn(1, H, P + R, generator=gen)
+    w = kv_b.view(H, P + V, L)
+    q_abs = torch.cat([torch.einsum("thp,hpl->thl", q[..., :P], w[:, :P]), q[..., P:]], dim=-1)
+    block_size, pages = 16, [4, 0, 2]
+    kv = torch.randn(5, block_size, L + R, generator=gen)
+    for p in range(S):
+        kv[pages[p // block_size], p % block_size] = latent[p]
+    lat = mla_decode(q_abs.to(DEV), kv.to(DEV), torch.tensor([pages], dtype=torch.int32, device=DEV),
+                     torch.tensor([S], dtype=torch.int32, device=DEV), scale, kv_lora_rank=L, num_splits=2)
+    o = torch.einsum("nhl,hvl->nhv", lat.cpu(), w[:, P:])
+    assert rel_err(o, mla_absorbed(q, latent, kv_b, S - 1, P, R, V, scale)) <= 1e-5
+
+
+def test_num_splits_heuristic() -> None:
+    # one sequence, 32 heads (one head block): one full wave of 132 splits, but short contexts are
+    # capped at MIN_TOKENS_PER_SPLIT tokens per split
+    assert mla_decode_num_splits(1, 32, 32768, num_sms=132) == 132
+    assert mla_decode_num_splits(1, 32, 4096, num_sms=132) == 4096 // 128
+    assert mla_decode_num_splits(1, 32, 100, num_sms=132) == 1
+    # already two full waves without splitting
+    assert mla_decode_num_splits(264, 32, 32768, num_sms=132) == 1
+    for n in (1, 3, 16, 64, 100):
+        s = mla_decode_num_splits(n, 32, 131072, num_sms=132)
+        assert n * s <= 2 * 132 or s == 1
+        assert n * s >= 0.9 * 132 or n * s > 132
+
+
+def test_decode_rejects_bad_inputs() -> None:
+    case = decode_case([5, 9], H=4, L=32, R=16, block_size=16, dtype=torch.float32, seed=11)
+    run = lambda **kw: mla_decode(**{**case, **kw}, scale=0.1, kv_lora_rank=32)  # noqa: E731
+    with pytest.raises(ValueError, match="block_table must be int32"):
+        run(block_table=case["block_table"].long())
+    with pytest.raises(ValueError, match="kv_cache must be contiguous"):
+        run(kv_cache=case["kv_cache"].half())
+    with pytest.raises(ValueError, match=r"kv_cache must be \[num_pages, block_size, L\+R=48\]"):
+        run(kv_cache=case["kv_cache"][..., :40])
+    with pytest.raises(ValueError, match="seq_lens must have shape"):
+        run(seq_lens=case["seq_lens"][:1])
+    with pytest.raises(ValueError, match="q must have a contiguous last dim"):
+        run(q=case["q"].transpose(1, 2).contiguous().transpose(1, 2))
+    with pytest.raises(ValueError, match="kv_lora_rank must be a power of 2"):
+        mla_decode(**case, scale=0.1, kv_lora_rank=24)
+    with pytest.raises(ValueError, match="num_splits"):
+        mla_decode(**case, scale=0.1, kv_lora_rank=32, num_splits=0)
+    with pytest.raises(ValueError, match="out must have shape"):
+        mla_decode(**case, scale=0.1, kv_lora_rank=32, out=torch.empty(2, 4, 48, device=DEV))
+
+
+# --------------------------------------------------------------------------------------------
+# prefill
+
+
+def prefill_case(lens: list[tuple[int, int]], H: int, P: int, R: int, V: int, dtype: torch.dtype, seed: int):
+    """Packed varlen inputs for (len_q, len_k) pairs; q and k_nope are strided views."""
+    gen = torch.Generator().manual_seed(seed)
+    Tq, Tk = sum(lq for lq, _ in lens), sum(lk for _, lk in lens)
+    cu_q = [0, *torch.tensor([lq for lq, _ in lens]).cumsum(0).tolist()]
+    cu_k = [0, *torch.tensor([lk for _, lk in lens]).cumsum(0).tolist()]
+    case = dict(
+        q=torch.randn(Tq, H, P + R + 16, generator=gen)[..., :P + R],
+        k_nope=torch.randn(Tk, H, P + V, generator=gen)[..., :P],
+        k_pe=torch.randn(Tk, R, generator=gen),
+        v=torch.randn(Tk, H, V, generator=gen),
+    )
+    case = {k: t.to(DEV, dtype) for k, t in case.items()}
+    case.update(cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=DEV),
+                cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=DEV),
+                max_seqlen_q=max(lq for lq, _ in lens), max_seqlen_k=max(lk for _, lk in lens))
+    return case
+
+
+PREFILL_LENS = [(1, 1), (1, 37), (20, 20), (17, 50), (0, 5), (33, 40)]
+
+
+@pytest.mark.parametrize("blocks", [(16, 16), (32, 16), (16, 32)], ids=["m16n16", "m32n16", "m16n32"])
+def test_prefill_matches_ref(blocks: tuple[int, int]) -> None:
+    """Fresh sequences, extends over a cached prefix, one query after a long prefix, an empty query."""
+    case = prefill_case(PREFILL_LENS, H=3, P=16, R=16, V=32, dtype=torch.float32, seed=blocks[0] + blocks[1])
+    want = mla_prefill_ref(**case, scale=0.2)
+    got = mla_prefill(**case, scale=0.2, block_m=blocks[0], block_n=blocks[1])
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert rel_err(got, want) <= 1e-5
+
+
+def test_prefill_fp16_into_strided_out() -> None:
+    case = prefill_case([(40, 40), (5, 70)], H=2, P=32, R=16, V=16, dtype=torch.float16, seed=21)
+    want = mla_prefill_ref(**case, scale=(48) ** -0.5)
+    buf = torch.full((45, 2, 24), float("nan"), dtype=torch.float16, device=DEV)
+    got = mla_prefill(**case, scale=(48) ** -0.5, out=buf[..., :16])
+    assert rel_err(got, want) <= 2e-3
+    assert torch.isnan(buf[..., 16:]).all()  # nothing written outside the view
+
+
+def test_prefill_rejects_bad_inputs() -> None:
+    case = prefill_case([(4, 6)], H=2, P=16, R=16, V=16, dtype=torch.float32, seed=22)
+    with pytest.raises(ValueError, match="k_pe must have shape"):
+        mla_prefill(**{**case, "k_pe": case["k_pe"][:, :8]}, scale=0.1)
+    with pytest.raises(ValueError, match="v must be torch.float32"):
+        mla_prefill(**{**case, "v": case["v"].half()}, scale=0.1)
+    with pytest.raises(ValueError, match="cu_seqlens_q must be torch.int32"):
+        mla_prefill(**{**case, "cu_seqlens_q": case["cu_seqlens_q"].long()}, scale=0.1)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        mla_prefill(**{**case, "max_seqlen_k": 2}, scale=0.1)
+    with pytest.raises(ValueError, match="V"):
+        mla_prefill(**{**case, "v": case["v"][..., :12]}, scale=0.1)
+
+
+# --------------------------------------------------------------------------------------------
+# benchmark script
+
+
+def test_benchmark_smoke(tmp_path: Path) -> None:
+    """benchmarks/kernels_mla.py --smoke runs end to end on the interpreter and writes its JSON."""
+    out = tmp_path / "kernels_mla.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kernels_mla.py"), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["mode"] == "smoke"
+    assert result["correctness"] and all(c["ok"] for c in result["correctness"]), result["correctness"]
+
+
+# --------------------------------------------------------------------------------------------
+# GPU, Kimi-Linear-48B shape
+
+H48, L48, R48, P48, V48, PAGE48 = 32, 512, 64, 128, 128, 1888
+SCALE48 = (P48 + R48) ** -0.5
+
+
+def _gpu_lens(N: int, max_ctx: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, max_ctx + 1, (N,), generator=gen).tolist()
+    lens[0] = max_ctx
+    if N > 1:
+        lens[1] = 1
+    if N > 2:
+        lens[2] = PAGE48 + 1  # just past a page boundary
+    return lens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("N,max_ctx", [(1, 32768), (16, 32768), (64, 8192), (64, 32768)])
+@pytest.mark.parametrize("splits", ["auto", "one"])
+def test_gpu_decode_kimi_shape(N: int, max_ctx: int, splits: str) -> None:
+    case = decode_case(_gpu_lens(N, max_ctx, seed=N + max_ctx), H=H48, L=L48, R=R48, block_size=PAGE48,
+                       dtype=torch.bfloat16, seed=N, spare_blocks=1)
+    num_splits = None if splits == "auto" else 1
+    check_decode(case, L48, SCALE48, tol=1e-2, num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("use_pdl", [False, True], ids=["plain", "pdl"])
+def test_gpu_decode_cuda_graph_replay(use_pdl: bool) -> None:
+    """One capture serves new lengths and block tables written in place (no host sync inside)."""
+    N = 8
+    case = decode_case([4000] * N, H=H48, L=L48, R=R48, block_size=PAGE48, dtype=torch.bfloat16, seed=31,
+                       spare_blocks=4)
+    num_splits = mla_decode_num_splits(N, H48, case["block_table"].shape[1] * PAGE48)
+    out = torch.empty(N, H48, L48, dtype=torch.bfloat16, device=DEV)
+    call = lambda: mla_decode(**case, scale=SCALE48, kv_lora_rank=L48, num_splits=num_splits,  # noqa: E731
+                              out=out, use_pdl=use_pdl)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for step, lens in enumerate([[4000, 1, 1889, 0, 7000, 3, 12000, 555], [12000] * N]):
+        case["seq_lens"].copy_(torch.tensor(lens, dtype=torch.int32))
+        case["block_table"].copy_(case["block_table"].flip(0))
+        case["q"].normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        want = mla_decode_ref(**case, scale=SCALE48, kv_lora_rank=L48)
+        assert rel_err(out, want) <= 1e-2, step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_prefill_kimi_shape() -> None:
+    lens = [(4096, 4096), (1000, 3000), (1, 2000), (333, 333), (2500, 2600)]
+    case = prefill_case(lens, H=H48, P=P48, R=R48, V=V48, dtype=torch.bfloat16, seed=41)
+    want = mla_prefill_ref(**case, scale=SCALE48)
+    got = mla_prefill(**case, scale=SCALE48)
+    torch.cuda.synchronize()
+    assert got.dtype == torch.bfloat16
+    assert rel_err(got, want) <= 1e-2
