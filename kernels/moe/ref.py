@@ -82,8 +82,10 @@ def align_ref(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[list[in
     sentinel = len(flat)
     sorted_ids: list[int] = []
     block_expert: list[int] = []
-    for e in range(num_experts):
-        pairs = [p for p, x in enumerate(flat) if x == e]
+    by_expert: list[list[int]] = [[] for _ in range(num_experts)]
+    for p, e in enumerate(flat):
+        by_expert[e].append(p)
+    for e, pairs in enumerate(by_expert):
         if not pairs:
             continue
         n_blocks = -(-len(pairs) // block_m)

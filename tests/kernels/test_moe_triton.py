@@ -1,0 +1,329 @@
+"""The Triton MoE kernels (router top-k, expert alignment, fused experts) agree with kernels/moe/ref.py.
+
+Without a GPU the kernels run in the Triton interpreter (TRITON_INTERPRET=1, set below before the
+kernel modules are imported): tiny fp32 shapes (E=8, k=2, D=32, I=16). The `gpu` cases run the
+compiled kernels at the Kimi-Linear-48B shape (E=256, k=8, D=2304, I=1024, bf16).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the @triton.jit decorations below
+
+pytest.importorskip("triton")
+
+from k3rt.kernels import common  # noqa: E402
+from k3rt.kernels.moe import ExpertTiles, fused_experts, moe_align_fwd, moe_route  # noqa: E402
+from k3rt.kernels.moe.ref import align_ref, fused_experts_ref, route_ref  # noqa: E402
+from k3rt.kernels.moe.triton_align import CHUNK, num_blocks_max  # noqa: E402
+from k3rt.model_config import ActivationConfig  # noqa: E402
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+REPO = Path(__file__).resolve().parents[2]
+ACTS = {
+    "silu": ActivationConfig("silu"),
+    "situ_lin": ActivationConfig("situ", 4.0, 25.0),
+    "situ": ActivationConfig("situ", 1.5, None),
+}
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs():
+    """NaN-fill kernel outputs and scratch, so anything left unwritten fails the comparison."""
+    common.set_poison(True)
+    yield
+    common.set_poison(False)
+
+
+def rel_err(a: Tensor, b: Tensor) -> float:
+    """||a - b|| / ||b|| in fp64; NaN anywhere gives inf."""
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return math.inf
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def random_ids(gen: torch.Generator, T: int, E: int, k: int, experts: int | None = None) -> Tensor:
+    """[T, k] int32 distinct experts per token, drawn from the first `experts` (default all E)."""
+    n = experts or E
+    rows = [torch.randperm(n, generator=gen)[:k] for _ in range(T)]
+    return torch.stack(rows).int() if rows else torch.empty(0, k, dtype=torch.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# router
+
+
+ROUTES = {
+    "E8_k2_plain": dict(E=8, top_k=2, num_expert_group=1, topk_group=1, renormalize=True, scaling=2.446),
+    "E8_k2_grouped2": dict(E=8, top_k=2, num_expert_group=2, topk_group=1, renormalize=True, scaling=2.5),
+    "E12_k3_grouped3_norenorm": dict(E=12, top_k=3, num_expert_group=3, topk_group=2, renormalize=False,
+                                     scaling=1.0),
+    "E40_k8_grouped4": dict(E=40, top_k=8, num_expert_group=4, topk_group=2, renormalize=True, scaling=1.7),
+}
+
+
+@pytest.mark.parametrize("T", [1, 5, 33])
+@pytest.mark.parametrize("case", list(ROUTES))
+def test_route_matches_ref(case: str, T: int) -> None:
+    c = dict(ROUTES[case])
+    E = c.pop("E")
+    gen = torch.Generator().manual_seed(T * 31 + E)
+    logits = (torch.randn(T, E, generator=gen) * 2).to(DEV)
+    bias = (torch.randn(E, generator=gen) * 0.5).to(DEV)
+    w, ids = moe_route(logits, bias, **c)
+    w_ref, ids_ref = route_ref(logits, bias, **c)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32 and ids.shape == (T, c["top_k"])
+    assert torch.equal(ids, ids_ref)
+    assert rel_err(w, w_ref) <= 1e-6
+
+
+def test_route_bias_changes_selection_strided_logits_and_out_buffers() -> None:
+    gen = torch.Generator().manual_seed(11)
+    T, E, k = 7, 8, 2
+    wide = torch.randn(T, E + 5, generator=gen).to(DEV)
+    logits = wide[:, 2:2 + E]  # row stride E + 5
+    bias = torch.zeros(E, device=DEV)
+    bias[5] = 3.0  # forces expert 5 first in every row, with its un-biased weight
+    out_w = torch.full((T, k), float("nan"), device=DEV)
+    out_ids = torch.full((T, k), -1, dtype=torch.int32, device=DEV)
+    w, ids = moe_route(logits, bias, top_k=k, renormalize=False, scaling=1.0, out_weights=out_w, out_ids=out_ids)
+    assert w.data_ptr() == out_w.data_ptr() and ids.data_ptr() == out_ids.data_ptr()
+    assert (ids[:, 0] == 5).all()
+    assert rel_err(w[:, 0], torch.sigmoid(logits[:, 5])) <= 1e-6
+    w_ref, ids_ref = route_ref(logits, bias, top_k=k, num_expert_group=1, topk_group=1, renormalize=False,
+                               scaling=1.0)
+    assert torch.equal(ids, ids_ref) and rel_err(w, w_ref) <= 1e-6
+
+
+def test_route_rejects_bad_inputs() -> None:
+    logits = torch.randn(3, 8, device=DEV)
+    bias = torch.zeros(8, device=DEV)
+    kw = dict(top_k=2, num_expert_group=1, topk_group=1, renormalize=True, scaling=1.0)
+    with pytest.raises(ValueError, match="logits must be fp32"):
+        moe_route(logits.half(), bias, **kw)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        moe_route(logits, torch.zeros(7, device=DEV), **kw)
+    with pytest.raises(ValueError, match="top_k"):
+        moe_route(logits, bias, **{**kw, "top_k": 9})
+    with pytest.raises(ValueError, match="num_expert_group"):
+        moe_route(logits, bias, **{**kw, "num_expert_group": 3})
+    with pytest.raises(ValueError, match="topk_group"):
+        moe_route(logits, bias, **{**kw, "top_k": 5, "num_expert_group": 2, "topk_group": 1})
+    with pytest.raises(ValueError, match="out_ids must be"):
+        moe_route(logits, bias, **kw, out_ids=torch.empty(3, 2, dtype=torch.int64, device=DEV))
+    with pytest.raises(ValueError, match=r"E must be in \[1, 512\]"):
+        moe_route(torch.randn(2, 513, device=DEV), torch.zeros(513, device=DEV), **kw)
+
+
+# --------------------------------------------------------------------------------------------
+# alignment
+
+
+@pytest.mark.parametrize(
+    "T,k,E,block_m,experts",
+    [(1, 2, 8, 16, None), (5, 2, 8, 16, None), (33, 2, 8, 16, 3), (33, 2, 5, 64, None),
+     (CHUNK // 2 + 7, 2, 8, 16, None), (2 * CHUNK + 3, 1, 6, 32, 4)],
+    ids=["T1", "T5", "T33_3experts", "T33_E5_bm64", "two_chunks", "three_chunks_empty_experts"],
+)
+def test_align_matches_ref(T: int, k: int, E: int, block_m: int, experts: int | None) -> None:
+    gen = torch.Generator().manual_seed(T + E)
+    ids = random_ids(gen, T, E, k, experts).to(DEV)
+    sorted_ids, block_expert = moe_align_fwd(ids, E, block_m)
+    nb = num_blocks_max(T * k, E, block_m)
+    assert sorted_ids.shape == (nb * block_m,) and block_expert.shape == (nb,)
+    ref_sorted, ref_blocks = align_ref(ids.cpu(), E, block_m)
+    used = len(ref_blocks)
+    assert block_expert[:used].tolist() == ref_blocks
+    assert (block_expert[used:] == -1).all()
+    assert sorted_ids[:used * block_m].tolist() == ref_sorted
+
+
+# --------------------------------------------------------------------------------------------
+# fused experts
+
+
+def experts_case(gen: torch.Generator, T: int, E: int, k: int, D: int, inter: int, dtype: torch.dtype,
+                 experts: int | None = None) -> dict:
+    return dict(
+        x=torch.randn(T, D, generator=gen).to(dtype).to(DEV),
+        w13=(torch.randn(E, 2 * inter, D, generator=gen) * D ** -0.5).to(dtype).to(DEV),
+        w2=(torch.randn(E, D, inter, generator=gen) * inter ** -0.5).to(dtype).to(DEV),
+        topk_weights=torch.rand(T, k, generator=gen).to(DEV) + 0.1,
+        topk_ids=random_ids(gen, T, E, k, experts).to(DEV),
+    )
+
+
+@pytest.mark.parametrize("act", list(ACTS))
+@pytest.mark.parametrize("T", [1, 5, 33])
+def test_fused_experts_matches_ref(T: int, act: str) -> None:
+    gen = torch.Generator().manual_seed(100 + T)
+    case = experts_case(gen, T, E=8, k=2, D=32, inter=16, dtype=torch.float32)
+    out = fused_experts(**case, act=ACTS[act])
+    ref = fused_experts_ref(**case, act=ACTS[act])
+    assert out.shape == (T, 32) and out.dtype == torch.float32
+    assert rel_err(out, ref) <= 1e-4
+
+
+def test_fused_experts_skewed_routing_odd_sizes_prefill_tiles() -> None:
+    """All tokens on 3 of 8 experts (5 get none), D and I not multiples of the K tile, wider tiles."""
+    gen = torch.Generator().manual_seed(7)
+    case = experts_case(gen, 37, E=8, k=2, D=40, inter=24, dtype=torch.float32, experts=3)
+    act = ACTS["situ_lin"]
+    ref = fused_experts_ref(**case, act=act)
+    for tiles in (None, ExpertTiles(32, 16, 32, 32, 16, 4, 4, 1)):
+        out = fused_experts(**case, act=act, tiles=tiles)
+        assert rel_err(out, ref) <= 1e-4
+
+
+def test_fused_experts_out_buffer_strided_and_reproducible() -> None:
+    gen = torch.Generator().manual_seed(8)
+    case = experts_case(gen, 5, E=8, k=2, D=32, inter=16, dtype=torch.float32)
+    wide = torch.full((5, 48), float("nan"), device=DEV)
+    out = wide[:, 8:40]
+    res = fused_experts(**case, act=ACTS["silu"], out=out)
+    assert res.data_ptr() == out.data_ptr()
+    assert torch.isnan(wide[:, :8]).all() and torch.isnan(wide[:, 40:]).all()  # nothing outside out
+    assert rel_err(out, fused_experts_ref(**case, act=ACTS["silu"])) <= 1e-4
+    assert torch.equal(fused_experts(**case, act=ACTS["silu"]), out)
+
+
+def test_fused_experts_fp16() -> None:
+    gen = torch.Generator().manual_seed(9)
+    case = experts_case(gen, 5, E=8, k=2, D=32, inter=16, dtype=torch.float16)
+    out = fused_experts(**case, act=ACTS["situ"])
+    assert out.dtype == torch.float16
+    assert rel_err(out, fused_experts_ref(**case, act=ACTS["situ"])) <= 2e-3
+
+
+def test_fused_experts_rejects_bad_inputs() -> None:
+    gen = torch.Generator().manual_seed(10)
+    case = experts_case(gen, 3, E=8, k=2, D=32, inter=16, dtype=torch.float32)
+    act = ACTS["silu"]
+
+    def bad(match: str, **over) -> None:
+        kw = {**case, "act": act, **over}
+        with pytest.raises(ValueError, match=match):
+            fused_experts(**kw)
+
+    bad("x must be", x=case["x"].to(torch.int32))
+    bad("w13 must be", w13=case["w13"][:, :, :16])
+    bad("w2 must have shape", w2=case["w2"][:, :, :8])
+    bad("w13 must be contiguous", w13=case["w13"].transpose(1, 2).contiguous().transpose(1, 2))
+    bad("topk_ids must be torch.int32", topk_ids=case["topk_ids"].long())
+    bad("topk_weights must have shape", topk_weights=case["topk_weights"][:, :1])
+    bad("topk_ids must be", topk_ids=case["topk_ids"][:2])
+    bad("act must be silu", act=ActivationConfig("situ"))
+    bad("situ_linear_beta", act=ActivationConfig("situ", 4.0, -1.0))
+    bad("out must have shape", out=torch.empty(3, 31, device=DEV))
+    bad("w2 must be torch.float32", w2=case["w2"].half())
+
+
+def test_fused_experts_empty_batch() -> None:
+    case = experts_case(torch.Generator().manual_seed(0), 0, E=8, k=2, D=32, inter=16, dtype=torch.float32)
+    assert fused_experts(**case, act=ACTS["silu"]).shape == (0, 32)
+
+
+def test_benchmark_smoke(tmp_path: Path) -> None:
+    """benchmarks/kernels_moe.py --smoke runs end to end on the CPU interpreter and writes its JSON."""
+    out = tmp_path / "kernels_moe.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "kernels_moe.py"), "--smoke", "--out", str(out)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["mode"] == "smoke"
+    assert result["correctness"] and all(c["ok"] for c in result["correctness"]), result["correctness"]
+
+
+# --------------------------------------------------------------------------------------------
+# GPU, Kimi-Linear-48B shapes
+
+E48, K48, D48, I48 = 256, 8, 2304, 1024
+
+
+def gpu_case(T: int, seed: int) -> dict:
+    """48B-shaped bf16 experts with real routing (router logits through moe_route)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(T, E48, device="cuda", generator=gen)
+    bias = torch.randn(E48, device="cuda", generator=gen) * 0.1
+    w, ids = moe_route(logits, bias, top_k=K48, renormalize=True, scaling=2.446)
+    return dict(
+        x=torch.randn(T, D48, device="cuda", generator=gen).bfloat16(),
+        w13=(torch.randn(E48, 2 * I48, D48, device="cuda", generator=gen) * D48 ** -0.5).bfloat16(),
+        w2=(torch.randn(E48, D48, I48, device="cuda", generator=gen) * I48 ** -0.5).bfloat16(),
+        topk_weights=w, topk_ids=ids,
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("T", [1, 16, 64, 4096])
+def test_gpu_fused_experts_48b(T: int) -> None:
+    case = gpu_case(T, seed=T)
+    out = fused_experts(**case, act=ACTS["silu"])
+    ref = fused_experts_ref(**case, act=ACTS["silu"])
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, ref) <= 1e-2
+    assert torch.equal(fused_experts(**case, act=ACTS["silu"]), out)  # bit-reproducible
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("act", ["situ_lin", "situ"])
+def test_gpu_fused_experts_situ_pdl_graph(act: str) -> None:
+    """SiTU at T=64 with PDL, captured in and replayed from a CUDA graph."""
+    case = gpu_case(64, seed=3)
+    ref = fused_experts_ref(**case, act=ACTS[act])
+    out = torch.empty_like(case["x"])
+    fused_experts(**case, act=ACTS[act], out=out, use_pdl=True)  # warm-up compiles outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_experts(**case, act=ACTS[act], out=out, use_pdl=True)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, ref) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("E,k,groups,topk_group", [(256, 8, 1, 1), (256, 8, 8, 4), (512, 16, 1, 1)])
+def test_gpu_route(E: int, k: int, groups: int, topk_group: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(E + k)
+    logits = torch.randn(4096, E, device="cuda", generator=gen)
+    bias = torch.randn(E, device="cuda", generator=gen) * 0.1
+    kw = dict(top_k=k, num_expert_group=groups, topk_group=topk_group, renormalize=True, scaling=2.446)
+    w, ids = moe_route(logits, bias, **kw)
+    w_ref, ids_ref = route_ref(logits, bias, **kw)
+    assert torch.equal(ids, ids_ref)
+    assert rel_err(w, w_ref) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_align_prefill_many_chunks() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    logits = torch.randn(16384, E48, device="cuda", generator=gen)
+    _, ids = moe_route(logits, torch.zeros(E48, device="cuda"), top_k=K48)
+    for block_m in (16, 64, 128):
+        sorted_ids, block_expert = moe_align_fwd(ids, E48, block_m)
+        ref_sorted, ref_blocks = align_ref(ids.cpu(), E48, block_m)
+        used = len(ref_blocks)
+        assert block_expert[:used].tolist() == ref_blocks
+        assert (block_expert[used:] == -1).all()
+        assert sorted_ids[:used * block_m].tolist() == ref_sorted
