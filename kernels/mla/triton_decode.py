@@ -10,7 +10,8 @@ GPU. The split length ceil(seq_len / num_splits), rounded up to whole tiles, is 
 kernel from seq_lens, so one launch (and one CUDA graph) serves any lengths. Each split writes its
 normalized partial output and log2-sum-exp; splits past the end write a neutral partial (output 0,
 lse -inf). A second small kernel combines the partials. With num_splits == 1 the first kernel
-writes the output directly and no combine runs.
+writes the output directly and no combine runs. num_splits is a runtime argument, so graphs
+captured with different split counts share two compiled variants (plus one combine per power of 2).
 
 The oracle is `ref.py::mla_decode_ref`. A seq_len of 0 is a padding row and gives a zero output.
 """
@@ -39,16 +40,17 @@ def _mla_decode_split_kernel(
     kv_ptr,  # [num_pages, block_size, L+R], contiguous
     block_table_ptr, stride_bt_n,  # [N, max_blocks] int32
     seq_lens_ptr,  # [N] int32
-    o_ptr, stride_o_n, stride_o_h,  # NUM_SPLITS == 1: out [N, H, L]; else partial [N, S, H, L] fp32
-    lse_ptr,  # [N, S, H] fp32 (NUM_SPLITS > 1 only)
+    o_ptr, stride_o_n, stride_o_h,  # WRITE_OUT: out [N, H, L]; else partial [N, S, H, L] fp32
+    lse_ptr,  # [N, S, H] fp32 (partials only)
     qk_scale,  # scale * log2(e)
     H,
     block_size,
+    num_splits,  # S, a runtime value: a new split count needs no recompile
     L: tl.constexpr,
     R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    WRITE_OUT: tl.constexpr,  # num_splits == 1: normalize and store the output directly
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -63,7 +65,7 @@ def _mla_decode_split_kernel(
     if USE_PDL:
         gdc_wait()  # q and the current token's cache entry come from the previous kernels
     seq_len = tl.load(seq_lens_ptr + i_n)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = i_s * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -100,11 +102,11 @@ def _mla_decode_split_kernel(
     # empty range (padding row, or a split past the end): l_i == 0, acc == 0 -> output 0
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
+    if WRITE_OUT:
         o_rows = o_ptr + i_n.to(tl.int64) * stride_o_n + offs_h[:, None] * stride_o_h
         tl.store(o_rows + offs_l[None, :], o.to(o_ptr.dtype.element_ty), mask=mask_h[:, None])
     else:
-        row = (i_n.to(tl.int64) * NUM_SPLITS + i_s) * H + offs_h  # [BLOCK_H] rows of [N, S, H]
+        row = (i_n.to(tl.int64) * num_splits + i_s) * H + offs_h  # [BLOCK_H] rows of [N, S, H]
         tl.store(o_ptr + row[:, None] * L + offs_l[None, :], o, mask=mask_h[:, None])
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + row, lse, mask=mask_h)
@@ -116,9 +118,9 @@ def _mla_decode_combine_kernel(
     lse_ptr,  # [N, S, H] fp32, log2 domain
     o_ptr, stride_o_n, stride_o_h,  # [N, H, L]
     H,
+    num_splits,
     L: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_P2: tl.constexpr,
+    SPLITS_P2: tl.constexpr,  # next_power_of_2(num_splits)
     BLOCK_S: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -127,16 +129,16 @@ def _mla_decode_combine_kernel(
     offs_l = tl.arange(0, L)
     if USE_PDL:
         gdc_wait()
-    base = i_n.to(tl.int64) * NUM_SPLITS * H + i_h  # row (n, s=0, h); split s adds s*H
+    base = i_n.to(tl.int64) * num_splits * H + i_h  # row (n, s=0, h); split s adds s*H
     offs_s = tl.arange(0, SPLITS_P2)
-    lse = tl.load(lse_ptr + base + offs_s * H, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    lse = tl.load(lse_ptr + base + offs_s * H, mask=offs_s < num_splits, other=float("-inf"))
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: every weight is 0, output 0
     denom = tl.sum(tl.exp2(lse - m), axis=0)
     acc = tl.zeros([L], dtype=tl.float32)
-    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+    for s0 in range(0, num_splits, BLOCK_S):
         ss = s0 + tl.arange(0, BLOCK_S)
-        mask_s = ss < NUM_SPLITS
+        mask_s = ss < num_splits
         w = tl.exp2(tl.load(lse_ptr + base + ss * H, mask=mask_s, other=float("-inf")) - m)  # [BLOCK_S]
         part = tl.load(part_ptr + (base + ss * H)[:, None] * L + offs_l[None, :], mask=mask_s[:, None], other=0.0)
         acc += tl.sum(w[:, None] * part, axis=0)
@@ -270,8 +272,8 @@ def mla_decode(
         lse = poison_like(torch.empty(N, num_splits, H, dtype=torch.float32, device=q.device))
     _mla_decode_split_kernel[(N, triton.cdiv(H, block_h), num_splits)](
         q, q.stride(0), q.stride(1), kv_cache, block_table, block_table.stride(0), seq_lens,
-        part, out.stride(0), out.stride(1), lse, float(scale) * _LOG2E, H, block_size,
-        L=L, R=R, BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        part, out.stride(0), out.stride(1), lse, float(scale) * _LOG2E, H, block_size, num_splits,
+        L=L, R=R, BLOCK_H=block_h, BLOCK_N=block_n, WRITE_OUT=num_splits == 1,
         DOT_PRECISION="ieee" if fp32 else "tf32", USE_PDL=use_pdl and not INTERPRET,
         num_warps=num_warps or (4 if block_h <= 16 else 8), num_stages=num_stages or 2,
         **pdl_kwargs(use_pdl),
@@ -279,8 +281,8 @@ def mla_decode(
     if num_splits > 1:
         splits_p2 = triton.next_power_of_2(num_splits)
         _mla_decode_combine_kernel[(N, H)](
-            part, lse, out, out.stride(0), out.stride(1), H,
-            L=L, NUM_SPLITS=num_splits, SPLITS_P2=splits_p2, BLOCK_S=min(8, splits_p2),
+            part, lse, out, out.stride(0), out.stride(1), H, num_splits,
+            L=L, SPLITS_P2=splits_p2, BLOCK_S=min(8, splits_p2),
             USE_PDL=use_pdl and not INTERPRET, num_warps=4, **pdl_kwargs(use_pdl),
         )
     return out
