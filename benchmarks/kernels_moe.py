@@ -1,0 +1,291 @@
+#!/usr/bin/env python3
+"""Correctness check and timing of the Triton MoE kernels (router top-k, fused routed experts).
+
+GPU mode (default), one H200-class GPU, Kimi-Linear-48B shape (E=256, top-8, D=2304, I=1024, bf16):
+  1. device-to-device copy bandwidth (bytes read + written) and a big bf16 torch.matmul (the peaks);
+  2. correctness at T=64: moe_route vs route_ref, fused_experts vs fused_experts_ref;
+  3. decode T in {1, 16, 64}: fused_experts replayed from a CUDA graph, the routing rotated over
+     enough id sets that each call reads mostly cold experts; against the floor (distinct selected
+     experts x 3*D*I*2 bytes / copy bandwidth) and against the torch loop over experts (the model's
+     MoE.experts path, eager: it syncs on the host); the alignment step alone; a few decode tile
+     configs (the default first);
+  4. prefill T in {4096, 16384}: TFLOP/s (6*T*k*D*I flops) vs the matmul peak, for the default and
+     two other tile configs, and the torch loop;
+  5. moe_route alone at T in {1, 64, 4096}.
+Times are medians of CUDA-event-timed repetitions after warm-up. A table goes to stdout, all numbers
+to JSON ($OUT/kernels_moe.json, or --out). Items past --budget-s are skipped and say so.
+
+--smoke: a tiny CPU run under the Triton interpreter (no meaningful times) so CI notices rot.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny CPU run under the Triton interpreter")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default $OUT/kernels_moe.json)")
+    p.add_argument("--budget-s", type=float, default=150.0, help="skip remaining items after this many seconds")
+    p.add_argument("--decode-t", type=int, nargs="*", default=[1, 16, 64])
+    p.add_argument("--prefill-t", type=int, nargs="*", default=[4096, 16384])
+    return p.parse_args()
+
+
+ARGS = _args()
+if ARGS.smoke:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton sees any @jit
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import copy_bandwidth, graph_time, import_k3rt_kernels, l2_rotation, rel_err, time_ms  # noqa: E402
+
+import torch  # noqa: E402
+
+import_k3rt_kernels()
+from k3rt.kernels.moe import fused_experts, moe_align_fwd, moe_route  # noqa: E402
+from k3rt.kernels.moe.ref import act_and_mul_ref, fused_experts_ref, route_ref  # noqa: E402
+from k3rt.kernels.moe.triton_experts import (  # noqa: E402
+    DECODE_TILES, PREFILL_TILES_64, PREFILL_TILES_128, ExpertTiles, pick_tiles,
+)
+from k3rt.model_config import ActivationConfig  # noqa: E402
+
+DEV = "cpu" if ARGS.smoke else "cuda"
+SHAPE = dict(E=8, k=2, D=32, I=16) if ARGS.smoke else dict(E=256, k=8, D=2304, I=1024)
+SCALING = 2.446
+ACT = ActivationConfig("silu")
+REPS = 2 if ARGS.smoke else 20
+DECODE_SWEEP = [
+    DECODE_TILES,
+    ExpertTiles(16, 64, 128, 64, 128, 4, 4, 4),
+    ExpertTiles(16, 32, 256, 32, 256, 4, 4, 3),
+    ExpertTiles(16, 16, 128, 32, 128, 2, 2, 4),
+    ExpertTiles(16, 32, 128, 128, 64, 4, 4, 5),
+]
+PREFILL_SWEEP = [PREFILL_TILES_64, PREFILL_TILES_128, ExpertTiles(128, 128, 64, 128, 64, 8, 8, 3)]
+T0 = time.monotonic()
+RESULT: dict = {"mode": "smoke" if ARGS.smoke else "gpu", "shape": SHAPE}
+
+
+def out_path() -> Path:
+    if ARGS.out is not None:
+        return ARGS.out
+    return Path(os.environ["OUT"]) / "kernels_moe.json" if os.environ.get("OUT") else Path("kernels_moe.json")
+
+
+def save() -> None:
+    path = out_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(RESULT, indent=1, default=str))
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - T0:7.1f}s] {msg}", flush=True)
+
+
+def item(section: str, name: str, fn) -> dict:
+    """Run one measured item: record its dict, or the error / the skip, in RESULT[section]."""
+    rec: dict = {"name": name}
+    if time.monotonic() - T0 > ARGS.budget_s:
+        rec["skipped"] = f"budget {ARGS.budget_s:.0f}s spent"
+        log(f"{section}/{name}: skipped (budget)")
+    else:
+        try:
+            rec.update(fn())
+        except Exception as e:  # one broken item must not lose the rest of a device run
+            rec["error"] = f"{type(e).__name__}: {e}"
+            log(f"{section}/{name}: ERROR {rec['error']}")
+            traceback.print_exc()
+    RESULT.setdefault(section, []).append(rec)
+    save()
+    return rec
+
+
+def weights(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """w13 [E, 2I, D], w2 [E, D, I] in the activation dtype, drawn in place (no fp32 copy of 3.6 GB)."""
+    E, D, inter = SHAPE["E"], SHAPE["D"], SHAPE["I"]
+    torch.manual_seed(seed)
+    dtype = torch.float32 if ARGS.smoke else torch.bfloat16
+    w13 = torch.empty(E, 2 * inter, D, dtype=dtype, device=DEV).normal_(0, D ** -0.5)
+    w2 = torch.empty(E, D, inter, dtype=dtype, device=DEV).normal_(0, inter ** -0.5)
+    return w13, w2
+
+
+def routing(T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random router logits through moe_route: (weights [T, k] fp32, ids [T, k] int32)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    logits = torch.randn(T, SHAPE["E"], device=DEV, generator=g)
+    bias = torch.randn(SHAPE["E"], device=DEV, generator=g) * 0.1
+    return moe_route(logits, bias, top_k=SHAPE["k"], renormalize=True, scaling=SCALING)
+
+
+def torch_loop_experts(x, w13, w2, w, ids) -> torch.Tensor:
+    """The model's reference path (backend MoE.experts): a loop over the experts that got tokens."""
+    inter = w2.shape[2]
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    idl = ids.long()
+    for e in torch.unique(idl).tolist():
+        tok, slot = torch.where(idl == e)
+        gu = x[tok] @ w13[e].t()
+        y = act_and_mul_ref(gu[:, :inter], gu[:, inter:], ACT) @ w2[e].t()
+        out.index_add_(0, tok, y.float() * w[tok, slot, None])
+    return out.to(x.dtype)
+
+
+def correctness(w13, w2) -> None:
+    T = 5 if ARGS.smoke else 64
+    x = torch.randn(T, SHAPE["D"], device=DEV).to(w13.dtype)
+    g = torch.Generator(device=DEV).manual_seed(7)
+    logits = torch.randn(T, SHAPE["E"], device=DEV, generator=g)
+    bias = torch.randn(SHAPE["E"], device=DEV, generator=g) * 0.1
+    groups = 2 if ARGS.smoke else 8
+    kw = dict(top_k=SHAPE["k"], num_expert_group=groups, topk_group=groups // 2, renormalize=True, scaling=SCALING)
+    w, ids = moe_route(logits, bias, **kw)
+    w_ref, ids_ref = route_ref(logits, bias, **kw)
+    err = rel_err(w, w_ref)
+    RESULT.setdefault("correctness", []).append(
+        {"name": f"moe_route T={T} grouped {groups}/{groups // 2}", "ids_equal": bool(torch.equal(ids, ids_ref)),
+         "rel_err": err, "ok": bool(torch.equal(ids, ids_ref)) and err <= 1e-5})
+    tol = 1e-4 if ARGS.smoke else 1e-2
+    for act in (ACT, ActivationConfig("situ", 4.0, 25.0)):
+        out = fused_experts(x, w13, w2, w, ids, act=act)
+        err = rel_err(out, fused_experts_ref(x, w13, w2, w, ids, act=act))
+        RESULT["correctness"].append({"name": f"fused_experts T={T} {act.name}", "rel_err": err, "ok": err <= tol})
+    log(f"correctness: {RESULT['correctness']}")
+    save()
+
+
+def decode(T: int, w13, w2, bw_GBps: float) -> None:
+    D, inter = SHAPE["D"], SHAPE["I"]
+    expert_bytes = 3 * D * inter * w13.element_size()
+    rot = l2_rotation(SHAPE["k"] * expert_bytes)
+    sets = [routing(T, seed=1000 * T + r) for r in range(rot)]
+    x = torch.randn(T, D, device=DEV).to(w13.dtype)
+    out = torch.empty_like(x)
+    unique = sum(int(torch.unique(ids).numel()) for _, ids in sets) / rot
+    floor_us = unique * expert_bytes / (bw_GBps * 1e9) * 1e6
+    base = {"T": T, "unique_experts": unique, "weight_bytes": unique * expert_bytes, "floor_us": floor_us,
+            "rotation": rot}
+
+    def ours(tiles: ExpertTiles):
+        def run() -> dict:
+            calls = [lambda w=w, ids=ids: fused_experts(x, w13, w2, w, ids, act=ACT, out=out, tiles=tiles)
+                     for w, ids in sets]
+            t = graph_time(calls, reps=REPS)
+            return {**base, "tiles": tiles.__dict__, "us": t["us_per_call"], "pct_of_floor": 100 * floor_us / t["us_per_call"]}
+        return run
+
+    for i, tiles in enumerate(DECODE_SWEEP if not ARGS.smoke else DECODE_SWEEP[:1]):
+        rec = item("decode", f"T={T} tiles{i}" + (" (default)" if tiles == pick_tiles(T * SHAPE['k'], SHAPE['E']) else ""),
+                   ours(tiles))
+        if "us" in rec:
+            log(f"decode T={T} tiles{i}: {rec['us']:.1f} us, floor {floor_us:.1f} us ({rec['pct_of_floor']:.0f}%)")
+    bm = pick_tiles(T * SHAPE["k"], SHAPE["E"]).block_m
+    item("decode", f"T={T} align only", lambda: {**base, "us": graph_time(
+        [lambda ids=ids: moe_align_fwd(ids, SHAPE["E"], bm) for _, ids in sets], reps=REPS)["us_per_call"]})
+
+    def peer() -> dict:
+        ts = [time_ms(lambda w=w, ids=ids: torch_loop_experts(x, w13, w2, w, ids), reps=max(2, REPS // 4), warmup=1)
+              for w, ids in sets[:2]]
+        us = 1e3 * sum(t["median_ms"] for t in ts) / len(ts)
+        return {**base, "us": us, "pct_of_floor": 100 * floor_us / us}
+    rec = item("decode", f"T={T} torch loop (eager)", peer)
+    if "us" in rec:
+        log(f"decode T={T} torch loop: {rec['us']:.1f} us")
+
+
+def prefill(T: int, w13, w2, peak_tflops: float) -> None:
+    D, inter, k = SHAPE["D"], SHAPE["I"], SHAPE["k"]
+    w, ids = routing(T, seed=T)
+    x = torch.randn(T, D, device=DEV).to(w13.dtype)
+    out = torch.empty_like(x)
+    flops = 6 * T * k * D * inter
+    reps = REPS if T <= 4096 else max(2, REPS // 2)
+
+    def ours(tiles: ExpertTiles | None):
+        def run() -> dict:
+            t = time_ms(lambda: fused_experts(x, w13, w2, w, ids, act=ACT, out=out, tiles=tiles), reps=reps, warmup=2)
+            tf = flops / (t["median_ms"] * 1e-3) / 1e12
+            used = tiles or pick_tiles(T * k, SHAPE["E"])
+            return {"T": T, "tiles": used.__dict__, "ms": t["median_ms"], "TFLOPs": tf,
+                    "pct_of_matmul_peak": 100 * tf / peak_tflops}
+        return run
+
+    sweep = [None] + [t for t in PREFILL_SWEEP if t != pick_tiles(T * k, SHAPE["E"])]
+    for i, tiles in enumerate(sweep if not ARGS.smoke else sweep[:1]):
+        rec = item("prefill", f"T={T} " + ("default" if tiles is None else f"tiles{i}"), ours(tiles))
+        if "ms" in rec:
+            log(f"prefill {rec['name']}: {rec['ms']:.3f} ms, {rec['TFLOPs']:.0f} TFLOP/s "
+                f"({rec['pct_of_matmul_peak']:.0f}% of matmul)")
+
+    def peer() -> dict:
+        t = time_ms(lambda: torch_loop_experts(x, w13, w2, w, ids), reps=max(2, reps // 4), warmup=1)
+        tf = flops / (t["median_ms"] * 1e-3) / 1e12
+        return {"T": T, "ms": t["median_ms"], "TFLOPs": tf, "pct_of_matmul_peak": 100 * tf / peak_tflops}
+    item("prefill", f"T={T} torch loop", peer)
+
+
+def route_timing(T: int) -> None:
+    g = torch.Generator(device=DEV).manual_seed(T)
+    logits = torch.randn(T, SHAPE["E"], device=DEV, generator=g)
+    bias = torch.randn(SHAPE["E"], device=DEV, generator=g) * 0.1
+    item("route", f"T={T}", lambda: {"T": T, "us": graph_time(
+        [lambda: moe_route(logits, bias, top_k=SHAPE["k"], renormalize=True, scaling=SCALING)], reps=REPS)["us_per_call"]})
+
+
+def matmul_peak() -> dict:
+    n = 256 if ARGS.smoke else 8192
+    dtype = torch.float32 if ARGS.smoke else torch.bfloat16
+    a = torch.randn(n, n, device=DEV, dtype=dtype)
+    b = torch.randn(n, n, device=DEV, dtype=dtype)
+    t = time_ms(lambda: a @ b, reps=REPS, warmup=3)
+    return {"n": n, "ms": t["median_ms"], "TFLOPs": 2 * n ** 3 / (t["median_ms"] * 1e-3) / 1e12}
+
+
+def table() -> None:
+    print("\n| item | time | floor / peak | % |\n|---|---:|---:|---:|")
+    for rec in RESULT.get("decode", []):
+        if "us" in rec:
+            print(f"| decode {rec['name']} | {rec['us']:.1f} us | {rec['floor_us']:.1f} us "
+                  f"({rec['unique_experts']:.0f} experts) | {100 * rec['floor_us'] / rec['us']:.0f} |")
+    for rec in RESULT.get("prefill", []):
+        if "ms" in rec:
+            print(f"| prefill {rec['name']} | {rec['ms']:.3f} ms | {RESULT['matmul']['TFLOPs']:.0f} TFLOP/s | "
+                  f"{rec['pct_of_matmul_peak']:.0f} ({rec['TFLOPs']:.0f} TFLOP/s) |")
+    for rec in RESULT.get("route", []):
+        if "us" in rec:
+            print(f"| route {rec['name']} | {rec['us']:.1f} us | | |")
+    for section in ("decode", "prefill", "route"):
+        for rec in RESULT.get(section, []):
+            if "skipped" in rec or "error" in rec:
+                print(f"| {section} {rec['name']} | {rec.get('skipped') or rec.get('error')} | | |")
+
+
+def main() -> None:
+    if not ARGS.smoke and not torch.cuda.is_available():
+        sys.exit("no CUDA device: use --smoke for the CPU interpreter run")
+    RESULT["device"] = "cpu (interpreter)" if ARGS.smoke else torch.cuda.get_device_name()
+    RESULT["copy"] = copy_bandwidth()
+    RESULT["matmul"] = matmul_peak()
+    log(f"copy {RESULT['copy']['GBps']:.0f} GB/s, matmul {RESULT['matmul']['TFLOPs']:.0f} TFLOP/s")
+    w13, w2 = weights()
+    correctness(w13, w2)
+    for T in ([1, 5] if ARGS.smoke else ARGS.decode_t):
+        decode(T, w13, w2, RESULT["copy"]["GBps"])
+    for T in ([33] if ARGS.smoke else ARGS.prefill_t):
+        prefill(T, w13, w2, RESULT["matmul"]["TFLOPs"])
+    for T in ([3] if ARGS.smoke else [1, 64, 4096]):
+        route_timing(T)
+    RESULT["wall_s"] = time.monotonic() - T0
+    save()
+    table()
+    log(f"wrote {out_path()}")
+
+
+if __name__ == "__main__":
+    main()
