@@ -231,6 +231,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="compute dtype (default: the checkpoint's torch_dtype)")
     p.add_argument("--device", default="cpu", help="torch device of the engine (default cpu)")
+    p.add_argument("--runner", choices=["auto", "model", "gpu"], default="auto",
+                   help="compute path: 'gpu' = fused Triton kernels + CUDA-graph decode, 'model' = the plain-torch "
+                        "reference path; 'auto' (default) picks gpu on a CUDA device, model elsewhere")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="gpu runner: run decode steps eagerly")
+    p.add_argument("--pdl", action="store_true",
+                   help="gpu runner: launch chained decode kernels with programmatic dependent launch")
+    p.add_argument("--random-weights", action="store_true",
+                   help="build the model from config.json with random weights (benchmarks without a checkpoint; "
+                        "the output is noise)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
     p.add_argument("--drain-timeout", type=float, default=10.0,
                    help="seconds running requests may finish after SIGTERM/SIGINT before abort (default 10)")
@@ -250,6 +259,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         cache = CacheConfig(num_pages=a.cache_pages) if a.cache_pages is not None else CacheConfig()
     model_dir = resolve_model_dir(a.model)
     engine = EngineConfig(model=str(model_dir), dtype=a.dtype, device=a.device, seed=a.seed, grammar_backend=a.grammar_backend,
+                          runner=a.runner, cuda_graphs=not a.no_cuda_graphs, use_pdl=a.pdl, random_weights=a.random_weights,
                           cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=a.max_batched_tokens,
                                                                  max_running=a.max_running, max_waiting=a.max_waiting))
     cfg = ServerConfig(engine=engine, host=a.host, port=a.port, api_key=a.api_key,

@@ -58,8 +58,9 @@ class EngineConfig:
     device: str = "cpu"
     tp: int = 1
     # "model": the reference torch path (any device); "gpu": fused Triton kernels, device-side batch
-    # description, decode in CUDA graphs; "null": no compute, fake tokens (scheduler benchmarks)
-    runner: str = "model"
+    # description, decode in CUDA graphs; "null": no compute, fake tokens (scheduler benchmarks);
+    # "auto": gpu on a CUDA device, model elsewhere
+    runner: str = "auto"
     kernels: bool = True  # gpu runner: Triton kernels (off: the same path with torch ops; tests)
     cuda_graphs: bool = True  # gpu runner: replay decode steps from captured CUDA graphs
     use_pdl: bool = False  # gpu runner: programmatic dependent launch between chained decode kernels
@@ -70,8 +71,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
+        if self.runner == "auto":
+            object.__setattr__(self, "runner", "gpu" if self.device.startswith("cuda") else "model")
         if self.runner not in ("model", "gpu", "null"):
-            raise ValueError(f"runner: {self.runner!r} not one of model, gpu, null")
+            raise ValueError(f"runner: {self.runner!r} not one of auto, model, gpu, null")
         if self.grammar_backend not in ("llguidance", "outlines"):
             raise ValueError(f"grammar_backend: {self.grammar_backend!r} not one of llguidance, outlines")
         if self.tp < 1:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from k3rt.backend.layers.norm import rms_norm_gated
 from k3rt.backend.models.kda import KimiDeltaAttention
-from k3rt.backend.runner.gpu.ops import KernelConfig
+from k3rt.backend.runner.gpu.ops import KernelConfig, share_rows
 from k3rt.backend.runner.gpu.step import GpuStep
 from k3rt.kernels.kda.ref import kda_chunked, kda_gate_lower_bound, kda_gate_softplus
 
@@ -43,6 +43,7 @@ class KdaWeights:
         parts.append(attn.g_a_proj.weight if low_rank else attn.g_proj.weight)
         parts += [attn.f_a_proj.weight, attn.b_proj.weight]
         w = torch.cat([t.detach() for t in parts], dim=0).contiguous()
+        share_rows(parts, w)
         splits = (3 * p, parts[3].shape[0], attn.head_dim, attn.num_heads)
         return KdaWeights(w, splits, low_rank, attn.conv_weight.detach().float().contiguous(),
                           attn.A_log.detach().float().reshape(-1).contiguous(),

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from k3rt.backend.models.mla import MultiHeadLatentAttention
-from k3rt.backend.runner.gpu.ops import KernelConfig, kernel
+from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, share_rows
 from k3rt.backend.runner.gpu.step import GpuStep
 
 
@@ -36,8 +36,10 @@ class MlaWeights:
         parts = [first, attn.kv_a_proj_with_mqa.weight]
         if m.use_output_gate:
             parts.append(attn.g_proj.weight)
+        fused = torch.cat([p.detach() for p in parts]).contiguous()
+        share_rows(parts, fused)
         w = attn.kv_b_proj.weight.detach().view(h, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-        return MlaWeights(torch.cat([p.detach() for p in parts]).contiguous(), tuple(p.shape[0] for p in parts),
+        return MlaWeights(fused, tuple(p.shape[0] for p in parts),
                           w[:, :m.qk_nope_head_dim].contiguous(), w[:, m.qk_nope_head_dim:].transpose(1, 2).contiguous(),
                           slot)
 

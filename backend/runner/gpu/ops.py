@@ -24,3 +24,13 @@ def kernel(module: str, name: str):
         return getattr(importlib.import_module(f"k3rt.kernels.{module}"), name)
     except (ImportError, AttributeError):
         return None
+
+
+def share_rows(parts: list, fused) -> None:
+    """Point each weight in `parts` at its rows of `fused` (their concatenation along dim 0), so the
+    fused GEMM's copy is the only one in memory and the reference modules keep working."""
+    o = 0
+    for p in parts:
+        n = p.shape[0]
+        p.data = fused[o:o + n]
+        o += n
