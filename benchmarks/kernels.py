@@ -41,6 +41,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=420.0, help="skip remaining items after this many seconds")
     p.add_argument("--no-fla", action="store_true", help="do not import or time fla")
     p.add_argument("--decode-n", type=int, nargs="*", default=[1, 16, 64, 256])
+    p.add_argument("--decode-sweep", action="store_true",
+                   help="time kda_decode over (v_split, block_v, num_warps, pdl, fused norm) configs per N")
+    p.add_argument("--verify", nargs="*", default=[], help="kda_verify cases NxT (N sequences, T drafted tokens)")
     p.add_argument("--prefill", nargs="*", default=["4096", "16384", "65536", "8x4096"],
                    help="prefill cases: T (one sequence) or NxT (N sequences of T)")
     return p.parse_args()
@@ -73,7 +76,7 @@ def _import_k3rt_kernels() -> None:
 
 
 _import_k3rt_kernels()
-from k3rt.kernels.kda import kda_chunk_fwd, kda_decode  # noqa: E402
+from k3rt.kernels.kda import kda_chunk_fwd, kda_commit, kda_decode, kda_decode_workspace, kda_verify  # noqa: E402
 from k3rt.kernels.kda.ref import kda_chunked, kda_gate_lower_bound, kda_recurrent  # noqa: E402
 from k3rt.kernels.short_conv.ref import causal_conv1d  # noqa: E402
 
@@ -342,15 +345,26 @@ def rotation_layers(state_bytes: int) -> int:
     return max(1, min(64, math.ceil(3 * l2 / state_bytes)))
 
 
-def bench_decode(N: int, H: int, D: int, impl: str) -> dict:
+def bench_decode(N: int, H: int, D: int, impl: str, cfg: dict | None = None) -> dict:
+    """cfg (k3rt only): kda_decode keywords (v_split, block_v, num_warps, use_pdl) plus norm=True for
+    the fused gated RMSNorm epilogue."""
+    cfg = dict(cfg or {})
+    norm = cfg.pop("norm", False)
     state_bytes = N * H * D * D * 4
     L = rotation_layers(state_bytes)
     x = decode_inputs(N, H, D, ACT, layers=L, seed=5)
     outs = [torch.empty(N, H, D, dtype=ACT, device=DEV) for _ in range(L)]
     if impl == "k3rt":
+        extra = dict(cfg)
+        if norm:
+            gen = torch.Generator(device=DEV).manual_seed(6)
+            extra.update(o_gate=torch.randn(N, 2 * H * D, generator=gen, device=DEV).to(ACT)[:, H * D:],
+                         o_norm_weight=torch.ones(D, device=DEV, dtype=ACT))
+        extra["workspace"] = kda_decode_workspace(N, H, DEV)  # allocated before capture, reused
         calls = [
             (lambda l=l: kda_decode(x["qkv_pre"], x["conv_weight"], x["conv_states"][l], x["f"], x["A_log"],
-                                    x["dt_bias"], x["b"], x["states"][l], x["slots"], lower_bound=LB, out=outs[l]))
+                                    x["dt_bias"], x["b"], x["states"][l], x["slots"], lower_bound=LB, out=outs[l],
+                                    **extra))
             for l in range(L)
         ]
     else:
@@ -365,9 +379,83 @@ def bench_decode(N: int, H: int, D: int, impl: str) -> dict:
     calls = calls * max(1, math.ceil(8 / L))
     t = graph_time(calls, reps=30 if DEV == "cuda" else 1)
     floor_us = 2 * state_bytes / BW * 1e6 if BW else None
-    t.update({"N": N, "impl": impl, "rotation_layers": L, "state_MB": state_bytes / 1e6, "floor_us": floor_us,
+    t.update({"N": N, "impl": impl, "cfg": {**cfg, "norm": norm}, "rotation_layers": L,
+              "state_MB": state_bytes / 1e6, "floor_us": floor_us,
               "state_GBps": 2 * state_bytes / (t["us_per_call"] * 1e-6) / 1e9})
+    if floor_us:
+        t["floor_frac"] = floor_us / t["us_per_call"]
     return t
+
+
+def decode_sweep_configs(N: int) -> list[dict]:
+    """The launch shapes worth timing at batch N (small N: split V; large N: tile width, warps)."""
+    if N <= 4:
+        cfgs = [dict(v_split=s, block_v=128 // s, num_warps=w) for s in (1, 4, 8) for w in (2, 4)]
+        cfgs += [dict(v_split=4, block_v=32, num_warps=4, use_pdl=True), dict(v_split=8, block_v=16, num_warps=4, norm=True),
+                 dict(v_split=4, block_v=32, num_warps=4, norm=True)]
+    else:
+        cfgs = [dict(v_split=1, block_v=bv, num_warps=w) for bv, w in ((32, 4), (64, 4), (64, 8), (128, 8))]
+        cfgs += [dict(v_split=s, block_v=128 // s, num_warps=4) for s in (2, 4)]
+        cfgs += [dict(v_split=1, block_v=32, num_warps=4, norm=True), dict(v_split=2, block_v=64, num_warps=4, norm=True)]
+    return cfgs
+
+
+def check_decode_cfg(N: int, H: int, D: int, cfg: dict) -> dict:
+    """One sweep config against the oracle (fused norm: against rms_norm_gated of the oracle's o)."""
+    cfg = dict(cfg)
+    norm = cfg.pop("norm", False)
+    x = decode_inputs(N, H, D, ACT, seed=7)
+    o_ref, s_ref = decode_reference(x, H, D)
+    extra = {}
+    if norm:
+        gate = torch.randn(N, H, D, device=DEV).to(ACT)
+        w = 1 + 0.1 * torch.randn(D, device=DEV)
+        extra = dict(o_gate=gate, o_norm_weight=w)
+        o_ref = o_ref.float()
+        o_ref = o_ref * torch.rsqrt(o_ref.pow(2).mean(-1, keepdim=True) + 1e-5) * w * torch.sigmoid(gate.float())
+    o = kda_decode(x["qkv_pre"], x["conv_weight"], x["conv_states"][0], x["f"], x["A_log"], x["dt_bias"],
+                   x["b"], x["states"][0], x["slots"], lower_bound=LB, **cfg, **extra)
+    e_o, e_s = rel_err(o, o_ref), rel_err(x["states"][0], s_ref)
+    return {"shape": f"N={N} {cfg} norm={norm}", "rel_err_o": e_o, "rel_err_state": e_s,
+            "ok": e_o <= 1e-2 and e_s <= 1e-4}
+
+
+def bench_verify(case: str, H: int, D: int) -> dict:
+    """kda_verify and kda_commit, each timed in a CUDA graph; floor: read the live state once, write T states."""
+    n, _, t = case.partition("x")
+    N, T = int(n), int(t)
+    x = decode_inputs(N, H, D, ACT, seed=8)
+    gen = torch.Generator(device=DEV).manual_seed(9)
+    P = H * D
+    proj = torch.randn(N * T, 4 * P + H, generator=gen, device=DEV).to(ACT)
+    qkv, f, b = proj[:, :3 * P].view(N, T, -1), proj[:, 3 * P:4 * P].view(N, T, -1), proj[:, 4 * P:].view(N, T, H)
+    st_out = torch.empty(N, T, H, D, D, device=DEV)
+    cv_out = torch.empty(N, T, 3, 3 * P, device=DEV, dtype=ACT)
+    o = torch.empty(N, T, H, D, device=DEV, dtype=ACT)
+    acc = torch.randint(0, T + 1, (N,), generator=gen, device=DEV, dtype=torch.int32)
+    st, cs = x["states"][0], x["conv_states"][0]
+    res = kda_verify(qkv, x["conv_weight"], cs, f, x["A_log"], x["dt_bias"], b, st, x["slots"], lower_bound=LB)
+    # correctness of the last position against T oracle steps
+    step = dict(x)
+    states, convs = [st.clone()], [cs.clone()]
+    for i in range(T):
+        step.update(qkv_pre=qkv[:, i], f=f[:, i], b=b[:, i], states=[states[-1]], conv_states=[convs[-1]])
+        o_r, s_r = decode_reference(step, H, D)
+        _, c_r = causal_conv1d(qkv[:, i].float()[:, None], x["conv_weight"], convs[-1].float())
+        states.append(s_r)
+        convs.append(c_r.to(ACT))
+    e_o = rel_err(res.o[:, -1], o_r)
+    e_s = rel_err(res.states_out[:, -1], states[-1])
+    verify = lambda: kda_verify(qkv, x["conv_weight"], cs, f, x["A_log"], x["dt_bias"], b, st,  # noqa: E731
+                                x["slots"], lower_bound=LB, out=o, states_out=st_out, conv_out=cv_out)
+    commit = lambda: kda_commit(st_out, cv_out, acc, x["slots"], st, cs)  # noqa: E731
+    tv = graph_time([verify] * 4, reps=20)
+    tc = graph_time([commit] * 4, reps=20)
+    state_bytes = N * H * D * D * 4
+    floor_us = (1 + T) * state_bytes / BW * 1e6 if BW else None
+    return {"N": N, "T": T, "verify_us": tv["us_per_call"], "commit_us": tc["us_per_call"],
+            "verify_floor_us": floor_us, "rel_err_o_last": e_o, "rel_err_state_last": e_s,
+            "ok": e_o <= 1e-2 and e_s <= 1e-4}
 
 
 def kernel_split_ms(fn, reps: int) -> dict:
@@ -471,10 +559,18 @@ def main() -> int:
 
     decode_n = ARGS.decode_n if not smoke else [2]
     prefill = ARGS.prefill if not smoke else ["65", "2x33"]
-    for N in decode_n:
+    for N in (decode_n if not ARGS.decode_sweep else []):
         item("decode", f"k3rt N={N}", lambda N=N: bench_decode(N, H, D, "k3rt"))
         if FLA is not None:
             item("decode", f"fla N={N}", lambda N=N: bench_decode(N, H, D, "fla"))
+    if ARGS.decode_sweep:
+        for N in (decode_n or [1, 16, 64, 256]):
+            for i, cfg in enumerate(decode_sweep_configs(N)):
+                if i == 0 or cfg.get("norm") or cfg.get("v_split", 1) > 1:
+                    item("correctness", f"kda_decode N={N} {cfg}", lambda N=N, c=cfg: check_decode_cfg(N, H, D, c))
+                item("decode_sweep", f"k3rt N={N} {cfg}", lambda N=N, c=cfg: bench_decode(N, H, D, "k3rt", c))
+    for case in (ARGS.verify if not smoke else ["2x3"]):
+        item("verify", f"k3rt {case}", lambda c=case: bench_verify(c, H, D))
     for case in prefill:
         item("prefill", f"k3rt {case} fp32 scratch", lambda c=case: bench_prefill(c, H, D, "k3rt", torch.float32))
     # 16-bit scratch after the fp32 items: a device fault here cannot cost the numbers above
@@ -490,7 +586,7 @@ def main() -> int:
 
     print_table()
     save()
-    ok = all(c.get("ok") for c in RESULT.get("correctness", []))
+    ok = all(c.get("ok") for c in RESULT.get("correctness", []) + RESULT.get("verify", []))
     log(f"wrote {out_path()}; correctness {'OK' if ok else 'FAILED'}")
     return 0 if ok else 1
 
@@ -512,6 +608,15 @@ def print_table() -> None:
         fl = k.get("floor_us") or f.get("floor_us")
         print(f"{'':42}{N:>4} {k.get('us_per_call', float('nan')):9.2f} {f.get('us_per_call', float('nan')):9.2f} "
               f"{fl if fl is not None else float('nan'):9.2f} {k.get('state_GBps', float('nan')):10.0f}")
+    sweep = [d for d in RESULT.get("decode_sweep", []) if "us_per_call" in d]
+    if sweep:
+        print(f"\ndecode sweep (us/call, CUDA graph)  {'N':>4} {'us':>8} {'floor%':>7}  config")
+        for d in sweep:
+            print(f"{'':35}{d['N']:>4} {d['us_per_call']:8.2f} {100 * d.get('floor_frac', float('nan')):6.0f}%  {d['cfg']}")
+    for d in RESULT.get("verify", []):
+        if "verify_us" in d:
+            print(f"verify N={d['N']} T={d['T']}: verify {d['verify_us']:.2f} us (floor {d['verify_floor_us'] or float('nan'):.2f}),"
+                  f" commit {d['commit_us']:.2f} us, err o {d['rel_err_o_last']:.1e} state {d['rel_err_state_last']:.1e}")
     print(f"\nprefill (H=32 D=128, ms)  {'case':>8} {'impl':<34} {'median':>9} {'Mtok/s':>8} {'first s':>8} "
           f"{'intra':>8} {'state':>8}")
     for p in RESULT.get("prefill", []):
@@ -521,7 +626,7 @@ def print_table() -> None:
                   f"{p.get('state_kernel_ms', float('nan')):8.3f}")
         else:
             print(f"{'':26}{p['name']:<44} {p.get('error', p.get('skipped', ''))}")
-    for sec in ("decode",):
+    for sec in ("decode", "decode_sweep", "verify"):
         for d in RESULT.get(sec, []):
             if "error" in d or "skipped" in d:
                 print(f"{sec} {d['name']}: {d.get('error', d.get('skipped'))}")

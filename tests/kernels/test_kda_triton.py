@@ -379,3 +379,39 @@ def test_gpu_chunk_kimi_shape(scratch: torch.dtype, tol: float) -> None:
     snaps = ([[64, 1024, 2048], [1000], [], []], [[4, 5, 6], [7], [], []])
     check_chunk(case, [0, 1, 2, 3], has_init=[True, False, True, True], snaps=snaps, tol=tol,
                 scratch_dtype=scratch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize(
+    "N,v_split,norm", [(1, 8, False), (1, 4, True), (16, 2, True), (64, 1, True)],
+    ids=["N1_split8", "N1_split4_norm", "N16_split2_norm", "N64_split1_norm"],
+)
+def test_gpu_decode_split_and_norm_kimi_shape(N: int, v_split: int, norm: bool) -> None:
+    """Split heads and the fused norm compiled at Kimi shapes: two steps, one shared workspace."""
+    from k3rt.backend.layers.norm import rms_norm_gated
+
+    H, D, kind = 32, 128, "lower_bound"
+    case = decode_case(N, H, D, kind, torch.bfloat16, num_slots=N + 4, seed=13)
+    ref = {k: v.clone() for k, v in case.items()}
+    slots = list(range(2, N + 2))
+    if N > 1:
+        slots[N // 2] = -1
+    slot_t = torch.tensor(slots, dtype=torch.int32, device=DEV)
+    ws = triton_decode.kda_decode_workspace(N, H, DEV)
+    gen = torch.Generator(device=DEV).manual_seed(14)
+    gate = torch.randn(N, H, D, generator=gen, device=DEV).to(torch.bfloat16)
+    weight = 1 + 0.1 * torch.randn(D, generator=gen, device=DEV)
+    extra = dict(o_gate=gate, o_norm_weight=weight) if norm else {}
+    for step in range(2):
+        o_ref, ref["state"], ref["conv_state"] = decode_ref(ref, slots, kind)
+        if norm:
+            o_ref = rms_norm_gated(o_ref, gate, weight, 1e-5)
+            o_ref[[i for i, s in enumerate(slots) if s < 0]] = 0.0
+        o = kda_decode(**case, slot_indices=slot_t, lower_bound=LOWER_BOUND, v_split=v_split, workspace=ws, **extra)
+        torch.cuda.synchronize()
+        assert rel_err(o, o_ref) <= 1e-2, step
+        assert rel_err(case["state"], ref["state"]) <= 1e-4, step
+        assert torch.equal(case["conv_state"], ref["conv_state"]), step
+        assert int(ws.abs().sum()) == 0, step
+        case["qkv_pre"] = ref["qkv_pre"] = torch.randn(N, 3 * H * D, generator=gen, device=DEV).to(torch.bfloat16)
