@@ -127,13 +127,15 @@ def sweep_decode() -> None:
         return
     N = BATCHES[-1]
     chosen = mla_decode_num_splits(N, H, ctx)
-    for block_n, warps, stages in [(32, 8, 3), (64, 8, 2), (16, 4, 3), (32, 4, 2)]:
-        if in_budget(f"decode tile N={N} block_n={block_n} warps={warps} stages={stages}"):
-            RESULT["decode_sweep"].append(time_decode(N, ctx, chosen, block_n=block_n, num_warps=warps,
-                                                      num_stages=stages))
+    # (block_n, block_h, num_warps, num_stages); the default is (32, 32, 8, 2) at H=32
+    for block_n, block_h, warps, stages in [(32, 32, 8, 3), (64, 32, 8, 2), (16, 32, 4, 3), (32, 32, 4, 2),
+                                            (32, 16, 4, 2), (64, 16, 4, 2)]:
+        if in_budget(f"decode tile N={N} block_n={block_n} block_h={block_h} warps={warps} stages={stages}"):
+            RESULT["decode_sweep"].append(time_decode(N, ctx, chosen, block_n=block_n, block_h=block_h,
+                                                      num_warps=warps, num_stages=stages))
     for row in RESULT["decode_sweep"]:
         print(f"  sweep N={row['N']:3d} splits={row['num_splits']:3d} "
-              f"{ {k: row[k] for k in ('block_n', 'num_warps', 'num_stages') if k in row} }  "
+              f"{ {k: row[k] for k in ('block_n', 'block_h', 'num_warps', 'num_stages') if k in row} }  "
               f"{row['us']:9.2f} us  {row['pct_copy_bw']:5.1f}% of copy")
 
 

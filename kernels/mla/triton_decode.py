@@ -198,6 +198,7 @@ def mla_decode(
     out: Tensor | None = None,
     use_pdl: bool = False,
     block_n: int | None = None,
+    block_h: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> Tensor:
@@ -218,7 +219,8 @@ def mla_decode(
             uses `mla_decode_num_splits` with max_blocks * block_size as the context hint.
         out: optional preallocated contiguous [N, H, L] output in q's dtype.
         use_pdl: launch with programmatic dependent launch (GPU only).
-        block_n, num_warps, num_stages: tuning overrides (tokens per tile, launch config).
+        block_n, block_h, num_warps, num_stages: tuning overrides (tokens and heads per tile, a
+            power of 2 >= 16 each; launch config).
 
     Returns:
         out: [N, H, L] in q.dtype, softmax(scale * q·kv^T) · kv[:, :L] per head.
@@ -249,7 +251,8 @@ def mla_decode(
     check_same_device(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens, out=out)
     block_size = kv_cache.shape[1]
     if num_splits is None:
-        num_splits = mla_decode_num_splits(N, H, block_table.shape[1] * block_size)
+        num_sms = _num_sms(q.device.index) if q.is_cuda else None
+        num_splits = mla_decode_num_splits(N, H, block_table.shape[1] * block_size, num_sms)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
     if out is None:
@@ -261,7 +264,7 @@ def mla_decode(
     if N == 0:
         return out
 
-    block_h = _block_h(H)
+    block_h = block_h or _block_h(H)
     if block_n is None:
         block_n = 16 if INTERPRET else 32
     fp32 = q.dtype == torch.float32

@@ -101,6 +101,12 @@ def test_decode_odd_head_counts(H: int) -> None:
     check_decode(case, 16, scale=0.3, tol=1e-5, num_splits=2)
 
 
+def test_decode_tuning_overrides() -> None:
+    """Wider token tiles (straddling 16-token pages) and a head block wider than H."""
+    case = decode_case([70, 2, 33], H=5, L=32, R=16, block_size=16, dtype=torch.float32, seed=12)
+    check_decode(case, 32, scale=0.2, tol=1e-5, num_splits=2, block_n=32, block_h=32)
+
+
 def test_decode_fp16_default_splits_into_out() -> None:
     """fp16 path, num_splits chosen by the heuristic, and a preallocated output."""
     case = decode_case([80, 3, 64], H=4, L=32, R=16, block_size=32, dtype=torch.float16, seed=7)
