@@ -49,23 +49,32 @@ def random_init(model: KimiForCausalLM, seed: int) -> None:
     """Deterministic random weights with healthy scales (std 0.02 linears, fla-style gate params)."""
     g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
-        shape = p.shape
-        if name.endswith("A_log"):
-            v = torch.empty(shape).uniform_(1, 16, generator=g).log()
-        elif name.endswith("dt_bias"):
-            dt = torch.empty(shape).uniform_(math.log(1e-3), math.log(1e-1), generator=g).exp().clamp_min(1e-4)
-            v = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
-        elif "norm" in name.split(".")[-1] or name.endswith("norm.weight") or name.endswith("norm_weight"):
-            v = 1.0 + 0.1 * torch.randn(shape, generator=g)
-        elif name.endswith("e_score_correction_bias"):
-            v = 0.01 * torch.randn(shape, generator=g)
-        elif name.endswith("conv_weight"):
-            v = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
-        elif name.endswith("_res_proj.weight"):
-            v = 0.1 * torch.randn(shape, generator=g)
-        else:
-            v = 0.02 * torch.randn(shape, generator=g)
-        p.data.copy_(v.to(p.dtype))
+        init_parameter(name, p, g)
+
+
+def init_parameter(name: str, p: torch.Tensor, g: torch.Generator) -> None:
+    """Draw one parameter in place, on the generator's device (fp32 draws, cast to p's dtype)."""
+    shape, dev = p.shape, g.device
+
+    def empty() -> torch.Tensor:
+        return torch.empty(shape, device=dev)
+
+    if name.endswith("A_log"):
+        v = empty().uniform_(1, 16, generator=g).log()
+    elif name.endswith("dt_bias"):
+        dt = empty().uniform_(math.log(1e-3), math.log(1e-1), generator=g).exp().clamp_min(1e-4)
+        v = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+    elif "norm" in name.split(".")[-1] or name.endswith("norm.weight") or name.endswith("norm_weight"):
+        v = 1.0 + 0.1 * torch.randn(shape, generator=g, device=dev)
+    elif name.endswith("e_score_correction_bias"):
+        v = 0.01 * torch.randn(shape, generator=g, device=dev)
+    elif name.endswith("conv_weight"):
+        v = torch.randn(shape, generator=g, device=dev) / math.sqrt(shape[-1])
+    elif name.endswith("_res_proj.weight"):
+        v = 0.1 * torch.randn(shape, generator=g, device=dev)
+    else:
+        v = 0.02 * torch.randn(shape, generator=g, device=dev)
+    p.data.copy_(v.to(p.dtype))
 
 
 def export_checkpoint(model: KimiForCausalLM) -> dict[str, torch.Tensor]:

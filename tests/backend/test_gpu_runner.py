@@ -99,3 +99,19 @@ def test_gpu_runner_bf16_logits_within_tolerance(arch, tmp_path) -> None:
         for i, s in enumerate(seqs):
             assert rel(out[i], want[i][len(s.token_ids) + k]) < 2e-2, (i, k)
     assert runner.graphs, "decode graphs were not captured"
+
+
+def test_decode_benchmark_smoke(tmp_path) -> None:
+    """benchmarks/decode.py --smoke (tiny config, CPU, torch ops) runs and writes its JSON."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "decode.json"
+    subprocess.run([sys.executable, str(root / "benchmarks" / "decode.py"), "--smoke", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    res = json.loads(out.read_text())
+    assert [r["batch"] for r in res["decode"]] == [1, 2] and all(r["eager_ms"] > 0 for r in res["decode"])
+    assert res["prefill"][0]["tokens"] == 80 and res["prefill"][0]["tokens_per_s"] > 0

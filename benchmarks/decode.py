@@ -1,0 +1,282 @@
+#!/usr/bin/env python3
+"""End-to-end decode and prefill of the GPU runner at a real model shape, with random bf16 weights.
+
+    python3 benchmarks/decode.py                                  # Kimi-Linear-48B shape, one H200
+    python3 benchmarks/decode.py --smoke                          # tiny config on CPU (torch ops): bit-rot check
+
+What it measures, in one run (medians of CUDA-event-timed repetitions after warm-up):
+  1. copy bandwidth (bytes read + written of a 1 GiB device copy): the roofline's denominator;
+  2. decode, batch B in --batch at context --context: one step of the model forward
+       eager (every kernel launched from Python), graph (replay of the captured CUDA graph),
+       graph+pdl (graphs re-captured with programmatic dependent launch between kernels),
+     and the full runner step (host packing + copy + graph replay + argmax + reading the tokens);
+     against the roofline: bytes a step must move (weights it touches + KDA state read and written +
+     MLA latent KV read) / copy bandwidth;
+  3. prefill tokens/s of one sequence of each --prefill length, fed as chunks of --chunk tokens
+     (as the scheduler feeds it), against the matmul-bound floor: 2 x active parameters x tokens
+     (+ attention) / measured bf16 matmul rate.
+
+Weights touched per decode step: every dense parameter once (the embedding table: B rows only), and
+for each MoE layer the experts that at least one of the B tokens picks; with near-uniform routing
+that is E * (1 - (1 - k/E)^B) experts per layer (the expectation is used; random weights route
+near-uniformly). The cache contents are random too (the pool is filled with noise first): timing
+does not depend on their values. Table to stdout, everything to JSON (--out, default $OUT/decode.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="kimi-linear-48b", help="preset name or checkpoint folder (config only)")
+    p.add_argument("--batch", type=int, nargs="*", default=[1, 16, 64])
+    p.add_argument("--context", type=int, default=4096, help="tokens already in each sequence's cache")
+    p.add_argument("--prefill", type=int, nargs="*", default=[8192, 32768])
+    p.add_argument("--chunk", type=int, default=8192, help="prefill chunk (the scheduler's token budget)")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--no-pdl", action="store_true", help="skip the PDL variant")
+    p.add_argument("--smoke", action="store_true", help="tiny config on CPU with torch ops (no kernels, no graphs)")
+    p.add_argument("--budget-s", type=float, default=420.0, help="skip remaining items after this many seconds")
+    p.add_argument("--out", type=Path, default=None)
+    return p.parse_args()
+
+
+ARGS = _args()
+
+import torch  # noqa: E402
+from _timing import copy_bandwidth, time_ms  # noqa: E402
+
+from k3rt.backend.cache.pool import PagePool  # noqa: E402
+from k3rt.backend.models.random_init import random_model  # noqa: E402
+from k3rt.backend.runner.gpu.ops import KernelConfig  # noqa: E402
+from k3rt.backend.runner.gpu.runner import GpuModelRunner  # noqa: E402
+from k3rt.backend.runner.gpu.step import StepSeq  # noqa: E402
+from k3rt.cache_layout import compute_layout  # noqa: E402
+from k3rt.model_config import ModelConfig, load_model_config, param_count, parse_model_config  # noqa: E402
+
+T0 = time.monotonic()
+RESULT: dict = {"args": {k: str(v) for k, v in vars(ARGS).items()}}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - T0:7.1f}s] {msg}", flush=True)
+
+
+def save() -> None:
+    path = ARGS.out or (Path(os.environ["OUT"]) / "decode.json" if os.environ.get("OUT") else Path("decode.json"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(RESULT, indent=1, default=str))
+
+
+def over_budget() -> bool:
+    return time.monotonic() - T0 > ARGS.budget_s
+
+
+def config() -> ModelConfig:
+    if ARGS.smoke:
+        from k3rt.backend.models.tiny import TINY_CONFIGS
+
+        return parse_model_config(TINY_CONFIGS["k3"])
+    return load_model_config(ARGS.model)
+
+
+def step_bytes(model, cfg: ModelConfig, B: int, ctx: int, layout) -> dict:
+    """Bytes one decode step of B sequences at context ctx must move at least."""
+    m = cfg.moe
+    dense = expert = 0
+    for name, p in model.named_parameters():
+        n = p.numel() * p.element_size()
+        if name.endswith("embed_tokens.weight") and not cfg.tie_word_embeddings:
+            dense += B * p.shape[1] * p.element_size()  # only the B rows looked up
+        elif name.endswith(".w13") or name.endswith(".w2"):
+            expert += n
+        else:
+            dense += n
+    frac = 1.0 if m is None else 1.0 - (1.0 - m.num_experts_per_token / m.num_experts) ** B
+    kda_layers = sum(t == "kda" for t in cfg.layer_types)
+    state = 2 * B * kda_layers * layout.kda_state_bytes  # read + write, in place
+    kv = B * len(cfg.mla_layers) * (ctx + 1) * layout.mla_bytes_per_token
+    return {"weights_dense": dense, "weights_experts": int(expert * frac), "kda_state": state, "mla_kv": kv,
+            "total": int(dense + expert * frac + state + kv), "expert_fraction": frac}
+
+
+def fill_noise(pool: PagePool) -> None:
+    for t in range(len(pool.tensors)):
+        pool.mla[t].normal_()
+        if pool.conv:
+            pool.conv[t].normal_()
+            pool.rec[t].normal_(0.0, 0.05)
+
+
+def decode_seqs(pool: PagePool, layout, B: int, ctx: int, vocab: int) -> list[StepSeq]:
+    g = torch.Generator().manual_seed(B)
+    seqs = []
+    for _ in range(B):
+        table = pool.allocate(-(-(ctx + 1) // layout.block_size), zero=False)
+        states = pool.allocate(max(1, layout.pages_per_state_set), zero=False)
+        tok = int(torch.randint(0, vocab, (1,), generator=g))
+        seqs.append(StepSeq([tok], ctx, table, states, True))
+    return seqs
+
+
+def release(pool: PagePool, seqs: list[StepSeq]) -> None:
+    for s in seqs:
+        pool.unref(s.block_table + (s.state_pages or []))
+
+
+def bench_decode(runner: GpuModelRunner, model, cfg, layout, copy_gbps: float, B: int) -> dict:
+    ctx = ARGS.context
+    seqs = decode_seqs(runner.pool, layout, B, ctx, cfg.vocab_size)
+    step = runner._build(seqs, [])
+    row: dict = {"batch": B, "context": ctx, "bytes": step_bytes(model, cfg, B, ctx, layout)}
+    row["eager_ms"] = time_ms(lambda: runner.fwd(step, decode=True), reps=ARGS.reps, warmup=2)["median_ms"]
+    size = next((s for s in sorted(runner.graphs) if s >= B), None)
+    if size is not None:
+        g = runner.graphs[size]
+        runner._replay(seqs, size)  # loads this batch's indices into the graph's buffers
+        row["graph_ms"] = time_ms(g.graph.replay, reps=ARGS.reps, warmup=3)["median_ms"]
+        row["graph_size"] = size
+
+        def full_step() -> None:
+            runner._replay(seqs, size)
+            torch.argmax(g.logits[:B], dim=-1).tolist()
+
+        row["runner_step_ms"] = time_ms(full_step, reps=ARGS.reps, warmup=2)["median_ms"]
+    roof_ms = row["bytes"]["total"] / (copy_gbps * 1e9) * 1e3
+    row["roofline_ms"] = roof_ms
+    best = row.get("graph_ms", row["eager_ms"])
+    row["x_roofline"] = best / roof_ms
+    row["tokens_per_s"] = B / (row.get("runner_step_ms", best) * 1e-3)
+    release(runner.pool, seqs)
+    return row
+
+
+def bench_prefill(runner: GpuModelRunner, cfg, layout, T: int, matmul_tflops: float, active: int) -> dict:
+    pool = runner.pool
+    g = torch.Generator().manual_seed(T)
+    toks = torch.randint(0, cfg.vocab_size, (T,), generator=g).tolist()
+    table = pool.allocate(-(-T // layout.block_size), zero=False)
+    states = pool.allocate(max(1, layout.pages_per_state_set))
+    chunks = [StepSeq(toks[s:s + ARGS.chunk], s, table, states, s + ARGS.chunk >= T)
+              for s in range(0, T, ARGS.chunk)]
+    steps = [runner._build([c], []) for c in chunks]
+
+    def run() -> None:
+        for s in steps:
+            runner.fwd(s)
+
+    t = time_ms(run, reps=3, warmup=1)["median_ms"]
+    # attention flops of the MLA layers (expanded form: (P+R) + V per head per key, causal half)
+    m = cfg.mla
+    attn = sum(2 * m.num_heads * (m.qk_head_dim + m.v_head_dim) * T * T / 2 for _ in cfg.mla_layers)
+    flops = 2 * active * T + attn
+    pool.unref(table + states)
+    return {"tokens": T, "chunk": ARGS.chunk, "ms": t, "tokens_per_s": T / (t * 1e-3),
+            "tflops": flops / (t * 1e-3) / 1e12, "floor_ms": flops / (matmul_tflops * 1e12) * 1e3,
+            "x_floor": t / (flops / (matmul_tflops * 1e12) * 1e3)}
+
+
+def matmul_rate() -> float:
+    n = 8192 if torch.cuda.is_available() else 256
+    dt = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    a = torch.randn(n, n, dtype=dt, device="cuda" if torch.cuda.is_available() else "cpu")
+    b = torch.randn_like(a)
+    t = time_ms(lambda: a @ b, reps=10, warmup=3)["median_ms"]
+    return 2 * n**3 / (t * 1e-3) / 1e12
+
+
+def main() -> int:
+    cuda = torch.cuda.is_available() and not ARGS.smoke
+    dev = torch.device("cuda" if cuda else "cpu")
+    if ARGS.smoke:
+        ARGS.batch, ARGS.context, ARGS.prefill, ARGS.chunk, ARGS.reps = [1, 2], 40, [80], 64, 2
+        ARGS.model = "tiny k3 config"
+    cfg = config()
+    RESULT["device"] = torch.cuda.get_device_name() if cuda else "cpu"
+    RESULT["copy"] = copy_bandwidth()
+    gbps = RESULT["copy"]["GBps"]
+    RESULT["matmul_tflops"] = matmul_rate()
+    log(f"copy {gbps:.0f} GB/s, bf16 matmul {RESULT['matmul_tflops']:.0f} TFLOP/s")
+    dtype = "bfloat16" if cuda else "float32"
+    model = random_model(cfg, dtype=dtype, device=dev)
+    log(f"random {ARGS.model} on {dev}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters")
+    layout = compute_layout(cfg, kv_dtype=dtype, conv_dtype=dtype)
+    per_seq = -(-(ARGS.context + 1) // layout.block_size) + layout.pages_per_state_set
+    longest = -(-max(ARGS.prefill) // layout.block_size) + layout.pages_per_state_set
+    pool = PagePool(layout, max(ARGS.batch) * per_seq + longest + 2, device=dev)
+    sizes = tuple(sorted(set(ARGS.batch)))
+    runner = GpuModelRunner(model, pool, kernels=KernelConfig(triton=cuda), cuda_graphs=cuda, graph_sizes=sizes)
+    fill_noise(pool)
+    RESULT["layout"] = layout.as_dict()
+    RESULT["decode"], RESULT["prefill"] = [], []
+    for B in ARGS.batch:
+        if over_budget():
+            RESULT["decode"].append({"batch": B, "skipped": "budget"})
+            continue
+        row = bench_decode(runner, model, cfg, layout, gbps, B)
+        log(f"decode B={B}: {row}")
+        RESULT["decode"].append(row)
+        save()
+    if cuda and not ARGS.no_pdl and not over_budget():
+        runner.fwd.k = KernelConfig(triton=True, use_pdl=True)
+        runner.graphs.clear()
+        runner.capture()
+        for row in RESULT["decode"]:
+            if "graph_size" in row:
+                seqs = decode_seqs(pool, layout, row["batch"], ARGS.context, cfg.vocab_size)
+                g = runner.graphs[row["graph_size"]]
+                runner._replay(seqs, row["graph_size"])
+                row["graph_pdl_ms"] = time_ms(g.graph.replay, reps=ARGS.reps, warmup=3)["median_ms"]
+                row["pdl_gain"] = 1 - row["graph_pdl_ms"] / row["graph_ms"]
+                release(pool, seqs)
+        runner.fwd.k = KernelConfig(triton=True)
+    active = param_count(cfg)["active_per_token"] - cfg.vocab_size * cfg.hidden_size  # lookups are not flops
+    for T in ARGS.prefill:
+        if over_budget():
+            RESULT["prefill"].append({"tokens": T, "skipped": "budget"})
+            continue
+        row = bench_prefill(runner, cfg, layout, T, RESULT["matmul_tflops"], active)
+        log(f"prefill T={T}: {row}")
+        RESULT["prefill"].append(row)
+        save()
+    save()
+    print_table()
+    return 0
+
+
+def print_table() -> None:
+    print(f"\n{RESULT['device']}: copy {RESULT['copy']['GBps']:.0f} GB/s, matmul {RESULT['matmul_tflops']:.0f} TFLOP/s")
+    print("| batch | ctx | MB/step | roofline ms | eager ms | graph ms | graph+PDL ms | runner step ms | x roofline | tok/s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in RESULT["decode"]:
+        if "skipped" in r:
+            print(f"| {r['batch']} | skipped |")
+            continue
+
+        def f(k: str) -> str:
+            return f"{r[k]:.3f}" if k in r else "-"
+        print(f"| {r['batch']} | {r['context']} | {r['bytes']['total'] / 1e6:.0f} | {r['roofline_ms']:.3f} | "
+              f"{f('eager_ms')} | {f('graph_ms')} | {f('graph_pdl_ms')} | {f('runner_step_ms')} | "
+              f"{r['x_roofline']:.2f} | {r['tokens_per_s']:.0f} |")
+    print("\n| prefill tokens | chunk | ms | tokens/s | TFLOP/s | x matmul floor |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in RESULT["prefill"]:
+        if "skipped" in r:
+            print(f"| {r['tokens']} | skipped |")
+            continue
+        print(f"| {r['tokens']} | {r['chunk']} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | {r['tflops']:.0f} | "
+              f"{r['x_floor']:.2f} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
