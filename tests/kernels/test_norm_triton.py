@@ -153,3 +153,20 @@ def test_gpu_rms_norm_gated_kimi_shape(N: int) -> None:
     x, gate = randn(gen, N, 32, 128, dtype=torch.bfloat16), randn(gen, N, 32, 128, dtype=torch.bfloat16)
     w = randn(gen, 128)
     assert rel_err(rms_norm_gated(x, gate, w, 1e-5), rms_norm_gated_ref(x, gate, w, 1e-5)) < 1e-2
+
+
+def test_benchmark_smoke(tmp_path) -> None:
+    """benchmarks/kernels_misc.py --smoke runs every item (norms, mix, sampling) without an error."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels_misc.py"
+    out = tmp_path / "misc.json"
+    subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], check=True, capture_output=True,
+                   timeout=120)
+    res = json.loads(out.read_text())
+    items = [r for k in ("rms_norm", "rms_norm_residual", "rms_norm_gated", "attn_res_mix", "sampling")
+             for r in res[k]]
+    assert len(items) == 4 * 2 + 4 * 2 and all("us" in r for r in items), [r for r in items if "us" not in r]
