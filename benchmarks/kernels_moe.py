@@ -51,7 +51,7 @@ import_k3rt_kernels()
 from k3rt.kernels.moe import fused_experts, moe_align_fwd, moe_route  # noqa: E402
 from k3rt.kernels.moe.ref import act_and_mul_ref, fused_experts_ref, route_ref  # noqa: E402
 from k3rt.kernels.moe.triton_experts import (  # noqa: E402
-    DECODE_TILES, PREFILL_TILES_64, PREFILL_TILES_128, ExpertTiles, pick_tiles,
+    DECODE_CANDIDATES, PREFILL_CANDIDATES, ExpertTiles, pick_tiles,
 )
 from k3rt.model_config import ActivationConfig  # noqa: E402
 
@@ -60,14 +60,6 @@ SHAPE = dict(E=8, k=2, D=32, I=16) if ARGS.smoke else dict(E=256, k=8, D=2304, I
 SCALING = 2.446
 ACT = ActivationConfig("silu")
 REPS = 2 if ARGS.smoke else 20
-DECODE_SWEEP = [
-    DECODE_TILES,
-    ExpertTiles(16, 64, 128, 64, 128, 4, 4, 4),
-    ExpertTiles(16, 32, 256, 32, 256, 4, 4, 3),
-    ExpertTiles(16, 16, 128, 32, 128, 2, 2, 4),
-    ExpertTiles(16, 32, 128, 128, 64, 4, 4, 5),
-]
-PREFILL_SWEEP = [PREFILL_TILES_64, PREFILL_TILES_128, ExpertTiles(128, 128, 64, 128, 64, 8, 8, 3)]
 T0 = time.monotonic()
 RESULT: dict = {"mode": "smoke" if ARGS.smoke else "gpu", "shape": SHAPE}
 
@@ -180,7 +172,7 @@ def decode(T: int, w13, w2, bw_GBps: float) -> None:
             return {**base, "tiles": tiles.__dict__, "us": t["us_per_call"], "pct_of_floor": 100 * floor_us / t["us_per_call"]}
         return run
 
-    for i, tiles in enumerate(DECODE_SWEEP if not ARGS.smoke else DECODE_SWEEP[:1]):
+    for i, tiles in enumerate(DECODE_CANDIDATES if not ARGS.smoke else DECODE_CANDIDATES[:1]):
         rec = item("decode", f"T={T} tiles{i}" + (" (default)" if tiles == pick_tiles(T * SHAPE['k'], SHAPE['E']) else ""),
                    ours(tiles))
         if "us" in rec:
@@ -216,7 +208,7 @@ def prefill(T: int, w13, w2, peak_tflops: float) -> None:
                     "pct_of_matmul_peak": 100 * tf / peak_tflops}
         return run
 
-    sweep = [None] + [t for t in PREFILL_SWEEP if t != pick_tiles(T * k, SHAPE["E"])]
+    sweep = [None] + [t for t in PREFILL_CANDIDATES if t != pick_tiles(T * k, SHAPE["E"])]
     for i, tiles in enumerate(sweep if not ARGS.smoke else sweep[:1]):
         rec = item("prefill", f"T={T} " + ("default" if tiles is None else f"tiles{i}"), ours(tiles))
         if "ms" in rec:

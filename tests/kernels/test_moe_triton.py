@@ -27,6 +27,7 @@ from k3rt.kernels import common  # noqa: E402
 from k3rt.kernels.moe import ExpertTiles, fused_experts, moe_align_fwd, moe_route  # noqa: E402
 from k3rt.kernels.moe.ref import align_ref, fused_experts_ref, route_ref  # noqa: E402
 from k3rt.kernels.moe.triton_align import CHUNK, num_blocks_max  # noqa: E402
+from k3rt.kernels.moe.triton_experts import DECODE_CANDIDATES, PREFILL_CANDIDATES  # noqa: E402
 from k3rt.model_config import ActivationConfig  # noqa: E402
 
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -279,6 +280,18 @@ def test_gpu_fused_experts_48b(T: int) -> None:
     assert out.dtype == torch.bfloat16
     assert rel_err(out, ref) <= 1e-2
     assert torch.equal(fused_experts(**case, act=ACTS["silu"]), out)  # bit-reproducible
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("T,tiles", [(64, t) for t in DECODE_CANDIDATES] + [(2048, t) for t in PREFILL_CANDIDATES],
+                         ids=[f"decode{i}" for i in range(len(DECODE_CANDIDATES))]
+                         + [f"prefill{i}" for i in range(len(PREFILL_CANDIDATES))])
+def test_gpu_fused_experts_tile_candidates(T: int, tiles: ExpertTiles) -> None:
+    """Every tile config the benchmark times is correct (the defaults are among them)."""
+    case = gpu_case(T, seed=11)
+    out = fused_experts(**case, act=ACTS["situ_lin"], tiles=tiles)
+    assert rel_err(out, fused_experts_ref(**case, act=ACTS["situ_lin"])) <= 1e-2
 
 
 @pytest.mark.gpu
