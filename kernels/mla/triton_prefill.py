@@ -72,47 +72,48 @@ def _mla_prefill_kernel(
     len_q = tl.load(cu_q_ptr + i_b + 1) - q_begin
     k_begin = tl.load(cu_k_ptr + i_b)
     len_k = tl.load(cu_k_ptr + i_b + 1) - k_begin
-    if i_m * BLOCK_M < len_q:
-        offs_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < len_q
-        offs_p = tl.arange(0, P)
-        offs_r = tl.arange(0, R)
-        offs_v = tl.arange(0, V)
-        q_rows = q_ptr + (q_begin + offs_m).to(tl.int64) * stride_q_t + i_h * stride_q_h
-        q_n = tl.load(q_rows[:, None] + offs_p[None, :], mask=mask_m[:, None], other=0.0)  # [BLOCK_M, P]
-        q_p = tl.load(q_rows[:, None] + P + offs_r[None, :], mask=mask_m[:, None], other=0.0)  # [BLOCK_M, R]
-        q_pos = (len_k - len_q) + offs_m  # absolute positions; rows past len_q see every key
+    if i_m * BLOCK_M >= len_q:
+        return
+    offs_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < len_q
+    offs_p = tl.arange(0, P)
+    offs_r = tl.arange(0, R)
+    offs_v = tl.arange(0, V)
+    q_rows = q_ptr + (q_begin + offs_m).to(tl.int64) * stride_q_t + i_h * stride_q_h
+    q_n = tl.load(q_rows[:, None] + offs_p[None, :], mask=mask_m[:, None], other=0.0)  # [BLOCK_M, P]
+    q_p = tl.load(q_rows[:, None] + P + offs_r[None, :], mask=mask_m[:, None], other=0.0)  # [BLOCK_M, R]
+    q_pos = (len_k - len_q) + offs_m  # absolute positions; rows past len_q see every key
 
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, V], dtype=tl.float32)
-        # keys below the block's first position are visible to every query in it
-        first_pos = len_k - len_q + i_m * BLOCK_M
-        full_end = (tl.minimum(first_pos, len_k) // BLOCK_N) * BLOCK_N
-        hi = tl.minimum(len_k, first_pos + BLOCK_M)
-        offs_n = tl.arange(0, BLOCK_N)
-        kn_base = kn_ptr + k_begin.to(tl.int64) * stride_kn_t + i_h * stride_kn_h
-        kpe_base = kpe_ptr + k_begin.to(tl.int64) * stride_kpe_t
-        v_base = v_ptr + k_begin.to(tl.int64) * stride_v_t + i_h * stride_v_h
-        for n0 in range(0, full_end, BLOCK_N):
-            kk = (n0 + offs_n).to(tl.int64)
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q_n, q_p, kn_base + kk * stride_kn_t, kpe_base + kk * stride_kpe_t,
-                v_base + kk * stride_v_t, offs_p, offs_r, offs_v, None, None, qk_scale,
-                MASKED=False, DOT_PRECISION=DOT_PRECISION)
-        # key 0 is visible to every row, so no row is fully masked before it has a finite max
-        for n0 in range(full_end, hi, BLOCK_N):
-            k_idx = n0 + offs_n
-            mask_k = k_idx < len_k
-            kk = k_idx.to(tl.int64)
-            mask_s = (k_idx[None, :] <= q_pos[:, None]) & mask_k[None, :]
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q_n, q_p, kn_base + kk * stride_kn_t, kpe_base + kk * stride_kpe_t,
-                v_base + kk * stride_v_t, offs_p, offs_r, offs_v, mask_k, mask_s, qk_scale,
-                MASKED=True, DOT_PRECISION=DOT_PRECISION)
-        o = acc / l_i[:, None]
-        o_rows = o_ptr + (q_begin + offs_m).to(tl.int64) * stride_o_t + i_h * stride_o_h
-        tl.store(o_rows[:, None] + offs_v[None, :], o.to(o_ptr.dtype.element_ty), mask=mask_m[:, None])
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, V], dtype=tl.float32)
+    # keys below the block's first position are visible to every query in it
+    first_pos = len_k - len_q + i_m * BLOCK_M
+    full_end = (tl.minimum(first_pos, len_k) // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(len_k, first_pos + BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    kn_base = kn_ptr + k_begin.to(tl.int64) * stride_kn_t + i_h * stride_kn_h
+    kpe_base = kpe_ptr + k_begin.to(tl.int64) * stride_kpe_t
+    v_base = v_ptr + k_begin.to(tl.int64) * stride_v_t + i_h * stride_v_h
+    for n0 in range(0, full_end, BLOCK_N):
+        kk = (n0 + offs_n).to(tl.int64)
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q_n, q_p, kn_base + kk * stride_kn_t, kpe_base + kk * stride_kpe_t,
+            v_base + kk * stride_v_t, offs_p, offs_r, offs_v, None, None, qk_scale,
+            MASKED=False, DOT_PRECISION=DOT_PRECISION)
+    # key 0 is visible to every row, so no row is fully masked before it has a finite max
+    for n0 in range(full_end, hi, BLOCK_N):
+        k_idx = n0 + offs_n
+        mask_k = k_idx < len_k
+        kk = k_idx.to(tl.int64)
+        mask_s = (k_idx[None, :] <= q_pos[:, None]) & mask_k[None, :]
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q_n, q_p, kn_base + kk * stride_kn_t, kpe_base + kk * stride_kpe_t,
+            v_base + kk * stride_v_t, offs_p, offs_r, offs_v, mask_k, mask_s, qk_scale,
+            MASKED=True, DOT_PRECISION=DOT_PRECISION)
+    o = acc / l_i[:, None]
+    o_rows = o_ptr + (q_begin + offs_m).to(tl.int64) * stride_o_t + i_h * stride_o_h
+    tl.store(o_rows[:, None] + offs_v[None, :], o.to(o_ptr.dtype.element_ty), mask=mask_m[:, None])
 
 
 def _check_pow2(value: int, name: str) -> None:
@@ -202,6 +203,6 @@ def mla_prefill(
         v, v.stride(0), v.stride(1), out, out.stride(0), out.stride(1), cu_seqlens_q, cu_seqlens_k,
         float(scale) * _LOG2E, P=P, R=R, V=V, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages or 2,
+        num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages or 3,
     )
     return out
