@@ -388,16 +388,13 @@ def bench_decode(N: int, H: int, D: int, impl: str, cfg: dict | None = None) -> 
 
 
 def decode_sweep_configs(N: int) -> list[dict]:
-    """The launch shapes worth timing at batch N (small N: split V; large N: tile width, warps)."""
+    """The launch shapes worth timing at batch N (small N: split V, PDL; large N: tile width, warps)."""
+    def c(s: int, bv: int, w: int = 4, **kw) -> dict:
+        return dict(v_split=s, block_v=bv, num_warps=w, **kw)
     if N <= 4:
-        cfgs = [dict(v_split=s, block_v=128 // s, num_warps=w) for s in (1, 4, 8) for w in (2, 4)]
-        cfgs += [dict(v_split=4, block_v=32, num_warps=4, use_pdl=True), dict(v_split=8, block_v=16, num_warps=4, norm=True),
-                 dict(v_split=4, block_v=32, num_warps=4, norm=True)]
-    else:
-        cfgs = [dict(v_split=1, block_v=bv, num_warps=w) for bv, w in ((32, 4), (64, 4), (64, 8), (128, 8))]
-        cfgs += [dict(v_split=s, block_v=128 // s, num_warps=4) for s in (2, 4)]
-        cfgs += [dict(v_split=1, block_v=32, num_warps=4, norm=True), dict(v_split=2, block_v=64, num_warps=4, norm=True)]
-    return cfgs
+        return [c(8, 16), c(8, 16, use_pdl=True), c(4, 32), c(4, 32, use_pdl=True), c(4, 16),
+                c(8, 16, norm=True), c(8, 16, norm=True, use_pdl=True), c(4, 32, norm=True)]
+    return [c(1, 32), c(1, 64), c(1, 64, 8), c(2, 32), c(2, 64), c(1, 64, norm=True)]
 
 
 def check_decode_cfg(N: int, H: int, D: int, cfg: dict) -> dict:

@@ -141,6 +141,11 @@ def _kda_decode_kernel(
             zero = tl.zeros([BV], dtype=tl.float32).to(o_ptr.dtype.element_ty)
             tl.store(o_row + offs_v, zero, mask=offs_v < D)
     else:
+        # issue the first state tile's load before the conv and gate loads, so their latencies overlap
+        s_base = state_ptr + (slot * H + i_h) * (D * D)
+        offs_v = i_v * BVS + tl.arange(0, BV)
+        s_next = tl.load(s_base + offs_k[:, None] * D + offs_v[None, :],
+                         mask=mask_k[:, None] & (offs_v < D)[None, :], other=0.0)
         C = 3 * H * D
         x_row = qkv_ptr + i_n.to(tl.int64) * stride_qkv_n
         cs = conv_state_ptr + slot * ((W - 1) * C)
@@ -164,12 +169,17 @@ def _kda_decode_kernel(
 
         if USE_PDL:
             gdc_launch_dependents()  # dependents may start their prologue; they gdc_wait for us
-        s_base = state_ptr + (slot * H + i_h) * (D * D)
         raw_row = raw_ptr + row
-        # value columns are independent in the update: walk the state in [BK, BV] tiles
+        # value columns are independent in the update: walk the state in [BK, BV] tiles, loading the
+        # next tile before this one is stored (the compiler does not move loads past those stores)
         for v0 in tl.static_range(0, BVS, BV):
             offs_v = i_v * BVS + v0 + tl.arange(0, BV)
             mask_v = offs_v < D
+            S = s_next  # S: [BK, BV] fp32
+            if v0 + BV < BVS:
+                offs_n = offs_v + BV
+                s_next = tl.load(s_base + offs_k[:, None] * D + offs_n[None, :],
+                                 mask=mask_k[:, None] & (offs_n < D)[None, :], other=0.0)
             v_ch = 2 * H * D + i_h * D + offs_v
             win_v = _conv_window(x_row, cs, v_ch, mask_v, C, W, WP)
             v = _conv_silu(win_v, conv_w_ptr, v_ch, mask_v, W, WP)
@@ -178,7 +188,6 @@ def _kda_decode_kernel(
             _conv_shift_store(win_v, cs, v_ch, mask_v, C, W, WP)
             s_ptrs = s_base + offs_k[:, None] * D + offs_v[None, :]
             mask2 = mask_k[:, None] & mask_v[None, :]
-            S = tl.load(s_ptrs, mask=mask2, other=0.0)  # S: [BK, BV] fp32
             S = S * decay[:, None]
             kv = tl.sum(S * k[:, None], axis=0)  # S'^T k: [BV]
             u = beta * (v - kv)
@@ -290,7 +299,7 @@ def kda_decode(
     out: Tensor | None = None,
     use_pdl: bool = False,
     num_warps: int = 4,
-    block_v: int = 32,
+    block_v: int = 64,
     o_gate: Tensor | None = None,
     o_norm_weight: Tensor | None = None,
     o_norm_eps: float = 1e-5,
@@ -322,6 +331,7 @@ def kda_decode(
         o_norm_eps: the output norm's eps (Kimi: rms_norm_eps, 1e-5).
         v_split: programs per head, each owning D/v_split value columns (a power of two dividing
             D); None picks `default_v_split(N, H, D)`.
+        num_warps, block_v: launch tuning (block_v: value columns per state tile).
         workspace: int32 counters from `kda_decode_workspace(>= N, H)`, zero between launches; used
             when v_split > 1 (None allocates zeroed counters per call).
 

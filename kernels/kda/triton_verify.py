@@ -237,7 +237,8 @@ def kda_verify(
         conv_out: optional [N, T, W-1, 3*H*D] buffer (conv_state.dtype) for the per-position caches.
         o_gate, o_norm_weight, o_norm_eps: the fused gated RMSNorm as in kda_decode; o_gate is
             [N, T, H, D] (or [N, T, H*D]) with a contiguous last dim.
-        v_split: programs per head (power of two dividing D); None picks `default_v_split`.
+        v_split: programs per head (power of two dividing D); None picks `default_v_split`, at
+            least D/32.
         workspace: int32 counters (`kda_decode_workspace(>= N, H)`), used with the norm and v_split > 1.
 
     Returns:
@@ -287,7 +288,8 @@ def kda_verify(
     elif o_norm_weight is not None:
         raise ValueError("o_gate and o_norm_weight must be given together")
     norm = o_gate is not None
-    v_split = default_v_split(N, H, D) if v_split is None else int(v_split)
+    # the state tile lives in registers across all T positions: keep it at <= 32 columns
+    v_split = max(default_v_split(N, H, D), D // 32) if v_split is None else int(v_split)
     if v_split < 1 or D % v_split != 0 or (D // v_split) & (D // v_split - 1):
         raise ValueError(f"v_split must be a power of two dividing D={D} into powers of two, got {v_split}")
     dev = qkv_pre.device
