@@ -150,21 +150,24 @@ def moe_align_fwd(topk_ids: Tensor, num_experts: int, block_m: int, *, use_pdl: 
     if P == 0:
         return sorted_ids, block_expert
     E_P = max(16, triton.next_power_of_2(num_experts))
-    NC = triton.cdiv(P, CHUNK)
+    # a single chunk shrinks to the pairs present: decode does not pay for CHUNK^2 rank compares
+    bp = max(16, min(CHUNK, triton.next_power_of_2(P)))
+    sub = min(_SUB, bp)
+    NC = triton.cdiv(P, bp)
     counts = torch.empty(NC, E_P, dtype=torch.int32, device=dev)
     start = torch.empty(E_P, dtype=torch.int32, device=dev)
     single = NC == 1
     pdl = use_pdl and not INTERPRET
     if not single:
-        _moe_align_count_kernel[(NC,)](topk_ids, counts, P, E_P=E_P, BP=CHUNK, USE_PDL=pdl, num_warps=4,
+        _moe_align_count_kernel[(NC,)](topk_ids, counts, P, E_P=E_P, BP=bp, USE_PDL=pdl, num_warps=4,
                                        **pdl_kwargs(use_pdl))
     _moe_align_offsets_kernel[(1,)](
         topk_ids, counts, start, sorted_ids, block_expert, P, NC, NB,
-        E_P=E_P, BLOCK_M=block_m, BP=CHUNK, SUB=_SUB, TILE_C=max(1, min(16, 8192 // E_P)),
+        E_P=E_P, BLOCK_M=block_m, BP=bp, SUB=sub, TILE_C=max(1, min(16, 8192 // E_P)),
         BLOCK_B=max(1, min(64, 8192 // E_P)), SINGLE_CHUNK=single, USE_PDL=pdl, num_warps=8,
         **pdl_kwargs(use_pdl),
     )
     if not single:
-        _moe_align_scatter_kernel[(NC,)](topk_ids, counts, sorted_ids, P, E_P=E_P, BP=CHUNK, SUB=_SUB,
+        _moe_align_scatter_kernel[(NC,)](topk_ids, counts, sorted_ids, P, E_P=E_P, BP=bp, SUB=sub,
                                          USE_PDL=pdl, num_warps=8, **pdl_kwargs(use_pdl))
     return sorted_ids, block_expert
