@@ -191,7 +191,7 @@ def bench_prefill() -> None:
               + (f"   SDPA[{row['sdpa_backend']}] {row['sdpa_ms']:8.2f} ms {row['sdpa_TFLOPs']:6.1f} TFLOP/s"
                  if "sdpa_ms" in row else ""))
         if GPU and T == PREFILL_LENS[0]:
-            for bm, bn, warps, stages in [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)]:
+            for bm, bn, warps, stages in [(128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 4)]:
                 if not in_budget(f"prefill tile {bm}x{bn}"):
                     continue
                 tune = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
