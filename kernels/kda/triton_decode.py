@@ -141,11 +141,14 @@ def _kda_decode_kernel(
             zero = tl.zeros([BV], dtype=tl.float32).to(o_ptr.dtype.element_ty)
             tl.store(o_row + offs_v, zero, mask=offs_v < D)
     else:
-        # issue the first state tile's load before the conv and gate loads, so their latencies overlap
         s_base = state_ptr + (slot * H + i_h) * (D * D)
-        offs_v = i_v * BVS + tl.arange(0, BV)
-        s_next = tl.load(s_base + offs_k[:, None] * D + offs_v[None, :],
-                         mask=mask_k[:, None] & (offs_v < D)[None, :], other=0.0)
+        if NV > 1:
+            # split heads (small N, latency bound): issue the first state tile's load before the conv
+            # and gate loads so their latencies overlap. Unsplit (large N, bandwidth bound) this
+            # cost 15-45% on the H200 (NOTES.md, run 2), so there the tile loads stay in the loop.
+            offs_v = i_v * BVS + tl.arange(0, BV)
+            s_next = tl.load(s_base + offs_k[:, None] * D + offs_v[None, :],
+                             mask=mask_k[:, None] & (offs_v < D)[None, :], other=0.0)
         C = 3 * H * D
         x_row = qkv_ptr + i_n.to(tl.int64) * stride_qkv_n
         cs = conv_state_ptr + slot * ((W - 1) * C)
@@ -170,24 +173,24 @@ def _kda_decode_kernel(
         if USE_PDL:
             gdc_launch_dependents()  # dependents may start their prologue; they gdc_wait for us
         raw_row = raw_ptr + row
-        # value columns are independent in the update: walk the state in [BK, BV] tiles, loading the
-        # next tile before this one is stored (the compiler does not move loads past those stores)
+        # value columns are independent in the update: walk the state in [BK, BV] tiles
         for v0 in tl.static_range(0, BVS, BV):
             offs_v = i_v * BVS + v0 + tl.arange(0, BV)
             mask_v = offs_v < D
-            S = s_next  # S: [BK, BV] fp32
-            if v0 + BV < BVS:
-                offs_n = offs_v + BV
-                s_next = tl.load(s_base + offs_k[:, None] * D + offs_n[None, :],
-                                 mask=mask_k[:, None] & (offs_n < D)[None, :], other=0.0)
+            s_ptrs = s_base + offs_k[:, None] * D + offs_v[None, :]
+            mask2 = mask_k[:, None] & mask_v[None, :]
+            if NV > 1:
+                S = s_next  # S: [BK, BV] fp32
+                if v0 + BV < BVS:
+                    s_next = tl.load(s_ptrs + BV, mask=mask_k[:, None] & (offs_v + BV < D)[None, :], other=0.0)
             v_ch = 2 * H * D + i_h * D + offs_v
             win_v = _conv_window(x_row, cs, v_ch, mask_v, C, W, WP)
             v = _conv_silu(win_v, conv_w_ptr, v_ch, mask_v, W, WP)
             tl.debug_barrier()
             # these v channels belong to this program alone
             _conv_shift_store(win_v, cs, v_ch, mask_v, C, W, WP)
-            s_ptrs = s_base + offs_k[:, None] * D + offs_v[None, :]
-            mask2 = mask_k[:, None] & mask_v[None, :]
+            if NV == 1:
+                S = tl.load(s_ptrs, mask=mask2, other=0.0)  # S: [BK, BV] fp32
             S = S * decay[:, None]
             kv = tl.sum(S * k[:, None], axis=0)  # S'^T k: [BV]
             u = beta * (v - kv)
