@@ -27,7 +27,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from k3rt.kernels.common import INTERPRET, pdl_kwargs
 
 CHUNK = 512  # pairs per chunk: T <= 64 at k = 8 is one chunk, hence one launch
-_SUB = 64  # columns of the in-chunk rank comparison held at once
+_SUB = 32  # columns of the in-chunk rank comparison held at once (64 spills at 512 rows, sm_90)
 
 
 @triton.jit
