@@ -41,6 +41,11 @@ _TARGET_PROGRAMS = 256
 _MIN_SPLIT_COLS = 16
 
 
+def _slots_contiguous(t: Tensor) -> bool:
+    """Each slot t[i] is one contiguous block (the page pool's views: slots a page apart)."""
+    return t.shape[0] == 0 or (t[0].is_contiguous() and t.stride(0) >= t[0].numel())
+
+
 @triton.jit
 def _conv_window(x_row, cs_ptr, ch, mask, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
     """The conv window of one token on channels `ch`: [WP, len(ch)] fp32, rows 0..W-2 from the
@@ -97,12 +102,12 @@ def _norm_gate_row(raw_row, gate_row, w_ptr, o_row, offs, mask, eps, D: tl.const
 def _kda_decode_kernel(
     qkv_ptr, stride_qkv_n,  # [N, 3*H*D] pre-conv q|k|v
     conv_w_ptr,  # [3*H*D, W] fp32
-    conv_state_ptr,  # [num_slots, W-1, 3*H*D]
+    conv_state_ptr, stride_cs_slot,  # [num_slots, W-1, 3*H*D], rows of a slot contiguous
     f_ptr, stride_f_n,  # [N, H*D] raw f_b_proj output
     a_log_ptr,  # [H] fp32
     dt_bias_ptr,  # [H*D] fp32
     b_ptr, stride_b_n,  # [N, H] raw b_proj output
-    state_ptr,  # [num_slots, H, D, D] fp32
+    state_ptr, stride_state_slot,  # [num_slots, H, D, D] fp32, each slot contiguous
     slot_ptr,  # [N] int32/int64
     o_ptr,  # [N, H, D]
     gate_ptr, stride_gate_n, stride_gate_h,  # [N, H, D] output gate (NORM only)
@@ -141,7 +146,7 @@ def _kda_decode_kernel(
             zero = tl.zeros([BV], dtype=tl.float32).to(o_ptr.dtype.element_ty)
             tl.store(o_row + offs_v, zero, mask=offs_v < D)
     else:
-        s_base = state_ptr + (slot * H + i_h) * (D * D)
+        s_base = state_ptr + slot * stride_state_slot + i_h * (D * D)
         if NV > 1:
             # split heads (small N, latency bound): issue the first state tile's load before the conv
             # and gate loads so their latencies overlap. Unsplit (large N, bandwidth bound) this
@@ -151,7 +156,7 @@ def _kda_decode_kernel(
                              mask=mask_k[:, None] & (offs_v < D)[None, :], other=0.0)
         C = 3 * H * D
         x_row = qkv_ptr + i_n.to(tl.int64) * stride_qkv_n
-        cs = conv_state_ptr + slot * ((W - 1) * C)
+        cs = conv_state_ptr + slot * stride_cs_slot
         q_ch = i_h * D + offs_k
         k_ch = H * D + q_ch
         win_q = _conv_window(x_row, cs, q_ch, mask_k, C, W, WP)
@@ -236,12 +241,12 @@ def _launch_decode(
     assert qkv_pre.shape == (N, 3 * H * D) and qkv_pre.stride(1) == 1
     assert conv_weight.shape == (3 * H * D, W) and conv_weight.is_contiguous()
     assert conv_weight.dtype == torch.float32 and W >= 2
-    assert conv_state.shape[1:] == (W - 1, 3 * H * D) and conv_state.is_contiguous()
+    assert conv_state.shape[1:] == (W - 1, 3 * H * D) and conv_state[0].is_contiguous()
     assert f.shape == (N, H * D) and f.stride(1) == 1
     assert A_log.numel() == H and A_log.dtype == torch.float32 and A_log.is_contiguous()
     assert dt_bias.numel() == H * D and dt_bias.dtype == torch.float32 and dt_bias.is_contiguous()
     assert b.shape == (N, H) and b.stride(1) == 1
-    assert state.shape[2:] == (D, D) and state.dtype == torch.float32 and state.is_contiguous()
+    assert state.shape[2:] == (D, D) and state.dtype == torch.float32 and state[0].is_contiguous()
     assert slot_indices.shape == (N,) and slot_indices.dtype in (torch.int32, torch.int64)
     assert out.shape == (N, H, D) and out.is_contiguous()
     assert D % v_split == 0 and triton.next_power_of_2(D // v_split) == D // v_split
@@ -255,8 +260,8 @@ def _launch_decode(
         return
     bvs = D // v_split if v_split > 1 else triton.next_power_of_2(D)
     _kda_decode_kernel[(N, H, v_split)](
-        qkv_pre, qkv_pre.stride(0), conv_weight, conv_state, f, f.stride(0), A_log, dt_bias,
-        b, b.stride(0), state, slot_indices, out,
+        qkv_pre, qkv_pre.stride(0), conv_weight, conv_state, conv_state.stride(0), f, f.stride(0), A_log, dt_bias,
+        b, b.stride(0), state, state.stride(0), slot_indices, out,
         o_gate if norm else out, o_gate.stride(0) if norm else 0, o_gate.stride(1) if norm else 0,
         o_norm_weight if norm else out, raw if norm else out, counts if v_split > 1 else slot_indices,
         scale, 0.0 if lower_bound is None else float(lower_bound), eps,
@@ -314,12 +319,12 @@ def kda_decode(
     Args:
         qkv_pre: [N, 3*H*D] pre-conv q|k|v projections (activation dtype; rows may be strided).
         conv_weight: [3*H*D, W] fp32 depthwise taps; column W-1 multiplies the current token.
-        conv_state: [num_slots, W-1, 3*H*D] previous pre-conv inputs, oldest first; updated in place.
+        conv_state: [num_slots, W-1, 3*H*D] previous pre-conv inputs, oldest first; updated in place. Each slot contiguous; the slot stride is free (page-pool views).
         f: [N, H*D] raw f_b_proj output.
         A_log: [H] fp32 (the checkpoint's [1, 1, H, 1] is accepted).
         dt_bias: [H*D] fp32 (an [H, D] view is accepted).
         b: [N, H] raw b_proj output (beta = sigmoid(b)).
-        state: [num_slots, H, D, D] fp32 recurrent state (key rows, value columns); updated in place.
+        state: [num_slots, H, D, D] fp32 recurrent state (key rows, value columns); updated in place; each slot contiguous, any slot stride.
         slot_indices: [N] int32/int64 slot of each sequence; a negative entry is padding: its output
             row is zero and no state is touched.
         lower_bound: None for the softplus gate, else the bounded gate's lower bound (-5 <= lb < 0).
@@ -361,10 +366,10 @@ def kda_decode(
     W = conv_weight.shape[1]
     if conv_weight.dtype != torch.float32:
         raise ValueError(f"conv_weight must be fp32, got {conv_weight.dtype}")
-    if tuple(conv_state.shape) != (num_slots, W - 1, 3 * H * D) or not conv_state.is_contiguous():
+    if tuple(conv_state.shape) != (num_slots, W - 1, 3 * H * D) or not _slots_contiguous(conv_state):
         raise ValueError(
-            f"conv_state must be contiguous [num_slots, W-1, 3*H*D]={[num_slots, W - 1, 3 * H * D]}, "
-            f"got {list(conv_state.shape)} (contiguous={conv_state.is_contiguous()})"
+            f"conv_state must be [num_slots, W-1, 3*H*D]={[num_slots, W - 1, 3 * H * D]} with each slot "
+            f"contiguous (any slot stride), got {list(conv_state.shape)} strides {conv_state.stride()}"
         )
     check(f, "f", (N, H * D))
     check(b, "b", (N, H))
@@ -380,8 +385,8 @@ def kda_decode(
         )
     if lower_bound is not None and not (_LOWER_BOUND_MIN <= lower_bound < 0.0):
         raise ValueError(f"lower_bound must satisfy -5 <= lower_bound < 0, got {lower_bound}")
-    if not state.is_contiguous():
-        raise ValueError("state must be contiguous")
+    if not _slots_contiguous(state):
+        raise ValueError(f"state must have each slot contiguous (any slot stride), got strides {state.stride()}")
     for name, t in (("qkv_pre", qkv_pre), ("f", f), ("b", b)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")

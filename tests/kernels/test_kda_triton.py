@@ -141,6 +141,27 @@ def test_decode_matches_ref(N: int, D: int, slots: list[int], kind: str) -> None
     assert torch.equal(case["conv_state"][untouched], conv0[untouched])
 
 
+@pytest.mark.parametrize("v_split", [1, 2])
+def test_decode_in_place_on_page_pool_views(v_split: int) -> None:
+    """State and conv cache as the page pool lays them out: each slot a view into one page of a byte
+    tensor (conv rows, then the state, then padding), so slots are contiguous but a page apart."""
+    N, H, D, kind = 3, 2, 16, "lower_bound"
+    case = decode_case(N, H, D, kind, torch.float32, num_slots=4, seed=5)
+    slots = [3, -1, 1]
+    o_ref, state_ref, conv_ref = decode_ref(case, slots, kind)
+    conv_n, state_n = case["conv_state"][0].numel(), case["state"][0].numel()
+    pages = torch.full((4, conv_n + state_n + 24), float("nan"), device=DEV)  # 24 floats of page padding
+    conv_view = pages[:, :conv_n].view(4, *case["conv_state"].shape[1:])
+    state_view = pages[:, conv_n:conv_n + state_n].view(4, *case["state"].shape[1:])
+    conv_view.copy_(case["conv_state"])
+    state_view.copy_(case["state"])
+    args = {**case, "conv_state": conv_view, "state": state_view}
+    o = kda_decode(**args, slot_indices=torch.tensor(slots, device=DEV), lower_bound=LOWER_BOUND, v_split=v_split)
+    assert rel_err(o, o_ref) <= 1e-4
+    assert rel_err(state_view, state_ref) <= 1e-4 and rel_err(conv_view, conv_ref) <= 1e-6
+    assert torch.isnan(pages[:, conv_n + state_n:]).all()  # the padding of every page untouched
+
+
 def test_decode_two_steps_int64_slots_fp16() -> None:
     """Chained steps reuse the updated conv and recurrent state; fp16 activations, int64 slots."""
     N, H, D, kind = 2, 2, 16, "softplus"

@@ -23,7 +23,7 @@ from k3rt.backend.runner.gpu.step import GpuStep
 
 
 class GpuForward:
-    def __init__(self, model: KimiForCausalLM, pool: PagePool, kernels: KernelConfig) -> None:
+    def __init__(self, model: KimiForCausalLM, pool: PagePool, kernels: KernelConfig, *, max_batch: int = 4096) -> None:
         self.model, self.pool, self.k = model, pool, kernels
         L = pool.layout
         self.cfg = model.cfg
@@ -35,6 +35,10 @@ class GpuForward:
         for t, i in enumerate(L.mla_group):
             self.prepared[i] = MlaWeights.of(self.layers[i].self_attn, t)
         self.norm_kernel = kernel("norm", "rms_norm") if kernels.triton else None
+        ws = kernel("kda", "kda_decode_workspace") if kernels.triton else None
+        heads = max((w.A_log.numel() for w in self.prepared.values() if isinstance(w, KdaWeights)), default=0)
+        # one set of per-head counters serves every KDA layer and step (allocated outside graph capture)
+        self.kda_workspace = ws(max_batch, heads, pool.tensors[0].device) if ws is not None and heads else None
         self.mix_kernel = kernel("attn_res", "attn_res_mix") if kernels.triton else None
 
     @property
@@ -46,6 +50,14 @@ class GpuForward:
         if self.norm_kernel is not None:
             return self.norm_kernel(x, weight, eps)
         return rms_norm(x, weight, eps)
+
+    def add_norm(self, delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + delta), residual + delta), the sum rounded to the activation dtype first."""
+        if self.norm_kernel is not None:
+            return self.norm_kernel(delta, weight, eps, residual=residual)
+        h = residual + delta
+        return rms_norm(h, weight, eps), h
 
     def mix(self, stream: AttnResStream, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
         assert stream.prefix is not None
@@ -60,7 +72,7 @@ class GpuForward:
         attn = self.layers[i].self_attn
         if isinstance(w, KdaWeights):
             return kda_forward(attn, w, x, step, self.pool.conv[w.tensor], self.pool.rec[w.tensor], self.k,
-                               decode=decode)
+                               decode=decode, workspace=self.kda_workspace)
         return mla_forward(attn, w, x, step, self.pool.mla[w.slot], self.k)
 
     def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -73,17 +85,21 @@ class GpuForward:
         m, eps = self.model.model, self.cfg.rms_norm_eps
         h = m.embed_tokens(step.ids)
         if not self.cfg.attn_res_block_size:
+            # pre-norm residual stream; each residual add is fused into the next norm
+            x = self.norm(h, self.layers[0].input_layernorm.weight, eps)
             for i, layer in enumerate(self.layers):
-                h = h + self.attention(i, self.norm(h, layer.input_layernorm.weight, eps), step, decode)
-                h = h + self.ffn(i, self.norm(h, layer.post_attention_layernorm.weight, eps))
-        else:
-            stream = AttnResStream(h, self.cfg.attn_res_block_size)
-            for i, layer in enumerate(self.layers):
-                x = self.mix(stream, layer.self_attention_res_norm.weight, layer.self_attention_res_proj.weight, eps)
-                stream.begin_layer(i)
-                stream.add(self.attention(i, self.norm(x, layer.input_layernorm.weight, eps), step, decode))
-                x = self.mix(stream, layer.mlp_res_norm.weight, layer.mlp_res_proj.weight, eps)
-                stream.add(self.ffn(i, self.norm(x, layer.post_attention_layernorm.weight, eps)))
-            h = self.mix(stream, m.output_attn_res_norm.weight, m.output_attn_res_proj.weight, eps)
+                x, h = self.add_norm(self.attention(i, x, step, decode), h, layer.post_attention_layernorm.weight, eps)
+                nxt = self.layers[i + 1].input_layernorm.weight if i + 1 < len(self.layers) else m.norm.weight
+                x, h = self.add_norm(self.ffn(i, x), h, nxt, eps)
+            x = x if step.logit_rows.numel() == x.shape[0] else x[step.logit_rows]
+            return self.model.lm_head(x)
+        stream = AttnResStream(h, self.cfg.attn_res_block_size)
+        for i, layer in enumerate(self.layers):
+            x = self.mix(stream, layer.self_attention_res_norm.weight, layer.self_attention_res_proj.weight, eps)
+            stream.begin_layer(i)
+            stream.add(self.attention(i, self.norm(x, layer.input_layernorm.weight, eps), step, decode))
+            x = self.mix(stream, layer.mlp_res_norm.weight, layer.mlp_res_proj.weight, eps)
+            stream.add(self.ffn(i, self.norm(x, layer.post_attention_layernorm.weight, eps)))
+        h = self.mix(stream, m.output_attn_res_norm.weight, m.output_attn_res_proj.weight, eps)
         h = h if step.logit_rows.numel() == h.shape[0] else h[step.logit_rows]
         return self.model.lm_head(self.norm(h, m.norm.weight, eps))

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from k3rt.backend.layers.norm import rms_norm_gated
 from k3rt.backend.models.kda import KimiDeltaAttention
-from k3rt.backend.runner.gpu.ops import KernelConfig, share_rows
+from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, share_rows
 from k3rt.backend.runner.gpu.step import GpuStep
 from k3rt.kernels.kda.ref import kda_chunked, kda_gate_lower_bound, kda_gate_softplus
 
@@ -59,8 +59,10 @@ def _gate(attn: KimiDeltaAttention, w: KdaWeights, f_a: torch.Tensor) -> torch.T
 
 
 def kda_forward(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: GpuStep,
-                conv_pool: torch.Tensor, rec_pool: torch.Tensor, k: KernelConfig, *, decode: bool) -> torch.Tensor:
-    """x [T, hidden] -> [T, hidden]; conv_pool [P, W-1, 3P], rec_pool [P, H, K, V] (pool views)."""
+                conv_pool: torch.Tensor, rec_pool: torch.Tensor, k: KernelConfig, *, decode: bool,
+                workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, hidden] -> [T, hidden]; conv_pool [P, W-1, 3P], rec_pool [P, H, K, V] (pool views, a
+    page apart); workspace: kda_decode's per-head counters (decode form)."""
     T, H, D = x.shape[0], attn.num_heads, attn.head_dim
     qkv, gate, f_a, b = torch.split(F.linear(x, w.w_in), w.splits, dim=-1)
     if w.low_rank_gate:
@@ -69,21 +71,14 @@ def kda_forward(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: 
     if decode and k.triton:
         from k3rt.kernels.kda import kda_decode
 
-        f = attn.f_b_proj(f_a)
-        if conv_pool.is_contiguous() and rec_pool.is_contiguous():
-            o = kda_decode(qkv, w.conv_weight, conv_pool, f, w.A_log, w.dt_bias, b, rec_pool, pages,
-                           lower_bound=attn.lower_bound, use_pdl=k.use_pdl)
-        else:
-            # pool pages interleave conv and recurrent state, so the views are strided per page and
-            # the kernel wants contiguous slots: run on a gathered copy and write it back
-            conv, rec = conv_pool[pages], rec_pool[pages]
-            slots = torch.arange(T, device=x.device)
-            o = kda_decode(qkv, w.conv_weight, conv, f, w.A_log, w.dt_bias, b, rec, slots,
-                           lower_bound=attn.lower_bound, use_pdl=k.use_pdl)
-            conv_pool[pages], rec_pool[pages] = conv, rec
-    else:
-        o = _general(attn, w, qkv, f_a, b, step, conv_pool, rec_pool, pages, k)
-    o = rms_norm_gated(o, gate.reshape(T, H, D), attn.o_norm_weight, attn.eps)
+        # conv, gates, delta rule and the gated output norm in one launch, states in their pages
+        o = kda_decode(qkv, w.conv_weight, conv_pool, attn.f_b_proj(f_a), w.A_log, w.dt_bias, b, rec_pool, pages,
+                       lower_bound=attn.lower_bound, use_pdl=k.use_pdl, o_gate=gate.reshape(T, H, D),
+                       o_norm_weight=attn.o_norm_weight, o_norm_eps=attn.eps, workspace=workspace)
+        return attn.o_proj(o.reshape(T, H * D))
+    o = _general(attn, w, qkv, f_a, b, step, conv_pool, rec_pool, pages, k)
+    gated = kernel("norm", "rms_norm_gated") if k.triton else None
+    o = (gated or rms_norm_gated)(o, gate.reshape(T, H, D), attn.o_norm_weight, attn.eps)
     return attn.o_proj(o.reshape(T, H * D))
 
 

@@ -107,7 +107,7 @@ class GpuModelRunner(Runner):
         if score_rows:
             self._score(logits[len(reqs):], score_rows)
             logits = logits[:len(reqs)]
-        tokens = sample_step(self.sampler, logits, reqs)
+        tokens = sample_step(self.sampler, logits, reqs, use_kernels=self.kernels.triton)
         self.step_times.append(time.perf_counter() - t0)
         return tokens
 

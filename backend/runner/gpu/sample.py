@@ -1,21 +1,76 @@
-"""Sampling for a step's logits: greedy batches take one argmax on the device; everything else goes
-through the batched sampler (penalties, grammar bitmask, logprobs), shared with the reference runner."""
+"""Sampling for the GPU runner's logits, on the device.
+
+  plain greedy batches: one argmax;
+  otherwise, without repetition/frequency/presence penalties: the Triton sampler
+    (`k3rt.kernels.sampling.sample`: bitmask, temperature, top-k/top-p/min-p, a philox draw keyed by
+    (request seed, tokens generated so far), logprobs), with the per-row parameters sent in one copy;
+  with penalties (they need each request's token counts on the device, which the runner does not
+    keep yet): the batched reference sampler, shared with the reference runner.
+Either way the step's only synchronization is reading the tokens (and logprobs) back.
+"""
 
 from __future__ import annotations
 
+import random
+
 import torch
 
+from k3rt.backend.runner.gpu.ops import kernel
 from k3rt.backend.runner.sampling import sample_requests
 from k3rt.backend.sampling.sampler import Sampler
 
 
 def _plain_greedy(r) -> bool:
     p = r.params
-    return (p.temperature == 0 and r.grammar is None and p.logprobs is None and p.repetition_penalty == 1.0
-            and not p.frequency_penalty and not p.presence_penalty)
+    return p.greedy and r.grammar is None and p.logprobs is None and not _penalized(r)
 
 
-def sample_step(sampler: Sampler, logits: torch.Tensor, reqs: list) -> dict[int, int]:
+def _penalized(r) -> bool:
+    p = r.params
+    return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+
+
+def _seed(r) -> int:
+    """The request's philox seed: its own, or one drawn once and kept (reproducible within the run)."""
+    s = getattr(r, "device_seed", None)
+    if s is None:
+        s = r.params.seed if r.params.seed is not None else random.getrandbits(62)
+        r.device_seed = s
+    return s
+
+
+def sample_step(sampler: Sampler, logits: torch.Tensor, reqs: list, *, use_kernels: bool = True) -> dict[int, int]:
     if reqs and all(_plain_greedy(r) for r in reqs):
         return {r.rid: t for r, t in zip(reqs, torch.argmax(logits, dim=-1).tolist())}
-    return sample_requests(sampler, logits, reqs)
+    fn = kernel("sampling", "sample") if use_kernels and logits.is_cuda else None
+    if fn is None or any(_penalized(r) for r in reqs):
+        return sample_requests(sampler, logits, reqs)
+    dev = logits.device
+    ps = [r.params for r in reqs]
+    floats = torch.tensor([[p.temperature, p.top_p, p.min_p] for p in ps], dtype=torch.float32)
+    ints = torch.tensor([[p.top_k, _seed(r), len(r.token_ids) - r.prompt_len] for p, r in zip(ps, reqs)],
+                        dtype=torch.int64)
+    floats, ints = floats.pin_memory().to(dev, non_blocking=True), ints.pin_memory().to(dev, non_blocking=True)
+    mask = None
+    if any(r.grammar is not None for r in reqs):
+        from k3rt.backend.grammar import fill_batch_bitmask
+
+        # rows without a grammar keep every bit set
+        mask = torch.full((len(reqs), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)
+        fill_batch_bitmask([r.grammar for r in reqs], mask)
+        mask = mask.pin_memory().to(dev, non_blocking=True)
+    nlp = max((p.logprobs for p in ps if p.logprobs is not None), default=None)
+    filters = any(p.top_k > 1 or p.top_p < 1.0 or p.min_p > 0.0 for p in ps)
+    res = fn(logits.contiguous(), floats[:, 0].contiguous(), ints[:, 0].to(torch.int32), floats[:, 1].contiguous(),
+             floats[:, 2].contiguous(), ints[:, 1].contiguous(), ints[:, 2].contiguous(), allowed_mask=mask,
+             apply_filters=filters, num_logprobs=nlp)
+    tokens = res.token_ids.tolist()
+    if nlp is not None:
+        chosen, tops, ids = res.logprobs.tolist(), res.top_logprobs.tolist(), res.top_ids.tolist()
+    for i, (r, tok) in enumerate(zip(reqs, tokens)):
+        if r.grammar is not None and not r.grammar.accept(tok):
+            raise RuntimeError(f"grammar rejected token {tok} it allowed (request {r.rid})")
+        if nlp is not None and r.params.logprobs is not None:
+            k = r.params.logprobs
+            r.last_logprob, r.last_top_logprobs = chosen[i], list(zip(ids[i][:k], tops[i][:k]))
+    return {r.rid: t for r, t in zip(reqs, tokens)}
