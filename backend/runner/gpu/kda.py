@@ -112,7 +112,7 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f_a: to
         slots = torch.arange(nseq, device=qkv.device)
         o = kda_chunk_fwd(q, kk, v, g, beta, step.cu_seqlens, states, slots,
                           snapshot_positions=pos if snaps else None, snapshot_slots=dst if snaps else None,
-                          cu_seqlens_cpu=step.cu)
+                          cu_seqlens_cpu=step.cu, precision="ieee" if q.dtype == torch.float32 else "tf32")
     else:
         o = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
         for i in range(nseq):
