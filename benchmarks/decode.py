@@ -110,12 +110,18 @@ def step_bytes(model, cfg: ModelConfig, B: int, ctx: int, layout) -> dict:
             "total": int(dense + expert * frac + state + kv), "expert_fraction": frac}
 
 
-def fill_noise(pool: PagePool) -> None:
-    for t in range(len(pool.tensors)):
-        pool.mla[t].normal_()
-        if pool.conv:
-            pool.conv[t].normal_()
-            pool.rec[t].normal_(0.0, 0.05)
+def fill_noise(pool: PagePool, seq: StepSeq) -> None:
+    """Random cache contents for one sequence: latent KV in its MLA pages, conv and recurrent state in
+    its state set. Views of one page overlap (a page is either KV or a KDA state), so each page is
+    filled only through the view its role uses: noise written through the other would read back as
+    arbitrary bit patterns, NaN included."""
+    for page in seq.block_table:
+        for t in range(len(pool.tensors)):
+            pool.mla[t][page].normal_()
+    for page in seq.state_pages or []:
+        for t in range(len(pool.conv)):
+            pool.conv[t][page].normal_()
+            pool.rec[t][page].normal_(0.0, 0.05)
 
 
 def decode_seqs(pool: PagePool, layout, B: int, ctx: int, vocab: int) -> list[StepSeq]:
@@ -126,6 +132,7 @@ def decode_seqs(pool: PagePool, layout, B: int, ctx: int, vocab: int) -> list[St
         states = pool.allocate(max(1, layout.pages_per_state_set), zero=False)
         tok = int(torch.randint(0, vocab, (1,), generator=g))
         seqs.append(StepSeq([tok], ctx, table, states, True))
+        fill_noise(pool, seqs[-1])
     return seqs
 
 
@@ -152,6 +159,15 @@ def bench_decode(runner: GpuModelRunner, model, cfg, layout, copy_gbps: float, B
             torch.argmax(g.logits[:B], dim=-1).tolist()
 
         row["runner_step_ms"] = time_ms(full_step, reps=ARGS.reps, warmup=2)["median_ms"]
+    distinct = distinct_experts(runner, step)
+    if distinct is not None:  # replace the uniform-routing expectation by what this batch routes to
+        per_expert = sum(
+            p.numel() * p.element_size() for n, p in model.named_parameters() if n.endswith((".w13", ".w2"))
+        ) / (cfg.moe.num_experts * len(distinct))
+        b = row["bytes"]
+        b["weights_experts"] = int(per_expert * sum(distinct))
+        b["distinct_experts_per_layer"] = sum(distinct) / len(distinct)
+        b["total"] = b["weights_dense"] + b["weights_experts"] + b["kda_state"] + b["mla_kv"]
     roof_ms = row["bytes"]["total"] / (copy_gbps * 1e9) * 1e3
     row["roofline_ms"] = roof_ms
     best = row.get("graph_ms", row["eager_ms"])
@@ -159,6 +175,32 @@ def bench_decode(runner: GpuModelRunner, model, cfg, layout, copy_gbps: float, B
     row["tokens_per_s"] = B / (row.get("runner_step_ms", best) * 1e-3)
     release(runner.pool, seqs)
     return row
+
+
+def distinct_experts(runner: GpuModelRunner, step) -> list[int] | None:
+    """Distinct experts each MoE layer reads for this batch (one eager forward, routing recorded)."""
+    import k3rt.backend.runner.gpu.ffn as ffn
+
+    seen: list[int] = []
+    real = ffn.kernel
+
+    def recording(module: str, name: str):
+        fn = real(module, name)
+        if (module, name) != ("moe", "moe_route") or fn is None:
+            return fn
+
+        def route(*a, **kw):
+            w, ids = fn(*a, **kw)
+            seen.append(int(ids.unique().numel()))
+            return w, ids
+        return route
+
+    ffn.kernel = recording
+    try:
+        runner.fwd(step, decode=False)
+    finally:
+        ffn.kernel = real
+    return seen or None
 
 
 def bench_prefill(runner: GpuModelRunner, cfg, layout, T: int, matmul_tflops: float, active: int) -> dict:
@@ -210,13 +252,19 @@ def main() -> int:
     dtype = "bfloat16" if cuda else "float32"
     model = random_model(cfg, dtype=dtype, device=dev)
     log(f"random {ARGS.model} on {dev}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters")
+    # routers drawn at the projections' small std send every token to the experts with the largest
+    # correction bias; unit-variance logits and no bias route near-uniformly, as a trained router
+    # balances load, so the expected-distinct-experts count below holds
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "gate_weight"):
+            layer.mlp.gate_weight.normal_(0.0, cfg.hidden_size ** -0.5)
+            layer.mlp.e_score_correction_bias.zero_()
     layout = compute_layout(cfg, kv_dtype=dtype, conv_dtype=dtype)
     per_seq = -(-(ARGS.context + 1) // layout.block_size) + layout.pages_per_state_set
-    longest = -(-max(ARGS.prefill) // layout.block_size) + layout.pages_per_state_set
+    longest = -(-max(ARGS.prefill, default=0) // layout.block_size) + layout.pages_per_state_set
     pool = PagePool(layout, max(ARGS.batch) * per_seq + longest + 2, device=dev)
     sizes = tuple(sorted(set(ARGS.batch)))
     runner = GpuModelRunner(model, pool, kernels=KernelConfig(triton=cuda), cuda_graphs=cuda, graph_sizes=sizes)
-    fill_noise(pool)
     RESULT["layout"] = layout.as_dict()
     RESULT["decode"], RESULT["prefill"] = [], []
     for B in ARGS.batch:

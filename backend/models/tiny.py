@@ -20,7 +20,7 @@ from k3rt.model_config import parse_model_config
 _COMMON = {
     "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
     "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 8, "v_head_dim": 16, "mla_use_nope": True, "num_experts": 8, "num_experts_per_token": 2,
+    "qk_rope_head_dim": 16, "v_head_dim": 16, "mla_use_nope": True, "num_experts": 8, "num_experts_per_token": 2,
     "num_shared_experts": 1, "moe_intermediate_size": 32, "moe_renormalize": True, "moe_router_activation_func": "sigmoid",
     "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1, "topk_method": "noaux_tc",
     "first_k_dense_replace": 1, "moe_layer_freq": 1, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,

@@ -379,9 +379,11 @@ def kda_decode(
         raise ValueError(
             f"dt_bias must be fp32 with H*D={H * D} values, got {dt_bias.dtype} {list(dt_bias.shape)}"
         )
-    if slot_indices.shape != (N,) or slot_indices.dtype not in (torch.int32, torch.int64):
+    if slot_indices.shape != (N,) or slot_indices.dtype not in (torch.int32, torch.int64) \
+            or (N > 1 and slot_indices.stride(0) != 1):
         raise ValueError(
-            f"slot_indices must be int32/int64 [N]=[{N}], got {slot_indices.dtype} {list(slot_indices.shape)}"
+            f"slot_indices must be contiguous int32/int64 [N]=[{N}], got {slot_indices.dtype} "
+            f"{list(slot_indices.shape)} strides {slot_indices.stride()}"
         )
     if lower_bound is not None and not (_LOWER_BOUND_MIN <= lower_bound < 0.0):
         raise ValueError(f"lower_bound must satisfy -5 <= lower_bound < 0, got {lower_bound}")

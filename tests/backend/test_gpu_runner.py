@@ -89,15 +89,19 @@ def test_gpu_runner_bf16_logits_within_tolerance(arch, tmp_path) -> None:
         seqs.append(StepSeq(toks[:n], 0, table, states, True))
         full.append(toks)
     want = [ref(torch.tensor(t), ForwardBatch.single(len(t))) for t in full]
+    # the bar: the reference torch path's own bf16 error (same weights, bf16 everywhere), with margin
+    ref16 = load_model(ckpt, dtype="bfloat16", progress=False)
+    base = max(rel(ref16(torch.tensor(t), ForwardBatch.single(len(t))), w) for t, w in zip(full, want))
+    tol = max(2e-2, 1.5 * base)
     logits = runner.fwd(runner._build(seqs, []), decode=False)
     for i, s in enumerate(seqs):
-        assert rel(logits[i], want[i][len(s.token_ids) - 1]) < 2e-2
+        assert rel(logits[i], want[i][len(s.token_ids) - 1]) < tol, (i, tol)
     for k in range(3):  # decode steps: graph replay (size 4 padded with one row) vs the reference
         dec = [StepSeq([full[i][len(s.token_ids) + k]], len(s.token_ids) + k, s.block_table, s.state_pages, True)
                for i, s in enumerate(seqs)]
         out = runner._replay(dec, 4)[:3].clone() if runner.graphs else runner.fwd(runner._build(dec, []), decode=True)
         for i, s in enumerate(seqs):
-            assert rel(out[i], want[i][len(s.token_ids) + k]) < 2e-2, (i, k)
+            assert rel(out[i], want[i][len(s.token_ids) + k]) < tol, (i, k, tol)
     assert runner.graphs, "decode graphs were not captured"
 
 

@@ -67,7 +67,7 @@ def kda_forward(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: 
     qkv, gate, f_a, b = torch.split(F.linear(x, w.w_in), w.splits, dim=-1)
     if w.low_rank_gate:
         gate = attn.g_b_proj(gate)
-    pages = step.state_pages[:, w.group]
+    pages = step.state_pages[w.group]
     if decode and k.triton:
         from k3rt.kernels.kda import kda_decode
 

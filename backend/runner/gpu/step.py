@@ -10,7 +10,7 @@ non-blocking copy, so no layer ever synchronizes with the host:
   cu_seqlens          [B+1]     row offsets (int32 copy for the kernels)
   ctx_lens            [B]       start + n (int32): the context each sequence attends to
   block_table         [B, M]    MLA pages (int32, padded with 0)
-  state_pages         [B, G]    the live KDA state set: one page per KDA group
+  state_pages         [G, B]    the live KDA state sets: row g holds each sequence's page of group g
   conv_idx            [T, W]    rows of `ext = [old conv windows (B*(W-1) rows) ; the step's
                                 pre-conv rows (T)]` that form each row's causal conv window
   conv_tail_idx       [B, W-1]  rows of `ext` that form each sequence's new conv window
@@ -58,7 +58,7 @@ class GpuStep:
     cu_seqlens: torch.Tensor  # int32
     ctx_lens: torch.Tensor  # int32
     block_table: torch.Tensor  # int32
-    state_pages: torch.Tensor  # int64 [B, G]
+    state_pages: torch.Tensor  # int64 [G, B]: row g (contiguous, as kernels index it) = each sequence's page of group g
     conv_idx: torch.Tensor
     conv_tail_idx: torch.Tensor
     logit_rows: torch.Tensor
@@ -152,7 +152,7 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
     cu_q = np.concatenate([[0], np.cumsum([lens[i] for i in pre])]).astype(np.int64)
     pre_rows = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in pre]) if pre else np.zeros(0, dtype=np.int64)
 
-    i64 = [ids, pos, kv_slot, states.ravel(), conv_idx.ravel(), conv_tail.ravel(), logit_rows, ctx_slot,
+    i64 = [ids, pos, kv_slot, states.T.ravel(), conv_idx.ravel(), conv_tail.ravel(), logit_rows, ctx_slot,
            pre_rows, dec, cu[dec] if len(dec) else dec, snap_conv.ravel()]
     i32 = [cu, ctx, table.ravel(), cu_k, cu_q]
     meta = StepMeta(B, T, max_blocks, len(snaps), w1, [p.size for p in i64], [p.size for p in i32],
@@ -179,7 +179,7 @@ def step_views(meta: StepMeta, flat64: torch.Tensor, flat32: torch.Tensor) -> Gp
     return GpuStep(
         num_seqs=B, num_tokens=T, cu=meta.cu, starts=meta.starts, lens=meta.lens, decode_form=meta.decode_form,
         snapshots=meta.snapshots, ids=t_ids, pos=t_pos, kv_slot=t_slot, cu_seqlens=t_cu, ctx_lens=t_ctx,
-        block_table=t_table.view(B, meta.max_blocks), state_pages=t_states.view(B, -1), conv_idx=t_conv.view(T, w1 + 1),
+        block_table=t_table.view(B, meta.max_blocks), state_pages=t_states.view(-1, B), conv_idx=t_conv.view(T, w1 + 1),
         conv_tail_idx=t_tail.view(B, w1), logit_rows=t_logit, prefill_seqs=meta.prefill_seqs, prefill_rows=t_pre_rows,
         ctx_slot=t_ctx_slot, cu_k=t_cuk, cu_q=t_cuq, max_q=meta.max_q, max_k=meta.max_k, decode_seqs=t_dec,
         decode_rows=t_dec_rows, snap_conv_idx=t_snap.view(meta.num_snapshots, w1),
