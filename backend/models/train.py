@@ -49,17 +49,17 @@ from k3rt.kernels.kda.ref import l2norm
 # are both dominated by per-op launch overhead, which scales with the number of layers, not their width.
 K3_TINY_CONFIG: dict = {
     "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": 8192,
-    "hidden_size": 512, "intermediate_size": 768, "num_hidden_layers": 8, "num_attention_heads": 6,
-    "num_key_value_heads": 6, "q_lora_rank": 160, "kv_lora_rank": 128, "qk_nope_head_dim": 64,
+    "hidden_size": 384, "intermediate_size": 512, "num_hidden_layers": 8, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "q_lora_rank": 128, "kv_lora_rank": 128, "qk_nope_head_dim": 64,
     "qk_rope_head_dim": 32, "v_head_dim": 64, "mla_use_nope": True, "mla_use_output_gate": True,
-    "num_experts": 8, "num_experts_per_token": 2, "num_shared_experts": 2, "moe_intermediate_size": 112,
+    "num_experts": 8, "num_experts_per_token": 2, "num_shared_experts": 2, "moe_intermediate_size": 96,
     "routed_expert_hidden_size": 128, "latent_moe_use_norm": True, "routed_scaling_factor": 1.0,
     "moe_renormalize": True, "moe_router_activation_func": "sigmoid", "use_grouped_topk": True,
     "num_expert_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "first_k_dense_replace": 1,
     "moe_layer_freq": 1, "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
     "attn_res_block_size": 2, "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "model_max_length": 8192,
     "num_nextn_predict_layers": 0,
-    "linear_attn_config": {"kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8], "num_heads": 6,
+    "linear_attn_config": {"kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8], "num_heads": 4,
                            "head_dim": 64, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
                            "use_full_rank_gate": True},
 }

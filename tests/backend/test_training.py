@@ -307,8 +307,10 @@ def smoke_inputs(tmp_path_factory) -> tuple[Path, Path]:
 def _train(smoke_inputs, out: Path, work: Path, *extra: str) -> None:
     corpus, tok = smoke_inputs
     train = _load_script("train_default_model")
+    # the regularizers are off by default (the shipped recipe); the smoke runs exercise them
     assert train.main(["--smoke", "--corpus", str(corpus), "--tokenizer", str(tok), "--out", str(out),
-                       "--work-dir", str(work), "--export-dtype", "float32", "--max-steps", "8", *extra]) == 0
+                       "--work-dir", str(work), "--export-dtype", "float32", "--max-steps", "8",
+                       "--dropout", "0.1", "--embed-dropout", "0.1", "--ema-decay", "0.998", *extra]) == 0
 
 
 def test_smoke_run_exports_what_the_loader_reloads(smoke_inputs, tmp_path: Path) -> None:
