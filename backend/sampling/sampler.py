@@ -143,7 +143,7 @@ class Sampler:
             if len(seq) != rows:
                 raise ValueError(f"{name}: expected {rows} entries (one per logits row), got {len(seq)}")
         for i, (p, g) in enumerate(zip(params, generators)):
-            if g is not None and not p.greedy and g.device != self.device:
+            if g is not None and not p.greedy and torch.empty(0, device=g.device).device != self.device:
                 raise ValueError(f"generators[{i}]: expected device {self.device}, got {g.device}")
 
 
@@ -177,4 +177,5 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     """A generator for one request's seeded draws (None: unseeded, shares torch's default generator)."""
     if seed is None:
         return None
-    return torch.Generator(device=device).manual_seed(seed)
+    # "cuda" -> "cuda:0": a generator's device must compare equal to the sampler's normalized one
+    return torch.Generator(device=torch.empty(0, device=device).device).manual_seed(seed)

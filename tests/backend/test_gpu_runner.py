@@ -119,3 +119,19 @@ def test_decode_benchmark_smoke(tmp_path) -> None:
     res = json.loads(out.read_text())
     assert [r["batch"] for r in res["decode"]] == [1, 2] and all(r["eager_ms"] > 0 for r in res["decode"])
     assert res["prefill"][0]["tokens"] == 80 and res["prefill"][0]["tokens_per_s"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("runner", ["model", "gpu"])
+def test_seeded_sampling_on_cuda_is_reproducible(runner, tmp_path) -> None:
+    """Seeded top-p/top-k sampling on CUDA: two engines give the same tokens (the reference runner's
+    per-request generators on 'cuda', the GPU runner's philox draw)."""
+    if not HAS_CUDA:
+        pytest.skip("no CUDA device")
+    ckpt = make_tiny(tmp_path / "m", arch="k3", dtype="float32", seed=3)
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=16, ignore_eos=True)
+    outs = []
+    for _ in range(2):
+        eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), device="cuda", runner=runner))
+        outs.append([o.output_ids for o in eng.generate(prompts_for(5)[:3], params)])
+    assert outs[0] == outs[1] and len(outs[0][0]) == 16
