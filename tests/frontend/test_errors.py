@@ -120,8 +120,10 @@ def test_values_read_inside_a_program_are_plain_strings(rt) -> None:
     def parses(s):
         s += "Give a number: " + k3rt.gen("n", regex=r"[0-9]{2}", max_tokens=4)
         n = int(s["n"])
+        # bounded so that any model (these are random tiny ones) closes the object within max_tokens
         s += f" doubled is {2 * n}. JSON: " + k3rt.gen("j", json_schema={"type": "object", "properties": {
-            "a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}, max_tokens=16)
+            "a": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a"],
+            "additionalProperties": False}, max_tokens=32)
         s += " a=" + str(json.loads(s["j"])["a"])
 
     st = parses.run(backend=rt, temperature=0)

@@ -128,7 +128,7 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f_a: to
     rec_pool[pages] = states[:nseq]
     if snaps:
         windows = ext[step.snap_conv_idx].to(conv_pool.dtype)  # [S, W-1, C]
-        dest = torch.tensor([d[w.group] for _, _, d in snaps], device=qkv.device)
+        dest = step.snap_dest[w.group]
         conv_pool[dest] = windows
         rec_pool[dest] = states[nseq:]
     return o

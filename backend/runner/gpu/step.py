@@ -19,6 +19,7 @@ non-blocking copy, so no layer ever synchronizes with the host:
                                 sequences that take the expanded (prefill) form; decode-form
                                 sequences (n == 1) read their pages through block_table instead
   snap_conv_idx       [S, W-1]  conv windows at snapshot positions (S snapshots)
+  snap_dest           [G, S]    each snapshot's destination state set, by group
 
 The host-side lists (cu, starts, snapshots) stay on the object for launchers that need Python ints.
 """
@@ -72,6 +73,7 @@ class GpuStep:
     decode_seqs: torch.Tensor  # int64: sequences in the decode form
     decode_rows: torch.Tensor  # their packed rows
     snap_conv_idx: torch.Tensor
+    snap_dest: torch.Tensor  # int64 [G, S]: row g = each snapshot's destination page of group g
 
     @property
     def decode_only(self) -> bool:
@@ -152,8 +154,9 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
     cu_q = np.concatenate([[0], np.cumsum([lens[i] for i in pre])]).astype(np.int64)
     pre_rows = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in pre]) if pre else np.zeros(0, dtype=np.int64)
 
+    snap_dest = np.asarray([d for _, _, d in snaps], dtype=np.int64).reshape(len(snaps), num_groups)
     i64 = [ids, pos, kv_slot, states.T.ravel(), conv_idx.ravel(), conv_tail.ravel(), logit_rows, ctx_slot,
-           pre_rows, dec, cu[dec] if len(dec) else dec, snap_conv.ravel()]
+           pre_rows, dec, cu[dec] if len(dec) else dec, snap_conv.ravel(), snap_dest.T.ravel()]
     i32 = [cu, ctx, table.ravel(), cu_k, cu_q]
     meta = StepMeta(B, T, max_blocks, len(snaps), w1, [p.size for p in i64], [p.size for p in i32],
                     cu.tolist(), starts, lens, decode_form, snaps, pre,
@@ -174,7 +177,7 @@ def step_views(meta: StepMeta, flat64: torch.Tensor, flat32: torch.Tensor) -> Gp
 
     B, T, w1 = meta.num_seqs, meta.num_tokens, meta.w1
     (t_ids, t_pos, t_slot, t_states, t_conv, t_tail, t_logit, t_ctx_slot, t_pre_rows, t_dec, t_dec_rows,
-     t_snap) = split(flat64, meta.sizes64)
+     t_snap, t_snap_dest) = split(flat64, meta.sizes64)
     t_cu, t_ctx, t_table, t_cuk, t_cuq = split(flat32, meta.sizes32)
     return GpuStep(
         num_seqs=B, num_tokens=T, cu=meta.cu, starts=meta.starts, lens=meta.lens, decode_form=meta.decode_form,
@@ -183,6 +186,7 @@ def step_views(meta: StepMeta, flat64: torch.Tensor, flat32: torch.Tensor) -> Gp
         conv_tail_idx=t_tail.view(B, w1), logit_rows=t_logit, prefill_seqs=meta.prefill_seqs, prefill_rows=t_pre_rows,
         ctx_slot=t_ctx_slot, cu_k=t_cuk, cu_q=t_cuq, max_q=meta.max_q, max_k=meta.max_k, decode_seqs=t_dec,
         decode_rows=t_dec_rows, snap_conv_idx=t_snap.view(meta.num_snapshots, w1),
+        snap_dest=t_snap_dest.view(t_states.numel() // B, meta.num_snapshots),
     )
 
 
