@@ -75,6 +75,8 @@ class EngineConfig:
             object.__setattr__(self, "runner", "gpu" if self.device.startswith("cuda") else "model")
         if self.runner not in ("model", "gpu", "null"):
             raise ValueError(f"runner: {self.runner!r} not one of auto, model, gpu, null")
+        if self.runner == "gpu" and self.tp != 1:
+            raise ValueError(f"tp: the gpu runner runs on one GPU (tp=1), got tp={self.tp}; use runner='model'")
         if self.grammar_backend not in ("llguidance", "outlines"):
             raise ValueError(f"grammar_backend: {self.grammar_backend!r} not one of llguidance, outlines")
         if self.tp < 1:
