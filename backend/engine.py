@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from k3rt.backend.cache.pool import PagePool
 from k3rt.backend.runner.base import Runner
-from k3rt.backend.scheduler.request import FinishReason, Request, Status
+from k3rt.backend.scheduler.request import FinishReason, Request
 from k3rt.backend.scheduler.scheduler import Scheduler
 from k3rt.cache_layout import CacheLayout, compute_layout
 from k3rt.config import EngineConfig
@@ -206,6 +206,7 @@ class Engine:
             req = self.requests.pop(rid, None)
             if req is not None and not req.finished:
                 self.scheduler.abort(req)
+                self.runner.release(rid)
                 outputs.append(self._output(req, []))
         self._pending_aborts.clear()
         self._resolve_grammars(outputs)
@@ -228,6 +229,7 @@ class Engine:
             return RequestOutput(req.rid, new, None, False, None, req.prompt_len, req.cached_tokens,
                                  logprobs=lp, top_logprobs=top)
         self.requests.pop(req.rid, None)
+        self.runner.release(req.rid)
         return RequestOutput(req.rid, new, req.output_ids, True, req.finish_reason.value if req.finish_reason else None,
                              req.prompt_len, req.cached_tokens, logprobs=lp, top_logprobs=top,
                              prompt_logprobs=dict(req.prompt_logprobs) if req.prompt_logprobs_from is not None else None,

@@ -17,3 +17,6 @@ class Runner(ABC):
         emitted states are written to their destination state sets. Returns {rid: sampled token}
         for every decode request and every chunk with needs_logits.
         """
+
+    def release(self, rid: int) -> None:
+        """The request ended (finished or aborted): drop any per-request state the runner keeps."""

@@ -73,6 +73,9 @@ class Recorder(Runner):
              for c in out.chunks]))
         return self.inner.execute(out)
 
+    def release(self, rid: int) -> None:
+        self.inner.release(rid)
+
     def __getattr__(self, name):
         return getattr(self.inner, name)
 

@@ -135,3 +135,21 @@ def test_seeded_sampling_on_cuda_is_reproducible(runner, tmp_path) -> None:
         eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), device="cuda", runner=runner))
         outs.append([o.output_ids for o in eng.generate(prompts_for(5)[:3], params)])
     assert outs[0] == outs[1] and len(outs[0][0]) == 16
+
+
+@pytest.mark.gpu
+def test_gpu_runner_penalized_greedy_equals_cpu_reference(tmp_path) -> None:
+    """Greedy with repetition/frequency/presence penalties: the GPU runner's device-side token
+    statistics give the CPU reference engine's tokens."""
+    if not HAS_CUDA:
+        pytest.skip("no CUDA device")
+    ckpt = make_tiny(tmp_path / "m", arch="kimi_linear", dtype="float32", seed=9)
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **kw)
+              for kw in (dict(repetition_penalty=1.3), dict(frequency_penalty=0.5, presence_penalty=0.5), dict())]
+    prompts = prompts_for(6)[:3]
+    outs = []
+    for over in (dict(runner="model"), dict(runner="gpu", device="cuda")):
+        eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=256), **over))
+        outs.append([o.output_ids for o in eng.generate(prompts, params)])
+        eng.check()
+    assert outs[0] == outs[1]

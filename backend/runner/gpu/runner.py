@@ -21,6 +21,7 @@ from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.backend.runner.base import Runner
 from k3rt.backend.runner.gpu.forward import GpuForward
 from k3rt.backend.runner.gpu.ops import KernelConfig, kernel
+from k3rt.backend.runner.gpu.penalties import PenaltyState
 from k3rt.backend.runner.gpu.sample import sample_step
 from k3rt.backend.runner.gpu.step import GpuStep, StepSeq, build_step, pack_step, step_views
 from k3rt.backend.sampling.sampler import Sampler
@@ -55,6 +56,7 @@ class GpuModelRunner(Runner):
         limit = max_model_len or model.cfg.max_position_embeddings
         self.max_blocks = min(-(-limit // L.block_size), pool.num_pages)
         self.sampler = Sampler(model.cfg.vocab_size, self.device)
+        self.penalties = PenaltyState(model.cfg.vocab_size, self.device)
         self.pad_page = pool.reserve()  # padding rows of graph-replayed batches write here, never read
         self.graphs: dict[int, _Graph] = {}
         self.graph_sizes = tuple(sorted(graph_sizes))
@@ -107,9 +109,12 @@ class GpuModelRunner(Runner):
         if score_rows:
             self._score(logits[len(reqs):], score_rows)
             logits = logits[:len(reqs)]
-        tokens = sample_step(self.sampler, logits, reqs, use_kernels=self.kernels.triton)
+        tokens = sample_step(self.sampler, logits, reqs, use_kernels=self.kernels.triton, penalties=self.penalties)
         self.step_times.append(time.perf_counter() - t0)
         return tokens
+
+    def release(self, rid: int) -> None:
+        self.penalties.release(rid)
 
     def _build(self, seqs: list[StepSeq], extra_rows: list[int]) -> GpuStep:
         return build_step(seqs, block_size=self.block_size, conv_width=self.fwd.conv_width,

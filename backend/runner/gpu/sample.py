@@ -1,11 +1,12 @@
 """Sampling for the GPU runner's logits, on the device.
 
   plain greedy batches: one argmax;
-  otherwise, without repetition/frequency/presence penalties: the Triton sampler
-    (`k3rt.kernels.sampling.sample`: bitmask, temperature, top-k/top-p/min-p, a philox draw keyed by
-    (request seed, tokens generated so far), logprobs), with the per-row parameters sent in one copy;
-  with penalties (they need each request's token counts on the device, which the runner does not
-    keep yet): the batched reference sampler, shared with the reference runner.
+  otherwise: the Triton sampler (`k3rt.kernels.sampling.sample`: penalties over the per-request
+    token statistics kept on the device (penalties.py), bitmask, temperature, top-k/top-p/min-p, a
+    philox draw keyed by (request seed, tokens generated so far), logprobs), with the per-row
+    parameters sent in one copy;
+  on the CPU, or when penalty state rows run out: the batched host-assisted sampler shared with the
+    reference runner.
 Either way the step's only synchronization is reading the tokens (and logprobs) back.
 """
 
@@ -16,6 +17,7 @@ import random
 import torch
 
 from k3rt.backend.runner.gpu.ops import kernel
+from k3rt.backend.runner.gpu.penalties import PenaltyState
 from k3rt.backend.runner.sampling import sample_requests
 from k3rt.backend.sampling.sampler import Sampler
 
@@ -39,18 +41,42 @@ def _seed(r) -> int:
     return s
 
 
-def sample_step(sampler: Sampler, logits: torch.Tensor, reqs: list, *, use_kernels: bool = True) -> dict[int, int]:
+def sample_step(sampler: Sampler, logits: torch.Tensor, reqs: list, *, use_kernels: bool = True,
+                penalties: PenaltyState | None = None) -> dict[int, int]:
     if reqs and all(_plain_greedy(r) for r in reqs):
         return {r.rid: t for r, t in zip(reqs, torch.argmax(logits, dim=-1).tolist())}
     fn = kernel("sampling", "sample") if use_kernels and logits.is_cuda else None
-    if fn is None or any(_penalized(r) for r in reqs):
+    if fn is None:
         return sample_requests(sampler, logits, reqs)
+    out = device_sample(fn, logits, reqs, penalties)
+    return sample_requests(sampler, logits, reqs) if out is None else out
+
+
+def device_sample(fn, logits: torch.Tensor, reqs: list, penalties: PenaltyState | None) -> dict[int, int] | None:
+    """One call of the Triton sampler `fn` for the batch; None when penalties need state rows that are
+    not available (no PenaltyState, or every row taken)."""
     dev = logits.device
     ps = [r.params for r in reqs]
-    floats = torch.tensor([[p.temperature, p.top_p, p.min_p] for p in ps], dtype=torch.float32)
-    ints = torch.tensor([[p.top_k, _seed(r), len(r.token_ids) - r.prompt_len] for p, r in zip(ps, reqs)],
-                        dtype=torch.int64)
-    floats, ints = floats.pin_memory().to(dev, non_blocking=True), ints.pin_memory().to(dev, non_blocking=True)
+    pen_kw: dict = {}
+    rows = None
+    pen = [r for r in reqs if _penalized(r)]
+    if pen:
+        got = penalties.rows_for(pen) if penalties is not None else None
+        if got is None:
+            return None
+        # rows without penalties read any state row (0): their neutral values (1, 0, 0) change nothing
+        row_of = dict(zip((r.rid for r in pen), got))
+        rows = [row_of.get(r.rid, 0) for r in reqs]
+    floats = torch.tensor([[p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty,
+                            p.presence_penalty] for p in ps], dtype=torch.float32)
+    ints = torch.tensor([[p.top_k, _seed(r), len(r.token_ids) - r.prompt_len, rows[i] if rows else 0]
+                         for i, (p, r) in enumerate(zip(ps, reqs))], dtype=torch.int64)
+    if dev.type == "cuda":
+        floats, ints = floats.pin_memory(), ints.pin_memory()
+    floats, ints = floats.to(dev, non_blocking=True).t().contiguous(), ints.to(dev, non_blocking=True).t().contiguous()
+    if rows is not None:
+        pen_kw = dict(repetition_penalty=floats[3], frequency_penalty=floats[4], presence_penalty=floats[5],
+                      prompt_mask=penalties.prompt_mask, output_counts=penalties.output_counts, penalty_rows=ints[3])
     mask = None
     if any(r.grammar is not None for r in reqs):
         from k3rt.backend.grammar import fill_batch_bitmask
@@ -58,12 +84,15 @@ def sample_step(sampler: Sampler, logits: torch.Tensor, reqs: list, *, use_kerne
         # rows without a grammar keep every bit set
         mask = torch.full((len(reqs), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)
         fill_batch_bitmask([r.grammar for r in reqs], mask)
-        mask = mask.pin_memory().to(dev, non_blocking=True)
+        mask = (mask.pin_memory() if dev.type == "cuda" else mask).to(dev, non_blocking=True)
     nlp = max((p.logprobs for p in ps if p.logprobs is not None), default=None)
     filters = any(p.top_k > 1 or p.top_p < 1.0 or p.min_p > 0.0 for p in ps)
-    res = fn(logits.contiguous(), floats[:, 0].contiguous(), ints[:, 0].to(torch.int32), floats[:, 1].contiguous(),
-             floats[:, 2].contiguous(), ints[:, 1].contiguous(), ints[:, 2].contiguous(), allowed_mask=mask,
-             apply_filters=filters, num_logprobs=nlp)
+    res = fn(logits.contiguous(), floats[0], ints[0].to(torch.int32), floats[1], floats[2], ints[1], ints[2],
+             allowed_mask=mask, apply_filters=filters, num_logprobs=nlp, **pen_kw)
+    if rows is not None:
+        # only the penalized rows own their state row; the others read row 0 and must not write it
+        sel = torch.tensor([i for i, r in enumerate(reqs) if _penalized(r)], dtype=torch.long).to(dev, non_blocking=True)
+        penalties.add_tokens(ints[3].index_select(0, sel), res.token_ids.index_select(0, sel))
     tokens = res.token_ids.tolist()
     if nlp is not None:
         chosen, tops, ids = res.logprobs.tolist(), res.top_logprobs.tolist(), res.top_ids.tolist()
