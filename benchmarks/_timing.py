@@ -1,5 +1,6 @@
 """Shared by the benchmark scripts: import k3rt from this checkout, time with CUDA events or graphs,
-measure the device's copy bandwidth (the physical limit most ratios are taken against).
+measure the device's copy bandwidth (the physical limit most ratios are taken against), and keep the
+result dict that goes to JSON (`Report`).
 
 Times are medians of event-timed repetitions after warm-up (perf_counter on CPU, where numbers are
 only a bit-rot check).
@@ -7,10 +8,13 @@ only a bit-rot check).
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
+import os
 import statistics
 import sys
 import time
+import traceback
 import types
 from pathlib import Path
 
@@ -20,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def import_k3rt_kernels() -> None:
     """Make `k3rt.kernels` importable from this checkout, installed or not (the device has no install)."""
     try:
-        import k3rt.kernels  # noqa: F401
+        importlib.import_module("k3rt.kernels")  # an installed k3rt, or this checkout on sys.path
         return
     except ModuleNotFoundError:
         pass
@@ -44,14 +48,22 @@ def rel_err(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def time_ms(fn, reps: int = 20, warmup: int = 3) -> dict:
+def _use_cuda(cuda: bool | None) -> bool:
+    """cuda=None: time on the device whenever there is one. A script that runs on the CPU on a machine
+    with a GPU (kernels.py --smoke) passes False, so its CPU work is neither event-timed nor captured."""
+    import torch
+
+    return torch.cuda.is_available() if cuda is None else cuda
+
+
+def time_ms(fn, reps: int = 20, warmup: int = 3, cuda: bool | None = None) -> dict:
     """Median (and spread) of CUDA-event-timed calls after warm-up; perf_counter on CPU."""
     import torch
 
     for _ in range(warmup):
         fn()
     ts = []
-    if torch.cuda.is_available():
+    if _use_cuda(cuda):
         torch.cuda.synchronize()
         for _ in range(reps):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -68,12 +80,12 @@ def time_ms(fn, reps: int = 20, warmup: int = 3) -> dict:
     return {"median_ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts), "reps": reps}
 
 
-def graph_time(calls: list, reps: int = 30) -> dict:
+def graph_time(calls: list, reps: int = 30, cuda: bool | None = None) -> dict:
     """Per-call time of `calls` (one pass) replayed from one CUDA graph (plain loop on CPU)."""
     import torch
 
-    if not torch.cuda.is_available():
-        t = time_ms(lambda: [c() for c in calls], reps=1, warmup=0)
+    if not _use_cuda(cuda):
+        t = time_ms(lambda: [c() for c in calls], reps=1, warmup=0, cuda=False)
         return {"us_per_call": 1e3 * t["median_ms"] / len(calls), "graph": False}
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -86,16 +98,16 @@ def graph_time(calls: list, reps: int = 30) -> dict:
     with torch.cuda.graph(graph):
         for c in calls:
             c()
-    t = time_ms(graph.replay, reps=reps, warmup=3)
+    t = time_ms(graph.replay, reps=reps, warmup=3, cuda=True)
     return {"us_per_call": 1e3 * t["median_ms"] / len(calls), "us_per_call_min": 1e3 * t["min_ms"] / len(calls),
             "calls_per_graph": len(calls), "graph": True}
 
 
-def l2_rotation(bytes_per_call: int) -> int:
+def l2_rotation(bytes_per_call: int, cuda: bool | None = None) -> int:
     """How many distinct input sets make one pass 3x the L2, so each call reads cold memory."""
     import torch
 
-    if not torch.cuda.is_available():
+    if not _use_cuda(cuda):
         return 1
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20) or (60 << 20)
     return max(1, min(64, math.ceil(3 * l2 / max(1, bytes_per_call))))
@@ -111,3 +123,59 @@ def copy_bandwidth() -> dict:
     dst = torch.empty_like(src)
     t = time_ms(lambda: dst.copy_(src), reps=20, warmup=3)
     return {"bytes_moved": 2 * n * 4, "GBps": 2 * n * 4 / (t["median_ms"] * 1e-3) / 1e9, **t}
+
+
+def default_out(out: Path | None, name: str) -> Path:
+    """--out if given, else $OUT/name (the device machine's result folder), else ./name."""
+    if out is not None:
+        return out
+    return Path(os.environ["OUT"]) / name if os.environ.get("OUT") else Path(name)
+
+
+class Report:
+    """One script's results: the dict that goes to JSON at `path`, and the clock that its log lines
+    and its --budget-s count from (started when the Report is made).
+
+    item() writes the JSON after every item, so a device run that is cut short keeps what it measured.
+    log_records: item() also logs each finished record's values (kernels_misc.py's progress lines).
+    """
+
+    def __init__(self, path: Path, budget_s: float, result: dict | None = None, log_records: bool = False) -> None:
+        self.path = Path(path)
+        self.budget_s = budget_s
+        self.result: dict = {} if result is None else result
+        self.log_records = log_records
+        self.t0 = time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def over_budget(self) -> bool:
+        return self.elapsed() > self.budget_s
+
+    def log(self, msg: str) -> None:
+        print(f"[{self.elapsed():7.1f}s] {msg}", flush=True)
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.result, indent=1, default=str))
+
+    def item(self, section: str, name: str, fn) -> dict:
+        """Run one measured item: record its dict, or the error / the skip, in result[section]."""
+        rec: dict = {"name": name}
+        if self.over_budget():
+            rec["skipped"] = f"budget {self.budget_s:.0f}s spent"
+            self.log(f"{section}/{name}: skipped (budget)")
+        else:
+            try:
+                rec.update(fn())
+                if self.log_records:
+                    self.log(f"{section}/{name}: " + ", ".join(
+                        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items() if k != "name"))
+            except Exception as e:  # one broken item must not lose the rest of a device run
+                rec["error"] = f"{type(e).__name__}: {e}"
+                self.log(f"{section}/{name}: ERROR {rec['error']}")
+                traceback.print_exc()
+        self.result.setdefault(section, []).append(rec)
+        self.save()
+        return rec

@@ -26,10 +26,7 @@ does not depend on their values. Table to stdout, everything to JSON (--out, def
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +51,7 @@ def _args() -> argparse.Namespace:
 ARGS = _args()
 
 import torch  # noqa: E402
-from _timing import copy_bandwidth, time_ms  # noqa: E402
+from _timing import Report, copy_bandwidth, default_out, time_ms  # noqa: E402
 
 from k3rt.backend.cache.pool import PagePool  # noqa: E402
 from k3rt.backend.models.random_init import random_model  # noqa: E402
@@ -64,22 +61,9 @@ from k3rt.backend.runner.gpu.step import StepSeq  # noqa: E402
 from k3rt.cache_layout import compute_layout  # noqa: E402
 from k3rt.model_config import ModelConfig, load_model_config, param_count, parse_model_config  # noqa: E402
 
-T0 = time.monotonic()
-RESULT: dict = {"args": {k: str(v) for k, v in vars(ARGS).items()}}
-
-
-def log(msg: str) -> None:
-    print(f"[{time.monotonic() - T0:7.1f}s] {msg}", flush=True)
-
-
-def save() -> None:
-    path = ARGS.out or (Path(os.environ["OUT"]) / "decode.json" if os.environ.get("OUT") else Path("decode.json"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(RESULT, indent=1, default=str))
-
-
-def over_budget() -> bool:
-    return time.monotonic() - T0 > ARGS.budget_s
+REPORT = Report(default_out(ARGS.out, "decode.json"), ARGS.budget_s,
+                {"args": {k: str(v) for k, v in vars(ARGS).items()}})
+RESULT, log, save, over_budget = REPORT.result, REPORT.log, REPORT.save, REPORT.over_budget
 
 
 def config() -> ModelConfig:

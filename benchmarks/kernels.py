@@ -20,18 +20,13 @@ notices when this script rots.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import math
 import os
 import statistics
 import sys
 import time
-import traceback
 import types
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _args() -> argparse.Namespace:
@@ -55,101 +50,18 @@ if ARGS.smoke:
 
 import torch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _timing  # noqa: E402
+from _timing import Report, copy_bandwidth, default_out, import_k3rt_kernels, rel_err  # noqa: E402
 
-def _import_k3rt_kernels() -> None:
-    """Import k3rt.kernels from this checkout, installed or not (the device machine has no install)."""
-    try:
-        import k3rt.kernels.kda  # noqa: F401
-        return
-    except ModuleNotFoundError:
-        pass
-    pkg = types.ModuleType("k3rt")
-    pkg.__path__ = [str(ROOT / "k3rt")]  # namespace only: k3rt/__init__ (the DSL) is not needed
-    sys.modules["k3rt"] = pkg
-    spec = importlib.util.spec_from_file_location(
-        "k3rt.kernels", ROOT / "kernels" / "__init__.py", submodule_search_locations=[str(ROOT / "kernels")]
-    )
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["k3rt.kernels"] = mod
-    spec.loader.exec_module(mod)
-    pkg.kernels = mod
-
-
-_import_k3rt_kernels()
+import_k3rt_kernels()
 from k3rt.kernels.kda import kda_chunk_fwd, kda_commit, kda_decode, kda_decode_workspace, kda_verify  # noqa: E402
 from k3rt.kernels.kda.ref import kda_chunked, kda_gate_lower_bound, kda_recurrent  # noqa: E402
 from k3rt.kernels.short_conv.ref import causal_conv1d  # noqa: E402
 
 LB = -5.0  # K3's gate_lower_bound
-T0 = time.monotonic()
-RESULT: dict = {}
-
-
-def out_path() -> Path:
-    if ARGS.out is not None:
-        return ARGS.out
-    return Path(os.environ["OUT"]) / "kernels.json" if os.environ.get("OUT") else Path("kernels.json")
-
-
-def save() -> None:
-    path = out_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(RESULT, indent=1, default=str))
-
-
-def over_budget() -> bool:
-    return time.monotonic() - T0 > ARGS.budget_s
-
-
-def log(msg: str) -> None:
-    print(f"[{time.monotonic() - T0:7.1f}s] {msg}", flush=True)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    if not torch.isfinite(a).all():
-        return math.inf
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def time_ms(fn, reps: int, warmup: int) -> dict:
-    """Median (and spread) of CUDA-event-timed calls after warm-up; perf_counter on CPU."""
-    for _ in range(warmup):
-        fn()
-    ts = []
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-        for _ in range(reps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            ts.append(s.elapsed_time(e))
-    else:
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t) * 1e3)
-    return {"median_ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts), "reps": reps}
-
-
-def item(section: str, name: str, fn) -> dict | None:
-    """Run one measured item: record its dict, or the error / the skip, in RESULT[section]."""
-    rec: dict = {"name": name}
-    if over_budget():
-        rec["skipped"] = f"budget {ARGS.budget_s:.0f}s spent"
-        log(f"{section}/{name}: skipped (budget)")
-    else:
-        try:
-            rec.update(fn())
-        except Exception as e:  # one broken item must not lose the rest of a device run
-            rec["error"] = f"{type(e).__name__}: {e}"
-            log(f"{section}/{name}: ERROR {rec['error']}")
-            traceback.print_exc()
-    RESULT.setdefault(section, []).append(rec)
-    save()
-    return rec
+REPORT = Report(default_out(ARGS.out, "kernels.json"), ARGS.budget_s)
+RESULT, item, log, save = REPORT.result, REPORT.item, REPORT.log, REPORT.save
 
 
 # ------------------------------------------------------------------------------------------
@@ -313,36 +225,21 @@ def fla_chunk(x: dict):
 
 
 # ------------------------------------------------------------------------------------------
-# timing
+# timing: _timing's, on the device this run chose (DEV), not on whichever one is present (--smoke
+# runs on the CPU even where there is a GPU)
+
+
+def time_ms(fn, reps: int, warmup: int) -> dict:
+    return _timing.time_ms(fn, reps=reps, warmup=warmup, cuda=DEV == "cuda")
 
 
 def graph_time(calls: list, reps: int) -> dict:
-    """Per-call time of `calls` (one pass) replayed from one CUDA graph."""
-    if DEV != "cuda":
-        t = time_ms(lambda: [c() for c in calls], reps=1, warmup=0)
-        return {"us_per_call": 1e3 * t["median_ms"] / len(calls), "graph": False}
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            for c in calls:
-                c()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    t = time_ms(graph.replay, reps=reps, warmup=3)
-    return {"us_per_call": 1e3 * t["median_ms"] / len(calls), "us_per_call_min": 1e3 * t["min_ms"] / len(calls),
-            "calls_per_graph": len(calls), "graph": True}
+    return _timing.graph_time(calls, reps=reps, cuda=DEV == "cuda")
 
 
 def rotation_layers(state_bytes: int) -> int:
     """Enough distinct layer buffers that one pass over them is 3x the L2 (cold state each call)."""
-    if DEV != "cuda":
-        return 1
-    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20) or (60 << 20)
-    return max(1, min(64, math.ceil(3 * l2 / state_bytes)))
+    return _timing.l2_rotation(state_bytes, cuda=DEV == "cuda")
 
 
 def bench_decode(N: int, H: int, D: int, impl: str, cfg: dict | None = None) -> dict:
@@ -518,14 +415,6 @@ def bench_prefill(case: str, H: int, D: int, impl: str, scratch=None) -> dict:
     return t
 
 
-def copy_bandwidth() -> dict:
-    n = (1 << 30) // 4  # 1 GiB of fp32
-    src = torch.randn(n, device=DEV)
-    dst = torch.empty_like(src)
-    t = time_ms(lambda: dst.copy_(src), reps=20, warmup=3)
-    return {"bytes_moved": 2 * n * 4, "GBps": 2 * n * 4 / (t["median_ms"] * 1e-3) / 1e9, **t}
-
-
 # ------------------------------------------------------------------------------------------
 
 
@@ -584,7 +473,7 @@ def main() -> int:
     print_table()
     save()
     ok = all(c.get("ok") for c in RESULT.get("correctness", []) + RESULT.get("verify", []))
-    log(f"wrote {out_path()}; correctness {'OK' if ok else 'FAILED'}")
+    log(f"wrote {REPORT.path}; correctness {'OK' if ok else 'FAILED'}")
     return 0 if ok else 1
 
 

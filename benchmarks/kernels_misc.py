@@ -19,11 +19,8 @@ A table goes to stdout, all numbers to JSON ($OUT/kernels_misc.json, or --out). 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
-import traceback
 from pathlib import Path
 
 
@@ -40,7 +37,9 @@ if ARGS.smoke:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton sees any @jit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import copy_bandwidth, graph_time, import_k3rt_kernels, l2_rotation, rel_err  # noqa: E402
+from _timing import (  # noqa: E402
+    Report, copy_bandwidth, default_out, graph_time, import_k3rt_kernels, l2_rotation, rel_err,
+)
 
 import torch  # noqa: E402
 
@@ -57,44 +56,9 @@ V = 300 if ARGS.smoke else 163840
 BS = [1, 4] if ARGS.smoke else [1, 64, 256]
 REPS = 2 if ARGS.smoke else 30
 EPS = 1e-5
-T0 = time.monotonic()
-RESULT: dict = {"mode": "smoke" if ARGS.smoke else "gpu", "D": D, "J": J, "V": V}
-
-
-def out_path() -> Path:
-    if ARGS.out is not None:
-        return ARGS.out
-    return Path(os.environ["OUT"]) / "kernels_misc.json" if os.environ.get("OUT") else Path("kernels_misc.json")
-
-
-def save() -> None:
-    path = out_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(RESULT, indent=1, default=str))
-
-
-def log(msg: str) -> None:
-    print(f"[{time.monotonic() - T0:7.1f}s] {msg}", flush=True)
-
-
-def item(section: str, name: str, fn) -> dict:
-    """Run one measured item: record its dict, or the error / the skip, in RESULT[section]."""
-    rec: dict = {"name": name}
-    if time.monotonic() - T0 > ARGS.budget_s:
-        rec["skipped"] = f"budget {ARGS.budget_s:.0f}s spent"
-        log(f"{section}/{name}: skipped (budget)")
-    else:
-        try:
-            rec.update(fn())
-            log(f"{section}/{name}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                                  for k, v in rec.items() if k != "name"))
-        except Exception as e:  # one broken item must not lose the rest of a device run
-            rec["error"] = f"{type(e).__name__}: {e}"
-            log(f"{section}/{name}: ERROR {rec['error']}")
-            traceback.print_exc()
-    RESULT.setdefault(section, []).append(rec)
-    save()
-    return rec
+REPORT = Report(default_out(ARGS.out, "kernels_misc.json"), ARGS.budget_s,
+                {"mode": "smoke" if ARGS.smoke else "gpu", "D": D, "J": J, "V": V}, log_records=True)
+RESULT, item, log, save = REPORT.result, REPORT.item, REPORT.log, REPORT.save
 
 
 def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -230,10 +194,10 @@ def main() -> None:
     log(f"copy {RESULT['copy']['GBps']:.0f} GB/s")
     norms()
     sampling()
-    RESULT["wall_s"] = time.monotonic() - T0
+    RESULT["wall_s"] = REPORT.elapsed()
     save()
     table()
-    log(f"wrote {out_path()}")
+    log(f"wrote {REPORT.path}")
 
 
 if __name__ == "__main__":

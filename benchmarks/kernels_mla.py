@@ -17,10 +17,8 @@ only the useful flops are counted).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,7 +38,9 @@ if ARGS.smoke:
 
 import torch  # noqa: E402
 
-from _timing import copy_bandwidth, graph_time, import_k3rt_kernels, l2_rotation, rel_err, time_ms  # noqa: E402
+from _timing import (  # noqa: E402
+    Report, copy_bandwidth, graph_time, import_k3rt_kernels, l2_rotation, rel_err, time_ms,
+)
 
 import_k3rt_kernels()
 from k3rt.kernels.mla import (  # noqa: E402
@@ -58,13 +58,16 @@ else:
     CONTEXTS, BATCHES, PREFILL_LENS = [100], [1, 3], [40]
 H, L, R, P, V, PAGE = (SHAPE[k] for k in ("H", "L", "R", "P", "V", "page"))
 SCALE = (P + R) ** -0.5
-T0 = time.perf_counter()
-RESULT: dict = {"mode": "gpu" if GPU else "smoke", "shape": SHAPE, "dtype": str(DTYPE), "decode": [],
-                "decode_sweep": [], "prefill": [], "prefill_sweep": [], "correctness": [], "skipped": []}
+# this script's sections are plain lists filled by hand (no per-item records): only the budget clock
+# and the JSON writing come from the Report
+REPORT = Report(Path(ARGS.out), ARGS.budget_s, {
+    "mode": "gpu" if GPU else "smoke", "shape": SHAPE, "dtype": str(DTYPE), "decode": [], "decode_sweep": [],
+    "prefill": [], "prefill_sweep": [], "correctness": [], "skipped": []})
+RESULT = REPORT.result
 
 
 def in_budget(name: str) -> bool:
-    if time.perf_counter() - T0 > ARGS.budget_s:
+    if REPORT.over_budget():
         RESULT["skipped"].append(name)
         print(f"skipped (budget): {name}")
         return False
@@ -228,11 +231,9 @@ def main() -> int:
     bench_decode()
     bench_prefill()
     sweep_decode()
-    RESULT["elapsed_s"] = time.perf_counter() - T0
-    out = Path(ARGS.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(RESULT, indent=1))
-    print(f"wrote {out} ({RESULT['elapsed_s']:.1f} s)")
+    RESULT["elapsed_s"] = REPORT.elapsed()
+    REPORT.save()
+    print(f"wrote {REPORT.path} ({RESULT['elapsed_s']:.1f} s)")
     return 0 if all(c["ok"] for c in RESULT["correctness"]) else 1
 
 

@@ -20,11 +20,8 @@ to JSON ($OUT/kernels_moe.json, or --out). Items past --budget-s are skipped and
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
-import traceback
 from pathlib import Path
 
 
@@ -43,7 +40,9 @@ if ARGS.smoke:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton sees any @jit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import copy_bandwidth, graph_time, import_k3rt_kernels, l2_rotation, rel_err, time_ms  # noqa: E402
+from _timing import (  # noqa: E402
+    Report, copy_bandwidth, default_out, graph_time, import_k3rt_kernels, l2_rotation, rel_err, time_ms,
+)
 
 import torch  # noqa: E402
 
@@ -60,42 +59,9 @@ SHAPE = dict(E=8, k=2, D=32, I=16) if ARGS.smoke else dict(E=256, k=8, D=2304, I
 SCALING = 2.446
 ACT = ActivationConfig("silu")
 REPS = 2 if ARGS.smoke else 20
-T0 = time.monotonic()
-RESULT: dict = {"mode": "smoke" if ARGS.smoke else "gpu", "shape": SHAPE}
-
-
-def out_path() -> Path:
-    if ARGS.out is not None:
-        return ARGS.out
-    return Path(os.environ["OUT"]) / "kernels_moe.json" if os.environ.get("OUT") else Path("kernels_moe.json")
-
-
-def save() -> None:
-    path = out_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(RESULT, indent=1, default=str))
-
-
-def log(msg: str) -> None:
-    print(f"[{time.monotonic() - T0:7.1f}s] {msg}", flush=True)
-
-
-def item(section: str, name: str, fn) -> dict:
-    """Run one measured item: record its dict, or the error / the skip, in RESULT[section]."""
-    rec: dict = {"name": name}
-    if time.monotonic() - T0 > ARGS.budget_s:
-        rec["skipped"] = f"budget {ARGS.budget_s:.0f}s spent"
-        log(f"{section}/{name}: skipped (budget)")
-    else:
-        try:
-            rec.update(fn())
-        except Exception as e:  # one broken item must not lose the rest of a device run
-            rec["error"] = f"{type(e).__name__}: {e}"
-            log(f"{section}/{name}: ERROR {rec['error']}")
-            traceback.print_exc()
-    RESULT.setdefault(section, []).append(rec)
-    save()
-    return rec
+REPORT = Report(default_out(ARGS.out, "kernels_moe.json"), ARGS.budget_s,
+                {"mode": "smoke" if ARGS.smoke else "gpu", "shape": SHAPE})
+RESULT, item, log, save = REPORT.result, REPORT.item, REPORT.log, REPORT.save
 
 
 def weights(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,10 +239,10 @@ def main() -> None:
         prefill(T, w13, w2, RESULT["matmul"]["TFLOPs"])
     for T in ([3] if ARGS.smoke else [1, 64, 4096]):
         route_timing(T)
-    RESULT["wall_s"] = time.monotonic() - T0
+    RESULT["wall_s"] = REPORT.elapsed()
     save()
     table()
-    log(f"wrote {out_path()}")
+    log(f"wrote {REPORT.path}")
 
 
 if __name__ == "__main__":
