@@ -11,6 +11,7 @@ from k3rt.kernels.kda.ref import (
     kda_recurrent,
     l2norm,
 )
+from k3rt.kernels.lazy import lazy_exports
 
 _TRITON_EXPORTS = {
     "kda_decode": "k3rt.kernels.kda.triton_decode",
@@ -33,10 +34,4 @@ __all__ = [
     "l2norm",
 ]
 
-
-def __getattr__(name: str):
-    if name in _TRITON_EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_TRITON_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _TRITON_EXPORTS)

@@ -3,6 +3,7 @@
 The Triton kernels (`mla_decode`, `mla_decode_num_splits`, `mla_prefill`) are exported lazily, so
 importing the reference ops never imports Triton.
 """
+from k3rt.kernels.lazy import lazy_exports
 from k3rt.kernels.mla.ref import gather_latents, mla_decode_ref, mla_prefill_ref
 
 _TRITON_EXPORTS = {
@@ -20,10 +21,4 @@ __all__ = [
     "mla_prefill_ref",
 ]
 
-
-def __getattr__(name: str):
-    if name in _TRITON_EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_TRITON_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _TRITON_EXPORTS)

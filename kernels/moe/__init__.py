@@ -4,6 +4,7 @@ oracles every MoE kernel is tested against.
 The Triton ops (`moe_route`, `fused_experts`, `moe_align_fwd`) are exported lazily, so importing the
 reference ops never imports Triton.
 """
+from k3rt.kernels.lazy import lazy_exports
 from k3rt.kernels.moe.ref import act_and_mul_ref, align_ref, fused_experts_ref, route_ref
 
 _TRITON_EXPORTS = {
@@ -24,10 +25,4 @@ __all__ = [
     "route_ref",
 ]
 
-
-def __getattr__(name: str):
-    if name in _TRITON_EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_TRITON_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _TRITON_EXPORTS)

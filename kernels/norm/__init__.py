@@ -3,6 +3,7 @@
 `rms_norm_ref` / `rms_norm_gated_ref` (ref.py) are the torch oracles, imported eagerly. The Triton ops
 `rms_norm` / `rms_norm_gated` (triton_norm.py) are exported lazily, so the references never import Triton.
 """
+from k3rt.kernels.lazy import lazy_exports
 from k3rt.kernels.norm.ref import rms_norm as rms_norm_ref
 from k3rt.kernels.norm.ref import rms_norm_gated as rms_norm_gated_ref
 
@@ -13,10 +14,4 @@ _TRITON_EXPORTS = {
 
 __all__ = ["rms_norm", "rms_norm_gated", "rms_norm_gated_ref", "rms_norm_ref"]
 
-
-def __getattr__(name: str):
-    if name in _TRITON_EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_TRITON_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _TRITON_EXPORTS)

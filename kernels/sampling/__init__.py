@@ -4,6 +4,7 @@
 the Triton-backed `sample` (sampler.py) and its `SampleResult` are exported lazily, so importing the
 reference never imports Triton.
 """
+from k3rt.kernels.lazy import lazy_exports
 from k3rt.kernels.sampling.ref import filter_logits, is_greedy, logprobs, process_logits, sampling_probs
 
 _TRITON_EXPORTS = {
@@ -15,10 +16,4 @@ _TRITON_EXPORTS = {
 __all__ = ["SampleResult", "filter_logits", "filter_thresholds", "is_greedy", "logprobs", "process_logits",
            "sample", "sampling_probs"]
 
-
-def __getattr__(name: str):
-    if name in _TRITON_EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_TRITON_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _TRITON_EXPORTS)

@@ -1,24 +1,17 @@
 """The Triton KDA kernels (decode step, chunked prefill) agree with the torch oracle.
 
-Without a GPU the kernels run in the Triton interpreter (TRITON_INTERPRET=1, set below before the
-kernel modules are imported), so the CPU cases use tiny fp32/fp16 shapes. The `gpu` cases run the
-compiled kernels at Kimi shapes (H=32, D=128, bf16 activations, fp32 state).
+Without a GPU the kernels run in the Triton interpreter (TRITON_INTERPRET=1, set by conftest.py
+before the kernel modules are imported), so the CPU cases use tiny fp32/fp16 shapes. The `gpu` cases
+run the compiled kernels at Kimi shapes (H=32, D=128, bf16 activations, fp32 state).
 """
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import Tensor
-
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the @triton.jit decorations below
 
 pytest.importorskip("triton")
 
@@ -31,27 +24,12 @@ from k3rt.kernels.kda.ref import (  # noqa: E402
     kda_recurrent,
 )
 from k3rt.kernels.short_conv.ref import causal_conv1d  # noqa: E402
+from tests.kernels.helpers import DEV, HAS_CUDA, rel_err, run_benchmark_smoke  # noqa: E402
 
-DEV = "cuda" if HAS_CUDA else "cpu"
 LOWER_BOUND = -5.0
 W = 4
-REPO = Path(__file__).resolve().parents[2]
 
-
-@pytest.fixture(autouse=True)
-def _poison_outputs():
-    """NaN-fill kernel outputs and scratch, so anything left unwritten fails the comparison."""
-    triton_decode.set_poison(True)
-    yield
-    triton_decode.set_poison(False)
-
-
-def rel_err(a: Tensor, b: Tensor) -> float:
-    """||a - b|| / ||b|| in fp64; NaN anywhere gives inf."""
-    a, b = a.double(), b.double()
-    if not torch.isfinite(a).all():
-        return math.inf
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+pytestmark = pytest.mark.usefixtures("poison_outputs")  # NaN-filled outputs: conftest.py
 
 
 def gate_params(gen: torch.Generator, H: int, D: int, gate: str) -> tuple[Tensor, Tensor]:
@@ -354,15 +332,7 @@ def test_chunk_rejects_bad_inputs() -> None:
 def test_benchmark_smoke(tmp_path: Path) -> None:
     """benchmarks/kernels.py --smoke runs end to end on the CPU interpreter and writes its JSON."""
     out = tmp_path / "kernels.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "kernels.py"), "--smoke", "--out", str(out)],
-        capture_output=True, text=True, env=env, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    import json
-
-    result = json.loads(out.read_text())
+    result = run_benchmark_smoke("kernels.py", out)
     assert result["mode"] == "smoke"
     assert all(c["ok"] for c in result["correctness"]), result["correctness"]
 

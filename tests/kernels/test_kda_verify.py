@@ -6,30 +6,19 @@ CPU cases run under the Triton interpreter at tiny fp32 shapes; the `gpu` case a
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch import Tensor
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the @triton.jit decorations below
-
 pytest.importorskip("triton")
 
 from k3rt.backend.layers.norm import rms_norm_gated  # noqa: E402
-from k3rt.kernels.common import set_poison  # noqa: E402
 from k3rt.kernels.kda.triton_decode import kda_decode_workspace  # noqa: E402
 from k3rt.kernels.kda.triton_verify import kda_commit, kda_verify  # noqa: E402
-from tests.kernels.test_kda_triton import DEV, LOWER_BOUND, decode_case, decode_ref, rel_err  # noqa: E402
+from tests.kernels.helpers import DEV, HAS_CUDA, rel_err  # noqa: E402
+from tests.kernels.test_kda_triton import LOWER_BOUND, decode_case, decode_ref  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _poison_outputs():
-    set_poison(True)
-    yield
-    set_poison(False)
+pytestmark = pytest.mark.usefixtures("poison_outputs")  # NaN-filled outputs: conftest.py
 
 
 def verify_case(N: int, T: int, H: int, D: int, kind: str, dtype: torch.dtype, num_slots: int, seed: int):

@@ -14,16 +14,10 @@ from torch import Tensor
 
 from k3rt.backend.models.mla import mla_absorbed, mla_expanded
 from k3rt.kernels.mla.ref import gather_latents, mla_decode_ref, mla_prefill_ref
+from tests.kernels.helpers import rel_err
 
 H, L, R, P, V = 4, 32, 16, 16, 16
 SCALE = (P + R) ** -0.5
-
-
-def rel_err(a: Tensor, b: Tensor) -> float:
-    a, b = a.double(), b.double()
-    if not torch.isfinite(a).all():
-        return math.inf
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def paged(latents: list[Tensor], block_size: int, gen: torch.Generator, spare_pages: int = 3):

@@ -3,41 +3,23 @@ ptxas and cuobjdump ship in the triton wheel. The build must not spill registers
 its loads (cp.async), and the prefill's dots must lower to wgmma: the cheap checks of what makes
 these kernels fast, runnable on CPU-only CI.
 
-The build runs in a subprocess because TRITON_INTERPRET (set by the interpreter tests) changes
-what @triton.jit returns.
+The build runs in a subprocess (tests/kernels/helpers.py: run_sm90_build) because TRITON_INTERPRET
+(set by conftest.py without a GPU) changes what @triton.jit returns.
 """
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("triton")
 
+from tests.kernels.helpers import run_sm90_build  # noqa: E402
+
 _BUILD = r'''
-import json, os, re, subprocess, tempfile, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from k3rt.kernels.mla import triton_decode as d, triton_prefill as p
 
 def build(fn, sig, consts, num_warps, num_stages):
     # the runtime marks pointers and strides divisible by 16 as such; the 48B shapes all are
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
-             if v.startswith("*") or k.startswith("stride")}
-    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": num_warps, "num_stages": num_stages})
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    os.unlink(f.name)
-    ttgir = k.asm["ttgir"]
-    return {"stack": int(re.search(r"STACK:(\d+)", usage).group(1)), "local": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
-            "async_copies": ttgir.count("async_copy_global_to_local"), "wgmma": ttgir.count("warp_group_dot"),
-            "shared": k.metadata.shared}
+    return sm90_build(fn, sig, consts, num_warps, num_stages, lambda k: k.startswith("stride"))
 
 I32, C = "i32", "constexpr"
 dec = dict(q_ptr="*bf16", stride_q_n=I32, stride_q_h=I32, kv_ptr="*bf16", block_table_ptr="*i32", stride_bt_n=I32,
@@ -59,10 +41,7 @@ print(json.dumps({
 
 
 def test_sm90_build_has_no_spills_and_pipelines_loads() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _BUILD], capture_output=True, text=True, env=env, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = run_sm90_build(_BUILD, timeout=240)
     for name, r in res.items():
         assert r["stack"] == 0 and r["local"] == 0, (name, r)  # register spills go to the stack
         assert r["async_copies"] > 0, (name, r)  # the tile loads are software-pipelined

@@ -1,52 +1,27 @@
 """The Triton MLA kernels (split-context decode over the paged latent cache, varlen causal prefill)
 agree with the torch oracles in kernels/mla/ref.py and, through them, with the model's attention.
 
-Without a GPU the kernels run in the Triton interpreter (TRITON_INTERPRET=1, set before the kernel
-modules are imported), at tiny fp32/fp16 shapes. The `gpu` cases run the compiled kernels at the
-Kimi-Linear-48B shape (H=32, L=512, R=64, P=V=128, page 1888) in bf16.
+Without a GPU the kernels run in the Triton interpreter (TRITON_INTERPRET=1, set by conftest.py
+before the kernel modules are imported), at tiny fp32/fp16 shapes. The `gpu` cases run the compiled
+kernels at the Kimi-Linear-48B shape (H=32, L=512, R=64, P=V=128, page 1888) in bf16.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import Tensor
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the @triton.jit decorations below
-
 pytest.importorskip("triton")
 
 from k3rt.backend.models.mla import mla_absorbed  # noqa: E402
-from k3rt.kernels import common  # noqa: E402
 from k3rt.kernels.mla import mla_decode, mla_decode_num_splits, mla_prefill  # noqa: E402
 from k3rt.kernels.mla.ref import mla_decode_ref, mla_prefill_ref  # noqa: E402
+from tests.kernels.helpers import DEV, HAS_CUDA, rel_err, run_benchmark_smoke  # noqa: E402
 
-DEV = "cuda" if HAS_CUDA else "cpu"
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(autouse=True)
-def _poison_outputs():
-    """NaN-fill kernel outputs and split partials, so anything left unwritten fails the comparison."""
-    common.set_poison(True)
-    yield
-    common.set_poison(False)
-
-
-def rel_err(a: Tensor, b: Tensor) -> float:
-    """||a - b|| / ||b|| in fp64; NaN anywhere gives inf."""
-    a, b = a.double(), b.double()
-    if not torch.isfinite(a).all():
-        return math.inf
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+pytestmark = pytest.mark.usefixtures("poison_outputs")  # NaN-filled outputs and split partials: conftest.py
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,11 +218,7 @@ def test_prefill_rejects_bad_inputs() -> None:
 def test_benchmark_smoke(tmp_path: Path) -> None:
     """benchmarks/kernels_mla.py --smoke runs end to end on the interpreter and writes its JSON."""
     out = tmp_path / "kernels_mla.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kernels_mla.py"), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    result = json.loads(out.read_text())
+    result = run_benchmark_smoke("kernels_mla.py", out)
     assert result["mode"] == "smoke"
     assert result["correctness"] and all(c["ok"] for c in result["correctness"]), result["correctness"]
 

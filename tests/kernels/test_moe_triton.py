@@ -1,58 +1,33 @@
 """The Triton MoE kernels (router top-k, expert alignment, fused experts) agree with kernels/moe/ref.py.
 
-Without a GPU the kernels run in the Triton interpreter (TRITON_INTERPRET=1, set below before the
-kernel modules are imported): tiny fp32 shapes (E=8, k=2, D=32, I=16). The `gpu` cases run the
-compiled kernels at the Kimi-Linear-48B shape (E=256, k=8, D=2304, I=1024, bf16).
+Without a GPU the kernels run in the Triton interpreter (TRITON_INTERPRET=1, set by conftest.py
+before the kernel modules are imported): tiny fp32 shapes (E=8, k=2, D=32, I=16). The `gpu` cases run
+the compiled kernels at the Kimi-Linear-48B shape (E=256, k=8, D=2304, I=1024, bf16).
 """
 from __future__ import annotations
 
-import json
-import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import Tensor
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the @triton.jit decorations below
-
 pytest.importorskip("triton")
 
-from k3rt.kernels import common  # noqa: E402
 from k3rt.kernels.moe import ExpertTiles, fused_experts, moe_align_fwd, moe_route  # noqa: E402
 from k3rt.kernels.moe.ref import align_ref, fused_experts_ref, route_ref  # noqa: E402
 from k3rt.kernels.moe.triton_align import CHUNK, num_blocks_max  # noqa: E402
 from k3rt.kernels.moe.triton_experts import DECODE_CANDIDATES, PREFILL_CANDIDATES  # noqa: E402
 from k3rt.model_config import ActivationConfig  # noqa: E402
+from tests.kernels.helpers import DEV, HAS_CUDA, rel_err, run_benchmark_smoke  # noqa: E402
 
-DEV = "cuda" if HAS_CUDA else "cpu"
-REPO = Path(__file__).resolve().parents[2]
 ACTS = {
     "silu": ActivationConfig("silu"),
     "situ_lin": ActivationConfig("situ", 4.0, 25.0),
     "situ": ActivationConfig("situ", 1.5, None),
 }
 
-
-@pytest.fixture(autouse=True)
-def _poison_outputs():
-    """NaN-fill kernel outputs and scratch, so anything left unwritten fails the comparison."""
-    common.set_poison(True)
-    yield
-    common.set_poison(False)
-
-
-def rel_err(a: Tensor, b: Tensor) -> float:
-    """||a - b|| / ||b|| in fp64; NaN anywhere gives inf."""
-    a, b = a.double(), b.double()
-    if not torch.isfinite(a).all():
-        return math.inf
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+pytestmark = pytest.mark.usefixtures("poison_outputs")  # NaN-filled outputs: conftest.py
 
 
 def random_ids(gen: torch.Generator, T: int, E: int, k: int, experts: int | None = None) -> Tensor:
@@ -239,13 +214,7 @@ def test_fused_experts_empty_batch() -> None:
 def test_benchmark_smoke(tmp_path: Path) -> None:
     """benchmarks/kernels_moe.py --smoke runs end to end on the CPU interpreter and writes its JSON."""
     out = tmp_path / "kernels_moe.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "kernels_moe.py"), "--smoke", "--out", str(out)],
-        capture_output=True, text=True, env=env, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    result = json.loads(out.read_text())
+    result = run_benchmark_smoke("kernels_moe.py", out)
     assert result["mode"] == "smoke"
     assert result["correctness"] and all(c["ok"] for c in result["correctness"]), result["correctness"]
 

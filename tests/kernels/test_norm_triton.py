@@ -1,41 +1,20 @@
 """The Triton RMSNorm kernels agree with kernels/norm/ref.py.
 
-Without a GPU the kernels run in the Triton interpreter (set below, before Triton is imported): tiny
-fp32/fp16 shapes. The `gpu` cases run the compiled kernels at Kimi shapes in bf16.
+Without a GPU the kernels run in the Triton interpreter (set by conftest.py, before Triton is
+imported): tiny fp32/fp16 shapes. The `gpu` cases run the compiled kernels at Kimi shapes in bf16.
 """
 from __future__ import annotations
-
-import math
-import os
 
 import pytest
 import torch
 from torch import Tensor
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the @triton.jit decorations
-
 pytest.importorskip("triton")
 
-from k3rt.kernels import common  # noqa: E402
 from k3rt.kernels.norm import rms_norm, rms_norm_gated, rms_norm_gated_ref, rms_norm_ref  # noqa: E402
+from tests.kernels.helpers import DEV, rel_err  # noqa: E402
 
-DEV = "cuda" if HAS_CUDA else "cpu"
-
-
-@pytest.fixture(autouse=True)
-def _poison_outputs():
-    common.set_poison(True)
-    yield
-    common.set_poison(False)
-
-
-def rel_err(a: Tensor, b: Tensor) -> float:
-    a, b = a.double(), b.double()
-    if not torch.isfinite(a).all():
-        return math.inf
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+pytestmark = pytest.mark.usefixtures("poison_outputs")  # NaN-filled outputs: conftest.py
 
 
 def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> Tensor:

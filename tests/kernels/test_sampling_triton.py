@@ -1,21 +1,16 @@
 """The Triton sampler agrees with kernels/sampling/ref.py: processed logits bit for bit, greedy rows
 exactly (ties to the lowest index), seeded draws token for token with ref.draw (same philox noise).
 
-Without a GPU the kernels run in the Triton interpreter (set below, before Triton is imported), at
-tiny vocabularies. The `gpu` cases run B=64, V=163840 with bf16-valued logits.
+Without a GPU the kernels run in the Triton interpreter (set by conftest.py, before Triton is
+imported), at tiny vocabularies. The `gpu` cases run B=64, V=163840 with bf16-valued logits.
 """
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 from torch import Tensor
-
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the @triton.jit decorations
 
 pytest.importorskip("triton")
 
@@ -23,16 +18,11 @@ from k3rt.kernels import common  # noqa: E402
 from k3rt.kernels.sampling import filter_logits, filter_thresholds, process_logits, sample  # noqa: E402
 from k3rt.kernels.sampling import ref  # noqa: E402
 from k3rt.kernels.sampling.triton_sample import launch_sample_fwd  # noqa: E402
+from tests.kernels.helpers import DEV  # noqa: E402
 
-DEV = "cuda" if HAS_CUDA else "cpu"
 NEG_INF = float("-inf")
 
-
-@pytest.fixture(autouse=True)
-def _poison_outputs():
-    common.set_poison(True)
-    yield
-    common.set_poison(False)
+pytestmark = pytest.mark.usefixtures("poison_outputs")  # NaN-filled outputs: conftest.py
 
 
 def batch(seed: int, B: int, V: int, *, penalties: bool = True, mask: bool = True, S: int | None = None) -> dict:
