@@ -1,20 +1,17 @@
 """The GPU runner's sampling glue: per-request penalty statistics kept on the device and fed to
 the Triton sampler equal the host sampler's penalties (which rebuild them from token histories).
 
-On the CPU the Triton sampler runs under the interpreter (TRITON_INTERPRET=1, set before any kernel
-module is imported), at a tiny vocabulary. Greedy rows make the comparison exact.
+On the CPU the Triton sampler runs under the interpreter (tests/conftest.py sets TRITON_INTERPRET),
+at a tiny vocabulary. Greedy rows make the comparison exact.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 from k3rt.backend.runner.gpu.penalties import PenaltyState  # noqa: E402

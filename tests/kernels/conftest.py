@@ -1,22 +1,13 @@
-"""Kernel tests: without a GPU the Triton kernels run in the Triton interpreter.
-
-TRITON_INTERPRET decides what @triton.jit returns when a kernel module is imported (and
-kernels/common.py reads it once, at import), so it must be set before anything imports one. pytest
-imports this conftest before any test module of this folder, so it is set here, once, for all of them.
+"""Kernel tests: the NaN-poison fixture. (Without a GPU the Triton kernels run in the interpreter:
+tests/conftest.py sets TRITON_INTERPRET for the whole session, before any kernel module is imported.)
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 
 # helpers' asserts (the subprocess runners) report like the tests' own
 pytest.register_assert_rewrite("tests.kernels.helpers")
-
-from tests.kernels.helpers import HAS_CUDA  # noqa: E402
-
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture
