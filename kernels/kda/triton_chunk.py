@@ -421,7 +421,9 @@ def kda_chunk_fwd(
         init = None
     # one host->device copy for all the int tables
     host = chunk_seq + chunk_idx + chunk_off + snap + (init if init is not None else [])
-    tables = torch.tensor(host, dtype=torch.int32).to(dev, non_blocking=True)
+    tables = torch.tensor(host, dtype=torch.int32)
+    # pinned: a pageable host-to-device copy would wait for the stream (a host sync per layer)
+    tables = (tables.pin_memory() if dev.type == "cuda" else tables).to(dev, non_blocking=True)
     t_seq, t_idx = tables[:NC], tables[NC:2 * NC]
     t_off, t_snap = tables[2 * NC:2 * NC + N], tables[2 * NC + N:3 * NC + N]
     t_init = tables[3 * NC + N:] if init is not None else has_initial_state.to(device=dev, dtype=torch.int32)

@@ -34,3 +34,11 @@ def share_rows(parts: list, fused) -> None:
         n = p.shape[0]
         p.data = fused[o:o + n]
         o += n
+
+
+def to_device(host, device):
+    """A host tensor on `device` without a host sync: pageable host-to-device copies wait for the
+    stream, pinned ones are queued behind it."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from k3rt.backend.runner.gpu.ops import to_device
+
 
 class PenaltyState:
     def __init__(self, vocab_size: int, device: torch.device, max_rows: int = 256) -> None:
@@ -33,16 +35,17 @@ class PenaltyState:
         for r in new:
             row = self.free.pop()
             self.row_of[r.rid] = row
-            prompt = torch.tensor(r.token_ids[:r.prompt_len], dtype=torch.long).to(self.device, non_blocking=True)
-            out = torch.tensor(r.token_ids[r.prompt_len:], dtype=torch.long).to(self.device, non_blocking=True)
+            prompt = to_device(torch.tensor(r.token_ids[:r.prompt_len], dtype=torch.long), self.device)
+            out = to_device(torch.tensor(r.token_ids[r.prompt_len:], dtype=torch.long), self.device)
             self.prompt_mask[row].zero_().index_fill_(0, prompt, True)
             self.output_counts[row].zero_().index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
         return [self.row_of[r.rid] for r in reqs]
 
-    def add_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Count the step's sampled tokens (device tensors [B]) into their rows' output counts."""
+    def add_tokens(self, rows: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor) -> None:
+        """Add `counts` (0 for rows that own no state row) of each sampled token to its row's output
+        counts; rows, tokens, counts: device tensors [B]."""
         assert self.output_counts is not None
-        self.output_counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+        self.output_counts.index_put_((rows, tokens), counts.to(torch.int32), accumulate=True)
 
     def release(self, rid: int) -> None:
         row = self.row_of.pop(rid, None)

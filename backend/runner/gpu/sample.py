@@ -16,7 +16,7 @@ import random
 
 import torch
 
-from k3rt.backend.runner.gpu.ops import kernel
+from k3rt.backend.runner.gpu.ops import kernel, to_device
 from k3rt.backend.runner.gpu.penalties import PenaltyState
 from k3rt.backend.runner.sampling import sample_requests
 from k3rt.backend.sampling.sampler import Sampler
@@ -69,11 +69,9 @@ def device_sample(fn, logits: torch.Tensor, reqs: list, penalties: PenaltyState 
         rows = [row_of.get(r.rid, 0) for r in reqs]
     floats = torch.tensor([[p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty,
                             p.presence_penalty] for p in ps], dtype=torch.float32)
-    ints = torch.tensor([[p.top_k, _seed(r), len(r.token_ids) - r.prompt_len, rows[i] if rows else 0]
-                         for i, (p, r) in enumerate(zip(ps, reqs))], dtype=torch.int64)
-    if dev.type == "cuda":
-        floats, ints = floats.pin_memory(), ints.pin_memory()
-    floats, ints = floats.to(dev, non_blocking=True).t().contiguous(), ints.to(dev, non_blocking=True).t().contiguous()
+    ints = torch.tensor([[p.top_k, _seed(r), len(r.token_ids) - r.prompt_len, rows[i] if rows else 0,
+                          int(_penalized(r))] for i, (p, r) in enumerate(zip(ps, reqs))], dtype=torch.int64)
+    floats, ints = to_device(floats, dev).t().contiguous(), to_device(ints, dev).t().contiguous()
     if rows is not None:
         pen_kw = dict(repetition_penalty=floats[3], frequency_penalty=floats[4], presence_penalty=floats[5],
                       prompt_mask=penalties.prompt_mask, output_counts=penalties.output_counts, penalty_rows=ints[3])
@@ -84,15 +82,14 @@ def device_sample(fn, logits: torch.Tensor, reqs: list, penalties: PenaltyState 
         # rows without a grammar keep every bit set
         mask = torch.full((len(reqs), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)
         fill_batch_bitmask([r.grammar for r in reqs], mask)
-        mask = (mask.pin_memory() if dev.type == "cuda" else mask).to(dev, non_blocking=True)
+        mask = to_device(mask, dev)
     nlp = max((p.logprobs for p in ps if p.logprobs is not None), default=None)
     filters = any(p.top_k > 1 or p.top_p < 1.0 or p.min_p > 0.0 for p in ps)
     res = fn(logits.contiguous(), floats[0], ints[0].to(torch.int32), floats[1], floats[2], ints[1], ints[2],
              allowed_mask=mask, apply_filters=filters, num_logprobs=nlp, **pen_kw)
     if rows is not None:
-        # only the penalized rows own their state row; the others read row 0 and must not write it
-        sel = torch.tensor([i for i, r in enumerate(reqs) if _penalized(r)], dtype=torch.long).to(dev, non_blocking=True)
-        penalties.add_tokens(ints[3].index_select(0, sel), res.token_ids.index_select(0, sel))
+        # only the penalized rows own their state row; the others read row 0 and add 0 to it
+        penalties.add_tokens(ints[3], res.token_ids, ints[4])
     tokens = res.token_ids.tolist()
     if nlp is not None:
         chosen, tops, ids = res.logprobs.tolist(), res.top_logprobs.tolist(), res.top_ids.tolist()
