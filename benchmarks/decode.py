@@ -42,6 +42,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk (the scheduler's token budget)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--no-pdl", action="store_true", help="skip the PDL variant")
+    p.add_argument("--profile", type=int, default=0, metavar="B",
+                   help="also profile one eager decode step at batch B: time per kernel name, top 30 "
+                        "(kernel times as in the graph; the launch gaps are the graph's to remove)")
     p.add_argument("--smoke", action="store_true", help="tiny config on CPU with torch ops (no kernels, no graphs)")
     p.add_argument("--budget-s", type=float, default=420.0, help="skip remaining items after this many seconds")
     p.add_argument("--out", type=Path, default=None)
@@ -187,6 +190,40 @@ def distinct_experts(runner: GpuModelRunner, step) -> list[int] | None:
     return seen or None
 
 
+def profile_step(runner: GpuModelRunner, cfg, layout, B: int) -> dict:
+    """Kernel time by name for one decode step of B sequences (torch.profiler), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    seqs = decode_seqs(runner.pool, layout, B, ARGS.context, cfg.vocab_size)
+    step = runner._build(seqs, [])
+    runner.fwd(step, decode=True)  # compile and warm up outside the trace
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        runner.fwd(step, decode=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    release(runner.pool, seqs)
+    gpu = torch.cuda.is_available()
+    rows = []
+    for e in prof.key_averages():
+        if gpu:  # device kernels only (their own time); CPU-side ops would count it again
+            if "CUDA" not in str(getattr(e, "device_type", "")):
+                continue
+            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        else:
+            t = e.cpu_time_total
+        rows.append((e.key, e.count, t))
+    rows.sort(key=lambda r: -r[2])
+    total = sum(t for _, _, t in rows)
+    top = [{"kernel": k[:90], "calls": n, "us": round(t, 1), "share": round(t / total, 4) if total else 0.0}
+           for k, n, t in rows[:30]]
+    print(f"\nprofile: one eager decode step, batch {B}: {total / 1e3:.3f} ms of kernel time, "
+          f"{sum(n for _, n, _ in rows)} kernel launches")
+    for r in top:
+        print(f"  {r['us']:9.1f} us {100 * r['share']:5.1f} %  x{r['calls']:<4} {r['kernel']}")
+    return {"batch": B, "kernel_ms": total / 1e3, "launches": sum(n for _, n, _ in rows), "top": top}
+
+
 def bench_prefill(runner: GpuModelRunner, cfg, layout, T: int, matmul_tflops: float, active: int) -> dict:
     pool = runner.pool
     g = torch.Generator().manual_seed(T)
@@ -258,6 +295,9 @@ def main() -> int:
         row = bench_decode(runner, model, cfg, layout, gbps, B)
         log(f"decode B={B}: {row}")
         RESULT["decode"].append(row)
+        save()
+    if ARGS.profile and not over_budget():
+        RESULT["profile"] = profile_step(runner, cfg, layout, ARGS.profile)
         save()
     if cuda and not ARGS.no_pdl and not over_budget():
         runner.fwd.k = KernelConfig(triton=True, use_pdl=True)

@@ -136,11 +136,12 @@ def test_decode_benchmark_smoke(tmp_path) -> None:
 
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "decode.json"
-    subprocess.run([sys.executable, str(root / "benchmarks" / "decode.py"), "--smoke", "--out", str(out)],
+    subprocess.run([sys.executable, str(root / "benchmarks" / "decode.py"), "--smoke", "--profile", "1", "--out", str(out)],
                    check=True, capture_output=True, timeout=300)
     res = json.loads(out.read_text())
     assert [r["batch"] for r in res["decode"]] == [1, 2] and all(r["eager_ms"] > 0 for r in res["decode"])
     assert res["prefill"][0]["tokens"] == 80 and res["prefill"][0]["tokens_per_s"] > 0
+    assert res["profile"]["launches"] > 0 and res["profile"]["top"][0]["us"] > 0
 
 
 @pytest.mark.gpu
