@@ -5,6 +5,7 @@ Validated in __post_init__; errors name the field and the limit. Derived values 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 KDA_CHUNK = 64  # the chunked KDA kernels' chunk: snapshot grids must be multiples of it
@@ -75,6 +76,10 @@ class EngineConfig:
             object.__setattr__(self, "runner", "gpu" if self.device.startswith("cuda") else "model")
         if self.runner not in ("model", "gpu", "null"):
             raise ValueError(f"runner: {self.runner!r} not one of auto, model, gpu, null")
+        if (self.runner == "gpu" and self.kernels and not self.device.startswith("cuda")
+                and os.environ.get("TRITON_INTERPRET") != "1"):
+            raise ValueError(f"device: the gpu runner's Triton kernels need a CUDA device, got {self.device!r} "
+                             "(use runner='model', or kernels=False for its torch-op path)")
         if self.runner == "gpu" and self.tp != 1:
             raise ValueError(f"tp: the gpu runner runs on one GPU (tp=1), got tp={self.tp}; use runner='model'")
         if self.grammar_backend not in ("llguidance", "outlines"):

@@ -14,6 +14,15 @@ def test_auto_runner_follows_the_device() -> None:
     assert EngineConfig(model="m", device="cuda", runner="model").runner == "model"
 
 
+def test_gpu_runner_kernels_need_cuda_or_the_interpreter(monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="^device:.*CUDA"):
+        EngineConfig(model="m", runner="gpu")
+    assert EngineConfig(model="m", runner="gpu", kernels=False).runner == "gpu"  # torch-op path
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert EngineConfig(model="m", runner="gpu").kernels
+
+
 @pytest.mark.parametrize("over, field", [
     ({"runner": "fast"}, "runner"),
     ({"runner": "gpu", "device": "cuda", "tp": 2}, "tp"),
