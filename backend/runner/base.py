@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from k3rt.backend.scheduler.scheduler import SchedulerOutput
+from k3rt.backend.cache.pool import PagePool
+from k3rt.backend.scheduler.scheduler import ScheduledChunk, SchedulerOutput
 
 
 class Runner(ABC):
@@ -20,3 +21,14 @@ class Runner(ABC):
 
     def release(self, rid: int) -> None:
         """The request ended (finished or aborted): drop any per-request state the runner keeps."""
+
+
+def begin_step(pool: PagePool, out: SchedulerOutput) -> list[ScheduledChunk]:
+    """Apply the step's pending page and state copies; return its work as chunks, decodes first
+    (a decode is a one-token chunk at num_computed that is always sampled)."""
+    if out.page_copies:
+        src, dst = zip(*out.page_copies)
+        pool.copy_pages(list(src), list(dst), tensors=len(pool.layout.mla_group))
+    for src, dst in out.state_copies:
+        pool.copy_state_set(src, dst)
+    return [ScheduledChunk(r, r.num_computed, 1, True) for r in out.decodes] + out.chunks

@@ -8,11 +8,11 @@ import torch
 from k3rt.backend.cache.pool import PagePool
 from k3rt.backend.models.batch import ForwardBatch
 from k3rt.backend.models.kimi import KimiForCausalLM
-from k3rt.backend.runner.base import Runner
+from k3rt.backend.runner.base import Runner, begin_step
 from k3rt.backend.runner.paged_cache import PagedSequenceCache
-from k3rt.backend.runner.sampling import sample_requests
+from k3rt.backend.runner.sampling import prompt_score_rows, record_prompt_logprobs, sample_requests
 from k3rt.backend.sampling.sampler import Sampler
-from k3rt.backend.scheduler.scheduler import ScheduledChunk, SchedulerOutput
+from k3rt.backend.scheduler.scheduler import SchedulerOutput
 
 
 class ModelRunner(Runner):
@@ -30,15 +30,9 @@ class ModelRunner(Runner):
     def execute(self, out: SchedulerOutput) -> dict[int, int]:
         if not out.chunks and not out.decodes:
             return {}
-        if out.page_copies:
-            src, dst = zip(*out.page_copies)
-            self.pool.copy_pages(list(src), list(dst), tensors=len(self.pool.layout.mla_group))
-        for src, dst in out.state_copies:
-            self.pool.copy_state_set(src, dst)
+        chunks = begin_step(self.pool, out)
         ids, caches, seq_lens, starts, positions, logit_rows = [], [], [], [], [], []
-        score_rows: list[tuple[object, int, int]] = []  # (request, row, position) for prompt logprobs
-        row = 0
-        chunks = [ScheduledChunk(r, r.num_computed, 1, True) for r in out.decodes] + out.chunks
+        score_rows = prompt_score_rows(chunks)
         for c in chunks:
             r = c.req
             ids.extend(r.token_ids[c.start:c.start + c.num_tokens])
@@ -47,24 +41,15 @@ class ModelRunner(Runner):
             caches.append(PagedSequenceCache(self.pool, r.block_table, r.state_set, self.kda_slots,
                                              self.mla_slots, c.start + c.num_tokens))
             positions.append(tuple(p for p, _ in c.snapshots))
-            f = r.prompt_logprobs_from
-            if f is not None:
-                # the logits at position p score token p+1; only tokens the request already has
-                for p in range(max(c.start, f - 1), min(c.start + c.num_tokens, len(r.token_ids) - 1)):
-                    score_rows.append((r, row + p - c.start, p))
-            row += c.num_tokens
             if c.needs_logits:
-                logit_rows.append(row - 1)
+                logit_rows.append(len(ids) - 1)
         rows = logit_rows + [x[1] for x in score_rows]
         batch = ForwardBatch(seq_lens, starts, caches,
                              logits_indices=torch.tensor(rows, dtype=torch.long, device=self.device),
                              state_positions=positions)
         logits = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch)
         if score_rows:
-            lp = torch.log_softmax(logits[len(logit_rows):], dim=-1)
-            nxt = torch.tensor([r.token_ids[p + 1] for r, _, p in score_rows], device=self.device)
-            for (r, _, p), v in zip(score_rows, lp.gather(1, nxt[:, None])[:, 0].tolist()):
-                r.prompt_logprobs[p + 1] = v
+            record_prompt_logprobs(logits[len(logit_rows):], score_rows)
             logits = logits[: len(logit_rows)]
         for i, c in enumerate(chunks):
             for pos, dest in c.snapshots:

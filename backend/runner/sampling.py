@@ -1,4 +1,4 @@
-"""Sampling of a step's logits for its requests, shared by the runners."""
+"""What a step's logits give its requests, shared by the runners: sampled tokens and prompt logprobs."""
 
 from __future__ import annotations
 
@@ -29,3 +29,24 @@ def sample_requests(sampler: Sampler, logits: torch.Tensor, reqs: list) -> dict[
         if out.logprobs is not None and r.params.logprobs is not None:
             r.last_logprob, r.last_top_logprobs = out.logprobs[i], out.top_logprobs[i]
     return {r.rid: t for r, t in zip(reqs, out.token_ids)}
+
+
+def prompt_score_rows(chunks: list) -> list[tuple[object, int, int]]:
+    """(request, packed row, position p) of each prompt position whose next-token logprob is asked
+    for: the logits at p score token p+1, and only tokens the request already has."""
+    rows, row = [], 0
+    for c in chunks:
+        r, f = c.req, c.req.prompt_logprobs_from
+        if f is not None:
+            for p in range(max(c.start, f - 1), min(c.start + c.num_tokens, len(r.token_ids) - 1)):
+                rows.append((r, row + p - c.start, p))
+        row += c.num_tokens
+    return rows
+
+
+def record_prompt_logprobs(logits: torch.Tensor, rows: list[tuple[object, int, int]]) -> None:
+    """logits: one row per entry of `rows` -> each request's prompt_logprobs[p + 1]."""
+    lp = torch.log_softmax(logits, dim=-1)
+    nxt = torch.tensor([r.token_ids[p + 1] for r, _, p in rows], device=logits.device)
+    for (r, _, p), v in zip(rows, lp.gather(1, nxt[:, None])[:, 0].tolist()):
+        r.prompt_logprobs[p + 1] = v

@@ -18,12 +18,13 @@ import torch
 
 from k3rt.backend.cache.pool import PagePool
 from k3rt.backend.models.kimi import KimiForCausalLM
-from k3rt.backend.runner.base import Runner
+from k3rt.backend.runner.base import Runner, begin_step
 from k3rt.backend.runner.gpu.forward import GpuForward
 from k3rt.backend.runner.gpu.ops import KernelConfig, kernel
 from k3rt.backend.runner.gpu.penalties import PenaltyState
 from k3rt.backend.runner.gpu.sample import sample_step
 from k3rt.backend.runner.gpu.step import GpuStep, StepSeq, build_step, pack_step, step_views
+from k3rt.backend.runner.sampling import prompt_score_rows, record_prompt_logprobs
 from k3rt.backend.sampling.sampler import Sampler
 from k3rt.backend.scheduler.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -60,7 +61,6 @@ class GpuModelRunner(Runner):
         self.pad_page = pool.reserve()  # padding rows of graph-replayed batches write here, never read
         self.graphs: dict[int, _Graph] = {}
         self.graph_sizes = tuple(sorted(graph_sizes))
-        self.step_times: list[float] = []
         if cuda_graphs and self.device.type == "cuda":
             missing = self._graph_blockers()
             if missing:
@@ -69,11 +69,10 @@ class GpuModelRunner(Runner):
                 self.capture()
 
     def _graph_blockers(self) -> list[str]:
-        need = [("kda", "kda_decode"), ("mla", "mla_decode")] if self.kernels.triton else []
-        if any(type(layer.mlp).__name__ == "MoE" for layer in self.model.model.layers):
-            need += [("moe", "fused_experts")]
+        """Ops whose only implementation here would synchronize with the host inside a capture."""
         if not self.kernels.triton:
             return ["every op (kernels are off)"]
+        need = [("kda", "kda_decode"), ("mla", "mla_decode"), ("moe", "fused_experts")]
         return [f"{m}.{n}" for m, n in need if kernel(m, n) is None]
 
     # ---- steps ----
@@ -89,15 +88,9 @@ class GpuModelRunner(Runner):
     def execute(self, out: SchedulerOutput) -> dict[int, int]:
         if not out.chunks and not out.decodes:
             return {}
-        t0 = time.perf_counter()
-        if out.page_copies:
-            src, dst = zip(*out.page_copies)
-            self.pool.copy_pages(list(src), list(dst), tensors=len(self.pool.layout.mla_group))
-        for src, dst in out.state_copies:
-            self.pool.copy_state_set(src, dst)
-        chunks = [ScheduledChunk(r, r.num_computed, 1, True) for r in out.decodes] + out.chunks
+        chunks = begin_step(self.pool, out)
         seqs = [self._seq(c) for c in chunks]
-        score_rows = self._score_rows(chunks)
+        score_rows = prompt_score_rows(chunks)
         n = len(seqs)
         size = next((s for s in self.graph_sizes if s >= n), None)
         if self.graphs and not out.chunks and not score_rows and size in self.graphs:
@@ -107,11 +100,9 @@ class GpuModelRunner(Runner):
             logits = self.fwd(step, decode=step.decode_only)
         reqs = [c.req for c in chunks if c.needs_logits]
         if score_rows:
-            self._score(logits[len(reqs):], score_rows)
+            record_prompt_logprobs(logits[len(reqs):], score_rows)
             logits = logits[:len(reqs)]
-        tokens = sample_step(self.sampler, logits, reqs, use_kernels=self.kernels.triton, penalties=self.penalties)
-        self.step_times.append(time.perf_counter() - t0)
-        return tokens
+        return sample_step(self.sampler, logits, reqs, use_kernels=self.kernels.triton, penalties=self.penalties)
 
     def release(self, rid: int) -> None:
         self.penalties.release(rid)
@@ -119,24 +110,6 @@ class GpuModelRunner(Runner):
     def _build(self, seqs: list[StepSeq], extra_rows: list[int]) -> GpuStep:
         return build_step(seqs, block_size=self.block_size, conv_width=self.fwd.conv_width,
                           num_groups=self.num_groups, device=self.device, extra_logit_rows=extra_rows)
-
-    @staticmethod
-    def _score_rows(chunks: list[ScheduledChunk]) -> list[tuple[object, int, int]]:
-        """(request, packed row, position) of prompt positions whose next-token logprob is asked for."""
-        rows, row = [], 0
-        for c in chunks:
-            r, f = c.req, c.req.prompt_logprobs_from
-            if f is not None:
-                for p in range(max(c.start, f - 1), min(c.start + c.num_tokens, len(r.token_ids) - 1)):
-                    rows.append((r, row + p - c.start, p))
-            row += c.num_tokens
-        return rows
-
-    def _score(self, logits: torch.Tensor, rows: list[tuple[object, int, int]]) -> None:
-        lp = torch.log_softmax(logits, dim=-1)
-        nxt = torch.tensor([r.token_ids[p + 1] for r, _, p in rows], device=self.device)
-        for (r, _, p), v in zip(rows, lp.gather(1, nxt[:, None])[:, 0].tolist()):
-            r.prompt_logprobs[p + 1] = v
 
     # ---- CUDA graphs ----
 
