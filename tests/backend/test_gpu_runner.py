@@ -48,6 +48,24 @@ def test_gpu_path_with_torch_ops_equals_reference_on_cpu(arch, tmp_path) -> None
     assert got == want
 
 
+def test_gpu_path_prompt_logprobs_equal_the_reference(tmp_path) -> None:
+    """Prompt scoring (prompt_logprobs_from) through the GPU runner's packed logit rows, chunked."""
+    ckpt = make_tiny(tmp_path / "m", arch="k3", dtype="float32", seed=4)
+    prompt = prompts_for(3)[2]  # 130 tokens: several prefill chunks at budget 64
+    got = {}
+    for name, over in (("ref", dict(runner="model")), ("gpu", dict(runner="gpu", kernels=False, cuda_graphs=False))):
+        cfg = replace(engine_config_for_tests(str(ckpt), num_pages=64), **over)
+        eng = Engine(replace(cfg, scheduler=replace(cfg.scheduler, max_num_batched_tokens=64)))
+        rid = eng.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2), prompt_logprobs_from=5)
+        while eng.has_unfinished:
+            for o in eng.step():
+                if o.rid == rid and o.finished:
+                    got[name] = o.prompt_logprobs
+    assert sorted(got["ref"]) == list(range(5, len(prompt)))
+    assert got["gpu"].keys() == got["ref"].keys()
+    assert max(abs(got["gpu"][k] - got["ref"][k]) for k in got["ref"]) < 1e-4
+
+
 @pytest.mark.parametrize("arch", ["kimi_linear", "k3"])
 def test_gpu_runner_with_triton_kernels_in_the_interpreter_equals_reference(arch, tmp_path) -> None:
     """The GPU runner with every Triton kernel (KDA decode + chunk, MLA decode + prefill, MoE router +

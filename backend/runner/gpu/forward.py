@@ -34,6 +34,8 @@ class GpuForward:
                 self.prepared[i] = KdaWeights.of(self.layers[i].self_attn, g, t)
         for t, i in enumerate(L.mla_group):
             self.prepared[i] = MlaWeights.of(self.layers[i].self_attn, t)
+        kda = [w for w in self.prepared.values() if isinstance(w, KdaWeights)]
+        self.conv_width = kda[0].conv_weight.shape[1] if kda else 1
         self.norm_kernel = kernel("norm", "rms_norm") if kernels.triton else None
         ws = kernel("kda", "kda_decode_workspace") if kernels.triton else None
         heads = max((w.A_log.numel() for w in self.prepared.values() if isinstance(w, KdaWeights)), default=0)
@@ -41,10 +43,6 @@ class GpuForward:
         self.kda_workspace = ws(max_batch, heads, pool.tensors[0].device) if ws is not None and heads else None
         self.mix_kernel = kernel("attn_res", "attn_res_mix") if kernels.triton else None
 
-    @property
-    def conv_width(self) -> int:
-        kda = [w for w in self.prepared.values() if isinstance(w, KdaWeights)]
-        return kda[0].conv_weight.shape[1] if kda else 1
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if self.norm_kernel is not None:
@@ -91,7 +89,7 @@ class GpuForward:
                 x, h = self.add_norm(self.attention(i, x, step, decode), h, layer.post_attention_layernorm.weight, eps)
                 nxt = self.layers[i + 1].input_layernorm.weight if i + 1 < len(self.layers) else m.norm.weight
                 x, h = self.add_norm(self.ffn(i, x), h, nxt, eps)
-            x = x if step.logit_rows.numel() == x.shape[0] else x[step.logit_rows]
+            x = x if step.logits_every_row else x[step.logit_rows]
             return self.model.lm_head(x)
         stream = AttnResStream(h, self.cfg.attn_res_block_size)
         for i, layer in enumerate(self.layers):
@@ -101,5 +99,5 @@ class GpuForward:
             x = self.mix(stream, layer.mlp_res_norm.weight, layer.mlp_res_proj.weight, eps)
             stream.add(self.ffn(i, self.norm(x, layer.post_attention_layernorm.weight, eps)))
         h = self.mix(stream, m.output_attn_res_norm.weight, m.output_attn_res_proj.weight, eps)
-        h = h if step.logit_rows.numel() == h.shape[0] else h[step.logit_rows]
+        h = h if step.logits_every_row else h[step.logit_rows]
         return self.model.lm_head(self.norm(h, m.norm.weight, eps))

@@ -63,6 +63,7 @@ class GpuStep:
     conv_idx: torch.Tensor
     conv_tail_idx: torch.Tensor
     logit_rows: torch.Tensor
+    logits_every_row: bool  # logit_rows is 0..T-1 in order (decode steps): no gather needed
     prefill_seqs: list[int]  # sequences in the expanded MLA form
     prefill_rows: torch.Tensor  # packed rows of those sequences
     ctx_slot: torch.Tensor
@@ -104,6 +105,7 @@ class StepMeta:
     prefill_seqs: list[int]
     max_q: int
     max_k: int
+    logits_every_row: bool
 
 
 def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_groups: int,
@@ -160,7 +162,8 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
     i32 = [cu, ctx, table.ravel(), cu_k, cu_q]
     meta = StepMeta(B, T, max_blocks, len(snaps), w1, [p.size for p in i64], [p.size for p in i32],
                     cu.tolist(), starts, lens, decode_form, snaps, pre,
-                    max((lens[i] for i in pre), default=0), int(max((ctx[i] for i in pre), default=0)))
+                    max((lens[i] for i in pre), default=0), int(max((ctx[i] for i in pre), default=0)),
+                    bool(np.array_equal(logit_rows, np.arange(T))))
     host = (torch.from_numpy(np.concatenate(i64).astype(np.int64)),
             torch.from_numpy(np.concatenate(i32).astype(np.int32)))
     return meta, host
@@ -183,7 +186,8 @@ def step_views(meta: StepMeta, flat64: torch.Tensor, flat32: torch.Tensor) -> Gp
         num_seqs=B, num_tokens=T, cu=meta.cu, starts=meta.starts, lens=meta.lens, decode_form=meta.decode_form,
         snapshots=meta.snapshots, ids=t_ids, pos=t_pos, kv_slot=t_slot, cu_seqlens=t_cu, ctx_lens=t_ctx,
         block_table=t_table.view(B, meta.max_blocks), state_pages=t_states.view(-1, B), conv_idx=t_conv.view(T, w1 + 1),
-        conv_tail_idx=t_tail.view(B, w1), logit_rows=t_logit, prefill_seqs=meta.prefill_seqs, prefill_rows=t_pre_rows,
+        conv_tail_idx=t_tail.view(B, w1), logit_rows=t_logit, logits_every_row=meta.logits_every_row,
+        prefill_seqs=meta.prefill_seqs, prefill_rows=t_pre_rows,
         ctx_slot=t_ctx_slot, cu_k=t_cuk, cu_q=t_cuq, max_q=meta.max_q, max_k=meta.max_k, decode_seqs=t_dec,
         decode_rows=t_dec_rows, snap_conv_idx=t_snap.view(meta.num_snapshots, w1),
         snap_dest=t_snap_dest.view(t_states.numel() // B, meta.num_snapshots),
