@@ -63,6 +63,8 @@ class Request:
     # set by the runner for the token sampled this step when params.logprobs is not None
     last_logprob: float | None = None
     last_top_logprobs: list[tuple[int, float]] | None = None
+    # the philox seed of on-device sampling: params.seed, or one drawn at the first sampled step and kept
+    device_seed: int | None = None
 
     @property
     def num_output(self) -> int:

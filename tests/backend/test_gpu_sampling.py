@@ -7,8 +7,6 @@ at a tiny vocabulary. Greedy rows make the comparison exact.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 
@@ -17,6 +15,7 @@ pytest.importorskip("triton")
 from k3rt.backend.runner.gpu.penalties import PenaltyState  # noqa: E402
 from k3rt.backend.runner.gpu.sample import device_sample  # noqa: E402
 from k3rt.backend.runner.sampling import sample_requests  # noqa: E402
+from k3rt.backend.scheduler.request import Request  # noqa: E402
 from k3rt.backend.sampling.sampler import Sampler  # noqa: E402
 from k3rt.kernels.sampling import sample  # noqa: E402
 from k3rt.sampling_params import SamplingParams  # noqa: E402
@@ -25,16 +24,9 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 V = 64
 
 
-@dataclass
-class Req:
-    rid: int
-    params: SamplingParams
-    token_ids: list[int]
-    prompt_len: int
-    grammar: object = None
-    generator: object = None
-    last_logprob: float | None = None
-    last_top_logprobs: list = field(default_factory=list)
+def Req(rid: int, params: SamplingParams, token_ids: list[int], prompt_len: int) -> Request:
+    # the scheduler's own (slotted) Request: a stand-in class would accept attributes the real one refuses
+    return Request(rid, token_ids, prompt_len, params)
 
 
 def requests(g: torch.Generator) -> list[Req]:
@@ -80,3 +72,20 @@ def test_rows_run_out_then_come_back() -> None:
     assert device_sample(sample, logits[:1], [extra], state) is None  # rows ran out: host path
     state.release(reqs[0].rid)
     assert device_sample(sample, logits[:1], [extra], state) is not None and state.row_of[9] == 0
+
+
+def test_seeded_device_sampling_is_reproducible_and_unseeded_keeps_its_draw() -> None:
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, V, generator=g).to(DEV)
+
+    def draw(seed):
+        reqs = [Req(i, SamplingParams(temperature=1.0, seed=seed, max_tokens=4), [1, 2, 3], 3) for i in range(2)]
+        return reqs, [device_sample(sample, logits, reqs, None) for _ in range(3)]
+
+    (a, ta), (_, tb) = draw(7), draw(7)
+    assert ta == tb and all(r.device_seed == 7 for r in a)
+    reqs, _ = draw(None)
+    seeds = [r.device_seed for r in reqs]
+    assert all(s is not None for s in seeds)
+    device_sample(sample, logits, reqs, None)
+    assert [r.device_seed for r in reqs] == seeds  # drawn once, then kept

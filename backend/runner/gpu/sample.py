@@ -34,7 +34,7 @@ def _penalized(r) -> bool:
 
 def _seed(r) -> int:
     """The request's philox seed: its own, or one drawn once and kept (reproducible within the run)."""
-    s = getattr(r, "device_seed", None)
+    s = r.device_seed
     if s is None:
         s = r.params.seed if r.params.seed is not None else random.getrandbits(62)
         r.device_seed = s
