@@ -83,6 +83,25 @@ def test_route_bias_changes_selection_strided_logits_and_out_buffers() -> None:
     assert torch.equal(ids, ids_ref) and rel_err(w, w_ref) <= 1e-6
 
 
+@pytest.mark.parametrize("shared", [1, 2])
+def test_route_appends_shared_expert_slots(shared: int) -> None:
+    c = dict(ROUTES["E40_k8_grouped4"])
+    E = c.pop("E")
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(6, E, generator=gen) * 2).to(DEV)
+    bias = (torch.randn(E, generator=gen) * 0.5).to(DEV)
+    w, ids = moe_route(logits, bias, **c, shared_experts=shared)
+    w_ref, ids_ref = route_ref(logits, bias, **c)
+    k = c["top_k"]
+    assert ids.shape == (6, k + shared) and w.shape == (6, k + shared)
+    # the routed slots as without shared experts (renormalized and scaled without them), then E, E+1, ...
+    assert torch.equal(ids[:, :k], ids_ref) and rel_err(w[:, :k], w_ref) <= 1e-6
+    assert torch.equal(ids[:, k:].cpu(), torch.arange(E, E + shared, dtype=torch.int32).expand(6, shared))
+    assert torch.equal(w[:, k:].cpu(), torch.ones(6, shared))
+    with pytest.raises(ValueError, match="out_ids must have shape"):
+        moe_route(logits, bias, **c, shared_experts=shared, out_ids=torch.empty(6, k, dtype=torch.int32, device=DEV))
+
+
 def test_route_rejects_bad_inputs() -> None:
     logits = torch.randn(3, 8, device=DEV)
     bias = torch.zeros(8, device=DEV)

@@ -1,8 +1,22 @@
 """Feed-forward blocks on the GPU path: the dense MLP as is, MoE/LatentMoE through the fused
 router + grouped expert kernels (the reference expert loop when kernels are off: eager only, it
-reads the routing on the host)."""
+reads the routing on the host).
+
+Shared-expert fusion (plain MoE with kernels): the shared MLP of intermediate S * I is S more experts
+of width I (its gate/up columns and down rows split into S independent blocks: act(g) * u is
+per column and the down projection sums over columns), so they are stacked after the E routed
+experts and every token gets S extra routing slots of weight 1 (`moe_route(shared_experts=S)`).
+One grouped GEMM pair then computes routed + shared, instead of two more GEMMs, the activation, the
+product and the add per layer (at batch 1 those launches cost more than the shared expert's bytes).
+The routed and shared outputs are summed in fp32 before one rounding (the reference rounds the
+routed sum first): equal up to that rounding. For S = 1 the module's own parameters become views of
+the stacks (no second copy); for S > 1 the stacks hold a copy of the shared weights.
+LatentMoE's shared expert reads the full-width x while its routed experts read the latent: no fusion.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -11,23 +25,56 @@ from k3rt.backend.models.moe import MoE, route
 from k3rt.backend.runner.gpu.ops import KernelConfig, kernel
 
 
-def moe_forward(moe: MoE, x: torch.Tensor, k: KernelConfig) -> torch.Tensor:
+@dataclass
+class MoeWeights:
+    """One MoE layer's expert stacks for the kernels: [E (+S), 2I, D] and [E (+S), D, I]."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    shared_fused: int  # S: shared experts stacked after the routed ones (0: the module runs them)
+
+    @staticmethod
+    def of(moe: MoE, k: KernelConfig) -> "MoeWeights":
+        m, mlp = moe.m, moe.shared_experts
+        if not k.triton or mlp is None or m.latent_size is not None:
+            return MoeWeights(moe.w13, moe.w2, 0)
+        E, two_i, D = moe.w13.shape
+        I, S = two_i // 2, m.num_shared_experts
+        gu, down = mlp.gate_up_proj.weight.detach(), mlp.down_proj.weight.detach()  # [2SI, D], [D, SI]
+        if gu.shape != (2 * S * I, D) or down.shape != (D, S * I) or gu.dtype != moe.w13.dtype:
+            return MoeWeights(moe.w13, moe.w2, 0)  # a shared width that is not S experts' (never in Kimi)
+        w13 = torch.empty(E + S, two_i, D, dtype=moe.w13.dtype, device=moe.w13.device)
+        w2 = torch.empty(E + S, D, I, dtype=moe.w2.dtype, device=moe.w2.device)
+        w13[:E], w2[:E] = moe.w13.detach(), moe.w2.detach()
+        g, u = gu.view(2, S, I, D).unbind(0)  # gate rows, then up rows, each S blocks of I
+        w13[E:, :I], w13[E:, I:] = g, u
+        w2[E:] = down.view(D, S, I).transpose(0, 1)
+        moe.w13.data, moe.w2.data = w13[:E], w2[:E]
+        if S == 1:
+            mlp.gate_up_proj.weight.data = w13[E]
+            mlp.down_proj.weight.data = w2[E]
+        return MoeWeights(w13, w2, S)
+
+
+def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> torch.Tensor:
     m = moe.m
     experts = kernel("moe", "fused_experts") if k.triton else None
     router = kernel("moe", "moe_route") if k.triton else None
     if router is not None:
         logits = torch.nn.functional.linear(x.float(), moe.gate_weight.float())
-        w, ids = router(logits, moe.e_score_correction_bias.float(), top_k=m.num_experts_per_token,
-                        num_expert_group=m.num_expert_group, topk_group=m.topk_group,
-                        renormalize=m.renormalize, scaling=m.routed_scaling_factor)
+        tw, ids = router(logits, moe.e_score_correction_bias.float(), top_k=m.num_experts_per_token,
+                         num_expert_group=m.num_expert_group, topk_group=m.topk_group,
+                         renormalize=m.renormalize, scaling=m.routed_scaling_factor, shared_experts=w.shared_fused)
     else:
-        w, ids = route(x, moe.gate_weight, moe.e_score_correction_bias, m)
+        tw, ids = route(x, moe.gate_weight, moe.e_score_correction_bias, m)
 
     def routed(z: torch.Tensor) -> torch.Tensor:
         if experts is None:
-            return moe.experts(z, w, ids)
-        return experts(z, moe.w13, moe.w2, w, ids.to(torch.int32), act=moe.act, use_pdl=k.use_pdl)
+            return moe.experts(z, tw, ids)
+        return experts(z, w.w13, w.w2, tw, ids.to(torch.int32), act=moe.act, use_pdl=k.use_pdl)
 
+    if w.shared_fused:
+        return moe.tp.all_reduce(routed(x))
     shared = moe.shared_experts(x) if moe.shared_experts is not None else None
     if m.latent_size is None:
         y = routed(x)

@@ -15,7 +15,7 @@ from k3rt.backend.layers.norm import rms_norm
 from k3rt.backend.models.attn_res import AttnResStream, attn_res_mix
 from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.backend.models.moe import MoE
-from k3rt.backend.runner.gpu.ffn import moe_forward
+from k3rt.backend.runner.gpu.ffn import MoeWeights, moe_forward
 from k3rt.backend.runner.gpu.kda import KdaWeights, kda_forward
 from k3rt.backend.runner.gpu.mla import MlaWeights, mla_forward
 from k3rt.backend.runner.gpu.ops import KernelConfig, kernel
@@ -34,6 +34,8 @@ class GpuForward:
                 self.prepared[i] = KdaWeights.of(self.layers[i].self_attn, g, t)
         for t, i in enumerate(L.mla_group):
             self.prepared[i] = MlaWeights.of(self.layers[i].self_attn, t)
+        self.moe = {i: MoeWeights.of(layer.mlp, kernels) for i, layer in enumerate(self.layers)
+                    if isinstance(layer.mlp, MoE)}
         kda = [w for w in self.prepared.values() if isinstance(w, KdaWeights)]
         self.conv_width = kda[0].conv_weight.shape[1] if kda else 1
         self.norm_kernel = kernel("norm", "rms_norm") if kernels.triton else None
@@ -42,7 +44,6 @@ class GpuForward:
         # one set of per-head counters serves every KDA layer and step (allocated outside graph capture)
         self.kda_workspace = ws(max_batch, heads, pool.tensors[0].device) if ws is not None and heads else None
         self.mix_kernel = kernel("attn_res", "attn_res_mix") if kernels.triton else None
-
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if self.norm_kernel is not None:
@@ -75,7 +76,7 @@ class GpuForward:
 
     def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
         mlp = self.layers[i].mlp
-        return moe_forward(mlp, x, self.k) if isinstance(mlp, MoE) else mlp(x)
+        return moe_forward(mlp, self.moe[i], x, self.k) if isinstance(mlp, MoE) else mlp(x)
 
     @torch.no_grad()
     def __call__(self, step: GpuStep, *, decode: bool = False) -> torch.Tensor:

@@ -1,0 +1,54 @@
+"""The GPU path's MoE block with the shared experts stacked after the routed ones (one grouped GEMM
+pair for both) equals the module's own forward (routed experts + a separate shared MLP), for one and
+for two shared experts; for one, the module's parameters become views of the stacks (no copy).
+
+On the CPU the Triton kernels run under the interpreter (tests/conftest.py), fp32, tiny shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from k3rt.backend.models.moe import MoE  # noqa: E402
+from k3rt.backend.models.tiny import TINY_CONFIGS, init_parameter  # noqa: E402
+from k3rt.backend.runner.gpu.ffn import MoeWeights, moe_forward  # noqa: E402
+from k3rt.backend.runner.gpu.ops import KernelConfig  # noqa: E402
+from k3rt.model_config import parse_model_config  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def tiny_moe(arch: str, shared: int) -> MoE:
+    cfg = parse_model_config({**TINY_CONFIGS[arch], "num_shared_experts": shared})
+    moe = MoE(cfg, dtype=torch.float32)
+    g = torch.Generator().manual_seed(shared)
+    for name, p in moe.named_parameters():
+        init_parameter(name, p.data, g)
+    with torch.no_grad():
+        moe.e_score_correction_bias.normal_(0, 0.3, generator=g)
+    return moe.to(DEV)
+
+
+@pytest.mark.parametrize("shared", [1, 2])
+def test_shared_experts_fused_into_the_grouped_gemms_equal_the_module(shared: int) -> None:
+    moe = tiny_moe("kimi_linear", shared)
+    x = torch.randn(7, moe.w13.shape[2], generator=torch.Generator().manual_seed(3)).to(DEV)
+    with torch.no_grad():
+        want = moe(x)
+        w = MoeWeights.of(moe, KernelConfig(triton=True))
+        assert w.shared_fused == shared and w.w13.shape[0] == moe.m.num_experts + shared
+        got = moe_forward(moe, w, x, KernelConfig(triton=True))
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
+        assert torch.allclose(moe(x), want, rtol=0, atol=0)  # the module still computes the same
+    ptr = w.w13.data_ptr()
+    assert moe.w13.data_ptr() == ptr
+    shares = moe.shared_experts.gate_up_proj.weight.untyped_storage().data_ptr() == ptr
+    assert shares == (shared == 1)
+
+
+def test_no_fusion_without_kernels_or_for_latent_moe() -> None:
+    assert MoeWeights.of(tiny_moe("kimi_linear", 1), KernelConfig(triton=False)).shared_fused == 0
+    assert MoeWeights.of(tiny_moe("k3", 1), KernelConfig(triton=True)).shared_fused == 0
