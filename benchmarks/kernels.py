@@ -3,14 +3,16 @@
 
 GPU mode (default), one H200-class GPU:
   1. device-to-device copy bandwidth (bytes read + written), the ceiling for the state-traffic floor;
-  2. correctness at a moderate shape: kda_decode and kda_chunk_fwd (fp32 and bf16 scratch) vs
-     kernels/kda/ref.py, and fla's kernels vs the same oracle (to show they are called right);
+  2. correctness at a moderate shape: kda_decode and kda_chunk_fwd (each timed launch variant, and
+     a steep gate) vs kernels/kda/ref.py, and fla's kernels vs the same oracle (to show they are
+     called right);
   3. KDA decode, N in {1, 16, 64, 256} sequences, H=32, D=128, bf16 activations, fp32 state,
      replayed from a CUDA graph, the state rotated over enough layers to defeat the L2; against fla
      `fused_recurrent_kda` (in-place state, gate/beta/l2norm in kernel; it has no conv) and against
      the floor 2 x state bytes / copy bandwidth;
   4. KDA prefill, T in {4K, 16K, 64K} and varlen 8 x 4K, against fla `chunk_kda` (g pre-gated,
-     l2norm in kernel, initial and final state).
+     l2norm in kernel, initial and final state); --prefill-variants / --prefill-sweep time launch
+     variants of kda_chunk_fwd (PREFILL_VARIANTS), with the time of each of its launches.
 Times are medians of CUDA-event-timed repetitions after warm-up. A table goes to stdout, all numbers
 to JSON ($OUT/kernels.json, or --out). Items past --budget-s are skipped and say so.
 
@@ -29,6 +31,24 @@ import types
 from pathlib import Path
 
 
+# kda_chunk_fwd keyword sets the prefill items can time ("base" is the launcher's defaults)
+PREFILL_VARIANTS: dict[str, dict] = {
+    "base": {},
+    "split": {"split_output": True},
+    "split_bv64": {"split_output": True, "block_v": 64},
+    "split_bv16": {"split_output": True, "block_v": 16},
+    "intra_w8": {"num_warps_intra": 8},
+    "inv_tf32x3": {"inv_precision": "tf32x3"},
+    "state_w8": {"num_warps_state": 8},
+    "state_s1": {"num_stages_state": 1},
+    "state_s3": {"num_stages_state": 3},
+    "bv16": {"block_v": 16},
+    "bv64": {"block_v": 64},
+    "fp32_scratch": {"scratch_dtype": "float32"},
+    "tf32x3": {"precision": "tf32x3", "scratch_dtype": "float32"},  # fp32 operands everywhere
+}
+
+
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny CPU run under the Triton interpreter")
@@ -41,6 +61,11 @@ def _args() -> argparse.Namespace:
     p.add_argument("--verify", nargs="*", default=[], help="kda_verify cases NxT (N sequences, T drafted tokens)")
     p.add_argument("--prefill", nargs="*", default=["4096", "16384", "65536", "8x4096"],
                    help="prefill cases: T (one sequence) or NxT (N sequences of T)")
+    p.add_argument("--prefill-variants", nargs="*", default=["base"], choices=sorted(PREFILL_VARIANTS),
+                   help="kda_chunk_fwd launch variants timed on every --prefill case (each checked first)")
+    p.add_argument("--prefill-sweep", nargs="*", default=[], choices=sorted(PREFILL_VARIANTS),
+                   help="more variants, checked, then timed on --sweep-case only")
+    p.add_argument("--sweep-case", default="16384", help="the prefill case --prefill-sweep variants are timed on")
     return p.parse_args()
 
 
@@ -135,14 +160,27 @@ def check_decode(N: int, H: int, D: int) -> dict:
             "ok": e_o <= tol and e_s <= 1e-4}
 
 
-def check_chunk(lens: list[int], H: int, D: int, scratch: torch.dtype) -> dict:
+def variant_kwargs(name: str) -> dict:
+    kw = dict(PREFILL_VARIANTS[name])
+    if "scratch_dtype" in kw:
+        kw["scratch_dtype"] = getattr(torch, kw["scratch_dtype"])
+    return kw
+
+
+def check_chunk(lens: list[int], H: int, D: int, variant: str, steep: bool = False) -> dict:
+    """kda_chunk_fwd (one launch variant) against the oracle, with two snapshots; steep: some tokens
+    decay by 40-300 nats in some channels (the exact diagonal-block path)."""
     x = prefill_inputs(lens, H, D, ACT, seed=2)
+    if steep:
+        x["g"][5, 0, :4] = -80.0
+        x["g"][70, 1:5, 3] = -300.0
+        x["g"][lens[0] - 10:lens[0] - 8, :, 8:] = -45.0
     s0 = x["state"].clone()
     snaps = [[p for p in (64, lens[0]) if p <= lens[0]]] + [[] for _ in lens[1:]]
     dest = [[len(lens) + j for j in range(len(snaps[0]))]] + [[] for _ in lens[1:]]
     state = torch.cat([x["state"], torch.zeros(len(snaps[0]), H, D, D, device=DEV)])
     o = kda_chunk_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu"], state, x["slots"],
-                      snapshot_positions=snaps, snapshot_slots=dest, scratch_dtype=scratch)
+                      snapshot_positions=snaps, snapshot_slots=dest, **variant_kwargs(variant))
     e_o = e_s = 0.0
     for i, (b, e) in enumerate(zip(x["cu_list"], x["cu_list"][1:])):
         args = [x[n][None, b:e] for n in ("q", "k", "v", "g", "beta")]
@@ -151,8 +189,8 @@ def check_chunk(lens: list[int], H: int, D: int, scratch: torch.dtype) -> dict:
         e_s = max(e_s, rel_err(state[i], s_r[0]))
         for d, s in zip(dest[i], snap_r):
             e_s = max(e_s, rel_err(state[d], s[0]))
-    tol = {torch.float32: 5e-3, torch.bfloat16: 2e-2}[scratch] if DEV == "cuda" else 3e-3
-    return {"shape": f"lens={lens} H={H} D={D} {ACT} scratch={scratch}", "rel_err_o": e_o,
+    tol = (5e-3 if variant == "tf32x3" else 2e-2) if DEV == "cuda" else 3e-3
+    return {"shape": f"lens={lens} H={H} D={D} {ACT} {variant}{' steep' if steep else ''}", "rel_err_o": e_o,
             "rel_err_state": e_s, "ok": e_o <= tol and e_s <= tol}
 
 
@@ -353,10 +391,10 @@ def bench_verify(case: str, H: int, D: int) -> dict:
 
 
 def kernel_split_ms(fn, reps: int) -> dict:
-    """Median time of each of kda_chunk_fwd's two launches (events around each; syncs in between)."""
+    """Median time of each of kda_chunk_fwd's launches (events around each; syncs in between)."""
     import k3rt.kernels.kda.triton_chunk as tc
 
-    names = ("_kda_chunk_intra_kernel", "_kda_chunk_state_kernel")
+    names = ("_kda_chunk_intra_kernel", "_kda_chunk_state_kernel", "_kda_chunk_out_kernel")
     orig = {n: getattr(tc, n) for n in names}
     times: dict = {n: [] for n in names}
 
@@ -392,13 +430,13 @@ def kernel_split_ms(fn, reps: int) -> dict:
     return {f"{n.strip('_').removeprefix('kda_chunk_')}_ms": statistics.median(t) for n, t in times.items() if t}
 
 
-def bench_prefill(case: str, H: int, D: int, impl: str, scratch=None) -> dict:
+def bench_prefill(case: str, H: int, D: int, impl: str, variant: str = "base") -> dict:
     n, _, t = case.rpartition("x")
     lens = [int(t)] * (int(n) if n else 1)
     x = prefill_inputs(lens, H, D, ACT, seed=6)
     if impl == "k3rt":
         fn = lambda: kda_chunk_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu"], x["state"],  # noqa: E731
-                                   x["slots"], cu_seqlens_cpu=x["cu_list"], scratch_dtype=scratch)
+                                   x["slots"], cu_seqlens_cpu=x["cu_list"], **variant_kwargs(variant))
     else:
         fn = lambda: fla_chunk(x)  # noqa: E731
     t0 = time.monotonic()
@@ -408,9 +446,9 @@ def bench_prefill(case: str, H: int, D: int, impl: str, scratch=None) -> dict:
     first_s = time.monotonic() - t0
     reps = 10 if sum(lens) <= 16384 else 5
     t = time_ms(fn, reps=reps if DEV == "cuda" else 1, warmup=2 if DEV == "cuda" else 0)
-    t.update({"case": case, "tokens": sum(lens), "impl": impl if scratch is None else f"{impl} scratch={scratch}",
+    t.update({"case": case, "tokens": sum(lens), "impl": impl if impl != "k3rt" else f"k3rt {variant}",
               "first_call_s": first_s, "Mtok_per_s": sum(lens) / (t["median_ms"] * 1e-3) / 1e6})
-    if impl == "k3rt":  # where the time goes: the parallel intra-chunk pass vs the sequential state pass
+    if impl == "k3rt":  # where the time goes: the parallel intra-chunk pass, the sequential state pass, output
         t.update(kernel_split_ms(fn, reps=3 if DEV == "cuda" else 1))
     return t
 
@@ -439,7 +477,7 @@ def main() -> int:
     H, D = (32, 128) if not smoke else (2, 16)
     item("correctness", "kda_decode", lambda: check_decode(8 if not smoke else 2, H, D))
     lens = [300, 64, 1000] if not smoke else [65, 3]
-    item("correctness", "kda_chunk_fwd fp32 scratch", lambda: check_chunk(lens, H, D, torch.float32))
+    item("correctness", "kda_chunk_fwd base", lambda: check_chunk(lens, H, D, "base"))
     if FLA is not None:
         item("correctness", "fla fused_recurrent_kda", lambda: check_fla_decode(8, H, D))
 
@@ -457,18 +495,21 @@ def main() -> int:
                 item("decode_sweep", f"k3rt N={N} {cfg}", lambda N=N, c=cfg: bench_decode(N, H, D, "k3rt", c))
     for case in (ARGS.verify if not smoke else ["2x3"]):
         item("verify", f"k3rt {case}", lambda c=case: bench_verify(c, H, D))
-    for case in prefill:
-        item("prefill", f"k3rt {case} fp32 scratch", lambda c=case: bench_prefill(c, H, D, "k3rt", torch.float32))
-    # 16-bit scratch after the fp32 items: a device fault here cannot cost the numbers above
     if not smoke:
-        item("correctness", "kda_chunk_fwd bf16 scratch", lambda: check_chunk(lens, H, D, torch.bfloat16))
+        item("correctness", "kda_chunk_fwd base steep", lambda: check_chunk([300, 64, 1000], H, D, "base", True))
+    variants = ARGS.prefill_variants if not smoke else ["base", "split"]
+    for var in variants:
+        if var != "base":
+            item("correctness", f"kda_chunk_fwd {var}", lambda v=var: check_chunk(lens, H, D, v))
         for case in prefill:
-            item("prefill", f"k3rt {case} bf16 scratch",
-                 lambda c=case: bench_prefill(c, H, D, "k3rt", torch.bfloat16))
-    if FLA is not None:  # last: fla's chunk kernels autotune on first use (minutes on a fresh machine)
+            item("prefill", f"k3rt {case} {var}", lambda c=case, v=var: bench_prefill(c, H, D, "k3rt", v))
+    if FLA is not None:  # after k3rt's own: fla's chunk kernels autotune on first use (a minute or more)
         item("correctness", "fla chunk_kda", lambda: check_fla_chunk([300, 64, 1000], H, D))
         for case in prefill:
             item("prefill", f"fla {case}", lambda c=case: bench_prefill(c, H, D, "fla"))
+    for var in (ARGS.prefill_sweep if not smoke else []):
+        item("correctness", f"kda_chunk_fwd {var}", lambda v=var: check_chunk(lens, H, D, v))
+        item("prefill", f"k3rt {ARGS.sweep_case} {var}", lambda v=var: bench_prefill(ARGS.sweep_case, H, D, "k3rt", v))
 
     print_table()
     save()
@@ -504,12 +545,12 @@ def print_table() -> None:
             print(f"verify N={d['N']} T={d['T']}: verify {d['verify_us']:.2f} us (floor {d['verify_floor_us'] or float('nan'):.2f}),"
                   f" commit {d['commit_us']:.2f} us, err o {d['rel_err_o_last']:.1e} state {d['rel_err_state_last']:.1e}")
     print(f"\nprefill (H=32 D=128, ms)  {'case':>8} {'impl':<34} {'median':>9} {'Mtok/s':>8} {'first s':>8} "
-          f"{'intra':>8} {'state':>8}")
+          f"{'intra':>8} {'state':>8} {'out':>8}")
     for p in RESULT.get("prefill", []):
         if "median_ms" in p:
             print(f"{'':26}{p['case']:>8} {p['impl']:<34} {p['median_ms']:9.3f} {p['Mtok_per_s']:8.2f} "
                   f"{p['first_call_s']:8.1f} {p.get('intra_kernel_ms', float('nan')):8.3f} "
-                  f"{p.get('state_kernel_ms', float('nan')):8.3f}")
+                  f"{p.get('state_kernel_ms', float('nan')):8.3f} {p.get('out_kernel_ms', float('nan')):8.3f}")
         else:
             print(f"{'':26}{p['name']:<44} {p.get('error', p.get('skipped', ''))}")
     for sec in ("decode", "decode_sweep", "verify"):

@@ -1,28 +1,37 @@
 """Chunked KDA prefill (Triton) over a varlen batch, WY/UT-transform form (model-facts §1.3).
 
-Two launches:
+Launches:
   1. `_kda_chunk_intra_kernel`, one program per (chunk, head), all chunks of all sequences in
-     parallel. It normalizes q/k, takes the in-chunk cumsum Gc of the log decay, builds
+     parallel, everything for one chunk in registers. It normalizes q/k, takes the in-chunk cumsum
+     Gc of the log decay, and builds, one block of BC = 16 rows at a time,
          L[i, j]   = beta_i sum_d k_i[d] exp(Gc_i - Gc_j)[d] k_j[d]      (j < i)
          Aqk[i, j] = sum_d q_i[d] exp(Gc_i - Gc_j)[d] k_j[d]             (j <= i)
-     then Tm = (I + L)^-1 diag(beta) by forward substitution, W = Tm (exp(Gc) * K), U = Tm V.
-     Off-diagonal 16x16 blocks use tensor-core dots with the decay split at the first row r0 of
-     the row block, exp(Gc_i - Gc_r0) * exp(Gc_r0 - Gc_j): both factors are <= 1 because
-     j < r0 <= i, so nothing overflows whatever the gate. The diagonal blocks are exact
-     elementwise sums. Everything is written to fp32 scratch indexed [chunk, head, row, ...];
-     tail chunks are zero-padded (q = k = v = 0, g = 0, beta = 0), which leaves the state exact.
+     as one [BC, K] x [K, C] tensor-core dot with the decay split at the block's first row r0:
+     exp(Gc_i - Gc_r0) <= 1 on the row side, exp(Gc_r0 - Gc_j) on the column side, which is <= 1
+     for j < r0 and at most exp(span) inside the block (span = max_d Gc_r0 - Gc_{r0+BC-1}). When
+     the span exceeds SAFE_SPAN (a steep gate, possible with the softplus form) the diagonal block
+     is computed exactly, elementwise, instead. Then (I + L)^-1 by repeated squaring,
+     sum_{n<C} (-L)^n = prod_m (I + (-L)^(2^m)) (L is nilpotent: log2(C) - 1 squarings), and
+         W = (I + L)^-1 diag(beta) (exp(Gc) k),   U = (I + L)^-1 diag(beta) v,
+     plus qg = q exp(Gc), kd = k exp(Gc_last - Gc), exp(Gc_last) and Aqk for the state pass.
+     Tail chunks are zero-padded (q = k = v = 0, g = 0, beta = 0), which leaves the state exact.
   2. `_kda_chunk_state_kernel`, one program per (V tile, sequence, head), walks the chunks of its
      sequence in order with the state tile S [K, BV] in registers:
-         Vnew = U - W S;  O = (q exp(Gc)) S + Aqk Vnew;  S = exp(Gc_last) S + (k exp(Gc_last - Gc))^T Vnew
+         Vnew = U - W S;  O = qg S + Aqk Vnew;  S = exp(Gc_last) S + kd^T Vnew
      It reads the initial state from state[slot], writes the final one back in place, and writes
      prefix-cache snapshots (the state after a chunk boundary) to their destination slots.
+     With split_output it stores S (before each chunk) and Vnew instead of O, and
+  3. `_kda_chunk_out_kernel` (split_output only) computes O for all chunks in parallel.
 
-The oracle is `ref.kda_chunked` / `ref.kda_recurrent`. Dots take fp32 operands; on the GPU they run
-as tf32 unless `precision="ieee"` (the interpreter always computes in full fp32).
+Dots: with 16-bit activations and precision="tf32" (the GPU default) every dot takes bf16
+operands with fp32 accumulation (the inverse: tf32); otherwise fp32 operands at `precision`
+(the interpreter always computes in full fp32). The state is fp32 throughout.
+The oracle is `ref.kda_chunked` / `ref.kda_recurrent`.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -32,8 +41,19 @@ from torch import Tensor
 from k3rt.kernels.kda.triton_decode import INTERPRET, check, poison_like
 
 CHUNK = 64  # C: tokens per chunk
-SUB = 16  # BC: rows per sub-block of the intra-chunk matrices
-_EPS = 1e-6
+SUB = 16  # BC: rows per block of the intra-chunk matrices
+# largest in-block decay (nats) for which the split exp(Gc_i - Gc_r0) * exp(Gc_r0 - Gc_j) is used on
+# the diagonal blocks: exp(60) ~ 1e26 and exp(-60) ~ 1e-26 are far inside fp32/bf16 range
+SAFE_SPAN = 60.0
+
+
+@triton.jit
+def _dot(a, b, DOT16: tl.constexpr, PREC: tl.constexpr):
+    """a @ b with fp32 accumulation: bf16 operands (DOT16) or fp32 operands at PREC."""
+    if DOT16:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
 
 
 @triton.jit
@@ -43,166 +63,123 @@ def _kda_chunk_intra_kernel(
     stride_gt, stride_gh, stride_bt, stride_bh,
     cu_ptr,  # [N+1] int32 token offsets
     chunk_seq_ptr, chunk_idx_ptr,  # [NC] int32: sequence of each chunk, chunk index inside it
-    qg_ptr, kd_ptr, w_ptr, gc_ptr,  # scratch [NC, H, C, BK] (kd: [NC, H, BK, C]); gc fp32
-    u_ptr,  # scratch [NC, H, C, BVF] fp32
-    akk_ptr, aqk_ptr,  # scratch [NC, H, C, C] fp32
-    nrm_ptr,  # scratch [NC, H, 2, C] fp32: scale/|q_i|, 1/|k_i|
-    gl_ptr,  # scratch [NC, H, BK] fp32: exp(Gc_last)
+    qg_ptr, kd_ptr, w_ptr,  # out [NC, H, C, BK]: q exp(Gc) (normalized, scaled), k exp(Gc_last - Gc), W
+    u_ptr,  # out [NC, H, C, BV]
+    aqk_ptr,  # out [NC, H, C, C]
+    gl_ptr,  # out [NC, H, BK] fp32: exp(Gc_last)
+    gc_ptr, akk_ptr,  # fp32 scratch read back by this program: Gc [NC, H, C, BK], L [NC, H, C, C]
     scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BKS: tl.constexpr, BKW: tl.constexpr, BVF: tl.constexpr,
-    C: tl.constexpr, BC: tl.constexpr,
-    PREC: tl.constexpr, PREC_INV: tl.constexpr,
+    BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
+    C: tl.constexpr, BC: tl.constexpr, NSQ: tl.constexpr,
+    DOT16: tl.constexpr, PREC: tl.constexpr, PREC_INV: tl.constexpr, SAFE_SPAN: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    NB: tl.constexpr = C // BC
     seq = tl.load(chunk_seq_ptr + i_c)
     bos = tl.load(cu_ptr + seq).to(tl.int64)
     eos = tl.load(cu_ptr + seq + 1).to(tl.int64)
     t0 = bos + tl.load(chunk_idx_ptr + i_c).to(tl.int64) * C
     n_valid = eos - t0  # rows >= n_valid are padding: q = k = v = 0, g = 0, beta = 0
 
-    offs_k = tl.arange(0, BK)
-    mask_k = offs_k < K
     rows = tl.arange(0, C)
     m_row = rows < n_valid
-    offs_w = tl.arange(0, BKW)  # column slice used by the whole-chunk [C, *] passes (steps 1 and 5)
+    offs_k = tl.arange(0, BK)
+    mask_k = offs_k < K
+    m_ck = m_row[:, None] & mask_k[None, :]
     scr = i_c.to(tl.int64) * H + i_h
-    tile_w = rows[:, None] * BK + offs_w[None, :]  # offsets of a [C, BKW] slice of a [C, BK] scratch tile
     q_h = q_ptr + t0 * stride_qt + i_h * stride_qh  # row 0 of this chunk, this head
     k_h = k_ptr + t0 * stride_kt + i_h * stride_kh
-    off_qw = rows[:, None] * stride_qt + offs_w[None, :]
-    off_kw = rows[:, None] * stride_kt + offs_w[None, :]
-    gc_buf = gc_ptr + scr * (C * BK)
-    nrm = nrm_ptr + scr * (2 * C)
-    akk_base = akk_ptr + scr * (C * C)
-    aqk_base = aqk_ptr + scr * (C * C)
-
-    # 1. row norms of q and k; in-chunk cumsum Gc of the log decay; in [C, BKW] column slices
-    ssq = tl.zeros([C], dtype=tl.float32)
-    ssk = tl.zeros([C], dtype=tl.float32)
     g_h = g_ptr + t0 * stride_gt + i_h * stride_gh
-    for k0 in range(0, BK, BKW):
-        m_w = m_row[:, None] & (k0 + offs_w < K)[None, :]
-        x = tl.load(q_h + k0 + off_qw, mask=m_w, other=0.0).to(tl.float32)
-        ssq += tl.sum(x * x, axis=1)
-        x = tl.load(k_h + k0 + off_kw, mask=m_w, other=0.0).to(tl.float32)
-        ssk += tl.sum(x * x, axis=1)
-        x = tl.load(g_h + k0 + rows.to(tl.int64)[:, None] * stride_gt + offs_w[None, :], mask=m_w, other=0.0)
-        tl.store(gc_buf + k0 + tile_w, tl.cumsum(x, axis=0))
-    tl.store(nrm + rows, scale / tl.sqrt(ssq + 1e-6))
-    tl.store(nrm + C + rows, 1.0 / tl.sqrt(ssk + 1e-6))
+    b_h = beta_ptr + t0 * stride_bt + i_h * stride_bh
+    tile_k = rows[:, None] * BK + offs_k[None, :]  # a [C, BK] scratch tile
+    gc_buf = gc_ptr + scr * (C * BK)
+    akk_buf = akk_ptr + scr * (C * C)
+    aqk_buf = aqk_ptr + scr * (C * C)
+
+    # 1. whole chunk: Gc, norms, qg, kd, exp(Gc_last); k (normalized) and Gc stay live through step 2
+    q = tl.load(q_h + rows[:, None] * stride_qt + offs_k[None, :], mask=m_ck, other=0.0).to(tl.float32)
+    k = tl.load(k_h + rows[:, None] * stride_kt + offs_k[None, :], mask=m_ck, other=0.0).to(tl.float32)
+    g = tl.load(g_h + rows[:, None].to(tl.int64) * stride_gt + offs_k[None, :], mask=m_ck, other=0.0)
+    gc = tl.cumsum(g, axis=0)
+    g_last = tl.sum(g, axis=0)  # Gc of the last row (padding rows add 0)
+    k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6))[:, None]
+    qg = q * (scale / tl.sqrt(tl.sum(q * q, axis=1) + 1e-6))[:, None] * tl.exp(gc)
+    tl.store(gc_buf + tile_k, gc)
+    tl.store(qg_ptr + scr * (C * BK) + tile_k, qg.to(qg_ptr.dtype.element_ty))
+    tl.store(kd_ptr + scr * (C * BK) + tile_k, (k * tl.exp(g_last[None, :] - gc)).to(kd_ptr.dtype.element_ty))
+    tl.store(gl_ptr + scr * BK + offs_k, tl.exp(g_last))
     tl.debug_barrier()
 
-    # 2. L (beta-scaled, strictly lower) and Aqk (lower, diagonal included) in BC x BC blocks.
+    # 2. L and Aqk, one block of BC rows at a time: [BC, K] x [K, C] with the decay split at row r0
     loc = tl.arange(0, BC)
-    off_rk = loc[:, None] * BK + offs_k[None, :]  # [BC, BK] rows of a [C, BK] scratch tile
-    off_rs = loc[:, None] * BK + tl.arange(0, BKS)[None, :]  # [BC, BKS]
-    off_qk = loc[:, None] * stride_qt + offs_k[None, :]  # [BC, BK] rows of the q / k inputs
-    off_kk = loc[:, None] * stride_kt + offs_k[None, :]
-    off_qs = loc[:, None] * stride_qt + tl.arange(0, BKS)[None, :]
-    off_ks = loc[:, None] * stride_kt + tl.arange(0, BKS)[None, :]
-    off_cc = loc[:, None] * C + loc[None, :]  # [BC, BC] block of a [C, C] tile
-    off_b = loc.to(tl.int64) * stride_bt
-    tri = loc[:, None, None] >= loc[None, :, None]  # [BC, BC, 1]
-    strict = loc[:, None] > loc[None, :]
-    zero = tl.zeros([BC, BC], dtype=tl.float32)
-    for r in range(NB):
+    for r in tl.static_range(C // BC):
         r0 = r * BC
-        m_r = loc < n_valid - r0
-        br = tl.load(beta_ptr + (t0 + r0) * stride_bt + i_h * stride_bh + off_b, mask=m_r, other=0.0)
-        rq = tl.load(nrm + r0 + loc)
-        rk = tl.load(nrm + C + r0 + loc)
-        # 2a. diagonal block, exact: sum_d x_i[d] exp(Gc_i[d] - Gc_j[d]) k_j[d] (<= 1 for i >= j)
-        a_kk = tl.zeros([BC, BC], dtype=tl.float32)
-        a_qk = tl.zeros([BC, BC], dtype=tl.float32)
-        for k0 in range(0, BK, BKS):
-            m_s = m_r[:, None] & (k0 + tl.arange(0, BKS) < K)[None, :]
-            kr = tl.load(k_h + r0 * stride_kt + k0 + off_ks, mask=m_s, other=0.0).to(tl.float32) * rk[:, None]
-            qr = tl.load(q_h + r0 * stride_qt + k0 + off_qs, mask=m_s, other=0.0).to(tl.float32) * rq[:, None]
-            gr = tl.load(gc_buf + r0 * BK + k0 + off_rs)
-            e = tl.exp(tl.where(tri, gr[:, None, :] - gr[None, :, :], float("-inf")))  # [BC, BC, BKS]
-            ke = e * kr[None, :, :]
-            a_kk += tl.sum(kr[:, None, :] * ke, axis=2)
-            a_qk += tl.sum(qr[:, None, :] * ke, axis=2)
-        tl.store(akk_base + r0 * (C + 1) + off_cc, tl.where(strict, a_kk * br[:, None], 0.0))
-        tl.store(aqk_base + r0 * (C + 1) + off_cc, a_qk.to(aqk_ptr.dtype.element_ty))
-        # 2b. blocks left of the diagonal: tensor-core dots with the decay split at row r0,
-        # exp(Gc_i - Gc_r0) <= 1 and exp(Gc_r0 - Gc_j) <= 1 since j < r0 <= i
-        if r > 0:
-            m_rk = m_r[:, None] & mask_k[None, :]
-            gref = tl.load(gc_buf + r0 * BK + offs_k)  # [BK]
-            er = tl.exp(tl.load(gc_buf + r0 * BK + off_rk) - gref[None, :])
-            kr = tl.load(k_h + r0 * stride_kt + off_kk, mask=m_rk, other=0.0).to(tl.float32)
-            kr = kr * (rk[:, None] * er)
-            qr = tl.load(q_h + r0 * stride_qt + off_qk, mask=m_rk, other=0.0).to(tl.float32)
-            qr = qr * (rq[:, None] * er)
-            for c in range(r):
-                c0 = c * BC
-                m_ck = (loc < n_valid - c0)[:, None] & mask_k[None, :]
-                kc = tl.load(k_h + c0 * stride_kt + off_kk, mask=m_ck, other=0.0).to(tl.float32)
-                ec = tl.exp(gref[None, :] - tl.load(gc_buf + c0 * BK + off_rk))
-                kc = kc * (tl.load(nrm + C + c0 + loc)[:, None] * ec)
-                a_kk = tl.dot(kr, tl.trans(kc), input_precision=PREC) * br[:, None]
-                tl.store(akk_base + (r0 * C + c0) + off_cc, a_kk)
-                a_qk = tl.dot(qr, tl.trans(kc), input_precision=PREC)
-                tl.store(aqk_base + (r0 * C + c0) + off_cc, a_qk.to(aqk_ptr.dtype.element_ty))
-        for c in range(r + 1, NB):
-            tl.store(akk_base + (r0 * C + c * BC) + off_cc, zero)
-            tl.store(aqk_base + (r0 * C + c * BC) + off_cc, zero.to(aqk_ptr.dtype.element_ty))
+        ri = r0 + loc
+        m_r = ri < n_valid
+        m_rk = m_r[:, None] & mask_k[None, :]
+        qr = tl.load(q_h + ri[:, None] * stride_qt + offs_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
+        kr = tl.load(k_h + ri[:, None] * stride_kt + offs_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
+        rq = scale / tl.sqrt(tl.sum(qr * qr, axis=1) + 1e-6)
+        rk = 1.0 / tl.sqrt(tl.sum(kr * kr, axis=1) + 1e-6)
+        br = tl.load(b_h + ri.to(tl.int64) * stride_bt, mask=m_r, other=0.0)
+        gr = tl.load(gc_buf + ri[:, None] * BK + offs_k[None, :])
+        gref = tl.load(gc_buf + r0 * BK + offs_k)
+        span = tl.max(gref - tl.load(gc_buf + (r0 + BC - 1) * BK + offs_k), axis=0)
+        lim = tl.where(span <= SAFE_SPAN, r0 + BC, r0)  # columns j < lim go through the dot
+        er = tl.exp(gr - gref[None, :])  # <= 1
+        kc_t = tl.trans(k * tl.exp(tl.where(rows[:, None] < lim, gref[None, :] - gc, float("-inf"))))
+        a_qk = _dot(qr * (rq[:, None] * er), kc_t, DOT16, PREC)  # [BC, C]
+        a_kk = _dot(kr * (rk[:, None] * er), kc_t, DOT16, PREC)
+        a_qk = tl.where(rows[None, :] <= ri[:, None], a_qk, 0.0)
+        a_kk = tl.where(rows[None, :] < ri[:, None], a_kk * br[:, None], 0.0)
+        # a steep gate leaves the diagonal block to the exact path below: don't overwrite it
+        keep = (rows[None, :] < lim) | (rows[None, :] >= r0 + BC)
+        off_rc = ri[:, None] * C + rows[None, :]
+        tl.store(akk_buf + off_rc, a_kk, mask=keep)
+        tl.store(aqk_buf + off_rc, a_qk.to(aqk_ptr.dtype.element_ty), mask=keep)
+        if span > SAFE_SPAN:
+            # exact diagonal block: sum_d x_i[d] exp(Gc_i[d] - Gc_j[d]) k_j[d], elementwise (<= 1)
+            tri = loc[:, None, None] >= loc[None, :, None]  # [BC, BC, 1]
+            d_kk = tl.zeros([BC, BC], dtype=tl.float32)
+            d_qk = tl.zeros([BC, BC], dtype=tl.float32)
+            for k0 in range(0, BK, BKS):
+                offs_s = k0 + tl.arange(0, BKS)
+                m_s = m_r[:, None] & (offs_s < K)[None, :]
+                ks = tl.load(k_h + ri[:, None] * stride_kt + offs_s[None, :], mask=m_s, other=0.0).to(tl.float32)
+                qs = tl.load(q_h + ri[:, None] * stride_qt + offs_s[None, :], mask=m_s, other=0.0).to(tl.float32)
+                gs = tl.load(gc_buf + ri[:, None] * BK + offs_s[None, :])
+                e = tl.exp(tl.where(tri, gs[:, None, :] - gs[None, :, :], float("-inf")))  # [BC, BC, BKS]
+                ke = e * ks[None, :, :]
+                d_kk += tl.sum(ks[:, None, :] * ke, axis=2)
+                d_qk += tl.sum(qs[:, None, :] * ke, axis=2)
+            d_kk = tl.where(loc[:, None] > loc[None, :], d_kk * (br * rk)[:, None] * rk[None, :], 0.0)
+            d_qk = d_qk * rq[:, None] * rk[None, :]
+            off_d = ri[:, None] * C + ri[None, :]
+            tl.store(akk_buf + off_d, d_kk)
+            tl.store(aqk_buf + off_d, d_qk.to(aqk_ptr.dtype.element_ty))
     tl.debug_barrier()
 
-    # 3. invert the NB unit-lower diagonal blocks of I + L together, by forward substitution:
-    #    X_i = e_i - sum_{m<i} L_im X_m (rows local to each block)
-    blk_id = tl.arange(0, NB)
-    off_d = (blk_id * (BC * (C + 1)))[:, None] + loc[None, :]  # [NB, BC]: row 0 of each diagonal block
-    x_d = tl.where(loc[None, :, None] == loc[None, None, :], 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
-    for i in range(1, BC):
-        l_i = tl.load(akk_base + i * C + off_d)  # [NB, BC]: row i of each block
-        new = tl.where(loc[None, :] == i, 1.0, 0.0) - tl.sum(l_i[:, :, None] * x_d, axis=1)  # [NB, BC]
-        x_d = tl.where(loc[None, :, None] == i, new[:, None, :], x_d)
-    tl.debug_barrier()
-    tl.store(akk_base + off_d[:, None, :] + (loc * C)[None, :, None], x_d)  # L's diagonal blocks are done
-    tl.debug_barrier()
+    # 3. (I + L)^-1 = sum_{n<C} (-L)^n = (I - L)(I + L^2)(I + L^4)...: NSQ squarings
+    off_cc = rows[:, None] * C + rows[None, :]
+    p = -tl.load(akk_buf + off_cc)
+    x = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0) + p
+    for _ in tl.static_range(NSQ):
+        p = tl.dot(p, p, input_precision=PREC_INV)
+        x = x + tl.dot(x, p, input_precision=PREC_INV)
 
-    # 4. whole inverse: with D^-1 the block-diagonal inverse and A the blocks below it,
-    #    (D + A)^-1 = sum_n (-D^-1 A)^n D^-1, a finite sum since D^-1 A is strictly block-lower
-    m = tl.load(akk_base + rows[:, None] * C + rows[None, :])
-    same = (rows // BC)[:, None] == (rows // BC)[None, :]
-    d_inv = tl.where(same, m, 0.0)
-    p = tl.dot(d_inv, tl.where(same, 0.0, m), input_precision=PREC_INV)
-    x_inv = d_inv
-    for _ in tl.static_range(NB - 1):
-        x_inv = d_inv - tl.dot(p, x_inv, input_precision=PREC_INV)
-
-    # 5. Tm = (I + L)^-1 diag(beta); W = Tm (exp(Gc) k); U = Tm v; qg = q exp(Gc); kd = k exp(Gc_last - Gc)
-    b_all = tl.load(beta_ptr + (t0 + rows).to(tl.int64) * stride_bt + i_h * stride_bh,
-                    mask=m_row, other=0.0).to(tl.float32)
-    tm = x_inv * b_all[None, :]
-    v_h = v_ptr + t0 * stride_vt + i_h * stride_vh
-    off_vw = rows[:, None] * stride_vt + offs_w[None, :]
-    tile_v = rows[:, None] * BVF + offs_w[None, :]
-    for v0 in range(0, BVF, BKW):
-        m_w = m_row[:, None] & (v0 + offs_w < V)[None, :]
-        x = tl.load(v_h + v0 + off_vw, mask=m_w, other=0.0).to(tl.float32)
-        u = tl.dot(tm, x, input_precision=PREC)
-        tl.store(u_ptr + scr * (C * BVF) + v0 + tile_v, u.to(u_ptr.dtype.element_ty))
-    rk = tl.load(nrm + C + rows)[:, None]
-    rq = tl.load(nrm + rows)[:, None]
-    for k0 in range(0, BK, BKW):
-        m_w = m_row[:, None] & (k0 + offs_w < K)[None, :]
-        gc = tl.load(gc_buf + k0 + tile_w)
-        g_last = tl.load(gc_buf + (C - 1) * BK + k0 + offs_w)
-        x = tl.load(k_h + k0 + off_kw, mask=m_w, other=0.0).to(tl.float32) * rk
-        w = tl.dot(tm, x * tl.exp(gc), input_precision=PREC)
-        tl.store(w_ptr + scr * (C * BK) + k0 + tile_w, w.to(w_ptr.dtype.element_ty))
-        kd = x * tl.exp(g_last[None, :] - gc)  # stored transposed: the state update's A operand
-        tl.store(kd_ptr + scr * (BK * C) + (k0 + offs_w)[None, :] * C + rows[:, None], kd.to(kd_ptr.dtype.element_ty))
-        tl.store(gl_ptr + scr * BK + k0 + offs_w, tl.exp(g_last))
-        x = tl.load(q_h + k0 + off_qw, mask=m_w, other=0.0).to(tl.float32)
-        qg = x * (rq * tl.exp(gc))
-        tl.store(qg_ptr + scr * (C * BK) + k0 + tile_w, qg.to(qg_ptr.dtype.element_ty))
+    # 4. Tm = (I + L)^-1 diag(beta); W = Tm (exp(Gc) k); U = Tm v (k and Gc reloaded: fewer live registers
+    #    through step 3)
+    tm = x * tl.load(b_h + rows.to(tl.int64) * stride_bt, mask=m_row, other=0.0)[None, :]
+    k = tl.load(k_h + rows[:, None] * stride_kt + offs_k[None, :], mask=m_ck, other=0.0).to(tl.float32)
+    k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6))[:, None]
+    w = _dot(tm, k * tl.exp(tl.load(gc_buf + tile_k)), DOT16, PREC)
+    tl.store(w_ptr + scr * (C * BK) + tile_k, w.to(w_ptr.dtype.element_ty))
+    offs_v = tl.arange(0, BV)
+    v = tl.load(v_ptr + t0 * stride_vt + i_h * stride_vh + rows[:, None] * stride_vt + offs_v[None, :],
+                mask=m_row[:, None] & (offs_v < V)[None, :], other=0.0)
+    u = _dot(tm, v, DOT16, PREC)
+    tl.store(u_ptr + scr * (C * BV) + rows[:, None] * BV + offs_v[None, :], u.to(u_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -214,11 +191,12 @@ def _kda_chunk_state_kernel(
     init_ptr,  # [N] int32: 1 = read the initial state from the slot, 0 = start from zeros
     snap_ptr,  # [NC] int32: slot that receives the state after this chunk, or -1
     state_ptr,  # [num_slots, H, K, V] fp32
-    qg_ptr, kd_ptr, w_ptr, u_ptr, aqk_ptr, gl_ptr,  # scratch from the intra kernel
+    qg_ptr, kd_ptr, w_ptr, u_ptr, aqk_ptr, gl_ptr,  # from the intra kernel
+    h_ptr, vn_ptr,  # SPLIT_O only: out [NC, H, BK, BVF] state before each chunk, [NC, H, C, BVF] Vnew
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr,
     C: tl.constexpr,
-    PREC: tl.constexpr,
+    DOT16: tl.constexpr, PREC: tl.constexpr, SPLIT_O: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
@@ -240,30 +218,55 @@ def _kda_chunk_state_kernel(
     for ic in range(tl.cdiv(eos - bos, C)):
         t0 = bos + ic * C
         scr = (c0 + ic) * H + i_h
-        # block pointers: no per-element pointer tensors in registers (scratch tiles are padded);
-        # 16-bit scratch only halves the traffic: the dots always take fp32 operands (tf32 on the
-        # GPU). 16-bit dot operands here hit out-of-bounds shared-memory reads in Triton 3.6 on
-        # sm_90 (found with compute-sanitizer).
+        # block pointers: no per-element pointer tensors in registers (scratch tiles are padded)
         w = tl.load(tl.make_block_ptr(w_ptr + scr * (C * BK), (C, BK), (BK, 1), (0, 0), (C, BK), (1, 0)))
-        qg = tl.load(tl.make_block_ptr(qg_ptr + scr * (C * BK), (C, BK), (BK, 1), (0, 0), (C, BK), (1, 0)))
-        kd_t = tl.load(tl.make_block_ptr(kd_ptr + scr * (BK * C), (BK, C), (C, 1), (0, 0), (BK, C), (1, 0)))
+        kd_t = tl.load(tl.make_block_ptr(kd_ptr + scr * (C * BK), (BK, C), (1, BK), (0, 0), (BK, C), (0, 1)))
         u = tl.load(tl.make_block_ptr(u_ptr + scr * (C * BVF), (C, BVF), (BVF, 1), (0, i_v * BV), (C, BV), (1, 0)))
-        a_qk = tl.load(tl.make_block_ptr(aqk_ptr + scr * (C * C), (C, C), (C, 1), (0, 0), (C, C), (1, 0)))
-        w, qg, kd_t = w.to(tl.float32), qg.to(tl.float32), kd_t.to(tl.float32)
-        u, a_qk = u.to(tl.float32), a_qk.to(tl.float32)
         g_last = tl.load(gl_ptr + scr * BK + offs_k)  # [BK], exp(Gc_last)
-
-        v_new = u - tl.dot(w, S, input_precision=PREC)  # [C, BV]
-        o = tl.dot(qg, S, input_precision=PREC)
-        o = tl.dot(a_qk, v_new, o, input_precision=PREC)
-        p_o = tl.make_block_ptr(o_ptr + t0 * stride_ot + i_h * stride_oh, (eos - t0, V), (stride_ot, 1),
-                                (0, i_v * BV), (C, BV), (1, 0))  # rows past the sequence end are clipped
-        tl.store(p_o, o.to(o_ptr.dtype.element_ty), boundary_check=(0, 1))
-        # (k exp(Gc_last - Gc))^T is stored pre-transposed by the intra kernel
-        S = tl.dot(kd_t, v_new, S * g_last[:, None], input_precision=PREC)  # [BK, BV]
+        if SPLIT_O:
+            p_h = tl.make_block_ptr(h_ptr + scr * (BK * BVF), (BK, BVF), (BVF, 1), (0, i_v * BV), (BK, BV), (1, 0))
+            tl.store(p_h, S.to(h_ptr.dtype.element_ty))
+        v_new = u.to(tl.float32) - _dot(w, S, DOT16, PREC)  # [C, BV]
+        if SPLIT_O:
+            p_vn = tl.make_block_ptr(vn_ptr + scr * (C * BVF), (C, BVF), (BVF, 1), (0, i_v * BV), (C, BV), (1, 0))
+            tl.store(p_vn, v_new.to(vn_ptr.dtype.element_ty))
+        else:
+            qg = tl.load(tl.make_block_ptr(qg_ptr + scr * (C * BK), (C, BK), (BK, 1), (0, 0), (C, BK), (1, 0)))
+            a_qk = tl.load(tl.make_block_ptr(aqk_ptr + scr * (C * C), (C, C), (C, 1), (0, 0), (C, C), (1, 0)))
+            o = _dot(qg, S, DOT16, PREC) + _dot(a_qk, v_new, DOT16, PREC)
+            p_o = tl.make_block_ptr(o_ptr + t0 * stride_ot + i_h * stride_oh, (eos - t0, V), (stride_ot, 1),
+                                    (0, i_v * BV), (C, BV), (1, 0))  # rows past the sequence end are clipped
+            tl.store(p_o, o.to(o_ptr.dtype.element_ty), boundary_check=(0, 1))
+        S = S * g_last[:, None] + _dot(kd_t, v_new, DOT16, PREC)  # [BK, BV]
         dest = tl.load(snap_ptr + c0 + ic).to(tl.int64)
         tl.store(state_ptr + dest * (H * K * V) + s_off, S, mask=mask_s & (dest >= 0))
     tl.store(state_ptr + slot * (H * K * V) + s_off, S, mask=mask_s & (slot >= 0))
+
+
+@triton.jit
+def _kda_chunk_out_kernel(
+    o_ptr, stride_ot, stride_oh,  # [T_total, H, V]
+    cu_ptr, chunk_seq_ptr, chunk_idx_ptr,
+    qg_ptr, aqk_ptr, h_ptr, vn_ptr,  # intra and state kernel outputs
+    H: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr,
+    C: tl.constexpr, DOT16: tl.constexpr, PREC: tl.constexpr,
+):
+    """O = qg S + Aqk Vnew for one (V tile, chunk, head), S the state before the chunk."""
+    i_v = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_h = tl.program_id(2)
+    seq = tl.load(chunk_seq_ptr + i_c)
+    eos = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    t0 = tl.load(cu_ptr + seq).to(tl.int64) + tl.load(chunk_idx_ptr + i_c).to(tl.int64) * C
+    scr = i_c.to(tl.int64) * H + i_h
+    qg = tl.load(tl.make_block_ptr(qg_ptr + scr * (C * BK), (C, BK), (BK, 1), (0, 0), (C, BK), (1, 0)))
+    a_qk = tl.load(tl.make_block_ptr(aqk_ptr + scr * (C * C), (C, C), (C, 1), (0, 0), (C, C), (1, 0)))
+    s = tl.load(tl.make_block_ptr(h_ptr + scr * (BK * BVF), (BK, BVF), (BVF, 1), (0, i_v * BV), (BK, BV), (1, 0)))
+    vn = tl.load(tl.make_block_ptr(vn_ptr + scr * (C * BVF), (C, BVF), (BVF, 1), (0, i_v * BV), (C, BV), (1, 0)))
+    o = _dot(qg, s, DOT16, PREC) + _dot(a_qk, vn, DOT16, PREC)
+    p_o = tl.make_block_ptr(o_ptr + t0 * stride_ot + i_h * stride_oh, (eos - t0, V), (stride_ot, 1),
+                            (0, i_v * BV), (C, BV), (1, 0))
+    tl.store(p_o, o.to(o_ptr.dtype.element_ty), boundary_check=(0, 1))
 
 
 def _chunk_tables(
@@ -328,11 +331,15 @@ def kda_chunk_fwd(
     cu_seqlens_cpu: Sequence[int] | Tensor | None = None,
     out: Tensor | None = None,
     precision: str = "tf32",
-    scratch_dtype: torch.dtype = torch.float32,
+    scratch_dtype: torch.dtype | None = None,
+    inv_precision: str | None = None,
+    split_output: bool = False,
     block_v: int = 32,
-    num_warps_intra: int = 8,
-    num_warps_state: int = 8,
-    num_stages_state: int = 1,
+    block_v_out: int = 64,
+    num_warps_intra: int = 4,
+    num_warps_state: int = 4,
+    num_stages_state: int = 2,
+    num_warps_out: int = 4,
 ) -> Tensor:
     """Chunked KDA prefill over a packed varlen batch; states are read and written in place.
 
@@ -355,11 +362,15 @@ def kda_chunk_fwd(
         scale: query scale; None means K**-0.5.
         cu_seqlens_cpu: the same offsets on the host, to avoid a device sync.
         out: optional [T_total, H, V] output buffer.
-        precision: "tf32" (default), "tf32x3" or "ieee" for the fp32 dots on the GPU.
-        scratch_dtype: storage dtype of the per-chunk intermediates the sequential pass reads
-            (torch.float32, or torch.bfloat16 / torch.float16 for half their traffic; the dots
-            still take fp32 operands and the state stays fp32).
-        block_v, num_warps_*, num_stages_state: launch tuning.
+        precision: "tf32" (default): on the GPU, 16-bit activations take bf16 tensor-core dots
+            (fp32 accumulation) and fp32 ones tf32 dots; "tf32x3" or "ieee": fp32 operands everywhere.
+        scratch_dtype: storage dtype of the per-chunk intermediates the state pass reads (None:
+            bfloat16 with bf16 dots, else float32; float16 is accepted too).
+        inv_precision: input_precision of the (I + L)^-1 dots (None: "tf32" with bf16 dots, else
+            "tf32x3", "ieee" when precision is "ieee").
+        split_output: the state pass stores per-chunk states and Vnew, and a third, fully parallel
+            launch computes the output (instead of the state pass computing it).
+        block_v, block_v_out, num_warps_*, num_stages_state: launch tuning.
 
     Returns:
         o: [T_total, H, V] in v.dtype.
@@ -391,9 +402,10 @@ def kda_chunk_fwd(
         raise ValueError(
             f"slot_indices must be int32/int64 [N]=[{N}], got {slot_indices.dtype} {list(slot_indices.shape)}"
         )
-    if precision not in ("tf32", "ieee", "tf32x3"):
-        raise ValueError(f"precision must be 'tf32', 'tf32x3' or 'ieee', got {precision!r}")
-    if scratch_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    for name, p in (("precision", precision), ("inv_precision", inv_precision)):
+        if p not in ("tf32", "ieee", "tf32x3") and (p is not None or name == "precision"):
+            raise ValueError(f"{name} must be 'tf32', 'tf32x3' or 'ieee', got {p!r}")
+    if scratch_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"scratch_dtype must be float32, bfloat16 or float16, got {scratch_dtype}")
     if K > 256 or V > 256:
         raise ValueError(f"head dims must be <= 256, got K={K}, V={V}")
@@ -430,56 +442,93 @@ def kda_chunk_fwd(
     cu_dev = cu_seqlens.to(torch.int32) if cu_seqlens.device == dev else torch.tensor(cu, dtype=torch.int32, device=dev)
     slots = slot_indices.to(dev)
 
-    BK = max(16, triton.next_power_of_2(K))
-    BVF = max(16, triton.next_power_of_2(V))
-    BV = min(max(16, block_v), BVF)
-    scale = K**-0.5 if scale is None else float(scale)
+    # the interpreter computes 16-bit dots wrongly: fp32 operands there
+    dot16 = not INTERPRET and precision == "tf32" and q.dtype in (torch.bfloat16, torch.float16)
     prec = "ieee" if INTERPRET else precision
-    # the block-inverse merge amplifies operand rounding: never below tf32x3 there
-    prec_inv = "ieee" if INTERPRET or precision == "ieee" else "tf32x3"
-    _launch_chunk(q, k, v, g, beta, out, cu_dev, t_seq, t_idx, t_off, slots, t_init, t_snap, state,
-                  NC, N, H, K, V, BK, BV, BVF, scale, prec, prec_inv, num_warps_intra, num_warps_state,
-                  num_stages_state, scratch_dtype)
+    if inv_precision is None:
+        inv_precision = "tf32" if dot16 else ("ieee" if precision == "ieee" else "tf32x3")
+    prec_inv = "ieee" if INTERPRET else inv_precision
+    if scratch_dtype is None:
+        scratch_dtype = torch.bfloat16 if dot16 else torch.float32
+    cfg = _Launch(
+        BK=max(16, triton.next_power_of_2(K)), BVF=max(16, triton.next_power_of_2(V)),
+        BV=block_v, BVO=block_v_out, scale=K**-0.5 if scale is None else float(scale),
+        dot16=dot16, prec=prec, prec_inv=prec_inv, scratch_dtype=scratch_dtype, split_output=split_output,
+        nw_intra=num_warps_intra, nw_state=num_warps_state, ns_state=num_stages_state, nw_out=num_warps_out,
+    )
+    _launch_chunk(q, k, v, g, beta, out, cu_dev, t_seq, t_idx, t_off, slots, t_init, t_snap, state, NC, N, cfg)
     return out
 
 
-def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init, t_snap, state,
-                  NC, N, H, K, V, BK, BV, BVF, scale, prec, prec_inv, nw_intra, nw_state, ns_state,
-                  scratch_dtype) -> None:
-    assert q.shape == k.shape == g.shape == (q.shape[0], H, K) and v.shape == out.shape == (q.shape[0], H, V)
+@dataclass(frozen=True)
+class _Launch:
+    """Resolved launch choices of one kda_chunk_fwd call."""
+
+    BK: int  # K padded to a power of two
+    BVF: int  # V padded to a power of two
+    BV: int  # V tile of a state-pass program
+    BVO: int  # V tile of an output-pass program
+    scale: float
+    dot16: bool  # bf16 dot operands
+    prec: str  # input_precision of the fp32-operand dots
+    prec_inv: str  # input_precision of the (I + L)^-1 dots
+    scratch_dtype: torch.dtype
+    split_output: bool
+    nw_intra: int
+    nw_state: int
+    ns_state: int
+    nw_out: int
+
+
+def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init, t_snap, state, NC, N,
+                  cfg: _Launch) -> None:
+    T, H, K = q.shape
+    V = v.shape[2]
+    assert k.shape == g.shape == (T, H, K) and v.shape == out.shape == (T, H, V)
     assert q.stride(2) == k.stride(2) == v.stride(2) == g.stride(2) == beta.stride(1) == out.stride(2) == 1
     assert g.dtype == beta.dtype == state.dtype == torch.float32 and state.is_contiguous()
     assert cu.dtype == torch.int32 and cu.shape == (N + 1,)
     assert t_seq.shape == t_idx.shape == t_snap.shape == (NC,) and t_off.shape == t_init.shape == slots.shape == (N,)
-    assert BK >= K and BVF >= V and BVF % BV == 0
+    BK, BVF, C = cfg.BK, cfg.BVF, CHUNK
+    BV, BVO = min(max(16, cfg.BV), BVF), min(max(16, cfg.BVO), BVF)
+    assert BK >= K and BVF >= V and BVF % BV == 0 and BVF % BVO == 0
     if NC == 0:
         return
     dev = q.device
-    C = CHUNK
 
     def buf(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
         return poison_like(torch.empty(*shape, dtype=dtype, device=dev))
 
-    sd = scratch_dtype  # what the state kernel reads: qg, kd, w, u, aqk
-    qg, kd, w = buf(NC, H, C, BK, dtype=sd), buf(NC, H, BK, C, dtype=sd), buf(NC, H, C, BK, dtype=sd)
-    gc = buf(NC, H, C, BK)
-    u, akk, aqk = buf(NC, H, C, BVF, dtype=sd), buf(NC, H, C, C), buf(NC, H, C, C, dtype=sd)
-    nrm, gl = buf(NC, H, 2, C), buf(NC, H, BK)
+    sd = cfg.scratch_dtype  # what the state (and output) pass reads
+    qg, kd, w, u = buf(NC, H, C, BK, dtype=sd), buf(NC, H, C, BK, dtype=sd), buf(NC, H, C, BK, dtype=sd), \
+        buf(NC, H, C, BVF, dtype=sd)
+    aqk, gl = buf(NC, H, C, C, dtype=sd), buf(NC, H, BK)
+    gc, akk = buf(NC, H, C, BK), buf(NC, H, C, C)
     _kda_chunk_intra_kernel[(NC, H)](
         q, k, v, g, beta,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         cu, t_seq, t_idx,
-        qg, kd, w, gc, u, akk, aqk, nrm, gl,
-        scale,
-        H=H, K=K, V=V, BK=BK, BKS=min(BK, 16), BKW=min(BK, BVF, 32), BVF=BVF, C=C, BC=SUB,
-        PREC=prec, PREC_INV=prec_inv,
-        num_warps=nw_intra,
+        qg, kd, w, u, aqk, gl, gc, akk,
+        cfg.scale,
+        H=H, K=K, V=V, BK=BK, BKS=min(BK, 16), BV=BVF, C=C, BC=SUB, NSQ=C.bit_length() - 2,
+        DOT16=cfg.dot16, PREC=cfg.prec, PREC_INV=cfg.prec_inv, SAFE_SPAN=SAFE_SPAN,
+        num_warps=cfg.nw_intra,
     )
+    split = cfg.split_output
+    h, vn = (buf(NC, H, BK, BVF, dtype=sd), buf(NC, H, C, BVF, dtype=sd)) if split else (gl, gl)
     _kda_chunk_state_kernel[(BVF // BV, N, H)](
         out, out.stride(0), out.stride(1),
         cu, t_off, slots, t_init, t_snap, state,
-        qg, kd, w, u, aqk, gl,
-        H=H, K=K, V=V, BK=BK, BV=BV, BVF=BVF, C=C, PREC=prec,
-        num_warps=nw_state, num_stages=ns_state,
+        qg, kd, w, u, aqk, gl, h, vn,
+        H=H, K=K, V=V, BK=BK, BV=BV, BVF=BVF, C=C, DOT16=cfg.dot16, PREC=cfg.prec, SPLIT_O=split,
+        num_warps=cfg.nw_state, num_stages=cfg.ns_state,
     )
+    if split:
+        _kda_chunk_out_kernel[(BVF // BVO, NC, H)](
+            out, out.stride(0), out.stride(1),
+            cu, t_seq, t_idx,
+            qg, aqk, h, vn,
+            H=H, V=V, BK=BK, BV=BVO, BVF=BVF, C=C, DOT16=cfg.dot16, PREC=cfg.prec,
+            num_warps=cfg.nw_out,
+        )

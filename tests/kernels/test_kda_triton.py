@@ -308,6 +308,23 @@ def test_chunk_varlen_mixed_initial_state_and_snapshots() -> None:
     check_chunk(case, [0, 1, 2], has_init=[True, False, True], snaps=snaps)
 
 
+def test_chunk_split_output_pass() -> None:
+    """split_output: the state pass stores per-chunk states and Vnew, a third launch computes O."""
+    case = chunk_case([130, 63], H=2, D=16, kind="lower_bound", dtype=torch.float32, num_slots=5, seed=11)
+    check_chunk(case, [2, 0], snaps=([[64, 130], []], [[3, 4], []]), split_output=True, block_v_out=8)
+
+
+def test_chunk_steep_gate_exact_diagonal_blocks() -> None:
+    """A decay of more than SAFE_SPAN nats inside a 16-row block (one token at -80 or -300 in some
+    channels) takes the exact elementwise path for that diagonal block; no inf/NaN anywhere."""
+    case = chunk_case([150], H=2, D=16, kind="softplus", dtype=torch.float32, num_slots=2, seed=12)
+    g = case["g"]
+    g[5, 0, :4] = -80.0  # block 0 of chunk 0, head 0 only
+    g[70, 1, 3] = -300.0  # block 0 of chunk 1, head 1
+    g[140:142, :, 8:] = -45.0  # block 0 of the tail chunk, both heads: span 90
+    check_chunk(case, [1])
+
+
 def test_chunk_fp16_inputs_and_scratch() -> None:
     """The 16-bit scratch path (16-bit tensor-core dots on the GPU); fp16 runs in the interpreter."""
     case = chunk_case([65, 63], H=2, D=16, kind="lower_bound", dtype=torch.float16, num_slots=2, seed=4)
@@ -362,14 +379,27 @@ def test_gpu_decode_kimi_shape(kind: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize(
-    "scratch,tol", [(torch.float32, 5e-3), (torch.bfloat16, 2e-2)], ids=["fp32_scratch", "bf16_scratch"]
+    "kw,tol",
+    [({}, 2e-2), ({"split_output": True}, 2e-2), ({"scratch_dtype": torch.float32}, 2e-2),
+     ({"precision": "tf32x3", "scratch_dtype": torch.float32}, 5e-3)],
+    ids=["bf16_dots", "bf16_dots_split_output", "bf16_dots_fp32_scratch", "tf32x3_fp32_scratch"],
 )
-def test_gpu_chunk_kimi_shape(scratch: torch.dtype, tol: float) -> None:
+def test_gpu_chunk_kimi_shape(kw: dict, tol: float) -> None:
     lens = [2048, 1000, 64, 1]
     case = chunk_case(lens, H=32, D=128, kind="lower_bound", dtype=torch.bfloat16, num_slots=8, seed=6)
     snaps = ([[64, 1024, 2048], [1000], [], []], [[4, 5, 6], [7], [], []])
-    check_chunk(case, [0, 1, 2, 3], has_init=[True, False, True, True], snaps=snaps, tol=tol,
-                scratch_dtype=scratch)
+    check_chunk(case, [0, 1, 2, 3], has_init=[True, False, True, True], snaps=snaps, tol=tol, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_chunk_steep_softplus_gate() -> None:
+    """Softplus gate with steep tokens (the exact diagonal-block path) at Kimi shapes, bf16 dots."""
+    case = chunk_case([700, 300], H=32, D=128, kind="softplus", dtype=torch.bfloat16, num_slots=2, seed=15)
+    case["g"][5, 0, :4] = -80.0
+    case["g"][70, 1:9, 3] = -300.0
+    case["g"][690:692, :, 8:] = -45.0
+    check_chunk(case, [1, 0], tol=2e-2)
 
 
 @pytest.mark.gpu
