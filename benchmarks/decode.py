@@ -8,7 +8,8 @@ What it measures, in one run (medians of CUDA-event-timed repetitions after warm
   1. copy bandwidth (bytes read + written of a 1 GiB device copy): the roofline's denominator;
   2. decode, batch B in --batch at context --context: one step of the model forward
        eager (every kernel launched from Python), graph (replay of the captured CUDA graph),
-       graph+pdl (graphs re-captured with programmatic dependent launch between kernels),
+       graph variants (--variants: re-captured with PDL between kernels, or with cuBLAS for the
+         decode-row projections instead of the skinny GEMV kernel),
      and the full runner step (host packing + copy + graph replay + argmax + reading the tokens);
      against the roofline: bytes a step must move (weights it touches + KDA state read and written +
      MLA latent KV read) / copy bandwidth;
@@ -33,6 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
+VARIANTS = {"pdl": dict(use_pdl=True), "cublas_gemv": dict(skinny_gemv=False)}  # KernelConfig fields
+
+
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="kimi-linear-48b", help="preset name or checkpoint folder (config only)")
@@ -41,7 +45,10 @@ def _args() -> argparse.Namespace:
     p.add_argument("--prefill", type=int, nargs="*", default=[8192, 32768])
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk (the scheduler's token budget)")
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--no-pdl", action="store_true", help="skip the PDL variant")
+    p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
+                   help="decode graphs re-captured with other kernel settings and timed beside the default: "
+                        "pdl (programmatic dependent launch between kernels), cublas_gemv (torch/cuBLAS for "
+                        "the projections of decode rows instead of the skinny GEMV kernel)")
     p.add_argument("--profile", type=int, default=0, metavar="B",
                    help="also profile one eager decode step at batch B: time per kernel name, top 30 "
                         "(kernel times as in the graph; the launch gaps are the graph's to remove)")
@@ -169,6 +176,7 @@ def distinct_experts(runner: GpuModelRunner, step) -> list[int] | None:
     import k3rt.backend.runner.gpu.ffn as ffn
 
     seen: list[int] = []
+    E = runner.fwd.cfg.moe.num_experts
     real = ffn.kernel
 
     def recording(module: str, name: str):
@@ -178,7 +186,7 @@ def distinct_experts(runner: GpuModelRunner, step) -> list[int] | None:
 
         def route(*a, **kw):
             w, ids = fn(*a, **kw)
-            seen.append(int(ids.unique().numel()))
+            seen.append(int((ids.unique() < E).sum()))  # the shared experts' extra slots are dense weights
             return w, ids
         return route
 
@@ -299,8 +307,10 @@ def main() -> int:
     if ARGS.profile and not over_budget():
         RESULT["profile"] = profile_step(runner, cfg, layout, ARGS.profile)
         save()
-    if cuda and not ARGS.no_pdl and not over_budget():
-        runner.fwd.k = KernelConfig(triton=True, use_pdl=True)
+    for name in ARGS.variants if cuda else []:
+        if over_budget():
+            break
+        runner.fwd.k = KernelConfig(triton=True, **VARIANTS[name])
         runner.graphs.clear()
         runner.capture()
         for row in RESULT["decode"]:
@@ -308,10 +318,12 @@ def main() -> int:
                 seqs = decode_seqs(pool, layout, row["batch"], ARGS.context, cfg.vocab_size)
                 g = runner.graphs[row["graph_size"]]
                 runner._replay(seqs, row["graph_size"])
-                row["graph_pdl_ms"] = time_ms(g.graph.replay, reps=ARGS.reps, warmup=3)["median_ms"]
-                row["pdl_gain"] = 1 - row["graph_pdl_ms"] / row["graph_ms"]
+                row[f"graph_{name}_ms"] = time_ms(g.graph.replay, reps=ARGS.reps, warmup=3)["median_ms"]
+                row[f"{name}_gain"] = 1 - row[f"graph_{name}_ms"] / row["graph_ms"]
                 release(pool, seqs)
         runner.fwd.k = KernelConfig(triton=True)
+        runner.graphs.clear()
+        runner.capture()
     active = param_count(cfg)["active_per_token"] - cfg.vocab_size * cfg.hidden_size  # lookups are not flops
     for T in ARGS.prefill:
         if over_budget():
@@ -328,8 +340,10 @@ def main() -> int:
 
 def print_table() -> None:
     print(f"\n{RESULT['device']}: copy {RESULT['copy']['GBps']:.0f} GB/s, matmul {RESULT['matmul_tflops']:.0f} TFLOP/s")
-    print("| batch | ctx | MB/step | roofline ms | eager ms | graph ms | graph+PDL ms | runner step ms | x roofline | tok/s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    var = [v for v in VARIANTS if any(f"graph_{v}_ms" in r for r in RESULT["decode"])]
+    print("| batch | ctx | MB/step | roofline ms | eager ms | graph ms | " + "".join(f"graph {v} ms | " for v in var)
+          + "runner step ms | x roofline | tok/s |")
+    print("|---:|---:|---:|---:|---:|---:|" + "---:|" * len(var) + "---:|---:|---:|")
     for r in RESULT["decode"]:
         if "skipped" in r:
             print(f"| {r['batch']} | skipped |")
@@ -338,7 +352,7 @@ def print_table() -> None:
         def f(k: str) -> str:
             return f"{r[k]:.3f}" if k in r else "-"
         print(f"| {r['batch']} | {r['context']} | {r['bytes']['total'] / 1e6:.0f} | {r['roofline_ms']:.3f} | "
-              f"{f('eager_ms')} | {f('graph_ms')} | {f('graph_pdl_ms')} | {f('runner_step_ms')} | "
+              f"{f('eager_ms')} | {f('graph_ms')} | " + "".join(f"{f(f'graph_{v}_ms')} | " for v in var) + f"{f('runner_step_ms')} | "
               f"{r['x_roofline']:.2f} | {r['tokens_per_s']:.0f} |")
     print("\n| prefill tokens | chunk | ms | tokens/s | TFLOP/s | x matmul floor |")
     print("|---:|---:|---:|---:|---:|---:|")

@@ -22,7 +22,9 @@ import torch
 
 from k3rt.backend.layers.norm import rms_norm
 from k3rt.backend.models.moe import MoE, route
-from k3rt.backend.runner.gpu.ops import KernelConfig, kernel
+from k3rt.backend.layers.activation import act_and_mul
+from k3rt.backend.models.moe import GatedMLP
+from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear
 
 
 @dataclass
@@ -61,7 +63,7 @@ def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> to
     experts = kernel("moe", "fused_experts") if k.triton else None
     router = kernel("moe", "moe_route") if k.triton else None
     if router is not None:
-        logits = torch.nn.functional.linear(x.float(), moe.gate_weight.float())
+        logits = linear(x, moe.gate_weight, k, out_dtype=torch.float32)
         tw, ids = router(logits, moe.e_score_correction_bias.float(), top_k=m.num_experts_per_token,
                          num_expert_group=m.num_expert_group, topk_group=m.topk_group,
                          renormalize=m.renormalize, scaling=m.routed_scaling_factor, shared_experts=w.shared_fused)
@@ -79,8 +81,13 @@ def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> to
     if m.latent_size is None:
         y = routed(x)
         return moe.tp.all_reduce(y if shared is None else y + shared)
-    y = moe.tp.all_reduce(routed(moe.routed_expert_down_proj(x)))
+    y = moe.tp.all_reduce(routed(linear(x, moe.routed_expert_down_proj.weight, k)))
     if m.latent_norm:
         y = rms_norm(y, moe.routed_expert_norm, moe.eps)
-    y = moe.routed_expert_up_proj(y)
+    y = linear(y, moe.routed_expert_up_proj.weight, k)
     return y if shared is None else y + moe.tp.all_reduce(shared)
+
+
+def mlp_forward(mlp: GatedMLP, x: torch.Tensor, k: KernelConfig) -> torch.Tensor:
+    """The dense gated MLP (TP 1: the GPU runner's only mode) with its projections through `linear`."""
+    return linear(act_and_mul(linear(x, mlp.gate_up_proj.weight, k), mlp.act), mlp.down_proj.weight, k)

@@ -15,10 +15,10 @@ from k3rt.backend.layers.norm import rms_norm
 from k3rt.backend.models.attn_res import AttnResStream, attn_res_mix
 from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.backend.models.moe import MoE
-from k3rt.backend.runner.gpu.ffn import MoeWeights, moe_forward
+from k3rt.backend.runner.gpu.ffn import MoeWeights, mlp_forward, moe_forward
 from k3rt.backend.runner.gpu.kda import KdaWeights, kda_forward
 from k3rt.backend.runner.gpu.mla import MlaWeights, mla_forward
-from k3rt.backend.runner.gpu.ops import KernelConfig, kernel
+from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear
 from k3rt.backend.runner.gpu.step import GpuStep
 
 
@@ -58,6 +58,10 @@ class GpuForward:
         h = residual + delta
         return rms_norm(h, weight, eps), h
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        # rounded to the activation dtype, then fp32, as the reference lm_head does
+        return linear(x, self.model.lm_head.weight, self.k).float()
+
     def mix(self, stream: AttnResStream, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
         assert stream.prefix is not None
         if not stream.blocks:
@@ -76,7 +80,7 @@ class GpuForward:
 
     def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
         mlp = self.layers[i].mlp
-        return moe_forward(mlp, self.moe[i], x, self.k) if isinstance(mlp, MoE) else mlp(x)
+        return moe_forward(mlp, self.moe[i], x, self.k) if isinstance(mlp, MoE) else mlp_forward(mlp, x, self.k)
 
     @torch.no_grad()
     def __call__(self, step: GpuStep, *, decode: bool = False) -> torch.Tensor:
@@ -91,7 +95,7 @@ class GpuForward:
                 nxt = self.layers[i + 1].input_layernorm.weight if i + 1 < len(self.layers) else m.norm.weight
                 x, h = self.add_norm(self.ffn(i, x), h, nxt, eps)
             x = x if step.logits_every_row else x[step.logit_rows]
-            return self.model.lm_head(x)
+            return self.logits(x)
         stream = AttnResStream(h, self.cfg.attn_res_block_size)
         for i, layer in enumerate(self.layers):
             x = self.mix(stream, layer.self_attention_res_norm.weight, layer.self_attention_res_proj.weight, eps)
@@ -101,4 +105,4 @@ class GpuForward:
             stream.add(self.ffn(i, self.norm(x, layer.post_attention_layernorm.weight, eps)))
         h = self.mix(stream, m.output_attn_res_norm.weight, m.output_attn_res_proj.weight, eps)
         h = h if step.logits_every_row else h[step.logit_rows]
-        return self.model.lm_head(self.norm(h, m.norm.weight, eps))
+        return self.logits(self.norm(h, m.norm.weight, eps))

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from k3rt.backend.layers.norm import rms_norm_gated
 from k3rt.backend.models.kda import KimiDeltaAttention
-from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, share_rows
+from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear, share_rows
 from k3rt.backend.runner.gpu.step import GpuStep
 from k3rt.kernels.kda.ref import kda_chunked, kda_gate_lower_bound, kda_gate_softplus
 
@@ -50,8 +50,8 @@ class KdaWeights:
                           attn.dt_bias.detach().float().reshape(-1).contiguous(), group, tensor)
 
 
-def _gate(attn: KimiDeltaAttention, w: KdaWeights, f_a: torch.Tensor) -> torch.Tensor:
-    f = attn.f_b_proj(f_a).view(f_a.shape[0], attn.num_heads, attn.head_dim)
+def _gate(attn: KimiDeltaAttention, w: KdaWeights, f_a: torch.Tensor, k: KernelConfig) -> torch.Tensor:
+    f = linear(f_a, attn.f_b_proj.weight, k).view(f_a.shape[0], attn.num_heads, attn.head_dim)
     dt = w.dt_bias.view(attn.num_heads, attn.head_dim)
     if attn.lower_bound is None:
         return kda_gate_softplus(f, w.A_log, dt)
@@ -64,22 +64,22 @@ def kda_forward(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: 
     """x [T, hidden] -> [T, hidden]; conv_pool [P, W-1, 3P], rec_pool [P, H, K, V] (pool views, a
     page apart); workspace: kda_decode's per-head counters (decode form)."""
     T, H, D = x.shape[0], attn.num_heads, attn.head_dim
-    qkv, gate, f_a, b = torch.split(F.linear(x, w.w_in), w.splits, dim=-1)
+    qkv, gate, f_a, b = torch.split(linear(x, w.w_in, k), w.splits, dim=-1)
     if w.low_rank_gate:
-        gate = attn.g_b_proj(gate)
+        gate = linear(gate, attn.g_b_proj.weight, k)
     pages = step.state_pages[w.group]
     if decode and k.triton:
         from k3rt.kernels.kda import kda_decode
 
         # conv, gates, delta rule and the gated output norm in one launch, states in their pages
-        o = kda_decode(qkv, w.conv_weight, conv_pool, attn.f_b_proj(f_a), w.A_log, w.dt_bias, b, rec_pool, pages,
+        o = kda_decode(qkv, w.conv_weight, conv_pool, linear(f_a, attn.f_b_proj.weight, k), w.A_log, w.dt_bias, b, rec_pool, pages,
                        lower_bound=attn.lower_bound, use_pdl=k.use_pdl, o_gate=gate.reshape(T, H, D),
                        o_norm_weight=attn.o_norm_weight, o_norm_eps=attn.eps, workspace=workspace)
-        return attn.o_proj(o.reshape(T, H * D))
+        return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
     o = _general(attn, w, qkv, f_a, b, step, conv_pool, rec_pool, pages, k)
     gated = kernel("norm", "rms_norm_gated") if k.triton else None
     o = (gated or rms_norm_gated)(o, gate.reshape(T, H, D), attn.o_norm_weight, attn.eps)
-    return attn.o_proj(o.reshape(T, H * D))
+    return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
 
 
 def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f_a: torch.Tensor, b: torch.Tensor,
@@ -95,7 +95,7 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f_a: to
     y = F.silu(y).to(qkv.dtype)
     conv_pool[pages] = ext[step.conv_tail_idx].to(conv_pool.dtype)
     q, kk, v = y.view(T, 3, H, D).unbind(1)
-    g = _gate(attn, w, f_a)
+    g = _gate(attn, w, f_a, k)
     beta = torch.sigmoid(b.float())
     nseq, snaps = step.num_seqs, step.snapshots
     # the recurrence runs on a contiguous copy of the sequences' states: slots 0..B-1 live, B.. snapshots

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from k3rt.backend.models.mla import MultiHeadLatentAttention
-from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, share_rows
+from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear, share_rows
 from k3rt.backend.runner.gpu.step import GpuStep
 
 
@@ -48,8 +48,8 @@ def mla_forward(attn: MultiHeadLatentAttention, w: MlaWeights, x: torch.Tensor, 
                 kv_pages: torch.Tensor, k: KernelConfig) -> torch.Tensor:
     """x [T, hidden] -> [T, hidden]; kv_pages [P, block_size, L+R] (this layer's pool view)."""
     m, T, H = attn.cfg, x.shape[0], attn.num_heads
-    parts = torch.split(F.linear(x, w.w_in), w.splits, dim=-1)
-    q = parts[0] if m.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(parts[0]))
+    parts = torch.split(linear(x, w.w_in, k), w.splits, dim=-1)
+    q = parts[0] if m.q_lora_rank is None else linear(attn.q_a_layernorm(parts[0]), attn.q_b_proj.weight, k)
     q = q.view(T, H, m.qk_head_dim)
     ckv = parts[1]
     lat = torch.cat([attn.kv_a_layernorm(ckv[:, :m.kv_lora_rank]), ckv[:, m.kv_lora_rank:]], dim=-1)
@@ -63,7 +63,7 @@ def mla_forward(attn: MultiHeadLatentAttention, w: MlaWeights, x: torch.Tensor, 
         out[step.prefill_rows] = _expanded(attn, q[step.prefill_rows], step, flat, m, k)
     if m.use_output_gate:
         out = out * torch.sigmoid(parts[2].float()).view(T, H, m.v_head_dim).to(out.dtype)
-    return attn.o_proj(out.reshape(T, H * m.v_head_dim))
+    return linear(out.reshape(T, H * m.v_head_dim), attn.o_proj.weight, k)
 
 
 def _decode(q: torch.Tensor, w: MlaWeights, step: GpuStep, kv_pages: torch.Tensor, m, k: KernelConfig) -> torch.Tensor:

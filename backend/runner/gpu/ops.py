@@ -10,11 +10,16 @@ import importlib
 from dataclasses import dataclass
 from functools import cache
 
+import torch.nn.functional as F
+
 
 @dataclass(frozen=True)
 class KernelConfig:
     triton: bool = True
     use_pdl: bool = False  # programmatic dependent launch between chained decode kernels (GPU only)
+    # projections of decode-sized batches (<= kernels.linear.MAX_ROWS rows) through the skinny GEMV
+    # kernel instead of torch's matmul (cuBLAS): benchmarks/kernels_linear.py, decode.py --variants
+    skinny_gemv: bool = True
 
 
 @cache
@@ -24,6 +29,23 @@ def kernel(module: str, name: str):
         return getattr(importlib.import_module(f"k3rt.kernels.{module}"), name)
     except (ImportError, AttributeError):
         return None
+
+
+def linear(x, w, k: KernelConfig, out_dtype=None):
+    """x @ w^T (no bias): the skinny GEMV kernel for a few rows when the kernels are on, else torch
+    (out_dtype: the router's fp32 logits from bf16 x and its fp32 weight)."""
+    if k.triton and k.skinny_gemv and x.dim() == 2 and 1 <= x.shape[0] <= _gemv_rows() and x.stride(-1) == 1:
+        fn = kernel("linear", "skinny_linear")
+        if fn is not None:
+            return fn(x, w, out_dtype=out_dtype)
+    if out_dtype is not None and (x.dtype != out_dtype or w.dtype != out_dtype):
+        return F.linear(x.to(out_dtype), w.to(out_dtype))
+    return F.linear(x, w)
+
+
+@cache
+def _gemv_rows() -> int:
+    return kernel("linear", "MAX_ROWS") or 0
 
 
 def share_rows(parts: list, fused) -> None:

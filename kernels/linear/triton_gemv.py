@@ -1,0 +1,128 @@
+"""Skinny linear (Triton): y [M, N] = x [M, K] @ w [N, K]^T for M <= MAX_ROWS rows, fp32 accumulation.
+
+At decode batch 1 every projection is a matrix-vector product that reads the weight once: the time
+is bytes / bandwidth plus a launch, and a library GEMM picks tiles made for matrices. Here one
+program owns BLOCK_N output columns and walks the whole K: it streams its [BLOCK_N, BLOCK_K] weight
+tiles once, multiplies them elementwise with the M input rows and keeps [M, BLOCK_N, BLOCK_K] fp32
+partial products in registers, reducing over K only at the end (no shuffles in the loop). No split
+over K, so no atomics and no second pass: the result is a pure function of the inputs (the router's
+expert choice must not depend on timing).
+
+The weight may be 16-bit or fp32 and the output any float dtype: the MoE router is the same kernel
+with its fp32 weight and an fp32 output (bf16 x is upcast in registers, so no separate cast kernel).
+Oracle: `ref.skinny_linear_ref`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from k3rt.kernels.common import INTERPRET, check, check_same_device, poison_like
+
+MAX_ROWS = 4
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# per-program bytes in flight ~ block_n * block_k * 2 B * stages; enough programs to cover the SMs
+DEFAULT_TILES = GemvTiles(4, 512, 4, 4)
+CANDIDATES = (DEFAULT_TILES, GemvTiles(8, 256, 4, 4), GemvTiles(2, 1024, 4, 4), GemvTiles(2, 512, 4, 4),
+              GemvTiles(4, 256, 4, 6), GemvTiles(8, 512, 8, 3), GemvTiles(16, 256, 8, 3), GemvTiles(1, 1024, 2, 4))
+INTERPRET_TILES = GemvTiles(4, 32, 4, 1)
+
+
+def pick_tiles(n: int, k: int) -> GemvTiles:
+    """Narrow column blocks for narrow outputs (keep >= 2 programs per SM on a 132-SM part)."""
+    if INTERPRET:
+        return INTERPRET_TILES
+    if n < 1024:
+        return GemvTiles(2, 1024 if k >= 1024 else 512, 4, 4)
+    return DEFAULT_TILES
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, stride_xm,
+    w_ptr, stride_wn,
+    y_ptr, stride_ym,
+    M, N, K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        else:
+            k_ok = k0 + offs_k < K
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None, out: Tensor | None = None,
+                  tiles: GemvTiles | None = None) -> Tensor:
+    """y = x @ w^T for M <= MAX_ROWS rows.
+
+    Args:
+        x: [M, K] bf16/fp16/fp32, last dim contiguous (rows may be strided).
+        w: [N, K] bf16/fp16/fp32, last dim contiguous (a row slice of a larger weight is fine).
+        out_dtype: output dtype (default x.dtype); out: optional [M, N] buffer of that dtype, last
+            dim contiguous.
+        tiles: tile override (benchmarks); default `pick_tiles(N, K)`.
+
+    Returns:
+        [M, N]: fp32 sums of fp32 products, rounded once to the output dtype.
+    """
+    floats = (torch.bfloat16, torch.float16, torch.float32)
+    for name, t in (("x", x), ("w", w)):
+        if t.dim() != 2 or t.dtype not in floats or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be a 2-D bf16/fp16/fp32 tensor with a contiguous last dim, got "
+                             f"{t.dtype} {list(t.shape)} strides {t.stride()}")
+    M, K = x.shape
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"x: rows M must be in [1, {MAX_ROWS}], got {M}")
+    N = w.shape[0]
+    check(w, "w", (N, K))
+    dt = out_dtype or x.dtype
+    if out is None:
+        out = poison_like(torch.empty(M, N, dtype=dt, device=x.device))
+    else:
+        check(out, "out", (M, N), dt)
+        if out.stride(-1) != 1:
+            raise ValueError(f"out must have a contiguous last dim, got strides {out.stride()}")
+    check_same_device(x=x, w=w, out=out)
+    cfg = tiles or pick_tiles(N, K)
+    bk = min(cfg.block_k, max(16, triton.next_power_of_2(K)))
+    _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
+        x, x.stride(0), w, w.stride(0), out, out.stride(0), M, N, K,
+        BLOCK_M=max(1, triton.next_power_of_2(M)), BLOCK_N=cfg.block_n, BLOCK_K=bk, EVEN_K=K % bk == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out

@@ -1,0 +1,69 @@
+"""skinny_linear (Triton GEMV for decode rows) against the fp32 oracle: every row count up to
+MAX_ROWS, ragged K and N, strided rows, an fp32 weight with an fp32 output (the router's form),
+the tile candidates, and the contract errors. CPU: interpreter, fp32/fp16; GPU: bf16 at Kimi shapes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from k3rt.kernels.linear import MAX_ROWS, skinny_linear, skinny_linear_ref  # noqa: E402
+from k3rt.kernels.linear.triton_gemv import CANDIDATES  # noqa: E402
+from tests.kernels.helpers import DEV, HAS_CUDA, rel_err, run_benchmark_smoke  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("poison_outputs")
+
+
+@pytest.mark.parametrize("M", list(range(1, MAX_ROWS + 1)))
+@pytest.mark.parametrize("N,K", [(40, 96), (7, 50), (130, 33)])
+def test_matches_ref(M: int, N: int, K: int) -> None:
+    g = torch.Generator().manual_seed(M * 100 + N + K)
+    x = torch.randn(M, K, generator=g).to(DEV)
+    w = torch.randn(N, K, generator=g).to(DEV)
+    y = skinny_linear(x, w)
+    assert y.shape == (M, N) and y.dtype == x.dtype
+    assert rel_err(y, skinny_linear_ref(x, w)) <= 1e-6
+
+
+def test_fp16_activations_fp32_weight_fp32_output_strided_rows_and_out() -> None:
+    g = torch.Generator().manual_seed(1)
+    wide = torch.randn(3, 80, generator=g).half().to(DEV)
+    x = wide[:, 8:72]  # row stride 80
+    w = torch.randn(20, 64, generator=g).to(DEV)
+    out = torch.empty(3, 20, device=DEV)
+    y = skinny_linear(x, w, out_dtype=torch.float32, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    # fp16 inputs upcast exactly: the fp32 oracle on the same values
+    assert rel_err(y, skinny_linear_ref(x, w, torch.float32)) <= 1e-6
+
+
+def test_rejects_bad_inputs() -> None:
+    x, w = torch.randn(2, 16, device=DEV), torch.randn(8, 16, device=DEV)
+    with pytest.raises(ValueError, match=r"rows M must be in \[1, 4\]"):
+        skinny_linear(torch.randn(5, 16, device=DEV), w)
+    with pytest.raises(ValueError, match="w must have shape"):
+        skinny_linear(x, torch.randn(8, 17, device=DEV))
+    with pytest.raises(ValueError, match="x must be"):
+        skinny_linear(x.t(), w)
+    with pytest.raises(ValueError, match="out must have shape"):
+        skinny_linear(x, w, out=torch.empty(2, 9, device=DEV))
+
+
+def test_benchmark_smoke(tmp_path) -> None:
+    res = run_benchmark_smoke("kernels_linear.py", tmp_path / "k.json")
+    assert len(res["gemv"]) == 4 and all("best_us" in r for r in res["gemv"]), res["gemv"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("tiles", CANDIDATES)
+@pytest.mark.parametrize("M", [1, 4])
+@pytest.mark.parametrize("N,K", [(12576, 2304), (2304, 4096), (256, 2304), (576, 2304)])
+def test_gpu_bf16_kimi_shapes(tiles, M: int, N: int, K: int) -> None:
+    x = torch.randn(M, K, device="cuda").bfloat16()
+    w = (torch.randn(N, K, device="cuda") * 0.02).bfloat16()
+    y = skinny_linear(x, w, tiles=tiles)
+    ref = skinny_linear_ref(x, w, torch.float32)
+    assert rel_err(y, ref) <= 8e-3  # one bf16 rounding of the output
+    assert rel_err(skinny_linear(x, w.float(), out_dtype=torch.float32, tiles=tiles), ref) <= 1e-5
