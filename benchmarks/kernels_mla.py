@@ -3,8 +3,10 @@
 Decode (Kimi-Linear-48B shape: H=32, L=512, R=64, bf16, page 1888, pages shuffled) runs at
 context 4K/32K/128K x batch 1/16/64, each call replayed from a CUDA graph, rotating over enough
 page sets that every call reads cold KV. Bytes = KV read (N*ctx*576*2) + q + out; the ratio is
-taken against the device-to-device copy bandwidth measured in the same run. A sweep of split
-counts and tile configs at 32K shows how far the num_splits heuristic is from the best.
+taken against the device-to-device copy bandwidth measured in the same run. Every launch variant
+in DECODE_VARIANTS (the default, the old default, tile / prefetch alternatives) is checked against
+the oracle at 32K and timed at every case side by side; then split counts at half and twice the
+heuristic's are timed for the variant with the best mean at contexts >= 32K.
 
 Prefill (one sequence of 8K and 32K tokens, expanded form: qk dim 192, v dim 128) reports
 tokens/s and TFLOP/s (causal: 2*H*T(T+1)/2*(192+128) flops) next to torch SDPA on the same
@@ -13,6 +15,7 @@ only the useful flops are counted).
 
     python benchmarks/kernels_mla.py --smoke --out /tmp/kernels_mla.json   # CPU interpreter, tiny
     python3 benchmarks/kernels_mla.py --budget-s 150 --out $OUT/kernels_mla.json   # GPU
+    python3 benchmarks/kernels_mla.py --decode-only --budget-s 120 --out $OUT/kernels_mla.json
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes under the Triton interpreter (CPU)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kernels_mla.json"))
+    ap.add_argument("--decode-only", action="store_true", help="skip the prefill benchmark and its check")
     ap.add_argument("--budget-s", type=float, default=150.0, help="skip items that would start past this")
     return ap.parse_args()
 
@@ -86,61 +90,87 @@ def decode_inputs(N: int, ctx: int, rotations: int, gen: torch.Generator):
     return kv, tables, qs, seq_lens
 
 
-def time_decode(N: int, ctx: int, num_splits: int, **tune) -> dict:
-    row = _time_decode(N, ctx, num_splits, **tune)
-    if GPU:
-        torch.cuda.empty_cache()  # the pools of the largest cases are ~10 GB
-    return row
+# name -> mla_decode tuning overrides ({} is the default config). "old default" is the launch before
+# the tokens layout (heads on the dots' M, mma.sync, Triton-pipelined 32-token tiles); "old best" the
+# best tile of that kernel's sweep. The tokens layout puts tile tokens on M (wgmma at 64-token tiles);
+# prefetch carries the next tile in registers (loads issued after / before the score dot).
+DECODE_VARIANTS = {
+    "default": {},
+    "old default (heads 32x2)": dict(layout="heads", block_n=32, num_warps=8, num_stages=2, prefetch="none"),
+    "old best (heads 64x2)": dict(layout="heads", block_n=64, num_warps=8, num_stages=2, prefetch="none"),
+    "tokens 64 pipelined x2": dict(block_n=64, num_warps=8, num_stages=2, prefetch="none"),
+    "tokens 32 pipelined x5": dict(block_n=32, num_warps=8, num_stages=5, prefetch="none"),
+    "tokens 64 prefetch after": dict(block_n=64, num_warps=8, num_stages=1, prefetch="after_scores"),
+    "tokens 64 prefetch before": dict(block_n=64, num_warps=8, num_stages=1, prefetch="before_scores"),
+    "tokens 32 prefetch after": dict(block_n=32, num_warps=8, num_stages=1, prefetch="after_scores"),
+    "tokens 32 prefetch before": dict(block_n=32, num_warps=8, num_stages=1, prefetch="before_scores"),
+}
+if not GPU:  # the interpreter: two variants at its 16-token tiles
+    DECODE_VARIANTS = {"default": {}, "old default (heads 32x2)": dict(layout="heads", block_n=16, prefetch="none")}
 
 
-def _time_decode(N: int, ctx: int, num_splits: int, **tune) -> dict:
-    bytes_per_call = N * ctx * (L + R) * 2 + N * H * (2 * L + R) * 2
-    rot = l2_rotation(bytes_per_call)
-    gen = torch.Generator(device=DEV).manual_seed(N * 7 + ctx)
-    kv, tables, qs, seq_lens = decode_inputs(N, ctx, rot, gen)
-    outs = [torch.empty(N, H, L, dtype=DTYPE, device=DEV) for _ in range(rot)]
-    calls = [lambda r=r: mla_decode(qs[r], kv, tables[r], seq_lens, SCALE, kv_lora_rank=L,
-                                    num_splits=num_splits, out=outs[r], **tune) for r in range(rot)]
-    us = graph_time(calls, reps=30 if GPU else 1)["us_per_call"]
-    gbps = bytes_per_call / (us * 1e-6) / 1e9
-    return {"N": N, "ctx": ctx, "num_splits": num_splits, **tune, "us": us, "GBps": gbps,
-            "pct_copy_bw": 100 * gbps / RESULT["copy_bandwidth"]["GBps"], "rotations": rot}
+class DecodeCase:
+    """One (batch, context) decode case: its page pool is built once and timed under many launches."""
+
+    def __init__(self, N: int, ctx: int) -> None:
+        self.N, self.ctx = N, ctx
+        self.bytes_per_call = N * ctx * (L + R) * 2 + N * H * (2 * L + R) * 2
+        self.rot = l2_rotation(self.bytes_per_call)
+        gen = torch.Generator(device=DEV).manual_seed(N * 7 + ctx)
+        self.kv, self.tables, self.qs, self.seq_lens = decode_inputs(N, ctx, self.rot, gen)
+        self.outs = [torch.empty(N, H, L, dtype=DTYPE, device=DEV) for _ in range(self.rot)]
+
+    def time(self, variant: str, num_splits: int | None = None) -> dict:
+        tune = DECODE_VARIANTS[variant]
+        splits = num_splits or mla_decode_num_splits(self.N, H, self.ctx)
+        calls = [lambda r=r: mla_decode(self.qs[r], self.kv, self.tables[r], self.seq_lens, SCALE, kv_lora_rank=L,
+                                        num_splits=splits, out=self.outs[r], **tune) for r in range(self.rot)]
+        us = graph_time(calls, reps=30 if GPU else 1)["us_per_call"]
+        gbps = self.bytes_per_call / (us * 1e-6) / 1e9
+        return {"variant": variant, "N": self.N, "ctx": self.ctx, "num_splits": splits, **tune, "us": us,
+                "GBps": gbps, "pct_copy_bw": 100 * gbps / RESULT["copy_bandwidth"]["GBps"], "rotations": self.rot}
 
 
 def bench_decode() -> None:
+    """Every variant at every (context, batch) with the split heuristic's count, then split counts
+    around the heuristic's for the variant with the best mean at contexts >= 32K."""
+    best_key = lambda v: -sum(r["pct_copy_bw"] for r in RESULT["decode"]  # noqa: E731
+                              if r["variant"] == v and r["ctx"] >= 32768) if GPU else 0
     for ctx in CONTEXTS:
         for N in BATCHES:
             if not in_budget(f"decode N={N} ctx={ctx}"):
                 continue
-            row = time_decode(N, ctx, mla_decode_num_splits(N, H, ctx))
-            RESULT["decode"].append(row)
-            print(f"decode N={N:3d} ctx={ctx:6d} splits={row['num_splits']:3d}  {row['us']:9.2f} us  "
-                  f"{row['GBps']:7.0f} GB/s  {row['pct_copy_bw']:5.1f}% of copy")
-
-
-def sweep_decode() -> None:
-    """Split counts around the heuristic's choice, and tile configs, at the 32K context."""
-    ctx = CONTEXTS[1] if len(CONTEXTS) > 1 else CONTEXTS[0]
-    for N in BATCHES:
-        chosen = mla_decode_num_splits(N, H, ctx)
-        for s in sorted({max(1, chosen // 2), max(1, chosen * 3 // 4), chosen * 3 // 2, chosen * 2} - {chosen}):
-            if in_budget(f"decode sweep N={N} splits={s}"):
-                RESULT["decode_sweep"].append(time_decode(N, ctx, s))
-    if not GPU:
-        return
-    N = BATCHES[-1]
-    chosen = mla_decode_num_splits(N, H, ctx)
-    # (block_n, block_h, num_warps, num_stages); the default is (32, 32, 8, 2) at H=32. All of these
-    # build for sm_90 without spills; block_h=16 reads each KV tile twice (once per head block).
-    for block_n, block_h, warps, stages in [(32, 32, 8, 3), (64, 32, 8, 2), (64, 32, 8, 3), (32, 16, 4, 2),
-                                            (32, 16, 8, 2), (64, 16, 8, 2)]:
-        if in_budget(f"decode tile N={N} block_n={block_n} block_h={block_h} warps={warps} stages={stages}"):
-            RESULT["decode_sweep"].append(time_decode(N, ctx, chosen, block_n=block_n, block_h=block_h,
-                                                      num_warps=warps, num_stages=stages))
-    for row in RESULT["decode_sweep"]:
-        print(f"  sweep N={row['N']:3d} splits={row['num_splits']:3d} "
-              f"{ {k: row[k] for k in ('block_n', 'block_h', 'num_warps', 'num_stages') if k in row} }  "
-              f"{row['us']:9.2f} us  {row['pct_copy_bw']:5.1f}% of copy")
+            case = DecodeCase(N, ctx)
+            for variant in DECODE_VARIANTS:
+                row = case.time(variant)
+                RESULT["decode"].append(row)
+                print(f"decode N={N:3d} ctx={ctx:6d} splits={row['num_splits']:3d} {variant:28s} {row['us']:9.2f} us "
+                      f"{row['GBps']:7.0f} GB/s  {row['pct_copy_bw']:5.1f}% of copy")
+            del case
+            if GPU:
+                torch.cuda.empty_cache()  # the pools of the largest cases are ~10 GB
+    best = min(DECODE_VARIANTS, key=best_key)
+    RESULT["decode_best_variant"] = best
+    for ctx in CONTEXTS[1:] or CONTEXTS:
+        for N in BATCHES:
+            chosen = mla_decode_num_splits(N, H, ctx)
+            splits = sorted({max(1, chosen // 2), chosen * 2} - {chosen})
+            if not in_budget(f"decode splits N={N} ctx={ctx}"):
+                continue
+            case = DecodeCase(N, ctx)
+            for s in splits:
+                row = case.time(best, s)
+                RESULT["decode_sweep"].append(row)
+                print(f"  splits N={N:3d} ctx={ctx:6d} {best:28s} splits={s:3d} {row['us']:9.2f} us "
+                      f"{row['pct_copy_bw']:5.1f}% of copy")
+            del case
+            if GPU:
+                torch.cuda.empty_cache()
+    table = {v: {f"{r['N']}x{r['ctx'] // 1024}K": round(r["pct_copy_bw"], 1) for r in RESULT["decode"]
+                 if r["variant"] == v} for v in DECODE_VARIANTS}
+    RESULT["decode_table_pct_copy_bw"] = table
+    for v, row in table.items():
+        print(f"{v:28s} " + "  ".join(f"{k}:{x:5.1f}" for k, x in row.items()))
 
 
 def prefill_inputs(lens: list[tuple[int, int]], gen: torch.Generator) -> dict:
@@ -204,20 +234,24 @@ def bench_prefill() -> None:
 
 
 def check_correctness() -> None:
+    """Every decode variant (auto splits and one split) on ragged lengths, and prefill, vs the oracles."""
     gen = torch.Generator(device=DEV).manual_seed(0)
     tol = 1e-2 if GPU else 1e-4
-    ctx = 4096 if GPU else 120
-    N = 16 if GPU else 3
-    kv, (table,), (q,), seq_lens = decode_inputs(N, ctx, 1, gen)
-    seq_lens = torch.randint(1, ctx + 1, (N,), generator=gen, device=DEV, dtype=torch.int32)
-    seq_lens[0] = ctx
-    got = mla_decode(q, kv, table, seq_lens, SCALE, kv_lora_rank=L)
-    err = rel_err(got, mla_decode_ref(q, kv, table, seq_lens, SCALE, L))
-    RESULT["correctness"].append({"name": f"decode N={N} ctx<={ctx}", "rel_err": err, "tol": tol, "ok": err <= tol})
-    lens = [(1000, 3000), (512, 512), (1, 700)] if GPU else [(20, 50), (17, 17), (1, 9)]
-    case = prefill_inputs(lens, gen)
-    err = rel_err(mla_prefill(**case, scale=SCALE), mla_prefill_ref(**case, scale=SCALE))
-    RESULT["correctness"].append({"name": f"prefill {lens}", "rel_err": err, "tol": tol, "ok": err <= tol})
+    ctx = 32768 if GPU else 120
+    kv, (table,), (q,), _ = decode_inputs(4, ctx, 1, gen)
+    seq_lens = torch.tensor([ctx, 1, PAGE + 1, ctx // 3 + 5], dtype=torch.int32, device=DEV)
+    want = mla_decode_ref(q, kv, table, seq_lens, SCALE, L)
+    for variant, tune in DECODE_VARIANTS.items():
+        for splits in (None, 1):
+            got = mla_decode(q, kv, table, seq_lens, SCALE, kv_lora_rank=L, num_splits=splits, **tune)
+            err = rel_err(got, want)
+            RESULT["correctness"].append({"name": f"decode {variant} splits={splits or 'auto'} lens={seq_lens.tolist()}",
+                                          "rel_err": err, "tol": tol, "ok": err <= tol})
+    if not ARGS.decode_only:
+        lens = [(1000, 3000), (512, 512), (1, 700)] if GPU else [(20, 50), (17, 17), (1, 9)]
+        case = prefill_inputs(lens, gen)
+        err = rel_err(mla_prefill(**case, scale=SCALE), mla_prefill_ref(**case, scale=SCALE))
+        RESULT["correctness"].append({"name": f"prefill {lens}", "rel_err": err, "tol": tol, "ok": err <= tol})
     for c in RESULT["correctness"]:
         print(f"correctness {c['name']}: rel_err {c['rel_err']:.2e} (tol {c['tol']:.0e}) {'ok' if c['ok'] else 'FAIL'}")
 
@@ -229,8 +263,8 @@ def main() -> int:
     print(f"copy bandwidth: {RESULT['copy_bandwidth']['GBps']:.0f} GB/s")
     check_correctness()
     bench_decode()
-    bench_prefill()
-    sweep_decode()
+    if not ARGS.decode_only:
+        bench_prefill()
     RESULT["elapsed_s"] = REPORT.elapsed()
     REPORT.save()
     print(f"wrote {REPORT.path} ({RESULT['elapsed_s']:.1f} s)")

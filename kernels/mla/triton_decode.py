@@ -1,23 +1,35 @@
 """MLA decode (Triton): absorbed attention over the paged latent cache, flash-decoding style.
 
 Every head of a sequence attends to the same latent entries [c (L) ; k_pe (R)] (MQA over one
-576-wide head), so a program owns a block of BLOCK_H heads and loads each KV tile once for all of
-them: scores are a tensor-core dot [BLOCK_H, L+R] x [L+R, BLOCK_N] and the value product
-[BLOCK_H, BLOCK_N] x [BLOCK_N, L] reuses the c part of the same tile. Accumulation is fp32.
+576-wide head), so a program owns a block of BLOCK_H heads (all 32 of Kimi's at TP 1) and reads
+each KV tile once for all of them. The default layout ("tokens") puts the tile's tokens on the
+dot's M dimension: scores^T = [c ; k_pe] [BLOCK_N, L+R] x q^T [L+R, BLOCK_H] and
+acc^T [L, BLOCK_H] += c^T [L, BLOCK_N] x p^T [BLOCK_N, BLOCK_H], both reading the tile from shared
+memory, so with BLOCK_N = 64 both dots lower to Hopper wgmma (with 32 heads on M, as in the
+"heads" layout kept for comparison, M < 64 and Triton falls back to mma.sync). Accumulation is fp32.
+
+Loads: the tile rows are gathered through the block table (a tile may straddle pages), which
+defeats Triton's pipeliner at useful depths (it keeps one or two buffers and issues the next copy
+after the dots, so memory and math do not overlap). PREFETCH instead carries the next tile in
+registers: its loads are issued during the current tile's math (after its score dot, or before it),
+and the page ids are fetched one tile further ahead so the prefetch never waits on the table.
 
 The context is split into num_splits ranges (grid axis 2) so that small batches still fill the
 GPU. The split length ceil(seq_len / num_splits), rounded up to whole tiles, is computed inside the
 kernel from seq_lens, so one launch (and one CUDA graph) serves any lengths. Each split writes its
 normalized partial output and log2-sum-exp; splits past the end write a neutral partial (output 0,
-lse -inf). A second small kernel combines the partials. With num_splits == 1 the first kernel
-writes the output directly and no combine runs. num_splits is a runtime argument, so graphs
-captured with different split counts share two compiled variants (plus one combine per power of 2).
+lse -inf). A second small kernel merges the partials exactly (log-sum-exp weights). (Only the
+"heads" kernel writes the output directly when num_splits == 1.) num_splits is a runtime
+argument, so graphs captured with different split counts share the compiled kernels.
 
-The oracle is `ref.py::mla_decode_ref`. A seq_len of 0 is a padding row and gives a zero output.
+`mla_decode_config` picks the launch (layout, tiles, warps, prefetch, splits) from batch size,
+heads and context; the oracle is `ref.py::mla_decode_ref`. A seq_len of 0 is a padding row and
+gives a zero output.
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -32,6 +44,106 @@ _LOG2E = 1.4426950408889634
 # KV), so splits shorter than this spend more on partials than they gain in parallelism.
 MIN_TOKENS_PER_SPLIT = 128
 MAX_SPLITS = 256
+
+
+@triton.jit
+def _tile_pages(bt_row, pos, end, block_size):
+    """Page id of each token position of a tile (0 at positions >= end, which load nothing)."""
+    return tl.load(bt_row + pos // block_size, mask=pos < end, other=0)
+
+
+@triton.jit
+def _load_tile(kv_ptr, pages, pos, end, block_size, L: tl.constexpr, R: tl.constexpr):
+    """The tile's latent rows: c [BLOCK_N, L] and k_pe [BLOCK_N, R], zeros at positions >= end."""
+    rows = kv_ptr + (pages.to(tl.int64) * block_size + pos % block_size) * (L + R)
+    mask = (pos < end)[:, None]
+    c = tl.load(rows[:, None] + tl.arange(0, L)[None, :], mask=mask, other=0.0)
+    pe = tl.load(rows[:, None] + L + tl.arange(0, R)[None, :], mask=mask, other=0.0)
+    return c, pe
+
+
+@triton.jit
+def _mla_decode_split_tokens_kernel(
+    q_ptr, stride_q_n, stride_q_h,  # [N, H, L+R]
+    kv_ptr,  # [num_pages, block_size, L+R], contiguous
+    block_table_ptr, stride_bt_n,  # [N, max_blocks] int32
+    seq_lens_ptr,  # [N] int32
+    part_ptr,  # [N, S, H, L] fp32 partial outputs (also for one split: see the launcher)
+    lse_ptr,  # [N, S, H] fp32
+    qk_scale,  # scale * log2(e)
+    H,
+    block_size,
+    num_splits,  # S, a runtime value: a new split count needs no recompile
+    L: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,  # 0: load in the iteration (Triton pipelines); 1: next tile after the
+    #                          score dot; 2: next tile before the score dot
+):
+    i_n = tl.program_id(0)
+    i_hb = tl.program_id(1)
+    i_s = tl.program_id(2)
+    offs_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_t = tl.arange(0, BLOCK_N)
+
+    if USE_PDL:
+        gdc_wait()  # q and the current token's cache entry come from the previous kernels
+    seq_len = tl.load(seq_lens_ptr + i_n)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = i_s * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    bt_row = block_table_ptr + i_n.to(tl.int64) * stride_bt_n
+    if PREFETCH > 0:
+        c_next, pe_next = _load_tile(kv_ptr, _tile_pages(bt_row, start + offs_t, end, block_size),
+                                     start + offs_t, end, block_size, L, R)
+        pages_next = _tile_pages(bt_row, start + BLOCK_N + offs_t, end, block_size)
+
+    # q^T: heads on the dots' N dimension
+    q_cols = q_ptr + i_n.to(tl.int64) * stride_q_n + offs_h[None, :] * stride_q_h
+    qt_c = tl.load(q_cols + tl.arange(0, L)[:, None], mask=mask_h[None, :], other=0.0)  # [L, BLOCK_H]
+    qt_pe = tl.load(q_cols + L + tl.arange(0, R)[:, None], mask=mask_h[None, :], other=0.0)  # [R, BLOCK_H]
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([L, BLOCK_H], dtype=tl.float32)
+    # Every tile starts before `end`, so each holds at least one live token and m_i is finite
+    # after the first one.
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_t
+        if PREFETCH > 0:
+            c = c_next
+            pe = pe_next
+        else:
+            c, pe = _load_tile(kv_ptr, _tile_pages(bt_row, pos, end, block_size), pos, end, block_size, L, R)
+        if PREFETCH == 2:
+            c_next, pe_next = _load_tile(kv_ptr, pages_next, pos + BLOCK_N, end, block_size, L, R)
+            pages_next = _tile_pages(bt_row, pos + 2 * BLOCK_N, end, block_size)
+        s = tl.dot(c, qt_c, input_precision=DOT_PRECISION)
+        s = tl.dot(pe, qt_pe, acc=s, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_H]
+        if PREFETCH == 1:
+            c_next, pe_next = _load_tile(kv_ptr, pages_next, pos + BLOCK_N, end, block_size, L, R)
+            pages_next = _tile_pages(bt_row, pos + 2 * BLOCK_N, end, block_size)
+        s = tl.where((pos < end)[:, None], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(c), p.to(c.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+    if USE_PDL:
+        gdc_launch_dependents()
+
+    # empty range (padding row, or a split past the end): l_i == 0, acc == 0 -> output 0
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[None, :]
+    row = (i_n.to(tl.int64) * num_splits + i_s) * H + offs_h  # [BLOCK_H] rows of [N, S, H]
+    tl.store(part_ptr + row[:, None] * L + tl.arange(0, L)[None, :], tl.trans(o), mask=mask_h[:, None])
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(lse_ptr + row, lse, mask=mask_h)
 
 
 @triton.jit
@@ -54,6 +166,8 @@ def _mla_decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    """layout="heads" (the launch before the tokens layout; tests/kernels/test_mla_sm90_build.py builds
+    it): heads on the dots' M (mma.sync at 32 heads), loads pipelined by Triton (num_stages)."""
     i_n = tl.program_id(0)
     i_hb = tl.program_id(1)
     i_s = tl.program_id(2)
@@ -120,13 +234,14 @@ def _mla_decode_combine_kernel(
     H,
     num_splits,
     L: tl.constexpr,
+    BLOCK_L: tl.constexpr,  # a program merges BLOCK_L columns of one head (grid axis 2 covers L)
     SPLITS_P2: tl.constexpr,  # next_power_of_2(num_splits)
     BLOCK_S: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
-    offs_l = tl.arange(0, L)
+    offs_l = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
     if USE_PDL:
         gdc_wait()
     base = i_n.to(tl.int64) * num_splits * H + i_h  # row (n, s=0, h); split s adds s*H
@@ -135,7 +250,7 @@ def _mla_decode_combine_kernel(
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: every weight is 0, output 0
     denom = tl.sum(tl.exp2(lse - m), axis=0)
-    acc = tl.zeros([L], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_L], dtype=tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
         ss = s0 + tl.arange(0, BLOCK_S)
         mask_s = ss < num_splits
@@ -149,7 +264,7 @@ def _mla_decode_combine_kernel(
 
 
 def _block_h(num_heads: int) -> int:
-    # tl.dot needs M >= 16; past 32 heads the [BLOCK_H, L] fp32 accumulator no longer fits registers
+    # tl.dot needs N >= 16; past 32 heads the [L, BLOCK_H] fp32 accumulator no longer fits registers
     return min(32, max(16, triton.next_power_of_2(num_heads)))
 
 
@@ -181,8 +296,48 @@ def mla_decode_num_splits(batch_size: int, num_heads: int, max_context: int, num
     return best
 
 
+_PREFETCH = {"none": 0, "after_scores": 1, "before_scores": 2}
+_LAYOUTS = ("tokens", "heads")
+
+
+@dataclass(frozen=True)
+class MlaDecodeConfig:
+    """One launch of `mla_decode` (the combine's launch follows from num_splits)."""
+
+    num_splits: int  # context splits per sequence (grid axis 2)
+    layout: str = "tokens"  # "tokens": tile tokens on the dots' M (wgmma); "heads": heads on M
+    block_n: int = 64  # tokens per KV tile
+    block_h: int = 32  # heads per program (all of a sequence's heads read each tile once)
+    prefetch: str = "after_scores"  # "tokens" only: "none" (Triton's pipeliner, num_stages),
+    #                                 "after_scores" / "before_scores" (next tile in registers)
+    num_warps: int = 8
+    num_stages: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_splits, int) or self.num_splits < 1:
+            raise ValueError(f"num_splits must be an int >= 1, got {self.num_splits!r}")
+        if self.layout not in _LAYOUTS:
+            raise ValueError(f"layout must be one of {_LAYOUTS}, got {self.layout!r}")
+        if self.prefetch not in _PREFETCH:
+            raise ValueError(f"prefetch must be one of {tuple(_PREFETCH)}, got {self.prefetch!r}")
+        _check_pow2(self.block_n, "block_n")
+        _check_pow2(self.block_h, "block_h")
+
+
+@functools.lru_cache(maxsize=256)
+def mla_decode_config(batch_size: int, num_heads: int, max_context: int,
+                      num_sms: int | None = None) -> MlaDecodeConfig:
+    """The default launch for a batch: 64-token tiles, all heads (up to 32) per program, the next
+    tile prefetched in registers after the score dot, 8 warps, and `mla_decode_num_splits`."""
+    return MlaDecodeConfig(
+        num_splits=mla_decode_num_splits(batch_size, num_heads, max_context, num_sms),
+        block_n=16 if INTERPRET else 64,  # the interpreter's cost grows with the tile
+        block_h=_block_h(num_heads),
+    )
+
+
 def _check_pow2(value: int, name: str) -> None:
-    if value < 16 or value & (value - 1):
+    if not isinstance(value, int) or value < 16 or value & (value - 1):
         raise ValueError(f"{name} must be a power of 2 >= 16, got {value}")
 
 
@@ -201,6 +356,8 @@ def mla_decode(
     block_h: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    layout: str | None = None,
+    prefetch: str | None = None,
 ) -> Tensor:
     """Absorbed MLA decode, one query token per sequence, over the paged latent cache.
 
@@ -219,8 +376,8 @@ def mla_decode(
             uses `mla_decode_num_splits` with max_blocks * block_size as the context hint.
         out: optional preallocated contiguous [N, H, L] output in q's dtype.
         use_pdl: launch with programmatic dependent launch (GPU only).
-        block_n, block_h, num_warps, num_stages: tuning overrides (tokens and heads per tile, a
-            power of 2 >= 16 each; launch config).
+        block_n, block_h, num_warps, num_stages, layout, prefetch: tuning overrides of
+            `mla_decode_config`'s choice (see `MlaDecodeConfig`).
 
     Returns:
         out: [N, H, L] in q.dtype, softmax(scale * q·kv^T) · kv[:, :L] per head.
@@ -250,11 +407,10 @@ def mla_decode(
         raise ValueError("seq_lens must be contiguous")
     check_same_device(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens, out=out)
     block_size = kv_cache.shape[1]
-    if num_splits is None:
-        num_sms = _num_sms(q.device.index) if q.is_cuda else None
-        num_splits = mla_decode_num_splits(N, H, block_table.shape[1] * block_size, num_sms)
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+    cfg = mla_decode_config(N, H, block_table.shape[1] * block_size, _num_sms(q.device.index) if q.is_cuda else None)
+    overrides = dict(num_splits=num_splits, block_n=block_n, block_h=block_h, num_warps=num_warps,
+                     num_stages=num_stages, layout=layout, prefetch=prefetch)
+    cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if out is None:
         out = poison_like(torch.empty(N, H, L, dtype=q.dtype, device=q.device))
     else:
@@ -264,28 +420,33 @@ def mla_decode(
     if N == 0:
         return out
 
-    block_h = block_h or _block_h(H)
-    if block_n is None:
-        block_n = 16 if INTERPRET else 32
-    fp32 = q.dtype == torch.float32
-    if num_splits == 1:
+    S = cfg.num_splits
+    # The tokens kernel always writes partials: its direct-output epilogue (the bf16 convert) spilled
+    # registers at the 48B shape, so one split also goes through the combine (64 KB per sequence).
+    direct = S == 1 and cfg.layout == "heads"
+    if direct:
         part, lse = out, out  # lse unused: the kernel writes the output directly
     else:
-        part = poison_like(torch.empty(N, num_splits, H, L, dtype=torch.float32, device=q.device))
-        lse = poison_like(torch.empty(N, num_splits, H, dtype=torch.float32, device=q.device))
-    _mla_decode_split_kernel[(N, triton.cdiv(H, block_h), num_splits)](
-        q, q.stride(0), q.stride(1), kv_cache, block_table, block_table.stride(0), seq_lens,
-        part, out.stride(0), out.stride(1), lse, float(scale) * _LOG2E, H, block_size, num_splits,
-        L=L, R=R, BLOCK_H=block_h, BLOCK_N=block_n, WRITE_OUT=num_splits == 1,
-        DOT_PRECISION="ieee" if fp32 else "tf32", USE_PDL=use_pdl and not INTERPRET,
-        num_warps=num_warps or (4 if block_h <= 16 else 8), num_stages=num_stages or 2,
-        **pdl_kwargs(use_pdl),
-    )
-    if num_splits > 1:
-        splits_p2 = triton.next_power_of_2(num_splits)
-        _mla_decode_combine_kernel[(N, H)](
-            part, lse, out, out.stride(0), out.stride(1), H, num_splits,
-            L=L, SPLITS_P2=splits_p2, BLOCK_S=min(8, splits_p2),
-            USE_PDL=use_pdl and not INTERPRET, num_warps=4, **pdl_kwargs(use_pdl),
+        part = poison_like(torch.empty(N, S, H, L, dtype=torch.float32, device=q.device))
+        lse = poison_like(torch.empty(N, S, H, dtype=torch.float32, device=q.device))
+    pdl = use_pdl and not INTERPRET
+    args = (q, q.stride(0), q.stride(1), kv_cache, block_table, block_table.stride(0), seq_lens,
+            part, out.stride(0), out.stride(1), lse, float(scale) * _LOG2E, H, block_size, S)
+    meta = dict(L=L, R=R, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=pdl,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(use_pdl))
+    grid = (N, triton.cdiv(H, cfg.block_h), S)
+    if cfg.layout == "tokens":
+        args = args[:8] + args[10:]  # no output strides: partials only
+        _mla_decode_split_tokens_kernel[grid](*args, PREFETCH=_PREFETCH[cfg.prefetch], **meta)
+    else:
+        _mla_decode_split_kernel[grid](*args, WRITE_OUT=direct, **meta)
+    if not direct:
+        splits_p2 = triton.next_power_of_2(S)
+        block_l = min(L, 128)
+        _mla_decode_combine_kernel[(N, H, L // block_l)](
+            part, lse, out, out.stride(0), out.stride(1), H, S,
+            L=L, BLOCK_L=block_l, SPLITS_P2=splits_p2, BLOCK_S=min(16, splits_p2),
+            USE_PDL=pdl, num_warps=4, **pdl_kwargs(use_pdl),
         )
     return out

@@ -19,7 +19,8 @@ pytest.importorskip("triton")
 from k3rt.backend.models.mla import mla_absorbed  # noqa: E402
 from k3rt.kernels.mla import mla_decode, mla_decode_num_splits, mla_prefill  # noqa: E402
 from k3rt.kernels.mla.ref import mla_decode_ref, mla_prefill_ref  # noqa: E402
-from tests.kernels.helpers import DEV, HAS_CUDA, rel_err, run_benchmark_smoke  # noqa: E402
+from k3rt.kernels.mla.triton_decode import MlaDecodeConfig, mla_decode_config  # noqa: E402
+from tests.kernels.helpers import DEV, HAS_CUDA, rel_err, run_benchmark_smoke, run_sm90_build  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")  # NaN-filled outputs and split partials: conftest.py
 
@@ -80,6 +81,65 @@ def test_decode_tuning_overrides() -> None:
     """Wider token tiles (straddling 16-token pages) and a head block wider than H."""
     case = decode_case([70, 2, 33], H=5, L=32, R=16, block_size=16, dtype=torch.float32, seed=12)
     check_decode(case, 32, scale=0.2, tol=1e-5, num_splits=2, block_n=32, block_h=32)
+
+
+@pytest.mark.parametrize("layout,prefetch", [("tokens", "none"), ("tokens", "after_scores"),
+                                             ("tokens", "before_scores"), ("heads", "none")])
+@pytest.mark.parametrize("block_n", [16, 32], ids=["n16", "n32_straddles_pages"])
+def test_decode_launch_variants(layout: str, prefetch: str, block_n: int) -> None:
+    """Every layout / prefetch mode: ragged lengths (a padding row, one token, a length ending inside a
+    tile), 48-token pages (32-token tiles straddle them), splits past the end and one split."""
+    case = decode_case([1, 0, 130, 37], H=4, L=32, R=16, block_size=48, dtype=torch.float32, seed=block_n, table_pad=2)
+    for num_splits in (1, 3, 40):
+        check_decode(case, 32, scale=0.2, tol=1e-5, num_splits=num_splits, layout=layout, prefetch=prefetch,
+                     block_n=block_n)
+
+
+def test_decode_config() -> None:
+    """The default launch is a function of (batch, heads, context): all heads (up to 32) in one
+    program, the tokens layout with the next tile prefetched after the score dot, and the split
+    heuristic's count. Bad overrides are refused."""
+    for n, h, ctx in [(1, 32, 32768), (16, 32, 131072), (64, 32, 4096), (3, 16, 100), (8, 64, 8192)]:
+        cfg = mla_decode_config(n, h, ctx, num_sms=132)
+        assert cfg.num_splits == mla_decode_num_splits(n, h, ctx, num_sms=132)
+        assert (cfg.layout, cfg.prefetch, cfg.num_warps, cfg.num_stages) == ("tokens", "after_scores", 8, 1)
+        assert cfg.block_h == min(32, max(16, h))
+        assert cfg.block_n in (16, 64)  # 16 under the interpreter
+    case = decode_case([5, 9], H=4, L=32, R=16, block_size=16, dtype=torch.float32, seed=13)
+    for bad, match in [(dict(layout="rows"), "layout"), (dict(prefetch="early"), "prefetch"),
+                       (dict(block_n=48), "block_n"), (dict(block_h=8), "block_h")]:
+        with pytest.raises(ValueError, match=match):
+            mla_decode(**case, scale=0.1, kv_lora_rank=32, **bad)
+    with pytest.raises(ValueError, match="num_splits"):
+        MlaDecodeConfig(num_splits=0)
+
+
+_SM90_DECODE = r'''
+from k3rt.kernels.mla import triton_decode as d
+
+I32, C = "i32", "constexpr"
+sig = dict(q_ptr="*bf16", stride_q_n=I32, stride_q_h=I32, kv_ptr="*bf16", block_table_ptr="*i32", stride_bt_n=I32,
+           seq_lens_ptr="*i32", part_ptr="*fp32", lse_ptr="*fp32", qk_scale="fp32", H=I32, block_size=I32,
+           num_splits=I32, L=C, R=C, BLOCK_H=C, BLOCK_N=C, DOT_PRECISION=C, USE_PDL=C, PREFETCH=C)
+res = {}
+for n, ctx in [(64, 32768), (1, 131072)]:
+    cfg = d.mla_decode_config(n, 32, ctx, 132)
+    consts = dict(L=512, R=64, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DOT_PRECISION="tf32", USE_PDL=True,
+                  PREFETCH=d._PREFETCH[cfg.prefetch])
+    res[f"{n}x{ctx}"] = sm90_build(d._mla_decode_split_tokens_kernel, sig, consts, cfg.num_warps, cfg.num_stages,
+                                   lambda k: k.startswith("stride"))
+print(json.dumps(res))
+'''
+
+
+def test_decode_default_builds_for_sm90_with_wgmma_and_no_spills() -> None:
+    """The default launch at the 48B shape (32 heads, 512 + 64, bf16) compiles for sm_90 without a GPU:
+    both dots lower to wgmma, nothing spills, and the shared memory fits one program per SM."""
+    res = run_sm90_build(_SM90_DECODE, timeout=240)
+    for name, r in res.items():
+        assert r["stack"] == 0 and r["local"] == 0, (name, r)
+        assert r["wgmma"] >= 2, (name, r)
+        assert r["shared"] <= 227 * 1024, (name, r)
 
 
 def test_decode_fp16_default_splits_into_out() -> None:
