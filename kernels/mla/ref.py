@@ -96,3 +96,18 @@ def mla_prefill_ref(q: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, cu_seqle
         probs = torch.softmax((scale * scores).masked_fill(mask, float("-inf")), dim=-1)
         out[qb:qe] = torch.einsum("hts,shv->thv", probs, v[kb:ke].float())
     return out
+
+
+def mla_store_latent_ref(ckv: Tensor, norm_weight: Tensor, eps: float, kv_flat: Tensor, slots: Tensor,
+                         kv_lora_rank: int) -> None:
+    """Write tokens' cache entries [kv_a_layernorm(c) ; k_pe] into kv_flat[slots] (in place).
+
+    ckv: [T, L+R] the kv_a projection; norm_weight [L]; kv_flat [S, L+R] the pages as rows; slots [T]
+    int64. The norm rounds like the model's RMSNorm: normalized in fp32, cast to ckv.dtype, times the
+    weight in promote(weight, ckv) dtype, then cast to the cache dtype.
+    """
+    c = ckv[:, :kv_lora_rank]
+    cf = c.float()
+    cf = cf * torch.rsqrt(cf.pow(2).mean(-1, keepdim=True) + eps)
+    lat = torch.cat([norm_weight * cf.to(c.dtype), ckv[:, kv_lora_rank:]], dim=-1)
+    kv_flat[slots] = lat.to(kv_flat.dtype)

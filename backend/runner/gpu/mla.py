@@ -52,13 +52,20 @@ def mla_forward(attn: MultiHeadLatentAttention, w: MlaWeights, x: torch.Tensor, 
     q = parts[0] if m.q_lora_rank is None else linear(attn.q_a_layernorm(parts[0]), attn.q_b_proj.weight, k)
     q = q.view(T, H, m.qk_head_dim)
     ckv = parts[1]
-    lat = torch.cat([attn.kv_a_layernorm(ckv[:, :m.kv_lora_rank]), ckv[:, m.kv_lora_rank:]], dim=-1)
     flat = kv_pages.view(-1, kv_pages.shape[-1])
-    flat.index_copy_(0, step.kv_slot, lat.to(flat.dtype))
-    out = torch.empty(T, H, m.v_head_dim, dtype=x.dtype, device=x.device)
-    if step.decode_seqs.numel():
-        rows = step.decode_rows
-        out[rows] = _decode(q if len(rows) == T else q[rows], w, step, kv_pages, m, k)
+    store = kernel("mla", "mla_store_latent") if k.triton else None
+    if store is not None:  # norm, rope append and scatter in one launch
+        store(ckv, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, flat, step.kv_slot, kv_lora_rank=m.kv_lora_rank)
+    else:
+        lat = torch.cat([attn.kv_a_layernorm(ckv[:, :m.kv_lora_rank]), ckv[:, m.kv_lora_rank:]], dim=-1)
+        flat.index_copy_(0, step.kv_slot, lat.to(flat.dtype))
+    rows = step.decode_rows
+    if step.decode_seqs.numel() and len(rows) == T:  # every row decodes (the graphed form): no scatter
+        out = _decode(q, w, step, kv_pages, m, k)
+    else:
+        out = torch.empty(T, H, m.v_head_dim, dtype=x.dtype, device=x.device)
+        if step.decode_seqs.numel():
+            out[rows] = _decode(q[rows], w, step, kv_pages, m, k)
     if step.prefill_seqs:
         out[step.prefill_rows] = _expanded(attn, q[step.prefill_rows], step, flat, m, k)
     if m.use_output_gate:
