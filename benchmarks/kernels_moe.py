@@ -11,7 +11,7 @@ GPU mode (default), one H200-class GPU, Kimi-Linear-48B shape (E=256, top-8, D=2
      configs (the default first);
   4. prefill T in {4096, 16384}: TFLOP/s (6*T*k*D*I flops) vs the matmul peak, for the default and
      two other tile configs, and the torch loop;
-  5. moe_route alone at T in {1, 64, 4096}.
+  5. moe_route alone at T in {1, 64, 4096}, 1/2/4/8 warps (--route-only: just this, first).
 Times are medians of CUDA-event-timed repetitions after warm-up. A table goes to stdout, all numbers
 to JSON ($OUT/kernels_moe.json, or --out). Items past --budget-s are skipped and say so.
 
@@ -32,6 +32,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=150.0, help="skip remaining items after this many seconds")
     p.add_argument("--decode-t", type=int, nargs="*", default=[1, 16, 64])
     p.add_argument("--prefill-t", type=int, nargs="*", default=[4096, 16384])
+    p.add_argument("--route-only", action="store_true", help="time moe_route only (its warp counts), then stop")
     return p.parse_args()
 
 
@@ -192,8 +193,10 @@ def route_timing(T: int) -> None:
     g = torch.Generator(device=DEV).manual_seed(T)
     logits = torch.randn(T, SHAPE["E"], device=DEV, generator=g)
     bias = torch.randn(SHAPE["E"], device=DEV, generator=g) * 0.1
-    item("route", f"T={T}", lambda: {"T": T, "us": graph_time(
-        [lambda: moe_route(logits, bias, top_k=SHAPE["k"], renormalize=True, scaling=SCALING)], reps=REPS)["us_per_call"]})
+    for nw in (1, 2, 4, 8):  # one program per token: fewer warps, cheaper cross-warp argmax reductions
+        item("route", f"T={T} warps={nw}", lambda nw=nw: {"T": T, "num_warps": nw, "us": graph_time(
+            [lambda: moe_route(logits, bias, top_k=SHAPE["k"], renormalize=True, scaling=SCALING, num_warps=nw)],
+            reps=REPS)["us_per_call"]})
 
 
 def matmul_peak() -> dict:
@@ -232,13 +235,17 @@ def main() -> None:
     RESULT["matmul"] = matmul_peak()
     log(f"copy {RESULT['copy']['GBps']:.0f} GB/s, matmul {RESULT['matmul']['TFLOPs']:.0f} TFLOP/s")
     w13, w2 = weights()
+    for T in ([3] if ARGS.smoke else [1, 64, 4096]):
+        route_timing(T)
+    if ARGS.route_only:
+        save()
+        table()
+        return
     correctness(w13, w2)
     for T in ([1, 5] if ARGS.smoke else ARGS.decode_t):
         decode(T, w13, w2, RESULT["copy"]["GBps"])
     for T in ([33] if ARGS.smoke else ARGS.prefill_t):
         prefill(T, w13, w2, RESULT["matmul"]["TFLOPs"])
-    for T in ([3] if ARGS.smoke else [1, 64, 4096]):
-        route_timing(T)
     RESULT["wall_s"] = REPORT.elapsed()
     save()
     table()
