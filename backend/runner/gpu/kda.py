@@ -26,9 +26,12 @@ from k3rt.kernels.kda.ref import kda_chunked, kda_gate_lower_bound, kda_gate_sof
 class KdaWeights:
     """Weights of one KDA layer, rearranged once for the GPU path (views share storage where possible)."""
 
-    w_in: torch.Tensor  # [3P + P(gate, full rank) + D(f_a) + H(b), hidden]: every projection of x, one GEMM
+    w_in: torch.Tensor  # [3P + (P full-rank gate | D g_a) + D(f_a) + H(b), hidden]: every projection of x, one GEMM
     splits: tuple[int, ...]
     low_rank_gate: bool
+    # low-rank gate: [[g_b, 0], [0, f_b]] [2P, 2D]: both up-projections of the adjacent (g_a | f_a)
+    # columns in one GEMM (the zero blocks add exact zeros; at decode one launch less per layer)
+    w_up: torch.Tensor | None
     conv_weight: torch.Tensor  # [3P, W] fp32
     A_log: torch.Tensor  # [H] fp32
     dt_bias: torch.Tensor  # [H*D] fp32
@@ -45,13 +48,20 @@ class KdaWeights:
         w = torch.cat([t.detach() for t in parts], dim=0).contiguous()
         share_rows(parts, w)
         splits = (3 * p, parts[3].shape[0], attn.head_dim, attn.num_heads)
-        return KdaWeights(w, splits, low_rank, attn.conv_weight.detach().float().contiguous(),
+        w_up = None
+        if low_rank:
+            gb, fb = attn.g_b_proj.weight.detach(), attn.f_b_proj.weight.detach()
+            w_up = torch.zeros(gb.shape[0] + fb.shape[0], gb.shape[1] + fb.shape[1], dtype=gb.dtype, device=gb.device)
+            w_up[:gb.shape[0], :gb.shape[1]] = gb
+            w_up[gb.shape[0]:, gb.shape[1]:] = fb
+        return KdaWeights(w, splits, low_rank, w_up, attn.conv_weight.detach().float().contiguous(),
                           attn.A_log.detach().float().reshape(-1).contiguous(),
                           attn.dt_bias.detach().float().reshape(-1).contiguous(), group, tensor)
 
 
-def _gate(attn: KimiDeltaAttention, w: KdaWeights, f_a: torch.Tensor, k: KernelConfig) -> torch.Tensor:
-    f = linear(f_a, attn.f_b_proj.weight, k).view(f_a.shape[0], attn.num_heads, attn.head_dim)
+def _gate(attn: KimiDeltaAttention, w: KdaWeights, f: torch.Tensor) -> torch.Tensor:
+    """The decay gate from f = f_b_proj(f_a) [T, H*D]."""
+    f = f.view(f.shape[0], attn.num_heads, attn.head_dim)
     dt = w.dt_bias.view(attn.num_heads, attn.head_dim)
     if attn.lower_bound is None:
         return kda_gate_softplus(f, w.A_log, dt)
@@ -64,25 +74,29 @@ def kda_forward(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: 
     """x [T, hidden] -> [T, hidden]; conv_pool [P, W-1, 3P], rec_pool [P, H, K, V] (pool views, a
     page apart); workspace: kda_decode's per-head counters (decode form)."""
     T, H, D = x.shape[0], attn.num_heads, attn.head_dim
-    qkv, gate, f_a, b = torch.split(linear(x, w.w_in, k), w.splits, dim=-1)
-    if w.low_rank_gate:
-        gate = linear(gate, attn.g_b_proj.weight, k)
+    proj = linear(x, w.w_in, k)
+    qkv, gate, f_a, b = torch.split(proj, w.splits, dim=-1)
+    if w.w_up is not None:  # (g_a | f_a) -> (gate | f), one GEMM
+        s0 = w.splits[0]
+        gate, f = linear(proj[:, s0:s0 + w.w_up.shape[1]], w.w_up, k).split(w.w_up.shape[0] // 2, dim=-1)
+    else:
+        f = linear(f_a, attn.f_b_proj.weight, k)
     pages = step.state_pages[w.group]
     if decode and k.triton:
         from k3rt.kernels.kda import kda_decode
 
         # conv, gates, delta rule and the gated output norm in one launch, states in their pages
-        o = kda_decode(qkv, w.conv_weight, conv_pool, linear(f_a, attn.f_b_proj.weight, k), w.A_log, w.dt_bias, b, rec_pool, pages,
+        o = kda_decode(qkv, w.conv_weight, conv_pool, f, w.A_log, w.dt_bias, b, rec_pool, pages,
                        lower_bound=attn.lower_bound, use_pdl=k.use_pdl, o_gate=gate.reshape(T, H, D),
                        o_norm_weight=attn.o_norm_weight, o_norm_eps=attn.eps, workspace=workspace)
         return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
-    o = _general(attn, w, qkv, f_a, b, step, conv_pool, rec_pool, pages, k)
+    o = _general(attn, w, qkv, f, b, step, conv_pool, rec_pool, pages, k)
     gated = kernel("norm", "rms_norm_gated") if k.triton else None
     o = (gated or rms_norm_gated)(o, gate.reshape(T, H, D), attn.o_norm_weight, attn.eps)
     return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
 
 
-def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f_a: torch.Tensor, b: torch.Tensor,
+def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
              step: GpuStep, conv_pool: torch.Tensor, rec_pool: torch.Tensor, pages: torch.Tensor,
              k: KernelConfig) -> torch.Tensor:
     T, H, D = qkv.shape[0], attn.num_heads, attn.head_dim
@@ -95,7 +109,7 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f_a: to
     y = F.silu(y).to(qkv.dtype)
     conv_pool[pages] = ext[step.conv_tail_idx].to(conv_pool.dtype)
     q, kk, v = y.view(T, 3, H, D).unbind(1)
-    g = _gate(attn, w, f_a, k)
+    g = _gate(attn, w, f)
     beta = torch.sigmoid(b.float())
     nseq, snaps = step.num_seqs, step.snapshots
     # the recurrence runs on a contiguous copy of the sequences' states: slots 0..B-1 live, B.. snapshots
