@@ -136,13 +136,13 @@ def _kda_chunk_intra_kernel(
         a_qk = tl.zeros([BC, C], dtype=tl.float32)
         a_kk = tl.zeros([BC, C], dtype=tl.float32)
         for k0 in range(0, BK, BKW):
-            m_w = (k0 + offs_w < K)[None, :]
-            qr = tl.load(q_h + k0 + ri[:, None] * stride_qt + offs_w[None, :], mask=m_r[:, None] & m_w, other=0.0)
-            kr = tl.load(k_h + k0 + ri[:, None] * stride_kt + offs_w[None, :], mask=m_r[:, None] & m_w, other=0.0)
+            m_wk = (k0 + offs_w < K)[None, :]
+            qr = tl.load(q_h + k0 + ri[:, None] * stride_qt + offs_w[None, :], mask=m_r[:, None] & m_wk, other=0.0)
+            kr = tl.load(k_h + k0 + ri[:, None] * stride_kt + offs_w[None, :], mask=m_r[:, None] & m_wk, other=0.0)
             gr = tl.load(gc_buf + k0 + ri[:, None] * BK + offs_w[None, :])
             gref_w = tl.load(gc_buf + r0 * BK + k0 + offs_w)
             er = tl.exp(gr - gref_w[None, :])  # <= 1
-            kc = tl.load(k_h + k0 + rows[:, None] * stride_kt + offs_w[None, :], mask=m_row[:, None] & m_w, other=0.0)
+            kc = tl.load(k_h + k0 + rows[:, None] * stride_kt + offs_w[None, :], mask=m_row[:, None] & m_wk, other=0.0)
             gc = tl.load(gc_buf + k0 + tile_w)
             kc_t = tl.trans(kc.to(tl.float32) * tl.exp(tl.where(rows[:, None] < lim, gref_w[None, :] - gc, float("-inf"))))
             a_qk += _dot(qr.to(tl.float32) * er, kc_t, DOT16, PREC)  # [BC, C]
@@ -183,13 +183,13 @@ def _kda_chunk_intra_kernel(
     # 3. (I + L)^-1 = sum_{n<C} (-L)^n = (I - L)(I + L^2)(I + L^4)...: NSQ squarings
     off_cc = rows[:, None] * C + rows[None, :]
     p = -tl.load(akk_buf + off_cc)
-    x = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0) + p
+    inv = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0) + p
     for _ in tl.static_range(NSQ):
         p = tl.dot(p, p, input_precision=PREC_INV)
-        x = x + tl.dot(x, p, input_precision=PREC_INV)
+        inv = inv + tl.dot(inv, p, input_precision=PREC_INV)
 
     # 4. Tm = (I + L)^-1 diag(beta); W = Tm (exp(Gc) k); U = Tm v, in column slices
-    tm = x * tl.load(b_h + rows.to(tl.int64) * stride_bt, mask=m_row, other=0.0)[None, :]
+    tm = inv * tl.load(b_h + rows.to(tl.int64) * stride_bt, mask=m_row, other=0.0)[None, :]
     rk = tl.load(nrm_buf + C + rows)
     for k0 in range(0, BK, BKW):
         m_w = m_row[:, None] & (k0 + offs_w < K)[None, :]
@@ -198,9 +198,9 @@ def _kda_chunk_intra_kernel(
         tl.store(w_ptr + scr * (C * BK) + k0 + tile_w, w.to(w_ptr.dtype.element_ty))
     for v0 in range(0, BV, BKW):
         m_w = m_row[:, None] & (v0 + offs_w < V)[None, :]
-        x = tl.load(v_ptr + t0 * stride_vt + i_h * stride_vh + v0 + rows[:, None] * stride_vt + offs_w[None, :],
-                    mask=m_w, other=0.0)
-        u = _dot(tm, x, DOT16, PREC)
+        vt = tl.load(v_ptr + t0 * stride_vt + i_h * stride_vh + v0 + rows[:, None] * stride_vt + offs_w[None, :],
+                     mask=m_w, other=0.0)
+        u = _dot(tm, vt, DOT16, PREC)
         tl.store(u_ptr + scr * (C * BV) + v0 + rows[:, None] * BV + offs_w[None, :], u.to(u_ptr.dtype.element_ty))
 
 
@@ -358,8 +358,8 @@ def kda_chunk_fwd(
     split_output: bool = False,
     block_v: int = 32,
     block_v_out: int = 64,
-    block_k_intra: int = 64,
-    num_warps_intra: int = 4,
+    block_k_intra: int = 32,
+    num_warps_intra: int = 8,
     num_warps_state: int = 4,
     num_stages_state: int = 2,
     num_warps_out: int = 4,
