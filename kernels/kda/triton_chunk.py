@@ -67,10 +67,10 @@ def _kda_chunk_intra_kernel(
     u_ptr,  # out [NC, H, C, BV]
     aqk_ptr,  # out [NC, H, C, C]
     gl_ptr,  # out [NC, H, BK] fp32: exp(Gc_last)
-    gc_ptr, akk_ptr, nrm_ptr,  # fp32 scratch read back by this program: Gc [NC, H, C, BK], L [NC, H, C, C],
-    scale,                     # [NC, H, 2, C] scale/|q_i|, 1/|k_i|
+    gc_ptr, akk_ptr,  # fp32 scratch read back by this program: Gc [NC, H, C, BK], L [NC, H, C, C]
+    scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BKS: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr,
+    BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr, NSQ: tl.constexpr,
     DOT16: tl.constexpr, PREC: tl.constexpr, PREC_INV: tl.constexpr, SAFE_SPAN: tl.constexpr,
 ):
@@ -85,44 +85,31 @@ def _kda_chunk_intra_kernel(
     rows = tl.arange(0, C)
     m_row = rows < n_valid
     offs_k = tl.arange(0, BK)
+    mask_k = offs_k < K
+    m_ck = m_row[:, None] & mask_k[None, :]
     scr = i_c.to(tl.int64) * H + i_h
     q_h = q_ptr + t0 * stride_qt + i_h * stride_qh  # row 0 of this chunk, this head
     k_h = k_ptr + t0 * stride_kt + i_h * stride_kh
     g_h = g_ptr + t0 * stride_gt + i_h * stride_gh
     b_h = beta_ptr + t0 * stride_bt + i_h * stride_bh
+    tile_k = rows[:, None] * BK + offs_k[None, :]  # a [C, BK] scratch tile
     gc_buf = gc_ptr + scr * (C * BK)
     akk_buf = akk_ptr + scr * (C * C)
-    nrm_buf = nrm_ptr + scr * (2 * C)
     aqk_buf = aqk_ptr + scr * (C * C)
 
-    # 1. in [C, BKW] column slices: row sums of squares, Gc (to scratch), exp(Gc_last); then qg and kd
-    offs_w = tl.arange(0, BKW)
-    tile_w = rows[:, None] * BK + offs_w[None, :]  # a [C, BKW] slice of a [C, BK] scratch tile
-    ssq = tl.zeros([C], dtype=tl.float32)
-    ssk = tl.zeros([C], dtype=tl.float32)
-    for k0 in range(0, BK, BKW):
-        m_w = m_row[:, None] & (k0 + offs_w < K)[None, :]
-        x = tl.load(q_h + k0 + rows[:, None] * stride_qt + offs_w[None, :], mask=m_w, other=0.0).to(tl.float32)
-        ssq += tl.sum(x * x, axis=1)
-        x = tl.load(k_h + k0 + rows[:, None] * stride_kt + offs_w[None, :], mask=m_w, other=0.0).to(tl.float32)
-        ssk += tl.sum(x * x, axis=1)
-        g = tl.load(g_h + k0 + rows[:, None].to(tl.int64) * stride_gt + offs_w[None, :], mask=m_w, other=0.0)
-        tl.store(gc_buf + k0 + tile_w, tl.cumsum(g, axis=0))
-        tl.store(gl_ptr + scr * BK + k0 + offs_w, tl.exp(tl.sum(g, axis=0)))  # Gc_last: padding adds 0
-    rq = scale / tl.sqrt(ssq + 1e-6)
-    rk = 1.0 / tl.sqrt(ssk + 1e-6)
-    tl.store(nrm_buf + rows, rq)
-    tl.store(nrm_buf + C + rows, rk)
+    # 1. whole chunk: Gc, norms, qg, kd, exp(Gc_last); k (normalized) and Gc stay live through step 2
+    q = tl.load(q_h + rows[:, None] * stride_qt + offs_k[None, :], mask=m_ck, other=0.0).to(tl.float32)
+    k = tl.load(k_h + rows[:, None] * stride_kt + offs_k[None, :], mask=m_ck, other=0.0).to(tl.float32)
+    g = tl.load(g_h + rows[:, None].to(tl.int64) * stride_gt + offs_k[None, :], mask=m_ck, other=0.0)
+    gc = tl.cumsum(g, axis=0)
+    g_last = tl.sum(g, axis=0)  # Gc of the last row (padding rows add 0)
+    k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6))[:, None]
+    qg = q * (scale / tl.sqrt(tl.sum(q * q, axis=1) + 1e-6))[:, None] * tl.exp(gc)
+    tl.store(gc_buf + tile_k, gc)
+    tl.store(qg_ptr + scr * (C * BK) + tile_k, qg.to(qg_ptr.dtype.element_ty))
+    tl.store(kd_ptr + scr * (C * BK) + tile_k, (k * tl.exp(g_last[None, :] - gc)).to(kd_ptr.dtype.element_ty))
+    tl.store(gl_ptr + scr * BK + offs_k, tl.exp(g_last))
     tl.debug_barrier()
-    for k0 in range(0, BK, BKW):
-        m_w = m_row[:, None] & (k0 + offs_w < K)[None, :]
-        gc = tl.load(gc_buf + k0 + tile_w)
-        g_last = tl.load(gc_buf + (C - 1) * BK + k0 + offs_w)
-        x = tl.load(q_h + k0 + rows[:, None] * stride_qt + offs_w[None, :], mask=m_w, other=0.0).to(tl.float32)
-        tl.store(qg_ptr + scr * (C * BK) + k0 + tile_w, (x * rq[:, None] * tl.exp(gc)).to(qg_ptr.dtype.element_ty))
-        x = tl.load(k_h + k0 + rows[:, None] * stride_kt + offs_w[None, :], mask=m_w, other=0.0).to(tl.float32)
-        kd = x * rk[:, None] * tl.exp(g_last[None, :] - gc)
-        tl.store(kd_ptr + scr * (C * BK) + k0 + tile_w, kd.to(kd_ptr.dtype.element_ty))
 
     # 2. L and Aqk, one block of BC rows at a time: [BC, K] x [K, C] with the decay split at row r0
     loc = tl.arange(0, BC)
@@ -130,29 +117,22 @@ def _kda_chunk_intra_kernel(
         r0 = r * BC
         ri = r0 + loc
         m_r = ri < n_valid
+        m_rk = m_r[:, None] & mask_k[None, :]
+        qr = tl.load(q_h + ri[:, None] * stride_qt + offs_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
+        kr = tl.load(k_h + ri[:, None] * stride_kt + offs_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
+        rq = scale / tl.sqrt(tl.sum(qr * qr, axis=1) + 1e-6)
+        rk = 1.0 / tl.sqrt(tl.sum(kr * kr, axis=1) + 1e-6)
+        br = tl.load(b_h + ri.to(tl.int64) * stride_bt, mask=m_r, other=0.0)
+        gr = tl.load(gc_buf + ri[:, None] * BK + offs_k[None, :])
         gref = tl.load(gc_buf + r0 * BK + offs_k)
         span = tl.max(gref - tl.load(gc_buf + (r0 + BC - 1) * BK + offs_k), axis=0)
         lim = tl.where(span <= SAFE_SPAN, r0 + BC, r0)  # columns j < lim go through the dot
-        a_qk = tl.zeros([BC, C], dtype=tl.float32)
-        a_kk = tl.zeros([BC, C], dtype=tl.float32)
-        for k0 in range(0, BK, BKW):
-            m_wk = (k0 + offs_w < K)[None, :]
-            qr = tl.load(q_h + k0 + ri[:, None] * stride_qt + offs_w[None, :], mask=m_r[:, None] & m_wk, other=0.0)
-            kr = tl.load(k_h + k0 + ri[:, None] * stride_kt + offs_w[None, :], mask=m_r[:, None] & m_wk, other=0.0)
-            gr = tl.load(gc_buf + k0 + ri[:, None] * BK + offs_w[None, :])
-            gref_w = tl.load(gc_buf + r0 * BK + k0 + offs_w)
-            er = tl.exp(gr - gref_w[None, :])  # <= 1
-            kc = tl.load(k_h + k0 + rows[:, None] * stride_kt + offs_w[None, :], mask=m_row[:, None] & m_wk, other=0.0)
-            gc = tl.load(gc_buf + k0 + tile_w)
-            kc_t = tl.trans(kc.to(tl.float32) * tl.exp(tl.where(rows[:, None] < lim, gref_w[None, :] - gc, float("-inf"))))
-            a_qk += _dot(qr.to(tl.float32) * er, kc_t, DOT16, PREC)  # [BC, C]
-            a_kk += _dot(kr.to(tl.float32) * er, kc_t, DOT16, PREC)
-        rq = tl.load(nrm_buf + ri)
-        rk = tl.load(nrm_buf + C + ri)
-        rk_all = tl.load(nrm_buf + C + rows)
-        br = tl.load(b_h + ri.to(tl.int64) * stride_bt, mask=m_r, other=0.0)
-        a_qk = tl.where(rows[None, :] <= ri[:, None], a_qk * rq[:, None] * rk_all[None, :], 0.0)
-        a_kk = tl.where(rows[None, :] < ri[:, None], a_kk * (br * rk)[:, None] * rk_all[None, :], 0.0)
+        er = tl.exp(gr - gref[None, :])  # <= 1
+        kc_t = tl.trans(k * tl.exp(tl.where(rows[:, None] < lim, gref[None, :] - gc, float("-inf"))))
+        a_qk = _dot(qr * (rq[:, None] * er), kc_t, DOT16, PREC)  # [BC, C]
+        a_kk = _dot(kr * (rk[:, None] * er), kc_t, DOT16, PREC)
+        a_qk = tl.where(rows[None, :] <= ri[:, None], a_qk, 0.0)
+        a_kk = tl.where(rows[None, :] < ri[:, None], a_kk * br[:, None], 0.0)
         # a steep gate leaves the diagonal block to the exact path below: don't overwrite it
         keep = (rows[None, :] < lim) | (rows[None, :] >= r0 + BC)
         off_rc = ri[:, None] * C + rows[None, :]
@@ -183,25 +163,23 @@ def _kda_chunk_intra_kernel(
     # 3. (I + L)^-1 = sum_{n<C} (-L)^n = (I - L)(I + L^2)(I + L^4)...: NSQ squarings
     off_cc = rows[:, None] * C + rows[None, :]
     p = -tl.load(akk_buf + off_cc)
-    inv = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0) + p
+    x = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0) + p
     for _ in tl.static_range(NSQ):
         p = tl.dot(p, p, input_precision=PREC_INV)
-        inv = inv + tl.dot(inv, p, input_precision=PREC_INV)
+        x = x + tl.dot(x, p, input_precision=PREC_INV)
 
-    # 4. Tm = (I + L)^-1 diag(beta); W = Tm (exp(Gc) k); U = Tm v, in column slices
-    tm = inv * tl.load(b_h + rows.to(tl.int64) * stride_bt, mask=m_row, other=0.0)[None, :]
-    rk = tl.load(nrm_buf + C + rows)
-    for k0 in range(0, BK, BKW):
-        m_w = m_row[:, None] & (k0 + offs_w < K)[None, :]
-        x = tl.load(k_h + k0 + rows[:, None] * stride_kt + offs_w[None, :], mask=m_w, other=0.0).to(tl.float32)
-        w = _dot(tm, x * rk[:, None] * tl.exp(tl.load(gc_buf + k0 + tile_w)), DOT16, PREC)
-        tl.store(w_ptr + scr * (C * BK) + k0 + tile_w, w.to(w_ptr.dtype.element_ty))
-    for v0 in range(0, BV, BKW):
-        m_w = m_row[:, None] & (v0 + offs_w < V)[None, :]
-        vt = tl.load(v_ptr + t0 * stride_vt + i_h * stride_vh + v0 + rows[:, None] * stride_vt + offs_w[None, :],
-                     mask=m_w, other=0.0)
-        u = _dot(tm, vt, DOT16, PREC)
-        tl.store(u_ptr + scr * (C * BV) + v0 + rows[:, None] * BV + offs_w[None, :], u.to(u_ptr.dtype.element_ty))
+    # 4. Tm = (I + L)^-1 diag(beta); W = Tm (exp(Gc) k); U = Tm v (k and Gc reloaded: fewer live registers
+    #    through step 3)
+    tm = x * tl.load(b_h + rows.to(tl.int64) * stride_bt, mask=m_row, other=0.0)[None, :]
+    k = tl.load(k_h + rows[:, None] * stride_kt + offs_k[None, :], mask=m_ck, other=0.0).to(tl.float32)
+    k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6))[:, None]
+    w = _dot(tm, k * tl.exp(tl.load(gc_buf + tile_k)), DOT16, PREC)
+    tl.store(w_ptr + scr * (C * BK) + tile_k, w.to(w_ptr.dtype.element_ty))
+    offs_v = tl.arange(0, BV)
+    v = tl.load(v_ptr + t0 * stride_vt + i_h * stride_vh + rows[:, None] * stride_vt + offs_v[None, :],
+                mask=m_row[:, None] & (offs_v < V)[None, :], other=0.0)
+    u = _dot(tm, v, DOT16, PREC)
+    tl.store(u_ptr + scr * (C * BV) + rows[:, None] * BV + offs_v[None, :], u.to(u_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -358,8 +336,7 @@ def kda_chunk_fwd(
     split_output: bool = False,
     block_v: int = 32,
     block_v_out: int = 64,
-    block_k_intra: int = 32,
-    num_warps_intra: int = 8,
+    num_warps_intra: int = 4,
     num_warps_state: int = 4,
     num_stages_state: int = 2,
     num_warps_out: int = 4,
@@ -393,8 +370,7 @@ def kda_chunk_fwd(
             "tf32x3", "ieee" when precision is "ieee").
         split_output: the state pass stores per-chunk states and Vnew, and a third, fully parallel
             launch computes the output (instead of the state pass computing it).
-        block_v, block_v_out, block_k_intra (column slice of the intra kernel), num_warps_*,
-            num_stages_state: launch tuning.
+        block_v, block_v_out, num_warps_*, num_stages_state: launch tuning.
 
     Returns:
         o: [T_total, H, V] in v.dtype.
@@ -476,7 +452,7 @@ def kda_chunk_fwd(
         scratch_dtype = torch.bfloat16 if dot16 else torch.float32
     cfg = _Launch(
         BK=max(16, triton.next_power_of_2(K)), BVF=max(16, triton.next_power_of_2(V)),
-        BV=block_v, BVO=block_v_out, BKW=block_k_intra, scale=K**-0.5 if scale is None else float(scale),
+        BV=block_v, BVO=block_v_out, scale=K**-0.5 if scale is None else float(scale),
         dot16=dot16, prec=prec, prec_inv=prec_inv, scratch_dtype=scratch_dtype, split_output=split_output,
         nw_intra=num_warps_intra, nw_state=num_warps_state, ns_state=num_stages_state, nw_out=num_warps_out,
     )
@@ -492,7 +468,6 @@ class _Launch:
     BVF: int  # V padded to a power of two
     BV: int  # V tile of a state-pass program
     BVO: int  # V tile of an output-pass program
-    BKW: int  # column slice of the intra kernel's [C, K] passes
     scale: float
     dot16: bool  # bf16 dot operands
     prec: str  # input_precision of the fp32-operand dots
@@ -516,8 +491,7 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
     assert t_seq.shape == t_idx.shape == t_snap.shape == (NC,) and t_off.shape == t_init.shape == slots.shape == (N,)
     BK, BVF, C = cfg.BK, cfg.BVF, CHUNK
     BV, BVO = min(max(16, cfg.BV), BVF), min(max(16, cfg.BVO), BVF)
-    BKW = min(max(16, cfg.BKW), BK, BVF)
-    assert BK >= K and BVF >= V and BVF % BV == 0 and BVF % BVO == 0 and BK % BKW == 0 and BVF % BKW == 0
+    assert BK >= K and BVF >= V and BVF % BV == 0 and BVF % BVO == 0
     if NC == 0:
         return
     dev = q.device
@@ -529,15 +503,15 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
     qg, kd, w, u = buf(NC, H, C, BK, dtype=sd), buf(NC, H, C, BK, dtype=sd), buf(NC, H, C, BK, dtype=sd), \
         buf(NC, H, C, BVF, dtype=sd)
     aqk, gl = buf(NC, H, C, C, dtype=sd), buf(NC, H, BK)
-    gc, akk, nrm = buf(NC, H, C, BK), buf(NC, H, C, C), buf(NC, H, 2, C)
+    gc, akk = buf(NC, H, C, BK), buf(NC, H, C, C)
     _kda_chunk_intra_kernel[(NC, H)](
         q, k, v, g, beta,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         cu, t_seq, t_idx,
-        qg, kd, w, u, aqk, gl, gc, akk, nrm,
+        qg, kd, w, u, aqk, gl, gc, akk,
         cfg.scale,
-        H=H, K=K, V=V, BK=BK, BKS=min(BK, 16), BKW=BKW, BV=BVF, C=C, BC=SUB, NSQ=C.bit_length() - 2,
+        H=H, K=K, V=V, BK=BK, BKS=min(BK, 16), BV=BVF, C=C, BC=SUB, NSQ=C.bit_length() - 2,
         DOT16=cfg.dot16, PREC=cfg.prec, PREC_INV=cfg.prec_inv, SAFE_SPAN=SAFE_SPAN,
         num_warps=cfg.nw_intra,
     )
