@@ -31,6 +31,8 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes under the Triton interpreter (CPU)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kernels_mla.json"))
+    ap.add_argument("--variant-index", type=int, default=None,
+                    help="time only DECODE_VARIANTS[i] (run variants in separate processes: a crash stays local)")
     ap.add_argument("--decode-only", action="store_true", help="skip the prefill benchmark and its check")
     ap.add_argument("--budget-s", type=float, default=150.0, help="skip items that would start past this")
     return ap.parse_args()
@@ -90,14 +92,13 @@ def decode_inputs(N: int, ctx: int, rotations: int, gen: torch.Generator):
     return kv, tables, qs, seq_lens
 
 
-# name -> mla_decode tuning overrides ({} is the default config). "old default" is the launch before
-# the tokens layout (heads on the dots' M, mma.sync, Triton-pipelined 32-token tiles); "old best" the
-# best tile of that kernel's sweep. The tokens layout puts tile tokens on M (wgmma at 64-token tiles);
+# name -> mla_decode tuning overrides ({} is the default config: the heads kernel at 64-token tiles, the
+# best tile of the previous sweep). "old default" is the launch before (heads on the dots' M,
+# mma.sync, Triton-pipelined 32-token tiles). The tokens layout puts tile tokens on M (wgmma at 64-token tiles);
 # prefetch carries the next tile in registers (loads issued after / before the score dot).
 DECODE_VARIANTS = {
     "default": {},
     "old default (heads 32x2)": dict(layout="heads", block_n=32, num_warps=8, num_stages=2, prefetch="none"),
-    "old best (heads 64x2)": dict(layout="heads", block_n=64, num_warps=8, num_stages=2, prefetch="none"),
     "tokens 64 pipelined x2": dict(block_n=64, num_warps=8, num_stages=2, prefetch="none"),
     "tokens 32 pipelined x5": dict(block_n=32, num_warps=8, num_stages=5, prefetch="none"),
     "tokens 64 prefetch after": dict(block_n=64, num_warps=8, num_stages=1, prefetch="after_scores"),
@@ -107,6 +108,8 @@ DECODE_VARIANTS = {
 }
 if not GPU:  # the interpreter: two variants at its 16-token tiles
     DECODE_VARIANTS = {"default": {}, "old default (heads 32x2)": dict(layout="heads", block_n=16, prefetch="none")}
+if ARGS.variant_index is not None:
+    DECODE_VARIANTS = dict([list(DECODE_VARIANTS.items())[ARGS.variant_index]])
 
 
 class DecodeCase:
@@ -144,12 +147,20 @@ def bench_decode() -> None:
             for variant in DECODE_VARIANTS:
                 row = case.time(variant)
                 RESULT["decode"].append(row)
+                REPORT.save()  # a later crash (illegal address) keeps what was measured
                 print(f"decode N={N:3d} ctx={ctx:6d} splits={row['num_splits']:3d} {variant:28s} {row['us']:9.2f} us "
                       f"{row['GBps']:7.0f} GB/s  {row['pct_copy_bw']:5.1f}% of copy")
             del case
             if GPU:
                 torch.cuda.empty_cache()  # the pools of the largest cases are ~10 GB
+    table = {v: {f"{r['N']}x{r['ctx'] // 1024}K": round(r["pct_copy_bw"], 1) for r in RESULT["decode"]
+                 if r["variant"] == v} for v in DECODE_VARIANTS}
+    RESULT["decode_table_pct_copy_bw"] = table
+    for v, row in table.items():
+        print(f"{v:28s} " + "  ".join(f"{k}:{x:5.1f}" for k, x in row.items()))
     best = min(DECODE_VARIANTS, key=best_key)
+    if ARGS.variant_index not in (None, 0):
+        return  # split counts only with the default variant
     RESULT["decode_best_variant"] = best
     for ctx in CONTEXTS[1:] or CONTEXTS:
         for N in BATCHES:
@@ -166,11 +177,6 @@ def bench_decode() -> None:
             del case
             if GPU:
                 torch.cuda.empty_cache()
-    table = {v: {f"{r['N']}x{r['ctx'] // 1024}K": round(r["pct_copy_bw"], 1) for r in RESULT["decode"]
-                 if r["variant"] == v} for v in DECODE_VARIANTS}
-    RESULT["decode_table_pct_copy_bw"] = table
-    for v, row in table.items():
-        print(f"{v:28s} " + "  ".join(f"{k}:{x:5.1f}" for k, x in row.items()))
 
 
 def prefill_inputs(lens: list[tuple[int, int]], gen: torch.Generator) -> dict:
@@ -247,6 +253,7 @@ def check_correctness() -> None:
             err = rel_err(got, want)
             RESULT["correctness"].append({"name": f"decode {variant} splits={splits or 'auto'} lens={seq_lens.tolist()}",
                                           "rel_err": err, "tol": tol, "ok": err <= tol})
+            REPORT.save()
     if not ARGS.decode_only:
         lens = [(1000, 3000), (512, 512), (1, 700)] if GPU else [(20, 50), (17, 17), (1, 9)]
         case = prefill_inputs(lens, gen)

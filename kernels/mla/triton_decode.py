@@ -327,12 +327,20 @@ class MlaDecodeConfig:
 @functools.lru_cache(maxsize=256)
 def mla_decode_config(batch_size: int, num_heads: int, max_context: int,
                       num_sms: int | None = None) -> MlaDecodeConfig:
-    """The default launch for a batch: 64-token tiles, all heads (up to 32) per program, the next
-    tile prefetched in registers after the score dot, 8 warps, and `mla_decode_num_splits`."""
+    """The default launch for a batch: the "heads" kernel with 64-token tiles, all heads (up to 32)
+    per program, Triton's 2-stage pipeline, 8 warps, and `mla_decode_num_splits`.
+
+    The "tokens" layout is not the default: its first H200 run (2026-11-30) hit an illegal memory
+    access at the 48B shape although it matches the oracle under the interpreter at that shape
+    (benchmarks/RESULTS.md).
+    """
     return MlaDecodeConfig(
         num_splits=mla_decode_num_splits(batch_size, num_heads, max_context, num_sms),
+        layout="heads",
         block_n=16 if INTERPRET else 64,  # the interpreter's cost grows with the tile
         block_h=_block_h(num_heads),
+        prefetch="none",
+        num_stages=2,
     )
 
 
