@@ -47,7 +47,7 @@ DT = torch.float32 if ARGS.smoke else torch.bfloat16
 # (name, N, K, weight dtype): Kimi-Linear-48B, TP 1
 SHAPES = [("tiny", 24, 40, DT), ("tiny_router", 8, 40, torch.float32)] if ARGS.smoke else [
     ("kda_in", 12576, 2304, DT), ("attn_o", 2304, 4096, DT), ("mla_in", 6720, 2304, DT),
-    ("kda_gate_b", 4096, 128, DT), ("router_fp32", 256, 2304, torch.float32), ("dense_gate_up", 18432, 2304, DT),
+    ("kda_gate_b", 4096, 128, DT), ("kda_gate_f_b_blockdiag", 8192, 256, DT), ("router_fp32", 256, 2304, torch.float32), ("dense_gate_up", 18432, 2304, DT),
     ("dense_down", 2304, 9216, DT), ("lm_head", 163840, 2304, DT),
 ]
 REPS = 2 if ARGS.smoke else 30

@@ -10,8 +10,9 @@ _TRITON_EXPORTS = {
     "skinny_linear": "k3rt.kernels.linear.triton_gemv",
     "GemvTiles": "k3rt.kernels.linear.triton_gemv",
     "MAX_ROWS": "k3rt.kernels.linear.triton_gemv",
+    "prefer_skinny": "k3rt.kernels.linear.triton_gemv",
 }
 
-__all__ = ["GemvTiles", "MAX_ROWS", "skinny_linear", "skinny_linear_ref"]
+__all__ = ["GemvTiles", "MAX_ROWS", "prefer_skinny", "skinny_linear", "skinny_linear_ref"]
 
 __getattr__ = lazy_exports(__name__, _TRITON_EXPORTS)

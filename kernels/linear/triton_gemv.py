@@ -36,18 +36,29 @@ class GemvTiles:
 
 # per-program bytes in flight ~ block_n * block_k * 2 B * stages; enough programs to cover the SMs
 DEFAULT_TILES = GemvTiles(4, 512, 4, 4)
-CANDIDATES = (DEFAULT_TILES, GemvTiles(8, 256, 4, 4), GemvTiles(2, 1024, 4, 4), GemvTiles(2, 512, 4, 4),
+CANDIDATES = (DEFAULT_TILES, GemvTiles(8, 256, 4, 4), GemvTiles(2, 1024, 4, 4), GemvTiles(2, 256, 4, 4),
               GemvTiles(4, 256, 4, 6), GemvTiles(8, 512, 8, 3), GemvTiles(16, 256, 8, 3), GemvTiles(1, 1024, 2, 4))
 INTERPRET_TILES = GemvTiles(4, 32, 4, 1)
 
 
 def pick_tiles(n: int, k: int) -> GemvTiles:
-    """Narrow column blocks for narrow outputs (keep >= 2 programs per SM on a 132-SM part)."""
+    """H200, M=1 (benchmarks/kernels_linear.py, RESULTS.md): 2 columns x 1024 per program for
+    outputs up to 4096 wide (attention output, dense down: 1.2x faster than cuBLAS), one column per
+    program (2 warps) for the narrow router."""
     if INTERPRET:
         return INTERPRET_TILES
     if n < 1024:
-        return GemvTiles(2, 1024 if k >= 1024 else 512, 4, 4)
-    return DEFAULT_TILES
+        return GemvTiles(1, 1024, 2, 4)
+    return GemvTiles(2, 1024 if k >= 1024 else 256, 4, 4)
+
+
+def prefer_skinny(m: int, n: int, w_dtype: torch.dtype) -> bool:
+    """Where the kernel beat torch's matmul on the H200 (benchmarks/kernels_linear.py): one row and
+    outputs up to 4096 wide, and the fp32-weight router at any M <= MAX_ROWS (torch needs a cast
+    kernel there). For wide outputs at M=1 and for M > 1, cuBLAS's tiles are as fast or faster."""
+    if not 1 <= m <= MAX_ROWS:
+        return False
+    return w_dtype == torch.float32 or (m == 1 and n <= 4096)
 
 
 @triton.jit

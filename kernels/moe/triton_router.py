@@ -102,7 +102,7 @@ def moe_route(
     out_ids: Tensor | None = None,
     shared_experts: int = 0,
     use_pdl: bool = False,
-    num_warps: int = 4,
+    num_warps: int = 1,
 ) -> tuple[Tensor, Tensor]:
     """Router top-k for T tokens over E experts (Kimi sigmoid router, model-facts §6).
 
@@ -118,6 +118,8 @@ def moe_route(
         shared_experts: S >= 0 extra slots per token after the routed ones, ids E..E+S-1 with weight
             1.0: the shared experts stacked after the routed ones run in the same grouped GEMMs.
         use_pdl: launch with programmatic dependent launch (GPU only).
+        num_warps: one warp by default: the repeated argmax reductions then stay inside a warp
+            (H200, E=256: fastest at T = 1, 64 and 4096; benchmarks/kernels_moe.py --route-only).
 
     Returns:
         (weights [T, top_k + S] fp32, ids [T, top_k + S] int32), the routed ids in descending

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from k3rt.kernels.linear import MAX_ROWS, skinny_linear, skinny_linear_ref  # noqa: E402
+from k3rt.kernels.linear import MAX_ROWS, prefer_skinny, skinny_linear, skinny_linear_ref  # noqa: E402
 from k3rt.kernels.linear.triton_gemv import CANDIDATES  # noqa: E402
 from tests.kernels.helpers import DEV, HAS_CUDA, rel_err, run_benchmark_smoke  # noqa: E402
 
@@ -48,6 +48,14 @@ def test_rejects_bad_inputs() -> None:
         skinny_linear(x.t(), w)
     with pytest.raises(ValueError, match="out must have shape"):
         skinny_linear(x, w, out=torch.empty(2, 9, device=DEV))
+
+
+def test_prefer_skinny_follows_the_measured_split() -> None:
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert prefer_skinny(1, 2304, bf16) and prefer_skinny(1, 4096, bf16)  # narrow outputs at one row
+    assert not prefer_skinny(1, 12576, bf16) and not prefer_skinny(1, 163840, bf16)  # wide: cuBLAS
+    assert not prefer_skinny(2, 2304, bf16)  # several rows: cuBLAS
+    assert prefer_skinny(4, 256, fp32) and not prefer_skinny(MAX_ROWS + 1, 256, fp32)  # the router
 
 
 def test_benchmark_smoke(tmp_path) -> None:

@@ -32,20 +32,16 @@ def kernel(module: str, name: str):
 
 
 def linear(x, w, k: KernelConfig, out_dtype=None):
-    """x @ w^T (no bias): the skinny GEMV kernel for a few rows when the kernels are on, else torch
-    (out_dtype: the router's fp32 logits from bf16 x and its fp32 weight)."""
-    if k.triton and k.skinny_gemv and x.dim() == 2 and 1 <= x.shape[0] <= _gemv_rows() and x.stride(-1) == 1:
-        fn = kernel("linear", "skinny_linear")
-        if fn is not None:
-            return fn(x, w, out_dtype=out_dtype)
+    """x @ w^T (no bias): the skinny GEMV kernel where it measured faster than torch's matmul
+    (`kernels.linear.prefer_skinny`: one decode row and a narrow output, or the fp32 router), when
+    the kernels are on; else torch (out_dtype: the router's fp32 logits from bf16 x and fp32 weight)."""
+    if k.triton and k.skinny_gemv and x.dim() == 2 and x.stride(-1) == 1:
+        prefer = kernel("linear", "prefer_skinny")
+        if prefer is not None and prefer(x.shape[0], w.shape[0], w.dtype):
+            return kernel("linear", "skinny_linear")(x, w, out_dtype=out_dtype)
     if out_dtype is not None and (x.dtype != out_dtype or w.dtype != out_dtype):
         return F.linear(x.to(out_dtype), w.to(out_dtype))
     return F.linear(x, w)
-
-
-@cache
-def _gemv_rows() -> int:
-    return kernel("linear", "MAX_ROWS") or 0
 
 
 def share_rows(parts: list, fused) -> None:
