@@ -53,9 +53,19 @@ def act_and_mul_ref(gate: Tensor, up: Tensor, act: ActivationConfig) -> Tensor:
 
 def fused_experts_ref(
     x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, *, act: ActivationConfig,
+    shared_experts: int = 0,
 ) -> Tensor:
     """x [T, D], w13 [E, 2I, D] = [gate | up] rows, w2 [E, D, I], topk_weights [T, k] fp32,
-    topk_ids [T, k] int -> [T, D] in x.dtype = sum_k w[t, k] * w2[e] act_and_mul(w13[e] x[t])."""
+    topk_ids [T, k] int -> [T, D] in x.dtype = sum_k w[t, k] * w2[e] act_and_mul(w13[e] x[t]).
+
+    shared_experts S: the last S experts of w13/w2 are shared: every token also gets slots
+    E-S .. E-1 of weight 1 after its k routed ones (summed in that order)."""
+    if shared_experts:
+        T, E = topk_ids.shape[0], w13.shape[0]
+        extra = torch.arange(E - shared_experts, E, device=topk_ids.device).expand(T, shared_experts)
+        topk_ids = torch.cat([topk_ids.long(), extra], dim=1)
+        topk_weights = torch.cat([topk_weights, torch.ones(T, shared_experts, dtype=topk_weights.dtype,
+                                                           device=topk_weights.device)], dim=1)
     T, k = topk_ids.shape
     D, inter = w2.shape[1], w2.shape[2]
     per_pair = torch.empty(T, k, D, dtype=x.dtype, device=x.device)

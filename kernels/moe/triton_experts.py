@@ -86,6 +86,7 @@ def _moe_gate_up_kernel(
     sorted_ptr, block_expert_ptr,
     P, D, I,
     beta, lin_beta,
+    T, NB_ROUTED, NB_SHARED, E_ROUTED,  # shared blocks: after the NB_ROUTED routed ones, NB_SHARED per shared expert
     TOPK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -102,12 +103,19 @@ def _moe_gate_up_kernel(
     pid_n = pid % n_tiles
     if USE_PDL:
         gdc_wait()
-    e = tl.load(block_expert_ptr + pid_m)
-    if e >= 0:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ptr + offs_m)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if pid_m < NB_ROUTED:
+        e = tl.load(block_expert_ptr + pid_m)
+        pair = tl.load(sorted_ptr + offs_m, mask=e >= 0, other=P)
         row_ok = pair < P
         tok = tl.where(row_ok, pair // TOPK, 0).to(tl.int64)
+    else:  # a shared expert's block: every token, in order
+        j = pid_m - NB_ROUTED
+        e = E_ROUTED + j // NB_SHARED
+        rows = (j % NB_SHARED) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < T
+        tok = tl.where(row_ok, rows, 0).to(tl.int64)
+    if e >= 0:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < I
         offs_k = tl.arange(0, BLOCK_K)
@@ -153,6 +161,7 @@ def _moe_down_kernel(
     topk_w_ptr,  # [P] fp32
     sorted_ptr, block_expert_ptr,
     P, D, I,
+    T, NB_ROUTED, NB_SHARED, E_ROUTED,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -166,9 +175,12 @@ def _moe_down_kernel(
     pid_n = pid % n_tiles
     if USE_PDL:
         gdc_wait()
-    e = tl.load(block_expert_ptr + pid_m)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if pid_m < NB_ROUTED:
+        e = tl.load(block_expert_ptr + pid_m)
+    else:
+        e = E_ROUTED + (pid_m - NB_ROUTED) // NB_SHARED
     if e >= 0:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < D
         offs_k = tl.arange(0, BLOCK_K)
@@ -188,16 +200,24 @@ def _moe_down_kernel(
             b_ptrs += BLOCK_K
         if USE_PDL:
             gdc_launch_dependents()
-        pair = tl.load(sorted_ptr + offs_m)
-        row_ok = pair < P
-        w = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)
+        if pid_m < NB_ROUTED:
+            pair = tl.load(sorted_ptr + offs_m)
+            row_ok = pair < P
+            w = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)
+        else:  # shared: weight 1, output row P + s*T + t
+            j = pid_m - NB_ROUTED
+            rows = (j % NB_SHARED) * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = rows < T
+            pair = P + (j // NB_SHARED) * T + rows
+            w = tl.where(row_ok, 1.0, 0.0)
         y = acc * w[:, None]
         y_ptrs = y_ptr + pair[:, None].to(tl.int64) * D + offs_n[None, :]
         tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _moe_sum_kernel(y_ptr, out_ptr, stride_ot, D, TOPK: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+def _moe_sum_kernel(y_ptr, out_ptr, stride_ot, D, T, P, TOPK: tl.constexpr, SHARED: tl.constexpr,
+                    BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -207,6 +227,8 @@ def _moe_sum_kernel(y_ptr, out_ptr, stride_ot, D, TOPK: tl.constexpr, BLOCK_D: t
     acc = tl.load(row, mask=mask, other=0.0).to(tl.float32)
     for j in tl.static_range(1, TOPK):
         acc += tl.load(row + j * D, mask=mask, other=0.0).to(tl.float32)
+    for s in tl.static_range(SHARED):  # the shared experts' rows P + s*T + t, after the routed slots
+        acc += tl.load(y_ptr + (P + s * T + t).to(tl.int64) * D + offs, mask=mask, other=0.0).to(tl.float32)
     if USE_PDL:
         gdc_launch_dependents()
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -230,6 +252,7 @@ def fused_experts(
     *,
     act: ActivationConfig,
     out: Tensor | None = None,
+    shared_experts: int = 0,
     use_pdl: bool = False,
     tiles: ExpertTiles | None = None,
 ) -> Tensor:
@@ -241,9 +264,13 @@ def fused_experts(
         w13: [E, 2I, D] contiguous, x.dtype: each expert's gate rows, then its up rows.
         w2: [E, D, I] contiguous, x.dtype.
         topk_weights: [T, k] fp32 contiguous routing weights (scaling included).
-        topk_ids: [T, k] int32 contiguous, values in [0, E) (not checked: that would sync).
+        topk_ids: [T, k] int32 contiguous, values in [0, E - shared_experts) (not checked: that would sync).
         act: silu, or situ with situ_beta (and optional situ_linear_beta).
         out: optional [T, D] x.dtype output (last dim contiguous).
+        shared_experts: S >= 0: the last S experts of w13/w2 are shared experts every token runs with
+            weight 1, summed after its routed slots. Their blocks (every token in order) follow the
+            routed blocks directly: they take no part in the alignment, whose cost grows with the
+            expert count rounded up to a power of two (256 routed + 1 shared would double it).
         use_pdl: chain the launches with programmatic dependent launch (GPU only).
         tiles: tile config override (benchmarks); default `pick_tiles(T*k, E)`.
 
@@ -271,6 +298,8 @@ def fused_experts(
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
     _check_act(act)
+    if not 0 <= shared_experts < E:
+        raise ValueError(f"shared_experts must be in [0, E={E}), got {shared_experts}")
     if out is not None:
         check(out, "out", (T, D), x.dtype)
         if out.stride(-1) != 1:
@@ -281,30 +310,34 @@ def fused_experts(
     P = T * k
     if P == 0:
         return out
-    cfg = tiles or pick_tiles(P, E)
-    sorted_ids, block_expert = moe_align_fwd(topk_ids, E, cfg.block_m, use_pdl=use_pdl)
-    num_blocks = block_expert.numel()
-    h = poison_like(torch.empty(sorted_ids.numel(), I, dtype=x.dtype, device=x.device))
-    y = poison_like(torch.empty(P, D, dtype=x.dtype, device=x.device))
+    S, E_routed = shared_experts, E - shared_experts
+    cfg = tiles or pick_tiles(P + S * T, E)
+    sorted_ids, block_expert = moe_align_fwd(topk_ids, E_routed, cfg.block_m, use_pdl=use_pdl)
+    nb_routed = block_expert.numel()
+    nb_shared = triton.cdiv(T, cfg.block_m)
+    num_blocks = nb_routed + S * nb_shared
+    h = poison_like(torch.empty(num_blocks * cfg.block_m, I, dtype=x.dtype, device=x.device))
+    y = poison_like(torch.empty(P + S * T, D, dtype=x.dtype, device=x.device))
+    blocks = (T, nb_routed, max(1, nb_shared), E_routed)
     pdl = use_pdl and not INTERPRET
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     situ = act.name == "situ"
     bn1, bk1 = min(cfg.block_n1, triton.next_power_of_2(I)), min(cfg.block_k1, max(16, triton.next_power_of_2(D)))
     _moe_gate_up_kernel[(num_blocks * triton.cdiv(I, bn1),)](
         x, x.stride(0), w13, h, sorted_ids, block_expert, P, D, I,
-        float(act.situ_beta or 1.0), float(act.situ_linear_beta or 1.0),
+        float(act.situ_beta or 1.0), float(act.situ_linear_beta or 1.0), *blocks,
         TOPK=k, BLOCK_M=cfg.block_m, BLOCK_N=bn1, BLOCK_K=bk1, EVEN_K=D % bk1 == 0,
         SITU=situ, LIN_SAT=situ and act.situ_linear_beta is not None, DOT_PRECISION=precision,
         USE_PDL=pdl, num_warps=cfg.num_warps1, num_stages=cfg.num_stages, **pdl_kwargs(use_pdl),
     )
     bn2, bk2 = min(cfg.block_n2, triton.next_power_of_2(D)), min(cfg.block_k2, max(16, triton.next_power_of_2(I)))
     _moe_down_kernel[(num_blocks * triton.cdiv(D, bn2),)](
-        h, w2, y, topk_weights, sorted_ids, block_expert, P, D, I,
+        h, w2, y, topk_weights, sorted_ids, block_expert, P, D, I, *blocks,
         BLOCK_M=cfg.block_m, BLOCK_N=bn2, BLOCK_K=bk2, EVEN_K=I % bk2 == 0, DOT_PRECISION=precision,
         USE_PDL=pdl, num_warps=cfg.num_warps2, num_stages=cfg.num_stages, **pdl_kwargs(use_pdl),
     )
     block_d = min(1024, triton.next_power_of_2(D))
     _moe_sum_kernel[(T, triton.cdiv(D, block_d))](
-        y, out, out.stride(0), D, TOPK=k, BLOCK_D=block_d, USE_PDL=pdl, num_warps=4, **pdl_kwargs(use_pdl),
+        y, out, out.stride(0), D, T, P, TOPK=k, SHARED=S, BLOCK_D=block_d, USE_PDL=pdl, num_warps=4, **pdl_kwargs(use_pdl),
     )
     return out

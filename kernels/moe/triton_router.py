@@ -30,7 +30,6 @@ def _moe_route_kernel(
     E: tl.constexpr,
     BLOCK_E: tl.constexpr,
     K: tl.constexpr,
-    SHARED: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUPS: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -80,13 +79,8 @@ def _moe_route_kernel(
     if RENORMALIZE:
         w = w / (tl.sum(w, axis=0) + 1e-20)
     w = w * scaling
-    if SHARED > 0:  # the shared experts as extra slots E, E+1, ... of weight 1 (never renormalized or scaled)
-        extra = (offs_k >= K) & (offs_k < K + SHARED)
-        ids = tl.where(extra, E + offs_k - K, ids)
-        w = tl.where(extra, 1.0, w)
-    KS: tl.constexpr = K + SHARED
-    tl.store(w_ptr + t.to(tl.int64) * KS + offs_k, w, mask=offs_k < KS)
-    tl.store(ids_ptr + t.to(tl.int64) * KS + offs_k, ids, mask=offs_k < KS)
+    tl.store(w_ptr + t.to(tl.int64) * K + offs_k, w, mask=offs_k < K)
+    tl.store(ids_ptr + t.to(tl.int64) * K + offs_k, ids, mask=offs_k < K)
 
 
 def moe_route(
@@ -100,7 +94,6 @@ def moe_route(
     scaling: float = 1.0,
     out_weights: Tensor | None = None,
     out_ids: Tensor | None = None,
-    shared_experts: int = 0,
     use_pdl: bool = False,
     num_warps: int = 1,
 ) -> tuple[Tensor, Tensor]:
@@ -114,16 +107,13 @@ def moe_route(
             groups must hold at least top_k experts.
         renormalize: divide the k weights by their sum (+1e-20) before scaling.
         scaling: routed_scaling_factor.
-        out_weights, out_ids: optional preallocated [T, top_k + shared_experts] fp32 / int32 contiguous outputs.
-        shared_experts: S >= 0 extra slots per token after the routed ones, ids E..E+S-1 with weight
-            1.0: the shared experts stacked after the routed ones run in the same grouped GEMMs.
+        out_weights, out_ids: optional preallocated [T, top_k] fp32 / int32 contiguous outputs.
         use_pdl: launch with programmatic dependent launch (GPU only).
         num_warps: one warp by default: the repeated argmax reductions then stay inside a warp
             (H200, E=256: fastest at T = 1, 64 and 4096; benchmarks/kernels_moe.py --route-only).
 
     Returns:
-        (weights [T, top_k + S] fp32, ids [T, top_k + S] int32), the routed ids in descending
-        biased-score order, then the shared ones.
+        (weights [T, top_k] fp32, ids [T, top_k] int32), ids in descending biased-score order.
     """
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be fp32 [T, E] with a contiguous last dim, got {logits.dtype} "
@@ -144,22 +134,19 @@ def moe_route(
     if not 1 <= topk_group <= num_expert_group or topk_group * per < top_k:
         raise ValueError(f"topk_group must be in [1, num_expert_group={num_expert_group}] and keep >= top_k="
                          f"{top_k} experts ({per} per group), got {topk_group}")
-    if shared_experts < 0:
-        raise ValueError(f"shared_experts must be >= 0, got {shared_experts}")
-    ks = top_k + shared_experts
     for name, t, dtype in (("out_weights", out_weights, torch.float32), ("out_ids", out_ids, torch.int32)):
         if t is not None:
-            check(t, name, (T, ks), dtype)
+            check(t, name, (T, top_k), dtype)
             if not t.is_contiguous():
                 raise ValueError(f"{name} must be contiguous")
     check_same_device(logits=logits, bias=bias, out_weights=out_weights, out_ids=out_ids)
-    w = out_weights if out_weights is not None else torch.empty(T, ks, dtype=torch.float32, device=logits.device)
-    ids = out_ids if out_ids is not None else torch.empty(T, ks, dtype=torch.int32, device=logits.device)
+    w = out_weights if out_weights is not None else torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    ids = out_ids if out_ids is not None else torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
     if T == 0:
         return w, ids
     _moe_route_kernel[(T,)](
         logits, logits.stride(0), bias, w, ids, float(scaling),
-        E=E, BLOCK_E=triton.next_power_of_2(E), K=top_k, SHARED=shared_experts, BLOCK_K=triton.next_power_of_2(ks),
+        E=E, BLOCK_E=triton.next_power_of_2(E), K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
         GROUPS=num_expert_group, BLOCK_G=triton.next_power_of_2(num_expert_group),
         BLOCK_PER=triton.next_power_of_2(per), TOPK_GROUP=topk_group,
         RENORMALIZE=bool(renormalize), USE_PDL=use_pdl and not INTERPRET,

@@ -83,25 +83,6 @@ def test_route_bias_changes_selection_strided_logits_and_out_buffers() -> None:
     assert torch.equal(ids, ids_ref) and rel_err(w, w_ref) <= 1e-6
 
 
-@pytest.mark.parametrize("shared", [1, 2])
-def test_route_appends_shared_expert_slots(shared: int) -> None:
-    c = dict(ROUTES["E40_k8_grouped4"])
-    E = c.pop("E")
-    gen = torch.Generator().manual_seed(5)
-    logits = (torch.randn(6, E, generator=gen) * 2).to(DEV)
-    bias = (torch.randn(E, generator=gen) * 0.5).to(DEV)
-    w, ids = moe_route(logits, bias, **c, shared_experts=shared)
-    w_ref, ids_ref = route_ref(logits, bias, **c)
-    k = c["top_k"]
-    assert ids.shape == (6, k + shared) and w.shape == (6, k + shared)
-    # the routed slots as without shared experts (renormalized and scaled without them), then E, E+1, ...
-    assert torch.equal(ids[:, :k], ids_ref) and rel_err(w[:, :k], w_ref) <= 1e-6
-    assert torch.equal(ids[:, k:].cpu(), torch.arange(E, E + shared, dtype=torch.int32).expand(6, shared))
-    assert torch.equal(w[:, k:].cpu(), torch.ones(6, shared))
-    with pytest.raises(ValueError, match="out_ids must have shape"):
-        moe_route(logits, bias, **c, shared_experts=shared, out_ids=torch.empty(6, k, dtype=torch.int32, device=DEV))
-
-
 def test_route_rejects_bad_inputs() -> None:
     logits = torch.randn(3, 8, device=DEV)
     bias = torch.zeros(8, device=DEV)
@@ -169,6 +150,28 @@ def test_fused_experts_matches_ref(T: int, act: str) -> None:
     ref = fused_experts_ref(**case, act=ACTS[act])
     assert out.shape == (T, 32) and out.dtype == torch.float32
     assert rel_err(out, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("shared", [1, 2])
+@pytest.mark.parametrize("T", [1, 20])
+def test_fused_experts_shared_experts_after_the_routed_ones(T: int, shared: int) -> None:
+    """The last S experts run every token with weight 1 (blocks outside the alignment): equal to the
+    oracle's extra slots, and to the routed sum plus each shared expert's own output."""
+    gen = torch.Generator().manual_seed(200 + T + shared)
+    case = experts_case(gen, T, E=8 + shared, k=2, D=32, inter=16, dtype=torch.float32, experts=8)
+    act = ACTS["silu"]
+    tiles = ExpertTiles(16, 16, 16, 16, 16, 4, 4, 1)  # T=20: two shared blocks per shared expert
+    out = fused_experts(**case, act=act, shared_experts=shared, tiles=tiles)
+    ref = fused_experts_ref(**case, act=act, shared_experts=shared)
+    assert rel_err(out, ref) <= 1e-5
+    routed = fused_experts_ref(**case, act=act).float()
+    for s in range(shared):
+        one = dict(case, topk_ids=torch.full((T, 1), 8 + s, dtype=torch.int32, device=DEV),
+                   topk_weights=torch.ones(T, 1, device=DEV))
+        routed += fused_experts_ref(**one, act=act).float()
+    assert rel_err(out, routed) <= 1e-5
+    with pytest.raises(ValueError, match="shared_experts must be in"):
+        fused_experts(**case, act=act, shared_experts=8 + shared)
 
 
 def test_fused_experts_skewed_routing_odd_sizes_prefill_tiles() -> None:
@@ -261,13 +264,16 @@ def gpu_case(T: int, seed: int) -> dict:
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("T", [1, 16, 64, 4096])
-def test_gpu_fused_experts_48b(T: int) -> None:
-    case = gpu_case(T, seed=T)
-    out = fused_experts(**case, act=ACTS["silu"])
-    ref = fused_experts_ref(**case, act=ACTS["silu"])
+@pytest.mark.parametrize("shared", [0, 1])
+def test_gpu_fused_experts_48b(T: int, shared: int) -> None:
+    case = gpu_case(T, seed=T)  # with shared=1 the last of the 256 experts is the shared one
+    if shared:  # routed ids must stay below 255 (a repeated id in a token is fine: it runs twice)
+        case["topk_ids"] = case["topk_ids"] % 255
+    out = fused_experts(**case, act=ACTS["silu"], shared_experts=shared)
+    ref = fused_experts_ref(**case, act=ACTS["silu"], shared_experts=shared)
     assert out.dtype == torch.bfloat16
     assert rel_err(out, ref) <= 1e-2
-    assert torch.equal(fused_experts(**case, act=ACTS["silu"]), out)  # bit-reproducible
+    assert torch.equal(fused_experts(**case, act=ACTS["silu"], shared_experts=shared), out)  # bit-reproducible
 
 
 @pytest.mark.gpu

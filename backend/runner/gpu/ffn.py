@@ -5,7 +5,8 @@ reads the routing on the host).
 Shared-expert fusion (plain MoE with kernels): the shared MLP of intermediate S * I is S more experts
 of width I (its gate/up columns and down rows split into S independent blocks: act(g) * u is
 per column and the down projection sums over columns), so they are stacked after the E routed
-experts and every token gets S extra routing slots of weight 1 (`moe_route(shared_experts=S)`).
+experts and run by the same grouped GEMMs over every token with weight 1
+(`fused_experts(shared_experts=S)`: their blocks follow the routed ones, outside the alignment).
 One grouped GEMM pair then computes routed + shared, instead of two more GEMMs, the activation, the
 product and the add per layer (at batch 1 those launches cost more than the shared expert's bytes).
 The routed and shared outputs are summed in fp32 before one rounding (the reference rounds the
@@ -66,14 +67,15 @@ def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> to
         logits = linear(x, moe.gate_weight, k, out_dtype=torch.float32)
         tw, ids = router(logits, moe.e_score_correction_bias.float(), top_k=m.num_experts_per_token,
                          num_expert_group=m.num_expert_group, topk_group=m.topk_group,
-                         renormalize=m.renormalize, scaling=m.routed_scaling_factor, shared_experts=w.shared_fused)
+                         renormalize=m.renormalize, scaling=m.routed_scaling_factor)
     else:
         tw, ids = route(x, moe.gate_weight, moe.e_score_correction_bias, m)
 
     def routed(z: torch.Tensor) -> torch.Tensor:
         if experts is None:
             return moe.experts(z, tw, ids)
-        return experts(z, w.w13, w.w2, tw, ids.to(torch.int32), act=moe.act, use_pdl=k.use_pdl)
+        return experts(z, w.w13, w.w2, tw, ids.to(torch.int32), act=moe.act, shared_experts=w.shared_fused,
+                       use_pdl=k.use_pdl)
 
     if w.shared_fused:
         return moe.tp.all_reduce(routed(x))
