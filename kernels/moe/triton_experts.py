@@ -55,6 +55,11 @@ DECODE_CANDIDATES = (
     ExpertTiles(16, 32, 256, 32, 256, 4, 4, 3),
     ExpertTiles(16, 16, 128, 32, 128, 2, 2, 4),
     ExpertTiles(16, 32, 128, 128, 64, 4, 4, 5),
+    # more programs per expert at T=1 (9 experts x 32 column tiles fill 132 SMs unevenly)
+    ExpertTiles(16, 16, 256, 32, 256, 4, 4, 3),
+    ExpertTiles(16, 16, 128, 32, 128, 4, 4, 4),
+    ExpertTiles(16, 32, 128, 32, 128, 4, 4, 4),
+    ExpertTiles(16, 16, 256, 16, 256, 2, 2, 4),
 )
 PREFILL_CANDIDATES = (PREFILL_TILES_64, PREFILL_TILES_128, ExpertTiles(128, 128, 64, 128, 64, 8, 8, 3))
 # Interpreter: small tiles keep the CPU runs short.
