@@ -21,6 +21,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def kernel_bench_args(doc: str | None, json_name: str, budget_s: float, add=None):
+    """The kernel benchmarks' command line: --smoke, --out, --budget-s, then the script's own options
+    (`add(parser)`). --smoke sets TRITON_INTERPRET=1 here, before the script imports any kernel."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny CPU run under the Triton interpreter")
+    p.add_argument("--out", type=Path, default=None, help=f"JSON path (default $OUT/{json_name}, else ./{json_name})")
+    p.add_argument("--budget-s", type=float, default=budget_s, help="skip remaining items after this many seconds")
+    if add is not None:
+        add(p)
+    args = p.parse_args()
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton sees any @jit
+    return args
+
+
 def import_k3rt_kernels() -> None:
     """Make `k3rt.kernels` importable from this checkout, installed or not (the device has no install)."""
     try:

@@ -21,9 +21,7 @@ notices when this script rots.
 """
 from __future__ import annotations
 
-import argparse
 import math
-import os
 import statistics
 import sys
 import time
@@ -49,11 +47,11 @@ PREFILL_VARIANTS: dict[str, dict] = {
 }
 
 
-def _args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny CPU run under the Triton interpreter")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default $OUT/kernels.json or ./kernels.json)")
-    p.add_argument("--budget-s", type=float, default=420.0, help="skip remaining items after this many seconds")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import kernel_bench_args  # noqa: E402
+
+
+def _add_args(p) -> None:
     p.add_argument("--no-fla", action="store_true", help="do not import or time fla")
     p.add_argument("--decode-n", type=int, nargs="*", default=[1, 16, 64, 256])
     p.add_argument("--decode-sweep", action="store_true",
@@ -66,16 +64,12 @@ def _args() -> argparse.Namespace:
     p.add_argument("--prefill-sweep", nargs="*", default=[], choices=sorted(PREFILL_VARIANTS),
                    help="more variants, checked, then timed on --sweep-case only")
     p.add_argument("--sweep-case", default="16384", help="the prefill case --prefill-sweep variants are timed on")
-    return p.parse_args()
 
 
-ARGS = _args()
-if ARGS.smoke:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton sees any @jit
+ARGS = kernel_bench_args(__doc__, "kernels.json", 420.0, _add_args)
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _timing  # noqa: E402
 from _timing import Report, copy_bandwidth, default_out, import_k3rt_kernels, rel_err  # noqa: E402
 

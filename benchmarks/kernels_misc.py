@@ -18,25 +18,15 @@ A table goes to stdout, all numbers to JSON ($OUT/kernels_misc.json, or --out). 
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
 
-def _args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny CPU run under the Triton interpreter")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default $OUT/kernels_misc.json)")
-    p.add_argument("--budget-s", type=float, default=100.0, help="skip remaining items after this many seconds")
-    return p.parse_args()
-
-
-ARGS = _args()
-if ARGS.smoke:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton sees any @jit
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import kernel_bench_args  # noqa: E402
+
+ARGS = kernel_bench_args(__doc__, "kernels_misc.json", 100.0)
+
 from _timing import (  # noqa: E402
     Report, copy_bandwidth, default_out, graph_time, import_k3rt_kernels, l2_rotation, rel_err,
 )

@@ -19,28 +19,22 @@ to JSON ($OUT/kernels_moe.json, or --out). Items past --budget-s are skipped and
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
 
-def _args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny CPU run under the Triton interpreter")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default $OUT/kernels_moe.json)")
-    p.add_argument("--budget-s", type=float, default=150.0, help="skip remaining items after this many seconds")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import kernel_bench_args  # noqa: E402
+
+
+def _add_args(p) -> None:
     p.add_argument("--decode-t", type=int, nargs="*", default=[1, 16, 64])
     p.add_argument("--prefill-t", type=int, nargs="*", default=[4096, 16384])
     p.add_argument("--route-only", action="store_true", help="time moe_route only (its warp counts), then stop")
-    return p.parse_args()
 
 
-ARGS = _args()
-if ARGS.smoke:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton sees any @jit
+ARGS = kernel_bench_args(__doc__, "kernels_moe.json", 150.0, _add_args)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import (  # noqa: E402
     Report, copy_bandwidth, default_out, graph_time, import_k3rt_kernels, l2_rotation, rel_err, time_ms,
 )

@@ -10,8 +10,8 @@ Launches:
      exp(Gc_i - Gc_r0) <= 1 on the row side, exp(Gc_r0 - Gc_j) on the column side, which is <= 1
      for j < r0 and at most exp(span) inside the block (span = max_d Gc_r0 - Gc_{r0+BC-1}). When
      the span exceeds SAFE_SPAN (a steep gate, possible with the softplus form) the diagonal block
-     is computed exactly, elementwise, instead. Then (I + L)^-1 by repeated squaring,
-     sum_{n<C} (-L)^n = prod_m (I + (-L)^(2^m)) (L is nilpotent: log2(C) - 1 squarings), and
+     is computed exactly, elementwise, instead. Then (I + L)^-1 by forward substitution inside the
+     16x16 diagonal blocks and a 4-term block series for the rest (step 3 says why not a power series), and
          W = (I + L)^-1 diag(beta) (exp(Gc) k),   U = (I + L)^-1 diag(beta) v,
      plus qg = q exp(Gc), kd = k exp(Gc_last - Gc), exp(Gc_last) and Aqk for the state pass.
      Tail chunks are zero-padded (q = k = v = 0, g = 0, beta = 0), which leaves the state exact.
@@ -72,7 +72,7 @@ def _kda_chunk_intra_kernel(
     scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
-    C: tl.constexpr, BC: tl.constexpr, NSQ: tl.constexpr,
+    C: tl.constexpr, BC: tl.constexpr,
     DOT16: tl.constexpr, PREC: tl.constexpr, PREC_INV: tl.constexpr, SAFE_SPAN: tl.constexpr,
 ):
     i_c = tl.program_id(0)
@@ -161,13 +161,30 @@ def _kda_chunk_intra_kernel(
             tl.store(aqk_buf + off_d, d_qk.to(aqk_ptr.dtype.element_ty))
     tl.debug_barrier()
 
-    # 3. (I + L)^-1 = sum_{n<C} (-L)^n = (I - L)(I + L^2)(I + L^4)...: NSQ squarings
-    off_cc = rows[:, None] * C + rows[None, :]
-    p = -tl.load(akk_buf + off_cc)
-    x = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0) + p
-    for _ in tl.static_range(NSQ):
-        p = tl.dot(p, p, input_precision=PREC_INV)
-        x = x + tl.dot(x, p, input_precision=PREC_INV)
+    # 3. (I + L)^-1, stably: the NB unit-lower 16x16 diagonal blocks by forward substitution
+    #    (X_i = e_i - sum_{m<i} L_im X_m, rows local to each block), then with D^-1 that block-diagonal
+    #    inverse and A the blocks below it, (D + A)^-1 = sum_{n<NB} (-D^-1 A)^n D^-1 (D^-1 A is strictly
+    #    block-lower). Not the power series of L itself (repeated squaring): with aligned keys and beta
+    #    near 1 the entries of L^n grow like binomials and the series cancels catastrophically (relative
+    #    error 1e16 against the oracle where this form gives 6e-7; tests/kernels/test_kda_triton.py).
+    NB: tl.constexpr = C // BC
+    blk_id = tl.arange(0, NB)
+    off_d = (blk_id * (BC * (C + 1)))[:, None] + loc[None, :]  # [NB, BC]: row 0 of each diagonal block
+    x_d = tl.where(loc[None, :, None] == loc[None, None, :], 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
+    for i in range(1, BC):
+        l_i = tl.load(akk_buf + i * C + off_d)  # [NB, BC]: row i of each block
+        new = tl.where(loc[None, :] == i, 1.0, 0.0) - tl.sum(l_i[:, :, None] * x_d, axis=1)  # [NB, BC]
+        x_d = tl.where(loc[None, :, None] == i, new[:, None, :], x_d)
+    tl.debug_barrier()
+    tl.store(akk_buf + off_d[:, None, :] + (loc * C)[None, :, None], x_d)  # L's diagonal blocks are done
+    tl.debug_barrier()
+    m = tl.load(akk_buf + rows[:, None] * C + rows[None, :])
+    same = (rows // BC)[:, None] == (rows // BC)[None, :]
+    d_inv = tl.where(same, m, 0.0)
+    p = tl.dot(d_inv, tl.where(same, 0.0, m), input_precision=PREC_INV)
+    x = d_inv
+    for _ in tl.static_range(NB - 1):
+        x = d_inv - tl.dot(p, x, input_precision=PREC_INV)
 
     # 4. Tm = (I + L)^-1 diag(beta); W = Tm (exp(Gc) k); U = Tm v (k and Gc reloaded: fewer live registers
     #    through step 3)
@@ -516,7 +533,7 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
         cu, t_seq, t_idx,
         qg, kd, w, u, aqk, gl, gc, akk,
         cfg.scale,
-        H=H, K=K, V=V, BK=BK, BKS=min(BK, 16), BV=BVF, C=C, BC=SUB, NSQ=C.bit_length() - 2,
+        H=H, K=K, V=V, BK=BK, BKS=min(BK, 16), BV=BVF, C=C, BC=SUB,
         DOT16=cfg.dot16, PREC=cfg.prec, PREC_INV=cfg.prec_inv, SAFE_SPAN=SAFE_SPAN,
         num_warps=cfg.nw_intra,
     )

@@ -52,11 +52,13 @@ def pick_tiles(n: int, k: int) -> GemvTiles:
     return GemvTiles(2, 1024 if k >= 1024 else 256, 4, 4)
 
 
-def prefer_skinny(m: int, n: int, w_dtype: torch.dtype) -> bool:
-    """Where the kernel beat torch's matmul on the H200 (benchmarks/kernels_linear.py): one row and
-    outputs up to 4096 wide, and the fp32-weight router at any M <= MAX_ROWS (torch needs a cast
-    kernel there). For wide outputs at M=1 and for M > 1, cuBLAS's tiles are as fast or faster."""
-    if not 1 <= m <= MAX_ROWS:
+def prefer_skinny(m: int, n: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
+    """Where the kernel beat torch's matmul on the H200 (benchmarks/kernels_linear.py), for 16-bit
+    activations: one row and outputs up to 4096 wide, and the fp32-weight router at any M <= MAX_ROWS
+    (torch needs a cast kernel there). For wide outputs at M=1 and for M > 1, cuBLAS's tiles are as
+    fast or faster. fp32 activations (the test checkpoints) stay on torch: nothing was measured there,
+    and their reference numerics are cuBLAS's."""
+    if not 1 <= m <= MAX_ROWS or x_dtype not in (torch.bfloat16, torch.float16):
         return False
     return w_dtype == torch.float32 or (m == 1 and n <= 4096)
 

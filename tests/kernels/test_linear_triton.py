@@ -51,11 +51,12 @@ def test_rejects_bad_inputs() -> None:
 
 
 def test_prefer_skinny_follows_the_measured_split() -> None:
-    bf16, fp32 = torch.bfloat16, torch.float32
-    assert prefer_skinny(1, 2304, bf16) and prefer_skinny(1, 4096, bf16)  # narrow outputs at one row
-    assert not prefer_skinny(1, 12576, bf16) and not prefer_skinny(1, 163840, bf16)  # wide: cuBLAS
-    assert not prefer_skinny(2, 2304, bf16)  # several rows: cuBLAS
-    assert prefer_skinny(4, 256, fp32) and not prefer_skinny(MAX_ROWS + 1, 256, fp32)  # the router
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    assert prefer_skinny(1, 2304, bf16, bf16) and prefer_skinny(1, 4096, fp16, fp16)  # narrow outputs, one row
+    assert not prefer_skinny(1, 12576, bf16, bf16) and not prefer_skinny(1, 163840, bf16, bf16)  # wide: cuBLAS
+    assert not prefer_skinny(2, 2304, bf16, bf16)  # several rows: cuBLAS
+    assert prefer_skinny(4, 256, bf16, fp32) and not prefer_skinny(MAX_ROWS + 1, 256, bf16, fp32)  # the router
+    assert not prefer_skinny(1, 256, fp32, fp32)  # fp32 activations: torch
 
 
 def test_benchmark_smoke(tmp_path) -> None:

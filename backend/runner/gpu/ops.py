@@ -37,7 +37,7 @@ def linear(x, w, k: KernelConfig, out_dtype=None):
     the kernels are on; else torch (out_dtype: the router's fp32 logits from bf16 x and fp32 weight)."""
     if k.triton and k.skinny_gemv and x.dim() == 2 and x.stride(-1) == 1:
         prefer = kernel("linear", "prefer_skinny")
-        if prefer is not None and prefer(x.shape[0], w.shape[0], w.dtype):
+        if prefer is not None and prefer(x.shape[0], w.shape[0], x.dtype, w.dtype):
             return kernel("linear", "skinny_linear")(x, w, out_dtype=out_dtype)
     if out_dtype is not None and (x.dtype != out_dtype or w.dtype != out_dtype):
         return F.linear(x.to(out_dtype), w.to(out_dtype))
