@@ -29,11 +29,11 @@ offsets = dict(ids_ptr="*i32", counts_ptr="*i32", start_ptr="*i32", sorted_ptr="
                P=I32, NC=I32, NB=I32, E_P=C, BLOCK_M=C, BP=C, SUB=C, TILE_C=C, BLOCK_B=C, SINGLE_CHUNK=C, USE_PDL=C)
 scatter = dict(ids_ptr="*i32", counts_ptr="*i32", sorted_ptr="*i32", P=I32, E_P=C, BP=C, SUB=C, USE_PDL=C)
 gate_up = dict(x_ptr="*bf16", stride_xt=I32, w13_ptr="*bf16", h_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32",
-               P=I32, D=I32, I=I32, beta="fp32", lin_beta="fp32", TOPK=C, BLOCK_M=C, BLOCK_N=C, BLOCK_K=C, EVEN_K=C,
+               P=I32, D=I32, I=I32, beta="fp32", lin_beta="fp32", T=I32, NB_ROUTED=I32, NB_SHARED=I32, E_ROUTED=I32, TOPK=C, BLOCK_M=C, BLOCK_N=C, BLOCK_K=C, EVEN_K=C,
                SITU=C, LIN_SAT=C, DOT_PRECISION=C, USE_PDL=C)
 down = dict(h_ptr="*bf16", w2_ptr="*bf16", y_ptr="*bf16", topk_w_ptr="*fp32", sorted_ptr="*i32", block_expert_ptr="*i32",
-            P=I32, D=I32, I=I32, BLOCK_M=C, BLOCK_N=C, BLOCK_K=C, EVEN_K=C, DOT_PRECISION=C, USE_PDL=C)
-ksum = dict(y_ptr="*bf16", out_ptr="*bf16", stride_ot=I32, D=I32, TOPK=C, BLOCK_D=C, USE_PDL=C)
+            P=I32, D=I32, I=I32, T=I32, NB_ROUTED=I32, NB_SHARED=I32, E_ROUTED=I32, BLOCK_M=C, BLOCK_N=C, BLOCK_K=C, EVEN_K=C, DOT_PRECISION=C, USE_PDL=C)
+ksum = dict(y_ptr="*bf16", out_ptr="*bf16", stride_ot=I32, D=I32, T=I32, P=I32, TOPK=C, SHARED=C, BLOCK_D=C, USE_PDL=C)
 res = {
     "route": build(R._moe_route_kernel, route, dict(E=256, BLOCK_E=256, K=8, BLOCK_K=8, GROUPS=8, BLOCK_G=8,
                                                     BLOCK_PER=32, TOPK_GROUP=4, RENORMALIZE=True, USE_PDL=True), 4),
@@ -43,7 +43,7 @@ res = {
     "align_offsets": build(A._moe_align_offsets_kernel, offsets, dict(E_P=256, BLOCK_M=64, BP=A.CHUNK, SUB=A._SUB,
                            TILE_C=16, BLOCK_B=32, SINGLE_CHUNK=False, USE_PDL=True), 8),
     "align_scatter": build(A._moe_align_scatter_kernel, scatter, dict(E_P=256, BP=A.CHUNK, SUB=A._SUB, USE_PDL=True), 8),
-    "sum": build(X._moe_sum_kernel, ksum, dict(TOPK=8, BLOCK_D=1024, USE_PDL=True), 4),
+    "sum": build(X._moe_sum_kernel, ksum, dict(TOPK=8, SHARED=1, BLOCK_D=1024, USE_PDL=True), 4),
 }
 for name, t in (("decode", X.DECODE_TILES), ("prefill64", X.PREFILL_TILES_64), ("prefill128", X.PREFILL_TILES_128)):
     res[name + "_gate_up"] = build(X._moe_gate_up_kernel, gate_up, dict(
