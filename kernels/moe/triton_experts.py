@@ -84,6 +84,27 @@ def _tanh(y):
 
 
 @triton.jit
+def _block_rows(pid_m, sorted_ptr, block_expert_ptr, P, T, NB_ROUTED, NB_SHARED, E_ROUTED,
+                TOPK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Block pid_m's expert (-1: an unused routed block), its rows' pair ids (the down GEMM's output
+    rows), token ids and validity: the aligned routed blocks first, then NB_SHARED blocks per shared
+    expert covering every token in order (pair P + s*T + t)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if pid_m < NB_ROUTED:
+        e = tl.load(block_expert_ptr + pid_m)
+        pair = tl.load(sorted_ptr + offs_m, mask=e >= 0, other=P)
+        row_ok = pair < P
+        tok = pair // TOPK
+    else:
+        j = pid_m - NB_ROUTED
+        e = E_ROUTED + j // NB_SHARED
+        tok = (j % NB_SHARED) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = tok < T
+        pair = P + (j // NB_SHARED) * T + tok
+    return e, pair, tl.where(row_ok, tok, 0).to(tl.int64), row_ok
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     x_ptr, stride_xt,  # [T, D]
     w13_ptr,  # [E, 2I, D] contiguous
@@ -109,17 +130,8 @@ def _moe_gate_up_kernel(
     if USE_PDL:
         gdc_wait()
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    if pid_m < NB_ROUTED:
-        e = tl.load(block_expert_ptr + pid_m)
-        pair = tl.load(sorted_ptr + offs_m, mask=e >= 0, other=P)
-        row_ok = pair < P
-        tok = tl.where(row_ok, pair // TOPK, 0).to(tl.int64)
-    else:  # a shared expert's block: every token, in order
-        j = pid_m - NB_ROUTED
-        e = E_ROUTED + j // NB_SHARED
-        rows = (j % NB_SHARED) * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < T
-        tok = tl.where(row_ok, rows, 0).to(tl.int64)
+    e, _, tok, row_ok = _block_rows(pid_m, sorted_ptr, block_expert_ptr, P, T, NB_ROUTED, NB_SHARED, E_ROUTED,
+                                       TOPK, BLOCK_M)
     if e >= 0:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < I
@@ -167,6 +179,7 @@ def _moe_down_kernel(
     sorted_ptr, block_expert_ptr,
     P, D, I,
     T, NB_ROUTED, NB_SHARED, E_ROUTED,
+    TOPK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -181,10 +194,8 @@ def _moe_down_kernel(
     if USE_PDL:
         gdc_wait()
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    if pid_m < NB_ROUTED:
-        e = tl.load(block_expert_ptr + pid_m)
-    else:
-        e = E_ROUTED + (pid_m - NB_ROUTED) // NB_SHARED
+    e, pair, _, row_ok = _block_rows(pid_m, sorted_ptr, block_expert_ptr, P, T, NB_ROUTED, NB_SHARED, E_ROUTED,
+                                     TOPK, BLOCK_M)
     if e >= 0:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < D
@@ -205,17 +216,9 @@ def _moe_down_kernel(
             b_ptrs += BLOCK_K
         if USE_PDL:
             gdc_launch_dependents()
-        if pid_m < NB_ROUTED:
-            pair = tl.load(sorted_ptr + offs_m)
-            row_ok = pair < P
-            w = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)
-        else:  # shared: weight 1, output row P + s*T + t
-            j = pid_m - NB_ROUTED
-            rows = (j % NB_SHARED) * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_ok = rows < T
-            pair = P + (j // NB_SHARED) * T + rows
-            w = tl.where(row_ok, 1.0, 0.0)
-        y = acc * w[:, None]
+        # routed rows: their routing weight; shared rows: 1; padding rows: 0
+        w = tl.load(topk_w_ptr + pair, mask=row_ok & (pid_m < NB_ROUTED), other=1.0)
+        y = acc * tl.where(row_ok, w, 0.0)[:, None]
         y_ptrs = y_ptr + pair[:, None].to(tl.int64) * D + offs_n[None, :]
         tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -338,7 +341,7 @@ def fused_experts(
     bn2, bk2 = min(cfg.block_n2, triton.next_power_of_2(D)), min(cfg.block_k2, max(16, triton.next_power_of_2(I)))
     _moe_down_kernel[(num_blocks * triton.cdiv(D, bn2),)](
         h, w2, y, topk_weights, sorted_ids, block_expert, P, D, I, *blocks,
-        BLOCK_M=cfg.block_m, BLOCK_N=bn2, BLOCK_K=bk2, EVEN_K=I % bk2 == 0, DOT_PRECISION=precision,
+        TOPK=k, BLOCK_M=cfg.block_m, BLOCK_N=bn2, BLOCK_K=bk2, EVEN_K=I % bk2 == 0, DOT_PRECISION=precision,
         USE_PDL=pdl, num_warps=cfg.num_warps2, num_stages=cfg.num_stages, **pdl_kwargs(use_pdl),
     )
     block_d = min(1024, triton.next_power_of_2(D))

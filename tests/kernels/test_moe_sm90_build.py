@@ -32,7 +32,7 @@ gate_up = dict(x_ptr="*bf16", stride_xt=I32, w13_ptr="*bf16", h_ptr="*bf16", sor
                P=I32, D=I32, I=I32, beta="fp32", lin_beta="fp32", T=I32, NB_ROUTED=I32, NB_SHARED=I32, E_ROUTED=I32, TOPK=C, BLOCK_M=C, BLOCK_N=C, BLOCK_K=C, EVEN_K=C,
                SITU=C, LIN_SAT=C, DOT_PRECISION=C, USE_PDL=C)
 down = dict(h_ptr="*bf16", w2_ptr="*bf16", y_ptr="*bf16", topk_w_ptr="*fp32", sorted_ptr="*i32", block_expert_ptr="*i32",
-            P=I32, D=I32, I=I32, T=I32, NB_ROUTED=I32, NB_SHARED=I32, E_ROUTED=I32, BLOCK_M=C, BLOCK_N=C, BLOCK_K=C, EVEN_K=C, DOT_PRECISION=C, USE_PDL=C)
+            P=I32, D=I32, I=I32, T=I32, NB_ROUTED=I32, NB_SHARED=I32, E_ROUTED=I32, TOPK=C, BLOCK_M=C, BLOCK_N=C, BLOCK_K=C, EVEN_K=C, DOT_PRECISION=C, USE_PDL=C)
 ksum = dict(y_ptr="*bf16", out_ptr="*bf16", stride_ot=I32, D=I32, T=I32, P=I32, TOPK=C, SHARED=C, BLOCK_D=C, USE_PDL=C)
 res = {
     "route": build(R._moe_route_kernel, route, dict(E=256, BLOCK_E=256, K=8, BLOCK_K=8, GROUPS=8, BLOCK_G=8,
@@ -50,7 +50,8 @@ for name, t in (("decode", X.DECODE_TILES), ("prefill64", X.PREFILL_TILES_64), (
         TOPK=8, BLOCK_M=t.block_m, BLOCK_N=t.block_n1, BLOCK_K=t.block_k1, EVEN_K=True, SITU=True, LIN_SAT=True,
         DOT_PRECISION="tf32", USE_PDL=True), t.num_warps1, t.num_stages)
     res[name + "_down"] = build(X._moe_down_kernel, down, dict(
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n2, BLOCK_K=t.block_k2, EVEN_K=True, DOT_PRECISION="tf32", USE_PDL=True),
+        TOPK=8, BLOCK_M=t.block_m, BLOCK_N=t.block_n2, BLOCK_K=t.block_k2, EVEN_K=True, DOT_PRECISION="tf32",
+        USE_PDL=True),
         t.num_warps2, t.num_stages)
 print(json.dumps(res))
 '''
