@@ -131,7 +131,7 @@ def _moe_gate_up_kernel(
         gdc_wait()
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     e, _, tok, row_ok = _block_rows(pid_m, sorted_ptr, block_expert_ptr, P, T, NB_ROUTED, NB_SHARED, E_ROUTED,
-                                       TOPK, BLOCK_M)
+                                    TOPK, BLOCK_M)
     if e >= 0:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < I
