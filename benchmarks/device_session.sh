@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# One device call's worth of GPU checks and benchmarks, in stages, each under its own time limit, each
+# writing its log (and JSON) under $OUT so a stage cut short keeps what it printed and the call still
+# returns the rest. Meant for the device tool's machine (torch + triton in the image's python3, no
+# internet); run from the repository root, with the carried wheels in .whl/ (fla for the KDA peer).
+#
+#   bash benchmarks/device_session.sh tests decode            # the GPU tests, then the 48B decode benchmark
+#   bash benchmarks/device_session.sh tests-runner kda mla    # stages run in the order given
+#
+# Stages (seconds: the stage's time limit):
+#   tests-runner (150)  GPU tests of the runner, engine, cache oracle and MoE block (tests/backend)
+#   tests-kernels (560) GPU tests of every kernel package (tests/kernels), one pytest per package, so a
+#                       broken CUDA context in one (an illegal memory access poisons the process) does
+#                       not fail the others
+#   tests               both of the above
+#   decode (200)        benchmarks/decode.py: batch 1/16/64 at 4K, --profile 1, prefill 8K and 32K,
+#                       the cuBLAS-GEMV variant
+#   kda (200)           benchmarks/kernels.py: KDA decode and prefill against fla
+#   mla (150)           benchmarks/kernels_mla.py --decode-only
+#   moe (120)           benchmarks/kernels_moe.py: decode T=1/16/64, prefill 4K/16K, route
+#   linear (100)        benchmarks/kernels_linear.py
+# Outputs: $OUT/<stage>.log and, for benchmarks, $OUT/<stage>.json (at most 8 files come back from a call:
+# choose at most 4 benchmark stages per call).
+set -u
+for stage in "$@"; do
+  case $stage in
+    tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear) ;;
+    *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
+  esac
+done
+OUT=${OUT:-./device_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-build-isolation --no-deps -e . >/dev/null 2>&1
+
+run() {  # run <stage> <seconds> <command...>: output appended to $OUT/<stage>.log; to stdout a verdict
+         # line, the failures and the benchmark's markdown tables
+  local stage=$1 limit=$2
+  shift 2
+  local t0=$SECONDS before
+  before=0
+  [ -f "$OUT/$stage.log" ] && before=$(wc -l <"$OUT/$stage.log")
+  echo "### $*" >>"$OUT/$stage.log"
+  timeout "$limit" "$@" >>"$OUT/$stage.log" 2>&1
+  local rc=$?
+  # this run's own lines: its pytest verdict, or the benchmark's tables
+  local new
+  new=$(tail -n +"$((before + 1))" "$OUT/$stage.log")
+  echo "[$stage] rc=$rc $((SECONDS - t0))s $(grep -E '[0-9]+ (passed|failed)' <<<"$new" | tail -1)"
+  [ "$rc" = 124 ] && echo "[$stage] stopped at its ${limit}s limit"
+  grep -E "FAILED|ERROR|^E |^\|" <<<"$new" | head -40
+}
+
+gpu_pytest() {  # gpu_pytest <stage> <seconds> <paths...>: -v, so each test's verdict is its own line
+  local stage=$1 limit=$2
+  shift 2
+  run "$stage" "$limit" python3 -m pytest -o addopts="" -m gpu -v -p no:warnings --tb=short "$@"
+}
+
+for stage in "$@"; do
+  case $stage in
+    tests-runner|tests)
+      gpu_pytest tests-runner 150 tests/backend ;;&
+    tests-kernels|tests)
+      for pkg in kda mla moe linear norm attn_res sampling; do  # ~30 s each, most of it compiling
+        gpu_pytest tests-kernels "$([ "$pkg" = kda ] && echo 200 || echo 60)" tests/kernels/test_"${pkg}"_*.py
+      done ;;
+    decode)
+      run decode 200 python3 benchmarks/decode.py --batch 1 16 64 --profile 1 --prefill 8192 32768 \
+        --variants cublas_gemv --budget-s 180 --out "$OUT/decode.json" ;;
+    kda)
+      run kda 200 python3 benchmarks/kernels.py --budget-s 180 --out "$OUT/kda.json" ;;
+    mla)
+      run mla 150 python3 benchmarks/kernels_mla.py --decode-only --budget-s 130 --out "$OUT/mla.json" ;;
+    moe)
+      run moe 120 python3 benchmarks/kernels_moe.py --budget-s 100 --out "$OUT/moe.json" ;;
+    linear)
+      run linear 100 python3 benchmarks/kernels_linear.py --budget-s 80 --out "$OUT/linear.json" ;;
+    *) ;;  # tests-runner / tests-kernels after their own clause (;;& tests the later patterns too)
+  esac
+done
