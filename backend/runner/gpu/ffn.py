@@ -21,10 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from k3rt.backend.layers.norm import rms_norm
-from k3rt.backend.models.moe import MoE, route
 from k3rt.backend.layers.activation import act_and_mul
-from k3rt.backend.models.moe import GatedMLP
+from k3rt.backend.layers.norm import rms_norm
+from k3rt.backend.models.moe import GatedMLP, MoE, route
 from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear
 
 

@@ -28,8 +28,7 @@ class KdaWeights:
 
     w_in: torch.Tensor  # [3P + (P full-rank gate | D g_a) + D(f_a) + H(b), hidden]: every projection of x, one GEMM
     splits: tuple[int, ...]
-    low_rank_gate: bool
-    # low-rank gate: [[g_b, 0], [0, f_b]] [2P, 2D]: both up-projections of the adjacent (g_a | f_a)
+    # low-rank gate (None: full rank): [[g_b, 0], [0, f_b]] [2P, 2D]: both up-projections of the adjacent (g_a | f_a)
     # columns in one GEMM (the zero blocks add exact zeros; at decode one launch less per layer)
     w_up: torch.Tensor | None
     conv_weight: torch.Tensor  # [3P, W] fp32
@@ -54,7 +53,7 @@ class KdaWeights:
             w_up = torch.zeros(gb.shape[0] + fb.shape[0], gb.shape[1] + fb.shape[1], dtype=gb.dtype, device=gb.device)
             w_up[:gb.shape[0], :gb.shape[1]] = gb
             w_up[gb.shape[0]:, gb.shape[1]:] = fb
-        return KdaWeights(w, splits, low_rank, w_up, attn.conv_weight.detach().float().contiguous(),
+        return KdaWeights(w, splits, w_up, attn.conv_weight.detach().float().contiguous(),
                           attn.A_log.detach().float().reshape(-1).contiguous(),
                           attn.dt_bias.detach().float().reshape(-1).contiguous(), group, tensor)
 
