@@ -47,6 +47,15 @@ MAX_SPLITS = 256
 
 
 @triton.jit
+def _split_range(seq_lens_ptr, i_n, i_s, num_splits, BLOCK_N: tl.constexpr):
+    """Token range [start, end) of split i_s of sequence i_n: equal shares rounded up to whole tiles."""
+    seq_len = tl.load(seq_lens_ptr + i_n)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = i_s * chunk
+    return start, tl.minimum(start + chunk, seq_len)
+
+
+@triton.jit
 def _tile_pages(bt_row, pos, end, block_size):
     """Page id of each token position of a tile (0 at positions >= end, which load nothing)."""
     return tl.load(bt_row + pos // block_size, mask=pos < end, other=0)
@@ -92,10 +101,7 @@ def _mla_decode_split_tokens_kernel(
 
     if USE_PDL:
         gdc_wait()  # q and the current token's cache entry come from the previous kernels
-    seq_len = tl.load(seq_lens_ptr + i_n)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = i_s * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    start, end = _split_range(seq_lens_ptr, i_n, i_s, num_splits, BLOCK_N)
     bt_row = block_table_ptr + i_n.to(tl.int64) * stride_bt_n
     if PREFETCH > 0:
         c_next, pe_next = _load_tile(kv_ptr, _tile_pages(bt_row, start + offs_t, end, block_size),
@@ -178,10 +184,7 @@ def _mla_decode_split_kernel(
 
     if USE_PDL:
         gdc_wait()  # q and the current token's cache entry come from the previous kernels
-    seq_len = tl.load(seq_lens_ptr + i_n)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = i_s * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    start, end = _split_range(seq_lens_ptr, i_n, i_s, num_splits, BLOCK_N)
 
     q_rows = q_ptr + i_n.to(tl.int64) * stride_q_n + offs_h[:, None] * stride_q_h
     q_c = tl.load(q_rows + offs_l[None, :], mask=mask_h[:, None], other=0.0)  # [BLOCK_H, L]
