@@ -8,6 +8,11 @@ What goes in, per document (one JSON object per line of `corpus.jsonl.xz`):
         and byte-identical duplicates. Line endings are normalized to "\n".
   doc   the English text of each topic in `pydoc_data/topics.py` (read with ast.literal_eval, never
         imported or executed), which is why that file is not also a code document.
+  function  every function and method of 3..40 lines in the training split's code, again on its own: from its
+        `def` line, dedented to column 0, as one document. Held-out prompts are exactly such functions, and
+        in the files most of them are indented methods followed by more code; alone they show a function
+        opening a document and ending there. The trainer chooses library functions only or tests too
+        (`is_test_path` of the document name's path).
   chat  conversations derived from the training split only, in `messages` form (rendered with the
         tokenizer's chat template at training time): "write this function" (docstring summary ->
         source), "explain" (qualified name -> docstring), "summarize as JSON" (source -> name,
@@ -63,9 +68,9 @@ _TEST_DIRS = frozenset({"test", "tests", "idle_test"})
 class Document:
     """One corpus entry. `text` for code/doc; `messages` ([{"role", "content"}, ...]) for chat."""
 
-    kind: str  # "code" | "doc" | "chat"
+    kind: str  # "code" | "function" | "doc" | "chat"
     split: str  # "train" | "valid" | "heldout"
-    name: str  # relative path for code, "topics/<key>" for doc, "chat/<n>" for chat
+    name: str  # relative path for code, "<path>:<line>" for function, "topics/<key>" for doc, "chat/<n>" for chat
     text: str = ""
     messages: tuple[dict[str, str], ...] = field(default=())
 
@@ -163,6 +168,31 @@ def pydoc_topics(root: Path) -> dict[str, str]:
     return {}
 
 
+def dedent_rows(rows: list[str], indent: int) -> str:
+    """`rows` with their first `indent` columns removed where those are blank (a docstring or string line
+    that starts further left keeps its text), joined with newlines."""
+    return "\n".join(r[indent:] if r[:indent].strip() == "" else r for r in rows)
+
+
+def function_documents(code_docs: list[Document], min_lines: int = 3, max_lines: int = 40) -> list[Document]:
+    """Each function and method (nested ones too) of the training split's code documents with
+    min_lines..max_lines lines, from its `def` line (decorators dropped) to its end, dedented, in file order."""
+    out = []
+    for doc in code_docs:
+        if doc.split != "train":
+            continue
+        lines = doc.text.split("\n")
+        for node in ast.walk(ast.parse(doc.text)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.end_lineno is None:
+                continue
+            if not min_lines <= node.end_lineno - node.lineno + 1 <= max_lines:
+                continue
+            first = lines[node.lineno - 1]
+            text = dedent_rows(lines[node.lineno - 1:node.end_lineno], len(first) - len(first.lstrip()))
+            out.append((doc.name, node.lineno, Document("function", "train", f"{doc.name}:{node.lineno}", text)))
+    return [d for _, _, d in sorted(out, key=lambda t: (t[0], t[1]))]
+
+
 def topic_documents(topics: dict[str, str]) -> list[Document]:
     return [Document("doc", "train", f"topics/{key}", text) for key, text in topics.items()]
 
@@ -180,7 +210,7 @@ class _Function:
     source: str  # dedented def ... through the end of the body
 
 
-def _is_test(rel: str) -> bool:
+def is_test_path(rel: str) -> bool:
     parts = rel.split("/")
     return bool(_TEST_DIRS.intersection(parts[:-1])) or parts[-1].startswith("test_")
 
@@ -268,7 +298,7 @@ def _topic_exchange(key: str, text: str, max_chars: int = 1500) -> list[dict[str
 def chat_documents(code_docs: list[Document], topics: dict[str, str]) -> list[Document]:
     """Conversations of 1-3 exchanges (cycling) from the training split's functions and the topics."""
     exchanges = [_function_exchange(fn) for d in code_docs
-                 if d.split == "train" and not _is_test(d.name) for fn in _functions(d)]
+                 if d.split == "train" and not is_test_path(d.name) for fn in _functions(d)]
     exchanges += [_topic_exchange(k, v) for k, v in topics.items()]
     docs, i, n = [], 0, 0
     while i < len(exchanges):
@@ -286,7 +316,7 @@ class Corpus:
     documents: list[Document]
     meta: dict[str, Any]
 
-    def split(self, split: str, kinds: tuple[str, ...] = ("code", "doc", "chat")) -> list[Document]:
+    def split(self, split: str, kinds: tuple[str, ...] = ("code", "function", "doc", "chat")) -> list[Document]:
         return [d for d in self.documents if d.split == split and d.kind in kinds]
 
 
@@ -296,7 +326,7 @@ def build_corpus(root: Path | None = None, heldout: Iterable[str] = HELDOUT_MODU
     heldout, valid = tuple(heldout), tuple(valid)
     code = code_documents(root, heldout, valid)
     topics = pydoc_topics(root)
-    docs = code + topic_documents(topics) + chat_documents(code, topics)
+    docs = code + function_documents(code) + topic_documents(topics) + chat_documents(code, topics)
     counts: dict[str, dict[str, int]] = {}
     for d in docs:
         c = counts.setdefault(f"{d.kind}/{d.split}", {"documents": 0, "chars": 0})

@@ -247,11 +247,12 @@ class Gateway:
 
     # ---- prompts and grammars ----
 
-    async def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special-token text becomes special tokens (chat templates need that)."""
+    async def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a text prompt (`Tokenizer.encode_prompt`: BOS first for `add_bos_token` models);
+        special-token text becomes special tokens (chat templates need that)."""
         if len(text) < 4096:
-            return self.tokenizer.encode(text)
-        return await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode, text)
+            return self.tokenizer.encode_prompt(text)
+        return await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode_prompt, text)
 
     async def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         """Token ids of a chat prompt; message contents never become special tokens (Tokenizer.encode_chat)."""

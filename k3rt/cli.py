@@ -55,7 +55,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     model_dir = resolve_model_dir(a.model)
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir, dtype=a.dtype, progress=not a.json)
-    prompt_ids = tok.encode(a.prompt)
+    prompt_ids = tok.encode_prompt(a.prompt)
     detok = IncrementalDetokenizer(tok, skip_special_tokens=True)
     out: list[int] = []
     for t in generate(model, prompt_ids, params, tok.eos_token_ids):

@@ -15,7 +15,7 @@ parse rate by a point or two) may differ from the CPU run.
 2. Function completion: --num-functions functions (default 100) of 3..30 lines, spread evenly over
    the held-out modules in (file, line) order. The prompt is the function's header, its signature
    lines and docstring if it has one, dedented to column 0. The k3rt offline Engine completes each
-   prompt greedily; a completion ends at its function's end, the first non-blank line that starts at
+   prompt (`Tokenizer.encode_prompt`: BOS first, as every k3-tiny prompt) greedily; a completion ends at its function's end, the first non-blank line that starts at
    column 0 (the dedent heuristic), or at EOS or --max-tokens. The score is the share of completions
    that hold at least one non-blank line and for which `ast.parse(header + completion)` succeeds (a
    docstring alone parses, so an empty completion does not count).
@@ -37,7 +37,7 @@ from _bootstrap import ROOT, import_k3rt  # noqa: E402
 
 import_k3rt()
 
-from k3rt.backend.corpus import Document, read_corpus  # noqa: E402
+from k3rt.backend.corpus import Document, dedent_rows, read_corpus  # noqa: E402
 from k3rt.models import resolve_model_dir  # noqa: E402
 
 _TOP_LEVEL_LINE = re.compile(r"\n(?=[^\s])")
@@ -83,11 +83,8 @@ def _case(module: str, lines: list[str], fn: ast.FunctionDef | ast.AsyncFunction
         return None  # a body on the def line, or a statement sharing the docstring's line
     indent = len(lines[fn.lineno - 1]) - len(lines[fn.lineno - 1].lstrip())
 
-    def dedent(rows: list[str]) -> str:
-        return "\n".join(r[indent:] if r[:indent].strip() == "" else r for r in rows) + "\n"
-
-    header = dedent(lines[fn.lineno - 1:header_end])
-    reference = dedent(lines[fn.lineno - 1:fn.end_lineno])
+    header = dedent_rows(lines[fn.lineno - 1:header_end], indent) + "\n"
+    reference = dedent_rows(lines[fn.lineno - 1:fn.end_lineno], indent) + "\n"
     try:
         ast.parse(reference)
     except SyntaxError:
@@ -120,7 +117,7 @@ def complete_functions(model_dir: Path, cases: list[FunctionCase], *, device: st
     engine = Engine(EngineConfig(model=str(model_dir), dtype=dtype, device=device,
                                  cache=CacheConfig(memory_gb=2.0, num_pages=None)))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    rids = {engine.add_request(tok.encode(c.header), params): i for i, c in enumerate(cases)}
+    rids = {engine.add_request(tok.encode_prompt(c.header), params): i for i, c in enumerate(cases)}
     out_ids: dict[int, list[int]] = {rid: [] for rid in rids}
     result: dict[int, dict] = {}
     aborted: set[int] = set()
@@ -157,10 +154,9 @@ def heldout_bpb(model_dir: Path, corpus, *, device: str, dtype: str, seq_len: in
     from k3rt.backend.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
-    eos = tok.eos_token_ids[0]
     heldout_docs = corpus.split("heldout")
-    heldout_ids = [ids[:-1] for ids in T.encode_documents(heldout_docs, tok)]
-    windows = T.EvalWindows.build(heldout_ids, [d.text for d in heldout_docs], seq_len, eos)
+    heldout_ids = T.eval_documents(heldout_docs, tok)
+    windows = T.EvalWindows.build(heldout_ids, [d.text for d in heldout_docs], seq_len, T.sequence_start(tok))
     model = load_model(model_dir, dtype=dtype, device=device, progress=False)
     bpb = T.bits_per_byte(model, windows, batch_size)
     unigram = T.unigram_bits_per_byte(T.encode_documents(corpus.split("train"), tok), windows, tok.vocab_size)

@@ -55,7 +55,7 @@ from _bootstrap import ROOT, import_k3rt  # noqa: E402
 
 import_k3rt()
 
-from k3rt.backend.corpus import read_corpus  # noqa: E402
+from k3rt.backend.corpus import is_test_path, read_corpus  # noqa: E402
 from k3rt.backend.models import train as T  # noqa: E402
 from k3rt.backend.models.loader import build_model, load_model  # noqa: E402
 from k3rt.backend.models.tiny import write_checkpoint  # noqa: E402
@@ -82,6 +82,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--smoke", action="store_true", help="toy model and sizes on CPU, a few steps (tests)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--function-docs", choices=["none", "library", "all"], default="library",
+                   help="stand-alone function documents trained on: none, library code's, or tests' too")
+    p.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=True,
+                   help="start every document with [BOS] and export add_bos_token, so every prompt starts so too")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=32, help="windows per step (tokens/step = this * seq-len)")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
@@ -141,26 +145,43 @@ def file_hash(paths: list[Path]) -> str:
 
 
 def load_or_train_tokenizer(a: argparse.Namespace, corpus) -> Path:
-    if (a.tokenizer / "tokenizer.json").is_file():
-        return a.tokenizer
-    out = a.work_dir / "tokenizer"
-    if not (out / "tokenizer.json").is_file():
-        log(f"no tokenizer in {a.tokenizer}: training one on the training split into {out}")
-        write_trained_tokenizer(out, [d.text for d in corpus.split("train", ("code", "doc"))],
-                                vocab_size=T.K3_TINY_CONFIG["vocab_size"])
+    """The tokenizer folder to train with and export: --tokenizer, or one trained on the training split; with
+    --add-bos a copy whose tokenizer_config.json says `add_bos_token` (every sequence starts with BOS)."""
+    src = a.tokenizer
+    if not (src / "tokenizer.json").is_file():
+        src = a.work_dir / "tokenizer"
+        if not (src / "tokenizer.json").is_file():
+            log(f"no tokenizer in {a.tokenizer}: training one on the training split into {src}")
+            write_trained_tokenizer(src, [d.text for d in corpus.split("train", ("code", "doc"))],
+                                    vocab_size=T.K3_TINY_CONFIG["vocab_size"])
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    if bool(config.get("add_bos_token", False)) == a.add_bos:
+        return src
+    out = a.work_dir / ("tokenizer-bos" if a.add_bos else "tokenizer-nobos")
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(src / "tokenizer.json", out / "tokenizer.json")
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": a.add_bos}, indent=2,
+                                                          ensure_ascii=False) + "\n")
     return out
+
+
+def training_documents(corpus, function_docs: str) -> list:
+    """The training split, with the corpus's stand-alone function documents as --function-docs says:
+    none, library (not from test files) or all."""
+    return [d for d in corpus.split("train") if d.kind != "function" or function_docs == "all"
+            or (function_docs == "library" and not is_test_path(d.name))]
 
 
 def encode(a: argparse.Namespace, corpus, tok, tok_dir: Path) -> dict[str, list[list[int]]]:
     """Token ids of the train / valid / heldout documents, cached in --work-dir by corpus + tokenizer hash.
-    Evaluation documents lose their trailing EOS: it stands for no bytes of their text."""
-    key = hashlib.sha256((corpus.meta["content_hash"] + file_hash([tok_dir / f for f in TOKENIZER_FILES])).encode())
+    Evaluation documents lose their sequence prefix and trailing EOS (`train.eval_documents`)."""
+    key = hashlib.sha256((corpus.meta["content_hash"] + a.function_docs
+                          + file_hash([tok_dir / f for f in TOKENIZER_FILES])).encode())
     cache = a.work_dir / f"tokens-{key.hexdigest()[:16]}.pt"
     if cache.is_file():
         return {split: [d.tolist() for d in docs] for split, docs in torch.load(cache).items()}
-    ids = {split: T.encode_documents(corpus.split(split), tok) for split in ("train", "valid", "heldout")}
-    for split in ("valid", "heldout"):
-        ids[split] = [d[:-1] for d in ids[split]]
+    ids = {"train": T.encode_documents(training_documents(corpus, a.function_docs), tok),
+           **{split: T.eval_documents(corpus.split(split), tok) for split in ("valid", "heldout")}}
     a.work_dir.mkdir(parents=True, exist_ok=True)
     torch.save({split: [torch.tensor(d, dtype=torch.int32) for d in docs] for split, docs in ids.items()}, cache)
     return ids
@@ -212,9 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     tok_dir = load_or_train_tokenizer(a, corpus)
     tok = load_tokenizer(tok_dir)
     ids = encode(a, corpus, tok, tok_dir)
-    eos = tok.eos_token_ids[0]
     stream = T.TokenStream(ids["train"], a.seq_len, a.batch_size, a.seed)
-    valid, heldout = (T.EvalWindows.build(ids[s], [d.text for d in corpus.split(s)], a.seq_len, eos)
+    valid, heldout = (T.EvalWindows.build(ids[s], [d.text for d in corpus.split(s)], a.seq_len, T.sequence_start(tok))
                       for s in ("valid", "heldout"))
     if a.valid_windows:
         valid = valid.subset(a.valid_windows)

@@ -350,8 +350,10 @@ def lm_loss(model: KimiForCausalLM, inputs: torch.Tensor, targets: torch.Tensor,
 
 
 def encode_documents(docs: Sequence[Document], tok: Tokenizer) -> list[list[int]]:
-    """Token ids of corpus documents, each followed by EOS. Code and doc text is encoded as plain text
-    (a special token's spelling inside code stays text); chat is rendered with the tokenizer's template.
+    """Token ids of corpus documents, each preceded by the tokenizer's sequence prefix (BOS for
+    `add_bos_token` models, as every prompt at serving time) and followed by EOS. Code and doc text is
+    encoded as plain text (a special token's spelling inside code stays text); chat is rendered with the
+    tokenizer's template.
     Ids equal `tok.encode`'s; a tokenizer.json is encoded in parallel batches (HF `encode_batch`)."""
     texts = [tok.apply_chat_template(list(d.messages), add_generation_prompt=False) if d.kind == "chat" else d.text
              for d in docs]
@@ -368,8 +370,21 @@ def encode_documents(docs: Sequence[Document], tok: Tokenizer) -> list[list[int]
             encoded = [tok.encode(texts[i], allow_special=allow) for i in idx]
         for i, e in zip(idx, encoded):
             ids[i] = e
-    eos = tok.eos_token_ids[0]
-    return [[*x, eos] for x in ids]
+    eos, prefix = tok.eos_token_ids[0], tok.sequence_prefix
+    return [[*prefix, *x, eos] for x in ids]
+
+
+def eval_documents(docs: Sequence[Document], tok: Tokenizer) -> list[list[int]]:
+    """The scored ids of evaluation documents: `encode_documents` without the sequence prefix (BOS, the
+    context every document starts from) and without the closing EOS (it stands for no bytes of text)."""
+    skip = len(tok.sequence_prefix)
+    return [ids[skip:-1] for ids in encode_documents(docs, tok)]
+
+
+def sequence_start(tok: Tokenizer) -> int:
+    """The token a document is predicted from in evaluation: BOS for `add_bos_token` models, else EOS
+    (documents follow an EOS in the packed training stream)."""
+    return tok.sequence_prefix[0] if tok.sequence_prefix else tok.eos_token_ids[0]
 
 
 class TokenStream:
@@ -397,8 +412,9 @@ class TokenStream:
 
 @dataclass(frozen=True)
 class EvalWindows:
-    """Held-out documents as [W, T] windows: each document's tokens are predicted from an EOS start
-    (as a document follows EOS in training); the last window of a document is right-padded and masked."""
+    """Held-out documents as [W, T] windows: each document's tokens are predicted from a start token
+    (`sequence_start`: BOS, or EOS where a document follows an EOS in training); the last window of a
+    document is right-padded and masked."""
 
     inputs: torch.Tensor  # [W, T] int64
     targets: torch.Tensor  # [W, T] int64
@@ -406,15 +422,15 @@ class EvalWindows:
     num_bytes: int  # UTF-8 bytes of the held-out text, the denominator of bits/byte
 
     @staticmethod
-    def build(docs: Sequence[Sequence[int]], texts: Sequence[str], seq_len: int, eos_id: int) -> "EvalWindows":
+    def build(docs: Sequence[Sequence[int]], texts: Sequence[str], seq_len: int, start_id: int) -> "EvalWindows":
         rows_in, rows_tg, rows_mask = [], [], []
         for ids in docs:
-            ctx = [eos_id, *ids[:-1]]
+            ctx = [start_id, *ids[:-1]]
             for s in range(0, len(ids), seq_len):
                 tg, inp = list(ids[s:s + seq_len]), ctx[s:s + seq_len]
                 pad = seq_len - len(tg)
-                rows_in.append(inp + [eos_id] * pad)
-                rows_tg.append(tg + [eos_id] * pad)
+                rows_in.append(inp + [start_id] * pad)
+                rows_tg.append(tg + [start_id] * pad)
                 rows_mask.append([True] * len(tg) + [False] * pad)
         return EvalWindows(torch.tensor(rows_in), torch.tensor(rows_tg), torch.tensor(rows_mask),
                            sum(len(t.encode("utf-8")) for t in texts))

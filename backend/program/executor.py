@@ -57,7 +57,8 @@ class ProgramSession:
                  on_event: Callable[[int, str | None, str, bool], None] | None = None,
                  cache_salt: str | None = None) -> None:
         self.pid, self.gen, self.roles, self.on_event, self.salt = pid, gen, roles, on_event, cache_salt
-        self.states: dict[int, StateData] = {0: StateData()}
+        # the root state starts as every sequence of this model does (BOS for `add_bos_token` models)
+        self.states: dict[int, StateData] = {0: StateData(base_ids=list(gen.tok.sequence_prefix))}
         self.queues: dict[int, asyncio.Queue] = {}
         self.tasks: dict[int, asyncio.Task] = {}
         self.ready: dict[int, asyncio.Event] = {}

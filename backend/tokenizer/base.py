@@ -1,8 +1,9 @@
 """The tokenizer interface the rest of k3rt uses: text <-> token ids, raw token bytes, and chat prompts.
 
 Two implementations exist, chosen by `load_tokenizer` from the files in the model directory: `HFTokenizer`
-(tokenizer.json) and `TiktokenTokenizer` (Kimi's tiktoken.model). Neither ever adds BOS/EOS on its own; chat
-templates carry their own markers. Streaming text out of generated ids is `IncrementalDetokenizer`'s job.
+(tokenizer.json) and `TiktokenTokenizer` (Kimi's tiktoken.model). `encode` never adds BOS/EOS; the
+sequence-level entry points (`encode_prompt` for a text prompt, `encode_chat`) start with BOS when the model's
+tokenizer_config.json says `add_bos_token` (k3-tiny does; Kimi's chat template carries its own markers). Streaming text out of generated ids is `IncrementalDetokenizer`'s job.
 """
 from __future__ import annotations
 
@@ -69,6 +70,15 @@ class Tokenizer(ABC):
     @abstractmethod
     def chat_template(self) -> ChatTemplate | None: ...
 
+    @property
+    def sequence_prefix(self) -> tuple[int, ...]:
+        """Ids every sequence starts with: (BOS,) for a model trained that way (`add_bos_token`), else ()."""
+        return ()
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a whole text prompt (the start of a sequence): `sequence_prefix`, then `encode(text)`."""
+        return [*self.sequence_prefix, *self.encode(text)]
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
@@ -106,9 +116,9 @@ class Tokenizer(ABC):
         pieces = text.split("\x00")
         # pieces alternate template text / "K3RT{i}" markers when every marker appears once, in order
         if len(pieces) != 2 * len(contents) + 1 or [p for p in pieces[1::2]] != [f"K3RT{i}" for i in range(len(contents))]:
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                        tools=tools, **kwargs))
-        ids: list[int] = []
+            return self.encode_prompt(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                               tools=tools, **kwargs))
+        ids: list[int] = list(self.sequence_prefix)
         for i, piece in enumerate(pieces):
             if i % 2 == 0:
                 ids += self.encode(piece) if piece else []
@@ -119,7 +129,7 @@ class Tokenizer(ABC):
 
 class LoadedTokenizer(Tokenizer):
     """The descriptive properties, read from attributes every loader sets in its constructor:
-    _vocab_size, _bos_id, _eos_ids, _pad_id, _special_ids, _chat_template."""
+    _vocab_size, _bos_id, _add_bos, _eos_ids, _pad_id, _special_ids, _chat_template."""
 
     @property
     def vocab_size(self) -> int:
@@ -144,6 +154,10 @@ class LoadedTokenizer(Tokenizer):
     @property
     def chat_template(self) -> ChatTemplate | None:
         return self._chat_template
+
+    @property
+    def sequence_prefix(self) -> tuple[int, ...]:
+        return (self._bos_id,) if self._add_bos and self._bos_id is not None else ()
 
 
 def collect_eos_token_ids(

@@ -44,6 +44,9 @@ class TokenizerConfig:
     generation_eos_token_ids: tuple[int, ...] = ()
     # k3rt extension for tiny test vocabularies; real Kimi configs omit it and the tiktoken loader uses 256
     num_reserved_special_tokens: int | None = None
+    # HF's `add_bos_token`: every sequence the model sees starts with BOS (text prompts and chat alike);
+    # absent means False, as for Kimi, whose chat template opens with its own marker
+    add_bos_token: bool = False
 
     @property
     def special_token_names(self) -> dict[str, str]:
@@ -84,6 +87,7 @@ def read_tokenizer_config(model_dir: Path) -> TokenizerConfig:
         chat_template=chat_template,
         generation_eos_token_ids=tuple(int(i) for i in eos_ids),
         num_reserved_special_tokens=int(reserved) if reserved is not None else None,
+        add_bos_token=bool(config.get("add_bos_token", False)),
         **names,
     )
 

@@ -83,6 +83,7 @@ class HFTokenizer(LoadedTokenizer):
         self._id_to_bytes = self._token_byte_table(vocab, added)
 
         self._bos_id = self._id_of(config.bos_token)
+        self._add_bos = config.add_bos_token
         self._pad_id = self._id_of(config.pad_token)
         self._eos_ids = collect_eos_token_ids(
             self._id_of(config.eos_token), config.generation_eos_token_ids, self._id_of(IM_END)

@@ -127,6 +127,7 @@ class TiktokenTokenizer(LoadedTokenizer):
         self._always_allowed = frozenset(names[i] for i in special_ids if i not in self._special_ids)
 
         self._bos_id = self._name_to_id.get(config.bos_token) if config.bos_token else None
+        self._add_bos = config.add_bos_token
         self._pad_id = self._name_to_id.get(config.pad_token) if config.pad_token else None
         eos_id = self._name_to_id.get(config.eos_token) if config.eos_token else None
         self._eos_ids = collect_eos_token_ids(eos_id, config.generation_eos_token_ids, self._name_to_id.get(IM_END))

@@ -27,7 +27,7 @@ MAX_PROMPTS = 64  # prompts per batch request
 
 async def _prompts(ctx: ServerContext, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [await ctx.gateway.encode(prompt)]
+        return [await ctx.gateway.encode_prompt(prompt)]
     if not prompt:
         raise bad_request("prompt", "must not be an empty list")
     if len(prompt) > MAX_PROMPTS and not isinstance(prompt[0], int):
@@ -35,7 +35,7 @@ async def _prompts(ctx: ServerContext, prompt: Any) -> list[list[int]]:
     if isinstance(prompt[0], int):
         return [list(prompt)]
     if isinstance(prompt[0], str):
-        return [await ctx.gateway.encode(p) for p in prompt]
+        return [await ctx.gateway.encode_prompt(p) for p in prompt]
     return [list(p) for p in prompt]
 
 

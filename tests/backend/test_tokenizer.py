@@ -395,3 +395,19 @@ def test_hf_sentencepiece_style_token_bytes(tmp_path: Path) -> None:
     backend.save(str(tmp_path / "tokenizer.json"))
     loaded = load_tokenizer(tmp_path)
     assert [loaded.token_bytes(i) for i in (1, 2, 3)] == [b"\n", b"\xe4", b" hi"]
+
+
+def test_add_bos_token_starts_prompts_and_chats_with_bos(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+    for kind in ("hf", "tiktoken"):
+        plain = load_tokenizer(tiny_dirs[kind])
+        assert plain.sequence_prefix == () and plain.encode_prompt("x = 1") == plain.encode("x = 1")
+        shutil.copytree(tiny_dirs[kind], tmp_path / kind)
+        path = tmp_path / kind / "tokenizer_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "add_bos_token": True}))
+        tok = load_tokenizer(tmp_path / kind)
+        bos = tok.bos_token_id
+        assert bos is not None and tok.sequence_prefix == (bos,)
+        assert tok.encode("x = 1") == plain.encode("x = 1")  # encode itself never adds BOS
+        assert tok.encode_prompt("x = 1") == [bos, *plain.encode("x = 1")]
+        chat = [{"role": "user", "content": "hi"}]
+        assert tok.encode_chat(chat) == [bos, *plain.encode_chat(chat)]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3rt.backend.corpus import build_corpus, read_corpus, stdlib_dir, write_corpus
+from k3rt.backend.corpus import build_corpus, is_test_path, read_corpus, stdlib_dir, write_corpus
 from k3rt.backend.models import train as T
 from k3rt.backend.models.batch import ForwardBatch
 from k3rt.backend.models.loader import build_model, load_model
@@ -225,7 +225,7 @@ def test_token_stream_is_deterministic_and_covers_each_epoch() -> None:
 
 def test_eval_windows_score_every_token_once() -> None:
     docs, texts = [[5, 6, 7, 8, 9], [1, 2]], ["abcdefg", "xy"]
-    w = T.EvalWindows.build(docs, texts, seq_len=3, eos_id=0)
+    w = T.EvalWindows.build(docs, texts, seq_len=3, start_id=0)
     assert w.inputs.tolist() == [[0, 5, 6], [7, 8, 0], [0, 1, 0]]
     assert w.targets[w.mask].tolist() == [5, 6, 7, 8, 9, 1, 2] and w.num_bytes == 9
 
@@ -243,7 +243,7 @@ def mini_stdlib(root: Path) -> Path:
     shutil.copy(real / "json" / "decoder.py", lib / "json" / "decoder.py")
     files = {
         "test/test_textwrap.py": "import textwrap\n\ndef test_wrap():\n    assert textwrap.wrap('a b', 1)\n",
-        "test/test_abc.py": "import abc\n\ndef test_abc():\n    assert abc.ABC\n",
+        "test/test_abc.py": "import abc\n\ndef test_abc():\n    assert abc.ABC\n    assert abc.ABCMeta\n",
         "bad_syntax.py": "def broken(:\n    pass\n",
         "encodings/cp9999.py": '""" Python Character Mapping Codec cp9999 generated from \'X.TXT\' with gencodec.py.\n"""\nx = 1\n',
         "site-packages/pkg.py": "x = 1\n",
@@ -278,6 +278,20 @@ def test_corpus_is_deterministic_and_splits_by_module(tmp_path: Path) -> None:
     said = " ".join(m["content"] for d in chats for m in d.messages)
     assert "textwrap" not in said and "bisect" not in said  # nothing derived from held-out code
     assert a.meta["missing_modules"] == []
+
+    # stand-alone functions: training split only, library and tests, each from its def line, dedented
+    funcs = {d.name: d for d in a.documents if d.kind == "function"}
+    assert funcs and all(d.split == "train" for d in funcs.values())
+    assert not any(n.startswith(("textwrap.py", "json/", "bisect.py")) for n in funcs)
+    assert funcs["test/test_abc.py:3"].text == "def test_abc():\n    assert abc.ABC\n    assert abc.ABCMeta"
+    assert is_test_path("test/test_abc.py:3")
+    source = by_name["dataclasses.py"].text.split("\n")
+    line, method = next((int(n.split(":")[1]), d) for n, d in funcs.items()
+                        if n.startswith("dataclasses.py:") and source[int(n.split(":")[1]) - 1].startswith("    def "))
+    rows = method.text.split("\n")
+    assert rows[0] == source[line - 1].strip() and not is_test_path(f"dataclasses.py:{line}")
+    assert all(r == "" or source[line - 1 + i].endswith(r) for i, r in enumerate(rows))  # columns dropped, text kept
+    assert all(3 <= d.text.count("\n") + 1 <= 40 for d in funcs.values())
 
     written = write_corpus(a, tmp_path / "corpus")
     assert read_corpus(written.parent).documents == a.documents
@@ -327,6 +341,8 @@ def test_smoke_run_exports_what_the_loader_reloads(smoke_inputs, tmp_path: Path)
     assert report["heldout_bits_per_byte"] == pytest.approx(report["heldout_bits_per_byte_shipped_weights"], abs=1e-3)
     assert report["loss_curve"][-1]["loss"] < report["loss_curve"][0]["loss"]
     assert (out / "tokenizer.json").read_bytes() == (smoke_inputs[1] / "tokenizer.json").read_bytes()
+    exported_tok = load_tokenizer(out)  # trained with BOS first (--add-bos, the default), so it says so
+    assert exported_tok.sequence_prefix == (exported_tok.bos_token_id,) and hp["add_bos"] is True
     assert all(p.stat().st_size <= 15_000_000 for p in out.glob("*.safetensors"))
 
     ck = torch.load(work / "ckpt.pt", weights_only=False)
@@ -379,7 +395,7 @@ def test_shipped_k3_tiny_loads_by_name() -> None:
     assert weights <= 40_000_000 and all(p.stat().st_size <= 15_000_000 for p in (MODELS_DIR / "k3-tiny").glob("*.safetensors"))
 
 
-def test_encode_documents_equals_tokenizer_encode(smoke_inputs) -> None:
+def test_encode_documents_equals_tokenizer_encode(smoke_inputs, tmp_path: Path) -> None:
     corpus_dir, tok_dir = smoke_inputs
     tok = load_tokenizer(tok_dir)
     docs = read_corpus(corpus_dir).documents
@@ -387,3 +403,14 @@ def test_encode_documents_equals_tokenizer_encode(smoke_inputs) -> None:
     want = [[*(tok.encode(tok.apply_chat_template(list(d.messages), add_generation_prompt=False))
                if d.kind == "chat" else tok.encode(d.text, allow_special=False)), tok.eos_token_ids[0]] for d in docs]
     assert T.encode_documents(docs, tok) == want
+    assert T.eval_documents(docs, tok) == [w[:-1] for w in want] and T.sequence_start(tok) == tok.eos_token_ids[0]
+
+    # an add_bos_token tokenizer: every document starts with BOS, which evaluation gives as the start token
+    shutil.copytree(tok_dir, tmp_path / "bos")
+    config = json.loads((tmp_path / "bos" / "tokenizer_config.json").read_text())
+    (tmp_path / "bos" / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True}))
+    bos_tok = load_tokenizer(tmp_path / "bos")
+    bos = bos_tok.bos_token_id
+    assert bos is not None and bos_tok.sequence_prefix == (bos,)
+    assert T.encode_documents(docs, bos_tok) == [[bos, *w] for w in want]
+    assert T.eval_documents(docs, bos_tok) == [w[:-1] for w in want] and T.sequence_start(bos_tok) == bos
