@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Train k3-tiny recipes side by side on the device tool's machine, one GPU per recipe, each run under the
-# same time budget; each export comes back as one archive (the device returns at most 8 files per call).
+# same time budget. The device returns at most 8 files of at most 16 MiB each, so an export comes back as its
+# weight shards (each <= 15 MB) plus one archive of its small files and training log: 3 files per recipe.
 #
 #   bash scripts/train_on_device.sh <time-budget-s> <commit> "<name>:<extra train args>" ...
 #   e.g. (2 GPUs; carry .whl and .cache/corpus):
 #   bash scripts/train_on_device.sh 500 $(git rev-parse HEAD) "lib:--function-docs library" "all:--function-docs all"
 #
-# Outputs under $OUT: train-<name>.log and k3-tiny-<name>.tgz (config, shards, tokenizer, training.json).
+# Outputs under $OUT/k3-tiny-<name>/: model-*.safetensors and small-files.tgz (config.json, the shard index,
+# tokenizer files, training.json, train.log). Unpack with: tar xzf small-files.tgz -C <that folder>.
 set -u
 budget=$1 commit=$2
 shift 2
@@ -26,13 +28,18 @@ for recipe in "$@"; do
   # shellcheck disable=SC2086  # extra holds several arguments
   CUDA_VISIBLE_DEVICES=$i python3 scripts/train_default_model.py --device cuda --time-budget-s "$budget" \
     --commit "$commit" --out "$OUT/k3-tiny-$name" --work-dir "/tmp/train-$name" $extra \
-    >"$OUT/train-$name.log" 2>&1 &
+    >"/tmp/train-$name.log" 2>&1 &
   i=$((i + 1))
 done
 wait
 for recipe in "$@"; do
   name=${recipe%%:*}
-  echo "== $name: $(grep -E 'calibrated|training stopped|exporting|held-out bits|reloaded' "$OUT/train-$name.log" | tr '\n' ' ')"
-  tail -3 "$OUT/train-$name.log"
-  [ -d "$OUT/k3-tiny-$name" ] && tar czf "$OUT/k3-tiny-$name.tgz" -C "$OUT" "k3-tiny-$name" && rm -rf "$OUT/k3-tiny-$name"
+  log=/tmp/train-$name.log dir=$OUT/k3-tiny-$name
+  echo "== $name: $(grep -E 'calibrated|training stopped|exporting|held-out bits|reloaded' "$log" | tr '\n' ' ')"
+  tail -3 "$log"
+  [ -d "$dir" ] || { cp "$log" "$OUT/train-$name.log"; continue; }
+  cp "$log" "$dir/train.log"
+  small=$(cd "$dir" && ls | grep -v '\.safetensors$')
+  # shellcheck disable=SC2086  # one name per word
+  (cd "$dir" && tar czf small-files.tgz $small && rm -f $small)
 done
