@@ -196,3 +196,18 @@ def test_bind_and_run_defaults(rt) -> None:
     # run()'s max_tokens is a default: the gen's own max_tokens=16 wins
     m = a.meta("answer_1")
     assert m["completion_tokens"] == 16 or m["finish_reason"] == "stop", m
+
+
+def test_program_root_state_starts_like_every_sequence() -> None:
+    # a model trained with BOS first (add_bos_token) gets it at the start of every program, before any text
+    from types import SimpleNamespace
+
+    from k3rt.backend.program.executor import ProgramSession
+
+    tok = SimpleNamespace(sequence_prefix=(7,), encode=lambda text, allow_special=True: [ord(c) for c in text])
+    session = ProgramSession("p", SimpleNamespace(tok=tok), roles=None)
+    root = session.states[0]
+    assert session.prompt_ids(root) == [7]
+    root.run = "ab"
+    assert session.prompt_ids(root) == [7, 97, 98]
+    assert session.states[0].fork_copy().base_ids == [7]
