@@ -5,10 +5,14 @@
 #
 #   bash scripts/train_on_device.sh <time-budget-s> <commit> "<name>:<extra train args>" ...
 #   e.g. (2 GPUs; carry .whl and .cache/corpus):
-#   bash scripts/train_on_device.sh 500 $(git rev-parse HEAD) "lib:--function-docs library" "all:--function-docs all"
+#   bash scripts/train_on_device.sh 440 $(git rev-parse HEAD) "lib:--function-docs library" "all:--function-docs all"
+#   (the call also needs ~20 s of set-up and ~60 s for the function-completion test after training)
 #
 # Outputs under $OUT/k3-tiny-<name>/: model-*.safetensors and small-files.tgz (config.json, the shard index,
-# tokenizer files, training.json, train.log). Unpack with: tar xzf small-files.tgz -C <that folder>.
+# tokenizer files, training.json, train.log, and eval.json: the held-out function-completion test run on
+# the GPU right after training, so a recipe's parse rate is known even if its weights cannot come back;
+# the CPU run of scripts/eval_default_model.py stays the reported number). Unpack with:
+# tar xzf small-files.tgz -C <that folder>.
 set -u
 budget=$1 commit=$2
 shift 2
@@ -32,10 +36,19 @@ for recipe in "$@"; do
   i=$((i + 1))
 done
 wait
+i=0
+for recipe in "$@"; do  # the function-completion test of each export, on its own GPU, side by side
+  name=${recipe%%:*}
+  [ -d "$OUT/k3-tiny-$name" ] && CUDA_VISIBLE_DEVICES=$i python3 scripts/eval_default_model.py \
+    --model "$OUT/k3-tiny-$name" --device cuda --skip-bpb --out "$OUT/k3-tiny-$name/eval.json" \
+    >>"/tmp/train-$name.log" 2>&1 &
+  i=$((i + 1))
+done
+wait
 for recipe in "$@"; do
   name=${recipe%%:*}
   log=/tmp/train-$name.log dir=$OUT/k3-tiny-$name
-  echo "== $name: $(grep -E 'calibrated|training stopped|exporting|held-out bits|reloaded' "$log" | tr '\n' ' ')"
+  echo "== $name: $(grep -E 'calibrated|training stopped|exporting|held-out bits|reloaded|function completion' "$log" | tr '\n' ' ')"
   tail -3 "$log"
   [ -d "$dir" ] || { cp "$log" "$OUT/train-$name.log"; continue; }
   cp "$log" "$dir/train.log"
