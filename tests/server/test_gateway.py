@@ -43,7 +43,7 @@ async def _collect(gw: Gateway, job: Job) -> dict[int, tuple[str, list[int], str
 
 def test_choices_stop_strings_and_admission(tiny_model) -> None:
     async def body(gw: Gateway) -> None:
-        prompt = await gw.encode("The scheduler hands out a token budget")
+        prompt = await gw.encode_prompt("The scheduler hands out a token budget")
         full = await _collect(gw, Job([prompt, prompt[:5]], GREEDY, n=2))
         assert sorted(full) == [0, 1, 2, 3]
         assert full[0] == full[1] and full[2] == full[3]  # greedy: a prompt's choices agree
@@ -70,7 +70,7 @@ def test_closing_a_job_aborts_its_requests(tiny_model) -> None:
     async def body(gw: Gateway) -> None:
         engine = gw.client.engine
         idle = engine.pool.num_free
-        prompt = await gw.encode("A long answer, please.")
+        prompt = await gw.encode_prompt("A long answer, please.")
         stream = gw.generate(Job([prompt], SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True), n=3))
         async for d in stream:
             if d.token_ids:
