@@ -22,16 +22,25 @@ FUNCTION_HEAD = '''def count_words(path):
     """Return a dict mapping each word in the file at path to its number of occurrences."""
 '''
 
+IDENTIFIER = "^[A-Za-z_][A-Za-z0-9_]*$"  # a Python name: the schema, not the model, keeps it one
 SUMMARY_SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 40},
-        "arguments": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 4},
-        "summary": {"type": "string", "maxLength": 160},
+        "name": {"type": "string", "pattern": IDENTIFIER, "maxLength": 40},
+        "arguments": {"type": "array", "items": {"type": "string", "pattern": IDENTIFIER, "maxLength": 20},
+                      "maxItems": 4},
+        "summary": {"type": "string", "maxLength": 120},
     },
     "required": ["name", "arguments", "summary"],
     "additionalProperties": False,
 }
+# enough for the largest object the schema admits (40 + 4 * 20 + 120 characters plus the punctuation, at
+# worst one token per character), so the constrained JSON is always complete: a token cap that cuts it
+# short would leave an unterminated string
+SUMMARY_MAX_TOKENS = 320
+# Greedy text from a 12M-parameter model falls into loops ("path, path, path, ..."); a mild repetition
+# penalty on the free-text gens keeps it varied. The JSON summary stays plainly greedy: the schema shapes it.
+REPETITION_PENALTY = 1.2
 
 
 @k3rt.function
@@ -39,15 +48,16 @@ def demo(s, head):
     # 1. plain completion: the model continues the function body until the next top-level statement
     s += k3rt.user(f"Write a Python function `count_words(path)`. Return a dict mapping each word in the file "
                    f"at path to its number of occurrences.")
-    s += k3rt.assistant(head + k3rt.gen("body", max_tokens=96, stop=["\ndef ", "\nclass ", "\n\n\n"]))
+    s += k3rt.assistant(head + k3rt.gen("body", max_tokens=96, stop=["\ndef ", "\nclass ", "\n\n\n"],
+                                        repetition_penalty=REPETITION_PENALTY))
     # 2. a JSON summary, constrained by the schema (always parses, always validates)
     s += k3rt.user("Summarize this function as JSON with the keys name, arguments and summary.")
-    s += k3rt.assistant(k3rt.gen("summary", json_schema=SUMMARY_SCHEMA, max_tokens=96))
+    s += k3rt.assistant(k3rt.gen("summary", json_schema=SUMMARY_SCHEMA, max_tokens=SUMMARY_MAX_TOKENS))
     # 3. a short multi-turn exchange
     s += k3rt.user("What does the function return?")
-    s += k3rt.assistant(k3rt.gen("answer1", max_tokens=48))
+    s += k3rt.assistant(k3rt.gen("answer1", max_tokens=48, repetition_penalty=REPETITION_PENALTY))
     s += k3rt.user("Explain `str.split` in one sentence.")
-    s += k3rt.assistant(k3rt.gen("answer2", max_tokens=48))
+    s += k3rt.assistant(k3rt.gen("answer2", max_tokens=48, repetition_penalty=REPETITION_PENALTY))
 
 
 def run(be: Any) -> dict[str, Any]:
