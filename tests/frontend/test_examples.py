@@ -127,3 +127,26 @@ def _uncached(x):
     if isinstance(x, list):
         return [_uncached(v) for v in x]
     return x
+
+
+def test_demo_on_the_shipped_model_is_complete_and_matches_make_demo() -> None:
+    # `make demo` runs examples/demo.py on k3-tiny: every part is there, the JSON is complete and valid
+    # under its schema (the token cap covers the largest object the schema admits), and the standalone
+    # script prints exactly what an in-module run returns
+    sys.path.insert(0, str(EXAMPLES_DIR))
+    try:
+        demo = importlib.import_module("demo")
+    finally:
+        sys.path.remove(str(EXAMPLES_DIR))
+    import k3rt
+
+    with k3rt.Runtime(in_process=True) as rt:
+        r = demo.run(rt)
+    assert r["function"].startswith(demo.FUNCTION_HEAD) and len(r["function"]) > len(demo.FUNCTION_HEAD)
+    jsonschema.validate(r["summary"], demo.SUMMARY_SCHEMA)
+    assert [t["user"] for t in r["turns"]] == ["What does the function return?", "Explain `str.split` in one sentence."]
+    assert all(t["assistant"].strip() for t in r["turns"])
+    out = subprocess.run([sys.executable, str(EXAMPLES_DIR / "demo.py"), "--in-process", "--json"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    standalone = json.loads(out[out.index("{"):])
+    assert {k: v for k, v in standalone.items() if k != "seconds"} == {k: v for k, v in r.items() if k != "seconds"}
