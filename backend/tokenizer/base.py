@@ -2,8 +2,9 @@
 
 Two implementations exist, chosen by `load_tokenizer` from the files in the model directory: `HFTokenizer`
 (tokenizer.json) and `TiktokenTokenizer` (Kimi's tiktoken.model). `encode` never adds BOS/EOS; the
-sequence-level entry points (`encode_prompt` for a text prompt, `encode_chat`) start with BOS when the model's
-tokenizer_config.json says `add_bos_token` (k3-tiny does; Kimi's chat template carries its own markers). Streaming text out of generated ids is `IncrementalDetokenizer`'s job.
+sequence-level entry points (`encode_prompt` for a text prompt, `encode_chat`) start with BOS when the
+model's tokenizer_config.json says `add_bos_token` (k3-tiny does; Kimi's chat template carries its own
+markers). Streaming text out of generated ids is `IncrementalDetokenizer`'s job.
 """
 from __future__ import annotations
 
@@ -77,7 +78,12 @@ class Tokenizer(ABC):
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a whole text prompt (the start of a sequence): `sequence_prefix`, then `encode(text)`."""
-        return [*self.sequence_prefix, *self.encode(text)]
+        return self._start_sequence(self.encode(text))
+
+    def _start_sequence(self, ids: list[int]) -> list[int]:
+        # once: a prompt or template that already spells the BOS (e.g. "{{ bos_token }}...") must not get two
+        prefix = list(self.sequence_prefix)
+        return ids if ids[:len(prefix)] == prefix else prefix + ids
 
     def apply_chat_template(
         self,
@@ -118,13 +124,13 @@ class Tokenizer(ABC):
         if len(pieces) != 2 * len(contents) + 1 or [p for p in pieces[1::2]] != [f"K3RT{i}" for i in range(len(contents))]:
             return self.encode_prompt(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                                tools=tools, **kwargs))
-        ids: list[int] = list(self.sequence_prefix)
+        ids: list[int] = []
         for i, piece in enumerate(pieces):
             if i % 2 == 0:
                 ids += self.encode(piece) if piece else []
             else:
                 ids += self.encode(contents[i // 2], allow_special=False)
-        return ids
+        return self._start_sequence(ids)
 
 
 class LoadedTokenizer(Tokenizer):

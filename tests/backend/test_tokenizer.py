@@ -411,3 +411,5 @@ def test_add_bos_token_starts_prompts_and_chats_with_bos(tiny_dirs: dict[str, Pa
         assert tok.encode_prompt("x = 1") == [bos, *plain.encode("x = 1")]
         chat = [{"role": "user", "content": "hi"}]
         assert tok.encode_chat(chat) == [bos, *plain.encode_chat(chat)]
+        # a prompt (or template) that already spells the BOS gets it once, not twice
+        assert tok.encode_prompt("[BOS]x = 1") == [bos, *plain.encode("x = 1")]
