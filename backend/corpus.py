@@ -37,6 +37,7 @@ import ast
 import hashlib
 import json
 import lzma
+import random
 import sys
 import sysconfig
 import textwrap
@@ -191,6 +192,90 @@ def function_documents(code_docs: list[Document], min_lines: int = 3, max_lines:
             text = dedent_rows(lines[node.lineno - 1:node.end_lineno], len(first) - len(first.lstrip()))
             out.append((doc.name, node.lineno, Document("function", "train", f"{doc.name}:{node.lineno}", text)))
     return [d for _, _, d in sorted(out, key=lambda t: (t[0], t[1]))]
+
+
+# Names a renamed variable may get: short and common, as in the stdlib's own code.
+_RENAME_POOL = (
+    "a", "b", "c", "d", "e", "f", "g", "h", "n", "m", "i", "j", "k", "p", "q", "r", "s", "t", "u", "v", "w", "x",
+    "y", "z", "arg", "buf", "chunk", "count", "data", "dst", "elem", "entry", "first", "index", "item", "items",
+    "key", "last", "line", "lines", "name", "node", "obj", "out", "part", "parts", "pos", "res", "result", "ret",
+    "size", "src", "text", "tmp", "total", "val", "value", "values", "word", "words",
+)
+_RENAME_BLOCKERS = frozenset({"locals", "vars", "eval", "exec", "globals", "super"})
+
+
+def rename_locals(source: str, seed: int) -> str | None:
+    """`source` (one dedented function) with its parameters (not self/cls) and local variables renamed
+    consistently to names drawn by `seed` from a pool, formatting and comments kept; None where that is
+    not provably safe. A training augmentation: the body must follow the names the signature gives.
+
+    Only the identifiers of `ast.Name` / `ast.arg` nodes change, in place at their source positions; names
+    bound another way (imports, except ... as, nested def/class, global/nonlocal, match patterns), names
+    passed as call keywords, and functions that call locals()/vars()/eval()/exec()/globals()/super() are
+    left alone or skipped. The result must parse to the original tree with the names mapped, else None."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    if len(tree.body) != 1 or not isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    fn = tree.body[0]
+    bound, blocked, used = set(), {"self", "cls", fn.name}, set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.Name):
+            used.add(node.id)
+            if isinstance(node.ctx, (ast.Store, ast.Del)):
+                bound.add(node.id)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            blocked.update(node.names)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            blocked.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            blocked.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            blocked.add(node.name)
+        elif isinstance(node, ast.match_case):
+            return None
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _RENAME_BLOCKERS:
+            return None
+        elif isinstance(node, ast.Attribute):
+            used.add(node.attr)
+        elif isinstance(node, ast.keyword) and node.arg:
+            used.add(node.arg)
+            blocked.add(node.arg)  # `f(path=path)`: the keyword names the callee's parameter
+    old = sorted(bound - blocked)
+    free = [n for n in _RENAME_POOL if n not in used and n not in bound and n not in blocked]
+    if not old or len(free) < len(old):
+        return None
+    mapping = dict(zip(old, random.Random(seed).sample(free, len(old))))
+
+    lines = [line.encode("utf-8") for line in source.split("\n")]
+    spots = sorted({(n.lineno, n.col_offset, n.arg) for n in ast.walk(fn) if isinstance(n, ast.arg) and n.arg in mapping}
+                   | {(n.lineno, n.col_offset, n.id) for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id in mapping},
+                   reverse=True)
+    for lineno, col, name in spots:  # col_offset counts UTF-8 bytes
+        row, name_b = lines[lineno - 1], name.encode()
+        if row[col:col + len(name_b)] != name_b:
+            return None
+        lines[lineno - 1] = row[:col] + mapping[name].encode() + row[col + len(name_b):]
+    renamed = b"\n".join(lines).decode("utf-8")
+
+    class _Rename(ast.NodeTransformer):
+        def visit_Name(self, node: ast.Name) -> ast.Name:
+            node.id = mapping.get(node.id, node.id)
+            return node
+
+        def visit_arg(self, node: ast.arg) -> ast.arg:
+            node.arg = mapping.get(node.arg, node.arg)
+            return node
+
+    try:
+        same = ast.dump(ast.parse(renamed)) == ast.dump(_Rename().visit(ast.parse(source)))
+    except SyntaxError:
+        return None
+    return renamed if same else None
 
 
 def topic_documents(topics: dict[str, str]) -> list[Document]:

@@ -59,7 +59,7 @@ from _bootstrap import ROOT, import_k3rt  # noqa: E402
 
 import_k3rt()
 
-from k3rt.backend.corpus import is_test_path, read_corpus  # noqa: E402
+from k3rt.backend.corpus import Document, is_test_path, read_corpus, rename_locals  # noqa: E402
 from k3rt.backend.models import train as T  # noqa: E402
 from k3rt.backend.models.loader import build_model, load_model  # noqa: E402
 from k3rt.backend.models.tiny import write_checkpoint  # noqa: E402
@@ -88,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--function-docs", choices=["none", "library", "all"], default="all",
                    help="stand-alone function documents trained on: none, library code's, or tests' too")
+    p.add_argument("--function-renames", type=int, default=0,
+                   help="extra copies of each function document with its parameters and locals renamed (untried)")
     p.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=True,
                    help="start every document with [BOS] and export add_bos_token, so every prompt starts so too")
     p.add_argument("--seq-len", type=int, default=512)
@@ -169,22 +171,32 @@ def load_or_train_tokenizer(a: argparse.Namespace, corpus) -> Path:
     return out
 
 
-def training_documents(corpus, function_docs: str) -> list:
+def training_documents(corpus, function_docs: str, renames: int = 0, seed: int = 0) -> list:
     """The training split, with the corpus's stand-alone function documents as --function-docs says:
-    none, library (not from test files) or all."""
-    return [d for d in corpus.split("train") if d.kind != "function" or function_docs == "all"
+    none, library (not from test files) or all; plus, per chosen function, `renames` copies with its
+    parameters and locals renamed (`corpus.rename_locals`, seeded by seed, name and copy; functions where
+    renaming is not provably safe get none)."""
+    docs = [d for d in corpus.split("train") if d.kind != "function" or function_docs == "all"
             or (function_docs == "library" and not is_test_path(d.name))]
+    extra = []
+    for d in docs:
+        for k in range(renames if d.kind == "function" else 0):
+            digest = hashlib.sha256(f"{seed}/{d.name}/{k}".encode()).digest()
+            text = rename_locals(d.text, int.from_bytes(digest[:8], "big"))
+            if text is not None:
+                extra.append(Document("function", "train", f"{d.name}#renamed{k}", text))
+    return docs + extra
 
 
 def encode(a: argparse.Namespace, corpus, tok, tok_dir: Path) -> dict[str, list[list[int]]]:
     """Token ids of the train / valid / heldout documents, cached in --work-dir by corpus + tokenizer hash.
     Evaluation documents lose their sequence prefix and trailing EOS (`train.eval_documents`)."""
-    key = hashlib.sha256((corpus.meta["content_hash"] + a.function_docs
+    key = hashlib.sha256((corpus.meta["content_hash"] + f"{a.function_docs}/{a.function_renames}/{a.seed}"
                           + file_hash([tok_dir / f for f in TOKENIZER_FILES])).encode())
     cache = a.work_dir / f"tokens-{key.hexdigest()[:16]}.pt"
     if cache.is_file():
         return {split: [d.tolist() for d in docs] for split, docs in torch.load(cache).items()}
-    ids = {"train": T.encode_documents(training_documents(corpus, a.function_docs), tok),
+    ids = {"train": T.encode_documents(training_documents(corpus, a.function_docs, a.function_renames, a.seed), tok),
            **{split: T.eval_documents(corpus.split(split), tok) for split in ("valid", "heldout")}}
     a.work_dir.mkdir(parents=True, exist_ok=True)
     torch.save({split: [torch.tensor(d, dtype=torch.int32) for d in docs] for split, docs in ids.items()}, cache)

@@ -9,6 +9,7 @@ cases), so they do not depend on which CPython runs them.
 
 from __future__ import annotations
 
+import ast
 import copy
 import importlib.util
 import json
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3rt.backend.corpus import build_corpus, is_test_path, read_corpus, stdlib_dir, write_corpus
+from k3rt.backend.corpus import build_corpus, is_test_path, read_corpus, rename_locals, stdlib_dir, write_corpus
 from k3rt.backend.models import train as T
 from k3rt.backend.models.batch import ForwardBatch
 from k3rt.backend.models.loader import build_model, load_model
@@ -299,6 +300,37 @@ def test_corpus_is_deterministic_and_splits_by_module(tmp_path: Path) -> None:
     assert meta["content_hash"] == a.meta["content_hash"]
 
 
+RENAME_SOURCE = '''def split_words(self, text, sep=None, *, limit=-1):
+    """Split text into words."""  # text stays in strings and comments
+    words = [w for w in text.split(sep=sep) if w]
+    if limit >= 0:
+        words = words[:limit]
+    try:
+        self.count = len(words)
+    except ValueError as err:
+        raise err
+    return {"n": len(words), "msg": f"{len(words)} from {text!r}"}'''
+
+
+def test_rename_locals_renames_names_only_consistently_and_safely() -> None:
+    a, b = rename_locals(RENAME_SOURCE, 0), rename_locals(RENAME_SOURCE, 1)
+    assert a is not None and b is not None and a != b and a == rename_locals(RENAME_SOURCE, 0)
+    new = ast.parse(a).body[0]
+    params = [x.arg for x in new.args.args] + [x.arg for x in new.args.kwonlyargs]
+    assert params[0] == "self" and "text" not in params and "limit" not in params and len(set(params)) == 4
+    text_new, sep_new = params[1], params[2]
+    # text, comments and string literals are untouched; only the Name / arg tokens changed
+    assert '"""Split text into words."""  # text stays in strings and comments' in a
+    assert f"{text_new}.split(sep={sep_new})" in a  # the keyword `sep=` names the callee's parameter: kept
+    assert "self.count = len(" in a and "except ValueError as err:" in a and "raise err" in a  # attr, except-as
+    assert f"{{{text_new}!r}}" in a  # inside the f-string too
+    assert "words" not in a.split('"""')[2].replace("len(words)", "")  # every use of the local renamed
+    assert rename_locals("def f(x):\n    return locals()[\"x\"]\n", 0) is None  # locals() sees names
+    assert rename_locals("x = 1\n", 0) is None  # not a function
+    match = "def f(p):\n    match p:\n        case [q]:\n            return q\n"
+    assert rename_locals(match, 0) is None  # capture patterns bind names without Name nodes
+
+
 # ---- the training script end to end ---------------------------------------------------------------
 
 def _load_script(name: str):
@@ -329,7 +361,7 @@ def _train(smoke_inputs, out: Path, work: Path, *extra: str) -> None:
 
 def test_smoke_run_exports_what_the_loader_reloads(smoke_inputs, tmp_path: Path) -> None:
     out, work = tmp_path / "out", tmp_path / "work"
-    _train(smoke_inputs, out, work)
+    _train(smoke_inputs, out, work, "--function-renames", "1")
     report = json.loads((out / "training.json").read_text())
     assert report["steps"] == 8 and report["stop_reason"] == "max steps"
     hp = report["hyperparameters"]
@@ -414,3 +446,22 @@ def test_encode_documents_equals_tokenizer_encode(smoke_inputs, tmp_path: Path) 
     assert bos is not None and bos_tok.sequence_prefix == (bos,)
     assert T.encode_documents(docs, bos_tok) == [[bos, *w] for w in want]
     assert T.eval_documents(docs, bos_tok) == [w[:-1] for w in want] and T.sequence_start(bos_tok) == bos
+
+
+def test_training_documents_choose_functions_and_add_renamed_copies(smoke_inputs) -> None:
+    corpus = read_corpus(smoke_inputs[0])
+    train = _load_script("train_default_model")
+    plain = train.training_documents(corpus, "all")
+    assert plain == corpus.split("train")
+    library = train.training_documents(corpus, "library")
+    assert {d.name for d in plain} - {d.name for d in library} == {d.name for d in plain
+                                                                   if d.kind == "function" and is_test_path(d.name)}
+    assert not [d for d in train.training_documents(corpus, "none") if d.kind == "function"]
+    renamed = train.training_documents(corpus, "all", renames=2, seed=3)
+    extra = renamed[len(plain):]
+    assert renamed[:len(plain)] == plain and extra and all(d.kind == "function" for d in extra)
+    originals = {d.name: d.text for d in plain}
+    for d in extra:
+        name, copy_ = d.name.rsplit("#renamed", 1)
+        assert copy_ in ("0", "1") and d.text != originals[name]
+    assert extra == train.training_documents(corpus, "all", renames=2, seed=3)[len(plain):]  # seeded
