@@ -333,9 +333,10 @@ def mla_decode_config(batch_size: int, num_heads: int, max_context: int,
     """The default launch for a batch: the "heads" kernel with 64-token tiles, all heads (up to 32)
     per program, Triton's 2-stage pipeline, 8 warps, and `mla_decode_num_splits`.
 
-    The "tokens" layout is not the default: its first H200 run (2026-11-30) hit an illegal memory
-    access at the 48B shape although it matches the oracle under the interpreter at that shape
-    (benchmarks/RESULTS.md).
+    The "tokens" layout is not the default: its first H200 run (session 3) hit an illegal memory access
+    at the 48B shape although it matches the oracle under the interpreter at that shape; in session 4's
+    run its variants ran without error but no faster (64-token tiles, 2 stages: 44.7 % of copy bandwidth
+    at batch 64 / 128K, the same as this launch; benchmarks/RESULTS.md).
     """
     return MlaDecodeConfig(
         num_splits=mla_decode_num_splits(batch_size, num_heads, max_context, num_sms),
