@@ -5,13 +5,14 @@
 #
 #   bash scripts/train_on_device.sh <time-budget-s> <commit> "<name>:<extra train args>" ...
 #   e.g. (2 GPUs; carry .whl and .cache/corpus):
-#   bash scripts/train_on_device.sh 440 $(git rev-parse HEAD) "lib:--function-docs library" "all:--function-docs all"
-#   (the call also needs ~20 s of set-up and ~60 s for the function-completion test after training)
+#   bash scripts/train_on_device.sh 400 $(git rev-parse HEAD) "lib:--function-docs library" "all:--function-docs all"
+#   (the call also needs ~20 s of set-up and ~2 min for the two function-completion tests after training)
 #
 # Outputs under $OUT/k3-tiny-<name>/: model-*.safetensors and small-files.tgz (config.json, the shard index,
-# tokenizer files, training.json, train.log, and eval.json: the held-out function-completion test run on
-# the GPU right after training, so a recipe's parse rate is known even if its weights cannot come back;
-# the CPU run of scripts/eval_default_model.py stays the reported number). Unpack with:
+# tokenizer files, training.json, train.log, and eval-valid.json / eval-heldout.json: the function-completion
+# test on the validation and the held-out modules, run on the GPU right after training, so a recipe's parse
+# rate is known even if its weights cannot come back. Choose between recipes by the validation one; the CPU
+# run of scripts/eval_default_model.py on the chosen export stays the reported number). Unpack with:
 # tar xzf small-files.tgz -C <that folder>.
 set -u
 budget=$1 commit=$2
@@ -37,11 +38,12 @@ for recipe in "$@"; do
 done
 wait
 i=0
-for recipe in "$@"; do  # the function-completion test of each export, on its own GPU, side by side
+for recipe in "$@"; do  # the function-completion tests of each export, on its own GPU, side by side
   name=${recipe%%:*}
-  [ -d "$OUT/k3-tiny-$name" ] && CUDA_VISIBLE_DEVICES=$i python3 scripts/eval_default_model.py \
-    --model "$OUT/k3-tiny-$name" --device cuda --skip-bpb --out "$OUT/k3-tiny-$name/eval.json" \
-    >>"/tmp/train-$name.log" 2>&1 &
+  [ -d "$OUT/k3-tiny-$name" ] && for split in valid heldout; do
+    CUDA_VISIBLE_DEVICES=$i python3 scripts/eval_default_model.py --model "$OUT/k3-tiny-$name" --device cuda \
+      --skip-bpb --function-split $split --out "$OUT/k3-tiny-$name/eval-$split.json" >>"/tmp/train-$name.log" 2>&1
+  done &
   i=$((i + 1))
 done
 wait

@@ -180,8 +180,10 @@ def test_sigterm_under_load_exits_cleanly(tiny_model, log_dir) -> None:
 
 def test_limits_then_engine_crash(tiny_model, log_dir) -> None:
     key = "sekret"
+    # a context long enough that the streaming request below is still generating when the engine is killed,
+    # however fast or slow this machine is (at 256 tokens a loaded CI machine once let it finish first)
     s = start_server(tiny_model, log_dir, "--api-key", key, "--max-running", "1", "--max-waiting", "1",
-                     "--context-length", "256", "--drain-timeout", "3")
+                     "--context-length", "4096", "--drain-timeout", "3")
     auth = {"Authorization": f"Bearer {key}"}
     try:
         # HTTP is up while the engine loads (seconds: torch import, weights), and says so
@@ -198,13 +200,13 @@ def test_limits_then_engine_crash(tiny_model, log_dir) -> None:
             openai.OpenAI(base_url=s.url + "/v1", api_key="nope", max_retries=0).models.list()
         # --context-length
         r = httpx.post(s.url + "/v1/completions", headers=auth,
-                       json={"model": MODEL_NAME, "prompt": [7] * 300, "max_tokens": 1})
+                       json={"model": MODEL_NAME, "prompt": [7] * 4100, "max_tokens": 1})
         assert r.status_code == 413 and r.json()["error"]["param"] == "prompt"
         with pytest.raises(openai.BadRequestError, match="max_tokens"):
-            keyed.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=255)
+            keyed.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=4095)
         assert keyed.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=2).usage.completion_tokens >= 1
         # --max-running 1 --max-waiting 1: two long requests fill the server, a third gets 429
-        long = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "More."}], "max_tokens": 180,
+        long = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "More."}], "max_tokens": 4000,
                 "temperature": 1.0, "ignore_eos": True}
         stream = _Stream(s.url, long, auth)
         stream.start()
@@ -227,6 +229,7 @@ def test_limits_then_engine_crash(tiny_model, log_dir) -> None:
         assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_requests"  # before any SSE starts
         # kill the engine: both waiting clients hear about it, the gateway exits non-zero
         engine_pid = s.stats(auth)["stats"]["engine_pid"]
+        assert not stream.done, "the streaming request finished before the engine was killed"
         s.track()
         os.kill(engine_pid, signal.SIGKILL)
         waiter.join(60)
