@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Train k3-tiny recipes side by side on the device tool's machine, one GPU per recipe, each run under the
 # same time budget. The device returns at most 8 files of at most 16 MiB each, so an export comes back as its
-# weight shards (each <= 15 MB) plus one archive of its small files and training log: 3 files per recipe.
+# weight shards (each <= 15 MB) plus one archive of its small files and training log: 3 files per recipe,
+# and with more than two recipes only the best ones (validation function test) keep their shards.
 #
 #   bash scripts/train_on_device.sh <time-budget-s> <commit> "<name>:<extra train args>" ...
-#   e.g. (2 GPUs; carry .whl and .cache/corpus):
+#   e.g. (one recipe per GPU: 2 on nvidia-h200-x2, 4 on x4; carry .whl and .cache/corpus):
 #   bash scripts/train_on_device.sh 400 $(git rev-parse HEAD) "lib:--function-docs library" "all:--function-docs all"
 #   (the call also needs ~20 s of set-up and ~2 min for the two function-completion tests after training)
 #
@@ -47,6 +48,29 @@ for recipe in "$@"; do  # the function-completion tests of each export, on its o
   i=$((i + 1))
 done
 wait
+# the device returns at most 8 files: weights come back for as many recipes as fit (2 shards + 1 archive
+# each, the rest 1 archive each), best first by the validation function test, then validation bits/byte
+keep=$(python3 - "$OUT" "$@" <<'PY'
+import json, sys
+from pathlib import Path
+out, names = Path(sys.argv[1]), [r.split(":", 1)[0] for r in sys.argv[2:]]
+def score(name):
+    d = out / f"k3-tiny-{name}"
+    try:
+        parse = json.loads((d / "eval-valid.json").read_text())["function_completion"]["parse_rate"]
+    except (OSError, KeyError, ValueError):
+        parse = -1.0
+    try:
+        bpb = json.loads((d / "training.json").read_text())["valid_bits_per_byte_exported"]
+    except (OSError, KeyError, ValueError):
+        bpb = float("inf")
+    return (-parse, bpb)
+ranked = sorted(names, key=score)
+n = max(k for k in range(len(names) + 1) if 3 * k + (len(names) - k) <= 8)
+print(" ".join(ranked[:n]))
+PY
+)
+echo "weights come back for: ${keep:-none} (best first by validation function test)"
 for recipe in "$@"; do
   name=${recipe%%:*}
   log=/tmp/train-$name.log dir=$OUT/k3-tiny-$name
@@ -57,4 +81,5 @@ for recipe in "$@"; do
   small=$(cd "$dir" && ls | grep -v '\.safetensors$')
   # shellcheck disable=SC2086  # one name per word
   (cd "$dir" && tar czf small-files.tgz $small && rm -f $small)
+  case " $keep " in *" $name "*) ;; *) rm -f "$dir"/*.safetensors ;; esac
 done
