@@ -15,8 +15,9 @@ parse rate by a point or two) may differ from the CPU run.
 2. Function completion: --num-functions functions (default 100) of 3..30 lines, spread evenly over
    the held-out modules in (file, line) order. The prompt is the function's header, its signature
    lines and docstring if it has one, dedented to column 0. The k3rt offline Engine completes each
-   prompt (`Tokenizer.encode_prompt`: BOS first, as every k3-tiny prompt) greedily; a completion ends at its function's end, the first non-blank line that starts at
-   column 0 (the dedent heuristic), or at EOS or --max-tokens. The score is the share of completions
+   prompt (`Tokenizer.encode_prompt`: BOS first, as every k3-tiny prompt) greedily; a completion ends
+   at its function's end, the first non-blank line that starts at column 0 (the dedent heuristic), or
+   at EOS or --max-tokens. The score is the share of completions
    that hold at least one non-blank line and for which `ast.parse(header + completion)` succeeds (a
    docstring alone parses, so an empty completion does not count). `--function-split valid` runs the
    same test on the validation modules instead: the one to compare recipes or checkpoints by, so that
