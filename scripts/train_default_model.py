@@ -42,6 +42,7 @@ Resume: a checkpoint (model, optimizer, EMA, step, horizon, log, best state) goe
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import hashlib
 import json
 import math
@@ -178,14 +179,21 @@ def training_documents(corpus, function_docs: str, renames: int = 0, seed: int =
     renaming is not provably safe get none)."""
     docs = [d for d in corpus.split("train") if d.kind != "function" or function_docs == "all"
             or (function_docs == "library" and not is_test_path(d.name))]
-    extra = []
-    for d in docs:
-        for k in range(renames if d.kind == "function" else 0):
-            digest = hashlib.sha256(f"{seed}/{d.name}/{k}".encode()).digest()
-            text = rename_locals(d.text, int.from_bytes(digest[:8], "big"))
-            if text is not None:
-                extra.append(Document("function", "train", f"{d.name}#renamed{k}", text))
-    return docs + extra
+    jobs = [(d.name, d.text, k, seed) for d in docs if d.kind == "function" for k in range(renames)]
+    if not jobs:
+        return docs
+    # ~1 ms of ast work per copy: spread over the CPUs (each copy depends only on its job, so the order is fixed)
+    workers = min(16, os.cpu_count() or 1)
+    with concurrent.futures.ProcessPoolExecutor(workers) as pool:
+        texts = list(pool.map(_renamed_copy, jobs, chunksize=max(1, len(jobs) // (8 * workers))))
+    return docs + [Document("function", "train", f"{name}#renamed{k}", text)
+                   for (name, _, k, _), text in zip(jobs, texts) if text is not None]
+
+
+def _renamed_copy(job: tuple[str, str, int, int]) -> str | None:
+    name, text, k, seed = job
+    digest = hashlib.sha256(f"{seed}/{name}/{k}".encode()).digest()
+    return rename_locals(text, int.from_bytes(digest[:8], "big"))
 
 
 def encode(a: argparse.Namespace, corpus, tok, tok_dir: Path) -> dict[str, list[list[int]]]:
