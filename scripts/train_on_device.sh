@@ -10,7 +10,8 @@
 #   e.g. (carry .whl and .cache/corpus):
 #   bash scripts/train_on_device.sh 400 $(git rev-parse HEAD) "lib:--function-docs library" "all:--function-docs all"
 #   (the call also needs ~20 s of set-up and ~2 min for the two function-completion tests after training;
-#   EVAL_SPLITS=valid runs only the validation one, the one recipes are chosen by)
+#   EVAL_SPLITS=valid runs only the validation one, the one recipes are chosen by; EVAL_TIMEOUT=<s> bounds each
+#   test, so that the packing below always runs inside the call's limit)
 #
 # Outputs under $OUT/k3-tiny-<name>/: model-*.safetensors and small-files.tgz (config.json, the shard index,
 # tokenizer files, training.json, train.log, and eval-valid.json / eval-heldout.json: the function-completion
@@ -45,7 +46,7 @@ i=0
 for recipe in "$@"; do  # the function-completion tests of each export, side by side like the trainings
   name=${recipe%%:*}
   [ -d "$OUT/k3-tiny-$name" ] && for split in ${EVAL_SPLITS:-valid heldout}; do
-    CUDA_VISIBLE_DEVICES=$((i % gpus)) python3 scripts/eval_default_model.py --model "$OUT/k3-tiny-$name" --device cuda \
+    CUDA_VISIBLE_DEVICES=$((i % gpus)) timeout "${EVAL_TIMEOUT:-600}" python3 scripts/eval_default_model.py --model "$OUT/k3-tiny-$name" --device cuda \
       --skip-bpb --function-split $split --out "$OUT/k3-tiny-$name/eval-$split.json" >>"/tmp/train-$name.log" 2>&1
   done &
   i=$((i + 1))
