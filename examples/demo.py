@@ -45,10 +45,11 @@ REPETITION_PENALTY = 1.2
 
 @k3rt.function
 def demo(s, head):
-    # 1. plain completion: the model continues the function body until the next top-level statement
+    # 1. plain completion: the model continues the function body until the next top-level statement or the
+    #    end of the code block (its chat data shows functions in ``` fences)
     s += k3rt.user(f"Write a Python function `count_words(path)`. Return a dict mapping each word in the file "
                    f"at path to its number of occurrences.")
-    s += k3rt.assistant(head + k3rt.gen("body", max_tokens=96, stop=["\ndef ", "\nclass ", "\n\n\n"],
+    s += k3rt.assistant(head + k3rt.gen("body", max_tokens=96, stop=["\ndef ", "\nclass ", "\n\n\n", "\n```"],
                                         repetition_penalty=REPETITION_PENALTY))
     # 2. a JSON summary, constrained by the schema (always parses, always validates)
     s += k3rt.user("Summarize this function as JSON with the keys name, arguments and summary.")

@@ -53,7 +53,8 @@ for recipe in "$@"; do  # the function-completion tests of each export, side by 
 done
 wait
 # the device returns at most 8 files: weights come back for as many recipes as fit (2 shards + 1 archive
-# each, the rest 1 archive each), best first by the validation function test, then validation bits/byte
+# each, the rest 1 archive each), best first by the validation function test (complete_rate), then its
+# looser parse_rate, then validation bits/byte
 keep=$(python3 - "$OUT" "$@" <<'PY'
 import json, sys
 from pathlib import Path
@@ -61,14 +62,15 @@ out, names = Path(sys.argv[1]), [r.split(":", 1)[0] for r in sys.argv[2:]]
 def score(name):
     d = out / f"k3-tiny-{name}"
     try:
-        parse = json.loads((d / "eval-valid.json").read_text())["function_completion"]["parse_rate"]
+        fc = json.loads((d / "eval-valid.json").read_text())["function_completion"]
+        complete, parse = fc["complete_rate"], fc["parse_rate"]
     except (OSError, KeyError, ValueError):
-        parse = -1.0
+        complete = parse = -1.0
     try:
         bpb = json.loads((d / "training.json").read_text())["valid_bits_per_byte_exported"]
     except (OSError, KeyError, ValueError):
         bpb = float("inf")
-    return (-parse, bpb)
+    return (-complete, -parse, bpb)
 ranked = sorted(names, key=score)
 n = max(k for k in range(len(names) + 1) if 3 * k + (len(names) - k) <= 8)
 print(" ".join(ranked[:n]))

@@ -465,3 +465,22 @@ def test_training_documents_choose_functions_and_add_renamed_copies(smoke_inputs
         name, copy_ = d.name.rsplit("#renamed", 1)
         assert copy_ in ("0", "1") and d.text != originals[name]
     assert extra == train.training_documents(corpus, "all", renames=2, seed=3)[len(plain):]  # seeded
+
+
+def test_function_test_counts_only_completions_that_end_and_parse() -> None:
+    ev = _load_script("eval_default_model")
+    header = 'def f(x):\n    """Double x."""\n'
+    assert ev.function_end("    return 2 * x\n\ndef g():\n") == len("    return 2 * x\n\n")
+    assert ev.function_end("    return 2 * x\n") is None
+    ended = ev.score_completion(header, "    return 2 * x\n", "dedent")
+    assert ended == {"parses": True, "ended": True, "complete": True}
+    # a repetition loop cut at the token cap on a line boundary parses, but never reached the function's end
+    loop = ev.score_completion(header, "    y = x\n" * 40, "length")
+    assert loop == {"parses": True, "ended": False, "complete": False}
+    assert ev.score_completion(header, "    return (x\n", "stop") == {"parses": False, "ended": True, "complete": False}
+    assert ev.score_completion(header, "\n  \n", "stop")["complete"] is False  # the docstring alone parses
+    rows = [{"stop": "dedent", **ended}, {"stop": "length", **loop}, {"stop": "stop", "parses": False,
+                                                                     "ended": True, "complete": False}]
+    fc = ev.summarize(rows, "heldout", 256)
+    assert (fc["complete_rate"], fc["parse_rate"]) == (0.333, 0.667)
+    assert fc["stops"] == {"dedent": 1, "length": 1, "stop": 1} and fc["num_functions"] == 3
