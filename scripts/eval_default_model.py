@@ -24,18 +24,16 @@ parse rate by a point or two) may differ from the CPU run.
    number reported until 2026-11-30 (session 5), which counted repetition loops (`self.x = x` forty times)
    cut at a line boundary as successes. `--function-split valid` runs the same test on the validation
    modules instead: the one to compare recipes or checkpoints by, so that the held-out number stays a
-   measurement and not a choice.
+   measurement and not a choice. The rules live in `backend/function_test.py`, which the training run's
+   own function test (on its dense path, to choose checkpoints) shares.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
-import re
 import sys
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,73 +41,10 @@ from _bootstrap import ROOT, import_k3rt  # noqa: E402
 
 import_k3rt()
 
-from k3rt.backend.corpus import Document, dedent_rows, read_corpus  # noqa: E402
+from k3rt.backend.corpus import read_corpus  # noqa: E402
+from k3rt.backend.function_test import (FunctionCase, completion_result, score_rows,  # noqa: E402
+                                        select_functions, summarize)
 from k3rt.models import resolve_model_dir  # noqa: E402
-
-_TOP_LEVEL_LINE = re.compile(r"\n(?=[^\s])")
-
-
-@dataclass(frozen=True)
-class FunctionCase:
-    module: str  # the held-out document's path
-    qualname: str
-    lineno: int
-    header: str  # dedented signature (+ docstring) ending in "\n"
-    reference: str  # the dedented original function
-
-
-def _functions(doc: Document) -> list[FunctionCase]:
-    lines = doc.text.split("\n")
-    cases: list[FunctionCase] = []
-
-    def visit(node: ast.AST, prefix: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.ClassDef):
-                visit(child, f"{prefix}{child.name}.")
-            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                case = _case(doc.name, lines, child, prefix)
-                if case is not None:
-                    cases.append(case)
-                visit(child, f"{prefix}{child.name}.")
-
-    visit(ast.parse(doc.text), "")
-    return cases
-
-
-def _case(module: str, lines: list[str], fn: ast.FunctionDef | ast.AsyncFunctionDef, prefix: str) -> FunctionCase | None:
-    if fn.end_lineno is None or not 3 <= fn.end_lineno - fn.lineno <= 30:
-        return None
-    body = fn.body
-    has_doc = isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
-        and isinstance(body[0].value.value, str)
-    if has_doc and len(body) == 1:
-        return None  # nothing to complete after the docstring
-    header_end = body[0].end_lineno if has_doc else body[0].lineno - 1
-    if header_end is None or header_end < fn.lineno or (body[1] if has_doc else body[0]).lineno <= header_end:
-        return None  # a body on the def line, or a statement sharing the docstring's line
-    indent = len(lines[fn.lineno - 1]) - len(lines[fn.lineno - 1].lstrip())
-
-    header = dedent_rows(lines[fn.lineno - 1:header_end], indent) + "\n"
-    reference = dedent_rows(lines[fn.lineno - 1:fn.end_lineno], indent) + "\n"
-    try:
-        ast.parse(reference)
-    except SyntaxError:
-        return None
-    return FunctionCase(module, prefix + fn.name, fn.lineno, header, reference)
-
-
-def select_functions(docs: list[Document], n: int) -> list[FunctionCase]:
-    """n cases spread evenly over all eligible functions of the held-out documents, in (file, line) order."""
-    pool = [c for d in sorted(docs, key=lambda d: d.name) for c in _functions(d)]
-    if len(pool) <= n:
-        return pool
-    return [pool[round(i * (len(pool) - 1) / (n - 1))] for i in range(n)] if n > 1 else pool[:1]
-
-
-def function_end(completion: str) -> int | None:
-    """Index where the function ends in `completion` (the first non-blank line at column 0), or None."""
-    m = _TOP_LEVEL_LINE.search(completion)
-    return None if m is None else m.start() + 1
 
 
 def complete_functions(model_dir: Path, cases: list[FunctionCase], *, device: str, dtype: str | None,
@@ -134,37 +69,13 @@ def complete_functions(model_dir: Path, cases: list[FunctionCase], *, device: st
                 continue
             out_ids[o.rid].extend(o.new_token_ids)
             text = tok.decode([t for t in out_ids[o.rid] if t not in eos], skip_special_tokens=True)
-            end = function_end(text)
-            if end is not None or o.finished:
-                stop = "dedent" if end is not None else (o.finish_reason or "length")
-                result[o.rid] = {"completion": text[:end] if end is not None else text, "stop": stop,
-                                 "tokens": len(out_ids[o.rid])}
+            r = completion_result(text, (o.finish_reason or "length") if o.finished else None, len(out_ids[o.rid]))
+            if r is not None:
+                result[o.rid] = r
                 if not o.finished and o.rid not in aborted:
                     engine.abort(o.rid)
                     aborted.add(o.rid)
-    return [{**asdict(cases[i]), **result[rid], **score_completion(cases[i].header, **result[rid])}
-            for rid, i in sorted(rids.items(), key=lambda kv: kv[1])]
-
-
-def score_completion(header: str, completion: str, stop: str, **_: object) -> dict:
-    """`parses`: the completion holds a non-blank line and header + completion parses; `ended`: it stopped at
-    the function's end or EOS rather than at the token cap; `complete`: both (the reported score)."""
-    try:
-        ast.parse(header + completion)
-        parses = bool(completion.strip())
-    except SyntaxError:
-        parses = False
-    ended = stop != "length"
-    return {"parses": parses, "ended": ended, "complete": parses and ended}
-
-
-def summarize(rows: list[dict], split: str, max_tokens: int) -> dict:
-    n = max(1, len(rows))
-    n_complete, n_parse = sum(r["complete"] for r in rows), sum(r["parses"] for r in rows)
-    return {"split": split, "num_functions": len(rows), "complete_rate": round(n_complete / n, 3),
-            "parse_rate": round(n_parse / n, 3), "stops": {s: sum(r["stop"] == s for r in rows)
-                                                           for s in sorted({r["stop"] for r in rows})},
-            "max_tokens": max_tokens, "cases": rows}
+    return score_rows(cases, [result[rid] for rid, _ in sorted(rids.items(), key=lambda kv: kv[1])])
 
 
 def heldout_bpb(model_dir: Path, corpus, *, device: str, dtype: str, seq_len: int, batch_size: int) -> dict:

@@ -9,8 +9,11 @@
 Steps: read the corpus (content hash printed), load the tokenizer (--tokenizer, trained on the
 training split by prepare_corpus.py), tokenize, build KimiForCausalLM from K3_TINY_CONFIG, train
 (AdamW, warmup + cosine, clipping, bf16 autocast on GPU, dropout, an EMA of the weights, seeded),
-keep the checkpoint with the best validation bits/byte (corpus.VALIDATION_MODULES) among the raw and
-the averaged weights, evaluate held-out bits/byte beside a unigram baseline, export config.json +
+at every validation score bits/byte and the function test (backend/function_test.py, greedy on the
+training model's dense path: --function-cases validation functions) on the validation modules
+(corpus.VALIDATION_MODULES), keep the best checkpoint among the raw and the averaged weights by
+--select-by (bits/byte, or the function test), evaluate held-out bits/byte beside a unigram baseline,
+export config.json +
 bf16 safetensors shards (<= 15 MB) + tokenizer + training.json into --out, then reload the export
 through the runtime's loader and evaluate it again.
 
@@ -69,6 +72,7 @@ from _bootstrap import ROOT, import_k3rt  # noqa: E402
 import_k3rt()
 
 from k3rt.backend.corpus import Document, is_test_path, read_corpus, rename_locals  # noqa: E402
+from k3rt.backend.function_test import select_functions, summarize  # noqa: E402
 from k3rt.backend.models import train as T  # noqa: E402
 from k3rt.backend.models.loader import build_model, load_model  # noqa: E402
 from k3rt.backend.models.tiny import write_checkpoint  # noqa: E402
@@ -123,6 +127,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--eval-every", type=int, default=200, help="validation eval (and best-checkpoint) interval")
     p.add_argument("--valid-windows", type=int, default=0, help="validation windows scored per eval (0: all)")
+    p.add_argument("--function-cases", type=int, default=100,
+                   help="validation functions completed greedily at each eval (backend/function_test.py); 0: off")
+    p.add_argument("--function-max-tokens", type=int, default=256, help="completion cap of that test")
+    p.add_argument("--select-by", choices=["bpb", "function"], default="bpb",
+                   help="checkpoint exported: best validation bits/byte, or best validation function test "
+                        "(completions that end and parse, then those that parse, then bits/byte)")
     p.add_argument("--final-eval-windows", type=int, default=0, help="held-out windows scored at the end (0: all)")
     p.add_argument("--kda", choices=["fast", "ref"], default="fast",
                    help="KDA core while training: fast (train.kda_chunked_fresh) or ref (kernels/kda/ref.py)")
@@ -134,11 +144,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.smoke:
         a.device = "cpu"
         for k, v in {"seq_len": 64, "batch_size": 8, "warmup_steps": 5, "log_every": 5, "eval_every": 10,
-                     "valid_windows": 16, "final_eval_windows": 16, "calibrate_steps": 5, "ckpt_every": 10}.items():
+                     "valid_windows": 16, "final_eval_windows": 16, "calibrate_steps": 5, "ckpt_every": 10,
+                     "function_cases": 3, "function_max_tokens": 6}.items():
             if getattr(a, k) == p.get_default(k):
                 setattr(a, k, v)
         if a.max_steps == p.get_default("max_steps"):
             a.max_steps = 20
+    if a.select_by == "function" and a.function_cases <= 0:
+        p.error("--select-by function needs --function-cases > 0")
     if a.reserve_s is None:
         a.reserve_s = max(20.0, 0.05 * a.time_budget_s) if not a.smoke else 0.0
     return a
@@ -270,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                       for s in ("valid", "heldout"))
     if a.valid_windows:
         valid = valid.subset(a.valid_windows)
+    fn_cases = select_functions(corpus.split("valid", ("code",)), a.function_cases) if a.function_cases > 0 else []
     if a.final_eval_windows:
         heldout = heldout.subset(a.final_eval_windows)
     log(f"tokenizer {tok_dir} ({tok.vocab_size} ids): {len(stream.tokens):,} training tokens "
@@ -298,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt_path = a.work_dir / "ckpt.pt"
     max_epoch_steps = max(1, int(a.max_epochs * stream.steps_per_epoch))
     step, total_steps, history, evals, tokens_seen = 0, a.max_steps or None, [], [], 0
-    train_seconds, best = 0.0, {"valid_bpb": math.inf, "step": 0, "weights": None, "state": None}
+    train_seconds, best = 0.0, {"valid_bpb": math.inf, "rank": None, "step": 0, "weights": None, "state": None}
     if a.resume and ckpt_path.is_file():
         ck = torch.load(ckpt_path, map_location=device, weights_only=False)
         model.load_state_dict(ck["model"])
@@ -315,25 +329,37 @@ def main(argv: list[str] | None = None) -> int:
         return {"step": step, "total_steps": total_steps, "history": history, "evals": evals, "best": best,
                 "tokens_seen": tokens_seen, "train_seconds": train_seconds, "args": {k: str(v) for k, v in vars(a).items()}}
 
-    def consider(bpb: float, weights: str) -> None:
-        if bpb < best["valid_bpb"]:
-            best.update(valid_bpb=bpb, step=step, weights=weights,
+    def measure(suffix: str) -> dict:
+        """Validation metrics of the current weights: bits/byte and, with --function-cases, the function test."""
+        m = {f"valid_bpb{suffix}": round(T.bits_per_byte(model, valid, a.batch_size, autocast_dtype=amp_dtype), 4)}
+        if fn_cases:
+            fc = summarize(T.greedy_function_test(model, tok, fn_cases, max_tokens=a.function_max_tokens), "valid",
+                           a.function_max_tokens)
+            m.update({f"valid_complete{suffix}": fc["complete_rate"], f"valid_parse{suffix}": fc["parse_rate"]})
+        return m
+
+    def consider(m: dict, suffix: str, weights: str) -> None:
+        """Keep these weights if they rank above the best so far (--select-by)."""
+        bpb = m[f"valid_bpb{suffix}"]
+        rank = [m[f"valid_complete{suffix}"], m[f"valid_parse{suffix}"], -bpb] if a.select_by == "function" else [-bpb]
+        if best["rank"] is None or rank > best["rank"]:
+            best.update(valid_bpb=bpb, rank=rank, step=step, weights=weights, metrics=dict(m),
                         state={k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()})
 
     def validate() -> None:
         """Score the raw weights and, with --ema-decay, the average; remember the best of all seen."""
         model.eval()
-        row = {"step": step, "valid_bpb": round(T.bits_per_byte(model, valid, a.batch_size, autocast_dtype=amp_dtype), 4)}
-        consider(row["valid_bpb"], "raw")
+        row = {"step": step, **measure("")}
+        consider(row, "", "raw")
         if ema is not None:
             with ema.applied(model):
-                row["valid_bpb_ema"] = round(T.bits_per_byte(model, valid, a.batch_size, autocast_dtype=amp_dtype), 4)
-                consider(row["valid_bpb_ema"], "ema")
+                row.update(measure("_ema"))
+                consider(row, "_ema", "ema")
         model.train()
         evals.append(row)
-        ema_note = f", EMA {row['valid_bpb_ema']:.4f}" if ema is not None else ""
-        log(f"step {step}: validation bits/byte {row['valid_bpb']:.4f}{ema_note} "
-            f"(best {best['valid_bpb']:.4f}: {best['weights']} weights at step {best['step']})")
+        shown = ", ".join(f"{k.removeprefix('valid_')} {v}" for k, v in row.items() if k != "step")
+        log(f"step {step}: validation {shown} (best: {best['weights']} weights at step {best['step']}, "
+            f"{best['valid_bpb']:.4f} bits/byte)")
 
     model.train()
     calib_start: float | None = None
@@ -412,7 +438,9 @@ def main(argv: list[str] | None = None) -> int:
         "steps": step, "cosine_horizon": total_steps, "stop_reason": stop_reason, "tokens_seen": tokens_seen,
         "epochs": round(tokens_seen / max(1, len(stream.tokens)), 2), "train_seconds": round(train_seconds, 1),
         "exported_step": best["step"], "exported_weights": best["weights"],
-        "valid_bits_per_byte_exported": round(best["valid_bpb"], 4),
+        "valid_bits_per_byte_exported": round(best["valid_bpb"], 4), "selected_by": a.select_by,
+        "valid_function_test_exported": {k.removesuffix("_ema"): v for k, v in best.get("metrics", {}).items()
+                                         if "complete" in k or "parse" in k} or None,
         "peak_gpu_memory_gib": None if peak_gib is None else round(peak_gib, 1),
         "hyperparameters": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()
                             if k not in ("corpus", "tokenizer", "out", "work_dir")},

@@ -5,8 +5,9 @@ What this module knows: the K3 architecture config of k3-tiny, initialization, w
 the MoE forward used while training, dropout and the weight average (both training-only, added from
 outside the runtime modules), the language-model loss on [B, T] windows (the layers' dense path,
 `ForwardBatch.dense_shape`), the token stream and its batches, held-out bits per byte and the
-unigram baseline. What it does not know: corpus files, the optimizer loop, checkpoints on disk, time
-budgets (scripts/train_default_model.py).
+unigram baseline, and the function test run on the training model (`greedy_function_test`). What it
+does not know: corpus files, the optimizer loop, checkpoints on disk, time budgets
+(scripts/train_default_model.py).
 
 The training MoE computes every expert on every token and weights the outputs by the router's sparse
 top-k weights (zero for unselected experts). That is the reference math exactly, and the gradients
@@ -30,6 +31,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from k3rt.backend.corpus import Document
+from k3rt.backend.function_test import FunctionCase, completion_result, score_rows
 from k3rt.backend.layers.activation import act_and_mul
 from k3rt.backend.layers.norm import rms_norm
 from k3rt.backend.models.batch import ForwardBatch
@@ -453,6 +455,41 @@ def bits_per_byte(model: KimiForCausalLM, windows: EvalWindows, batch_size: int,
             nll, _ = lm_loss(model, inp, tg, mk)
         total += nll.double()
     return total.item() / math.log(2) / windows.num_bytes
+
+
+@torch.no_grad()
+def greedy_function_test(model: KimiForCausalLM, tok: Tokenizer, cases: Sequence[FunctionCase], *,
+                         max_tokens: int, batch_size: int = 128) -> list[dict]:
+    """The function test (`backend/function_test.py`) on the training model itself, through its dense
+    path: greedy decoding without a cache, each step re-running every live sequence whole, right-padded
+    to the longest (every layer is causal, so padding after a sequence never reaches its last token).
+    Quadratic in length but a few hundred batched forwards, so a training run can score checkpoints by
+    it; the reported number stays scripts/eval_default_model.py's, through the Engine, with the same rules.
+    Returns `function_test.score_rows` rows."""
+    device = model.lm_head.weight.device
+    eos = set(tok.eos_token_ids)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_ids[0]
+    prompts = [tok.encode_prompt(c.header) for c in cases]
+    out: list[list[int]] = [[] for _ in cases]
+    results: list[dict | None] = [None] * len(cases)
+    for start in range(0, len(cases), batch_size):
+        live = list(range(start, min(start + batch_size, len(cases))))
+        while live:
+            seqs = [prompts[i] + out[i] for i in live]
+            t = max(map(len, seqs))
+            ids = torch.tensor([q + [pad] * (t - len(q)) for q in seqs], device=device)
+            hidden = model.model(ids.reshape(-1), ForwardBatch([t] * len(live)))
+            last = torch.tensor([k * t + len(q) - 1 for k, q in enumerate(seqs)], device=device)
+            still = []
+            for i, nxt in zip(live, model.lm_head(hidden[last]).argmax(-1).tolist(), strict=True):
+                out[i].append(nxt)
+                finish = "stop" if nxt in eos else "length" if len(out[i]) >= max_tokens else None
+                text = tok.decode([x for x in out[i] if x not in eos], skip_special_tokens=True)
+                results[i] = completion_result(text, finish, len(out[i]))
+                if results[i] is None:
+                    still.append(i)
+            live = still
+    return score_rows(cases, results)
 
 
 def unigram_bits_per_byte(train_docs: Sequence[Sequence[int]], windows: EvalWindows, vocab_size: int) -> float:

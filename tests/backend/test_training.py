@@ -366,7 +366,8 @@ def test_smoke_run_exports_what_the_loader_reloads(smoke_inputs, tmp_path: Path)
     assert report["steps"] == 8 and report["stop_reason"] == "max steps"
     hp = report["hyperparameters"]
     assert hp["dropout"] > 0 and hp["embed_dropout"] > 0 and hp["ema_decay"] > 0  # the smoke run uses them
-    assert report["evals"][-1]["step"] == 8 and set(report["evals"][-1]) == {"step", "valid_bpb", "valid_bpb_ema"}
+    assert report["evals"][-1]["step"] == 8 and set(report["evals"][-1]) == {
+        "step", "valid_bpb", "valid_bpb_ema", "valid_complete", "valid_parse", "valid_complete_ema", "valid_parse_ema"}
     chosen = report["evals"][-1]["valid_bpb" if report["exported_weights"] == "raw" else "valid_bpb_ema"]
     assert report["valid_bits_per_byte_exported"] == chosen
     assert chosen == min(report["evals"][-1]["valid_bpb"], report["evals"][-1]["valid_bpb_ema"])
@@ -384,6 +385,23 @@ def test_smoke_run_exports_what_the_loader_reloads(smoke_inputs, tmp_path: Path)
     ids = torch.randint(0, trained.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(4))
     batch = ForwardBatch([40, 40])
     assert torch.equal(shipped(ids.reshape(-1), batch), trained.eval()(ids.reshape(-1), batch))
+
+
+def test_smoke_run_selects_by_the_function_test(smoke_inputs, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _train(smoke_inputs, out, tmp_path / "work", "--select-by", "function", "--eval-every", "3")
+    report = json.loads((out / "training.json").read_text())
+    assert [e["step"] for e in report["evals"]] == [3, 6, 8] and report["selected_by"] == "function"
+    candidates = {(e["step"], w): (e[f"valid_complete{x}"], e[f"valid_parse{x}"], -e[f"valid_bpb{x}"])
+                  for e in report["evals"] for w, x in (("raw", ""), ("ema", "_ema"))}
+    best = max(candidates.values())
+    # the first candidate of the best rank, in the order they were seen
+    chosen = next(k for k, v in candidates.items() if v == best)
+    assert (report["exported_step"], report["exported_weights"]) == chosen
+    fn = report["valid_function_test_exported"]
+    assert (fn["valid_complete"], fn["valid_parse"], -report["valid_bits_per_byte_exported"]) == best
+    with pytest.raises(SystemExit):
+        _train(smoke_inputs, out, tmp_path / "work", "--select-by", "function", "--function-cases", "0")
 
 
 def test_smoke_run_resumes_exactly(smoke_inputs, tmp_path: Path) -> None:
@@ -468,7 +486,7 @@ def test_training_documents_choose_functions_and_add_renamed_copies(smoke_inputs
 
 
 def test_function_test_counts_only_completions_that_end_and_parse() -> None:
-    ev = _load_script("eval_default_model")
+    from k3rt.backend import function_test as ev
     header = 'def f(x):\n    """Double x."""\n'
     assert ev.function_end("    return 2 * x\n\ndef g():\n") == len("    return 2 * x\n\n")
     assert ev.function_end("    return 2 * x\n") is None
@@ -484,3 +502,21 @@ def test_function_test_counts_only_completions_that_end_and_parse() -> None:
     fc = ev.summarize(rows, "heldout", 256)
     assert (fc["complete_rate"], fc["parse_rate"]) == (0.333, 0.667)
     assert fc["stops"] == {"dedent": 1, "length": 1, "stop": 1} and fc["num_functions"] == 3
+
+
+@pytest.mark.skipif(not (MODELS_DIR / "k3-tiny" / "config.json").is_file(), reason="k3-tiny weights not shipped yet")
+def test_training_function_test_matches_the_engine_on_the_shipped_model(smoke_inputs) -> None:
+    """The training run's function test (dense path, no cache) completes exactly as the Engine does."""
+    from k3rt.backend.function_test import select_functions
+
+    corpus = read_corpus(smoke_inputs[0])
+    cases = select_functions(corpus.split("heldout", ("code",)) + corpus.split("valid", ("code",)), 4)
+    assert len(cases) == 4
+    tok = load_tokenizer("k3-tiny")
+    dense = T.greedy_function_test(load_model("k3-tiny", dtype="float32", progress=False).eval(), tok, cases,
+                                   max_tokens=12, batch_size=3)  # two batches
+    engine = _load_script("eval_default_model").complete_functions(MODELS_DIR / "k3-tiny", cases, device="cpu",
+                                                                   dtype="float32", max_tokens=12)
+    assert dense == engine
+    assert [r["qualname"] for r in dense] == [c.qualname for c in cases]
+    assert all(r["tokens"] <= 12 and (r["stop"] == "length") == (not r["ended"]) for r in dense)
