@@ -40,7 +40,8 @@ test with it: the model learns to continue rather than to end. Tried and not shi
 The regularizers stay available as flags (`--dropout`, `--embed-dropout`, `--ema-decay`; 0 = off).
 
 Time: --time-budget-s bounds the whole run (default 480 s). With --max-steps 0, the cosine horizon is
-calibrated from the measured step time after --calibrate-steps steps, leaving the reserve
+calibrated from the measured step time after --calibrate-steps steps plus the time of one validation
+(run then) spread over --eval-every steps, leaving the reserve
 for the final evaluation and export, and capped at --max-epochs passes over the training tokens (the
 corpus is small: more passes overfit). The horizon is stored in the checkpoint so --resume continues
 the same schedule. The loop also stops early when the budget is reached, and always saves and exports.
@@ -128,7 +129,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=200, help="validation eval (and best-checkpoint) interval")
     p.add_argument("--valid-windows", type=int, default=0, help="validation windows scored per eval (0: all)")
     p.add_argument("--function-cases", type=int, default=100,
-                   help="validation functions completed greedily at each eval (backend/function_test.py); 0: off")
+                   help="validation functions completed greedily at each eval (backend/function_test.py; about "
+                        "30 s for 100 on an H200); 0: off")
     p.add_argument("--function-max-tokens", type=int, default=256, help="completion cap of that test")
     p.add_argument("--select-by", choices=["bpb", "function"], default="bpb",
                    help="checkpoint exported: best validation bits/byte, or best validation function test "
@@ -401,11 +403,16 @@ def main(argv: list[str] | None = None) -> int:
             if cuda:
                 torch.cuda.synchronize()
             per_step = (time.monotonic() - calib_start) / a.calibrate_steps
-            by_time = step + max(1, int((deadline - time.monotonic()) / per_step * 0.97))
+            # the validations ahead cost time too: time one now (an early point of the curve; the function
+            # test of an untrained model runs every case to the cap, so this errs towards fewer steps)
+            t_eval = time.monotonic()
+            validate()
+            per_step_with_evals = per_step + (time.monotonic() - t_eval) / a.eval_every
+            by_time = step + max(1, int((deadline - time.monotonic()) / per_step_with_evals * 0.97))
             total_steps = min(by_time, max(step + 1, max_epoch_steps))
-            log(f"calibrated: {per_step * 1e3:.0f} ms/step ({a.batch_size * a.seq_len / per_step:,.0f} tokens/s); "
-                f"the budget allows {by_time} steps ({by_time / stream.steps_per_epoch:.1f} epochs) "
-                f"-> cosine horizon {total_steps} steps")
+            log(f"calibrated: {per_step * 1e3:.0f} ms/step ({a.batch_size * a.seq_len / per_step:,.0f} tokens/s), "
+                f"{per_step_with_evals * 1e3:.0f} ms with validation; the budget allows {by_time} steps "
+                f"({by_time / stream.steps_per_epoch:.1f} epochs) -> cosine horizon {total_steps} steps")
         if step % a.log_every == 0 or step == 1:
             row = {"step": step, "loss": round(loss.item(), 4), "lr": lr, "grad_norm": round(grad_norm.item(), 3),
                    "router_max_over_mean": round(max((x.item() for x in imbalance), default=1.0), 2),

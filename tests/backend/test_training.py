@@ -404,6 +404,16 @@ def test_smoke_run_selects_by_the_function_test(smoke_inputs, tmp_path: Path) ->
         _train(smoke_inputs, out, tmp_path / "work", "--select-by", "function", "--function-cases", "0")
 
 
+def test_smoke_run_calibrates_its_horizon_with_a_validation(smoke_inputs, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _train(smoke_inputs, out, tmp_path / "work", "--max-steps", "0", "--time-budget-s", "12",
+           "--calibrate-steps", "2", "--max-epochs", "1")
+    report = json.loads((out / "training.json").read_text())
+    assert report["evals"][0]["step"] == 7  # 5 warm-up steps + 2 timed, then the timed validation
+    assert report["cosine_horizon"] > 7 and report["steps"] <= report["cosine_horizon"]
+    assert report["stop_reason"] in ("max steps", "time budget")
+
+
 def test_smoke_run_resumes_exactly(smoke_inputs, tmp_path: Path) -> None:
     _train(smoke_inputs, tmp_path / "a", tmp_path / "wa")
     _train(smoke_inputs, tmp_path / "b", tmp_path / "wb", "--stop-after-steps", "5")
