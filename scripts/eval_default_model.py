@@ -24,7 +24,9 @@ parse rate by a point or two) may differ from the CPU run.
    number reported until 2026-11-30 (session 5), which counted repetition loops (`self.x = x` forty times)
    cut at a line boundary as successes. `--function-split valid` runs the same test on the validation
    modules instead: the one to compare recipes or checkpoints by, so that the held-out number stays a
-   measurement and not a choice. The rules live in `backend/function_test.py`, which the training run's
+   measurement and not a choice. Beside the score, `end_probe` feeds each case's true function and
+   reads whether EOS is the most likely next token at its end (`train.end_probe`): whether the model
+   knows where a function ends once the right body is written. The rules live in `backend/function_test.py`, which the training run's
    own function test (on its dense path, to choose checkpoints) shares.
 """
 
@@ -78,6 +80,15 @@ def complete_functions(model_dir: Path, cases: list[FunctionCase], *, device: st
     return score_rows(cases, [result[rid] for rid, _ in sorted(rids.items(), key=lambda kv: kv[1])])
 
 
+def end_probe(model_dir: Path, cases: list[FunctionCase], *, device: str) -> dict:
+    from k3rt.backend.models import train as T
+    from k3rt.backend.models.loader import load_model
+    from k3rt.backend.tokenizer import load_tokenizer
+
+    model = load_model(model_dir, dtype="float32", device=device, progress=False).eval()
+    return T.end_probe(model, load_tokenizer(model_dir), cases)
+
+
 def heldout_bpb(model_dir: Path, corpus, *, device: str, dtype: str, seq_len: int, batch_size: int) -> dict:
     from k3rt.backend.models import train as T
     from k3rt.backend.models.loader import load_model
@@ -126,10 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         cases = select_functions(corpus.split(a.function_split, ("code",)), a.num_functions)
         rows = complete_functions(model_dir, cases, device=a.device, dtype=a.dtype, max_tokens=a.max_tokens)
         fc = report["function_completion"] = summarize(rows, a.function_split, a.max_tokens)
+        fc["end_probe"] = end_probe(model_dir, cases, device=a.device)
         n = len(rows)
         print(f"function completion ({a.function_split}): {sum(r['complete'] for r in rows)}/{n} end and parse "
               f"({fc['complete_rate']:.0%}); {sum(r['parses'] for r in rows)}/{n} parse counting those cut at "
-              f"{a.max_tokens} tokens ({fc['parse_rate']:.0%}) [{time.monotonic() - t0:.0f} s]", flush=True)
+              f"{a.max_tokens} tokens ({fc['parse_rate']:.0%}); given the true body, EOS is the top token at the "
+              f"function's end in {fc['end_probe']['eos_top1_rate']:.0%} [{time.monotonic() - t0:.0f} s]", flush=True)
     report["seconds"] = round(time.monotonic() - t0, 1)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -337,7 +337,9 @@ def main(argv: list[str] | None = None) -> int:
         if fn_cases:
             fc = summarize(T.greedy_function_test(model, tok, fn_cases, max_tokens=a.function_max_tokens), "valid",
                            a.function_max_tokens)
-            m.update({f"valid_complete{suffix}": fc["complete_rate"], f"valid_parse{suffix}": fc["parse_rate"]})
+            probe = T.end_probe(model, tok, fn_cases)
+            m.update({f"valid_complete{suffix}": fc["complete_rate"], f"valid_parse{suffix}": fc["parse_rate"],
+                      f"valid_eos_top1{suffix}": probe["eos_top1_rate"]})
         return m
 
     def consider(m: dict, suffix: str, weights: str) -> None:
@@ -447,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         "exported_step": best["step"], "exported_weights": best["weights"],
         "valid_bits_per_byte_exported": round(best["valid_bpb"], 4), "selected_by": a.select_by,
         "valid_function_test_exported": {k.removesuffix("_ema"): v for k, v in best.get("metrics", {}).items()
-                                         if "complete" in k or "parse" in k} or None,
+                                         if "bpb" not in k} or None,
         "peak_gpu_memory_gib": None if peak_gib is None else round(peak_gib, 1),
         "hyperparameters": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()
                             if k not in ("corpus", "tokenizer", "out", "work_dir")},

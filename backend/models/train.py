@@ -5,7 +5,7 @@ What this module knows: the K3 architecture config of k3-tiny, initialization, w
 the MoE forward used while training, dropout and the weight average (both training-only, added from
 outside the runtime modules), the language-model loss on [B, T] windows (the layers' dense path,
 `ForwardBatch.dense_shape`), the token stream and its batches, held-out bits per byte and the
-unigram baseline, and the function test run on the training model (`greedy_function_test`). What it
+unigram baseline, and the function test run on the training model (`greedy_function_test`, `end_probe`). What it
 does not know: corpus files, the optimizer loop, checkpoints on disk, time budgets
 (scripts/train_default_model.py).
 
@@ -490,6 +490,33 @@ def greedy_function_test(model: KimiForCausalLM, tok: Tokenizer, cases: Sequence
                     still.append(i)
             live = still
     return score_rows(cases, results)
+
+
+@torch.no_grad()
+def end_probe(model: KimiForCausalLM, tok: Tokenizer, cases: Sequence[FunctionCase], *, batch_size: int = 8) -> dict:
+    """Does the model know where a function ends once the true body is written? Each case's whole function
+    is fed as a training function document is (sequence prefix + the dedented text, which ends at its last
+    statement's last character), and the next-token distribution there is read: `eos_top1_rate`, the share
+    of cases where EOS is the most likely token, and `eos_p_median`, the median probability of EOS.
+    Teacher-forced, batched through the dense path right-padded (causal layers: padding is never read)."""
+    device = model.lm_head.weight.device
+    eos = tok.eos_token_ids[0]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    # by length, so that a batch pads little (the two statistics do not depend on the order)
+    seqs = sorted((tok.encode_prompt(c.reference.rstrip("\n")) for c in cases), key=len)
+    p_eos, top1 = [], []
+    for start in range(0, len(seqs), batch_size):
+        chunk = seqs[start:start + batch_size]
+        t = max(map(len, chunk))
+        ids = torch.tensor([q + [pad] * (t - len(q)) for q in chunk], device=device)
+        hidden = model.model(ids.reshape(-1), ForwardBatch([t] * len(chunk)))
+        last = torch.tensor([k * t + len(q) - 1 for k, q in enumerate(chunk)], device=device)
+        probs = torch.softmax(model.lm_head(hidden[last]).float(), dim=-1)
+        p_eos += probs[:, eos].tolist()
+        top1 += (probs.argmax(-1) == eos).tolist()
+    if not seqs:
+        return {"eos_top1_rate": 0.0, "eos_p_median": 0.0}
+    return {"eos_top1_rate": round(sum(top1) / len(top1), 3), "eos_p_median": round(float(torch.tensor(p_eos).median()), 3)}
 
 
 def unigram_bits_per_byte(train_docs: Sequence[Sequence[int]], windows: EvalWindows, vocab_size: int) -> float:

@@ -367,7 +367,8 @@ def test_smoke_run_exports_what_the_loader_reloads(smoke_inputs, tmp_path: Path)
     hp = report["hyperparameters"]
     assert hp["dropout"] > 0 and hp["embed_dropout"] > 0 and hp["ema_decay"] > 0  # the smoke run uses them
     assert report["evals"][-1]["step"] == 8 and set(report["evals"][-1]) == {
-        "step", "valid_bpb", "valid_bpb_ema", "valid_complete", "valid_parse", "valid_complete_ema", "valid_parse_ema"}
+        "step", "valid_bpb", "valid_bpb_ema", "valid_complete", "valid_parse", "valid_eos_top1", "valid_complete_ema",
+        "valid_parse_ema", "valid_eos_top1_ema"}
     chosen = report["evals"][-1]["valid_bpb" if report["exported_weights"] == "raw" else "valid_bpb_ema"]
     assert report["valid_bits_per_byte_exported"] == chosen
     assert chosen == min(report["evals"][-1]["valid_bpb"], report["evals"][-1]["valid_bpb_ema"])
@@ -530,3 +531,23 @@ def test_training_function_test_matches_the_engine_on_the_shipped_model(smoke_in
     assert dense == engine
     assert [r["qualname"] for r in dense] == [c.qualname for c in cases]
     assert all(r["tokens"] <= 12 and (r["stop"] == "length") == (not r["ended"]) for r in dense)
+
+
+@pytest.mark.skipif(not (MODELS_DIR / "k3-tiny" / "config.json").is_file(), reason="k3-tiny weights not shipped yet")
+def test_end_probe_reads_eos_after_each_true_function(smoke_inputs) -> None:
+    from k3rt.backend.function_test import select_functions
+
+    corpus = read_corpus(smoke_inputs[0])
+    cases = select_functions(corpus.split("heldout", ("code",)) + corpus.split("valid", ("code",)), 5)
+    tok = load_tokenizer("k3-tiny")
+    model = load_model("k3-tiny", dtype="float32", progress=False).eval()
+    eos, p, top = tok.eos_token_ids[0], [], []
+    for c in cases:  # one sequence at a time, in the training documents' form: no newline after the last line
+        ids = torch.tensor(tok.encode_prompt(c.reference.rstrip("\n")))
+        probs = torch.softmax(model(ids, ForwardBatch.single(len(ids)))[-1].float(), dim=-1)
+        p.append(probs[eos].item())
+        top.append(int(probs.argmax()) == eos)
+    got = T.end_probe(model, tok, cases, batch_size=2)
+    assert got["eos_top1_rate"] == round(sum(top) / len(top), 3)
+    assert got["eos_p_median"] == pytest.approx(float(torch.tensor(p).median()), abs=1.5e-3)
+    assert T.end_probe(model, tok, []) == {"eos_top1_rate": 0.0, "eos_p_median": 0.0}
