@@ -26,8 +26,9 @@ parse rate by a point or two) may differ from the CPU run.
    modules instead: the one to compare recipes or checkpoints by, so that the held-out number stays a
    measurement and not a choice. Beside the score, `end_probe` feeds each case's true function and
    reads whether EOS is the most likely next token at its end (`train.end_probe`): whether the model
-   knows where a function ends once the right body is written. The rules live in `backend/function_test.py`, which the training run's
-   own function test (on its dense path, to choose checkpoints) shares.
+   knows where a function ends once the right body is written. The rules live in
+   `backend/function_test.py`, which the training run's own function test (on its dense path, to
+   choose checkpoints) shares.
 """
 
 from __future__ import annotations

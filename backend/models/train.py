@@ -5,9 +5,9 @@ What this module knows: the K3 architecture config of k3-tiny, initialization, w
 the MoE forward used while training, dropout and the weight average (both training-only, added from
 outside the runtime modules), the language-model loss on [B, T] windows (the layers' dense path,
 `ForwardBatch.dense_shape`), the token stream and its batches, held-out bits per byte and the
-unigram baseline, and the function test run on the training model (`greedy_function_test`, `end_probe`). What it
-does not know: corpus files, the optimizer loop, checkpoints on disk, time budgets
-(scripts/train_default_model.py).
+unigram baseline, and the function test run on the training model (`greedy_function_test`,
+`end_probe`). What it does not know: corpus files, the optimizer loop, checkpoints on disk, time
+budgets (scripts/train_default_model.py).
 
 The training MoE computes every expert on every token and weights the outputs by the router's sparse
 top-k weights (zero for unselected experts). That is the reference math exactly, and the gradients
@@ -457,31 +457,37 @@ def bits_per_byte(model: KimiForCausalLM, windows: EvalWindows, batch_size: int,
     return total.item() / math.log(2) / windows.num_bytes
 
 
+def _last_token_logits(model: KimiForCausalLM, tok: Tokenizer, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
+    """fp32 logits [len(seqs), vocab] after each sequence's last token, from one dense forward of the
+    sequences right-padded to the longest (every layer is causal, so padding after a sequence never
+    reaches its last token)."""
+    device = model.lm_head.weight.device
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_ids[0]
+    t = max(map(len, seqs))
+    ids = torch.tensor([[*q, *[pad] * (t - len(q))] for q in seqs], device=device)
+    hidden = model.model(ids.reshape(-1), ForwardBatch([t] * len(seqs)))
+    last = torch.tensor([k * t + len(q) - 1 for k, q in enumerate(seqs)], device=device)
+    return model.lm_head(hidden[last]).float()
+
+
 @torch.no_grad()
 def greedy_function_test(model: KimiForCausalLM, tok: Tokenizer, cases: Sequence[FunctionCase], *,
                          max_tokens: int, batch_size: int = 128) -> list[dict]:
     """The function test (`backend/function_test.py`) on the training model itself, through its dense
-    path: greedy decoding without a cache, each step re-running every live sequence whole, right-padded
-    to the longest (every layer is causal, so padding after a sequence never reaches its last token).
-    Quadratic in length but a few hundred batched forwards, so a training run can score checkpoints by
+    path: greedy decoding without a cache, each step re-running every live sequence whole
+    (`_last_token_logits`). Quadratic in length but a few hundred batched forwards, so a training run can score checkpoints by
     it; the reported number stays scripts/eval_default_model.py's, through the Engine, with the same rules.
     Returns `function_test.score_rows` rows."""
-    device = model.lm_head.weight.device
     eos = set(tok.eos_token_ids)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_ids[0]
     prompts = [tok.encode_prompt(c.header) for c in cases]
     out: list[list[int]] = [[] for _ in cases]
     results: list[dict | None] = [None] * len(cases)
     for start in range(0, len(cases), batch_size):
         live = list(range(start, min(start + batch_size, len(cases))))
         while live:
-            seqs = [prompts[i] + out[i] for i in live]
-            t = max(map(len, seqs))
-            ids = torch.tensor([q + [pad] * (t - len(q)) for q in seqs], device=device)
-            hidden = model.model(ids.reshape(-1), ForwardBatch([t] * len(live)))
-            last = torch.tensor([k * t + len(q) - 1 for k, q in enumerate(seqs)], device=device)
+            logits = _last_token_logits(model, tok, [prompts[i] + out[i] for i in live])
             still = []
-            for i, nxt in zip(live, model.lm_head(hidden[last]).argmax(-1).tolist(), strict=True):
+            for i, nxt in zip(live, logits.argmax(-1).tolist(), strict=True):
                 out[i].append(nxt)
                 finish = "stop" if nxt in eos else "length" if len(out[i]) >= max_tokens else None
                 text = tok.decode([x for x in out[i] if x not in eos], skip_special_tokens=True)
@@ -498,25 +504,19 @@ def end_probe(model: KimiForCausalLM, tok: Tokenizer, cases: Sequence[FunctionCa
     is fed as a training function document is (sequence prefix + the dedented text, which ends at its last
     statement's last character), and the next-token distribution there is read: `eos_top1_rate`, the share
     of cases where EOS is the most likely token, and `eos_p_median`, the median probability of EOS.
-    Teacher-forced, batched through the dense path right-padded (causal layers: padding is never read)."""
-    device = model.lm_head.weight.device
+    Teacher-forced, batched through the dense path (`_last_token_logits`)."""
     eos = tok.eos_token_ids[0]
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
     # by length, so that a batch pads little (the two statistics do not depend on the order)
     seqs = sorted((tok.encode_prompt(c.reference.rstrip("\n")) for c in cases), key=len)
     p_eos, top1 = [], []
     for start in range(0, len(seqs), batch_size):
-        chunk = seqs[start:start + batch_size]
-        t = max(map(len, chunk))
-        ids = torch.tensor([q + [pad] * (t - len(q)) for q in chunk], device=device)
-        hidden = model.model(ids.reshape(-1), ForwardBatch([t] * len(chunk)))
-        last = torch.tensor([k * t + len(q) - 1 for k, q in enumerate(chunk)], device=device)
-        probs = torch.softmax(model.lm_head(hidden[last]).float(), dim=-1)
+        probs = torch.softmax(_last_token_logits(model, tok, seqs[start:start + batch_size]), dim=-1)
         p_eos += probs[:, eos].tolist()
         top1 += (probs.argmax(-1) == eos).tolist()
     if not seqs:
         return {"eos_top1_rate": 0.0, "eos_p_median": 0.0}
-    return {"eos_top1_rate": round(sum(top1) / len(top1), 3), "eos_p_median": round(float(torch.tensor(p_eos).median()), 3)}
+    return {"eos_top1_rate": round(sum(top1) / len(top1), 3),
+            "eos_p_median": round(float(torch.tensor(p_eos).median()), 3)}
 
 
 def unigram_bits_per_byte(train_docs: Sequence[Sequence[int]], windows: EvalWindows, vocab_size: int) -> float:
