@@ -99,6 +99,31 @@ def completion_result(text: str, finish_reason: str | None, num_tokens: int) -> 
     return None
 
 
+def engine_completions(engine, tok, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[tuple[dict, list[int]]]:
+    """Greedy completions through a k3rt `Engine`: per prompt (token ids), its `completion_result` and the
+    token ids generated up to the step that ended it (EOS included). A completion that reaches its
+    function's end is aborted there, so the engine's batch holds only completions still going."""
+    from k3rt.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    rids = [engine.add_request(list(p), params) for p in prompts]
+    out_ids: dict[int, list[int]] = {rid: [] for rid in rids}
+    result: dict[int, dict] = {}
+    eos = set(tok.eos_token_ids)
+    while engine.has_unfinished:
+        for o in engine.step():
+            if o.rid in result:
+                continue
+            out_ids[o.rid].extend(o.new_token_ids)
+            text = tok.decode([t for t in out_ids[o.rid] if t not in eos], skip_special_tokens=True)
+            r = completion_result(text, (o.finish_reason or "length") if o.finished else None, len(out_ids[o.rid]))
+            if r is not None:
+                result[o.rid] = r
+                if not o.finished:
+                    engine.abort(o.rid)
+    return [(result[rid], out_ids[rid]) for rid in rids]
+
+
 def score_completion(header: str, completion: str, stop: str, **_: object) -> dict:
     """`parses`: the completion holds a non-blank line and header + completion parses; `ended`: it stopped at
     the function's end or EOS rather than at the token cap; `complete`: both (the reported score)."""

@@ -45,7 +45,7 @@ from _bootstrap import ROOT, import_k3rt  # noqa: E402
 import_k3rt()
 
 from k3rt.backend.corpus import read_corpus  # noqa: E402
-from k3rt.backend.function_test import (FunctionCase, completion_result, score_rows,  # noqa: E402
+from k3rt.backend.function_test import (FunctionCase, engine_completions, score_rows,  # noqa: E402
                                         select_functions, summarize)
 from k3rt.models import resolve_model_dir  # noqa: E402
 
@@ -55,30 +55,12 @@ def complete_functions(model_dir: Path, cases: list[FunctionCase], *, device: st
     from k3rt.backend.engine import Engine
     from k3rt.backend.tokenizer import load_tokenizer
     from k3rt.config import CacheConfig, EngineConfig
-    from k3rt.sampling_params import SamplingParams
 
     tok = load_tokenizer(model_dir)
     engine = Engine(EngineConfig(model=str(model_dir), dtype=dtype, device=device,
                                  cache=CacheConfig(memory_gb=2.0, num_pages=None)))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    rids = {engine.add_request(tok.encode_prompt(c.header), params): i for i, c in enumerate(cases)}
-    out_ids: dict[int, list[int]] = {rid: [] for rid in rids}
-    result: dict[int, dict] = {}
-    aborted: set[int] = set()
-    eos = set(tok.eos_token_ids)
-    while engine.has_unfinished:
-        for o in engine.step():
-            if o.rid in result:
-                continue
-            out_ids[o.rid].extend(o.new_token_ids)
-            text = tok.decode([t for t in out_ids[o.rid] if t not in eos], skip_special_tokens=True)
-            r = completion_result(text, (o.finish_reason or "length") if o.finished else None, len(out_ids[o.rid]))
-            if r is not None:
-                result[o.rid] = r
-                if not o.finished and o.rid not in aborted:
-                    engine.abort(o.rid)
-                    aborted.add(o.rid)
-    return score_rows(cases, [result[rid] for rid, _ in sorted(rids.items(), key=lambda kv: kv[1])])
+    done = engine_completions(engine, tok, [tok.encode_prompt(c.header) for c in cases], max_tokens)
+    return score_rows(cases, [r for r, _ in done])
 
 
 def end_probe(model_dir: Path, cases: list[FunctionCase], *, device: str) -> dict:

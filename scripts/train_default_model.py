@@ -73,10 +73,11 @@ from _bootstrap import ROOT, import_k3rt  # noqa: E402
 import_k3rt()
 
 from k3rt.backend.corpus import Document, is_test_path, read_corpus, rename_locals  # noqa: E402
-from k3rt.backend.function_test import select_functions, summarize  # noqa: E402
+from k3rt.backend.function_test import score_rows, select_functions, summarize  # noqa: E402
 from k3rt.backend.models import train as T  # noqa: E402
 from k3rt.backend.models.loader import build_model, load_model  # noqa: E402
 from k3rt.backend.models.tiny import write_checkpoint  # noqa: E402
+from k3rt.backend.models.unlikelihood import UnlikelihoodBatch, runaway_sequences, unlikelihood_loss  # noqa: E402
 from k3rt.backend.tokenizer import load_tokenizer, write_trained_tokenizer  # noqa: E402
 from k3rt.model_config import param_count, parse_model_config  # noqa: E402
 
@@ -136,6 +137,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="checkpoint exported: best validation bits/byte, or best validation function test "
                         "(completions that end and parse, then those that parse, then bits/byte)")
     p.add_argument("--final-eval-windows", type=int, default=0, help="held-out windows scored at the end (0: all)")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="start from this export's weights (a k3rt model folder) as if its --max-steps of maximum "
+                        "likelihood were done: only the unlikelihood rounds run (fine-tuning experiments)")
+    p.add_argument("--ul-rounds", type=int, default=0,
+                   help="unlikelihood rounds after the main schedule (backend/models/unlikelihood.py): each "
+                        "completes --ul-prompts training-function headers greedily through the Engine, then "
+                        "trains --ul-steps steps on the corpus plus the runaway completions' repeats; 0: off")
+    p.add_argument("--ul-steps", type=int, default=50, help="optimizer steps per unlikelihood round")
+    p.add_argument("--ul-prompts", type=int, default=512, help="training-function headers completed per round")
+    p.add_argument("--ul-batch", type=int, default=16, help="runaway completions per unlikelihood step")
+    p.add_argument("--ul-weight", type=float, default=1.0, help="weight of the unlikelihood loss beside the LM loss")
+    p.add_argument("--ul-ngram", type=int, default=4, help="a completion token is penalized when it completes a "
+                                                            "repeat of an n-gram of this many tokens")
+    p.add_argument("--ul-lr", type=float, default=None, help="learning rate of the rounds (default: the schedule's "
+                                                             "final lr, --lr * --min-lr-ratio)")
     p.add_argument("--kda", choices=["fast", "ref"], default="fast",
                    help="KDA core while training: fast (train.kda_chunked_fresh) or ref (kernels/kda/ref.py)")
     p.add_argument("--ckpt-every", type=int, default=500)
@@ -147,13 +163,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.device = "cpu"
         for k, v in {"seq_len": 64, "batch_size": 8, "warmup_steps": 5, "log_every": 5, "eval_every": 10,
                      "valid_windows": 16, "final_eval_windows": 16, "calibrate_steps": 5, "ckpt_every": 10,
-                     "function_cases": 3, "function_max_tokens": 6}.items():
+                     "function_cases": 3, "function_max_tokens": 6, "ul_steps": 2, "ul_prompts": 6,
+                     "ul_batch": 2}.items():
             if getattr(a, k) == p.get_default(k):
                 setattr(a, k, v)
         if a.max_steps == p.get_default("max_steps"):
             a.max_steps = 20
     if a.select_by == "function" and a.function_cases <= 0:
         p.error("--select-by function needs --function-cases > 0")
+    if a.init_from is not None and a.max_steps <= 0:
+        p.error("--init-from needs --max-steps > 0: the schedule the exported weights are taken to have finished")
+    if a.ul_lr is None:
+        a.ul_lr = a.lr * a.min_lr_ratio
     if a.reserve_s is None:
         a.reserve_s = max(20.0, 0.05 * a.time_budget_s) if not a.smoke else 0.0
     return a
@@ -253,6 +274,32 @@ def save_checkpoint(path: Path, model, opt, ema: T.WeightAverage | None, state: 
     tmp.replace(path)
 
 
+def engine_completions(model, raw_config: dict, tok, prompts: list[list[int]], *, max_tokens: int,
+                       folder: Path) -> list[tuple[dict, list[int]]]:
+    """Greedy completions of `prompts` by the current weights through the k3rt Engine (the GPU runner on a
+    GPU, in bf16 as shipped; the reference runner in fp32 on a CPU): a copy of the model as the loader
+    would build it from an export, so the training model and its optimizer are untouched."""
+    from k3rt.backend.engine import Engine
+    from k3rt.backend.function_test import engine_completions as drive
+    from k3rt.config import CacheConfig, EngineConfig
+
+    device = model.lm_head.weight.device
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**raw_config, "torch_dtype": dtype}, indent=2) + "\n")
+    copy = build_model(parse_model_config({**raw_config, "torch_dtype": dtype}), dtype=getattr(torch, dtype))
+    copy.load_state_dict(model.state_dict())
+    engine = Engine(EngineConfig(model=str(folder), dtype=dtype, device=str(device),
+                                 cache=CacheConfig(memory_gb=2.0 if device.type == "cuda" else 0.25, num_pages=None)),
+                    model=copy.to(device).eval())
+    try:
+        return drive(engine, tok, prompts, max_tokens)
+    finally:
+        del engine, copy
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def step_seed(seed: int, step: int) -> int:
     """Seed of the global torch generator (dropout masks) for one step: a function of (seed, step) only,
     so a resumed run draws the masks the uninterrupted run would."""
@@ -326,10 +373,17 @@ def main(argv: list[str] | None = None) -> int:
         step, total_steps, history, evals = ck["step"], ck["total_steps"], ck["history"], ck["evals"]
         tokens_seen, train_seconds, best = ck["tokens_seen"], ck["train_seconds"], ck["best"]
         log(f"resumed from {ckpt_path} at step {step} of {total_steps}")
+    elif a.init_from is not None:
+        model.load_state_dict(load_model(a.init_from, dtype="float32", device=a.device, progress=False).state_dict())
+        step = total_steps = a.max_steps
+        log(f"weights from {a.init_from}, taken as step {step} of a {total_steps}-step schedule")
+    ul_rounds_done, ul_log = (ck.get("ul_rounds_done", 0), ck.get("ul_log", [])) if a.resume and ckpt_path.is_file() \
+        else (0, [])
 
     def state() -> dict:
         return {"step": step, "total_steps": total_steps, "history": history, "evals": evals, "best": best,
-                "tokens_seen": tokens_seen, "train_seconds": train_seconds, "args": {k: str(v) for k, v in vars(a).items()}}
+                "tokens_seen": tokens_seen, "train_seconds": train_seconds, "ul_rounds_done": ul_rounds_done,
+                "ul_log": ul_log, "args": {k: str(v) for k, v in vars(a).items()}}
 
     def measure(suffix: str) -> dict:
         """Validation metrics of the current weights: bits/byte and, with --function-cases, the function test."""
@@ -365,6 +419,32 @@ def main(argv: list[str] | None = None) -> int:
         log(f"step {step}: validation {shown} (best: {best['weights']} weights at step {best['step']}, "
             f"{best['valid_bpb']:.4f} bits/byte)")
 
+    def train_step(lr: float, ul_batch: UnlikelihoodBatch | None = None) -> tuple:
+        """One optimizer step at `lr` on the corpus batch of this step, plus with `ul_batch` the weighted
+        unlikelihood loss of its marked tokens. Returns (LM loss, grad norm, router imbalance, UL loss)."""
+        nonlocal step, tokens_seen
+        for g in opt.param_groups:
+            g["lr"] = lr
+        torch.manual_seed(step_seed(a.seed, step))
+        inputs, targets = (t.to(device, non_blocking=True) for t in stream.batch(step))
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            nll, count = T.lm_loss(model, inputs, targets)
+            loss = nll / count
+            ul = None
+            if ul_batch is not None:
+                ul_sum, ul_count = unlikelihood_loss(model, ul_batch.to(device))
+                ul = ul_sum / ul_count.clamp(min=1)
+        (loss if ul is None else loss + a.ul_weight * ul).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        imbalance = T.balance_routers(moes, a.router_bias_rate)
+        if ema is not None:
+            ema.update(model)
+        step += 1
+        tokens_seen += inputs.numel()
+        return loss, grad_norm, imbalance, ul
+
     model.train()
     calib_start: float | None = None
     loop_start = time.monotonic()
@@ -379,22 +459,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         horizon = total_steps or 10**9
         lr = T.cosine_lr(step, horizon, a.warmup_steps, a.lr, a.min_lr_ratio)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        torch.manual_seed(step_seed(a.seed, step))
-        inputs, targets = (t.to(device, non_blocking=True) for t in stream.batch(step))
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            nll, count = T.lm_loss(model, inputs, targets)
-            loss = nll / count
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        imbalance = T.balance_routers(moes, a.router_bias_rate)
-        if ema is not None:
-            ema.update(model)
-        step += 1
-        tokens_seen += inputs.numel()
+        loss, grad_norm, imbalance, _ = train_step(lr)
 
         # time steps first_step+5 .. +5+calibrate_steps (the first ones pay for allocator warm-up)
         if total_steps is None and step == first_step + 5:
@@ -435,6 +500,59 @@ def main(argv: list[str] | None = None) -> int:
     if not evals or evals[-1]["step"] != step:
         validate()
     save_checkpoint(ckpt_path, model, opt, ema, state())
+
+    # ---- unlikelihood rounds: the model's own runaway completions, their repeats made unlikely ----
+    ul_pool = []
+    if a.ul_rounds > ul_rounds_done:
+        ul_pool = select_functions(corpus.split("train", ("code",)), 20_000)
+        log(f"unlikelihood: {len(ul_pool)} training functions to draw headers from")
+    last_round_s = 0.0
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_ids[0]
+    while ul_rounds_done < a.ul_rounds:
+        if time.monotonic() + last_round_s > deadline:
+            stop_reason = "time budget"
+            break
+        t_round = time.monotonic()
+        g = torch.Generator().manual_seed(a.seed * 1_000_003 + 7919 * (ul_rounds_done + 1))
+        cases = [ul_pool[i] for i in torch.randperm(len(ul_pool), generator=g)[:a.ul_prompts].tolist()]
+        prompts = [tok.encode_prompt(c.header) for c in cases]
+        model.eval()
+        done = engine_completions(model, raw, tok, prompts, max_tokens=a.function_max_tokens,
+                                  folder=a.work_dir / "ul-engine")
+        model.train()
+        rows = score_rows(cases, [r for r, _ in done])
+        runaways = runaway_sequences(prompts, done, n=a.ul_ngram)
+        gen_s = time.monotonic() - t_round
+        entry = {"round": ul_rounds_done + 1, "step": step, "prompts": len(cases),
+                 "train_complete_rate": round(sum(r["complete"] for r in rows) / max(1, len(rows)), 3),
+                 "capped": sum(r["stop"] == "length" for r in rows), "runaways": len(runaways),
+                 "marked_tokens": sum(x.num_marked for x in runaways), "generate_s": round(gen_s, 1)}
+        log(f"unlikelihood round {entry['round']}/{a.ul_rounds}: {entry['train_complete_rate']:.0%} of "
+            f"{len(cases)} training functions end and parse, {entry['capped']} hit the cap, {len(runaways)} "
+            f"repeat {a.ul_ngram}-grams ({entry['marked_tokens']:,} marked tokens) [{gen_s:.0f} s]")
+        pick = torch.Generator().manual_seed(a.seed * 1_000_003 + step)
+        ul_sums = []
+        for u in range(a.ul_steps):
+            ub = None
+            if runaways:
+                idx = torch.randint(len(runaways), (min(a.ul_batch, len(runaways)),), generator=pick).tolist()
+                ub = UnlikelihoodBatch.build([runaways[i] for i in idx], pad_id)
+            lr = a.ul_lr * min(1.0, (u + 1) / 10) if ul_rounds_done == 0 else a.ul_lr  # re-warm fresh Adam moments
+            loss, grad_norm, imbalance, ul = train_step(lr, ub)
+            ul_sums.append(0.0 if ul is None else ul.item())
+            if step % a.log_every == 0:
+                row = {"step": step, "loss": round(loss.item(), 4), "lr": lr, "grad_norm": round(grad_norm.item(), 3),
+                       "ul_loss": round(ul_sums[-1], 4), "tokens": tokens_seen,
+                       "elapsed_s": round(time.monotonic() - T0, 1)}
+                history.append(row)
+                log(f"step {step} (unlikelihood) loss {row['loss']:.4f} ul {row['ul_loss']:.4f} lr {lr:.2e} "
+                    f"|g| {row['grad_norm']:.2f}")
+        entry["ul_loss_first_last"] = [round(ul_sums[0], 4), round(ul_sums[-1], 4)] if ul_sums else None
+        validate()
+        ul_rounds_done += 1
+        ul_log.append(entry)
+        save_checkpoint(ckpt_path, model, opt, ema, state())
+        last_round_s = time.monotonic() - t_round
     log(f"exporting the best validation checkpoint: {best['weights']} weights at step {best['step']} "
         f"({best['valid_bpb']:.4f} bits/byte; last step {evals[-1]})")
     model.load_state_dict(best["state"])
@@ -448,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         "epochs": round(tokens_seen / max(1, len(stream.tokens)), 2), "train_seconds": round(train_seconds, 1),
         "exported_step": best["step"], "exported_weights": best["weights"],
         "valid_bits_per_byte_exported": round(best["valid_bpb"], 4), "selected_by": a.select_by,
+        "unlikelihood_rounds": ul_log,
         "valid_function_test_exported": {k.removesuffix("_ema"): v for k, v in best.get("metrics", {}).items()
                                          if "bpb" not in k} or None,
         "peak_gpu_memory_gib": None if peak_gib is None else round(peak_gib, 1),
