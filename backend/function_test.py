@@ -141,11 +141,41 @@ def score_rows(cases: Sequence[FunctionCase], results: Sequence[dict]) -> list[d
     return [{**asdict(c), **r, **score_completion(c.header, **r)} for c, r in zip(cases, results, strict=True)]
 
 
+def _lines(text: str) -> list[str]:
+    return [line.strip() for line in text.split("\n") if line.strip()]
+
+
+def _docstring_only(completion: str) -> bool:
+    """The completion's statements (a function body) are all bare string literals."""
+    try:
+        stmts = ast.parse("def _():\n" + completion).body[0].body
+    except SyntaxError:
+        return False
+    return all(isinstance(x, ast.Expr) and isinstance(x.value, ast.Constant) and isinstance(x.value.value, str)
+               for x in stmts)
+
+
+def shape_of_complete(rows: Sequence[dict]) -> dict:
+    """What the completions that count look like, so that a rate is never read without them: their mean
+    number of non-blank lines beside the true bodies' (rows with `reference` and `header`), how many are
+    only a docstring, and how many repeat a line 3+ times (a loop that did end)."""
+    done = [r for r in rows if r["complete"]]
+    n = max(1, len(done))
+    body = [_lines(r["completion"]) for r in done]
+    only_doc = sum(_docstring_only(r["completion"]) for r in done)
+    return {"complete_mean_lines": round(sum(map(len, body)) / n, 2),
+            "reference_mean_lines": round(sum(len(_lines(r["reference"])) - len(_lines(r["header"]))
+                                              for r in done) / n, 2),
+            "complete_docstring_only": only_doc,
+            "complete_with_repeated_line": sum(any(b.count(x) >= 3 for x in set(b)) for b in body)}
+
+
 def summarize(rows: list[dict], split: str, max_tokens: int) -> dict:
-    """Rates over scored rows (each with `stop` and `score_completion`'s keys), and the rows themselves."""
+    """Rates over scored rows (each with `stop` and `score_completion`'s keys), the shape of the complete
+    ones (`shape_of_complete`), and the rows themselves."""
     n = max(1, len(rows))
     n_complete, n_parse = sum(r["complete"] for r in rows), sum(r["parses"] for r in rows)
     return {"split": split, "num_functions": len(rows), "complete_rate": round(n_complete / n, 3),
             "parse_rate": round(n_parse / n, 3), "stops": {s: sum(r["stop"] == s for r in rows)
                                                            for s in sorted({r["stop"] for r in rows})},
-            "max_tokens": max_tokens, "cases": rows}
+            **shape_of_complete(rows), "max_tokens": max_tokens, "cases": rows}

@@ -77,7 +77,8 @@ from k3rt.backend.function_test import score_rows, select_functions, summarize  
 from k3rt.backend.models import train as T  # noqa: E402
 from k3rt.backend.models.loader import build_model, load_model  # noqa: E402
 from k3rt.backend.models.tiny import write_checkpoint  # noqa: E402
-from k3rt.backend.models.unlikelihood import UnlikelihoodBatch, runaway_sequences, unlikelihood_loss  # noqa: E402
+from k3rt.backend.models.unlikelihood import (RunawaySequence, UnlikelihoodBatch, runaway_sequences,  # noqa: E402
+                                             unlikelihood_loss)
 from k3rt.backend.tokenizer import load_tokenizer, write_trained_tokenizer  # noqa: E402
 from k3rt.model_config import param_count, parse_model_config  # noqa: E402
 
@@ -147,6 +148,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ul-steps", type=int, default=50, help="optimizer steps per unlikelihood round")
     p.add_argument("--ul-prompts", type=int, default=512, help="training-function headers completed per round")
     p.add_argument("--ul-batch", type=int, default=16, help="runaway completions per unlikelihood step")
+    p.add_argument("--ul-replay", type=int, default=0,
+                   help="runaway completions of earlier rounds kept beside the new ones (newest first): later "
+                        "rounds find few new loops, and training on those few alone overshoots")
     p.add_argument("--ul-weight", type=float, default=1.0, help="weight of the unlikelihood loss beside the LM loss")
     p.add_argument("--ul-ngram", type=int, default=4, help="a completion token is penalized when it completes a "
                                                             "repeat of an n-gram of this many tokens")
@@ -333,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.valid_windows:
         valid = valid.subset(a.valid_windows)
     fn_cases = select_functions(corpus.split("valid", ("code",)), a.function_cases) if a.function_cases > 0 else []
+    fn_prompts = [tok.encode_prompt(c.header) for c in fn_cases]
     if a.final_eval_windows:
         heldout = heldout.subset(a.final_eval_windows)
     log(f"tokenizer {tok_dir} ({tok.vocab_size} ids): {len(stream.tokens):,} training tokens "
@@ -377,20 +382,24 @@ def main(argv: list[str] | None = None) -> int:
         model.load_state_dict(load_model(a.init_from, dtype="float32", device=a.device, progress=False).state_dict())
         step = total_steps = a.max_steps
         log(f"weights from {a.init_from}, taken as step {step} of a {total_steps}-step schedule")
-    ul_rounds_done, ul_log = (ck.get("ul_rounds_done", 0), ck.get("ul_log", [])) if a.resume and ckpt_path.is_file() \
-        else (0, [])
+    ul_rounds_done, ul_log, ul_replay = 0, [], []
+    if a.resume and ckpt_path.is_file():
+        ul_rounds_done, ul_log = ck.get("ul_rounds_done", 0), ck.get("ul_log", [])
+        ul_replay = [RunawaySequence(ids, mask) for ids, mask in ck.get("ul_replay", [])]
 
     def state() -> dict:
         return {"step": step, "total_steps": total_steps, "history": history, "evals": evals, "best": best,
                 "tokens_seen": tokens_seen, "train_seconds": train_seconds, "ul_rounds_done": ul_rounds_done,
-                "ul_log": ul_log, "args": {k: str(v) for k, v in vars(a).items()}}
+                "ul_log": ul_log, "ul_replay": [(x.ids, x.mask) for x in ul_replay],
+                "args": {k: str(v) for k, v in vars(a).items()}}
 
     def measure(suffix: str) -> dict:
         """Validation metrics of the current weights: bits/byte and, with --function-cases, the function test."""
         m = {f"valid_bpb{suffix}": round(T.bits_per_byte(model, valid, a.batch_size, autocast_dtype=amp_dtype), 4)}
         if fn_cases:
-            fc = summarize(T.greedy_function_test(model, tok, fn_cases, max_tokens=a.function_max_tokens), "valid",
-                           a.function_max_tokens)
+            done = engine_completions(model, raw, tok, fn_prompts, max_tokens=a.function_max_tokens,
+                                      folder=a.work_dir / "engine")
+            fc = summarize(score_rows(fn_cases, [r for r, _ in done]), "valid", a.function_max_tokens)
             probe = T.end_probe(model, tok, fn_cases)
             m.update({f"valid_complete{suffix}": fc["complete_rate"], f"valid_parse{suffix}": fc["parse_rate"],
                       f"valid_eos_top1{suffix}": probe["eos_top1_rate"]})
@@ -518,18 +527,22 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [tok.encode_prompt(c.header) for c in cases]
         model.eval()
         done = engine_completions(model, raw, tok, prompts, max_tokens=a.function_max_tokens,
-                                  folder=a.work_dir / "ul-engine")
+                                  folder=a.work_dir / "engine")
         model.train()
         rows = score_rows(cases, [r for r, _ in done])
-        runaways = runaway_sequences(prompts, done, n=a.ul_ngram)
+        fresh = runaway_sequences(prompts, done, n=a.ul_ngram)
+        runaways = fresh + ul_replay[:a.ul_replay]
+        ul_replay = runaways
         gen_s = time.monotonic() - t_round
         entry = {"round": ul_rounds_done + 1, "step": step, "prompts": len(cases),
                  "train_complete_rate": round(sum(r["complete"] for r in rows) / max(1, len(rows)), 3),
-                 "capped": sum(r["stop"] == "length" for r in rows), "runaways": len(runaways),
-                 "marked_tokens": sum(x.num_marked for x in runaways), "generate_s": round(gen_s, 1)}
+                 "capped": sum(r["stop"] == "length" for r in rows), "runaways": len(fresh),
+                 "marked_tokens": sum(x.num_marked for x in fresh), "trained_on": len(runaways),
+                 "generate_s": round(gen_s, 1)}
         log(f"unlikelihood round {entry['round']}/{a.ul_rounds}: {entry['train_complete_rate']:.0%} of "
-            f"{len(cases)} training functions end and parse, {entry['capped']} hit the cap, {len(runaways)} "
-            f"repeat {a.ul_ngram}-grams ({entry['marked_tokens']:,} marked tokens) [{gen_s:.0f} s]")
+            f"{len(cases)} training functions end and parse, {entry['capped']} hit the cap, {len(fresh)} "
+            f"repeat {a.ul_ngram}-grams ({entry['marked_tokens']:,} marked tokens); training on {len(runaways)} "
+            f"[{gen_s:.0f} s]")
         pick = torch.Generator().manual_seed(a.seed * 1_000_003 + step)
         ul_sums = []
         for u in range(a.ul_steps):

@@ -10,8 +10,9 @@
 #   e.g. (carry .whl and .cache/corpus):
 #   bash scripts/train_on_device.sh 400 $(git rev-parse HEAD) "lib:--function-docs library" "all:--function-docs all"
 #   (the call also needs ~20 s of set-up and ~2 min for the two function-completion tests after training;
-#   EVAL_SPLITS=valid runs only the validation one, the one recipes are chosen by; EVAL_TIMEOUT=<s> bounds each
-#   test, so that the packing below always runs inside the call's limit)
+#   EVAL_SPLITS=valid runs only the validation one, the one recipes are chosen by, EVAL_SPLITS=none neither;
+#   EVAL_TIMEOUT=<s> bounds each test, so that the packing below always runs inside the call's limit).
+#   A name ending in @N ("full@0:...") pins that recipe to GPU N instead of the round-robin.
 #
 # Outputs under $OUT/k3-tiny-<name>/: model-*.safetensors and small-files.tgz (config.json, the shard index,
 # tokenizer files, training.json, train.log, and eval-valid.json / eval-heldout.json: the function-completion
@@ -33,10 +34,15 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . >/dev/null 2>&1
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 [ "$gpus" -ge 1 ] || { echo "no GPU" >&2; exit 2; }
 i=0
+gpu_of() {  # recipe index -> GPU: the name's @N, else round-robin
+  case ${1%%:*} in *@*) echo "${1%%:*}" | sed 's/.*@//' ;; *) echo $(($2 % gpus)) ;; esac
+}
 for recipe in "$@"; do
+  gpu=$(gpu_of "$recipe" "$i")
   name=${recipe%%:*} extra=${recipe#*:}
+  name=${name%@*}
   # shellcheck disable=SC2086  # extra holds several arguments
-  CUDA_VISIBLE_DEVICES=$((i % gpus)) python3 scripts/train_default_model.py --device cuda --time-budget-s "$budget" \
+  CUDA_VISIBLE_DEVICES=$gpu python3 scripts/train_default_model.py --device cuda --time-budget-s "$budget" \
     --commit "$commit" --out "$OUT/k3-tiny-$name" --work-dir "/tmp/train-$name" $extra \
     >"/tmp/train-$name.log" 2>&1 &
   i=$((i + 1))
@@ -44,9 +50,11 @@ done
 wait
 i=0
 for recipe in "$@"; do  # the function-completion tests of each export, side by side like the trainings
+  gpu=$(gpu_of "$recipe" "$i")
   name=${recipe%%:*}
-  [ -d "$OUT/k3-tiny-$name" ] && for split in ${EVAL_SPLITS:-valid heldout}; do
-    CUDA_VISIBLE_DEVICES=$((i % gpus)) timeout "${EVAL_TIMEOUT:-600}" python3 scripts/eval_default_model.py --model "$OUT/k3-tiny-$name" --device cuda \
+  name=${name%@*}
+  [ -d "$OUT/k3-tiny-$name" ] && [ "${EVAL_SPLITS:-}" != none ] && for split in ${EVAL_SPLITS:-valid heldout}; do
+    CUDA_VISIBLE_DEVICES=$gpu timeout "${EVAL_TIMEOUT:-600}" python3 scripts/eval_default_model.py --model "$OUT/k3-tiny-$name" --device cuda \
       --skip-bpb --function-split $split --out "$OUT/k3-tiny-$name/eval-$split.json" >>"/tmp/train-$name.log" 2>&1
   done &
   i=$((i + 1))
@@ -54,18 +62,23 @@ done
 wait
 # the device returns at most 8 files: weights come back for as many recipes as fit (2 shards + 1 archive
 # each, the rest 1 archive each), best first by the validation function test (complete_rate), then its
-# looser parse_rate, then validation bits/byte
+# looser parse_rate, then validation bits/byte; without eval-valid.json, by the training run's own
+# validation function test of the exported checkpoint
 keep=$(python3 - "$OUT" "$@" <<'PY'
 import json, sys
 from pathlib import Path
-out, names = Path(sys.argv[1]), [r.split(":", 1)[0] for r in sys.argv[2:]]
+out, names = Path(sys.argv[1]), [r.split(":", 1)[0].split("@")[0] for r in sys.argv[2:]]
 def score(name):
     d = out / f"k3-tiny-{name}"
     try:
         fc = json.loads((d / "eval-valid.json").read_text())["function_completion"]
         complete, parse = fc["complete_rate"], fc["parse_rate"]
     except (OSError, KeyError, ValueError):
-        complete = parse = -1.0
+        try:
+            fc = json.loads((d / "training.json").read_text())["valid_function_test_exported"]
+            complete, parse = fc["valid_complete"], fc["valid_parse"]
+        except (OSError, KeyError, ValueError, TypeError):
+            complete = parse = -1.0
     try:
         bpb = json.loads((d / "training.json").read_text())["valid_bits_per_byte_exported"]
     except (OSError, KeyError, ValueError):
@@ -79,6 +92,7 @@ PY
 echo "weights come back for: ${keep:-none} (best first by validation function test)"
 for recipe in "$@"; do
   name=${recipe%%:*}
+  name=${name%@*}
   log=/tmp/train-$name.log dir=$OUT/k3-tiny-$name
   echo "== $name: $(grep -E 'calibrated|training stopped|exporting|held-out bits|reloaded|function completion' "$log" | tr '\n' ' ')"
   tail -3 "$log"

@@ -5,9 +5,9 @@ What this module knows: the K3 architecture config of k3-tiny, initialization, w
 the MoE forward used while training, dropout and the weight average (both training-only, added from
 outside the runtime modules), the language-model loss on [B, T] windows (the layers' dense path,
 `ForwardBatch.dense_shape`), the token stream and its batches, held-out bits per byte and the
-unigram baseline, and the function test run on the training model (`greedy_function_test`,
-`end_probe`). What it does not know: corpus files, the optimizer loop, checkpoints on disk, time
-budgets (scripts/train_default_model.py).
+unigram baseline, and the end-of-function probe on the training model (`end_probe`; the function
+test itself runs through the Engine, `function_test.engine_completions`). What it does not know:
+corpus files, the optimizer loop, checkpoints on disk, time budgets (scripts/train_default_model.py).
 
 The training MoE computes every expert on every token and weights the outputs by the router's sparse
 top-k weights (zero for unselected experts). That is the reference math exactly, and the gradients
@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from k3rt.backend.corpus import Document
-from k3rt.backend.function_test import FunctionCase, completion_result, score_rows
+from k3rt.backend.function_test import FunctionCase
 from k3rt.backend.layers.activation import act_and_mul
 from k3rt.backend.layers.norm import rms_norm
 from k3rt.backend.models.batch import ForwardBatch
@@ -468,34 +468,6 @@ def _last_token_logits(model: KimiForCausalLM, tok: Tokenizer, seqs: Sequence[Se
     hidden = model.model(ids.reshape(-1), ForwardBatch([t] * len(seqs)))
     last = torch.tensor([k * t + len(q) - 1 for k, q in enumerate(seqs)], device=device)
     return model.lm_head(hidden[last]).float()
-
-
-@torch.no_grad()
-def greedy_function_test(model: KimiForCausalLM, tok: Tokenizer, cases: Sequence[FunctionCase], *,
-                         max_tokens: int, batch_size: int = 128) -> list[dict]:
-    """The function test (`backend/function_test.py`) on the training model itself, through its dense
-    path: greedy decoding without a cache, each step re-running every live sequence whole
-    (`_last_token_logits`). Quadratic in length but a few hundred batched forwards, so a training run can score checkpoints by
-    it; the reported number stays scripts/eval_default_model.py's, through the Engine, with the same rules.
-    Returns `function_test.score_rows` rows."""
-    eos = set(tok.eos_token_ids)
-    prompts = [tok.encode_prompt(c.header) for c in cases]
-    out: list[list[int]] = [[] for _ in cases]
-    results: list[dict | None] = [None] * len(cases)
-    for start in range(0, len(cases), batch_size):
-        live = list(range(start, min(start + batch_size, len(cases))))
-        while live:
-            logits = _last_token_logits(model, tok, [prompts[i] + out[i] for i in live])
-            still = []
-            for i, nxt in zip(live, logits.argmax(-1).tolist(), strict=True):
-                out[i].append(nxt)
-                finish = "stop" if nxt in eos else "length" if len(out[i]) >= max_tokens else None
-                text = tok.decode([x for x in out[i] if x not in eos], skip_special_tokens=True)
-                results[i] = completion_result(text, finish, len(out[i]))
-                if results[i] is None:
-                    still.append(i)
-            live = still
-    return score_rows(cases, results)
 
 
 @torch.no_grad()
