@@ -128,20 +128,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--time-budget-s", type=float, default=480.0, help="wall clock for the whole run, export included")
     p.add_argument("--reserve-s", type=float, default=None, help="kept for final eval + export (default max(20, 5%%))")
     p.add_argument("--log-every", type=int, default=20)
-    p.add_argument("--eval-every", type=int, default=200, help="validation eval (and best-checkpoint) interval")
+    p.add_argument("--eval-every", type=int, default=500, help="validation eval (and best-checkpoint) interval")
     p.add_argument("--valid-windows", type=int, default=0, help="validation windows scored per eval (0: all)")
     p.add_argument("--function-cases", type=int, default=100,
                    help="validation functions completed greedily at each eval (backend/function_test.py; about "
                         "30 s for 100 on an H200); 0: off")
     p.add_argument("--function-max-tokens", type=int, default=256, help="completion cap of that test")
-    p.add_argument("--select-by", choices=["bpb", "function"], default="bpb",
+    p.add_argument("--select-by", choices=["bpb", "function"], default="function",
                    help="checkpoint exported: best validation bits/byte, or best validation function test "
                         "(completions that end and parse, then those that parse, then bits/byte)")
     p.add_argument("--final-eval-windows", type=int, default=0, help="held-out windows scored at the end (0: all)")
     p.add_argument("--init-from", type=Path, default=None,
                    help="start from this export's weights (a k3rt model folder) as if its --max-steps of maximum "
                         "likelihood were done: only the unlikelihood rounds run (fine-tuning experiments)")
-    p.add_argument("--ul-rounds", type=int, default=0,
+    p.add_argument("--ul-rounds", type=int, default=1,
                    help="unlikelihood rounds after the main schedule (backend/models/unlikelihood.py): each "
                         "completes --ul-prompts training-function headers greedily through the Engine, then "
                         "trains --ul-steps steps on the corpus plus the runaway completions' repeats; 0: off")
@@ -152,7 +152,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="runaway completions of earlier rounds kept beside the new ones (newest first): later "
                         "rounds find few new loops, and training on those few alone overshoots")
     p.add_argument("--ul-weight", type=float, default=1.0, help="weight of the unlikelihood loss beside the LM loss")
-    p.add_argument("--ul-ngram", type=int, default=4, help="a completion token is penalized when it completes a "
+    p.add_argument("--ul-ngram", type=int, default=8, help="a completion token is penalized when it completes a "
                                                             "repeat of an n-gram of this many tokens")
     p.add_argument("--ul-lr", type=float, default=None, help="learning rate of the rounds (default: the schedule's "
                                                              "final lr, --lr * --min-lr-ratio)")
