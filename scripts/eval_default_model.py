@@ -27,8 +27,8 @@ parse rate by a point or two) may differ from the CPU run.
    measurement and not a choice. Beside the score, `end_probe` feeds each case's true function and
    reads whether EOS is the most likely next token at its end (`train.end_probe`): whether the model
    knows where a function ends once the right body is written. The rules live in
-   `backend/function_test.py`, which the training run's own function test (on its dense path, to
-   choose checkpoints) shares.
+   `backend/function_test.py` (`engine_completions` drives the Engine), which the training run's own
+   function test (on its current weights, to choose checkpoints) shares.
 """
 
 from __future__ import annotations
