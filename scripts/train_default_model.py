@@ -557,7 +557,9 @@ def main(argv: list[str] | None = None) -> int:
             if runaways:
                 idx = torch.randint(len(runaways), (min(a.ul_batch, len(runaways)),), generator=pick).tolist()
                 ub = UnlikelihoodBatch.build([runaways[i] for i in idx], pad_id)
-            lr = a.ul_lr * min(1.0, (u + 1) / 10) if ul_rounds_done == 0 else a.ul_lr  # re-warm fresh Adam moments
+            # the first round ramps over 10 steps: its loss is new to the optimizer (and, with --init-from,
+            # so are the weights: Adam's moments start at zero)
+            lr = a.ul_lr * min(1.0, (u + 1) / 10) if ul_rounds_done == 0 else a.ul_lr
             loss, grad_norm, imbalance, ul = train_step(lr, ub)
             ul_sums.append(0.0 if ul is None else ul.item())
             if step % a.log_every == 0:
@@ -570,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         entry["ul_loss_first_last"] = [round(ul_sums[0], 4), round(ul_sums[-1], 4)] if ul_sums else None
         validate()
         ul_rounds_done += 1
+        entry["round_s"] = round(time.monotonic() - t_round, 1)
         ul_log.append(entry)
         save_checkpoint(ckpt_path, model, opt, ema, state())
         last_round_s = time.monotonic() - t_round
