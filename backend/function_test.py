@@ -1,7 +1,7 @@
 """The function-completion test of the default model: which functions, when a completion ends, how it is
 scored. Shared by scripts/eval_default_model.py (the reported number, through the Engine) and the
-training run (scripts/train_default_model.py, through the training model's dense path), so both judge
-completions by the same rules.
+training run (scripts/train_default_model.py, on a copy of its current weights), so both judge
+completions by the same rules and drive the Engine the same way (`engine_completions`).
 
 Cases: functions of 3..30 lines from the given documents, spread evenly in (file, line) order. The prompt
 is the function's header, its signature lines and docstring if it has one, dedented to column 0. A

@@ -518,13 +518,16 @@ def main(argv: list[str] | None = None) -> int:
     save_checkpoint(ckpt_path, model, opt, ema, state())
 
     # ---- unlikelihood rounds: the model's own runaway completions, their repeats made unlikely ----
+    # (only once the schedule is done: a run stopped by --stop-after-steps or the budget leaves them to the
+    # resume, which must run the same steps as an uninterrupted run)
+    rounds_due = a.ul_rounds > ul_rounds_done and stop_reason == "max steps"
     ul_pool = []
-    if a.ul_rounds > ul_rounds_done:
+    if rounds_due:
         ul_pool = select_functions(corpus.split("train", ("code",)), 20_000)
         log(f"unlikelihood: {len(ul_pool)} training functions to draw headers from")
     last_round_s = 0.0
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_ids[0]
-    while ul_rounds_done < a.ul_rounds:
+    while rounds_due and ul_rounds_done < a.ul_rounds:
         if time.monotonic() + last_round_s > deadline:
             stop_reason = "time budget"
             break

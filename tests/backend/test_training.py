@@ -361,17 +361,28 @@ def _train(smoke_inputs, out: Path, work: Path, *extra: str) -> None:
 
 def test_smoke_run_exports_what_the_loader_reloads(smoke_inputs, tmp_path: Path) -> None:
     out, work = tmp_path / "out", tmp_path / "work"
-    _train(smoke_inputs, out, work, "--function-renames", "1")
+    _train(smoke_inputs, out, work, "--function-renames", "1", "--select-by", "bpb")
     report = json.loads((out / "training.json").read_text())
-    assert report["steps"] == 8 and report["stop_reason"] == "max steps"
+    # 8 steps of the schedule, then the default unlikelihood round: 2 steps in --smoke
+    assert report["steps"] == 10 and report["cosine_horizon"] == 8 and report["stop_reason"] == "max steps"
     hp = report["hyperparameters"]
     assert hp["dropout"] > 0 and hp["embed_dropout"] > 0 and hp["ema_decay"] > 0  # the smoke run uses them
-    assert report["evals"][-1]["step"] == 8 and set(report["evals"][-1]) == {
-        "step", "valid_bpb", "valid_bpb_ema", "valid_complete", "valid_parse", "valid_eos_top1", "valid_complete_ema",
-        "valid_parse_ema", "valid_eos_top1_ema"}
-    chosen = report["evals"][-1]["valid_bpb" if report["exported_weights"] == "raw" else "valid_bpb_ema"]
-    assert report["valid_bits_per_byte_exported"] == chosen
-    assert chosen == min(report["evals"][-1]["valid_bpb"], report["evals"][-1]["valid_bpb_ema"])
+    assert (hp["ul_rounds"], hp["ul_steps"], hp["ul_prompts"], hp["ul_batch"], hp["ul_ngram"]) == (1, 2, 6, 2, 8)
+    assert hp["ul_lr"] == pytest.approx(hp["lr"] * hp["min_lr_ratio"]) and report["selected_by"] == "bpb"
+    # completions are capped at 6 tokens in --smoke, too short to repeat an 8-gram: nothing to push down, so
+    # the round's 2 steps train on the corpus alone and report a zero unlikelihood loss
+    [ul] = report["unlikelihood_rounds"]
+    assert ul["round"] == 1 and ul["step"] == 8 and ul["prompts"] == 6
+    assert (ul["runaways"], ul["marked_tokens"], ul["trained_on"], ul["ul_loss_first_last"]) == (0, 0, 0, [0.0, 0.0])
+    assert 0 <= ul["capped"] <= 6 and 0.0 <= ul["train_complete_rate"] <= 1.0
+    assert [e["step"] for e in report["evals"]] == [8, 10]  # the end of the schedule, then after the round
+    for e in report["evals"]:
+        assert set(e) == {"step", "valid_bpb", "valid_bpb_ema", "valid_complete", "valid_parse", "valid_eos_top1",
+                          "valid_complete_ema", "valid_parse_ema", "valid_eos_top1_ema"}
+    candidates = [(e[f"valid_bpb{x}"], e["step"], w)
+                  for e in report["evals"] for w, x in (("raw", ""), ("ema", "_ema"))]
+    chosen = min(candidates, key=lambda c: c[0])  # the lowest bits/byte, the first seen on a tie
+    assert (report["valid_bits_per_byte_exported"], report["exported_step"], report["exported_weights"]) == chosen
     assert report["heldout_bits_per_byte"] == pytest.approx(report["heldout_bits_per_byte_shipped_weights"], abs=1e-3)
     assert report["loss_curve"][-1]["loss"] < report["loss_curve"][0]["loss"]
     assert (out / "tokenizer.json").read_bytes() == (smoke_inputs[1] / "tokenizer.json").read_bytes()
@@ -390,9 +401,10 @@ def test_smoke_run_exports_what_the_loader_reloads(smoke_inputs, tmp_path: Path)
 
 def test_smoke_run_selects_by_the_function_test(smoke_inputs, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    _train(smoke_inputs, out, tmp_path / "work", "--select-by", "function", "--eval-every", "3")
+    _train(smoke_inputs, out, tmp_path / "work", "--select-by", "function", "--eval-every", "3", "--ul-rounds", "0")
     report = json.loads((out / "training.json").read_text())
     assert [e["step"] for e in report["evals"]] == [3, 6, 8] and report["selected_by"] == "function"
+    assert report["steps"] == 8 and report["unlikelihood_rounds"] == []
     candidates = {(e["step"], w): (e[f"valid_complete{x}"], e[f"valid_parse{x}"], -e[f"valid_bpb{x}"])
                   for e in report["evals"] for w, x in (("raw", ""), ("ema", "_ema"))}
     best = max(candidates.values())
@@ -408,7 +420,7 @@ def test_smoke_run_selects_by_the_function_test(smoke_inputs, tmp_path: Path) ->
 def test_smoke_run_calibrates_its_horizon_with_a_validation(smoke_inputs, tmp_path: Path) -> None:
     out = tmp_path / "out"
     _train(smoke_inputs, out, tmp_path / "work", "--max-steps", "0", "--time-budget-s", "12",
-           "--calibrate-steps", "2", "--max-epochs", "1")
+           "--calibrate-steps", "2", "--max-epochs", "1", "--ul-rounds", "0")
     report = json.loads((out / "training.json").read_text())
     assert report["evals"][0]["step"] == 7  # 5 warm-up steps + 2 timed, then the timed validation
     assert report["cosine_horizon"] > 7 and report["steps"] <= report["cosine_horizon"]
@@ -416,9 +428,11 @@ def test_smoke_run_calibrates_its_horizon_with_a_validation(smoke_inputs, tmp_pa
 
 
 def test_smoke_run_resumes_exactly(smoke_inputs, tmp_path: Path) -> None:
-    _train(smoke_inputs, tmp_path / "a", tmp_path / "wa")
-    _train(smoke_inputs, tmp_path / "b", tmp_path / "wb", "--stop-after-steps", "5")
-    _train(smoke_inputs, tmp_path / "b", tmp_path / "wb", "--resume")
+    # the main schedule only (--ul-rounds 0); the rounds: test_smoke_run_unlikelihood_rounds_and_resuming_a_finished_run
+    _train(smoke_inputs, tmp_path / "a", tmp_path / "wa", "--ul-rounds", "0")
+    _train(smoke_inputs, tmp_path / "b", tmp_path / "wb", "--ul-rounds", "0", "--stop-after-steps", "5")
+    assert torch.load(tmp_path / "wb" / "ckpt.pt", weights_only=False)["step"] == 5
+    _train(smoke_inputs, tmp_path / "b", tmp_path / "wb", "--ul-rounds", "0", "--resume")
     a = torch.load(tmp_path / "wa" / "ckpt.pt", weights_only=False)
     b = torch.load(tmp_path / "wb" / "ckpt.pt", weights_only=False)
     assert a["step"] == b["step"] == 8
@@ -427,6 +441,85 @@ def test_smoke_run_resumes_exactly(smoke_inputs, tmp_path: Path) -> None:
     assert a["ema"]["num_updates"] == b["ema"]["num_updates"] == 8
     for k in a["ema"]["shadow"]:
         assert torch.equal(a["ema"]["shadow"][k], b["ema"]["shadow"][k]), k
+
+
+def test_smoke_run_unlikelihood_rounds_and_resuming_a_finished_run(smoke_inputs, tmp_path: Path) -> None:
+    """Two unlikelihood rounds on 1-gram repeats (any token the capped completion already produced), the
+    second replaying the first's runaways; then --resume with the same arguments changes nothing."""
+    from k3rt.backend.function_test import select_functions
+    from k3rt.backend.models.unlikelihood import repeated_ngram_mask
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    args = ("--ul-rounds", "2", "--ul-ngram", "1", "--ul-replay", "4", "--select-by", "function")
+    _train(smoke_inputs, out, work, *args)
+    report = json.loads((out / "training.json").read_text())
+    r1, r2 = report["unlikelihood_rounds"]
+    assert report["steps"] == 12 and report["cosine_horizon"] == 8 and report["stop_reason"] == "max steps"
+    assert (r1["round"], r1["step"], r2["round"], r2["step"]) == (1, 8, 2, 10)  # each round: ul_steps = 2 steps
+    for r in (r1, r2):
+        assert r["prompts"] == 6 and r["runaways"] <= r["capped"] <= 6 and 0.0 <= r["train_complete_rate"] <= 1.0
+        # the seeded smoke model does loop: this run exercises the loss, not only the corpus steps
+        assert r["runaways"] > 0 and r["marked_tokens"] >= r["runaways"]
+        assert len(r["ul_loss_first_last"]) == 2 and all(x > 0 for x in r["ul_loss_first_last"])
+        assert r["generate_s"] <= r["round_s"]
+    assert r1["trained_on"] == r1["runaways"]  # nothing to replay yet
+    assert r2["trained_on"] == r2["runaways"] + min(4, r1["trained_on"])
+    # the validation after each round is part of the selection
+    assert [e["step"] for e in report["evals"]] == [8, 10, 12]
+    candidates = {(e["step"], w): (e[f"valid_complete{x}"], e[f"valid_parse{x}"], -e[f"valid_bpb{x}"])
+                  for e in report["evals"] for w, x in (("raw", ""), ("ema", "_ema"))}
+    best = max(candidates.values())
+    assert (report["exported_step"], report["exported_weights"]) == next(k for k, v in candidates.items() if v == best)
+    # the loss curve's row at step 10 is the last step of round 1, on the first round's 10-step lr ramp (2 / 10)
+    [row] = [h for h in report["loss_curve"] if h["step"] == 10]
+    assert row["ul_loss"] == r1["ul_loss_first_last"][1]
+    assert row["lr"] == pytest.approx(report["hyperparameters"]["ul_lr"] * 2 / 10)
+
+    ck = torch.load(work / "ckpt.pt", weights_only=False)
+    assert ck["ul_rounds_done"] == 2 and ck["ul_log"] == report["unlikelihood_rounds"] and ck["step"] == 12
+    # the replay pool after round 2: its own runaways first, then round 1's
+    replay = ck["ul_replay"]
+    assert len(replay) == r2["trained_on"]
+    assert sum(map(sum, (m for _, m in replay[:r2["runaways"]]))) == r2["marked_tokens"]
+    if r1["trained_on"] <= 4:  # all of round 1's were kept
+        assert sum(map(sum, (m for _, m in replay[r2["runaways"]:]))) == r1["marked_tokens"]
+    # each is a training function's header + a completion cut at the cap (6 tokens in --smoke), its mask the
+    # 1-gram repeats of the completion
+    tok = load_tokenizer(out)
+    headers = [tok.encode_prompt(c.header) for c in select_functions(read_corpus(smoke_inputs[0]).split(
+        "train", ("code",)), 20_000)]
+    for ids, mask in replay:
+        prompt = max((h for h in headers if ids[:len(h)] == h), key=len)
+        assert len(ids) == len(prompt) + 6 and mask == repeated_ngram_mask(ids, len(prompt), 1) and any(mask)
+
+    # resuming the finished run: no more steps or rounds, the same log, replay and weights
+    _train(smoke_inputs, out, work, *args, "--resume")
+    again = json.loads((out / "training.json").read_text())
+    assert again["unlikelihood_rounds"] == report["unlikelihood_rounds"] and again["steps"] == 12
+    assert again["evals"] == report["evals"] and again["exported_step"] == report["exported_step"]
+    ck2 = torch.load(work / "ckpt.pt", weights_only=False)
+    assert (ck2["step"], ck2["ul_rounds_done"], ck2["ul_log"]) == (12, 2, ck["ul_log"])
+    assert ck2["ul_replay"] == ck["ul_replay"]  # restored from the checkpoint, saved again
+    for k in ck["model"]:
+        assert torch.equal(ck["model"][k], ck2["model"][k]), k
+
+
+def test_smoke_run_stopped_early_leaves_the_rounds_to_the_resume(smoke_inputs, tmp_path: Path) -> None:
+    # a call stopped mid-schedule runs no round; its resume finishes the schedule, then the round, exactly
+    # as the uninterrupted run does
+    _train(smoke_inputs, tmp_path / "b", tmp_path / "wb", "--stop-after-steps", "5")  # the default round
+    report = json.loads((tmp_path / "b" / "training.json").read_text())
+    assert report["stop_reason"] == "--stop-after-steps"
+    assert report["steps"] == 5 and report["unlikelihood_rounds"] == []
+    _train(smoke_inputs, tmp_path / "b", tmp_path / "wb", "--resume")
+    _train(smoke_inputs, tmp_path / "a", tmp_path / "wa")
+    a = torch.load(tmp_path / "wa" / "ckpt.pt", weights_only=False)
+    b = torch.load(tmp_path / "wb" / "ckpt.pt", weights_only=False)
+    assert a["step"] == b["step"] == 10 and [r["step"] for r in b["ul_log"]] == [8]
+    assert [{k: v for k, v in r.items() if not k.endswith("_s")} for r in a["ul_log"]] == \
+        [{k: v for k, v in r.items() if not k.endswith("_s")} for r in b["ul_log"]]
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
 
 
 # ---- name resolution ------------------------------------------------------------------------------
@@ -508,29 +601,49 @@ def test_function_test_counts_only_completions_that_end_and_parse() -> None:
     assert loop == {"parses": True, "ended": False, "complete": False}
     assert ev.score_completion(header, "    return (x\n", "stop") == {"parses": False, "ended": True, "complete": False}
     assert ev.score_completion(header, "\n  \n", "stop")["complete"] is False  # the docstring alone parses
-    rows = [{"stop": "dedent", **ended}, {"stop": "length", **loop}, {"stop": "stop", "parses": False,
-                                                                     "ended": True, "complete": False}]
+    rows = [{"stop": "dedent", "completion": "    return 2 * x\n", "header": header,
+             "reference": header + "    y = 2 * x\n    return y\n", **ended},
+            {"stop": "length", "completion": "    y = x\n" * 40, **loop},
+            {"stop": "stop", "completion": "    return (x\n", "parses": False, "ended": True, "complete": False}]
     fc = ev.summarize(rows, "heldout", 256)
     assert (fc["complete_rate"], fc["parse_rate"]) == (0.333, 0.667)
     assert fc["stops"] == {"dedent": 1, "length": 1, "stop": 1} and fc["num_functions"] == 3
+    # the shape of the one complete completion (the loop that parses does not count)
+    assert {k: fc[k] for k in ("complete_mean_lines", "reference_mean_lines", "complete_docstring_only",
+                               "complete_with_repeated_line")} == {
+        "complete_mean_lines": 1.0, "reference_mean_lines": 2.0, "complete_docstring_only": 0,
+        "complete_with_repeated_line": 0}
+    assert fc["max_tokens"] == 256 and fc["cases"] is rows and fc["split"] == "heldout"
 
 
 @pytest.mark.skipif(not (MODELS_DIR / "k3-tiny" / "config.json").is_file(), reason="k3-tiny weights not shipped yet")
-def test_training_function_test_matches_the_engine_on_the_shipped_model(smoke_inputs) -> None:
-    """The training run's function test (dense path, no cache) completes exactly as the Engine does."""
-    from k3rt.backend.function_test import select_functions
+def test_training_function_test_matches_the_engine_on_the_shipped_model(smoke_inputs, tmp_path: Path) -> None:
+    """The training run's function test (a copy of its weights in an Engine) completes exactly as
+    scripts/eval_default_model.py does from the export."""
+    from k3rt.backend.function_test import score_rows, select_functions
 
     corpus = read_corpus(smoke_inputs[0])
     cases = select_functions(corpus.split("heldout", ("code",)) + corpus.split("valid", ("code",)), 4)
     assert len(cases) == 4
     tok = load_tokenizer("k3-tiny")
-    dense = T.greedy_function_test(load_model("k3-tiny", dtype="float32", progress=False).eval(), tok, cases,
-                                   max_tokens=12, batch_size=3)  # two batches
+    raw = json.loads((MODELS_DIR / "k3-tiny" / "config.json").read_text())
+    model = load_model("k3-tiny", dtype="float32", device="cpu", progress=False).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    done = _load_script("train_default_model").engine_completions(
+        model, raw, tok, [tok.encode_prompt(c.header) for c in cases], max_tokens=12, folder=tmp_path / "engine")
+    training = score_rows(cases, [r for r, _ in done])
     engine = _load_script("eval_default_model").complete_functions(MODELS_DIR / "k3-tiny", cases, device="cpu",
                                                                    dtype="float32", max_tokens=12)
-    assert dense == engine
-    assert [r["qualname"] for r in dense] == [c.qualname for c in cases]
-    assert all(r["tokens"] <= 12 and (r["stop"] == "length") == (not r["ended"]) for r in dense)
+    assert training == engine
+    assert [r["qualname"] for r in training] == [c.qualname for c in cases]
+    assert all(r["tokens"] <= 12 and (r["stop"] == "length") == (not r["ended"]) for r in training)
+    eos = set(tok.eos_token_ids)
+    for r, gen in done:  # the ids are the completion's: one per step up to the one that ended it
+        assert len(gen) == r["tokens"]
+        assert tok.decode([t for t in gen if t not in eos], skip_special_tokens=True).startswith(r["completion"])
+    assert json.loads((tmp_path / "engine" / "config.json").read_text())["torch_dtype"] == "float32"
+    after = model.state_dict()  # the training model itself is untouched: the Engine ran a copy
+    assert all(torch.equal(before[k], after[k]) for k in before) and not model.training
 
 
 @pytest.mark.skipif(not (MODELS_DIR / "k3-tiny" / "config.json").is_file(), reason="k3-tiny weights not shipped yet")
