@@ -156,8 +156,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ul-prompts", type=int, default=512, help="training-function headers completed per round")
     p.add_argument("--ul-batch", type=int, default=16, help="runaway completions per unlikelihood step")
     p.add_argument("--ul-replay", type=int, default=0,
-                   help="runaway completions of earlier rounds kept beside the new ones (newest first): later "
-                        "rounds find few new loops, and training on those few alone overshoots")
+                   help="runaway completions of earlier rounds kept beside the new ones (newest first); tried "
+                        "against later rounds' swings and measured no better (model card)")
     p.add_argument("--ul-weight", type=float, default=1.0, help="weight of the unlikelihood loss beside the LM loss")
     p.add_argument("--ul-ngram", type=int, default=8, help="a completion token is penalized when it completes a "
                                                             "repeat of an n-gram of this many tokens")

@@ -12,20 +12,12 @@ import torch
 
 from k3rt.backend import function_test as ft
 from k3rt.backend.models import train as T
-from k3rt.backend.models.loader import build_model
 from k3rt.backend.models.unlikelihood import (RunawaySequence, UnlikelihoodBatch, repeated_ngram_mask,
                                              runaway_sequences, unlikelihood_loss)
-from k3rt.model_config import parse_model_config
+from tests.backend.test_training import _few_threads, smoke_model  # noqa: F401 (the fixture applies here too)
 
 F, X = False, True  # mask literals
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _few_threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ---- repeated_ngram_mask --------------------------------------------------------------------------
@@ -113,20 +105,14 @@ def test_batch_shifts_to_next_token_windows_and_never_marks_padding() -> None:
 
 # ---- unlikelihood_loss ----------------------------------------------------------------------------
 
-def smoke_model(vocab: int = 64, seed: int = 0):
-    """tests/backend/test_training.py's smoke model, trainable."""
-    model = build_model(parse_model_config({**T.SMOKE_CONFIG, "vocab_size": vocab}))
-    T.init_for_training(model, seed)
-    with torch.no_grad():  # move off the init's zeros so mixing and routing are exercised
-        for name, p in model.named_parameters():
-            if name.endswith(("_res_proj.weight", "e_score_correction_bias")):
-                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(seed))
+def trainable_smoke_model():
+    model = smoke_model(vocab=64)
     T.make_trainable(model)
     return model
 
 
 def test_loss_equals_a_per_position_computation_with_its_gradient() -> None:
-    model = smoke_model()
+    model = trainable_smoke_model()
     g = torch.Generator().manual_seed(3)
     seqs = []
     for length in (14, 9, 11):
