@@ -374,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     max_epoch_steps = max(1, int(a.max_epochs * stream.steps_per_epoch))
     step, total_steps, history, evals, tokens_seen = 0, a.max_steps or None, [], [], 0
     train_seconds, best = 0.0, {"valid_bpb": math.inf, "rank": None, "step": 0, "weights": None, "state": None}
+    ul_rounds_done, ul_log, ul_replay = 0, [], []
     if a.resume and ckpt_path.is_file():
         ck = torch.load(ckpt_path, map_location=device, weights_only=False)
         model.load_state_dict(ck["model"])
@@ -384,15 +385,13 @@ def main(argv: list[str] | None = None) -> int:
             ema.load_state_dict(ck["ema"])
         step, total_steps, history, evals = ck["step"], ck["total_steps"], ck["history"], ck["evals"]
         tokens_seen, train_seconds, best = ck["tokens_seen"], ck["train_seconds"], ck["best"]
+        ul_rounds_done, ul_log = ck.get("ul_rounds_done", 0), ck.get("ul_log", [])
+        ul_replay = [RunawaySequence(ids, mask) for ids, mask in ck.get("ul_replay", [])]
         log(f"resumed from {ckpt_path} at step {step} of {total_steps}")
     elif a.init_from is not None:
         model.load_state_dict(load_model(a.init_from, dtype="float32", device=a.device, progress=False).state_dict())
         step = total_steps = a.max_steps
         log(f"weights from {a.init_from}, taken as step {step} of a {total_steps}-step schedule")
-    ul_rounds_done, ul_log, ul_replay = 0, [], []
-    if a.resume and ckpt_path.is_file():
-        ul_rounds_done, ul_log = ck.get("ul_rounds_done", 0), ck.get("ul_log", [])
-        ul_replay = [RunawaySequence(ids, mask) for ids, mask in ck.get("ul_replay", [])]
 
     def state() -> dict:
         return {"step": step, "total_steps": total_steps, "history": history, "evals": evals, "best": best,
