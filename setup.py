@@ -1,13 +1,15 @@
-"""Maps the four top-level directories onto the `k3rt.*` import packages (DESIGN.md §2).
+"""Maps the top-level directories onto the `k3rt.*` import packages (DESIGN.md §2, plus training/: the
+default model's training, kept out of backend/).
 
 pyproject's static `packages.find` cannot remap directories, so the package list is computed here:
-every directory holding an `__init__.py` under k3rt/, frontend/, backend/ and kernels/.
+every directory holding an `__init__.py` under k3rt/, frontend/, backend/, kernels/ and training/.
 """
 from pathlib import Path
 
 from setuptools import setup
 
-ROOTS = {"k3rt": "k3rt", "k3rt.frontend": "frontend", "k3rt.backend": "backend", "k3rt.kernels": "kernels"}
+ROOTS = {"k3rt": "k3rt", "k3rt.frontend": "frontend", "k3rt.backend": "backend", "k3rt.kernels": "kernels",
+         "k3rt.training": "training"}
 
 
 def _packages() -> tuple[list[str], dict[str, str]]:

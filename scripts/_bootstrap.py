@@ -2,7 +2,8 @@
 
 The device machine has no install and no package registry (and lacks orjson, which `k3rt/__init__`
 needs for the DSL). There `k3rt` becomes a bare namespace over k3rt/, and `k3rt.backend`,
-`k3rt.kernels` map onto backend/ and kernels/, as setup.py maps them when installing.
+`k3rt.kernels`, `k3rt.training` map onto backend/, kernels/, training/, as setup.py maps them when
+installing.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def import_k3rt() -> None:
     pkg = types.ModuleType("k3rt")
     pkg.__path__ = [str(ROOT / "k3rt")]  # namespace only: k3rt/__init__ (the DSL client) is not needed
     sys.modules["k3rt"] = pkg
-    for sub in ("backend", "kernels"):
+    for sub in ("backend", "kernels", "training"):
         spec = importlib.util.spec_from_file_location(
             f"k3rt.{sub}", ROOT / sub / "__init__.py", submodule_search_locations=[str(ROOT / sub)])
         assert spec is not None and spec.loader is not None

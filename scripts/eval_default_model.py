@@ -27,7 +27,7 @@ parse rate by a point or two) may differ from the CPU run.
    measurement and not a choice. Beside the score, `end_probe` feeds each case's true function and
    reads whether EOS is the most likely next token at its end (`train.end_probe`): whether the model
    knows where a function ends once the right body is written. The rules live in
-   `backend/function_test.py` (`engine_completions` drives the Engine), which the training run's own
+   `training/function_test.py` (`engine_completions` drives the Engine), which the training run's own
    function test (on its current weights, to choose checkpoints) shares.
 """
 
@@ -44,10 +44,10 @@ from _bootstrap import ROOT, import_k3rt  # noqa: E402
 
 import_k3rt()
 
-from k3rt.backend.corpus import read_corpus  # noqa: E402
-from k3rt.backend.function_test import (FunctionCase, engine_completions, score_rows,  # noqa: E402
-                                        select_functions, summarize)
 from k3rt.models import resolve_model_dir  # noqa: E402
+from k3rt.training.corpus import read_corpus  # noqa: E402
+from k3rt.training.function_test import (FunctionCase, engine_completions, score_rows,  # noqa: E402
+                                         select_functions, summarize)
 
 
 def complete_functions(model_dir: Path, cases: list[FunctionCase], *, device: str, dtype: str | None,
@@ -64,7 +64,7 @@ def complete_functions(model_dir: Path, cases: list[FunctionCase], *, device: st
 
 
 def end_probe(model_dir: Path, cases: list[FunctionCase], *, device: str) -> dict:
-    from k3rt.backend.models import train as T
+    from k3rt.training import train as T
     from k3rt.backend.models.loader import load_model
     from k3rt.backend.tokenizer import load_tokenizer
 
@@ -73,7 +73,7 @@ def end_probe(model_dir: Path, cases: list[FunctionCase], *, device: str) -> dic
 
 
 def heldout_bpb(model_dir: Path, corpus, *, device: str, dtype: str, seq_len: int, batch_size: int) -> dict:
-    from k3rt.backend.models import train as T
+    from k3rt.training import train as T
     from k3rt.backend.models.loader import load_model
     from k3rt.backend.tokenizer import load_tokenizer
 

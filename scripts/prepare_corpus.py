@@ -4,7 +4,7 @@
     python scripts/prepare_corpus.py                 # -> .cache/corpus/{corpus.jsonl.xz,corpus.meta.json}
                                                      #    and k3rt/models/k3-tiny/tokenizer{,_config}.json
 
-What goes in and why: backend/corpus.py. The corpus is built here, not on the training machine:
+What goes in and why: training/corpus.py. The corpus is built here, not on the training machine:
 CPython versions ship different stdlibs (the GPU image has 3.12), so the file travels (about 5 MB,
 xz) and its content hash, printed below and stored in corpus.meta.json, names exactly what a model
 was trained on. Rebuilding on the same interpreter gives the same hash (--check verifies that).
@@ -26,8 +26,8 @@ from _bootstrap import ROOT, import_k3rt  # noqa: E402
 
 import_k3rt()
 
-from k3rt.backend.corpus import META_FILE, build_corpus, stdlib_dir, write_corpus  # noqa: E402
 from k3rt.backend.tokenizer import load_tokenizer, write_trained_tokenizer  # noqa: E402
+from k3rt.training.corpus import META_FILE, build_corpus, stdlib_dir, write_corpus  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,10 +9,10 @@
 Steps: read the corpus (content hash printed), load the tokenizer (--tokenizer, trained on the
 training split by prepare_corpus.py), tokenize, build KimiForCausalLM from K3_TINY_CONFIG, train
 (AdamW, warmup + cosine, clipping, bf16 autocast on GPU, dropout, an EMA of the weights, seeded),
-then --ul-rounds unlikelihood rounds (backend/models/unlikelihood.py: the Engine completes training
+then --ul-rounds unlikelihood rounds (training/unlikelihood.py: the Engine completes training
 function headers greedily with the current weights; the completions that ran into the cap have their
 repeated n-grams made unlikely for --ul-steps steps beside the corpus loss); at every validation score
-bits/byte and the function test (backend/function_test.py through the Engine: --function-cases
+bits/byte and the function test (training/function_test.py through the Engine: --function-cases
 validation functions) on the validation modules (corpus.VALIDATION_MODULES), keep the best checkpoint
 among the raw and the averaged weights by --select-by (the function test, or bits/byte), evaluate
 held-out bits/byte beside a unigram baseline, export config.json + bf16 safetensors shards (<= 15 MB)
@@ -79,15 +79,15 @@ from _bootstrap import ROOT, import_k3rt  # noqa: E402
 
 import_k3rt()
 
-from k3rt.backend.corpus import Document, is_test_path, read_corpus, rename_locals  # noqa: E402
-from k3rt.backend.function_test import score_rows, select_functions, summarize  # noqa: E402
-from k3rt.backend.models import train as T  # noqa: E402
 from k3rt.backend.models.loader import build_model, load_model  # noqa: E402
 from k3rt.backend.models.tiny import write_checkpoint  # noqa: E402
-from k3rt.backend.models.unlikelihood import (RunawaySequence, UnlikelihoodBatch, runaway_sequences,  # noqa: E402
-                                             unlikelihood_loss)
 from k3rt.backend.tokenizer import load_tokenizer, write_trained_tokenizer  # noqa: E402
 from k3rt.model_config import param_count, parse_model_config  # noqa: E402
+from k3rt.training import train as T  # noqa: E402
+from k3rt.training.corpus import Document, is_test_path, read_corpus, rename_locals  # noqa: E402
+from k3rt.training.function_test import score_rows, select_functions, summarize  # noqa: E402
+from k3rt.training.unlikelihood import (RunawaySequence, UnlikelihoodBatch, runaway_sequences,  # noqa: E402
+                                        unlikelihood_loss)
 
 MAX_SHARD_BYTES = 15_000_000
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -138,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=500, help="validation eval (and best-checkpoint) interval")
     p.add_argument("--valid-windows", type=int, default=0, help="validation windows scored per eval (0: all)")
     p.add_argument("--function-cases", type=int, default=100,
-                   help="validation functions completed greedily at each eval (backend/function_test.py; about "
+                   help="validation functions completed greedily at each eval (training/function_test.py; about "
                         "30 s for 100 on an H200); 0: off")
     p.add_argument("--function-max-tokens", type=int, default=256, help="completion cap of that test")
     p.add_argument("--select-by", choices=["bpb", "function"], default="function",
@@ -149,7 +149,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="start from this export's weights (a k3rt model folder) as if its --max-steps of maximum "
                         "likelihood were done: only the unlikelihood rounds run (fine-tuning experiments)")
     p.add_argument("--ul-rounds", type=int, default=1,
-                   help="unlikelihood rounds after the main schedule (backend/models/unlikelihood.py): each "
+                   help="unlikelihood rounds after the main schedule (training/unlikelihood.py): each "
                         "completes --ul-prompts training-function headers greedily through the Engine, then "
                         "trains --ul-steps steps on the corpus plus the runaway completions' repeats; 0: off")
     p.add_argument("--ul-steps", type=int, default=50, help="optimizer steps per unlikelihood round")
@@ -291,7 +291,7 @@ def engine_completions(model, raw_config: dict, tok, prompts: list[list[int]], *
     GPU, in bf16 as shipped; the reference runner in fp32 on a CPU): a copy of the model as the loader
     would build it from an export, so the training model and its optimizer are untouched."""
     from k3rt.backend.engine import Engine
-    from k3rt.backend.function_test import engine_completions as drive
+    from k3rt.training.function_test import engine_completions as drive
     from k3rt.config import CacheConfig, EngineConfig
 
     device = model.lm_head.weight.device

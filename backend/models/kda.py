@@ -54,7 +54,7 @@ class KimiDeltaAttention(nn.Module):
             self.g_a_proj = ReplicatedLinear(h, d, dtype=dtype)
             self.g_b_proj = ColumnParallelLinear(d, p, tp=tp, dtype=dtype)
         # core of the dense path: (q, k, v, g, beta) [B, T, ...] -> o [B, T, H, V] from a zero state;
-        # training swaps in a faster equivalent form (backend/models/train.py use_fast_kda)
+        # training swaps in a faster equivalent form (training/train.py use_fast_kda)
         self.dense_core = _kda_fresh_ref
         self.o_norm_weight = set_shard_spec(nn.Parameter(torch.ones(d, dtype=dtype), requires_grad=False), ShardSpec())
         self.o_proj = RowParallelLinear(p, h, tp=tp, dtype=dtype)

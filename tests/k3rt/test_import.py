@@ -1,10 +1,13 @@
-"""`import k3rt` must not import torch and must stay fast (a DSL client needs neither)."""
+"""`import k3rt` must not import torch and must stay fast (a DSL client needs neither); serving code must not
+import the default model's training (`k3rt.training`)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 
 def _run(code: str) -> str:
@@ -44,3 +47,31 @@ def test_import_k3rt_does_not_load_the_transport() -> None:
     # zmq and the Runtime load on first use (k3rt.connect / k3rt.Runtime), keeping `import k3rt` fast
     out = _run("import sys, json, k3rt; print(json.dumps([m for m in ('zmq', 'k3rt.runtime') if m in sys.modules]))")
     assert json.loads(out) == []
+
+
+# ---- serving code never imports the default model's training (k3rt.training, training/) ----------
+
+SERVING_MODULES = ("k3rt.cli", "k3rt.runtime", "k3rt.server.app", "k3rt.server.chat", "k3rt.server.completions",
+                   "k3rt.server.launch", "k3rt.backend.engine", "k3rt.backend.engine_process",
+                   "k3rt.backend.gateway", "k3rt.backend.program.server", "k3rt.backend.models.loader",
+                   "k3rt.backend.tokenizer")
+
+
+def test_serving_modules_do_not_import_training() -> None:
+    out = _run(f"import sys, json, importlib\nfor m in {SERVING_MODULES!r}: importlib.import_module(m)\n"
+               "print(json.dumps(sorted(m for m in sys.modules if m.startswith('k3rt.training'))))")
+    assert json.loads(out) == []
+
+
+def test_serving_sources_never_name_training() -> None:
+    # the lazy imports inside functions too, which importing the modules would not run
+    root = Path(__file__).resolve().parents[2]
+    offenders = []
+    for top in ("k3rt", "frontend", "backend", "kernels"):
+        for path in sorted((root / top).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                if any(n == "k3rt.training" or n.startswith("k3rt.training.") for n in names):
+                    offenders.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert offenders == []

@@ -30,8 +30,6 @@ from tokenizers import Tokenizer as HFBackend
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from k3rt.backend.corpus import Document
-from k3rt.backend.function_test import FunctionCase
 from k3rt.backend.layers.activation import act_and_mul
 from k3rt.backend.layers.norm import rms_norm
 from k3rt.backend.models.batch import ForwardBatch
@@ -41,6 +39,8 @@ from k3rt.backend.models.moe import MoE, route
 from k3rt.backend.models.tiny import random_init
 from k3rt.backend.tokenizer import HFTokenizer, Tokenizer
 from k3rt.kernels.kda.ref import l2norm
+from k3rt.training.corpus import Document
+from k3rt.training.function_test import FunctionCase
 
 # The Kimi-K3 text architecture at 12.1M parameters (about 24.4 MB in bf16; model card in
 # k3rt/models/k3-tiny/README.md): 8 layers, KDA:MLA = 3:1 as in Kimi, KDA with the lower-bound gate

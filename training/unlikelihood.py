@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from k3rt.backend.models.kimi import KimiForCausalLM
-from k3rt.backend.models.train import window_logits
+from k3rt.training.train import window_logits
 
 
 def repeated_ngram_mask(ids: Sequence[int], start: int, n: int) -> list[bool]:

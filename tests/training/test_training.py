@@ -20,8 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3rt.backend.corpus import build_corpus, is_test_path, read_corpus, rename_locals, stdlib_dir, write_corpus
-from k3rt.backend.models import train as T
 from k3rt.backend.models.batch import ForwardBatch
 from k3rt.backend.models.loader import build_model, load_model
 from k3rt.backend.models.tiny import write_checkpoint
@@ -29,6 +27,8 @@ from k3rt.backend.tokenizer import load_tokenizer, write_trained_tokenizer
 from k3rt.kernels.kda.ref import kda_chunked, kda_gate_lower_bound
 from k3rt.model_config import load_model_config, param_count, parse_model_config
 from k3rt.models import DEFAULT_MODEL, MODELS_DIR, resolve_model_dir
+from k3rt.training import train as T
+from k3rt.training.corpus import build_corpus, is_test_path, read_corpus, rename_locals, stdlib_dir, write_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -446,8 +446,8 @@ def test_smoke_run_resumes_exactly(smoke_inputs, tmp_path: Path) -> None:
 def test_smoke_run_unlikelihood_rounds_and_resuming_a_finished_run(smoke_inputs, tmp_path: Path) -> None:
     """Two unlikelihood rounds on 1-gram repeats (any token the capped completion already produced), the
     second replaying the first's runaways; then --resume with the same arguments changes nothing."""
-    from k3rt.backend.function_test import select_functions
-    from k3rt.backend.models.unlikelihood import repeated_ngram_mask
+    from k3rt.training.function_test import select_functions
+    from k3rt.training.unlikelihood import repeated_ngram_mask
 
     out, work = tmp_path / "out", tmp_path / "work"
     args = ("--ul-rounds", "2", "--ul-ngram", "1", "--ul-replay", "4", "--select-by", "function")
@@ -590,7 +590,7 @@ def test_training_documents_choose_functions_and_add_renamed_copies(smoke_inputs
 
 
 def test_function_test_counts_only_completions_that_end_and_parse() -> None:
-    from k3rt.backend import function_test as ev
+    from k3rt.training import function_test as ev
     header = 'def f(x):\n    """Double x."""\n'
     assert ev.function_end("    return 2 * x\n\ndef g():\n") == len("    return 2 * x\n\n")
     assert ev.function_end("    return 2 * x\n") is None
@@ -620,7 +620,7 @@ def test_function_test_counts_only_completions_that_end_and_parse() -> None:
 def test_training_function_test_matches_the_engine_on_the_shipped_model(smoke_inputs, tmp_path: Path) -> None:
     """The training run's function test (a copy of its weights in an Engine) completes exactly as
     scripts/eval_default_model.py does from the export."""
-    from k3rt.backend.function_test import score_rows, select_functions
+    from k3rt.training.function_test import score_rows, select_functions
 
     corpus = read_corpus(smoke_inputs[0])
     cases = select_functions(corpus.split("heldout", ("code",)) + corpus.split("valid", ("code",)), 4)
@@ -648,7 +648,7 @@ def test_training_function_test_matches_the_engine_on_the_shipped_model(smoke_in
 
 @pytest.mark.skipif(not (MODELS_DIR / "k3-tiny" / "config.json").is_file(), reason="k3-tiny weights not shipped yet")
 def test_end_probe_reads_eos_after_each_true_function(smoke_inputs) -> None:
-    from k3rt.backend.function_test import select_functions
+    from k3rt.training.function_test import select_functions
 
     corpus = read_corpus(smoke_inputs[0])
     cases = select_functions(corpus.split("heldout", ("code",)) + corpus.split("valid", ("code",)), 5)

@@ -1,6 +1,6 @@
-"""Unlikelihood training against repetition loops (backend/models/unlikelihood.py): which tokens are marked,
+"""Unlikelihood training against repetition loops (training/unlikelihood.py): which tokens are marked,
 which completions are kept, how they are batched, the loss itself; and the shape of the function test's
-complete completions (backend/function_test.py), which says what a completion rate is made of.
+complete completions (training/function_test.py), which says what a completion rate is made of.
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import math
 import pytest
 import torch
 
-from k3rt.backend import function_test as ft
-from k3rt.backend.models import train as T
-from k3rt.backend.models.unlikelihood import (RunawaySequence, UnlikelihoodBatch, repeated_ngram_mask,
-                                             runaway_sequences, unlikelihood_loss)
-from tests.backend.test_training import _few_threads, smoke_model  # noqa: F401 (the fixture applies here too)
+from k3rt.training import function_test as ft
+from k3rt.training import train as T
+from k3rt.training.unlikelihood import (RunawaySequence, UnlikelihoodBatch, repeated_ngram_mask,
+                                        runaway_sequences, unlikelihood_loss)
+from tests.training.test_training import _few_threads, smoke_model  # noqa: F401 (the fixture applies here too)
 
 F, X = False, True  # mask literals
 

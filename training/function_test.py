@@ -19,7 +19,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from k3rt.backend.corpus import Document, dedent_rows
+from k3rt.training.corpus import Document, dedent_rows
 
 _TOP_LEVEL_LINE = re.compile(r"\n(?=[^\s])")
 
