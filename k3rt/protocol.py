@@ -5,13 +5,18 @@ Direction: gateway -> engine process: GenerateRequest, AbortRequest, Unpin, Flus
            DSL client -> gateway (ZMQ DEALER -> ROUTER): ProgramRun, ProgramClose.
            gateway -> DSL client: ProgramEvent (streamed text), ProgramResult.
 Token ids travel as lists of ints, never as text. No pickle anywhere on the wire. No torch.
+Wire form: JSON `["<type name>", {<fields>}]`; decode raises ProtocolError for anything else.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from itertools import repeat
+from operator import itemgetter
+from typing import Any, Callable
 
 import orjson
 
@@ -140,17 +145,165 @@ MESSAGES: dict[str, type] = {c.__name__: c for c in (
     ProgramRun, ProgramClose, ProgramEvent, ProgramResult)}
 
 
+class ProtocolError(ValueError):
+    """A malformed wire message: not JSON, an unknown type, a missing or unknown field, a wrong field type.
+    The text names the message type and the field (`UpdateBatch.updates[3].token_ids[0]: ...`)."""
+
+
 def encode(msg: Any) -> bytes:
+    """`["<type name>", {<fields>}]`. orjson writes dataclasses natively, nested ones (UpdateBatch.updates)
+    included, fields in definition order: 0.1 ms for an UpdateBatch of 1,000 and 0.5 ms for a 128K-token prompt,
+    70x and 120x less than dumping `dataclasses.asdict`, which deep-copies every list."""
     name = type(msg).__name__
-    if name not in MESSAGES:
+    if MESSAGES.get(name) is not type(msg):
         raise TypeError(f"not a protocol message: {name}")
-    return orjson.dumps({"type": name, "body": dataclasses.asdict(msg)})
+    return orjson.dumps([name, msg])
 
 
 def decode(data: bytes) -> Any:
-    d = orjson.loads(data)
-    cls = MESSAGES[d["type"]]
-    body = d["body"]
-    if cls is UpdateBatch:
-        return UpdateBatch([RequestUpdate(**u) for u in body["updates"]], body.get("stats", {}))
-    return cls(**body)
+    """The message `encode` wrote, equal to the one sent; ProtocolError (naming the field) for anything else."""
+    try:
+        msg = orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise ProtocolError(f"message: not JSON ({e})") from None
+    if type(msg) is not list or len(msg) != 2 or type(msg[0]) is not str:
+        raise ProtocolError(f"message: expected [type name, body], got {_json_type(msg)}")
+    name, body = msg
+    schema = _SCHEMAS.get(name)
+    if schema is None:
+        raise ProtocolError(f"message: unknown type {name!r}")
+    return _build(schema, [body], lambda i: name)[0]
+
+
+# Decoding checks each field's JSON type against its annotation, from a table built once at import.
+# Containers are checked by their outer type only, except `list[int]` (token ids: every element an int, not a
+# bool) and `list[<message>]` (each element decoded as that message). A batch of bodies (UpdateBatch.updates)
+# is checked column by column in C loops (`_fits`); only a body that fails is walked field by field
+# (`_complete`) to name what is wrong, or to fill the defaults of fields a hand-written sender left out.
+
+_JSON_TYPES: dict[Any, tuple[type, ...]] = {
+    str: (str,), int: (int,), float: (float, int), bool: (bool,), type(None): (type(None),),  # float: 1 is 1.0
+    Any: (str, int, float, bool, type(None), list, dict)}
+
+
+@dataclass(frozen=True)
+class _Field:
+    name: str
+    annotation: str  # as written in the class, for error messages
+    types: frozenset[type]  # the allowed types of the decoded JSON value
+    default: Callable[[], Any] | None  # None: required
+    int_list: bool  # list[int]: every element must be an int
+    nested: _Schema | None  # list[<message>]: each element is that message's body
+
+
+@dataclass(frozen=True)
+class _Schema:
+    cls: type
+    fields: tuple[_Field, ...]
+    names: frozenset[str]
+
+
+def _schema(cls: type, done: dict[type, _Schema]) -> _Schema:
+    if cls not in done:
+        if "__post_init__" in vars(cls) or "__slots__" in vars(cls):
+            raise TypeError(f"{cls.__name__}: _make_all builds messages without __init__ (no __post_init__, no slots)")
+        hints = typing.get_type_hints(cls)
+        fields = tuple(_field(f, hints[f.name], done) for f in dataclasses.fields(cls))
+        done[cls] = _Schema(cls, fields, frozenset(f.name for f in fields))
+    return done[cls]
+
+
+def _field(f: dataclasses.Field, hint: Any, done: dict[type, _Schema]) -> _Field:
+    if f.default is not dataclasses.MISSING:
+        default = (lambda v: lambda: v)(f.default)
+    elif f.default_factory is not dataclasses.MISSING:
+        default = f.default_factory
+    else:
+        default = None
+    types_: set[type] = set()
+    int_list, nested = False, None
+    for h in typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,):
+        origin, args = typing.get_origin(h), typing.get_args(h)
+        if origin is list:
+            int_list = args == (int,)
+            nested = _schema(args[0], done) if dataclasses.is_dataclass(args[0]) else None
+        elif origin is not dict and h not in _JSON_TYPES:
+            raise TypeError(f"{f.name}: no JSON check for annotation {f.type}")
+        types_.update(_JSON_TYPES.get(h, (origin,)))
+    return _Field(f.name, str(f.type), frozenset(types_), default, int_list, nested)
+
+
+def _json_type(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+def _int_lists(lists: list[list]) -> bool:
+    """Every element of every list is an int. orjson writes lists of ints with digits, '-', ',' and one '[' ']'
+    pair per list, while a bool, float, string, null or container brings other bytes or more brackets: one dump
+    and a byte scan check 128K ids in 1.0 ms, where `all(type(t) is int for t in ids)` takes 2.6 ms."""
+    text = orjson.dumps(lists)
+    return not text.translate(None, b"0123456789-,[]") and text.count(b"[") == len(lists) + 1
+
+
+def _fits(schema: _Schema, bodies: list) -> bool:
+    """True when every body is an object with exactly the schema's fields, each of an allowed type."""
+    if not set(map(type, bodies)) <= {dict} or not set(map(len, bodies)) <= {len(schema.fields)}:
+        return False
+    try:
+        for f in schema.fields:
+            if not set(map(type, map(itemgetter(f.name), bodies))) <= f.types:
+                return False
+            if f.int_list and not _int_lists(list(filter(None, map(itemgetter(f.name), bodies)))):
+                return False  # (filter: None and [] have no elements to check)
+    except KeyError:  # a field is missing
+        return False
+    return True
+
+
+def _complete(schema: _Schema, body: Any, where: str) -> dict[str, Any]:
+    """The body with defaults filled in, or ProtocolError naming the first wrong field."""
+    if type(body) is not dict:
+        raise ProtocolError(f"{where}: expected an object, got {_json_type(body)}")
+    unknown = body.keys() - schema.names
+    if unknown:
+        raise ProtocolError(f"{where}: unknown fields {sorted(unknown)}")
+    out = {}
+    for f in schema.fields:
+        if f.name not in body:
+            if f.default is None:
+                raise ProtocolError(f"{where}.{f.name}: missing")
+            out[f.name] = f.default()
+            continue
+        v = out[f.name] = body[f.name]
+        if type(v) not in f.types:
+            raise ProtocolError(f"{where}.{f.name}: expected {f.annotation}, got {_json_type(v)}")
+        if f.int_list and v is not None:
+            bad = next((i for i, t in enumerate(v) if type(t) is not int), None)
+            if bad is not None:
+                raise ProtocolError(f"{where}.{f.name}[{bad}]: expected int, got {_json_type(v[bad])}")
+    return out
+
+
+def _build(schema: _Schema, bodies: list, where: Callable[[int], str]) -> list:
+    """The messages of these bodies; where(i) names body i in errors."""
+    if not _fits(schema, bodies):
+        bodies = [_complete(schema, b, where(i)) for i, b in enumerate(bodies)]
+    for f in schema.fields:
+        if f.nested is not None:
+            for i, b in enumerate(bodies):
+                if b[f.name] is not None:
+                    b[f.name] = _build(f.nested, b[f.name], lambda j, i=i, f=f: f"{where(i)}.{f.name}[{j}]")
+    return _make_all(schema.cls, bodies)
+
+
+def _make_all(cls: type, bodies: list[dict[str, Any]]) -> list:
+    """`[cls(**b) for b in bodies]` for frozen dataclasses without __post_init__, in C loops: each instance's
+    dict is its body, set once, where the generated __init__ calls object.__setattr__ per field (9x slower)."""
+    objs = list(map(object.__new__, repeat(cls, len(bodies))))
+    list(map(object.__setattr__, objs, repeat("__dict__"), bodies))
+    return objs
+
+
+_done: dict[type, _Schema] = {}
+_SCHEMAS: dict[str, _Schema] = {name: _schema(cls, _done) for name, cls in MESSAGES.items()}
+del _done
