@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from k3rt.backend.cache.pool import PagePool
+from k3rt.backend.cache.radix import CachePolicy, RadixCache
+from k3rt.backend.engine_stats import QUEUE_WAIT_BUCKETS_S, STEP_TIME_BUCKETS_S, Histogram, engine_stats
 from k3rt.backend.runner.base import Runner
 from k3rt.backend.scheduler.request import FinishReason, Request
 from k3rt.backend.scheduler.scheduler import Scheduler
@@ -63,13 +65,17 @@ class Engine:
         if self.layout.padding_fraction > 0.02:
             log.warning("KDA state padding %.1f%% of each page", 100 * self.layout.padding_fraction)
         self.runner = self._make_runner(model, torch)
-        self.scheduler = Scheduler(cfg.scheduler, cc, self.pool, self.layout.block_size)
+        policy = CachePolicy(eviction="lru" if cc.full_block_mode else cc.eviction)
+        self.scheduler = Scheduler(cfg.scheduler, cc, self.pool, RadixCache(self.pool, self.layout.block_size, policy))
         self.requests: dict[int, Request] = {}
         self._rids = itertools.count()
         self._eos = frozenset(self.model_cfg.eos_token_ids)
         self._pending_aborts: list[int] = []
         self._grammar_backend = None
         self._compiling: list[Request] = []  # waiting requests whose grammar future has not resolved
+        self.num_steps = 0
+        self.step_time = Histogram(STEP_TIME_BUCKETS_S)
+        self.queue_wait = Histogram(QUEUE_WAIT_BUCKETS_S)
 
     def _make_runner(self, model, torch) -> Runner:
         if self.cfg.runner == "null":
@@ -115,9 +121,12 @@ class Engine:
         # a request that cannot fit in the whole pool would preempt itself every step, forever
         fed = len(prompt) + params.max_tokens - 1  # the last sampled token is never fed
         pages = -(-fed // self.layout.block_size) + self.layout.pages_per_state_set
-        if pages > self.pool.num_pages:
+        usable = self.scheduler.usable_pages
+        if pages > usable:
+            reserved = self.pool.num_pages - usable
             raise ValueError(f"prompt: {len(prompt)} tokens + max_tokens {params.max_tokens} need {pages} cache pages "
-                             f"(KV and KDA state); the pool has {self.pool.num_pages}")
+                             f"(KV and KDA state); the pool has {usable}"
+                             + (f" ({self.pool.num_pages} less {reserved} reserved by the runner)" if reserved else ""))
         if len(self.scheduler.waiting) >= self.cfg.scheduler.max_waiting:
             raise OverflowError(f"max_waiting: {self.cfg.scheduler.max_waiting} requests already waiting")
         eos = self._eos if eos_token_ids is None else frozenset(eos_token_ids)
@@ -130,6 +139,7 @@ class Engine:
             gen = make_generator(params.seed, self.cfg.device)
         req = Request(rid, prompt, len(prompt), params, cache_salt, stop, gen)
         req.pin = pin
+        req.arrival = time.monotonic()
         if prompt_logprobs_from is not None:
             if not 1 <= prompt_logprobs_from < len(prompt):
                 raise ValueError(f"prompt_logprobs_from: {prompt_logprobs_from} outside [1, {len(prompt) - 1}]")
@@ -187,8 +197,21 @@ class Engine:
                 outputs.append(self._output(req, []))
 
     def unpin(self, rid: int) -> None:
-        """Let the cache evict the end-of-request snapshot a `pin=True` request kept (no-op otherwise)."""
-        self.scheduler.unpin(rid)
+        """Let the cache evict the end-of-request snapshot a `pin=True` request kept (no-op otherwise).
+        Unpinning a request that has not finished yet means it will not pin at all."""
+        self.scheduler.unpin(self.requests.get(rid), rid)
+
+    def is_pinned(self, rid: int) -> bool:
+        return rid in self.scheduler.pins
+
+    @property
+    def num_pins(self) -> int:
+        return len(self.scheduler.pins)
+
+    def flush_cache(self) -> None:
+        """Drop every cached prefix that no running request holds, pinned snapshots included."""
+        self.scheduler.drop_pins()
+        self.scheduler.tree.reset()
 
     def abort(self, rid: int) -> None:
         """Abort a request; applied between steps. Its pages and state are freed."""
@@ -199,8 +222,23 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
+    def stats_dict(self) -> dict:
+        """Counters, gauges and histograms for the gateway's /metrics (backend/engine_stats.py)."""
+        return engine_stats(self)
+
     def step(self) -> list[RequestOutput]:
         """One schedule -> run -> update cycle. Returns outputs of requests that advanced or ended."""
+        t0 = time.monotonic()
+        outputs = self._step()
+        t1 = time.monotonic()
+        self.num_steps += 1
+        self.step_time.observe(t1 - t0)
+        for req in self.scheduler.admitted_now:
+            self.queue_wait.observe(t0 - req.arrival)
+        self.scheduler.admitted_now.clear()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         outputs = []
         for rid in self._pending_aborts:
             req = self.requests.pop(rid, None)
@@ -211,6 +249,10 @@ class Engine:
         self._pending_aborts.clear()
         self._resolve_grammars(outputs)
         out = self.scheduler.schedule()
+        if self.scheduler.failed:
+            for req in self.scheduler.failed:
+                outputs.append(self._output(req, []))
+            self.scheduler.failed.clear()
         sampled = self.runner.execute(out)
         self.scheduler.update(out, sampled)
         for req in out.decodes:
@@ -222,9 +264,9 @@ class Engine:
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
         lp = top = None
-        if req.params.logprobs is not None and new and req.last_logprob is not None:
-            lp = [req.last_logprob]
-            top = [[[t, v] for t, v in req.last_top_logprobs or []]]
+        if req.params.logprobs is not None and new and req.sampled.logprob is not None:
+            lp = [req.sampled.logprob]
+            top = [[[t, v] for t, v in req.sampled.top_logprobs or []]]
         if not req.finished:
             return RequestOutput(req.rid, new, None, False, None, req.prompt_len, req.cached_tokens,
                                  logprobs=lp, top_logprobs=top)
@@ -232,7 +274,7 @@ class Engine:
         self.runner.release(req.rid)
         return RequestOutput(req.rid, new, req.output_ids, True, req.finish_reason.value if req.finish_reason else None,
                              req.prompt_len, req.cached_tokens, logprobs=lp, top_logprobs=top,
-                             prompt_logprobs=dict(req.prompt_logprobs) if req.prompt_logprobs_from is not None else None,
+                             prompt_logprobs=dict(req.sampled.prompt_logprobs) if req.prompt_logprobs_from is not None else None,
                              error=req.error)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -24,8 +24,8 @@ import zmq.asyncio
 
 from k3rt.config import EngineConfig
 from k3rt.protocol import (
-    AbortRequest, EngineError, FlushCache, GenerateRequest, Ready, RequestUpdate, Shutdown, ShutdownAck, Unpin,
-    UpdateBatch, decode, encode,
+    AbortRequest, EngineError, FlushCache, GenerateRequest, ProtocolError, Ready, RequestUpdate, Shutdown, ShutdownAck,
+    Unpin, UpdateBatch, decode, encode,
 )
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,11 @@ class EngineClient:
 
     async def _read(self) -> None:
         while True:
-            msg = decode(await self.pull.recv())
+            try:
+                msg = decode(await self.pull.recv())
+            except ProtocolError as e:  # a bug on the engine side: say so, keep reading
+                log.error("ignoring a malformed message from the engine: %s", e)
+                continue
             if isinstance(msg, UpdateBatch):
                 self.stats = msg.stats or self.stats
                 for u in msg.updates:

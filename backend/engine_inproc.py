@@ -11,15 +11,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from k3rt.config import EngineConfig
-from k3rt.protocol import RequestUpdate, params_from_dict
+from k3rt.backend.request_map import RequestMap
+from k3rt.protocol import GenerateRequest, RequestUpdate
 
 
 class InProcEngineClient:
     def __init__(self, cfg: EngineConfig, *, model=None) -> None:
         self.cfg, self._model = cfg, model
         self.queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestUpdate]]] = {}
-        self.names: dict[int, str] = {}
-        self.pinned: dict[str, int] = {}  # name -> engine rid of pin=True requests (engine thread only)
         self.info: dict[str, Any] = {}
         self.stats: dict[str, Any] = {}
         self.dead: str | None = None
@@ -45,6 +44,7 @@ class InProcEngineClient:
 
     def _loop(self) -> None:
         eng = self.engine
+        requests = RequestMap(eng)
         while True:
             with self._work:
                 while not self._inbox and not eng.has_unfinished and not self._stop:
@@ -54,42 +54,26 @@ class InProcEngineClient:
                 inbox, self._inbox = self._inbox, []
             for kind, arg in inbox:
                 if kind == "add":
-                    rid_name, prompt, params, kw = arg
-                    try:
-                        rid = eng.add_request(prompt, params_from_dict(params), **kw)
-                        self.names[rid] = rid_name
-                        if kw.get("pin"):
-                            self.pinned[rid_name] = rid
-                    except (ValueError, TypeError, OverflowError) as e:
-                        self._deliver(RequestUpdate(rid_name, [], True, "error", len(prompt), error=str(e)))
+                    error = requests.add(arg)
+                    if error is not None:
+                        self._deliver(error)
                 elif kind == "unpin":
-                    rid = self.pinned.pop(arg, None)
-                    if rid is not None:
-                        eng.unpin(rid)
+                    requests.unpin(arg)
                 elif kind == "flush":
-                    eng.scheduler.tree.reset()
+                    requests.flush()
                 elif kind == "abort":
-                    for rid, name in list(self.names.items()):
-                        if name == arg:
-                            eng.abort(rid)
+                    requests.abort(arg)
             if eng.has_unfinished:
                 try:
-                    outs = eng.step()
+                    updates = requests.step()
                 except Exception as e:  # fatal, like the engine process dying
                     self.dead = f"engine failed: {type(e).__name__}: {e}"
                     for name in list(self.queues):
                         self._deliver(RequestUpdate(name, [], True, "error", error=self.dead))
                     return
-                for o in outs:
-                    name = self.names.get(o.rid)
-                    if name is None:
-                        continue
-                    if o.finished:
-                        del self.names[o.rid]
-                    plp = None if o.prompt_logprobs is None else {str(k): v for k, v in o.prompt_logprobs.items()}
-                    self._deliver(RequestUpdate(name, o.new_token_ids, o.finished, o.finish_reason, o.prompt_len,
-                                                o.cached_tokens, o.logprobs, o.top_logprobs, error=o.error,
-                                                 prompt_logprobs=plp))
+                for u in updates:
+                    self._deliver(u)
+                self.stats = eng.stats_dict()
 
     def _submit(self, kind: str, arg: Any) -> None:
         with self._work:
@@ -105,9 +89,8 @@ class InProcEngineClient:
         self.queues[rid] = (asyncio.get_running_loop(), q)
         finished = False
         try:
-            kw = dict(cache_salt=cache_salt, eos_token_ids=eos_token_ids, grammar=grammar,
-                      prompt_logprobs_from=prompt_logprobs_from, pin=pin)
-            self._submit("add", (rid, list(prompt_ids), params, kw))
+            self._submit("add", GenerateRequest(rid, list(prompt_ids), params, cache_salt, grammar, eos_token_ids,
+                                                prompt_logprobs_from, pin))
             while True:
                 u = await q.get()
                 yield u

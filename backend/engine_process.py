@@ -16,10 +16,11 @@ import traceback
 
 import zmq
 
+from k3rt.backend.request_map import RequestMap
 from k3rt.config import EngineConfig
 from k3rt.protocol import (
-    AbortRequest, EngineError, FlushCache, GenerateRequest, Ready, RequestUpdate, Shutdown, ShutdownAck, Unpin,
-    UpdateBatch, decode, encode, params_from_dict,
+    AbortRequest, EngineError, FlushCache, GenerateRequest, ProtocolError, Ready, RequestUpdate, Shutdown, ShutdownAck,
+    Unpin, UpdateBatch, decode, encode,
 )
 
 log = logging.getLogger(__name__)
@@ -36,9 +37,7 @@ class EngineLoop:
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.connect(out_addr)
         self.engine = Engine(cfg)
-        self.rids: dict[str, int] = {}  # gateway rid -> engine rid
-        self.names: dict[int, str] = {}
-        self.pinned: dict[str, int] = {}  # gateway rid -> engine rid of pin=True requests
+        self.requests = RequestMap(self.engine)
         self.running = True
         self.parent_pid = os.getppid()  # the gateway; if it dies without Shutdown, nobody reads our messages
 
@@ -49,38 +48,19 @@ class EngineLoop:
                 "pid": os.getpid(), **e.layout.as_dict()}
 
     def stats(self) -> dict:
-        e, s = self.engine, self.engine.stats
-        return {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
-                "pages_used": e.pool.num_pages - e.pool.num_free, "pages_total": e.pool.num_pages,
-                "snapshots": e.scheduler.tree.snapshot_count, "pins": len(e.scheduler.pins), "prompt_tokens": s.prompt_tokens,
-                "cached_tokens": s.cached_tokens, "computed_tokens": s.computed_tokens,
-                "computed_prompt_tokens": s.computed_prompt_tokens}
+        return self.engine.stats_dict()
 
     def handle(self, msg, errors: list[RequestUpdate]) -> None:
         if isinstance(msg, GenerateRequest):
-            try:
-                if msg.rid in self.rids:
-                    raise ValueError(f"rid: {msg.rid!r} is already in use")
-                params = params_from_dict(msg.params)
-                rid = self.engine.add_request(msg.prompt_ids, params, cache_salt=msg.cache_salt,
-                                              eos_token_ids=msg.eos_token_ids, grammar=msg.grammar,
-                                              prompt_logprobs_from=msg.prompt_logprobs_from, pin=msg.pin)
-            except (ValueError, TypeError, OverflowError) as e:
-                errors.append(RequestUpdate(msg.rid, [], True, "error", len(msg.prompt_ids), error=str(e)))
-                return
-            self.rids[msg.rid], self.names[rid] = rid, msg.rid
-            if msg.pin:
-                self.pinned[msg.rid] = rid  # kept after it finishes, until Unpin
+            error = self.requests.add(msg)
+            if error is not None:
+                errors.append(error)
         elif isinstance(msg, AbortRequest):
-            rid = self.rids.get(msg.rid)
-            if rid is not None:
-                self.engine.abort(rid)
+            self.requests.abort(msg.rid)
         elif isinstance(msg, Unpin):
-            rid = self.pinned.pop(msg.rid, None)
-            if rid is not None:
-                self.engine.unpin(rid)
+            self.requests.unpin(msg.rid)
         elif isinstance(msg, FlushCache):
-            self.engine.scheduler.tree.reset()
+            self.requests.flush()
         elif isinstance(msg, Shutdown):
             self.running = False
 
@@ -106,31 +86,23 @@ class EngineLoop:
                         data = self.pull.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self.handle(decode(data), errors)
+                    try:
+                        msg = decode(data)
+                    except ProtocolError as e:  # one bad message never ends the loop
+                        log.error("ignoring a malformed message from the gateway: %s", e)
+                        continue
+                    self.handle(msg, errors)
             updates = errors
             if self.engine.has_unfinished:
-                for o in self.engine.step():
-                    name = self.names.get(o.rid)
-                    if name is None:
-                        continue
-                    plp = None if o.prompt_logprobs is None else {str(k): v for k, v in o.prompt_logprobs.items()}
-                    updates.append(RequestUpdate(name, o.new_token_ids, o.finished, o.finish_reason, o.prompt_len,
-                                                 o.cached_tokens, o.logprobs, o.top_logprobs, error=o.error,
-                                                 prompt_logprobs=plp))
-                    if o.finished:
-                        del self.rids[name], self.names[o.rid]
+                updates += self.requests.step()
             now = time.monotonic()
             if updates or now - last_stats > 1.0:
                 self.push.send(encode(UpdateBatch(updates, self.stats())))
                 last_stats = now
         # drain: abort everything still known, tell the gateway, then ack the shutdown
-        for name, rid in list(self.rids.items()):
-            self.engine.abort(rid)
+        self.requests.abort_all()
         if self.engine.has_unfinished:
-            outs = self.engine.step()
-            self.push.send(encode(UpdateBatch([RequestUpdate(self.names[o.rid], o.new_token_ids, o.finished,
-                                                             o.finish_reason, o.prompt_len, o.cached_tokens)
-                                               for o in outs if o.rid in self.names])))
+            self.push.send(encode(UpdateBatch(self.requests.step())))
         self.push.send(encode(ShutdownAck()))
         self.push.close(linger=2000)
         self.pull.close(linger=0)

@@ -5,6 +5,7 @@ No torch.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from abc import ABC, abstractmethod
@@ -12,7 +13,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from k3rt.protocol import ProgramClose, ProgramEvent, ProgramResult, ProgramRun, decode, encode
+from k3rt.protocol import ProgramClose, ProgramEvent, ProgramResult, ProgramRun, ProtocolError, decode, encode
+
+log = logging.getLogger(__name__)
 
 EventCallback = Callable[[int, "str | None", str, bool], None]
 
@@ -76,8 +79,14 @@ class RemoteBackend(Backend):
             if sock in events:
                 while sock.poll(0):
                     data = sock.recv()
-                    if data:  # an empty frame is the server's liveness probe
-                        self._dispatch(decode(data))
+                    if not data:
+                        continue  # an empty frame is the server's liveness probe
+                    try:
+                        msg = decode(data)
+                    except ProtocolError as e:  # never let one bad frame end the I/O thread
+                        log.warning("ignoring a malformed message from the server: %s", e)
+                        continue
+                    self._dispatch(msg)
         sock.close(linger=500)
         wake.close(linger=0)
 

@@ -20,6 +20,10 @@ class CacheConfig:
     full_block_mode: bool = False  # baseline: hits only at block boundaries, no tails/junctions
     enable_prefix_cache: bool = True
     tail_snapshots: int = 2  # grid points kept just before each prompt's end (incl. replay boundary)
+    # eviction priority of snapshots: "value" (recompute saved per page freed, aged: GreedyDual-Size-
+    # Frequency) or "lru"; the full-block baseline always uses "lru"
+    eviction: str = "value"
+    max_pinned_fraction: float = 0.5  # pinned snapshots (DSL programs between calls) hold at most this share
     kv_dtype: str | None = None  # None: the model's compute dtype
     conv_dtype: str | None = None  # None: the model's compute dtype
     state_dtype: str = "float32"  # KDA recurrent state
@@ -32,6 +36,10 @@ class CacheConfig:
             raise ValueError("num_pages: set memory_gb or num_pages >= 1")
         if self.memory_gb is not None and self.memory_gb <= 0:
             raise ValueError(f"memory_gb: must be > 0, got {self.memory_gb}")
+        if self.eviction not in ("value", "lru"):
+            raise ValueError(f"eviction: {self.eviction!r} not one of value, lru")
+        if not 0.0 <= self.max_pinned_fraction <= 1.0:
+            raise ValueError(f"max_pinned_fraction: must be in [0, 1], got {self.max_pinned_fraction}")
         if self.tail_snapshots < 1:
             raise ValueError(f"tail_snapshots: must be >= 1 (the replay boundary), got {self.tail_snapshots}")
 

@@ -90,10 +90,7 @@ class Runtime:
         """Scheduler/cache counters (prompt, cached and computed tokens, pages, snapshots)."""
         c = self.client
         if hasattr(c, "engine"):
-            s = c.engine.stats
-            return {"prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
-                    "computed_tokens": s.computed_tokens, "computed_prompt_tokens": s.computed_prompt_tokens,
-                    "snapshots": c.engine.scheduler.tree.snapshot_count, "pins": len(c.engine.scheduler.pins)}
+            return c.engine.stats_dict()
         return dict(c.stats)
 
     def shutdown(self) -> None:

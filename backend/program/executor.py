@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,11 +45,12 @@ class StateData:
     meta: dict[str, Any] = field(default_factory=dict)
     computed: int = 0  # prompt tokens known to be in the prefix cache
     pinned_rid: str | None = None  # the last gen's engine request, whose end snapshot stays pinned
+    gen_rid: str | None = None  # the gen in flight (pin=True): unpinned too if the state is cancelled
 
     def fork_copy(self) -> "StateData":
         child = copy.deepcopy(self)
         child.new_vars = []
-        child.pinned_rid = None  # the parent's pin stays the parent's
+        child.pinned_rid = child.gen_rid = None  # the parent's pins stay the parent's
         return child
 
 
@@ -117,9 +119,10 @@ class ProgramSession:
             t.cancel()
         loop = asyncio.get_running_loop()
         for st in self.states.values():
-            if st.pinned_rid is not None:
-                loop.create_task(self.gen.unpin(st.pinned_rid))
-                st.pinned_rid = None
+            for rid in (st.pinned_rid, st.gen_rid):  # an in-flight gen: the engine will not pin it
+                if rid is not None:
+                    loop.create_task(self.gen.unpin(rid))
+            st.pinned_rid = st.gen_rid = None
 
     # ---- ops ----
 
@@ -191,9 +194,10 @@ class ProgramSession:
             emit = lambda d: self.on_event(sid, op.name, d, False)  # noqa: E731
         # pin the end-of-generation snapshot: the program's next call resumes from it, so it must survive
         # cache pressure in between; the previous pin of this state is released once this one exists
+        st.gen_rid = uuid.uuid4().hex  # known before the request starts: a cancel mid-gen unpins it
         res = await self.gen.generate(prompt, params, stop=op.stop, grammar=op.grammar, cache_salt=self.salt,
-                                      on_text=emit, pin=True)
-        previous, st.pinned_rid = st.pinned_rid, res.rid
+                                      on_text=emit, pin=True, rid=st.gen_rid)
+        previous, st.pinned_rid, st.gen_rid = st.pinned_rid, res.rid, None
         if previous is not None:
             await self.gen.unpin(previous)
         if res.error:

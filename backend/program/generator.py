@@ -34,11 +34,14 @@ class Generator:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *, stop: list[str] = (),
                        grammar: dict | None = None, cache_salt: str | None = None,
-                       on_text: Callable[[str], None] | None = None, pin: bool = False) -> GenResult:
+                       on_text: Callable[[str], None] | None = None, pin: bool = False,
+                       rid: str | None = None) -> GenResult:
+        """rid: the engine request id to use (a caller that pins picks it first, so it can unpin the
+        request even if it is cancelled before this returns)."""
         ts = TextStream(self.tok, tuple(stop))  # the gateway's detokenizer + stop-string logic
         text, ids = [], []
         reason, prompt_tokens, cached, error = "abort", len(prompt_ids), 0, None
-        rid = uuid.uuid4().hex
+        rid = rid or uuid.uuid4().hex
         stream = self.client.generate(prompt_ids, params_to_dict(params), cache_salt=cache_salt, grammar=grammar,
                                       rid=rid, pin=pin)
 

@@ -27,7 +27,7 @@ def sample_requests(sampler: Sampler, logits: torch.Tensor, reqs: list) -> dict[
         if r.grammar is not None and not r.grammar.accept(tok):
             raise RuntimeError(f"grammar rejected token {tok} it allowed (request {r.rid})")
         if out.logprobs is not None and r.params.logprobs is not None:
-            r.last_logprob, r.last_top_logprobs = out.logprobs[i], out.top_logprobs[i]
+            r.sampled.logprob, r.sampled.top_logprobs = out.logprobs[i], out.top_logprobs[i]
     return {r.rid: t for r, t in zip(reqs, out.token_ids)}
 
 
@@ -49,4 +49,4 @@ def record_prompt_logprobs(logits: torch.Tensor, rows: list[tuple[object, int, i
     lp = torch.log_softmax(logits, dim=-1)
     nxt = torch.tensor([r.token_ids[p + 1] for r, _, p in rows], device=logits.device)
     for (r, _, p), v in zip(rows, lp.gather(1, nxt[:, None])[:, 0].tolist()):
-        r.prompt_logprobs[p + 1] = v
+        r.sampled.prompt_logprobs[p + 1] = v

@@ -3,6 +3,10 @@
 No "prefill" or "decode" phase is stored: a request has `token_ids` (prompt + generated) and
 `num_computed` (tokens whose KV and KDA state are in its cache). Each step feeds some of the
 remaining tokens; when the fed tokens reach the end, the step also samples the next token.
+
+Ownership: the scheduler writes every field of `Request` (runners read the cache fields:
+`num_computed`, `block_table`, `state_set`); what a runner produces for a request while sampling
+lives in `req.sampled` (`SampleState`), and nothing else of the request is written by a runner.
 """
 
 from __future__ import annotations
@@ -30,6 +34,19 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the request could not be served (Request.error says why)
 
 
+@dataclass(slots=True)
+class SampleState:
+    """What the runners write for a request: the logprobs of the token sampled this step, prompt
+    scores, and the on-device sampling seed."""
+
+    logprob: float | None = None  # of the token sampled this step, when params.logprobs is not None
+    top_logprobs: list[tuple[int, float]] | None = None
+    # log p(token[i] | tokens[:i]) for i >= Request.prompt_logprobs_from, filled by the step that computes i - 1
+    prompt_logprobs: dict[int, float] = field(default_factory=dict)
+    # the philox seed of on-device sampling: params.seed, or one drawn at the first sampled step and kept
+    device_seed: int | None = None
+
+
 @dataclass(eq=False, slots=True)
 class Request:
     rid: int
@@ -46,11 +63,15 @@ class Request:
     state_set: list[int] | None = None  # live KDA state set (owned)
     lock_node: Node | None = None  # deepest tree node this request holds a lock on
     snapshot_plan: list[int] = field(default_factory=list)  # ascending absolute positions to publish
+    plan_uses: dict[int, int] = field(default_factory=dict)  # planned position -> policy weight, where not 1
+    wait_on: tuple[Request, int] | None = None  # in-batch sharing: (sharer, position it will publish)
     fences: list[int] = field(default_factory=list)  # extra refs on copy sources, held until the copies ran
     pending_page_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) MLA page CoW
     pending_state_copies: list[tuple[list[int], list[int]]] = field(default_factory=list)  # snapshot -> live
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at (last) admission
     num_preemptions: int = 0
+    admitted: bool = False  # counted in the prompt / cached-token stats (once, at the first admission)
+    arrival: float = 0.0  # time.monotonic() when queued (queue-wait metric)
     grammar: Any = None  # a GrammarMatcher (backend/grammar) constraining sampling, or None
     grammar_future: Any = None  # a Future of the compiled grammar; the request is not admitted before it resolves
     grammar_deadline: float = 0.0  # monotonic time after which a still-compiling grammar fails the request
@@ -59,12 +80,7 @@ class Request:
     # score the prompt: log p(token[i] | tokens[:i]) for every i >= prompt_logprobs_from (select/scoring);
     # the prefix-cache hit is capped so that position prompt_logprobs_from - 1 is computed
     prompt_logprobs_from: int | None = None
-    prompt_logprobs: dict[int, float] = field(default_factory=dict)
-    # set by the runner for the token sampled this step when params.logprobs is not None
-    last_logprob: float | None = None
-    last_top_logprobs: list[tuple[int, float]] | None = None
-    # the philox seed of on-device sampling: params.seed, or one drawn at the first sampled step and kept
-    device_seed: int | None = None
+    sampled: SampleState = field(default_factory=SampleState)  # written by the runners
 
     @property
     def num_output(self) -> int:

@@ -7,26 +7,36 @@ continuing prefills, then new admissions. A request whose fed tokens reach the e
 
 Chunk alignment: a non-final chunk ends on the snapshot grid (`hash_block_size`), and a chunk that
 starts off the grid (a conversation resuming from an end-of-turn snapshot) stops at the next grid
-point, so every snapshot emitted inside a chunk sits a whole number of KDA chunks from its start.
-Snapshots are emitted by the forward itself (ForwardBatch.state_positions), so publishing them costs
-no extra steps. A snapshot published at p holds the state after exactly p tokens.
+point, so every snapshot emitted inside a chunk sits a whole number of KDA chunks (64) from its start;
+a planned snapshot that would not (the full-block baseline's grid is the page size, e.g. 1888) ends
+the chunk instead. Snapshots are emitted by the forward itself (ForwardBatch.state_positions), so
+publishing them costs no extra steps. A snapshot published at p holds the state after exactly p tokens.
 
-Resources: admission counts MLA pages, one live state set, one copy-on-write page when the hit ends
-mid-page, and the snapshot state sets of the first chunk. Under pressure the prefix cache is evicted
-first, then the newest running request is preempted (its pages and state freed, requeued at the
-front; on readmission it recomputes, usually from the cache).
+Resources: admission counts MLA pages for the first chunk, one live state set and one copy-on-write
+page when the hit ends mid-page; a chunk that does not fit shrinks to what fits (on the grid) before
+anything is preempted. Under pressure the prefix cache is evicted first, then the newest running
+request other than the one asking is preempted (its live state is donated to the cache as a snapshot,
+so it resumes where it stopped); a request that is itself the newest yields instead. Pinned snapshots
+(a DSL program between its calls) never block progress: when nothing else can be freed, the oldest
+pins are dropped, and pins never hold more than `max_pinned_fraction` of the pool.
+
+What gets published (`_plan_snapshots`) is the cache policy's admission half; eviction by value
+per byte is the tree's (backend/cache/radix.py).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from k3rt.backend.cache.pool import PagePool
 from k3rt.backend.cache.radix import Node, RadixCache
 from k3rt.backend.scheduler.request import FinishReason, Request, Status
-from k3rt.config import CacheConfig, SchedulerConfig
+from k3rt.config import KDA_CHUNK, CacheConfig, SchedulerConfig
+
+JUNCTION_USES = 2  # a shared prefix seen a second time: start its snapshot with two uses
+PREEMPTED_USES = 2  # a preempted request's donated state: its owner comes back for it
 
 
 @dataclass
@@ -58,20 +68,30 @@ class SchedulerStats:
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     preemptions: int = 0
     snapshots_published: int = 0
+    pins_dropped: int = 0  # pins released by the cap or to let a request run, not by their owner
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, cache_cfg: CacheConfig, pool: PagePool, block_size: int) -> None:
-        self.cfg, self.cache_cfg, self.pool, self.B = cfg, cache_cfg, pool, block_size
-        self.tree = RadixCache(pool, block_size)
-        self.grid = block_size if cache_cfg.full_block_mode else cache_cfg.hash_block_size
+    def __init__(self, cfg: SchedulerConfig, cache_cfg: CacheConfig, pool: PagePool, tree: RadixCache) -> None:
+        self.cfg, self.cache_cfg, self.pool, self.tree = cfg, cache_cfg, pool, tree
+        self.B = tree.B
+        self.grid = self.B if cache_cfg.full_block_mode else cache_cfg.hash_block_size
         self.S = pool.layout.pages_per_state_set
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
         self._preempted_this_step = False
         self._step_decodes: list[Request] = []
-        self.pins: dict[int, Node] = {}  # rid of a finished pinned request -> the node whose snapshot it keeps
+        self._chunks: dict[int, ScheduledChunk] = {}
+        # rid of a finished pinned request -> the node whose snapshot it keeps; oldest first
+        self.pins: OrderedDict[int, Node] = OrderedDict()
+        self.failed: list[Request] = []  # requests schedule() had to fail; the engine reports them
+        self.admitted_now: list[Request] = []  # first admissions since the engine last looked (queue wait)
+
+    @property
+    def usable_pages(self) -> int:
+        """Pages the scheduler can ever hand out (the runner's reserved scratch pages excluded)."""
+        return self.pool.num_pages - len(self.pool.reserved)
 
     # ---- queue ----
 
@@ -85,11 +105,27 @@ class Scheduler:
         elif req.status is Status.RUNNING:
             self._finish(req, reason)
 
-    def unpin(self, rid: int) -> None:
-        """Release the pin a finished `pin=True` request holds on its end-of-request snapshot."""
+    def unpin(self, req: Request | None, rid: int) -> None:
+        """Release the pin request `rid` holds (or, still live, will not take) on its end snapshot."""
+        if req is not None and not req.finished:
+            req.pin = False  # the owner is done with it before it finished: never pin it
+            return
         node = self.pins.pop(rid, None)
         if node is not None:
-            node.pins -= 1
+            self.tree.unpin(node)
+
+    def _drop_oldest_pin(self) -> bool:
+        if not self.pins:
+            return False
+        _, node = self.pins.popitem(last=False)
+        self.tree.unpin(node)
+        self.stats.pins_dropped += 1
+        return True
+
+    def drop_pins(self) -> None:
+        """`flush_cache`: every pin goes (its owners recompute what they need)."""
+        while self._drop_oldest_pin():
+            pass
 
     @property
     def has_work(self) -> bool:
@@ -99,7 +135,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.cfg.max_num_batched_tokens
-        chunks: dict[int, ScheduledChunk] = {}
+        chunks = self._chunks = {}
         self._preempted_this_step = False
         B = self.B
         # decode-like requests (one token to feed) first, oldest first: the hot path, kept lean
@@ -113,14 +149,14 @@ class Scheduler:
             if req.status is not Status.RUNNING:
                 continue  # preempted by an earlier request of this loop: it holds nothing now
             nc = req.num_computed
-            if nc % B == 0 and nc // B >= len(req.block_table) and not self._ensure_pages(req, nc + 1, chunks):
-                continue  # req itself was preempted (and dropped from decodes)
+            if nc % B == 0 and nc // B >= len(req.block_table) and not self._ensure_pages(req, nc + 1):
+                self._drop_from_step(req)  # the newest, out of pages: waits for the older requests
         budget -= len(decodes)
         for req in multi:
             if budget <= 0:
                 break
             if req.status is Status.RUNNING:  # not preempted earlier in this step
-                budget -= self._schedule_chunk(req, budget, chunks)
+                budget -= self._schedule_chunk(req, budget)
         # no admissions in a step that had to preempt: the freed memory belongs to running requests
         deferred: list[Request] = []
         while (self.waiting and budget > 0 and len(self.running) < self.cfg.max_running
@@ -130,12 +166,19 @@ class Scheduler:
                 # admitted once its grammar is compiled / the sharer published the shared prefix
                 deferred.append(self.waiting.popleft())
                 continue
-            if not self._admit(req):
+            n = self._admit(req, budget)
+            if n == 0:
                 break
-            self.waiting.popleft()
-            self.running.append(req)
-            budget -= self._schedule_chunk(req, budget, chunks)
+            budget -= n
         self.waiting.extendleft(reversed(deferred))
+        if not self.running and self.waiting and not deferred and budget > 0:
+            # nothing runs, nothing is cached or pinned any more, and the head still does not fit: it
+            # never will (add_request's size check makes this unreachable; never spin on it)
+            head = self.waiting.popleft()
+            head.status, head.finish_reason = Status.FINISHED, FinishReason.ERROR
+            head.error = (f"prompt: {len(head.token_ids)} tokens could not be scheduled: the pool has "
+                          f"{self.pool.num_free} free pages of {self.usable_pages} usable")
+            self.failed.append(head)
         scheduled = list(chunks.values())
         page_copies: list[tuple[int, int]] = []
         state_copies: list[tuple[list[int], list[int]]] = []
@@ -158,73 +201,138 @@ class Scheduler:
             nxt = (start // self.grid + 1) * self.grid
             if start + n > nxt:
                 n = nxt - start  # off-grid start: stop at the next grid point
+        if self.grid % KDA_CHUNK:
+            # the chunked KDA kernel emits a state only a whole number of its chunks from the chunk's
+            # start, or at its end: a planned snapshot off that lattice ends the chunk (full-block grids)
+            for p in req.snapshot_plan:
+                if p >= start + n:
+                    break
+                if p > start and (p - start) % KDA_CHUNK:
+                    n = p - start
+                    break
         return max(n, 0)
 
-    def _schedule_chunk(self, req: Request, budget: int, chunks: dict[int, ScheduledChunk]) -> int:
+    def _schedule_chunk(self, req: Request, budget: int) -> int:
+        """Schedule req's next chunk (shrunk to the pages it can get); returns its tokens (0: none)."""
+        start = req.num_computed
         n = self._chunk_len(req, budget)
+        while n > 0:
+            need = (start + n + self.B - 1) // self.B - len(req.block_table)
+            if need <= self.pool.num_free or self.tree.evict(need - self.pool.num_free) and need <= self.pool.num_free:
+                break
+            # shrink to the pages there are (a smaller chunk still on the grid), before preempting anyone
+            fits = (len(req.block_table) + self.pool.num_free) * self.B - start
+            if fits > 0:
+                n = self._chunk_len(req, min(budget, fits))
+                continue
+            if not self._make_room(1, req):
+                return 0  # req is the newest and out of pages: it waits
         if n == 0:
             return 0
-        start = req.num_computed
-        if not self._ensure_pages(req, start + n, chunks):
-            return 0
-        snaps = []
-        while req.snapshot_plan and req.snapshot_plan[0] <= start:
-            req.snapshot_plan.pop(0)
-        for p in req.snapshot_plan:
-            if p > start + n:
-                break
-            if self.pool.num_free < self.S:
-                self.tree.evict(self.S - self.pool.num_free)
-            if self.pool.num_free < self.S:
-                break  # snapshots are optional: skip rather than preempt for them
-            snaps.append((p, self.pool.allocate(self.S, zero=False)))
-        needs_logits = start + n == len(req.token_ids)
-        chunks[req.rid] = ScheduledChunk(req, start, n, needs_logits, snaps)
-        return n
-
-    def _ensure_pages(self, req: Request, end: int, chunks: dict[int, ScheduledChunk]) -> bool:
-        need = (end + self.B - 1) // self.B - len(req.block_table)
-        while need > 0 and not self._make_room(need, req, chunks):
-            if req.status is not Status.RUNNING:
-                return False
+        need = (start + n + self.B - 1) // self.B - len(req.block_table)
         if need > 0:
             req.block_table.extend(self.pool.allocate(need))
-        return req.status is Status.RUNNING
+        snaps = []
+        plan = req.snapshot_plan
+        while plan and plan[0] <= start:
+            req.plan_uses.pop(plan.pop(0), None)
+        for p in plan:
+            if p > start + n:
+                break
+            dest = self._snapshot_dest()
+            if dest is None:
+                break  # snapshots are optional: skip rather than preempt for them
+            snaps.append((p, dest))
+        needs_logits = start + n == len(req.token_ids)
+        self._chunks[req.rid] = ScheduledChunk(req, start, n, needs_logits, snaps)
+        return n
 
-    def _make_room(self, need: int, req: Request, chunks: dict[int, ScheduledChunk]) -> bool:
-        """Evict cache, then preempt the newest running request, until `need` pages are free."""
-        if self.pool.num_free >= need:
-            return True
-        self.tree.evict(need - self.pool.num_free)
-        if self.pool.num_free >= need:
-            return True
-        victim = self.running[-1]
-        self._preempt(victim, chunks)
-        return self.pool.num_free >= need and victim is not req
+    def _snapshot_dest(self) -> list[int] | None:
+        if self.pool.num_free < self.S:
+            self.tree.evict(self.S - self.pool.num_free)
+        if self.pool.num_free < self.S:
+            return None
+        return self.pool.allocate(self.S, zero=False)
+
+    def _ensure_pages(self, req: Request, end: int) -> bool:
+        need = (end + self.B - 1) // self.B - len(req.block_table)
+        if need > 0:
+            if not self._make_room(need, req):
+                return False
+            req.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def _make_room(self, need: int, req: Request) -> bool:
+        """Get `need` free pages for running request req: evict cache, then preempt running requests
+        newer than req, newest first. When req is itself the newest it waits (False: it skips this
+        step and keeps what it holds; the older requests progress, and preempt it if they need its
+        memory). Pins give way when nothing else can: a lone request always makes progress."""
+        while self.pool.num_free < need:
+            if self.tree.evict(need - self.pool.num_free):
+                continue
+            victim = self.running[-1]
+            if victim is not req:
+                self._preempt(victim)  # newer than req: running is in admission order
+                continue
+            if len(self.running) > 1:
+                return False
+            if self._drop_oldest_pin():
+                continue
+            # alone, nothing cached or pinned, and still short: cannot happen for a request that
+            # add_request let in; fail it rather than spin
+            self._fail(req, f"prompt: {len(req.token_ids)} tokens need more than the {self.usable_pages} "
+                            "usable cache pages")
+            return False
+        return True
+
+    def _fail(self, req: Request, error: str) -> None:
+        req.error = error
+        self._drop_from_step(req)
+        self._finish(req, FinishReason.ERROR)
+        self.failed.append(req)
+
+    def _drop_from_step(self, req: Request) -> None:
+        """req will not run this step: out of the decodes, its chunk (and snapshot destinations) gone."""
+        if req in self._step_decodes:
+            self._step_decodes.remove(req)
+        c = self._chunks.pop(req.rid, None)
+        if c is not None:
+            for _, dest in c.snapshots:
+                self.pool.unref(dest)
 
     # ---- admission ----
 
-    def _admit(self, req: Request) -> bool:
-        prompt_hit = req.num_preemptions == 0
-        n = len(req.token_ids)
-        hit_len = hit_state = 0
-        node = None
-        pages: list[int] = []
+    def _admit(self, req: Request, budget: int) -> int:
+        """Admit the head of the queue with its first chunk scheduled; returns that chunk's tokens (0:
+        not admitted, nothing was changed). The first chunk is shrunk to the pages there are."""
+        n_tok = len(req.token_ids)
         # the last token must be computed (its logits are sampled); scoring needs logits from f-1 on
-        limit = n - 1 if req.prompt_logprobs_from is None else min(n - 1, req.prompt_logprobs_from - 1)
+        limit = n_tok - 1 if req.prompt_logprobs_from is None else min(n_tok - 1, req.prompt_logprobs_from - 1)
+        S, B = self.S, self.B
         while True:
+            hit_len = hit_state = 0
+            node, pages = None, []
             if self.cache_cfg.enable_prefix_cache and limit > 0:
-                m = self.tree.match(req.token_ids[:limit], req.salt)
+                m = self.tree.match(req.token_ids[:limit], req.salt, touch=False)
                 hit_len, hit_state, node, pages = m.kv_hit, m.state_hit, m.state_node, m.block_pages
-            partial = hit_state % self.B != 0
-            need = self.S + int(partial) + 1
-            if self.pool.num_free >= need:
+            partial = hit_state % B != 0
+            req.num_computed = hit_state
+            # the pages beyond the live state and the copy-on-write page that the first chunk can use
+            free = self.pool.num_free - S - int(partial)
+            held = hit_state // B + int(partial)
+            fits = (held + max(free, 0)) * B - hit_state
+            n = self._chunk_len(req, min(budget, fits)) if free >= 0 and fits > 0 else 0
+            if n > 0:
                 break
-            # eviction may drop the very snapshot and pages just matched: match again after it
-            if self.tree.evict(need - self.pool.num_free) == 0:
-                return False
+            # evict for one more page; eviction may drop the very snapshot and pages just matched: match again
+            want = S + int(partial) + 1 - self.pool.num_free
+            if self.tree.evict(max(want, 1)) == 0 and not (not self.running and self._drop_oldest_pin()):
+                req.num_computed = 0
+                return 0
+        if node is not None:
+            self.tree.use(node)
         # take the copy sources' references first: the allocations below must not evict them
-        full = hit_state // self.B
+        full = hit_state // B
         req.block_table = pages[:full]
         self.pool.ref(req.block_table)
         page_copies, state_copies = [], []
@@ -239,26 +347,36 @@ class Scheduler:
             assert node.snapshot is not None
             self.pool.ref(node.snapshot)
             req.fences.extend(node.snapshot)
-            req.state_set = self.pool.allocate(self.S, zero=False)
+            req.state_set = self.pool.allocate(S, zero=False)
             state_copies.append((list(node.snapshot), req.state_set))
             self.tree.lock(node)
             req.lock_node = node
         else:
-            req.state_set = self.pool.allocate(self.S, zero=True)
+            req.state_set = self.pool.allocate(S, zero=True)
         req.pending_page_copies, req.pending_state_copies = page_copies, state_copies
-        req.num_computed = hit_state
         req.status = Status.RUNNING
-        req.snapshot_plan = self._plan_snapshots(n, hit_state, hit_len)
-        if prompt_hit:
+        req.wait_on = None
+        self._plan_snapshots(req, hit_state, hit_len)
+        if not req.admitted:
+            req.admitted = True
+            self.admitted_now.append(req)
             req.cached_tokens = min(hit_state, req.prompt_len)
             self.stats.prompt_tokens += req.prompt_len
             self.stats.cached_tokens += req.cached_tokens
-        return True
+        self.waiting.popleft()
+        self.running.append(req)
+        return self._schedule_chunk(req, budget)
 
     def _wait_for_shared_prefix(self, req: Request) -> bool:
         """In-batch prefix sharing: if a running request is still prefilling a prefix this one shares
         (beyond what the cache holds), have it publish a snapshot at the shared grid point and keep this
         request waiting until then, so N requests with one system prompt compute it once."""
+        if req.wait_on is not None:
+            sharer, lo = req.wait_on
+            if sharer.status is Status.RUNNING and sharer.num_computed < lo:
+                return True  # still coming (checked in O(1): a thousand waiters cost nothing per step)
+            req.wait_on = None
+            return False  # published (or the sharer went away): admit, matching what is there
         g, toks = self.grid, req.token_ids
         if not self.cache_cfg.enable_prefix_cache or self.cache_cfg.full_block_mode or len(toks) <= g:
             return False
@@ -273,17 +391,37 @@ class Scheduler:
                 lo += g  # whole grid blocks in common
             if hit is None:
                 hit = self.tree.match(toks[: len(toks) - 1], req.salt, touch=False).state_hit
-            if lo <= hit or p.num_computed > lo:
+            if lo <= hit or p.num_computed >= lo:
                 continue  # nothing to gain, or the sharer already went past that point
-            if lo not in p.snapshot_plan:
-                bisect.insort(p.snapshot_plan, lo)
+            self._add_junction(p, lo)
+            req.wait_on = (p, lo)
             return True
         return False
 
-    def _plan_snapshots(self, n: int, state_hit: int, kv_hit: int) -> list[int]:
-        """Positions (absolute, on the grid, in (state_hit, n)) where this request publishes snapshots."""
+    def _add_junction(self, p: Request, lo: int) -> None:
+        """Make running request p publish a snapshot at lo: in the chunk it runs this step when that
+        chunk covers lo (its plan was already consumed for this step), else in its plan."""
+        c = self._chunks.get(p.rid)
+        if c is not None and c.start < lo <= c.start + c.num_tokens:
+            if all(pos != lo for pos, _ in c.snapshots) and ((lo - c.start) % KDA_CHUNK == 0
+                                                                or lo == c.start + c.num_tokens):
+                dest = self._snapshot_dest()
+                if dest is not None:
+                    c.snapshots.append((lo, dest))
+                    c.snapshots.sort(key=lambda s: s[0])
+                    p.plan_uses[lo] = JUNCTION_USES
+            return
+        if lo not in p.snapshot_plan:
+            bisect.insort(p.snapshot_plan, lo)
+        p.plan_uses[lo] = JUNCTION_USES
+
+    def _plan_snapshots(self, req: Request, state_hit: int, kv_hit: int) -> None:
+        """Positions (absolute, on the grid, in (state_hit, n)) where this request publishes snapshots,
+        with the weight each starts with in the eviction policy."""
+        req.snapshot_plan, req.plan_uses = [], {}
         if not self.cache_cfg.enable_prefix_cache:
-            return []
+            return
+        n = len(req.token_ids)
         g, B = self.grid, self.B
         pos: set[int] = set()
         # physical block boundaries (the grid point at or below each one)
@@ -292,8 +430,10 @@ class Scheduler:
             replay = (n - 1) // g * g  # an identical repeat matches n-1 tokens: keep the grid point below
             pos.update(replay - i * g for i in range(self.cache_cfg.tail_snapshots))
             if kv_hit > state_hit:
-                pos.add(kv_hit // g * g)  # a junction seen a second time: another path branches here
-        return sorted(p for p in pos if state_hit < p < n)
+                j = kv_hit // g * g  # a junction seen a second time: another path branches here
+                pos.add(j)
+                req.plan_uses[j] = JUNCTION_USES
+        req.snapshot_plan = sorted(p for p in pos if state_hit < p < n)
 
     # ---- after the forward ----
 
@@ -316,7 +456,7 @@ class Scheduler:
             stats.computed_tokens += c.num_tokens
             stats.computed_prompt_tokens += max(0, min(c.start + c.num_tokens, req.prompt_len) - c.start)
             for pos, dest in c.snapshots:
-                self._publish(req, pos, dest)
+                self._publish(req, pos, dest, req.plan_uses.pop(pos, 1))
             if req.fences:
                 self.pool.unref(req.fences)
                 req.fences = []
@@ -335,32 +475,44 @@ class Scheduler:
         self._finish(req, reason)
         finished.append(req)
 
-    def _publish(self, req: Request, pos: int, dest: list[int]) -> None:
-        node = self.tree.insert(req.token_ids[:pos], req.block_table, req.salt, snapshot=dest)
+    def _publish(self, req: Request, pos: int, dest: list[int], uses: int = 1) -> Node | None:
+        node = self.tree.insert(req.token_ids[:pos], req.block_table, req.salt, snapshot=dest,
+                                start=req.lock_node, uses=uses)
         self.stats.snapshots_published += 1
         self._move_lock(req, node)
+        return node
 
     def _move_lock(self, req: Request, node) -> None:
         self.tree.lock(node)
         old, req.lock_node = req.lock_node, node
         self.tree.unlock(old)
 
-    def _finish(self, req: Request, reason: FinishReason) -> None:
+    def _donate(self, req: Request, uses: int) -> Node | None:
+        """Hand the live state (the state after exactly num_computed tokens) to the tree, no copy."""
         nc = req.num_computed
-        # pending copies: aborted before its first forward, so the live state set was never filled
-        if self.cache_cfg.enable_prefix_cache and nc > 0 and req.state_set is not None and (
-                not req.pending_state_copies and not req.pending_page_copies) and (
-                not self.cache_cfg.full_block_mode or nc % self.B == 0):
-            # the live state is the state after exactly nc fed tokens: donate it (no copy)
-            node = self.tree.insert(req.token_ids[:nc], req.block_table, req.salt, snapshot=req.state_set)
-            req.state_set = None
-            self._move_lock(req, node)
-            if req.pin and node is not None:
-                node.pins += 1
-                self.pins[req.rid] = node
+        # pending copies: never ran a forward, so the live state set was never filled
+        if not (self.cache_cfg.enable_prefix_cache and nc > 0 and req.state_set is not None
+                and not req.pending_state_copies and not req.pending_page_copies
+                and (not self.cache_cfg.full_block_mode or nc % self.B == 0)):
+            return None
+        node = self._publish(req, nc, req.state_set, uses)
+        req.state_set = None
+        return node
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        node = self._donate(req, 1)
+        if req.pin and node is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self._pin(req.rid, node)
         self._release(req)
         req.status, req.finish_reason = Status.FINISHED, reason
         self.running.remove(req)
+
+    def _pin(self, rid: int, node: Node) -> None:
+        self.tree.pin(node)
+        self.pins[rid] = node
+        cap = int(self.cache_cfg.max_pinned_fraction * self.usable_pages)
+        while self.tree.pinned_pages > cap and self._drop_oldest_pin():
+            pass
 
     def _release(self, req: Request) -> None:
         self.tree.unlock(req.lock_node)
@@ -374,18 +526,14 @@ class Scheduler:
             self.pool.unref(req.fences)
             req.fences = []
 
-    def _preempt(self, req: Request, chunks: dict[int, ScheduledChunk]) -> None:
-        if req in self._step_decodes:
-            self._step_decodes.remove(req)
-        c = chunks.pop(req.rid, None)
-        if c is not None:
-            for _, dest in c.snapshots:
-                self.pool.unref(dest)
+    def _preempt(self, req: Request) -> None:
+        self._drop_from_step(req)
+        self._donate(req, PREEMPTED_USES)  # it resumes from here (unless the cache needs the memory more)
         req.pending_page_copies, req.pending_state_copies = [], []
         self._preempted_this_step = True
         self._release(req)
         req.num_computed = 0
-        req.snapshot_plan = []
+        req.snapshot_plan, req.plan_uses = [], {}
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.stats.preemptions += 1

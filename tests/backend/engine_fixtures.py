@@ -115,8 +115,8 @@ def assert_at_rest(engine: Engine) -> None:
         refs[p] = refs.get(p, 0) + 1
     assert pool.num_free + len(refs) == pool.num_pages
     assert [refs.get(p, 0) for p in range(pool.num_pages)] == pool.refcount
-    sched.tree.reset()
-    sched.tree.check()
+    engine.flush_cache()  # pins included
+    engine.check()
     assert pool.num_free + len(pool.reserved) == pool.num_pages and sched.tree.num_snapshots() == 0
     assert all(not r.children for r in sched.tree.roots.values())
 

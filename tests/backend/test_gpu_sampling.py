@@ -83,9 +83,9 @@ def test_seeded_device_sampling_is_reproducible_and_unseeded_keeps_its_draw() ->
         return reqs, [device_sample(sample, logits, reqs, None) for _ in range(3)]
 
     (a, ta), (_, tb) = draw(7), draw(7)
-    assert ta == tb and all(r.device_seed == 7 for r in a)
+    assert ta == tb and all(r.sampled.device_seed == 7 for r in a)
     reqs, _ = draw(None)
-    seeds = [r.device_seed for r in reqs]
+    seeds = [r.sampled.device_seed for r in reqs]
     assert all(s is not None for s in seeds)
     device_sample(sample, logits, reqs, None)
-    assert [r.device_seed for r in reqs] == seeds  # drawn once, then kept
+    assert [r.sampled.device_seed for r in reqs] == seeds  # drawn once, then kept

@@ -34,10 +34,10 @@ def _penalized(r) -> bool:
 
 def _seed(r) -> int:
     """The request's philox seed: its own, or one drawn once and kept (reproducible within the run)."""
-    s = r.device_seed
+    s = r.sampled.device_seed
     if s is None:
         s = r.params.seed if r.params.seed is not None else random.getrandbits(62)
-        r.device_seed = s
+        r.sampled.device_seed = s
     return s
 
 
@@ -98,5 +98,5 @@ def device_sample(fn, logits: torch.Tensor, reqs: list, penalties: PenaltyState 
             raise RuntimeError(f"grammar rejected token {tok} it allowed (request {r.rid})")
         if nlp is not None and r.params.logprobs is not None:
             k = r.params.logprobs
-            r.last_logprob, r.last_top_logprobs = chosen[i], list(zip(ids[i][:k], tops[i][:k]))
+            r.sampled.logprob, r.sampled.top_logprobs = chosen[i], list(zip(ids[i][:k], tops[i][:k]))
     return {r.rid: t for r, t in zip(reqs, tokens)}

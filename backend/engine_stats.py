@@ -1,0 +1,44 @@
+"""What the engine reports about itself: counters and gauges from the scheduler, the prefix cache and
+the pool, and fixed-bucket histograms of step time and queue wait, as one JSON-shaped dict (sent to
+the gateway in every UpdateBatch and exported by its /metrics)."""
+
+from __future__ import annotations
+
+import bisect
+
+STEP_TIME_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+QUEUE_WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class Histogram:
+    """Cumulative counts per upper bound (Prometheus semantics: the last bucket is +Inf)."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def as_dict(self) -> dict:
+        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.sum}
+
+
+def engine_stats(engine) -> dict:
+    sched, tree, pool = engine.scheduler, engine.scheduler.tree, engine.pool
+    s = sched.stats
+    return {
+        "running": len(sched.running), "waiting": len(sched.waiting),
+        "pages_used": pool.num_pages - pool.num_free, "pages_total": pool.num_pages,
+        "pages_usable": sched.usable_pages,
+        "snapshots": tree.snapshot_count, "snapshot_pages": tree.snapshot_count * tree.state_pages,
+        "pins": len(sched.pins), "pinned_pages": tree.pinned_pages,
+        "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens, "computed_tokens": s.computed_tokens,
+        "computed_prompt_tokens": s.computed_prompt_tokens, "preemptions": s.preemptions,
+        "snapshots_published": s.snapshots_published, "pins_dropped": s.pins_dropped,
+        "evicted_snapshots": tree.stats.evicted_snapshots, "evicted_pages": tree.stats.evicted_pages,
+        "steps": engine.num_steps,
+        "step_time": engine.step_time.as_dict(), "queue_wait": engine.queue_wait.as_dict(),
+    }

@@ -1,0 +1,77 @@
+"""The engine side of the gateway's request ids, shared by both engine loops (the engine process's
+`EngineLoop` and the in-process `InProcEngineClient`): one place that turns protocol messages into
+Engine calls and Engine outputs into `RequestUpdate`s.
+
+Bookkeeping it owns:
+  * `rids` / `names`: the gateway's request id (a string) <-> the engine's (an int), for live requests;
+  * `pinned`: name -> engine rid of `pin=True` requests until their owner unpins them. An Unpin can
+    arrive at any time: before the request finished (then the engine will not pin it at all), after it
+    (the pin goes), or after it was aborted or its pin was dropped by the cache (a no-op). Entries whose
+    pin no longer exists are pruned, so the map stays as small as the live pins.
+"""
+
+from __future__ import annotations
+
+from k3rt.protocol import GenerateRequest, RequestUpdate, params_from_dict
+
+
+class RequestMap:
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.rids: dict[str, int] = {}  # gateway rid -> engine rid (live requests)
+        self.names: dict[int, str] = {}
+        self.pinned: dict[str, int] = {}  # gateway rid -> engine rid of pin=True requests not yet unpinned
+
+    def add(self, msg: GenerateRequest) -> RequestUpdate | None:
+        """Queue the request; a rejected one is answered with a finished RequestUpdate naming the field."""
+        try:
+            if msg.rid in self.rids or msg.rid in self.pinned:
+                raise ValueError(f"rid: {msg.rid!r} is already in use")
+            rid = self.engine.add_request(msg.prompt_ids, params_from_dict(msg.params), cache_salt=msg.cache_salt,
+                                          eos_token_ids=msg.eos_token_ids, grammar=msg.grammar,
+                                          prompt_logprobs_from=msg.prompt_logprobs_from, pin=msg.pin)
+        except (ValueError, TypeError, OverflowError) as e:
+            return RequestUpdate(msg.rid, [], True, "error", len(msg.prompt_ids), error=str(e))
+        self.rids[msg.rid], self.names[rid] = rid, msg.rid
+        if msg.pin:
+            self.pinned[msg.rid] = rid
+        return None
+
+    def abort(self, name: str) -> None:
+        rid = self.rids.get(name)
+        if rid is not None:
+            self.engine.abort(rid)
+
+    def unpin(self, name: str) -> None:
+        rid = self.pinned.pop(name, None)
+        if rid is not None:
+            self.engine.unpin(rid)
+
+    def flush(self) -> None:
+        """Drop every cached prefix, pinned ones included (their programs recompute what they need)."""
+        self.engine.flush_cache()
+        self.pinned = {n: r for n, r in self.pinned.items() if r in self.engine.requests}
+
+    def abort_all(self) -> None:
+        for rid in self.rids.values():
+            self.engine.abort(rid)
+
+    def step(self) -> list[RequestUpdate]:
+        """One engine step; the updates of the requests that advanced or ended."""
+        updates = []
+        for o in self.engine.step():
+            name = self.names.get(o.rid)
+            if name is None:
+                continue
+            plp = None if o.prompt_logprobs is None else {str(k): v for k, v in o.prompt_logprobs.items()}
+            updates.append(RequestUpdate(name, o.new_token_ids, o.finished, o.finish_reason, o.prompt_len,
+                                         o.cached_tokens, o.logprobs, o.top_logprobs, error=o.error,
+                                         prompt_logprobs=plp))
+            if o.finished:
+                del self.rids[name], self.names[o.rid]
+                if name in self.pinned and not self.engine.is_pinned(o.rid):
+                    del self.pinned[name]  # aborted, failed, or unpinned while it ran: nothing to release
+        if len(self.pinned) > 2 * self.engine.num_pins + 64:  # pins the cache dropped (cap, flush)
+            self.pinned = {n: r for n, r in self.pinned.items()
+                           if r in self.engine.requests or self.engine.is_pinned(r)}
+        return updates
