@@ -13,10 +13,15 @@ from k3rt.sampling_params import SamplingParams
 
 
 def bench_steps(cfg: EngineConfig, running: int, *, prompt_len: int = 64, steps: int = 200,
-                warmup: int = 20) -> dict[str, float]:
+                warmup: int = 20, prefill_tree: int = 0) -> dict[str, float]:
+    """prefill_tree: grow the prefix cache to about this many nodes first (unrelated cached prefixes)."""
     sched = replace(cfg.scheduler, max_running=max(running, cfg.scheduler.max_running),
                     max_num_batched_tokens=max(cfg.scheduler.max_num_batched_tokens, running * prompt_len))
     eng = Engine(replace(cfg, runner="null", scheduler=sched))
+    if prefill_tree:
+        from k3rt.backend.bench.scale import fill_tree
+
+        fill_tree(eng.scheduler.tree, prefill_tree)
     sp = SamplingParams(temperature=0.0, max_tokens=steps + warmup + 8, ignore_eos=True)
     for i in range(running):
         eng.add_request([3 + (i * 7 + j) % 1000 for j in range(prompt_len)], sp)

@@ -106,6 +106,7 @@ class RadixCache:
         self.state_pages = pool.layout.pages_per_state_set
         self.snapshot_count = 0  # kept incrementally; check() recounts
         self.pinned_count = 0  # nodes with pins > 0
+        self.node_count = 0  # nodes below the roots
         self.stats = CacheStats()
 
     def root(self, salt: str | None) -> Node:
@@ -158,8 +159,10 @@ class RadixCache:
     # ---- insertion ----
 
     def insert(self, tokens: Sequence[int], block_table: Sequence[int], salt: str | None = None,
-               snapshot: list[int] | None = None, *, start: Node | None = None, uses: int = 1) -> Node | None:
-        """Publish tokens[0:len] with the request's pages (block_table[b] = page of block b).
+               snapshot: list[int] | None = None, *, start: Node | None = None, uses: int = 1,
+               length: int | None = None) -> Node | None:
+        """Publish tokens[0:length] (default: all) with the request's pages (block_table[b] = page of
+        block b). `length` lets a request publish a prefix of its token list without copying it.
 
         The tree takes its own page references. `snapshot` (the state after all of `tokens`) is
         handed over with its reference: kept if the node has none, else released (and the existing
@@ -170,7 +173,7 @@ class RadixCache:
         """
         if not isinstance(tokens, list):
             tokens = list(tokens)
-        n = len(tokens)
+        n = len(tokens) if length is None else length
         if n == 0:
             if snapshot is not None:
                 self.pool.unref(snapshot)
@@ -185,10 +188,11 @@ class RadixCache:
                 leaf.pages = list(block_table[first:last + 1])
                 self.pool.ref(leaf.pages)
                 node.children[tokens[depth]] = leaf
+                self.node_count += 1
                 node = leaf
                 depth = n
                 break
-            m = _common(child.key, tokens, depth)
+            m = _common(child.key, tokens, depth, n)
             if m < len(child.key):
                 child = self._split(child, depth + m)  # m >= 1: the first token matched
             node = child
@@ -221,6 +225,7 @@ class RadixCache:
         node.parent.children[upper.key[0]] = upper
         node.key, node.start, node.pages, node.parent = node.key[at - s:], at, lower_pages, upper
         upper.children[node.key[0]] = node
+        self.node_count += 1
         return upper
 
     # ---- locks and pins ----
@@ -352,6 +357,7 @@ class RadixCache:
             parent = n.parent
             del parent.children[n.key[0]]
             self.pool.unref(n.pages)
+            self.node_count -= 1
             n.parent = None
             n = parent
         if n.parent is None and not n.children and n.salt is not None and self.roots.get(n.salt) is n:
@@ -381,7 +387,7 @@ class RadixCache:
             stack.extend(n.children.values())
 
     def num_nodes(self) -> int:
-        return sum(1 for _ in self._nodes())
+        return self.node_count
 
     def num_snapshots(self) -> int:
         return sum(1 for n in self._nodes() if n.snapshot is not None)
@@ -425,15 +431,17 @@ class RadixCache:
             assert n.pins >= 0 and (not n.pins or n.snapshot is not None), f"{n}: pinned without a snapshot"
             pinned += n.pins > 0
         assert self.snapshot_count == self.num_snapshots(), "snapshot count drifted"
+        assert self.node_count == sum(1 for _ in self._nodes()), "node count drifted"
         assert self.pinned_count == pinned, "pinned count drifted"
         for p, k in self.tree_page_refs().items():
             assert self.pool.refcount[p] >= k, f"page {p}: refcount {self.pool.refcount[p]} < tree refs {k}"
 
 
-def _common(key: list[int], tokens: list[int], offset: int) -> int:
-    """Length of the common prefix of key and tokens[offset:], compared in slices (C speed)."""
-    n = min(len(key), len(tokens) - offset)
-    if key[:n] == tokens[offset:offset + n]:
+def _common(key: list[int], tokens: list[int], offset: int, end: int | None = None) -> int:
+    """Length of the common prefix of key and tokens[offset:end], compared in slices (C speed)."""
+    kl = len(key)
+    n = min(kl, (len(tokens) if end is None else end) - offset)
+    if (key if n == kl else key[:n]) == tokens[offset:offset + n]:
         return n
     lo, hi = 0, n  # key[:lo] matches, key[:hi] does not
     while hi - lo > 32:
@@ -445,3 +453,8 @@ def _common(key: list[int], tokens: list[int], offset: int) -> int:
     while key[lo] == tokens[offset + lo]:
         lo += 1
     return lo
+
+
+def common_prefix(a: list[int], b: list[int], n: int) -> int:
+    """Length of the common prefix of a[:n] and b[:n] (both at least n long)."""
+    return _common(a, b, 0, n) if n > 0 else 0

@@ -31,12 +31,15 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from k3rt.backend.cache.pool import PagePool
-from k3rt.backend.cache.radix import Node, RadixCache
+from k3rt.backend.cache.radix import Node, RadixCache, common_prefix as _common_prefix
 from k3rt.backend.scheduler.request import FinishReason, Request, Status
 from k3rt.config import KDA_CHUNK, CacheConfig, SchedulerConfig
 
 JUNCTION_USES = 2  # a shared prefix seen a second time: start its snapshot with two uses
 PREEMPTED_USES = 2  # a preempted request's donated state: its owner comes back for it
+# waiting requests compared token by token with a running request per step (~30 us each for a 4K
+# prefix): a thousand requests arriving together are looked at over a few steps, not in one
+PREFIX_CHECKS_PER_STEP = 64
 
 
 @dataclass
@@ -83,6 +86,7 @@ class Scheduler:
         self._preempted_this_step = False
         self._step_decodes: list[Request] = []
         self._chunks: dict[int, ScheduledChunk] = {}
+        self._prefix_checks = 0
         # rid of a finished pinned request -> the node whose snapshot it keeps; oldest first
         self.pins: OrderedDict[int, Node] = OrderedDict()
         self.failed: list[Request] = []  # requests schedule() had to fail; the engine reports them
@@ -159,9 +163,12 @@ class Scheduler:
                 budget -= self._schedule_chunk(req, budget)
         # no admissions in a step that had to preempt: the freed memory belongs to running requests
         deferred: list[Request] = []
+        self._prefix_checks = 0
         while (self.waiting and budget > 0 and len(self.running) < self.cfg.max_running
                and not self._preempted_this_step):
             req = self.waiting[0]
+            if self._prefix_checks >= PREFIX_CHECKS_PER_STEP and req.wait_on is None:
+                break  # the rest of the queue is looked at in the next steps (bounded host time)
             if req.grammar_future is not None or self._wait_for_shared_prefix(req):
                 # admitted once its grammar is compiled / the sharer published the shared prefix
                 deferred.append(self.waiting.popleft())
@@ -380,15 +387,18 @@ class Scheduler:
         g, toks = self.grid, req.token_ids
         if not self.cache_cfg.enable_prefix_cache or self.cache_cfg.full_block_mode or len(toks) <= g:
             return False
-        head = toks[:g]
         hit = None
+        first = toks[0]
         for p in self.running:
-            if p.num_computed >= p.prompt_len or p.salt != req.salt or p.token_ids[:g] != head:
+            if p.num_computed >= p.prompt_len or p.salt != req.salt or p.token_ids[0] != first:
                 continue
             n = min(len(toks) - 1, p.prompt_len)
-            lo = g
-            while lo + g <= n and p.token_ids[lo:lo + g] == toks[lo:lo + g]:
-                lo += g  # whole grid blocks in common
+            if n // g * g <= p.num_computed:
+                continue  # p is past every grid point the two could share
+            self._prefix_checks += 1
+            lo = _common_prefix(p.token_ids, toks, n) // g * g  # whole grid blocks in common
+            if lo == 0:
+                continue
             if hit is None:
                 hit = self.tree.match(toks[: len(toks) - 1], req.salt, touch=False).state_hit
             if lo <= hit or p.num_computed >= lo:
@@ -476,8 +486,8 @@ class Scheduler:
         finished.append(req)
 
     def _publish(self, req: Request, pos: int, dest: list[int], uses: int = 1) -> Node | None:
-        node = self.tree.insert(req.token_ids[:pos], req.block_table, req.salt, snapshot=dest,
-                                start=req.lock_node, uses=uses)
+        node = self.tree.insert(req.token_ids, req.block_table, req.salt, snapshot=dest,
+                                start=req.lock_node, uses=uses, length=pos)
         self.stats.snapshots_published += 1
         self._move_lock(req, node)
         return node
