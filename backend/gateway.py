@@ -2,8 +2,9 @@
 
 It owns the tokenizer (prompts in, incremental text out), stop strings, grammar validation (compiled
 here, in a worker thread, so a bad or slow grammar becomes a 400 before the engine sees it), admission
-(too many engine requests in flight -> `Overloaded`), and the `EngineClient` (the engine process and
-its ZMQ sockets). It knows nothing of HTTP or OpenAI's JSON: a `Job` goes in, `ChoiceDelta`s come out.
+(too many engine requests in flight -> `Overloaded`, retry later; a job larger than that whole capacity ->
+`TooLarge`, never admissible), and the `EngineClient` (the engine process and its ZMQ sockets). It knows
+nothing of HTTP or OpenAI's JSON: a `Job` goes in, `ChoiceDelta`s come out.
 
 One job fans out into one engine request per (prompt, choice); each runs in its own asyncio task that
 turns the engine's token updates into text deltas. Closing the job's stream early (the HTTP client went
@@ -17,6 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -53,6 +55,15 @@ class Overloaded(Exception):
     def __init__(self, message: str, retry_after_s: int = 1) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class TooLarge(ValueError):
+    """A job the gateway's capacity rule can never admit, however idle the engine: a 400, not a retry.
+    The message starts with the field to blame (`n`, or `prompt` for several prompts)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
 
 
 class EngineUnavailable(Exception):
@@ -206,6 +217,7 @@ class Gateway:
         self.client = client if client is not None else EngineClient(cfg.engine, log_level=cfg.log_level)
         self.in_flight = 0  # engine requests started and not yet ended
         self.draining = False  # shutting down: no new requests
+        self.last_update_at = 0.0  # time.monotonic() of the last engine update a choice received (/health)
         self._grammar: GrammarBackend | None = None
         self._grammar_lock = asyncio.Lock()
         self._ready = False
@@ -280,14 +292,20 @@ class Gateway:
 
     # ---- generation ----
 
-    def _admit(self, num_requests: int) -> None:
+    def _admit(self, job: Job) -> None:
+        num_requests = len(job.prompts) * job.n
+        limit = self.cfg.max_in_flight
+        if num_requests > limit:
+            whole = f"the server runs at most {limit} generations at once (max_running + max_waiting)"
+            if len(job.prompts) == 1 or job.n > limit:
+                raise TooLarge("n", f"{job.n} choices per prompt; {whole}")
+            raise TooLarge("prompt", f"{len(job.prompts)} prompts x n {job.n} = {num_requests} generations; {whole}")
         if self.draining:
             raise EngineUnavailable("the server is shutting down")
         if self.client.dead:
             raise EngineUnavailable(f"the engine is not running: {self.client.dead}")
         if not self._ready:
             raise EngineUnavailable("the engine is still starting")
-        limit = self.cfg.max_in_flight
         if self.in_flight + num_requests > limit:
             raise Overloaded(f"too many requests: {self.in_flight} generations in flight, the limit is {limit} "
                              f"(max_running + max_waiting); this request needs {num_requests}")
@@ -295,10 +313,9 @@ class Gateway:
     def generate(self, job: Job) -> JobStream:
         """Start every choice of `job` now; returns the stream of their deltas.
 
-        Raises Overloaded or EngineUnavailable at once, before anything starts. Iterate the stream to the
-        end, or `close()` it to abort the choices still running (a job nobody reads runs to its end)."""
-        num = len(job.prompts) * job.n
-        self._admit(num)
+        Raises TooLarge, Overloaded or EngineUnavailable at once, before anything starts. Iterate the stream
+        to the end, or `close()` it to abort the choices still running (a job nobody reads runs to its end)."""
+        self._admit(job)
         out: asyncio.Queue[ChoiceDelta] = asyncio.Queue()
         tasks = []
         for p, prompt_ids in enumerate(job.prompts):
@@ -328,6 +345,7 @@ class Gateway:
                                            grammar=job.grammar, eos_token_ids=self.eos_token_ids)
             async with contextlib.aclosing(updates):
                 async for u in updates:
+                    self.last_update_at = time.monotonic()
                     kept = text.push(u.token_ids)
                     ids = u.token_ids[:kept]
                     lps = None

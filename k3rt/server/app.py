@@ -1,7 +1,8 @@
 """The FastAPI app: routes, body parsing, the API-key check, error rendering and request counting.
 
 Routes
-  GET  /health                  200 once the engine is ready; 503 while starting, shutting down, or dead
+  GET  /health                  200 once the engine is ready; 503 while starting, shutting down, or dead,
+                                and when it is stalled or pinned snapshots leave no room (health.py)
   GET  /v1/models               the served model (also GET /v1/models/{id})
   POST /v1/chat/completions     chat.py
   POST /v1/completions          completions.py
@@ -101,10 +102,11 @@ def create_app(ctx: ServerContext) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         gw = ctx.gateway
-        if gw.ready:
-            return json_response({"status": "ok"})
-        why = "draining" if gw.draining else ("dead" if gw.dead else "starting")
-        return json_response({"status": why}, status=503)
+        if not gw.ready:
+            why = "draining" if gw.draining else ("dead" if gw.dead else "starting")
+            return json_response({"status": why}, status=503)
+        problem = ctx.health.problem()
+        return json_response(problem, status=503) if problem else json_response({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:

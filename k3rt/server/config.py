@@ -20,6 +20,7 @@ class ServerConfig:
     max_body_bytes: int = 32 << 20  # request bodies above this are answered 413
     log_level: str = "WARNING"
     dsl_addr: str | None = "auto"  # ZMQ endpoint for shipped DSL programs; "auto": tcp://host:port+1; None: off
+    stall_timeout_s: float = 30.0  # /health answers 503 when the engine has work and no progress this long; 0: off
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -28,6 +29,8 @@ class ServerConfig:
             raise ValueError(f"context_length: must be >= 1, got {self.context_length}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
+        if not self.stall_timeout_s >= 0:
+            raise ValueError(f"stall_timeout_s: must be >= 0 (0 disables), got {self.stall_timeout_s}")
         if self.dsl_addr not in (None, "auto") and not self.dsl_addr.startswith(("tcp://", "ipc://")):
             raise ValueError(f"dsl_addr: {self.dsl_addr!r} must be 'auto', or start with tcp:// or ipc://")
         if self.api_key is not None and not self.api_key:

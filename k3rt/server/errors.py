@@ -60,6 +60,13 @@ def _param_of(loc: tuple[Any, ...]) -> str | None:
     return "".join(parts) or None
 
 
+def _json_text(value: Any) -> str:
+    try:
+        return orjson.dumps(value, default=repr).decode()
+    except TypeError:  # an integer beyond 64 bits (orjson's `default` is not asked about those)
+        return repr(value)
+
+
 def from_validation_error(errors: list[dict[str, Any]]) -> APIError:
     """A pydantic ValidationError's `errors()` -> one 400 naming the first bad field (and how many more)."""
     if any(e["type"] == "json_invalid" for e in errors):
@@ -69,8 +76,7 @@ def from_validation_error(errors: list[dict[str, Any]]) -> APIError:
     param = _param_of(tuple(first["loc"]))
     if param is None:
         return APIError(400, f"the request body must be a JSON object: {first['msg']}", code="invalid_body")
-    got = first.get("input")
-    got_text = "" if first["type"] == "missing" else f", got {orjson.dumps(got, default=repr).decode()[:80]}"
+    got_text = "" if first["type"] == "missing" else f", got {_json_text(first.get('input'))[:80]}"
     same = [e for e in errors if _param_of(tuple(e["loc"])) == param]
     if len(same) > 1:
         # a union field yields one error per member type it tried

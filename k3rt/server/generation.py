@@ -25,17 +25,19 @@ from k3rt.server.schemas import SamplingFields
 
 if TYPE_CHECKING:
     from k3rt.backend.gateway import ChoiceDelta, Gateway, Job, JobStream, TokenLogprob
+    from k3rt.server.health import EngineWatch
 
 MIN_LOGPROB = -9999.0  # what OpenAI reports for impossible tokens (JSON has no -inf)
 
 
 @dataclass
 class ServerContext:
-    """What every route needs: the gateway, the config, the metrics. One per app."""
+    """What every route needs: the gateway, the config, the metrics, the engine watch. One per app."""
 
     gateway: Gateway
     config: ServerConfig
     metrics: ServerMetrics
+    health: EngineWatch
 
     def check_model(self, name: str) -> None:
         if name not in (self.config.model_name, self.config.engine.model):
@@ -196,8 +198,10 @@ def delta_error(d: ChoiceDelta) -> APIError:
 
 
 def gateway_error(e: Exception) -> APIError:
-    from k3rt.backend.gateway import EngineUnavailable, Overloaded
+    from k3rt.backend.gateway import EngineUnavailable, Overloaded, TooLarge
 
+    if isinstance(e, TooLarge):
+        return APIError(400, str(e), param=e.param, code="request_too_large")
     if isinstance(e, Overloaded):
         return APIError(429, str(e), code="too_many_requests", headers={"Retry-After": str(e.retry_after_s)})
     if isinstance(e, EngineUnavailable):

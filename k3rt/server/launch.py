@@ -52,6 +52,7 @@ async def _serve(cfg: ServerConfig) -> int:
     from k3rt.backend.gateway import Gateway, GatewayConfig
     from k3rt.server.app import create_app
     from k3rt.server.generation import ServerContext
+    from k3rt.server.health import EngineWatch
     from k3rt.server.metrics import ServerMetrics
 
     class Server(uvicorn.Server):
@@ -63,7 +64,7 @@ async def _serve(cfg: ServerConfig) -> int:
     gateway = Gateway(GatewayConfig(cfg.engine, cfg.context_length, cfg.log_level))
     sock = _bind(cfg.host, cfg.port)
     port = sock.getsockname()[1]
-    ctx = ServerContext(gateway, cfg, ServerMetrics(lambda: gateway.stats))
+    ctx = ServerContext(gateway, cfg, ServerMetrics(lambda: gateway.stats), EngineWatch(gateway, cfg.stall_timeout_s))
     server = Server(uvicorn.Config(create_app(ctx), log_config=None, log_level=cfg.log_level.lower(),
                                    access_log=False, lifespan="off", timeout_graceful_shutdown=cfg.drain_timeout_s))
     exit_code = 0
@@ -100,6 +101,7 @@ async def _serve(cfg: ServerConfig) -> int:
             if dsl_task.done():
                 dsl_task.result()  # the endpoint could not bind: fail loudly
             dsl = programs.endpoint
+        watch_task = asyncio.create_task(ctx.health.run())
         print(f"k3rt serve: ready on http://{cfg.host}:{port} (model {cfg.model_name}, engine pid "
               f"{gateway.client.info.get('pid')}" + (f", DSL programs at {dsl}" if dsl else "") + ")",
               file=sys.stderr, flush=True)
@@ -107,6 +109,7 @@ async def _serve(cfg: ServerConfig) -> int:
             while gateway.dead is None:
                 await asyncio.sleep(0.1)
         finally:
+            watch_task.cancel()
             if dsl is not None:
                 dsl_task.cancel()
         if not gateway.draining:

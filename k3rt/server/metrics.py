@@ -1,19 +1,24 @@
 """Prometheus metrics of `k3rt serve`, exposed at GET /metrics.
 
 The server counts what it sees (requests by endpoint and status, prompt / generated / cached tokens,
-time to first token, inter-token latency, request latency); the engine's own numbers (running, waiting,
-pages, snapshots, cumulative prompt and cached tokens, hence the cache hit rate) are read at scrape time
-from the latest UpdateBatch stats the engine sent. One registry per server, no global state.
+time to first token, inter-token latency, request latency); the engine's own numbers are read at scrape
+time from the latest UpdateBatch stats the engine sent (backend/engine_stats.py): gauges (running, waiting,
+pages used / total / usable, snapshots and their pages, pins and pinned pages), counters (prompt and cached
+tokens, hence the cache hit rate; preemptions, snapshots published, pins dropped, evicted snapshots and
+pages) and two histograms (k3rt_engine_step_time_seconds, k3rt_engine_queue_wait_seconds: the engine counts
+per bucket, exported cumulative). One registry per server, no global state.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -22,25 +27,60 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0
 _REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
+# engine stats key -> (Prometheus name, help); counters get "_total" appended by prometheus_client
+_ENGINE_GAUGES = {
+    "running": ("k3rt_num_requests_running", "requests the engine is running"),
+    "waiting": ("k3rt_num_requests_waiting", "requests queued in the engine"),
+    "in_flight": ("k3rt_gateway_requests_in_flight", "engine requests the gateway has started and not seen end"),
+    "pages_used": ("k3rt_cache_pages_used", "cache pages in use (running requests and the prefix cache)"),
+    "pages_total": ("k3rt_cache_pages_total", "cache pages in the pool"),
+    "pages_usable": ("k3rt_cache_pages_usable", "cache pages the scheduler can hand out (total less the runner's "
+                     "reserved pages)"),
+    "snapshots": ("k3rt_cache_snapshots", "KDA state snapshots held by the prefix cache"),
+    "snapshot_pages": ("k3rt_cache_snapshot_pages", "cache pages held by KDA state snapshots"),
+    "pins": ("k3rt_cache_pinned_snapshots", "snapshots pinned for DSL programs between their calls"),
+    "pinned_pages": ("k3rt_cache_pinned_pages", "cache pages held by pinned snapshots"),
+}
+_ENGINE_COUNTERS = {
+    "preemptions": ("k3rt_engine_preemptions", "running requests preempted to free cache pages"),
+    "snapshots_published": ("k3rt_cache_snapshots_published", "KDA state snapshots added to the prefix cache"),
+    "pins_dropped": ("k3rt_cache_pins_dropped", "pins released by the cache (pin cap, flush) before their unpin"),
+    "evicted_snapshots": ("k3rt_cache_evicted_snapshots", "snapshots evicted from the prefix cache"),
+    "evicted_pages": ("k3rt_cache_evicted_pages", "cache pages freed by prefix-cache eviction"),
+}
+_ENGINE_HISTOGRAMS = {
+    "step_time": ("k3rt_engine_step_time_seconds", "duration of one engine step (schedule, run, update)"),
+    "queue_wait": ("k3rt_engine_queue_wait_seconds", "request arrival in the engine to its first scheduling"),
+}
+
+
+def _histogram(name: str, doc: str, h: dict[str, Any]) -> HistogramMetricFamily | None:
+    """The engine's per-bucket counts (one per bound, plus +Inf) as Prometheus' cumulative buckets."""
+    bounds, counts = h.get("bounds"), h.get("counts")
+    if not bounds or not counts or len(counts) != len(bounds) + 1:
+        return None
+    cumulative = list(itertools.accumulate(counts))
+    buckets = [(floatToGoString(b), c) for b, c in zip(bounds, cumulative)] + [("+Inf", cumulative[-1])]
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=float(h.get("sum", 0.0)))
+
+
 class _EngineCollector:
     def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
-        gauges = {
-            "k3rt_num_requests_running": ("requests the engine is running", s.get("running")),
-            "k3rt_num_requests_waiting": ("requests queued in the engine", s.get("waiting")),
-            "k3rt_gateway_requests_in_flight": ("engine requests the gateway has started and not seen end",
-                                                s.get("in_flight")),
-            "k3rt_cache_pages_used": ("cache pages in use (running requests and the prefix cache)",
-                                      s.get("pages_used")),
-            "k3rt_cache_pages_total": ("cache pages in the pool", s.get("pages_total")),
-            "k3rt_cache_snapshots": ("KDA state snapshots held by the prefix cache", s.get("snapshots")),
-        }
-        for name, (doc, value) in gauges.items():
-            if value is not None:
-                yield GaugeMetricFamily(name, doc, value=value)
+        for key, (name, doc) in _ENGINE_GAUGES.items():
+            if s.get(key) is not None:
+                yield GaugeMetricFamily(name, doc, value=s[key])
+        for key, (name, doc) in _ENGINE_COUNTERS.items():
+            if s.get(key) is not None:
+                yield CounterMetricFamily(name, doc, value=s[key])
+        for key, (name, doc) in _ENGINE_HISTOGRAMS.items():
+            h = s.get(key)
+            family = _histogram(name, doc, h) if isinstance(h, dict) else None
+            if family is not None:
+                yield family
         prompt, cached = s.get("prompt_tokens"), s.get("cached_tokens")
         if prompt is not None and cached is not None:
             yield CounterMetricFamily("k3rt_engine_prompt_tokens", "prompt tokens admitted by the engine",

@@ -152,3 +152,22 @@ def tokenizer(tiny_model: Path):
     from k3rt.backend.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_model)
+
+
+# the smallest pool the tiny model starts with: one state set (3 pages) + two pages of KV (block 48)
+SMALL_POOL_PAGES = 5
+SMALL_POOL_ARGS = ("--cache-pages", str(SMALL_POOL_PAGES), "--max-running", "2", "--max-waiting", "6",
+                   "--stall-timeout", "2")
+
+
+@pytest.fixture(scope="session")
+def small_server(tiny_model: Path, log_dir: Path) -> Iterator[ServeProcess]:
+    """A server on the smallest pool that starts, admitting 8 engine requests, with a 2 s stall timeout."""
+    s = start_server(tiny_model, log_dir, *SMALL_POOL_ARGS)
+    try:
+        yield s
+        assert s.proc.poll() is None, f"the small-pool server died during the tests:\n{s.log()}"
+        assert s.stop() == 0, s.log()
+    finally:
+        if s.proc.poll() is None:
+            s.kill()
