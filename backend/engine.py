@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from array import array
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -107,13 +108,16 @@ class Engine:
                     grammar: dict | None = None, prompt_logprobs_from: int | None = None, pin: bool = False) -> int:
         """Queue a request; returns its id. Raises ValueError naming the field for bad input."""
         params = params or SamplingParams()
-        prompt = [int(t) for t in prompt_ids]
+        try:
+            prompt = array("q", prompt_ids).tolist()  # plain ints, at C speed (a 128K prompt in ~2 ms)
+        except (TypeError, OverflowError):
+            raise ValueError("prompt: token ids must be integers") from None
         if not prompt:
             raise ValueError("prompt: must contain at least one token")
         v = self.model_cfg.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < v), None)
-        if bad is not None:
-            raise ValueError(f"prompt: token id {bad} outside the vocabulary [0, {v})")
+        lo, hi = min(prompt), max(prompt)
+        if lo < 0 or hi >= v:
+            raise ValueError(f"prompt: token id {lo if lo < 0 else hi} outside the vocabulary [0, {v})")
         limit = self.model_cfg.max_position_embeddings
         if len(prompt) + params.max_tokens > limit:
             raise ValueError(f"prompt: {len(prompt)} tokens + max_tokens {params.max_tokens} exceed the context "
@@ -127,8 +131,10 @@ class Engine:
             raise ValueError(f"prompt: {len(prompt)} tokens + max_tokens {params.max_tokens} need {pages} cache pages "
                              f"(KV and KDA state); the pool has {usable}"
                              + (f" ({self.pool.num_pages} less {reserved} reserved by the runner)" if reserved else ""))
-        if len(self.scheduler.waiting) >= self.cfg.scheduler.max_waiting:
-            raise OverflowError(f"max_waiting: {self.cfg.scheduler.max_waiting} requests already waiting")
+        sc = self.cfg.scheduler
+        if len(self.scheduler.waiting) + len(self.scheduler.running) >= sc.max_waiting + sc.max_running:
+            # the gateway admits up to max_running + max_waiting: a burst that arrives together queues
+            raise OverflowError(f"max_waiting: {sc.max_running} requests running and {sc.max_waiting} waiting already")
         eos = self._eos if eos_token_ids is None else frozenset(eos_token_ids)
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos)
         rid = next(self._rids)

@@ -11,7 +11,8 @@ QUEUE_WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 
 
 class Histogram:
-    """Cumulative counts per upper bound (Prometheus semantics: the last bucket is +Inf)."""
+    """Counts per bucket (counts[i]: observations in (bounds[i-1], bounds[i]]; the last bucket is
+    everything above the last bound). Not cumulative: the exporter sums them for Prometheus."""
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self.bounds = bounds

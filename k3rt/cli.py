@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from k3rt.models import DEFAULT_MODEL, resolve_model_dir
 
@@ -118,21 +119,34 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     c = bsub.add_parser("cache", help="prefix-cache replay: tokens computed vs an ideal cache, k3rt vs baseline",
                         description="Replay a Mooncake-format trace (--trace) or a synthetic workload through the "
                                     "scheduler and radix cache with the null runner, in k3rt mode (snapshot grid "
-                                    "--hash-block-size, partial tails, junctions) and in the full-block baseline "
-                                    "(hits only at block boundaries). Only config.json of --model is read.")
+                                    "--hash-block-size, partial tails, junctions, value-per-byte eviction) and in the "
+                                    "full-block baseline (a snapshot per block, hits only at block boundaries, LRU), "
+                                    "at one or several cache sizes. Prints per size and mode: prompt tokens computed "
+                                    "against an ideal unbounded per-token cache, the hit rate, the share of memory "
+                                    "held by KDA snapshots, and the host time per step. Only config.json of --model "
+                                    "is read. Workloads: system-prompt (users sharing a few system prompts), "
+                                    "multi-turn (agent loops), agents (tool-using agents: long shared tool "
+                                    "definitions, small and large tool results, retries), documents (one-off long "
+                                    "documents and popular ones mixed with short chats).")
     c.add_argument("--model", default="kimi-linear-48b", help="checkpoint folder or preset (default kimi-linear-48b)")
     src = c.add_mutually_exclusive_group()
     src.add_argument("--trace", help="Mooncake JSONL: timestamp, input_length, output_length, hash_ids (512 tok/id)")
-    src.add_argument("--workload", choices=["system-prompt", "multi-turn"], default="system-prompt",
-                     help="synthetic workload (default system-prompt)")
+    src.add_argument("--workload", choices=["system-prompt", "multi-turn", "agents", "documents"],
+                     default="system-prompt", help="synthetic workload (default system-prompt)")
+    c.add_argument("--limit", type=int, default=None, help="trace: replay only its first N requests")
     c.add_argument("--tp", type=int, default=1)
     c.add_argument("--block-size", type=int, default=None, help="tokens per page (default: smallest valid)")
     c.add_argument("--hash-block-size", type=int, default=64, help="snapshot grid in tokens (default 64)")
-    c.add_argument("--cache-gb", type=float, default=40.0, help="cache pool size in GiB (default 40)")
+    c.add_argument("--cache-gb", default="40", help="cache pool size in GiB, or a comma-separated sweep such as "
+                                                    "10,20,40,80,160 (default 40)")
+    c.add_argument("--eviction", choices=["value", "lru"], default="value",
+                   help="k3rt mode's snapshot eviction: value per byte, aged (default), or LRU")
     c.add_argument("--concurrency", type=int, default=16, help="sessions in flight (default 16)")
-    c.add_argument("--users", type=int, default=32, help="synthetic: users / sessions (default 32)")
-    c.add_argument("--turns", type=int, default=4, help="synthetic: turns per session (default 4)")
+    c.add_argument("--users", "--sessions", dest="sessions", type=int, default=None,
+                   help="synthetic: sessions (default: the workload's own)")
+    c.add_argument("--turns", type=int, default=None, help="synthetic: turns per session (default: the workload's)")
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--plot", default=None, metavar="PNG", help="write computed/ideal against cache size to this PNG")
     c.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s = bsub.add_parser("scheduler", help="host time per engine step, cache operations at scale, wire codec",
                         description="Times schedule + null run + update with every request decoding (--running); "
@@ -195,31 +209,36 @@ def _cmd_bench(a: argparse.Namespace) -> int:
             print()
             print(format_codec_table(codec))
         return 0
-    from dataclasses import asdict
-
     from k3rt.backend.bench import workloads
-    from k3rt.backend.bench.cache_replay import format_table, replay
+    from k3rt.backend.bench.cache_replay import format_table, plot_sweep, sweep
     from k3rt.config import CacheConfig, EngineConfig, SchedulerConfig
     from k3rt.model_config import load_model_config
 
+    try:
+        sizes = [float(x) for x in a.cache_gb.split(",")]
+    except ValueError:
+        print(f"--cache-gb: expected numbers separated by commas, got {a.cache_gb!r}", file=sys.stderr)
+        return 2
     vocab = load_model_config(a.model).vocab_size
     if a.trace:
-        sessions = list(workloads.mooncake(a.trace, vocab))
+        sessions = list(workloads.mooncake(a.trace, vocab, limit=a.limit))
+        title = f"{Path(a.trace).name} ({len(sessions)} requests), {a.model}"
     else:
-        gen = workloads.WORKLOADS[a.workload]
-        kw = {"users": a.users} if a.workload == "system-prompt" else {"sessions": a.users}
-        sessions = list(gen(vocab, turns=a.turns, seed=a.seed, **kw))
-    results = []
-    for mode, full in (("k3rt", False), ("full-block", True)):
-        cache = CacheConfig(memory_gb=a.cache_gb, num_pages=None, block_size=a.block_size,
-                            hash_block_size=a.hash_block_size, full_block_mode=full)
-        cfg = EngineConfig(model=a.model, runner="null", tp=a.tp, cache=cache,
-                           scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_running=max(64, a.concurrency)))
-        results.append(replay(cfg, sessions, concurrency=a.concurrency, mode=mode, progress=not a.json))
+        sessions = workloads.build(a.workload, vocab, sessions=a.sessions, turns=a.turns, seed=a.seed)
+        title = f"workload {a.workload} ({sum(map(len, sessions))} requests), {a.model}"
+    cache = CacheConfig(block_size=a.block_size, hash_block_size=a.hash_block_size, eviction=a.eviction)
+    cfg = EngineConfig(model=a.model, runner="null", tp=a.tp, cache=cache,
+                       scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_running=max(64, a.concurrency)))
+    results = sweep(cfg, sessions, sizes, concurrency=a.concurrency, progress=not a.json)
+    if a.plot:
+        plot_sweep(results, a.plot, title)
     if a.json:
-        print(json.dumps([asdict(r) | {"hit_rate": r.hit_rate, "computed_over_ideal": r.vs_ideal} for r in results]))
+        print(json.dumps([r.as_dict() for r in results]))
     else:
+        print(title)
         print(format_table(results))
+        if a.plot:
+            print(f"plot: {a.plot}")
     return 0
 
 

@@ -20,6 +20,9 @@ class CacheConfig:
     full_block_mode: bool = False  # baseline: hits only at block boundaries, no tails/junctions
     enable_prefix_cache: bool = True
     tail_snapshots: int = 2  # grid points kept just before each prompt's end (incl. replay boundary)
+    # interior checkpoints of a prefill, every this many tokens (a multiple of hash_block_size); 0: none;
+    # -1: at every physical block boundary
+    checkpoint_interval: int = -1
     # eviction priority of snapshots: "value" (recompute saved per page freed, aged: GreedyDual-Size-
     # Frequency) or "lru"; the full-block baseline always uses "lru"
     eviction: str = "value"

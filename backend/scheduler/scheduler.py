@@ -434,8 +434,11 @@ class Scheduler:
         n = len(req.token_ids)
         g, B = self.grid, self.B
         pos: set[int] = set()
-        # physical block boundaries (the grid point at or below each one)
-        pos.update((b // g) * g for b in range(B, n, B))
+        iv = self.cache_cfg.checkpoint_interval
+        if self.cache_cfg.full_block_mode or iv < 0:
+            pos.update((b // g) * g for b in range(B, n, B))  # physical block boundaries (grid point below)
+        elif iv > 0:
+            pos.update(range(iv, n, iv))
         if not self.cache_cfg.full_block_mode:
             replay = (n - 1) // g * g  # an identical repeat matches n-1 tokens: keep the grid point below
             pos.update(replay - i * g for i in range(self.cache_cfg.tail_snapshots))

@@ -22,7 +22,7 @@ def _cfg(full_block: bool) -> EngineConfig:
 
 
 def test_system_prompt_workload_within_5_percent_of_ideal_at_block_1920() -> None:
-    sessions = list(workloads.system_prompt(VOCAB, users=12, turns=3, seed=1))
+    sessions = list(workloads.system_prompt(VOCAB, sessions=12, turns=3, seed=1))
     k3 = replay(_cfg(False), sessions, concurrency=8)
     base = replay(_cfg(True), sessions, concurrency=8)
     assert k3.ideal_tokens == base.ideal_tokens > 0
@@ -71,3 +71,18 @@ def test_bench_cache_cli_json() -> None:
     rows = json.loads(out.stdout)
     assert [r["mode"] for r in rows] == ["k3rt", "full-block"]
     assert all(r["computed_prompt_tokens"] >= r["ideal_tokens"] > 0 for r in rows)
+
+
+def test_bench_cache_cli_sweep_and_plot(tmp_path) -> None:
+    png = tmp_path / "sweep.png"
+    out = subprocess.run([sys.executable, "-m", "k3rt.cli", "bench", "cache", "--workload", "agents",
+                          "--sessions", "6", "--turns", "3", "--cache-gb", "2,8", "--plot", str(png)],
+                         capture_output=True, text=True, check=True)
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("workload agents (") and "computed/ideal" in lines[1] and "snapshot share" in lines[1]
+    rows = [ln.split() for ln in lines[3:7]]
+    assert [(r[0], r[1]) for r in rows] == [("2", "k3rt"), ("2", "full-block"), ("8", "k3rt"), ("8", "full-block")]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    bad = subprocess.run([sys.executable, "-m", "k3rt.cli", "bench", "cache", "--cache-gb", "10,x"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--cache-gb" in bad.stderr

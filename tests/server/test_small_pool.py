@@ -86,10 +86,6 @@ def test_a_pool_smaller_than_one_request_does_not_start(tiny_model, log_dir) -> 
     assert f"the pool holds {SMALL_POOL_PAGES - 1} pages; one request needs at least {SMALL_POOL_PAGES}" in s.log()
 
 
-@pytest.mark.xfail(strict=True, reason="engine: Engine.add_request answers max_waiting (429) once len(waiting) >= "
-                   "max_waiting, counting the requests of the same drain; on a pool that runs one request at a "
-                   "time, 1 running + 6 waiting < 8 choices the gateway admits (max_running + max_waiting), on "
-                   "every retry")
 @pytest.mark.timeout(120)
 def test_as_many_choices_as_the_gateway_admits_are_served(small_server: ServeProcess) -> None:
     r = _complete(small_server, _prompt(5), 2, n=8)
