@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from k3rt.backend.cache.pool import PagePool
-from k3rt.backend.cache.radix import CachePolicy, RadixCache
+from k3rt.backend.cache.policy import CachePolicy
+from k3rt.backend.cache.radix import RadixCache
 from k3rt.backend.engine_stats import QUEUE_WAIT_BUCKETS_S, STEP_TIME_BUCKETS_S, Histogram, engine_stats
 from k3rt.backend.runner.base import Runner
 from k3rt.backend.scheduler.request import FinishReason, Request

@@ -141,7 +141,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                                                     "10,20,40,80,160 (default 40)")
     c.add_argument("--eviction", choices=["value", "lru"], default="value",
                    help="k3rt mode's snapshot eviction: value per byte, aged (default), or LRU")
-    c.add_argument("--concurrency", type=int, default=16, help="sessions in flight (default 16)")
+    c.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
+    c.add_argument("--open-sessions", type=int, default=128,
+                   help="synthetic: sessions open at once, taking turns (users and agents think or run tools "
+                        "between turns, so a session's prefix must survive the others' turns; default 128)")
     c.add_argument("--users", "--sessions", dest="sessions", type=int, default=None,
                    help="synthetic: sessions (default: the workload's own)")
     c.add_argument("--turns", type=int, default=None, help="synthetic: turns per session (default: the workload's)")
@@ -225,11 +228,13 @@ def _cmd_bench(a: argparse.Namespace) -> int:
         title = f"{Path(a.trace).name} ({len(sessions)} requests), {a.model}"
     else:
         sessions = workloads.build(a.workload, vocab, sessions=a.sessions, turns=a.turns, seed=a.seed)
-        title = f"workload {a.workload} ({sum(map(len, sessions))} requests), {a.model}"
+        title = (f"workload {a.workload} ({sum(map(len, sessions))} requests, {a.open_sessions} sessions open), "
+                 f"{a.model}")
     cache = CacheConfig(block_size=a.block_size, hash_block_size=a.hash_block_size, eviction=a.eviction)
     cfg = EngineConfig(model=a.model, runner="null", tp=a.tp, cache=cache,
                        scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_running=max(64, a.concurrency)))
-    results = sweep(cfg, sessions, sizes, concurrency=a.concurrency, progress=not a.json)
+    results = sweep(cfg, sessions, sizes, concurrency=a.concurrency,
+                    open_sessions=None if a.trace else a.open_sessions, progress=not a.json)
     if a.plot:
         plot_sweep(results, a.plot, title)
     if a.json:

@@ -19,10 +19,12 @@ class CacheConfig:
     hash_block_size: int = 64  # snapshot grid (prefix-cache hit granularity), multiple of KDA_CHUNK
     full_block_mode: bool = False  # baseline: hits only at block boundaries, no tails/junctions
     enable_prefix_cache: bool = True
-    tail_snapshots: int = 2  # grid points kept just before each prompt's end (incl. replay boundary)
-    # interior checkpoints of a prefill, every this many tokens (a multiple of hash_block_size); 0: none;
-    # -1: at every physical block boundary
-    checkpoint_interval: int = -1
+    # rungs of the tail ladder before each prompt's end: the replay boundary (the grid point at or below
+    # n - 1), then grid points 64, 128, 256, ... below it (hash_block_size doubling)
+    tail_snapshots: int = 5
+    # interior checkpoints of a prefill, every this many tokens (a multiple of hash_block_size), written
+    # only into free pages ("value" eviction); 0: none; -1: at every physical block boundary, as before
+    checkpoint_interval: int = 2048
     # eviction priority of snapshots: "value" (recompute saved per page freed, aged: GreedyDual-Size-
     # Frequency) or "lru"; the full-block baseline always uses "lru"
     eviction: str = "value"
@@ -43,6 +45,10 @@ class CacheConfig:
             raise ValueError(f"eviction: {self.eviction!r} not one of value, lru")
         if not 0.0 <= self.max_pinned_fraction <= 1.0:
             raise ValueError(f"max_pinned_fraction: must be in [0, 1], got {self.max_pinned_fraction}")
+        if self.checkpoint_interval < -1 or (self.checkpoint_interval > 0
+                                             and self.checkpoint_interval % self.hash_block_size):
+            raise ValueError(f"checkpoint_interval: must be -1, 0 or a positive multiple of hash_block_size "
+                             f"({self.hash_block_size}), got {self.checkpoint_interval}")
         if self.tail_snapshots < 1:
             raise ValueError(f"tail_snapshots: must be >= 1 (the replay boundary), got {self.tail_snapshots}")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, replace
 
 from k3rt.backend.bench.workloads import Session
@@ -67,9 +68,12 @@ class ReplayResult:
         return asdict(self) | {"hit_rate": self.hit_rate, "computed_over_ideal": self.vs_ideal}
 
 
-def replay(cfg: EngineConfig, sessions: list[Session], *, concurrency: int = 16, mode: str = "k3rt",
-           progress: bool = False) -> ReplayResult:
-    """Run the sessions (at most `concurrency` in flight; turns of a session in order)."""
+def replay(cfg: EngineConfig, sessions: list[Session], *, concurrency: int = 16, open_sessions: int | None = None,
+           mode: str = "k3rt", progress: bool = False) -> ReplayResult:
+    """Run the sessions: at most `concurrency` requests in flight, turns of a session in order, and
+    `open_sessions` sessions open at once (default: as many as `concurrency`). A session whose turn
+    finished queues behind the other open sessions' next turns, as users and agents that think or
+    run tools between turns do: the cache must keep a session's prefix across the others' turns."""
     from tqdm import tqdm
 
     eng = Engine(replace(cfg, runner="null"))
@@ -81,6 +85,10 @@ def replay(cfg: EngineConfig, sessions: list[Session], *, concurrency: int = 16,
                disable=not progress)
     pending = list(reversed(range(len(sessions))))  # session indices not started
     active: dict[int, tuple[int, int, list[int]]] = {}  # rid -> (session, turn, prompt)
+    ready: deque[tuple[int, int, list[int]]] = deque()  # open sessions' next turns, in arrival order
+    open_cap = max(open_sessions or concurrency, concurrency)
+    while pending and len(ready) < open_cap:
+        ready.append((pending.pop(), 0, []))
     ideal_tokens = peak = requests = steps = 0
     share = 0.0
     step_s: list[float] = []
@@ -96,9 +104,9 @@ def replay(cfg: EngineConfig, sessions: list[Session], *, concurrency: int = 16,
         active[rid] = (si, ti, prompt)
         requests += 1
 
-    while pending or active:
-        while pending and len(active) < concurrency:
-            issue(pending.pop(), 0, [])
+    while active or ready:
+        while ready and len(active) < concurrency:
+            issue(*ready.popleft())
         t = time.perf_counter()
         outs = eng.step()
         step_s.append(time.perf_counter() - t)
@@ -110,7 +118,9 @@ def replay(cfg: EngineConfig, sessions: list[Session], *, concurrency: int = 16,
             ideal.add(full)
             bar.update(1)
             if ti + 1 < len(sessions[si]):
-                issue(si, ti + 1, full)
+                ready.append((si, ti + 1, full))  # behind the other open sessions' turns
+            elif pending:
+                ready.append((pending.pop(), 0, []))  # a session ended: the next one opens
         peak = max(peak, tree.snapshot_count * snap_bytes)
         share += tree.snapshot_count * tree.state_pages / eng.pool.num_pages
         steps += 1
@@ -128,14 +138,14 @@ MODES = (("k3rt", False), ("full-block", True))
 
 
 def sweep(cfg: EngineConfig, sessions: list[Session], sizes_gb: list[float], *, concurrency: int = 16,
-          progress: bool = False) -> list[ReplayResult]:
+          open_sessions: int | None = None, progress: bool = False) -> list[ReplayResult]:
     """Both modes at every cache size (cfg.cache's other fields apply to k3rt mode)."""
     out = []
     for gb in sizes_gb:
         for mode, full in MODES:
             cache = replace(cfg.cache, memory_gb=gb, num_pages=None, full_block_mode=full)
-            out.append(replay(replace(cfg, cache=cache), sessions, concurrency=concurrency, mode=mode,
-                              progress=progress))
+            out.append(replay(replace(cfg, cache=cache), sessions, concurrency=concurrency,
+                              open_sessions=open_sessions, mode=mode, progress=progress))
     return out
 
 

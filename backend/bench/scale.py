@@ -20,7 +20,8 @@ import time
 from dataclasses import replace
 
 from k3rt.backend.cache.pool import PagePool
-from k3rt.backend.cache.radix import CachePolicy, RadixCache
+from k3rt.backend.cache.policy import CachePolicy
+from k3rt.backend.cache.radix import RadixCache
 from k3rt.cache_layout import CacheLayout
 
 B = 64  # tokens per page of the synthetic layout

@@ -36,6 +36,7 @@ class PagePool:
         # pop() from the end: low ids are handed out first, which keeps tests' expected ids readable
         self.free_list = list(range(num_pages - 1, -1, -1))
         self.reserved: list[int] = []  # pages held outside the scheduler (the GPU runner's padding page)
+        self.allocated_total = 0  # pages handed out since start (the cache policy's clock: pool turnovers)
         self._views()
 
     def _views(self) -> None:
@@ -77,6 +78,7 @@ class PagePool:
         if n > len(self.free_list):
             raise OutOfPages(f"need {n} pages, {len(self.free_list)} free")
         pages = [self.free_list.pop() for _ in range(n)]
+        self.allocated_total += n
         for p in pages:
             self.refcount[p] = 1
         if zero and pages and self.materialize:

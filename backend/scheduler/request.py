@@ -63,7 +63,7 @@ class Request:
     state_set: list[int] | None = None  # live KDA state set (owned)
     lock_node: Node | None = None  # deepest tree node this request holds a lock on
     snapshot_plan: list[int] = field(default_factory=list)  # ascending absolute positions to publish
-    plan_uses: dict[int, int] = field(default_factory=dict)  # planned position -> policy weight, where not 1
+    plan_kinds: dict[int, str] = field(default_factory=dict)  # planned position -> snapshot kind (cache/policy.py)
     wait_on: tuple[Request, int] | None = None  # in-batch sharing: (sharer, position it will publish)
     fences: list[int] = field(default_factory=list)  # extra refs on copy sources, held until the copies ran
     pending_page_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) MLA page CoW

@@ -30,13 +30,12 @@ import bisect
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from k3rt.backend.cache.policy import CHECKPOINT, END, JUNCTION, PREEMPTED, tail_kind
 from k3rt.backend.cache.pool import PagePool
 from k3rt.backend.cache.radix import Node, RadixCache, common_prefix as _common_prefix
 from k3rt.backend.scheduler.request import FinishReason, Request, Status
 from k3rt.config import KDA_CHUNK, CacheConfig, SchedulerConfig
 
-JUNCTION_USES = 2  # a shared prefix seen a second time: start its snapshot with two uses
-PREEMPTED_USES = 2  # a preempted request's donated state: its owner comes back for it
 # waiting requests compared token by token with a running request per step (~30 us each for a 4K
 # prefix): a thousand requests arriving together are looked at over a few steps, not in one
 PREFIX_CHECKS_PER_STEP = 64
@@ -242,21 +241,28 @@ class Scheduler:
         snaps = []
         plan = req.snapshot_plan
         while plan and plan[0] <= start:
-            req.plan_uses.pop(plan.pop(0), None)
+            req.plan_kinds.pop(plan.pop(0), None)
+        prev = req.lock_node.end if req.lock_node is not None else 0
         for p in plan:
             if p > start + n:
                 break
-            dest = self._snapshot_dest()
+            dest = self._snapshot_dest(req.plan_kinds.get(p, CHECKPOINT), p - prev)
             if dest is None:
-                break  # snapshots are optional: skip rather than preempt for them
+                continue  # snapshots are optional: skip rather than preempt (or evict more valuable ones)
             snaps.append((p, dest))
+            prev = p
         needs_logits = start + n == len(req.token_ids)
         self._chunks[req.rid] = ScheduledChunk(req, start, n, needs_logits, snaps)
         return n
 
-    def _snapshot_dest(self) -> list[int] | None:
+    def _snapshot_dest(self, kind: str, saved: int) -> list[int] | None:
+        """A state set for a new snapshot: free pages, or pages of snapshots worth less than it."""
         if self.pool.num_free < self.S:
-            self.tree.evict(self.S - self.pool.num_free)
+            value = self.tree.policy.eviction == "value"
+            if value and kind == CHECKPOINT:
+                return None  # interior checkpoints are opportunistic: written into free memory only
+            below = self.tree.admission_priority(kind, saved) if value else None
+            self.tree.evict(self.S - self.pool.num_free, below=below)
         if self.pool.num_free < self.S:
             return None
         return self.pool.allocate(self.S, zero=False)
@@ -320,7 +326,7 @@ class Scheduler:
             hit_len = hit_state = 0
             node, pages = None, []
             if self.cache_cfg.enable_prefix_cache and limit > 0:
-                m = self.tree.match(req.token_ids[:limit], req.salt, touch=False)
+                m = self.tree.match(req.token_ids[:limit], req.salt, touch=False, ghosts=not req.admitted)
                 hit_len, hit_state, node, pages = m.kv_hit, m.state_hit, m.state_node, m.block_pages
             partial = hit_state % B != 0
             req.num_computed = hit_state
@@ -415,38 +421,43 @@ class Scheduler:
         if c is not None and c.start < lo <= c.start + c.num_tokens:
             if all(pos != lo for pos, _ in c.snapshots) and ((lo - c.start) % KDA_CHUNK == 0
                                                                 or lo == c.start + c.num_tokens):
-                dest = self._snapshot_dest()
+                below = max((pos for pos, _ in c.snapshots if pos < lo), default=c.start)
+                dest = self._snapshot_dest(JUNCTION, lo - below)
                 if dest is not None:
                     c.snapshots.append((lo, dest))
                     c.snapshots.sort(key=lambda s: s[0])
-                    p.plan_uses[lo] = JUNCTION_USES
+                    p.plan_kinds[lo] = JUNCTION
             return
         if lo not in p.snapshot_plan:
             bisect.insort(p.snapshot_plan, lo)
-        p.plan_uses[lo] = JUNCTION_USES
+        p.plan_kinds[lo] = JUNCTION
 
     def _plan_snapshots(self, req: Request, state_hit: int, kv_hit: int) -> None:
         """Positions (absolute, on the grid, in (state_hit, n)) where this request publishes snapshots,
-        with the weight each starts with in the eviction policy."""
-        req.snapshot_plan, req.plan_uses = [], {}
+        and what each is for (its kind, by which the cache policy learns what gets reused). The
+        admission half of the cache policy; the publish itself still has to beat what it would evict."""
+        req.snapshot_plan, req.plan_kinds = [], {}
         if not self.cache_cfg.enable_prefix_cache:
             return
         n = len(req.token_ids)
         g, B = self.grid, self.B
-        pos: set[int] = set()
+        kinds: dict[int, str] = {}
         iv = self.cache_cfg.checkpoint_interval
         if self.cache_cfg.full_block_mode or iv < 0:
-            pos.update((b // g) * g for b in range(B, n, B))  # physical block boundaries (grid point below)
+            kinds.update(((b // g) * g, CHECKPOINT) for b in range(B, n, B))  # physical block boundaries
         elif iv > 0:
-            pos.update(range(iv, n, iv))
+            kinds.update((p, CHECKPOINT) for p in range(iv, n, iv))
         if not self.cache_cfg.full_block_mode:
-            replay = (n - 1) // g * g  # an identical repeat matches n-1 tokens: keep the grid point below
-            pos.update(replay - i * g for i in range(self.cache_cfg.tail_snapshots))
+            # the tail ladder: the replay boundary (an identical repeat matches n-1 tokens), then grid
+            # points 64, 128, 256, ... below it (a prompt resent with its end changed)
+            replay = (n - 1) // g * g
+            for k in range(self.cache_cfg.tail_snapshots):
+                off = 0 if k == 0 else g << (k - 1)
+                kinds[replay - off] = tail_kind(off)
             if kv_hit > state_hit:
-                j = kv_hit // g * g  # a junction seen a second time: another path branches here
-                pos.add(j)
-                req.plan_uses[j] = JUNCTION_USES
-        req.snapshot_plan = sorted(p for p in pos if state_hit < p < n)
+                kinds[kv_hit // g * g] = JUNCTION  # a junction seen a second time: another path branches here
+        req.snapshot_plan = sorted(p for p in kinds if state_hit < p < n)
+        req.plan_kinds = {p: kinds[p] for p in req.snapshot_plan}
 
     # ---- after the forward ----
 
@@ -469,7 +480,7 @@ class Scheduler:
             stats.computed_tokens += c.num_tokens
             stats.computed_prompt_tokens += max(0, min(c.start + c.num_tokens, req.prompt_len) - c.start)
             for pos, dest in c.snapshots:
-                self._publish(req, pos, dest, req.plan_uses.pop(pos, 1))
+                self._publish(req, pos, dest, req.plan_kinds.pop(pos, CHECKPOINT))
             if req.fences:
                 self.pool.unref(req.fences)
                 req.fences = []
@@ -488,9 +499,9 @@ class Scheduler:
         self._finish(req, reason)
         finished.append(req)
 
-    def _publish(self, req: Request, pos: int, dest: list[int], uses: int = 1) -> Node | None:
+    def _publish(self, req: Request, pos: int, dest: list[int], kind: str) -> Node | None:
         node = self.tree.insert(req.token_ids, req.block_table, req.salt, snapshot=dest,
-                                start=req.lock_node, uses=uses, length=pos)
+                                start=req.lock_node, kind=kind, length=pos)
         self.stats.snapshots_published += 1
         self._move_lock(req, node)
         return node
@@ -500,7 +511,7 @@ class Scheduler:
         old, req.lock_node = req.lock_node, node
         self.tree.unlock(old)
 
-    def _donate(self, req: Request, uses: int) -> Node | None:
+    def _donate(self, req: Request, kind: str) -> Node | None:
         """Hand the live state (the state after exactly num_computed tokens) to the tree, no copy."""
         nc = req.num_computed
         # pending copies: never ran a forward, so the live state set was never filled
@@ -508,12 +519,12 @@ class Scheduler:
                 and not req.pending_state_copies and not req.pending_page_copies
                 and (not self.cache_cfg.full_block_mode or nc % self.B == 0)):
             return None
-        node = self._publish(req, nc, req.state_set, uses)
+        node = self._publish(req, nc, req.state_set, kind)
         req.state_set = None
         return node
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
-        node = self._donate(req, 1)
+        node = self._donate(req, END)
         if req.pin and node is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
             self._pin(req.rid, node)
         self._release(req)
@@ -541,12 +552,12 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self._drop_from_step(req)
-        self._donate(req, PREEMPTED_USES)  # it resumes from here (unless the cache needs the memory more)
+        self._donate(req, PREEMPTED)  # it resumes from here (unless the cache needs the memory more)
         req.pending_page_copies, req.pending_state_copies = [], []
         self._preempted_this_step = True
         self._release(req)
         req.num_computed = 0
-        req.snapshot_plan, req.plan_uses = [], {}
+        req.snapshot_plan, req.plan_kinds = [], {}
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.stats.preemptions += 1

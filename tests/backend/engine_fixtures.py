@@ -85,13 +85,13 @@ def run(engine: Engine, prompts, params, *, salts=None, after_step=None) -> list
     plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
     salts = salts or [None] * len(prompts)
     rids = [engine.add_request(p, sp, cache_salt=s) for p, sp, s in zip(prompts, plist, salts)]
-    final = {}
+    final: dict = {}
     for _ in range(MAX_STEPS):
         if len(final) == len(rids):
             break
         assert engine.has_unfinished, "engine stalled with unfinished requests"
         for o in engine.step():
-            if o.finished:
+            if o.finished and o.rid in rids:
                 final[o.rid] = o
         engine.check()
         if after_step is not None:

@@ -189,21 +189,40 @@ def test_oracle(arch, num_pages, poison, path):
     assert eng.layout.block_size == 48 and eng.layout.pages_per_state_set == 3
     evicted = []
     evict = eng.scheduler.tree.evict
-    eng.scheduler.tree.evict = lambda n: evicted.append(evict(n)) or evicted[-1]
+    eng.scheduler.tree.evict = lambda n, **kw: evicted.append(evict(n, **kw)) or evicted[-1]
     wl = Workload(seed=11)
     prev: list[tuple[list[int], list[int]]] = []
     checked = 0
+    pins: list[int] = []
     for i in range(3):
-        prompts = wl.round(i, prev)
-        params = wl.params(len(prompts))
+        # and a long decode submitted first: as it grows it needs pages newer requests hold, so a tiny
+        # pool preempts them (they resume from their donated states)
+        prompts = [wl.base[:60] + rand_tokens(random.Random(i), 40)] + wl.round(i, prev)
+        params = [greedy(60)] + wl.params(len(prompts) - 1)
         want = reference_outputs(arch, prompts, params)
-        outs = run(eng, prompts, params)  # Engine.check() after every step
+        # beside the round: a DSL program's pinned call cancelled mid-way (aborted: never pinned) and,
+        # big pool, one that finishes and keeps its end pinned to the end of the test (a program between
+        # calls), so snapshots are checked with pins held
+        cancelled = eng.add_request(prompts[-1] + [3, 4, 5], greedy(6), pin=True)
+        if not tiny:  # (4 state sets in the tiny pool: a pin there leaves no room for hits)
+            pins.append(eng.add_request(prompts[0][:40] + [i + 9], greedy(2), pin=True))
+        steps = [0]
+
+        def cancel_at_step_2(e, rid=cancelled, steps=steps):
+            steps[0] += 1
+            if steps[0] == 2:
+                e.abort(rid)
+
+        outs = run(eng, prompts, params, after_step=cancel_at_step_2)  # Engine.check() after every step
+        while eng.has_unfinished:
+            eng.step()
+            eng.check()
         eng.check()  # (a)
         checked += assert_snapshots_exact(eng, arch)  # (b)
         for k, (o, w) in enumerate(zip(outs, want)):  # (c)
             assert o.output_ids == w, f"round {i} request {k}: cache-on {o.output_ids} != cache-off {w}"
         if i and not tiny:
-            for p, o in zip(prompts[:2], outs[:2]):  # exact repeats hit at least their replay boundary
+            for p, o in zip(prompts[1:3], outs[1:3]):  # exact repeats hit at least their replay boundary
                 assert o.cached_tokens >= (len(p) - 1) // 64 * 64 > 0
         prev += [(p, o.output_ids) for p, o in zip(prompts, outs)]
     assert eng.stats.cached_tokens > 0 and checked >= (3 if tiny else 20)
@@ -211,6 +230,10 @@ def test_oracle(arch, num_pages, poison, path):
         assert eng.stats.preemptions > 0 and sum(evicted) > 0
     else:
         assert eng.stats.preemptions == 0
+        assert sorted(eng.scheduler.pins) == pins  # the cancelled calls left no pin
+    for rid in pins:
+        eng.unpin(rid)
+    assert not eng.scheduler.pins
     assert_at_rest(eng)
 
 

@@ -125,11 +125,33 @@ def test_branch_uses_its_own_pages_after_the_junction():
     pool.ref([0])
     leaf, _, snap = publish(tree, other, table=[0, cow, new])
     pool.unref([0, cow, new])
-    assert shape(tree) == [(0, 20, [0, 1], None, 0), (20, 40, [1, 2], [3], 0), (20, 40, [cow, new], snap, 0)]
+    # the junction shares the branch's copy of block 1 (it holds the junction's positions too)
+    assert shape(tree) == [(0, 20, [0, cow], None, 0), (20, 40, [1, 2], [3], 0), (20, 40, [cow, new], snap, 0)]
     m = tree.match(other)
     assert (m.kv_hit, m.state_hit, m.state_node, m.block_pages) == (40, 40, leaf, [0, cow, new])
     m = tree.match(A[:20] + [0])
     assert (m.kv_hit, m.state_hit) == (20, 0)  # the junction has no snapshot
+    tree.check()
+    tree_refs_equal_pool(tree)
+
+
+def test_extending_a_partial_page_through_a_copy_leaves_no_dead_page():
+    """A conversation's next turn resumes mid-page (copy-on-write) and publishes its end: the old
+    partial page, which the copy supersedes on this path, was kept alive for the life of the path
+    (one dead page per turn); now the path's nodes share the copy and the original is freed."""
+    pool, tree = make_tree()
+    turn1, table1, _ = publish(tree, A)  # 40 tokens: blocks [0,16) [16,32) [32,40): pages 0, 1, 2
+    mid = tree.insert(A[:36], [], snapshot=None)  # a node ending in the same page, above turn 1's end
+    assert mid.pages[-1] == 2 and turn1.pages[-1] == 2
+    cow = pool.allocate(1)[0]  # turn 2: blocks 0-1 shared, block 2 copied, then extended into block 3
+    nxt = pool.allocate(1)[0]
+    pool.ref([0, 1])
+    turn2, _, _ = publish(tree, A + list(range(60, 70)), table=[0, 1, cow, nxt])
+    pool.unref([0, 1, cow, nxt])
+    assert mid.pages[-1] == cow and turn1.pages[-1] == cow and turn2.pages == [cow, nxt]
+    assert pool.refcount[2] == 0 and 2 in pool.free_list  # the original partial page is free
+    m = tree.match(A + [7])
+    assert (m.kv_hit, m.state_hit, m.block_pages) == (40, 40, [0, 1, cow])
     tree.check()
     tree_refs_equal_pool(tree)
 

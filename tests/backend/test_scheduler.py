@@ -227,7 +227,7 @@ def test_tiny_pool_evicts_and_preempts_without_changing_tokens(ckpt, seed, num_p
     tiny = make_engine(ckpt, num_pages=num_pages, budget=budget)
     evicted = []
     evict = tiny.scheduler.tree.evict
-    tiny.scheduler.tree.evict = lambda n: evicted.append(evict(n)) or evicted[-1]
+    tiny.scheduler.tree.evict = lambda n, **kw: evicted.append(evict(n, **kw)) or evicted[-1]
     got = run(tiny, prompts, params)
     assert [o.output_ids for o in got] == want
     # long outputs: an older request's decode needs a page a newer one holds. Short ones (16 pages):
