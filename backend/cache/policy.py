@@ -60,7 +60,7 @@ class CachePolicy:
 
 DEFAULT_HORIZON = 1.0  # pool turnovers: a kind's reuse horizon before any of its reuses was seen
 HORIZON_FACTOR = 1.5  # reuses later than the ghosts remember go unseen: look half as far again
-MIN_HORIZON = 0.05
+MIN_HORIZON = 0.25
 AGE_DECAY = 0.99  # per reuse of a kind: its age statistics follow the last ~100 reuses
 
 

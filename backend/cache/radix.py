@@ -40,13 +40,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from k3rt.backend.cache.policy import CONFIRMED, END, CachePolicy, ReuseStats
+from k3rt.backend.cache.policy import CONFIRMED, END, PREEMPTED, CachePolicy, ReuseStats
 from k3rt.backend.cache.pool import PagePool
 
 
 class Node:
-    __slots__ = ("key", "start", "parent", "children", "pages", "snapshot", "lock", "pins", "hits", "kind", "base",
-                 "heap_seq", "salt", "ghost", "ghosts")
+    __slots__ = ("key", "start", "parent", "children", "pages", "snapshot", "lock", "pins", "hits", "used", "kind",
+                 "base", "heap_seq", "salt", "ghost", "ghosts")
 
     def __init__(self, key: list[int], start: int, parent: Node | None) -> None:
         self.key = key
@@ -57,7 +57,8 @@ class Node:
         self.snapshot: list[int] | None = None
         self.lock = 0
         self.pins = 0  # holders that need this node's snapshot kept (a DSL program between its calls)
-        self.hits = 0  # requests that resumed from this snapshot (or published it again)
+        self.hits = 0  # requests that resumed from this snapshot (or published it again): its heat
+        self.used = False  # resumed from at least once (the heat may have moved on: a conversation's old end)
         self.kind = ""  # what the snapshot was published for (policy.py)
         self.base = 0.0  # the policy clock (or LRU tick) at the last use
         self.heap_seq = -1  # the sequence number of this node's live eviction-heap entry
@@ -256,7 +257,7 @@ class RadixCache:
                 node.snapshot = snapshot
                 node.ghost = None
                 self.snapshot_count += 1
-                node.kind, node.hits = kind, int(kind in CONFIRMED)
+                node.kind, node.hits, node.used = kind, int(kind in CONFIRMED), False
                 self.reuse.on_publish(kind)
                 if self._value and kind == END:
                     self._pass_heat(node)
@@ -340,7 +341,8 @@ class RadixCache:
 
     def use(self, node: Node) -> None:
         """A request resumes from node's snapshot: one more hit, priority refreshed."""
-        if node.hits == 0:
+        if not node.used:
+            node.used = True
             self.reuse.on_first_hit(node.kind)
         if self._value:
             self._relearn(node.kind, self.reuse.on_hit_age(node.kind, self.now() - node.base))
@@ -408,12 +410,12 @@ class RadixCache:
 
     def _pass_heat(self, end: Node) -> None:
         """A conversation's next turn ended below the end of the last one: the hits of the last end
-        (the nearest snapshot above with hits, through a chain without branches) were hits of the
+        (the nearest end above with hits, through a chain without branches) were hits of the
         conversation's end, which is now `end`; they move down, and the old end is a waypoint,
-        valued as its kind is. A snapshot below which paths branch (a junction) keeps its hits."""
+        valued as its kind is. Junctions, and anything below which paths branch, keep their hits."""
         anc = end.parent
         while anc is not None and anc.parent is not None and len(anc.children) == 1:
-            if anc.snapshot is not None and anc.hits:
+            if anc.snapshot is not None and anc.hits and anc.kind in (END, PREEMPTED):
                 end.hits, anc.hits = end.hits + anc.hits, 0
                 if anc.pins == 0:
                     self._push(anc)
@@ -496,9 +498,9 @@ class RadixCache:
         if not self._value:
             self._prune(n)
             return
-        if n.hits == 0:
+        if not n.used:
             self.reuse.on_evicted_unused(n.kind, self.now() - n.base)
-        kind, base, was_hit = n.kind, n.base, n.hits > 0
+        kind, base, was_hit = n.kind, n.base, n.used
         attach, keys = self._prune(n)
         if not keys:
             self._add_ghost(n, None, Ghost(0, 0, kind, base, was_hit))  # its KV stays (a locked or inner node)
