@@ -240,20 +240,27 @@ def test_regression_full_block_chunks_keep_snapshots_on_the_kernel_lattice(ckpt,
     assert_at_rest(eng)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (set by conftest)")
-def test_regression_full_block_mode_runs_with_the_triton_kda_kernel(tmp_path):
-    """kda_chunk_fwd raised on snapshot position 48 of a 300-token chunk; the engine process exited."""
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", id="interpreter", marks=pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (set by conftest without CUDA)")),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)])
+def test_regression_full_block_mode_runs_with_the_triton_kda_kernel(tmp_path, device):
+    """kda_chunk_fwd raised on snapshot position 48 of a 130-token chunk; the engine process exited."""
     from dataclasses import replace
+
+    import torch
 
     from k3rt.backend.engine import Engine, engine_config_for_tests
     from k3rt.backend.models.tiny import make_tiny
 
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
     ck = make_tiny(tmp_path / "m", arch="kimi_linear", dtype="float32", seed=3)
     prompts = [list(range(3, 133)), list(range(3, 133)) + [9, 10]]
     ref = Engine(engine_config_for_tests(str(ck), num_pages=64))
     want = [ref.generate([p], greedy(2))[0] for p in prompts]
     cfg = replace(engine_config_for_tests(str(ck), num_pages=64, full_block_mode=True), runner="gpu",
-                  kernels=True, cuda_graphs=False)
+                  kernels=True, cuda_graphs=False, device=device)
     eng = Engine(cfg)
     got = [eng.generate([p], greedy(2))[0] for p in prompts]  # one chunk of 130 holds snapshots at 48 and 96
     assert [o.output_ids for o in got] == [o.output_ids for o in want]

@@ -100,6 +100,23 @@ def test_gpu_runner_fp32_greedy_equals_cpu_reference(arch, tmp_path) -> None:
     assert got == want
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_a_step_that_samples_nothing_on_cuda(temperature, tmp_path) -> None:
+    """A prompt longer than the step budget: its first steps are prefill chunks that stop before the
+    prompt's end, so nothing is sampled; sample_step handed the Triton sampler an empty batch and
+    IndexError took the engine down (found by the full-block regression test on the H200)."""
+    if not HAS_CUDA:
+        pytest.skip("no CUDA device")
+    ckpt = make_tiny(tmp_path / "m", arch="k3", dtype="float32", seed=9)
+    cfg = replace(engine_config_for_tests(str(ckpt), num_pages=64), runner="gpu", device="cuda")
+    eng = Engine(replace(cfg, scheduler=replace(cfg.scheduler, max_num_batched_tokens=64)))
+    out = eng.generate([list(range(3, 203))], SamplingParams(temperature=temperature, max_tokens=3, seed=1,
+                                                                ignore_eos=True))
+    assert len(out[0].output_ids) == 3
+    eng.check()
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double().cpu(), b.double().cpu()
     assert torch.isfinite(a).all()

@@ -43,7 +43,9 @@ def _seed(r) -> int:
 
 def sample_step(sampler: Sampler, logits: torch.Tensor, reqs: list, *, use_kernels: bool = True,
                 penalties: PenaltyState | None = None) -> dict[int, int]:
-    if reqs and all(_plain_greedy(r) for r in reqs):
+    if not reqs:
+        return {}  # a step of prefill chunks that all stop before their prompt's end samples nothing
+    if all(_plain_greedy(r) for r in reqs):
         return {r.rid: t for r, t in zip(reqs, torch.argmax(logits, dim=-1).tolist())}
     fn = kernel("sampling", "sample") if use_kernels and logits.is_cuda else None
     if fn is None:
