@@ -19,15 +19,18 @@ it first (the scheduler does that), and snapshots are immutable.
 Match returns two lengths: `kv_hit` (tokens whose KV is in the tree) and `state_hit` (the deepest
 snapshot at or below kv_hit). Prefill resumes at `state_hit`.
 
-Eviction takes snapshots in priority order from a heap (O(log n) per victim, entries invalidated
+Eviction takes snapshots in priority order from heaps (O(log n) per victim, entries invalidated
 lazily); evicting a leaf's snapshot also frees the KV below it that no remaining snapshot can use.
 Two priorities (`CachePolicy`, backend/cache/policy.py):
   * "lru": least recently used snapshot first (the full-block baseline, and a reference);
-  * "value": GreedyDual-Size-Frequency over each snapshot's value per page (policy.py explains it):
-    clock + (hits + P(kind)) * recompute_saved / pages_freed. Interior snapshots of one path save
-    little per page and go first; evicting one doubles its neighbour's saving, so paths thin out
-    before their ends go. Priorities are recomputed when a victim is popped (the tree may have
-    changed around it), and a parent's when its last child goes (it became a leaf).
+  * "value": value per page decayed by age, ln(value) - age / horizon(kind), where value = (hits +
+    P(kind)) * recompute_saved / pages_freed (policy.py explains it); one heap per kind, keyed by
+    ln(value) + last_use / horizon(kind), so that heads of different kinds compare at the current
+    time. Interior snapshots of one path save little per page and go first; evicting one doubles its
+    neighbour's saving, so paths thin out before their ends go. Priorities are recomputed when a
+    victim is popped (the tree may have changed around it), and a parent's when its last child goes
+    (it became a leaf). Evicted snapshots leave ghosts (`Ghost`) that let the policy learn from the
+    requests that would have resumed from them.
 """
 
 from __future__ import annotations
@@ -113,6 +116,7 @@ class RadixCache:
         # ln(value) + last_use / horizon(kind) (see _key), compared across kinds at the current time
         self.heaps: dict[str, list[tuple[float, int, Node]]] = {}
         self._entries = 0  # heap entries, live or stale (for compaction)
+        self._learning = True  # evictions teach the policy (not a flush)
         self._ghost_fifo: deque[tuple[Node, int | None, Ghost]] = deque()
         self._ghost_cap = max(1024, 4 * pool.num_pages // max(1, pool.layout.pages_per_state_set))
         self.state_pages = pool.layout.pages_per_state_set
@@ -495,7 +499,7 @@ class RadixCache:
         self.snapshot_count -= 1
         self.stats.evicted_snapshots += 1
         self.pool.unref(snap)
-        if not self._value:
+        if not (self._value and self._learning):
             self._prune(n)
             return
         if not n.used:
@@ -529,18 +533,20 @@ class RadixCache:
         return n, keys
 
     def reset(self) -> None:
-        """Drop every unlocked node's snapshot (tests and `flush_cache`); pinned ones stay."""
-        while self.evict(self.pool.num_pages):
-            pass
-
-    def drop_all(self) -> None:
-        """Drop every unlocked snapshot, pinned or not (the caller forgets its pins)."""
-        for n in list(self._nodes()):
-            if n.pins:
-                n.pins = 0
-                self.pinned_count -= 1
-                self._push(n)
-        self.reset()
+        """Drop every unlocked node's snapshot (tests and `flush_cache`); pinned ones stay. Nothing is
+        learned from it (no ghosts, no misses): the operator's flush is not the policy's choice."""
+        self._learning = False
+        try:
+            while self.evict(self.pool.num_pages):
+                pass
+        finally:
+            self._learning = True
+        for node, first, g in self._ghost_fifo:
+            if first is None:
+                node.ghost = None
+            elif node.ghosts:
+                node.ghosts.clear()
+        self._ghost_fifo.clear()
 
     # ---- introspection ----
 

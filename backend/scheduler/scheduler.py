@@ -12,16 +12,20 @@ a planned snapshot that would not (the full-block baseline's grid is the page si
 the chunk instead. Snapshots are emitted by the forward itself (ForwardBatch.state_positions), so
 publishing them costs no extra steps. A snapshot published at p holds the state after exactly p tokens.
 
-Resources: admission counts MLA pages for the first chunk, one live state set and one copy-on-write
-page when the hit ends mid-page; a chunk that does not fit shrinks to what fits (on the grid) before
-anything is preempted. Under pressure the prefix cache is evicted first, then the newest running
-request other than the one asking is preempted (its live state is donated to the cache as a snapshot,
-so it resumes where it stopped); a request that is itself the newest yields instead. Pinned snapshots
-(a DSL program between its calls) never block progress: when nothing else can be freed, the oldest
-pins are dropped, and pins never hold more than `max_pinned_fraction` of the pool.
+Resources: a request is admitted with its first chunk (MLA pages for it, one live state set, one
+copy-on-write page when the hit ends mid-page); a chunk that does not fit shrinks to what fits (on
+the grid) before anything is preempted. Under pressure the prefix cache is evicted first, then the
+running requests newer than the one asking are preempted, newest first (a preempted request's live
+state is donated to the cache as a snapshot, so while memory allows it resumes where it stopped); a
+request that is itself the newest waits (skips the step, keeps what it holds) rather than preempt
+itself. Pinned snapshots (a DSL program between its calls) never block progress: a lone request that
+cannot get pages drops the oldest pins, and pins never hold more than `max_pinned_fraction` of the
+pool. A request that could never fit is refused by Engine.add_request; one that still cannot be
+scheduled with nothing running and nothing cached fails with an error instead of spinning.
 
-What gets published (`_plan_snapshots`) is the cache policy's admission half; eviction by value
-per byte is the tree's (backend/cache/radix.py).
+What gets published, and as what kind (`_plan_snapshots`), is the cache policy's admission half; a
+publish may evict only snapshots worth less than it, and interior checkpoints use free memory only.
+Eviction by value per page is the tree's (backend/cache/radix.py, backend/cache/policy.py).
 """
 
 from __future__ import annotations
@@ -36,9 +40,9 @@ from k3rt.backend.cache.radix import Node, RadixCache, common_prefix as _common_
 from k3rt.backend.scheduler.request import FinishReason, Request, Status
 from k3rt.config import KDA_CHUNK, CacheConfig, SchedulerConfig
 
-# waiting requests compared token by token with a running request per step (~30 us each for a 4K
+# waiting requests compared token by token with a running request per step (~0.1 ms each for a 4K
 # prefix): a thousand requests arriving together are looked at over a few steps, not in one
-PREFIX_CHECKS_PER_STEP = 64
+PREFIX_CHECKS_PER_STEP = 32
 
 
 @dataclass
