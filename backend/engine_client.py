@@ -82,7 +82,7 @@ class EngineClient:
     async def _read(self) -> None:
         while True:
             try:
-                msg = decode(await self.pull.recv())
+                msg = decode(await self.pull.recv(), trusted=True)  # our engine process, private ipc
             except ProtocolError as e:  # a bug on the engine side: say so, keep reading
                 log.error("ignoring a malformed message from the engine: %s", e)
                 continue

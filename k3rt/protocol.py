@@ -160,8 +160,13 @@ def encode(msg: Any) -> bytes:
     return orjson.dumps([name, msg])
 
 
-def decode(data: bytes) -> Any:
-    """The message `encode` wrote, equal to the one sent; ProtocolError (naming the field) for anything else."""
+def decode(data: bytes, *, trusted: bool = False) -> Any:
+    """The message `encode` wrote, equal to the one sent; ProtocolError (naming the field) for anything else.
+
+    trusted: the sender is k3rt's own other process over its private ipc socket (gateway <-> engine),
+    whose messages `encode` wrote: the type and framing are still checked, the fields are not (0.4 ms
+    less for a batch of 1,000 updates, 1 ms less for a 128K-token prompt). Anything a user can reach
+    (the DSL port) is decoded untrusted."""
     try:
         msg = orjson.loads(data)
     except orjson.JSONDecodeError as e:
@@ -172,6 +177,8 @@ def decode(data: bytes) -> Any:
     schema = _SCHEMAS.get(name)
     if schema is None:
         raise ProtocolError(f"message: unknown type {name!r}")
+    if trusted and type(body) is dict:
+        return _build_trusted(schema, [body])[0]
     return _build(schema, [body], lambda i: name)[0]
 
 
@@ -293,6 +300,16 @@ def _build(schema: _Schema, bodies: list, where: Callable[[int], str]) -> list:
             for i, b in enumerate(bodies):
                 if b[f.name] is not None:
                     b[f.name] = _build(f.nested, b[f.name], lambda j, i=i, f=f: f"{where(i)}.{f.name}[{j}]")
+    return _make_all(schema.cls, bodies)
+
+
+def _build_trusted(schema: _Schema, bodies: list) -> list:
+    """_build without the field checks (decode(trusted=True))."""
+    for f in schema.fields:
+        if f.nested is not None:
+            for b in bodies:
+                if b.get(f.name) is not None:
+                    b[f.name] = _build_trusted(f.nested, b[f.name])
     return _make_all(schema.cls, bodies)
 
 

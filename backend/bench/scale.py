@@ -14,6 +14,7 @@ accounting-only pool (no tensors), median of repeated runs.
 
 from __future__ import annotations
 
+import gc
 import random
 import statistics
 import time
@@ -143,8 +144,20 @@ GOALS_MS = {"evict_ms": 1.0, "match_ms": 2.0, "publish_ms": 20.0, "schedule_wait
 
 
 def bench_scale(model: str) -> dict[str, float]:
-    return {"evict_ms": bench_evict(), "match_ms": bench_match(), "publish_ms": bench_publish(),
-            "schedule_waiting_ms": bench_schedule_waiting(model), "step_ms": bench_step_with_cache(model)}
+    """Each figure from a collected heap with the cyclic GC off while it is timed, as timeit does (a
+    collection of the previous figure's garbage would otherwise land in the next one's timings)."""
+    figures = {"evict_ms": bench_evict, "match_ms": bench_match, "publish_ms": bench_publish,
+               "schedule_waiting_ms": lambda: bench_schedule_waiting(model),
+               "step_ms": lambda: bench_step_with_cache(model)}
+    out = {}
+    for name, fn in figures.items():
+        gc.collect()
+        gc.disable()
+        try:
+            out[name] = fn()
+        finally:
+            gc.enable()
+    return out
 
 
 def format_scale(row: dict[str, float]) -> str:

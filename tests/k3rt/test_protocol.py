@@ -63,6 +63,17 @@ def test_round_trip(msg) -> None:
         got.x = 1
 
 
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_trusted_decode_equals_the_checked_one(msg) -> None:
+    """decode(trusted=True) (engine <-> gateway) builds the same message without the field checks; the
+    framing is still checked."""
+    assert decode(encode(msg), trusted=True) == decode(encode(msg)) == msg
+    with pytest.raises(ProtocolError, match="unknown type"):
+        decode(b'["NoSuchMessage", {}]', trusted=True)
+    with pytest.raises(ProtocolError, match="not JSON"):
+        decode(b"{", trusted=True)
+
+
 def test_wire_format_is_readable_json() -> None:
     assert orjson.loads(encode(AbortRequest("r1"))) == ["AbortRequest", {"rid": "r1"}]
     assert orjson.loads(encode(UpdateBatch([RequestUpdate("a", [7])]))) == ["UpdateBatch", {
