@@ -260,13 +260,25 @@ class Engine:
             for req in self.scheduler.failed:
                 outputs.append(self._output(req, []))
             self.scheduler.failed.clear()
-        sampled = self.runner.execute(out)
+        try:
+            sampled = self.runner.execute(out)
+        except Exception as e:
+            if _is_fatal(e):
+                raise
+            # not attributable to one request (the forward itself): this step's requests fail, the engine
+            # and every other request go on
+            log.exception("a step failed; its %d requests fail with it", len(out.decodes) + len(out.chunks))
+            for req in self.scheduler.fail_step(out, f"the engine could not run this request's step: "
+                                                      f"{type(e).__name__}: {e}"):
+                outputs.append(self._output(req, []))
+            return outputs
         self.scheduler.update(out, sampled)
-        for req in out.decodes:
-            outputs.append(self._output(req, [sampled[req.rid]]))
-        for c in out.chunks:
-            if c.needs_logits:
-                outputs.append(self._output(c.req, [sampled[c.req.rid]]))
+        for req in out.decodes + [c.req for c in out.chunks if c.needs_logits]:
+            if req.sampled.error is not None:  # its grammar failed: this request alone ends, with the reason
+                self.scheduler.fail(req, req.sampled.error)
+                outputs.append(self._output(req, []))
+            else:
+                outputs.append(self._output(req, [sampled[req.rid]]))
         return outputs
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
@@ -304,6 +316,14 @@ class Engine:
     @property
     def stats(self):
         return self.scheduler.stats
+
+
+def _is_fatal(e: BaseException) -> bool:
+    """Errors after which the engine cannot go on: a CUDA error poisons the device context (every later
+    step would fail too), and running out of host memory is nobody's request in particular."""
+    text = str(e)
+    return isinstance(e, MemoryError) or "CUDA error" in text or "device-side assert" in text or (
+        "illegal memory access" in text)
 
 
 def engine_config_for_tests(model: str, **cache_overrides) -> EngineConfig:

@@ -15,6 +15,7 @@ from k3rt.backend.grammar.base import (
     GrammarError,
     GrammarMatcher,
     GrammarSpec,
+    accept_or_error,
     fill_batch_bitmask,
 )
 
@@ -32,6 +33,7 @@ __all__ = [
     "GrammarMatcher",
     "GrammarSpec",
     "create_grammar_backend",
+    "accept_or_error",
     "fill_batch_bitmask",
 ]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -30,6 +31,15 @@ GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 
 DEFAULT_COMPILE_TIMEOUT_S = 5.0
 DEFAULT_CACHE_SIZE = 256
+
+# Size limits, checked when a spec is made (so a 400 names the field before anything compiles). A
+# grammar compiles lazily: "a{1000000}" compiles in a millisecond and fails at its first token with
+# llguidance's "too many expressions constructed" (measured: a repetition expanding to 100,000 positions,
+# [a-z]{0,100000}, runs; a{1000000}, (a{1000}){1000} and a choice of one 1M-character string fail).
+MAX_EXPANSION = 100_000  # positions a regex expands to (repetitions multiplied out), and choice characters
+MAX_GRAMMAR_CHARS = 65_536  # regex / Lark text
+MAX_CHOICES = 10_000
+MAX_SCHEMA_BYTES = 1 << 20  # the JSON schema, serialized
 
 
 class GrammarError(ValueError):
@@ -73,6 +83,7 @@ class GrammarSpec:
             payload = tuple(payload)
         if not isinstance(self.strict, bool):
             raise GrammarError(f"strict: expected a bool, got {self.strict!r}")
+        _check_size(self.kind, payload)
         try:
             canonical = json.dumps(
                 [self.kind, payload, self.strict], sort_keys=True, separators=(",", ":"), ensure_ascii=False
@@ -118,6 +129,69 @@ class GrammarSpec:
         if "kind" not in data:
             raise GrammarError("grammar spec: missing field 'kind'")
         return cls(data["kind"], data.get("payload"), data.get("strict", False))
+
+
+def _check_size(kind: str, payload: Any) -> None:
+    """GrammarError naming the kind and the limit for a spec too large to compile or to run."""
+    if kind in ("regex", "lark"):
+        if len(payload) > MAX_GRAMMAR_CHARS:
+            raise GrammarError(f"{kind}: {len(payload)} characters (limit {MAX_GRAMMAR_CHARS})")
+        size = regex_expansion(payload) if kind == "regex" else max(_repetition_counts(payload), default=0)
+        if size > MAX_EXPANSION:
+            raise GrammarError(f"{kind}: its repetitions expand to {size} positions (limit {MAX_EXPANSION}); "
+                               "bound them more tightly")
+    elif kind == "choice":
+        if len(payload) > MAX_CHOICES:
+            raise GrammarError(f"choice: {len(payload)} choices (limit {MAX_CHOICES})")
+        chars = sum(map(len, payload))
+        if chars > MAX_EXPANSION:
+            raise GrammarError(f"choice: {chars} characters in all (limit {MAX_EXPANSION})")
+    elif kind == "json_schema":
+        size = len(json.dumps(payload, separators=(",", ":")).encode())
+        if size > MAX_SCHEMA_BYTES:
+            raise GrammarError(f"json_schema: {size} bytes (limit {MAX_SCHEMA_BYTES})")
+
+
+_COUNT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+def _repetition_counts(text: str) -> list[int]:
+    """Every bounded repetition count written in the text ({n} or {n,m})."""
+    return [int(m.group(2) or m.group(1)) for m in _COUNT.finditer(text)]
+
+
+def regex_expansion(pattern: str) -> int:
+    """Positions `pattern` expands to with its bounded repetitions multiplied out (an unbounded one
+    counts its minimum). Parsed with Python's regex parser; a pattern it cannot read (Rust-only syntax)
+    is judged by its largest single count."""
+    import re._parser as parser
+    from re._constants import MAXREPEAT
+
+    try:
+        tree = parser.parse(pattern)
+    except (re.error, OverflowError, RecursionError):
+        return max(_repetition_counts(pattern), default=len(pattern))
+
+    def size(items) -> int:
+        total = 0
+        for op, av in items:
+            name = str(op)
+            if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+                lo, hi, sub = av
+                total += max(lo if hi == MAXREPEAT else hi, 1) * size(sub)
+            elif name == "SUBPATTERN":
+                total += size(av[-1])
+            elif name == "BRANCH":
+                total += sum(size(b) for b in av[1])
+            elif name in ("ASSERT", "ASSERT_NOT"):
+                total += size(av[1])
+            else:
+                total += 1
+            if total > 10 * MAX_EXPANSION:
+                return total  # far past the limit: stop multiplying
+        return total
+
+    return size(tree)
 
 
 def choice_regex(choices: Sequence[str]) -> str:
@@ -192,10 +266,14 @@ class CompiledGrammar(ABC):
         """A fresh matcher at the start of the grammar. Safe to call from any thread."""
 
 
-def fill_batch_bitmask(matchers: Sequence[GrammarMatcher | None], mask: torch.Tensor) -> None:
+def fill_batch_bitmask(matchers: Sequence[GrammarMatcher | None], mask: torch.Tensor) -> dict[int, str]:
     """Fill every row of `mask` (int32 [B, ceil(V/32)], contiguous, CPU; B == len(matchers)): row i from
     matchers[i], or all ones where matchers[i] is None (an unconstrained request). Matchers of one backend are
-    filled together, so llguidance computes its rows in parallel."""
+    filled together, so llguidance computes its rows in parallel.
+
+    Returns {row: error} for the matchers that failed (raised, or allow no token at all: a grammar in an
+    error state); their rows are left all ones, so the batch still samples, and the caller fails those
+    requests alone. One request's grammar never takes the others' step down."""
     if mask.dim() != 2 or mask.shape[0] != len(matchers) or not mask.is_contiguous():
         raise ValueError(
             f"mask: expected a contiguous [{len(matchers)}, W] tensor (one row per matcher), got "
@@ -207,8 +285,33 @@ def fill_batch_bitmask(matchers: Sequence[GrammarMatcher | None], mask: torch.Te
             mask[row].fill_(-1)
         else:
             groups.setdefault(type(matcher), []).append((matcher, row))
+    failed: dict[int, str] = {}
     for matcher_class, rows in groups.items():
-        matcher_class.fill_bitmask_rows(rows, mask)
+        try:
+            matcher_class.fill_bitmask_rows(rows, mask)
+        except Exception:  # find which rows: fill them one by one
+            for matcher, row in rows:
+                try:
+                    matcher.fill_bitmask(mask[row])
+                except Exception as e:
+                    failed[row] = f"grammar: {shorten(str(e))}"
+        for _, row in rows:
+            if row not in failed and not bool(mask[row].any()):
+                failed[row] = "grammar: no token is allowed here (the grammar is in an error state)"
+    for row in failed:
+        mask[row].fill_(-1)
+    return failed
+
+
+def accept_or_error(matcher: GrammarMatcher, token_id: int) -> str | None:
+    """matcher.accept(token_id); None on success, else why (a refusal of a token the mask allowed, or a
+    backend error such as llguidance's "too many expressions constructed")."""
+    try:
+        if matcher.accept(token_id):
+            return None
+        return f"grammar: the grammar refused token {token_id}, which its own mask allowed"
+    except Exception as e:
+        return f"grammar: {shorten(str(e))}"
 
 
 class GrammarBackend(ABC):

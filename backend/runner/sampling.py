@@ -14,7 +14,8 @@ def sample_requests(sampler: Sampler, logits: torch.Tensor, reqs: list) -> dict[
         from k3rt.backend.grammar import fill_batch_bitmask
 
         mask = torch.zeros(len(reqs), (logits.shape[1] + 31) // 32, dtype=torch.int32)
-        fill_batch_bitmask([r.grammar for r in reqs], mask)
+        for row, error in fill_batch_bitmask([r.grammar for r in reqs], mask).items():
+            reqs[row].sampled.error = error  # the engine fails this request alone
         mask = mask.to(logits.device)
     # penalties need token histories; slice them only for rows that use one
     hist = [r.params.repetition_penalty != 1.0 or r.params.frequency_penalty or r.params.presence_penalty
@@ -24,11 +25,18 @@ def sample_requests(sampler: Sampler, logits: torch.Tensor, reqs: list) -> dict[
         [r.token_ids[:r.prompt_len] if h else () for r, h in zip(reqs, hist)],
         [r.token_ids[r.prompt_len:] if h else () for r, h in zip(reqs, hist)], allowed_mask=mask)
     for i, (r, tok) in enumerate(zip(reqs, out.token_ids)):
-        if r.grammar is not None and not r.grammar.accept(tok):
-            raise RuntimeError(f"grammar rejected token {tok} it allowed (request {r.rid})")
+        accept_grammar(r, tok)
         if out.logprobs is not None and r.params.logprobs is not None:
             r.sampled.logprob, r.sampled.top_logprobs = out.logprobs[i], out.top_logprobs[i]
     return {r.rid: t for r, t in zip(reqs, out.token_ids)}
+
+
+def accept_grammar(r, tok: int) -> None:
+    """Advance the request's grammar past its sampled token; a failure is the request's, not the step's."""
+    if r.grammar is not None and r.sampled.error is None:
+        from k3rt.backend.grammar import accept_or_error
+
+        r.sampled.error = accept_or_error(r.grammar, tok)
 
 
 def prompt_score_rows(chunks: list) -> list[tuple[object, int, int]]:

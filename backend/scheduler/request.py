@@ -45,6 +45,8 @@ class SampleState:
     prompt_logprobs: dict[int, float] = field(default_factory=dict)
     # the philox seed of on-device sampling: params.seed, or one drawn at the first sampled step and kept
     device_seed: int | None = None
+    # why this request could not be served this step (its grammar failed): the engine fails it alone
+    error: str | None = None
 
 
 @dataclass(eq=False, slots=True)

@@ -308,6 +308,31 @@ class Scheduler:
         self._finish(req, FinishReason.ERROR)
         self.failed.append(req)
 
+    def fail(self, req: Request, error: str) -> None:
+        """After update(): req could not be served (its grammar failed). It ends with FinishReason.ERROR
+        and `error`; what it computed stays valid, so its state still goes to the cache as usual. A
+        request that update() already finished keeps its cache work and is reported as failed."""
+        req.error = error
+        if req.status is Status.RUNNING:
+            self._finish(req, FinishReason.ERROR)
+        else:
+            req.finish_reason = FinishReason.ERROR
+
+    def fail_step(self, out: SchedulerOutput, error: str) -> list[Request]:
+        """The step `out` could not run (the runner raised): its requests end with `error`. Their live
+        states may be half-updated, so nothing of theirs goes to the cache; the snapshot destinations
+        of their chunks are freed. Returns them."""
+        reqs = out.decodes + [c.req for c in out.chunks]
+        for c in out.chunks:
+            for _, dest in c.snapshots:
+                self.pool.unref(dest)
+        for req in reqs:
+            if req.status is Status.RUNNING:
+                req.error = error
+                req.pending_page_copies, req.pending_state_copies = [], []
+                self._finish(req, FinishReason.ERROR, donate=False)
+        return reqs
+
     def _drop_from_step(self, req: Request) -> None:
         """req will not run this step: out of the decodes, its chunk (and snapshot destinations) gone."""
         if req in self._step_decodes:
@@ -527,8 +552,8 @@ class Scheduler:
         req.state_set = None
         return node
 
-    def _finish(self, req: Request, reason: FinishReason) -> None:
-        node = self._donate(req, END)
+    def _finish(self, req: Request, reason: FinishReason, *, donate: bool = True) -> None:
+        node = self._donate(req, END) if donate else None
         if req.pin and node is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
             self._pin(req.rid, node)
         self._release(req)

@@ -18,7 +18,7 @@ import torch
 
 from k3rt.backend.runner.gpu.ops import kernel, to_device
 from k3rt.backend.runner.gpu.penalties import PenaltyState
-from k3rt.backend.runner.sampling import sample_requests
+from k3rt.backend.runner.sampling import accept_grammar, sample_requests
 from k3rt.backend.sampling.sampler import Sampler
 
 
@@ -83,7 +83,8 @@ def device_sample(fn, logits: torch.Tensor, reqs: list, penalties: PenaltyState 
 
         # rows without a grammar keep every bit set
         mask = torch.full((len(reqs), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)
-        fill_batch_bitmask([r.grammar for r in reqs], mask)
+        for row, error in fill_batch_bitmask([r.grammar for r in reqs], mask).items():
+            reqs[row].sampled.error = error  # the engine fails this request alone
         mask = to_device(mask, dev)
     nlp = max((p.logprobs for p in ps if p.logprobs is not None), default=None)
     filters = any(p.top_k > 1 or p.top_p < 1.0 or p.min_p > 0.0 for p in ps)
@@ -96,8 +97,7 @@ def device_sample(fn, logits: torch.Tensor, reqs: list, penalties: PenaltyState 
     if nlp is not None:
         chosen, tops, ids = res.logprobs.tolist(), res.top_logprobs.tolist(), res.top_ids.tolist()
     for i, (r, tok) in enumerate(zip(reqs, tokens)):
-        if r.grammar is not None and not r.grammar.accept(tok):
-            raise RuntimeError(f"grammar rejected token {tok} it allowed (request {r.rid})")
+        accept_grammar(r, tok)
         if nlp is not None and r.params.logprobs is not None:
             k = r.params.logprobs
             r.sampled.logprob, r.sampled.top_logprobs = chosen[i], list(zip(ids[i][:k], tops[i][:k]))
