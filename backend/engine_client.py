@@ -1,14 +1,20 @@
 """The gateway's handle on the engine process: spawn it, send requests, route updates to waiters.
 
 asyncio + zmq.asyncio. One reader task receives UpdateBatch messages and puts each RequestUpdate on
-the asyncio queue of its request. If the engine process dies (EngineError, or its exit noticed by
-the watchdog), every waiting request receives an update with finish_reason "error" and `dead` is
-set, so callers answer 5xx instead of hanging.
+the asyncio queue of its request. If the engine process dies (EngineError, or its exit: the watchdog
+wakes on the process sentinel, and reading `dead` asks the process too, so /health never reports a
+dead engine as ready), every waiting request receives an update with finish_reason "error" and `dead`
+is set, so callers answer 5xx instead of hanging. `cut` ends every waiting request the same way with
+another reason (the server's drain timeout).
+
+The engine process ignores SIGINT and SIGTERM: the gateway owns shutdown (`shutdown`: the Shutdown ->
+ShutdownAck handshake, which returns at once if the engine is already gone).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import multiprocessing as mp
@@ -53,8 +59,11 @@ class EngineClient:
         self.queues: dict[str, asyncio.Queue[RequestUpdate]] = {}
         self.info: dict[str, Any] = {}
         self.stats: dict[str, Any] = {}
-        self.dead: str | None = None  # reason, once the engine is gone
-        self._ack = asyncio.Event()
+        self._dead: str | None = None  # reason, once the engine is gone
+        self._exit_expected = False  # ShutdownAck received (or shutdown killed a starting engine): no failure
+        self._cut: set[str] = set()  # requests `cut` ended while the engine still runs them (to abort)
+        self._finished: set[str] = set()  # requests whose last update is queued, not yet read: `cut` skips them
+        self._ended = asyncio.Event()  # ShutdownAck received, or the engine is dead: `shutdown` waits no longer
         self._ready = asyncio.Event()
         self.proc: mp.process.BaseProcess | None = None
 
@@ -70,6 +79,9 @@ class EngineClient:
         self.proc = spawn.Process(target=engine_main, name="k3rt-engine", daemon=True,
                                   args=(self.cfg, self.addrs.to_engine, self.addrs.from_engine, self.log_level))
         self.proc.start()
+        # the engine ignores SIGTERM, so multiprocessing's exit-time terminate() of daemonic children would
+        # leave it running (and that exit waiting on it forever) if the gateway exits without `shutdown`
+        atexit.register(self._kill)
         self._reader = asyncio.create_task(self._read())
         self._watchdog = asyncio.create_task(self._watch())
         try:
@@ -92,29 +104,59 @@ class EngineClient:
                     q = self.queues.get(u.rid)
                     if q is not None:
                         q.put_nowait(u)
+                        if u.finished:
+                            self._finished.add(u.rid)
             elif isinstance(msg, Ready):
                 self.info = msg.info
                 self._ready.set()
             elif isinstance(msg, ShutdownAck):
-                self._ack.set()
+                self._exit_expected = True
+                self._ended.set()
                 return
             elif isinstance(msg, EngineError):
                 self._fail(f"engine failed: {msg.message}")
                 return
 
+    @property
+    def dead(self) -> str | None:
+        """Why the engine is gone, or None while it runs (or before it started, or after a clean shutdown).
+        Asks the process itself (a non-blocking waitpid), so a death shows before the watchdog wakes."""
+        if self._dead is None and not self._exit_expected and self.proc is not None and not self.proc.is_alive():
+            self._exited()
+        return self._dead
+
     async def _watch(self) -> None:
-        while self.proc is not None and self.proc.is_alive() and not self._ack.is_set():
-            await asyncio.sleep(0.2)
-        if not self._ack.is_set() and self.dead is None:
-            code = self.proc.exitcode if self.proc is not None else None
-            self._fail(f"engine process exited unexpectedly (exit code {code})")
+        """Wake when the process exits (its sentinel fd becomes readable), polling as a fallback."""
+        loop, sentinel = asyncio.get_running_loop(), self.proc.sentinel
+        exited = asyncio.Event()
+        loop.add_reader(sentinel, exited.set)
+        try:
+            while self.proc.is_alive() and not self._ended.is_set():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(exited.wait(), 0.2)
+        finally:
+            loop.remove_reader(sentinel)
+        if not self._exit_expected and self._dead is None:
+            self._exited()
+
+    def _exited(self) -> None:
+        self._fail(f"engine process exited unexpectedly (exit code {self.proc.exitcode})")
 
     def _fail(self, reason: str) -> None:
-        self.dead = reason
+        self._dead = reason
         log.error("%s", reason)
         self._ready.set()
-        for rid, q in self.queues.items():
-            q.put_nowait(RequestUpdate(rid, [], True, "error", error=reason))
+        self._ended.set()
+        self.cut(reason)
+
+    def cut(self, reason: str) -> int:
+        """End every request still running now with an error update carrying `reason` (their engine requests
+        are aborted as the callers stop reading); returns how many."""
+        running = [rid for rid in self.queues if rid not in self._finished]
+        for rid in running:
+            self.queues[rid].put_nowait(RequestUpdate(rid, [], True, "error", error=reason))
+            self._cut.add(rid)
+        return len(running)
 
     async def generate(self, prompt_ids: list[int], params: dict[str, Any], *, cache_salt: str | None = None,
                        grammar: dict[str, Any] | None = None, eos_token_ids: list[int] | None = None,
@@ -138,6 +180,10 @@ class EngineClient:
                     return
         finally:
             self.queues.pop(rid, None)
+            self._finished.discard(rid)
+            if rid in self._cut:
+                self._cut.discard(rid)
+                finished = False
             if not finished and not self.dead:
                 # the client went away (or the caller stopped early): free the request's pages now
                 await self.push.send(encode(AbortRequest(rid)))
@@ -150,14 +196,22 @@ class EngineClient:
     async def flush_cache(self) -> None:
         await self.push.send(encode(FlushCache()))
 
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.kill()
+
     async def shutdown(self, timeout: float = 30.0) -> None:
-        """Drain handshake: Shutdown -> wait for ShutdownAck -> join the process (kill if it hangs)."""
+        """Drain handshake: Shutdown -> wait for ShutdownAck (or the engine's death) -> join the process
+        (kill if it hangs). An engine still starting (no Ready yet) has nothing to drain: it is killed."""
         if self.proc is None:
             return
-        if self.proc.is_alive() and not self.dead:
+        if not self._ready.is_set():
+            self._exit_expected = True
+            self.proc.kill()
+        elif not self.dead:
             await self.push.send(encode(Shutdown()))
             try:
-                await asyncio.wait_for(self._ack.wait(), timeout)
+                await asyncio.wait_for(self._ended.wait(), timeout)
             except asyncio.TimeoutError:
                 log.warning("engine did not acknowledge shutdown within %.0fs", timeout)
         await asyncio.get_running_loop().run_in_executor(None, self.proc.join, 10)
@@ -176,3 +230,4 @@ class EngineClient:
         with contextlib.suppress(OSError):
             os.rmdir(os.path.dirname(self.addrs.to_engine.removeprefix("ipc://")))  # Addresses.fresh()'s folder
         self.proc = None
+        atexit.unregister(self._kill)

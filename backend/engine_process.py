@@ -112,7 +112,10 @@ class EngineLoop:
 def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str, log_level: str = "WARNING") -> None:
     """Entry point of the engine process (multiprocessing 'spawn' target)."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine: %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gateway owns shutdown; it sends Shutdown
+    # the gateway owns shutdown: a Ctrl-C or a SIGTERM to the whole process group (systemd, Kubernetes)
+    # reaches it too, and it drains before it sends Shutdown. A gateway that dies is noticed in the loop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if cfg.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         import torch
 
@@ -124,7 +127,11 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str, log_level: str =
         loop.run()
     except Exception as e:  # fatal: report, then exit non-zero so the gateway fails fast
         msg = f"{type(e).__name__}: {e}"
-        log.error("engine process failed: %s\n%s", msg, traceback.format_exc())
+        if loop is None and isinstance(e, ValueError):  # a configuration the engine refuses, naming the field
+            log.error("engine process failed: %s", msg)
+            log.debug("%s", traceback.format_exc())
+        else:
+            log.error("engine process failed: %s\n%s", msg, traceback.format_exc())
         try:
             ctx = zmq.Context.instance()
             s = ctx.socket(zmq.PUSH)

@@ -252,7 +252,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics. "
                                    "The gateway process (uvloop + uvicorn) tokenizes and streams; the engine process "
                                    "schedules and runs the model. Ready when GET /health answers 200. SIGINT/SIGTERM "
-                                   "drain and exit 0; an engine crash fails waiting requests with 503 and exits 1.")
+                                   "(to the server or its whole process group) drain: new requests get 503, running "
+                                   "ones have --drain-timeout seconds to finish; those still running then get a 503 "
+                                   "server_shutdown error (on a stream: an error event, then [DONE]). A second signal "
+                                   "ends the drain at once the same way. Exit status: 0 when every request finished, "
+                                   "1 when requests were cut or the engine process failed (at start, e.g. a cache pool "
+                                   "too small for one request, or later: its running requests get 503 engine_failed), "
+                                   "2 for a bad option or a busy port.")
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=30000, help="port to listen on (default 30000)")
@@ -283,7 +289,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "the output is noise)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
     p.add_argument("--drain-timeout", type=float, default=10.0,
-                   help="seconds running requests may finish after SIGTERM/SIGINT before abort (default 10)")
+                   help="seconds running requests may finish after SIGTERM/SIGINT; then they are answered 503 "
+                        "server_shutdown and the exit status is 1 (default 10)")
     p.add_argument("--dsl-addr", default="auto",
                    help="ZMQ endpoint for @k3rt.function programs (k3rt.connect(ADDR)); 'auto' = tcp://HOST:PORT+1 "
                         "(a free port when --port is 0), 'off' disables it")

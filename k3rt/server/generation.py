@@ -1,7 +1,8 @@
 """The part of a generation request that chat and completions share: from OpenAI fields to a gateway
 `Job` (sampling parameters, length limits, grammar), running it (to the end, or as an SSE stream,
 aborting either way when the client goes away), and the OpenAI shapes both endpoints use (usage,
-logprob entries, SSE framing, gateway errors as HTTP errors).
+logprob entries, SSE framing, gateway errors as HTTP errors). An error after a stream started is a final
+`data: {"error": ...}` event, then `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,14 @@ class ServerContext:
     config: ServerConfig
     metrics: ServerMetrics
     health: EngineWatch
+    shutdown_error: str | None = None  # set by `cut_requests`: the error the requests it ended carry
+
+    def cut_requests(self, why: str) -> int:
+        """End every running generation now (shutdown: the drain timeout passed, or a second signal). Each
+        is answered 503 `server_shutdown` (a final error event then [DONE] on a stream) and its engine request
+        is aborted. Returns how many engine requests were running."""
+        self.shutdown_error = f"the server is shutting down: {why}"
+        return self.gateway.client.cut(self.shutdown_error)
 
     def check_model(self, name: str) -> None:
         if name not in (self.config.model_name, self.config.engine.model):
@@ -185,9 +194,12 @@ def total_usage(choices: list[Choice], n: int) -> dict[str, Any]:
     return usage(prompt, sum(len(c.token_ids) for c in choices), cached)
 
 
-def delta_error(d: ChoiceDelta) -> APIError:
+def delta_error(d: ChoiceDelta, shutdown_error: str | None = None) -> APIError:
+    """The HTTP error of a choice that ended in error; `shutdown_error`: `ServerContext.shutdown_error`."""
     if d.engine_dead:
         return APIError(503, f"the engine failed: {d.error}", code="engine_failed")
+    if shutdown_error is not None and d.error == shutdown_error:
+        return APIError(503, shutdown_error, code="server_shutdown")
     if d.internal:
         return APIError(500, f"internal error: {d.error}", code="internal_error")
     msg = d.error or "generation failed"
@@ -235,7 +247,7 @@ async def run_to_end(ctx: ServerContext, job: Job, n: int, request: Request, end
     async def consume() -> None:
         async for d in stream:
             if d.finish_reason == "error":
-                raise delta_error(d)
+                raise delta_error(d, ctx.shutdown_error)
             choices[d.index].add(d)
             timer.tokens(d.index, len(d.token_ids))
 
@@ -269,7 +281,7 @@ def stream_deltas(ctx: ServerContext, job: Job, n: int, endpoint: str, start: li
     """SSE bytes for `job`: the `start` events (roles, echo), then `render` of each delta, then `finish`'s
     closing events (usage).
     Admission errors (429, 503) are raised here, before any response starts; an error after the stream
-    started is sent as an OpenAI error event. A client disconnect cancels the body iterator inside its
+    started is sent as an OpenAI error event, then [DONE]. A client disconnect cancels the body iterator inside its
     await; its `finally` then closes the job, which aborts the choices' engine requests."""
     try:
         stream = ctx.gateway.generate(job)
@@ -289,7 +301,8 @@ async def _stream(ctx: ServerContext, stream: JobStream, job: Job, n: int, endpo
             yield event
         async for d in stream:
             if d.finish_reason == "error":
-                yield sse(delta_error(d).body())
+                yield sse(delta_error(d, ctx.shutdown_error).body())
+                yield SSE_DONE
                 completed = True
                 return
             choices[d.index].add(d)

@@ -3,12 +3,16 @@
 Lifecycle
   start    bind the port first (a busy port fails before anything is spawned), serve HTTP at once
            (/health answers 503), spawn the engine in the background; /health turns 200 on its Ready.
-  signal   SIGINT/SIGTERM: stop accepting, answer 503 to new requests on open connections, let running
-           requests finish for up to `drain_timeout_s` (then cancel them: their engine requests are
-           aborted), then the engine drain handshake (Shutdown -> ShutdownAck) and join; exit 0.
-           A second SIGINT skips the wait.
+  signal   SIGINT/SIGTERM, to the gateway or to the whole process group (the engine process ignores
+           both: the gateway owns shutdown): stop accepting, answer 503 to new requests on open
+           connections, let running requests finish for up to `drain_timeout_s`; those still running
+           then are cut (`ServerContext.cut_requests`: a 503 `server_shutdown` error object, or a final
+           error event then [DONE] on a stream; their engine requests are aborted). Then the engine
+           drain handshake (Shutdown -> ShutdownAck) and join. Exit 0 if every request finished, 1 if
+           any was cut. A second SIGINT/SIGTERM cuts the running requests at once (exit 1).
   crash    the engine process dies or reports EngineError: every waiting request is answered 503 (or an
-           error event on a stream), the server shuts down the same way, and the exit status is 1.
+           error event then [DONE] on a stream), the server shuts down the same way, and the exit status
+           is 1 (also when it dies during a drain).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from collections.abc import Iterator
 from k3rt.server.config import ServerConfig
 
 log = logging.getLogger(__name__)
+
+_CUT_GRACE_S = 2.0  # after a cut, how long uvicorn waits for the error answers to be sent before it drops them
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -66,18 +72,38 @@ async def _serve(cfg: ServerConfig) -> int:
     port = sock.getsockname()[1]
     ctx = ServerContext(gateway, cfg, ServerMetrics(lambda: gateway.stats), EngineWatch(gateway, cfg.stall_timeout_s))
     server = Server(uvicorn.Config(create_app(ctx), log_config=None, log_level=cfg.log_level.lower(),
-                                   access_log=False, lifespan="off", timeout_graceful_shutdown=cfg.drain_timeout_s))
+                                   access_log=False, lifespan="off",
+                                   # a backstop: our own cut at the drain timeout answers every request
+                                   timeout_graceful_shutdown=cfg.drain_timeout_s + _CUT_GRACE_S))
     exit_code = 0
     loop = asyncio.get_running_loop()
+    drain_timer: asyncio.TimerHandle | None = None
+
+    def cut(why: str) -> None:
+        nonlocal exit_code
+        if ctx.shutdown_error is not None:
+            return
+        num_cut = ctx.cut_requests(why)
+        if num_cut:
+            log.error("%d engine request(s) cut: %s", num_cut, why)
+            exit_code = 1
 
     def stop(reason: str) -> None:
+        nonlocal drain_timer
         if server.should_exit:
-            if reason == "SIGINT":
-                server.force_exit = True  # a second Ctrl-C: don't wait for running requests
+            if reason in ("SIGINT", "SIGTERM"):  # a second signal: don't wait for running requests
+                if ctx.shutdown_error is None:
+                    cut(f"a second {reason} ended the drain")
+                    # a client that does not read its error answer is dropped a moment later
+                    loop.call_later(_CUT_GRACE_S, setattr, server, "force_exit", True)
+                else:
+                    server.force_exit = True
             return
-        log.warning("shutting down (%s)", reason)
+        log.warning("shutting down (%s); running requests have %gs to finish", reason, cfg.drain_timeout_s)
         gateway.draining = True
         server.should_exit = True
+        drain_timer = loop.call_later(cfg.drain_timeout_s, cut,
+                                      f"the request did not finish within the drain timeout ({cfg.drain_timeout_s:g}s)")
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop, sig.name)
@@ -116,16 +142,29 @@ async def _serve(cfg: ServerConfig) -> int:
             exit_code = 1
             stop("engine process failed")
 
+    def run_engine_done(task: asyncio.Task) -> None:
+        nonlocal exit_code
+        if not task.cancelled() and task.exception() is not None:  # e.g. the DSL port could not bind
+            e = task.exception()
+            log.error("the server failed: %s: %s", type(e).__name__, e)
+            exit_code = 1
+            stop("the server failed")
+
     engine_task = asyncio.create_task(run_engine())
+    engine_task.add_done_callback(run_engine_done)
     try:
         await server.serve(sockets=[sock])
+        if server.server_state.tasks:  # uvicorn's backstop dropped them (clients that did not read the answer)
+            log.error("%d HTTP request(s) dropped at shutdown", len(server.server_state.tasks))
+            exit_code = 1
     finally:
+        if drain_timer is not None:
+            drain_timer.cancel()
         engine_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await engine_task
-        await gateway.shutdown()
+        await asyncio.gather(engine_task, return_exceptions=True)  # its failure is logged by run_engine_done
+        await gateway.shutdown()  # always: the engine ignores SIGTERM, nothing else would stop it
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-    if gateway.dead is not None and exit_code == 0 and not gateway.draining:
+    if gateway.dead is not None:  # also a death during the drain: its requests were lost
         exit_code = 1
     return exit_code
