@@ -33,9 +33,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A free port p whose p + 1 is free too: the server's HTTP port and its DSL port (HTTP + 1 by
+    default). A taken DSL port makes the server exit at start, so both are checked."""
+    for _ in range(100):
+        p = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+        return p
+    raise RuntimeError("no two adjacent free ports")
+
+
 class ServeProcess:
     def __init__(self, model: Path, log_dir: Path, *args: str) -> None:
-        self.port = free_port()
+        self.port = free_port_pair()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"serve-{self.port}.log"
         self._log = open(self.log_path, "w")
