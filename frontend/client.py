@@ -1,11 +1,21 @@
 """Where programs run: a Backend. `RemoteBackend` talks to a k3rt gateway over ZMQ (DEALER -> ROUTER),
 typed messages (k3rt.protocol), orjson. One I/O thread owns the socket; callers block on futures.
 No torch.
+
+The API key (`k3rt serve --api-key`) is proven in ZMQ's CURVE handshake, before the server accepts a
+frame: the client's CURVE key pair is derived from the key (`client_curve_keys`), and the server accepts
+the public keys derived from its keys (backend/program/server.py says why CURVE). The handshake's
+outcome comes from a socket monitor: a rejected key (or a key for a server without one, or none for a
+server with one) fails every waiting and later program with PermissionError; a connection the server
+drops (a message over its size limit, a restart) fails the programs waiting on it with ConnectionError.
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import logging
+import os
 import queue
 import threading
 from abc import ABC, abstractmethod
@@ -18,6 +28,42 @@ from k3rt.protocol import ProgramClose, ProgramEvent, ProgramResult, ProgramRun,
 log = logging.getLogger(__name__)
 
 EventCallback = Callable[[int, "str | None", str, bool], None]
+
+API_KEY_ENV = "K3RT_API_KEY"  # connect()'s api_key when none is given
+# The server's CURVE key pair is public: it authenticates nothing (the client's key pair does) and only
+# makes the session keys; clients need it to connect, so it is derived from a fixed string.
+_SERVER_SECRET = hashlib.sha256(b"k3rt-dsl-server-v1").digest()
+
+
+def server_curve_keys() -> tuple[bytes, bytes]:
+    """(public, secret) of the DSL server's CURVE key pair, Z85-encoded."""
+    import zmq
+    from zmq.utils import z85
+
+    secret = z85.encode(_SERVER_SECRET)
+    return zmq.curve_public(secret), secret
+
+
+def client_curve_keys(api_key: str) -> tuple[bytes, bytes]:
+    """(public, secret) CURVE key pair, Z85-encoded, of a client holding `api_key`. scrypt (0.1 s) makes
+    guessing a weak key from a public key slow; the key itself never crosses the wire."""
+    import zmq
+    from zmq.utils import z85
+
+    seed = hashlib.scrypt(api_key.encode(), salt=b"k3rt-dsl-client-v1", n=1 << 14, r=8, p=1, dklen=32)
+    secret = z85.encode(seed)
+    return zmq.curve_public(secret), secret
+
+
+def apply_api_key(sock: Any, api_key: str) -> None:
+    """Make a ZMQ socket (before connect) a CURVE client of a DSL server that requires `api_key`."""
+    import zmq
+
+    if not zmq.has("curve"):
+        raise RuntimeError("api_key: this libzmq has no CURVE support")
+    public, secret = client_curve_keys(api_key)
+    sock.curve_serverkey = server_curve_keys()[0]
+    sock.curve_publickey, sock.curve_secretkey = public, secret
 
 
 class Backend(ABC):
@@ -35,10 +81,12 @@ class Backend(ABC):
 
 
 class RemoteBackend(Backend):
-    def __init__(self, addr: str, *, timeout: float | None = None) -> None:
+    def __init__(self, addr: str, *, timeout: float | None = None, api_key: str | None = None) -> None:
+        """api_key: the server's key (None: a server without one). connect() resolves K3RT_API_KEY."""
         import zmq  # here, not at module level: `import k3rt` stays fast
 
-        self.addr, self.timeout = addr, timeout
+        self.addr, self.timeout, self.api_key = addr, timeout, api_key or None
+        self.failed: Exception | None = None  # set for good: a refused handshake, or the I/O thread's failure
         self.ctx = zmq.Context()
         self.outbox: queue.Queue[bytes | None] = queue.Queue()
         self.pending: dict[str, tuple[Future, EventCallback | None]] = {}
@@ -55,40 +103,83 @@ class RemoteBackend(Backend):
 
     def _io(self) -> None:
         import zmq
+        from zmq.utils.monitor import recv_monitor_message
 
         sock = self.ctx.socket(zmq.DEALER)
+        if self.api_key is not None:
+            apply_api_key(sock, self.api_key)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                          | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                                          | zmq.EVENT_DISCONNECTED)
         sock.connect(self.addr)
         wake = self.ctx.socket(zmq.PAIR)
         wake.connect(self._wake_addr)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         self._ready.set()
-        while not self._stop:
-            events = dict(poller.poll(1000))
-            if wake in events:
-                while wake.poll(0):
-                    wake.recv()
-            while True:
-                try:
-                    data = self.outbox.get_nowait()
-                except queue.Empty:
-                    break
-                if data is not None:
-                    sock.send(data)
-            if sock in events:
-                while sock.poll(0):
-                    data = sock.recv()
-                    if not data:
-                        continue  # an empty frame is the server's liveness probe
+        # messages are sent without blocking: with no peer (a refused handshake) a blocking send never returns
+        unsent: collections.deque[bytes] = collections.deque()
+        try:
+            link = _Link()
+            while not self._stop:
+                poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if unsent else 0))
+                events = dict(poller.poll(1000))
+                if wake in events:
+                    while wake.poll(0):
+                        wake.recv()
+                if monitor in events:
+                    while monitor.poll(0):
+                        failure = link.on_event(recv_monitor_message(monitor), self.api_key)
+                        if failure is None or self.failed is not None:
+                            continue
+                        if isinstance(failure, PermissionError):
+                            with self.lock:  # (run() checks it under the lock before it registers a program)
+                                self.failed = failure
+                        self._fail_pending(failure)
+                if self.failed is not None:
+                    break  # a refused key: stop retrying it every 100 ms (closing the socket)
+                while True:
                     try:
-                        msg = decode(data)
-                    except ProtocolError as e:  # never let one bad frame end the I/O thread
-                        log.warning("ignoring a malformed message from the server: %s", e)
-                        continue
-                    self._dispatch(msg)
-        sock.close(linger=500)
-        wake.close(linger=0)
+                        data = self.outbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if data is not None:
+                        unsent.append(data)
+                while unsent:
+                    try:
+                        sock.send(unsent[0], zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    unsent.popleft()
+                if sock in events:
+                    while sock.poll(0):
+                        data = sock.recv()
+                        if not data:
+                            continue  # an empty frame is the server's liveness probe
+                        try:
+                            msg = decode(data)
+                        except ProtocolError as e:  # never let one bad frame end the I/O thread
+                            log.warning("ignoring a malformed message from the server: %s", e)
+                            continue
+                        self._dispatch(msg)
+        except Exception as e:  # a bug: fail the waiting programs rather than leave them hanging
+            log.exception("the DSL client's I/O thread failed")
+            with self.lock:
+                self.failed = ConnectionError(f"the DSL client's I/O thread failed: {e}")
+            self._fail_pending(self.failed)
+        finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0 if self.failed else 500)
+            wake.close(linger=0)
+
+    def _fail_pending(self, error: Exception) -> None:
+        with self.lock:
+            pending, self.pending = self.pending, {}
+        for fut, _ in pending.values():
+            fut.set_exception(type(error)(*error.args))  # one instance each: tracebacks don't pile up
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, ProgramEvent):
@@ -104,14 +195,26 @@ class RemoteBackend(Backend):
                                      "meta": msg.meta, "error": msg.error, "error_line": msg.error_line})
 
     def _send(self, data: bytes) -> None:
+        if self.failed is not None:
+            return  # the I/O thread is gone
         self.outbox.put(data)
+        self._wake()
+
+    def _wake(self) -> None:
+        import zmq
+
         with self.lock:
-            self._wake_send.send(b"")
+            try:
+                self._wake_send.send(b"", zmq.NOBLOCK)
+            except zmq.Again:  # the I/O thread has ended (its end of the pair is closed) or has wakes queued
+                pass
 
     def run(self, pid: str, program: dict[str, Any], *, final: bool, stream: bool,
             on_event: EventCallback | None) -> dict[str, Any]:
         fut: Future = Future()
         with self.lock:
+            if self.failed is not None:
+                raise type(self.failed)(*self.failed.args)
             self.pending[pid] = (fut, on_event)
             self.round_trips += 1
         self._send(encode(ProgramRun(pid, program, final, stream)))
@@ -134,11 +237,44 @@ class RemoteBackend(Backend):
         for pid in open_pids:  # programs still waiting: cancel them on the server
             self.close(pid)
         self._stop = True
-        with self.lock:
-            self._wake_send.send(b"")
+        self._wake()
         self.thread.join(5)
         self._wake_send.close(linger=0)
         self.ctx.term()
+
+
+class _Link:
+    """The DEALER's connection as its socket monitor reports it: which event fails the waiting programs."""
+
+    def __init__(self) -> None:
+        self.up = False
+        self.unexplained = 0  # handshake failures in a row without a reason (a third is taken as final)
+
+    def on_event(self, event: dict[str, Any], api_key: str | None) -> Exception | None:
+        import zmq
+
+        kind = event["event"]
+        if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.up, self.unexplained = True, 0
+            return None
+        if kind == zmq.EVENT_DISCONNECTED:
+            was_up, self.up = self.up, False
+            if was_up:
+                return ConnectionError("the DSL server closed the connection with programs in flight: a message "
+                                       "over its size limit (k3rt serve --dsl-max-message-mb), or a restart")
+            return None
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            self.unexplained += 1
+            if self.unexplained < 3:
+                return None
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return PermissionError("the DSL server rejected the api_key (k3rt.connect(addr, api_key=...) or "
+                                   f"{API_KEY_ENV})")
+        if api_key is None:
+            return PermissionError("the DSL server requires a key: k3rt.connect(addr, api_key=...) or "
+                                   f"{API_KEY_ENV}")
+        return PermissionError("the handshake with the DSL server failed: it takes no api_key (connect without "
+                               f"one; unset {API_KEY_ENV}), or it is not a k3rt DSL endpoint")
 
 
 _default: Backend | None = None  # the DSL's one piece of process state, as in sglang.set_default_backend
@@ -163,8 +299,12 @@ def resolve_backend(backend: Backend | Any | None) -> Backend:
     return inner if isinstance(inner, Backend) else backend
 
 
-def connect(addr: str, *, timeout: float | None = None) -> RemoteBackend:
-    """A backend for a running k3rt gateway: 'tcp://host:port' or 'ipc:///path'."""
+def connect(addr: str, *, timeout: float | None = None, api_key: str | None = None) -> RemoteBackend:
+    """A backend for a running k3rt gateway: 'tcp://host:port' or 'ipc:///path'. api_key: the server's
+    `--api-key`; None reads the environment variable K3RT_API_KEY (unset or empty: no key). A wrong key,
+    or a key for a server without one, raises PermissionError from the first program run."""
     if not addr.startswith(("tcp://", "ipc://")):
         raise ValueError(f"addr: {addr!r} must start with tcp:// or ipc://")
-    return RemoteBackend(addr, timeout=timeout)
+    if api_key is None:
+        api_key = os.environ.get(API_KEY_ENV) or None
+    return RemoteBackend(addr, timeout=timeout, api_key=api_key)

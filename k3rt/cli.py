@@ -262,7 +262,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=30000, help="port to listen on (default 30000)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: none)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/*, and KEY on the DSL port "
+                        "(k3rt.connect(ADDR, api_key=KEY) or K3RT_API_KEY; proven in a ZMQ CURVE handshake) "
+                        "(default: none)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the folder's name)")
     p.add_argument("--max-running", type=int, default=256, help="requests decoding at once (default 256)")
     p.add_argument("--max-waiting", type=int, default=4096,
@@ -294,6 +297,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dsl-addr", default="auto",
                    help="ZMQ endpoint for @k3rt.function programs (k3rt.connect(ADDR)); 'auto' = tcp://HOST:PORT+1 "
                         "(a free port when --port is 0), 'off' disables it")
+    p.add_argument("--dsl-max-message-mb", type=float, default=16.0, metavar="MB",
+                   help="largest message (a flushed program, its texts included) the DSL port reads; a client that "
+                        "sends a larger one is disconnected and its program fails with ConnectionError (default 16)")
     p.add_argument("--stall-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="GET /health answers 503 (status 'stalled') when the engine has had work (running or "
                         "waiting requests) and made no progress, or sent no stats at all, for this long; 0 disables "
@@ -318,7 +324,8 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     cfg = ServerConfig(engine=engine, host=a.host, port=a.port, api_key=a.api_key,
                        served_model_name=a.served_model_name, context_length=a.context_length,
                        drain_timeout_s=a.drain_timeout, log_level=a.log_level.upper(),
-                       dsl_addr=None if a.dsl_addr == "off" else a.dsl_addr, stall_timeout_s=a.stall_timeout)
+                       dsl_addr=None if a.dsl_addr == "off" else a.dsl_addr, stall_timeout_s=a.stall_timeout,
+                       dsl_max_message_bytes=int(a.dsl_max_message_mb * (1 << 20)))
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"model: no config.json in {model_dir}")
     from k3rt.server.launch import serve

@@ -22,8 +22,11 @@ from k3rt.config import CacheConfig, EngineConfig
 class Runtime:
     def __init__(self, model: str | None = None, *, in_process: bool = False, dtype: str | None = None,
                  cache_pages: int = 512, max_running: int = 64, endpoint: str | None = None,
-                 engine_config: EngineConfig | None = None, startup_timeout: float = 600.0) -> None:
-        from k3rt.frontend.client import connect
+                 engine_config: EngineConfig | None = None, startup_timeout: float = 600.0,
+                 api_key: str | None = None) -> None:
+        """api_key: a key the program server requires (for an `endpoint` others can reach, e.g. tcp); the
+        default endpoint is an ipc socket in a private (0700) temporary folder and needs none."""
+        from k3rt.frontend.client import RemoteBackend
 
         if engine_config is None:
             from k3rt.config import SchedulerConfig
@@ -35,6 +38,7 @@ class Runtime:
                                          scheduler=SchedulerConfig(max_running=max_running))
         self.config = engine_config
         self.endpoint = endpoint or f"ipc://{tempfile.mkdtemp(prefix='k3rt-dsl-')}/programs"
+        self._api_key = api_key
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -45,7 +49,7 @@ class Runtime:
             raise TimeoutError(f"k3rt.Runtime: not ready within {startup_timeout:.0f}s")
         if self._error is not None:
             raise RuntimeError(f"k3rt.Runtime failed to start: {self._error}") from self._error
-        self.backend = connect(self.endpoint)
+        self.backend = RemoteBackend(self.endpoint, api_key=api_key)  # (not connect(): K3RT_API_KEY is not ours)
 
     def _serve(self) -> None:
         self._loop = asyncio.new_event_loop()
@@ -70,7 +74,8 @@ class Runtime:
 
             self.client = EngineClient(self.config)
         await self.client.start()
-        self.server = ProgramServer(self.client, load_tokenizer(self.config.model), self.endpoint)
+        self.server = ProgramServer(self.client, load_tokenizer(self.config.model), self.endpoint,
+                                    api_keys=self._api_key)
         self._stop = asyncio.Event()
         serve = asyncio.create_task(self.server.serve())
         await asyncio.sleep(0.05)

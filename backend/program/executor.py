@@ -24,6 +24,7 @@ from k3rt.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 128
 COMMIT_MIN_TOKENS = 64  # a fork commits the parent's prefix when at least this much is uncomputed
+ENCODE_IN_THREAD_CHARS = 64 << 10  # longer texts are tokenized in a worker thread, off the gateway's event loop
 
 
 class OpError(Exception):
@@ -71,6 +72,16 @@ class ProgramSession:
 
     def prompt_ids(self, st: StateData) -> list[int]:
         return st.base_ids + (self.gen.tok.encode(st.run) if st.run else [])
+
+    async def _prompt_ids(self, st: StateData) -> list[int]:
+        """prompt_ids, with a long run of text tokenized off the event loop (a program's 8 MB text op
+        took the loop, /health included, for 10 s)."""
+        return st.base_ids + (await self._encode(st.run) if st.run else [])
+
+    async def _encode(self, text: str) -> list[int]:
+        if len(text) < ENCODE_IN_THREAD_CHARS:
+            return self.gen.tok.encode(text)
+        return await asyncio.to_thread(self.gen.tok.encode, text)
 
     def _append_text(self, st: StateData, text: str) -> None:
         st.run += text
@@ -188,7 +199,7 @@ class ProgramSession:
 
     async def _gen(self, sid: int, st: StateData, op: Op) -> None:
         params = self._params(op)
-        prompt = self.prompt_ids(st)
+        prompt = await self._prompt_ids(st)
         emit = None
         if self.on_event is not None:
             emit = lambda d: self.on_event(sid, op.name, d, False)  # noqa: E731
@@ -222,12 +233,12 @@ class ProgramSession:
 
     async def _select(self, sid: int, st: StateData, op: Op) -> None:
         tok = self.gen.tok
-        run_ids = tok.encode(st.run) if st.run else []
+        run_ids = await self._encode(st.run) if st.run else []
         prompts, starts, spans = [], [], []
         for choice in op.choices:
             # tokenize the constant text and the choice jointly: the choice may merge with the text's
             # last token, so scoring starts where the joint tokens first differ (token healing)
-            joint = tok.encode(st.run + choice)
+            joint = await self._encode(st.run + choice)
             k = 0
             while k < min(len(joint), len(run_ids)) and joint[k] == run_ids[k]:
                 k += 1
@@ -255,7 +266,7 @@ class ProgramSession:
             bos = tok.bos_token_id
             uncond_prompts, uncond_starts = [], []
             for choice in op.choices:
-                ids = tok.encode(choice)
+                ids = await self._encode(choice)
                 lead = [bos] if bos is not None else ids[:1]
                 uncond_prompts.append(lead + (ids if bos is not None else ids[1:]) or lead + lead)
                 uncond_starts.append(1)
@@ -269,7 +280,7 @@ class ProgramSession:
                                 "method": op.method}
 
     async def _commit(self, st: StateData) -> None:
-        prompt = self.prompt_ids(st)
+        prompt = await self._prompt_ids(st)
         if len(prompt) - st.computed >= COMMIT_MIN_TOKENS:
             res = await self.gen.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
                                           cache_salt=self.salt)

@@ -20,6 +20,9 @@ from k3rt.backend.tokenizer.chat_template import ChatTemplate
 from k3rt.backend.tokenizer.config import read_tokenizer_config
 
 TOKENIZER_JSON_FILE = "tokenizer.json"
+# tokenizers' `encode` keeps the GIL (an 8 MB text: 5 s in which no other thread of the gateway runs, its event
+# loop included, even when the caller is a worker thread); `encode_batch` releases it
+_RELEASE_GIL_CHARS = 16 << 10
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -125,6 +128,8 @@ class HFTokenizer(LoadedTokenizer):
 
     def encode(self, text: str, *, allow_special: bool = True) -> list[int]:
         tokenizer = self._tokenizer if allow_special else self._tokenizer_without_specials
+        if len(text) >= _RELEASE_GIL_CHARS:  # same ids; `encode` holds the GIL throughout, `encode_batch` not
+            return tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         return tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:

@@ -20,6 +20,7 @@ class ServerConfig:
     max_body_bytes: int = 32 << 20  # request bodies above this are answered 413
     log_level: str = "WARNING"
     dsl_addr: str | None = "auto"  # ZMQ endpoint for shipped DSL programs; "auto": tcp://host:port+1; None: off
+    dsl_max_message_bytes: int = 16 << 20  # ZMQ_MAXMSGSIZE of the DSL port: a larger frame drops its connection
     stall_timeout_s: float = 30.0  # /health answers 503 when the engine has work and no progress this long; 0: off
 
     def __post_init__(self) -> None:
@@ -33,6 +34,8 @@ class ServerConfig:
             raise ValueError(f"stall_timeout_s: must be >= 0 (0 disables), got {self.stall_timeout_s}")
         if self.dsl_addr not in (None, "auto") and not self.dsl_addr.startswith(("tcp://", "ipc://")):
             raise ValueError(f"dsl_addr: {self.dsl_addr!r} must be 'auto', or start with tcp:// or ipc://")
+        if self.dsl_max_message_bytes < 1:
+            raise ValueError(f"dsl_max_message_bytes: must be >= 1, got {self.dsl_max_message_bytes}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key: must not be empty")
 
