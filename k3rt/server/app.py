@@ -11,11 +11,16 @@ Routes
   POST /v1/k3rt/flush_cache     debug: drop every unlocked prefix-cache entry
 
 Bodies are read (up to `max_body_bytes`) and parsed by the schemas' strict pydantic models here, not by
-FastAPI's validation, so that every error is OpenAI's error object with a 400 naming the field.
+FastAPI's validation, so that every error is OpenAI's error object with a 400 naming the field. A declared
+Content-Length over the limit is answered 413 before any of the body is read; a chunked body is cut off
+(413) as soon as it passes the limit. A body over `BIG_BODY_BYTES` is parsed in a worker thread (its prompts
+are tokenized in one too), so the event loop keeps serving /health and the other requests; what it builds is
+kept from the garbage collector's full passes, and the C heap is trimmed after it (limits.BigBodies).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from typing import Any
@@ -29,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from k3rt.server.errors import APIError, from_validation_error
 from k3rt.server.generation import ServerContext, json_response
+from k3rt.server.limits import BIG_BODY_BYTES, BigBodies, PromptBudget
 from k3rt.server.metrics import CONTENT_TYPE
 from k3rt.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -40,27 +46,57 @@ ROUTES = frozenset({"/health", "/metrics", "/v1/models", "/v1/chat/completions",
                     "/v1/k3rt/stats", "/v1/k3rt/flush_cache"})
 
 
+_BIG_BODY = "k3rt.big_body"  # scope key, set when the body was big: a list holding the parsed request
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"the request body has {declared} bytes; the limit is {limit}", code="body_too_large")
+        raise APIError(413, f"the request body has {declared} bytes; the limit is {limit} bytes",
+                       code="body_too_large")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise APIError(413, f"the request body exceeds the limit of {limit} bytes", code="body_too_large")
         chunks.append(chunk)
-    return b"".join(chunks)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def _parse(request: Request, model: type[BaseModel], limit: int) -> Any:
-    body = await _read_body(request, limit)
-    if not body.strip():
-        raise APIError(400, "the request body is empty; expected a JSON object", code="invalid_json")
+def _validate(model: type[BaseModel], body: bytes) -> Any:
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
-        raise from_validation_error(e.errors(include_url=False)) from None
+        raise from_validation_error(e.errors(include_url=False), body) from None
+
+
+async def _parse(request: Request, model: type[BaseModel], limit: int, bigs: BigBodies) -> tuple[Any, bool]:
+    """The request parsed into `model`, and whether its body was big (more than BIG_BODY_BYTES)."""
+    body = await _read_body(request, limit)
+    if not body or body.isspace():
+        raise APIError(400, "the request body is empty; expected a JSON object", code="invalid_json")
+    if len(body) <= BIG_BODY_BYTES:
+        return _validate(model, body), False
+    bigs.begin()
+    held = request.scope[_BIG_BODY] = []  # freed piecewise when the request ends (BigBodies.end)
+    req = await bigs.run(lambda: _validate(model, body))
+    held.append(req)
+    return req, True
+
+
+class _EndBigBodies:
+    """ASGI middleware: tells `BigBodies` when a request with a big body has ended (its response sent)."""
+
+    def __init__(self, app: ASGIApp, bigs: BigBodies) -> None:
+        self.app, self.bigs = app, bigs
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            held = scope.pop(_BIG_BODY, None)
+            if held is not None:
+                await self.bigs.end(held)
 
 
 class _CountRequests:
@@ -85,6 +121,8 @@ class _CountRequests:
 
 def create_app(ctx: ServerContext) -> FastAPI:
     cfg = ctx.config
+    budget = PromptBudget.of(ctx.gateway.tokenizer, ctx.gateway.context_length)
+    bigs = BigBodies()
     app = FastAPI(title="k3rt", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
 
@@ -129,15 +167,15 @@ def create_app(ctx: ServerContext) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         from k3rt.server.chat import chat_completion
 
-        req = await _parse(request, ChatCompletionRequest, cfg.max_body_bytes)
-        return await chat_completion(ctx, req, request)
+        req, big = await _parse(request, ChatCompletionRequest, cfg.max_body_bytes, bigs)
+        return await chat_completion(ctx, req, request, budget, bigs if big else None)
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
         from k3rt.server.completions import completion
 
-        req = await _parse(request, CompletionRequest, cfg.max_body_bytes)
-        return await completion(ctx, req, request)
+        req, big = await _parse(request, CompletionRequest, cfg.max_body_bytes, bigs)
+        return await completion(ctx, req, request, budget, bigs if big else None)
 
     @v1.get("/k3rt/stats")
     async def stats() -> Response:
@@ -167,5 +205,6 @@ def create_app(ctx: ServerContext) -> FastAPI:
         log.exception("unhandled error on %s", request.url.path)
         return APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error").response()
 
+    app.add_middleware(_EndBigBodies, bigs=bigs)
     app.add_middleware(_CountRequests, ctx=ctx, routes=ROUTES)
     return app

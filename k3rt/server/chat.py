@@ -8,6 +8,7 @@ response_format (json_object / json_schema), regex, choice, or a forced tool cal
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -16,11 +17,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from k3rt.server import tools as tool_calls
-from k3rt.server.errors import bad_request
+from k3rt.server.errors import APIError, bad_request
 from k3rt.server.generation import (
     Choice, ServerContext, chat_logprob, check_logprobs, check_vocab, grammar_sources, json_response, new_id, now,
     resolve_max_tokens, respond, sampling_params, sse, total_usage, validate_grammar,
 )
+from k3rt.server.limits import BigBodies, PromptBudget, dismantle
 from k3rt.server.schemas import ChatCompletionRequest, check_common, stop_list
 
 if TYPE_CHECKING:
@@ -36,8 +38,9 @@ class _ToolMode:
     first_index: int = 0  # IDX of this turn's first call in Kimi's "functions.NAME:IDX" ids
 
 
-def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """Validated messages as template dicts. Content parts must be text (no image input)."""
+def _messages(req: ChatCompletionRequest, budget: PromptBudget) -> list[dict[str, Any]]:
+    """Validated messages as template dicts. Content parts must be text (no image input). A content that
+    cannot fit the context is refused here, before the template and the tokenizer see it (limits.py)."""
     if not req.messages:
         raise bad_request("messages", "must contain at least one message")
     out = []
@@ -48,7 +51,10 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             for j, part in enumerate(content):
                 if part.type != "text" or part.text is None:
                     raise bad_request(f"{where}.content[{j}]", f"only text parts are supported, got type {part.type!r}")
+                budget.check_text(part.text, f"{where}.content[{j}].text")
             content = "".join(p.text or "" for p in content)
+        if isinstance(content, str):
+            budget.check_text(content, f"{where}.content")
         if content is None and m.role in ("system", "developer", "user"):
             raise bad_request(f"{where}.content", f"required for role {m.role!r}")
         if m.role == "tool" and not m.tool_call_id:
@@ -90,29 +96,68 @@ def _tool_mode(req: ChatCompletionRequest) -> _ToolMode:
     return _ToolMode("named", choice.function.name, first)
 
 
-async def chat_completion(ctx: ServerContext, req: ChatCompletionRequest, request: Request) -> Response:
+# below this many characters of message text, the template and the tokenizer run on the event loop (as in
+# Gateway.encode_chat); above it, or for a big body, in a worker thread
+_INLINE_CHARS = 4096
+
+
+def _encode(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    try:
+        # message contents cannot inject special tokens: only the template's text may produce them
+        return tokenizer.encode_chat(messages, tools=tools)
+    except Exception as e:  # jinja2.TemplateError (e.g. an unsupported role), ValueError (no template)
+        raise bad_request("messages", f"the chat template rejected them: {e}") from None
+
+
+def _prepare(ctx: ServerContext, req: ChatCompletionRequest, budget: PromptBudget) -> tuple[list[int], _ToolMode, int]:
+    """Messages -> chat template -> token ids -> max_tokens, with the checks on the way: content parts,
+    the prompt budget, tool names, tools that fill the context (a 413 naming `tools` when the messages
+    alone would fit), the context length, the vocabulary. Synchronous: a worker thread runs it unless the
+    request is small, so the message dicts it builds are also taken apart there."""
+    held = [_messages(req, budget)]  # the only reference, so that `dismantle` may take it apart
+    mode = _tool_mode(req)
+    gw = ctx.gateway
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    prompt_ids = _encode(gw.tokenizer, held[0], tools)
+    if len(prompt_ids) >= gw.context_length and tools:
+        without = len(_encode(gw.tokenizer, held[0], None))
+        if without < gw.context_length:
+            raise APIError(413, f"tools: the {len(tools)} tool declarations take {len(prompt_ids) - without} of "
+                           f"the prompt's {len(prompt_ids)} tokens; the context length is {gw.context_length}, "
+                           f"which leaves no room for output", param="tools", code="context_length_exceeded")
+    dismantle(held)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = resolve_max_tokens(requested, param, [len(prompt_ids)], "messages", gw.context_length)
+    check_vocab([prompt_ids], gw.vocab_size, "messages")
+    return prompt_ids, mode, max_tokens
+
+
+def _text_chars(req: ChatCompletionRequest) -> int:
+    return sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text or "") for p in m.content or ())
+               for m in req.messages)
+
+
+async def chat_completion(ctx: ServerContext, req: ChatCompletionRequest, request: Request, budget: PromptBudget,
+                          big: BigBodies | None = None) -> Response:
+    """`big`: set when the body was big (limits.BIG_BODY_BYTES): its messages are prepared and tokenized
+    in a worker thread, away from the garbage collector."""
     from k3rt.backend.gateway import Job
     from k3rt.backend.grammar import GrammarSpec
 
     check_common(req)
     ctx.check_model(req.model)
-    messages = _messages(req)
-    mode = _tool_mode(req)
     if req.top_logprobs is not None:
         check_logprobs(req.top_logprobs, "top_logprobs")
         if not req.logprobs:
             raise bad_request("top_logprobs", "requires logprobs to be true")
     gw = ctx.gateway
-    tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    try:
-        # message contents cannot inject special tokens: only the template's text may produce them
-        prompt_ids = await gw.encode_chat(messages, tools=tool_dicts)
-    except Exception as e:  # jinja2.TemplateError (e.g. an unsupported role), ValueError (no template)
-        raise bad_request("messages", f"the chat template rejected them: {e}") from None
-    check_vocab([prompt_ids], gw.vocab_size, "messages")
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = resolve_max_tokens(requested, param, [len(prompt_ids)], "messages", gw.context_length)
+    if big is not None:
+        prompt_ids, mode, max_tokens = await big.run(lambda: _prepare(ctx, req, budget))
+    elif _text_chars(req) < _INLINE_CHARS:
+        prompt_ids, mode, max_tokens = _prepare(ctx, req, budget)
+    else:
+        prompt_ids, mode, max_tokens = await asyncio.to_thread(_prepare, ctx, req, budget)
 
     constraints = grammar_sources(req, req.response_format)
     tools_by_name = {t.function.name: t.function for t in req.tools or []}

@@ -17,6 +17,7 @@ from k3rt.server.generation import (
     json_response, resolve_max_tokens, respond, sampling_params, sse, token_text, total_usage,
     validate_grammar,
 )
+from k3rt.server.limits import BigBodies, PromptBudget
 from k3rt.server.schemas import CompletionRequest, check_common, stop_list
 
 if TYPE_CHECKING:
@@ -25,21 +26,29 @@ if TYPE_CHECKING:
 MAX_PROMPTS = 64  # prompts per batch request
 
 
-async def _prompts(ctx: ServerContext, prompt: Any) -> list[list[int]]:
+async def _prompts(ctx: ServerContext, prompt: Any, budget: PromptBudget) -> list[list[int]]:
+    """Token ids per prompt. A text that cannot fit the context is refused before it is tokenized
+    (limits.py); token-id lists are the parsed lists themselves, not copies."""
     if isinstance(prompt, str):
+        budget.check_text(prompt, "prompt")
         return [await ctx.gateway.encode_prompt(prompt)]
     if not prompt:
         raise bad_request("prompt", "must not be an empty list")
     if len(prompt) > MAX_PROMPTS and not isinstance(prompt[0], int):
         raise bad_request("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
     if isinstance(prompt[0], int):
-        return [list(prompt)]
+        return [prompt]
     if isinstance(prompt[0], str):
+        for i, p in enumerate(prompt):
+            budget.check_text(p, f"prompt[{i}]")
         return [await ctx.gateway.encode_prompt(p) for p in prompt]
-    return [list(p) for p in prompt]
+    return prompt
 
 
-async def completion(ctx: ServerContext, req: CompletionRequest, request: Request) -> Response:
+async def completion(ctx: ServerContext, req: CompletionRequest, request: Request, budget: PromptBudget,
+                     big: BigBodies | None = None) -> Response:
+    """`big`: set when the body was big (limits.BIG_BODY_BYTES): its token ids are checked in a worker
+    thread."""
     from k3rt.backend.gateway import Job
 
     check_common(req)
@@ -52,10 +61,14 @@ async def completion(ctx: ServerContext, req: CompletionRequest, request: Reques
     if req.echo and req.logprobs is not None:
         raise bad_request("echo", "echo together with logprobs (prompt logprobs) is not supported")
     gw = ctx.gateway
-    prompts = await _prompts(ctx, req.prompt)
-    check_vocab(prompts, gw.vocab_size, "prompt")
+    prompts = await _prompts(ctx, req.prompt, budget)
+    # lengths first: a list of millions of ids is refused without a pass over it
     max_tokens = resolve_max_tokens(req.max_tokens, "max_tokens", [len(p) for p in prompts], "prompt",
                                     gw.context_length)
+    if big is not None:
+        await big.run(lambda: check_vocab(prompts, gw.vocab_size, "prompt"))
+    else:
+        check_vocab(prompts, gw.vocab_size, "prompt")
     constraints = grammar_sources(req, req.response_format)
     if len(constraints) > 1:
         raise bad_request(constraints[1][0], f"only one output constraint per request; {constraints[0][0]} is "

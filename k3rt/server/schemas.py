@@ -4,23 +4,66 @@ Strict: a string is never coerced into a number or a bool, NaN and infinities ar
 field has OpenAI's type. Unknown fields are ignored (clients send newer OpenAI fields than we know).
 Range checks that need more than a type live in `SamplingFields.sampling_params` and in chat.py /
 completions.py, so each error names its field and the limit. Responses are plain dicts (see chat.py).
+Lists stop at their first bad item and `prompt`'s shape is read off its first item, so a bad body of
+millions of items costs no more to refuse than a good one costs to accept.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.types import FailFast
+from pydantic_core import PydanticCustomError
 
 from k3rt.sampling_params import MAX_LOGPROBS
 
 MAX_N = 128  # OpenAI's limit on choices per request
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; more costs nothing here)
 MAX_STOP_LEN = 1024  # characters per stop string
+MAX_SCHEMA_DEPTH = 100  # levels of objects / arrays in a JSON schema, tool parameters or call arguments
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _switch_point(self) -> Any:
+        # pydantic-core validates a whole body in one call that holds the GIL (300K messages: 250 ms). A
+        # Python call per object is a point where the interpreter may hand the GIL over (every
+        # sys.getswitchinterval(), 5 ms), so a big body parsed in a worker thread leaves the event loop running.
+        return self
+
+
+class _FailFast(FailFast):
+    # hashable, so that it may sit inside a Union (typing deduplicates union members by hash)
+    __hash__ = object.__hash__
+
+
+_T = TypeVar("_T")
+# Every list stops at its first bad item. Otherwise a list of millions of bad items collects millions of
+# errors, and a union tries each list member in turn: `[1, "a", "a", ...]` as a 6 MB prompt took 67 s of
+# GIL-holding validation.
+_List = Annotated[list[_T], _FailFast()]
+
+
+def _nesting(value: Any, limit: int) -> int:
+    """Levels of objects and arrays in `value` (a scalar has 0), counted up to limit + 1."""
+    depth, level = 0, [value]
+    while depth <= limit:
+        level = [v for v in level if isinstance(v, (dict, list))]
+        if not level:
+            break
+        depth += 1
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v)]
+    return depth
+
+
+def _check_nesting(value: Any) -> Any:
+    if value is not None and _nesting(value, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise PydanticCustomError("json_too_deep", "nested more than {limit} levels deep",
+                                  {"limit": MAX_SCHEMA_DEPTH})
+    return value
 
 
 class StreamOptions(_Strict):
@@ -33,6 +76,8 @@ class JSONSchemaFormat(_Strict):
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
+    _nesting = field_validator("schema_")(_check_nesting)
+
 
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
@@ -44,6 +89,8 @@ class FunctionDef(_Strict):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    _nesting = field_validator("parameters")(_check_nesting)
 
 
 class Tool(_Strict):
@@ -70,6 +117,8 @@ class FunctionCall(_Strict):
     name: str
     arguments: str | dict[str, Any]
 
+    _nesting = field_validator("arguments")(_check_nesting)
+
 
 class ToolCall(_Strict):
     id: str
@@ -79,9 +128,9 @@ class ToolCall(_Strict):
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | _List[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: _List[ToolCall] | None = None
     tool_call_id: str | None = None
 
 
@@ -92,7 +141,7 @@ class SamplingFields(_Strict):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | _List[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
@@ -104,33 +153,66 @@ class SamplingFields(_Strict):
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: _List[int] | None = None
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: _List[str] | None = None
     cache_salt: str | None = None
     return_token_ids: bool = False  # debug: add prompt_token_ids and per-choice token_ids to the response
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[Message]
+    messages: _List[Message]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
-    tools: list[Tool] | None = None
+    tools: _List[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # str | list[str] | list[int] | list[list[int]], checked by `_prompt_shape`: pydantic's union would
+    # validate a 5M-id list three times over (list[str] fails, list[int], list[list[int]] fails)
+    prompt: Any
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
     response_format: ResponseFormat | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_shape(cls, prompt: Any) -> Any:
+        """A string, or a list whose first item decides the rest: strings, token ids, or lists of token ids.
+        A plain Python loop, so a big body's check (in a worker thread) lets the event loop run."""
+        if isinstance(prompt, str) or prompt == []:
+            return prompt
+        if not isinstance(prompt, list):
+            raise PydanticCustomError("prompt_type", _PROMPT_TYPES)
+        if type(prompt[0]) is list:
+            for i, ids in enumerate(prompt):
+                if type(ids) is not list:
+                    raise PydanticCustomError("prompt_type", f"item [{i}]: {_PROMPT_TYPES}")
+                _check_items(ids, int, f"[{i}]", "a token id (an integer)")
+            return prompt
+        if type(prompt[0]) is str:
+            _check_items(prompt, str, "", "a string")
+        else:
+            _check_items(prompt, int, "", "a token id (an integer)")
+        return prompt
+
+
+_PROMPT_TYPES = "must be a string, a list of strings, a list of token ids, or a list of lists of token ids"
+
+
+def _check_items(items: list[Any], kind: type, where: str, what: str) -> None:
+    bad = next((i for i, x in enumerate(items) if type(x) is not kind), None)
+    if bad is not None:
+        raise PydanticCustomError("prompt_type", "item {where}[{index}] must be {what}, like the first one; got {got}",
+                                  {"where": where, "index": bad, "what": what, "got": repr(items[bad])[:40]})
 
 
 def check_common(req: SamplingFields) -> None:
@@ -161,6 +243,10 @@ def check_common(req: SamplingFields) -> None:
         raise bad_request("choice", "must be a non-empty list of non-empty strings")
     if req.regex is not None and not req.regex:
         raise bad_request("regex", "must be a non-empty pattern")
+    if req.regex is not None and (len(req.regex) - len(req.regex.rstrip("\\"))) % 2:
+        # llguidance drops a dangling escape ("a\\" would constrain the output to "a")
+        raise bad_request("regex", "ends in an unfinished escape (a lone trailing backslash); write \\\\ for a "
+                          "literal backslash", code="invalid_grammar")
     if not 0 <= req.top_k < 2**31:
         raise bad_request("top_k", f"must be in [0, 2^31) (0 disables), got {req.top_k}")
     if not 0.0 <= req.min_p <= 1.0:
