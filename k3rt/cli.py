@@ -262,10 +262,20 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=30000, help="port to listen on (default 30000)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/*, and KEY on the DSL port "
-                        "(k3rt.connect(ADDR, api_key=KEY) or K3RT_API_KEY; proven in a ZMQ CURVE handshake) "
-                        "(default: none)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics, and KEY on the DSL port "
+                        "(k3rt.connect(ADDR, api_key=KEY) or K3RT_API_KEY; proven in a ZMQ CURVE handshake); "
+                        "give it several times for several keys (default: none)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="more keys, one per line (blank lines and lines starting with # are skipped)")
+    p.add_argument("--cache-isolation", choices=["none", "api-key"], default=None,
+                   help="api-key: each key's requests (HTTP and DSL) share cached prefixes only with that key's, "
+                        "so no client can probe another's prompts by cached_tokens or timing; none: one cache "
+                        "for all (default: api-key when keys are set)")
+    p.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without a key even when keys are set (default: it needs one)")
+    p.add_argument("--max-body-mb", type=float, default=32.0,
+                   help="request bodies above this many MiB are answered 413 before they are read (default 32)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the folder's name)")
     p.add_argument("--max-running", type=int, default=256, help="requests decoding at once (default 256)")
     p.add_argument("--max-waiting", type=int, default=4096,
@@ -321,7 +331,15 @@ def _cmd_serve(a: argparse.Namespace) -> int:
                           runner=a.runner, cuda_graphs=not a.no_cuda_graphs, use_pdl=a.pdl, random_weights=a.random_weights,
                           cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=a.max_batched_tokens,
                                                                  max_running=a.max_running, max_waiting=a.max_waiting))
-    cfg = ServerConfig(engine=engine, host=a.host, port=a.port, api_key=a.api_key,
+    keys = list(a.api_key or [])
+    if a.api_key_file:
+        with open(a.api_key_file) as f:
+            keys += [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+        if not keys:
+            raise ValueError(f"api_key_file: no keys in {a.api_key_file}")
+    cfg = ServerConfig(engine=engine, host=a.host, port=a.port, api_keys=tuple(dict.fromkeys(keys)),
+                       cache_isolation=a.cache_isolation, metrics_public=a.metrics_public,
+                       max_body_bytes=int(a.max_body_mb * (1 << 20)),
                        served_model_name=a.served_model_name, context_length=a.context_length,
                        drain_timeout_s=a.drain_timeout, log_level=a.log_level.upper(),
                        dsl_addr=None if a.dsl_addr == "off" else a.dsl_addr, stall_timeout_s=a.stall_timeout,

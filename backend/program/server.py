@@ -39,7 +39,7 @@ import logging
 import time
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import zmq
@@ -108,13 +108,17 @@ def _key_set(api_keys: str | Iterable[str] | None) -> frozenset[str]:
 class ProgramServer:
     def __init__(self, client: Any, tokenizer: Tokenizer, addr: str, *,
                  api_keys: str | Iterable[str] | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 tenant: Callable[[str], str | None] | None = None) -> None:
         """api_keys: a key or several; clients must hold one (None or empty: no key). max_message_bytes:
-        ZMQ_MAXMSGSIZE of the socket."""
+        ZMQ_MAXMSGSIZE of the socket. tenant: a key's prefix-cache namespace (ServerConfig.tenant); the
+        programs of a connection admitted with that key run in it (the ZAP reply's User-Id carries it)."""
         self.gen = Generator(client, tokenizer)
         self.roles = role_text(tokenizer)
         self.addr = addr
-        self.client_keys = frozenset(client_curve_keys(k)[0] for k in _key_set(api_keys))  # Z85 public keys
+        # Z85 public key of each api key's client -> the namespace its programs' cache lives in
+        self.client_keys = {client_curve_keys(k)[0]: (tenant(k) if tenant else None) or ""
+                            for k in _key_set(api_keys)}
         self.max_message_bytes = max_message_bytes
         # a state's text longer than this never fits a prompt: rejected before it is tokenized
         context = getattr(client, "info", {}).get("max_model_len")
@@ -199,7 +203,7 @@ class ProgramServer:
                          _peer_address(frames[1]), e)
             return
         if isinstance(msg, ProgramRun):
-            self._start(ident, msg)
+            self._start(ident, msg, _user_id(frames[1]))
         elif isinstance(msg, ProgramClose):
             entry = self.sessions.get(msg.pid)
             if entry is not None and entry.ident == ident:  # another connection's session is not this one's
@@ -208,7 +212,7 @@ class ProgramServer:
             self._reject(ident, "type", "rejected a %s from peer %s: not a DSL message", type(msg).__name__,
                          ident.hex())
 
-    def _start(self, ident: bytes, msg: ProgramRun) -> None:
+    def _start(self, ident: bytes, msg: ProgramRun, tenant: str | None = None) -> None:
         entry = self.sessions.get(msg.pid)
         if entry is not None and entry.ident != ident:
             self._reject(ident, "pid", "rejected a ProgramRun from peer %s: its pid is another connection's "
@@ -216,7 +220,7 @@ class ProgramServer:
             self.outq.put_nowait((ident, encode(ProgramResult(
                 msg.pid, {}, {}, {}, {}, "pid: the session belongs to another connection", None))))
             return
-        entry = self._entry(ident, msg)
+        entry = self._entry(ident, msg, tenant)
         task = asyncio.create_task(self._run(entry, msg))
         entry.runs.add(task)
         task.add_done_callback(entry.runs.discard)
@@ -226,11 +230,13 @@ class ProgramServer:
         derived from one of our keys. The keys are public keys, so a set lookup leaks nothing of a secret."""
         while True:
             frames = await sock.recv_multipart()
-            request_id, ok = frames[1] if len(frames) > 1 else b"", False
+            request_id, ok, user = frames[1] if len(frames) > 1 else b"", False, b""
             try:
                 _, _, _, address, _, mechanism, *credentials = frames
                 ok = (mechanism == b"CURVE" and len(credentials) == 1
                       and z85.encode(credentials[0]) in self.client_keys)
+                if ok:
+                    user = self.client_keys[z85.encode(credentials[0])].encode()
                 if not ok:
                     self._reject(address, "key", "rejected a connection from %s: its %s key is not one of this "
                                  "server's api keys", address.decode(errors="replace"),
@@ -238,7 +244,7 @@ class ProgramServer:
             except Exception:  # a malformed request: deny it, keep serving
                 log.exception("DSL port: a malformed ZAP request")
             await sock.send_multipart([b"1.0", request_id, b"200" if ok else b"400",
-                                       b"OK" if ok else b"unknown api key", b"", b""])
+                                       b"OK" if ok else b"unknown api key", user, b""])
 
     async def _watch_handshakes(self, monitor: zmq.asyncio.Socket) -> None:
         """Log handshakes that fail before ZAP is asked: a client without CURVE (no key), or not ZMTP."""
@@ -278,14 +284,14 @@ class ProgramServer:
             for t in list(entry.runs):
                 t.cancel()
 
-    def _entry(self, ident: bytes, msg: ProgramRun) -> "_Entry":
+    def _entry(self, ident: bytes, msg: ProgramRun, tenant: str | None = None) -> "_Entry":
         entry = self.sessions.get(msg.pid)
         if entry is None:
             on_event = None
             if msg.stream:
                 def on_event(sid: int, name: str | None, delta: str, done: bool, pid: str = msg.pid) -> None:
                     self.outq.put_nowait((ident, encode(ProgramEvent(pid, sid, name, delta, done))))
-            entry = _Entry(ProgramSession(msg.pid, self.gen, self.roles, on_event=on_event), ident)
+            entry = _Entry(ProgramSession(msg.pid, self.gen, self.roles, on_event=on_event, cache_salt=tenant), ident)
             self.sessions[msg.pid] = entry
         return entry
 
@@ -314,6 +320,14 @@ class ProgramServer:
         self.outq.put_nowait((ident, encode(ProgramResult(msg.pid, result["variables"], result["texts"],
                                                           result["messages"], result.get("meta", {}),
                                                           result.get("error"), result.get("error_line")))))
+
+
+def _user_id(frame: zmq.Frame) -> str | None:
+    """The namespace the ZAP handler gave the frame's connection (None: no keys, or isolation off)."""
+    try:
+        return frame.get("User-Id") or None
+    except zmq.ZMQError:
+        return None
 
 
 def _peer_address(frame: zmq.Frame) -> str:

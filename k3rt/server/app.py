@@ -126,14 +126,22 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app = FastAPI(title="k3rt", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
 
+    keys = [k.encode() for k in cfg.api_keys]
+
     async def check_api_key(request: Request) -> None:
-        if cfg.api_key is None:
+        """401 without one of the keys; the request's cache namespace (request.state.tenant) from its key."""
+        request.state.tenant = None
+        if not keys:
             return
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), cfg.api_key.encode()):
+        given = token.strip().encode()
+        # every key compared (in constant time each): which one matched, or none, takes the same time
+        match = [hmac.compare_digest(given, k) for k in keys]
+        if scheme.lower() != "bearer" or not any(match):
             raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        request.state.tenant = cfg.tenant(cfg.api_keys[match.index(True)])
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
@@ -146,7 +154,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
         problem = ctx.health.problem()
         return json_response(problem, status=503) if problem else json_response({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[] if cfg.metrics_public else [Depends(check_api_key)])
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 

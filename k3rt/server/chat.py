@@ -20,7 +20,7 @@ from k3rt.server import tools as tool_calls
 from k3rt.server.errors import APIError, bad_request
 from k3rt.server.generation import (
     Choice, ServerContext, chat_logprob, check_logprobs, check_vocab, grammar_sources, json_response, new_id, now,
-    resolve_max_tokens, respond, sampling_params, sse, total_usage, validate_grammar,
+    namespaced_salt, resolve_max_tokens, respond, sampling_params, sse, total_usage, validate_grammar,
 )
 from k3rt.server.limits import BigBodies, PromptBudget, dismantle
 from k3rt.server.schemas import ChatCompletionRequest, check_common, stop_list
@@ -184,7 +184,7 @@ async def chat_completion(ctx: ServerContext, req: ChatCompletionRequest, reques
             return tool_calls.KimiToolParser(probe.ids, gw.tokenizer.decode)
 
     params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-    job = Job([prompt_ids], params, req.n, stop_list(req), grammar, req.cache_salt, text_end_id)
+    job = Job([prompt_ids], params, req.n, stop_list(req), grammar, namespaced_salt(request, req.cache_salt), text_end_id)
     out = _ChatOutput(ctx, req, mode, prompt_ids, make_parser)
     return await respond(ctx, job, req.n, request, "chat", bool(req.stream), out.render_start, out.render_delta,
                          out.render_end, out.response)

@@ -14,7 +14,7 @@ from starlette.responses import Response
 from k3rt.server.errors import bad_request
 from k3rt.server.generation import (
     MIN_LOGPROB, Choice, ServerContext, check_logprobs, check_vocab, grammar_sources, new_id, now,
-    json_response, resolve_max_tokens, respond, sampling_params, sse, token_text, total_usage,
+    json_response, namespaced_salt, resolve_max_tokens, respond, sampling_params, sse, token_text, total_usage,
     validate_grammar,
 )
 from k3rt.server.limits import BigBodies, PromptBudget
@@ -75,7 +75,7 @@ async def completion(ctx: ServerContext, req: CompletionRequest, request: Reques
                           f"already set")
     grammar = await validate_grammar(ctx, *constraints[0]) if constraints else None
     params = sampling_params(req, max_tokens, req.logprobs)
-    job = Job(prompts, params, req.n, stop_list(req), grammar, req.cache_salt)
+    job = Job(prompts, params, req.n, stop_list(req), grammar, namespaced_salt(request, req.cache_salt))
     out = _CompletionOutput(ctx, req, prompts)
     return await respond(ctx, job, req.n, request, "completions", bool(req.stream), out.render_echo,
                          out.render_delta, out.render_end, out.response)

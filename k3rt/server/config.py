@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +14,13 @@ class ServerConfig:
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: str | None = None  # when set, /v1/* requires "Authorization: Bearer <api_key>"
+    # when set, /v1/* (and /metrics, unless metrics_public) require "Authorization: Bearer <one of them>",
+    # and the DSL port a client holding one of them
+    api_keys: tuple[str, ...] = ()
+    # "api-key": each key's requests (HTTP and DSL) share cached prefixes only with that key's; "none": one
+    # cache for everyone. None: "api-key" when keys are set
+    cache_isolation: str | None = None
+    metrics_public: bool = False  # with keys set, /metrics needs no key
     served_model_name: str | None = None  # None: the model folder's name
     context_length: int | None = None  # None: the model's max_position_embeddings
     drain_timeout_s: float = 10.0  # on SIGTERM/SIGINT, how long running requests may finish before abort
@@ -36,8 +43,21 @@ class ServerConfig:
             raise ValueError(f"dsl_addr: {self.dsl_addr!r} must be 'auto', or start with tcp:// or ipc://")
         if self.dsl_max_message_bytes < 1:
             raise ValueError(f"dsl_max_message_bytes: must be >= 1, got {self.dsl_max_message_bytes}")
-        if self.api_key is not None and not self.api_key:
+        if any(not k for k in self.api_keys):
             raise ValueError("api_key: must not be empty")
+        if self.cache_isolation is None:
+            object.__setattr__(self, "cache_isolation", "api-key" if self.api_keys else "none")
+        if self.cache_isolation not in ("none", "api-key"):
+            raise ValueError(f"cache_isolation: {self.cache_isolation!r} not one of none, api-key")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes: must be >= 1, got {self.max_body_bytes}")
+
+    def tenant(self, key: str) -> str | None:
+        """The prefix-cache namespace of a request made with `key` (None: shared). A digest, so neither
+        logs nor the cache ever hold the key itself."""
+        if self.cache_isolation != "api-key":
+            return None
+        return "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
     def resolved_dsl_addr(self, http_port: int) -> str | None:
         if self.dsl_addr != "auto":

@@ -103,6 +103,15 @@ def check_vocab(prompts: list[list[int]], vocab_size: int, param: str) -> None:
             raise bad_request(param, f"token id {bad} outside the vocabulary [0, {vocab_size})")
 
 
+def namespaced_salt(request: Any, cache_salt: str | None) -> str | None:
+    """The request's prefix-cache namespace: its key's (ServerConfig.cache_isolation), within which the
+    client's own cache_salt may namespace further."""
+    tenant = getattr(request.state, "tenant", None)
+    if tenant is None:
+        return cache_salt
+    return tenant if cache_salt is None else f"{tenant}/{cache_salt}"
+
+
 def grammar_sources(req: SamplingFields, response_format: Any) -> list[tuple[str, Any]]:
     """(param, GrammarSpec) for every constraint the request asked for via response_format, regex, choice."""
     from k3rt.backend.grammar import GrammarError, GrammarSpec

@@ -121,7 +121,8 @@ async def _serve(cfg: ServerConfig) -> int:
         if dsl is not None:
             from k3rt.backend.program.server import ProgramServer
 
-            programs = ProgramServer(gateway.client, gateway.tokenizer, dsl, api_keys=cfg.api_key,
+            programs = ProgramServer(gateway.client, gateway.tokenizer, dsl, api_keys=cfg.api_keys,
+                                     tenant=cfg.tenant,
                                      max_message_bytes=cfg.dsl_max_message_bytes)
             dsl_task = asyncio.create_task(programs.serve())
             await programs.bound.wait()

@@ -194,13 +194,14 @@ def test_limits_then_engine_crash(tiny_model, log_dir) -> None:
     try:
         # HTTP is up while the engine loads (seconds: torch import, weights), and says so
         assert s.saw_503_before_ready
-        # the API key guards /v1/*, not /health or /metrics
+        # the API key guards /v1/* and /metrics (unless --metrics-public), not /health
         assert httpx.get(s.url + "/v1/models").status_code == 401
         r = httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(s.url + "/v1/models", headers=auth).status_code == 200
         assert httpx.get(s.url + "/health").status_code == 200
-        assert httpx.get(s.url + "/metrics").status_code == 200
+        assert httpx.get(s.url + "/metrics").status_code == 401
+        assert httpx.get(s.url + "/metrics", headers=auth).status_code == 200
         keyed = openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0, timeout=120)
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=s.url + "/v1", api_key="nope", max_retries=0).models.list()
