@@ -128,6 +128,7 @@ class ProgramServer:
         self.bound = asyncio.Event()  # set once the socket is bound (or binding failed)
         self.endpoint: str | None = None  # the bound address (a wildcard port resolved)
         self.programs_run = 0
+        self.draining = False  # shutting down: running programs finish, new runs are refused
         self.rejected = 0  # messages and connections refused (what a test counts)
         self._reject_log = _RejectLog()
 
@@ -213,6 +214,10 @@ class ProgramServer:
                          ident.hex())
 
     def _start(self, ident: bytes, msg: ProgramRun, tenant: str | None = None) -> None:
+        if self.draining:
+            self.outq.put_nowait((ident, encode(ProgramResult(
+                msg.pid, {}, {}, {}, {}, "server_shutdown: the server is shutting down", None))))
+            return
         entry = self.sessions.get(msg.pid)
         if entry is not None and entry.ident != ident:
             self._reject(ident, "pid", "rejected a ProgramRun from peer %s: its pid is another connection's "
@@ -224,6 +229,20 @@ class ProgramServer:
         task = asyncio.create_task(self._run(entry, msg))
         entry.runs.add(task)
         task.add_done_callback(entry.runs.discard)
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop taking programs and wait up to `timeout` s for the running ones (a shutdown's drain; the
+        server's cut at the drain timeout ends their engine requests, so they end soon after it). Returns
+        whether every one finished; their results still go out before `serve` is cancelled."""
+        self.draining = True
+        runs = {t for e in self.sessions.values() for t in e.runs}
+        if runs:
+            _, pending = await asyncio.wait(runs, timeout=timeout)
+            if pending:
+                return False
+        while not self.outq.empty():  # the results of the last runs
+            await asyncio.sleep(0.01)
+        return True
 
     async def _zap(self, sock: zmq.asyncio.Socket) -> None:
         """Answer libzmq's ZAP requests (RFC 27): a CURVE client is admitted when its public key is one

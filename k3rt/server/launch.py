@@ -78,6 +78,7 @@ async def _serve(cfg: ServerConfig) -> int:
     exit_code = 0
     loop = asyncio.get_running_loop()
     drain_timer: asyncio.TimerHandle | None = None
+    programs = None  # the DSL endpoint, once up: drained like HTTP
 
     def cut(why: str) -> None:
         nonlocal exit_code
@@ -101,6 +102,8 @@ async def _serve(cfg: ServerConfig) -> int:
             return
         log.warning("shutting down (%s); running requests have %gs to finish", reason, cfg.drain_timeout_s)
         gateway.draining = True
+        if programs is not None:
+            programs.draining = True  # new programs are refused; running ones finish (below)
         server.should_exit = True
         drain_timer = loop.call_later(cfg.drain_timeout_s, cut,
                                       f"the request did not finish within the drain timeout ({cfg.drain_timeout_s:g}s)")
@@ -109,7 +112,7 @@ async def _serve(cfg: ServerConfig) -> int:
         loop.add_signal_handler(sig, stop, sig.name)
 
     async def run_engine() -> None:
-        nonlocal exit_code
+        nonlocal exit_code, programs
         try:
             await gateway.start()
         except EngineDead as e:
@@ -156,6 +159,11 @@ async def _serve(cfg: ServerConfig) -> int:
     engine_task.add_done_callback(run_engine_done)
     try:
         await server.serve(sockets=[sock])
+        if programs is not None and not gateway.dead:
+            # DSL programs in flight get the drain too; the cut at the drain timeout ends their requests
+            if not await programs.drain(cfg.drain_timeout_s + _CUT_GRACE_S):
+                log.error("DSL programs still running at shutdown were cancelled")
+                exit_code = 1
         if server.server_state.tasks:  # uvicorn's backstop dropped them (clients that did not read the answer)
             log.error("%d HTTP request(s) dropped at shutdown", len(server.server_state.tasks))
             exit_code = 1

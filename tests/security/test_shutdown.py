@@ -256,3 +256,47 @@ def test_failed_start_leaves_no_engine(tiny_model, log_dir) -> None:  # noqa: F8
         finally:
             if s.proc.poll() is None:
                 s.kill()
+
+
+def _dsl_run(addr: str, max_tokens: int, out: dict) -> None:
+    """Run a one-gen program on the DSL port; out gets its text, or the error it raised."""
+    import k3rt
+
+    @k3rt.function
+    def prog(s):
+        s += "Keep going: " + k3rt.gen("x", max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    backend = k3rt.connect(addr, timeout=60)
+    try:
+        out["x"] = prog.run(backend=backend)["x"]
+    except Exception as e:  # noqa: BLE001 - the test reads what the program got
+        out["error"] = str(e)
+    finally:
+        backend.shutdown()
+
+
+def test_group_sigterm_drains_dsl_programs(tiny_model, log_dir) -> None:  # noqa: F811
+    """DSL programs in flight get the drain HTTP requests get: the finishable one finishes, the late one
+    gets a shutdown error (it was cancelled outright before: uvicorn's drain only saw HTTP)."""
+    s = start_server(tiny_model, log_dir, "--drain-timeout", "3")
+    try:
+        addr = f"tcp://127.0.0.1:{s.port + 1}"
+        short, long_ = {}, {}
+        threads = [threading.Thread(target=_dsl_run, args=(addr, SHORT, short)),
+                   threading.Thread(target=_dsl_run, args=(addr, LONG, long_))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and s.stats()["stats"].get("running", 0) < 2:
+            time.sleep(0.05)
+        os.killpg(s.proc.pid, signal.SIGTERM)
+        signalled = time.monotonic()
+        for t in threads:
+            t.join(60)
+        code = _wait_exit(s, signalled, 3 + 5)
+        assert "x" in short and len(short["x"]) > 0, short
+        assert "shutting down" in long_.get("error", "") or "server_shutdown" in long_.get("error", ""), long_
+        assert code == 1, s.log()  # a program's request was cut
+    finally:
+        if s.proc.poll() is None:
+            s.kill()
