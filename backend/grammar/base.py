@@ -83,13 +83,13 @@ class GrammarSpec:
             payload = tuple(payload)
         if not isinstance(self.strict, bool):
             raise GrammarError(f"strict: expected a bool, got {self.strict!r}")
-        _check_size(self.kind, payload)
         try:
             canonical = json.dumps(
                 [self.kind, payload, self.strict], sort_keys=True, separators=(",", ":"), ensure_ascii=False
             )
         except (TypeError, ValueError) as e:
             raise GrammarError(f"{self.kind}: the payload is not JSON-serializable ({e})") from None
+        _check_size(self.kind, payload)  # after the serializability check: the schema size is measured in JSON
         # Normalizing during construction; the instance is never changed afterwards.
         object.__setattr__(self, "payload", payload)
         object.__setattr__(self, "key", hashlib.sha256(canonical.encode("utf-8")).hexdigest())

@@ -16,7 +16,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.server.conftest import MODEL_NAME, log_dir, start_server, tiny_model  # noqa: F401
+from tests.server.conftest import MODEL_NAME, log_dir, serving, tiny_model  # noqa: F401
 
 HEALTH_LIMIT_S = 0.1  # the bound on /health latency under any single request
 MAX_BODY = 32 << 20  # the server's default body limit
@@ -25,14 +25,8 @@ WORDS = "the quick brown fox jumps over the lazy dog "
 
 @pytest.fixture(scope="module")
 def srv(tiny_model, log_dir):  # noqa: F811
-    s = start_server(tiny_model, log_dir)
-    try:
+    with serving(tiny_model, log_dir) as s:
         yield s
-        assert s.proc.poll() is None, f"the server died:\n{s.log()}"
-        assert s.stop() == 0, s.log()
-    finally:
-        if s.proc.poll() is None:
-            s.kill()
 
 
 def _small(url: str) -> httpx.Response:

@@ -1,6 +1,6 @@
 """Issue 19 part 2: the DSL port of `k3rt serve` (ZMQ ROUTER) with `--api-key`.
 
-One real server (tests/server/conftest.py's `start_server`) with a key and a 12 MiB message cap serves every
+One real server (tests/server/conftest.py's `serving`) with a key and a 12 MiB message cap serves every
 test here, through raw ZMQ DEALER sockets (what an attacker has) and through `k3rt.connect`.
 """
 
@@ -20,7 +20,7 @@ import zmq
 import k3rt
 from k3rt.frontend.client import apply_api_key
 from k3rt.protocol import ProgramResult, ProgramRun, decode, encode
-from tests.server.conftest import ServeProcess, free_port, log_dir, start_server, tiny_model  # noqa: F401 (fixtures)
+from tests.server.conftest import ServeProcess, free_port, log_dir, serving, tiny_model  # noqa: F401 (fixtures)
 
 KEY = "dsl-test-key"
 MAX_MB = 12
@@ -31,15 +31,9 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def dsl_server(tiny_model: Path, log_dir: Path) -> Iterator[ServeProcess]:  # noqa: F811
     addr = f"tcp://127.0.0.1:{free_port()}"
-    s = start_server(tiny_model, log_dir, "--api-key", KEY, "--dsl-addr", addr, "--dsl-max-message-mb", str(MAX_MB))
-    s.dsl = addr
-    try:
+    with serving(tiny_model, log_dir, "--api-key", KEY, "--dsl-addr", addr, "--dsl-max-message-mb", str(MAX_MB)) as s:
+        s.dsl = addr
         yield s
-        assert s.proc.poll() is None, f"the server died during the tests:\n{s.log()}"
-        assert s.stop() == 0, s.log()
-    finally:
-        if s.proc.poll() is None:
-            s.kill()
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import k3rt
-from tests.server.conftest import log_dir, start_server, tiny_model  # noqa: F401
+from tests.server.conftest import log_dir, serving, tiny_model  # noqa: F401
 
 FRAMES = 2000
 
@@ -58,14 +58,8 @@ frames = st.one_of(message.map(lambda m: json.dumps(list(m)).encode()),
 
 @pytest.fixture(scope="module")
 def srv(tiny_model, log_dir):  # noqa: F811
-    s = start_server(tiny_model, log_dir, "--cache-pages", "512")
-    try:
+    with serving(tiny_model, log_dir, "--cache-pages", "512") as s:
         yield s
-        assert s.proc.poll() is None, f"the server died:\n{s.log()}"
-        assert s.stop() == 0, s.log()
-    finally:
-        if s.proc.poll() is None:
-            s.kill()
 
 
 @pytest.mark.timeout(900)

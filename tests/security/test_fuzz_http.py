@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.conftest import MODEL_NAME, log_dir, start_server, tiny_model  # noqa: F401
+from tests.server.conftest import MODEL_NAME, log_dir, serving, tiny_model  # noqa: F401
 
 EXAMPLES = 2000
 
@@ -69,14 +69,8 @@ bodies = st.one_of(
 
 @pytest.fixture(scope="module")
 def srv(tiny_model, log_dir):  # noqa: F811
-    s = start_server(tiny_model, log_dir, "--cache-pages", "512")
-    try:
+    with serving(tiny_model, log_dir, "--cache-pages", "512") as s:
         yield s
-        assert s.proc.poll() is None, f"the server died:\n{s.log()}"
-        assert s.stop() == 0, s.log()
-    finally:
-        if s.proc.poll() is None:
-            s.kill()
 
 
 @pytest.mark.timeout(900)

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 import k3rt
-from tests.server.conftest import MODEL_NAME, log_dir, start_server, tiny_model  # noqa: F401
+from tests.server.conftest import MODEL_NAME, log_dir, serving, tiny_model  # noqa: F401
 
 K1, K2, K3 = "key-one", "key-two", "key-three"
 
@@ -39,13 +39,8 @@ def _cached(srv, key: str | None, prompt: str = PROMPT) -> int:
 def isolated(tiny_model, log_dir, tmp_path_factory):  # noqa: F811
     keyfile = tmp_path_factory.mktemp("keys") / "keys.txt"
     keyfile.write_text(f"# tenants\n{K3}\n\n")
-    s = start_server(tiny_model, log_dir, "--api-key", K1, "--api-key", K2, "--api-key-file", str(keyfile))
-    try:
+    with serving(tiny_model, log_dir, "--api-key", K1, "--api-key", K2, "--api-key-file", str(keyfile)) as s:
         yield s
-        assert s.stop() == 0, s.log()
-    finally:
-        if s.proc.poll() is None:
-            s.kill()
 
 
 @pytest.mark.timeout(180)
@@ -88,12 +83,7 @@ def test_metrics_need_a_key_when_keys_are_set(isolated):
 
 @pytest.mark.timeout(180)
 def test_isolation_off_shares_one_cache_and_public_metrics(tiny_model, log_dir):  # noqa: F811
-    s = start_server(tiny_model, log_dir, "--api-key", K1, "--api-key", K2, "--cache-isolation", "none",
-                     "--metrics-public")
-    try:
+    with serving(tiny_model, log_dir, "--api-key", K1, "--api-key", K2, "--cache-isolation", "none",
+                 "--metrics-public") as s:
         assert _cached(s, K1) == 0 and _cached(s, K2) > 1000
         assert httpx.get(s.url + "/metrics", timeout=10).status_code == 200
-        assert s.stop() == 0, s.log()
-    finally:
-        if s.proc.poll() is None:
-            s.kill()

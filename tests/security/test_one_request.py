@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 import k3rt
-from tests.server.conftest import MODEL_NAME, log_dir, start_server, tiny_model  # noqa: F401
+from tests.server.conftest import MODEL_NAME, log_dir, serving, tiny_model  # noqa: F401
 
 BAD = [
     ("regex", "a{1000000}"),
@@ -23,14 +23,8 @@ BAD = [
 
 @pytest.fixture(scope="module")
 def srv(tiny_model, log_dir):  # noqa: F811
-    s = start_server(tiny_model, log_dir)
-    try:
+    with serving(tiny_model, log_dir) as s:
         yield s
-        assert s.proc.poll() is None, f"the server died:\n{s.log()}"
-        assert s.stop() == 0, s.log()
-    finally:
-        if s.proc.poll() is None:
-            s.kill()
 
 
 def _completion(url: str, **extra) -> httpx.Response:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -142,9 +143,10 @@ def start_server(model: Path, log_dir: Path, *args: str) -> ServeProcess:
     return s
 
 
-@pytest.fixture(scope="session")
-def server(tiny_model: Path, log_dir: Path) -> Iterator[ServeProcess]:
-    s = start_server(tiny_model, log_dir)
+@contextmanager
+def serving(model: Path, log_dir: Path, *args: str) -> Iterator[ServeProcess]:
+    """A started server for a fixture's lifetime: it must still be alive at the end and stop cleanly (rc 0)."""
+    s = start_server(model, log_dir, *args)
     try:
         yield s
         assert s.proc.poll() is None, f"the server died during the tests:\n{s.log()}"
@@ -152,6 +154,12 @@ def server(tiny_model: Path, log_dir: Path) -> Iterator[ServeProcess]:
     finally:
         if s.proc.poll() is None:
             s.kill()
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model: Path, log_dir: Path) -> Iterator[ServeProcess]:
+    with serving(tiny_model, log_dir) as s:
+        yield s
 
 
 @pytest.fixture(scope="session")
@@ -177,11 +185,5 @@ SMALL_POOL_ARGS = ("--cache-pages", str(SMALL_POOL_PAGES), "--max-running", "2",
 @pytest.fixture(scope="session")
 def small_server(tiny_model: Path, log_dir: Path) -> Iterator[ServeProcess]:
     """A server on the smallest pool that starts, admitting 8 engine requests, with a 2 s stall timeout."""
-    s = start_server(tiny_model, log_dir, *SMALL_POOL_ARGS)
-    try:
+    with serving(tiny_model, log_dir, *SMALL_POOL_ARGS) as s:
         yield s
-        assert s.proc.poll() is None, f"the small-pool server died during the tests:\n{s.log()}"
-        assert s.stop() == 0, s.log()
-    finally:
-        if s.proc.poll() is None:
-            s.kill()
