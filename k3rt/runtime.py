@@ -37,7 +37,7 @@ class Runtime:
                                          cache=CacheConfig(num_pages=cache_pages),
                                          scheduler=SchedulerConfig(max_running=max_running))
         self.config = engine_config
-        self.endpoint = endpoint or f"ipc://{tempfile.mkdtemp(prefix='k3rt-dsl-')}/programs"
+        self.address = endpoint or f"ipc://{tempfile.mkdtemp(prefix='k3rt-dsl-')}/programs"  # the ZMQ endpoint
         self._api_key = api_key
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -49,7 +49,9 @@ class Runtime:
             raise TimeoutError(f"k3rt.Runtime: not ready within {startup_timeout:.0f}s")
         if self._error is not None:
             raise RuntimeError(f"k3rt.Runtime failed to start: {self._error}") from self._error
-        self.backend = RemoteBackend(self.endpoint, api_key=api_key)  # (not connect(): K3RT_API_KEY is not ours)
+        self.backend = RemoteBackend(self.address, api_key=api_key)  # (not connect(): K3RT_API_KEY is not ours)
+        # sglang's Runtime.endpoint is the backend its programs talk to (get_model_name, flush_cache, ...)
+        self.endpoint = self.backend
 
     def _serve(self) -> None:
         self._loop = asyncio.new_event_loop()
@@ -74,7 +76,7 @@ class Runtime:
 
             self.client = EngineClient(self.config)
         await self.client.start()
-        self.server = ProgramServer(self.client, load_tokenizer(self.config.model), self.endpoint,
+        self.server = ProgramServer(self.client, load_tokenizer(self.config.model), self.address,
                                     api_keys=self._api_key)
         self._stop = asyncio.Event()
         serve = asyncio.create_task(self.server.serve())
@@ -91,6 +93,11 @@ class Runtime:
         await self.client.shutdown()
 
     @property
+    def token_usage(self):
+        """The tokens this Runtime's programs used (frontend/client.py TokenUsage)."""
+        return self.backend.token_usage
+
+    @property
     def engine_stats(self) -> dict[str, Any]:
         """Scheduler/cache counters (prompt, cached and computed tokens, pages, snapshots)."""
         c = self.client
@@ -101,7 +108,7 @@ class Runtime:
     def shutdown(self) -> None:
         if getattr(self, "backend", None) is not None:
             self.backend.shutdown()
-            self.backend = None
+            self.backend = self.endpoint = None
         if self._loop is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(60)
