@@ -23,6 +23,7 @@ Every k3rt feature these tests touch is also pinned by exact-state tests in test
 from __future__ import annotations
 
 import hashlib
+import linecache
 import os
 import sys
 import traceback
@@ -68,7 +69,11 @@ def _source() -> tuple[str, str]:
     raw = VENDORED.read_bytes()
     original = raw.split(b"-" * 106 + b"\n", 1)[1]
     assert hashlib.sha256(original).hexdigest() == SGLANG_SHA256, "the vendored file is not sglang's"
-    return original.decode(), str(VENDORED)
+    # tracebacks must show the original's lines, not the vendored file's (6 header lines more)
+    name = f"<sglang 0.5.23 {SOURCE_NAME}>"
+    text = original.decode()
+    linecache.cache[name] = (len(text), None, text.splitlines(True), name)
+    return text, name
 
 
 def _shim_modules(model_dir: Path) -> dict[str, types.ModuleType]:
