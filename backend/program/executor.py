@@ -238,23 +238,14 @@ class ProgramSession:
         if want_lp:
             params = replace(params, logprobs=top_n)
         prompt = await self._prompt_ids(st)
+        # input_token_logprobs from prompt position logprob_start_len (None or < 0: none); position 0 has no
+        # context, so its logprob is None, and the engine scores from position 1
         start = opts.get("logprob_start_len")
         from_pos = None
-        if want_lp and start is not None and start >= 0:
-            from_pos = min(max(start, 1), len(prompt) - 1) if len(prompt) > 1 else None
+        if want_lp and start is not None and 0 <= start < len(prompt) and len(prompt) > 1:
+            from_pos = max(start, 1)
         n = opts.get("n") or 1
-        others: list[GenResult] = []
-        if n > 1:
-            # the other samples first, concurrently, from the same prompt; the state continues with sample 0
-            others = await asyncio.gather(*(self.gen.generate(prompt, params, stop=stop,
-                                                              stop_regex=opts.get("stop_regex", ()),
-                                                              grammar=op.grammar, cache_salt=self.salt,
-                                                              prompt_logprobs_from=from_pos)
-                                            for _ in range(n - 1)))
-            for r in others:
-                self._count(r)
-                if r.error:
-                    raise OpError(r.error, op.line)
+        stop_regex = opts.get("stop_regex", ())
         emit = None
         if self.on_event is not None:
             def emit(delta: str, ids: list[int], lps: list[float], tops: list) -> None:
@@ -269,15 +260,21 @@ class ProgramSession:
         # pin the end-of-generation snapshot: the program's next call resumes from it, so it must survive
         # cache pressure in between; the previous pin of this state is released once this one exists
         st.gen_rid = uuid.uuid4().hex  # known before the request starts: a cancel mid-gen unpins it
-        res = await self.gen.generate(prompt, params, stop=stop, stop_regex=opts.get("stop_regex", ()),
-                                      grammar=op.grammar, cache_salt=self.salt, on_text=emit, pin=True,
-                                      rid=st.gen_rid, prompt_logprobs_from=from_pos)
-        self._count(res)
+        # n > 1: the other samples run alongside, from the same prompt; the state continues with sample 0
+        res, *others = await asyncio.gather(
+            self.gen.generate(prompt, params, stop=stop, stop_regex=stop_regex, grammar=op.grammar,
+                              cache_salt=self.salt, on_text=emit, pin=True, rid=st.gen_rid,
+                              prompt_logprobs_from=from_pos),
+            *(self.gen.generate(prompt, params, stop=stop, stop_regex=stop_regex, grammar=op.grammar,
+                                cache_salt=self.salt, prompt_logprobs_from=from_pos) for _ in range(n - 1)))
+        for r in (res, *others):
+            self._count(r)
         previous, st.pinned_rid, st.gen_rid = st.pinned_rid, res.rid, None
         if previous is not None:
             await self.gen.unpin(previous)
-        if res.error:
-            raise OpError(res.error, op.line)
+        error = next((r.error for r in (res, *others) if r.error), None)
+        if error:
+            raise OpError(error, op.line)
         if self.on_event is not None:
             self.on_event(sid, op.name, "", True)
         ids = res.token_ids
@@ -292,11 +289,11 @@ class ProgramSession:
             st.text += res.text
         st.computed = max(st.computed, len(prompt) + len(res.token_ids) - 1)
         if op.name:
-            metas = [self._gen_meta(r, prompt, from_pos, want_lp, opts) for r in [res, *others]]
+            metas = [self._gen_meta(r, prompt, start, from_pos, want_lp, opts) for r in [res, *others]]
             self._set_var(st, op.name, res.text if n == 1 else [res.text] + [r.text for r in others])
             st.meta[op.name] = metas[0] if n == 1 else metas
 
-    def _gen_meta(self, res: GenResult, prompt: list[int], from_pos: int | None, want_lp: bool,
+    def _gen_meta(self, res: GenResult, prompt: list[int], start: int | None, from_pos: int | None, want_lp: bool,
                   opts: dict[str, Any]) -> dict[str, Any]:
         meta: dict[str, Any] = {"prompt_tokens": res.prompt_tokens, "completion_tokens": len(res.token_ids),
                                 "cached_tokens": res.cached_tokens, "finish_reason": res.finish_reason}
@@ -308,8 +305,7 @@ class ProgramSession:
             if opts.get("top_logprobs_num"):
                 meta["output_top_logprobs"] = [self._tops(t, opts) for t in res.top_logprobs]
             if from_pos is not None:
-                meta["input_token_logprobs"] = [[None, prompt[from_pos - 1], self._text(prompt[from_pos - 1], opts)]] \
-                    if from_pos == 1 else []
+                meta["input_token_logprobs"] = [[None, prompt[0], self._text(prompt[0], opts)]] if start == 0 else []
                 meta["input_token_logprobs"] += [[res.prompt_logprobs.get(p), prompt[p], self._text(prompt[p], opts)]
                                                  for p in range(from_pos, len(prompt))]
         return meta

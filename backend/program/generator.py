@@ -47,15 +47,16 @@ class _Stops:
     def __init__(self, stop: Sequence[str], stop_regex: Sequence[str], min_tokens: int) -> None:
         self.stop, self.min_tokens = tuple(stop), min_tokens
         self.regexes = [re.compile(r) for r in stop_regex]
-        self.hold = max((len(x) for x in self.stop), default=1) - 1
+        self.hold = max((len(x) for x in self.stop), default=1) - 1  # a stop string's chars that can hide in a tail
         self.armed_at: int | None = None  # text offset when min_tokens was reached
 
-    def find(self, text: str, num_tokens: int) -> tuple[int, str] | None:
-        """(cut offset, what matched), or None."""
+    def find(self, text: str, num_tokens: int, released: int) -> tuple[int, str] | None:
+        """(cut offset, what matched), or None. released: text already streamed, never cut again."""
         if num_tokens < self.min_tokens:
             return None
         if self.armed_at is None:
-            self.armed_at = max(0, len(text) - max(self.hold, 0) - 8)
+            # from min_tokens on, a match may begin in the held tail of the text before it
+            self.armed_at = 0 if self.min_tokens == 0 else max(released, len(text) - self.hold)
         hits = []
         for x in self.stop:
             i = text.find(x, self.armed_at)
@@ -120,7 +121,7 @@ class Generator:
                     if u.finished:
                         ts.finish()
                     full += ts.take(final=True)
-                    hit = own.find(full, len(ids))
+                    hit = own.find(full, len(ids), released)
                     if hit is not None:
                         full, matched, reason = full[:hit[0]], hit[1], "stop_string"
                         emit(full[released:])
