@@ -412,6 +412,25 @@ def resolve_backend(backend: Backend | Any | None) -> Backend:
     return inner if isinstance(inner, Backend) else backend
 
 
+def RuntimeEndpoint(base_url: str, api_key: str | None = None, verify: Any = None,  # noqa: N802 (sglang's name)
+                    chat_template_name: str | None = None, *, dsl_addr: str | None = None) -> RemoteBackend:
+    """sglang.RuntimeEndpoint: the programs of a running `k3rt serve` at base_url (http://host:port). Programs
+    travel to its DSL endpoint, by default tcp://host:(port + 1) (`k3rt serve --dsl-addr`'s "auto"); pass
+    dsl_addr= when the server was started with another. verify (TLS) and chat_template_name (k3rt takes
+    role text from the model's own template) have no k3rt meaning and are refused when set."""
+    from urllib.parse import urlsplit
+
+    if verify is not None or chat_template_name is not None:
+        raise ValueError("RuntimeEndpoint: verify and chat_template_name are not supported (the DSL port speaks "
+                         "ZMQ, not HTTPS; role text comes from the model's chat template)")
+    if dsl_addr is None:
+        url = urlsplit(base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"base_url: {base_url!r} must be http://host:port")
+        dsl_addr = f"tcp://{url.hostname}:{(url.port or (443 if url.scheme == 'https' else 80)) + 1}"
+    return connect(dsl_addr, api_key=api_key)
+
+
 def connect(addr: str, *, timeout: float | None = None, api_key: str | None = None) -> RemoteBackend:
     """A backend for a running k3rt gateway: 'tcp://host:port' or 'ipc:///path'. api_key: the server's
     `--api-key`; None reads the environment variable K3RT_API_KEY (unset or empty: no key). A wrong key,

@@ -23,9 +23,14 @@ class Runtime:
     def __init__(self, model: str | None = None, *, in_process: bool = False, dtype: str | None = None,
                  cache_pages: int = 512, max_running: int = 64, endpoint: str | None = None,
                  engine_config: EngineConfig | None = None, startup_timeout: float = 600.0,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, model_path: str | None = None) -> None:
         """api_key: a key the program server requires (for an `endpoint` others can reach, e.g. tcp); the
-        default endpoint is an ipc socket in a private (0700) temporary folder and needs none."""
+        default endpoint is an ipc socket in a private (0700) temporary folder and needs none.
+        model_path: sglang.Runtime's name for `model`."""
+        if model_path is not None:
+            if model is not None:
+                raise TypeError("Runtime: give model or model_path, not both")
+            model = model_path
         from k3rt.frontend.client import RemoteBackend
 
         if engine_config is None:

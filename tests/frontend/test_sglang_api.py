@@ -184,7 +184,7 @@ def test_dtype_constrains_the_text(rt, dtype, pattern: str) -> None:
         s += "value = " + k3rt.gen("v", max_tokens=10, temperature=0, dtype=dtype)
 
     v = prog.run(backend=rt)["v"]
-    # (a str may end unclosed at max_tokens) ints and floats also stop at " " and "\n", so the regex's trailing blanks never reach the text
+    # a str may end unclosed at max_tokens; ints and floats stop at " " and "\n" (the regex allows trailing blanks)
     assert re.fullmatch(pattern, v) or (dtype in (int, float) and re.fullmatch(pattern + r"[ \n]*", v)), v
 
 
@@ -296,3 +296,20 @@ def test_streamed_meta_counts_every_token_once(rt) -> None:
         assert chunk and meta["completion_tokens"] == meta["output_token_logprobs_length"]
         assert len(meta["output_token_logprobs"]) == meta["completion_tokens"] - prev
         prev = meta["completion_tokens"]
+
+
+def test_runtime_endpoint_reaches_the_servers_dsl_port() -> None:
+    be = k3rt.RuntimeEndpoint("http://127.0.0.1:30000")
+    try:
+        assert be.addr == "tcp://127.0.0.1:30001"  # `k3rt serve --dsl-addr auto`: the HTTP port + 1
+    finally:
+        be.shutdown()
+    be = k3rt.RuntimeEndpoint("http://127.0.0.1:30000", dsl_addr="tcp://127.0.0.1:4444")
+    try:
+        assert be.addr == "tcp://127.0.0.1:4444"
+    finally:
+        be.shutdown()
+    with pytest.raises(ValueError, match="verify"):
+        k3rt.RuntimeEndpoint("http://127.0.0.1:30000", verify="/ca.pem")
+    with pytest.raises(TypeError, match="model_path"):
+        k3rt.Runtime(model="a", model_path="b")
