@@ -6,7 +6,7 @@ Text and stop strings go through the gateway's TextStream, so programs and the H
 from __future__ import annotations
 
 import asyncio
-import re
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -33,6 +33,8 @@ class GenResult:
     matched: str | None = None  # the stop string or stop regex that ended the text
 
 
+REGEX_BUDGET_S = 0.5  # a gen's stop_regex searches together (they run on the gateway's event loop)
+
 # on_text(delta, token ids so far, logprobs of the tokens since the last call, their top alternatives):
 # called per engine update (delta may be "": tokens that add no text yet)
 TextCallback = Callable[[str, list[int], list[float], list], None]
@@ -42,11 +44,21 @@ class _Stops:
     """Stop strings and stop regexes matched by the generator itself, for gens whose stops the gateway's
     TextStream cannot express: stop_regex, and min_tokens (no stop counts before that many tokens; a stop
     string must end in text produced after it, as in SGLang, whose check looks at the output's tail).
-    The text is cut where the earliest match starts."""
+    The text is cut where the earliest match starts.
+
+    Regexes run on the gateway's event loop, so a pattern that backtracks without end ("(a|a)*$") must not
+    hold it: they are matched with the `regex` module (a tiktoken dependency), whose searches take a
+    timeout, and a gen's regex searches together get REGEX_BUDGET_S; past it the gen fails."""
 
     def __init__(self, stop: Sequence[str], stop_regex: Sequence[str], min_tokens: int) -> None:
+        import regex
+
         self.stop, self.min_tokens = tuple(stop), min_tokens
-        self.regexes = [re.compile(r) for r in stop_regex]
+        try:
+            self.regexes = [regex.compile(r) for r in stop_regex]
+        except regex.error as e:
+            raise ValueError(f"stop_regex: {e}") from None
+        self.budget = REGEX_BUDGET_S
         self.hold = max((len(x) for x in self.stop), default=1) - 1  # a stop string's chars that can hide in a tail
         self.armed_at: int | None = None  # text offset when min_tokens was reached
 
@@ -63,7 +75,13 @@ class _Stops:
             if i >= 0:
                 hits.append((i + len(x), i, x))
         for r in self.regexes:
-            m = r.search(text, self.armed_at)
+            started = time.monotonic()
+            try:
+                m = r.search(text, self.armed_at, timeout=max(self.budget, 0.001))
+            except TimeoutError:
+                raise ValueError(f"stop_regex: matching {r.pattern!r} took more than {REGEX_BUDGET_S:g} s "
+                                 "(a pattern that backtracks, like nested repetition?)") from None
+            self.budget -= time.monotonic() - started
             if m is not None:
                 hits.append((m.end(), m.start(), r.pattern))
         if not hits:
@@ -121,7 +139,11 @@ class Generator:
                     if u.finished:
                         ts.finish()
                     full += ts.take(final=True)
-                    hit = own.find(full, len(ids), released)
+                    try:
+                        hit = own.find(full, len(ids), released)
+                    except ValueError as e:
+                        reason, error = "error", str(e)
+                        break
                     if hit is not None:
                         full, matched, reason = full[:hit[0]], hit[1], "stop_string"
                         emit(full[released:])

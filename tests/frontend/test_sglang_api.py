@@ -313,3 +313,18 @@ def test_runtime_endpoint_reaches_the_servers_dsl_port() -> None:
         k3rt.RuntimeEndpoint("http://127.0.0.1:30000", verify="/ca.pem")
     with pytest.raises(TypeError, match="model_path"):
         k3rt.Runtime(model="a", model_path="b")
+
+
+def test_a_backtracking_stop_regex_fails_its_gen_within_the_budget() -> None:
+    """stop_regex runs on the gateway's event loop: a pattern without end must fail, not stall it."""
+    import time
+
+    from k3rt.backend.program.generator import REGEX_BUDGET_S, _Stops
+
+    stops = _Stops([], [r"(a|a)*$"], 0)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="stop_regex"):
+        stops.find("a" * 40 + "!", 5, 0)
+    assert time.monotonic() - started < REGEX_BUDGET_S + 1.0
+    assert _Stops([], [r"b+"], 0).find("aabbbc", 5, 0) == (2, "b+")
+    assert _Stops(["c"], [], 3).find("aabbbc", 2, 0) is None  # under min_tokens nothing stops
