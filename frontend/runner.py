@@ -12,6 +12,8 @@ import threading
 import uuid
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from k3rt.frontend.ir import GEN_OPTIONS, Op, Program
 
 if TYPE_CHECKING:
@@ -85,8 +87,6 @@ class Session:
         gathers it); a finished program's state is only a record here, so only the record changes."""
         with self.lock:
             if not self.closed:
-                import orjson
-
                 try:
                     orjson.dumps(value)
                 except TypeError:

@@ -60,6 +60,10 @@ CAPABLE = {
 VISION = ["test_image_qa"]
 CHECK_ANSWER = {"test_select", "test_expert_answer", "test_parallel_encoding"}
 
+# the whole module takes about a minute on 2 cores (parallel_decoding's 512-token summary is the longest);
+# a hang (a lost message, a deadlock) fails its test instead of the run
+pytestmark = pytest.mark.timeout(120)
+
 
 def _source() -> tuple[str, str]:
     """(text, file name) of SGLang's test_programs.py."""
@@ -123,11 +127,12 @@ def programs() -> Iterator[types.ModuleType]:
         mod = types.ModuleType("sglang_test_programs")
         mod.__file__ = filename
         exec(compile(text, filename, "exec"), mod.__dict__)
+        previous = k3rt.get_default_backend()
         k3rt.set_default_backend(rt)
         try:
             yield mod
         finally:
-            k3rt.set_default_backend(None)
+            k3rt.set_default_backend(previous)
             rt.shutdown()
 
 
