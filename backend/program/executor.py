@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
-
-import dataclasses
-from dataclasses import replace
 
 from k3rt.backend.program.generator import Generator, GenResult
 from k3rt.backend.program.roles import RoleText
 from k3rt.frontend.ir import GEN_OPTIONS, Op, Program
 from k3rt.protocol import params_from_dict
-from k3rt.sampling_params import SamplingParams
+from k3rt.sampling_params import MAX_LOGPROBS, SamplingParams
 
 DEFAULT_MAX_TOKENS = 128
 COMMIT_MIN_TOKENS = 64  # a fork commits the parent's prefix when at least this much is uncomputed
@@ -31,6 +29,28 @@ ENCODE_IN_THREAD_CHARS = 64 << 10  # longer texts are tokenized in a worker thre
 
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_DEFAULT_KEYS = _SAMPLING_FIELDS | {"stop"} | set(GEN_OPTIONS)  # what run() may set for every gen
+MAX_SAMPLES = 64  # gen(n=...): samples of one gen, run at once
+
+
+def check_options(opts: dict[str, Any]) -> str | None:
+    """Why a gen's options (GEN_OPTIONS, from a program off the wire) cannot run, or None."""
+    n = opts.get("n", 1)
+    if type(n) is not int or not 1 <= n <= MAX_SAMPLES:
+        return f"n: must be an int in [1, {MAX_SAMPLES}], got {n!r}"
+    sr = opts.get("stop_regex", [])
+    if type(sr) is not list or not all(type(x) is str for x in sr):
+        return "stop_regex: must be a list of strings"
+    k = opts.get("top_logprobs_num")
+    if k is not None and (type(k) is not int or not 0 <= k <= MAX_LOGPROBS):
+        return f"top_logprobs_num: must be an int in [0, {MAX_LOGPROBS}], got {k!r}"
+    start = opts.get("logprob_start_len")
+    if start is not None and type(start) is not int:
+        return f"logprob_start_len: must be an int, got {start!r}"
+    for key in ("return_logprob", "return_text_in_logprobs", "own_stop"):
+        if key in opts and type(opts[key]) is not bool:
+            return f"{key}: must be a bool, got {opts[key]!r}"
+    return None
 
 
 class OpError(Exception):
@@ -128,6 +148,12 @@ class ProgramSession:
     async def run(self, program: Program) -> None:
         """Run these ops (appended to any earlier ones of this session); returns when all have run."""
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        unknown = set(program.default_params) - _DEFAULT_KEYS
+        if unknown:
+            raise ValueError(f"program.default_params: unknown {sorted(unknown)}")
+        stop = program.default_params.get("stop", [])
+        if type(stop) is not list or not all(type(x) is str for x in stop):
+            raise ValueError("program.default_params.stop: must be a list of strings")
         self.defaults.update(program.default_params)
         for op in program.ops:
             self._queue(op.state).put_nowait(op)
@@ -231,6 +257,9 @@ class ProgramSession:
 
     async def _gen(self, sid: int, st: StateData, op: Op) -> None:
         opts = {**{k: v for k, v in self.defaults.items() if k in GEN_OPTIONS}, **op.options}
+        why = check_options(opts)
+        if why is not None:
+            raise OpError(why, op.line)
         stop = list(op.stop) if op.options.get("own_stop") else [*self.defaults.get("stop", []), *op.stop]
         want_lp = bool(opts.get("return_logprob"))
         top_n = opts.get("top_logprobs_num") or 0

@@ -328,3 +328,18 @@ def test_a_backtracking_stop_regex_fails_its_gen_within_the_budget() -> None:
     assert time.monotonic() - started < REGEX_BUDGET_S + 1.0
     assert _Stops([], [r"b+"], 0).find("aabbbc", 5, 0) == (2, "b+")
     assert _Stops(["c"], [], 3).find("aabbbc", 2, 0) is None  # under min_tokens nothing stops
+
+
+def test_the_server_checks_what_a_program_sends(rt) -> None:
+    """Options and run() defaults off the wire are checked before they run (a client is not trusted)."""
+    @k3rt.function
+    def prog(s):
+        s += "x" + k3rt.gen("g", max_tokens=2, n=10**6)
+
+    with pytest.raises(k3rt.ProgramError, match=r"n: must be an int in \[1, 64\]"):
+        prog.run(backend=rt)
+    gen_op = {"kind": "gen", "name": "g", "params": {"max_tokens": 2}}
+    for defaults, why in [({"bogus": 1}, "unknown"), ({"stop": "x"}, "stop"), ({"n": True}, "n:")]:
+        out = rt.backend.run(f"bad-{why}", {"ops": [{"kind": "text", "value": "x"}, gen_op],
+                                            "default_params": defaults}, final=True, stream=False, on_event=None)
+        assert why in (out["error"] or ""), out
