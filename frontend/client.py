@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 EventCallback = Callable[[int, "str | None", str, bool, "dict | None"], None]
 
+SERVER_CALL_TIMEOUT_S = 60.0  # flush_cache / get_server_info, when the backend has no timeout of its own
 API_KEY_ENV = "K3RT_API_KEY"  # connect()'s api_key when none is given
 # The server's CURVE key pair is public: it authenticates nothing (the client's key pair does) and only
 # makes the session keys; clients need it to connect, so it is derived from a fixed string.
@@ -224,7 +225,11 @@ class RemoteBackend(Backend):
             self.calls[cid] = fut
         self._send(encode(ServerCall(cid, method)))
         try:
-            reply = fut.result(self.timeout)
+            # a server that predates ServerCall drops it without a reply: never wait forever
+            reply = fut.result(self.timeout or SERVER_CALL_TIMEOUT_S)
+        except TimeoutError:
+            raise TimeoutError(f"{method}: no reply from the DSL server within "
+                               f"{self.timeout or SERVER_CALL_TIMEOUT_S:g} s") from None
         finally:
             with self.lock:
                 self.calls.pop(cid, None)
