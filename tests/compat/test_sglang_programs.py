@@ -9,7 +9,7 @@ served model's tokenizer, and `sglang.srt.utils.is_hip` says False (the file onl
 
 The backend is an in-process `k3rt.Runtime` on k3-tiny, the 12M-parameter default model, set as the
 default backend as SGLang's CI does. k3-tiny writes Python-flavoured English and knows no capitals,
-so each test is in one of four groups (the same table is in docs/sglang-compat.md):
+so each test is in one of three groups (the same table is in docs/sglang-compat.md):
 
   PASSES     runs to completion and passes as written (tests taking `check_answer` get False, the
              switch SGLang itself uses for backends whose answers it does not check).
