@@ -18,6 +18,7 @@ EXAMPLES = """examples:
   k3rt generate --model /tmp/tiny-k3 --prompt "def add(a, b):" --max-tokens 32 --temperature 0
   k3rt generate --prompt "def fibonacci(n):"             # the shipped default model (k3-tiny)
   k3rt inspect --model /tmp/tiny-k3 --tp 2 --json      # sizes from config.json alone
+  k3rt quantize --model /tmp/tiny-k3 --out /tmp/tiny-k3-mxfp4 --mxfp4-experts
   k3rt inspect --model kimi-linear-48b --memory-gb 40  # a config-only preset
   k3rt bench cache --workload system-prompt --block-size 1920
   k3rt bench scheduler
@@ -89,6 +90,27 @@ def _cmd_make_tiny(a: argparse.Namespace) -> int:
 
     out = make_tiny(a.out, arch=a.arch, seed=a.seed, dtype=a.dtype)
     print(f"wrote {a.arch} tiny checkpoint to {out}")
+    return 0
+
+
+def _add_quantize(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("quantize", help="rewrite a checkpoint with MXFP4 routed experts (Kimi-K3's published format)",
+                       description="Copy a dense checkpoint with its routed experts' w1/w2/w3 quantized to the "
+                                   "compressed-tensors mxfp4-pack-quantized format (E2M1 values, one E8M0 scale per "
+                                   "32; OCP MX rounding) and the matching quantization_config in config.json. "
+                                   "Everything else is copied unchanged. k3rt serves the result weight-only "
+                                   "(bf16 activations).")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    p.add_argument("--out", required=True, help="output folder (created; must be empty)")
+    p.add_argument("--mxfp4-experts", action="store_true", required=True,
+                   help="quantize the routed experts to MXFP4 (the one scheme supported; required)")
+
+
+def _cmd_quantize(a: argparse.Namespace) -> int:
+    from k3rt.backend.models.quantize import quantize_checkpoint
+
+    out = quantize_checkpoint(a.model, a.out)
+    print(f"wrote {out} (routed experts in MXFP4)")
     return 0
 
 
@@ -351,7 +373,8 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     return serve(cfg)
 
 
-COMMANDS = {"generate": _cmd_generate, "make-tiny": _cmd_make_tiny, "inspect": _cmd_inspect, "bench": _cmd_bench, "serve": _cmd_serve}
+COMMANDS = {"generate": _cmd_generate, "make-tiny": _cmd_make_tiny, "inspect": _cmd_inspect, "bench": _cmd_bench,
+            "serve": _cmd_serve, "quantize": _cmd_quantize}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -363,6 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_make_tiny(sub)
     _add_inspect(sub)
+    _add_quantize(sub)
     _add_bench(sub)
     _add_serve(sub)
     return p

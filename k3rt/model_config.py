@@ -89,6 +89,9 @@ class MoEConfig:
     topk_group: int
     latent_size: int | None = None  # LatentMoE (K3): routed experts run in this width
     latent_norm: bool = False  # RMSNorm on the latent routed output before the up-projection
+    # "mxfp4": the routed experts are stored as compressed-tensors mxfp4-pack-quantized (E2M1 + E8M0
+    # group-32 scales; kernels/moe/mxfp4_ref.py) and run weight-only; everything else stays dense
+    expert_format: Literal["dense", "mxfp4"] = "dense"
 
     @property
     def shared_intermediate_size(self) -> int:
@@ -270,6 +273,33 @@ def _eos(cfg: dict[str, Any]) -> tuple[int, ...]:
     return tuple(e) if isinstance(e, list) else (int(e),)
 
 
+def _expert_format(quant: Any, unsupported: list[str]) -> Literal["dense", "mxfp4"]:
+    """The routed experts' storage from `quantization_config`: none -> dense; compressed-tensors
+    `mxfp4-pack-quantized` 4-bit float weights in groups of 32 (K3's published format) -> mxfp4, run
+    weight-only (activations stay bf16, as vLLM runs it on Hopper). Anything else is refused, named."""
+    if quant is None:
+        return "dense"
+    if not isinstance(quant, dict):
+        unsupported.append("quantization_config: expected an object")
+        return "dense"
+    method = quant.get("quant_method")
+    groups = quant.get("config_groups") or {}
+    formats = {quant.get("format")} | {g.get("format") for g in groups.values() if isinstance(g, dict)}
+    formats.discard(None)
+    if method != "compressed-tensors" or formats != {"mxfp4-pack-quantized"}:
+        unsupported.append(f"quantization_config: quant_method {method!r} with format {sorted(formats)} is not "
+                           "supported; k3rt loads dense checkpoints and compressed-tensors 'mxfp4-pack-quantized' "
+                           "routed experts")
+        return "dense"
+    for name, g in groups.items():
+        w = (g or {}).get("weights") or {}
+        if (w.get("num_bits"), w.get("type"), w.get("group_size")) != (4, "float", 32):
+            unsupported.append(f"quantization_config.config_groups.{name}.weights: expected num_bits 4, type "
+                               f"'float', group_size 32 (MXFP4), got {w.get('num_bits')}, {w.get('type')!r}, "
+                               f"{w.get('group_size')}")
+    return "mxfp4"
+
+
 def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     """Parse a config.json dict (any of the three dialects) into a ModelConfig."""
     outer = raw
@@ -293,8 +323,8 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     ) or bool(lac.get("use_full_rank_gate")) or raw.get("hidden_act") == "situ"
 
     unsupported: list[str] = []
-    if raw.get("quantization_config") is not None:
-        unsupported.append("quantization_config: quantized checkpoints are not supported (need bf16/fp16/fp32)")
+    quant = raw.get("quantization_config", outer.get("quantization_config"))
+    expert_format = _expert_format(quant, unsupported)
     if raw.get("mla_use_nope") is False:
         unsupported.append("mla_use_nope: false (RoPE MLA) is not supported; Kimi MLA is NoPE")
     act_fn = raw.get("moe_router_activation_func", "sigmoid")
@@ -363,7 +393,14 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
             topk_group=int(_get(raw, "topk_group", default=1)),
             latent_size=None if latent is None else int(latent),
             latent_norm=bool(raw.get("latent_moe_use_norm", False)),
+            expert_format=expert_format,
         )
+        if expert_format == "mxfp4":
+            width = moe.latent_size or int(_require(raw, "hidden_size"))
+            for name, v in (("moe_intermediate_size", moe.intermediate_size),
+                            ("routed_expert_hidden_size" if moe.latent_size else "hidden_size", width)):
+                if v % 32:
+                    raise ConfigError(f"{name}: {v} is not a multiple of 32, the MXFP4 group size of the routed experts")
         if moe.num_experts % moe.num_expert_group:
             raise ConfigError(f"num_expert_group: {moe.num_expert_group} does not divide num_experts={moe.num_experts}")
         if not 1 <= moe.topk_group <= moe.num_expert_group:

@@ -44,7 +44,9 @@ class Target:
 
 _NOT_TEXT_MODEL = ("vision_tower.", "mm_projector.")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(w1|w2|w3)\.(weight|weight_packed|weight_scale|weight_shape)$")
+# an expert tensor's suffix -> the suffix of k3rt's stack (compressed-tensors MXFP4: packed codes + scales)
+_EXPERT_STACK = {"weight": "", "weight_packed": "_packed", "weight_scale": "_scale"}
 # per-layer renames: checkpoint suffix -> (k3rt suffix, part)
 _RENAMES: dict[str, tuple[str, int | None]] = {
     "self_attn.q_conv1d.weight": ("self_attn.conv_weight", 0),
@@ -85,8 +87,11 @@ def resolve(name: str, cfg: ModelConfig) -> Target | None:
     pre = f"model.layers.{idx}."
     e = _EXPERT.match(rest)
     if e:
-        which = e.group(2)
-        return Target(pre + ("mlp.w2" if which == "w2" else "mlp.w13"), int(e.group(1)), {"w1": 0, "w3": 1}.get(which))
+        which, kind = e.group(2), e.group(3)
+        if kind == "weight_shape":
+            return None  # compressed-tensors bookkeeping: the unpacked shape, implied by the config
+        stack = ("mlp.w2" if which == "w2" else "mlp.w13") + _EXPERT_STACK[kind]
+        return Target(pre + stack, int(e.group(1)), {"w1": 0, "w3": 1}.get(which))
     if rest in _RENAMES:
         new, part = _RENAMES[rest]
         return Target(pre + new, None, part)
@@ -195,6 +200,9 @@ def load_weights(model: KimiForCausalLM, model_dir: Path, *, tp: TPContext = SIN
             if seen & slots:
                 raise CheckpointError(f"{name}: duplicate tensor, {t.param} already loaded (in {f.name})")
             seen |= slots
+            if (src.dtype == torch.uint8) != (param.dtype == torch.uint8):
+                raise CheckpointError(f"{name}: dtype {src.dtype} cannot load into {t.param} ({param.dtype}); "
+                                      f"quantized tensors go with a quantization_config (in {f.name})")
             _copy_into(param, t, src.to(param.dtype), tp)
     bar.close()
     missing = [k for k, v in coverage.items() if v != _slots(params[k], Target(k))]

@@ -21,6 +21,7 @@ from k3rt.backend.layers.linear import (
     ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, ShardSpec, set_shard_spec,
 )
 from k3rt.backend.layers.norm import rms_norm
+from k3rt.kernels.moe.mxfp4_ref import GROUP as MXFP4_GROUP, dequantize_mxfp4
 from k3rt.model_config import ActivationConfig, ModelConfig, MoEConfig
 
 
@@ -67,11 +68,32 @@ class MoE(nn.Module):
         self.gate_weight = set_shard_spec(nn.Parameter(torch.empty(m.num_experts, h), requires_grad=False), ShardSpec())
         self.e_score_correction_bias = set_shard_spec(nn.Parameter(torch.zeros(m.num_experts), requires_grad=False), ShardSpec())
         # experts stacked: w13 [E, 2*I_local, width] = [gate | up], w2 [E, width, I_local]
-        self.w13 = set_shard_spec(nn.Parameter(torch.empty(m.num_experts, 2 * inter, width, dtype=dtype), requires_grad=False),
-                                  ShardSpec(1, (m.intermediate_size, m.intermediate_size)))
-        self.w2 = set_shard_spec(nn.Parameter(torch.empty(m.num_experts, width, inter, dtype=dtype), requires_grad=False),
-                                 ShardSpec(2))
-        self.w13.expert_stack = self.w2.expert_stack = True  # type: ignore[attr-defined]  (loader: dim 0 = expert)
+        self.mxfp4 = m.expert_format == "mxfp4"
+        if self.mxfp4:
+            # packed E2M1 bytes [.., K/2] and E8M0 scales [.., K/32] per weight (kernels/moe/mxfp4_ref.py);
+            # TP splits I: rows of w13, the packed K of w2, so I_local must stay a multiple of the group
+            if inter % MXFP4_GROUP:
+                raise ValueError(f"moe_intermediate_size={m.intermediate_size} over tensor-parallel size {tp.size} "
+                                 f"gives {inter} per rank, not a multiple of {MXFP4_GROUP} (the MXFP4 group)")
+            E, I = m.num_experts, m.intermediate_size
+            u8 = torch.uint8
+            self.w13_packed = set_shard_spec(nn.Parameter(torch.empty(E, 2 * inter, width // 2, dtype=u8), requires_grad=False),
+                                             ShardSpec(1, (I, I)))
+            self.w13_scale = set_shard_spec(nn.Parameter(torch.empty(E, 2 * inter, width // MXFP4_GROUP, dtype=u8),
+                                                         requires_grad=False), ShardSpec(1, (I, I)))
+            self.w2_packed = set_shard_spec(nn.Parameter(torch.empty(E, width, inter // 2, dtype=u8), requires_grad=False),
+                                            ShardSpec(2))
+            self.w2_scale = set_shard_spec(nn.Parameter(torch.empty(E, width, inter // MXFP4_GROUP, dtype=u8),
+                                                        requires_grad=False), ShardSpec(2))
+            stacks = (self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)
+        else:
+            self.w13 = set_shard_spec(nn.Parameter(torch.empty(m.num_experts, 2 * inter, width, dtype=dtype), requires_grad=False),
+                                      ShardSpec(1, (m.intermediate_size, m.intermediate_size)))
+            self.w2 = set_shard_spec(nn.Parameter(torch.empty(m.num_experts, width, inter, dtype=dtype), requires_grad=False),
+                                     ShardSpec(2))
+            stacks = (self.w13, self.w2)
+        for p in stacks:
+            p.expert_stack = True  # type: ignore[attr-defined]  (loader: dim 0 = expert)
         self.shared_experts = (
             GatedMLP(h, m.shared_intermediate_size, cfg.act, tp=tp, dtype=dtype, reduce=False)
             if m.num_shared_experts else None
@@ -83,12 +105,20 @@ class MoE(nn.Module):
                 self.routed_expert_norm = set_shard_spec(
                     nn.Parameter(torch.ones(m.latent_size, dtype=dtype), requires_grad=False), ShardSpec())
 
+    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (w13 [2I, width], w2 [width, I]); MXFP4 experts dequantized (exactly) into dtype."""
+        if self.mxfp4:
+            return (dequantize_mxfp4(self.w13_packed[e], self.w13_scale[e], dtype),
+                    dequantize_mxfp4(self.w2_packed[e], self.w2_scale[e], dtype))
+        return self.w13[e], self.w2[e]
+
     def experts(self, z: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Σ_k w[:, k] * Expert_{ids[:, k]}(z) — this rank's partial sum when TP > 1."""
-        out = torch.zeros(z.shape[0], self.w2.shape[1], dtype=torch.float32, device=z.device)
+        out = torch.zeros(z.shape[0], z.shape[1], dtype=torch.float32, device=z.device)
         for e in torch.unique(ids).tolist():
             tok, slot = torch.where(ids == e)
-            y = F.linear(act_and_mul(F.linear(z[tok], self.w13[e]), self.act), self.w2[e])
+            w13, w2 = self.expert_weights(e, z.dtype)
+            y = F.linear(act_and_mul(F.linear(z[tok], w13), self.act), w2)
             out.index_add_(0, tok, y.float() * w[tok, slot, None])
         return out.to(z.dtype)
 

@@ -59,6 +59,13 @@ def init_parameter(name: str, p: torch.Tensor, g: torch.Generator) -> None:
     def empty() -> torch.Tensor:
         return torch.empty(shape, device=dev)
 
+    if name.endswith("_packed"):  # MXFP4 experts: random E2M1 codes, two per byte
+        p.data.copy_(torch.randint(0, 256, shape, generator=g, device=dev, dtype=torch.uint8))
+        return
+    if name.endswith("_scale") and p.dtype == torch.uint8:
+        # E8M0 scales near 2^-7: random codes (std ~2.7) times 2^-7 give the 0.02 std of the dense weights
+        p.data.copy_(torch.randint(119, 122, shape, generator=g, device=dev, dtype=torch.uint8))
+        return
     if name.endswith("A_log"):
         v = empty().uniform_(1, 16, generator=g).log()
     elif name.endswith("dt_bias"):
@@ -75,6 +82,10 @@ def init_parameter(name: str, p: torch.Tensor, g: torch.Generator) -> None:
     else:
         v = 0.02 * torch.randn(shape, generator=g, device=dev)
     p.data.copy_(v.to(p.dtype))
+
+
+# k3rt expert stack suffix -> the checkpoint's per-expert tensor name (dense; compressed-tensors MXFP4)
+_EXPERT_KIND = {"": "weight", "_packed": "weight_packed", "_scale": "weight_scale"}
 
 
 def export_checkpoint(model: KimiForCausalLM) -> dict[str, torch.Tensor]:
@@ -108,14 +119,16 @@ def export_checkpoint(model: KimiForCausalLM) -> dict[str, torch.Tensor]:
             out[pre + "block_sparse_moe.gate.weight"] = t
         elif rest == "block_sparse_moe.e_score_correction_bias":
             out[pre + "block_sparse_moe.gate.e_score_correction_bias"] = t
-        elif rest == "block_sparse_moe.w13":
+        elif rest.startswith("block_sparse_moe.w13"):
+            kind = _EXPERT_KIND[rest[len("block_sparse_moe.w13"):]]
             for e in range(t.shape[0]):
                 gate, up = t[e].chunk(2, dim=0)
-                out[pre + f"block_sparse_moe.experts.{e}.w1.weight"] = gate.contiguous()
-                out[pre + f"block_sparse_moe.experts.{e}.w3.weight"] = up.contiguous()
-        elif rest == "block_sparse_moe.w2":
+                out[pre + f"block_sparse_moe.experts.{e}.w1.{kind}"] = gate.contiguous()
+                out[pre + f"block_sparse_moe.experts.{e}.w3.{kind}"] = up.contiguous()
+        elif rest.startswith("block_sparse_moe.w2"):
+            kind = _EXPERT_KIND[rest[len("block_sparse_moe.w2"):]]
             for e in range(t.shape[0]):
-                out[pre + f"block_sparse_moe.experts.{e}.w2.weight"] = t[e].contiguous()
+                out[pre + f"block_sparse_moe.experts.{e}.w2.{kind}"] = t[e].contiguous()
         elif rest == "block_sparse_moe.routed_expert_norm":
             out[pre + "block_sparse_moe.routed_expert_norm.weight"] = t
         else:

@@ -1,7 +1,8 @@
 """Kimi MoE ops: the sigmoid router's top-k and the fused routed experts. `ref` holds the plain-torch
 oracles every MoE kernel is tested against.
 
-The Triton ops (`moe_route`, `fused_experts`, `moe_align_fwd`) are exported lazily, so importing the
+MXFP4 experts: `mxfp4_ref` (the format, quantizer, oracle) and `fused_experts_mxfp4`.
+The Triton ops (`moe_route`, `fused_experts`, `fused_experts_mxfp4`, `moe_align_fwd`) are exported lazily, so importing the
 reference ops never imports Triton.
 """
 from k3rt.kernels.lazy import lazy_exports
@@ -12,6 +13,7 @@ _TRITON_EXPORTS = {
     "fused_experts": "k3rt.kernels.moe.triton_experts",
     "ExpertTiles": "k3rt.kernels.moe.triton_experts",
     "moe_align_fwd": "k3rt.kernels.moe.triton_align",
+    "fused_experts_mxfp4": "k3rt.kernels.moe.triton_mxfp4",
 }
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "act_and_mul_ref",
     "align_ref",
     "fused_experts",
+    "fused_experts_mxfp4",
     "fused_experts_ref",
     "moe_align_fwd",
     "moe_route",

@@ -29,15 +29,20 @@ from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear
 
 @dataclass
 class MoeWeights:
-    """One MoE layer's expert stacks for the kernels: [E (+S), 2I, D] and [E (+S), D, I]."""
+    """One MoE layer's expert stacks for the kernels: [E (+S), 2I, D] and [E (+S), D, I]; for MXFP4 experts
+    the packed codes and scales (`mx`: w13_packed, w13_scale, w2_packed, w2_scale) and no dense stacks."""
 
-    w13: torch.Tensor
-    w2: torch.Tensor
+    w13: torch.Tensor | None
+    w2: torch.Tensor | None
     shared_fused: int  # S: shared experts stacked after the routed ones (0: the module runs them)
+    mx: dict[str, torch.Tensor] | None = None
 
     @staticmethod
     def of(moe: MoE, k: KernelConfig) -> "MoeWeights":
         m, mlp = moe.m, moe.shared_experts
+        if moe.mxfp4:  # the shared expert stays dense: no fusion into the quantized stacks
+            return MoeWeights(None, None, 0, {n: getattr(moe, n) for n in
+                                              ("w13_packed", "w13_scale", "w2_packed", "w2_scale")})
         if not k.triton or mlp is None or m.latent_size is not None:
             return MoeWeights(moe.w13, moe.w2, 0)
         E, two_i, D = moe.w13.shape
@@ -60,7 +65,7 @@ class MoeWeights:
 
 def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> torch.Tensor:
     m = moe.m
-    experts = kernel("moe", "fused_experts") if k.triton else None
+    experts = kernel("moe", "fused_experts_mxfp4" if w.mx is not None else "fused_experts") if k.triton else None
     router = kernel("moe", "moe_route") if k.triton else None
     if router is not None:
         logits = linear(x, moe.gate_weight, k, out_dtype=torch.float32)
@@ -73,6 +78,8 @@ def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> to
     def routed(z: torch.Tensor) -> torch.Tensor:
         if experts is None:
             return moe.experts(z, tw, ids)
+        if w.mx is not None:
+            return experts(z, **w.mx, topk_weights=tw, topk_ids=ids.to(torch.int32), act=moe.act, use_pdl=k.use_pdl)
         return experts(z, w.w13, w.w2, tw, ids.to(torch.int32), act=moe.act, shared_experts=w.shared_fused,
                        use_pdl=k.use_pdl)
 
