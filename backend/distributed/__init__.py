@@ -7,10 +7,13 @@ collective is the identity, so the single-process CPU reference path pays nothin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+
+
+LatentTail = Literal["reduce_scatter", "all_reduce"]
 
 
 @dataclass(frozen=True)
@@ -18,10 +21,17 @@ class TPContext:
     rank: int = 0
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup when size > 1
+    # LatentMoE's tail under TP (backend/models/moe.py): "reduce_scatter" reduce-scatters the shared
+    # expert's partial sum and runs the latent up-projection column-striped (each rank reads 1/size of its
+    # weight), then gathers once; "all_reduce" all-reduces the shared partial and runs the replicated
+    # up-projection on every rank (the plain path, kept for comparison)
+    latent_tail: LatentTail = "reduce_scatter"
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
             raise ValueError(f"tp rank {self.rank} outside 0..{self.size - 1}")
+        if self.latent_tail not in ("reduce_scatter", "all_reduce"):
+            raise ValueError(f"latent_tail must be 'reduce_scatter' or 'all_reduce', got {self.latent_tail!r}")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
@@ -35,6 +45,15 @@ class TPContext:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
+
+    def reduce_scatter_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks of x [..., n], this rank keeping columns [rank * n/size, (rank + 1) * n/size)."""
+        if self.size == 1:
+            return x
+        parts = [c.contiguous() for c in x.chunk(self.size, dim=-1)]
+        out = torch.empty_like(parts[self.rank])
+        dist.reduce_scatter(out, parts, group=self.group)
+        return out
 
     def shard(self, n: int, name: str) -> int:
         """Size of this rank's shard of a dimension of size n; names the field when it doesn't divide."""

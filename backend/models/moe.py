@@ -98,9 +98,12 @@ class MoE(nn.Module):
             GatedMLP(h, m.shared_intermediate_size, cfg.act, tp=tp, dtype=dtype, reduce=False)
             if m.num_shared_experts else None
         )
+        # the reduce-scatter tail: the up-projection column-striped (ColumnParallel: rows of [hidden, latent])
+        self.rs_tail = m.latent_size is not None and tp.size > 1 and tp.latent_tail == "reduce_scatter"
         if m.latent_size is not None:
             self.routed_expert_down_proj = ReplicatedLinear(h, m.latent_size, dtype=dtype)
-            self.routed_expert_up_proj = ReplicatedLinear(m.latent_size, h, dtype=dtype)
+            self.routed_expert_up_proj = (ColumnParallelLinear(m.latent_size, h, tp=tp, dtype=dtype, name="hidden_size")
+                                          if self.rs_tail else ReplicatedLinear(m.latent_size, h, dtype=dtype))
             if m.latent_norm:
                 self.routed_expert_norm = set_shard_spec(
                     nn.Parameter(torch.ones(m.latent_size, dtype=dtype), requires_grad=False), ShardSpec())
@@ -133,7 +136,18 @@ class MoE(nn.Module):
         y = self.tp.all_reduce(self.experts(self.routed_expert_down_proj(x), w, ids))
         if self.m.latent_norm:
             y = rms_norm(y, self.routed_expert_norm, self.eps)
-        y = self.routed_expert_up_proj(y)
+        return self.latent_tail(y, shared, self.routed_expert_up_proj.weight, F.linear)
+
+    def latent_tail(self, y_lat: torch.Tensor, shared: torch.Tensor | None, w_up: torch.Tensor, linear) -> torch.Tensor:
+        """up(y_lat) + the reduced shared partial. All-reduce tail: the full up-projection on every rank,
+        shared partial all-reduced. Reduce-scatter tail (model-facts §7.2, DESIGN §9): this rank's slice
+        of the output columns from its rows of W_up, plus its slice of the reduce-scattered shared partial,
+        then one all-gather. Same sums: the shared partial is reduced either way, and each output column
+        is one row of W_up times y_lat. `linear(x, w)`: the reference path's F.linear or the GPU runner's."""
+        if not self.rs_tail:
+            y = linear(y_lat, w_up)
+            return y if shared is None else y + self.tp.all_reduce(shared)
+        y = linear(y_lat, w_up)  # [M, hidden / tp]
         if shared is not None:
-            y = y + self.tp.all_reduce(shared)
-        return y
+            y = y + self.tp.reduce_scatter_last_dim(shared)
+        return self.tp.all_gather_last_dim(y)

@@ -92,8 +92,7 @@ def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> to
     y = moe.tp.all_reduce(routed(linear(x, moe.routed_expert_down_proj.weight, k)))
     if m.latent_norm:
         y = rms_norm(y, moe.routed_expert_norm, moe.eps)
-    y = linear(y, moe.routed_expert_up_proj.weight, k)
-    return y if shared is None else y + moe.tp.all_reduce(shared)
+    return moe.latent_tail(y, shared, moe.routed_expert_up_proj.weight, lambda a, w: linear(a, w, k))
 
 
 def mlp_forward(mlp: GatedMLP, x: torch.Tensor, k: KernelConfig) -> torch.Tensor:
