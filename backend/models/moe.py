@@ -56,6 +56,22 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, m: MoEConfi
     return w * m.routed_scaling_factor, ids
 
 
+def latent_tail(tp: TPContext, y_lat: torch.Tensor, shared: torch.Tensor | None, w_up: torch.Tensor,
+                linear) -> torch.Tensor:
+    """LatentMoE's output: up(y_lat) + the reduced shared-expert partial, by `tp.latent_tail`.
+    All-reduce tail: w_up is the full [hidden, latent] on every rank, the shared partial all-reduced.
+    Reduce-scatter tail (TP > 1; model-facts §7.2, DESIGN §9): w_up is this rank's rows, so it computes its
+    slice of the output columns and adds its slice of the reduce-scattered shared partial; one all-gather
+    joins the slices. The same sums either way. `linear(x, w)`: F.linear or the GPU runner's."""
+    if tp.size == 1 or tp.latent_tail == "all_reduce":
+        y = linear(y_lat, w_up)
+        return y if shared is None else y + tp.all_reduce(shared)
+    y = linear(y_lat, w_up)  # [M, hidden / tp]
+    if shared is not None:
+        y = y + tp.reduce_scatter_last_dim(shared)
+    return tp.all_gather_last_dim(y)
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, *, tp: TPContext = SINGLE, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -139,15 +155,4 @@ class MoE(nn.Module):
         return self.latent_tail(y, shared, self.routed_expert_up_proj.weight, F.linear)
 
     def latent_tail(self, y_lat: torch.Tensor, shared: torch.Tensor | None, w_up: torch.Tensor, linear) -> torch.Tensor:
-        """up(y_lat) + the reduced shared partial. All-reduce tail: the full up-projection on every rank,
-        shared partial all-reduced. Reduce-scatter tail (model-facts §7.2, DESIGN §9): this rank's slice
-        of the output columns from its rows of W_up, plus its slice of the reduce-scattered shared partial,
-        then one all-gather. Same sums: the shared partial is reduced either way, and each output column
-        is one row of W_up times y_lat. `linear(x, w)`: the reference path's F.linear or the GPU runner's."""
-        if not self.rs_tail:
-            y = linear(y_lat, w_up)
-            return y if shared is None else y + self.tp.all_reduce(shared)
-        y = linear(y_lat, w_up)  # [M, hidden / tp]
-        if shared is not None:
-            y = y + self.tp.reduce_scatter_last_dim(shared)
-        return self.tp.all_gather_last_dim(y)
+        return latent_tail(self.tp, y_lat, shared, w_up, linear)

@@ -65,3 +65,21 @@ def test_both_latent_tails_equal_tp1(tmp_path: Path) -> None:
 def test_bad_tail_name_is_refused() -> None:
     with pytest.raises(ValueError, match="latent_tail must be"):
         TPContext(latent_tail="ring")
+
+
+@pytest.mark.timeout(120)
+def test_tail_benchmark_smoke(tmp_path: Path) -> None:
+    """benchmarks/latent_tail.py --smoke (torchrun, 2 gloo ranks): both variants equal the one-process sums."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "tail.json"
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "latent_tail.py"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(_free_port()), str(bench), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["M"] for r in rows] == [1, 3]
+    assert all(r["all_reduce_rel_err"] < 1e-6 and r["reduce_scatter_rel_err"] < 1e-6 for r in rows), rows
