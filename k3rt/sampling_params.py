@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,9 @@ class SamplingParams:
         (None = off). The backend sampler documents which distribution they come from.
     seed: per-request RNG seed (None: nondeterministic). max_tokens: tokens to generate at most.
     stop_token_ids: extra ids that end generation (besides the model's EOS unless ignore_eos).
+    logit_bias: (token id, bias) pairs added to those tokens' logits before penalties and temperature
+        (OpenAI semantics; bias in [-100, 100], -100 bans a token in practice). The ids' upper bound (the
+        vocabulary) is checked where the vocabulary is known (the HTTP edge, the sampler).
     """
 
     temperature: float = 1.0
@@ -36,6 +40,7 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
 
     def __post_init__(self) -> None:
         # comparisons are written so that NaN fails them
@@ -51,6 +56,8 @@ class SamplingParams:
              f"must be None or an int in [0, {MAX_LOGPROBS}]"),
             ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
             ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be in [0, 2^63)"),
+            ("logit_bias", all(_bias_pair(x) for x in self.logit_bias),
+             f"must be (token id >= 0, bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]) pairs"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -63,3 +70,11 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def _bias_pair(x: object) -> bool:
+    if not isinstance(x, tuple) or len(x) != 2:
+        return False
+    t, b = x
+    return (isinstance(t, int) and not isinstance(t, bool) and t >= 0 and isinstance(b, (int, float))
+            and not isinstance(b, bool) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS)
