@@ -76,7 +76,9 @@ def choose_device(requested: str, probe: DeviceProbe) -> tuple[str, str]:
             return "cuda:0", f"--device auto: found {len(probe.gpus)} GPU(s)"
         return "cpu", f"--device auto: no usable GPU ({probe.why_none})"
     if requested.startswith("cuda"):
-        index = int(requested.partition(":")[2] or 0) if requested.partition(":")[2].isdigit() else None
+        number = requested[len("cuda:"):]
+        index = 0 if requested == "cuda" else int(number) if requested.startswith("cuda:") and number.isdigit() \
+            else None
         if index is None:
             raise ValueError(f"device: expected auto, cpu, cuda or cuda:N, got {requested!r}")
         if index >= len(probe.gpus):

@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 import orjson
-from pydantic import ConfigDict
+from pydantic import ConfigDict, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -88,7 +88,8 @@ class NativeGenerateRequest(_Strict):
 
     text: str | _List[str] | None = None
     input_ids: _List[int] | _List[_List[int]] | None = None
-    sampling_params: NativeSamplingParams | _List[NativeSamplingParams] | None = None
+    # dicts, validated one by one (NativeSamplingParams) so that an error names the field inside
+    sampling_params: dict[str, Any] | _List[dict[str, Any]] | None = None
     rid: str | _List[str] | None = None  # accepted; k3rt names its requests itself
     return_logprob: bool | _List[bool] | None = None
     logprob_start_len: int | _List[int] | None = None
@@ -107,12 +108,17 @@ def _per_prompt(value: Any, num: int, param: str) -> list[Any]:
     return value
 
 
-def _params(sp: NativeSamplingParams | None, where: str, vocab_size: int, logprobs: int | None
+def _params(raw: dict[str, Any] | None, where: str, vocab_size: int, logprobs: int | None
             ) -> tuple[SamplingParams, int, int, tuple[str, ...], Any]:
     """-> (SamplingParams, max_new_tokens as asked (0 allowed), n, stop strings, GrammarSpec or None)."""
     from k3rt.backend.grammar import GrammarError, GrammarSpec
 
-    sp = sp or NativeSamplingParams()
+    try:
+        sp = NativeSamplingParams.model_validate(raw or {})
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        field = ".".join(str(x) for x in err["loc"] if not str(x).startswith(("list[", "str", "int", "float")))
+        raise bad_request(f"{where}.{field}" if field else where, err["msg"]) from None
     refuse = [("min_new_tokens", (sp.min_new_tokens or 0) > 0), ("stop_regex", bool(sp.stop_regex)),
               ("ebnf", sp.ebnf is not None), ("structural_tag", sp.structural_tag is not None),
               ("custom_params", bool(sp.custom_params)), ("skip_special_tokens", sp.skip_special_tokens is False),
