@@ -13,6 +13,7 @@ millions of items costs no more to refuse than a good one costs to accept.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -294,6 +295,9 @@ def check_common(req: SamplingFields) -> None:
             raise bad_request("stop_token_ids", f"token ids must be in [0, 2^31), got {t}")
 
 
+_TOKEN_KEY = re.compile(r"\s*-?[0-9]{1,18}\s*")
+
+
 def logit_bias(bias: dict[str, Any] | None, vocab_size: int, param: str = "logit_bias") -> tuple[tuple[int, float], ...]:
     """OpenAI's logit_bias ({"token id": bias}) as SamplingParams.logit_bias; 400 naming `param` for a key that
     is not a token id of the vocabulary or a bias outside [-100, 100]."""
@@ -302,7 +306,7 @@ def logit_bias(bias: dict[str, Any] | None, vocab_size: int, param: str = "logit
 
     out = []
     for key, value in (bias or {}).items():
-        token = int(key) if key.strip().lstrip("-").isdigit() else None
+        token = int(key) if _TOKEN_KEY.fullmatch(key) else None
         if token is None or not 0 <= token < vocab_size:
             raise bad_request(param, f"key {key[:40]!r} is not a token id in [0, {vocab_size})")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
