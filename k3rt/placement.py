@@ -6,8 +6,8 @@ the CPU. Cache: `--cache-pages` or `--cache-gb` when given; otherwise on a GPU t
 model's weights and a fixed headroom for activations and CUDA graphs (as vLLM sizes its KV cache); on
 the CPU the default page count.
 
-The GPU is probed with `nvidia-smi` (no CUDA context in the serving process, whose engine runs in another
-process). Everything else is plain arithmetic over a `DeviceProbe`, so tests drive it with fake probes.
+The GPU is probed with `nvidia-smi`, or where it is missing by torch in a child process (either way no
+CUDA context stays in the serving process, whose engine runs in another process). Everything else is plain arithmetic over a `DeviceProbe`, so tests drive it with fake probes.
 No torch at import.
 """
 
@@ -39,11 +39,21 @@ class Placement:
     reason: str  # one line: what was chosen and why
 
 
+# run in a child process, so that the CUDA context torch creates to read free memory is not kept here
+_TORCH_PROBE = """import json, torch
+gpus = []
+if torch.cuda.is_available():
+    for i in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(i)
+        gpus.append([torch.cuda.get_device_name(i), total, free])
+print(json.dumps(gpus))"""
+
+
 def probe_gpus() -> DeviceProbe:
     """The machine's CUDA GPUs via nvidia-smi, if torch here is a CUDA build (otherwise the engine could
-    not use them)."""
+    not use them); without nvidia-smi, torch itself is asked in a child process."""
     if shutil.which("nvidia-smi") is None:
-        return DeviceProbe(why_none="no nvidia-smi on PATH")
+        return _probe_with_torch()
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,memory.free",
                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
@@ -57,6 +67,18 @@ def probe_gpus() -> DeviceProbe:
     if torch.version.cuda is None:
         return DeviceProbe(why_none=f"torch {torch.__version__} is a CPU-only build")
     return DeviceProbe(gpus=gpus)
+
+
+def _probe_with_torch() -> DeviceProbe:
+    import json
+    import sys
+
+    try:
+        out = subprocess.run([sys.executable, "-c", _TORCH_PROBE], capture_output=True, text=True, timeout=120)
+        gpus = tuple((str(n), int(t), int(f)) for n, t, f in json.loads(out.stdout.strip().splitlines()[-1]))
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as e:
+        return DeviceProbe(why_none=f"no nvidia-smi on PATH, and asking torch failed: {type(e).__name__}")
+    return DeviceProbe(gpus=gpus) if gpus else DeviceProbe(why_none="no nvidia-smi on PATH; torch sees no CUDA GPU")
 
 
 def parse_nvidia_smi(text: str) -> tuple[tuple[str, int, int], ...]:

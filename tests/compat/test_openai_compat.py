@@ -156,4 +156,5 @@ def test_served_flags(compat_server):
     log = compat_server.log_path.read_text(errors="replace")
     assert "cache 2048 pages (--cache-pages)" in log
     if shutil.which("nvidia-smi") is None:
-        assert "k3rt serve: device cpu (--device auto: no usable GPU (no nvidia-smi on PATH))" in log
+        assert ("k3rt serve: device cpu (--device auto: no usable GPU (no nvidia-smi on PATH; torch sees no CUDA "
+                "GPU))") in log

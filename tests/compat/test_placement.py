@@ -83,3 +83,20 @@ def test_trust_remote_code_is_refused():
     assert proc.returncode == 2
     assert "trust_remote_code: k3rt never runs code shipped with a checkpoint" in proc.stderr
     assert "Remove --trust-remote-code" in proc.stderr
+
+
+def test_probe_with_a_fake_nvidia_smi(tmp_path, monkeypatch):
+    """The nvidia-smi branch end to end: a GPU listed, but torch here must be a CUDA build to use it."""
+    import torch
+
+    from k3rt.placement import probe_gpus
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'NVIDIA H200, 143771, 140000'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    probe = probe_gpus()
+    if torch.version.cuda is None:
+        assert probe.gpus == () and probe.why_none == f"torch {torch.__version__} is a CPU-only build"
+    else:
+        assert probe.gpus == (("NVIDIA H200", 143771 << 20, 140000 << 20),)
