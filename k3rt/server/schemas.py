@@ -25,6 +25,7 @@ from k3rt.sampling_params import MAX_LOGPROBS
 MAX_N = 128  # OpenAI's limit on choices per request
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; more costs nothing here)
 MAX_STOP_LEN = 1024  # characters per stop string
+MAX_LOGIT_BIAS_TOKENS = 1024  # entries of one logit_bias (each costs a Python check and a scatter)
 MAX_SCHEMA_DEPTH = 100  # levels of objects / arrays in a JSON schema, tool parameters or call arguments
 
 
@@ -304,6 +305,8 @@ def logit_bias(bias: dict[str, Any] | None, vocab_size: int, param: str = "logit
     from k3rt.sampling_params import MAX_LOGIT_BIAS
     from k3rt.server.errors import bad_request
 
+    if bias and len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise bad_request(param, f"at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(bias)}")
     out = []
     for key, value in (bias or {}).items():
         token = int(key) if _TOKEN_KEY.fullmatch(key) else None
