@@ -18,8 +18,10 @@ top_logprobs_num, input_top_logprobs / output_top_logprobs. `max_new_tokens: 0` 
 and scores) the prompt without generating, which is how SGLang's `select` and `fork` work. A stream is SSE
 `data: {...}` events, each with the choice's cumulative text and its `index`, then `data: [DONE]`.
 
-Sampling parameters k3rt does not implement (min_new_tokens > 0, stop_regex, ebnf, structural_tag,
-custom_params, skip_special_tokens false, no_stop_trim) are refused (400 naming the field), never dropped.
+Constraints: `regex`, `json_schema` (a JSON text) and `ebnf` (GBNF-style, converted to a Lark grammar by
+llguidance; refused with `--grammar-backend outlines`). Sampling parameters k3rt does not implement
+(min_new_tokens > 0, stop_regex, structural_tag, custom_params, skip_special_tokens false, no_stop_trim)
+are refused (400 naming the field), never dropped.
 """
 
 from __future__ import annotations
@@ -108,9 +110,11 @@ def _per_prompt(value: Any, num: int, param: str) -> list[Any]:
     return value
 
 
-def _params(raw: dict[str, Any] | None, where: str, vocab_size: int, logprobs: int | None
+def _params(raw: dict[str, Any] | None, where: str, vocab_size: int, logprobs: int | None, grammar_backend: str
             ) -> tuple[SamplingParams, int, int, tuple[str, ...], Any]:
-    """-> (SamplingParams, max_new_tokens as asked (0 allowed), n, stop strings, GrammarSpec or None)."""
+    """-> (SamplingParams, max_new_tokens as asked (0 allowed), n, stop strings, (field, GrammarSpec) or None).
+    An `ebnf` grammar (SGLang's GBNF-style EBNF, `root ::= ...`) is converted to a Lark grammar by llguidance;
+    the outlines backend has no grammars, so there it is refused."""
     from k3rt.backend.grammar import GrammarError, GrammarSpec
 
     try:
@@ -120,7 +124,8 @@ def _params(raw: dict[str, Any] | None, where: str, vocab_size: int, logprobs: i
         field = ".".join(str(x) for x in err["loc"] if not str(x).startswith(("list[", "str", "int", "float")))
         raise bad_request(f"{where}.{field}" if field else where, err["msg"]) from None
     refuse = [("min_new_tokens", (sp.min_new_tokens or 0) > 0), ("stop_regex", bool(sp.stop_regex)),
-              ("ebnf", sp.ebnf is not None), ("structural_tag", sp.structural_tag is not None),
+              ("ebnf", sp.ebnf is not None and grammar_backend != "llguidance"),
+              ("structural_tag", sp.structural_tag is not None),
               ("custom_params", bool(sp.custom_params)), ("skip_special_tokens", sp.skip_special_tokens is False),
               ("no_stop_trim", bool(sp.no_stop_trim))]
     for name, bad in refuse:
@@ -157,10 +162,13 @@ def _params(raw: dict[str, Any] | None, where: str, vocab_size: int, logprobs: i
         field, why = str(e).split(":", 1)
         raise bad_request(f"{where}.{field}", why.strip()) from None
     grammar = None
+    given = [name for name in ("regex", "json_schema", "ebnf") if getattr(sp, name) is not None]
+    if len(given) > 1:
+        raise bad_request(f"{where}.{given[1]}", f"only one output constraint per request; {given[0]} is already set")
     try:
-        if sp.regex is not None and sp.json_schema is not None:
-            raise bad_request(f"{where}.json_schema", "only one of regex and json_schema per request")
-        if sp.regex is not None:
+        if sp.ebnf is not None:
+            grammar = ("ebnf", GrammarSpec.lark(_ebnf_to_lark(sp.ebnf, f"{where}.ebnf")))
+        elif sp.regex is not None:
             grammar = ("regex", GrammarSpec.regex(sp.regex))
         elif sp.json_schema is not None:
             try:
@@ -171,9 +179,19 @@ def _params(raw: dict[str, Any] | None, where: str, vocab_size: int, logprobs: i
                 raise bad_request(f"{where}.json_schema", "must be a JSON object (a schema)", code="invalid_grammar")
             grammar = ("json_schema", GrammarSpec.json_schema(schema))
     except GrammarError as e:
-        raise bad_request(f"{where}.{'regex' if sp.regex is not None else 'json_schema'}", str(e),
-                          code="invalid_grammar") from None
+        raise bad_request(f"{where}.{given[0]}", str(e), code="invalid_grammar") from None
     return params, max_new, n, stop, grammar
+
+
+def _ebnf_to_lark(ebnf: str, param: str) -> str:
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    if not ebnf.strip():
+        raise bad_request(param, "must be a non-empty grammar", code="invalid_grammar")
+    try:
+        return any_to_lark(ebnf)
+    except Exception as e:  # the converter raises plain exceptions for syntax errors
+        raise bad_request(param, f"not a valid EBNF grammar: {e}", code="invalid_grammar") from None
 
 
 class _Group:
@@ -234,7 +252,8 @@ async def generate(ctx: ServerContext, req: NativeGenerateRequest, request: Requ
         if not 0 <= top <= MAX_LOGPROBS:
             raise bad_request("top_logprobs_num", f"must be in [0, {MAX_LOGPROBS}], got {top}")
         start = starts[i] if want[i] and starts[i] is not None and starts[i] >= 0 else None
-        params, max_new, n, stop, grammar = _params(sps[i], where, gw.vocab_size, top if want[i] else None)
+        params, max_new, n, stop, grammar = _params(sps[i], where, gw.vocab_size, top if want[i] else None,
+                                                    ctx.config.engine.grammar_backend)
         if len(prompt) + params.max_tokens > gw.context_length:
             raise bad_request(f"{where}.max_new_tokens", f"{max_new} new tokens + {len(prompt)} prompt tokens exceed "
                               f"the context length {gw.context_length}", code="context_length_exceeded")

@@ -125,9 +125,15 @@ def test_generate_wire_format(compat_server):
     assert json.loads(events[-2])["meta_info"]["finish_reason"]["type"] == "length"
     # refused, not dropped
     for sp, field in (({"min_new_tokens": 2}, "sampling_params.min_new_tokens"),
-                      ({"ebnf": "root ::= 'a'"}, "sampling_params.ebnf"), ({"bogus": 1}, "sampling_params.bogus")):
+                      ({"stop_regex": "a+"}, "sampling_params.stop_regex"), ({"bogus": 1}, "sampling_params.bogus"),
+                      ({"ebnf": "root ::= ("}, "sampling_params.ebnf"),
+                      ({"ebnf": 'root ::= "a"', "regex": "a"}, "sampling_params.ebnf")):
         r = httpx.post(url + "/generate", json={"text": "x", "sampling_params": sp}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    # EBNF (SGLang's GBNF style), through llguidance
+    out = httpx.post(url + "/generate", json={"text": "Answer:", "sampling_params": {
+        "max_new_tokens": 8, "temperature": 0, "ebnf": 'root ::= ("yes" | "no") "!"'}}, timeout=30).json()
+    assert out["text"] in ("yes!", "no!"), out
     r = httpx.post(url + "/generate", json={"text": "x", "image_data": "abc"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "image_data"
     assert httpx.get(url + "/health_generate", timeout=30).status_code == 200
