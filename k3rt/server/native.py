@@ -158,8 +158,9 @@ def _params(raw: dict[str, Any] | None, where: str, vocab_size: int, logprobs: i
             frequency_penalty=sp.frequency_penalty or 0.0, presence_penalty=sp.presence_penalty or 0.0,
             logprobs=logprobs, seed=sp.sampling_seed, max_tokens=max(max_new, 1),
             stop_token_ids=tuple(sp.stop_token_ids or ()), ignore_eos=bool(sp.ignore_eos), logit_bias=bias)
-    except ValueError as e:  # SamplingParams names the field first
+    except ValueError as e:  # SamplingParams names the field first (in its own words)
         field, why = str(e).split(":", 1)
+        field = {"seed": "sampling_seed", "max_tokens": "max_new_tokens"}.get(field, field)
         raise bad_request(f"{where}.{field}", why.strip()) from None
     grammar = None
     given = [name for name in ("regex", "json_schema", "ebnf") if getattr(sp, name) is not None]
