@@ -84,9 +84,10 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, 
 def report_ignored(response: Response, ignored: list[str], endpoint: str) -> Response:
     """Name the request's ignored unknown fields (schemas.unknown_fields) in a response header, and log them."""
     if ignored:
-        names = ", ".join(n[:64] for n in ignored[:32])
-        log.warning("%s: ignored unknown fields: %s", endpoint, names)
-        response.headers["X-K3rt-Ignored-Fields"] = names.encode("ascii", "replace").decode()
+        names = ", ".join(n[:64] for n in ignored[:32]) + (", ..." if len(ignored) > 32 else "")
+        log.warning("%s: ignored unknown fields: %s", endpoint, names[:2048])
+        # a header value holds printable ASCII only (a field name may be any JSON string)
+        response.headers["X-K3rt-Ignored-Fields"] = "".join(c if " " <= c <= "~" else "?" for c in names)
     return response
 
 

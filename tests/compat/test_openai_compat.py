@@ -137,6 +137,9 @@ def test_unknown_fields(oai):
     raw = oai.completions.with_raw_response.create(model=MODEL_NAME, prompt="x", max_tokens=1,
                                                    extra_body={"metadata_x": 1, "zzz": "y"})
     assert raw.headers["x-k3rt-ignored-fields"] == "metadata_x, zzz"
+    raw = oai.completions.with_raw_response.create(model=MODEL_NAME, prompt="x", max_tokens=1,
+                                                   extra_body={"a\nb\u00e9": 1})
+    assert raw.headers["x-k3rt-ignored-fields"] == "a?b?"  # printable ASCII only in a header
     # a field that would change sampling is never dropped silently
     for name, value in (("min_tokens", 3), ("use_beam_search", True), ("guided_json", {})):
         with pytest.raises(openai.BadRequestError) as e:
