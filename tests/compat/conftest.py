@@ -29,8 +29,9 @@ def bos_model(tiny_model: Path, tmp_path_factory) -> Path:  # noqa: F811
 
 @pytest.fixture(scope="session")
 def compat_server(bos_model: Path, log_dir: Path) -> Iterator[ServeProcess]:  # noqa: F811
+    # --device auto (the default, overriding the test servers' cpu): the start-up line says what it chose
     with serving(bos_model, log_dir, "--max-model-len", str(CONTEXT), "--max-num-seqs", str(MAX_SEQS),
-                 "--max-num-batched-tokens", "1024") as s:
+                 "--max-num-batched-tokens", "1024", "--device", "auto") as s:
         yield s
 
 
