@@ -64,6 +64,22 @@ def test_gen_stream_regex_fork(sgl, endpoint):
     state = branches.run(backend=endpoint)
     assert len(state["g"]) == 2 and state.text().endswith("end")
 
+    questions = ["one?", "two?", "three?"]
+    batch = qa.run_batch([{"question": q} for q in questions], backend=endpoint, num_threads=3)
+    singles = [qa.run(question=q, backend=endpoint) for q in questions]
+    assert [b.text() for b in batch] == [x.text() for x in singles]  # greedy: batching changes nothing
+
+    @sgl.function
+    def scored(s):
+        s += "Scores:" + sgl.gen("x", max_tokens=3, temperature=0, return_logprob=True, top_logprobs_num=2,
+                                 return_text_in_logprobs=True)
+
+    meta = scored.run(backend=endpoint).get_meta_info("x")
+    assert len(meta["output_token_logprobs"]) == 3 and all(len(t) == 2 for t in meta["output_top_logprobs"])
+    # greedy: each sampled token is the most likely one, and its logprob is that entry's
+    for (lp, tok, _), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
+        assert top[0][1] == tok and top[0][0] == pytest.approx(lp)
+
 
 def _echo_scores(url: str, prompt_ids: list[int], start: int) -> list[float]:
     r = httpx.post(url + "/v1/completions", json={"model": MODEL_NAME, "prompt": prompt_ids, "echo": True,
