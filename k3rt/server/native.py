@@ -198,11 +198,12 @@ def _ebnf_to_lark(ebnf: str, param: str) -> str:
 class _Group:
     """Prompts that share every setting: one gateway Job."""
 
-    def __init__(self, job: Any, indices: list[int], max_new: int, n: int, start: int | None, top: int,
-                 prompts: list[list[int]]) -> None:
-        self.job, self.indices, self.max_new, self.n, self.logprob_start, self.top = job, indices, max_new, n, start, top
-        self.prompts = prompts
-        self.choices: list[Choice] = []  # filled once every prompt is in (start)
+    def __init__(self, job: Any, max_new: int, start: int | None, top: int) -> None:
+        self.job, self.max_new, self.logprob_start, self.top = job, max_new, start, top
+        self.n = job.n
+        self.prompts: list[list[int]] = job.prompts  # filled by the caller, with `indices`
+        self.indices: list[int] = []  # each prompt's position in the request
+        self.choices: list[Choice] = []  # made by `start`, once every prompt is in
 
     def start(self, gw: Any) -> Any:
         self.choices = [Choice() for _ in range(len(self.prompts) * self.n)]
@@ -237,10 +238,14 @@ async def generate(ctx: ServerContext, req: NativeGenerateRequest, request: Requ
         prompts = [req.input_ids] if single else list(req.input_ids or [])
         if len(prompts) > MAX_PROMPTS:
             raise bad_request("input_ids", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
-        check_vocab(prompts, gw.vocab_size, "input_ids")
         param = "input_ids"
     if not prompts:
         raise bad_request(param, "must not be an empty list")
+    check_vocab(prompts, gw.vocab_size, param)
+    longest = max(len(p) for p in prompts)
+    if longest >= gw.context_length:
+        raise APIError(413, f"{param}: a prompt has {longest} tokens; the context length is {gw.context_length}",
+                       param=param, code="context_length_exceeded")
     num = len(prompts)
     sps = _per_prompt(req.sampling_params, num, "sampling_params")
     want = _per_prompt(req.return_logprob, num, "return_logprob")
@@ -264,10 +269,9 @@ async def generate(ctx: ServerContext, req: NativeGenerateRequest, request: Requ
             score_from = None if start is None else max(start, 1)
             job = Job([], params, n, stop, spec, namespaced_salt(request, None), prompt_logprobs_from=score_from,
                       drop_output=max_new == 0)
-            groups[key] = _Group(job, [], max_new, n, start, top, [])
+            groups[key] = _Group(job, max_new, start, top)
         groups[key].indices.append(i)
         groups[key].prompts.append(prompt)
-        groups[key].job.prompts.append(prompt)
     out = _Output(ctx, req, list(groups.values()), num)
     if req.stream:
         if len(groups) > 1:
