@@ -19,12 +19,13 @@
 #   mla (150)           benchmarks/kernels_mla.py --decode-only
 #   moe (120)           benchmarks/kernels_moe.py: decode T=1/16/64, prefill 4K/16K, route
 #   linear (100)        benchmarks/kernels_linear.py
+#   mxfp4 (120 + 240)   the MXFP4 expert kernel's GPU tests, then benchmarks/kernels_mxfp4.py (K3 expert shape)
 # Outputs: $OUT/<stage>.log and, for benchmarks, $OUT/<stage>.json (at most 8 files come back from a call:
 # choose at most 4 benchmark stages per call).
 set -u
 for stage in "$@"; do
   case $stage in
-    tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear) ;;
+    tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -80,6 +81,9 @@ for stage in "$@"; do
       run mla 150 python3 benchmarks/kernels_mla.py --decode-only --budget-s 130 --out "$OUT/mla.json" ;;
     moe)
       run moe 120 python3 benchmarks/kernels_moe.py --budget-s 100 --out "$OUT/moe.json" ;;
+    mxfp4)
+      gpu_pytest mxfp4 120 tests/kernels/test_moe_mxfp4.py
+      run mxfp4 240 python3 benchmarks/kernels_mxfp4.py --budget-s 220 --out "$OUT/mxfp4.json" ;;
     linear)
       run linear 100 python3 benchmarks/kernels_linear.py --budget-s 80 --out "$OUT/linear.json" ;;
     *) ;;  # tests-runner / tests-kernels after their own clause (;;& tests the later patterns too)

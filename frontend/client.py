@@ -21,14 +21,18 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
-from k3rt.protocol import ProgramClose, ProgramEvent, ProgramResult, ProgramRun, ProtocolError, decode, encode
+from k3rt.protocol import (
+    ProgramClose, ProgramEvent, ProgramResult, ProgramRun, ProtocolError, ServerCall, ServerReply, decode, encode,
+)
 
 log = logging.getLogger(__name__)
 
-EventCallback = Callable[[int, "str | None", str, bool], None]
+EventCallback = Callable[[int, "str | None", str, bool, "dict | None"], None]
 
+SERVER_CALL_TIMEOUT_S = 60.0  # flush_cache / get_server_info, when the backend has no timeout of its own
 API_KEY_ENV = "K3RT_API_KEY"  # connect()'s api_key when none is given
 # The server's CURVE key pair is public: it authenticates nothing (the client's key pair does) and only
 # makes the session keys; clients need it to connect, so it is derived from a fixed string.
@@ -66,6 +70,22 @@ def apply_api_key(sock: Any, api_key: str) -> None:
     sock.curve_publickey, sock.curve_secretkey = public, secret
 
 
+@dataclass
+class TokenUsage:
+    """Tokens of every engine request a backend's programs made (gens, select scoring, prefix commits),
+    as sglang's OpenAI backend counts them: `backend.token_usage`."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def reset(self) -> None:
+        self.prompt_tokens = self.completion_tokens = 0
+
+    def add(self, usage: dict[str, int]) -> None:
+        self.prompt_tokens += int(usage.get("prompt_tokens", 0))
+        self.completion_tokens += int(usage.get("completion_tokens", 0))
+
+
 class Backend(ABC):
     @abstractmethod
     def run(self, pid: str, program: dict[str, Any], *, final: bool, stream: bool,
@@ -78,6 +98,16 @@ class Backend(ABC):
 
     def shutdown(self) -> None:
         pass
+
+    def get_server_info(self) -> dict[str, Any]:
+        raise NotImplementedError(f"{type(self).__name__} cannot report server info")
+
+    def flush_cache(self) -> bool:
+        raise NotImplementedError(f"{type(self).__name__} cannot flush a cache")
+
+    def get_model_name(self) -> str:
+        """The served model's path (sglang's RuntimeEndpoint.get_model_name)."""
+        return self.get_server_info()["model_path"]
 
 
 class RemoteBackend(Backend):
@@ -92,6 +122,8 @@ class RemoteBackend(Backend):
         self.pending: dict[str, tuple[Future, EventCallback | None]] = {}
         self.lock = threading.Lock()
         self.round_trips = 0  # ProgramRun messages sent (what a test counts)
+        self.token_usage = TokenUsage()
+        self.calls: dict[str, Future] = {}  # ServerCall cid -> its reply
         self._wake_addr = f"inproc://k3rt-wake-{id(self)}"
         self._wake_send = self.ctx.socket(zmq.PAIR)
         self._wake_send.bind(self._wake_addr)
@@ -178,18 +210,56 @@ class RemoteBackend(Backend):
     def _fail_pending(self, error: Exception) -> None:
         with self.lock:
             pending, self.pending = self.pending, {}
-        for fut, _ in pending.values():
+            calls, self.calls = self.calls, {}
+        for fut in [f for f, _ in pending.values()] + list(calls.values()):
             fut.set_exception(type(error)(*error.args))  # one instance each: tracebacks don't pile up
+
+    def _call(self, method: str) -> dict[str, Any]:
+        import uuid
+
+        fut: Future = Future()
+        cid = uuid.uuid4().hex
+        with self.lock:
+            if self.failed is not None:
+                raise type(self.failed)(*self.failed.args)
+            self.calls[cid] = fut
+        self._send(encode(ServerCall(cid, method)))
+        try:
+            # a server that predates ServerCall drops it without a reply: never wait forever
+            reply = fut.result(self.timeout or SERVER_CALL_TIMEOUT_S)
+        except TimeoutError:
+            raise TimeoutError(f"{method}: no reply from the DSL server within "
+                               f"{self.timeout or SERVER_CALL_TIMEOUT_S:g} s") from None
+        finally:
+            with self.lock:
+                self.calls.pop(cid, None)
+        if reply.error:
+            raise RuntimeError(f"{method}: {reply.error}")
+        return reply.result
+
+    def get_server_info(self) -> dict[str, Any]:
+        """The served model (model_path, max_model_len, vocab_size, cache layout) and the DSL endpoint."""
+        return self._call("server_info")
+
+    def flush_cache(self) -> bool:
+        """Drop every prefix-cache entry no running request holds (pinned program prefixes included)."""
+        return bool(self._call("flush_cache").get("flushed"))
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, ProgramEvent):
             with self.lock:
                 entry = self.pending.get(msg.pid)
             if entry is not None and entry[1] is not None:
-                entry[1](msg.state, msg.name, msg.delta, msg.done)
+                entry[1](msg.state, msg.name, msg.delta, msg.done, msg.meta)
+        elif isinstance(msg, ServerReply):
+            with self.lock:
+                fut = self.calls.pop(msg.cid, None)
+            if fut is not None:
+                fut.set_result(msg)
         elif isinstance(msg, ProgramResult):
             with self.lock:
                 entry = self.pending.pop(msg.pid, None)
+                self.token_usage.add(msg.usage)
             if entry is not None:
                 entry[0].set_result({"variables": msg.variables, "texts": msg.texts, "messages": msg.messages,
                                      "meta": msg.meta, "error": msg.error, "error_line": msg.error_line})
@@ -277,26 +347,93 @@ class _Link:
                                f"one; unset {API_KEY_ENV}), or it is not a k3rt DSL endpoint")
 
 
-_default: Backend | None = None  # the DSL's one piece of process state, as in sglang.set_default_backend
+class GlobalConfig:
+    """sglang's `global_config`: the DSL's one piece of process state, as in sglang.
+
+    default_backend: what run() uses without backend= (set_default_backend sets it).
+    verbosity: 2 prints each finished program's text (sglang's meaning).
+    The others are sglang's switches with the one value k3rt implements; another is refused when set:
+    skip_special_tokens_in_output (True: special tokens never reach program text),
+    spaces_between_special_tokens_in_out (True), enable_precache_with_tracing (True: run_batch's shared
+    prefix is computed once, by the prefix cache rather than by tracing), enable_parallel_encoding
+    (False: join(mode="concate_and_append") appends text; KDA states cannot be spliced like KV caches)."""
+
+    _FIXED = {"skip_special_tokens_in_output": True, "spaces_between_special_tokens_in_out": True,
+              "enable_precache_with_tracing": True, "enable_parallel_encoding": False}
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "default_backend", None)
+        object.__setattr__(self, "verbosity", 0)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in GlobalConfig._FIXED:
+            return GlobalConfig._FIXED[name]
+        raise AttributeError(f"global_config has no setting {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in GlobalConfig._FIXED:
+            if value != GlobalConfig._FIXED[name]:
+                raise ValueError(f"global_config.{name}: k3rt implements only {GlobalConfig._FIXED[name]!r}")
+            return
+        if name not in ("default_backend", "verbosity"):
+            raise AttributeError(f"global_config has no setting {name!r}")
+        object.__setattr__(self, name, value)
 
 
-def set_default_backend(backend: Backend | None) -> None:
-    global _default
-    _default = backend
+global_config = GlobalConfig()
 
 
-def get_default_backend() -> Backend | None:
-    return _default
+def set_default_backend(backend: Backend | Any | None) -> None:
+    global_config.default_backend = backend
+
+
+def get_default_backend() -> Backend | Any | None:
+    return global_config.default_backend
+
+
+def flush_cache(backend: Backend | Any | None = None) -> bool:
+    """Drop the server's prefix cache (entries no running request holds). False without a backend."""
+    backend = backend if backend is not None else global_config.default_backend
+    if backend is None:
+        return False
+    return resolve_backend(backend).flush_cache()
+
+
+def get_server_info(backend: Backend | Any | None = None) -> dict[str, Any] | None:
+    """The server's model and layout (None without a backend)."""
+    backend = backend if backend is not None else global_config.default_backend
+    if backend is None:
+        return None
+    return resolve_backend(backend).get_server_info()
 
 
 def resolve_backend(backend: Backend | Any | None) -> Backend:
     if backend is None:
-        backend = _default
+        backend = global_config.default_backend
     if backend is None:
         raise RuntimeError("no backend: pass backend=..., or call k3rt.set_default_backend(k3rt.connect(addr)) "
                            "or use `with k3rt.Runtime(model=...) as rt:`")
     inner = getattr(backend, "backend", None)  # a Runtime wraps a RemoteBackend
     return inner if isinstance(inner, Backend) else backend
+
+
+def RuntimeEndpoint(base_url: str, api_key: str | None = None, verify: Any = None,  # noqa: N802 (sglang's name)
+                    chat_template_name: str | None = None, *, dsl_addr: str | None = None) -> RemoteBackend:
+    """sglang.RuntimeEndpoint: the programs of a running `k3rt serve` at base_url (http://host:port). Programs
+    travel to its DSL endpoint, by default tcp://host:(port + 1) (`k3rt serve --dsl-addr`'s "auto"); pass
+    dsl_addr= when the server was started with another. verify (TLS) and chat_template_name (k3rt takes
+    role text from the model's own template) have no k3rt meaning and are refused when set."""
+    from urllib.parse import urlsplit
+
+    if verify is not None or chat_template_name is not None:
+        raise ValueError("RuntimeEndpoint: verify and chat_template_name are not supported (the DSL port speaks "
+                         "ZMQ, not HTTPS; role text comes from the model's chat template)")
+    if dsl_addr is None:
+        url = urlsplit(base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"base_url: {base_url!r} must be http://host:port")
+        dsl_addr = f"tcp://{url.hostname}:{(url.port or (443 if url.scheme == 'https' else 80)) + 1}"
+    return connect(dsl_addr, api_key=api_key)
 
 
 def connect(addr: str, *, timeout: float | None = None, api_key: str | None = None) -> RemoteBackend:

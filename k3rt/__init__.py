@@ -15,17 +15,21 @@ Engine code lives in `k3rt.backend` and is imported only by what starts an engin
 """
 
 from k3rt.frontend import (
-    ProgramError, assistant, assistant_begin, assistant_end, connect, function, gen, gen_int, gen_string,
-    get_default_backend, select, set_default_backend, system, system_begin, system_end, tool, tool_begin, tool_end,
-    user, user_begin, user_end,
+    ChoicesSamplingMethod, ProgramError, RuntimeEndpoint, assistant, assistant_begin, assistant_end, connect,
+    flush_cache, function, gen, gen_int, gen_string, get_default_backend, get_server_info, global_config,
+    greedy_token_selection, image, select, set_default_backend, system, system_begin, system_end,
+    token_length_normalized, tool, tool_begin, tool_end, unconditional_likelihood_normalized, user, user_begin,
+    user_end, video,
 )
 from k3rt.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = [
-    "ProgramError", "Runtime", "SamplingParams", "__version__", "assistant", "assistant_begin", "assistant_end",
-    "connect", "function", "gen", "gen_int", "gen_string", "get_default_backend", "select", "set_default_backend",
-    "system", "system_begin", "system_end", "tool", "tool_begin", "tool_end", "user", "user_begin", "user_end",
+    "ChoicesSamplingMethod", "ProgramError", "Runtime", "RuntimeEndpoint", "SamplingParams", "__version__",
+    "assistant", "assistant_begin", "assistant_end", "connect", "flush_cache", "function", "gen", "gen_int",
+    "gen_string", "get_default_backend", "get_server_info", "global_config", "greedy_token_selection", "image",
+    "select", "set_default_backend", "system", "system_begin", "system_end", "token_length_normalized", "tool",
+    "tool_begin", "tool_end", "unconditional_likelihood_normalized", "user", "user_begin", "user_end", "video",
 ]
 
 

@@ -2,8 +2,8 @@
 
 Direction: gateway -> engine process: GenerateRequest, AbortRequest, Unpin, FlushCache, Shutdown.
            engine process -> gateway: Ready, UpdateBatch (of RequestUpdate), ShutdownAck, EngineError.
-           DSL client -> gateway (ZMQ DEALER -> ROUTER): ProgramRun, ProgramClose.
-           gateway -> DSL client: ProgramEvent (streamed text), ProgramResult.
+           DSL client -> gateway (ZMQ DEALER -> ROUTER): ProgramRun, ProgramClose, ServerCall.
+           gateway -> DSL client: ProgramEvent (streamed text), ProgramResult, ServerReply.
 Token ids travel as lists of ints, never as text. No pickle anywhere on the wire. No torch.
 Wire form: JSON `["<type name>", {<fields>}]`; decode raises ProtocolError for anything else.
 """
@@ -137,6 +137,9 @@ class ProgramEvent:
     name: str | None  # the variable being generated
     delta: str
     done: bool = False  # the variable is complete
+    # a gen's stream: completion_tokens so far, and with return_logprob the logprobs of the tokens since
+    # the previous event (output_token_logprobs) and their running count (output_token_logprobs_length)
+    meta: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -148,11 +151,29 @@ class ProgramResult:
     meta: dict[str, dict[str, Any]] = field(default_factory=dict)  # state id -> name -> token counts, scores
     error: str | None = None
     error_line: int | None = None  # the program's source line of the failing op
+    # tokens of every engine request this ProgramRun made (gens, select scoring, prefix commits):
+    # {"prompt_tokens": n, "completion_tokens": n}
+    usage: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ServerCall:
+    """A DSL client asks the gateway something outside any program (sglang's flush_cache, get_server_info)."""
+
+    cid: str  # chosen by the client; the reply carries it
+    method: str  # "server_info" | "flush_cache"
+
+
+@dataclass(frozen=True)
+class ServerReply:
+    cid: str
+    result: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
 
 
 MESSAGES: dict[str, type] = {c.__name__: c for c in (
     GenerateRequest, AbortRequest, Unpin, FlushCache, Shutdown, Ready, RequestUpdate, UpdateBatch, ShutdownAck, EngineError,
-    ProgramRun, ProgramClose, ProgramEvent, ProgramResult)}
+    ProgramRun, ProgramClose, ProgramEvent, ProgramResult, ServerCall, ServerReply)}
 
 
 class ProtocolError(ValueError):

@@ -23,9 +23,14 @@ class Runtime:
     def __init__(self, model: str | None = None, *, in_process: bool = False, dtype: str | None = None,
                  cache_pages: int = 512, max_running: int = 64, endpoint: str | None = None,
                  engine_config: EngineConfig | None = None, startup_timeout: float = 600.0,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, model_path: str | None = None) -> None:
         """api_key: a key the program server requires (for an `endpoint` others can reach, e.g. tcp); the
-        default endpoint is an ipc socket in a private (0700) temporary folder and needs none."""
+        default endpoint is an ipc socket in a private (0700) temporary folder and needs none.
+        model_path: sglang.Runtime's name for `model`."""
+        if model_path is not None:
+            if model is not None:
+                raise TypeError("Runtime: give model or model_path, not both")
+            model = model_path
         from k3rt.frontend.client import RemoteBackend
 
         if engine_config is None:
@@ -37,7 +42,7 @@ class Runtime:
                                          cache=CacheConfig(num_pages=cache_pages),
                                          scheduler=SchedulerConfig(max_running=max_running))
         self.config = engine_config
-        self.endpoint = endpoint or f"ipc://{tempfile.mkdtemp(prefix='k3rt-dsl-')}/programs"
+        self.address = endpoint or f"ipc://{tempfile.mkdtemp(prefix='k3rt-dsl-')}/programs"  # the ZMQ endpoint
         self._api_key = api_key
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -49,7 +54,9 @@ class Runtime:
             raise TimeoutError(f"k3rt.Runtime: not ready within {startup_timeout:.0f}s")
         if self._error is not None:
             raise RuntimeError(f"k3rt.Runtime failed to start: {self._error}") from self._error
-        self.backend = RemoteBackend(self.endpoint, api_key=api_key)  # (not connect(): K3RT_API_KEY is not ours)
+        self.backend = RemoteBackend(self.address, api_key=api_key)  # (not connect(): K3RT_API_KEY is not ours)
+        # sglang's Runtime.endpoint is the backend its programs talk to (get_model_name, flush_cache, ...)
+        self.endpoint = self.backend
 
     def _serve(self) -> None:
         self._loop = asyncio.new_event_loop()
@@ -74,7 +81,7 @@ class Runtime:
 
             self.client = EngineClient(self.config)
         await self.client.start()
-        self.server = ProgramServer(self.client, load_tokenizer(self.config.model), self.endpoint,
+        self.server = ProgramServer(self.client, load_tokenizer(self.config.model), self.address,
                                     api_keys=self._api_key)
         self._stop = asyncio.Event()
         serve = asyncio.create_task(self.server.serve())
@@ -91,6 +98,11 @@ class Runtime:
         await self.client.shutdown()
 
     @property
+    def token_usage(self):
+        """The tokens this Runtime's programs used (frontend/client.py TokenUsage)."""
+        return self.backend.token_usage
+
+    @property
     def engine_stats(self) -> dict[str, Any]:
         """Scheduler/cache counters (prompt, cached and computed tokens, pages, snapshots)."""
         c = self.client
@@ -101,7 +113,7 @@ class Runtime:
     def shutdown(self) -> None:
         if getattr(self, "backend", None) is not None:
             self.backend.shutdown()
-            self.backend = None
+            self.backend = self.endpoint = None
         if self._loop is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(60)

@@ -22,6 +22,8 @@ class SamplingParams:
     logprobs: also return the sampled token's logprob and the top-N (N = logprobs, 0..20) alternatives
         (None = off). The backend sampler documents which distribution they come from.
     seed: per-request RNG seed (None: nondeterministic). max_tokens: tokens to generate at most.
+    min_tokens: the tokens that would end generation (EOS, stop_token_ids) cannot be sampled before this
+        many tokens (0 = off; SGLang's min_new_tokens, vLLM's min_tokens).
     stop_token_ids: extra ids that end generation (besides the model's EOS unless ignore_eos).
     logit_bias: (token id, bias) pairs added to those tokens' logits before penalties and temperature
         (OpenAI semantics; bias in [-100, 100], -100 bans a token in practice). The ids' upper bound (the
@@ -38,6 +40,7 @@ class SamplingParams:
     logprobs: int | None = None
     seed: int | None = None
     max_tokens: int = 16
+    min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
@@ -55,6 +58,8 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or (not isinstance(self.logprobs, bool) and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"must be None or an int in [0, {MAX_LOGPROBS}]"),
             ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
+            ("min_tokens", not isinstance(self.min_tokens, bool) and 0 <= self.min_tokens <= self.max_tokens,
+             f"must be in [0, max_tokens={self.max_tokens}]"),
             ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be in [0, 2^63)"),
             ("logit_bias", all(_bias_pair(x) for x in self.logit_bias),
              f"must be (token id >= 0, bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]) pairs"),

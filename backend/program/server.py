@@ -53,7 +53,7 @@ from k3rt.backend.tokenizer import Tokenizer
 from k3rt.frontend.client import client_curve_keys, server_curve_keys
 from k3rt.frontend.ir import Op, Program
 from k3rt.protocol import (
-    ProgramClose, ProgramEvent, ProgramResult, ProgramRun, ProtocolError, decode, encode,
+    ProgramClose, ProgramEvent, ProgramResult, ProgramRun, ProtocolError, ServerCall, ServerReply, decode, encode,
 )
 
 log = logging.getLogger(__name__)
@@ -131,6 +131,7 @@ class ProgramServer:
         self.draining = False  # shutting down: running programs finish, new runs are refused
         self.rejected = 0  # messages and connections refused (what a test counts)
         self._reject_log = _RejectLog()
+        self._calls: set[asyncio.Task] = set()  # ServerCall replies in progress
 
     def _reject(self, peer: Any, reason: str, fmt: str, *args: Any) -> None:
         self.rejected += 1
@@ -205,6 +206,10 @@ class ProgramServer:
             return
         if isinstance(msg, ProgramRun):
             self._start(ident, msg, _user_id(frames[1]))
+        elif isinstance(msg, ServerCall):
+            task = asyncio.create_task(self._call(ident, msg))
+            self._calls.add(task)
+            task.add_done_callback(self._calls.discard)
         elif isinstance(msg, ProgramClose):
             entry = self.sessions.get(msg.pid)
             if entry is not None and entry.ident == ident:  # another connection's session is not this one's
@@ -229,6 +234,20 @@ class ProgramServer:
         task = asyncio.create_task(self._run(entry, msg))
         entry.runs.add(task)
         task.add_done_callback(entry.runs.discard)
+
+    async def _call(self, ident: bytes, msg: ServerCall) -> None:
+        """sglang's get_server_info and flush_cache for DSL clients (the HTTP server has its own routes)."""
+        result, error = {}, None
+        if msg.method == "server_info":
+            info = dict(getattr(self.gen.client, "info", {}) or {})
+            result = {**info, "model_path": info.get("model"), "dsl_endpoint": self.endpoint,
+                      "programs_run": self.programs_run}
+        elif msg.method == "flush_cache":
+            await self.gen.client.flush_cache()
+            result = {"flushed": True}
+        else:
+            error = f"method: {msg.method!r} not one of ['server_info', 'flush_cache']"
+        self.outq.put_nowait((ident, encode(ServerReply(msg.cid, result, error))))
 
     async def drain(self, timeout: float) -> bool:
         """Stop taking programs and wait up to `timeout` s for the running ones (a shutdown's drain; the
@@ -308,8 +327,9 @@ class ProgramServer:
         if entry is None:
             on_event = None
             if msg.stream:
-                def on_event(sid: int, name: str | None, delta: str, done: bool, pid: str = msg.pid) -> None:
-                    self.outq.put_nowait((ident, encode(ProgramEvent(pid, sid, name, delta, done))))
+                def on_event(sid: int, name: str | None, delta: str, done: bool, meta: dict | None = None,
+                             pid: str = msg.pid) -> None:
+                    self.outq.put_nowait((ident, encode(ProgramEvent(pid, sid, name, delta, done, meta))))
             entry = _Entry(ProgramSession(msg.pid, self.gen, self.roles, on_event=on_event, cache_salt=tenant), ident)
             self.sessions[msg.pid] = entry
         return entry
@@ -338,7 +358,8 @@ class ProgramServer:
             self._drop(msg.pid)
         self.outq.put_nowait((ident, encode(ProgramResult(msg.pid, result["variables"], result["texts"],
                                                           result["messages"], result.get("meta", {}),
-                                                          result.get("error"), result.get("error_line")))))
+                                                          result.get("error"), result.get("error_line"),
+                                                          result.get("usage", {})))))
 
 
 def _user_id(frame: zmq.Frame) -> str | None:

@@ -8,14 +8,19 @@ from k3rt.backend.sampling.sampler import Sampler
 
 
 def sample_requests(sampler: Sampler, logits: torch.Tensor, reqs: list) -> dict[int, int]:
-    """Sample one token per request row of `logits` (grammar masks, penalties, logprobs); -> {rid: token}."""
+    """Sample one token per request row of `logits` (grammar masks, min_tokens, penalties, logprobs);
+    -> {rid: token}."""
     mask = None
-    if any(r.grammar is not None for r in reqs):
+    if any(r.grammar is not None or under_min_tokens(r) for r in reqs):
         from k3rt.backend.grammar import fill_batch_bitmask
 
-        mask = torch.zeros(len(reqs), (logits.shape[1] + 31) // 32, dtype=torch.int32)
-        for row, error in fill_batch_bitmask([r.grammar for r in reqs], mask).items():
-            reqs[row].sampled.error = error  # the engine fails this request alone
+        # rows without a grammar keep every bit set
+        mask = torch.full((len(reqs), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)
+        grammars = [r.grammar for r in reqs]
+        if any(g is not None for g in grammars):
+            for row, error in fill_batch_bitmask(grammars, mask).items():
+                reqs[row].sampled.error = error  # the engine fails this request alone
+        ban_stop_tokens(reqs, mask)
         mask = mask.to(logits.device)
     # penalties need token histories; slice them only for rows that use one
     hist = [r.params.repetition_penalty != 1.0 or r.params.frequency_penalty or r.params.presence_penalty
@@ -29,6 +34,25 @@ def sample_requests(sampler: Sampler, logits: torch.Tensor, reqs: list) -> dict[
         if out.logprobs is not None and r.params.logprobs is not None:
             r.sampled.logprob, r.sampled.top_logprobs = out.logprobs[i], out.top_logprobs[i]
     return {r.rid: t for r, t in zip(reqs, out.token_ids)}
+
+
+def under_min_tokens(r) -> bool:
+    """The request has not generated min_tokens yet, so its stop tokens must not be sampled."""
+    return r.num_output < r.params.min_tokens and bool(r.stop_ids)
+
+
+def ban_stop_tokens(reqs: list, mask: torch.Tensor) -> None:
+    """Clear the stop-token bits of the rows still under min_tokens. mask: [B, ceil(V/32)] int32, on the CPU.
+    A row whose grammar allows nothing but a stop token keeps it: the grammar has ended the text."""
+    for row, r in enumerate(reqs):
+        if under_min_tokens(r):
+            before = mask[row].clone()
+            for t in r.stop_ids:
+                if t < mask.shape[1] * 32:
+                    word = mask[row, t // 32].item() & 0xFFFFFFFF & ~(1 << (t % 32))  # as uint32
+                    mask[row, t // 32] = word - (1 << 32) if word >= 1 << 31 else word  # back to int32
+            if not bool(mask[row].any()):
+                mask[row] = before
 
 
 def accept_grammar(r, tok: int) -> None:

@@ -129,7 +129,7 @@ def test_programs_of_a_client_that_goes_away_are_cancelled(rt, tmp_path: Path) -
     script = tmp_path / "remote.py"
     script.write_text(REMOTE_CLIENT)
     engine = rt.client.engine
-    proc = subprocess.Popen([sys.executable, str(script), rt.endpoint], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, str(script), rt.address], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     try:
         assert proc.stdout.readline().strip() == "started"

@@ -53,11 +53,12 @@ def _logprobs(model, ids: list[int], start: int) -> list[float]:
 
 def _reference(model, tok, prefix: str, choices: list[str], method: str) -> tuple[int, list[float], list[list[float]]]:
     base = tok.encode(prefix)
-    token_lps = []
+    token_lps, scored_ids = [], []
     for c in choices:
         joint = tok.encode(prefix + c)
         k = next((i for i, (a, b) in enumerate(zip(joint, base)) if a != b), min(len(joint), len(base)))
         token_lps.append(_logprobs(model, joint, max(k, 1)))
+        scored_ids.append(joint[max(k, 1):])
     means = [sum(t) / len(t) for t in token_lps]
     if method == "token_length_normalized":
         scores = means
@@ -68,9 +69,10 @@ def _reference(model, tok, prefix: str, choices: list[str], method: str) -> tupl
         best = max(range(len(choices)), key=lambda i: padded[i])
         scores = [float(i == best) for i in range(len(choices))]
     else:
-        # minus the choice's likelihood with no context (after BOS)
-        uncond = [_logprobs(model, [tok.bos_token_id] + tok.encode(c), 1) for c in choices]
-        scores = [m - sum(u) / len(u) for m, u in zip(means, uncond)]
+        # sglang's rule: minus the logprobs of the same token ids scored alone, where the first has no
+        # context and counts 0
+        uncond = [[0.0] + (_logprobs(model, ids, 1) if len(ids) > 1 else []) for ids in scored_ids]
+        scores = [sum(a - b for a, b in zip(t, u)) / len(t) for t, u in zip(token_lps, uncond)]
     best = max(range(len(choices)), key=lambda i: scores[i])
     return best, scores, token_lps
 

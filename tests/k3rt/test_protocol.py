@@ -11,7 +11,8 @@ import pytest
 
 from k3rt.protocol import (
     MESSAGES as TYPES, AbortRequest, EngineError, FlushCache, GenerateRequest, ProgramClose, ProgramEvent,
-    ProgramResult, ProgramRun, ProtocolError, Ready, RequestUpdate, Shutdown, ShutdownAck, Unpin, UpdateBatch,
+    ProgramResult, ProgramRun, ProtocolError, Ready, RequestUpdate, ServerCall, ServerReply, Shutdown, ShutdownAck,
+    Unpin, UpdateBatch,
     decode, encode, params_from_dict, params_to_dict,
 )
 from k3rt.sampling_params import SamplingParams
@@ -40,10 +41,15 @@ MESSAGES = [
     ProgramClose("p1"),
     ProgramEvent("p1", 0, "x", "hel"),
     ProgramEvent("p1", 2, None, "", done=True),
+    ProgramEvent("p1", 0, "x", "lo", meta={"completion_tokens": 2, "output_token_logprobs": [[-0.5, 4, None]]}),
     ProgramResult("p1", {"0": {"x": "hello", "items": ["a", "b"]}}, {"0": "hi hello"},
                   {"0": [{"role": "user", "content": "hi"}]}, {"0": {"x": {"tokens": 3, "score": -1.5}}},
                   error="ValueError: x", error_line=7),
     ProgramResult("p2", {}, {}, {}),
+    ProgramResult("p3", {}, {}, {}, usage={"prompt_tokens": 12, "completion_tokens": 3}),
+    ServerCall("c1", "server_info"),
+    ServerReply("c1", {"model_path": "/m", "max_model_len": 8192}),
+    ServerReply("c2", error="method: 'x' not one of ['server_info', 'flush_cache']"),
 ]
 
 
