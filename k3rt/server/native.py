@@ -20,8 +20,8 @@ and scores) the prompt without generating, which is how SGLang's `select` and `f
 
 Constraints: `regex`, `json_schema` (a JSON text) and `ebnf` (GBNF-style, converted to a Lark grammar by
 llguidance; refused with `--grammar-backend outlines`). Sampling parameters k3rt does not implement
-(min_new_tokens > 0, stop_regex, structural_tag, custom_params, skip_special_tokens false, no_stop_trim)
-are refused (400 naming the field), never dropped.
+(stop_regex, structural_tag, custom_params, skip_special_tokens false, no_stop_trim) are refused (400
+naming the field), never dropped.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def _params(raw: dict[str, Any] | None, where: str, vocab_size: int, logprobs: i
         err = e.errors(include_url=False)[0]
         field = ".".join(str(x) for x in err["loc"] if not str(x).startswith(("list[", "str", "int", "float")))
         raise bad_request(f"{where}.{field}" if field else where, err["msg"]) from None
-    refuse = [("min_new_tokens", (sp.min_new_tokens or 0) > 0), ("stop_regex", bool(sp.stop_regex)),
+    refuse = [("stop_regex", bool(sp.stop_regex)),
               ("ebnf", sp.ebnf is not None and grammar_backend != "llguidance"),
               ("structural_tag", sp.structural_tag is not None),
               ("custom_params", bool(sp.custom_params)), ("skip_special_tokens", sp.skip_special_tokens is False),
@@ -157,10 +157,12 @@ def _params(raw: dict[str, Any] | None, where: str, vocab_size: int, logprobs: i
             repetition_penalty=1.0 if sp.repetition_penalty is None else sp.repetition_penalty,
             frequency_penalty=sp.frequency_penalty or 0.0, presence_penalty=sp.presence_penalty or 0.0,
             logprobs=logprobs, seed=sp.sampling_seed, max_tokens=max(max_new, 1),
+            min_tokens=0 if max_new == 0 else sp.min_new_tokens or 0,
             stop_token_ids=tuple(sp.stop_token_ids or ()), ignore_eos=bool(sp.ignore_eos), logit_bias=bias)
     except ValueError as e:  # SamplingParams names the field first (in its own words)
         field, why = str(e).split(":", 1)
-        field = {"seed": "sampling_seed", "max_tokens": "max_new_tokens"}.get(field, field)
+        field = {"seed": "sampling_seed", "max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}.get(
+            field, field)
         raise bad_request(f"{where}.{field}", why.strip()) from None
     grammar = None
     given = [name for name in ("regex", "json_schema", "ebnf") if getattr(sp, name) is not None]

@@ -164,6 +164,7 @@ class SamplingFields(_Strict):
     cache_salt: str | None = None
     return_token_ids: bool = False  # debug: add prompt_token_ids and per-choice token_ids to the response
     logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
+    min_tokens: int = 0  # vLLM's: EOS and stop_token_ids cannot end the output before this many tokens
 
 
 class _Request(SamplingFields):
@@ -174,7 +175,7 @@ class _Request(SamplingFields):
 # Fields other servers (vLLM, SGLang, newer OpenAI) accept that would change what is sampled or returned,
 # and that k3rt does not implement: refused (400) rather than dropped.
 UNSERVED_FIELDS = frozenset({
-    "use_beam_search", "length_penalty", "early_stopping", "min_tokens", "bad_words", "allowed_token_ids",
+    "use_beam_search", "length_penalty", "early_stopping", "bad_words", "allowed_token_ids",
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern",
     "guided_decoding_backend", "structured_outputs", "json_schema", "ebnf", "stop_regex", "typical_p",
     "top_a", "tfs", "epsilon_cutoff", "eta_cutoff", "mirostat_mode", "mirostat_tau", "mirostat_eta",

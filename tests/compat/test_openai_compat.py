@@ -121,6 +121,23 @@ def test_logit_bias_steers_sampling(oai):
     assert chat.choices[0].token_ids == [target] * 3  # type: ignore[attr-defined]
 
 
+def test_min_tokens_holds_eos_back(oai, compat_server):
+    """EOS pushed to the top by logit_bias ends the output at once, unless min_tokens holds it back."""
+    eos = _tokenize(compat_server, "[EOS]", add_special_tokens=False)[0]
+    kw = dict(model=MODEL_NAME, prompt=TEXT, max_tokens=10, temperature=0, logit_bias={str(eos): 100})
+    r = oai.completions.create(**kw, extra_body={"return_token_ids": True})
+    assert r.choices[0].token_ids == [eos] and r.choices[0].finish_reason == "stop"
+    r = oai.completions.create(**kw, extra_body={"return_token_ids": True, "min_tokens": 3})
+    ids = r.choices[0].token_ids
+    assert len(ids) == 4 and eos not in ids[:3] and ids[3] == eos and r.choices[0].finish_reason == "stop"
+    g = httpx.post(compat_server.url + "/generate", json={"text": TEXT, "sampling_params": {
+        "max_new_tokens": 10, "min_new_tokens": 3, "temperature": 0, "logit_bias": {str(eos): 100}}}, timeout=30)
+    assert g.json()["output_ids"] == ids
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, extra_body={"min_tokens": 5})
+    assert e.value.body["param"] == "min_tokens"
+
+
 @pytest.mark.parametrize("bias, why", [({"abc": 1}, "is not a token id"), ({"99999": 1}, "is not a token id"),
                                       ({"5": 101}, "must be a number in [-100, 100]"),
                                       ({"5": "x"}, None)], ids=["key-not-int", "key-out-of-vocab", "too-big", "str"])
@@ -141,14 +158,14 @@ def test_unknown_fields(oai):
                                                    extra_body={"a\nb\u00e9": 1})
     assert raw.headers["x-k3rt-ignored-fields"] == "a?b?"  # printable ASCII only in a header
     # a field that would change sampling is never dropped silently
-    for name, value in (("min_tokens", 3), ("use_beam_search", True), ("guided_json", {})):
+    for name, value in (("bad_words", ["x"]), ("use_beam_search", True), ("guided_json", {})):
         with pytest.raises(openai.BadRequestError) as e:
             oai.completions.create(model=MODEL_NAME, prompt="x", max_tokens=1, extra_body={name: value})
         assert e.value.body["param"] == name
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_tokens=1,
-                                    extra_body={"min_tokens": 2})
-    assert e.value.body["param"] == "min_tokens"
+                                    extra_body={"prompt_logprobs": 2})
+    assert e.value.body["param"] == "prompt_logprobs"
 
 
 def test_served_flags(compat_server):

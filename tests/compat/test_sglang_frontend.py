@@ -140,7 +140,7 @@ def test_generate_wire_format(compat_server):
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
     assert json.loads(events[-2])["meta_info"]["finish_reason"]["type"] == "length"
     # refused, not dropped
-    for sp, field in (({"min_new_tokens": 2}, "sampling_params.min_new_tokens"),
+    for sp, field in (({"min_new_tokens": 9, "max_new_tokens": 2}, "sampling_params.min_new_tokens"),
                       ({"stop_regex": "a+"}, "sampling_params.stop_regex"), ({"bogus": 1}, "sampling_params.bogus"),
                       ({"ebnf": "root ::= ("}, "sampling_params.ebnf"),
                       ({"ebnf": 'root ::= "a"', "regex": "a"}, "sampling_params.ebnf")):

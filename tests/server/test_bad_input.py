@@ -110,7 +110,8 @@ BAD = [
     ("logit-bias-too-big", CHAT, _chat(logit_bias={"5": -100.5}), 400, "logit_bias"),
     ("logit-bias-not-a-number", COMPLETIONS, _completion(logit_bias={"5": "1"}), 400, "logit_bias"),
     ("logit-bias-too-many", COMPLETIONS, _completion(logit_bias={str(i): 1 for i in range(1025)}), 400, "logit_bias"),
-    ("unserved-field", COMPLETIONS, _completion(min_tokens=2), 400, "min_tokens"),
+    ("unserved-field", COMPLETIONS, _completion(use_beam_search=True), 400, "use_beam_search"),
+    ("min-tokens-over-max", COMPLETIONS, _completion(min_tokens=5), 400, "min_tokens"),
     ("unserved-field-chat", CHAT, _chat(guided_regex="a+"), 400, "guided_regex"),
 ]
 
