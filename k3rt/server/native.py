@@ -260,6 +260,8 @@ async def generate(ctx: ServerContext, req: NativeGenerateRequest, request: Requ
         if not 0 <= top <= MAX_LOGPROBS:
             raise bad_request("top_logprobs_num", f"must be in [0, {MAX_LOGPROBS}], got {top}")
         start = starts[i] if want[i] and starts[i] is not None and starts[i] >= 0 else None
+        if start is not None and start > len(prompt):
+            raise bad_request("logprob_start_len", f"{start} is past the end of prompt {i} ({len(prompt)} tokens)")
         params, max_new, n, stop, grammar = _params(sps[i], where, gw.vocab_size, top if want[i] else None,
                                                     ctx.config.engine.grammar_backend)
         if len(prompt) + params.max_tokens > gw.context_length:

@@ -150,6 +150,9 @@ def test_generate_wire_format(compat_server):
     out = httpx.post(url + "/generate", json={"text": "Answer:", "sampling_params": {
         "max_new_tokens": 8, "temperature": 0, "ebnf": 'root ::= ("yes" | "no") "!"'}}, timeout=30).json()
     assert out["text"] in ("yes!", "no!"), out
+    r = httpx.post(url + "/generate", json={"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 3},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_start_len"
     r = httpx.post(url + "/generate", json={"text": "x", "image_data": "abc"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "image_data"
     assert httpx.get(url + "/health_generate", timeout=30).status_code == 200
