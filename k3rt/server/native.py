@@ -276,7 +276,7 @@ async def generate(ctx: ServerContext, req: NativeGenerateRequest, request: Requ
             groups[key] = _Group(job, max_new, start, top)
         groups[key].indices.append(i)
         groups[key].prompts.append(prompt)
-    out = _Output(ctx, req, list(groups.values()), num)
+    out = _Output(ctx, req, list(groups.values()))
     if req.stream:
         if len(groups) > 1:
             raise bad_request("stream", "a streamed batch needs the same settings for every prompt")
@@ -289,8 +289,8 @@ async def generate(ctx: ServerContext, req: NativeGenerateRequest, request: Requ
 
 
 class _Output:
-    def __init__(self, ctx: ServerContext, req: NativeGenerateRequest, groups: list[_Group], num: int) -> None:
-        self.ctx, self.req, self.groups, self.num = ctx, req, groups, num
+    def __init__(self, ctx: ServerContext, req: NativeGenerateRequest, groups: list[_Group]) -> None:
+        self.ctx, self.req, self.groups = ctx, req, groups
         self.t0 = time.monotonic()
         self.rid = new_id("gen")
         self.eos = frozenset(ctx.gateway.eos_token_ids)
