@@ -8,6 +8,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.k3rt-installed
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && $(PY) -c "import torch" >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
+# SGLang's frontend for tests/compat, without its dependencies (a CUDA serving stack); the few it needs to
+# import are in pyproject's test extra
+SGLANG := sglang==0.5.23
 
 .PHONY: install test demo clean
 
@@ -15,11 +18,13 @@ $(STAMP): pyproject.toml setup.py
 ifeq ($(HAS_GPU),1)
 	$(PY) -m venv --system-site-packages $(VENV)
 	$(BIN)/pip install -q -e ".[backend,test]"
+	$(BIN)/pip install -q --no-deps $(SGLANG)
 else
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
 	$(BIN)/pip install -q torch==2.13.0 triton==3.6.0 "numpy<2.4"
 	$(BIN)/pip install -q -e ".[backend,test]" torch==2.13.0
+	$(BIN)/pip install -q --no-deps $(SGLANG)
 endif
 	touch $(STAMP)
 

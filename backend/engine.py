@@ -40,6 +40,8 @@ class RequestOutput:
     cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[float] | None = None  # of new_token_ids, when params.logprobs is set
     prompt_logprobs: dict[int, float] | None = None  # position -> log p(prompt token); set once finished
+    # position -> the params.logprobs most likely [token_id, logprob] there; with prompt_logprobs
+    prompt_top_logprobs: dict[int, list[list[float]]] | None = None
     error: str | None = None  # why the request failed (finish_reason "error"), naming the field
     top_logprobs: list[list[list[float]]] | None = None  # per new token: [[token_id, logprob], ...]
 
@@ -119,6 +121,9 @@ class Engine:
         lo, hi = min(prompt), max(prompt)
         if lo < 0 or hi >= v:
             raise ValueError(f"prompt: token id {lo if lo < 0 else hi} outside the vocabulary [0, {v})")
+        bad = next((t for t, _ in params.logit_bias if t >= v), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} outside the vocabulary [0, {v})")
         limit = self.model_cfg.max_position_embeddings
         if len(prompt) + params.max_tokens > limit:
             raise ValueError(f"prompt: {len(prompt)} tokens + max_tokens {params.max_tokens} exceed the context "
@@ -291,10 +296,14 @@ class Engine:
                                  logprobs=lp, top_logprobs=top)
         self.requests.pop(req.rid, None)
         self.runner.release(req.rid)
+        scored = req.prompt_logprobs_from is not None
+        tops = None
+        if scored and req.params.logprobs:
+            tops = {p: [[t, v] for t, v in top] for p, top in req.sampled.prompt_top_logprobs.items()}
         return RequestOutput(req.rid, new, req.output_ids, True, req.finish_reason.value if req.finish_reason else None,
                              req.prompt_len, req.cached_tokens, logprobs=lp, top_logprobs=top,
-                             prompt_logprobs=dict(req.sampled.prompt_logprobs) if req.prompt_logprobs_from is not None else None,
-                             error=req.error)
+                             prompt_logprobs=dict(req.sampled.prompt_logprobs) if scored else None,
+                             prompt_top_logprobs=tops, error=req.error)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, cache_salt: str | None = None) -> list[RequestOutput]:

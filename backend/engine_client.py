@@ -19,9 +19,10 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import sys
 import tempfile
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,7 +79,8 @@ class EngineClient:
         spawn = mp.get_context("spawn")
         self.proc = spawn.Process(target=engine_main, name="k3rt-engine", daemon=True,
                                   args=(self.cfg, self.addrs.to_engine, self.addrs.from_engine, self.log_level))
-        self.proc.start()
+        with _main_hidden():
+            self.proc.start()
         # the engine ignores SIGTERM, so multiprocessing's exit-time terminate() of daemonic children would
         # leave it running (and that exit waiting on it forever) if the gateway exits without `shutdown`
         atexit.register(self._kill)
@@ -231,3 +233,25 @@ class EngineClient:
             os.rmdir(os.path.dirname(self.addrs.to_engine.removeprefix("ipc://")))  # Addresses.fresh()'s folder
         self.proc = None
         atexit.unregister(self._kill)
+
+
+@contextlib.contextmanager
+def _main_hidden() -> Iterator[None]:
+    """While the engine process is spawned, `__main__` has no file and no spec, so the child does not
+    re-run the parent's main module. Spawn re-imports it (as `__mp_main__`) to find functions pickled from
+    there; the engine's target and arguments all live in k3rt's own modules, and a plain script that builds
+    `k3rt.Runtime(...)` at module level (no `if __name__ == "__main__":` guard) would otherwise build a second
+    runtime inside the engine process, which dies. Popen writes the child's preparation data during
+    `start()`, so hiding the two attributes for that call is enough."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)

@@ -83,6 +83,11 @@ class Job:
     # tokens from this id on are structured output (a tool-call section), not text: they are passed on in
     # `token_ids` but not detokenized into `text`
     text_end_id: int | None = None
+    # score the prompt: each choice's last delta carries `prompt_logprobs` for positions >= this (>= 1)
+    prompt_logprobs_from: int | None = None
+    # max_tokens 0: params.max_tokens is 1 and that one sampled token is dropped (the choice has no output,
+    # finish_reason "length"); the prompt is still computed (cached, scored)
+    drop_output: bool = False
 
 
 @dataclass(slots=True)
@@ -106,6 +111,9 @@ class ChoiceDelta:
     error: str | None = None  # why the engine rejected or failed this choice (finish_reason "error")
     engine_dead: bool = False  # the error is the engine process's death, not this request's fault
     internal: bool = False  # the error is a gateway bug (logged), not the request's fault
+    # on the last delta of a job with prompt_logprobs_from: one entry per prompt token, None where not scored
+    # (position 0, and positions before prompt_logprobs_from)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class TextStream:
@@ -340,23 +348,32 @@ class Gateway:
                           out: asyncio.Queue[ChoiceDelta]) -> None:
         text = TextStream(self.tokenizer, job.stop, job.text_end_id)
         want_logprobs = params.logprobs is not None
+        # a one-token prompt has no position to score (position 0 has no context)
+        score_from = job.prompt_logprobs_from if job.prompt_logprobs_from is not None and (
+            job.prompt_logprobs_from < len(prompt_ids)) else None
         try:
             updates = self.client.generate(prompt_ids, params_to_dict(params), cache_salt=job.cache_salt,
-                                           grammar=job.grammar, eos_token_ids=self.eos_token_ids)
+                                           grammar=job.grammar, eos_token_ids=self.eos_token_ids,
+                                           prompt_logprobs_from=score_from)
             async with contextlib.aclosing(updates):
                 async for u in updates:
                     self.last_update_at = time.monotonic()
-                    kept = text.push(u.token_ids)
+                    kept = 0 if job.drop_output else text.push(u.token_ids)
                     ids = u.token_ids[:kept]
                     lps = None
                     if want_logprobs:
                         lps = [TokenLogprob(t, lp, [(int(a), float(b)) for a, b in top])
                                for t, lp, top in zip(ids, u.logprobs or [], u.top_logprobs or [[]] * len(ids))]
                     finish = "stop" if text.stopped else (u.finish_reason or "stop") if u.finished else None
-                    if finish is not None:
+                    if job.drop_output and finish not in (None, "error", "abort"):
+                        finish = "length"
+                    if finish is not None and not job.drop_output:
                         text.finish()
                     delta = ChoiceDelta(index, text.take(final=finish is not None), ids, lps, finish,
                                         u.prompt_tokens, u.cached_tokens)
+                    if job.prompt_logprobs_from is not None and u.finished and finish != "error":
+                        delta.prompt_logprobs = _prompt_logprobs(prompt_ids, u.prompt_logprobs,
+                                                                 u.prompt_top_logprobs)
                     if finish == "error" and not text.stopped:
                         delta.error = u.error or "generation failed"
                         delta.engine_dead = self.client.dead is not None
@@ -373,3 +390,14 @@ class Gateway:
             log.exception("choice %d failed", index)
             out.put_nowait(ChoiceDelta(index, "", [], None, "error", len(prompt_ids), error=f"{type(e).__name__}: {e}",
                                        internal=True))
+
+
+def _prompt_logprobs(prompt_ids: list[int], scores: dict[str, float] | None,
+                     tops: dict[str, list] | None) -> list[TokenLogprob | None]:
+    """The engine's prompt scores (position -> logprob, position -> top pairs) as one entry per prompt token."""
+    scores, tops = scores or {}, tops or {}
+    out: list[TokenLogprob | None] = []
+    for p, t in enumerate(prompt_ids):
+        v = scores.get(str(p))
+        out.append(None if v is None else TokenLogprob(t, v, [(int(a), float(b)) for a, b in tops.get(str(p), ())]))
+    return out

@@ -64,9 +64,10 @@ class RequestMap:
             if name is None:
                 continue
             plp = None if o.prompt_logprobs is None else {str(k): v for k, v in o.prompt_logprobs.items()}
+            ptop = None if o.prompt_top_logprobs is None else {str(k): v for k, v in o.prompt_top_logprobs.items()}
             updates.append(RequestUpdate(name, o.new_token_ids, o.finished, o.finish_reason, o.prompt_len,
                                          o.cached_tokens, o.logprobs, o.top_logprobs, error=o.error,
-                                         prompt_logprobs=plp))
+                                         prompt_logprobs=plp, prompt_top_logprobs=ptop))
             if o.finished:
                 del self.rids[name], self.names[o.rid]
                 if name in self.pinned and not self.engine.is_pinned(o.rid):

@@ -120,7 +120,8 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
                                    "KDA state bytes per sequence and MLA bytes per token at a TP degree. "
                                    "Reads config.json only.")
     p.add_argument("--model", required=True, help="checkpoint folder (only config.json is read)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                   help="tensor-parallel degree (default 1)")
     p.add_argument("--memory-gb", type=float, default=None, help="cache pool size: adds num_pages to the output")
     p.add_argument("--block-size", type=int, default=None, help="override tokens per page (default: smallest valid)")
     p.add_argument("--json", action="store_true", help="print JSON (default: indented human-readable JSON too)")
@@ -156,7 +157,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--workload", choices=["system-prompt", "multi-turn", "agents", "documents"],
                      default="system-prompt", help="synthetic workload (default system-prompt)")
     c.add_argument("--limit", type=int, default=None, help="trace: replay only its first N requests")
-    c.add_argument("--tp", type=int, default=1)
+    c.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     c.add_argument("--block-size", type=int, default=None, help="tokens per page (default: smallest valid)")
     c.add_argument("--hash-block-size", type=int, default=64, help="snapshot grid in tokens (default 64)")
     c.add_argument("--cache-gb", default="40", help="cache pool size in GiB, or a comma-separated sweep such as "
@@ -271,7 +272,10 @@ def _cmd_bench(a: argparse.Namespace) -> int:
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (gateway + engine process)",
-                       description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics. "
+                       description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics, the "
+                                   "tokenizer (/tokenize, /detokenize, /tokenizer_info, as vLLM) and SGLang's native "
+                                   "API (/generate, /get_model_info, /get_server_info, /flush_cache, "
+                                   "/health_generate). "
                                    "The gateway process (uvloop + uvicorn) tokenizes and streams; the engine process "
                                    "schedules and runs the model. Ready when GET /health answers 200. SIGINT/SIGTERM "
                                    "(to the server or its whole process group) drain: new requests get 503, running "
@@ -299,20 +303,30 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-mb", type=float, default=32.0,
                    help="request bodies above this many MiB are answered 413 before they are read (default 32)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the folder's name)")
-    p.add_argument("--max-running", type=int, default=256, help="requests decoding at once (default 256)")
+    p.add_argument("--max-running", "--max-num-seqs", dest="max_running", type=int, default=256,
+                   help="requests decoding at once (default 256)")
     p.add_argument("--max-waiting", type=int, default=4096,
                    help="requests queued beyond those; more are answered 429 (default 4096)")
-    p.add_argument("--max-batched-tokens", type=int, default=2048, help="tokens per engine step (default 2048)")
-    p.add_argument("--context-length", type=int, default=None,
+    p.add_argument("--max-batched-tokens", "--max-num-batched-tokens", dest="max_batched_tokens", type=int,
+                   default=2048, help="tokens per engine step (default 2048)")
+    p.add_argument("--context-length", "--max-model-len", dest="context_length", type=int, default=None,
                    help="prompt + output tokens per request (default: the model's maximum)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="refused: k3rt runs no code from a checkpoint (it implements the Kimi architectures itself)")
     p.add_argument("--grammar-backend", choices=["llguidance", "outlines"], default="llguidance",
                    help="constrained decoding backend (default llguidance)")
     cache = p.add_mutually_exclusive_group()
-    cache.add_argument("--cache-pages", type=int, default=None, help="cache pool size in pages (default 256)")
+    cache.add_argument("--cache-pages", type=int, default=None,
+                       help="cache pool size in pages (default: sized from GPU memory on a GPU, 256 on the CPU)")
     cache.add_argument("--cache-gb", type=float, default=None, help="cache pool size in GiB")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
+                   help="on a GPU without --cache-pages/--cache-gb: the share of its memory k3rt may use; the "
+                        "cache gets it less what is already in use, the weights and 2 GiB of headroom (default 0.9)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="compute dtype (default: the checkpoint's torch_dtype)")
-    p.add_argument("--device", default="cpu", help="torch device of the engine (default cpu)")
+    p.add_argument("--device", default="auto",
+                   help="torch device of the engine: auto (default: the first CUDA GPU if there is one, else cpu), "
+                        "cpu, cuda, cuda:N; the choice and the cache size are printed at start with the reason")
     p.add_argument("--runner", choices=["auto", "model", "gpu"], default="auto",
                    help="compute path: 'gpu' = fused Triton kernels + CUDA-graph decode, 'model' = the plain-torch "
                         "reference path; 'auto' (default) picks gpu on a CUDA device, model elsewhere")
@@ -344,12 +358,21 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     from k3rt.config import CacheConfig, EngineConfig, SchedulerConfig
     from k3rt.server.config import ServerConfig
 
-    if a.cache_gb is not None:
-        cache = CacheConfig(memory_gb=a.cache_gb, num_pages=None)
-    else:
-        cache = CacheConfig(num_pages=a.cache_pages) if a.cache_pages is not None else CacheConfig()
+    from k3rt.placement import place, weights_bytes
+
+    if a.trust_remote_code:
+        raise ValueError("trust_remote_code: k3rt never runs code shipped with a checkpoint; it implements the Kimi "
+                         "architectures itself and reads only config.json, weights and tokenizer files. Remove "
+                         "--trust-remote-code")
     model_dir = resolve_model_dir(a.model)
-    engine = EngineConfig(model=str(model_dir), dtype=a.dtype, device=a.device, seed=a.seed, grammar_backend=a.grammar_backend,
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"model: no config.json in {model_dir}")
+    placement = place(a.device, cache_pages=a.cache_pages, cache_gb=a.cache_gb,
+                      gpu_memory_utilization=a.gpu_memory_utilization, weights_bytes=weights_bytes(str(model_dir), a.dtype))
+    print(f"k3rt serve: {placement.reason}", file=sys.stderr, flush=True)
+    cache = placement.cache
+    engine = EngineConfig(model=str(model_dir), dtype=a.dtype, device=placement.device, seed=a.seed,
+                          grammar_backend=a.grammar_backend,
                           runner=a.runner, cuda_graphs=not a.no_cuda_graphs, use_pdl=a.pdl, random_weights=a.random_weights,
                           cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=a.max_batched_tokens,
                                                                  max_running=a.max_running, max_waiting=a.max_waiting))
@@ -366,8 +389,6 @@ def _cmd_serve(a: argparse.Namespace) -> int:
                        drain_timeout_s=a.drain_timeout, log_level=a.log_level.upper(),
                        dsl_addr=None if a.dsl_addr == "off" else a.dsl_addr, stall_timeout_s=a.stall_timeout,
                        dsl_max_message_bytes=int(a.dsl_max_message_mb * (1 << 20)))
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"model: no config.json in {model_dir}")
     from k3rt.server.launch import serve
 
     return serve(cfg)

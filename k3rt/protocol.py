@@ -25,7 +25,15 @@ from k3rt.sampling_params import SamplingParams
 
 def params_to_dict(p: SamplingParams) -> dict[str, Any]:
     """JSON-shaped (tuples become lists), so a decoded message compares equal to the sent one."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(p).items()}
+    return {k: _lists(v) for k, v in dataclasses.asdict(p).items()}
+
+
+def _lists(v: Any) -> Any:
+    return [_lists(x) for x in v] if isinstance(v, (tuple, list)) else v
+
+
+def _tuples(v: Any) -> Any:
+    return tuple(_tuples(x) for x in v) if isinstance(v, (tuple, list)) else v
 
 
 def params_from_dict(d: dict[str, Any]) -> SamplingParams:
@@ -34,7 +42,7 @@ def params_from_dict(d: dict[str, Any]) -> SamplingParams:
     unknown = set(d) - names
     if unknown:
         raise ValueError(f"sampling params: unknown fields {sorted(unknown)}")
-    return SamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+    return SamplingParams(**{k: _tuples(v) for k, v in d.items()})
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,8 @@ class RequestUpdate:
     top_logprobs: list[list[list[float]]] | None = None  # per new token: [[token_id, logprob], ...]
     error: str | None = None  # a message naming the field when the engine rejected the request
     prompt_logprobs: dict[str, float] | None = None  # position (str, JSON keys) -> logprob; with `finished`
+    # position (str) -> the params.logprobs most likely [[token_id, logprob], ...] there; with prompt_logprobs
+    prompt_top_logprobs: dict[str, list] | None = None
 
 
 @dataclass(frozen=True)

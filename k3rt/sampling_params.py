@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,9 @@ class SamplingParams:
     min_tokens: the tokens that would end generation (EOS, stop_token_ids) cannot be sampled before this
         many tokens (0 = off; SGLang's min_new_tokens, vLLM's min_tokens).
     stop_token_ids: extra ids that end generation (besides the model's EOS unless ignore_eos).
+    logit_bias: (token id, bias) pairs added to those tokens' logits before penalties and temperature
+        (OpenAI semantics; bias in [-100, 100], -100 bans a token in practice). The ids' upper bound (the
+        vocabulary) is checked where the vocabulary is known (the HTTP edge, the sampler).
     """
 
     temperature: float = 1.0
@@ -39,6 +43,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
 
     def __post_init__(self) -> None:
         # comparisons are written so that NaN fails them
@@ -56,6 +61,8 @@ class SamplingParams:
             ("min_tokens", not isinstance(self.min_tokens, bool) and 0 <= self.min_tokens <= self.max_tokens,
              f"must be in [0, max_tokens={self.max_tokens}]"),
             ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be in [0, 2^63)"),
+            ("logit_bias", all(_bias_pair(x) for x in self.logit_bias),
+             f"must be (token id >= 0, bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]) pairs"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -68,3 +75,11 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def _bias_pair(x: object) -> bool:
+    if not isinstance(x, tuple) or len(x) != 2:
+        return False
+    t, b = x
+    return (isinstance(t, int) and not isinstance(t, bool) and t >= 0 and isinstance(b, (int, float))
+            and not isinstance(b, bool) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS)

@@ -77,8 +77,17 @@ def prompt_score_rows(chunks: list) -> list[tuple[object, int, int]]:
 
 
 def record_prompt_logprobs(logits: torch.Tensor, rows: list[tuple[object, int, int]]) -> None:
-    """logits: one row per entry of `rows` -> each request's prompt_logprobs[p + 1]."""
-    lp = torch.log_softmax(logits, dim=-1)
+    """logits: one row per entry of `rows` -> each request's prompt_logprobs[p + 1], and its
+    prompt_top_logprobs[p + 1] (the params.logprobs most likely tokens) when params.logprobs is set.
+    Raw model logprobs: no temperature, penalty, bias or grammar applies to a prompt token."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
     nxt = torch.tensor([r.token_ids[p + 1] for r, _, p in rows], device=logits.device)
     for (r, _, p), v in zip(rows, lp.gather(1, nxt[:, None])[:, 0].tolist()):
         r.sampled.prompt_logprobs[p + 1] = v
+    num_top = [r.params.logprobs or 0 for r, _, _ in rows]
+    n = min(max(num_top), lp.shape[1])
+    if n:
+        values, ids = (t.tolist() for t in lp.topk(n, -1))  # [R, n] each
+        for i, ((r, _, p), k) in enumerate(zip(rows, num_top)):
+            if k:
+                r.sampled.prompt_top_logprobs[p + 1] = list(zip(ids[i][:k], values[i][:k]))

@@ -1,7 +1,7 @@
 """Batched token sampler: one call turns a [B, V] logits batch into one token per row.
 
 Stages, each a batched tensor op with per-row parameters (a row whose stage is off is left bit-exact):
-  1. allowed_mask (grammar bitmask): disallowed tokens -> -inf
+  1. allowed_mask (grammar bitmask): disallowed tokens -> -inf; then logit_bias added (OpenAI semantics)
   2. penalties: repetition over prompt + output, frequency / presence over output (penalties.py)
   3. temperature; greedy rows (temperature 0 or top_k 1) take the argmax here and draw nothing
   4. top-k, then min-p, then top-p over what survives (order and tie rules of ref.filter_logits)
@@ -10,7 +10,7 @@ Stages, each a batched tensor op with per-row parameters (a row whose stage is o
      its logits, never on which requests share the batch or in what order; unseeded rows share one
      draw from torch's default generator.
 
-Logprobs are log_softmax after stages 1-3: grammar mask, penalties and temperature applied (rows with
+Logprobs are log_softmax after stages 1-3: grammar mask, logit bias, penalties and temperature applied (rows with
 temperature 0 use 1), top-k / min-p / top-p not applied. They describe the distribution the sampler
 chose from while tokens outside the nucleus keep finite values, so the top-N alternatives stay
 informative. vLLM's default (raw model logprobs) differs on penalized or temperature-scaled rows.
@@ -66,6 +66,21 @@ def filter_batch(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     return torch.empty_like(logits).scatter_(1, order, sorted_x)
 
 
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """logits: [B, V] -> a new [B, V] with each row's params.logit_bias added at its token ids; a banned
+    (-inf) token stays banned. Raises ValueError for a token id outside [0, V)."""
+    rows, cols, biases = [], [], []
+    for i, p in enumerate(params):
+        for t, b in p.logit_bias:
+            if not 0 <= t < logits.shape[1]:
+                raise ValueError(f"logit_bias: token id {t} outside the vocabulary [0, {logits.shape[1]})")
+            rows.append(i)
+            cols.append(t)
+            biases.append(float(b))
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+    return logits.index_put(index, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True)
+
+
 class Sampler:
     """The engine's sampler for one vocabulary on one device; holds no per-request state."""
 
@@ -97,6 +112,8 @@ class Sampler:
             alive = (x > float("-inf")).any(-1)  # [B]
             if not bool(alive.all()):
                 raise ValueError(f"allowed_mask: rows {(~alive).nonzero().flatten().tolist()} allow no token")
+        if any(p.logit_bias for p in params):
+            x = apply_logit_bias(x, params)
         x = apply_penalties(x, params, prompt_ids, output_ids)
         if any(p.temperature not in (0.0, 1.0) for p in params):
             temperature = [p.temperature if p.temperature > 0.0 else 1.0 for p in params]

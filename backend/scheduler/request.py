@@ -43,6 +43,8 @@ class SampleState:
     top_logprobs: list[tuple[int, float]] | None = None
     # log p(token[i] | tokens[:i]) for i >= Request.prompt_logprobs_from, filled by the step that computes i - 1
     prompt_logprobs: dict[int, float] = field(default_factory=dict)
+    # the params.logprobs most likely tokens at those positions, (token id, logprob) most likely first
+    prompt_top_logprobs: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
     # the philox seed of on-device sampling: params.seed, or one drawn at the first sampled step and kept
     device_seed: int | None = None
     # why this request could not be served this step (its grammar failed): the engine fails it alone

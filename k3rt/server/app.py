@@ -9,6 +9,11 @@ Routes
   GET  /metrics                 Prometheus text format (metrics.py)
   GET  /v1/k3rt/stats           debug: the engine's latest stats (running, waiting, pages, snapshots, ...)
   POST /v1/k3rt/flush_cache     debug: drop every unlocked prefix-cache entry
+  POST /tokenize, /detokenize   the tokenizer, as vLLM serves it; GET /tokenizer_info (tokenize.py)
+  POST /generate                SGLang's native API, with GET /get_model_info, /get_server_info,
+                                /health_generate and POST /flush_cache (native.py)
+
+Every route but /health (and /metrics with --metrics-public) needs the API key when keys are set.
 
 Bodies are read (up to `max_body_bytes`) and parsed by the schemas' strict pydantic models here, not by
 FastAPI's validation, so that every error is OpenAI's error object with a 400 naming the field. A declared
@@ -45,7 +50,9 @@ log = logging.getLogger(__name__)
 
 # the endpoint label of k3rt_requests_total; other paths count as "other" (no label per unknown path)
 ROUTES = frozenset({"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
-                    "/v1/k3rt/stats", "/v1/k3rt/flush_cache"})
+                    "/v1/k3rt/stats", "/v1/k3rt/flush_cache", "/tokenize", "/detokenize", "/tokenizer_info",
+                    "/generate", "/get_model_info", "/model_info", "/get_server_info", "/server_info",
+                    "/flush_cache", "/health_generate"})
 
 
 _BIG_BODY = "k3rt.big_body"  # scope key, set when the body was big: a list holding the parsed request
@@ -184,6 +191,55 @@ class _CountRequests:
         await self.app(scope, receive, counting_send)
 
 
+def _native_router(ctx: ServerContext, budget: PromptBudget, bigs: BigBodies, check_api_key: Any) -> APIRouter:
+    """The routes outside /v1: the tokenizer (vLLM's) and SGLang's native API."""
+    from k3rt.server import native
+    from k3rt.server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
+
+    cfg = ctx.config
+    router = APIRouter(dependencies=[Depends(check_api_key)])
+
+    @router.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        req, _ = await _parse(request, TokenizeRequest, cfg.max_body_bytes, bigs)
+        return json_response(await tokenize(ctx, req, budget))
+
+    @router.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        req, _ = await _parse(request, DetokenizeRequest, cfg.max_body_bytes, bigs)
+        return json_response(detokenize(ctx, req))
+
+    @router.get("/tokenizer_info")
+    async def tokenizer_info_route() -> Response:
+        return json_response(tokenizer_info(ctx))
+
+    @router.post("/generate")
+    async def generate_route(request: Request) -> Response:
+        req, _ = await _parse(request, native.NativeGenerateRequest, cfg.max_body_bytes, bigs)
+        return await native.generate(ctx, req, request, budget)
+
+    @router.get("/get_model_info")
+    @router.get("/model_info")
+    async def model_info_route() -> Response:
+        return json_response(native.model_info(ctx))
+
+    @router.get("/get_server_info")
+    @router.get("/server_info")
+    async def server_info_route() -> Response:
+        return json_response(native.server_info(ctx))
+
+    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache_route() -> Response:
+        await ctx.gateway.flush_cache()
+        return Response("Cache flushed.\n", media_type="text/plain")
+
+    @router.get("/health_generate")
+    async def health_generate_route() -> Response:
+        return await native.health_generate(ctx)
+
+    return router
+
+
 def create_app(ctx: ServerContext) -> FastAPI:
     cfg = ctx.config
     budget = PromptBudget.of(ctx.gateway.tokenizer, ctx.gateway.context_length)
@@ -261,6 +317,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
         return json_response({"flushed": True})
 
     app.include_router(v1)
+    app.include_router(_native_router(ctx, budget, bigs, check_api_key))
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> Response:

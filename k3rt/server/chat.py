@@ -20,10 +20,10 @@ from k3rt.server import tools as tool_calls
 from k3rt.server.errors import APIError, bad_request
 from k3rt.server.generation import (
     Choice, ServerContext, chat_logprob, check_logprobs, check_vocab, grammar_sources, json_response, new_id, now,
-    namespaced_salt, resolve_max_tokens, respond, sampling_params, sse, total_usage, validate_grammar,
+    namespaced_salt, report_ignored, resolve_max_tokens, respond, sampling_params, sse, total_usage, validate_grammar,
 )
 from k3rt.server.limits import BigBodies, PromptBudget, dismantle
-from k3rt.server.schemas import ChatCompletionRequest, check_common, stop_list
+from k3rt.server.schemas import ChatCompletionRequest, check_common, stop_list, unknown_fields
 
 if TYPE_CHECKING:
     from k3rt.backend.gateway import ChoiceDelta
@@ -146,6 +146,7 @@ async def chat_completion(ctx: ServerContext, req: ChatCompletionRequest, reques
     from k3rt.backend.grammar import GrammarSpec
 
     check_common(req)
+    ignored = unknown_fields(req)
     ctx.check_model(req.model)
     if req.top_logprobs is not None:
         check_logprobs(req.top_logprobs, "top_logprobs")
@@ -183,11 +184,13 @@ async def chat_completion(ctx: ServerContext, req: ChatCompletionRequest, reques
         def make_parser() -> tool_calls.KimiToolParser:
             return tool_calls.KimiToolParser(probe.ids, gw.tokenizer.decode)
 
-    params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                             ctx.gateway.vocab_size)
     job = Job([prompt_ids], params, req.n, stop_list(req), grammar, namespaced_salt(request, req.cache_salt), text_end_id)
     out = _ChatOutput(ctx, req, mode, prompt_ids, make_parser)
-    return await respond(ctx, job, req.n, request, "chat", bool(req.stream), out.render_start, out.render_delta,
-                         out.render_end, out.response)
+    response = await respond(ctx, job, req.n, request, "chat", bool(req.stream), out.render_start,
+                             out.render_delta, out.render_end, out.response)
+    return report_ignored(response, ignored, "chat")
 
 
 class _ChatOutput:

@@ -1,7 +1,11 @@
 """POST /v1/completions: prompt text or token ids (one or a batch) -> a gateway Job -> text_completion.
 
 Choice `index` is prompt_index * n + choice_in_prompt, as OpenAI numbers a batch. `echo` prepends the
-prompt text; `suffix` and best_of > n are not served (400).
+prompt as sent (a text prompt's own text, without the BOS the tokenizer adds; a token-id prompt decoded).
+`echo` with `logprobs` also returns the prompt tokens' logprobs (the first token's is null, as in vLLM);
+with `max_tokens: 0` nothing is generated, which is how evaluation harnesses (lm-eval's
+loglikelihood) score a text. That combination is not streamed (400 naming `stream`). `suffix` and
+best_of > n are not served (400).
 """
 
 from __future__ import annotations
@@ -14,16 +18,25 @@ from starlette.responses import Response
 from k3rt.server.errors import bad_request
 from k3rt.server.generation import (
     MIN_LOGPROB, Choice, ServerContext, check_logprobs, check_vocab, grammar_sources, new_id, now,
-    json_response, namespaced_salt, resolve_max_tokens, respond, sampling_params, sse, token_text, total_usage,
-    validate_grammar,
+    json_response, namespaced_salt, report_ignored, resolve_max_tokens, respond, sampling_params, sse, token_text,
+    total_usage, validate_grammar,
 )
 from k3rt.server.limits import BigBodies, PromptBudget
-from k3rt.server.schemas import CompletionRequest, check_common, stop_list
+from k3rt.server.schemas import CompletionRequest, check_common, stop_list, unknown_fields
 
 if TYPE_CHECKING:
     from k3rt.backend.gateway import ChoiceDelta, TokenLogprob
 
 MAX_PROMPTS = 64  # prompts per batch request
+
+
+def prompt_texts(prompt: Any) -> list[str | None]:
+    """The text of each prompt as sent, None for a token-id prompt."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], str):
+        return list(prompt)
+    return [None] if prompt and isinstance(prompt[0], int) else [None] * len(prompt)
 
 
 async def _prompts(ctx: ServerContext, prompt: Any, budget: PromptBudget) -> list[list[int]]:
@@ -52,19 +65,25 @@ async def completion(ctx: ServerContext, req: CompletionRequest, request: Reques
     from k3rt.backend.gateway import Job
 
     check_common(req)
+    ignored = unknown_fields(req)
     ctx.check_model(req.model)
     if req.suffix:
         raise bad_request("suffix", "is not supported")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of", f"only best_of == n is supported, got best_of={req.best_of}, n={req.n}")
     check_logprobs(req.logprobs, "logprobs")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo", "echo together with logprobs (prompt logprobs) is not supported")
+    score_prompt = req.echo and req.logprobs is not None
+    if score_prompt and req.stream:
+        raise bad_request("stream", "echo with logprobs (prompt logprobs) is not streamed; send stream: false")
+    if req.max_tokens is not None and req.max_tokens < 0:
+        raise bad_request("max_tokens", f"must be >= 0, got {req.max_tokens}")
     gw = ctx.gateway
     prompts = await _prompts(ctx, req.prompt, budget)
+    # max_tokens 0: one token is sampled and dropped (Job.drop_output), so the prompt must leave room for it
+    no_output = req.max_tokens == 0
     # lengths first: a list of millions of ids is refused without a pass over it
-    max_tokens = resolve_max_tokens(req.max_tokens, "max_tokens", [len(p) for p in prompts], "prompt",
-                                    gw.context_length)
+    max_tokens = resolve_max_tokens(1 if no_output else req.max_tokens, "max_tokens", [len(p) for p in prompts],
+                                    "prompt", gw.context_length)
     if big is not None:
         await big.run(lambda: check_vocab(prompts, gw.vocab_size, "prompt"))
     else:
@@ -74,16 +93,19 @@ async def completion(ctx: ServerContext, req: CompletionRequest, request: Reques
         raise bad_request(constraints[1][0], f"only one output constraint per request; {constraints[0][0]} is "
                           f"already set")
     grammar = await validate_grammar(ctx, *constraints[0]) if constraints else None
-    params = sampling_params(req, max_tokens, req.logprobs)
-    job = Job(prompts, params, req.n, stop_list(req), grammar, namespaced_salt(request, req.cache_salt))
-    out = _CompletionOutput(ctx, req, prompts)
-    return await respond(ctx, job, req.n, request, "completions", bool(req.stream), out.render_echo,
-                         out.render_delta, out.render_end, out.response)
+    params = sampling_params(req, max_tokens, req.logprobs, gw.vocab_size)
+    job = Job(prompts, params, req.n, stop_list(req), grammar, namespaced_salt(request, req.cache_salt),
+              prompt_logprobs_from=1 if score_prompt else None, drop_output=no_output)
+    out = _CompletionOutput(ctx, req, prompts, prompt_texts(req.prompt))
+    response = await respond(ctx, job, req.n, request, "completions", bool(req.stream), out.render_echo,
+                             out.render_delta, out.render_end, out.response)
+    return report_ignored(response, ignored, "completions")
 
 
 class _CompletionOutput:
-    def __init__(self, ctx: ServerContext, req: CompletionRequest, prompts: list[list[int]]) -> None:
-        self.ctx, self.req, self.prompts = ctx, req, prompts
+    def __init__(self, ctx: ServerContext, req: CompletionRequest, prompts: list[list[int]],
+                 texts: list[str | None]) -> None:
+        self.ctx, self.req, self.prompts, self.texts = ctx, req, prompts, texts
         self.id, self.created, self.model = new_id("cmpl"), now(), req.model
         self.include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         self.offsets: dict[int, int] = {}  # choice -> characters of text so far (logprobs text_offset)
@@ -91,7 +113,30 @@ class _CompletionOutput:
     def _echo(self, index: int) -> str:
         if not self.req.echo:
             return ""
-        return self.ctx.gateway.tokenizer.decode(self.prompts[index // self.req.n])
+        text = self.texts[index // self.req.n]
+        return self.ctx.gateway.tokenizer.decode(self.prompts[index // self.req.n]) if text is None else text
+
+    def _prompt_logprobs(self, index: int, c: Choice) -> dict[str, Any]:
+        """The echoed prompt's entries: every prompt token, its logprob (null where there is no context: the
+        first token) and a top dict holding the token itself and the `logprobs` most likely ones."""
+        prompt = self.prompts[index // self.req.n]
+        entries = c.prompt_logprobs or [None] * len(prompt)
+        tokens, values, tops, offsets = [], [], [], []
+        offset = 0
+        for t, e in zip(prompt, entries):
+            text = token_text(self.ctx, t)[0]
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            if e is None:
+                values.append(None)
+                tops.append(None)
+                continue
+            value = max(e.logprob, MIN_LOGPROB)
+            values.append(value)
+            tops.append({**{token_text(self.ctx, a)[0]: max(v, MIN_LOGPROB) for a, v in e.top}, text: value})
+        self.offsets[index] = offset
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
     def _logprobs(self, index: int, lps: list[TokenLogprob]) -> dict[str, Any]:
         tokens, values, tops, offsets = [], [], [], []
@@ -109,9 +154,14 @@ class _CompletionOutput:
     def response(self, choices: list[Choice]) -> Response:
         out = []
         for i, c in enumerate(choices):
+            logprobs = None
+            if self.req.logprobs is not None and self.req.echo:
+                head, tail = self._prompt_logprobs(i, c), self._logprobs(i, c.logprobs)
+                logprobs = {k: head[k] + tail[k] for k in head}
+            elif self.req.logprobs is not None:
+                logprobs = self._logprobs(i, c.logprobs)
             choice: dict[str, Any] = {"index": i, "text": self._echo(i) + c.text, "finish_reason": c.finish_reason,
-                                      "logprobs": self._logprobs(i, c.logprobs) if self.req.logprobs is not None
-                                      else None}
+                                      "logprobs": logprobs}
             if self.req.return_token_ids:
                 choice["token_ids"] = c.token_ids
             out.append(choice)

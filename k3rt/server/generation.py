@@ -8,6 +8,7 @@ logprob entries, SSE framing, gateway errors as HTTP errors). An error after a s
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +28,8 @@ from k3rt.server.schemas import SamplingFields
 if TYPE_CHECKING:
     from k3rt.backend.gateway import ChoiceDelta, Gateway, Job, JobStream, TokenLogprob
     from k3rt.server.health import EngineWatch
+
+log = logging.getLogger(__name__)
 
 MIN_LOGPROB = -9999.0  # what OpenAI reports for impossible tokens (JSON has no -inf)
 
@@ -62,7 +65,10 @@ def json_response(body: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(body), status_code=status, media_type="application/json")
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+    from k3rt.server.schemas import logit_bias
+
+    bias = logit_bias(req.logit_bias, vocab_size)
     temperature = 1.0 if req.temperature is None else req.temperature
     try:
         return SamplingParams(
@@ -70,9 +76,20 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) 
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k, min_p=req.min_p,
             repetition_penalty=req.repetition_penalty, frequency_penalty=req.frequency_penalty,
             presence_penalty=req.presence_penalty, logprobs=logprobs, seed=req.seed, max_tokens=max_tokens,
-            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos)
+            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, logit_bias=bias,
+            min_tokens=req.min_tokens)
     except ValueError as e:  # SamplingParams names the field first
         raise bad_request(str(e).split(":", 1)[0], str(e).split(":", 1)[1].strip()) from None
+
+
+def report_ignored(response: Response, ignored: list[str], endpoint: str) -> Response:
+    """Name the request's ignored unknown fields (schemas.unknown_fields) in a response header, and log them."""
+    if ignored:
+        names = ", ".join(n[:64] for n in ignored[:32]) + (", ..." if len(ignored) > 32 else "")
+        log.warning("%s: ignored unknown fields: %s", endpoint, names[:2048])
+        # a header value holds printable ASCII only (a field name may be any JSON string)
+        response.headers["X-K3rt-Ignored-Fields"] = "".join(c if " " <= c <= "~" else "?" for c in names)
+    return response
 
 
 def resolve_max_tokens(requested: int | None, param: str, prompt_lens: list[int], prompt_param: str,
@@ -183,8 +200,11 @@ class Choice:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (Job.prompt_logprobs_from)
 
     def add(self, d: ChoiceDelta) -> None:
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         self.text += d.text
         self.token_ids += d.token_ids
         self.logprobs += d.logprobs or []

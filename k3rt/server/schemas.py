@@ -1,7 +1,10 @@
 """Request bodies of the OpenAI-compatible endpoints, as pydantic models parsed strictly from JSON.
 
 Strict: a string is never coerced into a number or a bool, NaN and infinities are rejected, and every
-field has OpenAI's type. Unknown fields are ignored (clients send newer OpenAI fields than we know).
+field has OpenAI's type. Unknown top-level fields of a request are collected (`unknown_fields`): a known field
+that would change sampling or the output and that k3rt does not implement (`UNSERVED_FIELDS`) is a 400 naming
+it; any other is accepted, logged, and named in the response's `X-K3rt-Ignored-Fields` header (clients send
+newer OpenAI fields than we know: metadata, store, ...). Unknown fields of nested objects are ignored.
 Range checks that need more than a type live in `SamplingFields.sampling_params` and in chat.py /
 completions.py, so each error names its field and the limit. Responses are plain dicts (see chat.py).
 Lists stop at their first bad item and `prompt`'s shape is read off its first item, so a bad body of
@@ -10,6 +13,7 @@ millions of items costs no more to refuse than a good one costs to accept.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -21,6 +25,7 @@ from k3rt.sampling_params import MAX_LOGPROBS
 MAX_N = 128  # OpenAI's limit on choices per request
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; more costs nothing here)
 MAX_STOP_LEN = 1024  # characters per stop string
+MAX_LOGIT_BIAS_TOKENS = 1024  # entries of one logit_bias (each costs a Python check and a scatter)
 MAX_SCHEMA_DEPTH = 100  # levels of objects / arrays in a JSON schema, tool parameters or call arguments
 
 
@@ -158,9 +163,43 @@ class SamplingFields(_Strict):
     choice: _List[str] | None = None
     cache_salt: str | None = None
     return_token_ids: bool = False  # debug: add prompt_token_ids and per-choice token_ids to the response
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
+    min_tokens: int = 0  # vLLM's: EOS and stop_token_ids cannot end the output before this many tokens
 
 
-class ChatCompletionRequest(SamplingFields):
+class _Request(SamplingFields):
+    # top-level unknown fields are kept (in model_extra) so the endpoint can refuse or report them
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False, populate_by_name=True)
+
+
+# Fields other servers (vLLM, SGLang, newer OpenAI) accept that would change what is sampled or returned,
+# and that k3rt does not implement: refused (400) rather than dropped.
+UNSERVED_FIELDS = frozenset({
+    "use_beam_search", "length_penalty", "early_stopping", "bad_words", "allowed_token_ids",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern",
+    "guided_decoding_backend", "structured_outputs", "json_schema", "ebnf", "stop_regex", "typical_p",
+    "top_a", "tfs", "epsilon_cutoff", "eta_cutoff", "mirostat_mode", "mirostat_tau", "mirostat_eta",
+    "dry_multiplier", "xtc_probability", "logits_processors", "truncate_prompt_tokens", "prompt_logprobs",
+    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens",
+    "min_p_tokens", "functions", "function_call", "prediction", "modalities", "audio", "reasoning_effort",
+    "n_probs", "no_repeat_ngram_size", "continue_final_message", "add_generation_prompt", "chat_template",
+    "chat_template_kwargs", "documents", "priority", "vllm_xargs", "max_new_tokens", "thinking",
+})
+
+
+def unknown_fields(req: BaseModel) -> list[str]:
+    """The request's unknown top-level fields, sorted; raises a 400 naming the first one in UNSERVED_FIELDS."""
+    from k3rt.server.errors import bad_request
+
+    extra = sorted(req.model_extra or ())
+    for name in extra:
+        if name in UNSERVED_FIELDS:
+            raise bad_request(name, "is not supported by k3rt (it would change sampling or the output, so it is "
+                              "refused rather than ignored)", code="unsupported_field")
+    return extra
+
+
+class ChatCompletionRequest(_Request):
     messages: _List[Message]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -172,7 +211,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(_Request):
     # str | list[str] | list[int] | list[list[int]], checked by `_prompt_shape`: pydantic's union would
     # validate a 5M-id list three times over (list[str] fails, list[int], list[list[int]] fails)
     prompt: Any
@@ -256,6 +295,29 @@ def check_common(req: SamplingFields) -> None:
     for t in req.stop_token_ids or ():
         if not 0 <= t < 2**31:
             raise bad_request("stop_token_ids", f"token ids must be in [0, 2^31), got {t}")
+
+
+_TOKEN_KEY = re.compile(r"\s*-?[0-9]{1,18}\s*")
+
+
+def logit_bias(bias: dict[str, Any] | None, vocab_size: int, param: str = "logit_bias") -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias ({"token id": bias}) as SamplingParams.logit_bias; 400 naming `param` for a key that
+    is not a token id of the vocabulary or a bias outside [-100, 100]."""
+    from k3rt.sampling_params import MAX_LOGIT_BIAS
+    from k3rt.server.errors import bad_request
+
+    if bias and len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise bad_request(param, f"at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(bias)}")
+    out = []
+    for key, value in (bias or {}).items():
+        token = int(key) if _TOKEN_KEY.fullmatch(key) else None
+        if token is None or not 0 <= token < vocab_size:
+            raise bad_request(param, f"key {key[:40]!r} is not a token id in [0, {vocab_size})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise bad_request(param, f"the bias of token {token} must be a number in [-{MAX_LOGIT_BIAS:g}, "
+                              f"{MAX_LOGIT_BIAS:g}], got {value!r}")
+        out.append((token, float(value)))
+    return tuple(out)
 
 
 def stop_list(req: SamplingFields) -> tuple[str, ...]:

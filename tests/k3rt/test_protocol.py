@@ -85,7 +85,7 @@ def test_wire_format_is_readable_json() -> None:
     assert orjson.loads(encode(UpdateBatch([RequestUpdate("a", [7])]))) == ["UpdateBatch", {
         "updates": [{"rid": "a", "token_ids": [7], "finished": False, "finish_reason": None, "prompt_tokens": 0,
                      "cached_tokens": 0, "logprobs": None, "top_logprobs": None, "error": None,
-                     "prompt_logprobs": None}], "stats": {}}]
+                     "prompt_logprobs": None, "prompt_top_logprobs": None}], "stats": {}}]
 
 
 def test_left_out_fields_take_their_defaults() -> None:
@@ -97,6 +97,15 @@ def test_left_out_fields_take_their_defaults() -> None:
 def test_sampling_params_round_trip_restores_tuples() -> None:
     p = SamplingParams(temperature=0.7, top_k=5, seed=3, stop_token_ids=(1, 2), max_tokens=9)
     assert params_from_dict(decode(encode(GenerateRequest("x", [1], params_to_dict(p)))).params) == p
+
+
+def test_logit_bias_round_trip() -> None:
+    p = SamplingParams(logit_bias=((5, 1.5), (9, -100.0)))
+    assert params_from_dict(decode(encode(GenerateRequest("x", [1], params_to_dict(p)))).params) == p
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=((5, 101.0),))
+    with pytest.raises(ValueError, match="logit_bias"):
+        params_from_dict({"logit_bias": [[-1, 1.0]]})
 
 
 def test_unknown_sampling_field_is_named() -> None:

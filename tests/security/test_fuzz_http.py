@@ -1,5 +1,5 @@
 """An adversarial fuzzer over the HTTP API of a real `k3rt serve` (issue 19): 2,000 hypothesis-generated
-bodies for /v1/completions and /v1/chat/completions, from nearly valid requests with one field made wrong to
+bodies for /v1/completions, /v1/chat/completions, SGLang's /generate and /tokenize, /detokenize, from nearly valid requests with one field made wrong to
 arbitrary JSON and non-JSON bytes. Every answer must be a 2xx or a 4xx carrying OpenAI's error object (never a
 5xx, never a hang), the server must stay up, and /health must keep answering. Derandomized: the same 2,000
 bodies every run, so a failure reproduces."""
@@ -59,10 +59,26 @@ messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "sys
                                            "content": st.one_of(st.text(max_size=60), anything)}),
                     max_size=4)
 chat_bodies = request_body("messages", st.one_of(messages, anything))
+# SGLang's native /generate and the tokenizer routes
+native_sampling = st.one_of(st.fixed_dictionaries({"max_new_tokens": st.one_of(st.integers(0, 3), anything)}, optional={
+    k: anything for k in ("temperature", "top_k", "top_p", "n", "stop", "regex", "json_schema", "ebnf", "logit_bias",
+                          "min_new_tokens", "sampling_seed", "stop_token_ids", "ignore_eos", "bogus")}), anything)
+native_bodies = st.fixed_dictionaries({}, optional={
+    "text": st.one_of(st.text(max_size=40), st.lists(st.text(max_size=10), max_size=3), anything),
+    "input_ids": st.one_of(st.lists(st.integers(-5, 600), max_size=8), anything),
+    "sampling_params": st.one_of(native_sampling, st.lists(native_sampling, max_size=3)),
+    "return_logprob": anything, "logprob_start_len": anything, "top_logprobs_num": anything,
+    "return_text_in_logprobs": anything, "stream": st.one_of(st.booleans(), anything), "image_data": anything})
+tokenizer_bodies = st.fixed_dictionaries({}, optional={"prompt": st.one_of(st.text(max_size=40), anything),
+                                                       "tokens": st.one_of(st.lists(st.integers(-5, 600)), anything),
+                                                       "messages": st.one_of(messages, anything),
+                                                       "add_special_tokens": anything})
 bodies = st.one_of(
     st.tuples(st.just("/v1/completions"), completion_bodies.map(lambda b: json.dumps(b).encode())),
     st.tuples(st.just("/v1/chat/completions"), chat_bodies.map(lambda b: json.dumps(b).encode())),
-    st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+    st.tuples(st.just("/generate"), native_bodies.map(lambda b: json.dumps(b).encode())),
+    st.tuples(st.sampled_from(["/tokenize", "/detokenize"]), tokenizer_bodies.map(lambda b: json.dumps(b).encode())),
+    st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions", "/generate", "/tokenize"]),
               st.one_of(st.binary(max_size=200), anything.map(lambda v: json.dumps(v).encode()))),
 )
 

@@ -54,8 +54,10 @@ class ServeProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"serve-{self.port}.log"
         self._log = open(self.log_path, "w")
+        # --device cpu: `serve` takes a GPU by default where there is one; these tests pin the reference path
+        # (a later --device in `args` wins)
         cmd = [sys.executable, "-m", "k3rt.cli", "serve", "--model", str(model), "--port", str(self.port),
-               "--served-model-name", MODEL_NAME, "--cache-pages", "2048", *args]
+               "--served-model-name", MODEL_NAME, "--cache-pages", "2048", "--device", "cpu", *args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         self.known: set[int] = set()  # every descendant seen while running
 

@@ -104,7 +104,15 @@ BAD = [
     ("prompt-past-context", COMPLETIONS, _completion(prompt=[5] * 9000), 413, "prompt"),
     ("suffix", COMPLETIONS, _completion(suffix="x"), 400, "suffix"),
     ("best-of", COMPLETIONS, _completion(best_of=3), 400, "best_of"),
-    ("echo-with-logprobs", COMPLETIONS, _completion(echo=True, logprobs=1), 400, "echo"),
+    ("echo-logprobs-streamed", COMPLETIONS, _completion(echo=True, logprobs=1, stream=True), 400, "stream"),
+    ("logit-bias-not-a-token", COMPLETIONS, _completion(logit_bias={"²": 1}), 400, "logit_bias"),
+    ("logit-bias-out-of-vocab", CHAT, _chat(logit_bias={"100000": 1}), 400, "logit_bias"),
+    ("logit-bias-too-big", CHAT, _chat(logit_bias={"5": -100.5}), 400, "logit_bias"),
+    ("logit-bias-not-a-number", COMPLETIONS, _completion(logit_bias={"5": "1"}), 400, "logit_bias"),
+    ("logit-bias-too-many", COMPLETIONS, _completion(logit_bias={str(i): 1 for i in range(1025)}), 400, "logit_bias"),
+    ("unserved-field", COMPLETIONS, _completion(use_beam_search=True), 400, "use_beam_search"),
+    ("min-tokens-over-max", COMPLETIONS, _completion(min_tokens=5), 400, "min_tokens"),
+    ("unserved-field-chat", CHAT, _chat(guided_regex="a+"), 400, "guided_regex"),
 ]
 
 

@@ -24,7 +24,8 @@ from k3rt.backend.sampling.sampler import Sampler
 
 def _plain_greedy(r) -> bool:
     p = r.params
-    return p.greedy and r.grammar is None and p.logprobs is None and not _penalized(r) and not under_min_tokens(r)
+    return (p.greedy and r.grammar is None and p.logprobs is None and not p.logit_bias and not _penalized(r)
+            and not under_min_tokens(r))
 
 
 def _penalized(r) -> bool:
@@ -48,7 +49,7 @@ def sample_step(sampler: Sampler, logits: torch.Tensor, reqs: list, *, use_kerne
     if all(_plain_greedy(r) for r in reqs):
         return {r.rid: t for r, t in zip(reqs, torch.argmax(logits, dim=-1).tolist())}
     fn = kernel("sampling", "sample") if use_kernels and logits.is_cuda else None
-    if fn is None:
+    if fn is None or any(r.params.logit_bias for r in reqs):  # the Triton sampler has no logit bias
         return sample_requests(sampler, logits, reqs)
     out = device_sample(fn, logits, reqs, penalties)
     return sample_requests(sampler, logits, reqs) if out is None else out
