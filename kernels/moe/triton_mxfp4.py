@@ -2,18 +2,22 @@
 
 The same four steps as `triton_experts.fused_experts` (alignment, gate/up grouped GEMM with the activation
 in the epilogue, down grouped GEMM times the routing weight, per-token sum in slot order), with w13/w2
-read as packed E2M1 bytes + E8M0 group scales (`mxfp4_ref.py` has the format). What changes is the inner
-loop: a [BLOCK_K/2, BLOCK_N] tile of packed bytes is loaded once and split into its low nibbles (the even
-K elements) and high nibbles (the odd ones); the activation tile is loaded as its even and odd columns,
-so the product is two dots, dot(a_even, w_lo) + dot(a_odd, w_hi), with no shuffle of the weights.
+read as packed E2M1 bytes + E8M0 group scales (`mxfp4_ref.py` has the format). The products are computed
+transposed, W [BN, BK] @ A^T [BK, BM]: the weight rows fill the MMA's M side, the few tokens its N side.
 
-Decoding a code without a table: the fp16 with bits (sign << 15) | ((code & 7) << 9) is the E2M1 value
-times 2^-14 (exponent field = the E2M1 exponent, its one mantissa bit at the top of fp16's; exponent 0
-lands on the fp16 subnormal 0.5 * 2^-14 exactly). So w = bitcast_fp16(bits) * 2^(scale - 127 + 14), one
-shift-or, one bitcast and one multiply per element, exact in fp32.
+Two ways to multiply by a packed tile (`native`):
+  - `tl.dot_scaled(w_packed, w_scale, "e2m1", a^T, None, "bf16")`: Triton's own E2M1 upcast feeding the
+    tensor cores (compiled only; the default on the GPU);
+  - the explicit dequant (the interpreter's path, and the alternative the benchmark times): the packed tile
+    is split into its low nibbles (even K elements) and high nibbles (odd ones), the activation tile loaded
+    as its even and odd K rows, so the product is dot(w_lo, a_lo) + dot(w_hi, a_hi) with no shuffle.
+    A code decodes without a table: the fp16 with bits (sign << 15) | ((code & 7) << 9) is the E2M1 value
+    times 2^-14 (exponent 0 lands on the fp16 subnormal exactly), and the scale 2^(s - 127) * 2^14 is the
+    fp32 with exponent field s + 14.
 
-Decode is bandwidth-bound: bytes read per expert are a quarter of bf16's plus 1/32 for scales, which is
-what the goal is measured against (`benchmarks/mxfp4_experts.py`).
+Measured on the H200 (benchmarks/RESULTS.md, 2026-12-01): 23-30% of copy bandwidth at decode sizes, about
+the time of the bf16 kernel that reads 3.8x the bytes. The kernel is ALU-bound on the upcast and the per-
+element scale, not on memory (M = 1 and M = 16 take the same time; every tile config is within ~10%).
 """
 from __future__ import annotations
 
