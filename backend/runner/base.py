@@ -22,6 +22,12 @@ class Runner(ABC):
     def release(self, rid: int) -> None:
         """The request ended (finished or aborted): drop any per-request state the runner keeps."""
 
+    def check(self) -> None:
+        """Raise if the runner can no longer run steps (a lost tensor-parallel rank); called between steps."""
+
+    def close(self) -> None:
+        """Release what the runner holds outside this process (tensor-parallel workers, process groups)."""
+
 
 def begin_step(pool: PagePool, out: SchedulerOutput) -> list[ScheduledChunk]:
     """Apply the step's pending page and state copies; return its work as chunks, decodes first

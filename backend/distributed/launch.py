@@ -1,0 +1,75 @@
+"""Starting and watching the worker processes (ranks 1..n-1 on this host) of a tensor-parallel engine.
+
+Each worker is `python -m k3rt.backend.distributed.worker`, handed its WorkerArgs (pickled, over its
+stdin: our own child, so trusted) and otherwise independent: it joins the process groups, loads its
+shard and replays rank 0's step plans until told to stop. Workers die with the process that started
+them (Linux parent-death signal) and ignore SIGINT/SIGTERM like the engine process, whose owner
+drains and stops them. `WorkerSet.poll` names the first worker that exited.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from k3rt.backend.distributed.group import Rendezvous
+from k3rt.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    cfg: EngineConfig
+    rank: int
+    rendezvous: Rendezvous
+    log_level: str = "WARNING"
+
+
+class WorkerSet:
+    def __init__(self, cfg: EngineConfig, ranks: range, rdv: Rendezvous, *, log_level: str = "WARNING") -> None:
+        self.procs: dict[int, subprocess.Popen] = {}
+        try:
+            for rank in ranks:
+                p = subprocess.Popen([sys.executable, "-m", "k3rt.backend.distributed.worker"], stdin=subprocess.PIPE)
+                self.procs[rank] = p
+                p.stdin.write(pickle.dumps(WorkerArgs(cfg, rank, rdv, log_level)))
+                p.stdin.close()
+        except BaseException:
+            self.kill()
+            raise
+
+    @property
+    def pids(self) -> dict[int, int]:
+        return {r: p.pid for r, p in self.procs.items()}
+
+    def poll(self) -> str | None:
+        """Why a worker is gone (the first one that exited), or None while all run."""
+        for rank, p in self.procs.items():
+            code = p.poll()
+            if code is not None:
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                return f"tensor-parallel worker rank {rank} (pid {p.pid}) {how}"
+        return None
+
+    def join(self, timeout_s: float) -> None:
+        """Wait for every worker to exit (after STOP); kill those still running after timeout_s."""
+        for rank, p in self.procs.items():
+            try:
+                p.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("tensor-parallel worker rank %d did not stop within %.0f s; killing it", rank, timeout_s)
+        self.kill()
+
+    def kill(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs.values():
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                log.error("tensor-parallel worker pid %d survived SIGKILL for 5 s", p.pid)
