@@ -1,0 +1,271 @@
+"""Tensor parallelism on CPU (gloo): TP2 and TP4 engines against the TP1 engine, token for token.
+
+The engines run rank 0 in this process and spawn their workers (`python -m
+k3rt.backend.distributed.worker`), so every test also proves the workers stop: `no_new_processes`
+checks this process's descendants after each engine closes. Tiny fp32 checkpoints of both
+architectures (kimi_linear; k3: LatentMoE, gated MLA, full-rank gate, attention residuals), each
+with 4 KDA heads, 4 MLA heads, vocab 512, so TP4 leaves one head per rank.
+
+  * plan codec and the pool's fill log (no processes);
+  * greedy outputs at TP2 and TP4 equal TP1's for both archs through the Engine with the prefix
+    cache on, including repeats and a conversation turn that hit the cache, and a seeded sampled
+    request (sampling happens on rank 0 from the gathered logits, so the seed means the same);
+  * the cache oracle at TP2: a tiny, poisoned pool (eviction, preemption, NaN-filled freed pages)
+    gives the cache-off TP1 outputs, and every snapshot on rank 0 holds rank 0's shard of the
+    reference KDA state after exactly its path (and the whole replicated MLA latent);
+  * a SIGKILLed worker fails the in-process engine and the engine process (the server's path)
+    within 10 s with an error naming the worker, and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+from k3rt.backend.cache.pool import PagePool
+from k3rt.backend.distributed.group import TPFailure
+from k3rt.backend.distributed.plan import PlanKind, PlanSeq, StepPlan
+from k3rt.backend.engine import Engine, engine_config_for_tests
+from k3rt.backend.models.batch import ForwardBatch
+from k3rt.backend.models.loader import load_model
+from k3rt.cache_layout import compute_layout
+from k3rt.sampling_params import SamplingParams
+from tests.backend.engine_fixtures import greedy, make_engine, path_tokens, run, snapshot_nodes, tiny_checkpoint
+from tests.procs import alive, descendants
+
+KILL_DEADLINE_S = 10.0
+
+
+def test_plan_roundtrip():
+    plan = StepPlan(
+        fills=((0, (3, 4, 5)), (0xFF, (9,)), (0, ())),
+        page_copies=((1, 2), (7, 8)),
+        state_copies=(((10, 11, 12), (13, 14, 15)),),
+        seqs=(PlanSeq(0, 5, (1,), (20, 21, 22), ((4, (30, 31, 32)),)),
+              PlanSeq(96, 1, (1, 2, 3, 4), None, ()),
+              PlanSeq(64, 0, (), (), ())),
+        token_ids=(1, 2, 3, 4, 5, 6),
+        logits_rows=(4, 5, 0))
+    packed = plan.pack()
+    assert packed.dtype == torch.int64 and packed.dim() == 1
+    assert StepPlan.unpack(packed) == plan
+    for kind in PlanKind:
+        assert StepPlan.unpack(StepPlan(kind).pack()) == StepPlan(kind)
+    with pytest.raises(ValueError, match="trailing"):
+        StepPlan.unpack(torch.cat([packed, torch.tensor([0])]))
+
+
+def test_pool_fill_log(tmp_path_factory):
+    from k3rt.model_config import load_model_config
+
+    ckpt = tiny_checkpoint(tmp_path_factory)
+    pool = PagePool(compute_layout(load_model_config(ckpt)), 8, poison_freed=True)
+    pool.allocate(2)  # not recording yet
+    pool.record_fills()
+    a = pool.allocate(2)
+    b = pool.allocate(1, zero=False)  # a copy destination: never zeroed
+    pool.unref(a)
+    c = pool.allocate(1)
+    assert pool.take_fills() == [(0, a), (0xFF, a), (0, c)] and b == [4] and c == [a[0]]
+    assert pool.take_fills() == []
+    assert (pool.tensors[0][a[1]] == 0xFF).all() and (pool.tensors[0][c[0]] == 0).all()
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_layout_padding_per_rank(tp):
+    """Each rank's page holds its shard of one KDA state; block size follows the shard, the padding
+    stays <= 2% (Kimi-Linear-48B), and the MLA entry per token is the whole replicated latent."""
+    from k3rt.model_config import parse_model_config
+    from k3rt.presets import KIMI_LINEAR_48B
+
+    cfg = parse_model_config(KIMI_LINEAR_48B)
+    one, lay = compute_layout(cfg, tp=1), compute_layout(cfg, tp=tp)
+    assert lay.kda_state_bytes == one.kda_state_bytes // tp
+    assert lay.mla_bytes_per_token == one.mla_bytes_per_token == 576 * 2
+    assert lay.padding_fraction <= 0.02, (tp, lay.as_dict())
+
+
+@pytest.fixture
+def no_new_processes():
+    before = descendants(os.getpid())
+
+    def new() -> list[int]:
+        # multiprocessing's resource tracker (started by the first spawn) lives as long as pytest does
+        return [p for p in descendants(os.getpid()) - before
+                if alive(p) and "multiprocessing.resource_tracker" not in _cmdline(p)]
+
+    yield
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and new():
+        time.sleep(0.1)
+    left = new()
+    assert not left, f"processes left behind: {[(p, _cmdline(p)) for p in left]}"
+
+
+def tp_engine(ckpt, tp: int, **cache):
+    return make_engine(ckpt, runner="model", budget=256, engine={"tp": tp}, **cache)
+
+
+def _sampled() -> SamplingParams:
+    return SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=5, ignore_eos=True)
+
+
+def workload(engine) -> tuple[list[list[int]], list[int]]:
+    """Two rounds: 4 concurrent requests (one seeded-sampled), then two exact repeats and a conversation
+    turn, which hit the prefix cache. -> (every output, cached_tokens of round 2)."""
+    base = [(i * 37 + 11) % 512 for i in range(140)]
+    first = [base[:130], base[:70] + [5, 9, 2], [(i * 7) % 512 for i in range(20)], base[:90]]
+    outs = run(engine, first, [greedy(6), greedy(4), greedy(6), _sampled()])
+    second = [first[0], first[1], first[2] + outs[2].output_ids + [3, 1, 4]]
+    outs2 = run(engine, second, [greedy(6), greedy(4), greedy(5)])
+    return [o.output_ids for o in outs + outs2], [o.cached_tokens for o in outs2]
+
+
+@pytest.fixture(scope="module", params=["kimi_linear", "k3"])
+def arch(request, tmp_path_factory):
+    ckpt = tiny_checkpoint(tmp_path_factory, request.param)
+    eng = tp_engine(ckpt, 1)
+    outputs, cached = workload(eng)
+    assert all(c > 0 for c in cached[:2]) and cached[2] >= 20, cached  # the turn resumes past its first prompt
+    return ckpt, outputs, cached
+
+
+@pytest.mark.parametrize("tp", [2, 4], ids=["tp2", "tp4"])
+def test_tp_matches_tp1(arch, tp, no_new_processes):
+    ckpt, want, want_cached = arch
+    eng = tp_engine(ckpt, tp)
+    try:
+        got, cached = workload(eng)
+        assert got == want
+        assert cached == want_cached
+    finally:
+        eng.close()
+
+
+def _rank0_shard(ref_conv: torch.Tensor, ref_rec: torch.Tensor, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank 0's part of one layer's reference KDA state: conv channels are [q | k | v], each split
+    across ranks; the recurrent state is split by heads."""
+    w, c = ref_conv.shape
+    conv = ref_conv.view(w, 3, c // 3)[:, :, : c // 3 // tp].reshape(w, -1)
+    return conv, ref_rec[: ref_rec.shape[0] // tp]
+
+
+def test_tp2_cache_oracle(arch, no_new_processes):
+    """Cache-on TP2 with a tiny poisoned pool == cache-off TP1 (big pool), and rank 0's snapshots hold its
+    shard of the reference state after exactly their path."""
+    ckpt, _, _ = arch
+    base = [(i * 13 + 5) % 512 for i in range(200)]
+    rounds = [
+        [base[:150] + [1, 2, 3], base[:64] + [9] * 30, base[:130] + [7]],
+        [base[:150] + [1, 2, 3], base[:97] + [4, 4], base[:48] + [8], base[:191] + [6, 5]],
+    ]
+    params = [greedy(4), greedy(3), greedy(5), greedy(2)]
+    ref_eng = make_engine(ckpt, runner="model", enable_prefix_cache=False, num_pages=1024, budget=2048)
+    want = [[o.output_ids for o in run(ref_eng, r, params[:len(r)])] for r in rounds]
+
+    eng = tp_engine(ckpt, 2, num_pages=14, poison_freed=True)
+    ref_model = load_model(ckpt, dtype="float32", progress=False)
+    try:
+        got, hits, checked = [], 0, 0
+        for r in rounds:
+            outs = run(eng, r, params[:len(r)])
+            got.append([o.output_ids for o in outs])
+            hits += sum(o.cached_tokens for o in outs)
+            checked += _check_rank0_snapshots(eng, ref_model)
+        assert got == want
+        assert hits > 0 and checked > 0
+    finally:
+        eng.close()
+
+
+def _check_rank0_snapshots(eng: Engine, model) -> int:
+    pool, L = eng.pool, eng.layout
+    nodes = snapshot_nodes(eng)
+    for node in nodes:
+        path = path_tokens(node)
+        ref = model.new_cache()
+        model(torch.tensor(path), ForwardBatch([len(path)], [0], [ref], logits_indices=torch.tensor([0])))
+        for group in L.kda_groups:
+            for layer in group:
+                g, t = L.kda_slot(layer)
+                conv, rec = _rank0_shard(ref.conv[layer], ref.rec[layer], eng.cfg.tp)
+                page = node.snapshot[g]
+                assert (pool.conv[t][page] - conv).abs().max() <= 1e-5, f"snapshot at {node.end}: layer {layer} conv"
+                assert (pool.rec[t][page] - rec).abs().max() <= 1e-5, f"snapshot at {node.end}: layer {layer} state"
+    return len(nodes)
+
+
+def _kill_worker(eng_pid: int) -> int:
+    workers = [p for p in descendants(eng_pid) if "k3rt.backend.distributed.worker" in _cmdline(p)]
+    assert workers, "no tensor-parallel worker found"
+    os.kill(workers[0], signal.SIGKILL)
+    return workers[0]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_killed_worker_fails_engine(tmp_path_factory, no_new_processes):
+    ckpt = tiny_checkpoint(tmp_path_factory, "kimi_linear")
+    eng = Engine(replace(engine_config_for_tests(str(ckpt)), runner="model", tp=2))
+    try:
+        run(eng, [[1, 2, 3]], greedy(2))
+        pid = _kill_worker(os.getpid())
+        t0 = time.monotonic()
+        with pytest.raises(TPFailure, match=f"worker rank 1 \\(pid {pid}\\) was killed by signal 9"):
+            while time.monotonic() - t0 < KILL_DEADLINE_S:
+                eng.check_runner()
+                time.sleep(0.05)
+        eng.add_request([4, 5, 6], greedy(2))
+        with pytest.raises(TPFailure):  # a step is fatal, not one request's failure
+            eng.step()
+    finally:
+        eng.close()
+
+
+def test_killed_worker_fails_engine_process(tmp_path_factory, no_new_processes):
+    """The server's path: the gateway's EngineClient sees the engine process fail with the worker named,
+    its running request ends with that error, and the engine process and its other workers are gone."""
+    from k3rt.backend.engine_client import EngineClient
+
+    ckpt = tiny_checkpoint(tmp_path_factory, "k3")
+
+    async def main() -> None:
+        client = EngineClient(replace(engine_config_for_tests(str(ckpt)), runner="model", tp=2), startup_timeout=120)
+        await client.start()
+        try:
+            updates = []
+
+            async def consume() -> None:
+                async for u in client.generate(list(range(1, 40)), {"max_tokens": 5000, "temperature": 0.0,
+                                                                    "ignore_eos": True}):
+                    updates.append(u)
+
+            task = asyncio.create_task(consume())
+            while not updates:
+                await asyncio.sleep(0.05)
+            pid = _kill_worker(client.proc.pid)
+            t0 = time.monotonic()
+            await asyncio.wait_for(task, KILL_DEADLINE_S)
+            assert time.monotonic() - t0 < KILL_DEADLINE_S
+            last = updates[-1]
+            assert last.finished and last.finish_reason == "error"
+            assert f"worker rank 1 (pid {pid})" in last.error and "killed by signal 9" in last.error, last.error
+            assert client.dead is not None
+            await asyncio.get_running_loop().run_in_executor(None, client.proc.join, KILL_DEADLINE_S)
+            assert client.proc.exitcode == 1
+        finally:
+            await client.shutdown()
+
+    asyncio.run(main())
