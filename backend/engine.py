@@ -64,6 +64,8 @@ class Engine:
 
         self.cfg = cfg
         self.model_cfg: ModelConfig = load_model_config(cfg.model)
+        if cfg.runner != "null":
+            self.model_cfg.check_tp(cfg.tp)  # before any worker starts: the error names the dimension
         cc = cfg.cache
         self.layout, num_pages = cache_geometry(cfg, self.model_cfg)
         self.pool = PagePool(self.layout, num_pages, device=cfg.device, poison_freed=cc.poison_freed,

@@ -7,8 +7,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from k3rt.models import DEFAULT_MODEL, resolve_model_dir
+
+if TYPE_CHECKING:
+    from k3rt.config import DistConfig, EngineConfig
 
 MODEL_HELP = (f"checkpoint folder (config.json, *.safetensors, tokenizer files) or the name of a model shipped "
               f"with k3rt (default {DEFAULT_MODEL})")
@@ -23,7 +27,65 @@ EXAMPLES = """examples:
   k3rt bench scheduler
   k3rt bench serve --url http://127.0.0.1:30000 --workload system-prompt --concurrency 16
   k3rt serve --model /tmp/tiny-k3 --port 30000          # OpenAI-compatible server (GET /health, /v1/...)
+  k3rt serve --model /tmp/tiny-k3 --tp 2                # tensor parallel: the engine + 1 worker process
 """
+
+
+def _add_tp(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "tensor parallelism",
+        "--tp N runs the model on N ranks (processes; one GPU each with --device cuda), each holding 1/N of "
+        "every layer's heads and widths. On one host the engine is rank 0 and starts ranks 1..N-1 itself. "
+        "Several hosts: run the same command on each with --nnodes, --node-rank and one --master-addr/"
+        "--master-port (node 0 serves; the others only run their ranks). Under torchrun (RANK, WORLD_SIZE, "
+        "MASTER_ADDR, MASTER_PORT set) each process is one rank: rank 0 serves, the others run as workers.")
+    g.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel degree (default 1, or WORLD_SIZE under torchrun)")
+    g.add_argument("--nnodes", type=int, default=1, help="hosts the ranks are spread over (default 1)")
+    g.add_argument("--node-rank", type=int, default=0, help="this host's index among them (default 0)")
+    g.add_argument("--master-addr", default=None,
+                   help="address of node 0, where the ranks meet (default MASTER_ADDR or 127.0.0.1)")
+    g.add_argument("--master-port", type=int, default=None,
+                   help="port there (default MASTER_PORT, or a free port on a single host)")
+    g.add_argument("--tp-timeout", type=float, default=60.0,
+                   help="seconds a collective may wait before the engine fails instead of hanging (a lost or hung "
+                        "rank); a dead local worker fails it at once (default 60)")
+
+
+def _dist_from_args(a: argparse.Namespace) -> tuple[int, "DistConfig", int]:
+    """-> (tp, DistConfig, this process's role: 0 = the engine (rank 0), r > 0 = rank r under torchrun,
+    -1 = a node other than node 0, which only runs its ranks)."""
+    from k3rt.config import DistConfig
+    from k3rt.launch_env import LaunchEnv
+
+    env = LaunchEnv.read()
+    if env.launched:
+        tp = a.tp or env.world_size
+        if tp != env.world_size:
+            raise ValueError(f"tp: {tp} but the launcher started WORLD_SIZE={env.world_size} ranks")
+        dist = DistConfig(nnodes=a.nnodes, node_rank=env.rank * a.nnodes // tp,
+                          master_addr=a.master_addr or env.master_addr or "127.0.0.1",
+                          master_port=a.master_port if a.master_port is not None else env.master_port or 0,
+                          timeout_s=a.tp_timeout, external_ranks=True, agent_store=env.agent_store)
+        return tp, dist, env.rank
+    dist = DistConfig(nnodes=a.nnodes, node_rank=a.node_rank, master_addr=a.master_addr or env.master_addr or "127.0.0.1",
+                      master_port=a.master_port if a.master_port is not None else env.master_port or 0,
+                      timeout_s=a.tp_timeout)
+    return a.tp or 1, dist, 0 if a.node_rank == 0 else -1
+
+
+def _run_other_rank(engine: "EngineConfig", role: int) -> int:
+    """Roles other than the engine: a torchrun-started worker rank, or a non-zero node's ranks."""
+    if role > 0:
+        from k3rt.backend.distributed.group import Rendezvous
+        from k3rt.backend.distributed.launch import WorkerArgs
+        from k3rt.backend.distributed.worker import serve_rank
+
+        rdv = Rendezvous(engine.dist.master_addr, engine.dist.master_port)
+        return serve_rank(WorkerArgs(engine, role, rdv))
+    from k3rt.backend.distributed.worker import run_node
+
+    return run_node(engine)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -41,6 +103,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="compute dtype (default: the checkpoint's torch_dtype)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object: prompt_token_ids, token_ids, text")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu; with --tp: cpu or cuda)")
+    _add_tp(p)
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
@@ -48,18 +112,31 @@ def _cmd_generate(a: argparse.Namespace) -> int:
 
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
                             max_tokens=a.max_tokens, ignore_eos=a.ignore_eos)
-    from k3rt.backend.generate import generate
-    from k3rt.backend.models.loader import load_model
     from k3rt.backend.tokenizer import load_tokenizer
     from k3rt.backend.tokenizer.detokenizer import IncrementalDetokenizer
 
     model_dir = resolve_model_dir(a.model)
+    tp, dist, role = _dist_from_args(a)
+    if tp > 1:
+        from k3rt.config import EngineConfig
+
+        engine = EngineConfig(model=str(model_dir), dtype=a.dtype, device=a.device, tp=tp, runner="model", dist=dist,
+                              seed=a.seed or 0)
+        if role != 0:
+            return _run_other_rank(engine, role)
     tok = load_tokenizer(model_dir)
-    model = load_model(model_dir, dtype=a.dtype, progress=not a.json)
     prompt_ids = tok.encode_prompt(a.prompt)
     detok = IncrementalDetokenizer(tok, skip_special_tokens=True)
     out: list[int] = []
-    for t in generate(model, prompt_ids, params, tok.eos_token_ids):
+    if tp > 1:
+        tokens = _generate_tp(engine, prompt_ids, params, tok.eos_token_ids)
+    else:
+        from k3rt.backend.generate import generate
+        from k3rt.backend.models.loader import load_model
+
+        model = load_model(model_dir, dtype=a.dtype, device=a.device, progress=not a.json)
+        tokens = generate(model, prompt_ids, params, tok.eos_token_ids)
+    for t in tokens:
         out.append(t)
         if not a.json:
             sys.stdout.write(detok.push(t))
@@ -69,6 +146,22 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     else:
         sys.stdout.write(detok.flush() + "\n")
     return 0
+
+
+def _generate_tp(engine: "EngineConfig", prompt_ids: list[int], params, eos: list[int]):
+    """The tensor-parallel path of `generate`: one request through the engine (rank 0), token by token."""
+    from k3rt.backend.engine import Engine
+
+    eng = Engine(engine)
+    try:
+        eng.add_request(prompt_ids, params, eos_token_ids=eos)
+        while eng.has_unfinished:
+            for o in eng.step():
+                if o.error:
+                    raise RuntimeError(o.error)
+                yield from o.new_token_ids
+    finally:
+        eng.close()
 
 
 def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
@@ -316,6 +409,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "it (default 30). /health also answers 503 ('pinned_full') when pinned snapshots leave no "
                         "room to admit a request")
     p.add_argument("--log-level", default=argparse.SUPPRESS, help="logging level (default WARNING)")
+    _add_tp(p)
 
 
 def _cmd_serve(a: argparse.Namespace) -> int:
@@ -327,10 +421,16 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     else:
         cache = CacheConfig(num_pages=a.cache_pages) if a.cache_pages is not None else CacheConfig()
     model_dir = resolve_model_dir(a.model)
+    tp, dist, role = _dist_from_args(a)
     engine = EngineConfig(model=str(model_dir), dtype=a.dtype, device=a.device, seed=a.seed, grammar_backend=a.grammar_backend,
                           runner=a.runner, cuda_graphs=not a.no_cuda_graphs, use_pdl=a.pdl, random_weights=a.random_weights,
                           cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=a.max_batched_tokens,
-                                                                 max_running=a.max_running, max_waiting=a.max_waiting))
+                                                                 max_running=a.max_running, max_waiting=a.max_waiting),
+                          tp=tp, dist=dist)
+    if role != 0:
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"model: no config.json in {model_dir}")
+        return _run_other_rank(engine, role)
     keys = list(a.api_key or [])
     if a.api_key_file:
         with open(a.api_key_file) as f:

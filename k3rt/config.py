@@ -86,6 +86,12 @@ class DistConfig:
     # idle engines keep it from firing with a heartbeat every timeout_s / 4
     timeout_s: float = 60.0
     startup_timeout_s: float = 900.0  # every rank has loaded its shard within this (big checkpoints)
+    # every rank was started by an outside launcher (torchrun): the engine starts no workers and waits
+    # for ranks 1..tp-1 to join
+    external_ranks: bool = False
+    # the launcher hosts the rendezvous store at master_addr:master_port (torchrun's agent store): rank 0
+    # connects to it instead of hosting one
+    agent_store: bool = False
 
     def __post_init__(self) -> None:
         if self.nnodes < 1:
@@ -138,6 +144,8 @@ class EngineConfig:
             raise ValueError(f"tp: must be >= 1, got {self.tp}")
         if self.tp % self.dist.nnodes:
             raise ValueError(f"tp: {self.tp} ranks do not split evenly over nnodes={self.dist.nnodes}")
+        if self.tp > 1 and self.random_weights:
+            raise ValueError("random_weights: each rank would draw different weights for its shard; use tp=1")
         if self.tp > 1 and self.device not in ("cpu", "cuda"):
             # each rank takes its own device (cuda:<local rank>); a fixed index would put every rank on one GPU
             raise ValueError(f"device: with tp > 1 use 'cpu' or 'cuda' (one GPU per rank), got {self.device!r}")
@@ -145,3 +153,9 @@ class EngineConfig:
     @property
     def ranks_per_node(self) -> int:
         return self.tp // self.dist.nnodes
+
+    @property
+    def node_ranks(self) -> range:
+        """The ranks this node runs (node 0 holds rank 0, the engine)."""
+        n = self.ranks_per_node
+        return range(self.dist.node_rank * n, (self.dist.node_rank + 1) * n)

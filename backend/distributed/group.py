@@ -5,8 +5,8 @@ Three groups over the same ranks, so that each wait has the timeout it needs:
   compute (NCCL on CUDA, gloo on CPU, timeout_s): the model's all-reduces and logits gathers;
   control (gloo, CPU, timeout_s): rank 0's step plans and heartbeats (no device sync for a few ints).
 A collective that waits past its timeout raises instead of hanging, and so does one whose peer died
-(its sockets close). Rank 0 hosts the rendezvous store; with master_port 0 it takes a free port and
-passes the chosen port to the workers it starts.
+(its sockets close). Rank 0 hosts the rendezvous store (unless torchrun's agent does); with
+master_port 0 it takes a free port and passes the chosen port to the workers it starts.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def rank_device(cfg: EngineConfig, rank: int) -> torch.device:
 def create_store(cfg: EngineConfig) -> tuple[Any, Rendezvous]:
     """Rank 0's rendezvous store (started before any worker, so workers can connect to it)."""
     d = cfg.dist
-    store = dist.TCPStore(d.master_addr, d.master_port, cfg.tp, is_master=True,
+    store = dist.TCPStore(d.master_addr, d.master_port, cfg.tp, is_master=not d.agent_store,
                           timeout=timedelta(seconds=d.startup_timeout_s), wait_for_workers=False)
     return store, Rendezvous(d.master_addr, store.port)
 

@@ -13,6 +13,7 @@ import logging
 import pickle
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 from k3rt.backend.distributed.group import Rendezvous
@@ -47,13 +48,27 @@ class WorkerSet:
         return {r: p.pid for r, p in self.procs.items()}
 
     def poll(self) -> str | None:
-        """Why a worker is gone (the first one that exited), or None while all run."""
+        """Why a worker is gone (the first one that exited), or None while all run. Before STOP nothing ends
+        a worker but a failure, so any exit counts, a clean one included."""
         for rank, p in self.procs.items():
             code = p.poll()
             if code is not None:
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
                 return f"tensor-parallel worker rank {rank} (pid {p.pid}) {how}"
         return None
+
+    def wait(self) -> int:
+        """Block until every worker exited; the first non-zero exit status (0 when all stopped cleanly).
+        A worker that fails ends the others: a rank short, none of them can step."""
+        while True:
+            codes = [p.poll() for p in self.procs.values()]
+            if all(c is not None for c in codes):
+                return next((c for c in codes if c), 0)
+            if any(c for c in codes if c is not None):
+                log.error("%s; stopping this node's other workers", self.poll())
+                self.kill()
+                return next(c for c in (p.poll() for p in self.procs.values()) if c)
+            time.sleep(0.2)
 
     def join(self, timeout_s: float) -> None:
         """Wait for every worker to exit (after STOP); kill those still running after timeout_s."""

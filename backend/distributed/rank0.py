@@ -25,7 +25,9 @@ def joined_key(rank: int) -> str:
 def start_tensor_parallel(cfg: EngineConfig) -> tuple[TPGroups, PlanSender]:
     store, rdv = create_store(cfg)
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-    workers = WorkerSet(cfg, range(1, cfg.ranks_per_node), rdv, log_level=level)
+    # this host's other ranks; under an outside launcher (torchrun) they run already
+    local = range(0) if cfg.dist.external_ranks else range(1, cfg.ranks_per_node)
+    workers = WorkerSet(cfg, local, rdv, log_level=level)
     try:
         keys = [joined_key(r) for r in range(1, cfg.tp)]
         deadline = time.monotonic() + cfg.dist.startup_timeout_s

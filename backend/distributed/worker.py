@@ -70,12 +70,8 @@ def run_worker(args) -> None:
         destroy_groups()
 
 
-def main() -> int:
-    args = pickle.load(sys.stdin.buffer)  # from the engine that started us (launch.py), trusted
-    _die_with_parent()
-    # the engine's owner drains and stops the workers through rank 0, as it does the engine process
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def serve_rank(args) -> int:
+    """Run one worker in this process until STOP (0) or a failure (1, logged)."""
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(levelname)s tp worker {args.rank}: %(message)s")
     try:
         run_worker(args)
@@ -84,6 +80,28 @@ def main() -> int:
         log.debug("details", exc_info=True)
         return 1
     return 0
+
+
+def run_node(cfg) -> int:
+    """A node other than node 0 (multi-host, `--node-rank K`): start this node's ranks, wait for them."""
+    from k3rt.backend.distributed.group import Rendezvous
+    from k3rt.backend.distributed.launch import WorkerSet
+
+    level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+    workers = WorkerSet(cfg, cfg.node_ranks, Rendezvous(cfg.dist.master_addr, cfg.dist.master_port), log_level=level)
+    try:
+        return workers.wait()
+    finally:
+        workers.kill()
+
+
+def main() -> int:
+    args = pickle.load(sys.stdin.buffer)  # from the engine that started us (launch.py), trusted
+    _die_with_parent()
+    # the engine's owner drains and stops the workers through rank 0, as it does the engine process
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return serve_rank(args)
 
 
 if __name__ == "__main__":
