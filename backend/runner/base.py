@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from k3rt.backend.cache.pool import PagePool
+from k3rt.backend.runner.step_plan import step_chunks
 from k3rt.backend.scheduler.scheduler import ScheduledChunk, SchedulerOutput
 
 
@@ -37,4 +38,4 @@ def begin_step(pool: PagePool, out: SchedulerOutput) -> list[ScheduledChunk]:
         pool.copy_pages(list(src), list(dst), tensors=len(pool.layout.mla_group))
     for src, dst in out.state_copies:
         pool.copy_state_set(src, dst)
-    return [ScheduledChunk(r, r.num_computed, 1, True) for r in out.decodes] + out.chunks
+    return step_chunks(out)
