@@ -269,3 +269,42 @@ def test_killed_worker_fails_engine_process(tmp_path_factory, no_new_processes):
             await client.shutdown()
 
     asyncio.run(main())
+
+
+def test_launch_env_and_dist_config():
+    from k3rt.config import DistConfig, EngineConfig
+    from k3rt.launch_env import LaunchEnv
+
+    env = LaunchEnv.read({"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
+                          "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert env == LaunchEnv(1, 4, "10.0.0.1", 29500, True) and env.launched
+    assert not LaunchEnv.read({}).launched
+    with pytest.raises(ValueError, match="RANK"):
+        LaunchEnv.read({"RANK": "x"})
+    with pytest.raises(ValueError, match="master_port"):
+        DistConfig(nnodes=2)
+    with pytest.raises(ValueError, match="node_rank"):
+        DistConfig(nnodes=2, node_rank=2, master_port=1)
+    with pytest.raises(ValueError, match="nnodes"):
+        EngineConfig(model="m", tp=3, dist=DistConfig(nnodes=2, master_port=1))
+    cfg = EngineConfig(model="m", tp=8, dist=DistConfig(nnodes=2, node_rank=1, master_port=1))
+    assert cfg.ranks_per_node == 4 and cfg.node_ranks == range(4, 8) and cfg.runner == "model"
+    assert EngineConfig(model="m", device="cuda", tp=2).runner == "model"  # the fused runner is single-GPU
+    with pytest.raises(ValueError, match="random_weights"):
+        EngineConfig(model="m", tp=2, random_weights=True)
+
+
+def test_cli_generate_tp_matches_tp1(tmp_path_factory, capsys, no_new_processes):
+    import json
+
+    from k3rt.cli import main
+
+    ckpt = tiny_checkpoint(tmp_path_factory, "k3")
+    outs = []
+    for tp in ("1", "2"):
+        assert main(["generate", "--model", str(ckpt), "--prompt", "def add(a, b):", "--max-tokens", "6",
+                     "--json", "--tp", tp]) == 0
+        outs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert outs[0] == outs[1] and len(outs[0]["token_ids"]) == 6
+    assert main(["generate", "--model", str(ckpt), "--prompt", "x", "--tp", "3"]) == 2
+    assert "num_heads=4 is not divisible by tensor-parallel size 3" in capsys.readouterr().err
