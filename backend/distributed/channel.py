@@ -66,11 +66,22 @@ class PlanSender:
             dist.broadcast(torch.tensor([data.numel()], dtype=torch.int64), 0, group=self.control)
             dist.broadcast(data, 0, group=self.control)
         except Exception as e:  # gloo: a peer's socket closed, or the timeout passed
-            lost = self.workers.poll() if self.workers is not None else None
+            lost = self._lost_worker()
             self.failure = self.failure or lost or f"tensor parallel: sending a step to the workers failed ({e})"
             log.error("%s", self.failure)
             raise TPFailure(self.failure) from e
         self._last_send = time.monotonic()
+
+    def _lost_worker(self, wait_s: float = 1.0) -> str | None:
+        """After a failed collective: the local worker that died, if one did. Its sockets close before
+        its exit is reaped, so wait a little for the exit: the error then names the rank and the signal
+        instead of a socket error."""
+        if self.workers is None:
+            return None
+        deadline = time.monotonic() + wait_s
+        while (lost := self.workers.poll()) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return lost
 
     def check(self) -> None:
         if self.failure is None and self.workers is not None:
@@ -88,7 +99,7 @@ class PlanSender:
             try:
                 yield
             except Exception as e:
-                lost = self.workers.poll() if self.workers is not None else None
+                lost = self._lost_worker()
                 self.failure = self.failure or lost or f"tensor parallel: a step failed on rank 0 ({type(e).__name__}: {e})"
                 raise TPFailure(self.failure) from e
             self._last_send = time.monotonic()

@@ -13,13 +13,12 @@ with 4 KDA heads, 4 MLA heads, vocab 512, so TP4 leaves one head per rank.
   * the cache oracle at TP2: a tiny, poisoned pool (eviction, preemption, NaN-filled freed pages)
     gives the cache-off TP1 outputs, and every snapshot on rank 0 holds rank 0's shard of the
     reference KDA state after exactly its path (and the whole replicated MLA latent);
-  * a SIGKILLed worker fails the in-process engine and the engine process (the server's path)
-    within 10 s with an error naming the worker, and leaves no process behind.
+  * a SIGKILLed worker fails the in-process engine, and `k3rt serve --tp 2` (503 to the running
+    request, exit 1), within 10 s with an error naming the worker, and leaves no process behind.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time
@@ -234,41 +233,45 @@ def test_killed_worker_fails_engine(tmp_path_factory, no_new_processes):
         eng.close()
 
 
-def test_killed_worker_fails_engine_process(tmp_path_factory, no_new_processes):
-    """The server's path: the gateway's EngineClient sees the engine process fail with the worker named,
-    its running request ends with that error, and the engine process and its other workers are gone."""
-    from k3rt.backend.engine_client import EngineClient
+def test_killed_worker_fails_server(tmp_path_factory):
+    """The whole server: `k3rt serve --tp 2`; SIGKILL its worker mid-request. The request is answered 503
+    naming the worker within 10 s, the server exits 1, and nothing it started (engine process, the
+    other worker) is left (ServeProcess.stop asserts that)."""
+    import threading
+
+    import httpx
+
+    from tests.server.conftest import MODEL_NAME, start_server
 
     ckpt = tiny_checkpoint(tmp_path_factory, "k3")
+    s = start_server(ckpt, tmp_path_factory.mktemp("serve-logs"), "--tp", "2", "--dsl-addr", "off",
+                     "--drain-timeout", "2")
+    try:
+        result: dict = {}
 
-    async def main() -> None:
-        client = EngineClient(replace(engine_config_for_tests(str(ckpt)), runner="model", tp=2), startup_timeout=120)
-        await client.start()
-        try:
-            updates = []
+        def request() -> None:
+            body = {"model": MODEL_NAME, "prompt": "def add(a, b):", "max_tokens": 4000, "temperature": 0,
+                    "ignore_eos": True}
+            result["response"] = httpx.post(s.url + "/v1/completions", json=body, timeout=120)
 
-            async def consume() -> None:
-                async for u in client.generate(list(range(1, 40)), {"max_tokens": 5000, "temperature": 0.0,
-                                                                    "ignore_eos": True}):
-                    updates.append(u)
-
-            task = asyncio.create_task(consume())
-            while not updates:
-                await asyncio.sleep(0.05)
-            pid = _kill_worker(client.proc.pid)
-            t0 = time.monotonic()
-            await asyncio.wait_for(task, KILL_DEADLINE_S)
-            assert time.monotonic() - t0 < KILL_DEADLINE_S
-            last = updates[-1]
-            assert last.finished and last.finish_reason == "error"
-            assert f"worker rank 1 (pid {pid})" in last.error and "killed by signal 9" in last.error, last.error
-            assert client.dead is not None
-            await asyncio.get_running_loop().run_in_executor(None, client.proc.join, KILL_DEADLINE_S)
-            assert client.proc.exitcode == 1
-        finally:
-            await client.shutdown()
-
-    asyncio.run(main())
+        waiter = threading.Thread(target=request, daemon=True)
+        waiter.start()
+        deadline = time.monotonic() + 60
+        while s.stats()["stats"]["in_flight"] < 1:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.05)
+        s.track()
+        pid = _kill_worker(s.proc.pid)
+        waiter.join(KILL_DEADLINE_S)
+        assert "response" in result, f"no answer within {KILL_DEADLINE_S} s of the worker's death"
+        r = result["response"]
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed", r.text
+        assert f"worker rank 1 (pid {pid}) was killed by signal 9" in r.json()["error"]["message"], r.text
+        assert s.proc.wait(KILL_DEADLINE_S) == 1, s.log()
+        assert s.stop() == 1  # already exited: checks that nothing it started is left
+    finally:
+        if s.proc.poll() is None:
+            s.kill()
 
 
 def test_launch_env_and_dist_config():
