@@ -65,7 +65,7 @@ class Engine:
         self.cfg = cfg
         self.model_cfg: ModelConfig = load_model_config(cfg.model)
         if cfg.runner != "null":
-            self.model_cfg.check_tp(cfg.tp)  # before any worker starts: the error names the dimension
+            self.model_cfg.check_tp_model(cfg.tp, cfg.ep)  # before any worker starts: the error names the dimension
         cc = cfg.cache
         self.layout, num_pages = cache_geometry(cfg, self.model_cfg)
         self.pool = PagePool(self.layout, num_pages, device=cfg.device, poison_freed=cc.poison_freed,
@@ -122,7 +122,8 @@ class Engine:
             raise ValueError("model: a tensor-parallel engine loads each rank's shard itself; pass no model")
         groups, sender = start_tensor_parallel(self.cfg)
         try:
-            model = load_model(self.cfg.model, dtype=self.cfg.dtype, tp=groups.tp, device=str(groups.device))
+            model = load_model(self.cfg.model, dtype=self.cfg.dtype, tp=groups.tp, ep=self.cfg.ep,
+                               device=str(groups.device))
             runner = ModelRunner(model, self.pool, sender=sender)
             wait_for_workers(self.cfg, sender)
         except BaseException:

@@ -45,7 +45,7 @@ class EngineLoop:
         e = self.engine
         return {"model": self.cfg.model, "architecture": e.model_cfg.arch, "vocab_size": e.model_cfg.vocab_size,
                 "max_model_len": e.model_cfg.max_position_embeddings, "num_pages": e.pool.num_pages,
-                "pid": os.getpid(), **e.layout.as_dict()}
+                "pid": os.getpid(), "tp": self.cfg.tp, "ep": self.cfg.ep, **e.layout.as_dict()}
 
     def stats(self) -> dict:
         return self.engine.stats_dict()

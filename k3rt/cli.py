@@ -41,6 +41,9 @@ def _add_tp(p: argparse.ArgumentParser) -> None:
         "MASTER_ADDR, MASTER_PORT set) each process is one rank: rank 0 serves, the others run as workers.")
     g.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel degree (default 1, or WORLD_SIZE under torchrun)")
+    g.add_argument("--ep", action="store_true",
+                   help="expert parallelism over the --tp ranks: each holds num_experts/N whole routed experts "
+                        "(default: each holds 1/N of every expert's width)")
     g.add_argument("--nnodes", type=int, default=1, help="hosts the ranks are spread over (default 1)")
     g.add_argument("--node-rank", type=int, default=0, help="this host's index among them (default 0)")
     g.add_argument("--master-addr", default=None,
@@ -120,8 +123,8 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     if tp > 1:
         from k3rt.config import EngineConfig
 
-        engine = EngineConfig(model=str(model_dir), dtype=a.dtype, device=a.device, tp=tp, runner="model", dist=dist,
-                              seed=a.seed or 0)
+        engine = EngineConfig(model=str(model_dir), dtype=a.dtype, device=a.device, tp=tp, ep=a.ep, runner="model",
+                              dist=dist, seed=a.seed or 0)
         if role != 0:
             return _run_other_rank(engine, role)
     tok = load_tokenizer(model_dir)
@@ -426,7 +429,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
                           runner=a.runner, cuda_graphs=not a.no_cuda_graphs, use_pdl=a.pdl, random_weights=a.random_weights,
                           cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=a.max_batched_tokens,
                                                                  max_running=a.max_running, max_waiting=a.max_waiting),
-                          tp=tp, dist=dist)
+                          tp=tp, ep=a.ep, dist=dist)
     if role != 0:
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"model: no config.json in {model_dir}")

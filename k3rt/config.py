@@ -112,6 +112,9 @@ class EngineConfig:
     dtype: str | None = None  # compute dtype; None: the checkpoint's
     device: str = "cpu"
     tp: int = 1
+    # expert parallelism over the tp ranks: each holds num_experts / tp whole routed experts (False: each holds
+    # a 1/tp slice of every expert's width)
+    ep: bool = False
     # "model": the reference torch path (any device); "gpu": fused Triton kernels, device-side batch
     # description, decode in CUDA graphs; "null": no compute, fake tokens (scheduler benchmarks);
     # "auto": gpu on a CUDA device at tp=1, model elsewhere

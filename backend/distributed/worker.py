@@ -56,7 +56,8 @@ def run_worker(args) -> None:
     try:
         layout, num_pages = cache_geometry(cfg, load_model_config(cfg.model))
         torch.manual_seed(cfg.seed)
-        model = load_model(cfg.model, dtype=cfg.dtype, tp=groups.tp, device=str(groups.device), progress=False)
+        model = load_model(cfg.model, dtype=cfg.dtype, tp=groups.tp, ep=cfg.ep, device=str(groups.device),
+                           progress=False)
         executor = PlanExecutor(model, PagePool(layout, num_pages, device=groups.device))
         startup_barrier(cfg.dist.startup_timeout_s)
         receiver = PlanReceiver(groups.control)

@@ -7,7 +7,8 @@ architectures (kimi_linear; k3: LatentMoE, gated MLA, full-rank gate, attention 
 with 4 KDA heads, 4 MLA heads, vocab 512, so TP4 leaves one head per rank.
 
   * plan codec and the pool's fill log (no processes);
-  * greedy outputs at TP2 and TP4 equal TP1's for both archs through the Engine with the prefix
+  * each rank's checkpoint shard is its slice (TP and expert-parallel, per-expert and stacked experts);
+  * greedy outputs at TP2, TP4 and TP2 with expert parallelism equal TP1's for both archs through the Engine with the prefix
     cache on, including repeats and a conversation turn that hit the cache, and a seeded sampled
     request (sampling happens on rank 0 from the gathered logits, so the seed means the same);
   * the cache oracle at TP2: a tiny, poisoned pool (eviction, preemption, NaN-filled freed pages)
@@ -90,6 +91,54 @@ def test_layout_padding_per_rank(tp):
     assert lay.padding_fraction <= 0.02, (tp, lay.as_dict())
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["per-expert", "transformers5-stacked"])
+@pytest.mark.parametrize("tp, ep", [(2, False), (4, False), (2, True), (4, True)],
+                         ids=["tp2", "tp4", "tp2-ep", "tp4-ep"])
+def test_loader_shards(tp, ep, stacked, tmp_path):
+    """Every rank's shard is its slice of the full weights: column-parallel rows, row-parallel columns,
+    merged parts split part by part, vocabulary rows; routed experts by width, or (ep) whole experts
+    offset..offset+E/tp-1, from per-expert tensors and from one stacked tensor alike."""
+    from safetensors.torch import save_file
+
+    from k3rt.backend.distributed import TPContext
+    from k3rt.backend.models.tiny import TINY_CONFIGS, export_checkpoint, make_tiny
+    from tests.backend.test_loader import to_transformers_names
+
+    ckpt = make_tiny(tmp_path / "ckpt", arch="k3", dtype="float32")
+    full = load_model(ckpt, progress=False)
+    if stacked:
+        (ckpt / "model.safetensors").unlink()
+        save_file(to_transformers_names(export_checkpoint(full)), str(ckpt / "model.safetensors"))
+    E, I = full.cfg.moe.num_experts, full.cfg.moe.intermediate_size
+
+    def rows(t: torch.Tensor, r: int, dim: int = 0) -> torch.Tensor:
+        n = t.shape[dim] // tp
+        return t.narrow(dim, r * n, n)
+
+    for r in range(tp):
+        shard = load_model(ckpt, tp=TPContext(r, tp), ep=ep, progress=False)
+        fl, sl = full.model.layers, shard.model.layers
+        assert torch.equal(shard.model.embed_tokens.weight, rows(full.model.embed_tokens.weight, r))
+        assert torch.equal(shard.lm_head.weight, rows(full.lm_head.weight, r))
+        assert torch.equal(sl[0].self_attn.q_proj.weight, rows(fl[0].self_attn.q_proj.weight, r))
+        assert torch.equal(sl[0].self_attn.o_proj.weight, rows(fl[0].self_attn.o_proj.weight, r, 1))
+        assert torch.equal(sl[0].self_attn.conv_weight,
+                           torch.cat([rows(p, r) for p in fl[0].self_attn.conv_weight.chunk(3)]))
+        assert torch.equal(sl[3].self_attn.kv_b_proj.weight, rows(fl[3].self_attn.kv_b_proj.weight, r))
+        assert torch.equal(sl[3].self_attn.kv_a_proj_with_mqa.weight, fl[3].self_attn.kv_a_proj_with_mqa.weight)
+        moe, fmoe = sl[1].mlp, fl[1].mlp
+        if ep:
+            assert moe.w13.shape[0] == E // tp and moe.expert_offset == r * E // tp
+            assert torch.equal(moe.w13, rows(fmoe.w13, r)) and torch.equal(moe.w2, rows(fmoe.w2, r))
+        else:
+            gate, up = fmoe.w13.split(I, dim=1)
+            assert torch.equal(moe.w13, torch.cat([rows(gate, r, 1), rows(up, r, 1)], dim=1))
+            assert torch.equal(moe.w2, rows(fmoe.w2, r, 2))
+        gate, up = fmoe.shared_experts.gate_up_proj.weight.chunk(2)
+        assert torch.equal(moe.shared_experts.gate_up_proj.weight, torch.cat([rows(gate, r), rows(up, r)]))
+    assert TINY_CONFIGS["k3"]["num_experts"] == E
+
+
 @pytest.fixture
 def no_new_processes():
     before = descendants(os.getpid())
@@ -107,8 +156,8 @@ def no_new_processes():
     assert not left, f"processes left behind: {[(p, _cmdline(p)) for p in left]}"
 
 
-def tp_engine(ckpt, tp: int, **cache):
-    return make_engine(ckpt, runner="model", budget=256, engine={"tp": tp}, **cache)
+def tp_engine(ckpt, tp: int, *, ep: bool = False, **cache):
+    return make_engine(ckpt, runner="model", budget=256, engine={"tp": tp, "ep": ep}, **cache)
 
 
 def _sampled() -> SamplingParams:
@@ -135,10 +184,10 @@ def arch(request, tmp_path_factory):
     return ckpt, outputs, cached
 
 
-@pytest.mark.parametrize("tp", [2, 4], ids=["tp2", "tp4"])
-def test_tp_matches_tp1(arch, tp, no_new_processes):
+@pytest.mark.parametrize("tp, ep", [(2, False), (4, False), (2, True)], ids=["tp2", "tp4", "tp2-ep"])
+def test_tp_matches_tp1(arch, tp, ep, no_new_processes):
     ckpt, want, want_cached = arch
-    eng = tp_engine(ckpt, tp)
+    eng = tp_engine(ckpt, tp, ep=ep)
     try:
         got, cached = workload(eng)
         assert got == want
