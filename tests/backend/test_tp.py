@@ -11,8 +11,8 @@ with 4 KDA heads, 4 MLA heads, vocab 512, so TP4 leaves one head per rank.
   * greedy outputs at TP2, TP4 and TP2 with expert parallelism equal TP1's for both archs through the Engine with the prefix
     cache on, including repeats and a conversation turn that hit the cache, and a seeded sampled
     request (sampling happens on rank 0 from the gathered logits, so the seed means the same);
-  * the cache oracle at TP2: a tiny, poisoned pool (eviction, preemption, NaN-filled freed pages)
-    gives the cache-off TP1 outputs, and every snapshot on rank 0 holds rank 0's shard of the
+  * the cache oracle at TP2: a tiny, poisoned pool (eviction; NaN-filled freed pages, which the
+    workers replay from the step plan's fill log) gives the cache-off TP1 outputs, and every snapshot on rank 0 holds rank 0's shard of the
     reference KDA state after exactly its path (and the whole replicated MLA latent);
   * a SIGKILLed worker fails the in-process engine, and `k3rt serve --tp 2` (503 to the running
     request, exit 1), within 10 s with an error naming the worker, and leaves no process behind.
@@ -37,6 +37,7 @@ from k3rt.backend.models.loader import load_model
 from k3rt.cache_layout import compute_layout
 from k3rt.sampling_params import SamplingParams
 from tests.backend.engine_fixtures import greedy, make_engine, path_tokens, run, snapshot_nodes, tiny_checkpoint
+from tests.backend.threads import single_thread  # noqa: F401  (autouse: rank 0 runs in this process)
 from tests.procs import alive, descendants
 
 KILL_DEADLINE_S = 10.0
@@ -228,6 +229,7 @@ def test_tp2_cache_oracle(arch, no_new_processes):
             checked += _check_rank0_snapshots(eng, ref_model)
         assert got == want
         assert hits > 0 and checked > 0
+        assert eng.scheduler.tree.stats.evicted_pages > 0  # the pool was too small to keep everything
     finally:
         eng.close()
 
