@@ -190,6 +190,8 @@ def test_tp_matches_tp1(arch, tp, ep, no_new_processes):
     ckpt, want, want_cached = arch
     eng = tp_engine(ckpt, tp, ep=ep)
     try:
+        assert len(eng.runner.sender.workers.procs) == tp - 1  # really N processes, each with its shard
+        assert eng.model_cfg.kda.num_heads // tp == eng.runner.model.model.layers[0].self_attn.num_heads
         got, cached = workload(eng)
         assert got == want
         assert cached == want_cached
@@ -282,6 +284,27 @@ def test_killed_worker_fails_engine(tmp_path_factory, no_new_processes):
             eng.step()
     finally:
         eng.close()
+
+
+def test_hung_worker_times_out(tmp_path_factory, no_new_processes):
+    """A worker that stops answering (SIGSTOP: alive, silent) fails the next step after the collective
+    timeout instead of hanging the engine."""
+    from k3rt.config import DistConfig
+
+    ckpt = tiny_checkpoint(tmp_path_factory, "kimi_linear")
+    eng = Engine(replace(engine_config_for_tests(str(ckpt)), runner="model", tp=2, dist=DistConfig(timeout_s=2.0)))
+    try:
+        run(eng, [[1, 2, 3]], greedy(2))
+        workers = [p for p in descendants(os.getpid()) if "k3rt.backend.distributed.worker" in _cmdline(p)]
+        os.kill(workers[0], signal.SIGSTOP)
+        eng.add_request([4, 5, 6], greedy(3))
+        t0 = time.monotonic()
+        with pytest.raises(TPFailure, match="(?i)timed? ?out"):
+            while time.monotonic() - t0 < KILL_DEADLINE_S:
+                eng.step()
+        assert time.monotonic() - t0 < KILL_DEADLINE_S
+    finally:
+        eng.close()  # kills the stopped worker (SIGKILL reaches a stopped process)
 
 
 def test_killed_worker_fails_server(tmp_path_factory):
