@@ -162,7 +162,7 @@ def tp_engine(ckpt, tp: int, *, ep: bool = False, **cache):
 
 
 def _sampled() -> SamplingParams:
-    return SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=5, ignore_eos=True)
+    return SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=4, ignore_eos=True)
 
 
 def workload(engine) -> tuple[list[list[int]], list[int]]:
@@ -170,9 +170,9 @@ def workload(engine) -> tuple[list[list[int]], list[int]]:
     turn, which hit the prefix cache. -> (every output, cached_tokens of round 2)."""
     base = [(i * 37 + 11) % 512 for i in range(140)]
     first = [base[:130], base[:70] + [5, 9, 2], [(i * 7) % 512 for i in range(20)], base[:90]]
-    outs = run(engine, first, [greedy(6), greedy(4), greedy(6), _sampled()])
+    outs = run(engine, first, [greedy(5), greedy(3), greedy(4), _sampled()])
     second = [first[0], first[1], first[2] + outs[2].output_ids + [3, 1, 4]]
-    outs2 = run(engine, second, [greedy(6), greedy(4), greedy(5)])
+    outs2 = run(engine, second, [greedy(4), greedy(3), greedy(4)])
     return [o.output_ids for o in outs + outs2], [o.cached_tokens for o in outs2]
 
 
