@@ -371,17 +371,30 @@ def test_launch_env_and_dist_config():
         EngineConfig(model="m", tp=2, random_weights=True)
 
 
-def test_cli_generate_tp_matches_tp1(tmp_path_factory, capsys, no_new_processes):
+def test_cli_generate_two_nodes_matches_tp1(tmp_path_factory, capsys, no_new_processes):
+    """`k3rt generate --tp 2` as two "hosts" on localhost: node 0 (this process: the engine, rank 0) and
+    node 1 (a `--node-rank 1` process that only runs rank 1 and exits 0 after STOP) give TP1's tokens."""
     import json
+    import subprocess
+    import sys
 
     from k3rt.cli import main
+    from tests.server.conftest import free_port
 
     ckpt = tiny_checkpoint(tmp_path_factory, "k3")
-    outs = []
-    for tp in ("1", "2"):
-        assert main(["generate", "--model", str(ckpt), "--prompt", "def add(a, b):", "--max-tokens", "6",
-                     "--json", "--tp", tp]) == 0
-        outs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
-    assert outs[0] == outs[1] and len(outs[0]["token_ids"]) == 6
+    args = ["generate", "--model", str(ckpt), "--prompt", "def add(a, b):", "--max-tokens", "6", "--json"]
+    assert main(args) == 0
+    want = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    dist = ["--tp", "2", "--nnodes", "2", "--master-port", str(free_port())]
+    node1 = subprocess.Popen([sys.executable, "-m", "k3rt.cli", *args, *dist, "--node-rank", "1"])
+    try:
+        assert main([*args, *dist, "--node-rank", "0"]) == 0
+        got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert node1.wait(30) == 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+    assert got == want and len(want["token_ids"]) == 6
     assert main(["generate", "--model", str(ckpt), "--prompt", "x", "--tp", "3"]) == 2
     assert "num_heads=4 is not divisible by tensor-parallel size 3" in capsys.readouterr().err
