@@ -42,6 +42,16 @@ class TPGroups:
     device: torch.device  # this rank's device
 
 
+def joined_key(rank: int) -> str:
+    """Rendezvous-store key a worker sets once it runs."""
+    return f"k3rt/joined/{rank}"
+
+
+def failed_key(rank: int) -> str:
+    """Rendezvous-store key a worker sets to its error before it exits non-zero (rank 0 quotes it)."""
+    return f"k3rt/failed/{rank}"
+
+
 def rank_device(cfg: EngineConfig, rank: int) -> torch.device:
     """cuda:<local rank> for CUDA engines (one GPU per rank on each host), else the configured device."""
     if cfg.device == "cuda":

@@ -15,8 +15,9 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
-from k3rt.backend.distributed.group import Rendezvous
+from k3rt.backend.distributed.group import Rendezvous, failed_key
 from k3rt.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,11 @@ class WorkerArgs:
 
 
 class WorkerSet:
-    def __init__(self, cfg: EngineConfig, ranks: range, rdv: Rendezvous, *, log_level: str = "WARNING") -> None:
+    def __init__(self, cfg: EngineConfig, ranks: range, rdv: Rendezvous, *, log_level: str = "WARNING",
+                 store: Any = None) -> None:
+        """store: the rendezvous store, where a failing worker leaves its error for `poll` to quote."""
         self.procs: dict[int, subprocess.Popen] = {}
+        self.store = store
         try:
             for rank in ranks:
                 p = subprocess.Popen([sys.executable, "-m", "k3rt.backend.distributed.worker"], stdin=subprocess.PIPE)
@@ -54,8 +58,18 @@ class WorkerSet:
             code = p.poll()
             if code is not None:
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                return f"tensor-parallel worker rank {rank} (pid {p.pid}) {how}"
+                return f"tensor-parallel worker rank {rank} (pid {p.pid}) {how}" + self._reason(rank)
         return None
+
+    def _reason(self, rank: int) -> str:
+        if self.store is None:
+            return ""
+        try:
+            if self.store.check([failed_key(rank)]):
+                return ": " + self.store.get(failed_key(rank)).decode(errors="replace")
+        except Exception:  # the store is best effort here: the exit itself is the news
+            pass
+        return ""
 
     def wait(self) -> int:
         """Block until every worker exited; the first non-zero exit status (0 when all stopped cleanly).

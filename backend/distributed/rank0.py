@@ -9,17 +9,13 @@ import logging
 import time
 
 from k3rt.backend.distributed.channel import PlanSender
-from k3rt.backend.distributed.group import TPFailure, TPGroups, create_store, destroy_groups, init_groups, startup_barrier
+from k3rt.backend.distributed.group import (
+    TPFailure, TPGroups, create_store, destroy_groups, init_groups, joined_key, startup_barrier,
+)
 from k3rt.backend.distributed.launch import WorkerSet
 from k3rt.config import EngineConfig
 
 log = logging.getLogger(__name__)
-
-
-def joined_key(rank: int) -> str:
-    """Store key a worker sets once it runs (before it joins the groups): rank 0 waits for these while
-    watching the processes, so a worker that dies on start-up fails the engine at once."""
-    return f"k3rt/joined/{rank}"
 
 
 def start_tensor_parallel(cfg: EngineConfig) -> tuple[TPGroups, PlanSender]:
@@ -27,8 +23,10 @@ def start_tensor_parallel(cfg: EngineConfig) -> tuple[TPGroups, PlanSender]:
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     # this host's other ranks; under an outside launcher (torchrun) they run already
     local = range(0) if cfg.dist.external_ranks else range(1, cfg.ranks_per_node)
-    workers = WorkerSet(cfg, local, rdv, log_level=level)
+    workers = WorkerSet(cfg, local, rdv, log_level=level, store=store)
     try:
+        # ranks write this key once they run (before they join the groups): waiting for it while watching
+        # the processes fails the engine at once when a worker dies on start-up
         keys = [joined_key(r) for r in range(1, cfg.tp)]
         deadline = time.monotonic() + cfg.dist.startup_timeout_s
         while keys and not store.check(keys):

@@ -34,9 +34,8 @@ def run_worker(args) -> None:
 
     from k3rt.backend.cache.pool import PagePool
     from k3rt.backend.distributed.channel import PlanReceiver
-    from k3rt.backend.distributed.group import destroy_groups, init_groups, startup_barrier
+    from k3rt.backend.distributed.group import destroy_groups, failed_key, init_groups, joined_key, startup_barrier
     from k3rt.backend.distributed.plan import PlanKind
-    from k3rt.backend.distributed.rank0 import joined_key
     from k3rt.backend.engine import cache_geometry
     from k3rt.backend.models.loader import load_model
     from k3rt.backend.runner.step_plan import PlanExecutor
@@ -52,7 +51,11 @@ def run_worker(args) -> None:
     store = dist.TCPStore(rdv.addr, rdv.port, cfg.tp, is_master=False,
                           timeout=timedelta(seconds=cfg.dist.startup_timeout_s))
     store.set(joined_key(rank), "1")
-    groups = init_groups(cfg, rank, rdv, store)
+    try:
+        groups = init_groups(cfg, rank, rdv, store)
+    except Exception as e:
+        store.set(failed_key(rank), f"{type(e).__name__}: {e}")
+        raise
     try:
         layout, num_pages = cache_geometry(cfg, load_model_config(cfg.model))
         torch.manual_seed(cfg.seed)
@@ -67,6 +70,13 @@ def run_worker(args) -> None:
                 return
             if plan.kind == PlanKind.RUN:
                 executor.run(plan)
+    except Exception as e:
+        # for rank 0's error message (best effort: a lost rank 0 takes the store with it)
+        try:
+            store.set(failed_key(rank), f"{type(e).__name__}: {e}")
+        except Exception:
+            pass
+        raise
     finally:
         destroy_groups()
 

@@ -286,6 +286,28 @@ def test_killed_worker_fails_engine(tmp_path_factory, no_new_processes):
         eng.close()
 
 
+def test_worker_error_reaches_rank0(tmp_path, no_new_processes):
+    """A worker that fails on its own (here: its host lacks the checkpoint, as a misconfigured second node
+    would) exits non-zero, and rank 0's error quotes the worker's own error."""
+    from k3rt.backend.distributed.group import create_store, destroy_groups, init_groups
+    from k3rt.backend.distributed.launch import WorkerSet
+    from k3rt.config import EngineConfig
+
+    cfg = EngineConfig(model=str(tmp_path / "missing"), runner="model", tp=2)
+    store, rdv = create_store(cfg)
+    workers = WorkerSet(cfg, range(1, 2), rdv, store=store)
+    try:
+        init_groups(cfg, 0, rdv, store)  # this test plays rank 0
+        deadline = time.monotonic() + 60
+        while (lost := workers.poll()) is None:
+            assert time.monotonic() < deadline, "the worker did not fail"
+            time.sleep(0.05)
+        assert "worker rank 1" in lost and "exited with code 1" in lost and "missing" in lost, lost
+    finally:
+        workers.kill()
+        destroy_groups()
+
+
 def test_hung_worker_times_out(tmp_path_factory, no_new_processes):
     """A worker that stops answering (SIGSTOP: alive, silent) fails the next step after the collective
     timeout instead of hanging the engine."""
