@@ -30,11 +30,14 @@ def _die_with_parent() -> None:
 
 
 def run_worker(args) -> None:
+    from datetime import timedelta
+
     import torch
+    import torch.distributed as dist
 
     from k3rt.backend.cache.pool import PagePool
     from k3rt.backend.distributed.channel import PlanReceiver
-    from k3rt.backend.distributed.group import destroy_groups, failed_key, init_groups, joined_key, startup_barrier
+    from k3rt.backend.distributed.group import destroy_groups, init_groups, joined_key, startup_barrier
     from k3rt.backend.distributed.plan import PlanKind
     from k3rt.backend.engine import cache_geometry
     from k3rt.backend.models.loader import load_model
@@ -45,40 +48,37 @@ def run_worker(args) -> None:
     if cfg.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # ranks of one host share its cores; oversubscribed intra-op threads make CPU steps far slower
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // cfg.ranks_per_node))
-    import torch.distributed as dist
-    from datetime import timedelta
-
     store = dist.TCPStore(rdv.addr, rdv.port, cfg.tp, is_master=False,
                           timeout=timedelta(seconds=cfg.dist.startup_timeout_s))
     store.set(joined_key(rank), "1")
     try:
         groups = init_groups(cfg, rank, rdv, store)
-    except Exception as e:
-        store.set(failed_key(rank), f"{type(e).__name__}: {e}")
-        raise
-    try:
-        layout, num_pages = cache_geometry(cfg, load_model_config(cfg.model))
-        torch.manual_seed(cfg.seed)
-        model = load_model(cfg.model, dtype=cfg.dtype, tp=groups.tp, ep=cfg.ep, device=str(groups.device),
-                           progress=False)
-        executor = PlanExecutor(model, PagePool(layout, num_pages, device=groups.device))
-        startup_barrier(cfg.dist.startup_timeout_s)
-        receiver = PlanReceiver(groups.control)
-        while True:
-            plan = receiver.recv()
-            if plan.kind == PlanKind.STOP:
-                return
-            if plan.kind == PlanKind.RUN:
-                executor.run(plan)
-    except Exception as e:
-        # for rank 0's error message (best effort: a lost rank 0 takes the store with it)
         try:
-            store.set(failed_key(rank), f"{type(e).__name__}: {e}")
-        except Exception:
-            pass
+            layout, num_pages = cache_geometry(cfg, load_model_config(cfg.model))
+            torch.manual_seed(cfg.seed)
+            model = load_model(cfg.model, dtype=cfg.dtype, tp=groups.tp, ep=cfg.ep, device=str(groups.device),
+                               progress=False)
+            executor = PlanExecutor(model, PagePool(layout, num_pages, device=groups.device))
+            startup_barrier(cfg.dist.startup_timeout_s)
+            receiver = PlanReceiver(groups.control)
+            while (plan := receiver.recv()).kind != PlanKind.STOP:
+                if plan.kind == PlanKind.RUN:
+                    executor.run(plan)
+        finally:
+            destroy_groups()
+    except Exception as e:
+        _report(store, rank, e)
         raise
-    finally:
-        destroy_groups()
+
+
+def _report(store, rank: int, e: Exception) -> None:
+    """Leave the error where rank 0 quotes it (best effort: a lost rank 0 takes the store with it)."""
+    from k3rt.backend.distributed.group import failed_key
+
+    try:
+        store.set(failed_key(rank), f"{type(e).__name__}: {e}")
+    except Exception:
+        pass
 
 
 def serve_rank(args) -> int:
