@@ -21,7 +21,9 @@ log = logging.getLogger(__name__)
 
 
 def _die_with_parent() -> None:
-    """SIGKILL this process when the process that started it dies (Linux), so no worker outlives it."""
+    """SIGKILL this process when the process that started it dies (Linux), so no worker outlives it.
+    Linux ties the signal to the starting *thread*: engines are built on long-lived threads (the engine
+    process's main thread; InProcEngineClient's executor thread lives until its loop shuts down)."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
