@@ -393,6 +393,30 @@ def test_launch_env_and_dist_config():
         EngineConfig(model="m", tp=2, random_weights=True)
 
 
+def test_cli_roles(monkeypatch):
+    """Who does what: under torchrun every process is its RANK (0 serves, others are workers) and the
+    launcher's store is reused; with --nnodes, node 0 is the engine and the other nodes only run ranks."""
+    from k3rt.cli import _dist_from_args, build_parser
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(var, raising=False)
+    parse = build_parser().parse_args
+    tp, d, role = _dist_from_args(parse(["serve", "--tp", "4", "--nnodes", "2", "--node-rank", "1",
+                                         "--master-addr", "10.0.0.1", "--master-port", "29500", "--ep"]))
+    assert (tp, role, d.nnodes, d.node_rank, d.master_addr, d.master_port, d.external_ranks) == (
+        4, -1, 2, 1, "10.0.0.1", 29500, False)
+    assert _dist_from_args(parse(["generate", "--prompt", "x"]))[::2] == (1, 0)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29400")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    tp, d, role = _dist_from_args(parse(["generate", "--prompt", "x"]))
+    assert (tp, role, d.master_port, d.external_ranks, d.agent_store) == (2, 1, 29400, True, True)
+    with pytest.raises(ValueError, match="WORLD_SIZE=2"):
+        _dist_from_args(parse(["generate", "--prompt", "x", "--tp", "4"]))
+
+
 def test_cli_generate_two_nodes_matches_tp1(tmp_path_factory, capsys, no_new_processes):
     """`k3rt generate --tp 2` as two "hosts" on localhost: node 0 (this process: the engine, rank 0) and
     node 1 (a `--node-rank 1` process that only runs rank 1 and exits 0 after STOP) give TP1's tokens."""
