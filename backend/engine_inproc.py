@@ -115,4 +115,3 @@ class InProcEngineClient:
         await asyncio.to_thread(self.thread.join, timeout)
         if not self.thread.is_alive():
             self.engine.close()  # tensor-parallel workers; the loop no longer steps
-
