@@ -96,7 +96,8 @@ class KimiForCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """input_ids: [N] flat tokens of the batch -> fp32 logits [len(logits_indices) or N, vocab]."""
+        """input_ids: [N] flat tokens of the batch -> fp32 logits [len(logits_indices) or N, vocab] (under
+        tensor parallelism on rank 0; the other ranks get their vocabulary slice)."""
         if input_ids.shape[0] != batch.num_tokens:
             raise ValueError(f"input_ids: {input_ids.shape[0]} tokens but batch.seq_lens sum to {batch.num_tokens}")
         h = self.model(input_ids, batch)

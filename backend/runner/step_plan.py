@@ -2,8 +2,8 @@
 
 `build_plan` turns a SchedulerOutput (plus the pool's fill log) into the plain-int StepPlan;
 `PlanExecutor.run` applies a plan's cache operations to this rank's pool, runs the forward on this
-rank's model shard and writes the emitted snapshot states, returning the full-vocabulary logits of
-the plan's logits rows. Rank 0 and the workers run the same `run`, so their caches stay identical
+rank's model shard and writes the emitted snapshot states, returning the logits of the plan's
+logits rows (the full vocabulary on rank 0, gathered there; a worker's own vocabulary slice). Rank 0 and the workers run the same `run`, so their caches stay identical
 (per shard) by construction. Sampling is not here: it needs the requests, which only rank 0 has.
 """
 
@@ -68,8 +68,8 @@ class PlanExecutor:
             pool.copy_state_set(list(src), list(dst))
 
     def run(self, plan: StepPlan, *, apply_fills: bool = True) -> torch.Tensor | None:
-        """Cache operations, forward, snapshot writes; -> fp32 logits [len(plan.logits_rows), vocab]
-        (None for a plan without sequences). apply_fills=False on the rank whose pool made the fills."""
+        """Cache operations, forward, snapshot writes; -> fp32 logits [len(plan.logits_rows), vocab] (rank 0;
+        None for a plan without sequences). apply_fills=False on the rank whose pool made the fills."""
         self.apply_cache_ops(plan, apply_fills=apply_fills)
         if not plan.seqs:
             return None
