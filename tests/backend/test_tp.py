@@ -314,7 +314,7 @@ def test_hung_worker_times_out(tmp_path_factory, no_new_processes):
     from k3rt.config import DistConfig
 
     ckpt = tiny_checkpoint(tmp_path_factory, "kimi_linear")
-    eng = Engine(replace(engine_config_for_tests(str(ckpt)), runner="model", tp=2, dist=DistConfig(timeout_s=2.0)))
+    eng = Engine(replace(engine_config_for_tests(str(ckpt)), runner="model", tp=2, dist=DistConfig(timeout_s=3.0)))
     try:
         run(eng, [[1, 2, 3]], greedy(2))
         workers = [p for p in descendants(os.getpid()) if "k3rt.backend.distributed.worker" in _cmdline(p)]
@@ -363,7 +363,7 @@ def test_killed_worker_fails_server(tmp_path_factory):
         r = result["response"]
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed", r.text
         assert f"worker rank 1 (pid {pid}) was killed by signal 9" in r.json()["error"]["message"], r.text
-        assert s.proc.wait(KILL_DEADLINE_S) == 1, s.log()
+        assert s.proc.wait(60) == 1, s.log()  # the drain (2 s) and uvicorn's shutdown, on a loaded machine
         assert s.stop() == 1  # already exited: checks that nothing it started is left
     finally:
         if s.proc.poll() is None:
