@@ -46,22 +46,30 @@ class RequestOutput:
     top_logprobs: list[list[list[float]]] | None = None  # per new token: [[token_id, logprob], ...]
 
 
+def cache_geometry(cfg: EngineConfig, model_cfg: ModelConfig) -> tuple[CacheLayout, int]:
+    """(layout, num_pages) of the pool: from the configs alone, so every tensor-parallel rank gets the same."""
+    model_dtype = cfg.dtype or model_cfg.dtype
+    cc = cfg.cache
+    layout = compute_layout(model_cfg, tp=cfg.tp, kv_dtype=cc.kv_dtype or model_dtype,
+                            conv_dtype=cc.conv_dtype or model_dtype, state_dtype=cc.state_dtype,
+                            block_size=cc.block_size)
+    num_pages = cc.num_pages if cc.memory_gb is None else layout.num_pages(int(cc.memory_gb * 2**30))
+    if num_pages < layout.pages_per_state_set + 2:
+        raise ValueError(f"{'num_pages' if cc.memory_gb is None else 'memory_gb'}: the pool holds {num_pages} "
+                         f"pages; one request needs at least {layout.pages_per_state_set + 2}")
+    return layout, num_pages
+
+
 class Engine:
     def __init__(self, cfg: EngineConfig, *, model=None) -> None:
         import torch
 
         self.cfg = cfg
         self.model_cfg: ModelConfig = load_model_config(cfg.model)
-        model_dtype = cfg.dtype or self.model_cfg.dtype
+        if cfg.runner != "null":
+            self.model_cfg.check_tp_model(cfg.tp, cfg.ep)  # before any worker starts: the error names the dimension
         cc = cfg.cache
-        self.layout: CacheLayout = compute_layout(
-            self.model_cfg, tp=cfg.tp, kv_dtype=cc.kv_dtype or model_dtype, conv_dtype=cc.conv_dtype or model_dtype,
-            state_dtype=cc.state_dtype, block_size=cc.block_size)
-        num_pages = cc.num_pages if cc.memory_gb is None else self.layout.num_pages(int(cc.memory_gb * 2**30))
-        if num_pages < self.layout.pages_per_state_set + 2:
-            raise ValueError(f"{'num_pages' if cc.memory_gb is None else 'memory_gb'}: the pool holds {num_pages} "
-                             f"pages; one request needs at least "
-                             f"{self.layout.pages_per_state_set + 2}")
+        self.layout, num_pages = cache_geometry(cfg, self.model_cfg)
         self.pool = PagePool(self.layout, num_pages, device=cfg.device, poison_freed=cc.poison_freed,
                              materialize=cfg.runner != "null")
         info = self.layout.as_dict() | {"num_pages": num_pages}
@@ -90,6 +98,8 @@ class Engine:
         from k3rt.backend.runner.model_runner import ModelRunner
 
         torch.manual_seed(self.cfg.seed)
+        if self.cfg.tp > 1:
+            return self._start_tensor_parallel(model)
         if model is None and self.cfg.random_weights:
             from k3rt.backend.models.random_init import random_model
 
@@ -103,6 +113,25 @@ class Engine:
             return GpuModelRunner(model, self.pool, kernels=KernelConfig(self.cfg.kernels, self.cfg.use_pdl),
                                   cuda_graphs=self.cfg.cuda_graphs)
         return ModelRunner(model, self.pool)
+
+    def _start_tensor_parallel(self, model) -> Runner:
+        """Start ranks 1..tp-1 on this host, load rank 0's shard, and wait until every rank has its own."""
+        from k3rt.backend.distributed.rank0 import start_tensor_parallel, wait_for_workers
+        from k3rt.backend.models.loader import load_model
+        from k3rt.backend.runner.model_runner import ModelRunner
+
+        if model is not None:
+            raise ValueError("model: a tensor-parallel engine loads each rank's shard itself; pass no model")
+        groups, sender = start_tensor_parallel(self.cfg)
+        try:
+            model = load_model(self.cfg.model, dtype=self.cfg.dtype, tp=groups.tp, ep=self.cfg.ep,
+                               device=str(groups.device))
+            runner = ModelRunner(model, self.pool, sender=sender)
+            wait_for_workers(self.cfg, sender)
+        except BaseException:
+            sender.close()
+            raise
+        return runner
 
     # ---- requests ----
 
@@ -322,6 +351,14 @@ class Engine:
     def check(self) -> None:
         self.scheduler.check()
 
+    def check_runner(self) -> None:
+        """Raise TPFailure if a tensor-parallel rank is lost (cheap; the engine process calls it every turn)."""
+        self.runner.check()
+
+    def close(self) -> None:
+        """Stop what the engine started outside this process (tensor-parallel workers); idempotent."""
+        self.runner.close()
+
     @property
     def stats(self):
         return self.scheduler.stats
@@ -330,8 +367,10 @@ class Engine:
 def _is_fatal(e: BaseException) -> bool:
     """Errors after which the engine cannot go on: a CUDA error poisons the device context (every later
     step would fail too), and running out of host memory is nobody's request in particular."""
+    from k3rt.backend.distributed.group import TPFailure
+
     text = str(e)
-    return isinstance(e, MemoryError) or "CUDA error" in text or "device-side assert" in text or (
+    return isinstance(e, (MemoryError, TPFailure)) or "CUDA error" in text or "device-side assert" in text or (
         "illegal memory access" in text)
 
 

@@ -113,3 +113,5 @@ class InProcEngineClient:
             self._stop = True
             self._work.notify()
         await asyncio.to_thread(self.thread.join, timeout)
+        if not self.thread.is_alive():
+            self.engine.close()  # tensor-parallel workers; the loop no longer steps

@@ -45,7 +45,7 @@ class EngineLoop:
         e = self.engine
         return {"model": self.cfg.model, "architecture": e.model_cfg.arch, "vocab_size": e.model_cfg.vocab_size,
                 "max_model_len": e.model_cfg.max_position_embeddings, "num_pages": e.pool.num_pages,
-                "pid": os.getpid(), **e.layout.as_dict()}
+                "pid": os.getpid(), "tp": self.cfg.tp, "ep": self.cfg.ep, **e.layout.as_dict()}
 
     def stats(self) -> dict:
         return self.engine.stats_dict()
@@ -73,10 +73,13 @@ class EngineLoop:
             if os.getppid() != self.parent_pid:
                 # the gateway was killed (SIGKILL, OOM): exit instead of running on as an orphan
                 log.error("the gateway (pid %d) is gone; the engine process exits", self.parent_pid)
+                self.engine.close()
                 self.push.close(linger=0)
                 self.pull.close(linger=0)
                 self.ctx.term()
                 return
+            # a lost tensor-parallel rank raises TPFailure here, idle or not: engine_main reports and exits 1
+            self.engine.check_runner()
             busy = self.engine.has_unfinished
             errors: list[RequestUpdate] = []
             # block only when idle; otherwise take whatever arrived and step
@@ -103,6 +106,7 @@ class EngineLoop:
         self.requests.abort_all()
         if self.engine.has_unfinished:
             self.push.send(encode(UpdateBatch(self.requests.step())))
+        self.engine.close()  # tensor-parallel workers stop before the gateway hears the ack
         self.push.send(encode(ShutdownAck()))
         self.push.close(linger=2000)
         self.pull.close(linger=0)
@@ -119,13 +123,19 @@ def engine_main(cfg: EngineConfig, in_addr: str, out_addr: str, log_level: str =
     if cfg.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         import torch
 
-        # leave a core to the gateway process: oversubscribed intra-op threads made CPU steps 10-50x slower
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+        # leave a core to the gateway process: oversubscribed intra-op threads made CPU steps 10-50x slower;
+        # tensor-parallel ranks on this host share the rest
+        torch.set_num_threads(max(1, ((os.cpu_count() or 2) - 1) // cfg.ranks_per_node))
     loop = None
     try:
         loop = EngineLoop(cfg, in_addr, out_addr)
         loop.run()
     except Exception as e:  # fatal: report, then exit non-zero so the gateway fails fast
+        if loop is not None:
+            try:
+                loop.engine.close()  # no tensor-parallel worker outlives the engine
+            except Exception as close_error:
+                log.error("stopping the tensor-parallel workers failed: %s", close_error)
         msg = f"{type(e).__name__}: {e}"
         if loop is None and isinstance(e, ValueError):  # a configuration the engine refuses, naming the field
             log.error("engine process failed: %s", msg)

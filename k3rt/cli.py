@@ -7,8 +7,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from k3rt.models import DEFAULT_MODEL, resolve_model_dir
+
+if TYPE_CHECKING:
+    from k3rt.config import DistConfig, EngineConfig
 
 MODEL_HELP = (f"checkpoint folder (config.json, *.safetensors, tokenizer files) or the name of a model shipped "
               f"with k3rt (default {DEFAULT_MODEL})")
@@ -24,7 +28,73 @@ EXAMPLES = """examples:
   k3rt bench scheduler
   k3rt bench serve --url http://127.0.0.1:30000 --workload system-prompt --concurrency 16
   k3rt serve --model /tmp/tiny-k3 --port 30000          # OpenAI-compatible server (GET /health, /v1/...)
+  k3rt serve --model /tmp/tiny-k3 --tp 2                # tensor parallel: the engine + 1 worker process
 """
+
+
+def _add_tp(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "tensor parallelism",
+        "--tp N runs the model on N ranks (processes; one GPU each with --device cuda), each holding 1/N of "
+        "every layer's heads and widths. On one host the engine is rank 0 and starts ranks 1..N-1 itself. "
+        "Several hosts: run the same command on each with --nnodes, --node-rank and one --master-addr/"
+        "--master-port (node 0 serves; the others only run their ranks). Under torchrun (RANK, WORLD_SIZE, "
+        "MASTER_ADDR, MASTER_PORT set) each process is one rank: rank 0 serves, the others run as workers.")
+    g.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=None,
+                   help="tensor-parallel degree (default 1, or WORLD_SIZE under torchrun)")
+    g.add_argument("--ep", action="store_true",
+                   help="expert parallelism over the --tp ranks: each holds num_experts/N whole routed experts "
+                        "(default: each holds 1/N of every expert's width)")
+    g.add_argument("--nnodes", type=int, default=1, help="hosts the ranks are spread over (default 1)")
+    g.add_argument("--node-rank", type=int, default=0, help="this host's index among them (default 0)")
+    g.add_argument("--master-addr", default=None,
+                   help="address of node 0, where the ranks meet (default MASTER_ADDR or 127.0.0.1)")
+    g.add_argument("--master-port", type=int, default=None,
+                   help="port there (default MASTER_PORT, or a free port on a single host)")
+    g.add_argument("--latent-tail", choices=["reduce_scatter", "all_reduce"], default="reduce_scatter",
+                   help="LatentMoE (K3) under --tp: reduce_scatter runs the latent up-projection column-striped "
+                        "(each rank reads 1/N of it) between a reduce-scatter of the shared expert and one "
+                        "all-gather; all_reduce all-reduces and runs it replicated (default reduce_scatter)")
+    g.add_argument("--tp-timeout", type=float, default=60.0,
+                   help="seconds a collective may wait before the engine fails instead of hanging (a lost or hung "
+                        "rank); a dead local worker fails it at once (default 60)")
+
+
+def _dist_from_args(a: argparse.Namespace) -> tuple[int, "DistConfig", int]:
+    """-> (tp, DistConfig, this process's role: 0 = the engine (rank 0), r > 0 = rank r under torchrun,
+    -1 = a node other than node 0, which only runs its ranks)."""
+    from k3rt.config import DistConfig
+    from k3rt.launch_env import LaunchEnv
+
+    env = LaunchEnv.read()
+    if env.launched:
+        tp = a.tp or env.world_size
+        if tp != env.world_size:
+            raise ValueError(f"tp: {tp} but the launcher started WORLD_SIZE={env.world_size} ranks")
+        dist = DistConfig(nnodes=a.nnodes, node_rank=env.rank * a.nnodes // tp,
+                          master_addr=a.master_addr or env.master_addr or "127.0.0.1",
+                          master_port=a.master_port if a.master_port is not None else env.master_port or 0,
+                          timeout_s=a.tp_timeout, external_ranks=True, agent_store=env.agent_store,
+                          latent_tail=a.latent_tail)
+        return tp, dist, env.rank
+    dist = DistConfig(nnodes=a.nnodes, node_rank=a.node_rank, master_addr=a.master_addr or env.master_addr or "127.0.0.1",
+                      master_port=a.master_port if a.master_port is not None else env.master_port or 0,
+                      timeout_s=a.tp_timeout, latent_tail=a.latent_tail)
+    return a.tp or 1, dist, 0 if a.node_rank == 0 else -1
+
+
+def _run_other_rank(engine: "EngineConfig", role: int) -> int:
+    """Roles other than the engine: a torchrun-started worker rank, or a non-zero node's ranks."""
+    if role > 0:
+        from k3rt.backend.distributed.group import Rendezvous
+        from k3rt.backend.distributed.launch import WorkerArgs
+        from k3rt.backend.distributed.worker import serve_rank
+
+        rdv = Rendezvous(engine.dist.master_addr, engine.dist.master_port)
+        return serve_rank(WorkerArgs(engine, role, rdv))
+    from k3rt.backend.distributed.worker import run_node
+
+    return run_node(engine)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -42,6 +112,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="compute dtype (default: the checkpoint's torch_dtype)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object: prompt_token_ids, token_ids, text")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu; with --tp: cpu or cuda)")
+    _add_tp(p)
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
@@ -49,18 +121,31 @@ def _cmd_generate(a: argparse.Namespace) -> int:
 
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
                             max_tokens=a.max_tokens, ignore_eos=a.ignore_eos)
-    from k3rt.backend.generate import generate
-    from k3rt.backend.models.loader import load_model
     from k3rt.backend.tokenizer import load_tokenizer
     from k3rt.backend.tokenizer.detokenizer import IncrementalDetokenizer
 
     model_dir = resolve_model_dir(a.model)
+    tp, dist, role = _dist_from_args(a)
+    if tp > 1:
+        from k3rt.config import EngineConfig
+
+        engine = EngineConfig(model=str(model_dir), dtype=a.dtype, device=a.device, tp=tp, ep=a.ep, runner="model",
+                              dist=dist, seed=a.seed or 0)
+        if role != 0:
+            return _run_other_rank(engine, role)
     tok = load_tokenizer(model_dir)
-    model = load_model(model_dir, dtype=a.dtype, progress=not a.json)
     prompt_ids = tok.encode_prompt(a.prompt)
     detok = IncrementalDetokenizer(tok, skip_special_tokens=True)
     out: list[int] = []
-    for t in generate(model, prompt_ids, params, tok.eos_token_ids):
+    if tp > 1:
+        tokens = _generate_tp(engine, prompt_ids, params, tok.eos_token_ids)
+    else:
+        from k3rt.backend.generate import generate
+        from k3rt.backend.models.loader import load_model
+
+        model = load_model(model_dir, dtype=a.dtype, device=a.device, progress=not a.json)
+        tokens = generate(model, prompt_ids, params, tok.eos_token_ids)
+    for t in tokens:
         out.append(t)
         if not a.json:
             sys.stdout.write(detok.push(t))
@@ -70,6 +155,22 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     else:
         sys.stdout.write(detok.flush() + "\n")
     return 0
+
+
+def _generate_tp(engine: "EngineConfig", prompt_ids: list[int], params, eos: list[int]):
+    """The tensor-parallel path of `generate`: one request through the engine (rank 0), token by token."""
+    from k3rt.backend.engine import Engine
+
+    eng = Engine(engine)
+    try:
+        eng.add_request(prompt_ids, params, eos_token_ids=eos)
+        while eng.has_unfinished:
+            for o in eng.step():
+                if o.error:
+                    raise RuntimeError(o.error)
+                yield from o.new_token_ids
+    finally:
+        eng.close()
 
 
 def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
@@ -329,7 +430,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "cpu, cuda, cuda:N; the choice and the cache size are printed at start with the reason")
     p.add_argument("--runner", choices=["auto", "model", "gpu"], default="auto",
                    help="compute path: 'gpu' = fused Triton kernels + CUDA-graph decode, 'model' = the plain-torch "
-                        "reference path; 'auto' (default) picks gpu on a CUDA device, model elsewhere")
+                        "reference path; 'auto' (default) picks gpu on a CUDA device at --tp 1, model elsewhere")
     p.add_argument("--no-cuda-graphs", action="store_true", help="gpu runner: run decode steps eagerly")
     p.add_argument("--pdl", action="store_true",
                    help="gpu runner: launch chained decode kernels with programmatic dependent launch")
@@ -352,6 +453,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "it (default 30). /health also answers 503 ('pinned_full') when pinned snapshots leave no "
                         "room to admit a request")
     p.add_argument("--log-level", default=argparse.SUPPRESS, help="logging level (default WARNING)")
+    _add_tp(p)
 
 
 def _cmd_serve(a: argparse.Namespace) -> int:
@@ -365,17 +467,24 @@ def _cmd_serve(a: argparse.Namespace) -> int:
                          "architectures itself and reads only config.json, weights and tokenizer files. Remove "
                          "--trust-remote-code")
     model_dir = resolve_model_dir(a.model)
+    tp, dist, role = _dist_from_args(a)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"model: no config.json in {model_dir}")
+    # each rank holds 1/tp of the weights (the replicated parts are small next to the experts)
     placement = place(a.device, cache_pages=a.cache_pages, cache_gb=a.cache_gb,
-                      gpu_memory_utilization=a.gpu_memory_utilization, weights_bytes=weights_bytes(str(model_dir), a.dtype))
-    print(f"k3rt serve: {placement.reason}", file=sys.stderr, flush=True)
+                      gpu_memory_utilization=a.gpu_memory_utilization,
+                      weights_bytes=weights_bytes(str(model_dir), a.dtype) // max(1, tp))
+    if role == 0:
+        print(f"k3rt serve: {placement.reason}", file=sys.stderr, flush=True)
     cache = placement.cache
     engine = EngineConfig(model=str(model_dir), dtype=a.dtype, device=placement.device, seed=a.seed,
                           grammar_backend=a.grammar_backend,
                           runner=a.runner, cuda_graphs=not a.no_cuda_graphs, use_pdl=a.pdl, random_weights=a.random_weights,
                           cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=a.max_batched_tokens,
-                                                                 max_running=a.max_running, max_waiting=a.max_waiting))
+                                                                 max_running=a.max_running, max_waiting=a.max_waiting),
+                          tp=tp, ep=a.ep, dist=dist)
+    if role != 0:
+        return _run_other_rank(engine, role)
     keys = list(a.api_key or [])
     if a.api_key_file:
         with open(a.api_key_file) as f:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Literal
 
 KDA_CHUNK = 64  # the chunked KDA kernels' chunk: snapshot grids must be multiples of it
 
@@ -70,14 +71,57 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class DistConfig:
+    """Where the tensor-parallel ranks of one engine run and how they meet (torchrun-style rendezvous).
+
+    Single host (nnodes 1): the engine process is rank 0 and starts ranks 1..tp-1 itself. Several hosts:
+    each host runs tp/nnodes ranks, node `node_rank` holding ranks node_rank*(tp/nnodes) ...; node 0 runs
+    the engine (rank 0) and the others only workers. Every rank meets at master_addr:master_port.
+    """
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free port on this host (single host only)
+    # a collective that waits longer than this fails the engine instead of hanging (a hung or lost rank);
+    # idle engines keep it from firing with a heartbeat every timeout_s / 4
+    timeout_s: float = 60.0
+    startup_timeout_s: float = 900.0  # every rank has loaded its shard within this (big checkpoints)
+    # every rank was started by an outside launcher (torchrun): the engine starts no workers and waits
+    # for ranks 1..tp-1 to join
+    external_ranks: bool = False
+    # the launcher hosts the rendezvous store at master_addr:master_port (torchrun's agent store): rank 0
+    # connects to it instead of hosting one
+    agent_store: bool = False
+    # LatentMoE's output under TP (backend/models/moe.py latent_tail): reduce-scatter the shared partial and
+    # run the up-projection column-striped, one all-gather; or all-reduce with the replicated up-projection
+    latent_tail: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
+
+    def __post_init__(self) -> None:
+        if self.nnodes < 1:
+            raise ValueError(f"nnodes: must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank: {self.node_rank} outside 0..{self.nnodes - 1}")
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"master_port: must be in [0, 65535], got {self.master_port}")
+        if self.master_port == 0 and self.nnodes > 1:
+            raise ValueError("master_port: several nodes must agree on a port; set --master-port")
+        if not self.timeout_s > 0 or not self.startup_timeout_s > 0:
+            raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s} (startup {self.startup_timeout_s})")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str  # checkpoint folder
     dtype: str | None = None  # compute dtype; None: the checkpoint's
     device: str = "cpu"
     tp: int = 1
+    # expert parallelism over the tp ranks: each holds num_experts / tp whole routed experts (False: each holds
+    # a 1/tp slice of every expert's width)
+    ep: bool = False
     # "model": the reference torch path (any device); "gpu": fused Triton kernels, device-side batch
     # description, decode in CUDA graphs; "null": no compute, fake tokens (scheduler benchmarks);
-    # "auto": gpu on a CUDA device, model elsewhere
+    # "auto": gpu on a CUDA device at tp=1, model elsewhere
     runner: str = "auto"
     kernels: bool = True  # gpu runner: Triton kernels (off: the same path with torch ops; tests)
     cuda_graphs: bool = True  # gpu runner: replay decode steps from captured CUDA graphs
@@ -87,10 +131,12 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     def __post_init__(self) -> None:
         if self.runner == "auto":
-            object.__setattr__(self, "runner", "gpu" if self.device.startswith("cuda") else "model")
+            # the fused GPU runner is single-GPU for now: tensor parallelism runs the reference path
+            object.__setattr__(self, "runner", "gpu" if self.device.startswith("cuda") and self.tp == 1 else "model")
         if self.runner not in ("model", "gpu", "null"):
             raise ValueError(f"runner: {self.runner!r} not one of auto, model, gpu, null")
         if (self.runner == "gpu" and self.kernels and not self.device.startswith("cuda")
@@ -103,3 +149,20 @@ class EngineConfig:
             raise ValueError(f"grammar_backend: {self.grammar_backend!r} not one of llguidance, outlines")
         if self.tp < 1:
             raise ValueError(f"tp: must be >= 1, got {self.tp}")
+        if self.tp % self.dist.nnodes:
+            raise ValueError(f"tp: {self.tp} ranks do not split evenly over nnodes={self.dist.nnodes}")
+        if self.tp > 1 and self.random_weights:
+            raise ValueError("random_weights: each rank would draw different weights for its shard; use tp=1")
+        if self.tp > 1 and self.device not in ("cpu", "cuda"):
+            # each rank takes its own device (cuda:<local rank>); a fixed index would put every rank on one GPU
+            raise ValueError(f"device: with tp > 1 use 'cpu' or 'cuda' (one GPU per rank), got {self.device!r}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp // self.dist.nnodes
+
+    @property
+    def node_ranks(self) -> range:
+        """The ranks this node runs (node 0 holds rank 0, the engine)."""
+        n = self.ranks_per_node
+        return range(self.dist.node_rank * n, (self.dist.node_rank + 1) * n)

@@ -164,8 +164,24 @@ class ModelConfig:
         return self.mla.cache_dim * _DTYPE_BYTES[kv_dtype]
 
     def check_tp(self, tp: int) -> None:
+        """The attention heads (what the cache layout depends on) split over `tp` ranks."""
         for name, count in (("linear_attn_config.num_heads", self.kda.num_heads), ("num_attention_heads", self.mla.num_heads)):
             if tp < 1 or count % tp:
+                raise ConfigError(f"{name}={count} is not divisible by tensor-parallel size {tp}")
+
+    def check_tp_model(self, tp: int, ep: bool = False) -> None:
+        """Every dimension the model's layers split over `tp` ranks: heads, vocabulary, MLP widths, and the
+        experts (ep: expert parallelism) or their width."""
+        self.check_tp(tp)
+        dims = [("vocab_size", self.vocab_size)]
+        if "dense" in self.mlp_types:
+            dims.append(("intermediate_size", self.intermediate_size))
+        if self.moe is not None:
+            dims.append(("num_experts", self.moe.num_experts) if ep else ("moe_intermediate_size", self.moe.intermediate_size))
+            if self.moe.num_shared_experts:
+                dims.append(("shared expert intermediate size", self.moe.shared_intermediate_size))
+        for name, count in dims:
+            if count % tp:
                 raise ConfigError(f"{name}={count} is not divisible by tensor-parallel size {tp}")
 
 

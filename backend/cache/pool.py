@@ -6,6 +6,11 @@ unless the caller is about to fill it by a copy (snapshots, copy-on-write destin
 NaN/Inf must never reach a norm, and a page being copied into is never zeroed under the copy.
 All work runs on one stream (the pool's device's current stream), so zeroing is ordered before
 the writes that follow it.
+
+Under tensor parallelism every rank holds a pool of the same pages (its shard of each KDA state, the
+whole replicated MLA latent), but only rank 0 allocates: with `record_fills()` the pool logs every
+page fill (zeroing, poisoning) in order, and the runner ships the log to the other ranks with the
+step, which apply it through `fill`.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class PagePool:
         self.free_list = list(range(num_pages - 1, -1, -1))
         self.reserved: list[int] = []  # pages held outside the scheduler (the GPU runner's padding page)
         self.allocated_total = 0  # pages handed out since start (the cache policy's clock: pool turnovers)
+        self._fill_log: list[tuple[int, list[int]]] | None = None  # (byte value, pages) since take_fills
         self._views()
 
     def _views(self) -> None:
@@ -81,11 +87,29 @@ class PagePool:
         self.allocated_total += n
         for p in pages:
             self.refcount[p] = 1
-        if zero and pages and self.materialize:
+        if zero and pages:
+            self.fill(pages, 0)
+        return pages
+
+    def fill(self, pages: list[int], value: int) -> None:
+        """Set every byte of the pages to `value` in every tensor (logged when recording fills)."""
+        if self._fill_log is not None:
+            self._fill_log.append((value, list(pages)))
+        if self.materialize:
             idx = torch.tensor(pages, device=self.tensors[0].device)
             for t in self.tensors:
-                t.index_fill_(0, idx, 0)
-        return pages
+                t.index_fill_(0, idx, value)
+
+    def record_fills(self) -> None:
+        """Start logging page fills (tensor parallelism: other ranks replay them)."""
+        self._fill_log = []
+
+    def take_fills(self) -> list[tuple[int, list[int]]]:
+        """The fills since the last call, in order; the log starts over."""
+        if self._fill_log is None:
+            return []
+        out, self._fill_log = self._fill_log, []
+        return out
 
     def ref(self, pages: list[int]) -> None:
         for p in pages:
@@ -99,10 +123,8 @@ class PagePool:
             self.refcount[p] -= 1
             if self.refcount[p] == 0:
                 freed.append(p)
-        if freed and self.poison_freed and self.materialize:
-            idx = torch.tensor(freed, device=self.tensors[0].device)
-            for t in self.tensors:
-                t.index_fill_(0, idx, 0xFF)  # all-ones bytes: NaN in every float view
+        if freed and self.poison_freed:
+            self.fill(freed, 0xFF)  # all-ones bytes: NaN in every float view
         self.free_list.extend(reversed(freed))
 
     # ---- copies (copy-on-write, snapshots) ----

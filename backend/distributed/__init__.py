@@ -38,8 +38,21 @@ class TPContext:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0 gets the concatenation of every rank's shard of the last dimension; the other ranks get
+        their own shard back. For the vocab-parallel logits: only rank 0 samples, and an all-gather would
+        send every other rank the whole [tokens, vocab] block for nothing (as vLLM, gather to one rank)."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        # the groups span ranks 0..size-1, so group rank 0 is global rank 0
+        dist.gather(x, parts, dst=0, group=self.group)
+        return torch.cat(parts, dim=-1) if parts is not None else x
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate each rank's shard of the last dimension (used for vocab-parallel logits)."""
+        """Every rank gets the concatenation of every rank's shard of the last dimension (the reduce-scatter
+        latent tail, whose output every rank needs)."""
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]

@@ -28,7 +28,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module):
-    """Logits over the full vocabulary; the weight may be tied to the embedding's."""
+    """Logits over the full vocabulary on rank 0 (the other ranks get their vocabulary slice: they do not
+    sample); the weight may be tied to the embedding's."""
 
     def __init__(self, vocab_size: int, dim: int, *, tp: TPContext = SINGLE, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -39,4 +40,4 @@ class ParallelLMHead(nn.Module):
         )
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_gather_last_dim(F.linear(h, self.weight).float())
+        return self.tp.gather_last_dim(F.linear(h, self.weight).float())

@@ -24,13 +24,14 @@ from k3rt.model_config import ModelConfig
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, idx: int, *, tp: TPContext = SINGLE, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, idx: int, *, tp: TPContext = SINGLE, ep: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.idx = idx
         mixer = KimiDeltaAttention if cfg.layer_types[idx] == "kda" else MultiHeadLatentAttention
         self.self_attn = mixer(cfg, idx, tp=tp, dtype=dtype)
         self.mlp = (
-            MoE(cfg, tp=tp, dtype=dtype) if cfg.mlp_types[idx] == "moe"
+            MoE(cfg, tp=tp, ep=ep, dtype=dtype) if cfg.mlp_types[idx] == "moe"
             else GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.act, tp=tp, dtype=dtype)
         )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -58,11 +59,12 @@ class DecoderLayer(nn.Module):
 
 
 class KimiModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp: TPContext = SINGLE, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, *, tp: TPContext = SINGLE, ep: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp=tp, dtype=dtype) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp=tp, ep=ep, dtype=dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         if cfg.attn_res_block_size:
             self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -82,17 +84,20 @@ class KimiModel(nn.Module):
 
 
 class KimiForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp: TPContext = SINGLE, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, *, tp: TPContext = SINGLE, ep: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
+        """ep: routed experts split by expert across the tp ranks (expert parallelism) instead of by width."""
         super().__init__()
         self.cfg, self.tp = cfg, tp
-        self.model = KimiModel(cfg, tp=tp, dtype=dtype)
+        self.model = KimiModel(cfg, tp=tp, ep=ep, dtype=dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """input_ids: [N] flat tokens of the batch -> fp32 logits [len(logits_indices) or N, vocab]."""
+        """input_ids: [N] flat tokens of the batch -> fp32 logits [len(logits_indices) or N, vocab] (under
+        tensor parallelism on rank 0; the other ranks get their vocabulary slice)."""
         if input_ids.shape[0] != batch.num_tokens:
             raise ValueError(f"input_ids: {input_ids.shape[0]} tokens but batch.seq_lens sum to {batch.num_tokens}")
         h = self.model(input_ids, batch)

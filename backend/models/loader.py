@@ -12,7 +12,7 @@ import json
 import logging
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -177,11 +177,23 @@ def load_weights(model: KimiForCausalLM, model_dir: Path, *, tp: TPContext = SIN
             if t.param not in params:
                 raise CheckpointError(f"{name}: unexpected tensor (no such parameter {t.param!r}) in {f.name}")
             param = params[t.param]
+            # expert parallelism: this rank's stack holds experts offset..offset+local-1, each whole
+            offset, local, total = getattr(param, "expert_range", (0, 0, 0))
+            by_expert = local != total
+            if by_expert and t.expert is not None:
+                if not offset <= t.expert < offset + local:
+                    continue  # another rank's expert (not even read)
+                t = replace(t, expert=t.expert - offset)
+            ptp = SINGLE if by_expert else tp
             try:
                 src = h.get_tensor(name)
             except Exception as e:
                 raise CheckpointError(f"{name}: cannot read from {f.name}, file truncated or corrupt ({e})") from e
-            want = _full_slot_shape(param, t, tp)
+            if by_expert and t.expert is None:  # all experts stacked in one tensor
+                if src.shape[0] != total:
+                    raise CheckpointError(f"{name}: {src.shape[0]} experts but the model has {total} (in {f.name})")
+                src = src.narrow(0, offset, local)
+            want = _full_slot_shape(param, t, ptp)
             if t.param.endswith(".A_log") and src.dim() == 1 and src.numel() == cfg.kda.head_dim > math.prod(want):
                 # K3 stores A_log zero-padded to head_dim entries, heads first; a non-zero tail means
                 # some other layout (e.g. per-channel), which must not be silently truncated
@@ -203,7 +215,7 @@ def load_weights(model: KimiForCausalLM, model_dir: Path, *, tp: TPContext = SIN
             if (src.dtype == torch.uint8) != (param.dtype == torch.uint8):
                 raise CheckpointError(f"{name}: dtype {src.dtype} cannot load into {t.param} ({param.dtype}); "
                                       f"quantized tensors go with a quantization_config (in {f.name})")
-            _copy_into(param, t, src.to(param.dtype), tp)
+            _copy_into(param, t, src.to(param.dtype), ptp)
     bar.close()
     missing = [k for k, v in coverage.items() if v != _slots(params[k], Target(k))]
     if missing:
@@ -222,19 +234,20 @@ def _is_expert_stack(param: nn.Parameter) -> bool:
     return getattr(param, "expert_stack", False)  # set by MoE on w13/w2: dim 0 indexes experts
 
 
-def load_model(model_dir: str | Path, *, dtype: str | None = None, tp: TPContext = SINGLE,
+def load_model(model_dir: str | Path, *, dtype: str | None = None, tp: TPContext = SINGLE, ep: bool = False,
                device: str = "cpu", progress: bool = True) -> KimiForCausalLM:
-    """config.json + weights -> an eval-mode KimiForCausalLM on `device`. `model_dir` may also name a
-    model shipped with k3rt (`k3-tiny`)."""
+    """config.json + weights -> an eval-mode KimiForCausalLM on `device` (this rank's shard under tp; ep:
+    routed experts split by expert). `model_dir` may also name a model shipped with k3rt (`k3-tiny`)."""
     model_dir = resolve_model_dir(model_dir)
     cfg = load_model_config(model_dir)
     if cfg.ignored_fields:
         log.warning("config.json fields k3rt does not use: %s", ", ".join(cfg.ignored_fields))
     torch_dtype = DTYPES[dtype or cfg.dtype]
-    model = build_model(cfg, dtype=torch_dtype, tp=tp)
+    model = build_model(cfg, dtype=torch_dtype, tp=tp, ep=ep)
     load_weights(model, model_dir, tp=tp, progress=progress)
     return model.to(device).eval()
 
 
-def build_model(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, tp: TPContext = SINGLE) -> KimiForCausalLM:
-    return KimiForCausalLM(cfg, tp=tp, dtype=dtype)
+def build_model(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, tp: TPContext = SINGLE,
+                ep: bool = False) -> KimiForCausalLM:
+    return KimiForCausalLM(cfg, tp=tp, ep=ep, dtype=dtype)

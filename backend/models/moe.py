@@ -7,6 +7,10 @@ weights use the un-biased s; optional renormalization; * routed_scaling_factor. 
 is never scaled. LatentMoE order (§7.2): router on x, z = down(x), y = Σ w_i E_i(z) (w includes the
 scaling), optional RMSNorm(y), up(y), + shared(x). Under TP each rank holds a slice of every
 expert's intermediate dimension; the latent partial sums are reduced BEFORE the (nonlinear) norm.
+With expert parallelism (ep=True) each rank instead holds num_experts / tp whole experts; every rank
+has every token (attention is tensor-parallel, so hidden states are replicated), so dispatch is
+picking the tokens routed to this rank's experts and combine is the same all-reduce of partial sums.
+The shared expert stays split by width either way.
 """
 
 from __future__ import annotations
@@ -73,13 +77,22 @@ def latent_tail(tp: TPContext, y_lat: torch.Tensor, shared: torch.Tensor | None,
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp: TPContext = SINGLE, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, *, tp: TPContext = SINGLE, ep: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         assert cfg.moe is not None
         m, h = cfg.moe, cfg.hidden_size
         self.m, self.act, self.tp, self.eps = m, cfg.act, tp, cfg.rms_norm_eps
         width = m.latent_size or h  # the experts' input/output width
-        inter = tp.shard(m.intermediate_size, "moe_intermediate_size")
+        if ep:
+            # this rank's experts: [expert_offset, expert_offset + num_local_experts), each whole
+            self.num_local_experts = tp.shard(m.num_experts, "num_experts")
+            inter = m.intermediate_size
+        else:
+            self.num_local_experts = m.num_experts
+            inter = tp.shard(m.intermediate_size, "moe_intermediate_size")
+        self.expert_offset = tp.rank * self.num_local_experts if ep else 0
+        E = self.num_local_experts
         # router kept in fp32 (selection must not flip on bf16 rounding)
         self.gate_weight = set_shard_spec(nn.Parameter(torch.empty(m.num_experts, h), requires_grad=False), ShardSpec())
         self.e_score_correction_bias = set_shard_spec(nn.Parameter(torch.zeros(m.num_experts), requires_grad=False), ShardSpec())
@@ -91,7 +104,7 @@ class MoE(nn.Module):
             if inter % MXFP4_GROUP:
                 raise ValueError(f"moe_intermediate_size={m.intermediate_size} over tensor-parallel size {tp.size} "
                                  f"gives {inter} per rank, not a multiple of {MXFP4_GROUP} (the MXFP4 group)")
-            E, I = m.num_experts, m.intermediate_size
+            I = m.intermediate_size
             u8 = torch.uint8
             self.w13_packed = set_shard_spec(nn.Parameter(torch.empty(E, 2 * inter, width // 2, dtype=u8), requires_grad=False),
                                              ShardSpec(1, (I, I)))
@@ -103,13 +116,16 @@ class MoE(nn.Module):
                                                         requires_grad=False), ShardSpec(2))
             stacks = (self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)
         else:
-            self.w13 = set_shard_spec(nn.Parameter(torch.empty(m.num_experts, 2 * inter, width, dtype=dtype), requires_grad=False),
+            self.w13 = set_shard_spec(nn.Parameter(torch.empty(E, 2 * inter, width, dtype=dtype), requires_grad=False),
                                       ShardSpec(1, (m.intermediate_size, m.intermediate_size)))
-            self.w2 = set_shard_spec(nn.Parameter(torch.empty(m.num_experts, width, inter, dtype=dtype), requires_grad=False),
+            self.w2 = set_shard_spec(nn.Parameter(torch.empty(E, width, inter, dtype=dtype), requires_grad=False),
                                      ShardSpec(2))
             stacks = (self.w13, self.w2)
         for p in stacks:
             p.expert_stack = True  # type: ignore[attr-defined]  (loader: dim 0 = expert)
+            # loader: which checkpoint experts this rank's stack holds (global ids offset .. offset + E - 1); a
+            # stack of some of the experts holds them whole (its split dims are split over one rank)
+            p.expert_range = (self.expert_offset, E, m.num_experts)  # type: ignore[attr-defined]
         self.shared_experts = (
             GatedMLP(h, m.shared_intermediate_size, cfg.act, tp=tp, dtype=dtype, reduce=False)
             if m.num_shared_experts else None
@@ -125,18 +141,23 @@ class MoE(nn.Module):
                     nn.Parameter(torch.ones(m.latent_size, dtype=dtype), requires_grad=False), ShardSpec())
 
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert e's (w13 [2I, width], w2 [width, I]); MXFP4 experts dequantized (exactly) into dtype."""
+        """This rank's local expert e's (w13 [2I, width], w2 [width, I]); MXFP4 experts dequantized (exactly)
+        into dtype."""
         if self.mxfp4:
             return (dequantize_mxfp4(self.w13_packed[e], self.w13_scale[e], dtype),
                     dequantize_mxfp4(self.w2_packed[e], self.w2_scale[e], dtype))
         return self.w13[e], self.w2[e]
 
     def experts(self, z: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Σ_k w[:, k] * Expert_{ids[:, k]}(z) — this rank's partial sum when TP > 1."""
+        """Σ_k w[:, k] * Expert_{ids[:, k]}(z) — this rank's partial sum when TP > 1 (its width slice of
+        every expert, or under expert parallelism its own experts only)."""
         out = torch.zeros(z.shape[0], z.shape[1], dtype=torch.float32, device=z.device)
+        lo, hi = self.expert_offset, self.expert_offset + self.num_local_experts
         for e in torch.unique(ids).tolist():
+            if not lo <= e < hi:
+                continue  # another rank's expert: its tokens' contribution arrives in the all-reduce
             tok, slot = torch.where(ids == e)
-            w13, w2 = self.expert_weights(e, z.dtype)
+            w13, w2 = self.expert_weights(e - lo, z.dtype)
             y = F.linear(act_and_mul(F.linear(z[tok], w13), self.act), w2)
             out.index_add_(0, tok, y.float() * w[tok, slot, None])
         return out.to(z.dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from k3rt.backend.cache.pool import PagePool
+from k3rt.backend.runner.step_plan import step_chunks
 from k3rt.backend.scheduler.scheduler import ScheduledChunk, SchedulerOutput
 
 
@@ -22,6 +23,12 @@ class Runner(ABC):
     def release(self, rid: int) -> None:
         """The request ended (finished or aborted): drop any per-request state the runner keeps."""
 
+    def check(self) -> None:
+        """Raise if the runner can no longer run steps (a lost tensor-parallel rank); called between steps."""
+
+    def close(self) -> None:
+        """Release what the runner holds outside this process (tensor-parallel workers, process groups)."""
+
 
 def begin_step(pool: PagePool, out: SchedulerOutput) -> list[ScheduledChunk]:
     """Apply the step's pending page and state copies; return its work as chunks, decodes first
@@ -31,4 +38,4 @@ def begin_step(pool: PagePool, out: SchedulerOutput) -> list[ScheduledChunk]:
         pool.copy_pages(list(src), list(dst), tensors=len(pool.layout.mla_group))
     for src, dst in out.state_copies:
         pool.copy_state_set(src, dst)
-    return [ScheduledChunk(r, r.num_computed, 1, True) for r in out.decodes] + out.chunks
+    return step_chunks(out)

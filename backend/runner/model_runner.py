@@ -1,60 +1,53 @@
-"""The reference model runner: builds the varlen ForwardBatch from scheduled chunks, runs the torch
-model over the page pool, writes emitted snapshot states, samples."""
+"""The reference model runner: turns each scheduled step into a StepPlan, runs it over the page pool
+with the torch model (on every tensor-parallel rank when there are several), then samples on this
+rank (rank 0) from the gathered full-vocabulary logits."""
 
 from __future__ import annotations
 
-import torch
-
 from k3rt.backend.cache.pool import PagePool
-from k3rt.backend.models.batch import ForwardBatch
+from k3rt.backend.distributed.channel import PlanSender
 from k3rt.backend.models.kimi import KimiForCausalLM
-from k3rt.backend.runner.base import Runner, begin_step
-from k3rt.backend.runner.paged_cache import PagedSequenceCache
+from k3rt.backend.runner.base import Runner
 from k3rt.backend.runner.sampling import prompt_score_rows, record_prompt_logprobs, sample_requests
+from k3rt.backend.runner.step_plan import PlanExecutor, build_plan, step_chunks
 from k3rt.backend.sampling.sampler import Sampler
 from k3rt.backend.scheduler.scheduler import SchedulerOutput
 
 
 class ModelRunner(Runner):
-    def __init__(self, model: KimiForCausalLM, pool: PagePool) -> None:
-        self.model, self.pool = model, pool
-        L = pool.layout
-        self.kda_slots = {layer: L.kda_slot(layer) for group in L.kda_groups for layer in group}
-        self.mla_slots = {layer: i for i, layer in enumerate(L.mla_group)}
-        if L.kda_groups:
-            conv_shape, rec_shape = model.model.layers[L.kda_groups[0][0]].self_attn.state_shapes()
-            pool.set_kda_shapes(conv_shape, rec_shape)
-        self.device = pool.tensors[0].device
+    def __init__(self, model: KimiForCausalLM, pool: PagePool, *, sender: PlanSender | None = None) -> None:
+        """sender: the tensor-parallel workers' plan channel (None: a single rank)."""
+        self.model, self.pool, self.sender = model, pool, sender
+        self.executor = PlanExecutor(model, pool)
+        self.device = self.executor.device
         self.sampler = Sampler(model.cfg.vocab_size, self.device)
+        if sender is not None:
+            pool.record_fills()
 
     def execute(self, out: SchedulerOutput) -> dict[int, int]:
         if not out.chunks and not out.decodes:
             return {}
-        chunks = begin_step(self.pool, out)
-        ids, caches, seq_lens, starts, positions, logit_rows = [], [], [], [], [], []
+        chunks = step_chunks(out)
         score_rows = prompt_score_rows(chunks)
-        for c in chunks:
-            r = c.req
-            ids.extend(r.token_ids[c.start:c.start + c.num_tokens])
-            seq_lens.append(c.num_tokens)
-            starts.append(c.start)
-            caches.append(PagedSequenceCache(self.pool, r.block_table, r.state_set, self.kda_slots,
-                                             self.mla_slots, c.start + c.num_tokens))
-            positions.append(tuple(p for p, _ in c.snapshots))
-            if c.needs_logits:
-                logit_rows.append(len(ids) - 1)
-        rows = logit_rows + [x[1] for x in score_rows]
-        batch = ForwardBatch(seq_lens, starts, caches,
-                             logits_indices=torch.tensor(rows, dtype=torch.long, device=self.device),
-                             state_positions=positions)
-        logits = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch)
+        # single rank: the pool already applied its fills; the plan carries none (fill log off)
+        plan = build_plan(out, chunks, self.pool.take_fills(), score_rows, self.pool.layout.block_size)
+        # this pool applied the fills when it allocated; the other ranks replay them from the plan
+        if self.sender is None:
+            logits = self.executor.run(plan, apply_fills=False)
+        else:
+            with self.sender.step(plan):
+                logits = self.executor.run(plan, apply_fills=False)
+        n = len(logits) - len(score_rows)
         if score_rows:
-            record_prompt_logprobs(logits[len(logit_rows):], score_rows)
-            logits = logits[: len(logit_rows)]
-        for i, c in enumerate(chunks):
-            for pos, dest in c.snapshots:
-                for layer, (g, t) in self.kda_slots.items():
-                    conv, rec = batch.emitted_states[(i, layer, pos)]
-                    self.pool.conv[t][dest[g]].copy_(conv)
-                    self.pool.rec[t][dest[g]].copy_(rec)
+            record_prompt_logprobs(logits[n:], score_rows)
+            logits = logits[:n]
         return sample_requests(self.sampler, logits, [c.req for c in chunks if c.needs_logits])
+
+    def check(self) -> None:
+        if self.sender is not None:
+            self.sender.check()
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None

@@ -76,6 +76,12 @@ class Recorder(Runner):
     def release(self, rid: int) -> None:
         self.inner.release(rid)
 
+    def check(self) -> None:
+        self.inner.check()
+
+    def close(self) -> None:
+        self.inner.close()
+
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
