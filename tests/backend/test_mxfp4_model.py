@@ -157,3 +157,40 @@ def test_gpu_mxfp4_model_equals_cpu_reference(pair) -> None:
         eng = Engine(replace(engine_config_for_tests(str(mx_dir), num_pages=64), **over))
         outs[name] = [o.output_ids for o in eng.generate(prompts, params)]
     assert outs["gpu"] == outs["ref"]
+
+
+def _ep_rank(rank: int, port: int, ckpt: str, ids: list[int], out: str) -> None:
+    import torch.distributed as dist
+
+    from k3rt.backend.distributed import TPContext
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    try:
+        model = load_model(ckpt, tp=TPContext(rank, 2, dist.group.WORLD), ep=True, progress=False)
+        with torch.no_grad():
+            logits = model(torch.tensor(ids), ForwardBatch.single(len(ids)))
+        if rank == 0:
+            torch.save(logits, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_mxfp4_experts_under_expert_parallelism_equal_tp1(pair, tmp_path) -> None:
+    """TP2 with --ep: each rank loads half the experts whole (packed codes and scales), same logits as TP 1.
+    Width-split TP of these tiny experts (I = 32) would leave 16 per rank, under the MXFP4 group: refused."""
+    import torch.multiprocessing as mp
+
+    from k3rt.backend.distributed import TPContext
+    from tests.backend.test_latent_tail import _free_port
+
+    _, mx = pair
+    ids = torch.randint(3, 500, (23,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        want = load_model(mx, progress=False)(torch.tensor(ids), ForwardBatch.single(len(ids)))
+    out = tmp_path / "ep.pt"
+    mp.spawn(_ep_rank, args=(_free_port(), str(mx), ids, str(out)), nprocs=2, join=True)
+    assert torch.allclose(torch.load(out), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="not a multiple of 32 .the MXFP4 group."):
+        load_model(mx, tp=TPContext(0, 2), progress=False)
