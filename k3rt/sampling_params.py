@@ -22,6 +22,8 @@ class SamplingParams:
         (None = off). The backend sampler documents which distribution they come from.
     seed: per-request RNG seed (None: nondeterministic). max_tokens: tokens to generate at most.
     stop_token_ids: extra ids that end generation (besides the model's EOS unless ignore_eos).
+    speculative: let a speculative server draft and verify tokens for this request (False: plain decoding;
+        outputs are the same either way under greedy sampling, and the same in distribution otherwise).
     """
 
     temperature: float = 1.0
@@ -36,6 +38,7 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         # comparisons are written so that NaN fails them

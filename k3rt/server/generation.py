@@ -70,7 +70,8 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) 
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k, min_p=req.min_p,
             repetition_penalty=req.repetition_penalty, frequency_penalty=req.frequency_penalty,
             presence_penalty=req.presence_penalty, logprobs=logprobs, seed=req.seed, max_tokens=max_tokens,
-            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos)
+            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+            speculative=req.speculative)
     except ValueError as e:  # SamplingParams names the field first
         raise bad_request(str(e).split(":", 1)[0], str(e).split(":", 1)[1].strip()) from None
 

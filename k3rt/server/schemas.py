@@ -157,6 +157,7 @@ class SamplingFields(_Strict):
     regex: str | None = None
     choice: _List[str] | None = None
     cache_salt: str | None = None
+    speculative: bool = True  # false: no draft tokens for this request on a speculative server
     return_token_ids: bool = False  # debug: add prompt_token_ids and per-choice token_ids to the response
 
 
