@@ -1,0 +1,440 @@
+"""Speculative decoding (issue 16) on the reference runner, tiny random checkpoints of both architectures.
+
+- The drafters: prompt lookup (ngram) and the suffix tries, unit by unit.
+- Greedy: speculative output equals plain output token for token, for the ngram and suffix drafters and for
+  an oracle drafter that proposes the true continuation with seeded corruption (so verifies accept every
+  prefix length, reject at every draft position and run through stop tokens); with prefix-cache hits,
+  chunked prefill, duplicate requests (n > 1), stop ids and max_tokens inside an accepted run, and a tiny
+  poisoned pool that forces preemption mid-speculation. Engine.check() runs after every step and every
+  snapshot in the tree equals the state recomputed from scratch (the prefix-cache oracle), with speculation on.
+- Temperature > 0: chi-square tests that the verifier's first token follows the target distribution and the
+  second token, given the first draft was accepted, follows the next row's; the sampler's own rows
+  (top-k, top-p, penalties) and a plain sample_batch baseline are the reference.
+- Grammar: drafts the grammar refuses are cut, and constrained output is the same with speculation on.
+- A repetitive workload gives tau > 1 for the suffix drafter; /metrics-facing stats count drafted, accepted.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+
+from k3rt.backend.engine import Engine, engine_config_for_tests
+from k3rt.backend.models.loader import load_model
+from k3rt.backend.sampling.sampler import Sampler
+from k3rt.backend.spec.base import DraftQuery, Drafter
+from k3rt.backend.spec.ngram import NgramDrafter
+from k3rt.backend.spec.rejection import verify_requests
+from k3rt.backend.spec.suffix import SuffixDrafter, SuffixTrie
+from k3rt.config import SpecConfig
+from k3rt.sampling_params import SamplingParams
+from tests.backend.engine_fixtures import assert_at_rest, make_engine, run, tiny_checkpoint
+from tests.backend.test_engine_cache import Arch, assert_snapshots_exact
+
+VOCAB = 512
+
+
+# ---- drafters ----
+
+def test_ngram_proposes_what_followed_the_latest_match_longest_n_first() -> None:
+    d = NgramDrafter(2, 3)
+    toks = [1, 2, 3, 9, 5, 2, 3, 7, 8, 1, 2, 3]
+    # (1, 2, 3) last occurred at 0..2 (followed by 9); the 2-gram (2, 3) more recently at 5..6 (followed by 7)
+    assert d.propose([DraftQuery(0, toks, 4, 3)]) == [[9, 5, 2]]
+    toks2 = [4, 2, 3, 7, 8, 5, 2, 3]
+    assert d.propose([DraftQuery(1, toks2, 4, 2)]) == [[7, 8]]
+    assert d.propose([DraftQuery(2, [1, 2, 3, 4], 2, 4)]) == [[]]
+    # past the end of the history the match repeats with its period
+    assert d.propose([DraftQuery(3, [5, 6, 5, 6], 2, 5)]) == [[5, 6, 5, 6, 5]]
+    # incremental: tokens appended to the same request are indexed as they come
+    toks2 += [7, 8, 5, 2]
+    assert d.propose([DraftQuery(1, toks2, 4, 2)]) == [[3, 7]]
+    d.finish(1, toks2, 4)
+    assert 1 not in d._reqs
+
+
+def test_suffix_trie_counts_substrings_and_unindexes_exactly() -> None:
+    t = SuffixTrie(3)
+    t.add([1, 2, 1, 2, 3])
+    assert t.root.children[1].count == 2 and t.root.children[1].children[2].count == 2
+    assert t.root.children[1].children[2].children[1].count == 1  # depth 3: [1, 2, 1]
+    assert 2 not in t.root.children[1].children[2].children[1].children  # no depth 4
+    node, m = t.find([7, 1, 2], 2)
+    assert m == 2 and set(node.children) == {1, 3}
+    t.add([1, 2, 1, 2, 3], -1)
+    assert not t.root.children
+
+
+def test_suffix_draft_length_adapts_to_match_length_and_confidence() -> None:
+    cfg = SpecConfig(method="suffix", suffix_max_depth=16, suffix_min_prob=0.3)
+    d = SuffixDrafter(cfg)
+    # own history: after [5, 6] came 7 8 9 once; the pattern is 2 long, so at most 2 tokens (factor 1)
+    assert d.propose([DraftQuery(0, [5, 6, 7, 8, 9, 1, 5, 6], 1, 8)]) == [[7, 8]]
+    # a longer matched pattern drafts further
+    seq = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4]
+    assert d.propose([DraftQuery(1, seq, 1, 8)]) == [[5, 6, 7, 8]]
+    # low confidence stops the draft: after 3 came 4 once and 5 twice and 6 twice -> p(best) = 0.4, then 0.4*1
+    amb = [3, 4, 3, 5, 9, 3, 5, 9, 3, 6, 3, 6, 0, 3]
+    assert d.propose([DraftQuery(2, amb, 1, 8)]) == [[5]]
+    # the global trie holds finished outputs: a new request with the same prompt drafts the old output
+    d.finish(3, [40, 41, 42, 43, 44, 45, 46, 47], 2)
+    assert d.propose([DraftQuery(4, [40, 41], 2, 8)]) == [[]]  # pattern [41] only: 1 token at factor 1
+    d2 = SuffixDrafter(SpecConfig(method="suffix", suffix_max_spec_factor=4.0))
+    d2.finish(3, [40, 41, 42, 43, 44, 45, 46, 47], 1)
+    assert d2.propose([DraftQuery(4, [40, 41], 2, 3)]) == [[42, 43, 44]]
+    # the cache of finished outputs is bounded: the oldest is subtracted out
+    d3 = SuffixDrafter(SpecConfig(method="suffix", suffix_cached_requests=1, suffix_max_spec_factor=4.0))
+    d3.finish(0, [1, 10, 11, 12], 1)
+    d3.finish(1, [1, 20, 21, 22], 1)
+    assert d3.propose([DraftQuery(2, [5, 10], 1, 3)]) == [[]]
+    assert d3.propose([DraftQuery(3, [5, 20], 1, 3)]) == [[21, 22]]
+
+
+# ---- the engine, greedy ----
+
+class OracleDrafter(Drafter):
+    """Proposes the reference continuation of each prompt, each draft token replaced by a random one with
+    probability `noise` (seeded), so verifies accept every prefix length and reject at every position."""
+
+    def __init__(self, refs: dict[tuple[int, ...], list[int]], noise: float, seed: int) -> None:
+        self.refs, self.noise, self.rng = refs, noise, random.Random(seed)
+        self.finished: list[int] = []
+
+    def propose(self, queries):
+        out = []
+        for q in queries:
+            full = self.refs[tuple(q.token_ids[:q.prompt_len])]
+            n = len(q.token_ids)
+            assert list(q.token_ids) == full[:n], "speculative output diverged from the reference"
+            cont = full[n:n + self.rng.randint(1, q.max_tokens)]
+            out.append([self.rng.randrange(VOCAB) if self.rng.random() < self.noise else t for t in cont])
+        return out
+
+    def finish(self, rid, token_ids, prompt_len):
+        self.finished.append(rid)
+
+
+@pytest.fixture(scope="module", params=["kimi_linear", "k3"])
+def arch(request, tmp_path_factory) -> Arch:
+    ckpt = tiny_checkpoint(tmp_path_factory, request.param)
+    return Arch(ckpt, load_model(ckpt, dtype="float32", progress=False))
+
+
+def _rand(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def _workload(seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Round 1: a shared 100-token base with different tails (chunked with budget 64), a short prompt, a
+    prompt of one repeated 12-gram (ngram drafts, mostly rejected), and a duplicate (n = 2). Round 2: exact
+    repeats (prefix-cache hits; the suffix drafter's global trie knows their outputs) and a variant."""
+    rng = random.Random(seed)
+    base = _rand(rng, 100)
+    gram = _rand(rng, 12)
+    short = _rand(rng, 9)
+    r1 = [base + _rand(rng, 5), base[:70] + _rand(rng, 30), short, gram * 6, short]
+    r2 = [r1[0], r1[2], r1[3], base + _rand(rng, 3)]
+    return r1, r2
+
+
+def _params(n: int, max_tokens: int, stop: tuple[int, ...] = ()) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.0, max_tokens=max_tokens - (i % 3) * 7, ignore_eos=True,
+                           stop_token_ids=stop) for i in range(n)]
+
+
+def _reference(arch: Arch, prompts, params) -> list[list[int]]:
+    eng = make_engine(arch.ckpt, runner="model", model=arch.model, enable_prefix_cache=False, num_pages=1024,
+                      budget=2048)
+    return [o.output_ids for o in run(eng, prompts, params)]
+
+
+def _spec_engine(arch: Arch, method: str, k: int = 4, **cache):
+    cache = {"num_pages": 512, **cache}
+    # ngram_min 1: a random model rarely repeats a bigram of its prompt, a single token often enough to verify
+    return make_engine(arch.ckpt, runner="model", model=arch.model, budget=64,
+                       engine={"spec": SpecConfig(method=method, num_tokens=k, ngram_min=1)}, **cache)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "oracle"])
+def test_greedy_speculation_is_token_identical(arch, method) -> None:
+    r1, r2 = _workload(seed=3)
+    p1, p2 = _params(len(r1), 30), _params(len(r2), 30)
+    ref1, ref2 = _reference(arch, r1, p1), _reference(arch, r2, p2)
+    eng = _spec_engine(arch, "ngram" if method == "oracle" else method)
+    if method == "oracle":
+        refs: dict = {}
+        for p, o in zip(r1 + r2, ref1 + ref2):  # a prompt asked twice with two max_tokens: the longer output
+            if len(p + o) > len(refs.get(tuple(p), ())):
+                refs[tuple(p)] = p + o
+        eng.scheduler.drafter = OracleDrafter(refs, noise=0.25, seed=1)
+    out1 = run(eng, r1, p1)
+    out2 = run(eng, r2, p2)
+    assert [o.output_ids for o in out1] == ref1
+    assert [o.output_ids for o in out2] == ref2
+    s = eng.stats
+    assert s.spec_verifies > 0 and s.spec_drafted_tokens > 0
+    assert s.spec_accepted_tokens == sum(o.spec_accepted_tokens for o in out1 + out2)
+    assert sum(o.cached_tokens for o in out2) > 0  # the repeats hit the prefix cache
+    if method != "ngram":
+        assert s.spec_accepted_tokens > 0 and s.spec_tau > 1.0
+    assert assert_snapshots_exact(eng, arch) > 0
+    assert_at_rest(eng)
+
+
+def test_stop_ids_and_max_tokens_inside_an_accepted_run(arch) -> None:
+    """Stop ids taken from the middle of the reference outputs end the run there: the oracle drafts past them."""
+    r1, _ = _workload(seed=5)
+    plain = _params(len(r1), 24)
+    ref = _reference(arch, r1, plain)
+    stops = (ref[0][6], ref[3][11])
+    params = _params(len(r1), 24, stop=stops)
+    ref_stop = _reference(arch, r1, params)
+    assert len(ref_stop[0]) <= 7 and len(ref_stop[3]) <= 12
+    eng = _spec_engine(arch, "ngram", k=6)
+    refs = {tuple(p): p + o for p, o in zip(r1, ref)}  # drafts continue past the stop token
+    eng.scheduler.drafter = OracleDrafter(refs, noise=0.0, seed=2)
+    out = run(eng, r1, params)
+    assert [o.output_ids for o in out] == ref_stop
+    assert [o.finish_reason for o in out][:1] == ["stop"]
+    assert all(len(o.output_ids) <= p.max_tokens for o, p in zip(out, params))
+    assert eng.stats.spec_accepted_tokens > 0
+    assert assert_snapshots_exact(eng, arch) > 0  # end-of-request snapshots sit at the truncated end
+    assert_at_rest(eng)
+
+
+def test_preemption_mid_speculation_on_a_tiny_poisoned_pool(arch) -> None:
+    r1, r2 = _workload(seed=7)
+    prompts = r1 + r2
+    params = _params(len(prompts), 40)
+    ref = _reference(arch, prompts, params)
+    eng = _spec_engine(arch, "ngram", k=5, num_pages=14, poison_freed=True)
+    refs = {tuple(p): p + o for p, o in zip(prompts, ref)}
+    eng.scheduler.drafter = OracleDrafter(refs, noise=0.2, seed=3)
+    out = run(eng, prompts, params)
+    assert [o.output_ids for o in out] == ref
+    assert eng.stats.preemptions > 0 and eng.stats.spec_accepted_tokens > 0
+    assert_snapshots_exact(eng, arch)
+    assert_at_rest(eng)
+
+
+def test_abort_mid_speculation_releases_everything(arch) -> None:
+    prompts = [_rand(random.Random(9), 40), _rand(random.Random(10), 20)]
+    params = _params(2, 30)
+    ref = _reference(arch, prompts, params)
+    eng = _spec_engine(arch, "ngram", k=4)
+    drafter = OracleDrafter({tuple(p): p + o for p, o in zip(prompts, ref)}, noise=0.1, seed=4)
+    eng.scheduler.drafter = drafter
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    for _ in range(4):
+        eng.step()
+        eng.check()
+    assert any(c.draft_ids for c in eng.scheduler._chunks.values())
+    eng.abort(rids[0])
+    done = {}
+    while eng.has_unfinished:
+        for o in eng.step():
+            if o.finished:
+                done[o.rid] = o
+        eng.check()
+    assert done[rids[0]].finish_reason == "abort" and done[rids[1]].output_ids == ref[1]
+    assert sorted(drafter.finished) == sorted(rids)
+    assert_at_rest(eng)
+
+
+def test_opt_out_and_sampling_rows_follow_the_plain_path(arch) -> None:
+    """speculative=False requests never get a verify; penalties apply at every verified position."""
+    prompts = [_rand(random.Random(11), 30)] * 2
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3,
+                             frequency_penalty=0.5),
+              SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, speculative=False)]
+    ref = _reference(arch, prompts, params)
+    eng = _spec_engine(arch, "ngram")
+    eng.scheduler.drafter = OracleDrafter({tuple(prompts[0]): prompts[0] + ref[0]}, noise=0.0, seed=5)
+    out = run(eng, prompts, params)
+    assert [o.output_ids for o in out] == ref
+    assert out[0].spec_accepted_tokens > 0 and out[1].spec_accepted_tokens == 0
+
+
+def test_suffix_drafter_tau_on_a_repetitive_workload(arch) -> None:
+    """The same requests again (an agent loop re-asking): the suffix drafter's global trie drafts the
+    earlier outputs, and tau (tokens per verify) is well above 1."""
+    rng = random.Random(13)
+    prompts = [_rand(rng, 20) for _ in range(3)]
+    params = _params(3, 40)
+    eng = _spec_engine(arch, "suffix", k=6)
+    first = run(eng, prompts, params)
+    before = (eng.stats.spec_verifies, eng.stats.spec_accepted_tokens)
+    second = run(eng, prompts, params)
+    assert [o.output_ids for o in second] == [o.output_ids for o in first]
+    verifies = eng.stats.spec_verifies - before[0]
+    tau = (eng.stats.spec_accepted_tokens - before[1] + verifies) / verifies
+    assert tau > 3.0, tau
+    stats = eng.stats_dict()
+    assert stats["spec_accepted_tokens"] == eng.stats.spec_accepted_tokens
+    assert stats["spec_drafted_tokens"] >= stats["spec_accepted_tokens"] > 0
+
+
+# ---- temperature > 0: the verifier is lossless ----
+
+def _chi2_pvalue(observed: list[int], expected: list[float]) -> float:
+    """Pearson's chi-square goodness of fit (cells with expected >= 5), -> p-value."""
+    cells = [(o, e) for o, e in zip(observed, expected) if e >= 5]
+    stat = sum((o - e) ** 2 / e for o, e in cells)
+    df = len(cells) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+class _Row:
+    """The request fields the verifier reads."""
+
+    def __init__(self, params: SamplingParams, gen: torch.Generator | None, output: list[int]) -> None:
+        from k3rt.backend.scheduler.request import SampleState
+
+        self.params, self.generator = params, gen
+        self.prompt_len = 2
+        self.token_ids = [1, 2] + output
+        self.stop_ids, self.grammar, self.sampled = frozenset(), None, SampleState()
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8, max_tokens=64),
+    SamplingParams(temperature=1.3, top_k=5, top_p=0.9, max_tokens=64),
+    SamplingParams(temperature=1.0, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.2,
+                   max_tokens=64),
+], ids=["temperature", "top-k-top-p", "penalties"])
+def test_rejection_sampling_matches_the_target_distribution(params) -> None:
+    V, N = 8, 6000
+    gen = torch.Generator().manual_seed(1234)
+    logits = torch.randn(3, V, generator=gen) * 1.5  # rows: after the output, after d1, after d1 d2
+    sampler = Sampler(V, "cpu")
+    output = [3, 6]  # penalties see these, then the drafts
+    # d1: row 0's likeliest token (accepted often enough to test row 1 given it); d2: row 1's raw argmax
+    p0 = sampler.target_probs(sampler.process(logits[:1], [params], [[1, 2]], [output]), [params])[0]
+    drafts = [int(p0.argmax()), int(logits[1].argmax())]
+    reqs = [_Row(params, gen, list(output)) for _ in range(N)]
+    res = verify_requests(sampler, logits.repeat(N, 1), reqs, [drafts] * N)
+    # the exact per-row distributions a plain decode step would draw from
+    hists = [output, output + drafts[:1], output + drafts]
+    x = sampler.process(logits, [params] * 3, [[1, 2]] * 3, hists)
+    p = sampler.target_probs(x, [params] * 3)
+    first = Counter(r.token_ids[0] for r in res)
+    assert _chi2_pvalue([first[t] for t in range(V)], (N * p[0]).tolist()) > 1e-4
+    # given d1 was accepted, the next token follows row 1
+    acc = [r for r in res if r.token_ids[0] == drafts[0]]
+    assert len(acc) > 200
+    second = Counter(r.token_ids[1] for r in acc)
+    assert _chi2_pvalue([second[t] for t in range(V)], (len(acc) * p[1]).tolist()) > 1e-4
+    # accepted counts agree with the emitted tokens
+    for r in res:
+        assert r.num_accepted == next((i for i, (a, b) in enumerate(zip(r.token_ids, drafts)) if a != b),
+                                      min(len(r.token_ids), 2))
+        assert len(r.token_ids) == min(r.num_accepted + 1, 3)
+    # and the plain sampler, drawing row 0 directly, agrees with the same distribution (the baseline)
+    plain = sampler.sample_batch(logits[:1].repeat(N, 1), [params] * N, [gen] * N, [[1, 2]] * N, [output] * N)
+    base = Counter(plain.token_ids)
+    assert _chi2_pvalue([base[t] for t in range(V)], (N * p[0]).tolist()) > 1e-4
+
+
+def test_a_wrong_distribution_is_detected() -> None:
+    """The chi-square check has power: samples of row 1 are rejected as draws of row 0."""
+    V, N = 8, 6000
+    gen = torch.Generator().manual_seed(99)
+    logits = torch.randn(2, V, generator=gen) * 1.5
+    params = SamplingParams(temperature=1.0)
+    sampler = Sampler(V, "cpu")
+    p = sampler.target_probs(logits, [params] * 2)
+    draws = sampler.sample_batch(logits[1:].repeat(N, 1), [params] * N, [gen] * N, [()] * N, [()] * N).token_ids
+    c = Counter(draws)
+    assert _chi2_pvalue([c[t] for t in range(V)], (N * p[0]).tolist()) < 1e-6
+
+
+def test_greedy_verification_and_logprobs() -> None:
+    V = 8
+    logits = torch.full((3, V), -2.0)
+    logits[0, 3], logits[1, 4], logits[2, 1] = 5.0, 5.0, 5.0
+    sampler = Sampler(V, "cpu")
+    params = SamplingParams(temperature=0.0, max_tokens=64, logprobs=2)
+    r = _Row(params, None, [])
+    [res] = verify_requests(sampler, logits, [r], [[3, 6]])
+    assert res.token_ids == [3, 4] and res.num_accepted == 1
+    assert len(res.logprobs) == 2 and res.top_logprobs[0][0][0] == 3 and res.top_logprobs[1][0][0] == 4
+    # all accepted: a bonus token from the last row; max_tokens cuts the run
+    [res] = verify_requests(sampler, logits, [_Row(params, None, [])], [[3, 4]])
+    assert res.token_ids == [3, 4, 1] and res.num_accepted == 2
+    short = SamplingParams(temperature=0.0, max_tokens=2)
+    [res] = verify_requests(sampler, logits, [_Row(short, None, [])], [[3, 4]])
+    assert res.token_ids == [3, 4] and res.num_accepted == 2
+
+
+# ---- grammar ----
+
+def test_grammar_constrained_output_is_the_same_with_speculation(tmp_path_factory) -> None:
+    ckpt = tiny_checkpoint(tmp_path_factory, "k3")
+    grammar = {"kind": "regex", "payload": "(ab|cd)[0-9]{4}(xy|zw){2}", "strict": True}
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    outs = {}
+    for method in (None, "ngram"):
+        eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), runner="model",
+                             spec=SpecConfig(method=method, num_tokens=4)))
+        if method is not None:
+            ref = outs[None]
+            # drafts: the true continuation with a wrong token in the middle, which the grammar cuts
+            eng.scheduler.drafter = _GrammarProbe({tuple(p): p + o for p, o in zip(prompts, ref)})
+        rids = [eng.add_request(p, params, grammar=grammar) for p in prompts]
+        done = {}
+        while eng.has_unfinished:
+            for o in eng.step():
+                if o.finished:
+                    done[o.rid] = o
+            eng.check()
+        outs[method] = [done[r].output_ids for r in rids]
+        assert all(done[r].error is None and done[r].finish_reason == "stop" for r in rids)
+        if method is not None:
+            assert eng.stats.spec_accepted_tokens > 0
+            # the spliced-in token and what follows it were never verified
+            assert 0 < eng.stats.spec_drafted_tokens < eng.scheduler.drafter.proposed
+    assert outs["ngram"] == outs[None]
+
+
+class _GrammarProbe(Drafter):
+    """The reference continuation with token 0 (never allowed by the regex) spliced in at draft position 2."""
+
+    def __init__(self, refs) -> None:
+        self.refs, self.proposed = refs, 0
+
+    def propose(self, queries):
+        out = []
+        for q in queries:
+            full = self.refs[tuple(q.token_ids[:q.prompt_len])]
+            cont = full[len(q.token_ids):len(q.token_ids) + q.max_tokens]
+            out.append(cont[:2] + [0] + cont[2:] if len(cont) > 2 else cont)
+            self.proposed += len(out[-1])
+        return out
+
+
+def test_grammar_prefix_cuts_at_the_first_refused_draft(tmp_path_factory) -> None:
+    from k3rt.backend.grammar import GrammarSpec, create_grammar_backend
+    from k3rt.backend.scheduler.scheduler import _grammar_prefix
+    from k3rt.backend.tokenizer import load_tokenizer
+
+    ckpt = tiny_checkpoint(tmp_path_factory, "k3")
+    tok = load_tokenizer(ckpt)
+    backend = create_grammar_backend("llguidance", tok, vocab_size=VOCAB)
+    m = backend.compile(GrammarSpec.regex("abc[0-9]")).matcher()
+    ids = [tok.encode(c)[0] for c in "abc7"]
+    bad = tok.encode("z")[0]
+    assert _grammar_prefix(m, ids[:2] + [bad] + ids[2:]) == ids[:2]
+    assert _grammar_prefix(m, ids) == ids
+    for t in ids:  # the matcher is back at the start
+        assert m.accept(t)
+    assert m.is_terminated()
