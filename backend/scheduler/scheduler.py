@@ -612,12 +612,13 @@ class Scheduler:
         if req.fences:
             self.pool.unref(req.fences)
             req.fences = []
-        for i, tok in enumerate(run):
-            self._append(req, tok, finished)
-            if req.finished:
-                # the verifier stops the run at the token that ends the request
-                assert i == len(run) - 1, f"request {req.rid}: finished at run token {i} of {len(run)}"
-                break
+        # the verifier ends the run at the first token that ends the request, so only the last one can; the
+        # grammar matcher is already past the whole run, so it is asked (by _append) about the last one only
+        *body, last = run
+        assert not req.stop_ids.intersection(body) and req.num_output + len(run) <= req.params.max_tokens, (
+            f"request {req.rid}: a verify run continued past its end")
+        req.token_ids.extend(body)
+        self._append(req, last, finished)
 
     def _append(self, req: Request, tok: int, finished: list[Request]) -> None:
         req.token_ids.append(tok)

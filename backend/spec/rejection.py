@@ -43,7 +43,7 @@ def _grammar_masks(req, drafts: list[int], mask: torch.Tensor) -> None:
     """mask[j] (int32 [k+1, W], CPU) = the grammar's allowed tokens after d_1..d_j. The matcher is advanced
     through the drafts and rolled back, so it ends where it started. Rows after a draft the grammar
     refuses are left all ones: that draft is rejected at its own row (masked to p = 0)."""
-    from k3rt.backend.grammar import shorten
+    from k3rt.backend.grammar.base import shorten
 
     g = req.grammar
     mask.fill_(-1)

@@ -146,6 +146,15 @@ def _params(n: int, max_tokens: int, stop: tuple[int, ...] = ()) -> list[Samplin
                            stop_token_ids=stop) for i in range(n)]
 
 
+def _refs(prompts, outputs) -> dict[tuple[int, ...], list[int]]:
+    """prompt -> prompt + its reference output (the longest, for a prompt asked with two max_tokens)."""
+    refs: dict[tuple[int, ...], list[int]] = {}
+    for p, o in zip(prompts, outputs):
+        if len(p + o) > len(refs.get(tuple(p), ())):
+            refs[tuple(p)] = p + o
+    return refs
+
+
 def _reference(arch: Arch, prompts, params) -> list[list[int]]:
     eng = make_engine(arch.ckpt, runner="model", model=arch.model, enable_prefix_cache=False, num_pages=1024,
                       budget=2048)
@@ -166,11 +175,7 @@ def test_greedy_speculation_is_token_identical(arch, method) -> None:
     ref1, ref2 = _reference(arch, r1, p1), _reference(arch, r2, p2)
     eng = _spec_engine(arch, "ngram" if method == "oracle" else method)
     if method == "oracle":
-        refs: dict = {}
-        for p, o in zip(r1 + r2, ref1 + ref2):  # a prompt asked twice with two max_tokens: the longer output
-            if len(p + o) > len(refs.get(tuple(p), ())):
-                refs[tuple(p)] = p + o
-        eng.scheduler.drafter = OracleDrafter(refs, noise=0.25, seed=1)
+        eng.scheduler.drafter = OracleDrafter(_refs(r1 + r2, ref1 + ref2), noise=0.25, seed=1)
     out1 = run(eng, r1, p1)
     out2 = run(eng, r2, p2)
     assert [o.output_ids for o in out1] == ref1
@@ -195,8 +200,8 @@ def test_stop_ids_and_max_tokens_inside_an_accepted_run(arch) -> None:
     ref_stop = _reference(arch, r1, params)
     assert len(ref_stop[0]) <= 7 and len(ref_stop[3]) <= 12
     eng = _spec_engine(arch, "ngram", k=6)
-    refs = {tuple(p): p + o for p, o in zip(r1, ref)}  # drafts continue past the stop token
-    eng.scheduler.drafter = OracleDrafter(refs, noise=0.0, seed=2)
+    # drafts continue past the stop token
+    eng.scheduler.drafter = OracleDrafter(_refs(r1, ref), noise=0.0, seed=2)
     out = run(eng, r1, params)
     assert [o.output_ids for o in out] == ref_stop
     assert [o.finish_reason for o in out][:1] == ["stop"]
@@ -212,8 +217,7 @@ def test_preemption_mid_speculation_on_a_tiny_poisoned_pool(arch) -> None:
     params = _params(len(prompts), 40)
     ref = _reference(arch, prompts, params)
     eng = _spec_engine(arch, "ngram", k=5, num_pages=14, poison_freed=True)
-    refs = {tuple(p): p + o for p, o in zip(prompts, ref)}
-    eng.scheduler.drafter = OracleDrafter(refs, noise=0.2, seed=3)
+    eng.scheduler.drafter = OracleDrafter(_refs(prompts, ref), noise=0.2, seed=3)
     out = run(eng, prompts, params)
     assert [o.output_ids for o in out] == ref
     assert eng.stats.preemptions > 0 and eng.stats.spec_accepted_tokens > 0
@@ -226,7 +230,7 @@ def test_abort_mid_speculation_releases_everything(arch) -> None:
     params = _params(2, 30)
     ref = _reference(arch, prompts, params)
     eng = _spec_engine(arch, "ngram", k=4)
-    drafter = OracleDrafter({tuple(p): p + o for p, o in zip(prompts, ref)}, noise=0.1, seed=4)
+    drafter = OracleDrafter(_refs(prompts, ref), noise=0.1, seed=4)
     eng.scheduler.drafter = drafter
     rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
     for _ in range(4):
