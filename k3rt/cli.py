@@ -41,6 +41,23 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="compute dtype (default: the checkpoint's torch_dtype)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object: prompt_token_ids, token_ids, text")
+    _add_spec_args(p)
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    from k3rt.config import SPEC_METHODS
+
+    p.add_argument("--spec", choices=SPEC_METHODS, default=None,
+                   help="speculative decoding with a model-free drafter: 'ngram' (prompt lookup) or 'suffix' "
+                        "(suffix tries over the request and recent outputs); off by default")
+    p.add_argument("--spec-tokens", type=int, default=4, metavar="K",
+                   help="draft tokens per request per step, at most (default 4)")
+
+
+def _spec_config(a: argparse.Namespace):
+    from k3rt.config import SpecConfig
+
+    return SpecConfig(method=a.spec, num_tokens=a.spec_tokens)
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
@@ -48,6 +65,9 @@ def _cmd_generate(a: argparse.Namespace) -> int:
 
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
                             max_tokens=a.max_tokens, ignore_eos=a.ignore_eos)
+    spec = _spec_config(a)
+    if spec.enabled:
+        return _generate_speculative(a, params, spec)
     from k3rt.backend.generate import generate
     from k3rt.backend.models.loader import load_model
     from k3rt.backend.tokenizer import load_tokenizer
@@ -68,6 +88,38 @@ def _cmd_generate(a: argparse.Namespace) -> int:
         print(json.dumps({"prompt_token_ids": prompt_ids, "token_ids": out, "text": tok.decode(out, skip_special_tokens=True)}))
     else:
         sys.stdout.write(detok.flush() + "\n")
+    return 0
+
+
+def _generate_speculative(a: argparse.Namespace, params, spec) -> int:
+    """`generate --spec`: the engine (reference runner) with a drafter, one request; reports tau."""
+    from k3rt.backend.engine import Engine
+    from k3rt.backend.tokenizer import load_tokenizer
+    from k3rt.backend.tokenizer.detokenizer import IncrementalDetokenizer
+    from k3rt.config import EngineConfig
+
+    model_dir = resolve_model_dir(a.model)
+    tok = load_tokenizer(model_dir)
+    eng = Engine(EngineConfig(model=str(model_dir), dtype=a.dtype, runner="model", spec=spec))
+    prompt_ids = tok.encode_prompt(a.prompt)
+    eng.add_request(prompt_ids, params, eos_token_ids=tok.eos_token_ids)
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=True)
+    out: list[int] = []
+    while eng.has_unfinished:
+        for o in eng.step():
+            out.extend(o.new_token_ids)
+            if not a.json:
+                sys.stdout.write("".join(detok.push(t) for t in o.new_token_ids))
+                sys.stdout.flush()
+    s = eng.stats
+    info = {"drafted_tokens": s.spec_drafted_tokens, "accepted_tokens": s.spec_accepted_tokens,
+            "verifies": s.spec_verifies, "tau": round(s.spec_tau, 3)}
+    if a.json:
+        print(json.dumps({"prompt_token_ids": prompt_ids, "token_ids": out,
+                          "text": tok.decode(out, skip_special_tokens=True), "spec": info}))
+    else:
+        sys.stdout.write(detok.flush() + "\n")
+        print(f"spec {spec.method}: {info}", file=sys.stderr)
     return 0
 
 
@@ -316,6 +368,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "it (default 30). /health also answers 503 ('pinned_full') when pinned snapshots leave no "
                         "room to admit a request")
     p.add_argument("--log-level", default=argparse.SUPPRESS, help="logging level (default WARNING)")
+    _add_spec_args(p)
 
 
 def _cmd_serve(a: argparse.Namespace) -> int:
@@ -330,7 +383,8 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     engine = EngineConfig(model=str(model_dir), dtype=a.dtype, device=a.device, seed=a.seed, grammar_backend=a.grammar_backend,
                           runner=a.runner, cuda_graphs=not a.no_cuda_graphs, use_pdl=a.pdl, random_weights=a.random_weights,
                           cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=a.max_batched_tokens,
-                                                                 max_running=a.max_running, max_waiting=a.max_waiting))
+                                                                 max_running=a.max_running, max_waiting=a.max_waiting),
+                          spec=_spec_config(a))
     keys = list(a.api_key or [])
     if a.api_key_file:
         with open(a.api_key_file) as f:
