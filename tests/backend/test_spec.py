@@ -129,14 +129,14 @@ def _rand(rng: random.Random, n: int) -> list[int]:
 
 
 def _workload(seed: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Round 1: a shared 100-token base with different tails (chunked with budget 64), a short prompt, a
+    """Round 1: a shared 80-token base with different tails (chunked with budget 64), a short prompt, a
     prompt of one repeated 12-gram (ngram drafts, mostly rejected), and a duplicate (n = 2). Round 2: exact
     repeats (prefix-cache hits; the suffix drafter's global trie knows their outputs) and a variant."""
     rng = random.Random(seed)
-    base = _rand(rng, 100)
-    gram = _rand(rng, 12)
+    base = _rand(rng, 80)
+    gram = _rand(rng, 8)
     short = _rand(rng, 9)
-    r1 = [base + _rand(rng, 5), base[:70] + _rand(rng, 30), short, gram * 6, short]
+    r1 = [base + _rand(rng, 5), base[:66] + _rand(rng, 20), short, gram * 6, short]
     r2 = [r1[0], r1[2], r1[3], base + _rand(rng, 3)]
     return r1, r2
 
@@ -156,9 +156,15 @@ def _refs(prompts, outputs) -> dict[tuple[int, ...], list[int]]:
 
 
 def _reference(arch: Arch, prompts, params) -> list[list[int]]:
-    eng = make_engine(arch.ckpt, runner="model", model=arch.model, enable_prefix_cache=False, num_pages=1024,
-                      budget=2048)
-    return [o.output_ids for o in run(eng, prompts, params)]
+    """Plain (non-speculative, cache-off) greedy outputs, memoized per architecture."""
+    keys = [(tuple(p), sp) for p, sp in zip(prompts, params)]
+    todo = list(dict.fromkeys(k for k in keys if k not in arch.outputs))
+    if todo:
+        eng = make_engine(arch.ckpt, runner="model", model=arch.model, enable_prefix_cache=False, num_pages=1024,
+                          budget=2048)
+        for k, o in zip(todo, run(eng, [list(p) for p, _ in todo], [sp for _, sp in todo])):
+            arch.outputs[k] = o.output_ids
+    return [arch.outputs[k] for k in keys]
 
 
 def _spec_engine(arch: Arch, method: str, k: int = 4, **cache):
@@ -171,7 +177,7 @@ def _spec_engine(arch: Arch, method: str, k: int = 4, **cache):
 @pytest.mark.parametrize("method", ["ngram", "suffix", "oracle"])
 def test_greedy_speculation_is_token_identical(arch, method) -> None:
     r1, r2 = _workload(seed=3)
-    p1, p2 = _params(len(r1), 30), _params(len(r2), 30)
+    p1, p2 = _params(len(r1), 24), _params(len(r2), 24)
     ref1, ref2 = _reference(arch, r1, p1), _reference(arch, r2, p2)
     eng = _spec_engine(arch, "ngram" if method == "oracle" else method)
     if method == "oracle":
@@ -190,9 +196,10 @@ def test_greedy_speculation_is_token_identical(arch, method) -> None:
     assert_at_rest(eng)
 
 
+@pytest.mark.parametrize("arch", ["k3"], indirect=True)
 def test_stop_ids_and_max_tokens_inside_an_accepted_run(arch) -> None:
     """Stop ids taken from the middle of the reference outputs end the run there: the oracle drafts past them."""
-    r1, _ = _workload(seed=5)
+    r1, _ = _workload(seed=3)
     plain = _params(len(r1), 24)
     ref = _reference(arch, r1, plain)
     stops = (ref[0][6], ref[3][11])
@@ -212,9 +219,9 @@ def test_stop_ids_and_max_tokens_inside_an_accepted_run(arch) -> None:
 
 
 def test_preemption_mid_speculation_on_a_tiny_poisoned_pool(arch) -> None:
-    r1, r2 = _workload(seed=7)
+    r1, r2 = _workload(seed=3)
     prompts = r1 + r2
-    params = _params(len(prompts), 40)
+    params = _params(len(r1), 24) + _params(len(r2), 24)
     ref = _reference(arch, prompts, params)
     eng = _spec_engine(arch, "ngram", k=5, num_pages=14, poison_freed=True)
     eng.scheduler.drafter = OracleDrafter(_refs(prompts, ref), noise=0.2, seed=3)
@@ -225,6 +232,7 @@ def test_preemption_mid_speculation_on_a_tiny_poisoned_pool(arch) -> None:
     assert_at_rest(eng)
 
 
+@pytest.mark.parametrize("arch", ["kimi_linear"], indirect=True)
 def test_abort_mid_speculation_releases_everything(arch) -> None:
     prompts = [_rand(random.Random(9), 40), _rand(random.Random(10), 20)]
     params = _params(2, 30)
@@ -249,6 +257,7 @@ def test_abort_mid_speculation_releases_everything(arch) -> None:
     assert_at_rest(eng)
 
 
+@pytest.mark.parametrize("arch", ["k3"], indirect=True)
 def test_opt_out_and_sampling_rows_follow_the_plain_path(arch) -> None:
     """speculative=False requests never get a verify; penalties apply at every verified position."""
     prompts = [_rand(random.Random(11), 30)] * 2
@@ -268,7 +277,7 @@ def test_suffix_drafter_tau_on_a_repetitive_workload(arch) -> None:
     earlier outputs, and tau (tokens per verify) is well above 1."""
     rng = random.Random(13)
     prompts = [_rand(rng, 20) for _ in range(3)]
-    params = _params(3, 40)
+    params = _params(3, 30)
     eng = _spec_engine(arch, "suffix", k=6)
     first = run(eng, prompts, params)
     before = (eng.stats.spec_verifies, eng.stats.spec_accepted_tokens)

@@ -59,10 +59,16 @@ def test_speculative_server(spec_server: ServeProcess, tiny_model: Path) -> None
     assert _metric(spec_server, "k3rt_spec_accepted_tokens", "k3rt_spec_accepted_tokens_total") == accepted1
     assert _metric(spec_server, "k3rt_spec_drafted_tokens", "k3rt_spec_drafted_tokens_total") >= accepted1
     assert _metric(spec_server, "k3rt_spec_tau") > 1.0
+    # a stop string inside an accepted run: the text ends where the stop string starts
+    text = first["choices"][0]["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    cut = _complete(spec_server, "The speculative server says", stop=[stop])
+    assert cut["choices"][0]["text"] == text[:text.find(stop)] and cut["choices"][0]["finish_reason"] == "stop"
     # opted out: no drafts for it, same output
+    drafted = spec_server.stats()["stats"]["spec_drafted_tokens"]
     out = _complete(spec_server, "The speculative server says", speculative=False)
     assert out["choices"][0]["token_ids"] == ids
-    assert spec_server.stats()["stats"]["spec_accepted_tokens"] == accepted1
+    assert spec_server.stats()["stats"]["spec_drafted_tokens"] == drafted
 
 
 @k3rt.function
