@@ -38,6 +38,16 @@ from tests.backend.test_engine_cache import Arch, assert_snapshots_exact
 VOCAB = 512
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny shapes: intra-op threads only add synchronization (index_add_ in the MoE measured 5 ms a call
+    on a loaded 2-core box, 3 us on one thread). Restored after the module."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 # ---- drafters ----
 
 def test_ngram_proposes_what_followed_the_latest_match_longest_n_first() -> None:
