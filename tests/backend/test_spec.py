@@ -461,3 +461,67 @@ def test_grammar_prefix_cuts_at_the_first_refused_draft(tmp_path_factory) -> Non
     for t in ids:  # the matcher is back at the start
         assert m.accept(t)
     assert m.is_terminated()
+
+
+class _TableDrafter(Drafter):
+    """Drafts from a table: (output so far) -> next tokens, e.g. the most frequent plain continuations."""
+
+    def __init__(self, table: dict[tuple[int, ...], list[int]]) -> None:
+        self.table = table
+
+    def propose(self, queries):
+        return [self.table.get(tuple(q.token_ids[q.prompt_len:]), [])[:q.max_tokens] for q in queries]
+
+
+def _homogeneity_pvalue(a: Counter, b: Counter) -> float:
+    """Two-sample chi-square test that two samples come from one distribution (cells with fewer than 20
+    observations together are pooled into one)."""
+    na, nb = sum(a.values()), sum(b.values())
+    cells, pooled = [], [0, 0]
+    for key in set(a) | set(b):
+        if a[key] + b[key] >= 20:
+            cells.append((a[key], b[key]))
+        else:
+            pooled[0] += a[key]
+            pooled[1] += b[key]
+    if sum(pooled):
+        cells.append(tuple(pooled))
+    stat = 0.0
+    for x, y in cells:
+        ex, ey = (x + y) * na / (na + nb), (x + y) * nb / (na + nb)
+        stat += (x - ex) ** 2 / ex + (y - ey) ** 2 / ey
+    df = len(cells) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("arch", ["k3"], indirect=True)
+def test_sampled_outputs_have_the_plain_distribution_end_to_end(arch) -> None:
+    """temperature 1, top-k 3: the joint distribution of generated tokens 2 to 4 (token 1 comes from the
+    prefill; 2 and 3 are drafted and verified, 4 is a bonus or comes from a later step) is the same with and
+    without speculation. Drafts are the most frequent plain continuations, so they are accepted often and
+    rejected often. Seeds are fixed per request, so the test is deterministic."""
+    n = 600
+    prompt = _rand(random.Random(17), 6)
+    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=4, ignore_eos=True, seed=i) for i in range(n)]
+    plain_eng = make_engine(arch.ckpt, runner="model", model=arch.model, num_pages=1024, budget=2048)
+    plain = [tuple(o.output_ids) for o in run(plain_eng, [prompt] * n, params)]
+    follow: dict[tuple[int, ...], Counter] = {}
+    for out in plain:
+        for j in (1, 2):
+            follow.setdefault(out[:j], Counter())[out[j]] += 1
+    table = {}
+    for (t1,), c in [(k, v) for k, v in follow.items() if len(k) == 1]:
+        t2 = c.most_common(1)[0][0]
+        nxt = follow.get((t1, t2))
+        table[(t1,)] = [t2] + ([nxt.most_common(1)[0][0]] if nxt else [])
+    eng = make_engine(arch.ckpt, runner="model", model=arch.model, num_pages=1024, budget=2048,
+                      engine={"spec": SpecConfig(method="ngram", num_tokens=2)})
+    eng.scheduler.drafter = _TableDrafter(table)
+    spec = [tuple(o.output_ids) for o in run(eng, [prompt] * n, [replace(p, seed=p.seed + n) for p in params])]
+    s = eng.stats
+    assert s.spec_verifies > n // 2 and 0.2 * s.spec_drafted_tokens < s.spec_accepted_tokens < s.spec_drafted_tokens
+    for part in (slice(1, 3), slice(1, 4), slice(3, 4), slice(0, 1)):
+        assert _homogeneity_pvalue(Counter(o[part] for o in plain), Counter(o[part] for o in spec)) > 1e-3, part
+    # and the test has power: the plain tokens 2-3 against the spec tokens 1-2 are told apart
+    assert _homogeneity_pvalue(Counter(o[1:3] for o in plain), Counter(o[:2] for o in spec)) < 1e-6
