@@ -106,6 +106,7 @@ class ChoiceDelta:
     error: str | None = None  # why the engine rejected or failed this choice (finish_reason "error")
     engine_dead: bool = False  # the error is the engine process's death, not this request's fault
     internal: bool = False  # the error is a gateway bug (logged), not the request's fault
+    spec_accepted_tokens: int = 0  # draft tokens accepted for this choice so far (speculative decoding)
 
 
 class TextStream:
@@ -356,7 +357,8 @@ class Gateway:
                     if finish is not None:
                         text.finish()
                     delta = ChoiceDelta(index, text.take(final=finish is not None), ids, lps, finish,
-                                        u.prompt_tokens, u.cached_tokens)
+                                        u.prompt_tokens, u.cached_tokens,
+                                        spec_accepted_tokens=u.spec_accepted_tokens)
                     if finish == "error" and not text.stopped:
                         delta.error = u.error or "generation failed"
                         delta.engine_dead = self.client.dead is not None

@@ -66,7 +66,7 @@ class RequestMap:
             plp = None if o.prompt_logprobs is None else {str(k): v for k, v in o.prompt_logprobs.items()}
             updates.append(RequestUpdate(name, o.new_token_ids, o.finished, o.finish_reason, o.prompt_len,
                                          o.cached_tokens, o.logprobs, o.top_logprobs, error=o.error,
-                                         prompt_logprobs=plp))
+                                         prompt_logprobs=plp, spec_accepted_tokens=o.spec_accepted_tokens))
             if o.finished:
                 del self.rids[name], self.names[o.rid]
                 if name in self.pinned and not self.engine.is_pinned(o.rid):

@@ -87,6 +87,7 @@ class RequestUpdate:
     top_logprobs: list[list[list[float]]] | None = None  # per new token: [[token_id, logprob], ...]
     error: str | None = None  # a message naming the field when the engine rejected the request
     prompt_logprobs: dict[str, float] | None = None  # position (str, JSON keys) -> logprob; with `finished`
+    spec_accepted_tokens: int = 0  # draft tokens accepted for this request so far (speculative decoding)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,8 @@ def test_speculative_server(spec_server: ServeProcess, tiny_model: Path) -> None
     # the same request again: the suffix drafter's global trie holds the first output
     again = _complete(spec_server, "The speculative server says")
     assert again["choices"][0]["token_ids"] == ids
+    assert 0 < again["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] < len(ids)
+    assert "completion_tokens_details" not in _complete(spec_server, "Something new entirely")["usage"]
     accepted1 = spec_server.stats()["stats"]["spec_accepted_tokens"]
     assert accepted1 > accepted0
     assert _metric(spec_server, "k3rt_spec_accepted_tokens", "k3rt_spec_accepted_tokens_total") == accepted1
