@@ -147,6 +147,3 @@ class EngineConfig:
             raise ValueError(f"grammar_backend: {self.grammar_backend!r} not one of llguidance, outlines")
         if self.tp < 1:
             raise ValueError(f"tp: must be >= 1, got {self.tp}")
-        if self.spec.enabled and self.runner == "gpu":
-            # TODO(issue 16): verify steps on the GPU runner (kernels/kda/triton_verify.py)
-            raise ValueError("spec: speculative decoding runs on the reference runner (runner='model') for now")

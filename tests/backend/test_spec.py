@@ -525,3 +525,40 @@ def test_sampled_outputs_have_the_plain_distribution_end_to_end(arch) -> None:
         assert _homogeneity_pvalue(Counter(o[part] for o in plain), Counter(o[part] for o in spec)) > 1e-3, part
     # and the test has power: the plain tokens 2-3 against the spec tokens 1-2 are told apart
     assert _homogeneity_pvalue(Counter(o[1:3] for o in plain), Counter(o[:2] for o in spec)) < 1e-6
+
+
+# ---- the GPU runner's path (torch ops on the CPU; the Triton kernels in the interpreter; CUDA) ----
+
+GPU_PATHS = [
+    pytest.param({"runner": "gpu", "kernels": False, "cuda_graphs": False}, id="gpu-path-torch-ops"),
+    pytest.param({"runner": "gpu", "kernels": True, "cuda_graphs": False}, id="gpu-path-triton-interpreter"),
+    pytest.param({"runner": "gpu", "device": "cuda"}, id="gpu-runner-cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("over", GPU_PATHS)
+def test_gpu_runner_verify_steps_are_token_identical(arch, over) -> None:
+    """Verify chunks through the GPU runner (packed logit rows, states left alone, kda_commit replay),
+    mixed with plain decodes and prefill chunks: the reference's greedy tokens, and exact snapshots."""
+    import copy
+
+    model = arch.model
+    if over.get("device") == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        model = copy.deepcopy(arch.model).cuda()
+    elif over.get("kernels") and torch.cuda.is_available():
+        pytest.skip("on a GPU the compiled kernels are tested (gpu-runner-cuda)")
+    r1, r2 = _workload(seed=3)
+    prompts, params = r1[:4] + r2[-1:], _params(4, 24) + _params(1, 24)
+    if over.get("kernels") and over.get("device") != "cuda":
+        prompts, params = [r1[0], r1[2], r1[3]], [replace(p, max_tokens=8) for p in _params(3, 24)]
+    ref = _reference(arch, prompts, params)
+    engine = {k: v for k, v in over.items() if k != "runner"} | {"spec": SpecConfig(method="ngram", num_tokens=4)}
+    eng = make_engine(arch.ckpt, runner="gpu", model=model, budget=64, num_pages=256, engine=engine)
+    eng.scheduler.drafter = OracleDrafter(_refs(prompts, ref), noise=0.25, seed=6)
+    out = run(eng, prompts, params)
+    assert [o.output_ids for o in out] == ref
+    assert eng.stats.spec_accepted_tokens > 0 and eng.stats.spec_drafted_tokens > eng.stats.spec_accepted_tokens
+    if over.get("device") != "cuda":
+        assert assert_snapshots_exact(eng, arch) > 0

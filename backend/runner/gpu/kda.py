@@ -6,6 +6,8 @@ Two forms:
     snapshot states written to their destination state sets;
   decode (every sequence feeds one token, no snapshots; the form captured in CUDA graphs): the
     fused `kda_decode` step, conv cache and recurrent state updated in place.
+Verify runs (speculative decoding) take the general form but leave their conv and recurrent states as
+they were; `kda_commit` replays the accepted prefix into them once the sampler has decided.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from k3rt.backend.layers.norm import rms_norm_gated
 from k3rt.backend.models.kda import KimiDeltaAttention
 from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear, share_rows
 from k3rt.backend.runner.gpu.step import GpuStep
-from k3rt.kernels.kda.ref import kda_chunked, kda_gate_lower_bound, kda_gate_softplus
+from k3rt.kernels.kda.ref import kda_chunked, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent
 
 
 @dataclass
@@ -106,10 +108,18 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
     for tap in range(W):  # one [T, C] gather per tap keeps the working set at 2 rows of the step
         y.addcmul_(ext[step.conv_idx[:, tap]].float(), w.conv_weight[:, tap])
     y = F.silu(y).to(qkv.dtype)
-    conv_pool[pages] = ext[step.conv_tail_idx].to(conv_pool.dtype)
+    # verify runs keep their states: only the other sequences' windows and states are written back
+    live = (torch.tensor([i for i in range(step.num_seqs) if i not in step.verify_seqs], dtype=torch.long,
+                         device=qkv.device) if step.verify_seqs else None)
+    if live is None:
+        conv_pool[pages] = ext[step.conv_tail_idx].to(conv_pool.dtype)
+    else:
+        conv_pool[pages[live]] = ext[step.conv_tail_idx[live]].to(conv_pool.dtype)
     q, kk, v = y.view(T, 3, H, D).unbind(1)
     g = _gate(attn, w, f)
     beta = torch.sigmoid(b.float())
+    if live is not None:
+        step.verify_inputs[attn.layer_idx] = (qkv, g, beta)
     nseq, snaps = step.num_seqs, step.snapshots
     # the recurrence runs on a contiguous copy of the sequences' states: slots 0..B-1 live, B.. snapshots
     states = torch.empty(nseq + len(snaps), H, D, D, dtype=torch.float32, device=qkv.device)
@@ -138,10 +148,40 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
             states[i] = final[0]
             for (j, _), st in zip(mine, emitted):
                 states[nseq + j] = st[0]
-    rec_pool[pages] = states[:nseq]
+    if live is None:
+        rec_pool[pages] = states[:nseq]
+    else:
+        rec_pool[pages[live]] = states[live]
     if snaps:
         windows = ext[step.snap_conv_idx].to(conv_pool.dtype)  # [S, W-1, C]
         dest = step.snap_dest[w.group]
         conv_pool[dest] = windows
         rec_pool[dest] = states[nseq:]
     return o
+
+
+def kda_commit(attn: KimiDeltaAttention, w: KdaWeights, step: GpuStep, runs: list[tuple[int, int, int]],
+               conv_pool: torch.Tensor, rec_pool: torch.Tensor) -> None:
+    """After a verify step: advance each verify sequence's conv window and recurrent state by the first m
+    tokens of its run. runs: (sequence, m, its state page of this layer's group).
+
+    Rollback without a state per draft position: the states were left at the run's start, and the step's
+    inputs (pre-conv qkv, g, beta) re-derive the state after the accepted prefix. The conv is the general
+    form's (fp32 taps in order) and the recurrence the exact per-token one.
+    TODO(issue 16): one launch over all runs (kda_decode-style replay) instead of a host loop."""
+    qkv, g, beta = step.verify_inputs[attn.layer_idx]
+    H, D = attn.num_heads, attn.head_dim
+    W = w.conv_weight.shape[1]
+    for seq, m, page in runs:
+        s = step.cu[seq]
+        ext = torch.cat([conv_pool[page].to(qkv.dtype), qkv[s:s + m]])  # [W-1+m, C]
+        y = torch.zeros(m, qkv.shape[1], dtype=torch.float32, device=qkv.device)
+        for tap in range(W):
+            y.addcmul_(ext[tap:tap + m].float(), w.conv_weight[:, tap])
+        y = F.silu(y).to(qkv.dtype)
+        conv_pool[page] = ext[m:m + W - 1].to(conv_pool.dtype)
+        _, kk, v = y.view(m, 3, H, D).unbind(1)
+        kk, v = kk[None].float(), v[None].float()
+        # the state never reads q; kk stands in for it
+        _, final = kda_recurrent(kk, kk, v, g[None, s:s + m], beta[None, s:s + m], initial_state=rec_pool[page][None])
+        rec_pool[page] = final[0]
