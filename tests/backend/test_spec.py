@@ -566,3 +566,25 @@ def test_gpu_runner_verify_steps_are_token_identical(arch, over) -> None:
     assert eng.stats.spec_accepted_tokens > 0 and eng.stats.spec_drafted_tokens > eng.stats.spec_accepted_tokens
     if over.get("device") != "cuda":
         assert assert_snapshots_exact(eng, arch) > 0
+
+
+def test_shipped_model_bf16_greedy_identity_and_tau() -> None:
+    """The shipped k3-tiny (bf16, trained: its code completions repeat themselves): speculative greedy output
+    equals plain output token for token (verify rows compute as decode rows do; bf16 exposes any difference
+    in rounding), and prompt lookup accepts well over one token per verify."""
+    from k3rt.backend.tokenizer import load_tokenizer
+    from k3rt.config import EngineConfig
+    from k3rt.models import resolve_model_dir
+
+    model_dir = resolve_model_dir("k3-tiny")
+    tok = load_tokenizer(model_dir)
+    prompts = [tok.encode_prompt(p) for p in ("def fibonacci(n):", "def quicksort(xs):", "def is_prime(n):")]
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    outs, taus = {}, {}
+    for method in (None, "ngram", "suffix"):
+        eng = Engine(EngineConfig(model=str(model_dir), spec=SpecConfig(method=method, num_tokens=4)))
+        outs[method] = [o.output_ids for o in eng.generate(prompts, params)]
+        taus[method] = eng.stats.spec_tau
+        eng.check()
+    assert outs["ngram"] == outs[None] and outs["suffix"] == outs[None]
+    assert taus["ngram"] > 2.0 and taus["suffix"] > 1.3, taus
