@@ -117,7 +117,8 @@ class KimiDeltaAttention(nn.Module):
                 # Token by token, as plain decoding computes each of these positions (same numerics).
                 assert not positions, "verify runs publish no snapshots"
                 o, _ = kda_recurrent(*args, initial_state=init)
-                batch.verify_inputs[(i, self.layer_idx)] = (qkv[b:e], g[b:e], beta[b:e])
+                # copies: a view would keep the whole step's activations alive until the commit
+                batch.verify_inputs[(i, self.layer_idx)] = (qkv[b:e].clone(), g[b:e].clone(), beta[b:e].clone())
                 out[b:e] = o[0]
                 continue
             if e - b == 1 and not positions:

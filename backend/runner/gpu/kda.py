@@ -119,7 +119,9 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
     g = _gate(attn, w, f)
     beta = torch.sigmoid(b.float())
     if live is not None:
-        step.verify_inputs[attn.layer_idx] = (qkv, g, beta)
+        # only the verify runs' rows, gathered (the step's activations are not kept alive until the commit)
+        rows = torch.cat([torch.arange(step.cu[i], step.cu[i + 1]) for i in step.verify_seqs]).to(qkv.device)
+        step.verify_inputs[attn.layer_idx] = (qkv[rows], g[rows], beta[rows])
     nseq, snaps = step.num_seqs, step.snapshots
     # the recurrence runs on a contiguous copy of the sequences' states: slots 0..B-1 live, B.. snapshots
     states = torch.empty(nseq + len(snaps), H, D, D, dtype=torch.float32, device=qkv.device)
@@ -169,11 +171,14 @@ def kda_commit(attn: KimiDeltaAttention, w: KdaWeights, step: GpuStep, runs: lis
     inputs (pre-conv qkv, g, beta) re-derive the state after the accepted prefix. The conv is the general
     form's (fp32 taps in order) and the recurrence the exact per-token one.
     TODO(issue 16): one launch over all runs (kda_decode-style replay) instead of a host loop."""
-    qkv, g, beta = step.verify_inputs[attn.layer_idx]
+    qkv, g, beta = step.verify_inputs[attn.layer_idx]  # rows of the verify runs, in step order
     H, D = attn.num_heads, attn.head_dim
     W = w.conv_weight.shape[1]
+    offset = {}
+    for i in step.verify_seqs:
+        offset[i] = sum(step.lens[j] for j in step.verify_seqs if j < i)
     for seq, m, page in runs:
-        s = step.cu[seq]
+        s = offset[seq]
         ext = torch.cat([conv_pool[page].to(qkv.dtype), qkv[s:s + m]])  # [W-1+m, C]
         y = torch.zeros(m, qkv.shape[1], dtype=torch.float32, device=qkv.device)
         for tap in range(W):
