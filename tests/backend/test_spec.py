@@ -588,3 +588,43 @@ def test_shipped_model_bf16_greedy_identity_and_tau() -> None:
         eng.check()
     assert outs["ngram"] == outs[None] and outs["suffix"] == outs[None]
     assert taus["ngram"] > 2.0 and taus["suffix"] > 1.3, taus
+
+
+class _NullOracle(Drafter):
+    """Drafts the null runner's own next tokens (every draft accepted), but only every other step's worth."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+
+    def propose(self, queries):
+        out = []
+        for q in queries:
+            seq, d = list(q.token_ids), []
+            for _ in range(q.max_tokens):
+                d.append(self.runner.next_token(seq))
+                seq.append(d[-1])
+            out.append(d)
+        return out
+
+
+@pytest.mark.parametrize("num_pages", [400, 10], ids=["roomy", "tight-preempting"])
+def test_lookahead_pages_across_page_boundaries_with_the_null_runner(tmp_path_factory, num_pages) -> None:
+    """Null runner (no compute): verify runs cross page boundaries (block 48) at every offset; lookahead
+    pages come from free memory only; page accounting (Engine.check) holds after every step, and the tokens
+    equal the plain run's. On a tight pool drafts shrink to the pages there are and requests are preempted."""
+    ckpt = tiny_checkpoint(tmp_path_factory, "k3")
+    rng = random.Random(21)
+    prompts = [_rand(rng, n) for n in (1, 40, 47, 48, 49, 95, 100)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (60, 9, 50, 2, 49, 30, 57)]
+    plain = run(make_engine(ckpt, num_pages=num_pages), prompts, params)
+    eng = make_engine(ckpt, num_pages=num_pages, engine={"spec": SpecConfig(method="ngram", num_tokens=7)})
+    eng.scheduler.drafter = _NullOracle(eng.runner.inner)
+    out = run(eng, prompts, params)
+    assert [o.output_ids for o in out] == [o.output_ids for o in plain]
+    s = eng.stats
+    assert s.spec_accepted_tokens == s.spec_drafted_tokens > 0 and s.spec_tau > 4
+    crossed = {(c.start // 48, (c.start + c.num_tokens + 7) // 48) for st in eng.runner.steps for c in st.chunks}
+    assert any(a != b for a, b in crossed)
+    if num_pages == 10:
+        assert s.preemptions > 0
+    assert_at_rest(eng)
