@@ -521,7 +521,8 @@ class Scheduler:
         """Make running request p publish a snapshot at lo: in the chunk it runs this step when that
         chunk covers lo (its plan was already consumed for this step), else in its plan."""
         c = self._chunks.get(p.rid)
-        if c is not None and c.start < lo <= c.start + c.num_tokens:
+        # never into a verify chunk: its KDA state is only known after verification (the plan takes it)
+        if c is not None and not c.draft_ids and c.start < lo <= c.start + c.num_tokens:
             if all(pos != lo for pos, _ in c.snapshots) and ((lo - c.start) % KDA_CHUNK == 0
                                                                 or lo == c.start + c.num_tokens):
                 below = max((pos for pos, _ in c.snapshots if pos < lo), default=c.start)
