@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 from dataclasses import replace
@@ -628,3 +629,20 @@ def test_lookahead_pages_across_page_boundaries_with_the_null_runner(tmp_path_fa
     if num_pages == 10:
         assert s.preemptions > 0
     assert_at_rest(eng)
+
+
+def test_cli_generate_with_spec(tmp_path_factory, capsys) -> None:
+    """`k3rt generate --spec suffix --spec-tokens 3 --json`: the plain greedy tokens, and the spec counters."""
+    from k3rt.cli import main
+
+    ckpt = tiny_checkpoint(tmp_path_factory, "k3")
+    args = ["generate", "--model", str(ckpt), "--prompt", "abc abc abc abc", "--max-tokens", "16",
+            "--ignore-eos", "--json"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(args + ["--spec", "suffix", "--spec-tokens", "3"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) == 16
+    assert set(spec["spec"]) == {"drafted_tokens", "accepted_tokens", "verifies", "tau"}
+    with pytest.raises(SystemExit):  # argparse: not one of the drafters
+        main(args + ["--spec", "eagle"])
