@@ -249,13 +249,14 @@ class Scheduler:
             queries.append(DraftQuery(req.rid, req.token_ids, req.prompt_len, k))
         if not queries:
             return 0
-        drafts = dict(zip((q.rid for q in queries), self.drafter.propose(queries)))
+        limit = {q.rid: q.max_tokens for q in queries}
+        drafts = dict(zip(limit, self.drafter.propose(queries)))
         used = 0
         for req in list(self._step_decodes):
             d = drafts.get(req.rid)
             if not d or left <= 0:
                 continue
-            d = d[:left]
+            d = list(d[:min(left, limit[req.rid])])  # a drafter's extra tokens would overrun max_tokens
             if req.grammar is not None:
                 d = _grammar_prefix(req.grammar, d)
             nc = req.num_computed
