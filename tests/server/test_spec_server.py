@@ -66,6 +66,9 @@ def test_speculative_server(spec_server: ServeProcess, tiny_model: Path) -> None
     stop = text[len(text) // 2:len(text) // 2 + 2]
     cut = _complete(spec_server, "The speculative server says", stop=[stop])
     assert cut["choices"][0]["text"] == text[:text.find(stop)] and cut["choices"][0]["finish_reason"] == "stop"
+    # n = 2: both choices speculate (and the global trie drafts them), both equal the plain output
+    two = _complete(spec_server, "The speculative server says", n=2)
+    assert [c["token_ids"] for c in two["choices"]] == [ids, ids]
     # opted out: no drafts for it, same output
     drafted = spec_server.stats()["stats"]["spec_drafted_tokens"]
     out = _complete(spec_server, "The speculative server says", speculative=False)
