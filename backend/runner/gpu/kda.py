@@ -168,25 +168,36 @@ def kda_commit(attn: KimiDeltaAttention, w: KdaWeights, step: GpuStep, runs: lis
     tokens of its run. runs: (sequence, m, its state page of this layer's group).
 
     Rollback without a state per draft position: the states were left at the run's start, and the step's
-    inputs (pre-conv qkv, g, beta) re-derive the state after the accepted prefix. The conv is the general
+    inputs (pre-conv qkv, g, beta) re-derive the state after the accepted prefix. Batched over the runs,
+    padded to the longest (a padded position leaves its run's state as it was); the conv is the general
     form's (fp32 taps in order) and the recurrence the exact per-token one.
-    TODO(issue 16): one launch over all runs (kda_decode-style replay) instead of a host loop."""
+    TODO(issue 16): one fused launch (kda_decode-style replay) instead of ~max(m) small ones per layer."""
     qkv, g, beta = step.verify_inputs[attn.layer_idx]  # rows of the verify runs, in step order
     H, D = attn.num_heads, attn.head_dim
     W = w.conv_weight.shape[1]
-    offset = {}
+    dev = qkv.device
+    first = {}
     for i in step.verify_seqs:
-        offset[i] = sum(step.lens[j] for j in step.verify_seqs if j < i)
-    for seq, m, page in runs:
-        s = offset[seq]
-        ext = torch.cat([conv_pool[page].to(qkv.dtype), qkv[s:s + m]])  # [W-1+m, C]
-        y = torch.zeros(m, qkv.shape[1], dtype=torch.float32, device=qkv.device)
-        for tap in range(W):
-            y.addcmul_(ext[tap:tap + m].float(), w.conv_weight[:, tap])
-        y = F.silu(y).to(qkv.dtype)
-        conv_pool[page] = ext[m:m + W - 1].to(conv_pool.dtype)
-        _, kk, v = y.view(m, 3, H, D).unbind(1)
-        kk, v = kk[None].float(), v[None].float()
+        first[i] = sum(step.lens[j] for j in step.verify_seqs if j < i)
+    n, M = len(runs), max(m for _, m, _ in runs)
+    pages = torch.tensor([p for _, _, p in runs], dtype=torch.long, device=dev)
+    ms = torch.tensor([m for _, m, _ in runs], dtype=torch.long, device=dev)
+    offs = torch.tensor([first[s] for s, _, _ in runs], dtype=torch.long, device=dev)
+    t = torch.arange(M, device=dev)
+    rows = offs[:, None] + torch.minimum(t[None, :], ms[:, None] - 1)  # [n, M], past m: the last row again
+    ext = torch.cat([conv_pool[pages].to(qkv.dtype), qkv[rows]], dim=1)  # [n, W-1+M, C]
+    y = torch.zeros(n, M, qkv.shape[1], dtype=torch.float32, device=dev)
+    for tap in range(W):  # output t reads ext rows t..t+W-1: real rows for every t < m
+        y.addcmul_(ext[:, tap:tap + M].float(), w.conv_weight[:, tap])
+    y = F.silu(y).to(qkv.dtype)
+    tail = ms[:, None] + torch.arange(W - 1, device=dev)[None, :]  # the window after m tokens
+    conv_pool[pages] = ext[torch.arange(n, device=dev)[:, None], tail].to(conv_pool.dtype)
+    _, kk, v = y.view(n, M, 3, H, D).unbind(2)
+    kk, v, gg, bb = kk.float(), v.float(), g[rows], beta[rows]
+    S = rec_pool[pages]  # [n, H, D, D]
+    for j in range(M):
         # the state never reads q; kk stands in for it
-        _, final = kda_recurrent(kk, kk, v, g[None, s:s + m], beta[None, s:s + m], initial_state=rec_pool[page][None])
-        rec_pool[page] = final[0]
+        _, nxt = kda_recurrent(kk[:, j:j + 1], kk[:, j:j + 1], v[:, j:j + 1], gg[:, j:j + 1], bb[:, j:j + 1],
+                               initial_state=S)
+        S = torch.where((j < ms)[:, None, None, None], nxt, S)
+    rec_pool[pages] = S
