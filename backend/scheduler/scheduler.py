@@ -39,6 +39,7 @@ overwritten later, so nothing is published there: snapshots stay at accepted pos
 from __future__ import annotations
 
 import bisect
+import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -48,6 +49,8 @@ from k3rt.backend.cache.radix import Node, RadixCache, common_prefix as _common_
 from k3rt.backend.scheduler.request import FinishReason, Request, Status
 from k3rt.backend.spec.base import DraftQuery, Drafter
 from k3rt.config import KDA_CHUNK, CacheConfig, SchedulerConfig, SpecConfig
+
+log = logging.getLogger(__name__)
 
 # waiting requests compared token by token with a running request per step (~0.1 ms each for a 4K
 # prefix): a thousand requests arriving together are looked at over a few steps, not in one
@@ -250,7 +253,11 @@ class Scheduler:
         if not queries:
             return 0
         limit = {q.rid: q.max_tokens for q in queries}
-        drafts = dict(zip(limit, self.drafter.propose(queries)))
+        try:
+            drafts = dict(zip(limit, self.drafter.propose(queries)))
+        except Exception:  # drafts are optional: a drafter bug costs this step's speculation, not the engine
+            log.exception("the drafter failed; this step decodes without drafts")
+            return 0
         used = 0
         for req in list(self._step_decodes):
             d = drafts.get(req.rid)

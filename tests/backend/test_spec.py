@@ -646,3 +646,18 @@ def test_cli_generate_with_spec(tmp_path_factory, capsys) -> None:
     assert set(spec["spec"]) == {"drafted_tokens", "accepted_tokens", "verifies", "tau"}
     with pytest.raises(SystemExit):  # argparse: not one of the drafters
         main(args + ["--spec", "eagle"])
+
+
+def test_a_failing_drafter_costs_only_speculation(tmp_path_factory) -> None:
+    class Broken(Drafter):
+        def propose(self, queries):
+            raise RuntimeError("drafter bug")
+
+    ckpt = tiny_checkpoint(tmp_path_factory, "k3")
+    prompts = [_rand(random.Random(5), 12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)]
+    plain = run(make_engine(ckpt), prompts, params)
+    eng = make_engine(ckpt, engine={"spec": SpecConfig(method="ngram")})
+    eng.scheduler.drafter = Broken()
+    assert [o.output_ids for o in run(eng, prompts, params)] == [o.output_ids for o in plain]
+    assert eng.stats.spec_verifies == 0
