@@ -91,8 +91,9 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPEC_METHODS:
             raise ValueError(f"spec: {self.method!r} not one of {', '.join(SPEC_METHODS)}")
-        if not 1 <= self.num_tokens <= 64:
-            raise ValueError(f"spec_tokens: must be in [1, 64], got {self.num_tokens}")
+        # 16: the KDA verify kernel's longest run, and within every grammar backend's rollback (outlines keeps 32)
+        if not 1 <= self.num_tokens <= 16:
+            raise ValueError(f"spec_tokens: must be in [1, 16], got {self.num_tokens}")
         if self.max_draft_tokens_per_step < 1:
             raise ValueError(f"max_draft_tokens_per_step: must be >= 1, got {self.max_draft_tokens_per_step}")
         if not 1 <= self.ngram_min <= self.ngram_max:

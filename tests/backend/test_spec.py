@@ -193,8 +193,19 @@ def test_greedy_speculation_is_token_identical(arch, method) -> None:
     eng = _spec_engine(arch, "ngram" if method == "oracle" else method)
     if method == "oracle":
         eng.scheduler.drafter = OracleDrafter(_refs(r1 + r2, ref1 + ref2), noise=0.25, seed=1)
+    mixed: set[str] = set()  # what verify runs shared a forward with
+    execute = eng.runner.execute
+
+    def spy(out):
+        if any(c.draft_ids for c in out.chunks):
+            mixed.update(["prefill"] * any(c.num_tokens > 1 for c in out.chunks) + ["decode"] * bool(out.decodes))
+        return execute(out)
+
+    eng.runner.execute = spy
     out1 = run(eng, r1, p1)
     out2 = run(eng, r2, p2)
+    # the oracle drafts for every decode (so none stay plain); the others draft now and then
+    assert ("prefill" in mixed) if method == "oracle" else ("decode" in mixed)
     assert [o.output_ids for o in out1] == ref1
     assert [o.output_ids for o in out2] == ref2
     s = eng.stats
