@@ -672,3 +672,11 @@ def test_a_failing_drafter_costs_only_speculation(tmp_path_factory) -> None:
     eng.scheduler.drafter = Broken()
     assert [o.output_ids for o in run(eng, prompts, params)] == [o.output_ids for o in plain]
     assert eng.stats.spec_verifies == 0
+
+
+@pytest.mark.parametrize("kw, field", [({"method": "eagle"}, "spec"), ({"num_tokens": 17}, "spec_tokens"),
+                                       ({"num_tokens": 0}, "spec_tokens"), ({"ngram_min": 3, "ngram_max": 2}, "ngram_min")],
+                         ids=["method", "too-many", "zero", "ngram-range"])
+def test_spec_config_errors_name_the_field(kw, field) -> None:
+    with pytest.raises(ValueError, match=field):
+        SpecConfig(**kw)
