@@ -21,6 +21,7 @@ from k3rt.backend.engine_stats import QUEUE_WAIT_BUCKETS_S, STEP_TIME_BUCKETS_S,
 from k3rt.backend.runner.base import Runner
 from k3rt.backend.scheduler.request import FinishReason, Request
 from k3rt.backend.scheduler.scheduler import Scheduler
+from k3rt.backend.spec.base import create_drafter
 from k3rt.cache_layout import CacheLayout, compute_layout
 from k3rt.config import EngineConfig
 from k3rt.model_config import ModelConfig, load_model_config
@@ -44,6 +45,7 @@ class RequestOutput:
     prompt_top_logprobs: dict[int, list[list[float]]] | None = None
     error: str | None = None  # why the request failed (finish_reason "error"), naming the field
     top_logprobs: list[list[list[float]]] | None = None  # per new token: [[token_id, logprob], ...]
+    spec_accepted_tokens: int = 0  # draft tokens accepted so far for this request (speculative decoding)
 
 
 def cache_geometry(cfg: EngineConfig, model_cfg: ModelConfig) -> tuple[CacheLayout, int]:
@@ -78,7 +80,10 @@ class Engine:
             log.warning("KDA state padding %.1f%% of each page", 100 * self.layout.padding_fraction)
         self.runner = self._make_runner(model, torch)
         policy = CachePolicy(eviction="lru" if cc.full_block_mode else cc.eviction)
-        self.scheduler = Scheduler(cfg.scheduler, cc, self.pool, RadixCache(self.pool, self.layout.block_size, policy))
+        if cfg.spec.enabled:
+            log.info("speculative decoding: %s, up to %d draft tokens per request", cfg.spec.method, cfg.spec.num_tokens)
+        self.scheduler = Scheduler(cfg.scheduler, cc, self.pool, RadixCache(self.pool, self.layout.block_size, policy),
+                                   drafter=create_drafter(cfg.spec), spec_cfg=cfg.spec)
         self.requests: dict[int, Request] = {}
         self._rids = itertools.count()
         self._eos = frozenset(self.model_cfg.eos_token_ids)
@@ -312,17 +317,22 @@ class Engine:
                 self.scheduler.fail(req, req.sampled.error)
                 outputs.append(self._output(req, []))
             else:
-                outputs.append(self._output(req, [sampled[req.rid]]))
+                s = sampled[req.rid]
+                outputs.append(self._output(req, s if isinstance(s, list) else [s]))
         return outputs
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
         lp = top = None
-        if req.params.logprobs is not None and new and req.sampled.logprob is not None:
-            lp = [req.sampled.logprob]
-            top = [[[t, v] for t, v in req.sampled.top_logprobs or []]]
+        st = req.sampled
+        if req.params.logprobs is not None and new and st.run_logprobs is not None:
+            lp, top = st.run_logprobs, [[[t, v] for t, v in row] for row in st.run_top_logprobs]
+            st.run_logprobs = st.run_top_logprobs = None
+        elif req.params.logprobs is not None and new and st.logprob is not None:
+            lp = [st.logprob]
+            top = [[[t, v] for t, v in st.top_logprobs or []]]
         if not req.finished:
             return RequestOutput(req.rid, new, None, False, None, req.prompt_len, req.cached_tokens,
-                                 logprobs=lp, top_logprobs=top)
+                                 logprobs=lp, top_logprobs=top, spec_accepted_tokens=req.spec_accepted)
         self.requests.pop(req.rid, None)
         self.runner.release(req.rid)
         scored = req.prompt_logprobs_from is not None
@@ -332,7 +342,7 @@ class Engine:
         return RequestOutput(req.rid, new, req.output_ids, True, req.finish_reason.value if req.finish_reason else None,
                              req.prompt_len, req.cached_tokens, logprobs=lp, top_logprobs=top,
                              prompt_logprobs=dict(req.sampled.prompt_logprobs) if scored else None,
-                             prompt_top_logprobs=tops, error=req.error)
+                             prompt_top_logprobs=tops, error=req.error, spec_accepted_tokens=req.spec_accepted)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, cache_salt: str | None = None) -> list[RequestOutput]:

@@ -39,6 +39,8 @@ def engine_stats(engine) -> dict:
         "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens, "computed_tokens": s.computed_tokens,
         "computed_prompt_tokens": s.computed_prompt_tokens, "preemptions": s.preemptions,
         "snapshots_published": s.snapshots_published, "pins_dropped": s.pins_dropped,
+        "spec_verifies": s.spec_verifies, "spec_drafted_tokens": s.spec_drafted_tokens,
+        "spec_accepted_tokens": s.spec_accepted_tokens,
         "evicted_snapshots": tree.stats.evicted_snapshots, "evicted_pages": tree.stats.evicted_pages,
         "steps": engine.num_steps,
         "step_time": engine.step_time.as_dict(), "queue_wait": engine.queue_wait.as_dict(),

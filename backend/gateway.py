@@ -114,6 +114,7 @@ class ChoiceDelta:
     # on the last delta of a job with prompt_logprobs_from: one entry per prompt token, None where not scored
     # (position 0, and positions before prompt_logprobs_from)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    spec_accepted_tokens: int = 0  # draft tokens accepted for this choice so far (speculative decoding)
 
 
 class TextStream:
@@ -370,7 +371,8 @@ class Gateway:
                     if finish is not None and not job.drop_output:
                         text.finish()
                     delta = ChoiceDelta(index, text.take(final=finish is not None), ids, lps, finish,
-                                        u.prompt_tokens, u.cached_tokens)
+                                        u.prompt_tokens, u.cached_tokens,
+                                        spec_accepted_tokens=u.spec_accepted_tokens)
                     if job.prompt_logprobs_from is not None and u.finished and finish != "error":
                         delta.prompt_logprobs = _prompt_logprobs(prompt_ids, u.prompt_logprobs,
                                                                  u.prompt_top_logprobs)

@@ -67,7 +67,8 @@ class RequestMap:
             ptop = None if o.prompt_top_logprobs is None else {str(k): v for k, v in o.prompt_top_logprobs.items()}
             updates.append(RequestUpdate(name, o.new_token_ids, o.finished, o.finish_reason, o.prompt_len,
                                          o.cached_tokens, o.logprobs, o.top_logprobs, error=o.error,
-                                         prompt_logprobs=plp, prompt_top_logprobs=ptop))
+                                         prompt_logprobs=plp, prompt_top_logprobs=ptop,
+                                         spec_accepted_tokens=o.spec_accepted_tokens))
             if o.finished:
                 del self.rids[name], self.names[o.rid]
                 if name in self.pinned and not self.engine.is_pinned(o.rid):

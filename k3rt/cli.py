@@ -114,6 +114,23 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object: prompt_token_ids, token_ids, text")
     p.add_argument("--device", default="cpu", help="torch device (default cpu; with --tp: cpu or cuda)")
     _add_tp(p)
+    _add_spec_args(p)
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    from k3rt.config import SPEC_METHODS
+
+    p.add_argument("--spec", choices=SPEC_METHODS, default=None,
+                   help="speculative decoding with a model-free drafter: 'ngram' (prompt lookup) or 'suffix' "
+                        "(suffix tries over the request and recent outputs); off by default")
+    p.add_argument("--spec-tokens", type=int, default=4, metavar="K",
+                   help="draft tokens per request per step, at most (default 4)")
+
+
+def _spec_config(a: argparse.Namespace):
+    from k3rt.config import SpecConfig
+
+    return SpecConfig(method=a.spec, num_tokens=a.spec_tokens)
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
@@ -121,6 +138,11 @@ def _cmd_generate(a: argparse.Namespace) -> int:
 
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
                             max_tokens=a.max_tokens, ignore_eos=a.ignore_eos)
+    spec = _spec_config(a)
+    if spec.enabled:
+        if (a.tp or 1) > 1:
+            raise ValueError(f"spec: speculative decoding runs at tp=1 only for now, got --tp {a.tp}")
+        return _generate_speculative(a, params, spec)
     from k3rt.backend.tokenizer import load_tokenizer
     from k3rt.backend.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -171,6 +193,38 @@ def _generate_tp(engine: "EngineConfig", prompt_ids: list[int], params, eos: lis
                 yield from o.new_token_ids
     finally:
         eng.close()
+
+
+def _generate_speculative(a: argparse.Namespace, params, spec) -> int:
+    """`generate --spec`: the engine (reference runner) with a drafter, one request; reports tau."""
+    from k3rt.backend.engine import Engine
+    from k3rt.backend.tokenizer import load_tokenizer
+    from k3rt.backend.tokenizer.detokenizer import IncrementalDetokenizer
+    from k3rt.config import EngineConfig
+
+    model_dir = resolve_model_dir(a.model)
+    tok = load_tokenizer(model_dir)
+    eng = Engine(EngineConfig(model=str(model_dir), dtype=a.dtype, runner="model", spec=spec))
+    prompt_ids = tok.encode_prompt(a.prompt)
+    eng.add_request(prompt_ids, params, eos_token_ids=tok.eos_token_ids)
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=True)
+    out: list[int] = []
+    while eng.has_unfinished:
+        for o in eng.step():
+            out.extend(o.new_token_ids)
+            if not a.json:
+                sys.stdout.write("".join(detok.push(t) for t in o.new_token_ids))
+                sys.stdout.flush()
+    s = eng.stats
+    info = {"drafted_tokens": s.spec_drafted_tokens, "accepted_tokens": s.spec_accepted_tokens,
+            "verifies": s.spec_verifies, "tau": round(s.spec_tau, 3)}
+    if a.json:
+        print(json.dumps({"prompt_token_ids": prompt_ids, "token_ids": out,
+                          "text": tok.decode(out, skip_special_tokens=True), "spec": info}))
+    else:
+        sys.stdout.write(detok.flush() + "\n")
+        print(f"spec {spec.method}: {info}", file=sys.stderr)
+    return 0
 
 
 def _add_make_tiny(sub: argparse._SubParsersAction) -> None:
@@ -454,6 +508,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "room to admit a request")
     p.add_argument("--log-level", default=argparse.SUPPRESS, help="logging level (default WARNING)")
     _add_tp(p)
+    _add_spec_args(p)
 
 
 def _cmd_serve(a: argparse.Namespace) -> int:
@@ -482,7 +537,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
                           runner=a.runner, cuda_graphs=not a.no_cuda_graphs, use_pdl=a.pdl, random_weights=a.random_weights,
                           cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=a.max_batched_tokens,
                                                                  max_running=a.max_running, max_waiting=a.max_waiting),
-                          tp=tp, ep=a.ep, dist=dist)
+                          tp=tp, ep=a.ep, dist=dist, spec=_spec_config(a))
     if role != 0:
         return _run_other_rank(engine, role)
     keys = list(a.api_key or [])

@@ -70,6 +70,50 @@ class SchedulerConfig:
             raise ValueError(f"max_waiting: must be >= 0, got {self.max_waiting}")
 
 
+SPEC_METHODS = ("ngram", "suffix")  # model-free drafters; "dspark" (a checkpoint's draft head) joins here
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding (backend/spec/): who drafts, how many tokens, and the drafters' knobs."""
+
+    method: str | None = None  # None: off; one of SPEC_METHODS
+    num_tokens: int = 4  # draft tokens per request per step, at most (K)
+    # draft tokens per step over all requests; they also count against max_num_batched_tokens
+    max_draft_tokens_per_step: int = 256
+    ngram_min: int = 2  # prompt lookup: match the last n tokens, n from ngram_max down to ngram_min
+    ngram_max: int = 4
+    suffix_max_depth: int = 24  # longest substring the suffix tries index (pattern + continuation)
+    suffix_min_prob: float = 0.1  # stop a draft when its estimated probability of survival drops below this
+    suffix_max_spec_factor: float = 1.0  # a draft is at most this many times the matched pattern's length
+    suffix_index_tokens: int = 8192  # a request's trie indexes only its last this many tokens (bounded host time)
+    suffix_cached_requests: int = 256  # finished requests whose outputs the global trie keeps
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPEC_METHODS:
+            raise ValueError(f"spec: {self.method!r} not one of {', '.join(SPEC_METHODS)}")
+        # 16: the KDA verify kernel's longest run, and within every grammar backend's rollback (outlines keeps 32)
+        if not 1 <= self.num_tokens <= 16:
+            raise ValueError(f"spec_tokens: must be in [1, 16], got {self.num_tokens}")
+        if self.max_draft_tokens_per_step < 1:
+            raise ValueError(f"max_draft_tokens_per_step: must be >= 1, got {self.max_draft_tokens_per_step}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"ngram_min, ngram_max: need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
+                             f"{self.ngram_max}")
+        if self.suffix_max_depth < 2:
+            raise ValueError(f"suffix_max_depth: must be >= 2, got {self.suffix_max_depth}")
+        if not 0.0 <= self.suffix_min_prob <= 1.0:
+            raise ValueError(f"suffix_min_prob: must be in [0, 1], got {self.suffix_min_prob}")
+        if self.suffix_max_spec_factor <= 0:
+            raise ValueError(f"suffix_max_spec_factor: must be > 0, got {self.suffix_max_spec_factor}")
+        if self.suffix_index_tokens < 1 or self.suffix_cached_requests < 0:
+            raise ValueError("suffix_index_tokens must be >= 1 and suffix_cached_requests >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
 @dataclass(frozen=True)
 class DistConfig:
     """Where the tensor-parallel ranks of one engine run and how they meet (torchrun-style rendezvous).
@@ -132,6 +176,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
         if self.runner == "auto":
@@ -153,6 +198,9 @@ class EngineConfig:
             raise ValueError(f"tp: {self.tp} ranks do not split evenly over nnodes={self.dist.nnodes}")
         if self.tp > 1 and self.random_weights:
             raise ValueError("random_weights: each rank would draw different weights for its shard; use tp=1")
+        if self.tp > 1 and self.spec.enabled:
+            # the workers would need the accepted length of every verify run to commit their KDA shards
+            raise ValueError(f"spec: speculative decoding runs at tp=1 only for now, got tp={self.tp}")
         if self.tp > 1 and self.device not in ("cpu", "cuda"):
             # each rank takes its own device (cuda:<local rank>); a fixed index would put every rank on one GPU
             raise ValueError(f"device: with tp > 1 use 'cpu' or 'cuda' (one GPU per rank), got {self.device!r}")

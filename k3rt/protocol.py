@@ -97,6 +97,7 @@ class RequestUpdate:
     prompt_logprobs: dict[str, float] | None = None  # position (str, JSON keys) -> logprob; with `finished`
     # position (str) -> the params.logprobs most likely [[token_id, logprob], ...] there; with prompt_logprobs
     prompt_top_logprobs: dict[str, list] | None = None
+    spec_accepted_tokens: int = 0  # draft tokens accepted for this request so far (speculative decoding)
 
 
 @dataclass(frozen=True)

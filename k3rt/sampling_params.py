@@ -28,6 +28,8 @@ class SamplingParams:
     logit_bias: (token id, bias) pairs added to those tokens' logits before penalties and temperature
         (OpenAI semantics; bias in [-100, 100], -100 bans a token in practice). The ids' upper bound (the
         vocabulary) is checked where the vocabulary is known (the HTTP edge, the sampler).
+    speculative: let a speculative server draft and verify tokens for this request (False: plain decoding;
+        outputs are the same either way under greedy sampling, and the same in distribution otherwise).
     """
 
     temperature: float = 1.0
@@ -44,6 +46,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         # comparisons are written so that NaN fails them

@@ -45,6 +45,10 @@ class StepPlan:
     seqs: tuple[PlanSeq, ...] = ()
     token_ids: tuple[int, ...] = ()  # flat: seqs[0]'s tokens, then seqs[1]'s, ...
     logits_rows: tuple[int, ...] = ()  # rows of the flat hidden state whose logits the step returns
+    # per seq: a verify chunk of speculative decoding (logits at every fed row; KDA states left for the
+    # commit after verification). Rank 0 only: not packed, since speculation is refused under TP (the
+    # commit of the accepted runs would need a second message to the workers)
+    verify: tuple[bool, ...] = ()
 
     def pack(self) -> torch.Tensor:
         """This plan as one CPU int64 tensor (unpack(pack(p)) == p)."""

@@ -69,6 +69,10 @@ class ForwardBatch:
     logits_indices: rows of the flat hidden state to compute logits for (None: every row).
     state_positions: per sequence, token counts (absolute) at which KDA layers must also report the
       state (prefix-cache snapshots); collected into `emitted_states` keyed (seq, layer, position).
+    verify: per sequence, True for a speculative verify run: KDA layers read its state but leave it as it
+      was, and keep the run's per-token inputs in `verify_inputs[(seq, layer)]` (pre-conv qkv [T, 3P],
+      gate g [T, H, K], beta [T, H]) so that `KimiForCausalLM.commit_verified` can replay the accepted
+      prefix into the state. MLA layers write every position (rejected ones are overwritten later).
     """
 
     seq_lens: list[int]
@@ -77,6 +81,8 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None = None
     state_positions: list[tuple[int, ...]] | None = None
     emitted_states: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    verify: list[bool] | None = None
+    verify_inputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.start_positions:
@@ -87,6 +93,8 @@ class ForwardBatch:
             raise ValueError("start_positions: non-zero start needs caches")
         if self.caches is not None and len(self.caches) != len(self.seq_lens):
             raise ValueError("caches: one SequenceCache per sequence required")
+        if self.verify is not None and (len(self.verify) != len(self.seq_lens) or self.caches is None):
+            raise ValueError("verify: one flag per sequence, and caches to verify against")
 
     @property
     def num_tokens(self) -> int:
@@ -96,7 +104,8 @@ class ForwardBatch:
     def dense_shape(self) -> tuple[int, int] | None:
         """(B, T) when the step is B fresh sequences of one length T, with no caches and no state
         snapshots (training and evaluation windows): layers may then run on [B, T] at once."""
-        if self.caches is not None or (self.state_positions and any(self.state_positions)) or not self.seq_lens:
+        if (self.caches is not None or (self.state_positions and any(self.state_positions)) or not self.seq_lens
+                or (self.verify and any(self.verify))):
             return None
         t = self.seq_lens[0]
         return (len(self.seq_lens), t) if t > 0 and all(n == t for n in self.seq_lens) else None

@@ -111,6 +111,16 @@ class KimiDeltaAttention(nn.Module):
             init = None if rec_state is None else rec_state[None]
             start = batch.start_positions[i]
             positions = tuple(p - start for p in (batch.state_positions or [()] * len(batch.seq_lens))[i])
+            verify = batch.verify is not None and batch.verify[i]
+            if verify:
+                # the state stays as it was: commit_verified replays the accepted prefix from these inputs.
+                # Token by token, as plain decoding computes each of these positions (same numerics).
+                assert not positions, "verify runs publish no snapshots"
+                o, _ = kda_recurrent(*args, initial_state=init)
+                # copies: a view would keep the whole step's activations alive until the commit
+                batch.verify_inputs[(i, self.layer_idx)] = (qkv[b:e].clone(), g[b:e].clone(), beta[b:e].clone())
+                out[b:e] = o[0]
+                continue
             if e - b == 1 and not positions:
                 o, final = kda_recurrent(*args, initial_state=init)
                 states: list[torch.Tensor] = []
@@ -128,3 +138,20 @@ class KimiDeltaAttention(nn.Module):
                 conv_state.copy_(new_conv[0])
                 rec_state.copy_(final[0])
         return out
+
+    def commit_verified(self, cache, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], num_tokens: int) -> None:
+        """Advance the sequence's conv and recurrent state by the first num_tokens tokens of a verify run.
+
+        The state was left at the run's start, so this is rollback without a state per draft position:
+        the conv window is recomputed from the accepted tokens' pre-conv inputs and the recurrence replayed
+        over their k, v, g, beta (inputs: pre-conv qkv [T, 3P], g [T, H, K], beta [T, H], T >= num_tokens;
+        about 4P values per token against the H*K*V state)."""
+        qkv, g, beta = inputs
+        m, hd, d = num_tokens, self.num_heads, self.head_dim
+        conv_state, rec_state = cache.kda_state(self.layer_idx)
+        y, new_conv = causal_conv1d(qkv[None, :m], self.conv_weight, conv_state[None], activation="silu")
+        _, k, v = y[0].view(m, 3, hd, d).unbind(1)
+        # the recurrence never reads q for the state; k stands in for it
+        _, final = kda_recurrent(k[None], k[None], v[None], g[None, :m], beta[None, :m], initial_state=rec_state[None])
+        conv_state.copy_(new_conv[0])
+        rec_state.copy_(final[0])

@@ -105,6 +105,16 @@ class KimiForCausalLM(nn.Module):
             h = h[batch.logits_indices]
         return self.lm_head(h)
 
+    @torch.no_grad()
+    def commit_verified(self, batch: ForwardBatch, seq: int, num_tokens: int) -> None:
+        """After a forward with batch.verify[seq]: advance that sequence's KDA states (every KDA layer) by the
+        first num_tokens tokens of its run (1 <= num_tokens <= its seq_len)."""
+        if not 1 <= num_tokens <= batch.seq_lens[seq]:
+            raise ValueError(f"num_tokens: {num_tokens} outside [1, {batch.seq_lens[seq]}]")
+        for i, layer in enumerate(self.model.layers):
+            if self.cfg.layer_types[i] == "kda":
+                layer.self_attn.commit_verified(batch.caches[seq], batch.verify_inputs[(seq, i)], num_tokens)
+
     def new_cache(self, device: torch.device | str = "cpu") -> ContiguousCache:
         """An empty contiguous cache for one sequence (reference generation path)."""
         kda = {i: l.self_attn.state_shapes() for i, l in enumerate(self.model.layers) if self.cfg.layer_types[i] == "kda"}

@@ -123,6 +123,9 @@ class MultiHeadLatentAttention(nn.Module):
                 full = batch.caches[i].mla_extend(self.layer_idx, start, lat[b:e]).to(x.dtype)
             else:
                 full = lat[b:e]
-            attend = mla_absorbed if (e - b == 1 and start > 0) else mla_expanded
+            # a verify run takes the decode form too: its rows then compute as plain decode steps would
+            # (the expanded form rounds differently, which can flip a near-tie in bf16)
+            verify = batch.verify is not None and batch.verify[i]
+            attend = mla_absorbed if ((e - b == 1 or verify) and start > 0) else mla_expanded
             out[b:e] = attend(q[b:e], full, self.kv_b_proj.weight, start, *dims)
         return out

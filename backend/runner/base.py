@@ -17,7 +17,9 @@ class Runner(ABC):
         Order: page copies and state copies first, then the forward (which reads/writes the
         requests' pages and live state sets in place and emits snapshot states), then the
         emitted states are written to their destination state sets. Returns {rid: sampled token}
-        for every decode request and every chunk with needs_logits.
+        for every decode request and every chunk with needs_logits; for a verify chunk (draft_ids), the
+        accepted run as a list (backend/spec/rejection.py), with the request's live KDA state left after
+        exactly len(run) fed tokens from its start.
         """
 
     def release(self, rid: int) -> None:

@@ -1,6 +1,8 @@
 """The reference model runner: turns each scheduled step into a StepPlan, runs it over the page pool
 with the torch model (on every tensor-parallel rank when there are several), then samples on this
-rank (rank 0) from the gathered full-vocabulary logits."""
+rank (rank 0) from the gathered full-vocabulary logits. A verify chunk (speculative decoding, a single
+rank only) gets logits at every fed position; after verification its KDA states advance by the accepted
+run only."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from k3rt.backend.runner.sampling import prompt_score_rows, record_prompt_logpro
 from k3rt.backend.runner.step_plan import PlanExecutor, build_plan, step_chunks
 from k3rt.backend.sampling.sampler import Sampler
 from k3rt.backend.scheduler.scheduler import SchedulerOutput
+from k3rt.backend.spec.rejection import verify_requests
 
 
 class ModelRunner(Runner):
@@ -24,7 +27,7 @@ class ModelRunner(Runner):
         if sender is not None:
             pool.record_fills()
 
-    def execute(self, out: SchedulerOutput) -> dict[int, int]:
+    def execute(self, out: SchedulerOutput) -> dict[int, int | list[int]]:
         if not out.chunks and not out.decodes:
             return {}
         chunks = step_chunks(out)
@@ -33,15 +36,28 @@ class ModelRunner(Runner):
         plan = build_plan(out, chunks, self.pool.take_fills(), score_rows, self.pool.layout.block_size)
         # this pool applied the fills when it allocated; the other ranks replay them from the plan
         if self.sender is None:
-            logits = self.executor.run(plan, apply_fills=False)
+            logits, batch = self.executor.run_batch(plan, apply_fills=False)
         else:
+            if plan.verify:
+                raise RuntimeError("speculative decoding does not run under tensor parallelism yet")
             with self.sender.step(plan):
-                logits = self.executor.run(plan, apply_fills=False)
-        n = len(logits) - len(score_rows)
+                logits, batch = self.executor.run_batch(plan, apply_fills=False)
+        plain = [c for c in chunks if c.needs_logits and not c.draft_ids]
+        n_plain, n_verify = len(plain), sum(c.num_fed for c in chunks if c.draft_ids)
         if score_rows:
-            record_prompt_logprobs(logits[n:], score_rows)
-            logits = logits[:n]
-        return sample_requests(self.sampler, logits, [c.req for c in chunks if c.needs_logits])
+            record_prompt_logprobs(logits[n_plain + n_verify:], score_rows)
+        sampled: dict[int, int | list[int]] = sample_requests(self.sampler, logits[:n_plain], [c.req for c in plain])
+        if n_verify:
+            seqs = [i for i, c in enumerate(chunks) if c.draft_ids]
+            reqs = [chunks[i].req for i in seqs]
+            results = verify_requests(self.sampler, logits[n_plain:n_plain + n_verify], reqs,
+                                      [chunks[i].draft_ids for i in seqs])
+            for i, r, res in zip(seqs, reqs, results):
+                # the fed tokens of the run: the last token and the accepted drafts, one per emitted token
+                self.model.commit_verified(batch, i, len(res.token_ids))
+                r.sampled.run_logprobs, r.sampled.run_top_logprobs = res.logprobs, res.top_logprobs
+                sampled[r.rid] = res.token_ids
+        return sampled
 
     def check(self) -> None:
         if self.sender is not None:

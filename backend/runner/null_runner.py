@@ -20,7 +20,24 @@ class NullRunner(Runner):
         prev = token_ids[-2] if n > 1 else 0
         return (last * 1000003 + prev * 9176 + n * 31) % self.vocab_size
 
-    def execute(self, out: SchedulerOutput) -> dict[int, int]:
-        sampled = {r.rid: self.next_token(r.token_ids) for r in out.decodes}
-        sampled.update((c.req.rid, self.next_token(c.req.token_ids)) for c in out.chunks if c.needs_logits)
+    def execute(self, out: SchedulerOutput) -> dict[int, int | list[int]]:
+        sampled: dict[int, int | list[int]] = {r.rid: self.next_token(r.token_ids) for r in out.decodes}
+        sampled.update((c.req.rid, self.next_token(c.req.token_ids)) for c in out.chunks
+                       if c.needs_logits and not c.draft_ids)
+        for c in out.chunks:
+            if c.draft_ids:
+                sampled[c.req.rid] = self._verify(c.req, c.draft_ids)
         return sampled
+
+    def _verify(self, req, drafts: list[int]) -> list[int]:
+        """Greedy chain verification against the fake next tokens, ending at a token that ends the request
+        (as the real verifier does)."""
+        seq, run = list(req.token_ids), []
+        for j in range(len(drafts) + 1):
+            tok = self.next_token(seq)
+            run.append(tok)
+            seq.append(tok)
+            if (j == len(drafts) or tok != drafts[j] or tok in req.stop_ids
+                    or req.num_output + len(run) >= req.params.max_tokens):
+                break
+        return run

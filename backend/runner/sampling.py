@@ -10,6 +10,8 @@ from k3rt.backend.sampling.sampler import Sampler
 def sample_requests(sampler: Sampler, logits: torch.Tensor, reqs: list) -> dict[int, int]:
     """Sample one token per request row of `logits` (grammar masks, min_tokens, penalties, logprobs);
     -> {rid: token}."""
+    if not reqs:
+        return {}
     mask = None
     if any(r.grammar is not None or under_min_tokens(r) for r in reqs):
         from k3rt.backend.grammar import fill_batch_bitmask
@@ -72,7 +74,7 @@ def prompt_score_rows(chunks: list) -> list[tuple[object, int, int]]:
         if f is not None:
             for p in range(max(c.start, f - 1), min(c.start + c.num_tokens, len(r.token_ids) - 1)):
                 rows.append((r, row + p - c.start, p))
-        row += c.num_tokens
+        row += c.num_fed
     return rows
 
 

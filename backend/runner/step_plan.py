@@ -27,21 +27,29 @@ def step_chunks(out: SchedulerOutput) -> list[ScheduledChunk]:
 
 def build_plan(out: SchedulerOutput, chunks: list[ScheduledChunk], fills: list[tuple[int, list[int]]],
                score_rows: list[tuple[object, int, int]], block_size: int) -> StepPlan:
-    """chunks: step_chunks(out); score_rows: prompt_score_rows(chunks), whose logits follow the sampled rows."""
+    """chunks: step_chunks(out); score_rows: prompt_score_rows(chunks). Logit rows: the sampled rows of plain
+    chunks, then every fed row of the verify chunks (speculative decoding: the last token and its drafts),
+    then the scored prompt rows."""
     ids: list[int] = []
-    seqs, logit_rows = [], []
+    seqs, logit_rows, verify_rows, verify = [], [], [], []
     for c in chunks:
         r = c.req
-        end = c.start + c.num_tokens
-        ids.extend(r.token_ids[c.start:end])
-        seqs.append(PlanSeq(c.start, c.num_tokens, tuple(r.block_table[:-(-end // block_size)]),
+        end = c.start + c.num_fed
+        ids.extend(r.token_ids[c.start:c.start + c.num_tokens])
+        ids.extend(c.draft_ids)
+        seqs.append(PlanSeq(c.start, c.num_fed, tuple(r.block_table[:-(-end // block_size)]),
                             None if r.state_set is None else tuple(r.state_set),
                             tuple((p, tuple(d)) for p, d in c.snapshots)))
-        if c.needs_logits:
+        verify.append(bool(c.draft_ids))
+        if c.draft_ids:
+            verify_rows.extend(range(len(ids) - c.num_fed, len(ids)))
+        elif c.needs_logits:
             logit_rows.append(len(ids) - 1)
     return StepPlan(fills=tuple((v, tuple(p)) for v, p in fills), page_copies=tuple(out.page_copies),
                     state_copies=tuple((tuple(s), tuple(d)) for s, d in out.state_copies), seqs=tuple(seqs),
-                    token_ids=tuple(ids), logits_rows=tuple(logit_rows) + tuple(x[1] for x in score_rows))
+                    token_ids=tuple(ids),
+                    logits_rows=tuple(logit_rows) + tuple(verify_rows) + tuple(x[1] for x in score_rows),
+                    verify=tuple(verify) if any(verify) else ())
 
 
 class PlanExecutor:
@@ -70,14 +78,19 @@ class PlanExecutor:
     def run(self, plan: StepPlan, *, apply_fills: bool = True) -> torch.Tensor | None:
         """Cache operations, forward, snapshot writes; -> fp32 logits [len(plan.logits_rows), vocab] (rank 0;
         None for a plan without sequences). apply_fills=False on the rank whose pool made the fills."""
+        return self.run_batch(plan, apply_fills=apply_fills)[0]
+
+    def run_batch(self, plan: StepPlan, *, apply_fills: bool = True) -> tuple[torch.Tensor | None, ForwardBatch | None]:
+        """`run`, also returning the step's ForwardBatch (a verify step's commit reads its stashed inputs)."""
         self.apply_cache_ops(plan, apply_fills=apply_fills)
         if not plan.seqs:
-            return None
+            return None, None
         caches = [PagedSequenceCache(self.pool, list(q.block_table), None if q.state_set is None else list(q.state_set),
                                      self.kda_slots, self.mla_slots, q.start + q.num_tokens) for q in plan.seqs]
         batch = ForwardBatch([q.num_tokens for q in plan.seqs], [q.start for q in plan.seqs], caches,
                              logits_indices=torch.tensor(plan.logits_rows, dtype=torch.long, device=self.device),
-                             state_positions=[tuple(p for p, _ in q.snapshots) for q in plan.seqs])
+                             state_positions=[tuple(p for p, _ in q.snapshots) for q in plan.seqs],
+                             verify=list(plan.verify) if plan.verify else None)
         logits = self.model(torch.tensor(plan.token_ids, dtype=torch.long, device=self.device), batch)
         for i, q in enumerate(plan.seqs):
             for pos, dest in q.snapshots:
@@ -85,4 +98,4 @@ class PlanExecutor:
                     conv, rec = batch.emitted_states[(i, layer, pos)]
                     self.pool.conv[t][dest[g]].copy_(conv)
                     self.pool.rec[t][dest[g]].copy_(rec)
-        return logits
+        return logits, batch

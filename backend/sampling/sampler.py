@@ -106,6 +106,22 @@ class Sampler:
             ValueError: on mismatched shapes / lengths / devices, or a mask row that allows no token.
         """
         self._check(logits, params, generators, prompt_ids, output_ids)
+        x = self.process(logits, params, prompt_ids, output_ids, allowed_mask)
+        token_ids = x.argmax(-1)  # [B]; final for greedy rows
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled:
+            index = torch.tensor(sampled, dtype=torch.long, device=self.device)
+            token_ids[index] = self._draw(x[index], [params[i] for i in sampled], [generators[i] for i in sampled])
+        tokens = token_ids.tolist()
+        if all(p.logprobs is None for p in params):
+            return SampleOutput(tokens, None, None)
+        return SampleOutput(tokens, *_logprobs(x, token_ids, [p.logprobs or 0 for p in params]))
+
+    def process(self, logits: torch.Tensor, params: Sequence[SamplingParams], prompt_ids: Sequence[Sequence[int]],
+                output_ids: Sequence[Sequence[int]], allowed_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Stages 1-3 (grammar mask, logit_bias, penalties, temperature): [B, V] logits -> processed [B, V]
+        logits, whose argmax is the greedy token and whose log_softmax gives the logprobs. Speculative
+        verification (backend/spec/rejection.py) runs every verified position through this same function."""
         x = logits
         if allowed_mask is not None:
             x = apply_token_bitmask(x, allowed_mask)
@@ -118,23 +134,20 @@ class Sampler:
         if any(p.temperature not in (0.0, 1.0) for p in params):
             temperature = [p.temperature if p.temperature > 0.0 else 1.0 for p in params]
             x = x / torch.tensor(temperature, dtype=torch.float32, device=self.device)[:, None]
-        token_ids = x.argmax(-1)  # [B]; final for greedy rows
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled:
-            index = torch.tensor(sampled, dtype=torch.long, device=self.device)
-            token_ids[index] = self._draw(x[index], [params[i] for i in sampled], [generators[i] for i in sampled])
-        tokens = token_ids.tolist()
-        if all(p.logprobs is None for p in params):
-            return SampleOutput(tokens, None, None)
-        return SampleOutput(tokens, *_logprobs(x, token_ids, [p.logprobs or 0 for p in params]))
+        return x
 
-    def _draw(self, x: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
-        """x: [S, V] temperature-scaled logits of the sampled rows -> [S] int64 token ids."""
+    def target_probs(self, x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Stage 4 and the softmax: processed logits [S, V] of sampled (non-greedy) rows -> the exact
+        distribution [S, V] that `sample_batch` draws each row's token from."""
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
             x = filter_batch(x, torch.tensor([p.top_k for p in params], dtype=torch.long, device=self.device),
                              torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device),
                              torch.tensor([p.min_p for p in params], dtype=torch.float32, device=self.device))
-        probs = x.softmax(-1)  # [S, V]
+        return x.softmax(-1)
+
+    def _draw(self, x: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
+        """x: [S, V] temperature-scaled logits of the sampled rows -> [S] int64 token ids."""
+        probs = self.target_probs(x, params)  # [S, V]
         q = torch.empty_like(probs)
         shared = [j for j, g in enumerate(generators) if g is None]
         for j, g in enumerate(generators):

@@ -49,6 +49,9 @@ class SampleState:
     device_seed: int | None = None
     # why this request could not be served this step (its grammar failed): the engine fails it alone
     error: str | None = None
+    # a verify step's logprobs: one per emitted token (logprob / top_logprobs above hold the last one's)
+    run_logprobs: list[float] | None = None
+    run_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -74,6 +77,8 @@ class Request:
     pending_state_copies: list[tuple[list[int], list[int]]] = field(default_factory=list)  # snapshot -> live
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at (last) admission
     num_preemptions: int = 0
+    spec_drafted: int = 0  # draft tokens verified for this request (speculative decoding)
+    spec_accepted: int = 0  # of those, accepted
     admitted: bool = False  # counted in the prompt / cached-token stats (once, at the first admission)
     arrival: float = 0.0  # time.monotonic() when queued (queue-wait metric)
     grammar: Any = None  # a GrammarMatcher (backend/grammar) constraining sampling, or None

@@ -26,11 +26,20 @@ scheduled with nothing running and nothing cached fails with an error instead of
 What gets published, and as what kind (`_plan_snapshots`), is the cache policy's admission half; a
 publish may evict only snapshots worth less than it, and interior checkpoints use free memory only.
 Eviction by value per page is the tree's (backend/cache/radix.py, backend/cache/policy.py).
+
+Speculative decoding (with a drafter): a decode-like request may instead feed its last token plus k
+draft tokens in one verify chunk (`ScheduledChunk.draft_ids`). Drafts are opportunistic: they take the
+token budget left after the decodes and the per-step draft budget, and lookahead pages only from free
+memory (never evicting or preempting for them). The runner verifies, emits the accepted run (ending at the
+first token that ends the request) and leaves the live state after exactly the fed tokens of that run;
+`update` advances num_computed by the run's length. Rejected positions' KV is past num_computed and is
+overwritten later, so nothing is published there: snapshots stay at accepted positions only.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -38,7 +47,10 @@ from k3rt.backend.cache.policy import CHECKPOINT, END, JUNCTION, PREEMPTED, tail
 from k3rt.backend.cache.pool import PagePool
 from k3rt.backend.cache.radix import Node, RadixCache, common_prefix as _common_prefix
 from k3rt.backend.scheduler.request import FinishReason, Request, Status
-from k3rt.config import KDA_CHUNK, CacheConfig, SchedulerConfig
+from k3rt.backend.spec.base import DraftQuery, Drafter
+from k3rt.config import KDA_CHUNK, CacheConfig, SchedulerConfig, SpecConfig
+
+log = logging.getLogger(__name__)
 
 # waiting requests compared token by token with a running request per step (~0.1 ms each for a 4K
 # prefix): a thousand requests arriving together are looked at over a few steps, not in one
@@ -52,6 +64,14 @@ class ScheduledChunk:
     num_tokens: int
     needs_logits: bool  # the chunk reaches the end of token_ids: sample the next token
     snapshots: list[tuple[int, list[int]]] = field(default_factory=list)  # (position, dest state set)
+    # a verify chunk: these draft tokens are fed after token_ids[start:start + num_tokens] (num_tokens == 1,
+    # needs_logits), logits come back for every fed position and the runner returns the accepted run
+    draft_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_fed(self) -> int:
+        """Tokens this chunk puts through the model (drafts included)."""
+        return self.num_tokens + len(self.draft_ids)
 
 
 @dataclass
@@ -63,7 +83,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(c.num_tokens for c in self.chunks)
+        return len(self.decodes) + sum(c.num_fed for c in self.chunks)
 
 
 @dataclass
@@ -75,11 +95,24 @@ class SchedulerStats:
     preemptions: int = 0
     snapshots_published: int = 0
     pins_dropped: int = 0  # pins released by the cap or to let a request run, not by their owner
+    spec_verifies: int = 0  # verify chunks run (speculative decoding)
+    spec_drafted_tokens: int = 0  # draft tokens fed to verification
+    spec_accepted_tokens: int = 0  # of those, accepted
+
+    @property
+    def spec_tau(self) -> float:
+        """Mean tokens emitted per verify (accepted drafts + 1); 0 before the first verify."""
+        v = self.spec_verifies
+        return (self.spec_accepted_tokens + v) / v if v else 0.0
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, cache_cfg: CacheConfig, pool: PagePool, tree: RadixCache) -> None:
+    def __init__(self, cfg: SchedulerConfig, cache_cfg: CacheConfig, pool: PagePool, tree: RadixCache,
+                 drafter: Drafter | None = None, spec_cfg: SpecConfig | None = None) -> None:
         self.cfg, self.cache_cfg, self.pool, self.tree = cfg, cache_cfg, pool, tree
+        if drafter is not None and spec_cfg is None:
+            raise ValueError("spec_cfg: a drafter needs its SpecConfig (draft lengths and budget)")
+        self.drafter, self.spec_cfg = drafter, spec_cfg
         self.B = tree.B
         self.grid = self.B if cache_cfg.full_block_mode else cache_cfg.hash_block_size
         self.S = pool.layout.pages_per_state_set
@@ -109,6 +142,8 @@ class Scheduler:
         if req.status is Status.WAITING:
             self.waiting.remove(req)
             req.status, req.finish_reason = Status.FINISHED, reason
+            if self.drafter is not None:
+                self.drafter.finish(req.rid, req.token_ids, req.prompt_len)
         elif req.status is Status.RUNNING:
             self._finish(req, reason)
 
@@ -159,6 +194,9 @@ class Scheduler:
             if nc % B == 0 and nc // B >= len(req.block_table) and not self._ensure_pages(req, nc + 1):
                 self._drop_from_step(req)  # the newest, out of pages: waits for the older requests
         budget -= len(decodes)
+        if self.drafter is not None and budget > 0:
+            budget -= self._schedule_drafts(budget)
+            decodes = self._step_decodes
         for req in multi:
             if budget <= 0:
                 break
@@ -193,11 +231,58 @@ class Scheduler:
         page_copies: list[tuple[int, int]] = []
         state_copies: list[tuple[list[int], list[int]]] = []
         # copies run before the forward of the step that first schedules the request
+        decodes = self._step_decodes  # less any request preempted or moved to a verify chunk
         for req in [c.req for c in scheduled] + [r for r in decodes if r.pending_page_copies or r.pending_state_copies]:
             page_copies += req.pending_page_copies
             state_copies += req.pending_state_copies
             req.pending_page_copies, req.pending_state_copies = [], []
         return SchedulerOutput(decodes, scheduled, page_copies, state_copies)
+
+    def _schedule_drafts(self, budget: int) -> int:
+        """Turn decodes of requests that speculate into verify chunks with the drafter's tokens; returns the
+        draft tokens scheduled. Bounds per request: spec num_tokens, the tokens it may still emit (a verify
+        emits up to k + 1), the step's token and draft budgets, and the pages free now."""
+        sc = self.spec_cfg
+        left = min(budget, sc.max_draft_tokens_per_step)
+        queries: list[DraftQuery] = []
+        for req in self._step_decodes:
+            k = min(sc.num_tokens, req.params.max_tokens - req.num_output - 1)
+            # under min_tokens the sampler bans stop tokens per position; verify positions would each need
+            # their own ban, so such a request decodes plainly until it has its minimum
+            if (k <= 0 or not req.params.speculative or req.prompt_logprobs_from is not None
+                    or req.num_output < req.params.min_tokens):
+                continue
+            queries.append(DraftQuery(req.rid, req.token_ids, req.prompt_len, k))
+        if not queries:
+            return 0
+        limit = {q.rid: q.max_tokens for q in queries}
+        try:
+            drafts = dict(zip(limit, self.drafter.propose(queries)))
+        except Exception:  # drafts are optional: a drafter bug costs this step's speculation, not the engine
+            log.exception("the drafter failed; this step decodes without drafts")
+            return 0
+        used = 0
+        for req in list(self._step_decodes):
+            d = drafts.get(req.rid)
+            if not d or left <= 0:
+                continue
+            d = list(d[:min(left, limit[req.rid])])  # a drafter's extra tokens would overrun max_tokens
+            if req.grammar is not None:
+                d = _grammar_prefix(req.grammar, d)
+            nc = req.num_computed
+            # lookahead pages for positions nc .. nc + k, from free memory only
+            fits = (len(req.block_table) + self.pool.num_free) * self.B - nc - 1
+            d = d[:max(fits, 0)]
+            if not d:
+                continue
+            need = (nc + 1 + len(d) + self.B - 1) // self.B - len(req.block_table)
+            if need > 0:
+                req.block_table.extend(self.pool.allocate(need))
+            self._step_decodes.remove(req)
+            self._chunks[req.rid] = ScheduledChunk(req, nc, 1, True, draft_ids=d)
+            left -= len(d)
+            used += len(d)
+        return used
 
     def _chunk_len(self, req: Request, budget: int) -> int:
         start, remaining = req.num_computed, len(req.token_ids) - req.num_computed
@@ -447,7 +532,8 @@ class Scheduler:
         """Make running request p publish a snapshot at lo: in the chunk it runs this step when that
         chunk covers lo (its plan was already consumed for this step), else in its plan."""
         c = self._chunks.get(p.rid)
-        if c is not None and c.start < lo <= c.start + c.num_tokens:
+        # never into a verify chunk: its KDA state is only known after verification (the plan takes it)
+        if c is not None and not c.draft_ids and c.start < lo <= c.start + c.num_tokens:
             if all(pos != lo for pos, _ in c.snapshots) and ((lo - c.start) % KDA_CHUNK == 0
                                                                 or lo == c.start + c.num_tokens):
                 below = max((pos for pos, _ in c.snapshots if pos < lo), default=c.start)
@@ -490,8 +576,9 @@ class Scheduler:
 
     # ---- after the forward ----
 
-    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
-        """Advance requests by what ran; publish snapshots; append sampled tokens. Returns finished requests."""
+    def update(self, out: SchedulerOutput, sampled: dict[int, int | list[int]]) -> list[Request]:
+        """Advance requests by what ran; publish snapshots; append sampled tokens (a verify chunk's entry is
+        its accepted run). Returns finished requests."""
         finished: list[Request] = []
         stats = self.stats
         stats.computed_tokens += len(out.decodes)
@@ -505,6 +592,9 @@ class Scheduler:
             self._append(req, sampled[req.rid], finished)
         for c in out.chunks:
             req = c.req
+            if c.draft_ids:
+                self._update_verify(c, sampled[req.rid], finished)
+                continue
             req.num_computed += c.num_tokens
             stats.computed_tokens += c.num_tokens
             stats.computed_prompt_tokens += max(0, min(c.start + c.num_tokens, req.prompt_len) - c.start)
@@ -516,6 +606,31 @@ class Scheduler:
             if c.needs_logits:
                 self._append(req, sampled[req.rid], finished)
         return finished
+
+    def _update_verify(self, c: ScheduledChunk, run: list[int], finished: list[Request]) -> None:
+        """A verify chunk ran: the runner left the live state after the run's fed tokens (the last token
+        and the accepted drafts, len(run) in all), so num_computed advances by len(run)."""
+        req, stats = c.req, self.stats
+        accepted = 0
+        while accepted < min(len(run), len(c.draft_ids)) and run[accepted] == c.draft_ids[accepted]:
+            accepted += 1
+        stats.spec_verifies += 1
+        stats.spec_drafted_tokens += len(c.draft_ids)
+        stats.spec_accepted_tokens += accepted
+        req.spec_drafted += len(c.draft_ids)
+        req.spec_accepted += accepted
+        req.num_computed += len(run)
+        stats.computed_tokens += len(run)
+        if req.fences:
+            self.pool.unref(req.fences)
+            req.fences = []
+        # the verifier ends the run at the first token that ends the request, so only the last one can; the
+        # grammar matcher is already past the whole run, so it is asked (by _append) about the last one only
+        *body, last = run
+        assert not req.stop_ids.intersection(body) and req.num_output + len(run) <= req.params.max_tokens, (
+            f"request {req.rid}: a verify run continued past its end")
+        req.token_ids.extend(body)
+        self._append(req, last, finished)
 
     def _append(self, req: Request, tok: int, finished: list[Request]) -> None:
         req.token_ids.append(tok)
@@ -554,6 +669,8 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: FinishReason, *, donate: bool = True) -> None:
         node = self._donate(req, END) if donate else None
+        if self.drafter is not None:
+            self.drafter.finish(req.rid, req.token_ids, req.prompt_len)
         if req.pin and node is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
             self._pin(req.rid, node)
         self._release(req)
@@ -616,3 +733,18 @@ class Scheduler:
             refs[p] += 1
         assert [refs[p] for p in range(self.pool.num_pages)] == self.pool.refcount, "page refcounts drifted"
         assert sorted(self.pool.free_list) == [p for p in range(self.pool.num_pages) if refs[p] == 0]
+
+
+def _grammar_prefix(matcher, drafts: list[int]) -> list[int]:
+    """The drafts up to (not including) the first one the grammar refuses; the matcher ends where it began."""
+    n = 0
+    try:
+        for t in drafts:
+            if not matcher.accept(t):
+                break
+            n += 1
+    except Exception:  # a failing grammar is the verifier's to report; draft nothing past it
+        pass
+    if n:
+        matcher.rollback(n)
+    return drafts[:n]

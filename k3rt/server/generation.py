@@ -77,7 +77,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, 
             repetition_penalty=req.repetition_penalty, frequency_penalty=req.frequency_penalty,
             presence_penalty=req.presence_penalty, logprobs=logprobs, seed=req.seed, max_tokens=max_tokens,
             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, logit_bias=bias,
-            min_tokens=req.min_tokens)
+            min_tokens=req.min_tokens, speculative=req.speculative)
     except ValueError as e:  # SamplingParams names the field first
         raise bad_request(str(e).split(":", 1)[0], str(e).split(":", 1)[1].strip()) from None
 
@@ -166,10 +166,15 @@ async def validate_grammar(ctx: ServerContext, param: str, spec: Any) -> dict[st
     return spec.to_dict()
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, accepted_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object. Draft tokens accepted by speculative decoding are reported the way OpenAI reports
+    accepted predicted-output tokens (completion_tokens_details.accepted_prediction_tokens), only when there are any."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if accepted_tokens:
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted_tokens}
+    return out
 
 
 def token_text(ctx: ServerContext, token_id: int) -> tuple[str, bytes]:
@@ -201,6 +206,7 @@ class Choice:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (Job.prompt_logprobs_from)
+    spec_accepted_tokens: int = 0
 
     def add(self, d: ChoiceDelta) -> None:
         if d.prompt_logprobs is not None:
@@ -209,6 +215,7 @@ class Choice:
         self.token_ids += d.token_ids
         self.logprobs += d.logprobs or []
         self.prompt_tokens, self.cached_tokens = d.prompt_tokens or self.prompt_tokens, d.cached_tokens
+        self.spec_accepted_tokens = max(self.spec_accepted_tokens, d.spec_accepted_tokens)
         if d.finish_reason is not None:
             self.finish_reason = d.finish_reason
 
@@ -220,7 +227,9 @@ def total_usage(choices: list[Choice], n: int) -> dict[str, Any]:
         group = choices[p:p + n]
         prompt += group[0].prompt_tokens
         cached += max(c.cached_tokens for c in group)
-    return usage(prompt, sum(len(c.token_ids) for c in choices), cached)
+    # a stop string may drop accepted tokens after it: never report more accepted than delivered
+    return usage(prompt, sum(len(c.token_ids) for c in choices), cached,
+                 sum(min(c.spec_accepted_tokens, len(c.token_ids)) for c in choices))
 
 
 def delta_error(d: ChoiceDelta, shutdown_error: str | None = None) -> APIError:

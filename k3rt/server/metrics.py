@@ -47,6 +47,9 @@ _ENGINE_COUNTERS = {
     "pins_dropped": ("k3rt_cache_pins_dropped", "pins released by the cache (pin cap, flush) before their unpin"),
     "evicted_snapshots": ("k3rt_cache_evicted_snapshots", "snapshots evicted from the prefix cache"),
     "evicted_pages": ("k3rt_cache_evicted_pages", "cache pages freed by prefix-cache eviction"),
+    "spec_verifies": ("k3rt_spec_verifies", "speculative verify runs (one request's drafts checked in one forward)"),
+    "spec_drafted_tokens": ("k3rt_spec_drafted_tokens", "draft tokens fed to speculative verification"),
+    "spec_accepted_tokens": ("k3rt_spec_accepted_tokens", "draft tokens accepted by speculative verification"),
 }
 _ENGINE_HISTOGRAMS = {
     "step_time": ("k3rt_engine_step_time_seconds", "duration of one engine step (schedule, run, update)"),
@@ -89,6 +92,10 @@ class _EngineCollector:
                                       value=cached)
             yield GaugeMetricFamily("k3rt_cache_hit_rate", "cached / admitted prompt tokens since start",
                                     value=cached / prompt if prompt else 0.0)
+        verifies, accepted = s.get("spec_verifies"), s.get("spec_accepted_tokens")
+        if verifies is not None and accepted is not None:
+            yield GaugeMetricFamily("k3rt_spec_tau", "tokens per speculative verify since start (accepted drafts + 1; "
+                                    "0 before the first)", value=(accepted + verifies) / verifies if verifies else 0.0)
 
 
 class ServerMetrics:

@@ -162,6 +162,7 @@ class SamplingFields(_Strict):
     regex: str | None = None
     choice: _List[str] | None = None
     cache_salt: str | None = None
+    speculative: bool = True  # false: no draft tokens for this request on a speculative server
     return_token_ids: bool = False  # debug: add prompt_token_ids and per-choice token_ids to the response
     logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
     min_tokens: int = 0  # vLLM's: EOS and stop_token_ids cannot end the output before this many tokens

@@ -85,7 +85,8 @@ def test_wire_format_is_readable_json() -> None:
     assert orjson.loads(encode(UpdateBatch([RequestUpdate("a", [7])]))) == ["UpdateBatch", {
         "updates": [{"rid": "a", "token_ids": [7], "finished": False, "finish_reason": None, "prompt_tokens": 0,
                      "cached_tokens": 0, "logprobs": None, "top_logprobs": None, "error": None,
-                     "prompt_logprobs": None, "prompt_top_logprobs": None}], "stats": {}}]
+                     "prompt_logprobs": None, "prompt_top_logprobs": None, "spec_accepted_tokens": 0}],
+         "stats": {}}]
 
 
 def test_left_out_fields_take_their_defaults() -> None:

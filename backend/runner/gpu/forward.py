@@ -16,7 +16,7 @@ from k3rt.backend.models.attn_res import AttnResStream, attn_res_mix
 from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.backend.models.moe import MoE
 from k3rt.backend.runner.gpu.ffn import MoeWeights, mlp_forward, moe_forward
-from k3rt.backend.runner.gpu.kda import KdaWeights, kda_forward
+from k3rt.backend.runner.gpu.kda import KdaWeights, kda_commit, kda_forward
 from k3rt.backend.runner.gpu.mla import MlaWeights, mla_forward
 from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear
 from k3rt.backend.runner.gpu.step import GpuStep
@@ -77,6 +77,15 @@ class GpuForward:
             return kda_forward(attn, w, x, step, self.pool.conv[w.tensor], self.pool.rec[w.tensor], self.k,
                                decode=decode, workspace=self.kda_workspace)
         return mla_forward(attn, w, x, step, self.pool.mla[w.slot], self.k)
+
+    @torch.no_grad()
+    def commit_verified(self, step: GpuStep, runs: list[tuple[int, int, list[int]]]) -> None:
+        """After a verify step: every KDA layer advances each run's states by its accepted prefix.
+        runs: (sequence in the step, fed tokens to keep, its live state set)."""
+        for i, w in self.prepared.items():
+            if isinstance(w, KdaWeights):
+                kda_commit(self.layers[i].self_attn, w, step, [(s, m, pages[w.group]) for s, m, pages in runs],
+                           self.pool.conv[w.tensor], self.pool.rec[w.tensor])
 
     def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
         mlp = self.layers[i].mlp

@@ -6,6 +6,8 @@ Two forms:
     snapshot states written to their destination state sets;
   decode (every sequence feeds one token, no snapshots; the form captured in CUDA graphs): the
     fused `kda_decode` step, conv cache and recurrent state updated in place.
+Verify runs (speculative decoding) take the general form but leave their conv and recurrent states as
+they were; `kda_commit` replays the accepted prefix into them once the sampler has decided.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from k3rt.backend.layers.norm import rms_norm_gated
 from k3rt.backend.models.kda import KimiDeltaAttention
 from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear, share_rows
 from k3rt.backend.runner.gpu.step import GpuStep
-from k3rt.kernels.kda.ref import kda_chunked, kda_gate_lower_bound, kda_gate_softplus
+from k3rt.kernels.kda.ref import kda_chunked, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent
 
 
 @dataclass
@@ -106,10 +108,20 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
     for tap in range(W):  # one [T, C] gather per tap keeps the working set at 2 rows of the step
         y.addcmul_(ext[step.conv_idx[:, tap]].float(), w.conv_weight[:, tap])
     y = F.silu(y).to(qkv.dtype)
-    conv_pool[pages] = ext[step.conv_tail_idx].to(conv_pool.dtype)
+    # verify runs keep their states: only the other sequences' windows and states are written back
+    live = (torch.tensor([i for i in range(step.num_seqs) if i not in step.verify_seqs], dtype=torch.long,
+                         device=qkv.device) if step.verify_seqs else None)
+    if live is None:
+        conv_pool[pages] = ext[step.conv_tail_idx].to(conv_pool.dtype)
+    else:
+        conv_pool[pages[live]] = ext[step.conv_tail_idx[live]].to(conv_pool.dtype)
     q, kk, v = y.view(T, 3, H, D).unbind(1)
     g = _gate(attn, w, f)
     beta = torch.sigmoid(b.float())
+    if live is not None:
+        # only the verify runs' rows, gathered (the step's activations are not kept alive until the commit)
+        rows = torch.cat([torch.arange(step.cu[i], step.cu[i + 1]) for i in step.verify_seqs]).to(qkv.device)
+        step.verify_inputs[attn.layer_idx] = (qkv[rows], g[rows], beta[rows])
     nseq, snaps = step.num_seqs, step.snapshots
     # the recurrence runs on a contiguous copy of the sequences' states: slots 0..B-1 live, B.. snapshots
     states = torch.empty(nseq + len(snaps), H, D, D, dtype=torch.float32, device=qkv.device)
@@ -138,10 +150,54 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
             states[i] = final[0]
             for (j, _), st in zip(mine, emitted):
                 states[nseq + j] = st[0]
-    rec_pool[pages] = states[:nseq]
+    if live is None:
+        rec_pool[pages] = states[:nseq]
+    else:
+        rec_pool[pages[live]] = states[live]
     if snaps:
         windows = ext[step.snap_conv_idx].to(conv_pool.dtype)  # [S, W-1, C]
         dest = step.snap_dest[w.group]
         conv_pool[dest] = windows
         rec_pool[dest] = states[nseq:]
     return o
+
+
+def kda_commit(attn: KimiDeltaAttention, w: KdaWeights, step: GpuStep, runs: list[tuple[int, int, int]],
+               conv_pool: torch.Tensor, rec_pool: torch.Tensor) -> None:
+    """After a verify step: advance each verify sequence's conv window and recurrent state by the first m
+    tokens of its run. runs: (sequence, m, its state page of this layer's group).
+
+    Rollback without a state per draft position: the states were left at the run's start, and the step's
+    inputs (pre-conv qkv, g, beta) re-derive the state after the accepted prefix. Batched over the runs,
+    padded to the longest (a padded position leaves its run's state as it was); the conv is the general
+    form's (fp32 taps in order) and the recurrence the exact per-token one.
+    TODO(issue 16): one fused launch (kda_decode-style replay) instead of ~max(m) small ones per layer."""
+    qkv, g, beta = step.verify_inputs[attn.layer_idx]  # rows of the verify runs, in step order
+    H, D = attn.num_heads, attn.head_dim
+    W = w.conv_weight.shape[1]
+    dev = qkv.device
+    first = {}
+    for i in step.verify_seqs:
+        first[i] = sum(step.lens[j] for j in step.verify_seqs if j < i)
+    n, M = len(runs), max(m for _, m, _ in runs)
+    pages = torch.tensor([p for _, _, p in runs], dtype=torch.long, device=dev)
+    ms = torch.tensor([m for _, m, _ in runs], dtype=torch.long, device=dev)
+    offs = torch.tensor([first[s] for s, _, _ in runs], dtype=torch.long, device=dev)
+    t = torch.arange(M, device=dev)
+    rows = offs[:, None] + torch.minimum(t[None, :], ms[:, None] - 1)  # [n, M], past m: the last row again
+    ext = torch.cat([conv_pool[pages].to(qkv.dtype), qkv[rows]], dim=1)  # [n, W-1+M, C]
+    y = torch.zeros(n, M, qkv.shape[1], dtype=torch.float32, device=dev)
+    for tap in range(W):  # output t reads ext rows t..t+W-1: real rows for every t < m
+        y.addcmul_(ext[:, tap:tap + M].float(), w.conv_weight[:, tap])
+    y = F.silu(y).to(qkv.dtype)
+    tail = ms[:, None] + torch.arange(W - 1, device=dev)[None, :]  # the window after m tokens
+    conv_pool[pages] = ext[torch.arange(n, device=dev)[:, None], tail].to(conv_pool.dtype)
+    _, kk, v = y.view(n, M, 3, H, D).unbind(2)
+    kk, v, gg, bb = kk.float(), v.float(), g[rows], beta[rows]
+    S = rec_pool[pages]  # [n, H, D, D]
+    for j in range(M):
+        # the state never reads q; kk stands in for it
+        _, nxt = kda_recurrent(kk[:, j:j + 1], kk[:, j:j + 1], v[:, j:j + 1], gg[:, j:j + 1], bb[:, j:j + 1],
+                               initial_state=S)
+        S = torch.where((j < ms)[:, None, None, None], nxt, S)
+    rec_pool[pages] = S

@@ -27,6 +27,7 @@ from k3rt.backend.runner.gpu.step import GpuStep, StepSeq, build_step, pack_step
 from k3rt.backend.runner.sampling import prompt_score_rows, record_prompt_logprobs
 from k3rt.backend.sampling.sampler import Sampler
 from k3rt.backend.scheduler.scheduler import ScheduledChunk, SchedulerOutput
+from k3rt.backend.spec.rejection import verify_requests
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +80,13 @@ class GpuModelRunner(Runner):
 
     def _seq(self, c: ScheduledChunk) -> StepSeq:
         r = c.req
-        return StepSeq(r.token_ids[c.start:c.start + c.num_tokens], c.start, r.block_table, r.state_set,
-                       c.needs_logits, list(c.snapshots))
+        return StepSeq(r.token_ids[c.start:c.start + c.num_tokens] + c.draft_ids, c.start, r.block_table,
+                       r.state_set, c.needs_logits, list(c.snapshots), verify=bool(c.draft_ids))
 
     def _pad_seq(self) -> StepSeq:
         return StepSeq([0], 0, [self.pad_page], [self.pad_page] * self.num_groups, True)
 
-    def execute(self, out: SchedulerOutput) -> dict[int, int]:
+    def execute(self, out: SchedulerOutput) -> dict[int, int | list[int]]:
         if not out.chunks and not out.decodes:
             return {}
         chunks = begin_step(self.pool, out)
@@ -98,11 +99,25 @@ class GpuModelRunner(Runner):
         else:
             step = self._build(seqs, [row for _, row, _ in score_rows])
             logits = self.fwd(step, decode=step.decode_only)
-        reqs = [c.req for c in chunks if c.needs_logits]
+        reqs = [c.req for c in chunks if c.needs_logits and not c.draft_ids]
+        verify = [(i, c) for i, c in enumerate(chunks) if c.draft_ids]
+        n_plain, n_verify = len(reqs), sum(c.num_fed for _, c in verify)
         if score_rows:
-            record_prompt_logprobs(logits[len(reqs):], score_rows)
-            logits = logits[:len(reqs)]
-        return sample_step(self.sampler, logits, reqs, use_kernels=self.kernels.triton, penalties=self.penalties)
+            record_prompt_logprobs(logits[n_plain + n_verify:], score_rows)
+        sampled: dict[int, int | list[int]] = sample_step(self.sampler, logits[:n_plain], reqs,
+                                                          use_kernels=self.kernels.triton, penalties=self.penalties)
+        if verify:
+            results = verify_requests(self.sampler, logits[n_plain:n_plain + n_verify], [c.req for _, c in verify],
+                                      [c.draft_ids for _, c in verify])
+            self.fwd.commit_verified(step, [(i, len(res.token_ids), c.req.state_set)
+                                            for (i, c), res in zip(verify, results)])
+            for (_, c), res in zip(verify, results):
+                r = c.req
+                # the device penalty counts missed these tokens: rebuilt from token_ids at the next use
+                self.penalties.release(r.rid)
+                r.sampled.run_logprobs, r.sampled.run_top_logprobs = res.logprobs, res.top_logprobs
+                sampled[r.rid] = res.token_ids
+        return sampled
 
     def release(self, rid: int) -> None:
         self.penalties.release(rid)

@@ -14,7 +14,8 @@ non-blocking copy, so no layer ever synchronizes with the host:
   conv_idx            [T, W]    rows of `ext = [old conv windows (B*(W-1) rows) ; the step's
                                 pre-conv rows (T)]` that form each row's causal conv window
   conv_tail_idx       [B, W-1]  rows of `ext` that form each sequence's new conv window
-  logit_rows          [R]       rows whose logits are returned
+  logit_rows          [R]       rows whose logits are returned: the last row of each sampled sequence,
+                                then every row of each verify sequence (speculative decoding), then extras
   ctx_slot, cu_k      [Tk], [B+1]  flat MLA cache rows of every context position of the
                                 sequences that take the expanded (prefill) form; decode-form
                                 sequences (n == 1) read their pages through block_table instead
@@ -42,6 +43,9 @@ class StepSeq:
     state_pages: list[int] | None  # live KDA state set (one page per group), None without KDA layers
     needs_logits: bool
     snapshots: list[tuple[int, list[int]]] = field(default_factory=list)  # (absolute position, dest state set)
+    # a speculative verify run (last token + drafts): logits at every row, and KDA layers leave its states as
+    # they were (backend/runner/gpu/kda.py kda_commit replays the accepted prefix after sampling)
+    verify: bool = False
 
 
 @dataclass
@@ -75,6 +79,9 @@ class GpuStep:
     decode_rows: torch.Tensor  # their packed rows
     snap_conv_idx: torch.Tensor
     snap_dest: torch.Tensor  # int64 [G, S]: row g = each snapshot's destination page of group g
+    verify_seqs: list[int] = field(default_factory=list)  # sequences that are verify runs (host list)
+    # filled by the KDA layers for verify steps: layer index -> (pre-conv qkv [T, 3P], g [T, H, K], beta [T, H])
+    verify_inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def decode_only(self) -> bool:
@@ -106,6 +113,7 @@ class StepMeta:
     max_q: int
     max_k: int
     logits_every_row: bool
+    verify_seqs: list[int]
 
 
 def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_groups: int,
@@ -143,7 +151,9 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
             snaps.append((i, p, dest))
             snap_rows.append(_window_rows(i, p - s.start + np.arange(-w1, 0), cu[i], w1, old_base))
     snap_conv = np.asarray(snap_rows, dtype=np.int64).reshape(len(snaps), w1)
-    logit_rows = np.asarray([cu[i + 1] - 1 for i, s in enumerate(seqs) if s.needs_logits] + list(extra_logit_rows),
+    verify_seqs = [i for i, s in enumerate(seqs) if s.verify]
+    logit_rows = np.asarray([cu[i + 1] - 1 for i, s in enumerate(seqs) if s.needs_logits and not s.verify]
+                            + [r for i in verify_seqs for r in range(cu[i], cu[i + 1])] + list(extra_logit_rows),
                             dtype=np.int64)
     decode_form = [n == 1 for n in lens]
     pre = [i for i in range(B) if not decode_form[i]]
@@ -163,7 +173,7 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
     meta = StepMeta(B, T, max_blocks, len(snaps), w1, [p.size for p in i64], [p.size for p in i32],
                     cu.tolist(), starts, lens, decode_form, snaps, pre,
                     max((lens[i] for i in pre), default=0), int(max((ctx[i] for i in pre), default=0)),
-                    bool(np.array_equal(logit_rows, np.arange(T))))
+                    bool(np.array_equal(logit_rows, np.arange(T))), verify_seqs)
     host = (torch.from_numpy(np.concatenate(i64).astype(np.int64)),
             torch.from_numpy(np.concatenate(i32).astype(np.int32)))
     return meta, host
@@ -190,7 +200,7 @@ def step_views(meta: StepMeta, flat64: torch.Tensor, flat32: torch.Tensor) -> Gp
         prefill_seqs=meta.prefill_seqs, prefill_rows=t_pre_rows,
         ctx_slot=t_ctx_slot, cu_k=t_cuk, cu_q=t_cuq, max_q=meta.max_q, max_k=meta.max_k, decode_seqs=t_dec,
         decode_rows=t_dec_rows, snap_conv_idx=t_snap.view(meta.num_snapshots, w1),
-        snap_dest=t_snap_dest.view(t_states.numel() // B, meta.num_snapshots),
+        snap_dest=t_snap_dest.view(t_states.numel() // B, meta.num_snapshots), verify_seqs=meta.verify_seqs,
     )
 
 

@@ -1,0 +1,52 @@
+"""The drafter interface: propose up to k draft tokens per running request.
+
+A drafter sees each request's token ids (prompt + generated, append-only) and, for model drafters
+(DSpark, issue 16 §1), the target's hidden states at the last verified position. It keeps whatever
+per-request index it needs, keyed by request id, and drops it in `finish`. It knows nothing of pages,
+states or sampling: the scheduler bounds k (remaining tokens, pages, the per-step draft budget) and
+the verifier decides what is kept.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
+
+    from k3rt.config import SpecConfig
+
+
+class DraftQuery(NamedTuple):
+    rid: int
+    token_ids: Sequence[int]  # prompt then generated tokens; only ever appended to
+    prompt_len: int
+    max_tokens: int  # propose at most this many (>= 1)
+    hidden: torch.Tensor | None = None  # [hidden] target state at the last verified position (model drafters)
+
+
+class Drafter(ABC):
+    @abstractmethod
+    def propose(self, queries: Sequence[DraftQuery]) -> list[list[int]]:
+        """Draft tokens for each query (possibly none), at most query.max_tokens each, in query order."""
+
+    def finish(self, rid: int, token_ids: Sequence[int], prompt_len: int) -> None:
+        """Request rid ended (finished or aborted) with these tokens: drop its index (a drafter may keep
+        its output to draft for later requests)."""
+
+
+def create_drafter(cfg: SpecConfig) -> Drafter | None:
+    """The drafter cfg.method names, or None when speculation is off."""
+    if cfg.method is None:
+        return None
+    if cfg.method == "ngram":
+        from k3rt.backend.spec.ngram import NgramDrafter
+
+        return NgramDrafter(cfg.ngram_min, cfg.ngram_max)
+    if cfg.method == "suffix":
+        from k3rt.backend.spec.suffix import SuffixDrafter
+
+        return SuffixDrafter(cfg)
+    raise ValueError(f"spec: no drafter named {cfg.method!r}")

@@ -1,0 +1,154 @@
+"""SuffixDecoding-style drafting (model-free): suffix tries over the request's own tokens and over the
+recent outputs of this server, with the draft length adapted to how often and how confidently the
+matched pattern was continued.
+
+A trie of depth D counts every substring of length <= D of the sequences it indexes (a node's count is
+how many times its path occurred; its children count what followed). Appending a token touches the D
+nodes of the suffixes ending there, so indexing is O(D) per token. To draft, the longest suffix of the
+request's context found in a trie is the pattern (length m); the draft follows the most frequent child
+while the product of the children's empirical probabilities stays >= min_prob, and is at most
+max_spec_factor * m tokens (a short, weakly supported match drafts little). The request's own trie and
+the global one each propose; the draft with the larger expected number of accepted tokens (the sum of
+its prefix probabilities) wins.
+
+Bounded host cost: a request's trie indexes only its last `suffix_index_tokens` tokens when first seen
+(a 128K prompt would otherwise cost ~D x 128K dict operations on the scheduler loop), and the global trie
+keeps the outputs of the last `suffix_cached_requests` finished requests (older ones are subtracted out).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from k3rt.backend.spec.base import DraftQuery, Drafter
+from k3rt.config import SpecConfig
+
+
+class _Node:
+    __slots__ = ("count", "children")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.children: dict[int, _Node] = {}
+
+
+class SuffixTrie:
+    """Counts of every substring of length <= depth of the indexed sequences."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.root = _Node()
+
+    def add(self, tokens: Sequence[int], delta: int = 1) -> None:
+        """Index (delta=1) or un-index (delta=-1, after the same tokens were indexed) one whole sequence."""
+        active: list[_Node] = [self.root]
+        for t in tokens:
+            active = self.push(active, t, delta)
+
+    def push(self, active: list[_Node], tok: int, delta: int = 1) -> list[_Node]:
+        """Extend every suffix in `active` (the nodes of the current suffixes, root first) by tok; returns
+        the new suffix nodes. Nodes whose count drops to 0 are unlinked."""
+        out = [self.root]
+        for node in active:
+            child = node.children.get(tok)
+            if child is None:
+                if delta < 0:
+                    continue  # an un-index of something already pruned below
+                child = node.children[tok] = _Node()
+            child.count += delta
+            if child.count <= 0:
+                del node.children[tok]
+                continue
+            if len(out) < self.depth:
+                out.append(child)
+        return out
+
+    def find(self, context: Sequence[int], max_len: int) -> tuple[_Node, int] | None:
+        """The node of the longest suffix of context (<= max_len tokens) that has a continuation, and its length."""
+        best = None
+        n = len(context)
+        for m in range(1, min(max_len, n) + 1):
+            node = self.root
+            for t in context[n - m:]:
+                node = node.children.get(t)
+                if node is None:
+                    break
+            if node is None:
+                break  # a longer suffix contains this one: absent too
+            if node.children:
+                best = (node, m)
+        return best
+
+
+def _draft(node: _Node, m: int, max_tokens: int, min_prob: float, factor: float) -> tuple[list[int], float]:
+    """Follow the most frequent continuation from node (a pattern of m tokens); -> (draft, expected accepted)."""
+    limit = min(max_tokens, int(factor * m))
+    out: list[int] = []
+    prob, score = 1.0, 0.0
+    while len(out) < limit and node.children:
+        tok, child = max(node.children.items(), key=lambda kv: kv[1].count)
+        prob *= child.count / sum(c.count for c in node.children.values())
+        if prob < min_prob:
+            break
+        out.append(tok)
+        score += prob
+        node = child
+    return out, score
+
+
+class _Index:
+    __slots__ = ("trie", "active", "indexed")
+
+    def __init__(self, depth: int) -> None:
+        self.trie = SuffixTrie(depth)
+        self.active: list[_Node] = [self.trie.root]
+        self.indexed = 0
+
+
+class SuffixDrafter(Drafter):
+    def __init__(self, cfg: SpecConfig) -> None:
+        self.cfg = cfg
+        self.depth = cfg.suffix_max_depth
+        self.global_trie = SuffixTrie(self.depth)
+        self._cached: deque[list[int]] = deque()  # outputs in the global trie, oldest first
+        self._reqs: dict[int, _Index] = {}
+
+    def propose(self, queries: Sequence[DraftQuery]) -> list[list[int]]:
+        return [self._propose(q) for q in queries]
+
+    def finish(self, rid: int, token_ids: Sequence[int], prompt_len: int) -> None:
+        self._reqs.pop(rid, None)
+        if self.cfg.suffix_cached_requests == 0:
+            return
+        out = list(token_ids[prompt_len:])
+        if len(out) > 1:
+            self.global_trie.add(out)
+            self._cached.append(out)
+        while len(self._cached) > self.cfg.suffix_cached_requests:
+            self.global_trie.add(self._cached.popleft(), -1)
+
+    def _propose(self, q: DraftQuery) -> list[int]:
+        toks = q.token_ids
+        idx = self._reqs.get(q.rid)
+        if idx is None:
+            idx = self._reqs[q.rid] = _Index(self.depth)
+            idx.indexed = max(0, len(toks) - self.cfg.suffix_index_tokens)
+        for t in toks[idx.indexed:]:
+            idx.active = idx.trie.push(idx.active, t)
+        idx.indexed = len(toks)
+        # patterns leave room for a continuation inside the trie's depth
+        max_pattern = self.depth - 1
+        best: tuple[list[int], float] = ([], 0.0)
+        # own trie: the suffix nodes are at hand (active[m] is the node of the last m tokens)
+        for m in range(len(idx.active) - 1, 0, -1):
+            if m <= max_pattern and idx.active[m].children:
+                best = _draft(idx.active[m], m, q.max_tokens, self.cfg.suffix_min_prob,
+                              self.cfg.suffix_max_spec_factor)
+                break
+        hit = self.global_trie.find(toks[-max_pattern:], max_pattern)
+        if hit is not None:
+            other = _draft(hit[0], hit[1], q.max_tokens, self.cfg.suffix_min_prob, self.cfg.suffix_max_spec_factor)
+            if other[1] > best[1]:
+                best = other
+        return best[0]
