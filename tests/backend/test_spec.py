@@ -680,3 +680,36 @@ def test_a_failing_drafter_costs_only_speculation(tmp_path_factory) -> None:
 def test_spec_config_errors_name_the_field(kw, field) -> None:
     with pytest.raises(ValueError, match=field):
         SpecConfig(**kw)
+
+
+@pytest.mark.parametrize("arch", ["k3"], indirect=True)
+def test_min_tokens_requests_speculate_only_after_their_minimum(arch) -> None:
+    """min_tokens bans stop tokens per sampled position; a verify run would sample several positions at once,
+    so a request under its minimum decodes plainly. With the first output tokens as stop ids and min_tokens
+    past them, the speculative output equals the plain one (the oracle would draft right through them)."""
+    r1, _ = _workload(seed=3)
+    ref = _reference(arch, r1, _params(len(r1), 24))
+    stops = (ref[0][2],)
+    params = [replace(p, stop_token_ids=stops, min_tokens=8) for p in _params(len(r1), 24)]
+    want = _reference(arch, r1, params)
+    eng = _spec_engine(arch, "ngram", k=6)
+    eng.scheduler.drafter = OracleDrafter(_refs(r1, ref), noise=0.0, seed=2)
+    verified_early = []
+    execute = eng.runner.execute
+
+    def spy(out):
+        verified_early.extend(c.req.num_output < c.req.params.min_tokens for c in out.chunks if c.draft_ids)
+        return execute(out)
+
+    eng.runner.execute = spy
+    out = run(eng, r1, params)
+    assert [o.output_ids for o in out] == want
+    assert verified_early and not any(verified_early)  # verify runs happened, none under min_tokens
+    assert_at_rest(eng)
+
+
+def test_speculation_with_tensor_parallelism_is_refused_by_name(tmp_path) -> None:
+    from k3rt.config import EngineConfig
+
+    with pytest.raises(ValueError, match="spec: speculative decoding runs at tp=1 only"):
+        EngineConfig(model=str(tmp_path), tp=2, spec=SpecConfig(method="ngram"))
