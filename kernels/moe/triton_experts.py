@@ -251,6 +251,74 @@ def _check_act(act: ActivationConfig) -> None:
         raise ValueError(f"act.situ_linear_beta must be > 0 or None, got {act.situ_linear_beta}")
 
 
+def check_x(x: Tensor) -> tuple[int, int]:
+    """x: [T, D] bf16/fp16/fp32 with a contiguous last dim -> (T, D)."""
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.stride(-1) != 1:
+        raise ValueError(f"x must be bf16/fp16/fp32 [T, D] with a contiguous last dim, got {x.dtype} "
+                         f"{list(x.shape)} strides {x.stride()}")
+    return x.shape[0], x.shape[1]
+
+
+def check_routing(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, act: ActivationConfig, shared_experts: int,
+                  num_experts: int, out: Tensor | None) -> int:
+    """The arguments every fused-experts launcher shares besides the weights; -> k (slots per token)."""
+    T, D = x.shape
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids must be [T={T}, k], got {list(topk_ids.shape)}")
+    k = topk_ids.shape[1]
+    check(topk_ids, "topk_ids", (T, k), torch.int32)
+    check(topk_weights, "topk_weights", (T, k), torch.float32)
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    _check_act(act)
+    if not 0 <= shared_experts < num_experts:
+        raise ValueError(f"shared_experts must be in [0, E={num_experts}), got {shared_experts}")
+    if out is not None:
+        check(out, "out", (T, D), x.dtype)
+        if out.stride(-1) != 1:
+            raise ValueError(f"out must have a contiguous last dim, got strides {out.stride()}")
+    return k
+
+
+@dataclass(frozen=True)
+class ExpertBlocks:
+    """The alignment of one launch and its scratch: the grouped GEMMs' rows and the per-pair outputs."""
+
+    sorted_ids: Tensor
+    block_expert: Tensor
+    num_blocks: int
+    args: tuple[int, int, int, int]  # T, NB_ROUTED, NB_SHARED, E_ROUTED (the kernels' _block_rows arguments)
+    h: Tensor  # [num_blocks * block_m, I] gate/up output
+    y: Tensor  # [P + S*T, D] per-pair (and shared) outputs
+
+
+def align_blocks(x: Tensor, topk_ids: Tensor, num_experts: int, inter: int, shared_experts: int, block_m: int,
+                 use_pdl: bool) -> ExpertBlocks:
+    T, D = x.shape
+    P, S = topk_ids.numel(), shared_experts
+    E_routed = num_experts - S
+    sorted_ids, block_expert = moe_align_fwd(topk_ids, E_routed, block_m, use_pdl=use_pdl)
+    nb_routed = block_expert.numel()
+    nb_shared = triton.cdiv(T, block_m)
+    num_blocks = nb_routed + S * nb_shared
+    h = poison_like(torch.empty(num_blocks * block_m, inter, dtype=x.dtype, device=x.device))
+    y = poison_like(torch.empty(P + S * T, D, dtype=x.dtype, device=x.device))
+    return ExpertBlocks(sorted_ids, block_expert, num_blocks, (T, nb_routed, max(1, nb_shared), E_routed), h, y)
+
+
+def sum_slots(y: Tensor, out: Tensor, k: int, shared_experts: int, use_pdl: bool) -> Tensor:
+    """out[t] = the sum over token t's k routed slots, then its shared experts' rows, in fp32."""
+    T, D = out.shape
+    pdl = use_pdl and not INTERPRET
+    block_d = min(1024, triton.next_power_of_2(D))
+    _moe_sum_kernel[(T, triton.cdiv(D, block_d))](
+        y, out, out.stride(0), D, T, T * k, TOPK=k, SHARED=shared_experts, BLOCK_D=block_d, USE_PDL=pdl, num_warps=4,
+        **pdl_kwargs(use_pdl),
+    )
+    return out
+
+
 def fused_experts(
     x: Tensor,
     w13: Tensor,
@@ -285,10 +353,7 @@ def fused_experts(
     Returns:
         [T, D] in x.dtype. Rounding: h and the per-pair outputs are stored in x.dtype (ref.py).
     """
-    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.stride(-1) != 1:
-        raise ValueError(f"x must be bf16/fp16/fp32 [T, D] with a contiguous last dim, got {x.dtype} "
-                         f"{list(x.shape)} strides {x.stride()}")
-    T, D = x.shape
+    T, D = check_x(x)
     if w13.dim() != 3 or w13.shape[2] != D or w13.shape[1] % 2:
         raise ValueError(f"w13 must be [E, 2I, D={D}], got {list(w13.shape)}")
     E, I = w13.shape[0], w13.shape[1] // 2
@@ -297,27 +362,34 @@ def fused_experts(
     for name, t in (("w13", w13), ("w2", w2)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
-        raise ValueError(f"topk_ids must be [T={T}, k], got {list(topk_ids.shape)}")
-    k = topk_ids.shape[1]
-    check(topk_ids, "topk_ids", (T, k), torch.int32)
-    check(topk_weights, "topk_weights", (T, k), torch.float32)
-    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    _check_act(act)
-    if not 0 <= shared_experts < E:
-        raise ValueError(f"shared_experts must be in [0, E={E}), got {shared_experts}")
-    if out is not None:
-        check(out, "out", (T, D), x.dtype)
-        if out.stride(-1) != 1:
-            raise ValueError(f"out must have a contiguous last dim, got strides {out.stride()}")
+    k = check_routing(x, topk_weights, topk_ids, act, shared_experts, E, out)
     check_same_device(x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
     if out is None:
         out = poison_like(torch.empty(T, D, dtype=x.dtype, device=x.device))
     P = T * k
     if P == 0:
         return out
+    S = shared_experts
+    cfg = tiles or pick_tiles(P + S * T, E)
+    b = align_blocks(x, topk_ids, E, I, S, cfg.block_m, use_pdl)
+    pdl = use_pdl and not INTERPRET
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    situ = act.name == "situ"
+    bn1, bk1 = min(cfg.block_n1, triton.next_power_of_2(I)), min(cfg.block_k1, max(16, triton.next_power_of_2(D)))
+    _moe_gate_up_kernel[(b.num_blocks * triton.cdiv(I, bn1),)](
+        x, x.stride(0), w13, b.h, b.sorted_ids, b.block_expert, P, D, I,
+        float(act.situ_beta or 1.0), float(act.situ_linear_beta or 1.0), *b.args,
+        TOPK=k, BLOCK_M=cfg.block_m, BLOCK_N=bn1, BLOCK_K=bk1, EVEN_K=D % bk1 == 0,
+        SITU=situ, LIN_SAT=situ and act.situ_linear_beta is not None, DOT_PRECISION=precision,
+        USE_PDL=pdl, num_warps=cfg.num_warps1, num_stages=cfg.num_stages, **pdl_kwargs(use_pdl),
+    )
+    bn2, bk2 = min(cfg.block_n2, triton.next_power_of_2(D)), min(cfg.block_k2, max(16, triton.next_power_of_2(I)))
+    _moe_down_kernel[(b.num_blocks * triton.cdiv(D, bn2),)](
+        b.h, w2, b.y, topk_weights, b.sorted_ids, b.block_expert, P, D, I, *b.args,
+        TOPK=k, BLOCK_M=cfg.block_m, BLOCK_N=bn2, BLOCK_K=bk2, EVEN_K=I % bk2 == 0, DOT_PRECISION=precision,
+        USE_PDL=pdl, num_warps=cfg.num_warps2, num_stages=cfg.num_stages, **pdl_kwargs(use_pdl),
+    )
+    return sum_slots(b.y, out, k, S, use_pdl)
     S, E_routed = shared_experts, E - shared_experts
     cfg = tiles or pick_tiles(P + S * T, E)
     sorted_ids, block_expert = moe_align_fwd(topk_ids, E_routed, cfg.block_m, use_pdl=use_pdl)

@@ -32,9 +32,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs, poison_like
 from k3rt.kernels.moe.mxfp4_ref import GROUP
-from k3rt.kernels.moe.triton_align import moe_align_fwd
 from k3rt.kernels.moe.triton_experts import (
-    ExpertTiles, _block_rows, _check_act, _moe_sum_kernel, _tanh, pick_tiles,
+    ExpertTiles, _block_rows, _tanh, align_blocks, check_routing, check_x, pick_tiles, sum_slots,
 )
 from k3rt.model_config import ActivationConfig
 
@@ -320,10 +319,7 @@ def fused_experts_mxfp4(
             in-register dequant (what the interpreter runs; benchmarks compare the two on the GPU).
         the rest: as `fused_experts`.
     """
-    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.stride(-1) != 1:
-        raise ValueError(f"x must be bf16/fp16/fp32 [T, D] with a contiguous last dim, got {x.dtype} "
-                         f"{list(x.shape)} strides {x.stride()}")
-    T, D = x.shape
+    T, D = check_x(x)
     if w13_packed.dim() != 3 or w13_packed.shape[2] * 2 != D or w13_packed.shape[1] % 2:
         raise ValueError(f"w13_packed must be [E, 2I, D/2={D // 2}] uint8, got {list(w13_packed.shape)}")
     E, I = w13_packed.shape[0], w13_packed.shape[1] // 2
@@ -334,21 +330,10 @@ def fused_experts_mxfp4(
     check(w2_packed, "w2_packed", (E, D, I // 2), torch.uint8)
     check(w2_scale, "w2_scale", (E, D, I // GROUP), torch.uint8)
     for name, t in (("w13_packed", w13_packed), ("w13_scale", w13_scale), ("w2_packed", w2_packed),
-                    ("w2_scale", w2_scale), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+                    ("w2_scale", w2_scale)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
-        raise ValueError(f"topk_ids must be [T={T}, k], got {list(topk_ids.shape)}")
-    k = topk_ids.shape[1]
-    check(topk_ids, "topk_ids", (T, k), torch.int32)
-    check(topk_weights, "topk_weights", (T, k), torch.float32)
-    _check_act(act)
-    if not 0 <= shared_experts < E:
-        raise ValueError(f"shared_experts must be in [0, E={E}), got {shared_experts}")
-    if out is not None:
-        check(out, "out", (T, D), x.dtype)
-        if out.stride(-1) != 1:
-            raise ValueError(f"out must have a contiguous last dim, got strides {out.stride()}")
+    k = check_routing(x, topk_weights, topk_ids, act, shared_experts, E, out)
     check_same_device(x=x, w13_packed=w13_packed, w13_scale=w13_scale, w2_packed=w2_packed, w2_scale=w2_scale,
                       topk_weights=topk_weights, topk_ids=topk_ids, out=out)
     if out is None:
@@ -356,6 +341,35 @@ def fused_experts_mxfp4(
     P = T * k
     if P == 0:
         return out
+    S = shared_experts
+    cfg = tiles or mxfp4_tiles(P + S * T, E)
+    b = align_blocks(x, topk_ids, E, I, S, cfg.block_m, use_pdl)
+    pdl = use_pdl and not INTERPRET
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    if native is None:
+        native = native_scaled_dot(x)
+    elif native and not native_scaled_dot(x):
+        raise ValueError(f"native=True needs a compiled kernel and bf16/fp16 x, got {x.dtype}"
+                         f"{' under the interpreter' if INTERPRET else ''}")
+    a_format = "bf16" if x.dtype == torch.bfloat16 else "fp16"
+    situ = act.name == "situ"
+    bn1, bk1 = min(cfg.block_n1, triton.next_power_of_2(I)), _block_k(cfg.block_k1, D)
+    _moe_gate_up_mxfp4_kernel[(b.num_blocks * triton.cdiv(I, bn1),)](
+        x, x.stride(0), w13_packed, w13_scale, b.h, b.sorted_ids, b.block_expert, P, D, I,
+        float(act.situ_beta or 1.0), float(act.situ_linear_beta or 1.0), *b.args,
+        TOPK=k, BLOCK_M=cfg.block_m, BLOCK_N=bn1, BLOCK_K=bk1,
+        SITU=situ, LIN_SAT=situ and act.situ_linear_beta is not None, DOT_PRECISION=precision,
+        NATIVE=native, A_FORMAT=a_format, PREFETCH=cfg.prefetch, USE_PDL=pdl, num_warps=cfg.num_warps1,
+        num_stages=cfg.num_stages, **pdl_kwargs(use_pdl),
+    )
+    bn2, bk2 = min(cfg.block_n2, triton.next_power_of_2(D)), _block_k(cfg.block_k2, I)
+    _moe_down_mxfp4_kernel[(b.num_blocks * triton.cdiv(D, bn2),)](
+        b.h, w2_packed, w2_scale, b.y, topk_weights, b.sorted_ids, b.block_expert, P, D, I, *b.args,
+        TOPK=k, BLOCK_M=cfg.block_m, BLOCK_N=bn2, BLOCK_K=bk2, DOT_PRECISION=precision,
+        NATIVE=native, A_FORMAT=a_format, PREFETCH=cfg.prefetch, USE_PDL=pdl, num_warps=cfg.num_warps2,
+        num_stages=cfg.num_stages, **pdl_kwargs(use_pdl),
+    )
+    return sum_slots(b.y, out, k, S, use_pdl)
     S, E_routed = shared_experts, E - shared_experts
     cfg = tiles or mxfp4_tiles(P + S * T, E)
     sorted_ids, block_expert = moe_align_fwd(topk_ids, E_routed, cfg.block_m, use_pdl=use_pdl)
