@@ -12,17 +12,8 @@ def sample_requests(sampler: Sampler, logits: torch.Tensor, reqs: list) -> dict[
     -> {rid: token}."""
     if not reqs:
         return {}
-    mask = None
-    if any(r.grammar is not None or under_min_tokens(r) for r in reqs):
-        from k3rt.backend.grammar import fill_batch_bitmask
-
-        # rows without a grammar keep every bit set
-        mask = torch.full((len(reqs), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)
-        grammars = [r.grammar for r in reqs]
-        if any(g is not None for g in grammars):
-            for row, error in fill_batch_bitmask(grammars, mask).items():
-                reqs[row].sampled.error = error  # the engine fails this request alone
-        ban_stop_tokens(reqs, mask)
+    mask = allowed_mask(reqs, logits.shape[1])
+    if mask is not None:
         mask = mask.to(logits.device)
     # penalties need token histories; slice them only for rows that use one
     hist = [r.params.repetition_penalty != 1.0 or r.params.frequency_penalty or r.params.presence_penalty
@@ -36,6 +27,24 @@ def sample_requests(sampler: Sampler, logits: torch.Tensor, reqs: list) -> dict[
         if out.logprobs is not None and r.params.logprobs is not None:
             r.sampled.logprob, r.sampled.top_logprobs = out.logprobs[i], out.top_logprobs[i]
     return {r.rid: t for r, t in zip(reqs, out.token_ids)}
+
+
+def allowed_mask(reqs: list, vocab: int) -> torch.Tensor | None:
+    """The batch's token bitmask [B, ceil(vocab/32)] int32 on the CPU (grammar rows, and the stop tokens of rows
+    under min_tokens cleared), or None when no row restricts anything. A grammar that fails sets its request's
+    error (the engine fails that request alone)."""
+    if not any(r.grammar is not None or under_min_tokens(r) for r in reqs):
+        return None
+    from k3rt.backend.grammar import fill_batch_bitmask
+
+    # rows without a grammar keep every bit set
+    mask = torch.full((len(reqs), (vocab + 31) // 32), -1, dtype=torch.int32)
+    grammars = [r.grammar for r in reqs]
+    if any(g is not None for g in grammars):
+        for row, error in fill_batch_bitmask(grammars, mask).items():
+            reqs[row].sampled.error = error
+    ban_stop_tokens(reqs, mask)
+    return mask
 
 
 def under_min_tokens(r) -> bool:

@@ -18,7 +18,7 @@ import torch
 
 from k3rt.backend.runner.gpu.ops import kernel, to_device
 from k3rt.backend.runner.gpu.penalties import PenaltyState
-from k3rt.backend.runner.sampling import accept_grammar, ban_stop_tokens, sample_requests, under_min_tokens
+from k3rt.backend.runner.sampling import accept_grammar, allowed_mask, sample_requests, under_min_tokens
 from k3rt.backend.sampling.sampler import Sampler
 
 
@@ -78,17 +78,8 @@ def device_sample(fn, logits: torch.Tensor, reqs: list, penalties: PenaltyState 
     if rows is not None:
         pen_kw = dict(repetition_penalty=floats[3], frequency_penalty=floats[4], presence_penalty=floats[5],
                       prompt_mask=penalties.prompt_mask, output_counts=penalties.output_counts, penalty_rows=ints[3])
-    mask = None
-    if any(r.grammar is not None or under_min_tokens(r) for r in reqs):
-        from k3rt.backend.grammar import fill_batch_bitmask
-
-        # rows without a grammar keep every bit set
-        mask = torch.full((len(reqs), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)
-        grammars = [r.grammar for r in reqs]
-        if any(g is not None for g in grammars):
-            for row, error in fill_batch_bitmask(grammars, mask).items():
-                reqs[row].sampled.error = error  # the engine fails this request alone
-        ban_stop_tokens(reqs, mask)
+    mask = allowed_mask(reqs, logits.shape[1])
+    if mask is not None:
         mask = to_device(mask, dev)
     nlp = max((p.logprobs for p in ps if p.logprobs is not None), default=None)
     filters = any(p.top_k > 1 or p.top_p < 1.0 or p.min_p > 0.0 for p in ps)
