@@ -272,6 +272,22 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+async def until_done_or_gone(request: Request, consumer: asyncio.Future, close) -> None:
+    """Wait for `consumer` (collecting a job's choices) or the client's disconnect, whichever comes first;
+    then stop both and `close()` the streams (which aborts choices still running). Raises the 499 APIError when
+    the client left first, or the consumer's own error (a choice the engine failed)."""
+    watcher = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        consumer.cancel()
+        close()
+    if not consumer.done() or consumer.cancelled():
+        raise APIError(499, "the client closed the connection", code="client_closed")
+    consumer.result()
+
+
 async def run_to_end(ctx: ServerContext, job: Job, n: int, request: Request, endpoint: str) -> list[Choice]:
     """Run `job` and collect every choice. Aborts the job if the client disconnects first; raises APIError
     for a choice the engine rejected or could not finish."""
@@ -289,18 +305,13 @@ async def run_to_end(ctx: ServerContext, job: Job, n: int, request: Request, end
             choices[d.index].add(d)
             timer.tokens(d.index, len(d.token_ids))
 
-    consumer = asyncio.create_task(consume())
-    watcher = asyncio.create_task(_disconnected(request))
     try:
-        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        consumer.cancel()
-        stream.close()  # aborts the choices still running: the client is gone, or one choice failed
-    if not consumer.done() or consumer.cancelled():
-        ctx.metrics.disconnects.labels(endpoint).inc()
-        raise APIError(499, "the client closed the connection", code="client_closed")
-    consumer.result()  # raises the APIError of a failed choice
+        # closing the stream aborts the choices still running: the client is gone, or one choice failed
+        await until_done_or_gone(request, asyncio.create_task(consume()), stream.close)
+    except APIError as e:
+        if e.status == 499:
+            ctx.metrics.disconnects.labels(endpoint).inc()
+        raise
     u = total_usage(choices, n)
     timer.done(u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"])
     return choices

@@ -39,7 +39,7 @@ from k3rt.sampling_params import MAX_LOGPROBS, SamplingParams
 from k3rt.server.errors import APIError, bad_request
 from k3rt.server.generation import (
     MIN_TEMPERATURE, SSE_DONE, Choice, ServerContext, check_vocab, delta_error, gateway_error, json_response,
-    namespaced_salt, new_id, report_ignored, sse, token_text, validate_grammar,
+    namespaced_salt, new_id, report_ignored, sse, token_text, until_done_or_gone, validate_grammar,
 )
 from k3rt.server.limits import PromptBudget
 from k3rt.server.schemas import MAX_N, MAX_STOP, _List, _Strict, logit_bias
@@ -355,17 +355,7 @@ class _Output:
                 g.choices[d.index].add(d)
 
         consumer = asyncio.ensure_future(asyncio.gather(*(consume(g, s) for g, s in zip(self.groups, streams))))
-        watcher = asyncio.create_task(_disconnected(request))
-        try:
-            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            consumer.cancel()
-            for s in streams:
-                s.close()
-        if not consumer.done() or consumer.cancelled():
-            raise APIError(499, "the client closed the connection", code="client_closed")
-        consumer.result()
+        await until_done_or_gone(request, consumer, lambda: [s.close() for s in streams])
         items = [self._item(g, k, c, self._index(g, k)) for g in self.groups for k, c in enumerate(g.choices)]
         return sorted(items, key=lambda it: it["index"])
 
@@ -381,11 +371,6 @@ class _Output:
             yield SSE_DONE
         finally:
             stream.close()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def model_info(ctx: ServerContext) -> dict[str, Any]:
