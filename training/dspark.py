@@ -1,0 +1,290 @@
+"""Distill a DSpark drafter (backend/spec/dspark/) from a target's own greedy outputs.
+
+    python -m k3rt.training.dspark gen   --out .cache/dspark/train.pt --minutes 6      # target greedy data
+    python -m k3rt.training.dspark train --data .cache/dspark/train.pt --out DIR --minutes 20
+    python -m k3rt.training.dspark eval  --drafter DIR --num-prompts 24               # tau on held-out code
+
+gen: prompts are random windows of the corpus's training-split code (training/corpus.py: this machine's
+stdlib, minus the held-out modules); the target continues each greedily through its cached decode path,
+and forward hooks keep the chosen layers' states at every processed position. Those continuations are
+what the target emits, so teacher forcing on them trains the drafter to predict the target's greedy
+tokens, from exactly the states it will be given at serving time (a position's state is known once the
+target has run that token; the newest token, the anchor, has none yet).
+train: per anchor position t (t >= prompt_len - 1, so every label is a target greedy token): the states
+at t-W..t-1 and token x_t -> x_{t+1..t+k}. Loss = position-weighted cross-entropy of base + Markov logits
+(the Markov head gets the true previous tokens) + BCE of the confidence head on "draft j's argmax is
+right" over the anchors whose drafts before j were all right (its estimate is conditional, so the
+product over a prefix estimates that the whole prefix is accepted); confidence reads detached states.
+eval: tau = mean(accepted + 1) per verify round, replaying greedy speculative decoding against the
+target's greedy continuation of held-out prompts (no engine: greedy verification accepts exactly the
+prefix of drafts that equals the target's greedy tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from k3rt.backend.models.batch import ForwardBatch
+from k3rt.backend.models.kimi import KimiForCausalLM
+from k3rt.backend.models.loader import load_model
+from k3rt.backend.spec.dspark.checkpoint import load_drafter, save_drafter
+from k3rt.backend.spec.dspark.model import DSparkConfig, DSparkModel, verify_length
+from k3rt.backend.spec.dspark.target import capture_states, stack_states
+from k3rt.backend.tokenizer import load_tokenizer
+from k3rt.training.corpus import code_documents, stdlib_dir
+
+# The shipped k3-tiny drafter's shape (docs/dspark.md): three target states (after 2 and 5 layers, and
+# the final one), the last 4 verified positions, 2 block layers at the target's width, 7 drafts.
+K3_TINY_DSPARK = dict(vocab_size=8192, hidden_size=384, target_hidden_size=384, target_layers=(2, 5, 8),
+                      context_len=4, block_size=7, num_layers=2, num_heads=6, head_dim=64, intermediate_size=768,
+                      markov_rank=32, confidence_hidden=64, confidence_threshold=0.3, min_verify=1)
+
+
+# ---- data: the target's own greedy continuations --------------------------------------------------
+
+def code_prompts(split: str, num: int, prompt_len: int, seed: int, model: str = "k3-tiny") -> list[list[int]]:
+    """`num` windows of `prompt_len` tokens from code documents of one corpus split, each starting at a
+    line start of a random document (BOS first, as a served prompt)."""
+    rng = random.Random(seed)
+    docs = [d for d in code_documents(stdlib_dir()) if d.split == split]
+    tok = load_tokenizer(model)
+    out: list[list[int]] = []
+    while len(out) < num:
+        text = rng.choice(docs).text
+        starts = [0] + [i + 1 for i, c in enumerate(text) if c == "\n"]
+        begin = rng.choice(starts[: max(1, len(starts) - 20)])
+        ids = [*tok.sequence_prefix, *tok.encode(text[begin: begin + 8 * prompt_len])]
+        if len(ids) >= prompt_len:
+            out.append(ids[:prompt_len])
+    return out
+
+
+@torch.no_grad()
+def greedy_with_states(target: KimiForCausalLM, prompts: Sequence[Sequence[int]], gen_len: int,
+                       layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy continuation of equal-length prompts through the cached decode path.
+    Returns tokens [B, P + gen_len] and states [B, P + gen_len - 1, F] fp16 (the last token never runs)."""
+    b, p = len(prompts), len(prompts[0])
+    caches = [target.new_cache() for _ in range(b)]
+    ids = torch.tensor(prompts)
+    states = []
+    with capture_states(target, layers) as got:
+        logits = target(ids.reshape(-1), ForwardBatch([p] * b, [0] * b, caches))
+        states.append(stack_states(got, layers).view(b, p, -1).half())
+        tok = logits.view(b, p, -1)[:, -1].argmax(-1)
+        out = [tok]
+        for s in range(gen_len - 1):
+            tok = target(tok, ForwardBatch([1] * b, [p + s] * b, caches)).argmax(-1)
+            states.append(stack_states(got, layers).view(b, 1, -1).half())
+            out.append(tok)
+    return torch.cat([ids, torch.stack(out, 1)], 1), torch.cat(states, 1)
+
+
+def cmd_gen(args: argparse.Namespace) -> None:
+    target = load_model(args.target, dtype=args.target_dtype, device=args.device, progress=False)
+    layers = tuple(args.layers)
+    prompts = code_prompts(args.split, args.max_prompts, args.prompt_len, args.seed, args.target)
+    tokens, states, t0 = [], [], time.time()
+    bar = tqdm(total=len(prompts), desc=f"gen {args.split}", unit="seq")
+    for i in range(0, len(prompts), args.batch):
+        if time.time() - t0 > args.minutes * 60:
+            break
+        tk, st = greedy_with_states(target, prompts[i: i + args.batch], args.gen_len, layers)
+        tokens.append(tk.cpu())
+        states.append(st.cpu())
+        bar.update(tk.shape[0])
+    bar.close()
+    data = {"tokens": torch.cat(tokens), "states": torch.cat(states), "prompt_len": args.prompt_len,
+            "target_layers": list(layers), "target": args.target, "split": args.split}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    torch.save(data, args.out)
+    print(f"{data['tokens'].shape[0]} sequences x {data['tokens'].shape[1]} tokens -> {args.out}")
+
+
+# ---- training ---------------------------------------------------------------------------------------
+
+def anchors(tokens: torch.Tensor, prompt_len: int, cfg: DSparkConfig) -> torch.Tensor:
+    """All (sequence, t) pairs with every label a target greedy token and a full context window."""
+    n, length = tokens.shape
+    lo, hi = max(prompt_len - 1, cfg.context_len), length - cfg.block_size - 1
+    ts = torch.arange(lo, hi + 1)
+    return torch.stack(torch.meshgrid(torch.arange(n), ts, indexing="ij"), -1).reshape(-1, 2)
+
+
+def gather(tokens: torch.Tensor, states: torch.Tensor, pairs: torch.Tensor, cfg: DSparkConfig
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pairs [B, 2] -> (context states [B, W, F], tokens x_t..x_{t+k} [B, k+1], valid [B, k])."""
+    seq, t = pairs[:, 0], pairs[:, 1]
+    ctx_pos = t[:, None] + torch.arange(-cfg.context_len, 0)
+    tok_pos = (t[:, None] + torch.arange(cfg.block_size + 1)).clamp(max=tokens.shape[1] - 1)
+    valid = (t[:, None] + torch.arange(1, cfg.block_size + 1)) < tokens.shape[1]
+    return states[seq[:, None], ctx_pos].float(), tokens[seq[:, None], tok_pos], valid
+
+
+def losses(model: DSparkModel, ctx: torch.Tensor, toks: torch.Tensor, valid: torch.Tensor, embed: torch.Tensor,
+           lm_head: torch.Tensor, pos_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token loss, confidence loss, per-position argmax match [B, k]) of one batch."""
+    hidden = model.block_hidden(ctx, toks[:, 0], embed)
+    prev, labels = toks[:, :-1], toks[:, 1:]
+    logits = model.base_logits(hidden, lm_head) + model.markov_bias(prev)
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+    w = pos_weight * valid
+    token_loss = (ce * w).sum() / w.sum()
+    match = (logits.argmax(-1) == labels) & valid
+    # draft j counts only where drafts 1..j-1 were all right: the estimate is conditional on them
+    reached = torch.cat([torch.ones_like(match[:, :1]), match.cumprod(1)[:, :-1].bool()], 1) & valid
+    conf = model.confidence(hidden.detach(), prev)
+    bce = F.binary_cross_entropy_with_logits(conf, match.float(), reduction="none")
+    conf_loss = (bce * reached).sum() / reached.sum().clamp(min=1)
+    return token_loss, conf_loss, match
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    torch.manual_seed(args.seed)
+    data = torch.load(args.data)
+    cfg = DSparkConfig(**{**K3_TINY_DSPARK, "target_layers": tuple(data["target_layers"]),
+                          "block_size": args.block_size, "num_layers": args.num_layers,
+                          "markov_rank": args.markov_rank, "context_len": args.context_len})
+    target = load_model(data["target"], dtype="float32", device=args.device, progress=False)
+    embed = target.model.embed_tokens.weight.detach()
+    lm_head = target.lm_head.weight.detach()
+    del target
+    tokens, states = data["tokens"].to(args.device), data["states"].to(args.device)
+    pairs = anchors(tokens, data["prompt_len"], cfg).to(args.device)
+    model = DSparkModel(cfg).to(args.device)
+    model.init_weights(args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    # earlier drafts matter more: draft j is only useful if 1..j-1 were accepted
+    pos_weight = torch.tensor([args.pos_decay ** j for j in range(cfg.block_size)], device=args.device)
+    t0, step, ema = time.time(), 0, None
+    budget = args.minutes * 60
+    bar = tqdm(total=int(budget), desc="train", unit="s", bar_format="{l_bar}{bar}| {n:.0f}/{total}s {postfix}")
+    g = torch.Generator(device=args.device).manual_seed(args.seed)
+    while time.time() - t0 < budget and (args.max_steps is None or step < args.max_steps):
+        frac = (time.time() - t0) / budget
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        idx = torch.randint(0, pairs.shape[0], (args.batch,), device=args.device, generator=g)
+        ctx, toks, valid = gather(tokens, states, pairs[idx], cfg)
+        token_loss, conf_loss, match = losses(model, ctx, toks, valid, embed, lm_head, pos_weight)
+        opt.zero_grad(set_to_none=True)
+        (token_loss + args.conf_weight * conf_loss).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        acc = match.float().cumprod(1).sum(1).mean().item() + 1  # tau this batch would give (teacher forced)
+        cur = (token_loss.item(), conf_loss.item(), acc)
+        ema = cur if ema is None else tuple(0.98 * e + 0.02 * c for e, c in zip(ema, cur))
+        bar.n = min(bar.total, time.time() - t0)
+        bar.set_postfix_str(f"step {step} ce {ema[0]:.3f} bce {ema[1]:.3f} tau~{ema[2]:.2f}")
+    bar.close()
+    notes = {"data": str(args.data), "sequences": int(tokens.shape[0]), "anchors": int(pairs.shape[0]),
+             "steps": step, "batch": args.batch, "lr": args.lr, "minutes": round((time.time() - t0) / 60, 1),
+             "device": args.device, "final_ce": round(ema[0], 4), "final_bce": round(ema[1], 4),
+             "train_tau_teacher_forced": round(ema[2], 3), "seed": args.seed}
+    save_drafter(model.cpu(), args.out, extra=notes)
+    print(json.dumps(notes))
+
+
+# ---- evaluation: tau on held-out code -----------------------------------------------------------
+
+@torch.no_grad()
+def replay_tau(model: DSparkModel, tokens: torch.Tensor, states: torch.Tensor, prompt_len: int, embed: torch.Tensor,
+               lm_head: torch.Tensor, k: int | None = None) -> dict:
+    """Greedy speculative decoding replayed on the target's greedy continuations: each round drafts from
+    the anchor (newest token) and the states of the W positions before it; accepted = the drafts'
+    longest prefix equal to the target's next tokens; the round yields accepted + 1 tokens (the target's
+    own next token follows). Rounds start after the first generated token and stop when the
+    continuation cannot check a full block. Also reports the confidence-scheduled variant (verify only
+    verify_length drafts; accepted capped there)."""
+    cfg = model.cfg
+    k = cfg.block_size if k is None else k
+    rounds, scheduled, verified = [], [], []
+    for s in range(tokens.shape[0]):
+        t = prompt_len
+        while t + k < tokens.shape[1]:
+            ctx = states[s: s + 1, t - cfg.context_len: t].float()
+            drafts, _, conf = model.draft(ctx, tokens[s: s + 1, t], embed, lm_head)
+            truth = tokens[s, t + 1: t + 1 + k]
+            ok = (drafts[0, :k] == truth).int().cumprod(0)
+            accepted = int(ok.sum())
+            n = verify_length(conf[0, :k], cfg.confidence_threshold, cfg.min_verify, k)
+            rounds.append(accepted + 1)
+            scheduled.append(min(accepted, n) + 1)
+            verified.append(n)
+            t += accepted + 1
+    return {"k": k, "rounds": len(rounds), "tau": sum(rounds) / len(rounds),
+            "tau_scheduled": sum(scheduled) / len(scheduled), "mean_verified_scheduled": sum(verified) / len(verified),
+            "threshold": cfg.confidence_threshold}
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    model = load_drafter(args.drafter)
+    target = load_model(args.target, dtype=args.target_dtype, progress=False)
+    prompts = code_prompts("heldout", args.num_prompts, args.prompt_len, args.seed, args.target)
+    tokens, states = greedy_with_states(target, prompts, args.gen_len, model.cfg.target_layers)
+    res = replay_tau(model, tokens, states, args.prompt_len, target.model.embed_tokens.weight.float(),
+                     target.lm_head.weight.float(), args.k)
+    res.update(prompts=args.num_prompts, prompt_len=args.prompt_len, gen_len=args.gen_len, seed=args.seed,
+               target_dtype=args.target_dtype)
+    print(json.dumps(res))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    gen = sub.add_parser("gen", help="generate the target's greedy continuations with layer states")
+    gen.add_argument("--out", type=Path, required=True)
+    gen.add_argument("--split", default="train", choices=["train", "valid", "heldout"])
+    gen.add_argument("--max-prompts", type=int, default=4096)
+    gen.add_argument("--prompt-len", type=int, default=48)
+    gen.add_argument("--gen-len", type=int, default=80)
+    gen.add_argument("--batch", type=int, default=32)
+    gen.add_argument("--layers", type=int, nargs="+", default=list(K3_TINY_DSPARK["target_layers"]))
+    gen.add_argument("--minutes", type=float, default=6.0, help="stop generating after this long")
+    tr = sub.add_parser("train", help="train a drafter on gen's data")
+    tr.add_argument("--data", type=Path, required=True)
+    tr.add_argument("--out", type=Path, required=True)
+    tr.add_argument("--minutes", type=float, default=20.0, help="wall-clock training budget")
+    tr.add_argument("--max-steps", type=int, default=None)
+    tr.add_argument("--batch", type=int, default=64)
+    tr.add_argument("--lr", type=float, default=2e-3)
+    tr.add_argument("--warmup", type=int, default=100)
+    tr.add_argument("--pos-decay", type=float, default=0.85)
+    tr.add_argument("--conf-weight", type=float, default=0.5)
+    tr.add_argument("--block-size", type=int, default=K3_TINY_DSPARK["block_size"])
+    tr.add_argument("--num-layers", type=int, default=K3_TINY_DSPARK["num_layers"])
+    tr.add_argument("--markov-rank", type=int, default=K3_TINY_DSPARK["markov_rank"])
+    tr.add_argument("--context-len", type=int, default=K3_TINY_DSPARK["context_len"])
+    ev = sub.add_parser("eval", help="tau on held-out code prompts")
+    ev.add_argument("--drafter", type=Path, required=True)
+    ev.add_argument("--num-prompts", type=int, default=24)
+    ev.add_argument("--prompt-len", type=int, default=48)
+    ev.add_argument("--gen-len", type=int, default=96)
+    ev.add_argument("--k", type=int, default=None, help="drafts per round (default: the drafter's block_size)")
+    for s in (gen, tr, ev):
+        s.add_argument("--target", default="k3-tiny")
+        s.add_argument("--device", default="cpu")
+        s.add_argument("--seed", type=int, default=0)
+        s.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    for s in (gen, ev):
+        s.add_argument("--target-dtype", default="float32", help="the target's weights while generating")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    {"gen": cmd_gen, "train": cmd_train, "eval": cmd_eval}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
