@@ -39,9 +39,10 @@ from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.backend.models.loader import load_model
 from k3rt.backend.spec.dspark.checkpoint import load_drafter, save_drafter
 from k3rt.backend.spec.dspark.model import DSparkConfig, DSparkModel, verify_length
-from k3rt.backend.spec.dspark.target import capture_states, stack_states
+from k3rt.backend.spec.dspark.target import capture_states, dense_states, stack_states
 from k3rt.backend.tokenizer import load_tokenizer
 from k3rt.training.corpus import code_documents, stdlib_dir
+from k3rt.training.train import use_fast_kda
 
 # The shipped k3-tiny drafter's shape (docs/dspark.md): three target states (after 2 and 5 layers, and
 # the final one), the last 4 verified positions, 2 block layers at the target's width, 7 drafts.
@@ -71,9 +72,10 @@ def code_prompts(split: str, num: int, prompt_len: int, seed: int, model: str = 
 
 @torch.no_grad()
 def greedy_with_states(target: KimiForCausalLM, prompts: Sequence[Sequence[int]], gen_len: int,
-                       layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy continuation of equal-length prompts through the cached decode path.
-    Returns tokens [B, P + gen_len] and states [B, P + gen_len - 1, F] fp16 (the last token never runs)."""
+                       layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy continuation of equal-length prompts through the cached decode path. Returns tokens
+    [B, P + gen_len], states [B, P + gen_len - 1, F] fp16 (the last token never runs) and the target's
+    argmax next token after every run position [B, P + gen_len - 1] (inside the prompt too)."""
     b, p = len(prompts), len(prompts[0])
     caches = [target.new_cache() for _ in range(b)]
     ids = torch.tensor(prompts)
@@ -81,31 +83,51 @@ def greedy_with_states(target: KimiForCausalLM, prompts: Sequence[Sequence[int]]
     with capture_states(target, layers) as got:
         logits = target(ids.reshape(-1), ForwardBatch([p] * b, [0] * b, caches))
         states.append(stack_states(got, layers).view(b, p, -1).half())
-        tok = logits.view(b, p, -1)[:, -1].argmax(-1)
+        prompt_next = logits.view(b, p, -1).argmax(-1)
+        tok = prompt_next[:, -1]
         out = [tok]
         for s in range(gen_len - 1):
             tok = target(tok, ForwardBatch([1] * b, [p + s] * b, caches)).argmax(-1)
             states.append(stack_states(got, layers).view(b, 1, -1).half())
             out.append(tok)
-    return torch.cat([ids, torch.stack(out, 1)], 1), torch.cat(states, 1)
+    gen = torch.stack(out, 1)
+    return torch.cat([ids, gen], 1), torch.cat(states, 1), torch.cat([prompt_next, gen[:, 1:]], 1)
+
+
+@torch.no_grad()
+def corpus_with_states(target: KimiForCausalLM, windows: torch.Tensor, layers: Sequence[int]
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Corpus windows [B, T] through one dense forward: (tokens, states [B, T - 1, F] fp16, argmax next
+    [B, T - 1]) in greedy_with_states' layout. Far cheaper per position than decoding, but a corpus
+    token is a target greedy token only where it equals the argmax before it (`label_chain`)."""
+    nxt, st = dense_states(target, windows, layers)
+    return windows, st[:, :-1].half(), nxt[:, :-1]
 
 
 def cmd_gen(args: argparse.Namespace) -> None:
     target = load_model(args.target, dtype=args.target_dtype, device=args.device, progress=False)
     layers = tuple(args.layers)
-    prompts = code_prompts(args.split, args.max_prompts, args.prompt_len, args.seed, args.target)
-    tokens, states, t0 = [], [], time.time()
-    bar = tqdm(total=len(prompts), desc=f"gen {args.split}", unit="seq")
+    if args.source == "corpus":
+        use_fast_kda(target)  # dense [B, T] path only; the checkpoint is untouched
+        prompts = code_prompts(args.split, args.max_prompts, args.prompt_len + args.gen_len, args.seed, args.target)
+    else:
+        prompts = code_prompts(args.split, args.max_prompts, args.prompt_len, args.seed, args.target)
+    tokens, states, nexts, t0 = [], [], [], time.time()
+    bar = tqdm(total=len(prompts), desc=f"gen {args.source} {args.split}", unit="seq")
     for i in range(0, len(prompts), args.batch):
         if time.time() - t0 > args.minutes * 60:
             break
-        tk, st = greedy_with_states(target, prompts[i: i + args.batch], args.gen_len, layers)
+        if args.source == "corpus":
+            tk, st, nx = corpus_with_states(target, torch.tensor(prompts[i: i + args.batch]), layers)
+        else:
+            tk, st, nx = greedy_with_states(target, prompts[i: i + args.batch], args.gen_len, layers)
         tokens.append(tk.cpu())
         states.append(st.cpu())
+        nexts.append(nx.cpu())
         bar.update(tk.shape[0])
     bar.close()
-    data = {"tokens": torch.cat(tokens), "states": torch.cat(states), "prompt_len": args.prompt_len,
-            "target_layers": list(layers), "target": args.target, "split": args.split}
+    data = {"tokens": torch.cat(tokens), "states": torch.cat(states), "next": torch.cat(nexts),
+            "source": args.source, "target_layers": list(layers), "target": args.target, "split": args.split}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     torch.save(data, args.out)
     print(f"{data['tokens'].shape[0]} sequences x {data['tokens'].shape[1]} tokens -> {args.out}")
@@ -113,36 +135,46 @@ def cmd_gen(args: argparse.Namespace) -> None:
 
 # ---- training ---------------------------------------------------------------------------------------
 
-def anchors(tokens: torch.Tensor, prompt_len: int, cfg: DSparkConfig) -> torch.Tensor:
-    """All (sequence, t) pairs with every label a target greedy token and a full context window."""
-    n, length = tokens.shape
-    lo, hi = max(prompt_len - 1, cfg.context_len), length - cfg.block_size - 1
-    ts = torch.arange(lo, hi + 1)
-    return torch.stack(torch.meshgrid(torch.arange(n), ts, indexing="ij"), -1).reshape(-1, 2)
+def anchors(nxt: torch.Tensor, cfg: DSparkConfig) -> torch.Tensor:
+    """All (sequence, t) pairs with a full context window before t and a known first label."""
+    n, run = nxt.shape  # run = tokens - 1 positions have states and an argmax
+    ts = torch.arange(cfg.context_len, run)
+    pairs = torch.stack(torch.meshgrid(torch.arange(n), ts, indexing="ij"), -1).reshape(-1, 2)
+    return pairs[nxt[pairs[:, 0], pairs[:, 1]] >= 0]
 
 
-def gather(tokens: torch.Tensor, states: torch.Tensor, pairs: torch.Tensor, cfg: DSparkConfig
+def gather(tokens: torch.Tensor, states: torch.Tensor, nxt: torch.Tensor, pairs: torch.Tensor, cfg: DSparkConfig
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pairs [B, 2] -> (context states [B, W, F], previous tokens x_t..x_{t+k-1} [B, k], labels [B, k],
+    valid [B, k]). Label j is the target's argmax after x_{t+j-1}; it is the target's greedy draft j
+    only while x_{t+1..t+j-1} are themselves the target's argmaxes (always, on greedy data)."""
+    seq, t = pairs[:, 0:1], pairs[:, 1:2]
+    k, run = cfg.block_size, nxt.shape[1]
+    pos = t + torch.arange(k, device=t.device)  # positions whose argmax is label j (j = 1..k)
+    inside = pos < run
+    pos = pos.clamp(max=run - 1)
+    labels = nxt[seq, pos]
+    prev = tokens[seq, pos]
+    # x_{t+j} (j >= 1) agrees with the argmax before it; label j needs agreement at t+1..t+j-1
+    agree = tokens[seq, (pos + 1).clamp(max=tokens.shape[1] - 1)] == labels
+    chain = torch.cat([torch.ones_like(agree[:, :1]), agree[:, :-1].int().cumprod(1).bool()], 1)
+    valid = inside & chain & (labels >= 0)
+    ctx = states[seq, t + torch.arange(-cfg.context_len, 0, device=t.device)].float()
+    return ctx, prev, labels.clamp(min=0), valid
+
+
+def losses(model: DSparkModel, ctx: torch.Tensor, prev: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+           embed: torch.Tensor, lm_head: torch.Tensor, pos_weight: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """pairs [B, 2] -> (context states [B, W, F], tokens x_t..x_{t+k} [B, k+1], valid [B, k])."""
-    seq, t = pairs[:, 0], pairs[:, 1]
-    ctx_pos = t[:, None] + torch.arange(-cfg.context_len, 0)
-    tok_pos = (t[:, None] + torch.arange(cfg.block_size + 1)).clamp(max=tokens.shape[1] - 1)
-    valid = (t[:, None] + torch.arange(1, cfg.block_size + 1)) < tokens.shape[1]
-    return states[seq[:, None], ctx_pos].float(), tokens[seq[:, None], tok_pos], valid
-
-
-def losses(model: DSparkModel, ctx: torch.Tensor, toks: torch.Tensor, valid: torch.Tensor, embed: torch.Tensor,
-           lm_head: torch.Tensor, pos_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token loss, confidence loss, per-position argmax match [B, k]) of one batch."""
-    hidden = model.block_hidden(ctx, toks[:, 0], embed)
-    prev, labels = toks[:, :-1], toks[:, 1:]
+    hidden = model.block_hidden(ctx, prev[:, 0], embed)
     logits = model.base_logits(hidden, lm_head) + model.markov_bias(prev)
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
     w = pos_weight * valid
-    token_loss = (ce * w).sum() / w.sum()
+    token_loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
     match = (logits.argmax(-1) == labels) & valid
     # draft j counts only where drafts 1..j-1 were all right: the estimate is conditional on them
-    reached = torch.cat([torch.ones_like(match[:, :1]), match.cumprod(1)[:, :-1].bool()], 1) & valid
+    reached = torch.cat([torch.ones_like(match[:, :1]), match.int().cumprod(1)[:, :-1].bool()], 1) & valid
     conf = model.confidence(hidden.detach(), prev)
     bce = F.binary_cross_entropy_with_logits(conf, match.float(), reduction="none")
     conf_loss = (bce * reached).sum() / reached.sum().clamp(min=1)
@@ -151,7 +183,10 @@ def losses(model: DSparkModel, ctx: torch.Tensor, toks: torch.Tensor, valid: tor
 
 def cmd_train(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
-    data = torch.load(args.data)
+    parts = [torch.load(path) for path in args.data]
+    data = {"target_layers": parts[0]["target_layers"], "target": parts[0]["target"]}
+    if any(d["target_layers"] != data["target_layers"] or d["target"] != data["target"] for d in parts):
+        raise ValueError("--data: the files were generated with different targets or target_layers")
     cfg = DSparkConfig(**{**K3_TINY_DSPARK, "target_layers": tuple(data["target_layers"]),
                           "block_size": args.block_size, "num_layers": args.num_layers,
                           "markov_rank": args.markov_rank, "context_len": args.context_len})
@@ -159,8 +194,13 @@ def cmd_train(args: argparse.Namespace) -> None:
     embed = target.model.embed_tokens.weight.detach()
     lm_head = target.lm_head.weight.detach()
     del target
-    tokens, states = data["tokens"].to(args.device), data["states"].to(args.device)
-    pairs = anchors(tokens, data["prompt_len"], cfg).to(args.device)
+    # each file's sequences keep their own length: train on one file's anchors at a time, files drawn
+    # in proportion to their anchors
+    sets = []
+    for d in parts:
+        tk, st, nx = d["tokens"].to(args.device), d["states"].to(args.device), d["next"].to(args.device)
+        sets.append((tk, st, nx, anchors(nx, cfg)))
+    sizes = torch.tensor([float(s[3].shape[0]) for s in sets])
     model = DSparkModel(cfg).to(args.device)
     model.init_weights(args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
@@ -169,15 +209,16 @@ def cmd_train(args: argparse.Namespace) -> None:
     t0, step, ema = time.time(), 0, None
     budget = args.minutes * 60
     bar = tqdm(total=int(budget), desc="train", unit="s", bar_format="{l_bar}{bar}| {n:.0f}/{total}s {postfix}")
-    g = torch.Generator(device=args.device).manual_seed(args.seed)
+    cpu_g = torch.Generator().manual_seed(args.seed)
     while time.time() - t0 < budget and (args.max_steps is None or step < args.max_steps):
         frac = (time.time() - t0) / budget
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for group in opt.param_groups:
             group["lr"] = lr
-        idx = torch.randint(0, pairs.shape[0], (args.batch,), device=args.device, generator=g)
-        ctx, toks, valid = gather(tokens, states, pairs[idx], cfg)
-        token_loss, conf_loss, match = losses(model, ctx, toks, valid, embed, lm_head, pos_weight)
+        tk, st, nx, pairs = sets[int(torch.multinomial(sizes, 1, generator=cpu_g))]
+        idx = torch.randint(0, pairs.shape[0], (args.batch,), generator=cpu_g).to(args.device)
+        ctx, prev, labels, valid = gather(tk, st, nx, pairs[idx], cfg)
+        token_loss, conf_loss, match = losses(model, ctx, prev, labels, valid, embed, lm_head, pos_weight)
         opt.zero_grad(set_to_none=True)
         (token_loss + args.conf_weight * conf_loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -189,7 +230,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         bar.n = min(bar.total, time.time() - t0)
         bar.set_postfix_str(f"step {step} ce {ema[0]:.3f} bce {ema[1]:.3f} tau~{ema[2]:.2f}")
     bar.close()
-    notes = {"data": str(args.data), "sequences": int(tokens.shape[0]), "anchors": int(pairs.shape[0]),
+    notes = {"data": [str(p) for p in args.data], "sequences": sum(int(s[0].shape[0]) for s in sets),
+             "anchors": int(sizes.sum()),
              "steps": step, "batch": args.batch, "lr": args.lr, "minutes": round((time.time() - t0) / 60, 1),
              "device": args.device, "final_ce": round(ema[0], 4), "final_bce": round(ema[1], 4),
              "train_tau_teacher_forced": round(ema[2], 3), "seed": args.seed}
@@ -233,7 +275,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     model = load_drafter(args.drafter)
     target = load_model(args.target, dtype=args.target_dtype, progress=False)
     prompts = code_prompts("heldout", args.num_prompts, args.prompt_len, args.seed, args.target)
-    tokens, states = greedy_with_states(target, prompts, args.gen_len, model.cfg.target_layers)
+    tokens, states, _ = greedy_with_states(target, prompts, args.gen_len, model.cfg.target_layers)
     res = replay_tau(model, tokens, states, args.prompt_len, target.model.embed_tokens.weight.float(),
                      target.lm_head.weight.float(), args.k)
     res.update(prompts=args.num_prompts, prompt_len=args.prompt_len, gen_len=args.gen_len, seed=args.seed,
@@ -248,6 +290,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     gen = sub.add_parser("gen", help="generate the target's greedy continuations with layer states")
     gen.add_argument("--out", type=Path, required=True)
     gen.add_argument("--split", default="train", choices=["train", "valid", "heldout"])
+    gen.add_argument("--source", default="greedy", choices=["greedy", "corpus"],
+                     help="greedy: decode continuations (every label exact, slow on CPU); corpus: one dense "
+                          "pass over corpus windows of prompt-len + gen-len tokens (labels exact along "
+                          "the stretch where the corpus agrees with the target's argmax)")
     gen.add_argument("--max-prompts", type=int, default=4096)
     gen.add_argument("--prompt-len", type=int, default=48)
     gen.add_argument("--gen-len", type=int, default=80)
@@ -255,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     gen.add_argument("--layers", type=int, nargs="+", default=list(K3_TINY_DSPARK["target_layers"]))
     gen.add_argument("--minutes", type=float, default=6.0, help="stop generating after this long")
     tr = sub.add_parser("train", help="train a drafter on gen's data")
-    tr.add_argument("--data", type=Path, required=True)
+    tr.add_argument("--data", type=Path, nargs="+", required=True, help="one or more gen outputs")
     tr.add_argument("--out", type=Path, required=True)
     tr.add_argument("--minutes", type=float, default=20.0, help="wall-clock training budget")
     tr.add_argument("--max-steps", type=int, default=None)
