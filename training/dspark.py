@@ -201,6 +201,12 @@ def cmd_train(args: argparse.Namespace) -> None:
         tk, st, nx = d["tokens"].to(args.device), d["states"].to(args.device), d["next"].to(args.device)
         sets.append((tk, st, nx, anchors(nx, cfg)))
     sizes = torch.tensor([float(s[3].shape[0]) for s in sets])
+    if args.data_weights is not None:
+        if len(args.data_weights) != len(sets):
+            raise ValueError(f"--data-weights: {len(args.data_weights)} weights for {len(sets)} --data files")
+        draw = torch.tensor(args.data_weights, dtype=torch.float)
+    else:
+        draw = sizes
     model = DSparkModel(cfg).to(args.device)
     model.init_weights(args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
@@ -215,7 +221,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for group in opt.param_groups:
             group["lr"] = lr
-        tk, st, nx, pairs = sets[int(torch.multinomial(sizes, 1, generator=cpu_g))]
+        tk, st, nx, pairs = sets[int(torch.multinomial(draw, 1, generator=cpu_g))]
         idx = torch.randint(0, pairs.shape[0], (args.batch,), generator=cpu_g).to(args.device)
         ctx, prev, labels, valid = gather(tk, st, nx, pairs[idx], cfg)
         token_loss, conf_loss, match = losses(model, ctx, prev, labels, valid, embed, lm_head, pos_weight)
@@ -224,14 +230,15 @@ def cmd_train(args: argparse.Namespace) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        acc = match.float().cumprod(1).sum(1).mean().item() + 1  # tau this batch would give (teacher forced)
+        # tau this batch would give with teacher forcing; on corpus data a masked label counts as a miss
+        acc = match.float().cumprod(1).sum(1).mean().item() + 1
         cur = (token_loss.item(), conf_loss.item(), acc)
         ema = cur if ema is None else tuple(0.98 * e + 0.02 * c for e, c in zip(ema, cur))
         bar.n = min(bar.total, time.time() - t0)
         bar.set_postfix_str(f"step {step} ce {ema[0]:.3f} bce {ema[1]:.3f} tau~{ema[2]:.2f}")
     bar.close()
     notes = {"data": [str(p) for p in args.data], "sequences": sum(int(s[0].shape[0]) for s in sets),
-             "anchors": int(sizes.sum()),
+             "anchors": [int(n) for n in sizes], "data_weights": args.data_weights,
              "steps": step, "batch": args.batch, "lr": args.lr, "minutes": round((time.time() - t0) / 60, 1),
              "device": args.device, "final_ce": round(ema[0], 4), "final_bce": round(ema[1], 4),
              "train_tau_teacher_forced": round(ema[2], 3), "seed": args.seed}
@@ -302,6 +309,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     gen.add_argument("--minutes", type=float, default=6.0, help="stop generating after this long")
     tr = sub.add_parser("train", help="train a drafter on gen's data")
     tr.add_argument("--data", type=Path, nargs="+", required=True, help="one or more gen outputs")
+    tr.add_argument("--data-weights", type=float, nargs="+", default=None,
+                    help="share of batches drawn from each --data file (default: in proportion to its anchors)")
     tr.add_argument("--out", type=Path, required=True)
     tr.add_argument("--minutes", type=float, default=20.0, help="wall-clock training budget")
     tr.add_argument("--max-steps", type=int, default=None)
