@@ -37,9 +37,11 @@ from tqdm import tqdm
 from k3rt.backend.models.batch import ForwardBatch
 from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.backend.models.loader import load_model
+from k3rt.backend.spec.base import DraftQuery, Drafter
 from k3rt.backend.spec.dspark.checkpoint import load_drafter, save_drafter
 from k3rt.backend.spec.dspark.model import DSparkConfig, DSparkModel, verify_length
 from k3rt.backend.spec.dspark.target import capture_states, dense_states, stack_states
+from k3rt.backend.spec.ngram import NgramDrafter
 from k3rt.backend.tokenizer import load_tokenizer
 from k3rt.training.corpus import code_documents, stdlib_dir
 from k3rt.training.train import use_fast_kda
@@ -278,6 +280,22 @@ def replay_tau(model: DSparkModel, tokens: torch.Tensor, states: torch.Tensor, p
             "threshold": cfg.confidence_threshold}
 
 
+def replay_tau_drafter(drafter: Drafter, tokens: torch.Tensor, prompt_len: int, k: int) -> dict:
+    """replay_tau's rounds for any token-only Drafter (the n-gram baseline on the same continuations)."""
+    rounds = []
+    for s in range(tokens.shape[0]):
+        t, seq = prompt_len, tokens[s].tolist()
+        while t + k < len(seq):
+            drafts = drafter.propose([DraftQuery(s, seq[: t + 1], prompt_len, k)])[0]
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == seq[t + 1 + accepted]:
+                accepted += 1
+            rounds.append(accepted + 1)
+            t += accepted + 1
+        drafter.finish(s, seq, prompt_len)
+    return {"rounds": len(rounds), "tau": sum(rounds) / len(rounds)}
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     model = load_drafter(args.drafter)
     target = load_model(args.target, dtype=args.target_dtype, progress=False)
@@ -285,6 +303,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     tokens, states, _ = greedy_with_states(target, prompts, args.gen_len, model.cfg.target_layers)
     res = replay_tau(model, tokens, states, args.prompt_len, target.model.embed_tokens.weight.float(),
                      target.lm_head.weight.float(), args.k)
+    res["ngram_tau"] = replay_tau_drafter(NgramDrafter(2, 4), tokens, args.prompt_len, res["k"])["tau"]
     res.update(prompts=args.num_prompts, prompt_len=args.prompt_len, gen_len=args.gen_len, seed=args.seed,
                target_dtype=args.target_dtype)
     print(json.dumps(res))

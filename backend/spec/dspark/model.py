@@ -167,7 +167,7 @@ class DSparkModel(nn.Module):
     def markov_bias(self, prev_ids: torch.Tensor) -> torch.Tensor:
         """[...] previous-token ids -> [..., vocab] logit bias (zero without a Markov head)."""
         if not self.cfg.markov_rank:
-            return torch.zeros(*prev_ids.shape, self.cfg.vocab_size)
+            return torch.zeros(*prev_ids.shape, self.cfg.vocab_size, device=prev_ids.device)
         return self.markov_out(self.markov_in(prev_ids)).float()
 
     def confidence(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
