@@ -43,7 +43,7 @@ from k3rt.backend.spec.dspark.model import DSparkConfig, DSparkModel, verify_len
 from k3rt.backend.spec.dspark.target import capture_states, dense_states, stack_states
 from k3rt.backend.spec.ngram import NgramDrafter
 from k3rt.backend.tokenizer import load_tokenizer
-from k3rt.training.corpus import code_documents, stdlib_dir
+from k3rt.training.corpus import HELDOUT_MODULES, code_documents, stdlib_dir
 from k3rt.training.train import use_fast_kda
 
 # The shipped k3-tiny drafter's shape (docs/dspark.md): three target states (after 2 and 5 layers, and
@@ -59,17 +59,29 @@ def code_prompts(split: str, num: int, prompt_len: int, seed: int, model: str = 
     """`num` windows of `prompt_len` tokens from code documents of one corpus split, each starting at a
     line start of a random document (BOS first, as a served prompt)."""
     rng = random.Random(seed)
-    docs = [d for d in code_documents(stdlib_dir()) if d.split == split]
+    texts = _heldout_sources() if split == "heldout" else [d.text for d in code_documents(stdlib_dir()) if d.split == split]
     tok = load_tokenizer(model)
     out: list[list[int]] = []
     while len(out) < num:
-        text = rng.choice(docs).text
+        text = rng.choice(texts)
         starts = [0] + [i + 1 for i, c in enumerate(text) if c == "\n"]
         begin = rng.choice(starts[: max(1, len(starts) - 20)])
         ids = [*tok.sequence_prefix, *tok.encode(text[begin: begin + 8 * prompt_len])]
         if len(ids) >= prompt_len:
             out.append(ids[:prompt_len])
     return out
+
+
+def _heldout_sources() -> list[str]:
+    """The held-out modules' code documents' texts in code_documents' order, read directly: scanning and
+    parsing the whole stdlib for them takes seconds (too slow for the tests' prompts)."""
+    root = stdlib_dir()
+    paths = []
+    for m in HELDOUT_MODULES:
+        single = root / f"{m}.py"
+        paths += [single] if single.is_file() else [p for p in (root / m).rglob("*.py") if "__pycache__" not in p.parts]
+    paths.sort(key=lambda p: p.relative_to(root).as_posix())
+    return [p.read_text(encoding="utf-8").replace("\r\n", "\n").replace("\r", "\n") for p in paths]
 
 
 @torch.no_grad()
