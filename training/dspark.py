@@ -91,8 +91,9 @@ def greedy_with_states(target: KimiForCausalLM, prompts: Sequence[Sequence[int]]
     [B, P + gen_len], states [B, P + gen_len - 1, F] fp16 (the last token never runs) and the target's
     argmax next token after every run position [B, P + gen_len - 1] (inside the prompt too)."""
     b, p = len(prompts), len(prompts[0])
-    caches = [target.new_cache() for _ in range(b)]
-    ids = torch.tensor(prompts)
+    device = target.lm_head.weight.device
+    caches = [target.new_cache(device) for _ in range(b)]
+    ids = torch.tensor(prompts, device=device)
     states = []
     with capture_states(target, layers) as got:
         logits = target(ids.reshape(-1), ForwardBatch([p] * b, [0] * b, caches))
@@ -132,7 +133,7 @@ def cmd_gen(args: argparse.Namespace) -> None:
         if time.time() - t0 > args.minutes * 60:
             break
         if args.source == "corpus":
-            tk, st, nx = corpus_with_states(target, torch.tensor(prompts[i: i + args.batch]), layers)
+            tk, st, nx = corpus_with_states(target, torch.tensor(prompts[i: i + args.batch], device=args.device), layers)
         else:
             tk, st, nx = greedy_with_states(target, prompts[i: i + args.batch], args.gen_len, layers)
         tokens.append(tk.cpu())
@@ -152,8 +153,8 @@ def cmd_gen(args: argparse.Namespace) -> None:
 def anchors(nxt: torch.Tensor, cfg: DSparkConfig) -> torch.Tensor:
     """All (sequence, t) pairs with a full context window before t and a known first label."""
     n, run = nxt.shape  # run = tokens - 1 positions have states and an argmax
-    ts = torch.arange(cfg.context_len, run)
-    pairs = torch.stack(torch.meshgrid(torch.arange(n), ts, indexing="ij"), -1).reshape(-1, 2)
+    ts = torch.arange(cfg.context_len, run, device=nxt.device)
+    pairs = torch.stack(torch.meshgrid(torch.arange(n, device=nxt.device), ts, indexing="ij"), -1).reshape(-1, 2)
     return pairs[nxt[pairs[:, 0], pairs[:, 1]] >= 0]
 
 
@@ -309,8 +310,8 @@ def replay_tau_drafter(drafter: Drafter, tokens: torch.Tensor, prompt_len: int, 
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    model = load_drafter(args.drafter)
-    target = load_model(args.target, dtype=args.target_dtype, progress=False)
+    model = load_drafter(args.drafter, device=args.device)
+    target = load_model(args.target, dtype=args.target_dtype, device=args.device, progress=False)
     prompts = code_prompts("heldout", args.num_prompts, args.prompt_len, args.seed, args.target)
     tokens, states, _ = greedy_with_states(target, prompts, args.gen_len, model.cfg.target_layers)
     res = replay_tau(model, tokens, states, args.prompt_len, target.model.embed_tokens.weight.float(),

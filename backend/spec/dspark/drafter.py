@@ -82,8 +82,9 @@ class DSparkDrafter(Drafter):
     def propose(self, queries: Sequence[DraftQuery]) -> list[list[int]]:
         if not queries:
             return []
-        ctx = torch.stack([self._window(q) for q in queries])
-        anchors = torch.tensor([q.token_ids[-1] for q in queries])
+        device = self.embed.device
+        ctx = torch.stack([self._window(q) for q in queries]).to(device)
+        anchors = torch.tensor([q.token_ids[-1] for q in queries], device=device)
         tokens, _, conf = self.model.draft(ctx, anchors, self.embed, self.lm_head)
         out = []
         for i, q in enumerate(queries):
