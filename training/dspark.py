@@ -205,6 +205,18 @@ def cmd_train(args: argparse.Namespace) -> None:
     cfg = DSparkConfig(**{**K3_TINY_DSPARK, "target_layers": tuple(data["target_layers"]),
                           "block_size": args.block_size, "num_layers": args.num_layers,
                           "markov_rank": args.markov_rank, "context_len": args.context_len})
+    if args.init is not None:  # continue a drafter (its own config; the shape flags are ignored)
+        model = load_drafter(args.init, device=args.device).train()
+        if model.cfg.target_layers != cfg.target_layers:
+            raise ValueError(f"--init: the drafter reads target_layers {list(model.cfg.target_layers)}, the data "
+                             f"holds {list(cfg.target_layers)}")
+        cfg = model.cfg
+        notes_file = args.init / "training.json"
+        prior = json.loads(notes_file.read_text()) if notes_file.is_file() else None
+    else:
+        model = DSparkModel(cfg).to(args.device)
+        model.init_weights(args.seed)
+        prior = None
     target = load_model(data["target"], dtype="float32", device=args.device, progress=False)
     embed = target.model.embed_tokens.weight.detach()
     lm_head = target.lm_head.weight.detach()
@@ -222,8 +234,6 @@ def cmd_train(args: argparse.Namespace) -> None:
         draw = torch.tensor(args.data_weights, dtype=torch.float)
     else:
         draw = sizes
-    model = DSparkModel(cfg).to(args.device)
-    model.init_weights(args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     # earlier drafts matter more: draft j is only useful if 1..j-1 were accepted
     pos_weight = torch.tensor([args.pos_decay ** j for j in range(cfg.block_size)], device=args.device)
@@ -256,7 +266,8 @@ def cmd_train(args: argparse.Namespace) -> None:
              "anchors": [int(n) for n in sizes], "data_weights": args.data_weights,
              "steps": step, "batch": args.batch, "lr": args.lr, "minutes": round((time.time() - t0) / 60, 1),
              "device": args.device, "final_ce": round(ema[0], 4), "final_bce": round(ema[1], 4),
-             "train_tau_teacher_forced": round(ema[2], 3), "seed": args.seed}
+             "train_tau_teacher_forced": round(ema[2], 3), "seed": args.seed,
+             "init": None if args.init is None else {"from": str(args.init), "training": prior}}
     save_drafter(model.cpu(), args.out, extra=notes)
     print(json.dumps(notes))
 
@@ -344,6 +355,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     tr.add_argument("--data-weights", type=float, nargs="+", default=None,
                     help="share of batches drawn from each --data file (default: in proportion to its anchors)")
     tr.add_argument("--out", type=Path, required=True)
+    tr.add_argument("--init", type=Path, default=None, help="continue training this drafter folder")
     tr.add_argument("--minutes", type=float, default=20.0, help="wall-clock training budget")
     tr.add_argument("--max-steps", type=int, default=None)
     tr.add_argument("--batch", type=int, default=64)
