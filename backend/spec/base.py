@@ -24,7 +24,9 @@ class DraftQuery(NamedTuple):
     token_ids: Sequence[int]  # prompt then generated tokens; only ever appended to
     prompt_len: int
     max_tokens: int  # propose at most this many (>= 1)
-    hidden: torch.Tensor | None = None  # [hidden] target state at the last verified position (model drafters)
+    # model drafters: target states at the last run positions, [positions, features]; DSpark reads
+    # [context_len, len(target_layers) * hidden] (backend/spec/dspark/drafter.py, docs/dspark.md)
+    hidden: torch.Tensor | None = None
 
 
 class Drafter(ABC):

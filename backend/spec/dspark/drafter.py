@@ -1,0 +1,93 @@
+"""`DSparkDrafter`: the scheduler-facing drafter over a DSparkModel and its target's shared weights.
+
+What a query must carry (the one extension of `DraftQuery`): `hidden` is [context_len, len(target_layers)
+* target_hidden] — the drafter's `target_layers` states (target.py) at the request's last `context_len`
+positions the target has run, oldest first. The newest token (token_ids[-1], just sampled) has not run
+yet and is the block's anchor. A request with fewer positions run than context_len (a prompt shorter than
+the window) sends what it has; the oldest row is repeated to fill the window.
+
+Drafts are the argmax of base + Markov logits: deterministic, so for a sampled target the rejection
+sampler's usual one-hot draft distribution applies unchanged. Per request, only the first
+`verify_length` drafts are returned (cumulative confidence >= threshold, at least min_verify, at most
+max_tokens): a confident request verifies up to k, a lost one verifies few.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from k3rt.backend.models.kimi import KimiForCausalLM
+from k3rt.backend.models.loader import CheckpointError
+from k3rt.backend.spec.base import DraftQuery, Drafter
+from k3rt.backend.spec.dspark.checkpoint import load_drafter
+from k3rt.backend.spec.dspark.model import DSparkModel, verify_length
+from k3rt.backend.spec.dspark.target import check_layers
+
+
+class DSparkDrafter(Drafter):
+    def __init__(self, model: DSparkModel, embed: torch.Tensor, lm_head: torch.Tensor, *,
+                 confidence_threshold: float | None = None) -> None:
+        """embed, lm_head: the target's [vocab, hidden] token embedding and LM head (the same tensor when
+        tied). confidence_threshold overrides the config's (0 verifies every draft)."""
+        cfg = model.cfg
+        for name, w in (("embed", embed), ("lm_head", lm_head)):
+            if tuple(w.shape) != (cfg.vocab_size, cfg.hidden_size):
+                raise CheckpointError(f"{name}: target has [{', '.join(map(str, w.shape))}], drafter config "
+                                      f"needs [vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}]")
+        self.model = model.eval()
+        self.embed, self.lm_head = embed.detach().float(), lm_head.detach().float()
+        self.threshold = cfg.confidence_threshold if confidence_threshold is None else confidence_threshold
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, target: KimiForCausalLM, **kwargs) -> "DSparkDrafter":
+        model = load_drafter(folder)
+        cfg = model.cfg
+        try:
+            check_layers(target, cfg.target_layers)
+        except ValueError as e:
+            raise CheckpointError(f"{Path(folder) / 'config.json'}: {e}") from None
+        if cfg.target_hidden_size != target.cfg.hidden_size:
+            raise CheckpointError(f"{Path(folder) / 'config.json'}: target_hidden_size {cfg.target_hidden_size} but "
+                                  f"the target's hidden_size is {target.cfg.hidden_size}")
+        return cls(model, target.model.embed_tokens.weight, target.lm_head.weight, **kwargs)
+
+    @property
+    def target_layers(self) -> tuple[int, ...]:
+        """Which target states the runner must capture (target.py numbering)."""
+        return self.model.cfg.target_layers
+
+    @property
+    def context_len(self) -> int:
+        """How many of the newest run positions' states a query carries."""
+        return self.model.cfg.context_len
+
+    def _window(self, q: DraftQuery) -> torch.Tensor:
+        cfg = self.model.cfg
+        width = len(cfg.target_layers) * cfg.target_hidden_size
+        h = q.hidden
+        if h is None:
+            raise ValueError(f"dspark: request {q.rid} has no target states (DraftQuery.hidden); DSpark drafts "
+                             "from them")
+        if h.dim() != 2 or h.shape[1] != width or not 1 <= h.shape[0] <= cfg.context_len:
+            raise ValueError(f"dspark: request {q.rid} hidden is {list(h.shape)}, expected "
+                             f"[1..{cfg.context_len}, {width}]")
+        if h.shape[0] < cfg.context_len:
+            h = torch.cat([h[:1].expand(cfg.context_len - h.shape[0], -1), h])
+        return h.float()
+
+    @torch.no_grad()
+    def propose(self, queries: Sequence[DraftQuery]) -> list[list[int]]:
+        if not queries:
+            return []
+        device = self.embed.device
+        ctx = torch.stack([self._window(q) for q in queries]).to(device)
+        anchors = torch.tensor([q.token_ids[-1] for q in queries], device=device)
+        tokens, _, conf = self.model.draft(ctx, anchors, self.embed, self.lm_head)
+        out = []
+        for i, q in enumerate(queries):
+            n = verify_length(conf[i], self.threshold, self.model.cfg.min_verify, q.max_tokens)
+            out.append(tokens[i, :n].tolist())
+        return out

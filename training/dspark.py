@@ -1,0 +1,389 @@
+"""Distill a DSpark drafter (backend/spec/dspark/) from a target's own greedy outputs.
+
+    python -m k3rt.training.dspark gen   --out .cache/dspark/train.pt --minutes 6      # target greedy data
+    python -m k3rt.training.dspark train --data .cache/dspark/train.pt --out DIR --minutes 20
+    python -m k3rt.training.dspark eval  --drafter DIR --num-prompts 24               # tau on held-out code
+
+gen: prompts are random windows of the corpus's training-split code (training/corpus.py: this machine's
+stdlib, minus the held-out modules); the target continues each greedily through its cached decode path,
+and forward hooks keep the chosen layers' states at every processed position. Those continuations are
+what the target emits, so teacher forcing on them trains the drafter to predict the target's greedy
+tokens, from exactly the states it will be given at serving time (a position's state is known once the
+target has run that token; the newest token, the anchor, has none yet).
+train: per anchor position t (t >= prompt_len - 1, so every label is a target greedy token): the states
+at t-W..t-1 and token x_t -> x_{t+1..t+k}. Loss = position-weighted cross-entropy of base + Markov logits
+(the Markov head gets the true previous tokens) + BCE of the confidence head on "draft j's argmax is
+right" over the anchors whose drafts before j were all right (its estimate is conditional, so the
+product over a prefix estimates that the whole prefix is accepted); confidence reads detached states.
+eval: tau = mean(accepted + 1) per verify round, replaying greedy speculative decoding against the
+target's greedy continuation of held-out prompts (no engine: greedy verification accepts exactly the
+prefix of drafts that equals the target's greedy tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from k3rt.backend.models.batch import ForwardBatch
+from k3rt.backend.models.kimi import KimiForCausalLM
+from k3rt.backend.models.loader import load_model
+from k3rt.backend.spec.base import DraftQuery, Drafter
+from k3rt.backend.spec.dspark.checkpoint import load_drafter, save_drafter
+from k3rt.backend.spec.dspark.model import DSparkConfig, DSparkModel, verify_length
+from k3rt.backend.spec.dspark.target import capture_states, dense_states, stack_states
+from k3rt.backend.spec.ngram import NgramDrafter
+from k3rt.backend.tokenizer import load_tokenizer
+from k3rt.training.corpus import HELDOUT_MODULES, code_documents, stdlib_dir
+from k3rt.training.train import use_fast_kda
+
+# The shipped k3-tiny drafter's shape (docs/dspark.md): three target states (after 2 and 5 layers, and
+# the final one), the last 4 verified positions, 2 block layers at the target's width, 7 drafts.
+K3_TINY_DSPARK = dict(vocab_size=8192, hidden_size=384, target_hidden_size=384, target_layers=(2, 5, 8),
+                      context_len=4, block_size=7, num_layers=2, num_heads=6, head_dim=64, intermediate_size=768,
+                      markov_rank=32, confidence_hidden=64, confidence_threshold=0.3, min_verify=1)
+
+
+# ---- data: the target's own greedy continuations --------------------------------------------------
+
+def code_prompts(split: str, num: int, prompt_len: int, seed: int, model: str = "k3-tiny") -> list[list[int]]:
+    """`num` windows of `prompt_len` tokens from code documents of one corpus split, each starting at a
+    line start of a random document (BOS first, as a served prompt)."""
+    rng = random.Random(seed)
+    texts = _heldout_sources() if split == "heldout" else [d.text for d in code_documents(stdlib_dir()) if d.split == split]
+    tok = load_tokenizer(model)
+    out: list[list[int]] = []
+    while len(out) < num:
+        text = rng.choice(texts)
+        starts = [0] + [i + 1 for i, c in enumerate(text) if c == "\n"]
+        begin = rng.choice(starts[: max(1, len(starts) - 20)])
+        ids = [*tok.sequence_prefix, *tok.encode(text[begin: begin + 8 * prompt_len])]
+        if len(ids) >= prompt_len:
+            out.append(ids[:prompt_len])
+    return out
+
+
+def _heldout_sources() -> list[str]:
+    """The held-out modules' code documents' texts in code_documents' order, read directly: scanning and
+    parsing the whole stdlib for them takes seconds (too slow for the tests' prompts)."""
+    root = stdlib_dir()
+    paths = []
+    for m in HELDOUT_MODULES:
+        single = root / f"{m}.py"
+        paths += [single] if single.is_file() else [p for p in (root / m).rglob("*.py") if "__pycache__" not in p.parts]
+    paths.sort(key=lambda p: p.relative_to(root).as_posix())
+    return [p.read_text(encoding="utf-8").replace("\r\n", "\n").replace("\r", "\n") for p in paths]
+
+
+@torch.no_grad()
+def greedy_with_states(target: KimiForCausalLM, prompts: Sequence[Sequence[int]], gen_len: int,
+                       layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy continuation of equal-length prompts through the cached decode path. Returns tokens
+    [B, P + gen_len], states [B, P + gen_len - 1, F] fp16 (the last token never runs) and the target's
+    argmax next token after every run position [B, P + gen_len - 1] (inside the prompt too)."""
+    b, p = len(prompts), len(prompts[0])
+    device = target.lm_head.weight.device
+    caches = [target.new_cache(device) for _ in range(b)]
+    ids = torch.tensor(prompts, device=device)
+    states = []
+    with capture_states(target, layers) as got:
+        logits = target(ids.reshape(-1), ForwardBatch([p] * b, [0] * b, caches))
+        states.append(stack_states(got, layers).view(b, p, -1).half())
+        prompt_next = logits.view(b, p, -1).argmax(-1)
+        tok = prompt_next[:, -1]
+        out = [tok]
+        for s in range(gen_len - 1):
+            tok = target(tok, ForwardBatch([1] * b, [p + s] * b, caches)).argmax(-1)
+            states.append(stack_states(got, layers).view(b, 1, -1).half())
+            out.append(tok)
+    gen = torch.stack(out, 1)
+    return torch.cat([ids, gen], 1), torch.cat(states, 1), torch.cat([prompt_next, gen[:, 1:]], 1)
+
+
+@torch.no_grad()
+def corpus_with_states(target: KimiForCausalLM, windows: torch.Tensor, layers: Sequence[int]
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Corpus windows [B, T] through one dense forward: (tokens, states [B, T - 1, F] fp16, argmax next
+    [B, T - 1]) in greedy_with_states' layout. Far cheaper per position than decoding, but a corpus
+    token is a target greedy token only where it equals the argmax before it (`label_chain`)."""
+    nxt, st = dense_states(target, windows, layers)
+    return windows, st[:, :-1].half(), nxt[:, :-1]
+
+
+def cmd_gen(args: argparse.Namespace) -> None:
+    target = load_model(args.target, dtype=args.target_dtype, device=args.device, progress=False)
+    layers = tuple(args.layers)
+    if args.source == "corpus":
+        use_fast_kda(target)  # dense [B, T] path only; the checkpoint is untouched
+        prompts = code_prompts(args.split, args.max_prompts, args.prompt_len + args.gen_len, args.seed, args.target)
+    else:
+        prompts = code_prompts(args.split, args.max_prompts, args.prompt_len, args.seed, args.target)
+    tokens, states, nexts, t0 = [], [], [], time.time()
+    bar = tqdm(total=len(prompts), desc=f"gen {args.source} {args.split}", unit="seq")
+    for i in range(0, len(prompts), args.batch):
+        if time.time() - t0 > args.minutes * 60:
+            break
+        if args.source == "corpus":
+            tk, st, nx = corpus_with_states(target, torch.tensor(prompts[i: i + args.batch], device=args.device), layers)
+        else:
+            tk, st, nx = greedy_with_states(target, prompts[i: i + args.batch], args.gen_len, layers)
+        tokens.append(tk.cpu())
+        states.append(st.cpu())
+        nexts.append(nx.cpu())
+        bar.update(tk.shape[0])
+    bar.close()
+    data = {"tokens": torch.cat(tokens), "states": torch.cat(states), "next": torch.cat(nexts),
+            "source": args.source, "target_layers": list(layers), "target": args.target, "split": args.split}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    torch.save(data, args.out)
+    print(f"{data['tokens'].shape[0]} sequences x {data['tokens'].shape[1]} tokens -> {args.out}")
+
+
+# ---- training ---------------------------------------------------------------------------------------
+
+def anchors(nxt: torch.Tensor, cfg: DSparkConfig) -> torch.Tensor:
+    """All (sequence, t) pairs with a full context window before t and a known first label."""
+    n, run = nxt.shape  # run = tokens - 1 positions have states and an argmax
+    ts = torch.arange(cfg.context_len, run, device=nxt.device)
+    pairs = torch.stack(torch.meshgrid(torch.arange(n, device=nxt.device), ts, indexing="ij"), -1).reshape(-1, 2)
+    return pairs[nxt[pairs[:, 0], pairs[:, 1]] >= 0]
+
+
+def gather(tokens: torch.Tensor, states: torch.Tensor, nxt: torch.Tensor, pairs: torch.Tensor, cfg: DSparkConfig
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pairs [B, 2] -> (context states [B, W, F], previous tokens x_t..x_{t+k-1} [B, k], labels [B, k],
+    valid [B, k]). Label j is the target's argmax after x_{t+j-1}; it is the target's greedy draft j
+    only while x_{t+1..t+j-1} are themselves the target's argmaxes (always, on greedy data)."""
+    seq, t = pairs[:, 0:1], pairs[:, 1:2]
+    k, run = cfg.block_size, nxt.shape[1]
+    pos = t + torch.arange(k, device=t.device)  # positions whose argmax is label j (j = 1..k)
+    inside = pos < run
+    pos = pos.clamp(max=run - 1)
+    labels = nxt[seq, pos]
+    prev = tokens[seq, pos]
+    # x_{t+j} (j >= 1) agrees with the argmax before it; label j needs agreement at t+1..t+j-1
+    agree = tokens[seq, (pos + 1).clamp(max=tokens.shape[1] - 1)] == labels
+    chain = torch.cat([torch.ones_like(agree[:, :1]), agree[:, :-1].int().cumprod(1).bool()], 1)
+    valid = inside & chain & (labels >= 0)
+    ctx = states[seq, t + torch.arange(-cfg.context_len, 0, device=t.device)].float()
+    return ctx, prev, labels.clamp(min=0), valid
+
+
+def losses(model: DSparkModel, ctx: torch.Tensor, prev: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+           embed: torch.Tensor, lm_head: torch.Tensor, pos_weight: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token loss, confidence loss, per-position argmax match [B, k]) of one batch."""
+    hidden = model.block_hidden(ctx, prev[:, 0], embed)
+    logits = model.base_logits(hidden, lm_head) + model.markov_bias(prev)
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+    w = pos_weight * valid
+    token_loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    match = (logits.argmax(-1) == labels) & valid
+    # draft j counts only where drafts 1..j-1 were all right: the estimate is conditional on them
+    reached = torch.cat([torch.ones_like(match[:, :1]), match.int().cumprod(1)[:, :-1].bool()], 1) & valid
+    conf = model.confidence(hidden.detach(), prev)
+    bce = F.binary_cross_entropy_with_logits(conf, match.float(), reduction="none")
+    conf_loss = (bce * reached).sum() / reached.sum().clamp(min=1)
+    return token_loss, conf_loss, match
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    torch.manual_seed(args.seed)
+    parts = [torch.load(path) for path in args.data]
+    data = {"target_layers": parts[0]["target_layers"], "target": parts[0]["target"]}
+    if any(d["target_layers"] != data["target_layers"] or d["target"] != data["target"] for d in parts):
+        raise ValueError("--data: the files were generated with different targets or target_layers")
+    cfg = DSparkConfig(**{**K3_TINY_DSPARK, "target_layers": tuple(data["target_layers"]),
+                          "block_size": args.block_size, "num_layers": args.num_layers,
+                          "markov_rank": args.markov_rank, "context_len": args.context_len})
+    if args.init is not None:  # continue a drafter (its own config; the shape flags are ignored)
+        model = load_drafter(args.init, device=args.device).train()
+        if model.cfg.target_layers != cfg.target_layers:
+            raise ValueError(f"--init: the drafter reads target_layers {list(model.cfg.target_layers)}, the data "
+                             f"holds {list(cfg.target_layers)}")
+        cfg = model.cfg
+        notes_file = args.init / "training.json"
+        prior = json.loads(notes_file.read_text()) if notes_file.is_file() else None
+    else:
+        model = DSparkModel(cfg).to(args.device)
+        model.init_weights(args.seed)
+        prior = None
+    target = load_model(data["target"], dtype="float32", device=args.device, progress=False)
+    embed = target.model.embed_tokens.weight.detach()
+    lm_head = target.lm_head.weight.detach()
+    del target
+    # each file's sequences keep their own length: train on one file's anchors at a time, files drawn
+    # in proportion to their anchors
+    sets = []
+    for d in parts:
+        tk, st, nx = d["tokens"].to(args.device), d["states"].to(args.device), d["next"].to(args.device)
+        sets.append((tk, st, nx, anchors(nx, cfg)))
+    sizes = torch.tensor([float(s[3].shape[0]) for s in sets])
+    if args.data_weights is not None:
+        if len(args.data_weights) != len(sets):
+            raise ValueError(f"--data-weights: {len(args.data_weights)} weights for {len(sets)} --data files")
+        draw = torch.tensor(args.data_weights, dtype=torch.float)
+    else:
+        draw = sizes
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    # earlier drafts matter more: draft j is only useful if 1..j-1 were accepted
+    pos_weight = torch.tensor([args.pos_decay ** j for j in range(cfg.block_size)], device=args.device)
+    t0, step, ema = time.time(), 0, None
+    budget = args.minutes * 60
+    bar = tqdm(total=int(budget), desc="train", unit="s", bar_format="{l_bar}{bar}| {n:.0f}/{total}s {postfix}")
+    cpu_g = torch.Generator().manual_seed(args.seed)
+    while time.time() - t0 < budget and (args.max_steps is None or step < args.max_steps):
+        frac = (time.time() - t0) / budget
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        tk, st, nx, pairs = sets[int(torch.multinomial(draw, 1, generator=cpu_g))]
+        idx = torch.randint(0, pairs.shape[0], (args.batch,), generator=cpu_g).to(args.device)
+        ctx, prev, labels, valid = gather(tk, st, nx, pairs[idx], cfg)
+        token_loss, conf_loss, match = losses(model, ctx, prev, labels, valid, embed, lm_head, pos_weight)
+        opt.zero_grad(set_to_none=True)
+        (token_loss + args.conf_weight * conf_loss).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        # tau this batch would give with teacher forcing; on corpus data a masked label counts as a miss
+        acc = match.float().cumprod(1).sum(1).mean().item() + 1
+        cur = (token_loss.item(), conf_loss.item(), acc)
+        ema = cur if ema is None else tuple(0.98 * e + 0.02 * c for e, c in zip(ema, cur))
+        bar.n = min(bar.total, time.time() - t0)
+        bar.set_postfix_str(f"step {step} ce {ema[0]:.3f} bce {ema[1]:.3f} tau~{ema[2]:.2f}")
+    bar.close()
+    notes = {"data": [str(p) for p in args.data], "sequences": sum(int(s[0].shape[0]) for s in sets),
+             "anchors": [int(n) for n in sizes], "data_weights": args.data_weights,
+             "steps": step, "batch": args.batch, "lr": args.lr, "minutes": round((time.time() - t0) / 60, 1),
+             "device": args.device, "final_ce": round(ema[0], 4), "final_bce": round(ema[1], 4),
+             "train_tau_teacher_forced": round(ema[2], 3), "seed": args.seed,
+             "init": None if args.init is None else {"from": str(args.init), "training": prior}}
+    save_drafter(model.cpu(), args.out, extra=notes)
+    print(json.dumps(notes))
+
+
+# ---- evaluation: tau on held-out code -----------------------------------------------------------
+
+@torch.no_grad()
+def replay_tau(model: DSparkModel, tokens: torch.Tensor, states: torch.Tensor, prompt_len: int, embed: torch.Tensor,
+               lm_head: torch.Tensor, k: int | None = None) -> dict:
+    """Greedy speculative decoding replayed on the target's greedy continuations: each round drafts from
+    the anchor (newest token) and the states of the W positions before it; accepted = the drafts'
+    longest prefix equal to the target's next tokens; the round yields accepted + 1 tokens (the target's
+    own next token follows). Rounds start after the first generated token and stop when the
+    continuation cannot check a full block. Also reports the confidence-scheduled variant (verify only
+    verify_length drafts; accepted capped there)."""
+    cfg = model.cfg
+    k = cfg.block_size if k is None else k
+    rounds, scheduled, verified = [], [], []
+    for s in range(tokens.shape[0]):
+        t = prompt_len
+        while t + k < tokens.shape[1]:
+            ctx = states[s: s + 1, t - cfg.context_len: t].float()
+            drafts, _, conf = model.draft(ctx, tokens[s: s + 1, t], embed, lm_head)
+            truth = tokens[s, t + 1: t + 1 + k]
+            ok = (drafts[0, :k] == truth).int().cumprod(0)
+            accepted = int(ok.sum())
+            n = verify_length(conf[0, :k], cfg.confidence_threshold, cfg.min_verify, k)
+            rounds.append(accepted + 1)
+            scheduled.append(min(accepted, n) + 1)
+            verified.append(n)
+            t += accepted + 1
+    return {"k": k, "rounds": len(rounds), "tau": sum(rounds) / len(rounds),
+            "tau_scheduled": sum(scheduled) / len(scheduled), "mean_verified_scheduled": sum(verified) / len(verified),
+            "threshold": cfg.confidence_threshold}
+
+
+def replay_tau_drafter(drafter: Drafter, tokens: torch.Tensor, prompt_len: int, k: int) -> dict:
+    """replay_tau's rounds for any token-only Drafter (the n-gram baseline on the same continuations)."""
+    rounds = []
+    for s in range(tokens.shape[0]):
+        t, seq = prompt_len, tokens[s].tolist()
+        while t + k < len(seq):
+            drafts = drafter.propose([DraftQuery(s, seq[: t + 1], prompt_len, k)])[0]
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == seq[t + 1 + accepted]:
+                accepted += 1
+            rounds.append(accepted + 1)
+            t += accepted + 1
+        drafter.finish(s, seq, prompt_len)
+    return {"rounds": len(rounds), "tau": sum(rounds) / len(rounds)}
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    model = load_drafter(args.drafter, device=args.device)
+    target = load_model(args.target, dtype=args.target_dtype, device=args.device, progress=False)
+    prompts = code_prompts("heldout", args.num_prompts, args.prompt_len, args.seed, args.target)
+    tokens, states, _ = greedy_with_states(target, prompts, args.gen_len, model.cfg.target_layers)
+    res = replay_tau(model, tokens, states, args.prompt_len, target.model.embed_tokens.weight.float(),
+                     target.lm_head.weight.float(), args.k)
+    res["ngram_tau"] = replay_tau_drafter(NgramDrafter(2, 4), tokens, args.prompt_len, res["k"])["tau"]
+    res.update(prompts=args.num_prompts, prompt_len=args.prompt_len, gen_len=args.gen_len, seed=args.seed,
+               target_dtype=args.target_dtype)
+    print(json.dumps(res))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    gen = sub.add_parser("gen", help="generate the target's greedy continuations with layer states")
+    gen.add_argument("--out", type=Path, required=True)
+    gen.add_argument("--split", default="train", choices=["train", "valid", "heldout"])
+    gen.add_argument("--source", default="greedy", choices=["greedy", "corpus"],
+                     help="greedy: decode continuations (every label exact, slow on CPU); corpus: one dense "
+                          "pass over corpus windows of prompt-len + gen-len tokens (labels exact along "
+                          "the stretch where the corpus agrees with the target's argmax)")
+    gen.add_argument("--max-prompts", type=int, default=4096)
+    gen.add_argument("--prompt-len", type=int, default=48)
+    gen.add_argument("--gen-len", type=int, default=80)
+    gen.add_argument("--batch", type=int, default=32)
+    gen.add_argument("--layers", type=int, nargs="+", default=list(K3_TINY_DSPARK["target_layers"]))
+    gen.add_argument("--minutes", type=float, default=6.0, help="stop generating after this long")
+    tr = sub.add_parser("train", help="train a drafter on gen's data")
+    tr.add_argument("--data", type=Path, nargs="+", required=True, help="one or more gen outputs")
+    tr.add_argument("--data-weights", type=float, nargs="+", default=None,
+                    help="share of batches drawn from each --data file (default: in proportion to its anchors)")
+    tr.add_argument("--out", type=Path, required=True)
+    tr.add_argument("--init", type=Path, default=None, help="continue training this drafter folder")
+    tr.add_argument("--minutes", type=float, default=20.0, help="wall-clock training budget")
+    tr.add_argument("--max-steps", type=int, default=None)
+    tr.add_argument("--batch", type=int, default=64)
+    tr.add_argument("--lr", type=float, default=2e-3)
+    tr.add_argument("--warmup", type=int, default=100)
+    tr.add_argument("--pos-decay", type=float, default=0.85)
+    tr.add_argument("--conf-weight", type=float, default=0.5)
+    tr.add_argument("--block-size", type=int, default=K3_TINY_DSPARK["block_size"])
+    tr.add_argument("--num-layers", type=int, default=K3_TINY_DSPARK["num_layers"])
+    tr.add_argument("--markov-rank", type=int, default=K3_TINY_DSPARK["markov_rank"])
+    tr.add_argument("--context-len", type=int, default=K3_TINY_DSPARK["context_len"])
+    ev = sub.add_parser("eval", help="tau on held-out code prompts")
+    ev.add_argument("--drafter", type=Path, required=True)
+    ev.add_argument("--num-prompts", type=int, default=24)
+    ev.add_argument("--prompt-len", type=int, default=48)
+    ev.add_argument("--gen-len", type=int, default=96)
+    ev.add_argument("--k", type=int, default=None, help="drafts per round (default: the drafter's block_size)")
+    for s in (gen, tr, ev):
+        s.add_argument("--target", default="k3-tiny")
+        s.add_argument("--device", default="cpu")
+        s.add_argument("--seed", type=int, default=0)
+        s.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    for s in (gen, ev):
+        s.add_argument("--target-dtype", default="float32", help="the target's weights while generating")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    {"gen": cmd_gen, "train": cmd_train, "eval": cmd_eval}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
