@@ -100,7 +100,7 @@ class Engine:
 
             return GpuModelRunner(model, self.pool, kernels=KernelConfig(self.cfg.kernels, self.cfg.use_pdl),
                                   cuda_graphs=self.cfg.cuda_graphs)
-        return ModelRunner(model, self.pool)
+        return ModelRunner(model, self.pool, deterministic=self.cfg.deterministic)
 
     # ---- requests ----
 

@@ -85,6 +85,10 @@ class EngineConfig:
     random_weights: bool = False  # build the model from its config with random weights (benchmarks)
     grammar_backend: str = "llguidance"  # or "outlines"
     seed: int = 0
+    # batch-invariant numerics: each request's tokens are independent of batch composition, prefill
+    # chunking and prefix-cache hits (fixed-tile matmuls, per-query MLA, recurrent KDA); slower, see
+    # docs/deterministic.md
+    deterministic: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from k3rt.backend.distributed import SINGLE, TPContext
 from k3rt.backend.layers.activation import act_and_mul
+from k3rt.backend.layers.batch_invariant import linear
 from k3rt.backend.layers.linear import (
     ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, ShardSpec, set_shard_spec,
 )
@@ -38,9 +39,13 @@ class GatedMLP(nn.Module):
         return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, m: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [N, hidden] -> (topk_weights [N, k] fp32 incl. scaling, topk_ids [N, k] int64)."""
-    scores = torch.sigmoid(F.linear(x.float(), weight.float()))  # [N, E]
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, m: MoEConfig,
+          batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [N, hidden] -> (topk_weights [N, k] fp32 incl. scaling, topk_ids [N, k] int64).
+
+    batch_invariant: take the router product in fixed row tiles (deterministic mode), so a token's
+    scores, and with them its expert choice, do not depend on the other tokens of the step."""
+    scores = torch.sigmoid(linear(x.float(), weight.float(), batch_invariant))  # [N, E]
     choice = scores + bias.float()
     if m.num_expert_group > 1:
         n, per = x.shape[0], m.num_experts // m.num_expert_group
@@ -82,18 +87,22 @@ class MoE(nn.Module):
             if m.latent_norm:
                 self.routed_expert_norm = set_shard_spec(
                     nn.Parameter(torch.ones(m.latent_size, dtype=dtype), requires_grad=False), ShardSpec())
+        # deterministic mode (set by KimiForCausalLM.set_batch_invariant): router and expert products in
+        # fixed row tiles — an expert's row count is how many tokens of the whole step picked it
+        self.batch_invariant = False
 
     def experts(self, z: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Σ_k w[:, k] * Expert_{ids[:, k]}(z) — this rank's partial sum when TP > 1."""
         out = torch.zeros(z.shape[0], self.w2.shape[1], dtype=torch.float32, device=z.device)
         for e in torch.unique(ids).tolist():
             tok, slot = torch.where(ids == e)
-            y = F.linear(act_and_mul(F.linear(z[tok], self.w13[e]), self.act), self.w2[e])
+            bi = self.batch_invariant
+            y = linear(act_and_mul(linear(z[tok], self.w13[e], bi), self.act), self.w2[e], bi)
             out.index_add_(0, tok, y.float() * w[tok, slot, None])
         return out.to(z.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, ids = route(x, self.gate_weight, self.e_score_correction_bias, self.m)
+        w, ids = route(x, self.gate_weight, self.e_score_correction_bias, self.m, self.batch_invariant)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         if self.m.latent_size is None:
             y = self.experts(x, w, ids)

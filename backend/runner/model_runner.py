@@ -16,8 +16,10 @@ from k3rt.backend.scheduler.scheduler import SchedulerOutput
 
 
 class ModelRunner(Runner):
-    def __init__(self, model: KimiForCausalLM, pool: PagePool) -> None:
+    def __init__(self, model: KimiForCausalLM, pool: PagePool, *, deterministic: bool = False) -> None:
+        """deterministic: put the model in its batch-invariant mode (EngineConfig.deterministic)."""
         self.model, self.pool = model, pool
+        model.set_batch_invariant(deterministic)
         L = pool.layout
         self.kda_slots = {layer: L.kda_slot(layer) for group in L.kda_groups for layer in group}
         self.mla_slots = {layer: i for i, layer in enumerate(L.mla_group)}
