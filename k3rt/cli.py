@@ -40,6 +40,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="compute dtype (default: the checkpoint's torch_dtype)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant numerics: the same tokens as `k3rt serve --deterministic` gives this prompt in any batch (slower; docs/deterministic.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object: prompt_token_ids, token_ids, text")
 
 
@@ -56,6 +58,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     model_dir = resolve_model_dir(a.model)
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir, dtype=a.dtype, progress=not a.json)
+    model.set_batch_invariant(a.deterministic)
     prompt_ids = tok.encode_prompt(a.prompt)
     detok = IncrementalDetokenizer(tok, skip_special_tokens=True)
     out: list[int] = []
@@ -301,6 +304,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="build the model from config.json with random weights (benchmarks without a checkpoint; "
                         "the output is noise)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant numerics: each request's output independent of what else is in the batch, of prefill chunking and of prefix-cache hits (slower; docs/deterministic.md)")
     p.add_argument("--drain-timeout", type=float, default=10.0,
                    help="seconds running requests may finish after SIGTERM/SIGINT; then they are answered 503 "
                         "server_shutdown and the exit status is 1 (default 10)")
@@ -329,7 +334,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     model_dir = resolve_model_dir(a.model)
     engine = EngineConfig(model=str(model_dir), dtype=a.dtype, device=a.device, seed=a.seed, grammar_backend=a.grammar_backend,
                           runner=a.runner, cuda_graphs=not a.no_cuda_graphs, use_pdl=a.pdl, random_weights=a.random_weights,
-                          cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=a.max_batched_tokens,
+                          deterministic=a.deterministic, cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=a.max_batched_tokens,
                                                                  max_running=a.max_running, max_waiting=a.max_waiting))
     keys = list(a.api_key or [])
     if a.api_key_file:
