@@ -101,6 +101,9 @@ class EngineConfig:
                 and os.environ.get("TRITON_INTERPRET") != "1"):
             raise ValueError(f"device: the gpu runner's Triton kernels need a CUDA device, got {self.device!r} "
                              "(use runner='model', or kernels=False for its torch-op path)")
+        if self.runner == "gpu" and self.deterministic and not self.kernels:
+            raise ValueError("deterministic: the gpu runner's batch-invariant mode needs its Triton kernels "
+                             "(kernels=True), or use runner='model'")
         if self.runner == "gpu" and self.tp != 1:
             raise ValueError(f"tp: the gpu runner runs on one GPU (tp=1), got tp={self.tp}; use runner='model'")
         if self.grammar_backend not in ("llguidance", "outlines"):

@@ -106,3 +106,53 @@ def test_invariant_linear_rows_do_not_depend_on_the_batch(dtype, k, n) -> None:
     assert torch.equal(shifted, alone)
     torch.testing.assert_close(invariant_linear(x, w).float(), (x.float() @ w.float().t()),
                                rtol=2e-2 if dtype == torch.bfloat16 else 1e-4, atol=1e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+def _gpu_runner_engine(ckpt, device: str, *, budget: int, prefix_cache: bool, deterministic: bool = True) -> Engine:
+    cfg = engine_config_for_tests(str(ckpt), num_pages=256, enable_prefix_cache=prefix_cache)
+    return Engine(replace(cfg, runner="gpu", device=device, kernels=True, cuda_graphs=device != "cpu",
+                          deterministic=deterministic, scheduler=SchedulerConfig(max_num_batched_tokens=budget)))
+
+
+def _gpu_runner_case(ckpt, device: str, prompts: list[list[int]], params: list[SamplingParams], rounds: int) -> None:
+    alone_eng = _gpu_runner_engine(ckpt, device, budget=2048, prefix_cache=False)
+    alone = [alone_eng.generate([p], sp)[0].output_ids for p, sp in zip(prompts, params)]
+    eng = _gpu_runner_engine(ckpt, device, budget=64, prefix_cache=True)
+    for r in range(rounds):
+        outs = [o.output_ids for o in eng.generate(prompts, params)]
+        eng.check()
+        diff = [i for i in range(len(prompts)) if outs[i] != alone[i]]
+        assert not diff, f"round {r}: requests {diff} differ from their one-at-a-time output"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter case; the gpu-marked case runs on the device")
+def test_gpu_runner_interpreter_concurrent_equal_one_at_a_time(tmp_path) -> None:
+    """The GPU runner's batch-invariant mode under TRITON_INTERPRET at a tiny fp32 shape: a mixed batch
+    (a 150-token prompt split into 64-token chunks, a prefix-cache hit on it, short prompts decoding
+    alongside) equals each request run alone in one chunk, twice (the second round from the cache)."""
+    ckpt = make_tiny(tmp_path / "k3", arch="k3", seed=5, dtype="float32")
+    g = torch.Generator().manual_seed(2)
+    long = torch.randint(3, 500, (150,), generator=g).tolist()
+    prompts = [long, torch.randint(3, 500, (3,), generator=g).tolist(), long[:100] + [7, 8],
+               torch.randint(3, 500, (40,), generator=g).tolist()]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in (4, 6, 3, 5)]
+    _gpu_runner_case(ckpt, "cpu", prompts, params, rounds=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["kimi_linear", "k3"])
+def test_gpu_runner_64_concurrent_equal_one_at_a_time_three_times(arch, tmp_path) -> None:
+    """On the device: the acceptance workload through the GPU runner (Triton kernels, decode graphs),
+    bf16 checkpoint, three concurrent rounds against one-at-a-time."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    ckpt = make_tiny(tmp_path / arch, arch=arch, seed=3, dtype="bfloat16")
+    prompts, params = _workload()
+    alone_eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=512, enable_prefix_cache=False),
+                               dtype=None, runner="gpu", device="cuda", deterministic=True))
+    alone = [alone_eng.generate([p], sp)[0].output_ids for p, sp in zip(prompts, params)]
+    eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=512), dtype=None, runner="gpu", device="cuda",
+                         deterministic=True, scheduler=SchedulerConfig(max_num_batched_tokens=64)))
+    for r in range(3):
+        outs = [o.output_ids for o in eng.generate(prompts, params)]
+        assert outs == alone, f"round {r}: {[i for i in range(len(outs)) if outs[i] != alone[i]]} differ"
