@@ -125,17 +125,18 @@ def _gpu_runner_case(ckpt, device: str, prompts: list[list[int]], params: list[S
         assert not diff, f"round {r}: requests {diff} differ from their one-at-a-time output"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter case; the gpu-marked case runs on the device")
 def test_gpu_runner_interpreter_concurrent_equal_one_at_a_time(tmp_path) -> None:
     """The GPU runner's batch-invariant mode under TRITON_INTERPRET at a tiny fp32 shape: a mixed batch
-    (a 150-token prompt split into 64-token chunks, a prefix-cache hit on it, short prompts decoding
-    alongside) equals each request run alone in one chunk, twice (the second round from the cache)."""
+    (a 70-token prompt split at the 64-token budget, a prefix-cache hit on its first 64 tokens, a short
+    prompt decoding alongside) equals each request run alone in one chunk, twice (the second round
+    from the cache). Kept this small because every KDA token is a kernel launch in the interpreter."""
     ckpt = make_tiny(tmp_path / "k3", arch="k3", seed=5, dtype="float32")
     g = torch.Generator().manual_seed(2)
-    long = torch.randint(3, 500, (150,), generator=g).tolist()
-    prompts = [long, torch.randint(3, 500, (3,), generator=g).tolist(), long[:100] + [7, 8],
-               torch.randint(3, 500, (40,), generator=g).tolist()]
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in (4, 6, 3, 5)]
+    long = torch.randint(3, 500, (70,), generator=g).tolist()
+    prompts = [long, torch.randint(3, 500, (3,), generator=g).tolist(), long[:66] + [7, 8]]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in (3, 5, 3)]
     _gpu_runner_case(ckpt, "cpu", prompts, params, rounds=2)
 
 
@@ -156,3 +157,23 @@ def test_gpu_runner_64_concurrent_equal_one_at_a_time_three_times(arch, tmp_path
     for r in range(3):
         outs = [o.output_ids for o in eng.generate(prompts, params)]
         assert outs == alone, f"round {r}: {[i for i in range(len(outs)) if outs[i] != alone[i]]} differ"
+
+
+def test_generate_path_equals_engine(ckpt) -> None:
+    """`k3rt generate --deterministic` (the single-sequence model path, contiguous cache) gives the
+    tokens the engine gives the same prompt in a batch: both are the one canonical computation."""
+    from k3rt.backend.generate import generate
+    from k3rt.backend.models.loader import load_model
+
+    prompts, params = _workload(6)
+    batched = _concurrent_rounds(ckpt, prompts, params, 1, deterministic=True)[0]
+    model = load_model(ckpt)
+    model.set_batch_invariant(True)
+    for p, sp, want in zip(prompts, params, batched):
+        assert list(generate(model, p, sp)) == want
+
+
+def test_gpu_runner_deterministic_needs_kernels(ckpt) -> None:
+    cfg = engine_config_for_tests(str(ckpt))
+    with pytest.raises(ValueError, match="deterministic"):
+        replace(cfg, runner="gpu", kernels=False, deterministic=True)
