@@ -12,7 +12,6 @@ expert's intermediate dimension; the latent partial sums are reduced BEFORE the 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k3rt.backend.distributed import SINGLE, TPContext
