@@ -115,9 +115,10 @@ class Engine:
             from k3rt.backend.runner.gpu.ops import KernelConfig
             from k3rt.backend.runner.gpu.runner import GpuModelRunner
 
-            return GpuModelRunner(model, self.pool, kernels=KernelConfig(self.cfg.kernels, self.cfg.use_pdl),
+            return GpuModelRunner(model, self.pool, kernels=KernelConfig(self.cfg.kernels, self.cfg.use_pdl,
+                                                                           batch_invariant=self.cfg.deterministic),
                                   cuda_graphs=self.cfg.cuda_graphs)
-        return ModelRunner(model, self.pool)
+        return ModelRunner(model, self.pool, deterministic=self.cfg.deterministic)
 
     def _start_tensor_parallel(self, model) -> Runner:
         """Start ranks 1..tp-1 on this host, load rank 0's shard, and wait until every rank has its own."""

@@ -111,6 +111,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="compute dtype (default: the checkpoint's torch_dtype)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant numerics: the same tokens as `k3rt serve --deterministic` gives this prompt in any batch (slower; docs/deterministic.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object: prompt_token_ids, token_ids, text")
     p.add_argument("--device", default="cpu", help="torch device (default cpu; with --tp: cpu or cuda)")
     _add_tp(p)
@@ -152,7 +154,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
         from k3rt.config import EngineConfig
 
         engine = EngineConfig(model=str(model_dir), dtype=a.dtype, device=a.device, tp=tp, ep=a.ep, runner="model",
-                              dist=dist, seed=a.seed or 0)
+                              dist=dist, seed=a.seed or 0, deterministic=a.deterministic)
         if role != 0:
             return _run_other_rank(engine, role)
     tok = load_tokenizer(model_dir)
@@ -166,6 +168,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
         from k3rt.backend.models.loader import load_model
 
         model = load_model(model_dir, dtype=a.dtype, device=a.device, progress=not a.json)
+        model.set_batch_invariant(a.deterministic)
         tokens = generate(model, prompt_ids, params, tok.eos_token_ids)
     for t in tokens:
         out.append(t)
@@ -492,6 +495,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="build the model from config.json with random weights (benchmarks without a checkpoint; "
                         "the output is noise)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant numerics: each request's output independent of what else is in the batch, of prefill chunking and of prefix-cache hits (slower; docs/deterministic.md)")
     p.add_argument("--drain-timeout", type=float, default=10.0,
                    help="seconds running requests may finish after SIGTERM/SIGINT; then they are answered 503 "
                         "server_shutdown and the exit status is 1 (default 10)")
@@ -537,7 +542,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
                           runner=a.runner, cuda_graphs=not a.no_cuda_graphs, use_pdl=a.pdl, random_weights=a.random_weights,
                           cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=a.max_batched_tokens,
                                                                  max_running=a.max_running, max_waiting=a.max_waiting),
-                          tp=tp, ep=a.ep, dist=dist, spec=_spec_config(a))
+                          tp=tp, ep=a.ep, dist=dist, spec=_spec_config(a), deterministic=a.deterministic)
     if role != 0:
         return _run_other_rank(engine, role)
     keys = list(a.api_key or [])

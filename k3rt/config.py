@@ -173,6 +173,10 @@ class EngineConfig:
     random_weights: bool = False  # build the model from its config with random weights (benchmarks)
     grammar_backend: str = "llguidance"  # or "outlines"
     seed: int = 0
+    # batch-invariant numerics: each request's tokens are independent of batch composition, prefill
+    # chunking and prefix-cache hits (fixed-tile matmuls, per-query MLA, recurrent KDA); slower, see
+    # docs/deterministic.md
+    deterministic: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -188,6 +192,9 @@ class EngineConfig:
                 and os.environ.get("TRITON_INTERPRET") != "1"):
             raise ValueError(f"device: the gpu runner's Triton kernels need a CUDA device, got {self.device!r} "
                              "(use runner='model', or kernels=False for its torch-op path)")
+        if self.runner == "gpu" and self.deterministic and not self.kernels:
+            raise ValueError("deterministic: the gpu runner's batch-invariant mode needs its Triton kernels "
+                             "(kernels=True), or use runner='model'")
         if self.runner == "gpu" and self.tp != 1:
             raise ValueError(f"tp: the gpu runner runs on one GPU (tp=1), got tp={self.tp}; use runner='model'")
         if self.grammar_backend not in ("llguidance", "outlines"):
@@ -198,6 +205,11 @@ class EngineConfig:
             raise ValueError(f"tp: {self.tp} ranks do not split evenly over nnodes={self.dist.nnodes}")
         if self.tp > 1 and self.random_weights:
             raise ValueError("random_weights: each rank would draw different weights for its shard; use tp=1")
+        if self.deterministic and (self.tp > 1 or self.spec.enabled):
+            # the batch-invariant mode covers one rank's plain steps; the workers' shards and verify runs are
+            # not made batch-invariant yet (docs/deterministic.md)
+            raise ValueError(f"deterministic: runs at tp=1 without speculative decoding for now, got tp={self.tp}"
+                             f"{', spec=' + str(self.spec.method) if self.spec.enabled else ''}")
         if self.tp > 1 and self.spec.enabled:
             # the workers would need the accepted length of every verify run to commit their KDA shards
             raise ValueError(f"spec: speculative decoding runs at tp=1 only for now, got tp={self.tp}")

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3rt.backend.distributed import SINGLE, TPContext
+from k3rt.backend.layers.batch_invariant import linear
 from k3rt.backend.layers.linear import ShardSpec, set_shard_spec
 
 
@@ -38,6 +39,7 @@ class ParallelLMHead(nn.Module):
             nn.Parameter(torch.empty(tp.shard(vocab_size, "vocab_size"), dim, dtype=dtype), requires_grad=False),
             ShardSpec(0),
         )
+        self.batch_invariant = False  # set by KimiForCausalLM.set_batch_invariant (deterministic mode)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.tp.gather_last_dim(F.linear(h, self.weight).float())
+        return self.tp.gather_last_dim(linear(h, self.weight, self.batch_invariant).float())

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k3rt.backend.distributed import SINGLE, TPContext
+from k3rt.backend.layers.batch_invariant import linear
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,10 @@ class ReplicatedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.weight = set_shard_spec(_empty(out_features, in_features, dtype=dtype), ShardSpec())
+        self.batch_invariant = False  # set by KimiForCausalLM.set_batch_invariant (deterministic mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight, self.batch_invariant)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -66,9 +67,10 @@ class ColumnParallelLinear(nn.Module):
         full = sum(parts) if parts else int(out_features)  # type: ignore[arg-type]
         local = sum(tp.shard(p, name) for p in parts) if parts else tp.shard(full, name)
         self.weight = set_shard_spec(_empty(local, in_features, dtype=dtype), ShardSpec(0, parts))
+        self.batch_invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight, self.batch_invariant)
 
 
 class RowParallelLinear(nn.Module):
@@ -87,7 +89,8 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp, self.reduce = tp, reduce
         self.weight = set_shard_spec(_empty(out_features, tp.shard(in_features, name), dtype=dtype), ShardSpec(1))
+        self.batch_invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, self.batch_invariant)
         return self.tp.all_reduce(y) if self.reduce else y

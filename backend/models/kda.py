@@ -26,6 +26,20 @@ def _kda_fresh_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     return kda_chunked(q, k, v, g, beta)[0]
 
 
+def _kda_recurrent_at(args: tuple[torch.Tensor, ...], init: torch.Tensor | None,
+                      positions: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """kda_recurrent over one sequence's new tokens (args: q, k, v, g, beta as [1, T, ...]), also
+    returning the state after each of `positions` (token counts) — run piecewise between them, which
+    the recurrence makes exact. Returns (o [1, T, H, V], final state, one state per position)."""
+    t = args[0].shape[1]
+    outs, state_at, state, b = [], {}, init, 0
+    for e in sorted({*positions, t}):
+        o, state = kda_recurrent(*(a[:, b:e] for a in args), initial_state=state)
+        outs.append(o)
+        state_at[e], b = state, e
+    return torch.cat(outs, dim=1), state, [state_at[p] for p in positions]
+
+
 class KimiDeltaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, *, tp: TPContext = SINGLE, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -58,6 +72,12 @@ class KimiDeltaAttention(nn.Module):
         self.dense_core = _kda_fresh_ref
         self.o_norm_weight = set_shard_spec(nn.Parameter(torch.ones(d, dtype=dtype), requires_grad=False), ShardSpec())
         self.o_proj = RowParallelLinear(p, h, tp=tp, dtype=dtype)
+        # deterministic mode (set by KimiForCausalLM.set_batch_invariant): every token goes through the
+        # per-token recurrence, prefill included. The chunked form rounds differently from the recurrence
+        # and from itself split at another boundary, so the state after p tokens (and every later
+        # output) would depend on how the prompt was chunked and where a prefix-cache hit resumed; the
+        # recurrence applies the same step to the same state whatever the split.
+        self.batch_invariant = False
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(conv_state, recurrent_state) shapes of one sequence for this layer on this rank."""
@@ -121,7 +141,9 @@ class KimiDeltaAttention(nn.Module):
                 batch.verify_inputs[(i, self.layer_idx)] = (qkv[b:e].clone(), g[b:e].clone(), beta[b:e].clone())
                 out[b:e] = o[0]
                 continue
-            if e - b == 1 and not positions:
+            if self.batch_invariant:
+                o, final, states = _kda_recurrent_at(args, init, positions)
+            elif e - b == 1 and not positions:
                 o, final = kda_recurrent(*args, initial_state=init)
                 states: list[torch.Tensor] = []
             else:

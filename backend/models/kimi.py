@@ -94,6 +94,17 @@ class KimiForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def set_batch_invariant(self, enabled: bool) -> None:
+        """Switch every layer of this instance into (or out of) the deterministic mode: matmuls in fixed
+        row tiles, MLA one query at a time, KDA by the per-token recurrence, so each token's logits
+        depend only on its own sequence's tokens — not on the other sequences of a step, on where its
+        prompt was split into chunks, or on a prefix-cache hit. Set once by the runner that owns the
+        model (EngineConfig.deterministic); the varlen (engine) path honours it, the dense [B, T]
+        training path does not."""
+        for module in self.modules():
+            if hasattr(module, "batch_invariant"):
+                module.batch_invariant = enabled
+
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """input_ids: [N] flat tokens of the batch -> fp32 logits [len(logits_indices) or N, vocab] (under

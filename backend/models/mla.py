@@ -77,6 +77,11 @@ class MultiHeadLatentAttention(nn.Module):
         if m.use_output_gate:
             self.g_proj = ColumnParallelLinear(hsz, m.num_heads * m.v_head_dim, tp=tp, dtype=dtype)
         self.o_proj = RowParallelLinear(m.num_heads * m.v_head_dim, hsz, tp=tp, dtype=dtype)
+        # deterministic mode (set by KimiForCausalLM.set_batch_invariant): every query is attended alone
+        # in the absorbed (decode) form over exactly the keys it sees. Prefill's expanded form reduces
+        # over a [T, S] block whose shape (and so whose kernel and softmax width) depends on where the
+        # chunk starts and ends; one query against its own start+1 keys depends only on its position.
+        self.batch_invariant = False
 
     def latent(self, x: torch.Tensor) -> torch.Tensor:
         """The cache entries of tokens x: [N, L+R] = [kv_a_layernorm(c) ; k_pe]."""
@@ -123,6 +128,11 @@ class MultiHeadLatentAttention(nn.Module):
                 full = batch.caches[i].mla_extend(self.layer_idx, start, lat[b:e]).to(x.dtype)
             else:
                 full = lat[b:e]
+            if self.batch_invariant:
+                for t in range(e - b):
+                    pos = start + t
+                    out[b + t] = mla_absorbed(q[b + t:b + t + 1], full[:pos + 1], self.kv_b_proj.weight, pos, *dims)[0]
+                continue
             # a verify run takes the decode form too: its rows then compute as plain decode steps would
             # (the expanded form rounds differently, which can flip a near-tie in bf16)
             verify = batch.verify is not None and batch.verify[i]

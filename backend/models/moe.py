@@ -16,11 +16,11 @@ The shared expert stays split by width either way.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k3rt.backend.distributed import SINGLE, TPContext
 from k3rt.backend.layers.activation import act_and_mul
+from k3rt.backend.layers.batch_invariant import linear
 from k3rt.backend.layers.linear import (
     ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, ShardSpec, set_shard_spec,
 )
@@ -43,9 +43,13 @@ class GatedMLP(nn.Module):
         return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, m: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [N, hidden] -> (topk_weights [N, k] fp32 incl. scaling, topk_ids [N, k] int64)."""
-    scores = torch.sigmoid(F.linear(x.float(), weight.float()))  # [N, E]
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, m: MoEConfig,
+          batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [N, hidden] -> (topk_weights [N, k] fp32 incl. scaling, topk_ids [N, k] int64).
+
+    batch_invariant: take the router product in fixed row tiles (deterministic mode), so a token's
+    scores, and with them its expert choice, do not depend on the other tokens of the step."""
+    scores = torch.sigmoid(linear(x.float(), weight.float(), batch_invariant))  # [N, E]
     choice = scores + bias.float()
     if m.num_expert_group > 1:
         n, per = x.shape[0], m.num_experts // m.num_expert_group
@@ -139,6 +143,9 @@ class MoE(nn.Module):
             if m.latent_norm:
                 self.routed_expert_norm = set_shard_spec(
                     nn.Parameter(torch.ones(m.latent_size, dtype=dtype), requires_grad=False), ShardSpec())
+        # deterministic mode (set by KimiForCausalLM.set_batch_invariant): router and expert products in
+        # fixed row tiles — an expert's row count is how many tokens of the whole step picked it
+        self.batch_invariant = False
 
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's local expert e's (w13 [2I, width], w2 [width, I]); MXFP4 experts dequantized (exactly)
@@ -158,12 +165,13 @@ class MoE(nn.Module):
                 continue  # another rank's expert: its tokens' contribution arrives in the all-reduce
             tok, slot = torch.where(ids == e)
             w13, w2 = self.expert_weights(e - lo, z.dtype)
-            y = F.linear(act_and_mul(F.linear(z[tok], w13), self.act), w2)
+            bi = self.batch_invariant
+            y = linear(act_and_mul(linear(z[tok], w13, bi), self.act), w2, bi)
             out.index_add_(0, tok, y.float() * w[tok, slot, None])
         return out.to(z.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, ids = route(x, self.gate_weight, self.e_score_correction_bias, self.m)
+        w, ids = route(x, self.gate_weight, self.e_score_correction_bias, self.m, self.batch_invariant)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         if self.m.latent_size is None:
             y = self.experts(x, w, ids)
@@ -173,7 +181,8 @@ class MoE(nn.Module):
         y = self.tp.all_reduce(self.experts(self.routed_expert_down_proj(x), w, ids))
         if self.m.latent_norm:
             y = rms_norm(y, self.routed_expert_norm, self.eps)
-        return self.latent_tail(y, shared, self.routed_expert_up_proj.weight, F.linear)
+        up = self.routed_expert_up_proj  # its linear() honours the deterministic mode's fixed row tiles
+        return self.latent_tail(y, shared, up.weight, lambda a, w: linear(a, w, up.batch_invariant))
 
-    def latent_tail(self, y_lat: torch.Tensor, shared: torch.Tensor | None, w_up: torch.Tensor, linear) -> torch.Tensor:
-        return latent_tail(self.tp, y_lat, shared, w_up, linear)
+    def latent_tail(self, y_lat: torch.Tensor, shared: torch.Tensor | None, w_up: torch.Tensor, mm) -> torch.Tensor:
+        return latent_tail(self.tp, y_lat, shared, w_up, mm)

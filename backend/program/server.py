@@ -72,6 +72,9 @@ class ProgramInvalid(ValueError):
     """A ProgramRun's program that cannot run; the text names the field (`program.ops[3].state: ...`)."""
 
 
+_FLUSH_S = 5.0  # at shutdown, how long the last results may take to leave the socket
+
+
 class _Entry:
     def __init__(self, session: ProgramSession, ident: bytes) -> None:
         self.session, self.ident = session, ident
@@ -255,13 +258,22 @@ class ProgramServer:
         whether every one finished; their results still go out before `serve` is cancelled."""
         self.draining = True
         runs = {t for e in self.sessions.values() for t in e.runs}
+        pending: set[asyncio.Task] = set()
         if runs:
             _, pending = await asyncio.wait(runs, timeout=timeout)
-            if pending:
-                return False
-        while not self.outq.empty():  # the results of the last runs
+            # still running past the drain (the engine's cut normally ends them first; a loaded machine may
+            # not have): each gets its shutdown error now, so a client never sees a bare closed connection
+            for pid, e in list(self.sessions.items()):
+                cut = [t for t in e.runs if t in pending]
+                for t in cut:
+                    t.cancel()  # a cancelled run sends nothing itself
+                if cut:
+                    self.outq.put_nowait((e.ident, encode(ProgramResult(
+                        pid, {}, {}, {}, {}, "server_shutdown: the server shut down before the program finished", None))))
+        deadline = time.monotonic() + _FLUSH_S
+        while not self.outq.empty() and time.monotonic() < deadline:  # the results of the last runs
             await asyncio.sleep(0.01)
-        return True
+        return not pending
 
     async def _zap(self, sock: zmq.asyncio.Socket) -> None:
         """Answer libzmq's ZAP requests (RFC 27): a CURVE client is admitted when its public key is one

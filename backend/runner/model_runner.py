@@ -18,9 +18,12 @@ from k3rt.backend.spec.rejection import verify_requests
 
 
 class ModelRunner(Runner):
-    def __init__(self, model: KimiForCausalLM, pool: PagePool, *, sender: PlanSender | None = None) -> None:
-        """sender: the tensor-parallel workers' plan channel (None: a single rank)."""
+    def __init__(self, model: KimiForCausalLM, pool: PagePool, *, sender: PlanSender | None = None,
+                 deterministic: bool = False) -> None:
+        """sender: the tensor-parallel workers' plan channel (None: a single rank). deterministic: put the
+        model in its batch-invariant mode (EngineConfig.deterministic; single rank)."""
         self.model, self.pool, self.sender = model, pool, sender
+        model.set_batch_invariant(deterministic)
         self.executor = PlanExecutor(model, pool)
         self.device = self.executor.device
         self.sampler = Sampler(model.cfg.vocab_size, self.device)

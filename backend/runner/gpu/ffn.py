@@ -75,13 +75,21 @@ def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> to
     else:
         tw, ids = route(x, moe.gate_weight, moe.e_score_correction_bias, m)
 
+    tiles = None
+    if experts is not None and k.batch_invariant:
+        from k3rt.kernels.moe.triton_experts import pick_tiles
+
+        # the decode tiles at every batch size: the default follows the rows per expert, and the
+        # prefill tiles' BLOCK_K (64, against 128) would sum each row's products in another order
+        tiles = pick_tiles(1, w.w13.shape[0])
+
     def routed(z: torch.Tensor) -> torch.Tensor:
         if experts is None:
             return moe.experts(z, tw, ids)
         if w.mx is not None:
             return experts(z, **w.mx, topk_weights=tw, topk_ids=ids.to(torch.int32), act=moe.act, use_pdl=k.use_pdl)
         return experts(z, w.w13, w.w2, tw, ids.to(torch.int32), act=moe.act, shared_experts=w.shared_fused,
-                       use_pdl=k.use_pdl)
+                       use_pdl=k.use_pdl, tiles=tiles)
 
     if w.shared_fused:
         return moe.tp.all_reduce(routed(x))

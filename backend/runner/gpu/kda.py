@@ -83,18 +83,51 @@ def kda_forward(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: 
     else:
         f = linear(f_a, attn.f_b_proj.weight, k)
     pages = step.state_pages[w.group]
+    if k.batch_invariant and not decode:
+        o = _token_by_token(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, pages, k)
+        return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
     if decode and k.triton:
         from k3rt.kernels.kda import kda_decode
 
         # conv, gates, delta rule and the gated output norm in one launch, states in their pages
         o = kda_decode(qkv, w.conv_weight, conv_pool, f, w.A_log, w.dt_bias, b, rec_pool, pages,
                        lower_bound=attn.lower_bound, use_pdl=k.use_pdl, o_gate=gate.reshape(T, H, D),
-                       o_norm_weight=attn.o_norm_weight, o_norm_eps=attn.eps, workspace=workspace)
+                       o_norm_weight=attn.o_norm_weight, o_norm_eps=attn.eps, workspace=workspace,
+                       v_split=1 if k.batch_invariant else None)
         return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
     o = _general(attn, w, qkv, f, b, step, conv_pool, rec_pool, pages, k)
     gated = kernel("norm", "rms_norm_gated") if k.triton else None
     o = (gated or rms_norm_gated)(o, gate.reshape(T, H, D), attn.o_norm_weight, attn.eps)
     return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
+
+
+def _token_by_token(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                    gate: torch.Tensor, step: GpuStep, conv_pool: torch.Tensor, rec_pool: torch.Tensor,
+                    pages: torch.Tensor, k: KernelConfig) -> torch.Tensor:
+    """Batch-invariant mode, any step: every token through the decode kernel (one program per head),
+    the t-th tokens of all sequences in launch t, so a position's state and output are computed the
+    same way in a prefill chunk of any length, after a prefix-cache hit, and in decode (the chunked
+    kernel's sums would depend on where the chunk starts and ends). Snapshot states are copied out
+    of the live pages right after the token that ends them. -> o [T, H, D] (gated and normed)."""
+    from k3rt.kernels.kda import kda_decode
+
+    T, H, D = qkv.shape[0], attn.num_heads, attn.head_dim
+    o = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
+    snaps: dict[tuple[int, int], list[int]] = {(i, p - step.starts[i]): dest for i, p, dest in step.snapshots}
+    for t in range(max(step.lens, default=0)):
+        seqs = [i for i, n in enumerate(step.lens) if n > t]
+        rows = torch.tensor([step.cu[i] + t for i in seqs], device=qkv.device)
+        o[rows] = kda_decode(qkv[rows], w.conv_weight, conv_pool, f[rows], w.A_log, w.dt_bias, b[rows], rec_pool,
+                             pages[torch.tensor(seqs, device=qkv.device)], lower_bound=attn.lower_bound,
+                             o_gate=gate[rows].reshape(len(seqs), H, D), o_norm_weight=attn.o_norm_weight,
+                             o_norm_eps=attn.eps, v_split=1)
+        for i in seqs:
+            dest = snaps.get((i, t + 1))
+            if dest is not None:
+                src, dst = pages[i], dest[w.group]
+                conv_pool[dst] = conv_pool[src]
+                rec_pool[dst] = rec_pool[src]
+    return o
 
 
 def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,

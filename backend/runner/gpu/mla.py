@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from k3rt.backend.layers.batch_invariant import ROW_TILE
 from k3rt.backend.models.mla import MultiHeadLatentAttention
 from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear, share_rows
 from k3rt.backend.runner.gpu.step import GpuStep
@@ -60,33 +61,61 @@ def mla_forward(attn: MultiHeadLatentAttention, w: MlaWeights, x: torch.Tensor, 
         lat = torch.cat([attn.kv_a_layernorm(ckv[:, :m.kv_lora_rank]), ckv[:, m.kv_lora_rank:]], dim=-1)
         flat.index_copy_(0, step.kv_slot, lat.to(flat.dtype))
     rows = step.decode_rows
-    if step.decode_seqs.numel() and len(rows) == T:  # every row decodes (the graphed form): no scatter
+    if k.batch_invariant:
+        # every row is its own query over exactly the context it sees, the way a decode row is, so a
+        # position's output does not depend on the chunk (or the step) it was computed in
+        out = _decode(q, w, step, kv_pages, m, k, per_row=not (step.decode_seqs.numel() and len(rows) == T))
+    elif step.decode_seqs.numel() and len(rows) == T:  # every row decodes (the graphed form): no scatter
         out = _decode(q, w, step, kv_pages, m, k)
     else:
         out = torch.empty(T, H, m.v_head_dim, dtype=x.dtype, device=x.device)
         if step.decode_seqs.numel():
             out[rows] = _decode(q[rows], w, step, kv_pages, m, k)
-    if step.prefill_seqs:
+    if step.prefill_seqs and not k.batch_invariant:
         out[step.prefill_rows] = _expanded(attn, q[step.prefill_rows], step, flat, m, k)
     if m.use_output_gate:
         out = out * torch.sigmoid(parts[2].float()).view(T, H, m.v_head_dim).to(out.dtype)
     return linear(out.reshape(T, H * m.v_head_dim), attn.o_proj.weight, k)
 
 
-def _decode(q: torch.Tensor, w: MlaWeights, step: GpuStep, kv_pages: torch.Tensor, m, k: KernelConfig) -> torch.Tensor:
+def _decode(q: torch.Tensor, w: MlaWeights, step: GpuStep, kv_pages: torch.Tensor, m, k: KernelConfig,
+            per_row: bool = False) -> torch.Tensor:
+    """The absorbed form for the decode sequences' rows, or (per_row: batch-invariant mode, kernels on)
+    for every row of the step, each over its own context (position + 1)."""
     P = m.qk_nope_head_dim
-    q_lat = torch.bmm(q[..., :P].transpose(0, 1), w.w_uk.to(q.dtype)).transpose(0, 1)  # [N, H, L]
+    if k.batch_invariant:
+        q_lat = _per_row_bmm(q[..., :P], w.w_uk.to(q.dtype))  # [N, H, L]
+    else:
+        q_lat = torch.bmm(q[..., :P].transpose(0, 1), w.w_uk.to(q.dtype)).transpose(0, 1)  # [N, H, L]
     qcat = torch.cat([q_lat, q[..., P:]], dim=-1).contiguous()
-    seqs = step.decode_seqs
-    all_seqs = seqs.numel() == step.num_seqs
-    table = step.block_table if all_seqs else step.block_table[seqs]
-    ctx = step.ctx_lens if all_seqs else step.ctx_lens[seqs]
+    if per_row:
+        seq_of_row = torch.repeat_interleave(torch.arange(step.num_seqs), torch.tensor(step.lens)).to(q.device)
+        table, ctx = step.block_table[seq_of_row], (step.pos + 1).to(torch.int32)
+    else:
+        seqs = step.decode_seqs
+        all_seqs = seqs.numel() == step.num_seqs
+        table = step.block_table if all_seqs else step.block_table[seqs]
+        ctx = step.ctx_lens if all_seqs else step.ctx_lens[seqs]
     fn = kernel("mla", "mla_decode") if k.triton else None
     if fn is not None:
-        o_lat = fn(qcat, kv_pages, table, ctx, m.scale, kv_lora_rank=m.kv_lora_rank, use_pdl=k.use_pdl)
+        # one split in the batch-invariant mode: the split count otherwise follows the batch size
+        o_lat = fn(qcat, kv_pages, table.contiguous(), ctx.contiguous(), m.scale, kv_lora_rank=m.kv_lora_rank,
+                   use_pdl=k.use_pdl, num_splits=1 if k.batch_invariant else None)
     else:
         o_lat = _decode_torch(qcat, kv_pages, step, m)
+    if k.batch_invariant:
+        return _per_row_bmm(o_lat, w.w_uv_t.to(o_lat.dtype))
     return torch.bmm(o_lat.transpose(0, 1), w.w_uv_t.to(o_lat.dtype)).transpose(0, 1)  # [N, H, V]
+
+
+def _per_row_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [N, H, A] @ w [H, A, B] -> [N, H, B] with each row's products independent of N: head-batched
+    matmuls in fixed tiles of rows (torch.bmm over [H, N, A] picks its kernel by N)."""
+    n = x.shape[0]
+    pad = -(-n // ROW_TILE) * ROW_TILE
+    xp = torch.cat([x, x.new_zeros(pad - n, *x.shape[1:])]) if pad != n else x
+    outs = [torch.bmm(xp[i:i + ROW_TILE].transpose(0, 1), w).transpose(0, 1) for i in range(0, pad, ROW_TILE)]
+    return torch.cat(outs)[:n]
 
 
 def _decode_torch(qcat: torch.Tensor, kv_pages: torch.Tensor, step: GpuStep, m) -> torch.Tensor:

@@ -12,6 +12,8 @@ from functools import cache
 
 import torch.nn.functional as F
 
+from k3rt.backend.layers.batch_invariant import invariant_linear
+
 
 @dataclass(frozen=True)
 class KernelConfig:
@@ -20,6 +22,11 @@ class KernelConfig:
     # projections of decode-sized batches (<= kernels.linear.MAX_ROWS rows) through the skinny GEMV
     # kernel instead of torch's matmul (cuBLAS): benchmarks/kernels_linear.py, decode.py --variants
     skinny_gemv: bool = True
+    # deterministic mode (EngineConfig.deterministic): projections in fixed row tiles through torch's
+    # matmul (never the skinny kernel, whose use depends on M), MLA one query per row through the decode
+    # kernel with one split, KDA token by token through the decode kernel with one program per head,
+    # fixed expert-GEMM tiles: see docs/deterministic.md
+    batch_invariant: bool = False
 
 
 @cache
@@ -34,7 +41,13 @@ def kernel(module: str, name: str):
 def linear(x, w, k: KernelConfig, out_dtype=None):
     """x @ w^T (no bias): the skinny GEMV kernel where it measured faster than torch's matmul
     (`kernels.linear.prefer_skinny`: one decode row and a narrow output, or the fp32 router), when
-    the kernels are on; else torch (out_dtype: the router's fp32 logits from bf16 x and fp32 weight)."""
+    the kernels are on; else torch (out_dtype: the router's fp32 logits from bf16 x and fp32 weight).
+    Batch-invariant mode: always torch, in fixed row tiles, so the kernel (and cuBLAS's algorithm) is
+    the same whatever the number of rows."""
+    if k.batch_invariant:
+        if out_dtype is not None:
+            x, w = x.to(out_dtype), w.to(out_dtype)
+        return invariant_linear(x, w)
     if k.triton and k.skinny_gemv and x.dim() == 2 and x.stride(-1) == 1:
         prefer = kernel("linear", "prefer_skinny")
         if prefer is not None and prefer(x.shape[0], w.shape[0], x.dtype, w.dtype):

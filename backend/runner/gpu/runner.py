@@ -47,6 +47,8 @@ class GpuModelRunner(Runner):
                  cuda_graphs: bool = True, graph_sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES,
                  max_model_len: int | None = None) -> None:
         self.model, self.pool, self.kernels = model, pool, kernels
+        # the reference modules the GPU path still calls (shared experts, fallbacks) follow the mode too
+        model.set_batch_invariant(kernels.batch_invariant)
         L = pool.layout
         if L.kda_groups:
             conv_shape, rec_shape = model.model.layers[L.kda_groups[0][0]].self_attn.state_shapes()
