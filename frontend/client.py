@@ -99,11 +99,13 @@ class Backend(ABC):
     def shutdown(self) -> None:
         pass
 
+    @abstractmethod
     def get_server_info(self) -> dict[str, Any]:
-        raise NotImplementedError(f"{type(self).__name__} cannot report server info")
+        """The server's model and layout (sglang's get_server_info)."""
 
+    @abstractmethod
     def flush_cache(self) -> bool:
-        raise NotImplementedError(f"{type(self).__name__} cannot flush a cache")
+        """Drop the server's prefix cache (entries no running request holds)."""
 
     def get_model_name(self) -> str:
         """The served model's path (sglang's RuntimeEndpoint.get_model_name)."""

@@ -204,7 +204,8 @@ def kda_commit(attn: KimiDeltaAttention, w: KdaWeights, step: GpuStep, runs: lis
     inputs (pre-conv qkv, g, beta) re-derive the state after the accepted prefix. Batched over the runs,
     padded to the longest (a padded position leaves its run's state as it was); the conv is the general
     form's (fp32 taps in order) and the recurrence the exact per-token one.
-    TODO(issue 16): one fused launch (kda_decode-style replay) instead of ~max(m) small ones per layer."""
+    Cost: about max(m) small launches per layer per verify step (a fused kda_decode-style replay would be
+    one; not built yet, issue 16)."""
     qkv, g, beta = step.verify_inputs[attn.layer_idx]  # rows of the verify runs, in step order
     H, D = attn.num_heads, attn.head_dim
     W = w.conv_weight.shape[1]
