@@ -13,6 +13,8 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 
@@ -72,6 +74,16 @@ class _Call(threading.Thread):
                 f"json={str(self.json)[:300]} events={self.events[-2:]} done={self.done}")
 
 
+@contextmanager
+def _killed_at_end(s: ServeProcess) -> Iterator[ServeProcess]:
+    """A server these tests stop themselves (by signals, expecting non-zero exits); killed if still alive."""
+    try:
+        yield s
+    finally:
+        if s.proc.poll() is None:
+            s.kill()
+
+
 def _start(calls: list[_Call], s: ServeProcess) -> None:
     for c in calls:
         c.start()
@@ -119,8 +131,7 @@ def _wait_exit(s: ServeProcess, signalled_at: float, within: float) -> int:
 
 
 def test_group_sigterm_drains_running_requests(tiny_model, log_dir) -> None:  # noqa: F811
-    s = start_server(tiny_model, log_dir, "--drain-timeout", "60")
-    try:
+    with _killed_at_end(start_server(tiny_model, log_dir, "--drain-timeout", "60")) as s:
         calls = [_Call(s.url, SHORT, stream) for stream in (True, True, False, False)]
         _start(calls, s)
         os.killpg(s.proc.pid, signal.SIGTERM)  # what systemd and Kubernetes send: the gateway and the engine
@@ -132,14 +143,10 @@ def test_group_sigterm_drains_running_requests(tiny_model, log_dir) -> None:  # 
             _assert_finished(c, SHORT)
         assert code == 0, s.log()
         assert "exited unexpectedly" not in s.log(), s.log()
-    finally:
-        if s.proc.poll() is None:
-            s.kill()
 
 
 def test_group_sigterm_cuts_late_requests_with_errors(tiny_model, log_dir) -> None:  # noqa: F811
-    s = start_server(tiny_model, log_dir, "--drain-timeout", "1")
-    try:
+    with _killed_at_end(start_server(tiny_model, log_dir, "--drain-timeout", "1")) as s:
         calls = [_Call(s.url, LONG, stream) for stream in (True, False)]
         _start(calls, s)
         os.killpg(s.proc.pid, signal.SIGTERM)
@@ -149,15 +156,11 @@ def test_group_sigterm_cuts_late_requests_with_errors(tiny_model, log_dir) -> No
             c.join(10)
             _assert_cut(c)
         assert code != 0, s.log()
-    finally:
-        if s.proc.poll() is None:
-            s.kill()
 
 
 def test_leader_sigterm_drains_then_cuts(tiny_model, log_dir) -> None:  # noqa: F811
     drain = 5
-    s = start_server(tiny_model, log_dir, "--drain-timeout", str(drain))
-    try:
+    with _killed_at_end(start_server(tiny_model, log_dir, "--drain-timeout", str(drain))) as s:
         short, long = _Call(s.url, SHORT // 2, False), _Call(s.url, LONG, True)
         _start([long, short], s)
         s.proc.send_signal(signal.SIGTERM)  # the gateway alone
@@ -168,9 +171,6 @@ def test_leader_sigterm_drains_then_cuts(tiny_model, log_dir) -> None:  # noqa: 
         _assert_finished(short, SHORT // 2)
         _assert_cut(long)
         assert code != 0, s.log()
-    finally:
-        if s.proc.poll() is None:
-            s.kill()
 
 
 def _exited(pid: int) -> bool:
@@ -185,8 +185,7 @@ def _exited(pid: int) -> bool:
 
 
 def test_engine_death_shows_on_health_at_once(tiny_model, log_dir) -> None:  # noqa: F811
-    s = start_server(tiny_model, log_dir)
-    try:
+    with _killed_at_end(start_server(tiny_model, log_dir)) as s:
         engine_pid = s.stats()["stats"]["engine_pid"]
         with httpx.Client(base_url=s.url, timeout=5) as http:
             assert http.get("/health").status_code == 200
@@ -201,9 +200,6 @@ def test_engine_death_shows_on_health_at_once(tiny_model, log_dir) -> None:  # n
                 pass  # the gateway already stopped listening: not healthy either
         code = _wait_exit(s, killed, 30)
         assert code not in (0, None), s.log()
-    finally:
-        if s.proc.poll() is None:
-            s.kill()
 
 
 def test_pool_too_small_for_one_request_says_the_minimum(tiny_model, log_dir) -> None:  # noqa: F811
@@ -221,8 +217,7 @@ def test_pool_too_small_for_one_request_says_the_minimum(tiny_model, log_dir) ->
 
 
 def test_second_signal_ends_the_drain_at_once(tiny_model, log_dir) -> None:  # noqa: F811
-    s = start_server(tiny_model, log_dir, "--drain-timeout", "600")
-    try:
+    with _killed_at_end(start_server(tiny_model, log_dir, "--drain-timeout", "600")) as s:
         calls = [_Call(s.url, LONG, stream) for stream in (True, False)]
         _start(calls, s)
         os.killpg(s.proc.pid, signal.SIGTERM)
@@ -234,9 +229,6 @@ def test_second_signal_ends_the_drain_at_once(tiny_model, log_dir) -> None:  # n
             c.join(10)
             _assert_cut(c)
         assert code != 0, s.log()
-    finally:
-        if s.proc.poll() is None:
-            s.kill()
 
 
 def test_failed_start_leaves_no_engine(tiny_model, log_dir) -> None:  # noqa: F811
@@ -278,8 +270,7 @@ def _dsl_run(addr: str, max_tokens: int, out: dict) -> None:
 def test_group_sigterm_drains_dsl_programs(tiny_model, log_dir) -> None:  # noqa: F811
     """DSL programs in flight get the drain HTTP requests get: the finishable one finishes, the late one
     gets a shutdown error (it was cancelled outright before: uvicorn's drain only saw HTTP)."""
-    s = start_server(tiny_model, log_dir, "--drain-timeout", "3")
-    try:
+    with _killed_at_end(start_server(tiny_model, log_dir, "--drain-timeout", "3")) as s:
         addr = f"tcp://127.0.0.1:{s.port + 1}"
         short, long_ = {}, {}
         threads = [threading.Thread(target=_dsl_run, args=(addr, SHORT, short)),
@@ -297,6 +288,3 @@ def test_group_sigterm_drains_dsl_programs(tiny_model, log_dir) -> None:  # noqa
         assert "x" in short and len(short["x"]) > 0, short
         assert "shutting down" in long_.get("error", "") or "server_shutdown" in long_.get("error", ""), long_
         assert code == 1, s.log()  # a program's request was cut
-    finally:
-        if s.proc.poll() is None:
-            s.kill()
