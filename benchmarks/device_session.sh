@@ -20,12 +20,15 @@
 #   moe (120)           benchmarks/kernels_moe.py: decode T=1/16/64, prefill 4K/16K, route
 #   linear (100)        benchmarks/kernels_linear.py
 #   mxfp4 (120 + 240)   the MXFP4 expert kernel's GPU tests, then benchmarks/kernels_mxfp4.py (K3 expert shape)
+#   det (150 + 120 + 300) the --deterministic GPU acceptance test (64 concurrent vs alone, 3 rounds, both archs),
+#                       then benchmarks/deterministic.py on the GPU runner: k3-tiny, and the 48B shape (random
+#                       weights, 8K vocabulary)
 # Outputs: $OUT/<stage>.log and, for benchmarks, $OUT/<stage>.json (at most 8 files come back from a call:
 # choose at most 4 benchmark stages per call).
 set -u
 for stage in "$@"; do
   case $stage in
-    tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4) ;;
+    tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -84,6 +87,11 @@ for stage in "$@"; do
     mxfp4)
       gpu_pytest mxfp4 120 tests/kernels/test_moe_mxfp4.py
       run mxfp4 240 python3 benchmarks/kernels_mxfp4.py --budget-s 220 --out "$OUT/mxfp4.json" ;;
+    det)
+      gpu_pytest det 150 tests/backend/test_deterministic.py
+      run det 120 python3 benchmarks/deterministic.py --device cuda --requests 64 --json "$OUT/det_tiny.json"
+      run det 300 python3 benchmarks/deterministic.py --device cuda --preset kimi-linear-48b --vocab 8192 \
+        --requests 64 --num-pages 512 --json "$OUT/det_48b.json" ;;
     linear)
       run linear 100 python3 benchmarks/kernels_linear.py --budget-s 80 --out "$OUT/linear.json" ;;
     *) ;;  # tests-runner / tests-kernels after their own clause (;;& tests the later patterns too)

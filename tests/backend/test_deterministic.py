@@ -166,10 +166,12 @@ def test_gpu_runner_64_concurrent_equal_one_at_a_time_three_times(arch, tmp_path
         pytest.skip("no CUDA device")
     ckpt = make_tiny(tmp_path / arch, arch=arch, seed=3, dtype="bfloat16")
     prompts, params = _workload()
-    alone_eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=512, enable_prefix_cache=False),
+    # the checkpoint's bf16 throughout: the Triton MLA kernel reads the cache in the compute dtype
+    bf16 = dict(num_pages=512, kv_dtype=None, conv_dtype=None)
+    alone_eng = Engine(replace(engine_config_for_tests(str(ckpt), enable_prefix_cache=False, **bf16),
                                dtype=None, runner="gpu", device="cuda", deterministic=True))
     alone = [alone_eng.generate([p], sp)[0].output_ids for p, sp in zip(prompts, params)]
-    eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=512), dtype=None, runner="gpu", device="cuda",
+    eng = Engine(replace(engine_config_for_tests(str(ckpt), **bf16), dtype=None, runner="gpu", device="cuda",
                          deterministic=True, scheduler=SchedulerConfig(max_num_batched_tokens=64)))
     for r in range(3):
         outs = [o.output_ids for o in eng.generate(prompts, params)]
