@@ -113,11 +113,12 @@ class Engine:
             model = load_model(self.cfg.model, dtype=self.cfg.dtype, device=self.cfg.device)
         if self.cfg.runner == "gpu":
             from k3rt.backend.runner.gpu.ops import KernelConfig
-            from k3rt.backend.runner.gpu.runner import GpuModelRunner
+            from k3rt.backend.runner.gpu.runner import GpuModelRunner, graph_sizes_for
 
             return GpuModelRunner(model, self.pool, kernels=KernelConfig(self.cfg.kernels, self.cfg.use_pdl,
                                                                            batch_invariant=self.cfg.deterministic),
-                                  cuda_graphs=self.cfg.cuda_graphs)
+                                  cuda_graphs=self.cfg.cuda_graphs,
+                                  graph_sizes=graph_sizes_for(self.cfg.scheduler.max_running))
         return ModelRunner(model, self.pool, deterministic=self.cfg.deterministic)
 
     def _start_tensor_parallel(self, model) -> Runner:
