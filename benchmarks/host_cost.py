@@ -12,11 +12,12 @@ context of 100-8,000 tokens:
   seqs        the GPU runner's per-step StepSeq list from the scheduled work (`GpuModelRunner._seq` per chunk);
   pack        `pack_step` of those sequences as an eager step (block table as wide as the longest) and
               padded to the CUDA-graph size with the runner's full-context table width (what a replay packs);
-  updates     the engine process turning the step's outputs into the wire message (`RequestMap.step` minus
-              the engine step);
+  updates     the engine process turning the step's outputs into the wire message (`RequestMap.step_batch`
+              minus the engine step);
   encode / decode / route
               the UpdateBatch's encode in the engine process, its decode in the gateway, and the gateway's
-              routing of each request's update onto its asyncio queue (`EngineClient._read`'s loop body).
+              routing of each request's update onto its asyncio queue (`EngineClient._route`: the batch's
+              columns expanded into RequestUpdates, each put on its request's queue).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def bench(running: int, *, model: str = "kimi-linear-48b", reps: int = 50, seed:
     from k3rt.backend.runner.gpu.runner import DEFAULT_GRAPH_SIZES
     from k3rt.backend.runner.gpu.step import StepSeq, pack_step
     from k3rt.backend.runner.step_plan import step_chunks
-    from k3rt.protocol import UpdateBatch, decode, encode
+    from k3rt.protocol import decode, encode
 
     eng, rm = _engine(running, model, seed)
     row: dict[str, float] = {"running": running}
@@ -117,8 +118,8 @@ def bench(running: int, *, model: str = "kimi-linear-48b", reps: int = 50, seed:
 
     # the wire: the engine process's updates, encode, the gateway's decode and routing
     replay = _Replay(rm, outputs)
-    row["updates_ms"] = median_ms(lambda: type(rm).step(replay), reps)
-    msg = UpdateBatch(type(rm).step(replay), eng.stats_dict())
+    row["updates_ms"] = median_ms(lambda: type(rm).step_batch(replay), reps)
+    msg = replace(type(rm).step_batch(replay), stats=eng.stats_dict())
     data = encode(msg)
     row["encode_ms"] = median_ms(lambda: encode(msg), reps)
     row["decode_ms"] = median_ms(lambda: decode(data, trusted=True), reps)
