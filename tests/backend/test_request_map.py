@@ -5,7 +5,7 @@ engine's outputs, which is what the gateway routed before the columns existed.""
 
 from __future__ import annotations
 
-from k3rt.backend.engine import Engine
+from k3rt.backend.engine import Engine, RequestOutput
 from k3rt.backend.request_map import RequestMap
 from k3rt.config import CacheConfig, EngineConfig
 from k3rt.protocol import GenerateRequest, RequestUpdate, decode, encode, params_to_dict
@@ -56,8 +56,6 @@ def test_step_batch_expands_to_the_per_output_updates() -> None:
 
 
 def test_an_update_with_logprobs_travels_whole() -> None:
-    from k3rt.backend.engine import RequestOutput
-
     eng = Engine(EngineConfig(model="k3-tiny", runner="null", cache=CacheConfig(num_pages=64)))
     rm = RequestMap(eng)
     assert rm.add(GenerateRequest("a", [3, 4], params_to_dict(SamplingParams(max_tokens=4)))) is None
@@ -68,3 +66,15 @@ def test_an_update_with_logprobs_travels_whole() -> None:
     batch = rm.step_batch()
     assert batch.updates == [RequestUpdate("a", [5], prompt_tokens=2, logprobs=[-0.1], top_logprobs=[[[5, -0.1]]])]
     assert (batch.rids, batch.token_ids, batch.prompt_tokens, batch.cached_tokens) == (["b"], [[6]], [2], [1])
+
+
+def test_the_running_requests_output_fast_path_fills_the_named_fields() -> None:
+    """Engine._output builds a running request's RequestOutput positionally: each value in its own field."""
+    eng = Engine(EngineConfig(model="k3-tiny", runner="null", cache=CacheConfig(num_pages=64)))
+    rid = eng.add_request([3, 4, 5], SamplingParams(max_tokens=8, ignore_eos=True))
+    eng.step()
+    req = eng.requests[rid]
+    req.spec_accepted, req.cached_tokens = 2, 1
+    got = eng._output(req, [9])
+    assert got == RequestOutput(rid=rid, new_token_ids=[9], output_ids=None, finished=False, finish_reason=None,
+                                prompt_len=3, cached_tokens=1, spec_accepted_tokens=2)
