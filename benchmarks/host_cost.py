@@ -9,7 +9,8 @@ Kimi-Linear-48B cache layout (1,888-token pages, 3 KDA state groups, conv width 
 context of 100-8,000 tokens:
   schedule    `Engine.step()` with the null runner: schedule + the null runner's fake tokens + update + the
               step's RequestOutputs (the scheduler's own per-step host cost);
-  seqs        the GPU runner's per-step StepSeq list from the scheduled work (`GpuModelRunner._seq` per chunk);
+  seqs        the GPU runner's per-step StepSeq list from the scheduled work (`step_chunks`, then
+              `GpuModelRunner._seq` per chunk);
   pack        `pack_step` of those sequences as an eager step (block table as wide as the longest) and
               padded to the CUDA-graph size with the runner's full-context table width (what a replay packs);
   updates     the engine process turning the step's outputs into the wire message (`RequestMap.step_batch`
@@ -30,6 +31,7 @@ import random
 import statistics
 import time
 from dataclasses import replace
+from itertools import repeat
 from typing import Any, Callable
 
 
@@ -77,7 +79,7 @@ def _engine(running: int, model: str, seed: int):
 
 
 def bench(running: int, *, model: str = "kimi-linear-48b", reps: int = 50, seed: int = 0) -> dict[str, float]:
-    from k3rt.backend.runner.gpu.runner import DEFAULT_GRAPH_SIZES
+    from k3rt.backend.runner.gpu.runner import DEFAULT_GRAPH_SIZES, GpuModelRunner
     from k3rt.backend.runner.gpu.step import StepSeq, pack_step
     from k3rt.backend.runner.step_plan import step_chunks
     from k3rt.protocol import decode, encode
@@ -99,9 +101,7 @@ def bench(running: int, *, model: str = "kimi-linear-48b", reps: int = 50, seed:
     pad = StepSeq([0], 0, [0], [0] * groups, True)
 
     def seqs() -> list[StepSeq]:
-        return [StepSeq(c.req.token_ids[c.start:c.start + c.num_tokens] + c.draft_ids, c.start, c.req.block_table,
-                        c.req.state_set, c.needs_logits, list(c.snapshots), verify=bool(c.draft_ids))
-                for c in step_chunks(out)]
+        return list(map(GpuModelRunner._seq, repeat(None), step_chunks(out)))
 
     row["seqs_ms"] = median_ms(seqs, reps)
     ss = seqs()

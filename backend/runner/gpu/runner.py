@@ -94,6 +94,8 @@ class GpuModelRunner(Runner):
 
     def _seq(self, c: ScheduledChunk) -> StepSeq:
         r = c.req
+        if c.num_tokens == 1 and not c.draft_ids and not c.snapshots:  # a decode: no slicing, positional
+            return StepSeq([r.token_ids[c.start]], c.start, r.block_table, r.state_set, c.needs_logits, [], False)
         return StepSeq(r.token_ids[c.start:c.start + c.num_tokens] + c.draft_ids, c.start, r.block_table,
                        r.state_set, c.needs_logits, list(c.snapshots), verify=bool(c.draft_ids))
 

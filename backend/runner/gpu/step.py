@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 
-@dataclass
+@dataclass(slots=True)
 class StepSeq:
-    """One sequence of a step, as the runner hands it to the builder."""
+    """One sequence of a step, as the runner hands it to the builder (slots: a 1,000-decode step builds 1,000)."""
 
     token_ids: list[int]  # the tokens fed this step
     start: int  # absolute position of the first fed token
@@ -167,9 +167,10 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
         chain.from_iterable(tables), dtype=np.int64, count=filled)
     kv_slot = table[seq_of_row, pos // block_size].astype(np.int64) * block_size + pos % block_size
 
-    no_state = [0] * num_groups
-    states = np.fromiter(chain.from_iterable(p if p is not None else no_state for p in map(_STATES, seqs)),
-                         dtype=np.int64).reshape(B, num_groups)
+    state_lists = list(map(_STATES, seqs))
+    if None in state_lists:  # a model without KDA layers: page 0 of each group (the kernels never read it)
+        state_lists = [p if p is not None else [0] * num_groups for p in state_lists]
+    states = np.fromiter(chain.from_iterable(state_lists), dtype=np.int64).reshape(B, num_groups)
     old_base = B * w1
     taps = np.arange(-w1, 1)  # window of row r: relative positions r-w1 .. r
     conv_idx = _window_rows(seq_of_row[:, None], rel[:, None] + taps[None, :], row0[:, None], w1, old_base)
