@@ -1,7 +1,7 @@
 """The engine side of the gateway's request ids, shared by both engine loops (the engine process's
 `EngineLoop` and the in-process `InProcEngineClient`): one place that turns protocol messages into
-Engine calls and Engine outputs into `RequestUpdate`s (`step_batch`: the engine process's wire message, plain token updates in columns; `step`:
-every update as a RequestUpdate, for the in-process engine).
+Engine calls and Engine outputs into updates (`step_batch`: the engine process's wire message, plain token
+updates in its columns; `step`: every update as a `RequestUpdate`, for the in-process engine).
 
 Bookkeeping it owns:
   * `rids` / `names`: the gateway's request id (a string) <-> the engine's (an int), for live requests;

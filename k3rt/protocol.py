@@ -382,7 +382,8 @@ def _plain_bodies(rids: list, token_ids: list, prompt: list, cached: list, spec:
     goes here too (tests/k3rt/test_protocol.py checks the keys against the fields)."""
     return [{"rid": r, "token_ids": t, "finished": False, "finish_reason": None, "prompt_tokens": p, "cached_tokens": c,
              "logprobs": None, "top_logprobs": None, "error": None, "prompt_logprobs": None,
-             "prompt_top_logprobs": None, "spec_accepted_tokens": n} for r, t, p, c, n in zip(rids, token_ids, prompt, cached, spec)]
+             "prompt_top_logprobs": None, "spec_accepted_tokens": n}
+            for r, t, p, c, n in zip(rids, token_ids, prompt, cached, spec)]
 
 
 _done: dict[type, _Schema] = {}

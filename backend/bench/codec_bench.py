@@ -63,7 +63,8 @@ def _median_ms(fn: Callable[[], Any], reps: int) -> float:
 def bench_codec(reps: int = 200) -> list[dict]:
     """Median encode and decode time (ms) and encoded size of each message; checks the round trip too."""
     rows = []
-    for name, msg in (("UpdateBatch x1000", update_batch()), ("UpdateBatch x1000 (whole updates)", update_batch_whole()),
+    for name, msg in (("UpdateBatch x1000", update_batch()),
+                      ("UpdateBatch x1000 (whole updates)", update_batch_whole()),
                       ("GenerateRequest 128K", long_prompt())):
         data = encode(msg)
         assert decode(data) == msg, f"{name}: the round trip changed the message"

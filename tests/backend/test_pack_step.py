@@ -45,7 +45,8 @@ def _pack_step_reference(seqs: list[StepSeq], *, block_size: int, conv_width: in
                         dtype=np.int64).reshape(B, num_groups)
     old_base = B * w1
     taps = np.arange(-w1, 1)  # window of row r: relative positions r-w1 .. r
-    conv_idx = _window_rows_reference(seq_of_row[:, None], rel[:, None] + taps[None, :], cu[seq_of_row][:, None], w1, old_base)
+    conv_idx = _window_rows_reference(seq_of_row[:, None], rel[:, None] + taps[None, :], cu[seq_of_row][:, None], w1,
+                                      old_base)
     tail_rel = np.asarray(lens, dtype=np.int64)[:, None] + np.arange(-w1, 0)[None, :]
     conv_tail = _window_rows_reference(np.arange(B)[:, None], tail_rel, cu[:-1][:, None], w1, old_base)
     snaps, snap_rows = [], []
@@ -95,7 +96,8 @@ def _random_seq(rng: random.Random, *, block_size: int, groups: int | None, kind
         for p in sorted(rng.sample(range(start + 1, start + n + 1), min(n, rng.randint(1, 3)))):
             snaps.append((p, [rng.randrange(1, 10_000) for _ in range(groups)]))
     tokens = [rng.randrange(0, 150_000) for _ in range(n)]
-    return StepSeq(tokens, start, pages, states, kind != "prefill" or rng.random() < 0.7, snaps, verify=kind == "verify")
+    sampled = kind != "prefill" or rng.random() < 0.7
+    return StepSeq(tokens, start, pages, states, sampled, snaps, verify=kind == "verify")
 
 
 def _assert_same(seqs: list[StepSeq], **kw) -> StepMeta:

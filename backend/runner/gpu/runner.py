@@ -31,8 +31,8 @@ from k3rt.backend.spec.rejection import verify_requests
 
 log = logging.getLogger(__name__)
 
-# up to 512 sequences (wider decodes run eagerly); above 256 in steps of 64, so a replay pads at most 63 rows
-# (12-25% of the step). Sizes above the scheduler's max_running are never replayed and not captured.
+# up to 512 sequences (wider decodes run eagerly); above 256 in steps of 64, so a replay there pads at most 63
+# rows (12-20% of the graph). Sizes above the scheduler's max_running are never replayed and not captured.
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512)
 
 
@@ -173,9 +173,10 @@ class GpuModelRunner(Runner):
                 logits = self.fwd(step, decode=True)
             self.graphs[size] = _Graph(graph, flat64, flat32, logits)
         torch.cuda.synchronize()
-        log.info("captured %d decode graphs (batch %d to %d) in %.1f s, %.2f GiB of device memory",
-                 len(self.graphs), min(self.graphs), max(self.graphs), time.perf_counter() - t0,
-                 (torch.cuda.memory_reserved(self.device) - reserved0) / 2**30)
+        if self.graphs:
+            log.info("captured %d decode graphs (batch %d to %d) in %.1f s, %.2f GiB of device memory",
+                     len(self.graphs), min(self.graphs), max(self.graphs), time.perf_counter() - t0,
+                     (torch.cuda.memory_reserved(self.device) - reserved0) / 2**30)
 
     def _replay(self, seqs: list[StepSeq], size: int) -> torch.Tensor:
         g = self.graphs[size]
