@@ -261,7 +261,30 @@ def test_512_wide_decode_replays_its_graph_and_equals_eager(tmp_path) -> None:
     if not HAS_CUDA:
         pytest.skip("no CUDA device")
     ckpt = make_tiny(tmp_path / "m", arch="kimi_linear", dtype="float32", seed=9)
-    cfg = replace(engine_config_for_tests(str(ckpt), num_pages=4096), runner="gpu", device="cuda")
+    cfg = replace(engine_config_for_tests(str(ckpt), num_pages=8192), runner="gpu", device="cuda")
     eng = Engine(replace(cfg, scheduler=replace(cfg.scheduler, max_running=512)))
     assert max(eng.runner.graphs) == 512
+    # every graph writes its logits into the rows of one buffer, not a [size, vocab] buffer per size
+    assert len({g.logits.data_ptr() for g in eng.runner.graphs.values()}) == 1
     _padded_decode_equals_eager(eng, 509, lambda seqs: eng.runner._replay(seqs, 512))
+    _padded_decode_equals_eager(eng, 300, lambda seqs: eng.runner._replay(seqs, 320))  # a smaller graph after it
+
+
+def test_logits_out_receives_the_logits(tmp_path) -> None:
+    """GpuForward(logits_out=...) (what every decode graph writes into) returns that buffer holding the logits
+    the forward returns without it (torch ops on the CPU; the graphs themselves are covered on CUDA above)."""
+    from k3rt.backend.runner.gpu.step import StepSeq
+
+    ckpt = make_tiny(tmp_path / "m", arch="kimi_linear", dtype="float32", seed=9)
+    eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), runner="gpu", kernels=False,
+                         cuda_graphs=False))
+    runner, pool = eng.runner, eng.pool
+    seqs = [StepSeq([5 + i], 3 * i, pool.allocate(1), pool.allocate(eng.layout.pages_per_state_set), True)
+            for i in range(3)]
+    before = [t.clone() for t in pool.tensors]
+    want = runner.fwd(runner._build(seqs, []), decode=True)
+    for t, b in zip(pool.tensors, before):
+        t.copy_(b)
+    out = torch.full((5, want.shape[1]), float("nan"))
+    got = runner.fwd(runner._build(seqs, []), decode=True, logits_out=out[:3])
+    assert got.data_ptr() == out.data_ptr() and torch.equal(out[:3], want) and out[3:].isnan().all()

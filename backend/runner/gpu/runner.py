@@ -156,6 +156,10 @@ class GpuModelRunner(Runner):
         pool = torch.cuda.graph_pool_handle()
         t0 = time.perf_counter()
         reserved0 = torch.cuda.memory_reserved(self.device)
+        # every graph writes its logits into the first rows of one buffer (steps run in stream order, so a replay
+        # never overwrites logits an earlier step still has to sample from)
+        shared = torch.empty(max(self.graph_sizes, default=0), self.model.lm_head.weight.shape[0],
+                             dtype=torch.float32, device=self.device)
         bar = tqdm(sorted(self.graph_sizes, reverse=True), desc="capturing decode graphs", unit="graph", leave=False)
         for size in bar:
             bar.set_postfix_str(f"batch {size}")
@@ -166,11 +170,11 @@ class GpuModelRunner(Runner):
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):  # compile and autotune outside the capture
-                    self.fwd(step, decode=True)
+                    self.fwd(step, decode=True, logits_out=shared[:size])
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self.fwd(step, decode=True)
+                logits = self.fwd(step, decode=True, logits_out=shared[:size])
             self.graphs[size] = _Graph(graph, flat64, flat32, logits)
         torch.cuda.synchronize()
         if self.graphs:
