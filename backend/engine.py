@@ -113,11 +113,12 @@ class Engine:
             model = load_model(self.cfg.model, dtype=self.cfg.dtype, device=self.cfg.device)
         if self.cfg.runner == "gpu":
             from k3rt.backend.runner.gpu.ops import KernelConfig
-            from k3rt.backend.runner.gpu.runner import GpuModelRunner
+            from k3rt.backend.runner.gpu.runner import GpuModelRunner, graph_sizes_for
 
             return GpuModelRunner(model, self.pool, kernels=KernelConfig(self.cfg.kernels, self.cfg.use_pdl,
                                                                            batch_invariant=self.cfg.deterministic),
-                                  cuda_graphs=self.cfg.cuda_graphs)
+                                  cuda_graphs=self.cfg.cuda_graphs,
+                                  graph_sizes=graph_sizes_for(self.cfg.scheduler.max_running))
         return ModelRunner(model, self.pool, deterministic=self.cfg.deterministic)
 
     def _start_tensor_parallel(self, model) -> Runner:
@@ -323,6 +324,11 @@ class Engine:
         return outputs
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
+        if req.params.logprobs is None and not req.finished:
+            # the common case (a request that runs on, no logprobs), built positionally: the keyword path
+            # below took half of a 1,000-decode step's host time (benchmarks/host_cost.py)
+            return RequestOutput(req.rid, new, None, False, None, req.prompt_len, req.cached_tokens, None, None, None,
+                                 None, None, req.spec_accepted)
         lp = top = None
         st = req.sampled
         if req.params.logprobs is not None and new and st.run_logprobs is not None:

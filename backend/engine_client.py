@@ -101,13 +101,10 @@ class EngineClient:
                 log.error("ignoring a malformed message from the engine: %s", e)
                 continue
             if isinstance(msg, UpdateBatch):
-                self.stats = msg.stats or self.stats
-                for u in msg.updates:
-                    q = self.queues.get(u.rid)
-                    if q is not None:
-                        q.put_nowait(u)
-                        if u.finished:
-                            self._finished.add(u.rid)
+                try:
+                    self._route(msg)
+                except ProtocolError as e:  # columns of different lengths: as malformed as bad JSON
+                    log.error("ignoring a malformed update batch from the engine: %s", e)
             elif isinstance(msg, Ready):
                 self.info = msg.info
                 self._ready.set()
@@ -118,6 +115,16 @@ class EngineClient:
             elif isinstance(msg, EngineError):
                 self._fail(f"engine failed: {msg.message}")
                 return
+
+    def _route(self, batch: UpdateBatch) -> None:
+        """Each update onto the queue of its request (updates of requests nobody waits for are dropped)."""
+        self.stats = batch.stats or self.stats
+        for u in batch.expand():
+            q = self.queues.get(u.rid)
+            if q is not None:
+                q.put_nowait(u)
+                if u.finished:
+                    self._finished.add(u.rid)
 
     @property
     def dead(self) -> str | None:

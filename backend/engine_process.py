@@ -1,8 +1,9 @@
 """The engine (scheduler) process: owns the Engine, talks to the gateway over ZMQ PUSH/PULL.
 
 Loop: drain incoming messages (never blocking while there is work), run one engine step, push one
-UpdateBatch per step. Bad requests are answered with a RequestUpdate carrying `error` and never stop
-the loop; only a failure of the step itself is fatal (reported as EngineError, then exit non-zero).
+UpdateBatch per step (plain token updates in its columns). Bad requests are answered with a RequestUpdate
+carrying `error` and never stop the loop; only a failure of the step itself is fatal (reported as
+EngineError, then exit non-zero).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import signal
 import sys
 import time
 import traceback
+from dataclasses import replace
 
 import zmq
 
@@ -95,17 +97,15 @@ class EngineLoop:
                         log.error("ignoring a malformed message from the gateway: %s", e)
                         continue
                     self.handle(msg, errors)
-            updates = errors
-            if self.engine.has_unfinished:
-                updates += self.requests.step()
+            batch = self.requests.step_batch() if self.engine.has_unfinished else UpdateBatch([])
             now = time.monotonic()
-            if updates or now - last_stats > 1.0:
-                self.push.send(encode(UpdateBatch(updates, self.stats())))
+            if errors or batch.updates or batch.rids or now - last_stats > 1.0:
+                self.push.send(encode(replace(batch, updates=errors + batch.updates, stats=self.stats())))
                 last_stats = now
         # drain: abort everything still known, tell the gateway, then ack the shutdown
         self.requests.abort_all()
         if self.engine.has_unfinished:
-            self.push.send(encode(UpdateBatch(self.requests.step())))
+            self.push.send(encode(self.requests.step_batch()))
         self.engine.close()  # tensor-parallel workers stop before the gateway hears the ack
         self.push.send(encode(ShutdownAck()))
         self.push.close(linger=2000)

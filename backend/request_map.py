@@ -1,6 +1,7 @@
 """The engine side of the gateway's request ids, shared by both engine loops (the engine process's
 `EngineLoop` and the in-process `InProcEngineClient`): one place that turns protocol messages into
-Engine calls and Engine outputs into `RequestUpdate`s.
+Engine calls and Engine outputs into updates (`step_batch`: the engine process's wire message, plain token
+updates in its columns; `step`: every update as a `RequestUpdate`, for the in-process engine).
 
 Bookkeeping it owns:
   * `rids` / `names`: the gateway's request id (a string) <-> the engine's (an int), for live requests;
@@ -12,7 +13,7 @@ Bookkeeping it owns:
 
 from __future__ import annotations
 
-from k3rt.protocol import GenerateRequest, RequestUpdate, params_from_dict
+from k3rt.protocol import GenerateRequest, RequestUpdate, UpdateBatch, params_from_dict
 
 
 class RequestMap:
@@ -57,11 +58,24 @@ class RequestMap:
             self.engine.abort(rid)
 
     def step(self) -> list[RequestUpdate]:
-        """One engine step; the updates of the requests that advanced or ended."""
-        updates = []
+        """One engine step; the updates of the requests that advanced or ended (the in-process engine)."""
+        return self.step_batch().expand()
+
+    def step_batch(self) -> UpdateBatch:
+        """One engine step as the wire message (stats left empty): an update that is new tokens only goes into
+        the columns, any other (finished, logprobs, an error) is a whole RequestUpdate."""
+        updates: list[RequestUpdate] = []
+        names, rids, token_ids, prompt, cached, spec = self.names, [], [], [], [], []
         for o in self.engine.step():
-            name = self.names.get(o.rid)
+            name = names.get(o.rid)
             if name is None:
+                continue
+            if not o.finished and o.logprobs is None and o.top_logprobs is None and o.error is None:
+                rids.append(name)
+                token_ids.append(o.new_token_ids)
+                prompt.append(o.prompt_len)
+                cached.append(o.cached_tokens)
+                spec.append(o.spec_accepted_tokens)
                 continue
             plp = None if o.prompt_logprobs is None else {str(k): v for k, v in o.prompt_logprobs.items()}
             ptop = None if o.prompt_top_logprobs is None else {str(k): v for k, v in o.prompt_top_logprobs.items()}
@@ -76,4 +90,4 @@ class RequestMap:
         if len(self.pinned) > 2 * self.engine.num_pins + 64:  # pins the cache dropped (cap, flush)
             self.pinned = {n: r for n, r in self.pinned.items()
                            if r in self.engine.requests or self.engine.is_pinned(r)}
-        return updates
+        return UpdateBatch(updates, {}, rids, token_ids, prompt, cached, spec)

@@ -462,7 +462,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="request bodies above this many MiB are answered 413 before they are read (default 32)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the folder's name)")
     p.add_argument("--max-running", "--max-num-seqs", dest="max_running", type=int, default=256,
-                   help="requests decoding at once (default 256)")
+                   help="requests decoding at once (default 256); the GPU runner captures decode graphs up to "
+                        "the first size at or above it (at most 512)")
     p.add_argument("--max-waiting", type=int, default=4096,
                    help="requests queued beyond those; more are answered 429 (default 4096)")
     p.add_argument("--max-batched-tokens", "--max-num-batched-tokens", dest="max_batched_tokens", type=int,

@@ -102,8 +102,31 @@ class RequestUpdate:
 
 @dataclass(frozen=True)
 class UpdateBatch:
+    """One engine step's updates. An update that is new tokens and nothing else (the request runs on, no
+    logprobs, no error: every decode's update but the last) travels as row i of the columns `rids`,
+    `token_ids`, `prompt_tokens`, `cached_tokens`, `spec_accepted_tokens`; every other one as a whole
+    RequestUpdate in `updates`. At 1,000 decodes per step the columns cost the engine 0.3 ms where building,
+    encoding and decoding 1,000 RequestUpdate objects cost 2.7 ms, and the message is 9x smaller.
+    `expand()` gives every update as a RequestUpdate (what the gateway routes)."""
+
     updates: list[RequestUpdate]
     stats: dict[str, Any] = field(default_factory=dict)  # running, waiting, pages, snapshots, ...
+    rids: list[str] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)  # row i: the new tokens of rids[i]
+    prompt_tokens: list[int] = field(default_factory=list)
+    cached_tokens: list[int] = field(default_factory=list)
+    spec_accepted_tokens: list[int] = field(default_factory=list)
+
+    def expand(self) -> list[RequestUpdate]:
+        """`updates`, then each column row as the RequestUpdate it stands for; ProtocolError if the columns
+        differ in length (a trusted decode does not check fields)."""
+        cols = (self.rids, self.token_ids, self.prompt_tokens, self.cached_tokens, self.spec_accepted_tokens)
+        if len(set(map(len, cols))) > 1:
+            raise ProtocolError("UpdateBatch: the columns rids, token_ids, prompt_tokens, cached_tokens, "
+                                f"spec_accepted_tokens differ in length ({', '.join(str(len(c)) for c in cols)})")
+        if not self.rids:
+            return self.updates
+        return self.updates + _make_all(RequestUpdate, _plain_bodies(*cols))
 
 
 @dataclass(frozen=True)
@@ -351,6 +374,16 @@ def _make_all(cls: type, bodies: list[dict[str, Any]]) -> list:
     objs = list(map(object.__new__, repeat(cls, len(bodies))))
     list(map(object.__setattr__, objs, repeat("__dict__"), bodies))
     return objs
+
+
+def _plain_bodies(rids: list, token_ids: list, prompt: list, cached: list, spec: list) -> list[dict[str, Any]]:
+    """The RequestUpdate bodies of UpdateBatch's column rows, every field in definition order (as decode makes
+    them); a dict display per row, 2x faster than building them from key tuples. A field added to RequestUpdate
+    goes here too (tests/k3rt/test_protocol.py checks the keys against the fields)."""
+    return [{"rid": r, "token_ids": t, "finished": False, "finish_reason": None, "prompt_tokens": p, "cached_tokens": c,
+             "logprobs": None, "top_logprobs": None, "error": None, "prompt_logprobs": None,
+             "prompt_top_logprobs": None, "spec_accepted_tokens": n}
+            for r, t, p, c, n in zip(rids, token_ids, prompt, cached, spec)]
 
 
 _done: dict[type, _Schema] = {}

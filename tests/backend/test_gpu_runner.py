@@ -211,3 +211,80 @@ def test_gpu_runner_penalized_greedy_equals_cpu_reference(tmp_path) -> None:
         outs.append([o.output_ids for o in eng.generate(prompts, params)])
         eng.check()
     assert outs[0] == outs[1]
+
+
+def test_graph_sizes_reach_512_and_stop_at_max_running() -> None:
+    from k3rt.backend.runner.gpu.runner import DEFAULT_GRAPH_SIZES, graph_sizes_for
+
+    assert max(DEFAULT_GRAPH_SIZES) == 512
+    assert graph_sizes_for(512) == DEFAULT_GRAPH_SIZES
+    assert graph_sizes_for(256)[-1] == 256 and graph_sizes_for(300)[-1] == 320 and graph_sizes_for(1)[-1] == 1
+    assert graph_sizes_for(4096) == DEFAULT_GRAPH_SIZES  # wider decodes run eagerly
+    with pytest.raises(ValueError, match="max_running: must be >= 1"):
+        graph_sizes_for(0)
+
+
+def _padded_decode_equals_eager(eng, n: int, replay) -> None:
+    """n decode sequences at random contexts over random cache contents: `replay(seqs)` (the graph of the
+    next size, padding rows at the reserved page) gives the eager step's logits, and leaves every pool page
+    but the reserved one as the eager step left it (the padding rows touched no live state)."""
+    from k3rt.backend.runner.gpu.step import StepSeq
+
+    runner, pool, bs = eng.runner, eng.pool, eng.layout.block_size
+    g = torch.Generator().manual_seed(5)
+    seqs = []
+    for _ in range(n):
+        ctx = int(torch.randint(1, 3 * bs, (1,), generator=g))  # tokens already cached
+        seqs.append(StepSeq([int(torch.randint(3, 500, (1,), generator=g))], ctx, pool.allocate(-(-(ctx + 1) // bs)),
+                            pool.allocate(eng.layout.pages_per_state_set), True))
+    for t in pool.tensors:  # fp32 caches (engine_config_for_tests): small random values everywhere
+        t.view(torch.float32).copy_(0.1 * torch.randn(t.view(torch.float32).shape, generator=g))
+    before = [t.clone() for t in pool.tensors]
+    eager = runner.fwd(runner._build(seqs, []), decode=True)[:n].clone()
+    after_eager = [t.clone() for t in pool.tensors]
+    for t, b in zip(pool.tensors, before):
+        t.copy_(b)
+    got = replay(seqs)[:n].clone()
+    assert rel(got, eager) < 1e-4
+    assert torch.equal(got.argmax(-1), eager.argmax(-1))
+    live = torch.ones(pool.tensors[0].shape[0], dtype=torch.bool)
+    live[runner.pad_page] = False
+    for t, a in zip(pool.tensors, after_eager):
+        torch.testing.assert_close(t[live.to(t.device)].view(torch.float32), a[live.to(t.device)].view(torch.float32),
+                                   rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_512_wide_decode_replays_its_graph_and_equals_eager(tmp_path) -> None:
+    """--max-running 512 captures graphs up to 512; a decode of 509 sequences replays the 512 graph (3 padding
+    rows at the reserved page) and equals the eager step, live pages included."""
+    if not HAS_CUDA:
+        pytest.skip("no CUDA device")
+    ckpt = make_tiny(tmp_path / "m", arch="kimi_linear", dtype="float32", seed=9)
+    cfg = replace(engine_config_for_tests(str(ckpt), num_pages=8192), runner="gpu", device="cuda")
+    eng = Engine(replace(cfg, scheduler=replace(cfg.scheduler, max_running=512)))
+    assert max(eng.runner.graphs) == 512
+    # every graph writes its logits into the rows of one buffer, not a [size, vocab] buffer per size
+    assert len({g.logits.data_ptr() for g in eng.runner.graphs.values()}) == 1
+    _padded_decode_equals_eager(eng, 509, lambda seqs: eng.runner._replay(seqs, 512))
+    _padded_decode_equals_eager(eng, 300, lambda seqs: eng.runner._replay(seqs, 320))  # a smaller graph after it
+
+
+def test_logits_out_receives_the_logits(tmp_path) -> None:
+    """GpuForward(logits_out=...) (what every decode graph writes into) returns that buffer holding the logits
+    the forward returns without it (torch ops on the CPU; the graphs themselves are covered on CUDA above)."""
+    from k3rt.backend.runner.gpu.step import StepSeq
+
+    ckpt = make_tiny(tmp_path / "m", arch="kimi_linear", dtype="float32", seed=9)
+    eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), runner="gpu", kernels=False,
+                         cuda_graphs=False))
+    runner, pool = eng.runner, eng.pool
+    seqs = [StepSeq([5 + i], 3 * i, pool.allocate(1), pool.allocate(eng.layout.pages_per_state_set), True)
+            for i in range(3)]
+    before = [t.clone() for t in pool.tensors]
+    want = runner.fwd(runner._build(seqs, []), decode=True)
+    for t, b in zip(pool.tensors, before):
+        t.copy_(b)
+    out = torch.full((5, want.shape[1]), float("nan"))
+    got = runner.fwd(runner._build(seqs, []), decode=True, logits_out=out[:3])
+    assert got.data_ptr() == out.data_ptr() and torch.equal(out[:3], want) and out[3:].isnan().all()

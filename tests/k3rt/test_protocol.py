@@ -35,6 +35,8 @@ MESSAGES = [
                 {"running": 1}),
     UpdateBatch([RequestUpdate("a", [1], logprobs=[-0.5]), RequestUpdate("b", [2, 3], prompt_tokens=4)]),
     UpdateBatch([], {"running": 0, "pages": {"used": 1, "total": 2}}),
+    UpdateBatch([RequestUpdate("a", [1], True, "length")], {"running": 2}, ["b", "c"], [[7], [8, 9]], [5, 6], [0, 4],
+                [0, 1]),
     ShutdownAck(),
     EngineError("boom"),
     ProgramRun("p1", {"ops": [{"op": "gen", "name": "x"}], "vars": None}, final=False, stream=True),
@@ -82,11 +84,34 @@ def test_trusted_decode_equals_the_checked_one(msg) -> None:
 
 def test_wire_format_is_readable_json() -> None:
     assert orjson.loads(encode(AbortRequest("r1"))) == ["AbortRequest", {"rid": "r1"}]
-    assert orjson.loads(encode(UpdateBatch([RequestUpdate("a", [7])]))) == ["UpdateBatch", {
+    assert orjson.loads(encode(UpdateBatch([RequestUpdate("a", [7])], rids=["b"], token_ids=[[8]], prompt_tokens=[3],
+                                           cached_tokens=[1], spec_accepted_tokens=[0]))) == ["UpdateBatch", {
         "updates": [{"rid": "a", "token_ids": [7], "finished": False, "finish_reason": None, "prompt_tokens": 0,
                      "cached_tokens": 0, "logprobs": None, "top_logprobs": None, "error": None,
                      "prompt_logprobs": None, "prompt_top_logprobs": None, "spec_accepted_tokens": 0}],
-         "stats": {}}]
+         "stats": {}, "rids": ["b"], "token_ids": [[8]], "prompt_tokens": [3], "cached_tokens": [1],
+         "spec_accepted_tokens": [0]}]
+
+
+def test_update_batch_columns_expand_to_the_request_updates_they_stand_for() -> None:
+    """Column row i is RequestUpdate(rids[i], token_ids[i], prompt_tokens=.., cached_tokens=..,
+    spec_accepted_tokens=..) with every other field at its default, after the whole updates; the expanded
+    objects are real RequestUpdates (same fields in the same order as decode builds), before and after the wire."""
+    whole = [RequestUpdate("a", [1], True, "stop", 4, 2), RequestUpdate("z", [3], logprobs=[-0.5], top_logprobs=[[]])]
+    batch = UpdateBatch(whole, {}, ["b", "c"], [[7], []], [5, 6], [0, 4], [0, 2])
+    want = whole + [RequestUpdate("b", [7], prompt_tokens=5), RequestUpdate("c", [], prompt_tokens=6, cached_tokens=4,
+                                                                            spec_accepted_tokens=2)]
+    for got in (batch.expand(), decode(encode(batch), trusted=True).expand(), decode(encode(batch)).expand()):
+        assert got == want and all(type(u) is RequestUpdate for u in got)
+        assert [list(vars(u)) for u in got[2:]] == [[f.name for f in dataclasses.fields(RequestUpdate)]] * 2
+        assert encode(got[2]) == encode(want[2])
+    assert UpdateBatch(whole).expand() == whole
+
+
+def test_update_batch_columns_of_different_lengths_are_refused_by_name() -> None:
+    bad = UpdateBatch([], {}, ["b", "c"], [[7]], [5, 6], [0, 4], [0, 2])
+    with pytest.raises(ProtocolError, match=r"UpdateBatch: the columns rids, token_ids, .* differ in length \(2, 1, 2, 2, 2\)"):
+        decode(encode(bad), trusted=True).expand()
 
 
 def test_left_out_fields_take_their_defaults() -> None:

@@ -58,9 +58,10 @@ class GpuForward:
         h = residual + delta
         return rms_norm(h, weight, eps), h
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        # rounded to the activation dtype, then fp32, as the reference lm_head does
-        return linear(x, self.model.lm_head.weight, self.k).float()
+    def logits(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        # rounded to the activation dtype, then fp32, as the reference lm_head does (into `out` if given)
+        y = linear(x, self.model.lm_head.weight, self.k)
+        return y.float() if out is None else out.copy_(y)
 
     def mix(self, stream: AttnResStream, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
         assert stream.prefix is not None
@@ -92,8 +93,9 @@ class GpuForward:
         return moe_forward(mlp, self.moe[i], x, self.k) if isinstance(mlp, MoE) else mlp_forward(mlp, x, self.k)
 
     @torch.no_grad()
-    def __call__(self, step: GpuStep, *, decode: bool = False) -> torch.Tensor:
-        """-> fp32 logits [len(step.logit_rows), vocab]."""
+    def __call__(self, step: GpuStep, *, decode: bool = False, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """-> fp32 logits [len(step.logit_rows), vocab], written into `logits_out` when given (the decode graphs
+        all write one buffer: a [B, vocab] fp32 output per graph size is 1.6 GiB at 163,840 words up to 512)."""
         m, eps = self.model.model, self.cfg.rms_norm_eps
         h = m.embed_tokens(step.ids)
         if not self.cfg.attn_res_block_size:
@@ -104,7 +106,7 @@ class GpuForward:
                 nxt = self.layers[i + 1].input_layernorm.weight if i + 1 < len(self.layers) else m.norm.weight
                 x, h = self.add_norm(self.ffn(i, x), h, nxt, eps)
             x = x if step.logits_every_row else x[step.logit_rows]
-            return self.logits(x)
+            return self.logits(x, logits_out)
         stream = AttnResStream(h, self.cfg.attn_res_block_size)
         for i, layer in enumerate(self.layers):
             x = self.mix(stream, layer.self_attention_res_norm.weight, layer.self_attention_res_proj.weight, eps)
@@ -114,4 +116,4 @@ class GpuForward:
             stream.add(self.ffn(i, self.norm(x, layer.post_attention_layernorm.weight, eps)))
         h = self.mix(stream, m.output_attn_res_norm.weight, m.output_attn_res_proj.weight, eps)
         h = h if step.logits_every_row else h[step.logit_rows]
-        return self.logits(self.norm(h, m.norm.weight, eps))
+        return self.logits(self.norm(h, m.norm.weight, eps), logits_out)

@@ -3,9 +3,9 @@ sampling, with decode steps replayed from CUDA graphs.
 
 Per step the host packs every index (backend/runner/gpu/step.py) into two pinned buffers and
 copies them to the device once; the only synchronization is reading the sampled tokens back.
-Decode-only steps of up to `max(graph_sizes)` sequences replay a graph captured for the next
-larger size; the padding rows point at one reserved pool page (state set and MLA page), so they
-compute garbage nobody reads and touch no live state.
+Decode-only steps of up to `max(graph_sizes)` sequences (512 by default) replay a graph captured for
+the next larger size; the padding rows point at one reserved pool page (state set and MLA page), so
+they compute garbage nobody reads and touch no live state.
 """
 
 from __future__ import annotations
@@ -31,7 +31,19 @@ from k3rt.backend.spec.rejection import verify_requests
 
 log = logging.getLogger(__name__)
 
-DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# up to 512 sequences (wider decodes run eagerly); above 256 in steps of 64, so a replay there pads at most 63
+# rows (12-20% of the graph). Sizes above the scheduler's max_running are never replayed and not captured.
+DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512)
+
+
+def graph_sizes_for(max_running: int, sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES) -> tuple[int, ...]:
+    """The sizes a decode of at most `max_running` sequences can replay: those below it and the first at or
+    above it (a step of max_running sequences pads up to that one)."""
+    if max_running < 1:
+        raise ValueError(f"max_running: must be >= 1, got {max_running}")
+    ordered = sorted(sizes)
+    cover = next((s for s in ordered if s >= max_running), None)
+    return tuple(s for s in ordered if s < max_running or s == cover)
 
 
 @dataclass
@@ -82,6 +94,8 @@ class GpuModelRunner(Runner):
 
     def _seq(self, c: ScheduledChunk) -> StepSeq:
         r = c.req
+        if c.num_tokens == 1 and not c.draft_ids and not c.snapshots:  # a decode: no slicing, positional
+            return StepSeq([r.token_ids[c.start]], c.start, r.block_table, r.state_set, c.needs_logits, [], False)
         return StepSeq(r.token_ids[c.start:c.start + c.num_tokens] + c.draft_ids, c.start, r.block_table,
                        r.state_set, c.needs_logits, list(c.snapshots), verify=bool(c.draft_ids))
 
@@ -135,13 +149,20 @@ class GpuModelRunner(Runner):
                          num_groups=self.num_groups, max_blocks=self.max_blocks)
 
     def capture(self) -> None:
-        """Capture one decode graph per size, largest first (they share one memory pool)."""
+        """Capture one decode graph per size, largest first (they share one memory pool), with a progress bar
+        that names the size being captured; the time and the memory the graphs took are logged."""
         from tqdm import tqdm
 
         pool = torch.cuda.graph_pool_handle()
         t0 = time.perf_counter()
-        for size in tqdm(sorted(self.graph_sizes, reverse=True), desc="capturing decode graphs", unit="graph",
-                         leave=False):
+        reserved0 = torch.cuda.memory_reserved(self.device)
+        # every graph writes its logits into the first rows of one buffer (steps run in stream order, so a replay
+        # never overwrites logits an earlier step still has to sample from)
+        shared = torch.empty(max(self.graph_sizes, default=0), self.model.lm_head.weight.shape[0],
+                             dtype=torch.float32, device=self.device)
+        bar = tqdm(sorted(self.graph_sizes, reverse=True), desc="capturing decode graphs", unit="graph", leave=False)
+        for size in bar:
+            bar.set_postfix_str(f"batch {size}")
             meta, (h64, h32) = self._pack([self._pad_seq()] * size)
             flat64, flat32 = h64.to(self.device), h32.to(self.device)
             step = step_views(meta, flat64, flat32)
@@ -149,14 +170,17 @@ class GpuModelRunner(Runner):
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):  # compile and autotune outside the capture
-                    self.fwd(step, decode=True)
+                    self.fwd(step, decode=True, logits_out=shared[:size])
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self.fwd(step, decode=True)
+                logits = self.fwd(step, decode=True, logits_out=shared[:size])
             self.graphs[size] = _Graph(graph, flat64, flat32, logits)
         torch.cuda.synchronize()
-        log.info("captured %d decode graphs in %.1f s", len(self.graphs), time.perf_counter() - t0)
+        if self.graphs:
+            log.info("captured %d decode graphs (batch %d to %d) in %.1f s, %.2f GiB of device memory",
+                     len(self.graphs), min(self.graphs), max(self.graphs), time.perf_counter() - t0,
+                     (torch.cuda.memory_reserved(self.device) - reserved0) / 2**30)
 
     def _replay(self, seqs: list[StepSeq], size: int) -> torch.Tensor:
         g = self.graphs[size]

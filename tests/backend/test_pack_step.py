@@ -1,0 +1,158 @@
+"""`pack_step` (vectorized) equals the per-sequence implementation it replaced, field for field and byte for byte,
+on randomized batches: decode-only steps (positions on and next to page boundaries, graph-width tables, padding
+rows), mixed prefill/decode steps with KDA snapshot rows, verify runs, prompt-scoring rows, sequences without
+KDA state, and every conv width the models use. The reference below is the implementation as it was before
+vectorizing (commit e9be71b), kept verbatim as the oracle."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from k3rt.backend.runner.gpu.step import StepMeta, StepSeq, pack_step
+
+
+def _window_rows_reference(seq, rel, row0, w1, old_base):
+    return np.where(rel >= 0, old_base + row0 + rel, seq * w1 + (rel + w1))
+
+
+def _pack_step_reference(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_groups: int,
+              max_blocks: int | None = None, extra_logit_rows: list[int] = ()) -> tuple[StepMeta, tuple[torch.Tensor, torch.Tensor]]:
+    """Compute every index of the step on the host: (meta, (int64 buffer, int32 buffer))."""
+    B, w1 = len(seqs), conv_width - 1
+    lens = [len(s.token_ids) for s in seqs]
+    starts = [s.start for s in seqs]
+    cu = np.zeros(B + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
+    T = int(cu[-1])
+    ids = np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64, count=T)
+    seq_of_row = np.repeat(np.arange(B), lens)
+    rel = np.arange(T) - cu[seq_of_row]  # position within the step's tokens
+    pos = rel + np.asarray(starts, dtype=np.int64)[seq_of_row]
+    need = max(1, max(len(s.block_table) for s in seqs))
+    if max_blocks is None:
+        max_blocks = need
+    elif need > max_blocks:
+        raise ValueError(f"block_table: a sequence holds {need} pages, more than max_blocks={max_blocks}")
+    table = np.zeros((B, max_blocks), dtype=np.int64)
+    for i, s in enumerate(seqs):
+        table[i, :len(s.block_table)] = s.block_table
+    kv_slot = table[seq_of_row, pos // block_size] * block_size + pos % block_size
+    states = np.asarray([s.state_pages if s.state_pages is not None else [0] * num_groups for s in seqs],
+                        dtype=np.int64).reshape(B, num_groups)
+    old_base = B * w1
+    taps = np.arange(-w1, 1)  # window of row r: relative positions r-w1 .. r
+    conv_idx = _window_rows_reference(seq_of_row[:, None], rel[:, None] + taps[None, :], cu[seq_of_row][:, None], w1,
+                                      old_base)
+    tail_rel = np.asarray(lens, dtype=np.int64)[:, None] + np.arange(-w1, 0)[None, :]
+    conv_tail = _window_rows_reference(np.arange(B)[:, None], tail_rel, cu[:-1][:, None], w1, old_base)
+    snaps, snap_rows = [], []
+    for i, s in enumerate(seqs):
+        for p, dest in s.snapshots:
+            snaps.append((i, p, dest))
+            snap_rows.append(_window_rows_reference(i, p - s.start + np.arange(-w1, 0), cu[i], w1, old_base))
+    snap_conv = np.asarray(snap_rows, dtype=np.int64).reshape(len(snaps), w1)
+    verify_seqs = [i for i, s in enumerate(seqs) if s.verify]
+    logit_rows = np.asarray([cu[i + 1] - 1 for i, s in enumerate(seqs) if s.needs_logits and not s.verify]
+                            + [r for i in verify_seqs for r in range(cu[i], cu[i + 1])] + list(extra_logit_rows),
+                            dtype=np.int64)
+    decode_form = [n == 1 for n in lens]
+    pre = [i for i in range(B) if not decode_form[i]]
+    dec = np.asarray([i for i in range(B) if decode_form[i]], dtype=np.int64)
+    ctx = np.asarray(starts, dtype=np.int64) + np.asarray(lens, dtype=np.int64)
+    ctx_pos = [np.arange(ctx[i]) for i in pre]
+    ctx_slot = (np.concatenate([table[i, p // block_size] * block_size + p % block_size for i, p in zip(pre, ctx_pos)])
+                if pre else np.zeros(0, dtype=np.int64))
+    cu_k = np.concatenate([[0], np.cumsum([ctx[i] for i in pre])]).astype(np.int64)
+    cu_q = np.concatenate([[0], np.cumsum([lens[i] for i in pre])]).astype(np.int64)
+    pre_rows = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in pre]) if pre else np.zeros(0, dtype=np.int64)
+
+    snap_dest = np.asarray([d for _, _, d in snaps], dtype=np.int64).reshape(len(snaps), num_groups)
+    i64 = [ids, pos, kv_slot, states.T.ravel(), conv_idx.ravel(), conv_tail.ravel(), logit_rows, ctx_slot,
+           pre_rows, dec, cu[dec] if len(dec) else dec, snap_conv.ravel(), snap_dest.T.ravel()]
+    i32 = [cu, ctx, table.ravel(), cu_k, cu_q]
+    meta = StepMeta(B, T, max_blocks, len(snaps), w1, [p.size for p in i64], [p.size for p in i32],
+                    cu.tolist(), starts, lens, decode_form, snaps, pre,
+                    max((lens[i] for i in pre), default=0), int(max((ctx[i] for i in pre), default=0)),
+                    bool(np.array_equal(logit_rows, np.arange(T))), verify_seqs)
+    host = (torch.from_numpy(np.concatenate(i64).astype(np.int64)),
+            torch.from_numpy(np.concatenate(i32).astype(np.int32)))
+    return meta, host
+
+
+def _random_seq(rng: random.Random, *, block_size: int, groups: int | None, kind: str) -> StepSeq:
+    """kind: decode (one token), prefill (a chunk, maybe with snapshots, maybe unsampled) or verify."""
+    # starts on, just before and just after page boundaries, and anywhere
+    start = rng.choice([0, block_size - 1, block_size, 2 * block_size - 1, 2 * block_size,
+                        rng.randrange(0, 4 * block_size)])
+    n = {"decode": 1, "prefill": rng.randint(1, 3 * block_size), "verify": rng.randint(2, 5)}[kind]
+    pages = [rng.randrange(1, 10_000) for _ in range(-(-(start + n) // block_size) + rng.randint(0, 2))]
+    states = None if groups is None else [rng.randrange(1, 10_000) for _ in range(groups)]
+    snaps = []
+    if kind == "prefill" and groups is not None and rng.random() < 0.5:
+        for p in sorted(rng.sample(range(start + 1, start + n + 1), min(n, rng.randint(1, 3)))):
+            snaps.append((p, [rng.randrange(1, 10_000) for _ in range(groups)]))
+    tokens = [rng.randrange(0, 150_000) for _ in range(n)]
+    sampled = kind != "prefill" or rng.random() < 0.7
+    return StepSeq(tokens, start, pages, states, sampled, snaps, verify=kind == "verify")
+
+
+def _assert_same(seqs: list[StepSeq], **kw) -> StepMeta:
+    want_meta, (want64, want32) = _pack_step_reference(seqs, **kw)
+    meta, (h64, h32) = pack_step(seqs, **kw)
+    assert meta == want_meta
+    assert [type(x) for x in meta.cu + meta.starts + meta.lens + meta.prefill_seqs + meta.verify_seqs] == [int] * (
+        len(meta.cu) + len(meta.starts) + len(meta.lens) + len(meta.prefill_seqs) + len(meta.verify_seqs))
+    assert type(meta.max_q) is int and type(meta.max_k) is int and type(meta.logits_every_row) is bool
+    assert h64.dtype == torch.int64 and h32.dtype == torch.int32
+    assert torch.equal(h64, want64) and torch.equal(h32, want32)
+    return meta
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_decode_only_steps_equal_the_reference(seed) -> None:
+    rng = random.Random(seed)
+    block_size = rng.choice([16, 64, 1888])
+    groups = rng.choice([None, 1, 3])
+    seqs = [_random_seq(rng, block_size=block_size, groups=groups, kind="decode") for _ in range(rng.randint(1, 300))]
+    need = max(len(s.block_table) for s in seqs)
+    num_groups = groups or 1
+    pad = StepSeq([0], 0, [7], [7] * num_groups, True)  # the runner's graph padding row
+    padded = seqs + [pad] * rng.randint(0, 40)
+    for batch, max_blocks in ((seqs, None), (padded, need + rng.randint(0, 600))):
+        meta = _assert_same(batch, block_size=block_size, conv_width=rng.choice([2, 4]), num_groups=num_groups,
+                            max_blocks=max_blocks)
+        assert all(meta.decode_form) and meta.logits_every_row
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_mixed_steps_equal_the_reference(seed) -> None:
+    rng = random.Random(100 + seed)
+    block_size = rng.choice([16, 64, 1888])
+    groups = rng.choice([None, 1, 2, 3])
+    kinds = rng.choices(["decode", "prefill", "verify"], weights=[5, 2, 1], k=rng.randint(1, 40))
+    seqs = [_random_seq(rng, block_size=block_size, groups=groups, kind=k) for k in kinds]
+    T = sum(len(s.token_ids) for s in seqs)
+    extra = sorted(rng.sample(range(T), min(T, rng.randint(0, 5))))  # scored prompt rows
+    _assert_same(seqs, block_size=block_size, conv_width=rng.choice([2, 3, 4]), num_groups=groups or 1,
+                 max_blocks=rng.choice([None, 3 * block_size]), extra_logit_rows=extra)
+
+
+def test_snapshot_rows_and_conv_windows_of_one_prefill() -> None:
+    """One chunk of 40 tokens at position 30 with 16-token pages, snapshots at 32 and 70 (its end): the
+    snapshot conv windows are the 3 rows before each position, the first one reaching into the old window."""
+    seq = StepSeq(list(range(100, 140)), 30, [5, 6, 7, 8, 9], [11, 12], True, [(32, [21, 22]), (70, [31, 32])])
+    meta = _assert_same([seq], block_size=16, conv_width=4, num_groups=2)
+    assert meta.snapshots == [(0, 32, [21, 22]), (0, 70, [31, 32])] and meta.prefill_seqs == [0]
+    assert meta.max_q == 40 and meta.max_k == 70
+
+
+def test_more_pages_than_max_blocks_is_refused_by_name() -> None:
+    seq = StepSeq([1], 40, [1, 2, 3], [4], True)
+    with pytest.raises(ValueError, match="block_table: a sequence holds 3 pages, more than max_blocks=2"):
+        pack_step([seq], block_size=16, conv_width=4, num_groups=1, max_blocks=2)
+    with pytest.raises(ValueError, match="seqs: a step needs at least one sequence"):
+        pack_step([], block_size=16, conv_width=4, num_groups=1)
