@@ -14,9 +14,9 @@ group (the same table is in docs/sglang-compat.md):
   CAPABLE         runs; fails only at one of the listed lines, which check what a capable model writes.
   OPENAI_BACKEND  tests of SGLang's API speculative execution, which its OpenAI backend implements: with a
                   RuntimeEndpoint SGLang's frontend fails before sending anything (no `token_usage`).
-  WIRE            SGLang's own server fails it too: its /generate stream reports the output logprobs so far
-                  (cumulative), as k3rt's does; the test wants per-chunk deltas (SGLang's
-                  --incremental-streaming-output) and non-empty text in every chunk.
+  WIRE            k3rt's /generate stream reports the output logprobs so far (cumulative), as SGLang's
+                  server does by default (its tokenizer_manager; not run here); the test wants per-chunk
+                  deltas (SGLang's --incremental-streaming-output) and text in every chunk.
   VISION          needs an image and a vision model: SGLang's frontend fails reading example_image.png (k3rt
                   answers image_data with a 400 naming it, test_sglang_frontend.py).
 """
