@@ -417,9 +417,9 @@ def closed_schema(schema: Any) -> Any:
     them until max_tokens. outlines-core, xgrammar (SGLang's and vLLM's default) and OpenAI's strict mode
     generate only the declared properties; this gives llguidance the same meaning. A schema that wants other
     properties says so (`"additionalProperties": true` or a schema). Objects combined with others (an allOf
-    member, an anyOf/oneOf branch beside `properties`, and the object beside them) are left as written, and so are conditions (not, if/then/else,
-    contains), where closing would change what matches; `$defs` are closed where defined. Returns a new
-    object; `schema` is not changed."""
+    member, an anyOf/oneOf branch beside `properties`, and the object beside them) are left as written, and
+    so are conditions (not, if/then/else, contains), where closing would change what matches; `$defs` are
+    closed where defined. Returns a new object; `schema` is not changed."""
     return _close(schema, combined=False)
 
 

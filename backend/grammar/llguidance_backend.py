@@ -66,8 +66,12 @@ def grammar_text(spec: GrammarSpec) -> str:
     if spec.kind == "json_schema":
         assert isinstance(spec.payload, dict)
         # undeclared properties are not generated, as with outlines-core (base.closed_schema says why)
+        try:
+            schema = closed_schema(spec.payload)
+        except RecursionError:  # the HTTP routes cap nesting far below this; a DSL spec may not
+            raise ValueError("the schema is nested too deeply") from None
         return llg.LLMatcher.grammar_from_json_schema(
-            closed_schema(spec.payload), defaults={"whitespace_flexible": False, "lenient": not spec.strict}
+            schema, defaults={"whitespace_flexible": False, "lenient": not spec.strict}
         )
     if spec.kind == "json_object":
         return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults={"whitespace_flexible": False})
