@@ -114,7 +114,8 @@ MAX_FORK = 256  # children in one concate_and_append join
 
 
 class ConcatAppendRequest(_Strict):
-    """SGLang's ConcatAppendReq: the fork children's request ids and the parent's."""
+    """What SGLang's RuntimeEndpoint.concatenate_and_append posts: the fork children's request ids and the
+    parent's."""
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
