@@ -63,8 +63,10 @@ def test_invoke_stream_batch(chat):
     assert whole.response_metadata["finish_reason"] == "length"
     assert whole.usage_metadata == msg.usage_metadata  # from the stream's include_usage chunk
 
+    # concurrent requests: batched together, so greedy text may differ from the one-by-one run (without
+    # --deterministic); the shape must not
     batch = llm.batch(["Hello", "Hi"])
-    assert [m.content for m in batch][0] == msg.content and all(m.content for m in batch)
+    assert len(batch) == 2 and all(m.content and m.usage_metadata["output_tokens"] == 12 for m in batch)
 
 
 def test_bind_tools(chat, weather_tool):
