@@ -32,15 +32,27 @@ def agents(compat_server):
 
 
 @pytest.fixture
-def model(agents, compat_server):
-    """One per test: the client's connections belong to the event loop of the test's asyncio.run."""
+def client(compat_server):
+    """One per test: its connections belong to the event loop of the test's asyncio.run, which closes it
+    (`_closing`) before that loop ends."""
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=compat_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return AsyncOpenAI(base_url=compat_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def model(agents, client):
     return agents.OpenAIChatCompletionsModel(model=MODEL_NAME, openai_client=client)
 
 
-def test_function_tool_through_runner(agents, model):
+async def _closing(client, work):
+    try:
+        return await work
+    finally:
+        await client.close()
+
+
+def test_function_tool_through_runner(agents, client, model):
     calls: list[str] = []
 
     @agents.function_tool
@@ -54,7 +66,7 @@ def test_function_tool_through_runner(agents, model):
     settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=48, temperature=0)
     agent = agents.Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
                          model=model, model_settings=settings)
-    result = asyncio.run(agents.Runner.run(agent, "What is the weather in Paris?", max_turns=3))
+    result = asyncio.run(_closing(client, agents.Runner.run(agent, "What is the weather in Paris?", max_turns=3)))
 
     assert len(calls) == 1 and calls[0] in ("Paris", "Tokyo")
     kinds = [type(item).__name__ for item in result.new_items]
@@ -67,7 +79,7 @@ def test_function_tool_through_runner(agents, model):
     assert usage.requests == 2 and usage.output_tokens > 0 and usage.input_tokens > 0
 
 
-def test_streamed_run(agents, model):
+def test_streamed_run(agents, client, model):
     from openai.types.responses import ResponseTextDeltaEvent
 
     agent = agents.Agent(name="plain", instructions="Be brief.", model=model,
@@ -79,14 +91,14 @@ def test_streamed_run(agents, model):
                   if e.type == "raw_response_event" and isinstance(e.data, ResponseTextDeltaEvent)]
         return deltas, streamed
 
-    deltas, streamed = asyncio.run(run())
+    deltas, streamed = asyncio.run(_closing(client, run()))
     assert len(deltas) > 1 and "".join(deltas) == streamed.final_output
     assert streamed.is_complete
 
 
-def test_structured_output_type(agents, model):
+def test_structured_output_type(agents, client, model):
     agent = agents.Agent(name="forecast", instructions="Give a forecast.", model=model, output_type=Forecast,
                          model_settings=agents.ModelSettings(max_tokens=40, temperature=0))
-    result = asyncio.run(agents.Runner.run(agent, "Forecast for Tokyo."))
+    result = asyncio.run(_closing(client, agents.Runner.run(agent, "Forecast for Tokyo.")))
     # the SDK sends the schema as a strict response_format; k3rt decodes under it, so it validates
     assert isinstance(result.final_output, Forecast)
