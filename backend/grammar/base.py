@@ -399,3 +399,46 @@ class GrammarBackend(ABC):
     def close(self) -> None:
         """Stop the compile threads (a running build still finishes)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# subschemas that an output value must match by themselves (so closing one restricts only that value) ...
+_OWN_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_OWN_SUBSCHEMAS = ("items", "additionalProperties", "prefixItems")
+# ... and the ones combined with their siblings: an object in `allOf`, or an `anyOf` / `oneOf` branch beside
+# `properties`, is intersected with the others, so closing it would forbid the properties the others declare
+_COMBINED = ("allOf", "anyOf", "oneOf")
+_OPENERS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed_schema(schema: Any) -> Any:
+    """`schema` with `"additionalProperties": false` on each object schema that declares `properties` and says
+    nothing about other properties. A schema usually lists the fields it wants (pydantic's model_json_schema
+    writes no additionalProperties), and constrained decoding that admits undeclared keys lets a model write
+    them until max_tokens. outlines-core, xgrammar (SGLang's and vLLM's default) and OpenAI's strict mode
+    generate only the declared properties; this gives llguidance the same meaning. A schema that wants other
+    properties says so (`"additionalProperties": true` or a schema). Objects combined with others (an allOf
+    member, an anyOf/oneOf branch beside `properties`, and the object beside them) are left as written, and
+    so are conditions (not, if/then/else, contains), where closing would change what matches; `$defs` are
+    closed where defined. Returns a new object; `schema` is not changed."""
+    return _close(schema, combined=False)
+
+
+def _close(node: Any, *, combined: bool) -> Any:
+    if isinstance(node, list):
+        return [_close(item, combined=combined) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
+    for key in _OWN_SUBSCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            out[key] = {name: _close(sub, combined=False) for name, sub in node[key].items()}
+    for key in _OWN_SUBSCHEMAS:
+        if key in node and not isinstance(node[key], bool):
+            out[key] = _close(node[key], combined=False)
+    has_properties = isinstance(node.get("properties"), dict)
+    for key in _COMBINED:
+        if isinstance(node.get(key), list):
+            out[key] = [_close(sub, combined=key == "allOf" or has_properties) for sub in node[key]]
+    if has_properties and not combined and not any(k in node for k in (*_OPENERS, *_COMBINED)):
+        out["additionalProperties"] = False
+    return out

@@ -21,6 +21,7 @@ from k3rt.backend.grammar.base import (
     GrammarSpec,
     check_bitmask_row,
     choice_regex,
+    closed_schema,
     shorten,
 )
 from k3rt.backend.tokenizer import Tokenizer
@@ -64,8 +65,13 @@ def grammar_text(spec: GrammarSpec) -> str:
     """The llguidance grammar (its JSON form) for `spec`."""
     if spec.kind == "json_schema":
         assert isinstance(spec.payload, dict)
+        # undeclared properties are not generated, as with outlines-core (base.closed_schema says why)
+        try:
+            schema = closed_schema(spec.payload)
+        except RecursionError:  # the HTTP routes cap nesting far below this; a DSL spec may not
+            raise ValueError("the schema is nested too deeply") from None
         return llg.LLMatcher.grammar_from_json_schema(
-            spec.payload, defaults={"whitespace_flexible": False, "lenient": not spec.strict}
+            schema, defaults={"whitespace_flexible": False, "lenient": not spec.strict}
         )
     if spec.kind == "json_object":
         return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults={"whitespace_flexible": False})

@@ -11,7 +11,8 @@ Routes
   POST /v1/k3rt/flush_cache     debug: drop every unlocked prefix-cache entry
   POST /tokenize, /detokenize   the tokenizer, as vLLM serves it; GET /tokenizer_info (tokenize.py)
   POST /generate                SGLang's native API, with GET /get_model_info, /get_server_info,
-                                /health_generate and POST /flush_cache (native.py)
+                                /health_generate, POST /flush_cache and /concate_and_append_request
+                                (native.py)
 
 Every route but /health (and /metrics with --metrics-public) needs the API key when keys are set.
 
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 ROUTES = frozenset({"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
                     "/v1/k3rt/stats", "/v1/k3rt/flush_cache", "/tokenize", "/detokenize", "/tokenizer_info",
                     "/generate", "/get_model_info", "/model_info", "/get_server_info", "/server_info",
-                    "/flush_cache", "/health_generate"})
+                    "/flush_cache", "/health_generate", "/concate_and_append_request"})
 
 
 _BIG_BODY = "k3rt.big_body"  # scope key, set when the body was big: a list holding the parsed request
@@ -236,6 +237,11 @@ def _native_router(ctx: ServerContext, budget: PromptBudget, bigs: BigBodies, ch
     @router.get("/health_generate")
     async def health_generate_route() -> Response:
         return await native.health_generate(ctx)
+
+    @router.post("/concate_and_append_request")
+    async def concate_and_append_route(request: Request) -> Response:
+        req, _ = await _parse(request, native.ConcatAppendRequest, cfg.max_body_bytes, bigs)
+        return json_response(native.concate_and_append(req))
 
     return router
 

@@ -4,8 +4,10 @@ Choice `index` is prompt_index * n + choice_in_prompt, as OpenAI numbers a batch
 prompt as sent (a text prompt's own text, without the BOS the tokenizer adds; a token-id prompt decoded).
 `echo` with `logprobs` also returns the prompt tokens' logprobs (the first token's is null, as in vLLM);
 with `max_tokens: 0` nothing is generated, which is how evaluation harnesses (lm-eval's
-loglikelihood) score a text. That combination is not streamed (400 naming `stream`). `suffix` and
-best_of > n are not served (400).
+loglikelihood) score a text. Streamed, the echoed prompt is a choice's first chunk, as in vLLM; with
+`logprobs` that chunk carries the prompt's logprobs, which the gateway reports with a choice's last update,
+so such a choice's chunks are sent when it ends (the echo, then its generated text and logprobs in one).
+`suffix` and best_of > n are not served (400).
 """
 
 from __future__ import annotations
@@ -73,8 +75,6 @@ async def completion(ctx: ServerContext, req: CompletionRequest, request: Reques
         raise bad_request("best_of", f"only best_of == n is supported, got best_of={req.best_of}, n={req.n}")
     check_logprobs(req.logprobs, "logprobs")
     score_prompt = req.echo and req.logprobs is not None
-    if score_prompt and req.stream:
-        raise bad_request("stream", "echo with logprobs (prompt logprobs) is not streamed; send stream: false")
     if req.max_tokens is not None and req.max_tokens < 0:
         raise bad_request("max_tokens", f"must be >= 0, got {req.max_tokens}")
     gw = ctx.gateway
@@ -109,6 +109,8 @@ class _CompletionOutput:
         self.id, self.created, self.model = new_id("cmpl"), now(), req.model
         self.include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         self.offsets: dict[int, int] = {}  # choice -> characters of text so far (logprobs text_offset)
+        # streamed echo with logprobs: each choice's deltas, held until its last one brings the prompt logprobs
+        self.held: dict[int, Choice] | None = {} if req.echo and req.logprobs is not None else None
 
     def _echo(self, index: int) -> str:
         if not self.req.echo:
@@ -179,11 +181,15 @@ class _CompletionOutput:
         return sse(body)
 
     def render_echo(self) -> list[bytes]:
+        if not self.req.echo or self.held is not None:  # with logprobs, the echo waits for them
+            return []
         num = len(self.prompts) * self.req.n
         return [self._chunk([{"index": i, "text": self._echo(i), "logprobs": None, "finish_reason": None}])
-                for i in range(num)] if self.req.echo else []
+                for i in range(num)]
 
     def render_delta(self, d: ChoiceDelta) -> list[bytes]:
+        if self.held is not None:
+            return self._render_scored(d)
         lps = self._logprobs(d.index, d.logprobs) if self.req.logprobs is not None and d.logprobs else None
         if not d.text and d.finish_reason is None and lps is None:
             return []
@@ -191,6 +197,22 @@ class _CompletionOutput:
         if self.req.return_token_ids:
             choice["token_ids"] = d.token_ids
         return [self._chunk([choice])]
+
+    def _render_scored(self, d: ChoiceDelta) -> list[bytes]:
+        """A streamed echo with logprobs: nothing until the choice's last delta, then the echoed prompt with
+        its logprobs and everything generated (the text_offsets go on from the prompt's)."""
+        c = self.held.setdefault(d.index, Choice())  # type: ignore[union-attr]
+        c.add(d)
+        if d.finish_reason is None:
+            return []
+        del self.held[d.index]  # type: ignore[union-attr]
+        echo = {"index": d.index, "text": self._echo(d.index), "logprobs": self._prompt_logprobs(d.index, c),
+                "finish_reason": None}
+        rest: dict[str, Any] = {"index": d.index, "text": c.text, "logprobs": self._logprobs(d.index, c.logprobs),
+                                "finish_reason": c.finish_reason}
+        if self.req.return_token_ids:
+            echo["token_ids"], rest["token_ids"] = [], c.token_ids
+        return [self._chunk([echo]), self._chunk([rest])]
 
     def render_end(self, choices: list[Choice]) -> list[bytes]:
         if not self.include_usage:

@@ -7,16 +7,24 @@ SGLang clients run against `k3rt serve`:
   GET  /get_server_info   (and /server_info) the serving configuration and the engine's stats
   POST /flush_cache       (GET too) drop every unlocked prefix-cache entry
   GET  /health_generate   200 once a one-token generation comes back, 503 otherwise
+  POST /concate_and_append_request   fork(...).join(mode="concate_and_append"), see below
 
 Wire format, as SGLang's http_server / io_struct define it: a response is `{"text", "output_ids",
 "meta_info"}` for one prompt with n = 1, else a list of them (prompt-major, n per prompt). `meta_info` has
 id, finish_reason ({"type": "length", "length": N} | {"type": "stop", "matched": id or null} |
 {"type": "abort", "message"}), prompt_tokens, completion_tokens, cached_tokens, e2e_latency and, with
 return_logprob, input_token_logprobs / output_token_logprobs as [logprob, token_id, text-or-null] entries
-(input ones from logprob_start_len on; the first prompt token's logprob is null) and, with
-top_logprobs_num, input_top_logprobs / output_top_logprobs. `max_new_tokens: 0` computes (and caches,
+(input ones from logprob_start_len on; the first prompt token's logprob is null), output_token_logprobs_length
+and, with top_logprobs_num, input_top_logprobs / output_top_logprobs. `max_new_tokens: 0` computes (and caches,
 and scores) the prompt without generating, which is how SGLang's `select` and `fork` work. A stream is SSE
 `data: {...}` events, each with the choice's cumulative text and its `index`, then `data: [DONE]`.
+
+`concate_and_append_request` is how SGLang's frontend splices its fork children's KV caches into the parent
+(global_config.enable_parallel_encoding, on by default). A KDA layer's state is a recurrence over every
+token, so k3rt cannot splice it; nothing needs splicing either, because the frontend has already appended
+the children's text to the parent's and sends that whole text with its next /generate, whose shared prefix
+the prefix cache serves. So the route checks the body's shape and answers success; the join is by text,
+as SGLang's own text mode does it (docs/sglang-compat.md).
 
 Constraints: `regex`, `json_schema` (a JSON text) and `ebnf` (GBNF-style, converted to a Lark grammar by
 llguidance; refused with `--grammar-backend outlines`). Sampling parameters k3rt does not implement
@@ -100,6 +108,25 @@ class NativeGenerateRequest(_Strict):
     stream: bool = False
     log_metrics: bool = True
     modalities: _List[str] | None = None
+
+
+MAX_FORK = 256  # children in one concate_and_append join
+
+
+class ConcatAppendRequest(_Strict):
+    """What SGLang's RuntimeEndpoint.concatenate_and_append posts: the fork children's request ids and the
+    parent's."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    src_rids: _List[str]
+    dst_rid: str
+
+
+def concate_and_append(req: ConcatAppendRequest) -> dict[str, Any]:
+    if not 1 <= len(req.src_rids) <= MAX_FORK:
+        raise bad_request("src_rids", f"must name 1 to {MAX_FORK} requests, got {len(req.src_rids)}")
+    return {"success": True, "message": "joined by text: the children's text is in the parent's next prompt"}
 
 
 def _per_prompt(value: Any, num: int, param: str) -> list[Any]:
@@ -320,6 +347,7 @@ class _Output:
             "e2e_latency": time.monotonic() - self.t0}
         if g.job.params.logprobs is not None:
             meta["output_token_logprobs"] = [self._entry(lp.token_id, lp.logprob) for lp in c.logprobs]
+            meta["output_token_logprobs_length"] = len(c.logprobs)  # SGLang's tokenizer manager sends it too
             inputs, input_tops = [], []
             if g.logprob_start is not None:
                 entries = c.prompt_logprobs or [None] * len(prompt)

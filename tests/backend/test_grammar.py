@@ -203,6 +203,49 @@ def test_complete_choice_allows_exactly_the_eos_ids(backend: GrammarBackend, tok
     assert not matcher.is_terminated()
 
 
+def _accepts(backend: GrammarBackend, tokenizer: Tokenizer, schema: dict[str, Any], text: str) -> bool:
+    """Whether a fresh matcher for `schema` takes `text`'s tokens and then an EOS."""
+    matcher = backend.compile(GrammarSpec.json_schema(schema)).matcher()
+    return all(matcher.accept(t) for t in tokenizer.encode(text)) and matcher.accept(tokenizer.eos_token_ids[0])
+
+
+# pydantic's model_json_schema() says nothing about other properties; a weak model kept writing keys until
+# max_tokens under llguidance (instructor's JSON_SCHEMA mode against k3rt serve, tests/compat)
+LISTED = {"type": "object", "properties": {"a": {"type": "integer"},
+                                           "inner": {"type": "object", "properties": {"b": {"type": "integer"}}}},
+          "required": ["a"]}
+
+
+def test_only_declared_properties_are_generated(backend: GrammarBackend, tokenizer: Tokenizer) -> None:
+    assert _accepts(backend, tokenizer, LISTED, '{"a":1}')
+    assert _accepts(backend, tokenizer, LISTED, '{"a":1,"inner":{"b":2}}')
+    assert not _accepts(backend, tokenizer, LISTED, '{"a":1,"c":2}')
+    assert not _accepts(backend, tokenizer, LISTED, '{"a":1,"inner":{"b":2,"c":3}}')
+    in_list = {"type": "array", "items": {"anyOf": [LISTED, {"type": "null"}]}}
+    assert _accepts(backend, tokenizer, in_list, '[{"a":1},null]')
+    assert not _accepts(backend, tokenizer, in_list, '[{"a":1,"c":2}]')
+    if backend.name == "llguidance":  # outlines-core's regex cannot express open objects
+        opened = {**LISTED, "additionalProperties": True}
+        assert _accepts(backend, tokenizer, opened, '{"a":1,"c":2}')
+        typed = {**LISTED, "additionalProperties": {"type": "string"}}
+        assert _accepts(backend, tokenizer, typed, '{"a":1,"c":"x"}')
+        assert not _accepts(backend, tokenizer, typed, '{"a":1,"c":2}')
+
+
+def test_closed_schema_leaves_combined_objects_open() -> None:
+    from k3rt.backend.grammar.base import closed_schema
+
+    a = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    b = {"type": "object", "properties": {"b": {"type": "integer"}}}
+    out = closed_schema({"allOf": [a, b], "$defs": {"A": a}})
+    # each allOf member declares part of the object: closed, they would forbid each other's keys
+    assert out["allOf"] == [a, b] and out["$defs"]["A"] == {**a, "additionalProperties": False}
+    beside = closed_schema({**a, "anyOf": [b]})
+    assert beside == {**a, "anyOf": [b]}  # closing either would forbid the other's key
+    assert closed_schema({"type": "object"}) == {"type": "object"}  # no properties listed: any object
+    assert "additionalProperties" not in a  # the input is not changed
+
+
 def test_out_of_range_ids_are_refused(backend: GrammarBackend) -> None:
     matcher = backend.compile(GrammarSpec.json_object()).matcher()
     assert not matcher.accept(-1)

@@ -95,10 +95,21 @@ def test_echo_logprobs_with_output_tokens(oai, compat_server):
     assert offsets == sorted(offsets)
 
 
-def test_echo_logprobs_stream_is_refused(compat_server):
-    r = httpx.post(compat_server.url + "/v1/completions", json={
-        "model": MODEL_NAME, "prompt": "x", "echo": True, "logprobs": 1, "max_tokens": 0, "stream": True}, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+def test_echo_logprobs_streamed(oai, compat_server):
+    # as vLLM: the echoed prompt (with its logprobs) is the choice's first chunk, the generated text follows
+    kw = {"model": MODEL_NAME, "prompt": TEXT, "echo": True, "logprobs": 2, "temperature": 0}
+    for max_tokens in (0, 3):
+        whole = oai.completions.create(max_tokens=max_tokens, **kw).choices[0]
+        chunks = [c.choices[0] for c in oai.completions.create(max_tokens=max_tokens, stream=True, **kw)]
+        assert chunks[0].text == TEXT and chunks[0].finish_reason is None
+        assert chunks[0].logprobs.token_logprobs[0] is None
+        assert "".join(c.text for c in chunks) == whole.text
+        assert [c.finish_reason for c in chunks][-1] == whole.finish_reason == "length"
+        tokens = [t for c in chunks for t in c.logprobs.tokens]
+        values = [v for c in chunks for v in c.logprobs.token_logprobs]
+        offsets = [o for c in chunks for o in c.logprobs.text_offset]
+        assert tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
+        assert values[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-5)
     r = httpx.post(compat_server.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": -1},
                    timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"

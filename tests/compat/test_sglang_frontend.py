@@ -130,6 +130,7 @@ def test_generate_wire_format(compat_server):
     assert [e[1] for e in first["input_token_logprobs"]] == [5, 6, 7]
     assert first["input_token_logprobs"][0][0] is None and first["input_top_logprobs"][0] is None
     assert len(first["output_token_logprobs"]) == 2 == len(batch[0]["output_ids"])
+    assert first["output_token_logprobs_length"] == 2  # test_programs.py's test_stream_logprobs reads it
     assert all(len(t) == 2 for t in first["output_top_logprobs"])
     # SSE: cumulative text per event, then [DONE]
     with httpx.stream("POST", url + "/generate", json={"text": "hi", "stream": True, "sampling_params": {
@@ -157,3 +158,14 @@ def test_generate_wire_format(compat_server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "image_data"
     assert httpx.get(url + "/health_generate", timeout=30).status_code == 200
     assert httpx.post(url + "/flush_cache", timeout=30).status_code == 200
+
+
+def test_concate_and_append_request(compat_server):
+    # SGLang's frontend posts this for join(mode="concate_and_append"); the join is by text (native.py)
+    url = compat_server.url + "/concate_and_append_request"
+    r = httpx.post(url, json={"src_rids": ["a", "b"], "dst_rid": "p"}, timeout=30)
+    assert r.status_code == 200 and r.json()["success"] is True
+    for body, field in (({"src_rids": [], "dst_rid": "p"}, "src_rids"), ({"src_rids": ["a"]}, "dst_rid"),
+                        ({"src_rids": ["a"], "dst_rid": "p", "x": 1}, "x")):
+        r = httpx.post(url, json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

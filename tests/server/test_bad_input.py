@@ -104,7 +104,6 @@ BAD = [
     ("prompt-past-context", COMPLETIONS, _completion(prompt=[5] * 9000), 413, "prompt"),
     ("suffix", COMPLETIONS, _completion(suffix="x"), 400, "suffix"),
     ("best-of", COMPLETIONS, _completion(best_of=3), 400, "best_of"),
-    ("echo-logprobs-streamed", COMPLETIONS, _completion(echo=True, logprobs=1, stream=True), 400, "stream"),
     ("logit-bias-not-a-token", COMPLETIONS, _completion(logit_bias={"²": 1}), 400, "logit_bias"),
     ("logit-bias-out-of-vocab", CHAT, _chat(logit_bias={"100000": 1}), 400, "logit_bias"),
     ("logit-bias-too-big", CHAT, _chat(logit_bias={"5": -100.5}), 400, "logit_bias"),
