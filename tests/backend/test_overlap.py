@@ -251,3 +251,38 @@ def test_gpu_runner_overlap_equals_sync_on_cuda_with_graphs(tmp_path):
         assert span > 0 and 0 <= idle <= span
         assert eng.stats_dict()["gpu_step_seconds"] == span
     assert outs[True] == outs[False]
+
+
+def test_requests_that_need_their_token_take_the_synchronous_path(tmp_path):
+    """Grammar, logprobs and penalties in a batch with plain requests, and speculative decoding: outputs
+    (logprobs included) equal overlap off, and a step holding such a request is collected before the
+    next one is scheduled (no PENDING token is ever scheduled for it)."""
+    from k3rt.backend.models.tiny import make_tiny
+    from k3rt.config import SpecConfig
+
+    ckpt = make_tiny(tmp_path / "k3", arch="k3", dtype="float32", seed=2)
+    plain = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    cases = [([5, 6, 7], plain, None), ([8, 9, 10, 11], replace(plain, logprobs=2), None),
+             ([12, 13], replace(plain, repetition_penalty=1.3), None),
+             ([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=20),
+              {"kind": "regex", "payload": "[0-9]{3}-[a-z]{2}", "strict": True})]
+    for spec in (SpecConfig(), SpecConfig(method="ngram", num_tokens=3, ngram_min=1)):
+        got = {}
+        for overlap in (False, True):
+            cfg = engine_config_for_tests(str(ckpt), num_pages=64)
+            eng = Engine(replace(cfg, runner="model", overlap=overlap, spec=spec))
+            rids = [eng.add_request(p, sp, grammar=g) for p, sp, g in cases]
+            done, scheduled_pending = {}, []
+            while eng.has_unfinished:
+                for o in eng.step():
+                    if o.finished:
+                        done[o.rid] = (o.output_ids, o.finish_reason, o.logprobs, o.top_logprobs)
+                inflight = eng.overlap.inflight if eng.overlap is not None else None
+                if inflight is not None:
+                    reqs = inflight.out.decodes + [c.req for c in inflight.out.chunks]
+                    scheduled_pending += [r.rid for r in reqs if r.rid != rids[0]]
+                eng.check()
+            got[overlap] = [done[r] for r in rids]
+            assert not scheduled_pending  # only the plain request's steps stay in flight
+        assert got[True] == got[False]
+        assert got[True][3][1] == "stop"  # the grammar ended it

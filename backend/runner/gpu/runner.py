@@ -214,11 +214,13 @@ class GpuModelRunner(Runner):
         torch.cuda.synchronize()
         log.info("captured %d decode graphs in %.1f s", len(self.graphs), time.perf_counter() - t0)
 
-    def _replay(self, seqs: list[StepSeq], size: int, pending: dict[int, int], prev: LaunchedStep | None) -> torch.Tensor:
+    def _replay(self, seqs: list[StepSeq], size: int, pending: dict[int, int] | None = None,
+                prev: LaunchedStep | None = None) -> torch.Tensor:
         g = self.graphs[size]
         _, (h64, h32) = self._pack(seqs + [self._pad_seq()] * (size - len(seqs)))
         g.flat64.copy_(h64.pin_memory(), non_blocking=True)
         g.flat32.copy_(h32.pin_memory(), non_blocking=True)
-        self._feed_pending(g.flat64[:size], pending, prev)  # the token ids lead the int64 buffer (step.py)
+        if pending:
+            self._feed_pending(g.flat64[:size], pending, prev)  # the token ids lead the int64 buffer (step.py)
         g.graph.replay()
         return g.logits
