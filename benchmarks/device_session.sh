@@ -19,13 +19,15 @@
 #   mla (150)           benchmarks/kernels_mla.py --decode-only
 #   moe (120)           benchmarks/kernels_moe.py: decode T=1/16/64, prefill 4K/16K, route
 #   linear (100)        benchmarks/kernels_linear.py
+#   overlap (480)       benchmarks/overlap.py: the engine at the 48B shape, N = 64 and 256 decodes, overlap on vs
+#                       off (tokens/s, GPU idle)
 #   mxfp4 (120 + 240)   the MXFP4 expert kernel's GPU tests, then benchmarks/kernels_mxfp4.py (K3 expert shape)
 # Outputs: $OUT/<stage>.log and, for benchmarks, $OUT/<stage>.json (at most 8 files come back from a call:
 # choose at most 4 benchmark stages per call).
 set -u
 for stage in "$@"; do
   case $stage in
-    tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4) ;;
+    tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|overlap) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -86,6 +88,8 @@ for stage in "$@"; do
       run mxfp4 240 python3 benchmarks/kernels_mxfp4.py --budget-s 220 --out "$OUT/mxfp4.json" ;;
     linear)
       run linear 100 python3 benchmarks/kernels_linear.py --budget-s 80 --out "$OUT/linear.json" ;;
+    overlap)
+      run overlap 480 python3 benchmarks/overlap.py --batch 64 256 --budget-s 420 --out "$OUT/overlap.json" ;;
     *) ;;  # tests-runner / tests-kernels after their own clause (;;& tests the later patterns too)
   esac
 done

@@ -3,7 +3,7 @@
 Kimi-Linear-48B shape with random bf16 weights, N requests decoding together.
 
     python3 benchmarks/overlap.py                      # 48B shape, N = 64 and 256, one H200
-    python3 benchmarks/overlap.py --tiny               # tiny config on CPU (torch ops): bit-rot check
+    python3 benchmarks/overlap.py --smoke              # tiny config on CPU (torch ops): bit-rot check
 
 For each N and each mode (overlap on, then off) the same engine weights serve N greedy requests with
 --prompt-len-token prompts; after every request is decoding, --steps engine steps are timed:
@@ -38,13 +38,16 @@ def _args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=64, help="timed engine steps per (N, mode)")
     p.add_argument("--cache-gb", type=float, default=24.0, help="cache pool size (GPU)")
-    p.add_argument("--tiny", action="store_true", help="tiny config on CPU with torch ops (no kernels, no graphs)")
+    p.add_argument("--smoke", "--tiny", dest="smoke", action="store_true",
+                   help="tiny config on CPU with torch ops (no kernels, no graphs): N = 2 and 4, 4 steps")
     p.add_argument("--budget-s", type=float, default=540.0, help="skip remaining items after this many seconds")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args()
 
 
 ARGS = _args()
+if ARGS.smoke:
+    ARGS.batch, ARGS.steps, ARGS.prompt_len = [2, 4], 4, 16
 
 import torch  # noqa: E402
 from _timing import Report, default_out  # noqa: E402
@@ -62,7 +65,7 @@ log = REPORT.log
 
 def engine_config(model: str, overlap: bool, max_running: int) -> EngineConfig:
     sched = SchedulerConfig(max_num_batched_tokens=8192, max_running=max_running)
-    if ARGS.tiny:
+    if ARGS.smoke:
         return EngineConfig(model=model, dtype="float32", device="cpu", runner="gpu", kernels=False,
                             cuda_graphs=False, overlap=overlap, random_weights=True, scheduler=sched,
                             cache=CacheConfig(num_pages=max(64, 8 * max_running)))
@@ -109,13 +112,13 @@ def run_one(model_dir: str, model, n: int, overlap: bool) -> dict:
 
 def main() -> None:
     model_dir = ARGS.model
-    if ARGS.tiny:
+    if ARGS.smoke:
         from k3rt.backend.models.tiny import make_tiny
 
         model_dir = str(make_tiny(Path(tempfile.mkdtemp()) / "k3", arch="k3", dtype="float32", seed=0))
     cfg = load_model_config(model_dir)
     t0 = time.perf_counter()
-    model = random_model(cfg, dtype="float32" if ARGS.tiny else "bfloat16", device="cpu" if ARGS.tiny else "cuda",
+    model = random_model(cfg, dtype="float32" if ARGS.smoke else "bfloat16", device="cpu" if ARGS.smoke else "cuda",
                          seed=0)
     log(f"random model built in {time.perf_counter() - t0:.1f} s")
     for n in ARGS.batch:

@@ -286,3 +286,19 @@ def test_requests_that_need_their_token_take_the_synchronous_path(tmp_path):
             assert not scheduled_pending  # only the plain request's steps stay in flight
         assert got[True] == got[False]
         assert got[True][3][1] == "stop"  # the grammar ended it
+
+
+def test_overlap_benchmark_smoke(tmp_path):
+    """benchmarks/overlap.py --smoke (tiny config, CPU, torch ops) runs both modes and writes its JSON."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "overlap.json"
+    subprocess.run([sys.executable, str(root / "benchmarks" / "overlap.py"), "--smoke", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["batch"], r["overlap"]) for r in runs] == [(2, True), (2, False), (4, True), (4, False)]
+    assert all(r["tokens"] == 4 * r["batch"] and r["tokens_per_s"] > 0 and "gpu_idle" not in r for r in runs)
