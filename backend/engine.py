@@ -88,7 +88,7 @@ class Engine:
         if cfg.overlap:
             from k3rt.backend.overlap import OverlapLoop
 
-            self.overlap = OverlapLoop(self.scheduler, self.runner, speculative=cfg.spec.enabled)
+            self.overlap = OverlapLoop(self.scheduler, speculative=cfg.spec.enabled)
         self.requests: dict[int, Request] = {}
         self._rids = itertools.count()
         self._eos = frozenset(self.model_cfg.eos_token_ids)
@@ -309,7 +309,7 @@ class Engine:
             self.scheduler.failed.clear()
         if self.overlap is not None:
             # launch this step, then collect the one before it (backend/overlap.py)
-            self.overlap.step(out, lambda o, sampled, _: self._report(o, sampled, outputs),
+            self.overlap.step(self.runner, out, lambda o, sampled, _: self._report(o, sampled, outputs),
                               lambda o, e: self._fail_step(o, e, outputs))
             return outputs
         try:

@@ -59,43 +59,38 @@ class InFlight:
 class OverlapLoop:
     """The engine's step with overlap: holds at most one step in flight between calls."""
 
-    def __init__(self, scheduler: Scheduler, runner: Runner, *, speculative: bool) -> None:
-        self.scheduler, self.runner, self.speculative = scheduler, runner, speculative
+    def __init__(self, scheduler: Scheduler, *, speculative: bool) -> None:
+        self.scheduler, self.speculative = scheduler, speculative
         self.inflight: InFlight | None = None
 
     @property
     def busy(self) -> bool:
         return self.inflight is not None
 
-    def step(self, out: SchedulerOutput, report: Callable[[SchedulerOutput, dict, list[Request]], None],
+    def step(self, runner: Runner, out: SchedulerOutput, report: Callable[[SchedulerOutput, dict, list[Request]], None],
              fail: Callable[[SchedulerOutput, Exception], None]) -> None:
-        """Launch `out` (already scheduled), then collect the step before it. report(out, sampled, finished) is
-        called for each collected step; fail(out, error) when launching `out` raised (not fatal)."""
+        """Launch `out` (already scheduled) on `runner`, then collect the step before it. report(out, sampled,
+        finished) is called for each collected step; fail(out, error) when launching `out` raised."""
         prev = self.inflight
         launched = None
         if out.decodes or out.chunks:
             try:
-                launched = self.runner.launch(out, prev.launched if prev is not None else None)
+                launched = runner.launch(out, prev.launched if prev is not None else None)
             except Exception as e:
                 fail(out, e)
         self.inflight = None
         if launched is not None:
             self.inflight = InFlight(out, launched, self.scheduler.advance(out))
         if prev is not None:
-            self._collect(prev, report)
+            self._collect(runner, prev, report)
         cur = self.inflight
         if cur is not None and (self.speculative or self._sync_needed(cur.out)):
             self.inflight = None
-            self._collect(cur, report)
+            self._collect(runner, cur, report)
 
-    def drain(self, report: Callable[[SchedulerOutput, dict, list[Request]], None]) -> None:
-        """Collect the step in flight, if any (nothing new to launch)."""
-        cur, self.inflight = self.inflight, None
-        if cur is not None:
-            self._collect(cur, report)
-
-    def _collect(self, step: InFlight, report: Callable[[SchedulerOutput, dict, list[Request]], None]) -> None:
-        sampled = self.runner.collect(step.launched)
+    def _collect(self, runner: Runner, step: InFlight,
+                 report: Callable[[SchedulerOutput, dict, list[Request]], None]) -> None:
+        sampled = runner.collect(step.launched)
         report(step.out, sampled, self.scheduler.resolve(step.advanced, sampled))
 
     def _sync_needed(self, out: SchedulerOutput) -> bool:

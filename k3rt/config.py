@@ -182,7 +182,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # gpu runner: replay decode steps from captured CUDA graphs
     # overlap scheduling (backend/overlap.py): the host schedules and launches step N+1 while the device runs
     # step N, learning step N's tokens one step late; None (auto): on for the gpu runner on a CUDA device.
-    # The reference runner computes eagerly, so on it overlap only exercises the protocol (tests)
+    # The reference and null runners compute eagerly, so on them overlap only exercises the protocol (tests)
     overlap: bool | None = None
     use_pdl: bool = False  # gpu runner: programmatic dependent launch between chained decode kernels
     random_weights: bool = False  # build the model from its config with random weights (benchmarks)
@@ -205,8 +205,6 @@ class EngineConfig:
             raise ValueError(f"runner: {self.runner!r} not one of auto, model, gpu, null")
         if self.overlap is None:
             object.__setattr__(self, "overlap", self.runner == "gpu" and self.device.startswith("cuda"))
-        if self.overlap and self.runner == "null":
-            raise ValueError("overlap: the null runner has no device to overlap with; use overlap=False")
         if (self.runner == "gpu" and self.kernels and not self.device.startswith("cuda")
                 and os.environ.get("TRITON_INTERPRET") != "1"):
             raise ValueError(f"device: the gpu runner's Triton kernels need a CUDA device, got {self.device!r} "

@@ -87,7 +87,6 @@ def _engine(ckpt, overlap: bool, *, deferred: bool = False, budget: int = 128, n
     eng = Engine(cfg)
     if deferred:
         eng.runner = DeferredDevice(eng.runner, eng.pool)
-        eng.overlap.runner = eng.runner
     return eng
 
 
@@ -302,3 +301,25 @@ def test_overlap_benchmark_smoke(tmp_path):
     runs = json.loads(out.read_text())["runs"]
     assert [(r["batch"], r["overlap"]) for r in runs] == [(2, True), (2, False), (4, True), (4, False)]
     assert all(r["tokens"] == 4 * r["batch"] and r["tokens_per_s"] > 0 and "gpu_idle" not in r for r in runs)
+
+
+def test_null_runner_overlap_equals_sync_under_cache_pressure(ckpt):
+    """The null runner (fake tokens from the token prefix) with overlap, on many requests sharing prefixes in a
+    small pool (hits, copy-on-write, eviction, preemption): the same outputs as without overlap."""
+    rng = random.Random(7)
+    bases = [[rng.randrange(3, VOCAB) for _ in range(300)] for _ in range(2)]
+    reqs = []
+    for _ in range(30):
+        k = rng.choice([0, 47, 64, 65, 128, 200])
+        reqs.append((rng.choice(bases)[:k] + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 80))],
+                     SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 30), ignore_eos=True,
+                                    stop_token_ids=(rng.randrange(3, VOCAB),))))
+    got = {}
+    for overlap in (False, True):
+        cfg = engine_config_for_tests(str(ckpt), num_pages=40)
+        eng = Engine(replace(cfg, runner="null", overlap=overlap,
+                             scheduler=SchedulerConfig(max_num_batched_tokens=256, min_prefill_tokens=64)))
+        got[overlap] = _tokens(_run(eng, reqs))
+        assert_at_rest(eng)
+        assert eng.stats.cached_tokens > 0 and eng.stats.preemptions > 0
+    assert got[True] == got[False]
