@@ -88,6 +88,8 @@ class Engine:
         if cfg.overlap:
             from k3rt.backend.overlap import OverlapLoop
 
+            if type(self.runner).launch is Runner.launch:
+                raise ValueError(f"overlap: the {type(self.runner).__name__} has no launch/collect; set overlap=False")
             self.overlap = OverlapLoop(self.scheduler, speculative=cfg.spec.enabled)
         self.requests: dict[int, Request] = {}
         self._rids = itertools.count()

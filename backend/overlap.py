@@ -28,15 +28,12 @@ Exactness (outputs equal overlap off, token for token, under greedy sampling):
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from k3rt.backend.runner.base import LaunchedStep, Runner
 from k3rt.backend.scheduler.request import Request
 from k3rt.backend.scheduler.scheduler import AdvancedStep, Scheduler, SchedulerOutput
-
-log = logging.getLogger(__name__)
 
 
 def needs_sync(req: Request, speculative: bool) -> bool:

@@ -234,9 +234,9 @@ class Scheduler:
                 break
             budget -= n
         self.waiting.extendleft(reversed(deferred))
-        if not self.running and self.waiting and not deferred and budget > 0:
-            # nothing runs, nothing is cached or pinned any more, and the head still does not fit: it
-            # never will (add_request's size check makes this unreachable; never spin on it)
+        if not self.running and self.waiting and not deferred and budget > 0 and not self.step_fences:
+            # nothing runs (or is in flight), nothing is cached or pinned any more, and the head still does
+            # not fit: it never will (add_request's size check makes this unreachable; never spin on it)
             head = self.waiting.popleft()
             head.status, head.finish_reason = Status.FINISHED, FinishReason.ERROR
             head.error = (f"prompt: {len(head.token_ids)} tokens could not be scheduled: the pool has "
