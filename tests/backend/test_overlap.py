@@ -323,3 +323,14 @@ def test_null_runner_overlap_equals_sync_under_cache_pressure(ckpt):
         assert_at_rest(eng)
         assert eng.stats.cached_tokens > 0 and eng.stats.preemptions > 0
     assert got[True] == got[False]
+
+
+def test_overlap_needs_a_runner_with_launch_and_collect(ckpt, monkeypatch):
+    class ExecuteOnly(Runner):
+        def execute(self, out):
+            return {}
+
+    monkeypatch.setattr(Engine, "_make_runner", lambda self, model, torch: ExecuteOnly())
+    with pytest.raises(ValueError, match="overlap: the ExecuteOnly has no launch/collect"):
+        _engine(ckpt, True)
+    _engine(ckpt, False)  # fine without overlap
