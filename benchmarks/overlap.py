@@ -13,7 +13,8 @@ For each N and each mode (overlap on, then off) the same engine weights serve N 
   gpu_idle          share of the GPU's step time it waited for the host (CUDA events, backend/runner/gpu/idle.py;
                     absent on the CPU)
 
-The engine is built once per mode (its pool and CUDA graphs), the model once. JSON to --out (default
+The engine is built once per mode (its pool and CUDA graphs), the model once; the prefix cache is off
+(the prompts are random: it would only publish snapshots nobody reuses). JSON to --out (default
 $OUT/overlap.json) and a markdown table to stdout.
 """
 
@@ -37,7 +38,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, nargs="*", default=[64, 256], help="concurrent decoding requests (N)")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=64, help="timed engine steps per (N, mode)")
-    p.add_argument("--cache-gb", type=float, default=24.0, help="cache pool size (GPU)")
+    p.add_argument("--cache-gb", type=float, default=8.0, help="cache pool size (GPU; N=256 at the 48B shape needs ~2.2)")
     p.add_argument("--smoke", "--tiny", dest="smoke", action="store_true",
                    help="tiny config on CPU with torch ops (no kernels, no graphs): N = 2 and 4, 4 steps")
     p.add_argument("--budget-s", type=float, default=540.0, help="skip remaining items after this many seconds")
@@ -68,9 +69,10 @@ def engine_config(model: str, overlap: bool, max_running: int) -> EngineConfig:
     if ARGS.smoke:
         return EngineConfig(model=model, dtype="float32", device="cpu", runner="gpu", kernels=False,
                             cuda_graphs=False, overlap=overlap, random_weights=True, scheduler=sched,
-                            cache=CacheConfig(num_pages=max(64, 8 * max_running)))
+                            cache=CacheConfig(num_pages=max(64, 8 * max_running), enable_prefix_cache=False))
     return EngineConfig(model=model, dtype="bfloat16", device="cuda", runner="gpu", overlap=overlap,
-                        random_weights=True, scheduler=sched, cache=CacheConfig(memory_gb=ARGS.cache_gb, num_pages=None))
+                        random_weights=True, scheduler=sched,
+                        cache=CacheConfig(memory_gb=ARGS.cache_gb, num_pages=None, enable_prefix_cache=False))
 
 
 def run_one(model_dir: str, model, n: int, overlap: bool) -> dict:
