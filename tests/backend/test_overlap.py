@@ -334,3 +334,43 @@ def test_overlap_needs_a_runner_with_launch_and_collect(ckpt, monkeypatch):
     with pytest.raises(ValueError, match="overlap: the ExecuteOnly has no launch/collect"):
         _engine(ckpt, True)
     _engine(ckpt, False)  # fine without overlap
+
+
+def test_gpu_runner_overlap_with_seeded_sampling_on_cpu(tmp_path):
+    """Sampling the host does (seeded temperature sampling on the CPU): the next step is fed those host
+    tokens; each request's seeded draws do not depend on the batch, so the outputs equal overlap off."""
+    from k3rt.backend.models.tiny import make_tiny
+
+    ckpt = make_tiny(tmp_path / "k3", arch="k3", dtype="float32", seed=9)
+    reqs = [(p, replace(sp, temperature=0.8, seed=100 + i)) for i, (p, sp) in enumerate(_mixed(8, n=4))]
+    outs = {}
+    for overlap in (False, True):
+        cfg = engine_config_for_tests(str(ckpt), num_pages=96)
+        eng = Engine(replace(cfg, runner="gpu", kernels=False, cuda_graphs=False, overlap=overlap,
+                             scheduler=SchedulerConfig(max_num_batched_tokens=128, min_prefill_tokens=64)))
+        outs[overlap] = _tokens(_run(eng, reqs))
+    assert outs[True] == outs[False]
+
+
+def test_idle_timer_sums_waits_between_collected_steps():
+    """idle = previous end -> this start, span = previous end -> this end; not across a timing break."""
+    from k3rt.backend.runner.gpu.idle import IdleTimer, StepEvents
+
+    class Ev:  # a completed CUDA event at time t (ms)
+        def __init__(self, t):
+            self.t = t
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+        def synchronize(self):
+            pass
+
+    timer = IdleTimer()
+    for start, end in ((0, 10), (12, 20), (20, 31)):  # waits of 2 ms, then 0
+        timer.collected(StepEvents(Ev(start), Ev(end)))
+    assert (round(timer.idle_s * 1e3, 6), round(timer.span_s * 1e3, 6), timer.steps) == (2.0, 21.0, 2)
+    timer.reset()  # the engine went idle: the wait until the next step is not counted
+    timer.collected(StepEvents(Ev(500), Ev(510)))
+    timer.collected(StepEvents(Ev(515), Ev(520)))
+    assert (round(timer.idle_s * 1e3, 6), round(timer.span_s * 1e3, 6), timer.steps) == (7.0, 31.0, 3)
