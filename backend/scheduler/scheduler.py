@@ -3,7 +3,15 @@
 The scheduling model (one rule, no phases): every request has `num_computed` of its `token_ids`
 in its cache; a step hands out a token budget, decode-like requests (one token left) first, then
 continuing prefills, then new admissions. A request whose fed tokens reach the end of its
-`token_ids` gets logits and samples the next token.
+`token_ids` gets logits and samples the next token. Prefill tokens are further capped by the
+decode-aware chunk budget (`prefill_budget`): each running decode takes `decode_token_cost` of them,
+so a step with many decodes stays about as long as a plain prefill step.
+
+After the forward, `update` = `advance` (what the step fed is computed; a sampled request gets a PENDING
+token) + `resolve` (the real tokens; stops and ends). With overlap scheduling (backend/overlap.py) the
+two are a step apart: the next step is scheduled and launched between them, so a request whose token is
+in flight is a plain decode of its PENDING token; one whose in-flight token is its last (max_tokens) is
+not scheduled again.
 
 Chunk alignment: a non-final chunk ends on the snapshot grid (`hash_block_size`), and a chunk that
 starts off the grid (a conversation resuming from an end-of-turn snapshot) stops at the next grid
