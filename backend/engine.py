@@ -84,6 +84,13 @@ class Engine:
             log.info("speculative decoding: %s, up to %d draft tokens per request", cfg.spec.method, cfg.spec.num_tokens)
         self.scheduler = Scheduler(cfg.scheduler, cc, self.pool, RadixCache(self.pool, self.layout.block_size, policy),
                                    drafter=create_drafter(cfg.spec), spec_cfg=cfg.spec)
+        self.overlap = None  # the OverlapLoop (backend/overlap.py) when steps overlap, else None
+        if cfg.overlap:
+            from k3rt.backend.overlap import OverlapLoop
+
+            if type(self.runner).launch is Runner.launch:
+                raise ValueError(f"overlap: the {type(self.runner).__name__} has no launch/collect; set overlap=False")
+            self.overlap = OverlapLoop(self.scheduler, speculative=cfg.spec.enabled)
         self.requests: dict[int, Request] = {}
         self._rids = itertools.count()
         self._eos = frozenset(self.model_cfg.eos_token_ids)
@@ -268,7 +275,7 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or (self.overlap is not None and self.overlap.busy)
 
     def stats_dict(self) -> dict:
         """Counters, gauges and histograms for the gateway's /metrics (backend/engine_stats.py)."""
@@ -284,6 +291,8 @@ class Engine:
         for req in self.scheduler.admitted_now:
             self.queue_wait.observe(t0 - req.arrival)
         self.scheduler.admitted_now.clear()
+        if not self.has_unfinished:
+            self.runner.timing_break()  # the wait for the next request is not the host's step cost
         return outputs
 
     def _step(self) -> list[RequestOutput]:
@@ -301,27 +310,41 @@ class Engine:
             for req in self.scheduler.failed:
                 outputs.append(self._output(req, []))
             self.scheduler.failed.clear()
+        if self.overlap is not None:
+            # launch this step, then collect the one before it (backend/overlap.py)
+            self.overlap.step(self.runner, out, lambda o, sampled, _: self._report(o, sampled, outputs),
+                              lambda o, e: self._fail_step(o, e, outputs))
+            return outputs
         try:
             sampled = self.runner.execute(out)
         except Exception as e:
-            if _is_fatal(e):
-                raise
-            # not attributable to one request (the forward itself): this step's requests fail, the engine
-            # and every other request go on
-            log.exception("a step failed; its %d requests fail with it", len(out.decodes) + len(out.chunks))
-            for req in self.scheduler.fail_step(out, f"the engine could not run this request's step: "
-                                                      f"{type(e).__name__}: {e}"):
-                outputs.append(self._output(req, []))
+            self._fail_step(out, e, outputs)
             return outputs
         self.scheduler.update(out, sampled)
+        self._report(out, sampled, outputs)
+        return outputs
+
+    def _fail_step(self, out, e: Exception, outputs: list[RequestOutput]) -> None:
+        if _is_fatal(e):
+            raise e
+        # not attributable to one request (the forward itself): this step's requests fail, the engine
+        # and every other request go on
+        log.exception("a step failed; its %d requests fail with it", len(out.decodes) + len(out.chunks))
+        for req in self.scheduler.fail_step(out, f"the engine could not run this request's step: "
+                                                  f"{type(e).__name__}: {e}"):
+            outputs.append(self._output(req, []))
+
+    def _report(self, out, sampled: dict, outputs: list[RequestOutput]) -> None:
+        """Outputs of the requests an updated (resolved) step sampled for."""
         for req in out.decodes + [c.req for c in out.chunks if c.needs_logits]:
+            if self.requests.get(req.rid) is not req:
+                continue  # ended before this step's token was read (overlap: aborted, or stopped a step earlier)
             if req.sampled.error is not None:  # its grammar failed: this request alone ends, with the reason
                 self.scheduler.fail(req, req.sampled.error)
                 outputs.append(self._output(req, []))
             else:
                 s = sampled[req.rid]
                 outputs.append(self._output(req, s if isinstance(s, list) else [s]))
-        return outputs
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
         if req.params.logprobs is None and not req.finished:

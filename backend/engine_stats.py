@@ -1,6 +1,7 @@
 """What the engine reports about itself: counters and gauges from the scheduler, the prefix cache and
-the pool, and fixed-bucket histograms of step time and queue wait, as one JSON-shaped dict (sent to
-the gateway in every UpdateBatch and exported by its /metrics)."""
+the pool, fixed-bucket histograms of step time and queue wait, and on a GPU the seconds the device waited
+for the host between steps (the GPU-idle metric), as one JSON-shaped dict (sent to the gateway in every
+UpdateBatch and exported by its /metrics)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,11 @@ class Histogram:
 def engine_stats(engine) -> dict:
     sched, tree, pool = engine.scheduler, engine.scheduler.tree, engine.pool
     s = sched.stats
-    return {
+    gpu = engine.runner.gpu_time()
+    # the GPU-idle metric (backend/runner/gpu/idle.py): absent where there is no asynchronous device, never 0
+    timing = {} if gpu is None else {"gpu_idle_seconds": gpu[0], "gpu_step_seconds": gpu[1]}
+    return timing | {
+        "overlap": int(engine.overlap is not None),
         "running": len(sched.running), "waiting": len(sched.waiting),
         "pages_used": pool.num_pages - pool.num_free, "pages_total": pool.num_pages,
         "pages_usable": sched.usable_pages,

@@ -19,6 +19,8 @@
 #   mla (150)           benchmarks/kernels_mla.py --decode-only
 #   moe (120)           benchmarks/kernels_moe.py: decode T=1/16/64, prefill 4K/16K, route
 #   linear (100)        benchmarks/kernels_linear.py
+#   overlap (480)       benchmarks/overlap.py: the engine at the 48B shape, N = 64 and 256 decodes, overlap on vs
+#                       off (tokens/s, GPU idle)
 #   mxfp4 (120 + 240)   the MXFP4 expert kernel's GPU tests, then benchmarks/kernels_mxfp4.py (K3 expert shape)
 #   det (150 + 120 + 300) the --deterministic GPU acceptance test (64 concurrent vs alone, 3 rounds, both archs),
 #                       then benchmarks/deterministic.py on the GPU runner: k3-tiny, and the 48B shape (random
@@ -28,7 +30,7 @@
 set -u
 for stage in "$@"; do
   case $stage in
-    tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det) ;;
+    tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det|overlap) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -94,6 +96,8 @@ for stage in "$@"; do
         --requests 64 --num-pages 512 --json "$OUT/det_48b.json" ;;
     linear)
       run linear 100 python3 benchmarks/kernels_linear.py --budget-s 80 --out "$OUT/linear.json" ;;
+    overlap)
+      run overlap 480 python3 benchmarks/overlap.py --batch 64 256 --budget-s 420 --out "$OUT/overlap.json" ;;
     *) ;;  # tests-runner / tests-kernels after their own clause (;;& tests the later patterns too)
   esac
 done

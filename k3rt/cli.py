@@ -490,6 +490,19 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="compute path: 'gpu' = fused Triton kernels + CUDA-graph decode, 'model' = the plain-torch "
                         "reference path; 'auto' (default) picks gpu on a CUDA device at --tp 1, model elsewhere")
     p.add_argument("--no-cuda-graphs", action="store_true", help="gpu runner: run decode steps eagerly")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="run each engine step to its end before scheduling the next; by default the gpu runner on a "
+                        "CUDA device overlaps them (the host schedules and launches step N+1 while the GPU runs step "
+                        "N and learns step N's tokens one step late; grammar, logprobs, penalties and speculative "
+                        "steps still wait for their tokens). See docs/architecture.md")
+    p.add_argument("--decode-token-cost", type=float, default=4.0, metavar="TOKENS",
+                   help="decode-aware chunk budget: each running decode takes this many tokens from the prefill "
+                        "tokens a step may add (--max-batched-tokens less decodes x TOKENS, never below "
+                        "--min-prefill-tokens), so prefill chunks do not stall running decodes; 0 turns it off "
+                        "(default 4)")
+    p.add_argument("--min-prefill-tokens", type=int, default=256,
+                   help="prefill tokens a step may always add however many decodes run (a multiple of 64; "
+                        "default 256)")
     p.add_argument("--pdl", action="store_true",
                    help="gpu runner: launch chained decode kernels with programmatic dependent launch")
     p.add_argument("--random-weights", action="store_true",
@@ -541,8 +554,11 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     engine = EngineConfig(model=str(model_dir), dtype=a.dtype, device=placement.device, seed=a.seed,
                           grammar_backend=a.grammar_backend,
                           runner=a.runner, cuda_graphs=not a.no_cuda_graphs, use_pdl=a.pdl, random_weights=a.random_weights,
+                          overlap=False if a.no_overlap else None,
                           cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=a.max_batched_tokens,
-                                                                 max_running=a.max_running, max_waiting=a.max_waiting),
+                                                                 max_running=a.max_running, max_waiting=a.max_waiting,
+                                                                 decode_token_cost=a.decode_token_cost,
+                                                                 min_prefill_tokens=a.min_prefill_tokens),
                           tp=tp, ep=a.ep, dist=dist, spec=_spec_config(a), deterministic=a.deterministic)
     if role != 0:
         return _run_other_rank(engine, role)

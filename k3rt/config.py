@@ -59,6 +59,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget per step (decode tokens first, then prefill chunks)
     max_running: int = 256
     max_waiting: int = 4096
+    # decode-aware chunk budget (Scheduler.prefill_budget): each running decode takes this many tokens' worth of
+    # step time from the prefill chunks of the step, so a long prompt arriving does not stall the decodes
+    # (0: off, chunks take whatever budget the decodes left)
+    decode_token_cost: float = 4.0
+    # prefill tokens a step may always add, however many decodes run (capped by max_num_batched_tokens)
+    min_prefill_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < KDA_CHUNK:
@@ -68,6 +74,11 @@ class SchedulerConfig:
             raise ValueError(f"max_running: must be >= 1, got {self.max_running}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting: must be >= 0, got {self.max_waiting}")
+        if not self.decode_token_cost >= 0:
+            raise ValueError(f"decode_token_cost: must be >= 0, got {self.decode_token_cost}")
+        if self.min_prefill_tokens < KDA_CHUNK or self.min_prefill_tokens % KDA_CHUNK:
+            raise ValueError(f"min_prefill_tokens: must be a positive multiple of {KDA_CHUNK}, "
+                             f"got {self.min_prefill_tokens}")
 
 
 SPEC_METHODS = ("ngram", "suffix")  # model-free drafters; "dspark" (a checkpoint's draft head) joins here
@@ -169,6 +180,10 @@ class EngineConfig:
     runner: str = "auto"
     kernels: bool = True  # gpu runner: Triton kernels (off: the same path with torch ops; tests)
     cuda_graphs: bool = True  # gpu runner: replay decode steps from captured CUDA graphs
+    # overlap scheduling (backend/overlap.py): the host schedules and launches step N+1 while the device runs
+    # step N, learning step N's tokens one step late; None (auto): on for the gpu runner on a CUDA device.
+    # The reference and null runners compute eagerly, so on them overlap only exercises the protocol (tests)
+    overlap: bool | None = None
     use_pdl: bool = False  # gpu runner: programmatic dependent launch between chained decode kernels
     random_weights: bool = False  # build the model from its config with random weights (benchmarks)
     grammar_backend: str = "llguidance"  # or "outlines"
@@ -188,6 +203,8 @@ class EngineConfig:
             object.__setattr__(self, "runner", "gpu" if self.device.startswith("cuda") and self.tp == 1 else "model")
         if self.runner not in ("model", "gpu", "null"):
             raise ValueError(f"runner: {self.runner!r} not one of auto, model, gpu, null")
+        if self.overlap is None:
+            object.__setattr__(self, "overlap", self.runner == "gpu" and self.device.startswith("cuda"))
         if (self.runner == "gpu" and self.kernels and not self.device.startswith("cuda")
                 and os.environ.get("TRITON_INTERPRET") != "1"):
             raise ValueError(f"device: the gpu runner's Triton kernels need a CUDA device, got {self.device!r} "

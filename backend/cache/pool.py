@@ -5,7 +5,9 @@ live state sets) and/or radix-tree nodes. `allocate` zeroes a page before anyone
 unless the caller is about to fill it by a copy (snapshots, copy-on-write destinations): stale
 NaN/Inf must never reach a norm, and a page being copied into is never zeroed under the copy.
 All work runs on one stream (the pool's device's current stream), so zeroing is ordered before
-the writes that follow it.
+the writes that follow it, and after the work of every step launched before it (overlap scheduling:
+a page freed while a launched step still writes it is zeroed only after that step); no pool operation
+waits for the device.
 
 Under tensor parallelism every rank holds a pool of the same pages (its shard of each KDA state, the
 whole replicated MLA latent), but only rank 0 allocates: with `record_fills()` the pool logs every
@@ -96,9 +98,18 @@ class PagePool:
         if self._fill_log is not None:
             self._fill_log.append((value, list(pages)))
         if self.materialize:
-            idx = torch.tensor(pages, device=self.tensors[0].device)
+            idx = self._index(pages)
             for t in self.tensors:
                 t.index_fill_(0, idx, value)
+
+    def _index(self, pages: list[int]) -> torch.Tensor:
+        """Page ids as a device index without waiting for the device: a pageable host-to-device copy would
+        wait for every queued step (and so undo overlap scheduling); a pinned one is queued behind them."""
+        idx = torch.tensor(pages, dtype=torch.int64)
+        dev = self.tensors[0].device
+        if dev.type == "cuda":
+            return idx.pin_memory().to(dev, non_blocking=True)
+        return idx.to(dev)
 
     def record_fills(self) -> None:
         """Start logging page fills (tensor parallelism: other ranks replay them)."""
@@ -133,8 +144,7 @@ class PagePool:
         """Copy whole pages src[i] -> dst[i] in the first `tensors` tensors (default all)."""
         if not src:
             return
-        s = torch.tensor(src, device=self.tensors[0].device)
-        d = torch.tensor(dst, device=self.tensors[0].device)
+        s, d = self._index(src), self._index(dst)
         for t in self.tensors[: tensors or len(self.tensors)]:
             t.index_copy_(0, d, t.index_select(0, s))
 

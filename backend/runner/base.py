@@ -3,10 +3,28 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
 
 from k3rt.backend.cache.pool import PagePool
 from k3rt.backend.runner.step_plan import step_chunks
+from k3rt.backend.scheduler.request import PENDING
 from k3rt.backend.scheduler.scheduler import ScheduledChunk, SchedulerOutput
+
+
+@dataclass
+class LaunchedStep:
+    """A step handed to the device (overlap scheduling): what `Runner.collect` needs to read its tokens back,
+    and what the next launch needs to feed them without the host seeing them.
+
+    `sampled` is set when the runner computed the step eagerly (no async device, or sampling that had to
+    read the logits on the host); else `tokens` holds the sampled tokens on the device, one per entry of
+    `rows` (rid -> index into `tokens`), read back by `collect`."""
+
+    sampled: dict[int, int | list[int]] | None = None
+    tokens: Any = None  # torch.Tensor [R] int64 on the device, or None
+    rows: dict[int, int] = field(default_factory=dict)
+    timing: Any = None  # the runner's GPU timing record of this step (backend/runner/gpu/idle.py), or None
 
 
 class Runner(ABC):
@@ -21,6 +39,26 @@ class Runner(ABC):
         accepted run as a list (backend/spec/rejection.py), with the request's live KDA state left after
         exactly len(run) fed tokens from its start.
         """
+
+    def launch(self, out: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep:
+        """Start the step `out` and return without waiting for its tokens (overlap scheduling). Requests that
+        continue from `prev` (the step launched before this one, not collected yet) end their token_ids with
+        PENDING: the runner feeds prev's sampled token in its place. A runner without it cannot overlap (the
+        engine refuses overlap=True for it at start)."""
+        raise NotImplementedError(f"overlap: {type(self).__name__} has no launch/collect; run without overlap")
+
+    def collect(self, step: LaunchedStep) -> dict[int, int | list[int]]:
+        """The launched step's sampled tokens ({rid: token}, as `execute` returns them); waits for the device."""
+        assert step.sampled is not None
+        return step.sampled
+
+    def gpu_time(self) -> tuple[float, float] | None:
+        """(seconds the device waited for the host between steps, seconds from one step's end to the next's),
+        summed over the steps collected so far; None where there is no asynchronous device to time."""
+        return None
+
+    def timing_break(self) -> None:
+        """The engine went idle (nothing to run): the wait until the next step is not host cost."""
 
     def release(self, rid: int) -> None:
         """The request ended (finished or aborted): drop any per-request state the runner keeps."""
@@ -41,3 +79,17 @@ def begin_step(pool: PagePool, out: SchedulerOutput) -> list[ScheduledChunk]:
     for src, dst in out.state_copies:
         pool.copy_state_set(src, dst)
     return step_chunks(out)
+
+
+def pending_tokens(chunks: list[ScheduledChunk], prev: LaunchedStep | None) -> dict[int, int]:
+    """{row of the step's packed tokens: rid} for each fed PENDING token (the last token of a request that
+    continues from `prev`). The scheduler only ever feeds it as a request's last token."""
+    rows, row = {}, 0
+    for c in chunks:
+        r = c.req
+        row += c.num_fed
+        if c.start + c.num_tokens == len(r.token_ids) and r.token_ids[-1] == PENDING:
+            if prev is None:
+                raise RuntimeError(f"request {r.rid}: a PENDING token with no launched step that samples it")
+            rows[row - c.num_fed + c.num_tokens - 1] = r.rid
+    return rows

@@ -6,10 +6,12 @@ run only."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from k3rt.backend.cache.pool import PagePool
 from k3rt.backend.distributed.channel import PlanSender
 from k3rt.backend.models.kimi import KimiForCausalLM
-from k3rt.backend.runner.base import Runner
+from k3rt.backend.runner.base import LaunchedStep, Runner, pending_tokens
 from k3rt.backend.runner.sampling import prompt_score_rows, record_prompt_logprobs, sample_requests
 from k3rt.backend.runner.step_plan import PlanExecutor, build_plan, step_chunks
 from k3rt.backend.sampling.sampler import Sampler
@@ -31,12 +33,32 @@ class ModelRunner(Runner):
             pool.record_fills()
 
     def execute(self, out: SchedulerOutput) -> dict[int, int | list[int]]:
+        return self._execute(out, None)
+
+    def launch(self, out: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep:
+        """No asynchronous device here: the step runs now; the engine still learns its tokens one step late."""
+        return LaunchedStep(sampled=self._execute(out, prev))
+
+    def _execute(self, out: SchedulerOutput, prev: LaunchedStep | None) -> dict[int, int | list[int]]:
         if not out.chunks and not out.decodes:
             return {}
+        return self._run(*self._prepare(out, prev), prev)
+
+    def _prepare(self, out: SchedulerOutput, prev: LaunchedStep | None) -> tuple:
+        """The host half of a step, read from the requests now: (chunks, score rows, plan, pending rows)."""
         chunks = step_chunks(out)
         score_rows = prompt_score_rows(chunks)
         # single rank: the pool already applied its fills; the plan carries none (fill log off)
         plan = build_plan(out, chunks, self.pool.take_fills(), score_rows, self.pool.layout.block_size)
+        return chunks, score_rows, plan, pending_tokens(chunks, prev)
+
+    def _run(self, chunks: list, score_rows: list, plan, pending: dict[int, int],
+             prev: LaunchedStep | None) -> dict[int, int | list[int]]:
+        if pending:  # the previous step's tokens, fed where its requests continue
+            ids = list(plan.token_ids)
+            for row, rid in pending.items():
+                ids[row] = prev.sampled[rid]
+            plan = replace(plan, token_ids=tuple(ids))
         # this pool applied the fills when it allocated; the other ranks replay them from the plan
         if self.sender is None:
             logits, batch = self.executor.run_batch(plan, apply_fills=False)

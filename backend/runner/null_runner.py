@@ -6,7 +6,8 @@ depends only on the sequence so far, cache-on and cache-off runs produce the sam
 
 from __future__ import annotations
 
-from k3rt.backend.runner.base import Runner
+from k3rt.backend.runner.base import LaunchedStep, Runner
+from k3rt.backend.scheduler.request import PENDING
 from k3rt.backend.scheduler.scheduler import SchedulerOutput
 
 
@@ -21,8 +22,19 @@ class NullRunner(Runner):
         return (last * 1000003 + prev * 9176 + n * 31) % self.vocab_size
 
     def execute(self, out: SchedulerOutput) -> dict[int, int | list[int]]:
-        sampled: dict[int, int | list[int]] = {r.rid: self.next_token(r.token_ids) for r in out.decodes}
-        sampled.update((c.req.rid, self.next_token(c.req.token_ids)) for c in out.chunks
+        return self._execute(out, None)
+
+    def launch(self, out: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep:
+        """Eager: the fake tokens are computed now (a continuing request's PENDING token is prev's)."""
+        return LaunchedStep(sampled=self._execute(out, prev))
+
+    def _execute(self, out: SchedulerOutput, prev: LaunchedStep | None) -> dict[int, int | list[int]]:
+        def history(r) -> list[int]:
+            ids = r.token_ids
+            return ids[:-1] + [prev.sampled[r.rid]] if ids[-1] == PENDING else ids
+
+        sampled: dict[int, int | list[int]] = {r.rid: self.next_token(history(r)) for r in out.decodes}
+        sampled.update((c.req.rid, self.next_token(history(c.req))) for c in out.chunks
                        if c.needs_logits and not c.draft_ids)
         for c in out.chunks:
             if c.draft_ids:

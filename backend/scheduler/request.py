@@ -21,6 +21,11 @@ from k3rt.backend.cache.radix import Node
 from k3rt.sampling_params import SamplingParams
 
 
+# a sampled token that is still on the device (overlap scheduling): Scheduler.advance appends it, resolve
+# replaces it; runners feed the previous step's device output in its place
+PENDING = -1
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -3,7 +3,15 @@
 The scheduling model (one rule, no phases): every request has `num_computed` of its `token_ids`
 in its cache; a step hands out a token budget, decode-like requests (one token left) first, then
 continuing prefills, then new admissions. A request whose fed tokens reach the end of its
-`token_ids` gets logits and samples the next token.
+`token_ids` gets logits and samples the next token. Prefill tokens are further capped by the
+decode-aware chunk budget (`prefill_budget`): each running decode takes `decode_token_cost` of them,
+so a step with many decodes stays about as long as a plain prefill step.
+
+After the forward, `update` = `advance` (what the step fed is computed; a sampled request gets a PENDING
+token) + `resolve` (the real tokens; stops and ends). With overlap scheduling (backend/overlap.py) the
+two are a step apart: the next step is scheduled and launched between them, so a request whose token is
+in flight is a plain decode of its PENDING token; one whose in-flight token is its last (max_tokens) is
+not scheduled again.
 
 Chunk alignment: a non-final chunk ends on the snapshot grid (`hash_block_size`), and a chunk that
 starts off the grid (a conversation resuming from an end-of-turn snapshot) stops at the next grid
@@ -46,7 +54,7 @@ from dataclasses import dataclass, field
 from k3rt.backend.cache.policy import CHECKPOINT, END, JUNCTION, PREEMPTED, tail_kind
 from k3rt.backend.cache.pool import PagePool
 from k3rt.backend.cache.radix import Node, RadixCache, common_prefix as _common_prefix
-from k3rt.backend.scheduler.request import FinishReason, Request, Status
+from k3rt.backend.scheduler.request import PENDING, FinishReason, Request, Status
 from k3rt.backend.spec.base import DraftQuery, Drafter
 from k3rt.config import KDA_CHUNK, CacheConfig, SchedulerConfig, SpecConfig
 
@@ -84,6 +92,15 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return len(self.decodes) + sum(c.num_fed for c in self.chunks)
+
+
+@dataclass
+class AdvancedStep:
+    """A launched step as `Scheduler.advance` left it: the tokens it will sample, not yet known."""
+
+    pending: list[tuple[Request, int]]  # (request, index in its token_ids holding PENDING)
+    verify: list[ScheduledChunk]  # verify chunks: advanced by `resolve`, once their accepted run is known
+    fences: list[int]  # refs on the sources of the step's copies, held until the step has run
 
 
 @dataclass
@@ -127,6 +144,7 @@ class Scheduler:
         self.pins: OrderedDict[int, Node] = OrderedDict()
         self.failed: list[Request] = []  # requests schedule() had to fail; the engine reports them
         self.admitted_now: list[Request] = []  # first admissions since the engine last looked (queue wait)
+        self.step_fences: list[list[int]] = []  # fences of the advanced steps not resolved yet (overlap)
 
     @property
     def usable_pages(self) -> int:
@@ -139,13 +157,15 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, req: Request, reason: FinishReason = FinishReason.ABORT) -> None:
+        _drop_pending(req)
         if req.status is Status.WAITING:
             self.waiting.remove(req)
             req.status, req.finish_reason = Status.FINISHED, reason
             if self.drafter is not None:
                 self.drafter.finish(req.rid, req.token_ids, req.prompt_len)
         elif req.status is Status.RUNNING:
-            self._finish(req, reason)
+            # a live state that holds a dropped in-flight token is not a state of the known tokens
+            self._finish(req, reason, donate=req.num_computed <= len(req.token_ids))
 
     def unpin(self, req: Request | None, rid: int) -> None:
         """Release the pin request `rid` holds (or, still live, will not take) on its end snapshot."""
@@ -184,6 +204,8 @@ class Scheduler:
         decodes: list[Request] = []
         multi: list[Request] = []
         for req in self.running:
+            if req.num_output >= req.params.max_tokens:
+                continue  # its in-flight token (overlap) is its last: it ends when that token is resolved
             (decodes if len(req.token_ids) - req.num_computed == 1 else multi).append(req)
         del decodes[budget:]
         self._step_decodes = decodes
@@ -197,6 +219,7 @@ class Scheduler:
         if self.drafter is not None and budget > 0:
             budget -= self._schedule_drafts(budget)
             decodes = self._step_decodes
+        budget = min(budget, self.prefill_budget(len(decodes)))
         for req in multi:
             if budget <= 0:
                 break
@@ -219,9 +242,9 @@ class Scheduler:
                 break
             budget -= n
         self.waiting.extendleft(reversed(deferred))
-        if not self.running and self.waiting and not deferred and budget > 0:
-            # nothing runs, nothing is cached or pinned any more, and the head still does not fit: it
-            # never will (add_request's size check makes this unreachable; never spin on it)
+        if not self.running and self.waiting and not deferred and budget > 0 and not self.step_fences:
+            # nothing runs (or is in flight), nothing is cached or pinned any more, and the head still does
+            # not fit: it never will (add_request's size check makes this unreachable; never spin on it)
             head = self.waiting.popleft()
             head.status, head.finish_reason = Status.FINISHED, FinishReason.ERROR
             head.error = (f"prompt: {len(head.token_ids)} tokens could not be scheduled: the pool has "
@@ -237,6 +260,18 @@ class Scheduler:
             state_copies += req.pending_state_copies
             req.pending_page_copies, req.pending_state_copies = [], []
         return SchedulerOutput(decodes, scheduled, page_copies, state_copies)
+
+    def prefill_budget(self, num_decodes: int) -> int:
+        """Prefill tokens (chunks and admissions) a step with `num_decodes` decode rows may add: the decode-aware
+        chunk budget. A decode row costs the step about `decode_token_cost` prefill tokens' time (it reads its
+        whole context), so the step's time stays near that of a full prefill step: max_num_batched_tokens less
+        num_decodes * decode_token_cost, never below min_prefill_tokens (prefill always progresses), rounded
+        down to the KDA chunk (64) so chunks still end on the grid. decode_token_cost 0: the plain budget."""
+        cfg = self.cfg
+        if cfg.decode_token_cost <= 0 or num_decodes == 0:
+            return cfg.max_num_batched_tokens
+        left = cfg.max_num_batched_tokens - int(num_decodes * cfg.decode_token_cost)
+        return max(min(cfg.min_prefill_tokens, cfg.max_num_batched_tokens), left // KDA_CHUNK * KDA_CHUNK)
 
     def _schedule_drafts(self, budget: int) -> int:
         """Turn decodes of requests that speculate into verify chunks with the drafter's tokens; returns the
@@ -412,6 +447,7 @@ class Scheduler:
             for _, dest in c.snapshots:
                 self.pool.unref(dest)
         for req in reqs:
+            _drop_pending(req)
             if req.status is Status.RUNNING:
                 req.error = error
                 req.pending_page_copies, req.pending_state_copies = [], []
@@ -578,33 +614,82 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled: dict[int, int | list[int]]) -> list[Request]:
         """Advance requests by what ran; publish snapshots; append sampled tokens (a verify chunk's entry is
-        its accepted run). Returns finished requests."""
-        finished: list[Request] = []
+        its accepted run). Returns finished requests. The synchronous form of advance + resolve."""
+        return self.resolve(self.advance(out), sampled)
+
+    def advance(self, out: SchedulerOutput) -> AdvancedStep:
+        """The step `out` was launched: advance num_computed by what it feeds, publish its snapshots, take its
+        copy fences (released by `resolve`, once the step and so its copies have run), and give each sampled
+        request a PENDING token in its token_ids until `resolve` learns the real one. Verify
+        chunks are left to `resolve` (their advance depends on the accepted run)."""
         stats = self.stats
+        pending: list[tuple[Request, int]] = []
+        fences: list[int] = []
         stats.computed_tokens += len(out.decodes)
         for req in out.decodes:
             if req.num_computed < req.prompt_len:
                 stats.computed_prompt_tokens += 1
             req.num_computed += 1
-            if req.fences:
-                self.pool.unref(req.fences)  # this step's copies have run
-                req.fences = []
-            self._append(req, sampled[req.rid], finished)
+            fences += req.fences
+            req.fences = []
+            req.token_ids.append(PENDING)
+            pending.append((req, len(req.token_ids) - 1))
+        verify = []
         for c in out.chunks:
             req = c.req
             if c.draft_ids:
-                self._update_verify(c, sampled[req.rid], finished)
+                verify.append(c)
                 continue
             req.num_computed += c.num_tokens
             stats.computed_tokens += c.num_tokens
             stats.computed_prompt_tokens += max(0, min(c.start + c.num_tokens, req.prompt_len) - c.start)
             for pos, dest in c.snapshots:
                 self._publish(req, pos, dest, req.plan_kinds.pop(pos, CHECKPOINT))
-            if req.fences:
-                self.pool.unref(req.fences)
-                req.fences = []
+            fences += req.fences
+            req.fences = []
             if c.needs_logits:
-                self._append(req, sampled[req.rid], finished)
+                req.token_ids.append(PENDING)
+                pending.append((req, len(req.token_ids) - 1))
+        for c in verify:  # a verify chunk's copies ran with it too
+            fences += c.req.fences
+            c.req.fences = []
+        self.step_fences.append(fences)
+        return AdvancedStep(pending, verify, fences)
+
+    def resolve(self, step: AdvancedStep, sampled: dict[int, int | list[int]]) -> list[Request]:
+        """The sampled tokens of an advanced step are known: they replace its PENDING tokens; requests that
+        they end finish. With overlap the next step may already have been launched (and advanced): a request
+        that ends here drops the tokens after this one (that step's work for it is discarded; its live state
+        then holds every token it has, so it is donated at num_computed == len(token_ids)). Requests that
+        finished in between (aborted) are skipped. Returns the requests that finished."""
+        finished: list[Request] = []
+        # the step has run, so have its copies: their sources may be reused now (not earlier: a source freed
+        # while its copy is still queued could be zeroed for a new owner first, if zeroing were not ordered)
+        self.step_fences.remove(step.fences)
+        self.pool.unref(step.fences)
+        for c in step.verify:
+            self._update_verify(c, sampled[c.req.rid], finished)
+        for req, idx in step.pending:
+            if req.finished:
+                continue  # aborted while its token was in flight: nobody reads it
+            tok = sampled[req.rid]
+            req.token_ids[idx] = tok
+            if tok in req.stop_ids or (req.grammar is not None and req.grammar.is_terminated()):
+                reason = FinishReason.STOP
+            elif idx + 1 - req.prompt_len >= req.params.max_tokens:
+                reason = FinishReason.LENGTH
+            else:
+                continue
+            del req.token_ids[idx + 1:]
+            if req.status is Status.WAITING:
+                # preempted while its token was in flight: it holds nothing; it ends where it waits
+                self.waiting.remove(req)
+                req.status, req.finish_reason = Status.FINISHED, reason
+                if self.drafter is not None:
+                    self.drafter.finish(req.rid, req.token_ids, req.prompt_len)
+            else:
+                self._finish(req, reason)
+            finished.append(req)
         return finished
 
     def _update_verify(self, c: ScheduledChunk, run: list[int], finished: list[Request]) -> None:
@@ -621,9 +706,6 @@ class Scheduler:
         req.spec_accepted += accepted
         req.num_computed += len(run)
         stats.computed_tokens += len(run)
-        if req.fences:
-            self.pool.unref(req.fences)
-            req.fences = []
         # the verifier ends the run at the first token that ends the request, so only the last one can; the
         # grammar matcher is already past the whole run, so it is asked (by _append) about the last one only
         *body, last = run
@@ -729,10 +811,20 @@ class Scheduler:
         for r in self.running:
             for p in r.block_table + (r.state_set or []) + r.fences:
                 refs[p] += 1
+        for fences in self.step_fences:
+            for p in fences:
+                refs[p] += 1
         for p in self.pool.reserved:
             refs[p] += 1
         assert [refs[p] for p in range(self.pool.num_pages)] == self.pool.refcount, "page refcounts drifted"
         assert sorted(self.pool.free_list) == [p for p in range(self.pool.num_pages) if refs[p] == 0]
+
+
+def _drop_pending(req: Request) -> None:
+    """An ending request's tokens still in flight (overlap) never reach the caller. (Its live state may hold
+    one of them already, fed by a later launched step: such a state is not donated, see `abort`.)"""
+    while req.token_ids and req.token_ids[-1] == PENDING:
+        req.token_ids.pop()
 
 
 def _grammar_prefix(matcher, drafts: list[int]) -> list[int]:

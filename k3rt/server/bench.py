@@ -1,5 +1,7 @@
 """`k3rt bench serve`: load a running OpenAI-compatible server and report throughput, TTFT and
-inter-token latency percentiles and the prefix-cache hit rate (from `usage.prompt_tokens_details`).
+inter-token latency percentiles, the prefix-cache hit rate (from `usage.prompt_tokens_details`) and, from a
+k3rt server's /metrics, whether its engine overlaps scheduling with the GPU (`k3rt serve --no-overlap` turns
+it off: run the bench against each to compare) and the share of GPU step time spent waiting for the host.
 
 Workloads are synthetic and seeded, so two runs (or two servers) see the same requests:
   sharegpt        independent chats of varied prompt and output length (lengths drawn like ShareGPT's
@@ -56,6 +58,10 @@ class Report:
     ttft_ms: dict[str, float]  # p50 / p90 / p99 / mean
     itl_ms: dict[str, float]
     latency_ms: dict[str, float]
+    # from the server's /metrics over the run: whether its engine overlaps scheduling with the device (None:
+    # not reported), and the share of the GPU's step time it waited for the host (None: no GPU, not 0)
+    overlap: bool | None = None
+    gpu_idle_fraction: float | None = None
 
 
 def _text(rng: random.Random, num_words: int) -> str:
@@ -86,6 +92,16 @@ class _Bench:
             r.raise_for_status()
             self.model = r.json()["data"][0]["id"]
         return self.model
+
+    async def engine_timing(self) -> dict[str, float]:
+        """The engine's overlap flag and GPU-idle counters from /metrics ({} when the server has none)."""
+        try:
+            r = await self.http.get("/metrics")
+        except httpx.HTTPError:
+            return {}
+        if r.status_code != 200:
+            return {}
+        return parse_engine_timing(r.text)
 
     async def chat(self, messages: list[dict[str, str]], max_tokens: int) -> Result:
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
@@ -125,6 +141,28 @@ class _Bench:
         res.latency_s = time.perf_counter() - start
         res.ok = True
         return res
+
+
+_TIMING_SAMPLES = {"k3rt_engine_overlap": "overlap", "k3rt_gpu_idle_seconds_total": "idle",
+                   "k3rt_gpu_step_seconds_total": "span"}
+
+
+def parse_engine_timing(text: str) -> dict[str, float]:
+    """{overlap, idle, span} from a Prometheus text exposition (the keys present there only)."""
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in _TIMING_SAMPLES:
+            out[_TIMING_SAMPLES[name]] = float(value)
+    return out
+
+
+def gpu_idle_fraction(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """Idle share of the GPU's step time between two scrapes; None without the counters (no GPU)."""
+    if "span" not in after or "idle" not in after:
+        return None
+    span = after["span"] - before.get("span", 0.0)
+    return (after["idle"] - before.get("idle", 0.0)) / span if span > 0 else None
 
 
 def _conversations(workload: str, num_requests: int, max_tokens: int, turns: int,
@@ -179,14 +217,16 @@ async def run_bench(url: str, *, workload: str = "sharegpt", concurrency: int = 
                     return
                 history += new + [{"role": "assistant", "content": res.reply}]
 
+    timing0 = await bench.engine_timing()
     start = time.perf_counter()
     try:
         await asyncio.gather(*(conversation(c) for c in convs))
+        duration = time.perf_counter() - start
+        timing1 = await bench.engine_timing()
     finally:
         await bench.http.aclose()
         if bar is not None:
             bar.close()
-    duration = time.perf_counter() - start
     ok = [r for r in results if r.ok]
     prompt = sum(r.prompt_tokens for r in ok)
     return Report(
@@ -195,7 +235,9 @@ async def run_bench(url: str, *, workload: str = "sharegpt", concurrency: int = 
         output_throughput=sum(r.completion_tokens for r in ok) / duration, input_throughput=prompt / duration,
         cache_hit_rate=sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
         ttft_ms=_pct([r.ttft_s for r in ok]), itl_ms=_pct([x for r in ok for x in r.itl_s]),
-        latency_ms=_pct([r.latency_s for r in ok]))
+        latency_ms=_pct([r.latency_s for r in ok]),
+        overlap=bool(timing1["overlap"]) if "overlap" in timing1 else None,
+        gpu_idle_fraction=gpu_idle_fraction(timing0, timing1))
 
 
 def format_report(r: Report) -> str:
@@ -207,6 +249,9 @@ def format_report(r: Report) -> str:
              f"  {'':12} {'p50':>9} {'p90':>9} {'p99':>9} {'mean':>9}  (ms)"]
     for name, d in (("TTFT", r.ttft_ms), ("ITL", r.itl_ms), ("latency", r.latency_ms)):
         lines.append(f"  {name:12} {d['p50']:9.1f} {d['p90']:9.1f} {d['p99']:9.1f} {d['mean']:9.1f}")
+    overlap = {True: "overlap on", False: "overlap off", None: "overlap not reported"}[r.overlap]
+    idle = "absent (no GPU)" if r.gpu_idle_fraction is None else f"{100 * r.gpu_idle_fraction:.1f}% of GPU step time"
+    lines.append(f"  GPU idle     {idle} ({overlap})")
     return "\n".join(lines)
 
 

@@ -5,7 +5,8 @@ time to first token, inter-token latency, request latency); the engine's own num
 time from the latest UpdateBatch stats the engine sent (backend/engine_stats.py): gauges (running, waiting,
 pages used / total / usable, snapshots and their pages, pins and pinned pages), counters (prompt and cached
 tokens, hence the cache hit rate; preemptions, snapshots published, pins dropped, evicted snapshots and
-pages) and two histograms (k3rt_engine_step_time_seconds, k3rt_engine_queue_wait_seconds: the engine counts
+pages; on a GPU the seconds it waited for the host between steps and the gauge k3rt_gpu_idle_fraction,
+absent on the CPU) and two histograms (k3rt_engine_step_time_seconds, k3rt_engine_queue_wait_seconds: the engine counts
 per bucket, exported cumulative). One registry per server, no global state.
 """
 
@@ -40,6 +41,7 @@ _ENGINE_GAUGES = {
     "snapshot_pages": ("k3rt_cache_snapshot_pages", "cache pages held by KDA state snapshots"),
     "pins": ("k3rt_cache_pinned_snapshots", "snapshots pinned for DSL programs between their calls"),
     "pinned_pages": ("k3rt_cache_pinned_pages", "cache pages held by pinned snapshots"),
+    "overlap": ("k3rt_engine_overlap", "1 when the engine overlaps scheduling with the device's work, else 0"),
 }
 _ENGINE_COUNTERS = {
     "preemptions": ("k3rt_engine_preemptions", "running requests preempted to free cache pages"),
@@ -50,6 +52,10 @@ _ENGINE_COUNTERS = {
     "spec_verifies": ("k3rt_spec_verifies", "speculative verify runs (one request's drafts checked in one forward)"),
     "spec_drafted_tokens": ("k3rt_spec_drafted_tokens", "draft tokens fed to speculative verification"),
     "spec_accepted_tokens": ("k3rt_spec_accepted_tokens", "draft tokens accepted by speculative verification"),
+    "gpu_idle_seconds": ("k3rt_gpu_idle_seconds", "time the GPU waited for the host between engine steps (absent "
+                         "without a GPU)"),
+    "gpu_step_seconds": ("k3rt_gpu_step_seconds", "GPU time from one engine step's end to the next's, over the "
+                         "steps timed for k3rt_gpu_idle_seconds"),
 }
 _ENGINE_HISTOGRAMS = {
     "step_time": ("k3rt_engine_step_time_seconds", "duration of one engine step (schedule, run, update)"),
@@ -92,6 +98,10 @@ class _EngineCollector:
                                       value=cached)
             yield GaugeMetricFamily("k3rt_cache_hit_rate", "cached / admitted prompt tokens since start",
                                     value=cached / prompt if prompt else 0.0)
+        idle, span = s.get("gpu_idle_seconds"), s.get("gpu_step_seconds")
+        if idle is not None and span:
+            yield GaugeMetricFamily("k3rt_gpu_idle_fraction", "of the GPU's step time since start, the share it "
+                                    "waited for the host (schedule, pack, launch)", value=idle / span)
         verifies, accepted = s.get("spec_verifies"), s.get("spec_accepted_tokens")
         if verifies is not None and accepted is not None:
             yield GaugeMetricFamily("k3rt_spec_tau", "tokens per speculative verify since start (accepted drafts + 1; "

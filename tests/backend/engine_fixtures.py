@@ -67,11 +67,21 @@ class Recorder(Runner):
         self.steps: list[Step] = []
 
     def execute(self, out: SchedulerOutput) -> dict[int, int]:
+        self._record(out)
+        return self.inner.execute(out)
+
+    def launch(self, out: SchedulerOutput, prev):
+        self._record(out)
+        return self.inner.launch(out, prev)
+
+    def collect(self, step):
+        return self.inner.collect(step)
+
+    def _record(self, out: SchedulerOutput) -> None:
         self.steps.append(Step(
             [(r.rid, r.num_computed) for r in out.decodes],
             [Chunk(c.req.rid, c.start, c.num_tokens, len(c.req.token_ids), c.needs_logits, [p for p, _ in c.snapshots])
              for c in out.chunks]))
-        return self.inner.execute(out)
 
     def release(self, rid: int) -> None:
         self.inner.release(rid)

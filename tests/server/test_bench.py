@@ -20,5 +20,6 @@ def test_bench_serve_reports(server, workload: str) -> None:
     assert report["output_throughput"] > 0 and report["ttft_ms"]["p50"] > 0
     assert report["ttft_ms"]["p50"] <= report["ttft_ms"]["p99"]
     assert 0.0 <= report["cache_hit_rate"] <= 1.0
+    assert report["overlap"] is False and report["gpu_idle_fraction"] is None  # a CPU server: absent, not 0
     if workload == "system-prompt":
         assert report["cache_hit_rate"] > 0.3  # the shared system prompt is computed once

@@ -97,3 +97,30 @@ def test_closing_a_job_aborts_its_requests(tiny_model) -> None:
         assert engine.pool.num_free == idle
 
     _run(tiny_model, body)
+
+
+def test_overlap_gives_the_same_text_for_choices_and_stop_strings(tiny_model) -> None:
+    """Overlap scheduling (the engine learns tokens one step late; a stop string ends a choice by an abort
+    from the gateway): the same texts, token ids and finish reasons as without overlap."""
+    results = {}
+    for overlap in (False, True):
+        cfg = GatewayConfig(EngineConfig(model=str(tiny_model), overlap=overlap,
+                                         scheduler=SchedulerConfig(max_running=4, max_waiting=4)))
+
+        async def main() -> None:
+            gw = Gateway(cfg, client=InProcEngineClient(cfg.engine))
+            await gw.start()
+            try:
+                prompt = await gw.encode_prompt("The scheduler hands out a token budget")
+                full = await _collect(gw, Job([prompt, prompt[:5]], GREEDY, n=2))
+                stop = full[0][0][3:6]
+                stopped = await _collect(gw, Job([prompt, prompt[:5]], GREEDY, stop=(stop,)))
+                results[overlap] = (full, stopped)
+                await _settle(gw)
+                assert not gw.client.engine.has_unfinished
+            finally:
+                await gw.shutdown()
+
+        asyncio.run(main())
+    assert results[True] == results[False]
+    assert results[True][1][0][2] == "stop"

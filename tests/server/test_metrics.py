@@ -38,6 +38,9 @@ def test_engine_counters_gauges_and_histograms(server: ServeProcess) -> None:
     for name in GAUGES:
         assert m[name].type == "gauge", name
     assert _value(m, "k3rt_cache_pages_usable") == stats["pages_usable"] > 0
+    # a CPU engine: steps do not overlap, and the GPU-idle metric is absent rather than 0
+    assert _value(m, "k3rt_engine_overlap") == 0
+    assert not {"k3rt_gpu_idle_seconds", "k3rt_gpu_step_seconds", "k3rt_gpu_idle_fraction"} & set(m)
     assert 0 <= _value(m, "k3rt_cache_pinned_pages") <= _value(m, "k3rt_cache_pages_usable")
     assert _value(m, "k3rt_cache_snapshot_pages") >= 0
     assert _value(m, "k3rt_cache_snapshots_published", "k3rt_cache_snapshots_published_total") >= 1
@@ -54,3 +57,21 @@ def test_engine_counters_gauges_and_histograms(server: ServeProcess) -> None:
         assert 0 < total < 60 * count, (name, total, count)
     # one step-time observation per engine step (the scrape came after the stats: no fewer)
     assert _value(m, "k3rt_engine_step_time_seconds", "k3rt_engine_step_time_seconds_count") >= stats["steps"] > 0
+
+
+def test_gpu_idle_metrics_are_exported_from_engine_stats() -> None:
+    from k3rt.server.bench import gpu_idle_fraction, parse_engine_timing
+    from k3rt.server.metrics import ServerMetrics
+
+    stats = {"overlap": 1, "gpu_idle_seconds": 0.5, "gpu_step_seconds": 20.0}
+    text = ServerMetrics(lambda: stats).render().decode()
+    m = {f.name: f for f in text_string_to_metric_families(text)}
+    assert _value(m, "k3rt_gpu_idle_seconds", "k3rt_gpu_idle_seconds_total") == 0.5
+    assert _value(m, "k3rt_gpu_step_seconds", "k3rt_gpu_step_seconds_total") == 20.0
+    assert _value(m, "k3rt_gpu_idle_fraction") == 0.025 and _value(m, "k3rt_engine_overlap") == 1
+    # what `k3rt bench serve` reads: the fraction over its run, from two scrapes
+    before = parse_engine_timing(text)
+    stats.update(gpu_idle_seconds=1.5, gpu_step_seconds=30.0)
+    after = parse_engine_timing(ServerMetrics(lambda: stats).render().decode())
+    assert before == {"overlap": 1.0, "idle": 0.5, "span": 20.0} and gpu_idle_fraction(before, after) == 0.1
+    assert gpu_idle_fraction({}, {"overlap": 0.0}) is None

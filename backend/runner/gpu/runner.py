@@ -2,10 +2,13 @@
 sampling, with decode steps replayed from CUDA graphs.
 
 Per step the host packs every index (backend/runner/gpu/step.py) into two pinned buffers and
-copies them to the device once; the only synchronization is reading the sampled tokens back.
-Decode-only steps of up to `max(graph_sizes)` sequences (512 by default) replay a graph captured for
-the next larger size; the padding rows point at one reserved pool page (state set and MLA page), so
-they compute garbage nobody reads and touch no live state.
+copies them to the device once; the only synchronization is reading the sampled tokens back, which
+`collect` does (overlap scheduling: `launch` returns first, and the next step's launch feeds those
+tokens from the device, backend/overlap.py).
+Decode-only steps of up to `max(graph_sizes)` sequences replay a graph captured for the next larger
+size (sizes up to 512; those captured follow --max-running, `graph_sizes_for`); the padding rows point
+at one reserved pool page (state set and MLA page), so they compute garbage nobody reads and touch no
+live state.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ import torch
 
 from k3rt.backend.cache.pool import PagePool
 from k3rt.backend.models.kimi import KimiForCausalLM
-from k3rt.backend.runner.base import Runner, begin_step
+from k3rt.backend.runner.base import LaunchedStep, Runner, begin_step, pending_tokens
 from k3rt.backend.runner.gpu.forward import GpuForward
-from k3rt.backend.runner.gpu.ops import KernelConfig, kernel
+from k3rt.backend.runner.gpu.idle import IdleTimer
+from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, to_device
 from k3rt.backend.runner.gpu.penalties import PenaltyState
-from k3rt.backend.runner.gpu.sample import sample_step
+from k3rt.backend.runner.gpu.sample import sample_on_device, sample_step
 from k3rt.backend.runner.gpu.step import GpuStep, StepSeq, build_step, pack_step, step_views
 from k3rt.backend.runner.sampling import prompt_score_rows, record_prompt_logprobs
 from k3rt.backend.sampling.sampler import Sampler
@@ -74,6 +78,7 @@ class GpuModelRunner(Runner):
         self.sampler = Sampler(model.cfg.vocab_size, self.device)
         self.penalties = PenaltyState(model.cfg.vocab_size, self.device)
         self.pad_page = pool.reserve()  # padding rows of graph-replayed batches write here, never read
+        self.idle = IdleTimer() if self.device.type == "cuda" else None  # the GPU-idle metric (idle.py)
         self.graphs: dict[int, _Graph] = {}
         self.graph_sizes = tuple(sorted(graph_sizes))
         if cuda_graphs and self.device.type == "cuda":
@@ -103,23 +108,62 @@ class GpuModelRunner(Runner):
         return StepSeq([0], 0, [self.pad_page], [self.pad_page] * self.num_groups, True)
 
     def execute(self, out: SchedulerOutput) -> dict[int, int | list[int]]:
+        return self.collect(self.launch(out, None))
+
+    def launch(self, out: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep:
+        """Copies, forward and sampling queued on the device; the sampled tokens stay there (overlap
+        scheduling) unless the batch's sampling needs the host (grammar, logprobs, ...: then they are read
+        now). Requests continuing from `prev` get prev's tokens by a device gather."""
         if not out.chunks and not out.decodes:
-            return {}
+            return LaunchedStep(sampled={})
+        timing = self.idle.begin() if self.idle is not None else None
         chunks = begin_step(self.pool, out)
         seqs = [self._seq(c) for c in chunks]
+        pending = pending_tokens(chunks, prev)
         score_rows = prompt_score_rows(chunks)
         n = len(seqs)
         size = next((s for s in self.graph_sizes if s >= n), None)
+        step = None
         if self.graphs and not out.chunks and not score_rows and size in self.graphs:
-            logits = self._replay(seqs, size)[:n]
+            logits = self._replay(seqs, size, pending, prev)[:n]
         else:
             step = self._build(seqs, [row for _, row, _ in score_rows])
+            self._feed_pending(step.ids, pending, prev)
             logits = self.fwd(step, decode=step.decode_only)
         reqs = [c.req for c in chunks if c.needs_logits and not c.draft_ids]
         verify = [(i, c) for i, c in enumerate(chunks) if c.draft_ids]
         n_plain, n_verify = len(reqs), sum(c.num_fed for _, c in verify)
         if score_rows:
             record_prompt_logprobs(logits[n_plain + n_verify:], score_rows)
+        launched = LaunchedStep(timing=timing)
+        tokens = None
+        if not verify and reqs:
+            tokens = sample_on_device(logits[:n_plain], reqs, use_kernels=self.kernels.triton, penalties=self.penalties)
+        if tokens is not None:
+            launched.tokens, launched.rows = tokens, {r.rid: i for i, r in enumerate(reqs)}
+        else:
+            launched.sampled = self._sample_now(logits, reqs, verify, n_plain, n_verify, step)
+        if timing is not None:
+            self.idle.end(timing)
+        return launched
+
+    def collect(self, step: LaunchedStep) -> dict[int, int | list[int]]:
+        if step.sampled is None:
+            step.sampled = dict(zip(step.rows, step.tokens.tolist()))  # the step's one wait for the device
+        if step.timing is not None:
+            self.idle.collected(step.timing)
+        return step.sampled
+
+    def gpu_time(self) -> tuple[float, float] | None:
+        return None if self.idle is None else (self.idle.idle_s, self.idle.span_s)
+
+    def timing_break(self) -> None:
+        if self.idle is not None:
+            self.idle.reset()
+
+    def _sample_now(self, logits: torch.Tensor, reqs: list, verify: list, n_plain: int, n_verify: int,
+                    step: GpuStep | None) -> dict[int, int | list[int]]:
+        """Host-assisted sampling and speculative verification: reads the tokens back now."""
         sampled: dict[int, int | list[int]] = sample_step(self.sampler, logits[:n_plain], reqs,
                                                           use_kernels=self.kernels.triton, penalties=self.penalties)
         if verify:
@@ -134,6 +178,19 @@ class GpuModelRunner(Runner):
                 r.sampled.run_logprobs, r.sampled.run_top_logprobs = res.logprobs, res.top_logprobs
                 sampled[r.rid] = res.token_ids
         return sampled
+
+    def _feed_pending(self, ids: torch.Tensor, pending: dict[int, int], prev: LaunchedStep | None) -> None:
+        """ids[row] = prev's sampled token of request rid, for each (row, rid) in pending: on the device when
+        prev's tokens are still there, else from the host."""
+        if not pending:
+            return
+        rows = to_device(torch.tensor(list(pending), dtype=torch.int64), self.device)
+        if prev.tokens is not None:
+            src = to_device(torch.tensor([prev.rows[rid] for rid in pending.values()], dtype=torch.int64), self.device)
+            ids.index_copy_(0, rows, prev.tokens.index_select(0, src))
+        else:
+            vals = torch.tensor([prev.sampled[rid] for rid in pending.values()], dtype=torch.int64)
+            ids.index_copy_(0, rows, to_device(vals, self.device))
 
     def release(self, rid: int) -> None:
         self.penalties.release(rid)
@@ -182,10 +239,13 @@ class GpuModelRunner(Runner):
                      len(self.graphs), min(self.graphs), max(self.graphs), time.perf_counter() - t0,
                      (torch.cuda.memory_reserved(self.device) - reserved0) / 2**30)
 
-    def _replay(self, seqs: list[StepSeq], size: int) -> torch.Tensor:
+    def _replay(self, seqs: list[StepSeq], size: int, pending: dict[int, int] | None = None,
+                prev: LaunchedStep | None = None) -> torch.Tensor:
         g = self.graphs[size]
         _, (h64, h32) = self._pack(seqs + [self._pad_seq()] * (size - len(seqs)))
         g.flat64.copy_(h64.pin_memory(), non_blocking=True)
         g.flat32.copy_(h32.pin_memory(), non_blocking=True)
+        if pending:
+            self._feed_pending(g.flat64[:size], pending, prev)  # the token ids lead the int64 buffer (step.py)
         g.graph.replay()
         return g.logits

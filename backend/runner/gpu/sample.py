@@ -55,9 +55,41 @@ def sample_step(sampler: Sampler, logits: torch.Tensor, reqs: list, *, use_kerne
     return sample_requests(sampler, logits, reqs) if out is None else out
 
 
+def sample_on_device(logits: torch.Tensor, reqs: list, *, use_kernels: bool = True,
+                     penalties: PenaltyState | None = None) -> torch.Tensor | None:
+    """The batch's sampled tokens left on the device (int64 [len(reqs)]), for overlap scheduling: when no row
+    needs host work after sampling (grammar, logprobs, logit bias); else None (use `sample_step`)."""
+    if all(_plain_greedy(r) for r in reqs):
+        return torch.argmax(logits, dim=-1)
+    fn = kernel("sampling", "sample") if use_kernels and logits.is_cuda else None
+    if fn is None or any(r.grammar is not None or r.params.logprobs is not None or r.params.logit_bias
+                         or _penalized(r) for r in reqs):
+        return None
+    launched = _device_sample_launch(fn, logits, reqs, penalties)
+    return None if launched is None else launched[0].token_ids.to(torch.int64)
+
+
 def device_sample(fn, logits: torch.Tensor, reqs: list, penalties: PenaltyState | None) -> dict[int, int] | None:
     """One call of the Triton sampler `fn` for the batch; None when penalties need state rows that are
     not available (no PenaltyState, or every row taken)."""
+    launched = _device_sample_launch(fn, logits, reqs, penalties)
+    if launched is None:
+        return None
+    res, nlp = launched
+    tokens = res.token_ids.tolist()
+    if nlp is not None:
+        chosen, tops, ids = res.logprobs.tolist(), res.top_logprobs.tolist(), res.top_ids.tolist()
+    for i, (r, tok) in enumerate(zip(reqs, tokens)):
+        accept_grammar(r, tok)
+        if nlp is not None and r.params.logprobs is not None:
+            k = r.params.logprobs
+            r.sampled.logprob, r.sampled.top_logprobs = chosen[i], list(zip(ids[i][:k], tops[i][:k]))
+    return {r.rid: t for r, t in zip(reqs, tokens)}
+
+
+def _device_sample_launch(fn, logits: torch.Tensor, reqs: list, penalties: PenaltyState | None):
+    """Queue the Triton sampler `fn` for the batch without reading anything back: (result, number of
+    logprobs asked for or None); None when penalty state rows are not available."""
     dev = logits.device
     ps = [r.params for r in reqs]
     pen_kw: dict = {}
@@ -88,12 +120,4 @@ def device_sample(fn, logits: torch.Tensor, reqs: list, penalties: PenaltyState 
     if rows is not None:
         # only the penalized rows own their state row; the others read row 0 and add 0 to it
         penalties.add_tokens(ints[3], res.token_ids, ints[4])
-    tokens = res.token_ids.tolist()
-    if nlp is not None:
-        chosen, tops, ids = res.logprobs.tolist(), res.top_logprobs.tolist(), res.top_ids.tolist()
-    for i, (r, tok) in enumerate(zip(reqs, tokens)):
-        accept_grammar(r, tok)
-        if nlp is not None and r.params.logprobs is not None:
-            k = r.params.logprobs
-            r.sampled.logprob, r.sampled.top_logprobs = chosen[i], list(zip(ids[i][:k], tops[i][:k]))
-    return {r.rid: t for r, t in zip(reqs, tokens)}
+    return res, nlp
