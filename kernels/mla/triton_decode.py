@@ -38,6 +38,7 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs, poison_like
+from k3rt.kernels.mla.triton_decode_paged import _mla_decode_paged_kernel
 
 _LOG2E = 1.4426950408889634
 # A split also writes BLOCK_H*L fp32 of partial output (64 KB at Kimi's shape, about 57 tokens of
@@ -315,6 +316,8 @@ class MlaDecodeConfig:
     #                                 "after_scores" / "before_scores" (next tile in registers)
     num_warps: int = 8
     num_stages: int = 1
+    paged: bool = False  # page-aligned tiles, page ids carried one tile ahead (triton_decode_paged.py):
+    #                      the KV copies then overlap the math; either layout, no register prefetch
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_splits, int) or self.num_splits < 1:
@@ -325,6 +328,9 @@ class MlaDecodeConfig:
             raise ValueError(f"prefetch must be one of {tuple(_PREFETCH)}, got {self.prefetch!r}")
         _check_pow2(self.block_n, "block_n")
         _check_pow2(self.block_h, "block_h")
+        if self.paged and self.prefetch != "none":
+            raise ValueError(f"paged tiles are pipelined by Triton (num_stages): prefetch must be 'none', "
+                             f"got {self.prefetch!r}")
 
 
 @functools.lru_cache(maxsize=256)
@@ -370,6 +376,7 @@ def mla_decode(
     num_stages: int | None = None,
     layout: str | None = None,
     prefetch: str | None = None,
+    paged: bool | None = None,
 ) -> Tensor:
     """Absorbed MLA decode, one query token per sequence, over the paged latent cache.
 
@@ -388,7 +395,7 @@ def mla_decode(
             uses `mla_decode_num_splits` with max_blocks * block_size as the context hint.
         out: optional preallocated contiguous [N, H, L] output in q's dtype.
         use_pdl: launch with programmatic dependent launch (GPU only).
-        block_n, block_h, num_warps, num_stages, layout, prefetch: tuning overrides of
+        block_n, block_h, num_warps, num_stages, layout, prefetch, paged: tuning overrides of
             `mla_decode_config`'s choice (see `MlaDecodeConfig`).
 
     Returns:
@@ -421,7 +428,7 @@ def mla_decode(
     block_size = kv_cache.shape[1]
     cfg = mla_decode_config(N, H, block_table.shape[1] * block_size, _num_sms(q.device.index) if q.is_cuda else None)
     overrides = dict(num_splits=num_splits, block_n=block_n, block_h=block_h, num_warps=num_warps,
-                     num_stages=num_stages, layout=layout, prefetch=prefetch)
+                     num_stages=num_stages, layout=layout, prefetch=prefetch, paged=paged)
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if out is None:
         out = poison_like(torch.empty(N, H, L, dtype=q.dtype, device=q.device))
@@ -435,7 +442,7 @@ def mla_decode(
     S = cfg.num_splits
     # The tokens kernel always writes partials: its direct-output epilogue (the bf16 convert) spilled
     # registers at the 48B shape, so one split also goes through the combine (64 KB per sequence).
-    direct = S == 1 and cfg.layout == "heads"
+    direct = S == 1 and cfg.layout == "heads" and not cfg.paged
     if direct:
         part, lse = out, out  # lse unused: the kernel writes the output directly
     else:
@@ -448,7 +455,10 @@ def mla_decode(
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=pdl,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(use_pdl))
     grid = (N, triton.cdiv(H, cfg.block_h), S)
-    if cfg.layout == "tokens":
+    if cfg.paged:
+        args = args[:8] + args[10:]  # no output strides: partials only
+        _mla_decode_paged_kernel[grid](*args, HEADS_ON_M=cfg.layout == "heads", **meta)
+    elif cfg.layout == "tokens":
         args = args[:8] + args[10:]  # no output strides: partials only
         _mla_decode_split_tokens_kernel[grid](*args, PREFETCH=_PREFETCH[cfg.prefetch], **meta)
     else:

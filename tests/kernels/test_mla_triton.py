@@ -95,6 +95,27 @@ def test_decode_launch_variants(layout: str, prefetch: str, block_n: int) -> Non
                      block_n=block_n)
 
 
+@pytest.mark.parametrize("layout", ["heads", "tokens"])
+@pytest.mark.parametrize("block_size,block_n", [(48, 16), (40, 16), (16, 32)],
+                         ids=["tiles_divide_pages", "partial_last_tile", "tile_wider_than_page"])
+def test_decode_paged_tiles(layout: str, block_size: int, block_n: int) -> None:
+    """The paged kernel (page-aligned tiles, page ids carried one tile ahead): ragged lengths (a padding
+    row, one token, a length ending on a page boundary, one ending inside a page's partial last tile),
+    one split, splits cutting inside pages, splits past the end; table entries past a sequence's pages
+    are wrong page ids, so reading one shows."""
+    lens = [1, 0, 3 * block_size, 2 * block_size + 7, 5]
+    case = decode_case(lens, H=4, L=32, R=16, block_size=block_size, dtype=torch.float32,
+                       seed=block_size + block_n, table_pad=2)
+    for num_splits in (1, 4, 40):
+        check_decode(case, 32, scale=0.2, tol=1e-5, num_splits=num_splits, layout=layout, prefetch="none",
+                     paged=True, block_n=block_n, num_stages=3)
+
+
+def test_decode_paged_refuses_register_prefetch() -> None:
+    with pytest.raises(ValueError, match="prefetch"):
+        MlaDecodeConfig(num_splits=1, paged=True, prefetch="after_scores")
+
+
 def test_decode_config() -> None:
     """The default launch is a function of (batch, heads, context): all heads (up to 32) in one
     program, the heads layout with a 2-stage pipeline, and the split heuristic's count. Bad

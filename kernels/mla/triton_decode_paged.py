@@ -1,0 +1,135 @@
+"""MLA decode (Triton), the "paged" layout: page-aligned KV tiles so the copies overlap the math.
+
+Why a second kernel: in the "heads" and "tokens" kernels a tile's rows are gathered through the
+block table (one page id per row, a tile may straddle pages). Triton's pipeliner counts that
+page-id load as one level of load indirection, and with it the KV tile's copy is issued at the end
+of the iteration and waited on at the top of the next (the sm_90 TTGIR shows it: one buffer in
+flight, `async_wait num=0` first thing in the loop), so memory and math run in series: about 45 %
+of copy bandwidth (benchmarks/RESULTS.md, session 4).
+
+Here a tile never straddles a page: the tiles of a sequence are numbered page by page (a page of
+block_size tokens holds cdiv(block_size, BLOCK_N) tiles, the last one masked when BLOCK_N does not
+divide block_size), so a tile's page id is one scalar load. The pipeliner does not count scalar
+loads as indirection, so the KV copy gets the loop's full latency (num_stages - 1 iterations ahead,
+into num_stages - 1 shared buffers) and the next tiles stream in while this one is multiplied.
+
+Layout as in the "tokens" kernel: all BLOCK_H heads of a sequence share each tile (read once), the
+tile's tokens on the dots' M so both dots lower to Hopper wgmma with the tile read from shared
+memory: scores^T [BLOCK_N, BLOCK_H] = [c ; k_pe] [BLOCK_N, L+R] x q^T, acc^T [L, BLOCK_H] +=
+c^T x p^T. Accumulation in fp32.
+
+Split-KV: the tiles of a sequence are cut into num_splits equal ranges of whole tiles (computed in
+the kernel from seq_lens, so one launch and one CUDA graph serve any lengths); each split writes its
+normalized partial and log2-sum-exp, and `triton_decode._mla_decode_combine_kernel` merges them
+exactly. A split with no tiles (past the end, or a padding row with seq_len 0) writes the neutral
+partial (0, -inf). The launcher is `triton_decode.mla_decode` with layout="paged".
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def _mla_decode_paged_kernel(
+    q_ptr, stride_q_n, stride_q_h,  # [N, H, L+R]
+    kv_ptr,  # [num_pages, block_size, L+R], contiguous
+    block_table_ptr, stride_bt_n,  # [N, max_blocks] int32
+    seq_lens_ptr,  # [N] int32
+    part_ptr,  # [N, S, H, L] fp32 normalized partial outputs
+    lse_ptr,  # [N, S, H] fp32, log2 domain
+    qk_scale,  # scale * log2(e)
+    H,
+    block_size,
+    num_splits,  # S, a runtime value: a new split count needs no recompile
+    L: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    HEADS_ON_M: tl.constexpr,  # heads on the dots' M (mma.sync) instead of the tile's tokens (wgmma)
+):
+    i_n = tl.program_id(0)
+    i_hb = tl.program_id(1)
+    i_s = tl.program_id(2)
+    offs_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_t = tl.arange(0, BLOCK_N)
+    offs_l = tl.arange(0, L)
+    offs_r = tl.arange(0, R)
+
+    if USE_PDL:
+        gdc_wait()  # q and the current token's cache entry come from the previous kernels
+    seq_len = tl.load(seq_lens_ptr + i_n)
+    # tiles are numbered page by page; a page's last tile is partial when BLOCK_N does not divide it
+    tiles_per_page = tl.cdiv(block_size, BLOCK_N)
+    full_pages = seq_len // block_size
+    num_tiles = full_pages * tiles_per_page + tl.cdiv(seq_len - full_pages * block_size, BLOCK_N)
+    chunk = tl.cdiv(num_tiles, num_splits)
+    t_start = i_s * chunk
+    t_end = tl.minimum(t_start + chunk, num_tiles)
+    bt_row = block_table_ptr + i_n.to(tl.int64) * stride_bt_n
+
+    if HEADS_ON_M:  # q [BLOCK_H, L+R]: the dots' A operand from registers (mma.sync at 32 heads)
+        q_rows = q_ptr + i_n.to(tl.int64) * stride_q_n + offs_h[:, None] * stride_q_h
+        q_c = tl.load(q_rows + offs_l[None, :], mask=mask_h[:, None], other=0.0)  # [BLOCK_H, L]
+        q_pe = tl.load(q_rows + L + offs_r[None, :], mask=mask_h[:, None], other=0.0)  # [BLOCK_H, R]
+        acc = tl.zeros([BLOCK_H, L], dtype=tl.float32)
+    else:  # q^T [L+R, BLOCK_H]: heads on the dots' N, tile tokens on M (wgmma at BLOCK_N >= 64)
+        q_cols = q_ptr + i_n.to(tl.int64) * stride_q_n + offs_h[None, :] * stride_q_h
+        q_c = tl.load(q_cols + offs_l[:, None], mask=mask_h[None, :], other=0.0)  # [L, BLOCK_H]
+        q_pe = tl.load(q_cols + L + offs_r[:, None], mask=mask_h[None, :], other=0.0)  # [R, BLOCK_H]
+        acc = tl.zeros([L, BLOCK_H], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+
+    # The page id of each tile is loaded one iteration ahead and carried: the pipeliner follows load
+    # chains only inside one iteration, so the KV copy counts as a direct load and gets the loop's
+    # full latency (a page id loaded in the same iteration would halve it: see the module docstring).
+    page = tl.load(bt_row + t_start // tiles_per_page, mask=t_start < t_end, other=0)
+    # Every tile holds at least one live token (a page's tiles stop at its last live row), so m_i is
+    # finite after the first one.
+    for t in range(t_start, t_end):
+        slot = t // tiles_per_page
+        row = (t - slot * tiles_per_page) * BLOCK_N + offs_t  # [BLOCK_N] rows of the page
+        live = (row < block_size) & (slot * block_size + row < seq_len)
+        rows = kv_ptr + (page.to(tl.int64) * block_size + row) * (L + R)
+        page = tl.load(bt_row + (t + 1) // tiles_per_page, mask=t + 1 < t_end, other=0)  # the next tile's
+        if HEADS_ON_M:
+            c = tl.load(rows[:, None] + offs_l[None, :], mask=live[:, None], other=0.0)  # [BLOCK_N, L]
+            pe = tl.load(rows[:, None] + L + offs_r[None, :], mask=live[:, None], other=0.0)  # [BLOCK_N, R]
+            s = tl.dot(q_c, tl.trans(c), input_precision=DOT_PRECISION)
+            s = tl.dot(q_pe, tl.trans(pe), acc=s, input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
+            s = tl.where(live[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
+        else:
+            c = tl.load(rows[:, None] + offs_l[None, :], mask=live[:, None], other=0.0)  # [BLOCK_N, L]
+            pe = tl.load(rows[:, None] + L + offs_r[None, :], mask=live[:, None], other=0.0)  # [BLOCK_N, R]
+            s = tl.dot(c, q_c, input_precision=DOT_PRECISION)
+            s = tl.dot(pe, q_pe, acc=s, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_H]
+            s = tl.where(live[:, None], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(c), p.to(c.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+    if USE_PDL:
+        gdc_launch_dependents()
+
+    # no tiles (padding row, or a split past the end): l_i == 0, acc == 0 -> partial 0, lse -inf
+    has = l_i > 0.0
+    out_row = (i_n.to(tl.int64) * num_splits + i_s) * H + offs_h  # [BLOCK_H] rows of [N, S, H]
+    if HEADS_ON_M:
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+    else:
+        o = tl.trans(acc / tl.where(has, l_i, 1.0)[None, :])
+    tl.store(part_ptr + out_row[:, None] * L + offs_l[None, :], o, mask=mask_h[:, None])
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(lse_ptr + out_row, lse, mask=mask_h)
