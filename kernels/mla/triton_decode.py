@@ -318,6 +318,8 @@ class MlaDecodeConfig:
     num_stages: int = 1
     paged: bool = False  # page-aligned tiles, page ids carried one tile ahead (triton_decode_paged.py):
     #                      the KV copies then overlap the math; either layout, no register prefetch
+    max_registers: int | None = None  # ptxas register cap per thread (Triton's maxnreg): at <= 128 with 8
+    #                                   warps two programs share an SM, one's math hiding the other's loads
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_splits, int) or self.num_splits < 1:
@@ -328,6 +330,9 @@ class MlaDecodeConfig:
             raise ValueError(f"prefetch must be one of {tuple(_PREFETCH)}, got {self.prefetch!r}")
         _check_pow2(self.block_n, "block_n")
         _check_pow2(self.block_h, "block_h")
+        if self.max_registers is not None and not (isinstance(self.max_registers, int)
+                                                   and 24 <= self.max_registers <= 255):
+            raise ValueError(f"max_registers must be an int in [24, 255] or None, got {self.max_registers!r}")
         if self.paged and self.prefetch != "none":
             raise ValueError(f"paged tiles are pipelined by Triton (num_stages): prefetch must be 'none', "
                              f"got {self.prefetch!r}")
@@ -377,6 +382,7 @@ def mla_decode(
     layout: str | None = None,
     prefetch: str | None = None,
     paged: bool | None = None,
+    max_registers: int | None = None,
 ) -> Tensor:
     """Absorbed MLA decode, one query token per sequence, over the paged latent cache.
 
@@ -395,7 +401,7 @@ def mla_decode(
             uses `mla_decode_num_splits` with max_blocks * block_size as the context hint.
         out: optional preallocated contiguous [N, H, L] output in q's dtype.
         use_pdl: launch with programmatic dependent launch (GPU only).
-        block_n, block_h, num_warps, num_stages, layout, prefetch, paged: tuning overrides of
+        block_n, block_h, num_warps, num_stages, layout, prefetch, paged, max_registers: tuning overrides of
             `mla_decode_config`'s choice (see `MlaDecodeConfig`).
 
     Returns:
@@ -428,7 +434,8 @@ def mla_decode(
     block_size = kv_cache.shape[1]
     cfg = mla_decode_config(N, H, block_table.shape[1] * block_size, _num_sms(q.device.index) if q.is_cuda else None)
     overrides = dict(num_splits=num_splits, block_n=block_n, block_h=block_h, num_warps=num_warps,
-                     num_stages=num_stages, layout=layout, prefetch=prefetch, paged=paged)
+                     num_stages=num_stages, layout=layout, prefetch=prefetch, paged=paged,
+                     max_registers=max_registers)
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if out is None:
         out = poison_like(torch.empty(N, H, L, dtype=q.dtype, device=q.device))
@@ -454,6 +461,8 @@ def mla_decode(
     meta = dict(L=L, R=R, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=pdl,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(use_pdl))
+    if cfg.max_registers is not None and not INTERPRET:  # a compile option: the interpreter has no registers
+        meta["maxnreg"] = cfg.max_registers
     grid = (N, triton.cdiv(H, cfg.block_h), S)
     if cfg.paged:
         args = args[:8] + args[10:]  # no output strides: partials only
