@@ -341,21 +341,22 @@ class MlaDecodeConfig:
 @functools.lru_cache(maxsize=256)
 def mla_decode_config(batch_size: int, num_heads: int, max_context: int,
                       num_sms: int | None = None) -> MlaDecodeConfig:
-    """The default launch for a batch: the "heads" kernel with 64-token tiles, all heads (up to 32)
-    per program, Triton's 2-stage pipeline, 8 warps, and `mla_decode_num_splits`.
+    """The default launch for a batch: the paged kernel (triton_decode_paged.py) with heads on the dots'
+    M, 32-token page-aligned tiles, 4 stages (three KV tiles in shared memory, two in flight during the
+    math), 8 warps, all heads (up to 32) per program, and `mla_decode_num_splits`.
 
-    The "tokens" layout is not the default: its first H200 run (session 3) hit an illegal memory access
-    at the 48B shape although it matches the oracle under the interpreter at that shape; in session 4's
-    run its variants ran without error but no faster (64-token tiles, 2 stages: 44.7 % of copy bandwidth
-    at batch 64 / 128K, the same as this launch; benchmarks/RESULTS.md).
+    Only the split count depends on the batch: the tiles, and so the order of the sums, do not, which
+    the batch-invariant mode (one split) relies on. The gathered-row kernels stay selectable
+    (paged=False) as the fallback.
     """
     return MlaDecodeConfig(
         num_splits=mla_decode_num_splits(batch_size, num_heads, max_context, num_sms),
         layout="heads",
-        block_n=16 if INTERPRET else 64,  # the interpreter's cost grows with the tile
+        block_n=16 if INTERPRET else 32,  # the interpreter's cost grows with the tile
         block_h=_block_h(num_heads),
         prefetch="none",
-        num_stages=2,
+        num_stages=4,
+        paged=True,
     )
 
 

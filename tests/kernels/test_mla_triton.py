@@ -8,6 +8,7 @@ kernels at the Kimi-Linear-48B shape (H=32, L=512, R=64, P=V=128, page 1888) in 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -92,7 +93,7 @@ def test_decode_launch_variants(layout: str, prefetch: str, block_n: int) -> Non
     case = decode_case([1, 0, 130, 37], H=4, L=32, R=16, block_size=48, dtype=torch.float32, seed=block_n, table_pad=2)
     for num_splits in (1, 3, 40):
         check_decode(case, 32, scale=0.2, tol=1e-5, num_splits=num_splits, layout=layout, prefetch=prefetch,
-                     block_n=block_n)
+                     block_n=block_n, paged=False)
 
 
 @pytest.mark.parametrize("layout", ["heads", "tokens"])
@@ -118,14 +119,15 @@ def test_decode_paged_refuses_register_prefetch() -> None:
 
 def test_decode_config() -> None:
     """The default launch is a function of (batch, heads, context): all heads (up to 32) in one
-    program, the heads layout with a 2-stage pipeline, and the split heuristic's count. Bad
-    overrides are refused."""
+    program, the paged kernel with heads on M and a 4-stage pipeline, and the split heuristic's
+    count; only the split count follows the batch. Bad overrides are refused."""
     for n, h, ctx in [(1, 32, 32768), (16, 32, 131072), (64, 32, 4096), (3, 16, 100), (8, 64, 8192)]:
         cfg = mla_decode_config(n, h, ctx, num_sms=132)
         assert cfg.num_splits == mla_decode_num_splits(n, h, ctx, num_sms=132)
-        assert (cfg.layout, cfg.prefetch, cfg.num_warps, cfg.num_stages) == ("heads", "none", 8, 2)
+        assert (cfg.paged, cfg.layout, cfg.prefetch, cfg.num_warps, cfg.num_stages) == (True, "heads", "none", 8, 4)
         assert cfg.block_h == min(32, max(16, h))
-        assert cfg.block_n in (16, 64)  # 16 under the interpreter
+        assert cfg.block_n in (16, 32)  # 16 under the interpreter
+        assert cfg == replace(mla_decode_config(1, h, ctx, num_sms=132), num_splits=cfg.num_splits)
     case = decode_case([5, 9], H=4, L=32, R=16, block_size=16, dtype=torch.float32, seed=13)
     for bad, match in [(dict(layout="rows"), "layout"), (dict(prefetch="early"), "prefetch"),
                        (dict(block_n=48), "block_n"), (dict(block_h=8), "block_h")]:
@@ -147,7 +149,8 @@ res = {}
 for n, ctx in [(64, 32768), (1, 131072)]:
     # the tokens layout at its benchmarked tile (the default is the heads kernel, which
     # tests/kernels/test_mla_sm90_build.py builds)
-    cfg = replace(d.mla_decode_config(n, 32, ctx, 132), layout="tokens", prefetch="after_scores", num_stages=1)
+    cfg = replace(d.mla_decode_config(n, 32, ctx, 132), layout="tokens", prefetch="after_scores", num_stages=1,
+                  paged=False)
     consts = dict(L=512, R=64, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DOT_PRECISION="tf32", USE_PDL=True,
                   PREFETCH=d._PREFETCH[cfg.prefetch])
     res[f"{n}x{ctx}"] = sm90_build(d._mla_decode_split_tokens_kernel, sig, consts, cfg.num_warps, cfg.num_stages,
@@ -330,11 +333,17 @@ def _gpu_lens(N: int, max_ctx: int, seed: int) -> list[int]:
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("N,max_ctx", [(1, 32768), (16, 32768), (64, 8192), (64, 32768)])
 @pytest.mark.parametrize("splits", ["auto", "one"])
-def test_gpu_decode_kimi_shape(N: int, max_ctx: int, splits: str) -> None:
+@pytest.mark.parametrize("tiles", ["default", "paged", "gathered"])
+def test_gpu_decode_kimi_shape(N: int, max_ctx: int, splits: str, tiles: str) -> None:
+    """The default launch, page-aligned 64-token tiles (1888-token pages are not a multiple of them, so
+    each page's last tile is cut), and rows gathered through the block table (the fallback), in bf16 at
+    the 48B shape."""
     case = decode_case(_gpu_lens(N, max_ctx, seed=N + max_ctx), H=H48, L=L48, R=R48, block_size=PAGE48,
                        dtype=torch.bfloat16, seed=N, spare_blocks=1)
     num_splits = None if splits == "auto" else 1
-    check_decode(case, L48, SCALE48, tol=1e-2, num_splits=num_splits)
+    tune = {"default": {}, "paged": dict(paged=True, layout="heads", prefetch="none", block_n=64, num_stages=3),
+            "gathered": dict(paged=False, layout="heads", prefetch="none", num_stages=2)}[tiles]
+    check_decode(case, L48, SCALE48, tol=1e-2, num_splits=num_splits, **tune)
 
 
 @pytest.mark.gpu
