@@ -342,8 +342,13 @@ class MlaDecodeConfig:
 def mla_decode_config(batch_size: int, num_heads: int, max_context: int,
                       num_sms: int | None = None) -> MlaDecodeConfig:
     """The default launch for a batch: the paged kernel (triton_decode_paged.py) with heads on the dots'
-    M, 32-token page-aligned tiles, 4 stages (three KV tiles in shared memory, two in flight during the
-    math), 8 warps, all heads (up to 32) per program, and `mla_decode_num_splits`.
+    M, 32-token page-aligned tiles, 3 stages (two KV tiles in shared memory, one in flight during the
+    math), 4 warps, all heads (up to 32) per program, and `mla_decode_num_splits`.
+
+    4 warps and 110 KB of shared memory let two programs share an SM, so one's softmax and barriers
+    overlap the other's copies and dots: the best of 15 launches on the H200 (benchmarks/RESULTS.md,
+    2026-12-02: 65-71 % of copy bandwidth at batch >= 16 and context >= 32K, against 45 % for the
+    gathered-row kernel; with 8 warps the same tiles ran at 40 %).
 
     Only the split count depends on the batch: the tiles, and so the order of the sums, do not, which
     the batch-invariant mode (one split) relies on. The gathered-row kernels stay selectable
@@ -355,7 +360,8 @@ def mla_decode_config(batch_size: int, num_heads: int, max_context: int,
         block_n=16 if INTERPRET else 32,  # the interpreter's cost grows with the tile
         block_h=_block_h(num_heads),
         prefetch="none",
-        num_stages=4,
+        num_warps=4,
+        num_stages=3,
         paged=True,
     )
 

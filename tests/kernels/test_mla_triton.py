@@ -119,12 +119,12 @@ def test_decode_paged_refuses_register_prefetch() -> None:
 
 def test_decode_config() -> None:
     """The default launch is a function of (batch, heads, context): all heads (up to 32) in one
-    program, the paged kernel with heads on M and a 4-stage pipeline, and the split heuristic's
+    program, the paged kernel with heads on M, 4 warps and a 3-stage pipeline, and the split heuristic's
     count; only the split count follows the batch. Bad overrides are refused."""
     for n, h, ctx in [(1, 32, 32768), (16, 32, 131072), (64, 32, 4096), (3, 16, 100), (8, 64, 8192)]:
         cfg = mla_decode_config(n, h, ctx, num_sms=132)
         assert cfg.num_splits == mla_decode_num_splits(n, h, ctx, num_sms=132)
-        assert (cfg.paged, cfg.layout, cfg.prefetch, cfg.num_warps, cfg.num_stages) == (True, "heads", "none", 8, 4)
+        assert (cfg.paged, cfg.layout, cfg.prefetch, cfg.num_warps, cfg.num_stages) == (True, "heads", "none", 4, 3)
         assert cfg.block_h == min(32, max(16, h))
         assert cfg.block_n in (16, 32)  # 16 under the interpreter
         assert cfg == replace(mla_decode_config(1, h, ctx, num_sms=132), num_splits=cfg.num_splits)
