@@ -2,11 +2,11 @@
 
 Every head of a sequence attends to the same latent entries [c (L) ; k_pe (R)] (MQA over one
 576-wide head), so a program owns a block of BLOCK_H heads (all 32 of Kimi's at TP 1) and reads
-each KV tile once for all of them. The default layout ("tokens") puts the tile's tokens on the
+each KV tile once for all of them. The "tokens" layout puts the tile's tokens on the
 dot's M dimension: scores^T = [c ; k_pe] [BLOCK_N, L+R] x q^T [L+R, BLOCK_H] and
 acc^T [L, BLOCK_H] += c^T [L, BLOCK_N] x p^T [BLOCK_N, BLOCK_H], both reading the tile from shared
 memory, so with BLOCK_N = 64 both dots lower to Hopper wgmma (with 32 heads on M, as in the
-"heads" layout kept for comparison, M < 64 and Triton falls back to mma.sync). Accumulation is fp32.
+"heads" layout, M < 64 and Triton falls back to mma.sync). Accumulation is fp32.
 
 Loads: the tile rows are gathered through the block table (a tile may straddle pages), which
 defeats Triton's pipeliner at useful depths (it keeps one or two buffers and issues the next copy
@@ -22,8 +22,10 @@ lse -inf). A second small kernel merges the partials exactly (log-sum-exp weight
 "heads" kernel writes the output directly when num_splits == 1.) num_splits is a runtime
 argument, so graphs captured with different split counts share the compiled kernels.
 
-`mla_decode_config` picks the launch (layout, tiles, warps, prefetch, splits) from batch size,
-heads and context; the oracle is `ref.py::mla_decode_ref`. A seq_len of 0 is a padding row and
+The default launch is the paged kernel of triton_decode_paged.py (page-aligned tiles, so Triton
+keeps the next tile's copy in flight during the math); the gathered-row kernels here are the
+fallback (paged=False). `mla_decode_config` picks the launch (kernel, layout, tiles, warps, stages,
+splits) from batch size, heads and context; the oracle is `ref.py::mla_decode_ref`. A seq_len of 0 is a padding row and
 gives a zero output.
 """
 from __future__ import annotations

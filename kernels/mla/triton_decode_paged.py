@@ -1,28 +1,30 @@
-"""MLA decode (Triton), the "paged" layout: page-aligned KV tiles so the copies overlap the math.
+"""MLA decode (Triton), paged tiles: page-aligned KV tiles so the next tile's copy overlaps the math.
 
-Why a second kernel: in the "heads" and "tokens" kernels a tile's rows are gathered through the
-block table (one page id per row, a tile may straddle pages). Triton's pipeliner counts that
-page-id load as one level of load indirection, and with it the KV tile's copy is issued at the end
-of the iteration and waited on at the top of the next (the sm_90 TTGIR shows it: one buffer in
-flight, `async_wait num=0` first thing in the loop), so memory and math run in series: about 45 %
-of copy bandwidth (benchmarks/RESULTS.md, session 4).
+Why a second kernel: in the gathered-row kernels of triton_decode.py a tile's rows are gathered
+through the block table (one page id per row, a tile may straddle pages). Triton's pipeliner counts
+that page-id load as a level of load indirection, and with it the KV tile's copy is issued at the end
+of the iteration and waited for (`async_wait num = 0`) at the top of the next (the sm_90 TTGIR shows
+it), so memory and math run in series: about 45 % of copy bandwidth on the H200.
 
 Here a tile never straddles a page: the tiles of a sequence are numbered page by page (a page of
 block_size tokens holds cdiv(block_size, BLOCK_N) tiles, the last one masked when BLOCK_N does not
-divide block_size), so a tile's page id is one scalar load. The pipeliner does not count scalar
-loads as indirection, so the KV copy gets the loop's full latency (num_stages - 1 iterations ahead,
-into num_stages - 1 shared buffers) and the next tiles stream in while this one is multiplied.
+divide block_size), so a tile needs one page id. That id is loaded one iteration ahead and carried
+through the loop: the pipeliner follows load chains only within an iteration (a scalar page-id load
+in the same iteration still counts as indirection), so the KV copy counts as a direct load and gets
+the loop's full latency: at num_stages = 3 two shared buffers, tile i+1 streaming in while tile i is
+multiplied (tests/kernels/test_mla_sm90_build.py checks the wait inside the loop leaves it pending).
 
-Layout as in the "tokens" kernel: all BLOCK_H heads of a sequence share each tile (read once), the
-tile's tokens on the dots' M so both dots lower to Hopper wgmma with the tile read from shared
-memory: scores^T [BLOCK_N, BLOCK_H] = [c ; k_pe] [BLOCK_N, L+R] x q^T, acc^T [L, BLOCK_H] +=
-c^T x p^T. Accumulation in fp32.
+Two layouts (HEADS_ON_M): heads on the dots' M (the default: q in registers, mma.sync at 32 heads,
+s [BLOCK_H, BLOCK_N] = q · [c ; k_pe]^T, acc [BLOCK_H, L] += p · c), or the tile's tokens on M
+(both dots wgmma from shared memory at BLOCK_N >= 64, s^T = [c ; k_pe] · q^T, acc^T += c^T · p^T;
+measured slower: its q^T and three 64-token buffers do not fit, and at two buffers the copy runs in
+series again). All BLOCK_H heads of a sequence share each tile (read once). Accumulation in fp32.
 
 Split-KV: the tiles of a sequence are cut into num_splits equal ranges of whole tiles (computed in
 the kernel from seq_lens, so one launch and one CUDA graph serve any lengths); each split writes its
 normalized partial and log2-sum-exp, and `triton_decode._mla_decode_combine_kernel` merges them
 exactly. A split with no tiles (past the end, or a padding row with seq_len 0) writes the neutral
-partial (0, -inf). The launcher is `triton_decode.mla_decode` with layout="paged".
+partial (0, -inf). The launcher is `triton_decode.mla_decode` (paged=True, its default).
 """
 from __future__ import annotations
 
