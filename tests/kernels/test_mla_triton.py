@@ -96,9 +96,9 @@ def test_decode_launch_variants(layout: str, prefetch: str, block_n: int) -> Non
                      block_n=block_n, paged=False)
 
 
-@pytest.mark.parametrize("layout", ["heads", "tokens"])
-@pytest.mark.parametrize("block_size,block_n", [(48, 16), (40, 16), (16, 32)],
-                         ids=["tiles_divide_pages", "partial_last_tile", "tile_wider_than_page"])
+@pytest.mark.parametrize("layout,block_size,block_n", [("heads", 48, 16), ("heads", 40, 16), ("heads", 16, 32),
+                                                       ("tokens", 40, 16)],
+                         ids=["tiles_divide_pages", "partial_last_tile", "tile_wider_than_page", "tokens_on_m"])
 def test_decode_paged_tiles(layout: str, block_size: int, block_n: int) -> None:
     """The paged kernel (page-aligned tiles, page ids carried one tile ahead): ragged lengths (a padding
     row, one token, a length ending on a page boundary, one ending inside a page's partial last tile),
