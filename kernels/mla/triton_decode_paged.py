@@ -34,55 +34,42 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def _mla_decode_paged_kernel(
-    q_ptr, stride_q_n, stride_q_h,  # [N, H, L+R]
-    kv_ptr,  # [num_pages, block_size, L+R], contiguous
-    block_table_ptr, stride_bt_n,  # [N, max_blocks] int32
-    seq_lens_ptr,  # [N] int32
-    part_ptr,  # [N, S, H, L] fp32 normalized partial outputs
-    lse_ptr,  # [N, S, H] fp32, log2 domain
-    qk_scale,  # scale * log2(e)
-    H,
-    block_size,
-    num_splits,  # S, a runtime value: a new split count needs no recompile
-    L: tl.constexpr,
-    R: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    HEADS_ON_M: tl.constexpr,  # heads on the dots' M (mma.sync) instead of the tile's tokens (wgmma)
-):
-    i_n = tl.program_id(0)
-    i_hb = tl.program_id(1)
-    i_s = tl.program_id(2)
-    offs_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < H
-    offs_t = tl.arange(0, BLOCK_N)
+def _num_tiles(seq_len, block_size, tiles_per_page, BLOCK_N: tl.constexpr):
+    """Tiles of a sequence, numbered page by page (a page's last tile is partial when BLOCK_N does not
+    divide block_size); works on scalars and on vectors of lengths."""
+    full_pages = seq_len // block_size
+    return full_pages * tiles_per_page + tl.cdiv(seq_len - full_pages * block_size, BLOCK_N)
+
+
+@triton.jit
+def _load_q(q_ptr, stride_q_n, stride_q_h, i_n, offs_h, mask_h, L: tl.constexpr, R: tl.constexpr,
+            HEADS_ON_M: tl.constexpr):
+    """q [BLOCK_H, L] and [BLOCK_H, R] with heads on M (the dots' A operand from registers), else q^T."""
     offs_l = tl.arange(0, L)
     offs_r = tl.arange(0, R)
-
-    if USE_PDL:
-        gdc_wait()  # q and the current token's cache entry come from the previous kernels
-    seq_len = tl.load(seq_lens_ptr + i_n)
-    # tiles are numbered page by page; a page's last tile is partial when BLOCK_N does not divide it
-    tiles_per_page = tl.cdiv(block_size, BLOCK_N)
-    full_pages = seq_len // block_size
-    num_tiles = full_pages * tiles_per_page + tl.cdiv(seq_len - full_pages * block_size, BLOCK_N)
-    chunk = tl.cdiv(num_tiles, num_splits)
-    t_start = i_s * chunk
-    t_end = tl.minimum(t_start + chunk, num_tiles)
-    bt_row = block_table_ptr + i_n.to(tl.int64) * stride_bt_n
-
-    if HEADS_ON_M:  # q [BLOCK_H, L+R]: the dots' A operand from registers (mma.sync at 32 heads)
+    if HEADS_ON_M:
         q_rows = q_ptr + i_n.to(tl.int64) * stride_q_n + offs_h[:, None] * stride_q_h
         q_c = tl.load(q_rows + offs_l[None, :], mask=mask_h[:, None], other=0.0)  # [BLOCK_H, L]
         q_pe = tl.load(q_rows + L + offs_r[None, :], mask=mask_h[:, None], other=0.0)  # [BLOCK_H, R]
-        acc = tl.zeros([BLOCK_H, L], dtype=tl.float32)
-    else:  # q^T [L+R, BLOCK_H]: heads on the dots' N, tile tokens on M (wgmma at BLOCK_N >= 64)
+    else:  # heads on the dots' N, tile tokens on M (wgmma at BLOCK_N >= 64)
         q_cols = q_ptr + i_n.to(tl.int64) * stride_q_n + offs_h[None, :] * stride_q_h
         q_c = tl.load(q_cols + offs_l[:, None], mask=mask_h[None, :], other=0.0)  # [L, BLOCK_H]
         q_pe = tl.load(q_cols + L + offs_r[:, None], mask=mask_h[None, :], other=0.0)  # [R, BLOCK_H]
+    return q_c, q_pe
+
+
+@triton.jit
+def _attend_tiles(q_c, q_pe, kv_ptr, bt_row, seq_len, t_start, t_end, block_size, tiles_per_page, qk_scale,
+                  L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, HEADS_ON_M: tl.constexpr):
+    """Online softmax over tiles [t_start, t_end) of one sequence: (acc, m, l), acc unnormalized, in
+    the layout of HEADS_ON_M ([BLOCK_H, L], else [L, BLOCK_H]), m and l in the log2 domain."""
+    offs_t = tl.arange(0, BLOCK_N)
+    offs_l = tl.arange(0, L)
+    offs_r = tl.arange(0, R)
+    if HEADS_ON_M:
+        acc = tl.zeros([BLOCK_H, L], dtype=tl.float32)
+    else:
         acc = tl.zeros([L, BLOCK_H], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -122,16 +109,63 @@ def _mla_decode_paged_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=0)
             acc = acc * alpha[None, :] + tl.dot(tl.trans(c), p.to(c.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
-    if USE_PDL:
-        gdc_launch_dependents()
+    return acc, m_i, l_i
 
-    # no tiles (padding row, or a split past the end): l_i == 0, acc == 0 -> partial 0, lse -inf
+
+@triton.jit
+def _store_partial(part_ptr, lse_ptr, slot, H, offs_h, mask_h, acc, m_i, l_i, L: tl.constexpr,
+                   HEADS_ON_M: tl.constexpr):
+    """The normalized partial and its log2-sum-exp into row `slot` of [*, H, L] / [*, H]; an empty
+    range (l == 0, acc == 0) writes the neutral partial (0, -inf)."""
     has = l_i > 0.0
-    out_row = (i_n.to(tl.int64) * num_splits + i_s) * H + offs_h  # [BLOCK_H] rows of [N, S, H]
+    out_row = slot.to(tl.int64) * H + offs_h  # [BLOCK_H]
     if HEADS_ON_M:
         o = acc / tl.where(has, l_i, 1.0)[:, None]
     else:
         o = tl.trans(acc / tl.where(has, l_i, 1.0)[None, :])
-    tl.store(part_ptr + out_row[:, None] * L + offs_l[None, :], o, mask=mask_h[:, None])
+    tl.store(part_ptr + out_row[:, None] * L + tl.arange(0, L)[None, :], o, mask=mask_h[:, None])
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     tl.store(lse_ptr + out_row, lse, mask=mask_h)
+
+
+@triton.jit
+def _mla_decode_paged_kernel(
+    q_ptr, stride_q_n, stride_q_h,  # [N, H, L+R]
+    kv_ptr,  # [num_pages, block_size, L+R], contiguous
+    block_table_ptr, stride_bt_n,  # [N, max_blocks] int32
+    seq_lens_ptr,  # [N] int32
+    part_ptr,  # [N, S, H, L] fp32 normalized partial outputs
+    lse_ptr,  # [N, S, H] fp32, log2 domain
+    qk_scale,  # scale * log2(e)
+    H,
+    block_size,
+    num_splits,  # S, a runtime value: a new split count needs no recompile
+    L: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    HEADS_ON_M: tl.constexpr,  # heads on the dots' M (mma.sync) instead of the tile's tokens (wgmma)
+):
+    i_n = tl.program_id(0)
+    i_hb = tl.program_id(1)
+    i_s = tl.program_id(2)
+    offs_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+
+    if USE_PDL:
+        gdc_wait()  # q and the current token's cache entry come from the previous kernels
+    seq_len = tl.load(seq_lens_ptr + i_n)
+    tiles_per_page = tl.cdiv(block_size, BLOCK_N)
+    chunk = tl.cdiv(_num_tiles(seq_len, block_size, tiles_per_page, BLOCK_N), num_splits)
+    t_start = i_s * chunk
+    t_end = tl.minimum(t_start + chunk, _num_tiles(seq_len, block_size, tiles_per_page, BLOCK_N))
+    bt_row = block_table_ptr + i_n.to(tl.int64) * stride_bt_n
+    q_c, q_pe = _load_q(q_ptr, stride_q_n, stride_q_h, i_n, offs_h, mask_h, L, R, HEADS_ON_M)
+    acc, m_i, l_i = _attend_tiles(q_c, q_pe, kv_ptr, bt_row, seq_len, t_start, t_end, block_size, tiles_per_page,
+                                  qk_scale, L, R, BLOCK_H, BLOCK_N, DOT_PRECISION, HEADS_ON_M)
+    if USE_PDL:
+        gdc_launch_dependents()
+    # no tiles (padding row, or a split past the end): the neutral partial
+    _store_partial(part_ptr, lse_ptr, i_n * num_splits + i_s, H, offs_h, mask_h, acc, m_i, l_i, L, HEADS_ON_M)
