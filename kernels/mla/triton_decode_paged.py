@@ -169,3 +169,132 @@ def _mla_decode_paged_kernel(
         gdc_launch_dependents()
     # no tiles (padding row, or a split past the end): the neutral partial
     _store_partial(part_ptr, lse_ptr, i_n * num_splits + i_s, H, offs_h, mask_h, acc, m_i, l_i, L, HEADS_ON_M)
+
+
+@triton.jit
+def _balanced_plan(seq_lens_ptr, N, block_size, num_programs, min_tiles, BLOCK_N: tl.constexpr,
+                   N_P2: tl.constexpr):
+    """The balanced schedule, recomputed from seq_lens by every program that needs it (no host sync, so
+    one CUDA graph serves any lengths): the tiles of all sequences in order, cut into num_programs equal
+    ranges of `per` tiles (at least min_tiles). Returns the lengths, tile counts and inclusive tile
+    prefix sums ([N_P2] vectors), the total and `per`."""
+    offs = tl.arange(0, N_P2)
+    lens = tl.load(seq_lens_ptr + offs, mask=offs < N, other=0)
+    tiles = _num_tiles(lens, block_size, tl.cdiv(block_size, BLOCK_N), BLOCK_N)
+    cu = tl.cumsum(tiles, axis=0)
+    total = tl.sum(tiles, axis=0)
+    per = tl.maximum(tl.cdiv(total, num_programs), min_tiles)
+    return lens, tiles, cu, total, per
+
+
+@triton.jit
+def _mla_decode_balanced_kernel(
+    q_ptr, stride_q_n, stride_q_h,  # [N, H, L+R]
+    kv_ptr,  # [num_pages, block_size, L+R], contiguous
+    block_table_ptr, stride_bt_n,  # [N, max_blocks] int32
+    seq_lens_ptr,  # [N] int32
+    part_ptr,  # [P + N - 1, H, L] fp32: program p's partial of sequence n in row p + n
+    lse_ptr,  # [P + N - 1, H] fp32, log2 domain
+    qk_scale,  # scale * log2(e)
+    N,
+    H,
+    block_size,
+    min_tiles,  # the fewest tiles a program takes (a partial costs about as much as a tile)
+    L: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    N_P2: tl.constexpr,  # next_power_of_2(N)
+    DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    HEADS_ON_M: tl.constexpr,
+):
+    """Balanced split-KV (FlashMLA's schedule, in a grid of P work programs): program p takes the global
+    tiles [p * per, (p + 1) * per) of all sequences' tiles laid end to end, so every program streams the
+    same number of KV bytes however ragged the lengths, and writes one partial per sequence it touches.
+    Along the global order both p and n only grow and each step grows one of them, so p + n names each
+    (program, sequence) pair once: P + N - 1 partial rows in all."""
+    i_p = tl.program_id(0)
+    i_hb = tl.program_id(1)
+    offs_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_seq = tl.arange(0, N_P2)
+    tiles_per_page = tl.cdiv(block_size, BLOCK_N)
+
+    if USE_PDL:
+        gdc_wait()  # q and the current token's cache entry come from the previous kernels
+    lens, tiles, cu, total, per = _balanced_plan(seq_lens_ptr, N, block_size, tl.num_programs(0), min_tiles,
+                                                 BLOCK_N, N_P2)
+    g = i_p * per
+    g_end = tl.minimum(g + per, total)
+    while g < g_end:
+        # the first sequence ending past g (sequences without tiles, padding rows among them, end at or
+        # before it and are passed over)
+        i_n = tl.sum((cu <= g).to(tl.int32), axis=0)
+        here = offs_seq == i_n
+        seq_end = tl.sum(tl.where(here, cu, 0), axis=0)
+        seq_start = seq_end - tl.sum(tl.where(here, tiles, 0), axis=0)
+        seq_len = tl.sum(tl.where(here, lens, 0), axis=0)
+        stop = tl.minimum(g_end, seq_end)
+        q_c, q_pe = _load_q(q_ptr, stride_q_n, stride_q_h, i_n, offs_h, mask_h, L, R, HEADS_ON_M)
+        bt_row = block_table_ptr + i_n.to(tl.int64) * stride_bt_n
+        acc, m_i, l_i = _attend_tiles(q_c, q_pe, kv_ptr, bt_row, seq_len, g - seq_start, stop - seq_start, block_size,
+                                      tiles_per_page, qk_scale, L, R, BLOCK_H, BLOCK_N, DOT_PRECISION, HEADS_ON_M)
+        _store_partial(part_ptr, lse_ptr, i_p + i_n, H, offs_h, mask_h, acc, m_i, l_i, L, HEADS_ON_M)
+        g = stop
+    if USE_PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _mla_decode_balanced_combine_kernel(
+    part_ptr,  # [P + N - 1, H, L] fp32
+    lse_ptr,  # [P + N - 1, H] fp32, log2 domain
+    o_ptr, stride_o_n, stride_o_h,  # [N, H, L]
+    seq_lens_ptr,
+    N,
+    H,
+    block_size,
+    num_programs,  # P of the attention launch
+    min_tiles,
+    L: tl.constexpr,
+    BLOCK_L: tl.constexpr,  # a program merges BLOCK_L columns of one head (grid axis 2 covers L)
+    BLOCK_N: tl.constexpr,
+    N_P2: tl.constexpr,
+    P_P2: tl.constexpr,  # next_power_of_2(P): a sequence has at most P partials
+    BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Sequence n's partials are rows p + n for the programs p whose tile ranges meet its tiles,
+    p = first .. last with first = start // per, last = (end - 1) // per; merged exactly by
+    log-sum-exp weights. A sequence without tiles (seq_len 0) gets a zero output."""
+    i_n = tl.program_id(0)
+    i_h = tl.program_id(1)
+    offs_l = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
+    if USE_PDL:
+        gdc_wait()
+    lens, tiles, cu, total, per = _balanced_plan(seq_lens_ptr, N, block_size, num_programs, min_tiles,
+                                                 BLOCK_N, N_P2)
+    here = tl.arange(0, N_P2) == i_n
+    seq_end = tl.sum(tl.where(here, cu, 0), axis=0)
+    seq_tiles = tl.sum(tl.where(here, tiles, 0), axis=0)
+    first = (seq_end - seq_tiles) // tl.maximum(per, 1)
+    count = tl.where(seq_tiles > 0, (seq_end - 1) // tl.maximum(per, 1) - first + 1, 0)
+    base = first + i_n  # partial row of the first program
+    offs_s = tl.arange(0, P_P2)
+    lse = tl.load(lse_ptr + (base + offs_s).to(tl.int64) * H + i_h, mask=offs_s < count, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no partials: every weight is 0, output 0
+    denom = tl.sum(tl.exp2(lse - m), axis=0)
+    acc = tl.zeros([BLOCK_L], dtype=tl.float32)
+    for s0 in range(0, count, BLOCK_S):
+        ss = s0 + tl.arange(0, BLOCK_S)
+        mask_s = ss < count
+        rows = (base + ss).to(tl.int64) * H + i_h
+        w = tl.exp2(tl.load(lse_ptr + rows, mask=mask_s, other=float("-inf")) - m)  # [BLOCK_S]
+        part = tl.load(part_ptr + rows[:, None] * L + offs_l[None, :], mask=mask_s[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * part, axis=0)
+    if USE_PDL:
+        gdc_launch_dependents()
+    o = acc / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(o_ptr + i_n.to(tl.int64) * stride_o_n + i_h * stride_o_h + offs_l, o.to(o_ptr.dtype.element_ty))

@@ -117,6 +117,29 @@ def test_decode_paged_refuses_register_prefetch() -> None:
         MlaDecodeConfig(num_splits=1, paged=True, prefetch="after_scores")
 
 
+@pytest.mark.parametrize("lens,programs", [([1, 0, 130, 37], 3), ([200, 5, 0, 0, 77], 7), ([0, 0], 4), ([3], 1)],
+                         ids=["seqs_share_programs", "padding_inside", "all_padding", "one_program"])
+def test_decode_balanced_schedule(lens: list[int], programs: int) -> None:
+    """The balanced schedule (work programs over all sequences' tiles end to end, at least 128 tokens
+    each): programs that cover several sequences, sequences cut across programs, padding rows between
+    and at the end (zero output), programs past the work, and the heuristic's program count."""
+    case = decode_case(lens, H=4, L=32, R=16, block_size=48, dtype=torch.float32, seed=len(lens) + programs,
+                       table_pad=2)
+    check_decode(case, 32, scale=0.2, tol=1e-5, num_splits=programs, schedule="balanced")
+    if programs == 3:
+        check_decode(case, 32, scale=0.2, tol=1e-5, schedule="balanced")
+
+
+def test_decode_balanced_schedule_refusals() -> None:
+    with pytest.raises(ValueError, match="paged=True"):
+        MlaDecodeConfig(num_splits=4, paged=False, schedule="balanced", prefetch="none")
+    with pytest.raises(ValueError, match="schedule"):
+        MlaDecodeConfig(num_splits=4, paged=True, schedule="even", prefetch="none")
+    case = decode_case([1] * 1025, H=4, L=32, R=16, block_size=16, dtype=torch.float32, seed=3)
+    with pytest.raises(ValueError, match="at most 1024 sequences, got N=1025"):
+        mla_decode(**case, scale=0.1, kv_lora_rank=32, schedule="balanced")
+
+
 def test_decode_config() -> None:
     """The default launch is a function of (batch, heads, context): all heads (up to 32) in one
     program, the paged kernel with heads on M, 4 warps and a 3-stage pipeline, and the split heuristic's
