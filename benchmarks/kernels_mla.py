@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -52,6 +53,7 @@ import_k3rt_kernels()
 from k3rt.kernels.mla import (  # noqa: E402
     mla_decode, mla_decode_num_splits, mla_decode_ref, mla_prefill, mla_prefill_ref,
 )
+from k3rt.kernels.mla.triton_decode import mla_decode_balanced_programs, mla_decode_config  # noqa: E402
 
 GPU = torch.cuda.is_available() and not ARGS.smoke
 DEV = "cuda" if GPU else "cpu"
@@ -116,33 +118,49 @@ DECODE_VARIANTS = {
     "paged heads 64 x2 r128 2/SM": dict(_PAGED, layout="heads", block_n=64, num_warps=8, num_stages=2,
                                         max_registers=128),
     "paged tokens 64 x2": dict(_PAGED, layout="tokens", block_n=64, num_warps=8, num_stages=2),
+    "balanced heads 32 w4 x3 2/SM": dict(_PAGED, schedule="balanced", layout="heads", block_n=32, num_warps=4,
+                                         num_stages=3),
     "gathered heads 64 x2": dict(paged=False, layout="heads", block_n=64, num_warps=8, num_stages=2, prefetch="none"),
 }
 if not GPU:  # the interpreter: two variants at its 16-token tiles
-    DECODE_VARIANTS = {"default": {}, "paged heads 16 x3": dict(_PAGED, layout="heads", block_n=16, num_stages=3)}
+    DECODE_VARIANTS = {"default": {}, "paged heads 16 x3": dict(_PAGED, layout="heads", block_n=16, num_stages=3),
+                       "balanced heads 16 x3": dict(_PAGED, schedule="balanced", layout="heads", block_n=16,
+                                                    num_stages=3)}
 if ARGS.variant_index is not None:
     DECODE_VARIANTS = dict([list(DECODE_VARIANTS.items())[ARGS.variant_index]])
 
 
 class DecodeCase:
-    """One (batch, context) decode case: its page pool is built once and timed under many launches."""
+    """One (batch, context) decode case: its page pool is built once and timed under many launches.
+    ragged: lengths uniform in [1, 2 * ctx] (mean ~ctx; pages for 2 * ctx), bytes from the actual lengths."""
 
-    def __init__(self, N: int, ctx: int) -> None:
-        self.N, self.ctx = N, ctx
-        self.bytes_per_call = N * ctx * (L + R) * 2 + N * H * (2 * L + R) * 2
-        self.rot = l2_rotation(self.bytes_per_call)
-        gen = torch.Generator(device=DEV).manual_seed(N * 7 + ctx)
-        self.kv, self.tables, self.qs, self.seq_lens = decode_inputs(N, ctx, self.rot, gen)
+    def __init__(self, N: int, ctx: int, ragged: bool = False) -> None:
+        self.N, self.ctx, self.ragged = N, ctx, ragged
+        gen = torch.Generator(device=DEV).manual_seed(N * 7 + ctx + ragged)
+        span = 2 * ctx if ragged else ctx
+        self.rot = l2_rotation(N * ctx * (L + R) * 2)
+        self.kv, self.tables, self.qs, self.seq_lens = decode_inputs(N, span, self.rot, gen)
+        if ragged:
+            self.seq_lens = torch.randint(1, span + 1, (N,), generator=gen, device=DEV, dtype=torch.int32)
+        self.span = span
+        self.bytes_per_call = int(self.seq_lens.sum()) * (L + R) * 2 + N * H * (2 * L + R) * 2
         self.outs = [torch.empty(N, H, L, dtype=DTYPE, device=DEV) for _ in range(self.rot)]
 
     def time(self, variant: str, num_splits: int | None = None) -> dict:
         tune = DECODE_VARIANTS[variant]
-        splits = num_splits or mla_decode_num_splits(self.N, H, self.ctx)
+        # the balanced schedule's count is work programs (None: the launcher's choice), not splits
+        balanced = tune.get("schedule") == "balanced"
+        if balanced:
+            cfg = replace(mla_decode_config(self.N, H, self.span), **tune)
+            splits = num_splits or mla_decode_balanced_programs(H, cfg, None if GPU else 4)  # interpreter: few
+        else:
+            splits = num_splits or mla_decode_num_splits(self.N, H, self.span)
         calls = [lambda r=r: mla_decode(self.qs[r], self.kv, self.tables[r], self.seq_lens, SCALE, kv_lora_rank=L,
                                         num_splits=splits, out=self.outs[r], **tune) for r in range(self.rot)]
         us = graph_time(calls, reps=30 if GPU else 1)["us_per_call"]
         gbps = self.bytes_per_call / (us * 1e-6) / 1e9
-        return {"variant": variant, "N": self.N, "ctx": self.ctx, "num_splits": splits, **tune, "us": us,
+        return {"variant": variant, "N": self.N, "ctx": self.ctx, "ragged": self.ragged, "num_splits": splits,
+                **tune, "us": us,
                 "GBps": gbps, "pct_copy_bw": 100 * gbps / RESULT["copy_bandwidth"]["GBps"], "rotations": self.rot}
 
 
@@ -152,7 +170,7 @@ def bench_decode() -> None:
     failed = {c["name"].split(" splits=")[0][len("decode "):] for c in RESULT["correctness"] if not c["ok"]}
     ok = set(DECODE_VARIANTS) - failed
     best_key = lambda v: -sum(r["pct_copy_bw"] for r in RESULT["decode"]  # noqa: E731
-                              if r["variant"] == v and r["ctx"] >= 32768) if GPU and v in ok else 0
+                              if r["variant"] == v and r["ctx"] >= 32768 and not r["ragged"]) if GPU and v in ok else 0
     for ctx in CONTEXTS:
         for N in BATCHES:
             if not in_budget(f"decode N={N} ctx={ctx}"):
@@ -172,7 +190,26 @@ def bench_decode() -> None:
             del case
             if GPU:
                 torch.cuda.empty_cache()  # the pools of the largest cases are ~10 GB
-    table = {v: {f"{r['N']}x{r['ctx'] // 1024}K": round(r["pct_copy_bw"], 1) for r in RESULT["decode"]
+    for N in BATCHES[1:] if GPU else BATCHES:  # ragged lengths, mean ~32K: where the balanced schedule matters
+        ctx = 32768 if GPU else CONTEXTS[0]
+        if not in_budget(f"decode ragged N={N} ctx={ctx}"):
+            continue
+        case = DecodeCase(N, ctx, ragged=True)
+        for variant in DECODE_VARIANTS:
+            try:
+                row = case.time(variant)
+            except Exception as e:
+                RESULT["decode_errors"].append({"variant": variant, "N": N, "ctx": ctx, "ragged": True,
+                                                "error": repr(e)[:400]})
+                continue
+            RESULT["decode"].append(row)
+            REPORT.save()
+            print(f"decode N={N:3d} ragged ~{ctx:6d} {variant:28s} {row['us']:9.2f} us {row['pct_copy_bw']:5.1f}% of copy")
+        del case
+        if GPU:
+            torch.cuda.empty_cache()
+    table = {v: {f"{r['N']}x{r['ctx'] // 1024}K{'r' if r['ragged'] else ''}": round(r["pct_copy_bw"], 1)
+                 for r in RESULT["decode"]
                  if r["variant"] == v} for v in DECODE_VARIANTS}
     RESULT["decode_table_pct_copy_bw"] = table
     for v, row in table.items():

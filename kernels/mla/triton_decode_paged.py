@@ -25,6 +25,11 @@ the kernel from seq_lens, so one launch and one CUDA graph serve any lengths); e
 normalized partial and log2-sum-exp, and `triton_decode._mla_decode_combine_kernel` merges them
 exactly. A split with no tiles (past the end, or a padding row with seq_len 0) writes the neutral
 partial (0, -inf). The launcher is `triton_decode.mla_decode` (paged=True, its default).
+
+Balanced schedule (schedule="balanced", `_mla_decode_balanced_kernel`): instead of S splits of every
+sequence, P work programs each take an equal share of all sequences' tiles laid end to end, so ragged
+lengths load every program alike (FlashMLA's schedule); its combine finds each sequence's partials
+from the same plan. Tested against the oracle; not yet measured on a GPU, so not the default.
 """
 from __future__ import annotations
 
