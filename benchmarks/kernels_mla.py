@@ -5,7 +5,8 @@ context 4K/32K/128K x batch 1/16/64, each call replayed from a CUDA graph, rotat
 page sets that every call reads cold KV. Bytes = KV read (N*ctx*576*2) + q + out; the ratio is
 taken against the device-to-device copy bandwidth measured in the same run. Every launch variant
 in DECODE_VARIANTS (the default, the paged kernel's tile / stage / occupancy alternatives) is checked against
-the oracle at 32K and timed at every case side by side; then split counts at half and twice the
+the oracle at 32K and timed at every case side by side, then at ragged lengths (uniform in
+[1, 64K], batch 16 and 64: where the balanced schedule matters); then split counts at half and twice the
 heuristic's are timed for the two variants with the best mean at contexts >= 32K.
 
 Prefill (one sequence of 8K and 32K tokens, expanded form: qk dim 192, v dim 128) reports
