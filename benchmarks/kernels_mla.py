@@ -95,29 +95,20 @@ def decode_inputs(N: int, ctx: int, rotations: int, gen: torch.Generator):
     return kv, tables, qs, seq_lens
 
 
-# name -> mla_decode tuning overrides ({} is the default config: the heads kernel at 64-token tiles, rows
-# gathered through the block table, 2 stages). The "paged" variants are triton_decode_paged.py: page-aligned
-# tiles whose page id is carried one tile ahead, so Triton's pipeliner keeps num_stages - 1 KV copies in
-# flight during the math; "2/SM" variants cap registers (or use 4 warps) and shared memory so that two
-# programs share an SM. "tokens" puts the tile's tokens on the dots' M (wgmma); "heads" the heads (mma.sync).
+# name -> mla_decode tuning overrides ({} is the default config: the paged kernel, triton_decode_paged.py, with
+# heads on the dots' M, 32-token page-aligned tiles, 4 warps, 3 stages: two programs per SM). The paged kernel
+# carries each tile's page id one tile ahead, so Triton's pipeliner keeps the next KV copy in flight during the
+# math; "2/SM" launches cap registers (or use 4 warps) and shared memory so that two programs share an SM;
+# "tokens" puts the tile's tokens on the dots' M (wgmma); "balanced" shares all sequences' tiles evenly among
+# work programs; "gathered" is the previous default (rows gathered through the block table). The 2026-12-02
+# sweep (benchmarks/RESULTS.md) also timed 8-warp 32-token and 16-token tiles; all were slower and are left out.
 _PAGED = dict(paged=True, prefetch="none")
 DECODE_VARIANTS = {
     "default": {},
     "paged heads 64 x3": dict(_PAGED, layout="heads", block_n=64, num_warps=8, num_stages=3),
-    "paged heads 32 x3": dict(_PAGED, layout="heads", block_n=32, num_warps=8, num_stages=3),
-    "paged heads 32 x4": dict(_PAGED, layout="heads", block_n=32, num_warps=8, num_stages=4),
-    "paged heads 32 x5": dict(_PAGED, layout="heads", block_n=32, num_warps=8, num_stages=5),
-    "paged heads 16 x6": dict(_PAGED, layout="heads", block_n=16, num_warps=8, num_stages=6),
-    "paged heads 16 x8": dict(_PAGED, layout="heads", block_n=16, num_warps=8, num_stages=8),
-    "paged heads 32 w4 x2 2/SM": dict(_PAGED, layout="heads", block_n=32, num_warps=4, num_stages=2),
-    "paged heads 32 w4 x3 2/SM": dict(_PAGED, layout="heads", block_n=32, num_warps=4, num_stages=3),
-    "paged heads 16 w4 x4 2/SM": dict(_PAGED, layout="heads", block_n=16, num_warps=4, num_stages=4),
-    "paged heads 32 x3 r128 2/SM": dict(_PAGED, layout="heads", block_n=32, num_warps=8, num_stages=3,
-                                        max_registers=128),
-    "paged heads 16 x4 r128 2/SM": dict(_PAGED, layout="heads", block_n=16, num_warps=8, num_stages=4,
-                                        max_registers=128),
     "paged heads 64 x2 r128 2/SM": dict(_PAGED, layout="heads", block_n=64, num_warps=8, num_stages=2,
                                         max_registers=128),
+    "paged heads 32 w4 x2 2/SM": dict(_PAGED, layout="heads", block_n=32, num_warps=4, num_stages=2),
     "paged tokens 64 x2": dict(_PAGED, layout="tokens", block_n=64, num_warps=8, num_stages=2),
     "balanced heads 32 w4 x3 2/SM": dict(_PAGED, schedule="balanced", layout="heads", block_n=32, num_warps=4,
                                          num_stages=3),
