@@ -170,10 +170,10 @@ sig = dict(q_ptr="*bf16", stride_q_n=I32, stride_q_h=I32, kv_ptr="*bf16", block_
            num_splits=I32, L=C, R=C, BLOCK_H=C, BLOCK_N=C, DOT_PRECISION=C, USE_PDL=C, PREFETCH=C)
 res = {}
 for n, ctx in [(64, 32768), (1, 131072)]:
-    # the tokens layout at its benchmarked tile (the default is the heads kernel, which
-    # tests/kernels/test_mla_sm90_build.py builds)
+    # the gathered tokens layout at its benchmarked tile (64 tokens, 8 warps; the default launch is the
+    # paged kernel, which tests/kernels/test_mla_sm90_build.py builds)
     cfg = replace(d.mla_decode_config(n, 32, ctx, 132), layout="tokens", prefetch="after_scores", num_stages=1,
-                  paged=False)
+                  paged=False, block_n=64, num_warps=8)
     consts = dict(L=512, R=64, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DOT_PRECISION="tf32", USE_PDL=True,
                   PREFETCH=d._PREFETCH[cfg.prefetch])
     res[f"{n}x{ctx}"] = sm90_build(d._mla_decode_split_tokens_kernel, sig, consts, cfg.num_warps, cfg.num_stages,
