@@ -4,9 +4,10 @@ Decode (Kimi-Linear-48B shape: H=32, L=512, R=64, bf16, page 1888, pages shuffle
 context 4K/32K/128K x batch 1/16/64, each call replayed from a CUDA graph, rotating over enough
 page sets that every call reads cold KV. Bytes = KV read (N*ctx*576*2) + q + out; the ratio is
 taken against the device-to-device copy bandwidth measured in the same run. Every launch variant
-in DECODE_VARIANTS (the default, the old default, tile / prefetch alternatives) is checked against
-the oracle at 32K and timed at every case side by side; then split counts at half and twice the
-heuristic's are timed for the variant with the best mean at contexts >= 32K.
+in DECODE_VARIANTS (the default, the paged kernel's tile / stage / occupancy alternatives) is checked against
+the oracle at 32K and timed at every case side by side, then at ragged lengths (uniform in
+[1, 64K], batch 16 and 64: where the balanced schedule matters); then split counts at half and twice the
+heuristic's are timed for the two variants with the best mean at contexts >= 32K.
 
 Prefill (one sequence of 8K and 32K tokens, expanded form: qk dim 192, v dim 128) reports
 tokens/s and TFLOP/s (causal: 2*H*T(T+1)/2*(192+128) flops) next to torch SDPA on the same
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -52,6 +54,7 @@ import_k3rt_kernels()
 from k3rt.kernels.mla import (  # noqa: E402
     mla_decode, mla_decode_num_splits, mla_decode_ref, mla_prefill, mla_prefill_ref,
 )
+from k3rt.kernels.mla.triton_decode import mla_decode_balanced_programs, mla_decode_config  # noqa: E402
 
 GPU = torch.cuda.is_available() and not ARGS.smoke
 DEV = "cuda" if GPU else "cpu"
@@ -67,7 +70,7 @@ SCALE = (P + R) ** -0.5
 # this script's sections are plain lists filled by hand (no per-item records): only the budget clock
 # and the JSON writing come from the Report
 REPORT = Report(Path(ARGS.out), ARGS.budget_s, {
-    "mode": "gpu" if GPU else "smoke", "shape": SHAPE, "dtype": str(DTYPE), "decode": [], "decode_sweep": [],
+    "mode": "gpu" if GPU else "smoke", "shape": SHAPE, "dtype": str(DTYPE), "decode": [], "decode_errors": [], "decode_sweep": [],
     "prefill": [], "prefill_sweep": [], "correctness": [], "skipped": []})
 RESULT = REPORT.result
 
@@ -92,60 +95,86 @@ def decode_inputs(N: int, ctx: int, rotations: int, gen: torch.Generator):
     return kv, tables, qs, seq_lens
 
 
-# name -> mla_decode tuning overrides ({} is the default config: the heads kernel at 64-token tiles, the
-# best tile of the previous sweep). "old default" is the launch before (heads on the dots' M,
-# mma.sync, Triton-pipelined 32-token tiles). The tokens layout puts tile tokens on M (wgmma at 64-token tiles);
-# prefetch carries the next tile in registers (loads issued after / before the score dot).
+# name -> mla_decode tuning overrides ({} is the default config: the paged kernel, triton_decode_paged.py, with
+# heads on the dots' M, 32-token page-aligned tiles, 4 warps, 3 stages: two programs per SM). The paged kernel
+# carries each tile's page id one tile ahead, so Triton's pipeliner keeps the next KV copy in flight during the
+# math; "2/SM" launches cap registers (or use 4 warps) and shared memory so that two programs share an SM;
+# "tokens" puts the tile's tokens on the dots' M (wgmma); "balanced" shares all sequences' tiles evenly among
+# work programs; "gathered" is the previous default (rows gathered through the block table). The 2026-12-02
+# sweep (benchmarks/RESULTS.md) also timed 8-warp 32-token and 16-token tiles; all were slower and are left out.
+_PAGED = dict(paged=True, prefetch="none")
 DECODE_VARIANTS = {
     "default": {},
-    "old default (heads 32x2)": dict(layout="heads", block_n=32, num_warps=8, num_stages=2, prefetch="none"),
-    "tokens 64 pipelined x2": dict(block_n=64, num_warps=8, num_stages=2, prefetch="none"),
-    "tokens 32 pipelined x5": dict(block_n=32, num_warps=8, num_stages=5, prefetch="none"),
-    "tokens 64 prefetch after": dict(block_n=64, num_warps=8, num_stages=1, prefetch="after_scores"),
-    "tokens 64 prefetch before": dict(block_n=64, num_warps=8, num_stages=1, prefetch="before_scores"),
-    "tokens 32 prefetch after": dict(block_n=32, num_warps=8, num_stages=1, prefetch="after_scores"),
-    "tokens 32 prefetch before": dict(block_n=32, num_warps=8, num_stages=1, prefetch="before_scores"),
+    "paged heads 64 x3": dict(_PAGED, layout="heads", block_n=64, num_warps=8, num_stages=3),
+    "paged heads 64 x2 r128 2/SM": dict(_PAGED, layout="heads", block_n=64, num_warps=8, num_stages=2,
+                                        max_registers=128),
+    "paged heads 32 w4 x2 2/SM": dict(_PAGED, layout="heads", block_n=32, num_warps=4, num_stages=2),
+    "paged tokens 64 x2": dict(_PAGED, layout="tokens", block_n=64, num_warps=8, num_stages=2),
+    "balanced heads 32 w4 x3 2/SM": dict(_PAGED, schedule="balanced", layout="heads", block_n=32, num_warps=4,
+                                         num_stages=3),
+    "gathered heads 64 x2": dict(paged=False, layout="heads", block_n=64, num_warps=8, num_stages=2, prefetch="none"),
 }
 if not GPU:  # the interpreter: two variants at its 16-token tiles
-    DECODE_VARIANTS = {"default": {}, "old default (heads 32x2)": dict(layout="heads", block_n=16, prefetch="none")}
+    DECODE_VARIANTS = {"default": {}, "paged heads 16 x3": dict(_PAGED, layout="heads", block_n=16, num_stages=3),
+                       "balanced heads 16 x3": dict(_PAGED, schedule="balanced", layout="heads", block_n=16,
+                                                    num_stages=3)}
 if ARGS.variant_index is not None:
     DECODE_VARIANTS = dict([list(DECODE_VARIANTS.items())[ARGS.variant_index]])
 
 
 class DecodeCase:
-    """One (batch, context) decode case: its page pool is built once and timed under many launches."""
+    """One (batch, context) decode case: its page pool is built once and timed under many launches.
+    ragged: lengths uniform in [1, 2 * ctx] (mean ~ctx; pages for 2 * ctx), bytes from the actual lengths."""
 
-    def __init__(self, N: int, ctx: int) -> None:
-        self.N, self.ctx = N, ctx
-        self.bytes_per_call = N * ctx * (L + R) * 2 + N * H * (2 * L + R) * 2
-        self.rot = l2_rotation(self.bytes_per_call)
-        gen = torch.Generator(device=DEV).manual_seed(N * 7 + ctx)
-        self.kv, self.tables, self.qs, self.seq_lens = decode_inputs(N, ctx, self.rot, gen)
+    def __init__(self, N: int, ctx: int, ragged: bool = False) -> None:
+        self.N, self.ctx, self.ragged = N, ctx, ragged
+        gen = torch.Generator(device=DEV).manual_seed(N * 7 + ctx + ragged)
+        span = 2 * ctx if ragged else ctx
+        self.rot = l2_rotation(N * ctx * (L + R) * 2)
+        self.kv, self.tables, self.qs, self.seq_lens = decode_inputs(N, span, self.rot, gen)
+        if ragged:
+            self.seq_lens = torch.randint(1, span + 1, (N,), generator=gen, device=DEV, dtype=torch.int32)
+        self.span = span
+        self.bytes_per_call = int(self.seq_lens.sum()) * (L + R) * 2 + N * H * (2 * L + R) * 2
         self.outs = [torch.empty(N, H, L, dtype=DTYPE, device=DEV) for _ in range(self.rot)]
 
     def time(self, variant: str, num_splits: int | None = None) -> dict:
         tune = DECODE_VARIANTS[variant]
-        splits = num_splits or mla_decode_num_splits(self.N, H, self.ctx)
+        # the balanced schedule's count is work programs (None: the launcher's choice), not splits
+        balanced = tune.get("schedule") == "balanced"
+        if balanced:
+            cfg = replace(mla_decode_config(self.N, H, self.span), **tune)
+            splits = num_splits or mla_decode_balanced_programs(H, cfg, None if GPU else 4)  # interpreter: few
+        else:
+            splits = num_splits or mla_decode_num_splits(self.N, H, self.span)
         calls = [lambda r=r: mla_decode(self.qs[r], self.kv, self.tables[r], self.seq_lens, SCALE, kv_lora_rank=L,
                                         num_splits=splits, out=self.outs[r], **tune) for r in range(self.rot)]
         us = graph_time(calls, reps=30 if GPU else 1)["us_per_call"]
         gbps = self.bytes_per_call / (us * 1e-6) / 1e9
-        return {"variant": variant, "N": self.N, "ctx": self.ctx, "num_splits": splits, **tune, "us": us,
+        return {"variant": variant, "N": self.N, "ctx": self.ctx, "ragged": self.ragged, "num_splits": splits,
+                **tune, "us": us,
                 "GBps": gbps, "pct_copy_bw": 100 * gbps / RESULT["copy_bandwidth"]["GBps"], "rotations": self.rot}
 
 
 def bench_decode() -> None:
     """Every variant at every (context, batch) with the split heuristic's count, then split counts
     around the heuristic's for the variant with the best mean at contexts >= 32K."""
+    failed = {c["name"].split(" splits=")[0][len("decode "):] for c in RESULT["correctness"] if not c["ok"]}
+    ok = set(DECODE_VARIANTS) - failed
     best_key = lambda v: -sum(r["pct_copy_bw"] for r in RESULT["decode"]  # noqa: E731
-                              if r["variant"] == v and r["ctx"] >= 32768) if GPU else 0
+                              if r["variant"] == v and r["ctx"] >= 32768 and not r["ragged"]) if GPU and v in ok else 0
     for ctx in CONTEXTS:
         for N in BATCHES:
             if not in_budget(f"decode N={N} ctx={ctx}"):
                 continue
             case = DecodeCase(N, ctx)
             for variant in DECODE_VARIANTS:
-                row = case.time(variant)
+                try:
+                    row = case.time(variant)
+                except Exception as e:  # a variant that does not build (shared memory) or launch stays local
+                    RESULT["decode_errors"].append({"variant": variant, "N": N, "ctx": ctx, "error": repr(e)[:400]})
+                    print(f"decode N={N:3d} ctx={ctx:6d} {variant:28s} ERROR {repr(e)[:200]}")
+                    continue
                 RESULT["decode"].append(row)
                 REPORT.save()  # a later crash (illegal address) keeps what was measured
                 print(f"decode N={N:3d} ctx={ctx:6d} splits={row['num_splits']:3d} {variant:28s} {row['us']:9.2f} us "
@@ -153,15 +182,37 @@ def bench_decode() -> None:
             del case
             if GPU:
                 torch.cuda.empty_cache()  # the pools of the largest cases are ~10 GB
-    table = {v: {f"{r['N']}x{r['ctx'] // 1024}K": round(r["pct_copy_bw"], 1) for r in RESULT["decode"]
+    for N in BATCHES[1:] if GPU else BATCHES:  # ragged lengths, mean ~32K: where the balanced schedule matters
+        ctx = 32768 if GPU else CONTEXTS[0]
+        if not in_budget(f"decode ragged N={N} ctx={ctx}"):
+            continue
+        case = DecodeCase(N, ctx, ragged=True)
+        for variant in DECODE_VARIANTS:
+            try:
+                row = case.time(variant)
+            except Exception as e:
+                RESULT["decode_errors"].append({"variant": variant, "N": N, "ctx": ctx, "ragged": True,
+                                                "error": repr(e)[:400]})
+                continue
+            RESULT["decode"].append(row)
+            REPORT.save()
+            print(f"decode N={N:3d} ragged ~{ctx:6d} {variant:28s} {row['us']:9.2f} us {row['pct_copy_bw']:5.1f}% of copy")
+        del case
+        if GPU:
+            torch.cuda.empty_cache()
+    table = {v: {f"{r['N']}x{r['ctx'] // 1024}K{'r' if r['ragged'] else ''}": round(r["pct_copy_bw"], 1)
+                 for r in RESULT["decode"]
                  if r["variant"] == v} for v in DECODE_VARIANTS}
     RESULT["decode_table_pct_copy_bw"] = table
     for v, row in table.items():
         print(f"{v:28s} " + "  ".join(f"{k}:{x:5.1f}" for k, x in row.items()))
-    best = min(DECODE_VARIANTS, key=best_key)
+    ranked = sorted(DECODE_VARIANTS, key=best_key)
+    best = ranked[0]
     if ARGS.variant_index not in (None, 0):
         return  # split counts only with the default variant
     RESULT["decode_best_variant"] = best
+    RESULT["decode_ranked_variants"] = ranked
+    sweep = ranked[:2] if GPU else ranked[:1]  # the two best: their tiles load-balance differently
     for ctx in CONTEXTS[1:] or CONTEXTS:
         for N in BATCHES:
             chosen = mla_decode_num_splits(N, H, ctx)
@@ -169,11 +220,12 @@ def bench_decode() -> None:
             if not in_budget(f"decode splits N={N} ctx={ctx}"):
                 continue
             case = DecodeCase(N, ctx)
-            for s in splits:
-                row = case.time(best, s)
-                RESULT["decode_sweep"].append(row)
-                print(f"  splits N={N:3d} ctx={ctx:6d} {best:28s} splits={s:3d} {row['us']:9.2f} us "
-                      f"{row['pct_copy_bw']:5.1f}% of copy")
+            for variant in sweep:
+                for s in splits:
+                    row = case.time(variant, s)
+                    RESULT["decode_sweep"].append(row)
+                    print(f"  splits N={N:3d} ctx={ctx:6d} {variant:28s} splits={s:3d} {row['us']:9.2f} us "
+                          f"{row['pct_copy_bw']:5.1f}% of copy")
             del case
             if GPU:
                 torch.cuda.empty_cache()
@@ -249,8 +301,12 @@ def check_correctness() -> None:
     want = mla_decode_ref(q, kv, table, seq_lens, SCALE, L)
     for variant, tune in DECODE_VARIANTS.items():
         for splits in (None, 1):
-            got = mla_decode(q, kv, table, seq_lens, SCALE, kv_lora_rank=L, num_splits=splits, **tune)
-            err = rel_err(got, want)
+            try:
+                got = mla_decode(q, kv, table, seq_lens, SCALE, kv_lora_rank=L, num_splits=splits, **tune)
+                err = rel_err(got, want)
+            except Exception as e:  # recorded as a failed check; the timing loop records it again
+                print(f"correctness {variant} splits={splits}: ERROR {repr(e)[:200]}")
+                err = float("inf")
             RESULT["correctness"].append({"name": f"decode {variant} splits={splits or 'auto'} lens={seq_lens.tolist()}",
                                           "rel_err": err, "tol": tol, "ok": err <= tol})
             REPORT.save()

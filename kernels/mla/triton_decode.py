@@ -2,11 +2,11 @@
 
 Every head of a sequence attends to the same latent entries [c (L) ; k_pe (R)] (MQA over one
 576-wide head), so a program owns a block of BLOCK_H heads (all 32 of Kimi's at TP 1) and reads
-each KV tile once for all of them. The default layout ("tokens") puts the tile's tokens on the
+each KV tile once for all of them. The "tokens" layout puts the tile's tokens on the
 dot's M dimension: scores^T = [c ; k_pe] [BLOCK_N, L+R] x q^T [L+R, BLOCK_H] and
 acc^T [L, BLOCK_H] += c^T [L, BLOCK_N] x p^T [BLOCK_N, BLOCK_H], both reading the tile from shared
 memory, so with BLOCK_N = 64 both dots lower to Hopper wgmma (with 32 heads on M, as in the
-"heads" layout kept for comparison, M < 64 and Triton falls back to mma.sync). Accumulation is fp32.
+"heads" layout, M < 64 and Triton falls back to mma.sync). Accumulation is fp32.
 
 Loads: the tile rows are gathered through the block table (a tile may straddle pages), which
 defeats Triton's pipeliner at useful depths (it keeps one or two buffers and issues the next copy
@@ -22,8 +22,10 @@ lse -inf). A second small kernel merges the partials exactly (log-sum-exp weight
 "heads" kernel writes the output directly when num_splits == 1.) num_splits is a runtime
 argument, so graphs captured with different split counts share the compiled kernels.
 
-`mla_decode_config` picks the launch (layout, tiles, warps, prefetch, splits) from batch size,
-heads and context; the oracle is `ref.py::mla_decode_ref`. A seq_len of 0 is a padding row and
+The default launch is the paged kernel of triton_decode_paged.py (page-aligned tiles, so Triton
+keeps the next tile's copy in flight during the math); the gathered-row kernels here are the
+fallback (paged=False). `mla_decode_config` picks the launch (kernel, layout, tiles, warps, stages,
+splits) from batch size, heads and context; the oracle is `ref.py::mla_decode_ref`. A seq_len of 0 is a padding row and
 gives a zero output.
 """
 from __future__ import annotations
@@ -38,12 +40,17 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs, poison_like
+from k3rt.kernels.mla.triton_decode_paged import (
+    _mla_decode_balanced_combine_kernel, _mla_decode_balanced_kernel, _mla_decode_paged_kernel,
+)
 
 _LOG2E = 1.4426950408889634
 # A split also writes BLOCK_H*L fp32 of partial output (64 KB at Kimi's shape, about 57 tokens of
 # KV), so splits shorter than this spend more on partials than they gain in parallelism.
 MIN_TOKENS_PER_SPLIT = 128
 MAX_SPLITS = 256
+# The balanced schedule keeps every sequence's length in each program's registers (N_P2 of them).
+MAX_BALANCED_BATCH = 1024
 
 
 @triton.jit
@@ -301,6 +308,7 @@ def mla_decode_num_splits(batch_size: int, num_heads: int, max_context: int, num
 
 _PREFETCH = {"none": 0, "after_scores": 1, "before_scores": 2}
 _LAYOUTS = ("tokens", "heads")
+_SCHEDULES = ("split", "balanced")
 
 
 @dataclass(frozen=True)
@@ -315,6 +323,13 @@ class MlaDecodeConfig:
     #                                 "after_scores" / "before_scores" (next tile in registers)
     num_warps: int = 8
     num_stages: int = 1
+    paged: bool = False  # page-aligned tiles, page ids carried one tile ahead (triton_decode_paged.py):
+    #                      the KV copies then overlap the math; either layout, no register prefetch
+    max_registers: int | None = None  # ptxas register cap per thread (Triton's maxnreg): at <= 128 with 8
+    #                                   warps two programs share an SM, one's math hiding the other's loads
+    schedule: str = "split"  # paged only. "split": num_splits equal ranges per sequence (grid N x S);
+    #                          "balanced": num_splits work programs share all sequences' tiles evenly
+    #                          (FlashMLA's schedule), so ragged lengths load every program alike
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_splits, int) or self.num_splits < 1:
@@ -325,27 +340,87 @@ class MlaDecodeConfig:
             raise ValueError(f"prefetch must be one of {tuple(_PREFETCH)}, got {self.prefetch!r}")
         _check_pow2(self.block_n, "block_n")
         _check_pow2(self.block_h, "block_h")
+        if self.max_registers is not None and not (isinstance(self.max_registers, int)
+                                                   and 24 <= self.max_registers <= 255):
+            raise ValueError(f"max_registers must be an int in [24, 255] or None, got {self.max_registers!r}")
+        if self.schedule not in _SCHEDULES:
+            raise ValueError(f"schedule must be one of {_SCHEDULES}, got {self.schedule!r}")
+        if self.schedule == "balanced" and not self.paged:
+            raise ValueError("schedule='balanced' needs paged=True (the gathered-row kernels split per sequence)")
+        if self.paged and self.prefetch != "none":
+            raise ValueError(f"paged tiles are pipelined by Triton (num_stages): prefetch must be 'none', "
+                             f"got {self.prefetch!r}")
 
 
 @functools.lru_cache(maxsize=256)
 def mla_decode_config(batch_size: int, num_heads: int, max_context: int,
                       num_sms: int | None = None) -> MlaDecodeConfig:
-    """The default launch for a batch: the "heads" kernel with 64-token tiles, all heads (up to 32)
-    per program, Triton's 2-stage pipeline, 8 warps, and `mla_decode_num_splits`.
+    """The default launch for a batch: the paged kernel (triton_decode_paged.py) with heads on the dots'
+    M, 32-token page-aligned tiles, 3 stages (two KV tiles in shared memory, one in flight during the
+    math), 4 warps, all heads (up to 32) per program, and `mla_decode_num_splits`.
 
-    The "tokens" layout is not the default: its first H200 run (session 3) hit an illegal memory access
-    at the 48B shape although it matches the oracle under the interpreter at that shape; in session 4's
-    run its variants ran without error but no faster (64-token tiles, 2 stages: 44.7 % of copy bandwidth
-    at batch 64 / 128K, the same as this launch; benchmarks/RESULTS.md).
+    4 warps and 110 KB of shared memory let two programs share an SM, so one's softmax and barriers
+    overlap the other's copies and dots: the best of 15 launches on the H200 (benchmarks/RESULTS.md,
+    2026-12-02: 65-71 % of copy bandwidth at batch >= 16 and context >= 32K, against 45 % for the
+    gathered-row kernel; with 8 warps the same tiles ran at 40 %).
+
+    Only the split count depends on the batch: the tiles, and so the order of the sums, do not, which
+    the batch-invariant mode (one split) relies on. The gathered-row kernels stay selectable
+    (paged=False) as the fallback.
     """
     return MlaDecodeConfig(
         num_splits=mla_decode_num_splits(batch_size, num_heads, max_context, num_sms),
         layout="heads",
-        block_n=16 if INTERPRET else 64,  # the interpreter's cost grows with the tile
+        block_n=16 if INTERPRET else 32,  # the interpreter's cost grows with the tile
         block_h=_block_h(num_heads),
         prefetch="none",
-        num_stages=2,
+        num_warps=4,
+        num_stages=3,
+        paged=True,
     )
+
+
+def mla_decode_balanced_programs(num_heads: int, cfg: MlaDecodeConfig, num_sms: int | None = None) -> int:
+    """Work programs per head block for the balanced schedule: one per program slot of the GPU (two per
+    SM at 4 warps, the launch that fits two; else one), whatever the batch and lengths."""
+    if num_sms is None:
+        num_sms = _num_sms(torch.cuda.current_device()) if torch.cuda.is_available() else 132
+    per_sm = 2 if cfg.num_warps <= 4 else 1
+    return max(1, per_sm * num_sms // triton.cdiv(num_heads, cfg.block_h))
+
+
+def _mla_decode_balanced(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                         L: int, R: int, cfg: MlaDecodeConfig, out: Tensor, use_pdl: bool) -> Tensor:
+    """The balanced schedule's two launches (triton_decode_paged.py): cfg.num_splits work programs per head
+    block, each over an equal share of all sequences' tiles, then the merge of each sequence's partials."""
+    N, H, _ = q.shape
+    if N > MAX_BALANCED_BATCH:
+        raise ValueError(f"schedule='balanced' takes at most {MAX_BALANCED_BATCH} sequences, got N={N}")
+    P = cfg.num_splits
+    block_size = kv_cache.shape[1]
+    rows = P + N - 1  # program p's partial of sequence n is row p + n
+    part = poison_like(torch.empty(rows, H, L, dtype=torch.float32, device=q.device))
+    lse = poison_like(torch.empty(rows, H, dtype=torch.float32, device=q.device))
+    pdl = use_pdl and not INTERPRET
+    min_tiles = triton.cdiv(MIN_TOKENS_PER_SPLIT, cfg.block_n)
+    n_p2 = triton.next_power_of_2(N)
+    meta = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(use_pdl))
+    if cfg.max_registers is not None and not INTERPRET:
+        meta["maxnreg"] = cfg.max_registers
+    _mla_decode_balanced_kernel[(P, triton.cdiv(H, cfg.block_h))](
+        q, q.stride(0), q.stride(1), kv_cache, block_table, block_table.stride(0), seq_lens, part, lse,
+        float(scale) * _LOG2E, N, H, block_size, min_tiles,
+        L=L, R=R, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, N_P2=n_p2,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=pdl,
+        HEADS_ON_M=cfg.layout == "heads", **meta)
+    p_p2 = triton.next_power_of_2(P)
+    block_l = min(L, 128)
+    _mla_decode_balanced_combine_kernel[(N, H, L // block_l)](
+        part, lse, out, out.stride(0), out.stride(1), seq_lens, N, H, block_size, P, min_tiles,
+        L=L, BLOCK_L=block_l, BLOCK_N=cfg.block_n, N_P2=n_p2, P_P2=p_p2, BLOCK_S=min(16, p_p2),
+        USE_PDL=pdl, num_warps=4, **pdl_kwargs(use_pdl),
+    )
+    return out
 
 
 def _check_pow2(value: int, name: str) -> None:
@@ -370,6 +445,9 @@ def mla_decode(
     num_stages: int | None = None,
     layout: str | None = None,
     prefetch: str | None = None,
+    paged: bool | None = None,
+    max_registers: int | None = None,
+    schedule: str | None = None,
 ) -> Tensor:
     """Absorbed MLA decode, one query token per sequence, over the paged latent cache.
 
@@ -385,11 +463,12 @@ def mla_decode(
         scale: softmax scale ((P+R)^-0.5 for Kimi).
         kv_lora_rank: L; L and R = q.shape[-1] - L must be powers of 2 >= 16.
         num_splits: context splits per sequence (a Python int, fixed per launch / graph). None
-            uses `mla_decode_num_splits` with max_blocks * block_size as the context hint.
+            uses `mla_decode_num_splits` with max_blocks * block_size as the context hint. With
+            schedule="balanced": the work programs per head block (None: `mla_decode_balanced_programs`).
         out: optional preallocated contiguous [N, H, L] output in q's dtype.
         use_pdl: launch with programmatic dependent launch (GPU only).
-        block_n, block_h, num_warps, num_stages, layout, prefetch: tuning overrides of
-            `mla_decode_config`'s choice (see `MlaDecodeConfig`).
+        block_n, block_h, num_warps, num_stages, layout, prefetch, paged, max_registers, schedule:
+            tuning overrides of `mla_decode_config`'s choice (see `MlaDecodeConfig`).
 
     Returns:
         out: [N, H, L] in q.dtype, softmax(scale * q·kv^T) · kv[:, :L] per head.
@@ -421,7 +500,8 @@ def mla_decode(
     block_size = kv_cache.shape[1]
     cfg = mla_decode_config(N, H, block_table.shape[1] * block_size, _num_sms(q.device.index) if q.is_cuda else None)
     overrides = dict(num_splits=num_splits, block_n=block_n, block_h=block_h, num_warps=num_warps,
-                     num_stages=num_stages, layout=layout, prefetch=prefetch)
+                     num_stages=num_stages, layout=layout, prefetch=prefetch, paged=paged,
+                     max_registers=max_registers, schedule=schedule)
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if out is None:
         out = poison_like(torch.empty(N, H, L, dtype=q.dtype, device=q.device))
@@ -431,11 +511,16 @@ def mla_decode(
             raise ValueError("out must be contiguous")
     if N == 0:
         return out
+    if cfg.schedule == "balanced":
+        if num_splits is None:  # the split heuristic's count means splits per sequence: here, programs
+            cfg = replace(cfg, num_splits=mla_decode_balanced_programs(
+                H, cfg, _num_sms(q.device.index) if q.is_cuda else None))
+        return _mla_decode_balanced(q, kv_cache, block_table, seq_lens, scale, L, R, cfg, out, use_pdl)
 
     S = cfg.num_splits
     # The tokens kernel always writes partials: its direct-output epilogue (the bf16 convert) spilled
     # registers at the 48B shape, so one split also goes through the combine (64 KB per sequence).
-    direct = S == 1 and cfg.layout == "heads"
+    direct = S == 1 and cfg.layout == "heads" and not cfg.paged
     if direct:
         part, lse = out, out  # lse unused: the kernel writes the output directly
     else:
@@ -447,8 +532,13 @@ def mla_decode(
     meta = dict(L=L, R=R, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=pdl,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(use_pdl))
+    if cfg.max_registers is not None and not INTERPRET:  # a compile option: the interpreter has no registers
+        meta["maxnreg"] = cfg.max_registers
     grid = (N, triton.cdiv(H, cfg.block_h), S)
-    if cfg.layout == "tokens":
+    if cfg.paged:
+        args = args[:8] + args[10:]  # no output strides: partials only
+        _mla_decode_paged_kernel[grid](*args, HEADS_ON_M=cfg.layout == "heads", **meta)
+    elif cfg.layout == "tokens":
         args = args[:8] + args[10:]  # no output strides: partials only
         _mla_decode_split_tokens_kernel[grid](*args, PREFETCH=_PREFETCH[cfg.prefetch], **meta)
     else:

@@ -8,6 +8,7 @@ kernels at the Kimi-Linear-48B shape (H=32, L=512, R=64, P=V=128, page 1888) in 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -92,19 +93,64 @@ def test_decode_launch_variants(layout: str, prefetch: str, block_n: int) -> Non
     case = decode_case([1, 0, 130, 37], H=4, L=32, R=16, block_size=48, dtype=torch.float32, seed=block_n, table_pad=2)
     for num_splits in (1, 3, 40):
         check_decode(case, 32, scale=0.2, tol=1e-5, num_splits=num_splits, layout=layout, prefetch=prefetch,
-                     block_n=block_n)
+                     block_n=block_n, paged=False)
+
+
+@pytest.mark.parametrize("layout,block_size,block_n", [("heads", 48, 16), ("heads", 40, 16), ("heads", 16, 32),
+                                                       ("tokens", 40, 16)],
+                         ids=["tiles_divide_pages", "partial_last_tile", "tile_wider_than_page", "tokens_on_m"])
+def test_decode_paged_tiles(layout: str, block_size: int, block_n: int) -> None:
+    """The paged kernel (page-aligned tiles, page ids carried one tile ahead): ragged lengths (a padding
+    row, one token, a length ending on a page boundary, one ending inside a page's partial last tile),
+    one split, splits cutting inside pages, splits past the end; table entries past a sequence's pages
+    are wrong page ids, so reading one shows."""
+    lens = [1, 0, 3 * block_size, 2 * block_size + 7, 5]
+    case = decode_case(lens, H=4, L=32, R=16, block_size=block_size, dtype=torch.float32,
+                       seed=block_size + block_n, table_pad=2)
+    for num_splits in (1, 4, 40):
+        check_decode(case, 32, scale=0.2, tol=1e-5, num_splits=num_splits, layout=layout, prefetch="none",
+                     paged=True, block_n=block_n, num_stages=3)
+
+
+def test_decode_paged_refuses_register_prefetch() -> None:
+    with pytest.raises(ValueError, match="prefetch"):
+        MlaDecodeConfig(num_splits=1, paged=True, prefetch="after_scores")
+
+
+@pytest.mark.parametrize("lens,programs", [([1, 0, 130, 37], 3), ([200, 5, 0, 0, 77], 7), ([0, 0], 4), ([3], 1)],
+                         ids=["seqs_share_programs", "padding_inside", "all_padding", "one_program"])
+def test_decode_balanced_schedule(lens: list[int], programs: int) -> None:
+    """The balanced schedule (work programs over all sequences' tiles end to end, at least 128 tokens
+    each): programs that cover several sequences, sequences cut across programs, padding rows between
+    and at the end (zero output), programs past the work, and the heuristic's program count."""
+    case = decode_case(lens, H=4, L=32, R=16, block_size=48, dtype=torch.float32, seed=len(lens) + programs,
+                       table_pad=2)
+    check_decode(case, 32, scale=0.2, tol=1e-5, num_splits=programs, schedule="balanced")
+    if programs == 3:
+        check_decode(case, 32, scale=0.2, tol=1e-5, schedule="balanced")
+
+
+def test_decode_balanced_schedule_refusals() -> None:
+    with pytest.raises(ValueError, match="paged=True"):
+        MlaDecodeConfig(num_splits=4, paged=False, schedule="balanced", prefetch="none")
+    with pytest.raises(ValueError, match="schedule"):
+        MlaDecodeConfig(num_splits=4, paged=True, schedule="even", prefetch="none")
+    case = decode_case([1] * 1025, H=4, L=32, R=16, block_size=16, dtype=torch.float32, seed=3)
+    with pytest.raises(ValueError, match="at most 1024 sequences, got N=1025"):
+        mla_decode(**case, scale=0.1, kv_lora_rank=32, schedule="balanced")
 
 
 def test_decode_config() -> None:
     """The default launch is a function of (batch, heads, context): all heads (up to 32) in one
-    program, the heads layout with a 2-stage pipeline, and the split heuristic's count. Bad
-    overrides are refused."""
+    program, the paged kernel with heads on M, 4 warps and a 3-stage pipeline, and the split heuristic's
+    count; only the split count follows the batch. Bad overrides are refused."""
     for n, h, ctx in [(1, 32, 32768), (16, 32, 131072), (64, 32, 4096), (3, 16, 100), (8, 64, 8192)]:
         cfg = mla_decode_config(n, h, ctx, num_sms=132)
         assert cfg.num_splits == mla_decode_num_splits(n, h, ctx, num_sms=132)
-        assert (cfg.layout, cfg.prefetch, cfg.num_warps, cfg.num_stages) == ("heads", "none", 8, 2)
+        assert (cfg.paged, cfg.layout, cfg.prefetch, cfg.num_warps, cfg.num_stages) == (True, "heads", "none", 4, 3)
         assert cfg.block_h == min(32, max(16, h))
-        assert cfg.block_n in (16, 64)  # 16 under the interpreter
+        assert cfg.block_n in (16, 32)  # 16 under the interpreter
+        assert cfg == replace(mla_decode_config(1, h, ctx, num_sms=132), num_splits=cfg.num_splits)
     case = decode_case([5, 9], H=4, L=32, R=16, block_size=16, dtype=torch.float32, seed=13)
     for bad, match in [(dict(layout="rows"), "layout"), (dict(prefetch="early"), "prefetch"),
                        (dict(block_n=48), "block_n"), (dict(block_h=8), "block_h")]:
@@ -124,9 +170,10 @@ sig = dict(q_ptr="*bf16", stride_q_n=I32, stride_q_h=I32, kv_ptr="*bf16", block_
            num_splits=I32, L=C, R=C, BLOCK_H=C, BLOCK_N=C, DOT_PRECISION=C, USE_PDL=C, PREFETCH=C)
 res = {}
 for n, ctx in [(64, 32768), (1, 131072)]:
-    # the tokens layout at its benchmarked tile (the default is the heads kernel, which
-    # tests/kernels/test_mla_sm90_build.py builds)
-    cfg = replace(d.mla_decode_config(n, 32, ctx, 132), layout="tokens", prefetch="after_scores", num_stages=1)
+    # the gathered tokens layout at its benchmarked tile (64 tokens, 8 warps; the default launch is the
+    # paged kernel, which tests/kernels/test_mla_sm90_build.py builds)
+    cfg = replace(d.mla_decode_config(n, 32, ctx, 132), layout="tokens", prefetch="after_scores", num_stages=1,
+                  paged=False, block_n=64, num_warps=8)
     consts = dict(L=512, R=64, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DOT_PRECISION="tf32", USE_PDL=True,
                   PREFETCH=d._PREFETCH[cfg.prefetch])
     res[f"{n}x{ctx}"] = sm90_build(d._mla_decode_split_tokens_kernel, sig, consts, cfg.num_warps, cfg.num_stages,
@@ -309,11 +356,18 @@ def _gpu_lens(N: int, max_ctx: int, seed: int) -> list[int]:
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("N,max_ctx", [(1, 32768), (16, 32768), (64, 8192), (64, 32768)])
 @pytest.mark.parametrize("splits", ["auto", "one"])
-def test_gpu_decode_kimi_shape(N: int, max_ctx: int, splits: str) -> None:
+@pytest.mark.parametrize("tiles", ["default", "paged", "gathered", "balanced"])
+def test_gpu_decode_kimi_shape(N: int, max_ctx: int, splits: str, tiles: str) -> None:
+    """The default launch, page-aligned 64-token tiles (1888-token pages are not a multiple of them, so
+    each page's last tile is cut), rows gathered through the block table (the fallback), and the balanced
+    schedule (splits="one" there means one work program), in bf16 at the 48B shape."""
     case = decode_case(_gpu_lens(N, max_ctx, seed=N + max_ctx), H=H48, L=L48, R=R48, block_size=PAGE48,
                        dtype=torch.bfloat16, seed=N, spare_blocks=1)
     num_splits = None if splits == "auto" else 1
-    check_decode(case, L48, SCALE48, tol=1e-2, num_splits=num_splits)
+    tune = {"default": {}, "paged": dict(paged=True, layout="heads", prefetch="none", block_n=64, num_stages=3),
+            "gathered": dict(paged=False, layout="heads", prefetch="none", num_stages=2),
+            "balanced": dict(schedule="balanced")}[tiles]
+    check_decode(case, L48, SCALE48, tol=1e-2, num_splits=num_splits, **tune)
 
 
 @pytest.mark.gpu
