@@ -123,16 +123,35 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     from k3rt.config import SPEC_METHODS
 
     p.add_argument("--spec", choices=SPEC_METHODS, default=None,
-                   help="speculative decoding with a model-free drafter: 'ngram' (prompt lookup) or 'suffix' "
-                        "(suffix tries over the request and recent outputs); off by default")
-    p.add_argument("--spec-tokens", type=int, default=4, metavar="K",
-                   help="draft tokens per request per step, at most (default 4)")
+                   help="speculative decoding: 'ngram' (prompt lookup), 'suffix' (suffix tries over the request and "
+                        "recent outputs) or 'dspark' (a DSpark block drafter on the target's hidden states, "
+                        "docs/dspark.md); off by default")
+    p.add_argument("--spec-tokens", type=int, default=None, metavar="K",
+                   help="draft tokens per request per step, at most (default 4; dspark: the drafter's block_size)")
+    p.add_argument("--spec-model", default=None, metavar="DIR",
+                   help="--spec dspark: the drafter folder (config.json + model.safetensors; default: the drafter "
+                        "shipped with the target, k3rt/models/k3-tiny-dspark for k3-tiny)")
+    p.add_argument("--spec-confidence", type=float, default=None, metavar="P",
+                   help="--spec dspark: verify a request's drafts while the drafter's cumulative acceptance estimate "
+                        "stays >= P (0 verifies every draft; default: the drafter's confidence_threshold)")
 
 
 def _spec_config(a: argparse.Namespace):
     from k3rt.config import SpecConfig
 
-    return SpecConfig(method=a.spec, num_tokens=a.spec_tokens)
+    num_tokens, model = a.spec_tokens, a.spec_model
+    if a.spec == "dspark":
+        from k3rt.models import resolve_drafter_dir
+
+        model = str(resolve_drafter_dir(model, a.model))
+        if num_tokens is None:
+            cfg_path = Path(model) / "config.json"
+            try:
+                num_tokens = int(json.loads(cfg_path.read_text())["block_size"])
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"spec_model: cannot read block_size from {cfg_path}: {e}") from None
+    return SpecConfig(method=a.spec, num_tokens=4 if num_tokens is None else num_tokens, model=model,
+                      confidence_threshold=a.spec_confidence)
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:

@@ -6,6 +6,9 @@ copies them to the device once; the only synchronization is reading the sampled 
 Decode-only steps of up to `max(graph_sizes)` sequences replay a graph captured for the next
 larger size; the padding rows point at one reserved pool page (state set and MLA page), so they
 compute garbage nobody reads and touch no live state.
+
+With a model drafter (DSpark) the forward also taps the target layer states the drafter reads, over all
+rows (inside the graphs too), and the runner records the kept rows per speculating request.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from k3rt.backend.runner.gpu.step import GpuStep, StepSeq, build_step, pack_step
 from k3rt.backend.runner.sampling import prompt_score_rows, record_prompt_logprobs
 from k3rt.backend.sampling.sampler import Sampler
 from k3rt.backend.scheduler.scheduler import ScheduledChunk, SchedulerOutput
+from k3rt.backend.spec.dspark.target import stack_states
 from k3rt.backend.spec.rejection import verify_requests
+from k3rt.backend.spec.target_states import TargetStates, record_step_states
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +45,16 @@ class _Graph:
     flat64: torch.Tensor
     flat32: torch.Tensor
     logits: torch.Tensor
+    taps: dict[int, torch.Tensor]  # the graph's tapped target states (model drafter), [size, hidden] each
 
 
 class GpuModelRunner(Runner):
     def __init__(self, model: KimiForCausalLM, pool: PagePool, *, kernels: KernelConfig = KernelConfig(),
                  cuda_graphs: bool = True, graph_sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, target_states: TargetStates | None = None) -> None:
+        """target_states: where to record the target states a model drafter reads (None: no taps)."""
         self.model, self.pool, self.kernels = model, pool, kernels
+        self.target_states = target_states
         # the reference modules the GPU path still calls (shared experts, fallbacks) follow the mode too
         model.set_batch_invariant(kernels.batch_invariant)
         L = pool.layout
@@ -55,6 +63,8 @@ class GpuModelRunner(Runner):
             pool.set_kda_shapes(conv_shape, rec_shape)
         self.device = pool.tensors[0].device
         self.fwd = GpuForward(model, pool, kernels)
+        if target_states is not None:
+            self.fwd.taps = frozenset(target_states.layers)  # before capture: the graphs tap them too
         self.num_groups = max(1, len(L.kda_groups))
         self.block_size = L.block_size
         limit = max_model_len or model.cfg.max_position_embeddings
@@ -98,9 +108,11 @@ class GpuModelRunner(Runner):
         size = next((s for s in self.graph_sizes if s >= n), None)
         if self.graphs and not out.chunks and not score_rows and size in self.graphs:
             logits = self._replay(seqs, size)[:n]
+            tapped = self.graphs[size].taps
         else:
             step = self._build(seqs, [row for _, row, _ in score_rows])
             logits = self.fwd(step, decode=step.decode_only)
+            tapped = self.fwd.tapped
         reqs = [c.req for c in chunks if c.needs_logits and not c.draft_ids]
         verify = [(i, c) for i, c in enumerate(chunks) if c.draft_ids]
         n_plain, n_verify = len(reqs), sum(c.num_fed for _, c in verify)
@@ -108,6 +120,7 @@ class GpuModelRunner(Runner):
             record_prompt_logprobs(logits[n_plain + n_verify:], score_rows)
         sampled: dict[int, int | list[int]] = sample_step(self.sampler, logits[:n_plain], reqs,
                                                           use_kernels=self.kernels.triton, penalties=self.penalties)
+        kept: dict[int, int] = {}  # verify chunk -> its accepted run's fed tokens
         if verify:
             results = verify_requests(self.sampler, logits[n_plain:n_plain + n_verify], [c.req for _, c in verify],
                                       [c.draft_ids for _, c in verify])
@@ -119,10 +132,15 @@ class GpuModelRunner(Runner):
                 self.penalties.release(r.rid)
                 r.sampled.run_logprobs, r.sampled.run_top_logprobs = res.logprobs, res.top_logprobs
                 sampled[r.rid] = res.token_ids
+            kept = {i: len(res.token_ids) for (i, _), res in zip(verify, results)}
+        if self.target_states is not None:
+            record_step_states(self.target_states, chunks, stack_states(tapped, self.target_states.layers), kept)
         return sampled
 
     def release(self, rid: int) -> None:
         self.penalties.release(rid)
+        if self.target_states is not None:
+            self.target_states.release(rid)
 
     def _build(self, seqs: list[StepSeq], extra_rows: list[int]) -> GpuStep:
         return build_step(seqs, block_size=self.block_size, conv_width=self.fwd.conv_width,
@@ -154,7 +172,7 @@ class GpuModelRunner(Runner):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = self.fwd(step, decode=True)
-            self.graphs[size] = _Graph(graph, flat64, flat32, logits)
+            self.graphs[size] = _Graph(graph, flat64, flat32, logits, dict(self.fwd.tapped))
         torch.cuda.synchronize()
         log.info("captured %d decode graphs in %.1f s", len(self.graphs), time.perf_counter() - t0)
 

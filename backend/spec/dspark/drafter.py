@@ -42,17 +42,29 @@ class DSparkDrafter(Drafter):
         self.threshold = cfg.confidence_threshold if confidence_threshold is None else confidence_threshold
 
     @classmethod
-    def from_folder(cls, folder: str | Path, target: KimiForCausalLM, **kwargs) -> "DSparkDrafter":
-        model = load_drafter(folder)
+    def from_folder(cls, folder: str | Path, target: KimiForCausalLM, *, num_tokens: int | None = None,
+                    **kwargs) -> "DSparkDrafter":
+        """The drafter in `folder` for `target`, on the target's device. num_tokens: the drafts per request the
+        engine asks for (SpecConfig.num_tokens), at most the drafter's block_size."""
+        embed = target.model.embed_tokens.weight
+        model = load_drafter(folder, device=str(embed.device))
         cfg = model.cfg
+        where = Path(folder) / "config.json"
         try:
             check_layers(target, cfg.target_layers)
         except ValueError as e:
-            raise CheckpointError(f"{Path(folder) / 'config.json'}: {e}") from None
+            raise CheckpointError(f"{where}: {e}") from None
         if cfg.target_hidden_size != target.cfg.hidden_size:
-            raise CheckpointError(f"{Path(folder) / 'config.json'}: target_hidden_size {cfg.target_hidden_size} but "
+            raise CheckpointError(f"{where}: target_hidden_size {cfg.target_hidden_size} but "
                                   f"the target's hidden_size is {target.cfg.hidden_size}")
-        return cls(model, target.model.embed_tokens.weight, target.lm_head.weight, **kwargs)
+        if cfg.vocab_size != target.cfg.vocab_size or cfg.hidden_size != target.cfg.hidden_size:
+            raise CheckpointError(f"{where}: vocab_size {cfg.vocab_size}, hidden_size {cfg.hidden_size} but the "
+                                  f"target's are {target.cfg.vocab_size}, {target.cfg.hidden_size} (the drafter "
+                                  "shares the target's embedding and LM head)")
+        if num_tokens is not None and num_tokens > cfg.block_size:
+            raise ValueError(f"spec_tokens: the drafter in {folder} drafts block_size={cfg.block_size} tokens per "
+                             f"pass, got {num_tokens}")
+        return cls(model, embed, target.lm_head.weight, **kwargs)
 
     @property
     def target_layers(self) -> tuple[int, ...]:
@@ -68,9 +80,6 @@ class DSparkDrafter(Drafter):
         cfg = self.model.cfg
         width = len(cfg.target_layers) * cfg.target_hidden_size
         h = q.hidden
-        if h is None:
-            raise ValueError(f"dspark: request {q.rid} has no target states (DraftQuery.hidden); DSpark drafts "
-                             "from them")
         if h.dim() != 2 or h.shape[1] != width or not 1 <= h.shape[0] <= cfg.context_len:
             raise ValueError(f"dspark: request {q.rid} hidden is {list(h.shape)}, expected "
                              f"[1..{cfg.context_len}, {width}]")
@@ -80,14 +89,19 @@ class DSparkDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, queries: Sequence[DraftQuery]) -> list[list[int]]:
-        if not queries:
-            return []
+        """One batched block pass over every query that carries target states; a query without them (its
+        states were not recorded, e.g. right after a preemption) gets no drafts this step. A request whose
+        confidence says no draft pays (min_verify 0) also gets none: it decodes plainly."""
+        out: list[list[int]] = [[] for _ in queries]
+        ready = [i for i, q in enumerate(queries) if q.hidden is not None]
+        if not ready:
+            return out
         device = self.embed.device
-        ctx = torch.stack([self._window(q) for q in queries]).to(device)
-        anchors = torch.tensor([q.token_ids[-1] for q in queries], device=device)
+        ctx = torch.stack([self._window(queries[i]) for i in ready]).to(device)
+        anchors = torch.tensor([queries[i].token_ids[-1] for i in ready], device=device)
         tokens, _, conf = self.model.draft(ctx, anchors, self.embed, self.lm_head)
-        out = []
-        for i, q in enumerate(queries):
-            n = verify_length(conf[i], self.threshold, self.model.cfg.min_verify, q.max_tokens)
-            out.append(tokens[i, :n].tolist())
+        tokens, conf = tokens.tolist(), conf.cpu()  # one device sync for the whole batch
+        for j, i in enumerate(ready):
+            n = verify_length(conf[j], self.threshold, self.model.cfg.min_verify, queries[i].max_tokens)
+            out[i] = tokens[j][:n]
         return out
