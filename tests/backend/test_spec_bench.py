@@ -1,0 +1,48 @@
+"""`k3rt bench spec` on the CPU: a tiny run through the CLI gives one row per (workload, batch, drafter), with
+the plain and speculative outputs identical and the numbers consistent; bad lists are refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from k3rt.backend.bench.spec_bench import SpecBenchConfig
+from k3rt.cli import main
+
+
+def test_bench_spec_tiny_cpu_run(capsys, tmp_path) -> None:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = tmp_path / "spec.json"
+        assert main(["bench", "spec", "--workloads", "code,agent", "--batch-sizes", "1,2", "--drafters",
+                     "ngram,dspark", "--max-tokens", "8", "--turns", "2", "--prompt-len", "32", "--json",
+                     "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(n)
+    rows = json.loads(capsys.readouterr().out)
+    assert json.loads(out.read_text()) == rows
+    assert [(r["workload"], r["batch"], r["drafter"]) for r in rows] == [
+        (w, b, d) for w in ("code", "agent") for b in (1, 2) for d in ("ngram", "dspark")]
+    assert all(r["identical"] for r in rows)
+    assert all(r["plain_step_ms"] > 0 and r["tokens_per_s_plain"] > 0 and r["tokens_per_s_spec"] > 0 for r in rows)
+    for r in rows:
+        if r["verifies"]:
+            assert 1.0 <= r["tau"] <= 1 + r["spec_tokens"] and r["verify_step_ms"] > 0
+            assert r["speedup"] == pytest.approx(r["tokens_per_s_spec"] / r["tokens_per_s_plain"])
+    dspark = [r for r in rows if r["drafter"] == "dspark"]
+    assert all(r["draft_ms"] > 0 for r in dspark) and sum(r["verifies"] for r in dspark) > 0
+
+
+@pytest.mark.parametrize("kw, field", [({"drafters": ("eagle",)}, "drafters"), ({"workloads": ()}, "workloads"),
+                                       ({"batch_sizes": (0,)}, "batch_sizes"), ({"turns": 0}, "turns")])
+def test_bench_spec_config_errors_name_the_field(kw, field) -> None:
+    with pytest.raises(ValueError, match=field):
+        SpecBenchConfig(**kw)
+
+
+def test_bench_spec_cli_refuses_a_bad_list(capsys) -> None:
+    assert main(["bench", "spec", "--batch-sizes", "1,x"]) == 2
+    assert "batch_sizes" in capsys.readouterr().err
