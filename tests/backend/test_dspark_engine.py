@@ -145,6 +145,26 @@ def test_dspark_states_are_exact_and_greedy_output_is_identical(arch, tmp_path, 
     assert_at_rest(eng)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["k3"], indirect=True)
+def test_gpu_runner_triton_interpreter_states_and_identity(arch, tmp_path) -> None:
+    """The GPU runner with its Triton kernels (the interpreter on the CPU): the taps inside GpuForward's K3
+    path give the dense forward's states, and greedy output is the plain output."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the compiled path is what runs")
+    r1, _ = _workload(seed=3)
+    prompts, params = [r1[2], r1[3]], _params(2, 8)
+    ref = _reference(arch, prompts, params)
+    folder = _random_drafter(tmp_path / "drafter", arch.model)
+    eng = _dspark_engine(arch, folder, runner="gpu", kernels=True, cuda_graphs=False)
+    drafter = _CheckedDrafter(eng.scheduler.drafter, arch.model, _refs(prompts, ref))
+    eng.scheduler.drafter = drafter
+    assert [o.output_ids for o in run(eng, prompts, params)] == ref
+    assert not drafter.errors, drafter.errors[:3]
+    assert drafter.checked > 2 and eng.stats.spec_accepted_tokens > 0
+    assert_at_rest(eng)
+
+
 @pytest.mark.parametrize("arch", ["kimi_linear"], indirect=True)
 def test_confidence_zero_is_a_plain_decode_and_abort_frees_states(arch, tmp_path) -> None:
     """threshold 1 with min_verify 0: the confidence head turns every request's speculation off (no verify
