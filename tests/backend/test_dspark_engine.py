@@ -84,9 +84,12 @@ class _CheckedDrafter(DSparkDrafter):
     last positions; with `refs`, the drafts are then replaced by the true continuation (seeded noise), so most
     verifies accept a prefix and the accepted-row bookkeeping is exercised."""
 
-    def __init__(self, inner: DSparkDrafter, target, refs=None, noise: float = 0.25) -> None:
+    def __init__(self, inner: DSparkDrafter, target, refs=None, noise: float = 0.25, *, atol: float = 2e-3,
+                 every_other: bool = False) -> None:
+        """every_other: draft nothing on every second call, so those steps are plain decodes (CUDA graphs)."""
         self.__dict__.update(inner.__dict__)
         self.target, self.refs, self.rng = target, refs, random.Random(7)
+        self.atol, self.every_other, self.calls = atol, every_other, 0
         self.checked = 0
         self.errors: list[str] = []
 
@@ -96,14 +99,17 @@ class _CheckedDrafter(DSparkDrafter):
             try:
                 # every speculating decode has its states, ending right before its anchor (no preemption here)
                 assert q.hidden is not None, f"request {q.rid} at {len(q.token_ids)} tokens has no target states"
-                ids = torch.tensor(list(q.token_ids[:-1]))[None]
+                ids = torch.tensor(list(q.token_ids[:-1]), device=q.hidden.device)[None]
                 _, dense = dense_states(self.target, ids, self.target_layers)
                 want = dense[0, -q.hidden.shape[0]:].float()
-                torch.testing.assert_close(q.hidden.float(), want, atol=2e-3, rtol=2e-3)
+                torch.testing.assert_close(q.hidden.float(), want, atol=self.atol, rtol=self.atol)
                 self.checked += 1
             except AssertionError as e:
                 self.errors.append(str(e))
         out = super().propose(queries)
+        self.calls += 1
+        if self.every_other and self.calls % 2 == 0:
+            return [[] for _ in queries]
         if self.refs is None:
             return out
         drafted = []
@@ -163,6 +169,34 @@ def test_gpu_runner_triton_interpreter_states_and_identity(arch, tmp_path) -> No
     assert not drafter.errors, drafter.errors[:3]
     assert drafter.checked > 2 and eng.stats.spec_accepted_tokens > 0
     assert_at_rest(eng)
+
+
+@pytest.mark.gpu
+def test_gpu_runner_cuda_graph_taps_and_identity(arch, tmp_path) -> None:
+    """On CUDA with decode graphs: every other step drafts nothing, so plain decode steps replay the graphs and
+    their taps (captured inside the graph) feed the next query; states match the dense forward, output the
+    plain output."""
+    import copy
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model = copy.deepcopy(arch.model).cuda()
+    r1, _ = _workload(seed=3)
+    prompts, params = r1[:4], _params(4, 24)
+    ref = _reference(arch, prompts, params)
+    folder = _random_drafter(tmp_path / "drafter", arch.model)
+    eng = make_engine(arch.ckpt, runner="gpu", model=model, budget=64, num_pages=256,
+                      engine={"device": "cuda", "spec": SpecConfig(method="dspark", num_tokens=5, model=str(folder))})
+    assert eng.runner.inner.graphs  # decode graphs captured, with the taps
+    drafter = _CheckedDrafter(eng.scheduler.drafter, model, _refs(prompts, ref), atol=2e-2, every_other=True)
+    eng.scheduler.drafter = drafter
+    replays = []
+    replay = eng.runner.inner._replay
+    eng.runner.inner._replay = lambda seqs, size: replays.append(size) or replay(seqs, size)
+    assert [o.output_ids for o in run(eng, prompts, params)] == ref
+    assert not drafter.errors, drafter.errors[:3]
+    assert replays and drafter.checked > 10 and eng.stats.spec_accepted_tokens > 0
+    assert len(eng.target_states) == 0
 
 
 @pytest.mark.parametrize("arch", ["kimi_linear"], indirect=True)
