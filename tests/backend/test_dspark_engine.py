@@ -299,3 +299,18 @@ def test_cli_generate_with_spec_dspark(capsys) -> None:
     assert len(out["token_ids"]) == 12 and out["spec"]["verifies"] > 0
     assert main(["generate", "--prompt", "x", "--spec", "ngram", "--spec-model", "k3-tiny-dspark"]) == 2
     assert "spec_model" in capsys.readouterr().err
+
+
+def test_serve_flags_resolve_the_drafter_and_its_block_size() -> None:
+    from k3rt.cli import _spec_config, build_parser
+
+    a = build_parser().parse_args(["serve", "--spec", "dspark"])
+    spec = _spec_config(a)
+    assert spec.model == str(MODELS_DIR / "k3-tiny-dspark") and spec.num_tokens == 7
+    a = build_parser().parse_args(["serve", "--spec", "dspark", "--spec-tokens", "3", "--spec-confidence", "0"])
+    spec = _spec_config(a)
+    assert spec.num_tokens == 3 and spec.confidence_threshold == 0.0
+    a = build_parser().parse_args(["serve", "--spec", "suffix"])
+    assert _spec_config(a).num_tokens == 4 and _spec_config(a).model is None
+    with pytest.raises(ValueError, match="spec_confidence"):
+        _spec_config(build_parser().parse_args(["serve", "--spec", "dspark", "--spec-confidence", "2"]))
