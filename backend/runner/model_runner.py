@@ -17,7 +17,7 @@ from k3rt.backend.runner.sampling import prompt_score_rows, record_prompt_logpro
 from k3rt.backend.runner.step_plan import PlanExecutor, build_plan, step_chunks
 from k3rt.backend.sampling.sampler import Sampler
 from k3rt.backend.scheduler.scheduler import SchedulerOutput
-from k3rt.backend.spec.dspark.target import capture_states, stack_states
+from k3rt.backend.spec.dspark.target import capture_states
 from k3rt.backend.spec.rejection import verify_requests
 from k3rt.backend.spec.target_states import TargetStates, record_step_states
 
@@ -74,7 +74,7 @@ class ModelRunner(Runner):
                 r.sampled.run_logprobs, r.sampled.run_top_logprobs = res.logprobs, res.top_logprobs
                 sampled[r.rid] = res.token_ids
         if self.target_states is not None:
-            record_step_states(self.target_states, chunks, stack_states(got, self.target_states.layers), kept)
+            record_step_states(self.target_states, chunks, got, kept)
         return sampled
 
     def release(self, rid: int) -> None:

@@ -71,15 +71,30 @@ class TargetStates:
             raise AssertionError(f"target states kept for ended requests {stale}")
 
 
-def record_step_states(store: TargetStates, chunks: Sequence, states: torch.Tensor, kept: dict[int, int]) -> None:
-    """After a step: states [rows, F] packed in chunk order (each chunk num_fed rows, padding after); kept:
-    chunk index -> rows of a verify chunk that were accepted (its run's fed tokens). Every other chunk keeps
-    all its num_tokens rows. Requests that never speculate (speculative=False) are skipped."""
-    row = 0
-    w = store.window
+def record_step_states(store: TargetStates, chunks: Sequence, tapped: dict[int, torch.Tensor],
+                       kept: dict[int, int]) -> None:
+    """After a step: tapped maps each of store.layers to its states [rows, hidden], packed in chunk order (each
+    chunk num_fed rows, padding after); kept: chunk index -> rows of a verify chunk that were accepted (its
+    run's fed tokens). Every other chunk keeps all its num_tokens rows. Requests that never speculate
+    (speculative=False) are skipped. Only the rows kept (at most `window` per request) are gathered, in one
+    index per layer, so a long prefill chunk costs no copy of its whole hidden state."""
+    missing = [i for i in store.layers if i not in tapped]
+    if missing:
+        raise RuntimeError(f"target states of layers {missing} were not captured (no forward ran?)")
+    row, w = 0, store.window
+    spans: list[tuple[int, int, int, int]] = []  # (request id, first row, rows, position of the first row)
     for i, c in enumerate(chunks):
         n = kept.get(i, c.num_tokens)
         if c.req.params.speculative and n > 0:
             lo = max(0, n - w)
-            store.record(c.req.rid, c.start + lo, states[row + lo:row + n])
+            spans.append((c.req.rid, row + lo, n - lo, c.start + lo))
         row += c.num_fed
+    if not spans:
+        return
+    device = tapped[store.layers[0]].device
+    idx = torch.tensor([r for _, first, n, _ in spans for r in range(first, first + n)], device=device)
+    rows = torch.cat([tapped[i][idx] for i in store.layers], dim=-1)  # [kept rows, len(layers) * hidden]
+    at = 0
+    for rid, _, n, pos in spans:
+        store.record(rid, pos, rows[at:at + n])
+        at += n

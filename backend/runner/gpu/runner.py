@@ -30,7 +30,6 @@ from k3rt.backend.runner.gpu.step import GpuStep, StepSeq, build_step, pack_step
 from k3rt.backend.runner.sampling import prompt_score_rows, record_prompt_logprobs
 from k3rt.backend.sampling.sampler import Sampler
 from k3rt.backend.scheduler.scheduler import ScheduledChunk, SchedulerOutput
-from k3rt.backend.spec.dspark.target import stack_states
 from k3rt.backend.spec.rejection import verify_requests
 from k3rt.backend.spec.target_states import TargetStates, record_step_states
 
@@ -134,7 +133,7 @@ class GpuModelRunner(Runner):
                 sampled[r.rid] = res.token_ids
             kept = {i: len(res.token_ids) for (i, _), res in zip(verify, results)}
         if self.target_states is not None:
-            record_step_states(self.target_states, chunks, stack_states(tapped, self.target_states.layers), kept)
+            record_step_states(self.target_states, chunks, tapped, kept)
         return sampled
 
     def release(self, rid: int) -> None:
