@@ -6,7 +6,7 @@ pass, the confidence-scheduled verify length, and `--spec dspark` / `--spec-mode
   DraftQuery.hidden the scheduler hands the drafter equals the dense forward's states at the request's last
   positions (so decode rows, prefill chunks, cache hits and verify runs record exactly the kept rows), and
   greedy speculative output equals plain output token for token, under chunked prefill, prefix-cache hits,
-  n > 1, abort and an oracle that makes most drafts accepted.
+  n > 1, preemption, abort and an oracle that makes most drafts accepted.
 - The shipped k3-tiny + k3-tiny-dspark: bf16 greedy identity and tau > 1; the CLI flags and their errors.
 """
 
@@ -120,10 +120,10 @@ class _CheckedDrafter(DSparkDrafter):
         return drafted
 
 
-def _dspark_engine(arch, folder: Path, *, runner: str = "model", k: int = 5, **engine):
-    eng = make_engine(arch.ckpt, runner=runner, model=arch.model, budget=64, num_pages=512,
-                      engine={"spec": SpecConfig(method="dspark", num_tokens=k, model=str(folder)), **engine})
-    return eng
+def _dspark_engine(arch, folder: Path, *, runner: str = "model", k: int = 5, cache: dict | None = None, **engine):
+    cache = {"num_pages": 512, **(cache or {})}
+    return make_engine(arch.ckpt, runner=runner, model=arch.model, budget=64,
+                       engine={"spec": SpecConfig(method="dspark", num_tokens=k, model=str(folder)), **engine}, **cache)
 
 
 @pytest.mark.parametrize("runner, oracle", [("model", False), ("model", True), ("gpu", True)],
@@ -148,6 +148,23 @@ def test_dspark_states_are_exact_and_greedy_output_is_identical(arch, tmp_path, 
     if oracle:
         assert s.spec_accepted_tokens > s.spec_verifies  # most verifies accepted something
     assert len(eng.target_states) == 0  # every finished request's states were freed
+    assert_at_rest(eng)
+
+
+@pytest.mark.parametrize("arch", ["k3"], indirect=True)
+def test_preemption_mid_speculation_keeps_exact_states(arch, tmp_path) -> None:
+    """A tiny poisoned pool: requests are preempted (their live state donated) and resumed; the recomputed
+    rows replace the old ones and every query's states are still the dense forward's."""
+    r1, r2 = _workload(seed=3)
+    prompts, params = r1 + r2, _params(len(r1), 24) + _params(len(r2), 24)
+    ref = _reference(arch, prompts, params)
+    folder = _random_drafter(tmp_path / "drafter", arch.model)
+    eng = _dspark_engine(arch, folder, cache={"num_pages": 14, "poison_freed": True})
+    drafter = _CheckedDrafter(eng.scheduler.drafter, arch.model, _refs(prompts, ref))
+    eng.scheduler.drafter = drafter
+    assert [o.output_ids for o in run(eng, prompts, params)] == ref
+    assert not drafter.errors, drafter.errors[:3]
+    assert eng.stats.preemptions > 0 and eng.stats.spec_accepted_tokens > 0 and drafter.checked > 10
     assert_at_rest(eng)
 
 
