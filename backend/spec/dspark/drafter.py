@@ -37,8 +37,12 @@ class DSparkDrafter(Drafter):
             if tuple(w.shape) != (cfg.vocab_size, cfg.hidden_size):
                 raise CheckpointError(f"{name}: target has [{', '.join(map(str, w.shape))}], drafter config "
                                       f"needs [vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}]")
-        self.model = model.eval()
-        self.embed, self.lm_head = embed.detach().float(), lm_head.detach().float()
+        # on a GPU the drafter computes in the target's dtype and reads the target's tensors in place: fp32
+        # copies of two [vocab, hidden] tables would cost 2 x 4.7 GB at K3's shape. On the CPU (the reference
+        # path, bf16 matmuls slow or missing) it computes in fp32 from fp32 copies, as it was trained.
+        self.dtype = embed.dtype if embed.device.type == "cuda" else torch.float32
+        self.model = model.to(self.dtype).eval()
+        self.embed, self.lm_head = embed.detach().to(self.dtype), lm_head.detach().to(self.dtype)
         self.threshold = cfg.confidence_threshold if confidence_threshold is None else confidence_threshold
 
     @classmethod
@@ -85,7 +89,7 @@ class DSparkDrafter(Drafter):
                              f"[1..{cfg.context_len}, {width}]")
         if h.shape[0] < cfg.context_len:
             h = torch.cat([h[:1].expand(cfg.context_len - h.shape[0], -1), h])
-        return h.float()
+        return h.to(self.dtype)
 
     @torch.no_grad()
     def propose(self, queries: Sequence[DraftQuery]) -> list[list[int]]:
