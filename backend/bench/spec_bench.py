@@ -4,8 +4,9 @@ Each (workload, batch size) runs its requests once without speculation and once 
 requests of the batch submitted together, on one engine per drafter (the prefix cache is flushed and the
 drafter rebuilt between runs, so no run drafts from another's outputs). Workloads:
 
-  code   held-out code completion: windows of the training corpus' held-out stdlib modules
-         (k3rt.training.dspark.code_prompts), the k3-tiny drafter's held-out set;
+  code   held-out code completion: windows of the stdlib modules k3-tiny and its drafter never trained on
+         (CODE_MODULES, the corpus' HELDOUT_MODULES; serving code imports nothing from k3rt.training),
+         each starting at a line start;
   chat   short questions through the model's chat template;
   agent  repetitive agent turns: each session's next prompt resends its history, the model's last output
          and a tool output that echoes it (a tool reading back the file the agent wrote), for `turns` turns.
@@ -22,11 +23,20 @@ include the device work.
 from __future__ import annotations
 
 import gc
+import random
+import sysconfig
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 WORKLOADS = ("code", "chat", "agent")
+# training/corpus.py HELDOUT_MODULES (a test keeps the two equal): k3-tiny's held-out code
+CODE_MODULES = (
+    "base64", "calendar", "colorsys", "configparser", "filecmp", "fileinput", "fnmatch", "fractions",
+    "gettext", "glob", "graphlib", "heapq", "ipaddress", "json", "netrc", "plistlib", "pprint", "queue",
+    "reprlib", "sched", "shlex", "statistics", "string", "tempfile", "textwrap", "wave",
+)
 DRAFTERS = ("ngram", "suffix", "dspark")
 
 _QUESTIONS = [
@@ -104,11 +114,39 @@ class _Run:
     accepted: int
 
 
+def _code_sources() -> list[str]:
+    """The modules' sources in relative-path order with newlines normalized, as the training corpus reads them
+    (so the prompts are the ones the drafter's held-out evaluation draws)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = []
+    for m in CODE_MODULES:
+        single = root / f"{m}.py"
+        paths += [single] if single.is_file() else [p for p in (root / m).rglob("*.py") if "__pycache__" not in p.parts]
+    if not paths:
+        raise ValueError(f"workloads: code needs the Python stdlib sources, none found under {root}")
+    paths.sort(key=lambda p: p.relative_to(root).as_posix())
+    return [p.read_text(encoding="utf-8").replace("\r\n", "\n").replace("\r", "\n") for p in paths]
+
+
+def _code_prompts(tok, num: int, prompt_len: int, seed: int) -> list[list[int]]:
+    """`num` windows of `prompt_len` tokens of held-out stdlib code, each starting at a line start (a served
+    prompt's sequence prefix first)."""
+    rng = random.Random(seed)
+    texts = _code_sources()
+    out: list[list[int]] = []
+    while len(out) < num:
+        text = rng.choice(texts)
+        starts = [0] + [i + 1 for i, c in enumerate(text) if c == "\n"]
+        begin = rng.choice(starts[:max(1, len(starts) - 20)])
+        ids = [*tok.sequence_prefix, *tok.encode(text[begin:begin + 8 * prompt_len])]
+        if len(ids) >= prompt_len:
+            out.append(ids[:prompt_len])
+    return out
+
+
 def _prompts(cfg: SpecBenchConfig, tok, workload: str, batch: int) -> list[list[int]]:
     if workload == "code":
-        from k3rt.training.dspark import code_prompts
-
-        return code_prompts("heldout", batch, cfg.prompt_len, seed=cfg.seed * 1000 + batch, model=cfg.model)
+        return _code_prompts(tok, batch, cfg.prompt_len, seed=cfg.seed * 1000 + batch)
     texts = [_QUESTIONS[i % len(_QUESTIONS)] + (f" (question {i})" if i >= len(_QUESTIONS) else "")
              for i in range(batch)]
     if workload == "chat" and tok.chat_template is not None:

@@ -43,6 +43,18 @@ def test_bench_spec_config_errors_name_the_field(kw, field) -> None:
         SpecBenchConfig(**kw)
 
 
+def test_bench_code_prompts_are_the_drafters_held_out_prompts() -> None:
+    """The bench cannot import k3rt.training (serving code); its code prompts must still be the held-out
+    windows the drafter's evaluation draws."""
+    from k3rt.backend.bench.spec_bench import CODE_MODULES, _code_prompts
+    from k3rt.backend.tokenizer import load_tokenizer
+    from k3rt.training.corpus import HELDOUT_MODULES
+    from k3rt.training.dspark import code_prompts
+
+    assert CODE_MODULES == HELDOUT_MODULES
+    assert _code_prompts(load_tokenizer("k3-tiny"), 3, 32, seed=5) == code_prompts("heldout", 3, 32, seed=5)
+
+
 def test_bench_spec_cli_refuses_a_bad_list(capsys) -> None:
     assert main(["bench", "spec", "--batch-sizes", "1,x"]) == 2
     assert "batch_sizes" in capsys.readouterr().err
