@@ -78,19 +78,23 @@ class Engine:
         log.info("cache layout: %s", info)
         if self.layout.padding_fraction > 0.02:
             log.warning("KDA state padding %.1f%% of each page", 100 * self.layout.padding_fraction)
+        self.target_states = self._target_states()  # DSpark: the runner records what the drafter reads
         self.runner = self._make_runner(model, torch)
         policy = CachePolicy(eviction="lru" if cc.full_block_mode else cc.eviction)
-        if cfg.spec.enabled:
-            log.info("speculative decoding: %s, up to %d draft tokens per request", cfg.spec.method, cfg.spec.num_tokens)
+        spec = self.cfg.spec  # the drafter folder resolved
+        if spec.enabled:
+            log.info("speculative decoding: %s%s, up to %d draft tokens per request", spec.method,
+                     f" ({spec.model})" if spec.model else "", spec.num_tokens)
+        drafter = create_drafter(spec, getattr(self.runner, "model", None))
         self.scheduler = Scheduler(cfg.scheduler, cc, self.pool, RadixCache(self.pool, self.layout.block_size, policy),
-                                   drafter=create_drafter(cfg.spec), spec_cfg=cfg.spec)
+                                   drafter=drafter, spec_cfg=spec, target_states=self.target_states)
         self.overlap = None  # the OverlapLoop (backend/overlap.py) when steps overlap, else None
         if cfg.overlap:
             from k3rt.backend.overlap import OverlapLoop
 
             if type(self.runner).launch is Runner.launch:
                 raise ValueError(f"overlap: the {type(self.runner).__name__} has no launch/collect; set overlap=False")
-            self.overlap = OverlapLoop(self.scheduler, speculative=cfg.spec.enabled)
+            self.overlap = OverlapLoop(self.scheduler, speculative=spec.enabled)
         self.requests: dict[int, Request] = {}
         self._rids = itertools.count()
         self._eos = frozenset(self.model_cfg.eos_token_ids)
@@ -100,6 +104,23 @@ class Engine:
         self.num_steps = 0
         self.step_time = Histogram(STEP_TIME_BUCKETS_S)
         self.queue_wait = Histogram(QUEUE_WAIT_BUCKETS_S)
+
+    def _target_states(self):
+        """The per-request target-state store of a DSpark drafter (None for the other drafters). Resolves the
+        drafter folder first (--spec-model, else the one shipped beside the target) into cfg.spec.model."""
+        spec = self.cfg.spec
+        if spec.method != "dspark":
+            return None
+        if self.cfg.runner == "null":
+            raise ValueError("spec: the dspark drafter reads the target's hidden states; the null runner has none")
+        from k3rt.backend.spec.dspark.checkpoint import load_config
+        from k3rt.backend.spec.target_states import TargetStates
+        from k3rt.models import resolve_drafter_dir
+
+        folder = str(resolve_drafter_dir(spec.model, self.cfg.model))
+        self.cfg = replace(self.cfg, spec=replace(spec, model=folder))
+        dcfg = load_config(folder)
+        return TargetStates(dcfg.target_layers, dcfg.context_len)
 
     def _make_runner(self, model, torch) -> Runner:
         if self.cfg.runner == "null":
@@ -125,8 +146,9 @@ class Engine:
             return GpuModelRunner(model, self.pool, kernels=KernelConfig(self.cfg.kernels, self.cfg.use_pdl,
                                                                            batch_invariant=self.cfg.deterministic),
                                   cuda_graphs=self.cfg.cuda_graphs,
-                                  graph_sizes=graph_sizes_for(self.cfg.scheduler.max_running))
-        return ModelRunner(model, self.pool, deterministic=self.cfg.deterministic)
+                                  graph_sizes=graph_sizes_for(self.cfg.scheduler.max_running),
+                                  target_states=self.target_states)
+        return ModelRunner(model, self.pool, deterministic=self.cfg.deterministic, target_states=self.target_states)
 
     def _start_tensor_parallel(self, model) -> Runner:
         """Start ranks 1..tp-1 on this host, load rank 0's shard, and wait until every rank has its own."""
@@ -390,6 +412,8 @@ class Engine:
 
     def check(self) -> None:
         self.scheduler.check()
+        if self.target_states is not None:
+            self.target_states.check(set(self.requests))
 
     def check_runner(self) -> None:
         """Raise TPFailure if a tensor-parallel rank is lost (cheap; the engine process calls it every turn)."""

@@ -123,16 +123,35 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     from k3rt.config import SPEC_METHODS
 
     p.add_argument("--spec", choices=SPEC_METHODS, default=None,
-                   help="speculative decoding with a model-free drafter: 'ngram' (prompt lookup) or 'suffix' "
-                        "(suffix tries over the request and recent outputs); off by default")
-    p.add_argument("--spec-tokens", type=int, default=4, metavar="K",
-                   help="draft tokens per request per step, at most (default 4)")
+                   help="speculative decoding: 'ngram' (prompt lookup), 'suffix' (suffix tries over the request and "
+                        "recent outputs) or 'dspark' (a DSpark block drafter on the target's hidden states, "
+                        "docs/dspark.md); off by default")
+    p.add_argument("--spec-tokens", type=int, default=None, metavar="K",
+                   help="draft tokens per request per step, at most (default 4; dspark: the drafter's block_size)")
+    p.add_argument("--spec-model", default=None, metavar="DIR",
+                   help="--spec dspark: the drafter folder (config.json + model.safetensors; default: the drafter "
+                        "shipped with the target, k3rt/models/k3-tiny-dspark for k3-tiny)")
+    p.add_argument("--spec-confidence", type=float, default=None, metavar="P",
+                   help="--spec dspark: verify a request's drafts while the drafter's cumulative acceptance estimate "
+                        "stays >= P (0 verifies every draft; default: the drafter's confidence_threshold)")
 
 
 def _spec_config(a: argparse.Namespace):
     from k3rt.config import SpecConfig
 
-    return SpecConfig(method=a.spec, num_tokens=a.spec_tokens)
+    num_tokens, model = a.spec_tokens, a.spec_model
+    if a.spec == "dspark":
+        from k3rt.models import resolve_drafter_dir
+
+        model = str(resolve_drafter_dir(model, a.model))
+        if num_tokens is None:
+            cfg_path = Path(model) / "config.json"
+            try:
+                num_tokens = int(json.loads(cfg_path.read_text())["block_size"])
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"spec_model: cannot read block_size from {cfg_path}: {e}") from None
+    return SpecConfig(method=a.spec, num_tokens=4 if num_tokens is None else num_tokens, model=model,
+                      confidence_threshold=a.spec_confidence)
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
@@ -294,8 +313,10 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks of the scheduler and prefix cache (no model compute)",
-                       description="Replays through the real scheduler and cache with the null runner.")
+    p = sub.add_parser("bench", help="benchmarks: scheduler and prefix cache (no model compute), a running server, "
+                                     "speculative decoding",
+                       description="cache and scheduler replay through the real scheduler and cache with the null "
+                                   "runner; serve loads a running server; spec runs the model in process.")
     bsub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     c = bsub.add_parser("cache", help="prefix-cache replay: tokens computed vs an ideal cache, k3rt vs baseline",
                         description="Replay a Mooncake-format trace (--trace) or a synthetic workload through the "
@@ -361,9 +382,62 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--api-key", default=None, help="Bearer key, if the server needs one")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    _add_bench_spec(bsub)
+
+
+def _add_bench_spec(bsub: argparse._SubParsersAction) -> None:
+    s = bsub.add_parser("spec", help="speculative decoding vs plain decoding: tau, draft and verify time, tokens/s",
+                        description="Run each workload at each batch size greedily without speculation and with each "
+                                    "drafter (in process, the real model). Per row: tau (mean tokens a verify step "
+                                    "emits: accepted drafts + the bonus token), the acceptance rate, the drafter's "
+                                    "time per call (one batched pass for dspark), the mean verify step time against "
+                                    "a plain decode step at that batch size, tokens/s with and without speculation "
+                                    "and whether the outputs are identical. Workloads: code (held-out code "
+                                    "completion), chat (questions through the chat template), agent (each turn "
+                                    "resends history, the last output and a tool output echoing it). Markdown table "
+                                    "to stdout (or JSON with --json); --out also writes the JSON.")
+    s.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    s.add_argument("--device", default="cpu", help="torch device (cpu, cuda; default cpu)")
+    s.add_argument("--runner", choices=["auto", "model", "gpu"], default="auto",
+                   help="compute path (default auto: gpu on CUDA, the reference path on the CPU)")
+    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="compute dtype (default: the checkpoint's)")
+    s.add_argument("--random-weights", action="store_true", help="random weights from config.json (timing only)")
+    s.add_argument("--workloads", default="code,chat,agent", help="comma-separated (default code,chat,agent)")
+    s.add_argument("--batch-sizes", default="1,4,16,64", help="comma-separated (default 1,4,16,64)")
+    s.add_argument("--drafters", default="ngram,suffix,dspark",
+                   help="comma-separated among ngram, suffix, dspark (default all three)")
+    s.add_argument("--spec-tokens", type=int, default=7, metavar="K", help="draft tokens per request (default 7)")
+    s.add_argument("--spec-model", default=None, metavar="DIR",
+                   help="dspark drafter folder (default: the one shipped with the model)")
+    s.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request and turn (default 64)")
+    s.add_argument("--prompt-len", type=int, default=96, help="code prompt length in tokens (default 96)")
+    s.add_argument("--turns", type=int, default=3, help="agent turns per session (default 3)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    s.add_argument("--out", default=None, metavar="FILE", help="also write the rows as JSON here")
+
+
+def _cmd_bench_spec(a: argparse.Namespace) -> int:
+    from k3rt.backend.bench.spec_bench import SpecBenchConfig, bench_spec, format_table, parse_list, rows_json
+
+    cfg = SpecBenchConfig(model=a.model, device=a.device, runner=a.runner, dtype=a.dtype,
+                          random_weights=a.random_weights, workloads=parse_list(a.workloads, "workloads"),
+                          batch_sizes=parse_list(a.batch_sizes, "batch_sizes", int),
+                          drafters=parse_list(a.drafters, "drafters"), spec_tokens=a.spec_tokens,
+                          spec_model=a.spec_model, max_tokens=a.max_tokens, prompt_len=a.prompt_len, turns=a.turns,
+                          seed=a.seed)
+    rows = bench_spec(cfg, progress=not a.json)
+    data = rows_json(rows)
+    if a.out:
+        Path(a.out).write_text(json.dumps(data, indent=1) + "\n")
+    print(json.dumps(data) if a.json else format_table(rows))
+    return 0
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
+    if a.bench == "spec":
+        return _cmd_bench_spec(a)
     if a.bench == "serve":
         from k3rt.server.bench import main as bench_serve
 

@@ -81,7 +81,8 @@ class SchedulerConfig:
                              f"got {self.min_prefill_tokens}")
 
 
-SPEC_METHODS = ("ngram", "suffix")  # model-free drafters; "dspark" (a checkpoint's draft head) joins here
+# ngram, suffix: model-free drafters; dspark: a DSpark block drafter folder (docs/dspark.md)
+SPEC_METHODS = ("ngram", "suffix", "dspark")
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,12 @@ class SpecConfig:
     suffix_max_spec_factor: float = 1.0  # a draft is at most this many times the matched pattern's length
     suffix_index_tokens: int = 8192  # a request's trie indexes only its last this many tokens (bounded host time)
     suffix_cached_requests: int = 256  # finished requests whose outputs the global trie keeps
+    # dspark: the drafter folder (config.json + model.safetensors); None: the drafter shipped beside the
+    # target (k3rt/models/<target>-dspark), resolved by the engine
+    model: str | None = None
+    # dspark: override the drafter's confidence_threshold (verify while the cumulative acceptance estimate
+    # stays >= this; 0 verifies every draft); None keeps the drafter's own
+    confidence_threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPEC_METHODS:
@@ -119,6 +126,10 @@ class SpecConfig:
             raise ValueError(f"suffix_max_spec_factor: must be > 0, got {self.suffix_max_spec_factor}")
         if self.suffix_index_tokens < 1 or self.suffix_cached_requests < 0:
             raise ValueError("suffix_index_tokens must be >= 1 and suffix_cached_requests >= 0")
+        if self.model is not None and self.method != "dspark":
+            raise ValueError(f"spec_model: a drafter folder is read by --spec dspark only, got --spec {self.method}")
+        if self.confidence_threshold is not None and not 0.0 <= self.confidence_threshold <= 1.0:
+            raise ValueError(f"spec_confidence: must be in [0, 1], got {self.confidence_threshold}")
 
     @property
     def enabled(self) -> bool:

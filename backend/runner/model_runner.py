@@ -2,10 +2,12 @@
 with the torch model (on every tensor-parallel rank when there are several), then samples on this
 rank (rank 0) from the gathered full-vocabulary logits. A verify chunk (speculative decoding, a single
 rank only) gets logits at every fed position; after verification its KDA states advance by the accepted
-run only."""
+run only. With a model drafter (DSpark) the runner also records, per speculating request, the target layer
+states the drafter reads at the kept positions (backend/spec/target_states.py), captured by forward hooks."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import replace
 
 from k3rt.backend.cache.pool import PagePool
@@ -16,15 +18,21 @@ from k3rt.backend.runner.sampling import prompt_score_rows, record_prompt_logpro
 from k3rt.backend.runner.step_plan import PlanExecutor, build_plan, step_chunks
 from k3rt.backend.sampling.sampler import Sampler
 from k3rt.backend.scheduler.scheduler import SchedulerOutput
+from k3rt.backend.spec.dspark.target import capture_states
 from k3rt.backend.spec.rejection import verify_requests
+from k3rt.backend.spec.target_states import TargetStates, record_step_states
 
 
 class ModelRunner(Runner):
     def __init__(self, model: KimiForCausalLM, pool: PagePool, *, sender: PlanSender | None = None,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, target_states: TargetStates | None = None) -> None:
         """sender: the tensor-parallel workers' plan channel (None: a single rank). deterministic: put the
-        model in its batch-invariant mode (EngineConfig.deterministic; single rank)."""
+        model in its batch-invariant mode (EngineConfig.deterministic; single rank). target_states: where
+        to record the target states a model drafter reads (single rank), or None."""
+        if target_states is not None and sender is not None:
+            raise ValueError("spec: a model drafter's target states are captured on a single rank only")
         self.model, self.pool, self.sender = model, pool, sender
+        self.target_states = target_states
         model.set_batch_invariant(deterministic)
         self.executor = PlanExecutor(model, pool)
         self.device = self.executor.device
@@ -61,7 +69,9 @@ class ModelRunner(Runner):
             plan = replace(plan, token_ids=tuple(ids))
         # this pool applied the fills when it allocated; the other ranks replay them from the plan
         if self.sender is None:
-            logits, batch = self.executor.run_batch(plan, apply_fills=False)
+            store = self.target_states
+            with capture_states(self.model, store.layers) if store is not None else nullcontext() as got:
+                logits, batch = self.executor.run_batch(plan, apply_fills=False)
         else:
             if plan.verify:
                 raise RuntimeError("speculative decoding does not run under tensor parallelism yet")
@@ -72,6 +82,7 @@ class ModelRunner(Runner):
         if score_rows:
             record_prompt_logprobs(logits[n_plain + n_verify:], score_rows)
         sampled: dict[int, int | list[int]] = sample_requests(self.sampler, logits[:n_plain], [c.req for c in plain])
+        kept: dict[int, int] = {}  # verify chunk -> its accepted run's fed tokens
         if n_verify:
             seqs = [i for i, c in enumerate(chunks) if c.draft_ids]
             reqs = [chunks[i].req for i in seqs]
@@ -80,9 +91,16 @@ class ModelRunner(Runner):
             for i, r, res in zip(seqs, reqs, results):
                 # the fed tokens of the run: the last token and the accepted drafts, one per emitted token
                 self.model.commit_verified(batch, i, len(res.token_ids))
+                kept[i] = len(res.token_ids)
                 r.sampled.run_logprobs, r.sampled.run_top_logprobs = res.logprobs, res.top_logprobs
                 sampled[r.rid] = res.token_ids
+        if self.target_states is not None:
+            record_step_states(self.target_states, chunks, got, kept)
         return sampled
+
+    def release(self, rid: int) -> None:
+        if self.target_states is not None:
+            self.target_states.release(rid)
 
     def check(self) -> None:
         if self.sender is not None:

@@ -50,6 +50,7 @@ import bisect
 import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from k3rt.backend.cache.policy import CHECKPOINT, END, JUNCTION, PREEMPTED, tail_kind
 from k3rt.backend.cache.pool import PagePool
@@ -57,6 +58,9 @@ from k3rt.backend.cache.radix import Node, RadixCache, common_prefix as _common_
 from k3rt.backend.scheduler.request import PENDING, FinishReason, Request, Status
 from k3rt.backend.spec.base import DraftQuery, Drafter
 from k3rt.config import KDA_CHUNK, CacheConfig, SchedulerConfig, SpecConfig
+
+if TYPE_CHECKING:
+    from k3rt.backend.spec.target_states import TargetStates
 
 log = logging.getLogger(__name__)
 
@@ -125,11 +129,14 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, cache_cfg: CacheConfig, pool: PagePool, tree: RadixCache,
-                 drafter: Drafter | None = None, spec_cfg: SpecConfig | None = None) -> None:
+                 drafter: Drafter | None = None, spec_cfg: SpecConfig | None = None,
+                 target_states: TargetStates | None = None) -> None:
+        """target_states: the target states a model drafter reads (the runner records them), put into each
+        DraftQuery.hidden; None for model-free drafters."""
         self.cfg, self.cache_cfg, self.pool, self.tree = cfg, cache_cfg, pool, tree
         if drafter is not None and spec_cfg is None:
             raise ValueError("spec_cfg: a drafter needs its SpecConfig (draft lengths and budget)")
-        self.drafter, self.spec_cfg = drafter, spec_cfg
+        self.drafter, self.spec_cfg, self.target_states = drafter, spec_cfg, target_states
         self.B = tree.B
         self.grid = self.B if cache_cfg.full_block_mode else cache_cfg.hash_block_size
         self.S = pool.layout.pages_per_state_set
@@ -287,7 +294,7 @@ class Scheduler:
             if (k <= 0 or not req.params.speculative or req.prompt_logprobs_from is not None
                     or req.num_output < req.params.min_tokens):
                 continue
-            queries.append(DraftQuery(req.rid, req.token_ids, req.prompt_len, k))
+            queries.append(DraftQuery(req.rid, req.token_ids, req.prompt_len, k, self._hidden(req)))
         if not queries:
             return 0
         limit = {q.rid: q.max_tokens for q in queries}
@@ -318,6 +325,14 @@ class Scheduler:
             left -= len(d)
             used += len(d)
         return used
+
+    def _hidden(self, req: Request):
+        """The request's recorded target states, when they end exactly where its next fed token sits (the
+        anchor); anything else would condition the drafter on the wrong positions, so it drafts nothing."""
+        ts = self.target_states
+        if ts is None or ts.end(req.rid) != req.num_computed:
+            return None
+        return ts.get(req.rid)
 
     def _chunk_len(self, req: Request, budget: int) -> int:
         start, remaining = req.num_computed, len(req.token_ids) - req.num_computed

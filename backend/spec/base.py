@@ -1,7 +1,7 @@
 """The drafter interface: propose up to k draft tokens per running request.
 
 A drafter sees each request's token ids (prompt + generated, append-only) and, for model drafters
-(DSpark, issue 16 §1), the target's hidden states at the last verified position. It keeps whatever
+(DSpark, issue 16 §1), the target's hidden states at its newest run positions (backend/spec/target_states.py). It keeps whatever
 per-request index it needs, keyed by request id, and drops it in `finish`. It knows nothing of pages,
 states or sampling: the scheduler bounds k (remaining tokens, pages, the per-step draft budget) and
 the verifier decides what is kept.
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     import torch
 
+    from k3rt.backend.models.kimi import KimiForCausalLM
     from k3rt.config import SpecConfig
 
 
@@ -39,8 +40,9 @@ class Drafter(ABC):
         its output to draft for later requests)."""
 
 
-def create_drafter(cfg: SpecConfig) -> Drafter | None:
-    """The drafter cfg.method names, or None when speculation is off."""
+def create_drafter(cfg: SpecConfig, target: KimiForCausalLM | None = None) -> Drafter | None:
+    """The drafter cfg.method names, or None when speculation is off. target: the model being served (dspark
+    shares its embedding and LM head and checks its shapes against them; cfg.model must be resolved)."""
     if cfg.method is None:
         return None
     if cfg.method == "ngram":
@@ -51,4 +53,11 @@ def create_drafter(cfg: SpecConfig) -> Drafter | None:
         from k3rt.backend.spec.suffix import SuffixDrafter
 
         return SuffixDrafter(cfg)
+    if cfg.method == "dspark":
+        from k3rt.backend.spec.dspark.drafter import DSparkDrafter
+
+        if target is None or cfg.model is None:
+            raise ValueError("spec: the dspark drafter needs the target model and a drafter folder (spec_model)")
+        return DSparkDrafter.from_folder(cfg.model, target, confidence_threshold=cfg.confidence_threshold,
+                                         num_tokens=cfg.num_tokens)
     raise ValueError(f"spec: no drafter named {cfg.method!r}")

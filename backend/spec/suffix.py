@@ -4,12 +4,14 @@ matched pattern was continued.
 
 A trie of depth D counts every substring of length <= D of the sequences it indexes (a node's count is
 how many times its path occurred; its children count what followed). Appending a token touches the D
-nodes of the suffixes ending there, so indexing is O(D) per token. To draft, the longest suffix of the
-request's context found in a trie is the pattern (length m); the draft follows the most frequent child
-while the product of the children's empirical probabilities stays >= min_prob, and is at most
-max_spec_factor * m tokens (a short, weakly supported match drafts little). The request's own trie and
-the global one each propose; the draft with the larger expected number of accepted tokens (the sum of
-its prefix probabilities) wins.
+nodes of the suffixes ending there, so indexing is O(D) per token. To draft, every suffix of the
+request's context found in a trie with a continuation is a candidate pattern (length m); its draft
+follows the most frequent child while the product of the children's empirical probabilities stays >=
+min_prob, and is at most max_spec_factor * m tokens (a short, weakly supported match drafts little).
+Every pattern of the request's own trie and of the global one proposes; the draft with the larger
+expected number of accepted tokens (the sum of its prefix probabilities) wins, the longer pattern on a
+tie. Not just the longest pattern: a pattern of m tokens has at most D - m tokens of continuation in
+the trie, so the longest match (m near D, in a repetitive context) could draft a single token.
 
 Bounded host cost: a request's trie indexes only its last `suffix_index_tokens` tokens when first seen
 (a 128K prompt would otherwise cost ~D x 128K dict operations on the scheduler loop), and the global trie
@@ -66,7 +68,12 @@ class SuffixTrie:
 
     def find(self, context: Sequence[int], max_len: int) -> tuple[_Node, int] | None:
         """The node of the longest suffix of context (<= max_len tokens) that has a continuation, and its length."""
-        best = None
+        found = self.matches(context, max_len)
+        return found[-1] if found else None
+
+    def matches(self, context: Sequence[int], max_len: int) -> list[tuple[_Node, int]]:
+        """(node, length) of every suffix of context (<= max_len tokens) that has a continuation, shortest first."""
+        out = []
         n = len(context)
         for m in range(1, min(max_len, n) + 1):
             node = self.root
@@ -77,8 +84,8 @@ class SuffixTrie:
             if node is None:
                 break  # a longer suffix contains this one: absent too
             if node.children:
-                best = (node, m)
-        return best
+                out.append((node, m))
+        return out
 
 
 def _draft(node: _Node, m: int, max_tokens: int, min_prob: float, factor: float) -> tuple[list[int], float]:
@@ -139,16 +146,16 @@ class SuffixDrafter(Drafter):
         idx.indexed = len(toks)
         # patterns leave room for a continuation inside the trie's depth
         max_pattern = self.depth - 1
+        # own trie: the suffix nodes are at hand (active[m] is the node of the last m tokens); longest first,
+        # so on equal scores the longer (better supported) pattern wins
+        own = [(idx.active[m], m) for m in range(min(len(idx.active) - 1, max_pattern), 0, -1)
+               if idx.active[m].children]
+        glob = self.global_trie.matches(toks[-max_pattern:], max_pattern)[::-1]
         best: tuple[list[int], float] = ([], 0.0)
-        # own trie: the suffix nodes are at hand (active[m] is the node of the last m tokens)
-        for m in range(len(idx.active) - 1, 0, -1):
-            if m <= max_pattern and idx.active[m].children:
-                best = _draft(idx.active[m], m, q.max_tokens, self.cfg.suffix_min_prob,
-                              self.cfg.suffix_max_spec_factor)
-                break
-        hit = self.global_trie.find(toks[-max_pattern:], max_pattern)
-        if hit is not None:
-            other = _draft(hit[0], hit[1], q.max_tokens, self.cfg.suffix_min_prob, self.cfg.suffix_max_spec_factor)
+        for node, m in own + glob:
+            other = _draft(node, m, q.max_tokens, self.cfg.suffix_min_prob, self.cfg.suffix_max_spec_factor)
             if other[1] > best[1]:
                 best = other
+            if len(best[0]) == q.max_tokens and best[1] == q.max_tokens:
+                break  # a certain draft of full length: nothing scores higher
         return best[0]

@@ -34,3 +34,25 @@ def resolve_model_dir(model: str | Path | None) -> Path:
     if str(model) in shipped_models() and shipped.is_dir():
         return shipped
     return path
+
+
+DRAFTER_SUFFIX = "-dspark"
+
+
+def resolve_drafter_dir(spec_model: str | Path | None, target: str | Path | None) -> Path:
+    """The DSpark drafter folder for `--spec dspark`: --spec-model as given (a folder, or a shipped drafter's
+    name), else the drafter shipped beside a shipped target (k3rt/models/<target>-dspark). Raises ValueError
+    naming --spec-model when there is none."""
+    if spec_model is not None:
+        path = resolve_model_dir(spec_model)
+        if not path.is_dir():
+            raise ValueError(f"spec_model: {spec_model} is not a folder (a DSpark drafter folder holds config.json "
+                             "and model.safetensors)")
+        return path
+    target_dir = resolve_model_dir(target).resolve()
+    if target_dir.parent == MODELS_DIR:
+        shipped = MODELS_DIR / (target_dir.name + DRAFTER_SUFFIX)
+        if shipped.is_dir():
+            return shipped
+    raise ValueError(f"spec_model: no DSpark drafter ships with {target}; pass --spec-model DIR (a drafter folder, "
+                     "docs/dspark.md)")

@@ -105,6 +105,19 @@ def test_suffix_draft_length_adapts_to_match_length_and_confidence() -> None:
     assert d3.propose([DraftQuery(3, [5, 20], 1, 3)]) == [[21, 22]]
 
 
+def test_suffix_drafts_from_a_shorter_pattern_when_the_longest_leaves_no_room() -> None:
+    """Regression: in a repetitive context the longest matched pattern sits near the trie's depth, where the
+    trie holds one token of its continuation; a shorter pattern drafts the full length (the agent workload's
+    tau was capped near 2.4 by this)."""
+    d = SuffixDrafter(SpecConfig(method="suffix", suffix_max_depth=8))
+    a = list(range(100, 110))
+    # the longest match [100..106] (7 tokens) continues with 107 only inside a depth-8 trie
+    assert d.propose([DraftQuery(0, a + a[:7], 1, 4)]) == [[107, 108, 109, 100]]
+    # the same through the global trie (a finished request's output)
+    d.finish(1, [0] + a + a[:7], 1)
+    assert d.propose([DraftQuery(2, [7] + a[:7], 1, 4)]) == [[107, 108, 109, 100]]
+
+
 # ---- the engine, greedy ----
 
 class OracleDrafter(Drafter):

@@ -44,6 +44,14 @@ class GpuForward:
         # one set of per-head counters serves every KDA layer and step (allocated outside graph capture)
         self.kda_workspace = ws(max_batch, heads, pool.tensors[0].device) if ws is not None and heads else None
         self.mix_kernel = kernel("attn_res", "attn_res_mix") if kernels.triton else None
+        # target states a model drafter reads (backend/spec/dspark/target.py numbering): every forward keeps
+        # each tapped layer's state over all rows in `tapped` (inside a CUDA graph: the graph's own tensors)
+        self.taps: frozenset[int] = frozenset()
+        self.tapped: dict[int, torch.Tensor] = {}
+
+    def _tap(self, i: int, x: torch.Tensor) -> None:
+        if i in self.taps:
+            self.tapped[i] = x
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if self.norm_kernel is not None:
@@ -101,19 +109,25 @@ class GpuForward:
         if not self.cfg.attn_res_block_size:
             # pre-norm residual stream; each residual add is fused into the next norm
             x = self.norm(h, self.layers[0].input_layernorm.weight, eps)
+            self._tap(0, x)
             for i, layer in enumerate(self.layers):
                 x, h = self.add_norm(self.attention(i, x, step, decode), h, layer.post_attention_layernorm.weight, eps)
                 nxt = self.layers[i + 1].input_layernorm.weight if i + 1 < len(self.layers) else m.norm.weight
                 x, h = self.add_norm(self.ffn(i, x), h, nxt, eps)
+                self._tap(i + 1, x)  # layer i + 1's normalized input; the final norm's output after the last
             x = x if step.logits_every_row else x[step.logit_rows]
             return self.logits(x, logits_out)
         stream = AttnResStream(h, self.cfg.attn_res_block_size)
         for i, layer in enumerate(self.layers):
             x = self.mix(stream, layer.self_attention_res_norm.weight, layer.self_attention_res_proj.weight, eps)
             stream.begin_layer(i)
-            stream.add(self.attention(i, self.norm(x, layer.input_layernorm.weight, eps), step, decode))
+            x = self.norm(x, layer.input_layernorm.weight, eps)
+            self._tap(i, x)
+            stream.add(self.attention(i, x, step, decode))
             x = self.mix(stream, layer.mlp_res_norm.weight, layer.mlp_res_proj.weight, eps)
             stream.add(self.ffn(i, self.norm(x, layer.post_attention_layernorm.weight, eps)))
         h = self.mix(stream, m.output_attn_res_norm.weight, m.output_attn_res_proj.weight, eps)
+        if len(self.layers) in self.taps:  # the final normalized state of every row, not only the logit rows
+            self._tap(len(self.layers), self.norm(h, m.norm.weight, eps))
         h = h if step.logits_every_row else h[step.logit_rows]
         return self.logits(self.norm(h, m.norm.weight, eps), logits_out)

@@ -9,6 +9,9 @@ Decode-only steps of up to `max(graph_sizes)` sequences replay a graph captured 
 size (sizes up to 512; those captured follow --max-running, `graph_sizes_for`); the padding rows point
 at one reserved pool page (state set and MLA page), so they compute garbage nobody reads and touch no
 live state.
+
+With a model drafter (DSpark) the forward also taps the target layer states the drafter reads, over all
+rows (inside the graphs too), and the runner records the kept rows per speculating request.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from k3rt.backend.runner.sampling import prompt_score_rows, record_prompt_logpro
 from k3rt.backend.sampling.sampler import Sampler
 from k3rt.backend.scheduler.scheduler import ScheduledChunk, SchedulerOutput
 from k3rt.backend.spec.rejection import verify_requests
+from k3rt.backend.spec.target_states import TargetStates, record_step_states
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +60,16 @@ class _Graph:
     flat64: torch.Tensor
     flat32: torch.Tensor
     logits: torch.Tensor
+    taps: dict[int, torch.Tensor]  # the graph's tapped target states (model drafter), [size, hidden] each
 
 
 class GpuModelRunner(Runner):
     def __init__(self, model: KimiForCausalLM, pool: PagePool, *, kernels: KernelConfig = KernelConfig(),
                  cuda_graphs: bool = True, graph_sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, target_states: TargetStates | None = None) -> None:
+        """target_states: where to record the target states a model drafter reads (None: no taps)."""
         self.model, self.pool, self.kernels = model, pool, kernels
+        self.target_states = target_states
         # the reference modules the GPU path still calls (shared experts, fallbacks) follow the mode too
         model.set_batch_invariant(kernels.batch_invariant)
         L = pool.layout
@@ -71,6 +78,8 @@ class GpuModelRunner(Runner):
             pool.set_kda_shapes(conv_shape, rec_shape)
         self.device = pool.tensors[0].device
         self.fwd = GpuForward(model, pool, kernels)
+        if target_states is not None:
+            self.fwd.taps = frozenset(target_states.layers)  # before capture: the graphs tap them too
         self.num_groups = max(1, len(L.kda_groups))
         self.block_size = L.block_size
         limit = max_model_len or model.cfg.max_position_embeddings
@@ -126,10 +135,12 @@ class GpuModelRunner(Runner):
         step = None
         if self.graphs and not out.chunks and not score_rows and size in self.graphs:
             logits = self._replay(seqs, size, pending, prev)[:n]
+            tapped = self.graphs[size].taps
         else:
             step = self._build(seqs, [row for _, row, _ in score_rows])
             self._feed_pending(step.ids, pending, prev)
             logits = self.fwd(step, decode=step.decode_only)
+            tapped = self.fwd.tapped
         reqs = [c.req for c in chunks if c.needs_logits and not c.draft_ids]
         verify = [(i, c) for i, c in enumerate(chunks) if c.draft_ids]
         n_plain, n_verify = len(reqs), sum(c.num_fed for _, c in verify)
@@ -139,10 +150,13 @@ class GpuModelRunner(Runner):
         tokens = None
         if not verify and reqs:
             tokens = sample_on_device(logits[:n_plain], reqs, use_kernels=self.kernels.triton, penalties=self.penalties)
+        kept: dict[int, int] = {}  # verify chunk -> its accepted run's fed tokens
         if tokens is not None:
             launched.tokens, launched.rows = tokens, {r.rid: i for i, r in enumerate(reqs)}
         else:
-            launched.sampled = self._sample_now(logits, reqs, verify, n_plain, n_verify, step)
+            launched.sampled, kept = self._sample_now(logits, reqs, verify, n_plain, n_verify, step)
+        if self.target_states is not None:
+            record_step_states(self.target_states, chunks, tapped, kept)
         if timing is not None:
             self.idle.end(timing)
         return launched
@@ -162,10 +176,12 @@ class GpuModelRunner(Runner):
             self.idle.reset()
 
     def _sample_now(self, logits: torch.Tensor, reqs: list, verify: list, n_plain: int, n_verify: int,
-                    step: GpuStep | None) -> dict[int, int | list[int]]:
-        """Host-assisted sampling and speculative verification: reads the tokens back now."""
+                    step: GpuStep | None) -> tuple[dict[int, int | list[int]], dict[int, int]]:
+        """Host-assisted sampling and speculative verification: reads the tokens back now. Returns the
+        sampled tokens and, per verify chunk index, how many of its fed tokens the accepted run kept."""
         sampled: dict[int, int | list[int]] = sample_step(self.sampler, logits[:n_plain], reqs,
                                                           use_kernels=self.kernels.triton, penalties=self.penalties)
+        kept: dict[int, int] = {}
         if verify:
             results = verify_requests(self.sampler, logits[n_plain:n_plain + n_verify], [c.req for _, c in verify],
                                       [c.draft_ids for _, c in verify])
@@ -177,7 +193,8 @@ class GpuModelRunner(Runner):
                 self.penalties.release(r.rid)
                 r.sampled.run_logprobs, r.sampled.run_top_logprobs = res.logprobs, res.top_logprobs
                 sampled[r.rid] = res.token_ids
-        return sampled
+            kept = {i: len(res.token_ids) for (i, _), res in zip(verify, results)}
+        return sampled, kept
 
     def _feed_pending(self, ids: torch.Tensor, pending: dict[int, int], prev: LaunchedStep | None) -> None:
         """ids[row] = prev's sampled token of request rid, for each (row, rid) in pending: on the device when
@@ -194,6 +211,8 @@ class GpuModelRunner(Runner):
 
     def release(self, rid: int) -> None:
         self.penalties.release(rid)
+        if self.target_states is not None:
+            self.target_states.release(rid)
 
     def _build(self, seqs: list[StepSeq], extra_rows: list[int]) -> GpuStep:
         return build_step(seqs, block_size=self.block_size, conv_width=self.fwd.conv_width,
@@ -232,7 +251,7 @@ class GpuModelRunner(Runner):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = self.fwd(step, decode=True, logits_out=shared[:size])
-            self.graphs[size] = _Graph(graph, flat64, flat32, logits)
+            self.graphs[size] = _Graph(graph, flat64, flat32, logits, dict(self.fwd.tapped))
         torch.cuda.synchronize()
         if self.graphs:
             log.info("captured %d decode graphs (batch %d to %d) in %.1f s, %.2f GiB of device memory",

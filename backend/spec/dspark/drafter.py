@@ -37,22 +37,38 @@ class DSparkDrafter(Drafter):
             if tuple(w.shape) != (cfg.vocab_size, cfg.hidden_size):
                 raise CheckpointError(f"{name}: target has [{', '.join(map(str, w.shape))}], drafter config "
                                       f"needs [vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}]")
-        self.model = model.eval()
-        self.embed, self.lm_head = embed.detach().float(), lm_head.detach().float()
+        # on a GPU the drafter computes in the target's dtype and reads the target's tensors in place: fp32
+        # copies of two [vocab, hidden] tables would cost 2 x 4.7 GB at K3's shape. On the CPU (the reference
+        # path, bf16 matmuls slow or missing) it computes in fp32 from fp32 copies, as it was trained.
+        self.dtype = embed.dtype if embed.device.type == "cuda" else torch.float32
+        self.model = model.to(self.dtype).eval()
+        self.embed, self.lm_head = embed.detach().to(self.dtype), lm_head.detach().to(self.dtype)
         self.threshold = cfg.confidence_threshold if confidence_threshold is None else confidence_threshold
 
     @classmethod
-    def from_folder(cls, folder: str | Path, target: KimiForCausalLM, **kwargs) -> "DSparkDrafter":
-        model = load_drafter(folder)
+    def from_folder(cls, folder: str | Path, target: KimiForCausalLM, *, num_tokens: int | None = None,
+                    **kwargs) -> "DSparkDrafter":
+        """The drafter in `folder` for `target`, on the target's device. num_tokens: the drafts per request the
+        engine asks for (SpecConfig.num_tokens), at most the drafter's block_size."""
+        embed = target.model.embed_tokens.weight
+        model = load_drafter(folder, device=str(embed.device))
         cfg = model.cfg
+        where = Path(folder) / "config.json"
         try:
             check_layers(target, cfg.target_layers)
         except ValueError as e:
-            raise CheckpointError(f"{Path(folder) / 'config.json'}: {e}") from None
+            raise CheckpointError(f"{where}: {e}") from None
         if cfg.target_hidden_size != target.cfg.hidden_size:
-            raise CheckpointError(f"{Path(folder) / 'config.json'}: target_hidden_size {cfg.target_hidden_size} but "
+            raise CheckpointError(f"{where}: target_hidden_size {cfg.target_hidden_size} but "
                                   f"the target's hidden_size is {target.cfg.hidden_size}")
-        return cls(model, target.model.embed_tokens.weight, target.lm_head.weight, **kwargs)
+        if cfg.vocab_size != target.cfg.vocab_size or cfg.hidden_size != target.cfg.hidden_size:
+            raise CheckpointError(f"{where}: vocab_size {cfg.vocab_size}, hidden_size {cfg.hidden_size} but the "
+                                  f"target's are {target.cfg.vocab_size}, {target.cfg.hidden_size} (the drafter "
+                                  "shares the target's embedding and LM head)")
+        if num_tokens is not None and num_tokens > cfg.block_size:
+            raise ValueError(f"spec_tokens: the drafter in {folder} drafts block_size={cfg.block_size} tokens per "
+                             f"pass, got {num_tokens}")
+        return cls(model, embed, target.lm_head.weight, **kwargs)
 
     @property
     def target_layers(self) -> tuple[int, ...]:
@@ -68,26 +84,28 @@ class DSparkDrafter(Drafter):
         cfg = self.model.cfg
         width = len(cfg.target_layers) * cfg.target_hidden_size
         h = q.hidden
-        if h is None:
-            raise ValueError(f"dspark: request {q.rid} has no target states (DraftQuery.hidden); DSpark drafts "
-                             "from them")
         if h.dim() != 2 or h.shape[1] != width or not 1 <= h.shape[0] <= cfg.context_len:
             raise ValueError(f"dspark: request {q.rid} hidden is {list(h.shape)}, expected "
                              f"[1..{cfg.context_len}, {width}]")
         if h.shape[0] < cfg.context_len:
             h = torch.cat([h[:1].expand(cfg.context_len - h.shape[0], -1), h])
-        return h.float()
+        return h.to(self.dtype)
 
     @torch.no_grad()
     def propose(self, queries: Sequence[DraftQuery]) -> list[list[int]]:
-        if not queries:
-            return []
+        """One batched block pass over every query that carries target states; a query without them (its
+        states were not recorded, e.g. right after a preemption) gets no drafts this step. A request whose
+        confidence says no draft pays (min_verify 0) also gets none: it decodes plainly."""
+        out: list[list[int]] = [[] for _ in queries]
+        ready = [i for i, q in enumerate(queries) if q.hidden is not None]
+        if not ready:
+            return out
         device = self.embed.device
-        ctx = torch.stack([self._window(q) for q in queries]).to(device)
-        anchors = torch.tensor([q.token_ids[-1] for q in queries], device=device)
+        ctx = torch.stack([self._window(queries[i]) for i in ready]).to(device)
+        anchors = torch.tensor([queries[i].token_ids[-1] for i in ready], device=device)
         tokens, _, conf = self.model.draft(ctx, anchors, self.embed, self.lm_head)
-        out = []
-        for i, q in enumerate(queries):
-            n = verify_length(conf[i], self.threshold, self.model.cfg.min_verify, q.max_tokens)
-            out.append(tokens[i, :n].tolist())
+        tokens, conf = tokens.tolist(), conf.cpu()  # one device sync for the whole batch
+        for j, i in enumerate(ready):
+            n = verify_length(conf[j], self.threshold, self.model.cfg.min_verify, queries[i].max_tokens)
+            out[i] = tokens[j][:n]
         return out

@@ -1,0 +1,318 @@
+"""`k3rt bench spec`: speculative decoding against plain decoding, per workload, batch size and drafter.
+
+Each (workload, batch size) runs its requests once without speculation and once per drafter, greedy, all
+requests of the batch submitted together, on one engine per drafter (the prefix cache is flushed and the
+drafter rebuilt between runs, so no run drafts from another's outputs). Workloads:
+
+  code   held-out code completion: windows of the stdlib modules k3-tiny and its drafter never trained on
+         (CODE_MODULES, the corpus' HELDOUT_MODULES; serving code imports nothing from k3rt.training),
+         each starting at a line start;
+  chat   short questions through the model's chat template;
+  agent  repetitive agent turns: each session's next prompt resends its history, the model's last output
+         and a tool output that echoes it (a tool reading back the file the agent wrote), for `turns` turns.
+
+Per row: tau = mean tokens a verify step emits (accepted drafts + the bonus token, i.e. (accepted + verifies)
+/ verifies); draft ms = mean wall time of one drafter call (one batched pass for dspark); verify ms = mean
+time of the steps that verified drafts and ran no prefill; plain ms = mean decode-only step time without
+speculation at that batch size; tokens/s with and without speculation (generated tokens / wall time of the
+run), their ratio, and whether the speculative outputs equal the plain ones token for token. On the CPU the
+times are the reference path's; on CUDA the steps end with the sampled tokens on the host, so wall times
+include the device work.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import sysconfig
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+WORKLOADS = ("code", "chat", "agent")
+# training/corpus.py HELDOUT_MODULES (a test keeps the two equal): k3-tiny's held-out code
+CODE_MODULES = (
+    "base64", "calendar", "colorsys", "configparser", "filecmp", "fileinput", "fnmatch", "fractions",
+    "gettext", "glob", "graphlib", "heapq", "ipaddress", "json", "netrc", "plistlib", "pprint", "queue",
+    "reprlib", "sched", "shlex", "statistics", "string", "tempfile", "textwrap", "wave",
+)
+DRAFTERS = ("ngram", "suffix", "dspark")
+
+_QUESTIONS = [
+    "What is the difference between a list and a tuple in Python?",
+    "Explain how a hash table handles collisions.",
+    "Write a short function that reverses a string.",
+    "How do I read a file line by line?",
+    "What does the yield keyword do?",
+    "Give an example of a context manager.",
+    "How do I sort a dictionary by value?",
+    "What is a closure?",
+]
+
+
+@dataclass(frozen=True)
+class SpecBenchConfig:
+    model: str = "k3-tiny"
+    device: str = "cpu"
+    runner: str = "auto"
+    dtype: str | None = None
+    random_weights: bool = False
+    workloads: tuple[str, ...] = WORKLOADS
+    batch_sizes: tuple[int, ...] = (1, 4, 16, 64)
+    drafters: tuple[str, ...] = DRAFTERS
+    spec_tokens: int = 7
+    spec_model: str | None = None  # dspark drafter folder (None: the one shipped with the model)
+    max_tokens: int = 64  # generated per request (per turn for agent)
+    prompt_len: int = 96  # code prompts
+    turns: int = 3  # agent turns per session
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        bad = [w for w in self.workloads if w not in WORKLOADS]
+        if bad or not self.workloads:
+            raise ValueError(f"workloads: {bad or 'none'} not among {', '.join(WORKLOADS)}")
+        bad = [d for d in self.drafters if d not in DRAFTERS]
+        if bad or not self.drafters:
+            raise ValueError(f"drafters: {bad or 'none'} not among {', '.join(DRAFTERS)}")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"batch_sizes: need sizes >= 1, got {self.batch_sizes}")
+        for name in ("max_tokens", "prompt_len", "turns"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class SpecRow:
+    workload: str
+    batch: int
+    drafter: str
+    spec_tokens: int
+    tau: float  # (accepted + verifies) / verifies
+    accept_rate: float  # accepted / drafted
+    verifies: int
+    draft_ms: float  # mean per drafter call
+    verify_step_ms: float  # mean per step that verified (no prefill in it)
+    plain_step_ms: float  # mean decode-only step without speculation, same batch
+    verify_over_plain: float
+    draft_over_plain: float
+    tokens_per_s_plain: float
+    tokens_per_s_spec: float
+    speedup: float
+    identical: bool
+
+
+@dataclass
+class _Run:
+    outputs: list[list[int]]
+    wall_s: float
+    tokens: int
+    step_ms: list[float]  # decode-only steps (plain) or verify steps without prefill (spec)
+    draft_ms: list[float]
+    verifies: int
+    drafted: int
+    accepted: int
+
+
+def _code_sources() -> list[str]:
+    """The modules' sources in relative-path order with newlines normalized, as the training corpus reads them
+    (so the prompts are the ones the drafter's held-out evaluation draws)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = []
+    for m in CODE_MODULES:
+        single = root / f"{m}.py"
+        paths += [single] if single.is_file() else [p for p in (root / m).rglob("*.py") if "__pycache__" not in p.parts]
+    if not paths:
+        raise ValueError(f"workloads: code needs the Python stdlib sources, none found under {root}")
+    paths.sort(key=lambda p: p.relative_to(root).as_posix())
+    return [p.read_text(encoding="utf-8").replace("\r\n", "\n").replace("\r", "\n") for p in paths]
+
+
+def _code_prompts(tok, num: int, prompt_len: int, seed: int) -> list[list[int]]:
+    """`num` windows of `prompt_len` tokens of held-out stdlib code, each starting at a line start (a served
+    prompt's sequence prefix first)."""
+    rng = random.Random(seed)
+    texts = _code_sources()
+    out: list[list[int]] = []
+    while len(out) < num:
+        text = rng.choice(texts)
+        starts = [0] + [i + 1 for i, c in enumerate(text) if c == "\n"]
+        begin = rng.choice(starts[:max(1, len(starts) - 20)])
+        ids = [*tok.sequence_prefix, *tok.encode(text[begin:begin + 8 * prompt_len])]
+        if len(ids) >= prompt_len:
+            out.append(ids[:prompt_len])
+    return out
+
+
+def _prompts(cfg: SpecBenchConfig, tok, workload: str, batch: int) -> list[list[int]]:
+    if workload == "code":
+        return _code_prompts(tok, batch, cfg.prompt_len, seed=cfg.seed * 1000 + batch)
+    texts = [_QUESTIONS[i % len(_QUESTIONS)] + (f" (question {i})" if i >= len(_QUESTIONS) else "")
+             for i in range(batch)]
+    if workload == "chat" and tok.chat_template is not None:
+        return [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    if workload == "chat":
+        return [tok.encode_prompt(t) for t in texts]
+    # agent: a tool-using session's first turn; later turns are built from the outputs (_agent_turn)
+    return [tok.encode_prompt(f"# task {i}: {t}\n# plan, then call tools\n") for i, t in enumerate(texts)]
+
+
+def _agent_turn(tok, prompt: list[int], output: list[int]) -> list[int]:
+    """History + the model's turn + a tool result that echoes it (the agent's file, read back)."""
+    return prompt + output + tok.encode("\n# tool read_file ->\n") + output + tok.encode("\n# next step\n")
+
+
+def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str) -> _Run:
+    from k3rt.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=True)
+    step_ms: list[float] = []
+    draft_ms: list[float] = []
+    execute = eng.runner.execute
+
+    def timed_execute(out):
+        t0 = time.perf_counter()
+        res = execute(out)
+        dt = (time.perf_counter() - t0) * 1e3
+        verify = any(c.draft_ids for c in out.chunks)
+        prefill = any(not c.draft_ids for c in out.chunks)
+        if not prefill and (verify or (out.decodes and eng.scheduler.drafter is None)):
+            step_ms.append(dt)
+        return res
+
+    drafter = eng.scheduler.drafter
+    if drafter is not None:
+        propose = drafter.propose
+
+        def timed_propose(queries):
+            t0 = time.perf_counter()
+            res = propose(queries)
+            draft_ms.append((time.perf_counter() - t0) * 1e3)
+            return res
+
+        drafter.propose = timed_propose
+    eng.runner.execute = timed_execute
+    s0 = (eng.stats.spec_verifies, eng.stats.spec_drafted_tokens, eng.stats.spec_accepted_tokens)
+    outputs: list[list[int]] = []
+    t0 = time.perf_counter()
+    try:
+        turns = cfg.turns if workload == "agent" else 1
+        for _ in range(turns):
+            outs = [o.output_ids for o in eng.generate(prompts, params)]
+            outputs += outs
+            if workload == "agent":
+                prompts = [_agent_turn(tok, p, o) for p, o in zip(prompts, outs)]
+    finally:
+        eng.runner.execute = execute
+    wall = time.perf_counter() - t0
+    s = eng.stats
+    return _Run(outputs, wall, sum(map(len, outputs)), step_ms, draft_ms, s.spec_verifies - s0[0],
+                s.spec_drafted_tokens - s0[1], s.spec_accepted_tokens - s0[2])
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
+    """Every (workload, batch, drafter) row; raises ValueError naming the option for bad input."""
+    import torch
+    from tqdm import tqdm
+
+    from k3rt.backend.engine import Engine, cache_geometry
+    from k3rt.backend.models.loader import load_model
+    from k3rt.backend.spec.base import create_drafter
+    from k3rt.backend.tokenizer import load_tokenizer
+    from k3rt.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+    from k3rt.model_config import load_model_config
+    from k3rt.models import resolve_drafter_dir, resolve_model_dir
+
+    model_dir = resolve_model_dir(cfg.model)
+    cfg = replace(cfg, model=str(model_dir))
+    spec_model = str(resolve_drafter_dir(cfg.spec_model, model_dir)) if "dspark" in cfg.drafters else None
+    tok = load_tokenizer(model_dir)
+    mcfg = load_model_config(model_dir)
+    if cfg.random_weights:
+        from k3rt.backend.models.random_init import random_model
+
+        model = random_model(mcfg, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed, progress=progress)
+    else:
+        model = load_model(model_dir, dtype=cfg.dtype, device=cfg.device, progress=progress)
+    prompts = {(w, b): _prompts(cfg, tok, w, b) for w in cfg.workloads for b in cfg.batch_sizes}
+    bmax = max(cfg.batch_sizes)
+    longest = max(len(p) for ps in prompts.values() for p in ps)
+    if "agent" in cfg.workloads:  # each turn adds two outputs and two short tags
+        longest += cfg.turns * (2 * cfg.max_tokens + 24)
+    base = EngineConfig(model=str(model_dir), dtype=cfg.dtype, device=cfg.device, runner=cfg.runner,
+                        seed=cfg.seed, scheduler=SchedulerConfig(max_num_batched_tokens=max(2048, bmax * 16),
+                                                                 max_running=max(bmax, 1)))
+    layout, _ = cache_geometry(base, mcfg)
+    per_req = -(-(longest + cfg.max_tokens + cfg.spec_tokens + 1) // layout.block_size) + 2 * layout.pages_per_state_set
+    base = replace(base, cache=CacheConfig(num_pages=bmax * per_req * 2 + 64))
+
+    runs: dict[tuple[str, int, str], _Run] = {}
+    methods = [None, *cfg.drafters]
+    bar = tqdm(total=len(methods) * len(prompts), desc="bench spec", unit="run", disable=not progress)
+    for method in methods:
+        spec = SpecConfig() if method is None else SpecConfig(method=method, num_tokens=cfg.spec_tokens,
+                                                              model=spec_model if method == "dspark" else None)
+        eng = Engine(replace(base, spec=spec), model=model)
+        # warm-up (lazy initialization, first kernels) outside the measured runs
+        _run(eng, [next(iter(prompts.values()))[0][:16]], replace(cfg, max_tokens=4), tok, "code")
+        for (w, b), ps in prompts.items():
+            eng.flush_cache()
+            if method is not None:  # a fresh drafter: no run drafts from another's outputs
+                eng.scheduler.drafter = create_drafter(eng.cfg.spec, model)
+            bar.set_postfix_str(f"{method or 'plain'} {w} b={b}")
+            runs[(w, b, method or "plain")] = _run(eng, ps, cfg, tok, w)
+            bar.update()
+        eng.close()
+        del eng
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    bar.close()
+    rows = []
+    for (w, b), _ in prompts.items():
+        plain = runs[(w, b, "plain")]
+        plain_ms = _mean(plain.step_ms)
+        tps_plain = plain.tokens / plain.wall_s
+        for d in cfg.drafters:
+            r = runs[(w, b, d)]
+            verify_ms, draft = _mean(r.step_ms), _mean(r.draft_ms)
+            tps = r.tokens / r.wall_s
+            rows.append(SpecRow(w, b, d, cfg.spec_tokens,
+                                tau=(r.accepted + r.verifies) / r.verifies if r.verifies else 0.0,
+                                accept_rate=r.accepted / r.drafted if r.drafted else 0.0, verifies=r.verifies,
+                                draft_ms=draft, verify_step_ms=verify_ms, plain_step_ms=plain_ms,
+                                verify_over_plain=verify_ms / plain_ms if plain_ms else 0.0,
+                                draft_over_plain=draft / plain_ms if plain_ms else 0.0,
+                                tokens_per_s_plain=tps_plain, tokens_per_s_spec=tps, speedup=tps / tps_plain,
+                                identical=r.outputs == plain.outputs))
+    return rows
+
+
+def rows_json(rows: Sequence[SpecRow]) -> list[dict]:
+    return [asdict(r) for r in rows]
+
+
+def format_table(rows: Sequence[SpecRow]) -> str:
+    """A markdown table, one line per row."""
+    head = ("| workload | batch | drafter | K | tau | accept | verifies | draft ms | verify ms | plain ms | "
+            "verify/plain | draft/plain | tok/s plain | tok/s spec | speedup | identical |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(f"| {r.workload} | {r.batch} | {r.drafter} | {r.spec_tokens} | {r.tau:.2f} | "
+                     f"{r.accept_rate:.2f} | {r.verifies} | {r.draft_ms:.2f} | {r.verify_step_ms:.2f} | "
+                     f"{r.plain_step_ms:.2f} | {r.verify_over_plain:.2f} | {r.draft_over_plain:.2f} | "
+                     f"{r.tokens_per_s_plain:.1f} | {r.tokens_per_s_spec:.1f} | {r.speedup:.2f} | "
+                     f"{'yes' if r.identical else 'NO'} |")
+    return "\n".join(lines)
+
+
+def parse_list(text: str, name: str, cast: Callable = str) -> tuple:
+    """A comma-separated option value -> a tuple, or ValueError naming the option."""
+    try:
+        return tuple(cast(x.strip()) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{name}: expected a comma-separated list, got {text!r}") from None

@@ -1,0 +1,333 @@
+"""The DSpark drafter in the engine (issue 16 §1): target states recorded by the runners, the batched drafter
+pass, the confidence-scheduled verify length, and `--spec dspark` / `--spec-model`.
+
+- TargetStates keeps the newest contiguous window of kept positions (unit).
+- On tiny random checkpoints of both architectures, reference runner and the GPU runner's torch-op path: every
+  DraftQuery.hidden the scheduler hands the drafter equals the dense forward's states at the request's last
+  positions (so decode rows, prefill chunks, cache hits and verify runs record exactly the kept rows), and
+  greedy speculative output equals plain output token for token, under chunked prefill, prefix-cache hits,
+  n > 1, preemption, abort and an oracle that makes most drafts accepted.
+- The shipped k3-tiny + k3-tiny-dspark: bf16 greedy identity and tau > 1; the CLI flags and their errors.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3rt.backend.engine import Engine
+from k3rt.backend.models.loader import CheckpointError
+from k3rt.backend.spec.dspark.checkpoint import save_drafter
+from k3rt.backend.spec.dspark.drafter import DSparkDrafter
+from k3rt.backend.spec.dspark.model import DSparkConfig, DSparkModel
+from k3rt.backend.spec.dspark.target import dense_states
+from k3rt.backend.spec.target_states import TargetStates
+from k3rt.config import EngineConfig, SpecConfig
+from k3rt.models import MODELS_DIR, resolve_drafter_dir
+from k3rt.sampling_params import SamplingParams
+from tests.backend.engine_fixtures import assert_at_rest, make_engine, run
+from tests.backend.test_spec import _params, _reference, _refs, _workload, arch  # noqa: F401 (fixture)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---- the store ----
+
+def test_target_states_keep_the_newest_contiguous_window() -> None:
+    s = TargetStates((1, 2), window=3)
+    rows = torch.arange(20, dtype=torch.float32)[:, None]  # row p holds position p
+    s.record(0, 0, rows[0:5])  # a prefill chunk: the last 3 kept
+    assert s.get(0)[:, 0].tolist() == [2, 3, 4] and s.end(0) == 5
+    s.record(0, 5, rows[5:6])  # a decode
+    assert s.get(0)[:, 0].tolist() == [3, 4, 5] and s.end(0) == 6
+    s.record(0, 4, rows[4:6])  # recomputing from 4 (after a preemption): rows from 4 on replaced
+    assert s.get(0)[:, 0].tolist() == [3, 4, 5] and s.end(0) == 6
+    s.record(0, 9, rows[9:10])  # a gap (positions skipped by a cache hit): the old rows go
+    assert s.get(0)[:, 0].tolist() == [9] and s.end(0) == 10
+    s.record(1, 0, rows[0:1])
+    s.check({0, 1})
+    with pytest.raises(AssertionError, match=r"ended requests \[1\]"):
+        s.check({0})
+    s.release(1)
+    s.release(1)  # twice is fine (finish and abort paths both release)
+    assert len(s) == 1 and s.get(1) is None and s.end(1) is None
+    rows[9] = -1.0  # the store holds copies
+    assert s.get(0)[:, 0].tolist() == [9]
+
+
+# ---- the engine on tiny random checkpoints ----
+
+def _random_drafter(folder: Path, model, *, seed: int = 0, threshold: float = 0.0, min_verify: int = 1) -> Path:
+    cfg = model.cfg
+    L = cfg.num_hidden_layers
+    dcfg = DSparkConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, target_hidden_size=cfg.hidden_size,
+                        target_layers=(1, L), context_len=3, block_size=5, num_layers=1, num_heads=2, head_dim=16,
+                        intermediate_size=64, markov_rank=4, confidence_hidden=8, confidence_threshold=threshold,
+                        min_verify=min_verify)
+    d = DSparkModel(dcfg)
+    d.init_weights(seed)
+    return save_drafter(d, folder, dtype=torch.float32)
+
+
+class _CheckedDrafter(DSparkDrafter):
+    """The real batched pass, after checking that every query's states are the dense forward's at the request's
+    last positions; with `refs`, the drafts are then replaced by the true continuation (seeded noise), so most
+    verifies accept a prefix and the accepted-row bookkeeping is exercised."""
+
+    def __init__(self, inner: DSparkDrafter, target, refs=None, noise: float = 0.25, *, atol: float = 2e-3,
+                 every_other: bool = False) -> None:
+        """every_other: draft nothing on every second call, so those steps are plain decodes (CUDA graphs)."""
+        self.__dict__.update(inner.__dict__)
+        self.target, self.refs, self.rng = target, refs, random.Random(7)
+        self.atol, self.every_other, self.calls = atol, every_other, 0
+        self.checked = 0
+        self.errors: list[str] = []
+
+    def propose(self, queries):
+        # the scheduler turns a drafter's exception into "no drafts this step": failures are kept and asserted on
+        for q in queries:
+            try:
+                # every speculating decode has its states, ending right before its anchor (no preemption here)
+                assert q.hidden is not None, f"request {q.rid} at {len(q.token_ids)} tokens has no target states"
+                ids = torch.tensor(list(q.token_ids[:-1]), device=q.hidden.device)[None]
+                _, dense = dense_states(self.target, ids, self.target_layers)
+                want = dense[0, -q.hidden.shape[0]:].float()
+                torch.testing.assert_close(q.hidden.float(), want, atol=self.atol, rtol=self.atol)
+                self.checked += 1
+            except AssertionError as e:
+                self.errors.append(str(e))
+        out = super().propose(queries)
+        self.calls += 1
+        if self.every_other and self.calls % 2 == 0:
+            return [[] for _ in queries]
+        if self.refs is None:
+            return out
+        drafted = []
+        for q, d in zip(queries, out):
+            full = self.refs[tuple(q.token_ids[:q.prompt_len])]
+            cont = full[len(q.token_ids):len(q.token_ids) + len(d)]
+            drafted.append([self.rng.randrange(512) if self.rng.random() < 0.25 else t for t in cont])
+        return drafted
+
+
+def _dspark_engine(arch, folder: Path, *, runner: str = "model", k: int = 5, cache: dict | None = None, **engine):
+    cache = {"num_pages": 512, **(cache or {})}
+    return make_engine(arch.ckpt, runner=runner, model=arch.model, budget=64,
+                       engine={"spec": SpecConfig(method="dspark", num_tokens=k, model=str(folder)), **engine}, **cache)
+
+
+@pytest.mark.parametrize("runner, oracle", [("model", False), ("model", True), ("gpu", True)],
+                         ids=["reference-drafts", "reference-oracle", "gpu-path-torch-ops-oracle"])
+def test_dspark_states_are_exact_and_greedy_output_is_identical(arch, tmp_path, runner, oracle) -> None:
+    r1, r2 = _workload(seed=3)
+    p1, p2 = _params(len(r1), 16), _params(len(r2), 16)
+    ref1, ref2 = _reference(arch, r1, p1), _reference(arch, r2, p2)
+    folder = _random_drafter(tmp_path / "drafter", arch.model)
+    engine = {"kernels": False, "cuda_graphs": False} if runner == "gpu" else {}
+    eng = _dspark_engine(arch, folder, runner=runner, **engine)
+    drafter = _CheckedDrafter(eng.scheduler.drafter, arch.model, _refs(r1 + r2, ref1 + ref2) if oracle else None)
+    eng.scheduler.drafter = drafter
+    out1 = run(eng, r1, p1)
+    out2 = run(eng, r2, p2)
+    assert [o.output_ids for o in out1] == ref1
+    assert [o.output_ids for o in out2] == ref2
+    s = eng.stats
+    assert not drafter.errors, drafter.errors[:3]
+    assert drafter.checked > 20 and s.spec_verifies > 0
+    assert sum(o.cached_tokens for o in out2) > 0  # the repeats hit the prefix cache
+    if oracle:
+        assert s.spec_accepted_tokens > s.spec_verifies  # most verifies accepted something
+    assert len(eng.target_states) == 0  # every finished request's states were freed
+    assert_at_rest(eng)
+
+
+@pytest.mark.parametrize("arch", ["k3"], indirect=True)
+def test_preemption_mid_speculation_keeps_exact_states(arch, tmp_path) -> None:
+    """A tiny poisoned pool: requests are preempted (their live state donated) and resumed; the recomputed
+    rows replace the old ones and every query's states are still the dense forward's."""
+    r1, r2 = _workload(seed=3)
+    prompts, params = r1 + r2, _params(len(r1), 24) + _params(len(r2), 24)
+    ref = _reference(arch, prompts, params)
+    folder = _random_drafter(tmp_path / "drafter", arch.model)
+    eng = _dspark_engine(arch, folder, cache={"num_pages": 14, "poison_freed": True})
+    drafter = _CheckedDrafter(eng.scheduler.drafter, arch.model, _refs(prompts, ref))
+    eng.scheduler.drafter = drafter
+    assert [o.output_ids for o in run(eng, prompts, params)] == ref
+    assert not drafter.errors, drafter.errors[:3]
+    assert eng.stats.preemptions > 0 and eng.stats.spec_accepted_tokens > 0 and drafter.checked > 10
+    assert_at_rest(eng)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["k3"], indirect=True)
+def test_gpu_runner_triton_interpreter_states_and_identity(arch, tmp_path) -> None:
+    """The GPU runner with its Triton kernels (the interpreter on the CPU): the taps inside GpuForward's K3
+    path give the dense forward's states, and greedy output is the plain output."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the compiled path is what runs")
+    r1, _ = _workload(seed=3)
+    prompts, params = [r1[2], r1[3]], _params(2, 8)
+    ref = _reference(arch, prompts, params)
+    folder = _random_drafter(tmp_path / "drafter", arch.model)
+    eng = _dspark_engine(arch, folder, runner="gpu", kernels=True, cuda_graphs=False)
+    drafter = _CheckedDrafter(eng.scheduler.drafter, arch.model, _refs(prompts, ref))
+    eng.scheduler.drafter = drafter
+    assert [o.output_ids for o in run(eng, prompts, params)] == ref
+    assert not drafter.errors, drafter.errors[:3]
+    assert drafter.checked > 2 and eng.stats.spec_accepted_tokens > 0
+    assert_at_rest(eng)
+
+
+@pytest.mark.gpu
+def test_gpu_runner_cuda_graph_taps_and_identity(arch, tmp_path) -> None:
+    """On CUDA with decode graphs: every other step drafts nothing, so plain decode steps replay the graphs and
+    their taps (captured inside the graph) feed the next query; states match the dense forward, output the
+    plain output."""
+    import copy
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model = copy.deepcopy(arch.model).cuda()
+    r1, _ = _workload(seed=3)
+    prompts, params = r1[:4], _params(4, 24)
+    ref = _reference(arch, prompts, params)
+    folder = _random_drafter(tmp_path / "drafter", arch.model)
+    eng = make_engine(arch.ckpt, runner="gpu", model=model, budget=64, num_pages=256,
+                      engine={"device": "cuda", "spec": SpecConfig(method="dspark", num_tokens=5, model=str(folder))})
+    assert eng.runner.inner.graphs  # decode graphs captured, with the taps
+    drafter = _CheckedDrafter(eng.scheduler.drafter, model, _refs(prompts, ref), atol=2e-2, every_other=True)
+    eng.scheduler.drafter = drafter
+    replays = []
+    replay = eng.runner.inner._replay
+    eng.runner.inner._replay = lambda seqs, size: replays.append(size) or replay(seqs, size)
+    assert [o.output_ids for o in run(eng, prompts, params)] == ref
+    assert not drafter.errors, drafter.errors[:3]
+    assert replays and drafter.checked > 10 and eng.stats.spec_accepted_tokens > 0
+    assert len(eng.target_states) == 0
+
+
+@pytest.mark.parametrize("arch", ["kimi_linear"], indirect=True)
+def test_confidence_zero_is_a_plain_decode_and_abort_frees_states(arch, tmp_path) -> None:
+    """threshold 1 with min_verify 0: the confidence head turns every request's speculation off (no verify
+    step at all); an abort mid-run leaves no target states behind."""
+    prompts = [list(range(3, 40)), list(range(50, 70))]
+    params = _params(2, 20)
+    ref = _reference(arch, prompts, params)
+    off = _random_drafter(tmp_path / "off", arch.model, threshold=1.0, min_verify=0)
+    eng = _dspark_engine(arch, off)
+    assert [o.output_ids for o in run(eng, prompts, params)] == ref
+    assert eng.stats.spec_verifies == 0
+    on = _random_drafter(tmp_path / "on", arch.model)
+    eng = _dspark_engine(arch, on)
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    for _ in range(4):
+        eng.step()
+        eng.check()
+    assert len(eng.target_states) == 2 and eng.stats.spec_verifies > 0
+    eng.abort(rids[0])
+    done = {}
+    while eng.has_unfinished:
+        for o in eng.step():
+            if o.finished:
+                done[o.rid] = o
+        eng.check()
+    assert done[rids[0]].finish_reason == "abort" and done[rids[1]].output_ids == ref[1]
+    assert len(eng.target_states) == 0
+    assert_at_rest(eng)
+
+
+@pytest.mark.parametrize("arch", ["k3"], indirect=True)
+def test_sampled_requests_speculate_with_dspark(arch, tmp_path) -> None:
+    """temperature > 0 with a seed: the verifier's rejection sampling runs on dspark drafts (its
+    distribution is tested in test_spec.py with a table drafter); runs end, tokens are in the vocabulary."""
+    folder = _random_drafter(tmp_path / "d", arch.model)
+    eng = _dspark_engine(arch, folder)
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=12, ignore_eos=True) for i in range(3)]
+    out = run(eng, [list(range(5, 30))] * 3, params)
+    assert all(len(o.output_ids) == 12 and all(0 <= t < 512 for t in o.output_ids) for o in out)
+    assert eng.stats.spec_verifies > 0
+    assert_at_rest(eng)
+
+
+# ---- configuration errors ----
+
+@pytest.mark.parametrize("arch", ["kimi_linear"], indirect=True)
+def test_drafter_that_does_not_fit_the_target_is_refused_by_name(arch, tmp_path) -> None:
+    # the shipped k3-tiny drafter against a tiny target: vocabulary / width / layer ids disagree
+    with pytest.raises(CheckpointError, match="target_layers|target_hidden_size|vocab_size"):
+        _dspark_engine(arch, MODELS_DIR / "k3-tiny-dspark", k=4)
+    folder = _random_drafter(tmp_path / "d", arch.model)
+    with pytest.raises(ValueError, match="spec_tokens: .*block_size=5"):
+        _dspark_engine(arch, folder, k=6)
+    with pytest.raises(ValueError, match="spec_model: no DSpark drafter ships with"):
+        make_engine(arch.ckpt, runner="model", model=arch.model, engine={"spec": SpecConfig(method="dspark")})
+    with pytest.raises(ValueError, match="spec_model: .* --spec dspark only"):
+        SpecConfig(method="ngram", model=str(folder))
+    with pytest.raises(ValueError, match="null runner"):
+        make_engine(arch.ckpt, runner="null", engine={"spec": SpecConfig(method="dspark", model=str(folder))})
+
+
+def test_the_shipped_drafter_is_the_default_for_k3_tiny() -> None:
+    assert resolve_drafter_dir(None, "k3-tiny") == MODELS_DIR / "k3-tiny-dspark"
+    assert resolve_drafter_dir("k3-tiny-dspark", "/elsewhere") == MODELS_DIR / "k3-tiny-dspark"
+    with pytest.raises(ValueError, match="spec_model: /nope is not a folder"):
+        resolve_drafter_dir("/nope", "k3-tiny")
+
+
+# ---- the shipped k3-tiny and its drafter ----
+
+def test_shipped_k3_tiny_dspark_greedy_identity_and_tau() -> None:
+    """bf16 k3-tiny with its shipped drafter (default folder): speculative greedy output equals plain output
+    token for token, and the drafter's accepted drafts make tau > 1."""
+    from k3rt.backend.tokenizer import load_tokenizer
+
+    model_dir = MODELS_DIR / "k3-tiny"
+    tok = load_tokenizer(model_dir)
+    prompts = [tok.encode_prompt(p) for p in ("def fibonacci(n):", "import os\n\ndef read_lines(path):")]
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    plain = Engine(EngineConfig(model=str(model_dir)))
+    ref = [o.output_ids for o in plain.generate(prompts, params)]
+    eng = Engine(EngineConfig(model=str(model_dir), spec=SpecConfig(method="dspark", num_tokens=7)))
+    assert eng.cfg.spec.model == str(MODELS_DIR / "k3-tiny-dspark")
+    out = eng.generate(prompts, params)
+    assert [o.output_ids for o in out] == ref
+    assert eng.stats.spec_verifies > 0 and eng.stats.spec_tau > 1.0, eng.stats
+    assert sum(o.spec_accepted_tokens for o in out) == eng.stats.spec_accepted_tokens
+    eng.check()
+    assert len(eng.target_states) == 0
+
+
+def test_cli_generate_with_spec_dspark(capsys) -> None:
+    from k3rt.cli import main
+
+    assert main(["generate", "--prompt", "def add(a, b):", "--max-tokens", "12", "--json", "--spec", "dspark",
+                 "--spec-tokens", "7"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) == 12 and out["spec"]["verifies"] > 0
+    assert main(["generate", "--prompt", "x", "--spec", "ngram", "--spec-model", "k3-tiny-dspark"]) == 2
+    assert "spec_model" in capsys.readouterr().err
+
+
+def test_serve_flags_resolve_the_drafter_and_its_block_size() -> None:
+    from k3rt.cli import _spec_config, build_parser
+
+    a = build_parser().parse_args(["serve", "--spec", "dspark"])
+    spec = _spec_config(a)
+    assert spec.model == str(MODELS_DIR / "k3-tiny-dspark") and spec.num_tokens == 7
+    a = build_parser().parse_args(["serve", "--spec", "dspark", "--spec-tokens", "3", "--spec-confidence", "0"])
+    spec = _spec_config(a)
+    assert spec.num_tokens == 3 and spec.confidence_threshold == 0.0
+    a = build_parser().parse_args(["serve", "--spec", "suffix"])
+    assert _spec_config(a).num_tokens == 4 and _spec_config(a).model is None
+    with pytest.raises(ValueError, match="spec_confidence"):
+        _spec_config(build_parser().parse_args(["serve", "--spec", "dspark", "--spec-confidence", "2"]))

@@ -1,0 +1,60 @@
+"""`k3rt bench spec` on the CPU: a tiny run through the CLI gives one row per (workload, batch, drafter), with
+the plain and speculative outputs identical and the numbers consistent; bad lists are refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from k3rt.backend.bench.spec_bench import SpecBenchConfig
+from k3rt.cli import main
+
+
+def test_bench_spec_tiny_cpu_run(capsys, tmp_path) -> None:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = tmp_path / "spec.json"
+        assert main(["bench", "spec", "--workloads", "code,agent", "--batch-sizes", "1,2", "--drafters",
+                     "ngram,dspark", "--max-tokens", "8", "--turns", "2", "--prompt-len", "32", "--json",
+                     "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(n)
+    rows = json.loads(capsys.readouterr().out)
+    assert json.loads(out.read_text()) == rows
+    assert [(r["workload"], r["batch"], r["drafter"]) for r in rows] == [
+        (w, b, d) for w in ("code", "agent") for b in (1, 2) for d in ("ngram", "dspark")]
+    assert all(r["identical"] for r in rows)
+    assert all(r["plain_step_ms"] > 0 and r["tokens_per_s_plain"] > 0 and r["tokens_per_s_spec"] > 0 for r in rows)
+    for r in rows:
+        if r["verifies"]:
+            assert 1.0 <= r["tau"] <= 1 + r["spec_tokens"] and r["verify_step_ms"] > 0
+            assert r["speedup"] == pytest.approx(r["tokens_per_s_spec"] / r["tokens_per_s_plain"])
+    dspark = [r for r in rows if r["drafter"] == "dspark"]
+    assert all(r["draft_ms"] > 0 for r in dspark) and sum(r["verifies"] for r in dspark) > 0
+
+
+@pytest.mark.parametrize("kw, field", [({"drafters": ("eagle",)}, "drafters"), ({"workloads": ()}, "workloads"),
+                                       ({"batch_sizes": (0,)}, "batch_sizes"), ({"turns": 0}, "turns")])
+def test_bench_spec_config_errors_name_the_field(kw, field) -> None:
+    with pytest.raises(ValueError, match=field):
+        SpecBenchConfig(**kw)
+
+
+def test_bench_code_prompts_are_the_drafters_held_out_prompts() -> None:
+    """The bench cannot import k3rt.training (serving code); its code prompts must still be the held-out
+    windows the drafter's evaluation draws."""
+    from k3rt.backend.bench.spec_bench import CODE_MODULES, _code_prompts
+    from k3rt.backend.tokenizer import load_tokenizer
+    from k3rt.training.corpus import HELDOUT_MODULES
+    from k3rt.training.dspark import code_prompts
+
+    assert CODE_MODULES == HELDOUT_MODULES
+    assert _code_prompts(load_tokenizer("k3-tiny"), 3, 32, seed=5) == code_prompts("heldout", 3, 32, seed=5)
+
+
+def test_bench_spec_cli_refuses_a_bad_list(capsys) -> None:
+    assert main(["bench", "spec", "--batch-sizes", "1,x"]) == 2
+    assert "batch_sizes" in capsys.readouterr().err
