@@ -209,7 +209,7 @@ def test_gpu_runner_cuda_graph_taps_and_identity(arch, tmp_path) -> None:
     eng.scheduler.drafter = drafter
     replays = []
     replay = eng.runner.inner._replay
-    eng.runner.inner._replay = lambda seqs, size: replays.append(size) or replay(seqs, size)
+    eng.runner.inner._replay = lambda seqs, size, *rest: replays.append(size) or replay(seqs, size, *rest)
     assert [o.output_ids for o in run(eng, prompts, params)] == ref
     assert not drafter.errors, drafter.errors[:3]
     assert replays and drafter.checked > 10 and eng.stats.spec_accepted_tokens > 0
