@@ -165,7 +165,7 @@ class EngineConfig:
     ep: bool = False
     # "model": the reference torch path (any device); "gpu": fused Triton kernels, device-side batch
     # description, decode in CUDA graphs; "null": no compute, fake tokens (scheduler benchmarks);
-    # "auto": gpu on a CUDA device at tp=1, model elsewhere
+    # "auto": gpu on a CUDA device (any tp), model elsewhere
     runner: str = "auto"
     kernels: bool = True  # gpu runner: Triton kernels (off: the same path with torch ops; tests)
     cuda_graphs: bool = True  # gpu runner: replay decode steps from captured CUDA graphs
@@ -184,8 +184,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.runner == "auto":
-            # the fused GPU runner is single-GPU for now: tensor parallelism runs the reference path
-            object.__setattr__(self, "runner", "gpu" if self.device.startswith("cuda") and self.tp == 1 else "model")
+            object.__setattr__(self, "runner", "gpu" if self.device.startswith("cuda") else "model")
         if self.runner not in ("model", "gpu", "null"):
             raise ValueError(f"runner: {self.runner!r} not one of auto, model, gpu, null")
         if (self.runner == "gpu" and self.kernels and not self.device.startswith("cuda")
@@ -195,8 +194,6 @@ class EngineConfig:
         if self.runner == "gpu" and self.deterministic and not self.kernels:
             raise ValueError("deterministic: the gpu runner's batch-invariant mode needs its Triton kernels "
                              "(kernels=True), or use runner='model'")
-        if self.runner == "gpu" and self.tp != 1:
-            raise ValueError(f"tp: the gpu runner runs on one GPU (tp=1), got tp={self.tp}; use runner='model'")
         if self.grammar_backend not in ("llguidance", "outlines"):
             raise ValueError(f"grammar_backend: {self.grammar_backend!r} not one of llguidance, outlines")
         if self.tp < 1:
