@@ -488,7 +488,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "cpu, cuda, cuda:N; the choice and the cache size are printed at start with the reason")
     p.add_argument("--runner", choices=["auto", "model", "gpu"], default="auto",
                    help="compute path: 'gpu' = fused Triton kernels + CUDA-graph decode, 'model' = the plain-torch "
-                        "reference path; 'auto' (default) picks gpu on a CUDA device at --tp 1, model elsewhere")
+                        "reference path; 'auto' (default) picks gpu on a CUDA device (any --tp), model elsewhere")
     p.add_argument("--no-cuda-graphs", action="store_true", help="gpu runner: run decode steps eagerly")
     p.add_argument("--pdl", action="store_true",
                    help="gpu runner: launch chained decode kernels with programmatic dependent launch")
