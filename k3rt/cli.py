@@ -26,6 +26,7 @@ EXAMPLES = """examples:
   k3rt inspect --model kimi-linear-48b --memory-gb 40  # a config-only preset
   k3rt bench cache --workload system-prompt --block-size 1920
   k3rt bench scheduler
+  k3rt bench tp --tp 1 2 --batch 1 16 64                # decode under tensor parallelism (GPUs), latent tail
   k3rt bench serve --url http://127.0.0.1:30000 --workload system-prompt --concurrency 16
   k3rt serve --model /tmp/tiny-k3 --port 30000          # OpenAI-compatible server (GET /health, /v1/...)
   k3rt serve --model /tmp/tiny-k3 --tp 2                # tensor parallel: the engine + 1 worker process
@@ -294,8 +295,10 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks of the scheduler and prefix cache (no model compute)",
-                       description="Replays through the real scheduler and cache with the null runner.")
+    p = sub.add_parser("bench", help="benchmarks: scheduler, prefix cache, serving load, tensor-parallel decode",
+                       description="cache and scheduler replay through the real scheduler and cache with the null "
+                                   "runner; serve loads a running server; tp times decode on GPUs under tensor "
+                                   "parallelism.")
     bsub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     c = bsub.add_parser("cache", help="prefix-cache replay: tokens computed vs an ideal cache, k3rt vs baseline",
                         description="Replay a Mooncake-format trace (--trace) or a synthetic workload through the "
@@ -361,9 +364,39 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--api-key", default=None, help="Bearer key, if the server needs one")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    t = bsub.add_parser("tp", help="decode step time and tokens/s at TP 1/2/4/8 (GPU runner), the latent tail AR vs RS",
+                        description="Starts one process per rank (one GPU each, NCCL) for each TP degree this host "
+                                    "has GPUs for, builds --model's shape with random bf16 weights (each rank its "
+                                    "shard) and times decode steps as the engine runs them (rank 0 broadcasts the "
+                                    "step plan, every rank replays the decode CUDA graph, logits gathered to rank 0, "
+                                    "argmax read back) at each --batch and --context; then, at TP >= 2, LatentMoE's "
+                                    "tail per layer at K3 widths, all-reduce vs reduce-scatter variant, at each "
+                                    "--tail-m. Prints tables; JSON to --out. --smoke: TP 1 and 2 on CPU (gloo, tiny "
+                                    "shape, torch ops): checks that the benchmark runs; its times mean nothing.")
+    t.add_argument("--model", default="kimi-linear-48b", help="preset or checkpoint folder, config only "
+                                                              "(default kimi-linear-48b)")
+    t.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8],
+                   help="TP degrees (default 1 2 4 8; those above the GPU count are skipped and listed)")
+    t.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64], help="decode batch sizes (default 1 16 64)")
+    t.add_argument("--context", type=int, default=4096, help="tokens in each sequence's cache (default 4096)")
+    t.add_argument("--tail-m", type=int, nargs="+", default=[1, 8, 16, 64], help="tail: tokens (default 1 8 16 64)")
+    t.add_argument("--tail-hidden", type=int, default=7168, help="tail: hidden width (default 7168, K3)")
+    t.add_argument("--tail-latent", type=int, default=3584, help="tail: latent width (default 3584, K3)")
+    t.add_argument("--reps", type=int, default=20, help="timed steps per point, median (default 20)")
+    t.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny shape: the benchmark runs (CI)")
+    t.add_argument("--out", type=Path, default=Path("bench_tp.json"), help="JSON results (default bench_tp.json)")
+    t.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
+    if a.bench == "tp":
+        from k3rt.backend.bench.tp_bench import TpBenchConfig, format_tables, run as bench_tp
+
+        result = bench_tp(TpBenchConfig(model=a.model, tps=tuple(a.tp), batches=tuple(a.batch), context=a.context,
+                                        tail_m=tuple(a.tail_m), tail_hidden=a.tail_hidden, tail_latent=a.tail_latent,
+                                        reps=a.reps, smoke=a.smoke), a.out)
+        print(json.dumps(result) if a.json else format_tables(result))
+        return 0
     if a.bench == "serve":
         from k3rt.server.bench import main as bench_serve
 

@@ -1,0 +1,33 @@
+"""`k3rt bench tp --smoke`: the tensor-parallel decode benchmark runs end to end on CPU (TP 1 and 2 as real
+rank processes over gloo, the GPU runner's torch-op path, the plan broadcast, the latent tail), prints its
+tables and writes its JSON; and bad sizes are refused naming the field. The times mean nothing on CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from k3rt.backend.bench.tp_bench import TpBenchConfig
+from k3rt.cli import main
+
+
+def test_bench_tp_smoke(tmp_path, capsys):
+    out = tmp_path / "tp.json"
+    assert main(["bench", "tp", "--smoke", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| TP | batch | step ms" in text and "reduce-scatter tail" in text
+    res = json.loads(out.read_text())
+    assert {(r["tp"], r["batch"]) for r in res["decode"]} == {(1, 1), (1, 3), (2, 1), (2, 3)}
+    assert all(r["step_ms"] > 0 and r["tokens_per_s"] > 0 for r in res["decode"])
+    assert all(r["step_vs_tp1"] > 0 for r in res["decode"])
+    # the tail's two variants give the one-process sums (fp32 on CPU)
+    assert [r["M"] for r in res["tail"]] == [1, 3]
+    assert all(r["all_reduce_rel_err"] < 1e-5 and r["reduce_scatter_rel_err"] < 1e-5 for r in res["tail"])
+
+
+def test_bench_tp_config_refuses_bad_sizes():
+    with pytest.raises(ValueError, match="batches"):
+        TpBenchConfig(batches=())
+    with pytest.raises(ValueError, match="context"):
+        TpBenchConfig(context=0)
