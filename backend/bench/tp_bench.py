@@ -4,8 +4,9 @@ For each TP degree (those asked for that this host has GPUs for; `--smoke`: 1 an
 the tiny k3 shape, torch ops, no graphs) it starts that many rank processes (`python -m
 k3rt.backend.bench.tp_bench`, one GPU each, NCCL) and measures:
 
-  decode: a model of `--model`'s shape with random weights (each rank draws its own shard; the replicated
-    router is the same on every rank, so they route alike), B sequences at context `--context` (cache pages
+  decode: a model of `--model`'s shape with random weights (each rank draws its own shard from the same
+    seed, so the replicated router is the same on every rank and they route alike; routers re-drawn to route
+    near-uniformly, as in benchmarks/decode.py), B sequences at context `--context` (cache pages
     zeroed: the time does not depend on their values). One step is what the engine does per decode step
     minus the scheduler: rank 0 builds and broadcasts the StepPlan, every rank turns it into the runner's
     batch and replays the decode graph (or runs eagerly), the logits are gathered to rank 0, which takes
@@ -219,6 +220,12 @@ def _decode(cfg: TpBenchConfig, tp, control, device) -> list[dict]:
     g = torch.Generator(device=device).manual_seed(0)  # same draws on every rank: the router agrees
     for name, p in model.named_parameters():
         init_parameter(name, p.data, g)
+    # as benchmarks/decode.py: routers at the projections' small std send every token to the experts with the
+    # largest correction bias; unit-variance logits and no bias route near-uniformly, as a trained router does
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "gate_weight"):
+            layer.mlp.gate_weight.normal_(0.0, mcfg.hidden_size ** -0.5, generator=g)
+            layer.mlp.e_score_correction_bias.zero_()
     model.eval()
     layout = compute_layout(mcfg, tp=tp.size, kv_dtype=dtype, conv_dtype=dtype)
     per_seq = -(-(cfg.context + 1) // layout.block_size) + max(1, layout.pages_per_state_set)
