@@ -66,7 +66,8 @@ class TpBenchConfig:
             return self
         from dataclasses import replace
 
-        return replace(self, model="tiny k3 (smoke)", tps=tuple(t for t in self.tps if t <= 2) or (1,), batches=(1, 3), context=40,
+        return replace(self, model="tiny k3 (smoke)", tps=tuple(t for t in self.tps if t <= 2) or (1,),
+                       batches=(1, 3), context=40,
                        tail_m=(1, 3), tail_hidden=64, tail_latent=32, tail_layers=2, reps=2)
 
 

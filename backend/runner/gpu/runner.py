@@ -52,9 +52,11 @@ def graph_sizes_for(max_running: int, sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZ
     return tuple(s for s in ordered if s < max_running or s == cover)
 
 
-def engine_gpu_runner(cfg, model: KimiForCausalLM, pool: PagePool, *, sender: PlanSender | None = None) -> "GpuModelRunner":
+def engine_gpu_runner(cfg, model: KimiForCausalLM, pool: PagePool, *,
+                      sender: PlanSender | None = None) -> "GpuModelRunner":
     """The GPU runner an EngineConfig asks for (rank 0 and every worker build theirs here, so they match)."""
-    return GpuModelRunner(model, pool, kernels=KernelConfig(cfg.kernels, cfg.use_pdl, batch_invariant=cfg.deterministic),
+    kernels = KernelConfig(cfg.kernels, cfg.use_pdl, batch_invariant=cfg.deterministic)
+    return GpuModelRunner(model, pool, kernels=kernels,
                           cuda_graphs=cfg.cuda_graphs, graph_sizes=graph_sizes_for(cfg.scheduler.max_running),
                           sender=sender)
 
