@@ -383,6 +383,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--tail-hidden", type=int, default=7168, help="tail: hidden width (default 7168, K3)")
     t.add_argument("--tail-latent", type=int, default=3584, help="tail: latent width (default 3584, K3)")
     t.add_argument("--reps", type=int, default=20, help="timed steps per point, median (default 20)")
+    t.add_argument("--ep", action="store_true", help="routed experts split by expert over the ranks (expert "
+                                                     "parallelism) instead of by width")
     t.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny shape: the benchmark runs (CI)")
     t.add_argument("--out", type=Path, default=Path("bench_tp.json"), help="JSON results (default bench_tp.json)")
     t.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
@@ -394,7 +396,7 @@ def _cmd_bench(a: argparse.Namespace) -> int:
 
         result = bench_tp(TpBenchConfig(model=a.model, tps=tuple(a.tp), batches=tuple(a.batch), context=a.context,
                                         tail_m=tuple(a.tail_m), tail_hidden=a.tail_hidden, tail_latent=a.tail_latent,
-                                        reps=a.reps, smoke=a.smoke), a.out)
+                                        reps=a.reps, ep=a.ep, smoke=a.smoke), a.out)
         print(json.dumps(result) if a.json else format_tables(result))
         return 0
     if a.bench == "serve":

@@ -48,6 +48,7 @@ class TpBenchConfig:
     tail_latent: int = 3584
     tail_layers: int = 8
     reps: int = 20
+    ep: bool = False  # routed experts split by expert (expert parallelism) instead of by width
     smoke: bool = False  # CPU, gloo, tiny k3 shape, torch ops, no graphs (the bench runs; times mean nothing)
     timeout_s: float = 1800.0  # one TP degree's processes, start to finish
 
@@ -85,6 +86,8 @@ def degrees(cfg: TpBenchConfig) -> list[int]:
 
 def run(cfg: TpBenchConfig, out: Path | None = None) -> dict:
     cfg = cfg.resolved()
+    for tp in cfg.tps:  # before any process starts (GPUs or not): the error names the dimension that does not split
+        model_config(cfg).check_tp_model(tp, cfg.ep)
     result: dict = {"config": asdict(cfg), "decode": [], "tail": [], "skipped_tp": []}
     tps = degrees(cfg)
     result["skipped_tp"] = sorted(set(cfg.tps) - set(tps))
@@ -104,8 +107,20 @@ def run(cfg: TpBenchConfig, out: Path | None = None) -> dict:
     return result
 
 
+def model_config(cfg: TpBenchConfig):
+    from k3rt.model_config import load_model_config, parse_model_config
+
+    if cfg.smoke:
+        from k3rt.backend.models.tiny import TINY_CONFIGS
+
+        return parse_model_config(TINY_CONFIGS["k3"])
+    return load_model_config(cfg.model)
+
+
 def format_tables(result: dict) -> str:
-    lines = [f"device: {result.get('device')}; model {result['config']['model']}, context {result['config']['context']}",
+    c = result["config"]
+    lines = [f"device: {result.get('device')}; model {c['model']}, context {c['context']}"
+             + ("; routed experts split by expert (--ep)" if c["ep"] else ""),
              "", "| TP | batch | step ms | tokens/s | step / TP1 | throughput / TP1 | graph |",
              "|---:|---:|---:|---:|---:|---:|:---:|"]
     for r in result["decode"]:
@@ -207,17 +222,16 @@ def _decode(cfg: TpBenchConfig, tp, control, device) -> list[dict]:
     from k3rt.backend.distributed.plan import PlanKind, PlanSeq, StepPlan
     from k3rt.backend.models.kimi import KimiForCausalLM
     from k3rt.backend.models.loader import DTYPES
-    from k3rt.backend.models.tiny import TINY_CONFIGS, init_parameter
+    from k3rt.backend.models.tiny import init_parameter
     from k3rt.backend.runner.gpu.ops import KernelConfig
     from k3rt.backend.runner.gpu.runner import GpuModelRunner
     from k3rt.backend.runner.gpu.tp import plan_seqs, run_worker_plan
     from k3rt.cache_layout import compute_layout
-    from k3rt.model_config import load_model_config, parse_model_config
 
-    mcfg = parse_model_config(TINY_CONFIGS["k3"]) if cfg.smoke else load_model_config(cfg.model)
+    mcfg = model_config(cfg)
     dtype = "float32" if cfg.smoke else "bfloat16"
     with torch.device(device):
-        model = KimiForCausalLM(mcfg, tp=tp, dtype=DTYPES[dtype])
+        model = KimiForCausalLM(mcfg, tp=tp, ep=cfg.ep, dtype=DTYPES[dtype])
     g = torch.Generator(device=device).manual_seed(0)  # same draws on every rank: the router agrees
     for name, p in model.named_parameters():
         init_parameter(name, p.data, g)
@@ -275,7 +289,7 @@ def _decode(cfg: TpBenchConfig, tp, control, device) -> list[dict]:
                 step(later)
                 ts.append(time.perf_counter() - t0)
             ms = statistics.median(ts) * 1e3
-            rows.append({"tp": tp.size, "batch": B, "context": cfg.context, "step_ms": ms,
+            rows.append({"tp": tp.size, "ep": cfg.ep, "batch": B, "context": cfg.context, "step_ms": ms,
                          "tokens_per_s": B / (ms * 1e-3), "graph": bool(graph)})
             log.info("TP %d batch %d: %.3f ms per step", tp.size, B, ms)
             pool.unref(pages)

@@ -27,7 +27,12 @@ def test_bench_tp_smoke(tmp_path, capsys):
 
 
 def test_bench_tp_config_refuses_bad_sizes():
+    from k3rt.backend.bench.tp_bench import run
+
     with pytest.raises(ValueError, match="batches"):
         TpBenchConfig(batches=())
     with pytest.raises(ValueError, match="context"):
         TpBenchConfig(context=0)
+    # refused before any process starts (and before looking for GPUs), naming the dimension
+    with pytest.raises(ValueError, match="divisible by tensor-parallel size 3"):
+        run(TpBenchConfig(model="kimi-linear-48b", tps=(1, 3)))
