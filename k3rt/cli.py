@@ -56,6 +56,9 @@ def _add_tp(p: argparse.ArgumentParser) -> None:
                    help="LatentMoE (K3) under --tp: reduce_scatter runs the latent up-projection column-striped "
                         "(each rank reads 1/N of it) between a reduce-scatter of the shared expert and one "
                         "all-gather; all_reduce all-reduces and runs it replicated (default reduce_scatter)")
+    g.add_argument("--tp-symm-allreduce", action="store_true",
+                   help="all-reduces up to 1 MiB (decode activations) through torch symmetric memory, one kernel "
+                        "over NVLink, instead of NCCL; one host, CUDA (not yet measured)")
     g.add_argument("--tp-timeout", type=float, default=60.0,
                    help="seconds a collective may wait before the engine fails instead of hanging (a lost or hung "
                         "rank); a dead local worker fails it at once (default 60)")
@@ -76,11 +79,11 @@ def _dist_from_args(a: argparse.Namespace) -> tuple[int, "DistConfig", int]:
                           master_addr=a.master_addr or env.master_addr or "127.0.0.1",
                           master_port=a.master_port if a.master_port is not None else env.master_port or 0,
                           timeout_s=a.tp_timeout, external_ranks=True, agent_store=env.agent_store,
-                          latent_tail=a.latent_tail)
+                          latent_tail=a.latent_tail, symm_all_reduce=a.tp_symm_allreduce)
         return tp, dist, env.rank
     dist = DistConfig(nnodes=a.nnodes, node_rank=a.node_rank, master_addr=a.master_addr or env.master_addr or "127.0.0.1",
                       master_port=a.master_port if a.master_port is not None else env.master_port or 0,
-                      timeout_s=a.tp_timeout, latent_tail=a.latent_tail)
+                      timeout_s=a.tp_timeout, latent_tail=a.latent_tail, symm_all_reduce=a.tp_symm_allreduce)
     return a.tp or 1, dist, 0 if a.node_rank == 0 else -1
 
 
@@ -385,6 +388,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--reps", type=int, default=20, help="timed steps per point, median (default 20)")
     t.add_argument("--ep", action="store_true", help="routed experts split by expert over the ranks (expert "
                                                      "parallelism) instead of by width")
+    t.add_argument("--symm-allreduce", action="store_true",
+                   help="the model's all-reduces up to 1 MiB through torch symmetric memory instead of NCCL "
+                        "(as serve --tp-symm-allreduce); the tail keeps NCCL")
     t.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny shape: the benchmark runs (CI)")
     t.add_argument("--out", type=Path, default=Path("bench_tp.json"), help="JSON results (default bench_tp.json)")
     t.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
@@ -396,7 +402,8 @@ def _cmd_bench(a: argparse.Namespace) -> int:
 
         result = bench_tp(TpBenchConfig(model=a.model, tps=tuple(a.tp), batches=tuple(a.batch), context=a.context,
                                         tail_m=tuple(a.tail_m), tail_hidden=a.tail_hidden, tail_latent=a.tail_latent,
-                                        reps=a.reps, ep=a.ep, smoke=a.smoke), a.out)
+                                        reps=a.reps, ep=a.ep, symm_all_reduce=a.symm_allreduce, smoke=a.smoke),
+                           a.out)
         print(json.dumps(result) if a.json else format_tables(result))
         return 0
     if a.bench == "serve":

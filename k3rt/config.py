@@ -140,6 +140,9 @@ class DistConfig:
     # LatentMoE's output under TP (backend/models/moe.py latent_tail): reduce-scatter the shared partial and
     # run the up-projection column-striped, one all-gather; or all-reduce with the replicated up-projection
     latent_tail: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
+    # small all-reduces through torch's symmetric memory (one kernel over NVLink) instead of NCCL: one host,
+    # CUDA (backend/distributed/symm_all_reduce.py; not yet run on GPUs)
+    symm_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.nnodes < 1:
@@ -150,6 +153,8 @@ class DistConfig:
             raise ValueError(f"master_port: must be in [0, 65535], got {self.master_port}")
         if self.master_port == 0 and self.nnodes > 1:
             raise ValueError("master_port: several nodes must agree on a port; set --master-port")
+        if self.symm_all_reduce and self.nnodes > 1:
+            raise ValueError(f"symm_all_reduce: symmetric memory spans one host, got nnodes={self.nnodes}")
         if not self.timeout_s > 0 or not self.startup_timeout_s > 0:
             raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s} (startup {self.startup_timeout_s})")
 
@@ -210,6 +215,8 @@ class EngineConfig:
         if self.tp > 1 and self.spec.enabled:
             # the workers would need the accepted length of every verify run to commit their KDA shards
             raise ValueError(f"spec: speculative decoding runs at tp=1 only for now, got tp={self.tp}")
+        if self.dist.symm_all_reduce and (self.tp == 1 or self.device != "cuda"):
+            raise ValueError(f"symm_all_reduce: needs tp > 1 on CUDA, got tp={self.tp}, device={self.device!r}")
         if self.tp > 1 and self.device not in ("cpu", "cuda"):
             # each rank takes its own device (cuda:<local rank>); a fixed index would put every rank on one GPU
             raise ValueError(f"device: with tp > 1 use 'cpu' or 'cuda' (one GPU per rank), got {self.device!r}")

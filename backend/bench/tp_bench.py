@@ -49,6 +49,7 @@ class TpBenchConfig:
     tail_layers: int = 8
     reps: int = 20
     ep: bool = False  # routed experts split by expert (expert parallelism) instead of by width
+    symm_all_reduce: bool = False  # the model's small all-reduces through symmetric memory (CUDA) instead of NCCL
     smoke: bool = False  # CPU, gloo, tiny k3 shape, torch ops, no graphs (the bench runs; times mean nothing)
     timeout_s: float = 1800.0  # one TP degree's processes, start to finish
 
@@ -57,6 +58,8 @@ class TpBenchConfig:
             vals = getattr(self, name)
             if not vals or min(vals) < 1:
                 raise ValueError(f"{name}: need at least one value, each >= 1, got {list(vals)}")
+        if self.smoke and self.symm_all_reduce:
+            raise ValueError("symm_all_reduce: symmetric memory needs CUDA devices; the smoke run is on CPU")
         for name in ("context", "tail_hidden", "tail_latent", "tail_layers", "reps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -120,7 +123,8 @@ def model_config(cfg: TpBenchConfig):
 def format_tables(result: dict) -> str:
     c = result["config"]
     lines = [f"device: {result.get('device')}; model {c['model']}, context {c['context']}"
-             + ("; routed experts split by expert (--ep)" if c["ep"] else ""),
+             + ("; routed experts split by expert (--ep)" if c["ep"] else "")
+             + ("; model all-reduces through symmetric memory" if c["symm_all_reduce"] else ""),
              "", "| TP | batch | step ms | tokens/s | step / TP1 | throughput / TP1 | graph |",
              "|---:|---:|---:|---:|---:|---:|:---:|"]
     for r in result["decode"]:
@@ -204,7 +208,12 @@ def _rank_main(cfg: TpBenchConfig, tp: int, rank: int, port: int, out: str) -> N
                 row = {"tp": tp, **tail_row(rank, tp, dist.group.WORLD, M, cfg.tail_hidden, cfg.tail_latent,
                                             cfg.tail_layers, cfg.reps, device, graphs=not cfg.smoke)}
                 res["tail"].append(row)
-        ctx = TPContext(rank, tp, dist.group.WORLD) if tp > 1 else SINGLE
+        fast = None
+        if cfg.symm_all_reduce and tp > 1:
+            from k3rt.backend.distributed.symm_all_reduce import SymmAllReduce
+
+            fast = SymmAllReduce(dist.group.WORLD, device)
+        ctx = TPContext(rank, tp, dist.group.WORLD, fast_all_reduce=fast) if tp > 1 else SINGLE
         res["decode"] = _decode(cfg, ctx, control, device)
         if rank == 0:
             Path(out).write_text(json.dumps(res))
@@ -289,7 +298,8 @@ def _decode(cfg: TpBenchConfig, tp, control, device) -> list[dict]:
                 step(later)
                 ts.append(time.perf_counter() - t0)
             ms = statistics.median(ts) * 1e3
-            rows.append({"tp": tp.size, "ep": cfg.ep, "batch": B, "context": cfg.context, "step_ms": ms,
+            rows.append({"tp": tp.size, "ep": cfg.ep, "symm_all_reduce": cfg.symm_all_reduce and tp.size > 1,
+                         "batch": B, "context": cfg.context, "step_ms": ms,
                          "tokens_per_s": B / (ms * 1e-3), "graph": bool(graph)})
             log.info("TP %d batch %d: %.3f ms per step", tp.size, B, ms)
             pool.unref(pages)

@@ -4,8 +4,8 @@ CPU (gloo; the runner's torch-op path, kernels=False, no graphs): TP2 and TP2 wi
 give TP1's tokens through the engine for both archs (the workload of test_tp.py: concurrent requests,
 a seeded sampled one, prefix-cache hits), with really two processes each running the GPU runner on its
 shard; and the plan -> StepSeq conversion the workers use rebuilds rank 0's logits rows.
-GPU (`gpu`, two CUDA devices; skipped with fewer): TP2 with the Triton kernels and NCCL collectives
-captured in the decode graphs gives TP1's greedy tokens.
+GPU (`gpu`, two CUDA devices; skipped with fewer): TP2 with the Triton kernels and the collectives
+captured in the decode graphs (NCCL, or the opt-in symmetric-memory all-reduce) gives TP1's greedy tokens.
 """
 
 from __future__ import annotations
@@ -70,11 +70,36 @@ def test_plan_seqs_rebuilds_the_logits_rows():
         plan_seqs(StepPlan(seqs=plan.seqs, token_ids=(1, 2)))
 
 
+def test_fast_all_reduce_hook():
+    """TPContext.all_reduce lets its fast path take a message (no NCCL/gloo call: none is initialized here)
+    and falls back to the process group when the fast path declines; the symmetric-memory path is refused
+    where it cannot run, naming the field."""
+    from k3rt.backend.distributed import TPContext
+    from k3rt.backend.distributed.symm_all_reduce import SymmAllReduce
+    from k3rt.config import DistConfig, EngineConfig
+
+    taken = TPContext(0, 2, fast_all_reduce=lambda x: x.mul_(2) is not None)
+    assert taken.all_reduce(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
+    declined = TPContext(0, 2, fast_all_reduce=lambda x: False)
+    with pytest.raises((RuntimeError, ValueError)):  # reached torch.distributed, which has no group here
+        declined.all_reduce(torch.ones(3))
+    with pytest.raises(ValueError, match="symm_all_reduce"):
+        EngineConfig(model="m", tp=2, device="cpu", dist=DistConfig(symm_all_reduce=True))
+    with pytest.raises(ValueError, match="symm_all_reduce"):
+        DistConfig(nnodes=2, master_port=1, symm_all_reduce=True)
+    with pytest.raises(ValueError, match="symm_all_reduce"):
+        SymmAllReduce(None, torch.device("cpu"))
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("symm", [False, True], ids=["nccl", "symm-mem"])
 @pytest.mark.parametrize("arch", ["kimi_linear", "k3"])
-def test_gpu_runner_tp2_cuda_graphs_equal_tp1(arch, tmp_path_factory):
-    """Two GPUs: Triton kernels, NCCL collectives inside the captured decode graphs, logits gathered to rank
-    0 after the replay; greedy tokens equal TP1's on one GPU (fp32 tiny checkpoint)."""
+def test_gpu_runner_tp2_cuda_graphs_equal_tp1(arch, symm, tmp_path_factory):
+    """Two GPUs: Triton kernels, the collectives (NCCL, or the symmetric-memory all-reduce) inside the
+    captured decode graphs, logits gathered to rank 0 after the replay; greedy tokens equal TP1's on one
+    GPU (fp32 tiny checkpoint)."""
+    from k3rt.config import DistConfig
+
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")
     ckpt = tiny_checkpoint(tmp_path_factory, arch)
@@ -82,7 +107,8 @@ def test_gpu_runner_tp2_cuda_graphs_equal_tp1(arch, tmp_path_factory):
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 70, 130, 9)]
     outs = {}
     for tp in (1, 2):
-        eng = gpu_engine(ckpt, tp, device="cuda")
+        extra = {"dist": DistConfig(symm_all_reduce=True)} if symm and tp == 2 else {}
+        eng = gpu_engine(ckpt, tp, device="cuda", **extra)
         try:
             outs[tp] = [o.output_ids for o in run(eng, prompts, greedy(24))]
             if tp == 2:
