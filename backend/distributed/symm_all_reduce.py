@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
-DEFAULT_MAX_BYTES = 1 << 20  # above ~1 MiB a ring (NCCL) moves the bytes faster than every rank reading all peers
+# every rank reads every peer's whole message, so past some size NCCL's ring is faster: 1 MiB is a guess (it covers
+# decode activations up to batch 64 at K3's width) to be set from `k3rt bench tp --symm-allreduce`
+DEFAULT_MAX_BYTES = 1 << 20
 
 
 class SymmAllReduce:
@@ -38,7 +40,7 @@ class SymmAllReduce:
     def __call__(self, x: torch.Tensor) -> bool:
         """Sum x over the group in place and return True, or False (nothing done) when x does not fit."""
         n = x.numel() * x.element_size()
-        if n > self.buf.numel() or n % x.element_size() or not x.is_contiguous():
+        if n > self.buf.numel() or not x.is_contiguous():
             return False
         out = torch.ops.symm_mem.one_shot_all_reduce_copy(self.buf[:n].view(x.dtype), x.view(-1), "sum",
                                                           self.group_name)

@@ -79,7 +79,8 @@ class GpuForward:
         back: it only takes part in the gather)."""
         if self.tp.size == 1:
             return local
-        return self.tp.gather_last_dim(local).float()
+        out = self.tp.gather_last_dim(local)
+        return out.float() if self.tp.rank == 0 else out
 
     def mix(self, stream: AttnResStream, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
         assert stream.prefix is not None
