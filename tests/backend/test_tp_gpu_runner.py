@@ -3,7 +3,9 @@
 CPU (gloo; the runner's torch-op path, kernels=False, no graphs): TP2 and TP2 with expert parallelism
 give TP1's tokens through the engine for both archs (the workload of test_tp.py: concurrent requests,
 a seeded sampled one, prefix-cache hits), with really two processes each running the GPU runner on its
-shard; and the plan -> StepSeq conversion the workers use rebuilds rank 0's logits rows.
+shard; k3 at TP2 with expert parallelism through the Triton kernels (run by the interpreter) gives the
+reference TP1 tokens; a killed worker fails the engine; the plan -> StepSeq conversion the workers use
+rebuilds rank 0's logits rows; the fast all-reduce hook and its refusals.
 GPU (`gpu`, two CUDA devices; skipped with fewer): TP2 with the Triton kernels and the collectives
 captured in the decode graphs (NCCL, or the opt-in symmetric-memory all-reduce) gives TP1's greedy tokens.
 """
@@ -47,6 +49,23 @@ def test_gpu_runner_tp2_matches_tp1(tp1, ep, no_new_processes):  # noqa: F811
         got, cached = workload(eng)
         assert got == want
         assert cached == want_cached
+    finally:
+        eng.close()
+
+
+def test_gpu_runner_tp2_ep_triton_kernels_in_the_interpreter(tmp_path_factory, monkeypatch, no_new_processes):  # noqa: F811
+    """The kernel path under TP2 with expert parallelism (the router and grouped-expert kernels on local ids,
+    MLA/KDA kernels on half the heads, LatentMoE's tail) gives the reference TP1 tokens: k3, Triton kernels
+    run by the interpreter on CPU in both ranks (the worker inherits TRITON_INTERPRET)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ckpt = tiny_checkpoint(tmp_path_factory, "k3")
+    prompts = [[(i * 37 + 11) % 512 for i in range(40)], [5, 9, 2, 7]]
+    ref = make_engine(ckpt, runner="model", budget=256)
+    want = [o.output_ids for o in run(ref, prompts, greedy(4))]
+    eng = gpu_engine(ckpt, 2, ep=True, kernels=True)
+    try:
+        assert eng.runner.inner.kernels.triton
+        assert [o.output_ids for o in run(eng, prompts, greedy(4))] == want
     finally:
         eng.close()
 
