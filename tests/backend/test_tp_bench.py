@@ -36,3 +36,25 @@ def test_bench_tp_config_refuses_bad_sizes():
     # refused before any process starts (and before looking for GPUs), naming the dimension
     with pytest.raises(ValueError, match="divisible by tensor-parallel size 3"):
         run(TpBenchConfig(model="kimi-linear-48b", tps=(1, 3)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("symm", [False, True], ids=["nccl", "symm-mem"])
+def test_bench_tp_on_two_gpus(symm, tmp_path_factory, tmp_path):
+    """Two GPUs, a tiny checkpoint's shape (bf16, random weights): TP 1 and 2 run with decode graphs (NCCL, or
+    the symmetric-memory all-reduce), and the tail's two variants equal the one-device sums in bf16."""
+    import torch
+
+    from tests.backend.engine_fixtures import tiny_checkpoint
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    ckpt = tiny_checkpoint(tmp_path_factory, "k3")
+    out = tmp_path / "tp.json"
+    args = ["bench", "tp", "--model", str(ckpt), "--tp", "1", "2", "--batch", "1", "4", "--context", "200",
+            "--tail-m", "1", "16", "--reps", "5", "--out", str(out)] + (["--symm-allreduce"] if symm else [])
+    assert main(args) == 0
+    res = json.loads(out.read_text())
+    assert {(r["tp"], r["batch"]) for r in res["decode"]} == {(1, 1), (1, 4), (2, 1), (2, 4)}
+    assert all(r["graph"] for r in res["decode"])
+    assert all(r["all_reduce_rel_err"] < 2e-2 and r["reduce_scatter_rel_err"] < 2e-2 for r in res["tail"])
