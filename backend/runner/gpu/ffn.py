@@ -108,13 +108,16 @@ def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> to
 
 def local_routing(tw: torch.Tensor, ids: torch.Tensor, offset: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert parallelism for the grouped kernels, which index a stack of this rank's experts only: global ids
-    -> local ids, and a pair routed to another rank's expert goes to local expert 0 with weight 0 (its product
-    adds an exact zero; that expert's contribution arrives in the all-reduce). Shapes stay fixed, so it
-    captures in a CUDA graph; the cost is the wasted rows of those pairs on expert 0 (an expert map in
-    the alignment kernel that drops them is not built)."""
+    -> local ids, and a pair routed to another rank's expert gets weight 0 (its product adds an exact zero;
+    that expert's contribution arrives in the all-reduce) and the token's first local expert, whose weights
+    the step reads anyway (local expert 0 for a token with none here). Shapes stay fixed, so it captures in a
+    CUDA graph; the cost is those pairs' wasted rows, which can add row blocks to an expert at larger batches
+    (an expert map in the alignment kernel that drops them is not built)."""
     local = ids - offset
     mine = (local >= 0) & (local < num_local)
-    return torch.where(mine, tw, torch.zeros_like(tw)), torch.where(mine, local, torch.zeros_like(local))
+    first = torch.where(mine, local, torch.full_like(local, num_local)).min(dim=-1, keepdim=True).values
+    first = torch.where(first == num_local, torch.zeros_like(first), first)
+    return torch.where(mine, tw, torch.zeros_like(tw)), torch.where(mine, local, first.expand_as(local))
 
 
 def mlp_forward(mlp: GatedMLP, x: torch.Tensor, k: KernelConfig) -> torch.Tensor:
