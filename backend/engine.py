@@ -140,14 +140,9 @@ class Engine:
         elif model is None:
             model = load_model(self.cfg.model, dtype=self.cfg.dtype, device=self.cfg.device)
         if self.cfg.runner == "gpu":
-            from k3rt.backend.runner.gpu.ops import KernelConfig
-            from k3rt.backend.runner.gpu.runner import GpuModelRunner, graph_sizes_for
+            from k3rt.backend.runner.gpu.runner import engine_gpu_runner
 
-            return GpuModelRunner(model, self.pool, kernels=KernelConfig(self.cfg.kernels, self.cfg.use_pdl,
-                                                                           batch_invariant=self.cfg.deterministic),
-                                  cuda_graphs=self.cfg.cuda_graphs,
-                                  graph_sizes=graph_sizes_for(self.cfg.scheduler.max_running),
-                                  target_states=self.target_states)
+            return engine_gpu_runner(self.cfg, model, self.pool, target_states=self.target_states)
         return ModelRunner(model, self.pool, deterministic=self.cfg.deterministic, target_states=self.target_states)
 
     def _start_tensor_parallel(self, model) -> Runner:
@@ -162,7 +157,12 @@ class Engine:
         try:
             model = load_model(self.cfg.model, dtype=self.cfg.dtype, tp=groups.tp, ep=self.cfg.ep,
                                device=str(groups.device))
-            runner = ModelRunner(model, self.pool, sender=sender)
+            if self.cfg.runner == "gpu":
+                from k3rt.backend.runner.gpu.runner import engine_gpu_runner
+
+                runner = engine_gpu_runner(self.cfg, model, self.pool, sender=sender)
+            else:
+                runner = ModelRunner(model, self.pool, sender=sender)
             wait_for_workers(self.cfg, sender)
         except BaseException:
             sender.close()

@@ -25,12 +25,16 @@
 #   det (150 + 120 + 300) the --deterministic GPU acceptance test (64 concurrent vs alone, 3 rounds, both archs),
 #                       then benchmarks/deterministic.py on the GPU runner: k3-tiny, and the 48B shape (random
 #                       weights, 8K vocabulary)
+#   tp-tests (300)      tensor parallelism in the GPU runner on 2 GPUs (gpu tests of test_tp_gpu_runner.py and
+#                       test_tp_bench.py; they skip with fewer GPUs): ask for nvidia-h200-x2
+#   tp (540)            k3rt bench tp: 48B shape, TP 1 and 2, batch 1/16/64 at 4K, the latent tail AR vs RS
+#   tp-symm (540)       TP 2 alone with --symm-allreduce (the model's all-reduces through symmetric memory)
 # Outputs: $OUT/<stage>.log and, for benchmarks, $OUT/<stage>.json (at most 8 files come back from a call:
 # choose at most 4 benchmark stages per call).
 set -u
 for stage in "$@"; do
   case $stage in
-    tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det|overlap) ;;
+    tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det|overlap|tp-tests|tp|tp-symm) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -94,6 +98,13 @@ for stage in "$@"; do
       run det 120 python3 benchmarks/deterministic.py --device cuda --requests 64 --json "$OUT/det_tiny.json"
       run det 300 python3 benchmarks/deterministic.py --device cuda --preset kimi-linear-48b --vocab 8192 \
         --requests 64 --num-pages 512 --json "$OUT/det_48b.json" ;;
+    tp-tests)
+      gpu_pytest tp-tests 300 tests/backend/test_tp_gpu_runner.py tests/backend/test_tp_bench.py ;;
+    tp)
+      run tp 540 python3 -m k3rt.cli bench tp --tp 1 2 --batch 1 16 64 --context 4096 --out "$OUT/tp.json" ;;
+    tp-symm)
+      run tp-symm 540 python3 -m k3rt.cli bench tp --tp 2 --batch 1 16 64 --context 4096 --symm-allreduce \
+        --out "$OUT/tp_symm.json" ;;
     linear)
       run linear 100 python3 benchmarks/kernels_linear.py --budget-s 80 --out "$OUT/linear.json" ;;
     overlap)

@@ -3,7 +3,8 @@
 the all-reduce variant (latent partial all-reduced, RMSNorm, the replicated up-projection, the shared-expert
 partial all-reduced and added) against the reduce-scatter variant (latent all-reduced, RMSNorm, the
 up-projection column-striped so each rank reads 1/TP of its weight, the shared partial reduce-scattered and
-added to this rank's columns, one all-gather). Both run `MoE.latent_tail`, the code the model runs.
+added to this rank's columns, one all-gather). Both run `MoE.latent_tail`, the code the model runs; the measurement is `k3rt.backend.bench.tp_bench.tail_row`,
+which `k3rt bench tp` runs too.
 
   torchrun --nproc-per-node 2 benchmarks/latent_tail.py [--m 1 8 16 64] [--out tail.json]
 
@@ -41,9 +42,7 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     a = parse()
-    from k3rt.backend.distributed import TPContext
-    from k3rt.backend.layers.norm import rms_norm
-    from k3rt.backend.models.moe import latent_tail
+    from k3rt.backend.bench.tp_bench import tail_row
 
     dist.init_process_group("gloo" if a.smoke else "nccl")
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -52,78 +51,13 @@ def main() -> None:
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         dev = torch.device("cuda")
-    dt = torch.float32 if a.smoke else torch.bfloat16
     H, L = a.hidden, a.latent
-    g = torch.Generator(device=dev).manual_seed(0)  # same weights on every rank
-    w_up = [torch.randn(H, L, device=dev, generator=g, dtype=dt) * L ** -0.5 for _ in range(a.layers)]
-    norm_w = torch.ones(L, device=dev, dtype=dt)
-    rows = slice(rank * H // size, (rank + 1) * H // size)
-    w_slice = [w[rows].contiguous() for w in w_up]
     result: dict = {"tp": size, "hidden": H, "latent": L, "layers": a.layers, "device": "cpu (smoke)" if a.smoke else torch.cuda.get_device_name(),
                     "rows": []}
 
-    tps = {v: TPContext(rank, size, dist.group.WORLD, latent_tail=v) for v in ("all_reduce", "reduce_scatter")}
-    linear = torch.nn.functional.linear
-
     for M in a.m:
-        gm = torch.Generator(device=dev).manual_seed(1000 + M + rank)  # each rank its own partial sums
-        lat = [torch.randn(M, L, device=dev, generator=gm, dtype=dt) for _ in range(a.layers)]
-        shr = [torch.randn(M, H, device=dev, generator=gm, dtype=dt) for _ in range(a.layers)]
-
-        def run(variant: str) -> list[torch.Tensor]:
-            tp = tps[variant]
-            outs = []
-            for i in range(a.layers):
-                y = tp.all_reduce(lat[i].clone())
-                y = rms_norm(y, norm_w, 1e-5)
-                w = w_slice[i] if variant == "reduce_scatter" else w_up[i]
-                outs.append(latent_tail(tp, y, shr[i].clone(), w, linear))
-            return outs
-
-        # oracle: the same sums gathered to every rank, computed on one GPU
-        full_lat = [torch.empty(size * M, L, device=dev, dtype=dt) for _ in range(a.layers)]
-        full_shr = [torch.empty(size * M, H, device=dev, dtype=dt) for _ in range(a.layers)]
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # 2.13 renamed it
-        for i in range(a.layers):
-            gather(full_lat[i], lat[i])
-            gather(full_shr[i], shr[i])
-        full_lat = [t.view(size, M, L) for t in full_lat]
-        full_shr = [t.view(size, M, H) for t in full_shr]
-        want = [linear(rms_norm(full_lat[i].float().sum(0).to(dt), norm_w, 1e-5), w_up[i])
-                + full_shr[i].float().sum(0).to(dt) for i in range(a.layers)]
-        row = {"M": M}
-        for variant in ("all_reduce", "reduce_scatter"):
-            got = run(variant)
-            err = max(((x.float() - y.float()).norm() / y.float().norm()).item() for x, y in zip(got, want))
-            row[f"{variant}_rel_err"] = err
-            if a.smoke:  # no CUDA graphs or events: correctness only, and a wall time
-                import time
-                t0 = time.perf_counter()
-                run(variant)
-                row[f"{variant}_us"] = (time.perf_counter() - t0) * 1e6 / a.layers
-                continue
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(3):
-                    run(variant)
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run(variant)
-            ts = []
-            for _ in range(a.reps + 5):
-                dist.barrier()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                graph.replay()
-                e1.record()
-                e1.synchronize()
-                ts.append(e0.elapsed_time(e1) * 1e3 / a.layers)
-            t = torch.tensor(ts[5:], device=dev)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a layer is as slow as its slowest rank
-            row[f"{variant}_us"] = statistics.median(t.tolist())
-        row["ratio"] = row["reduce_scatter_us"] / row["all_reduce_us"]
+        # the measurement `k3rt bench tp` runs too (correctness against the one-device sums, graph replay)
+        row = tail_row(rank, size, dist.group.WORLD, M, H, L, a.layers, a.reps, dev, graphs=not a.smoke)
         result["rows"].append(row)
         if rank == 0:
             print(f"M={M}: all-reduce {row['all_reduce_us']:.1f} us, reduce-scatter {row['reduce_scatter_us']:.1f} us "

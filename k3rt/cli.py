@@ -26,6 +26,7 @@ EXAMPLES = """examples:
   k3rt inspect --model kimi-linear-48b --memory-gb 40  # a config-only preset
   k3rt bench cache --workload system-prompt --block-size 1920
   k3rt bench scheduler
+  k3rt bench tp --tp 1 2 --batch 1 16 64                # decode under tensor parallelism (GPUs), latent tail
   k3rt bench serve --url http://127.0.0.1:30000 --workload system-prompt --concurrency 16
   k3rt serve --model /tmp/tiny-k3 --port 30000          # OpenAI-compatible server (GET /health, /v1/...)
   k3rt serve --model /tmp/tiny-k3 --tp 2                # tensor parallel: the engine + 1 worker process
@@ -55,6 +56,9 @@ def _add_tp(p: argparse.ArgumentParser) -> None:
                    help="LatentMoE (K3) under --tp: reduce_scatter runs the latent up-projection column-striped "
                         "(each rank reads 1/N of it) between a reduce-scatter of the shared expert and one "
                         "all-gather; all_reduce all-reduces and runs it replicated (default reduce_scatter)")
+    g.add_argument("--tp-symm-allreduce", action="store_true",
+                   help="all-reduces up to 1 MiB (decode activations) through torch symmetric memory, one kernel "
+                        "over NVLink, instead of NCCL; one host, CUDA (not yet measured)")
     g.add_argument("--tp-timeout", type=float, default=60.0,
                    help="seconds a collective may wait before the engine fails instead of hanging (a lost or hung "
                         "rank); a dead local worker fails it at once (default 60)")
@@ -75,11 +79,11 @@ def _dist_from_args(a: argparse.Namespace) -> tuple[int, "DistConfig", int]:
                           master_addr=a.master_addr or env.master_addr or "127.0.0.1",
                           master_port=a.master_port if a.master_port is not None else env.master_port or 0,
                           timeout_s=a.tp_timeout, external_ranks=True, agent_store=env.agent_store,
-                          latent_tail=a.latent_tail)
+                          latent_tail=a.latent_tail, symm_all_reduce=a.tp_symm_allreduce)
         return tp, dist, env.rank
     dist = DistConfig(nnodes=a.nnodes, node_rank=a.node_rank, master_addr=a.master_addr or env.master_addr or "127.0.0.1",
                       master_port=a.master_port if a.master_port is not None else env.master_port or 0,
-                      timeout_s=a.tp_timeout, latent_tail=a.latent_tail)
+                      timeout_s=a.tp_timeout, latent_tail=a.latent_tail, symm_all_reduce=a.tp_symm_allreduce)
     return a.tp or 1, dist, 0 if a.node_rank == 0 else -1
 
 
@@ -314,9 +318,10 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks: scheduler and prefix cache (no model compute), a running server, "
-                                     "speculative decoding",
+                                     "speculative decoding, tensor-parallel decode",
                        description="cache and scheduler replay through the real scheduler and cache with the null "
-                                   "runner; serve loads a running server; spec runs the model in process.")
+                                   "runner; serve loads a running server; spec runs the model in process; tp times "
+                                   "decode on GPUs under tensor parallelism.")
     bsub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     c = bsub.add_parser("cache", help="prefix-cache replay: tokens computed vs an ideal cache, k3rt vs baseline",
                         description="Replay a Mooncake-format trace (--trace) or a synthetic workload through the "
@@ -383,6 +388,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     _add_bench_spec(bsub)
+    _add_bench_tp(bsub)
 
 
 def _add_bench_spec(bsub: argparse._SubParsersAction) -> None:
@@ -435,9 +441,48 @@ def _cmd_bench_spec(a: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench_tp(bsub: argparse._SubParsersAction) -> None:
+    t = bsub.add_parser("tp", help="decode step time and tokens/s at TP 1/2/4/8 (GPU runner), the latent tail AR vs RS",
+                        description="Starts one process per rank (one GPU each, NCCL) for each TP degree this host "
+                                    "has GPUs for, builds --model's shape with random bf16 weights (each rank its "
+                                    "shard) and times decode steps as the engine runs them (rank 0 broadcasts the "
+                                    "step plan, every rank replays the decode CUDA graph, logits gathered to rank 0, "
+                                    "argmax read back) at each --batch and --context; then, at TP >= 2, LatentMoE's "
+                                    "tail per layer at K3 widths, all-reduce vs reduce-scatter variant, at each "
+                                    "--tail-m. Prints tables; JSON to --out. --smoke: TP 1 and 2 on CPU (gloo, tiny "
+                                    "shape, torch ops): checks that the benchmark runs; its times mean nothing.")
+    t.add_argument("--model", default="kimi-linear-48b", help="preset or checkpoint folder, config only "
+                                                              "(default kimi-linear-48b)")
+    t.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8],
+                   help="TP degrees (default 1 2 4 8; those above the GPU count are skipped and listed)")
+    t.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64], help="decode batch sizes (default 1 16 64)")
+    t.add_argument("--context", type=int, default=4096, help="tokens in each sequence's cache (default 4096)")
+    t.add_argument("--tail-m", type=int, nargs="+", default=[1, 8, 16, 64], help="tail: tokens (default 1 8 16 64)")
+    t.add_argument("--tail-hidden", type=int, default=7168, help="tail: hidden width (default 7168, K3)")
+    t.add_argument("--tail-latent", type=int, default=3584, help="tail: latent width (default 3584, K3)")
+    t.add_argument("--reps", type=int, default=20, help="timed steps per point, median (default 20)")
+    t.add_argument("--ep", action="store_true", help="routed experts split by expert over the ranks (expert "
+                                                     "parallelism) instead of by width")
+    t.add_argument("--symm-allreduce", action="store_true",
+                   help="the model's all-reduces up to 1 MiB through torch symmetric memory instead of NCCL "
+                        "(as serve --tp-symm-allreduce); the tail keeps NCCL")
+    t.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny shape: the benchmark runs (CI)")
+    t.add_argument("--out", type=Path, default=Path("bench_tp.json"), help="JSON results (default bench_tp.json)")
+    t.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
+
+
 def _cmd_bench(a: argparse.Namespace) -> int:
     if a.bench == "spec":
         return _cmd_bench_spec(a)
+    if a.bench == "tp":
+        from k3rt.backend.bench.tp_bench import TpBenchConfig, format_tables, run as bench_tp
+
+        result = bench_tp(TpBenchConfig(model=a.model, tps=tuple(a.tp), batches=tuple(a.batch), context=a.context,
+                                        tail_m=tuple(a.tail_m), tail_hidden=a.tail_hidden, tail_latent=a.tail_latent,
+                                        reps=a.reps, ep=a.ep, symm_all_reduce=a.symm_allreduce, smoke=a.smoke),
+                           a.out)
+        print(json.dumps(result) if a.json else format_tables(result))
+        return 0
     if a.bench == "serve":
         from k3rt.server.bench import main as bench_serve
 
@@ -562,7 +607,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "cpu, cuda, cuda:N; the choice and the cache size are printed at start with the reason")
     p.add_argument("--runner", choices=["auto", "model", "gpu"], default="auto",
                    help="compute path: 'gpu' = fused Triton kernels + CUDA-graph decode, 'model' = the plain-torch "
-                        "reference path; 'auto' (default) picks gpu on a CUDA device at --tp 1, model elsewhere")
+                        "reference path; 'auto' (default) picks gpu on a CUDA device (any --tp), model elsewhere")
     p.add_argument("--no-cuda-graphs", action="store_true", help="gpu runner: run decode steps eagerly")
     p.add_argument("--no-overlap", action="store_true",
                    help="run each engine step to its end before scheduling the next; by default the gpu runner on a "

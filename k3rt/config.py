@@ -162,6 +162,9 @@ class DistConfig:
     # LatentMoE's output under TP (backend/models/moe.py latent_tail): reduce-scatter the shared partial and
     # run the up-projection column-striped, one all-gather; or all-reduce with the replicated up-projection
     latent_tail: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
+    # small all-reduces through torch's symmetric memory (one kernel over NVLink) instead of NCCL: one host,
+    # CUDA (backend/distributed/symm_all_reduce.py; not yet run on GPUs)
+    symm_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.nnodes < 1:
@@ -172,6 +175,8 @@ class DistConfig:
             raise ValueError(f"master_port: must be in [0, 65535], got {self.master_port}")
         if self.master_port == 0 and self.nnodes > 1:
             raise ValueError("master_port: several nodes must agree on a port; set --master-port")
+        if self.symm_all_reduce and self.nnodes > 1:
+            raise ValueError(f"symm_all_reduce: symmetric memory spans one host, got nnodes={self.nnodes}")
         if not self.timeout_s > 0 or not self.startup_timeout_s > 0:
             raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s} (startup {self.startup_timeout_s})")
 
@@ -187,12 +192,12 @@ class EngineConfig:
     ep: bool = False
     # "model": the reference torch path (any device); "gpu": fused Triton kernels, device-side batch
     # description, decode in CUDA graphs; "null": no compute, fake tokens (scheduler benchmarks);
-    # "auto": gpu on a CUDA device at tp=1, model elsewhere
+    # "auto": gpu on a CUDA device (any tp), model elsewhere
     runner: str = "auto"
     kernels: bool = True  # gpu runner: Triton kernels (off: the same path with torch ops; tests)
     cuda_graphs: bool = True  # gpu runner: replay decode steps from captured CUDA graphs
     # overlap scheduling (backend/overlap.py): the host schedules and launches step N+1 while the device runs
-    # step N, learning step N's tokens one step late; None (auto): on for the gpu runner on a CUDA device.
+    # step N, learning step N's tokens one step late; None (auto): on for the gpu runner on a CUDA device at tp=1.
     # The reference and null runners compute eagerly, so on them overlap only exercises the protocol (tests)
     overlap: bool | None = None
     use_pdl: bool = False  # gpu runner: programmatic dependent launch between chained decode kernels
@@ -210,12 +215,15 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.runner == "auto":
-            # the fused GPU runner is single-GPU for now: tensor parallelism runs the reference path
-            object.__setattr__(self, "runner", "gpu" if self.device.startswith("cuda") and self.tp == 1 else "model")
+            object.__setattr__(self, "runner", "gpu" if self.device.startswith("cuda") else "model")
         if self.runner not in ("model", "gpu", "null"):
             raise ValueError(f"runner: {self.runner!r} not one of auto, model, gpu, null")
         if self.overlap is None:
-            object.__setattr__(self, "overlap", self.runner == "gpu" and self.device.startswith("cuda"))
+            object.__setattr__(self, "overlap", self.runner == "gpu" and self.device.startswith("cuda") and self.tp == 1)
+        if self.overlap and self.runner == "gpu" and self.tp > 1:
+            # the GPU runner feeds step N's tokens into step N+1 on rank 0's device; the workers' plans carry
+            # host token ids, which are not known yet when N+1 launches
+            raise ValueError(f"overlap: the gpu runner overlaps steps at tp=1 only, got tp={self.tp}; set overlap=False")
         if (self.runner == "gpu" and self.kernels and not self.device.startswith("cuda")
                 and os.environ.get("TRITON_INTERPRET") != "1"):
             raise ValueError(f"device: the gpu runner's Triton kernels need a CUDA device, got {self.device!r} "
@@ -223,8 +231,6 @@ class EngineConfig:
         if self.runner == "gpu" and self.deterministic and not self.kernels:
             raise ValueError("deterministic: the gpu runner's batch-invariant mode needs its Triton kernels "
                              "(kernels=True), or use runner='model'")
-        if self.runner == "gpu" and self.tp != 1:
-            raise ValueError(f"tp: the gpu runner runs on one GPU (tp=1), got tp={self.tp}; use runner='model'")
         if self.grammar_backend not in ("llguidance", "outlines"):
             raise ValueError(f"grammar_backend: {self.grammar_backend!r} not one of llguidance, outlines")
         if self.tp < 1:
@@ -241,6 +247,8 @@ class EngineConfig:
         if self.tp > 1 and self.spec.enabled:
             # the workers would need the accepted length of every verify run to commit their KDA shards
             raise ValueError(f"spec: speculative decoding runs at tp=1 only for now, got tp={self.tp}")
+        if self.dist.symm_all_reduce and (self.tp == 1 or self.device != "cuda"):
+            raise ValueError(f"symm_all_reduce: needs tp > 1 on CUDA, got tp={self.tp}, device={self.device!r}")
         if self.tp > 1 and self.device not in ("cpu", "cuda"):
             # each rank takes its own device (cuda:<local rank>); a fixed index would put every rank on one GPU
             raise ValueError(f"device: with tp > 1 use 'cpu' or 'cuda' (one GPU per rank), got {self.device!r}")

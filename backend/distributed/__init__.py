@@ -26,6 +26,9 @@ class TPContext:
     # weight), then gathers once; "all_reduce" all-reduces the shared partial and runs the replicated
     # up-projection on every rank (the plain path, kept for comparison)
     latent_tail: LatentTail = "reduce_scatter"
+    # an all-reduce that takes small messages itself (x -> True, summed in place) or declines them (False:
+    # NCCL then); every rank holds the same one. backend/distributed/symm_all_reduce.py; None: always `group`'s
+    fast_all_reduce: Any = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -34,7 +37,7 @@ class TPContext:
             raise ValueError(f"latent_tail must be 'reduce_scatter' or 'all_reduce', got {self.latent_tail!r}")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
+        if self.size > 1 and not (self.fast_all_reduce is not None and self.fast_all_reduce(x)):
             dist.all_reduce(x, group=self.group)
         return x
 

@@ -81,7 +81,13 @@ def init_groups(cfg: EngineConfig, rank: int, rdv: Rendezvous, store: Any = None
     ranks = list(range(cfg.tp))
     compute = dist.new_group(ranks, timeout=timeout, backend="nccl" if device.type == "cuda" else "gloo")
     control = dist.new_group(ranks, timeout=timeout, backend="gloo")
-    return TPGroups(TPContext(rank, cfg.tp, compute, latent_tail=d.latent_tail), control, device)
+    fast = None
+    if d.symm_all_reduce:  # every rank maps the others' buffers here, at the same point of start-up
+        from k3rt.backend.distributed.symm_all_reduce import SymmAllReduce
+
+        fast = SymmAllReduce(compute, device)
+    tp = TPContext(rank, cfg.tp, compute, latent_tail=d.latent_tail, fast_all_reduce=fast)
+    return TPGroups(tp, control, device)
 
 
 def startup_barrier(timeout_s: float, check: Any = None) -> None:

@@ -49,6 +49,9 @@ class StepPlan:
     # commit after verification). Rank 0 only: not packed, since speculation is refused under TP (the
     # commit of the accepted runs would need a second message to the workers)
     verify: tuple[bool, ...] = ()
+    # the GPU runner's decode graph the step replays (its batch size; 0: the step runs eagerly). Every rank must
+    # make the same choice: a replay pads the batch to the graph's size, so its collectives have other shapes
+    graph: int = 0
 
     def pack(self) -> torch.Tensor:
         """This plan as one CPU int64 tensor (unpack(pack(p)) == p)."""
@@ -68,7 +71,7 @@ class StepPlan:
             out.append(len(q.snapshots))
             for pos, dest in q.snapshots:
                 out += [pos, len(dest), *dest]
-        out += [len(self.token_ids), *self.token_ids, len(self.logits_rows), *self.logits_rows]
+        out += [len(self.token_ids), *self.token_ids, len(self.logits_rows), *self.logits_rows, self.graph]
         return torch.tensor(out, dtype=torch.int64)
 
     @staticmethod
@@ -90,9 +93,10 @@ class StepPlan:
             seqs.append(PlanSeq(start, num, table, state, snaps))
         token_ids = r.many(r.one())
         rows = r.many(r.one())
+        graph = r.one()
         if r.i != len(r.data):
             raise ValueError(f"step plan: {len(r.data) - r.i} trailing values after unpacking")
-        return StepPlan(kind, fills, page_copies, tuple(state_copies), tuple(seqs), token_ids, rows)
+        return StepPlan(kind, fills, page_copies, tuple(state_copies), tuple(seqs), token_ids, rows, graph=graph)
 
 
 class _Reader:

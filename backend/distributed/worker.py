@@ -1,4 +1,5 @@
-"""A tensor-parallel worker (ranks 1..n-1): load this rank's shard, then replay rank 0's step plans.
+"""A tensor-parallel worker (ranks 1..n-1): load this rank's shard, then replay rank 0's step plans
+(through the reference PlanExecutor, or the fused GPU runner when the engine runs runner='gpu').
 
 Run as `python -m k3rt.backend.distributed.worker` with pickled WorkerArgs on stdin (launch.py). The
 worker keeps a pool of the same pages as rank 0 (its shard of every KDA state, the whole MLA latent)
@@ -60,12 +61,20 @@ def run_worker(args) -> None:
             torch.manual_seed(cfg.seed)
             model = load_model(cfg.model, dtype=cfg.dtype, tp=groups.tp, ep=cfg.ep, device=str(groups.device),
                                progress=False)
-            executor = PlanExecutor(model, PagePool(layout, num_pages, device=groups.device))
+            pool = PagePool(layout, num_pages, device=groups.device)
+            if cfg.runner == "gpu":  # the fused runner, built as rank 0 builds its own (pad page, graphs)
+                from k3rt.backend.runner.gpu.runner import engine_gpu_runner
+                from k3rt.backend.runner.gpu.tp import run_worker_plan
+
+                gpu = engine_gpu_runner(cfg, model, pool)
+                run = lambda plan: run_worker_plan(gpu, plan)  # noqa: E731
+            else:
+                run = PlanExecutor(model, pool).run
             startup_barrier(cfg.dist.startup_timeout_s)
             receiver = PlanReceiver(groups.control)
             while (plan := receiver.recv()).kind != PlanKind.STOP:
                 if plan.kind == PlanKind.RUN:
-                    executor.run(plan)
+                    run(plan)
         finally:
             destroy_groups()
     except Exception as e:

@@ -52,6 +52,17 @@ def build_plan(out: SchedulerOutput, chunks: list[ScheduledChunk], fills: list[t
                     verify=tuple(verify) if any(verify) else ())
 
 
+def apply_cache_ops(pool: PagePool, plan: StepPlan, *, apply_fills: bool = True) -> None:
+    """The plan's fills, page copies and state copies, in that order (every runner's workers)."""
+    for value, pages in plan.fills if apply_fills else ():
+        pool.fill(list(pages), value)
+    if plan.page_copies:
+        src, dst = zip(*plan.page_copies)
+        pool.copy_pages(list(src), list(dst), tensors=len(pool.layout.mla_group))
+    for src, dst in plan.state_copies:
+        pool.copy_state_set(list(src), list(dst))
+
+
 class PlanExecutor:
     """Runs plans on one rank: its model shard over its pool."""
 
@@ -66,14 +77,7 @@ class PlanExecutor:
         self.device = pool.tensors[0].device
 
     def apply_cache_ops(self, plan: StepPlan, *, apply_fills: bool = True) -> None:
-        pool = self.pool
-        for value, pages in plan.fills if apply_fills else ():
-            pool.fill(list(pages), value)
-        if plan.page_copies:
-            src, dst = zip(*plan.page_copies)
-            pool.copy_pages(list(src), list(dst), tensors=len(pool.layout.mla_group))
-        for src, dst in plan.state_copies:
-            pool.copy_state_set(list(src), list(dst))
+        apply_cache_ops(self.pool, plan, apply_fills=apply_fills)
 
     def run(self, plan: StepPlan, *, apply_fills: bool = True) -> torch.Tensor | None:
         """Cache operations, forward, snapshot writes; -> fp32 logits [len(plan.logits_rows), vocab] (rank 0;

@@ -52,3 +52,35 @@ def test_shared_experts_fused_into_the_grouped_gemms_equal_the_module(shared: in
 def test_no_fusion_without_kernels_or_for_latent_moe() -> None:
     assert MoeWeights.of(tiny_moe("kimi_linear", 1), KernelConfig(triton=False)).shared_fused == 0
     assert MoeWeights.of(tiny_moe("k3", 1), KernelConfig(triton=True)).shared_fused == 0
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_expert_parallel_local_ids_for_the_grouped_gemms(rank: int) -> None:
+    """Under --ep the grouped kernels index this rank's stack only: with the global ids mapped to local ones
+    (other ranks' pairs at weight 0 onto an expert the token uses here) they give this rank's partial sum,
+    as the module's expert loop does (the all-reduce adds the other ranks' experts)."""
+    from k3rt.backend.distributed import TPContext
+    from k3rt.backend.models.moe import route
+    from k3rt.backend.runner.gpu.ffn import local_routing
+    from k3rt.backend.runner.gpu.ops import kernel
+
+    cfg = parse_model_config({**TINY_CONFIGS["kimi_linear"], "num_shared_experts": 1})
+    moe = MoE(cfg, tp=TPContext(rank, 2), ep=True, dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    for name, p in moe.named_parameters():
+        init_parameter(name, p.data, g)
+    moe = moe.to(DEV)
+    x = torch.randn(9, moe.w13.shape[2], generator=torch.Generator().manual_seed(6)).to(DEV)
+    with torch.no_grad():
+        tw, ids = route(x, moe.gate_weight, moe.e_score_correction_bias, moe.m)
+        mine = (ids >= moe.expert_offset) & (ids < moe.expert_offset + moe.num_local_experts)
+        assert mine.any() and not mine.all()  # both ranks' experts are routed to
+        want = moe.experts(x, tw, ids)
+        ltw, lids = local_routing(tw, ids, moe.expert_offset, moe.num_local_experts)
+        assert int(lids.min()) >= 0 and int(lids.max()) < moe.num_local_experts
+        # another rank's pairs: weight 0, on an expert this token already uses here (no extra weights read)
+        for t in range(x.shape[0]):
+            used = set((ids[t][mine[t]] - moe.expert_offset).tolist()) or {0}
+            assert set(lids[t].tolist()) <= used and (ltw[t][~mine[t]] == 0).all()
+        got = kernel("moe", "fused_experts")(x, moe.w13, moe.w2, ltw, lids.to(torch.int32), act=moe.act)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()

@@ -388,7 +388,7 @@ def test_launch_env_and_dist_config():
         EngineConfig(model="m", tp=3, dist=DistConfig(nnodes=2, master_port=1))
     cfg = EngineConfig(model="m", tp=8, dist=DistConfig(nnodes=2, node_rank=1, master_port=1))
     assert cfg.ranks_per_node == 4 and cfg.node_ranks == range(4, 8) and cfg.runner == "model"
-    assert EngineConfig(model="m", device="cuda", tp=2).runner == "model"  # the fused runner is single-GPU
+    assert EngineConfig(model="m", device="cuda", tp=2).runner == "gpu"  # the fused runner runs under TP too
     with pytest.raises(ValueError, match="random_weights"):
         EngineConfig(model="m", tp=2, random_weights=True)
 

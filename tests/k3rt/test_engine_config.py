@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from k3rt.config import EngineConfig
+from k3rt.config import DistConfig, EngineConfig
 
 
 def test_auto_runner_follows_the_device() -> None:
@@ -12,6 +12,8 @@ def test_auto_runner_follows_the_device() -> None:
     assert EngineConfig(model="m", device="cuda").runner == "gpu"
     assert EngineConfig(model="m", device="cuda:1").runner == "gpu"
     assert EngineConfig(model="m", device="cuda", runner="model").runner == "model"
+    assert EngineConfig(model="m", device="cuda", tp=2).runner == "gpu"  # the fused runner runs under TP too
+    assert EngineConfig(model="m", device="cuda", tp=2, runner="gpu").tp == 2
 
 
 def test_gpu_runner_kernels_need_cuda_or_the_interpreter(monkeypatch) -> None:
@@ -25,7 +27,8 @@ def test_gpu_runner_kernels_need_cuda_or_the_interpreter(monkeypatch) -> None:
 
 @pytest.mark.parametrize("over, field", [
     ({"runner": "fast"}, "runner"),
-    ({"runner": "gpu", "device": "cuda", "tp": 2}, "tp"),
+    ({"runner": "gpu", "device": "cuda:1", "tp": 2}, "device"),
+    ({"device": "cpu", "tp": 2, "dist": DistConfig(symm_all_reduce=True)}, "symm_all_reduce"),
     ({"tp": 0}, "tp"),
 ])
 def test_bad_combinations_name_the_field(over, field) -> None:

@@ -75,6 +75,9 @@ def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> to
     else:
         tw, ids = route(x, moe.gate_weight, moe.e_score_correction_bias, m)
 
+    if experts is not None and moe.num_local_experts != m.num_experts:
+        tw, ids = local_routing(tw, ids, moe.expert_offset, moe.num_local_experts)
+
     tiles = None
     if experts is not None and k.batch_invariant:
         from k3rt.kernels.moe.triton_experts import pick_tiles
@@ -103,6 +106,21 @@ def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> to
     return moe.latent_tail(y, shared, moe.routed_expert_up_proj.weight, lambda a, w: linear(a, w, k))
 
 
+def local_routing(tw: torch.Tensor, ids: torch.Tensor, offset: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert parallelism for the grouped kernels, which index a stack of this rank's experts only: global ids
+    -> local ids, and a pair routed to another rank's expert gets weight 0 (its product adds an exact zero;
+    that expert's contribution arrives in the all-reduce) and the token's first local expert, whose weights
+    the step reads anyway (local expert 0 for a token with none here). Shapes stay fixed, so it captures in a
+    CUDA graph; the cost is those pairs' wasted rows, which can add row blocks to an expert at larger batches
+    (an expert map in the alignment kernel that drops them is not built)."""
+    local = ids - offset
+    mine = (local >= 0) & (local < num_local)
+    first = torch.where(mine, local, torch.full_like(local, num_local)).min(dim=-1, keepdim=True).values
+    first = torch.where(first == num_local, torch.zeros_like(first), first)
+    return torch.where(mine, tw, torch.zeros_like(tw)), torch.where(mine, local, first.expand_as(local))
+
+
 def mlp_forward(mlp: GatedMLP, x: torch.Tensor, k: KernelConfig) -> torch.Tensor:
-    """The dense gated MLP (TP 1: the GPU runner's only mode) with its projections through `linear`."""
+    """The dense gated MLP with its projections through `linear`; under TP this rank's partial sum (the
+    caller all-reduces it, as RowParallelLinear does)."""
     return linear(act_and_mul(linear(x, mlp.gate_up_proj.weight, k), mlp.act), mlp.down_proj.weight, k)

@@ -27,6 +27,9 @@ class GpuForward:
         self.model, self.pool, self.k = model, pool, kernels
         L = pool.layout
         self.cfg = model.cfg
+        # tensor parallelism: this rank holds its shard of every TP-aware layer (heads, widths, vocabulary) and
+        # reduces at the points the reference layers do (backend/runner/gpu/tp.py says where)
+        self.tp = model.tp
         self.layers = list(model.model.layers)
         self.prepared: dict[int, KdaWeights | MlaWeights] = {}
         for g, group in enumerate(L.kda_groups):
@@ -67,9 +70,25 @@ class GpuForward:
         return rms_norm(h, weight, eps), h
 
     def logits(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        # rounded to the activation dtype, then fp32, as the reference lm_head does (into `out` if given)
+        # rounded to the activation dtype, then fp32, as the reference lm_head does (into `out` if given).
+        # Under TP: this rank's vocabulary slice in the activation dtype (gathered by `full_logits` outside any
+        # graph: half the bytes of fp32, and the same values, since fp32 is only the rounded value widened)
         y = linear(x, self.model.lm_head.weight, self.k)
+        if self.tp.size > 1:
+            return y if out is None else out.copy_(y)
         return y.float() if out is None else out.copy_(y)
+
+    def logits_dtype(self) -> torch.dtype:
+        """dtype of what __call__ returns: fp32 at TP 1, the activation dtype (this rank's slice) under TP."""
+        return torch.float32 if self.tp.size == 1 else self.model.lm_head.weight.dtype
+
+    def full_logits(self, local: torch.Tensor) -> torch.Tensor:
+        """__call__'s output -> fp32 logits over the whole vocabulary on rank 0 (a worker gets its own slice
+        back: it only takes part in the gather)."""
+        if self.tp.size == 1:
+            return local
+        out = self.tp.gather_last_dim(local)
+        return out.float() if self.tp.rank == 0 else out
 
     def mix(self, stream: AttnResStream, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
         assert stream.prefix is not None
@@ -83,9 +102,12 @@ class GpuForward:
         w = self.prepared[i]
         attn = self.layers[i].self_attn
         if isinstance(w, KdaWeights):
-            return kda_forward(attn, w, x, step, self.pool.conv[w.tensor], self.pool.rec[w.tensor], self.k,
-                               decode=decode, workspace=self.kda_workspace)
-        return mla_forward(attn, w, x, step, self.pool.mla[w.slot], self.k)
+            y = kda_forward(attn, w, x, step, self.pool.conv[w.tensor], self.pool.rec[w.tensor], self.k,
+                            decode=decode, workspace=self.kda_workspace)
+        else:
+            y = mla_forward(attn, w, x, step, self.pool.mla[w.slot], self.k)
+        # o_proj is row-parallel: each rank holds the partial sum over its heads (the identity at TP 1)
+        return self.tp.all_reduce(y)
 
     @torch.no_grad()
     def commit_verified(self, step: GpuStep, runs: list[tuple[int, int, list[int]]]) -> None:
@@ -98,7 +120,10 @@ class GpuForward:
 
     def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
         mlp = self.layers[i].mlp
-        return moe_forward(mlp, self.moe[i], x, self.k) if isinstance(mlp, MoE) else mlp_forward(mlp, x, self.k)
+        if isinstance(mlp, MoE):
+            return moe_forward(mlp, self.moe[i], x, self.k)  # reduces inside (routed + shared, the latent tail)
+        y = mlp_forward(mlp, x, self.k)
+        return self.tp.all_reduce(y) if mlp.down_proj.reduce else y
 
     @torch.no_grad()
     def __call__(self, step: GpuStep, *, decode: bool = False, logits_out: torch.Tensor | None = None) -> torch.Tensor:

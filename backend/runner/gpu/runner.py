@@ -12,17 +12,22 @@ live state.
 
 With a model drafter (DSpark) the forward also taps the target layer states the drafter reads, over all
 rows (inside the graphs too), and the runner records the kept rows per speculating request.
+
+Under tensor parallelism every rank runs this runner on its model shard: rank 0 schedules, broadcasts
+the step as one StepPlan, and samples from the gathered logits; the workers replay the plans
+(backend/runner/gpu/tp.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from k3rt.backend.cache.pool import PagePool
+from k3rt.backend.distributed.channel import PlanSender
 from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.backend.runner.base import LaunchedStep, Runner, begin_step, pending_tokens
 from k3rt.backend.runner.gpu.forward import GpuForward
@@ -32,6 +37,7 @@ from k3rt.backend.runner.gpu.penalties import PenaltyState
 from k3rt.backend.runner.gpu.sample import sample_on_device, sample_step
 from k3rt.backend.runner.gpu.step import GpuStep, StepSeq, build_step, pack_step, step_views
 from k3rt.backend.runner.sampling import prompt_score_rows, record_prompt_logprobs
+from k3rt.backend.runner.step_plan import build_plan
 from k3rt.backend.sampling.sampler import Sampler
 from k3rt.backend.scheduler.scheduler import ScheduledChunk, SchedulerOutput
 from k3rt.backend.spec.rejection import verify_requests
@@ -54,6 +60,15 @@ def graph_sizes_for(max_running: int, sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZ
     return tuple(s for s in ordered if s < max_running or s == cover)
 
 
+def engine_gpu_runner(cfg, model: KimiForCausalLM, pool: PagePool, *, sender: PlanSender | None = None,
+                      target_states: TargetStates | None = None) -> "GpuModelRunner":
+    """The GPU runner an EngineConfig asks for (rank 0 and every worker build theirs here, so they match)."""
+    kernels = KernelConfig(cfg.kernels, cfg.use_pdl, batch_invariant=cfg.deterministic)
+    return GpuModelRunner(model, pool, kernels=kernels,
+                          cuda_graphs=cfg.cuda_graphs, graph_sizes=graph_sizes_for(cfg.scheduler.max_running),
+                          sender=sender, target_states=target_states)
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -66,9 +81,15 @@ class _Graph:
 class GpuModelRunner(Runner):
     def __init__(self, model: KimiForCausalLM, pool: PagePool, *, kernels: KernelConfig = KernelConfig(),
                  cuda_graphs: bool = True, graph_sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES,
-                 max_model_len: int | None = None, target_states: TargetStates | None = None) -> None:
-        """target_states: where to record the target states a model drafter reads (None: no taps)."""
-        self.model, self.pool, self.kernels = model, pool, kernels
+                 max_model_len: int | None = None, target_states: TargetStates | None = None,
+                 sender: PlanSender | None = None) -> None:
+        """target_states: where to record the target states a model drafter reads (None: no taps). sender:
+        rank 0 of a tensor-parallel engine, the workers' plan channel (None: a single rank, or a worker, which
+        runs the plans it receives through backend/runner/gpu/tp.py run_worker_plan). Every rank builds its
+        runner with the same arguments: the same reserved pad page and the same graphs."""
+        if target_states is not None and sender is not None:
+            raise ValueError("spec: a model drafter's target states are captured on a single rank only")
+        self.model, self.pool, self.kernels, self.sender = model, pool, kernels, sender
         self.target_states = target_states
         # the reference modules the GPU path still calls (shared experts, fallbacks) follow the mode too
         model.set_batch_invariant(kernels.batch_invariant)
@@ -88,6 +109,8 @@ class GpuModelRunner(Runner):
         self.penalties = PenaltyState(model.cfg.vocab_size, self.device)
         self.pad_page = pool.reserve()  # padding rows of graph-replayed batches write here, never read
         self.idle = IdleTimer() if self.device.type == "cuda" else None  # the GPU-idle metric (idle.py)
+        if sender is not None:
+            pool.record_fills()  # after the pad page: each worker's pool reserves the same page itself
         self.graphs: dict[int, _Graph] = {}
         self.graph_sizes = tuple(sorted(graph_sizes))
         if cuda_graphs and self.device.type == "cuda":
@@ -130,17 +153,20 @@ class GpuModelRunner(Runner):
         seqs = [self._seq(c) for c in chunks]
         pending = pending_tokens(chunks, prev)
         score_rows = prompt_score_rows(chunks)
-        n = len(seqs)
-        size = next((s for s in self.graph_sizes if s >= n), None)
-        step = None
-        if self.graphs and not out.chunks and not score_rows and size in self.graphs:
-            logits = self._replay(seqs, size, pending, prev)[:n]
-            tapped = self.graphs[size].taps
+        size = next((s for s in self.graph_sizes if s >= len(seqs)), None)
+        graph = size if self.graphs and not out.chunks and not score_rows and size in self.graphs else 0
+        extra = [row for _, row, _ in score_rows]
+        if self.sender is None:
+            logits, step = self.run_seqs(seqs, extra, graph, pending, prev)
         else:
-            step = self._build(seqs, [row for _, row, _ in score_rows])
-            self._feed_pending(step.ids, pending, prev)
-            logits = self.fwd(step, decode=step.decode_only)
-            tapped = self.fwd.tapped
+            if any(c.draft_ids for c in chunks):
+                raise RuntimeError("speculative decoding does not run under tensor parallelism yet")
+            if pending:  # EngineConfig refuses overlap for the gpu runner at tp > 1
+                raise RuntimeError("overlap: a tensor-parallel step cannot take its tokens from the device")
+            plan = replace(build_plan(out, chunks, self.pool.take_fills(), score_rows, self.block_size), graph=graph)
+            with self.sender.step(plan):
+                logits, step = self.run_seqs(seqs, extra, graph)
+        tapped = self.graphs[graph].taps if graph else self.fwd.tapped
         reqs = [c.req for c in chunks if c.needs_logits and not c.draft_ids]
         verify = [(i, c) for i, c in enumerate(chunks) if c.draft_ids]
         n_plain, n_verify = len(reqs), sum(c.num_fed for _, c in verify)
@@ -209,10 +235,30 @@ class GpuModelRunner(Runner):
             vals = torch.tensor([prev.sampled[rid] for rid in pending.values()], dtype=torch.int64)
             ids.index_copy_(0, rows, to_device(vals, self.device))
 
+    def run_seqs(self, seqs: list[StepSeq], extra_rows: list[int], graph: int, pending: dict[int, int] | None = None,
+                 prev: LaunchedStep | None = None) -> tuple[torch.Tensor, GpuStep | None]:
+        """The step's forward (or the replay of decode graph `graph`, 0: none) -> (fp32 logits of its logits
+        rows, gathered to rank 0 under TP; the eager step, None for a replay). Workers run it too, with the
+        StepSeqs of rank 0's plan. pending: rows whose token is prev's, fed on the device (overlap, one rank)."""
+        if graph:
+            return self.fwd.full_logits(self._replay(seqs, graph, pending, prev)[:len(seqs)]), None
+        step = self._build(seqs, extra_rows)
+        self._feed_pending(step.ids, pending, prev)
+        return self.fwd.full_logits(self.fwd(step, decode=step.decode_only)), step
+
     def release(self, rid: int) -> None:
         self.penalties.release(rid)
         if self.target_states is not None:
             self.target_states.release(rid)
+
+    def check(self) -> None:
+        if self.sender is not None:
+            self.sender.check()
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
 
     def _build(self, seqs: list[StepSeq], extra_rows: list[int]) -> GpuStep:
         return build_step(seqs, block_size=self.block_size, conv_width=self.fwd.conv_width,
@@ -235,7 +281,7 @@ class GpuModelRunner(Runner):
         # every graph writes its logits into the first rows of one buffer (steps run in stream order, so a replay
         # never overwrites logits an earlier step still has to sample from)
         shared = torch.empty(max(self.graph_sizes, default=0), self.model.lm_head.weight.shape[0],
-                             dtype=torch.float32, device=self.device)
+                             dtype=self.fwd.logits_dtype(), device=self.device)
         bar = tqdm(sorted(self.graph_sizes, reverse=True), desc="capturing decode graphs", unit="graph", leave=False)
         for size in bar:
             bar.set_postfix_str(f"batch {size}")

@@ -1,0 +1,163 @@
+"""Tensor parallelism in the fused GPU runner.
+
+CPU (gloo; the runner's torch-op path, kernels=False, no graphs): TP2 and TP2 with expert parallelism
+give TP1's tokens through the engine for both archs (the workload of test_tp.py: concurrent requests,
+a seeded sampled one, prefix-cache hits), with really two processes each running the GPU runner on its
+shard; k3 at TP2 with expert parallelism through the Triton kernels (run by the interpreter) gives the
+reference TP1 tokens; a killed worker fails the engine; the plan -> StepSeq conversion the workers use
+rebuilds rank 0's logits rows; the fast all-reduce hook and its refusals.
+GPU (`gpu`, two CUDA devices; skipped with fewer): TP2 with the Triton kernels and the collectives
+captured in the decode graphs (NCCL, or the opt-in symmetric-memory all-reduce) gives TP1's greedy tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3rt.backend.distributed.plan import PlanSeq, StepPlan
+from k3rt.backend.runner.gpu.runner import GpuModelRunner
+from k3rt.backend.runner.gpu.step import StepSeq
+from k3rt.backend.runner.gpu.tp import plan_seqs
+from tests.backend.engine_fixtures import greedy, make_engine, run, tiny_checkpoint
+from tests.backend.test_tp import no_new_processes, workload  # noqa: F401  (fixture)
+from tests.backend.threads import single_thread  # noqa: F401  (autouse: rank 0 runs in this process)
+
+
+def gpu_engine(ckpt, tp: int, *, ep: bool = False, device: str = "cpu", **over):
+    engine = {"tp": tp, "ep": ep, "device": device, "kernels": device == "cuda", "cuda_graphs": device == "cuda"}
+    return make_engine(ckpt, runner="gpu", budget=256, engine=engine | over)
+
+
+@pytest.fixture(scope="module", params=["kimi_linear", "k3"])
+def tp1(request, tmp_path_factory):
+    ckpt = tiny_checkpoint(tmp_path_factory, request.param)
+    eng = gpu_engine(ckpt, 1)
+    outputs, cached = workload(eng)
+    eng.close()
+    return ckpt, outputs, cached
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp2", "tp2-ep"])
+def test_gpu_runner_tp2_matches_tp1(tp1, ep, no_new_processes):  # noqa: F811
+    ckpt, want, want_cached = tp1
+    eng = gpu_engine(ckpt, 2, ep=ep)
+    try:
+        runner = eng.runner.inner if hasattr(eng.runner, "inner") else eng.runner
+        assert isinstance(runner, GpuModelRunner) and len(runner.sender.workers.procs) == 1
+        assert runner.model.model.layers[0].self_attn.num_heads == eng.model_cfg.kda.num_heads // 2
+        got, cached = workload(eng)
+        assert got == want
+        assert cached == want_cached
+    finally:
+        eng.close()
+
+
+def test_gpu_runner_tp2_ep_triton_kernels_in_the_interpreter(tmp_path_factory, monkeypatch, no_new_processes):  # noqa: F811
+    """The kernel path under TP2 with expert parallelism (the router and grouped-expert kernels on local ids,
+    MLA/KDA kernels on half the heads, LatentMoE's tail) gives the reference TP1 tokens: k3, Triton kernels
+    run by the interpreter on CPU in both ranks (the worker inherits TRITON_INTERPRET)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ckpt = tiny_checkpoint(tmp_path_factory, "k3")
+    prompts = [[(i * 37 + 11) % 512 for i in range(40)], [5, 9, 2, 7]]
+    ref = make_engine(ckpt, runner="model", budget=256)
+    want = [o.output_ids for o in run(ref, prompts, greedy(4))]
+    eng = gpu_engine(ckpt, 2, ep=True, kernels=True)
+    try:
+        assert eng.runner.inner.kernels.triton
+        assert [o.output_ids for o in run(eng, prompts, greedy(4))] == want
+    finally:
+        eng.close()
+
+
+def test_plan_seqs_rebuilds_the_logits_rows():
+    """Sampled last rows first (in sequence order), then scored rows, one of them a non-sampled sequence's
+    last row: the rebuilt StepSeqs give back exactly the plan's rows; the graph size survives the codec."""
+    from k3rt.backend.runner.gpu.step import pack_step
+
+    plan = StepPlan(seqs=(PlanSeq(0, 3, (1,), (5,)), PlanSeq(7, 1, (2, 3), (6,)), PlanSeq(0, 2, (4,), (7,), ((2, (9,)),))),
+                    token_ids=(10, 11, 12, 13, 14, 15), logits_rows=(3, 2, 4, 5), graph=0)
+    plan = StepPlan.unpack(plan.pack())
+    seqs, extra = plan_seqs(plan)
+    assert [s.needs_logits for s in seqs] == [False, True, False] and extra == [2, 4, 5]
+    assert seqs[2] == StepSeq([14, 15], 0, [4], [7], False, [(2, [9])])
+    meta, (h64, _) = pack_step(seqs, block_size=64, conv_width=4, num_groups=1, extra_logit_rows=extra)
+    rows = h64[sum(meta.sizes64[:6]):sum(meta.sizes64[:7])]
+    assert rows.tolist() == list(plan.logits_rows)
+    assert StepPlan.unpack(StepPlan(seqs=plan.seqs, token_ids=plan.token_ids, graph=16).pack()).graph == 16
+    with pytest.raises(ValueError, match="token_ids"):
+        plan_seqs(StepPlan(seqs=plan.seqs, token_ids=(1, 2)))
+
+
+def test_fast_all_reduce_hook():
+    """TPContext.all_reduce lets its fast path take a message (no NCCL/gloo call: none is initialized here)
+    and falls back to the process group when the fast path declines; the symmetric-memory path is refused
+    where it cannot run, naming the field."""
+    from k3rt.backend.distributed import TPContext
+    from k3rt.backend.distributed.symm_all_reduce import SymmAllReduce
+    from k3rt.config import DistConfig, EngineConfig
+
+    taken = TPContext(0, 2, fast_all_reduce=lambda x: x.mul_(2) is not None)
+    assert taken.all_reduce(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
+    declined = TPContext(0, 2, fast_all_reduce=lambda x: False)
+    with pytest.raises((RuntimeError, ValueError)):  # reached torch.distributed, which has no group here
+        declined.all_reduce(torch.ones(3))
+    with pytest.raises(ValueError, match="symm_all_reduce"):
+        EngineConfig(model="m", tp=2, device="cpu", dist=DistConfig(symm_all_reduce=True))
+    with pytest.raises(ValueError, match="symm_all_reduce"):
+        DistConfig(nnodes=2, master_port=1, symm_all_reduce=True)
+    with pytest.raises(ValueError, match="symm_all_reduce"):
+        SymmAllReduce(None, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("symm", [False, True], ids=["nccl", "symm-mem"])
+@pytest.mark.parametrize("arch", ["kimi_linear", "k3"])
+def test_gpu_runner_tp2_cuda_graphs_equal_tp1(arch, symm, tmp_path_factory):
+    """Two GPUs: Triton kernels, the collectives (NCCL, or the symmetric-memory all-reduce) inside the
+    captured decode graphs, logits gathered to rank 0 after the replay; greedy tokens equal TP1's on one
+    GPU (fp32 tiny checkpoint)."""
+    from k3rt.config import DistConfig
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    ckpt = tiny_checkpoint(tmp_path_factory, arch)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 70, 130, 9)]
+    outs = {}
+    for tp in (1, 2):
+        extra = {"dist": DistConfig(symm_all_reduce=True)} if symm and tp == 2 else {}
+        eng = gpu_engine(ckpt, tp, device="cuda", **extra)
+        try:
+            outs[tp] = [o.output_ids for o in run(eng, prompts, greedy(24))]
+            if tp == 2:
+                runner = eng.runner.inner if hasattr(eng.runner, "inner") else eng.runner
+                assert runner.graphs, "no decode graphs were captured"
+        finally:
+            eng.close()
+    assert outs[2] == outs[1]
+
+
+def test_gpu_runner_killed_worker_fails_engine(tmp_path_factory, no_new_processes):  # noqa: F811
+    """The GPU runner forwards the engine's between-step check to its plan channel: a killed worker fails
+    the engine within the deadline, naming it, and the next step is refused."""
+    import os
+    import time
+
+    from k3rt.backend.distributed.group import TPFailure
+    from tests.backend.test_tp import KILL_DEADLINE_S, _kill_worker
+
+    eng = gpu_engine(tiny_checkpoint(tmp_path_factory, "kimi_linear"), 2)
+    try:
+        run(eng, [[1, 2, 3]], greedy(2))
+        pid = _kill_worker(os.getpid())
+        t0 = time.monotonic()
+        with pytest.raises(TPFailure, match=f"worker rank 1 \\(pid {pid}\\) was killed by signal 9"):
+            while time.monotonic() - t0 < KILL_DEADLINE_S:
+                eng.check_runner()
+                time.sleep(0.05)
+        eng.add_request([4, 5, 6], greedy(2))
+        with pytest.raises(TPFailure):
+            eng.step()
+    finally:
+        eng.close()
