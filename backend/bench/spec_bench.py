@@ -67,6 +67,7 @@ class SpecBenchConfig:
     prompt_len: int = 96  # code prompts
     turns: int = 3  # agent turns per session
     seed: int = 0
+    overlap: bool | None = None  # the engine's overlap scheduling (None: its default, on for the GPU runner)
 
     def __post_init__(self) -> None:
         bad = [w for w in self.workloads if w not in WORKLOADS]
@@ -168,16 +169,26 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
     params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=True)
     step_ms: list[float] = []
     draft_ms: list[float] = []
-    execute = eng.runner.execute
+    # timed per engine step, classified by what that step scheduled: with overlap scheduling (the GPU
+    # runner's default) the runner's execute is not called and a step's wall time spans the device's step
+    step, schedule = eng.step, eng.scheduler.schedule
+    scheduled: list = []
 
-    def timed_execute(out):
+    def recording_schedule():
+        out = schedule()
+        scheduled.append(out)
+        return out
+
+    def timed_step():
+        scheduled.clear()
         t0 = time.perf_counter()
-        res = execute(out)
+        res = step()
         dt = (time.perf_counter() - t0) * 1e3
-        verify = any(c.draft_ids for c in out.chunks)
-        prefill = any(not c.draft_ids for c in out.chunks)
-        if not prefill and (verify or (out.decodes and eng.scheduler.drafter is None)):
-            step_ms.append(dt)
+        for out in scheduled:
+            verify = any(c.draft_ids for c in out.chunks)
+            prefill = any(not c.draft_ids for c in out.chunks)
+            if not prefill and (verify or (out.decodes and eng.scheduler.drafter is None)):
+                step_ms.append(dt)
         return res
 
     drafter = eng.scheduler.drafter
@@ -191,7 +202,7 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
             return res
 
         drafter.propose = timed_propose
-    eng.runner.execute = timed_execute
+    eng.step, eng.scheduler.schedule = timed_step, recording_schedule
     s0 = (eng.stats.spec_verifies, eng.stats.spec_drafted_tokens, eng.stats.spec_accepted_tokens)
     outputs: list[list[int]] = []
     t0 = time.perf_counter()
@@ -203,7 +214,7 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
             if workload == "agent":
                 prompts = [_agent_turn(tok, p, o) for p, o in zip(prompts, outs)]
     finally:
-        eng.runner.execute = execute
+        eng.step, eng.scheduler.schedule = step, schedule
     wall = time.perf_counter() - t0
     s = eng.stats
     return _Run(outputs, wall, sum(map(len, outputs)), step_ms, draft_ms, s.spec_verifies - s0[0],
@@ -244,7 +255,7 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
     if "agent" in cfg.workloads:  # each turn adds two outputs and two short tags
         longest += cfg.turns * (2 * cfg.max_tokens + 24)
     base = EngineConfig(model=str(model_dir), dtype=cfg.dtype, device=cfg.device, runner=cfg.runner,
-                        seed=cfg.seed, scheduler=SchedulerConfig(max_num_batched_tokens=max(2048, bmax * 16),
+                        seed=cfg.seed, overlap=cfg.overlap, scheduler=SchedulerConfig(max_num_batched_tokens=max(2048, bmax * 16),
                                                                  max_running=max(bmax, 1)))
     layout, _ = cache_geometry(base, mcfg)
     per_req = -(-(longest + cfg.max_tokens + cfg.spec_tokens + 1) // layout.block_size) + 2 * layout.pages_per_state_set

@@ -36,6 +36,23 @@ def test_bench_spec_tiny_cpu_run(capsys, tmp_path) -> None:
     assert all(r["draft_ms"] > 0 for r in dspark) and sum(r["verifies"] for r in dspark) > 0
 
 
+def test_step_times_are_measured_under_overlap_scheduling() -> None:
+    """On the GPU runner overlap is on by default and the engine never calls the runner's execute: the step
+    times were all 0.00 on the H200 when the bench timed execute. It times engine steps now (the reference
+    runner overlaps here, computing eagerly, which the engine cannot tell apart)."""
+    from k3rt.backend.bench.spec_bench import bench_spec
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = bench_spec(SpecBenchConfig(workloads=("agent",), batch_sizes=(1,), drafters=("ngram",), max_tokens=8,
+                                          turns=2, overlap=True), progress=False)
+    finally:
+        torch.set_num_threads(n)
+    (r,) = rows
+    assert r.plain_step_ms > 0 and r.verifies and r.verify_step_ms > 0 and r.identical
+
+
 @pytest.mark.parametrize("kw, field", [({"drafters": ("eagle",)}, "drafters"), ({"workloads": ()}, "workloads"),
                                        ({"batch_sizes": (0,)}, "batch_sizes"), ({"turns": 0}, "turns")])
 def test_bench_spec_config_errors_name_the_field(kw, field) -> None:
