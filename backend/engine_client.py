@@ -206,7 +206,10 @@ class EngineClient:
         await self.push.send(encode(FlushCache()))
 
     def _kill(self) -> None:
+        """The interpreter is exiting without `shutdown` (atexit): the engine's end is expected, so the watchdog,
+        which may still run in a daemon thread's loop, must not report it as a crash."""
         if self.proc is not None and self.proc.is_alive():
+            self._exit_expected = True
             self.proc.kill()
 
     async def shutdown(self, timeout: float = 30.0) -> None:
