@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from k3rt.backend.bench.spec_bench import code_windows
 from k3rt.backend.models.batch import ForwardBatch
 from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.backend.models.loader import load_model
@@ -58,18 +58,8 @@ K3_TINY_DSPARK = dict(vocab_size=8192, hidden_size=384, target_hidden_size=384, 
 def code_prompts(split: str, num: int, prompt_len: int, seed: int, model: str = "k3-tiny") -> list[list[int]]:
     """`num` windows of `prompt_len` tokens from code documents of one corpus split, each starting at a
     line start of a random document (BOS first, as a served prompt)."""
-    rng = random.Random(seed)
     texts = _heldout_sources() if split == "heldout" else [d.text for d in code_documents(stdlib_dir()) if d.split == split]
-    tok = load_tokenizer(model)
-    out: list[list[int]] = []
-    while len(out) < num:
-        text = rng.choice(texts)
-        starts = [0] + [i + 1 for i, c in enumerate(text) if c == "\n"]
-        begin = rng.choice(starts[: max(1, len(starts) - 20)])
-        ids = [*tok.sequence_prefix, *tok.encode(text[begin: begin + 8 * prompt_len])]
-        if len(ids) >= prompt_len:
-            out.append(ids[:prompt_len])
-    return out
+    return code_windows(texts, load_tokenizer(model), num, prompt_len, seed)
 
 
 def _heldout_sources() -> list[str]:

@@ -130,10 +130,14 @@ def _code_sources() -> list[str]:
 
 
 def _code_prompts(tok, num: int, prompt_len: int, seed: int) -> list[list[int]]:
-    """`num` windows of `prompt_len` tokens of held-out stdlib code, each starting at a line start (a served
-    prompt's sequence prefix first)."""
+    """`num` windows of `prompt_len` tokens of held-out stdlib code."""
+    return code_windows(_code_sources(), tok, num, prompt_len, seed)
+
+
+def code_windows(texts: Sequence[str], tok, num: int, prompt_len: int, seed: int) -> list[list[int]]:
+    """`num` windows of `prompt_len` tokens of these texts, each starting at a line start of a random text (a
+    served prompt's sequence prefix first). The DSpark trainer's held-out prompts are these too."""
     rng = random.Random(seed)
-    texts = _code_sources()
     out: list[list[int]] = []
     while len(out) < num:
         text = rng.choice(texts)

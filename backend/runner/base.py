@@ -63,11 +63,21 @@ class Runner(ABC):
     def release(self, rid: int) -> None:
         """The request ended (finished or aborted): drop any per-request state the runner keeps."""
 
+    # Runners with tensor-parallel workers hold rank 0's plan channel as `self.sender` (backend/distributed/
+    # channel.py). Not a class attribute: a wrapping runner that forwards unknown attributes to the runner it
+    # wraps (tests' Recorder) must still find the inner runner's.
+
     def check(self) -> None:
         """Raise if the runner can no longer run steps (a lost tensor-parallel rank); called between steps."""
+        sender = getattr(self, "sender", None)
+        if sender is not None:
+            sender.check()
 
     def close(self) -> None:
         """Release what the runner holds outside this process (tensor-parallel workers, process groups)."""
+        if getattr(self, "sender", None) is not None:
+            self.sender.close()
+            self.sender = None
 
 
 def begin_step(pool: PagePool, out: SchedulerOutput) -> list[ScheduledChunk]:

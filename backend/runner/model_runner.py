@@ -101,12 +101,3 @@ class ModelRunner(Runner):
     def release(self, rid: int) -> None:
         if self.target_states is not None:
             self.target_states.release(rid)
-
-    def check(self) -> None:
-        if self.sender is not None:
-            self.sender.check()
-
-    def close(self) -> None:
-        if self.sender is not None:
-            self.sender.close()
-            self.sender = None

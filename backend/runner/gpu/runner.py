@@ -251,15 +251,6 @@ class GpuModelRunner(Runner):
         if self.target_states is not None:
             self.target_states.release(rid)
 
-    def check(self) -> None:
-        if self.sender is not None:
-            self.sender.check()
-
-    def close(self) -> None:
-        if self.sender is not None:
-            self.sender.close()
-            self.sender = None
-
     def _build(self, seqs: list[StepSeq], extra_rows: list[int]) -> GpuStep:
         return build_step(seqs, block_size=self.block_size, conv_width=self.fwd.conv_width,
                           num_groups=self.num_groups, device=self.device, extra_logit_rows=extra_rows)
