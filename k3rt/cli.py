@@ -420,6 +420,9 @@ def _add_bench_spec(bsub: argparse._SubParsersAction) -> None:
     s.add_argument("--prompt-len", type=int, default=96, help="code prompt length in tokens (default 96)")
     s.add_argument("--turns", type=int, default=3, help="agent turns per session (default 3)")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant numerics for the plain and the speculative runs (docs/deterministic.md): "
+                        "speculative greedy output is then byte-identical to plain output in any dtype")
     s.add_argument("--json", action="store_true", help="print JSON instead of the table")
     s.add_argument("--out", default=None, metavar="FILE", help="also write the rows as JSON here")
 
@@ -432,7 +435,7 @@ def _cmd_bench_spec(a: argparse.Namespace) -> int:
                           batch_sizes=parse_list(a.batch_sizes, "batch_sizes", int),
                           drafters=parse_list(a.drafters, "drafters"), spec_tokens=a.spec_tokens,
                           spec_model=a.spec_model, max_tokens=a.max_tokens, prompt_len=a.prompt_len, turns=a.turns,
-                          seed=a.seed)
+                          seed=a.seed, deterministic=a.deterministic)
     rows = bench_spec(cfg, progress=not a.json)
     data = rows_json(rows)
     if a.out:
