@@ -150,8 +150,10 @@ def test_gpu_runner_interpreter_verify_logprobs_equal_plain(tmp_path) -> None:
     """The GPU runner's batch-invariant mode under TRITON_INTERPRET, tiny fp32 K3 checkpoint: verify runs
     (scratch KDA states, decode-form MLA rows) beside a prefill and a plain decode, then the commit's replay;
     every generated (token, logprob) equals plain deterministic decoding bit for bit (the tiny fp32 model's
-    greedy tokens alone agree even with the default numerics; its logprobs do not: measured, all three
-    requests differ). Kept this small: every KDA token is a kernel launch in the interpreter."""
+    greedy tokens alone agree even with the default numerics; its logprobs do not: with deterministic=False
+    the first request's second logprob differs in the last bit). Before the mode covered verify runs, the
+    token-by-token KDA path advanced the live states during the verify and the commit advanced them again.
+    Kept this small: every KDA token is a kernel launch in the interpreter."""
     ckpt = make_tiny(tmp_path / "k3", arch="k3", seed=5, dtype="float32")
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (4, 3, 5)]

@@ -8,6 +8,9 @@ Two forms:
     fused `kda_decode` step, conv cache and recurrent state updated in place.
 Verify runs (speculative decoding) take the general form but leave their conv and recurrent states as
 they were; `kda_commit` replays the accepted prefix into them once the sampler has decided.
+Batch-invariant mode (docs/deterministic.md): every step token by token through the decode kernel;
+verify runs step through scratch copies of their states, and the commit replays the accepted tokens
+through the same kernel on the live states, so they end bit-identical to plain decode steps.
 """
 
 from __future__ import annotations
