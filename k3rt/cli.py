@@ -230,7 +230,8 @@ def _generate_speculative(a: argparse.Namespace, params, spec) -> int:
 
     model_dir = resolve_model_dir(a.model)
     tok = load_tokenizer(model_dir)
-    eng = Engine(EngineConfig(model=str(model_dir), dtype=a.dtype, runner="model", spec=spec))
+    eng = Engine(EngineConfig(model=str(model_dir), dtype=a.dtype, runner="model", spec=spec,
+                              deterministic=a.deterministic))
     prompt_ids = tok.encode_prompt(a.prompt)
     eng.add_request(prompt_ids, params, eos_token_ids=tok.eos_token_ids)
     detok = IncrementalDetokenizer(tok, skip_special_tokens=True)

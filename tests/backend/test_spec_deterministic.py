@@ -16,6 +16,7 @@ to plain deterministic output.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -191,3 +192,26 @@ def test_gpu_runner_bf16_speculative_output_equals_plain(drafter, code_prompts) 
         outs = [o.output_ids for o in eng.generate(code_prompts, params)]
         assert outs == plain, f"round {r}: {[i for i in range(len(outs)) if outs[i] != plain[i]]} differ"
     assert eng.stats.spec_accepted_tokens > 0
+
+
+def test_cli_generate_deterministic_with_spec(capsys, monkeypatch) -> None:
+    """`k3rt generate --deterministic --spec ngram`: the engine it builds is in the mode (the flag was
+    dropped on this path), and its tokens are `k3rt generate --deterministic`'s (the model path)."""
+    import k3rt.backend.engine as engine_mod
+    from k3rt.cli import main
+
+    built: list[EngineConfig] = []
+
+    class Spy(engine_mod.Engine):
+        def __init__(self, cfg, *args, **kw):
+            built.append(cfg)
+            super().__init__(cfg, *args, **kw)
+
+    monkeypatch.setattr(engine_mod, "Engine", Spy)
+    args = ["generate", "--prompt", CODE[0], "--max-tokens", "24", "--ignore-eos", "--json", "--deterministic"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(args + ["--spec", "ngram", "--spec-tokens", "4"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert [c.deterministic for c in built] == [True]
+    assert spec["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) == 24
