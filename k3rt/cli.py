@@ -116,7 +116,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="compute dtype (default: the checkpoint's torch_dtype)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--deterministic", action="store_true",
-                   help="batch-invariant numerics: the same tokens as `k3rt serve --deterministic` gives this prompt in any batch (slower; docs/deterministic.md)")
+                   help="batch-invariant numerics: the same tokens as `k3rt serve --deterministic` gives this prompt in any batch, "
+                        "greedy ones with or without --spec (slower; docs/deterministic.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object: prompt_token_ids, token_ids, text")
     p.add_argument("--device", default="cpu", help="torch device (default cpu; with --tp: cpu or cuda)")
     _add_tp(p)
@@ -633,7 +634,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "the output is noise)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
     p.add_argument("--deterministic", action="store_true",
-                   help="batch-invariant numerics: each request's output independent of what else is in the batch, of prefill chunking and of prefix-cache hits (slower; docs/deterministic.md)")
+                   help="batch-invariant numerics: each request's output independent of what else is in the batch, of prefill chunking and of prefix-cache hits; "
+                        "with --spec, greedy output byte-identical to non-speculative output (slower; tp 1; docs/deterministic.md)")
     p.add_argument("--drain-timeout", type=float, default=10.0,
                    help="seconds running requests may finish after SIGTERM/SIGINT; then they are answered 503 "
                         "server_shutdown and the exit status is 1 (default 10)")
