@@ -116,7 +116,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="compute dtype (default: the checkpoint's torch_dtype)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--deterministic", action="store_true",
-                   help="batch-invariant numerics: the same tokens as `k3rt serve --deterministic` gives this prompt in any batch (slower; docs/deterministic.md)")
+                   help="batch-invariant numerics: the same tokens as `k3rt serve --deterministic` gives this prompt in any batch, "
+                        "greedy ones with or without --spec (slower; docs/deterministic.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object: prompt_token_ids, token_ids, text")
     p.add_argument("--device", default="cpu", help="torch device (default cpu; with --tp: cpu or cuda)")
     _add_tp(p)
@@ -230,7 +231,8 @@ def _generate_speculative(a: argparse.Namespace, params, spec) -> int:
 
     model_dir = resolve_model_dir(a.model)
     tok = load_tokenizer(model_dir)
-    eng = Engine(EngineConfig(model=str(model_dir), dtype=a.dtype, runner="model", spec=spec))
+    eng = Engine(EngineConfig(model=str(model_dir), dtype=a.dtype, runner="model", spec=spec,
+                              deterministic=a.deterministic))
     prompt_ids = tok.encode_prompt(a.prompt)
     eng.add_request(prompt_ids, params, eos_token_ids=tok.eos_token_ids)
     detok = IncrementalDetokenizer(tok, skip_special_tokens=True)
@@ -420,6 +422,9 @@ def _add_bench_spec(bsub: argparse._SubParsersAction) -> None:
     s.add_argument("--prompt-len", type=int, default=96, help="code prompt length in tokens (default 96)")
     s.add_argument("--turns", type=int, default=3, help="agent turns per session (default 3)")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant numerics for the plain and the speculative runs (docs/deterministic.md): "
+                        "speculative greedy output is then byte-identical to plain output in any dtype")
     s.add_argument("--json", action="store_true", help="print JSON instead of the table")
     s.add_argument("--out", default=None, metavar="FILE", help="also write the rows as JSON here")
 
@@ -432,7 +437,7 @@ def _cmd_bench_spec(a: argparse.Namespace) -> int:
                           batch_sizes=parse_list(a.batch_sizes, "batch_sizes", int),
                           drafters=parse_list(a.drafters, "drafters"), spec_tokens=a.spec_tokens,
                           spec_model=a.spec_model, max_tokens=a.max_tokens, prompt_len=a.prompt_len, turns=a.turns,
-                          seed=a.seed)
+                          seed=a.seed, deterministic=a.deterministic)
     rows = bench_spec(cfg, progress=not a.json)
     data = rows_json(rows)
     if a.out:
@@ -629,7 +634,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "the output is noise)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
     p.add_argument("--deterministic", action="store_true",
-                   help="batch-invariant numerics: each request's output independent of what else is in the batch, of prefill chunking and of prefix-cache hits (slower; docs/deterministic.md)")
+                   help="batch-invariant numerics: each request's output independent of what else is in the batch, of prefill chunking and of prefix-cache hits; "
+                        "with --spec, greedy output byte-identical to non-speculative output (slower; tp 1; docs/deterministic.md)")
     p.add_argument("--drain-timeout", type=float, default=10.0,
                    help="seconds running requests may finish after SIGTERM/SIGINT; then they are answered 503 "
                         "server_shutdown and the exit status is 1 (default 10)")

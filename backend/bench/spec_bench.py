@@ -68,6 +68,8 @@ class SpecBenchConfig:
     turns: int = 3  # agent turns per session
     seed: int = 0
     overlap: bool | None = None  # the engine's overlap scheduling (None: its default, on for the GPU runner)
+    # batch-invariant numerics (docs/deterministic.md) for the plain and the speculative runs alike
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         bad = [w for w in self.workloads if w not in WORKLOADS]
@@ -259,8 +261,8 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
     if "agent" in cfg.workloads:  # each turn adds two outputs and two short tags
         longest += cfg.turns * (2 * cfg.max_tokens + 24)
     base = EngineConfig(model=str(model_dir), dtype=cfg.dtype, device=cfg.device, runner=cfg.runner,
-                        seed=cfg.seed, overlap=cfg.overlap, scheduler=SchedulerConfig(max_num_batched_tokens=max(2048, bmax * 16),
-                                                                 max_running=max(bmax, 1)))
+                        seed=cfg.seed, overlap=cfg.overlap, deterministic=cfg.deterministic,
+                        scheduler=SchedulerConfig(max_num_batched_tokens=max(2048, bmax * 16), max_running=max(bmax, 1)))
     layout, _ = cache_geometry(base, mcfg)
     per_req = -(-(longest + cfg.max_tokens + cfg.spec_tokens + 1) // layout.block_size) + 2 * layout.pages_per_state_set
     base = replace(base, cache=CacheConfig(num_pages=bmax * per_req * 2 + 64))

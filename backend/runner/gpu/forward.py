@@ -116,7 +116,7 @@ class GpuForward:
         for i, w in self.prepared.items():
             if isinstance(w, KdaWeights):
                 kda_commit(self.layers[i].self_attn, w, step, [(s, m, pages[w.group]) for s, m, pages in runs],
-                           self.pool.conv[w.tensor], self.pool.rec[w.tensor])
+                           self.pool.conv[w.tensor], self.pool.rec[w.tensor], self.k.batch_invariant)
 
     def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
         mlp = self.layers[i].mlp

@@ -8,6 +8,9 @@ Two forms:
     fused `kda_decode` step, conv cache and recurrent state updated in place.
 Verify runs (speculative decoding) take the general form but leave their conv and recurrent states as
 they were; `kda_commit` replays the accepted prefix into them once the sampler has decided.
+Batch-invariant mode (docs/deterministic.md): every step token by token through the decode kernel;
+verify runs step through scratch copies of their states, and the commit replays the accepted tokens
+through the same kernel on the live states, so they end bit-identical to plain decode steps.
 """
 
 from __future__ import annotations
@@ -108,20 +111,36 @@ def _token_by_token(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, 
     the t-th tokens of all sequences in launch t, so a position's state and output are computed the
     same way in a prefill chunk of any length, after a prefix-cache hit, and in decode (the chunked
     kernel's sums would depend on where the chunk starts and ends). Snapshot states are copied out
-    of the live pages right after the token that ends them. -> o [T, H, D] (gated and normed)."""
+    of the live pages right after the token that ends them.
+    Verify runs (speculative decoding) step through scratch copies of their conv windows and states,
+    so the live ones stay at the run's start; their kernel inputs are kept for `kda_commit`, which
+    replays the accepted prefix through the same kernel on the live pages. -> o [T, H, D] (gated, normed)."""
     from k3rt.kernels.kda import kda_decode
 
     T, H, D = qkv.shape[0], attn.num_heads, attn.head_dim
-    o = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
+    dev = qkv.device
+    o = torch.empty(T, H, D, dtype=qkv.dtype, device=dev)
     snaps: dict[tuple[int, int], list[int]] = {(i, p - step.starts[i]): dest for i, p, dest in step.snapshots}
+    verify = {i: j for j, i in enumerate(step.verify_seqs)}  # verify sequence -> its scratch slot
+    if verify:
+        vpages = pages[torch.tensor(step.verify_seqs, device=dev)]
+        scratch_conv, scratch_rec = conv_pool[vpages].clone(), rec_pool[vpages].clone()
+        rows = torch.cat([torch.arange(step.cu[i], step.cu[i + 1]) for i in step.verify_seqs]).to(dev)
+        step.verify_inputs[attn.layer_idx] = (qkv[rows], f[rows], b[rows], gate[rows])
     for t in range(max(step.lens, default=0)):
-        seqs = [i for i, n in enumerate(step.lens) if n > t]
-        rows = torch.tensor([step.cu[i] + t for i in seqs], device=qkv.device)
-        o[rows] = kda_decode(qkv[rows], w.conv_weight, conv_pool, f[rows], w.A_log, w.dt_bias, b[rows], rec_pool,
-                             pages[torch.tensor(seqs, device=qkv.device)], lower_bound=attn.lower_bound,
-                             o_gate=gate[rows].reshape(len(seqs), H, D), o_norm_weight=attn.o_norm_weight,
-                             o_norm_eps=attn.eps, v_split=1)
-        for i in seqs:
+        for scratch in (False, True):
+            seqs = [i for i, n in enumerate(step.lens) if n > t and (i in verify) == scratch]
+            if not seqs:
+                continue
+            rows = torch.tensor([step.cu[i] + t for i in seqs], device=dev)
+            if scratch:
+                convs, recs, slots = scratch_conv, scratch_rec, torch.tensor([verify[i] for i in seqs], device=dev)
+            else:
+                convs, recs, slots = conv_pool, rec_pool, pages[torch.tensor(seqs, device=dev)]
+            o[rows] = kda_decode(qkv[rows], w.conv_weight, convs, f[rows], w.A_log, w.dt_bias, b[rows], recs, slots,
+                                 lower_bound=attn.lower_bound, o_gate=gate[rows].reshape(len(seqs), H, D),
+                                 o_norm_weight=attn.o_norm_weight, o_norm_eps=attn.eps, v_split=1)
+        for i in range(step.num_seqs):
             dest = snaps.get((i, t + 1))
             if dest is not None:
                 src, dst = pages[i], dest[w.group]
@@ -196,7 +215,7 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
 
 
 def kda_commit(attn: KimiDeltaAttention, w: KdaWeights, step: GpuStep, runs: list[tuple[int, int, int]],
-               conv_pool: torch.Tensor, rec_pool: torch.Tensor) -> None:
+               conv_pool: torch.Tensor, rec_pool: torch.Tensor, batch_invariant: bool = False) -> None:
     """After a verify step: advance each verify sequence's conv window and recurrent state by the first m
     tokens of its run. runs: (sequence, m, its state page of this layer's group).
 
@@ -205,7 +224,11 @@ def kda_commit(attn: KimiDeltaAttention, w: KdaWeights, step: GpuStep, runs: lis
     padded to the longest (a padded position leaves its run's state as it was); the conv is the general
     form's (fp32 taps in order) and the recurrence the exact per-token one.
     Cost: about max(m) small launches per layer per verify step (a fused kda_decode-style replay would be
-    one; not built yet, issue 16)."""
+    one; not built yet, issue 16).
+    batch_invariant: the run went through `_token_by_token` on scratch states; replay through its kernel."""
+    if batch_invariant:
+        _replay_token_by_token(attn, w, step, runs, conv_pool, rec_pool)
+        return
     qkv, g, beta = step.verify_inputs[attn.layer_idx]  # rows of the verify runs, in step order
     H, D = attn.num_heads, attn.head_dim
     W = w.conv_weight.shape[1]
@@ -235,3 +258,25 @@ def kda_commit(attn: KimiDeltaAttention, w: KdaWeights, step: GpuStep, runs: lis
                                initial_state=S)
         S = torch.where((j < ms)[:, None, None, None], nxt, S)
     rec_pool[pages] = S
+
+
+def _replay_token_by_token(attn: KimiDeltaAttention, w: KdaWeights, step: GpuStep, runs: list[tuple[int, int, int]],
+                           conv_pool: torch.Tensor, rec_pool: torch.Tensor) -> None:
+    """Batch-invariant commit: the accepted tokens of each run through `kda_decode` (one program per head)
+    on the live pages, the t-th tokens of all runs in launch t, from the inputs `_token_by_token` kept:
+    the same kernel on the same inputs and states as the decode steps plain decoding would have run, so
+    the states come out bit-identical to them. The outputs are discarded (the verify step produced them)."""
+    from k3rt.kernels.kda import kda_decode
+
+    qkv, f, b, gate = step.verify_inputs[attn.layer_idx]  # rows of the verify runs, in step order
+    H, D = attn.num_heads, attn.head_dim
+    first, off = {}, 0
+    for i in step.verify_seqs:
+        first[i], off = off, off + step.lens[i]
+    for t in range(max((m for _, m, _ in runs), default=0)):
+        live = [(s, p) for s, m, p in runs if m > t]
+        rows = torch.tensor([first[s] + t for s, _ in live], device=qkv.device)
+        slots = torch.tensor([p for _, p in live], dtype=torch.long, device=qkv.device)
+        kda_decode(qkv[rows], w.conv_weight, conv_pool, f[rows], w.A_log, w.dt_bias, b[rows], rec_pool, slots,
+                   lower_bound=attn.lower_bound, o_gate=gate[rows].reshape(len(live), H, D),
+                   o_norm_weight=attn.o_norm_weight, o_norm_eps=attn.eps, v_split=1)

@@ -82,8 +82,9 @@ class GpuStep:
     snap_conv_idx: torch.Tensor
     snap_dest: torch.Tensor  # int64 [G, S]: row g = each snapshot's destination page of group g
     verify_seqs: list[int] = field(default_factory=list)  # sequences that are verify runs (host list)
-    # filled by the KDA layers for verify steps: layer index -> (pre-conv qkv [T, 3P], g [T, H, K], beta [T, H])
-    verify_inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # filled by the KDA layers for verify steps: layer index -> (pre-conv qkv [T, 3P], g [T, H, K], beta [T, H]),
+    # or in the batch-invariant mode kda_decode's inputs (pre-conv qkv [T, 3P], f [T, P], b [T, H], gate [T, P])
+    verify_inputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
     @property
     def decode_only(self) -> bool:
