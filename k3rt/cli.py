@@ -223,7 +223,8 @@ def _generate_tp(engine: "EngineConfig", prompt_ids: list[int], params, eos: lis
 
 
 def _generate_speculative(a: argparse.Namespace, params, spec) -> int:
-    """`generate --spec`: the engine (reference runner) with a drafter, one request; reports tau."""
+    """`generate --spec`: the engine with a drafter (on --device: the GPU runner on CUDA, the reference runner
+    elsewhere), one request; reports tau."""
     from k3rt.backend.engine import Engine
     from k3rt.backend.tokenizer import load_tokenizer
     from k3rt.backend.tokenizer.detokenizer import IncrementalDetokenizer
@@ -231,7 +232,7 @@ def _generate_speculative(a: argparse.Namespace, params, spec) -> int:
 
     model_dir = resolve_model_dir(a.model)
     tok = load_tokenizer(model_dir)
-    eng = Engine(EngineConfig(model=str(model_dir), dtype=a.dtype, runner="model", spec=spec,
+    eng = Engine(EngineConfig(model=str(model_dir), dtype=a.dtype, device=a.device, spec=spec,
                               deterministic=a.deterministic))
     prompt_ids = tok.encode_prompt(a.prompt)
     eng.add_request(prompt_ids, params, eos_token_ids=tok.eos_token_ids)

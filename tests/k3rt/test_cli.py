@@ -102,3 +102,23 @@ def test_param_count_matches_model_for_published_48b_shape_at_small_scale() -> N
     model = build_model(cfg)
     assert param_count(cfg)["total"] == sum(p.numel() for p in model.parameters())
     assert model.lm_head.weight is model.model.embed_tokens.weight  # one tensor, not a copy
+
+
+def test_generate_spec_builds_its_engine_on_the_device_given(monkeypatch) -> None:
+    """`generate --spec` built a CPU reference-runner engine whatever --device said."""
+    import k3rt.backend.engine as engine_mod
+    from k3rt.cli import main
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_engine(cfg, **kw):
+        seen.append(cfg)
+        raise Stop
+
+    monkeypatch.setattr(engine_mod, "Engine", fake_engine)
+    with pytest.raises(Stop):
+        main(["generate", "--prompt", "x", "--spec", "ngram", "--device", "meta"])
+    assert seen[0].device == "meta" and seen[0].spec.method == "ngram"
