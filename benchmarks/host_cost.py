@@ -28,26 +28,9 @@ import asyncio
 import gc
 import json
 import random
-import statistics
-import time
 from dataclasses import replace
 from itertools import repeat
-from typing import Any, Callable
-
-
-def median_ms(fn: Callable[[], Any], reps: int) -> float:
-    fn()  # warm up
-    times = []
-    gc.collect()
-    gc.disable()
-    try:
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    finally:
-        gc.enable()
-    return 1e3 * statistics.median(times)
+from k3rt.backend.bench.codec_bench import median_ms
 
 
 def _engine(running: int, model: str, seed: int):

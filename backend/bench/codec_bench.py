@@ -44,7 +44,7 @@ def long_prompt(num_tokens: int = 131_072) -> GenerateRequest:
     return GenerateRequest("req-long", [(i * 7919) % 150_000 for i in range(num_tokens)], params)
 
 
-def _median_ms(fn: Callable[[], Any], reps: int) -> float:
+def median_ms(fn: Callable[[], Any], reps: int) -> float:
     """Median of `reps` calls, the cyclic GC off while timing (as timeit does)."""
     fn()  # warm up
     times = []
@@ -69,11 +69,11 @@ def bench_codec(reps: int = 200) -> list[dict]:
         data = encode(msg)
         assert decode(data) == msg, f"{name}: the round trip changed the message"
         assert decode(data, trusted=True) == msg, f"{name}: the trusted round trip changed the message"
-        rows.append({"message": name, "encode_ms": _median_ms(lambda: encode(msg), reps),
-                     "decode_trusted_ms": _median_ms(lambda: decode(data, trusted=True), reps),
-                     "decode_ms": _median_ms(lambda: decode(data), reps), "bytes": len(data)})
+        rows.append({"message": name, "encode_ms": median_ms(lambda: encode(msg), reps),
+                     "decode_trusted_ms": median_ms(lambda: decode(data, trusted=True), reps),
+                     "decode_ms": median_ms(lambda: decode(data), reps), "bytes": len(data)})
     rows.append({"message": "list(range(131072)) (floor)", "encode_ms": float("nan"),
-                 "decode_trusted_ms": _median_ms(lambda: list(range(131_072)), reps), "decode_ms": float("nan"),
+                 "decode_trusted_ms": median_ms(lambda: list(range(131_072)), reps), "decode_ms": float("nan"),
                  "bytes": 0})
     return rows
 
