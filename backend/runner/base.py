@@ -43,9 +43,10 @@ class Runner(ABC):
     def launch(self, out: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep:
         """Start the step `out` and return without waiting for its tokens (overlap scheduling). Requests that
         continue from `prev` (the step launched before this one, not collected yet) end their token_ids with
-        PENDING: the runner feeds prev's sampled token in its place. A runner without it cannot overlap (the
-        engine refuses overlap=True for it at start)."""
-        raise NotImplementedError(f"overlap: {type(self).__name__} has no launch/collect; run without overlap")
+        PENDING: the runner feeds prev's sampled token in its place. A runner that does not override this
+        cannot overlap: the engine refuses overlap=True for it at start (it compares against this method), so
+        reaching this body is a caller's error, refused by name."""
+        raise RuntimeError(f"overlap: {type(self).__name__} has no launch/collect; run it with overlap=False")
 
     def collect(self, step: LaunchedStep) -> dict[int, int | list[int]]:
         """The launched step's sampled tokens ({rid: token}, as `execute` returns them); waits for the device."""

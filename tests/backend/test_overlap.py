@@ -334,6 +334,8 @@ def test_overlap_needs_a_runner_with_launch_and_collect(ckpt, monkeypatch):
     with pytest.raises(ValueError, match="overlap: the ExecuteOnly has no launch/collect"):
         _engine(ckpt, True)
     _engine(ckpt, False)  # fine without overlap
+    with pytest.raises(RuntimeError, match="overlap: ExecuteOnly has no launch/collect"):
+        ExecuteOnly().launch(None, None)  # reached only by a caller that skipped the engine's check
 
 
 def test_gpu_runner_overlap_with_seeded_sampling_on_cpu(tmp_path):
