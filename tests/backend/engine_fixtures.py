@@ -117,6 +117,19 @@ def run(engine: Engine, prompts, params, *, salts=None, after_step=None) -> list
     return [final[r] for r in rids]
 
 
+def drain(engine: Engine) -> dict:
+    """Step until nothing is unfinished, Engine.check() after every step; -> {rid: final output}."""
+    done: dict = {}
+    for _ in range(MAX_STEPS):
+        if not engine.has_unfinished:
+            return done
+        for o in engine.step():
+            if o.finished:
+                done[o.rid] = o
+        engine.check()
+    raise AssertionError(f"not finished after {MAX_STEPS} steps")
+
+
 def tree_pages(engine: Engine) -> set[int]:
     return set(engine.scheduler.tree.tree_page_refs())
 

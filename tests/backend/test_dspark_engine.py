@@ -29,7 +29,7 @@ from k3rt.backend.spec.target_states import TargetStates
 from k3rt.config import EngineConfig, SpecConfig
 from k3rt.models import MODELS_DIR, resolve_drafter_dir
 from k3rt.sampling_params import SamplingParams
-from tests.backend.engine_fixtures import assert_at_rest, make_engine, run
+from tests.backend.engine_fixtures import assert_at_rest, drain, make_engine, run
 from tests.backend.test_spec import _params, _reference, _refs, _workload, arch  # noqa: F401 (fixture)
 
 
@@ -235,12 +235,7 @@ def test_confidence_zero_is_a_plain_decode_and_abort_frees_states(arch, tmp_path
         eng.check()
     assert len(eng.target_states) == 2 and eng.stats.spec_verifies > 0
     eng.abort(rids[0])
-    done = {}
-    while eng.has_unfinished:
-        for o in eng.step():
-            if o.finished:
-                done[o.rid] = o
-        eng.check()
+    done = drain(eng)
     assert done[rids[0]].finish_reason == "abort" and done[rids[1]].output_ids == ref[1]
     assert len(eng.target_states) == 0
     assert_at_rest(eng)

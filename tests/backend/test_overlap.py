@@ -125,6 +125,17 @@ def _tokens(final: dict[int, object]) -> dict[int, tuple[list[int], str]]:
     return {i: (o.output_ids, o.finish_reason) for i, o in final.items()}
 
 
+def _overlap_equals_sync(ckpt, reqs, *, deferred: bool = True, **cache):
+    """Run `reqs` on a synchronous engine and on an overlapping one (same cache config); assert the same
+    tokens and finish reasons and that the overlapping engine ends at rest. -> (sync engine, overlap engine)."""
+    sync_eng = _engine(ckpt, False, **cache)
+    sync = _tokens(_run(sync_eng, reqs))
+    eng = _engine(ckpt, True, deferred=deferred, **cache)
+    assert _tokens(_run(eng, reqs)) == sync
+    assert_at_rest(eng)
+    return sync_eng, eng
+
+
 @pytest.mark.parametrize("deferred", [False, True], ids=["eager", "deferred-device"])
 def test_overlap_equals_sync_mixed_prefill_decode_and_stop_tokens(ckpt, deferred):
     reqs = _mixed(0)
@@ -172,22 +183,14 @@ def test_overlap_equals_sync_with_prefix_cache_hits_and_copy_on_write(ckpt):
         tail = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 40))]
         reqs.append((shared[:rng.choice([70, 135, 200])] + tail,
                      SamplingParams(temperature=0.0, max_tokens=rng.randrange(3, 12), ignore_eos=True)))
-    sync_eng = _engine(ckpt, False, num_pages=40)
-    sync = _tokens(_run(sync_eng, reqs))
-    eng = _engine(ckpt, True, deferred=True, num_pages=40)
-    assert _tokens(_run(eng, reqs)) == sync
+    _, eng = _overlap_equals_sync(ckpt, reqs, num_pages=40)
     assert eng.runner.copies_checked > 0 and eng.stats.cached_tokens > 0
-    assert_at_rest(eng)
 
 
 def test_overlap_equals_sync_under_preemption(ckpt):
     reqs = _mixed(3, n=8)
-    sync_eng = _engine(ckpt, False, num_pages=24)
-    sync = _tokens(_run(sync_eng, reqs))
-    eng = _engine(ckpt, True, deferred=True, num_pages=24)
-    assert _tokens(_run(eng, reqs)) == sync
+    sync_eng, eng = _overlap_equals_sync(ckpt, reqs, num_pages=24)
     assert sync_eng.stats.preemptions > 0 and eng.stats.preemptions > 0
-    assert_at_rest(eng)
 
 
 def test_abort_mid_flight_drops_the_token_in_flight(ckpt):

@@ -33,7 +33,7 @@ from k3rt.backend.spec.rejection import verify_requests
 from k3rt.backend.spec.suffix import SuffixDrafter, SuffixTrie
 from k3rt.config import SpecConfig
 from k3rt.sampling_params import SamplingParams
-from tests.backend.engine_fixtures import assert_at_rest, make_engine, run, tiny_checkpoint
+from tests.backend.engine_fixtures import assert_at_rest, drain, make_engine, run, tiny_checkpoint
 from tests.backend.test_engine_cache import Arch, assert_snapshots_exact
 
 VOCAB = 512
@@ -281,12 +281,7 @@ def test_abort_mid_speculation_releases_everything(arch) -> None:
         eng.check()
     assert any(c.draft_ids for c in eng.scheduler._chunks.values())
     eng.abort(rids[0])
-    done = {}
-    while eng.has_unfinished:
-        for o in eng.step():
-            if o.finished:
-                done[o.rid] = o
-        eng.check()
+    done = drain(eng)
     assert done[rids[0]].finish_reason == "abort" and done[rids[1]].output_ids == ref[1]
     assert sorted(drafter.finished) == sorted(rids)
     assert_at_rest(eng)
