@@ -268,9 +268,9 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def test_killed_worker_fails_engine(tmp_path_factory, no_new_processes):
-    ckpt = tiny_checkpoint(tmp_path_factory, "kimi_linear")
-    eng = Engine(replace(engine_config_for_tests(str(ckpt)), runner="model", tp=2))
+def assert_killed_worker_fails(eng) -> None:
+    """Kill rank 1 of a running TP-2 engine: check_runner names it within the deadline, and the next step is
+    fatal (a TPFailure, not one request's failure). Closes the engine."""
     try:
         run(eng, [[1, 2, 3]], greedy(2))
         pid = _kill_worker(os.getpid())
@@ -280,10 +280,15 @@ def test_killed_worker_fails_engine(tmp_path_factory, no_new_processes):
                 eng.check_runner()
                 time.sleep(0.05)
         eng.add_request([4, 5, 6], greedy(2))
-        with pytest.raises(TPFailure):  # a step is fatal, not one request's failure
+        with pytest.raises(TPFailure):
             eng.step()
     finally:
         eng.close()
+
+
+def test_killed_worker_fails_engine(tmp_path_factory, no_new_processes):
+    ckpt = tiny_checkpoint(tmp_path_factory, "kimi_linear")
+    assert_killed_worker_fails(Engine(replace(engine_config_for_tests(str(ckpt)), runner="model", tp=2)))
 
 
 def test_worker_error_reaches_rank0(tmp_path, no_new_processes):

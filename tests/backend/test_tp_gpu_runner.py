@@ -141,23 +141,6 @@ def test_gpu_runner_tp2_cuda_graphs_equal_tp1(arch, symm, tmp_path_factory):
 def test_gpu_runner_killed_worker_fails_engine(tmp_path_factory, no_new_processes):  # noqa: F811
     """The GPU runner forwards the engine's between-step check to its plan channel: a killed worker fails
     the engine within the deadline, naming it, and the next step is refused."""
-    import os
-    import time
+    from tests.backend.test_tp import assert_killed_worker_fails
 
-    from k3rt.backend.distributed.group import TPFailure
-    from tests.backend.test_tp import KILL_DEADLINE_S, _kill_worker
-
-    eng = gpu_engine(tiny_checkpoint(tmp_path_factory, "kimi_linear"), 2)
-    try:
-        run(eng, [[1, 2, 3]], greedy(2))
-        pid = _kill_worker(os.getpid())
-        t0 = time.monotonic()
-        with pytest.raises(TPFailure, match=f"worker rank 1 \\(pid {pid}\\) was killed by signal 9"):
-            while time.monotonic() - t0 < KILL_DEADLINE_S:
-                eng.check_runner()
-                time.sleep(0.05)
-        eng.add_request([4, 5, 6], greedy(2))
-        with pytest.raises(TPFailure):
-            eng.step()
-    finally:
-        eng.close()
+    assert_killed_worker_fails(gpu_engine(tiny_checkpoint(tmp_path_factory, "kimi_linear"), 2))
