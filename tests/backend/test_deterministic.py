@@ -19,16 +19,8 @@ from k3rt.backend.layers.batch_invariant import ROW_TILE, invariant_linear
 from k3rt.backend.models.tiny import make_tiny
 from k3rt.config import SchedulerConfig
 from k3rt.sampling_params import SamplingParams
+from tests.backend.threads import single_thread  # noqa: F401  (autouse fixture)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # speed only (the mode does not need it): on the shared 2-core test machine, OpenMP's two threads
-    # waiting on each other make a small bf16 matmul ~100x slower; restored for the other modules
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

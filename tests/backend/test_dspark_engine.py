@@ -31,14 +31,8 @@ from k3rt.models import MODELS_DIR, resolve_drafter_dir
 from k3rt.sampling_params import SamplingParams
 from tests.backend.engine_fixtures import assert_at_rest, drain, make_engine, run
 from tests.backend.test_spec import _params, _reference, _refs, _workload, arch  # noqa: F401 (fixture)
+from tests.backend.threads import single_thread  # noqa: F401  (autouse fixture)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ---- the store ----

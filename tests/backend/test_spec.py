@@ -35,18 +35,10 @@ from k3rt.config import SpecConfig
 from k3rt.sampling_params import SamplingParams
 from tests.backend.engine_fixtures import assert_at_rest, drain, make_engine, run, tiny_checkpoint
 from tests.backend.test_engine_cache import Arch, assert_snapshots_exact
+from tests.backend.threads import single_thread  # noqa: F401  (autouse fixture)
 
 VOCAB = 512
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny shapes: intra-op threads only add synchronization (index_add_ in the MoE measured 5 ms a call
-    on a loaded 2-core box, 3 us on one thread). Restored after the module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ---- drafters ----

@@ -28,6 +28,7 @@ from k3rt.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from k3rt.models import MODELS_DIR
 from k3rt.sampling_params import SamplingParams
 from tests.backend.test_spec import OracleDrafter, _refs
+from tests.backend.threads import single_thread  # noqa: F401  (autouse fixture)
 
 DRAFTERS = {"ngram": SpecConfig(method="ngram", num_tokens=4), "suffix": SpecConfig(method="suffix", num_tokens=4),
             "dspark": SpecConfig(method="dspark", num_tokens=7)}
@@ -40,13 +41,6 @@ CODE = ["def fibonacci(n):", "def is_prime(n):", "class Stack:\n    def __init__
         "os.walk(path):\n        dirs[:] = [d for d in dirs if not d.startswith('.')]\n"]
 MAX_TOKENS = 32
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _k3_tiny(**kw) -> EngineConfig:
