@@ -25,6 +25,10 @@
 #   det (150 + 120 + 300) the --deterministic GPU acceptance test (64 concurrent vs alone, 3 rounds, both archs),
 #                       then benchmarks/deterministic.py on the GPU runner: k3-tiny, and the 48B shape (random
 #                       weights, 8K vocabulary)
+#   serve (470 + 110)   benchmarks/serve_gpu.py: a real `k3rt serve --device cuda` at the 48B shape (random
+#                       weights, 8K vocabulary) under `k3rt bench serve` sharegpt (128 tokens), concurrency 1 and 64
+#                       and Poisson 16 req/s, overlap on and off; then benchmarks/decode.py --batch 64 (the pure
+#                       decode rate to compare with). Needs fastapi/uvicorn/pydantic wheels in .whl/
 #   tp-tests (300)      tensor parallelism in the GPU runner on 2 GPUs (gpu tests of test_tp_gpu_runner.py and
 #                       test_tp_bench.py; they skip with fewer GPUs): ask for nvidia-h200-x2
 #   tp (540)            k3rt bench tp: 48B shape, TP 1 and 2, batch 1/16/64 at 4K, the latent tail AR vs RS
@@ -34,7 +38,7 @@
 set -u
 for stage in "$@"; do
   case $stage in
-    tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det|overlap|tp-tests|tp|tp-symm) ;;
+    tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det|overlap|serve|tp-tests|tp|tp-symm) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -98,6 +102,12 @@ for stage in "$@"; do
       run det 120 python3 benchmarks/deterministic.py --device cuda --requests 64 --json "$OUT/det_tiny.json"
       run det 300 python3 benchmarks/deterministic.py --device cuda --preset kimi-linear-48b --vocab 8192 \
         --requests 64 --num-pages 512 --json "$OUT/det_48b.json" ;;
+    serve)
+      mkdir -p /tmp/serve_logs
+      run serve 470 python3 benchmarks/serve_gpu.py --concurrency 1 64 --requests 256 --max-tokens 128 \
+        --request-rate 16 --budget-s 400 --log-dir /tmp/serve_logs --out "$OUT/serve.json"
+      tail -n 30 /tmp/serve_logs/*.log > "$OUT/serve_servers.log" 2>&1
+      run serve 110 python3 benchmarks/decode.py --batch 64 --prefill --budget-s 90 --out "$OUT/serve_decode.json" ;;
     tp-tests)
       gpu_pytest tp-tests 300 tests/backend/test_tp_gpu_runner.py tests/backend/test_tp_bench.py ;;
     tp)

@@ -376,13 +376,18 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     v = bsub.add_parser("serve", help="load a running server: throughput, TTFT / ITL percentiles, cache hit rate",
                         description="Send a seeded synthetic workload to an OpenAI-compatible server (streaming chat "
                                     "completions, fixed output lengths) and report request and token throughput, "
-                                    "time-to-first-token, inter-token latency and request latency percentiles, and "
+                                    "time-to-first-token, time-per-output-token, inter-token latency and request "
+                                    "latency percentiles, the server's GPU-idle share (k3rt /metrics), and "
                                     "the prefix-cache hit rate from usage.prompt_tokens_details.cached_tokens.")
     v.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:30000")
     v.add_argument("--workload", choices=["sharegpt", "system-prompt", "multi-turn"], default="sharegpt",
                    help="sharegpt: varied independent chats; system-prompt: one long shared system prompt; "
                         "multi-turn: conversations resending their history (default sharegpt)")
-    v.add_argument("--concurrency", type=int, default=8, help="requests (conversations) in flight (default 8)")
+    v.add_argument("--concurrency", type=int, default=8,
+                   help="requests (conversations) in flight, at most (default 8)")
+    v.add_argument("--request-rate", type=float, default=None, metavar="R",
+                   help="start conversations as a Poisson process of R per second (open loop, vLLM's "
+                        "--request-rate), still at most --concurrency in flight (default: all at once)")
     v.add_argument("--requests", type=int, default=64, help="requests in all (default 64)")
     v.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
     v.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation (default 4)")

@@ -10,6 +10,9 @@ Workloads are synthetic and seeded, so two runs (or two servers) see the same re
   multi-turn      conversations whose every turn resends the history plus the previous reply; a
                   conversation's turns run one after the other, `concurrency` conversations at a time
 Outputs have a fixed length (`ignore_eos`, a k3rt/vLLM extension), so token throughput is comparable.
+Arrivals: by default every conversation is ready at once and `concurrency` run at a time (a closed loop);
+`request_rate` R > 0 starts conversations at the times of a seeded Poisson process of rate R per second
+(open loop, as vLLM's `--request-rate`), still at most `concurrency` in flight.
 Needs only httpx (and tqdm for the progress bar): no torch, no engine.
 """
 
@@ -50,6 +53,7 @@ class Report:
     requests: int
     errors: int
     concurrency: int
+    request_rate: float | None  # Poisson arrivals per second; None: all at once (closed loop)
     duration_s: float
     request_throughput: float  # requests/s
     output_throughput: float  # generated tokens/s
@@ -57,6 +61,7 @@ class Report:
     cache_hit_rate: float  # cached / prompt tokens
     ttft_ms: dict[str, float]  # p50 / p90 / p99 / mean
     itl_ms: dict[str, float]
+    tpot_ms: dict[str, float]  # per request: (latency - TTFT) / (output tokens - 1), requests of >= 2 tokens
     latency_ms: dict[str, float]
     # from the server's /metrics over the run: whether its engine overlaps scheduling with the device (None:
     # not reported), and the share of the GPU's step time it waited for the host (None: no GPU, not 0)
@@ -165,6 +170,24 @@ def gpu_idle_fraction(before: dict[str, float], after: dict[str, float]) -> floa
     return (after["idle"] - before.get("idle", 0.0)) / span if span > 0 else None
 
 
+def tpot_s(r: Result) -> float | None:
+    """Time per output token after the first (vLLM's TPOT); None for a request of fewer than two tokens."""
+    if r.completion_tokens < 2:
+        return None
+    return (r.latency_s - r.ttft_s) / (r.completion_tokens - 1)
+
+
+def arrival_times(num: int, rate: float | None, rng: random.Random) -> list[float]:
+    """Start offsets (s) of `num` conversations: all 0 without a rate, else a Poisson process of `rate`/s."""
+    if rate is None:
+        return [0.0] * num
+    t, out = 0.0, []
+    for _ in range(num):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
 def _conversations(workload: str, num_requests: int, max_tokens: int, turns: int,
                    rng: random.Random) -> list[list[tuple[list[dict], int]]]:
     """Per conversation, per turn: (the turn's new messages, its output tokens); history is added at run time."""
@@ -188,15 +211,18 @@ def _conversations(workload: str, num_requests: int, max_tokens: int, turns: int
 
 async def run_bench(url: str, *, workload: str = "sharegpt", concurrency: int = 8, num_requests: int = 64,
                     max_tokens: int = 64, turns: int = 4, model: str | None = None, api_key: str | None = None,
-                    seed: int = 0, progress: bool = True) -> Report:
+                    seed: int = 0, progress: bool = True, request_rate: float | None = None) -> Report:
     if workload not in WORKLOADS:
         raise ValueError(f"workload: {workload!r} not one of {', '.join(WORKLOADS)}")
     if concurrency < 1 or num_requests < 1:
         raise ValueError("concurrency and requests: must be >= 1")
+    if request_rate is not None and not request_rate > 0:
+        raise ValueError(f"request_rate: {request_rate} must be > 0 requests/s (leave it out for all at once)")
     rng = random.Random(seed)
     bench = _Bench(url, model, api_key)
     await bench.resolve_model()
     convs = _conversations(workload, num_requests, max_tokens, turns, rng)
+    arrivals = arrival_times(len(convs), request_rate, random.Random(seed + 1))
     results: list[Result] = []
     bar = None
     if progress:
@@ -205,7 +231,8 @@ async def run_bench(url: str, *, workload: str = "sharegpt", concurrency: int = 
         bar = tqdm(total=num_requests, desc=f"bench serve {workload}", unit="req")
     gate = asyncio.Semaphore(concurrency)
 
-    async def conversation(conv: list[tuple[list[dict], int]]) -> None:
+    async def conversation(conv: list[tuple[list[dict], int]], arrival: float) -> None:
+        await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
         async with gate:
             history: list[dict] = []
             for new, out_len in conv:
@@ -220,7 +247,7 @@ async def run_bench(url: str, *, workload: str = "sharegpt", concurrency: int = 
     timing0 = await bench.engine_timing()
     start = time.perf_counter()
     try:
-        await asyncio.gather(*(conversation(c) for c in convs))
+        await asyncio.gather(*(conversation(c, a) for c, a in zip(convs, arrivals)))
         duration = time.perf_counter() - start
         timing1 = await bench.engine_timing()
     finally:
@@ -231,23 +258,25 @@ async def run_bench(url: str, *, workload: str = "sharegpt", concurrency: int = 
     prompt = sum(r.prompt_tokens for r in ok)
     return Report(
         workload=workload, requests=len(results), errors=len(results) - len(ok), concurrency=concurrency,
-        duration_s=duration, request_throughput=len(ok) / duration,
+        request_rate=request_rate, duration_s=duration, request_throughput=len(ok) / duration,
         output_throughput=sum(r.completion_tokens for r in ok) / duration, input_throughput=prompt / duration,
         cache_hit_rate=sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
         ttft_ms=_pct([r.ttft_s for r in ok]), itl_ms=_pct([x for r in ok for x in r.itl_s]),
+        tpot_ms=_pct([t for t in map(tpot_s, ok) if t is not None]),
         latency_ms=_pct([r.latency_s for r in ok]),
         overlap=bool(timing1["overlap"]) if "overlap" in timing1 else None,
         gpu_idle_fraction=gpu_idle_fraction(timing0, timing1))
 
 
 def format_report(r: Report) -> str:
+    arrivals = "all at once" if r.request_rate is None else f"Poisson {r.request_rate:g} req/s"
     lines = [f"workload {r.workload}: {r.requests} requests ({r.errors} errors), concurrency {r.concurrency}, "
-             f"{r.duration_s:.1f} s",
+             f"arrivals {arrivals}, {r.duration_s:.1f} s",
              f"  throughput   {r.request_throughput:.2f} req/s, {r.output_throughput:.1f} output tok/s, "
              f"{r.input_throughput:.1f} prompt tok/s",
              f"  cache hit    {100 * r.cache_hit_rate:.1f}% of prompt tokens",
              f"  {'':12} {'p50':>9} {'p90':>9} {'p99':>9} {'mean':>9}  (ms)"]
-    for name, d in (("TTFT", r.ttft_ms), ("ITL", r.itl_ms), ("latency", r.latency_ms)):
+    for name, d in (("TTFT", r.ttft_ms), ("TPOT", r.tpot_ms), ("ITL", r.itl_ms), ("latency", r.latency_ms)):
         lines.append(f"  {name:12} {d['p50']:9.1f} {d['p90']:9.1f} {d['p99']:9.1f} {d['mean']:9.1f}")
     overlap = {True: "overlap on", False: "overlap off", None: "overlap not reported"}[r.overlap]
     idle = "absent (no GPU)" if r.gpu_idle_fraction is None else f"{100 * r.gpu_idle_fraction:.1f}% of GPU step time"
@@ -260,6 +289,6 @@ def main(args: Any) -> int:
     report = asyncio.run(run_bench(args.url, workload=args.workload, concurrency=args.concurrency,
                                    num_requests=args.requests, max_tokens=args.max_tokens, turns=args.turns,
                                    model=args.model_name, api_key=args.api_key, seed=args.seed,
-                                   progress=not args.json))
+                                   progress=not args.json, request_rate=args.request_rate))
     print(json.dumps(asdict(report)) if args.json else format_report(report))
     return 0 if report.errors == 0 else 1

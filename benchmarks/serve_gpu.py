@@ -1,0 +1,155 @@
+"""Issue 18 §4: a real `k3rt serve --device cuda` at the Kimi-Linear-48B shape (random bf16 weights, k3-tiny's
+8K-vocabulary tokenizer) under `k3rt bench serve`'s sharegpt workload, with and without overlap scheduling.
+
+Per mode (overlap on = the default, off = `--no-overlap`) one server is started, warmed with a few requests,
+then loaded at each concurrency (and, with --request-rate, Poisson arrivals); each row reports output tokens/s,
+TTFT / TPOT / ITL percentiles and the GPU-idle share the server's /metrics reports. The pure batch-64 decode
+rate to compare against comes from `benchmarks/decode.py --batch 64` in the same device call
+(benchmarks/device_session.sh stage `serve`).
+
+    python3 benchmarks/serve_gpu.py --concurrency 1 64 --requests 256 --max-tokens 128 --out serve.json
+
+Needs a CUDA GPU, fastapi/uvicorn/pydantic (carry their cp312 wheels in .whl/ on the device machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import httpx
+
+from k3rt.presets import KIMI_LINEAR_48B
+from k3rt.server.bench import run_bench
+
+TINY = Path(__file__).resolve().parents[1] / "k3rt" / "models" / "k3-tiny"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def model_folder(out: Path) -> Path:
+    """The 48B preset's config with k3-tiny's vocabulary (size and special ids) and tokenizer."""
+    tiny = json.loads((TINY / "config.json").read_text())
+    cfg = dict(KIMI_LINEAR_48B)
+    for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"):
+        cfg[key] = tiny[key]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    for name in TOKENIZER_FILES:
+        shutil.copy(TINY / name, out / name)
+    return out
+
+
+def start(model: Path, port: int, log: Path, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "k3rt.cli", "--log-level", "INFO", "serve", "--model", str(model), "--port", str(port),
+           *extra]
+    print("$", " ".join(cmd), flush=True)
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_ready(proc: subprocess.Popen, url: str, timeout: float) -> float:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return time.time() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"server not ready after {timeout:.0f} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", nargs="+", default=["overlap", "no-overlap"], choices=["overlap", "no-overlap"])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--requests", type=int, default=256, help="requests per concurrency (at least 4x it is best)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--request-rate", type=float, default=None, help="also a Poisson-arrival run at this rate")
+    p.add_argument("--max-running", type=int, default=256)
+    p.add_argument("--smoke", action="store_true", help="the shipped k3-tiny on the CPU (checks the plumbing only)")
+    p.add_argument("--port", type=int, default=30123)
+    p.add_argument("--ready-timeout", type=float, default=300)
+    p.add_argument("--budget-s", type=float, default=500, help="skip the remaining runs after this many seconds")
+    p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temporary folder)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    t0 = time.time()
+    tmp = Path(tempfile.mkdtemp(prefix="k3rt-serve-gpu-"))
+    model = TINY if args.smoke else model_folder(tmp / "kimi-linear-48b-8k")
+    device = ["--device", "cpu"] if args.smoke else ["--device", "cuda", "--random-weights"]
+    log_dir = args.log_dir or tmp
+    log_dir.mkdir(parents=True, exist_ok=True)
+    url = f"http://127.0.0.1:{args.port}"
+    rows: list[dict] = []
+    for mode in args.modes:
+        if time.time() - t0 > args.budget_s:
+            print(f"budget: skipping mode {mode}")
+            continue
+        extra = [*device, "--max-running", str(args.max_running)] + (["--no-overlap"] if mode == "no-overlap" else [])
+        proc = start(model, args.port, log_dir / f"serve_{mode}.log", extra)
+        try:
+            ready = wait_ready(proc, url, args.ready_timeout)
+            print(f"[{mode}] ready in {ready:.0f} s", flush=True)
+            # warm-up: every prefill/decode shape the runs will hit compiles here, not in a timed run; each run
+            # has its own seed, so no run's prompts are cached by an earlier one
+            asyncio.run(run_bench(url, concurrency=16, num_requests=32, max_tokens=16, seed=99, progress=False))
+            runs = [(c, None) for c in args.concurrency]
+            if args.request_rate:
+                runs.append((max(args.concurrency), args.request_rate))
+            for i, (conc, rate) in enumerate(runs):
+                if time.time() - t0 > args.budget_s:
+                    print(f"budget: skipping {mode} concurrency {conc}")
+                    continue
+                n = max(args.requests if conc > 1 else 16, 4 * conc)
+                rep = asyncio.run(run_bench(url, concurrency=conc, num_requests=n, max_tokens=args.max_tokens,
+                                            seed=i + 1, progress=False, request_rate=rate))
+                row = {"mode": mode, **asdict(rep)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            stop(proc)
+    print("\n| mode | concurrency | arrivals | out tok/s | TTFT p50/p90 ms | TPOT p50/p90 ms | ITL p50/p90 ms "
+          "| GPU idle | errors |")
+    print("|---|---:|---|---:|---|---|---|---:|---:|")
+    for r in rows:
+        arr = "at once" if r["request_rate"] is None else f"Poisson {r['request_rate']:g}/s"
+        idle = "—" if r["gpu_idle_fraction"] is None else f"{100 * r['gpu_idle_fraction']:.1f}%"
+        print(f"| {r['mode']} | {r['concurrency']} | {arr} | {r['output_throughput']:.0f} "
+              f"| {r['ttft_ms']['p50']:.1f} / {r['ttft_ms']['p90']:.1f} | {r['tpot_ms']['p50']:.2f} / "
+              f"{r['tpot_ms']['p90']:.2f} | {r['itl_ms']['p50']:.2f} / {r['itl_ms']['p90']:.2f} | {idle} "
+              f"| {r['errors']} |")
+    by = {(r["mode"], r["concurrency"], r["request_rate"]): r for r in rows}
+    for (mode, conc, rate), r in by.items():
+        off = by.get(("no-overlap", conc, rate))
+        if mode == "overlap" and off and off["output_throughput"] > 0:
+            print(f"overlap / no-overlap at concurrency {conc}: "
+                  f"{r['output_throughput'] / off['output_throughput']:.2f}x output tokens/s")
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+    return 0 if rows and all(r["errors"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
