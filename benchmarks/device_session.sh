@@ -104,7 +104,7 @@ for stage in "$@"; do
         --requests 64 --num-pages 512 --json "$OUT/det_48b.json" ;;
     serve)
       mkdir -p /tmp/serve_logs
-      run serve 470 python3 benchmarks/serve_gpu.py --concurrency 1 64 --requests 256 --max-tokens 128 \
+      run serve 470 python3 benchmarks/serve_gpu.py --concurrency 1 64 --requests 512 --max-tokens 128 \
         --request-rate 16 --budget-s 400 --log-dir /tmp/serve_logs --out "$OUT/serve.json"
       tail -n 30 /tmp/serve_logs/*.log > "$OUT/serve_servers.log" 2>&1
       run serve 110 python3 benchmarks/decode.py --batch 64 --prefill --budget-s 90 --out "$OUT/serve_decode.json" ;;

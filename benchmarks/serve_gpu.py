@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -47,6 +48,54 @@ def model_folder(out: Path) -> Path:
     for name in TOKENIZER_FILES:
         shutil.copy(TINY / name, out / name)
     return out
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The unlabelled samples of the server's /metrics, plus step-time histogram buckets as 'bucket<=le'."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, _, value = line.rpartition(" ")
+        if name.startswith("k3rt_engine_step_time_seconds_bucket{le="):
+            out["bucket<=" + name.split('"')[1]] = float(value)
+        elif "{" not in name:
+            out[name] = float(value)
+    return out
+
+
+class Sampler(threading.Thread):
+    """Samples the engine's running / waiting gauges every `period` s while a run goes on."""
+
+    def __init__(self, url: str, period: float = 0.25) -> None:
+        super().__init__(daemon=True)
+        self.url, self.period, self.samples = url, period, []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.wait(self.period):
+            try:
+                m = scrape(self.url)
+            except httpx.HTTPError:
+                continue
+            self.samples.append((m.get("k3rt_num_requests_running", 0.0), m.get("k3rt_num_requests_waiting", 0.0)))
+
+
+def engine_view(before: dict, after: dict, samples: list, duration: float, out_tokens: int) -> dict:
+    """Where the engine's time went over one run: steps, their mean time, tokens per step, the mean batch."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    steps = d.get("k3rt_engine_step_time_seconds_count", 0.0)
+    slow = steps - d.get("bucket<=0.05", 0.0)
+    return {"steps": int(steps), "step_ms_mean": 1e3 * d.get("k3rt_engine_step_time_seconds_sum", 0.0) / max(steps, 1),
+            "engine_busy": d.get("k3rt_engine_step_time_seconds_sum", 0.0) / duration,
+            "out_tokens_per_step": out_tokens / max(steps, 1), "steps_over_50ms": slow / max(steps, 1),
+            "prompt_tokens": int(d.get("k3rt_engine_prompt_tokens_total", 0.0)),
+            "cached_tokens": int(d.get("k3rt_engine_cached_tokens_total", 0.0)),
+            "preemptions": int(d.get("k3rt_engine_preemptions_total", 0.0)),
+            "queue_wait_ms_mean": 1e3 * d.get("k3rt_engine_queue_wait_seconds_sum", 0.0)
+            / max(d.get("k3rt_engine_queue_wait_seconds_count", 0.0), 1),
+            "running_mean": sum(r for r, _ in samples) / max(len(samples), 1),
+            "waiting_mean": sum(w for _, w in samples) / max(len(samples), 1)}
 
 
 def start(model: Path, port: int, log: Path, extra: list[str]) -> subprocess.Popen:
@@ -112,9 +161,12 @@ def main() -> int:
         try:
             ready = wait_ready(proc, url, args.ready_timeout)
             print(f"[{mode}] ready in {ready:.0f} s", flush=True)
-            # warm-up: every prefill/decode shape the runs will hit compiles here, not in a timed run; each run
-            # has its own seed, so no run's prompts are cached by an earlier one
-            asyncio.run(run_bench(url, concurrency=16, num_requests=32, max_tokens=16, seed=99, progress=False))
+            # warm-up: the shapes the timed runs hit (batch sizes up to the largest concurrency, prefill chunks of
+            # every size) compile here, not in a timed run; each run has its own seed, so no run's prompts are
+            # cached by an earlier one
+            top = max(args.concurrency)
+            asyncio.run(run_bench(url, concurrency=top, num_requests=2 * top, max_tokens=args.max_tokens, seed=99,
+                                  progress=False))
             runs = [(c, None) for c in args.concurrency]
             if args.request_rate:
                 runs.append((max(args.concurrency), args.request_rate))
@@ -123,9 +175,15 @@ def main() -> int:
                     print(f"budget: skipping {mode} concurrency {conc}")
                     continue
                 n = max(args.requests if conc > 1 else 16, 4 * conc)
+                before, sampler = scrape(url), Sampler(url)
+                sampler.start()
                 rep = asyncio.run(run_bench(url, concurrency=conc, num_requests=n, max_tokens=args.max_tokens,
                                             seed=i + 1, progress=False, request_rate=rate))
-                row = {"mode": mode, **asdict(rep)}
+                sampler.halt.set()
+                sampler.join()
+                out_tokens = round(rep.output_throughput * rep.duration_s)
+                row = {"mode": mode, **asdict(rep),
+                       "engine": engine_view(before, scrape(url), sampler.samples, rep.duration_s, out_tokens)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         finally:
@@ -140,6 +198,16 @@ def main() -> int:
               f"| {r['ttft_ms']['p50']:.1f} / {r['ttft_ms']['p90']:.1f} | {r['tpot_ms']['p50']:.2f} / "
               f"{r['tpot_ms']['p90']:.2f} | {r['itl_ms']['p50']:.2f} / {r['itl_ms']['p90']:.2f} | {idle} "
               f"| {r['errors']} |")
+    print("\n| mode | concurrency | arrivals | steps | step ms | engine busy | out tok/step | steps > 50 ms "
+          "| running | waiting | prompt tok | cached | preempted | queue wait ms |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        e = r["engine"]
+        arr = "at once" if r["request_rate"] is None else f"Poisson {r['request_rate']:g}/s"
+        print(f"| {r['mode']} | {r['concurrency']} | {arr} | {e['steps']} | {e['step_ms_mean']:.1f} "
+              f"| {100 * e['engine_busy']:.0f}% | {e['out_tokens_per_step']:.1f} | {100 * e['steps_over_50ms']:.0f}% "
+              f"| {e['running_mean']:.1f} | {e['waiting_mean']:.1f} | {e['prompt_tokens']} | {e['cached_tokens']} "
+              f"| {e['preemptions']} | {e['queue_wait_ms_mean']:.1f} |")
     by = {(r["mode"], r["concurrency"], r["request_rate"]): r for r in rows}
     for (mode, conc, rate), r in by.items():
         off = by.get(("no-overlap", conc, rate))
