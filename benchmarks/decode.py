@@ -49,6 +49,9 @@ def _args() -> argparse.Namespace:
                    help="decode graphs re-captured with other kernel settings and timed beside the default: "
                         "pdl (programmatic dependent launch between kernels), cublas_gemv (torch/cuBLAS for "
                         "the projections of decode rows instead of the skinny GEMV kernel)")
+    p.add_argument("--mixed", type=int, nargs="*", default=[], metavar="P",
+                   help="also time eager steps of (the largest --batch) decodes plus one P-token prefill chunk, per P: "
+                        "a served step when a request arrives (time, kernel time, launches, top kernels)")
     p.add_argument("--profile", type=int, default=0, metavar="B",
                    help="also profile one eager decode step at batch B: time per kernel name, top 30 "
                         "(kernel times as in the graph; the launch gaps are the graph's to remove)")
@@ -198,19 +201,15 @@ def distinct_experts(runner: GpuModelRunner, step) -> list[int] | None:
     return seen or None
 
 
-def profile_step(runner: GpuModelRunner, cfg, layout, B: int) -> dict:
-    """Kernel time by name for one decode step of B sequences (torch.profiler), largest first."""
+def kernel_profile(fn) -> tuple[float, int, list[dict]]:
+    """(device kernel ms, launches, top-30 kernels by time) of one call of fn (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
-    seqs = decode_seqs(runner.pool, layout, B, ARGS.context, cfg.vocab_size)
-    step = runner._build(seqs, [])
-    runner.fwd(step, decode=True)  # compile and warm up outside the trace
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
-        runner.fwd(step, decode=True)
+        fn()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-    release(runner.pool, seqs)
     gpu = torch.cuda.is_available()
     rows = []
     for e in prof.key_averages():
@@ -225,11 +224,38 @@ def profile_step(runner: GpuModelRunner, cfg, layout, B: int) -> dict:
     total = sum(t for _, _, t in rows)
     top = [{"kernel": k[:90], "calls": n, "us": round(t, 1), "share": round(t / total, 4) if total else 0.0}
            for k, n, t in rows[:30]]
-    print(f"\nprofile: one eager decode step, batch {B}: {total / 1e3:.3f} ms of kernel time, "
-          f"{sum(n for _, n, _ in rows)} kernel launches")
+    return total / 1e3, sum(n for _, n, _ in rows), top
+
+
+def profile_step(runner: GpuModelRunner, cfg, layout, B: int) -> dict:
+    """Kernel time by name for one decode step of B sequences (torch.profiler), largest first."""
+    seqs = decode_seqs(runner.pool, layout, B, ARGS.context, cfg.vocab_size)
+    step = runner._build(seqs, [])
+    runner.fwd(step, decode=True)  # compile and warm up outside the trace
+    kernel_ms, launches, top = kernel_profile(lambda: runner.fwd(step, decode=True))
+    release(runner.pool, seqs)
+    print(f"\nprofile: one eager decode step, batch {B}: {kernel_ms:.3f} ms of kernel time, {launches} kernel launches")
     for r in top:
         print(f"  {r['us']:9.1f} us {100 * r['share']:5.1f} %  x{r['calls']:<4} {r['kernel']}")
-    return {"batch": B, "kernel_ms": total / 1e3, "launches": sum(n for _, n, _ in rows), "top": top}
+    return {"batch": B, "kernel_ms": kernel_ms, "launches": launches, "top": top}
+
+
+def bench_mixed(runner: GpuModelRunner, cfg, layout, B: int, P: int) -> dict:
+    """One eager step of B decodes (context ARGS.context) plus a new request's P-token prefill chunk, the
+    step a server runs when a request arrives while B others decode: its time (CUDA events, so host launch
+    gaps count), its device kernel time and launches (profiler), and the kernels that take it."""
+    pool = runner.pool
+    seqs = decode_seqs(pool, layout, B, ARGS.context, cfg.vocab_size)
+    g = torch.Generator().manual_seed(P)
+    table = pool.allocate(-(-P // layout.block_size), zero=False)
+    states = pool.allocate(max(1, layout.pages_per_state_set))
+    chunk = StepSeq(torch.randint(0, cfg.vocab_size, (P,), generator=g).tolist(), 0, table, states, True)
+    step = runner._build(seqs + [chunk], [])
+    ms = time_ms(lambda: runner.fwd(step), reps=ARGS.reps, warmup=2)["median_ms"]
+    kernel_ms, launches, top = kernel_profile(lambda: runner.fwd(step))
+    release(pool, seqs)
+    pool.unref(table + states)
+    return {"batch": B, "prefill": P, "ms": ms, "kernel_ms": kernel_ms, "launches": launches, "top": top[:12]}
 
 
 def bench_prefill(runner: GpuModelRunner, cfg, layout, T: int, matmul_tflops: float, active: int) -> dict:
@@ -290,7 +316,7 @@ def main() -> int:
             layer.mlp.e_score_correction_bias.zero_()
     layout = compute_layout(cfg, kv_dtype=dtype, conv_dtype=dtype)
     per_seq = -(-(ARGS.context + 1) // layout.block_size) + layout.pages_per_state_set
-    longest = -(-max(ARGS.prefill, default=0) // layout.block_size) + layout.pages_per_state_set
+    longest = -(-max(ARGS.prefill + ARGS.mixed, default=0) // layout.block_size) + layout.pages_per_state_set
     pool = PagePool(layout, max(ARGS.batch) * per_seq + longest + 2, device=dev)
     sizes = tuple(sorted(set(ARGS.batch)))
     runner = GpuModelRunner(model, pool, kernels=KernelConfig(triton=cuda), cuda_graphs=cuda, graph_sizes=sizes)
@@ -324,6 +350,16 @@ def main() -> int:
         runner.fwd.k = KernelConfig(triton=True)
         runner.graphs.clear()
         runner.capture()
+    RESULT["mixed"] = []
+    for P in ARGS.mixed:
+        if over_budget():
+            break
+        row = bench_mixed(runner, cfg, layout, max(ARGS.batch), P)
+        log(f"mixed B={row['batch']} P={P}: {row['ms']:.2f} ms, kernels {row['kernel_ms']:.2f} ms, {row['launches']} launches")
+        for r in row["top"]:
+            print(f"  {r['us']:9.1f} us {100 * r['share']:5.1f} %  x{r['calls']:<4} {r['kernel']}")
+        RESULT["mixed"].append(row)
+        save()
     active = param_count(cfg)["active_per_token"] - cfg.vocab_size * cfg.hidden_size  # lookups are not flops
     for T in ARGS.prefill:
         if over_budget():
@@ -354,6 +390,11 @@ def print_table() -> None:
         print(f"| {r['batch']} | {r['context']} | {r['bytes']['total'] / 1e6:.0f} | {r['roofline_ms']:.3f} | "
               f"{f('eager_ms')} | {f('graph_ms')} | " + "".join(f"{f(f'graph_{v}_ms')} | " for v in var) + f"{f('runner_step_ms')} | "
               f"{r['x_roofline']:.2f} | {r['tokens_per_s']:.0f} |")
+    if RESULT.get("mixed"):
+        print("\n| decodes | + prefill tokens | step ms | kernel ms | launches |")
+        print("|---:|---:|---:|---:|---:|")
+        for r in RESULT["mixed"]:
+            print(f"| {r['batch']} | {r['prefill']} | {r['ms']:.2f} | {r['kernel_ms']:.2f} | {r['launches']} |")
     print("\n| prefill tokens | chunk | ms | tokens/s | TFLOP/s | x matmul floor |")
     print("|---:|---:|---:|---:|---:|---:|")
     for r in RESULT["prefill"]:

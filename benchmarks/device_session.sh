@@ -28,7 +28,7 @@
 #   serve (470 + 110)   benchmarks/serve_gpu.py: a real `k3rt serve --device cuda` at the 48B shape (random
 #                       weights, 8K vocabulary) under `k3rt bench serve` sharegpt (128 tokens), concurrency 1 and 64
 #                       and Poisson 16 req/s, overlap on and off; then benchmarks/decode.py --batch 64 (the pure
-#                       decode rate to compare with). Needs fastapi/uvicorn/pydantic wheels in .whl/
+#                       decode rate to compare with; --mixed: 64 decodes + one prefill chunk, eager). Needs fastapi/uvicorn/pydantic wheels in .whl/
 #   tp-tests (300)      tensor parallelism in the GPU runner on 2 GPUs (gpu tests of test_tp_gpu_runner.py and
 #                       test_tp_bench.py; they skip with fewer GPUs): ask for nvidia-h200-x2
 #   tp (540)            k3rt bench tp: 48B shape, TP 1 and 2, batch 1/16/64 at 4K, the latent tail AR vs RS
@@ -107,7 +107,8 @@ for stage in "$@"; do
       run serve 470 python3 benchmarks/serve_gpu.py --concurrency 1 64 --requests 512 --max-tokens 128 \
         --request-rate 16 --budget-s 400 --log-dir /tmp/serve_logs --out "$OUT/serve.json"
       tail -n 30 /tmp/serve_logs/*.log > "$OUT/serve_servers.log" 2>&1
-      run serve 110 python3 benchmarks/decode.py --batch 64 --prefill --budget-s 90 --out "$OUT/serve_decode.json" ;;
+      run serve 110 python3 benchmarks/decode.py --batch 64 --prefill --mixed 32 128 512 1792 --budget-s 90 \
+        --out "$OUT/serve_decode.json" ;;
     tp-tests)
       gpu_pytest tp-tests 300 tests/backend/test_tp_gpu_runner.py tests/backend/test_tp_bench.py ;;
     tp)
