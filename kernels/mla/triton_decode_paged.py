@@ -128,7 +128,8 @@ def _store_partial(part_ptr, lse_ptr, slot, H, offs_h, mask_h, acc, m_i, l_i, L:
         o = acc / tl.where(has, l_i, 1.0)[:, None]
     else:
         o = tl.trans(acc / tl.where(has, l_i, 1.0)[None, :])
-    tl.store(part_ptr + out_row[:, None] * L + tl.arange(0, L)[None, :], o, mask=mask_h[:, None])
+    tl.store(part_ptr + out_row[:, None] * L + tl.arange(0, L)[None, :], o.to(part_ptr.dtype.element_ty),
+             mask=mask_h[:, None])
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     tl.store(lse_ptr + out_row, lse, mask=mask_h)
 
@@ -139,7 +140,7 @@ def _mla_decode_paged_kernel(
     kv_ptr,  # [num_pages, block_size, L+R], contiguous
     block_table_ptr, stride_bt_n,  # [N, max_blocks] int32
     seq_lens_ptr,  # [N] int32
-    part_ptr,  # [N, S, H, L] fp32 normalized partial outputs
+    part_ptr,  # [N, S, H, L] normalized partial outputs: fp32, or q's dtype (partial_dtype="input")
     lse_ptr,  # [N, S, H] fp32, log2 domain
     qk_scale,  # scale * log2(e)
     H,
@@ -198,7 +199,7 @@ def _mla_decode_balanced_kernel(
     kv_ptr,  # [num_pages, block_size, L+R], contiguous
     block_table_ptr, stride_bt_n,  # [N, max_blocks] int32
     seq_lens_ptr,  # [N] int32
-    part_ptr,  # [P + N - 1, H, L] fp32: program p's partial of sequence n in row p + n
+    part_ptr,  # [P + N - 1, H, L] fp32 (or q's dtype): program p's partial of sequence n in row p + n
     lse_ptr,  # [P + N - 1, H] fp32, log2 domain
     qk_scale,  # scale * log2(e)
     N,
@@ -253,7 +254,7 @@ def _mla_decode_balanced_kernel(
 
 @triton.jit
 def _mla_decode_balanced_combine_kernel(
-    part_ptr,  # [P + N - 1, H, L] fp32
+    part_ptr,  # [P + N - 1, H, L] fp32, or the output's dtype (partial_dtype="input")
     lse_ptr,  # [P + N - 1, H] fp32, log2 domain
     o_ptr, stride_o_n, stride_o_h,  # [N, H, L]
     seq_lens_ptr,
@@ -297,7 +298,7 @@ def _mla_decode_balanced_combine_kernel(
         mask_s = ss < count
         rows = (base + ss).to(tl.int64) * H + i_h
         w = tl.exp2(tl.load(lse_ptr + rows, mask=mask_s, other=float("-inf")) - m)  # [BLOCK_S]
-        part = tl.load(part_ptr + rows[:, None] * L + offs_l[None, :], mask=mask_s[:, None], other=0.0)
+        part = tl.load(part_ptr + rows[:, None] * L + offs_l[None, :], mask=mask_s[:, None], other=0.0).to(tl.float32)
         acc += tl.sum(w[:, None] * part, axis=0)
     if USE_PDL:
         gdc_launch_dependents()

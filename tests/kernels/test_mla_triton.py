@@ -153,7 +153,8 @@ def test_decode_config() -> None:
         assert cfg == replace(mla_decode_config(1, h, ctx, num_sms=132), num_splits=cfg.num_splits)
     case = decode_case([5, 9], H=4, L=32, R=16, block_size=16, dtype=torch.float32, seed=13)
     for bad, match in [(dict(layout="rows"), "layout"), (dict(prefetch="early"), "prefetch"),
-                       (dict(block_n=48), "block_n"), (dict(block_h=8), "block_h")]:
+                       (dict(block_n=48), "block_n"), (dict(block_h=8), "block_h"),
+                       (dict(partial_dtype="bf16"), "partial_dtype")]:
         with pytest.raises(ValueError, match=match):
             mla_decode(**case, scale=0.1, kv_lora_rank=32, **bad)
     with pytest.raises(ValueError, match="num_splits"):
@@ -194,11 +195,14 @@ def test_decode_tokens_layout_builds_for_sm90_with_wgmma_and_no_spills() -> None
 
 
 def test_decode_fp16_default_splits_into_out() -> None:
-    """fp16 path, num_splits chosen by the heuristic, and a preallocated output."""
+    """fp16 path, num_splits chosen by the heuristic, and a preallocated output; partials in the input's
+    dtype (fp16, one more rounding per split) through both schedules' combines stay within the same bound."""
     case = decode_case([80, 3, 64], H=4, L=32, R=16, block_size=32, dtype=torch.float16, seed=7)
     out = torch.full((3, 4, 32), float("nan"), dtype=torch.float16, device=DEV)
     got = check_decode(case, 32, scale=0.2, tol=2e-3, out=out)
     assert got.data_ptr() == out.data_ptr()
+    for schedule in ("split", "balanced"):
+        check_decode(case, 32, scale=0.2, tol=2e-3, num_splits=3, partial_dtype="input", schedule=schedule)
 
 
 def test_decode_extreme_scores_stay_finite() -> None:
