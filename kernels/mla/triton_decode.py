@@ -321,7 +321,8 @@ class MlaDecodeConfig:
     num_splits: int  # context splits per sequence (grid axis 2)
     layout: str = "tokens"  # "tokens": tile tokens on the dots' M (wgmma); "heads": heads on M
     block_n: int = 64  # tokens per KV tile
-    block_h: int = 32  # heads per program (all of a sequence's heads read each tile once)
+    block_h: int = 32  # heads per program (all of a sequence's heads read each tile once); 64 at 32 heads pads
+    #                    the paged kernel's M to wgmma's 64 rows (8 warps: the fp32 accumulator needs two warpgroups)
     prefetch: str = "after_scores"  # "tokens" only: "none" (Triton's pipeliner, num_stages),
     #                                 "after_scores" / "before_scores" (next tile in registers)
     num_warps: int = 8

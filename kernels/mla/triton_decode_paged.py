@@ -19,6 +19,10 @@ s [BLOCK_H, BLOCK_N] = q · [c ; k_pe]^T, acc [BLOCK_H, L] += p · c), or the ti
 (both dots wgmma from shared memory at BLOCK_N >= 64, s^T = [c ; k_pe] · q^T, acc^T += c^T · p^T;
 measured slower: its q^T and three 64-token buffers do not fit, and at two buffers the copy runs in
 series again). All BLOCK_H heads of a sequence share each tile (read once). Accumulation in fp32.
+With heads on M and BLOCK_H = 64 at Kimi's 32 heads (half the rows masked to zero: FlashMLA pads the same
+way) and 8 warps, both dots lower to wgmma reading the KV tile straight from shared memory, q held there
+too (72 KB): twice the MMA work but none of mma.sync's ldmatrix traffic; one program per SM. Benchmarked
+as a variant (benchmarks/kernels_mla.py), not the default.
 
 Split-KV: the tiles of a sequence are cut into num_splits equal ranges of whole tiles (computed in
 the kernel from seq_lens, so one launch and one CUDA graph serve any lengths); each split writes its
