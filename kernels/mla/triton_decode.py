@@ -38,11 +38,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs, poison_like
 from k3rt.kernels.mla.triton_decode_paged import (
     _mla_decode_balanced_combine_kernel, _mla_decode_balanced_kernel, _mla_decode_paged_kernel,
 )
+from k3rt.kernels.mla.triton_decode_tma import _mla_decode_tma_kernel
 
 _LOG2E = 1.4426950408889634
 # A split also writes BLOCK_H*L fp32 of partial output (64 KB at Kimi's shape, about 57 tokens of
@@ -337,6 +339,8 @@ class MlaDecodeConfig:
     partial_dtype: str = "fp32"  # the splits' normalized partial outputs: "fp32", or "input" (q's dtype: half
     #                              the bytes written and read back by the combine, 8.6 MB at batch 1 and 132
     #                              splits, for one more rounding of each partial before the exact merge)
+    tma: bool = False  # paged split schedule only: KV tiles copied by TMA (triton_decode_tma.py) instead of
+    #                    per-thread cp.async; needs block_size a multiple of block_n
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_splits, int) or self.num_splits < 1:
@@ -352,6 +356,9 @@ class MlaDecodeConfig:
             raise ValueError(f"max_registers must be an int in [24, 255] or None, got {self.max_registers!r}")
         if self.schedule not in _SCHEDULES:
             raise ValueError(f"schedule must be one of {_SCHEDULES}, got {self.schedule!r}")
+        if self.tma and not (self.paged and self.schedule == "split"):
+            raise ValueError(f"tma=True needs paged=True and schedule='split', got paged={self.paged}, "
+                             f"schedule={self.schedule!r}")
         if self.partial_dtype not in _PARTIAL_DTYPES:
             raise ValueError(f"partial_dtype must be one of {_PARTIAL_DTYPES}, got {self.partial_dtype!r}")
         if self.schedule == "balanced" and not self.paged:
@@ -462,6 +469,7 @@ def mla_decode(
     max_registers: int | None = None,
     schedule: str | None = None,
     partial_dtype: str | None = None,
+    tma: bool | None = None,
 ) -> Tensor:
     """Absorbed MLA decode, one query token per sequence, over the paged latent cache.
 
@@ -482,7 +490,7 @@ def mla_decode(
         out: optional preallocated contiguous [N, H, L] output in q's dtype.
         use_pdl: launch with programmatic dependent launch (GPU only).
         block_n, block_h, num_warps, num_stages, layout, prefetch, paged, max_registers, schedule,
-        partial_dtype: tuning overrides of `mla_decode_config`'s choice (see `MlaDecodeConfig`).
+        partial_dtype, tma: tuning overrides of `mla_decode_config`'s choice (see `MlaDecodeConfig`).
 
     Returns:
         out: [N, H, L] in q.dtype, softmax(scale * q·kv^T) · kv[:, :L] per head.
@@ -515,7 +523,7 @@ def mla_decode(
     cfg = mla_decode_config(N, H, block_table.shape[1] * block_size, _num_sms(q.device.index) if q.is_cuda else None)
     overrides = dict(num_splits=num_splits, block_n=block_n, block_h=block_h, num_warps=num_warps,
                      num_stages=num_stages, layout=layout, prefetch=prefetch, paged=paged,
-                     max_registers=max_registers, schedule=schedule, partial_dtype=partial_dtype)
+                     max_registers=max_registers, schedule=schedule, partial_dtype=partial_dtype, tma=tma)
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if out is None:
         out = poison_like(torch.empty(N, H, L, dtype=q.dtype, device=q.device))
@@ -549,7 +557,16 @@ def mla_decode(
     if cfg.max_registers is not None and not INTERPRET:  # a compile option: the interpreter has no registers
         meta["maxnreg"] = cfg.max_registers
     grid = (N, triton.cdiv(H, cfg.block_h), S)
-    if cfg.paged:
+    if cfg.tma:
+        if block_size % cfg.block_n:
+            raise ValueError(f"tma=True needs kv_cache's block_size ({block_size}) to be a multiple of block_n "
+                             f"({cfg.block_n}): a TMA box has no row mask, so tiles must not straddle pages")
+        rows = kv_cache.view(-1, L + R)  # the pool as token rows; the boxes start at page * block_size + offset
+        descs = (TensorDescriptor.from_tensor(rows[:, :L], [cfg.block_n, L]),
+                 TensorDescriptor.from_tensor(rows[:, L:], [cfg.block_n, R]))
+        args = args[:4] + descs + args[4:8] + args[10:]  # no output strides: partials only
+        _mla_decode_tma_kernel[grid](*args, HEADS_ON_M=cfg.layout == "heads", **meta)
+    elif cfg.paged:
         args = args[:8] + args[10:]  # no output strides: partials only
         _mla_decode_paged_kernel[grid](*args, HEADS_ON_M=cfg.layout == "heads", **meta)
     elif cfg.layout == "tokens":

@@ -112,6 +112,28 @@ def test_decode_paged_tiles(layout: str, block_size: int, block_n: int) -> None:
                      paged=True, block_n=block_n, num_stages=3)
 
 
+@pytest.mark.parametrize("layout", ["heads", "tokens"])
+def test_decode_tma_tiles(layout: str) -> None:
+    """KV tiles copied by TMA boxes (no row mask): the rows past each sequence's end in its last page hold
+    NaN (never written), so only the masked last tile may read them; ragged lengths (a padding row, one
+    token, a length ending on a page boundary, one inside a page), splits cutting inside pages and past the
+    end, one split."""
+    block_size, block_n = 32, 16
+    lens = [1, 0, 3 * block_size, 2 * block_size + 7, 5]
+    case = decode_case(lens, H=4, L=32, R=16, block_size=block_size, dtype=torch.float32, seed=21, table_pad=2)
+    for n, ln in enumerate(lens):
+        if ln % block_size:
+            case["kv_cache"][case["block_table"][n, ln // block_size], ln % block_size:] = float("nan")
+    for num_splits in (1, 4, 40):
+        check_decode(case, 32, scale=0.2, tol=1e-5, num_splits=num_splits, layout=layout, prefetch="none",
+                     paged=True, tma=True, block_n=block_n, num_stages=3)
+    with pytest.raises(ValueError, match="block_size .48. to be a multiple of block_n .32."):
+        mla_decode(**decode_case([5], H=4, L=32, R=16, block_size=48, dtype=torch.float32, seed=22), scale=0.2,
+                   kv_lora_rank=32, tma=True, block_n=32)
+    with pytest.raises(ValueError, match="tma=True needs paged=True and schedule='split'"):
+        MlaDecodeConfig(num_splits=2, paged=True, prefetch="none", schedule="balanced", tma=True)
+
+
 def test_decode_paged_refuses_register_prefetch() -> None:
     with pytest.raises(ValueError, match="prefetch"):
         MlaDecodeConfig(num_splits=1, paged=True, prefetch="after_scores")
