@@ -104,6 +104,11 @@ def decode_inputs(N: int, ctx: int, rotations: int, gen: torch.Generator):
 #     Hopper wgmma (m64) reading the KV tile straight from shared memory (mma.sync at h32 loads it into registers
 #     through ldmatrix and ran near its issue rate); twice the MMA work, half of it on zero rows, 8 warps (two
 #     warpgroups split each dot's N), one program per SM (q in shared memory: 72 KB at 64 rows).
+#     Its sm_90 TTGIR shows a further cost: Triton gives the score dot, whose result feeds the second dot, all 8
+#     warps along M (warpsPerCTA [8, 1]), so both warpgroups compute the same 64 x n scores.
+#   "tma": KV tiles copied by TMA boxes (triton_decode_tma.py): no per-thread addresses; 1888-token pages take
+#     16- and 32-token tiles only. (With 32 heads on mma.sync the TMA tile's layout does not suit ldmatrix and
+#     the build spills, so only the wgmma launches take it.)
 #   "bf16 partials": the splits' partial outputs in q's dtype (half the bytes the combine reads back).
 #   "pdl": programmatic dependent launch (the combine's launch overlaps the attention's tail), as the runner runs.
 #   "balanced": FlashMLA's persistent schedule: one work program per SM slot, each over an equal share of all
@@ -120,7 +125,8 @@ DECODE_VARIANTS = {
     "wgmma h64 n32 x3": dict(_WGMMA, block_n=32, num_stages=3),
     "wgmma h64 n32 x4": dict(_WGMMA, block_n=32, num_stages=4),
     "wgmma h64 n16 x4": dict(_WGMMA, block_n=16, num_stages=4),
-    "wgmma h64 n16 x6": dict(_WGMMA, block_n=16, num_stages=6),
+    "tma wgmma h64 n32 x3": dict(_WGMMA, block_n=32, num_stages=3, tma=True),
+    "tma wgmma h64 n16 x4": dict(_WGMMA, block_n=16, num_stages=4, tma=True),
     "wgmma h64 n32 x3 bf16 partials pdl": dict(_WGMMA, block_n=32, num_stages=3, partial_dtype="input",
                                                use_pdl=True),
     "balanced h32 n32 w4 x3 2/SM": dict(_PAGED, schedule="balanced", layout="heads", block_n=32, num_warps=4,
@@ -129,9 +135,8 @@ DECODE_VARIANTS = {
 }
 if not GPU:  # the interpreter: its 16-token tiles
     DECODE_VARIANTS = {"default (h32 n32 w4 x3 2/SM)": {},
+                       "tma heads 16 x3": dict(_PAGED, layout="heads", block_n=16, num_stages=3, tma=True),
                        "paged heads 16 x3": dict(_PAGED, layout="heads", block_n=16, num_stages=3),
-                       "h16 n16 partials in q's dtype": dict(_PAGED, layout="heads", block_n=16, num_stages=3,
-                                                             partial_dtype="input"),
                        "balanced heads 16 x3": dict(_PAGED, schedule="balanced", layout="heads", block_n=16,
                                                     num_stages=3)}
 if ARGS.variant_index is not None:

@@ -98,3 +98,35 @@ def test_paged_decode_wgmma_launch_pads_heads_to_64() -> None:
     assert r["async_copies"] > 0 and r["loop_waits"] and r["loop_waits"][0] > 0, r
     assert r["shared"] <= 227 * 1024, r
     assert r["stack"] == 0 and r["local"] == 0, r
+
+
+_TMA = r'''
+from k3rt.kernels.mla import triton_decode_tma as t
+
+I32, C = "i32", "constexpr"
+sig = dict(q_ptr="*bf16", stride_q_n=I32, stride_q_h=I32, kv_ptr="*bf16", c_desc="tensordesc<bf16[32,512]>",
+           pe_desc="tensordesc<bf16[32,64]>", block_table_ptr="*i32", stride_bt_n=I32, seq_lens_ptr="*i32",
+           part_ptr="*fp32", lse_ptr="*fp32", qk_scale="fp32", H=I32, block_size=I32, num_splits=I32, L=C, R=C,
+           BLOCK_H=C, BLOCK_N=C, DOT_PRECISION=C, USE_PDL=C, HEADS_ON_M=C)
+consts = dict(L=512, R=64, BLOCK_H=64, BLOCK_N=32, DOT_PRECISION="tf32", USE_PDL=True, HEADS_ON_M=True)
+divisible = lambda k: k.startswith("stride") or k == "block_size"
+res = sm90_build(t._mla_decode_tma_kernel, sig, consts, 8, 3, divisible)
+k = triton.compile(ASTSource(t._mla_decode_tma_kernel, sig, constexprs=consts,
+                             attrs={(i,): [["tt.divisibility", 16]] for i, (n, v) in enumerate(sig.items())
+                                    if v.startswith("*") or divisible(n)}),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+loop = k.asm["ttgir"].split("scf.for", 1)[1].split("scf.yield", 1)[0]
+res["loop_tma"] = loop.count("async_tma_copy_global_to_local")
+print(json.dumps(res))
+'''
+
+
+def test_tma_decode_copies_tiles_in_the_loop_with_wgmma() -> None:
+    """The TMA launch the benchmark times (64-row head block, 32-token tiles, 8 warps, 3 stages) at the 48B
+    shape: the tile loop issues TMA copies (c and k_pe boxes), both dots lower to wgmma, no spills, and the
+    shared memory fits one program per SM."""
+    r = run_sm90_build(_TMA, timeout=240)
+    assert r["loop_tma"] == 2, r
+    assert r["wgmma"] > 0, r
+    assert r["stack"] == 0 and r["local"] == 0, r
+    assert r["shared"] <= 227 * 1024, r

@@ -382,12 +382,12 @@ def _gpu_lens(N: int, max_ctx: int, seed: int) -> list[int]:
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("N,max_ctx", [(1, 32768), (16, 32768), (64, 8192), (64, 32768)])
 @pytest.mark.parametrize("splits", ["auto", "one"])
-@pytest.mark.parametrize("tiles", ["default", "paged", "gathered", "balanced", "wgmma", "wgmma_balanced"])
+@pytest.mark.parametrize("tiles", ["default", "paged", "gathered", "balanced", "wgmma", "wgmma_balanced", "tma"])
 def test_gpu_decode_kimi_shape(N: int, max_ctx: int, splits: str, tiles: str) -> None:
     """The default launch, page-aligned 64-token tiles (1888-token pages are not a multiple of them, so
     each page's last tile is cut), rows gathered through the block table (the fallback), the balanced
-    schedule (splits="one" there means one work program), and the head block padded to 64 rows (wgmma) with
-    bf16 partials, in both schedules, in bf16 at the 48B shape."""
+    schedule (splits="one" there means one work program), the head block padded to 64 rows (wgmma) with
+    bf16 partials, in both schedules, and TMA-copied tiles, in bf16 at the 48B shape."""
     case = decode_case(_gpu_lens(N, max_ctx, seed=N + max_ctx), H=H48, L=L48, R=R48, block_size=PAGE48,
                        dtype=torch.bfloat16, seed=N, spare_blocks=1)
     num_splits = None if splits == "auto" else 1
@@ -395,7 +395,8 @@ def test_gpu_decode_kimi_shape(N: int, max_ctx: int, splits: str, tiles: str) ->
             "gathered": dict(paged=False, layout="heads", prefetch="none", num_stages=2),
             "balanced": dict(schedule="balanced"),
             "wgmma": dict(block_h=64, num_warps=8, num_stages=3, partial_dtype="input", use_pdl=True),
-            "wgmma_balanced": dict(block_h=64, num_warps=8, num_stages=3, schedule="balanced")}[tiles]
+            "wgmma_balanced": dict(block_h=64, num_warps=8, num_stages=3, schedule="balanced"),
+            "tma": dict(block_h=64, num_warps=8, num_stages=3, tma=True)}[tiles]
     check_decode(case, L48, SCALE48, tol=1e-2, num_splits=num_splits, **tune)
 
 
