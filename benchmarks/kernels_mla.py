@@ -102,13 +102,16 @@ def decode_inputs(N: int, ctx: int, rotations: int, gen: torch.Generator):
 # page id one tile ahead, so Triton's pipeliner keeps the next KV copies in flight during the math.
 #   "wgmma h64": FlashMLA's layout at Kimi's 32 heads: the head block padded to 64 rows so both dots lower to
 #     Hopper wgmma (m64) reading the KV tile straight from shared memory (mma.sync at h32 loads it into registers
-#     through ldmatrix and ran near its issue rate); twice the MMA work, half of it on zero rows, 8 warps (two
+#     through ldmatrix, every warp re-reading q); twice the MMA work, half of it on zero rows, 8 warps (two
 #     warpgroups split each dot's N), one program per SM (q in shared memory: 72 KB at 64 rows).
 #     Its sm_90 TTGIR shows a further cost: Triton gives the score dot, whose result feeds the second dot, all 8
 #     warps along M (warpsPerCTA [8, 1]), so both warpgroups compute the same 64 x n scores.
 #   "tma": KV tiles copied by TMA boxes (triton_decode_tma.py): no per-thread addresses; 1888-token pages take
 #     16- and 32-token tiles only. (With 32 heads on mma.sync the TMA tile's layout does not suit ldmatrix and
 #     the build spills, so only the wgmma launches take it.)
+#   "h32 n64 w4": with 32 heads on mma.sync the 4 warps split the score dot's N, so each warp reads all of q from
+#     shared memory per tile (4 x 36 KB per 32-token tile in the default); 64-token tiles halve that per token.
+#     One program per SM (184 KB).
 #   "bf16 partials": the splits' partial outputs in q's dtype (half the bytes the combine reads back).
 #   "pdl": programmatic dependent launch (the combine's launch overlaps the attention's tail), as the runner runs.
 #   "balanced": FlashMLA's persistent schedule: one work program per SM slot, each over an equal share of all
@@ -122,6 +125,7 @@ DECODE_VARIANTS = {
     "default pdl": dict(use_pdl=True),
     "default bf16 partials": dict(partial_dtype="input"),
     "paged h32 n64 w8 x3": dict(_PAGED, layout="heads", block_n=64, num_warps=8, num_stages=3),
+    "paged h32 n64 w4 x3": dict(_PAGED, layout="heads", block_n=64, num_warps=4, num_stages=3),
     "wgmma h64 n32 x3": dict(_WGMMA, block_n=32, num_stages=3),
     "wgmma h64 n32 x4": dict(_WGMMA, block_n=32, num_stages=4),
     "wgmma h64 n16 x4": dict(_WGMMA, block_n=16, num_stages=4),
