@@ -21,8 +21,12 @@ measured slower: its q^T and three 64-token buffers do not fit, and at two buffe
 series again). All BLOCK_H heads of a sequence share each tile (read once). Accumulation in fp32.
 With heads on M and BLOCK_H = 64 at Kimi's 32 heads (half the rows masked to zero: FlashMLA pads the same
 way) and 8 warps, both dots lower to wgmma reading the KV tile straight from shared memory, q held there
-too (72 KB): twice the MMA work but none of mma.sync's ldmatrix traffic; one program per SM. Benchmarked
-as a variant (benchmarks/kernels_mla.py), not the default.
+too (72 KB): twice the MMA work but none of mma.sync's ldmatrix traffic; one program per SM. The sm_90
+TTGIR shows one more cost: a dot whose result feeds another dot gets all warps along M (warpsPerCTA
+[8, 1]), so both warpgroups compute the same 64 x BLOCK_N scores, and only the second dot splits its N
+([4, 2]). At 32 heads on M (mma.sync, the default) the 4 warps split the score dot's N instead ([1, 4]),
+so every warp reads all of q from shared memory for each tile (4 x 36 KB per 32-token tile), and p goes
+through shared memory into the second dot. Benchmarked as variants (benchmarks/kernels_mla.py).
 
 Split-KV: the tiles of a sequence are cut into num_splits equal ranges of whole tiles (computed in
 the kernel from seq_lens, so one launch and one CUDA graph serve any lengths); each split writes its
