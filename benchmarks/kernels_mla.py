@@ -7,8 +7,10 @@ taken against the device-to-device copy bandwidth measured in the same run. Ever
 in DECODE_VARIANTS (the default, the paged kernel's tile / stage / occupancy alternatives) is checked against
 the oracle at 32K and timed at every case side by side, then at ragged lengths (uniform in
 [1, 64K], batch 16 and 64: where the balanced schedule matters); then split counts at half and twice the
-heuristic's are timed for the two variants with the best mean at contexts >= 32K. Last, a markdown
-table of % of copy bandwidth (variant x case) goes to stdout and into the JSON ("decode_table_md").
+heuristic's are timed for the two variants with the best mean at contexts >= 32K. A markdown table of
+% of copy bandwidth (variant x case) goes to stdout and into the JSON ("decode_table_md"), and before the
+split sweep each kernel's device time (torch.profiler) for the default and the best variant at the goal's
+cases ("decode_profile": the attention kernel and the combine apart).
 
 Prefill (one sequence of 8K and 32K tokens, expanded form: qk dim 192, v dim 128) reports
 tokens/s and TFLOP/s (causal: 2*H*T(T+1)/2*(192+128) flops) next to torch SDPA on the same
@@ -199,6 +201,45 @@ def markdown_table(table: dict) -> str:
     return "\n".join(lines)
 
 
+def profile_decode(variants: list[str]) -> None:
+    """Where a call's time goes: each kernel's mean device time (torch.profiler, eager calls rotated over cold
+    page sets as in the timing) for `variants` at the goal's cases, so the attention kernel and the combine
+    are seen apart (at batch 1 the combine and the partials weigh most). Failures are recorded, not raised."""
+    from torch.profiler import ProfilerActivity, profile
+
+    RESULT["decode_profile"] = []
+    for N, ctx in [(1, 32768), (1, 131072), (16, 32768), (64, 32768)]:
+        if not in_budget(f"decode profile N={N} ctx={ctx}"):
+            continue
+        case = DecodeCase(N, ctx)
+        for variant in variants:
+            tune = DECODE_VARIANTS[variant]
+            try:
+                splits = mla_decode_num_splits(N, H, ctx) if tune.get("schedule") != "balanced" else None
+                calls = [lambda r=r: mla_decode(case.qs[r], case.kv, case.tables[r], case.seq_lens, SCALE,
+                                                kv_lora_rank=L, num_splits=splits, out=case.outs[r], **tune)
+                         for r in range(case.rot)]
+                for c in calls:
+                    c()
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        for c in calls:
+                            c()
+                    torch.cuda.synchronize()
+                kernels = {e.key: round(e.device_time_total / max(1, e.count), 2) for e in prof.key_averages()
+                           if e.device_time_total > 0}
+            except Exception as e:
+                RESULT["decode_errors"].append({"variant": variant, "N": N, "ctx": ctx, "profile": True,
+                                                "error": repr(e)[:400]})
+                continue
+            RESULT["decode_profile"].append({"variant": variant, "N": N, "ctx": ctx, "us_per_kernel": kernels})
+            REPORT.save()
+            print(f"profile N={N:3d} ctx={ctx:6d} {variant:36s} " + "  ".join(f"{k}: {v} us" for k, v in kernels.items()))
+        del case
+        torch.cuda.empty_cache()
+
+
 def bench_decode() -> None:
     """Every variant at every (context, batch) with the split heuristic's count, then split counts
     around the heuristic's for the variant with the best mean at contexts >= 32K."""
@@ -255,6 +296,8 @@ def bench_decode() -> None:
         return  # split counts only with the default variant
     RESULT["decode_best_variant"] = best
     RESULT["decode_ranked_variants"] = ranked
+    if GPU:
+        profile_decode(list(dict.fromkeys([next(iter(DECODE_VARIANTS)), best])))
     sweep = ranked[:2] if GPU else ranked[:1]  # the two best: their tiles load-balance differently
     for ctx in CONTEXTS[1:] or CONTEXTS:
         for N in BATCHES:
