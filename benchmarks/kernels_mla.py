@@ -235,7 +235,8 @@ def profile_decode(variants: list[str]) -> None:
                 continue
             RESULT["decode_profile"].append({"variant": variant, "N": N, "ctx": ctx, "us_per_kernel": kernels})
             REPORT.save()
-            print(f"profile N={N:3d} ctx={ctx:6d} {variant:36s} " + "  ".join(f"{k}: {v} us" for k, v in kernels.items()))
+            print(f"profile N={N:3d} ctx={ctx:6d} {variant:36s} "
+                  + "  ".join(f"{k}: {v} us" for k, v in kernels.items()))
         del case
         torch.cuda.empty_cache()
 
