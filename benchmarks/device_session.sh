@@ -16,7 +16,7 @@
 #   decode (200)        benchmarks/decode.py: batch 1/16/64 at 4K, --profile 1, prefill 8K and 32K,
 #                       the cuBLAS-GEMV variant
 #   kda (200)           benchmarks/kernels.py: KDA decode and prefill against fla
-#   mla (150)           benchmarks/kernels_mla.py --decode-only
+#   mla (240)           benchmarks/kernels_mla.py --decode-only (13 launch variants x 11 cases, then splits)
 #   moe (120)           benchmarks/kernels_moe.py: decode T=1/16/64, prefill 4K/16K, route
 #   linear (100)        benchmarks/kernels_linear.py
 #   overlap (480)       benchmarks/overlap.py: the engine at the 48B shape, N = 64 and 256 decodes, overlap on vs
@@ -91,7 +91,7 @@ for stage in "$@"; do
     kda)
       run kda 200 python3 benchmarks/kernels.py --budget-s 180 --out "$OUT/kda.json" ;;
     mla)
-      run mla 150 python3 benchmarks/kernels_mla.py --decode-only --budget-s 130 --out "$OUT/mla.json" ;;
+      run mla 240 python3 benchmarks/kernels_mla.py --decode-only --budget-s 200 --out "$OUT/mla.json" ;;
     moe)
       run moe 120 python3 benchmarks/kernels_moe.py --budget-s 100 --out "$OUT/moe.json" ;;
     mxfp4)

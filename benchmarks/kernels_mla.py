@@ -1,13 +1,16 @@
 """Benchmark the Triton MLA kernels: paged decode against copy bandwidth, prefill against SDPA.
 
 Decode (Kimi-Linear-48B shape: H=32, L=512, R=64, bf16, page 1888, pages shuffled) runs at
-context 4K/32K/128K x batch 1/16/64, each call replayed from a CUDA graph, rotating over enough
+context 8K/32K/128K x batch 1/16/64 (issue 18's points), each call replayed from a CUDA graph, rotating over enough
 page sets that every call reads cold KV. Bytes = KV read (N*ctx*576*2) + q + out; the ratio is
 taken against the device-to-device copy bandwidth measured in the same run. Every launch variant
 in DECODE_VARIANTS (the default, the paged kernel's tile / stage / occupancy alternatives) is checked against
 the oracle at 32K and timed at every case side by side, then at ragged lengths (uniform in
 [1, 64K], batch 16 and 64: where the balanced schedule matters); then split counts at half and twice the
-heuristic's are timed for the two variants with the best mean at contexts >= 32K.
+heuristic's are timed for the two variants with the best mean at contexts >= 32K. A markdown table of
+% of copy bandwidth (variant x case) goes to stdout and into the JSON ("decode_table_md"), and before the
+split sweep each kernel's device time (torch.profiler) for the default and the best variant at the goal's
+cases ("decode_profile": the attention kernel and the combine apart).
 
 Prefill (one sequence of 8K and 32K tokens, expanded form: qk dim 192, v dim 128) reports
 tokens/s and TFLOP/s (causal: 2*H*T(T+1)/2*(192+128) flops) next to torch SDPA on the same
@@ -61,7 +64,7 @@ DEV = "cuda" if GPU else "cpu"
 DTYPE = torch.bfloat16 if GPU else torch.float32
 if GPU:
     SHAPE = dict(H=32, L=512, R=64, P=128, V=128, page=1888)
-    CONTEXTS, BATCHES, PREFILL_LENS = [4096, 32768, 131072], [1, 16, 64], [8192, 32768]
+    CONTEXTS, BATCHES, PREFILL_LENS = [8192, 32768, 131072], [1, 16, 64], [8192, 32768]
 else:
     SHAPE = dict(H=4, L=32, R=16, P=16, V=16, page=48)
     CONTEXTS, BATCHES, PREFILL_LENS = [100], [1, 3], [40]
@@ -96,26 +99,50 @@ def decode_inputs(N: int, ctx: int, rotations: int, gen: torch.Generator):
 
 
 # name -> mla_decode tuning overrides ({} is the default config: the paged kernel, triton_decode_paged.py, with
-# heads on the dots' M, 32-token page-aligned tiles, 4 warps, 3 stages: two programs per SM). The paged kernel
-# carries each tile's page id one tile ahead, so Triton's pipeliner keeps the next KV copy in flight during the
-# math; "2/SM" launches cap registers (or use 4 warps) and shared memory so that two programs share an SM;
-# "tokens" puts the tile's tokens on the dots' M (wgmma); "balanced" shares all sequences' tiles evenly among
-# work programs; "gathered" is the previous default (rows gathered through the block table). The 2026-12-02
-# sweep (benchmarks/RESULTS.md) also timed 8-warp 32-token and 16-token tiles; all were slower and are left out.
+# heads on the dots' M, 32-token page-aligned tiles, 4 warps, 3 stages: two programs per SM). Names: h = heads per
+# program (the dots' M), n = tokens per KV tile, w = warps, x = pipeline stages. The paged kernel carries each tile's
+# page id one tile ahead, so Triton's pipeliner keeps the next KV copies in flight during the math.
+#   "wgmma h64": FlashMLA's layout at Kimi's 32 heads: the head block padded to 64 rows so both dots lower to
+#     Hopper wgmma (m64) reading the KV tile straight from shared memory (mma.sync at h32 loads it into registers
+#     through ldmatrix, every warp re-reading q); twice the MMA work, half of it on zero rows, 8 warps (two
+#     warpgroups split each dot's N), one program per SM (q in shared memory: 72 KB at 64 rows).
+#     Its sm_90 TTGIR shows a further cost: Triton gives the score dot, whose result feeds the second dot, all 8
+#     warps along M (warpsPerCTA [8, 1]), so both warpgroups compute the same 64 x n scores.
+#   "tma": KV tiles copied by TMA boxes (triton_decode_tma.py): no per-thread addresses; 1888-token pages take
+#     16- and 32-token tiles only. (With 32 heads on mma.sync the TMA tile's layout does not suit ldmatrix and
+#     the build spills, so only the wgmma launches take it.)
+#   "h32 n64 w4": with 32 heads on mma.sync the 4 warps split the score dot's N, so each warp reads all of q from
+#     shared memory per tile (4 x 36 KB per 32-token tile in the default); 64-token tiles halve that per token.
+#     One program per SM (184 KB).
+#   "bf16 partials": the splits' partial outputs in q's dtype (half the bytes the combine reads back).
+#   "pdl": programmatic dependent launch (the combine's launch overlaps the attention's tail), as the runner runs.
+#   "balanced": FlashMLA's persistent schedule: one work program per SM slot, each over an equal share of all
+#     sequences' tiles laid end to end.
+# The 2026-12-02 sweep (benchmarks/RESULTS.md) also timed 8-warp 32- and 16-token tiles with heads on M, 2-stage and
+# 128-register launches, the tokens-on-M paged launch and the gathered-row kernel: all slower, left out here.
 _PAGED = dict(paged=True, prefetch="none")
+_WGMMA = dict(_PAGED, layout="heads", block_h=64, num_warps=8)
 DECODE_VARIANTS = {
-    "default": {},
-    "paged heads 64 x3": dict(_PAGED, layout="heads", block_n=64, num_warps=8, num_stages=3),
-    "paged heads 64 x2 r128 2/SM": dict(_PAGED, layout="heads", block_n=64, num_warps=8, num_stages=2,
-                                        max_registers=128),
-    "paged heads 32 w4 x2 2/SM": dict(_PAGED, layout="heads", block_n=32, num_warps=4, num_stages=2),
-    "paged tokens 64 x2": dict(_PAGED, layout="tokens", block_n=64, num_warps=8, num_stages=2),
-    "balanced heads 32 w4 x3 2/SM": dict(_PAGED, schedule="balanced", layout="heads", block_n=32, num_warps=4,
-                                         num_stages=3),
-    "gathered heads 64 x2": dict(paged=False, layout="heads", block_n=64, num_warps=8, num_stages=2, prefetch="none"),
+    "default (h32 n32 w4 x3 2/SM)": {},
+    "default pdl": dict(use_pdl=True),
+    "default bf16 partials": dict(partial_dtype="input"),
+    "paged h32 n64 w8 x3": dict(_PAGED, layout="heads", block_n=64, num_warps=8, num_stages=3),
+    "paged h32 n64 w4 x3": dict(_PAGED, layout="heads", block_n=64, num_warps=4, num_stages=3),
+    "wgmma h64 n32 x3": dict(_WGMMA, block_n=32, num_stages=3),
+    "wgmma h64 n32 x4": dict(_WGMMA, block_n=32, num_stages=4),
+    "wgmma h64 n16 x4": dict(_WGMMA, block_n=16, num_stages=4),
+    "tma wgmma h64 n32 x3": dict(_WGMMA, block_n=32, num_stages=3, tma=True),
+    "tma wgmma h64 n16 x4": dict(_WGMMA, block_n=16, num_stages=4, tma=True),
+    "wgmma h64 n32 x3 bf16 partials pdl": dict(_WGMMA, block_n=32, num_stages=3, partial_dtype="input",
+                                               use_pdl=True),
+    "balanced h32 n32 w4 x3 2/SM": dict(_PAGED, schedule="balanced", layout="heads", block_n=32, num_warps=4,
+                                        num_stages=3),
+    "balanced wgmma h64 n32 x3": dict(_WGMMA, schedule="balanced", block_n=32, num_stages=3),
 }
-if not GPU:  # the interpreter: two variants at its 16-token tiles
-    DECODE_VARIANTS = {"default": {}, "paged heads 16 x3": dict(_PAGED, layout="heads", block_n=16, num_stages=3),
+if not GPU:  # the interpreter: its 16-token tiles
+    DECODE_VARIANTS = {"default (h32 n32 w4 x3 2/SM)": {},
+                       "tma heads 16 x3": dict(_PAGED, layout="heads", block_n=16, num_stages=3, tma=True),
+                       "paged heads 16 x3": dict(_PAGED, layout="heads", block_n=16, num_stages=3),
                        "balanced heads 16 x3": dict(_PAGED, schedule="balanced", layout="heads", block_n=16,
                                                     num_stages=3)}
 if ARGS.variant_index is not None:
@@ -143,7 +170,7 @@ class DecodeCase:
         # the balanced schedule's count is work programs (None: the launcher's choice), not splits
         balanced = tune.get("schedule") == "balanced"
         if balanced:
-            cfg = replace(mla_decode_config(self.N, H, self.span), **tune)
+            cfg = replace(mla_decode_config(self.N, H, self.span), **{k: v for k, v in tune.items() if k != "use_pdl"})
             splits = num_splits or mla_decode_balanced_programs(H, cfg, None if GPU else 4)  # interpreter: few
         else:
             splits = num_splits or mla_decode_num_splits(self.N, H, self.span)
@@ -156,6 +183,64 @@ class DecodeCase:
                 "GBps": gbps, "pct_copy_bw": 100 * gbps / RESULT["copy_bandwidth"]["GBps"], "rotations": self.rot}
 
 
+def case_key(row: dict) -> str:
+    """A decode row's column name: batch x context (in K from 1024 tokens), r for ragged lengths."""
+    ctx = f"{row['ctx'] // 1024}K" if row["ctx"] >= 1024 else str(row["ctx"])
+    return f"{row['N']}x{ctx}{'r' if row['ragged'] else ''}"
+
+
+def markdown_table(table: dict) -> str:
+    """% of copy bandwidth, one row per variant, one column per case (batch x context, r = ragged lengths),
+    the best of each column in bold."""
+    cols = list(dict.fromkeys(k for row in table.values() for k in row))
+    best = {c: max((row[c] for row in table.values() if c in row), default=None) for c in cols}
+    lines = ["| variant | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    for v, row in table.items():
+        cells = ["" if c not in row else f"**{row[c]}**" if row[c] == best[c] else f"{row[c]}" for c in cols]
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def profile_decode(variants: list[str]) -> None:
+    """Where a call's time goes: each kernel's mean device time (torch.profiler, eager calls rotated over cold
+    page sets as in the timing) for `variants` at the goal's cases, so the attention kernel and the combine
+    are seen apart (at batch 1 the combine and the partials weigh most). Failures are recorded, not raised."""
+    from torch.profiler import ProfilerActivity, profile
+
+    RESULT["decode_profile"] = []
+    for N, ctx in [(1, 32768), (1, 131072), (16, 32768), (64, 32768)]:
+        if not in_budget(f"decode profile N={N} ctx={ctx}"):
+            continue
+        case = DecodeCase(N, ctx)
+        for variant in variants:
+            tune = DECODE_VARIANTS[variant]
+            try:
+                splits = mla_decode_num_splits(N, H, ctx) if tune.get("schedule") != "balanced" else None
+                calls = [lambda r=r: mla_decode(case.qs[r], case.kv, case.tables[r], case.seq_lens, SCALE,
+                                                kv_lora_rank=L, num_splits=splits, out=case.outs[r], **tune)
+                         for r in range(case.rot)]
+                for c in calls:
+                    c()
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        for c in calls:
+                            c()
+                    torch.cuda.synchronize()
+                kernels = {e.key: round(e.device_time_total / max(1, e.count), 2) for e in prof.key_averages()
+                           if e.device_time_total > 0}
+            except Exception as e:
+                RESULT["decode_errors"].append({"variant": variant, "N": N, "ctx": ctx, "profile": True,
+                                                "error": repr(e)[:400]})
+                continue
+            RESULT["decode_profile"].append({"variant": variant, "N": N, "ctx": ctx, "us_per_kernel": kernels})
+            REPORT.save()
+            print(f"profile N={N:3d} ctx={ctx:6d} {variant:36s} "
+                  + "  ".join(f"{k}: {v} us" for k, v in kernels.items()))
+        del case
+        torch.cuda.empty_cache()
+
+
 def bench_decode() -> None:
     """Every variant at every (context, batch) with the split heuristic's count, then split counts
     around the heuristic's for the variant with the best mean at contexts >= 32K."""
@@ -163,7 +248,7 @@ def bench_decode() -> None:
     ok = set(DECODE_VARIANTS) - failed
     best_key = lambda v: -sum(r["pct_copy_bw"] for r in RESULT["decode"]  # noqa: E731
                               if r["variant"] == v and r["ctx"] >= 32768 and not r["ragged"]) if GPU and v in ok else 0
-    for ctx in CONTEXTS:
+    for ctx in sorted(CONTEXTS, key=lambda c: c < 32768):  # the goal's contexts (>= 32K) first, should the budget cut
         for N in BATCHES:
             if not in_budget(f"decode N={N} ctx={ctx}"):
                 continue
@@ -173,11 +258,11 @@ def bench_decode() -> None:
                     row = case.time(variant)
                 except Exception as e:  # a variant that does not build (shared memory) or launch stays local
                     RESULT["decode_errors"].append({"variant": variant, "N": N, "ctx": ctx, "error": repr(e)[:400]})
-                    print(f"decode N={N:3d} ctx={ctx:6d} {variant:28s} ERROR {repr(e)[:200]}")
+                    print(f"decode N={N:3d} ctx={ctx:6d} {variant:36s} ERROR {repr(e)[:200]}")
                     continue
                 RESULT["decode"].append(row)
                 REPORT.save()  # a later crash (illegal address) keeps what was measured
-                print(f"decode N={N:3d} ctx={ctx:6d} splits={row['num_splits']:3d} {variant:28s} {row['us']:9.2f} us "
+                print(f"decode N={N:3d} ctx={ctx:6d} splits={row['num_splits']:3d} {variant:36s} {row['us']:9.2f} us "
                       f"{row['GBps']:7.0f} GB/s  {row['pct_copy_bw']:5.1f}% of copy")
             del case
             if GPU:
@@ -196,22 +281,24 @@ def bench_decode() -> None:
                 continue
             RESULT["decode"].append(row)
             REPORT.save()
-            print(f"decode N={N:3d} ragged ~{ctx:6d} {variant:28s} {row['us']:9.2f} us {row['pct_copy_bw']:5.1f}% of copy")
+            print(f"decode N={N:3d} ragged ~{ctx:6d} {variant:36s} {row['us']:9.2f} us {row['pct_copy_bw']:5.1f}% of copy")
         del case
         if GPU:
             torch.cuda.empty_cache()
-    table = {v: {f"{r['N']}x{r['ctx'] // 1024}K{'r' if r['ragged'] else ''}": round(r["pct_copy_bw"], 1)
+    table = {v: {case_key(r): round(r["pct_copy_bw"], 1)
                  for r in RESULT["decode"]
                  if r["variant"] == v} for v in DECODE_VARIANTS}
     RESULT["decode_table_pct_copy_bw"] = table
-    for v, row in table.items():
-        print(f"{v:28s} " + "  ".join(f"{k}:{x:5.1f}" for k, x in row.items()))
+    RESULT["decode_table_md"] = markdown_table(table)
+    print(RESULT["decode_table_md"])
     ranked = sorted(DECODE_VARIANTS, key=best_key)
     best = ranked[0]
     if ARGS.variant_index not in (None, 0):
         return  # split counts only with the default variant
     RESULT["decode_best_variant"] = best
     RESULT["decode_ranked_variants"] = ranked
+    if GPU:
+        profile_decode(list(dict.fromkeys([next(iter(DECODE_VARIANTS)), best])))
     sweep = ranked[:2] if GPU else ranked[:1]  # the two best: their tiles load-balance differently
     for ctx in CONTEXTS[1:] or CONTEXTS:
         for N in BATCHES:
@@ -224,7 +311,7 @@ def bench_decode() -> None:
                 for s in splits:
                     row = case.time(variant, s)
                     RESULT["decode_sweep"].append(row)
-                    print(f"  splits N={N:3d} ctx={ctx:6d} {variant:28s} splits={s:3d} {row['us']:9.2f} us "
+                    print(f"  splits N={N:3d} ctx={ctx:6d} {variant:36s} splits={s:3d} {row['us']:9.2f} us "
                           f"{row['pct_copy_bw']:5.1f}% of copy")
             del case
             if GPU:

@@ -38,11 +38,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs, poison_like
 from k3rt.kernels.mla.triton_decode_paged import (
     _mla_decode_balanced_combine_kernel, _mla_decode_balanced_kernel, _mla_decode_paged_kernel,
 )
+from k3rt.kernels.mla.triton_decode_tma import _mla_decode_tma_kernel
 
 _LOG2E = 1.4426950408889634
 # A split also writes BLOCK_H*L fp32 of partial output (64 KB at Kimi's shape, about 57 tokens of
@@ -84,7 +86,7 @@ def _mla_decode_split_tokens_kernel(
     kv_ptr,  # [num_pages, block_size, L+R], contiguous
     block_table_ptr, stride_bt_n,  # [N, max_blocks] int32
     seq_lens_ptr,  # [N] int32
-    part_ptr,  # [N, S, H, L] fp32 partial outputs (also for one split: see the launcher)
+    part_ptr,  # [N, S, H, L] partial outputs, fp32 or q's dtype (also for one split: see the launcher)
     lse_ptr,  # [N, S, H] fp32
     qk_scale,  # scale * log2(e)
     H,
@@ -154,7 +156,8 @@ def _mla_decode_split_tokens_kernel(
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[None, :]
     row = (i_n.to(tl.int64) * num_splits + i_s) * H + offs_h  # [BLOCK_H] rows of [N, S, H]
-    tl.store(part_ptr + row[:, None] * L + tl.arange(0, L)[None, :], tl.trans(o), mask=mask_h[:, None])
+    tl.store(part_ptr + row[:, None] * L + tl.arange(0, L)[None, :], tl.trans(o).to(part_ptr.dtype.element_ty),
+             mask=mask_h[:, None])
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     tl.store(lse_ptr + row, lse, mask=mask_h)
 
@@ -231,14 +234,14 @@ def _mla_decode_split_kernel(
         tl.store(o_rows + offs_l[None, :], o.to(o_ptr.dtype.element_ty), mask=mask_h[:, None])
     else:
         row = (i_n.to(tl.int64) * num_splits + i_s) * H + offs_h  # [BLOCK_H] rows of [N, S, H]
-        tl.store(o_ptr + row[:, None] * L + offs_l[None, :], o, mask=mask_h[:, None])
+        tl.store(o_ptr + row[:, None] * L + offs_l[None, :], o.to(o_ptr.dtype.element_ty), mask=mask_h[:, None])
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + row, lse, mask=mask_h)
 
 
 @triton.jit
 def _mla_decode_combine_kernel(
-    part_ptr,  # [N, S, H, L] fp32
+    part_ptr,  # [N, S, H, L] fp32, or the output's dtype (partial_dtype="input")
     lse_ptr,  # [N, S, H] fp32, log2 domain
     o_ptr, stride_o_n, stride_o_h,  # [N, H, L]
     H,
@@ -265,7 +268,8 @@ def _mla_decode_combine_kernel(
         ss = s0 + tl.arange(0, BLOCK_S)
         mask_s = ss < num_splits
         w = tl.exp2(tl.load(lse_ptr + base + ss * H, mask=mask_s, other=float("-inf")) - m)  # [BLOCK_S]
-        part = tl.load(part_ptr + (base + ss * H)[:, None] * L + offs_l[None, :], mask=mask_s[:, None], other=0.0)
+        part = tl.load(part_ptr + (base + ss * H)[:, None] * L + offs_l[None, :], mask=mask_s[:, None],
+                       other=0.0).to(tl.float32)
         acc += tl.sum(w[:, None] * part, axis=0)
     if USE_PDL:
         gdc_launch_dependents()
@@ -309,6 +313,7 @@ def mla_decode_num_splits(batch_size: int, num_heads: int, max_context: int, num
 _PREFETCH = {"none": 0, "after_scores": 1, "before_scores": 2}
 _LAYOUTS = ("tokens", "heads")
 _SCHEDULES = ("split", "balanced")
+_PARTIAL_DTYPES = ("fp32", "input")
 
 
 @dataclass(frozen=True)
@@ -318,7 +323,8 @@ class MlaDecodeConfig:
     num_splits: int  # context splits per sequence (grid axis 2)
     layout: str = "tokens"  # "tokens": tile tokens on the dots' M (wgmma); "heads": heads on M
     block_n: int = 64  # tokens per KV tile
-    block_h: int = 32  # heads per program (all of a sequence's heads read each tile once)
+    block_h: int = 32  # heads per program (all of a sequence's heads read each tile once); 64 at 32 heads pads
+    #                    the paged kernel's M to wgmma's 64 rows (8 warps: the fp32 accumulator needs two warpgroups)
     prefetch: str = "after_scores"  # "tokens" only: "none" (Triton's pipeliner, num_stages),
     #                                 "after_scores" / "before_scores" (next tile in registers)
     num_warps: int = 8
@@ -330,6 +336,11 @@ class MlaDecodeConfig:
     schedule: str = "split"  # paged only. "split": num_splits equal ranges per sequence (grid N x S);
     #                          "balanced": num_splits work programs share all sequences' tiles evenly
     #                          (FlashMLA's schedule), so ragged lengths load every program alike
+    partial_dtype: str = "fp32"  # the splits' normalized partial outputs: "fp32", or "input" (q's dtype: half
+    #                              the bytes written and read back by the combine, 8.6 MB at batch 1 and 132
+    #                              splits, for one more rounding of each partial before the exact merge)
+    tma: bool = False  # paged split schedule only: KV tiles copied by TMA (triton_decode_tma.py) instead of
+    #                    per-thread cp.async; needs block_size a multiple of block_n
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_splits, int) or self.num_splits < 1:
@@ -345,6 +356,11 @@ class MlaDecodeConfig:
             raise ValueError(f"max_registers must be an int in [24, 255] or None, got {self.max_registers!r}")
         if self.schedule not in _SCHEDULES:
             raise ValueError(f"schedule must be one of {_SCHEDULES}, got {self.schedule!r}")
+        if self.tma and not (self.paged and self.schedule == "split"):
+            raise ValueError(f"tma=True needs paged=True and schedule='split', got paged={self.paged}, "
+                             f"schedule={self.schedule!r}")
+        if self.partial_dtype not in _PARTIAL_DTYPES:
+            raise ValueError(f"partial_dtype must be one of {_PARTIAL_DTYPES}, got {self.partial_dtype!r}")
         if self.schedule == "balanced" and not self.paged:
             raise ValueError("schedule='balanced' needs paged=True (the gathered-row kernels split per sequence)")
         if self.paged and self.prefetch != "none":
@@ -399,7 +415,7 @@ def _mla_decode_balanced(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_l
     P = cfg.num_splits
     block_size = kv_cache.shape[1]
     rows = P + N - 1  # program p's partial of sequence n is row p + n
-    part = poison_like(torch.empty(rows, H, L, dtype=torch.float32, device=q.device))
+    part = poison_like(torch.empty(rows, H, L, dtype=_partial_dtype(cfg, q), device=q.device))
     lse = poison_like(torch.empty(rows, H, dtype=torch.float32, device=q.device))
     pdl = use_pdl and not INTERPRET
     min_tiles = triton.cdiv(MIN_TOKENS_PER_SPLIT, cfg.block_n)
@@ -421,6 +437,10 @@ def _mla_decode_balanced(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_l
         USE_PDL=pdl, num_warps=4, **pdl_kwargs(use_pdl),
     )
     return out
+
+
+def _partial_dtype(cfg: MlaDecodeConfig, q: Tensor) -> torch.dtype:
+    return torch.float32 if cfg.partial_dtype == "fp32" else q.dtype
 
 
 def _check_pow2(value: int, name: str) -> None:
@@ -448,6 +468,8 @@ def mla_decode(
     paged: bool | None = None,
     max_registers: int | None = None,
     schedule: str | None = None,
+    partial_dtype: str | None = None,
+    tma: bool | None = None,
 ) -> Tensor:
     """Absorbed MLA decode, one query token per sequence, over the paged latent cache.
 
@@ -467,8 +489,8 @@ def mla_decode(
             schedule="balanced": the work programs per head block (None: `mla_decode_balanced_programs`).
         out: optional preallocated contiguous [N, H, L] output in q's dtype.
         use_pdl: launch with programmatic dependent launch (GPU only).
-        block_n, block_h, num_warps, num_stages, layout, prefetch, paged, max_registers, schedule:
-            tuning overrides of `mla_decode_config`'s choice (see `MlaDecodeConfig`).
+        block_n, block_h, num_warps, num_stages, layout, prefetch, paged, max_registers, schedule,
+        partial_dtype, tma: tuning overrides of `mla_decode_config`'s choice (see `MlaDecodeConfig`).
 
     Returns:
         out: [N, H, L] in q.dtype, softmax(scale * q·kv^T) · kv[:, :L] per head.
@@ -501,7 +523,7 @@ def mla_decode(
     cfg = mla_decode_config(N, H, block_table.shape[1] * block_size, _num_sms(q.device.index) if q.is_cuda else None)
     overrides = dict(num_splits=num_splits, block_n=block_n, block_h=block_h, num_warps=num_warps,
                      num_stages=num_stages, layout=layout, prefetch=prefetch, paged=paged,
-                     max_registers=max_registers, schedule=schedule)
+                     max_registers=max_registers, schedule=schedule, partial_dtype=partial_dtype, tma=tma)
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if out is None:
         out = poison_like(torch.empty(N, H, L, dtype=q.dtype, device=q.device))
@@ -524,7 +546,7 @@ def mla_decode(
     if direct:
         part, lse = out, out  # lse unused: the kernel writes the output directly
     else:
-        part = poison_like(torch.empty(N, S, H, L, dtype=torch.float32, device=q.device))
+        part = poison_like(torch.empty(N, S, H, L, dtype=_partial_dtype(cfg, q), device=q.device))
         lse = poison_like(torch.empty(N, S, H, dtype=torch.float32, device=q.device))
     pdl = use_pdl and not INTERPRET
     args = (q, q.stride(0), q.stride(1), kv_cache, block_table, block_table.stride(0), seq_lens,
@@ -535,7 +557,16 @@ def mla_decode(
     if cfg.max_registers is not None and not INTERPRET:  # a compile option: the interpreter has no registers
         meta["maxnreg"] = cfg.max_registers
     grid = (N, triton.cdiv(H, cfg.block_h), S)
-    if cfg.paged:
+    if cfg.tma:
+        if block_size % cfg.block_n:
+            raise ValueError(f"tma=True needs kv_cache's block_size ({block_size}) to be a multiple of block_n "
+                             f"({cfg.block_n}): a TMA box has no row mask, so tiles must not straddle pages")
+        rows = kv_cache.view(-1, L + R)  # the pool as token rows; the boxes start at page * block_size + offset
+        descs = (TensorDescriptor.from_tensor(rows[:, :L], [cfg.block_n, L]),
+                 TensorDescriptor.from_tensor(rows[:, L:], [cfg.block_n, R]))
+        args = args[:4] + descs + args[4:8] + args[10:]  # no output strides: partials only
+        _mla_decode_tma_kernel[grid](*args, HEADS_ON_M=cfg.layout == "heads", **meta)
+    elif cfg.paged:
         args = args[:8] + args[10:]  # no output strides: partials only
         _mla_decode_paged_kernel[grid](*args, HEADS_ON_M=cfg.layout == "heads", **meta)
     elif cfg.layout == "tokens":

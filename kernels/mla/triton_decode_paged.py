@@ -19,6 +19,14 @@ s [BLOCK_H, BLOCK_N] = q · [c ; k_pe]^T, acc [BLOCK_H, L] += p · c), or the ti
 (both dots wgmma from shared memory at BLOCK_N >= 64, s^T = [c ; k_pe] · q^T, acc^T += c^T · p^T;
 measured slower: its q^T and three 64-token buffers do not fit, and at two buffers the copy runs in
 series again). All BLOCK_H heads of a sequence share each tile (read once). Accumulation in fp32.
+With heads on M and BLOCK_H = 64 at Kimi's 32 heads (half the rows masked to zero: FlashMLA pads the same
+way) and 8 warps, both dots lower to wgmma reading the KV tile straight from shared memory, q held there
+too (72 KB): twice the MMA work but none of mma.sync's ldmatrix traffic; one program per SM. The sm_90
+TTGIR shows one more cost: a dot whose result feeds another dot gets all warps along M (warpsPerCTA
+[8, 1]), so both warpgroups compute the same 64 x BLOCK_N scores, and only the second dot splits its N
+([4, 2]). At 32 heads on M (mma.sync, the default) the 4 warps split the score dot's N instead ([1, 4]),
+so every warp reads all of q from shared memory for each tile (4 x 36 KB per 32-token tile), and p goes
+through shared memory into the second dot. Benchmarked as variants (benchmarks/kernels_mla.py).
 
 Split-KV: the tiles of a sequence are cut into num_splits equal ranges of whole tiles (computed in
 the kernel from seq_lens, so one launch and one CUDA graph serve any lengths); each split writes its
@@ -128,7 +136,8 @@ def _store_partial(part_ptr, lse_ptr, slot, H, offs_h, mask_h, acc, m_i, l_i, L:
         o = acc / tl.where(has, l_i, 1.0)[:, None]
     else:
         o = tl.trans(acc / tl.where(has, l_i, 1.0)[None, :])
-    tl.store(part_ptr + out_row[:, None] * L + tl.arange(0, L)[None, :], o, mask=mask_h[:, None])
+    tl.store(part_ptr + out_row[:, None] * L + tl.arange(0, L)[None, :], o.to(part_ptr.dtype.element_ty),
+             mask=mask_h[:, None])
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     tl.store(lse_ptr + out_row, lse, mask=mask_h)
 
@@ -139,7 +148,7 @@ def _mla_decode_paged_kernel(
     kv_ptr,  # [num_pages, block_size, L+R], contiguous
     block_table_ptr, stride_bt_n,  # [N, max_blocks] int32
     seq_lens_ptr,  # [N] int32
-    part_ptr,  # [N, S, H, L] fp32 normalized partial outputs
+    part_ptr,  # [N, S, H, L] normalized partial outputs: fp32, or q's dtype (partial_dtype="input")
     lse_ptr,  # [N, S, H] fp32, log2 domain
     qk_scale,  # scale * log2(e)
     H,
@@ -198,7 +207,7 @@ def _mla_decode_balanced_kernel(
     kv_ptr,  # [num_pages, block_size, L+R], contiguous
     block_table_ptr, stride_bt_n,  # [N, max_blocks] int32
     seq_lens_ptr,  # [N] int32
-    part_ptr,  # [P + N - 1, H, L] fp32: program p's partial of sequence n in row p + n
+    part_ptr,  # [P + N - 1, H, L] fp32 (or q's dtype): program p's partial of sequence n in row p + n
     lse_ptr,  # [P + N - 1, H] fp32, log2 domain
     qk_scale,  # scale * log2(e)
     N,
@@ -253,7 +262,7 @@ def _mla_decode_balanced_kernel(
 
 @triton.jit
 def _mla_decode_balanced_combine_kernel(
-    part_ptr,  # [P + N - 1, H, L] fp32
+    part_ptr,  # [P + N - 1, H, L] fp32, or the output's dtype (partial_dtype="input")
     lse_ptr,  # [P + N - 1, H] fp32, log2 domain
     o_ptr, stride_o_n, stride_o_h,  # [N, H, L]
     seq_lens_ptr,
@@ -297,7 +306,7 @@ def _mla_decode_balanced_combine_kernel(
         mask_s = ss < count
         rows = (base + ss).to(tl.int64) * H + i_h
         w = tl.exp2(tl.load(lse_ptr + rows, mask=mask_s, other=float("-inf")) - m)  # [BLOCK_S]
-        part = tl.load(part_ptr + rows[:, None] * L + offs_l[None, :], mask=mask_s[:, None], other=0.0)
+        part = tl.load(part_ptr + rows[:, None] * L + offs_l[None, :], mask=mask_s[:, None], other=0.0).to(tl.float32)
         acc += tl.sum(w[:, None] * part, axis=0)
     if USE_PDL:
         gdc_launch_dependents()

@@ -50,13 +50,15 @@ def test_sm90_build_has_no_spills_and_pipelines_loads() -> None:
 
 
 _PAGED = r'''
+from dataclasses import replace
 from k3rt.kernels.mla import triton_decode as d, triton_decode_paged as p
 
 I32, C = "i32", "constexpr"
 sig = dict(q_ptr="*bf16", stride_q_n=I32, stride_q_h=I32, kv_ptr="*bf16", block_table_ptr="*i32", stride_bt_n=I32,
            seq_lens_ptr="*i32", part_ptr="*fp32", lse_ptr="*fp32", qk_scale="fp32", H=I32, block_size=I32,
            num_splits=I32, L=C, R=C, BLOCK_H=C, BLOCK_N=C, DOT_PRECISION=C, USE_PDL=C, HEADS_ON_M=C)
-cfg = d.mla_decode_config(64, 32, 32768, 132)  # the default launch at the 48B shape (32 heads, 512 + 64)
+# the default launch at the 48B shape (32 heads, 512 + 64), with the test's overrides
+cfg = replace(d.mla_decode_config(64, 32, 32768, 132), **OVERRIDES)
 consts = dict(L=512, R=64, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DOT_PRECISION="tf32", USE_PDL=True,
               HEADS_ON_M=cfg.layout == "heads")
 # block_size too is divisible by 16 at the 48B shape's 1888-token pages, and the runtime marks it so
@@ -79,8 +81,52 @@ def test_paged_decode_keeps_copies_in_flight_and_fits_two_programs_per_sm() -> N
     one's math. The gathered-row kernels wait for everything (num = 0) at the top of each iteration,
     which held them at 45 % of copy bandwidth. Shared memory and 4 warps leave room for two programs
     per SM (228 KB, less 1 KB per program), which the measured speed relies on."""
-    r = run_sm90_build(_PAGED, timeout=240)
+    r = run_sm90_build("OVERRIDES = {}" + _PAGED, timeout=240)
     assert r["async_copies"] > 0 and r["loop_waits"] and r["loop_waits"][0] > 0, r
     assert r["shared"] <= 113 * 1024, r
     # ptxas keeps 8 bytes on the stack at 254 registers (the launch measured on the H200 had them)
     assert r["stack"] <= 8 and r["local"] == 0, r
+    assert r["wgmma"] == 0, r  # 32 heads on M: mma.sync
+
+
+def test_paged_decode_wgmma_launch_pads_heads_to_64() -> None:
+    """The benchmark's "wgmma h64" launch (FlashMLA's layout at 32 heads): a 64-row head block (half of it
+    zero rows) lowers both dots to wgmma at 8 warps, keeps the next copies in flight, fits one program per
+    SM with q in shared memory, and does not spill."""
+    r = run_sm90_build("OVERRIDES = dict(block_h=64, num_warps=8, num_stages=3)" + _PAGED, timeout=240)
+    assert r["wgmma"] > 0, r
+    assert r["async_copies"] > 0 and r["loop_waits"] and r["loop_waits"][0] > 0, r
+    assert r["shared"] <= 227 * 1024, r
+    assert r["stack"] == 0 and r["local"] == 0, r
+
+
+_TMA = r'''
+from k3rt.kernels.mla import triton_decode_tma as t
+
+I32, C = "i32", "constexpr"
+sig = dict(q_ptr="*bf16", stride_q_n=I32, stride_q_h=I32, kv_ptr="*bf16", c_desc="tensordesc<bf16[32,512]>",
+           pe_desc="tensordesc<bf16[32,64]>", block_table_ptr="*i32", stride_bt_n=I32, seq_lens_ptr="*i32",
+           part_ptr="*fp32", lse_ptr="*fp32", qk_scale="fp32", H=I32, block_size=I32, num_splits=I32, L=C, R=C,
+           BLOCK_H=C, BLOCK_N=C, DOT_PRECISION=C, USE_PDL=C, HEADS_ON_M=C)
+consts = dict(L=512, R=64, BLOCK_H=64, BLOCK_N=32, DOT_PRECISION="tf32", USE_PDL=True, HEADS_ON_M=True)
+divisible = lambda k: k.startswith("stride") or k == "block_size"
+res = sm90_build(t._mla_decode_tma_kernel, sig, consts, 8, 3, divisible)
+k = triton.compile(ASTSource(t._mla_decode_tma_kernel, sig, constexprs=consts,
+                             attrs={(i,): [["tt.divisibility", 16]] for i, (n, v) in enumerate(sig.items())
+                                    if v.startswith("*") or divisible(n)}),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+loop = k.asm["ttgir"].split("scf.for", 1)[1].split("scf.yield", 1)[0]
+res["loop_tma"] = loop.count("async_tma_copy_global_to_local")
+print(json.dumps(res))
+'''
+
+
+def test_tma_decode_copies_tiles_in_the_loop_with_wgmma() -> None:
+    """The TMA launch the benchmark times (64-row head block, 32-token tiles, 8 warps, 3 stages) at the 48B
+    shape: the tile loop issues TMA copies (c and k_pe boxes), both dots lower to wgmma, no spills, and the
+    shared memory fits one program per SM."""
+    r = run_sm90_build(_TMA, timeout=240)
+    assert r["loop_tma"] == 2, r
+    assert r["wgmma"] > 0, r
+    assert r["stack"] == 0 and r["local"] == 0, r
+    assert r["shared"] <= 227 * 1024, r

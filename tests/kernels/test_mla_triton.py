@@ -112,6 +112,28 @@ def test_decode_paged_tiles(layout: str, block_size: int, block_n: int) -> None:
                      paged=True, block_n=block_n, num_stages=3)
 
 
+@pytest.mark.parametrize("layout", ["heads", "tokens"])
+def test_decode_tma_tiles(layout: str) -> None:
+    """KV tiles copied by TMA boxes (no row mask): the rows past each sequence's end in its last page hold
+    NaN (never written), so only the masked last tile may read them; ragged lengths (a padding row, one
+    token, a length ending on a page boundary, one inside a page), splits cutting inside pages and past the
+    end, one split."""
+    block_size, block_n = 32, 16
+    lens = [1, 0, 3 * block_size, 2 * block_size + 7, 5]
+    case = decode_case(lens, H=4, L=32, R=16, block_size=block_size, dtype=torch.float32, seed=21, table_pad=2)
+    for n, ln in enumerate(lens):
+        if ln % block_size:
+            case["kv_cache"][case["block_table"][n, ln // block_size], ln % block_size:] = float("nan")
+    for num_splits in (1, 4, 40):
+        check_decode(case, 32, scale=0.2, tol=1e-5, num_splits=num_splits, layout=layout, prefetch="none",
+                     paged=True, tma=True, block_n=block_n, num_stages=3)
+    with pytest.raises(ValueError, match="block_size .48. to be a multiple of block_n .32."):
+        mla_decode(**decode_case([5], H=4, L=32, R=16, block_size=48, dtype=torch.float32, seed=22), scale=0.2,
+                   kv_lora_rank=32, tma=True, block_n=32)
+    with pytest.raises(ValueError, match="tma=True needs paged=True and schedule='split'"):
+        MlaDecodeConfig(num_splits=2, paged=True, prefetch="none", schedule="balanced", tma=True)
+
+
 def test_decode_paged_refuses_register_prefetch() -> None:
     with pytest.raises(ValueError, match="prefetch"):
         MlaDecodeConfig(num_splits=1, paged=True, prefetch="after_scores")
@@ -153,7 +175,8 @@ def test_decode_config() -> None:
         assert cfg == replace(mla_decode_config(1, h, ctx, num_sms=132), num_splits=cfg.num_splits)
     case = decode_case([5, 9], H=4, L=32, R=16, block_size=16, dtype=torch.float32, seed=13)
     for bad, match in [(dict(layout="rows"), "layout"), (dict(prefetch="early"), "prefetch"),
-                       (dict(block_n=48), "block_n"), (dict(block_h=8), "block_h")]:
+                       (dict(block_n=48), "block_n"), (dict(block_h=8), "block_h"),
+                       (dict(partial_dtype="bf16"), "partial_dtype")]:
         with pytest.raises(ValueError, match=match):
             mla_decode(**case, scale=0.1, kv_lora_rank=32, **bad)
     with pytest.raises(ValueError, match="num_splits"):
@@ -194,11 +217,14 @@ def test_decode_tokens_layout_builds_for_sm90_with_wgmma_and_no_spills() -> None
 
 
 def test_decode_fp16_default_splits_into_out() -> None:
-    """fp16 path, num_splits chosen by the heuristic, and a preallocated output."""
+    """fp16 path, num_splits chosen by the heuristic, and a preallocated output; partials in the input's
+    dtype (fp16, one more rounding per split) through both schedules' combines stay within the same bound."""
     case = decode_case([80, 3, 64], H=4, L=32, R=16, block_size=32, dtype=torch.float16, seed=7)
     out = torch.full((3, 4, 32), float("nan"), dtype=torch.float16, device=DEV)
     got = check_decode(case, 32, scale=0.2, tol=2e-3, out=out)
     assert got.data_ptr() == out.data_ptr()
+    for schedule in ("split", "balanced"):
+        check_decode(case, 32, scale=0.2, tol=2e-3, num_splits=3, partial_dtype="input", schedule=schedule)
 
 
 def test_decode_extreme_scores_stay_finite() -> None:
@@ -356,17 +382,21 @@ def _gpu_lens(N: int, max_ctx: int, seed: int) -> list[int]:
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("N,max_ctx", [(1, 32768), (16, 32768), (64, 8192), (64, 32768)])
 @pytest.mark.parametrize("splits", ["auto", "one"])
-@pytest.mark.parametrize("tiles", ["default", "paged", "gathered", "balanced"])
+@pytest.mark.parametrize("tiles", ["default", "paged", "gathered", "balanced", "wgmma", "wgmma_balanced", "tma"])
 def test_gpu_decode_kimi_shape(N: int, max_ctx: int, splits: str, tiles: str) -> None:
     """The default launch, page-aligned 64-token tiles (1888-token pages are not a multiple of them, so
-    each page's last tile is cut), rows gathered through the block table (the fallback), and the balanced
-    schedule (splits="one" there means one work program), in bf16 at the 48B shape."""
+    each page's last tile is cut), rows gathered through the block table (the fallback), the balanced
+    schedule (splits="one" there means one work program), the head block padded to 64 rows (wgmma) with
+    bf16 partials, in both schedules, and TMA-copied tiles, in bf16 at the 48B shape."""
     case = decode_case(_gpu_lens(N, max_ctx, seed=N + max_ctx), H=H48, L=L48, R=R48, block_size=PAGE48,
                        dtype=torch.bfloat16, seed=N, spare_blocks=1)
     num_splits = None if splits == "auto" else 1
     tune = {"default": {}, "paged": dict(paged=True, layout="heads", prefetch="none", block_n=64, num_stages=3),
             "gathered": dict(paged=False, layout="heads", prefetch="none", num_stages=2),
-            "balanced": dict(schedule="balanced")}[tiles]
+            "balanced": dict(schedule="balanced"),
+            "wgmma": dict(block_h=64, num_warps=8, num_stages=3, partial_dtype="input", use_pdl=True),
+            "wgmma_balanced": dict(block_h=64, num_warps=8, num_stages=3, schedule="balanced"),
+            "tma": dict(block_h=64, num_warps=8, num_stages=3, tma=True)}[tiles]
     check_decode(case, L48, SCALE48, tol=1e-2, num_splits=num_splits, **tune)
 
 
