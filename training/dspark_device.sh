@@ -10,9 +10,10 @@
 # (--minutes 2.0 of generation inside, plus model load, prompt scan and saving), train 230 (--minutes 3.2),
 # eval 80: at most 540 s = 9 minutes in all. Each phase's own budget ends it before its timeout; the
 # timeout only backs that up.
-# Outputs (5 files): $OUT/k3-tiny-dspark/{config.json, model.safetensors (bf16, ~8.7 MB), training.json},
-# $OUT/eval.json (held-out tau, tau_scheduled, ngram_tau), $OUT/dspark_device.log (every phase's output).
-# Copy $OUT/k3-tiny-dspark/{config.json,model.safetensors,training.json} into k3rt/models/k3-tiny-dspark/.
+# Outputs (6 files): $OUT/k3-tiny-dspark/{config.json, model.safetensors (bf16, ~8.7 MB), training.json,
+# README.md (the card: shape, training, held-out tau table)}, $OUT/eval.json (held-out tau, tau_scheduled,
+# ngram_tau), $OUT/dspark_device.log (every phase's output).
+# Ship it: copy the four files of $OUT/k3-tiny-dspark/ over k3rt/models/k3-tiny-dspark/.
 #
 # Smoke test on a CPU (about 2 minutes): everything scaled down, same code path except the greedy path.
 #   OUT=/tmp/dspark_smoke DSPARK_SMOKE=1 DSPARK_PYTHON=.venv/bin/python bash training/dspark_device.sh
@@ -70,5 +71,6 @@ phase train "$TRAIN_TO" "$PY" -m k3rt.training.dspark train --data "$WORK/greedy
 # shellcheck disable=SC2086
 phase eval "$EVAL_TO" "$PY" -m k3rt.training.dspark eval --drafter "$OUT/k3-tiny-dspark" --device "$DEV" \
   --out "$OUT/eval.json" $EVAL_ARGS || exit 1
+"$PY" -m k3rt.training.dspark card --drafter "$OUT/k3-tiny-dspark" --eval "$OUT/eval.json" >>"$LOG" 2>&1
 echo "== total ${SECONDS}s" | tee -a "$LOG"
 cat "$OUT/eval.json"
