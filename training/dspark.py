@@ -407,7 +407,7 @@ confidence head (threshold {cfg.confidence_threshold}). model.safetensors: {size
 
 Training (training.json): {notes["minutes"]} minutes on {notes["device"]}, {notes["steps"]} steps of {notes["batch"]}
 anchors, on k3-tiny's greedy continuations of {notes["sequences"]} training-split stdlib code prompts
-(`bash training/dspark_device.sh`; its header gives every command and size).
+({args.trained_by}).
 
 Held-out τ (mean accepted + 1 per verify round, k = {ev["k"]}, temperature 0; k3-tiny {ev["target_dtype"]} greedy
 continuations of {ev["prompts"]} held-out-module prompts, {ev["prompt_len"]} + {ev["gen_len"]} tokens, {ev["rounds"]} rounds):
@@ -474,6 +474,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     cd = sub.add_parser("card", help="write a drafter folder's README.md from its training notes and an eval JSON")
     cd.add_argument("--drafter", type=Path, required=True)
     cd.add_argument("--eval", type=Path, required=True, help="eval --out's JSON")
+    cd.add_argument("--trained-by", default="`bash training/dspark_device.sh`; its header gives every command and size",
+                    help="how the drafter was made (the card's training line)")
     cd.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     for s in (gen, tr, ev):
         s.add_argument("--target", default="k3-tiny")

@@ -260,7 +260,8 @@ def test_shipped_drafter_proposes_and_beats_nothing(k3_tiny):
     prompts = code_prompts("heldout", 4, 48, seed=0)
     tokens, states, _ = greedy_with_states(k3_tiny, prompts, 40, drafter.target_layers)
     w = drafter.context_len
-    queries = [DraftQuery(i, tokens[i, :49].tolist(), 48, 7, states[i, max(0, 49 - w): 49].float()) for i in range(4)]
+    # the anchor is token 48 (not run yet): the states end at position 47
+    queries = [DraftQuery(i, tokens[i, :49].tolist(), 48, 7, states[i, max(0, 48 - w): 48].float()) for i in range(4)]
     drafts = drafter.propose(queries)
     assert all(1 <= len(d) <= 7 and all(0 <= t < 8192 for t in d) for d in drafts)
     res = replay_tau(drafter.model, tokens, states, 48, drafter.embed, drafter.lm_head, 7)
