@@ -246,6 +246,8 @@ def losses(model: DSparkModel, win: tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 def cmd_train(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
+    if args.device.startswith("cuda"):  # TF32 matmuls: a drafter's argmax does not need fp32's last bits
+        torch.set_float32_matmul_precision("high")
     parts = [torch.load(path) for path in args.data]
     data = {"target_layers": parts[0]["target_layers"], "target": parts[0]["target"]}
     if any(d["target_layers"] != data["target_layers"] or d["target"] != data["target"] for d in parts):
