@@ -6,10 +6,11 @@
 #
 #   OUT=/path/to/out bash training/dspark_device.sh
 #
-# Phases and their hard limits (seconds, `timeout`): setup 60 (wheels in .whl/, editable install), gen 170
-# (--minutes 2.0 of generation inside, plus model load, prompt scan and saving), train 230 (--minutes 3.2),
-# eval 80: at most 540 s = 9 minutes in all. Each phase's own budget ends it before its timeout; the
-# timeout only backs that up.
+# Phases and their hard limits (seconds, `timeout`): setup 40 (wheels in .whl/, editable install), gen 170
+# (--minutes 2.0 of generation inside, plus model load, prompt scan and saving ~3 GB of states), train 230
+# (--minutes 3.0 of steps, plus loading the data and saving), eval 80, card 20: at most 540 s = 9 minutes
+# in all, about 7 expected. Each phase's own budget ends it before its timeout; the timeout only backs
+# that up. Progress (tqdm, every 15 s) goes to the log; each phase's start, end and seconds to stdout too.
 # Outputs (6 files): $OUT/k3-tiny-dspark/{config.json, model.safetensors (bf16, ~8.7 MB), training.json,
 # README.md (the card: shape, training, held-out tau table)}, $OUT/eval.json (held-out tau, tau_scheduled,
 # ngram_tau), $OUT/dspark_device.log (every phase's output).
@@ -31,7 +32,7 @@ if [ "${DSPARK_SMOKE:-0}" = 1 ]; then
   GEN_ARGS="--greedy-path cached --max-prompts 16 --batch 8 --gen-len 48"
   TRAIN_ARGS="--batch 16" EVAL_ARGS="--num-prompts 4 --gen-len 40"
 else
-  DEV=cuda GEN_MIN=2.0 GEN_TO=170 TRAIN_MIN=3.2 TRAIN_TO=230 EVAL_TO=80
+  DEV=cuda GEN_MIN=2.0 GEN_TO=170 TRAIN_MIN=3.0 TRAIN_TO=230 EVAL_TO=80
   # 256 prompts per dense batch, 48 prompt + 160 greedy tokens each (the eval continues 48 -> 96)
   GEN_ARGS="--greedy-path dense --max-prompts 8192 --batch 256 --gen-len 160"
   TRAIN_ARGS="--batch 256 --lr 1.5e-3 --warmup 200" EVAL_ARGS="--num-prompts 32 --gen-len 96"
@@ -47,7 +48,7 @@ phase() {  # name, timeout, command...: run it under its limit, log it, say how 
 }
 : >"$LOG"
 if [ "${DSPARK_INSTALL:-1}" = 1 ]; then
-  phase setup 60 bash -c '
+  phase setup 40 bash -c '
     if ls .whl/*.whl >/dev/null 2>&1; then
       '"$PY"' -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     fi
@@ -71,6 +72,6 @@ phase train "$TRAIN_TO" "$PY" -m k3rt.training.dspark train --data "$WORK/greedy
 # shellcheck disable=SC2086
 phase eval "$EVAL_TO" "$PY" -m k3rt.training.dspark eval --drafter "$OUT/k3-tiny-dspark" --device "$DEV" \
   --out "$OUT/eval.json" $EVAL_ARGS || exit 1
-"$PY" -m k3rt.training.dspark card --drafter "$OUT/k3-tiny-dspark" --eval "$OUT/eval.json" >>"$LOG" 2>&1
+phase card 20 "$PY" -m k3rt.training.dspark card --drafter "$OUT/k3-tiny-dspark" --eval "$OUT/eval.json"
 echo "== total ${SECONDS}s" | tee -a "$LOG"
 cat "$OUT/eval.json"
