@@ -92,15 +92,16 @@ class DSparkDrafter(Drafter):
             raise ValueError(f"dspark: request {q.rid} hidden is {list(h.shape)}, expected "
                              f"[1..{cfg.context_len}, {width}]")
         n = h.shape[0]
-        if not self.model.needs_tokens:
-            return (torch.cat([h[:1].expand(cfg.context_len - n, -1), h]) if n < cfg.context_len else h).to(self.dtype), [], n
-        if len(q.token_ids) < n + 1:
-            raise ValueError(f"dspark: request {q.rid} has {n} state rows but only {len(q.token_ids)} tokens "
-                             "(the rows must end right before the anchor)")
+        ids: list[int] = []
+        if self.model.needs_tokens:  # an old-format drafter reads states only (its tests send few token ids)
+            if len(q.token_ids) < n + 1:
+                raise ValueError(f"dspark: request {q.rid} has {n} state rows but only {len(q.token_ids)} tokens "
+                                 "(the rows must end right before the anchor)")
+            tail = list(q.token_ids[len(q.token_ids) - n - 1:])
+            ids = [tail[-1]] * (cfg.context_len - n) + tail
         if n < cfg.context_len:
             h = torch.cat([h[:1].expand(cfg.context_len - n, -1), h])
-        ids = list(q.token_ids[len(q.token_ids) - n - 1:])
-        return h.to(self.dtype), [ids[-1]] * (cfg.context_len - n) + ids, n
+        return h.to(self.dtype), ids, n
 
     @torch.no_grad()
     def propose(self, queries: Sequence[DraftQuery]) -> list[list[int]]:
