@@ -5,19 +5,21 @@
     python -m k3rt.training.dspark eval  --drafter DIR --num-prompts 24               # tau on held-out code
 
 gen: prompts are random windows of the corpus's training-split code (training/corpus.py: this machine's
-stdlib, minus the held-out modules); the target continues each greedily through its cached decode path,
-and forward hooks keep the chosen layers' states at every processed position. Those continuations are
-what the target emits, so teacher forcing on them trains the drafter to predict the target's greedy
-tokens, from exactly the states it will be given at serving time (a position's state is known once the
-target has run that token; the newest token, the anchor, has none yet).
-train: per anchor position t (t >= prompt_len - 1, so every label is a target greedy token): the states
-at t-W..t-1 and token x_t -> x_{t+1..t+k}. Loss = position-weighted cross-entropy of base + Markov logits
-(the Markov head gets the true previous tokens) + BCE of the confidence head on "draft j's argmax is
+stdlib, minus the held-out modules); the target continues each greedily (through its cached decode path,
+or on a GPU by repeated dense forwards: --greedy-path), and forward hooks keep the chosen layers' states
+at every processed position. Those continuations are what the target emits, so teacher forcing on them
+trains the drafter to predict the target's greedy tokens, from exactly the states it will be given at
+serving time (a position's state is known once the target has run that token; the newest token, the
+anchor, has none yet).
+train: per anchor position t: the states at t-W..t-1 (left-padded and masked before the sequence start),
+their tokens and x_t -> x_{t+1..t+k}. Loss = position-weighted cross-entropy of the draft distribution
+(base + Markov logits, the Markov head given the true previous tokens, mixed with the copy head's) + BCE of the confidence head on "draft j's argmax is
 right" over the anchors whose drafts before j were all right (its estimate is conditional, so the
 product over a prefix estimates that the whole prefix is accepted); confidence reads detached states.
 eval: tau = mean(accepted + 1) per verify round, replaying greedy speculative decoding against the
 target's greedy continuation of held-out prompts (no engine: greedy verification accepts exactly the
-prefix of drafts that equals the target's greedy tokens).
+prefix of drafts that equals the target's greedy tokens); with n-gram prompt lookup on the same
+continuations as the baseline. On a GPU machine, training/dspark_device.sh runs all three in 9 minutes.
 """
 
 from __future__ import annotations
@@ -46,11 +48,13 @@ from k3rt.backend.tokenizer import load_tokenizer
 from k3rt.training.corpus import HELDOUT_MODULES, code_documents, stdlib_dir
 from k3rt.training.train import use_fast_kda
 
-# The shipped k3-tiny drafter's shape (docs/dspark.md): three target states (after 2 and 5 layers, and
-# the final one), the last 4 verified positions, 2 block layers at the target's width, 7 drafts.
+# The k3-tiny drafter's shape (docs/dspark.md): three target states (after 2 and 5 layers, and the final
+# one) with their tokens, the last 128 run positions (a greedy small target repeats itself from far back:
+# the copy head points there), 2 block layers at the target's width, 7 drafts.
 K3_TINY_DSPARK = dict(vocab_size=8192, hidden_size=384, target_hidden_size=384, target_layers=(2, 5, 8),
-                      context_len=4, block_size=7, num_layers=2, num_heads=6, head_dim=64, intermediate_size=768,
-                      markov_rank=32, confidence_hidden=64, confidence_threshold=0.3, min_verify=1)
+                      context_len=128, block_size=7, num_layers=2, num_heads=6, head_dim=64, intermediate_size=768,
+                      markov_rank=32, confidence_hidden=64, confidence_threshold=0.3, min_verify=1,
+                      context_tokens=True, copy_dim=64)
 
 
 # ---- data: the target's own greedy continuations --------------------------------------------------
@@ -100,6 +104,29 @@ def greedy_with_states(target: KimiForCausalLM, prompts: Sequence[Sequence[int]]
 
 
 @torch.no_grad()
+def greedy_dense(target: KimiForCausalLM, prompts: Sequence[Sequence[int]], gen_len: int, layers: Sequence[int],
+                 deadline: float = math.inf) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """greedy_with_states' result from cache-less dense forwards: each new token is the argmax after a full
+    forward of the sequence so far, then one more dense forward gives every position's states and argmax.
+    Quadratic work, but every forward is one [B, T] batch: on a GPU this beats the cached path, whose
+    layers loop over the batch's sequences (kernel-launch bound at k3-tiny's size). None when `deadline`
+    (time.time()) passes first. Labels are the final forward's argmaxes, so a near-tie decided differently
+    by the stepwise forwards only shortens that anchor's label chain (gather)."""
+    device = target.lm_head.weight.device
+    ids = torch.tensor(prompts, device=device)
+    b = ids.shape[0]
+    for _ in range(gen_len):
+        if time.time() > deadline:
+            return None
+        t = ids.shape[1]
+        last = torch.arange(1, b + 1, device=device) * t - 1
+        nxt = target(ids.reshape(-1), ForwardBatch([t] * b, logits_indices=last)).argmax(-1)
+        ids = torch.cat([ids, nxt[:, None]], 1)
+    nexts, states = dense_states(target, ids[:, :-1], layers)
+    return ids, states.half(), nexts
+
+
+@torch.no_grad()
 def corpus_with_states(target: KimiForCausalLM, windows: torch.Tensor, layers: Sequence[int]
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Corpus windows [B, T] through one dense forward: (tokens, states [B, T - 1, F] fp16, argmax next
@@ -112,18 +139,26 @@ def corpus_with_states(target: KimiForCausalLM, windows: torch.Tensor, layers: S
 def cmd_gen(args: argparse.Namespace) -> None:
     target = load_model(args.target, dtype=args.target_dtype, device=args.device, progress=False)
     layers = tuple(args.layers)
-    if args.source == "corpus":
+    dense = args.greedy_path == "dense" or (args.greedy_path == "auto" and args.device.startswith("cuda"))
+    if args.source == "corpus" or dense:
         use_fast_kda(target)  # dense [B, T] path only; the checkpoint is untouched
+    if args.source == "corpus":
         prompts = code_prompts(args.split, args.max_prompts, args.prompt_len + args.gen_len, args.seed, args.target)
     else:
         prompts = code_prompts(args.split, args.max_prompts, args.prompt_len, args.seed, args.target)
     tokens, states, nexts, t0 = [], [], [], time.time()
+    deadline = t0 + args.minutes * 60
     bar = tqdm(total=len(prompts), desc=f"gen {args.source} {args.split}", unit="seq")
     for i in range(0, len(prompts), args.batch):
-        if time.time() - t0 > args.minutes * 60:
+        if time.time() > deadline:
             break
         if args.source == "corpus":
             tk, st, nx = corpus_with_states(target, torch.tensor(prompts[i: i + args.batch], device=args.device), layers)
+        elif dense:
+            got = greedy_dense(target, prompts[i: i + args.batch], args.gen_len, layers, deadline)
+            if got is None:  # the budget ran out inside this batch: it is dropped
+                break
+            tk, st, nx = got
         else:
             tk, st, nx = greedy_with_states(target, prompts[i: i + args.batch], args.gen_len, layers)
         tokens.append(tk.cpu())
@@ -131,6 +166,8 @@ def cmd_gen(args: argparse.Namespace) -> None:
         nexts.append(nx.cpu())
         bar.update(tk.shape[0])
     bar.close()
+    if not tokens:
+        raise SystemExit(f"gen: no batch finished within --minutes {args.minutes} (lower --batch or --gen-len)")
     data = {"tokens": torch.cat(tokens), "states": torch.cat(states), "next": torch.cat(nexts),
             "source": args.source, "target_layers": list(layers), "target": args.target, "split": args.split}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -140,19 +177,35 @@ def cmd_gen(args: argparse.Namespace) -> None:
 
 # ---- training ---------------------------------------------------------------------------------------
 
+# anchors need at least this many run positions before them (or the whole window, if shorter)
+MIN_CONTEXT = 8
+
+
 def anchors(nxt: torch.Tensor, cfg: DSparkConfig) -> torch.Tensor:
-    """All (sequence, t) pairs with a full context window before t and a known first label."""
+    """All (sequence, t) pairs with some context before t and a known first label. A window that reaches
+    before the sequence start is left-padded (`window`), as the engine pads a short request's."""
     n, run = nxt.shape  # run = tokens - 1 positions have states and an argmax
-    ts = torch.arange(cfg.context_len, run, device=nxt.device)
+    ts = torch.arange(min(cfg.context_len, MIN_CONTEXT), run, device=nxt.device)
     pairs = torch.stack(torch.meshgrid(torch.arange(n, device=nxt.device), ts, indexing="ij"), -1).reshape(-1, 2)
     return pairs[nxt[pairs[:, 0], pairs[:, 1]] >= 0]
 
 
+def window(tokens: torch.Tensor, states: torch.Tensor, pairs: torch.Tensor, cfg: DSparkConfig
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pairs [B, 2] (sequence, anchor position t) -> (states of t-W..t-1 [B, W, F] fp32, token ids of t-W..t
+    [B, W + 1], valid [B, W]). Positions before 0 repeat position 0 (the engine's padding of a short
+    request) and are invalid."""
+    seq, t = pairs[:, 0:1], pairs[:, 1:2]
+    pos = t + torch.arange(-cfg.context_len, 1, device=t.device)  # [B, W + 1], the anchor last
+    ctx = states[seq, pos[:, :-1].clamp(min=0)].float()
+    return ctx, tokens[seq, pos.clamp(min=0)], pos[:, :-1] >= 0
+
+
 def gather(tokens: torch.Tensor, states: torch.Tensor, nxt: torch.Tensor, pairs: torch.Tensor, cfg: DSparkConfig
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """pairs [B, 2] -> (context states [B, W, F], previous tokens x_t..x_{t+k-1} [B, k], labels [B, k],
-    valid [B, k]). Label j is the target's argmax after x_{t+j-1}; it is the target's greedy draft j
-    only while x_{t+1..t+j-1} are themselves the target's argmaxes (always, on greedy data)."""
+           ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pairs [B, 2] -> (window(...), previous tokens x_t..x_{t+k-1} [B, k], labels [B, k], valid [B, k]).
+    Label j is the target's argmax after x_{t+j-1}; it is the target's greedy draft j only while
+    x_{t+1..t+j-1} are themselves the target's argmaxes (always, on greedy data)."""
     seq, t = pairs[:, 0:1], pairs[:, 1:2]
     k, run = cfg.block_size, nxt.shape[1]
     pos = t + torch.arange(k, device=t.device)  # positions whose argmax is label j (j = 1..k)
@@ -164,23 +217,28 @@ def gather(tokens: torch.Tensor, states: torch.Tensor, nxt: torch.Tensor, pairs:
     agree = tokens[seq, (pos + 1).clamp(max=tokens.shape[1] - 1)] == labels
     chain = torch.cat([torch.ones_like(agree[:, :1]), agree[:, :-1].int().cumprod(1).bool()], 1)
     valid = inside & chain & (labels >= 0)
-    ctx = states[seq, t + torch.arange(-cfg.context_len, 0, device=t.device)].float()
-    return ctx, prev, labels.clamp(min=0), valid
+    return window(tokens, states, pairs, cfg), prev, labels.clamp(min=0), valid
 
 
-def losses(model: DSparkModel, ctx: torch.Tensor, prev: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
-           embed: torch.Tensor, lm_head: torch.Tensor, pos_weight: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _window_kwargs(model: DSparkModel, win: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> dict:
+    """The block's window arguments as the engine's drafter passes them: an old-format drafter (no context
+    tokens, no copy head) gets neither ids nor mask (its padding rows are plain repeats)."""
+    return dict(ctx_tokens=win[1], ctx_valid=win[2]) if model.needs_tokens else {}
+
+
+def losses(model: DSparkModel, win: tuple[torch.Tensor, torch.Tensor, torch.Tensor], prev: torch.Tensor,
+           labels: torch.Tensor, valid: torch.Tensor, embed: torch.Tensor, lm_head: torch.Tensor,
+           pos_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token loss, confidence loss, per-position argmax match [B, k]) of one batch."""
-    hidden = model.block_hidden(ctx, prev[:, 0], embed)
-    logits = model.base_logits(hidden, lm_head) + model.markov_bias(prev)
+    logits, hidden = model.scores(win[0], prev, embed, lm_head, **_window_kwargs(model, win))
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
     w = pos_weight * valid
     token_loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
     match = (logits.argmax(-1) == labels) & valid
     # draft j counts only where drafts 1..j-1 were all right: the estimate is conditional on them
     reached = torch.cat([torch.ones_like(match[:, :1]), match.int().cumprod(1)[:, :-1].bool()], 1) & valid
-    conf = model.confidence(hidden.detach(), prev)
+    top = torch.softmax(logits.detach(), -1).amax(-1) if model.cfg.copy_dim else None
+    conf = model.confidence(hidden.detach(), prev, top)
     bce = F.binary_cross_entropy_with_logits(conf, match.float(), reduction="none")
     conf_loss = (bce * reached).sum() / reached.sum().clamp(min=1)
     return token_loss, conf_loss, match
@@ -188,13 +246,16 @@ def losses(model: DSparkModel, ctx: torch.Tensor, prev: torch.Tensor, labels: to
 
 def cmd_train(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
+    if args.device.startswith("cuda"):  # TF32 matmuls: a drafter's argmax does not need fp32's last bits
+        torch.set_float32_matmul_precision("high")
     parts = [torch.load(path) for path in args.data]
     data = {"target_layers": parts[0]["target_layers"], "target": parts[0]["target"]}
     if any(d["target_layers"] != data["target_layers"] or d["target"] != data["target"] for d in parts):
         raise ValueError("--data: the files were generated with different targets or target_layers")
     cfg = DSparkConfig(**{**K3_TINY_DSPARK, "target_layers": tuple(data["target_layers"]),
                           "block_size": args.block_size, "num_layers": args.num_layers,
-                          "markov_rank": args.markov_rank, "context_len": args.context_len})
+                          "markov_rank": args.markov_rank, "context_len": args.context_len,
+                          "context_tokens": args.context_tokens, "copy_dim": args.copy_dim})
     if args.init is not None:  # continue a drafter (its own config; the shape flags are ignored)
         model = load_drafter(args.init, device=args.device).train()
         if model.cfg.target_layers != cfg.target_layers:
@@ -238,8 +299,8 @@ def cmd_train(args: argparse.Namespace) -> None:
             group["lr"] = lr
         tk, st, nx, pairs = sets[int(torch.multinomial(draw, 1, generator=cpu_g))]
         idx = torch.randint(0, pairs.shape[0], (args.batch,), generator=cpu_g).to(args.device)
-        ctx, prev, labels, valid = gather(tk, st, nx, pairs[idx], cfg)
-        token_loss, conf_loss, match = losses(model, ctx, prev, labels, valid, embed, lm_head, pos_weight)
+        win, prev, labels, valid = gather(tk, st, nx, pairs[idx], cfg)
+        token_loss, conf_loss, match = losses(model, win, prev, labels, valid, embed, lm_head, pos_weight)
         opt.zero_grad(set_to_none=True)
         (token_loss + args.conf_weight * conf_loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -271,24 +332,31 @@ def replay_tau(model: DSparkModel, tokens: torch.Tensor, states: torch.Tensor, p
     the anchor (newest token) and the states of the W positions before it; accepted = the drafts'
     longest prefix equal to the target's next tokens; the round yields accepted + 1 tokens (the target's
     own next token follows). Rounds start after the first generated token and stop when the
-    continuation cannot check a full block. Also reports the confidence-scheduled variant (verify only
+    continuation cannot check a full block. All sequences advance together: one block pass per round
+    over every sequence still going. Also reports the confidence-scheduled variant (verify only
     verify_length drafts; accepted capped there)."""
     cfg = model.cfg
     k = cfg.block_size if k is None else k
     rounds, scheduled, verified = [], [], []
-    for s in range(tokens.shape[0]):
-        t = prompt_len
-        while t + k < tokens.shape[1]:
-            ctx = states[s: s + 1, t - cfg.context_len: t].float()
-            drafts, _, conf = model.draft(ctx, tokens[s: s + 1, t], embed, lm_head)
-            truth = tokens[s, t + 1: t + 1 + k]
-            ok = (drafts[0, :k] == truth).int().cumprod(0)
+    pos = [prompt_len] * tokens.shape[0]
+    while True:
+        live = [s for s in range(tokens.shape[0]) if pos[s] + k < tokens.shape[1]]
+        if not live:
+            break
+        pairs = torch.tensor([[s, pos[s]] for s in live], device=tokens.device)
+        win = window(tokens, states, pairs, cfg)
+        drafts, _, conf = model.draft(win[0], pairs.new_tensor([int(tokens[s, pos[s]]) for s in live]),
+                                      embed, lm_head, **_window_kwargs(model, win))
+        drafts, conf = drafts.cpu(), conf.cpu()
+        for row, s in enumerate(live):
+            t = pos[s]
+            ok = (drafts[row, :k] == tokens[s, t + 1: t + 1 + k].cpu()).int().cumprod(0)
             accepted = int(ok.sum())
-            n = verify_length(conf[0, :k], cfg.confidence_threshold, cfg.min_verify, k)
+            n = verify_length(conf[row, :k], cfg.confidence_threshold, cfg.min_verify, k)
             rounds.append(accepted + 1)
             scheduled.append(min(accepted, n) + 1)
             verified.append(n)
-            t += accepted + 1
+            pos[s] = t + accepted + 1
     return {"k": k, "rounds": len(rounds), "tau": sum(rounds) / len(rounds),
             "tau_scheduled": sum(scheduled) / len(scheduled), "mean_verified_scheduled": sum(verified) / len(verified),
             "threshold": cfg.confidence_threshold}
@@ -321,6 +389,41 @@ def cmd_eval(args: argparse.Namespace) -> None:
     res.update(prompts=args.num_prompts, prompt_len=args.prompt_len, gen_len=args.gen_len, seed=args.seed,
                target_dtype=args.target_dtype)
     print(json.dumps(res))
+    if args.out is not None:
+        args.out.write_text(json.dumps(res, indent=1) + "\n")
+
+
+def cmd_card(args: argparse.Namespace) -> None:
+    """README.md of a trained drafter folder from its config.json, training.json and an eval JSON."""
+    cfg = load_drafter(args.drafter).cfg
+    notes = json.loads((args.drafter / "training.json").read_text())
+    ev = json.loads(args.eval.read_text())
+    size = (args.drafter / "model.safetensors").stat().st_size
+    text = f"""# k3-tiny-dspark
+
+A DSpark block drafter for k3-tiny (docs/dspark.md): reads k3-tiny's states {list(cfg.target_layers)} (target.py
+numbering) at the last {cfg.context_len} run positions, with their tokens' embeddings (context_tokens:
+{str(cfg.context_tokens).lower()}) and a copy head (copy_dim {cfg.copy_dim}); drafts {cfg.block_size} tokens per pass
+with k3-tiny's own embedding and LM head (not stored here), a rank-{cfg.markov_rank} Markov head and a
+confidence head (threshold {cfg.confidence_threshold}). model.safetensors: {size / 1e6:.1f} MB, bf16.
+
+Training (training.json): {notes["minutes"]} minutes on {notes["device"]}, {notes["steps"]} steps of {notes["batch"]}
+anchors, on k3-tiny's greedy continuations of {notes["sequences"]} training-split stdlib code prompts
+({args.trained_by}).
+
+Held-out τ (mean accepted + 1 per verify round, k = {ev["k"]}, temperature 0; k3-tiny {ev["target_dtype"]} greedy
+continuations of {ev["prompts"]} held-out-module prompts, {ev["prompt_len"]} + {ev["gen_len"]} tokens, {ev["rounds"]} rounds):
+
+    python -m k3rt.training.dspark eval --drafter k3rt/models/k3-tiny-dspark --num-prompts {ev["prompts"]} --gen-len {ev["gen_len"]}
+
+| drafter | τ |
+|---|---|
+| this drafter, all {ev["k"]} drafts verified | {ev["tau"]:.2f} |
+| this drafter, confidence-scheduled ({ev["mean_verified_scheduled"]:.2f} drafts verified on average) | {ev["tau_scheduled"]:.2f} |
+| n-gram prompt lookup (2..4), same continuations | {ev["ngram_tau"]:.2f} |
+"""
+    (args.drafter / "README.md").write_text(text)
+    print(text)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -340,6 +443,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     gen.add_argument("--batch", type=int, default=32)
     gen.add_argument("--layers", type=int, nargs="+", default=list(K3_TINY_DSPARK["target_layers"]))
     gen.add_argument("--minutes", type=float, default=6.0, help="stop generating after this long")
+    gen.add_argument("--greedy-path", default="auto", choices=["auto", "cached", "dense"],
+                     help="greedy continuations through the cached decode path (cached) or repeated dense "
+                          "forwards (dense: one [B, T] batch per token, faster on a GPU); auto: dense on cuda")
     tr = sub.add_parser("train", help="train a drafter on gen's data")
     tr.add_argument("--data", type=Path, nargs="+", required=True, help="one or more gen outputs")
     tr.add_argument("--data-weights", type=float, nargs="+", default=None,
@@ -357,12 +463,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     tr.add_argument("--num-layers", type=int, default=K3_TINY_DSPARK["num_layers"])
     tr.add_argument("--markov-rank", type=int, default=K3_TINY_DSPARK["markov_rank"])
     tr.add_argument("--context-len", type=int, default=K3_TINY_DSPARK["context_len"])
+    tr.add_argument("--context-tokens", action=argparse.BooleanOptionalAction, default=K3_TINY_DSPARK["context_tokens"],
+                    help="context positions also carry their token's and the next token's embeddings")
+    tr.add_argument("--copy-dim", type=int, default=K3_TINY_DSPARK["copy_dim"], help="copy head width (0: none)")
     ev = sub.add_parser("eval", help="tau on held-out code prompts")
     ev.add_argument("--drafter", type=Path, required=True)
     ev.add_argument("--num-prompts", type=int, default=24)
     ev.add_argument("--prompt-len", type=int, default=48)
     ev.add_argument("--gen-len", type=int, default=96)
     ev.add_argument("--k", type=int, default=None, help="drafts per round (default: the drafter's block_size)")
+    ev.add_argument("--out", type=Path, default=None, help="also write the result JSON here")
+    cd = sub.add_parser("card", help="write a drafter folder's README.md from its training notes and an eval JSON")
+    cd.add_argument("--drafter", type=Path, required=True)
+    cd.add_argument("--eval", type=Path, required=True, help="eval --out's JSON")
+    cd.add_argument("--trained-by", default="`bash training/dspark_device.sh`; its header gives every command and size",
+                    help="how the drafter was made (the card's training line)")
+    cd.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     for s in (gen, tr, ev):
         s.add_argument("--target", default="k3-tiny")
         s.add_argument("--device", default="cpu")
@@ -372,7 +488,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         s.add_argument("--target-dtype", default="float32", help="the target's weights while generating")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    {"gen": cmd_gen, "train": cmd_train, "eval": cmd_eval}[args.cmd](args)
+    {"gen": cmd_gen, "train": cmd_train, "eval": cmd_eval, "card": cmd_card}[args.cmd](args)
 
 
 if __name__ == "__main__":

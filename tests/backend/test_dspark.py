@@ -164,6 +164,64 @@ def test_checkpoint_round_trip_and_named_errors(tmp_path: Path):
         load_drafter(tmp_path / "nowhere")
 
 
+def test_copy_head_copies_known_next_tokens_only():
+    model, embed, head = _small(context_tokens=True, copy_dim=8, context_len=4)
+    with torch.no_grad():
+        model.copy_gate.bias.fill_(30.0)  # gate open: the draft distribution is the copy distribution
+    w, k = 4, model.cfg.block_size
+    ctx = _ctx(model.cfg, 2)
+    ids = torch.tensor([[40, 11, 12, 13, 14], [41, 21, 22, 23, 24]])  # positions t-4..t-1, then the anchor
+    valid = torch.tensor([[True] * 4, [False, False, True, True]])  # request 1 has run only 2 positions
+    with torch.no_grad():
+        slots, pctx = model._block(ctx, ids[:, -1], embed, ids, valid)
+        copy, gate = model.copy_probs(slots, pctx, ids, valid)
+    assert copy.shape == (2, k, 50) and (gate > 0.99).all()
+    for b in range(2):
+        for j in range(1, k + 1):
+            # draft j copies x_{p+j}: window index i + j, only for valid i with i + j <= w (a known token)
+            allowed = {int(ids[b, i + j]) for i in range(w) if valid[b, i] and i + j <= w}
+            mass = copy[b, j - 1]
+            assert set(mass.nonzero().flatten().tolist()) <= allowed, (b, j)
+            assert abs(float(mass.sum()) - (1.0 if allowed else 0.0)) < 1e-5, (b, j)
+    assert copy[1, :, 40].sum() == 0 and copy[1, :, 21].sum() == 0  # padding rows hold no token to copy
+    with pytest.raises(ValueError, match="ctx_tokens"):
+        model.draft(ctx, ids[:, -1], embed, head)
+    # the drafter takes the window's ids from the query's tokens: an edit inside the window moves the
+    # drafts, one before it does not; a short window is masked, not copied from its padding
+    drafter = DSparkDrafter(model, embed, head, confidence_threshold=0.0)
+    toks = [7, 8, 9, 40, 11, 12, 13, 14]
+    base = drafter.propose([DraftQuery(0, toks, 3, k, ctx[0])])[0]
+    assert base == model.draft(ctx[:1], ids[:1, -1], embed, head, ctx_tokens=ids[:1])[0][0].tolist()
+    assert drafter.propose([DraftQuery(0, [1, 2, 3] + toks[3:], 3, k, ctx[0])])[0] == base
+    assert drafter.propose([DraftQuery(0, toks[:6] + [30] + toks[7:], 3, k, ctx[0])])[0] != base
+    short = drafter.propose([DraftQuery(1, [5, 22, 23, 24], 2, k, ctx[1, 2:])])[0]
+    assert short == model.draft(ctx[1:], ids[1:, -1], embed, head, ctx_tokens=ids[1:], ctx_valid=valid[1:])[0][0].tolist()
+    assert 21 not in short and 40 not in short
+
+
+def test_new_config_keys_are_checked(tmp_path: Path):
+    model, _, _ = _small(context_tokens=True, copy_dim=8)
+    folder = save_drafter(model, tmp_path / "d", dtype=torch.float32)
+    assert load_drafter(folder).cfg == model.cfg
+    raw = json.loads((folder / "config.json").read_text())
+    for key, bad in (("copy_dim", -1), ("context_tokens", "yes"), ("context_len", 2000)):
+        (folder / "config.json").write_text(json.dumps({**raw, key: bad}))
+        with pytest.raises(CheckpointError, match=key):
+            load_config(folder)
+    (folder / "config.json").write_text(json.dumps({**raw, "copy_dim": 4}))
+    with pytest.raises(CheckpointError, match=r"copy_q.weight has shape \[8, 32\].*\[4, 32\]"):
+        load_drafter(folder)
+    # a first-format folder (no context_tokens, no copy_dim) loads with both off
+    old = {n: v for n, v in raw.items() if n not in ("context_tokens", "copy_dim")}
+    assert load_config(with_json(tmp_path / "old", old)).copy_dim == 0
+
+
+def with_json(folder: Path, raw: dict) -> Path:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(raw))
+    return folder
+
+
 def _drop(folder: Path, key: str) -> Path:
     raw = json.loads((folder / "config.json").read_text())
     del raw[key]
@@ -186,6 +244,12 @@ def test_cached_states_match_the_dense_forward(k3_tiny):
     torch.testing.assert_close(states.float(), dense[:, :-1], atol=2e-2, rtol=2e-2)
     assert torch.equal(nxt[:, 5:], tokens[:, 6:])  # decode emitted its argmax
     assert (nxt == dense_next[:, :-1]).float().mean() > 0.95
+    # gen's dense greedy path (the GPU one) continues the same way and keeps the same states
+    from k3rt.training.dspark import greedy_dense
+    d_tokens, d_states, d_next = greedy_dense(k3_tiny, prompts, 6, layers)
+    assert torch.equal(d_tokens, tokens) and torch.equal(d_next, dense_next[:, :-1])
+    torch.testing.assert_close(d_states.float(), dense[:, :-1], atol=2e-2, rtol=2e-2)
+    assert greedy_dense(k3_tiny, prompts, 6, layers, deadline=0.0) is None  # past its deadline: no batch
 
 
 def test_shipped_drafter_proposes_and_beats_nothing(k3_tiny):
@@ -196,7 +260,8 @@ def test_shipped_drafter_proposes_and_beats_nothing(k3_tiny):
     prompts = code_prompts("heldout", 4, 48, seed=0)
     tokens, states, _ = greedy_with_states(k3_tiny, prompts, 40, drafter.target_layers)
     w = drafter.context_len
-    queries = [DraftQuery(i, tokens[i, :49].tolist(), 48, 7, states[i, 49 - w: 49].float()) for i in range(4)]
+    # the anchor is token 48 (not run yet): the states end at position 47
+    queries = [DraftQuery(i, tokens[i, :49].tolist(), 48, 7, states[i, max(0, 48 - w): 48].float()) for i in range(4)]
     drafts = drafter.propose(queries)
     assert all(1 <= len(d) <= 7 and all(0 <= t < 8192 for t in d) for d in drafts)
     res = replay_tau(drafter.model, tokens, states, 48, drafter.embed, drafter.lm_head, 7)

@@ -62,12 +62,14 @@ def test_target_states_keep_the_newest_contiguous_window() -> None:
 # ---- the engine on tiny random checkpoints ----
 
 def _random_drafter(folder: Path, model, *, seed: int = 0, threshold: float = 0.0, min_verify: int = 1) -> Path:
+    """The current drafter shape in small: context tokens and a copy head (so the engine's queries must carry
+    the window's token ids), with a window longer than the shortest prompts (masked left padding)."""
     cfg = model.cfg
     L = cfg.num_hidden_layers
     dcfg = DSparkConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, target_hidden_size=cfg.hidden_size,
-                        target_layers=(1, L), context_len=3, block_size=5, num_layers=1, num_heads=2, head_dim=16,
+                        target_layers=(1, L), context_len=12, block_size=5, num_layers=1, num_heads=2, head_dim=16,
                         intermediate_size=64, markov_rank=4, confidence_hidden=8, confidence_threshold=threshold,
-                        min_verify=min_verify)
+                        min_verify=min_verify, context_tokens=True, copy_dim=8)
     d = DSparkModel(dcfg)
     d.init_weights(seed)
     return save_drafter(d, folder, dtype=torch.float32)

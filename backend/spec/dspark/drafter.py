@@ -4,7 +4,9 @@ What a query must carry (the one extension of `DraftQuery`): `hidden` is [contex
 * target_hidden] — the drafter's `target_layers` states (target.py) at the request's last `context_len`
 positions the target has run, oldest first. The newest token (token_ids[-1], just sampled) has not run
 yet and is the block's anchor. A request with fewer positions run than context_len (a prompt shorter than
-the window) sends what it has; the oldest row is repeated to fill the window.
+the window) sends what it has; the oldest row is repeated to fill the window, and a drafter with
+context tokens or a copy head also masks those padding rows out. The window's token ids are the query's
+own `token_ids` (the rows end right before the anchor, so they are the last rows + 1 token ids).
 
 Drafts are the argmax of base + Markov logits: deterministic, so for a sampled target the rejection
 sampler's usual one-hot draft distribution applies unchanged. Per request, only the first
@@ -80,16 +82,26 @@ class DSparkDrafter(Drafter):
         """How many of the newest run positions' states a query carries."""
         return self.model.cfg.context_len
 
-    def _window(self, q: DraftQuery) -> torch.Tensor:
+    def _window(self, q: DraftQuery) -> tuple[torch.Tensor, list[int], int]:
+        """-> (states [context_len, F] left-padded with the oldest row, the window's token ids [context_len + 1]
+        (context positions then the anchor, left-padded with the anchor), rows actually held)."""
         cfg = self.model.cfg
         width = len(cfg.target_layers) * cfg.target_hidden_size
         h = q.hidden
         if h.dim() != 2 or h.shape[1] != width or not 1 <= h.shape[0] <= cfg.context_len:
             raise ValueError(f"dspark: request {q.rid} hidden is {list(h.shape)}, expected "
                              f"[1..{cfg.context_len}, {width}]")
-        if h.shape[0] < cfg.context_len:
-            h = torch.cat([h[:1].expand(cfg.context_len - h.shape[0], -1), h])
-        return h.to(self.dtype)
+        n = h.shape[0]
+        ids: list[int] = []
+        if self.model.needs_tokens:  # an old-format drafter reads states only (its tests send few token ids)
+            if len(q.token_ids) < n + 1:
+                raise ValueError(f"dspark: request {q.rid} has {n} state rows but only {len(q.token_ids)} tokens "
+                                 "(the rows must end right before the anchor)")
+            tail = list(q.token_ids[len(q.token_ids) - n - 1:])
+            ids = [tail[-1]] * (cfg.context_len - n) + tail
+        if n < cfg.context_len:
+            h = torch.cat([h[:1].expand(cfg.context_len - n, -1), h])
+        return h.to(self.dtype), ids, n
 
     @torch.no_grad()
     def propose(self, queries: Sequence[DraftQuery]) -> list[list[int]]:
@@ -101,9 +113,16 @@ class DSparkDrafter(Drafter):
         if not ready:
             return out
         device = self.embed.device
-        ctx = torch.stack([self._window(queries[i]) for i in ready]).to(device)
+        windows = [self._window(queries[i]) for i in ready]
+        ctx = torch.stack([w[0] for w in windows]).to(device)
         anchors = torch.tensor([queries[i].token_ids[-1] for i in ready], device=device)
-        tokens, _, conf = self.model.draft(ctx, anchors, self.embed, self.lm_head)
+        extra = {}
+        if self.model.needs_tokens:
+            w = self.model.cfg.context_len
+            held = torch.tensor([n for _, _, n in windows])
+            extra = dict(ctx_tokens=torch.tensor([ids for _, ids, _ in windows], device=device),
+                         ctx_valid=(torch.arange(w)[None, :] >= w - held[:, None]).to(device))
+        tokens, _, conf = self.model.draft(ctx, anchors, self.embed, self.lm_head, **extra)
         tokens, conf = tokens.tolist(), conf.cpu()  # one device sync for the whole batch
         for j, i in enumerate(ready):
             n = verify_length(conf[j], self.threshold, self.model.cfg.min_verify, queries[i].max_tokens)

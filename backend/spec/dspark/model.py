@@ -15,6 +15,17 @@ embedding (its block inputs) and the LM head (its output vocabulary). Everything
             agree with the token actually drafted at j-1. Sampled left to right, one table row per step.
   confidence  P(draft j is accepted | drafts 1..j-1 were) from [h_j, emb[prev_j]]; the verify length is
             the longest prefix whose cumulative product stays >= `confidence_threshold` (`verify_length`).
+
+Two optional parts let the block copy from far back (induction), which a greedy small target needs: it
+repeats itself, and n-gram prompt lookup beats a drafter that cannot look past a few positions.
+  context_tokens  each context position p also carries the target's embedding of its token x_p and of the
+            token after it x_{p+1} (both known: the window ends right before the anchor), so attention can
+            match "where did the anchor occur before" and read "what came next" without decoding a state.
+  copy head (`copy_dim` > 0)  a pointer over the window: the anchor slot's query scores every context
+            position; draft j's copy distribution puts that softmax's mass on x_{p+j} (positions whose
+            x_{p+j} is not known yet are masked), and a per-slot gate mixes it with the vocabulary logits.
+            It is prompt lookup made soft and learned (which match, how far, when to trust it); the mix's
+            top probability also feeds the confidence head.
 """
 
 from __future__ import annotations
@@ -25,6 +36,11 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+# learned context position vectors: a window past this would be mostly untrained rows, and the engine
+# keeps context_len states per running request
+MAX_CONTEXT_LEN = 1024
 
 
 @dataclass(frozen=True)
@@ -46,6 +62,8 @@ class DSparkConfig:
     confidence_threshold: float  # verify drafts while the cumulative acceptance estimate stays >= this
     min_verify: int = 1  # verify at least this many drafts whatever the confidence says
     rms_norm_eps: float = 1e-5
+    context_tokens: bool = False  # context positions also carry emb[x_p] and emb[x_{p+1}] (false: old drafters)
+    copy_dim: int = 0  # width of the copy head's query/key (0: no copy head)
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "target_hidden_size", "context_len", "block_size", "num_layers",
@@ -61,6 +79,12 @@ class DSparkConfig:
             raise ValueError(f"markov_rank: must be an integer >= 0, got {self.markov_rank!r}")
         if not 0.0 <= self.confidence_threshold <= 1.0:
             raise ValueError(f"confidence_threshold: must be in [0, 1], got {self.confidence_threshold!r}")
+        if not isinstance(self.context_tokens, bool):
+            raise ValueError(f"context_tokens: must be true or false, got {self.context_tokens!r}")
+        if not isinstance(self.copy_dim, int) or isinstance(self.copy_dim, bool) or self.copy_dim < 0:
+            raise ValueError(f"copy_dim: must be an integer >= 0, got {self.copy_dim!r}")
+        if self.context_len > MAX_CONTEXT_LEN:
+            raise ValueError(f"context_len: at most {MAX_CONTEXT_LEN} (learned position vectors), got {self.context_len}")
         if not 0 <= self.min_verify <= self.block_size:
             raise ValueError(f"min_verify: must be in [0, block_size={self.block_size}], got {self.min_verify!r}")
 
@@ -99,12 +123,14 @@ class _BlockLayer(nn.Module):
     def _heads(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H*D] -> [B, H, T, D]
         return x.view(x.shape[0], x.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
-        """x [B, S, h] block slots; ctx [B, W, h] projected context (not updated by the layer)."""
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, S, h] block slots; ctx [B, W, h] projected context (not updated by the layer); mask [B, W + S]
+        bool, False for context rows that hold no state (a window longer than what has run), or None."""
         y = self.attn_norm(x)
         kv_in = torch.cat([ctx, y], dim=1)
         q, k, v = self._heads(self.q_proj(y)), self._heads(self.k_proj(kv_in)), self._heads(self.v_proj(kv_in))
-        o = F.scaled_dot_product_attention(q, k, v)  # no mask: every slot sees all context and all slots
+        # no causal mask: every slot sees all context and all slots
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None, None])
         x = x + self.o_proj(o.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
@@ -118,6 +144,9 @@ class DSparkModel(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layers) * cfg.target_hidden_size, h, bias=False)
         self.ctx_norm = _RMSNorm(h, cfg.rms_norm_eps)
         self.ctx_pos = nn.Parameter(torch.zeros(cfg.context_len, h))
+        if cfg.context_tokens:
+            self.ctx_tok = nn.Linear(h, h, bias=False)  # emb[x_p] of context position p
+            self.ctx_next = nn.Linear(h, h, bias=False)  # emb[x_{p+1}]
         self.slot_pos = nn.Parameter(torch.zeros(cfg.block_size + 1, h))
         self.mask_embed = nn.Parameter(torch.zeros(h))
         self.layers = nn.ModuleList(_BlockLayer(cfg) for _ in range(cfg.num_layers))
@@ -125,13 +154,22 @@ class DSparkModel(nn.Module):
         if cfg.markov_rank:
             self.markov_in = nn.Embedding(cfg.vocab_size, cfg.markov_rank)
             self.markov_out = nn.Linear(cfg.markov_rank, cfg.vocab_size, bias=False)
-        conf_in = h + cfg.markov_rank
+        if cfg.copy_dim:
+            self.copy_q = nn.Linear(h, cfg.copy_dim, bias=False)
+            self.copy_k = nn.Linear(h, cfg.copy_dim, bias=False)
+            self.copy_gate = nn.Linear(h, 1)
+        conf_in = h + cfg.markov_rank + (1 if cfg.copy_dim else 0)
         self.conf_hidden = nn.Linear(conf_in, cfg.confidence_hidden)
         self.conf_out = nn.Linear(cfg.confidence_hidden, 1)
 
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether a pass needs the window's token ids (context_tokens or a copy head)."""
+        return self.cfg.context_tokens or bool(self.cfg.copy_dim)
+
     def init_weights(self, seed: int) -> None:
         """Std-0.02 linears with residual outputs scaled by 1/sqrt(2 * layers) (GPT-2); the Markov output
-        at zero so training starts from the plain block logits."""
+        at zero so training starts from the plain block logits; the copy gate starts closed (bias -2)."""
         g = torch.Generator().manual_seed(seed)
         out_scale = 1.0 / math.sqrt(2 * self.cfg.num_layers)
         with torch.no_grad():
@@ -144,21 +182,71 @@ class DSparkModel(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g) * 0.02)
                     if name.endswith(("o_proj.weight", "down.weight")):
                         p.mul_(out_scale)
+            if self.cfg.copy_dim:
+                self.copy_gate.bias.fill_(-2.0)
 
-    def block_hidden(self, ctx_states: torch.Tensor, anchor_ids: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
-        """ctx_states [B, W, len(target_layers) * target_hidden] (oldest first; W = context_len),
-        anchor_ids [B], embed [vocab, hidden] the target's embedding -> draft states [B, k, hidden]."""
+    def _check_window(self, ctx_states: torch.Tensor, ctx_tokens: torch.Tensor | None,
+                      ctx_valid: torch.Tensor | None) -> None:
+        b, w = ctx_states.shape[0], self.cfg.context_len
+        if ctx_states.shape[1:] != (w, self.fc.in_features):
+            raise ValueError(f"ctx_states: expected [B, {w}, {self.fc.in_features}], got {list(ctx_states.shape)}")
+        if self.needs_tokens and (ctx_tokens is None or tuple(ctx_tokens.shape) != (b, w + 1)):
+            raise ValueError(f"ctx_tokens: this drafter needs the window's token ids [B, {w + 1}] (context "
+                             f"positions then the anchor), got {None if ctx_tokens is None else list(ctx_tokens.shape)}")
+        if ctx_valid is not None and tuple(ctx_valid.shape) != (b, w):
+            raise ValueError(f"ctx_valid: expected [B, {w}], got {list(ctx_valid.shape)}")
+
+    def _block(self, ctx_states: torch.Tensor, anchor_ids: torch.Tensor, embed: torch.Tensor,
+               ctx_tokens: torch.Tensor | None, ctx_valid: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (all k+1 slots after the final norm [B, k+1, h], projected context [B, W, h])."""
+        self._check_window(ctx_states, ctx_tokens, ctx_valid)
         b = anchor_ids.shape[0]
-        if ctx_states.shape[1:] != (self.cfg.context_len, self.fc.in_features):
-            raise ValueError(f"ctx_states: expected [B, {self.cfg.context_len}, {self.fc.in_features}], "
-                             f"got {list(ctx_states.shape)}")
         ctx = self.ctx_norm(self.fc(ctx_states.to(self.fc.weight.dtype))) + self.ctx_pos
+        if self.cfg.context_tokens:
+            emb = F.embedding(ctx_tokens, embed).to(ctx.dtype)
+            ctx = ctx + self.ctx_tok(emb[:, :-1]) + self.ctx_next(emb[:, 1:])
         anchor = F.embedding(anchor_ids, embed).to(ctx.dtype)[:, None]
         masks = self.mask_embed.expand(b, self.cfg.block_size, -1)
         x = torch.cat([anchor, masks], dim=1) + self.slot_pos
+        mask = None
+        if ctx_valid is not None:
+            mask = torch.cat([ctx_valid, ctx_valid.new_ones(b, x.shape[1])], dim=1)
         for layer in self.layers:
-            x = layer(x, ctx)
-        return self.norm(x[:, 1:])
+            x = layer(x, ctx, mask)
+        return self.norm(x), ctx
+
+    def block_hidden(self, ctx_states: torch.Tensor, anchor_ids: torch.Tensor, embed: torch.Tensor, *,
+                     ctx_tokens: torch.Tensor | None = None, ctx_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """ctx_states [B, W, len(target_layers) * target_hidden] (oldest first; W = context_len),
+        anchor_ids [B], embed [vocab, hidden] the target's embedding -> draft states [B, k, hidden].
+        ctx_tokens [B, W + 1]: the token ids of the context positions then the anchor (needed with
+        context_tokens or a copy head); ctx_valid [B, W]: False where a row holds no state (left padding)."""
+        return self._block(ctx_states, anchor_ids, embed, ctx_tokens, ctx_valid)[0][:, 1:]
+
+    def copy_probs(self, slots: torch.Tensor, ctx: torch.Tensor, ctx_tokens: torch.Tensor,
+                   ctx_valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """slots [B, k+1, h] (anchor first), ctx [B, W, h] -> (copy distributions [B, k, vocab], gates [B, k]).
+        Draft j copies x_{p+j} from the positions p the anchor's query points at; only p with p + j <= the
+        anchor's position (token known) take part. A draft with no such position gets all-zero mass."""
+        cfg = self.cfg
+        b, w, k = ctx.shape[0], cfg.context_len, cfg.block_size
+        score = torch.einsum("bd,bwd->bw", self.copy_q(slots[:, 0]), self.copy_k(ctx)).float() / math.sqrt(cfg.copy_dim)
+        i = torch.arange(w, device=ctx.device)
+        j = torch.arange(1, k + 1, device=ctx.device)
+        known = (i[None, :] + j[:, None]) <= w  # [k, W]: window index i's x_{p+j} is ctx_tokens[:, i + j]
+        allowed = known[None] & (ctx_valid[:, None] if ctx_valid is not None else True)
+        attn = torch.softmax(score[:, None].masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+        src = ctx_tokens[:, (i[None, :] + j[:, None]).clamp(max=w)]  # [B, k, W]
+        copy = torch.zeros(b, k, cfg.vocab_size, device=ctx.device, dtype=attn.dtype).scatter_add_(-1, src, attn)
+        return copy, torch.sigmoid(self.copy_gate(slots[:, 1:]).squeeze(-1).float())
+
+    @staticmethod
+    def mix(logits: torch.Tensor, copy: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities of (1 - g) softmax(logits) + g copy; a draft whose copy has no mass (no position
+        to copy from) keeps softmax(logits) whatever its gate says."""
+        g = (gate * (copy.sum(-1) > 0.5))[..., None]  # a copy row sums to 1 or to 0
+        return ((1 - g) * torch.softmax(logits.float(), -1) + g * copy).clamp(min=1e-12).log()
 
     def base_logits(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab] fp32 with the target's LM head weight [vocab, hidden]."""
@@ -170,28 +258,52 @@ class DSparkModel(nn.Module):
             return torch.zeros(*prev_ids.shape, self.cfg.vocab_size, device=prev_ids.device)
         return self.markov_out(self.markov_in(prev_ids)).float()
 
-    def confidence(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
-        """Logit of P(draft accepted | all earlier drafts were), from the draft state and its previous token."""
-        feats = hidden if not self.cfg.markov_rank else torch.cat([hidden, self.markov_in(prev_ids)], dim=-1)
-        return self.conf_out(F.silu(self.conf_hidden(feats))).squeeze(-1).float()
+    def confidence(self, hidden: torch.Tensor, prev_ids: torch.Tensor, top_prob: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """Logit of P(draft accepted | all earlier drafts were), from the draft state, its previous token and
+        (copy head only) the probability the draft's distribution gives its own argmax."""
+        feats = [hidden]
+        if self.cfg.markov_rank:
+            feats.append(self.markov_in(prev_ids))
+        if self.cfg.copy_dim:
+            feats.append(top_prob[..., None].to(hidden.dtype))
+        return self.conf_out(F.silu(self.conf_hidden(torch.cat(feats, dim=-1)))).squeeze(-1).float()
+
+    def scores(self, ctx_states: torch.Tensor, prev_ids: torch.Tensor, embed: torch.Tensor, lm_head: torch.Tensor, *,
+               ctx_tokens: torch.Tensor | None = None, ctx_valid: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced pass (training): prev_ids [B, k] the token before each draft (prev_ids[:, 0] is the
+        anchor) -> (draft log-scores [B, k, vocab] whose argmax is the draft, draft states [B, k, hidden])."""
+        slots, ctx = self._block(ctx_states, prev_ids[:, 0], embed, ctx_tokens, ctx_valid)
+        hidden = slots[:, 1:]
+        out = self.base_logits(hidden, lm_head) + self.markov_bias(prev_ids)
+        if self.cfg.copy_dim:
+            out = self.mix(out, *self.copy_probs(slots, ctx, ctx_tokens, ctx_valid))
+        return out, hidden
 
     @torch.no_grad()
     def draft(self, ctx_states: torch.Tensor, anchor_ids: torch.Tensor, embed: torch.Tensor, lm_head: torch.Tensor,
-              *, temperature: float = 0.0, generator: torch.Generator | None = None
+              *, ctx_tokens: torch.Tensor | None = None, ctx_valid: torch.Tensor | None = None,
+              temperature: float = 0.0, generator: torch.Generator | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One block pass, then the Markov bias left to right. Returns (tokens [B, k], logits [B, k, vocab]
-        that each token was drawn from, acceptance estimates [B, k] in (0, 1))."""
-        hidden = self.block_hidden(ctx_states, anchor_ids, embed)
+        """One block pass, then the Markov bias (and copy mix) left to right. Returns (tokens [B, k], log-scores
+        [B, k, vocab] that each token was drawn from, acceptance estimates [B, k] in (0, 1))."""
+        slots, ctx = self._block(ctx_states, anchor_ids, embed, ctx_tokens, ctx_valid)
+        hidden = slots[:, 1:]
         base = self.base_logits(hidden, lm_head)
+        copy, gate = self.copy_probs(slots, ctx, ctx_tokens, ctx_valid) if self.cfg.copy_dim else (None, None)
         prev = anchor_ids
         tokens, logits, conf = [], [], []
         for j in range(self.cfg.block_size):
             step = base[:, j] + self.markov_bias(prev)
+            if copy is not None:
+                step = self.mix(step, copy[:, j], gate[:, j])
             if temperature > 0:
                 tok = torch.multinomial(torch.softmax(step / temperature, dim=-1), 1, generator=generator)[:, 0]
             else:
                 tok = step.argmax(dim=-1)
-            conf.append(torch.sigmoid(self.confidence(hidden[:, j], prev)))
+            top = torch.softmax(step, -1).amax(-1) if copy is not None else None
+            conf.append(torch.sigmoid(self.confidence(hidden[:, j], prev, top)))
             tokens.append(tok)
             logits.append(step)
             prev = tok

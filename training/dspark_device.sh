@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Train k3-tiny's DSpark drafter on one GPU in a fixed wall budget (docs/dspark.md, "Training"): generate
+# k3-tiny's own greedy continuations of training-split stdlib code (dense path, batched on the GPU), train
+# the drafter on them, then measure held-out tau at k = 7, temperature 0, with the n-gram baseline on the
+# same continuations. Run from the repository root on the device machine:
+#
+#   OUT=/path/to/out bash training/dspark_device.sh
+#
+# Phases and their hard limits (seconds, `timeout`): setup 40 (wheels in .whl/, editable install), gen 170
+# (--minutes 2.0 of generation inside, plus model load, prompt scan and saving ~3 GB of states), train 230
+# (--minutes 3.0 of steps, plus loading the data and saving), eval 80, card 20: at most 540 s = 9 minutes
+# in all, about 7 expected. Each phase's own budget ends it before its timeout; the timeout only backs
+# that up. Progress (tqdm, every 15 s) goes to the log; each phase's start, end and seconds to stdout too.
+# Outputs (6 files): $OUT/k3-tiny-dspark/{config.json, model.safetensors (bf16, ~8.7 MB), training.json,
+# README.md (the card: shape, training, held-out tau table)}, $OUT/eval.json (held-out tau, tau_scheduled,
+# ngram_tau), $OUT/dspark_device.log (every phase's output).
+# Ship it: copy the four files of $OUT/k3-tiny-dspark/ over k3rt/models/k3-tiny-dspark/.
+#
+# Smoke test on a CPU (about 2 minutes): everything scaled down, same code path except the greedy path.
+#   OUT=/tmp/dspark_smoke DSPARK_SMOKE=1 DSPARK_PYTHON=.venv/bin/python bash training/dspark_device.sh
+set -u -o pipefail
+OUT=${OUT:-./dspark_out}
+mkdir -p "$OUT/k3-tiny-dspark"
+LOG="$OUT/dspark_device.log"
+WORK=${DSPARK_WORK:-/tmp/dspark_work}
+mkdir -p "$WORK"
+PY=${DSPARK_PYTHON:-python3}
+export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=${TQDM_MININTERVAL:-15} OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+if [ "${DSPARK_SMOKE:-0}" = 1 ]; then
+  # CPU smoke test: same phases, tiny sizes
+  DEV=cpu GEN_MIN=0.3 GEN_TO=60 TRAIN_MIN=0.4 TRAIN_TO=60 EVAL_TO=60
+  GEN_ARGS="--greedy-path cached --max-prompts 16 --batch 8 --gen-len 48"
+  TRAIN_ARGS="--batch 16" EVAL_ARGS="--num-prompts 4 --gen-len 40"
+else
+  DEV=cuda GEN_MIN=2.0 GEN_TO=170 TRAIN_MIN=3.0 TRAIN_TO=230 EVAL_TO=80
+  # 256 prompts per dense batch, 48 prompt + 160 greedy tokens each (the eval continues 48 -> 96)
+  GEN_ARGS="--greedy-path dense --max-prompts 8192 --batch 256 --gen-len 160"
+  TRAIN_ARGS="--batch 256 --lr 1.5e-3 --warmup 200" EVAL_ARGS="--num-prompts 32 --gen-len 96"
+fi
+phase() {  # name, timeout, command...: run it under its limit, log it, say how long it took
+  local name=$1 limit=$2 t0=$SECONDS
+  shift 2
+  echo "== $name (limit ${limit}s) $(date -u +%H:%M:%S)" | tee -a "$LOG"
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  echo "== $name done rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG"
+  return $rc
+}
+: >"$LOG"
+if [ "${DSPARK_INSTALL:-1}" = 1 ]; then
+  phase setup 40 bash -c '
+    if ls .whl/*.whl >/dev/null 2>&1; then
+      '"$PY"' -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    fi
+    '"$PY"' -m pip install -q --no-build-isolation --no-deps -e .'
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# k3rt's imports (orjson from .whl; safetensors, tokenizers, tqdm from the image), and the GPU
+"$PY" -c "
+import orjson, safetensors, tokenizers, tqdm, torch, sys
+import k3rt.training.dspark
+ok = '$DEV' == 'cpu' or torch.cuda.is_available()
+print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available())
+sys.exit(0 if ok else 3)" 2>&1 | tee -a "$LOG" || { echo "imports or GPU missing (see $LOG)" >&2; exit 2; }
+
+# shellcheck disable=SC2086  # the *_ARGS hold several arguments
+phase gen "$GEN_TO" "$PY" -m k3rt.training.dspark gen --source greedy --split train --device "$DEV" \
+  --minutes "$GEN_MIN" --out "$WORK/greedy.pt" --seed 1 $GEN_ARGS || exit 1
+# shellcheck disable=SC2086
+phase train "$TRAIN_TO" "$PY" -m k3rt.training.dspark train --data "$WORK/greedy.pt" --device "$DEV" \
+  --minutes "$TRAIN_MIN" --out "$OUT/k3-tiny-dspark" $TRAIN_ARGS || exit 1
+# shellcheck disable=SC2086
+phase eval "$EVAL_TO" "$PY" -m k3rt.training.dspark eval --drafter "$OUT/k3-tiny-dspark" --device "$DEV" \
+  --out "$OUT/eval.json" $EVAL_ARGS || exit 1
+phase card 20 "$PY" -m k3rt.training.dspark card --drafter "$OUT/k3-tiny-dspark" --eval "$OUT/eval.json"
+echo "== total ${SECONDS}s" | tee -a "$LOG"
+cat "$OUT/eval.json"
