@@ -8,6 +8,9 @@ Two forms:
     fused `kda_decode` step, conv cache and recurrent state updated in place.
 Verify runs (speculative decoding) take the general form but leave their conv and recurrent states as
 they were; `kda_commit` replays the accepted prefix into them once the sampler has decided.
+  verify graph form (pack_step row_queries: every sequence a verify run of the same length R, the form
+    captured in the verify graphs): the runs step through scratch copies of their states with the decode
+    kernel, R launches (the chunked kernel builds its tables on the host); nothing live is written.
 Batch-invariant mode (docs/deterministic.md): every step token by token through the decode kernel;
 verify runs step through scratch copies of their states, and the commit replays the accepted tokens
 through the same kernel on the live states, so they end bit-identical to plain decode steps.
@@ -86,6 +89,9 @@ def kda_forward(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: 
     else:
         f = linear(f_a, attn.f_b_proj.weight, k)
     pages = step.state_pages[w.group]
+    if step.row_seq is not None and k.triton and not k.batch_invariant:
+        o = _verify_runs(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, pages, k, workspace)
+        return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
     if k.batch_invariant and not decode:
         o = _token_by_token(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, pages, k)
         return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
@@ -102,6 +108,31 @@ def kda_forward(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: 
     gated = kernel("norm", "rms_norm_gated") if k.triton else None
     o = (gated or rms_norm_gated)(o, gate.reshape(T, H, D), attn.o_norm_weight, attn.eps)
     return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
+
+
+def _verify_runs(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                 gate: torch.Tensor, step: GpuStep, conv_pool: torch.Tensor, rec_pool: torch.Tensor,
+                 pages: torch.Tensor, k: KernelConfig, workspace: torch.Tensor | None) -> torch.Tensor:
+    """The verify graph form: B sequences of R rows each, every one a verify run. Scratch copies of the B conv
+    windows and states (one per sequence, not one per position) go through `kda_decode` R times, the t-th
+    rows of all runs in launch t, so the live pages stay at the runs' start; (qkv, g, beta) of every row are
+    kept for `kda_commit`. No host data and shapes fixed by (B, R): capturable. -> o [T, H, D] (gated, normed)."""
+    from k3rt.kernels.kda import kda_decode
+
+    T, H, D = qkv.shape[0], attn.num_heads, attn.head_dim
+    B = step.num_seqs
+    R = T // B
+    step.verify_inputs[attn.layer_idx] = (qkv, _gate(attn, w, f), torch.sigmoid(b.float()))
+    convs, recs = conv_pool[pages].clone(), rec_pool[pages].clone()  # [B, W-1, C], [B, H, D, D]
+    slots = torch.arange(B, device=qkv.device)
+    runs = [t.reshape(B, R, *t.shape[1:]) for t in (qkv, f, b, gate)]
+    o = torch.empty(B, R, H, D, dtype=qkv.dtype, device=qkv.device)
+    for t in range(R):
+        q_t, f_t, b_t, gate_t = (x[:, t].contiguous() for x in runs)
+        o[:, t] = kda_decode(q_t, w.conv_weight, convs, f_t, w.A_log, w.dt_bias, b_t, recs, slots,
+                             lower_bound=attn.lower_bound, use_pdl=k.use_pdl, o_gate=gate_t.reshape(B, H, D),
+                             o_norm_weight=attn.o_norm_weight, o_norm_eps=attn.eps, workspace=workspace)
+    return o.view(T, H, D)
 
 
 def _token_by_token(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
@@ -233,9 +264,9 @@ def kda_commit(attn: KimiDeltaAttention, w: KdaWeights, step: GpuStep, runs: lis
     H, D = attn.num_heads, attn.head_dim
     W = w.conv_weight.shape[1]
     dev = qkv.device
-    first = {}
+    first, off = {}, 0  # each verify sequence's first row among the kept rows
     for i in step.verify_seqs:
-        first[i] = sum(step.lens[j] for j in step.verify_seqs if j < i)
+        first[i], off = off, off + step.lens[i]
     n, M = len(runs), max(m for _, m, _ in runs)
     pages = torch.tensor([p for _, _, p in runs], dtype=torch.long, device=dev)
     ms = torch.tensor([m for _, m, _ in runs], dtype=torch.long, device=dev)
