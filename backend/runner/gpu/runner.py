@@ -142,6 +142,7 @@ class GpuModelRunner(Runner):
         self.verify_run_len = verify_graphs[0] + 1 if verify_graphs else 0
         self.verify_sizes = tuple(sorted(verify_graphs[1])) if verify_graphs else ()
         self.verify_graphs: dict[int, _Graph] = {}
+        self.verify_graph_replays = 0  # verify steps replayed from a graph so far (benchmarks read it)
         if cuda_graphs and self.device.type == "cuda":
             missing = self._graph_blockers()
             if missing:
@@ -311,6 +312,7 @@ class GpuModelRunner(Runner):
             g.flat32.copy_(h32.pin_memory(), non_blocking=True)
             self._feed_pending(g.flat64[:plan.num_rows], moved, prev)
             g.graph.replay()
+            self.verify_graph_replays += 1
             logits, step, taps = g.logits, g.step, g.taps
         else:
             step = step_views(meta, to_device(h64, self.device), to_device(h32, self.device))
