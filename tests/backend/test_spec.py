@@ -595,6 +595,7 @@ def test_gpu_runner_verify_steps_are_token_identical(arch, over) -> None:
     assert eng.stats.spec_accepted_tokens > 0 and eng.stats.spec_drafted_tokens > eng.stats.spec_accepted_tokens
     if padded_form:
         assert any(False in f and True in f for f in forms) and sum(map(len, forms)) > 10, forms
+        assert inner.verify_graph_replays == (len(forms) if over.get("device") == "cuda" else 0)
     if over.get("device") != "cuda":
         assert assert_snapshots_exact(eng, arch) > 0
 
