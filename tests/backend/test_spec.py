@@ -782,3 +782,23 @@ def test_speculation_with_tensor_parallelism_is_refused_by_name(tmp_path) -> Non
 
     with pytest.raises(ValueError, match="spec: speculative decoding runs at tp=1 only"):
         EngineConfig(model=str(tmp_path), tp=2, spec=SpecConfig(method="ngram"))
+
+
+def test_spec_verify_benchmark_smoke(tmp_path) -> None:
+    """benchmarks/spec_verify.py --smoke (tiny config, CPU, torch ops): its correctness checks pass (the padded
+    verify form's logits equal the eager verify step's, neither touches the live states) and every row has its
+    times and bytes floors."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "spec_verify.json"
+    subprocess.run([sys.executable, str(root / "benchmarks" / "spec_verify.py"), "--smoke", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 2] and all(r["correct"] for r in rows)
+    for r in rows:
+        assert r["verify_graph_rel_err"] < 1e-5 and r["verify_argmax_agree"] == 1.0
+        assert r["verify_eager_ms"] > 0 and r["commit_ms"] > 0 and r["plain_eager_ms"] > 0
+        assert r["verify_bytes"]["total"] > r["plain_bytes"]["total"] > 0 and r["floor_ratio"] > 1

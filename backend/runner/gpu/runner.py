@@ -109,7 +109,9 @@ class GpuModelRunner(Runner):
                  sender: PlanSender | None = None,
                  verify_graphs: tuple[int, tuple[int, ...]] | None = None) -> None:
         """verify_graphs: (K, batch buckets) of the speculative verify graphs (None: verify steps run eagerly);
-        without CUDA graphs (off, or not on CUDA) those steps still take the padded form, eagerly. target_states: where to record the target states a model drafter reads (None: no taps). sender:
+        when no graph is captured (graphs off, not on CUDA) verify steps run in the eager form. Setting
+        verify_run_len and verify_sizes afterwards runs the padded form the graphs replay eagerly (CPU tests).
+        target_states: where to record the target states a model drafter reads (None: no taps). sender:
         rank 0 of a tensor-parallel engine, the workers' plan channel (None: a single rank, or a worker, which
         runs the plans it receives through backend/runner/gpu/tp.py run_worker_plan). Every rank builds its
         runner with the same arguments: the same reserved pad page and the same graphs."""
@@ -139,8 +141,10 @@ class GpuModelRunner(Runner):
             pool.record_fills()  # after the pad page: each worker's pool reserves the same page itself
         self.graphs: dict[int, _Graph] = {}
         self.graph_sizes = tuple(sorted(graph_sizes))
-        self.verify_run_len = verify_graphs[0] + 1 if verify_graphs else 0
-        self.verify_sizes = tuple(sorted(verify_graphs[1])) if verify_graphs else ()
+        # not in the batch-invariant mode: its verify path steps token by token on host-built indices
+        spec = verify_graphs if verify_graphs and not kernels.batch_invariant else None
+        self.verify_run_len = spec[0] + 1 if spec else 0
+        self.verify_sizes = tuple(sorted(spec[1])) if spec else ()
         self.verify_graphs: dict[int, _Graph] = {}
         self.verify_graph_replays = 0  # verify steps replayed from a graph so far (benchmarks read it)
         if cuda_graphs and self.device.type == "cuda":
@@ -149,6 +153,8 @@ class GpuModelRunner(Runner):
                 log.warning("CUDA graphs off: no graph-safe kernel for %s", ", ".join(missing))
             else:
                 self.capture()
+        if not self.verify_graphs:  # the padded form only pays off replayed
+            self.verify_run_len, self.verify_sizes = 0, ()
 
     def _graph_blockers(self) -> list[str]:
         """Ops whose only implementation here would synchronize with the host inside a capture."""
