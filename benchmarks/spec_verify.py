@@ -14,8 +14,10 @@ Correctness first (the timings are printed whatever it finds, with the verdict b
 Then medians of CUDA-event-timed repetitions:
   plain_graph_ms / plain_eager_ms      one decode step (batch B, 1 token each)
   verify_graph_ms / verify_eager_ms    one verify step (batch B, 1 + K tokens each)
-  commit_ms                            the commit after a verify that accepted all K drafts (eager, per
-                                       KDA layer: the accepted tokens replayed into the live states)
+  commit_ms / commit_eager_ms          the commit after a verify that accepted all K drafts (the accepted
+                                       tokens replayed into the live KDA states): the verify form's (its
+                                       commit graph, with the host copy of the accepted counts) / the eager
+                                       step's kda_commit; their states are compared too
   verify_round_ms                      verify_graph_ms + commit_ms: what a verify round costs the device
 and the bytes-moved floor of each (weights actually read: every dense parameter once, and per MoE layer
 the distinct experts the step's tokens route to, counted from one recorded forward; plus KDA states read
@@ -212,11 +214,23 @@ def bench(runner: GpuModelRunner, model, cfg: ModelConfig, layout, gbps: float, 
         runner._run_verify(verify, vsize, None, None)
         row["verify_graph_ms"] = time_ms(runner.verify_graphs[vsize].graph.replay, reps=ARGS.reps,
                                          warmup=3)["median_ms"]
+    # the commit after a verify that kept every token: the eager one (kda_commit on the eager step) and the
+    # verify form's (its commit graph when captured); both advance the live states, restored after each
     runs = [(i, 1 + K, s.state_pages) for i, s in enumerate(verify)]
-
-    def commit() -> None:
-        runner.fwd.commit_verified(vstep, runs)  # advances the live states: restored below
-    row["commit_ms"] = time_ms(commit, reps=ARGS.reps, warmup=2)["median_ms"]
+    runner.fwd.commit_verified(verify_step, runs)
+    after_eager = states_of(pool, plain)
+    restore(pool, plain, saved)
+    runner._run_verify(verify, vsize, None, None)  # the graph's buffers hold this step again
+    runner._commit_verify_form(vstep, vsize, runs)
+    row["commit_graph_rel_err"] = rel_err(torch.cat([t.flatten().float() for t in states_of(pool, plain)]),
+                                          torch.cat([t.flatten().float() for t in after_eager]))
+    row["correct"] = row["correct"] and row["commit_graph_rel_err"] < 2e-2
+    restore(pool, plain, saved)
+    row["commit_eager_ms"] = time_ms(lambda: runner.fwd.commit_verified(verify_step, runs), reps=ARGS.reps,
+                                     warmup=2)["median_ms"]
+    restore(pool, plain, saved)
+    row["commit_ms"] = time_ms(lambda: runner._commit_verify_form(vstep, vsize, runs), reps=ARGS.reps,
+                               warmup=2)["median_ms"]
     restore(pool, plain, saved)
     plain_best = row.get("plain_graph_ms", row["plain_eager_ms"])
     verify_best = row.get("verify_graph_ms", row["verify_eager_ms"])
@@ -276,8 +290,9 @@ def print_table() -> None:
     print(f"\n{RESULT['device']}: copy {RESULT['copy']['GBps']:.0f} GB/s, context {ARGS.context}, "
           f"verify of 1 + {ARGS.spec_tokens} tokens per request")
     print("| batch | correct | plain graph ms | plain eager ms | verify graph ms | verify eager ms | commit ms | "
+          "commit eager ms | "
           "verify/plain | round/plain | plain floor ms | verify floor ms | floor ratio | experts/layer plain, verify |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in RESULT["rows"]:
         if "skipped" in r:
             print(f"| {r['batch']} | skipped |")
@@ -287,7 +302,8 @@ def print_table() -> None:
             return f"{r[k]:.3f}" if k in r else "-"
         ex = [r[b]["distinct_experts_per_layer"] for b in ("plain_bytes", "verify_bytes")]
         print(f"| {r['batch']} | {'yes' if r['correct'] else 'NO'} | {f('plain_graph_ms')} | {f('plain_eager_ms')} | "
-              f"{f('verify_graph_ms')} | {f('verify_eager_ms')} | {f('commit_ms')} | {r['verify_over_plain']:.2f} | "
+              f"{f('verify_graph_ms')} | {f('verify_eager_ms')} | {f('commit_ms')} | {f('commit_eager_ms')} | "
+              f"{r['verify_over_plain']:.2f} | "
               f"{r['round_over_plain']:.2f} | {r['plain_floor_ms']:.3f} | {r['verify_floor_ms']:.3f} | "
               f"{r['floor_ratio']:.2f} | {', '.join('-' if e is None else f'{e:.1f}' for e in ex)} |")
 

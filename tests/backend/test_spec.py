@@ -799,6 +799,6 @@ def test_spec_verify_benchmark_smoke(tmp_path) -> None:
     rows = json.loads(out.read_text())["rows"]
     assert [r["batch"] for r in rows] == [1, 2] and all(r["correct"] for r in rows)
     for r in rows:
-        assert r["verify_graph_rel_err"] < 1e-5 and r["verify_argmax_agree"] == 1.0
+        assert r["verify_graph_rel_err"] < 1e-5 and r["verify_argmax_agree"] == 1.0 and r["commit_graph_rel_err"] < 1e-5
         assert r["verify_eager_ms"] > 0 and r["commit_ms"] > 0 and r["plain_eager_ms"] > 0
         assert r["verify_bytes"]["total"] > r["plain_bytes"]["total"] > 0 and r["floor_ratio"] > 1

@@ -16,7 +16,7 @@ from k3rt.backend.models.attn_res import AttnResStream, attn_res_mix
 from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.backend.models.moe import MoE
 from k3rt.backend.runner.gpu.ffn import MoeWeights, mlp_forward, moe_forward
-from k3rt.backend.runner.gpu.kda import KdaWeights, kda_commit, kda_forward
+from k3rt.backend.runner.gpu.kda import KdaWeights, kda_commit, kda_commit_graphed, kda_forward
 from k3rt.backend.runner.gpu.mla import MlaWeights, mla_forward
 from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear
 from k3rt.backend.runner.gpu.step import GpuStep
@@ -117,6 +117,15 @@ class GpuForward:
             if isinstance(w, KdaWeights):
                 kda_commit(self.layers[i].self_attn, w, step, [(s, m, pages[w.group]) for s, m, pages in runs],
                            self.pool.conv[w.tensor], self.pool.rec[w.tensor], self.k.batch_invariant)
+
+    @torch.no_grad()
+    def commit_graphed(self, step: GpuStep, accepted: torch.Tensor) -> None:
+        """After a verify-graph step (device tensors only, captured per bucket): every KDA layer advances
+        sequence i of the step by accepted[i] tokens on the step's own state pages (0: as it was)."""
+        for i, w in self.prepared.items():
+            if isinstance(w, KdaWeights):
+                kda_commit_graphed(self.layers[i].self_attn, w, step, accepted, self.pool.conv[w.tensor],
+                                   self.pool.rec[w.tensor])
 
     def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
         mlp = self.layers[i].mlp

@@ -255,24 +255,48 @@ def kda_commit(attn: KimiDeltaAttention, w: KdaWeights, step: GpuStep, runs: lis
     padded to the longest (a padded position leaves its run's state as it was); the conv is the general
     form's (fp32 taps in order) and the recurrence the exact per-token one.
     Cost: about max(m) small launches per layer per verify step (a fused kda_decode-style replay would be
-    one; not built yet, issue 16).
+    one; not built yet, issue 16); after a verify-graph step the runner replays it captured instead
+    (`kda_commit_graphed`).
     batch_invariant: the run went through `_token_by_token` on scratch states; replay through its kernel."""
     if batch_invariant:
         _replay_token_by_token(attn, w, step, runs, conv_pool, rec_pool)
         return
     qkv, g, beta = step.verify_inputs[attn.layer_idx]  # rows of the verify runs, in step order
-    H, D = attn.num_heads, attn.head_dim
-    W = w.conv_weight.shape[1]
     dev = qkv.device
     first, off = {}, 0  # each verify sequence's first row among the kept rows
     for i in step.verify_seqs:
         first[i], off = off, off + step.lens[i]
-    n, M = len(runs), max(m for _, m, _ in runs)
     pages = torch.tensor([p for _, _, p in runs], dtype=torch.long, device=dev)
     ms = torch.tensor([m for _, m, _ in runs], dtype=torch.long, device=dev)
     offs = torch.tensor([first[s] for s, _, _ in runs], dtype=torch.long, device=dev)
+    _advance(attn, w, qkv, g, beta, pages, ms, offs, max(m for _, m, _ in runs), conv_pool, rec_pool)
+
+
+def kda_commit_graphed(attn: KimiDeltaAttention, w: KdaWeights, step: GpuStep, accepted: torch.Tensor,
+                       conv_pool: torch.Tensor, rec_pool: torch.Tensor) -> None:
+    """`kda_commit` for a verify-graph step (every sequence a run of R rows, `_verify_runs`): sequence i
+    advanced by accepted[i] tokens ([B] int64 on the device; 0 leaves it as it was: the pad sequences, and
+    anything not to commit) on the step's own state pages. Device tensors only, padded to R: capturable
+    (the runner replays it as the verify graph's commit graph)."""
+    qkv, g, beta = step.verify_inputs[attn.layer_idx]
+    B = step.num_seqs
+    R = qkv.shape[0] // B
+    offs = torch.arange(B, device=qkv.device) * R
+    _advance(attn, w, qkv, g, beta, step.state_pages[w.group], accepted, offs, R, conv_pool, rec_pool)
+
+
+def _advance(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             pages: torch.Tensor, ms: torch.Tensor, offs: torch.Tensor, M: int, conv_pool: torch.Tensor,
+             rec_pool: torch.Tensor) -> None:
+    """The commit's math, on the device: run i (state page pages[i], rows offs[i].. of qkv/g/beta) advances
+    by its first ms[i] <= M tokens; positions past ms[i] (and runs with ms[i] = 0) leave it as it was."""
+    H, D = attn.num_heads, attn.head_dim
+    W = w.conv_weight.shape[1]
+    dev = qkv.device
+    n = pages.shape[0]
     t = torch.arange(M, device=dev)
-    rows = offs[:, None] + torch.minimum(t[None, :], ms[:, None] - 1)  # [n, M], past m: the last row again
+    # [n, M]; past m: the last kept row again (m = 0: the run's first row, read but never applied)
+    rows = offs[:, None] + torch.minimum(t[None, :], (ms[:, None] - 1).clamp(min=0))
     ext = torch.cat([conv_pool[pages].to(qkv.dtype), qkv[rows]], dim=1)  # [n, W-1+M, C]
     y = torch.zeros(n, M, qkv.shape[1], dtype=torch.float32, device=dev)
     for tap in range(W):  # output t reads ext rows t..t+W-1: real rows for every t < m

@@ -100,6 +100,8 @@ class _Graph:
     logits: torch.Tensor
     taps: dict[int, torch.Tensor]  # the graph's tapped target states (model drafter), [size, hidden] each
     step: GpuStep | None = None  # verify graphs: the captured step (its verify_inputs feed the commit)
+    commit: torch.cuda.CUDAGraph | None = None  # verify graphs: the commit after sampling (kda_commit_graphed)
+    accepted: torch.Tensor | None = None  # its input: tokens each sequence keeps, [size] int64 (0: none)
 
 
 class GpuModelRunner(Runner):
@@ -223,7 +225,7 @@ class GpuModelRunner(Runner):
         else:
             # the verify form left every plain decode's KDA states alone too: committed with one token each
             plain = ([(i, 1, c.req.state_set) for i, c in enumerate(chunks) if not c.draft_ids] if vsize else [])
-            launched.sampled, kept = self._sample_now(logits, reqs, verify, n_plain, n_verify, step, plain)
+            launched.sampled, kept = self._sample_now(logits, reqs, verify, n_plain, n_verify, step, plain, vsize)
         if self.target_states is not None:
             record_step_states(self.target_states, chunks, tapped, kept)
         if timing is not None:
@@ -245,19 +247,23 @@ class GpuModelRunner(Runner):
             self.idle.reset()
 
     def _sample_now(self, logits: torch.Tensor, reqs: list, verify: list, n_plain: int, n_verify: int,
-                    step: GpuStep | None, plain_runs: list[tuple[int, int, list[int]]] = ()
+                    step: GpuStep | None, plain_runs: list[tuple[int, int, list[int]]] = (), vsize: int = 0
                     ) -> tuple[dict[int, int | list[int]], dict[int, int]]:
         """Host-assisted sampling and speculative verification: reads the tokens back now. Returns the
         sampled tokens and, per verify chunk index, how many of its fed tokens the accepted run kept.
-        plain_runs: (sequence, 1, state set) of the plain decodes a verify-form step must commit too."""
+        plain_runs: (sequence, 1, state set) of the plain decodes a verify-form step must commit too;
+        vsize: the step's verify graph bucket (0: an eager step)."""
         sampled: dict[int, int | list[int]] = sample_step(self.sampler, logits[:n_plain], reqs,
                                                           use_kernels=self.kernels.triton, penalties=self.penalties)
         kept: dict[int, int] = {}
         if verify:
             results = verify_requests(self.sampler, logits[n_plain:n_plain + n_verify], [c.req for _, c in verify],
                                       [c.draft_ids for _, c in verify])
-            self.fwd.commit_verified(step, [(i, len(res.token_ids), c.req.state_set)
-                                            for (i, c), res in zip(verify, results)] + list(plain_runs))
+            runs = [(i, len(res.token_ids), c.req.state_set) for (i, c), res in zip(verify, results)] + list(plain_runs)
+            if vsize:
+                self._commit_verify_form(step, vsize, runs)
+            else:
+                self.fwd.commit_verified(step, runs)
             for (_, c), res in zip(verify, results):
                 r = c.req
                 # the device penalty counts missed these tokens: rebuilt from token_ids at the next use
@@ -329,6 +335,19 @@ class GpuModelRunner(Runner):
         tapped = {i: t.index_select(0, fed) for i, t in taps.items()}
         return self.fwd.full_logits(logits.index_select(0, rows)), step, tapped
 
+    def _commit_verify_form(self, step: GpuStep, size: int, runs: list[tuple[int, int, list[int]]]) -> None:
+        """The commit of a verify-form step: the bucket's commit graph replayed with each sequence's kept
+        tokens (pad sequences 0), or the same commit eagerly when the step was not replayed."""
+        accepted = torch.zeros(size, dtype=torch.int64)
+        for i, m, _ in runs:
+            accepted[i] = m
+        g = self.verify_graphs.get(size)
+        if g is not None:
+            g.accepted.copy_(accepted.pin_memory(), non_blocking=True)
+            g.commit.replay()
+        else:
+            self.fwd.commit_graphed(step, to_device(accepted, self.device))
+
     def release(self, rid: int) -> None:
         self.penalties.release(rid)
         if self.target_states is not None:
@@ -394,7 +413,16 @@ class GpuModelRunner(Runner):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             logits = self.fwd(step, decode=not verify, logits_out=shared[:rows])
-        return _Graph(graph, flat64, flat32, logits, dict(self.fwd.tapped), step if verify else None)
+        g = _Graph(graph, flat64, flat32, logits, dict(self.fwd.tapped))
+        if verify:  # and its commit, reading what the forward kept (accepted 0 here: the pad page stays as it was)
+            g.step, g.accepted, g.commit = step, torch.zeros(size, dtype=torch.int64, device=self.device), torch.cuda.CUDAGraph()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.fwd.commit_graphed(step, g.accepted)
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(g.commit, pool=pool):
+                self.fwd.commit_graphed(step, g.accepted)
+        return g
 
     def _replay(self, seqs: list[StepSeq], size: int, pending: dict[int, int] | None = None,
                 prev: LaunchedStep | None = None) -> torch.Tensor:
