@@ -229,6 +229,8 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
                 prompts = [_agent_turn(tok, p, o) for p, o in zip(prompts, outs)]
     finally:
         eng.step, eng.scheduler.schedule = step, schedule
+        if drafter is not None:  # a drafter kept for the next run (dspark) must not time into this run's list
+            drafter.propose = propose
     wall = time.perf_counter() - t0
     s = eng.stats
     return _Run(outputs, wall, sum(map(len, outputs)), step_ms, draft_ms, s.spec_verifies - s0[0],

@@ -51,6 +51,22 @@ class GpuForward:
         # each tapped layer's state over all rows in `tapped` (inside a CUDA graph: the graph's own tensors)
         self.taps: frozenset[int] = frozenset()
         self.tapped: dict[int, torch.Tensor] = {}
+        # verify graphs: per KDA layer, the buffers their forward copies its commit inputs into (qkv, g, beta for
+        # up to `rows` rows), shared by every bucket's graph (reserve_verify_inputs, before capture)
+        self.verify_keep: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def reserve_verify_inputs(self, rows: int) -> None:
+        """Allocate `verify_keep` for verify-graph steps of up to `rows` rows (outside any capture: the graphs
+        of every bucket then write the same buffers, where each graph's own outputs would cost one set per
+        bucket; a step's commit reads them before the next replay, in stream order)."""
+        dev = self.pool.tensors[0].device
+        for i, w in self.prepared.items():
+            if isinstance(w, KdaWeights):
+                attn = self.layers[i].self_attn
+                H, D = attn.num_heads, attn.head_dim
+                self.verify_keep[i] = (torch.empty(rows, 3 * H * D, dtype=w.w_in.dtype, device=dev),
+                                       torch.empty(rows, H, D, dtype=torch.float32, device=dev),
+                                       torch.empty(rows, H, dtype=torch.float32, device=dev))
 
     def _tap(self, i: int, x: torch.Tensor) -> None:
         if i in self.taps:
@@ -103,7 +119,7 @@ class GpuForward:
         attn = self.layers[i].self_attn
         if isinstance(w, KdaWeights):
             y = kda_forward(attn, w, x, step, self.pool.conv[w.tensor], self.pool.rec[w.tensor], self.k,
-                            decode=decode, workspace=self.kda_workspace)
+                            decode=decode, workspace=self.kda_workspace, keep=self.verify_keep.get(i))
         else:
             y = mla_forward(attn, w, x, step, self.pool.mla[w.slot], self.k)
         # o_proj is row-parallel: each rank holds the partial sum over its heads (the identity at TP 1)

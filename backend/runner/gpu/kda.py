@@ -77,9 +77,11 @@ def _gate(attn: KimiDeltaAttention, w: KdaWeights, f: torch.Tensor) -> torch.Ten
 
 def kda_forward(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: GpuStep,
                 conv_pool: torch.Tensor, rec_pool: torch.Tensor, k: KernelConfig, *, decode: bool,
-                workspace: torch.Tensor | None = None) -> torch.Tensor:
+                workspace: torch.Tensor | None = None,
+                keep: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [T, hidden] -> [T, hidden]; conv_pool [P, W-1, 3P], rec_pool [P, H, K, V] (pool views, a
-    page apart); workspace: kda_decode's per-head counters (decode form)."""
+    page apart); workspace: kda_decode's per-head counters (decode form); keep: buffers the verify graph
+    form copies its commit inputs into (GpuForward.verify_keep; None: the step keeps its own tensors)."""
     T, H, D = x.shape[0], attn.num_heads, attn.head_dim
     proj = linear(x, w.w_in, k)
     qkv, gate, f_a, b = torch.split(proj, w.splits, dim=-1)
@@ -90,7 +92,7 @@ def kda_forward(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: 
         f = linear(f_a, attn.f_b_proj.weight, k)
     pages = step.state_pages[w.group]
     if step.row_seq is not None and k.triton and not k.batch_invariant:
-        o = _verify_runs(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, pages, k, workspace)
+        o = _verify_runs(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, pages, k, workspace, keep)
         return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
     if k.batch_invariant and not decode:
         o = _token_by_token(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, pages, k)
@@ -112,7 +114,8 @@ def kda_forward(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: 
 
 def _verify_runs(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
                  gate: torch.Tensor, step: GpuStep, conv_pool: torch.Tensor, rec_pool: torch.Tensor,
-                 pages: torch.Tensor, k: KernelConfig, workspace: torch.Tensor | None) -> torch.Tensor:
+                 pages: torch.Tensor, k: KernelConfig, workspace: torch.Tensor | None,
+                 keep: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The verify graph form: B sequences of R rows each, every one a verify run. Scratch copies of the B conv
     windows and states (one per sequence, not one per position) go through `kda_decode` R times, the t-th
     rows of all runs in launch t, so the live pages stay at the runs' start; (qkv, g, beta) of every row are
@@ -122,7 +125,10 @@ def _verify_runs(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: 
     T, H, D = qkv.shape[0], attn.num_heads, attn.head_dim
     B = step.num_seqs
     R = T // B
-    step.verify_inputs[attn.layer_idx] = (qkv, _gate(attn, w, f), torch.sigmoid(b.float()))
+    kept = (qkv, _gate(attn, w, f), torch.sigmoid(b.float()))
+    if keep is not None:  # into the buffers every verify graph shares (rows past T are another bucket's)
+        kept = tuple(buf[:T].copy_(t) for buf, t in zip(keep, kept))
+    step.verify_inputs[attn.layer_idx] = kept
     convs, recs = conv_pool[pages].clone(), rec_pool[pages].clone()  # [B, W-1, C], [B, H, D, D]
     slots = torch.arange(B, device=qkv.device)
     runs = [t.reshape(B, R, *t.shape[1:]) for t in (qkv, f, b, gate)]

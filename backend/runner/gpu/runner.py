@@ -42,7 +42,7 @@ from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, to_device
 from k3rt.backend.runner.gpu.penalties import PenaltyState
 from k3rt.backend.runner.gpu.sample import sample_on_device, sample_step
 from k3rt.backend.runner.gpu.step import GpuStep, StepSeq, build_step, pack_step, step_views
-from k3rt.backend.runner.gpu.verify_graph import VerifyPlan, pad_rows, plan_verify
+from k3rt.backend.runner.gpu.verify_graph import pad_rows, plan_verify
 from k3rt.backend.runner.sampling import prompt_score_rows, record_prompt_logprobs
 from k3rt.backend.runner.step_plan import build_plan
 from k3rt.backend.sampling.sampler import Sampler
@@ -377,6 +377,8 @@ class GpuModelRunner(Runner):
                              device=self.device)
         kinds = [("decode", self.graph_sizes, self.graphs)]
         if self.verify_sizes:
+            # what each verify graph keeps for its commit lives in one set of buffers, not one per graph
+            self.fwd.reserve_verify_inputs(max(self.verify_sizes) * self.verify_run_len)
             kinds.append((f"verify (1 + {self.verify_run_len - 1} rows each)", self.verify_sizes, self.verify_graphs))
         for kind, sizes, graphs in kinds:
             t0 = time.perf_counter()
