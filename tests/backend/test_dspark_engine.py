@@ -239,7 +239,7 @@ def test_drafter_pass_in_cuda_graphs_equals_the_eager_pass(arch, tmp_path) -> No
             tokens, conf = graphed.graphs.draft(ctx, anchors)
             want_tokens, _, want_conf = eager.model.draft(ctx, anchors, eager.embed, eager.lm_head)
             assert torch.equal(tokens, want_tokens)
-            torch.testing.assert_close(conf, want_conf, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(conf, want_conf, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["kimi_linear"], indirect=True)

@@ -11,8 +11,8 @@ sampler's usual one-hot draft distribution applies unchanged. Per request, only 
 `verify_length` drafts are returned (cumulative confidence >= threshold, at least min_verify, at most
 max_tokens): a confident request verifies up to k, a lost one verifies few.
 
-On a CUDA device with graph sizes given, the pass replays a CUDA graph per batch bucket (graph.py); the
-tokens and confidences are the eager pass's (the same kernels on the same inputs).
+On a CUDA device with graph sizes given, the pass replays a CUDA graph per batch bucket (graph.py): the
+eager pass's computation at the bucket's batch size (the rows past the batch are padding nobody reads).
 """
 
 from __future__ import annotations
