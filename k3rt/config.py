@@ -106,6 +106,9 @@ class SpecConfig:
     # dspark: override the drafter's confidence_threshold (verify while the cumulative acceptance estimate
     # stays >= this; 0 verifies every draft); None keeps the drafter's own
     confidence_threshold: float | None = None
+    # gpu runner on CUDA: verify steps and the dspark drafter's pass replay CUDA graphs (batches up to 64) where
+    # decode steps do (EngineConfig.cuda_graphs); False runs them eagerly, the decode graphs kept
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPEC_METHODS:

@@ -18,7 +18,8 @@ speculation at that batch size; tokens/s with and without speculation (generated
 run), their ratio, and whether the speculative outputs equal the plain ones token for token. On the CPU the
 times are the reference path's; on CUDA the steps end with the sampled tokens on the host, so wall times
 include the device work. On CUDA the GPU runner replays plain decode steps, verify steps (batch <= 64) and
-the dspark drafter's pass from CUDA graphs (cuda_graphs=False: all eager); `graph_verifies` counts the
+the dspark drafter's pass from CUDA graphs (cuda_graphs=False: all eager; spec_graphs=False: verify steps and
+the drafter eager, decode steps still replayed); `graph_verifies` counts the
 verify steps that replayed a graph and `drafter_graphs` says whether the drafter's pass did.
 """
 
@@ -73,6 +74,7 @@ class SpecBenchConfig:
     # batch-invariant numerics (docs/deterministic.md) for the plain and the speculative runs alike
     deterministic: bool = False
     cuda_graphs: bool = True  # the GPU runner's decode/verify graphs and the dspark drafter's (CUDA only)
+    spec_graphs: bool = True  # the verify and drafter graphs alone (False: those eager, decode graphs kept)
 
     def __post_init__(self) -> None:
         bad = [w for w in self.workloads if w not in WORKLOADS]
@@ -283,7 +285,8 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
     bar = tqdm(total=len(methods) * len(prompts), desc="bench spec", unit="run", disable=not progress)
     for method in methods:
         spec = SpecConfig() if method is None else SpecConfig(method=method, num_tokens=cfg.spec_tokens,
-                                                              model=spec_model if method == "dspark" else None)
+                                                              model=spec_model if method == "dspark" else None,
+                                                              cuda_graphs=cfg.spec_graphs)
         eng = Engine(replace(base, spec=spec), model=model)
         # warm-up (lazy initialization, first kernels) outside the measured runs
         _run(eng, [next(iter(prompts.values()))[0][:16]], replace(cfg, max_tokens=4), tok, "code")

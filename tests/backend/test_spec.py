@@ -617,6 +617,21 @@ class _SomePlain(OracleDrafter):
         return [d if (q.rid + len(q.token_ids)) % 3 else [] for q, d in zip(queries, super().propose(queries))]
 
 
+def test_spec_graph_buckets_follow_the_config() -> None:
+    """Which batch buckets get verify and drafter graphs: the decode graph sizes up to 64, and none whenever a
+    switch or the setting rules them out (the engine gives the runner and the drafter this one answer)."""
+    from k3rt.backend.runner.gpu.runner import spec_graph_sizes
+    from k3rt.config import EngineConfig, SchedulerConfig
+
+    on = EngineConfig(model="k3-tiny", device="cuda", runner="gpu", spec=SpecConfig(method="ngram", num_tokens=7),
+                      scheduler=SchedulerConfig(max_running=100))
+    assert spec_graph_sizes(on) == (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    assert spec_graph_sizes(replace(on, scheduler=SchedulerConfig(max_running=10))) == (1, 2, 4, 8, 16)
+    for off in ({"cuda_graphs": False}, {"spec": SpecConfig()}, {"deterministic": True}, {"kernels": False},
+                {"spec": SpecConfig(method="ngram", cuda_graphs=False)}, {"device": "cpu", "kernels": False}):
+        assert spec_graph_sizes(replace(on, **off)) == (), off
+
+
 def test_verify_graph_plan_pads_without_leaking() -> None:
     """The verify graphs' padding plan (verify_graph.py), on the host: real rows are packed exactly as the eager
     step packs them; every padding row writes its MLA latent into the pad page (never a page a request owns,

@@ -73,11 +73,11 @@ SPEC_GRAPH_MAX_BATCH = 64
 
 def spec_graph_sizes(cfg) -> tuple[int, ...]:
     """The batch buckets an EngineConfig's speculative graphs are captured for: the decode graph sizes up to
-    SPEC_GRAPH_MAX_BATCH. None (()) without speculation, with --no-cuda-graphs, off CUDA, under tensor
-    parallelism (speculation runs at tp 1), or in the batch-invariant mode (its verify path steps token by
-    token on host-built indices, docs/deterministic.md)."""
-    if (not cfg.spec.enabled or not cfg.cuda_graphs or not cfg.device.startswith("cuda") or cfg.tp > 1
-            or cfg.deterministic or not cfg.kernels):
+    SPEC_GRAPH_MAX_BATCH. None (()) without speculation, with --no-cuda-graphs or --no-spec-graphs, off CUDA,
+    without the Triton kernels, under tensor parallelism (speculation runs at tp 1), or in the batch-invariant
+    mode (its verify path steps token by token on host-built indices, docs/deterministic.md)."""
+    if (not cfg.spec.enabled or not cfg.spec.cuda_graphs or not cfg.cuda_graphs or not cfg.device.startswith("cuda")
+            or cfg.tp > 1 or cfg.deterministic or not cfg.kernels):
         return ()
     return tuple(s for s in graph_sizes_for(cfg.scheduler.max_running) if s <= SPEC_GRAPH_MAX_BATCH)
 
