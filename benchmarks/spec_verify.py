@@ -71,6 +71,8 @@ from k3rt.backend.runner.gpu.step import StepSeq  # noqa: E402
 from k3rt.cache_layout import compute_layout  # noqa: E402
 from k3rt.model_config import ModelConfig, load_model_config, parse_model_config  # noqa: E402
 
+TOL = 5e-2  # relative error (norm) allowed between two forms of the same step in bf16 (fp32 on the CPU: ~1e-7)
+
 REPORT = Report(default_out(ARGS.out, "spec_verify.json"), ARGS.budget_s,
                 {"args": {k: str(v) for k, v in vars(ARGS).items()}})
 RESULT, log = REPORT.result, REPORT.log
@@ -198,7 +200,9 @@ def bench(runner: GpuModelRunner, model, cfg: ModelConfig, layout, gbps: float, 
     row["verify_graph_keeps_states"] = all(torch.equal(a, b) for a, b in zip(states_of(pool, plain), saved))
     row["verify_graph_replayed"] = vsize in runner.verify_graphs
     row["verify_argmax_agree"] = float((got_v.argmax(-1) == want_v.argmax(-1)).float().mean())
-    ok = (row.get("plain_graph_rel_err", 0.0) < 2e-2 and row["verify_graph_rel_err"] < 2e-2
+    # bf16 at the 48B depth: the verify graph's form (decode kernel over scratch states, per-row MLA decode)
+    # and the eager one (chunked KDA, expanded MLA) round differently; a broken form is off by O(1)
+    ok = (row.get("plain_graph_rel_err", 0.0) < TOL and row["verify_graph_rel_err"] < TOL
           and row["verify_eager_keeps_states"] and row["verify_graph_keeps_states"])
     row["correct"] = bool(ok)
     log(f"B={B} correctness: " + ", ".join(f"{k}={row[k]}" for k in row if k not in ("batch", "context")))
@@ -224,7 +228,7 @@ def bench(runner: GpuModelRunner, model, cfg: ModelConfig, layout, gbps: float, 
     runner._commit_verify_form(vstep, vsize, runs)
     row["commit_graph_rel_err"] = rel_err(torch.cat([t.flatten().float() for t in states_of(pool, plain)]),
                                           torch.cat([t.flatten().float() for t in after_eager]))
-    row["correct"] = row["correct"] and row["commit_graph_rel_err"] < 2e-2
+    row["correct"] = row["correct"] and row["commit_graph_rel_err"] < TOL
     restore(pool, plain, saved)
     row["commit_eager_ms"] = time_ms(lambda: runner.fwd.commit_verified(verify_step, runs), reps=ARGS.reps,
                                      warmup=2)["median_ms"]
