@@ -58,15 +58,16 @@ class GpuForward:
     def reserve_verify_inputs(self, rows: int) -> None:
         """Allocate `verify_keep` for verify-graph steps of up to `rows` rows (outside any capture: the graphs
         of every bucket then write the same buffers, where each graph's own outputs would cost one set per
-        bucket; a step's commit reads them before the next replay, in stream order)."""
+        bucket; a step's commit reads them before the next replay, in stream order). The buffers hold
+        kda_decode's inputs (pre-conv qkv, f, b in the activation dtype), what the kernels' form keeps."""
         dev = self.pool.tensors[0].device
         for i, w in self.prepared.items():
             if isinstance(w, KdaWeights):
                 attn = self.layers[i].self_attn
                 H, D = attn.num_heads, attn.head_dim
                 self.verify_keep[i] = (torch.empty(rows, 3 * H * D, dtype=w.w_in.dtype, device=dev),
-                                       torch.empty(rows, H, D, dtype=torch.float32, device=dev),
-                                       torch.empty(rows, H, dtype=torch.float32, device=dev))
+                                       torch.empty(rows, H * D, dtype=w.w_in.dtype, device=dev),
+                                       torch.empty(rows, H, dtype=w.w_in.dtype, device=dev))
 
     def _tap(self, i: int, x: torch.Tensor) -> None:
         if i in self.taps:
@@ -141,7 +142,7 @@ class GpuForward:
         for i, w in self.prepared.items():
             if isinstance(w, KdaWeights):
                 kda_commit_graphed(self.layers[i].self_attn, w, step, accepted, self.pool.conv[w.tensor],
-                                   self.pool.rec[w.tensor])
+                                   self.pool.rec[w.tensor], self.k, self.kda_workspace)
 
     def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
         mlp = self.layers[i].mlp

@@ -10,7 +10,9 @@ Verify runs (speculative decoding) take the general form but leave their conv an
 they were; `kda_commit` replays the accepted prefix into them once the sampler has decided.
   verify graph form (pack_step row_queries: every sequence a verify run of the same length R, the form
     captured in the verify graphs): the runs step through scratch copies of their states with the decode
-    kernel, R launches (the chunked kernel builds its tables on the host); nothing live is written.
+    kernel, R launches (the chunked kernel builds its tables on the host); nothing live is written. The
+    commit (`kda_commit_graphed`) replays the kept tokens through the same kernel on the live states, so
+    they end as the scratch states did after those tokens (and a plain decode's as a decode step's).
 Batch-invariant mode (docs/deterministic.md): every step token by token through the decode kernel;
 verify runs step through scratch copies of their states, and the commit replays the accepted tokens
 through the same kernel on the live states, so they end bit-identical to plain decode steps.
@@ -118,14 +120,15 @@ def _verify_runs(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: 
                  keep: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The verify graph form: B sequences of R rows each, every one a verify run. Scratch copies of the B conv
     windows and states (one per sequence, not one per position) go through `kda_decode` R times, the t-th
-    rows of all runs in launch t, so the live pages stay at the runs' start; (qkv, g, beta) of every row are
-    kept for `kda_commit`. No host data and shapes fixed by (B, R): capturable. -> o [T, H, D] (gated, normed)."""
+    rows of all runs in launch t, so the live pages stay at the runs' start; the kernel's inputs (pre-conv
+    qkv, f, b) of every row are kept for `kda_commit_graphed`. No host data and shapes fixed by (B, R):
+    capturable. -> o [T, H, D] (gated, normed)."""
     from k3rt.kernels.kda import kda_decode
 
     T, H, D = qkv.shape[0], attn.num_heads, attn.head_dim
     B = step.num_seqs
     R = T // B
-    kept = (qkv, _gate(attn, w, f), torch.sigmoid(b.float()))
+    kept = (qkv, f, b)
     if keep is not None:  # into the buffers every verify graph shares (rows past T are another bucket's)
         kept = tuple(buf[:T].copy_(t) for buf, t in zip(keep, kept))
     step.verify_inputs[attn.layer_idx] = kept
@@ -279,16 +282,33 @@ def kda_commit(attn: KimiDeltaAttention, w: KdaWeights, step: GpuStep, runs: lis
 
 
 def kda_commit_graphed(attn: KimiDeltaAttention, w: KdaWeights, step: GpuStep, accepted: torch.Tensor,
-                       conv_pool: torch.Tensor, rec_pool: torch.Tensor) -> None:
-    """`kda_commit` for a verify-graph step (every sequence a run of R rows, `_verify_runs`): sequence i
-    advanced by accepted[i] tokens ([B] int64 on the device; 0 leaves it as it was: the pad sequences, and
-    anything not to commit) on the step's own state pages. Device tensors only, padded to R: capturable
-    (the runner replays it as the verify graph's commit graph)."""
-    qkv, g, beta = step.verify_inputs[attn.layer_idx]
+                       conv_pool: torch.Tensor, rec_pool: torch.Tensor, k: KernelConfig,
+                       workspace: torch.Tensor | None = None) -> None:
+    """`kda_commit` for a verify-graph step (every sequence a run of R rows): sequence i advanced by
+    accepted[i] tokens ([B] int64 on the device; 0 leaves it as it was: the pad sequences, and anything not
+    to commit) on the step's own state pages. Device tensors only, padded to R: capturable (the runner
+    replays it as the verify graph's commit graph).
+    With the kernels (`_verify_runs` kept kda_decode's inputs): R launches of kda_decode on the live pages,
+    a run's slot masked to padding (-1: nothing touched) from its accepted count on; one pass over each state
+    per token, where the torch replay (`_advance`, the torch-op path's) makes several."""
     B = step.num_seqs
+    pages = step.state_pages[w.group]
+    if k.triton:
+        from k3rt.kernels.kda import kda_decode
+
+        qkv, f, b = step.verify_inputs[attn.layer_idx]  # [T, 3P], [T, H*D], [T, H]: _verify_runs' inputs
+        R = qkv.shape[0] // B
+        runs = [t.reshape(B, R, *t.shape[1:]) for t in (qkv, f, b)]
+        for t in range(R):
+            slots = torch.where(accepted > t, pages, torch.full_like(pages, -1))
+            q_t, f_t, b_t = (x[:, t].contiguous() for x in runs)
+            kda_decode(q_t, w.conv_weight, conv_pool, f_t, w.A_log, w.dt_bias, b_t, rec_pool, slots,
+                       lower_bound=attn.lower_bound, use_pdl=k.use_pdl, workspace=workspace)
+        return
+    qkv, g, beta = step.verify_inputs[attn.layer_idx]  # _general's: (pre-conv qkv, g, beta)
     R = qkv.shape[0] // B
     offs = torch.arange(B, device=qkv.device) * R
-    _advance(attn, w, qkv, g, beta, step.state_pages[w.group], accepted, offs, R, conv_pool, rec_pool)
+    _advance(attn, w, qkv, g, beta, pages, accepted, offs, R, conv_pool, rec_pool)
 
 
 def _advance(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
