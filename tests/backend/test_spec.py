@@ -647,7 +647,8 @@ def test_verify_graph_plan_pads_without_leaking() -> None:
     meta, (h64, h32) = pack_step(padded, row_queries=True, **kw)
     pad_rows(meta, h64, plan, pad_page * bs)
     step = step_views(meta, h64, h32)
-    eager = step_views(*pack_step(seqs, **kw)[0:1], *pack_step(seqs, **kw)[1])
+    eager_meta, eager_host = pack_step(seqs, **kw)
+    eager = step_views(eager_meta, *eager_host)
     fed = torch.tensor(plan.fed_rows)
     for name in ("ids", "pos", "kv_slot"):
         assert getattr(step, name)[fed].tolist() == getattr(eager, name).tolist(), name

@@ -86,10 +86,11 @@ def engine_gpu_runner(cfg, model: KimiForCausalLM, pool: PagePool, *, sender: Pl
                       target_states: TargetStates | None = None) -> "GpuModelRunner":
     """The GPU runner an EngineConfig asks for (rank 0 and every worker build theirs here, so they match)."""
     kernels = KernelConfig(cfg.kernels, cfg.use_pdl, batch_invariant=cfg.deterministic)
+    spec_sizes = spec_graph_sizes(cfg)
     return GpuModelRunner(model, pool, kernels=kernels,
                           cuda_graphs=cfg.cuda_graphs, graph_sizes=graph_sizes_for(cfg.scheduler.max_running),
                           sender=sender, target_states=target_states,
-                          verify_graphs=(cfg.spec.num_tokens, spec_graph_sizes(cfg)) if spec_graph_sizes(cfg) else None)
+                          verify_graphs=(cfg.spec.num_tokens, spec_sizes) if spec_sizes else None)
 
 
 @dataclass
