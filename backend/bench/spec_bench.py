@@ -274,7 +274,8 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
     if "agent" in cfg.workloads:  # each turn adds two outputs and two short tags
         longest += cfg.turns * (2 * cfg.max_tokens + 24)
     base = EngineConfig(model=str(model_dir), dtype=cfg.dtype, device=cfg.device, runner=cfg.runner,
-                        seed=cfg.seed, overlap=cfg.overlap, deterministic=cfg.deterministic, cuda_graphs=cfg.cuda_graphs,
+                        seed=cfg.seed, overlap=cfg.overlap, deterministic=cfg.deterministic,
+                        cuda_graphs=cfg.cuda_graphs,
                         scheduler=SchedulerConfig(max_num_batched_tokens=max(2048, bmax * 16), max_running=max(bmax, 1)))
     layout, _ = cache_geometry(base, mcfg)
     per_req = -(-(longest + cfg.max_tokens + cfg.spec_tokens + 1) // layout.block_size) + 2 * layout.pages_per_state_set

@@ -418,7 +418,8 @@ class GpuModelRunner(Runner):
             logits = self.fwd(step, decode=not verify, logits_out=shared[:rows])
         g = _Graph(graph, flat64, flat32, logits, dict(self.fwd.tapped))
         if verify:  # and its commit, reading what the forward kept (accepted 0 here: the pad page stays as it was)
-            g.step, g.accepted, g.commit = step, torch.zeros(size, dtype=torch.int64, device=self.device), torch.cuda.CUDAGraph()
+            g.step, g.commit = step, torch.cuda.CUDAGraph()
+            g.accepted = torch.zeros(size, dtype=torch.int64, device=self.device)
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 self.fwd.commit_graphed(step, g.accepted)
