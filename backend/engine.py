@@ -85,7 +85,7 @@ class Engine:
         if spec.enabled:
             log.info("speculative decoding: %s%s, up to %d draft tokens per request", spec.method,
                      f" ({spec.model})" if spec.model else "", spec.num_tokens)
-        drafter = create_drafter(spec, getattr(self.runner, "model", None))
+        drafter = create_drafter(spec, getattr(self.runner, "model", None), graph_sizes=self._spec_graph_sizes())
         self.scheduler = Scheduler(cfg.scheduler, cc, self.pool, RadixCache(self.pool, self.layout.block_size, policy),
                                    drafter=drafter, spec_cfg=spec, target_states=self.target_states)
         self.overlap = None  # the OverlapLoop (backend/overlap.py) when steps overlap, else None
@@ -104,6 +104,14 @@ class Engine:
         self.num_steps = 0
         self.step_time = Histogram(STEP_TIME_BUCKETS_S)
         self.queue_wait = Histogram(QUEUE_WAIT_BUCKETS_S)
+
+    def _spec_graph_sizes(self) -> tuple[int, ...]:
+        """Batch buckets of the drafter's CUDA graphs (the runner's verify graphs use the same rule)."""
+        if self.cfg.runner != "gpu" or not self.cfg.spec.enabled:
+            return ()
+        from k3rt.backend.runner.gpu.runner import spec_graph_sizes
+
+        return spec_graph_sizes(self.cfg)
 
     def _target_states(self):
         """The per-request target-state store of a DSpark drafter (None for the other drafters). Resolves the

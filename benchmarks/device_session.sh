@@ -28,7 +28,13 @@
 #   serve (470 + 110)   benchmarks/serve_gpu.py: a real `k3rt serve --device cuda` at the 48B shape (random
 #                       weights, 8K vocabulary) under `k3rt bench serve` sharegpt (128 tokens), concurrency 1 and 64
 #                       and Poisson 16 req/s, overlap on and off; then benchmarks/decode.py --batch 64 (the pure
-#                       decode rate to compare with; --mixed: 64 decodes + one prefill chunk, eager). Needs fastapi/uvicorn/pydantic wheels in .whl/
+#                       decode rate to compare with; --mixed: 64 decodes + one prefill chunk, eager). Needs
+#                       fastapi/uvicorn/pydantic/opentelemetry-api wheels in .whl/
+#   spec-tests (240)    the speculative decoding GPU tests (verify graphs and the drafter's graphs against eager,
+#                       greedy identity, taps inside the graphs; test_spec, test_dspark_engine, test_spec_deterministic)
+#   spec-verify (300)   benchmarks/spec_verify.py: 48B shape, a 1 + 7 verify step vs a plain step at 4K, batch 1
+#                       and 16, graph and eager, with the bytes floors
+#   spec-bench (540)    k3rt bench spec on k3-tiny (bf16): code and agent, batch 1 and 16, dspark and suffix, graphs on
 #   tp-tests (300)      tensor parallelism in the GPU runner on 2 GPUs (gpu tests of test_tp_gpu_runner.py and
 #                       test_tp_bench.py; they skip with fewer GPUs): ask for nvidia-h200-x2
 #   tp (540)            k3rt bench tp: 48B shape, TP 1 and 2, batch 1/16/64 at 4K, the latent tail AR vs RS
@@ -38,7 +44,8 @@
 set -u
 for stage in "$@"; do
   case $stage in
-    tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det|overlap|serve|tp-tests|tp|tp-symm) ;;
+    tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det|overlap|serve) ;;
+    spec-tests|spec-verify|spec-bench|tp-tests|tp|tp-symm) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -109,6 +116,14 @@ for stage in "$@"; do
       tail -n 30 /tmp/serve_logs/*.log > "$OUT/serve_servers.log" 2>&1
       run serve 110 python3 benchmarks/decode.py --batch 64 --prefill --mixed 32 128 512 1792 --budget-s 90 \
         --out "$OUT/serve_decode.json" ;;
+    spec-tests)
+      gpu_pytest spec-tests 240 tests/backend/test_spec.py tests/backend/test_dspark_engine.py \
+        tests/backend/test_spec_deterministic.py ;;
+    spec-verify)
+      run spec-verify 300 python3 benchmarks/spec_verify.py --batch 1 16 --budget-s 260 --out "$OUT/spec_verify.json" ;;
+    spec-bench)
+      run spec-bench 540 python3 -m k3rt.cli bench spec --device cuda --dtype bfloat16 --workloads code,agent \
+        --batch-sizes 1,16 --drafters dspark,suffix --out "$OUT/spec_bench.json" ;;
     tp-tests)
       gpu_pytest tp-tests 300 tests/backend/test_tp_gpu_runner.py tests/backend/test_tp_bench.py ;;
     tp)

@@ -139,6 +139,10 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-confidence", type=float, default=None, metavar="P",
                    help="--spec dspark: verify a request's drafts while the drafter's cumulative acceptance estimate "
                         "stays >= P (0 verifies every draft; default: the drafter's confidence_threshold)")
+    p.add_argument("--no-spec-graphs", action="store_true",
+                   help="gpu runner on CUDA: run verify steps and the dspark drafter's pass eagerly (by default they "
+                        "replay CUDA graphs captured at --spec-tokens for batches up to 64; decode graphs are kept; "
+                        "--no-cuda-graphs turns off both)")
 
 
 def _spec_config(a: argparse.Namespace):
@@ -156,7 +160,7 @@ def _spec_config(a: argparse.Namespace):
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"spec_model: cannot read block_size from {cfg_path}: {e}") from None
     return SpecConfig(method=a.spec, num_tokens=4 if num_tokens is None else num_tokens, model=model,
-                      confidence_threshold=a.spec_confidence)
+                      confidence_threshold=a.spec_confidence, cuda_graphs=not a.no_spec_graphs)
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
@@ -431,6 +435,12 @@ def _add_bench_spec(bsub: argparse._SubParsersAction) -> None:
     s.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numerics for the plain and the speculative runs (docs/deterministic.md): "
                         "speculative greedy output is then byte-identical to plain output in any dtype")
+    s.add_argument("--no-cuda-graphs", action="store_true",
+                   help="on CUDA: run decode steps, verify steps and the drafter's pass eagerly (default: replayed "
+                        "from CUDA graphs; the rows' graph verifies / drafter graphs columns say which ran)")
+    s.add_argument("--no-spec-graphs", action="store_true",
+                   help="on CUDA: run verify steps and the drafter's pass eagerly, decode steps still from graphs "
+                        "(to compare against the default, where all three replay graphs)")
     s.add_argument("--json", action="store_true", help="print JSON instead of the table")
     s.add_argument("--out", default=None, metavar="FILE", help="also write the rows as JSON here")
 
@@ -443,7 +453,8 @@ def _cmd_bench_spec(a: argparse.Namespace) -> int:
                           batch_sizes=parse_list(a.batch_sizes, "batch_sizes", int),
                           drafters=parse_list(a.drafters, "drafters"), spec_tokens=a.spec_tokens,
                           spec_model=a.spec_model, max_tokens=a.max_tokens, prompt_len=a.prompt_len, turns=a.turns,
-                          seed=a.seed, deterministic=a.deterministic)
+                          seed=a.seed, deterministic=a.deterministic, cuda_graphs=not a.no_cuda_graphs,
+                          spec_graphs=not a.no_spec_graphs)
     rows = bench_spec(cfg, progress=not a.json)
     data = rows_json(rows)
     if a.out:
@@ -619,7 +630,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--runner", choices=["auto", "model", "gpu"], default="auto",
                    help="compute path: 'gpu' = fused Triton kernels + CUDA-graph decode, 'model' = the plain-torch "
                         "reference path; 'auto' (default) picks gpu on a CUDA device (any --tp), model elsewhere")
-    p.add_argument("--no-cuda-graphs", action="store_true", help="gpu runner: run decode steps eagerly")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="gpu runner: run decode steps eagerly; with --spec also the verify steps and the dspark "
+                        "drafter's pass (by default replayed from CUDA graphs captured at --spec-tokens for batches "
+                        "up to 64; --no-spec-graphs turns off only those)")
     p.add_argument("--no-overlap", action="store_true",
                    help="run each engine step to its end before scheduling the next; by default the gpu runner on a "
                         "CUDA device overlaps them (the host schedules and launches step N+1 while the GPU runs step "

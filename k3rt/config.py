@@ -106,6 +106,9 @@ class SpecConfig:
     # dspark: override the drafter's confidence_threshold (verify while the cumulative acceptance estimate
     # stays >= this; 0 verifies every draft); None keeps the drafter's own
     confidence_threshold: float | None = None
+    # gpu runner on CUDA: verify steps and the dspark drafter's pass replay CUDA graphs (batches up to 64) where
+    # decode steps do (EngineConfig.cuda_graphs); False runs them eagerly, the decode graphs kept
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPEC_METHODS:
@@ -195,7 +198,9 @@ class EngineConfig:
     # "auto": gpu on a CUDA device (any tp), model elsewhere
     runner: str = "auto"
     kernels: bool = True  # gpu runner: Triton kernels (off: the same path with torch ops; tests)
-    cuda_graphs: bool = True  # gpu runner: replay decode steps from captured CUDA graphs
+    # gpu runner: replay decode steps from captured CUDA graphs; with speculation also verify steps and the dspark
+    # drafter's pass (batches up to 64, backend/runner/gpu/runner.py spec_graph_sizes)
+    cuda_graphs: bool = True
     # overlap scheduling (backend/overlap.py): the host schedules and launches step N+1 while the device runs
     # step N, learning step N's tokens one step late; None (auto): on for the gpu runner on a CUDA device at tp=1.
     # The reference and null runners compute eagerly, so on them overlap only exercises the protocol (tests)

@@ -17,7 +17,10 @@ time of the steps that verified drafts and ran no prefill; plain ms = mean decod
 speculation at that batch size; tokens/s with and without speculation (generated tokens / wall time of the
 run), their ratio, and whether the speculative outputs equal the plain ones token for token. On the CPU the
 times are the reference path's; on CUDA the steps end with the sampled tokens on the host, so wall times
-include the device work.
+include the device work. On CUDA the GPU runner replays plain decode steps, verify steps (batch <= 64) and
+the dspark drafter's pass from CUDA graphs (cuda_graphs=False: all eager; spec_graphs=False: verify steps and
+the drafter eager, decode steps still replayed); `graph_verifies` counts the
+verify steps that replayed a graph and `drafter_graphs` says whether the drafter's pass did.
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ class SpecBenchConfig:
     overlap: bool | None = None  # the engine's overlap scheduling (None: its default, on for the GPU runner)
     # batch-invariant numerics (docs/deterministic.md) for the plain and the speculative runs alike
     deterministic: bool = False
+    cuda_graphs: bool = True  # the GPU runner's decode/verify graphs and the dspark drafter's (CUDA only)
+    spec_graphs: bool = True  # the verify and drafter graphs alone (False: those eager, decode graphs kept)
 
     def __post_init__(self) -> None:
         bad = [w for w in self.workloads if w not in WORKLOADS]
@@ -103,6 +108,8 @@ class SpecRow:
     tokens_per_s_spec: float
     speedup: float
     identical: bool
+    graph_verifies: int = 0  # verify steps replayed from a CUDA graph
+    drafter_graphs: bool = False  # the drafter's pass replayed CUDA graphs (dspark on CUDA)
 
 
 @dataclass
@@ -115,6 +122,8 @@ class _Run:
     verifies: int
     drafted: int
     accepted: int
+    graph_verifies: int = 0
+    drafter_graphs: bool = False
 
 
 def _code_sources() -> list[str]:
@@ -210,6 +219,7 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
         drafter.propose = timed_propose
     eng.step, eng.scheduler.schedule = timed_step, recording_schedule
     s0 = (eng.stats.spec_verifies, eng.stats.spec_drafted_tokens, eng.stats.spec_accepted_tokens)
+    g0 = getattr(eng.runner, "verify_graph_replays", 0)
     outputs: list[list[int]] = []
     t0 = time.perf_counter()
     try:
@@ -221,10 +231,13 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
                 prompts = [_agent_turn(tok, p, o) for p, o in zip(prompts, outs)]
     finally:
         eng.step, eng.scheduler.schedule = step, schedule
+        if drafter is not None:  # a drafter kept for the next run (dspark) must not time into this run's list
+            drafter.propose = propose
     wall = time.perf_counter() - t0
     s = eng.stats
     return _Run(outputs, wall, sum(map(len, outputs)), step_ms, draft_ms, s.spec_verifies - s0[0],
-                s.spec_drafted_tokens - s0[1], s.spec_accepted_tokens - s0[2])
+                s.spec_drafted_tokens - s0[1], s.spec_accepted_tokens - s0[2],
+                getattr(eng.runner, "verify_graph_replays", 0) - g0, getattr(drafter, "graphs", None) is not None)
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -262,6 +275,7 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
         longest += cfg.turns * (2 * cfg.max_tokens + 24)
     base = EngineConfig(model=str(model_dir), dtype=cfg.dtype, device=cfg.device, runner=cfg.runner,
                         seed=cfg.seed, overlap=cfg.overlap, deterministic=cfg.deterministic,
+                        cuda_graphs=cfg.cuda_graphs,
                         scheduler=SchedulerConfig(max_num_batched_tokens=max(2048, bmax * 16), max_running=max(bmax, 1)))
     layout, _ = cache_geometry(base, mcfg)
     per_req = -(-(longest + cfg.max_tokens + cfg.spec_tokens + 1) // layout.block_size) + 2 * layout.pages_per_state_set
@@ -272,13 +286,16 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
     bar = tqdm(total=len(methods) * len(prompts), desc="bench spec", unit="run", disable=not progress)
     for method in methods:
         spec = SpecConfig() if method is None else SpecConfig(method=method, num_tokens=cfg.spec_tokens,
-                                                              model=spec_model if method == "dspark" else None)
+                                                              model=spec_model if method == "dspark" else None,
+                                                              cuda_graphs=cfg.spec_graphs)
         eng = Engine(replace(base, spec=spec), model=model)
         # warm-up (lazy initialization, first kernels) outside the measured runs
         _run(eng, [next(iter(prompts.values()))[0][:16]], replace(cfg, max_tokens=4), tok, "code")
         for (w, b), ps in prompts.items():
             eng.flush_cache()
-            if method is not None:  # a fresh drafter: no run drafts from another's outputs
+            # a fresh drafter: no run drafts from another's outputs (dspark keeps nothing between requests: its
+            # drafter, with the CUDA graphs it captured, is kept)
+            if method is not None and method != "dspark":
                 eng.scheduler.drafter = create_drafter(eng.cfg.spec, model)
             bar.set_postfix_str(f"{method or 'plain'} {w} b={b}")
             runs[(w, b, method or "plain")] = _run(eng, ps, cfg, tok, w)
@@ -305,7 +322,8 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
                                 verify_over_plain=verify_ms / plain_ms if plain_ms else 0.0,
                                 draft_over_plain=draft / plain_ms if plain_ms else 0.0,
                                 tokens_per_s_plain=tps_plain, tokens_per_s_spec=tps, speedup=tps / tps_plain,
-                                identical=r.outputs == plain.outputs))
+                                identical=r.outputs == plain.outputs, graph_verifies=r.graph_verifies,
+                                drafter_graphs=r.drafter_graphs))
     return rows
 
 
@@ -316,14 +334,15 @@ def rows_json(rows: Sequence[SpecRow]) -> list[dict]:
 def format_table(rows: Sequence[SpecRow]) -> str:
     """A markdown table, one line per row."""
     head = ("| workload | batch | drafter | K | tau | accept | verifies | draft ms | verify ms | plain ms | "
-            "verify/plain | draft/plain | tok/s plain | tok/s spec | speedup | identical |")
+            "verify/plain | draft/plain | tok/s plain | tok/s spec | speedup | identical | graph verifies | "
+            "drafter graphs |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(f"| {r.workload} | {r.batch} | {r.drafter} | {r.spec_tokens} | {r.tau:.2f} | "
                      f"{r.accept_rate:.2f} | {r.verifies} | {r.draft_ms:.2f} | {r.verify_step_ms:.2f} | "
                      f"{r.plain_step_ms:.2f} | {r.verify_over_plain:.2f} | {r.draft_over_plain:.2f} | "
                      f"{r.tokens_per_s_plain:.1f} | {r.tokens_per_s_spec:.1f} | {r.speedup:.2f} | "
-                     f"{'yes' if r.identical else 'NO'} |")
+                     f"{'yes' if r.identical else 'NO'} | {r.graph_verifies} | {'yes' if r.drafter_graphs else 'no'} |")
     return "\n".join(lines)
 
 

@@ -40,9 +40,11 @@ class Drafter(ABC):
         its output to draft for later requests)."""
 
 
-def create_drafter(cfg: SpecConfig, target: KimiForCausalLM | None = None) -> Drafter | None:
+def create_drafter(cfg: SpecConfig, target: KimiForCausalLM | None = None,
+                   graph_sizes: tuple[int, ...] = ()) -> Drafter | None:
     """The drafter cfg.method names, or None when speculation is off. target: the model being served (dspark
-    shares its embedding and LM head and checks its shapes against them; cfg.model must be resolved)."""
+    shares its embedding and LM head and checks its shapes against them; cfg.model must be resolved).
+    graph_sizes: batch buckets a model drafter captures its pass for in CUDA graphs (dspark on CUDA only)."""
     if cfg.method is None:
         return None
     if cfg.method == "ngram":
@@ -59,5 +61,5 @@ def create_drafter(cfg: SpecConfig, target: KimiForCausalLM | None = None) -> Dr
         if target is None or cfg.model is None:
             raise ValueError("spec: the dspark drafter needs the target model and a drafter folder (spec_model)")
         return DSparkDrafter.from_folder(cfg.model, target, confidence_threshold=cfg.confidence_threshold,
-                                         num_tokens=cfg.num_tokens)
+                                         num_tokens=cfg.num_tokens, graph_sizes=graph_sizes)
     raise ValueError(f"spec: no drafter named {cfg.method!r}")

@@ -209,7 +209,39 @@ def test_gpu_runner_cuda_graph_taps_and_identity(arch, tmp_path) -> None:
     assert [o.output_ids for o in run(eng, prompts, params)] == ref
     assert not drafter.errors, drafter.errors[:3]
     assert replays and drafter.checked > 10 and eng.stats.spec_accepted_tokens > 0
+    # the verify steps replayed their graphs too (taps from inside them), and the drafter's pass its own
+    assert eng.runner.inner.verify_graph_replays > 0 and drafter.graphs is not None
     assert len(eng.target_states) == 0
+
+
+@pytest.mark.gpu
+def test_drafter_pass_in_cuda_graphs_equals_the_eager_pass(arch, tmp_path) -> None:
+    """The drafter's pass replayed from its CUDA graphs (graph.py, one per batch bucket) gives the eager pass's
+    drafts and confidences (fp32) for batches inside a bucket, at a bucket's edge and above every bucket."""
+    import copy
+
+    from k3rt.backend.spec.base import DraftQuery
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model = copy.deepcopy(arch.model).cuda()
+    folder = _random_drafter(tmp_path / "drafter", arch.model)
+    eager = DSparkDrafter.from_folder(folder, model)
+    graphed = DSparkDrafter.from_folder(folder, model, graph_sizes=(1, 2, 4, 8))
+    assert eager.graphs is None and sorted(graphed.graphs.graphs) == [1, 2, 4, 8]
+    cfg = eager.model.cfg
+    width = len(cfg.target_layers) * cfg.target_hidden_size
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 3, 8, 9, 2):  # 9: above every bucket (eager); 2 after 9: the static inputs are refilled
+        ctx = torch.randn(n, cfg.context_len, width, generator=gen).cuda()
+        anchors = torch.randint(0, cfg.vocab_size, (n,), generator=gen).cuda()
+        queries = [DraftQuery(i, [1, 2, int(anchors[i])], 2, cfg.block_size, hidden=ctx[i]) for i in range(n)]
+        assert graphed.propose(queries) == eager.propose(queries), n
+        if n <= 8:
+            tokens, conf = graphed.graphs.draft(ctx, anchors)
+            want_tokens, _, want_conf = eager.model.draft(ctx, anchors, eager.embed, eager.lm_head)
+            assert torch.equal(tokens, want_tokens)
+            torch.testing.assert_close(conf, want_conf, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["kimi_linear"], indirect=True)

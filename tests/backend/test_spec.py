@@ -26,6 +26,8 @@ import torch
 
 from k3rt.backend.engine import Engine, engine_config_for_tests
 from k3rt.backend.models.loader import load_model
+from k3rt.backend.runner.gpu.step import StepSeq, pack_step, step_views
+from k3rt.backend.runner.gpu.verify_graph import pad_rows, plan_verify
 from k3rt.backend.sampling.sampler import Sampler
 from k3rt.backend.spec.base import DraftQuery, Drafter
 from k3rt.backend.spec.ngram import NgramDrafter
@@ -543,8 +545,13 @@ def test_sampled_outputs_have_the_plain_distribution_end_to_end(arch) -> None:
 
 GPU_PATHS = [
     pytest.param({"runner": "gpu", "kernels": False, "cuda_graphs": False}, id="gpu-path-torch-ops"),
+    # the padded form the verify graphs replay (verify_graph.py), run eagerly with torch ops
+    pytest.param({"runner": "gpu", "kernels": False, "cuda_graphs": False, "verify_form": True},
+                 id="gpu-path-torch-ops-verify-form"),
     pytest.param({"runner": "gpu", "kernels": True, "cuda_graphs": False}, id="gpu-path-triton-interpreter",
                  marks=pytest.mark.slow),
+    pytest.param({"runner": "gpu", "kernels": True, "cuda_graphs": False, "verify_form": True},
+                 id="gpu-path-triton-interpreter-verify-form", marks=pytest.mark.slow),
     pytest.param({"runner": "gpu", "device": "cuda"}, id="gpu-runner-cuda", marks=pytest.mark.gpu),
 ]
 
@@ -569,15 +576,103 @@ def test_gpu_runner_verify_steps_are_token_identical(arch, over) -> None:
     prompts, params = r1[:4] + r2[-1:], _params(4, 24) + _params(1, 24)
     if over.get("kernels") and over.get("device") != "cuda":
         prompts, params = [r1[2], r1[3]], [replace(p, max_tokens=8) for p in _params(2, 24)]
+        if over.get("verify_form"):  # one request, a few verify steps: the interpreter's time is per step
+            prompts, params = prompts[:1], [replace(params[0], max_tokens=5)]
     ref = _reference(arch, prompts, params)
-    engine = {k: v for k, v in over.items() if k != "runner"} | {"spec": SpecConfig(method="ngram", num_tokens=4)}
-    eng = make_engine(arch.ckpt, runner="gpu", model=model, budget=64, num_pages=256, engine=engine)
+    engine = {k: v for k, v in over.items() if k not in ("runner", "verify_form")}
+    eng = make_engine(arch.ckpt, runner="gpu", model=model, budget=64, num_pages=256,
+                      engine=engine | {"spec": SpecConfig(method="ngram", num_tokens=4)})
+    inner = eng.runner.inner
+    padded_form = over.get("verify_form") or over.get("device") == "cuda"
+    if over.get("verify_form"):  # what the engine sets up on CUDA (spec_graph_sizes), here without capture
+        inner.verify_run_len, inner.verify_sizes = 5, (1, 2, 4)
+        inner.fwd.reserve_verify_inputs(4 * 5)  # the buffers the graphs share (the kernels' form copies into them)
+    elif padded_form:
+        assert sorted(inner.verify_graphs) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
     eng.scheduler.drafter = OracleDrafter(_refs(prompts, ref), noise=0.25, seed=6)
+    if padded_form and len(prompts) > 1:  # some decodes stay plain, so verify-form steps mix them (each one
+        eng.scheduler.drafter = _SomePlain(_refs(prompts, ref), noise=0.25, seed=6)  # committed with one token)
+    elif padded_form:  # the interpreter's one request: noisier drafts, so its few verifies reject some
+        eng.scheduler.drafter = OracleDrafter(_refs(prompts, ref), noise=0.5, seed=2)
+    if padded_form:
+        forms, run_verify = [], inner._run_verify
+        inner._run_verify = lambda seqs, size, *rest: (forms.append([s.verify for s in seqs])
+                                                       or run_verify(seqs, size, *rest))
     out = run(eng, prompts, params)
     assert [o.output_ids for o in out] == ref
     assert eng.stats.spec_accepted_tokens > 0 and eng.stats.spec_drafted_tokens > eng.stats.spec_accepted_tokens
+    if padded_form:
+        assert forms and all(any(f) for f in forms), forms
+        if not (over.get("kernels") and over.get("device") != "cuda"):  # the interpreter's run is too short to mix
+            assert any(False in f and True in f for f in forms) and sum(map(len, forms)) > 10, forms
+        assert inner.verify_graph_replays == (len(forms) if over.get("device") == "cuda" else 0)
     if over.get("device") != "cuda":
         assert assert_snapshots_exact(eng, arch) > 0
+
+
+class _SomePlain(OracleDrafter):
+    """The oracle's drafts for two requests in three (by rid and length); the others decode plainly."""
+
+    def propose(self, queries):
+        return [d if (q.rid + len(q.token_ids)) % 3 else [] for q, d in zip(queries, super().propose(queries))]
+
+
+def test_spec_graph_buckets_follow_the_config() -> None:
+    """Which batch buckets get verify and drafter graphs: the decode graph sizes up to 64, and none whenever a
+    switch or the setting rules them out (the engine gives the runner and the drafter this one answer)."""
+    from k3rt.backend.runner.gpu.runner import spec_graph_sizes
+    from k3rt.config import EngineConfig, SchedulerConfig
+
+    on = EngineConfig(model="k3-tiny", device="cuda", runner="gpu", spec=SpecConfig(method="ngram", num_tokens=7),
+                      scheduler=SchedulerConfig(max_running=100))
+    assert spec_graph_sizes(on) == (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    assert spec_graph_sizes(replace(on, scheduler=SchedulerConfig(max_running=10))) == (1, 2, 4, 8, 16)
+    for off in ({"cuda_graphs": False}, {"spec": SpecConfig()}, {"deterministic": True}, {"kernels": False},
+                {"spec": SpecConfig(method="ngram", cuda_graphs=False)}, {"device": "cpu", "kernels": False}):
+        assert spec_graph_sizes(replace(on, **off)) == (), off
+
+
+def test_verify_graph_plan_pads_without_leaking() -> None:
+    """The verify graphs' padding plan (verify_graph.py), on the host: real rows are packed exactly as the eager
+    step packs them; every padding row writes its MLA latent into the pad page (never a page a request owns,
+    never past its table) at its request's last real position; pad sequences use only the pad page; the
+    sampler reads the real rows in the eager order; and the packed sizes depend on the bucket only."""
+    bs, R, pad_page = 4, 4, 99
+    seqs = [StepSeq([5], 6, [1, 2], [7, 8], True),  # a plain decode at position 6
+            StepSeq([5, 6, 7], 3, [3, 4], [9, 10], True, verify=True),  # 2 drafts, positions 3..5 across pages
+            StepSeq([1, 2, 3, 4], 8, [4, 5, 6], [11, 12], True, verify=True)]  # K = 3 drafts: no padding row
+    pad = StepSeq([0], 0, [pad_page], [pad_page] * 2, True)
+    padded, plan = plan_verify(seqs, 4, R, pad)
+    kw = dict(block_size=bs, conv_width=4, num_groups=2, max_blocks=8)
+    meta, (h64, h32) = pack_step(padded, row_queries=True, **kw)
+    pad_rows(meta, h64, plan, pad_page * bs)
+    step = step_views(meta, h64, h32)
+    eager_meta, eager_host = pack_step(seqs, **kw)
+    eager = step_views(eager_meta, *eager_host)
+    fed = torch.tensor(plan.fed_rows)
+    for name in ("ids", "pos", "kv_slot"):
+        assert getattr(step, name)[fed].tolist() == getattr(eager, name).tolist(), name
+    padding = torch.ones(16, dtype=torch.bool)
+    padding[fed] = False
+    assert padding.sum() == 16 - 8
+    assert (step.kv_slot[padding] == pad_page * bs).all()  # padding rows write nothing any request reads
+    last = torch.tensor([6, 5, 11, 0])  # each sequence's last real position (pad sequences: 0)
+    pos = step.pos.view(4, R)
+    assert (pos[padding.view(4, R)] == last[:, None].expand(4, R)[padding.view(4, R)]).all()
+    assert (pos // bs < torch.tensor([2, 2, 3, 1])[:, None]).all()  # no query reaches past its own table
+    assert step.state_pages.tolist() == [[7, 9, 11, pad_page], [8, 10, 12, pad_page]]
+    assert step.block_table[3, 0] == pad_page and step.row_seq.tolist() == [i for i in range(4) for _ in range(R)]
+    assert step.verify_seqs == [0, 1, 2, 3] and not step.prefill_seqs and step.logits_every_row
+    assert plan.logit_rows == (0, 4, 5, 6, 8, 9, 10, 11)  # the plain decode's row, then the verify rows
+    assert len(plan.logit_rows) == eager.logit_rows.numel()
+    # what the graph's static buffers need: the same sizes whatever the requests (here: one pad request)
+    only_pad, pad_plan = plan_verify([pad], 4, R, pad)
+    other, _ = pack_step(only_pad, row_queries=True, **kw)
+    assert (other.sizes64, other.sizes32) == (meta.sizes64, meta.sizes32) and pad_plan.real_lens == (1,) * 4
+    with pytest.raises(ValueError, match=r"seqs\[0\]: a verify graph row runs 1..4"):
+        plan_verify([StepSeq([1] * 5, 0, [1, 2], [7, 8], True, verify=True)], 4, R, pad)
+    with pytest.raises(ValueError, match="seqs: a verify graph of batch 2 takes 1..2"):
+        plan_verify(seqs, 2, R, pad)
 
 
 def test_shipped_model_bf16_greedy_identity_and_tau() -> None:
@@ -713,3 +808,23 @@ def test_speculation_with_tensor_parallelism_is_refused_by_name(tmp_path) -> Non
 
     with pytest.raises(ValueError, match="spec: speculative decoding runs at tp=1 only"):
         EngineConfig(model=str(tmp_path), tp=2, spec=SpecConfig(method="ngram"))
+
+
+def test_spec_verify_benchmark_smoke(tmp_path) -> None:
+    """benchmarks/spec_verify.py --smoke (tiny config, CPU, torch ops): its correctness checks pass (the padded
+    verify form's logits equal the eager verify step's, neither touches the live states) and every row has its
+    times and bytes floors."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "spec_verify.json"
+    subprocess.run([sys.executable, str(root / "benchmarks" / "spec_verify.py"), "--smoke", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 2] and all(r["correct"] for r in rows)
+    for r in rows:
+        assert r["verify_graph_rel_err"] < 1e-5 and r["verify_argmax_agree"] == 1.0 and r["commit_graph_rel_err"] < 1e-5
+        assert r["verify_eager_ms"] > 0 and r["commit_ms"] > 0 and r["plain_eager_ms"] > 0
+        assert r["verify_bytes"]["total"] > r["plain_bytes"]["total"] > 0 and r["floor_ratio"] > 1

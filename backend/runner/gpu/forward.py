@@ -16,7 +16,7 @@ from k3rt.backend.models.attn_res import AttnResStream, attn_res_mix
 from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.backend.models.moe import MoE
 from k3rt.backend.runner.gpu.ffn import MoeWeights, mlp_forward, moe_forward
-from k3rt.backend.runner.gpu.kda import KdaWeights, kda_commit, kda_forward
+from k3rt.backend.runner.gpu.kda import KdaWeights, kda_commit, kda_commit_graphed, kda_forward
 from k3rt.backend.runner.gpu.mla import MlaWeights, mla_forward
 from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear
 from k3rt.backend.runner.gpu.step import GpuStep
@@ -51,6 +51,23 @@ class GpuForward:
         # each tapped layer's state over all rows in `tapped` (inside a CUDA graph: the graph's own tensors)
         self.taps: frozenset[int] = frozenset()
         self.tapped: dict[int, torch.Tensor] = {}
+        # verify graphs: per KDA layer, the buffers their forward copies its commit inputs into (qkv, g, beta for
+        # up to `rows` rows), shared by every bucket's graph (reserve_verify_inputs, before capture)
+        self.verify_keep: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def reserve_verify_inputs(self, rows: int) -> None:
+        """Allocate `verify_keep` for verify-graph steps of up to `rows` rows (outside any capture: the graphs
+        of every bucket then write the same buffers, where each graph's own outputs would cost one set per
+        bucket; a step's commit reads them before the next replay, in stream order). The buffers hold
+        kda_decode's inputs (pre-conv qkv, f, b in the activation dtype), what the kernels' form keeps."""
+        dev = self.pool.tensors[0].device
+        for i, w in self.prepared.items():
+            if isinstance(w, KdaWeights):
+                attn = self.layers[i].self_attn
+                H, D = attn.num_heads, attn.head_dim
+                self.verify_keep[i] = (torch.empty(rows, 3 * H * D, dtype=w.w_in.dtype, device=dev),
+                                       torch.empty(rows, H * D, dtype=w.w_in.dtype, device=dev),
+                                       torch.empty(rows, H, dtype=w.w_in.dtype, device=dev))
 
     def _tap(self, i: int, x: torch.Tensor) -> None:
         if i in self.taps:
@@ -103,7 +120,7 @@ class GpuForward:
         attn = self.layers[i].self_attn
         if isinstance(w, KdaWeights):
             y = kda_forward(attn, w, x, step, self.pool.conv[w.tensor], self.pool.rec[w.tensor], self.k,
-                            decode=decode, workspace=self.kda_workspace)
+                            decode=decode, workspace=self.kda_workspace, keep=self.verify_keep.get(i))
         else:
             y = mla_forward(attn, w, x, step, self.pool.mla[w.slot], self.k)
         # o_proj is row-parallel: each rank holds the partial sum over its heads (the identity at TP 1)
@@ -117,6 +134,15 @@ class GpuForward:
             if isinstance(w, KdaWeights):
                 kda_commit(self.layers[i].self_attn, w, step, [(s, m, pages[w.group]) for s, m, pages in runs],
                            self.pool.conv[w.tensor], self.pool.rec[w.tensor], self.k.batch_invariant)
+
+    @torch.no_grad()
+    def commit_graphed(self, step: GpuStep, accepted: torch.Tensor) -> None:
+        """After a verify-graph step (device tensors only, captured per bucket): every KDA layer advances
+        sequence i of the step by accepted[i] tokens on the step's own state pages (0: as it was)."""
+        for i, w in self.prepared.items():
+            if isinstance(w, KdaWeights):
+                kda_commit_graphed(self.layers[i].self_attn, w, step, accepted, self.pool.conv[w.tensor],
+                                   self.pool.rec[w.tensor], self.k, self.kda_workspace)
 
     def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
         mlp = self.layers[i].mlp

@@ -8,6 +8,11 @@ Two forms:
     fused `kda_decode` step, conv cache and recurrent state updated in place.
 Verify runs (speculative decoding) take the general form but leave their conv and recurrent states as
 they were; `kda_commit` replays the accepted prefix into them once the sampler has decided.
+  verify graph form (pack_step row_queries: every sequence a verify run of the same length R, the form
+    captured in the verify graphs): the runs step through scratch copies of their states with the decode
+    kernel, R launches (the chunked kernel builds its tables on the host); nothing live is written. The
+    commit (`kda_commit_graphed`) replays the kept tokens through the same kernel on the live states, so
+    they end as the scratch states did after those tokens (and a plain decode's as a decode step's).
 Batch-invariant mode (docs/deterministic.md): every step token by token through the decode kernel;
 verify runs step through scratch copies of their states, and the commit replays the accepted tokens
 through the same kernel on the live states, so they end bit-identical to plain decode steps.
@@ -74,9 +79,11 @@ def _gate(attn: KimiDeltaAttention, w: KdaWeights, f: torch.Tensor) -> torch.Ten
 
 def kda_forward(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: GpuStep,
                 conv_pool: torch.Tensor, rec_pool: torch.Tensor, k: KernelConfig, *, decode: bool,
-                workspace: torch.Tensor | None = None) -> torch.Tensor:
+                workspace: torch.Tensor | None = None,
+                keep: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [T, hidden] -> [T, hidden]; conv_pool [P, W-1, 3P], rec_pool [P, H, K, V] (pool views, a
-    page apart); workspace: kda_decode's per-head counters (decode form)."""
+    page apart); workspace: kda_decode's per-head counters (decode form); keep: buffers the verify graph
+    form copies its commit inputs into (GpuForward.verify_keep; None: the step keeps its own tensors)."""
     T, H, D = x.shape[0], attn.num_heads, attn.head_dim
     proj = linear(x, w.w_in, k)
     qkv, gate, f_a, b = torch.split(proj, w.splits, dim=-1)
@@ -86,6 +93,9 @@ def kda_forward(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: 
     else:
         f = linear(f_a, attn.f_b_proj.weight, k)
     pages = step.state_pages[w.group]
+    if step.row_seq is not None and k.triton and not k.batch_invariant:
+        o = _verify_runs(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, pages, k, workspace, keep)
+        return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
     if k.batch_invariant and not decode:
         o = _token_by_token(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, pages, k)
         return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
@@ -102,6 +112,36 @@ def kda_forward(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: 
     gated = kernel("norm", "rms_norm_gated") if k.triton else None
     o = (gated or rms_norm_gated)(o, gate.reshape(T, H, D), attn.o_norm_weight, attn.eps)
     return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
+
+
+def _verify_runs(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                 gate: torch.Tensor, step: GpuStep, conv_pool: torch.Tensor, rec_pool: torch.Tensor,
+                 pages: torch.Tensor, k: KernelConfig, workspace: torch.Tensor | None,
+                 keep: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The verify graph form: B sequences of R rows each, every one a verify run. Scratch copies of the B conv
+    windows and states (one per sequence, not one per position) go through `kda_decode` R times, the t-th
+    rows of all runs in launch t, so the live pages stay at the runs' start; the kernel's inputs (pre-conv
+    qkv, f, b) of every row are kept for `kda_commit_graphed`. No host data and shapes fixed by (B, R):
+    capturable. -> o [T, H, D] (gated, normed)."""
+    from k3rt.kernels.kda import kda_decode
+
+    T, H, D = qkv.shape[0], attn.num_heads, attn.head_dim
+    B = step.num_seqs
+    R = T // B
+    kept = (qkv, f, b)
+    if keep is not None:  # into the buffers every verify graph shares (rows past T are another bucket's)
+        kept = tuple(buf[:T].copy_(t) for buf, t in zip(keep, kept))
+    step.verify_inputs[attn.layer_idx] = kept
+    convs, recs = conv_pool[pages].clone(), rec_pool[pages].clone()  # [B, W-1, C], [B, H, D, D]
+    slots = torch.arange(B, device=qkv.device)
+    runs = [t.reshape(B, R, *t.shape[1:]) for t in (qkv, f, b, gate)]
+    o = torch.empty(B, R, H, D, dtype=qkv.dtype, device=qkv.device)
+    for t in range(R):
+        q_t, f_t, b_t, gate_t = (x[:, t].contiguous() for x in runs)
+        o[:, t] = kda_decode(q_t, w.conv_weight, convs, f_t, w.A_log, w.dt_bias, b_t, recs, slots,
+                             lower_bound=attn.lower_bound, use_pdl=k.use_pdl, o_gate=gate_t.reshape(B, H, D),
+                             o_norm_weight=attn.o_norm_weight, o_norm_eps=attn.eps, workspace=workspace)
+    return o.view(T, H, D)
 
 
 def _token_by_token(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
@@ -224,24 +264,65 @@ def kda_commit(attn: KimiDeltaAttention, w: KdaWeights, step: GpuStep, runs: lis
     padded to the longest (a padded position leaves its run's state as it was); the conv is the general
     form's (fp32 taps in order) and the recurrence the exact per-token one.
     Cost: about max(m) small launches per layer per verify step (a fused kda_decode-style replay would be
-    one; not built yet, issue 16).
+    one; not built yet, issue 16); after a verify-graph step the runner replays it captured instead
+    (`kda_commit_graphed`).
     batch_invariant: the run went through `_token_by_token` on scratch states; replay through its kernel."""
     if batch_invariant:
         _replay_token_by_token(attn, w, step, runs, conv_pool, rec_pool)
         return
     qkv, g, beta = step.verify_inputs[attn.layer_idx]  # rows of the verify runs, in step order
-    H, D = attn.num_heads, attn.head_dim
-    W = w.conv_weight.shape[1]
     dev = qkv.device
-    first = {}
+    first, off = {}, 0  # each verify sequence's first row among the kept rows
     for i in step.verify_seqs:
-        first[i] = sum(step.lens[j] for j in step.verify_seqs if j < i)
-    n, M = len(runs), max(m for _, m, _ in runs)
+        first[i], off = off, off + step.lens[i]
     pages = torch.tensor([p for _, _, p in runs], dtype=torch.long, device=dev)
     ms = torch.tensor([m for _, m, _ in runs], dtype=torch.long, device=dev)
     offs = torch.tensor([first[s] for s, _, _ in runs], dtype=torch.long, device=dev)
+    _advance(attn, w, qkv, g, beta, pages, ms, offs, max(m for _, m, _ in runs), conv_pool, rec_pool)
+
+
+def kda_commit_graphed(attn: KimiDeltaAttention, w: KdaWeights, step: GpuStep, accepted: torch.Tensor,
+                       conv_pool: torch.Tensor, rec_pool: torch.Tensor, k: KernelConfig,
+                       workspace: torch.Tensor | None = None) -> None:
+    """`kda_commit` for a verify-graph step (every sequence a run of R rows): sequence i advanced by
+    accepted[i] tokens ([B] int64 on the device; 0 leaves it as it was: the pad sequences, and anything not
+    to commit) on the step's own state pages. Device tensors only, padded to R: capturable (the runner
+    replays it as the verify graph's commit graph).
+    With the kernels (`_verify_runs` kept kda_decode's inputs): R launches of kda_decode on the live pages,
+    a run's slot masked to padding (-1: nothing touched) from its accepted count on; one pass over each state
+    per token, where the torch replay (`_advance`, the torch-op path's) makes several."""
+    B = step.num_seqs
+    pages = step.state_pages[w.group]
+    if k.triton:
+        from k3rt.kernels.kda import kda_decode
+
+        qkv, f, b = step.verify_inputs[attn.layer_idx]  # [T, 3P], [T, H*D], [T, H]: _verify_runs' inputs
+        R = qkv.shape[0] // B
+        runs = [t.reshape(B, R, *t.shape[1:]) for t in (qkv, f, b)]
+        for t in range(R):
+            slots = torch.where(accepted > t, pages, torch.full_like(pages, -1))
+            q_t, f_t, b_t = (x[:, t].contiguous() for x in runs)
+            kda_decode(q_t, w.conv_weight, conv_pool, f_t, w.A_log, w.dt_bias, b_t, rec_pool, slots,
+                       lower_bound=attn.lower_bound, use_pdl=k.use_pdl, workspace=workspace)
+        return
+    qkv, g, beta = step.verify_inputs[attn.layer_idx]  # _general's: (pre-conv qkv, g, beta)
+    R = qkv.shape[0] // B
+    offs = torch.arange(B, device=qkv.device) * R
+    _advance(attn, w, qkv, g, beta, pages, accepted, offs, R, conv_pool, rec_pool)
+
+
+def _advance(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             pages: torch.Tensor, ms: torch.Tensor, offs: torch.Tensor, M: int, conv_pool: torch.Tensor,
+             rec_pool: torch.Tensor) -> None:
+    """The commit's math, on the device: run i (state page pages[i], rows offs[i].. of qkv/g/beta) advances
+    by its first ms[i] <= M tokens; positions past ms[i] (and runs with ms[i] = 0) leave it as it was."""
+    H, D = attn.num_heads, attn.head_dim
+    W = w.conv_weight.shape[1]
+    dev = qkv.device
+    n = pages.shape[0]
     t = torch.arange(M, device=dev)
-    rows = offs[:, None] + torch.minimum(t[None, :], ms[:, None] - 1)  # [n, M], past m: the last row again
+    # [n, M]; past m: the last kept row again (m = 0: the run's first row, read but never applied)
+    rows = offs[:, None] + torch.minimum(t[None, :], (ms[:, None] - 1).clamp(min=0))
     ext = torch.cat([conv_pool[pages].to(qkv.dtype), qkv[rows]], dim=1)  # [n, W-1+M, C]
     y = torch.zeros(n, M, qkv.shape[1], dtype=torch.float32, device=dev)
     for tap in range(W):  # output t reads ext rows t..t+W-1: real rows for every t < m

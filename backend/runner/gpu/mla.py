@@ -61,7 +61,9 @@ def mla_forward(attn: MultiHeadLatentAttention, w: MlaWeights, x: torch.Tensor, 
         lat = torch.cat([attn.kv_a_layernorm(ckv[:, :m.kv_lora_rank]), ckv[:, m.kv_lora_rank:]], dim=-1)
         flat.index_copy_(0, step.kv_slot, lat.to(flat.dtype))
     rows = step.decode_rows
-    if k.batch_invariant:
+    if step.row_seq is not None:  # the verify graphs' form: every row its own decode query (step.py)
+        out = _decode(q, w, step, kv_pages, m, k, per_row=True)
+    elif k.batch_invariant:
         # every row is its own query over exactly the context it sees, the way a decode row is, so a
         # position's output does not depend on the chunk (or the step) it was computed in
         out = _decode(q, w, step, kv_pages, m, k, per_row=not (step.decode_seqs.numel() and len(rows) == T))
@@ -80,8 +82,8 @@ def mla_forward(attn: MultiHeadLatentAttention, w: MlaWeights, x: torch.Tensor, 
 
 def _decode(q: torch.Tensor, w: MlaWeights, step: GpuStep, kv_pages: torch.Tensor, m, k: KernelConfig,
             per_row: bool = False) -> torch.Tensor:
-    """The absorbed form for the decode sequences' rows, or (per_row: batch-invariant mode, kernels on)
-    for every row of the step, each over its own context (position + 1)."""
+    """The absorbed form for the decode sequences' rows, or (per_row: batch-invariant mode, or the verify
+    graphs' form) for every row of the step, each over its own context (position + 1)."""
     P = m.qk_nope_head_dim
     if k.batch_invariant:
         q_lat = _per_row_bmm(q[..., :P], w.w_uk.to(q.dtype))  # [N, H, L]
@@ -89,7 +91,8 @@ def _decode(q: torch.Tensor, w: MlaWeights, step: GpuStep, kv_pages: torch.Tenso
         q_lat = torch.bmm(q[..., :P].transpose(0, 1), w.w_uk.to(q.dtype)).transpose(0, 1)  # [N, H, L]
     qcat = torch.cat([q_lat, q[..., P:]], dim=-1).contiguous()
     if per_row:
-        seq_of_row = torch.repeat_interleave(torch.arange(step.num_seqs), torch.tensor(step.lens)).to(q.device)
+        seq_of_row = (step.row_seq if step.row_seq is not None else
+                      torch.repeat_interleave(torch.arange(step.num_seqs), torch.tensor(step.lens)).to(q.device))
         table, ctx = step.block_table[seq_of_row], (step.pos + 1).to(torch.int32)
     else:
         seqs = step.decode_seqs
@@ -102,7 +105,7 @@ def _decode(q: torch.Tensor, w: MlaWeights, step: GpuStep, kv_pages: torch.Tenso
         o_lat = fn(qcat, kv_pages, table.contiguous(), ctx.contiguous(), m.scale, kv_lora_rank=m.kv_lora_rank,
                    use_pdl=k.use_pdl, num_splits=1 if k.batch_invariant else None)
     else:
-        o_lat = _decode_torch(qcat, kv_pages, step, m)
+        o_lat = _decode_torch(qcat, kv_pages, table, ctx, m)
     if k.batch_invariant:
         return _per_row_bmm(o_lat, w.w_uv_t.to(o_lat.dtype))
     return torch.bmm(o_lat.transpose(0, 1), w.w_uv_t.to(o_lat.dtype)).transpose(0, 1)  # [N, H, V]
@@ -118,15 +121,16 @@ def _per_row_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.cat(outs)[:n]
 
 
-def _decode_torch(qcat: torch.Tensor, kv_pages: torch.Tensor, step: GpuStep, m) -> torch.Tensor:
+def _decode_torch(qcat: torch.Tensor, kv_pages: torch.Tensor, table: torch.Tensor, ctx: torch.Tensor,
+                  m) -> torch.Tensor:
+    """Torch fallback (eager only: reads the context lengths on the host): query row j over the first ctx[j]
+    positions of the pages in table[j]."""
     B = kv_pages.shape[1]
     flat = kv_pages.view(-1, kv_pages.shape[-1])
     out = torch.empty(*qcat.shape[:2], m.kv_lora_rank, dtype=qcat.dtype, device=qcat.device)
-    dec = [i for i, d in enumerate(step.decode_form) if d]
-    for j, i in enumerate(dec):
-        n = step.starts[i] + 1
+    for j, n in enumerate(ctx.tolist()):
         pos = torch.arange(n, device=qcat.device)
-        kv = flat[step.block_table[i].long()[pos // B] * B + pos % B].float()  # [S, L+R]
+        kv = flat[table[j].long()[pos // B] * B + pos % B].float()  # [S, L+R]
         p = torch.softmax(qcat[j].float() @ kv.t() * m.scale, dim=-1)  # [H, S]
         out[j] = (p @ kv[:, :m.kv_lora_rank]).to(out.dtype)
     return out

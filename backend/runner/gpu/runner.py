@@ -10,6 +10,12 @@ size (sizes up to 512; those captured follow --max-running, `graph_sizes_for`); 
 at one reserved pool page (state set and MLA page), so they compute garbage nobody reads and touch no
 live state.
 
+Steps of plain decodes and verify runs only (speculative decoding: no prefill chunk, no prompt-logprob
+rows) of up to SPEC_GRAPH_MAX_BATCH requests replay a verify graph captured for (batch bucket, K + 1) at
+the configured --spec-tokens K: every request runs K + 1 rows, KDA states stay at the runs' start and the
+commit after sampling advances each request by what it kept (a plain decode: one token); the padding plan
+is backend/runner/gpu/verify_graph.py. --no-cuda-graphs turns these off with the decode graphs.
+
 With a model drafter (DSpark) the forward also taps the target layer states the drafter reads, over all
 rows (inside the graphs too), and the runner records the kept rows per speculating request.
 
@@ -36,6 +42,7 @@ from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, to_device
 from k3rt.backend.runner.gpu.penalties import PenaltyState
 from k3rt.backend.runner.gpu.sample import sample_on_device, sample_step
 from k3rt.backend.runner.gpu.step import GpuStep, StepSeq, build_step, pack_step, step_views
+from k3rt.backend.runner.gpu.verify_graph import pad_rows, plan_verify
 from k3rt.backend.runner.sampling import prompt_score_rows, record_prompt_logprobs
 from k3rt.backend.runner.step_plan import build_plan
 from k3rt.backend.sampling.sampler import Sampler
@@ -60,13 +67,30 @@ def graph_sizes_for(max_running: int, sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZ
     return tuple(s for s in ordered if s < max_running or s == cover)
 
 
+# speculative steps (verify forwards, the drafter's pass) replay graphs for batches up to this many requests
+SPEC_GRAPH_MAX_BATCH = 64
+
+
+def spec_graph_sizes(cfg) -> tuple[int, ...]:
+    """The batch buckets an EngineConfig's speculative graphs are captured for: the decode graph sizes up to
+    SPEC_GRAPH_MAX_BATCH. None (()) without speculation, with --no-cuda-graphs or --no-spec-graphs, off CUDA,
+    without the Triton kernels, under tensor parallelism (speculation runs at tp 1), or in the batch-invariant
+    mode (its verify path steps token by token on host-built indices, docs/deterministic.md)."""
+    if (not cfg.spec.enabled or not cfg.spec.cuda_graphs or not cfg.cuda_graphs or not cfg.device.startswith("cuda")
+            or cfg.tp > 1 or cfg.deterministic or not cfg.kernels):
+        return ()
+    return tuple(s for s in graph_sizes_for(cfg.scheduler.max_running) if s <= SPEC_GRAPH_MAX_BATCH)
+
+
 def engine_gpu_runner(cfg, model: KimiForCausalLM, pool: PagePool, *, sender: PlanSender | None = None,
                       target_states: TargetStates | None = None) -> "GpuModelRunner":
     """The GPU runner an EngineConfig asks for (rank 0 and every worker build theirs here, so they match)."""
     kernels = KernelConfig(cfg.kernels, cfg.use_pdl, batch_invariant=cfg.deterministic)
+    spec_sizes = spec_graph_sizes(cfg)
     return GpuModelRunner(model, pool, kernels=kernels,
                           cuda_graphs=cfg.cuda_graphs, graph_sizes=graph_sizes_for(cfg.scheduler.max_running),
-                          sender=sender, target_states=target_states)
+                          sender=sender, target_states=target_states,
+                          verify_graphs=(cfg.spec.num_tokens, spec_sizes) if spec_sizes else None)
 
 
 @dataclass
@@ -76,14 +100,21 @@ class _Graph:
     flat32: torch.Tensor
     logits: torch.Tensor
     taps: dict[int, torch.Tensor]  # the graph's tapped target states (model drafter), [size, hidden] each
+    step: GpuStep | None = None  # verify graphs: the captured step (its verify_inputs feed the commit)
+    commit: torch.cuda.CUDAGraph | None = None  # verify graphs: the commit after sampling (kda_commit_graphed)
+    accepted: torch.Tensor | None = None  # its input: tokens each sequence keeps, [size] int64 (0: none)
 
 
 class GpuModelRunner(Runner):
     def __init__(self, model: KimiForCausalLM, pool: PagePool, *, kernels: KernelConfig = KernelConfig(),
                  cuda_graphs: bool = True, graph_sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES,
                  max_model_len: int | None = None, target_states: TargetStates | None = None,
-                 sender: PlanSender | None = None) -> None:
-        """target_states: where to record the target states a model drafter reads (None: no taps). sender:
+                 sender: PlanSender | None = None,
+                 verify_graphs: tuple[int, tuple[int, ...]] | None = None) -> None:
+        """verify_graphs: (K, batch buckets) of the speculative verify graphs (None: verify steps run eagerly);
+        when no graph is captured (graphs off, not on CUDA) verify steps run in the eager form. Setting
+        verify_run_len and verify_sizes afterwards runs the padded form the graphs replay eagerly (CPU tests).
+        target_states: where to record the target states a model drafter reads (None: no taps). sender:
         rank 0 of a tensor-parallel engine, the workers' plan channel (None: a single rank, or a worker, which
         runs the plans it receives through backend/runner/gpu/tp.py run_worker_plan). Every rank builds its
         runner with the same arguments: the same reserved pad page and the same graphs."""
@@ -113,12 +144,20 @@ class GpuModelRunner(Runner):
             pool.record_fills()  # after the pad page: each worker's pool reserves the same page itself
         self.graphs: dict[int, _Graph] = {}
         self.graph_sizes = tuple(sorted(graph_sizes))
+        # not in the batch-invariant mode: its verify path steps token by token on host-built indices
+        spec = verify_graphs if verify_graphs and not kernels.batch_invariant else None
+        self.verify_run_len = spec[0] + 1 if spec else 0
+        self.verify_sizes = tuple(sorted(spec[1])) if spec else ()
+        self.verify_graphs: dict[int, _Graph] = {}
+        self.verify_graph_replays = 0  # verify steps replayed from a graph so far (benchmarks read it)
         if cuda_graphs and self.device.type == "cuda":
             missing = self._graph_blockers()
             if missing:
                 log.warning("CUDA graphs off: no graph-safe kernel for %s", ", ".join(missing))
             else:
                 self.capture()
+        if not self.verify_graphs:  # the padded form only pays off replayed
+            self.verify_run_len, self.verify_sizes = 0, ()
 
     def _graph_blockers(self) -> list[str]:
         """Ops whose only implementation here would synchronize with the host inside a capture."""
@@ -156,7 +195,11 @@ class GpuModelRunner(Runner):
         size = next((s for s in self.graph_sizes if s >= len(seqs)), None)
         graph = size if self.graphs and not out.chunks and not score_rows and size in self.graphs else 0
         extra = [row for _, row, _ in score_rows]
-        if self.sender is None:
+        vsize = self._verify_size(chunks, score_rows)
+        tapped: dict[int, torch.Tensor] | None = None
+        if vsize:
+            logits, step, tapped = self._run_verify(seqs, vsize, pending, prev)
+        elif self.sender is None:
             logits, step = self.run_seqs(seqs, extra, graph, pending, prev)
         else:
             if any(c.draft_ids for c in chunks):
@@ -166,7 +209,8 @@ class GpuModelRunner(Runner):
             plan = replace(build_plan(out, chunks, self.pool.take_fills(), score_rows, self.block_size), graph=graph)
             with self.sender.step(plan):
                 logits, step = self.run_seqs(seqs, extra, graph)
-        tapped = self.graphs[graph].taps if graph else self.fwd.tapped
+        if tapped is None:
+            tapped = self.graphs[graph].taps if graph else self.fwd.tapped
         reqs = [c.req for c in chunks if c.needs_logits and not c.draft_ids]
         verify = [(i, c) for i, c in enumerate(chunks) if c.draft_ids]
         n_plain, n_verify = len(reqs), sum(c.num_fed for _, c in verify)
@@ -180,7 +224,9 @@ class GpuModelRunner(Runner):
         if tokens is not None:
             launched.tokens, launched.rows = tokens, {r.rid: i for i, r in enumerate(reqs)}
         else:
-            launched.sampled, kept = self._sample_now(logits, reqs, verify, n_plain, n_verify, step)
+            # the verify form left every plain decode's KDA states alone too: committed with one token each
+            plain = ([(i, 1, c.req.state_set) for i, c in enumerate(chunks) if not c.draft_ids] if vsize else [])
+            launched.sampled, kept = self._sample_now(logits, reqs, verify, n_plain, n_verify, step, plain, vsize)
         if self.target_states is not None:
             record_step_states(self.target_states, chunks, tapped, kept)
         if timing is not None:
@@ -202,17 +248,23 @@ class GpuModelRunner(Runner):
             self.idle.reset()
 
     def _sample_now(self, logits: torch.Tensor, reqs: list, verify: list, n_plain: int, n_verify: int,
-                    step: GpuStep | None) -> tuple[dict[int, int | list[int]], dict[int, int]]:
+                    step: GpuStep | None, plain_runs: list[tuple[int, int, list[int]]] = (), vsize: int = 0
+                    ) -> tuple[dict[int, int | list[int]], dict[int, int]]:
         """Host-assisted sampling and speculative verification: reads the tokens back now. Returns the
-        sampled tokens and, per verify chunk index, how many of its fed tokens the accepted run kept."""
+        sampled tokens and, per verify chunk index, how many of its fed tokens the accepted run kept.
+        plain_runs: (sequence, 1, state set) of the plain decodes a verify-form step must commit too;
+        vsize: the step's verify graph bucket (0: an eager step)."""
         sampled: dict[int, int | list[int]] = sample_step(self.sampler, logits[:n_plain], reqs,
                                                           use_kernels=self.kernels.triton, penalties=self.penalties)
         kept: dict[int, int] = {}
         if verify:
             results = verify_requests(self.sampler, logits[n_plain:n_plain + n_verify], [c.req for _, c in verify],
                                       [c.draft_ids for _, c in verify])
-            self.fwd.commit_verified(step, [(i, len(res.token_ids), c.req.state_set)
-                                            for (i, c), res in zip(verify, results)])
+            runs = [(i, len(res.token_ids), c.req.state_set) for (i, c), res in zip(verify, results)] + list(plain_runs)
+            if vsize:
+                self._commit_verify_form(step, vsize, runs)
+            else:
+                self.fwd.commit_verified(step, runs)
             for (_, c), res in zip(verify, results):
                 r = c.req
                 # the device penalty counts missed these tokens: rebuilt from token_ids at the next use
@@ -246,6 +298,57 @@ class GpuModelRunner(Runner):
         self._feed_pending(step.ids, pending, prev)
         return self.fwd.full_logits(self.fwd(step, decode=step.decode_only)), step
 
+    def _verify_size(self, chunks: list[ScheduledChunk], score_rows: list) -> int:
+        """The verify graph bucket a step takes (0: the eager step): plain decodes and verify runs of at most K
+        drafts only, at least one verify, no snapshots, no prompt-logprob rows, at most the largest bucket."""
+        if not self.verify_sizes or score_rows or self.sender is not None or len(chunks) > self.verify_sizes[-1]:
+            return 0
+        if not any(c.draft_ids for c in chunks):
+            return 0  # plain decodes replay the (cheaper) decode graphs
+        if any(c.num_tokens != 1 or c.snapshots or not c.needs_logits or len(c.draft_ids) >= self.verify_run_len
+               for c in chunks):
+            return 0
+        return next(s for s in self.verify_sizes if s >= len(chunks))
+
+    def _run_verify(self, seqs: list[StepSeq], size: int, pending: dict[int, int] | None,
+                    prev: LaunchedStep | None) -> tuple[torch.Tensor, GpuStep, dict[int, torch.Tensor]]:
+        """A verify-form step (verify_graph.py): replayed from its graph when captured, else the same padded
+        step eagerly. -> (fp32 logits of the real logit rows in the eager order, the step the commit reads,
+        the tapped target states of the real rows in the eager packing)."""
+        padded, plan = plan_verify(seqs, size, self.verify_run_len, self._pad_seq())
+        meta, (h64, h32) = self._pack(padded, row_queries=True)
+        pad_rows(meta, h64, plan, self.pad_page * self.block_size)
+        moved = {plan.fed_rows[row]: rid for row, rid in (pending or {}).items()}
+        g = self.verify_graphs.get(size)
+        if g is not None:
+            g.flat64.copy_(h64.pin_memory(), non_blocking=True)
+            g.flat32.copy_(h32.pin_memory(), non_blocking=True)
+            self._feed_pending(g.flat64[:plan.num_rows], moved, prev)
+            g.graph.replay()
+            self.verify_graph_replays += 1
+            logits, step, taps = g.logits, g.step, g.taps
+        else:
+            step = step_views(meta, to_device(h64, self.device), to_device(h32, self.device))
+            self._feed_pending(step.ids, moved, prev)
+            logits, taps = self.fwd(step), dict(self.fwd.tapped)
+        rows = to_device(torch.tensor(plan.logit_rows, dtype=torch.int64), self.device)
+        fed = to_device(torch.tensor(plan.fed_rows, dtype=torch.int64), self.device) if taps else None
+        tapped = {i: t.index_select(0, fed) for i, t in taps.items()}
+        return self.fwd.full_logits(logits.index_select(0, rows)), step, tapped
+
+    def _commit_verify_form(self, step: GpuStep, size: int, runs: list[tuple[int, int, list[int]]]) -> None:
+        """The commit of a verify-form step: the bucket's commit graph replayed with each sequence's kept
+        tokens (pad sequences 0), or the same commit eagerly when the step was not replayed."""
+        accepted = torch.zeros(size, dtype=torch.int64)
+        for i, m, _ in runs:
+            accepted[i] = m
+        g = self.verify_graphs.get(size)
+        if g is not None:
+            g.accepted.copy_(accepted.pin_memory(), non_blocking=True)
+            g.commit.replay()
+        else:
+            self.fwd.commit_graphed(step, to_device(accepted, self.device))
+
     def release(self, rid: int) -> None:
         self.penalties.release(rid)
         if self.target_states is not None:
@@ -257,43 +360,73 @@ class GpuModelRunner(Runner):
 
     # ---- CUDA graphs ----
 
-    def _pack(self, seqs: list[StepSeq]):
+    def _pack(self, seqs: list[StepSeq], row_queries: bool = False):
         return pack_step(seqs, block_size=self.block_size, conv_width=self.fwd.conv_width,
-                         num_groups=self.num_groups, max_blocks=self.max_blocks)
+                         num_groups=self.num_groups, max_blocks=self.max_blocks, row_queries=row_queries)
 
     def capture(self) -> None:
-        """Capture one decode graph per size, largest first (they share one memory pool), with a progress bar
-        that names the size being captured; the time and the memory the graphs took are logged."""
+        """Capture one decode graph per size, then (speculation) one verify graph per bucket, largest first
+        (all share one memory pool), with a progress bar that names the graph being captured; the time and
+        the memory each kind took are logged."""
         from tqdm import tqdm
 
         pool = torch.cuda.graph_pool_handle()
-        t0 = time.perf_counter()
-        reserved0 = torch.cuda.memory_reserved(self.device)
         # every graph writes its logits into the first rows of one buffer (steps run in stream order, so a replay
         # never overwrites logits an earlier step still has to sample from)
-        shared = torch.empty(max(self.graph_sizes, default=0), self.model.lm_head.weight.shape[0],
-                             dtype=self.fwd.logits_dtype(), device=self.device)
-        bar = tqdm(sorted(self.graph_sizes, reverse=True), desc="capturing decode graphs", unit="graph", leave=False)
-        for size in bar:
-            bar.set_postfix_str(f"batch {size}")
+        rows = max(max(self.graph_sizes, default=0), max(self.verify_sizes, default=0) * self.verify_run_len)
+        shared = torch.empty(rows, self.model.lm_head.weight.shape[0], dtype=self.fwd.logits_dtype(),
+                             device=self.device)
+        kinds = [("decode", self.graph_sizes, self.graphs)]
+        if self.verify_sizes:
+            # what each verify graph keeps for its commit lives in one set of buffers, not one per graph
+            self.fwd.reserve_verify_inputs(max(self.verify_sizes) * self.verify_run_len)
+            kinds.append((f"verify (1 + {self.verify_run_len - 1} rows each)", self.verify_sizes, self.verify_graphs))
+        for kind, sizes, graphs in kinds:
+            t0 = time.perf_counter()
+            reserved0 = torch.cuda.memory_reserved(self.device)
+            bar = tqdm(sorted(sizes, reverse=True), desc=f"capturing {kind.split()[0]} graphs", unit="graph",
+                       leave=False)
+            for size in bar:
+                bar.set_postfix_str(f"batch {size}")
+                graphs[size] = self._capture_one(size, graphs is self.verify_graphs, shared, pool)
+            torch.cuda.synchronize()
+            if graphs:
+                log.info("captured %d %s graphs (batch %d to %d) in %.1f s, %.2f GiB of device memory", len(graphs),
+                         kind, min(graphs), max(graphs), time.perf_counter() - t0,
+                         (torch.cuda.memory_reserved(self.device) - reserved0) / 2**30)
+
+    def _capture_one(self, size: int, verify: bool, shared: torch.Tensor, pool) -> _Graph:
+        """One graph of `size` pad sequences: a decode step, or (verify) the padded verify form."""
+        if verify:
+            padded, plan = plan_verify([self._pad_seq()], size, self.verify_run_len, self._pad_seq())
+            meta, (h64, h32) = self._pack(padded, row_queries=True)
+            pad_rows(meta, h64, plan, self.pad_page * self.block_size)
+            rows = plan.num_rows
+        else:
             meta, (h64, h32) = self._pack([self._pad_seq()] * size)
-            flat64, flat32 = h64.to(self.device), h32.to(self.device)
-            step = step_views(meta, flat64, flat32)
-            side = torch.cuda.Stream()
+            rows = size
+        flat64, flat32 = h64.to(self.device), h32.to(self.device)
+        step = step_views(meta, flat64, flat32)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compile and autotune outside the capture
+                self.fwd(step, decode=not verify, logits_out=shared[:rows])
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = self.fwd(step, decode=not verify, logits_out=shared[:rows])
+        g = _Graph(graph, flat64, flat32, logits, dict(self.fwd.tapped))
+        if verify:  # and its commit, reading what the forward kept (accepted 0 here: the pad page stays as it was)
+            g.step, g.commit = step, torch.cuda.CUDAGraph()
+            g.accepted = torch.zeros(size, dtype=torch.int64, device=self.device)
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                for _ in range(2):  # compile and autotune outside the capture
-                    self.fwd(step, decode=True, logits_out=shared[:size])
+                self.fwd.commit_graphed(step, g.accepted)
             torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.fwd(step, decode=True, logits_out=shared[:size])
-            self.graphs[size] = _Graph(graph, flat64, flat32, logits, dict(self.fwd.tapped))
-        torch.cuda.synchronize()
-        if self.graphs:
-            log.info("captured %d decode graphs (batch %d to %d) in %.1f s, %.2f GiB of device memory",
-                     len(self.graphs), min(self.graphs), max(self.graphs), time.perf_counter() - t0,
-                     (torch.cuda.memory_reserved(self.device) - reserved0) / 2**30)
+            with torch.cuda.graph(g.commit, pool=pool):
+                self.fwd.commit_graphed(step, g.accepted)
+        return g
 
     def _replay(self, seqs: list[StepSeq], size: int, pending: dict[int, int] | None = None,
                 prev: LaunchedStep | None = None) -> torch.Tensor:

@@ -21,6 +21,9 @@ non-blocking copy, so no layer ever synchronizes with the host:
                                 sequences (n == 1) read their pages through block_table instead
   snap_conv_idx       [S, W-1]  conv windows at snapshot positions (S snapshots)
   snap_dest           [G, S]    each snapshot's destination state set, by group
+  row_seq             [T]       (row_queries: verify graphs) the sequence of each row; every row is then its
+                                own MLA decode query over its context (pos + 1), and no sequence takes
+                                the expanded form, so no array's size depends on the context lengths
 
 The host-side lists (cu, starts, snapshots) stay on the object for launchers that need Python ints.
 """
@@ -85,6 +88,8 @@ class GpuStep:
     # filled by the KDA layers for verify steps: layer index -> (pre-conv qkv [T, 3P], g [T, H, K], beta [T, H]),
     # or in the batch-invariant mode kda_decode's inputs (pre-conv qkv [T, 3P], f [T, P], b [T, H], gate [T, P])
     verify_inputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    # the verify graphs' form (pack_step row_queries): each row's sequence [T] int64; None otherwise
+    row_seq: torch.Tensor | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -117,11 +122,14 @@ class StepMeta:
     max_k: int
     logits_every_row: bool
     verify_seqs: list[int]
+    row_queries: bool = False
 
 
 def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_groups: int,
-              max_blocks: int | None = None, extra_logit_rows: list[int] = ()) -> tuple[StepMeta, tuple[torch.Tensor, torch.Tensor]]:
+              max_blocks: int | None = None, extra_logit_rows: list[int] = (),
+              row_queries: bool = False) -> tuple[StepMeta, tuple[torch.Tensor, torch.Tensor]]:
     """Compute every index of the step on the host: (meta, (int64 buffer, int32 buffer)).
+    row_queries: the verify graphs' form (every MLA row a decode query, row_seq packed; module docstring).
 
     Vectorized over sequences: each per-sequence field is read once in a C-level map (no Python loop over
     the batch, which cost 4 ms at 1,000 decodes with the graph table width), and every index array is a
@@ -158,7 +166,8 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
     # the int32 buffer is allocated once and the table written in place: at graph width (every page of the
     # longest context) the table is the largest array of the step, and a fresh zeroed array plus a concatenated
     # copy of it cost 0.4 ms of page faults at 512 x 556 where one reused allocation costs 0.03 ms
-    pre_np = np.flatnonzero(lens_np != 1)  # sequences in the expanded (prefill) MLA form
+    # sequences in the expanded (prefill) MLA form; none when every row is its own decode query
+    pre_np = np.flatnonzero(lens_np != 1) if not row_queries else np.zeros(0, dtype=np.int64)
     sizes32 = [B + 1, B, B * max_blocks, len(pre_np) + 1, len(pre_np) + 1]  # cu, ctx, table, cu_k, cu_q
     flat32 = np.empty(sum(sizes32), dtype=np.int32)
     cu32, ctx32, table, cu_k32, cu_q32 = _split(flat32, sizes32)
@@ -207,15 +216,16 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
     ctx_seq = np.repeat(pre_np, ctx_pre)
     ctx_pos = np.arange(int(cu_k[-1])) - np.repeat(cu_k[:-1], ctx_pre)
     ctx_slot = table[ctx_seq, ctx_pos // block_size].astype(np.int64) * block_size + ctx_pos % block_size
-    pre_rows = np.flatnonzero(~is_decode[seq_of_row])
+    pre_rows = np.flatnonzero(~is_decode[seq_of_row]) if not row_queries else np.zeros(0, dtype=np.int64)
 
     i64 = [ids, pos, kv_slot, states.T.ravel(), conv_idx.ravel(), conv_tail.ravel(), logit_rows, ctx_slot,
-           pre_rows, dec, cu[dec], snap_conv.ravel(), snap_dest.T.ravel()]
+           pre_rows, dec, cu[dec], snap_conv.ravel(), snap_dest.T.ravel(),
+           seq_of_row if row_queries else np.zeros(0, dtype=np.int64)]
     cu32[:], ctx32[:], cu_k32[:], cu_q32[:] = cu, ctx, cu_k, cu_q
     meta = StepMeta(B, T, max_blocks, len(snaps), w1, [p.size for p in i64], sizes32,
                     cu.tolist(), starts, lens, decode_form, snaps, pre,
                     int(lens_np[pre_np].max(initial=0)), int(ctx_pre.max(initial=0)),
-                    bool(logit_rows.size == T and np.array_equal(logit_rows, np.arange(T))), verify_seqs)
+                    bool(logit_rows.size == T and np.array_equal(logit_rows, np.arange(T))), verify_seqs, row_queries)
     host = (torch.from_numpy(np.concatenate(i64, dtype=np.int64)), torch.from_numpy(flat32))
     return meta, host
 
@@ -237,7 +247,7 @@ def step_views(meta: StepMeta, flat64: torch.Tensor, flat32: torch.Tensor) -> Gp
     """The GpuStep whose tensors are views of the two device buffers (static ones under CUDA graphs)."""
     B, T, w1 = meta.num_seqs, meta.num_tokens, meta.w1
     (t_ids, t_pos, t_slot, t_states, t_conv, t_tail, t_logit, t_ctx_slot, t_pre_rows, t_dec, t_dec_rows,
-     t_snap, t_snap_dest) = _split(flat64, meta.sizes64)
+     t_snap, t_snap_dest, t_row_seq) = _split(flat64, meta.sizes64)
     t_cu, t_ctx, t_table, t_cuk, t_cuq = _split(flat32, meta.sizes32)
     return GpuStep(
         num_seqs=B, num_tokens=T, cu=meta.cu, starts=meta.starts, lens=meta.lens, decode_form=meta.decode_form,
@@ -248,6 +258,7 @@ def step_views(meta: StepMeta, flat64: torch.Tensor, flat32: torch.Tensor) -> Gp
         ctx_slot=t_ctx_slot, cu_k=t_cuk, cu_q=t_cuq, max_q=meta.max_q, max_k=meta.max_k, decode_seqs=t_dec,
         decode_rows=t_dec_rows, snap_conv_idx=t_snap.view(meta.num_snapshots, w1),
         snap_dest=t_snap_dest.view(t_states.numel() // B, meta.num_snapshots), verify_seqs=meta.verify_seqs,
+        row_seq=t_row_seq if meta.row_queries else None,
     )
 
 

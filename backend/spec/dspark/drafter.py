@@ -12,6 +12,9 @@ Drafts are the argmax of base + Markov logits: deterministic, so for a sampled t
 sampler's usual one-hot draft distribution applies unchanged. Per request, only the first
 `verify_length` drafts are returned (cumulative confidence >= threshold, at least min_verify, at most
 max_tokens): a confident request verifies up to k, a lost one verifies few.
+
+On a CUDA device with graph sizes given, the pass replays a CUDA graph per batch bucket (graph.py): the
+eager pass's computation at the bucket's batch size (the rows past the batch are padding nobody reads).
 """
 
 from __future__ import annotations
@@ -25,15 +28,17 @@ from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.backend.models.loader import CheckpointError
 from k3rt.backend.spec.base import DraftQuery, Drafter
 from k3rt.backend.spec.dspark.checkpoint import load_drafter
+from k3rt.backend.spec.dspark.graph import DraftGraphs
 from k3rt.backend.spec.dspark.model import DSparkModel, verify_length
 from k3rt.backend.spec.dspark.target import check_layers
 
 
 class DSparkDrafter(Drafter):
     def __init__(self, model: DSparkModel, embed: torch.Tensor, lm_head: torch.Tensor, *,
-                 confidence_threshold: float | None = None) -> None:
+                 confidence_threshold: float | None = None, graph_sizes: tuple[int, ...] = ()) -> None:
         """embed, lm_head: the target's [vocab, hidden] token embedding and LM head (the same tensor when
-        tied). confidence_threshold overrides the config's (0 verifies every draft)."""
+        tied). confidence_threshold overrides the config's (0 verifies every draft). graph_sizes: batch
+        buckets whose pass is captured in a CUDA graph (on a CUDA device only; empty: every pass eager)."""
         cfg = model.cfg
         for name, w in (("embed", embed), ("lm_head", lm_head)):
             if tuple(w.shape) != (cfg.vocab_size, cfg.hidden_size):
@@ -46,6 +51,10 @@ class DSparkDrafter(Drafter):
         self.model = model.to(self.dtype).eval()
         self.embed, self.lm_head = embed.detach().to(self.dtype), lm_head.detach().to(self.dtype)
         self.threshold = cfg.confidence_threshold if confidence_threshold is None else confidence_threshold
+        self.graphs: DraftGraphs | None = None
+        if graph_sizes and embed.device.type == "cuda":
+            self.graphs = DraftGraphs(self.model, self.embed, self.lm_head, graph_sizes, self.dtype)
+            self.graphs.capture()
 
     @classmethod
     def from_folder(cls, folder: str | Path, target: KimiForCausalLM, *, num_tokens: int | None = None,
@@ -122,7 +131,10 @@ class DSparkDrafter(Drafter):
             held = torch.tensor([n for _, _, n in windows])
             extra = dict(ctx_tokens=torch.tensor([ids for _, ids, _ in windows], device=device),
                          ctx_valid=(torch.arange(w)[None, :] >= w - held[:, None]).to(device))
-        tokens, _, conf = self.model.draft(ctx, anchors, self.embed, self.lm_head, **extra)
+        if self.graphs is not None and self.graphs.size_for(len(ready)) is not None:
+            tokens, conf = self.graphs.draft(ctx, anchors, **extra)
+        else:
+            tokens, _, conf = self.model.draft(ctx, anchors, self.embed, self.lm_head, **extra)
         tokens, conf = tokens.tolist(), conf.cpu()  # one device sync for the whole batch
         for j, i in enumerate(ready):
             n = verify_length(conf[j], self.threshold, self.model.cfg.min_verify, queries[i].max_tokens)
