@@ -1,0 +1,443 @@
+"""MXFP4 routed experts in a planar in-memory layout: word-wide E2M1 decode, one scale multiply per group.
+
+Why another kernel: `triton_mxfp4.py` measured 23-30% of copy bandwidth at decode sizes (benchmarks/RESULTS.md,
+2026-12-01), ALU-bound on a per-element upcast and a per-element scale. Here the weights are repacked once
+at load (`PlanarMxfp4.from_packed`; the checkpoint stays compressed-tensors `mxfp4-pack-quantized`) so that:
+  - a weight row is read as int32 words, 32 words (128 bytes, 256 K elements = 8 scale groups) per chunk;
+  - nibble q of word j of a chunk is element 32 q + j of the chunk: the 8 nibbles of a word belong to the 8
+    groups, so one shift + two masks of a word decode TWO groups' elements at once (nibble p into the low
+    16-bit lane, nibble p + 4 into the high lane) and each decoded plane is exactly one 32-element group;
+  - the decode is a bit placement, no table and no per-element scale: the fp16 with bits
+    (sign << 15) | (magnitude code << 9) is the E2M1 value times 2^-14 exactly (code 1, the E2M1 subnormal
+    0.5, lands on the fp16 subnormal 2^-15, which fp16 conversions and MMAs keep; no fp32 denormals arise);
+  - each group's partial dot (K = 32) is multiplied once per output by 2^(s - 127) * 2^14 = 2^(s - 113),
+    the E8M0 scale and the decode's bias in one fp32 factor. That factor is a normal fp32 for s <= 240
+    (weights below 2^116); `from_packed` refuses larger exponents, naming the tensor and the limit;
+  - the activations are loaded in the same permuted K order (group by group), so no shuffle of the weights.
+
+Two ways to use the decoded planes (`variant`):
+  - "mma": tl.dot(plane [BN, 32], A^T [32, BM]) per group, the weight rows on the MMA's M side, BM = 16;
+  - "fma": CUDA-core dot for a few rows at a time (`sub_m` rows per pass over the weights, only the block's
+    valid rows): each plane, times its group factor, is multiplied into an fp32 [BN, 32, sub_m] accumulator
+    and reduced over K once at the end. Cheaper than an MMA when a block holds 1-4 tokens.
+The alignment, the activation epilogues and the per-token slot sum are `triton_experts`'s.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from k3rt.kernels.common import INTERPRET, check, check_same_device, poison_like
+from k3rt.kernels.moe.mxfp4_ref import GROUP
+from k3rt.kernels.moe.triton_experts import _tanh, align_blocks, check_routing, check_x, sum_slots
+from k3rt.model_config import ActivationConfig
+
+CHUNK = 256  # K elements per planar chunk: 8 groups of 32, 32 int32 words of 8 nibbles
+WORDS = CHUNK // 8
+MAX_SCALE = 240  # the largest E8M0 exponent whose factor 2^(s - 113) is a normal fp32 (the kernel's one multiply)
+PLANAR_VARIANTS = ("mma", "fma")
+
+
+def to_planar(packed: Tensor) -> Tensor:
+    """compressed-tensors packed codes uint8 [..., N, K/2] -> planar int32 words [..., N, K/8] (module doc)."""
+    *lead, half = packed.shape
+    K = 2 * half
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed must be uint8, got {packed.dtype}")
+    if K % CHUNK:
+        raise ValueError(f"the planar MXFP4 layout needs K to be a multiple of {CHUNK}, got K={K}")
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*lead, K // CHUNK, 8, WORDS)
+    codes = codes.transpose(-1, -2).reshape(*lead, K)  # [.., chunk, word j, nibble q] = element 32 q + j
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous().view(torch.int32)
+
+
+def from_planar(words: Tensor) -> Tensor:
+    """The inverse of `to_planar`: int32 words [..., N, K/8] -> packed uint8 [..., N, K/2]."""
+    if words.dtype != torch.int32:
+        raise ValueError(f"planar words must be int32, got {words.dtype}")
+    b = words.contiguous().view(torch.uint8)
+    *lead, half = b.shape
+    K = 2 * half
+    codes = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(*lead, K // CHUNK, WORDS, 8)
+    codes = codes.transpose(-1, -2).reshape(*lead, K)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+
+
+@dataclass(frozen=True)
+class PlanarMxfp4:
+    """One layer's routed experts in the planar layout: w13 (gate rows, then up rows) and w2 as int32 words,
+    the E8M0 scales unchanged ([E, N, K/32] uint8)."""
+
+    w13_words: Tensor  # [E, 2I, D/8] int32
+    w13_scale: Tensor  # [E, 2I, D/32] uint8
+    w2_words: Tensor  # [E, D, I/8] int32
+    w2_scale: Tensor  # [E, D, I/32] uint8
+
+    @staticmethod
+    def from_packed(w13_packed: Tensor, w13_scale: Tensor, w2_packed: Tensor, w2_scale: Tensor) -> PlanarMxfp4:
+        """Repack a layer's compressed-tensors stacks (one expert at a time: the unpacked codes of a whole
+        stack would be 2x its size again). Scales above `MAX_SCALE` are refused."""
+        for name, s in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+            if s.dtype != torch.uint8:
+                raise ValueError(f"{name} must be uint8, got {s.dtype}")
+            top = int(s.max()) if s.numel() else 0
+            if top > MAX_SCALE:
+                raise ValueError(f"{name} holds E8M0 exponent {top} > {MAX_SCALE}: the planar kernel's group "
+                                 f"factor 2^(s - 113) would overflow fp32 (weights of 2^{top - 127 + 2} and up)")
+
+        def stack(p: Tensor) -> Tensor:
+            return torch.stack([to_planar(p[e]) for e in range(p.shape[0])]) if p.shape[0] else \
+                torch.empty(*p.shape[:-1], p.shape[-1] // 4, dtype=torch.int32, device=p.device)
+        return PlanarMxfp4(stack(w13_packed), w13_scale.contiguous(), stack(w2_packed), w2_scale.contiguous())
+
+
+@dataclass(frozen=True)
+class PlanarTiles:
+    """block_m: the alignment's rows per block (>= 16, a power of two); sub_m: rows per pass over the weights
+    ("fma" only; "mma" does the whole block in one pass); block_n1/block_n2: weight rows per program of the
+    gate/up and the down GEMM (each gate/up program does a gate and an up tile); chunks: 256-element K
+    chunks per loop step (more bytes in flight per step)."""
+
+    block_m: int
+    block_n1: int
+    block_n2: int
+    sub_m: int
+    chunks: int
+    num_warps1: int
+    num_warps2: int
+    num_stages: int
+
+
+# the first of each variant's candidates is its default (unmeasured: the benchmark times them all)
+PLANAR_CANDIDATES = {
+    "mma": (PlanarTiles(16, 64, 64, 16, 1, 4, 4, 3),
+            PlanarTiles(16, 32, 32, 16, 1, 2, 2, 3),
+            PlanarTiles(16, 128, 128, 16, 1, 4, 4, 3),
+            PlanarTiles(16, 64, 64, 16, 2, 4, 4, 2),
+            PlanarTiles(16, 32, 32, 16, 2, 2, 2, 2)),
+    "fma": (PlanarTiles(16, 32, 32, 1, 1, 4, 4, 3),
+            PlanarTiles(16, 64, 64, 1, 1, 4, 4, 3),
+            PlanarTiles(16, 32, 32, 2, 1, 4, 4, 3),
+            PlanarTiles(16, 16, 16, 1, 1, 2, 2, 3),
+            PlanarTiles(16, 32, 32, 4, 1, 4, 4, 2)),
+}
+# the interpreter's: few programs (its cost is per program and per op), both sub-row paths of "fma"
+PLANAR_INTERPRET_TILES = {"mma": (PlanarTiles(16, 64, 64, 16, 1, 4, 4, 1),),
+                          "fma": (PlanarTiles(16, 64, 64, 2, 1, 4, 4, 1),)}
+
+
+@triton.jit
+def _planes(w, p: tl.constexpr, DT: tl.constexpr):
+    """int32 words [R, 32] of a chunk -> its groups p and p + 4 (p < 4), each [R, 32] in DT, times 2^-14.
+    Both come from one 32-bit shift and two masks: nibble p lands in the low 16-bit lane, nibble p + 4 in
+    the high one, each as the fp16 bits (sign << 15) | (magnitude << 9)."""
+    t = w >> (4 * p)  # the arithmetic shift's fill lands above bit 19: masked off
+    bits = ((t & 0x00070007) << 9) | ((t & 0x00080008) << 12)
+    lo = bits.to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo.to(DT), hi.to(DT)
+
+
+@triton.jit
+def _factor(s):
+    """E8M0 exponent s (<= 240) -> the fp32 2^(s - 127) * 2^14: the group scale and the decode's bias."""
+    return ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _group(acc, plane, f, a, FMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One 32-element group: plane [BN, 32], f [BN] its rows' factors, a [32, SM] A^T's rows of the group.
+    MMA: acc [BN, SM] += dot(plane, a) * f; FMA: acc [BN, 32, SM] += (plane * f) * a (reduced over K later)."""
+    if FMA:
+        acc += (plane * f[:, None])[:, :, None] * a.to(tl.float32)[None, :, :]
+    else:
+        acc += tl.dot(plane, a, input_precision=DOT_PRECISION) * f[:, None]
+    return acc
+
+
+@triton.jit
+def _chunk(acc, w, s_ptrs, a_ptrs, w_mask, a_mask, FMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc += one chunk: w its int32 words [BN, 32], s_ptrs [BN] its rows' first group scale, a_ptrs
+    [32, SM] A^T's first group rows (group q at + 32 q)."""
+    DT: tl.constexpr = tl.float32 if FMA else a_ptrs.dtype.element_ty
+    for p in tl.static_range(4):
+        lo, hi = _planes(w, p, DT)
+        f_lo = _factor(tl.load(s_ptrs + p, mask=w_mask, other=0))
+        f_hi = _factor(tl.load(s_ptrs + p + 4, mask=w_mask, other=0))
+        a_lo = tl.load(a_ptrs + 32 * p, mask=a_mask, other=0.0)
+        a_hi = tl.load(a_ptrs + 32 * (p + 4), mask=a_mask, other=0.0)
+        acc = _group(acc, lo, f_lo, a_lo, FMA, DOT_PRECISION)
+        acc = _group(acc, hi, f_hi, a_hi, FMA, DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _sub_rows(pid_m, first, n_valid, sorted_ptr, P, T, NB_ROUTED, NB_SHARED,
+              TOPK: tl.constexpr, BLOCK_M: tl.constexpr, SUB_M: tl.constexpr):
+    """Rows first .. first + SUB_M of block pid_m: (slot offsets, pair ids, token ids, validity). The valid
+    rows of a block are a prefix (the alignment pads each expert's run at its end; shared blocks cover the
+    tokens in order), n_valid long; `triton_experts._block_rows` has the layout."""
+    r = first + tl.arange(0, SUB_M)
+    offs_m = pid_m * BLOCK_M + r
+    ok = r < n_valid
+    if pid_m < NB_ROUTED:
+        pair = tl.load(sorted_ptr + offs_m, mask=ok, other=P)
+        tok = pair // TOPK
+    else:
+        j = pid_m - NB_ROUTED
+        tok = (j % NB_SHARED) * BLOCK_M + r
+        pair = P + (j // NB_SHARED) * T + tok
+    return offs_m, pair, tl.where(ok, tok, 0).to(tl.int64), ok
+
+
+@triton.jit
+def _n_valid(pid_m, block_expert_ptr, sorted_ptr, P, T, NB_ROUTED, NB_SHARED, E_ROUTED, BLOCK_M: tl.constexpr):
+    """Block pid_m's expert (-1: unused) and its number of valid rows."""
+    r = tl.arange(0, BLOCK_M)
+    if pid_m < NB_ROUTED:
+        e = tl.load(block_expert_ptr + pid_m)
+        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + r, mask=e >= 0, other=P)
+        n = tl.sum((pair < P).to(tl.int32))
+    else:
+        j = pid_m - NB_ROUTED
+        e = E_ROUTED + j // NB_SHARED
+        n = tl.sum(((j % NB_SHARED) * BLOCK_M + r < T).to(tl.int32))
+    return e, n
+
+
+@triton.jit
+def _finish(acc, FMA: tl.constexpr):
+    return tl.sum(acc, axis=1) if FMA else acc
+
+
+@triton.jit
+def _moe_gate_up_planar_kernel(
+    x_ptr, stride_xt,  # [T, D]
+    w_ptr, stride_w,  # [E, 2I, D/8] int32 planar words; stride_w = D/8
+    s_ptr, stride_s,  # [E, 2I, D/32] uint8; stride_s = D/32
+    h_ptr,  # [S, I]
+    sorted_ptr, block_expert_ptr,
+    P, D, I,
+    beta, lin_beta,
+    T, NB_ROUTED, NB_SHARED, E_ROUTED,
+    TOPK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SUB_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNKS: tl.constexpr,  # D % (256 * CHUNKS) == 0 (the launcher picks it)
+    FMA: tl.constexpr,
+    SITU: tl.constexpr,
+    LIN_SAT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(I, BLOCK_N)
+    pid_m = pid // n_tiles
+    pid_n = pid % n_tiles
+    e, n_valid = _n_valid(pid_m, block_expert_ptr, sorted_ptr, P, T, NB_ROUTED, NB_SHARED, E_ROUTED, BLOCK_M)
+    if e >= 0:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < I
+        rows = e.to(tl.int64) * (2 * I) + offs_n.to(tl.int64)  # gate rows; the up rows are + I
+        offs_j = tl.arange(0, 32)
+        gw_ptrs = w_ptr + rows[:, None] * stride_w + offs_j[None, :]  # [BN, 32]
+        uw_ptrs = gw_ptrs + I * stride_w
+        gs_ptrs = s_ptr + rows * stride_s  # [BN]
+        us_ptrs = gs_ptrs + I * stride_s
+        for first in range(0, n_valid, SUB_M):
+            offs_m, _, tok, ok = _sub_rows(pid_m, first, n_valid, sorted_ptr, P, T, NB_ROUTED, NB_SHARED,
+                                           TOPK, BLOCK_M, SUB_M)
+            xa_ptrs = x_ptr + tok[None, :] * stride_xt + offs_j[:, None]  # [32, SM]: A^T's rows of group 0
+            a_mask = ok[None, :]
+            w_mask = n_ok[:, None]
+            if FMA:
+                acc_g = tl.zeros([BLOCK_N, 32, SUB_M], dtype=tl.float32)
+                acc_u = tl.zeros([BLOCK_N, 32, SUB_M], dtype=tl.float32)
+            else:
+                acc_g = tl.zeros([BLOCK_N, SUB_M], dtype=tl.float32)
+                acc_u = tl.zeros([BLOCK_N, SUB_M], dtype=tl.float32)
+            for c0 in range(0, D // 256, CHUNKS):
+                for ci in tl.static_range(CHUNKS):
+                    c = c0 + ci
+                    gw = tl.load(gw_ptrs + c * 32, mask=w_mask, other=0)
+                    uw = tl.load(uw_ptrs + c * 32, mask=w_mask, other=0)
+                    acc_g = _chunk(acc_g, gw, gs_ptrs + c * 8, xa_ptrs + c * 256, n_ok, a_mask, FMA, DOT_PRECISION)
+                    acc_u = _chunk(acc_u, uw, us_ptrs + c * 8, xa_ptrs + c * 256, n_ok, a_mask, FMA, DOT_PRECISION)
+            g = _finish(acc_g, FMA)
+            u = _finish(acc_u, FMA)
+            if SITU:
+                gate = beta * _tanh(g / beta) * tl.sigmoid(g)
+                if LIN_SAT:
+                    u = lin_beta * _tanh(u / lin_beta)
+            else:
+                gate = g * tl.sigmoid(g)
+            h = gate * u  # [BN, SM]
+            h_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * I + offs_n[:, None]
+            tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_ok[:, None] & ok[None, :])
+
+
+@triton.jit
+def _moe_down_planar_kernel(
+    h_ptr,  # [S, I]
+    w_ptr, stride_w,  # [E, D, I/8] int32 planar words; stride_w = I/8
+    s_ptr, stride_s,  # [E, D, I/32] uint8
+    y_ptr,  # [P + S*T, D]
+    topk_w_ptr,
+    sorted_ptr, block_expert_ptr,
+    P, D, I,
+    T, NB_ROUTED, NB_SHARED, E_ROUTED,
+    TOPK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SUB_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNKS: tl.constexpr,  # I % (256 * CHUNKS) == 0
+    FMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(D, BLOCK_N)
+    pid_m = pid // n_tiles
+    pid_n = pid % n_tiles
+    e, n_valid = _n_valid(pid_m, block_expert_ptr, sorted_ptr, P, T, NB_ROUTED, NB_SHARED, E_ROUTED, BLOCK_M)
+    if e >= 0:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < D
+        rows = e.to(tl.int64) * D + offs_n.to(tl.int64)
+        offs_j = tl.arange(0, 32)
+        w_ptrs = w_ptr + rows[:, None] * stride_w + offs_j[None, :]
+        s_ptrs = s_ptr + rows * stride_s
+        for first in range(0, n_valid, SUB_M):
+            offs_m, pair, _, ok = _sub_rows(pid_m, first, n_valid, sorted_ptr, P, T, NB_ROUTED, NB_SHARED,
+                                            TOPK, BLOCK_M, SUB_M)
+            ha_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * I + offs_j[:, None]  # [32, SM]
+            a_mask = ok[None, :]
+            w_mask = n_ok[:, None]
+            if FMA:
+                acc = tl.zeros([BLOCK_N, 32, SUB_M], dtype=tl.float32)
+            else:
+                acc = tl.zeros([BLOCK_N, SUB_M], dtype=tl.float32)
+            for c0 in range(0, I // 256, CHUNKS):
+                for ci in tl.static_range(CHUNKS):
+                    c = c0 + ci
+                    w = tl.load(w_ptrs + c * 32, mask=w_mask, other=0)
+                    acc = _chunk(acc, w, s_ptrs + c * 8, ha_ptrs + c * 256, n_ok, a_mask, FMA, DOT_PRECISION)
+            acc = _finish(acc, FMA)
+            rw = tl.load(topk_w_ptr + pair, mask=ok & (pid_m < NB_ROUTED), other=1.0)
+            y = acc * rw[None, :]
+            y_ptrs = y_ptr + pair[None, :].to(tl.int64) * D + offs_n[:, None]
+            tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=ok[None, :] & n_ok[:, None])
+
+
+@triton.jit
+def _dequant_planar_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr):
+    """out [N, K] fp32 = the planar weight, decoded by `_planes` and scaled by `_factor` as the GEMMs do."""
+    pid_n = tl.program_id(0)
+    c = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_j = tl.arange(0, 32)
+    w = tl.load(w_ptr + offs_n[:, None] * (K // 8) + c * 32 + offs_j[None, :], mask=n_ok[:, None], other=0)
+    for p in tl.static_range(4):
+        lo, hi = _planes(w, p, tl.float32)
+        f_lo = _factor(tl.load(s_ptr + offs_n * (K // 32) + c * 8 + p, mask=n_ok, other=0))
+        f_hi = _factor(tl.load(s_ptr + offs_n * (K // 32) + c * 8 + p + 4, mask=n_ok, other=0))
+        base = out_ptr + offs_n[:, None] * K + c * 256 + offs_j[None, :]
+        tl.store(base + 32 * p, lo * f_lo[:, None], mask=n_ok[:, None])
+        tl.store(base + 32 * (p + 4), hi * f_hi[:, None], mask=n_ok[:, None])
+
+
+def dequantize_planar(words: Tensor, scale: Tensor) -> Tensor:
+    """Planar words int32 [N, K/8] + scales uint8 [N, K/32] -> W [N, K] fp32, through the GEMMs' own decode
+    (equal to `mxfp4_ref.dequantize_mxfp4` of the compressed-tensors codes for scales <= `MAX_SCALE`)."""
+    N, K8 = words.shape
+    K = 8 * K8
+    check(words, "words", (N, K8), torch.int32)
+    check(scale, "scale", (N, K // GROUP), torch.uint8)
+    out = poison_like(torch.empty(N, K, dtype=torch.float32, device=words.device))
+    bn = 16
+    _dequant_planar_kernel[(triton.cdiv(N, bn), K // CHUNK)](words.contiguous(), scale.contiguous(), out, N, K,
+                                                             BLOCK_N=bn)
+    return out
+
+
+def _chunks_per_step(want: int, K: int) -> int:
+    c = want
+    while c > 1 and (K // CHUNK) % c:
+        c //= 2
+    return c
+
+
+def fused_experts_mxfp4_planar(
+    x: Tensor,
+    w: PlanarMxfp4,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    *,
+    act: ActivationConfig,
+    variant: str = "mma",
+    out: Tensor | None = None,
+    shared_experts: int = 0,
+    use_pdl: bool = False,
+    tiles: PlanarTiles | None = None,
+) -> Tensor:
+    """Routed experts of one MoE layer for T tokens with planar MXFP4 weights (`PlanarMxfp4.from_packed`);
+    the contract of `triton_mxfp4.fused_experts_mxfp4` otherwise (oracle: `mxfp4_ref.fused_experts_mxfp4_ref`
+    on the compressed-tensors stacks). D and I must be multiples of 256.
+
+    variant: "mma" (tl.dot per group) or "fma" (CUDA-core dot, `tiles.sub_m` rows per pass); module doc.
+    use_pdl: the alignment and the slot sum only (these two GEMMs do not wait on their predecessor).
+    """
+    if variant not in PLANAR_VARIANTS:
+        raise ValueError(f"variant must be one of {PLANAR_VARIANTS}, got {variant!r}")
+    T, D = check_x(x)
+    if w.w13_words.dim() != 3 or w.w13_words.shape[2] * 8 != D or w.w13_words.shape[1] % 2:
+        raise ValueError(f"w13_words must be [E, 2I, D/8={D // 8}] int32, got {list(w.w13_words.shape)}")
+    E, I = w.w13_words.shape[0], w.w13_words.shape[1] // 2
+    if D % CHUNK or I % CHUNK:
+        raise ValueError(f"planar MXFP4 experts need D and I to be multiples of {CHUNK}, got D={D}, I={I}")
+    check(w.w13_words, "w13_words", (E, 2 * I, D // 8), torch.int32)
+    check(w.w13_scale, "w13_scale", (E, 2 * I, D // GROUP), torch.uint8)
+    check(w.w2_words, "w2_words", (E, D, I // 8), torch.int32)
+    check(w.w2_scale, "w2_scale", (E, D, I // GROUP), torch.uint8)
+    for name in ("w13_words", "w13_scale", "w2_words", "w2_scale"):
+        if not getattr(w, name).is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    k = check_routing(x, topk_weights, topk_ids, act, shared_experts, E, out)
+    check_same_device(x=x, w13_words=w.w13_words, w13_scale=w.w13_scale, w2_words=w.w2_words,
+                      w2_scale=w.w2_scale, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
+    cfg = tiles or (PLANAR_INTERPRET_TILES if INTERPRET else PLANAR_CANDIDATES)[variant][0]
+    fma = variant == "fma"
+    if not fma and cfg.sub_m != cfg.block_m:
+        raise ValueError(f"variant 'mma' does a block in one pass: tiles.sub_m must equal block_m={cfg.block_m}, "
+                         f"got {cfg.sub_m}")
+    if cfg.sub_m > cfg.block_m or cfg.sub_m & (cfg.sub_m - 1):
+        raise ValueError(f"tiles.sub_m must be a power of two <= block_m={cfg.block_m}, got {cfg.sub_m}")
+    if out is None:
+        out = poison_like(torch.empty(T, D, dtype=x.dtype, device=x.device))
+    P = T * k
+    if P == 0:
+        return out
+    S = shared_experts
+    b = align_blocks(x, topk_ids, E, I, S, cfg.block_m, use_pdl)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    situ = act.name == "situ"
+    bn1 = min(cfg.block_n1, triton.next_power_of_2(I))
+    _moe_gate_up_planar_kernel[(b.num_blocks * triton.cdiv(I, bn1),)](
+        x, x.stride(0), w.w13_words, D // 8, w.w13_scale, D // GROUP, b.h, b.sorted_ids, b.block_expert, P, D, I,
+        float(act.situ_beta or 1.0), float(act.situ_linear_beta or 1.0), *b.args,
+        TOPK=k, BLOCK_M=cfg.block_m, SUB_M=cfg.sub_m, BLOCK_N=bn1, CHUNKS=_chunks_per_step(cfg.chunks, D),
+        FMA=fma, SITU=situ, LIN_SAT=situ and act.situ_linear_beta is not None, DOT_PRECISION=precision,
+        num_warps=cfg.num_warps1, num_stages=cfg.num_stages,
+    )
+    bn2 = min(cfg.block_n2, triton.next_power_of_2(D))
+    _moe_down_planar_kernel[(b.num_blocks * triton.cdiv(D, bn2),)](
+        b.h, w.w2_words, I // 8, w.w2_scale, I // GROUP, b.y, topk_weights, b.sorted_ids, b.block_expert,
+        P, D, I, *b.args,
+        TOPK=k, BLOCK_M=cfg.block_m, SUB_M=cfg.sub_m, BLOCK_N=bn2, CHUNKS=_chunks_per_step(cfg.chunks, I),
+        FMA=fma, DOT_PRECISION=precision, num_warps=cfg.num_warps2, num_stages=cfg.num_stages,
+    )
+    return sum_slots(b.y, out, k, S, use_pdl)
