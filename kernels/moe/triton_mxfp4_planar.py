@@ -15,8 +15,11 @@ at load (`PlanarMxfp4.from_packed`; the checkpoint stays compressed-tensors `mxf
     (weights below 2^116); `from_packed` refuses larger exponents, naming the tensor and the limit;
   - the activations are loaded in the same permuted K order (group by group), so no shuffle of the weights.
 
-Two ways to use the decoded planes (`variant`):
-  - "mma": tl.dot(plane [BN, 32], A^T [32, BM]) per group, the weight rows on the MMA's M side, BM = 16;
+Three ways to use the decoded planes (`variant`):
+  - "mma": tl.dot(plane [BN, 32], A^T [32, BM]) per group, the weight rows on the MMA's M side, BM = 16,
+    the group factor on each group's [BN, BM] result;
+  - "mma_ws": the same dots chained in one accumulator, the factor applied to the plane in fp32 before its
+    conversion to the activations' dtype (exact: a power of two on a 3-bit significand);
   - "fma": CUDA-core dot for a few rows at a time (`sub_m` rows per pass over the weights, only the block's
     valid rows): each plane, times its group factor, is multiplied into an fp32 [BN, 32, sub_m] accumulator
     and reduced over K once at the end. Cheaper than an MMA when a block holds 1-4 tokens.
@@ -39,7 +42,7 @@ from k3rt.model_config import ActivationConfig
 CHUNK = 256  # K elements per planar chunk: 8 groups of 32, 32 int32 words of 8 nibbles
 WORDS = CHUNK // 8
 MAX_SCALE = 240  # the largest E8M0 exponent whose factor 2^(s - 113) is a normal fp32 (the kernel's one multiply)
-PLANAR_VARIANTS = ("mma", "fma")
+PLANAR_VARIANTS = ("mma", "mma_ws", "fma")
 
 
 def to_planar(packed: Tensor) -> Tensor:
@@ -113,12 +116,14 @@ class PlanarTiles:
 
 
 # the first of each variant's candidates is its default (unmeasured: the benchmark times them all)
+_MMA_CANDIDATES = (PlanarTiles(16, 64, 64, 16, 1, 4, 4, 3),
+                   PlanarTiles(16, 32, 32, 16, 1, 2, 2, 3),
+                   PlanarTiles(16, 128, 128, 16, 1, 4, 4, 3),
+                   PlanarTiles(16, 64, 64, 16, 2, 4, 4, 2),
+                   PlanarTiles(16, 32, 32, 16, 2, 2, 2, 2))
 PLANAR_CANDIDATES = {
-    "mma": (PlanarTiles(16, 64, 64, 16, 1, 4, 4, 3),
-            PlanarTiles(16, 32, 32, 16, 1, 2, 2, 3),
-            PlanarTiles(16, 128, 128, 16, 1, 4, 4, 3),
-            PlanarTiles(16, 64, 64, 16, 2, 4, 4, 2),
-            PlanarTiles(16, 32, 32, 16, 2, 2, 2, 2)),
+    "mma": _MMA_CANDIDATES,
+    "mma_ws": _MMA_CANDIDATES,
     "fma": (PlanarTiles(16, 32, 32, 1, 1, 4, 4, 3),
             PlanarTiles(16, 64, 64, 1, 1, 4, 4, 3),
             PlanarTiles(16, 32, 32, 2, 1, 4, 4, 3),
@@ -127,6 +132,7 @@ PLANAR_CANDIDATES = {
 }
 # the interpreter's: few programs (its cost is per program and per op), both sub-row paths of "fma"
 PLANAR_INTERPRET_TILES = {"mma": (PlanarTiles(16, 64, 64, 16, 1, 4, 4, 1),),
+                          "mma_ws": (PlanarTiles(16, 64, 64, 16, 1, 4, 4, 1),),
                           "fma": (PlanarTiles(16, 64, 64, 2, 1, 4, 4, 1),)}
 
 
@@ -149,29 +155,33 @@ def _factor(s):
 
 
 @triton.jit
-def _group(acc, plane, f, a, FMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One 32-element group: plane [BN, 32], f [BN] its rows' factors, a [32, SM] A^T's rows of the group.
-    MMA: acc [BN, SM] += dot(plane, a) * f; FMA: acc [BN, 32, SM] += (plane * f) * a (reduced over K later)."""
+def _group(acc, plane, f, a, FMA: tl.constexpr, WSCALE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One 32-element group: plane [BN, 32] (fp32 for FMA/WSCALE), f [BN] its rows' factors, a [32, SM] A^T's
+    rows of the group. MMA: acc [BN, SM] += dot(plane, a) * f; WSCALE: acc = dot(plane * f, a, acc) (the
+    factor on the weights, the MMAs chained); FMA: acc [BN, 32, SM] += (plane * f) * a (reduced over K later)."""
     if FMA:
         acc += (plane * f[:, None])[:, :, None] * a.to(tl.float32)[None, :, :]
+    elif WSCALE:
+        acc = tl.dot((plane * f[:, None]).to(a.dtype), a, acc, input_precision=DOT_PRECISION)
     else:
         acc += tl.dot(plane, a, input_precision=DOT_PRECISION) * f[:, None]
     return acc
 
 
 @triton.jit
-def _chunk(acc, w, s_ptrs, a_ptrs, w_mask, a_mask, FMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _chunk(acc, w, s_ptrs, a_ptrs, w_mask, a_mask, FMA: tl.constexpr, WSCALE: tl.constexpr,
+           DOT_PRECISION: tl.constexpr):
     """acc += one chunk: w its int32 words [BN, 32], s_ptrs [BN] its rows' first group scale, a_ptrs
     [32, SM] A^T's first group rows (group q at + 32 q)."""
-    DT: tl.constexpr = tl.float32 if FMA else a_ptrs.dtype.element_ty
+    DT: tl.constexpr = tl.float32 if FMA or WSCALE else a_ptrs.dtype.element_ty
     for p in tl.static_range(4):
         lo, hi = _planes(w, p, DT)
         f_lo = _factor(tl.load(s_ptrs + p, mask=w_mask, other=0))
         f_hi = _factor(tl.load(s_ptrs + p + 4, mask=w_mask, other=0))
         a_lo = tl.load(a_ptrs + 32 * p, mask=a_mask, other=0.0)
         a_hi = tl.load(a_ptrs + 32 * (p + 4), mask=a_mask, other=0.0)
-        acc = _group(acc, lo, f_lo, a_lo, FMA, DOT_PRECISION)
-        acc = _group(acc, hi, f_hi, a_hi, FMA, DOT_PRECISION)
+        acc = _group(acc, lo, f_lo, a_lo, FMA, WSCALE, DOT_PRECISION)
+        acc = _group(acc, hi, f_hi, a_hi, FMA, WSCALE, DOT_PRECISION)
     return acc
 
 
@@ -230,6 +240,7 @@ def _moe_gate_up_planar_kernel(
     BLOCK_N: tl.constexpr,
     CHUNKS: tl.constexpr,  # D % (256 * CHUNKS) == 0 (the launcher picks it)
     FMA: tl.constexpr,
+    WSCALE: tl.constexpr,  # the group factor on the decoded weights (one MMA chain), not on each group's dot
     SITU: tl.constexpr,
     LIN_SAT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -265,8 +276,9 @@ def _moe_gate_up_planar_kernel(
                     c = c0 + ci
                     gw = tl.load(gw_ptrs + c * 32, mask=w_mask, other=0)
                     uw = tl.load(uw_ptrs + c * 32, mask=w_mask, other=0)
-                    acc_g = _chunk(acc_g, gw, gs_ptrs + c * 8, xa_ptrs + c * 256, n_ok, a_mask, FMA, DOT_PRECISION)
-                    acc_u = _chunk(acc_u, uw, us_ptrs + c * 8, xa_ptrs + c * 256, n_ok, a_mask, FMA, DOT_PRECISION)
+                    xc_ptrs = xa_ptrs + c * 256
+                    acc_g = _chunk(acc_g, gw, gs_ptrs + c * 8, xc_ptrs, n_ok, a_mask, FMA, WSCALE, DOT_PRECISION)
+                    acc_u = _chunk(acc_u, uw, us_ptrs + c * 8, xc_ptrs, n_ok, a_mask, FMA, WSCALE, DOT_PRECISION)
             g = _finish(acc_g, FMA)
             u = _finish(acc_u, FMA)
             if SITU:
@@ -296,6 +308,7 @@ def _moe_down_planar_kernel(
     BLOCK_N: tl.constexpr,
     CHUNKS: tl.constexpr,  # I % (256 * CHUNKS) == 0
     FMA: tl.constexpr,
+    WSCALE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -324,7 +337,7 @@ def _moe_down_planar_kernel(
                 for ci in tl.static_range(CHUNKS):
                     c = c0 + ci
                     w = tl.load(w_ptrs + c * 32, mask=w_mask, other=0)
-                    acc = _chunk(acc, w, s_ptrs + c * 8, ha_ptrs + c * 256, n_ok, a_mask, FMA, DOT_PRECISION)
+                    acc = _chunk(acc, w, s_ptrs + c * 8, ha_ptrs + c * 256, n_ok, a_mask, FMA, WSCALE, DOT_PRECISION)
             acc = _finish(acc, FMA)
             rw = tl.load(topk_w_ptr + pair, mask=ok & (pid_m < NB_ROUTED), other=1.0)
             y = acc * rw[None, :]
@@ -388,7 +401,8 @@ def fused_experts_mxfp4_planar(
     the contract of `triton_mxfp4.fused_experts_mxfp4` otherwise (oracle: `mxfp4_ref.fused_experts_mxfp4_ref`
     on the compressed-tensors stacks). D and I must be multiples of 256.
 
-    variant: "mma" (tl.dot per group) or "fma" (CUDA-core dot, `tiles.sub_m` rows per pass); module doc.
+    variant: "mma" (tl.dot per group, the factor on its result), "mma_ws" (the factor on the decoded weights,
+        one chained MMA accumulator) or "fma" (CUDA-core dot, `tiles.sub_m` rows per pass); module doc.
     use_pdl: the alignment and the slot sum only (these two GEMMs do not wait on their predecessor).
     """
     if variant not in PLANAR_VARIANTS:
@@ -412,7 +426,7 @@ def fused_experts_mxfp4_planar(
     cfg = tiles or (PLANAR_INTERPRET_TILES if INTERPRET else PLANAR_CANDIDATES)[variant][0]
     fma = variant == "fma"
     if not fma and cfg.sub_m != cfg.block_m:
-        raise ValueError(f"variant 'mma' does a block in one pass: tiles.sub_m must equal block_m={cfg.block_m}, "
+        raise ValueError(f"variant {variant!r} does a block in one pass: tiles.sub_m must equal block_m={cfg.block_m}, "
                          f"got {cfg.sub_m}")
     if cfg.sub_m > cfg.block_m or cfg.sub_m & (cfg.sub_m - 1):
         raise ValueError(f"tiles.sub_m must be a power of two <= block_m={cfg.block_m}, got {cfg.sub_m}")
@@ -430,7 +444,8 @@ def fused_experts_mxfp4_planar(
         x, x.stride(0), w.w13_words, D // 8, w.w13_scale, D // GROUP, b.h, b.sorted_ids, b.block_expert, P, D, I,
         float(act.situ_beta or 1.0), float(act.situ_linear_beta or 1.0), *b.args,
         TOPK=k, BLOCK_M=cfg.block_m, SUB_M=cfg.sub_m, BLOCK_N=bn1, CHUNKS=_chunks_per_step(cfg.chunks, D),
-        FMA=fma, SITU=situ, LIN_SAT=situ and act.situ_linear_beta is not None, DOT_PRECISION=precision,
+        FMA=fma, WSCALE=variant == "mma_ws", SITU=situ, LIN_SAT=situ and act.situ_linear_beta is not None,
+        DOT_PRECISION=precision,
         num_warps=cfg.num_warps1, num_stages=cfg.num_stages,
     )
     bn2 = min(cfg.block_n2, triton.next_power_of_2(D))
@@ -438,6 +453,7 @@ def fused_experts_mxfp4_planar(
         b.h, w.w2_words, I // 8, w.w2_scale, I // GROUP, b.y, topk_weights, b.sorted_ids, b.block_expert,
         P, D, I, *b.args,
         TOPK=k, BLOCK_M=cfg.block_m, SUB_M=cfg.sub_m, BLOCK_N=bn2, CHUNKS=_chunks_per_step(cfg.chunks, I),
-        FMA=fma, DOT_PRECISION=precision, num_warps=cfg.num_warps2, num_stages=cfg.num_stages,
+        FMA=fma, WSCALE=variant == "mma_ws", DOT_PRECISION=precision, num_warps=cfg.num_warps2,
+        num_stages=cfg.num_stages,
     )
     return sum_slots(b.y, out, k, S, use_pdl)
