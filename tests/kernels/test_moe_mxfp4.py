@@ -1,5 +1,6 @@
-"""MXFP4 routed experts: the format (kernels/moe/mxfp4_ref.py) and the Triton grouped GEMM that dequantizes
-in registers (kernels/moe/triton_mxfp4.py) against the reference on the dequantized weights.
+"""MXFP4 routed experts: the format (kernels/moe/mxfp4_ref.py) and the Triton grouped GEMMs that dequantize
+in registers (kernels/moe/triton_mxfp4.py; the planar layout's kernels/moe/triton_mxfp4_planar.py) against
+the reference on the dequantized weights.
 
 Without a GPU the kernel runs in the Triton interpreter at tiny fp32 shapes (D=64, I=32); the `gpu` cases
 run K3's expert shape (latent width 3584, intermediate 3072) in bf16.
@@ -17,6 +18,10 @@ from k3rt.kernels.moe.mxfp4_ref import (  # noqa: E402
 from k3rt.kernels.moe.ref import fused_experts_ref  # noqa: E402
 from k3rt.kernels.moe.triton_mxfp4 import Mxfp4Tiles  # noqa: E402
 from k3rt.kernels.moe.triton_mxfp4 import MXFP4_DECODE_CANDIDATES, fused_experts_mxfp4  # noqa: E402
+from k3rt.kernels.moe.triton_mxfp4_planar import (  # noqa: E402
+    MAX_SCALE, PLANAR_CANDIDATES, PLANAR_VARIANTS, PlanarMxfp4, PlanarTiles, dequantize_planar,
+    fused_experts_mxfp4_planar, from_planar, to_planar,
+)
 from k3rt.model_config import ActivationConfig  # noqa: E402
 from tests.kernels.helpers import DEV, HAS_CUDA, rel_err  # noqa: E402
 
@@ -157,6 +162,71 @@ def test_fused_experts_mxfp4_empty_batch() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# the planar layout (word-wide decode)
+
+
+def test_planar_fp16_bit_placement_is_the_e2m1_value_times_2_to_the_minus_14() -> None:
+    """The decode's bit trick in torch integer ops: (sign << 15) | (magnitude << 9) read as fp16, for all 16
+    codes, two per 32-bit word (nibble p in the low lane, nibble p + 4 in the high one) as `_planes` does."""
+    codes = torch.arange(16, dtype=torch.int32)
+    for p in range(4):
+        words = (codes << (4 * p)) | (codes.flip(0) << (4 * (p + 4)))  # a code in nibble p and another in p + 4
+        t = words >> (4 * p)
+        bits = ((t & 0x00070007) << 9) | ((t & 0x00080008) << 12)
+        lo = (bits & 0xFFFF).to(torch.int16).view(torch.float16).float() * 2.0 ** 14
+        hi = ((bits >> 16) & 0xFFFF).to(torch.int16).view(torch.float16).float() * 2.0 ** 14
+        assert torch.equal(lo, e2m1_values()) and torch.equal(hi, e2m1_values().flip(0)), p
+
+
+def test_planar_layout_round_trips_and_decodes_every_code_at_every_scale() -> None:
+    """to_planar / from_planar are inverse; the kernels' decode (dequantize_planar) equals the reference's
+    for all 16 codes in every nibble position, at every E8M0 exponent the layout accepts (0..240)."""
+    scales = torch.arange(MAX_SCALE + 1, dtype=torch.uint8)
+    n = scales.numel()
+    codes = (torch.arange(256)[None, :] + torch.arange(n)[:, None]) % 16  # each row shifts the code pattern
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+    scale = scales[:, None].expand(n, 8).contiguous()
+    words = to_planar(packed)
+    assert words.shape == (n, 32) and words.dtype == torch.int32
+    assert torch.equal(from_planar(words), packed)
+    assert torch.equal(dequantize_planar(words, scale), dequantize_mxfp4(packed, scale))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        to_planar(packed[:, :64])
+
+
+def planar_case(gen: torch.Generator, T: int, dtype: torch.dtype) -> tuple[dict, PlanarMxfp4]:
+    case = mx_case(gen, T, E=4, k=2, D=256, inter=256, dtype=dtype, experts=3)
+    return case, PlanarMxfp4.from_packed(*(case[n] for n in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")))
+
+
+@pytest.mark.parametrize("variant", PLANAR_VARIANTS)
+def test_fused_experts_mxfp4_planar_matches_ref_with_shared_expert(variant: str) -> None:
+    """Every planar variant against the reference on the compressed-tensors stacks: routed blocks with 1-3
+    valid rows and a shared-expert block of 3 tokens ("fma" in passes of 2 rows in the interpreter)."""
+    case, w = planar_case(torch.Generator().manual_seed(8), 3, torch.float32)
+    ref = fused_experts_mxfp4_ref(**case, act=SITU, shared_experts=1)
+    out = fused_experts_mxfp4_planar(case["x"], w, case["topk_weights"], case["topk_ids"], act=SITU,
+                                     variant=variant, shared_experts=1)
+    assert out.shape == (3, 256) and out.dtype == torch.float32
+    assert rel_err(out, ref) <= 1e-5
+
+
+def test_fused_experts_mxfp4_planar_rejects_bad_inputs() -> None:
+    case, w = planar_case(torch.Generator().manual_seed(9), 2, torch.float32)
+    args = (case["x"], w, case["topk_weights"], case["topk_ids"])
+    with pytest.raises(ValueError, match="variant must be one of"):
+        fused_experts_mxfp4_planar(*args, act=SILU, variant="tma")
+    with pytest.raises(ValueError, match="sub_m must equal block_m=16"):
+        fused_experts_mxfp4_planar(*args, act=SILU, variant="mma", tiles=PlanarTiles(16, 64, 64, 4, 1, 4, 4, 1))
+    with pytest.raises(ValueError, match="w13_words must be"):
+        fused_experts_mxfp4_planar(torch.zeros(2, 128, device=DEV), *args[1:], act=SILU)
+    big = case["w2_scale"].clone()
+    big[0, 0, 0] = MAX_SCALE + 1
+    with pytest.raises(ValueError, match="w2_scale holds E8M0 exponent 241 > 240"):
+        PlanarMxfp4.from_packed(case["w13_packed"], case["w13_scale"], case["w2_packed"], big)
+
+
+# --------------------------------------------------------------------------------------------
 # GPU: K3's expert shape (latent width 3584, intermediate 3072), bf16 activations
 
 EK3, KK3, DK3, IK3 = 32, 16, 3584, 3072  # 32 of the 896 experts: enough for the routing patterns tested
@@ -201,3 +271,39 @@ def test_gpu_fused_experts_mxfp4_tile_candidates(tiles: Mxfp4Tiles) -> None:
         out = fused_experts_mxfp4(**case, act=SILU, tiles=tiles, native=native)
         assert rel_err(out, ref) <= 1e-2, native
 
+
+
+def gpu_planar(case: dict) -> PlanarMxfp4:
+    return PlanarMxfp4.from_packed(*(case[n] for n in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("T", [1, 64])
+def test_gpu_fused_experts_mxfp4_planar_k3(T: int) -> None:
+    """Every planar variant (default tiles) in bf16 at K3's expert shape, deterministic across calls."""
+    case = gpu_mx_case(T, seed=20 + T)
+    ref = fused_experts_mxfp4_ref(**case, act=SITU)
+    w = gpu_planar(case)
+    for variant in PLANAR_VARIANTS:
+        out = fused_experts_mxfp4_planar(case["x"], w, case["topk_weights"], case["topk_ids"], act=SITU,
+                                         variant=variant)
+        assert out.dtype == torch.bfloat16
+        assert rel_err(out, ref) <= 1e-2, variant
+        again = fused_experts_mxfp4_planar(case["x"], w, case["topk_weights"], case["topk_ids"], act=SITU,
+                                           variant=variant)
+        assert torch.equal(again, out), variant
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_fused_experts_mxfp4_planar_tile_candidates() -> None:
+    """Every variant x tile candidate the benchmark times, at T = 16 (one case: the quantization dominates)."""
+    case = gpu_mx_case(16, seed=12)
+    ref = fused_experts_mxfp4_ref(**case, act=SILU)
+    w = gpu_planar(case)
+    for variant, cands in PLANAR_CANDIDATES.items():
+        for i, tiles in enumerate(cands):
+            out = fused_experts_mxfp4_planar(case["x"], w, case["topk_weights"], case["topk_ids"], act=SILU,
+                                             variant=variant, tiles=tiles)
+            assert rel_err(out, ref) <= 1e-2, (variant, i)
