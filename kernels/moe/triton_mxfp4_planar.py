@@ -43,6 +43,9 @@ CHUNK = 256  # K elements per planar chunk: 8 groups of 32, 32 int32 words of 8 
 WORDS = CHUNK // 8
 MAX_SCALE = 240  # the largest E8M0 exponent whose factor 2^(s - 113) is a normal fp32 (the kernel's one multiply)
 PLANAR_VARIANTS = ("mma", "mma_ws", "fma")
+# the GEMMs' arguments that change with the batch and the routing: not specialized (one compile per tile
+# config, not one per value class of T; serving and the benchmark would otherwise recompile mid-run)
+_PER_STEP = ["P", "T", "NB_ROUTED", "NB_SHARED"]
 
 
 def to_planar(packed: Tensor) -> Tensor:
@@ -224,7 +227,7 @@ def _finish(acc, FMA: tl.constexpr):
     return tl.sum(acc, axis=1) if FMA else acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_STEP)
 def _moe_gate_up_planar_kernel(
     x_ptr, stride_xt,  # [T, D]
     w_ptr, stride_w,  # [E, 2I, D/8] int32 planar words; stride_w = D/8
@@ -292,7 +295,7 @@ def _moe_gate_up_planar_kernel(
             tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_ok[:, None] & ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_STEP)
 def _moe_down_planar_kernel(
     h_ptr,  # [S, I]
     w_ptr, stride_w,  # [E, D, I/8] int32 planar words; stride_w = I/8
