@@ -143,12 +143,21 @@ PLANAR_INTERPRET_TILES = {"mma": (PlanarTiles(16, 64, 64, 16, 1, 4, 4, 1),),
 def _planes(w, p: tl.constexpr, DT: tl.constexpr):
     """int32 words [R, 32] of a chunk -> its groups p and p + 4 (p < 4), each [R, 32] in DT, times 2^-14.
     Both come from one 32-bit shift and two masks: nibble p lands in the low 16-bit lane, nibble p + 4 in
-    the high one, each as the fp16 bits (sign << 15) | (magnitude << 9)."""
-    t = w >> (4 * p)  # the arithmetic shift's fill lands above bit 19: masked off
-    bits = ((t & 0x00070007) << 9) | ((t & 0x00080008) << 12)
-    lo = bits.to(tl.int16).to(tl.float16, bitcast=True)
-    hi = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-    return lo.to(DT), hi.to(DT)
+    the high one, as the fp16 bits (sign << 15) | (magnitude << 9) (the value times 2^-14, exact), or for
+    bf16 the bits (sign << 15) | (magnitude << 6) (the value times 2^-126, code 1 a bf16 subnormal) times
+    2^112 in bf16: one packed multiply per two lanes, no conversion (a multiply keeps bf16 subnormals)."""
+    t = w.to(tl.uint32, bitcast=True) >> (4 * p)  # logical: the compiler folds it into the masks' shifts
+    if DT == tl.bfloat16:
+        bits = ((t & 0x00070007) << 6) | ((t & 0x00080008) << 12)
+        two112 = tl.full([1, 1], 2.0 ** 112, tl.float32).to(tl.bfloat16)
+        lo = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True) * two112
+        hi = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True) * two112
+        return lo, hi
+    else:
+        bits = ((t & 0x00070007) << 9) | ((t & 0x00080008) << 12)
+        lo = bits.to(tl.uint16).to(tl.float16, bitcast=True)
+        hi = (bits >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+        return lo.to(DT), hi.to(DT)
 
 
 @triton.jit
@@ -349,8 +358,8 @@ def _moe_down_planar_kernel(
 
 
 @triton.jit
-def _dequant_planar_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr):
-    """out [N, K] fp32 = the planar weight, decoded by `_planes` and scaled by `_factor` as the GEMMs do."""
+def _dequant_planar_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, DT: tl.constexpr):
+    """out [N, K] fp32 = the planar weight, decoded by `_planes` in DT and scaled by `_factor` as the GEMMs do."""
     pid_n = tl.program_id(0)
     c = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -358,7 +367,8 @@ def _dequant_planar_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr):
     offs_j = tl.arange(0, 32)
     w = tl.load(w_ptr + offs_n[:, None] * (K // 8) + c * 32 + offs_j[None, :], mask=n_ok[:, None], other=0)
     for p in tl.static_range(4):
-        lo, hi = _planes(w, p, tl.float32)
+        lo, hi = _planes(w, p, DT)
+        lo, hi = lo.to(tl.float32), hi.to(tl.float32)
         f_lo = _factor(tl.load(s_ptr + offs_n * (K // 32) + c * 8 + p, mask=n_ok, other=0))
         f_hi = _factor(tl.load(s_ptr + offs_n * (K // 32) + c * 8 + p + 4, mask=n_ok, other=0))
         base = out_ptr + offs_n[:, None] * K + c * 256 + offs_j[None, :]
@@ -366,9 +376,13 @@ def _dequant_planar_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr):
         tl.store(base + 32 * (p + 4), hi * f_hi[:, None], mask=n_ok[:, None])
 
 
-def dequantize_planar(words: Tensor, scale: Tensor) -> Tensor:
+def dequantize_planar(words: Tensor, scale: Tensor, decode_dtype: torch.dtype = torch.float32) -> Tensor:
     """Planar words int32 [N, K/8] + scales uint8 [N, K/32] -> W [N, K] fp32, through the GEMMs' own decode
-    (equal to `mxfp4_ref.dequantize_mxfp4` of the compressed-tensors codes for scales <= `MAX_SCALE`)."""
+    into decode_dtype (fp32 and fp16: the fp16 bit placement; bf16: the bf16 one, as the bf16 GEMMs run it),
+    equal to `mxfp4_ref.dequantize_mxfp4` of the compressed-tensors codes for scales <= `MAX_SCALE`."""
+    dts = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+    if decode_dtype not in dts:
+        raise ValueError(f"decode_dtype must be one of {list(dts)}, got {decode_dtype}")
     N, K8 = words.shape
     K = 8 * K8
     check(words, "words", (N, K8), torch.int32)
@@ -376,7 +390,7 @@ def dequantize_planar(words: Tensor, scale: Tensor) -> Tensor:
     out = poison_like(torch.empty(N, K, dtype=torch.float32, device=words.device))
     bn = 16
     _dequant_planar_kernel[(triton.cdiv(N, bn), K // CHUNK)](words.contiguous(), scale.contiguous(), out, N, K,
-                                                             BLOCK_N=bn)
+                                                             BLOCK_N=bn, DT=dts[decode_dtype])
     return out
 
 

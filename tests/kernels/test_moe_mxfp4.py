@@ -165,30 +165,40 @@ def test_fused_experts_mxfp4_empty_batch() -> None:
 # the planar layout (word-wide decode)
 
 
-def test_planar_fp16_bit_placement_is_the_e2m1_value_times_2_to_the_minus_14() -> None:
-    """The decode's bit trick in torch integer ops: (sign << 15) | (magnitude << 9) read as fp16, for all 16
-    codes, two per 32-bit word (nibble p in the low lane, nibble p + 4 in the high one) as `_planes` does."""
-    codes = torch.arange(16, dtype=torch.int32)
+def test_planar_bit_placements_are_the_e2m1_values() -> None:
+    """The decode's bit tricks in torch integer ops, for all 16 codes, two per 32-bit word (nibble p in the
+    low lane, nibble p + 4 in the high one) as `_planes` does: (sign << 15) | (magnitude << 9) read as fp16
+    is the value times 2^-14; (sign << 15) | (magnitude << 6) read as bf16 (code 1 a subnormal), times
+    2^112 in bf16, is the value times 2^-14 too."""
+    codes = torch.arange(16, dtype=torch.int64)
     for p in range(4):
         words = (codes << (4 * p)) | (codes.flip(0) << (4 * (p + 4)))  # a code in nibble p and another in p + 4
         t = words >> (4 * p)
-        bits = ((t & 0x00070007) << 9) | ((t & 0x00080008) << 12)
-        lo = (bits & 0xFFFF).to(torch.int16).view(torch.float16).float() * 2.0 ** 14
-        hi = ((bits >> 16) & 0xFFFF).to(torch.int16).view(torch.float16).float() * 2.0 ** 14
-        assert torch.equal(lo, e2m1_values()) and torch.equal(hi, e2m1_values().flip(0)), p
+        for shift, dt, factor in ((9, torch.float16, 1.0), (6, torch.bfloat16, 2.0 ** 112)):
+            bits = ((t & 0x00070007) << shift) | ((t & 0x00080008) << 12)
+            lanes = [(b & 0xFFFF).to(torch.int32).to(torch.int16).view(dt) for b in (bits, bits >> 16)]
+            lo, hi = ((v * torch.tensor(factor, dtype=dt)).float() * 2.0 ** 14 for v in lanes)
+            assert torch.equal(lo, e2m1_values()) and torch.equal(hi, e2m1_values().flip(0)), (p, dt)
+
+
+def every_code_at_every_scale(device: str = "cpu") -> tuple:
+    """(packed, scale): all 16 codes in every nibble position, one row per E8M0 exponent 0..MAX_SCALE."""
+    scales = torch.arange(MAX_SCALE + 1, dtype=torch.uint8)
+    n = scales.numel()
+    codes = (torch.arange(256)[None, :] + torch.arange(n)[:, None]) % 16  # each row shifts the code pattern
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+    return packed.to(device), scales[:, None].expand(n, 8).contiguous().to(device)
 
 
 def test_planar_layout_round_trips_and_decodes_every_code_at_every_scale() -> None:
     """to_planar / from_planar are inverse; the kernels' decode (dequantize_planar) equals the reference's
     for all 16 codes in every nibble position, at every E8M0 exponent the layout accepts (0..240)."""
-    scales = torch.arange(MAX_SCALE + 1, dtype=torch.uint8)
-    n = scales.numel()
-    codes = (torch.arange(256)[None, :] + torch.arange(n)[:, None]) % 16  # each row shifts the code pattern
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
-    scale = scales[:, None].expand(n, 8).contiguous()
+    packed, scale = every_code_at_every_scale()
+    n = packed.shape[0]
     words = to_planar(packed)
     assert words.shape == (n, 32) and words.dtype == torch.int32
     assert torch.equal(from_planar(words), packed)
+    # the fp16 bit placement (the interpreter has no bf16 bitcast: the bf16 one is checked on the GPU)
     assert torch.equal(dequantize_planar(words, scale), dequantize_mxfp4(packed, scale))
     with pytest.raises(ValueError, match="multiple of 256"):
         to_planar(packed[:, :64])
@@ -271,6 +281,17 @@ def test_gpu_fused_experts_mxfp4_tile_candidates(tiles: Mxfp4Tiles) -> None:
         out = fused_experts_mxfp4(**case, act=SILU, tiles=tiles, native=native)
         assert rel_err(out, ref) <= 1e-2, native
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_planar_decode_is_exact_in_every_dtype() -> None:
+    """The compiled decode, every code at every accepted scale: the fp16 placement (fp32/fp16 planes) and the
+    bf16 one (a bf16 subnormal times 2^112: this fails if the packed bf16 multiply flushed subnormals)."""
+    packed, scale = every_code_at_every_scale("cuda")
+    ref = dequantize_mxfp4(packed, scale)
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        assert torch.equal(dequantize_planar(to_planar(packed), scale, dt), ref), dt
 
 
 def gpu_planar(case: dict) -> PlanarMxfp4:
