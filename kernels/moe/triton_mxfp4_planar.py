@@ -20,9 +20,9 @@ Three ways to use the decoded planes (`variant`):
     the group factor on each group's [BN, BM] result;
   - "mma_ws": the same dots chained in one accumulator, the factor applied to the plane in fp32 before its
     conversion to the activations' dtype (exact: a power of two on a 3-bit significand);
-  - "fma": CUDA-core dot for a few rows at a time (`sub_m` rows per pass over the weights, only the block's
-    valid rows): each plane, times its group factor, is multiplied into an fp32 [BN, 32, sub_m] accumulator
-    and reduced over K once at the end. Cheaper than an MMA when a block holds 1-4 tokens.
+  - "fma": CUDA-core dot, one token per pass over the weights (only the block's valid rows): each plane,
+    times its group factor, is multiplied into an fp32 [BN, 32] accumulator, reduced over K once at the end.
+    For blocks of 1-2 tokens, where an MMA would multiply mostly padding.
 The alignment, the activation epilogues and the per-token slot sum are `triton_experts`'s.
 """
 from __future__ import annotations
@@ -104,7 +104,7 @@ class PlanarMxfp4:
 @dataclass(frozen=True)
 class PlanarTiles:
     """block_m: the alignment's rows per block (>= 16, a power of two); sub_m: rows per pass over the weights
-    ("fma" only; "mma" does the whole block in one pass); block_n1/block_n2: weight rows per program of the
+    (1 for "fma", block_m for the MMA variants); block_n1/block_n2: weight rows per program of the
     gate/up and the down GEMM (each gate/up program does a gate and an up tile); chunks: 256-element K
     chunks per loop step (more bytes in flight per step)."""
 
@@ -121,7 +121,7 @@ class PlanarTiles:
 # the first of each variant's candidates is its default (unmeasured: the benchmark times them all)
 _MMA_CANDIDATES = (PlanarTiles(16, 64, 64, 16, 1, 4, 4, 3),
                    PlanarTiles(16, 32, 32, 16, 1, 2, 2, 3),
-                   PlanarTiles(16, 128, 128, 16, 1, 4, 4, 3),
+                   PlanarTiles(16, 128, 128, 16, 1, 8, 8, 3),
                    PlanarTiles(16, 64, 64, 16, 2, 4, 4, 2),
                    PlanarTiles(16, 32, 32, 16, 2, 2, 2, 2))
 PLANAR_CANDIDATES = {
@@ -129,14 +129,14 @@ PLANAR_CANDIDATES = {
     "mma_ws": _MMA_CANDIDATES,
     "fma": (PlanarTiles(16, 32, 32, 1, 1, 4, 4, 3),
             PlanarTiles(16, 64, 64, 1, 1, 4, 4, 3),
-            PlanarTiles(16, 32, 32, 2, 1, 4, 4, 3),
             PlanarTiles(16, 16, 16, 1, 1, 2, 2, 3),
-            PlanarTiles(16, 32, 32, 4, 1, 4, 4, 2)),
+            PlanarTiles(16, 64, 64, 1, 1, 8, 8, 3),
+            PlanarTiles(16, 32, 32, 1, 2, 4, 4, 2)),
 }
 # the interpreter's: few programs (its cost is per program and per op), both sub-row paths of "fma"
 PLANAR_INTERPRET_TILES = {"mma": (PlanarTiles(16, 64, 64, 16, 1, 4, 4, 1),),
                           "mma_ws": (PlanarTiles(16, 64, 64, 16, 1, 4, 4, 1),),
-                          "fma": (PlanarTiles(16, 64, 64, 2, 1, 4, 4, 1),)}
+                          "fma": (PlanarTiles(16, 64, 64, 1, 1, 4, 4, 1),)}
 
 
 @triton.jit
@@ -168,13 +168,19 @@ def _factor(s):
 
 @triton.jit
 def _group(acc, plane, f, a, FMA: tl.constexpr, WSCALE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One 32-element group: plane [BN, 32] (fp32 for FMA/WSCALE), f [BN] its rows' factors, a [32, SM] A^T's
-    rows of the group. MMA: acc [BN, SM] += dot(plane, a) * f; WSCALE: acc = dot(plane * f, a, acc) (the
-    factor on the weights, the MMAs chained); FMA: acc [BN, 32, SM] += (plane * f) * a (reduced over K later)."""
+    """One 32-element group: plane [BN, 32] (fp32 for FMA, else the activations' dtype), f [BN] its rows'
+    factors. MMA: a [32, SM] A^T's rows of the group, acc [BN, SM] += dot(plane, a) * f; WSCALE:
+    acc = dot(plane * f, a, acc) (the factor on the weights: the MMAs chain in one accumulator, none waits
+    for an epilogue; bf16 planes take the factor in bf16, exact for s <= MAX_SCALE); FMA: a [1, 32] one
+    token's activations, acc [BN, 32] += (plane * f) * a (reduced over K after the loop)."""
     if FMA:
-        acc += (plane * f[:, None])[:, :, None] * a.to(tl.float32)[None, :, :]
+        acc += (plane * f[:, None]) * a.to(tl.float32)
     elif WSCALE:
-        acc = tl.dot((plane * f[:, None]).to(a.dtype), a, acc, input_precision=DOT_PRECISION)
+        if plane.dtype == tl.bfloat16:
+            wt = plane * f.to(tl.bfloat16)[:, None]
+        else:  # fp32 planes, or fp16 ones whose range may not hold the factor
+            wt = (plane.to(tl.float32) * f[:, None]).to(a.dtype)
+        acc = tl.dot(wt, a, acc, input_precision=DOT_PRECISION)
     else:
         acc += tl.dot(plane, a, input_precision=DOT_PRECISION) * f[:, None]
     return acc
@@ -184,8 +190,8 @@ def _group(acc, plane, f, a, FMA: tl.constexpr, WSCALE: tl.constexpr, DOT_PRECIS
 def _chunk(acc, w, s_ptrs, a_ptrs, w_mask, a_mask, FMA: tl.constexpr, WSCALE: tl.constexpr,
            DOT_PRECISION: tl.constexpr):
     """acc += one chunk: w its int32 words [BN, 32], s_ptrs [BN] its rows' first group scale, a_ptrs
-    [32, SM] A^T's first group rows (group q at + 32 q)."""
-    DT: tl.constexpr = tl.float32 if FMA or WSCALE else a_ptrs.dtype.element_ty
+    A^T's first group rows ([32, SM]; FMA: [1, 32]), group q at + 32 q."""
+    DT: tl.constexpr = tl.float32 if FMA else a_ptrs.dtype.element_ty
     for p in tl.static_range(4):
         lo, hi = _planes(w, p, DT)
         f_lo = _factor(tl.load(s_ptrs + p, mask=w_mask, other=0))
@@ -233,7 +239,8 @@ def _n_valid(pid_m, block_expert_ptr, sorted_ptr, P, T, NB_ROUTED, NB_SHARED, E_
 
 @triton.jit
 def _finish(acc, FMA: tl.constexpr):
-    return tl.sum(acc, axis=1) if FMA else acc
+    """The [BN, SM] result: FMA's [BN, 32] partial products summed over K (SM = 1)."""
+    return tl.sum(acc, axis=1)[:, None] if FMA else acc
 
 
 @triton.jit(do_not_specialize=_PER_STEP)
@@ -274,13 +281,15 @@ def _moe_gate_up_planar_kernel(
         for first in range(0, n_valid, SUB_M):
             offs_m, _, tok, ok = _sub_rows(pid_m, first, n_valid, sorted_ptr, P, T, NB_ROUTED, NB_SHARED,
                                            TOPK, BLOCK_M, SUB_M)
-            xa_ptrs = x_ptr + tok[None, :] * stride_xt + offs_j[:, None]  # [32, SM]: A^T's rows of group 0
-            a_mask = ok[None, :]
             w_mask = n_ok[:, None]
-            if FMA:
-                acc_g = tl.zeros([BLOCK_N, 32, SUB_M], dtype=tl.float32)
-                acc_u = tl.zeros([BLOCK_N, 32, SUB_M], dtype=tl.float32)
+            if FMA:  # one token: its activations as a row [1, 32], the accumulator [BN, 32]
+                xa_ptrs = x_ptr + tok[:, None] * stride_xt + offs_j[None, :]
+                a_mask = ok[:, None]
+                acc_g = tl.zeros([BLOCK_N, 32], dtype=tl.float32)
+                acc_u = tl.zeros([BLOCK_N, 32], dtype=tl.float32)
             else:
+                xa_ptrs = x_ptr + tok[None, :] * stride_xt + offs_j[:, None]  # [32, SM]: A^T's rows of group 0
+                a_mask = ok[None, :]
                 acc_g = tl.zeros([BLOCK_N, SUB_M], dtype=tl.float32)
                 acc_u = tl.zeros([BLOCK_N, SUB_M], dtype=tl.float32)
             for c0 in range(0, D // 256, CHUNKS):
@@ -338,12 +347,14 @@ def _moe_down_planar_kernel(
         for first in range(0, n_valid, SUB_M):
             offs_m, pair, _, ok = _sub_rows(pid_m, first, n_valid, sorted_ptr, P, T, NB_ROUTED, NB_SHARED,
                                             TOPK, BLOCK_M, SUB_M)
-            ha_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * I + offs_j[:, None]  # [32, SM]
-            a_mask = ok[None, :]
             w_mask = n_ok[:, None]
             if FMA:
-                acc = tl.zeros([BLOCK_N, 32, SUB_M], dtype=tl.float32)
+                ha_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * I + offs_j[None, :]  # [1, 32]
+                a_mask = ok[:, None]
+                acc = tl.zeros([BLOCK_N, 32], dtype=tl.float32)
             else:
+                ha_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * I + offs_j[:, None]  # [32, SM]
+                a_mask = ok[None, :]
                 acc = tl.zeros([BLOCK_N, SUB_M], dtype=tl.float32)
             for c0 in range(0, I // 256, CHUNKS):
                 for ci in tl.static_range(CHUNKS):
@@ -419,7 +430,7 @@ def fused_experts_mxfp4_planar(
     on the compressed-tensors stacks). D and I must be multiples of 256.
 
     variant: "mma" (tl.dot per group, the factor on its result), "mma_ws" (the factor on the decoded weights,
-        one chained MMA accumulator) or "fma" (CUDA-core dot, `tiles.sub_m` rows per pass); module doc.
+        one chained MMA accumulator) or "fma" (CUDA-core dot, one token per pass); module doc.
     use_pdl: the alignment and the slot sum only (these two GEMMs do not wait on their predecessor).
     """
     if variant not in PLANAR_VARIANTS:
@@ -442,11 +453,9 @@ def fused_experts_mxfp4_planar(
                       w2_scale=w.w2_scale, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
     cfg = tiles or (PLANAR_INTERPRET_TILES if INTERPRET else PLANAR_CANDIDATES)[variant][0]
     fma = variant == "fma"
-    if not fma and cfg.sub_m != cfg.block_m:
-        raise ValueError(f"variant {variant!r} does a block in one pass: tiles.sub_m must equal block_m={cfg.block_m}, "
-                         f"got {cfg.sub_m}")
-    if cfg.sub_m > cfg.block_m or cfg.sub_m & (cfg.sub_m - 1):
-        raise ValueError(f"tiles.sub_m must be a power of two <= block_m={cfg.block_m}, got {cfg.sub_m}")
+    if cfg.sub_m != (1 if fma else cfg.block_m):
+        raise ValueError(f"variant {variant!r} needs tiles.sub_m = {1 if fma else cfg.block_m} "
+                         f"({'one token per pass' if fma else 'the block in one pass'}), got {cfg.sub_m}")
     if out is None:
         out = poison_like(torch.empty(T, D, dtype=x.dtype, device=x.device))
     P = T * k

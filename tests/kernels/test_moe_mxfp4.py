@@ -212,7 +212,7 @@ def planar_case(gen: torch.Generator, T: int, dtype: torch.dtype) -> tuple[dict,
 @pytest.mark.parametrize("variant", PLANAR_VARIANTS)
 def test_fused_experts_mxfp4_planar_matches_ref_with_shared_expert(variant: str) -> None:
     """Every planar variant against the reference on the compressed-tensors stacks: routed blocks with 1-3
-    valid rows and a shared-expert block of 3 tokens ("fma" in passes of 2 rows in the interpreter)."""
+    valid rows and a shared-expert block of 3 tokens ("fma": one pass per token)."""
     case, w = planar_case(torch.Generator().manual_seed(8), 3, torch.float32)
     ref = fused_experts_mxfp4_ref(**case, act=SITU, shared_experts=1)
     out = fused_experts_mxfp4_planar(case["x"], w, case["topk_weights"], case["topk_ids"], act=SITU,
@@ -226,8 +226,10 @@ def test_fused_experts_mxfp4_planar_rejects_bad_inputs() -> None:
     args = (case["x"], w, case["topk_weights"], case["topk_ids"])
     with pytest.raises(ValueError, match="variant must be one of"):
         fused_experts_mxfp4_planar(*args, act=SILU, variant="tma")
-    with pytest.raises(ValueError, match="sub_m must equal block_m=16"):
+    with pytest.raises(ValueError, match="'mma' needs tiles.sub_m = 16"):
         fused_experts_mxfp4_planar(*args, act=SILU, variant="mma", tiles=PlanarTiles(16, 64, 64, 4, 1, 4, 4, 1))
+    with pytest.raises(ValueError, match="'fma' needs tiles.sub_m = 1"):
+        fused_experts_mxfp4_planar(*args, act=SILU, variant="fma", tiles=PlanarTiles(16, 64, 64, 2, 1, 4, 4, 1))
     with pytest.raises(ValueError, match="w13_words must be"):
         fused_experts_mxfp4_planar(torch.zeros(2, 128, device=DEV), *args[1:], act=SILU)
     big = case["w2_scale"].clone()
