@@ -56,8 +56,9 @@ def to_planar(packed: Tensor) -> Tensor:
         raise ValueError(f"packed must be uint8, got {packed.dtype}")
     if K % CHUNK:
         raise ValueError(f"the planar MXFP4 layout needs K to be a multiple of {CHUNK}, got K={K}")
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*lead, K // CHUNK, 8, WORDS)
-    codes = codes.transpose(-1, -2).reshape(*lead, K)  # [.., chunk, word j, nibble q] = element 32 q + j
+    # element 32 g + 2 i + l of a chunk (group g, pair i, lane l) -> word 16 (g // 4) + i, nibble 4 l + g % 4
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*lead, K // CHUNK, 2, 4, 16, 2)
+    codes = codes.permute(*range(len(lead)), -5, -4, -2, -1, -3).reshape(*lead, K)
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous().view(torch.int32)
 
 
@@ -68,8 +69,8 @@ def from_planar(words: Tensor) -> Tensor:
     b = words.contiguous().view(torch.uint8)
     *lead, half = b.shape
     K = 2 * half
-    codes = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(*lead, K // CHUNK, WORDS, 8)
-    codes = codes.transpose(-1, -2).reshape(*lead, K)
+    codes = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(*lead, K // CHUNK, 2, 16, 2, 4)  # g // 4, i, l, g % 4
+    codes = codes.permute(*range(len(lead)), -5, -4, -1, -3, -2).reshape(*lead, K)
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
 
 
@@ -140,24 +141,22 @@ PLANAR_INTERPRET_TILES = {"mma": (PlanarTiles(16, 64, 64, 16, 1, 4, 4, 1),),
 
 
 @triton.jit
-def _planes(w, p: tl.constexpr, DT: tl.constexpr):
-    """int32 words [R, 32] of a chunk -> its groups p and p + 4 (p < 4), each [R, 32] in DT, times 2^-14.
-    Both come from one 32-bit shift and two masks: nibble p lands in the low 16-bit lane, nibble p + 4 in
-    the high one, as the fp16 bits (sign << 15) | (magnitude << 9) (the value times 2^-14, exact), or for
-    bf16 the bits (sign << 15) | (magnitude << 6) (the value times 2^-126, code 1 a bf16 subnormal) times
-    2^112 in bf16: one packed multiply per two lanes, no conversion (a multiply keeps bf16 subnormals)."""
+def _plane(w, p: tl.constexpr, DT: tl.constexpr):
+    """int32 words [R, 16] of a chunk's half -> the group of slot p (p < 4) [R, 32] in DT, times 2^-14. One
+    32-bit shift and two masks place two adjacent elements at once: lane 0 (nibble p) and lane 1 (nibble
+    p + 4) of each word are elements 2i and 2i + 1, so the word is already the packed pair an MMA operand
+    register holds. Bits (sign << 15) | (magnitude << 9) read as fp16 are the value times 2^-14 (exact); for
+    bf16, (sign << 15) | (magnitude << 6) read as bf16 is the value times 2^-126 (code 1 a bf16 subnormal),
+    times 2^112 in bf16: one packed multiply per two lanes, no conversion (a multiply keeps bf16 subnormals)."""
     t = w.to(tl.uint32, bitcast=True) >> (4 * p)  # logical: the compiler folds it into the masks' shifts
     if DT == tl.bfloat16:
         bits = ((t & 0x00070007) << 6) | ((t & 0x00080008) << 12)
-        two112 = tl.full([1, 1], 2.0 ** 112, tl.float32).to(tl.bfloat16)
-        lo = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True) * two112
-        hi = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True) * two112
-        return lo, hi
+        pair = tl.interleave(bits.to(tl.uint16), (bits >> 16).to(tl.uint16))
+        return pair.to(tl.bfloat16, bitcast=True) * tl.full([1, 1], 2.0 ** 112, tl.float32).to(tl.bfloat16)
     else:
         bits = ((t & 0x00070007) << 9) | ((t & 0x00080008) << 12)
-        lo = bits.to(tl.uint16).to(tl.float16, bitcast=True)
-        hi = (bits >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-        return lo.to(DT), hi.to(DT)
+        pair = tl.interleave(bits.to(tl.uint16), (bits >> 16).to(tl.uint16))
+        return pair.to(tl.float16, bitcast=True).to(DT)
 
 
 @triton.jit
@@ -187,19 +186,21 @@ def _group(acc, plane, f, a, FMA: tl.constexpr, WSCALE: tl.constexpr, DOT_PRECIS
 
 
 @triton.jit
-def _chunk(acc, w, s_ptrs, a_ptrs, w_mask, a_mask, FMA: tl.constexpr, WSCALE: tl.constexpr,
+def _chunk(acc, w_ptrs, s_ptrs, a_ptrs, w_mask, a_mask, FMA: tl.constexpr, WSCALE: tl.constexpr,
            DOT_PRECISION: tl.constexpr):
-    """acc += one chunk: w its int32 words [BN, 32], s_ptrs [BN] its rows' first group scale, a_ptrs
-    A^T's first group rows ([32, SM]; FMA: [1, 32]), group q at + 32 q."""
+    """acc += one chunk: w_ptrs [BN, 16] its first 16 int32 words per row (groups 0-3; the next 16 hold
+    groups 4-7), s_ptrs [BN] its rows' first group scale, a_ptrs A^T's rows of group 0 ([32, SM]; FMA:
+    [1, 32]), group g at + 32 g."""
     DT: tl.constexpr = tl.float32 if FMA else a_ptrs.dtype.element_ty
+    wa = tl.load(w_ptrs, mask=w_mask[:, None], other=0)
+    wb = tl.load(w_ptrs + 16, mask=w_mask[:, None], other=0)
     for p in tl.static_range(4):
-        lo, hi = _planes(w, p, DT)
-        f_lo = _factor(tl.load(s_ptrs + p, mask=w_mask, other=0))
-        f_hi = _factor(tl.load(s_ptrs + p + 4, mask=w_mask, other=0))
-        a_lo = tl.load(a_ptrs + 32 * p, mask=a_mask, other=0.0)
-        a_hi = tl.load(a_ptrs + 32 * (p + 4), mask=a_mask, other=0.0)
-        acc = _group(acc, lo, f_lo, a_lo, FMA, WSCALE, DOT_PRECISION)
-        acc = _group(acc, hi, f_hi, a_hi, FMA, WSCALE, DOT_PRECISION)
+        for half in tl.static_range(2):
+            g = p + 4 * half
+            plane = _plane(wb if half else wa, p, DT)
+            f = _factor(tl.load(s_ptrs + g, mask=w_mask, other=0))
+            a = tl.load(a_ptrs + 32 * g, mask=a_mask, other=0.0)
+            acc = _group(acc, plane, f, a, FMA, WSCALE, DOT_PRECISION)
     return acc
 
 
@@ -274,14 +275,13 @@ def _moe_gate_up_planar_kernel(
         n_ok = offs_n < I
         rows = e.to(tl.int64) * (2 * I) + offs_n.to(tl.int64)  # gate rows; the up rows are + I
         offs_j = tl.arange(0, 32)
-        gw_ptrs = w_ptr + rows[:, None] * stride_w + offs_j[None, :]  # [BN, 32]
+        gw_ptrs = w_ptr + rows[:, None] * stride_w + tl.arange(0, 16)[None, :]  # [BN, 16]
         uw_ptrs = gw_ptrs + I * stride_w
         gs_ptrs = s_ptr + rows * stride_s  # [BN]
         us_ptrs = gs_ptrs + I * stride_s
         for first in range(0, n_valid, SUB_M):
             offs_m, _, tok, ok = _sub_rows(pid_m, first, n_valid, sorted_ptr, P, T, NB_ROUTED, NB_SHARED,
                                            TOPK, BLOCK_M, SUB_M)
-            w_mask = n_ok[:, None]
             if FMA:  # one token: its activations as a row [1, 32], the accumulator [BN, 32]
                 xa_ptrs = x_ptr + tok[:, None] * stride_xt + offs_j[None, :]
                 a_mask = ok[:, None]
@@ -295,11 +295,9 @@ def _moe_gate_up_planar_kernel(
             for c0 in range(0, D // 256, CHUNKS):
                 for ci in tl.static_range(CHUNKS):
                     c = c0 + ci
-                    gw = tl.load(gw_ptrs + c * 32, mask=w_mask, other=0)
-                    uw = tl.load(uw_ptrs + c * 32, mask=w_mask, other=0)
                     xc_ptrs = xa_ptrs + c * 256
-                    acc_g = _chunk(acc_g, gw, gs_ptrs + c * 8, xc_ptrs, n_ok, a_mask, FMA, WSCALE, DOT_PRECISION)
-                    acc_u = _chunk(acc_u, uw, us_ptrs + c * 8, xc_ptrs, n_ok, a_mask, FMA, WSCALE, DOT_PRECISION)
+                    acc_g = _chunk(acc_g, gw_ptrs + c * 32, gs_ptrs + c * 8, xc_ptrs, n_ok, a_mask, FMA, WSCALE, DOT_PRECISION)
+                    acc_u = _chunk(acc_u, uw_ptrs + c * 32, us_ptrs + c * 8, xc_ptrs, n_ok, a_mask, FMA, WSCALE, DOT_PRECISION)
             g = _finish(acc_g, FMA)
             u = _finish(acc_u, FMA)
             if SITU:
@@ -342,12 +340,11 @@ def _moe_down_planar_kernel(
         n_ok = offs_n < D
         rows = e.to(tl.int64) * D + offs_n.to(tl.int64)
         offs_j = tl.arange(0, 32)
-        w_ptrs = w_ptr + rows[:, None] * stride_w + offs_j[None, :]
+        w_ptrs = w_ptr + rows[:, None] * stride_w + tl.arange(0, 16)[None, :]  # [BN, 16]
         s_ptrs = s_ptr + rows * stride_s
         for first in range(0, n_valid, SUB_M):
             offs_m, pair, _, ok = _sub_rows(pid_m, first, n_valid, sorted_ptr, P, T, NB_ROUTED, NB_SHARED,
                                             TOPK, BLOCK_M, SUB_M)
-            w_mask = n_ok[:, None]
             if FMA:
                 ha_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * I + offs_j[None, :]  # [1, 32]
                 a_mask = ok[:, None]
@@ -359,8 +356,7 @@ def _moe_down_planar_kernel(
             for c0 in range(0, I // 256, CHUNKS):
                 for ci in tl.static_range(CHUNKS):
                     c = c0 + ci
-                    w = tl.load(w_ptrs + c * 32, mask=w_mask, other=0)
-                    acc = _chunk(acc, w, s_ptrs + c * 8, ha_ptrs + c * 256, n_ok, a_mask, FMA, WSCALE, DOT_PRECISION)
+                    acc = _chunk(acc, w_ptrs + c * 32, s_ptrs + c * 8, ha_ptrs + c * 256, n_ok, a_mask, FMA, WSCALE, DOT_PRECISION)
             acc = _finish(acc, FMA)
             rw = tl.load(topk_w_ptr + pair, mask=ok & (pid_m < NB_ROUTED), other=1.0)
             y = acc * rw[None, :]
@@ -370,21 +366,21 @@ def _moe_down_planar_kernel(
 
 @triton.jit
 def _dequant_planar_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, DT: tl.constexpr):
-    """out [N, K] fp32 = the planar weight, decoded by `_planes` in DT and scaled by `_factor` as the GEMMs do."""
+    """out [N, K] fp32 = the planar weight, decoded by `_plane` in DT and scaled by `_factor` as the GEMMs do."""
     pid_n = tl.program_id(0)
     c = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    offs_j = tl.arange(0, 32)
-    w = tl.load(w_ptr + offs_n[:, None] * (K // 8) + c * 32 + offs_j[None, :], mask=n_ok[:, None], other=0)
+    w_ptrs = w_ptr + offs_n[:, None] * (K // 8) + c * 32 + tl.arange(0, 16)[None, :]
+    wa = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+    wb = tl.load(w_ptrs + 16, mask=n_ok[:, None], other=0)
     for p in tl.static_range(4):
-        lo, hi = _planes(w, p, DT)
-        lo, hi = lo.to(tl.float32), hi.to(tl.float32)
-        f_lo = _factor(tl.load(s_ptr + offs_n * (K // 32) + c * 8 + p, mask=n_ok, other=0))
-        f_hi = _factor(tl.load(s_ptr + offs_n * (K // 32) + c * 8 + p + 4, mask=n_ok, other=0))
-        base = out_ptr + offs_n[:, None] * K + c * 256 + offs_j[None, :]
-        tl.store(base + 32 * p, lo * f_lo[:, None], mask=n_ok[:, None])
-        tl.store(base + 32 * (p + 4), hi * f_hi[:, None], mask=n_ok[:, None])
+        for half in tl.static_range(2):
+            g = p + 4 * half
+            plane = _plane(wb if half else wa, p, DT).to(tl.float32)
+            f = _factor(tl.load(s_ptr + offs_n * (K // 32) + c * 8 + g, mask=n_ok, other=0))
+            out = out_ptr + offs_n[:, None] * K + c * 256 + 32 * g + tl.arange(0, 32)[None, :]
+            tl.store(out, plane * f[:, None], mask=n_ok[:, None])
 
 
 def dequantize_planar(words: Tensor, scale: Tensor, decode_dtype: torch.dtype = torch.float32) -> Tensor:
