@@ -3,23 +3,29 @@
 Why another kernel: `triton_mxfp4.py` measured 23-30% of copy bandwidth at decode sizes (benchmarks/RESULTS.md,
 2026-12-01), ALU-bound on a per-element upcast and a per-element scale. Here the weights are repacked once
 at load (`PlanarMxfp4.from_packed`; the checkpoint stays compressed-tensors `mxfp4-pack-quantized`) so that:
-  - a weight row is read as int32 words, 32 words (128 bytes, 256 K elements = 8 scale groups) per chunk;
-  - nibble q of word j of a chunk is element 32 q + j of the chunk: the 8 nibbles of a word belong to the 8
-    groups, so one shift + two masks of a word decode TWO groups' elements at once (nibble p into the low
-    16-bit lane, nibble p + 4 into the high lane) and each decoded plane is exactly one 32-element group;
+  - a weight row is read as int32 words, 32 words (128 bytes, 256 K elements = 8 scale groups) per chunk,
+    16-byte vector loads;
+  - element 2i + l of group g of a chunk (l = 0, 1) is nibble 4l + g % 4 of word 16 (g // 4) + i: one
+    32-bit shift and two masks of a word place TWO adjacent elements of one group (nibble p in the low
+    16-bit lane, nibble p + 4 in the high one), so the decoded word is already the packed pair an MMA
+    operand register holds (no repacking), and a chunk's 16-word half decodes into four 32-element groups;
   - the decode is a bit placement, no table and no per-element scale: the fp16 with bits
     (sign << 15) | (magnitude code << 9) is the E2M1 value times 2^-14 exactly (code 1, the E2M1 subnormal
-    0.5, lands on the fp16 subnormal 2^-15, which fp16 conversions and MMAs keep; no fp32 denormals arise);
+    0.5, lands on the fp16 subnormal 2^-15, which conversions keep); for bf16 activations the bf16 with bits
+    (sign << 15) | (magnitude << 6) is the value times 2^-126 and one packed bf16 multiply by 2^112 per two
+    lanes gives the value times 2^-14 (a multiply keeps bf16 subnormals), with no conversion at all;
   - each group's partial dot (K = 32) is multiplied once per output by 2^(s - 127) * 2^14 = 2^(s - 113),
     the E8M0 scale and the decode's bias in one fp32 factor. That factor is a normal fp32 for s <= 240
     (weights below 2^116); `from_packed` refuses larger exponents, naming the tensor and the limit;
-  - the activations are loaded in the same permuted K order (group by group), so no shuffle of the weights.
+  - the activations are read group by group in their natural order.
+Counted in the SASS of the compiled loops (sm_90, triton 3.6): 4.3-4.8 instructions per weight element
+for the MMA variants (the decode about 2 of them); the 2026-12-01 run put `triton_mxfp4` at ~17 (by time).
 
 Three ways to use the decoded planes (`variant`):
   - "mma": tl.dot(plane [BN, 32], A^T [32, BM]) per group, the weight rows on the MMA's M side, BM = 16,
     the group factor on each group's [BN, BM] result;
-  - "mma_ws": the same dots chained in one accumulator, the factor applied to the plane in fp32 before its
-    conversion to the activations' dtype (exact: a power of two on a 3-bit significand);
+  - "mma_ws": the same dots chained in one accumulator, the factor applied to the decoded plane (in bf16 for
+    bf16 planes: exact, a power of two on a 3-bit significand) so no MMA waits for an epilogue;
   - "fma": CUDA-core dot, one token per pass over the weights (only the block's valid rows): each plane,
     times its group factor, is multiplied into an fp32 [BN, 32] accumulator, reduced over K once at the end.
     For blocks of 1-2 tokens, where an MMA would multiply mostly padding.
@@ -124,7 +130,7 @@ _MMA_CANDIDATES = (PlanarTiles(16, 64, 64, 16, 1, 4, 4, 3),
                    PlanarTiles(16, 32, 32, 16, 1, 2, 2, 3),
                    PlanarTiles(16, 128, 128, 16, 1, 8, 8, 3),
                    PlanarTiles(16, 64, 64, 16, 2, 4, 4, 2),
-                   PlanarTiles(16, 32, 32, 16, 2, 2, 2, 2))
+                   PlanarTiles(16, 64, 64, 16, 1, 8, 8, 3))
 PLANAR_CANDIDATES = {
     "mma": _MMA_CANDIDATES,
     "mma_ws": _MMA_CANDIDATES,
