@@ -5,21 +5,24 @@ Why another kernel: `triton_mxfp4.py` measured 23-30% of copy bandwidth at decod
 at load (`PlanarMxfp4.from_packed`; the checkpoint stays compressed-tensors `mxfp4-pack-quantized`) so that:
   - a weight row is read as int32 words, 32 words (128 bytes, 256 K elements = 8 scale groups) per chunk,
     16-byte vector loads;
-  - element 2i + l of group g of a chunk (l = 0, 1) is nibble 4l + g % 4 of word 16 (g // 4) + i: one
-    32-bit shift and two masks of a word place TWO adjacent elements of one group (nibble p in the low
-    16-bit lane, nibble p + 4 in the high one), so the decoded word is already the packed pair an MMA
-    operand register holds (no repacking), and a chunk's 16-word half decodes into four 32-element groups;
-  - the decode is a bit placement, no table and no per-element scale: the fp16 with bits
-    (sign << 15) | (magnitude code << 9) is the E2M1 value times 2^-14 exactly (code 1, the E2M1 subnormal
-    0.5, lands on the fp16 subnormal 2^-15, which conversions keep); for bf16 activations the bf16 with bits
-    (sign << 15) | (magnitude << 6) is the value times 2^-126 and one packed bf16 multiply by 2^112 per two
-    lanes gives the value times 2^-14 (a multiply keeps bf16 subnormals), with no conversion at all;
+  - element 2i + l of group g of a chunk (l = 0, 1) is lane l (the low or high 16 bits) of word
+    16 (g // 4) + i, in slot g % 4 of that lane (`SLOT_BITS`: which 4 lane bits hold the code's m, e0, e1
+    and sign). Shifting and masking a whole word decodes one slot of both lanes at once, i.e. TWO adjacent
+    elements of one group, so the decoded word is already the packed pair an MMA operand register holds
+    (no repacking), and a chunk's 16-word half decodes into four 32-element groups;
+  - the decode is a bit placement, no table and no per-element scale: the slot's bits land on the bf16
+    positions of (sign << 15) | (magnitude code << 6), which read as bf16 is the E2M1 value times 2^-126
+    (code 1, the E2M1 subnormal 0.5, a bf16 subnormal); one multiply by 2^112 makes it the value times
+    2^-14: for bf16 activations a packed bf16 multiply per two lanes (multiplies keep bf16 subnormals), no
+    conversion at all; otherwise the same bits as the top half of an fp32, multiplied in fp32. Slots 0-2
+    take one shift and one mask, slot 3 three of each;
   - each group's partial dot (K = 32) is multiplied once per output by 2^(s - 127) * 2^14 = 2^(s - 113),
     the E8M0 scale and the decode's bias in one fp32 factor. That factor is a normal fp32 for s <= 240
     (weights below 2^116); `from_packed` refuses larger exponents, naming the tensor and the limit;
   - the activations are read group by group in their natural order.
-Counted in the SASS of the compiled loops (sm_90, triton 3.6): 4.3-4.8 instructions per weight element
-for the MMA variants (the decode about 2 of them); the 2026-12-01 run put `triton_mxfp4` at ~17 (by time).
+Counted in the SASS of the compiled loops (sm_90, triton 3.6): 3.9-4.3 instructions per weight element
+for the MMA variants at the default tiles (the decode about 1.4 of them); the 2026-12-01 run put
+`triton_mxfp4` at ~17 (by time). Not yet measured on the device: benchmarks/kernels_mxfp4.py times them.
 
 Three ways to use the decoded planes (`variant`):
   - "mma": tl.dot(plane [BN, 32], A^T [32, BM]) per group, the weight rows on the MMA's M side, BM = 16,
@@ -46,12 +49,17 @@ from k3rt.kernels.moe.triton_experts import _tanh, align_blocks, check_routing, 
 from k3rt.model_config import ActivationConfig
 
 CHUNK = 256  # K elements per planar chunk: 8 groups of 32, 32 int32 words of 8 nibbles
-WORDS = CHUNK // 8
 MAX_SCALE = 240  # the largest E8M0 exponent whose factor 2^(s - 113) is a normal fp32 (the kernel's one multiply)
 PLANAR_VARIANTS = ("mma", "mma_ws", "fma")
 # the GEMMs' arguments that change with the batch and the routing: not specialized (one compile per tile
 # config, not one per value class of T; serving and the benchmark would otherwise recompile mid-run)
 _PER_STEP = ["P", "T", "NB_ROUTED", "NB_SHARED"]
+
+
+# Where a 16-bit lane keeps the code bits (m, e0, e1, sign) of its 4 slots. Decoded, a slot's bits sit at
+# the bf16 positions (6, 7, 8, 15) (`_plane`): slots 0-2 get there with one shift (6, 3, 0) and one mask,
+# slot 3 with three (16 bits hold no fourth copy of the pattern {0, 1, 2, 9}).
+SLOT_BITS = ((0, 1, 2, 9), (3, 4, 5, 12), (6, 7, 8, 15), (10, 11, 13, 14))
 
 
 def to_planar(packed: Tensor) -> Tensor:
@@ -62,22 +70,30 @@ def to_planar(packed: Tensor) -> Tensor:
         raise ValueError(f"packed must be uint8, got {packed.dtype}")
     if K % CHUNK:
         raise ValueError(f"the planar MXFP4 layout needs K to be a multiple of {CHUNK}, got K={K}")
-    # element 32 g + 2 i + l of a chunk (group g, pair i, lane l) -> word 16 (g // 4) + i, nibble 4 l + g % 4
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*lead, K // CHUNK, 2, 4, 16, 2)
-    codes = codes.permute(*range(len(lead)), -5, -4, -2, -1, -3).reshape(*lead, K)
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous().view(torch.int32)
+    # element 32 g + 2 i + l of a chunk (group g, pair i, lane l) -> word 16 (g // 4) + i, lane l, slot g % 4
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*lead, K // CHUNK, 2, 4, 16, 2).long()
+    word = torch.zeros(*lead, K // CHUNK, 2, 16, dtype=torch.int64, device=packed.device)
+    for slot, positions in enumerate(SLOT_BITS):
+        c = codes[..., slot, :, :]  # [.., chunk, 2, 16, lane]
+        for bit, pos in enumerate(positions):
+            word |= (((c >> bit) & 1) << (torch.tensor([0, 16], device=packed.device) + pos)).sum(-1)
+    return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32).reshape(*lead, K // 8)
 
 
 def from_planar(words: Tensor) -> Tensor:
     """The inverse of `to_planar`: int32 words [..., N, K/8] -> packed uint8 [..., N, K/2]."""
     if words.dtype != torch.int32:
         raise ValueError(f"planar words must be int32, got {words.dtype}")
-    b = words.contiguous().view(torch.uint8)
-    *lead, half = b.shape
-    K = 2 * half
-    codes = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(*lead, K // CHUNK, 2, 16, 2, 4)  # g // 4, i, l, g % 4
-    codes = codes.permute(*range(len(lead)), -5, -4, -1, -3, -2).reshape(*lead, K)
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+    *lead, K8 = words.shape
+    K = 8 * K8
+    w = words.long().reshape(*lead, K // CHUNK, 2, 1, 16, 1) & 0xFFFFFFFF
+    lane = torch.tensor([0, 16], device=words.device)
+    codes = torch.zeros(*lead, K // CHUNK, 2, 4, 16, 2, dtype=torch.int64, device=words.device)
+    for slot, positions in enumerate(SLOT_BITS):
+        for bit, pos in enumerate(positions):
+            codes[..., slot, :, :] |= ((w[..., 0, :, :] >> (lane + pos)) & 1) << bit
+    codes = codes.reshape(*lead, K)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8).contiguous()
 
 
 @dataclass(frozen=True)
@@ -148,21 +164,27 @@ PLANAR_INTERPRET_TILES = {"mma": (PlanarTiles(16, 64, 64, 16, 1, 4, 4, 1),),
 
 @triton.jit
 def _plane(w, p: tl.constexpr, DT: tl.constexpr):
-    """int32 words [R, 16] of a chunk's half -> the group of slot p (p < 4) [R, 32] in DT, times 2^-14. One
-    32-bit shift and two masks place two adjacent elements at once: lane 0 (nibble p) and lane 1 (nibble
-    p + 4) of each word are elements 2i and 2i + 1, so the word is already the packed pair an MMA operand
-    register holds. Bits (sign << 15) | (magnitude << 9) read as fp16 are the value times 2^-14 (exact); for
-    bf16, (sign << 15) | (magnitude << 6) read as bf16 is the value times 2^-126 (code 1 a bf16 subnormal),
-    times 2^112 in bf16: one packed multiply per two lanes, no conversion (a multiply keeps bf16 subnormals)."""
-    t = w.to(tl.uint32, bitcast=True) >> (4 * p)  # logical: the compiler folds it into the masks' shifts
+    """int32 words [R, 16] of a chunk's half -> the group of slot p (p < 4) [R, 32] in DT, times 2^-14.
+    Both 16-bit lanes of a word at once (elements 2i and 2i + 1: the word is already the packed pair an
+    MMA operand register holds): the slot's bits land on the bf16 positions of (sign << 15) | (magnitude
+    << 6), the value times 2^-126 (code 1 a bf16 subnormal), then one multiply by 2^112: in bf16 a packed
+    multiply per two lanes (it keeps bf16 subnormals); otherwise the bf16 bits as the top of an fp32 (an fp32
+    subnormal for code 1, which a multiply keeps too) times 2^112 in fp32. `SLOT_BITS` has the layout."""
+    u = w.to(tl.uint32, bitcast=True)
+    if p == 0:
+        bits = (u << 6) & 0x81C081C0
+    elif p == 1:
+        bits = (u << 3) & 0x81C081C0
+    elif p == 2:
+        bits = u & 0x81C081C0
+    else:
+        bits = ((u >> 4) & 0x00C000C0) | ((u >> 5) & 0x01000100) | ((u << 1) & 0x80008000)
     if DT == tl.bfloat16:
-        bits = ((t & 0x00070007) << 6) | ((t & 0x00080008) << 12)
         pair = tl.interleave(bits.to(tl.uint16), (bits >> 16).to(tl.uint16))
         return pair.to(tl.bfloat16, bitcast=True) * tl.full([1, 1], 2.0 ** 112, tl.float32).to(tl.bfloat16)
     else:
-        bits = ((t & 0x00070007) << 9) | ((t & 0x00080008) << 12)
-        pair = tl.interleave(bits.to(tl.uint16), (bits >> 16).to(tl.uint16))
-        return pair.to(tl.float16, bitcast=True).to(DT)
+        pair = tl.interleave(bits << 16, bits & 0xFFFF0000)
+        return (pair.to(tl.float32, bitcast=True) * 2.0 ** 112).to(DT)
 
 
 @triton.jit

@@ -19,7 +19,7 @@ from k3rt.kernels.moe.ref import fused_experts_ref  # noqa: E402
 from k3rt.kernels.moe.triton_mxfp4 import Mxfp4Tiles  # noqa: E402
 from k3rt.kernels.moe.triton_mxfp4 import MXFP4_DECODE_CANDIDATES, fused_experts_mxfp4  # noqa: E402
 from k3rt.kernels.moe.triton_mxfp4_planar import (  # noqa: E402
-    MAX_SCALE, PLANAR_VARIANTS, PlanarMxfp4, PlanarTiles, dequantize_planar,
+    MAX_SCALE, PLANAR_VARIANTS, SLOT_BITS, PlanarMxfp4, PlanarTiles, dequantize_planar,
     fused_experts_mxfp4_planar, from_planar, to_planar,
 )
 from k3rt.model_config import ActivationConfig  # noqa: E402
@@ -165,20 +165,23 @@ def test_fused_experts_mxfp4_empty_batch() -> None:
 # the planar layout (word-wide decode)
 
 
-def test_planar_bit_placements_are_the_e2m1_values() -> None:
-    """The decode's bit tricks in torch integer ops, for all 16 codes, two per 32-bit word (nibble p in the
-    low lane, nibble p + 4 in the high one) as `_planes` does: (sign << 15) | (magnitude << 9) read as fp16
-    is the value times 2^-14; (sign << 15) | (magnitude << 6) read as bf16 (code 1 a subnormal), times
-    2^112 in bf16, is the value times 2^-14 too."""
+def test_planar_bit_placement_is_the_e2m1_value_in_torch_integer_ops() -> None:
+    """`_plane`'s decode mirrored in torch integer ops, for all 16 codes in both lanes of every slot: the
+    masked bits read as bf16 (code 1 a bf16 subnormal), times 2^112 in bf16, are the value times 2^-14."""
     codes = torch.arange(16, dtype=torch.int64)
-    for p in range(4):
-        words = (codes << (4 * p)) | (codes.flip(0) << (4 * (p + 4)))  # a code in nibble p and another in p + 4
-        t = words >> (4 * p)
-        for shift, dt, factor in ((9, torch.float16, 1.0), (6, torch.bfloat16, 2.0 ** 112)):
-            bits = ((t & 0x00070007) << shift) | ((t & 0x00080008) << 12)
-            lanes = [(b & 0xFFFF).to(torch.int32).to(torch.int16).view(dt) for b in (bits, bits >> 16)]
-            lo, hi = ((v * torch.tensor(factor, dtype=dt)).float() * 2.0 ** 14 for v in lanes)
-            assert torch.equal(lo, e2m1_values()) and torch.equal(hi, e2m1_values().flip(0)), (p, dt)
+    decode = (lambda u: (u << 6) & 0x81C081C0, lambda u: (u << 3) & 0x81C081C0, lambda u: u & 0x81C081C0,
+              lambda u: ((u >> 4) & 0x00C000C0) | ((u >> 5) & 0x01000100) | ((u << 1) & 0x80008000))
+    for slot, positions in enumerate(SLOT_BITS):
+        lanes = (codes, codes.flip(0))  # every code in the low lane, their reverse in the high one
+        word = sum(((c >> bit) & 1) << (16 * lane + pos) for lane, c in enumerate(lanes)
+                   for bit, pos in enumerate(positions))
+        # the other slots' bits set too: the masks must drop them
+        word = word | (0x5A5A5A5A & ~sum(1 << (16 * lane + pos) for lane in (0, 1) for pos in positions))
+        bits = decode[slot](word) & 0xFFFFFFFF
+        for lane, c in enumerate(lanes):
+            v = ((bits >> (16 * lane)) & 0xFFFF).to(torch.int32).to(torch.int16).view(torch.bfloat16)
+            got = (v * torch.tensor(2.0 ** 112, dtype=torch.bfloat16)).float() * 2.0 ** 14
+            assert torch.equal(got, e2m1_values()[c]), (slot, lane)
 
 
 def every_code_at_every_scale(device: str = "cpu") -> tuple:
@@ -198,7 +201,7 @@ def test_planar_layout_round_trips_and_decodes_every_code_at_every_scale() -> No
     words = to_planar(packed)
     assert words.shape == (n, 32) and words.dtype == torch.int32
     assert torch.equal(from_planar(words), packed)
-    # the fp16 bit placement (the interpreter has no bf16 bitcast: the bf16 one is checked on the GPU)
+    # the fp32 decode of the bit placement (the interpreter has no bf16 bitcast: bf16's is checked on the GPU)
     assert torch.equal(dequantize_planar(words, scale), dequantize_mxfp4(packed, scale))
     with pytest.raises(ValueError, match="multiple of 256"):
         to_planar(packed[:, :64])
@@ -288,8 +291,8 @@ def test_gpu_fused_experts_mxfp4_tile_candidates(tiles: Mxfp4Tiles) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_planar_decode_is_exact_in_every_dtype() -> None:
-    """The compiled decode, every code at every accepted scale: the fp16 placement (fp32/fp16 planes) and the
-    bf16 one (a bf16 subnormal times 2^112: this fails if the packed bf16 multiply flushed subnormals)."""
+    """The compiled decode, every code at every accepted scale, in each plane dtype: fp32/fp16 (an fp32
+    subnormal times 2^112) and bf16 (a bf16 subnormal times 2^112); fails if a multiply flushed subnormals."""
     packed, scale = every_code_at_every_scale("cuda")
     ref = dequantize_mxfp4(packed, scale)
     for dt in (torch.float32, torch.float16, torch.bfloat16):
