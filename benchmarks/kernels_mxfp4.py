@@ -14,7 +14,7 @@ I=3072, top-16; E=256 experts here: the bandwidth only sees the selected ones):
      experts' packed weights + scales (the planar layout reads the same bytes); the goal is >= 70% of copy
      bandwidth on those bytes. First pass: each variant's default tiles at every routing; second pass: the
      other tile candidates (what the budget leaves). "fma" only where a selected expert has <= 4 rows;
-  4. the bf16 kernel (fused_experts) at the same routings: time and the ratio (MXFP4 reads ~0.27x the bytes).
+  4. the bf16 kernel (fused_experts) at the grouped routings: time and the ratio (MXFP4 reads ~0.27x the bytes).
 Times are medians of CUDA-event-timed graph replays. A table goes to stdout, all numbers to JSON
 ($OUT/kernels_mxfp4.json, or --out).
 
@@ -43,7 +43,7 @@ import_k3rt_kernels()
 from k3rt.kernels.moe import fused_experts  # noqa: E402
 from k3rt.kernels.moe.mxfp4_ref import GROUP, dequantize_mxfp4, fused_experts_mxfp4_ref  # noqa: E402
 from k3rt.kernels.moe.triton_experts import DECODE_TILES  # noqa: E402
-from k3rt.kernels.moe.triton_mxfp4 import MXFP4_DECODE_CANDIDATES, fused_experts_mxfp4, mxfp4_tiles  # noqa: E402
+from k3rt.kernels.moe.triton_mxfp4 import MXFP4_DECODE_CANDIDATES, fused_experts_mxfp4  # noqa: E402
 from k3rt.kernels.moe.triton_mxfp4_planar import (  # noqa: E402
     PLANAR_CANDIDATES, PLANAR_INTERPRET_TILES, PlanarMxfp4, fused_experts_mxfp4_planar,
 )
