@@ -50,6 +50,8 @@ from k3rt.model_config import ActivationConfig
 
 CHUNK = 256  # K elements per planar chunk: 8 groups of 32, 32 int32 words of 8 nibbles
 MAX_SCALE = 240  # the largest E8M0 exponent whose factor 2^(s - 113) is a normal fp32 (the kernel's one multiply)
+# the largest whose 2^(s - 1) is a bf16/fp32 (the decode's multiply carrying the scale: weights below 16)
+FUSED_MAX_SCALE = 128
 PLANAR_VARIANTS = ("mma", "mma_ws", "fma")
 # the GEMMs' arguments that change with the batch and the routing: not specialized (one compile per tile
 # config, not one per value class of T; serving and the benchmark would otherwise recompile mid-run)
@@ -105,15 +107,18 @@ class PlanarMxfp4:
     w13_scale: Tensor  # [E, 2I, D/32] uint8
     w2_words: Tensor  # [E, D, I/8] int32
     w2_scale: Tensor  # [E, D, I/32] uint8
+    max_scale: int  # the largest E8M0 exponent of both: whether the kernels may fuse the scale (FUSED_MAX_SCALE)
 
     @staticmethod
     def from_packed(w13_packed: Tensor, w13_scale: Tensor, w2_packed: Tensor, w2_scale: Tensor) -> PlanarMxfp4:
         """Repack a layer's compressed-tensors stacks (one expert at a time: the unpacked codes of a whole
         stack would be 2x its size again). Scales above `MAX_SCALE` are refused."""
+        tops = []
         for name, s in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
             if s.dtype != torch.uint8:
                 raise ValueError(f"{name} must be uint8, got {s.dtype}")
             top = int(s.max()) if s.numel() else 0
+            tops.append(top)
             if top > MAX_SCALE:
                 raise ValueError(f"{name} holds E8M0 exponent {top} > {MAX_SCALE}: the planar kernel's group "
                                  f"factor 2^(s - 113) would overflow fp32 (weights of 2^{top - 127 + 2} and up)")
@@ -121,7 +126,8 @@ class PlanarMxfp4:
         def stack(p: Tensor) -> Tensor:
             return torch.stack([to_planar(p[e]) for e in range(p.shape[0])]) if p.shape[0] else \
                 torch.empty(*p.shape[:-1], p.shape[-1] // 4, dtype=torch.int32, device=p.device)
-        return PlanarMxfp4(stack(w13_packed), w13_scale.contiguous(), stack(w2_packed), w2_scale.contiguous())
+        return PlanarMxfp4(stack(w13_packed), w13_scale.contiguous(), stack(w2_packed), w2_scale.contiguous(),
+                           max(tops))
 
 
 @dataclass(frozen=True)
@@ -163,13 +169,13 @@ PLANAR_INTERPRET_TILES = {"mma": (PlanarTiles(16, 64, 64, 16, 1, 4, 4, 1),),
 
 
 @triton.jit
-def _plane(w, p: tl.constexpr, DT: tl.constexpr):
-    """int32 words [R, 16] of a chunk's half -> the group of slot p (p < 4) [R, 32] in DT, times 2^-14.
-    Both 16-bit lanes of a word at once (elements 2i and 2i + 1: the word is already the packed pair an
-    MMA operand register holds): the slot's bits land on the bf16 positions of (sign << 15) | (magnitude
-    << 6), the value times 2^-126 (code 1 a bf16 subnormal), then one multiply by 2^112: in bf16 a packed
-    multiply per two lanes (it keeps bf16 subnormals); otherwise the bf16 bits as the top of an fp32 (an fp32
-    subnormal for code 1, which a multiply keeps too) times 2^112 in fp32. `SLOT_BITS` has the layout."""
+def _plane(w, p: tl.constexpr, BF16: tl.constexpr):
+    """int32 words [R, 16] of a chunk's half -> the group of slot p (p < 4) [R, 32], the E2M1 values times
+    2^-126. Both 16-bit lanes of a word at once (elements 2i and 2i + 1: the word is already the packed pair
+    an MMA operand register holds): the slot's bits land on the bf16 positions of (sign << 15) | (magnitude
+    << 6), read as bf16 (code 1 a bf16 subnormal) or, BF16=False, as the top half of an fp32 (code 1 an fp32
+    subnormal). The caller's one multiply brings them to scale: multiplies keep subnormals (no flush-to-zero
+    in Triton's float multiplies; in bf16 a packed multiply per two lanes). `SLOT_BITS` has the layout."""
     u = w.to(tl.uint32, bitcast=True)
     if p == 0:
         bits = (u << 6) & 0x81C081C0
@@ -179,29 +185,39 @@ def _plane(w, p: tl.constexpr, DT: tl.constexpr):
         bits = u & 0x81C081C0
     else:
         bits = ((u >> 4) & 0x00C000C0) | ((u >> 5) & 0x01000100) | ((u << 1) & 0x80008000)
-    if DT == tl.bfloat16:
-        pair = tl.interleave(bits.to(tl.uint16), (bits >> 16).to(tl.uint16))
-        return pair.to(tl.bfloat16, bitcast=True) * tl.full([1, 1], 2.0 ** 112, tl.float32).to(tl.bfloat16)
+    if BF16:
+        return tl.interleave(bits.to(tl.uint16), (bits >> 16).to(tl.uint16)).to(tl.bfloat16, bitcast=True)
     else:
-        pair = tl.interleave(bits << 16, bits & 0xFFFF0000)
-        return (pair.to(tl.float32, bitcast=True) * 2.0 ** 112).to(DT)
+        return tl.interleave(bits << 16, bits & 0xFFFF0000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _factor(s):
-    """E8M0 exponent s (<= 240) -> the fp32 2^(s - 127) * 2^14: the group scale and the decode's bias."""
+    """E8M0 exponent s (<= 240) -> the fp32 2^(s - 127) * 2^14: the group scale and the planes' 2^-14."""
     return ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _group(acc, plane, f, a, FMA: tl.constexpr, WSCALE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One 32-element group: plane [BN, 32] (fp32 for FMA, else the activations' dtype), f [BN] its rows'
-    factors. MMA: a [32, SM] A^T's rows of the group, acc [BN, SM] += dot(plane, a) * f; WSCALE:
-    acc = dot(plane * f, a, acc) (the factor on the weights: the MMAs chain in one accumulator, none waits
-    for an epilogue; bf16 planes take the factor in bf16, exact for s <= MAX_SCALE); FMA: a [1, 32] one
-    token's activations, acc [BN, 32] += (plane * f) * a (reduced over K after the loop)."""
+def _fused_factor(s, BF16: tl.constexpr):
+    """E8M0 exponent s (<= FUSED_MAX_SCALE) -> 2^(s - 1) = 2^(s - 127) * 2^126, in bf16 or fp32: the group
+    scale and the decode's bias in the one multiply that turns `_plane`'s bits into the weights."""
+    f = ((s.to(tl.int32) + 126) << 23).to(tl.float32, bitcast=True)
+    return f.to(tl.bfloat16) if BF16 else f  # exact: a power of two in bf16's range
+
+
+@triton.jit
+def _group(acc, plane, f, a, FMA: tl.constexpr, WSCALE: tl.constexpr, FUSED: tl.constexpr,
+           DOT_PRECISION: tl.constexpr):
+    """One 32-element group: plane [BN, 32] (fp32 for FMA, else the activations' dtype), the weights if FUSED
+    (FMA only), else the weights over f [BN] (its rows' fp32 factors). MMA: a [32, SM] A^T's rows of the group,
+    acc [BN, SM] += dot(plane, a) * f; WSCALE: acc = dot(plane * f, a, acc) (the factor on the weights: the
+    MMAs chain in one accumulator, none waits for an epilogue); FMA: a [1, 32] one token's activations,
+    acc [BN, 32] += (plane * f) * a (reduced over K after the loop)."""
     if FMA:
-        acc += (plane * f[:, None]) * a.to(tl.float32)
+        if FUSED:
+            acc += plane * a.to(tl.float32)
+        else:
+            acc += (plane * f[:, None]) * a.to(tl.float32)
     elif WSCALE:
         if plane.dtype == tl.bfloat16:
             wt = plane * f.to(tl.bfloat16)[:, None]
@@ -215,20 +231,29 @@ def _group(acc, plane, f, a, FMA: tl.constexpr, WSCALE: tl.constexpr, DOT_PRECIS
 
 @triton.jit
 def _chunk(acc, w_ptrs, s_ptrs, a_ptrs, w_mask, a_mask, FMA: tl.constexpr, WSCALE: tl.constexpr,
-           DOT_PRECISION: tl.constexpr):
+           FUSED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc += one chunk: w_ptrs [BN, 16] its first 16 int32 words per row (groups 0-3; the next 16 hold
     groups 4-7), s_ptrs [BN] its rows' first group scale, a_ptrs A^T's rows of group 0 ([32, SM]; FMA:
-    [1, 32]), group g at + 32 g."""
+    [1, 32]), group g at + 32 g. FUSED: each plane times 2^(s - 1) is the weights (one multiply); else
+    times 2^112 (the weights times 2^-14), the group's `_factor` applied by `_group`."""
     DT: tl.constexpr = tl.float32 if FMA else a_ptrs.dtype.element_ty
+    BF16: tl.constexpr = DT == tl.bfloat16
     wa = tl.load(w_ptrs, mask=w_mask[:, None], other=0)
     wb = tl.load(w_ptrs + 16, mask=w_mask[:, None], other=0)
     for p in tl.static_range(4):
         for half in tl.static_range(2):
             g = p + 4 * half
-            plane = _plane(wb if half else wa, p, DT)
-            f = _factor(tl.load(s_ptrs + g, mask=w_mask, other=0))
+            raw = _plane(wb if half else wa, p, BF16)
+            s = tl.load(s_ptrs + g, mask=w_mask, other=0)
+            f = _factor(s)
+            if FUSED:
+                plane = (raw * _fused_factor(s, BF16)[:, None]).to(DT)
+            elif BF16:
+                plane = raw * tl.full([1, 1], 2.0 ** 112, tl.float32).to(tl.bfloat16)
+            else:
+                plane = (raw * 2.0 ** 112).to(DT)
             a = tl.load(a_ptrs + 32 * g, mask=a_mask, other=0.0)
-            acc = _group(acc, plane, f, a, FMA, WSCALE, DOT_PRECISION)
+            acc = _group(acc, plane, f, a, FMA, WSCALE, FUSED, DOT_PRECISION)
     return acc
 
 
@@ -289,6 +314,7 @@ def _moe_gate_up_planar_kernel(
     CHUNKS: tl.constexpr,  # D % (256 * CHUNKS) == 0 (the launcher picks it)
     FMA: tl.constexpr,
     WSCALE: tl.constexpr,  # the group factor on the decoded weights (one MMA chain), not on each group's dot
+    FUSED: tl.constexpr,  # FMA with every scale <= FUSED_MAX_SCALE: the factor in the decode's multiply
     SITU: tl.constexpr,
     LIN_SAT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -324,8 +350,10 @@ def _moe_gate_up_planar_kernel(
                 for ci in tl.static_range(CHUNKS):
                     c = c0 + ci
                     xc_ptrs = xa_ptrs + c * 256
-                    acc_g = _chunk(acc_g, gw_ptrs + c * 32, gs_ptrs + c * 8, xc_ptrs, n_ok, a_mask, FMA, WSCALE, DOT_PRECISION)
-                    acc_u = _chunk(acc_u, uw_ptrs + c * 32, us_ptrs + c * 8, xc_ptrs, n_ok, a_mask, FMA, WSCALE, DOT_PRECISION)
+                    acc_g = _chunk(acc_g, gw_ptrs + c * 32, gs_ptrs + c * 8, xc_ptrs, n_ok, a_mask, FMA, WSCALE,
+                                   FUSED, DOT_PRECISION)
+                    acc_u = _chunk(acc_u, uw_ptrs + c * 32, us_ptrs + c * 8, xc_ptrs, n_ok, a_mask, FMA, WSCALE,
+                                   FUSED, DOT_PRECISION)
             g = _finish(acc_g, FMA)
             u = _finish(acc_u, FMA)
             if SITU:
@@ -356,6 +384,7 @@ def _moe_down_planar_kernel(
     CHUNKS: tl.constexpr,  # I % (256 * CHUNKS) == 0
     FMA: tl.constexpr,
     WSCALE: tl.constexpr,
+    FUSED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -384,7 +413,8 @@ def _moe_down_planar_kernel(
             for c0 in range(0, I // 256, CHUNKS):
                 for ci in tl.static_range(CHUNKS):
                     c = c0 + ci
-                    acc = _chunk(acc, w_ptrs + c * 32, s_ptrs + c * 8, ha_ptrs + c * 256, n_ok, a_mask, FMA, WSCALE, DOT_PRECISION)
+                    acc = _chunk(acc, w_ptrs + c * 32, s_ptrs + c * 8, ha_ptrs + c * 256, n_ok, a_mask, FMA, WSCALE,
+                                 FUSED, DOT_PRECISION)
             acc = _finish(acc, FMA)
             rw = tl.load(topk_w_ptr + pair, mask=ok & (pid_m < NB_ROUTED), other=1.0)
             y = acc * rw[None, :]
@@ -393,8 +423,10 @@ def _moe_down_planar_kernel(
 
 
 @triton.jit
-def _dequant_planar_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, DT: tl.constexpr):
-    """out [N, K] fp32 = the planar weight, decoded by `_plane` in DT and scaled by `_factor` as the GEMMs do."""
+def _dequant_planar_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BF16: tl.constexpr,
+                           FUSED: tl.constexpr):
+    """out [N, K] fp32 = the planar weight, decoded by `_plane` (bf16 or fp32 bits) and scaled as the GEMMs
+    do: FUSED, times `_fused_factor`; else times 2^112 and `_factor`."""
     pid_n = tl.program_id(0)
     c = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -405,19 +437,24 @@ def _dequant_planar_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, D
     for p in tl.static_range(4):
         for half in tl.static_range(2):
             g = p + 4 * half
-            plane = _plane(wb if half else wa, p, DT).to(tl.float32)
-            f = _factor(tl.load(s_ptr + offs_n * (K // 32) + c * 8 + g, mask=n_ok, other=0))
+            raw = _plane(wb if half else wa, p, BF16)
+            s = tl.load(s_ptr + offs_n * (K // 32) + c * 8 + g, mask=n_ok, other=0)
+            if FUSED:
+                v = (raw * _fused_factor(s, BF16)[:, None]).to(tl.float32)
+            elif BF16:
+                v = (raw * tl.full([1, 1], 2.0 ** 112, tl.float32).to(tl.bfloat16)).to(tl.float32)
+                v = v * _factor(s)[:, None]
+            else:
+                v = raw * 2.0 ** 112 * _factor(s)[:, None]
             out = out_ptr + offs_n[:, None] * K + c * 256 + 32 * g + tl.arange(0, 32)[None, :]
-            tl.store(out, plane * f[:, None], mask=n_ok[:, None])
+            tl.store(out, v, mask=n_ok[:, None])
 
 
-def dequantize_planar(words: Tensor, scale: Tensor, decode_dtype: torch.dtype = torch.float32) -> Tensor:
-    """Planar words int32 [N, K/8] + scales uint8 [N, K/32] -> W [N, K] fp32, through the GEMMs' own decode
-    into decode_dtype (fp32 and fp16: the fp16 bit placement; bf16: the bf16 one, as the bf16 GEMMs run it),
-    equal to `mxfp4_ref.dequantize_mxfp4` of the compressed-tensors codes for scales <= `MAX_SCALE`."""
-    dts = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-    if decode_dtype not in dts:
-        raise ValueError(f"decode_dtype must be one of {list(dts)}, got {decode_dtype}")
+def dequantize_planar(words: Tensor, scale: Tensor, bf16: bool = False, fused: bool = False) -> Tensor:
+    """Planar words int32 [N, K/8] + scales uint8 [N, K/32] -> W [N, K] fp32, through the GEMMs' own decode:
+    the bits read as bf16 (bf16=True, as the bf16 MMA variants run it) or fp32, scaled by the one fused
+    multiply (fused=True: scales <= FUSED_MAX_SCALE) or by 2^112 and the group factor. Equal to
+    `mxfp4_ref.dequantize_mxfp4` of the compressed-tensors codes for the scales each path accepts."""
     N, K8 = words.shape
     K = 8 * K8
     check(words, "words", (N, K8), torch.int32)
@@ -425,7 +462,7 @@ def dequantize_planar(words: Tensor, scale: Tensor, decode_dtype: torch.dtype = 
     out = poison_like(torch.empty(N, K, dtype=torch.float32, device=words.device))
     bn = 16
     _dequant_planar_kernel[(triton.cdiv(N, bn), K // CHUNK)](words.contiguous(), scale.contiguous(), out, N, K,
-                                                             BLOCK_N=bn, DT=dts[decode_dtype])
+                                                             BLOCK_N=bn, BF16=bf16, FUSED=fused)
     return out
 
 
@@ -488,13 +525,17 @@ def fused_experts_mxfp4_planar(
     S = shared_experts
     b = align_blocks(x, topk_ids, E, I, S, cfg.block_m, use_pdl)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    # "fma": the scale in the decode's one multiply where every factor 2^(s - 1) fits fp32 (weights below
+    # 16). Not for "mma_ws": there the per-row bf16 factor on the plane took a round trip through shared
+    # memory in the sm_90 build (5.0 SASS instructions per element against 3.9 with the separate multiplies)
+    fused = variant == "fma" and w.max_scale <= FUSED_MAX_SCALE
     situ = act.name == "situ"
     bn1 = min(cfg.block_n1, triton.next_power_of_2(I))
     _moe_gate_up_planar_kernel[(b.num_blocks * triton.cdiv(I, bn1),)](
         x, x.stride(0), w.w13_words, D // 8, w.w13_scale, D // GROUP, b.h, b.sorted_ids, b.block_expert, P, D, I,
         float(act.situ_beta or 1.0), float(act.situ_linear_beta or 1.0), *b.args,
         TOPK=k, BLOCK_M=cfg.block_m, SUB_M=cfg.sub_m, BLOCK_N=bn1, CHUNKS=_chunks_per_step(cfg.chunks, D),
-        FMA=fma, WSCALE=variant == "mma_ws", SITU=situ, LIN_SAT=situ and act.situ_linear_beta is not None,
+        FMA=fma, WSCALE=variant == "mma_ws", FUSED=fused, SITU=situ, LIN_SAT=situ and act.situ_linear_beta is not None,
         DOT_PRECISION=precision,
         num_warps=cfg.num_warps1, num_stages=cfg.num_stages,
     )
@@ -503,7 +544,7 @@ def fused_experts_mxfp4_planar(
         b.h, w.w2_words, I // 8, w.w2_scale, I // GROUP, b.y, topk_weights, b.sorted_ids, b.block_expert,
         P, D, I, *b.args,
         TOPK=k, BLOCK_M=cfg.block_m, SUB_M=cfg.sub_m, BLOCK_N=bn2, CHUNKS=_chunks_per_step(cfg.chunks, I),
-        FMA=fma, WSCALE=variant == "mma_ws", DOT_PRECISION=precision, num_warps=cfg.num_warps2,
+        FMA=fma, WSCALE=variant == "mma_ws", FUSED=fused, DOT_PRECISION=precision, num_warps=cfg.num_warps2,
         num_stages=cfg.num_stages,
     )
     return sum_slots(b.y, out, k, S, use_pdl)

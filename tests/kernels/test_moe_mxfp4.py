@@ -19,7 +19,7 @@ from k3rt.kernels.moe.ref import fused_experts_ref  # noqa: E402
 from k3rt.kernels.moe.triton_mxfp4 import Mxfp4Tiles  # noqa: E402
 from k3rt.kernels.moe.triton_mxfp4 import MXFP4_DECODE_CANDIDATES, fused_experts_mxfp4  # noqa: E402
 from k3rt.kernels.moe.triton_mxfp4_planar import (  # noqa: E402
-    MAX_SCALE, PLANAR_VARIANTS, SLOT_BITS, PlanarMxfp4, PlanarTiles, dequantize_planar,
+    FUSED_MAX_SCALE, MAX_SCALE, PLANAR_VARIANTS, SLOT_BITS, PlanarMxfp4, PlanarTiles, dequantize_planar,
     fused_experts_mxfp4_planar, from_planar, to_planar,
 )
 from k3rt.model_config import ActivationConfig  # noqa: E402
@@ -201,22 +201,29 @@ def test_planar_layout_round_trips_and_decodes_every_code_at_every_scale() -> No
     words = to_planar(packed)
     assert words.shape == (n, 32) and words.dtype == torch.int32
     assert torch.equal(from_planar(words), packed)
-    # the fp32 decode of the bit placement (the interpreter has no bf16 bitcast: bf16's is checked on the GPU)
+    # the fp32 decode of the bit placement (the interpreter has no bf16 bitcast: bf16's is checked on the GPU),
+    # scaled after the decode, or in its multiply where the scale allows
     assert torch.equal(dequantize_planar(words, scale), dequantize_mxfp4(packed, scale))
+    low = slice(0, FUSED_MAX_SCALE + 1)
+    assert torch.equal(dequantize_planar(words[low], scale[low], fused=True), dequantize_mxfp4(packed[low], scale[low]))
     with pytest.raises(ValueError, match="multiple of 256"):
         to_planar(packed[:, :64])
 
 
-def planar_case(gen: torch.Generator, T: int, dtype: torch.dtype) -> tuple[dict, PlanarMxfp4]:
+def planar_case(gen: torch.Generator, T: int, dtype: torch.dtype, big: bool = False) -> tuple[dict, PlanarMxfp4]:
     case = mx_case(gen, T, E=4, k=2, D=256, inter=256, dtype=dtype, experts=3)
+    if big:  # one group of each expert's down rows 2^20 larger (E8M0 ~ 137)
+        case["w2_scale"][:, :, 0] += 20
     return case, PlanarMxfp4.from_packed(*(case[n] for n in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")))
 
 
-@pytest.mark.parametrize("variant", PLANAR_VARIANTS)
-def test_fused_experts_mxfp4_planar_matches_ref_with_shared_expert(variant: str) -> None:
+@pytest.mark.parametrize("variant, big", [("mma", False), ("mma_ws", False), ("fma", False), ("fma", True)])
+def test_fused_experts_mxfp4_planar_matches_ref_with_shared_expert(variant: str, big: bool) -> None:
     """Every planar variant against the reference on the compressed-tensors stacks: routed blocks with 1-3
-    valid rows and a shared-expert block of 3 tokens ("fma": one pass per token)."""
-    case, w = planar_case(torch.Generator().manual_seed(8), 3, torch.float32)
+    valid rows and a shared-expert block of 3 tokens ("fma": one pass per token). big: a scale above
+    FUSED_MAX_SCALE in every expert, so "fma" scales after the decode instead of in it."""
+    case, w = planar_case(torch.Generator().manual_seed(8), 3, torch.float32, big)
+    assert (w.max_scale > FUSED_MAX_SCALE) == big
     ref = fused_experts_mxfp4_ref(**case, act=SITU, shared_experts=1)
     out = fused_experts_mxfp4_planar(case["x"], w, case["topk_weights"], case["topk_ids"], act=SITU,
                                      variant=variant, shared_experts=1)
@@ -291,12 +298,16 @@ def test_gpu_fused_experts_mxfp4_tile_candidates(tiles: Mxfp4Tiles) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_planar_decode_is_exact_in_every_dtype() -> None:
-    """The compiled decode, every code at every accepted scale, in each plane dtype: fp32/fp16 (an fp32
-    subnormal times 2^112) and bf16 (a bf16 subnormal times 2^112); fails if a multiply flushed subnormals."""
+    """The compiled decode, every code at every accepted scale, bits read as fp32 (an fp32 subnormal for
+    code 1) and as bf16 (a bf16 subnormal), times 2^112 then the group factor, or times the fused factor
+    2^(s - 1): fails if a multiply flushed subnormals."""
     packed, scale = every_code_at_every_scale("cuda")
     ref = dequantize_mxfp4(packed, scale)
-    for dt in (torch.float32, torch.float16, torch.bfloat16):
-        assert torch.equal(dequantize_planar(to_planar(packed), scale, dt), ref), dt
+    words = to_planar(packed)
+    low = slice(0, FUSED_MAX_SCALE + 1)
+    for bf16 in (False, True):
+        assert torch.equal(dequantize_planar(words, scale, bf16=bf16), ref), bf16
+        assert torch.equal(dequantize_planar(words[low], scale[low], bf16=bf16, fused=True), ref[low]), bf16
 
 
 def gpu_planar(case: dict) -> PlanarMxfp4:

@@ -5,7 +5,7 @@ instruction count per weight element (the 2026-12-01 kernel was ALU-bound), whic
 For each variant's default tiles, gate/up and down: no register spills; the MMA variants lower to wgmma
 with pipelined (cp.async) loads; the innermost loop that does the math (the smallest loop holding the
 kernel's HGMMA/HMMA, or FFMA for "fma") issues at most a bound of SASS instructions per weight element
-(measured with triton 3.6: 3.9-4.3 for the MMA variants, 7.0-7.8 for "fma"; the bounds leave ~10%).
+(measured with triton 3.6: 3.9-4.3 for the MMA variants, 5.9-6.8 for "fma"; the bounds leave ~10%).
 
 The build runs in a subprocess (tests/kernels/helpers.py: run_sm90_build) because TRITON_INTERPRET
 (set by conftest.py without a GPU) changes what @triton.jit returns.
@@ -50,18 +50,18 @@ I32, C = "i32", "constexpr"
 gu = dict(x_ptr="*bf16", stride_xt=I32, w_ptr="*i32", stride_w=I32, s_ptr="*u8", stride_s=I32, h_ptr="*bf16",
           sorted_ptr="*i32", block_expert_ptr="*i32", P=I32, D=I32, I=I32, beta="fp32", lin_beta="fp32", T=I32,
           NB_ROUTED=I32, NB_SHARED=I32, E_ROUTED=I32, TOPK=C, BLOCK_M=C, SUB_M=C, BLOCK_N=C, CHUNKS=C, FMA=C,
-          WSCALE=C, SITU=C, LIN_SAT=C, DOT_PRECISION=C)
+          WSCALE=C, FUSED=C, SITU=C, LIN_SAT=C, DOT_PRECISION=C)
 down = dict(h_ptr="*bf16", w_ptr="*i32", stride_w=I32, s_ptr="*u8", stride_s=I32, y_ptr="*bf16",
             topk_w_ptr="*fp32", sorted_ptr="*i32", block_expert_ptr="*i32", P=I32, D=I32, I=I32, T=I32,
             NB_ROUTED=I32, NB_SHARED=I32, E_ROUTED=I32, TOPK=C, BLOCK_M=C, SUB_M=C, BLOCK_N=C, CHUNKS=C, FMA=C,
-            WSCALE=C, DOT_PRECISION=C)
+            WSCALE=C, FUSED=C, DOT_PRECISION=C)
 # K3's expert shape: D = 3584, I = 3072, top-16; strides, D and I are multiples of 16 there
 divisible = lambda k: k.startswith("stride") or k in ("D", "I")
 res = {}
 for variant in m.PLANAR_VARIANTS:
     t = m.PLANAR_CANDIDATES[variant][0]
     common = dict(TOPK=16, BLOCK_M=t.block_m, SUB_M=t.sub_m, CHUNKS=t.chunks, FMA=variant == "fma",
-                  WSCALE=variant == "mma_ws", DOT_PRECISION="tf32")
+                  WSCALE=variant == "mma_ws", FUSED=variant == "fma", DOT_PRECISION="tf32")  # real weights' scales
     op = "FFMA" if variant == "fma" else "HGMMA" if t.block_n1 >= 64 else "HMMA"
     for name, fn, sig, consts, bn, warps, mats in (
             ("gate_up", m._moe_gate_up_planar_kernel, gu, dict(common, BLOCK_N=t.block_n1, SITU=True, LIN_SAT=True),
@@ -75,7 +75,7 @@ print(json.dumps(res))
 '''
 
 # SASS instructions per weight element in the math loop, the bound each variant's default tiles must keep
-_BOUND = {"mma": 4.7, "mma_ws": 4.7, "fma": 8.6}
+_BOUND = {"mma": 4.7, "mma_ws": 4.7, "fma": 7.5}
 
 
 def test_sm90_build_planar_mxfp4_math_loops() -> None:
