@@ -18,7 +18,8 @@ at load (`PlanarMxfp4.from_packed`; the checkpoint stays compressed-tensors `mxf
     take one shift and one mask, slot 3 three of each;
   - each group's partial dot (K = 32) is multiplied once per output by 2^(s - 127) * 2^14 = 2^(s - 113),
     the E8M0 scale and the decode's bias in one fp32 factor. That factor is a normal fp32 for s <= 240
-    (weights below 2^116); `from_packed` refuses larger exponents, naming the tensor and the limit;
+    (weights below 2^116); `from_packed` refuses larger exponents, naming the tensor and the limit. ("fma",
+    where every exponent is <= 128, folds it into the decode's multiply instead: 2^(s - 1) per plane);
   - the activations are read group by group in their natural order.
 Counted in the SASS of the compiled loops (sm_90, triton 3.6): 3.9-4.3 instructions per weight element
 for the MMA variants at the default tiles (the decode about 1.4 of them); the 2026-12-01 run put
@@ -49,7 +50,7 @@ from k3rt.kernels.moe.triton_experts import _tanh, align_blocks, check_routing, 
 from k3rt.model_config import ActivationConfig
 
 CHUNK = 256  # K elements per planar chunk: 8 groups of 32, 32 int32 words of 8 nibbles
-MAX_SCALE = 240  # the largest E8M0 exponent whose factor 2^(s - 113) is a normal fp32 (the kernel's one multiply)
+MAX_SCALE = 240  # the largest E8M0 exponent whose group factor 2^(s - 113) is a normal fp32
 # the largest whose 2^(s - 1) is a bf16/fp32 (the decode's multiply carrying the scale: weights below 16)
 FUSED_MAX_SCALE = 128
 PLANAR_VARIANTS = ("mma", "mma_ws", "fma")
@@ -162,7 +163,7 @@ PLANAR_CANDIDATES = {
             PlanarTiles(16, 64, 64, 1, 1, 8, 8, 3),
             PlanarTiles(16, 32, 32, 1, 2, 4, 4, 2)),
 }
-# the interpreter's: few programs (its cost is per program and per op), both sub-row paths of "fma"
+# the interpreter's: few programs (its cost is per program and per op)
 PLANAR_INTERPRET_TILES = {"mma": (PlanarTiles(16, 64, 64, 16, 1, 4, 4, 1),),
                           "mma_ws": (PlanarTiles(16, 64, 64, 16, 1, 4, 4, 1),),
                           "fma": (PlanarTiles(16, 64, 64, 1, 1, 4, 4, 1),)}
