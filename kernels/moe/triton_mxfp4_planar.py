@@ -21,9 +21,12 @@ at load (`PlanarMxfp4.from_packed`; the checkpoint stays compressed-tensors `mxf
     (weights below 2^116); `from_packed` refuses larger exponents, naming the tensor and the limit. ("fma",
     where every exponent is <= 128, folds it into the decode's multiply instead: 2^(s - 1) per plane);
   - the activations are read group by group in their natural order.
-Counted in the SASS of the compiled loops (sm_90, triton 3.6): 3.9-4.3 instructions per weight element
-for the MMA variants at the default tiles (the decode about 1.4 of them); the 2026-12-01 run put
-`triton_mxfp4` at ~17 (by time). Not yet measured on the device: benchmarks/kernels_mxfp4.py times them.
+Counted in the SASS of the compiled loops (sm_90, triton 3.6; tests/kernels/test_moe_mxfp4_sm90_build.py):
+3.9-4.3 instructions per weight element for the MMA variants at the default tiles (the decode about 1.4 of
+them), 5.9-6.8 for "fma". `triton_mxfp4`'s gate/up loop at its default tiles, counted the same way: 7.4 with
+tl.dot_scaled, 12.1 with its explicit dequant; dot_scaled measured 25% of copy bandwidth (2026-12-01), so if
+time scaled with instructions alone these would reach ~45-50%. Not yet measured on the device:
+benchmarks/kernels_mxfp4.py times them.
 
 Three ways to use the decoded planes (`variant`):
   - "mma": tl.dot(plane [BN, 32], A^T [32, BM]) per group, the weight rows on the MMA's M side, BM = 16,
