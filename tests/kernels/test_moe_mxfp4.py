@@ -294,7 +294,6 @@ def test_gpu_fused_experts_mxfp4_tile_candidates(tiles: Mxfp4Tiles) -> None:
         assert rel_err(out, ref) <= 1e-2, native
 
 
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_planar_decode_is_exact_in_every_dtype() -> None:
