@@ -9,9 +9,9 @@
 #
 # Stages (seconds: the stage's time limit):
 #   tests-runner (150)  GPU tests of the runner, engine, cache oracle and MoE block (tests/backend)
-#   tests-kernels (560) GPU tests of every kernel package (tests/kernels), one pytest per package, so a
+#   tests-kernels (590) GPU tests of every kernel package (tests/kernels), one pytest per package, so a
 #                       broken CUDA context in one (an illegal memory access poisons the process) does
-#                       not fail the others
+#                       not fail the others (moe 90 s: the MXFP4 kernels' variants compile too)
 #   tests               both of the above
 #   decode (200)        benchmarks/decode.py: batch 1/16/64 at 4K, --profile 1, prefill 8K and 32K,
 #                       the cuBLAS-GEMV variant
@@ -21,7 +21,8 @@
 #   linear (100)        benchmarks/kernels_linear.py
 #   overlap (480)       benchmarks/overlap.py: the engine at the 48B shape, N = 64 and 256 decodes, overlap on vs
 #                       off (tokens/s, GPU idle)
-#   mxfp4 (120 + 240)   the MXFP4 expert kernel's GPU tests, then benchmarks/kernels_mxfp4.py (K3 expert shape)
+#   mxfp4 (150 + 300)   the MXFP4 expert kernels' GPU tests, then benchmarks/kernels_mxfp4.py (K3 expert shape:
+#                       every variant x tile config, correctness first, % of copy bandwidth)
 #   det (150 + 120 + 300) the --deterministic GPU acceptance test (64 concurrent vs alone, 3 rounds, both archs),
 #                       then benchmarks/deterministic.py on the GPU runner: k3-tiny, and the 48B shape (random
 #                       weights, 8K vocabulary)
@@ -90,7 +91,8 @@ for stage in "$@"; do
       gpu_pytest tests-runner 150 tests/backend ;;&
     tests-kernels|tests)
       for pkg in kda mla moe linear norm attn_res sampling; do  # ~30 s each, most of it compiling
-        gpu_pytest tests-kernels "$([ "$pkg" = kda ] && echo 200 || echo 60)" tests/kernels/test_"${pkg}"_*.py
+        gpu_pytest tests-kernels "$(case $pkg in kda) echo 200 ;; moe) echo 90 ;; *) echo 60 ;; esac)" \
+          tests/kernels/test_"${pkg}"_*.py
       done ;;
     decode)
       run decode 200 python3 benchmarks/decode.py --batch 1 16 64 --profile 1 --prefill 8192 32768 \
@@ -102,8 +104,8 @@ for stage in "$@"; do
     moe)
       run moe 120 python3 benchmarks/kernels_moe.py --budget-s 100 --out "$OUT/moe.json" ;;
     mxfp4)
-      gpu_pytest mxfp4 120 tests/kernels/test_moe_mxfp4.py
-      run mxfp4 240 python3 benchmarks/kernels_mxfp4.py --budget-s 220 --out "$OUT/mxfp4.json" ;;
+      gpu_pytest mxfp4 150 tests/kernels/test_moe_mxfp4.py
+      run mxfp4 300 python3 benchmarks/kernels_mxfp4.py --budget-s 270 --out "$OUT/mxfp4.json" ;;
     det)
       gpu_pytest det 150 tests/backend/test_deterministic.py
       run det 120 python3 benchmarks/deterministic.py --device cuda --requests 64 --json "$OUT/det_tiny.json"

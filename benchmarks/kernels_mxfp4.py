@@ -1,17 +1,20 @@
 #!/usr/bin/env python3
-"""MXFP4 routed experts at decode sizes: the Triton grouped GEMM that dequantizes in registers
-(kernels/moe/triton_mxfp4.py) against the copy bandwidth, and against the bf16 kernel on the same shape.
+"""MXFP4 routed experts at decode sizes: the Triton grouped GEMMs that dequantize in registers
+(kernels/moe/triton_mxfp4.py: dot_scaled, dequant; kernels/moe/triton_mxfp4_planar.py on the planar layout:
+planar-mma, planar-mma_ws, planar-fma) against the copy bandwidth, and against the bf16 kernel on the same shape.
 
 GPU mode (default), one H200-class GPU, Kimi-K3's expert shape (latent width D=3584, expert intermediate
 I=3072, top-16; E=256 experts here: the bandwidth only sees the selected ones):
   1. device-to-device copy bandwidth (bytes read + written): the physical limit;
-  2. correctness: fused_experts_mxfp4 vs the reference on the dequantized weights at T=16 and T=64;
+  2. correctness: every variant x tile config vs the reference on the dequantized weights at T=16 (and each
+     variant's default at T=64); a config that fails is not timed;
   3. decode with M = 1, 2, 4, 8, 16 rows per selected expert (M tokens all routed to the same 16 experts,
      the issue's "M tokens per expert group"), and a random routing at T = 1, 16, 64: time replayed from a
      CUDA graph, routings rotated so each call reads cold weights; bytes actually read = the selected
-     experts' packed weights + scales; the goal is >= 70% of copy bandwidth on those bytes. Every decode
-     tile candidate is timed; the best and the default are reported;
-  4. the bf16 kernel (fused_experts) at the same routings: time and the ratio (MXFP4 reads ~0.27x the bytes).
+     experts' packed weights + scales (the planar layout reads the same bytes); the goal is >= 70% of copy
+     bandwidth on those bytes. First pass: each variant's default tiles at every routing; second pass: the
+     other tile candidates (what the budget leaves). "fma" only where a selected expert has <= 4 rows;
+  4. the bf16 kernel (fused_experts) at the grouped routings: time and the ratio (MXFP4 reads ~0.27x the bytes).
 Times are medians of CUDA-event-timed graph replays. A table goes to stdout, all numbers to JSON
 ($OUT/kernels_mxfp4.json, or --out).
 
@@ -40,11 +43,14 @@ import_k3rt_kernels()
 from k3rt.kernels.moe import fused_experts  # noqa: E402
 from k3rt.kernels.moe.mxfp4_ref import GROUP, dequantize_mxfp4, fused_experts_mxfp4_ref  # noqa: E402
 from k3rt.kernels.moe.triton_experts import DECODE_TILES  # noqa: E402
-from k3rt.kernels.moe.triton_mxfp4 import MXFP4_DECODE_CANDIDATES, fused_experts_mxfp4, mxfp4_tiles  # noqa: E402
+from k3rt.kernels.moe.triton_mxfp4 import MXFP4_DECODE_CANDIDATES, fused_experts_mxfp4  # noqa: E402
+from k3rt.kernels.moe.triton_mxfp4_planar import (  # noqa: E402
+    PLANAR_CANDIDATES, PLANAR_INTERPRET_TILES, PlanarMxfp4, fused_experts_mxfp4_planar,
+)
 from k3rt.model_config import ActivationConfig  # noqa: E402
 
 DEV = "cpu" if ARGS.smoke else "cuda"
-SHAPE = dict(E=8, k=2, D=64, I=32) if ARGS.smoke else dict(E=256, k=16, D=3584, I=3072)
+SHAPE = dict(E=8, k=2, D=256, I=256) if ARGS.smoke else dict(E=256, k=16, D=3584, I=3072)
 ACT = ActivationConfig("situ", 4.0, 25.0)
 REPS = 2 if ARGS.smoke else 30
 REPORT = Report(default_out(ARGS.out, "kernels_mxfp4.json"), ARGS.budget_s,
@@ -86,8 +92,37 @@ def random_routing(T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.rand(T, SHAPE["k"], device=DEV, generator=g), ids
 
 
-def correctness(w: dict) -> None:
+def configs() -> list[tuple[str, object, bool]]:
+    """(variant, tiles, default) for every config timed: dot_scaled's default and its best configs of the
+    2026-12-01 run (the other seven were within 10%), the explicit dequant's default, every planar candidate."""
+    if ARGS.smoke:
+        out = [("dequant", MXFP4_DECODE_CANDIDATES[0], True)]
+        return out + [(f"planar-{v}", c[0], True) for v, c in PLANAR_INTERPRET_TILES.items()]
+    out = [("dot_scaled", MXFP4_DECODE_CANDIDATES[i], i == 0) for i in (0, 1, 3)]
+    out.append(("dequant", MXFP4_DECODE_CANDIDATES[0], True))
+    for v, cands in PLANAR_CANDIDATES.items():
+        out += [(f"planar-{v}", t, i == 0) for i, t in enumerate(cands)]
+    return out
+
+
+def run_config(variant: str, tiles, w: dict, wp: PlanarMxfp4, x, tw, ids, out=None):
+    if variant.startswith("planar-"):
+        return fused_experts_mxfp4_planar(x, wp, tw, ids, act=ACT, out=out, tiles=tiles,
+                                          variant=variant.removeprefix("planar-"))
+    return fused_experts_mxfp4(x, **w, topk_weights=tw, topk_ids=ids, act=ACT, out=out, tiles=tiles,
+                               native=variant == "dot_scaled")
+
+
+def label_of(variant: str, tiles) -> str:
+    return f"{variant} {'/'.join(str(v) for v in tiles.__dict__.values())}"
+
+
+def correctness(w: dict, wp: PlanarMxfp4, defaults: bool) -> set[str]:
+    """The default configs (defaults=True; at T=16 and T=64) or the other candidates (at T=16) vs the
+    reference; returns the labels that pass."""
     tol = 1e-4 if ARGS.smoke else 1e-2
+    ok: set[str] = set()
+    failed: set[str] = set()
     for T in ([3] if ARGS.smoke else [16, 64]):
         tw, ids = random_routing(T, seed=T)
         # the reference dequantizes every expert: keep it to the experts the routing uses
@@ -96,71 +131,79 @@ def correctness(w: dict) -> None:
         remap[used] = torch.arange(used.numel(), dtype=torch.int32, device=DEV)
         sub = {k: v[used].contiguous() for k, v in w.items()}
         x = torch.randn(T, SHAPE["D"], device=DEV).to(ADTYPE)
-        out = fused_experts_mxfp4(x, **w, topk_weights=tw, topk_ids=ids, act=ACT)
         ref = fused_experts_mxfp4_ref(x, **sub, topk_weights=tw, topk_ids=remap[ids.long()].contiguous(), act=ACT)
-        err = rel_err(out, ref)
-        RESULT.setdefault("correctness", []).append({"name": f"fused_experts_mxfp4 T={T}", "rel_err": err, "ok": err <= tol})
-    log(f"correctness: {RESULT['correctness']}")
-    save()
+        for variant, tiles, default in configs():
+            if default != defaults or (T == 64 and not default):
+                continue
+            name = label_of(variant, tiles)
+
+            def check(variant=variant, tiles=tiles) -> dict:
+                err = rel_err(run_config(variant, tiles, w, wp, x, tw, ids), ref)
+                return {"T": T, "rel_err": err, "ok": err <= tol}
+            rec = item("correctness", f"{name} T={T}", check)
+            (ok if rec.get("ok") else failed).add(name)
+    bad = sorted(failed)
+    log(f"correctness ({'defaults' if defaults else 'other candidates'}): {len(ok - failed)} configs pass"
+        + (f", FAILED: {bad}" if bad else ""))
+    return ok - failed
 
 
-def decode(label: str, sets: list, w: dict, w_bf16: dict | None, bw_GBps: float, per_expert: int) -> None:
+def decode_base(label: str, sets: list, bw_GBps: float, per_expert: int) -> dict:
     T = sets[0][1].shape[0]
-    x = torch.randn(T, SHAPE["D"], device=DEV).to(ADTYPE)
-    out = torch.empty_like(x)
     unique = sum(int(torch.unique(ids).numel()) for _, ids in sets) / len(sets)
     read = unique * per_expert
-    floor_us = read / (bw_GBps * 1e9) * 1e6
-    base = {"routing": label, "T": T, "unique_experts": unique, "bytes_read": read, "floor_us": floor_us,
-            "rotation": len(sets)}
-    default = mxfp4_tiles(T * SHAPE["k"], SHAPE["E"])
-    best = None
-    # tl.dot_scaled (the default) and the explicit in-register dequant, over the decode tile candidates
-    # the explicit dequant measured slower everywhere (RESULTS.md): only its default tiles are timed
-    for native in ([False] if ARGS.smoke else [True, False]):
-        for i, tiles in enumerate(MXFP4_DECODE_CANDIDATES if native else MXFP4_DECODE_CANDIDATES[:1]):
-            def run(tiles=tiles, native=native) -> dict:
-                calls = [lambda tw=tw, ids=ids: fused_experts_mxfp4(x, **w, topk_weights=tw, topk_ids=ids, act=ACT,
-                                                                    out=out, tiles=tiles, native=native)
-                         for tw, ids in sets]
-                us = graph_time(calls, reps=REPS)["us_per_call"]
-                return {**base, "tiles": tiles.__dict__, "native": native, "default": tiles == default and native,
-                        "us": us, "pct_of_copy_bw": 100 * floor_us / us}
-            rec = item("decode", f"{label} mxfp4 {'dot_scaled' if native else 'dequant'} tiles{i}", run)
-            if "us" in rec and (best is None or rec["us"] < best["us"]):
-                best = rec
-    if best is not None:
-        log(f"decode {label}: best {best['us']:.1f} us = {best['pct_of_copy_bw']:.0f}% of copy bandwidth "
-            f"on {read / 1e6:.0f} MB (floor {floor_us:.1f} us), {best['name']}")
-    if w_bf16 is not None:
-        def bf16() -> dict:
-            calls = [lambda tw=tw, ids=ids: fused_experts(x, w_bf16["w13"], w_bf16["w2"], tw, ids, act=ACT, out=out,
-                                                          tiles=DECODE_TILES) for tw, ids in sets]
-            us = graph_time(calls, reps=REPS)["us_per_call"]
-            return {**base, "us": us, "mxfp4_speedup": (us / best["us"]) if best else None}
-        rec = item("decode", f"{label} bf16", bf16)
-        if "us" in rec:
-            log(f"decode {label}: bf16 {rec['us']:.1f} us, mxfp4 speed-up {rec['mxfp4_speedup']:.2f}x")
+    return {"routing": label, "T": T, "unique_experts": unique, "bytes_read": read,
+            "floor_us": read / (bw_GBps * 1e9) * 1e6, "rotation": len(sets)}
+
+
+def time_config(label: str, sets: list, base: dict, variant: str, tiles, default: bool, w: dict,
+                wp: PlanarMxfp4) -> None:
+    T = base["T"]
+    x = torch.randn(T, SHAPE["D"], device=DEV).to(ADTYPE)
+    out = torch.empty_like(x)
+
+    def run() -> dict:
+        calls = [lambda tw=tw, ids=ids: run_config(variant, tiles, w, wp, x, tw, ids, out) for tw, ids in sets]
+        us = graph_time(calls, reps=REPS)["us_per_call"]
+        return {**base, "variant": variant, "tiles": tiles.__dict__, "default": default, "us": us,
+                "pct_of_copy_bw": 100 * base["floor_us"] / us}
+    item("decode", f"{label} {label_of(variant, tiles)}", run)
+
+
+def time_bf16(label: str, sets: list, base: dict, w_bf16: dict) -> None:
+    x = torch.randn(base["T"], SHAPE["D"], device=DEV).to(ADTYPE)
+    out = torch.empty_like(x)
+
+    def bf16() -> dict:
+        calls = [lambda tw=tw, ids=ids: fused_experts(x, w_bf16["w13"], w_bf16["w2"], tw, ids, act=ACT, out=out,
+                                                      tiles=DECODE_TILES) for tw, ids in sets]
+        return {**base, "us": graph_time(calls, reps=REPS)["us_per_call"]}
+    item("decode", f"{label} bf16", bf16)
 
 
 def table() -> None:
-    print("\n| routing | rows/expert | MB read | floor us | MXFP4 best us | % of copy bw | best variant | default us "
-          "| explicit-dequant best us | bf16 us | speed-up |")
-    print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+    """One row per routing: the best config overall, the best of each variant, bf16."""
     recs = RESULT.get("decode", [])
+    variants = list(dict.fromkeys(r["variant"] for r in recs if "variant" in r and "us" in r))
+    print("\n| routing | rows/expert | MB read | floor us | best us | % of copy bw | best config | "
+          + " | ".join(f"{v} best us (%)" for v in variants) + " | bf16 us | best vs bf16 |")
+    print("|---|---:|---:|---:|---:|---:|---|" + "---:|" * len(variants) + "---:|---:|")
     for label in dict.fromkeys(r.get("routing") for r in recs if "routing" in r):
-        mx = [r for r in recs if r.get("routing") == label and "tiles" in r and "us" in r]
-        bf = [r for r in recs if r.get("routing") == label and "tiles" not in r and "us" in r]
+        mx = [r for r in recs if r.get("routing") == label and "variant" in r and "us" in r]
+        bf = [r for r in recs if r.get("routing") == label and "variant" not in r and "us" in r]
         if not mx:
             continue
         b = min(mx, key=lambda r: r["us"])
-        d = next((r for r in mx if r["default"]), None)
-        ex = [r["us"] for r in mx if not r["native"]]
         rows = b["T"] * SHAPE["k"] / b["unique_experts"]
+        per = []
+        for v in variants:
+            vs = [r for r in mx if r["variant"] == v]
+            bv = min(vs, key=lambda r: r["us"]) if vs else None
+            per.append(f"{bv['us']:.1f} ({bv['pct_of_copy_bw']:.0f})" if bv else "")
+        bf_us = bf[0]["us"] if bf else float("nan")
         print(f"| {label} | {rows:.1f} | {b['bytes_read'] / 1e6:.0f} | {b['floor_us']:.1f} | {b['us']:.1f} | "
-              f"{b['pct_of_copy_bw']:.0f} | {b['name'].split(' mxfp4 ')[-1]} | {d['us'] if d else float('nan'):.1f} | "
-              f"{min(ex) if ex else float('nan'):.1f} | "
-              f"{bf[0]['us'] if bf else float('nan'):.1f} | {bf[0]['mxfp4_speedup'] if bf else float('nan'):.2f} |")
+              f"{b['pct_of_copy_bw']:.0f} | {b['name'].removeprefix(label + ' ')} | " + " | ".join(per)
+              + f" | {bf_us:.1f} | {bf_us / b['us']:.2f}x |")
 
 
 def main() -> None:
@@ -171,9 +214,9 @@ def main() -> None:
     bw = RESULT["copy"]["GBps"]
     log(f"copy {bw:.0f} GB/s")
     w = mx_weights()
+    wp = PlanarMxfp4.from_packed(**w)  # the load-time repack
     per_expert = expert_bytes(w)
     RESULT["bytes_per_expert"] = per_expert
-    correctness(w)
     E, D, inter = SHAPE["E"], SHAPE["D"], SHAPE["I"]
     # bf16 weights for the side-by-side: the same values (dequantized, one expert at a time), for the first
     # 64 experts, which the grouped routings draw from
@@ -184,12 +227,26 @@ def main() -> None:
         w_bf16["w13"][e] = dequantize_mxfp4(w["w13_packed"][e], w["w13_scale"][e], ADTYPE)
         w_bf16["w2"][e] = dequantize_mxfp4(w["w2_packed"][e], w["w2_scale"][e], ADTYPE)
     rot = l2_rotation(SHAPE["k"] * per_expert)
-    for M in ([1, 2] if ARGS.smoke else ARGS.rows):
-        sets = [grouped_routing(M, seed=100 * M + r, experts=nb) for r in range(rot)]
-        decode(f"grouped M={M}", sets, w, w_bf16, bw, per_expert)
-    for T in ([3] if ARGS.smoke else ARGS.random_t):
-        sets = [random_routing(T, seed=1000 * T + r) for r in range(rot)]
-        decode(f"random T={T}", sets, w, None, bw, per_expert)
+    routings = [(f"grouped M={M}", [grouped_routing(M, seed=100 * M + r, experts=nb) for r in range(rot)], True)
+                for M in ([1] if ARGS.smoke else ARGS.rows)]
+    routings += [(f"random T={T}", [random_routing(T, seed=1000 * T + r) for r in range(rot)], False)
+                 for T in ([3] if ARGS.smoke else ARGS.random_t)]
+    bases = {label: decode_base(label, sets, bw, per_expert) for label, sets, _ in routings}
+    for first_pass in (True, False):  # every variant's default tiles first, then the other candidates
+        passing = correctness(w, wp, defaults=first_pass)  # compiles them too
+        for label, sets, grouped in routings:
+            base = bases[label]
+            for variant, tiles, default in configs():
+                rows = base["T"] * SHAPE["k"] / base["unique_experts"]
+                if default != first_pass or label_of(variant, tiles) not in passing:
+                    continue
+                if variant == "planar-fma" and rows > 4.5 and not ARGS.smoke:
+                    continue
+                time_config(label, sets, base, variant, tiles, default, w, wp)
+            if first_pass and grouped:
+                time_bf16(label, sets, base, w_bf16)
+        if first_pass:
+            table()
     RESULT["wall_s"] = REPORT.elapsed()
     save()
     table()

@@ -1,7 +1,8 @@
 """Kimi MoE ops: the sigmoid router's top-k and the fused routed experts. `ref` holds the plain-torch
 oracles every MoE kernel is tested against.
 
-MXFP4 experts: `mxfp4_ref` (the format, quantizer, oracle) and `fused_experts_mxfp4`.
+MXFP4 experts: `mxfp4_ref` (the format, quantizer, oracle), `fused_experts_mxfp4` and, on the planar
+in-memory layout (`PlanarMxfp4.from_packed`), `fused_experts_mxfp4_planar`.
 The Triton ops (`moe_route`, `fused_experts`, `fused_experts_mxfp4`, `moe_align_fwd`) are exported lazily, so importing the
 reference ops never imports Triton.
 """
@@ -14,14 +15,18 @@ _TRITON_EXPORTS = {
     "ExpertTiles": "k3rt.kernels.moe.triton_experts",
     "moe_align_fwd": "k3rt.kernels.moe.triton_align",
     "fused_experts_mxfp4": "k3rt.kernels.moe.triton_mxfp4",
+    "fused_experts_mxfp4_planar": "k3rt.kernels.moe.triton_mxfp4_planar",
+    "PlanarMxfp4": "k3rt.kernels.moe.triton_mxfp4_planar",
 }
 
 __all__ = [
     "ExpertTiles",
+    "PlanarMxfp4",
     "act_and_mul_ref",
     "align_ref",
     "fused_experts",
     "fused_experts_mxfp4",
+    "fused_experts_mxfp4_planar",
     "fused_experts_ref",
     "moe_align_fwd",
     "moe_route",

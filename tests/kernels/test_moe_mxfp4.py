@@ -1,5 +1,6 @@
-"""MXFP4 routed experts: the format (kernels/moe/mxfp4_ref.py) and the Triton grouped GEMM that dequantizes
-in registers (kernels/moe/triton_mxfp4.py) against the reference on the dequantized weights.
+"""MXFP4 routed experts: the format (kernels/moe/mxfp4_ref.py) and the Triton grouped GEMMs that dequantize
+in registers (kernels/moe/triton_mxfp4.py; the planar layout's kernels/moe/triton_mxfp4_planar.py) against
+the reference on the dequantized weights.
 
 Without a GPU the kernel runs in the Triton interpreter at tiny fp32 shapes (D=64, I=32); the `gpu` cases
 run K3's expert shape (latent width 3584, intermediate 3072) in bf16.
@@ -17,6 +18,10 @@ from k3rt.kernels.moe.mxfp4_ref import (  # noqa: E402
 from k3rt.kernels.moe.ref import fused_experts_ref  # noqa: E402
 from k3rt.kernels.moe.triton_mxfp4 import Mxfp4Tiles  # noqa: E402
 from k3rt.kernels.moe.triton_mxfp4 import MXFP4_DECODE_CANDIDATES, fused_experts_mxfp4  # noqa: E402
+from k3rt.kernels.moe.triton_mxfp4_planar import (  # noqa: E402
+    FUSED_MAX_SCALE, MAX_SCALE, PLANAR_VARIANTS, SLOT_BITS, PlanarMxfp4, PlanarTiles, dequantize_planar,
+    fused_experts_mxfp4_planar, from_planar, to_planar,
+)
 from k3rt.model_config import ActivationConfig  # noqa: E402
 from tests.kernels.helpers import DEV, HAS_CUDA, rel_err  # noqa: E402
 
@@ -157,6 +162,93 @@ def test_fused_experts_mxfp4_empty_batch() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# the planar layout (word-wide decode)
+
+
+def test_planar_bit_placement_is_the_e2m1_value_in_torch_integer_ops() -> None:
+    """`_plane`'s decode mirrored in torch integer ops, for all 16 codes in both lanes of every slot: the
+    masked bits read as bf16 (code 1 a bf16 subnormal), times 2^112 in bf16, are the value times 2^-14."""
+    codes = torch.arange(16, dtype=torch.int64)
+    decode = (lambda u: (u << 6) & 0x81C081C0, lambda u: (u << 3) & 0x81C081C0, lambda u: u & 0x81C081C0,
+              lambda u: ((u >> 4) & 0x00C000C0) | ((u >> 5) & 0x01000100) | ((u << 1) & 0x80008000))
+    for slot, positions in enumerate(SLOT_BITS):
+        lanes = (codes, codes.flip(0))  # every code in the low lane, their reverse in the high one
+        word = sum(((c >> bit) & 1) << (16 * lane + pos) for lane, c in enumerate(lanes)
+                   for bit, pos in enumerate(positions))
+        # the other slots' bits set too: the masks must drop them
+        word = word | (0x5A5A5A5A & ~sum(1 << (16 * lane + pos) for lane in (0, 1) for pos in positions))
+        bits = decode[slot](word) & 0xFFFFFFFF
+        for lane, c in enumerate(lanes):
+            v = ((bits >> (16 * lane)) & 0xFFFF).to(torch.int32).to(torch.int16).view(torch.bfloat16)
+            got = (v * torch.tensor(2.0 ** 112, dtype=torch.bfloat16)).float() * 2.0 ** 14
+            assert torch.equal(got, e2m1_values()[c]), (slot, lane)
+
+
+def every_code_at_every_scale(device: str = "cpu") -> tuple:
+    """(packed, scale): all 16 codes in every nibble position, one row per E8M0 exponent 0..MAX_SCALE."""
+    scales = torch.arange(MAX_SCALE + 1, dtype=torch.uint8)
+    n = scales.numel()
+    codes = (torch.arange(256)[None, :] + torch.arange(n)[:, None]) % 16  # each row shifts the code pattern
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+    return packed.to(device), scales[:, None].expand(n, 8).contiguous().to(device)
+
+
+def test_planar_layout_round_trips_and_decodes_every_code_at_every_scale() -> None:
+    """to_planar / from_planar are inverse; the kernels' decode (dequantize_planar) equals the reference's
+    for all 16 codes in every nibble position, at every E8M0 exponent the layout accepts (0..240)."""
+    packed, scale = every_code_at_every_scale()
+    n = packed.shape[0]
+    words = to_planar(packed)
+    assert words.shape == (n, 32) and words.dtype == torch.int32
+    assert torch.equal(from_planar(words), packed)
+    # the fp32 decode of the bit placement (the interpreter has no bf16 bitcast: bf16's is checked on the GPU),
+    # scaled after the decode, or in its multiply where the scale allows
+    assert torch.equal(dequantize_planar(words, scale), dequantize_mxfp4(packed, scale))
+    low = slice(0, FUSED_MAX_SCALE + 1)
+    assert torch.equal(dequantize_planar(words[low], scale[low], fused=True), dequantize_mxfp4(packed[low], scale[low]))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        to_planar(packed[:, :64])
+
+
+def planar_case(gen: torch.Generator, T: int, dtype: torch.dtype, big: bool = False) -> tuple[dict, PlanarMxfp4]:
+    case = mx_case(gen, T, E=4, k=2, D=256, inter=256, dtype=dtype, experts=3)
+    if big:  # one group of each expert's down rows 2^20 larger (E8M0 ~ 137)
+        case["w2_scale"][:, :, 0] += 20
+    return case, PlanarMxfp4.from_packed(*(case[n] for n in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")))
+
+
+@pytest.mark.parametrize("variant, big", [("mma", False), ("mma_ws", False), ("fma", False), ("fma", True)])
+def test_fused_experts_mxfp4_planar_matches_ref_with_shared_expert(variant: str, big: bool) -> None:
+    """Every planar variant against the reference on the compressed-tensors stacks: routed blocks with 1-3
+    valid rows and a shared-expert block of 3 tokens ("fma": one pass per token). big: a scale above
+    FUSED_MAX_SCALE in every expert, so "fma" scales after the decode instead of in it."""
+    case, w = planar_case(torch.Generator().manual_seed(8), 3, torch.float32, big)
+    assert (w.max_scale > FUSED_MAX_SCALE) == big
+    ref = fused_experts_mxfp4_ref(**case, act=SITU, shared_experts=1)
+    out = fused_experts_mxfp4_planar(case["x"], w, case["topk_weights"], case["topk_ids"], act=SITU,
+                                     variant=variant, shared_experts=1)
+    assert out.shape == (3, 256) and out.dtype == torch.float32
+    assert rel_err(out, ref) <= 1e-5
+
+
+def test_fused_experts_mxfp4_planar_rejects_bad_inputs() -> None:
+    case, w = planar_case(torch.Generator().manual_seed(9), 2, torch.float32)
+    args = (case["x"], w, case["topk_weights"], case["topk_ids"])
+    with pytest.raises(ValueError, match="variant must be one of"):
+        fused_experts_mxfp4_planar(*args, act=SILU, variant="tma")
+    with pytest.raises(ValueError, match="'mma' needs tiles.sub_m = 16"):
+        fused_experts_mxfp4_planar(*args, act=SILU, variant="mma", tiles=PlanarTiles(16, 64, 64, 4, 1, 4, 4, 1))
+    with pytest.raises(ValueError, match="'fma' needs tiles.sub_m = 1"):
+        fused_experts_mxfp4_planar(*args, act=SILU, variant="fma", tiles=PlanarTiles(16, 64, 64, 2, 1, 4, 4, 1))
+    with pytest.raises(ValueError, match="w13_words must be"):
+        fused_experts_mxfp4_planar(torch.zeros(2, 128, device=DEV), *args[1:], act=SILU)
+    big = case["w2_scale"].clone()
+    big[0, 0, 0] = MAX_SCALE + 1
+    with pytest.raises(ValueError, match="w2_scale holds E8M0 exponent 241 > 240"):
+        PlanarMxfp4.from_packed(case["w13_packed"], case["w13_scale"], case["w2_packed"], big)
+
+
+# --------------------------------------------------------------------------------------------
 # GPU: K3's expert shape (latent width 3584, intermediate 3072), bf16 activations
 
 EK3, KK3, DK3, IK3 = 32, 16, 3584, 3072  # 32 of the 896 experts: enough for the routing patterns tested
@@ -201,3 +293,42 @@ def test_gpu_fused_experts_mxfp4_tile_candidates(tiles: Mxfp4Tiles) -> None:
         out = fused_experts_mxfp4(**case, act=SILU, tiles=tiles, native=native)
         assert rel_err(out, ref) <= 1e-2, native
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_planar_decode_is_exact_in_every_dtype() -> None:
+    """The compiled decode, every code at every accepted scale, bits read as fp32 (an fp32 subnormal for
+    code 1) and as bf16 (a bf16 subnormal), times 2^112 then the group factor, or times the fused factor
+    2^(s - 1): fails if a multiply flushed the subnormal inputs. From exponent 8 up: below, the weights
+    themselves are fp32 subnormals, which this does not test (nor do real checkpoints hold them)."""
+    packed, scale = every_code_at_every_scale("cuda")
+    packed, scale = packed[8:], scale[8:]  # row r holds exponent r
+    ref = dequantize_mxfp4(packed, scale)
+    words = to_planar(packed)
+    low = slice(0, FUSED_MAX_SCALE + 1 - 8)
+    for bf16 in (False, True):
+        assert torch.equal(dequantize_planar(words, scale, bf16=bf16), ref), bf16
+        assert torch.equal(dequantize_planar(words[low], scale[low], bf16=bf16, fused=True), ref[low]), bf16
+
+
+def gpu_planar(case: dict) -> PlanarMxfp4:
+    return PlanarMxfp4.from_packed(*(case[n] for n in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("T", [1, 64])
+def test_gpu_fused_experts_mxfp4_planar_k3(T: int) -> None:
+    """Every planar variant (default tiles) in bf16 at K3's expert shape, deterministic across calls. (Every
+    tile candidate is checked against the reference by benchmarks/kernels_mxfp4.py before it is timed.)"""
+    case = gpu_mx_case(T, seed=20 + T)
+    ref = fused_experts_mxfp4_ref(**case, act=SITU)
+    w = gpu_planar(case)
+    for variant in PLANAR_VARIANTS:
+        out = fused_experts_mxfp4_planar(case["x"], w, case["topk_weights"], case["topk_ids"], act=SITU,
+                                         variant=variant)
+        assert out.dtype == torch.bfloat16
+        assert rel_err(out, ref) <= 1e-2, variant
+        again = fused_experts_mxfp4_planar(case["x"], w, case["topk_weights"], case["topk_ids"], act=SITU,
+                                           variant=variant)
+        assert torch.equal(again, out), variant
