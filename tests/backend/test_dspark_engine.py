@@ -234,12 +234,18 @@ def test_drafter_pass_in_cuda_graphs_equals_the_eager_pass(arch, tmp_path) -> No
     gen = torch.Generator().manual_seed(0)
     for n in (1, 3, 8, 9, 2):  # 9: above every bucket (eager); 2 after 9: the static inputs are refilled
         ctx = torch.randn(n, cfg.context_len, width, generator=gen).cuda()
-        anchors = torch.randint(0, cfg.vocab_size, (n,), generator=gen).cuda()
-        queries = [DraftQuery(i, [1, 2, int(anchors[i])], 2, cfg.block_size, hidden=ctx[i]) for i in range(n)]
+        # the window's token ids (context positions, then the anchor): a drafter with context tokens or a copy
+        # head reads them, and the rows must end right before the anchor
+        ids = torch.randint(0, cfg.vocab_size, (n, cfg.context_len + 1), generator=gen).cuda()
+        anchors = ids[:, -1].contiguous()
+        queries = [DraftQuery(i, ids[i].tolist(), cfg.context_len, cfg.block_size, hidden=ctx[i]) for i in range(n)]
         assert graphed.propose(queries) == eager.propose(queries), n
         if n <= 8:
-            tokens, conf = graphed.graphs.draft(ctx, anchors)
-            want_tokens, _, want_conf = eager.model.draft(ctx, anchors, eager.embed, eager.lm_head)
+            extra = {}
+            if eager.model.needs_tokens:
+                extra = dict(ctx_tokens=ids, ctx_valid=torch.ones(n, cfg.context_len, dtype=torch.bool, device="cuda"))
+            tokens, conf = graphed.graphs.draft(ctx, anchors, **extra)
+            want_tokens, _, want_conf = eager.model.draft(ctx, anchors, eager.embed, eager.lm_head, **extra)
             assert torch.equal(tokens, want_tokens)
             torch.testing.assert_close(conf, want_conf, rtol=1e-4, atol=1e-5)
 
