@@ -4,6 +4,7 @@ the plain and speculative outputs identical and the numbers consistent; bad list
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -46,8 +47,19 @@ def test_step_times_are_measured_under_overlap_scheduling(monkeypatch) -> None:
     the kernels' compiles for their shapes (plain k3-tiny at 30 tokens/s, so every speedup read ~15x)."""
     from k3rt.backend.bench import spec_bench
 
+    from k3rt.backend.spec.ngram import NgramDrafter
+
     calls = []
     real = spec_bench._run
+    # a slow drafter: its time must land in draft_ms, not in the verify step's (the scheduler drafts inside
+    # the engine step; the H200 table's verify column included the drafter's pass)
+    slow = NgramDrafter.propose
+
+    def slow_propose(self, queries):
+        time.sleep(0.2)
+        return slow(self, queries)
+
+    monkeypatch.setattr(NgramDrafter, "propose", slow_propose)
 
     def spy(eng, prompts, cfg, tok, workload):
         calls.append((id(eng), prompts, cfg.max_tokens))
@@ -63,6 +75,8 @@ def test_step_times_are_measured_under_overlap_scheduling(monkeypatch) -> None:
         torch.set_num_threads(n)
     (r,) = rows
     assert r.plain_step_ms > 0 and r.verifies and r.verify_step_ms > 0 and r.identical
+    assert r.draft_ms >= 200 and r.verify_step_ms < 200
+    assert r.step_speedup == pytest.approx(r.plain_step_ms * r.tau / (r.verify_step_ms + r.draft_ms))
     measured = [i for i, c in enumerate(calls) if c[2] == 12]
     assert len(measured) == 2  # plain, ngram
     for i in measured:  # the call before: same engine, same prompts, fewer tokens (the warm-up)
