@@ -48,58 +48,22 @@ import triton.language as tl
 from torch import Tensor
 
 from k3rt.kernels.common import INTERPRET, check, check_same_device, poison_like
+# the layout itself (torch only); SLOT_BITS, to_planar and from_planar are re-exported with the kernels
+from k3rt.kernels.moe.mxfp4_planar_layout import CHUNK, SLOT_BITS, from_planar, repack_in_place, to_planar  # noqa: F401
 from k3rt.kernels.moe.mxfp4_ref import GROUP
 from k3rt.kernels.moe.triton_experts import _tanh, align_blocks, check_routing, check_x, sum_slots
 from k3rt.model_config import ActivationConfig
 
-CHUNK = 256  # K elements per planar chunk: 8 groups of 32, 32 int32 words of 8 nibbles
 MAX_SCALE = 240  # the largest E8M0 exponent whose group factor 2^(s - 113) is a normal fp32
 # the largest whose 2^(s - 1) is a bf16/fp32 (the decode's multiply carrying the scale: weights below 16)
 FUSED_MAX_SCALE = 128
 PLANAR_VARIANTS = ("mma", "mma_ws", "fma")
+# what the GPU runner serves MXFP4 experts with (its default tiles, PLANAR_CANDIDATES): the fastest variant at
+# every decode routing measured (benchmarks/kernels_mxfp4.py on the H200, 2026-12-02)
+PLANAR_SERVE_VARIANT = "mma_ws"
 # the GEMMs' arguments that change with the batch and the routing: not specialized (one compile per tile
 # config, not one per value class of T; serving and the benchmark would otherwise recompile mid-run)
 _PER_STEP = ["P", "T", "NB_ROUTED", "NB_SHARED"]
-
-
-# Where a 16-bit lane keeps the code bits (m, e0, e1, sign) of its 4 slots. Decoded, a slot's bits sit at
-# the bf16 positions (6, 7, 8, 15) (`_plane`): slots 0-2 get there with one shift (6, 3, 0) and one mask,
-# slot 3 with three (16 bits hold no fourth copy of the pattern {0, 1, 2, 9}).
-SLOT_BITS = ((0, 1, 2, 9), (3, 4, 5, 12), (6, 7, 8, 15), (10, 11, 13, 14))
-
-
-def to_planar(packed: Tensor) -> Tensor:
-    """compressed-tensors packed codes uint8 [..., N, K/2] -> planar int32 words [..., N, K/8] (module doc)."""
-    *lead, half = packed.shape
-    K = 2 * half
-    if packed.dtype != torch.uint8:
-        raise ValueError(f"packed must be uint8, got {packed.dtype}")
-    if K % CHUNK:
-        raise ValueError(f"the planar MXFP4 layout needs K to be a multiple of {CHUNK}, got K={K}")
-    # element 32 g + 2 i + l of a chunk (group g, pair i, lane l) -> word 16 (g // 4) + i, lane l, slot g % 4
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*lead, K // CHUNK, 2, 4, 16, 2).long()
-    word = torch.zeros(*lead, K // CHUNK, 2, 16, dtype=torch.int64, device=packed.device)
-    for slot, positions in enumerate(SLOT_BITS):
-        c = codes[..., slot, :, :]  # [.., chunk, 2, 16, lane]
-        for bit, pos in enumerate(positions):
-            word |= (((c >> bit) & 1) << (torch.tensor([0, 16], device=packed.device) + pos)).sum(-1)
-    return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32).reshape(*lead, K // 8)
-
-
-def from_planar(words: Tensor) -> Tensor:
-    """The inverse of `to_planar`: int32 words [..., N, K/8] -> packed uint8 [..., N, K/2]."""
-    if words.dtype != torch.int32:
-        raise ValueError(f"planar words must be int32, got {words.dtype}")
-    *lead, K8 = words.shape
-    K = 8 * K8
-    w = words.long().reshape(*lead, K // CHUNK, 2, 1, 16, 1) & 0xFFFFFFFF
-    lane = torch.tensor([0, 16], device=words.device)
-    codes = torch.zeros(*lead, K // CHUNK, 2, 4, 16, 2, dtype=torch.int64, device=words.device)
-    for slot, positions in enumerate(SLOT_BITS):
-        for bit, pos in enumerate(positions):
-            codes[..., slot, :, :] |= ((w[..., 0, :, :] >> (lane + pos)) & 1) << bit
-    codes = codes.reshape(*lead, K)
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8).contiguous()
 
 
 @dataclass(frozen=True)
@@ -114,20 +78,37 @@ class PlanarMxfp4:
     max_scale: int  # the largest E8M0 exponent of both: whether the kernels may fuse the scale (FUSED_MAX_SCALE)
 
     @staticmethod
-    def from_packed(w13_packed: Tensor, w13_scale: Tensor, w2_packed: Tensor, w2_scale: Tensor) -> PlanarMxfp4:
-        """Repack a layer's compressed-tensors stacks (one expert at a time: the unpacked codes of a whole
-        stack would be 2x its size again). Scales above `MAX_SCALE` are refused."""
-        tops = []
+    def unfit(w13_packed: Tensor, w13_scale: Tensor, w2_packed: Tensor, w2_scale: Tensor) -> str | None:
+        """Why these stacks cannot take the planar layout (None: they can): K of either weight not a multiple
+        of `CHUNK`, or an E8M0 exponent above `MAX_SCALE`."""
+        for name, p in (("w13_packed", w13_packed), ("w2_packed", w2_packed)):
+            if p.dtype != torch.uint8 or p.dim() != 3:
+                return f"{name} must be uint8 [E, N, K/2], got {p.dtype} {list(p.shape)}"
+            if (2 * p.shape[2]) % CHUNK:
+                return f"{name}: K={2 * p.shape[2]} is not a multiple of {CHUNK} (the planar chunk)"
         for name, s in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
             if s.dtype != torch.uint8:
-                raise ValueError(f"{name} must be uint8, got {s.dtype}")
+                return f"{name} must be uint8, got {s.dtype}"
             top = int(s.max()) if s.numel() else 0
-            tops.append(top)
             if top > MAX_SCALE:
-                raise ValueError(f"{name} holds E8M0 exponent {top} > {MAX_SCALE}: the planar kernel's group "
-                                 f"factor 2^(s - 113) would overflow fp32 (weights of 2^{top - 127 + 2} and up)")
+                return (f"{name} holds E8M0 exponent {top} > {MAX_SCALE}: the planar kernel's group factor "
+                        f"2^(s - 113) would overflow fp32 (weights of 2^{top - 127 + 2} and up)")
+        return None
+
+    @staticmethod
+    def from_packed(w13_packed: Tensor, w13_scale: Tensor, w2_packed: Tensor, w2_scale: Tensor, *,
+                    in_place: bool = False) -> PlanarMxfp4:
+        """Repack a layer's compressed-tensors stacks, one expert at a time (the unpacked codes of a whole
+        stack would be 2x its size again). in_place: the words overwrite the packed stacks' own storage (the
+        GPU runner at load: no second copy; the packed tensors then hold words). Refuses what `unfit` names."""
+        why = PlanarMxfp4.unfit(w13_packed, w13_scale, w2_packed, w2_scale)
+        if why is not None:
+            raise ValueError(why)
+        tops = [int(s.max()) if s.numel() else 0 for s in (w13_scale, w2_scale)]
 
         def stack(p: Tensor) -> Tensor:
+            if in_place:
+                return repack_in_place(p)
             return torch.stack([to_planar(p[e]) for e in range(p.shape[0])]) if p.shape[0] else \
                 torch.empty(*p.shape[:-1], p.shape[-1] // 4, dtype=torch.int32, device=p.device)
         return PlanarMxfp4(stack(w13_packed), w13_scale.contiguous(), stack(w2_packed), w2_scale.contiguous(),
@@ -151,9 +132,12 @@ class PlanarTiles:
     num_stages: int
 
 
-# the first of each variant's candidates is its default (unmeasured: the benchmark times them all)
-_MMA_CANDIDATES = (PlanarTiles(16, 64, 64, 16, 1, 4, 4, 3),
-                   PlanarTiles(16, 32, 32, 16, 1, 2, 2, 3),
+# the first of each variant's candidates is its default. MMA variants: 16/32/32/16/1/2/2/3 measured fastest
+# for both on the H200 at K3's expert shape (benchmarks/kernels_mxfp4.py, 2026-12-02: mma_ws 153 / 156 / 187 us
+# at M = 1 / 4 / 16 rows per expert, 1309 us random T=16, against 163 / 165 / 192 / 1338 us at 16/64/64/16/1/4/4/3:
+# more, smaller programs keep more weight loads in flight over the 132 SMs)
+_MMA_CANDIDATES = (PlanarTiles(16, 32, 32, 16, 1, 2, 2, 3),
+                   PlanarTiles(16, 64, 64, 16, 1, 4, 4, 3),
                    PlanarTiles(16, 128, 128, 16, 1, 8, 8, 3),
                    PlanarTiles(16, 64, 64, 16, 2, 4, 4, 2),
                    PlanarTiles(16, 64, 64, 16, 1, 8, 8, 3))

@@ -70,6 +70,7 @@ for variant in m.PLANAR_VARIANTS:
         r = sm90_build(fn, sig, consts, warps, t.num_stages, divisible)
         n = math_loop(fn, sig, consts, warps, t.num_stages, divisible, op)
         r["per_element"] = n / (mats * bn * 256 * t.chunks / (32 * warps))  # weight elements per thread and step
+        r["block_n"] = bn
         res[f"{variant} {name}"] = r
 print(json.dumps(res))
 '''
@@ -86,4 +87,6 @@ def test_sm90_build_planar_mxfp4_math_loops() -> None:
         assert r["stack"] == 0 and r["local"] == 0, (name, r)  # no register spills
         assert r["per_element"] <= _BOUND[variant], (name, r)
         if variant != "fma":
-            assert r["wgmma"] > 0 and r["async_copies"] > 0, (name, r)
+            assert r["async_copies"] > 0, (name, r)
+            # wgmma needs a warpgroup's 64 rows: the measured-best 32-row tiles (2 warps) run mma.sync instead
+            assert (r["wgmma"] > 0) == (r["block_n"] >= 64), (name, r)
