@@ -22,11 +22,13 @@ at load (`PlanarMxfp4.from_packed`; the checkpoint stays compressed-tensors `mxf
     where every exponent is <= 128, folds it into the decode's multiply instead: 2^(s - 1) per plane);
   - the activations are read group by group in their natural order.
 Counted in the SASS of the compiled loops (sm_90, triton 3.6; tests/kernels/test_moe_mxfp4_sm90_build.py):
-3.9-4.3 instructions per weight element for the MMA variants at the default tiles (the decode about 1.4 of
-them), 5.9-6.8 for "fma". `triton_mxfp4`'s gate/up loop at its default tiles, counted the same way: 7.4 with
-tl.dot_scaled, 12.1 with its explicit dequant; dot_scaled measured 25% of copy bandwidth (2026-12-01), so if
-time scaled with instructions alone these would reach ~45-50%. Not yet measured on the device:
-benchmarks/kernels_mxfp4.py times them.
+3.7-4.5 instructions per weight element for the MMA variants at the default tiles (mma_ws 3.7 gate/up, 3.9
+down; 32-row tiles on 2 warps run mma.sync, 64-row ones wgmma at 3.9-4.3; the decode about 1.4 of them), 5.9-6.8
+for "fma". `triton_mxfp4`'s gate/up loop at its default tiles, counted the same way: 7.4 with tl.dot_scaled,
+12.1 with its explicit dequant. Measured on the H200 (benchmarks/kernels_mxfp4.py, 2026-12-02, K3's expert
+shape, bf16 activations): mma_ws at its default tiles 45% of copy bandwidth at M = 1-4 rows per expert, 37% at
+M = 16, 58% for a random routing of 16 tokens; dot_scaled 23-31%. The GPU runner serves it
+(`PLANAR_SERVE_VARIANT`, backend/runner/gpu/ffn.py).
 
 Three ways to use the decoded planes (`variant`):
   - "mma": tl.dot(plane [BN, 32], A^T [32, BM]) per group, the weight rows on the MMA's M side, BM = 16,
