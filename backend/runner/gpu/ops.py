@@ -31,7 +31,7 @@ class KernelConfig:
     # fixed expert-GEMM tiles: see docs/deterministic.md
     batch_invariant: bool = False
     # MXFP4 routed experts: "planar" repacks them at load into the planar layout and runs
-    # kernels/moe/triton_mxfp4_planar.py (its SERVE_VARIANT at its default tiles: 45% of copy bandwidth at
+    # kernels/moe/triton_mxfp4_planar.py (its PLANAR_SERVE_VARIANT at its default tiles: 45% of copy bandwidth at
     # M = 1-4 rows per expert on the H200 against 26% for "dot_scaled"), where a layer fits that layout (K of
     # both weights a multiple of 256, E8M0 exponents <= 240) and "dot_scaled" (kernels/moe/triton_mxfp4.py on
     # the checkpoint's packed codes) elsewhere; "dot_scaled" everywhere: the phase-1 kernel, for comparison
