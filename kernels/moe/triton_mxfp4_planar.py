@@ -137,12 +137,18 @@ class PlanarTiles:
 # the first of each variant's candidates is its default. MMA variants: 16/32/32/16/1/2/2/3 measured fastest
 # for both on the H200 at K3's expert shape (benchmarks/kernels_mxfp4.py, 2026-12-02: mma_ws 153 / 156 / 187 us
 # at M = 1 / 4 / 16 rows per expert, 1309 us random T=16, against 163 / 165 / 192 / 1338 us at 16/64/64/16/1/4/4/3:
-# more, smaller programs keep more weight loads in flight over the 132 SMs)
+# more, smaller programs keep more weight loads in flight over the 132 SMs). The last three are not measured
+# yet, each a way to put more bytes in flight per SM at the 32-row tiles' 2-warp programs, whose shared memory
+# (32 KB at 3 stages for gate/up) holds ~7 programs, 14 warps, per SM: a deeper pipeline (4 stages), two chunks
+# per loop step, and 1-warp 16-row programs (half the shared memory each: twice as many resident). 16/64/64/16/
+# 1/8/8/3 measured slowest at every routing (376 us at M = 1) and left the grid for them.
 _MMA_CANDIDATES = (PlanarTiles(16, 32, 32, 16, 1, 2, 2, 3),
                    PlanarTiles(16, 64, 64, 16, 1, 4, 4, 3),
                    PlanarTiles(16, 128, 128, 16, 1, 8, 8, 3),
                    PlanarTiles(16, 64, 64, 16, 2, 4, 4, 2),
-                   PlanarTiles(16, 64, 64, 16, 1, 8, 8, 3))
+                   PlanarTiles(16, 32, 32, 16, 1, 2, 2, 4),
+                   PlanarTiles(16, 32, 32, 16, 2, 2, 2, 3),
+                   PlanarTiles(16, 16, 16, 16, 1, 1, 1, 4))
 PLANAR_CANDIDATES = {
     "mma": _MMA_CANDIDATES,
     "mma_ws": _MMA_CANDIDATES,
