@@ -138,17 +138,18 @@ class PlanarTiles:
 # for both on the H200 at K3's expert shape (benchmarks/kernels_mxfp4.py, 2026-12-02: mma_ws 153 / 156 / 187 us
 # at M = 1 / 4 / 16 rows per expert, 1309 us random T=16, against 163 / 165 / 192 / 1338 us at 16/64/64/16/1/4/4/3:
 # more, smaller programs keep more weight loads in flight over the 132 SMs). The last three are not measured
-# yet, each a way to put more bytes in flight per SM at the 32-row tiles' 2-warp programs, whose shared memory
-# (32 KB at 3 stages for gate/up) holds ~7 programs, 14 warps, per SM: a deeper pipeline (4 stages), two chunks
-# per loop step, and 1-warp 16-row programs (half the shared memory each: twice as many resident). 16/64/64/16/
-# 1/8/8/3 measured slowest at every routing (376 us at M = 1) and left the grid for them.
+# yet: ways to put more bytes in flight per SM than the default's 2-warp programs, whose gate/up shared memory
+# (32 KB at 3 stages, sm_90 build; the activation tile takes as much as the weights) lets ~7 programs, 14 warps,
+# reside per SM: 2 stages (16 KB: ~14 programs, and 3.6 / 3.9 SASS instructions per element against 3.7 / 3.9),
+# 4 stages (48 KB), two chunks per loop step (64 KB, 3.5 / 3.8). 16/64/64/16/1/8/8/3 measured slowest at every
+# routing (376 us at M = 1) and left the grid for them.
 _MMA_CANDIDATES = (PlanarTiles(16, 32, 32, 16, 1, 2, 2, 3),
                    PlanarTiles(16, 64, 64, 16, 1, 4, 4, 3),
                    PlanarTiles(16, 128, 128, 16, 1, 8, 8, 3),
                    PlanarTiles(16, 64, 64, 16, 2, 4, 4, 2),
+                   PlanarTiles(16, 32, 32, 16, 1, 2, 2, 2),
                    PlanarTiles(16, 32, 32, 16, 1, 2, 2, 4),
-                   PlanarTiles(16, 32, 32, 16, 2, 2, 2, 3),
-                   PlanarTiles(16, 16, 16, 16, 1, 1, 1, 4))
+                   PlanarTiles(16, 32, 32, 16, 2, 2, 2, 3))
 PLANAR_CANDIDATES = {
     "mma": _MMA_CANDIDATES,
     "mma_ws": _MMA_CANDIDATES,
@@ -523,7 +524,8 @@ def fused_experts_mxfp4_planar(
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     # "fma": the scale in the decode's one multiply where every factor 2^(s - 1) fits fp32 (weights below
     # 16). Not for "mma_ws": there the per-row bf16 factor on the plane took a round trip through shared
-    # memory in the sm_90 build (5.0 SASS instructions per element against 3.9 with the separate multiplies)
+    # memory in the sm_90 build (5.0 SASS instructions per element against 3.9 with the separate multiplies);
+    # at the 32-row mma.sync default no round trip, but still more: 4.1 / 4.4 (gate/up, down) against 3.7 / 3.9
     fused = variant == "fma" and w.max_scale <= FUSED_MAX_SCALE
     situ = act.name == "situ"
     bn1 = min(cfg.block_n1, triton.next_power_of_2(I))
