@@ -169,11 +169,13 @@ class MoE(nn.Module):
         where words are). The reference path decodes the words back (`expert_weights`)."""
         if not self.mxfp4 or self.expert_layout != "packed":
             raise ValueError(f"use_planar: needs MXFP4 experts in the packed layout, this module has "
-                             f"{'mxfp4' if self.mxfp4 else 'dense'} experts, layout {getattr(self, 'expert_layout', None)}")
+                             f"{'mxfp4' if self.mxfp4 else 'dense'} experts, layout "
+                             f"{getattr(self, 'expert_layout', None)}")
         for name, words in (("w13", w13_words), ("w2", w2_words)):
             packed = getattr(self, f"{name}_packed")
             if words.shape != (*packed.shape[:-1], packed.shape[-1] // 4) or words.dtype != torch.int32:
-                raise ValueError(f"use_planar: {name}_words must be int32 {[*packed.shape[:-1], packed.shape[-1] // 4]}, "
+                want = [*packed.shape[:-1], packed.shape[-1] // 4]
+                raise ValueError(f"use_planar: {name}_words must be int32 {want}, "
                                  f"got {words.dtype} {list(words.shape)}")
             del self._parameters[f"{name}_packed"]
             self.register_parameter(f"{name}_words", nn.Parameter(words, requires_grad=False))

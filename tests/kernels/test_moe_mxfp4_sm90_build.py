@@ -69,7 +69,8 @@ for variant in m.PLANAR_VARIANTS:
             ("down", m._moe_down_planar_kernel, down, dict(common, BLOCK_N=t.block_n2), t.block_n2, t.num_warps2, 1)):
         r = sm90_build(fn, sig, consts, warps, t.num_stages, divisible)
         body = math_loop(fn, sig, consts, warps, t.num_stages, divisible, op)
-        r["per_element"] = len(body) / (mats * bn * 256 * t.chunks / (32 * warps))  # weight elements per thread and step
+        # SASS instructions per weight element a thread handles in one loop step
+        r["per_element"] = len(body) / (mats * bn * 256 * t.chunks / (32 * warps))
         r["loop_spills"] = sum(b.startswith(("STL", "LDL")) for b in body)
         r["block_n"] = bn
         res[f"{variant} {name}"] = r

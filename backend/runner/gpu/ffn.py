@@ -19,7 +19,8 @@ layout (`PlanarMxfp4.from_packed(in_place=True)`: the words take the packed code
 memory stays what the checkpoint's stacks take) and run by `fused_experts_mxfp4_planar`; the module then
 holds the words (`MoE.use_planar`) and its reference loop decodes them. A layer that does not fit the layout
 (tiny test models, an I per rank that is not a multiple of 256 under TP) keeps the packed codes and the
-dot_scaled kernel (`GpuForward` logs why, once per reason). The shared expert stays dense: no fusion into the quantized stacks.
+dot_scaled kernel (`GpuForward` logs why, once per reason). The shared expert stays dense: no fusion into
+the quantized stacks.
 """
 
 from __future__ import annotations
@@ -85,7 +86,6 @@ class MoeWeights:
         return MoeWeights(None, None, 0, planar=planar)
 
 
-
 def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> torch.Tensor:
     m = moe.m
     name = ("fused_experts_mxfp4_planar" if w.planar is not None else "fused_experts_mxfp4" if w.mx is not None
@@ -115,8 +115,8 @@ def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> to
         if experts is None:
             return moe.experts(z, tw, ids)
         if w.planar is not None:
-            return experts(z, w.planar, tw, ids.to(torch.int32), act=moe.act, variant=kernel("moe", "PLANAR_SERVE_VARIANT"),
-                           use_pdl=k.use_pdl)
+            return experts(z, w.planar, tw, ids.to(torch.int32), act=moe.act,
+                           variant=kernel("moe", "PLANAR_SERVE_VARIANT"), use_pdl=k.use_pdl)
         if w.mx is not None:
             return experts(z, **w.mx, topk_weights=tw, topk_ids=ids.to(torch.int32), act=moe.act, use_pdl=k.use_pdl)
         return experts(z, w.w13, w.w2, tw, ids.to(torch.int32), act=moe.act, shared_experts=w.shared_fused,
