@@ -50,13 +50,20 @@ def from_planar(words: Tensor) -> Tensor:
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8).contiguous()
 
 
+# packed bytes repacked per step by `repack_in_place`: to_planar's int64 temporaries take ~16x that (1 GiB),
+# and K3's 93 layers of 896 experts one at a time would be ~170k calls of ~40 small ops each
+REPACK_BYTES = 64 << 20
+
+
 def repack_in_place(packed: Tensor) -> Tensor:
     """A stack of packed codes [E, N, K/2] rewritten as its planar words [E, N, K/8] in the same storage
-    (returned: the int32 view of it), one expert at a time: no second copy of the stack, only one expert's
-    temporaries. `packed` must be contiguous; afterwards its bytes are the words, not codes."""
+    (returned: the int32 view of it), a few experts at a time (REPACK_BYTES): no second copy of the stack,
+    only those experts' temporaries. `packed` must be contiguous; afterwards its bytes are the words."""
     if not packed.is_contiguous():
         raise ValueError("packed must be contiguous to be repacked in place")
     words = packed.view(torch.int32)  # also checks K/2 is a multiple of 4 (K of CHUNK: always)
-    for e in range(packed.shape[0]):
-        words[e] = to_planar(packed[e])  # to_planar reads expert e whole before the copy overwrites it
+    step = max(1, REPACK_BYTES // max(1, packed[0].numel())) if packed.shape[0] else 1
+    for e in range(0, packed.shape[0], step):
+        # to_planar reads these experts whole before the copy overwrites them
+        words[e:e + step] = to_planar(packed[e:e + step])
     return words

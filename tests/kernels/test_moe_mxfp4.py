@@ -210,6 +210,21 @@ def test_planar_layout_round_trips_and_decodes_every_code_at_every_scale() -> No
         to_planar(packed[:, :64])
 
 
+@pytest.mark.parametrize("step_bytes", [1, 2 * 8 * 256, 1 << 30])
+def test_repack_in_place_is_to_planar_in_the_same_storage(step_bytes: int, monkeypatch) -> None:
+    """The GPU runner's load-time repack: one, two (of five: a short last step) or all experts per step give
+    to_planar's words in the packed stack's own storage; a non-contiguous stack is refused."""
+    from k3rt.kernels.moe import mxfp4_planar_layout
+
+    monkeypatch.setattr(mxfp4_planar_layout, "REPACK_BYTES", step_bytes)
+    packed = torch.randint(0, 256, (5, 8, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    want = to_planar(packed)
+    words = mxfp4_planar_layout.repack_in_place(packed)
+    assert torch.equal(words, want) and words.data_ptr() == packed.data_ptr()
+    with pytest.raises(ValueError, match="packed must be contiguous"):
+        mxfp4_planar_layout.repack_in_place(torch.zeros(4, 8, 256, dtype=torch.uint8).transpose(0, 1))
+
+
 def planar_case(gen: torch.Generator, T: int, dtype: torch.dtype, big: bool = False,
                 K: int = 256) -> tuple[dict, PlanarMxfp4]:
     case = mx_case(gen, T, E=4, k=2, D=K, inter=K, dtype=dtype, experts=3)
