@@ -25,6 +25,7 @@ from k3rt.backend.layers.linear import (
     ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, ShardSpec, set_shard_spec,
 )
 from k3rt.backend.layers.norm import rms_norm
+from k3rt.kernels.moe.mxfp4_planar_layout import from_planar
 from k3rt.kernels.moe.mxfp4_ref import GROUP as MXFP4_GROUP, dequantize_mxfp4
 from k3rt.model_config import ActivationConfig, ModelConfig, MoEConfig
 
@@ -119,6 +120,9 @@ class MoE(nn.Module):
             self.w2_scale = set_shard_spec(nn.Parameter(torch.empty(E, width, inter // MXFP4_GROUP, dtype=u8),
                                                         requires_grad=False), ShardSpec(2))
             stacks = (self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)
+            # "packed" (the checkpoint's codes) or "planar": `use_planar` swapped w13_packed / w2_packed for
+            # w13_words / w2_words, the same bytes in the planar layout (kernels/moe/mxfp4_planar_layout.py)
+            self.expert_layout = "packed"
         else:
             self.w13 = set_shard_spec(nn.Parameter(torch.empty(E, 2 * inter, width, dtype=dtype), requires_grad=False),
                                       ShardSpec(1, (m.intermediate_size, m.intermediate_size)))
@@ -150,10 +154,32 @@ class MoE(nn.Module):
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's local expert e's (w13 [2I, width], w2 [width, I]); MXFP4 experts dequantized (exactly)
         into dtype."""
+        if self.mxfp4 and self.expert_layout == "planar":
+            return (dequantize_mxfp4(from_planar(self.w13_words[e]), self.w13_scale[e], dtype),
+                    dequantize_mxfp4(from_planar(self.w2_words[e]), self.w2_scale[e], dtype))
         if self.mxfp4:
             return (dequantize_mxfp4(self.w13_packed[e], self.w13_scale[e], dtype),
                     dequantize_mxfp4(self.w2_packed[e], self.w2_scale[e], dtype))
         return self.w13[e], self.w2[e]
+
+    def use_planar(self, w13_words: torch.Tensor, w2_words: torch.Tensor) -> None:
+        """Hold the MXFP4 experts as planar words (the GPU runner repacked w13_packed / w2_packed into them
+        in place: the same storage, so nothing else may read the packed names afterwards; they are removed,
+        and a later checkpoint load into this module fails on the missing names instead of writing codes
+        where words are). The reference path decodes the words back (`expert_weights`)."""
+        if not self.mxfp4 or self.expert_layout != "packed":
+            raise ValueError(f"use_planar: needs MXFP4 experts in the packed layout, this module has "
+                             f"{'mxfp4' if self.mxfp4 else 'dense'} experts, layout "
+                             f"{getattr(self, 'expert_layout', None)}")
+        for name, words in (("w13", w13_words), ("w2", w2_words)):
+            packed = getattr(self, f"{name}_packed")
+            if words.shape != (*packed.shape[:-1], packed.shape[-1] // 4) or words.dtype != torch.int32:
+                want = [*packed.shape[:-1], packed.shape[-1] // 4]
+                raise ValueError(f"use_planar: {name}_words must be int32 {want}, "
+                                 f"got {words.dtype} {list(words.shape)}")
+            del self._parameters[f"{name}_packed"]
+            self.register_parameter(f"{name}_words", nn.Parameter(words, requires_grad=False))
+        self.expert_layout = "planar"
 
     def experts(self, z: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Σ_k w[:, k] * Expert_{ids[:, k]}(z) — this rank's partial sum when TP > 1 (its width slice of

@@ -175,8 +175,10 @@ def _cast_ok(name: str) -> bool:
 
 
 def make_tiny(out_dir: str | Path, *, arch: str = "kimi_linear", seed: int = 0, dtype: str = "bfloat16",
-              vocab_size: int | None = None, max_shard_bytes: int | None = None) -> Path:
-    """Write a small random checkpoint (config, safetensors, tokenizer) to out_dir and return it."""
+              vocab_size: int | None = None, max_shard_bytes: int | None = None,
+              overrides: dict | None = None) -> Path:
+    """Write a small random checkpoint (config, safetensors, tokenizer) to out_dir and return it. overrides:
+    config.json keys replaced in the arch's tiny config (e.g. expert widths a kernel's layout needs)."""
     from k3rt.backend.tokenizer import load_tokenizer, write_tiny_tokenizer
 
     if arch not in TINY_CONFIGS:
@@ -185,6 +187,7 @@ def make_tiny(out_dir: str | Path, *, arch: str = "kimi_linear", seed: int = 0, 
     raw = dict(TINY_CONFIGS[arch])
     if vocab_size is not None:
         raw["vocab_size"] = vocab_size
+    raw.update(overrides or {})
     out.mkdir(parents=True, exist_ok=True)
     write_tiny_tokenizer(out, vocab_size=raw["vocab_size"], seed=seed)
     tok = load_tokenizer(out)

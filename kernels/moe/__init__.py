@@ -2,7 +2,8 @@
 oracles every MoE kernel is tested against.
 
 MXFP4 experts: `mxfp4_ref` (the format, quantizer, oracle), `fused_experts_mxfp4` and, on the planar
-in-memory layout (`PlanarMxfp4.from_packed`), `fused_experts_mxfp4_planar`.
+in-memory layout (`PlanarMxfp4.from_packed`, `mxfp4_planar_layout`), `fused_experts_mxfp4_planar`
+(the GPU runner's default, its `PLANAR_SERVE_VARIANT`).
 The Triton ops (`moe_route`, `fused_experts`, `fused_experts_mxfp4`, `moe_align_fwd`) are exported lazily, so importing the
 reference ops never imports Triton.
 """
@@ -17,10 +18,12 @@ _TRITON_EXPORTS = {
     "fused_experts_mxfp4": "k3rt.kernels.moe.triton_mxfp4",
     "fused_experts_mxfp4_planar": "k3rt.kernels.moe.triton_mxfp4_planar",
     "PlanarMxfp4": "k3rt.kernels.moe.triton_mxfp4_planar",
+    "PLANAR_SERVE_VARIANT": "k3rt.kernels.moe.triton_mxfp4_planar",
 }
 
 __all__ = [
     "ExpertTiles",
+    "PLANAR_SERVE_VARIANT",
     "PlanarMxfp4",
     "act_and_mul_ref",
     "align_ref",

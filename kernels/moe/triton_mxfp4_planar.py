@@ -22,11 +22,13 @@ at load (`PlanarMxfp4.from_packed`; the checkpoint stays compressed-tensors `mxf
     where every exponent is <= 128, folds it into the decode's multiply instead: 2^(s - 1) per plane);
   - the activations are read group by group in their natural order.
 Counted in the SASS of the compiled loops (sm_90, triton 3.6; tests/kernels/test_moe_mxfp4_sm90_build.py):
-3.9-4.3 instructions per weight element for the MMA variants at the default tiles (the decode about 1.4 of
-them), 5.9-6.8 for "fma". `triton_mxfp4`'s gate/up loop at its default tiles, counted the same way: 7.4 with
-tl.dot_scaled, 12.1 with its explicit dequant; dot_scaled measured 25% of copy bandwidth (2026-12-01), so if
-time scaled with instructions alone these would reach ~45-50%. Not yet measured on the device:
-benchmarks/kernels_mxfp4.py times them.
+3.7-4.5 instructions per weight element for the MMA variants at the default tiles (mma_ws 3.7 gate/up, 3.9
+down; 32-row tiles on 2 warps run mma.sync, 64-row ones wgmma at 3.9-4.3; the decode about 1.4 of them), 5.9-6.8
+for "fma". `triton_mxfp4`'s gate/up loop at its default tiles, counted the same way: 7.4 with tl.dot_scaled,
+12.1 with its explicit dequant. Measured on the H200 (benchmarks/kernels_mxfp4.py, 2026-12-02, K3's expert
+shape, bf16 activations): mma_ws at its default tiles 45% of copy bandwidth at M = 1-4 rows per expert, 37% at
+M = 16, 58% for a random routing of 16 tokens; dot_scaled 23-31%. The GPU runner serves it
+(`PLANAR_SERVE_VARIANT`, backend/runner/gpu/ffn.py).
 
 Three ways to use the decoded planes (`variant`):
   - "mma": tl.dot(plane [BN, 32], A^T [32, BM]) per group, the weight rows on the MMA's M side, BM = 16,
@@ -48,58 +50,22 @@ import triton.language as tl
 from torch import Tensor
 
 from k3rt.kernels.common import INTERPRET, check, check_same_device, poison_like
+# the layout itself (torch only); SLOT_BITS, to_planar and from_planar are re-exported with the kernels
+from k3rt.kernels.moe.mxfp4_planar_layout import CHUNK, SLOT_BITS, from_planar, repack_in_place, to_planar  # noqa: F401
 from k3rt.kernels.moe.mxfp4_ref import GROUP
 from k3rt.kernels.moe.triton_experts import _tanh, align_blocks, check_routing, check_x, sum_slots
 from k3rt.model_config import ActivationConfig
 
-CHUNK = 256  # K elements per planar chunk: 8 groups of 32, 32 int32 words of 8 nibbles
 MAX_SCALE = 240  # the largest E8M0 exponent whose group factor 2^(s - 113) is a normal fp32
 # the largest whose 2^(s - 1) is a bf16/fp32 (the decode's multiply carrying the scale: weights below 16)
 FUSED_MAX_SCALE = 128
 PLANAR_VARIANTS = ("mma", "mma_ws", "fma")
+# what the GPU runner serves MXFP4 experts with (its default tiles, PLANAR_CANDIDATES): the fastest variant at
+# every decode routing measured (benchmarks/kernels_mxfp4.py on the H200, 2026-12-02)
+PLANAR_SERVE_VARIANT = "mma_ws"
 # the GEMMs' arguments that change with the batch and the routing: not specialized (one compile per tile
 # config, not one per value class of T; serving and the benchmark would otherwise recompile mid-run)
 _PER_STEP = ["P", "T", "NB_ROUTED", "NB_SHARED"]
-
-
-# Where a 16-bit lane keeps the code bits (m, e0, e1, sign) of its 4 slots. Decoded, a slot's bits sit at
-# the bf16 positions (6, 7, 8, 15) (`_plane`): slots 0-2 get there with one shift (6, 3, 0) and one mask,
-# slot 3 with three (16 bits hold no fourth copy of the pattern {0, 1, 2, 9}).
-SLOT_BITS = ((0, 1, 2, 9), (3, 4, 5, 12), (6, 7, 8, 15), (10, 11, 13, 14))
-
-
-def to_planar(packed: Tensor) -> Tensor:
-    """compressed-tensors packed codes uint8 [..., N, K/2] -> planar int32 words [..., N, K/8] (module doc)."""
-    *lead, half = packed.shape
-    K = 2 * half
-    if packed.dtype != torch.uint8:
-        raise ValueError(f"packed must be uint8, got {packed.dtype}")
-    if K % CHUNK:
-        raise ValueError(f"the planar MXFP4 layout needs K to be a multiple of {CHUNK}, got K={K}")
-    # element 32 g + 2 i + l of a chunk (group g, pair i, lane l) -> word 16 (g // 4) + i, lane l, slot g % 4
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*lead, K // CHUNK, 2, 4, 16, 2).long()
-    word = torch.zeros(*lead, K // CHUNK, 2, 16, dtype=torch.int64, device=packed.device)
-    for slot, positions in enumerate(SLOT_BITS):
-        c = codes[..., slot, :, :]  # [.., chunk, 2, 16, lane]
-        for bit, pos in enumerate(positions):
-            word |= (((c >> bit) & 1) << (torch.tensor([0, 16], device=packed.device) + pos)).sum(-1)
-    return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32).reshape(*lead, K // 8)
-
-
-def from_planar(words: Tensor) -> Tensor:
-    """The inverse of `to_planar`: int32 words [..., N, K/8] -> packed uint8 [..., N, K/2]."""
-    if words.dtype != torch.int32:
-        raise ValueError(f"planar words must be int32, got {words.dtype}")
-    *lead, K8 = words.shape
-    K = 8 * K8
-    w = words.long().reshape(*lead, K // CHUNK, 2, 1, 16, 1) & 0xFFFFFFFF
-    lane = torch.tensor([0, 16], device=words.device)
-    codes = torch.zeros(*lead, K // CHUNK, 2, 4, 16, 2, dtype=torch.int64, device=words.device)
-    for slot, positions in enumerate(SLOT_BITS):
-        for bit, pos in enumerate(positions):
-            codes[..., slot, :, :] |= ((w[..., 0, :, :] >> (lane + pos)) & 1) << bit
-    codes = codes.reshape(*lead, K)
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8).contiguous()
 
 
 @dataclass(frozen=True)
@@ -114,20 +80,37 @@ class PlanarMxfp4:
     max_scale: int  # the largest E8M0 exponent of both: whether the kernels may fuse the scale (FUSED_MAX_SCALE)
 
     @staticmethod
-    def from_packed(w13_packed: Tensor, w13_scale: Tensor, w2_packed: Tensor, w2_scale: Tensor) -> PlanarMxfp4:
-        """Repack a layer's compressed-tensors stacks (one expert at a time: the unpacked codes of a whole
-        stack would be 2x its size again). Scales above `MAX_SCALE` are refused."""
-        tops = []
+    def unfit(w13_packed: Tensor, w13_scale: Tensor, w2_packed: Tensor, w2_scale: Tensor) -> str | None:
+        """Why these stacks cannot take the planar layout (None: they can): K of either weight not a multiple
+        of `CHUNK`, or an E8M0 exponent above `MAX_SCALE`."""
+        for name, p in (("w13_packed", w13_packed), ("w2_packed", w2_packed)):
+            if p.dtype != torch.uint8 or p.dim() != 3:
+                return f"{name} must be uint8 [E, N, K/2], got {p.dtype} {list(p.shape)}"
+            if (2 * p.shape[2]) % CHUNK:
+                return f"{name}: K={2 * p.shape[2]} is not a multiple of {CHUNK} (the planar chunk)"
         for name, s in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
             if s.dtype != torch.uint8:
-                raise ValueError(f"{name} must be uint8, got {s.dtype}")
+                return f"{name} must be uint8, got {s.dtype}"
             top = int(s.max()) if s.numel() else 0
-            tops.append(top)
             if top > MAX_SCALE:
-                raise ValueError(f"{name} holds E8M0 exponent {top} > {MAX_SCALE}: the planar kernel's group "
-                                 f"factor 2^(s - 113) would overflow fp32 (weights of 2^{top - 127 + 2} and up)")
+                return (f"{name} holds E8M0 exponent {top} > {MAX_SCALE}: the planar kernel's group factor "
+                        f"2^(s - 113) would overflow fp32 (weights of 2^{top - 127 + 2} and up)")
+        return None
+
+    @staticmethod
+    def from_packed(w13_packed: Tensor, w13_scale: Tensor, w2_packed: Tensor, w2_scale: Tensor, *,
+                    in_place: bool = False) -> PlanarMxfp4:
+        """Repack a layer's compressed-tensors stacks, one expert at a time (the unpacked codes of a whole
+        stack would be 2x its size again). in_place: the words overwrite the packed stacks' own storage (the
+        GPU runner at load: no second copy; the packed tensors then hold words). Refuses what `unfit` names."""
+        why = PlanarMxfp4.unfit(w13_packed, w13_scale, w2_packed, w2_scale)
+        if why is not None:
+            raise ValueError(why)
+        tops = [int(s.max()) if s.numel() else 0 for s in (w13_scale, w2_scale)]
 
         def stack(p: Tensor) -> Tensor:
+            if in_place:
+                return repack_in_place(p)
             return torch.stack([to_planar(p[e]) for e in range(p.shape[0])]) if p.shape[0] else \
                 torch.empty(*p.shape[:-1], p.shape[-1] // 4, dtype=torch.int32, device=p.device)
         return PlanarMxfp4(stack(w13_packed), w13_scale.contiguous(), stack(w2_packed), w2_scale.contiguous(),
@@ -151,12 +134,22 @@ class PlanarTiles:
     num_stages: int
 
 
-# the first of each variant's candidates is its default (unmeasured: the benchmark times them all)
-_MMA_CANDIDATES = (PlanarTiles(16, 64, 64, 16, 1, 4, 4, 3),
-                   PlanarTiles(16, 32, 32, 16, 1, 2, 2, 3),
+# the first of each variant's candidates is its default. MMA variants: 16/32/32/16/1/2/2/3 measured fastest
+# for both on the H200 at K3's expert shape (benchmarks/kernels_mxfp4.py, 2026-12-02: mma_ws 153 / 156 / 187 us
+# at M = 1 / 4 / 16 rows per expert, 1309 us random T=16, against 163 / 165 / 192 / 1338 us at 16/64/64/16/1/4/4/3:
+# more, smaller programs keep more weight loads in flight over the 132 SMs). The last three are not measured
+# yet: ways to put more bytes in flight per SM than the default's 2-warp programs, whose gate/up shared memory
+# (32 KB at 3 stages, sm_90 build; the activation tile takes as much as the weights) lets ~7 programs, 14 warps,
+# reside per SM: 2 stages (16 KB: ~14 programs, and 3.6 / 3.9 SASS instructions per element against 3.7 / 3.9),
+# 4 stages (48 KB), two chunks per loop step (64 KB, 3.5 / 3.8). 16/64/64/16/1/8/8/3 measured slowest at every
+# routing (376 us at M = 1) and left the grid for them.
+_MMA_CANDIDATES = (PlanarTiles(16, 32, 32, 16, 1, 2, 2, 3),
+                   PlanarTiles(16, 64, 64, 16, 1, 4, 4, 3),
                    PlanarTiles(16, 128, 128, 16, 1, 8, 8, 3),
                    PlanarTiles(16, 64, 64, 16, 2, 4, 4, 2),
-                   PlanarTiles(16, 64, 64, 16, 1, 8, 8, 3))
+                   PlanarTiles(16, 32, 32, 16, 1, 2, 2, 2),
+                   PlanarTiles(16, 32, 32, 16, 1, 2, 2, 4),
+                   PlanarTiles(16, 32, 32, 16, 2, 2, 2, 3))
 PLANAR_CANDIDATES = {
     "mma": _MMA_CANDIDATES,
     "mma_ws": _MMA_CANDIDATES,
@@ -531,7 +524,8 @@ def fused_experts_mxfp4_planar(
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     # "fma": the scale in the decode's one multiply where every factor 2^(s - 1) fits fp32 (weights below
     # 16). Not for "mma_ws": there the per-row bf16 factor on the plane took a round trip through shared
-    # memory in the sm_90 build (5.0 SASS instructions per element against 3.9 with the separate multiplies)
+    # memory in the sm_90 build (5.0 SASS instructions per element against 3.9 with the separate multiplies);
+    # at the 32-row mma.sync default no round trip, but still more: 4.1 / 4.4 (gate/up, down) against 3.7 / 3.9
     fused = variant == "fma" and w.max_scale <= FUSED_MAX_SCALE
     situ = act.name == "situ"
     bn1 = min(cfg.block_n1, triton.next_power_of_2(I))

@@ -84,3 +84,58 @@ def test_expert_parallel_local_ids_for_the_grouped_gemms(rank: int) -> None:
             assert set(lids[t].tolist()) <= used and (ltw[t][~mine[t]] == 0).all()
         got = kernel("moe", "fused_experts")(x, moe.w13, moe.w2, ltw, lids.to(torch.int32), act=moe.act)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
+
+
+def mxfp4_moe(latent: int, inter: int, seed: int = 7) -> MoE:
+    """The tiny K3 LatentMoE with MXFP4 routed experts of latent width `latent` and intermediate `inter`."""
+    from dataclasses import replace
+
+    cfg = parse_model_config({**TINY_CONFIGS["k3"], "routed_expert_hidden_size": latent,
+                              "moe_intermediate_size": inter})
+    cfg = replace(cfg, moe=replace(cfg.moe, expert_format="mxfp4"))
+    moe = MoE(cfg, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    for name, p in moe.named_parameters():
+        init_parameter(name, p.data, g)
+    return moe.to(DEV)
+
+
+def test_mxfp4_experts_run_planar_in_place_and_equal_the_module() -> None:
+    """The runner's default MXFP4 path: the packed stacks repacked in place into planar words (the same
+    storage: no more device memory), moe_forward through the planar kernel equal to the module's forward, and
+    the module, now holding the words, still computing the same (its reference loop decodes them)."""
+    moe = mxfp4_moe(256, 256)
+    x = torch.randn(5, moe.routed_expert_down_proj.weight.shape[1], generator=torch.Generator().manual_seed(8)).to(DEV)
+    k = KernelConfig(triton=True)
+    with torch.no_grad():
+        want = moe(x)
+        ptrs = {n: getattr(moe, n).data_ptr() for n in ("w13_packed", "w2_packed")}
+        w = MoeWeights.of(moe, k)
+        assert w.planar is not None and w.mx is None and moe.expert_layout == "planar"
+        assert {n for n, _ in moe.named_parameters()} >= {"w13_words", "w2_words"}
+        assert not hasattr(moe, "w13_packed") and not hasattr(moe, "w2_packed")
+        assert moe.w13_words.data_ptr() == ptrs["w13_packed"] == w.planar.w13_words.data_ptr()
+        assert moe.w2_words.data_ptr() == ptrs["w2_packed"]
+        assert torch.equal(moe(x), want)  # the reference loop reads the words back
+        got = moe_forward(moe, w, x, k)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+    with pytest.raises(ValueError, match="use_planar: needs MXFP4 experts in the packed layout"):
+        moe.use_planar(w.planar.w13_words, w.planar.w2_words)
+
+
+def test_mxfp4_experts_keep_dot_scaled_where_asked_or_where_planar_does_not_fit() -> None:
+    moe = mxfp4_moe(256, 256)
+    w = MoeWeights.of(moe, KernelConfig(triton=True, mxfp4_experts="dot_scaled"))
+    assert w.planar is None and w.mx is not None and moe.expert_layout == "packed" and w.unfit is None
+    w = MoeWeights.of(mxfp4_moe(32, 256), KernelConfig(triton=True))  # the tiny models' latent width
+    assert w.planar is None and "K=32 is not a multiple of 256" in w.unfit
+    big = mxfp4_moe(256, 256)
+    with torch.no_grad():
+        big.w2_scale[0, 0, 0] = 241  # a weight of 2^116: the planar group factor would overflow fp32
+    w = MoeWeights.of(big, KernelConfig(triton=True))
+    assert w.planar is None and "E8M0 exponent 241 > 240" in w.unfit and big.expert_layout == "packed"
+    w = MoeWeights.of(mxfp4_moe(256, 256), KernelConfig(triton=False))  # kernels off: the module's loop
+    assert w.planar is None and w.unfit is None
+    with pytest.raises(ValueError, match="mxfp4_experts: must be one of"):
+        KernelConfig(mxfp4_experts="planer")
+

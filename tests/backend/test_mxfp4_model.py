@@ -38,6 +38,17 @@ def pair(request, tmp_path_factory) -> tuple[Path, Path]:
     return dense, d / "mx"
 
 
+@pytest.fixture(scope="module")
+def planar_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """(dense, MXFP4) tiny K3 checkpoints whose experts fit the planar layout (latent width and expert
+    intermediate 256: K of both weights a multiple of the planar chunk), so the GPU runner repacks them."""
+    d = tmp_path_factory.mktemp("k3_planar")
+    dense = make_tiny(d / "dense", arch="k3", dtype="float32", seed=4,
+                      overrides={"routed_expert_hidden_size": 256, "moe_intermediate_size": 256})
+    quantize_checkpoint(dense, d / "mx", progress=False)
+    return dense, d / "mx"
+
+
 def dequantized_twin(mx_dir: Path, dense_dir: Path) -> torch.nn.Module:
     """The dense model with every routed expert replaced by the MXFP4 model's dequantized weights."""
     mx, dense = load_model(mx_dir, progress=False), load_model(dense_dir, progress=False)
@@ -110,6 +121,25 @@ def test_engine_greedy_equals_dequantized_dense(pair, runner) -> None:
     assert run(mx_dir, **over) == want
 
 
+def test_engine_greedy_through_the_planar_experts_equals_the_reference(planar_pair) -> None:
+    """The GPU runner's default MXFP4 path (experts repacked in place into planar words, the planar kernel;
+    the interpreter here) against the reference runner on the same checkpoint. Kept short: the interpreter
+    pays per program, and the planar widths (256) give 8 programs per expert block and GEMM."""
+    if HAS_CUDA:
+        pytest.skip("on a GPU: test_gpu_mxfp4_model_equals_cpu_reference")
+    _, mx_dir = planar_pair
+    prompts = [torch.randint(3, 500, (6,), generator=torch.Generator().manual_seed(6)).tolist()]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    outs = {}
+    for name, over in (("ref", dict(runner="model")), ("gpu", dict(runner="gpu", kernels=True, cuda_graphs=False))):
+        eng = Engine(replace(engine_config_for_tests(str(mx_dir), num_pages=64), **over))
+        outs[name] = [o.output_ids for o in eng.generate(prompts, params)]
+        if name == "gpu":
+            moes = [m for m in eng.runner.model.modules() if getattr(m, "mxfp4", False)]
+            assert moes and all(m.expert_layout == "planar" for m in moes)
+    assert outs["gpu"] == outs["ref"]
+
+
 def test_quantized_tensors_without_a_quantization_config_are_named(pair, tmp_path) -> None:
     _, mx = pair
     bad = tmp_path / "bad"
@@ -144,11 +174,13 @@ def test_quantize_refuses_what_it_cannot_do(pair, tmp_path) -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_mxfp4_model_equals_cpu_reference(pair) -> None:
-    """The compiled MXFP4 kernel (tl.dot_scaled, fp32 model: the explicit dequant) in the GPU runner."""
+@pytest.mark.parametrize("ckpt", ["tiny", "planar"])
+def test_gpu_mxfp4_model_equals_cpu_reference(pair, planar_pair, ckpt) -> None:
+    """The compiled MXFP4 kernels in the GPU runner: on the tiny checkpoints (widths under the planar chunk)
+    the dot_scaled kernel (fp32 model: its explicit dequant), on `planar_pair` the default planar kernel."""
     if not HAS_CUDA:
         pytest.skip("no CUDA device")
-    dense_dir, mx_dir = pair
+    dense_dir, mx_dir = pair if ckpt == "tiny" else planar_pair
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (6, 70)]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

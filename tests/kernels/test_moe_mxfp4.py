@@ -19,8 +19,8 @@ from k3rt.kernels.moe.ref import fused_experts_ref  # noqa: E402
 from k3rt.kernels.moe.triton_mxfp4 import Mxfp4Tiles  # noqa: E402
 from k3rt.kernels.moe.triton_mxfp4 import MXFP4_DECODE_CANDIDATES, fused_experts_mxfp4  # noqa: E402
 from k3rt.kernels.moe.triton_mxfp4_planar import (  # noqa: E402
-    FUSED_MAX_SCALE, MAX_SCALE, PLANAR_VARIANTS, SLOT_BITS, PlanarMxfp4, PlanarTiles, dequantize_planar,
-    fused_experts_mxfp4_planar, from_planar, to_planar,
+    FUSED_MAX_SCALE, MAX_SCALE, PLANAR_CANDIDATES, PLANAR_VARIANTS, SLOT_BITS, PlanarMxfp4, PlanarTiles,
+    dequantize_planar, fused_experts_mxfp4_planar, from_planar, to_planar,
 )
 from k3rt.model_config import ActivationConfig  # noqa: E402
 from tests.kernels.helpers import DEV, HAS_CUDA, rel_err  # noqa: E402
@@ -210,8 +210,24 @@ def test_planar_layout_round_trips_and_decodes_every_code_at_every_scale() -> No
         to_planar(packed[:, :64])
 
 
-def planar_case(gen: torch.Generator, T: int, dtype: torch.dtype, big: bool = False) -> tuple[dict, PlanarMxfp4]:
-    case = mx_case(gen, T, E=4, k=2, D=256, inter=256, dtype=dtype, experts=3)
+@pytest.mark.parametrize("step_bytes", [1, 2 * 8 * 256, 1 << 30])
+def test_repack_in_place_is_to_planar_in_the_same_storage(step_bytes: int, monkeypatch) -> None:
+    """The GPU runner's load-time repack: one, two (of five: a short last step) or all experts per step give
+    to_planar's words in the packed stack's own storage; a non-contiguous stack is refused."""
+    from k3rt.kernels.moe import mxfp4_planar_layout
+
+    monkeypatch.setattr(mxfp4_planar_layout, "REPACK_BYTES", step_bytes)
+    packed = torch.randint(0, 256, (5, 8, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    want = to_planar(packed)
+    words = mxfp4_planar_layout.repack_in_place(packed)
+    assert torch.equal(words, want) and words.data_ptr() == packed.data_ptr()
+    with pytest.raises(ValueError, match="packed must be contiguous"):
+        mxfp4_planar_layout.repack_in_place(torch.zeros(4, 8, 256, dtype=torch.uint8).transpose(0, 1))
+
+
+def planar_case(gen: torch.Generator, T: int, dtype: torch.dtype, big: bool = False,
+                K: int = 256) -> tuple[dict, PlanarMxfp4]:
+    case = mx_case(gen, T, E=4, k=2, D=K, inter=K, dtype=dtype, experts=3)
     if big:  # one group of each expert's down rows 2^20 larger (E8M0 ~ 137)
         case["w2_scale"][:, :, 0] += 20
     return case, PlanarMxfp4.from_packed(*(case[n] for n in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")))
@@ -228,6 +244,22 @@ def test_fused_experts_mxfp4_planar_matches_ref_with_shared_expert(variant: str,
     out = fused_experts_mxfp4_planar(case["x"], w, case["topk_weights"], case["topk_ids"], act=SITU,
                                      variant=variant, shared_experts=1)
     assert out.shape == (3, 256) and out.dtype == torch.float32
+    assert rel_err(out, ref) <= 1e-5
+
+
+# weight-tile shapes of the device grid the test above (the interpreter's 64/64, one chunk) does not run:
+# (block_n1, block_n2, chunks): the runner's default, and two chunks per loop step (at 64 rows: 32 rows with
+# two chunks is the same loop at the default's row tile)
+@pytest.mark.parametrize("tiles", [(32, 32, 1), (64, 64, 2)], ids=str)
+def test_planar_mma_ws_tile_shapes_of_the_device_grid(tiles: tuple[int, int, int]) -> None:
+    """The served variant at the GPU candidates' tile shapes (warps and stages do not change what the
+    interpreter computes); two chunks per step need K of two chunks (512), else the launcher takes one."""
+    bn1, bn2, chunks = tiles
+    assert any((t.block_n1, t.block_n2, t.chunks) == tiles for t in PLANAR_CANDIDATES["mma_ws"])
+    case, w = planar_case(torch.Generator().manual_seed(9), 2, torch.float32, K=256 * chunks)
+    ref = fused_experts_mxfp4_ref(**case, act=SITU, shared_experts=1)
+    out = fused_experts_mxfp4_planar(case["x"], w, case["topk_weights"], case["topk_ids"], act=SITU, variant="mma_ws",
+                                     shared_experts=1, tiles=PlanarTiles(16, bn1, bn2, 16, chunks, 1, 1, 1))
     assert rel_err(out, ref) <= 1e-5
 
 

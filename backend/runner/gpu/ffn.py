@@ -13,6 +13,14 @@ The routed and shared outputs are summed in fp32 before one rounding (the refere
 routed sum first): equal up to that rounding. For S = 1 the module's own parameters become views of
 the stacks (no second copy); for S > 1 the stacks hold a copy of the shared weights.
 LatentMoE's shared expert reads the full-width x while its routed experts read the latent: no fusion.
+
+MXFP4 routed experts (`KernelConfig.mxfp4_experts`): by default repacked once here, in place, into the planar
+layout (`PlanarMxfp4.from_packed(in_place=True)`: the words take the packed codes' own storage, so device
+memory stays what the checkpoint's stacks take) and run by `fused_experts_mxfp4_planar`; the module then
+holds the words (`MoE.use_planar`) and its reference loop decodes them. A layer that does not fit the layout
+(tiny test models, an I per rank that is not a multiple of 256 under TP) keeps the packed codes and the
+dot_scaled kernel (`GpuForward` logs why, once per reason). The shared expert stays dense: no fusion into
+the quantized stacks.
 """
 
 from __future__ import annotations
@@ -29,20 +37,22 @@ from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear
 
 @dataclass
 class MoeWeights:
-    """One MoE layer's expert stacks for the kernels: [E (+S), 2I, D] and [E (+S), D, I]; for MXFP4 experts
-    the packed codes and scales (`mx`: w13_packed, w13_scale, w2_packed, w2_scale) and no dense stacks."""
+    """One MoE layer's expert stacks for the kernels: [E (+S), 2I, D] and [E (+S), D, I]; for MXFP4 experts no
+    dense stacks but either the planar words (`planar`, a PlanarMxfp4) or the packed codes and scales for the
+    dot_scaled kernel (`mx`: w13_packed, w13_scale, w2_packed, w2_scale)."""
 
     w13: torch.Tensor | None
     w2: torch.Tensor | None
     shared_fused: int  # S: shared experts stacked after the routed ones (0: the module runs them)
     mx: dict[str, torch.Tensor] | None = None
+    planar: object | None = None  # kernels.moe.PlanarMxfp4 (not imported here: Triton only when kernels run)
+    unfit: str | None = None  # why planar was asked for and these stacks kept the packed codes (GpuForward logs it)
 
     @staticmethod
     def of(moe: MoE, k: KernelConfig) -> "MoeWeights":
         m, mlp = moe.m, moe.shared_experts
-        if moe.mxfp4:  # the shared expert stays dense: no fusion into the quantized stacks
-            return MoeWeights(None, None, 0, {n: getattr(moe, n) for n in
-                                              ("w13_packed", "w13_scale", "w2_packed", "w2_scale")})
+        if moe.mxfp4:
+            return MoeWeights._mxfp4(moe, k)
         if not k.triton or mlp is None or m.latent_size is not None:
             return MoeWeights(moe.w13, moe.w2, 0)
         E, two_i, D = moe.w13.shape
@@ -62,10 +72,25 @@ class MoeWeights:
             mlp.down_proj.weight.data = w2[E]
         return MoeWeights(w13, w2, S)
 
+    @staticmethod
+    def _mxfp4(moe: MoE, k: KernelConfig) -> "MoeWeights":
+        stacks = {n: getattr(moe, n) for n in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")}
+        planar_cls = kernel("moe", "PlanarMxfp4") if k.triton and k.mxfp4_experts == "planar" else None
+        if planar_cls is None:  # the kernels off (the module's loop reads the codes) or dot_scaled asked for
+            return MoeWeights(None, None, 0, mx=stacks)
+        why = planar_cls.unfit(*(t.data for t in stacks.values()))
+        if why is not None:
+            return MoeWeights(None, None, 0, mx=stacks, unfit=why)
+        planar = planar_cls.from_packed(*(t.data for t in stacks.values()), in_place=True)
+        moe.use_planar(planar.w13_words, planar.w2_words)
+        return MoeWeights(None, None, 0, planar=planar)
+
 
 def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> torch.Tensor:
     m = moe.m
-    experts = kernel("moe", "fused_experts_mxfp4" if w.mx is not None else "fused_experts") if k.triton else None
+    name = ("fused_experts_mxfp4_planar" if w.planar is not None else "fused_experts_mxfp4" if w.mx is not None
+            else "fused_experts")
+    experts = kernel("moe", name) if k.triton else None
     router = kernel("moe", "moe_route") if k.triton else None
     if router is not None:
         logits = linear(x, moe.gate_weight, k, out_dtype=torch.float32)
@@ -89,6 +114,9 @@ def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> to
     def routed(z: torch.Tensor) -> torch.Tensor:
         if experts is None:
             return moe.experts(z, tw, ids)
+        if w.planar is not None:
+            return experts(z, w.planar, tw, ids.to(torch.int32), act=moe.act,
+                           variant=kernel("moe", "PLANAR_SERVE_VARIANT"), use_pdl=k.use_pdl)
         if w.mx is not None:
             return experts(z, **w.mx, topk_weights=tw, topk_ids=ids.to(torch.int32), act=moe.act, use_pdl=k.use_pdl)
         return experts(z, w.w13, w.w2, tw, ids.to(torch.int32), act=moe.act, shared_experts=w.shared_fused,

@@ -8,6 +8,8 @@ decode step contains no host synchronization and can be captured in a CUDA graph
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from k3rt.backend.cache.pool import PagePool
@@ -20,6 +22,8 @@ from k3rt.backend.runner.gpu.kda import KdaWeights, kda_commit, kda_commit_graph
 from k3rt.backend.runner.gpu.mla import MlaWeights, mla_forward
 from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear
 from k3rt.backend.runner.gpu.step import GpuStep
+
+log = logging.getLogger(__name__)
 
 
 class GpuForward:
@@ -39,6 +43,8 @@ class GpuForward:
             self.prepared[i] = MlaWeights.of(self.layers[i].self_attn, t)
         self.moe = {i: MoeWeights.of(layer.mlp, kernels) for i, layer in enumerate(self.layers)
                     if isinstance(layer.mlp, MoE)}
+        for why in sorted({w.unfit for w in self.moe.values() if w.unfit is not None}):
+            log.info("MXFP4 experts: the dot_scaled kernel where the planar layout does not fit (%s)", why)
         kda = [w for w in self.prepared.values() if isinstance(w, KdaWeights)]
         self.conv_width = kda[0].conv_weight.shape[1] if kda else 1
         self.norm_kernel = kernel("norm", "rms_norm") if kernels.triton else None

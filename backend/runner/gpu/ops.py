@@ -15,6 +15,9 @@ import torch.nn.functional as F
 from k3rt.backend.layers.batch_invariant import invariant_linear
 
 
+MXFP4_EXPERT_PATHS = ("planar", "dot_scaled")
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     triton: bool = True
@@ -27,6 +30,16 @@ class KernelConfig:
     # kernel with one split, KDA token by token through the decode kernel with one program per head,
     # fixed expert-GEMM tiles: see docs/deterministic.md
     batch_invariant: bool = False
+    # MXFP4 routed experts: "planar" repacks them at load into the planar layout and runs
+    # kernels/moe/triton_mxfp4_planar.py (its PLANAR_SERVE_VARIANT at its default tiles: 45% of copy bandwidth at
+    # M = 1-4 rows per expert on the H200 against 26% for "dot_scaled"), where a layer fits that layout (K of
+    # both weights a multiple of 256, E8M0 exponents <= 240) and "dot_scaled" (kernels/moe/triton_mxfp4.py on
+    # the checkpoint's packed codes) elsewhere; "dot_scaled" everywhere: the phase-1 kernel, for comparison
+    mxfp4_experts: str = "planar"
+
+    def __post_init__(self) -> None:
+        if self.mxfp4_experts not in MXFP4_EXPERT_PATHS:
+            raise ValueError(f"mxfp4_experts: must be one of {MXFP4_EXPERT_PATHS}, got {self.mxfp4_experts!r}")
 
 
 @cache
