@@ -28,7 +28,8 @@ import argparse
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -45,6 +46,7 @@ from k3rt.backend.spec.dspark.model import DSparkConfig, DSparkModel, verify_len
 from k3rt.backend.spec.dspark.target import capture_states, dense_states, stack_states
 from k3rt.backend.spec.ngram import NgramDrafter
 from k3rt.backend.tokenizer import load_tokenizer
+from k3rt.model_config import load_model_config
 from k3rt.training.corpus import HELDOUT_MODULES, code_documents, stdlib_dir
 from k3rt.training.train import use_fast_kda
 
@@ -126,6 +128,75 @@ def greedy_dense(target: KimiForCausalLM, prompts: Sequence[Sequence[int]], gen_
     return ids, states.half(), nexts
 
 
+def greedy_engine(target: KimiForCausalLM, model: str, prompts: Sequence[Sequence[int]], gen_len: int, *,
+                  batch: int, device: str, dtype: str, deadline: float = math.inf,
+                  progress: Callable[[int], None] | None = None) -> torch.Tensor:
+    """Greedy continuations through k3rt's own engine, `batch` sequences at once (continuous batching; the
+    GPU runner with decode CUDA graphs on CUDA, the reference runner elsewhere): one prefill and then one
+    decode step per token, instead of the dense path's forward of every sequence so far per token.
+    Returns tokens [N, P + gen_len] of the prompts that finished before `deadline` (time.time()), in
+    prompt order; the rest are aborted. No states: capture them after with one dense forward
+    (`states_and_next`), which is exact and keeps the engine unchanged. `target` is the loaded model of
+    checkpoint `model`, shared with the engine (not copied)."""
+    from k3rt.backend.engine import Engine, cache_geometry
+    from k3rt.config import CacheConfig, EngineConfig, SchedulerConfig
+    from k3rt.sampling_params import SamplingParams
+
+    p = len(prompts[0])
+    if any(len(x) != p for x in prompts):
+        raise ValueError("prompts: the engine path needs equal-length prompts (the output is one [N, T] tensor)")
+    # pages: every running request's KV for its whole length plus its KDA state set; no prefix cache (random
+    # windows share nothing), so nothing else holds pages
+    base = EngineConfig(model=model, dtype=dtype, device=device)
+    layout, _ = cache_geometry(base, load_model_config(model))
+    per_request = -(-(p + gen_len) // layout.block_size) + layout.pages_per_state_set
+    cache = CacheConfig(num_pages=batch * per_request + 8, enable_prefix_cache=False)
+    # one step may prefill a whole batch of prompts (they arrive together and finish together)
+    budget = max(2048, -(-batch * p // 64) * 64)
+    sched = SchedulerConfig(max_running=batch, max_waiting=2 * batch, max_num_batched_tokens=budget)
+    engine = Engine(replace(base, cache=cache, scheduler=sched), model=target)
+    params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
+    rids: dict[int, int] = {}  # engine request id -> prompt index
+    done: dict[int, list[int]] = {}
+    fed = 0
+    try:
+        while len(done) < len(prompts):
+            if time.time() > deadline:
+                break
+            while fed < len(prompts) and len(rids) - len(done) < 2 * batch:  # running + one batch waiting
+                rids[engine.add_request(prompts[fed], params)] = fed
+                fed += 1
+            for o in engine.step():
+                if o.finished:
+                    if o.error is not None or len(o.output_ids) != gen_len:
+                        raise RuntimeError(f"greedy_engine: request {o.rid} ended {o.finish_reason} after "
+                                           f"{len(o.output_ids or [])} of {gen_len} tokens ({o.error})")
+                    done[rids[o.rid]] = o.output_ids
+                    if progress is not None:
+                        progress(1)
+    finally:
+        engine.close()
+    idx = sorted(done)
+    if not idx:
+        return torch.empty(0, p + gen_len, dtype=torch.long)
+    return torch.tensor([list(prompts[i]) + done[i] for i in idx], dtype=torch.long)
+
+
+@torch.no_grad()
+def states_and_next(target: KimiForCausalLM, tokens: torch.Tensor, layers: Sequence[int], batch: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The states [N, T - 1, F] fp16 and argmax next tokens [N, T - 1] of finished sequences [N, T] (the
+    last token is never run), from one dense forward per `batch` sequences on the target's device; the
+    result stays there. Exact: what the cached path records (test_dspark.py checks they agree)."""
+    device = target.lm_head.weight.device
+    states, nexts = [], []
+    for i in range(0, tokens.shape[0], batch):
+        nx, st = dense_states(target, tokens[i: i + batch, :-1].to(device), layers)
+        states.append(st.half())
+        nexts.append(nx)
+    return torch.cat(states), torch.cat(nexts)
+
+
 @torch.no_grad()
 def corpus_with_states(target: KimiForCausalLM, windows: torch.Tensor, layers: Sequence[int]
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -139,9 +210,13 @@ def corpus_with_states(target: KimiForCausalLM, windows: torch.Tensor, layers: S
 def cmd_gen(args: argparse.Namespace) -> None:
     target = load_model(args.target, dtype=args.target_dtype, device=args.device, progress=False)
     layers = tuple(args.layers)
-    dense = args.greedy_path == "dense" or (args.greedy_path == "auto" and args.device.startswith("cuda"))
-    if args.source == "corpus" or dense:
-        use_fast_kda(target)  # dense [B, T] path only; the checkpoint is untouched
+    path = args.greedy_path
+    if path == "auto":
+        path = "engine" if args.device.startswith("cuda") else "cached"
+    if args.source == "corpus" or path in ("dense", "engine"):
+        # the dense [B, T] path only (the engine path's state capture); the cached path and the engine's
+        # runners do not read it, and the checkpoint is untouched
+        use_fast_kda(target)
     if args.source == "corpus":
         prompts = code_prompts(args.split, args.max_prompts, args.prompt_len + args.gen_len, args.seed, args.target)
     else:
@@ -149,30 +224,53 @@ def cmd_gen(args: argparse.Namespace) -> None:
     tokens, states, nexts, t0 = [], [], [], time.time()
     deadline = t0 + args.minutes * 60
     bar = tqdm(total=len(prompts), desc=f"gen {args.source} {args.split}", unit="seq")
-    for i in range(0, len(prompts), args.batch):
-        if time.time() > deadline:
-            break
-        if args.source == "corpus":
-            tk, st, nx = corpus_with_states(target, torch.tensor(prompts[i: i + args.batch], device=args.device), layers)
-        elif dense:
-            got = greedy_dense(target, prompts[i: i + args.batch], args.gen_len, layers, deadline)
-            if got is None:  # the budget ran out inside this batch: it is dropped
+    if args.source == "greedy" and path == "engine":
+        # one engine over all prompts (continuous batching); the states come after, per batch
+        tk = greedy_engine(target, args.target, prompts, args.gen_len, batch=args.batch, device=args.device,
+                           dtype=args.target_dtype, deadline=deadline, progress=bar.update)
+        if tk.shape[0]:
+            tokens.append(tk)
+        gen_s = time.time() - t0
+        if tk.shape[0] and not args.no_states:
+            st, nx = states_and_next(target, tk, layers, args.batch)
+            states.append(st.cpu())
+            nexts.append(nx.cpu())
+    else:
+        for i in range(0, len(prompts), args.batch):
+            if time.time() > deadline:
                 break
-            tk, st, nx = got
-        else:
-            tk, st, nx = greedy_with_states(target, prompts[i: i + args.batch], args.gen_len, layers)
-        tokens.append(tk.cpu())
-        states.append(st.cpu())
-        nexts.append(nx.cpu())
-        bar.update(tk.shape[0])
+            if args.source == "corpus":
+                tk = torch.tensor(prompts[i: i + args.batch], device=args.device)
+                if args.no_states:  # train runs the same forward when it loads the file
+                    tk, st, nx = tk, None, None
+                else:
+                    tk, st, nx = corpus_with_states(target, tk, layers)
+            elif path == "dense":
+                got = greedy_dense(target, prompts[i: i + args.batch], args.gen_len, layers, deadline)
+                if got is None:  # the budget ran out inside this batch: it is dropped
+                    break
+                tk, st, nx = got
+            else:
+                tk, st, nx = greedy_with_states(target, prompts[i: i + args.batch], args.gen_len, layers)
+            tokens.append(tk.cpu())
+            if st is not None and not args.no_states:
+                states.append(st.cpu())
+                nexts.append(nx.cpu())
+            bar.update(tk.shape[0])
+        gen_s = time.time() - t0
     bar.close()
     if not tokens:
         raise SystemExit(f"gen: no batch finished within --minutes {args.minutes} (lower --batch or --gen-len)")
-    data = {"tokens": torch.cat(tokens), "states": torch.cat(states), "next": torch.cat(nexts),
-            "source": args.source, "target_layers": list(layers), "target": args.target, "split": args.split}
+    data = {"tokens": torch.cat(tokens), "states": torch.cat(states) if states else None,
+            "next": torch.cat(nexts) if nexts else None, "source": args.source, "target_layers": list(layers),
+            "target": args.target, "split": args.split}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     torch.save(data, args.out)
-    print(f"{data['tokens'].shape[0]} sequences x {data['tokens'].shape[1]} tokens -> {args.out}")
+    n, t = data["tokens"].shape
+    rate = n / gen_s * 60
+    print(f"{n} sequences x {t} tokens ({args.source}, {path if args.source == 'greedy' else 'dense'} path: "
+          f"{gen_s:.1f} s generating, {rate:.0f} sequences/min; states "
+          f"{'left to train' if data['states'] is None else 'included'}) -> {args.out}")
 
 
 # ---- training ---------------------------------------------------------------------------------------
@@ -443,9 +541,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     gen.add_argument("--batch", type=int, default=32)
     gen.add_argument("--layers", type=int, nargs="+", default=list(K3_TINY_DSPARK["target_layers"]))
     gen.add_argument("--minutes", type=float, default=6.0, help="stop generating after this long")
-    gen.add_argument("--greedy-path", default="auto", choices=["auto", "cached", "dense"],
-                     help="greedy continuations through the cached decode path (cached) or repeated dense "
-                          "forwards (dense: one [B, T] batch per token, faster on a GPU); auto: dense on cuda")
+    gen.add_argument("--greedy-path", default="auto", choices=["auto", "cached", "dense", "engine"],
+                     help="greedy continuations through k3rt's engine (engine: continuous batching of --batch "
+                          "requests, CUDA graphs on cuda; states from one dense forward per finished batch), "
+                          "the cached decode path (cached: one batch of --batch at a time), or repeated dense "
+                          "forwards (dense: one [B, T] forward of every sequence so far per token); auto: "
+                          "engine on cuda, cached elsewhere")
+    gen.add_argument("--no-states", action="store_true",
+                     help="save the token ids only: train captures the states and labels with one dense "
+                          "forward when it loads the file (a big GPU run's file stays small)")
     tr = sub.add_parser("train", help="train a drafter on gen's data")
     tr.add_argument("--data", type=Path, nargs="+", required=True, help="one or more gen outputs")
     tr.add_argument("--data-weights", type=float, nargs="+", default=None,
