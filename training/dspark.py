@@ -267,9 +267,8 @@ def cmd_gen(args: argparse.Namespace) -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     torch.save(data, args.out)
     n, t = data["tokens"].shape
-    rate = n / gen_s * 60
-    print(f"{n} sequences x {t} tokens ({args.source}, {path if args.source == 'greedy' else 'dense'} path: "
-          f"{gen_s:.1f} s generating, {rate:.0f} sequences/min; states "
+    how = f"{path} path, {n / gen_s * 60:.0f} sequences/min" if args.source == "greedy" else "corpus windows"
+    print(f"{n} sequences x {t} tokens ({how}, {gen_s:.1f} s; states "
           f"{'left to train' if data['states'] is None else 'included'}) -> {args.out}")
 
 
@@ -342,8 +341,73 @@ def losses(model: DSparkModel, win: tuple[torch.Tensor, torch.Tensor, torch.Tens
     return token_loss, conf_loss, match
 
 
+def split_holdout(pairs: torch.Tensor, num_seqs: int, frac: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Anchors [N, 2] -> (training anchors, held-out anchors): a random `frac` of the sequences (whole
+    prompts, so no held-out anchor shares a continuation with a training one) keep all their anchors out of
+    training. At least one sequence each way when frac > 0 and there are two or more."""
+    held = round(frac * num_seqs)
+    held = min(max(held, 1 if frac > 0 else 0), num_seqs - 1) if num_seqs > 1 else 0
+    out = torch.zeros(num_seqs, dtype=torch.bool)
+    out[torch.randperm(num_seqs, generator=torch.Generator().manual_seed(seed))[:held]] = True
+    is_out = out.to(pairs.device)[pairs[:, 0]]
+    return pairs[~is_out], pairs[is_out]
+
+
+@torch.no_grad()
+def teacher_forced_tau(model: DSparkModel, tokens: torch.Tensor, states: torch.Tensor, nxt: torch.Tensor,
+                       pairs: torch.Tensor, embed: torch.Tensor, lm_head: torch.Tensor, batch: int) -> float:
+    """Mean over anchors of 1 + the drafts' longest prefix equal to the labels, teacher-forced (the Markov
+    head given the true previous tokens, as in training). On greedy data it estimates replay_tau's τ at
+    every position, not only at round starts."""
+    was = model.training
+    model.eval()
+    total = 0.0
+    for i in range(0, pairs.shape[0], batch):
+        win, prev, labels, valid = gather(tokens, states, nxt, pairs[i: i + batch], model.cfg)
+        logits, _ = model.scores(win[0], prev, embed, lm_head, **_window_kwargs(model, win))
+        match = (logits.argmax(-1) == labels) & valid
+        total += float(match.int().cumprod(1).sum(1).add(1).sum())
+    model.train(was)
+    return total / max(1, pairs.shape[0])
+
+
+def _sample(pairs: torch.Tensor, n: int, seed: int) -> torch.Tensor:
+    """A fixed random subset of at most n anchors (the same one at every evaluation)."""
+    if pairs.shape[0] <= n:
+        return pairs
+    return pairs[torch.randperm(pairs.shape[0], generator=torch.Generator().manual_seed(seed))[:n].to(pairs.device)]
+
+
+class BestWeights:
+    """Early stopping's memory: the weights at the best score so far (held-out τ; higher is better) and how
+    many scores since did not beat it."""
+
+    def __init__(self) -> None:
+        self.score: float | None = None
+        self.step: int | None = None
+        self.weights: dict[str, torch.Tensor] | None = None
+        self.stale = 0
+
+    def update(self, score: float, step: int, model: torch.nn.Module) -> bool:
+        """Record one evaluation; True when it is the new best (a tie keeps the earlier weights)."""
+        if self.score is not None and score <= self.score + 1e-4:
+            self.stale += 1
+            return False
+        self.score, self.step, self.stale = score, step, 0
+        self.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return True
+
+    def restore(self, model: torch.nn.Module) -> None:
+        if self.weights is not None:
+            model.load_state_dict(self.weights)
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
+    if not 0 <= args.holdout_frac < 1:
+        raise ValueError(f"--holdout-frac: must be in [0, 1), got {args.holdout_frac}")
+    if not 0 <= args.state_dropout < 1:
+        raise ValueError(f"--state-dropout: must be in [0, 1), got {args.state_dropout}")
     if args.device.startswith("cuda"):  # TF32 matmuls: a drafter's argmax does not need fp32's last bits
         torch.set_float32_matmul_precision("high")
     parts = [torch.load(path) for path in args.data]
@@ -369,13 +433,32 @@ def cmd_train(args: argparse.Namespace) -> None:
     target = load_model(data["target"], dtype="float32", device=args.device, progress=False)
     embed = target.model.embed_tokens.weight.detach()
     lm_head = target.lm_head.weight.detach()
-    del target
+    t_load = time.time()
+    if any(d["states"] is None for d in parts):  # gen --no-states: the same dense forward gen would have run
+        use_fast_kda(target)
     # each file's sequences keep their own length: train on one file's anchors at a time, files drawn
     # in proportion to their anchors
     sets = []
     for d in parts:
-        tk, st, nx = d["tokens"].to(args.device), d["states"].to(args.device), d["next"].to(args.device)
+        tk = d["tokens"].to(args.device)
+        if d["states"] is None:
+            st, nx = states_and_next(target, tk, cfg.target_layers, args.capture_batch)
+        else:
+            st, nx = d["states"].to(args.device), d["next"].to(args.device)
         sets.append((tk, st, nx, anchors(nx, cfg)))
+    del target
+    capture_s = time.time() - t_load
+    # held-out split: whole sequences of the greedy files (every label exact there; a corpus file's masked
+    # labels would count as misses), or of every file when none is greedy
+    greedy = [i for i, d in enumerate(parts) if d.get("source") == "greedy"] or list(range(len(parts)))
+    held_in, held_out = [], []  # (set index, fixed anchor sample) for the evaluations
+    for i in greedy:
+        tk, st, nx, pairs = sets[i]
+        train_pairs, out_pairs = split_holdout(pairs, tk.shape[0], args.holdout_frac, args.seed + i)
+        sets[i] = (tk, st, nx, train_pairs)
+        held_in.append((i, _sample(train_pairs, args.holdout_anchors, args.seed)))
+        if out_pairs.shape[0]:
+            held_out.append((i, _sample(out_pairs, args.holdout_anchors, args.seed)))
     sizes = torch.tensor([float(s[3].shape[0]) for s in sets])
     if args.data_weights is not None:
         if len(args.data_weights) != len(sets):
@@ -383,13 +466,41 @@ def cmd_train(args: argparse.Namespace) -> None:
         draw = torch.tensor(args.data_weights, dtype=torch.float)
     else:
         draw = sizes
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+
+    def evaluate(which: list[tuple[int, torch.Tensor]]) -> float | None:
+        """Teacher-forced τ over a fixed anchor sample, weighted by anchors (None: no anchors)."""
+        n = sum(p.shape[0] for _, p in which)
+        if not n:
+            return None
+        return sum(teacher_forced_tau(model, *sets[i][:3], p, embed, lm_head, 4 * args.batch) * p.shape[0]
+                   for i, p in which) / n
+
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
     # earlier drafts matter more: draft j is only useful if 1..j-1 were accepted
     pos_weight = torch.tensor([args.pos_decay ** j for j in range(cfg.block_size)], device=args.device)
     t0, step, ema = time.time(), 0, None
     budget = args.minutes * 60
+    curve: list[dict] = []  # every evaluation: step, seconds, held-in and held-out teacher-forced tau
+    best = BestWeights()
+    last_eval = t0
+
+    def checkpoint() -> bool:
+        """Evaluate both splits, log them, keep the best weights by held-out τ; True: stop (patience)."""
+        nonlocal last_eval
+        tau_in, tau_out = evaluate(held_in), evaluate(held_out)
+        curve.append({"step": step, "s": round(time.time() - t0, 1), "tau_in": round(tau_in, 4),
+                      "tau_out": None if tau_out is None else round(tau_out, 4)})
+        tqdm.write(f"eval step {step} {time.time() - t0:.0f}s: held-in tau {tau_in:.3f}, held-out-split tau "
+                   + ("-" if tau_out is None else f"{tau_out:.3f}"))
+        last_eval = time.time()
+        if tau_out is None:
+            return False
+        best.update(tau_out, step, model)
+        return args.patience is not None and best.stale >= args.patience
+
     bar = tqdm(total=int(budget), desc="train", unit="s", bar_format="{l_bar}{bar}| {n:.0f}/{total}s {postfix}")
     cpu_g = torch.Generator().manual_seed(args.seed)
+    stopped = False
     while time.time() - t0 < budget and (args.max_steps is None or step < args.max_steps):
         frac = (time.time() - t0) / budget
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
@@ -398,6 +509,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         tk, st, nx, pairs = sets[int(torch.multinomial(draw, 1, generator=cpu_g))]
         idx = torch.randint(0, pairs.shape[0], (args.batch,), generator=cpu_g).to(args.device)
         win, prev, labels, valid = gather(tk, st, nx, pairs[idx], cfg)
+        if args.state_dropout:  # regularizes the block's reliance on any one state feature
+            win = (F.dropout(win[0], args.state_dropout), *win[1:])
         token_loss, conf_loss, match = losses(model, win, prev, labels, valid, embed, lm_head, pos_weight)
         opt.zero_grad(set_to_none=True)
         (token_loss + args.conf_weight * conf_loss).backward()
@@ -410,15 +523,32 @@ def cmd_train(args: argparse.Namespace) -> None:
         ema = cur if ema is None else tuple(0.98 * e + 0.02 * c for e, c in zip(ema, cur))
         bar.n = min(bar.total, time.time() - t0)
         bar.set_postfix_str(f"step {step} ce {ema[0]:.3f} bce {ema[1]:.3f} tau~{ema[2]:.2f}")
+        if time.time() - last_eval >= args.eval_every and checkpoint():
+            stopped = True
+            break
     bar.close()
-    notes = {"data": [str(p) for p in args.data], "sequences": sum(int(s[0].shape[0]) for s in sets),
+    minutes = round((time.time() - t0) / 60, 1)
+    if not curve or curve[-1]["step"] != step:
+        checkpoint()
+    final = curve[-1]
+    if best.step is not None and best.step != step:  # early stopping: ship the weights held-out τ liked best
+        best.restore(model)
+    notes = {"data": [str(p) for p in args.data], "sources": [d.get("source") for d in parts],
+             "sequences": sum(int(s[0].shape[0]) for s in sets),
+             "sequences_per_file": [int(s[0].shape[0]) for s in sets],
              "anchors": [int(n) for n in sizes], "data_weights": args.data_weights,
-             "steps": step, "batch": args.batch, "lr": args.lr, "minutes": round((time.time() - t0) / 60, 1),
+             "steps": step, "batch": args.batch, "lr": args.lr, "weight_decay": args.weight_decay,
+             "state_dropout": args.state_dropout, "minutes": minutes, "capture_s": round(capture_s, 1),
              "device": args.device, "final_ce": round(ema[0], 4), "final_bce": round(ema[1], 4),
              "train_tau_teacher_forced": round(ema[2], 3), "seed": args.seed,
+             "holdout": {"frac": args.holdout_frac, "anchors": sum(int(p.shape[0]) for _, p in held_out),
+                         "stopped_early": stopped, "best_step": best.step,
+                         "best_tau_out": None if best.score is None else round(best.score, 4),
+                         "final_tau_in": final["tau_in"], "final_tau_out": final["tau_out"], "curve": curve},
              "init": None if args.init is None else {"from": str(args.init), "training": prior}}
     save_drafter(model.cpu(), args.out, extra=notes)
-    print(json.dumps(notes))
+    print(json.dumps({k: v for k, v in notes.items() if k != "holdout"} | {
+        "holdout": {k: v for k, v in notes["holdout"].items() if k != "curve"}}))
 
 
 # ---- evaluation: tau on held-out code -----------------------------------------------------------
@@ -506,8 +636,7 @@ with k3-tiny's own embedding and LM head (not stored here), a rank-{cfg.markov_r
 confidence head (threshold {cfg.confidence_threshold}). model.safetensors: {size / 1e6:.1f} MB, bf16.
 
 Training (training.json): {notes["minutes"]} minutes on {notes["device"]}, {notes["steps"]} steps of {notes["batch"]}
-anchors, on k3-tiny's greedy continuations of {notes["sequences"]} training-split stdlib code prompts
-({args.trained_by}).
+anchors, on {_card_data(notes)} ({args.trained_by}).{_card_holdout(notes)}
 
 Held-out τ (mean accepted + 1 per verify round, k = {ev["k"]}, temperature 0; k3-tiny {ev["target_dtype"]} greedy
 continuations of {ev["prompts"]} held-out-module prompts, {ev["prompt_len"]} + {ev["gen_len"]} tokens, {ev["rounds"]} rounds):
@@ -522,6 +651,26 @@ continuations of {ev["prompts"]} held-out-module prompts, {ev["prompt_len"]} + {
 """
     (args.drafter / "README.md").write_text(text)
     print(text)
+
+
+def _card_data(notes: dict) -> str:
+    """What the drafter was trained on, per source (older training.json files list one count)."""
+    if "sequences_per_file" not in notes:
+        return f"k3-tiny's greedy continuations of {notes['sequences']} training-split stdlib code prompts"
+    count = {"greedy": 0, "corpus": 0}
+    for src, n in zip(notes["sources"], notes["sequences_per_file"]):
+        count[src or "greedy"] += n
+    text = f"k3-tiny's greedy continuations of {count['greedy']} training-split stdlib code prompts"
+    return text + (f" and {count['corpus']} corpus windows" if count["corpus"] else "")
+
+
+def _card_holdout(notes: dict) -> str:
+    h = notes.get("holdout")
+    if not h or h["best_tau_out"] is None:
+        return ""
+    return (f" Teacher-forced τ at the end: {h['final_tau_in']:.2f} on training prompts, {h['final_tau_out']:.2f} on "
+            f"{h['frac']:.0%} of the prompts held out of training; saved: the weights of step {h['best_step']} "
+            f"(held-out {h['best_tau_out']:.2f}).")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -563,6 +712,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     tr.add_argument("--warmup", type=int, default=100)
     tr.add_argument("--pos-decay", type=float, default=0.85)
     tr.add_argument("--conf-weight", type=float, default=0.5)
+    tr.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    tr.add_argument("--state-dropout", type=float, default=0.0,
+                    help="dropout on the window's target states while training (0: none)")
+    tr.add_argument("--holdout-frac", type=float, default=0.05,
+                    help="share of the greedy files' sequences held out of training; their teacher-forced tau "
+                         "is logged against the training sequences' (held-in) every --eval-every seconds, and "
+                         "the weights with the best held-out tau are saved (0: no split, final weights)")
+    tr.add_argument("--holdout-anchors", type=int, default=2048, help="anchors per split in each evaluation")
+    tr.add_argument("--eval-every", type=float, default=20.0, help="seconds between held-in/held-out evaluations")
+    tr.add_argument("--patience", type=int, default=None,
+                    help="stop after this many evaluations without a better held-out tau (default: never)")
+    tr.add_argument("--capture-batch", type=int, default=128,
+                    help="sequences per dense forward when capturing the states of a gen --no-states file")
     tr.add_argument("--block-size", type=int, default=K3_TINY_DSPARK["block_size"])
     tr.add_argument("--num-layers", type=int, default=K3_TINY_DSPARK["num_layers"])
     tr.add_argument("--markov-rank", type=int, default=K3_TINY_DSPARK["markov_rank"])
