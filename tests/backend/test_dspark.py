@@ -250,6 +250,59 @@ def test_cached_states_match_the_dense_forward(k3_tiny):
     assert torch.equal(d_tokens, tokens) and torch.equal(d_next, dense_next[:, :-1])
     torch.testing.assert_close(d_states.float(), dense[:, :-1], atol=2e-2, rtol=2e-2)
     assert greedy_dense(k3_tiny, prompts, 6, layers, deadline=0.0) is None  # past its deadline: no batch
+    # gen's engine path (k3rt's engine, reference runner here) emits the same tokens, and the one dense
+    # forward after it gives the dense path's states and labels
+    from k3rt.training.dspark import greedy_engine, states_and_next
+    e_tokens = greedy_engine(k3_tiny, "k3-tiny", prompts, 6, batch=1, device="cpu", dtype="float32")
+    assert torch.equal(e_tokens, tokens)  # batch 1: the second prompt waits for the first to finish
+    e_states, e_next = states_and_next(k3_tiny, e_tokens, layers, batch=2)  # greedy_dense's batch shape
+    assert torch.equal(e_next, d_next) and torch.equal(e_states, d_states)
+    assert greedy_engine(k3_tiny, "k3-tiny", prompts, 6, batch=2, device="cpu", dtype="float32",
+                         deadline=0.0).shape == (0, 12)
+    with pytest.raises(ValueError, match="prompts"):
+        greedy_engine(k3_tiny, "k3-tiny", [[1, 2, 3], [1, 2]], 4, batch=2, device="cpu", dtype="float32")
+
+
+def test_holdout_split_and_best_weights():
+    from k3rt.training.dspark import BestWeights, split_holdout
+    pairs = torch.stack(torch.meshgrid(torch.arange(10), torch.arange(8, 20), indexing="ij"), -1).reshape(-1, 2)
+    train, out = split_holdout(pairs, 10, 0.2, seed=0)
+    held = set(out[:, 0].tolist())
+    assert len(held) == 2 and not held & set(train[:, 0].tolist())  # whole sequences, disjoint
+    assert train.shape[0] + out.shape[0] == pairs.shape[0]
+    assert torch.equal(split_holdout(pairs, 10, 0.2, seed=0)[1], out)  # the same split every time
+    assert split_holdout(pairs, 10, 0.0, seed=0)[1].shape[0] == 0
+    assert len(set(split_holdout(pairs, 10, 0.01, seed=0)[1][:, 0].tolist())) == 1  # at least one sequence
+    net = torch.nn.Linear(2, 2)
+    best = BestWeights()
+    assert best.update(1.5, 10, net)
+    first = net.weight.detach().clone()
+    with torch.no_grad():
+        net.weight.add_(1.0)
+    assert not best.update(1.4, 20, net) and not best.update(1.5, 30, net)  # worse, then a tie
+    assert best.stale == 2 and best.step == 10
+    best.restore(net)
+    assert torch.equal(net.weight, first)
+
+
+def test_train_captures_states_and_reports_holdout(k3_tiny, tmp_path: Path):
+    from k3rt.training.dspark import main, states_and_next
+    prompts = [[1] + [40 + 7 * i + j for j in range(9)] for i in range(6)]
+    tokens = torch.tensor([p + p[1:7] for p in prompts])  # 16 tokens each; labels come from the target
+    data = tmp_path / "tokens.pt"
+    torch.save({"tokens": tokens, "states": None, "next": None, "source": "greedy", "target_layers": [2, 5, 8],
+                "target": "k3-tiny", "split": "train"}, data)
+    out = tmp_path / "drafter"
+    main(["train", "--data", str(data), "--out", str(out), "--max-steps", "3", "--batch", "8", "--eval-every", "0",
+          "--holdout-frac", "0.34", "--context-len", "16", "--minutes", "5"])
+    notes = json.loads((out / "training.json").read_text())
+    h = notes["holdout"]
+    assert notes["steps"] == 3 and [c["step"] for c in h["curve"]] == [1, 2, 3]
+    assert h["anchors"] == 2 * (15 - 8)  # two whole sequences, anchors 8..14 each
+    assert all(c["tau_in"] >= 1 and c["tau_out"] >= 1 for c in h["curve"])
+    assert h["best_tau_out"] == max(c["tau_out"] for c in h["curve"])
+    assert notes["anchors"] == [4 * 7]  # the training anchors: the other four sequences
+    assert load_drafter(out).cfg.context_len == 16
 
 
 def test_shipped_drafter_proposes_and_beats_nothing(k3_tiny):
