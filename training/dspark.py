@@ -5,9 +5,10 @@
     python -m k3rt.training.dspark eval  --drafter DIR --num-prompts 24               # tau on held-out code
 
 gen: prompts are random windows of the corpus's training-split code (training/corpus.py: this machine's
-stdlib, minus the held-out modules); the target continues each greedily (through its cached decode path,
-or on a GPU by repeated dense forwards: --greedy-path), and forward hooks keep the chosen layers' states
-at every processed position. Those continuations are what the target emits, so teacher forcing on them
+stdlib, minus the held-out modules); the target continues each greedily (through k3rt's engine, many
+requests at once: the default on a GPU; its cached decode path; or repeated dense forwards: --greedy-path),
+and forward hooks keep the chosen layers' states at every processed position (the engine path: one dense
+forward over each finished sequence, in gen or, with --no-states, when train loads the file). Those continuations are what the target emits, so teacher forcing on them
 trains the drafter to predict the target's greedy tokens, from exactly the states it will be given at
 serving time (a position's state is known once the target has run that token; the newest token, the
 anchor, has none yet).
@@ -16,10 +17,12 @@ their tokens and x_t -> x_{t+1..t+k}. Loss = position-weighted cross-entropy of 
 (base + Markov logits, the Markov head given the true previous tokens, mixed with the copy head's) + BCE of the confidence head on "draft j's argmax is
 right" over the anchors whose drafts before j were all right (its estimate is conditional, so the
 product over a prefix estimates that the whole prefix is accepted); confidence reads detached states.
+A held-out split of the greedy prompts is evaluated against the training ones as it goes (teacher-forced
+tau, logged and kept in training.json); the weights with the best held-out tau are saved.
 eval: tau = mean(accepted + 1) per verify round, replaying greedy speculative decoding against the
 target's greedy continuation of held-out prompts (no engine: greedy verification accepts exactly the
 prefix of drafts that equals the target's greedy tokens); with n-gram prompt lookup on the same
-continuations as the baseline. On a GPU machine, training/dspark_device.sh runs all three in 9 minutes.
+continuations as the baseline. On a GPU machine, training/dspark_device.sh runs them all in about 8 minutes.
 """
 
 from __future__ import annotations
@@ -408,6 +411,11 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise ValueError(f"--holdout-frac: must be in [0, 1), got {args.holdout_frac}")
     if not 0 <= args.state_dropout < 1:
         raise ValueError(f"--state-dropout: must be in [0, 1), got {args.state_dropout}")
+    for name in ("holdout_anchors", "capture_batch", "batch") + (("patience",) if args.patience is not None else ()):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.eval_every < 0:
+        raise ValueError(f"--eval-every: must be >= 0 seconds, got {args.eval_every}")
     if args.device.startswith("cuda"):  # TF32 matmuls: a drafter's argmax does not need fp32's last bits
         torch.set_float32_matmul_precision("high")
     parts = [torch.load(path) for path in args.data]
@@ -488,10 +496,11 @@ def cmd_train(args: argparse.Namespace) -> None:
         """Evaluate both splits, log them, keep the best weights by held-out τ; True: stop (patience)."""
         nonlocal last_eval
         tau_in, tau_out = evaluate(held_in), evaluate(held_out)
-        curve.append({"step": step, "s": round(time.time() - t0, 1), "tau_in": round(tau_in, 4),
+        curve.append({"step": step, "s": round(time.time() - t0, 1),
+                      "tau_in": None if tau_in is None else round(tau_in, 4),
                       "tau_out": None if tau_out is None else round(tau_out, 4)})
-        tqdm.write(f"eval step {step} {time.time() - t0:.0f}s: held-in tau {tau_in:.3f}, held-out-split tau "
-                   + ("-" if tau_out is None else f"{tau_out:.3f}"))
+        show = [("-" if v is None else f"{v:.3f}") for v in (tau_in, tau_out)]
+        tqdm.write(f"eval step {step} {time.time() - t0:.0f}s: held-in tau {show[0]}, held-out-split tau {show[1]}")
         last_eval = time.time()
         if tau_out is None:
             return False

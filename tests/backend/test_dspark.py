@@ -303,6 +303,9 @@ def test_train_captures_states_and_reports_holdout(k3_tiny, tmp_path: Path):
     assert h["best_tau_out"] == max(c["tau_out"] for c in h["curve"])
     assert notes["anchors"] == [4 * 7]  # the training anchors: the other four sequences
     assert load_drafter(out).cfg.context_len == 16
+    for flag, value in (("--holdout-frac", "1"), ("--holdout-anchors", "0"), ("--eval-every", "-1")):
+        with pytest.raises(ValueError, match=flag):
+            main(["train", "--data", str(data), "--out", str(out), flag, value])
 
 
 def test_shipped_drafter_proposes_and_beats_nothing(k3_tiny):
