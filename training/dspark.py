@@ -169,6 +169,8 @@ def greedy_engine(target: KimiForCausalLM, model: str, prompts: Sequence[Sequenc
             while fed < len(prompts) and len(rids) - len(done) < 2 * batch:  # running + one batch waiting
                 rids[engine.add_request(prompts[fed], params)] = fed
                 fed += 1
+            if not engine.has_unfinished:
+                raise RuntimeError(f"greedy_engine: the engine stalled with {len(rids) - len(done)} requests unfinished")
             for o in engine.step():
                 if o.finished:
                     if o.error is not None or len(o.output_ids) != gen_len:
