@@ -31,6 +31,7 @@ import argparse
 import json
 import math
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -69,6 +70,33 @@ def code_prompts(split: str, num: int, prompt_len: int, seed: int, model: str = 
     line start of a random document (BOS first, as a served prompt)."""
     texts = _heldout_sources() if split == "heldout" else [d.text for d in code_documents(stdlib_dir()) if d.split == split]
     return code_windows(texts, load_tokenizer(model), num, prompt_len, seed)
+
+
+def training_prompts(split: str, num: int, prompt_len: int, seed: int, model: str, holdout_frac: float
+                     ) -> tuple[list[list[int]], list[bool]]:
+    """gen's prompts: code_prompts' windows without exact repeats, and which of them come from the
+    `holdout_frac` of the split's documents that train keeps out of training (chosen by a hash of each
+    document's name, so every run holds out the same ones; whole documents, so no held-out window overlaps
+    a training window). The held-out prompts come first (a budget that ends early still has them)."""
+    docs = [d for d in code_documents(stdlib_dir()) if d.split == split]
+    cut = round(holdout_frac * 2**32)
+    held = [d.text for d in docs if zlib.crc32(d.name.encode()) < cut]
+    rest = [d.text for d in docs if zlib.crc32(d.name.encode()) >= cut]
+    if holdout_frac > 0 and (not held or not rest):
+        raise ValueError(f"--holdout-docs: {holdout_frac} of {len(docs)} documents leaves no "
+                         f"{'held-out' if not held else 'training'} document")
+    tok = load_tokenizer(model)
+    n_held = min(num, max(1, round(holdout_frac * num))) if held else 0
+    out: list[list[int]] = []
+    for texts, n, sd in ((held, n_held, seed + 1), (rest, num - n_held, seed)):
+        seen: set[tuple[int, ...]] = set()
+        for w in code_windows(texts, tok, n, prompt_len, sd) if n else []:
+            if tuple(w) not in seen:  # a repeated window would only repeat its continuation
+                seen.add(tuple(w))
+                out.append(w)
+        if texts is held:
+            n_held = len(out)
+    return out, [i < n_held for i in range(len(out))]
 
 
 def _heldout_sources() -> list[str]:
@@ -133,12 +161,12 @@ def greedy_dense(target: KimiForCausalLM, prompts: Sequence[Sequence[int]], gen_
 
 def greedy_engine(target: KimiForCausalLM, model: str, prompts: Sequence[Sequence[int]], gen_len: int, *,
                   batch: int, device: str, dtype: str, deadline: float = math.inf,
-                  progress: Callable[[int], None] | None = None) -> torch.Tensor:
+                  progress: Callable[[int], None] | None = None) -> tuple[torch.Tensor, list[int]]:
     """Greedy continuations through k3rt's own engine, `batch` sequences at once (continuous batching; the
     GPU runner with decode CUDA graphs on CUDA, the reference runner elsewhere): one prefill and then one
     decode step per token, instead of the dense path's forward of every sequence so far per token.
-    Returns tokens [N, P + gen_len] of the prompts that finished before `deadline` (time.time()), in
-    prompt order; the rest are aborted. No states: capture them after with one dense forward
+    Returns (tokens [N, P + gen_len], their prompt indices) of the prompts that finished before `deadline`
+    (time.time()), in prompt order; the rest are dropped with the engine. No states: capture them after with one dense forward
     (`states_and_next`), which is exact and keeps the engine unchanged. `target` is the loaded model of
     checkpoint `model`, shared with the engine (not copied)."""
     from k3rt.backend.engine import Engine, cache_geometry
@@ -183,8 +211,8 @@ def greedy_engine(target: KimiForCausalLM, model: str, prompts: Sequence[Sequenc
         engine.close()
     idx = sorted(done)
     if not idx:
-        return torch.empty(0, p + gen_len, dtype=torch.long)
-    return torch.tensor([list(prompts[i]) + done[i] for i in idx], dtype=torch.long)
+        return torch.empty(0, p + gen_len, dtype=torch.long), idx
+    return torch.tensor([list(prompts[i]) + done[i] for i in idx], dtype=torch.long), idx
 
 
 @torch.no_grad()
@@ -222,17 +250,23 @@ def cmd_gen(args: argparse.Namespace) -> None:
         # the dense [B, T] path only (the engine path's state capture); the cached path and the engine's
         # runners do not read it, and the checkpoint is untouched
         use_fast_kda(target)
+    if not 0 <= args.holdout_docs < 1:
+        raise ValueError(f"--holdout-docs: must be in [0, 1), got {args.holdout_docs}")
+    held = None
     if args.source == "corpus":
         prompts = code_prompts(args.split, args.max_prompts, args.prompt_len + args.gen_len, args.seed, args.target)
     else:
-        prompts = code_prompts(args.split, args.max_prompts, args.prompt_len, args.seed, args.target)
+        prompts, held = training_prompts(args.split, args.max_prompts, args.prompt_len, args.seed, args.target,
+                                         args.holdout_docs)
     tokens, states, nexts, t0 = [], [], [], time.time()
     deadline = t0 + args.minutes * 60
     bar = tqdm(total=len(prompts), desc=f"gen {args.source} {args.split}", unit="seq")
     if args.source == "greedy" and path == "engine":
         # one engine over all prompts (continuous batching); the states come after, per batch
-        tk = greedy_engine(target, args.target, prompts, args.gen_len, batch=args.batch, device=args.device,
-                           dtype=args.target_dtype, deadline=deadline, progress=bar.update)
+        tk, finished = greedy_engine(target, args.target, prompts, args.gen_len, batch=args.batch,
+                                     device=args.device, dtype=args.target_dtype, deadline=deadline,
+                                     progress=bar.update)
+        held = [held[i] for i in finished]
         if tk.shape[0]:
             tokens.append(tk)
         gen_s = time.time() - t0
@@ -269,6 +303,8 @@ def cmd_gen(args: argparse.Namespace) -> None:
     data = {"tokens": torch.cat(tokens), "states": torch.cat(states) if states else None,
             "next": torch.cat(nexts) if nexts else None, "source": args.source, "target_layers": list(layers),
             "target": args.target, "split": args.split}
+    if held is not None:  # which sequences train holds out (their prompts' documents never train)
+        data["holdout"] = torch.tensor(held[: data["tokens"].shape[0]], dtype=torch.bool)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     torch.save(data, args.out)
     n, t = data["tokens"].shape
@@ -354,7 +390,12 @@ def split_holdout(pairs: torch.Tensor, num_seqs: int, frac: float, seed: int) ->
     held = min(max(held, 1 if frac > 0 else 0), num_seqs - 1) if num_seqs > 1 else 0
     out = torch.zeros(num_seqs, dtype=torch.bool)
     out[torch.randperm(num_seqs, generator=torch.Generator().manual_seed(seed))[:held]] = True
-    is_out = out.to(pairs.device)[pairs[:, 0]]
+    return split_by_mask(pairs, out)
+
+
+def split_by_mask(pairs: torch.Tensor, held: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Anchors [N, 2] -> (those of sequences not in `held` [num_seqs] bool, those of sequences in it)."""
+    is_out = held.to(pairs.device)[pairs[:, 0]]
     return pairs[~is_out], pairs[is_out]
 
 
@@ -462,9 +503,16 @@ def cmd_train(args: argparse.Namespace) -> None:
     # labels would count as misses), or of every file when none is greedy
     greedy = [i for i, d in enumerate(parts) if d.get("source") == "greedy"] or list(range(len(parts)))
     held_in, held_out = [], []  # (set index, fixed anchor sample) for the evaluations
+    by = set()  # how each file's split was made
     for i in greedy:
         tk, st, nx, pairs = sets[i]
-        train_pairs, out_pairs = split_holdout(pairs, tk.shape[0], args.holdout_frac, args.seed + i)
+        mask = parts[i].get("holdout")
+        if mask is not None and bool(mask.any()):  # gen's held-out documents
+            train_pairs, out_pairs = split_by_mask(pairs, mask)
+            by.add(f"documents ({int(mask.sum())} of {tk.shape[0]} sequences)")
+        else:
+            train_pairs, out_pairs = split_holdout(pairs, tk.shape[0], args.holdout_frac, args.seed + i)
+            by.add(f"random sequences ({args.holdout_frac:.0%})")
         sets[i] = (tk, st, nx, train_pairs)
         held_in.append((i, _sample(train_pairs, args.holdout_anchors, args.seed)))
         if out_pairs.shape[0]:
@@ -552,7 +600,7 @@ def cmd_train(args: argparse.Namespace) -> None:
              "state_dropout": args.state_dropout, "minutes": minutes, "capture_s": round(capture_s, 1),
              "device": args.device, "final_ce": round(ema[0], 4), "final_bce": round(ema[1], 4),
              "train_tau_teacher_forced": round(ema[2], 3), "seed": args.seed,
-             "holdout": {"frac": args.holdout_frac, "anchors": sum(int(p.shape[0]) for _, p in held_out),
+             "holdout": {"by": ", ".join(sorted(by)), "anchors": sum(int(p.shape[0]) for _, p in held_out),
                          "stopped_early": stopped, "best_step": best.step,
                          "best_tau_out": None if best.score is None else round(best.score, 4),
                          "final_tau_in": final["tau_in"], "final_tau_out": final["tau_out"], "curve": curve},
@@ -680,7 +728,7 @@ def _card_holdout(notes: dict) -> str:
     if not h or h["best_tau_out"] is None:
         return ""
     return (f" Teacher-forced τ at the end: {h['final_tau_in']:.2f} on training prompts, {h['final_tau_out']:.2f} on "
-            f"{h['frac']:.0%} of the prompts held out of training; saved: the weights of step {h['best_step']} "
+            f"prompts held out of training (by {h['by']}); saved: the weights of step {h['best_step']} "
             f"(held-out {h['best_tau_out']:.2f}).")
 
 
@@ -707,6 +755,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                           "the cached decode path (cached: one batch of --batch at a time), or repeated dense "
                           "forwards (dense: one [B, T] forward of every sequence so far per token); auto: "
                           "engine on cuda, cached elsewhere")
+    gen.add_argument("--holdout-docs", type=float, default=0.03,
+                     help="greedy source: share of the split's documents whose prompts train holds out of "
+                          "training (its held-out-split tau; whole documents, chosen by name; 0: none, train "
+                          "then holds out random sequences, --holdout-frac)")
     gen.add_argument("--no-states", action="store_true",
                      help="save the token ids only: train captures the states and labels with one dense "
                           "forward when it loads the file (a big GPU run's file stays small)")
@@ -727,9 +779,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     tr.add_argument("--state-dropout", type=float, default=0.0,
                     help="dropout on the window's target states while training (0: none)")
     tr.add_argument("--holdout-frac", type=float, default=0.05,
-                    help="share of the greedy files' sequences held out of training; their teacher-forced tau "
-                         "is logged against the training sequences' (held-in) every --eval-every seconds, and "
-                         "the weights with the best held-out tau are saved (0: no split, final weights)")
+                    help="share of a greedy file's sequences held out of training when gen marked none "
+                         "(gen --holdout-docs marks whole documents' prompts); the held-out sequences' "
+                         "teacher-forced tau is logged against the training sequences' (held-in) every "
+                         "--eval-every seconds, and the weights with the best held-out tau are saved (0 and "
+                         "no marks: no split, final weights)")
     tr.add_argument("--holdout-anchors", type=int, default=2048, help="anchors per split in each evaluation")
     tr.add_argument("--eval-every", type=float, default=20.0, help="seconds between held-in/held-out evaluations")
     tr.add_argument("--patience", type=int, default=None,

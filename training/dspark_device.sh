@@ -2,8 +2,9 @@
 # Train k3-tiny's DSpark drafter on one GPU in a fixed wall budget (docs/dspark.md, "Training"): generate
 # k3-tiny's own greedy continuations of training-split stdlib code (k3rt's engine: continuous batching of 512
 # requests, GPU runner with decode CUDA graphs), take a cheap corpus sample beside them, train the drafter on
-# both (states captured by one dense forward when train loads the data; a held-out split of the greedy
-# prompts logged against the training ones, the best held-out weights kept), then measure held-out tau at
+# both (states captured by one dense forward when train loads the data; the prompts of 3% of the training
+# split's documents held out and their tau logged against the training prompts', the best held-out weights
+# kept), then measure held-out tau at
 # k = 7, temperature 0, with the n-gram baseline on the same continuations. Run from the repository root on
 # the device machine:
 #
@@ -36,16 +37,17 @@ export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=${TQDM_MININTERVAL:-15} OMP_NUM_THREA
 if [ "${DSPARK_SMOKE:-0}" = 1 ]; then
   # CPU smoke test: same phases, tiny sizes
   DEV=cpu GEN_MIN=0.3 GEN_TO=90 CORPUS_TO=60 TRAIN_MIN=0.4 TRAIN_TO=90 EVAL_TO=60
-  GEN_ARGS="--max-prompts 16 --batch 8 --gen-len 48" CORPUS_ARGS="--max-prompts 16 --batch 8 --gen-len 48"
-  TRAIN_ARGS="--batch 16 --holdout-frac 0.25 --holdout-anchors 256 --eval-every 10" EVAL_ARGS="--num-prompts 4 --gen-len 40"
+  GEN_ARGS="--max-prompts 16 --batch 8 --gen-len 48 --holdout-docs 0.2" CORPUS_ARGS="--max-prompts 16 --batch 8 --gen-len 48"
+  TRAIN_ARGS="--batch 16 --holdout-anchors 256 --eval-every 10" EVAL_ARGS="--num-prompts 4 --gen-len 40"
 else
   DEV=cuda GEN_MIN=2.0 GEN_TO=200 CORPUS_TO=60 TRAIN_MIN=3.3 TRAIN_TO=300 EVAL_TO=80
-  # 512 requests in flight, 48 prompt + 160 greedy tokens each (the eval continues 48 -> 96)
+  # 512 requests in flight, 48 prompt + 160 greedy tokens each (the eval continues 48 -> 96); the prompts
+  # of 3% of the training split's documents come first and train holds them out (--holdout-docs default)
   GEN_ARGS="--max-prompts 32768 --batch 512 --gen-len 160"
   CORPUS_ARGS="--max-prompts 8192 --batch 256 --gen-len 160"
   # ~25K greedy sequences (5M anchors) against ~10K steps of 512: under one epoch; the corpus windows add
   # contexts the greedy continuations lack; weight decay and the best held-out weights guard the rest
-  TRAIN_ARGS="--batch 512 --lr 2e-3 --warmup 200 --weight-decay 0.05 --data-weights 0.85 0.15 --holdout-frac 0.03"
+  TRAIN_ARGS="--batch 512 --lr 2e-3 --warmup 200 --weight-decay 0.05 --data-weights 0.85 0.15"
   EVAL_ARGS="--num-prompts 32 --gen-len 96"
 fi
 phase() {  # name, timeout, command...: run it under its limit, log it, say how long it took

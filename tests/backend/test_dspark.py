@@ -4,6 +4,7 @@ k3-tiny drafter. CPU, seeded; the shipped-drafter tests decode a few held-out pr
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from k3rt.backend.spec.dspark.checkpoint import load_config, load_drafter, save_
 from k3rt.backend.spec.dspark.drafter import DSparkDrafter
 from k3rt.backend.spec.dspark.model import DSparkConfig, DSparkModel, verify_length
 from k3rt.backend.spec.dspark.target import dense_states
+from k3rt.backend.tokenizer import load_tokenizer
 from k3rt.models import MODELS_DIR
 
 SHIPPED = MODELS_DIR / "k3-tiny-dspark"
@@ -253,12 +255,12 @@ def test_cached_states_match_the_dense_forward(k3_tiny):
     # gen's engine path (k3rt's engine, reference runner here) emits the same tokens, and the one dense
     # forward after it gives the dense path's states and labels
     from k3rt.training.dspark import greedy_engine, states_and_next
-    e_tokens = greedy_engine(k3_tiny, "k3-tiny", prompts, 6, batch=1, device="cpu", dtype="float32")
-    assert torch.equal(e_tokens, tokens)  # batch 1: the second prompt waits for the first to finish
+    e_tokens, finished = greedy_engine(k3_tiny, "k3-tiny", prompts, 6, batch=1, device="cpu", dtype="float32")
+    assert torch.equal(e_tokens, tokens) and finished == [0, 1]  # batch 1: the second prompt waits its turn
     e_states, e_next = states_and_next(k3_tiny, e_tokens, layers, batch=2)  # greedy_dense's batch shape
     assert torch.equal(e_next, d_next) and torch.equal(e_states, d_states)
-    assert greedy_engine(k3_tiny, "k3-tiny", prompts, 6, batch=2, device="cpu", dtype="float32",
-                         deadline=0.0).shape == (0, 12)
+    late, finished = greedy_engine(k3_tiny, "k3-tiny", prompts, 6, batch=2, device="cpu", dtype="float32", deadline=0.0)
+    assert late.shape == (0, 12) and finished == []
     with pytest.raises(ValueError, match="prompts"):
         greedy_engine(k3_tiny, "k3-tiny", [[1, 2, 3], [1, 2]], 4, batch=2, device="cpu", dtype="float32")
 
@@ -285,20 +287,40 @@ def test_holdout_split_and_best_weights():
     assert torch.equal(net.weight, first)
 
 
+def test_gen_holds_out_whole_documents(monkeypatch):
+    from k3rt.training import dspark
+    from k3rt.training.corpus import Document
+    docs = [Document("code", "train", f"m{i}.py", "\n".join(f"x{i}_{j} = {j}" for j in range(40))) for i in range(40)]
+    docs.append(Document("code", "valid", "v.py", "y = 1\n" * 40))
+    monkeypatch.setattr(dspark, "code_documents", lambda root: docs)
+    prompts, held = dspark.training_prompts("train", 60, 12, seed=0, model="k3-tiny", holdout_frac=0.1)
+    tok = load_tokenizer("k3-tiny")
+    names = {i: f"m{i}.py" for i in range(40)}
+    doc_of = [int(re.search(r"x(\d+)_", tok.decode(p)).group(1)) for p in prompts]
+    held_docs = {names[d] for d, h in zip(doc_of, held) if h}
+    assert held_docs and not held_docs & {names[d] for d, h in zip(doc_of, held) if not h}  # whole documents
+    assert held == sorted(held, reverse=True) and 0 < sum(held) <= 6  # held-out prompts first, about 10%
+    assert len({tuple(p) for p in prompts}) == len(prompts)  # no repeated window
+    assert (prompts, held) == dspark.training_prompts("train", 60, 12, seed=0, model="k3-tiny", holdout_frac=0.1)
+    with pytest.raises(ValueError, match="--holdout-docs"):
+        dspark.training_prompts("valid", 4, 12, seed=0, model="k3-tiny", holdout_frac=0.1)  # one document
+
+
 def test_train_captures_states_and_reports_holdout(k3_tiny, tmp_path: Path):
     from k3rt.training.dspark import main, states_and_next
     prompts = [[1] + [40 + 7 * i + j for j in range(9)] for i in range(6)]
     tokens = torch.tensor([p + p[1:7] for p in prompts])  # 16 tokens each; labels come from the target
     data = tmp_path / "tokens.pt"
+    held = torch.tensor([False, True, False, False, True, False])  # gen --holdout-docs' marks
     torch.save({"tokens": tokens, "states": None, "next": None, "source": "greedy", "target_layers": [2, 5, 8],
-                "target": "k3-tiny", "split": "train"}, data)
+                "target": "k3-tiny", "split": "train", "holdout": held}, data)
     out = tmp_path / "drafter"
     main(["train", "--data", str(data), "--out", str(out), "--max-steps", "3", "--batch", "8", "--eval-every", "0",
-          "--holdout-frac", "0.34", "--context-len", "16", "--minutes", "5"])
+          "--context-len", "16", "--minutes", "5"])
     notes = json.loads((out / "training.json").read_text())
     h = notes["holdout"]
     assert notes["steps"] == 3 and [c["step"] for c in h["curve"]] == [1, 2, 3]
-    assert h["anchors"] == 2 * (15 - 8)  # two whole sequences, anchors 8..14 each
+    assert h["anchors"] == 2 * (15 - 8) and h["by"].startswith("documents")  # the two marked, anchors 8..14 each
     assert all(c["tau_in"] >= 1 and c["tau_out"] >= 1 for c in h["curve"])
     assert h["best_tau_out"] == max(c["tau_out"] for c in h["curve"])
     assert notes["anchors"] == [4 * 7]  # the training anchors: the other four sequences
