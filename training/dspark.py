@@ -680,6 +680,73 @@ def cmd_eval(args: argparse.Namespace) -> None:
         args.out.write_text(json.dumps(res, indent=1) + "\n")
 
 
+def cmd_genbench(args: argparse.Namespace) -> None:
+    """gen's greedy paths side by side, within --budget-s: correctness first (each path's tokens against the
+    cached path's on a few held-out prompts; exit 1 when the engine matches fewer than half), then
+    sequences per minute of each path at the given shapes. JSON, then a markdown table, on stdout."""
+    target = load_model(args.target, dtype=args.target_dtype, device=args.device, progress=False)
+    use_fast_kda(target)  # the dense path's forwards, as gen runs them
+    t_start = time.time()
+    end = t_start + args.budget_s
+    layers = tuple(args.layers)
+    n = max(args.check_prompts, args.prompts, args.dense_batch)
+    prompts = code_prompts("heldout", n, args.prompt_len, args.seed, args.target)
+    check = prompts[: args.check_prompts]
+    ref = greedy_with_states(target, check, args.check_len, layers)[0].cpu()
+    eng = greedy_engine(target, args.target, check, args.check_len, batch=len(check), device=args.device,
+                        dtype=args.target_dtype)[0]
+    dense = greedy_dense(target, check, args.check_len, layers)[0].cpu()
+    same = {name: int((got == ref).all(1).sum()) for name, got in (("engine", eng), ("dense", dense))}
+    res: dict = {"device": args.device, "target_dtype": args.target_dtype, "prompt_len": args.prompt_len,
+                 "gen_len": args.gen_len, "check": {"prompts": len(check), "tokens": args.check_len,
+                                                     "identical_to_cached": same}, "paths": []}
+    # the rest of the budget: the engine (the one gen uses) 45%, the dense path 35% (one batch: its result
+    # comes only at the end), the cached path whatever is left (one batch of at most 64, no deadline inside:
+    # skipped under 15 s)
+    left = end - time.time()
+    for name, share, count in (("engine", 0.45, args.prompts), ("dense", 0.35, args.dense_batch),
+                               ("cached", None, min(64, args.dense_batch))):
+        t0 = time.time()
+        row = {"path": name, "batch": args.batch if name == "engine" else count}
+        done = 0
+        if name == "engine":
+            tk, _ = greedy_engine(target, args.target, prompts[:count], args.gen_len, batch=args.batch,
+                                  device=args.device, dtype=args.target_dtype, deadline=t0 + share * left)
+            done, t1 = tk.shape[0], time.time()
+            if done:  # the state capture train runs over them (gen --no-states): counted in its seconds
+                states_and_next(target, tk, layers, args.dense_batch)
+                _sync(args.device)
+            row["capture_s"] = round(time.time() - t1, 2)
+        elif name == "dense":  # its states come from its last forward, inside
+            got = greedy_dense(target, prompts[:count], args.gen_len, layers, t0 + share * left)
+            done = 0 if got is None else count
+            _sync(args.device)
+        elif end - t0 >= 15:
+            greedy_with_states(target, prompts[:count], args.gen_len, layers)
+            _sync(args.device)
+            done = count
+        secs = time.time() - t0
+        row.update(sequences=done, seconds=round(secs, 2), seq_per_min=round(done / secs * 60, 1) if done else 0.0)
+        res["paths"].append(row)
+    dense_rate = next(r["seq_per_min"] for r in res["paths"] if r["path"] == "dense")
+    for r in res["paths"]:
+        r["vs_dense"] = round(r["seq_per_min"] / dense_rate, 2) if dense_rate else None
+    res["seconds"] = round(time.time() - t_start, 1)
+    print(json.dumps(res))
+    print(f"\ncheck: {same['engine']}/{len(check)} engine and {same['dense']}/{len(check)} dense continuations "
+          f"({args.check_len} tokens) identical to the cached path's\n")
+    print("| path | batch | sequences | seconds | sequences/min | vs dense |\n|---|---:|---:|---:|---:|---:|")
+    for r in res["paths"]:
+        print(f"| {r['path']} | {r['batch']} | {r['sequences']} | {r['seconds']} | {r['seq_per_min']} | {r['vs_dense']} |")
+    if same["engine"] * 2 < len(check):
+        raise SystemExit(f"genbench: the engine path matched the cached path on {same['engine']} of {len(check)} prompts")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def cmd_card(args: argparse.Namespace) -> None:
     """README.md of a trained drafter folder from its config.json, training.json and an eval JSON."""
     cfg = load_drafter(args.drafter).cfg
@@ -810,16 +877,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     cd.add_argument("--trained-by", default="`bash training/dspark_device.sh`; its header gives every command and size",
                     help="how the drafter was made (the card's training line)")
     cd.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
-    for s in (gen, tr, ev):
+    gb = sub.add_parser("genbench", help="check gen's greedy paths against each other, then time them")
+    gb.add_argument("--budget-s", type=float, default=90.0,
+                    help="wall-clock limit (seconds) of everything after loading the model, the check included")
+    gb.add_argument("--prompts", type=int, default=1024, help="prompts the engine path gets")
+    gb.add_argument("--batch", type=int, default=512, help="the engine's requests in flight")
+    gb.add_argument("--dense-batch", type=int, default=256, help="one batch of the dense and cached paths")
+    gb.add_argument("--prompt-len", type=int, default=48)
+    gb.add_argument("--gen-len", type=int, default=160)
+    gb.add_argument("--check-prompts", type=int, default=8)
+    gb.add_argument("--check-len", type=int, default=32, help="tokens continued in the correctness check")
+    gb.add_argument("--layers", type=int, nargs="+", default=list(K3_TINY_DSPARK["target_layers"]))
+    for s in (gen, tr, ev, gb):
         s.add_argument("--target", default="k3-tiny")
         s.add_argument("--device", default="cpu")
         s.add_argument("--seed", type=int, default=0)
         s.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    for s in (gen, ev):
+    for s in (gen, ev, gb):
         s.add_argument("--target-dtype", default="float32", help="the target's weights while generating")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    {"gen": cmd_gen, "train": cmd_train, "eval": cmd_eval, "card": cmd_card}[args.cmd](args)
+    {"gen": cmd_gen, "train": cmd_train, "eval": cmd_eval, "card": cmd_card, "genbench": cmd_genbench}[args.cmd](args)
 
 
 if __name__ == "__main__":

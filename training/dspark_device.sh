@@ -23,7 +23,12 @@
 # gen's last line gives sequences per minute).
 # Ship it: copy the four files of $OUT/k3-tiny-dspark/ over k3rt/models/k3-tiny-dspark/.
 #
-# Smoke test on a CPU (about 2 minutes): everything scaled down, same code path (the engine on the
+# DSPARK_GENBENCH=1 first runs `dspark genbench` (~2 minutes more, limit 120 s): the engine's and the dense
+# path's continuations checked against the cached path's on 8 prompts, then each path's sequences per
+# minute at the real shapes (JSON + table in the log, the table on stdout too). Standalone:
+#   python -m k3rt.training.dspark genbench --device cuda --budget-s 90
+#
+# Smoke test on a CPU (about 1.5 minutes): everything scaled down, same code path (the engine on the
 # reference runner instead of the GPU runner).
 #   OUT=/tmp/dspark_smoke DSPARK_SMOKE=1 DSPARK_PYTHON=.venv/bin/python bash training/dspark_device.sh
 set -u -o pipefail
@@ -76,6 +81,13 @@ ok = '$DEV' == 'cpu' or torch.cuda.is_available()
 print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available())
 sys.exit(0 if ok else 3)" 2>&1 | tee -a "$LOG" || { echo "imports or GPU missing (see $LOG)" >&2; exit 2; }
 
+if [ "${DSPARK_GENBENCH:-0}" = 1 ]; then  # optional, ~90 s more: the greedy paths checked, then timed
+  if [ "$DEV" = cpu ]; then GB_ARGS="--budget-s 40 --prompts 16 --batch 8 --dense-batch 8 --gen-len 48"
+  else GB_ARGS="--budget-s 75 --prompts 1024 --batch 512 --dense-batch 256 --gen-len 160"; fi
+  # shellcheck disable=SC2086
+  phase genbench 120 "$PY" -m k3rt.training.dspark genbench --device "$DEV" $GB_ARGS || exit 1
+  grep -A8 '^check:' "$LOG"
+fi
 # shellcheck disable=SC2086  # the *_ARGS hold several arguments
 phase gen "$GEN_TO" "$PY" -m k3rt.training.dspark gen --source greedy --greedy-path engine --split train \
   --device "$DEV" --minutes "$GEN_MIN" --out "$WORK/greedy.pt" --seed 1 --no-states $GEN_ARGS || exit 1

@@ -351,3 +351,14 @@ def test_shipped_drafter_proposes_and_beats_nothing(k3_tiny):
     assert replay_tau(fresh.eval(), tokens, states, 48, drafter.embed, drafter.lm_head, 7)["tau"] < res["tau"] - 0.2
     # the confidence schedule verifies fewer than k drafts on average and keeps most accepted tokens
     assert res["mean_verified_scheduled"] < 7 and res["tau_scheduled"] > 1.2, res
+
+
+def test_genbench_checks_then_times_every_path(capsys):
+    from k3rt.training.dspark import main
+    main(["genbench", "--budget-s", "60", "--prompts", "2", "--batch", "2", "--dense-batch", "2", "--gen-len", "4",
+          "--check-prompts", "2", "--check-len", "4", "--prompt-len", "16"])
+    res = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert res["check"]["identical_to_cached"] == {"engine": 2, "dense": 2}
+    rows = {r["path"]: r for r in res["paths"]}
+    assert set(rows) == {"engine", "dense", "cached"} and all(r["sequences"] == 2 for r in rows.values())
+    assert rows["dense"]["vs_dense"] == 1.0 and rows["engine"]["seq_per_min"] > 0
