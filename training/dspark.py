@@ -737,7 +737,8 @@ def cmd_genbench(args: argparse.Namespace) -> None:
           f"({args.check_len} tokens) identical to the cached path's\n")
     print("| path | batch | sequences | seconds | sequences/min | vs dense |\n|---|---:|---:|---:|---:|---:|")
     for r in res["paths"]:
-        print(f"| {r['path']} | {r['batch']} | {r['sequences']} | {r['seconds']} | {r['seq_per_min']} | {r['vs_dense']} |")
+        vs = "-" if r["vs_dense"] is None else f"{r['vs_dense']}×"
+        print(f"| {r['path']} | {r['batch']} | {r['sequences']} | {r['seconds']} | {r['seq_per_min']} | {vs} |")
     if same["engine"] * 2 < len(check):
         raise SystemExit(f"genbench: the engine path matched the cached path on {same['engine']} of {len(check)} prompts")
 

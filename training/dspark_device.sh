@@ -86,7 +86,7 @@ if [ "${DSPARK_GENBENCH:-0}" = 1 ]; then  # optional, ~90 s more: the greedy pat
   else GB_ARGS="--budget-s 75 --prompts 1024 --batch 512 --dense-batch 256 --gen-len 160"; fi
   # shellcheck disable=SC2086
   phase genbench 120 "$PY" -m k3rt.training.dspark genbench --device "$DEV" $GB_ARGS || exit 1
-  grep -A8 '^check:' "$LOG"
+  grep -A6 '^check:' "$LOG"
 fi
 # shellcheck disable=SC2086  # the *_ARGS hold several arguments
 phase gen "$GEN_TO" "$PY" -m k3rt.training.dspark gen --source greedy --greedy-path engine --split train \
