@@ -8,10 +8,10 @@ gen: prompts are random windows of the corpus's training-split code (training/co
 stdlib, minus the held-out modules); the target continues each greedily (through k3rt's engine, many
 requests at once: the default on a GPU; its cached decode path; or repeated dense forwards: --greedy-path),
 and forward hooks keep the chosen layers' states at every processed position (the engine path: one dense
-forward over each finished sequence, in gen or, with --no-states, when train loads the file). Those continuations are what the target emits, so teacher forcing on them
-trains the drafter to predict the target's greedy tokens, from exactly the states it will be given at
-serving time (a position's state is known once the target has run that token; the newest token, the
-anchor, has none yet).
+forward over each finished sequence, in gen or, with --no-states, when train loads the file). Those
+continuations are what the target emits, so teacher forcing on them trains the drafter to predict the
+target's greedy tokens, from exactly the states it will be given at serving time (a position's state is
+known once the target has run that token; the newest token, the anchor, has none yet).
 train: per anchor position t: the states at t-W..t-1 (left-padded and masked before the sequence start),
 their tokens and x_t -> x_{t+1..t+k}. Loss = position-weighted cross-entropy of the draft distribution
 (base + Markov logits, the Markov head given the true previous tokens, mixed with the copy head's) + BCE of the confidence head on "draft j's argmax is
@@ -166,8 +166,8 @@ def greedy_engine(target: KimiForCausalLM, model: str, prompts: Sequence[Sequenc
     GPU runner with decode CUDA graphs on CUDA, the reference runner elsewhere): one prefill and then one
     decode step per token, instead of the dense path's forward of every sequence so far per token.
     Returns (tokens [N, P + gen_len], their prompt indices) of the prompts that finished before `deadline`
-    (time.time()), in prompt order; the rest are dropped with the engine. No states: capture them after with one dense forward
-    (`states_and_next`), which is exact and keeps the engine unchanged. `target` is the loaded model of
+    (time.time()), in prompt order; the rest are dropped with the engine. No states: capture them after
+    with one dense forward (`states_and_next`), which is exact and keeps the engine unchanged. `target` is the loaded model of
     checkpoint `model`, shared with the engine (not copied)."""
     from k3rt.backend.engine import Engine, cache_geometry
     from k3rt.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -198,7 +198,8 @@ def greedy_engine(target: KimiForCausalLM, model: str, prompts: Sequence[Sequenc
                 rids[engine.add_request(prompts[fed], params)] = fed
                 fed += 1
             if not engine.has_unfinished:
-                raise RuntimeError(f"greedy_engine: the engine stalled with {len(rids) - len(done)} requests unfinished")
+                raise RuntimeError(f"greedy_engine: the engine stalled with {len(rids) - len(done)} requests "
+                                   "unfinished")
             for o in engine.step():
                 if o.finished:
                     if o.error is not None or len(o.output_ids) != gen_len:
@@ -740,7 +741,8 @@ def cmd_genbench(args: argparse.Namespace) -> None:
         vs = "-" if r["vs_dense"] is None else f"{r['vs_dense']}×"
         print(f"| {r['path']} | {r['batch']} | {r['sequences']} | {r['seconds']} | {r['seq_per_min']} | {vs} |")
     if same["engine"] * 2 < len(check):
-        raise SystemExit(f"genbench: the engine path matched the cached path on {same['engine']} of {len(check)} prompts")
+        raise SystemExit(f"genbench: the engine path matched the cached path on {same['engine']} of "
+                         f"{len(check)} prompts")
 
 
 def _sync(device: str) -> None:
