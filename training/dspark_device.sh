@@ -11,7 +11,8 @@
 #   OUT=/path/to/out bash training/dspark_device.sh
 #
 # Phases and their hard limits (seconds, `timeout`): setup 40 (wheels in .whl/, editable install), gen 200
-# (--minutes 2.0 of generation inside, plus model load, Triton compiles and graph capture; token ids only),
+# (--minutes 2.0 of generation inside, plus model load, Triton compiles and graph capture; token ids only;
+# should it fail, gen-dense, 1.5 minutes of the first run's dense path, replaces it),
 # corpus 60 (a few seconds of dense forwards over corpus windows), train 300 (states capture ~30 s, then
 # --minutes 3.3 of steps), eval 80, card 20: at most 700 s, about 8 minutes expected. Each phase's own
 # budget ends it before its timeout; the timeout only backs that up. Progress (tqdm, every 15 s) and the
@@ -88,9 +89,13 @@ if [ "${DSPARK_GENBENCH:-0}" = 1 ]; then  # optional, ~90 s more: the greedy pat
   phase genbench 120 "$PY" -m k3rt.training.dspark genbench --device "$DEV" $GB_ARGS || exit 1
   grep -A6 '^check:' "$LOG"
 fi
+# if the engine path fails on the device, the dense path of the first run makes a smaller data set instead
 # shellcheck disable=SC2086  # the *_ARGS hold several arguments
 phase gen "$GEN_TO" "$PY" -m k3rt.training.dspark gen --source greedy --greedy-path engine --split train \
-  --device "$DEV" --minutes "$GEN_MIN" --out "$WORK/greedy.pt" --seed 1 --no-states $GEN_ARGS || exit 1
+  --device "$DEV" --minutes "$GEN_MIN" --out "$WORK/greedy.pt" --seed 1 --no-states $GEN_ARGS ||
+  phase gen-dense "$GEN_TO" "$PY" -m k3rt.training.dspark gen --source greedy --greedy-path dense --split train \
+    --device "$DEV" --minutes 1.5 --out "$WORK/greedy.pt" --seed 1 --no-states $GEN_ARGS --batch 256 ||
+  exit 1
 # shellcheck disable=SC2086
 phase corpus "$CORPUS_TO" "$PY" -m k3rt.training.dspark gen --source corpus --split train --device "$DEV" \
   --minutes 0.5 --out "$WORK/corpus.pt" --seed 2 --no-states $CORPUS_ARGS || exit 1
