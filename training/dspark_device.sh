@@ -14,7 +14,7 @@
 # (--minutes 2.0 of generation inside, plus model load, Triton compiles and graph capture; token ids only;
 # should it fail, gen-dense, 1.5 minutes of the first run's dense path, replaces it),
 # corpus 60 (a few seconds of dense forwards over corpus windows), train 300 (states capture ~30 s, then
-# --minutes 3.3 of steps), eval 80, card 20: at most 700 s, about 8 minutes expected. Each phase's own
+# --minutes 3.3 of steps), eval 80, card 20: at most 700 s, about 8.5 minutes expected. Each phase's own
 # budget ends it before its timeout; the timeout only backs that up. Progress (tqdm, every 15 s) and the
 # train phase's held-in / held-out-split tau (every 20 s) go to the log; each phase's start, end and
 # seconds to stdout too.
