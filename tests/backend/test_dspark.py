@@ -4,6 +4,7 @@ k3-tiny drafter. CPU, seeded; the shipped-drafter tests decode a few held-out pr
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from k3rt.backend.spec.dspark.checkpoint import load_config, load_drafter, save_
 from k3rt.backend.spec.dspark.drafter import DSparkDrafter
 from k3rt.backend.spec.dspark.model import DSparkConfig, DSparkModel, verify_length
 from k3rt.backend.spec.dspark.target import dense_states
+from k3rt.backend.tokenizer import load_tokenizer
 from k3rt.models import MODELS_DIR
 
 SHIPPED = MODELS_DIR / "k3-tiny-dspark"
@@ -250,6 +252,82 @@ def test_cached_states_match_the_dense_forward(k3_tiny):
     assert torch.equal(d_tokens, tokens) and torch.equal(d_next, dense_next[:, :-1])
     torch.testing.assert_close(d_states.float(), dense[:, :-1], atol=2e-2, rtol=2e-2)
     assert greedy_dense(k3_tiny, prompts, 6, layers, deadline=0.0) is None  # past its deadline: no batch
+    # gen's engine path (k3rt's engine, reference runner here) emits the same tokens, and the one dense
+    # forward after it gives the dense path's states and labels
+    from k3rt.training.dspark import greedy_engine, states_and_next
+    e_tokens, finished = greedy_engine(k3_tiny, "k3-tiny", prompts, 6, batch=1, device="cpu", dtype="float32")
+    assert torch.equal(e_tokens, tokens) and finished == [0, 1]  # batch 1: the second prompt waits its turn
+    e_states, e_next = states_and_next(k3_tiny, e_tokens, layers, batch=2)  # greedy_dense's batch shape
+    assert torch.equal(e_next, d_next) and torch.equal(e_states, d_states)
+    late, finished = greedy_engine(k3_tiny, "k3-tiny", prompts, 6, batch=2, device="cpu", dtype="float32", deadline=0.0)
+    assert late.shape == (0, 12) and finished == []
+    with pytest.raises(ValueError, match="prompts"):
+        greedy_engine(k3_tiny, "k3-tiny", [[1, 2, 3], [1, 2]], 4, batch=2, device="cpu", dtype="float32")
+
+
+def test_holdout_split_and_best_weights():
+    from k3rt.training.dspark import BestWeights, split_holdout
+    pairs = torch.stack(torch.meshgrid(torch.arange(10), torch.arange(8, 20), indexing="ij"), -1).reshape(-1, 2)
+    train, out = split_holdout(pairs, 10, 0.2, seed=0)
+    held = set(out[:, 0].tolist())
+    assert len(held) == 2 and not held & set(train[:, 0].tolist())  # whole sequences, disjoint
+    assert train.shape[0] + out.shape[0] == pairs.shape[0]
+    assert torch.equal(split_holdout(pairs, 10, 0.2, seed=0)[1], out)  # the same split every time
+    assert split_holdout(pairs, 10, 0.0, seed=0)[1].shape[0] == 0
+    assert len(set(split_holdout(pairs, 10, 0.01, seed=0)[1][:, 0].tolist())) == 1  # at least one sequence
+    net = torch.nn.Linear(2, 2)
+    best = BestWeights()
+    assert best.update(1.5, 10, net)
+    first = net.weight.detach().clone()
+    with torch.no_grad():
+        net.weight.add_(1.0)
+    assert not best.update(1.4, 20, net) and not best.update(1.5, 30, net)  # worse, then a tie
+    assert best.stale == 2 and best.step == 10
+    best.restore(net)
+    assert torch.equal(net.weight, first)
+
+
+def test_gen_holds_out_whole_documents(monkeypatch):
+    from k3rt.training import dspark
+    from k3rt.training.corpus import Document
+    docs = [Document("code", "train", f"m{i}.py", "\n".join(f"x{i}_{j} = {j}" for j in range(40))) for i in range(40)]
+    docs.append(Document("code", "valid", "v.py", "y = 1\n" * 40))
+    monkeypatch.setattr(dspark, "code_documents", lambda root: docs)
+    prompts, held = dspark.training_prompts("train", 60, 12, seed=0, model="k3-tiny", holdout_frac=0.1)
+    tok = load_tokenizer("k3-tiny")
+    names = {i: f"m{i}.py" for i in range(40)}
+    doc_of = [int(re.search(r"x(\d+)_", tok.decode(p)).group(1)) for p in prompts]
+    held_docs = {names[d] for d, h in zip(doc_of, held) if h}
+    assert held_docs and not held_docs & {names[d] for d, h in zip(doc_of, held) if not h}  # whole documents
+    assert held == sorted(held, reverse=True) and 0 < sum(held) <= 6  # held-out prompts first, about 10%
+    assert len({tuple(p) for p in prompts}) == len(prompts)  # no repeated window
+    assert (prompts, held) == dspark.training_prompts("train", 60, 12, seed=0, model="k3-tiny", holdout_frac=0.1)
+    with pytest.raises(ValueError, match="--holdout-docs"):
+        dspark.training_prompts("valid", 4, 12, seed=0, model="k3-tiny", holdout_frac=0.1)  # one document
+
+
+def test_train_captures_states_and_reports_holdout(k3_tiny, tmp_path: Path):
+    from k3rt.training.dspark import main, states_and_next
+    prompts = [[1] + [40 + 7 * i + j for j in range(9)] for i in range(6)]
+    tokens = torch.tensor([p + p[1:7] for p in prompts])  # 16 tokens each; labels come from the target
+    data = tmp_path / "tokens.pt"
+    held = torch.tensor([False, True, False, False, True, False])  # gen --holdout-docs' marks
+    torch.save({"tokens": tokens, "states": None, "next": None, "source": "greedy", "target_layers": [2, 5, 8],
+                "target": "k3-tiny", "split": "train", "holdout": held}, data)
+    out = tmp_path / "drafter"
+    main(["train", "--data", str(data), "--out", str(out), "--max-steps", "3", "--batch", "8", "--eval-every", "0",
+          "--context-len", "16", "--minutes", "5"])
+    notes = json.loads((out / "training.json").read_text())
+    h = notes["holdout"]
+    assert notes["steps"] == 3 and [c["step"] for c in h["curve"]] == [1, 2, 3]
+    assert h["anchors"] == 2 * (15 - 8) and h["by"].startswith("documents")  # the two marked, anchors 8..14 each
+    assert all(c["tau_in"] >= 1 and c["tau_out"] >= 1 for c in h["curve"])
+    assert h["best_tau_out"] == max(c["tau_out"] for c in h["curve"])
+    assert notes["anchors"] == [4 * 7]  # the training anchors: the other four sequences
+    assert load_drafter(out).cfg.context_len == 16
+    for flag, value in (("--holdout-frac", "1"), ("--holdout-anchors", "0"), ("--eval-every", "-1")):
+        with pytest.raises(ValueError, match=flag):
+            main(["train", "--data", str(data), "--out", str(out), flag, value])
 
 
 def test_shipped_drafter_proposes_and_beats_nothing(k3_tiny):
@@ -273,3 +351,14 @@ def test_shipped_drafter_proposes_and_beats_nothing(k3_tiny):
     assert replay_tau(fresh.eval(), tokens, states, 48, drafter.embed, drafter.lm_head, 7)["tau"] < res["tau"] - 0.2
     # the confidence schedule verifies fewer than k drafts on average and keeps most accepted tokens
     assert res["mean_verified_scheduled"] < 7 and res["tau_scheduled"] > 1.2, res
+
+
+def test_genbench_checks_then_times_every_path(capsys):
+    from k3rt.training.dspark import main
+    main(["genbench", "--budget-s", "60", "--prompts", "2", "--batch", "2", "--dense-batch", "2", "--gen-len", "4",
+          "--check-prompts", "2", "--check-len", "4", "--prompt-len", "16"])
+    res = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert res["check"]["identical_to_cached"] == {"engine": 2, "dense": 2}
+    rows = {r["path"]: r for r in res["paths"]}
+    assert set(rows) == {"engine", "dense", "cached"} and all(r["sequences"] == 2 for r in rows.values())
+    assert rows["dense"]["vs_dense"] == 1.0 and rows["engine"]["seq_per_min"] > 0
