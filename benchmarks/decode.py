@@ -64,6 +64,7 @@ def _args() -> argparse.Namespace:
 ARGS = _args()
 
 import torch  # noqa: E402
+from _routing import distinct_experts  # noqa: E402
 from _timing import Report, copy_bandwidth, default_out, time_ms  # noqa: E402
 
 from k3rt.backend.cache.pool import PagePool  # noqa: E402
@@ -156,7 +157,7 @@ def bench_decode(runner: GpuModelRunner, model, cfg, layout, copy_gbps: float, B
             torch.argmax(g.logits[:B], dim=-1).tolist()
 
         row["runner_step_ms"] = time_ms(full_step, reps=ARGS.reps, warmup=2)["median_ms"]
-    distinct = distinct_experts(runner, step)
+    distinct = distinct_experts(runner, step) or None
     if distinct is not None:  # replace the uniform-routing expectation by what this batch routes to
         per_expert = sum(
             p.numel() * p.element_size() for n, p in model.named_parameters() if n.endswith((".w13", ".w2"))
@@ -172,33 +173,6 @@ def bench_decode(runner: GpuModelRunner, model, cfg, layout, copy_gbps: float, B
     row["tokens_per_s"] = B / (row.get("runner_step_ms", best) * 1e-3)
     release(runner.pool, seqs)
     return row
-
-
-def distinct_experts(runner: GpuModelRunner, step) -> list[int] | None:
-    """Distinct experts each MoE layer reads for this batch (one eager forward, routing recorded)."""
-    import k3rt.backend.runner.gpu.ffn as ffn
-
-    seen: list[int] = []
-    E = runner.fwd.cfg.moe.num_experts
-    real = ffn.kernel
-
-    def recording(module: str, name: str):
-        fn = real(module, name)
-        if (module, name) != ("moe", "moe_route") or fn is None:
-            return fn
-
-        def route(*a, **kw):
-            w, ids = fn(*a, **kw)
-            seen.append(int((ids.unique() < E).sum()))  # the shared experts' extra slots are dense weights
-            return w, ids
-        return route
-
-    ffn.kernel = recording
-    try:
-        runner.fwd(step, decode=False)
-    finally:
-        ffn.kernel = real
-    return seen or None
 
 
 def kernel_profile(fn) -> tuple[float, int, list[dict]]:

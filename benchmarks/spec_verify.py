@@ -61,6 +61,7 @@ if ARGS.smoke:
     ARGS.batch, ARGS.context, ARGS.reps, ARGS.spec_tokens = [1, 2], 40, 2, 3
 
 import torch  # noqa: E402
+from _routing import distinct_experts  # noqa: E402
 from _timing import Report, copy_bandwidth, default_out, rel_err, time_ms  # noqa: E402
 
 from k3rt.backend.cache.pool import PagePool  # noqa: E402
@@ -116,42 +117,6 @@ def restore(pool: PagePool, seqs: list[StepSeq], saved: list[torch.Tensor]) -> N
         for p in s.state_pages:
             for t in (*pool.conv, *pool.rec):
                 t[p].copy_(next(it))
-
-
-def distinct_experts(runner: GpuModelRunner, step) -> list[int]:
-    """Distinct routed experts each MoE layer reads for this step (one eager forward, routing recorded: the
-    routing kernel on the GPU, the torch router on the CPU path)."""
-    import k3rt.backend.runner.gpu.ffn as ffn
-
-    seen: list[int] = []
-    E = runner.fwd.cfg.moe.num_experts if runner.fwd.cfg.moe is not None else 0
-    real_kernel, real_route = ffn.kernel, ffn.route
-
-    def count(ids: torch.Tensor) -> None:
-        seen.append(int((ids.unique() < E).sum()))  # the shared experts' extra slots are dense weights
-
-    def recording(module: str, name: str):
-        fn = real_kernel(module, name)
-        if (module, name) != ("moe", "moe_route") or fn is None:
-            return fn
-
-        def routed(*a, **kw):
-            w, ids = fn(*a, **kw)
-            count(ids)
-            return w, ids
-        return routed
-
-    def torch_route(*a, **kw):
-        w, ids = real_route(*a, **kw)
-        count(ids)
-        return w, ids
-
-    ffn.kernel, ffn.route = recording, torch_route
-    try:
-        runner.fwd(step)
-    finally:
-        ffn.kernel, ffn.route = real_kernel, real_route
-    return seen
 
 
 def floor_bytes(model, cfg: ModelConfig, layout, B: int, rows: int, distinct: list[int]) -> dict:

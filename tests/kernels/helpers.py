@@ -46,18 +46,26 @@ import json, os, re, subprocess, tempfile, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-def sm90_build(fn, sig, consts, num_warps, num_stages, divisible):
+def sm90_kernel(fn, sig, consts, num_warps, num_stages, divisible):
     # pointers, and the integer arguments `divisible` names, are marked divisible by 16, as the runtime
     # marks them at the 48B shapes
     attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
              if v.startswith("*") or divisible(k)}
-    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": num_warps, "num_stages": num_stages})
+    return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+def cuobjdump(k, flag):
+    # the wheel's own cuobjdump over the kernel's cubin: "-res-usage" (registers, stack) or "-sass"
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
     os.unlink(f.name)
+    return out
+
+def sm90_build(fn, sig, consts, num_warps, num_stages, divisible):
+    k = sm90_kernel(fn, sig, consts, num_warps, num_stages, divisible)
+    usage = cuobjdump(k, "-res-usage")
     ttgir = k.asm["ttgir"]
     return {"stack": int(re.search(r"STACK:(\d+)", usage).group(1)), "local": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
             "async_copies": ttgir.count("async_copy_global_to_local"), "wgmma": ttgir.count("warp_group_dot"),

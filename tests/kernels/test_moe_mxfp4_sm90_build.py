@@ -26,15 +26,7 @@ SASS_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]
 
 def math_loop(fn, sig, consts, num_warps, num_stages, divisible, op):
     """The SASS opcodes of the smallest loop (a backward branch's span) that holds an `op` instruction."""
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
-             if v.startswith("*") or divisible(k)}
-    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": num_warps, "num_stages": num_stages})
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    os.unlink(f.name)
+    sass = cuobjdump(sm90_kernel(fn, sig, consts, num_warps, num_stages, divisible), "-sass")
     ins = [(int(a, 16), o, line) for line in sass.splitlines() for a, _, o in SASS_INSTR.findall(line)[:1]]
     spans = []
     for addr, o, line in ins:

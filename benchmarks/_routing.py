@@ -1,0 +1,41 @@
+"""Which routed experts a step reads: shared by the benchmarks that count the bytes a step must move."""
+
+from __future__ import annotations
+
+import torch
+
+
+def distinct_experts(runner, step) -> list[int]:
+    """Distinct routed experts each MoE layer reads for this step (one eager forward, routing recorded: the
+    routing kernel on the GPU, the torch router on the CPU path)."""
+    import k3rt.backend.runner.gpu.ffn as ffn
+
+    seen: list[int] = []
+    E = runner.fwd.cfg.moe.num_experts if runner.fwd.cfg.moe is not None else 0
+    real_kernel, real_route = ffn.kernel, ffn.route
+
+    def count(ids: torch.Tensor) -> None:
+        seen.append(int((ids.unique() < E).sum()))  # the shared experts' extra slots are dense weights
+
+    def recording(module: str, name: str):
+        fn = real_kernel(module, name)
+        if (module, name) != ("moe", "moe_route") or fn is None:
+            return fn
+
+        def routed(*a, **kw):
+            w, ids = fn(*a, **kw)
+            count(ids)
+            return w, ids
+        return routed
+
+    def torch_route(*a, **kw):
+        w, ids = real_route(*a, **kw)
+        count(ids)
+        return w, ids
+
+    ffn.kernel, ffn.route = recording, torch_route
+    try:
+        runner.fwd(step)
+    finally:
+        ffn.kernel, ffn.route = real_kernel, real_route
+    return seen
