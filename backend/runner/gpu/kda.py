@@ -6,6 +6,11 @@ Two forms:
     snapshot states written to their destination state sets;
   decode (every sequence feeds one token, no snapshots; the form captured in CUDA graphs): the
     fused `kda_decode` step, conv cache and recurrent state updated in place.
+A mixed step (plain decodes beside prefill chunks, snapshot rows or verify runs; pack_step kda_split,
+whenever the decode kernel runs outside the batch-invariant mode) is split: the plain decodes' rows take the
+decode form on their live states (the same kernel on the same inputs as a decode step, so bit-identical to
+one) and only the other sequences the general form (`GpuStep.kda_rows`: its conv gathers, state copies and
+chunk kernels then cover those sequences only; a one-token decode costs the chunk kernel a whole chunk).
 Verify runs (speculative decoding) take the general form but leave their conv and recurrent states as
 they were; `kda_commit` replays the accepted prefix into them once the sampler has decided.
   verify graph form (pack_step row_queries: every sequence a verify run of the same length R, the form
@@ -28,7 +33,7 @@ import torch.nn.functional as F
 from k3rt.backend.layers.norm import rms_norm_gated
 from k3rt.backend.models.kda import KimiDeltaAttention
 from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear, share_rows
-from k3rt.backend.runner.gpu.step import GpuStep
+from k3rt.backend.runner.gpu.step import GpuStep, KdaRows
 from k3rt.kernels.kda.ref import kda_chunked, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent
 
 
@@ -100,18 +105,63 @@ def kda_forward(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: 
         o = _token_by_token(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, pages, k)
         return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
     if decode and k.triton:
-        from k3rt.kernels.kda import kda_decode
-
-        # conv, gates, delta rule and the gated output norm in one launch, states in their pages
-        o = kda_decode(qkv, w.conv_weight, conv_pool, f, w.A_log, w.dt_bias, b, rec_pool, pages,
-                       lower_bound=attn.lower_bound, use_pdl=k.use_pdl, o_gate=gate.reshape(T, H, D),
-                       o_norm_weight=attn.o_norm_weight, o_norm_eps=attn.eps, workspace=workspace,
-                       v_split=1 if k.batch_invariant else None)
-        return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
-    o = _general(attn, w, qkv, f, b, step, conv_pool, rec_pool, pages, k)
-    gated = kernel("norm", "rms_norm_gated") if k.triton else None
-    o = (gated or rms_norm_gated)(o, gate.reshape(T, H, D), attn.o_norm_weight, attn.eps)
+        o = _decode(attn, w, qkv, f, b, gate, conv_pool, rec_pool, pages, k, workspace)
+    elif step.kda_split is not None:
+        o = _split(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, k, workspace)
+    else:
+        o = _general_gated(attn, w, qkv, f, b, gate, step.kda_rows, conv_pool, rec_pool, k)
     return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
+
+
+def _decode(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+            gate: torch.Tensor, conv_pool: torch.Tensor, rec_pool: torch.Tensor, pages: torch.Tensor, k: KernelConfig,
+            workspace: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The decode form: conv, gates, delta rule and the gated output norm in one launch, states in their pages
+    (pages[i]: row i's). -> o [N, H, D] (gated, normed), into `out` when given."""
+    from k3rt.kernels.kda import kda_decode
+
+    N, H, D = qkv.shape[0], attn.num_heads, attn.head_dim
+    return kda_decode(qkv, w.conv_weight, conv_pool, f, w.A_log, w.dt_bias, b, rec_pool, pages,
+                      lower_bound=attn.lower_bound, use_pdl=k.use_pdl, o_gate=gate.reshape(N, H, D),
+                      o_norm_weight=attn.o_norm_weight, o_norm_eps=attn.eps, workspace=workspace,
+                      v_split=1 if k.batch_invariant else None, out=out)
+
+
+def _general_gated(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                   gate: torch.Tensor, rows: KdaRows, conv_pool: torch.Tensor, rec_pool: torch.Tensor,
+                   k: KernelConfig) -> torch.Tensor:
+    """The general form and the gated output norm over `rows`' sequences. -> o [T, H, D]."""
+    o = _general(attn, w, qkv, f, b, rows, conv_pool, rec_pool, rows.state_pages[w.group], k)
+    gated = kernel("norm", "rms_norm_gated") if k.triton else None
+    return (gated or rms_norm_gated)(o, gate.reshape(o.shape), attn.o_norm_weight, attn.eps)
+
+
+def _split(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+           gate: torch.Tensor, step: GpuStep, conv_pool: torch.Tensor, rec_pool: torch.Tensor, k: KernelConfig,
+           workspace: torch.Tensor | None) -> torch.Tensor:
+    """A mixed step (GpuStep.kda_split): the plain decodes' rows through the decode form on their live states,
+    the other sequences' rows through the general form, both written into the step's row order. Contiguous
+    row ranges (decodes first: the usual plan) are slices, so the decode rows are neither gathered nor
+    scattered; the decode kernel writes its rows of the output in place. -> o [T, H, D] (gated, normed)."""
+    if not k.triton:
+        raise ValueError("kda_split: a split step needs the decode kernel (KernelConfig.triton); pack it unsplit")
+    sp = step.kda_split
+    T, H, D = qkv.shape[0], attn.num_heads, attn.head_dim
+    o = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
+    pages = sp.dec_pages[w.group]
+    if sp.dec_span is not None:
+        s, e = sp.dec_span
+        _decode(attn, w, qkv[s:e], f[s:e], b[s:e], gate[s:e], conv_pool, rec_pool, pages, k, workspace, out=o[s:e])
+    else:
+        r = sp.dec_rows
+        o[r] = _decode(attn, w, qkv[r], f[r], b[r], gate[r], conv_pool, rec_pool, pages, k, workspace)
+    if sp.rest_span is not None:
+        s, e = sp.rest_span
+        o[s:e] = _general_gated(attn, w, qkv[s:e], f[s:e], b[s:e], gate[s:e], sp.rest, conv_pool, rec_pool, k)
+    else:
+        r = sp.rest_rows
+        o[r] = _general_gated(attn, w, qkv[r], f[r], b[r], gate[r], sp.rest, conv_pool, rec_pool, k)
+    return o
 
 
 def _verify_runs(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
@@ -190,7 +240,7 @@ def _token_by_token(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, 
 
 
 def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
-             step: GpuStep, conv_pool: torch.Tensor, rec_pool: torch.Tensor, pages: torch.Tensor,
+             step: KdaRows, conv_pool: torch.Tensor, rec_pool: torch.Tensor, pages: torch.Tensor,
              k: KernelConfig) -> torch.Tensor:
     T, H, D = qkv.shape[0], attn.num_heads, attn.head_dim
     W = w.conv_weight.shape[1]
