@@ -184,8 +184,8 @@ def test_a_split_step_packs_the_rest_as_a_step_of_its_own(seed) -> None:
     if rng.random() < 0.5:  # a one-token chunk with a snapshot is no plain decode
         seqs.append(StepSeq([5], 40, [3, 4, 5], [9] * groups, True, [(41, [8] * groups)]))
     kw = dict(block_size=block_size, conv_width=width, num_groups=groups)
-    whole = _views(pack_step(seqs, **kw)))
-    step = _views(pack_step(seqs, kda_split=True, **kw)))
+    whole = _views(pack_step(seqs, **kw))
+    step = _views(pack_step(seqs, kda_split=True, **kw))
     for name in ("ids", "pos", "kv_slot", "cu_seqlens", "ctx_lens", "block_table", "state_pages", "logit_rows",
                  "ctx_slot", "prefill_rows", "decode_seqs", "decode_rows"):
         assert torch.equal(getattr(step, name), getattr(whole, name)), name
@@ -200,7 +200,7 @@ def test_a_split_step_packs_the_rest_as_a_step_of_its_own(seed) -> None:
     for span, rows in ((sp.dec_span, sp.dec_rows), (sp.rest_span, sp.rest_rows)):
         assert (span is not None) == (rows.tolist() == list(range(rows[0], rows[-1] + 1)))
         assert span is None or list(range(*span)) == rows.tolist()
-    alone = _views(pack_step([seqs[i] for i in rest], **kw))).kda_rows
+    alone = _views(pack_step([seqs[i] for i in rest], **kw)).kda_rows
     got = sp.rest
     assert step.kda_rows is got and got.verify_inputs is step.verify_inputs
     for name in ("num_seqs", "cu", "starts", "lens", "snapshots", "verify_seqs"):
@@ -208,4 +208,4 @@ def test_a_split_step_packs_the_rest_as_a_step_of_its_own(seed) -> None:
     for name in ("cu_seqlens", "state_pages", "conv_idx", "conv_tail_idx", "snap_conv_idx", "snap_dest"):
         assert torch.equal(getattr(got, name), getattr(alone, name)), name
     only_decodes = [seqs[i] for i in plain]
-    assert _views(pack_step(only_decodes, kda_split=True, **kw))).kda_split is None
+    assert _views(pack_step(only_decodes, kda_split=True, **kw)).kda_split is None

@@ -90,6 +90,34 @@ def kda_forward(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: 
     page apart); workspace: kda_decode's per-head counters (decode form); keep: buffers the verify graph
     form copies its commit inputs into (GpuForward.verify_keep; None: the step keeps its own tensors)."""
     T, H, D = x.shape[0], attn.num_heads, attn.head_dim
+    qkv, gate, f, b = kda_project(attn, w, x, k)
+    o = kda_attend(attn, w, qkv, gate, f, b, step, conv_pool, rec_pool, k, decode=decode, workspace=workspace,
+                   keep=keep)
+    return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
+
+
+def kda_attend(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, gate: torch.Tensor, f: torch.Tensor,
+               b: torch.Tensor, step: GpuStep, conv_pool: torch.Tensor, rec_pool: torch.Tensor, k: KernelConfig, *,
+               decode: bool, workspace: torch.Tensor | None = None,
+               keep: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The layer between its projections (`kda_project`) and o_proj: the step's form (module docstring) on its
+    states. -> o [T, H, D] (gated, normed)."""
+    pages = step.state_pages[w.group]
+    if step.row_seq is not None and k.triton and not k.batch_invariant:
+        return _verify_runs(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, pages, k, workspace, keep)
+    if k.batch_invariant and not decode:
+        return _token_by_token(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, pages, k)
+    if decode and k.triton:
+        return _decode(attn, w, qkv, f, b, gate, conv_pool, rec_pool, pages, k, workspace)
+    if step.kda_split is not None:
+        return _split(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, k, workspace)
+    return _general_gated(attn, w, qkv, f, b, gate, step.kda_rows, conv_pool, rec_pool, k)
+
+
+def kda_project(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor,
+             k: KernelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, hidden] -> (pre-conv qkv [T, 3P], output gate [T, P], f [T, P], b [T, H]): column views of the
+    fused GEMMs' outputs."""
     proj = linear(x, w.w_in, k)
     qkv, gate, f_a, b = torch.split(proj, w.splits, dim=-1)
     if w.w_up is not None:  # (g_a | f_a) -> (gate | f), one GEMM
@@ -97,20 +125,7 @@ def kda_forward(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: 
         gate, f = linear(proj[:, s0:s0 + w.w_up.shape[1]], w.w_up, k).split(w.w_up.shape[0] // 2, dim=-1)
     else:
         f = linear(f_a, attn.f_b_proj.weight, k)
-    pages = step.state_pages[w.group]
-    if step.row_seq is not None and k.triton and not k.batch_invariant:
-        o = _verify_runs(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, pages, k, workspace, keep)
-        return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
-    if k.batch_invariant and not decode:
-        o = _token_by_token(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, pages, k)
-        return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
-    if decode and k.triton:
-        o = _decode(attn, w, qkv, f, b, gate, conv_pool, rec_pool, pages, k, workspace)
-    elif step.kda_split is not None:
-        o = _split(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, k, workspace)
-    else:
-        o = _general_gated(attn, w, qkv, f, b, gate, step.kda_rows, conv_pool, rec_pool, k)
-    return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
+    return qkv, gate, f, b
 
 
 def _decode(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
