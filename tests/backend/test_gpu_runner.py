@@ -290,11 +290,11 @@ def test_logits_out_receives_the_logits(tmp_path) -> None:
     assert got.data_ptr() == out.data_ptr() and torch.equal(out[:3], want) and out[3:].isnan().all()
 
 
-def _mixed_decodes_equal_a_decode_step(eng, order: str) -> None:
+def _mixed_decodes_equal_a_decode_step(eng, order: str, logits_rel: float = 1e-5) -> None:
     """Decodes at random contexts over random cache contents, once as a decode-only step and once beside a
     new request's 21-token prefill chunk (order: 'd' a decode, 'p' the chunk).
-    The model's logits agree (the FFN's expert GEMMs group rows by step, so a row's sums may round
-    differently: not bit-exact outside the deterministic mode) and give the same next tokens; each KDA layer,
+    The model's logits agree within logits_rel (the FFN's expert GEMMs group rows by step, so a row's sums may
+    round differently: not bit-exact outside the deterministic mode; fp32: the same next tokens); each KDA layer,
     given the same projections of its decode rows, computes their outputs and advances their states
     bit-identically (with the kernels: the same decode kernel on the same inputs, the chunk kernel never
     touching a decode row), and leaves every pool page but the chunk's as the decode step does."""
@@ -302,6 +302,7 @@ def _mixed_decodes_equal_a_decode_step(eng, order: str) -> None:
     from k3rt.backend.runner.gpu.step import StepSeq
 
     runner, pool, bs, fwd = eng.runner, eng.pool, eng.layout.block_size, eng.runner.fwd
+    dev = pool.tensors[0].device
     g = torch.Generator().manual_seed(7)
     decs = []
     for _ in range(order.count("d")):
@@ -310,15 +311,16 @@ def _mixed_decodes_equal_a_decode_step(eng, order: str) -> None:
                             pool.allocate(eng.layout.pages_per_state_set), True))
     chunk_pages = pool.allocate(1), pool.allocate(eng.layout.pages_per_state_set)
     chunk = StepSeq(torch.randint(3, 500, (21,), generator=g).tolist(), 0, *chunk_pages, True)
-    for t in pool.tensors:  # fp32 caches (engine_config_for_tests): small random values everywhere
-        t.view(torch.float32).copy_(0.1 * torch.randn(t.view(torch.float32).shape, generator=g))
+    for v in pool.mla + pool.conv + pool.rec:  # small random values in every cache, each in its dtype
+        if v is not None:
+            v.copy_(0.1 * torch.randn(v.shape, generator=g))
     before = [t.clone() for t in pool.tensors]
     it = iter(decs)
     seqs = [chunk if c == "p" else next(it) for c in order]
     dec_step, step = runner._build(decs, []), runner._build(seqs, [])
     assert (step.kda_split is not None) == fwd.k.triton  # the split runs with the decode kernel only
     seq_rows = [i for i, c in enumerate(order) if c == "d"]  # logit rows: each sequence's last row, in step order
-    rows = torch.tensor([step.cu[i] for i in seq_rows])
+    rows = torch.tensor([step.cu[i] for i in seq_rows], device=dev)
 
     def run(fn):
         for t, b in zip(pool.tensors, before):
@@ -328,14 +330,16 @@ def _mixed_decodes_equal_a_decode_step(eng, order: str) -> None:
 
     want, _ = run(lambda: fwd(dec_step, decode=True))
     got, _ = run(lambda: fwd(step))
-    assert rel(got[seq_rows], want) < 1e-5 and torch.equal(got[seq_rows].argmax(-1), want.argmax(-1))
-    live = torch.ones(pool.tensors[0].shape[0], dtype=torch.bool)
+    assert rel(got[seq_rows], want) < logits_rel
+    if fwd.layers[0].input_layernorm.weight.dtype == torch.float32:
+        assert torch.equal(got[seq_rows].argmax(-1), want.argmax(-1))
+    live = torch.ones(pool.tensors[0].shape[0], dtype=torch.bool, device=dev)
     live[chunk_pages[0] + chunk_pages[1]] = False
     for i, w in fwd.prepared.items():
         if not isinstance(w, KdaWeights):
             continue
         attn = fwd.layers[i].self_attn
-        x = torch.randn(step.num_tokens, fwd.cfg.hidden_size, generator=g)
+        x = torch.randn(step.num_tokens, fwd.cfg.hidden_size, generator=g).to(dev, w.w_in.dtype)
         parts = kda_project(attn, w, x, fwd.k)
         conv, recs = pool.conv[w.tensor], pool.rec[w.tensor]
         o_mixed, after_mixed = run(lambda: kda_attend(attn, w, *parts, step, conv, recs, fwd.k, decode=False,
@@ -359,3 +363,45 @@ def test_a_mixed_steps_decode_rows_equal_a_decode_steps(kernels, tmp_path) -> No
                          cuda_graphs=False))
     for order in ("dddp", "dpdd"):
         _mixed_decodes_equal_a_decode_step(eng, order)
+
+
+@pytest.mark.gpu
+def test_a_mixed_steps_decode_rows_equal_a_decode_steps_on_cuda(tmp_path) -> None:
+    """Issue 18 on CUDA: bf16 (the served dtype), a mixed step's KDA decode rows equal a decode-only step's
+    bit for bit layer by layer (the compiled decode kernel on the same inputs), its logits within bf16
+    tolerance of the decode step's; decodes before the chunk and around it."""
+    if not HAS_CUDA:
+        pytest.skip("no CUDA device")
+    ckpt = make_tiny(tmp_path / "m", arch="kimi_linear", dtype="float32", seed=9)
+    eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=256, kv_dtype="bfloat16", conv_dtype="bfloat16"),
+                         device="cuda", dtype="bfloat16", runner="gpu", cuda_graphs=False))
+    assert eng.runner.fwd.k.triton and eng.runner.fwd.k.kda_split
+    for order in ("dddp", "dpdd", "d" * 40 + "p"):
+        _mixed_decodes_equal_a_decode_step(eng, order, logits_rel=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["kimi_linear", "k3"])
+def test_prefills_arriving_mid_decode_on_cuda_equal_the_reference(arch, tmp_path) -> None:
+    """fp32 greedy: requests arriving while others decode (every few steps a new prompt, so most steps are
+    mixed and take the split) give the CPU reference engine's tokens."""
+    if not HAS_CUDA:
+        pytest.skip("no CUDA device")
+    ckpt = make_tiny(tmp_path / arch, arch=arch, dtype="float32", seed=9)
+    prompts = prompts_for(5) + prompts_for(6)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def run(**over) -> list[list[int]]:
+        eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=256), **over))
+        rids, out, step = [], {}, 0
+        while len(rids) < len(prompts) or eng.has_unfinished:
+            if len(rids) < len(prompts) and step % 3 == 0:
+                rids.append(eng.add_request(prompts[len(rids)], params))
+            for o in eng.step():
+                if o.finished:
+                    out[o.rid] = o.output_ids
+            step += 1
+        eng.check()
+        return [out[r] for r in rids]
+
+    assert run(runner="gpu", device="cuda") == run(runner="model")
