@@ -257,6 +257,10 @@ def _token_by_token(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, 
 def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
              step: KdaRows, conv_pool: torch.Tensor, rec_pool: torch.Tensor, pages: torch.Tensor,
              k: KernelConfig) -> torch.Tensor:
+    """The general form over `step`'s sequences (GpuStep.kda_rows: the whole step, or a split step's rest; qkv, f,
+    b: their rows only) on their state pages `pages`: conv over gathered windows, the chunked recurrence on a
+    contiguous copy of their states (kda_chunk_fwd wants one; a split step copies the rest's only), snapshots
+    written to their destination sets. -> o [T, H, D] (before the gated norm)."""
     T, H, D = qkv.shape[0], attn.num_heads, attn.head_dim
     W = w.conv_weight.shape[1]
     old = conv_pool[pages]  # [B, W-1, C]
