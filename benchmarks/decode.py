@@ -434,7 +434,8 @@ def print_table() -> None:
               f"{f('eager_ms')} | {f('graph_ms')} | " + "".join(f"{f(f'graph_{v}_ms')} | " for v in var) + f"{f('runner_step_ms')} | "
               f"{r['x_roofline']:.2f} | {r['tokens_per_s']:.0f} |")
     if RESULT.get("mixed"):
-        print("\n| decodes | + prefill tokens | KDA split | step ms | kernel ms | launches | decodes' rel err vs decode step |")
+        print("\n| decodes | + prefill tokens | KDA split | step ms | kernel ms | launches "
+              "| decodes' rel err vs decode step |")
         print("|---:|---:|---|---:|---:|---:|---:|")
         for row in RESULT["mixed"]:
             for r in (row, row.get("unsplit")):

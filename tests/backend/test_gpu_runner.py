@@ -290,10 +290,10 @@ def test_logits_out_receives_the_logits(tmp_path) -> None:
     assert got.data_ptr() == out.data_ptr() and torch.equal(out[:3], want) and out[3:].isnan().all()
 
 
-def _mixed_decodes_equal_a_decode_step(eng, order: str, logits_rel: float = 1e-5) -> None:
+def _mixed_decodes_equal_a_decode_step(eng, order: str, logits_rel: float | None = 1e-5) -> None:
     """Decodes at random contexts over random cache contents, once as a decode-only step and once beside a
     new request's 21-token prefill chunk (order: 'd' a decode, 'p' the chunk).
-    The model's logits agree within logits_rel (the FFN's expert GEMMs group rows by step, so a row's sums may
+    The model's logits agree within logits_rel (None: not run; the FFN's expert GEMMs group rows by step, so a row's sums may
     round differently: not bit-exact outside the deterministic mode; fp32: the same next tokens); each KDA layer,
     given the same projections of its decode rows, computes their outputs and advances their states
     bit-identically (with the kernels: the same decode kernel on the same inputs, the chunk kernel never
@@ -328,11 +328,12 @@ def _mixed_decodes_equal_a_decode_step(eng, order: str, logits_rel: float = 1e-5
         out = fn()
         return out, [t.clone() for t in pool.tensors]
 
-    want, _ = run(lambda: fwd(dec_step, decode=True))
-    got, _ = run(lambda: fwd(step))
-    assert rel(got[seq_rows], want) < logits_rel
-    if fwd.layers[0].input_layernorm.weight.dtype == torch.float32:
-        assert torch.equal(got[seq_rows].argmax(-1), want.argmax(-1))
+    if logits_rel is not None:
+        want, _ = run(lambda: fwd(dec_step, decode=True))
+        got, _ = run(lambda: fwd(step))
+        assert rel(got[seq_rows], want) < logits_rel
+        if fwd.layers[0].input_layernorm.weight.dtype == torch.float32:
+            assert torch.equal(got[seq_rows].argmax(-1), want.argmax(-1))
     live = torch.ones(pool.tensors[0].shape[0], dtype=torch.bool, device=dev)
     live[chunk_pages[0] + chunk_pages[1]] = False
     for i, w in fwd.prepared.items():
@@ -361,8 +362,8 @@ def test_a_mixed_steps_decode_rows_equal_a_decode_steps(kernels, tmp_path) -> No
     ckpt = make_tiny(tmp_path / "m", arch="kimi_linear", dtype="float32", seed=9)
     eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), runner="gpu", kernels=kernels,
                          cuda_graphs=False))
-    for order in ("dddp", "dpdd"):
-        _mixed_decodes_equal_a_decode_step(eng, order)
+    _mixed_decodes_equal_a_decode_step(eng, "dddp")
+    _mixed_decodes_equal_a_decode_step(eng, "dpdd", logits_rel=None)  # the layers' gathered rows (the time is theirs)
 
 
 @pytest.mark.gpu

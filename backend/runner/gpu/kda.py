@@ -115,7 +115,7 @@ def kda_attend(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, gate:
 
 
 def kda_project(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor,
-             k: KernelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                k: KernelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, hidden] -> (pre-conv qkv [T, 3P], output gate [T, P], f [T, P], b [T, H]): column views of the
     fused GEMMs' outputs."""
     proj = linear(x, w.w_in, k)

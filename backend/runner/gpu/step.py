@@ -347,7 +347,8 @@ def step_views(meta: StepMeta, flat64: torch.Tensor, flat32: torch.Tensor) -> Gp
     """The GpuStep whose tensors are views of the two device buffers (static ones under CUDA graphs)."""
     B, T, w1 = meta.num_seqs, meta.num_tokens, meta.w1
     (t_ids, t_pos, t_slot, t_states, t_conv, t_tail, t_logit, t_ctx_slot, t_pre_rows, t_dec, t_dec_rows,
-     t_snap, t_snap_dest, t_row_seq, t_kdec_rows, t_kdec_pages, t_krest_rows, t_krest_pages) = _split(flat64, meta.sizes64)
+     t_snap, t_snap_dest, t_row_seq, t_kdec_rows, t_kdec_pages, t_krest_rows,
+     t_krest_pages) = _split(flat64, meta.sizes64)
     t_cu, t_ctx, t_table, t_cuk, t_cuq, *t_krest_cu = _split(flat32, meta.sizes32)
     G = t_states.numel() // B
     state_pages = t_states.view(G, B)
