@@ -311,7 +311,9 @@ def _mixed_decodes_equal_a_decode_step(eng, order: str, logits_rel: float | None
                             pool.allocate(eng.layout.pages_per_state_set), True))
     chunk_pages = pool.allocate(1), pool.allocate(eng.layout.pages_per_state_set)
     chunk = StepSeq(torch.randint(3, 500, (21,), generator=g).tolist(), 0, *chunk_pages, True)
-    for v in pool.mla + pool.conv + pool.rec:  # small random values in every cache, each in its dtype
+    # small random values in every cache, each in its dtype; the MLA view last, as its bf16 pairs read as fp32 state
+    # are finite where a state's fp32 halves read as bf16 latents need not be (the views share each page's bytes)
+    for v in pool.conv + pool.rec + pool.mla:
         if v is not None:
             v.copy_(0.1 * torch.randn(v.shape, generator=g))
     before = [t.clone() for t in pool.tensors]
