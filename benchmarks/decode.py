@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +52,12 @@ def _args() -> argparse.Namespace:
                         "the projections of decode rows instead of the skinny GEMV kernel)")
     p.add_argument("--mixed", type=int, nargs="*", default=[], metavar="P",
                    help="also time eager steps of (the largest --batch) decodes plus one P-token prefill chunk, per P: "
-                        "a served step when a request arrives (time, kernel time, launches, top kernels)")
+                        "a served step when a request arrives (time, kernel time, launches, top kernels), after "
+                        "checking its decodes' logits against an eager decode-only step's")
+    p.add_argument("--mixed-split", choices=["on", "off", "both"], default="both",
+                   help="--mixed steps with the KDA split (plain decodes through the decode kernel, the chunk alone "
+                        "through the chunked form: KernelConfig.kda_split, the default), without it (every row "
+                        "chunked, as before issue 18), or both side by side (default)")
     p.add_argument("--profile", type=int, default=0, metavar="B",
                    help="also profile one eager decode step at batch B: time per kernel name, top 30 "
                         "(kernel times as in the graph; the launch gaps are the graph's to remove)")
@@ -216,20 +222,52 @@ def profile_step(runner: GpuModelRunner, cfg, layout, B: int) -> dict:
 
 def bench_mixed(runner: GpuModelRunner, cfg, layout, B: int, P: int) -> dict:
     """One eager step of B decodes (context ARGS.context) plus a new request's P-token prefill chunk, the
-    step a server runs when a request arrives while B others decode: its time (CUDA events, so host launch
-    gaps count), its device kernel time and launches (profiler), and the kernels that take it."""
+    step a server runs when a request arrives while B others decode, per --mixed-split variant: first the
+    check (from the same states, the decodes' logits against an eager decode-only step's: with the split only
+    the GEMMs' row grouping differs, so the error is far below the unsplit step's), then its time (CUDA
+    events, so host launch gaps count), its device kernel time and launches (profiler), and its top kernels.
+    The split variant's numbers are the row's own fields, the other's under "unsplit"."""
     pool = runner.pool
     seqs = decode_seqs(pool, layout, B, ARGS.context, cfg.vocab_size)
     g = torch.Generator().manual_seed(P)
     table = pool.allocate(-(-P // layout.block_size), zero=False)
     states = pool.allocate(max(1, layout.pages_per_state_set))
     chunk = StepSeq(torch.randint(0, cfg.vocab_size, (P,), generator=g).tolist(), 0, table, states, True)
-    step = runner._build(seqs + [chunk], [])
-    ms = time_ms(lambda: runner.fwd(step), reps=ARGS.reps, warmup=2)["median_ms"]
-    kernel_ms, launches, top = kernel_profile(lambda: runner.fwd(step))
+    # the KDA state pages, restored before each checked step (a step writes the MLA cache only at its own
+    # positions, before reading them)
+    pages = torch.tensor(sorted({p for s in seqs + [chunk] for p in s.state_pages}), device=pool.tensors[0].device)
+    saved = [t[pages] for t in pool.tensors]
+
+    def restore() -> None:
+        for t, v in zip(pool.tensors, saved):
+            t[pages] = v
+
+    base = runner.fwd.k
+    restore()
+    want = runner.fwd(runner._build(seqs, []), decode=True)[:B].float()
+    variants = {"on": [True], "off": [False], "both": [True, False]}[ARGS.mixed_split]
+    row: dict = {"batch": B, "prefill": P}
+    steps = {}
+    for split in variants:
+        runner.fwd.k = replace(base, kda_split=split)
+        steps[split] = step = runner._build(seqs + [chunk], [])
+        restore()
+        got = runner.fwd(step)[:B].float()
+        out = row if split else row.setdefault("unsplit", {})
+        out.update(split=step.kda_split is not None, rel_vs_decode_step=float((got - want).norm() / want.norm()),
+                   argmax_agree=float((got.argmax(-1) == want.argmax(-1)).float().mean()))
+    for split, step in steps.items():
+        runner.fwd.k = replace(base, kda_split=split)
+        out = row if split else row["unsplit"]
+        out["ms"] = time_ms(lambda step=step: runner.fwd(step), reps=ARGS.reps, warmup=2)["median_ms"]
+        out["kernel_ms"], out["launches"], top = kernel_profile(lambda step=step: runner.fwd(step))
+        out["top"] = top[:12]
+    runner.fwd.k = base
+    restore()
+    del saved
     release(pool, seqs)
     pool.unref(table + states)
-    return {"batch": B, "prefill": P, "ms": ms, "kernel_ms": kernel_ms, "launches": launches, "top": top[:12]}
+    return row
 
 
 def bench_prefill(runner: GpuModelRunner, cfg, layout, T: int, matmul_tflops: float, active: int) -> dict:
@@ -329,9 +367,14 @@ def main() -> int:
         if over_budget():
             break
         row = bench_mixed(runner, cfg, layout, max(ARGS.batch), P)
-        log(f"mixed B={row['batch']} P={P}: {row['ms']:.2f} ms, kernels {row['kernel_ms']:.2f} ms, {row['launches']} launches")
-        for r in row["top"]:
-            print(f"  {r['us']:9.1f} us {100 * r['share']:5.1f} %  x{r['calls']:<4} {r['kernel']}")
+        for name, r in (("split", row), ("unsplit", row.get("unsplit"))):
+            if r is None or "ms" not in r:
+                continue
+            log(f"mixed B={row['batch']} P={P} {name}: {r['ms']:.2f} ms, kernels {r['kernel_ms']:.2f} ms, "
+                f"{r['launches']} launches; decodes vs a decode step: rel {r['rel_vs_decode_step']:.2e}, "
+                f"argmax {100 * r['argmax_agree']:.0f} %")
+            for k in r["top"]:
+                print(f"  {k['us']:9.1f} us {100 * k['share']:5.1f} %  x{k['calls']:<4} {k['kernel']}")
         RESULT["mixed"].append(row)
         save()
     active = param_count(cfg)["active_per_token"] - cfg.vocab_size * cfg.hidden_size  # lookups are not flops
@@ -365,10 +408,14 @@ def print_table() -> None:
               f"{f('eager_ms')} | {f('graph_ms')} | " + "".join(f"{f(f'graph_{v}_ms')} | " for v in var) + f"{f('runner_step_ms')} | "
               f"{r['x_roofline']:.2f} | {r['tokens_per_s']:.0f} |")
     if RESULT.get("mixed"):
-        print("\n| decodes | + prefill tokens | step ms | kernel ms | launches |")
-        print("|---:|---:|---:|---:|---:|")
-        for r in RESULT["mixed"]:
-            print(f"| {r['batch']} | {r['prefill']} | {r['ms']:.2f} | {r['kernel_ms']:.2f} | {r['launches']} |")
+        print("\n| decodes | + prefill tokens | KDA split | step ms | kernel ms | launches "
+              "| decodes' rel err vs decode step |")
+        print("|---:|---:|---|---:|---:|---:|---:|")
+        for row in RESULT["mixed"]:
+            for r in (row, row.get("unsplit")):
+                if r is not None and "ms" in r:
+                    print(f"| {row['batch']} | {row['prefill']} | {'on' if r['split'] else 'off'} | {r['ms']:.2f} | "
+                          f"{r['kernel_ms']:.2f} | {r['launches']} | {r['rel_vs_decode_step']:.2e} |")
     print("\n| prefill tokens | chunk | ms | tokens/s | TFLOP/s | x matmul floor |")
     print("|---:|---:|---:|---:|---:|---:|")
     for r in RESULT["prefill"]:

@@ -288,3 +288,123 @@ def test_logits_out_receives_the_logits(tmp_path) -> None:
     out = torch.full((5, want.shape[1]), float("nan"))
     got = runner.fwd(runner._build(seqs, []), decode=True, logits_out=out[:3])
     assert got.data_ptr() == out.data_ptr() and torch.equal(out[:3], want) and out[3:].isnan().all()
+
+
+def _mixed_decodes_equal_a_decode_step(eng, order: str, logits_rel: float | None = 1e-5) -> None:
+    """Decodes at random contexts over random cache contents, once as a decode-only step and once beside a
+    new request's 21-token prefill chunk (order: 'd' a decode, 'p' the chunk).
+    The model's logits agree within logits_rel (None: not run; the FFN's expert GEMMs group rows by step, so a row's sums may
+    round differently: not bit-exact outside the deterministic mode; fp32: the same next tokens); each KDA layer,
+    given the same projections of its decode rows, computes their outputs and advances their states
+    bit-identically (with the kernels: the same decode kernel on the same inputs, the chunk kernel never
+    touching a decode row), and leaves every pool page but the chunk's as the decode step does."""
+    from k3rt.backend.runner.gpu.kda import KdaWeights, kda_attend, kda_project
+    from k3rt.backend.runner.gpu.step import StepSeq
+
+    runner, pool, bs, fwd = eng.runner, eng.pool, eng.layout.block_size, eng.runner.fwd
+    dev = pool.tensors[0].device
+    g = torch.Generator().manual_seed(7)
+    decs = []
+    for _ in range(order.count("d")):
+        ctx = int(torch.randint(1, 3 * bs, (1,), generator=g))
+        decs.append(StepSeq([int(torch.randint(3, 500, (1,), generator=g))], ctx, pool.allocate(-(-(ctx + 1) // bs)),
+                            pool.allocate(eng.layout.pages_per_state_set), True))
+    chunk_pages = pool.allocate(1), pool.allocate(eng.layout.pages_per_state_set)
+    chunk = StepSeq(torch.randint(3, 500, (21,), generator=g).tolist(), 0, *chunk_pages, True)
+    # small random values in every cache, each in its dtype; the MLA view last, as its bf16 pairs read as fp32 state
+    # are finite where a state's fp32 halves read as bf16 latents need not be (the views share each page's bytes)
+    for v in pool.conv + pool.rec + pool.mla:
+        if v is not None:
+            v.copy_(0.1 * torch.randn(v.shape, generator=g))
+    before = [t.clone() for t in pool.tensors]
+    it = iter(decs)
+    seqs = [chunk if c == "p" else next(it) for c in order]
+    dec_step, step = runner._build(decs, []), runner._build(seqs, [])
+    assert (step.kda_split is not None) == fwd.k.triton  # the split runs with the decode kernel only
+    seq_rows = [i for i, c in enumerate(order) if c == "d"]  # logit rows: each sequence's last row, in step order
+    rows = torch.tensor([step.cu[i] for i in seq_rows], device=dev)
+
+    def run(fn):
+        for t, b in zip(pool.tensors, before):
+            t.copy_(b)
+        out = fn()
+        return out, [t.clone() for t in pool.tensors]
+
+    if logits_rel is not None:
+        want, _ = run(lambda: fwd(dec_step, decode=True))
+        got, _ = run(lambda: fwd(step))
+        assert rel(got[seq_rows], want) < logits_rel
+        if fwd.layers[0].input_layernorm.weight.dtype == torch.float32:
+            assert torch.equal(got[seq_rows].argmax(-1), want.argmax(-1))
+    live = torch.ones(pool.tensors[0].shape[0], dtype=torch.bool, device=dev)
+    live[chunk_pages[0] + chunk_pages[1]] = False
+    for i, w in fwd.prepared.items():
+        if not isinstance(w, KdaWeights):
+            continue
+        attn = fwd.layers[i].self_attn
+        x = torch.randn(step.num_tokens, fwd.cfg.hidden_size, generator=g).to(dev, w.w_in.dtype)
+        parts = kda_project(attn, w, x, fwd.k)
+        conv, recs = pool.conv[w.tensor], pool.rec[w.tensor]
+        o_mixed, after_mixed = run(lambda: kda_attend(attn, w, *parts, step, conv, recs, fwd.k, decode=False,
+                                                      workspace=fwd.kda_workspace))
+        o_dec, after_dec = run(lambda: kda_attend(attn, w, *(p[rows] for p in parts), dec_step, conv, recs, fwd.k,
+                                                  decode=True, workspace=fwd.kda_workspace))
+        assert torch.equal(o_mixed[rows], o_dec), f"layer {i}"
+        for a, b in zip(after_mixed, after_dec):
+            assert torch.equal(a[live], b[live]), f"layer {i}"
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch_ops", "interpreter"])
+def test_a_mixed_steps_decode_rows_equal_a_decode_steps(kernels, tmp_path) -> None:
+    """Issue 18: the decode rows of a mixed step compute as in a decode-only step (exactly, layer by layer), on
+    the torch-op path and (Triton interpreter) the kernels' split path, with the decodes before the chunk
+    (contiguous row ranges: slices) and around it (gathered rows)."""
+    if kernels and HAS_CUDA:
+        pytest.skip("on a GPU: test_a_mixed_steps_decode_rows_equal_a_decode_steps_on_cuda")
+    ckpt = make_tiny(tmp_path / "m", arch="kimi_linear", dtype="float32", seed=9)
+    eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), runner="gpu", kernels=kernels,
+                         cuda_graphs=False))
+    _mixed_decodes_equal_a_decode_step(eng, "dddp")
+    _mixed_decodes_equal_a_decode_step(eng, "dpdd", logits_rel=None)  # the layers' gathered rows (the time is theirs)
+
+
+@pytest.mark.gpu
+def test_a_mixed_steps_decode_rows_equal_a_decode_steps_on_cuda(tmp_path) -> None:
+    """Issue 18 on CUDA: bf16 (the served dtype), a mixed step's KDA decode rows equal a decode-only step's
+    bit for bit layer by layer (the compiled decode kernel on the same inputs), its logits within bf16
+    tolerance of the decode step's; decodes before the chunk and around it."""
+    if not HAS_CUDA:
+        pytest.skip("no CUDA device")
+    ckpt = make_tiny(tmp_path / "m", arch="kimi_linear", dtype="float32", seed=9)
+    eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=256, kv_dtype="bfloat16", conv_dtype="bfloat16"),
+                         device="cuda", dtype="bfloat16", runner="gpu", cuda_graphs=False))
+    assert eng.runner.fwd.k.triton and eng.runner.fwd.k.kda_split
+    for order in ("dddp", "dpdd", "d" * 40 + "p"):
+        _mixed_decodes_equal_a_decode_step(eng, order, logits_rel=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["kimi_linear", "k3"])
+def test_prefills_arriving_mid_decode_on_cuda_equal_the_reference(arch, tmp_path) -> None:
+    """fp32 greedy: requests arriving while others decode (every few steps a new prompt, so most steps are
+    mixed and take the split) give the CPU reference engine's tokens."""
+    if not HAS_CUDA:
+        pytest.skip("no CUDA device")
+    ckpt = make_tiny(tmp_path / arch, arch=arch, dtype="float32", seed=9)
+    prompts = prompts_for(5) + prompts_for(6)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def run(**over) -> list[list[int]]:
+        eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=256), **over))
+        rids, out, step = [], {}, 0
+        while len(rids) < len(prompts) or eng.has_unfinished:
+            if len(rids) < len(prompts) and step % 3 == 0:
+                rids.append(eng.add_request(prompts[len(rids)], params))
+            for o in eng.step():
+                if o.finished:
+                    out[o.rid] = o.output_ids
+            step += 1
+        eng.check()
+        return [out[r] for r in rids]
+
+    assert run(runner="gpu", device="cuda") == run(runner="model")

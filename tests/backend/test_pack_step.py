@@ -7,6 +7,7 @@ vectorizing (commit e9be71b), kept verbatim as the oracle."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -103,7 +104,11 @@ def _random_seq(rng: random.Random, *, block_size: int, groups: int | None, kind
 def _assert_same(seqs: list[StepSeq], **kw) -> StepMeta:
     want_meta, (want64, want32) = _pack_step_reference(seqs, **kw)
     meta, (h64, h32) = pack_step(seqs, **kw)
-    assert meta == want_meta
+    # arrays added since the reference (row_seq of the verify graphs' form, the KDA split's rows and pages) are
+    # empty in the steps it describes
+    extra = meta.sizes64[len(want_meta.sizes64):]
+    assert extra == [0] * len(extra) and len(meta.sizes32) == len(want_meta.sizes32)
+    assert meta == replace(want_meta, sizes64=want_meta.sizes64 + extra)
     assert [type(x) for x in meta.cu + meta.starts + meta.lens + meta.prefill_seqs + meta.verify_seqs] == [int] * (
         len(meta.cu) + len(meta.starts) + len(meta.lens) + len(meta.prefill_seqs) + len(meta.verify_seqs))
     assert type(meta.max_q) is int and type(meta.max_k) is int and type(meta.logits_every_row) is bool
@@ -156,3 +161,51 @@ def test_more_pages_than_max_blocks_is_refused_by_name() -> None:
         pack_step([seq], block_size=16, conv_width=4, num_groups=1, max_blocks=2)
     with pytest.raises(ValueError, match="seqs: a step needs at least one sequence"):
         pack_step([], block_size=16, conv_width=4, num_groups=1)
+
+
+def _views(packed):
+    from k3rt.backend.runner.gpu.step import step_views
+
+    meta, (h64, h32) = packed
+    return step_views(meta, h64, h32)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_split_step_packs_the_rest_as_a_step_of_its_own(seed) -> None:
+    """kda_split: the plain decodes' rows and pages, and for the other sequences exactly the KDA arrays that
+    packing those sequences alone gives (their ext, offsets, snapshots and verify runs renumbered among
+    them); every other array is the unsplit step's. A step of one kind only is not split."""
+    rng = random.Random(300 + seed)
+    block_size, groups, width = rng.choice([16, 64]), rng.choice([1, 3]), rng.choice([2, 4])
+    kinds = rng.choices(["decode", "prefill", "verify"], weights=[5, 2, 1], k=rng.randint(2, 30))
+    kinds[rng.randrange(len(kinds))] = "decode"
+    kinds[rng.randrange(len(kinds))] = "prefill"
+    seqs = [_random_seq(rng, block_size=block_size, groups=groups, kind=k) for k in kinds]
+    if rng.random() < 0.5:  # a one-token chunk with a snapshot is no plain decode
+        seqs.append(StepSeq([5], 40, [3, 4, 5], [9] * groups, True, [(41, [8] * groups)]))
+    kw = dict(block_size=block_size, conv_width=width, num_groups=groups)
+    whole = _views(pack_step(seqs, **kw))
+    step = _views(pack_step(seqs, kda_split=True, **kw))
+    for name in ("ids", "pos", "kv_slot", "cu_seqlens", "ctx_lens", "block_table", "state_pages", "logit_rows",
+                 "ctx_slot", "prefill_rows", "decode_seqs", "decode_rows"):
+        assert torch.equal(getattr(step, name), getattr(whole, name)), name
+    assert (step.snapshots, step.verify_seqs, step.cu) == (whole.snapshots, whole.verify_seqs, whole.cu)
+    assert whole.kda_split is None
+    plain = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1 and not s.snapshots and not s.verify]
+    rest = [i for i in range(len(seqs)) if i not in plain]
+    sp = step.kda_split
+    assert sp.dec_rows.tolist() == [whole.cu[i] for i in plain]
+    assert sp.dec_pages.tolist() == [[seqs[i].state_pages[g] for i in plain] for g in range(groups)]
+    assert sp.rest_rows.tolist() == [r for i in rest for r in range(whole.cu[i], whole.cu[i + 1])]
+    for span, rows in ((sp.dec_span, sp.dec_rows), (sp.rest_span, sp.rest_rows)):
+        assert (span is not None) == (rows.tolist() == list(range(rows[0], rows[-1] + 1)))
+        assert span is None or list(range(*span)) == rows.tolist()
+    alone = _views(pack_step([seqs[i] for i in rest], **kw)).kda_rows
+    got = sp.rest
+    assert step.kda_rows is got and got.verify_inputs is step.verify_inputs
+    for name in ("num_seqs", "cu", "starts", "lens", "snapshots", "verify_seqs"):
+        assert getattr(got, name) == getattr(alone, name), name
+    for name in ("cu_seqlens", "state_pages", "conv_idx", "conv_tail_idx", "snap_conv_idx", "snap_dest"):
+        assert torch.equal(getattr(got, name), getattr(alone, name)), name
+    only_decodes = [seqs[i] for i in plain]
+    assert _views(pack_step(only_decodes, kda_split=True, **kw)).kda_split is None

@@ -594,6 +594,16 @@ def test_gpu_runner_verify_steps_are_token_identical(arch, over) -> None:
         eng.scheduler.drafter = _SomePlain(_refs(prompts, ref), noise=0.25, seed=6)  # committed with one token)
     elif padded_form:  # the interpreter's one request: noisier drafts, so its few verifies reject some
         eng.scheduler.drafter = OracleDrafter(_refs(prompts, ref), noise=0.5, seed=2)
+    split_verify = []  # eager kernel steps: split (issue 18) with verify runs among the rest?
+    if over.get("kernels") and not padded_form:  # one request plain, so the steps split around the other's runs
+        eng.scheduler.drafter = _FirstPlain(_refs(prompts, ref), noise=0.25, seed=6)
+        build = inner._build
+
+        def recording_build(seqs, extra):
+            step = build(seqs, extra)
+            split_verify.append(step.kda_split is not None and bool(step.kda_split.rest.verify_seqs))
+            return step
+        inner._build = recording_build
     if padded_form:
         forms, run_verify = [], inner._run_verify
         inner._run_verify = lambda seqs, size, *rest: (forms.append([s.verify for s in seqs])
@@ -601,6 +611,7 @@ def test_gpu_runner_verify_steps_are_token_identical(arch, over) -> None:
     out = run(eng, prompts, params)
     assert [o.output_ids for o in out] == ref
     assert eng.stats.spec_accepted_tokens > 0 and eng.stats.spec_drafted_tokens > eng.stats.spec_accepted_tokens
+    assert any(split_verify) or not over.get("kernels") or padded_form, split_verify
     if padded_form:
         assert forms and all(any(f) for f in forms), forms
         if not (over.get("kernels") and over.get("device") != "cuda"):  # the interpreter's run is too short to mix
@@ -608,6 +619,14 @@ def test_gpu_runner_verify_steps_are_token_identical(arch, over) -> None:
         assert inner.verify_graph_replays == (len(forms) if over.get("device") == "cuda" else 0)
     if over.get("device") != "cuda":
         assert assert_snapshots_exact(eng, arch) > 0
+
+
+class _FirstPlain(OracleDrafter):
+    """The oracle's drafts for every request but the first (the lowest rid), which decodes plainly."""
+
+    def propose(self, queries):
+        first = min(q.rid for q in queries)
+        return [d if q.rid != first else [] for q, d in zip(queries, super().propose(queries))]
 
 
 class _SomePlain(OracleDrafter):

@@ -6,6 +6,11 @@ Two forms:
     snapshot states written to their destination state sets;
   decode (every sequence feeds one token, no snapshots; the form captured in CUDA graphs): the
     fused `kda_decode` step, conv cache and recurrent state updated in place.
+A mixed step (plain decodes beside prefill chunks, snapshot rows or verify runs; pack_step kda_split,
+whenever the decode kernel runs outside the batch-invariant mode) is split: the plain decodes' rows take the
+decode form on their live states (the same kernel on the same inputs as a decode step, so bit-identical to
+one) and only the other sequences the general form (`GpuStep.kda_rows`: its conv gathers, state copies and
+chunk kernels then cover those sequences only; a one-token decode costs the chunk kernel a whole chunk).
 Verify runs (speculative decoding) take the general form but leave their conv and recurrent states as
 they were; `kda_commit` replays the accepted prefix into them once the sampler has decided.
   verify graph form (pack_step row_queries: every sequence a verify run of the same length R, the form
@@ -28,7 +33,7 @@ import torch.nn.functional as F
 from k3rt.backend.layers.norm import rms_norm_gated
 from k3rt.backend.models.kda import KimiDeltaAttention
 from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear, share_rows
-from k3rt.backend.runner.gpu.step import GpuStep
+from k3rt.backend.runner.gpu.step import GpuStep, KdaRows
 from k3rt.kernels.kda.ref import kda_chunked, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent
 
 
@@ -85,6 +90,34 @@ def kda_forward(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: 
     page apart); workspace: kda_decode's per-head counters (decode form); keep: buffers the verify graph
     form copies its commit inputs into (GpuForward.verify_keep; None: the step keeps its own tensors)."""
     T, H, D = x.shape[0], attn.num_heads, attn.head_dim
+    qkv, gate, f, b = kda_project(attn, w, x, k)
+    o = kda_attend(attn, w, qkv, gate, f, b, step, conv_pool, rec_pool, k, decode=decode, workspace=workspace,
+                   keep=keep)
+    return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
+
+
+def kda_attend(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, gate: torch.Tensor, f: torch.Tensor,
+               b: torch.Tensor, step: GpuStep, conv_pool: torch.Tensor, rec_pool: torch.Tensor, k: KernelConfig, *,
+               decode: bool, workspace: torch.Tensor | None = None,
+               keep: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The layer between its projections (`kda_project`) and o_proj: the step's form (module docstring) on its
+    states. -> o [T, H, D] (gated, normed)."""
+    pages = step.state_pages[w.group]
+    if step.row_seq is not None and k.triton and not k.batch_invariant:
+        return _verify_runs(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, pages, k, workspace, keep)
+    if k.batch_invariant and not decode:
+        return _token_by_token(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, pages, k)
+    if decode and k.triton:
+        return _decode(attn, w, qkv, f, b, gate, conv_pool, rec_pool, pages, k, workspace)
+    if step.kda_split is not None:
+        return _split(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, k, workspace)
+    return _general_gated(attn, w, qkv, f, b, gate, step.kda_rows, conv_pool, rec_pool, k)
+
+
+def kda_project(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor,
+                k: KernelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, hidden] -> (pre-conv qkv [T, 3P], output gate [T, P], f [T, P], b [T, H]): column views of the
+    fused GEMMs' outputs."""
     proj = linear(x, w.w_in, k)
     qkv, gate, f_a, b = torch.split(proj, w.splits, dim=-1)
     if w.w_up is not None:  # (g_a | f_a) -> (gate | f), one GEMM
@@ -92,26 +125,58 @@ def kda_forward(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: 
         gate, f = linear(proj[:, s0:s0 + w.w_up.shape[1]], w.w_up, k).split(w.w_up.shape[0] // 2, dim=-1)
     else:
         f = linear(f_a, attn.f_b_proj.weight, k)
-    pages = step.state_pages[w.group]
-    if step.row_seq is not None and k.triton and not k.batch_invariant:
-        o = _verify_runs(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, pages, k, workspace, keep)
-        return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
-    if k.batch_invariant and not decode:
-        o = _token_by_token(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, pages, k)
-        return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
-    if decode and k.triton:
-        from k3rt.kernels.kda import kda_decode
+    return qkv, gate, f, b
 
-        # conv, gates, delta rule and the gated output norm in one launch, states in their pages
-        o = kda_decode(qkv, w.conv_weight, conv_pool, f, w.A_log, w.dt_bias, b, rec_pool, pages,
-                       lower_bound=attn.lower_bound, use_pdl=k.use_pdl, o_gate=gate.reshape(T, H, D),
-                       o_norm_weight=attn.o_norm_weight, o_norm_eps=attn.eps, workspace=workspace,
-                       v_split=1 if k.batch_invariant else None)
-        return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
-    o = _general(attn, w, qkv, f, b, step, conv_pool, rec_pool, pages, k)
+
+def _decode(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+            gate: torch.Tensor, conv_pool: torch.Tensor, rec_pool: torch.Tensor, pages: torch.Tensor, k: KernelConfig,
+            workspace: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The decode form: conv, gates, delta rule and the gated output norm in one launch, states in their pages
+    (pages[i]: row i's). -> o [N, H, D] (gated, normed), into `out` when given."""
+    from k3rt.kernels.kda import kda_decode
+
+    N, H, D = qkv.shape[0], attn.num_heads, attn.head_dim
+    return kda_decode(qkv, w.conv_weight, conv_pool, f, w.A_log, w.dt_bias, b, rec_pool, pages,
+                      lower_bound=attn.lower_bound, use_pdl=k.use_pdl, o_gate=gate.reshape(N, H, D),
+                      o_norm_weight=attn.o_norm_weight, o_norm_eps=attn.eps, workspace=workspace,
+                      v_split=1 if k.batch_invariant else None, out=out)
+
+
+def _general_gated(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                   gate: torch.Tensor, rows: KdaRows, conv_pool: torch.Tensor, rec_pool: torch.Tensor,
+                   k: KernelConfig) -> torch.Tensor:
+    """The general form and the gated output norm over `rows`' sequences. -> o [T, H, D]."""
+    o = _general(attn, w, qkv, f, b, rows, conv_pool, rec_pool, rows.state_pages[w.group], k)
     gated = kernel("norm", "rms_norm_gated") if k.triton else None
-    o = (gated or rms_norm_gated)(o, gate.reshape(T, H, D), attn.o_norm_weight, attn.eps)
-    return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
+    return (gated or rms_norm_gated)(o, gate.reshape(o.shape), attn.o_norm_weight, attn.eps)
+
+
+def _split(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+           gate: torch.Tensor, step: GpuStep, conv_pool: torch.Tensor, rec_pool: torch.Tensor, k: KernelConfig,
+           workspace: torch.Tensor | None) -> torch.Tensor:
+    """A mixed step (GpuStep.kda_split): the plain decodes' rows through the decode form on their live states,
+    the other sequences' rows through the general form, both written into the step's row order. Contiguous
+    row ranges (decodes first: the usual plan) are slices, so the decode rows are neither gathered nor
+    scattered; the decode kernel writes its rows of the output in place. -> o [T, H, D] (gated, normed)."""
+    if not k.triton:
+        raise ValueError("kda_split: a split step needs the decode kernel (KernelConfig.triton); pack it unsplit")
+    sp = step.kda_split
+    T, H, D = qkv.shape[0], attn.num_heads, attn.head_dim
+    o = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
+    pages = sp.dec_pages[w.group]
+    if sp.dec_span is not None:
+        s, e = sp.dec_span
+        _decode(attn, w, qkv[s:e], f[s:e], b[s:e], gate[s:e], conv_pool, rec_pool, pages, k, workspace, out=o[s:e])
+    else:
+        r = sp.dec_rows
+        o[r] = _decode(attn, w, qkv[r], f[r], b[r], gate[r], conv_pool, rec_pool, pages, k, workspace)
+    if sp.rest_span is not None:
+        s, e = sp.rest_span
+        o[s:e] = _general_gated(attn, w, qkv[s:e], f[s:e], b[s:e], gate[s:e], sp.rest, conv_pool, rec_pool, k)
+    else:
+        r = sp.rest_rows
+        o[r] = _general_gated(attn, w, qkv[r], f[r], b[r], gate[r], sp.rest, conv_pool, rec_pool, k)
+    return o
 
 
 def _verify_runs(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
@@ -190,8 +255,12 @@ def _token_by_token(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, 
 
 
 def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
-             step: GpuStep, conv_pool: torch.Tensor, rec_pool: torch.Tensor, pages: torch.Tensor,
+             step: KdaRows, conv_pool: torch.Tensor, rec_pool: torch.Tensor, pages: torch.Tensor,
              k: KernelConfig) -> torch.Tensor:
+    """The general form over `step`'s sequences (GpuStep.kda_rows: the whole step, or a split step's rest; qkv, f,
+    b: their rows only) on their state pages `pages`: conv over gathered windows, the chunked recurrence on a
+    contiguous copy of their states (kda_chunk_fwd wants one; a split step copies the rest's only), snapshots
+    written to their destination sets. -> o [T, H, D] (before the gated norm)."""
     T, H, D = qkv.shape[0], attn.num_heads, attn.head_dim
     W = w.conv_weight.shape[1]
     old = conv_pool[pages]  # [B, W-1, C]

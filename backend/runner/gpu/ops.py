@@ -25,6 +25,10 @@ class KernelConfig:
     # projections of decode-sized batches (<= kernels.linear.MAX_ROWS rows) through the skinny GEMV
     # kernel instead of torch's matmul (cuBLAS): benchmarks/kernels_linear.py, decode.py --variants
     skinny_gemv: bool = True
+    # mixed steps (plain decodes beside prefill chunks, snapshot rows or verify runs): the plain decodes' KDA rows
+    # through the decode kernel and only the rest through the chunked form (backend/runner/gpu/kda.py; on with
+    # the kernels outside the batch-invariant mode; off: every row chunked, as before, for benchmarks/decode.py)
+    kda_split: bool = True
     # deterministic mode (EngineConfig.deterministic): projections in fixed row tiles through torch's
     # matmul (never the skinny kernel, whose use depends on M), MLA one query per row through the decode
     # kernel with one split, KDA token by token through the decode kernel with one program per head,

@@ -355,8 +355,10 @@ class GpuModelRunner(Runner):
             self.target_states.release(rid)
 
     def _build(self, seqs: list[StepSeq], extra_rows: list[int]) -> GpuStep:
+        k = self.fwd.k  # the benchmarks swap it to time variants
         return build_step(seqs, block_size=self.block_size, conv_width=self.fwd.conv_width,
-                          num_groups=self.num_groups, device=self.device, extra_logit_rows=extra_rows)
+                          num_groups=self.num_groups, device=self.device, extra_logit_rows=extra_rows,
+                          kda_split=k.triton and k.kda_split and not k.batch_invariant)
 
     # ---- CUDA graphs ----
 

@@ -24,6 +24,12 @@ non-blocking copy, so no layer ever synchronizes with the host:
   row_seq             [T]       (row_queries: verify graphs) the sequence of each row; every row is then its
                                 own MLA decode query over its context (pos + 1), and no sequence takes
                                 the expanded form, so no array's size depends on the context lengths
+  kda_dec_rows/pages  [Nd], [G, Nd]  (kda_split, a step with both kinds of rows) the rows and state pages of
+                                the plain KDA decodes (one token, no snapshot, not a verify run), which
+                                run through the decode kernel on their live states
+  kda_rest_rows/pages [Tr], [G, Br]  the rows and state pages of the other sequences; conv_idx,
+                                conv_tail_idx and snap_conv_idx then index THEIR ext (as if they were the
+                                whole step), and cu_seqlens of the rest is packed as an int32 array of its own
 
 The host-side lists (cu, starts, snapshots) stay on the object for launchers that need Python ints.
 """
@@ -54,6 +60,58 @@ class StepSeq:
 
 
 @dataclass
+class KdaRows:
+    """The sequences KDA's general (chunked) form runs, as a step of their own: every sequence of the step, or
+    in a split step the rest (backend/runner/gpu/kda.py `_general` reads only these fields). Indices of
+    sequences (snapshots, verify_seqs) are positions among these sequences; conv_idx and the others index
+    the ext these sequences build (their old windows, then their rows)."""
+
+    num_seqs: int
+    cu: list[int]
+    starts: list[int]
+    lens: list[int]
+    snapshots: list[tuple[int, int, list[int]]]
+    verify_seqs: list[int]
+    cu_seqlens: torch.Tensor  # int32 [num_seqs + 1]
+    state_pages: torch.Tensor  # int64 [G, num_seqs]
+    conv_idx: torch.Tensor  # [rows, W]
+    conv_tail_idx: torch.Tensor  # [num_seqs, W-1]
+    snap_conv_idx: torch.Tensor  # [S, W-1]
+    snap_dest: torch.Tensor  # int64 [G, S]
+    # the step's dict (kda_commit reads the verify runs' rows from it, in step order: the rest keeps that order)
+    verify_inputs: dict[int, tuple[torch.Tensor, ...]]
+
+
+@dataclass
+class KdaSplit:
+    """A step with plain decodes and other rows, split for the KDA layers (pack_step kda_split): the plain
+    decodes' rows go through `kda_decode` on their live states, exactly as in a decode step, and only `rest`
+    through the chunked form. A span (first row, end row) is set when those rows are contiguous in the step
+    (decodes come first: the common case), so the layer slices instead of gathering and scattering."""
+
+    dec_rows: torch.Tensor  # int64 [Nd]
+    dec_pages: torch.Tensor  # int64 [G, Nd]
+    dec_span: tuple[int, int] | None
+    rest_rows: torch.Tensor  # int64 [Tr]
+    rest_span: tuple[int, int] | None
+    rest: KdaRows
+
+
+@dataclass(frozen=True)
+class KdaSplitMeta:
+    """The host half of a KdaSplit: the rest's lists (KdaRows' host fields) and the spans."""
+
+    num_decodes: int
+    rest_cu: list[int]
+    rest_starts: list[int]
+    rest_lens: list[int]
+    rest_snapshots: list[tuple[int, int, list[int]]]
+    rest_verify_seqs: list[int]
+    dec_span: tuple[int, int] | None
+    rest_span: tuple[int, int] | None
+
+
+@dataclass
 class GpuStep:
     num_seqs: int
     num_tokens: int
@@ -69,8 +127,6 @@ class GpuStep:
     ctx_lens: torch.Tensor  # int32
     block_table: torch.Tensor  # int32
     state_pages: torch.Tensor  # int64 [G, B]: row g (contiguous, as kernels index it) = each sequence's page of group g
-    conv_idx: torch.Tensor
-    conv_tail_idx: torch.Tensor
     logit_rows: torch.Tensor
     logits_every_row: bool  # logit_rows is 0..T-1 in order (decode steps): no gather needed
     prefill_seqs: list[int]  # sequences in the expanded MLA form
@@ -82,8 +138,9 @@ class GpuStep:
     max_k: int
     decode_seqs: torch.Tensor  # int64: sequences in the decode form
     decode_rows: torch.Tensor  # their packed rows
-    snap_conv_idx: torch.Tensor
-    snap_dest: torch.Tensor  # int64 [G, S]: row g = each snapshot's destination page of group g
+    # what the general KDA form runs: every sequence (kda_split None), or the rest of a split step
+    kda_rows: KdaRows
+    kda_split: KdaSplit | None
     verify_seqs: list[int] = field(default_factory=list)  # sequences that are verify runs (host list)
     # filled by the KDA layers for verify steps: layer index -> (pre-conv qkv [T, 3P], g [T, H, K], beta [T, H]),
     # or in the batch-invariant mode kda_decode's inputs (pre-conv qkv [T, 3P], f [T, P], b [T, H], gate [T, P])
@@ -123,13 +180,17 @@ class StepMeta:
     logits_every_row: bool
     verify_seqs: list[int]
     row_queries: bool = False
+    kda_split: KdaSplitMeta | None = None
 
 
 def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_groups: int,
               max_blocks: int | None = None, extra_logit_rows: list[int] = (),
-              row_queries: bool = False) -> tuple[StepMeta, tuple[torch.Tensor, torch.Tensor]]:
+              row_queries: bool = False, kda_split: bool = False) -> tuple[StepMeta, tuple[torch.Tensor, torch.Tensor]]:
     """Compute every index of the step on the host: (meta, (int64 buffer, int32 buffer)).
     row_queries: the verify graphs' form (every MLA row a decode query, row_seq packed; module docstring).
+    kda_split: a step with plain decodes (one token, no snapshot, not a verify run) and other sequences is
+    split for the KDA layers (KdaSplit; the runner asks for it when the decode kernel runs, not in the
+    batch-invariant mode): the general form's conv indices are built over the other sequences only.
 
     Vectorized over sequences: each per-sequence field is read once in a C-level map (no Python loop over
     the batch, which cost 4 ms at 1,000 decodes with the graph table width), and every index array is a
@@ -159,6 +220,21 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
         max_blocks = need
     elif need > max_blocks:
         raise ValueError(f"block_table: a sequence holds {need} pages, more than max_blocks={max_blocks}")
+
+    state_lists = list(map(_STATES, seqs))
+    if None in state_lists:  # a model without KDA layers: page 0 of each group (the kernels never read it)
+        state_lists = [p if p is not None else [0] * num_groups for p in state_lists]
+    states = np.fromiter(chain.from_iterable(state_lists), dtype=np.int64).reshape(B, num_groups)
+    snap_lists = list(map(_SNAPSHOTS, seqs))
+    has_snaps = any(snap_lists)
+    verify = np.fromiter(map(_VERIFY, seqs), dtype=bool, count=B)
+    is_decode = lens_np == 1
+    plain = is_decode & ~verify  # KDA plain decodes: one token, no snapshot, states advanced live
+    if has_snaps:
+        plain &= ~np.fromiter(map(bool, snap_lists), dtype=bool, count=B)
+    n_plain = int(np.count_nonzero(plain)) if kda_split and not row_queries else 0
+    split = n_plain if 0 < n_plain < B else None  # the number of plain decodes of a split step
+
     # the ragged tables scattered into [B, max_blocks] through flat indices (row * width + column)
     filled = int(num_pages.sum())
     page_row = np.repeat(arange_b, num_pages)
@@ -168,41 +244,52 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
     # copy of it cost 0.4 ms of page faults at 512 x 556 where one reused allocation costs 0.03 ms
     # sequences in the expanded (prefill) MLA form; none when every row is its own decode query
     pre_np = np.flatnonzero(lens_np != 1) if not row_queries else np.zeros(0, dtype=np.int64)
-    sizes32 = [B + 1, B, B * max_blocks, len(pre_np) + 1, len(pre_np) + 1]  # cu, ctx, table, cu_k, cu_q
+    # cu, ctx, table, cu_k, cu_q (, the rest's cu of a split step)
+    sizes32 = [B + 1, B, B * max_blocks, len(pre_np) + 1, len(pre_np) + 1] + ([B - split + 1] if split else [])
     flat32 = np.empty(sum(sizes32), dtype=np.int32)
-    cu32, ctx32, table, cu_k32, cu_q32 = _split(flat32, sizes32)
+    cu32, ctx32, table, cu_k32, cu_q32, *rest_cu32 = _split(flat32, sizes32)
     table = table.reshape(B, max_blocks)
     table.fill(0)
     table.ravel()[page_row * max_blocks + (np.arange(filled) - cu_pages[page_row])] = np.fromiter(
         chain.from_iterable(tables), dtype=np.int64, count=filled)
     kv_slot = table[seq_of_row, pos // block_size].astype(np.int64) * block_size + pos % block_size
 
-    state_lists = list(map(_STATES, seqs))
-    if None in state_lists:  # a model without KDA layers: page 0 of each group (the kernels never read it)
-        state_lists = [p if p is not None else [0] * num_groups for p in state_lists]
-    states = np.fromiter(chain.from_iterable(state_lists), dtype=np.int64).reshape(B, num_groups)
-    old_base = B * w1
+    if split is None:  # the general form over every sequence: the step's own rows and offsets
+        k_seqs, k_lens, k_cu, k_seq_of_row, k_row0, k_rel = arange_b, lens_np, cu, seq_of_row, row0, rel
+        kda_extra = [np.zeros(0, dtype=np.int64)] * 4
+    else:
+        dec_seqs, k_seqs = np.flatnonzero(plain), np.flatnonzero(~plain)
+        k_lens = lens_np[k_seqs]
+        k_cu = np.zeros(len(k_seqs) + 1, dtype=np.int64)
+        np.cumsum(k_lens, out=k_cu[1:])
+        k_seq_of_row = np.repeat(np.arange(len(k_seqs)), k_lens)
+        k_row0 = k_cu[k_seq_of_row]
+        k_rel = np.arange(int(k_cu[-1])) - k_row0
+        dec_rows, rest_rows = cu[dec_seqs], np.flatnonzero(~plain[seq_of_row])
+        kda_extra = [dec_rows, states[dec_seqs].T.ravel(), rest_rows, states[k_seqs].T.ravel()]
+    Bk = len(k_seqs)
+    old_base = Bk * w1
     taps = np.arange(-w1, 1)  # window of row r: relative positions r-w1 .. r
-    conv_idx = _window_rows(seq_of_row[:, None], rel[:, None] + taps[None, :], row0[:, None], w1, old_base)
-    tail_rel = lens_np[:, None] + np.arange(-w1, 0)[None, :]
-    conv_tail = _window_rows(arange_b[:, None], tail_rel, cu[:-1][:, None], w1, old_base)
+    conv_idx = _window_rows(k_seq_of_row[:, None], k_rel[:, None] + taps[None, :], k_row0[:, None], w1, old_base)
+    tail_rel = k_lens[:, None] + np.arange(-w1, 0)[None, :]
+    conv_tail = _window_rows(np.arange(Bk)[:, None], tail_rel, k_cu[:-1][:, None], w1, old_base)
 
-    snaps, snap_rows = [], []
-    snap_lists = list(map(_SNAPSHOTS, seqs))
-    if any(snap_lists):
+    snaps, k_snaps, snap_rows = [], [], []
+    if has_snaps:
+        local = {int(i): j for j, i in enumerate(k_seqs.tolist())} if split is not None else None
         for i in np.flatnonzero(np.fromiter(map(bool, snap_lists), dtype=bool, count=B)).tolist():
+            j = i if local is None else local[i]  # snapshot rows are never plain decodes: always among k_seqs
             for p, dest in snap_lists[i]:
                 snaps.append((i, p, dest))
-                snap_rows.append(_window_rows(i, p - starts[i] + np.arange(-w1, 0), cu[i], w1, old_base))
+                k_snaps.append((j, p, dest))
+                snap_rows.append(_window_rows(j, p - starts[i] + np.arange(-w1, 0), k_cu[j], w1, old_base))
     snap_conv = np.asarray(snap_rows, dtype=np.int64).reshape(len(snaps), w1)
     snap_dest = np.asarray([d for _, _, d in snaps], dtype=np.int64).reshape(len(snaps), num_groups)
 
-    verify = np.fromiter(map(_VERIFY, seqs), dtype=bool, count=B)
     sampled = np.fromiter(map(_NEEDS_LOGITS, seqs), dtype=bool, count=B) & ~verify
     verify_seqs = np.flatnonzero(verify).tolist()
     logit_rows = np.concatenate([cu[1:][sampled] - 1, np.flatnonzero(verify[seq_of_row]),
                                  np.asarray(extra_logit_rows, dtype=np.int64)])
-    is_decode = lens_np == 1
     decode_form = is_decode.tolist()
     pre = pre_np.tolist()
     dec = np.flatnonzero(is_decode)
@@ -220,14 +307,27 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
 
     i64 = [ids, pos, kv_slot, states.T.ravel(), conv_idx.ravel(), conv_tail.ravel(), logit_rows, ctx_slot,
            pre_rows, dec, cu[dec], snap_conv.ravel(), snap_dest.T.ravel(),
-           seq_of_row if row_queries else np.zeros(0, dtype=np.int64)]
+           seq_of_row if row_queries else np.zeros(0, dtype=np.int64), *kda_extra]
     cu32[:], ctx32[:], cu_k32[:], cu_q32[:] = cu, ctx, cu_k, cu_q
+    split_meta = None
+    if split is not None:
+        k_list = k_seqs.tolist()
+        split_meta = KdaSplitMeta(split, k_cu.tolist(), [starts[i] for i in k_list], k_lens.tolist(), k_snaps,
+                                  np.flatnonzero(verify[k_seqs]).tolist(), _span(kda_extra[0]), _span(kda_extra[2]))
+        rest_cu32[0][:] = k_cu
     meta = StepMeta(B, T, max_blocks, len(snaps), w1, [p.size for p in i64], sizes32,
                     cu.tolist(), starts, lens, decode_form, snaps, pre,
                     int(lens_np[pre_np].max(initial=0)), int(ctx_pre.max(initial=0)),
-                    bool(logit_rows.size == T and np.array_equal(logit_rows, np.arange(T))), verify_seqs, row_queries)
+                    bool(logit_rows.size == T and np.array_equal(logit_rows, np.arange(T))), verify_seqs, row_queries,
+                    split_meta)
     host = (torch.from_numpy(np.concatenate(i64, dtype=np.int64)), torch.from_numpy(flat32))
     return meta, host
+
+
+def _span(rows: np.ndarray) -> tuple[int, int] | None:
+    """(first, end) when the (ascending) rows are one contiguous range, else None."""
+    first, last = int(rows[0]), int(rows[-1])
+    return (first, last + 1) if last - first + 1 == rows.size else None
 
 
 _TOKENS, _START, _TABLE, _STATES = (attrgetter(n) for n in ("token_ids", "start", "block_table", "state_pages"))
@@ -247,26 +347,42 @@ def step_views(meta: StepMeta, flat64: torch.Tensor, flat32: torch.Tensor) -> Gp
     """The GpuStep whose tensors are views of the two device buffers (static ones under CUDA graphs)."""
     B, T, w1 = meta.num_seqs, meta.num_tokens, meta.w1
     (t_ids, t_pos, t_slot, t_states, t_conv, t_tail, t_logit, t_ctx_slot, t_pre_rows, t_dec, t_dec_rows,
-     t_snap, t_snap_dest, t_row_seq) = _split(flat64, meta.sizes64)
-    t_cu, t_ctx, t_table, t_cuk, t_cuq = _split(flat32, meta.sizes32)
+     t_snap, t_snap_dest, t_row_seq, t_kdec_rows, t_kdec_pages, t_krest_rows,
+     t_krest_pages) = _split(flat64, meta.sizes64)
+    t_cu, t_ctx, t_table, t_cuk, t_cuq, *t_krest_cu = _split(flat32, meta.sizes32)
+    G = t_states.numel() // B
+    state_pages = t_states.view(G, B)
+    verify_inputs: dict[int, tuple[torch.Tensor, ...]] = {}
+    sm = meta.kda_split
+    if sm is None:
+        kda_rows = KdaRows(B, meta.cu, meta.starts, meta.lens, meta.snapshots, meta.verify_seqs, t_cu, state_pages,
+                           t_conv.view(T, w1 + 1), t_tail.view(B, w1), t_snap.view(meta.num_snapshots, w1),
+                           t_snap_dest.view(G, meta.num_snapshots), verify_inputs)
+        split = None
+    else:
+        Br = len(sm.rest_lens)
+        kda_rows = KdaRows(Br, sm.rest_cu, sm.rest_starts, sm.rest_lens, sm.rest_snapshots, sm.rest_verify_seqs,
+                           t_krest_cu[0], t_krest_pages.view(G, Br), t_conv.view(sm.rest_cu[-1], w1 + 1),
+                           t_tail.view(Br, w1), t_snap.view(meta.num_snapshots, w1),
+                           t_snap_dest.view(G, meta.num_snapshots), verify_inputs)
+        split = KdaSplit(t_kdec_rows, t_kdec_pages.view(G, sm.num_decodes), sm.dec_span, t_krest_rows, sm.rest_span,
+                         kda_rows)
     return GpuStep(
         num_seqs=B, num_tokens=T, cu=meta.cu, starts=meta.starts, lens=meta.lens, decode_form=meta.decode_form,
         snapshots=meta.snapshots, ids=t_ids, pos=t_pos, kv_slot=t_slot, cu_seqlens=t_cu, ctx_lens=t_ctx,
-        block_table=t_table.view(B, meta.max_blocks), state_pages=t_states.view(-1, B), conv_idx=t_conv.view(T, w1 + 1),
-        conv_tail_idx=t_tail.view(B, w1), logit_rows=t_logit, logits_every_row=meta.logits_every_row,
-        prefill_seqs=meta.prefill_seqs, prefill_rows=t_pre_rows,
+        block_table=t_table.view(B, meta.max_blocks), state_pages=state_pages, logit_rows=t_logit,
+        logits_every_row=meta.logits_every_row, prefill_seqs=meta.prefill_seqs, prefill_rows=t_pre_rows,
         ctx_slot=t_ctx_slot, cu_k=t_cuk, cu_q=t_cuq, max_q=meta.max_q, max_k=meta.max_k, decode_seqs=t_dec,
-        decode_rows=t_dec_rows, snap_conv_idx=t_snap.view(meta.num_snapshots, w1),
-        snap_dest=t_snap_dest.view(t_states.numel() // B, meta.num_snapshots), verify_seqs=meta.verify_seqs,
-        row_seq=t_row_seq if meta.row_queries else None,
+        decode_rows=t_dec_rows, kda_rows=kda_rows, kda_split=split, verify_seqs=meta.verify_seqs,
+        verify_inputs=verify_inputs, row_seq=t_row_seq if meta.row_queries else None,
     )
 
 
 def build_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_groups: int, device: torch.device,
-               max_blocks: int | None = None, extra_logit_rows: list[int] = ()) -> GpuStep:
+               max_blocks: int | None = None, extra_logit_rows: list[int] = (), kda_split: bool = False) -> GpuStep:
     """Pack on the host, copy to the device (pinned, non-blocking), return the views."""
     meta, (h64, h32) = pack_step(seqs, block_size=block_size, conv_width=conv_width, num_groups=num_groups,
-                                 max_blocks=max_blocks, extra_logit_rows=extra_logit_rows)
+                                 max_blocks=max_blocks, extra_logit_rows=extra_logit_rows, kda_split=kda_split)
     if device.type == "cuda":
         h64, h32 = h64.pin_memory(), h32.pin_memory()
     return step_views(meta, h64.to(device, non_blocking=True), h32.to(device, non_blocking=True))
