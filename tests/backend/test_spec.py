@@ -556,6 +556,9 @@ GPU_PATHS = [
     pytest.param({"runner": "gpu", "kernels": True, "cuda_graphs": False, "verify_form": True,
                   "kda_verify_launch": "multi"}, id="gpu-path-triton-interpreter-verify-form-multi"),
     pytest.param({"runner": "gpu", "device": "cuda"}, id="gpu-runner-cuda", marks=pytest.mark.gpu),
+    # the verify and commit graphs captured with kda_verify_launch = "multi" (fp32 model): the eager tokens
+    pytest.param({"runner": "gpu", "device": "cuda", "kda_verify_launch": "multi"}, id="gpu-runner-cuda-multi",
+                 marks=pytest.mark.gpu),
 ]
 
 
@@ -591,9 +594,11 @@ def test_gpu_runner_verify_steps_are_token_identical(arch, over, monkeypatch) ->
         import k3rt.kernels.kda as kda_ops
         from k3rt.kernels.kda.triton_multi import kda_decode_multi
 
-        inner.fwd.k = replace(inner.fwd.k, kda_verify_launch=over["kda_verify_launch"])
+        inner.kernels = inner.fwd.k = replace(inner.fwd.k, kda_verify_launch=over["kda_verify_launch"])
         monkeypatch.setattr(kda_ops, "kda_decode_multi", lambda *a, **kw: (multi_calls.append(kw["commit"])
                                                                             or kda_decode_multi(*a, **kw)))
+        if over.get("device") == "cuda":  # the engine captured its graphs with the default: again with this one
+            inner.capture()
     padded_form = over.get("verify_form") or over.get("device") == "cuda"
     if over.get("verify_form"):  # what the engine sets up on CUDA (spec_graph_sizes), here without capture
         inner.verify_run_len, inner.verify_sizes = 5, (1, 2, 4)
@@ -855,7 +860,8 @@ def test_spec_verify_benchmark_smoke(tmp_path) -> None:
     subprocess.run([sys.executable, str(root / "benchmarks" / "spec_verify.py"), "--smoke", "--out", str(out)],
                    check=True, capture_output=True, timeout=300)
     rows = json.loads(out.read_text())["rows"]
-    assert [r["batch"] for r in rows] == [1, 2] and all(r["correct"] for r in rows)
+    assert [(r["variant"], r["batch"]) for r in rows] == [(v, b) for v in ("decode_loop", "multi") for b in (1, 2)]
+    assert all(r["correct"] for r in rows)
     for r in rows:
         assert r["verify_graph_rel_err"] < 1e-5 and r["verify_argmax_agree"] == 1.0 and r["commit_graph_rel_err"] < 1e-5
         assert r["verify_eager_ms"] > 0 and r["commit_ms"] > 0 and r["plain_eager_ms"] > 0
