@@ -18,6 +18,14 @@ they were; `kda_commit` replays the accepted prefix into them once the sampler h
     kernel, R launches (the chunked kernel builds its tables on the host); nothing live is written. The
     commit (`kda_commit_graphed`) replays the kept tokens through the same kernel on the live states, so
     they end as the scratch states did after those tokens (and a plain decode's as a decode step's).
+    That is 2R KDA launches per layer per round, which dominate at small models (k3-tiny, K = 7: a graphed
+    verify step 1.84x a plain one on the H200). With `KernelConfig.kda_verify_launch = "multi"` both go
+    through `kda_decode_multi` (kernels/kda/triton_multi.py), one launch each: the pass runs every run's R
+    rows from the live pages with the state tile in registers and writes nothing back (no scratch copies,
+    no state per position: the rollback is the live state plus the kept inputs), the commit runs each
+    run's first accepted[i] rows and writes the state and conv window after them in place. Same per-token
+    math as the decode kernel. Default "decode_loop" until the GPU measures "multi"
+    (benchmarks/spec_verify.py).
 Batch-invariant mode (docs/deterministic.md): every step token by token through the decode kernel;
 verify runs step through scratch copies of their states, and the commit replays the accepted tokens
 through the same kernel on the live states, so they end bit-identical to plain decode steps.
