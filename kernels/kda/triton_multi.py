@@ -83,10 +83,9 @@ def _kda_multi_kernel(
         gdc_wait()
     slot = tl.load(slot_ptr + i_n).to(tl.int64)
     n = tl.minimum(tl.maximum(tl.load(n_ptr + i_n).to(tl.int32), 0), R)
+    n = tl.where(slot < 0, 0, n)  # padding entry: zero output, nothing touched
     o_seq = o_ptr + i_n.to(tl.int64) * (R * H * D) + i_h * D
     zero = tl.zeros([BV], dtype=tl.float32).to(o_ptr.dtype.element_ty)
-    if slot < 0:
-        n = 0  # padding entry: zero output, nothing touched
     for t in range(n, R):
         tl.store(o_seq + t * (H * D) + offs_v, zero, mask=mask_v)
     if slot >= 0:

@@ -91,3 +91,32 @@ def test_multi_rejects_bad_inputs() -> None:
                          num_tokens=n, commit=False)
     with pytest.raises(ValueError, match="v_split"):
         kda_decode_multi(**case, slot_indices=slots, num_tokens=n, commit=False, v_split=3)
+
+
+_BUILD = r'''
+import inspect
+from k3rt.kernels.kda.triton_multi import _kda_multi_kernel as fn
+names = list(inspect.signature(fn.fn).parameters)
+act = {"qkv_ptr", "f_ptr", "b_ptr", "o_ptr", "gate_ptr", "conv_state_ptr", "norm_w_ptr"}
+out = {}
+for commit, norm, nv in ((False, True, 4), (True, False, 4), (True, False, 1)):
+    # the launcher's tile: 32 value columns (D = 128 split 4; one program per head at D = 32)
+    consts = dict(R=8, H=32, D=32 * nv, BK=32 * nv, BV=32, NV=nv, W=4, WP=4, USE_LOWER_BOUND=True,
+                  NORM=norm, COMMIT=commit, USE_PDL=False)
+    sig = {n: "constexpr" if n in consts else "i64" if n.startswith("stride")
+           else "fp32" if n in ("scale", "lower_bound", "eps")
+           else "*i32" if n in ("slot_ptr", "n_ptr", "count_ptr") else "*bf16" if n in act else "*fp32"
+           for n in names}
+    out[f"{commit},{norm},{nv}"] = sm90_build(fn, sig, consts, 4, 1, lambda k: False)
+print(json.dumps(out))
+'''
+
+
+def test_multi_builds_for_sm90_without_spills() -> None:
+    """The compiled kernel (no GPU here: built for sm_90 by the wheel's compiler), R = 8, H = 32, for the
+    verify pass (norm, D = 128 split 4), the split commit and the one-program commit (D = 32): the state
+    tile stays in registers across the tokens (no local memory)."""
+    from tests.kernels.helpers import run_sm90_build
+
+    for key, b in run_sm90_build(_BUILD, timeout=240).items():
+        assert b["local"] == 0, (key, b)
