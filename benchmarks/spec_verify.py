@@ -284,7 +284,8 @@ def main() -> int:
 def print_table() -> None:
     print(f"\n{RESULT['device']}: copy {RESULT['copy']['GBps']:.0f} GB/s, context {ARGS.context}, "
           f"verify of 1 + {ARGS.spec_tokens} tokens per request")
-    print("| kda_verify_launch | batch | correct | plain graph ms | plain eager ms | verify graph ms | verify eager ms | commit ms | "
+    print("| kda_verify_launch | batch | correct | plain graph ms | plain eager ms | verify graph ms | verify eager ms | "
+          "commit ms | "
           "commit eager ms | "
           "verify/plain | round/plain | plain floor ms | verify floor ms | floor ratio | experts/layer plain, verify |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
@@ -296,7 +297,8 @@ def print_table() -> None:
         def f(k: str) -> str:
             return f"{r[k]:.3f}" if k in r else "-"
         ex = [r[b]["distinct_experts_per_layer"] for b in ("plain_bytes", "verify_bytes")]
-        print(f"| {r['variant']} | {r['batch']} | {'yes' if r['correct'] else 'NO'} | {f('plain_graph_ms')} | {f('plain_eager_ms')} | "
+        print(f"| {r['variant']} | {r['batch']} | {'yes' if r['correct'] else 'NO'} | {f('plain_graph_ms')} | "
+              f"{f('plain_eager_ms')} | "
               f"{f('verify_graph_ms')} | {f('verify_eager_ms')} | {f('commit_ms')} | {f('commit_eager_ms')} | "
               f"{r['verify_over_plain']:.2f} | "
               f"{r['round_over_plain']:.2f} | {r['plain_floor_ms']:.3f} | {r['verify_floor_ms']:.3f} | "

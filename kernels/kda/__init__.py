@@ -1,8 +1,8 @@
 """Kimi Delta Attention ops. `ref` holds the plain-torch oracle every KDA kernel is tested against.
 
 The Triton kernels (`kda_decode`, `kda_chunk_fwd`, `kda_verify`/`kda_commit` for speculative
-verification, `kda_decode_multi`: up to R tokens per sequence in one launch, for the verify graphs) are exported lazily, so importing the reference
-ops never imports Triton.
+verification, `kda_decode_multi`: up to R tokens per sequence in one launch, for the verify graphs)
+are exported lazily, so importing the reference ops never imports Triton.
 """
 from k3rt.kernels.kda.ref import (
     kda_chunked,

@@ -91,6 +91,10 @@ def test_multi_rejects_bad_inputs() -> None:
                          num_tokens=n, commit=False)
     with pytest.raises(ValueError, match="v_split"):
         kda_decode_multi(**case, slot_indices=slots, num_tokens=n, commit=False, v_split=3)
+    from k3rt.backend.runner.gpu.ops import KernelConfig
+
+    with pytest.raises(ValueError, match="kda_verify_launch"):
+        KernelConfig(kda_verify_launch="mutli")
 
 
 _BUILD = r'''
