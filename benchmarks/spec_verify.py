@@ -5,6 +5,12 @@ plain decode step), on the GPU runner, graphs and eager, in one run.
 
     python3 benchmarks/spec_verify.py                  # Kimi-Linear-48B shape, one H200
     python3 benchmarks/spec_verify.py --smoke          # tiny config on CPU (torch ops): bit-rot check
+    python3 benchmarks/spec_verify.py --variants multi # one KernelConfig.kda_verify_launch setting only
+
+Every row is measured once per --variants setting of KernelConfig.kda_verify_launch (default both, side by
+side): "decode_loop" (the verify graph form's KDA as R = K + 1 kda_decode launches on scratch state copies,
+its commit R more on the live states) and "multi" (kernels/kda/triton_multi.py: one launch each). Each
+setting gets its own runner, so its verify and commit graphs are captured with it.
 
 Correctness first (the timings are printed whatever it finds, with the verdict beside them):
   plain    the decode graph's logits against the eager decode step's, from the same states;
@@ -45,10 +51,15 @@ def _args() -> argparse.Namespace:
     p.add_argument("--context", type=int, default=4096, help="tokens already in each request's cache")
     p.add_argument("--spec-tokens", type=int, default=7, metavar="K", help="draft tokens per verify (default 7)")
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--variants", nargs="+", default=["decode_loop", "multi"], metavar="LAUNCH",
+                   help="KernelConfig.kda_verify_launch settings to time side by side (default: decode_loop multi)")
     p.add_argument("--smoke", action="store_true", help="tiny config on CPU with torch ops (no kernels, no graphs)")
     p.add_argument("--budget-s", type=float, default=300.0, help="skip remaining items after this many seconds")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
+    launches = ("decode_loop", "multi")  # KernelConfig.kda_verify_launch's values (checked against it below)
+    if not a.variants or any(v not in launches for v in a.variants):
+        p.error(f"--variants: each one of {launches}, got {a.variants}")
     if not 1 <= a.spec_tokens <= 16:
         p.error(f"--spec-tokens: must be in [1, 16], got {a.spec_tokens}")
     if not a.batch or min(a.batch) < 1 or max(a.batch) > 64:
@@ -60,13 +71,16 @@ ARGS = _args()
 if ARGS.smoke:
     ARGS.batch, ARGS.context, ARGS.reps, ARGS.spec_tokens = [1, 2], 40, 2, 3
 
+import gc  # noqa: E402
+from dataclasses import replace  # noqa: E402
+
 import torch  # noqa: E402
 from _routing import distinct_experts  # noqa: E402
 from _timing import Report, copy_bandwidth, default_out, rel_err, time_ms  # noqa: E402
 
 from k3rt.backend.cache.pool import PagePool  # noqa: E402
 from k3rt.backend.models.random_init import random_model  # noqa: E402
-from k3rt.backend.runner.gpu.ops import KernelConfig  # noqa: E402
+from k3rt.backend.runner.gpu.ops import KDA_VERIFY_LAUNCHES, KernelConfig  # noqa: E402
 from k3rt.backend.runner.gpu.runner import GpuModelRunner  # noqa: E402
 from k3rt.backend.runner.gpu.step import StepSeq  # noqa: E402
 from k3rt.cache_layout import compute_layout  # noqa: E402
@@ -237,19 +251,31 @@ def main() -> int:
             layer.mlp.e_score_correction_bias.zero_()
     layout = compute_layout(cfg, kv_dtype=dtype, conv_dtype=dtype)
     per_req = -(-(ARGS.context + 1 + ARGS.spec_tokens) // layout.block_size) + layout.pages_per_state_set
-    pool = PagePool(layout, max(ARGS.batch) * per_req + 4, device=dev)
+    pool = PagePool(layout, max(ARGS.batch) * per_req + 3 + len(ARGS.variants), device=dev)
     sizes = tuple(sorted(set(ARGS.batch)))
-    runner = GpuModelRunner(model, pool, kernels=KernelConfig(triton=cuda), cuda_graphs=cuda, graph_sizes=sizes,
-                            verify_graphs=(ARGS.spec_tokens, sizes))
-    if not cuda:  # no graphs: the padded form they replay, run eagerly (the runner only keeps it when captured)
-        runner.verify_run_len, runner.verify_sizes = ARGS.spec_tokens + 1, sizes
+    assert set(ARGS.variants) <= set(KDA_VERIFY_LAUNCHES), (ARGS.variants, KDA_VERIFY_LAUNCHES)  # _args' list
     RESULT["rows"] = []
-    for B in ARGS.batch:
+    for variant in ARGS.variants:
         if REPORT.over_budget():
-            RESULT["rows"].append({"batch": B, "skipped": f"budget {ARGS.budget_s:.0f}s spent"})
+            RESULT["rows"] += [{"batch": B, "variant": variant, "skipped": f"budget {ARGS.budget_s:.0f}s spent"}
+                               for B in ARGS.batch]
             continue
-        RESULT["rows"].append(bench(runner, model, cfg, layout, gbps, B))
-        REPORT.save()
+        # a runner per setting: its verify and commit graphs are captured with it
+        kernels = KernelConfig(triton=cuda, kda_verify_launch=variant)
+        runner = GpuModelRunner(model, pool, kernels=kernels, cuda_graphs=cuda, graph_sizes=sizes,
+                                verify_graphs=(ARGS.spec_tokens, sizes))
+        if not cuda:  # no graphs: the padded form they replay, run eagerly (the runner only keeps it when captured)
+            runner.verify_run_len, runner.verify_sizes = ARGS.spec_tokens + 1, sizes
+        for B in ARGS.batch:
+            if REPORT.over_budget():
+                RESULT["rows"].append({"batch": B, "variant": variant, "skipped": f"budget {ARGS.budget_s:.0f}s spent"})
+                continue
+            RESULT["rows"].append({"variant": variant, **bench(runner, model, cfg, layout, gbps, B)})
+            REPORT.save()
+        del runner  # its pad page stays reserved (the pool counts one per setting)
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
     REPORT.save()
     print_table()
     return 0 if all(r.get("correct", True) for r in RESULT["rows"]) else 1
@@ -258,19 +284,21 @@ def main() -> int:
 def print_table() -> None:
     print(f"\n{RESULT['device']}: copy {RESULT['copy']['GBps']:.0f} GB/s, context {ARGS.context}, "
           f"verify of 1 + {ARGS.spec_tokens} tokens per request")
-    print("| batch | correct | plain graph ms | plain eager ms | verify graph ms | verify eager ms | commit ms | "
+    print("| kda_verify_launch | batch | correct | plain graph ms | plain eager ms | verify graph ms | verify eager ms | "
+          "commit ms | "
           "commit eager ms | "
           "verify/plain | round/plain | plain floor ms | verify floor ms | floor ratio | experts/layer plain, verify |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in RESULT["rows"]:
         if "skipped" in r:
-            print(f"| {r['batch']} | skipped |")
+            print(f"| {r['variant']} | {r['batch']} | skipped |")
             continue
 
         def f(k: str) -> str:
             return f"{r[k]:.3f}" if k in r else "-"
         ex = [r[b]["distinct_experts_per_layer"] for b in ("plain_bytes", "verify_bytes")]
-        print(f"| {r['batch']} | {'yes' if r['correct'] else 'NO'} | {f('plain_graph_ms')} | {f('plain_eager_ms')} | "
+        print(f"| {r['variant']} | {r['batch']} | {'yes' if r['correct'] else 'NO'} | {f('plain_graph_ms')} | "
+              f"{f('plain_eager_ms')} | "
               f"{f('verify_graph_ms')} | {f('verify_eager_ms')} | {f('commit_ms')} | {f('commit_eager_ms')} | "
               f"{r['verify_over_plain']:.2f} | "
               f"{r['round_over_plain']:.2f} | {r['plain_floor_ms']:.3f} | {r['verify_floor_ms']:.3f} | "

@@ -1,8 +1,8 @@
 """Kimi Delta Attention ops. `ref` holds the plain-torch oracle every KDA kernel is tested against.
 
 The Triton kernels (`kda_decode`, `kda_chunk_fwd`, `kda_verify`/`kda_commit` for speculative
-verification) are exported lazily, so importing the reference
-ops never imports Triton.
+verification, `kda_decode_multi`: up to R tokens per sequence in one launch, for the verify graphs)
+are exported lazily, so importing the reference ops never imports Triton.
 """
 from k3rt.kernels.kda.ref import (
     kda_chunked,
@@ -18,6 +18,7 @@ _TRITON_EXPORTS = {
     "kda_decode_workspace": "k3rt.kernels.kda.triton_decode",
     "kda_verify": "k3rt.kernels.kda.triton_verify",
     "kda_commit": "k3rt.kernels.kda.triton_verify",
+    "kda_decode_multi": "k3rt.kernels.kda.triton_multi",
     "kda_chunk_fwd": "k3rt.kernels.kda.triton_chunk",
 }
 
@@ -26,6 +27,7 @@ __all__ = [
     "kda_chunked",
     "kda_commit",
     "kda_decode",
+    "kda_decode_multi",
     "kda_decode_workspace",
     "kda_gate_lower_bound",
     "kda_gate_softplus",

@@ -552,12 +552,18 @@ GPU_PATHS = [
                  marks=pytest.mark.slow),
     pytest.param({"runner": "gpu", "kernels": True, "cuda_graphs": False, "verify_form": True},
                  id="gpu-path-triton-interpreter-verify-form", marks=pytest.mark.slow),
+    # the same with KernelConfig.kda_verify_launch = "multi": the verify pass and commit in one launch each
+    pytest.param({"runner": "gpu", "kernels": True, "cuda_graphs": False, "verify_form": True,
+                  "kda_verify_launch": "multi"}, id="gpu-path-triton-interpreter-verify-form-multi"),
     pytest.param({"runner": "gpu", "device": "cuda"}, id="gpu-runner-cuda", marks=pytest.mark.gpu),
+    # the verify and commit graphs captured with kda_verify_launch = "multi" (fp32 model): the eager tokens
+    pytest.param({"runner": "gpu", "device": "cuda", "kda_verify_launch": "multi"}, id="gpu-runner-cuda-multi",
+                 marks=pytest.mark.gpu),
 ]
 
 
 @pytest.mark.parametrize("over", GPU_PATHS)
-def test_gpu_runner_verify_steps_are_token_identical(arch, over) -> None:
+def test_gpu_runner_verify_steps_are_token_identical(arch, over, monkeypatch) -> None:
     """Verify chunks through the GPU runner (packed logit rows, states left alone, kda_commit replay),
     mixed with plain decodes and prefill chunks: the reference's greedy tokens, and exact snapshots."""
     import copy
@@ -579,10 +585,20 @@ def test_gpu_runner_verify_steps_are_token_identical(arch, over) -> None:
         if over.get("verify_form"):  # one request, a few verify steps: the interpreter's time is per step
             prompts, params = prompts[:1], [replace(params[0], max_tokens=5)]
     ref = _reference(arch, prompts, params)
-    engine = {k: v for k, v in over.items() if k not in ("runner", "verify_form")}
+    engine = {k: v for k, v in over.items() if k not in ("runner", "verify_form", "kda_verify_launch")}
     eng = make_engine(arch.ckpt, runner="gpu", model=model, budget=64, num_pages=256,
                       engine=engine | {"spec": SpecConfig(method="ngram", num_tokens=4)})
     inner = eng.runner.inner
+    multi_calls = []  # (commit,) of each kda_decode_multi launch
+    if "kda_verify_launch" in over:
+        import k3rt.kernels.kda as kda_ops
+        from k3rt.kernels.kda.triton_multi import kda_decode_multi
+
+        inner.kernels = inner.fwd.k = replace(inner.fwd.k, kda_verify_launch=over["kda_verify_launch"])
+        monkeypatch.setattr(kda_ops, "kda_decode_multi", lambda *a, **kw: (multi_calls.append(kw["commit"])
+                                                                            or kda_decode_multi(*a, **kw)))
+        if over.get("device") == "cuda":  # the engine captured its graphs with the default: again with this one
+            inner.capture()
     padded_form = over.get("verify_form") or over.get("device") == "cuda"
     if over.get("verify_form"):  # what the engine sets up on CUDA (spec_graph_sizes), here without capture
         inner.verify_run_len, inner.verify_sizes = 5, (1, 2, 4)
@@ -617,6 +633,8 @@ def test_gpu_runner_verify_steps_are_token_identical(arch, over) -> None:
         if not (over.get("kernels") and over.get("device") != "cuda"):  # the interpreter's run is too short to mix
             assert any(False in f and True in f for f in forms) and sum(map(len, forms)) > 10, forms
         assert inner.verify_graph_replays == (len(forms) if over.get("device") == "cuda" else 0)
+    if over.get("kda_verify_launch") == "multi":  # both the verify pass and the commit took the one launch
+        assert True in multi_calls and False in multi_calls, multi_calls
     if over.get("device") != "cuda":
         assert assert_snapshots_exact(eng, arch) > 0
 
@@ -842,7 +860,8 @@ def test_spec_verify_benchmark_smoke(tmp_path) -> None:
     subprocess.run([sys.executable, str(root / "benchmarks" / "spec_verify.py"), "--smoke", "--out", str(out)],
                    check=True, capture_output=True, timeout=300)
     rows = json.loads(out.read_text())["rows"]
-    assert [r["batch"] for r in rows] == [1, 2] and all(r["correct"] for r in rows)
+    assert [(r["variant"], r["batch"]) for r in rows] == [(v, b) for v in ("decode_loop", "multi") for b in (1, 2)]
+    assert all(r["correct"] for r in rows)
     for r in rows:
         assert r["verify_graph_rel_err"] < 1e-5 and r["verify_argmax_agree"] == 1.0 and r["commit_graph_rel_err"] < 1e-5
         assert r["verify_eager_ms"] > 0 and r["commit_ms"] > 0 and r["plain_eager_ms"] > 0

@@ -18,6 +18,14 @@ they were; `kda_commit` replays the accepted prefix into them once the sampler h
     kernel, R launches (the chunked kernel builds its tables on the host); nothing live is written. The
     commit (`kda_commit_graphed`) replays the kept tokens through the same kernel on the live states, so
     they end as the scratch states did after those tokens (and a plain decode's as a decode step's).
+    That is 2R KDA launches per layer per round, which dominate at small models (k3-tiny, K = 7: a graphed
+    verify step 1.84x a plain one on the H200). With `KernelConfig.kda_verify_launch = "multi"` both go
+    through `kda_decode_multi` (kernels/kda/triton_multi.py), one launch each: the pass runs every run's R
+    rows from the live pages with the state tile in registers and writes nothing back (no scratch copies,
+    no state per position: the rollback is the live state plus the kept inputs), the commit runs each
+    run's first accepted[i] rows and writes the state and conv window after them in place. Same per-token
+    math as the decode kernel. Default "decode_loop" until the GPU measures "multi"
+    (benchmarks/spec_verify.py).
 Batch-invariant mode (docs/deterministic.md): every step token by token through the decode kernel;
 verify runs step through scratch copies of their states, and the commit replays the accepted tokens
 through the same kernel on the live states, so they end bit-identical to plain decode steps.
@@ -197,6 +205,16 @@ def _verify_runs(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: 
     if keep is not None:  # into the buffers every verify graph shares (rows past T are another bucket's)
         kept = tuple(buf[:T].copy_(t) for buf, t in zip(keep, kept))
     step.verify_inputs[attn.layer_idx] = kept
+    if k.kda_verify_launch == "multi":  # one launch from the live pages, nothing written back
+        from k3rt.kernels.kda import kda_decode_multi
+
+        q3, f3, b3, g3 = (t.reshape(B, R, *t.shape[1:]) for t in (qkv, f, b, gate))  # views: rows keep their stride
+        every = torch.full((B,), R, dtype=torch.int32, device=qkv.device)
+        o = kda_decode_multi(q3, w.conv_weight, conv_pool, f3, w.A_log, w.dt_bias, b3, rec_pool, pages, every,
+                             commit=False, lower_bound=attn.lower_bound, use_pdl=k.use_pdl,
+                             o_gate=g3.reshape(B, R, H, D), o_norm_weight=attn.o_norm_weight, o_norm_eps=attn.eps,
+                             workspace=workspace)
+        return o.view(T, H, D)
     convs, recs = conv_pool[pages].clone(), rec_pool[pages].clone()  # [B, W-1, C], [B, H, D, D]
     slots = torch.arange(B, device=qkv.device)
     runs = [t.reshape(B, R, *t.shape[1:]) for t in (qkv, f, b, gate)]
@@ -367,6 +385,13 @@ def kda_commit_graphed(attn: KimiDeltaAttention, w: KdaWeights, step: GpuStep, a
 
         qkv, f, b = step.verify_inputs[attn.layer_idx]  # [T, 3P], [T, H*D], [T, H]: _verify_runs' inputs
         R = qkv.shape[0] // B
+        if k.kda_verify_launch == "multi":  # one launch: each run's first accepted[i] tokens, in place
+            from k3rt.kernels.kda import kda_decode_multi
+
+            kda_decode_multi(qkv.reshape(B, R, -1), w.conv_weight, conv_pool,
+                             f.reshape(B, R, -1), w.A_log, w.dt_bias, b.reshape(B, R, -1), rec_pool, pages, accepted,
+                             commit=True, lower_bound=attn.lower_bound, use_pdl=k.use_pdl, workspace=workspace)
+            return
         runs = [t.reshape(B, R, *t.shape[1:]) for t in (qkv, f, b)]
         for t in range(R):
             slots = torch.where(accepted > t, pages, torch.full_like(pages, -1))

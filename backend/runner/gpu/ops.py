@@ -16,6 +16,7 @@ from k3rt.backend.layers.batch_invariant import invariant_linear
 
 
 MXFP4_EXPERT_PATHS = ("planar", "dot_scaled")
+KDA_VERIFY_LAUNCHES = ("decode_loop", "multi")
 
 
 @dataclass(frozen=True)
@@ -40,10 +41,19 @@ class KernelConfig:
     # both weights a multiple of 256, E8M0 exponents <= 240) and "dot_scaled" (kernels/moe/triton_mxfp4.py on
     # the checkpoint's packed codes) elsewhere; "dot_scaled" everywhere: the phase-1 kernel, for comparison
     mxfp4_experts: str = "planar"
+    # the verify graph form's KDA (backend/runner/gpu/kda.py, R = K + 1 rows per sequence): "decode_loop" steps
+    # scratch copies of the states through kda_decode R times and the commit replays the kept tokens through it
+    # R more times (2R launches per layer); "multi" runs both through kernels/kda/triton_multi.py, one launch
+    # each, no scratch copies. "decode_loop" stays the default until "multi" is measured on the GPU
+    # (benchmarks/spec_verify.py --variants)
+    kda_verify_launch: str = "decode_loop"
 
     def __post_init__(self) -> None:
         if self.mxfp4_experts not in MXFP4_EXPERT_PATHS:
             raise ValueError(f"mxfp4_experts: must be one of {MXFP4_EXPERT_PATHS}, got {self.mxfp4_experts!r}")
+        if self.kda_verify_launch not in KDA_VERIFY_LAUNCHES:
+            raise ValueError(f"kda_verify_launch: must be one of {KDA_VERIFY_LAUNCHES}, "
+                             f"got {self.kda_verify_launch!r}")
 
 
 @cache

@@ -1,0 +1,297 @@
+"""KDA over the first n_i of R tokens per sequence in ONE launch (Triton): the verify graph form's pass and
+its commit (backend/runner/gpu/kda.py, `KernelConfig.kda_verify_launch = "multi"`).
+
+`kda_decode_multi` runs the decode step (conv + SiLU, l2norm, gates, delta rule, optional gated RMSNorm;
+the helpers of triton_decode.py, so the per-token math is the decode kernel's) over tokens 0..n_i-1 of row
+block i of an [N, R] block, n_i read from a device tensor (clamped to 0..R), starting from the sequence's
+live conv window and recurrent state. Per (sequence, head, V slice) a program keeps its [K, D/v_split]
+state tile in registers across the tokens (as `kda_verify` does) and builds each token's conv window from
+the live cache rows and the block's earlier rows, so nothing live is read after it is written. Then:
+
+  commit=False (the verify pass): nothing is written back; the live state and conv cache stay at the
+    block's start. No state per position either (the rollback the issue asks for: the pre-verify state
+    is the live one, the kept inputs re-derive the state after the accepted prefix);
+  commit=True (the commit): the state after n_i tokens and the conv window after them are written in
+    place; n_i = 0 leaves the slot exactly as it was.
+
+Rows t >= n_i of the output are zero. A V-split head's q/k conv cache rows and its norm need the whole
+head, so (as in kda_decode) the programs of a head count their arrivals in an int32 workspace and the
+last to arrive writes the q/k rows and normalizes the head's rows. No host sync, shapes fixed by (N, R):
+CUDA-graph safe. Equal to n_i successive `kda_decode` calls (tests/kernels/test_kda_multi.py).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from k3rt.kernels.common import INTERPRET, check, pdl_kwargs, poison_like
+from k3rt.kernels.kda.triton_decode import (
+    _LOWER_BOUND_MIN,
+    _check_norm,
+    _conv_silu,
+    _gate_beta,
+    _norm_gate_row,
+    _slots_contiguous,
+    default_v_split,
+    kda_decode_workspace,
+)
+from k3rt.kernels.kda.triton_verify import MAX_DRAFT, _verify_window
+
+
+@triton.jit
+def _store_window_tail(win, cs_ptr, ch, mask, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """Window rows 1..W-1 as the new cache rows 0..W-2 (triton_decode's _conv_shift_store, `mask` 2-D)."""
+    r = tl.arange(0, WP)
+    tl.store(cs_ptr + (r[:, None] - 1) * C + ch[None, :], win.to(cs_ptr.dtype.element_ty),
+             mask=((r >= 1) & (r < W))[:, None] & mask)
+
+
+@triton.jit
+def _kda_multi_kernel(
+    qkv_ptr, stride_qkv_n, stride_qkv_t,  # [N, R, 3*H*D] pre-conv q|k|v
+    conv_w_ptr,  # [3*H*D, W] fp32
+    conv_state_ptr, stride_cs_slot,  # [num_slots, W-1, 3*H*D], each slot contiguous
+    f_ptr, stride_f_n, stride_f_t,  # [N, R, H*D]
+    a_log_ptr, dt_bias_ptr,  # [H], [H*D] fp32
+    b_ptr, stride_b_n, stride_b_t,  # [N, R, H]
+    state_ptr, stride_state_slot,  # [num_slots, H, D, D] fp32, each slot contiguous
+    slot_ptr,  # [N]
+    n_ptr,  # [N] tokens to run per sequence
+    o_ptr,  # [N, R, H, D]
+    gate_ptr, stride_gate_n, stride_gate_t, stride_gate_h,  # [N, R, H, D] (NORM only)
+    norm_w_ptr,  # [D] (NORM only)
+    raw_ptr,  # [N, R, H, D] fp32 scratch (NORM only)
+    count_ptr,  # [N*H] int32, zero between launches (NV > 1 with NORM or COMMIT)
+    scale, lower_bound, eps,
+    R: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NV: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr, NORM: tl.constexpr, COMMIT: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    i_n = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    offs_k = tl.arange(0, BK)
+    mask_k = offs_k < D
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_v = offs_v < D
+    C = 3 * H * D
+    if USE_PDL:
+        gdc_wait()
+    slot = tl.load(slot_ptr + i_n).to(tl.int64)
+    n = tl.minimum(tl.maximum(tl.load(n_ptr + i_n).to(tl.int32), 0), R)
+    n = tl.where(slot < 0, 0, n)  # padding entry: zero output, nothing touched
+    o_seq = o_ptr + i_n.to(tl.int64) * (R * H * D) + i_h * D
+    zero = tl.zeros([BV], dtype=tl.float32).to(o_ptr.dtype.element_ty)
+    for t in range(n, R):
+        tl.store(o_seq + t * (H * D) + offs_v, zero, mask=mask_v)
+    if slot >= 0:
+        x_seq = qkv_ptr + i_n.to(tl.int64) * stride_qkv_n
+        cs = conv_state_ptr + slot * stride_cs_slot
+        q_ch = i_h * D + offs_k
+        k_ch = H * D + q_ch
+        v_ch = 2 * H * D + i_h * D + offs_v
+        mask2 = mask_k[:, None] & mask_v[None, :]
+        s_ptrs = state_ptr + slot * stride_state_slot + i_h * (D * D) + offs_k[:, None] * D + offs_v[None, :]
+        S = tl.load(s_ptrs, mask=mask2, other=0.0)  # [BK, BV] fp32, in registers across the tokens
+        if USE_PDL:
+            gdc_launch_dependents()
+        for t in range(n):
+            win_q = _verify_window(x_seq, stride_qkv_t, cs, t, q_ch, mask_k, C, W, WP)
+            win_k = _verify_window(x_seq, stride_qkv_t, cs, t, k_ch, mask_k, C, W, WP)
+            win_v = _verify_window(x_seq, stride_qkv_t, cs, t, v_ch, mask_v, C, W, WP)
+            q = _conv_silu(win_q, conv_w_ptr, q_ch, mask_k, W, WP)
+            k = _conv_silu(win_k, conv_w_ptr, k_ch, mask_k, W, WP)
+            v = _conv_silu(win_v, conv_w_ptr, v_ch, mask_v, W, WP)
+            q = q * (scale / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6))
+            k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+            decay, beta = _gate_beta(f_ptr + i_n.to(tl.int64) * stride_f_n + t * stride_f_t, dt_bias_ptr,
+                                     a_log_ptr, b_ptr + i_n.to(tl.int64) * stride_b_n + t * stride_b_t,
+                                     i_h, offs_k, mask_k, lower_bound, D, USE_LOWER_BOUND)
+            # the decode kernel's update, in its order
+            S = S * decay[:, None]
+            kv = tl.sum(S * k[:, None], axis=0)
+            u = beta * (v - kv)
+            S = S + k[:, None] * u[None, :]
+            o = tl.sum(S * q[:, None], axis=0)  # [BV]
+            nt = i_n.to(tl.int64) * R + t
+            if NORM:
+                tl.store(raw_ptr + (nt * H + i_h) * D + offs_v, o, mask=mask_v)
+            else:
+                tl.store(o_seq + t * (H * D) + offs_v, o.to(o_ptr.dtype.element_ty), mask=mask_v)
+        if COMMIT:
+            tl.store(s_ptrs, S, mask=mask2)
+            # the window after n tokens is the one of token n-1; these v channels are this program's alone
+            # (it read the cache rows already, inside the loop: the barrier orders its threads)
+            tl.debug_barrier()
+            win_v = _verify_window(x_seq, stride_qkv_t, cs, n - 1, v_ch, mask_v, C, W, WP)
+            tl.debug_barrier()
+            _store_window_tail(win_v, cs, v_ch, mask_v[None, :] & (n > 0), C, W, WP)
+        if NORM or (COMMIT and NV > 1):
+            # the q/k cache rows and the norm need every program of the head done: the last one does both
+            tl.debug_barrier()
+            last = True
+            if NV > 1:
+                cnt = count_ptr + (i_n * H + i_h)
+                last = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == NV - 1
+            if last:
+                if COMMIT:
+                    win_q = _verify_window(x_seq, stride_qkv_t, cs, n - 1, q_ch, mask_k, C, W, WP)
+                    win_k = _verify_window(x_seq, stride_qkv_t, cs, n - 1, k_ch, mask_k, C, W, WP)
+                    tl.debug_barrier()
+                    _store_window_tail(win_q, cs, q_ch, mask_k[None, :] & (n > 0), C, W, WP)
+                    _store_window_tail(win_k, cs, k_ch, mask_k[None, :] & (n > 0), C, W, WP)
+                if NORM:
+                    for t in range(n):
+                        nt = i_n.to(tl.int64) * R + t
+                        _norm_gate_row(raw_ptr + (nt * H + i_h) * D,
+                                       gate_ptr + i_n.to(tl.int64) * stride_gate_n + t * stride_gate_t
+                                       + i_h * stride_gate_h,
+                                       norm_w_ptr, o_seq + t * (H * D), offs_k, mask_k, eps, D)
+                if NV > 1:
+                    tl.store(count_ptr + (i_n * H + i_h), 0)  # ready for the next launch
+        elif COMMIT:
+            # one program per head: it alone reads and writes the head's q/k rows
+            tl.debug_barrier()
+            win_q = _verify_window(x_seq, stride_qkv_t, cs, n - 1, q_ch, mask_k, C, W, WP)
+            win_k = _verify_window(x_seq, stride_qkv_t, cs, n - 1, k_ch, mask_k, C, W, WP)
+            tl.debug_barrier()
+            _store_window_tail(win_q, cs, q_ch, mask_k[None, :] & (n > 0), C, W, WP)
+            _store_window_tail(win_k, cs, k_ch, mask_k[None, :] & (n > 0), C, W, WP)
+
+
+def kda_decode_multi(
+    qkv_pre: Tensor,
+    conv_weight: Tensor,
+    conv_state: Tensor,
+    f: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    b: Tensor,
+    state: Tensor,
+    slot_indices: Tensor,
+    num_tokens: Tensor,
+    *,
+    commit: bool,
+    lower_bound: float | None = None,
+    scale: float | None = None,
+    out: Tensor | None = None,
+    o_gate: Tensor | None = None,
+    o_norm_weight: Tensor | None = None,
+    o_norm_eps: float = 1e-5,
+    v_split: int | None = None,
+    workspace: Tensor | None = None,
+    use_pdl: bool = False,
+    num_warps: int = 4,
+) -> Tensor:
+    """KDA decode over the first num_tokens[i] of R tokens of each of N sequences, one launch.
+
+    Equal to num_tokens[i] successive `kda_decode` calls on sequence i's slot; with commit=False the live
+    state and conv cache are left untouched (the calls ran on a copy), with commit=True they end as the
+    calls leave them.
+
+    Args:
+        qkv_pre: [N, R, 3*H*D] pre-conv q|k|v (1 <= R <= 16; last dim contiguous; a [N*R, 3*H*D] projection
+            column slice viewed as [N, R, -1] is fine).
+        conv_weight: [3*H*D, W] fp32 depthwise taps.
+        conv_state: [num_slots, W-1, 3*H*D] live conv caches; each slot contiguous, any slot stride.
+        f: [N, R, H*D] raw f_b_proj output. b: [N, R, H] raw b_proj output.
+        A_log: [H] fp32. dt_bias: [H*D] fp32.
+        state: [num_slots, H, D, D] fp32 live recurrent states; each slot contiguous, any slot stride.
+        slot_indices: [N] int32/int64; a negative entry is padding (zero output, nothing touched).
+        num_tokens: [N] int32/int64 on the device: tokens to run per sequence, clamped to 0..R; rows past
+            it are zero in the output.
+        commit: write the state and conv window after num_tokens[i] tokens into the slot (False: write
+            nothing back).
+        lower_bound, scale, out ([N, R, H, D]), o_gate ([N, R, H, D] or [N, R, H*D]), o_norm_weight,
+            o_norm_eps, workspace: as in kda_verify.
+        v_split: programs per head (a power of two dividing D); None picks `default_v_split`, at least
+            D/32 (the state tile lives in registers across the tokens).
+
+    Returns:
+        o: [N, R, H, D] in qkv_pre.dtype.
+    """
+    if qkv_pre.dim() != 3:
+        raise ValueError(f"qkv_pre must be [N, R, 3*H*D], got {list(qkv_pre.shape)}")
+    if state.dim() != 4 or state.dtype != torch.float32 or state.shape[2] != state.shape[3] \
+            or not _slots_contiguous(state):
+        raise ValueError(f"state must be fp32 [num_slots, H, D, D] with each slot contiguous, got {state.dtype} "
+                         f"{list(state.shape)} strides {state.stride()}")
+    num_slots, H, D, _ = state.shape
+    N, R, C = qkv_pre.shape
+    if C != 3 * H * D:
+        raise ValueError(f"qkv_pre must be [N, R, 3*H*D]=[N, R, {3 * H * D}], got {list(qkv_pre.shape)}")
+    if not 1 <= R <= MAX_DRAFT:
+        raise ValueError(f"R (tokens per sequence) must be in 1..{MAX_DRAFT}, got {R}")
+    if conv_weight.dim() == 3 and conv_weight.shape[1] == 1:
+        conv_weight = conv_weight.squeeze(1)
+    if conv_weight.dim() != 2 or conv_weight.shape[0] != C or conv_weight.shape[1] < 2 \
+            or conv_weight.dtype != torch.float32 or not conv_weight.is_contiguous():
+        raise ValueError(f"conv_weight must be contiguous fp32 [3*H*D, W]=[{C}, W>=2], got "
+                         f"{conv_weight.dtype} {list(conv_weight.shape)}")
+    W = conv_weight.shape[1]
+    if tuple(conv_state.shape) != (num_slots, W - 1, C) or not _slots_contiguous(conv_state):
+        raise ValueError(f"conv_state must be [num_slots, W-1, 3*H*D]={[num_slots, W - 1, C]} with each slot "
+                         f"contiguous, got {list(conv_state.shape)} strides {conv_state.stride()}")
+    check(f, "f", (N, R, H * D))
+    check(b, "b", (N, R, H))
+    for name, t in (("qkv_pre", qkv_pre), ("f", f), ("b", b)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
+    if A_log.numel() != H or A_log.dtype != torch.float32:
+        raise ValueError(f"A_log must be fp32 with H={H} values, got {A_log.dtype} {list(A_log.shape)}")
+    if dt_bias.numel() != H * D or dt_bias.dtype != torch.float32:
+        raise ValueError(f"dt_bias must be fp32 with H*D={H * D} values, got {dt_bias.dtype} {list(dt_bias.shape)}")
+    for name, t in (("slot_indices", slot_indices), ("num_tokens", num_tokens)):
+        if t.shape != (N,) or t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32/int64 [N]=[{N}], got {t.dtype} {list(t.shape)}")
+    if lower_bound is not None and not (_LOWER_BOUND_MIN <= lower_bound < 0.0):
+        raise ValueError(f"lower_bound must satisfy -5 <= lower_bound < 0, got {lower_bound}")
+    if o_gate is not None and tuple(o_gate.shape) == (N, R, H * D) and o_gate.stride(-1) == 1:
+        o_gate = o_gate.view(N, R, H, D)
+    if o_gate is not None and (tuple(o_gate.shape) != (N, R, H, D) or o_gate.stride(-1) != 1):
+        raise ValueError(f"o_gate must be [N, R, H, D]=[{N}, {R}, {H}, {D}] (or [N, R, H*D]) with a contiguous "
+                         f"last dim, got {list(o_gate.shape)}")
+    if o_gate is not None:
+        _, o_norm_weight = _check_norm(o_gate[:, 0], o_norm_weight, N, H, D)
+    elif o_norm_weight is not None:
+        raise ValueError("o_gate and o_norm_weight must be given together")
+    norm = o_gate is not None
+    v_split = max(default_v_split(N, H, D), D // 32) if v_split is None else int(v_split)
+    if v_split < 1 or D % v_split != 0 or (D // v_split) & (D // v_split - 1):
+        raise ValueError(f"v_split must be a power of two dividing D={D} into powers of two, got {v_split}")
+    dev = qkv_pre.device
+    counts = None
+    if (norm or commit) and v_split > 1:
+        if workspace is None:
+            workspace = kda_decode_workspace(N, H, dev)
+        elif workspace.dtype != torch.int32 or workspace.numel() < N * H or not workspace.is_contiguous():
+            raise ValueError(f"workspace must be contiguous int32 with >= N*H={N * H} elements, "
+                             f"got {workspace.dtype} {list(workspace.shape)}")
+        counts = workspace
+    devices = {t.device for t in (qkv_pre, conv_weight, conv_state, f, A_log, dt_bias, b, state, slot_indices,
+                                  num_tokens, o_gate, o_norm_weight, counts, out) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if out is None:
+        out = poison_like(torch.empty(N, R, H, D, dtype=qkv_pre.dtype, device=dev))
+    elif tuple(out.shape) != (N, R, H, D) or out.dtype != qkv_pre.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {qkv_pre.dtype} {[N, R, H, D]}, got {out.dtype} {list(out.shape)}")
+    raw = poison_like(torch.empty(N, R, H, D, dtype=torch.float32, device=dev)) if norm else None
+    if N > 0:
+        _kda_multi_kernel[(N, H, v_split)](
+            qkv_pre, qkv_pre.stride(0), qkv_pre.stride(1), conv_weight, conv_state, conv_state.stride(0),
+            f, f.stride(0), f.stride(1), A_log.contiguous().view(H), dt_bias.contiguous().view(H * D),
+            b, b.stride(0), b.stride(1), state, state.stride(0), slot_indices, num_tokens, out,
+            o_gate if norm else out, *(o_gate.stride()[:3] if norm else (0, 0, 0)),
+            o_norm_weight if norm else out, raw if norm else out, counts if counts is not None else slot_indices,
+            D**-0.5 if scale is None else float(scale), 0.0 if lower_bound is None else float(lower_bound),
+            float(o_norm_eps),
+            R=R, H=H, D=D, BK=triton.next_power_of_2(D), BV=D // v_split, NV=v_split, W=W,
+            WP=triton.next_power_of_2(W), USE_LOWER_BOUND=lower_bound is not None, NORM=norm, COMMIT=commit,
+            USE_PDL=use_pdl and not INTERPRET, num_warps=num_warps, **pdl_kwargs(use_pdl),
+        )
+    return out
