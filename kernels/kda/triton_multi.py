@@ -28,18 +28,9 @@ from torch import Tensor
 
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from k3rt.kernels.common import INTERPRET, check, pdl_kwargs, poison_like
-from k3rt.kernels.kda.triton_decode import (
-    _LOWER_BOUND_MIN,
-    _check_norm,
-    _conv_silu,
-    _gate_beta,
-    _norm_gate_row,
-    _slots_contiguous,
-    default_v_split,
-    kda_decode_workspace,
-)
-from k3rt.kernels.kda.triton_verify import MAX_DRAFT, _verify_window
+from k3rt.kernels.common import INTERPRET, pdl_kwargs, poison_like
+from k3rt.kernels.kda.triton_decode import _conv_silu, _gate_beta, _norm_gate_row
+from k3rt.kernels.kda.triton_verify import _verify_window, check_token_block
 
 
 @triton.jit
@@ -214,64 +205,15 @@ def kda_decode_multi(
     Returns:
         o: [N, R, H, D] in qkv_pre.dtype.
     """
-    if qkv_pre.dim() != 3:
-        raise ValueError(f"qkv_pre must be [N, R, 3*H*D], got {list(qkv_pre.shape)}")
-    if state.dim() != 4 or state.dtype != torch.float32 or state.shape[2] != state.shape[3] \
-            or not _slots_contiguous(state):
-        raise ValueError(f"state must be fp32 [num_slots, H, D, D] with each slot contiguous, got {state.dtype} "
-                         f"{list(state.shape)} strides {state.stride()}")
-    num_slots, H, D, _ = state.shape
-    N, R, C = qkv_pre.shape
-    if C != 3 * H * D:
-        raise ValueError(f"qkv_pre must be [N, R, 3*H*D]=[N, R, {3 * H * D}], got {list(qkv_pre.shape)}")
-    if not 1 <= R <= MAX_DRAFT:
-        raise ValueError(f"R (tokens per sequence) must be in 1..{MAX_DRAFT}, got {R}")
-    if conv_weight.dim() == 3 and conv_weight.shape[1] == 1:
-        conv_weight = conv_weight.squeeze(1)
-    if conv_weight.dim() != 2 or conv_weight.shape[0] != C or conv_weight.shape[1] < 2 \
-            or conv_weight.dtype != torch.float32 or not conv_weight.is_contiguous():
-        raise ValueError(f"conv_weight must be contiguous fp32 [3*H*D, W]=[{C}, W>=2], got "
-                         f"{conv_weight.dtype} {list(conv_weight.shape)}")
-    W = conv_weight.shape[1]
-    if tuple(conv_state.shape) != (num_slots, W - 1, C) or not _slots_contiguous(conv_state):
-        raise ValueError(f"conv_state must be [num_slots, W-1, 3*H*D]={[num_slots, W - 1, C]} with each slot "
-                         f"contiguous, got {list(conv_state.shape)} strides {conv_state.stride()}")
-    check(f, "f", (N, R, H * D))
-    check(b, "b", (N, R, H))
-    for name, t in (("qkv_pre", qkv_pre), ("f", f), ("b", b)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
-    if A_log.numel() != H or A_log.dtype != torch.float32:
-        raise ValueError(f"A_log must be fp32 with H={H} values, got {A_log.dtype} {list(A_log.shape)}")
-    if dt_bias.numel() != H * D or dt_bias.dtype != torch.float32:
-        raise ValueError(f"dt_bias must be fp32 with H*D={H * D} values, got {dt_bias.dtype} {list(dt_bias.shape)}")
-    for name, t in (("slot_indices", slot_indices), ("num_tokens", num_tokens)):
-        if t.shape != (N,) or t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be int32/int64 [N]=[{N}], got {t.dtype} {list(t.shape)}")
-    if lower_bound is not None and not (_LOWER_BOUND_MIN <= lower_bound < 0.0):
-        raise ValueError(f"lower_bound must satisfy -5 <= lower_bound < 0, got {lower_bound}")
-    if o_gate is not None and tuple(o_gate.shape) == (N, R, H * D) and o_gate.stride(-1) == 1:
-        o_gate = o_gate.view(N, R, H, D)
-    if o_gate is not None and (tuple(o_gate.shape) != (N, R, H, D) or o_gate.stride(-1) != 1):
-        raise ValueError(f"o_gate must be [N, R, H, D]=[{N}, {R}, {H}, {D}] (or [N, R, H*D]) with a contiguous "
-                         f"last dim, got {list(o_gate.shape)}")
-    if o_gate is not None:
-        _, o_norm_weight = _check_norm(o_gate[:, 0], o_norm_weight, N, H, D)
-    elif o_norm_weight is not None:
-        raise ValueError("o_gate and o_norm_weight must be given together")
-    norm = o_gate is not None
-    v_split = max(default_v_split(N, H, D), D // 32) if v_split is None else int(v_split)
-    if v_split < 1 or D % v_split != 0 or (D // v_split) & (D // v_split - 1):
-        raise ValueError(f"v_split must be a power of two dividing D={D} into powers of two, got {v_split}")
+    blk = check_token_block(qkv_pre, conv_weight, conv_state, f, A_log, dt_bias, b, state, slot_indices,
+                            lower_bound, o_gate, o_norm_weight, v_split, workspace,
+                            need_counts=o_gate is not None or commit, slot_strides=True)
+    N, R, H, D, W = blk.N, blk.R, blk.H, blk.D, blk.W
+    conv_weight, o_gate, o_norm_weight, norm, v_split, counts = (blk.conv_weight, blk.o_gate, blk.o_norm_weight,
+                                                                 blk.norm, blk.v_split, blk.counts)
+    if num_tokens.shape != (N,) or num_tokens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"num_tokens must be int32/int64 [N]=[{N}], got {num_tokens.dtype} {list(num_tokens.shape)}")
     dev = qkv_pre.device
-    counts = None
-    if (norm or commit) and v_split > 1:
-        if workspace is None:
-            workspace = kda_decode_workspace(N, H, dev)
-        elif workspace.dtype != torch.int32 or workspace.numel() < N * H or not workspace.is_contiguous():
-            raise ValueError(f"workspace must be contiguous int32 with >= N*H={N * H} elements, "
-                             f"got {workspace.dtype} {list(workspace.shape)}")
-        counts = workspace
     devices = {t.device for t in (qkv_pre, conv_weight, conv_state, f, A_log, dt_bias, b, state, slot_indices,
                                   num_tokens, o_gate, o_norm_weight, counts, out) if t is not None}
     if len(devices) != 1:

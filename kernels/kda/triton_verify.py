@@ -33,6 +33,7 @@ from k3rt.kernels.kda.triton_decode import (
     _conv_silu,
     _gate_beta,
     _norm_gate_row,
+    _slots_contiguous,
     default_v_split,
     kda_decode_workspace,
 )
@@ -192,6 +193,92 @@ class VerifyOutput(NamedTuple):
     conv_out: Tensor  # [N, T, W-1, 3*H*D] conv_state dtype: the conv cache after each position
 
 
+class TokenBlock(NamedTuple):
+    """A multi-token KDA launch's checked inputs (`check_token_block`)."""
+
+    N: int
+    R: int  # tokens per sequence
+    H: int
+    D: int
+    W: int
+    C: int  # 3*H*D
+    conv_weight: Tensor  # [C, W]
+    o_gate: Tensor | None  # [N, R, H, D]
+    o_norm_weight: Tensor | None
+    norm: bool
+    v_split: int
+    counts: Tensor | None  # the workspace's per-head counters when the launch needs them
+
+
+def check_token_block(qkv_pre: Tensor, conv_weight: Tensor, conv_state: Tensor, f: Tensor, A_log: Tensor,
+                      dt_bias: Tensor, b: Tensor, state: Tensor, slot_indices: Tensor, lower_bound: float | None,
+                      o_gate: Tensor | None, o_norm_weight: Tensor | None, v_split: int | None,
+                      workspace: Tensor | None, *, need_counts: bool, slot_strides: bool) -> TokenBlock:
+    """The input checks `kda_verify` and `kda_decode_multi` share: shapes, dtypes and layouts of an [N, R] block of
+    tokens over fp32 states, each error naming the argument. slot_strides: the states and conv caches may have
+    any slot stride (each slot contiguous), else they must be contiguous. need_counts: the launch counts
+    program arrivals per head (the fused norm, or a commit, with v_split > 1)."""
+    if qkv_pre.dim() != 3:
+        raise ValueError(f"qkv_pre must be [N, R, 3*H*D], got {list(qkv_pre.shape)}")
+    contiguous = _slots_contiguous if slot_strides else Tensor.is_contiguous
+    layout = "with each slot contiguous" if slot_strides else "contiguous"
+    if state.dim() != 4 or state.dtype != torch.float32 or state.shape[2] != state.shape[3] or not contiguous(state):
+        raise ValueError(f"state must be fp32 [num_slots, H, D, D], {layout}, got {state.dtype} "
+                         f"{list(state.shape)} strides {state.stride()}")
+    num_slots, H, D, _ = state.shape
+    N, R, C = qkv_pre.shape
+    if C != 3 * H * D:
+        raise ValueError(f"qkv_pre must be [N, R, 3*H*D]=[N, R, {3 * H * D}], got {list(qkv_pre.shape)}")
+    if not 1 <= R <= MAX_DRAFT:
+        raise ValueError(f"R (tokens per sequence) must be in 1..{MAX_DRAFT}, got {R}")
+    if conv_weight.dim() == 3 and conv_weight.shape[1] == 1:
+        conv_weight = conv_weight.squeeze(1)
+    if conv_weight.dim() != 2 or conv_weight.shape[0] != C or conv_weight.shape[1] < 2 \
+            or conv_weight.dtype != torch.float32 or not conv_weight.is_contiguous():
+        raise ValueError(f"conv_weight must be contiguous fp32 [3*H*D, W]=[{C}, W>=2], got "
+                         f"{conv_weight.dtype} {list(conv_weight.shape)}")
+    W = conv_weight.shape[1]
+    if tuple(conv_state.shape) != (num_slots, W - 1, C) or not contiguous(conv_state):
+        raise ValueError(f"conv_state must be [num_slots, W-1, 3*H*D]={[num_slots, W - 1, C]}, {layout}, got "
+                         f"{list(conv_state.shape)} strides {conv_state.stride()}")
+    check(f, "f", (N, R, H * D))
+    check(b, "b", (N, R, H))
+    for name, t in (("qkv_pre", qkv_pre), ("f", f), ("b", b)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
+    if A_log.numel() != H or A_log.dtype != torch.float32:
+        raise ValueError(f"A_log must be fp32 with H={H} values, got {A_log.dtype} {list(A_log.shape)}")
+    if dt_bias.numel() != H * D or dt_bias.dtype != torch.float32:
+        raise ValueError(f"dt_bias must be fp32 with H*D={H * D} values, got {dt_bias.dtype} {list(dt_bias.shape)}")
+    if slot_indices.shape != (N,) or slot_indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_indices must be int32/int64 [N]=[{N}], got {slot_indices.dtype} "
+                         f"{list(slot_indices.shape)}")
+    if lower_bound is not None and not (_LOWER_BOUND_MIN <= lower_bound < 0.0):
+        raise ValueError(f"lower_bound must satisfy -5 <= lower_bound < 0, got {lower_bound}")
+    if o_gate is not None and tuple(o_gate.shape) == (N, R, H * D) and o_gate.stride(-1) == 1:
+        o_gate = o_gate.view(N, R, H, D)
+    if o_gate is not None and (tuple(o_gate.shape) != (N, R, H, D) or o_gate.stride(-1) != 1):
+        raise ValueError(f"o_gate must be [N, R, H, D]=[{N}, {R}, {H}, {D}] (or [N, R, H*D]) with a contiguous "
+                         f"last dim, got {list(o_gate.shape)}")
+    if o_gate is not None:
+        _, o_norm_weight = _check_norm(o_gate[:, 0], o_norm_weight, N, H, D)
+    elif o_norm_weight is not None:
+        raise ValueError("o_gate and o_norm_weight must be given together")
+    # the state tile lives in registers across all R tokens: keep it at <= 32 columns
+    v_split = max(default_v_split(N, H, D), D // 32) if v_split is None else int(v_split)
+    if v_split < 1 or D % v_split != 0 or (D // v_split) & (D // v_split - 1):
+        raise ValueError(f"v_split must be a power of two dividing D={D} into powers of two, got {v_split}")
+    counts = None
+    if need_counts and v_split > 1:
+        if workspace is None:
+            workspace = kda_decode_workspace(N, H, qkv_pre.device)
+        elif workspace.dtype != torch.int32 or workspace.numel() < N * H or not workspace.is_contiguous():
+            raise ValueError(f"workspace must be contiguous int32 with >= N*H={N * H} elements, "
+                             f"got {workspace.dtype} {list(workspace.shape)}")
+        counts = workspace
+    return TokenBlock(N, R, H, D, W, C, conv_weight, o_gate, o_norm_weight, o_gate is not None, v_split, counts)
+
+
 def kda_verify(
     qkv_pre: Tensor,
     conv_weight: Tensor,
@@ -244,63 +331,13 @@ def kda_verify(
     Returns:
         VerifyOutput(o, states_out, conv_out).
     """
-    if qkv_pre.dim() != 3:
-        raise ValueError(f"qkv_pre must be [N, T, 3*H*D], got {list(qkv_pre.shape)}")
-    if state.dim() != 4 or state.dtype != torch.float32 or state.shape[2] != state.shape[3] or not state.is_contiguous():
-        raise ValueError(f"state must be contiguous fp32 [num_slots, H, D, D], got {state.dtype} {list(state.shape)}")
-    num_slots, H, D, _ = state.shape
-    N, T, C = qkv_pre.shape
-    if C != 3 * H * D:
-        raise ValueError(f"qkv_pre must be [N, T, 3*H*D]=[N, T, {3 * H * D}], got {list(qkv_pre.shape)}")
-    if not 1 <= T <= MAX_DRAFT:
-        raise ValueError(f"T (drafted tokens per sequence) must be in 1..{MAX_DRAFT}, got {T}")
-    if conv_weight.dim() == 3 and conv_weight.shape[1] == 1:
-        conv_weight = conv_weight.squeeze(1)
-    if conv_weight.dim() != 2 or conv_weight.shape[0] != C or conv_weight.shape[1] < 2 \
-            or conv_weight.dtype != torch.float32 or not conv_weight.is_contiguous():
-        raise ValueError(f"conv_weight must be contiguous fp32 [3*H*D, W]=[{C}, W>=2], got "
-                         f"{conv_weight.dtype} {list(conv_weight.shape)}")
-    W = conv_weight.shape[1]
-    if tuple(conv_state.shape) != (num_slots, W - 1, C) or not conv_state.is_contiguous():
-        raise ValueError(f"conv_state must be contiguous [num_slots, W-1, 3*H*D]={[num_slots, W - 1, C]}, "
-                         f"got {list(conv_state.shape)}")
-    check(f, "f", (N, T, H * D))
-    check(b, "b", (N, T, H))
-    for name, t in (("qkv_pre", qkv_pre), ("f", f), ("b", b)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
-    if A_log.numel() != H or A_log.dtype != torch.float32:
-        raise ValueError(f"A_log must be fp32 with H={H} values, got {A_log.dtype} {list(A_log.shape)}")
-    if dt_bias.numel() != H * D or dt_bias.dtype != torch.float32:
-        raise ValueError(f"dt_bias must be fp32 with H*D={H * D} values, got {dt_bias.dtype} {list(dt_bias.shape)}")
-    if slot_indices.shape != (N,) or slot_indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_indices must be int32/int64 [N]=[{N}], got {slot_indices.dtype} "
-                         f"{list(slot_indices.shape)}")
-    if lower_bound is not None and not (_LOWER_BOUND_MIN <= lower_bound < 0.0):
-        raise ValueError(f"lower_bound must satisfy -5 <= lower_bound < 0, got {lower_bound}")
-    if o_gate is not None and tuple(o_gate.shape) == (N, T, H * D) and o_gate.stride(-1) == 1:
-        o_gate = o_gate.view(N, T, H, D)
-    if o_gate is not None and (tuple(o_gate.shape) != (N, T, H, D) or o_gate.stride(-1) != 1):
-        raise ValueError(f"o_gate must be [N, T, H, D]=[{N}, {T}, {H}, {D}] (or [N, T, H*D]) with a contiguous "
-                         f"last dim, got {list(o_gate.shape)}")
-    if o_gate is not None:
-        _, o_norm_weight = _check_norm(o_gate[:, 0], o_norm_weight, N, H, D)
-    elif o_norm_weight is not None:
-        raise ValueError("o_gate and o_norm_weight must be given together")
-    norm = o_gate is not None
-    # the state tile lives in registers across all T positions: keep it at <= 32 columns
-    v_split = max(default_v_split(N, H, D), D // 32) if v_split is None else int(v_split)
-    if v_split < 1 or D % v_split != 0 or (D // v_split) & (D // v_split - 1):
-        raise ValueError(f"v_split must be a power of two dividing D={D} into powers of two, got {v_split}")
+    blk = check_token_block(qkv_pre, conv_weight, conv_state, f, A_log, dt_bias, b, state, slot_indices,
+                            lower_bound, o_gate, o_norm_weight, v_split, workspace, need_counts=o_gate is not None,
+                            slot_strides=False)
+    N, T, H, D, W, C = blk.N, blk.R, blk.H, blk.D, blk.W, blk.C
+    conv_weight, o_gate, o_norm_weight, norm, v_split, counts = (blk.conv_weight, blk.o_gate, blk.o_norm_weight,
+                                                                 blk.norm, blk.v_split, blk.counts)
     dev = qkv_pre.device
-    counts = None
-    if norm and v_split > 1:
-        if workspace is None:
-            workspace = kda_decode_workspace(N, H, dev)
-        elif workspace.dtype != torch.int32 or workspace.numel() < N * H or not workspace.is_contiguous():
-            raise ValueError(f"workspace must be contiguous int32 with >= N*H={N * H} elements, "
-                             f"got {workspace.dtype} {list(workspace.shape)}")
-        counts = workspace
     devices = {t.device for t in (qkv_pre, conv_weight, conv_state, f, A_log, dt_bias, b, state, slot_indices,
                                   o_gate, o_norm_weight, counts, out, states_out, conv_out) if t is not None}
     if len(devices) != 1:
