@@ -213,7 +213,8 @@ class TokenBlock(NamedTuple):
 def check_token_block(qkv_pre: Tensor, conv_weight: Tensor, conv_state: Tensor, f: Tensor, A_log: Tensor,
                       dt_bias: Tensor, b: Tensor, state: Tensor, slot_indices: Tensor, lower_bound: float | None,
                       o_gate: Tensor | None, o_norm_weight: Tensor | None, v_split: int | None,
-                      workspace: Tensor | None, *, need_counts: bool, slot_strides: bool) -> TokenBlock:
+                      workspace: Tensor | None, *, need_counts: bool, slot_strides: bool,
+                      tokens_name: str = "R (tokens per sequence)") -> TokenBlock:
     """The input checks `kda_verify` and `kda_decode_multi` share: shapes, dtypes and layouts of an [N, R] block of
     tokens over fp32 states, each error naming the argument. slot_strides: the states and conv caches may have
     any slot stride (each slot contiguous), else they must be contiguous. need_counts: the launch counts
@@ -230,7 +231,7 @@ def check_token_block(qkv_pre: Tensor, conv_weight: Tensor, conv_state: Tensor, 
     if C != 3 * H * D:
         raise ValueError(f"qkv_pre must be [N, R, 3*H*D]=[N, R, {3 * H * D}], got {list(qkv_pre.shape)}")
     if not 1 <= R <= MAX_DRAFT:
-        raise ValueError(f"R (tokens per sequence) must be in 1..{MAX_DRAFT}, got {R}")
+        raise ValueError(f"{tokens_name} must be in 1..{MAX_DRAFT}, got {R}")
     if conv_weight.dim() == 3 and conv_weight.shape[1] == 1:
         conv_weight = conv_weight.squeeze(1)
     if conv_weight.dim() != 2 or conv_weight.shape[0] != C or conv_weight.shape[1] < 2 \
@@ -333,7 +334,7 @@ def kda_verify(
     """
     blk = check_token_block(qkv_pre, conv_weight, conv_state, f, A_log, dt_bias, b, state, slot_indices,
                             lower_bound, o_gate, o_norm_weight, v_split, workspace, need_counts=o_gate is not None,
-                            slot_strides=False)
+                            slot_strides=False, tokens_name="T (drafted tokens per sequence)")
     N, T, H, D, W, C = blk.N, blk.R, blk.H, blk.D, blk.W, blk.C
     conv_weight, o_gate, o_norm_weight, norm, v_split, counts = (blk.conv_weight, blk.o_gate, blk.o_norm_weight,
                                                                  blk.norm, blk.v_split, blk.counts)
