@@ -245,11 +245,10 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
                 getattr(eng.runner, "verify_graph_replays", 0) - g0, getattr(drafter, "graphs", None) is not None)
 
 
-def step_speedup(plain_ms: float, verify_ms: float, draft: float, r: _Run) -> float:
+def step_speedup(plain_ms: float, verify_ms: float, draft: float, tau: float) -> float:
     """Tokens per ms of a drafting + verifying step over a plain step's, from the step times (0: no verify)."""
-    if not r.verifies or not plain_ms or verify_ms + draft <= 0:
+    if not tau or not plain_ms or verify_ms + draft <= 0:
         return 0.0
-    tau = (r.accepted + r.verifies) / r.verifies
     return plain_ms * tau / (verify_ms + draft)
 
 
@@ -334,14 +333,14 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
             r = runs[(w, b, d)]
             verify_ms, draft = _mean(r.step_ms), _mean(r.draft_ms)
             tps = r.tokens / r.wall_s
-            rows.append(SpecRow(w, b, d, cfg.spec_tokens,
-                                tau=(r.accepted + r.verifies) / r.verifies if r.verifies else 0.0,
+            tau = (r.accepted + r.verifies) / r.verifies if r.verifies else 0.0
+            rows.append(SpecRow(w, b, d, cfg.spec_tokens, tau=tau,
                                 accept_rate=r.accepted / r.drafted if r.drafted else 0.0, verifies=r.verifies,
                                 draft_ms=draft, verify_step_ms=verify_ms, plain_step_ms=plain_ms,
                                 verify_over_plain=verify_ms / plain_ms if plain_ms else 0.0,
                                 draft_over_plain=draft / plain_ms if plain_ms else 0.0,
                                 tokens_per_s_plain=tps_plain, tokens_per_s_spec=tps, speedup=tps / tps_plain,
-                                step_speedup=step_speedup(plain_ms, verify_ms, draft, r),
+                                step_speedup=step_speedup(plain_ms, verify_ms, draft, tau),
                                 identical=r.outputs == plain.outputs, graph_verifies=r.graph_verifies,
                                 drafter_graphs=r.drafter_graphs))
     return rows

@@ -72,6 +72,33 @@ def _load_q(q_ptr, stride_q_n, stride_q_h, i_n, offs_h, mask_h, L: tl.constexpr,
 
 
 @triton.jit
+def _tile_update(q_c, q_pe, c, pe, live, acc, m_i, l_i, qk_scale, DOT_PRECISION: tl.constexpr,
+                 HEADS_ON_M: tl.constexpr):
+    """One tile of the online softmax: scores q . [c ; pe]^T, then (acc, m, l) updated; rows where `live` is
+    false score -inf (their c rows must be finite: zeros from a masked load). HEADS_ON_M: q [BLOCK_H, *],
+    acc [BLOCK_H, L]; else the tile's tokens on M: q^T [*, BLOCK_H], acc^T [L, BLOCK_H]."""
+    if HEADS_ON_M:
+        s = tl.dot(q_c, tl.trans(c), input_precision=DOT_PRECISION)
+        s = tl.dot(q_pe, tl.trans(pe), acc=s, input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
+        s = tl.where(live[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
+    else:
+        s = tl.dot(c, q_c, input_precision=DOT_PRECISION)
+        s = tl.dot(pe, q_pe, acc=s, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_H]
+        s = tl.where(live[:, None], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(c), p.to(c.dtype), input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attend_tiles(q_c, q_pe, kv_ptr, bt_row, seq_len, t_start, t_end, block_size, tiles_per_page, qk_scale,
                   L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                   DOT_PRECISION: tl.constexpr, HEADS_ON_M: tl.constexpr):
@@ -99,29 +126,9 @@ def _attend_tiles(q_c, q_pe, kv_ptr, bt_row, seq_len, t_start, t_end, block_size
         live = (row < block_size) & (slot * block_size + row < seq_len)
         rows = kv_ptr + (page.to(tl.int64) * block_size + row) * (L + R)
         page = tl.load(bt_row + (t + 1) // tiles_per_page, mask=t + 1 < t_end, other=0)  # the next tile's
-        if HEADS_ON_M:
-            c = tl.load(rows[:, None] + offs_l[None, :], mask=live[:, None], other=0.0)  # [BLOCK_N, L]
-            pe = tl.load(rows[:, None] + L + offs_r[None, :], mask=live[:, None], other=0.0)  # [BLOCK_N, R]
-            s = tl.dot(q_c, tl.trans(c), input_precision=DOT_PRECISION)
-            s = tl.dot(q_pe, tl.trans(pe), acc=s, input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
-            s = tl.where(live[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
-        else:
-            c = tl.load(rows[:, None] + offs_l[None, :], mask=live[:, None], other=0.0)  # [BLOCK_N, L]
-            pe = tl.load(rows[:, None] + L + offs_r[None, :], mask=live[:, None], other=0.0)  # [BLOCK_N, R]
-            s = tl.dot(c, q_c, input_precision=DOT_PRECISION)
-            s = tl.dot(pe, q_pe, acc=s, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_H]
-            s = tl.where(live[:, None], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=0))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            acc = acc * alpha[None, :] + tl.dot(tl.trans(c), p.to(c.dtype), input_precision=DOT_PRECISION)
-        m_i = m_new
+        c = tl.load(rows[:, None] + offs_l[None, :], mask=live[:, None], other=0.0)  # [BLOCK_N, L]
+        pe = tl.load(rows[:, None] + L + offs_r[None, :], mask=live[:, None], other=0.0)  # [BLOCK_N, R]
+        acc, m_i, l_i = _tile_update(q_c, q_pe, c, pe, live, acc, m_i, l_i, qk_scale, DOT_PRECISION, HEADS_ON_M)
     return acc, m_i, l_i
 
 

@@ -20,34 +20,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from k3rt.kernels.mla.triton_decode_paged import _load_q, _store_partial
-
-
-@triton.jit
-def _tile_update(q_c, q_pe, c, pe, live, acc, m_i, l_i, qk_scale, DOT_PRECISION: tl.constexpr,
-                 HEADS_ON_M: tl.constexpr):
-    """One tile of the online softmax: scores q . [c ; pe]^T, then (acc, m, l) updated; rows where `live` is
-    false score -inf (their c rows must be finite: zeros from a masked load). HEADS_ON_M: q [BLOCK_H, *],
-    acc [BLOCK_H, L]; else the tile's tokens on M: q^T [*, BLOCK_H], acc^T [L, BLOCK_H]."""
-    if HEADS_ON_M:
-        s = tl.dot(q_c, tl.trans(c), input_precision=DOT_PRECISION)
-        s = tl.dot(q_pe, tl.trans(pe), acc=s, input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
-        s = tl.where(live[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
-    else:
-        s = tl.dot(c, q_c, input_precision=DOT_PRECISION)
-        s = tl.dot(pe, q_pe, acc=s, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_H]
-        s = tl.where(live[:, None], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha[None, :] + tl.dot(tl.trans(c), p.to(c.dtype), input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
+from k3rt.kernels.mla.triton_decode_paged import _load_q, _store_partial, _tile_update
 
 
 @triton.jit
