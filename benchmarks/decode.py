@@ -262,12 +262,64 @@ def bench_mixed(runner: GpuModelRunner, cfg, layout, B: int, P: int) -> dict:
         out["ms"] = time_ms(lambda step=step: runner.fwd(step), reps=ARGS.reps, warmup=2)["median_ms"]
         out["kernel_ms"], out["launches"], top = kernel_profile(lambda step=step: runner.fwd(step))
         out["top"] = top[:12]
+        out["host"] = host_probe(lambda step=step: runner.fwd(step))
     runner.fwd.k = base
     restore()
     del saved
     release(pool, seqs)
     pool.unref(table + states)
     return row
+
+
+def host_probe(fn) -> dict:
+    """Where a step's host time goes: the seconds until fn returns (the launches issued, before any wait
+    for the device) against the wall with the wait; every host sync it makes (torch's sync debug mode,
+    each with the innermost k3rt frame that caused it); and cProfile's top functions by own time. A step
+    whose wall is its host time plus its kernel time waits on the device mid-step."""
+    import cProfile
+    import pstats
+    import time
+    import traceback
+    import warnings
+
+    if not torch.cuda.is_available():
+        return {}  # the sync debug mode and the issue/wall split are the device's
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    issued = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    syncs: dict[str, int] = {}
+    shown = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        frames = [f for f in traceback.extract_stack()[:-1] if "k3rt" in f.filename or "/kernels/" in f.filename
+                  or "/backend/" in f.filename]
+        where = f"{frames[-1].filename.split('/')[-1]}:{frames[-1].lineno} {frames[-1].line}" if frames else filename
+        syncs[where] = syncs.get(where, 0) + 1
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]  # (file, line, name) -> (cc, nc, tt, ct, ..)
+    return {"issued_ms": issued * 1e3, "wall_ms": wall * 1e3, "syncs": syncs,
+            "top_tottime": [{"fn": f"{Path(k[0]).name}:{k[1]} {k[2]}", "calls": v[1], "tottime_ms": v[2] * 1e3,
+                             "cumtime_ms": v[3] * 1e3} for k, v in top]}
 
 
 def bench_prefill(runner: GpuModelRunner, cfg, layout, T: int, matmul_tflops: float, active: int) -> dict:
@@ -375,6 +427,11 @@ def main() -> int:
                 f"argmax {100 * r['argmax_agree']:.0f} %")
             for k in r["top"]:
                 print(f"  {k['us']:9.1f} us {100 * k['share']:5.1f} %  x{k['calls']:<4} {k['kernel']}")
+            h = r.get("host", {})
+            if h:
+                log(f"  host: issued in {h['issued_ms']:.2f} ms of a {h['wall_ms']:.2f} ms wall; syncs {h['syncs']}")
+                for t in h["top_tottime"][:15]:
+                    print(f"  {t['tottime_ms']:8.2f} ms own {t['cumtime_ms']:8.2f} ms cum x{t['calls']:<5} {t['fn']}")
         RESULT["mixed"].append(row)
         save()
     active = param_count(cfg)["active_per_token"] - cfg.vocab_size * cfg.hidden_size  # lookups are not flops

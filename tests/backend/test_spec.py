@@ -550,15 +550,18 @@ GPU_PATHS = [
                  id="gpu-path-torch-ops-verify-form"),
     pytest.param({"runner": "gpu", "kernels": True, "cuda_graphs": False}, id="gpu-path-triton-interpreter",
                  marks=pytest.mark.slow),
-    pytest.param({"runner": "gpu", "kernels": True, "cuda_graphs": False, "verify_form": True},
-                 id="gpu-path-triton-interpreter-verify-form", marks=pytest.mark.slow),
-    # the same with KernelConfig.kda_verify_launch = "multi": the verify pass and commit in one launch each
+    # KernelConfig.kda_verify_launch = "multi" (the default): the verify pass and commit in one launch each
     pytest.param({"runner": "gpu", "kernels": True, "cuda_graphs": False, "verify_form": True,
                   "kda_verify_launch": "multi"}, id="gpu-path-triton-interpreter-verify-form-multi"),
-    pytest.param({"runner": "gpu", "device": "cuda"}, id="gpu-runner-cuda", marks=pytest.mark.gpu),
-    # the verify and commit graphs captured with kda_verify_launch = "multi" (fp32 model): the eager tokens
+    # the same with "decode_loop": R decode launches through scratch states, R more for the commit
+    pytest.param({"runner": "gpu", "kernels": True, "cuda_graphs": False, "verify_form": True,
+                  "kda_verify_launch": "decode_loop"}, id="gpu-path-triton-interpreter-verify-form-decode-loop",
+                 marks=pytest.mark.slow),
+    # the verify and commit graphs captured with each kda_verify_launch (fp32 model): the eager tokens
     pytest.param({"runner": "gpu", "device": "cuda", "kda_verify_launch": "multi"}, id="gpu-runner-cuda-multi",
                  marks=pytest.mark.gpu),
+    pytest.param({"runner": "gpu", "device": "cuda", "kda_verify_launch": "decode_loop"},
+                 id="gpu-runner-cuda-decode-loop", marks=pytest.mark.gpu),
 ]
 
 
@@ -635,6 +638,8 @@ def test_gpu_runner_verify_steps_are_token_identical(arch, over, monkeypatch) ->
         assert inner.verify_graph_replays == (len(forms) if over.get("device") == "cuda" else 0)
     if over.get("kda_verify_launch") == "multi":  # both the verify pass and the commit took the one launch
         assert True in multi_calls and False in multi_calls, multi_calls
+    elif "kda_verify_launch" in over:
+        assert not multi_calls, multi_calls
     if over.get("device") != "cuda":
         assert assert_snapshots_exact(eng, arch) > 0
 

@@ -24,8 +24,8 @@ they were; `kda_commit` replays the accepted prefix into them once the sampler h
     rows from the live pages with the state tile in registers and writes nothing back (no scratch copies,
     no state per position: the rollback is the live state plus the kept inputs), the commit runs each
     run's first accepted[i] rows and writes the state and conv window after them in place. Same per-token
-    math as the decode kernel. Default "decode_loop" until the GPU measures "multi"
-    (benchmarks/spec_verify.py).
+    math as the decode kernel. "multi" is the default: faster on the H200 (benchmarks/spec_verify.py,
+    RESULTS.md).
 Batch-invariant mode (docs/deterministic.md): every step token by token through the decode kernel;
 verify runs step through scratch copies of their states, and the commit replays the accepted tokens
 through the same kernel on the live states, so they end bit-identical to plain decode steps.
