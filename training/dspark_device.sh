@@ -10,11 +10,12 @@
 #
 #   OUT=/path/to/out bash training/dspark_device.sh
 #
-# Phases and their hard limits (seconds, `timeout`): setup 40 (wheels in .whl/, editable install), gen 200
-# (--minutes 2.0 of generation inside, plus model load, Triton compiles and graph capture; token ids only;
+# Phases and their hard limits (seconds, `timeout`): setup 40 (wheels in .whl/, editable install), gen 180
+# (--minutes 1.8 of generation inside, plus model load, Triton compiles and graph capture; token ids only;
 # should it fail, gen-dense, 1.5 minutes of the first run's dense path, replaces it),
-# corpus 60 (a few seconds of dense forwards over corpus windows), train 300 (states capture ~30 s, then
-# --minutes 3.3 of steps), eval 80, card 20: at most 700 s, about 8.5 minutes expected. Each phase's own
+# corpus 50 (a few seconds of dense forwards over corpus windows), train 270 (states capture ~30 s, then
+# --minutes 3.0 of steps), eval 70, card 20: at most 630 s, about 7.5 minutes expected (the device tool
+# allows 600 s per command). Each phase's own
 # budget ends it before its timeout; the timeout only backs that up. Progress (tqdm, every 15 s) and the
 # train phase's held-in / held-out-split tau (every 20 s) go to the log; each phase's start, end and
 # seconds to stdout too.
@@ -46,7 +47,7 @@ if [ "${DSPARK_SMOKE:-0}" = 1 ]; then
   GEN_ARGS="--max-prompts 16 --batch 8 --gen-len 48 --holdout-docs 0.2" CORPUS_ARGS="--max-prompts 16 --batch 8 --gen-len 48"
   TRAIN_ARGS="--batch 16 --holdout-anchors 256 --eval-every 10" EVAL_ARGS="--num-prompts 4 --gen-len 40"
 else
-  DEV=cuda GEN_MIN=2.0 GEN_TO=200 CORPUS_TO=60 TRAIN_MIN=3.3 TRAIN_TO=300 EVAL_TO=80
+  DEV=cuda GEN_MIN=1.8 GEN_TO=180 CORPUS_TO=50 TRAIN_MIN=3.0 TRAIN_TO=270 EVAL_TO=70
   # 512 requests in flight, 48 prompt + 160 greedy tokens each (the eval continues 48 -> 96); the prompts
   # of 3% of the training split's documents come first and train holds them out (--holdout-docs default)
   GEN_ARGS="--max-prompts 32768 --batch 512 --gen-len 160"
