@@ -44,6 +44,7 @@ def engine_stats(engine) -> dict:
         "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens, "computed_tokens": s.computed_tokens,
         "computed_prompt_tokens": s.computed_prompt_tokens, "preemptions": s.preemptions,
         "snapshots_published": s.snapshots_published, "pins_dropped": s.pins_dropped,
+        "admissions_held": s.admissions_held,
         "spec_verifies": s.spec_verifies, "spec_drafted_tokens": s.spec_drafted_tokens,
         "spec_accepted_tokens": s.spec_accepted_tokens,
         "evicted_snapshots": tree.stats.evicted_snapshots, "evicted_pages": tree.stats.evicted_pages,

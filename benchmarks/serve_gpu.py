@@ -131,8 +131,10 @@ def stop(proc: subprocess.Popen) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", nargs="+", default=["no-overlap", "overlap"], choices=["overlap", "no-overlap"],
-                   help="servers to run, in this order (the first pays kernel compiles its warm-up missed)")
+    p.add_argument("--modes", nargs="+", default=["no-overlap", "overlap"], metavar="MODE[:DELAY]",
+                   help="servers to run, in this order (the first pays kernel compiles its warm-up missed): overlap "
+                        "or no-overlap, optionally with the server's --prefill-delay-steps after a colon "
+                        "(no-overlap:0 admits at once; without it the server's default)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     p.add_argument("--requests", type=int, default=256, help="requests per concurrency (at least 4x it is best)")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -145,6 +147,10 @@ def main() -> int:
     p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temporary folder)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    for m in args.modes:
+        base, _, delay = m.partition(":")
+        if base not in ("overlap", "no-overlap") or (delay and not delay.isdigit()):
+            p.error(f"--modes: {m!r} is not overlap or no-overlap, optionally followed by :STEPS")
     t0 = time.time()
     tmp = Path(tempfile.mkdtemp(prefix="k3rt-serve-gpu-"))
     model = TINY if args.smoke else model_folder(tmp / "kimi-linear-48b-8k")
@@ -157,8 +163,10 @@ def main() -> int:
         if time.time() - t0 > args.budget_s:
             print(f"budget: skipping mode {mode}")
             continue
-        extra = [*device, "--max-running", str(args.max_running)] + (["--no-overlap"] if mode == "no-overlap" else [])
-        proc = start(model, args.port, log_dir / f"serve_{mode}.log", extra)
+        base, _, delay = mode.partition(":")
+        extra = ([*device, "--max-running", str(args.max_running)] + (["--no-overlap"] if base == "no-overlap" else [])
+                 + (["--prefill-delay-steps", delay] if delay else []))
+        proc = start(model, args.port, log_dir / f"serve_{mode.replace(':', '_delay')}.log", extra)
         try:
             ready = wait_ready(proc, url, args.ready_timeout)
             print(f"[{mode}] ready in {ready:.0f} s", flush=True)
@@ -211,8 +219,9 @@ def main() -> int:
               f"| {e['preemptions']} | {e['queue_wait_ms_mean']:.1f} |")
     by = {(r["mode"], r["concurrency"], r["request_rate"]): r for r in rows}
     for (mode, conc, rate), r in by.items():
-        off = by.get(("no-overlap", conc, rate))
-        if mode == "overlap" and off and off["output_throughput"] > 0:
+        base, _, delay = mode.partition(":")
+        off = by.get(("no-overlap" + (":" + delay if delay else ""), conc, rate))
+        if base == "overlap" and off and off["output_throughput"] > 0:
             print(f"overlap / no-overlap at concurrency {conc}: "
                   f"{r['output_throughput'] / off['output_throughput']:.2f}x output tokens/s")
     if args.out:

@@ -647,6 +647,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-prefill-tokens", type=int, default=256,
                    help="prefill tokens a step may always add however many decodes run (a multiple of 64; "
                         "default 256)")
+    p.add_argument("--prefill-delay-steps", type=int, default=None, metavar="STEPS",
+                   help="admission batching: while requests decode, hold new requests until the oldest has waited "
+                        "STEPS engine steps or the waiting prompts fill a step's prefill budget, so several arrivals "
+                        "share one mixed (eager) step and the other steps stay decode-graph replays; 0 admits at "
+                        "once (default: 16 with the gpu runner's CUDA graphs, else 0)")
     p.add_argument("--pdl", action="store_true",
                    help="gpu runner: launch chained decode kernels with programmatic dependent launch")
     p.add_argument("--random-weights", action="store_true",
@@ -703,7 +708,8 @@ def _cmd_serve(a: argparse.Namespace) -> int:
                           cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=a.max_batched_tokens,
                                                                  max_running=a.max_running, max_waiting=a.max_waiting,
                                                                  decode_token_cost=a.decode_token_cost,
-                                                                 min_prefill_tokens=a.min_prefill_tokens),
+                                                                 min_prefill_tokens=a.min_prefill_tokens,
+                                                                 prefill_delay_steps=a.prefill_delay_steps),
                           tp=tp, ep=a.ep, dist=dist, spec=_spec_config(a), deterministic=a.deterministic)
     if role != 0:
         return _run_other_rank(engine, role)

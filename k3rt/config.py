@@ -6,7 +6,7 @@ Validated in __post_init__; errors name the field and the limit. Derived values 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 KDA_CHUNK = 64  # the chunked KDA kernels' chunk: snapshot grids must be multiples of it
@@ -65,6 +65,14 @@ class SchedulerConfig:
     decode_token_cost: float = 4.0
     # prefill tokens a step may always add, however many decodes run (capped by max_num_batched_tokens)
     min_prefill_tokens: int = 256
+    # admission batching (Scheduler.hold_admissions): while decodes run and the step has no prefill chunk of
+    # its own, a waiting request is admitted only once the head of the queue has waited this many steps or
+    # the waiting prompts fill the step's prefill budget. A step that admits a request cannot replay the decode
+    # CUDA graph, and on the GPU such a mixed step costs about 2.5x a decode step whatever its prefill size
+    # (host-bound: benchmarks/RESULTS.md, session 11), so admitting several arrivals in one mixed step instead
+    # of one per step keeps most steps graph replays. 0: admit at once; None: the engine picks
+    # (EngineConfig: PREFILL_DELAY_STEPS_GRAPHS with the GPU runner's decode graphs on CUDA, else 0)
+    prefill_delay_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < KDA_CHUNK:
@@ -76,10 +84,17 @@ class SchedulerConfig:
             raise ValueError(f"max_waiting: must be >= 0, got {self.max_waiting}")
         if not self.decode_token_cost >= 0:
             raise ValueError(f"decode_token_cost: must be >= 0, got {self.decode_token_cost}")
+        if self.prefill_delay_steps is not None and self.prefill_delay_steps < 0:
+            raise ValueError(f"prefill_delay_steps: must be >= 0, got {self.prefill_delay_steps}")
         if self.min_prefill_tokens < KDA_CHUNK or self.min_prefill_tokens % KDA_CHUNK:
             raise ValueError(f"min_prefill_tokens: must be a positive multiple of {KDA_CHUNK}, "
                              f"got {self.min_prefill_tokens}")
 
+
+# SchedulerConfig.prefill_delay_steps when the engine replays decode graphs: at 64 running requests and a 24 ms
+# decode step, a request waits at most ~0.4 s more for its first token, and about one step in 12 or more mixes
+# prefill in (so the decodes' p90 inter-token latency is a graph replay's)
+PREFILL_DELAY_STEPS_GRAPHS = 16
 
 # ngram, suffix: model-free drafters; dspark: a DSpark block drafter folder (docs/dspark.md)
 SPEC_METHODS = ("ngram", "suffix", "dspark")
@@ -225,6 +240,10 @@ class EngineConfig:
             raise ValueError(f"runner: {self.runner!r} not one of auto, model, gpu, null")
         if self.overlap is None:
             object.__setattr__(self, "overlap", self.runner == "gpu" and self.device.startswith("cuda") and self.tp == 1)
+        if self.scheduler.prefill_delay_steps is None:
+            graphs = self.runner == "gpu" and self.device.startswith("cuda") and self.cuda_graphs
+            object.__setattr__(self, "scheduler", replace(self.scheduler,
+                                                          prefill_delay_steps=PREFILL_DELAY_STEPS_GRAPHS if graphs else 0))
         if self.overlap and self.runner == "gpu" and self.tp > 1:
             # the GPU runner feeds step N's tokens into step N+1 on rank 0's device; the workers' plans carry
             # host token ids, which are not known yet when N+1 launches

@@ -86,6 +86,7 @@ class Request:
     spec_accepted: int = 0  # of those, accepted
     admitted: bool = False  # counted in the prompt / cached-token stats (once, at the first admission)
     arrival: float = 0.0  # time.monotonic() when queued (queue-wait metric)
+    queued_step: int = 0  # Scheduler.steps when it (re-)entered the waiting queue (admission batching)
     grammar: Any = None  # a GrammarMatcher (backend/grammar) constraining sampling, or None
     grammar_future: Any = None  # a Future of the compiled grammar; the request is not admitted before it resolves
     grammar_deadline: float = 0.0  # monotonic time after which a still-compiling grammar fails the request

@@ -116,6 +116,7 @@ class SchedulerStats:
     preemptions: int = 0
     snapshots_published: int = 0
     pins_dropped: int = 0  # pins released by the cap or to let a request run, not by their owner
+    admissions_held: int = 0  # steps that held the waiting queue back (SchedulerConfig.prefill_delay_steps)
     spec_verifies: int = 0  # verify chunks run (speculative decoding)
     spec_drafted_tokens: int = 0  # draft tokens fed to verification
     spec_accepted_tokens: int = 0  # of those, accepted
@@ -152,6 +153,7 @@ class Scheduler:
         self.failed: list[Request] = []  # requests schedule() had to fail; the engine reports them
         self.admitted_now: list[Request] = []  # first admissions since the engine last looked (queue wait)
         self.step_fences: list[list[int]] = []  # fences of the advanced steps not resolved yet (overlap)
+        self.steps = 0  # schedule() calls so far (admission batching counts a wait in steps)
 
     @property
     def usable_pages(self) -> int:
@@ -161,6 +163,7 @@ class Scheduler:
     # ---- queue ----
 
     def add(self, req: Request) -> None:
+        req.queued_step = self.steps
         self.waiting.append(req)
 
     def abort(self, req: Request, reason: FinishReason = FinishReason.ABORT) -> None:
@@ -203,6 +206,7 @@ class Scheduler:
     # ---- one step ----
 
     def schedule(self) -> SchedulerOutput:
+        self.steps += 1
         budget = self.cfg.max_num_batched_tokens
         chunks = self._chunks = {}
         self._preempted_this_step = False
@@ -235,8 +239,11 @@ class Scheduler:
         # no admissions in a step that had to preempt: the freed memory belongs to running requests
         deferred: list[Request] = []
         self._prefix_checks = 0
+        hold = self.hold_admissions(decodes, budget)
+        if hold:
+            self.stats.admissions_held += 1
         while (self.waiting and budget > 0 and len(self.running) < self.cfg.max_running
-               and not self._preempted_this_step):
+               and not self._preempted_this_step and not hold):
             req = self.waiting[0]
             if self._prefix_checks >= PREFIX_CHECKS_PER_STEP and req.wait_on is None:
                 break  # the rest of the queue is looked at in the next steps (bounded host time)
@@ -267,6 +274,25 @@ class Scheduler:
             state_copies += req.pending_state_copies
             req.pending_page_copies, req.pending_state_copies = [], []
         return SchedulerOutput(decodes, scheduled, page_copies, state_copies)
+
+    def hold_admissions(self, decodes: list[Request], budget: int) -> bool:
+        """Admission batching (SchedulerConfig.prefill_delay_steps): hold the waiting queue this step? Only
+        while decodes run in a step with no prefill chunk of its own (a step that already mixes admits for
+        free), until the head has waited prefill_delay_steps steps or the waiting prompts would fill `budget`
+        (the prefill tokens this step may add). A held step stays a decode-only graph replay."""
+        delay = self.cfg.prefill_delay_steps or 0  # None (the engine did not pick): admit at once
+        # verify chunks (speculative decoding) ride in graph-replayed steps too; a prefill chunk makes it mixed
+        if (delay == 0 or not self.waiting or not (decodes or self._chunks)
+                or any(not c.draft_ids for c in self._chunks.values())):
+            return False
+        if self.steps - self.waiting[0].queued_step >= delay:
+            return False
+        want = 0
+        for req in self.waiting:
+            want += len(req.token_ids) - req.num_computed
+            if want >= budget:
+                return False
+        return True
 
     def prefill_budget(self, num_decodes: int) -> int:
         """Prefill tokens (chunks and admissions) a step with `num_decodes` decode rows may add: the decode-aware
@@ -805,6 +831,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.stats.preemptions += 1
         self.running.remove(req)
+        req.queued_step = self.steps - (self.cfg.prefill_delay_steps or 0)  # a preempted request is not held again
         self.waiting.appendleft(req)
 
     # ---- accounting ----

@@ -47,6 +47,8 @@ _ENGINE_COUNTERS = {
     "preemptions": ("k3rt_engine_preemptions", "running requests preempted to free cache pages"),
     "snapshots_published": ("k3rt_cache_snapshots_published", "KDA state snapshots added to the prefix cache"),
     "pins_dropped": ("k3rt_cache_pins_dropped", "pins released by the cache (pin cap, flush) before their unpin"),
+    "admissions_held": ("k3rt_engine_admissions_held", "steps that held waiting requests back to admit several in one "
+                        "mixed step (--prefill-delay-steps)"),
     "evicted_snapshots": ("k3rt_cache_evicted_snapshots", "snapshots evicted from the prefix cache"),
     "evicted_pages": ("k3rt_cache_evicted_pages", "cache pages freed by prefix-cache eviction"),
     "spec_verifies": ("k3rt_spec_verifies", "speculative verify runs (one request's drafts checked in one forward)"),
