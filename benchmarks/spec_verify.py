@@ -53,6 +53,11 @@ def _args() -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--variants", nargs="+", default=["decode_loop", "multi"], metavar="LAUNCH",
                    help="KernelConfig.kda_verify_launch settings to time side by side (default: decode_loop multi)")
+    p.add_argument("--check-layers", type=int, default=4, metavar="N",
+                   help="the correctness checks run on a random model of the same shape cut to its first N layers "
+                        "(default 4: three KDA, one MLA at the 48B shape); after 27 random bf16 layers two correct "
+                        "forms of one step differ by ~0.2 (the plain graph against plain eager already does), so "
+                        "the full model times and the shallow one checks")
     p.add_argument("--smoke", action="store_true", help="tiny config on CPU with torch ops (no kernels, no graphs)")
     p.add_argument("--budget-s", type=float, default=300.0, help="skip remaining items after this many seconds")
     p.add_argument("--out", type=Path, default=None)
@@ -154,14 +159,34 @@ def floor_bytes(model, cfg: ModelConfig, layout, B: int, rows: int, distinct: li
             "distinct_experts_per_layer": sum(distinct) / len(distinct) if distinct else None}
 
 
-def bench(runner: GpuModelRunner, model, cfg: ModelConfig, layout, gbps: float, B: int) -> dict:
+def shallow(cfg: ModelConfig, n: int) -> ModelConfig:
+    """cfg cut to its first n layers (the check model: same widths, kernels and routing, little depth)."""
+    from dataclasses import replace as dc_replace
+
+    n = min(n, cfg.num_hidden_layers)
+    return dc_replace(cfg, num_hidden_layers=n, layer_types=cfg.layer_types[:n], mlp_types=cfg.mlp_types[:n])
+
+
+def build(cfg: ModelConfig, dtype: str, dev: torch.device, extra_pages: int):
+    """(model with near-uniform routing, layout, pool for the largest batch) of cfg."""
+    model = random_model(cfg, dtype=dtype, device=dev)
+    # near-uniform routing, as a trained router balances load (decode.py says why)
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "gate_weight"):
+            layer.mlp.gate_weight.normal_(0.0, cfg.hidden_size ** -0.5)
+            layer.mlp.e_score_correction_bias.zero_()
+    layout = compute_layout(cfg, kv_dtype=dtype, conv_dtype=dtype)
+    per_req = -(-(ARGS.context + 1 + ARGS.spec_tokens) // layout.block_size) + layout.pages_per_state_set
+    return model, layout, PagePool(layout, max(ARGS.batch) * per_req + 3 + extra_pages, device=dev)
+
+
+def check(runner: GpuModelRunner, cfg: ModelConfig, layout, B: int) -> dict:
+    """The verify forms against eager on runner's (shallow) model: logits, states kept, the commit."""
     pool, K = runner.pool, ARGS.spec_tokens
     pairs = requests(pool, layout, B, cfg.vocab_size)
     plain, verify = [p for p, _ in pairs], [v for _, v in pairs]
     saved = states_of(pool, plain)
-    row: dict = {"batch": B, "context": ARGS.context, "spec_tokens": K}
-
-    # ---- correctness ----
+    row: dict = {"check_layers": cfg.num_hidden_layers}
     plain_step = runner._build(plain, [])
     want = runner.fwd(plain_step, decode=True).clone()
     restore(pool, plain, saved)
@@ -179,12 +204,40 @@ def bench(runner: GpuModelRunner, model, cfg: ModelConfig, layout, gbps: float, 
     row["verify_graph_keeps_states"] = all(torch.equal(a, b) for a, b in zip(states_of(pool, plain), saved))
     row["verify_graph_replayed"] = vsize in runner.verify_graphs
     row["verify_argmax_agree"] = float((got_v.argmax(-1) == want_v.argmax(-1)).float().mean())
-    # bf16 at the 48B depth: the verify graph's form (decode kernel over scratch states, per-row MLA decode)
+    # bf16 over the check model's few layers: the verify graph's form (decode kernel, per-row MLA decode)
     # and the eager one (chunked KDA, expanded MLA) round differently; a broken form is off by O(1)
     ok = (row.get("plain_graph_rel_err", 0.0) < TOL and row["verify_graph_rel_err"] < TOL
           and row["verify_eager_keeps_states"] and row["verify_graph_keeps_states"])
     row["correct"] = bool(ok)
-    log(f"B={B} correctness: " + ", ".join(f"{k}={row[k]}" for k in row if k not in ("batch", "context")))
+    runs = [(i, 1 + K, s.state_pages) for i, s in enumerate(verify)]
+    runner.fwd.commit_verified(verify_step, runs)
+    after_eager = states_of(pool, plain)
+    restore(pool, plain, saved)
+    runner._run_verify(verify, vsize, None, None)  # the graph's buffers hold this step again
+    runner._commit_verify_form(vstep, vsize, runs)
+    row["commit_graph_rel_err"] = rel_err(torch.cat([t.flatten().float() for t in states_of(pool, plain)]),
+                                          torch.cat([t.flatten().float() for t in after_eager]))
+    row["correct"] = row["correct"] and row["commit_graph_rel_err"] < TOL
+    log(f"B={B} correctness ({cfg.num_hidden_layers} layers): " + ", ".join(f"{k}={row[k]}" for k in row))
+    for s in plain:
+        pool.unref(s.block_table + s.state_pages)
+    return row
+
+
+def bench(runner: GpuModelRunner, model, cfg: ModelConfig, layout, gbps: float, B: int) -> dict:
+    """Times of the plain, verify and commit forms on the full model, and the bytes floors."""
+    pool, K = runner.pool, ARGS.spec_tokens
+    pairs = requests(pool, layout, B, cfg.vocab_size)
+    plain, verify = [p for p, _ in pairs], [v for _, v in pairs]
+    saved = states_of(pool, plain)
+    row: dict = {"batch": B, "context": ARGS.context, "spec_tokens": K}
+    plain_step = runner._build(plain, [])
+    size = next((s for s in sorted(runner.graphs) if s >= B), None)
+    verify_step = runner._build(verify, [])
+    vsize = next((s for s in runner.verify_sizes if s >= B), None)
+    vstep = runner._run_verify(verify, vsize, None, None)[1]
+    restore(pool, plain, saved)
+    runs = [(i, 1 + K, s.state_pages) for i, s in enumerate(verify)]
 
     # ---- timings ----
     row["plain_eager_ms"] = time_ms(lambda: runner.fwd(plain_step, decode=True), reps=ARGS.reps, warmup=2)["median_ms"]
@@ -199,15 +252,7 @@ def bench(runner: GpuModelRunner, model, cfg: ModelConfig, layout, gbps: float, 
                                          warmup=3)["median_ms"]
     # the commit after a verify that kept every token: the eager one (kda_commit on the eager step) and the
     # verify form's (its commit graph when captured); both advance the live states, restored after each
-    runs = [(i, 1 + K, s.state_pages) for i, s in enumerate(verify)]
-    runner.fwd.commit_verified(verify_step, runs)
-    after_eager = states_of(pool, plain)
-    restore(pool, plain, saved)
     runner._run_verify(verify, vsize, None, None)  # the graph's buffers hold this step again
-    runner._commit_verify_form(vstep, vsize, runs)
-    row["commit_graph_rel_err"] = rel_err(torch.cat([t.flatten().float() for t in states_of(pool, plain)]),
-                                          torch.cat([t.flatten().float() for t in after_eager]))
-    row["correct"] = row["correct"] and row["commit_graph_rel_err"] < TOL
     restore(pool, plain, saved)
     row["commit_eager_ms"] = time_ms(lambda: runner.fwd.commit_verified(verify_step, runs), reps=ARGS.reps,
                                      warmup=2)["median_ms"]
@@ -241,17 +286,11 @@ def main() -> int:
     RESULT["copy"] = copy_bandwidth()
     gbps = RESULT["copy"]["GBps"]
     dtype = "bfloat16" if cuda else "float32"
-    model = random_model(cfg, dtype=dtype, device=dev)
+    model, layout, pool = build(cfg, dtype, dev, len(ARGS.variants))
     log(f"random {'tiny k3 config' if ARGS.smoke else ARGS.model} on {dev}: "
         f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, copy {gbps:.0f} GB/s")
-    # near-uniform routing, as a trained router balances load (decode.py says why)
-    for layer in model.model.layers:
-        if hasattr(layer.mlp, "gate_weight"):
-            layer.mlp.gate_weight.normal_(0.0, cfg.hidden_size ** -0.5)
-            layer.mlp.e_score_correction_bias.zero_()
-    layout = compute_layout(cfg, kv_dtype=dtype, conv_dtype=dtype)
-    per_req = -(-(ARGS.context + 1 + ARGS.spec_tokens) // layout.block_size) + layout.pages_per_state_set
-    pool = PagePool(layout, max(ARGS.batch) * per_req + 3 + len(ARGS.variants), device=dev)
+    ccfg = shallow(cfg, ARGS.check_layers)
+    cmodel, clayout, cpool = build(ccfg, dtype, dev, len(ARGS.variants))
     sizes = tuple(sorted(set(ARGS.batch)))
     assert set(ARGS.variants) <= set(KDA_VERIFY_LAUNCHES), (ARGS.variants, KDA_VERIFY_LAUNCHES)  # _args' list
     RESULT["rows"] = []
@@ -262,17 +301,19 @@ def main() -> int:
             continue
         # a runner per setting: its verify and commit graphs are captured with it
         kernels = KernelConfig(triton=cuda, kda_verify_launch=variant)
-        runner = GpuModelRunner(model, pool, kernels=kernels, cuda_graphs=cuda, graph_sizes=sizes,
-                                verify_graphs=(ARGS.spec_tokens, sizes))
-        if not cuda:  # no graphs: the padded form they replay, run eagerly (the runner only keeps it when captured)
-            runner.verify_run_len, runner.verify_sizes = ARGS.spec_tokens + 1, sizes
+        runner, crunner = (GpuModelRunner(m, p, kernels=kernels, cuda_graphs=cuda, graph_sizes=sizes,
+                                          verify_graphs=(ARGS.spec_tokens, sizes)) for m, p in ((model, pool), (cmodel, cpool)))
+        for r in (runner, crunner):
+            if not cuda:  # no graphs: the padded form they replay, run eagerly (the runner keeps it only when captured)
+                r.verify_run_len, r.verify_sizes = ARGS.spec_tokens + 1, sizes
         for B in ARGS.batch:
             if REPORT.over_budget():
                 RESULT["rows"].append({"batch": B, "variant": variant, "skipped": f"budget {ARGS.budget_s:.0f}s spent"})
                 continue
-            RESULT["rows"].append({"variant": variant, **bench(runner, model, cfg, layout, gbps, B)})
+            checked = check(crunner, ccfg, clayout, B)
+            RESULT["rows"].append({"variant": variant, **bench(runner, model, cfg, layout, gbps, B), **checked})
             REPORT.save()
-        del runner  # its pad page stays reserved (the pool counts one per setting)
+        del runner, crunner  # their pad pages stay reserved (the pools count one per setting)
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
@@ -284,7 +325,7 @@ def main() -> int:
 def print_table() -> None:
     print(f"\n{RESULT['device']}: copy {RESULT['copy']['GBps']:.0f} GB/s, context {ARGS.context}, "
           f"verify of 1 + {ARGS.spec_tokens} tokens per request")
-    print("| kda_verify_launch | batch | correct | plain graph ms | plain eager ms | verify graph ms | verify eager ms | "
+    print(f"| kda_verify_launch | batch | correct ({ARGS.check_layers}-layer check) | plain graph ms | plain eager ms | verify graph ms | verify eager ms | "
           "commit ms | "
           "commit eager ms | "
           "verify/plain | round/plain | plain floor ms | verify floor ms | floor ratio | experts/layer plain, verify |")
