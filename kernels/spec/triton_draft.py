@@ -1,0 +1,203 @@
+"""The DSpark drafter's greedy left-to-right steps in one launch (Triton): ref.py's loop, one program per
+request.
+
+Each program walks its request's k drafts in order (each needs the token before it) and the vocabulary in
+BLOCK_V tiles. Without a copy head one pass per draft: the tile's base logits plus the Markov bias (a
+[BLOCK_V, R] slice of markov_out times the previous token's code), and a running argmax. With one, two
+passes: the first keeps the online softmax's max and sum and the copy row's mass, the second recomputes
+the tile (cheaper than a scratch row at k3-tiny's R = 32: the slice stays in L2), mixes, and keeps the
+argmax of log p with max p and sum p for the top probability. Then the confidence MLP's small tail.
+
+Ties go to the lowest index, as torch.argmax's: within a tile tl.argmax(tie_break_left), across tiles a
+later tile wins only with a strictly larger value. On fp32 inputs the tokens equal ref.py's except where
+two logits differ by a rounding of the Markov dot product (its sum order differs from a matmul's).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from k3rt.kernels.common import check, check_same_device, poison_like
+from k3rt.kernels.spec.ref import DraftHeads
+
+# [BLOCK_V, R] fp32 Markov slice per tile: at most this many elements live at once (registers)
+_TILE_ELEMS = 16384
+
+
+@triton.jit
+def _step_tile(base_ptr, row, mout_ptr, code, offs, valid, rs, rmask, R, HAS_MARKOV: tl.constexpr):
+    """One tile of a draft's logits before the copy mix: base + Markov bias, -inf past the vocabulary."""
+    x = tl.load(base_ptr + row + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    if HAS_MARKOV:
+        w = tl.load(mout_ptr + offs[:, None] * R + rs[None, :], mask=valid[:, None] & rmask[None, :], other=0.0)
+        # rounded to the table's dtype, as the torch path's linear output is
+        x = x + tl.sum(w.to(tl.float32) * code[None, :], axis=1).to(mout_ptr.dtype.element_ty).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _greedy_draft_fwd_kernel(
+    base_ptr,  # [B, K, V] fp32 contiguous
+    anchor_ptr,  # [B] int64
+    pre_ptr,  # [B, K, C] contiguous
+    copy_ptr, gate_ptr,  # [B, K, V] fp32 contiguous, [B, K] fp32 contiguous (HAS_COPY)
+    min_ptr, mout_ptr,  # [V, R] contiguous each (HAS_MARKOV)
+    cprev_ptr, stride_cprev,  # [C, R] rows stride_cprev apart (HAS_MARKOV)
+    ctop_ptr, stride_ctop,  # [C] elements stride_ctop apart (HAS_COPY)
+    cout_ptr, cout_b_ptr,  # [C], [1]
+    tok_ptr, conf_ptr,  # [B, K] int64, [B, K] fp32
+    K, V, R, C,
+    BLOCK_V: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    HAS_MARKOV: tl.constexpr,
+    HAS_COPY: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    vs = tl.arange(0, BLOCK_V)
+    rs = tl.arange(0, BLOCK_R)
+    cs = tl.arange(0, BLOCK_C)
+    rmask, cmask = rs < R, cs < C
+    w_out = tl.load(cout_ptr + cs, mask=cmask, other=0.0).to(tl.float32)
+    b_out = tl.load(cout_b_ptr).to(tl.float32)
+    prev = tl.load(anchor_ptr + b).to(tl.int64)
+    for j in range(K):
+        bj = b * K + j
+        row = bj * V
+        code = tl.zeros([BLOCK_R], dtype=tl.float32)
+        if HAS_MARKOV:
+            code = tl.load(min_ptr + prev * R + rs, mask=rmask, other=0.0).to(tl.float32)
+        best = tl.full([], float("-inf"), tl.float32)
+        best_i = tl.full([], 0, tl.int32)
+        acc = tl.load(pre_ptr + bj * C + cs, mask=cmask, other=0.0).to(tl.float32)
+        if HAS_COPY:
+            m = tl.full([], float("-inf"), tl.float32)
+            s = tl.full([], 0.0, tl.float32)
+            mass = tl.full([], 0.0, tl.float32)
+            for v0 in range(0, V, BLOCK_V):
+                offs = v0 + vs
+                valid = offs < V
+                x = _step_tile(base_ptr, row, mout_ptr, code, offs, valid, rs, rmask, R, HAS_MARKOV)
+                m_new = tl.maximum(m, tl.max(x, axis=0))
+                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+                m = m_new
+                mass += tl.sum(tl.load(copy_ptr + row + offs, mask=valid, other=0.0), axis=0)
+            # a draft with no position to copy from keeps softmax(step) whatever its gate says
+            g = tl.load(gate_ptr + bj) * tl.where(mass > 0.5, 1.0, 0.0)
+            p_sum = tl.full([], 0.0, tl.float32)
+            p_max = tl.full([], 0.0, tl.float32)
+            for v0 in range(0, V, BLOCK_V):
+                offs = v0 + vs
+                valid = offs < V
+                x = _step_tile(base_ptr, row, mout_ptr, code, offs, valid, rs, rmask, R, HAS_MARKOV)
+                cp = tl.load(copy_ptr + row + offs, mask=valid, other=0.0)
+                p = tl.maximum((1.0 - g) * (tl.exp(x - m) / s) + g * cp, 1e-12)
+                # the argmax of log p, not of p: two p that log rounds together tie, as in the torch path
+                lp = tl.where(valid, tl.log(p), float("-inf"))
+                p = tl.where(valid, p, 0.0)
+                t_max = tl.max(lp, axis=0)
+                t_i = tl.argmax(lp, axis=0, tie_break_left=True)
+                take = t_max > best
+                best_i = tl.where(take, v0 + t_i, best_i)
+                best = tl.where(take, t_max, best)
+                p_sum += tl.sum(p, axis=0)
+                p_max = tl.maximum(p_max, tl.max(p, axis=0))
+            top = (p_max / p_sum).to(ctop_ptr.dtype.element_ty).to(tl.float32)
+            acc += top * tl.load(ctop_ptr + cs * stride_ctop, mask=cmask, other=0.0).to(tl.float32)
+        else:
+            for v0 in range(0, V, BLOCK_V):
+                offs = v0 + vs
+                valid = offs < V
+                x = _step_tile(base_ptr, row, mout_ptr, code, offs, valid, rs, rmask, R, HAS_MARKOV)
+                t_max = tl.max(x, axis=0)
+                t_i = tl.argmax(x, axis=0, tie_break_left=True)
+                take = t_max > best
+                best_i = tl.where(take, v0 + t_i, best_i)
+                best = tl.where(take, t_max, best)
+        if HAS_MARKOV:
+            wp = tl.load(cprev_ptr + cs[:, None] * stride_cprev + rs[None, :], mask=cmask[:, None] & rmask[None, :],
+                         other=0.0)
+            acc += tl.sum(wp.to(tl.float32) * code[None, :], axis=1)
+        hid = acc * tl.sigmoid(acc)
+        tl.store(conf_ptr + bj, tl.sigmoid(tl.sum(hid * w_out, axis=0) + b_out))
+        tl.store(tok_ptr + bj, best_i.to(tl.int64))
+        prev = best_i.to(tl.int64)
+
+
+def greedy_draft_fwd(base: Tensor, anchor_ids: Tensor, conf_pre: Tensor, heads: DraftHeads, copy: Tensor | None,
+                     gate: Tensor | None, tokens: Tensor, confidence: Tensor) -> None:
+    """One launch of `_greedy_draft_fwd_kernel`; `greedy_draft` has checked the contract."""
+    B, K, V = base.shape
+    C = conf_pre.shape[2]
+    R = heads.markov_in.shape[1] if heads.markov_in is not None else 1
+    assert base.is_contiguous() and conf_pre.is_contiguous() and anchor_ids.is_contiguous()
+    assert copy is None or (copy.is_contiguous() and gate.is_contiguous())
+    assert heads.markov_in is None or (heads.markov_in.is_contiguous() and heads.markov_out.is_contiguous()
+                                       and heads.conf_prev.stride(1) == 1)
+    if B == 0:
+        return
+    block_r = triton.next_power_of_2(R)
+    block_v = max(16, min(1024, triton.next_power_of_2(V), _TILE_ELEMS // block_r))
+    dummy = base
+    _greedy_draft_fwd_kernel[(B,)](
+        base, anchor_ids, conf_pre,
+        copy if copy is not None else dummy, gate if gate is not None else dummy,
+        heads.markov_in if heads.markov_in is not None else dummy,
+        heads.markov_out if heads.markov_out is not None else dummy,
+        heads.conf_prev if heads.conf_prev is not None else dummy,
+        heads.conf_prev.stride(0) if heads.conf_prev is not None else 0,
+        heads.conf_top if heads.conf_top is not None else dummy,
+        heads.conf_top.stride(0) if heads.conf_top is not None else 0,
+        heads.conf_out, heads.conf_out_bias, tokens, confidence,
+        K, V, R, C,
+        BLOCK_V=block_v, BLOCK_R=block_r, BLOCK_C=triton.next_power_of_2(C),
+        HAS_MARKOV=heads.markov_in is not None, HAS_COPY=copy is not None,
+        num_warps=8 if block_v * block_r >= 8192 else 4, enable_fp_fusion=False,
+    )
+
+
+def greedy_draft(base: Tensor, anchor_ids: Tensor, conf_pre: Tensor, heads: DraftHeads,
+                 copy: Tensor | None = None, gate: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """ref.greedy_draft in one launch: base [B, k, V] fp32, anchor_ids [B] int64, conf_pre [B, k, C],
+    copy [B, k, V] fp32 and gate [B, k] fp32 (both or neither) -> (tokens [B, k] int64, confidence [B, k]
+    fp32). Never syncs (CUDA-graph safe)."""
+    if base.dim() != 3:
+        raise ValueError(f"base must be [B, k, V], got {list(base.shape)}")
+    B, K, V = base.shape
+    check(base, "base", (B, K, V), torch.float32)
+    check(anchor_ids, "anchor_ids", (B,), torch.int64)
+    if conf_pre.dim() != 3 or tuple(conf_pre.shape[:2]) != (B, K):
+        raise ValueError(f"conf_pre must be [{B}, {K}, C], got {list(conf_pre.shape)}")
+    C = conf_pre.shape[2]
+    check(heads.conf_out, "heads.conf_out", (C,))
+    check(heads.conf_out_bias, "heads.conf_out_bias", (1,))
+    if (copy is None) != (gate is None):
+        raise ValueError("copy, gate: pass both (a copy head) or neither")
+    if copy is not None:
+        check(copy, "copy", (B, K, V), torch.float32)
+        check(gate, "gate", (B, K), torch.float32)
+        if heads.conf_top is None:
+            raise ValueError("heads.conf_top: a copy head's confidence reads the top probability; got None")
+        check(heads.conf_top, "heads.conf_top", (C,))
+    if (heads.markov_in is None) != (heads.markov_out is None) or (heads.markov_in is None) != (heads.conf_prev is None):
+        raise ValueError("heads.markov_in, heads.markov_out, heads.conf_prev: all three (a Markov head) or none")
+    if heads.markov_in is not None:
+        R = heads.markov_in.shape[-1]
+        check(heads.markov_in, "heads.markov_in", (V, R))
+        check(heads.markov_out, "heads.markov_out", (V, R))
+        check(heads.conf_prev, "heads.conf_prev", (C, R))
+        for name in ("markov_in", "markov_out"):
+            if not getattr(heads, name).is_contiguous():
+                raise ValueError(f"heads.{name}: must be contiguous, got strides {getattr(heads, name).stride()}")
+        if heads.conf_prev.stride(1) != 1:
+            raise ValueError(f"heads.conf_prev: rows must be contiguous, got strides {heads.conf_prev.stride()}")
+    check_same_device(base=base, anchor_ids=anchor_ids, conf_pre=conf_pre, copy=copy, gate=gate,
+                      markov_in=heads.markov_in, conf_out=heads.conf_out)
+    tokens = torch.empty(B, K, dtype=torch.int64, device=base.device)
+    confidence = poison_like(torch.empty(B, K, dtype=torch.float32, device=base.device))
+    greedy_draft_fwd(base.contiguous(), anchor_ids.contiguous(), conf_pre.contiguous(), heads,
+                     None if copy is None else copy.contiguous(), None if gate is None else gate.contiguous(),
+                     tokens, confidence)
+    return tokens, confidence
