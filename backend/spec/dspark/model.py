@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3rt.kernels.spec import DraftHeads
+
 
 # learned context position vectors: a window past this would be mostly untrained rows, and the engine
 # keeps context_len states per running request
@@ -308,6 +310,39 @@ class DSparkModel(nn.Module):
             logits.append(step)
             prev = tok
         return torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(conf, 1)
+
+
+    def draft_heads(self) -> DraftHeads:
+        """The left-to-right heads as kernels/spec reads them: views of this model's parameters (the
+        confidence MLP's hidden layer split by the features it reads: draft state | Markov code | top)."""
+        cfg = self.cfg
+        h, r = cfg.hidden_size, cfg.markov_rank
+        w = self.conf_hidden.weight  # [C, h + r + (1 with a copy head)]
+        return DraftHeads(markov_in=self.markov_in.weight if r else None, markov_out=self.markov_out.weight if r else None,
+                          conf_prev=w[:, h:h + r] if r else None, conf_top=w[:, h + r] if cfg.copy_dim else None,
+                          conf_out=self.conf_out.weight[0], conf_out_bias=self.conf_out.bias)
+
+    @torch.no_grad()
+    def greedy_pass(self, ctx_states: torch.Tensor, anchor_ids: torch.Tensor, embed: torch.Tensor,
+                    lm_head: torch.Tensor, *, ctx_tokens: torch.Tensor | None = None,
+                    ctx_valid: torch.Tensor | None = None, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The serving pass at temperature 0 -> (tokens [B, k], acceptance estimates [B, k]); no logits.
+        fused: the block pass, then every left-to-right step in one Triton launch (kernels/spec.greedy_draft:
+        the same tokens as `draft` given the same fp32 inputs, confidences to fp32 rounding); else `draft`."""
+        if not fused:
+            tokens, _, conf = self.draft(ctx_states, anchor_ids, embed, lm_head, ctx_tokens=ctx_tokens,
+                                         ctx_valid=ctx_valid)
+            return tokens, conf
+        from k3rt.kernels.spec import greedy_draft  # Triton: imported only where the kernel runs
+
+        slots, ctx = self._block(ctx_states, anchor_ids, embed, ctx_tokens, ctx_valid)
+        hidden = slots[:, 1:]
+        copy, gate = self.copy_probs(slots, ctx, ctx_tokens, ctx_valid) if self.cfg.copy_dim else (None, None)
+        # the confidence MLP's hidden layer over the draft states, for all k at once; the kernel adds the
+        # columns that read each step's previous token and top probability
+        h = self.cfg.hidden_size
+        conf_pre = F.linear(hidden, self.conf_hidden.weight[:, :h], self.conf_hidden.bias)
+        return greedy_draft(self.base_logits(hidden, lm_head), anchor_ids, conf_pre, self.draft_heads(), copy, gate)
 
 
 def verify_length(confidence: torch.Tensor, threshold: float, min_verify: int, max_tokens: int) -> int:
