@@ -201,6 +201,37 @@ def test_copy_head_copies_known_next_tokens_only():
     assert 21 not in short and 40 not in short
 
 
+@pytest.mark.parametrize("changes", [pytest.param({}, id="markov"), pytest.param({"markov_rank": 0}, id="plain"),
+                                     pytest.param({"context_tokens": True, "copy_dim": 8, "context_len": 4},
+                                                  id="markov-copy")])
+def test_fused_steps_draft_what_the_torch_path_drafts(changes):
+    """The serving pass with its left-to-right steps in the Triton kernel (kernels/spec, interpreter here) gives
+    the torch loop's tokens and confidences, through greedy_pass and through the drafter on a batch of windows
+    of different lengths (one gather builds them); a batch drafts what each request drafts alone."""
+    model, embed, head = _small(seed=2, **changes)
+    cfg = model.cfg
+    with torch.no_grad():
+        if cfg.copy_dim:
+            model.copy_gate.bias.fill_(0.5)  # gate half open: both parts of the mix matter
+    b, w = 4, cfg.context_len
+    ctx = _ctx(cfg, b, seed=9)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, cfg.vocab_size, (b, 6 + w), generator=g)
+    extra = dict(ctx_tokens=ids[:, -w - 1:], ctx_valid=torch.ones(b, w, dtype=torch.bool)) if model.needs_tokens else {}
+    fused = model.greedy_pass(ctx, ids[:, -1], embed, head, fused=True, **extra)
+    want = model.greedy_pass(ctx, ids[:, -1], embed, head, fused=False, **extra)
+    assert torch.equal(fused[0], want[0])
+    torch.testing.assert_close(fused[1], want[1], rtol=1e-5, atol=1e-6)
+    plain = DSparkDrafter(model, embed, head, confidence_threshold=0.0)
+    kernel = DSparkDrafter(model, embed, head, confidence_threshold=0.0, fused=True)
+    assert not plain.fused and kernel.fused  # the kernel is the default on CUDA only
+    held = [w, 1, 2, w]  # rows each request has run: short windows are left-padded (and masked with tokens)
+    queries = [DraftQuery(i, ids[i].tolist(), 3, cfg.block_size, ctx[i, w - n:]) for i, n in enumerate(held)]
+    got = kernel.propose(queries)
+    assert got == plain.propose(queries) and got[0] == want[0][0].tolist()
+    assert got == [plain.propose([q])[0] for q in queries]
+
+
 def test_new_config_keys_are_checked(tmp_path: Path):
     model, _, _ = _small(context_tokens=True, copy_dim=8)
     folder = save_drafter(model, tmp_path / "d", dtype=torch.float32)
