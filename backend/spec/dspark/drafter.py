@@ -29,7 +29,7 @@ from k3rt.backend.models.loader import CheckpointError
 from k3rt.backend.spec.base import DraftQuery, Drafter
 from k3rt.backend.spec.dspark.checkpoint import load_drafter
 from k3rt.backend.spec.dspark.graph import DraftGraphs
-from k3rt.backend.spec.dspark.model import DSparkModel, verify_length
+from k3rt.backend.spec.dspark.model import DSparkModel, clamp_verify, confident_prefix
 from k3rt.backend.spec.dspark.target import check_layers
 
 
@@ -146,8 +146,9 @@ class DSparkDrafter(Drafter):
             tokens, conf = self.graphs.draft(ctx, anchors, **extra)
         else:
             tokens, conf = self.model.greedy_pass(ctx, anchors, self.embed, self.lm_head, fused=self.fused, **extra)
-        tokens, conf = tokens.tolist(), conf.cpu()  # one device sync for the whole batch
-        for j, i in enumerate(ready):
-            n = verify_length(conf[j], self.threshold, self.model.cfg.min_verify, queries[i].max_tokens)
-            out[i] = tokens[j][:n]
+        # each request's confident prefix on the device, read with the tokens: one sync, no per-request tensor op
+        prefix = confident_prefix(conf, self.threshold)
+        cfg = self.model.cfg
+        for row, i in zip(torch.cat([tokens, prefix[:, None]], 1).tolist(), ready):
+            out[i] = row[:clamp_verify(row[-1], cfg.min_verify, queries[i].max_tokens, cfg.block_size)]
         return out

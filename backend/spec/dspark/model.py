@@ -345,11 +345,20 @@ class DSparkModel(nn.Module):
         return greedy_draft(self.base_logits(hidden, lm_head), anchor_ids, conf_pre, self.draft_heads(), copy, gate)
 
 
+def confident_prefix(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
+    """[..., k] per-draft acceptance estimates -> [...] int64: the longest prefix whose cumulative product is
+    >= threshold (the product is non-increasing, so counting where it holds gives the prefix)."""
+    return (torch.cumprod(confidence.float(), dim=-1) >= threshold).sum(-1)
+
+
+def clamp_verify(prefix: int, min_verify: int, max_tokens: int, k: int) -> int:
+    """A confident prefix length -> the drafts to verify: at least min_verify, at most max_tokens and k."""
+    return max(0, min(max(prefix, min_verify), max_tokens, k))
+
+
 def verify_length(confidence: torch.Tensor, threshold: float, min_verify: int, max_tokens: int) -> int:
     """How many drafts to send for verification: the longest prefix whose cumulative product of per-draft
     acceptance estimates is >= threshold, at least min_verify and at most max_tokens. The product is
     the drafter's estimate that the whole prefix is accepted; past the threshold, verifying one more
     draft costs more target work than it is expected to return."""
-    cum = torch.cumprod(confidence.float(), dim=0)
-    n = int((cum >= threshold).sum())  # cum is non-increasing, so this is the prefix length
-    return max(0, min(max(n, min_verify), max_tokens, confidence.shape[0]))
+    return clamp_verify(int(confident_prefix(confidence, threshold)), min_verify, max_tokens, confidence.shape[0])
