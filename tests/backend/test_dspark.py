@@ -232,6 +232,31 @@ def test_fused_steps_draft_what_the_torch_path_drafts(changes):
     assert got == [plain.propose([q])[0] for q in queries]
 
 
+def test_folded_block_ops_keep_the_spelled_out_results():
+    """The pass's folds (issue 16: fewer launches) change nothing past fp32 rounding: the one-op RMSNorm against
+    x * rsqrt(mean(x^2) + eps) * w, and inference's one q|k|v matmul against the three projections (what a
+    grad-enabled pass, training's, runs); the stacked weights follow an in-place edit of one of them."""
+    from k3rt.backend.spec.dspark.model import _RMSNorm
+    norm = _RMSNorm(32, 1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        x = torch.randn(3, 5, 32) * 4
+        torch.testing.assert_close(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight,
+                                   rtol=1e-6, atol=1e-6)
+    model, embed, head = _small(context_tokens=True, copy_dim=8, context_len=4)
+    ctx, ids = _ctx(model.cfg, 2), torch.randint(0, 50, (2, 5))
+    valid = torch.tensor([[True] * 4, [False, True, True, True]])
+
+    def hidden(grad: bool) -> torch.Tensor:
+        with torch.set_grad_enabled(grad):
+            return model.block_hidden(ctx, ids[:, -1], embed, ctx_tokens=ids, ctx_valid=valid).detach()
+
+    torch.testing.assert_close(hidden(False), hidden(True), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        model.layers[0].k_proj.weight.mul_(3.0)
+    torch.testing.assert_close(hidden(False), hidden(True), rtol=1e-5, atol=1e-5)
+
+
 def test_new_config_keys_are_checked(tmp_path: Path):
     model, _, _ = _small(context_tokens=True, copy_dim=8)
     folder = save_drafter(model, tmp_path / "d", dtype=torch.float32)
