@@ -7,9 +7,9 @@ ops (~25 per draft) against the fused kernel (kernels/spec/triton_draft.py, one 
 
 In order, on the target's device (k3-tiny and models/k3-tiny-dspark; random target states and token ids):
   1. ops: one `propose` at batch 1 and at the largest batch, and one `greedy_pass` (the pass alone) at batch 1,
-     under the torch profiler, per variant: top-level aten ops (`aten_ops`), those that launch work (`launching`:
-     not a view, an alias or an allocation), Triton launches (`triton`), and on CUDA the device kernels the
-     profiler saw (`device_kernels`);
+     under the torch profiler (backend/bench/op_count.py), per variant: top-level aten ops (`aten_ops`), those
+     that launch work (`launching`: not a view, an alias or an allocation), Triton launches (`triton`), and on
+     CUDA the device kernels the profiler saw (`device_kernels`);
   2. check: the fused pass against the torch pass in fp32 (the drafter built over an fp32 copy of the target:
      tokens equal, confidences within 1e-4), then in the serving dtype (bf16 on CUDA: >= 95% of requests with
      all k drafts equal; the Markov dot product's sum order may move a near-tie by one bf16 rounding, and the
@@ -29,7 +29,6 @@ import json
 import os
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,69 +57,13 @@ ARGS = _args()
 import torch  # noqa: E402
 from _timing import Report, default_out, time_ms  # noqa: E402
 
+from k3rt.backend.bench.op_count import count_ops  # noqa: E402
 from k3rt.backend.models.loader import load_model  # noqa: E402
 from k3rt.backend.spec.base import DraftQuery  # noqa: E402
 from k3rt.backend.spec.dspark.drafter import DSparkDrafter  # noqa: E402
 from k3rt.models import MODELS_DIR  # noqa: E402
 
 DRAFTER = MODELS_DIR / "k3-tiny-dspark"
-# top-level ops that launch nothing: views, aliases, allocations, no-op casts
-NO_LAUNCH = {"aten::view", "aten::reshape", "aten::_unsafe_view", "aten::slice", "aten::select", "aten::transpose",
-             "aten::t", "aten::expand", "aten::unsqueeze", "aten::squeeze", "aten::as_strided", "aten::permute",
-             "aten::detach", "aten::alias", "aten::empty", "aten::empty_strided", "aten::chunk", "aten::split",
-             "aten::narrow", "aten::lift_fresh", "aten::resolve_conj", "aten::resolve_neg", "aten::to"}
-
-
-@contextmanager
-def _triton_ranges():
-    """Every Triton launch (compiled or interpreted) inside a profiler range `triton::<kernel>`, so it counts as
-    one launch and the interpreter's own tensor copies under it do not count as ops."""
-    import triton.runtime.jit as jit
-    from triton.runtime.interpreter import InterpretedFunction
-
-    saved = []
-    for cls in (jit.JITFunction, InterpretedFunction):
-        def run(self, *args, _orig=cls.run, **kwargs):
-            with torch.profiler.record_function(f"triton::{getattr(self.fn, '__name__', 'kernel')}"):
-                return _orig(self, *args, **kwargs)
-        saved.append((cls, cls.run))
-        cls.run = run
-    try:
-        yield
-    finally:
-        for cls, orig in saved:
-            cls.run = orig
-
-
-def count_ops(fn) -> dict:
-    """Ops of one call of fn (after a warm-up call): see the module docstring."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    cuda = torch.cuda.is_available()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with _triton_ranges(), profile(activities=acts) as prof:
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-    out = {"aten_ops": 0, "launching": 0, "triton": 0}
-    for e in prof.events():
-        parent = e.cpu_parent
-        while parent is not None and not parent.name.startswith(("aten::", "triton::")):
-            parent = parent.cpu_parent
-        if parent is not None or e.device_type != DeviceType.CPU:
-            continue
-        if e.name.startswith("triton::"):
-            out["triton"] += 1
-        elif e.name.startswith("aten::"):
-            out["aten_ops"] += 1
-            out["launching"] += e.name not in NO_LAUNCH
-    if cuda:
-        out["device_kernels"] = sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
-    return out
-
-
 def _queries(drafter: DSparkDrafter, n: int, seed: int) -> list[DraftQuery]:
     cfg = drafter.model.cfg
     g = torch.Generator().manual_seed(seed)

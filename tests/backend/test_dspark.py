@@ -232,6 +232,25 @@ def test_fused_steps_draft_what_the_torch_path_drafts(changes):
     assert got == [plain.propose([q])[0] for q in queries]
 
 
+def test_fused_pass_launches_do_not_grow_with_k():
+    """The count issue 16 asked to cut: the torch loop launches ~25 ops per draft (its count grows with k); the
+    fused pass launches one Triton kernel for all k steps, and its op count does not depend on k (profiler,
+    backend/bench/op_count.py; benchmarks/dspark_pass.py reports the shipped drafter's numbers)."""
+    from k3rt.backend.bench.op_count import count_ops
+    counts = {}
+    for k in (1, 5):
+        model, embed, head = _small(block_size=k, context_tokens=True, copy_dim=8, context_len=4)
+        ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(k))
+        ctx, valid = _ctx(model.cfg, 2), torch.ones(2, 4, dtype=torch.bool)
+        for fused in (False, True):
+            counts[k, fused] = count_ops(lambda: model.greedy_pass(ctx, ids[:, -1], embed, head, ctx_tokens=ids,
+                                                                   ctx_valid=valid, fused=fused))
+    assert counts[1, True]["triton"] == counts[5, True]["triton"] == 1 and counts[5, False]["triton"] == 0
+    assert counts[5, True]["launching"] == counts[1, True]["launching"]
+    assert counts[5, False]["launching"] - counts[1, False]["launching"] >= 4 * 20  # >= 20 ops per extra draft
+    assert counts[5, False]["launching"] - counts[5, True]["launching"] >= 5 * 20
+
+
 def test_folded_block_ops_keep_the_spelled_out_results():
     """The pass's folds (issue 16: fewer launches) change nothing past fp32 rounding: the one-op RMSNorm against
     x * rsqrt(mean(x^2) + eps) * w, and inference's one q|k|v matmul against the three projections (what a

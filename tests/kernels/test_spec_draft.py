@@ -112,3 +112,16 @@ def test_contract_errors_name_the_field():
                      cp, gate)
     with pytest.raises(ValueError, match="base"):
         greedy_draft(base.double(), anchors, pre, heads, cp, gate)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-tables"])
+def test_kernel_matches_ref_at_k3_tiny_shape(table_dtype):
+    """k3-tiny's drafter shape (V 8192, rank 32, confidence width 64, k 7, copy head) at batch 64 on CUDA; with
+    bf16 tables both round the Markov bias to bf16, so tokens still agree exactly."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    base, anchors, pre, heads, cp, gate = _inputs(5, 64, 7, 8192, 32, 64, True)
+    heads = DraftHeads(*(None if t is None else t.to(table_dtype) for t in (
+        heads.markov_in, heads.markov_out, heads.conf_prev, heads.conf_top, heads.conf_out, heads.conf_out_bias)))
+    _same((base, anchors, pre.to(table_dtype), heads, cp, gate))
