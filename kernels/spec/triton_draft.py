@@ -5,7 +5,7 @@ Each program walks its request's k drafts in order (each needs the token before 
 BLOCK_V tiles. Without a copy head one pass per draft: the tile's base logits plus the Markov bias (a
 [BLOCK_V, R] slice of markov_out times the previous token's code), and a running argmax. With one, two
 passes: the first keeps the online softmax's max and sum and the copy row's mass, the second recomputes
-the tile (cheaper than a scratch row at k3-tiny's R = 32: the slice stays in L2), mixes, and keeps the
+the tile (no scratch row: at k3-tiny's R = 32 the [V, R] table is 512 KB in bf16 and stays in L2), mixes, and keeps the
 argmax of log p with max p and sum p for the top probability. Then the confidence MLP's small tail.
 
 Ties go to the lowest index, as torch.argmax's: within a tile tl.argmax(tie_break_left), across tiles a
@@ -22,8 +22,17 @@ from torch import Tensor
 from k3rt.kernels.common import check, check_same_device, poison_like
 from k3rt.kernels.spec.ref import DraftHeads
 
-# [BLOCK_V, R] fp32 Markov slice per tile: at most this many elements live at once (registers)
-_TILE_ELEMS = 16384
+# [BLOCK_V, R] fp32 Markov slice per tile: at most this many elements live at once. At 16384 (BLOCK_V 512 at
+# rank 32, 8 warps) the copy head's form spilled 32 bytes for sm_90; 8192 builds with none
+# (tests/kernels/test_spec_sm90_build.py)
+_TILE_ELEMS = 8192
+
+
+def tiles(V: int, R: int) -> tuple[int, int, int]:
+    """(BLOCK_V, BLOCK_R, num_warps) the launcher uses for vocabulary V and Markov rank R (1 without a head)."""
+    block_r = triton.next_power_of_2(R)
+    block_v = max(16, min(1024, triton.next_power_of_2(V), _TILE_ELEMS // block_r))
+    return block_v, block_r, 8 if block_v * block_r >= 8192 else 4
 
 
 @triton.jit
@@ -86,6 +95,7 @@ def _greedy_draft_fwd_kernel(
                 mass += tl.sum(tl.load(copy_ptr + row + offs, mask=valid, other=0.0), axis=0)
             # a draft with no position to copy from keeps softmax(step) whatever its gate says
             g = tl.load(gate_ptr + bj) * tl.where(mass > 0.5, 1.0, 0.0)
+            inv_s = 1.0 / s  # one division per draft, not one per element (an IEEE division per lane is slow)
             p_sum = tl.full([], 0.0, tl.float32)
             p_max = tl.full([], 0.0, tl.float32)
             for v0 in range(0, V, BLOCK_V):
@@ -93,7 +103,7 @@ def _greedy_draft_fwd_kernel(
                 valid = offs < V
                 x = _step_tile(base_ptr, row, mout_ptr, code, offs, valid, rs, rmask, R, HAS_MARKOV)
                 cp = tl.load(copy_ptr + row + offs, mask=valid, other=0.0)
-                p = tl.maximum((1.0 - g) * (tl.exp(x - m) / s) + g * cp, 1e-12)
+                p = tl.maximum((1.0 - g) * (tl.exp(x - m) * inv_s) + g * cp, 1e-12)
                 # the argmax of log p, not of p: two p that log rounds together tie, as in the torch path
                 lp = tl.where(valid, tl.log(p), float("-inf"))
                 p = tl.where(valid, p, 0.0)
@@ -138,8 +148,7 @@ def greedy_draft_fwd(base: Tensor, anchor_ids: Tensor, conf_pre: Tensor, heads: 
                                        and heads.conf_prev.stride(1) == 1)
     if B == 0:
         return
-    block_r = triton.next_power_of_2(R)
-    block_v = max(16, min(1024, triton.next_power_of_2(V), _TILE_ELEMS // block_r))
+    block_v, block_r, num_warps = tiles(V, R)
     dummy = base
     _greedy_draft_fwd_kernel[(B,)](
         base, anchor_ids, conf_pre,
@@ -154,7 +163,7 @@ def greedy_draft_fwd(base: Tensor, anchor_ids: Tensor, conf_pre: Tensor, heads: 
         K, V, R, C,
         BLOCK_V=block_v, BLOCK_R=block_r, BLOCK_C=triton.next_power_of_2(C),
         HAS_MARKOV=heads.markov_in is not None, HAS_COPY=copy is not None,
-        num_warps=8 if block_v * block_r >= 8192 else 4, enable_fp_fusion=False,
+        num_warps=num_warps, enable_fp_fusion=False,
     )
 
 

@@ -54,7 +54,7 @@ def _same(args: tuple) -> Tensor:
 
 
 @pytest.mark.parametrize("B,K,V,R,copy", [
-    pytest.param(3, 7, 1100, 32, True, id="k7-V1100-markov32-copy"),  # 3 tiles of 512, the last partial
+    pytest.param(3, 7, 1100, 32, True, id="k7-V1100-markov32-copy"),  # 5 tiles of 256, the last partial
     pytest.param(2, 7, 1100, 4, False, id="k7-V1100-markov4"),
     pytest.param(2, 1, 1100, 0, False, id="k1-V1100-plain"),  # 2 tiles of 1024
     pytest.param(2, 1, 300, 5, True, id="k1-V300-markov5-copy"),
@@ -68,12 +68,12 @@ def test_kernel_matches_ref(B, K, V, R, copy):
 @pytest.mark.parametrize("R,copy", [pytest.param(0, False, id="plain"), pytest.param(3, False, id="markov"),
                                     pytest.param(3, True, id="markov-copy")])
 def test_ties_go_to_the_lowest_index(R, copy):
-    """Planted exact ties: within one tile (600 vs 601) and across tiles (5 vs 700, 1050); the Markov rows
-    of tied tokens are equal so the bias keeps them tied; with the copy head, draft 0's tied tokens also get
-    equal copy mass."""
+    """Planted exact ties (tiles of 1024 here): within one tile (600 vs 601, 5 vs 700) and across tiles (5 vs
+    1050, 900 vs 1090); the Markov rows of tied tokens are equal so the bias keeps them tied; with the copy
+    head, draft 0's tied tokens also get equal copy mass."""
     base, anchors, pre, heads, cp, gate = _inputs(7, 2, 3, 1100, R, 8, copy)
     top = base.abs().max() + 50
-    base[0, 0, [600, 601]] = top  # tile 1 (512..1023) with R = 3, tile 0 without
+    base[0, 0, [600, 601]] = top
     base[0, 1, [5, 700, 1050]] = top
     base[1, :, [900, 1090]] = top
     if R:
