@@ -17,7 +17,9 @@ In order, on the target's device (k3-tiny and models/k3-tiny-dspark; random targ
   3. times (CUDA only), per batch: `propose` wall time (host input build + pass + the one sync: what the engine
      pays) and the pass alone (CUDA events), eager and graphed (graph.py buckets), torch and fused steps;
      `vs_plain` = propose time / --plain-step-ms (a plain k3-tiny decode step; 1.46 ms measured on the H200
-     with `k3rt bench spec`, pass the one measured beside this run).
+     with `k3rt bench spec`, pass the one measured beside this run); then the fused kernel alone on one pass's
+     inputs per tile (BLOCK_V x warps: the default `tiles(V, R)` first, then 256x8, 512x16, 1024x8), with
+     whether its tokens equal the default's.
 JSON to --out (default $OUT/dspark_pass.json) and to stdout's first line, then a markdown table; --budget-s
 bounds the run (items past it are skipped and say so).
 """
@@ -139,6 +141,22 @@ def main() -> None:
                     return {"batch": n, "variant": name, "pass_ms": t_pass, "propose_ms": wall,
                             "vs_plain": wall / ARGS.plain_step_ms}
                 rep.item("times", f"{name}-b{n}", timed)
+        # the fused kernel alone on one pass's inputs, per tile (BLOCK_V, warps): the default first; tokens checked
+        from k3rt.kernels.spec.triton_draft import greedy_draft, tiles
+        d = drafters["fused"]
+        cfg = d.model.cfg
+        variants_tile = [tiles(cfg.vocab_size, cfg.markov_rank), (256, 8), (512, 16), (1024, 8)]
+        for n in ARGS.batch:
+            ctx, anchors, extra = d._inputs(_queries(d, n, seed=4))
+            inputs = d.model.greedy_step_inputs(ctx, anchors, d.embed, d.lm_head, **extra)
+            want = greedy_draft(*inputs)[0]
+            for tile in dict.fromkeys(variants_tile):
+                def timed_tile() -> dict:
+                    same = bool(torch.equal(greedy_draft(*inputs, tile=tile)[0], want))
+                    ms = time_ms(lambda: greedy_draft(*inputs, tile=tile), reps=ARGS.reps)["median_ms"]
+                    return {"batch": n, "variant": f"kernel {tile[0]}x{tile[1]}", "kernel_ms": ms,
+                            "tokens_as_default": same}
+                rep.item("times", f"kernel-{tile[0]}x{tile[1]}-b{n}", timed_tile)
     print(json.dumps(rep.result))
     print("\n| section | variant | batch | values |\n|---|---|---|---|")
     for section in ("check", "ops", "times"):

@@ -53,15 +53,20 @@ def _same(args: tuple) -> Tensor:
     return tokens
 
 
-@pytest.mark.parametrize("B,K,V,R,copy", [
-    pytest.param(3, 7, 1100, 32, True, id="k7-V1100-markov32-copy"),  # 5 tiles of 256, the last partial
-    pytest.param(2, 7, 1100, 4, False, id="k7-V1100-markov4"),
-    pytest.param(2, 1, 1100, 0, False, id="k1-V1100-plain"),  # 2 tiles of 1024
-    pytest.param(2, 1, 300, 5, True, id="k1-V300-markov5-copy"),
-    pytest.param(1, 7, 70, 0, True, id="k7-V70-copy-only"),
+@pytest.mark.parametrize("B,K,V,R,copy,tile", [
+    pytest.param(3, 7, 1100, 32, True, None, id="k7-V1100-markov32-copy"),  # 2 tiles of 1024, the last partial
+    pytest.param(2, 7, 1100, 32, True, (256, 8), id="k7-V1100-markov32-copy-tile256"),  # 5 tiles
+    pytest.param(2, 7, 1100, 4, False, (512, 16), id="k7-V1100-markov4-tile512"),
+    pytest.param(2, 1, 1100, 0, False, None, id="k1-V1100-plain"),
+    pytest.param(2, 1, 300, 5, True, None, id="k1-V300-markov5-copy"),  # one tile of 512
+    pytest.param(1, 7, 70, 0, True, None, id="k7-V70-copy-only"),
 ])
-def test_kernel_matches_ref(B, K, V, R, copy):
-    tokens = _same(_inputs(B * 100 + V + R, B, K, V, R, 8 if R != 32 else 64, copy))
+def test_kernel_matches_ref(B, K, V, R, copy, tile):
+    args = _inputs(B * 100 + V + R, B, K, V, R, 8 if R != 32 else 64, copy)
+    tokens, conf = greedy_draft(*args, tile=tile)
+    want_tokens, want_conf = greedy_draft_ref(*args)
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(conf, want_conf, rtol=1e-5, atol=1e-6)
     assert tokens.min() >= 0 and tokens.max() < V
 
 
@@ -112,6 +117,8 @@ def test_contract_errors_name_the_field():
                      cp, gate)
     with pytest.raises(ValueError, match="base"):
         greedy_draft(base.double(), anchors, pre, heads, cp, gate)
+    with pytest.raises(ValueError, match="tile"):
+        greedy_draft(base, anchors, pre, heads, cp, gate, tile=(100, 4))
 
 
 @pytest.mark.gpu

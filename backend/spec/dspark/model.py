@@ -357,6 +357,16 @@ class DSparkModel(nn.Module):
             return tokens, conf
         from k3rt.kernels.spec import greedy_draft  # Triton: imported only where the kernel runs
 
+        return greedy_draft(*self.greedy_step_inputs(ctx_states, anchor_ids, embed, lm_head, ctx_tokens=ctx_tokens,
+                                                     ctx_valid=ctx_valid))
+
+    @torch.no_grad()
+    def greedy_step_inputs(self, ctx_states: torch.Tensor, anchor_ids: torch.Tensor, embed: torch.Tensor,
+                           lm_head: torch.Tensor, *, ctx_tokens: torch.Tensor | None = None,
+                           ctx_valid: torch.Tensor | None = None) -> tuple:
+        """The block pass, and what the fused left-to-right steps read from it: (base logits [B, k, V] fp32,
+        anchor_ids, conf_pre [B, k, C], the heads, copy distributions [B, k, V] | None, gates [B, k] | None),
+        the arguments of kernels/spec.greedy_draft in order."""
         slots, ctx = self._block(ctx_states, anchor_ids, embed, ctx_tokens, ctx_valid)
         hidden = slots[:, 1:]
         copy, gate = self.copy_probs(slots, ctx, ctx_tokens, ctx_valid) if self.cfg.copy_dim else (None, None)
@@ -364,7 +374,7 @@ class DSparkModel(nn.Module):
         # columns that read each step's previous token and top probability
         h = self.cfg.hidden_size
         conf_pre = F.linear(hidden, self.conf_hidden.weight[:, :h], self.conf_hidden.bias)
-        return greedy_draft(self.base_logits(hidden, lm_head), anchor_ids, conf_pre, self.draft_heads(), copy, gate)
+        return self.base_logits(hidden, lm_head), anchor_ids, conf_pre, self.draft_heads(), copy, gate
 
 
 def confident_prefix(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
