@@ -116,7 +116,8 @@ def main() -> None:
     for n in sorted({1, max(ARGS.batch)}):
         for name, d in drafters.items():
             q = _queries(d, n, seed=2)
-            rep.item("ops", f"propose-{name}-b{n}", lambda: {"batch": n, "variant": name, **count_ops(lambda: d.propose(q))})
+            rep.item("ops", f"propose-{name}-b{n}",
+                     lambda: {"batch": n, "variant": name, **count_ops(lambda: d.propose(q))})
     for name, d in drafters.items():
         q = _queries(d, 1, seed=2)
         rep.item("ops", f"pass-{name}-b1", lambda: {"batch": 1, "variant": f"{name} (pass only)",

@@ -10,8 +10,9 @@ the tile (no scratch row: at k3-tiny's R = 32 the [V, R] table is 512 KB in bf16
 argmax of log p with max p and sum p for the top probability. Then the confidence MLP's small tail.
 
 Ties go to the lowest index, as torch.argmax's: a lane takes a later (larger) index only for a strictly
-larger value, and the final reduction picks the lowest index among the lanes holding the maximum. On fp32 inputs the tokens equal ref.py's except where
-two logits differ by a rounding of the Markov dot product (its sum order differs from a matmul's).
+larger value, and the final reduction picks the lowest index among the lanes holding the maximum. On fp32
+inputs the tokens equal ref.py's except where two logits differ by a rounding of the Markov dot product (its
+sum order differs from a matmul's).
 """
 from __future__ import annotations
 
@@ -198,7 +199,8 @@ def greedy_draft(base: Tensor, anchor_ids: Tensor, conf_pre: Tensor, heads: Draf
         if heads.conf_top is None:
             raise ValueError("heads.conf_top: a copy head's confidence reads the top probability; got None")
         check(heads.conf_top, "heads.conf_top", (C,))
-    if (heads.markov_in is None) != (heads.markov_out is None) or (heads.markov_in is None) != (heads.conf_prev is None):
+    markov = (heads.markov_in is not None, heads.markov_out is not None, heads.conf_prev is not None)
+    if len(set(markov)) != 1:
         raise ValueError("heads.markov_in, heads.markov_out, heads.conf_prev: all three (a Markov head) or none")
     if heads.markov_in is not None:
         R = heads.markov_in.shape[-1]

@@ -333,15 +333,14 @@ class DSparkModel(nn.Module):
             prev = tok
         return torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(conf, 1)
 
-
     def draft_heads(self) -> DraftHeads:
         """The left-to-right heads as kernels/spec reads them: views of this model's parameters (the
         confidence MLP's hidden layer split by the features it reads: draft state | Markov code | top)."""
         cfg = self.cfg
         h, r = cfg.hidden_size, cfg.markov_rank
         w = self.conf_hidden.weight  # [C, h + r + (1 with a copy head)]
-        return DraftHeads(markov_in=self.markov_in.weight if r else None, markov_out=self.markov_out.weight if r else None,
-                          conf_prev=w[:, h:h + r] if r else None, conf_top=w[:, h + r] if cfg.copy_dim else None,
+        return DraftHeads(markov_in=self.markov_in.weight if r else None,
+                          markov_out=self.markov_out.weight if r else None, conf_prev=w[:, h:h + r] if r else None, conf_top=w[:, h + r] if cfg.copy_dim else None,
                           conf_out=self.conf_out.weight[0], conf_out_bias=self.conf_out.bias)
 
     @torch.no_grad()
