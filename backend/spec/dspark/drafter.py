@@ -13,8 +13,11 @@ sampler's usual one-hot draft distribution applies unchanged. Per request, only 
 `verify_length` drafts are returned (cumulative confidence >= threshold, at least min_verify, at most
 max_tokens): a confident request verifies up to k, a lost one verifies few.
 
-On a CUDA device with graph sizes given, the pass replays a CUDA graph per batch bucket (graph.py): the
-eager pass's computation at the bucket's batch size (the rows past the batch are padding nobody reads).
+The pass is `DSparkModel.greedy_pass`: the block pass, then the k left-to-right steps either in one Triton
+launch (`fused`, kernels/spec: the default on a CUDA device) or as the torch loop of `DSparkModel.draft`.
+On a CUDA device with graph sizes given, it replays a CUDA graph per batch bucket (graph.py): the eager
+pass's computation at the bucket's batch size (the rows past the batch are padding nobody reads). The
+batch's inputs are built with a fixed number of device ops (`_inputs`) and read back with one sync.
 """
 
 from __future__ import annotations
