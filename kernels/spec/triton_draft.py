@@ -5,9 +5,10 @@ Each program walks its request's k drafts in order (each needs the token before 
 BLOCK_V tiles, keeping running values per lane and reducing them across the tile once per pass. Without a
 copy head one pass per draft: the tile's base logits plus the Markov bias (a [BLOCK_V, R] slice of
 markov_out times the previous token's code), and a running argmax. With one, two passes: the first keeps
-the online softmax's max and sum and the copy row's mass, the second recomputes
-the tile (no scratch row: at k3-tiny's R = 32 the [V, R] table is 512 KB in bf16 and stays in L2), mixes, and keeps the
-argmax of log p with max p and sum p for the top probability. Then the confidence MLP's small tail.
+the online softmax's max and sum and the copy row's mass and writes the logits to a [V] scratch row, the
+second reads them back (4 bytes a token, where recomputing would read the Markov slice again: 64 at k3-tiny's
+rank 32 in bf16), mixes, and keeps the argmax of log p with max p and sum p for the top probability. Then
+the confidence MLP's small tail.
 
 Ties go to the lowest index, as torch.argmax's: a lane takes a later (larger) index only for a strictly
 larger value, and the final reduction picks the lowest index among the lanes holding the maximum. On fp32
@@ -57,6 +58,7 @@ def _greedy_draft_fwd_kernel(
     anchor_ptr,  # [B] int64
     pre_ptr,  # [B, K, C] contiguous
     copy_ptr, gate_ptr,  # [B, K, V] fp32 contiguous, [B, K] fp32 contiguous (HAS_COPY)
+    scr_ptr,  # [B, V] fp32 scratch: the draft's logits between the two passes (HAS_COPY)
     min_ptr, mout_ptr,  # [V, R] contiguous each (HAS_MARKOV)
     cprev_ptr, stride_cprev,  # [C, R] rows stride_cprev apart (HAS_MARKOV)
     ctop_ptr, stride_ctop,  # [C] elements stride_ctop apart (HAS_COPY)
@@ -101,6 +103,9 @@ def _greedy_draft_fwd_kernel(
                 s = s * tl.exp(m - m_safe) + tl.exp(x - m_safe)
                 m = m_new
                 mass += tl.load(copy_ptr + row + offs, mask=valid, other=0.0)
+                tl.store(scr_ptr + b * V + offs, x, mask=valid)
+            # the second pass reads the row other threads of this program wrote (a replicated layout stores once)
+            tl.debug_barrier()
             m_all = tl.max(m, axis=0)
             inv_s = 1.0 / tl.sum(s * tl.exp(m - m_all), axis=0)
             # a draft with no position to copy from keeps softmax(step) whatever its gate says
@@ -110,7 +115,7 @@ def _greedy_draft_fwd_kernel(
             for v0 in range(0, V, BLOCK_V):
                 offs = v0 + vs
                 valid = offs < V
-                x = _step_tile(base_ptr, row, mout_ptr, code, offs, valid, rs, rmask, R, HAS_MARKOV)
+                x = tl.load(scr_ptr + b * V + offs, mask=valid, other=float("-inf"))
                 cp = tl.load(copy_ptr + row + offs, mask=valid, other=0.0)
                 p = tl.maximum((1.0 - g) * (tl.exp(x - m_all) * inv_s) + g * cp, 1e-12)
                 # the argmax of log p, not of p: two p that log rounds together tie, as in the torch path
@@ -121,6 +126,7 @@ def _greedy_draft_fwd_kernel(
                 best = tl.where(take, lp, best)
                 p_sum += p
                 p_max = tl.maximum(p_max, p)
+            tl.debug_barrier()  # every read of the scratch row is done before the next draft overwrites it
             top = (tl.max(p_max, axis=0) / tl.sum(p_sum, axis=0)).to(ctop_ptr.dtype.element_ty).to(tl.float32)
             acc += top * tl.load(ctop_ptr + cs * stride_ctop, mask=cmask, other=0.0).to(tl.float32)
         else:
@@ -144,14 +150,16 @@ def _greedy_draft_fwd_kernel(
 
 
 def greedy_draft_fwd(base: Tensor, anchor_ids: Tensor, conf_pre: Tensor, heads: DraftHeads, copy: Tensor | None,
-                     gate: Tensor | None, tokens: Tensor, confidence: Tensor, tile: tuple[int, int]) -> None:
+                     gate: Tensor | None, scratch: Tensor | None, tokens: Tensor, confidence: Tensor,
+                     tile: tuple[int, int]) -> None:
     """One launch of `_greedy_draft_fwd_kernel` with tile = (BLOCK_V, num_warps); `greedy_draft` has checked
-    the contract."""
+    the contract. scratch: [B, V] fp32 with a copy head (else None)."""
     B, K, V = base.shape
     C = conf_pre.shape[2]
     R = heads.markov_in.shape[1] if heads.markov_in is not None else 1
     assert base.is_contiguous() and conf_pre.is_contiguous() and anchor_ids.is_contiguous()
-    assert copy is None or (copy.is_contiguous() and gate.is_contiguous())
+    assert copy is None or (copy.is_contiguous() and gate.is_contiguous() and scratch.shape == (B, V)
+                            and scratch.is_contiguous())
     assert heads.markov_in is None or (heads.markov_in.is_contiguous() and heads.markov_out.is_contiguous()
                                        and heads.conf_prev.stride(1) == 1)
     if B == 0:
@@ -161,6 +169,7 @@ def greedy_draft_fwd(base: Tensor, anchor_ids: Tensor, conf_pre: Tensor, heads: 
     _greedy_draft_fwd_kernel[(B,)](
         base, anchor_ids, conf_pre,
         copy if copy is not None else dummy, gate if gate is not None else dummy,
+        scratch if scratch is not None else dummy,
         heads.markov_in if heads.markov_in is not None else dummy,
         heads.markov_out if heads.markov_out is not None else dummy,
         heads.conf_prev if heads.conf_prev is not None else dummy,
@@ -219,8 +228,9 @@ def greedy_draft(base: Tensor, anchor_ids: Tensor, conf_pre: Tensor, heads: Draf
     elif not (tile[0] >= 16 and tile[0] & (tile[0] - 1) == 0 and tile[1] in (1, 2, 4, 8, 16)):
         raise ValueError(f"tile: (BLOCK_V a power of 2 >= 16, num_warps in 1..16 a power of 2), got {tile}")
     tokens = torch.empty(B, K, dtype=torch.int64, device=base.device)
+    scratch = None if copy is None else poison_like(torch.empty(B, V, dtype=torch.float32, device=base.device))
     confidence = poison_like(torch.empty(B, K, dtype=torch.float32, device=base.device))
     greedy_draft_fwd(base.contiguous(), anchor_ids.contiguous(), conf_pre.contiguous(), heads,
                      None if copy is None else copy.contiguous(), None if gate is None else gate.contiguous(),
-                     tokens, confidence, tile)
+                     scratch, tokens, confidence, tile)
     return tokens, confidence

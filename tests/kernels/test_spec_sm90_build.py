@@ -17,8 +17,8 @@ _BUILD = r'''
 from k3rt.kernels.spec import triton_draft as D
 
 I32, C, T = "i32", "constexpr", "*bf16"
-sig = dict(base_ptr="*fp32", anchor_ptr="*i64", pre_ptr=T, copy_ptr="*fp32", gate_ptr="*fp32", min_ptr=T,
-           mout_ptr=T, cprev_ptr=T, stride_cprev=I32, ctop_ptr=T, stride_ctop=I32, cout_ptr=T, cout_b_ptr=T,
+sig = dict(base_ptr="*fp32", anchor_ptr="*i64", pre_ptr=T, copy_ptr="*fp32", gate_ptr="*fp32", scr_ptr="*fp32",
+           min_ptr=T, mout_ptr=T, cprev_ptr=T, stride_cprev=I32, ctop_ptr=T, stride_ctop=I32, cout_ptr=T, cout_b_ptr=T,
            tok_ptr="*i64", conf_ptr="*fp32", K=I32, V=I32, R=I32, C=I32, BLOCK_V=C, BLOCK_R=C, BLOCK_C=C,
            HAS_MARKOV=C, HAS_COPY=C)
 res = {"tiles": list(D.tiles(8192, 32))}
