@@ -35,6 +35,8 @@
 #                       greedy identity, taps inside the graphs; test_spec, test_dspark_engine, test_spec_deterministic)
 #   spec-verify (300)   benchmarks/spec_verify.py: 48B shape, a 1 + 7 verify step vs a plain step at 4K, batch 1
 #                       and 16, graph and eager, with the bytes floors
+#   dspark-pass (300)   benchmarks/dspark_pass.py: the DSpark drafter's pass on k3-tiny (bf16), torch steps vs the
+#                       fused kernel, eager and graphed, batch 1/4/16/64 (op counts and the check first)
 #   spec-bench (540)    k3rt bench spec on k3-tiny (bf16): code and agent, batch 1 and 16, dspark and suffix, graphs on
 #   tp-tests (300)      tensor parallelism in the GPU runner on 2 GPUs (gpu tests of test_tp_gpu_runner.py and
 #                       test_tp_bench.py; they skip with fewer GPUs): ask for nvidia-h200-x2
@@ -46,7 +48,7 @@ set -u
 for stage in "$@"; do
   case $stage in
     tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det|overlap|serve) ;;
-    spec-tests|spec-verify|spec-bench|tp-tests|tp|tp-symm) ;;
+    spec-tests|spec-verify|dspark-pass|spec-bench|tp-tests|tp|tp-symm) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -90,7 +92,7 @@ for stage in "$@"; do
     tests-runner|tests)
       gpu_pytest tests-runner 150 tests/backend ;;&
     tests-kernels|tests)
-      for pkg in kda mla moe linear norm attn_res sampling; do  # ~30 s each, most of it compiling
+      for pkg in kda mla moe linear norm attn_res sampling spec; do  # ~30 s each, most of it compiling
         gpu_pytest tests-kernels "$(case $pkg in kda) echo 200 ;; moe) echo 90 ;; *) echo 60 ;; esac)" \
           tests/kernels/test_"${pkg}"_*.py
       done ;;
@@ -123,6 +125,8 @@ for stage in "$@"; do
         tests/backend/test_spec_deterministic.py ;;
     spec-verify)
       run spec-verify 300 python3 benchmarks/spec_verify.py --batch 1 16 --budget-s 260 --out "$OUT/spec_verify.json" ;;
+    dspark-pass)
+      run dspark-pass 300 python3 benchmarks/dspark_pass.py --budget-s 260 --out "$OUT/dspark_pass.json" ;;
     spec-bench)
       run spec-bench 540 python3 -m k3rt.cli bench spec --device cuda --dtype bfloat16 --workloads code,agent \
         --batch-sizes 1,16 --drafters dspark,suffix --out "$OUT/spec_bench.json" ;;

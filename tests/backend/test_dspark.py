@@ -201,6 +201,81 @@ def test_copy_head_copies_known_next_tokens_only():
     assert 21 not in short and 40 not in short
 
 
+@pytest.mark.parametrize("changes", [pytest.param({}, id="markov"), pytest.param({"markov_rank": 0}, id="plain"),
+                                     pytest.param({"context_tokens": True, "copy_dim": 8, "context_len": 4},
+                                                  id="markov-copy")])
+def test_fused_steps_draft_what_the_torch_path_drafts(changes):
+    """The serving pass with its left-to-right steps in the Triton kernel (kernels/spec, interpreter here) gives
+    the torch loop's tokens and confidences, through greedy_pass and through the drafter on a batch of windows
+    of different lengths (one gather builds them); a batch drafts what each request drafts alone."""
+    model, embed, head = _small(seed=2, **changes)
+    cfg = model.cfg
+    with torch.no_grad():
+        if cfg.copy_dim:
+            model.copy_gate.bias.fill_(0.5)  # gate half open: both parts of the mix matter
+    b, w = 4, cfg.context_len
+    ctx = _ctx(cfg, b, seed=9)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, cfg.vocab_size, (b, 6 + w), generator=g)
+    extra = dict(ctx_tokens=ids[:, -w - 1:], ctx_valid=torch.ones(b, w, dtype=torch.bool)) if model.needs_tokens else {}
+    fused = model.greedy_pass(ctx, ids[:, -1], embed, head, fused=True, **extra)
+    want = model.greedy_pass(ctx, ids[:, -1], embed, head, fused=False, **extra)
+    assert torch.equal(fused[0], want[0])
+    torch.testing.assert_close(fused[1], want[1], rtol=1e-5, atol=1e-6)
+    plain = DSparkDrafter(model, embed, head, confidence_threshold=0.0)
+    kernel = DSparkDrafter(model, embed, head, confidence_threshold=0.0, fused=True)
+    assert not plain.fused and kernel.fused  # the kernel is the default on CUDA only
+    held = [w, 1, 2, w]  # rows each request has run: short windows are left-padded (and masked with tokens)
+    queries = [DraftQuery(i, ids[i].tolist(), 3, cfg.block_size, ctx[i, w - n:]) for i, n in enumerate(held)]
+    got = kernel.propose(queries)
+    assert got == plain.propose(queries) and got[0] == want[0][0].tolist()
+    assert got == [plain.propose([q])[0] for q in queries]
+
+
+def test_fused_pass_launches_do_not_grow_with_k():
+    """The count issue 16 asked to cut: the torch loop launches ~25 ops per draft (its count grows with k); the
+    fused pass launches one Triton kernel for all k steps, and its op count does not depend on k (profiler,
+    backend/bench/op_count.py; benchmarks/dspark_pass.py reports the shipped drafter's numbers)."""
+    from k3rt.backend.bench.op_count import count_ops
+    counts = {}
+    for k in (1, 5):
+        model, embed, head = _small(block_size=k, context_tokens=True, copy_dim=8, context_len=4)
+        ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(k))
+        ctx, valid = _ctx(model.cfg, 2), torch.ones(2, 4, dtype=torch.bool)
+        for fused in (False, True):
+            counts[k, fused] = count_ops(lambda: model.greedy_pass(ctx, ids[:, -1], embed, head, ctx_tokens=ids,
+                                                                   ctx_valid=valid, fused=fused))
+    assert counts[1, True]["triton"] == counts[5, True]["triton"] == 1 and counts[5, False]["triton"] == 0
+    assert counts[5, True]["launching"] == counts[1, True]["launching"]
+    assert counts[5, False]["launching"] - counts[1, False]["launching"] >= 4 * 20  # >= 20 ops per extra draft
+    assert counts[5, False]["launching"] - counts[5, True]["launching"] >= 5 * 20
+
+
+def test_folded_block_ops_keep_the_spelled_out_results():
+    """The pass's folds (issue 16: fewer launches) change nothing past fp32 rounding: the one-op RMSNorm against
+    x * rsqrt(mean(x^2) + eps) * w, and inference's one q|k|v matmul against the three projections (what a
+    grad-enabled pass, training's, runs); the stacked weights follow an in-place edit of one of them."""
+    from k3rt.backend.spec.dspark.model import _RMSNorm
+    norm = _RMSNorm(32, 1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        x = torch.randn(3, 5, 32) * 4
+        torch.testing.assert_close(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight,
+                                   rtol=1e-6, atol=1e-6)
+    model, embed, head = _small(context_tokens=True, copy_dim=8, context_len=4)
+    ctx, ids = _ctx(model.cfg, 2), torch.randint(0, 50, (2, 5))
+    valid = torch.tensor([[True] * 4, [False, True, True, True]])
+
+    def hidden(grad: bool) -> torch.Tensor:
+        with torch.set_grad_enabled(grad):
+            return model.block_hidden(ctx, ids[:, -1], embed, ctx_tokens=ids, ctx_valid=valid).detach()
+
+    torch.testing.assert_close(hidden(False), hidden(True), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        model.layers[0].k_proj.weight.mul_(3.0)
+    torch.testing.assert_close(hidden(False), hidden(True), rtol=1e-5, atol=1e-5)
+
+
 def test_new_config_keys_are_checked(tmp_path: Path):
     model, _, _ = _small(context_tokens=True, copy_dim=8)
     folder = save_drafter(model, tmp_path / "d", dtype=torch.float32)

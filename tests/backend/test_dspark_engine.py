@@ -216,8 +216,10 @@ def test_gpu_runner_cuda_graph_taps_and_identity(arch, tmp_path) -> None:
 
 @pytest.mark.gpu
 def test_drafter_pass_in_cuda_graphs_equals_the_eager_pass(arch, tmp_path) -> None:
-    """The drafter's pass replayed from its CUDA graphs (graph.py, one per batch bucket) gives the eager pass's
-    drafts and confidences (fp32) for batches inside a bucket, at a bucket's edge and above every bucket."""
+    """The drafter's pass replayed from its CUDA graphs (graph.py, one per batch bucket), with its left-to-right
+    steps in the fused kernel (kernels/spec, the default on CUDA), gives the eager torch pass's drafts and
+    confidences (fp32) for batches inside a bucket, at a bucket's edge and above every bucket (there eagerly,
+    still fused); the fused eager pass gives them too."""
     import copy
 
     from k3rt.backend.spec.base import DraftQuery
@@ -226,9 +228,11 @@ def test_drafter_pass_in_cuda_graphs_equals_the_eager_pass(arch, tmp_path) -> No
         pytest.skip("no CUDA device")
     model = copy.deepcopy(arch.model).cuda()
     folder = _random_drafter(tmp_path / "drafter", arch.model)
-    eager = DSparkDrafter.from_folder(folder, model)
+    eager = DSparkDrafter.from_folder(folder, model, fused=False)
+    fused = DSparkDrafter.from_folder(folder, model)
     graphed = DSparkDrafter.from_folder(folder, model, graph_sizes=(1, 2, 4, 8))
     assert eager.graphs is None and sorted(graphed.graphs.graphs) == [1, 2, 4, 8]
+    assert graphed.fused and graphed.graphs.fused and fused.fused and not eager.fused
     cfg = eager.model.cfg
     width = len(cfg.target_layers) * cfg.target_hidden_size
     gen = torch.Generator().manual_seed(0)
@@ -240,6 +244,7 @@ def test_drafter_pass_in_cuda_graphs_equals_the_eager_pass(arch, tmp_path) -> No
         anchors = ids[:, -1].contiguous()
         queries = [DraftQuery(i, ids[i].tolist(), cfg.context_len, cfg.block_size, hidden=ctx[i]) for i in range(n)]
         assert graphed.propose(queries) == eager.propose(queries), n
+        assert fused.propose(queries) == eager.propose(queries), n
         if n <= 8:
             extra = {}
             if eager.model.needs_tokens:

@@ -13,8 +13,11 @@ sampler's usual one-hot draft distribution applies unchanged. Per request, only 
 `verify_length` drafts are returned (cumulative confidence >= threshold, at least min_verify, at most
 max_tokens): a confident request verifies up to k, a lost one verifies few.
 
-On a CUDA device with graph sizes given, the pass replays a CUDA graph per batch bucket (graph.py): the
-eager pass's computation at the bucket's batch size (the rows past the batch are padding nobody reads).
+The pass is `DSparkModel.greedy_pass`: the block pass, then the k left-to-right steps either in one Triton
+launch (`fused`, kernels/spec: the default on a CUDA device) or as the torch loop of `DSparkModel.draft`.
+On a CUDA device with graph sizes given, it replays a CUDA graph per batch bucket (graph.py): the eager
+pass's computation at the bucket's batch size (the rows past the batch are padding nobody reads). The
+batch's inputs are built with a fixed number of device ops (`_inputs`) and read back with one sync.
 """
 
 from __future__ import annotations
@@ -29,16 +32,19 @@ from k3rt.backend.models.loader import CheckpointError
 from k3rt.backend.spec.base import DraftQuery, Drafter
 from k3rt.backend.spec.dspark.checkpoint import load_drafter
 from k3rt.backend.spec.dspark.graph import DraftGraphs
-from k3rt.backend.spec.dspark.model import DSparkModel, verify_length
+from k3rt.backend.spec.dspark.model import DSparkModel, clamp_verify, confident_prefix
 from k3rt.backend.spec.dspark.target import check_layers
 
 
 class DSparkDrafter(Drafter):
     def __init__(self, model: DSparkModel, embed: torch.Tensor, lm_head: torch.Tensor, *,
-                 confidence_threshold: float | None = None, graph_sizes: tuple[int, ...] = ()) -> None:
+                 confidence_threshold: float | None = None, graph_sizes: tuple[int, ...] = (),
+                 fused: bool | None = None) -> None:
         """embed, lm_head: the target's [vocab, hidden] token embedding and LM head (the same tensor when
         tied). confidence_threshold overrides the config's (0 verifies every draft). graph_sizes: batch
-        buckets whose pass is captured in a CUDA graph (on a CUDA device only; empty: every pass eager)."""
+        buckets whose pass is captured in a CUDA graph (on a CUDA device only; empty: every pass eager).
+        fused: the left-to-right steps in one Triton launch (kernels/spec) instead of ~25 torch ops per draft;
+        None: on a CUDA device only (on the CPU the kernel needs the Triton interpreter, which tests use)."""
         cfg = model.cfg
         for name, w in (("embed", embed), ("lm_head", lm_head)):
             if tuple(w.shape) != (cfg.vocab_size, cfg.hidden_size):
@@ -51,9 +57,10 @@ class DSparkDrafter(Drafter):
         self.model = model.to(self.dtype).eval()
         self.embed, self.lm_head = embed.detach().to(self.dtype), lm_head.detach().to(self.dtype)
         self.threshold = cfg.confidence_threshold if confidence_threshold is None else confidence_threshold
+        self.fused = embed.device.type == "cuda" if fused is None else fused
         self.graphs: DraftGraphs | None = None
         if graph_sizes and embed.device.type == "cuda":
-            self.graphs = DraftGraphs(self.model, self.embed, self.lm_head, graph_sizes, self.dtype)
+            self.graphs = DraftGraphs(self.model, self.embed, self.lm_head, graph_sizes, self.dtype, fused=self.fused)
             self.graphs.capture()
 
     @classmethod
@@ -91,26 +98,42 @@ class DSparkDrafter(Drafter):
         """How many of the newest run positions' states a query carries."""
         return self.model.cfg.context_len
 
-    def _window(self, q: DraftQuery) -> tuple[torch.Tensor, list[int], int]:
-        """-> (states [context_len, F] left-padded with the oldest row, the window's token ids [context_len + 1]
-        (context positions then the anchor, left-padded with the anchor), rows actually held)."""
+    def _inputs(self, queries: Sequence[DraftQuery]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """The batch's pass inputs, built with a fixed number of device ops whatever the batch: (states
+        [n, context_len, F] left-padded with each request's oldest row, anchors [n], and for a drafter that
+        reads them ctx_tokens [n, context_len + 1] (context positions then the anchor, left-padded with the
+        anchor) and ctx_valid [n, context_len] (False on padding rows)). The per-request work is host lists;
+        one host tensor carries every index and id to the device, one gather builds the windows."""
         cfg = self.model.cfg
-        width = len(cfg.target_layers) * cfg.target_hidden_size
-        h = q.hidden
-        if h.dim() != 2 or h.shape[1] != width or not 1 <= h.shape[0] <= cfg.context_len:
-            raise ValueError(f"dspark: request {q.rid} hidden is {list(h.shape)}, expected "
-                             f"[1..{cfg.context_len}, {width}]")
-        n = h.shape[0]
-        ids: list[int] = []
-        if self.model.needs_tokens:  # an old-format drafter reads states only (its tests send few token ids)
-            if len(q.token_ids) < n + 1:
-                raise ValueError(f"dspark: request {q.rid} has {n} state rows but only {len(q.token_ids)} tokens "
-                                 "(the rows must end right before the anchor)")
-            tail = list(q.token_ids[len(q.token_ids) - n - 1:])
-            ids = [tail[-1]] * (cfg.context_len - n) + tail
-        if n < cfg.context_len:
-            h = torch.cat([h[:1].expand(cfg.context_len - n, -1), h])
-        return h.to(self.dtype), ids, n
+        w, width = cfg.context_len, len(cfg.target_layers) * cfg.target_hidden_size
+        held: list[int] = []
+        ids: list[list[int]] = []
+        for q in queries:
+            h = q.hidden
+            if h.dim() != 2 or h.shape[1] != width or not 1 <= h.shape[0] <= w:
+                raise ValueError(f"dspark: request {q.rid} hidden is {list(h.shape)}, expected [1..{w}, {width}]")
+            n = h.shape[0]
+            if self.model.needs_tokens:  # an old-format drafter reads states only (its tests send few token ids)
+                if len(q.token_ids) < n + 1:
+                    raise ValueError(f"dspark: request {q.rid} has {n} state rows but only {len(q.token_ids)} "
+                                     "tokens (the rows must end right before the anchor)")
+                tail = list(q.token_ids[len(q.token_ids) - n - 1:])
+                ids.append([tail[-1]] * (w - n) + tail)
+            else:
+                ids.append([q.token_ids[-1]])
+            held.append(n)
+        n_held = torch.tensor(held)
+        pad = w - n_held[:, None]  # [n, 1] padding rows at the front of each window
+        pos = torch.arange(w)[None, :]
+        # window row p of request i is its state row max(0, p - pad_i), a row of the concatenated states
+        index = (torch.cumsum(n_held, 0) - n_held)[:, None] + (pos - pad).clamp(min=0)
+        meta = torch.cat([index, (pos >= pad).long(), torch.tensor(ids)], 1).to(self.embed.device)
+        rows = torch.cat([q.hidden for q in queries]) if len(queries) > 1 else queries[0].hidden
+        ctx = rows.to(self.embed.device)[meta[:, :w]].to(self.dtype)
+        extra = {}
+        if self.model.needs_tokens:
+            extra = dict(ctx_tokens=meta[:, 2 * w:], ctx_valid=meta[:, w:2 * w].bool())
+        return ctx, meta[:, -1], extra
 
     @torch.no_grad()
     def propose(self, queries: Sequence[DraftQuery]) -> list[list[int]]:
@@ -121,22 +144,14 @@ class DSparkDrafter(Drafter):
         ready = [i for i, q in enumerate(queries) if q.hidden is not None]
         if not ready:
             return out
-        device = self.embed.device
-        windows = [self._window(queries[i]) for i in ready]
-        ctx = torch.stack([w[0] for w in windows]).to(device)
-        anchors = torch.tensor([queries[i].token_ids[-1] for i in ready], device=device)
-        extra = {}
-        if self.model.needs_tokens:
-            w = self.model.cfg.context_len
-            held = torch.tensor([n for _, _, n in windows])
-            extra = dict(ctx_tokens=torch.tensor([ids for _, ids, _ in windows], device=device),
-                         ctx_valid=(torch.arange(w)[None, :] >= w - held[:, None]).to(device))
+        ctx, anchors, extra = self._inputs([queries[i] for i in ready])
         if self.graphs is not None and self.graphs.size_for(len(ready)) is not None:
             tokens, conf = self.graphs.draft(ctx, anchors, **extra)
         else:
-            tokens, _, conf = self.model.draft(ctx, anchors, self.embed, self.lm_head, **extra)
-        tokens, conf = tokens.tolist(), conf.cpu()  # one device sync for the whole batch
-        for j, i in enumerate(ready):
-            n = verify_length(conf[j], self.threshold, self.model.cfg.min_verify, queries[i].max_tokens)
-            out[i] = tokens[j][:n]
+            tokens, conf = self.model.greedy_pass(ctx, anchors, self.embed, self.lm_head, fused=self.fused, **extra)
+        # each request's confident prefix on the device, read with the tokens: one sync, no per-request tensor op
+        prefix = confident_prefix(conf, self.threshold)
+        cfg = self.model.cfg
+        for row, i in zip(torch.cat([tokens, prefix[:, None]], 1).tolist(), ready):
+            out[i] = row[:clamp_verify(row[-1], cfg.min_verify, queries[i].max_tokens, cfg.block_size)]
         return out

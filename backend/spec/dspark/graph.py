@@ -1,10 +1,11 @@
 """CUDA graphs of the DSpark drafter's pass: one per batch bucket, replayed by `DSparkDrafter.propose`.
 
 An eager pass is a few hundred small launches (block layers, the LM head, then k Markov/confidence steps left
-to right); at batch 1 on the H200 that was 2.94 ms per step for k3-tiny's drafter, against a target decode
-step well under 1 ms. Every shape in the pass follows from the config (context_len, block_size, the tapped
-width) and the batch, so the whole of `DSparkModel.draft` at temperature 0 is captured as it is, whatever
-the model's layers are: this module knows the pass only through that one call and the input shapes.
+to right, ~25 ops each, unless `fused` puts those steps in one Triton launch); at batch 1 on the H200 that was
+2.94 ms per step for k3-tiny's drafter, against a target decode step well under 1 ms. Every shape in the pass
+follows from the config (context_len, block_size, the tapped width) and the batch, so the whole of
+`DSparkModel.greedy_pass` is captured as it is, whatever the model's layers are: this module knows the pass
+only through that one call and the input shapes.
 
 A batch of n queries replays the graph of the smallest bucket >= n; the rows past n hold the previous
 call's inputs (or zeros), compute drafts nobody reads, and touch no state (the pass has none). Batches
@@ -33,14 +34,15 @@ class _DraftGraph:
 
 class DraftGraphs:
     def __init__(self, model: DSparkModel, embed: torch.Tensor, lm_head: torch.Tensor, sizes: tuple[int, ...],
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, *, fused: bool = True) -> None:
         """sizes: the batch buckets to capture (each >= 1); embed, lm_head: the target's shared tables, on the
-        CUDA device the graphs run on; dtype: what the drafter computes in (its context rows are cast to it)."""
+        CUDA device the graphs run on; dtype: what the drafter computes in (its context rows are cast to it);
+        fused: capture the pass with its left-to-right steps in one kernel (DSparkModel.greedy_pass)."""
         if not sizes or min(sizes) < 1:
             raise ValueError(f"sizes: need batch buckets >= 1, got {sizes}")
         if embed.device.type != "cuda":
             raise ValueError(f"embed: CUDA graphs need the drafter on a CUDA device, got {embed.device}")
-        self.model, self.embed, self.lm_head = model, embed, lm_head
+        self.model, self.embed, self.lm_head, self.fused = model, embed, lm_head, fused
         self.sizes = tuple(sorted(set(sizes)))
         cfg = model.cfg
         largest = self.sizes[-1]
@@ -64,11 +66,14 @@ class DraftGraphs:
             return {}
         return {"ctx_tokens": self.tokens[:size], "ctx_valid": self.valid[:size]}
 
+    def _pass(self, ctx: torch.Tensor, anchors: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.greedy_pass(ctx, anchors, self.embed, self.lm_head, fused=self.fused, **self._extra(size))
+
     @torch.no_grad()
     def capture(self) -> None:
-        """Capture every bucket, largest first, in one memory pool; the draft logits each pass computes are
-        dropped at the end of its capture (only tokens and confidences are read), so the pool keeps one
-        bucket's logits, not one per bucket. Logs the time and the device memory the graphs took."""
+        """Capture every bucket, largest first, in one memory pool; the pass's intermediates (the unfused pass's
+        draft logits among them) are dropped at the end of its capture (only tokens and confidences are read),
+        so the pool keeps one bucket's, not one per bucket. Logs the time and the device memory the graphs took."""
         t0 = time.perf_counter()
         dev = self.embed.device
         reserved0 = torch.cuda.memory_reserved(dev)
@@ -79,12 +84,11 @@ class DraftGraphs:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):  # compile/autotune and the allocator's warm-up outside the capture
-                    self.model.draft(ctx, anchors, self.embed, self.lm_head, **self._extra(size))
+                    self._pass(ctx, anchors, size)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                tokens, logits, conf = self.model.draft(ctx, anchors, self.embed, self.lm_head, **self._extra(size))
-                del logits
+                tokens, conf = self._pass(ctx, anchors, size)
             self.graphs[size] = _DraftGraph(graph, tokens, conf)
         torch.cuda.synchronize(dev)
         log.info("captured %d drafter graphs (batch %d to %d) in %.1f s, %.2f GiB of device memory",

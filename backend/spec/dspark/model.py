@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3rt.kernels.spec import DraftHeads
+
 
 # learned context position vectors: a window past this would be mostly untrained rows, and the engine
 # keeps context_len states per running request
@@ -101,7 +103,9 @@ class _RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        # x * rsqrt(mean(x^2) + eps) * weight as one op, not six (the drafter's pass is launch-bound); in fp32
+        # it equals the spelled-out form to rounding, in bf16 it is closer to fp32 (it normalizes in fp32)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class _BlockLayer(nn.Module):
@@ -119,6 +123,16 @@ class _BlockLayer(nn.Module):
         self.mlp_norm = _RMSNorm(h, cfg.rms_norm_eps)
         self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self._qkv: tuple[tuple, torch.Tensor] | None = None  # (source key, [3 * inner, h] stacked q|k|v weights)
+
+    def _qkv_weight(self) -> torch.Tensor:
+        """q, k and v weights stacked for one matmul, rebuilt whenever one of them changes (written in place,
+        moved or cast: their version, storage or dtype moves), so the stack is never stale."""
+        ws = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        key = tuple((w.data_ptr(), w._version, w.dtype) for w in ws)
+        if self._qkv is None or self._qkv[0] != key:
+            self._qkv = (key, torch.cat([w.detach() for w in ws]))
+        return self._qkv[1]
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H*D] -> [B, H, T, D]
         return x.view(x.shape[0], x.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
@@ -128,7 +142,13 @@ class _BlockLayer(nn.Module):
         bool, False for context rows that hold no state (a window longer than what has run), or None."""
         y = self.attn_norm(x)
         kv_in = torch.cat([ctx, y], dim=1)
-        q, k, v = self._heads(self.q_proj(y)), self._heads(self.k_proj(kv_in)), self._heads(self.v_proj(kv_in))
+        if torch.is_grad_enabled():
+            q, k, v = self._heads(self.q_proj(y)), self._heads(self.k_proj(kv_in)), self._heads(self.v_proj(kv_in))
+        else:
+            # inference: q, k and v in one matmul over every row (one launch, not three; the context rows' q,
+            # W of W + S rows, are computed and dropped: cheaper than two more launches at the pass's sizes)
+            q, k, v = F.linear(kv_in, self._qkv_weight()).split(self.num_heads * self.head_dim, dim=-1)
+            q, k, v = self._heads(q[:, ctx.shape[1]:]), self._heads(k), self._heads(v)
         # no causal mask: every slot sees all context and all slots
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None, None])
         x = x + self.o_proj(o.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
@@ -158,6 +178,12 @@ class DSparkModel(nn.Module):
             self.copy_q = nn.Linear(h, cfg.copy_dim, bias=False)
             self.copy_k = nn.Linear(h, cfg.copy_dim, bias=False)
             self.copy_gate = nn.Linear(h, 1)
+            # which context token draft j copies from window index i (i + j: ctx_tokens' column of x_{p+j}) and
+            # whether it is known (i + j <= W): fixed by the config, so built once, not per pass
+            i, j = torch.arange(cfg.context_len), torch.arange(1, cfg.block_size + 1)
+            src = i[None, :] + j[:, None]  # [k, W]
+            self.register_buffer("copy_src", src.clamp(max=cfg.context_len), persistent=False)
+            self.register_buffer("copy_unknown", src > cfg.context_len, persistent=False)
         conf_in = h + cfg.markov_rank + (1 if cfg.copy_dim else 0)
         self.conf_hidden = nn.Linear(conf_in, cfg.confidence_hidden)
         self.conf_out = nn.Linear(cfg.confidence_hidden, 1)
@@ -230,14 +256,12 @@ class DSparkModel(nn.Module):
         Draft j copies x_{p+j} from the positions p the anchor's query points at; only p with p + j <= the
         anchor's position (token known) take part. A draft with no such position gets all-zero mass."""
         cfg = self.cfg
-        b, w, k = ctx.shape[0], cfg.context_len, cfg.block_size
+        b, k = ctx.shape[0], cfg.block_size
         score = torch.einsum("bd,bwd->bw", self.copy_q(slots[:, 0]), self.copy_k(ctx)).float() / math.sqrt(cfg.copy_dim)
-        i = torch.arange(w, device=ctx.device)
-        j = torch.arange(1, k + 1, device=ctx.device)
-        known = (i[None, :] + j[:, None]) <= w  # [k, W]: window index i's x_{p+j} is ctx_tokens[:, i + j]
-        allowed = known[None] & (ctx_valid[:, None] if ctx_valid is not None else True)
-        attn = torch.softmax(score[:, None].masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
-        src = ctx_tokens[:, (i[None, :] + j[:, None]).clamp(max=w)]  # [B, k, W]
+        # [B, k, W]: draft j may copy through window index i when x_{p+j} is known and row i holds a state
+        masked = self.copy_unknown[None] | (~ctx_valid[:, None] if ctx_valid is not None else False)
+        attn = torch.softmax(score[:, None].masked_fill(masked, float("-inf")), dim=-1).nan_to_num(0.0)
+        src = ctx_tokens[:, self.copy_src]  # [B, k, W]: window index i's x_{p+j} is ctx_tokens[:, i + j]
         copy = torch.zeros(b, k, cfg.vocab_size, device=ctx.device, dtype=attn.dtype).scatter_add_(-1, src, attn)
         return copy, torch.sigmoid(self.copy_gate(slots[:, 1:]).squeeze(-1).float())
 
@@ -309,12 +333,63 @@ class DSparkModel(nn.Module):
             prev = tok
         return torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(conf, 1)
 
+    def draft_heads(self) -> DraftHeads:
+        """The left-to-right heads as kernels/spec reads them: views of this model's parameters (the
+        confidence MLP's hidden layer split by the features it reads: draft state | Markov code | top)."""
+        cfg = self.cfg
+        h, r = cfg.hidden_size, cfg.markov_rank
+        w = self.conf_hidden.weight  # [C, h + r + (1 with a copy head)]
+        return DraftHeads(markov_in=self.markov_in.weight if r else None,
+                          markov_out=self.markov_out.weight if r else None, conf_prev=w[:, h:h + r] if r else None, conf_top=w[:, h + r] if cfg.copy_dim else None,
+                          conf_out=self.conf_out.weight[0], conf_out_bias=self.conf_out.bias)
+
+    @torch.no_grad()
+    def greedy_pass(self, ctx_states: torch.Tensor, anchor_ids: torch.Tensor, embed: torch.Tensor,
+                    lm_head: torch.Tensor, *, ctx_tokens: torch.Tensor | None = None,
+                    ctx_valid: torch.Tensor | None = None, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The serving pass at temperature 0 -> (tokens [B, k], acceptance estimates [B, k]); no logits.
+        fused: the block pass, then every left-to-right step in one Triton launch (kernels/spec.greedy_draft:
+        the same tokens as `draft` given the same fp32 inputs, confidences to fp32 rounding); else `draft`."""
+        if not fused:
+            tokens, _, conf = self.draft(ctx_states, anchor_ids, embed, lm_head, ctx_tokens=ctx_tokens,
+                                         ctx_valid=ctx_valid)
+            return tokens, conf
+        from k3rt.kernels.spec import greedy_draft  # Triton: imported only where the kernel runs
+
+        return greedy_draft(*self.greedy_step_inputs(ctx_states, anchor_ids, embed, lm_head, ctx_tokens=ctx_tokens,
+                                                     ctx_valid=ctx_valid))
+
+    @torch.no_grad()
+    def greedy_step_inputs(self, ctx_states: torch.Tensor, anchor_ids: torch.Tensor, embed: torch.Tensor,
+                           lm_head: torch.Tensor, *, ctx_tokens: torch.Tensor | None = None,
+                           ctx_valid: torch.Tensor | None = None) -> tuple:
+        """The block pass, and what the fused left-to-right steps read from it: (base logits [B, k, V] fp32,
+        anchor_ids, conf_pre [B, k, C], the heads, copy distributions [B, k, V] | None, gates [B, k] | None),
+        the arguments of kernels/spec.greedy_draft in order."""
+        slots, ctx = self._block(ctx_states, anchor_ids, embed, ctx_tokens, ctx_valid)
+        hidden = slots[:, 1:]
+        copy, gate = self.copy_probs(slots, ctx, ctx_tokens, ctx_valid) if self.cfg.copy_dim else (None, None)
+        # the confidence MLP's hidden layer over the draft states, for all k at once; the kernel adds the
+        # columns that read each step's previous token and top probability
+        h = self.cfg.hidden_size
+        conf_pre = F.linear(hidden, self.conf_hidden.weight[:, :h], self.conf_hidden.bias)
+        return self.base_logits(hidden, lm_head), anchor_ids, conf_pre, self.draft_heads(), copy, gate
+
+
+def confident_prefix(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
+    """[..., k] per-draft acceptance estimates -> [...] int64: the longest prefix whose cumulative product is
+    >= threshold (the product is non-increasing, so counting where it holds gives the prefix)."""
+    return (torch.cumprod(confidence.float(), dim=-1) >= threshold).sum(-1)
+
+
+def clamp_verify(prefix: int, min_verify: int, max_tokens: int, k: int) -> int:
+    """A confident prefix length -> the drafts to verify: at least min_verify, at most max_tokens and k."""
+    return max(0, min(max(prefix, min_verify), max_tokens, k))
+
 
 def verify_length(confidence: torch.Tensor, threshold: float, min_verify: int, max_tokens: int) -> int:
     """How many drafts to send for verification: the longest prefix whose cumulative product of per-draft
     acceptance estimates is >= threshold, at least min_verify and at most max_tokens. The product is
     the drafter's estimate that the whole prefix is accepted; past the threshold, verifying one more
     draft costs more target work than it is expected to return."""
-    cum = torch.cumprod(confidence.float(), dim=0)
-    n = int((cum >= threshold).sum())  # cum is non-increasing, so this is the prefix length
-    return max(0, min(max(n, min_verify), max_tokens, confidence.shape[0]))
+    return clamp_verify(int(confident_prefix(confidence, threshold)), min_verify, max_tokens, confidence.shape[0])
