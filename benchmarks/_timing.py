@@ -143,10 +143,14 @@ def copy_bandwidth() -> dict:
 
 
 def default_out(out: Path | None, name: str) -> Path:
-    """--out if given, else $OUT/name (the device machine's result folder), else ./name."""
+    """--out if given, else $OUT/name (the device machine's result folder), else out/name (git-ignored, so a
+    local run never leaves results in the tree)."""
     if out is not None:
         return out
-    return Path(os.environ["OUT"]) / name if os.environ.get("OUT") else Path(name)
+    if os.environ.get("OUT"):
+        return Path(os.environ["OUT"]) / name
+    Path("out").mkdir(exist_ok=True)
+    return Path("out") / name
 
 
 class Report:
