@@ -1,7 +1,8 @@
 """Kimi Delta Attention ops. `ref` holds the plain-torch oracle every KDA kernel is tested against.
 
 The Triton kernels (`kda_decode`, `kda_chunk_fwd`, `kda_verify`/`kda_commit` for speculative
-verification, `kda_decode_multi`: up to R tokens per sequence in one launch, for the verify graphs)
+verification, `kda_decode_multi`: up to R tokens per sequence in one launch, for the verify graphs;
+`kda_gate`: the chunked form's gate and beta in one launch)
 are exported lazily, so importing the reference ops never imports Triton.
 """
 from k3rt.kernels.kda.ref import (
@@ -20,6 +21,7 @@ _TRITON_EXPORTS = {
     "kda_commit": "k3rt.kernels.kda.triton_verify",
     "kda_decode_multi": "k3rt.kernels.kda.triton_multi",
     "kda_chunk_fwd": "k3rt.kernels.kda.triton_chunk",
+    "kda_gate": "k3rt.kernels.kda.triton_gate",
 }
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "kda_decode",
     "kda_decode_multi",
     "kda_decode_workspace",
+    "kda_gate",
     "kda_gate_lower_bound",
     "kda_gate_softplus",
     "kda_recurrent",

@@ -33,14 +33,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from k3rt.kernels.kda.chunk_tables import CHUNK, ChunkTables, chunk_tables
 from k3rt.kernels.kda.triton_decode import INTERPRET, check, poison_like
 
-CHUNK = 64  # C: tokens per chunk
 DOT16_MIN_HEAD = 64  # narrowest head dim that takes 16-bit dot operands (see kda_chunk_fwd)
 SUB = 16  # BC: rows per block of the intra-chunk matrices
 # largest in-block decay (nats) for which the split exp(Gc_i - Gc_r0) * exp(Gc_r0 - Gc_j) is used on
@@ -287,51 +288,6 @@ def _kda_chunk_out_kernel(
     tl.store(p_o, o.to(o_ptr.dtype.element_ty), boundary_check=(0, 1))
 
 
-def _chunk_tables(
-    seqlens: list[int],
-    snapshot_positions: Sequence[Sequence[int]] | None,
-    snapshot_slots: Sequence[Sequence[int]] | None,
-) -> tuple[list[int], list[int], list[int], list[int]]:
-    """Host-side tables: (chunk_seq, chunk_idx, chunk_off, snap) as Python int lists."""
-    chunk_seq: list[int] = []
-    chunk_idx: list[int] = []
-    chunk_off: list[int] = []
-    for i, n in enumerate(seqlens):
-        chunk_off.append(len(chunk_seq))
-        nc = -(-n // CHUNK)
-        chunk_seq += [i] * nc
-        chunk_idx += range(nc)
-    snap = [-1] * len(chunk_seq)
-    if snapshot_positions is not None:
-        if snapshot_slots is None or len(snapshot_slots) != len(seqlens) or len(snapshot_positions) != len(seqlens):
-            raise ValueError(
-                f"snapshot_positions and snapshot_slots must both hold one list per sequence (N={len(seqlens)}), "
-                f"got {None if snapshot_positions is None else len(snapshot_positions)} and "
-                f"{None if snapshot_slots is None else len(snapshot_slots)}"
-            )
-        for i, (pos, dst) in enumerate(zip(snapshot_positions, snapshot_slots)):
-            if len(pos) != len(dst):
-                raise ValueError(
-                    f"sequence {i}: {len(pos)} snapshot positions but {len(dst)} snapshot slots"
-                )
-            for p, d in zip(pos, dst):
-                p, d = int(p), int(d)
-                if not (0 < p <= seqlens[i]) or (p % CHUNK != 0 and p != seqlens[i]):
-                    raise ValueError(
-                        f"sequence {i}: snapshot position must satisfy 0 < p <= T={seqlens[i]} and be a "
-                        f"multiple of {CHUNK} or equal T; got {p}"
-                    )
-                if d < 0:
-                    raise ValueError(f"sequence {i}: snapshot slot must be >= 0, got {d}")
-                c = chunk_off[i] + -(-p // CHUNK) - 1
-                if snap[c] != -1:
-                    raise ValueError(f"sequence {i}: two snapshots at position {p}")
-                snap[c] = d
-    elif snapshot_slots is not None:
-        raise ValueError("snapshot_slots given without snapshot_positions")
-    return chunk_seq, chunk_idx, chunk_off, snap
-
-
 def kda_chunk_fwd(
     q: Tensor,
     k: Tensor,
@@ -358,6 +314,7 @@ def kda_chunk_fwd(
     num_warps_state: int = 4,
     num_stages_state: int = 2,
     num_warps_out: int = 4,
+    tables: ChunkTables | None = None,
 ) -> Tensor:
     """Chunked KDA prefill over a packed varlen batch; states are read and written in place.
 
@@ -389,6 +346,10 @@ def kda_chunk_fwd(
         split_output: the state pass stores per-chunk states and Vnew, and a third, fully parallel
             launch computes the output (instead of the state pass computing it).
         block_v, block_v_out, num_warps_*, num_stages_state: launch tuning.
+        tables: the chunk tables already on the device (`chunk_tables.ChunkTables`, built and validated once
+            per step by the GPU runner's step packer and shared by every layer): then cu_seqlens_cpu,
+            has_initial_state and the snapshot arguments are not read (the tables hold them), and no
+            host table is built or copied.
 
     Returns:
         o: [T_total, H, V] in v.dtype.
@@ -427,38 +388,20 @@ def kda_chunk_fwd(
         raise ValueError(f"scratch_dtype must be float32, bfloat16 or float16, got {scratch_dtype}")
     if K > 256 or V > 256:
         raise ValueError(f"head dims must be <= 256, got K={K}, V={V}")
-    if cu_seqlens_cpu is None:
-        cu_seqlens_cpu = cu_seqlens.tolist()  # one device sync
-    elif isinstance(cu_seqlens_cpu, Tensor):
-        cu_seqlens_cpu = cu_seqlens_cpu.tolist()
-    cu = [int(x) for x in cu_seqlens_cpu]
-    if len(cu) != N + 1 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must rise from 0 to T_total={T} with N+1={N + 1} entries, got {cu}")
-    seqlens = [b - a for a, b in zip(cu, cu[1:])]
-    chunk_seq, chunk_idx, chunk_off, snap = _chunk_tables(seqlens, snapshot_positions, snapshot_slots)
-    NC = len(chunk_seq)
     dev = q.device
-
     if out is None:
         out = poison_like(torch.empty(T, H, V, dtype=v.dtype, device=dev))
     elif tuple(out.shape) != (T, H, V) or out.stride(-1) != 1 or out.dtype != v.dtype:
         raise ValueError(f"out must be {v.dtype} [T_total, H, V]=[{T}, {H}, {V}], got {out.dtype} {list(out.shape)}")
-    if has_initial_state is None:
-        init = [1] * N
-    else:
-        if has_initial_state.shape != (N,):
-            raise ValueError(f"has_initial_state must be [N]=[{N}], got {list(has_initial_state.shape)}")
-        init = None
-    # one host->device copy for all the int tables
-    host = chunk_seq + chunk_idx + chunk_off + snap + (init if init is not None else [])
-    tables = torch.tensor(host, dtype=torch.int32)
-    # pinned: a pageable host-to-device copy would wait for the stream (a host sync per layer)
-    tables = (tables.pin_memory() if dev.type == "cuda" else tables).to(dev, non_blocking=True)
-    t_seq, t_idx = tables[:NC], tables[NC:2 * NC]
-    t_off, t_snap = tables[2 * NC:2 * NC + N], tables[2 * NC + N:3 * NC + N]
-    t_init = tables[3 * NC + N:] if init is not None else has_initial_state.to(device=dev, dtype=torch.int32)
-    cu_dev = cu_seqlens.to(torch.int32) if cu_seqlens.device == dev else torch.tensor(cu, dtype=torch.int32, device=dev)
-    slots = slot_indices.to(dev)
+    if tables is None:
+        tables = _device_tables(cu_seqlens, cu_seqlens_cpu, T, N, has_initial_state, snapshot_positions,
+                                snapshot_slots, dev)
+    elif tables.chunk_off.shape != (N,) or tables.chunk_seq.shape != (tables.num_chunks,):
+        raise ValueError(f"tables: chunk_off must be [N]=[{N}] and chunk_seq [num_chunks]=[{tables.num_chunks}], "
+                         f"got {list(tables.chunk_off.shape)} and {list(tables.chunk_seq.shape)}")
+    NC = tables.num_chunks
+    cu_dev = cu_seqlens.to(device=dev, dtype=torch.int32)  # no copy when it already is
+    slots = slot_indices if slot_indices.device == dev else slot_indices.to(dev)
 
     # the interpreter computes 16-bit dots wrongly: fp32 operands there. The 16-bit dot path is verified
     # on the H200 at K = V = 128 (the Kimi head); at K = V = 16 (the tiny test checkpoints) the intra
@@ -478,8 +421,34 @@ def kda_chunk_fwd(
         dot16=dot16, prec=prec, prec_inv=prec_inv, scratch_dtype=scratch_dtype, split_output=split_output,
         nw_intra=num_warps_intra, nw_state=num_warps_state, ns_state=num_stages_state, nw_out=num_warps_out,
     )
-    _launch_chunk(q, k, v, g, beta, out, cu_dev, t_seq, t_idx, t_off, slots, t_init, t_snap, state, NC, N, cfg)
+    _launch_chunk(q, k, v, g, beta, out, cu_dev, tables.chunk_seq, tables.chunk_idx, tables.chunk_off, slots,
+                  tables.init, tables.snap, state, NC, N, cfg)
     return out
+
+
+def _device_tables(cu_seqlens: Tensor, cu_seqlens_cpu: Sequence[int] | Tensor | None, T: int, N: int,
+                   has_initial_state: Tensor | None, snapshot_positions: Sequence[Sequence[int]] | None,
+                   snapshot_slots: Sequence[Sequence[int]] | None, dev: torch.device) -> ChunkTables:
+    """A call's own tables (no `tables` given): checked, built on the host, one host->device copy."""
+    if cu_seqlens_cpu is None:
+        cu_seqlens_cpu = cu_seqlens.tolist()  # one device sync
+    elif isinstance(cu_seqlens_cpu, Tensor):
+        cu_seqlens_cpu = cu_seqlens_cpu.tolist()
+    cu = [int(x) for x in cu_seqlens_cpu]
+    if len(cu) != N + 1 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to T_total={T} with N+1={N + 1} entries, got {cu}")
+    seqlens = [b - a for a, b in zip(cu, cu[1:])]
+    chunk_seq, chunk_idx, chunk_off, snap = chunk_tables(seqlens, snapshot_positions, snapshot_slots)
+    NC = len(chunk_seq)
+    if has_initial_state is not None and has_initial_state.shape != (N,):
+        raise ValueError(f"has_initial_state must be [N]=[{N}], got {list(has_initial_state.shape)}")
+    parts = [chunk_seq, chunk_idx, chunk_off, snap] + ([np.ones(N, dtype=np.int64)] if has_initial_state is None else [])
+    tables = torch.from_numpy(np.concatenate(parts).astype(np.int32))
+    # pinned: a pageable host-to-device copy would wait for the stream (a host sync per call)
+    tables = (tables.pin_memory() if dev.type == "cuda" else tables).to(dev, non_blocking=True)
+    t_init = tables[3 * NC + N:] if has_initial_state is None else has_initial_state.to(device=dev, dtype=torch.int32)
+    return ChunkTables(tables[:NC], tables[NC:2 * NC], tables[2 * NC:2 * NC + N], tables[2 * NC + N:3 * NC + N],
+                       t_init, NC)
 
 
 @dataclass(frozen=True)

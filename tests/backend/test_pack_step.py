@@ -74,6 +74,12 @@ def _pack_step_reference(seqs: list[StepSeq], *, block_size: int, conv_width: in
     snap_dest = np.asarray([d for _, _, d in snaps], dtype=np.int64).reshape(len(snaps), num_groups)
     i64 = [ids, pos, kv_slot, states.T.ravel(), conv_idx.ravel(), conv_tail.ravel(), logit_rows, ctx_slot,
            pre_rows, dec, cu[dec] if len(dec) else dec, snap_conv.ravel(), snap_dest.T.ravel()]
+    # the verify graphs' row_seq and the KDA split's rows and pages: empty here; then the sequences that are no
+    # verify run and the verify runs' rows (both empty without verify runs)
+    none = np.zeros(0, dtype=np.int64)
+    live = [i for i in range(B) if not seqs[i].verify] if verify_seqs else []
+    verify_rows = [r for i in verify_seqs for r in range(cu[i], cu[i + 1])]
+    i64 += [none] * 5 + [np.asarray(live, dtype=np.int64), np.asarray(verify_rows, dtype=np.int64)]
     i32 = [cu, ctx, table.ravel(), cu_k, cu_q]
     meta = StepMeta(B, T, max_blocks, len(snaps), w1, [p.size for p in i64], [p.size for p in i32],
                     cu.tolist(), starts, lens, decode_form, snaps, pre,
@@ -104,8 +110,8 @@ def _random_seq(rng: random.Random, *, block_size: int, groups: int | None, kind
 def _assert_same(seqs: list[StepSeq], **kw) -> StepMeta:
     want_meta, (want64, want32) = _pack_step_reference(seqs, **kw)
     meta, (h64, h32) = pack_step(seqs, **kw)
-    # arrays added since the reference (row_seq of the verify graphs' form, the KDA split's rows and pages) are
-    # empty in the steps it describes
+    # arrays added after the reference was written (it lists every array now): a new one must be empty in the
+    # steps it describes
     extra = meta.sizes64[len(want_meta.sizes64):]
     assert extra == [0] * len(extra) and len(meta.sizes32) == len(want_meta.sizes32)
     assert meta == replace(want_meta, sizes64=want_meta.sizes64 + extra)

@@ -43,6 +43,7 @@ from k3rt.backend.models.kda import KimiDeltaAttention
 from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear, share_rows
 from k3rt.backend.runner.gpu.step import GpuStep, KdaRows
 from k3rt.kernels.kda.ref import kda_chunked, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent
+from k3rt.kernels.short_conv.ref import causal_conv1d_rows, conv_windows_store
 
 
 @dataclass
@@ -152,11 +153,15 @@ def _decode(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch
 
 def _general_gated(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
                    gate: torch.Tensor, rows: KdaRows, conv_pool: torch.Tensor, rec_pool: torch.Tensor,
-                   k: KernelConfig) -> torch.Tensor:
-    """The general form and the gated output norm over `rows`' sequences. -> o [T, H, D]."""
+                   k: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The general form and the gated output norm over `rows`' sequences. -> o [T, H, D], into `out` (contiguous)
+    when given."""
     o = _general(attn, w, qkv, f, b, rows, conv_pool, rec_pool, rows.state_pages[w.group], k)
     gated = kernel("norm", "rms_norm_gated") if k.triton else None
-    return (gated or rms_norm_gated)(o, gate.reshape(o.shape), attn.o_norm_weight, attn.eps)
+    if gated is not None:
+        return gated(o, gate.reshape(o.shape), attn.o_norm_weight, attn.eps, out=out)
+    normed = rms_norm_gated(o, gate.reshape(o.shape), attn.o_norm_weight, attn.eps)
+    return normed if out is None else out.copy_(normed)
 
 
 def _split(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
@@ -180,7 +185,7 @@ def _split(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.
         o[r] = _decode(attn, w, qkv[r], f[r], b[r], gate[r], conv_pool, rec_pool, pages, k, workspace)
     if sp.rest_span is not None:
         s, e = sp.rest_span
-        o[s:e] = _general_gated(attn, w, qkv[s:e], f[s:e], b[s:e], gate[s:e], sp.rest, conv_pool, rec_pool, k)
+        _general_gated(attn, w, qkv[s:e], f[s:e], b[s:e], gate[s:e], sp.rest, conv_pool, rec_pool, k, out=o[s:e])
     else:
         r = sp.rest_rows
         o[r] = _general_gated(attn, w, qkv[r], f[r], b[r], gate[r], sp.rest, conv_pool, rec_pool, k)
@@ -280,32 +285,41 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
     contiguous copy of their states (kda_chunk_fwd wants one; a split step copies the rest's only), snapshots
     written to their destination sets. -> o [T, H, D] (before the gated norm)."""
     T, H, D = qkv.shape[0], attn.num_heads, attn.head_dim
-    W = w.conv_weight.shape[1]
-    old = conv_pool[pages]  # [B, W-1, C]
-    ext = torch.cat([old.reshape(-1, old.shape[-1]).to(qkv.dtype), qkv])
-    y = torch.zeros(T, qkv.shape[1], dtype=torch.float32, device=qkv.device)
-    for tap in range(W):  # one [T, C] gather per tap keeps the working set at 2 rows of the step
-        y.addcmul_(ext[step.conv_idx[:, tap]].float(), w.conv_weight[:, tap])
-    y = F.silu(y).to(qkv.dtype)
-    # verify runs keep their states: only the other sequences' windows and states are written back
-    live = (torch.tensor([i for i in range(step.num_seqs) if i not in step.verify_seqs], dtype=torch.long,
-                         device=qkv.device) if step.verify_seqs else None)
-    if live is None:
-        conv_pool[pages] = ext[step.conv_tail_idx].to(conv_pool.dtype)
+    if k.triton:  # one launch each, reading the cached windows in place (kernels/short_conv/triton_rows.py)
+        conv_rows, store = kernel("short_conv", "causal_conv1d_rows_fwd"), kernel("short_conv", "conv_windows_store_fwd")
     else:
-        conv_pool[pages[live]] = ext[step.conv_tail_idx[live]].to(conv_pool.dtype)
+        conv_rows, store = causal_conv1d_rows, conv_windows_store
+    y = conv_rows(qkv, conv_pool, pages, step.conv_idx, w.conv_weight)
+    nseq, snaps = step.num_seqs, step.snapshots
+    if snaps:  # first: a snapshot's window may read cached rows that the new windows overwrite
+        store(qkv, conv_pool, pages, step.snap_conv_idx, step.snap_dest[w.group])
+    # verify runs keep their states: only the other sequences' windows and states are written back
+    live = step.live_seqs
+    if live is None:
+        store(qkv, conv_pool, pages, step.conv_tail_idx, pages)
+    else:
+        store(qkv, conv_pool, pages, step.conv_tail_idx[live], pages[live])
     q, kk, v = y.view(T, 3, H, D).unbind(1)
-    g = _gate(attn, w, f)
-    beta = torch.sigmoid(b.float())
+    if k.triton:
+        g, beta = kernel("kda", "kda_gate")(f, w.A_log, w.dt_bias, b, attn.lower_bound)
+    else:
+        g, beta = _gate(attn, w, f), torch.sigmoid(b.float())
     if live is not None:
         # only the verify runs' rows, gathered (the step's activations are not kept alive until the commit)
-        rows = torch.cat([torch.arange(step.cu[i], step.cu[i + 1]) for i in step.verify_seqs]).to(qkv.device)
+        rows = step.verify_rows
         step.verify_inputs[attn.layer_idx] = (qkv[rows], g[rows], beta[rows])
-    nseq, snaps = step.num_seqs, step.snapshots
     # the recurrence runs on a contiguous copy of the sequences' states: slots 0..B-1 live, B.. snapshots
-    states = torch.empty(nseq + len(snaps), H, D, D, dtype=torch.float32, device=qkv.device)
-    states[:nseq] = rec_pool[pages]
-    if k.triton:
+    if snaps or rec_pool.dtype != torch.float32:
+        states = torch.empty(nseq + len(snaps), H, D, D, dtype=torch.float32, device=qkv.device)
+        states[:nseq] = rec_pool[pages]
+    else:  # the gather is the copy
+        states = rec_pool[pages]
+    if k.triton and step.chunk is not None:  # the step's tables (pack_step chunk_tables): nothing built here
+        from k3rt.kernels.kda import kda_chunk_fwd
+
+        o = kda_chunk_fwd(q, kk, v, g, beta, step.cu_seqlens, states, step.chunk_slots, tables=step.chunk,
+                          precision="ieee" if q.dtype == torch.float32 else "tf32")
+    elif k.triton:
         from k3rt.kernels.kda import kda_chunk_fwd
 
         pos: list[list[int]] = [[] for _ in range(nseq)]
@@ -334,10 +348,7 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
     else:
         rec_pool[pages[live]] = states[live]
     if snaps:
-        windows = ext[step.snap_conv_idx].to(conv_pool.dtype)  # [S, W-1, C]
-        dest = step.snap_dest[w.group]
-        conv_pool[dest] = windows
-        rec_pool[dest] = states[nseq:]
+        rec_pool[step.snap_dest[w.group]] = states[nseq:]
     return o
 
 
