@@ -10,7 +10,8 @@ widths (--width tiny: hidden 64, 4 heads of 16) or the real ones (--width full, 
   mixed    --batch plain decodes (context --context) beside one new request's --prefill-token chunk, eager (the
            step a server runs whenever a request arrives while others decode);
   prefill  that chunk alone.
-Per step: torch ops dispatched (a TorchDispatchMode counts every aten call), Triton launches (JITFunction.run
+Per step: torch ops dispatched (a TorchDispatchMode counts every aten call; "of which launch work": neither a view
+nor an allocation, i.e. a device kernel each on the GPU), Triton launches (JITFunction.run
 counted; on the CPU the launch is replaced by a no-op under TRITON_INTERPRET=1, so only the host side runs), and
 host ms: the median time until `fwd` returns (on CUDA, the launches issued: the device is synchronized before
 each call, so the time is the host's; "wall_ms" adds the wait for the device). The same three for one KDA layer
@@ -81,13 +82,20 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 
+_NO_KERNEL = {"empty", "empty_strided", "empty_like", "detach", "lift_fresh"}
+
+
 class _OpCount(TorchDispatchMode):
+    """Every aten op (n), and those that launch device work (kernels: neither a view nor an allocation)."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.n = 0
+        self.n = self.kernels = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.n += 1
+        if not func.is_view and func.overloadpacket.__name__ not in _NO_KERNEL:
+            self.kernels += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -136,7 +144,7 @@ def _measure(fn, kda_fn, launches: _Launches, cuda: bool) -> dict:
         launches.n = 0
         with _OpCount() as c:
             f()
-        row = {"torch_ops": c.n, "triton_launches": launches.n}
+        row = {"torch_ops": c.n, "torch_kernel_ops": c.kernels, "triton_launches": launches.n}
         host, wall = [], []
         for _ in range(ARGS.reps):
             if cuda:
@@ -227,16 +235,18 @@ def _baseline(rev: str) -> dict:
 
 
 def table(trees: dict) -> str:
-    lines = ["| tree | step | part | torch ops | Triton launches | host ms | wall ms |", "|---|---|---|---|---|---|---|"]
+    lines = ["| tree | step | part | torch ops | of which launch work | Triton launches | host ms | wall ms |",
+             "|---|---|---|---|---|---|---|---|"]
     for tree, res in trees.items():
         for step, r in res.items():
             if "skipped" in r:
-                lines.append(f"| {tree} | {step} | skipped ({r['skipped']}) | | | | |")
+                lines.append(f"| {tree} | {step} | skipped ({r['skipped']}) | | | | | |")
                 continue
             for part in ("step", "kda_layer"):
                 p = r[part]
                 wall = f"{p['wall_ms']:.2f}" if "wall_ms" in p else "-"
-                lines.append(f"| {tree} | {step} | {part} | {p['torch_ops']} | {p['triton_launches']} | "
+                lines.append(f"| {tree} | {step} | {part} | {p['torch_ops']} | {p.get('torch_kernel_ops', '-')} | "
+                             f"{p['triton_launches']} | "
                              f"{p['host_ms']:.2f} | {wall} |")
     return "\n".join(lines)
 

@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 from k3rt.kernels.kda import kda_chunk_fwd, kda_decode  # noqa: E402
 from k3rt.kernels.kda import triton_decode  # noqa: E402
+from k3rt.kernels.kda.chunk_tables import ChunkTables, chunk_tables  # noqa: E402
 from k3rt.kernels.kda.ref import (  # noqa: E402
     kda_chunked,
     kda_gate_lower_bound,
@@ -450,3 +451,45 @@ def test_gpu_decode_split_and_norm_kimi_shape(N: int, v_split: int, norm: bool) 
         assert torch.equal(case["conv_state"], ref["conv_state"]), step
         assert int(ws.abs().sum()) == 0, step
         case["qkv_pre"] = ref["qkv_pre"] = torch.randn(N, 3 * H * D, generator=gen, device=DEV).to(torch.bfloat16)
+
+
+def _device_tables(lens: list[int], snaps) -> ChunkTables:
+    c_seq, c_idx, c_off, c_snap = chunk_tables(lens, *(snaps or (None, None)))
+    t = [torch.from_numpy(a).to(DEV, torch.int32) for a in (c_seq, c_idx, c_off, c_snap)]
+    return ChunkTables(*t, torch.ones(len(lens), dtype=torch.int32, device=DEV), len(c_seq))
+
+
+def test_chunk_prebuilt_tables_equal_its_own() -> None:
+    """Issue 18: tables built once (the GPU runner's pack_step) give the call's own results bit for bit, and a
+    table of the wrong size is refused naming it."""
+    lens, snaps = [130, 1, 64], ([[64, 130], [], [64]], [[3, 4], [], [5]])
+    case = chunk_case(lens, H=2, D=16, kind="softplus", dtype=torch.float32, num_slots=6, seed=5)
+    slots = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
+    state0 = case["state"].clone()
+    own = kda_chunk_fwd(**case, slot_indices=slots, snapshot_positions=snaps[0], snapshot_slots=snaps[1])
+    own_state, case["state"] = case["state"], state0.clone()
+    shared = kda_chunk_fwd(**case, slot_indices=slots, tables=_device_tables(lens, snaps))
+    assert torch.equal(shared, own) and torch.equal(case["state"], own_state)
+    with pytest.raises(ValueError, match="tables: chunk_off"):
+        kda_chunk_fwd(**case, slot_indices=slots, tables=_device_tables(lens[:2], None))
+
+
+@pytest.mark.parametrize("kind", ["softplus", "lower_bound"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_gate_kernel_matches_ref(kind: str, dtype: torch.dtype) -> None:
+    """kda_gate (the chunked form's gate and beta, one launch) against the torch gates and sigmoid, on column
+    views of a wider projection (the runner's layout) and a steep f that crosses the softplus threshold."""
+    from k3rt.kernels.kda import kda_gate
+
+    gen = torch.Generator().manual_seed(2)
+    T, H, D = 5, 3, 16
+    A_log, dt_bias = gate_params(gen, H, D, kind)
+    proj = (torch.randn(T, H * D + H + 7, generator=gen) * 8).to(dtype)  # |f| up to ~30: both softplus branches
+    f, b = proj[:, :H * D], proj[:, H * D:H * D + H]
+    g, beta = kda_gate(f.to(DEV), A_log.to(DEV), dt_bias.to(DEV), b.to(DEV),
+                       LOWER_BOUND if kind == "lower_bound" else None)
+    assert g.shape == (T, H, D) and g.dtype == beta.dtype == torch.float32
+    assert rel_err(g.cpu(), gate(f, A_log, dt_bias, kind)) < 1e-6
+    assert rel_err(beta.cpu(), torch.sigmoid(b.float())) < 1e-6
+    with pytest.raises(ValueError, match="b must be"):
+        kda_gate(f.to(DEV), A_log.to(DEV), dt_bias.to(DEV), b[:, :2].to(DEV))
