@@ -82,7 +82,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 
-_NO_KERNEL = {"empty", "empty_strided", "empty_like", "detach", "lift_fresh"}
+_NO_KERNEL = {"empty", "empty_strided", "empty_like", "detach", "lift_fresh", "promote_types"}
 
 
 class _OpCount(TorchDispatchMode):

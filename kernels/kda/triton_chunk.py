@@ -40,7 +40,7 @@ import triton.language as tl
 from torch import Tensor
 
 from k3rt.kernels.kda.chunk_tables import CHUNK, ChunkTables, chunk_tables
-from k3rt.kernels.kda.triton_decode import INTERPRET, check, poison_like
+from k3rt.kernels.kda.triton_decode import INTERPRET, _slots_contiguous, check, poison_like
 
 DOT16_MIN_HEAD = 64  # narrowest head dim that takes 16-bit dot operands (see kda_chunk_fwd)
 SUB = 16  # BC: rows per block of the intra-chunk matrices
@@ -209,7 +209,7 @@ def _kda_chunk_state_kernel(
     slot_ptr,  # [N] int32/int64: state slot (negative: zero start, final state not stored)
     init_ptr,  # [N] int32: 1 = read the initial state from the slot, 0 = start from zeros
     snap_ptr,  # [NC] int32: slot that receives the state after this chunk, or -1
-    state_ptr,  # [num_slots, H, K, V] fp32
+    state_ptr, stride_s,  # [num_slots, H, K, V] fp32, each slot contiguous, slots stride_s apart
     qg_ptr, kd_ptr, w_ptr, u_ptr, aqk_ptr, gl_ptr,  # from the intra kernel
     h_ptr, vn_ptr,  # SPLIT_O only: out [NC, H, BK, BVF] state before each chunk, [NC, H, C, BVF] Vnew
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -232,7 +232,7 @@ def _kda_chunk_state_kernel(
     mask_v = offs_v < V
     mask_s = mask_k[:, None] & mask_v[None, :]
     s_off = i_h * (K * V) + offs_k[:, None] * V + offs_v[None, :]  # within one slot
-    S = tl.load(state_ptr + slot * (H * K * V) + s_off, mask=mask_s & use_init, other=0.0)  # [BK, BV]
+    S = tl.load(state_ptr + slot * stride_s + s_off, mask=mask_s & use_init, other=0.0)  # [BK, BV]
 
     for ic in range(tl.cdiv(eos - bos, C)):
         t0 = bos + ic * C
@@ -258,8 +258,8 @@ def _kda_chunk_state_kernel(
             tl.store(p_o, o.to(o_ptr.dtype.element_ty), boundary_check=(0, 1))
         S = S * g_last[:, None] + _dot(kd_t, v_new, DOT16, PREC)  # [BK, BV]
         dest = tl.load(snap_ptr + c0 + ic).to(tl.int64)
-        tl.store(state_ptr + dest * (H * K * V) + s_off, S, mask=mask_s & (dest >= 0))
-    tl.store(state_ptr + slot * (H * K * V) + s_off, S, mask=mask_s & (slot >= 0))
+        tl.store(state_ptr + dest * stride_s + s_off, S, mask=mask_s & (dest >= 0))
+    tl.store(state_ptr + slot * stride_s + s_off, S, mask=mask_s & (slot >= 0))
 
 
 @triton.jit
@@ -325,8 +325,9 @@ def kda_chunk_fwd(
         g: [T_total, H, K] fp32 log decay (<= 0), already gated.
         beta: [T_total, H] fp32, already through the sigmoid.
         cu_seqlens: [N+1] int32 token offsets of the N sequences (on the device).
-        state: [num_slots, H, K, V] fp32. Sequence i starts from state[slot_indices[i]] (or zeros,
-            see has_initial_state) and its final state is written back there.
+        state: [num_slots, H, K, V] fp32, each slot contiguous (the slots may be further apart: a page
+            pool's view). Sequence i starts from state[slot_indices[i]] (or zeros, see has_initial_state)
+            and its final state is written back there.
         slot_indices: [N] int32/int64. A negative slot starts from zeros and stores no final state.
         has_initial_state: optional [N] bool/int tensor; False starts that sequence from zeros
             (its slot is still written). None means every sequence reads its slot.
@@ -372,8 +373,9 @@ def kda_chunk_fwd(
         raise ValueError(
             f"state must be fp32 [num_slots, H, K, V]=[S, {H}, {K}, {V}], got {state.dtype} {list(state.shape)}"
         )
-    if not state.is_contiguous():
-        raise ValueError("state must be contiguous")
+    if not _slots_contiguous(state):
+        raise ValueError(f"state: each slot must be contiguous, slots at least a slot apart (a page pool's view "
+                         f"is fine), got strides {state.stride()}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens must be int32 [N+1], got {cu_seqlens.dtype} {list(cu_seqlens.shape)}")
     N = cu_seqlens.numel() - 1
@@ -477,7 +479,7 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
     V = v.shape[2]
     assert k.shape == g.shape == (T, H, K) and v.shape == out.shape == (T, H, V)
     assert q.stride(2) == k.stride(2) == v.stride(2) == g.stride(2) == beta.stride(1) == out.stride(2) == 1
-    assert g.dtype == beta.dtype == state.dtype == torch.float32 and state.is_contiguous()
+    assert g.dtype == beta.dtype == state.dtype == torch.float32 and _slots_contiguous(state)
     assert cu.dtype == torch.int32 and cu.shape == (N + 1,)
     assert t_seq.shape == t_idx.shape == t_snap.shape == (NC,) and t_off.shape == t_init.shape == slots.shape == (N,)
     BK, BVF, C = cfg.BK, cfg.BVF, CHUNK
@@ -510,7 +512,7 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
     h, vn = (buf(NC, H, BK, BVF, dtype=sd), buf(NC, H, C, BVF, dtype=sd)) if split else (gl, gl)
     _kda_chunk_state_kernel[(BVF // BV, N, H)](
         out, out.stride(0), out.stride(1),
-        cu, t_off, slots, t_init, t_snap, state,
+        cu, t_off, slots, t_init, t_snap, state, state.stride(0),
         qg, kd, w, u, aqk, gl, h, vn,
         H=H, K=K, V=V, BK=BK, BV=BV, BVF=BVF, C=C, DOT16=cfg.dot16, PREC=cfg.prec, SPLIT_O=split,
         num_warps=cfg.nw_state, num_stages=cfg.ns_state,

@@ -215,3 +215,25 @@ def test_a_split_step_packs_the_rest_as_a_step_of_its_own(seed) -> None:
         assert torch.equal(getattr(got, name), getattr(alone, name)), name
     only_decodes = [seqs[i] for i in plain]
     assert _views(pack_step(only_decodes, kda_split=True, **kw)).kda_split is None
+
+
+def test_chunk_tables_are_packed_once_for_the_general_form() -> None:
+    """Issue 18: with chunk_tables the step carries the chunked kernel's tables of the general form's sequences
+    (a split step's rest), its snapshots both as copy slots (Bk + j) and as each group's destination pages; a
+    snapshot position the kernel cannot take is refused by name here; a decode-only step packs none."""
+    dec = StepSeq([5], 40, [3, 4, 5], [9, 10], True)
+    chunk = StepSeq(list(range(130)), 0, [11, 12, 13, 14, 15], [16, 17], True, [(64, [20, 21]), (130, [22, 23])])
+    verify = StepSeq([1, 2, 3], 70, [30, 31, 32, 33, 34], [35, 36], True, verify=True)
+    kw = dict(block_size=32, conv_width=4, num_groups=2, kda_split=True)
+    rows = _views(pack_step([dec, chunk, verify], chunk_tables=True, **kw)).kda_rows
+    c = rows.chunk
+    assert c.num_chunks == 4 and c.chunk_seq.tolist() == [0, 0, 0, 1] and c.chunk_idx.tolist() == [0, 1, 2, 0]
+    assert c.chunk_off.tolist() == [0, 3] and c.init.tolist() == [1, 1] and rows.chunk_slots.tolist() == [0, 1]
+    assert c.snap.tolist() == [2, -1, 3, -1]  # after chunk 0 (position 64) and after the last (130): slots Bk + j
+    assert rows.chunk_snap_pages.tolist() == [[20, -1, 22, -1], [21, -1, 23, -1]]
+    assert rows.live_seqs.tolist() == [0] and rows.verify_rows.tolist() == [130, 131, 132]
+    assert _views(pack_step([dec, chunk, verify], **kw)).kda_rows.chunk is None
+    assert _views(pack_step([dec, dec], chunk_tables=True, **kw)).kda_rows.chunk is None
+    bad = StepSeq(list(range(130)), 0, [11, 12, 13, 14, 15], [16, 17], True, [(32, [20, 21])])
+    with pytest.raises(ValueError, match="snapshot position must satisfy 0 < p <= T=130 and be a multiple of 64"):
+        pack_step([dec, bad], chunk_tables=True, **kw)

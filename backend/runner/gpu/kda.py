@@ -308,7 +308,16 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
         # only the verify runs' rows, gathered (the step's activations are not kept alive until the commit)
         rows = step.verify_rows
         step.verify_inputs[attn.layer_idx] = (qkv[rows], g[rows], beta[rows])
-    # the recurrence runs on a contiguous copy of the sequences' states: slots 0..B-1 live, B.. snapshots
+    if k.triton and step.chunk is not None and live is None and rec_pool.dtype == torch.float32:
+        # the step's tables (pack_step chunk_tables), the states read and written on their pages in place,
+        # snapshots straight to their destination pages: no state copy, nothing built here
+        from k3rt.kernels.kda import kda_chunk_fwd
+
+        return kda_chunk_fwd(q, kk, v, g, beta, step.cu_seqlens, rec_pool, pages,
+                             tables=step.chunk._replace(snap=step.chunk_snap_pages[w.group]),
+                             precision="ieee" if q.dtype == torch.float32 else "tf32")
+    # else the recurrence runs on a contiguous copy of the sequences' states: slots 0..B-1 live, B.. snapshots
+    # (verify runs' states are computed but not written back)
     if snaps or rec_pool.dtype != torch.float32:
         states = torch.empty(nseq + len(snaps), H, D, D, dtype=torch.float32, device=qkv.device)
         states[:nseq] = rec_pool[pages]

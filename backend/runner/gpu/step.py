@@ -33,9 +33,10 @@ non-blocking copy, so no layer ever synchronizes with the host:
   kda_live, kda_verify_rows [Bl], [Tv]  (steps with verify runs) the general form's sequences that are no
                                 verify run, and the rows of those that are: what every KDA layer writes back and keeps
   chunk tables        (chunk_tables: eager steps the chunked KDA kernel runs in) int32 chunk_seq, chunk_idx [NC],
-                                chunk_off [Bk], snap [NC], init [Bk] and the state slots 0..Bk-1 of the general
-                                form's sequences (kernels/kda/chunk_tables.py): built and checked once per step
-                                here, so the 20 KDA layers of a 48B step neither rebuild nor copy them
+                                chunk_off [Bk], snap [NC], init [Bk], the state slots 0..Bk-1 of the general
+                                form's sequences (kernels/kda/chunk_tables.py) and snap as destination pages
+                                [G, NC]: built and checked once per step here, so the 20 KDA layers of a 48B
+                                step neither rebuild nor copy them
 
 The host-side lists (cu, starts, snapshots) stay on the object for launchers that need Python ints.
 """
@@ -92,6 +93,9 @@ class KdaRows:
     # (pack_step chunk_tables); None: each layer's kda_chunk_fwd builds its own
     chunk: ChunkTables | None
     chunk_slots: torch.Tensor | None
+    # int32 [G, NC]: the chunk tables' snapshots as each group's destination pages (-1: none), for the layers
+    # whose chunked kernel runs on the pool's pages in place
+    chunk_snap_pages: torch.Tensor | None
     # the step's dict (kda_commit reads the verify runs' rows from it, in step order: the rest keeps that order)
     verify_inputs: dict[int, tuple[torch.Tensor, ...]]
 
@@ -299,7 +303,13 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
             positions[i].append(p - int(k_starts[i]))
             slots[i].append(Bk + j)
         c_seq, c_idx, c_off, c_snap = _chunk_tables(k_lens, positions if k_snaps else None, slots if k_snaps else None)
-        chunk32 = [c_seq, c_idx, c_off, c_snap, np.ones(Bk, dtype=np.int64), np.arange(Bk)]
+        # the same snapshots straight into the pool (the layers that run on their live pages): each group's
+        # destination page of the snapshot taken after each chunk, or -1
+        snap_pages = np.full((num_groups, c_snap.size), -1, dtype=np.int64)
+        taken = c_snap >= 0
+        if taken.any():
+            snap_pages[:, taken] = np.asarray([d for _, _, d in k_snaps], dtype=np.int64)[c_snap[taken] - Bk].T
+        chunk32 = [c_seq, c_idx, c_off, c_snap, np.ones(Bk, dtype=np.int64), np.arange(Bk), snap_pages.ravel()]
 
     # the ragged tables scattered into [B, max_blocks] through flat indices (row * width + column)
     filled = int(num_pages.sum())
@@ -393,13 +403,14 @@ def step_views(meta: StepMeta, flat64: torch.Tensor, flat32: torch.Tensor) -> Gp
     verify_inputs: dict[int, tuple[torch.Tensor, ...]] = {}
     sm = meta.kda_split
     t_krest_cu = tail32.pop(0) if sm is not None else None
-    chunk, chunk_slots = None, None
+    chunk, chunk_slots, chunk_snap_pages = None, None, None
     if meta.num_chunks is not None:
-        c_seq, c_idx, c_off, c_snap, c_init, chunk_slots = tail32
+        c_seq, c_idx, c_off, c_snap, c_init, chunk_slots, c_snap_pages = tail32
         chunk = ChunkTables(c_seq, c_idx, c_off, c_snap, c_init, meta.num_chunks)
+        chunk_snap_pages = c_snap_pages.view(G, meta.num_chunks)
     verify_any = t_verify_rows.numel() > 0
     rows_kw = dict(live_seqs=t_live if verify_any else None, verify_rows=t_verify_rows if verify_any else None,
-                   chunk=chunk, chunk_slots=chunk_slots, verify_inputs=verify_inputs)
+                   chunk=chunk, chunk_slots=chunk_slots, chunk_snap_pages=chunk_snap_pages, verify_inputs=verify_inputs)
     if sm is None:
         kda_rows = KdaRows(B, meta.cu, meta.starts, meta.lens, meta.snapshots, meta.verify_seqs, t_cu, state_pages,
                            t_conv.view(T, w1 + 1), t_tail.view(B, w1), t_snap.view(meta.num_snapshots, w1),
