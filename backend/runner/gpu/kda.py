@@ -1,16 +1,19 @@
-"""KDA layer on the GPU path: one fused q|k|v GEMM, conv windows gathered on the device, the
+"""KDA layer on the GPU path: one fused q|k|v GEMM, conv windows read on the device, the
 recurrence through the Triton kernels (torch reference when kernels are off), states in the pool.
 
 Two forms:
-  general (any step): conv over gathered windows, `kda_chunk_fwd` over the packed varlen batch,
-    snapshot states written to their destination state sets;
+  general (any step): conv over the windows pack_step names (rows of [cached windows ; the step's rows]),
+    `kda_chunk_fwd` over the packed varlen batch, snapshot states written to their destination state sets.
+    With the kernels it issues Triton launches only (issue 18: an eager step is bound by its host's launches):
+    conv, window stores, gate, the chunk kernels on the states' pool pages in place, with the chunk tables
+    pack_step built once for every layer;
   decode (every sequence feeds one token, no snapshots; the form captured in CUDA graphs): the
     fused `kda_decode` step, conv cache and recurrent state updated in place.
 A mixed step (plain decodes beside prefill chunks, snapshot rows or verify runs; pack_step kda_split,
 whenever the decode kernel runs outside the batch-invariant mode) is split: the plain decodes' rows take the
 decode form on their live states (the same kernel on the same inputs as a decode step, so bit-identical to
-one) and only the other sequences the general form (`GpuStep.kda_rows`: its conv gathers, state copies and
-chunk kernels then cover those sequences only; a one-token decode costs the chunk kernel a whole chunk).
+one) and only the other sequences the general form (`GpuStep.kda_rows`: its conv and chunk kernels then cover
+those sequences only; a one-token decode costs the chunk kernel a whole chunk).
 Verify runs (speculative decoding) take the general form but leave their conv and recurrent states as
 they were; `kda_commit` replays the accepted prefix into them once the sampler has decided.
   verify graph form (pack_step row_queries: every sequence a verify run of the same length R, the form
@@ -281,9 +284,10 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
              step: KdaRows, conv_pool: torch.Tensor, rec_pool: torch.Tensor, pages: torch.Tensor,
              k: KernelConfig) -> torch.Tensor:
     """The general form over `step`'s sequences (GpuStep.kda_rows: the whole step, or a split step's rest; qkv, f,
-    b: their rows only) on their state pages `pages`: conv over gathered windows, the chunked recurrence on a
-    contiguous copy of their states (kda_chunk_fwd wants one; a split step copies the rest's only), snapshots
-    written to their destination sets. -> o [T, H, D] (before the gated norm)."""
+    b: their rows only) on their state pages `pages`: conv over the windows step.conv_idx names, the new and
+    snapshot windows stored, the chunked recurrence (with the kernels and the step's chunk tables: on the pool
+    pages in place; else on a contiguous copy of the states, which leaves verify runs' states as they were),
+    snapshots written to their destination sets. -> o [T, H, D] (before the gated norm)."""
     T, H, D = qkv.shape[0], attn.num_heads, attn.head_dim
     if k.triton:  # one launch each, reading the cached windows in place (kernels/short_conv/triton_rows.py)
         conv_rows, store = kernel("short_conv", "causal_conv1d_rows_fwd"), kernel("short_conv", "conv_windows_store_fwd")
