@@ -81,10 +81,20 @@ def _pack_step_reference(seqs: list[StepSeq], *, block_size: int, conv_width: in
     verify_rows = [r for i in verify_seqs for r in range(cu[i], cu[i + 1])]
     i64 += [none] * 5 + [np.asarray(live, dtype=np.int64), np.asarray(verify_rows, dtype=np.int64)]
     i32 = [cu, ctx, table.ravel(), cu_k, cu_q]
+    # a step with both MLA forms also packs its decodes' table rows and contexts
+    mla_mixed = 0 < len(dec) < B
+    if mla_mixed:
+        i32 += [table[dec].ravel(), ctx[dec]]
+
+    def span(rows) -> tuple[int, int] | None:
+        rows = [int(r) for r in rows]
+        return (rows[0], rows[-1] + 1) if rows and rows == list(range(rows[0], rows[-1] + 1)) else None
+
     meta = StepMeta(B, T, max_blocks, len(snaps), w1, [p.size for p in i64], [p.size for p in i32],
                     cu.tolist(), starts, lens, decode_form, snaps, pre,
                     max((lens[i] for i in pre), default=0), int(max((ctx[i] for i in pre), default=0)),
-                    bool(np.array_equal(logit_rows, np.arange(T))), verify_seqs)
+                    bool(np.array_equal(logit_rows, np.arange(T))), verify_seqs, mla_mixed=mla_mixed,
+                    decode_span=span(cu[dec]), prefill_span=span(pre_rows))
     host = (torch.from_numpy(np.concatenate(i64).astype(np.int64)),
             torch.from_numpy(np.concatenate(i32).astype(np.int32)))
     return meta, host

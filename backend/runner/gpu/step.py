@@ -21,6 +21,9 @@ non-blocking copy, so no layer ever synchronizes with the host:
                                 sequences (n == 1) read their pages through block_table instead
   snap_conv_idx       [S, W-1]  conv windows at snapshot positions (S snapshots)
   snap_dest           [G, S]    each snapshot's destination state set, by group
+  decode table/ctx    [Nd, M], [Nd]  (int32, steps with both MLA forms) the decode sequences' block_table rows
+                                and ctx_lens, so no MLA layer gathers them (decode/prefill rows also come as
+                                spans when contiguous: the layers slice)
   row_seq             [T]       (row_queries: verify graphs) the sequence of each row; every row is then its
                                 own MLA decode query over its context (pos + 1), and no sequence takes
                                 the expanded form, so no array's size depends on the context lengths
@@ -156,6 +159,12 @@ class GpuStep:
     max_k: int
     decode_seqs: torch.Tensor  # int64: sequences in the decode form
     decode_rows: torch.Tensor  # their packed rows
+    # a step with both MLA forms: the decode sequences' block_table rows [Nd, M] and ctx_lens [Nd] (int32); None
+    # otherwise (every sequence decodes: block_table and ctx_lens themselves)
+    decode_block_table: torch.Tensor | None
+    decode_ctx_lens: torch.Tensor | None
+    decode_span: tuple[int, int] | None  # decode_rows as (first, end) when contiguous: slices, not gathers
+    prefill_span: tuple[int, int] | None  # prefill_rows likewise
     # what the general KDA form runs: every sequence (kda_split None), or the rest of a split step
     kda_rows: KdaRows
     kda_split: KdaSplit | None
@@ -200,6 +209,9 @@ class StepMeta:
     row_queries: bool = False
     kda_split: KdaSplitMeta | None = None
     num_chunks: int | None = None  # chunk tables packed (pack_step chunk_tables): their chunk count
+    mla_mixed: bool = False  # both MLA forms: the decodes' table rows and contexts packed
+    decode_span: tuple[int, int] | None = None  # the MLA decode rows (first, end) when contiguous
+    prefill_span: tuple[int, int] | None = None  # the expanded-form rows (first, end) when contiguous
 
 
 def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_groups: int,
@@ -320,17 +332,27 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
     # copy of it cost 0.4 ms of page faults at 512 x 556 where one reused allocation costs 0.03 ms
     # sequences in the expanded (prefill) MLA form; none when every row is its own decode query
     pre_np = np.flatnonzero(lens_np != 1) if not row_queries else np.zeros(0, dtype=np.int64)
-    # cu, ctx, table, cu_k, cu_q, then (a split step) the rest's cu, then (chunk_tables) the chunk tables
+    dec = np.flatnonzero(is_decode)
+    ctx = starts_np + lens_np
+    # a step with both MLA forms: its decode sequences' table rows and context lengths, packed once here
+    # rather than gathered by each MLA layer
+    mla_mixed = 0 < dec.size < B and not row_queries
+    # cu, ctx, table, cu_k, cu_q, then (MLA mixed) the decodes' table rows and contexts, then (a split step) the
+    # rest's cu, then (chunk_tables) the chunk tables
     tail32 = ([k_cu] if split is not None else []) + chunk32
-    sizes32 = [B + 1, B, B * max_blocks, len(pre_np) + 1, len(pre_np) + 1] + [a.size for a in tail32]
+    sizes32 = ([B + 1, B, B * max_blocks, len(pre_np) + 1, len(pre_np) + 1]
+               + ([dec.size * max_blocks, dec.size] if mla_mixed else []) + [a.size for a in tail32])
     flat32 = np.empty(sum(sizes32), dtype=np.int32)
     cu32, ctx32, table, cu_k32, cu_q32, *tail_views = _split(flat32, sizes32)
+    dec_views = [tail_views.pop(0), tail_views.pop(0)] if mla_mixed else []
     for view, a in zip(tail_views, tail32):
         view[:] = a
     table = table.reshape(B, max_blocks)
     table.fill(0)
     table.ravel()[page_row * max_blocks + (np.arange(filled) - cu_pages[page_row])] = np.fromiter(
         chain.from_iterable(tables), dtype=np.int64, count=filled)
+    if mla_mixed:
+        dec_views[0][:], dec_views[1][:] = table[dec].ravel(), ctx[dec]
     kv_slot = table[seq_of_row, pos // block_size].astype(np.int64) * block_size + pos % block_size
     snap_dest = np.asarray([d for _, _, d in snaps], dtype=np.int64).reshape(len(snaps), num_groups)
 
@@ -340,8 +362,6 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
                                  np.asarray(extra_logit_rows, dtype=np.int64)])
     decode_form = is_decode.tolist()
     pre = pre_np.tolist()
-    dec = np.flatnonzero(is_decode)
-    ctx = starts_np + lens_np
     # every context position of the expanded-form sequences, their flat cache rows
     ctx_pre = ctx[pre_np]
     cu_k = np.zeros(len(pre) + 1, dtype=np.int64)
@@ -366,7 +386,8 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
                     cu.tolist(), starts, lens, decode_form, snaps, pre,
                     int(lens_np[pre_np].max(initial=0)), int(ctx_pre.max(initial=0)),
                     bool(logit_rows.size == T and np.array_equal(logit_rows, np.arange(T))), verify_seqs, row_queries,
-                    split_meta, len(chunk32[0]) if chunk32 else None)
+                    split_meta, len(chunk32[0]) if chunk32 else None, mla_mixed,
+                    _span(cu[dec]) if dec.size else None, _span(pre_rows) if pre_rows.size else None)
     host = (torch.from_numpy(np.concatenate(i64, dtype=np.int64)), torch.from_numpy(flat32))
     return meta, host
 
@@ -402,6 +423,7 @@ def step_views(meta: StepMeta, flat64: torch.Tensor, flat32: torch.Tensor) -> Gp
     state_pages = t_states.view(G, B)
     verify_inputs: dict[int, tuple[torch.Tensor, ...]] = {}
     sm = meta.kda_split
+    dec_table, dec_ctx = (tail32.pop(0), tail32.pop(0)) if meta.mla_mixed else (None, None)
     t_krest_cu = tail32.pop(0) if sm is not None else None
     chunk, chunk_slots, chunk_snap_pages = None, None, None
     if meta.num_chunks is not None:
@@ -430,7 +452,10 @@ def step_views(meta: StepMeta, flat64: torch.Tensor, flat32: torch.Tensor) -> Gp
         block_table=t_table.view(B, meta.max_blocks), state_pages=state_pages, logit_rows=t_logit,
         logits_every_row=meta.logits_every_row, prefill_seqs=meta.prefill_seqs, prefill_rows=t_pre_rows,
         ctx_slot=t_ctx_slot, cu_k=t_cuk, cu_q=t_cuq, max_q=meta.max_q, max_k=meta.max_k, decode_seqs=t_dec,
-        decode_rows=t_dec_rows, kda_rows=kda_rows, kda_split=split, verify_seqs=meta.verify_seqs,
+        decode_rows=t_dec_rows,
+        decode_block_table=dec_table.view(-1, meta.max_blocks) if dec_table is not None else None,
+        decode_ctx_lens=dec_ctx, decode_span=meta.decode_span, prefill_span=meta.prefill_span, kda_rows=kda_rows,
+        kda_split=split, verify_seqs=meta.verify_seqs,
         verify_inputs=verify_inputs, row_seq=t_row_seq if meta.row_queries else None,
     )
 
