@@ -2,7 +2,7 @@
 
 The Triton kernels (`kda_decode`, `kda_chunk_fwd`, `kda_verify`/`kda_commit` for speculative
 verification, `kda_decode_multi`: up to R tokens per sequence in one launch, for the verify graphs;
-`kda_gate`: the chunked form's gate and beta in one launch)
+`kda_chunk_prep`: the chunked form's conv, gate and beta in one launch)
 are exported lazily, so importing the reference ops never imports Triton.
 """
 from k3rt.kernels.kda.ref import (
@@ -21,17 +21,17 @@ _TRITON_EXPORTS = {
     "kda_commit": "k3rt.kernels.kda.triton_verify",
     "kda_decode_multi": "k3rt.kernels.kda.triton_multi",
     "kda_chunk_fwd": "k3rt.kernels.kda.triton_chunk",
-    "kda_gate": "k3rt.kernels.kda.triton_gate",
+    "kda_chunk_prep": "k3rt.kernels.kda.triton_prep",
 }
 
 __all__ = [
     "kda_chunk_fwd",
+    "kda_chunk_prep",
     "kda_chunked",
     "kda_commit",
     "kda_decode",
     "kda_decode_multi",
     "kda_decode_workspace",
-    "kda_gate",
     "kda_gate_lower_bound",
     "kda_gate_softplus",
     "kda_recurrent",

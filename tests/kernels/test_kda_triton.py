@@ -479,24 +479,3 @@ def test_chunk_prebuilt_tables_equal_its_own() -> None:
     assert pages[:, :8].isnan().all() and pages[:, 8 + state0[0].numel():].isnan().all()  # the rest untouched
     with pytest.raises(ValueError, match="tables: chunk_off"):
         kda_chunk_fwd(**case, slot_indices=slots, tables=_device_tables(lens[:2], None))
-
-
-@pytest.mark.parametrize("kind", ["softplus", "lower_bound"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_gate_kernel_matches_ref(kind: str, dtype: torch.dtype) -> None:
-    """kda_gate (the chunked form's gate and beta, one launch) against the torch gates and sigmoid, on column
-    views of a wider projection (the runner's layout) and a steep f that crosses the softplus threshold."""
-    from k3rt.kernels.kda import kda_gate
-
-    gen = torch.Generator().manual_seed(2)
-    T, H, D = 5, 3, 16
-    A_log, dt_bias = gate_params(gen, H, D, kind)
-    proj = (torch.randn(T, H * D + H + 7, generator=gen) * 8).to(dtype)  # |f| up to ~30: both softplus branches
-    f, b = proj[:, :H * D], proj[:, H * D:H * D + H]
-    g, beta = kda_gate(f.to(DEV), A_log.to(DEV), dt_bias.to(DEV), b.to(DEV),
-                       LOWER_BOUND if kind == "lower_bound" else None)
-    assert g.shape == (T, H, D) and g.dtype == beta.dtype == torch.float32
-    assert rel_err(g.cpu(), gate(f, A_log, dt_bias, kind)) < 1e-6
-    assert rel_err(beta.cpu(), torch.sigmoid(b.float())) < 1e-6
-    with pytest.raises(ValueError, match="b must be"):
-        kda_gate(f.to(DEV), A_log.to(DEV), dt_bias.to(DEV), b[:, :2].to(DEV))

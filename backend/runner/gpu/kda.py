@@ -5,8 +5,8 @@ Two forms:
   general (any step): conv over the windows pack_step names (rows of [cached windows ; the step's rows]),
     `kda_chunk_fwd` over the packed varlen batch, snapshot states written to their destination state sets.
     With the kernels it issues Triton launches only (issue 18: an eager step is bound by its host's launches):
-    conv, window stores, gate, the chunk kernels on the states' pool pages in place, with the chunk tables
-    pack_step built once for every layer;
+    conv with gate and beta, window stores, the chunk kernels on the states' pool pages in place, with the chunk
+    tables pack_step built once for every layer;
   decode (every sequence feeds one token, no snapshots; the form captured in CUDA graphs): the
     fused `kda_decode` step, conv cache and recurrent state updated in place.
 A mixed step (plain decodes beside prefill chunks, snapshot rows or verify runs; pack_step kda_split,
@@ -289,11 +289,14 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
     pages in place; else on a contiguous copy of the states, which leaves verify runs' states as they were),
     snapshots written to their destination sets. -> o [T, H, D] (before the gated norm)."""
     T, H, D = qkv.shape[0], attn.num_heads, attn.head_dim
-    if k.triton:  # one launch each, reading the cached windows in place (kernels/short_conv/triton_rows.py)
-        conv_rows, store = kernel("short_conv", "causal_conv1d_rows_fwd"), kernel("short_conv", "conv_windows_store_fwd")
+    if k.triton:  # conv, gate and beta in one launch, the cached windows read in place (kernels/kda/triton_prep.py)
+        y, g, beta = kernel("kda", "kda_chunk_prep")(qkv, conv_pool, pages, step.conv_idx, w.conv_weight, f, w.A_log,
+                                                     w.dt_bias, b, attn.lower_bound)
+        store = kernel("short_conv", "conv_windows_store_fwd")
     else:
-        conv_rows, store = causal_conv1d_rows, conv_windows_store
-    y = conv_rows(qkv, conv_pool, pages, step.conv_idx, w.conv_weight)
+        y = causal_conv1d_rows(qkv, conv_pool, pages, step.conv_idx, w.conv_weight)
+        g, beta = _gate(attn, w, f), torch.sigmoid(b.float())
+        store = conv_windows_store
     nseq, snaps = step.num_seqs, step.snapshots
     if snaps:  # first: a snapshot's window may read cached rows that the new windows overwrite
         store(qkv, conv_pool, pages, step.snap_conv_idx, step.snap_dest[w.group])
@@ -304,10 +307,6 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
     else:
         store(qkv, conv_pool, pages, step.conv_tail_idx[live], pages[live])
     q, kk, v = y.view(T, 3, H, D).unbind(1)
-    if k.triton:
-        g, beta = kernel("kda", "kda_gate")(f, w.A_log, w.dt_bias, b, attn.lower_bound)
-    else:
-        g, beta = _gate(attn, w, f), torch.sigmoid(b.float())
     if live is not None:
         # only the verify runs' rows, gathered (the step's activations are not kept alive until the commit)
         rows = step.verify_rows
