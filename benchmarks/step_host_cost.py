@@ -13,10 +13,12 @@ widths (--width tiny: hidden 64, 4 heads of 16) or the real ones (--width full, 
 Per step: torch ops dispatched (a TorchDispatchMode counts every aten call; "of which launch work": neither a view
 nor an allocation, i.e. a device kernel each on the GPU), Triton launches (JITFunction.run
 counted; on the CPU the launch is replaced by a no-op under TRITON_INTERPRET=1, so only the host side runs), and
-host ms: the median time until `fwd` returns (on CUDA, the launches issued: the device is synchronized before
+host ms: the median (and min) time until `fwd` returns (on CUDA, the launches issued: the device is synchronized before
 each call, so the time is the host's; "wall_ms" adds the wait for the device). The same three for one KDA layer
 alone (`kda_attend` of the first KDA layer on the step: the part the KDA path owns) and cProfile's top functions
-by own time. --baseline REV runs this script again on the tree of commit REV (git archive into a temporary
+by own time. First (--check; on by default on CUDA) every attention layer of each step (KDA, MLA) is checked
+against the torch-op path (KernelConfig(triton=False)) on the same inputs and cache contents; a failed check
+exits 1. --baseline REV runs this script again on the tree of commit REV (git archive into a temporary
 folder, imported in place of this checkout) and prints both in one table. JSON to --out and a markdown table to
 stdout; items past --budget-s are skipped.
 """
@@ -46,6 +48,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--prefill", type=int, default=32, help="tokens of the new request's chunk")
     p.add_argument("--context", type=int, default=100, help="tokens already in each decode's cache")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--check", choices=["auto", "on", "off"], default="auto",
+                   help="first check each step's attention layers against the torch-op path (auto: on CUDA only; on "
+                        "the CPU the kernels then really run in the interpreter, slowly)")
     p.add_argument("--profile-top", type=int, default=12, help="cProfile functions listed per step (0: none)")
     p.add_argument("--baseline", default=None, metavar="REV", help="also measure commit REV's tree (git)")
     p.add_argument("--src", type=Path, default=None, help=argparse.SUPPRESS)  # the tree to import (--baseline)
@@ -107,12 +112,12 @@ class _Launches:
             from triton.runtime.interpreter import InterpretedFunction as cls
         else:
             from triton.runtime.jit import JITFunction as cls
-        self.n, self.cls, self.orig = 0, cls, cls.run
+        self.n, self.cls, self.orig, self.run = 0, cls, cls.run, run
         counter = self
 
         def run_fn(fn, *args, **kwargs):
             counter.n += 1
-            return counter.orig(fn, *args, **kwargs) if run else None
+            return counter.orig(fn, *args, **kwargs) if counter.run else None
 
         cls.run = run_fn
 
@@ -209,6 +214,11 @@ def measure_tree() -> dict:
         if time.perf_counter() - T0 > ARGS.budget_s:
             result[name] = {"skipped": "budget"}
             continue
+        check = None
+        if ARGS.check == "on" or (ARGS.check == "auto" and cuda):
+            launches.run = True
+            check = _check(runner, pool, seqs, KernelConfig)
+            launches.run = cuda
         step = runner._build(seqs, [])
         x = torch.randn(step.num_tokens, cfg.hidden_size, generator=g).to(dev, w.w_in.dtype)
         parts = kda_project(attn, w, x, fwd.k)
@@ -217,7 +227,67 @@ def measure_tree() -> dict:
                                                                           decode=False, workspace=fwd.kda_workspace),
                                 launches, cuda)
         result[name]["kda_split"] = step.kda_split is not None
+        if check is not None:
+            result[name]["check"] = check
     return result
+
+
+def _check(runner, pool, seqs, kernel_config) -> dict:
+    """Every attention layer of the step (`GpuForward.attention`: KDA or MLA with its o_proj, the code this script
+    is about) with the kernels against the torch-op path (KernelConfig(triton=False), the step built as the
+    runner builds it for each path), on the same random input rows and the same random cache contents (every page
+    of the step filled through the view its role uses, restored before each run): the largest relative error of
+    a layer's output and of the cache views it leaves (conv and recurrent states, MLA latents), and ok. Per layer,
+    not the logits: random routers flip near-tied experts between two paths, which says nothing about these."""
+    dev = pool.tensors[0].device
+    g = torch.Generator(device=dev).manual_seed(1)
+    for s in seqs:
+        for page in s.block_table:
+            for t in range(len(pool.tensors)):
+                pool.mla[t][page].normal_(0.0, 1.0, generator=g)
+        for page in s.state_pages:
+            for t in range(len(pool.conv)):
+                pool.conv[t][page].normal_(0.0, 1.0, generator=g)
+                pool.rec[t][page].normal_(0.0, 0.05, generator=g)
+    table = torch.tensor(sorted({p for s in seqs for p in s.block_table}), device=dev)
+    states = torch.tensor(sorted({p for s in seqs for p in s.state_pages}), device=dev)
+    pages = torch.cat([table, states])
+    saved = [t[pages].clone() for t in pool.tensors]
+    fwd, base = runner.fwd, runner.fwd.k
+    paths = (base, kernel_config(triton=False))
+    steps = []
+    for k in paths:
+        fwd.k = k
+        steps.append(runner._build(seqs, []))
+    hidden = fwd.layers[0].input_layernorm.weight
+    x = torch.randn(steps[0].num_tokens, hidden.shape[0], generator=g, device=dev).to(hidden.dtype)
+    worst = {"output": 0.0, "cache": 0.0}
+    try:
+        for i, w in fwd.prepared.items():
+            if not hasattr(fwd.layers[i].self_attn, "num_heads"):
+                continue
+            views = ([pool.conv[w.tensor][states], pool.rec[w.tensor][states]] if hasattr(w, "conv_weight")
+                     else [pool.mla[w.slot][table]])
+            got = []
+            for k, step in zip(paths, steps):
+                for t, v in zip(pool.tensors, saved):
+                    t[pages] = v
+                fwd.k = k
+                y = fwd.attention(i, x, step, decode=False).float()
+                cache = ([pool.conv[w.tensor][states], pool.rec[w.tensor][states]] if len(views) == 2
+                         else [pool.mla[w.slot][table]])
+                got.append((y, [c.float() for c in cache]))
+            (y0, c0), (y1, c1) = got
+            worst["output"] = max(worst["output"], float((y0 - y1).norm() / y1.norm().clamp_min(1e-30)))
+            for a, b in zip(c0, c1):
+                worst["cache"] = max(worst["cache"], float((a - b).norm() / b.norm().clamp_min(1e-30)))
+    finally:
+        fwd.k = base
+        for t, v in zip(pool.tensors, saved):
+            t[pages] = v
+    tol = 2e-2 if hidden.dtype != torch.float32 else 1e-4  # bf16 on CUDA, fp32 on the CPU
+    return {"layer_rel_output": worst["output"], "layer_rel_cache": worst["cache"], "tol": tol,
+            "ok": bool(worst["output"] < tol and worst["cache"] < tol)}
 
 
 def _baseline(rev: str) -> dict:
@@ -227,10 +297,10 @@ def _baseline(rev: str) -> dict:
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         out = Path(tmp) / "baseline.json"
         argv = [sys.executable, __file__, "--src", tmp, "--out", str(out)]
-        for k in ("device", "width", "batch", "prefill", "context", "reps", "profile_top"):
+        for k in ("device", "width", "batch", "prefill", "context", "reps", "profile_top", "check"):
             argv += [f"--{k.replace('_', '-')}", str(getattr(ARGS, k))]
         argv += ["--budget-s", str(max(1.0, ARGS.budget_s - (time.perf_counter() - T0)))]
-        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(argv, stdout=subprocess.DEVNULL)  # a failed check still writes its JSON
         return json.loads(out.read_text())["trees"]["this"]
 
 
@@ -257,6 +327,8 @@ def main() -> int:
         result["trees"] = {ARGS.baseline: _baseline(ARGS.baseline), "this": result["trees"]["this"]}
     if ARGS.out:
         ARGS.out.write_text(json.dumps(result, indent=1))
+    failed = [f"{tree} {step}: {r['check']}" for tree, res in result["trees"].items() for step, r in res.items()
+              if not r.get("check", {"ok": True})["ok"]]
     if ARGS.src is None:
         print(json.dumps(result))
         print()
@@ -266,7 +338,14 @@ def main() -> int:
                 for p in r.get("profile", [])[:ARGS.profile_top]:
                     print(f"  {tree} {step}: {p['own_ms']:8.2f} own {p['cum_ms']:8.2f} cum x{p['calls']:<5} "
                           f"{p['function']}")
-    return 0
+        for tree, res in result["trees"].items():
+            for step, r in res.items():
+                if "check" in r:
+                    c = r["check"]
+                    print(f"  check {tree} {step}: attention layers vs the torch-op path, largest relative error "
+                          f"of an output {c['layer_rel_output']:.2e}, of a cache view {c['layer_rel_cache']:.2e} "
+                          f"(tol {c['tol']:.0e}): {'ok' if c['ok'] else 'FAILED'}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
