@@ -16,11 +16,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from k3rt.kernels.common import poison_like
+from k3rt.kernels.common import INTERPRET, poison_like
 from k3rt.kernels.short_conv.triton_rows import _ext_rows, check_rows
 
-_BT = 16  # rows per program
-_BC = 128  # columns per program
+# rows and columns per program; the interpreter's cost is per program, so it takes larger tiles
+_BT = 64 if INTERPRET else 16
+_BC = 256 if INTERPRET else 128
 
 
 @triton.jit

@@ -16,8 +16,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from k3rt.kernels.common import INTERPRET
 
-_BC = 128  # channels per program
+
+_BC = 256 if INTERPRET else 128  # channels per program (the interpreter's cost is per program)
 
 
 @triton.jit

@@ -17,11 +17,11 @@ from k3rt.kernels.short_conv import causal_conv1d_rows, conv_windows_store, conv
 from tests.kernels.helpers import DEV, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")
-W, H, D = 4, 3, 16
-C = 3 * H * D + 8  # the conv's channels: not a multiple of the kernel's column block
+W, H, D = 4, 3, 32
+C = 3 * H * D + 8  # the conv's channels: two column blocks (the interpreter's 256), the second partial
 
 
-def _case(lens: list[int], x_dtype: torch.dtype, state_dtype: torch.dtype, seed: int = 0):
+def _case(lens: list[int], x_dtype: torch.dtype, state_dtype: torch.dtype, seed: int = 0, C: int = C):
     """(x, pool view [S, W-1, C] a page apart, slots, conv idx [T, W], tail idx [B, W-1], weight) as the GPU
     runner's pack_step builds them: rows of ext = [cached windows (B*(W-1)) ; x]."""
     g = torch.Generator().manual_seed(seed)
@@ -40,7 +40,7 @@ def _case(lens: list[int], x_dtype: torch.dtype, state_dtype: torch.dtype, seed:
     return x.to(DEV), pool.to(DEV), slots.to(DEV), idx.to(DEV), tail.to(DEV), torch.randn(C, W, generator=g).to(DEV)
 
 
-def _gate_case(T: int, kind: str, dtype: torch.dtype):
+def _gate_case(T: int, kind: str, dtype: torch.dtype, H: int = H, D: int = D):
     g = torch.Generator().manual_seed(2)
     A_log = torch.log(torch.empty(H).uniform_(1, 16, generator=g)) if kind == "softplus" else torch.zeros(H)
     dt = torch.exp(torch.empty(H * D).uniform_(math.log(1e-3), math.log(0.1), generator=g))
@@ -54,18 +54,32 @@ def _gate_case(T: int, kind: str, dtype: torch.dtype):
                          ids=["fp32", "fp16_rows_fp32_cache"])
 def test_chunk_prep_matches_refs(kind, x_dtype, state_dtype) -> None:
     lens = [2, 1, 20, 3]
-    x, pool, slots, idx, _, w = _case(lens, x_dtype, state_dtype)
-    f, b, A_log, dt_bias = _gate_case(sum(lens), kind, x_dtype)
+    _check_prep(lens, kind, x_dtype, state_dtype, H, D, tol=1e-6 if x_dtype == torch.float32 else 1e-3)
+
+
+def _check_prep(lens: list[int], kind: str, x_dtype, state_dtype, H: int, D: int, tol: float) -> None:
+    x, pool, slots, idx, _, w = _case(lens, x_dtype, state_dtype, C=3 * H * D)
+    f, b, A_log, dt_bias = _gate_case(sum(lens), kind, x_dtype, H, D)
     lb = -5.0 if kind == "lower_bound" else None
     pool0 = pool.clone()
     y, g, beta = kda_chunk_prep(x, pool, slots, idx, w, f.to(DEV), A_log.to(DEV), dt_bias.to(DEV), b.to(DEV), lb)
     assert torch.equal(pool, pool0)  # the cached windows are only read
     want = causal_conv1d_rows(x, pool, slots, idx, w)
-    assert y.dtype == x_dtype and rel_err(y, want) < (1e-6 if x_dtype == torch.float32 else 1e-3)
+    assert y.dtype == x_dtype and rel_err(y, want) < tol
     fh, dth = f.view(-1, H, D), dt_bias.view(H, D)
     g_ref = kda_gate_softplus(fh, A_log, dth) if lb is None else kda_gate_lower_bound(fh, A_log, dth, lb)
     assert g.shape == (sum(lens), H, D) and g.dtype == beta.dtype == torch.float32
     assert rel_err(g.cpu(), g_ref) < 1e-6 and rel_err(beta.cpu(), torch.sigmoid(b.float())) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["softplus", "lower_bound"])
+def test_gpu_chunk_prep_kimi_shape(kind) -> None:
+    """The compiled kernel at the 48B head (H=32, D=128: 96 conv column blocks, 32 gate blocks), bf16 rows and
+    cache, a 200-token chunk beside short sequences."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    _check_prep([200, 1, 2, 5], kind, torch.bfloat16, torch.bfloat16, 32, 128, tol=1e-2)
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16_rows_fp32_cache"])
