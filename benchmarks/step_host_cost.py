@@ -200,11 +200,12 @@ def measure_tree() -> dict:
     launches = _Launches(run=cuda)
     runner = GpuModelRunner(model, pool, kernels=KernelConfig(triton=True), cuda_graphs=False)
     g = torch.Generator().manual_seed(0)
+    per_set = layout.pages_per_state_set
     decs = [StepSeq([int(torch.randint(3, 500, (1,), generator=g))], ARGS.context,
-                    pool.allocate(-(-(ARGS.context + 1) // layout.block_size)), pool.allocate(layout.pages_per_state_set),
-                    True) for _ in range(ARGS.batch)]
+                    pool.allocate(-(-(ARGS.context + 1) // layout.block_size)), pool.allocate(per_set), True)
+            for _ in range(ARGS.batch)]
     chunk = StepSeq(torch.randint(3, 500, (ARGS.prefill,), generator=g).tolist(), 0,
-                    pool.allocate(-(-ARGS.prefill // layout.block_size)), pool.allocate(layout.pages_per_state_set), True)
+                    pool.allocate(-(-ARGS.prefill // layout.block_size)), pool.allocate(per_set), True)
     fwd = runner.fwd
     i, w = next((i, w) for i, w in fwd.prepared.items() if isinstance(w, KdaWeights))
     attn = fwd.layers[i].self_attn
@@ -263,9 +264,7 @@ def _check(runner, pool, seqs, kernel_config) -> dict:
     x = torch.randn(steps[0].num_tokens, hidden.shape[0], generator=g, device=dev).to(hidden.dtype)
     worst = {"output": 0.0, "cache": 0.0}
     try:
-        for i, w in fwd.prepared.items():
-            if not hasattr(fwd.layers[i].self_attn, "num_heads"):
-                continue
+        for i, w in fwd.prepared.items():  # the attention layers, KDA and MLA
             views = ([pool.conv[w.tensor][states], pool.rec[w.tensor][states]] if hasattr(w, "conv_weight")
                      else [pool.mla[w.slot][table]])
             got = []

@@ -444,7 +444,9 @@ def _device_tables(cu_seqlens: Tensor, cu_seqlens_cpu: Sequence[int] | Tensor | 
     NC = len(chunk_seq)
     if has_initial_state is not None and has_initial_state.shape != (N,):
         raise ValueError(f"has_initial_state must be [N]=[{N}], got {list(has_initial_state.shape)}")
-    parts = [chunk_seq, chunk_idx, chunk_off, snap] + ([np.ones(N, dtype=np.int64)] if has_initial_state is None else [])
+    parts = [chunk_seq, chunk_idx, chunk_off, snap]
+    if has_initial_state is None:
+        parts.append(np.ones(N, dtype=np.int64))
     tables = torch.from_numpy(np.concatenate(parts).astype(np.int32))
     # pinned: a pageable host-to-device copy would wait for the stream (a host sync per call)
     tables = (tables.pin_memory() if dev.type == "cuda" else tables).to(dev, non_blocking=True)

@@ -459,7 +459,8 @@ def test_a_mixed_steps_kda_layer_launches_no_torch_work(tmp_path) -> None:
     runner, pool, fwd = eng.runner, eng.pool, eng.runner.fwd
     per_set = eng.layout.pages_per_state_set
     decs = [StepSeq([7], 20, pool.allocate(1), pool.allocate(per_set), True) for _ in range(3)]
-    chunk = StepSeq(list(range(3, 70)), 0, pool.allocate(3), pool.allocate(per_set), True, [(64, pool.allocate(per_set))])
+    chunk = StepSeq(list(range(3, 70)), 0, pool.allocate(3), pool.allocate(per_set), True,
+                    [(64, pool.allocate(per_set))])
     i, w = next((i, w) for i, w in fwd.prepared.items() if isinstance(w, KdaWeights))
     attn = fwd.layers[i].self_attn
     for seqs, launches in ((decs + [chunk], 7), ([chunk], 6)):
