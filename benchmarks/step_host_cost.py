@@ -284,7 +284,9 @@ def _check(runner, pool, seqs, kernel_config) -> dict:
         fwd.k = base
         for t, v in zip(pool.tensors, saved):
             t[pages] = v
-    tol = 2e-2 if hidden.dtype != torch.float32 else 1e-4  # bf16 on CUDA, fp32 on the CPU
+    # fp32 on the CPU; bf16 on CUDA, where the chunk kernel takes bf16 dots (its own test at the 48B head allows
+    # 2e-2 per sequence) against the torch path's fp32 math: a wrong row or tile shows as an error near 1
+    tol = 5e-2 if hidden.dtype != torch.float32 else 1e-4
     return {"layer_rel_output": worst["output"], "layer_rel_cache": worst["cache"], "tol": tol,
             "ok": bool(worst["output"] < tol and worst["cache"] < tol)}
 
