@@ -315,6 +315,7 @@ def kda_chunk_fwd(
     num_stages_state: int = 2,
     num_warps_out: int = 4,
     tables: ChunkTables | None = None,
+    scratch: dict | None = None,
 ) -> Tensor:
     """Chunked KDA prefill over a packed varlen batch; states are read and written in place.
 
@@ -351,6 +352,9 @@ def kda_chunk_fwd(
             per step by the GPU runner's step packer and shared by every layer): then cu_seqlens_cpu,
             has_initial_state and the snapshot arguments are not read (the tables hold them), and no
             host table is built or copied.
+        scratch: a dict the caller keeps across calls of one shape (the GPU runner: one per step, shared by its
+            KDA layers, which run one after another on one stream): the per-chunk intermediates are allocated
+            into it once and reused. None: allocated per call.
 
     Returns:
         o: [T_total, H, V] in v.dtype.
@@ -424,7 +428,7 @@ def kda_chunk_fwd(
         nw_intra=num_warps_intra, nw_state=num_warps_state, ns_state=num_stages_state, nw_out=num_warps_out,
     )
     _launch_chunk(q, k, v, g, beta, out, cu_dev, tables.chunk_seq, tables.chunk_idx, tables.chunk_off, slots,
-                  tables.init, tables.snap, state, NC, N, cfg)
+                  tables.init, tables.snap, state, NC, N, cfg, scratch)
     return out
 
 
@@ -476,7 +480,7 @@ class _Launch:
 
 
 def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init, t_snap, state, NC, N,
-                  cfg: _Launch) -> None:
+                  cfg: _Launch, scratch: dict | None = None) -> None:
     T, H, K = q.shape
     V = v.shape[2]
     assert k.shape == g.shape == (T, H, K) and v.shape == out.shape == (T, H, V)
@@ -491,14 +495,20 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
         return
     dev = q.device
 
-    def buf(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
-        return poison_like(torch.empty(*shape, dtype=dtype, device=dev))
+    def buf(name: str, *shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
+        key = (name, shape, dtype, dev)
+        t = None if scratch is None else scratch.get(key)
+        if t is None:
+            t = torch.empty(*shape, dtype=dtype, device=dev)
+            if scratch is not None:
+                scratch[key] = t
+        return poison_like(t)  # NaN again on every call when poisoning (tests): a reused buffer holds no old values
 
     sd = cfg.scratch_dtype  # what the state (and output) pass reads
-    qg, kd, w, u = buf(NC, H, C, BK, dtype=sd), buf(NC, H, C, BK, dtype=sd), buf(NC, H, C, BK, dtype=sd), \
-        buf(NC, H, C, BVF, dtype=sd)
-    aqk, gl = buf(NC, H, C, C, dtype=sd), buf(NC, H, BK)
-    gc, akk = buf(NC, H, C, BK), buf(NC, H, C, C)
+    qg, kd, w, u = buf("qg", NC, H, C, BK, dtype=sd), buf("kd", NC, H, C, BK, dtype=sd), \
+        buf("w", NC, H, C, BK, dtype=sd), buf("u", NC, H, C, BVF, dtype=sd)
+    aqk, gl = buf("aqk", NC, H, C, C, dtype=sd), buf("gl", NC, H, BK)
+    gc, akk = buf("gc", NC, H, C, BK), buf("akk", NC, H, C, C)
     _kda_chunk_intra_kernel[(NC, H)](
         q, k, v, g, beta,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -511,7 +521,7 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
         num_warps=cfg.nw_intra,
     )
     split = cfg.split_output
-    h, vn = (buf(NC, H, BK, BVF, dtype=sd), buf(NC, H, C, BVF, dtype=sd)) if split else (gl, gl)
+    h, vn = (buf("h", NC, H, BK, BVF, dtype=sd), buf("vn", NC, H, C, BVF, dtype=sd)) if split else (gl, gl)
     _kda_chunk_state_kernel[(BVF // BV, N, H)](
         out, out.stride(0), out.stride(1),
         cu, t_off, slots, t_init, t_snap, state, state.stride(0),

@@ -460,21 +460,23 @@ def _device_tables(lens: list[int], snaps) -> ChunkTables:
 
 
 def test_chunk_prebuilt_tables_equal_its_own() -> None:
-    """Issue 18: tables built once (the GPU runner's pack_step) give the call's own results bit for bit, also on
-    states in a page pool's strided view, and a table of the wrong size is refused naming it."""
+    """Issue 18: tables built once (the GPU runner's pack_step) and intermediates reused across calls give the
+    call's own results bit for bit, also on states in a page pool's strided view, and a table of the wrong size
+    is refused naming it."""
     lens, snaps = [130, 1, 64], ([[64, 130], [], [64]], [[3, 4], [], [5]])
     case = chunk_case(lens, H=2, D=16, kind="softplus", dtype=torch.float32, num_slots=6, seed=5)
     slots = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
     state0 = case["state"].clone()
     own = kda_chunk_fwd(**case, slot_indices=slots, snapshot_positions=snaps[0], snapshot_slots=snaps[1])
     own_state, case["state"] = case["state"], state0.clone()
-    shared = kda_chunk_fwd(**case, slot_indices=slots, tables=_device_tables(lens, snaps))
-    assert torch.equal(shared, own) and torch.equal(case["state"], own_state)
+    scratch: dict = {}  # the intermediates allocated by the first call, reused (NaN-poisoned again) by the second
+    shared = kda_chunk_fwd(**case, slot_indices=slots, tables=_device_tables(lens, snaps), scratch=scratch)
+    assert torch.equal(shared, own) and torch.equal(case["state"], own_state) and len(scratch) == 8
     # the states as a page pool's view (slots further apart than a state): read and written in place
     pages = torch.full((6, state0[0].numel() + 24), float("nan"), device=DEV)
     case["state"] = pages[:, 8:8 + state0[0].numel()].view(state0.shape)
     case["state"].copy_(state0)
-    strided = kda_chunk_fwd(**case, slot_indices=slots, tables=_device_tables(lens, snaps))
+    strided = kda_chunk_fwd(**case, slot_indices=slots, tables=_device_tables(lens, snaps), scratch=scratch)
     assert torch.equal(strided, own) and torch.equal(case["state"], own_state)
     assert pages[:, :8].isnan().all() and pages[:, 8 + state0[0].numel():].isnan().all()  # the rest untouched
     with pytest.raises(ValueError, match="tables: chunk_off"):

@@ -318,7 +318,7 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
 
         return kda_chunk_fwd(q, kk, v, g, beta, step.cu_seqlens, rec_pool, pages,
                              tables=step.chunk._replace(snap=step.chunk_snap_pages[w.group]),
-                             precision="ieee" if q.dtype == torch.float32 else "tf32")
+                             precision="ieee" if q.dtype == torch.float32 else "tf32", scratch=step.chunk_scratch)
     # else the recurrence runs on a contiguous copy of the sequences' states: slots 0..B-1 live, B.. snapshots
     # (verify runs' states are computed but not written back)
     if snaps or rec_pool.dtype != torch.float32:
@@ -330,7 +330,7 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
         from k3rt.kernels.kda import kda_chunk_fwd
 
         o = kda_chunk_fwd(q, kk, v, g, beta, step.cu_seqlens, states, step.chunk_slots, tables=step.chunk,
-                          precision="ieee" if q.dtype == torch.float32 else "tf32")
+                          precision="ieee" if q.dtype == torch.float32 else "tf32", scratch=step.chunk_scratch)
     elif k.triton:
         from k3rt.kernels.kda import kda_chunk_fwd
 

@@ -101,6 +101,9 @@ class KdaRows:
     chunk_snap_pages: torch.Tensor | None
     # the step's dict (kda_commit reads the verify runs' rows from it, in step order: the rest keeps that order)
     verify_inputs: dict[int, tuple[torch.Tensor, ...]]
+    # the chunked kernel's intermediates, allocated by the first KDA layer and reused by the others
+    # (kda_chunk_fwd scratch): every layer's chunks have the same shapes
+    chunk_scratch: dict = field(default_factory=dict)
 
 
 @dataclass
