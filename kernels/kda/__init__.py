@@ -1,7 +1,8 @@
 """Kimi Delta Attention ops. `ref` holds the plain-torch oracle every KDA kernel is tested against.
 
 The Triton kernels (`kda_decode`, `kda_chunk_fwd`, `kda_verify`/`kda_commit` for speculative
-verification, `kda_decode_multi`: up to R tokens per sequence in one launch, for the verify graphs)
+verification, `kda_decode_multi`: up to R tokens per sequence in one launch, for the verify graphs;
+`kda_chunk_prep`: the chunked form's conv, gate and beta in one launch)
 are exported lazily, so importing the reference ops never imports Triton.
 """
 from k3rt.kernels.kda.ref import (
@@ -20,10 +21,12 @@ _TRITON_EXPORTS = {
     "kda_commit": "k3rt.kernels.kda.triton_verify",
     "kda_decode_multi": "k3rt.kernels.kda.triton_multi",
     "kda_chunk_fwd": "k3rt.kernels.kda.triton_chunk",
+    "kda_chunk_prep": "k3rt.kernels.kda.triton_prep",
 }
 
 __all__ = [
     "kda_chunk_fwd",
+    "kda_chunk_prep",
     "kda_chunked",
     "kda_commit",
     "kda_decode",

@@ -33,14 +33,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from k3rt.kernels.kda.triton_decode import INTERPRET, check, poison_like
+from k3rt.kernels.kda.chunk_tables import CHUNK, ChunkTables, chunk_tables
+from k3rt.kernels.kda.triton_decode import INTERPRET, _slots_contiguous, check, poison_like
 
-CHUNK = 64  # C: tokens per chunk
 DOT16_MIN_HEAD = 64  # narrowest head dim that takes 16-bit dot operands (see kda_chunk_fwd)
 SUB = 16  # BC: rows per block of the intra-chunk matrices
 # largest in-block decay (nats) for which the split exp(Gc_i - Gc_r0) * exp(Gc_r0 - Gc_j) is used on
@@ -208,7 +209,7 @@ def _kda_chunk_state_kernel(
     slot_ptr,  # [N] int32/int64: state slot (negative: zero start, final state not stored)
     init_ptr,  # [N] int32: 1 = read the initial state from the slot, 0 = start from zeros
     snap_ptr,  # [NC] int32: slot that receives the state after this chunk, or -1
-    state_ptr,  # [num_slots, H, K, V] fp32
+    state_ptr, stride_s,  # [num_slots, H, K, V] fp32, each slot contiguous, slots stride_s apart
     qg_ptr, kd_ptr, w_ptr, u_ptr, aqk_ptr, gl_ptr,  # from the intra kernel
     h_ptr, vn_ptr,  # SPLIT_O only: out [NC, H, BK, BVF] state before each chunk, [NC, H, C, BVF] Vnew
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -231,7 +232,7 @@ def _kda_chunk_state_kernel(
     mask_v = offs_v < V
     mask_s = mask_k[:, None] & mask_v[None, :]
     s_off = i_h * (K * V) + offs_k[:, None] * V + offs_v[None, :]  # within one slot
-    S = tl.load(state_ptr + slot * (H * K * V) + s_off, mask=mask_s & use_init, other=0.0)  # [BK, BV]
+    S = tl.load(state_ptr + slot * stride_s + s_off, mask=mask_s & use_init, other=0.0)  # [BK, BV]
 
     for ic in range(tl.cdiv(eos - bos, C)):
         t0 = bos + ic * C
@@ -257,8 +258,8 @@ def _kda_chunk_state_kernel(
             tl.store(p_o, o.to(o_ptr.dtype.element_ty), boundary_check=(0, 1))
         S = S * g_last[:, None] + _dot(kd_t, v_new, DOT16, PREC)  # [BK, BV]
         dest = tl.load(snap_ptr + c0 + ic).to(tl.int64)
-        tl.store(state_ptr + dest * (H * K * V) + s_off, S, mask=mask_s & (dest >= 0))
-    tl.store(state_ptr + slot * (H * K * V) + s_off, S, mask=mask_s & (slot >= 0))
+        tl.store(state_ptr + dest * stride_s + s_off, S, mask=mask_s & (dest >= 0))
+    tl.store(state_ptr + slot * stride_s + s_off, S, mask=mask_s & (slot >= 0))
 
 
 @triton.jit
@@ -287,51 +288,6 @@ def _kda_chunk_out_kernel(
     tl.store(p_o, o.to(o_ptr.dtype.element_ty), boundary_check=(0, 1))
 
 
-def _chunk_tables(
-    seqlens: list[int],
-    snapshot_positions: Sequence[Sequence[int]] | None,
-    snapshot_slots: Sequence[Sequence[int]] | None,
-) -> tuple[list[int], list[int], list[int], list[int]]:
-    """Host-side tables: (chunk_seq, chunk_idx, chunk_off, snap) as Python int lists."""
-    chunk_seq: list[int] = []
-    chunk_idx: list[int] = []
-    chunk_off: list[int] = []
-    for i, n in enumerate(seqlens):
-        chunk_off.append(len(chunk_seq))
-        nc = -(-n // CHUNK)
-        chunk_seq += [i] * nc
-        chunk_idx += range(nc)
-    snap = [-1] * len(chunk_seq)
-    if snapshot_positions is not None:
-        if snapshot_slots is None or len(snapshot_slots) != len(seqlens) or len(snapshot_positions) != len(seqlens):
-            raise ValueError(
-                f"snapshot_positions and snapshot_slots must both hold one list per sequence (N={len(seqlens)}), "
-                f"got {None if snapshot_positions is None else len(snapshot_positions)} and "
-                f"{None if snapshot_slots is None else len(snapshot_slots)}"
-            )
-        for i, (pos, dst) in enumerate(zip(snapshot_positions, snapshot_slots)):
-            if len(pos) != len(dst):
-                raise ValueError(
-                    f"sequence {i}: {len(pos)} snapshot positions but {len(dst)} snapshot slots"
-                )
-            for p, d in zip(pos, dst):
-                p, d = int(p), int(d)
-                if not (0 < p <= seqlens[i]) or (p % CHUNK != 0 and p != seqlens[i]):
-                    raise ValueError(
-                        f"sequence {i}: snapshot position must satisfy 0 < p <= T={seqlens[i]} and be a "
-                        f"multiple of {CHUNK} or equal T; got {p}"
-                    )
-                if d < 0:
-                    raise ValueError(f"sequence {i}: snapshot slot must be >= 0, got {d}")
-                c = chunk_off[i] + -(-p // CHUNK) - 1
-                if snap[c] != -1:
-                    raise ValueError(f"sequence {i}: two snapshots at position {p}")
-                snap[c] = d
-    elif snapshot_slots is not None:
-        raise ValueError("snapshot_slots given without snapshot_positions")
-    return chunk_seq, chunk_idx, chunk_off, snap
-
-
 def kda_chunk_fwd(
     q: Tensor,
     k: Tensor,
@@ -358,6 +314,8 @@ def kda_chunk_fwd(
     num_warps_state: int = 4,
     num_stages_state: int = 2,
     num_warps_out: int = 4,
+    tables: ChunkTables | None = None,
+    scratch: dict | None = None,
 ) -> Tensor:
     """Chunked KDA prefill over a packed varlen batch; states are read and written in place.
 
@@ -368,8 +326,9 @@ def kda_chunk_fwd(
         g: [T_total, H, K] fp32 log decay (<= 0), already gated.
         beta: [T_total, H] fp32, already through the sigmoid.
         cu_seqlens: [N+1] int32 token offsets of the N sequences (on the device).
-        state: [num_slots, H, K, V] fp32. Sequence i starts from state[slot_indices[i]] (or zeros,
-            see has_initial_state) and its final state is written back there.
+        state: [num_slots, H, K, V] fp32, each slot contiguous (the slots may be further apart: a page
+            pool's view). Sequence i starts from state[slot_indices[i]] (or zeros, see has_initial_state)
+            and its final state is written back there.
         slot_indices: [N] int32/int64. A negative slot starts from zeros and stores no final state.
         has_initial_state: optional [N] bool/int tensor; False starts that sequence from zeros
             (its slot is still written). None means every sequence reads its slot.
@@ -389,6 +348,13 @@ def kda_chunk_fwd(
         split_output: the state pass stores per-chunk states and Vnew, and a third, fully parallel
             launch computes the output (instead of the state pass computing it).
         block_v, block_v_out, num_warps_*, num_stages_state: launch tuning.
+        tables: the chunk tables already on the device (`chunk_tables.ChunkTables`, built and validated once
+            per step by the GPU runner's step packer and shared by every layer): then cu_seqlens_cpu,
+            has_initial_state and the snapshot arguments are not read (the tables hold them), and no
+            host table is built or copied.
+        scratch: a dict the caller keeps across calls of one shape (the GPU runner: one per step, shared by its
+            KDA layers, which run one after another on one stream): the per-chunk intermediates are allocated
+            into it once and reused. None: allocated per call.
 
     Returns:
         o: [T_total, H, V] in v.dtype.
@@ -411,8 +377,9 @@ def kda_chunk_fwd(
         raise ValueError(
             f"state must be fp32 [num_slots, H, K, V]=[S, {H}, {K}, {V}], got {state.dtype} {list(state.shape)}"
         )
-    if not state.is_contiguous():
-        raise ValueError("state must be contiguous")
+    if not _slots_contiguous(state):
+        raise ValueError(f"state: each slot must be contiguous, slots at least a slot apart (a page pool's view "
+                         f"is fine), got strides {state.stride()}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens must be int32 [N+1], got {cu_seqlens.dtype} {list(cu_seqlens.shape)}")
     N = cu_seqlens.numel() - 1
@@ -427,38 +394,20 @@ def kda_chunk_fwd(
         raise ValueError(f"scratch_dtype must be float32, bfloat16 or float16, got {scratch_dtype}")
     if K > 256 or V > 256:
         raise ValueError(f"head dims must be <= 256, got K={K}, V={V}")
-    if cu_seqlens_cpu is None:
-        cu_seqlens_cpu = cu_seqlens.tolist()  # one device sync
-    elif isinstance(cu_seqlens_cpu, Tensor):
-        cu_seqlens_cpu = cu_seqlens_cpu.tolist()
-    cu = [int(x) for x in cu_seqlens_cpu]
-    if len(cu) != N + 1 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must rise from 0 to T_total={T} with N+1={N + 1} entries, got {cu}")
-    seqlens = [b - a for a, b in zip(cu, cu[1:])]
-    chunk_seq, chunk_idx, chunk_off, snap = _chunk_tables(seqlens, snapshot_positions, snapshot_slots)
-    NC = len(chunk_seq)
     dev = q.device
-
     if out is None:
         out = poison_like(torch.empty(T, H, V, dtype=v.dtype, device=dev))
     elif tuple(out.shape) != (T, H, V) or out.stride(-1) != 1 or out.dtype != v.dtype:
         raise ValueError(f"out must be {v.dtype} [T_total, H, V]=[{T}, {H}, {V}], got {out.dtype} {list(out.shape)}")
-    if has_initial_state is None:
-        init = [1] * N
-    else:
-        if has_initial_state.shape != (N,):
-            raise ValueError(f"has_initial_state must be [N]=[{N}], got {list(has_initial_state.shape)}")
-        init = None
-    # one host->device copy for all the int tables
-    host = chunk_seq + chunk_idx + chunk_off + snap + (init if init is not None else [])
-    tables = torch.tensor(host, dtype=torch.int32)
-    # pinned: a pageable host-to-device copy would wait for the stream (a host sync per layer)
-    tables = (tables.pin_memory() if dev.type == "cuda" else tables).to(dev, non_blocking=True)
-    t_seq, t_idx = tables[:NC], tables[NC:2 * NC]
-    t_off, t_snap = tables[2 * NC:2 * NC + N], tables[2 * NC + N:3 * NC + N]
-    t_init = tables[3 * NC + N:] if init is not None else has_initial_state.to(device=dev, dtype=torch.int32)
-    cu_dev = cu_seqlens.to(torch.int32) if cu_seqlens.device == dev else torch.tensor(cu, dtype=torch.int32, device=dev)
-    slots = slot_indices.to(dev)
+    if tables is None:
+        tables = _device_tables(cu_seqlens, cu_seqlens_cpu, T, N, has_initial_state, snapshot_positions,
+                                snapshot_slots, dev)
+    elif tables.chunk_off.shape != (N,) or tables.chunk_seq.shape != (tables.num_chunks,):
+        raise ValueError(f"tables: chunk_off must be [N]=[{N}] and chunk_seq [num_chunks]=[{tables.num_chunks}], "
+                         f"got {list(tables.chunk_off.shape)} and {list(tables.chunk_seq.shape)}")
+    NC = tables.num_chunks
+    cu_dev = cu_seqlens.to(device=dev, dtype=torch.int32)  # no copy when it already is
+    slots = slot_indices if slot_indices.device == dev else slot_indices.to(dev)
 
     # the interpreter computes 16-bit dots wrongly: fp32 operands there. The 16-bit dot path is verified
     # on the H200 at K = V = 128 (the Kimi head); at K = V = 16 (the tiny test checkpoints) the intra
@@ -478,8 +427,36 @@ def kda_chunk_fwd(
         dot16=dot16, prec=prec, prec_inv=prec_inv, scratch_dtype=scratch_dtype, split_output=split_output,
         nw_intra=num_warps_intra, nw_state=num_warps_state, ns_state=num_stages_state, nw_out=num_warps_out,
     )
-    _launch_chunk(q, k, v, g, beta, out, cu_dev, t_seq, t_idx, t_off, slots, t_init, t_snap, state, NC, N, cfg)
+    _launch_chunk(q, k, v, g, beta, out, cu_dev, tables.chunk_seq, tables.chunk_idx, tables.chunk_off, slots,
+                  tables.init, tables.snap, state, NC, N, cfg, scratch)
     return out
+
+
+def _device_tables(cu_seqlens: Tensor, cu_seqlens_cpu: Sequence[int] | Tensor | None, T: int, N: int,
+                   has_initial_state: Tensor | None, snapshot_positions: Sequence[Sequence[int]] | None,
+                   snapshot_slots: Sequence[Sequence[int]] | None, dev: torch.device) -> ChunkTables:
+    """A call's own tables (no `tables` given): checked, built on the host, one host->device copy."""
+    if cu_seqlens_cpu is None:
+        cu_seqlens_cpu = cu_seqlens.tolist()  # one device sync
+    elif isinstance(cu_seqlens_cpu, Tensor):
+        cu_seqlens_cpu = cu_seqlens_cpu.tolist()
+    cu = [int(x) for x in cu_seqlens_cpu]
+    if len(cu) != N + 1 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to T_total={T} with N+1={N + 1} entries, got {cu}")
+    seqlens = [b - a for a, b in zip(cu, cu[1:])]
+    chunk_seq, chunk_idx, chunk_off, snap = chunk_tables(seqlens, snapshot_positions, snapshot_slots)
+    NC = len(chunk_seq)
+    if has_initial_state is not None and has_initial_state.shape != (N,):
+        raise ValueError(f"has_initial_state must be [N]=[{N}], got {list(has_initial_state.shape)}")
+    parts = [chunk_seq, chunk_idx, chunk_off, snap]
+    if has_initial_state is None:
+        parts.append(np.ones(N, dtype=np.int64))
+    tables = torch.from_numpy(np.concatenate(parts).astype(np.int32))
+    # pinned: a pageable host-to-device copy would wait for the stream (a host sync per call)
+    tables = (tables.pin_memory() if dev.type == "cuda" else tables).to(dev, non_blocking=True)
+    t_init = tables[3 * NC + N:] if has_initial_state is None else has_initial_state.to(device=dev, dtype=torch.int32)
+    return ChunkTables(tables[:NC], tables[NC:2 * NC], tables[2 * NC:2 * NC + N], tables[2 * NC + N:3 * NC + N],
+                       t_init, NC)
 
 
 @dataclass(frozen=True)
@@ -503,12 +480,12 @@ class _Launch:
 
 
 def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init, t_snap, state, NC, N,
-                  cfg: _Launch) -> None:
+                  cfg: _Launch, scratch: dict | None = None) -> None:
     T, H, K = q.shape
     V = v.shape[2]
     assert k.shape == g.shape == (T, H, K) and v.shape == out.shape == (T, H, V)
     assert q.stride(2) == k.stride(2) == v.stride(2) == g.stride(2) == beta.stride(1) == out.stride(2) == 1
-    assert g.dtype == beta.dtype == state.dtype == torch.float32 and state.is_contiguous()
+    assert g.dtype == beta.dtype == state.dtype == torch.float32 and _slots_contiguous(state)
     assert cu.dtype == torch.int32 and cu.shape == (N + 1,)
     assert t_seq.shape == t_idx.shape == t_snap.shape == (NC,) and t_off.shape == t_init.shape == slots.shape == (N,)
     BK, BVF, C = cfg.BK, cfg.BVF, CHUNK
@@ -518,14 +495,20 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
         return
     dev = q.device
 
-    def buf(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
-        return poison_like(torch.empty(*shape, dtype=dtype, device=dev))
+    def buf(name: str, *shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
+        key = (name, shape, dtype, dev)
+        t = None if scratch is None else scratch.get(key)
+        if t is None:
+            t = torch.empty(*shape, dtype=dtype, device=dev)
+            if scratch is not None:
+                scratch[key] = t
+        return poison_like(t)  # NaN again on every call when poisoning (tests): a reused buffer holds no old values
 
     sd = cfg.scratch_dtype  # what the state (and output) pass reads
-    qg, kd, w, u = buf(NC, H, C, BK, dtype=sd), buf(NC, H, C, BK, dtype=sd), buf(NC, H, C, BK, dtype=sd), \
-        buf(NC, H, C, BVF, dtype=sd)
-    aqk, gl = buf(NC, H, C, C, dtype=sd), buf(NC, H, BK)
-    gc, akk = buf(NC, H, C, BK), buf(NC, H, C, C)
+    qg, kd, w, u = buf("qg", NC, H, C, BK, dtype=sd), buf("kd", NC, H, C, BK, dtype=sd), \
+        buf("w", NC, H, C, BK, dtype=sd), buf("u", NC, H, C, BVF, dtype=sd)
+    aqk, gl = buf("aqk", NC, H, C, C, dtype=sd), buf("gl", NC, H, BK)
+    gc, akk = buf("gc", NC, H, C, BK), buf("akk", NC, H, C, C)
     _kda_chunk_intra_kernel[(NC, H)](
         q, k, v, g, beta,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -538,10 +521,10 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
         num_warps=cfg.nw_intra,
     )
     split = cfg.split_output
-    h, vn = (buf(NC, H, BK, BVF, dtype=sd), buf(NC, H, C, BVF, dtype=sd)) if split else (gl, gl)
+    h, vn = (buf("h", NC, H, BK, BVF, dtype=sd), buf("vn", NC, H, C, BVF, dtype=sd)) if split else (gl, gl)
     _kda_chunk_state_kernel[(BVF // BV, N, H)](
         out, out.stride(0), out.stride(1),
-        cu, t_off, slots, t_init, t_snap, state,
+        cu, t_off, slots, t_init, t_snap, state, state.stride(0),
         qg, kd, w, u, aqk, gl, h, vn,
         H=H, K=K, V=V, BK=BK, BV=BV, BVF=BVF, C=C, DOT16=cfg.dot16, PREC=cfg.prec, SPLIT_O=split,
         num_warps=cfg.nw_state, num_stages=cfg.ns_state,

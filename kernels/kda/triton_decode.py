@@ -42,8 +42,16 @@ _MIN_SPLIT_COLS = 16
 
 
 def _slots_contiguous(t: Tensor) -> bool:
-    """Each slot t[i] is one contiguous block (the page pool's views: slots a page apart)."""
-    return t.shape[0] == 0 or (t[0].is_contiguous() and t.stride(0) >= t[0].numel())
+    """Each slot t[i] is one contiguous block (the page pool's views: slots a page apart). From the strides
+    alone: indexing t[0] costs two dispatched ops, and the eager mixed step asks this of every layer's pools."""
+    if t.shape[0] == 0:
+        return True
+    expected = 1  # the stride a contiguous slot has in this dim (size-1 dims may have any, as is_contiguous says)
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return t.stride(0) >= expected
 
 
 @triton.jit

@@ -61,3 +61,40 @@ def causal_conv1d(
         y = F.silu(y)
     new_state = xs[:, xs.shape[1] - (W - 1) :]  # new_state: [B, W-1, C]
     return y.to(x.dtype), new_state.to(state_dtype).clone()
+
+
+def _ext(x: Tensor, conv_state: Tensor, slots: Tensor) -> Tensor:
+    """[old windows of `slots` (B*(W-1) rows, oldest first per slot) ; x]: the rows the index tables name."""
+    old = conv_state[slots]  # old: [B, W-1, C]
+    return torch.cat([old.reshape(-1, old.shape[-1]).to(x.dtype), x])
+
+
+def causal_conv1d_rows(x: Tensor, conv_state: Tensor, slots: Tensor, idx: Tensor, weight: Tensor) -> Tensor:
+    """The conv of a packed varlen step whose windows are given as row indices (the GPU runner's general KDA
+    form: backend/runner/gpu/step.py conv_idx).
+
+    Args:
+        x: [T, C] the step's pre-conv rows.
+        conv_state: [S, W-1, C] cached windows; slots: [B] the step's sequences' slots in it.
+        idx: [T, W] rows of ext = [conv_state[slots] as B*(W-1) rows (cast to x.dtype) ; x] forming each
+            row's window, oldest first.
+        weight: [C, W] fp32 taps.
+
+    Returns:
+        silu(sum_i weight[:, i] * ext[idx[:, i]]) [T, C] in x.dtype (fp32 sum, taps in order).
+    """
+    ext = _ext(x, conv_state, slots)
+    y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for tap in range(weight.shape[1]):  # one [T, C] gather per tap keeps the working set at 2 rows of the step
+        y.addcmul_(ext[idx[:, tap]].float(), weight[:, tap])
+    return F.silu(y).to(x.dtype)
+
+
+def conv_windows_store(x: Tensor, conv_state: Tensor, slots: Tensor, idx: Tensor, dest: Tensor) -> None:
+    """conv_state[dest[m]] = ext[idx[m]] (ext as in `causal_conv1d_rows`, read before anything is written):
+    each sequence's new window, or a snapshot's window, from the old windows and the step's rows.
+
+    Args:
+        idx: [M, W-1] rows of ext; dest: [M] slots of conv_state to write (in conv_state's dtype).
+    """
+    conv_state[dest] = _ext(x, conv_state, slots)[idx].to(conv_state.dtype)

@@ -408,3 +408,65 @@ def test_prefills_arriving_mid_decode_on_cuda_equal_the_reference(arch, tmp_path
         return [out[r] for r in rids]
 
     assert run(runner="gpu", device="cuda") == run(runner="model")
+
+
+class _LaunchWork:
+    """Counts, inside the block, the torch ops that launch device work (neither a view nor an allocation) and
+    the Triton launches; under the interpreter (no CUDA) the launches are counted and skipped, not run."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        self.torch_ops, self.triton = [], 0
+        if HAS_CUDA:
+            from triton.runtime.jit import JITFunction as cls
+        else:
+            from triton.runtime.interpreter import InterpretedFunction as cls
+        self.cls, self.run = cls, cls.run
+
+        def run(fn, *args, **kwargs):
+            counter.triton += 1
+            return counter.run(fn, *args, **kwargs) if HAS_CUDA else None
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if not func.is_view and func.overloadpacket.__name__ not in ("empty", "empty_strided", "detach"):
+                    counter.torch_ops.append(func.overloadpacket.__name__)
+                return func(*args, **(kwargs or {}))
+
+        cls.run = run
+        self.mode = Ops()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+        self.cls.run = self.run
+
+
+def test_a_mixed_steps_kda_layer_launches_no_torch_work(tmp_path) -> None:
+    """Issue 18 (host cost of eager mixed steps): a KDA layer of a mixed step (decodes beside a prefill chunk with a
+    snapshot) and of a prefill step issues only its Triton launches: the decode kernel for the plain decodes, then
+    the chunked form's conv with gate and beta, snapshot and new window stores, two chunk kernels and the gated
+    norm. Before, the general form built its conv windows, gate, state copies and chunk tables with ~30 torch
+    kernels per layer (~600 launches of a 20-KDA-layer 48B step) beside 4 Triton launches."""
+    from k3rt.backend.runner.gpu.kda import KdaWeights, kda_attend, kda_project
+    from k3rt.backend.runner.gpu.step import StepSeq
+
+    ckpt = make_tiny(tmp_path / "m", arch="kimi_linear", dtype="float32", seed=9)
+    eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), runner="gpu", cuda_graphs=False))
+    runner, pool, fwd = eng.runner, eng.pool, eng.runner.fwd
+    per_set = eng.layout.pages_per_state_set
+    decs = [StepSeq([7], 20, pool.allocate(1), pool.allocate(per_set), True) for _ in range(3)]
+    chunk = StepSeq(list(range(3, 70)), 0, pool.allocate(3), pool.allocate(per_set), True,
+                    [(64, pool.allocate(per_set))])
+    i, w = next((i, w) for i, w in fwd.prepared.items() if isinstance(w, KdaWeights))
+    attn = fwd.layers[i].self_attn
+    for seqs, launches in ((decs + [chunk], 7), ([chunk], 6)):
+        step = runner._build(seqs, [])
+        parts = kda_project(attn, w, torch.randn(step.num_tokens, fwd.cfg.hidden_size, dtype=w.w_in.dtype), fwd.k)
+        with _LaunchWork() as work:
+            kda_attend(attn, w, *parts, step, pool.conv[w.tensor], pool.rec[w.tensor], fwd.k, decode=False,
+                       workspace=fwd.kda_workspace)
+        assert (work.torch_ops, work.triton) == ([], launches)

@@ -74,11 +74,27 @@ def _pack_step_reference(seqs: list[StepSeq], *, block_size: int, conv_width: in
     snap_dest = np.asarray([d for _, _, d in snaps], dtype=np.int64).reshape(len(snaps), num_groups)
     i64 = [ids, pos, kv_slot, states.T.ravel(), conv_idx.ravel(), conv_tail.ravel(), logit_rows, ctx_slot,
            pre_rows, dec, cu[dec] if len(dec) else dec, snap_conv.ravel(), snap_dest.T.ravel()]
+    # the verify graphs' row_seq and the KDA split's rows and pages: empty here; then the sequences that are no
+    # verify run and the verify runs' rows (both empty without verify runs)
+    none = np.zeros(0, dtype=np.int64)
+    live = [i for i in range(B) if not seqs[i].verify] if verify_seqs else []
+    verify_rows = [r for i in verify_seqs for r in range(cu[i], cu[i + 1])]
+    i64 += [none] * 5 + [np.asarray(live, dtype=np.int64), np.asarray(verify_rows, dtype=np.int64)]
     i32 = [cu, ctx, table.ravel(), cu_k, cu_q]
+    # a step with both MLA forms also packs its decodes' table rows and contexts
+    mla_mixed = 0 < len(dec) < B
+    if mla_mixed:
+        i32 += [table[dec].ravel(), ctx[dec]]
+
+    def span(rows) -> tuple[int, int] | None:
+        rows = [int(r) for r in rows]
+        return (rows[0], rows[-1] + 1) if rows and rows == list(range(rows[0], rows[-1] + 1)) else None
+
     meta = StepMeta(B, T, max_blocks, len(snaps), w1, [p.size for p in i64], [p.size for p in i32],
                     cu.tolist(), starts, lens, decode_form, snaps, pre,
                     max((lens[i] for i in pre), default=0), int(max((ctx[i] for i in pre), default=0)),
-                    bool(np.array_equal(logit_rows, np.arange(T))), verify_seqs)
+                    bool(np.array_equal(logit_rows, np.arange(T))), verify_seqs, mla_mixed=mla_mixed,
+                    decode_span=span(cu[dec]), prefill_span=span(pre_rows))
     host = (torch.from_numpy(np.concatenate(i64).astype(np.int64)),
             torch.from_numpy(np.concatenate(i32).astype(np.int32)))
     return meta, host
@@ -104,8 +120,8 @@ def _random_seq(rng: random.Random, *, block_size: int, groups: int | None, kind
 def _assert_same(seqs: list[StepSeq], **kw) -> StepMeta:
     want_meta, (want64, want32) = _pack_step_reference(seqs, **kw)
     meta, (h64, h32) = pack_step(seqs, **kw)
-    # arrays added since the reference (row_seq of the verify graphs' form, the KDA split's rows and pages) are
-    # empty in the steps it describes
+    # arrays added after the reference was written (it lists every array now): a new one must be empty in the
+    # steps it describes
     extra = meta.sizes64[len(want_meta.sizes64):]
     assert extra == [0] * len(extra) and len(meta.sizes32) == len(want_meta.sizes32)
     assert meta == replace(want_meta, sizes64=want_meta.sizes64 + extra)
@@ -209,3 +225,25 @@ def test_a_split_step_packs_the_rest_as_a_step_of_its_own(seed) -> None:
         assert torch.equal(getattr(got, name), getattr(alone, name)), name
     only_decodes = [seqs[i] for i in plain]
     assert _views(pack_step(only_decodes, kda_split=True, **kw)).kda_split is None
+
+
+def test_chunk_tables_are_packed_once_for_the_general_form() -> None:
+    """Issue 18: with chunk_tables the step carries the chunked kernel's tables of the general form's sequences
+    (a split step's rest), its snapshots both as copy slots (Bk + j) and as each group's destination pages; a
+    snapshot position the kernel cannot take is refused by name here; a decode-only step packs none."""
+    dec = StepSeq([5], 40, [3, 4, 5], [9, 10], True)
+    chunk = StepSeq(list(range(130)), 0, [11, 12, 13, 14, 15], [16, 17], True, [(64, [20, 21]), (130, [22, 23])])
+    verify = StepSeq([1, 2, 3], 70, [30, 31, 32, 33, 34], [35, 36], True, verify=True)
+    kw = dict(block_size=32, conv_width=4, num_groups=2, kda_split=True)
+    rows = _views(pack_step([dec, chunk, verify], chunk_tables=True, **kw)).kda_rows
+    c = rows.chunk
+    assert c.num_chunks == 4 and c.chunk_seq.tolist() == [0, 0, 0, 1] and c.chunk_idx.tolist() == [0, 1, 2, 0]
+    assert c.chunk_off.tolist() == [0, 3] and c.init.tolist() == [1, 1] and rows.chunk_slots.tolist() == [0, 1]
+    assert c.snap.tolist() == [2, -1, 3, -1]  # after chunk 0 (position 64) and after the last (130): slots Bk + j
+    assert rows.chunk_snap_pages.tolist() == [[20, -1, 22, -1], [21, -1, 23, -1]]
+    assert rows.live_seqs.tolist() == [0] and rows.verify_rows.tolist() == [130, 131, 132]
+    assert _views(pack_step([dec, chunk, verify], **kw)).kda_rows.chunk is None
+    assert _views(pack_step([dec, dec], chunk_tables=True, **kw)).kda_rows.chunk is None
+    bad = StepSeq(list(range(130)), 0, [11, 12, 13, 14, 15], [16, 17], True, [(32, [20, 21])])
+    with pytest.raises(ValueError, match="snapshot position must satisfy 0 < p <= T=130 and be a multiple of 64"):
+        pack_step([dec, bad], chunk_tables=True, **kw)

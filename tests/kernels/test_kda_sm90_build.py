@@ -49,3 +49,39 @@ def test_chunk_intra_kernel_builds_for_sm90() -> None:
     for name, r in res.items():
         assert r["shared"] <= 227 * 1024, (name, r)
     assert res["bf16"]["wgmma"] > 0, res["bf16"]  # the 16-bit dots reach the tensor cores
+
+
+_BUILD_HOST_PATH = r'''
+from k3rt.kernels.kda import triton_chunk as K, triton_prep as P
+from k3rt.kernels.short_conv import triton_rows as R
+
+I32, I64, C = "i32", "i64", "constexpr"
+B16 = "*bf16"
+prep = dict(x_ptr=B16, stride_x=I32, cs_ptr=B16, stride_cs_s=I32, stride_cs_w=I32, slot_ptr="*i64", idx_ptr="*i64",
+            cw_ptr="*fp32", y_ptr=B16, f_ptr=B16, stride_f=I32, b_ptr=B16, stride_b=I32, a_log_ptr="*fp32",
+            dt_ptr="*fp32", g_ptr="*fp32", beta_ptr="*fp32", lower_bound="fp32", T=I32, C=I32, num_old=I32,
+            conv_blocks=I32, W=C, H=C, D=C, BT=C, BC=C, BH=C, USE_LOWER_BOUND=C)
+store = dict(x_ptr=B16, stride_x=I32, cs_ptr=B16, stride_cs_s=I32, stride_cs_w=I32, slot_ptr="*i64", idx_ptr="*i64",
+             dest_ptr="*i64", C=I32, num_old=I32, W1=C, BW=C, BC=C)
+state = dict(o_ptr=B16, stride_ot=I32, stride_oh=I32, cu_ptr="*i32", chunk_off_ptr="*i32", slot_ptr="*i64",
+             init_ptr="*i32", snap_ptr="*i32", state_ptr="*fp32", stride_s=I32, qg_ptr=B16, kd_ptr=B16, w_ptr=B16,
+             u_ptr=B16, aqk_ptr=B16, gl_ptr="*fp32", h_ptr=B16, vn_ptr=B16, H=C, K=C, V=C, BK=C, BV=C, BVF=C, C=C,
+             DOT16=C, PREC=C, SPLIT_O=C)
+strided = lambda k: k.startswith("stride")
+res = {
+    "prep": sm90_build(P._kda_chunk_prep_kernel, prep, dict(W=4, H=32, D=128, BT=P._BT, BC=P._BC, BH=32,
+                                                            USE_LOWER_BOUND=False), 4, 1, strided),
+    "store": sm90_build(R._conv_windows_store_kernel, store, dict(W1=3, BW=4, BC=R._BC), 4, 1, strided),
+    "state": sm90_build(K._kda_chunk_state_kernel, state, dict(H=32, K=128, V=128, BK=128, BV=32, BVF=128, C=K.CHUNK,
+                                                               DOT16=True, PREC="tf32", SPLIT_O=False), 4, 2, strided),
+}
+print(json.dumps(res))
+'''
+
+
+def test_host_path_kernels_build_for_sm90() -> None:
+    """Issue 18's kernels of the chunked form's host path (conv + gate, window store) and the state pass on a
+    page pool's strided states build for sm_90 at the 48B shape, without spilling."""
+    res = run_sm90_build(_BUILD_HOST_PATH, timeout=600)
+    for name, r in res.items():
+        assert r["local"] == 0 and r["shared"] <= 227 * 1024, (name, r)

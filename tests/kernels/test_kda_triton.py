@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 from k3rt.kernels.kda import kda_chunk_fwd, kda_decode  # noqa: E402
 from k3rt.kernels.kda import triton_decode  # noqa: E402
+from k3rt.kernels.kda.chunk_tables import ChunkTables, chunk_tables  # noqa: E402
 from k3rt.kernels.kda.ref import (  # noqa: E402
     kda_chunked,
     kda_gate_lower_bound,
@@ -450,3 +451,33 @@ def test_gpu_decode_split_and_norm_kimi_shape(N: int, v_split: int, norm: bool) 
         assert torch.equal(case["conv_state"], ref["conv_state"]), step
         assert int(ws.abs().sum()) == 0, step
         case["qkv_pre"] = ref["qkv_pre"] = torch.randn(N, 3 * H * D, generator=gen, device=DEV).to(torch.bfloat16)
+
+
+def _device_tables(lens: list[int], snaps) -> ChunkTables:
+    c_seq, c_idx, c_off, c_snap = chunk_tables(lens, *(snaps or (None, None)))
+    t = [torch.from_numpy(a).to(DEV, torch.int32) for a in (c_seq, c_idx, c_off, c_snap)]
+    return ChunkTables(*t, torch.ones(len(lens), dtype=torch.int32, device=DEV), len(c_seq))
+
+
+def test_chunk_prebuilt_tables_equal_its_own() -> None:
+    """Issue 18: tables built once (the GPU runner's pack_step) and intermediates reused across calls give the
+    call's own results bit for bit, also on states in a page pool's strided view, and a table of the wrong size
+    is refused naming it."""
+    lens, snaps = [130, 1, 64], ([[64, 130], [], [64]], [[3, 4], [], [5]])
+    case = chunk_case(lens, H=2, D=16, kind="softplus", dtype=torch.float32, num_slots=6, seed=5)
+    slots = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
+    state0 = case["state"].clone()
+    own = kda_chunk_fwd(**case, slot_indices=slots, snapshot_positions=snaps[0], snapshot_slots=snaps[1])
+    own_state, case["state"] = case["state"], state0.clone()
+    scratch: dict = {}  # the intermediates allocated by the first call, reused (NaN-poisoned again) by the second
+    shared = kda_chunk_fwd(**case, slot_indices=slots, tables=_device_tables(lens, snaps), scratch=scratch)
+    assert torch.equal(shared, own) and torch.equal(case["state"], own_state) and len(scratch) == 8
+    # the states as a page pool's view (slots further apart than a state): read and written in place
+    pages = torch.full((6, state0[0].numel() + 24), float("nan"), device=DEV)
+    case["state"] = pages[:, 8:8 + state0[0].numel()].view(state0.shape)
+    case["state"].copy_(state0)
+    strided = kda_chunk_fwd(**case, slot_indices=slots, tables=_device_tables(lens, snaps), scratch=scratch)
+    assert torch.equal(strided, own) and torch.equal(case["state"], own_state)
+    assert pages[:, :8].isnan().all() and pages[:, 8 + state0[0].numel():].isnan().all()  # the rest untouched
+    with pytest.raises(ValueError, match="tables: chunk_off"):
+        kda_chunk_fwd(**case, slot_indices=slots, tables=_device_tables(lens[:2], None))

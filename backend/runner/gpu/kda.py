@@ -1,16 +1,19 @@
-"""KDA layer on the GPU path: one fused q|k|v GEMM, conv windows gathered on the device, the
+"""KDA layer on the GPU path: one fused q|k|v GEMM, conv windows read on the device, the
 recurrence through the Triton kernels (torch reference when kernels are off), states in the pool.
 
 Two forms:
-  general (any step): conv over gathered windows, `kda_chunk_fwd` over the packed varlen batch,
-    snapshot states written to their destination state sets;
+  general (any step): conv over the windows pack_step names (rows of [cached windows ; the step's rows]),
+    `kda_chunk_fwd` over the packed varlen batch, snapshot states written to their destination state sets.
+    With the kernels it issues Triton launches only (issue 18: an eager step is bound by its host's launches):
+    conv with gate and beta, window stores, the chunk kernels on the states' pool pages in place, with the chunk
+    tables pack_step built once for every layer;
   decode (every sequence feeds one token, no snapshots; the form captured in CUDA graphs): the
     fused `kda_decode` step, conv cache and recurrent state updated in place.
 A mixed step (plain decodes beside prefill chunks, snapshot rows or verify runs; pack_step kda_split,
 whenever the decode kernel runs outside the batch-invariant mode) is split: the plain decodes' rows take the
 decode form on their live states (the same kernel on the same inputs as a decode step, so bit-identical to
-one) and only the other sequences the general form (`GpuStep.kda_rows`: its conv gathers, state copies and
-chunk kernels then cover those sequences only; a one-token decode costs the chunk kernel a whole chunk).
+one) and only the other sequences the general form (`GpuStep.kda_rows`: its conv and chunk kernels then cover
+those sequences only; a one-token decode costs the chunk kernel a whole chunk).
 Verify runs (speculative decoding) take the general form but leave their conv and recurrent states as
 they were; `kda_commit` replays the accepted prefix into them once the sampler has decided.
   verify graph form (pack_step row_queries: every sequence a verify run of the same length R, the form
@@ -43,6 +46,7 @@ from k3rt.backend.models.kda import KimiDeltaAttention
 from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear, share_rows
 from k3rt.backend.runner.gpu.step import GpuStep, KdaRows
 from k3rt.kernels.kda.ref import kda_chunked, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent
+from k3rt.kernels.short_conv.ref import causal_conv1d_rows, conv_windows_store
 
 
 @dataclass
@@ -152,11 +156,15 @@ def _decode(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch
 
 def _general_gated(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
                    gate: torch.Tensor, rows: KdaRows, conv_pool: torch.Tensor, rec_pool: torch.Tensor,
-                   k: KernelConfig) -> torch.Tensor:
-    """The general form and the gated output norm over `rows`' sequences. -> o [T, H, D]."""
+                   k: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The general form and the gated output norm over `rows`' sequences. -> o [T, H, D], into `out` (contiguous)
+    when given."""
     o = _general(attn, w, qkv, f, b, rows, conv_pool, rec_pool, rows.state_pages[w.group], k)
     gated = kernel("norm", "rms_norm_gated") if k.triton else None
-    return (gated or rms_norm_gated)(o, gate.reshape(o.shape), attn.o_norm_weight, attn.eps)
+    if gated is not None:
+        return gated(o, gate.reshape(o.shape), attn.o_norm_weight, attn.eps, out=out)
+    normed = rms_norm_gated(o, gate.reshape(o.shape), attn.o_norm_weight, attn.eps)
+    return normed if out is None else out.copy_(normed)
 
 
 def _split(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
@@ -180,7 +188,7 @@ def _split(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.
         o[r] = _decode(attn, w, qkv[r], f[r], b[r], gate[r], conv_pool, rec_pool, pages, k, workspace)
     if sp.rest_span is not None:
         s, e = sp.rest_span
-        o[s:e] = _general_gated(attn, w, qkv[s:e], f[s:e], b[s:e], gate[s:e], sp.rest, conv_pool, rec_pool, k)
+        _general_gated(attn, w, qkv[s:e], f[s:e], b[s:e], gate[s:e], sp.rest, conv_pool, rec_pool, k, out=o[s:e])
     else:
         r = sp.rest_rows
         o[r] = _general_gated(attn, w, qkv[r], f[r], b[r], gate[r], sp.rest, conv_pool, rec_pool, k)
@@ -276,36 +284,54 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
              step: KdaRows, conv_pool: torch.Tensor, rec_pool: torch.Tensor, pages: torch.Tensor,
              k: KernelConfig) -> torch.Tensor:
     """The general form over `step`'s sequences (GpuStep.kda_rows: the whole step, or a split step's rest; qkv, f,
-    b: their rows only) on their state pages `pages`: conv over gathered windows, the chunked recurrence on a
-    contiguous copy of their states (kda_chunk_fwd wants one; a split step copies the rest's only), snapshots
-    written to their destination sets. -> o [T, H, D] (before the gated norm)."""
+    b: their rows only) on their state pages `pages`: conv over the windows step.conv_idx names, the new and
+    snapshot windows stored, the chunked recurrence (with the kernels and the step's chunk tables: on the pool
+    pages in place; else on a contiguous copy of the states, which leaves verify runs' states as they were),
+    snapshots written to their destination sets. -> o [T, H, D] (before the gated norm)."""
     T, H, D = qkv.shape[0], attn.num_heads, attn.head_dim
-    W = w.conv_weight.shape[1]
-    old = conv_pool[pages]  # [B, W-1, C]
-    ext = torch.cat([old.reshape(-1, old.shape[-1]).to(qkv.dtype), qkv])
-    y = torch.zeros(T, qkv.shape[1], dtype=torch.float32, device=qkv.device)
-    for tap in range(W):  # one [T, C] gather per tap keeps the working set at 2 rows of the step
-        y.addcmul_(ext[step.conv_idx[:, tap]].float(), w.conv_weight[:, tap])
-    y = F.silu(y).to(qkv.dtype)
-    # verify runs keep their states: only the other sequences' windows and states are written back
-    live = (torch.tensor([i for i in range(step.num_seqs) if i not in step.verify_seqs], dtype=torch.long,
-                         device=qkv.device) if step.verify_seqs else None)
-    if live is None:
-        conv_pool[pages] = ext[step.conv_tail_idx].to(conv_pool.dtype)
+    if k.triton:  # conv, gate and beta in one launch, the cached windows read in place (kernels/kda/triton_prep.py)
+        y, g, beta = kernel("kda", "kda_chunk_prep")(qkv, conv_pool, pages, step.conv_idx, w.conv_weight, f, w.A_log,
+                                                     w.dt_bias, b, attn.lower_bound)
+        store = kernel("short_conv", "conv_windows_store_fwd")
     else:
-        conv_pool[pages[live]] = ext[step.conv_tail_idx[live]].to(conv_pool.dtype)
+        y = causal_conv1d_rows(qkv, conv_pool, pages, step.conv_idx, w.conv_weight)
+        g, beta = _gate(attn, w, f), torch.sigmoid(b.float())
+        store = conv_windows_store
+    nseq, snaps = step.num_seqs, step.snapshots
+    if snaps:  # first: a snapshot's window may read cached rows that the new windows overwrite
+        store(qkv, conv_pool, pages, step.snap_conv_idx, step.snap_dest[w.group])
+    # verify runs keep their states: only the other sequences' windows and states are written back
+    live = step.live_seqs
+    if live is None:
+        store(qkv, conv_pool, pages, step.conv_tail_idx, pages)
+    else:
+        store(qkv, conv_pool, pages, step.conv_tail_idx[live], pages[live])
     q, kk, v = y.view(T, 3, H, D).unbind(1)
-    g = _gate(attn, w, f)
-    beta = torch.sigmoid(b.float())
     if live is not None:
         # only the verify runs' rows, gathered (the step's activations are not kept alive until the commit)
-        rows = torch.cat([torch.arange(step.cu[i], step.cu[i + 1]) for i in step.verify_seqs]).to(qkv.device)
+        rows = step.verify_rows
         step.verify_inputs[attn.layer_idx] = (qkv[rows], g[rows], beta[rows])
-    nseq, snaps = step.num_seqs, step.snapshots
-    # the recurrence runs on a contiguous copy of the sequences' states: slots 0..B-1 live, B.. snapshots
-    states = torch.empty(nseq + len(snaps), H, D, D, dtype=torch.float32, device=qkv.device)
-    states[:nseq] = rec_pool[pages]
-    if k.triton:
+    if k.triton and step.chunk is not None and live is None and rec_pool.dtype == torch.float32:
+        # the step's tables (pack_step chunk_tables), the states read and written on their pages in place,
+        # snapshots straight to their destination pages: no state copy, nothing built here
+        from k3rt.kernels.kda import kda_chunk_fwd
+
+        return kda_chunk_fwd(q, kk, v, g, beta, step.cu_seqlens, rec_pool, pages,
+                             tables=step.chunk._replace(snap=step.chunk_snap_pages[w.group]),
+                             precision="ieee" if q.dtype == torch.float32 else "tf32", scratch=step.chunk_scratch)
+    # else the recurrence runs on a contiguous copy of the sequences' states: slots 0..B-1 live, B.. snapshots
+    # (verify runs' states are computed but not written back)
+    if snaps or rec_pool.dtype != torch.float32:
+        states = torch.empty(nseq + len(snaps), H, D, D, dtype=torch.float32, device=qkv.device)
+        states[:nseq] = rec_pool[pages]
+    else:  # the gather is the copy
+        states = rec_pool[pages]
+    if k.triton and step.chunk is not None:  # the step's tables (pack_step chunk_tables): nothing built here
+        from k3rt.kernels.kda import kda_chunk_fwd
+
+        o = kda_chunk_fwd(q, kk, v, g, beta, step.cu_seqlens, states, step.chunk_slots, tables=step.chunk,
+                          precision="ieee" if q.dtype == torch.float32 else "tf32", scratch=step.chunk_scratch)
+    elif k.triton:
         from k3rt.kernels.kda import kda_chunk_fwd
 
         pos: list[list[int]] = [[] for _ in range(nseq)]
@@ -334,10 +360,7 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
     else:
         rec_pool[pages[live]] = states[live]
     if snaps:
-        windows = ext[step.snap_conv_idx].to(conv_pool.dtype)  # [S, W-1, C]
-        dest = step.snap_dest[w.group]
-        conv_pool[dest] = windows
-        rec_pool[dest] = states[nseq:]
+        rec_pool[step.snap_dest[w.group]] = states[nseq:]
     return o
 
 

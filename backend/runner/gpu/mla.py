@@ -69,12 +69,20 @@ def mla_forward(attn: MultiHeadLatentAttention, w: MlaWeights, x: torch.Tensor, 
         out = _decode(q, w, step, kv_pages, m, k, per_row=not (step.decode_seqs.numel() and len(rows) == T))
     elif step.decode_seqs.numel() and len(rows) == T:  # every row decodes (the graphed form): no scatter
         out = _decode(q, w, step, kv_pages, m, k)
-    else:
+    else:  # both forms (a mixed step) or prefill only: contiguous row ranges (the usual order) are slices
         out = torch.empty(T, H, m.v_head_dim, dtype=x.dtype, device=x.device)
         if step.decode_seqs.numel():
-            out[rows] = _decode(q[rows], w, step, kv_pages, m, k)
+            if step.decode_span is not None:
+                s, e = step.decode_span
+                out[s:e] = _decode(q[s:e], w, step, kv_pages, m, k)
+            else:
+                out[rows] = _decode(q[rows], w, step, kv_pages, m, k)
     if step.prefill_seqs and not k.batch_invariant:
-        out[step.prefill_rows] = _expanded(attn, q[step.prefill_rows], step, flat, m, k)
+        if step.prefill_span is not None:  # the kernel writes its rows of out in place
+            s, e = step.prefill_span
+            _expanded(attn, q[s:e], step, flat, m, k, out=out[s:e])
+        else:
+            out[step.prefill_rows] = _expanded(attn, q[step.prefill_rows], step, flat, m, k)
     if m.use_output_gate:
         out = out * torch.sigmoid(parts[2].float()).view(T, H, m.v_head_dim).to(out.dtype)
     return linear(out.reshape(T, H * m.v_head_dim), attn.o_proj.weight, k)
@@ -97,8 +105,12 @@ def _decode(q: torch.Tensor, w: MlaWeights, step: GpuStep, kv_pages: torch.Tenso
     else:
         seqs = step.decode_seqs
         all_seqs = seqs.numel() == step.num_seqs
-        table = step.block_table if all_seqs else step.block_table[seqs]
-        ctx = step.ctx_lens if all_seqs else step.ctx_lens[seqs]
+        if all_seqs:
+            table, ctx = step.block_table, step.ctx_lens
+        elif step.decode_block_table is not None:  # packed by pack_step (a mixed step)
+            table, ctx = step.decode_block_table, step.decode_ctx_lens
+        else:
+            table, ctx = step.block_table[seqs], step.ctx_lens[seqs]
     fn = kernel("mla", "mla_decode") if k.triton else None
     if fn is not None:
         # one split in the batch-invariant mode: the split count otherwise follows the batch size
@@ -137,16 +149,18 @@ def _decode_torch(qcat: torch.Tensor, kv_pages: torch.Tensor, table: torch.Tenso
 
 
 def _expanded(attn: MultiHeadLatentAttention, q: torch.Tensor, step: GpuStep, flat: torch.Tensor, m,
-              k: KernelConfig) -> torch.Tensor:
+              k: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The expanded form of the prefill sequences' rows q [Tq, H, P+R] over their whole contexts -> [Tq, H, V],
+    into `out` when given."""
     H, P, V, L = attn.num_heads, m.qk_nope_head_dim, m.v_head_dim, m.kv_lora_rank
     ctx = flat[step.ctx_slot].to(q.dtype)  # [Tk, L+R]
     kv = attn.kv_b_proj(ctx[:, :L]).view(-1, H, P + V)
     k_nope, v, k_pe = kv[..., :P], kv[..., P:], ctx[:, L:]
     fn = kernel("mla", "mla_prefill") if k.triton else None
-    if fn is not None:
-        return fn(q.contiguous(), k_nope.contiguous(), k_pe.contiguous(), v.contiguous(), step.cu_q, step.cu_k,
-                  step.max_q, step.max_k, m.scale)
-    out = torch.empty(q.shape[0], H, V, dtype=q.dtype, device=q.device)
+    if fn is not None:  # strided rows are fine (the kernel takes row and head strides): no copies of kv's columns
+        return fn(q, k_nope, k_pe, v, step.cu_q, step.cu_k, step.max_q, step.max_k, m.scale, out=out)
+    if out is None:
+        out = torch.empty(q.shape[0], H, V, dtype=q.dtype, device=q.device)
     qo = ko = 0
     for i in step.prefill_seqs:
         nq, nk = step.lens[i], step.starts[i] + step.lens[i]

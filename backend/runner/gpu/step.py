@@ -21,6 +21,9 @@ non-blocking copy, so no layer ever synchronizes with the host:
                                 sequences (n == 1) read their pages through block_table instead
   snap_conv_idx       [S, W-1]  conv windows at snapshot positions (S snapshots)
   snap_dest           [G, S]    each snapshot's destination state set, by group
+  decode table/ctx    [Nd, M], [Nd]  (int32, steps with both MLA forms) the decode sequences' block_table rows
+                                and ctx_lens, so no MLA layer gathers them (decode/prefill rows also come as
+                                spans when contiguous: the layers slice)
   row_seq             [T]       (row_queries: verify graphs) the sequence of each row; every row is then its
                                 own MLA decode query over its context (pos + 1), and no sequence takes
                                 the expanded form, so no array's size depends on the context lengths
@@ -30,6 +33,13 @@ non-blocking copy, so no layer ever synchronizes with the host:
   kda_rest_rows/pages [Tr], [G, Br]  the rows and state pages of the other sequences; conv_idx,
                                 conv_tail_idx and snap_conv_idx then index THEIR ext (as if they were the
                                 whole step), and cu_seqlens of the rest is packed as an int32 array of its own
+  kda_live, kda_verify_rows [Bl], [Tv]  (steps with verify runs) the general form's sequences that are no
+                                verify run, and the rows of those that are: what every KDA layer writes back and keeps
+  chunk tables        (chunk_tables: eager steps the chunked KDA kernel runs in) int32 chunk_seq, chunk_idx [NC],
+                                chunk_off [Bk], snap [NC], init [Bk], the state slots 0..Bk-1 of the general
+                                form's sequences (kernels/kda/chunk_tables.py) and snap as destination pages
+                                [G, NC]: built and checked once per step here, so the 20 KDA layers of a 48B
+                                step neither rebuild nor copy them
 
 The host-side lists (cu, starts, snapshots) stay on the object for launchers that need Python ints.
 """
@@ -42,6 +52,8 @@ from operator import attrgetter
 
 import numpy as np
 import torch
+
+from k3rt.kernels.kda.chunk_tables import ChunkTables, chunk_tables
 
 
 @dataclass(slots=True)
@@ -78,8 +90,20 @@ class KdaRows:
     conv_tail_idx: torch.Tensor  # [num_seqs, W-1]
     snap_conv_idx: torch.Tensor  # [S, W-1]
     snap_dest: torch.Tensor  # int64 [G, S]
+    live_seqs: torch.Tensor | None  # int64 [Bl]: the sequences that are no verify run (None: there is no verify run)
+    verify_rows: torch.Tensor | None  # int64 [Tv]: the rows of the verify runs, in order (None: no verify run)
+    # the chunked kernel's tables and the sequences' state slots 0..num_seqs-1 (int32), built once per step
+    # (pack_step chunk_tables); None: each layer's kda_chunk_fwd builds its own
+    chunk: ChunkTables | None
+    chunk_slots: torch.Tensor | None
+    # int32 [G, NC]: the chunk tables' snapshots as each group's destination pages (-1: none), for the layers
+    # whose chunked kernel runs on the pool's pages in place
+    chunk_snap_pages: torch.Tensor | None
     # the step's dict (kda_commit reads the verify runs' rows from it, in step order: the rest keeps that order)
     verify_inputs: dict[int, tuple[torch.Tensor, ...]]
+    # the chunked kernel's intermediates, allocated by the first KDA layer and reused by the others
+    # (kda_chunk_fwd scratch): every layer's chunks have the same shapes
+    chunk_scratch: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -138,6 +162,12 @@ class GpuStep:
     max_k: int
     decode_seqs: torch.Tensor  # int64: sequences in the decode form
     decode_rows: torch.Tensor  # their packed rows
+    # a step with both MLA forms: the decode sequences' block_table rows [Nd, M] and ctx_lens [Nd] (int32); None
+    # otherwise (every sequence decodes: block_table and ctx_lens themselves)
+    decode_block_table: torch.Tensor | None
+    decode_ctx_lens: torch.Tensor | None
+    decode_span: tuple[int, int] | None  # decode_rows as (first, end) when contiguous: slices, not gathers
+    prefill_span: tuple[int, int] | None  # prefill_rows likewise
     # what the general KDA form runs: every sequence (kda_split None), or the rest of a split step
     kda_rows: KdaRows
     kda_split: KdaSplit | None
@@ -181,16 +211,24 @@ class StepMeta:
     verify_seqs: list[int]
     row_queries: bool = False
     kda_split: KdaSplitMeta | None = None
+    num_chunks: int | None = None  # chunk tables packed (pack_step chunk_tables): their chunk count
+    mla_mixed: bool = False  # both MLA forms: the decodes' table rows and contexts packed
+    decode_span: tuple[int, int] | None = None  # the MLA decode rows (first, end) when contiguous
+    prefill_span: tuple[int, int] | None = None  # the expanded-form rows (first, end) when contiguous
 
 
 def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_groups: int,
               max_blocks: int | None = None, extra_logit_rows: list[int] = (),
-              row_queries: bool = False, kda_split: bool = False) -> tuple[StepMeta, tuple[torch.Tensor, torch.Tensor]]:
+              row_queries: bool = False, kda_split: bool = False,
+              chunk_tables: bool = False) -> tuple[StepMeta, tuple[torch.Tensor, torch.Tensor]]:
     """Compute every index of the step on the host: (meta, (int64 buffer, int32 buffer)).
     row_queries: the verify graphs' form (every MLA row a decode query, row_seq packed; module docstring).
     kda_split: a step with plain decodes (one token, no snapshot, not a verify run) and other sequences is
     split for the KDA layers (KdaSplit; the runner asks for it when the decode kernel runs, not in the
     batch-invariant mode): the general form's conv indices are built over the other sequences only.
+    chunk_tables: pack the chunked KDA kernel's tables of the general form's sequences (the runner asks for them
+    on eager steps with the kernels, outside the batch-invariant mode; none for a decode-only step, which
+    never runs the chunked form); a bad snapshot position is refused here (ValueError naming it).
 
     Vectorized over sequences: each per-sequence field is read once in a C-level map (no Python loop over
     the batch, which cost 4 ms at 1,000 decodes with the graph table width), and every index array is a
@@ -235,25 +273,6 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
     n_plain = int(np.count_nonzero(plain)) if kda_split and not row_queries else 0
     split = n_plain if 0 < n_plain < B else None  # the number of plain decodes of a split step
 
-    # the ragged tables scattered into [B, max_blocks] through flat indices (row * width + column)
-    filled = int(num_pages.sum())
-    page_row = np.repeat(arange_b, num_pages)
-    cu_pages = np.cumsum(num_pages) - num_pages
-    # the int32 buffer is allocated once and the table written in place: at graph width (every page of the
-    # longest context) the table is the largest array of the step, and a fresh zeroed array plus a concatenated
-    # copy of it cost 0.4 ms of page faults at 512 x 556 where one reused allocation costs 0.03 ms
-    # sequences in the expanded (prefill) MLA form; none when every row is its own decode query
-    pre_np = np.flatnonzero(lens_np != 1) if not row_queries else np.zeros(0, dtype=np.int64)
-    # cu, ctx, table, cu_k, cu_q (, the rest's cu of a split step)
-    sizes32 = [B + 1, B, B * max_blocks, len(pre_np) + 1, len(pre_np) + 1] + ([B - split + 1] if split else [])
-    flat32 = np.empty(sum(sizes32), dtype=np.int32)
-    cu32, ctx32, table, cu_k32, cu_q32, *rest_cu32 = _split(flat32, sizes32)
-    table = table.reshape(B, max_blocks)
-    table.fill(0)
-    table.ravel()[page_row * max_blocks + (np.arange(filled) - cu_pages[page_row])] = np.fromiter(
-        chain.from_iterable(tables), dtype=np.int64, count=filled)
-    kv_slot = table[seq_of_row, pos // block_size].astype(np.int64) * block_size + pos % block_size
-
     if split is None:  # the general form over every sequence: the step's own rows and offsets
         k_seqs, k_lens, k_cu, k_seq_of_row, k_row0, k_rel = arange_b, lens_np, cu, seq_of_row, row0, rel
         kda_extra = [np.zeros(0, dtype=np.int64)] * 4
@@ -284,6 +303,60 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
                 k_snaps.append((j, p, dest))
                 snap_rows.append(_window_rows(j, p - starts[i] + np.arange(-w1, 0), k_cu[j], w1, old_base))
     snap_conv = np.asarray(snap_rows, dtype=np.int64).reshape(len(snaps), w1)
+    # the general form's verify runs keep their states: its layers write back the others' (k_live) and keep
+    # the runs' rows (k_verify_rows) for the commit
+    k_verify = verify[k_seqs]
+    k_live, k_verify_rows = ((np.flatnonzero(~k_verify), np.flatnonzero(k_verify[k_seq_of_row])) if k_verify.any()
+                             else (np.zeros(0, dtype=np.int64),) * 2)
+    chunk32 = []
+    if chunk_tables and (has_snaps or not is_decode.all()):
+        # the general form's state copy holds its sequences in slots 0..Bk-1, then one slot per snapshot
+        positions: list[list[int]] = [[] for _ in range(Bk)]
+        slots: list[list[int]] = [[] for _ in range(Bk)]
+        k_starts = starts_np[k_seqs]
+        for j, (i, p, _) in enumerate(k_snaps):
+            positions[i].append(p - int(k_starts[i]))
+            slots[i].append(Bk + j)
+        c_seq, c_idx, c_off, c_snap = _chunk_tables(k_lens, positions if k_snaps else None, slots if k_snaps else None)
+        # the same snapshots straight into the pool (the layers that run on their live pages): each group's
+        # destination page of the snapshot taken after each chunk, or -1
+        snap_pages = np.full((num_groups, c_snap.size), -1, dtype=np.int64)
+        taken = c_snap >= 0
+        if taken.any():
+            snap_pages[:, taken] = np.asarray([d for _, _, d in k_snaps], dtype=np.int64)[c_snap[taken] - Bk].T
+        chunk32 = [c_seq, c_idx, c_off, c_snap, np.ones(Bk, dtype=np.int64), np.arange(Bk), snap_pages.ravel()]
+
+    # the ragged tables scattered into [B, max_blocks] through flat indices (row * width + column)
+    filled = int(num_pages.sum())
+    page_row = np.repeat(arange_b, num_pages)
+    cu_pages = np.cumsum(num_pages) - num_pages
+    # the int32 buffer is allocated once and the table written in place: at graph width (every page of the
+    # longest context) the table is the largest array of the step, and a fresh zeroed array plus a concatenated
+    # copy of it cost 0.4 ms of page faults at 512 x 556 where one reused allocation costs 0.03 ms
+    # sequences in the expanded (prefill) MLA form; none when every row is its own decode query
+    pre_np = np.flatnonzero(lens_np != 1) if not row_queries else np.zeros(0, dtype=np.int64)
+    dec = np.flatnonzero(is_decode)
+    ctx = starts_np + lens_np
+    # a step with both MLA forms: its decode sequences' table rows and context lengths, packed once here
+    # rather than gathered by each MLA layer
+    mla_mixed = 0 < dec.size < B and not row_queries
+    # cu, ctx, table, cu_k, cu_q, then (MLA mixed) the decodes' table rows and contexts, then (a split step) the
+    # rest's cu, then (chunk_tables) the chunk tables
+    tail32 = ([k_cu] if split is not None else []) + chunk32
+    sizes32 = ([B + 1, B, B * max_blocks, len(pre_np) + 1, len(pre_np) + 1]
+               + ([dec.size * max_blocks, dec.size] if mla_mixed else []) + [a.size for a in tail32])
+    flat32 = np.empty(sum(sizes32), dtype=np.int32)
+    cu32, ctx32, table, cu_k32, cu_q32, *tail_views = _split(flat32, sizes32)
+    dec_views = [tail_views.pop(0), tail_views.pop(0)] if mla_mixed else []
+    for view, a in zip(tail_views, tail32):
+        view[:] = a
+    table = table.reshape(B, max_blocks)
+    table.fill(0)
+    table.ravel()[page_row * max_blocks + (np.arange(filled) - cu_pages[page_row])] = np.fromiter(
+        chain.from_iterable(tables), dtype=np.int64, count=filled)
+    if mla_mixed:
+        dec_views[0][:], dec_views[1][:] = table[dec].ravel(), ctx[dec]
+    kv_slot = table[seq_of_row, pos // block_size].astype(np.int64) * block_size + pos % block_size
     snap_dest = np.asarray([d for _, _, d in snaps], dtype=np.int64).reshape(len(snaps), num_groups)
 
     sampled = np.fromiter(map(_NEEDS_LOGITS, seqs), dtype=bool, count=B) & ~verify
@@ -292,8 +365,6 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
                                  np.asarray(extra_logit_rows, dtype=np.int64)])
     decode_form = is_decode.tolist()
     pre = pre_np.tolist()
-    dec = np.flatnonzero(is_decode)
-    ctx = starts_np + lens_np
     # every context position of the expanded-form sequences, their flat cache rows
     ctx_pre = ctx[pre_np]
     cu_k = np.zeros(len(pre) + 1, dtype=np.int64)
@@ -307,19 +378,19 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
 
     i64 = [ids, pos, kv_slot, states.T.ravel(), conv_idx.ravel(), conv_tail.ravel(), logit_rows, ctx_slot,
            pre_rows, dec, cu[dec], snap_conv.ravel(), snap_dest.T.ravel(),
-           seq_of_row if row_queries else np.zeros(0, dtype=np.int64), *kda_extra]
+           seq_of_row if row_queries else np.zeros(0, dtype=np.int64), *kda_extra, k_live, k_verify_rows]
     cu32[:], ctx32[:], cu_k32[:], cu_q32[:] = cu, ctx, cu_k, cu_q
     split_meta = None
     if split is not None:
         k_list = k_seqs.tolist()
         split_meta = KdaSplitMeta(split, k_cu.tolist(), [starts[i] for i in k_list], k_lens.tolist(), k_snaps,
                                   np.flatnonzero(verify[k_seqs]).tolist(), _span(kda_extra[0]), _span(kda_extra[2]))
-        rest_cu32[0][:] = k_cu
     meta = StepMeta(B, T, max_blocks, len(snaps), w1, [p.size for p in i64], sizes32,
                     cu.tolist(), starts, lens, decode_form, snaps, pre,
                     int(lens_np[pre_np].max(initial=0)), int(ctx_pre.max(initial=0)),
                     bool(logit_rows.size == T and np.array_equal(logit_rows, np.arange(T))), verify_seqs, row_queries,
-                    split_meta)
+                    split_meta, len(chunk32[0]) if chunk32 else None, mla_mixed,
+                    _span(cu[dec]) if dec.size else None, _span(pre_rows) if pre_rows.size else None)
     host = (torch.from_numpy(np.concatenate(i64, dtype=np.int64)), torch.from_numpy(flat32))
     return meta, host
 
@@ -332,6 +403,7 @@ def _span(rows: np.ndarray) -> tuple[int, int] | None:
 
 _TOKENS, _START, _TABLE, _STATES = (attrgetter(n) for n in ("token_ids", "start", "block_table", "state_pages"))
 _SNAPSHOTS, _VERIFY, _NEEDS_LOGITS = attrgetter("snapshots"), attrgetter("verify"), attrgetter("needs_logits")
+_chunk_tables = chunk_tables  # pack_step's flag of the same name shadows it there
 
 
 def _split(flat, sizes: list[int]) -> list:
@@ -348,23 +420,33 @@ def step_views(meta: StepMeta, flat64: torch.Tensor, flat32: torch.Tensor) -> Gp
     B, T, w1 = meta.num_seqs, meta.num_tokens, meta.w1
     (t_ids, t_pos, t_slot, t_states, t_conv, t_tail, t_logit, t_ctx_slot, t_pre_rows, t_dec, t_dec_rows,
      t_snap, t_snap_dest, t_row_seq, t_kdec_rows, t_kdec_pages, t_krest_rows,
-     t_krest_pages) = _split(flat64, meta.sizes64)
-    t_cu, t_ctx, t_table, t_cuk, t_cuq, *t_krest_cu = _split(flat32, meta.sizes32)
+     t_krest_pages, t_live, t_verify_rows) = _split(flat64, meta.sizes64)
+    t_cu, t_ctx, t_table, t_cuk, t_cuq, *tail32 = _split(flat32, meta.sizes32)
     G = t_states.numel() // B
     state_pages = t_states.view(G, B)
     verify_inputs: dict[int, tuple[torch.Tensor, ...]] = {}
     sm = meta.kda_split
+    dec_table, dec_ctx = (tail32.pop(0), tail32.pop(0)) if meta.mla_mixed else (None, None)
+    t_krest_cu = tail32.pop(0) if sm is not None else None
+    chunk, chunk_slots, chunk_snap_pages = None, None, None
+    if meta.num_chunks is not None:
+        c_seq, c_idx, c_off, c_snap, c_init, chunk_slots, c_snap_pages = tail32
+        chunk = ChunkTables(c_seq, c_idx, c_off, c_snap, c_init, meta.num_chunks)
+        chunk_snap_pages = c_snap_pages.view(G, meta.num_chunks)
+    verify_any = t_verify_rows.numel() > 0
+    rows_kw = dict(live_seqs=t_live if verify_any else None, verify_rows=t_verify_rows if verify_any else None,
+                   chunk=chunk, chunk_slots=chunk_slots, chunk_snap_pages=chunk_snap_pages, verify_inputs=verify_inputs)
     if sm is None:
         kda_rows = KdaRows(B, meta.cu, meta.starts, meta.lens, meta.snapshots, meta.verify_seqs, t_cu, state_pages,
                            t_conv.view(T, w1 + 1), t_tail.view(B, w1), t_snap.view(meta.num_snapshots, w1),
-                           t_snap_dest.view(G, meta.num_snapshots), verify_inputs)
+                           t_snap_dest.view(G, meta.num_snapshots), **rows_kw)
         split = None
     else:
         Br = len(sm.rest_lens)
         kda_rows = KdaRows(Br, sm.rest_cu, sm.rest_starts, sm.rest_lens, sm.rest_snapshots, sm.rest_verify_seqs,
-                           t_krest_cu[0], t_krest_pages.view(G, Br), t_conv.view(sm.rest_cu[-1], w1 + 1),
+                           t_krest_cu, t_krest_pages.view(G, Br), t_conv.view(sm.rest_cu[-1], w1 + 1),
                            t_tail.view(Br, w1), t_snap.view(meta.num_snapshots, w1),
-                           t_snap_dest.view(G, meta.num_snapshots), verify_inputs)
+                           t_snap_dest.view(G, meta.num_snapshots), **rows_kw)
         split = KdaSplit(t_kdec_rows, t_kdec_pages.view(G, sm.num_decodes), sm.dec_span, t_krest_rows, sm.rest_span,
                          kda_rows)
     return GpuStep(
@@ -373,16 +455,21 @@ def step_views(meta: StepMeta, flat64: torch.Tensor, flat32: torch.Tensor) -> Gp
         block_table=t_table.view(B, meta.max_blocks), state_pages=state_pages, logit_rows=t_logit,
         logits_every_row=meta.logits_every_row, prefill_seqs=meta.prefill_seqs, prefill_rows=t_pre_rows,
         ctx_slot=t_ctx_slot, cu_k=t_cuk, cu_q=t_cuq, max_q=meta.max_q, max_k=meta.max_k, decode_seqs=t_dec,
-        decode_rows=t_dec_rows, kda_rows=kda_rows, kda_split=split, verify_seqs=meta.verify_seqs,
+        decode_rows=t_dec_rows,
+        decode_block_table=dec_table.view(-1, meta.max_blocks) if dec_table is not None else None,
+        decode_ctx_lens=dec_ctx, decode_span=meta.decode_span, prefill_span=meta.prefill_span, kda_rows=kda_rows,
+        kda_split=split, verify_seqs=meta.verify_seqs,
         verify_inputs=verify_inputs, row_seq=t_row_seq if meta.row_queries else None,
     )
 
 
 def build_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_groups: int, device: torch.device,
-               max_blocks: int | None = None, extra_logit_rows: list[int] = (), kda_split: bool = False) -> GpuStep:
+               max_blocks: int | None = None, extra_logit_rows: list[int] = (), kda_split: bool = False,
+               chunk_tables: bool = False) -> GpuStep:
     """Pack on the host, copy to the device (pinned, non-blocking), return the views."""
     meta, (h64, h32) = pack_step(seqs, block_size=block_size, conv_width=conv_width, num_groups=num_groups,
-                                 max_blocks=max_blocks, extra_logit_rows=extra_logit_rows, kda_split=kda_split)
+                                 max_blocks=max_blocks, extra_logit_rows=extra_logit_rows, kda_split=kda_split,
+                                 chunk_tables=chunk_tables)
     if device.type == "cuda":
         h64, h32 = h64.pin_memory(), h32.pin_memory()
     return step_views(meta, h64.to(device, non_blocking=True), h32.to(device, non_blocking=True))
