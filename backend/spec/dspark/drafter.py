@@ -26,7 +26,7 @@ import torch
 
 from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.backend.models.loader import CheckpointError
-from k3rt.backend.spec.base import DraftQuery, Drafter
+from k3rt.backend.spec.base import DraftQuery, Drafter, Proposal
 from k3rt.backend.spec.dspark.checkpoint import load_drafter
 from k3rt.backend.spec.dspark.graph import DraftGraphs
 from k3rt.backend.spec.dspark.model import DSparkModel, verify_length
@@ -112,12 +112,16 @@ class DSparkDrafter(Drafter):
             h = torch.cat([h[:1].expand(cfg.context_len - n, -1), h])
         return h.to(self.dtype), ids, n
 
-    @torch.no_grad()
     def propose(self, queries: Sequence[DraftQuery]) -> list[list[int]]:
+        return [p.token_ids for p in self.propose_scored(queries)]
+
+    @torch.no_grad()
+    def propose_scored(self, queries: Sequence[DraftQuery]) -> list[Proposal]:
         """One batched block pass over every query that carries target states; a query without them (its
         states were not recorded, e.g. right after a preemption) gets no drafts this step. A request whose
-        confidence says no draft pays (min_verify 0) also gets none: it decodes plainly."""
-        out: list[list[int]] = [[] for _ in queries]
+        confidence says no draft pays (min_verify 0) also gets none: it decodes plainly. Each proposal carries
+        the confidence head's per-draft acceptance estimates of the drafts it returns."""
+        out: list[Proposal] = [Proposal([]) for _ in queries]
         ready = [i for i, q in enumerate(queries) if q.hidden is not None]
         if not ready:
             return out
@@ -138,5 +142,5 @@ class DSparkDrafter(Drafter):
         tokens, conf = tokens.tolist(), conf.cpu()  # one device sync for the whole batch
         for j, i in enumerate(ready):
             n = verify_length(conf[j], self.threshold, self.model.cfg.min_verify, queries[i].max_tokens)
-            out[i] = tokens[j][:n]
+            out[i] = Proposal(tokens[j][:n], conf[j, :n].tolist())
         return out
