@@ -393,6 +393,11 @@ class Scheduler:
                     gate.observe(rid, 0, 0)  # the drafter had nothing for it: a drafting step that gained nothing
             offered = [(rid, len(d), est) for rid, (_, d, est) in props.items() if d]
             keep = dict(zip((rid for rid, _, _ in offered), gate.trim(batch, offered, plan.why)))
+            for rid, k in keep.items():
+                if k == 0:
+                    # trimmed away: this drafting step gained it nothing, so its yield (what plan() expects of
+                    # the next drafting step) falls, and a drafter pass whose drafts never pay stops being run
+                    gate.observe(rid, 0, 0)
         used = 0
         for req in list(self._step_decodes):
             q, d, est = props.get(req.rid, (None, None, None))

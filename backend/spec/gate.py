@@ -97,12 +97,10 @@ class SpecGate:
         """P(a draft is accepted | the drafts before it were), for request rid."""
         r, prior = self._reqs.get(rid), self.cfg.prior_verifies
         g = self._method_alpha()
-        if r is None:
+        if r is None or r.trials + prior <= 0:
             return g
-        # the method's rate counts as prior_verifies verifies of its mean size
-        m = self._method
-        per = m.trials / m.steps if m.steps > 0 else 1.0
-        return (r.accepted + prior * per * g) / (r.trials + prior * per) if r.trials + prior * per > 0 else g
+        # the method's rate counts as prior_verifies trials of the request's own
+        return (r.accepted + prior * g) / (r.trials + prior)
 
     def yield_(self, rid: int) -> float | None:
         """Expected accepted drafts for rid in a step that drafts (None: nothing measured yet)."""

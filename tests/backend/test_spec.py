@@ -805,7 +805,12 @@ def test_cli_generate_with_spec(tmp_path_factory, capsys) -> None:
     assert main(args + ["--spec", "suffix", "--spec-tokens", "3"]) == 0
     spec = json.loads(capsys.readouterr().out)
     assert spec["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) == 16
-    assert set(spec["spec"]) == {"drafted_tokens", "accepted_tokens", "verifies", "tau"}
+    assert set(spec["spec"]) == {"drafted_tokens", "accepted_tokens", "verifies", "tau", "steps_speculated",
+                                 "steps_skipped"}
+    # without the controller no step is skipped
+    assert main(args + ["--spec", "suffix", "--spec-tokens", "3", "--no-spec-adaptive"]) == 0
+    always = json.loads(capsys.readouterr().out)
+    assert always["token_ids"] == plain["token_ids"] and always["spec"]["steps_skipped"] == 0
     with pytest.raises(SystemExit):  # argparse: not one of the drafters
         main(args + ["--spec", "eagle"])
 
