@@ -10,8 +10,9 @@ plain, verify, draft: seconds of a plain step, a verify step and the drafter's p
 
 Two estimates of gain, before and after the drafter's pass:
 - before (`plan`, deciding whether to call the drafter at all): the request's *yield*, an EMA of the drafts
-  accepted per drafting step (0 when the drafter had nothing for it), blended with the method's yield as a
-  prior worth `prior_verifies` steps, so a new request starts at the method's running rate;
+  accepted per drafting step (0 when the drafter had nothing for it or `trim` kept none of its drafts),
+  blended with the method's yield as a prior worth `prior_verifies` steps, so a new request starts at the
+  method's running rate;
 - after (`trim`, the drafts in hand): per draft j the probability that drafts 1..j are all accepted: the
   drafter's own estimates where it gives them (DSpark's confidence head: the cumulative product, scaled by how
   the method's predictions have compared with what was accepted), else alpha^j, alpha the request's

@@ -21,6 +21,7 @@ import torch
 
 from k3rt.backend.engine import Engine
 from k3rt.backend.models.loader import CheckpointError
+from k3rt.backend.spec.base import Drafter
 from k3rt.backend.spec.dspark.checkpoint import save_drafter
 from k3rt.backend.spec.dspark.drafter import DSparkDrafter
 from k3rt.backend.spec.dspark.model import DSparkConfig, DSparkModel
@@ -88,6 +89,9 @@ class _CheckedDrafter(DSparkDrafter):
         self.atol, self.every_other, self.calls = atol, every_other, 0
         self.checked = 0
         self.errors: list[str] = []
+
+    # the scheduler asks propose_scored: the base class's, over this propose (no confidences: drafts are replaced)
+    propose_scored = Drafter.propose_scored
 
     def propose(self, queries):
         # the scheduler turns a drafter's exception into "no drafts this step": failures are kept and asserted on

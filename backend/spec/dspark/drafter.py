@@ -113,10 +113,13 @@ class DSparkDrafter(Drafter):
         return h.to(self.dtype), ids, n
 
     def propose(self, queries: Sequence[DraftQuery]) -> list[list[int]]:
-        return [p.token_ids for p in self.propose_scored(queries)]
+        return [p.token_ids for p in self._pass(queries)]
+
+    def propose_scored(self, queries: Sequence[DraftQuery]) -> list[Proposal]:
+        return self._pass(queries)
 
     @torch.no_grad()
-    def propose_scored(self, queries: Sequence[DraftQuery]) -> list[Proposal]:
+    def _pass(self, queries: Sequence[DraftQuery]) -> list[Proposal]:
         """One batched block pass over every query that carries target states; a query without them (its
         states were not recorded, e.g. right after a preemption) gets no drafts this step. A request whose
         confidence says no draft pays (min_verify 0) also gets none: it decodes plainly. Each proposal carries
