@@ -63,6 +63,10 @@ def step_sample(launched: SchedulerOutput | None, collected: Sequence[SchedulerO
     return None
 
 
+# a step time this many times off the running estimate is an outlier (see Ema.add)
+OUTLIER = 4.0
+
+
 def bucket(batch: int) -> int:
     """The batch-size bucket: the next power of two at or above batch (>= 1)."""
     return 1 << max(batch - 1, 0).bit_length()
@@ -77,11 +81,17 @@ class Ema:
     at_step: int = 0  # the controller's step counter at the last sample (how stale it is)
 
     def add(self, x: float, weight: float, step: int) -> None:
+        self.at_step = step
+        if self.n and x < self.value / OUTLIER:
+            # the estimate began on a stall (a kernel compiling, a first graph replay): start again from here
+            self.value, self.n = x, 1
+            return
+        if self.n:
+            x = min(x, OUTLIER * self.value)  # one stall (GC, a page fault storm) moves it by a bounded step
         # the first samples weigh more (1/n) until the EMA's own weight takes over: no bias toward 0
         w = max(weight, 1.0 / (self.n + 1))
         self.value += w * (x - self.value)
         self.n += 1
-        self.at_step = step
 
 
 @dataclass

@@ -11,7 +11,7 @@ import pytest
 
 from k3rt.backend.scheduler.scheduler import ScheduledChunk, SchedulerOutput
 from k3rt.backend.spec.base import Drafter
-from k3rt.backend.spec.cost import StepKind, bucket, step_sample
+from k3rt.backend.spec.cost import Ema, StepKind, bucket, step_sample
 from k3rt.backend.spec.gate import Plan, SpecGate, Why
 from k3rt.config import SpecConfig, SpecGateConfig
 from tests.backend.engine_fixtures import assert_at_rest, greedy, make_engine, run, tiny_checkpoint
@@ -98,6 +98,15 @@ def test_step_samples_name_one_kind_of_step_or_none() -> None:
     assert step_sample(plain2, [spec]) is None  # launched one kind, read back another
     assert step_sample(plain2, [plain3]) is None  # another bucket
     assert step_sample(plain4, [plain4, plain3]) is None and step_sample(None, []) is None
+
+
+def test_step_cost_estimates_shrug_off_stalls() -> None:
+    e = Ema()
+    e.add(0.5, 0.125, 1)  # the bucket's first verify compiled its kernels
+    e.add(0.01, 0.125, 2)  # 50x faster: the first sample was the stall, start again
+    assert (e.value, e.n, e.at_step) == (0.01, 1, 2)
+    e.add(1.0, 0.125, 3)  # a GC pause counts as 4x the estimate at most, at the 1/n weight of a second sample
+    assert e.value == pytest.approx(0.01 + 0.5 * (0.04 - 0.01)) and e.n == 2
 
 
 def test_gate_config_errors_name_the_field() -> None:
