@@ -111,6 +111,9 @@ class SpecGateConfig:
     # estimates follow changing conditions; while it is on, a plain step is forced when the batch bucket's plain
     # cost is older than 4x this many steps
     probe_interval: int = 16
+    # ...and at most this share of plain decoding's time is spent on probes: a probe at a batch where a verify
+    # costs several plain steps comes that many times less often (probe_interval is the shortest spacing)
+    probe_overhead: float = 0.02
     # weight of a new sample in the exponential moving averages (step times, acceptance)
     ema_weight: float = 0.125
     # per request, the method-wide acceptance counts as this many verifies of prior (a new request starts there)
@@ -121,6 +124,8 @@ class SpecGateConfig:
             raise ValueError(f"spec_gate.margin: must be in [0, 1], got {self.margin}")
         if self.probe_interval < 1:
             raise ValueError(f"spec_gate.probe_interval: must be >= 1, got {self.probe_interval}")
+        if not 0.0 < self.probe_overhead <= 1.0:
+            raise ValueError(f"spec_gate.probe_overhead: must be in (0, 1], got {self.probe_overhead}")
         if not 0.0 < self.ema_weight <= 1.0:
             raise ValueError(f"spec_gate.ema_weight: must be in (0, 1], got {self.ema_weight}")
         if self.prior_verifies < 0:

@@ -24,7 +24,10 @@ Two estimates of gain, before and after the drafter's pass:
 Exploration: with no plain sample at this bucket the step decodes plainly (one sample is enough to start);
 with no verify or draft sample, or no acceptance data yet, it speculates. While the rule says no, one step in
 `probe_interval` drafts anyway (a probe: drafts untrimmed), so the estimates follow changing acceptance and
-cost; while it says yes, a plain step is forced when the bucket's plain cost is older than 4 x probe_interval.
+cost. A probe costs its step's time beyond the plain steps its tokens are worth, so probes are spaced at least
+probe_interval steps and far enough apart that this loss stays within `probe_overhead` of plain decoding's time
+(at a batch where a verify costs several plain steps, a probe comes every hundred steps or so). While the rule
+says yes, a plain step is forced when the bucket's plain cost is older than 4 x probe_interval.
 
 The controller knows nothing of pages, grammars or sampling: the scheduler asks it, then bounds drafts as
 before. Its only clock is its own decision counter (`steps`); times come in as seconds.
@@ -33,6 +36,7 @@ before. Its only clock is its own decision counter (`steps`); times come in as s
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -151,12 +155,17 @@ class SpecGate:
         gains = [self.yield_(r) for r in rids]
         if verify is None or draft is None or any(g is None for g in gains):
             return self._spec(b, Why.EXPLORE)
-        rate = (batch + sum(gains)) / max(verify.value + draft.value, 1e-9)
-        if rate > (1.0 + self.cfg.margin) * batch / max(plain.value, 1e-9):
+        spec_s, plain_s = verify.value + draft.value, max(plain.value, 1e-9)
+        tokens = batch + sum(gains)
+        if tokens / max(spec_s, 1e-9) > (1.0 + self.cfg.margin) * batch / plain_s:
             if self.steps - plain.at_step > 4 * self.cfg.probe_interval:
                 return Plan(False, Why.REFRESH)
             return self._spec(b, Why.PAYS)
-        if self.steps - self._last_spec.get(b, 0) >= self.cfg.probe_interval:
+        # a probe costs what its step takes beyond the plain steps its tokens are worth; spaced so that this
+        # stays within probe_overhead of plain decoding's time
+        loss = spec_s / plain_s - tokens / batch
+        every = max(self.cfg.probe_interval, math.ceil(loss / self.cfg.probe_overhead))
+        if self.steps - self._last_spec.get(b, 0) >= every:
             return self._spec(b, Why.PROBE)
         return Plan(False, Why.NOT_WORTH)
 

@@ -24,7 +24,8 @@ def _costs(g: SpecGate, batch: int, plain: float, verify: float, draft: float, d
 
 
 def test_off_when_a_verify_costs_more_than_it_emits_on_after_a_probe_shows_acceptance() -> None:
-    g = SpecGate(SpecGateConfig(margin=0.05, probe_interval=4, ema_weight=0.5))
+    # probe_overhead 1: probes as often as probe_interval allows (their loss here is under a plain step)
+    g = SpecGate(SpecGateConfig(margin=0.05, probe_interval=4, probe_overhead=1.0, ema_weight=0.5))
     assert g.plan(1, [0]) == Plan(False, Why.EXPLORE)  # no plain step measured at this batch yet
     g.observe_step(StepKind.PLAIN, 1, 1.0)
     assert g.plan(1, [0]) == Plan(True, Why.EXPLORE)  # nor a verify step: draft to measure one (step 2)
@@ -50,7 +51,7 @@ def test_off_when_a_verify_costs_more_than_it_emits_on_after_a_probe_shows_accep
 
 
 def test_the_same_acceptance_does_not_pay_at_a_batch_whose_verify_costs_several_plain_steps() -> None:
-    g = SpecGate(SpecGateConfig(probe_interval=1000))
+    g = SpecGate(SpecGateConfig(probe_interval=16, probe_overhead=0.02))
     _costs(g, 1, plain=1.0, verify=1.5, draft=0.2)
     _costs(g, 64, plain=1.0, verify=4.0, draft=0.3)  # 64 x 8 tokens route to many more experts than 64 x 1
     for rid in range(64):
@@ -59,6 +60,11 @@ def test_the_same_acceptance_does_not_pay_at_a_batch_whose_verify_costs_several_
     assert g.plan(64, list(range(64))) == Plan(False, Why.NOT_WORTH)  # 192 tokens in 4.3: 44.7 < 64 per step
     assert g.plan(48, list(range(48))) == Plan(False, Why.NOT_WORTH)  # the same bucket (64)
     assert bucket(48) == bucket(64) == 64 and bucket(1) == 1 and bucket(3) == 4
+    # a probe at 64 loses 4.3 - 192 / 64 = 1.3 plain steps: at most 2% of the time means one in 65 steps
+    while (p := g.plan(64, list(range(64)))) == Plan(False, Why.NOT_WORTH):
+        pass
+    assert p == Plan(True, Why.PROBE) and g.steps == 65
+    assert g.plan(64, list(range(64))) == Plan(False, Why.NOT_WORTH)
 
 
 def test_trim_keeps_drafts_whose_acceptance_pays_their_verify_share() -> None:
@@ -111,7 +117,7 @@ def test_step_cost_estimates_shrug_off_stalls() -> None:
 
 def test_gate_config_errors_name_the_field() -> None:
     for kw, name in (({"margin": -0.1}, "margin"), ({"probe_interval": 0}, "probe_interval"),
-                     ({"ema_weight": 0.0}, "ema_weight"), ({"prior_verifies": -1}, "prior_verifies")):
+                     ({"ema_weight": 0.0}, "ema_weight"), ({"probe_overhead": 0.0}, "probe_overhead"), ({"prior_verifies": -1}, "prior_verifies")):
         with pytest.raises(ValueError, match=f"spec_gate.{name}"):
             SpecGateConfig(**kw)
 
