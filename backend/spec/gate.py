@@ -3,10 +3,11 @@ tokens faster than plain decoding, trimming each request's drafts to the ones wo
 
 The rule, for a step of `batch` decode-like requests (plain decoding emits one token per request per step):
 
-    speculate  iff  (batch + sum_r gain_r) / (verify + draft)  >  (1 + margin) * batch / plain
+    speculate  iff  (batch + sum_r gain_r) / (draft + P * verify + (1 - P) * plain)  >  (1 + margin) * batch / plain
 
 plain, verify, draft: seconds of a plain step, a verify step and the drafter's pass at this batch bucket
-(cost.py, learned from the engine's step times); gain_r: the draft tokens request r is expected to get accepted.
+(cost.py, learned from the engine's step times); gain_r: the draft tokens request r is expected to get accepted;
+P: the probability that some request gets drafts to verify (a model-free drafter often has none to offer).
 
 Two estimates of gain, before and after the drafter's pass:
 - before (`plan`, deciding whether to call the drafter at all): the request's *yield*, an EMA of the drafts
@@ -72,6 +73,7 @@ class _Acceptance:
     accepted: float = 0.0  # accepted drafts
     trials: float = 0.0  # accepted drafts + rejections (a verify that accepted all of its drafts adds none)
     gained: float = 0.0  # accepted drafts over drafting steps (0 for a step the drafter proposed nothing)
+    verified: float = 0.0  # drafting steps in which it verified drafts (the others cost no verify)
     steps: float = 0.0  # drafting steps
     predicted: float = 0.0  # accepted drafts the drafter's own estimates predicted (DSpark)
     actual: float = 0.0  # accepted drafts of the verifies that had estimates
@@ -80,6 +82,7 @@ class _Acceptance:
         self.accepted *= keep
         self.trials *= keep
         self.gained *= keep
+        self.verified *= keep
         self.steps *= keep
 
 
@@ -119,6 +122,16 @@ class SpecGate:
         prior = self.cfg.prior_verifies
         return (r.gained + prior * g) / (r.steps + prior)
 
+    def verifies(self, rid: int) -> float:
+        """P(rid verifies drafts in a step that drafts): suffix and n-gram drafters often have nothing to offer."""
+        m = self._method
+        g = m.verified / m.steps if m.steps > 0 else 1.0
+        r = self._reqs.get(rid)
+        if r is None:
+            return g
+        prior = self.cfg.prior_verifies
+        return (r.verified + prior * g) / (r.steps + prior)
+
     def calibration(self) -> float:
         m = self._method
         if m.predicted <= 0:
@@ -155,7 +168,9 @@ class SpecGate:
         gains = [self.yield_(r) for r in rids]
         if verify is None or draft is None or any(g is None for g in gains):
             return self._spec(b, Why.EXPLORE)
-        spec_s, plain_s = verify.value + draft.value, max(plain.value, 1e-9)
+        # a drafting step verifies unless no request gets drafts (then it is a plain step plus the pass)
+        none = math.prod(1.0 - self.verifies(r) for r in rids)
+        spec_s, plain_s = draft.value + (1.0 - none) * verify.value + none * plain.value, max(plain.value, 1e-9)
         tokens = batch + sum(gains)
         if tokens / max(spec_s, 1e-9) > (1.0 + self.cfg.margin) * batch / plain_s:
             if self.steps - plain.at_step > 4 * self.cfg.probe_interval:
@@ -222,6 +237,7 @@ class SpecGate:
             a.steps += 1.0
             a.gained += accepted
             if drafted:
+                a.verified += 1.0
                 a.accepted += accepted
                 a.trials += accepted + (1.0 if accepted < drafted else 0.0)
         if estimated is not None and drafted:

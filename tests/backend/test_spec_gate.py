@@ -67,6 +67,18 @@ def test_the_same_acceptance_does_not_pay_at_a_batch_whose_verify_costs_several_
     assert g.plan(64, list(range(64))) == Plan(False, Why.NOT_WORTH)
 
 
+def test_a_drafter_that_often_has_nothing_costs_only_its_pass_in_those_steps() -> None:
+    g = SpecGate(SpecGateConfig(prior_verifies=0.0, ema_weight=0.5))
+    _costs(g, 1, plain=1.0, verify=2.5, draft=0.02)
+    g.observe(0, 4, 4)  # drafts offered and all accepted...
+    g.observe(0, 0, 0)  # ...then nothing to offer (a suffix drafter between repeats)
+    # yield (0.5 * 4 + 0) / 1.5 = 1.33, drafts one step in (0.5 + 0) / 1.5 = 1/3: a drafting step takes
+    # 0.02 + 1/3 * 2.5 + 2/3 * 1 = 1.52 for 2.33 tokens (1.53 per plain step's time): it pays, where charging
+    # every drafting step a verify (2.33 / 2.52 = 0.93) would have said no
+    assert g.yield_(0) == pytest.approx(4 / 3) and g.verifies(0) == pytest.approx(1 / 3)
+    assert g.plan(1, [0]) == Plan(True, Why.PAYS)
+
+
 def test_trim_keeps_drafts_whose_acceptance_pays_their_verify_share() -> None:
     g = SpecGate(SpecGateConfig(margin=0.05))
     # one more draft token costs (1.7 - 1.0) / 7 = 0.1 plain steps; an accepted token is worth 1
