@@ -114,6 +114,9 @@ class SpecGateConfig:
     # ...and at most this share of plain decoding's time is spent on probes: a probe at a batch where a verify
     # costs several plain steps comes that many times less often (probe_interval is the shortest spacing)
     probe_overhead: float = 0.02
+    # request outcomes of drafting steps seen (per method) before its acceptance estimate is trusted: until then
+    # every step that can draft does (one unlucky first verify must not turn speculation off for long)
+    explore_samples: int = 8
     # weight of a new sample in the exponential moving averages (step times, acceptance)
     ema_weight: float = 0.125
     # per request, the method-wide acceptance counts as this many verifies of prior (a new request starts there)
@@ -124,6 +127,8 @@ class SpecGateConfig:
             raise ValueError(f"spec_gate.margin: must be in [0, 1], got {self.margin}")
         if self.probe_interval < 1:
             raise ValueError(f"spec_gate.probe_interval: must be >= 1, got {self.probe_interval}")
+        if self.explore_samples < 1:
+            raise ValueError(f"spec_gate.explore_samples: must be >= 1, got {self.explore_samples}")
         if not 0.0 < self.probe_overhead <= 1.0:
             raise ValueError(f"spec_gate.probe_overhead: must be in (0, 1], got {self.probe_overhead}")
         if not 0.0 < self.ema_weight <= 1.0:

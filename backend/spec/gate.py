@@ -23,7 +23,8 @@ Two estimates of gain, before and after the drafter's pass:
   is already paid, so the step then speculates iff (batch + gain) / verify beats the plain rate.
 
 Exploration: with no plain sample at this bucket the step decodes plainly (one sample is enough to start);
-with no verify or draft sample, or no acceptance data yet, it speculates. While the rule says no, one step in
+with no verify or draft sample, or fewer than `explore_samples` request outcomes of drafting steps for the
+method, it speculates. While the rule says no, one step in
 `probe_interval` drafts anyway (a probe: drafts untrimmed), so the estimates follow changing acceptance and
 cost. A probe costs its step's time beyond the plain steps its tokens are worth, so probes are spaced at least
 probe_interval steps and far enough apart that this loss stays within `probe_overhead` of plain decoding's time
@@ -75,6 +76,7 @@ class _Acceptance:
     gained: float = 0.0  # accepted drafts over drafting steps (0 for a step the drafter proposed nothing)
     verified: float = 0.0  # drafting steps in which it verified drafts (the others cost no verify)
     steps: float = 0.0  # drafting steps
+    seen: int = 0  # outcomes observed, undecayed (exploration lasts until the method has explore_samples)
     predicted: float = 0.0  # accepted drafts the drafter's own estimates predicted (DSpark)
     actual: float = 0.0  # accepted drafts of the verifies that had estimates
 
@@ -111,9 +113,9 @@ class SpecGate:
         return (r.accepted + prior * g) / (r.trials + prior)
 
     def yield_(self, rid: int) -> float | None:
-        """Expected accepted drafts for rid in a step that drafts (None: nothing measured yet)."""
+        """Expected accepted drafts for rid in a step that drafts (None: too little measured yet)."""
         m = self._method
-        if m.steps <= 0:
+        if m.seen < self.cfg.explore_samples:
             return None
         g = m.gained / m.steps
         r = self._reqs.get(rid)
@@ -234,6 +236,7 @@ class SpecGate:
             r = self._reqs[rid] = _Acceptance()
         for a in (r, self._method):
             a.decay(keep)
+            a.seen += 1
             a.steps += 1.0
             a.gained += accepted
             if drafted:

@@ -25,7 +25,8 @@ def _costs(g: SpecGate, batch: int, plain: float, verify: float, draft: float, d
 
 def test_off_when_a_verify_costs_more_than_it_emits_on_after_a_probe_shows_acceptance() -> None:
     # probe_overhead 1: probes as often as probe_interval allows (their loss here is under a plain step)
-    g = SpecGate(SpecGateConfig(margin=0.05, probe_interval=4, probe_overhead=1.0, ema_weight=0.5))
+    g = SpecGate(SpecGateConfig(margin=0.05, probe_interval=4, probe_overhead=1.0, ema_weight=0.5,
+                                explore_samples=2))
     assert g.plan(1, [0]) == Plan(False, Why.EXPLORE)  # no plain step measured at this batch yet
     g.observe_step(StepKind.PLAIN, 1, 1.0)
     assert g.plan(1, [0]) == Plan(True, Why.EXPLORE)  # nor a verify step: draft to measure one (step 2)
@@ -33,12 +34,14 @@ def test_off_when_a_verify_costs_more_than_it_emits_on_after_a_probe_shows_accep
     g.observe_draft(1, 0.92)
     g.observe_step(StepKind.VERIFY, 1, 1.84, 7)
     g.observe(0, 7, 1)  # one draft accepted: 2 tokens in 2.76 plain steps' time
+    assert g.yield_(0) is None and g.plan(1, [0]) == Plan(True, Why.EXPLORE)  # one outcome is not enough (step 3)
+    g.observe(0, 7, 1)  # and again
     assert g.yield_(0) == pytest.approx(1.0)
-    assert [g.plan(1, [0]) for _ in range(3)] == [Plan(False, Why.NOT_WORTH)] * 3  # steps 3..5
-    assert g.plan(1, [0]) == Plan(True, Why.PROBE)  # step 6: probe_interval steps since the last drafting one
+    assert [g.plan(1, [0]) for _ in range(3)] == [Plan(False, Why.NOT_WORTH)] * 3  # steps 4..6
+    assert g.plan(1, [0]) == Plan(True, Why.PROBE)  # step 7: probe_interval steps since the last drafting one
     g.observe(0, 7, 7)  # the probe: every draft accepted (the request reached a repetitive stretch)
-    # yield: (0.5 * 1 + 7) / (0.5 + 1) = 5 for the method; the request's blends with it: 5 -> 6 tokens per 2.76
-    assert g.yield_(0) == pytest.approx(5.0)
+    # yield: (0.5 * (0.5 + 1) + 7) / (0.5 * 1.5 + 1) = 4.43 for the method and the request: 5.4 tokens per 2.76
+    assert g.yield_(0) == pytest.approx(7.75 / 1.75)
     assert g.plan(1, [0]) == Plan(True, Why.PAYS)
     # a new request starts at the method's rate
     assert g.plan(1, [9]) == Plan(True, Why.PAYS)
@@ -51,7 +54,7 @@ def test_off_when_a_verify_costs_more_than_it_emits_on_after_a_probe_shows_accep
 
 
 def test_the_same_acceptance_does_not_pay_at_a_batch_whose_verify_costs_several_plain_steps() -> None:
-    g = SpecGate(SpecGateConfig(probe_interval=16, probe_overhead=0.02))
+    g = SpecGate(SpecGateConfig(probe_interval=16, probe_overhead=0.02, explore_samples=64))
     _costs(g, 1, plain=1.0, verify=1.5, draft=0.2)
     _costs(g, 64, plain=1.0, verify=4.0, draft=0.3)  # 64 x 8 tokens route to many more experts than 64 x 1
     for rid in range(64):
@@ -68,7 +71,7 @@ def test_the_same_acceptance_does_not_pay_at_a_batch_whose_verify_costs_several_
 
 
 def test_a_drafter_that_often_has_nothing_costs_only_its_pass_in_those_steps() -> None:
-    g = SpecGate(SpecGateConfig(prior_verifies=0.0, ema_weight=0.5))
+    g = SpecGate(SpecGateConfig(prior_verifies=0.0, ema_weight=0.5, explore_samples=2))
     _costs(g, 1, plain=1.0, verify=2.5, draft=0.02)
     g.observe(0, 4, 4)  # drafts offered and all accepted...
     g.observe(0, 0, 0)  # ...then nothing to offer (a suffix drafter between repeats)
@@ -129,7 +132,8 @@ def test_step_cost_estimates_shrug_off_stalls() -> None:
 
 def test_gate_config_errors_name_the_field() -> None:
     for kw, name in (({"margin": -0.1}, "margin"), ({"probe_interval": 0}, "probe_interval"),
-                     ({"ema_weight": 0.0}, "ema_weight"), ({"probe_overhead": 0.0}, "probe_overhead"), ({"prior_verifies": -1}, "prior_verifies")):
+                     ({"ema_weight": 0.0}, "ema_weight"), ({"probe_overhead": 0.0}, "probe_overhead"),
+                     ({"explore_samples": 0}, "explore_samples"), ({"prior_verifies": -1}, "prior_verifies")):
         with pytest.raises(ValueError, match=f"spec_gate.{name}"):
             SpecGateConfig(**kw)
 
@@ -163,7 +167,8 @@ def _forced(eng, pays: bool) -> None:
     g = eng.gate
     for b in (1, 2, 4, 8):
         _costs(g, b, plain=1.0, verify=1.1 if pays else 5.0, draft=0.05 if pays else 1.0)
-    g.observe(-1, 4, 4)
+    for _ in range(g.cfg.explore_samples):  # past exploration
+        g.observe(-1, 4, 4)
     g.finish(-1)
     g.observe_step = g.observe_draft = lambda *a, **k: None
     eng.scheduler.drafter = _NullOracle(eng.runner.inner)
