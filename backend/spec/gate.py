@@ -28,7 +28,9 @@ method, it speculates. While the rule says no, one step in
 `probe_interval` drafts anyway (a probe: drafts untrimmed), so the estimates follow changing acceptance and
 cost. A probe costs its step's time beyond the plain steps its tokens are worth, so probes are spaced at least
 probe_interval steps and far enough apart that this loss stays within `probe_overhead` of plain decoding's time
-(at a batch where a verify costs several plain steps, a probe comes every hundred steps or so). While the rule
+(at a batch where a verify costs several plain steps, a probe comes every hundred steps or so), less so in
+proportion to the step's requests that were never measured (new requests: only drafting can tell whether, say,
+an agent's new turn repeats what the last one wrote). While the rule
 says yes, a plain step is forced when the bucket's plain cost is older than 4 x probe_interval.
 
 The controller knows nothing of pages, grammars or sampling: the scheduler asks it, then bounds drafts as
@@ -179,9 +181,11 @@ class SpecGate:
                 return Plan(False, Why.REFRESH)
             return self._spec(b, Why.PAYS)
         # a probe costs what its step takes beyond the plain steps its tokens are worth; spaced so that this
-        # stays within probe_overhead of plain decoding's time
+        # stays within probe_overhead of plain decoding's time, and sooner the more of the step's requests have
+        # never been measured (a new turn of an agent may repeat what the last one wrote: only drafting tells)
         loss = spec_s / plain_s - tokens / batch
-        every = max(self.cfg.probe_interval, math.ceil(loss / self.cfg.probe_overhead))
+        fresh = sum(r not in self._reqs for r in rids) / len(rids)
+        every = max(self.cfg.probe_interval, math.ceil(loss / self.cfg.probe_overhead * (1.0 - fresh)))
         if self.steps - self._last_spec.get(b, 0) >= every:
             return self._spec(b, Why.PROBE)
         return Plan(False, Why.NOT_WORTH)

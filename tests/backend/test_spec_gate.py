@@ -68,6 +68,10 @@ def test_the_same_acceptance_does_not_pay_at_a_batch_whose_verify_costs_several_
         pass
     assert p == Plan(True, Why.PROBE) and g.steps == 65
     assert g.plan(64, list(range(64))) == Plan(False, Why.NOT_WORTH)
+    # a batch of requests never measured (new ones) is probed after probe_interval steps, not 65
+    while (p := g.plan(64, list(range(100, 164)))) == Plan(False, Why.NOT_WORTH):
+        pass
+    assert p == Plan(True, Why.PROBE) and g.steps == 65 + 16
 
 
 def test_a_drafter_that_often_has_nothing_costs_only_its_pass_in_those_steps() -> None:
