@@ -55,6 +55,7 @@ import bisect
 import logging
 import time
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -337,16 +338,40 @@ class Scheduler:
     def drafts_next(self, reqs: list[Request]) -> bool:
         """Overlap scheduling: will the step after the one just launched (for `reqs`) draft? Asked before that
         step's tokens are read back: the controller plans the next step now (kept for it), and a plan without
-        drafts lets the launched step stay in flight. Without a controller every step may draft."""
+        drafts lets the launched step stay in flight. Without a controller every step may draft. A model-free
+        drafter that is asked every step (Why.CHEAP) is asked now about the tokens known so far (all but the
+        one in flight), while the device runs: only a proposal worth verifying makes the next step draft."""
         if self.gate is None:
             return True
         live = [r for r in reqs if r.status is Status.RUNNING and r.num_output < r.params.max_tokens]
-        rids = [r.rid for r in live if min(self.spec_cfg.num_tokens, r.params.max_tokens - r.num_output - 1) > 0
-                and r.params.speculative and r.prompt_logprobs_from is None and r.num_output >= r.params.min_tokens]
-        if not rids:
+        asked = [r for r in live if min(self.spec_cfg.num_tokens, r.params.max_tokens - r.num_output - 1) > 0
+                 and r.params.speculative and r.prompt_logprobs_from is None and r.num_output >= r.params.min_tokens]
+        if not asked:
             return False
-        self._next_plan = self.gate.plan(len(live), rids)
-        return self._next_plan.draft
+        plan = self.gate.plan(len(live), [r.rid for r in asked], model_free=self.target_states is None)
+        if plan.why is Why.CHEAP:
+            plan = self._peek(asked, len(live))
+        self._next_plan = plan
+        return plan.draft
+
+    def _peek(self, reqs: list[Request], batch: int) -> Plan:
+        """Would the drafter's proposals for `reqs`, given their tokens known now (a trailing PENDING left out),
+        be worth a verify? The proposals are dropped: the next step asks again with the token in place."""
+        queries = []
+        for r in reqs:
+            ids = _Known(r.token_ids)
+            k = min(self.spec_cfg.num_tokens, r.params.max_tokens - r.num_output - 1)
+            if len(ids) and k > 0:
+                queries.append(DraftQuery(r.rid, ids, r.prompt_len, k))
+        try:
+            proposals = self.drafter.propose_scored(queries)
+        except Exception:
+            log.exception("the drafter failed; the next step decodes without drafts")
+            return Plan(False, Why.NOT_WORTH)
+        offered = [(q.rid, len(p.token_ids[:q.max_tokens]), p.accept_probs)
+                   for q, p in zip(queries, proposals) if p.token_ids]
+        keep = self.gate.trim(batch, offered, Why.CHEAP) if offered else []
+        return Plan(True, Why.CHEAP) if any(keep) else Plan(False, Why.NOT_WORTH)
 
     def _schedule_drafts(self, budget: int) -> int:
         """Turn decodes of requests that speculate into verify chunks with the drafter's tokens; returns the
@@ -372,7 +397,7 @@ class Scheduler:
         batch = len(self._step_decodes)
         if gate is not None:
             if plan is None:
-                plan = gate.plan(batch, [q.rid for q in queries])
+                plan = gate.plan(batch, [q.rid for q in queries], model_free=self.target_states is None)
             stats.spec_probes += plan.why is Why.PROBE
             if not plan.draft:
                 stats.spec_steps_skipped += 1
@@ -946,6 +971,27 @@ class Scheduler:
             refs[p] += 1
         assert [refs[p] for p in range(self.pool.num_pages)] == self.pool.refcount, "page refcounts drifted"
         assert sorted(self.pool.free_list) == [p for p in range(self.pool.num_pages) if refs[p] == 0]
+
+
+class _Known(Sequence):
+    """A request's token ids without a trailing PENDING (overlap: the token in flight), as a view (no copy of a
+    long context per peek)."""
+
+    __slots__ = ("ids", "n")
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+        self.n = len(ids) - (1 if ids and ids[-1] == PENDING else 0)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.ids[slice(*i.indices(self.n))]
+        if not -self.n <= i < self.n:
+            raise IndexError(i)
+        return self.ids[i if i >= 0 else self.n + i]
 
 
 def _drop_pending(req: Request) -> None:

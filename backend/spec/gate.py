@@ -22,6 +22,10 @@ Two estimates of gain, before and after the drafter's pass:
   seconds) covers its share of the verify's extra cost (verify - plain per draft token); the drafter's pass
   is already paid, so the step then speculates iff (batch + gain) / verify beats the plain rate.
 
+A model-free drafter whose pass costs at most CHEAP_PASS of a plain step (suffix and n-gram lookups next to a
+GPU step) is asked every step instead, and `trim` alone decides from what it proposed: a suffix match into a
+repeated tool output is worth verifying at once, whatever the running averages say.
+
 Exploration: with no plain sample at this bucket the step decodes plainly (one sample is enough to start);
 with no verify or draft sample, or fewer than `explore_samples` request outcomes of drafting steps for the
 method, it speculates. While the rule says no, one step in
@@ -48,6 +52,8 @@ from typing import NamedTuple
 from k3rt.backend.spec.cost import Ema, StepCosts, StepKind, bucket
 from k3rt.config import SpecGateConfig
 
+# a drafter pass costing at most this share of a plain step is asked every step (its proposals decide)
+CHEAP_PASS = 0.05
 # probability that a draft is accepted before any verify has been seen (the prior's prior)
 _ALPHA0 = 0.5
 # DSpark estimates are scaled by observed / predicted acceptance, kept within this range
@@ -62,6 +68,7 @@ class Why(enum.Enum):
     EXPLORE = "explore"  # a cost or acceptance estimate is missing: measure it
     PROBE = "probe"  # off, but drafting this step to refresh the estimates
     REFRESH = "refresh"  # on, but decoding plainly this step to refresh the plain cost
+    CHEAP = "cheap"  # a model-free drafter's pass costs next to nothing: ask it, and let its drafts decide (trim)
 
 
 class Plan(NamedTuple):
@@ -160,17 +167,26 @@ class SpecGate:
 
     # ---- decisions ----
 
-    def plan(self, batch: int, rids: Sequence[int]) -> Plan:
+    def plan(self, batch: int, rids: Sequence[int], *, model_free: bool = False) -> Plan:
         """Before the drafter's pass: draft this step? batch: the step's decode-like requests; rids: those the
-        drafter would be asked for."""
+        drafter would be asked for; model_free: the drafter reads tokens only (so it can also be asked about the
+        tokens known before a step in flight, see Scheduler.drafts_next)."""
         self.steps += 1
         c, b = self.costs, bucket(batch)
         plain, verify = c.get(c.plain, batch), c.get(c.verify, batch)
         draft = c.get(c.draft, len(rids))
         if plain is None:
             return Plan(False, Why.EXPLORE)
+        if verify is None or draft is None:
+            return self._spec(b, Why.EXPLORE)
+        if model_free and draft.value <= CHEAP_PASS * plain.value:
+            # the pass is nearly free and its proposals (their length, the trie's probabilities) say more about
+            # this step than any running average: trim() decides
+            if self.steps - plain.at_step > 4 * self.cfg.probe_interval:
+                return Plan(False, Why.REFRESH)
+            return self._spec(b, Why.CHEAP)
         gains = [self.yield_(r) for r in rids]
-        if verify is None or draft is None or any(g is None for g in gains):
+        if any(g is None for g in gains):
             return self._spec(b, Why.EXPLORE)
         # a drafting step verifies unless no request gets drafts (then it is a plain step plus the pass)
         none = math.prod(1.0 - self.verifies(r) for r in rids)

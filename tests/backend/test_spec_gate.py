@@ -218,3 +218,43 @@ def test_a_skipped_step_decodes_every_request_plainly(tmp_path_factory, overlap)
         elif not pays:
             assert held > len(in_flight) // 2
         assert_at_rest(eng)
+
+
+class _Stretches(_NullOracle):
+    """Drafts (what the null runner will emit) only in alternate stretches of 4 output tokens."""
+
+    def propose(self, queries):
+        return [d if ((len(q.token_ids) - q.prompt_len) // 4) % 2 == 0 else []
+                for q, d in zip(queries, super().propose(queries))]
+
+
+def test_a_cheap_model_free_drafter_is_asked_ahead_and_steps_overlap_where_it_has_nothing(tmp_path_factory) -> None:
+    """Overlap with a drafter whose pass is nearly free (Why.CHEAP): after launching a step the scheduler asks the
+    drafter about the tokens known so far; where it has nothing the step stays in flight, where it has drafts
+    the next step verifies them. Outputs equal the plain engine's."""
+    ckpt = tiny_checkpoint(tmp_path_factory)
+    prompts, params = _workload(), [greedy(24), greedy(17), greedy(24), greedy(13)]
+    ref = [o.output_ids for o in run(make_engine(ckpt, engine={"overlap": True}), prompts, params)]
+    eng = make_engine(ckpt, engine={"overlap": True, "spec": SpecConfig(method="ngram", num_tokens=4)})
+    g = eng.gate
+    for b in (1, 2, 4, 8):
+        _costs(g, b, plain=1.0, verify=1.2, draft=0.01)
+    g.observe_step = g.observe_draft = lambda *a, **k: None
+    eng.scheduler.drafter = _Stretches(eng.runner.inner)
+    plans = []
+    plan = g.plan
+
+    def spy(*a, **k):
+        p = plan(*a, **k)
+        plans.append(p.why)
+        return p
+
+    g.plan = spy
+    held = []
+    out = run(eng, prompts, params, after_step=lambda e: held.append(e.overlap.inflight is not None))
+    assert [o.output_ids for o in out] == ref
+    s = eng.stats
+    assert set(plans) <= {Why.CHEAP, Why.EXPLORE} and Why.CHEAP in plans
+    assert s.spec_verifies > 0 and s.spec_accepted_tokens > 0 and s.spec_steps_skipped > 0
+    assert 0 < sum(held) < len(held)
+    assert_at_rest(eng)
