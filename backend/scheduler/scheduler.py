@@ -370,7 +370,7 @@ class Scheduler:
             return Plan(False, Why.NOT_WORTH)
         offered = [(q.rid, len(p.token_ids[:q.max_tokens]), p.accept_probs)
                    for q, p in zip(queries, proposals) if p.token_ids]
-        keep = self.gate.trim(batch, offered, Why.CHEAP) if offered else []
+        keep = self.gate.trim(batch, offered, Why.CHEAP, record=False).keep if offered else []
         return Plan(True, Why.CHEAP) if any(keep) else Plan(False, Why.NOT_WORTH)
 
     def _schedule_drafts(self, budget: int) -> int:
@@ -417,7 +417,9 @@ class Scheduler:
                 if not d:
                     gate.observe(rid, 0, 0)  # the drafter had nothing for it: a drafting step that gained nothing
             offered = [(rid, len(d), est) for rid, (_, d, est) in props.items() if d]
-            keep = dict(zip((rid for rid, _, _ in offered), gate.trim(batch, offered, plan.why)))
+            trimmed = gate.trim(batch, offered, plan.why)
+            stats.spec_probes += trimmed.probe and plan.why is Why.CHEAP  # a PROBE plan was counted above
+            keep = dict(zip((rid for rid, _, _ in offered), trimmed.keep))
             for rid, k in keep.items():
                 if k == 0:
                     # trimmed away: this drafting step gained it nothing, so its yield (what plan() expects of

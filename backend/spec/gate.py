@@ -56,8 +56,10 @@ from k3rt.config import SpecGateConfig
 CHEAP_PASS = 0.05
 # probability that a draft is accepted before any verify has been seen (the prior's prior)
 _ALPHA0 = 0.5
-# DSpark estimates are scaled by observed / predicted acceptance, kept within this range
+# estimates are scaled by (accepted + _CALIB_PRIOR) / (predicted + _CALIB_PRIOR), kept within _CALIB: one
+# verify that accepted nothing must not condemn a drafter whose estimates then never get verified again
 _CALIB = (0.25, 2.0)
+_CALIB_PRIOR = 2.0
 
 
 class Why(enum.Enum):
@@ -74,6 +76,11 @@ class Why(enum.Enum):
 class Plan(NamedTuple):
     draft: bool
     why: Why
+
+
+class Trim(NamedTuple):
+    keep: list[int]  # drafts to verify per request (all zeros: the step decodes plainly)
+    probe: bool  # every draft kept to refresh the estimates, not because they pay
 
 
 @dataclass(slots=True)
@@ -105,6 +112,7 @@ class SpecGate:
         self._method = _Acceptance()
         self._reqs: dict[int, _Acceptance] = {}
         self._last_spec: dict[int, int] = {}  # bucket -> step of its last speculating decision
+        self._last_verify: dict[int, int] = {}  # bucket -> step of its last trim that kept drafts
 
     # ---- estimates ----
 
@@ -145,9 +153,7 @@ class SpecGate:
 
     def calibration(self) -> float:
         m = self._method
-        if m.predicted <= 0:
-            return 1.0
-        return min(max(m.actual / m.predicted, _CALIB[0]), _CALIB[1])
+        return min(max((m.actual + _CALIB_PRIOR) / (m.predicted + _CALIB_PRIOR), _CALIB[0]), _CALIB[1])
 
     def survival(self, rid: int, num_drafts: int, estimates: Sequence[float] | None) -> list[float]:
         """P(drafts 1..j all accepted) for j = 1..num_drafts."""
@@ -199,26 +205,32 @@ class SpecGate:
         # a probe costs what its step takes beyond the plain steps its tokens are worth; spaced so that this
         # stays within probe_overhead of plain decoding's time, and sooner the more of the step's requests have
         # never been measured (a new turn of an agent may repeat what the last one wrote: only drafting tells)
-        loss = spec_s / plain_s - tokens / batch
-        fresh = sum(r not in self._reqs for r in rids) / len(rids)
-        every = max(self.cfg.probe_interval, math.ceil(loss / self.cfg.probe_overhead * (1.0 - fresh)))
-        if self.steps - self._last_spec.get(b, 0) >= every:
+        if self.steps - self._last_spec.get(b, 0) >= self._probe_every(spec_s / plain_s - tokens / batch, rids):
             return self._spec(b, Why.PROBE)
         return Plan(False, Why.NOT_WORTH)
+
+    def _probe_every(self, loss: float, rids: Sequence[int]) -> int:
+        """Steps between probes that each lose `loss` plain steps' time: within probe_overhead of plain decoding,
+        sooner in proportion to the requests never measured."""
+        fresh = sum(r not in self._reqs for r in rids) / max(len(rids), 1)
+        return max(self.cfg.probe_interval, math.ceil(max(loss, 0.0) / self.cfg.probe_overhead * (1.0 - fresh)))
 
     def _spec(self, b: int, why: Why) -> Plan:
         self._last_spec[b] = self.steps
         return Plan(True, why)
 
-    def trim(self, batch: int, drafts: Sequence[tuple[int, int, Sequence[float] | None]], why: Why) -> list[int]:
+    def trim(self, batch: int, drafts: Sequence[tuple[int, int, Sequence[float] | None]], why: Why, *,
+             record: bool = True) -> Trim:
         """After the drafter's pass: how many of each request's drafts to verify. drafts: (rid, drafts proposed,
-        the drafter's per-draft acceptance estimates or None) per request; why: the plan's. All zeros: the step
-        decodes plainly. Probes and explorations keep every draft (they measure what the drafter offers)."""
+        the drafter's per-draft acceptance estimates or None) per request; why: the plan's. Probes and
+        explorations keep every draft (they measure what the drafter offers); so does a step asked every step
+        (Why.CHEAP) whose bucket has not verified for as long as a probe's spacing. record False: a look ahead
+        (Scheduler.drafts_next), not the step itself."""
         full = [n for _, n, _ in drafts]
-        c = self.costs
+        c, b = self.costs, bucket(batch)
         plain, verify = c.get(c.plain, batch), c.get(c.verify, batch)
         if why in (Why.PROBE, Why.EXPLORE) or plain is None or verify is None:
-            return full
+            return Trim(full, why is Why.PROBE)
         per_draft = c.get(c.verify_drafts, batch)
         # seconds one more draft token adds to the verify (linear in the step's draft tokens), and what an
         # accepted token is worth (the time plain decoding takes per token at this batch)
@@ -234,8 +246,16 @@ class SpecGate:
                 gain += p
             keep.append(k)
         if (batch + gain) / max(verify.value, 1e-9) <= (1.0 + self.cfg.margin) * batch / max(plain.value, 1e-9):
-            return [0] * len(drafts)
-        return keep
+            if why is Why.CHEAP and drafts:
+                every = self._probe_every(verify.value / plain.value - 1.0 - gain / batch, [r for r, _, _ in drafts])
+                if self.steps - self._last_verify.get(b, 0) >= every:
+                    if record:
+                        self._last_verify[b] = self.steps
+                    return Trim(full, True)
+            return Trim([0] * len(drafts), False)
+        if record:
+            self._last_verify[b] = self.steps
+        return Trim(keep, False)
 
     # ---- observations ----
 

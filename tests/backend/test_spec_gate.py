@@ -12,7 +12,7 @@ import pytest
 from k3rt.backend.scheduler.scheduler import ScheduledChunk, SchedulerOutput
 from k3rt.backend.spec.base import Drafter
 from k3rt.backend.spec.cost import Ema, StepKind, bucket, step_sample
-from k3rt.backend.spec.gate import Plan, SpecGate, Why
+from k3rt.backend.spec.gate import Plan, SpecGate, Trim, Why
 from k3rt.config import SpecConfig, SpecGateConfig
 from tests.backend.engine_fixtures import assert_at_rest, greedy, make_engine, run, tiny_checkpoint
 
@@ -91,21 +91,35 @@ def test_trim_keeps_drafts_whose_acceptance_pays_their_verify_share() -> None:
     # one more draft token costs (1.7 - 1.0) / 7 = 0.1 plain steps; an accepted token is worth 1
     _costs(g, 1, plain=1.0, verify=1.7, draft=0.2)
     sure = [0.9, 0.9, 0.5, 0.5, 0.5, 0.5, 0.5]  # cumulative .9 .81 .405 .2025 .101 ...: four pass 0.105
-    assert g.trim(1, [(0, 7, sure)], Why.PAYS) == [4]
+    assert g.trim(1, [(0, 7, sure)], Why.PAYS).keep == [4]
     # one draft at 0.3 passes, but 1.3 tokens in 1.7 plain steps do not pay: the step decodes plainly
-    assert g.trim(1, [(0, 7, [0.3] * 7)], Why.PAYS) == [0]
+    assert g.trim(1, [(0, 7, [0.3] * 7)], Why.PAYS).keep == [0]
     # a probe (or an exploration) verifies what the drafter offered
-    assert g.trim(1, [(0, 7, [0.3] * 7)], Why.PROBE) == [7]
+    assert g.trim(1, [(0, 7, [0.3] * 7)], Why.PROBE) == (([7], True))
     # without estimates (model-free drafters): alpha^j, alpha the request's acceptance (4 of 5, then rejected)
     g.observe(3, 5, 4)
     assert g.alpha(3) == pytest.approx(0.8)
-    assert g.trim(1, [(3, 7, None)], Why.PAYS) == [7]  # 0.8^7 = 0.21 still pays 0.105
-    # estimates are calibrated by what was accepted against what they predicted (here: half)
-    g.observe(4, 4, 1, estimated=2.0)
-    assert g.calibration() == pytest.approx(0.5)
+    assert g.trim(1, [(3, 7, None)], Why.PAYS).keep == [7]  # 0.8^7 = 0.21 still pays 0.105
+    # estimates are calibrated by what was accepted against what they predicted, with 2 tokens of prior each
+    g.observe(4, 7, 2, estimated=6.0)
+    assert g.calibration() == pytest.approx((2 + 2) / (6 + 2))
     assert g.survival(4, 2, [0.8, 0.5]) == pytest.approx([0.4, 0.2])
     g.finish(3)
     assert g.alpha(3) == pytest.approx(g.alpha(12345))  # its own counts are gone
+
+
+def test_a_cheap_drafter_is_asked_every_step_and_probed_when_its_drafts_never_pay() -> None:
+    g = SpecGate(SpecGateConfig(probe_interval=4, probe_overhead=1.0))
+    _costs(g, 1, plain=1.0, verify=1.7, draft=0.01)  # a suffix lookup next to a GPU step
+    got = []
+    for _ in range(5):
+        assert g.plan(1, [0], model_free=True) == Plan(True, Why.CHEAP)  # DSpark (model_free False) plans by yields
+        got.append(g.trim(1, [(0, 7, [0.3] * 7)], Why.CHEAP))
+    # drafts the trie is unsure of are not worth a verify, until the bucket went probe_interval steps without one
+    assert got == [Trim([0], False)] * 3 + [Trim([7], True), Trim([0], False)]
+    # a look ahead (overlap) neither probes nor records
+    assert g.trim(1, [(0, 7, [0.99] * 7)], Why.CHEAP, record=False) == Trim([7], False)
+    assert g._last_verify[1] == 4
 
 
 def test_step_samples_name_one_kind_of_step_or_none() -> None:
