@@ -58,7 +58,8 @@ def main() -> int:
         a.batch_sizes, a.max_tokens, a.turns, a.drafters, a.workloads = "1", 6, 2, "ngram,suffix", "code,agent"
     report = Report(default_out(a.out, "spec_gate.json"), a.budget_s, {"args": {k: str(v) for k, v in vars(a).items()}})
     res, log = report.result, report.log
-    base = SpecBenchConfig(model=a.model, device=a.device, dtype=a.dtype, workloads=parse_list(a.workloads, "workloads"),
+    base = SpecBenchConfig(model=a.model, device=a.device, dtype=a.dtype,
+                           workloads=parse_list(a.workloads, "workloads"),
                            drafters=parse_list(a.drafters, "drafters"), spec_tokens=a.spec_tokens,
                            max_tokens=a.max_tokens, turns=a.turns)
     sizes = parse_list(a.batch_sizes, "batch_sizes", int)

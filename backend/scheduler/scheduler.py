@@ -153,7 +153,7 @@ class Scheduler:
         if drafter is not None and spec_cfg is None:
             raise ValueError("spec_cfg: a drafter needs its SpecConfig (draft lengths and budget)")
         self.drafter, self.spec_cfg, self.target_states, self.gate = drafter, spec_cfg, target_states, gate
-        self.step_draft_s = 0.0  # seconds the drafter's pass took in the last schedule() (the engine's step cost less it)
+        self.step_draft_s = 0.0  # seconds of the drafter's pass in the last schedule() (the engine takes it off the step)
         self._next_plan: Plan | None = None  # the controller's plan for the next step, made early (overlap)
         self.B = tree.B
         self.grid = self.B if cache_cfg.full_block_mode else cache_cfg.hash_block_size
@@ -427,7 +427,7 @@ class Scheduler:
                     gate.observe(rid, 0, 0)
         used = 0
         for req in list(self._step_decodes):
-            q, d, est = props.get(req.rid, (None, None, None))
+            _, d, est = props.get(req.rid, (None, None, None))
             if not d or left <= 0:
                 continue
             d = list(d[:min(left, keep.get(req.rid, len(d)))])

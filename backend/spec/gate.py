@@ -28,14 +28,13 @@ repeated tool output is worth verifying at once, whatever the running averages s
 
 Exploration: with no plain sample at this bucket the step decodes plainly (one sample is enough to start);
 with no verify or draft sample, or fewer than `explore_samples` request outcomes of drafting steps for the
-method, it speculates. While the rule says no, one step in
-`probe_interval` drafts anyway (a probe: drafts untrimmed), so the estimates follow changing acceptance and
-cost. A probe costs its step's time beyond the plain steps its tokens are worth, so probes are spaced at least
-probe_interval steps and far enough apart that this loss stays within `probe_overhead` of plain decoding's time
-(at a batch where a verify costs several plain steps, a probe comes every hundred steps or so), less so in
-proportion to the step's requests that were never measured (new requests: only drafting can tell whether, say,
-an agent's new turn repeats what the last one wrote). While the rule
-says yes, a plain step is forced when the bucket's plain cost is older than 4 x probe_interval.
+method, it speculates. While the rule says no, a step now and then drafts anyway (a probe, drafts untrimmed)
+so the estimates follow changing acceptance and cost. A probe loses its step's time beyond the plain steps its
+tokens are worth, so probes come at least `probe_interval` steps apart and far enough apart that this loss
+stays within `probe_overhead` of plain decoding's time (at a batch where a verify costs several plain steps,
+one in a hundred steps or so), sooner in proportion to the step's requests never measured (only drafting can
+tell whether an agent's new turn repeats what the last one wrote). While the rule says yes, a plain step is
+forced when the bucket's plain cost is older than 4 x probe_interval.
 
 The controller knows nothing of pages, grammars or sampling: the scheduler asks it, then bounds drafts as
 before. Its only clock is its own decision counter (`steps`); times come in as seconds.
@@ -49,7 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from k3rt.backend.spec.cost import Ema, StepCosts, StepKind, bucket
+from k3rt.backend.spec.cost import StepCosts, StepKind, bucket
 from k3rt.config import SpecGateConfig
 
 # a drafter pass costing at most this share of a plain step is asked every step (its proposals decide)

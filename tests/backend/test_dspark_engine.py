@@ -123,7 +123,8 @@ class _CheckedDrafter(DSparkDrafter):
 def _dspark_engine(arch, folder: Path, *, runner: str = "model", k: int = 5, cache: dict | None = None, **engine):
     cache = {"num_pages": 512, **(cache or {})}
     return make_engine(arch.ckpt, runner=runner, model=arch.model, budget=64,
-                       engine={"spec": SpecConfig(method="dspark", num_tokens=k, model=str(folder), adaptive=False), **engine}, **cache)
+                       engine={"spec": SpecConfig(method="dspark", num_tokens=k, model=str(folder), adaptive=False),
+                               **engine}, **cache)
 
 
 @pytest.mark.parametrize("runner, oracle", [("model", False), ("model", True), ("gpu", True)],
@@ -203,7 +204,8 @@ def test_gpu_runner_cuda_graph_taps_and_identity(arch, tmp_path) -> None:
     ref = _reference(arch, prompts, params)
     folder = _random_drafter(tmp_path / "drafter", arch.model)
     eng = make_engine(arch.ckpt, runner="gpu", model=model, budget=64, num_pages=256,
-                      engine={"device": "cuda", "spec": SpecConfig(method="dspark", num_tokens=5, model=str(folder), adaptive=False)})
+                      engine={"device": "cuda",
+                              "spec": SpecConfig(method="dspark", num_tokens=5, model=str(folder), adaptive=False)})
     assert eng.runner.inner.graphs  # decode graphs captured, with the taps
     drafter = _CheckedDrafter(eng.scheduler.drafter, model, _refs(prompts, ref), atol=2e-2, every_other=True)
     eng.scheduler.drafter = drafter

@@ -780,7 +780,8 @@ def test_lookahead_pages_across_page_boundaries_with_the_null_runner(tmp_path_fa
     prompts = [_rand(rng, n) for n in (1, 40, 47, 48, 49, 95, 100)]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (60, 9, 50, 2, 49, 30, 57)]
     plain = run(make_engine(ckpt, num_pages=num_pages), prompts, params)
-    eng = make_engine(ckpt, num_pages=num_pages, engine={"spec": SpecConfig(method="ngram", num_tokens=7, adaptive=False)})
+    eng = make_engine(ckpt, num_pages=num_pages,
+                      engine={"spec": SpecConfig(method="ngram", num_tokens=7, adaptive=False)})
     eng.scheduler.drafter = _NullOracle(eng.runner.inner)
     out = run(eng, prompts, params)
     assert [o.output_ids for o in out] == [o.output_ids for o in plain]
