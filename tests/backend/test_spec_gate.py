@@ -272,3 +272,44 @@ def test_a_cheap_model_free_drafter_is_asked_ahead_and_steps_overlap_where_it_ha
     assert s.spec_verifies > 0 and s.spec_accepted_tokens > 0 and s.spec_steps_skipped > 0
     assert 0 < sum(held) < len(held)
     assert_at_rest(eng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["suffix", "dspark"])
+def test_cuda_controller_with_overlap_is_token_identical(method) -> None:
+    """k3-tiny on CUDA (GPU runner, graphs, overlap on by default) with the controller learning from real step
+    times, one request at a time (bf16 greedy is batch-stable there): outputs equal plain decoding's, and
+    whatever it chose, the counters add up; where it skipped drafting, plain steps were left in flight."""
+    import torch
+
+    from k3rt.backend.engine import Engine
+    from k3rt.backend.tokenizer import load_tokenizer
+    from k3rt.config import EngineConfig
+    from k3rt.models import resolve_model_dir
+    from k3rt.sampling_params import SamplingParams
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model_dir = resolve_model_dir("k3-tiny")
+    tok = load_tokenizer(model_dir)
+    prompts = [tok.encode_prompt(p) for p in ("def fibonacci(n):", "import os\n\ndef read_lines(path):")]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    plain = Engine(EngineConfig(model=str(model_dir), device="cuda"))
+    ref = [plain.generate([p], params)[0].output_ids for p in prompts]
+    eng = Engine(EngineConfig(model=str(model_dir), device="cuda", spec=SpecConfig(method=method, num_tokens=7)))
+    assert eng.overlap is not None and eng.gate is not None
+    held = []
+    got = []
+    for p in prompts:
+        rid = eng.add_request(p, params)
+        while eng.has_unfinished:
+            for o in eng.step():
+                if o.finished and o.rid == rid:
+                    got.append(o.output_ids)
+            held.append(eng.overlap.inflight is not None)
+        eng.check()
+    assert got == ref
+    s = eng.stats
+    assert s.spec_steps >= s.spec_steps_speculated + s.spec_steps_skipped and s.spec_steps_speculated > 0
+    if s.spec_steps_skipped:
+        assert any(held)
