@@ -311,5 +311,5 @@ def test_cuda_controller_with_overlap_is_token_identical(method) -> None:
     assert got == ref
     s = eng.stats
     assert s.spec_steps >= s.spec_steps_speculated + s.spec_steps_skipped and s.spec_steps_speculated > 0
-    if s.spec_steps_skipped:
+    if s.spec_steps_skipped > 4:  # skips come in runs, planned a step ahead: those steps overlap
         assert any(held)
