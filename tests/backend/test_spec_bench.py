@@ -56,9 +56,10 @@ def test_step_times_are_measured_under_overlap_scheduling(monkeypatch) -> None:
     # a slow drafter: its time must land in draft_ms, not in the verify step's (the scheduler drafts inside
     # the engine step; the H200 table's verify column included the drafter's pass)
     slow = NgramDrafter.propose
+    delay = [0.2]
 
     def slow_propose(self, queries):
-        time.sleep(0.2)
+        time.sleep(delay[0])
         return slow(self, queries)
 
     monkeypatch.setattr(NgramDrafter, "propose", slow_propose)
@@ -75,8 +76,9 @@ def test_step_times_are_measured_under_overlap_scheduling(monkeypatch) -> None:
                               overlap=True, spec_adaptive=False)
         rows = spec_bench.bench_spec(cfg, progress=False)
         first = list(calls)
-        # with the speculation controller, a drafter whose pass costs 200 ms (over ten plain steps) is turned down:
+        # with the speculation controller, a drafter whose pass costs 50 ms (a few plain steps) is turned down:
         # most steps decode plainly (overlapped), only explorations and probes draft
+        delay[0] = 0.05
         (gated,) = spec_bench.bench_spec(replace(cfg, spec_adaptive=True), progress=False)
     finally:
         torch.set_num_threads(n)
