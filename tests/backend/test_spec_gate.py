@@ -178,7 +178,7 @@ class _NullOracle(Drafter):
         return out
 
 
-def _forced(eng, pays: bool) -> None:
+def _forced(eng, pays: bool) -> list:
     """Fix the controller's costs at every batch bucket (and stop it learning new ones) so it decides one way:
     a perfect drafter's 4 accepted drafts per request pay for a verify at 1.1 plain steps + a 0.05 pass, not
     for one at 5 plain steps + a pass of 1."""
@@ -188,8 +188,11 @@ def _forced(eng, pays: bool) -> None:
     for _ in range(g.cfg.explore_samples):  # past exploration
         g.observe(-1, 4, 4)
     g.finish(-1)
-    g.observe_step = g.observe_draft = lambda *a, **k: None
+    samples = []  # the step samples the engine hands in: recorded, not learned from
+    g.observe_step = lambda kind, batch, seconds, drafted=0: samples.append((kind, drafted))
+    g.observe_draft = lambda *a, **k: None
     eng.scheduler.drafter = _NullOracle(eng.runner.inner)
+    return samples
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
@@ -204,7 +207,7 @@ def test_a_skipped_step_decodes_every_request_plainly(tmp_path_factory, overlap)
     spec = SpecConfig(method="ngram", num_tokens=4, ngram_min=1, gate=SpecGateConfig(probe_interval=10_000))
     for pays in (False, True):
         eng = make_engine(ckpt, engine={"overlap": overlap, "spec": spec})
-        _forced(eng, pays)
+        samples = _forced(eng, pays)
         asked = []
         propose = eng.scheduler.drafter.propose_scored
         eng.scheduler.drafter.propose_scored = lambda qs: asked.append(len(qs)) or propose(qs)
@@ -217,9 +220,15 @@ def test_a_skipped_step_decodes_every_request_plainly(tmp_path_factory, overlap)
         out = run(eng, prompts, params, after_step=look)
         assert [o.output_ids for o in out] == ref
         s = eng.stats
+        # what the engine's step times were attributed to: plain decode steps (synchronous, or overlapped behind
+        # the plain step before), verify steps with their draft tokens; prefill steps are no sample
+        assert samples and {k for k, _ in samples} <= {StepKind.PLAIN, StepKind.VERIFY}
+        assert all(d > 0 for k, d in samples if k is StepKind.VERIFY)
         if pays:
             assert asked and s.spec_steps_speculated > 0 and s.spec_verifies > 0 and s.spec_steps_skipped == 0
+            assert 0 < sum(k is StepKind.VERIFY for k, _ in samples) <= s.spec_steps_speculated
         else:
+            assert {k for k, _ in samples} == {StepKind.PLAIN}
             assert eng.runner.steps == plain.runner.steps  # the same steps, decode for decode
             assert not asked and s.spec_verifies == 0 and s.spec_steps_skipped == s.spec_steps > 0
             assert s.spec_probes == 0
@@ -231,6 +240,7 @@ def test_a_skipped_step_decodes_every_request_plainly(tmp_path_factory, overlap)
             assert held == 0
         elif not pays:
             assert held > len(in_flight) // 2
+            assert len(samples) >= held // 2  # an overlapped plain step's time is still a plain sample
         assert_at_rest(eng)
 
 
