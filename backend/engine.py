@@ -20,8 +20,10 @@ from k3rt.backend.cache.radix import RadixCache
 from k3rt.backend.engine_stats import QUEUE_WAIT_BUCKETS_S, STEP_TIME_BUCKETS_S, Histogram, engine_stats
 from k3rt.backend.runner.base import Runner
 from k3rt.backend.scheduler.request import FinishReason, Request
-from k3rt.backend.scheduler.scheduler import Scheduler
+from k3rt.backend.scheduler.scheduler import Scheduler, SchedulerOutput
 from k3rt.backend.spec.base import create_drafter
+from k3rt.backend.spec.cost import StepKind, step_sample
+from k3rt.backend.spec.gate import SpecGate
 from k3rt.cache_layout import CacheLayout, compute_layout
 from k3rt.config import EngineConfig
 from k3rt.model_config import ModelConfig, load_model_config
@@ -86,8 +88,10 @@ class Engine:
             log.info("speculative decoding: %s%s, up to %d draft tokens per request", spec.method,
                      f" ({spec.model})" if spec.model else "", spec.num_tokens)
         drafter = create_drafter(spec, getattr(self.runner, "model", None), graph_sizes=self._spec_graph_sizes())
+        # the speculation controller learns step costs from this engine's step times (see `step`)
+        self.gate = SpecGate(spec.gate) if drafter is not None and spec.adaptive else None
         self.scheduler = Scheduler(cfg.scheduler, cc, self.pool, RadixCache(self.pool, self.layout.block_size, policy),
-                                   drafter=drafter, spec_cfg=spec, target_states=self.target_states)
+                                   drafter=drafter, spec_cfg=spec, target_states=self.target_states, gate=self.gate)
         self.overlap = None  # the OverlapLoop (backend/overlap.py) when steps overlap, else None
         if cfg.overlap:
             from k3rt.backend.overlap import OverlapLoop
@@ -96,6 +100,9 @@ class Engine:
                 raise ValueError(f"overlap: the {type(self.runner).__name__} has no launch/collect; set overlap=False")
             self.overlap = OverlapLoop(self.scheduler, speculative=spec.enabled)
         self.requests: dict[int, Request] = {}
+        # what the last _step launched and read back (the step kind its wall time measures, for the controller)
+        self._launched: SchedulerOutput | None = None
+        self._collected: list[SchedulerOutput] = []
         self._rids = itertools.count()
         self._eos = frozenset(self.model_cfg.eos_token_ids)
         self._pending_aborts: list[int] = []
@@ -318,6 +325,8 @@ class Engine:
         t1 = time.monotonic()
         self.num_steps += 1
         self.step_time.observe(t1 - t0)
+        if self.gate is not None:
+            self._observe_step(t1 - t0)
         for req in self.scheduler.admitted_now:
             self.queue_wait.observe(t0 - req.arrival)
         self.scheduler.admitted_now.clear()
@@ -325,8 +334,18 @@ class Engine:
             self.runner.timing_break()  # the wait for the next request is not the host's step cost
         return outputs
 
+    def _observe_step(self, seconds: float) -> None:
+        """Hand the controller this call's wall time, less the drafter's pass, when it measured one step kind."""
+        sample = step_sample(self._launched, self._collected)
+        if sample is None:
+            return
+        kind, batch = sample
+        drafted = sum(len(c.draft_ids) for c in self._launched.chunks) if kind is StepKind.VERIFY else 0
+        self.gate.observe_step(kind, batch, max(seconds - self.scheduler.step_draft_s, 0.0), drafted)
+
     def _step(self) -> list[RequestOutput]:
         outputs = []
+        self._launched, self._collected = None, []
         for rid in self._pending_aborts:
             req = self.requests.pop(rid, None)
             if req is not None and not req.finished:
@@ -344,6 +363,7 @@ class Engine:
             # launch this step, then collect the one before it (backend/overlap.py)
             self.overlap.step(self.runner, out, lambda o, sampled, _: self._report(o, sampled, outputs),
                               lambda o, e: self._fail_step(o, e, outputs))
+            self._launched, self._collected = self.overlap.launched, self.overlap.collected
             return outputs
         try:
             sampled = self.runner.execute(out)
@@ -352,6 +372,8 @@ class Engine:
             return outputs
         self.scheduler.update(out, sampled)
         self._report(out, sampled, outputs)
+        if out.decodes or out.chunks:
+            self._launched, self._collected = out, [out]
         return outputs
 
     def _fail_step(self, out, e: Exception, outputs: list[RequestOutput]) -> None:

@@ -47,6 +47,8 @@ def engine_stats(engine) -> dict:
         "admissions_held": s.admissions_held,
         "spec_verifies": s.spec_verifies, "spec_drafted_tokens": s.spec_drafted_tokens,
         "spec_accepted_tokens": s.spec_accepted_tokens,
+        "spec_steps": s.spec_steps, "spec_steps_speculated": s.spec_steps_speculated,
+        "spec_steps_skipped": s.spec_steps_skipped, "spec_probes": s.spec_probes,
         "evicted_snapshots": tree.stats.evicted_snapshots, "evicted_pages": tree.stats.evicted_pages,
         "steps": engine.num_steps,
         "step_time": engine.step_time.as_dict(), "queue_wait": engine.queue_wait.as_dict(),

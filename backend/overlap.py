@@ -23,7 +23,13 @@ Exactness (outputs equal overlap off, token for token, under greedy sampling):
   holds any of them is collected before the next one is scheduled (`needs_sync`). These are grammars (the
   next bitmask comes from the matcher advanced by the token), speculative decoding (drafts extend the
   token), logprobs (returned with the token, written by the sampler), penalties and logit bias (the
-  host-assisted sampler reads the token history), and prompt scoring.
+  host-assisted sampler reads the token history), and prompt scoring. With speculative decoding, a step is
+  collected at once when the next step will draft (the drafts extend its token): the speculation controller
+  plans the next step right after this one is launched (`Scheduler.drafts_next`), so while it turns
+  speculation off, plain decode steps overlap as they do without a drafter.
+
+Timing: `launched` and `collected` say which steps the last call launched and read back, so the engine can tell
+which step kind its wall time measured (backend/spec/cost.py `step_sample`).
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ class OverlapLoop:
     def __init__(self, scheduler: Scheduler, *, speculative: bool) -> None:
         self.scheduler, self.speculative = scheduler, speculative
         self.inflight: InFlight | None = None
+        self.launched: SchedulerOutput | None = None  # the step the last call launched (None: none)
+        self.collected: list[SchedulerOutput] = []  # the steps the last call read back, in order
 
     @property
     def busy(self) -> bool:
@@ -70,6 +78,7 @@ class OverlapLoop:
         finished) is called for each collected step; fail(out, error) when launching `out` raised."""
         prev = self.inflight
         launched = None
+        self.launched, self.collected = None, []
         if out.decodes or out.chunks:
             try:
                 launched = runner.launch(out, prev.launched if prev is not None else None)
@@ -78,18 +87,27 @@ class OverlapLoop:
         self.inflight = None
         if launched is not None:
             self.inflight = InFlight(out, launched, self.scheduler.advance(out))
+            self.launched = out
         if prev is not None:
             self._collect(runner, prev, report)
         cur = self.inflight
-        if cur is not None and (self.speculative or self._sync_needed(cur.out)):
+        if cur is not None and (self._sync_needed(cur.out) or self.speculative and self._drafts_next(cur.out)):
             self.inflight = None
             self._collect(runner, cur, report)
 
     def _collect(self, runner: Runner, step: InFlight,
                  report: Callable[[SchedulerOutput, dict, list[Request]], None]) -> None:
         sampled = runner.collect(step.launched)
+        self.collected.append(step.out)
         report(step.out, sampled, self.scheduler.resolve(step.advanced, sampled))
 
+    def _drafts_next(self, out: SchedulerOutput) -> bool:
+        # a verify step's advance waits for its accepted run (Scheduler.resolve): never leave one in flight
+        if any(c.draft_ids for c in out.chunks):
+            return True
+        return self.scheduler.drafts_next(out.decodes + [c.req for c in out.chunks if c.needs_logits])
+
     def _sync_needed(self, out: SchedulerOutput) -> bool:
-        return any(needs_sync(r, self.speculative) for r in out.decodes) or any(
-            c.needs_logits and needs_sync(c.req, self.speculative) for c in out.chunks)
+        # speculation is asked separately (drafts_next): only the requests' own needs here
+        return any(needs_sync(r, False) for r in out.decodes) or any(
+            c.needs_logits and needs_sync(c.req, False) for c in out.chunks)

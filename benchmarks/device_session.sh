@@ -38,6 +38,9 @@
 #   dspark-pass (300)   benchmarks/dspark_pass.py: the DSpark drafter's pass on k3-tiny (bf16), torch steps vs the
 #                       fused kernel, eager and graphed, batch 1/4/16/64 (op counts and the check first)
 #   spec-bench (540)    k3rt bench spec on k3-tiny (bf16): code and agent, batch 1 and 16, dspark and suffix, graphs on
+#   spec-gate (580)     benchmarks/spec_gate.py on k3-tiny (bf16): correctness (deterministic, the speculation
+#                       controller on), then per batch 1/4/16/64 the controller vs drafting every step vs plain,
+#                       code/chat/agent x ngram/suffix/dspark, until --budget-s 540 (issue 16's >= 0.95x goal)
 #   tp-tests (300)      tensor parallelism in the GPU runner on 2 GPUs (gpu tests of test_tp_gpu_runner.py and
 #                       test_tp_bench.py; they skip with fewer GPUs): ask for nvidia-h200-x2
 #   tp (540)            k3rt bench tp: 48B shape, TP 1 and 2, batch 1/16/64 at 4K, the latent tail AR vs RS
@@ -48,7 +51,7 @@ set -u
 for stage in "$@"; do
   case $stage in
     tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det|overlap|serve) ;;
-    spec-tests|spec-verify|dspark-pass|spec-bench|tp-tests|tp|tp-symm) ;;
+    spec-tests|spec-verify|dspark-pass|spec-bench|spec-gate|tp-tests|tp|tp-symm) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -130,6 +133,9 @@ for stage in "$@"; do
     spec-bench)
       run spec-bench 540 python3 -m k3rt.cli bench spec --device cuda --dtype bfloat16 --workloads code,agent \
         --batch-sizes 1,16 --drafters dspark,suffix --out "$OUT/spec_bench.json" ;;
+    spec-gate)
+      run spec-gate 580 python3 benchmarks/spec_gate.py --device cuda --dtype bfloat16 --budget-s 540 \
+        --out "$OUT/spec_gate.json" ;;
     tp-tests)
       gpu_pytest tp-tests 300 tests/backend/test_tp_gpu_runner.py tests/backend/test_tp_bench.py ;;
     tp)

@@ -143,6 +143,16 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="gpu runner on CUDA: run verify steps and the dspark drafter's pass eagerly (by default they "
                         "replay CUDA graphs captured at --spec-tokens for batches up to 64; decode graphs are kept; "
                         "--no-cuda-graphs turns off both)")
+    _add_spec_adaptive(p)
+
+
+def _add_spec_adaptive(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="the speculation controller (default on): it learns what a plain decode step, a verify step "
+                        "and the drafter's pass cost at each batch size from the engine's own step times, and how many "
+                        "drafts each request gets accepted, and drafts only in steps where drafting + verifying is "
+                        "expected to emit tokens faster than plain decoding (now and then it drafts anyway, to notice "
+                        "when that changes); --no-spec-adaptive drafts in every step the drafter can")
 
 
 def _spec_config(a: argparse.Namespace):
@@ -160,7 +170,8 @@ def _spec_config(a: argparse.Namespace):
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"spec_model: cannot read block_size from {cfg_path}: {e}") from None
     return SpecConfig(method=a.spec, num_tokens=4 if num_tokens is None else num_tokens, model=model,
-                      confidence_threshold=a.spec_confidence, cuda_graphs=not a.no_spec_graphs)
+                      confidence_threshold=a.spec_confidence, cuda_graphs=not a.no_spec_graphs,
+                      adaptive=a.spec_adaptive)
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
@@ -250,7 +261,8 @@ def _generate_speculative(a: argparse.Namespace, params, spec) -> int:
                 sys.stdout.flush()
     s = eng.stats
     info = {"drafted_tokens": s.spec_drafted_tokens, "accepted_tokens": s.spec_accepted_tokens,
-            "verifies": s.spec_verifies, "tau": round(s.spec_tau, 3)}
+            "verifies": s.spec_verifies, "tau": round(s.spec_tau, 3),
+            "steps_speculated": s.spec_steps_speculated, "steps_skipped": s.spec_steps_skipped}
     if a.json:
         print(json.dumps({"prompt_token_ids": prompt_ids, "token_ids": out,
                           "text": tok.decode(out, skip_special_tokens=True), "spec": info}))
@@ -410,7 +422,9 @@ def _add_bench_spec(bsub: argparse._SubParsersAction) -> None:
                                     "emits: accepted drafts + the bonus token), the acceptance rate, the drafter's "
                                     "time per call (one batched pass for dspark), the mean verify step time against "
                                     "a plain decode step at that batch size, tokens/s with and without speculation "
-                                    "and whether the outputs are identical. Workloads: code (held-out code "
+                                    "and whether the outputs are identical, and the speculation controller's share of "
+                                    "steps that speculated (spec share) and steps it decoded plainly (skipped). "
+                                    "Workloads: code (held-out code "
                                     "completion), chat (questions through the chat template), agent (each turn "
                                     "resends history, the last output and a tool output echoing it). Markdown table "
                                     "to stdout (or JSON with --json); --out also writes the JSON.")
@@ -441,6 +455,7 @@ def _add_bench_spec(bsub: argparse._SubParsersAction) -> None:
     s.add_argument("--no-spec-graphs", action="store_true",
                    help="on CUDA: run verify steps and the drafter's pass eagerly, decode steps still from graphs "
                         "(to compare against the default, where all three replay graphs)")
+    _add_spec_adaptive(s)
     s.add_argument("--json", action="store_true", help="print JSON instead of the table")
     s.add_argument("--out", default=None, metavar="FILE", help="also write the rows as JSON here")
 
@@ -454,7 +469,7 @@ def _cmd_bench_spec(a: argparse.Namespace) -> int:
                           drafters=parse_list(a.drafters, "drafters"), spec_tokens=a.spec_tokens,
                           spec_model=a.spec_model, max_tokens=a.max_tokens, prompt_len=a.prompt_len, turns=a.turns,
                           seed=a.seed, deterministic=a.deterministic, cuda_graphs=not a.no_cuda_graphs,
-                          spec_graphs=not a.no_spec_graphs)
+                          spec_graphs=not a.no_spec_graphs, spec_adaptive=a.spec_adaptive)
     rows = bench_spec(cfg, progress=not a.json)
     data = rows_json(rows)
     if a.out:

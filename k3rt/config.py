@@ -101,6 +101,43 @@ SPEC_METHODS = ("ngram", "suffix", "dspark")
 
 
 @dataclass(frozen=True)
+class SpecGateConfig:
+    """The cost-aware speculation controller (backend/spec/gate.py): per step, speculate only when the expected
+    tokens per second of drafting + verifying beat plain decoding, from step times and acceptance it learns."""
+
+    # speculate only when the expected rate beats plain decoding's by this fraction (noise in the estimates)
+    margin: float = 0.05
+    # while speculation is off, one step in this many drafts anyway (a probe), so the acceptance and verify-cost
+    # estimates follow changing conditions; while it is on, a plain step is forced when the batch bucket's plain
+    # cost is older than 4x this many steps
+    probe_interval: int = 16
+    # ...and at most this share of plain decoding's time is spent on probes: a probe at a batch where a verify
+    # costs several plain steps comes that many times less often (probe_interval is the shortest spacing)
+    probe_overhead: float = 0.02
+    # request outcomes of drafting steps seen (per method) before its acceptance estimate is trusted: until then
+    # every step that can draft does (one unlucky first verify must not turn speculation off for long)
+    explore_samples: int = 8
+    # weight of a new sample in the exponential moving averages (step times, acceptance)
+    ema_weight: float = 0.125
+    # per request, the method-wide acceptance counts as this many verifies of prior (a new request starts there)
+    prior_verifies: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.margin <= 1.0:
+            raise ValueError(f"spec_gate.margin: must be in [0, 1], got {self.margin}")
+        if self.probe_interval < 1:
+            raise ValueError(f"spec_gate.probe_interval: must be >= 1, got {self.probe_interval}")
+        if self.explore_samples < 1:
+            raise ValueError(f"spec_gate.explore_samples: must be >= 1, got {self.explore_samples}")
+        if not 0.0 < self.probe_overhead <= 1.0:
+            raise ValueError(f"spec_gate.probe_overhead: must be in (0, 1], got {self.probe_overhead}")
+        if not 0.0 < self.ema_weight <= 1.0:
+            raise ValueError(f"spec_gate.ema_weight: must be in (0, 1], got {self.ema_weight}")
+        if self.prior_verifies < 0:
+            raise ValueError(f"spec_gate.prior_verifies: must be >= 0, got {self.prior_verifies}")
+
+
+@dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding (backend/spec/): who drafts, how many tokens, and the drafters' knobs."""
 
@@ -124,6 +161,10 @@ class SpecConfig:
     # gpu runner on CUDA: verify steps and the dspark drafter's pass replay CUDA graphs (batches up to 64) where
     # decode steps do (EngineConfig.cuda_graphs); False runs them eagerly, the decode graphs kept
     cuda_graphs: bool = True
+    # the cost-aware controller (backend/spec/gate.py): skip drafting in steps where a verify would not pay for
+    # itself (learned step times and acceptance); False drafts every step the drafter can
+    adaptive: bool = True
+    gate: SpecGateConfig = field(default_factory=SpecGateConfig)
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPEC_METHODS:

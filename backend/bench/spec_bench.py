@@ -21,6 +21,11 @@ include the device work. On CUDA the GPU runner replays plain decode steps, veri
 the dspark drafter's pass from CUDA graphs (cuda_graphs=False: all eager; spec_graphs=False: verify steps and
 the drafter eager, decode steps still replayed); `graph_verifies` counts the
 verify steps that replayed a graph and `drafter_graphs` says whether the drafter's pass did.
+
+The speculation controller (backend/spec/gate.py) is on unless spec_adaptive=False: `spec_share` is the share of
+the steps in which some request could speculate that verified drafts (the rest the controller decoded plainly,
+or the drafter had nothing), `skipped` the steps the controller turned down. Each method's engine (and so its
+controller's learned costs) is kept across the rows, warm-up runs included.
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ class SpecBenchConfig:
     deterministic: bool = False
     cuda_graphs: bool = True  # the GPU runner's decode/verify graphs and the dspark drafter's (CUDA only)
     spec_graphs: bool = True  # the verify and drafter graphs alone (False: those eager, decode graphs kept)
+    spec_adaptive: bool = True  # the speculation controller (False: every step that can draft does)
 
     def __post_init__(self) -> None:
         bad = [w for w in self.workloads if w not in WORKLOADS]
@@ -113,6 +119,9 @@ class SpecRow:
     identical: bool
     graph_verifies: int = 0  # verify steps replayed from a CUDA graph
     drafter_graphs: bool = False  # the drafter's pass replayed CUDA graphs (dspark on CUDA)
+    # of the steps in which some request could speculate, the share that verified drafts (the controller's choice)
+    spec_share: float = 0.0
+    skipped: int = 0  # steps the speculation controller decoded plainly
 
 
 @dataclass
@@ -127,6 +136,9 @@ class _Run:
     accepted: int
     graph_verifies: int = 0
     drafter_graphs: bool = False
+    spec_steps: int = 0
+    speculated: int = 0
+    skipped: int = 0
 
 
 def _code_sources() -> list[str]:
@@ -213,7 +225,7 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
 
     drafter = eng.scheduler.drafter
     if drafter is not None:
-        propose = drafter.propose
+        propose = drafter.propose_scored  # what the scheduler calls
 
         def timed_propose(queries):
             t0 = time.perf_counter()
@@ -221,9 +233,10 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
             draft_ms.append((time.perf_counter() - t0) * 1e3)
             return res
 
-        drafter.propose = timed_propose
+        drafter.propose_scored = timed_propose
     eng.step, eng.scheduler.schedule = timed_step, recording_schedule
-    s0 = (eng.stats.spec_verifies, eng.stats.spec_drafted_tokens, eng.stats.spec_accepted_tokens)
+    s0 = (eng.stats.spec_verifies, eng.stats.spec_drafted_tokens, eng.stats.spec_accepted_tokens,
+          eng.stats.spec_steps, eng.stats.spec_steps_speculated, eng.stats.spec_steps_skipped)
     g0 = getattr(eng.runner, "verify_graph_replays", 0)
     outputs: list[list[int]] = []
     t0 = time.perf_counter()
@@ -237,12 +250,13 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
     finally:
         eng.step, eng.scheduler.schedule = step, schedule
         if drafter is not None:  # a drafter kept for the next run (dspark) must not time into this run's list
-            drafter.propose = propose
+            drafter.propose_scored = propose
     wall = time.perf_counter() - t0
     s = eng.stats
     return _Run(outputs, wall, sum(map(len, outputs)), step_ms, draft_ms, s.spec_verifies - s0[0],
                 s.spec_drafted_tokens - s0[1], s.spec_accepted_tokens - s0[2],
-                getattr(eng.runner, "verify_graph_replays", 0) - g0, getattr(drafter, "graphs", None) is not None)
+                getattr(eng.runner, "verify_graph_replays", 0) - g0, getattr(drafter, "graphs", None) is not None,
+                s.spec_steps - s0[3], s.spec_steps_speculated - s0[4], s.spec_steps_skipped - s0[5])
 
 
 def step_speedup(plain_ms: float, verify_ms: float, draft: float, tau: float) -> float:
@@ -302,7 +316,8 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
     for method in methods:
         spec = SpecConfig() if method is None else SpecConfig(method=method, num_tokens=cfg.spec_tokens,
                                                               model=spec_model if method == "dspark" else None,
-                                                              cuda_graphs=cfg.spec_graphs)
+                                                              cuda_graphs=cfg.spec_graphs,
+                                                              adaptive=cfg.spec_adaptive)
         eng = Engine(replace(base, spec=spec), model=model)
         for (w, b), ps in prompts.items():
             # warm-up on these very prompts, untimed: the kernels compile for their prefill and batch shapes
@@ -342,7 +357,8 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
                                 tokens_per_s_plain=tps_plain, tokens_per_s_spec=tps, speedup=tps / tps_plain,
                                 step_speedup=step_speedup(plain_ms, verify_ms, draft, tau),
                                 identical=r.outputs == plain.outputs, graph_verifies=r.graph_verifies,
-                                drafter_graphs=r.drafter_graphs))
+                                drafter_graphs=r.drafter_graphs,
+                                spec_share=r.speculated / r.spec_steps if r.spec_steps else 0.0, skipped=r.skipped))
     return rows
 
 
@@ -354,8 +370,7 @@ def format_table(rows: Sequence[SpecRow]) -> str:
     """A markdown table, one line per row."""
     head = ("| workload | batch | drafter | K | tau | accept | verifies | draft ms | verify ms | plain ms | "
             "verify/plain | draft/plain | tok/s plain | tok/s spec | speedup | step speedup | identical | "
-            "graph verifies | "
-            "drafter graphs |")
+            "graph verifies | drafter graphs | spec share | skipped |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(f"| {r.workload} | {r.batch} | {r.drafter} | {r.spec_tokens} | {r.tau:.2f} | "
@@ -363,7 +378,8 @@ def format_table(rows: Sequence[SpecRow]) -> str:
                      f"{r.plain_step_ms:.2f} | {r.verify_over_plain:.2f} | {r.draft_over_plain:.2f} | "
                      f"{r.tokens_per_s_plain:.1f} | {r.tokens_per_s_spec:.1f} | {r.speedup:.2f} | "
                      f"{r.step_speedup:.2f} | "
-                     f"{'yes' if r.identical else 'NO'} | {r.graph_verifies} | {'yes' if r.drafter_graphs else 'no'} |")
+                     f"{'yes' if r.identical else 'NO'} | {r.graph_verifies} | {'yes' if r.drafter_graphs else 'no'} | "
+                     f"{r.spec_share:.2f} | {r.skipped} |")
     return "\n".join(lines)
 
 

@@ -42,13 +42,20 @@ memory (never evicting or preempting for them). The runner verifies, emits the a
 first token that ends the request) and leaves the live state after exactly the fed tokens of that run;
 `update` advances num_computed by the run's length. Rejected positions' KV is past num_computed and is
 overwritten later, so nothing is published there: snapshots stay at accepted positions only.
+
+Whether a step drafts at all is the speculation controller's (backend/spec/gate.py, when one is given): it
+plans before the drafter's pass (skipping the pass when drafting is not expected to pay) and trims each
+request's drafts after it, from step costs and acceptance it learns; the scheduler feeds it the drafter's
+pass time and every verify's outcome.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -57,6 +64,7 @@ from k3rt.backend.cache.pool import PagePool
 from k3rt.backend.cache.radix import Node, RadixCache, common_prefix as _common_prefix
 from k3rt.backend.scheduler.request import PENDING, FinishReason, Request, Status
 from k3rt.backend.spec.base import DraftQuery, Drafter
+from k3rt.backend.spec.gate import Plan, SpecGate, Why
 from k3rt.config import KDA_CHUNK, CacheConfig, SchedulerConfig, SpecConfig
 
 if TYPE_CHECKING:
@@ -79,6 +87,8 @@ class ScheduledChunk:
     # a verify chunk: these draft tokens are fed after token_ids[start:start + num_tokens] (num_tokens == 1,
     # needs_logits), logits come back for every fed position and the runner returns the accepted run
     draft_ids: list[int] = field(default_factory=list)
+    # the accepted drafts the drafter's own estimates predicted (DSpark confidence), for the controller's calibration
+    draft_estimate: float | None = None
 
     @property
     def num_fed(self) -> int:
@@ -120,6 +130,10 @@ class SchedulerStats:
     spec_verifies: int = 0  # verify chunks run (speculative decoding)
     spec_drafted_tokens: int = 0  # draft tokens fed to verification
     spec_accepted_tokens: int = 0  # of those, accepted
+    spec_steps: int = 0  # steps in which some request could speculate (the controller was asked)
+    spec_steps_speculated: int = 0  # of those, steps that verified drafts
+    spec_steps_skipped: int = 0  # of those, steps the controller decoded plainly (before or after the drafter's pass)
+    spec_probes: int = 0  # steps the controller drafted while speculation did not pay, to refresh its estimates
 
     @property
     def spec_tau(self) -> float:
@@ -131,13 +145,16 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, cache_cfg: CacheConfig, pool: PagePool, tree: RadixCache,
                  drafter: Drafter | None = None, spec_cfg: SpecConfig | None = None,
-                 target_states: TargetStates | None = None) -> None:
+                 target_states: TargetStates | None = None, gate: SpecGate | None = None) -> None:
         """target_states: the target states a model drafter reads (the runner records them), put into each
-        DraftQuery.hidden; None for model-free drafters."""
+        DraftQuery.hidden; None for model-free drafters. gate: the speculation controller (None: every step that
+        can draft does)."""
         self.cfg, self.cache_cfg, self.pool, self.tree = cfg, cache_cfg, pool, tree
         if drafter is not None and spec_cfg is None:
             raise ValueError("spec_cfg: a drafter needs its SpecConfig (draft lengths and budget)")
-        self.drafter, self.spec_cfg, self.target_states = drafter, spec_cfg, target_states
+        self.drafter, self.spec_cfg, self.target_states, self.gate = drafter, spec_cfg, target_states, gate
+        self.step_draft_s = 0.0  # seconds of the drafter's pass in the last schedule() (the engine takes it off the step)
+        self._next_plan: Plan | None = None  # the controller's plan for the next step, made early (overlap)
         self.B = tree.B
         self.grid = self.B if cache_cfg.full_block_mode else cache_cfg.hash_block_size
         self.S = pool.layout.pages_per_state_set
@@ -172,7 +189,7 @@ class Scheduler:
             self.waiting.remove(req)
             req.status, req.finish_reason = Status.FINISHED, reason
             if self.drafter is not None:
-                self.drafter.finish(req.rid, req.token_ids, req.prompt_len)
+                self._drafter_finish(req)
         elif req.status is Status.RUNNING:
             # a live state that holds a dropped in-flight token is not a state of the known tokens
             self._finish(req, reason, donate=req.num_computed <= len(req.token_ids))
@@ -207,6 +224,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.steps += 1
+        self.step_draft_s = 0.0
         budget = self.cfg.max_num_batched_tokens
         chunks = self._chunks = {}
         self._preempted_this_step = False
@@ -306,35 +324,113 @@ class Scheduler:
         left = cfg.max_num_batched_tokens - int(num_decodes * cfg.decode_token_cost)
         return max(min(cfg.min_prefill_tokens, cfg.max_num_batched_tokens), left // KDA_CHUNK * KDA_CHUNK)
 
+    def _draft_limit(self, req: Request) -> int:
+        """Draft tokens req may be asked for this step (0: it decodes plainly)."""
+        k = min(self.spec_cfg.num_tokens, req.params.max_tokens - req.num_output - 1)
+        # under min_tokens the sampler bans stop tokens per position; verify positions would each need their own
+        # ban, so such a request decodes plainly until it has its minimum. A token still in flight (overlap) cannot
+        # be drafted after.
+        if (k <= 0 or not req.params.speculative or req.prompt_logprobs_from is not None
+                or req.num_output < req.params.min_tokens or req.token_ids[-1] == PENDING):
+            return 0
+        return k
+
+    def drafts_next(self, reqs: list[Request]) -> bool:
+        """Overlap scheduling: will the step after the one just launched (for `reqs`) draft? Asked before that
+        step's tokens are read back: the controller plans the next step now (kept for it), and a plan without
+        drafts lets the launched step stay in flight. Without a controller every step may draft. A model-free
+        drafter that is asked every step (Why.CHEAP) is asked now about the tokens known so far (all but the
+        one in flight), while the device runs: only a proposal worth verifying makes the next step draft."""
+        if self.gate is None:
+            return True
+        live = [r for r in reqs if r.status is Status.RUNNING and r.num_output < r.params.max_tokens]
+        asked = [r for r in live if min(self.spec_cfg.num_tokens, r.params.max_tokens - r.num_output - 1) > 0
+                 and r.params.speculative and r.prompt_logprobs_from is None and r.num_output >= r.params.min_tokens]
+        if not asked:
+            return False
+        plan = self.gate.plan(len(live), [r.rid for r in asked], model_free=self.target_states is None)
+        if plan.why is Why.CHEAP:
+            plan = self._peek(asked, len(live))
+        self._next_plan = plan
+        return plan.draft
+
+    def _peek(self, reqs: list[Request], batch: int) -> Plan:
+        """Would the drafter's proposals for `reqs`, given their tokens known now (a trailing PENDING left out),
+        be worth a verify? The proposals are dropped: the next step asks again with the token in place."""
+        queries = []
+        for r in reqs:
+            ids = _Known(r.token_ids)
+            k = min(self.spec_cfg.num_tokens, r.params.max_tokens - r.num_output - 1)
+            if len(ids) and k > 0:
+                queries.append(DraftQuery(r.rid, ids, r.prompt_len, k))
+        try:
+            proposals = self.drafter.propose_scored(queries)
+        except Exception:
+            log.exception("the drafter failed; the next step decodes without drafts")
+            return Plan(False, Why.NOT_WORTH)
+        offered = [(q.rid, len(p.token_ids[:q.max_tokens]), p.accept_probs)
+                   for q, p in zip(queries, proposals) if p.token_ids]
+        keep = self.gate.trim(batch, offered, Why.CHEAP, record=False).keep if offered else []
+        return Plan(True, Why.CHEAP) if any(keep) else Plan(False, Why.NOT_WORTH)
+
     def _schedule_drafts(self, budget: int) -> int:
         """Turn decodes of requests that speculate into verify chunks with the drafter's tokens; returns the
-        draft tokens scheduled. Bounds per request: spec num_tokens, the tokens it may still emit (a verify
-        emits up to k + 1), the step's token and draft budgets, and the pages free now."""
-        sc = self.spec_cfg
+        draft tokens scheduled. The controller (when there is one) first decides whether this step drafts at
+        all, then trims each request's drafts. Bounds per request: spec num_tokens, the tokens it may still emit
+        (a verify emits up to k + 1), the step's token and draft budgets, and the pages free now."""
+        sc, stats, gate = self.spec_cfg, self.stats, self.gate
+        plan, self._next_plan = self._next_plan, None
+        if plan is not None and not plan.draft:
+            # planned a step early (overlap): the step after a plain one kept in flight decodes plainly
+            stats.spec_steps += 1
+            stats.spec_steps_skipped += 1
+            return 0
         left = min(budget, sc.max_draft_tokens_per_step)
         queries: list[DraftQuery] = []
         for req in self._step_decodes:
-            k = min(sc.num_tokens, req.params.max_tokens - req.num_output - 1)
-            # under min_tokens the sampler bans stop tokens per position; verify positions would each need
-            # their own ban, so such a request decodes plainly until it has its minimum
-            if (k <= 0 or not req.params.speculative or req.prompt_logprobs_from is not None
-                    or req.num_output < req.params.min_tokens):
-                continue
-            queries.append(DraftQuery(req.rid, req.token_ids, req.prompt_len, k, self._hidden(req)))
+            k = self._draft_limit(req)
+            if k > 0:
+                queries.append(DraftQuery(req.rid, req.token_ids, req.prompt_len, k, self._hidden(req)))
         if not queries:
             return 0
-        limit = {q.rid: q.max_tokens for q in queries}
+        stats.spec_steps += 1
+        batch = len(self._step_decodes)
+        if gate is not None:
+            if plan is None:
+                plan = gate.plan(batch, [q.rid for q in queries], model_free=self.target_states is None)
+            stats.spec_probes += plan.why is Why.PROBE
+            if not plan.draft:
+                stats.spec_steps_skipped += 1
+                return 0
+        t0 = time.perf_counter()
         try:
-            drafts = dict(zip(limit, self.drafter.propose(queries)))
+            proposals = self.drafter.propose_scored(queries)
         except Exception:  # drafts are optional: a drafter bug costs this step's speculation, not the engine
             log.exception("the drafter failed; this step decodes without drafts")
             return 0
+        self.step_draft_s = time.perf_counter() - t0
+        props = {q.rid: (q, p.token_ids[:q.max_tokens], p.accept_probs) for q, p in zip(queries, proposals)}
+        keep: dict[int, int] = {}
+        if gate is not None:
+            gate.observe_draft(len(queries), self.step_draft_s)
+            for rid, (_, d, _) in props.items():
+                if not d:
+                    gate.observe(rid, 0, 0)  # the drafter had nothing for it: a drafting step that gained nothing
+            offered = [(rid, len(d), est) for rid, (_, d, est) in props.items() if d]
+            trimmed = gate.trim(batch, offered, plan.why)
+            stats.spec_probes += trimmed.probe and plan.why is Why.CHEAP  # a PROBE plan was counted above
+            keep = dict(zip((rid for rid, _, _ in offered), trimmed.keep))
+            for rid, k in keep.items():
+                if k == 0:
+                    # trimmed away: this drafting step gained it nothing, so its yield (what plan() expects of
+                    # the next drafting step) falls, and a drafter pass whose drafts never pay stops being run
+                    gate.observe(rid, 0, 0)
         used = 0
         for req in list(self._step_decodes):
-            d = drafts.get(req.rid)
+            _, d, est = props.get(req.rid, (None, None, None))
             if not d or left <= 0:
                 continue
-            d = list(d[:min(left, limit[req.rid])])  # a drafter's extra tokens would overrun max_tokens
+            d = list(d[:min(left, keep.get(req.rid, len(d)))])
             if req.grammar is not None:
                 d = _grammar_prefix(req.grammar, d)
             nc = req.num_computed
@@ -347,9 +443,19 @@ class Scheduler:
             if need > 0:
                 req.block_table.extend(self.pool.allocate(need))
             self._step_decodes.remove(req)
-            self._chunks[req.rid] = ScheduledChunk(req, nc, 1, True, draft_ids=d)
+            estimate = None
+            if est is not None:  # the drafter's own prediction of the accepted count: sum_j prod_{i<=j} p_i
+                estimate, p = 0.0, 1.0
+                for x in est[:len(d)]:
+                    p *= x
+                    estimate += p
+            self._chunks[req.rid] = ScheduledChunk(req, nc, 1, True, draft_ids=d, draft_estimate=estimate)
             left -= len(d)
             used += len(d)
+        if used:
+            stats.spec_steps_speculated += 1
+        elif gate is not None and any(props[r][1] for r in props) and not any(keep.values()):
+            stats.spec_steps_skipped += 1  # the controller trimmed every draft: decoded plainly
         return used
 
     def _hidden(self, req: Request):
@@ -727,7 +833,7 @@ class Scheduler:
                 self.waiting.remove(req)
                 req.status, req.finish_reason = Status.FINISHED, reason
                 if self.drafter is not None:
-                    self.drafter.finish(req.rid, req.token_ids, req.prompt_len)
+                    self._drafter_finish(req)
             else:
                 self._finish(req, reason)
             finished.append(req)
@@ -745,6 +851,8 @@ class Scheduler:
         stats.spec_accepted_tokens += accepted
         req.spec_drafted += len(c.draft_ids)
         req.spec_accepted += accepted
+        if self.gate is not None:
+            self.gate.observe(req.rid, len(c.draft_ids), accepted, c.draft_estimate)
         req.num_computed += len(run)
         stats.computed_tokens += len(run)
         # the verifier ends the run at the first token that ends the request, so only the last one can; the
@@ -790,10 +898,15 @@ class Scheduler:
         req.state_set = None
         return node
 
+    def _drafter_finish(self, req: Request) -> None:
+        self.drafter.finish(req.rid, req.token_ids, req.prompt_len)
+        if self.gate is not None:
+            self.gate.finish(req.rid)
+
     def _finish(self, req: Request, reason: FinishReason, *, donate: bool = True) -> None:
         node = self._donate(req, END) if donate else None
         if self.drafter is not None:
-            self.drafter.finish(req.rid, req.token_ids, req.prompt_len)
+            self._drafter_finish(req)
         if req.pin and node is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
             self._pin(req.rid, node)
         self._release(req)
@@ -860,6 +973,27 @@ class Scheduler:
             refs[p] += 1
         assert [refs[p] for p in range(self.pool.num_pages)] == self.pool.refcount, "page refcounts drifted"
         assert sorted(self.pool.free_list) == [p for p in range(self.pool.num_pages) if refs[p] == 0]
+
+
+class _Known(Sequence):
+    """A request's token ids without a trailing PENDING (overlap: the token in flight), as a view (no copy of a
+    long context per peek)."""
+
+    __slots__ = ("ids", "n")
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+        self.n = len(ids) - (1 if ids and ids[-1] == PENDING else 0)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.ids[slice(*i.indices(self.n))]
+        if not -self.n <= i < self.n:
+            raise IndexError(i)
+        return self.ids[i if i >= 0 else self.n + i]
 
 
 def _drop_pending(req: Request) -> None:

@@ -30,10 +30,21 @@ class DraftQuery(NamedTuple):
     hidden: torch.Tensor | None = None
 
 
+class Proposal(NamedTuple):
+    token_ids: list[int]  # the draft tokens, at most the query's max_tokens
+    # per draft j, the drafter's estimate of P(draft j accepted | drafts before it were) (DSpark's confidence
+    # head), or None when the drafter has none; the speculation controller (gate.py) trims by it
+    accept_probs: list[float] | None = None
+
+
 class Drafter(ABC):
     @abstractmethod
     def propose(self, queries: Sequence[DraftQuery]) -> list[list[int]]:
         """Draft tokens for each query (possibly none), at most query.max_tokens each, in query order."""
+
+    def propose_scored(self, queries: Sequence[DraftQuery]) -> list[Proposal]:
+        """`propose` with the drafter's acceptance estimates where it has them (the scheduler calls this)."""
+        return [Proposal(list(d)) for d in self.propose(queries)]
 
     def finish(self, rid: int, token_ids: Sequence[int], prompt_len: int) -> None:
         """Request rid ended (finished or aborted) with these tokens: drop its index (a drafter may keep

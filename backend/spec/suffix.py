@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from k3rt.backend.spec.base import DraftQuery, Drafter
+from k3rt.backend.spec.base import DraftQuery, Drafter, Proposal
 from k3rt.config import SpecConfig
 
 
@@ -88,20 +88,25 @@ class SuffixTrie:
         return out
 
 
-def _draft(node: _Node, m: int, max_tokens: int, min_prob: float, factor: float) -> tuple[list[int], float]:
-    """Follow the most frequent continuation from node (a pattern of m tokens); -> (draft, expected accepted)."""
+def _draft(node: _Node, m: int, max_tokens: int, min_prob: float, factor: float
+           ) -> tuple[list[int], float, list[float]]:
+    """Follow the most frequent continuation from node (a pattern of m tokens); -> (draft, expected accepted, each
+    draft's empirical probability given the ones before it)."""
     limit = min(max_tokens, int(factor * m))
     out: list[int] = []
+    probs: list[float] = []
     prob, score = 1.0, 0.0
     while len(out) < limit and node.children:
         tok, child = max(node.children.items(), key=lambda kv: kv[1].count)
-        prob *= child.count / sum(c.count for c in node.children.values())
+        p = child.count / sum(c.count for c in node.children.values())
+        prob *= p
         if prob < min_prob:
             break
         out.append(tok)
+        probs.append(p)
         score += prob
         node = child
-    return out, score
+    return out, score, probs
 
 
 class _Index:
@@ -122,6 +127,11 @@ class SuffixDrafter(Drafter):
         self._reqs: dict[int, _Index] = {}
 
     def propose(self, queries: Sequence[DraftQuery]) -> list[list[int]]:
+        return [self._propose(q).token_ids for q in queries]
+
+    def propose_scored(self, queries: Sequence[DraftQuery]) -> list[Proposal]:
+        """With each draft's empirical continuation probability in the trie that matched (the speculation
+        controller calibrates them against what gets accepted)."""
         return [self._propose(q) for q in queries]
 
     def finish(self, rid: int, token_ids: Sequence[int], prompt_len: int) -> None:
@@ -135,7 +145,7 @@ class SuffixDrafter(Drafter):
         while len(self._cached) > self.cfg.suffix_cached_requests:
             self.global_trie.add(self._cached.popleft(), -1)
 
-    def _propose(self, q: DraftQuery) -> list[int]:
+    def _propose(self, q: DraftQuery) -> Proposal:
         toks = q.token_ids
         idx = self._reqs.get(q.rid)
         if idx is None:
@@ -151,11 +161,11 @@ class SuffixDrafter(Drafter):
         own = [(idx.active[m], m) for m in range(min(len(idx.active) - 1, max_pattern), 0, -1)
                if idx.active[m].children]
         glob = self.global_trie.matches(toks[-max_pattern:], max_pattern)[::-1]
-        best: tuple[list[int], float] = ([], 0.0)
+        best: tuple[list[int], float, list[float]] = ([], 0.0, [])
         for node, m in own + glob:
             other = _draft(node, m, q.max_tokens, self.cfg.suffix_min_prob, self.cfg.suffix_max_spec_factor)
             if other[1] > best[1]:
                 best = other
             if len(best[0]) == q.max_tokens and best[1] == q.max_tokens:
                 break  # a certain draft of full length: nothing scores higher
-        return best[0]
+        return Proposal(best[0], best[2])

@@ -54,6 +54,12 @@ _ENGINE_COUNTERS = {
     "spec_verifies": ("k3rt_spec_verifies", "speculative verify runs (one request's drafts checked in one forward)"),
     "spec_drafted_tokens": ("k3rt_spec_drafted_tokens", "draft tokens fed to speculative verification"),
     "spec_accepted_tokens": ("k3rt_spec_accepted_tokens", "draft tokens accepted by speculative verification"),
+    "spec_steps": ("k3rt_spec_steps", "steps in which some request could speculate (the controller decided)"),
+    "spec_steps_speculated": ("k3rt_spec_steps_speculated", "of k3rt_spec_steps, steps that verified drafts"),
+    "spec_steps_skipped": ("k3rt_spec_steps_skipped", "of k3rt_spec_steps, steps the speculation controller decoded "
+                           "plainly because a verify was not expected to pay (--spec-adaptive)"),
+    "spec_probes": ("k3rt_spec_probes", "steps the speculation controller drafted while speculation did not pay, to "
+                    "refresh its acceptance and cost estimates"),
     "gpu_idle_seconds": ("k3rt_gpu_idle_seconds", "time the GPU waited for the host between engine steps (absent "
                          "without a GPU)"),
     "gpu_step_seconds": ("k3rt_gpu_step_seconds", "GPU time from one engine step's end to the next's, over the "
@@ -108,6 +114,11 @@ class _EngineCollector:
         if verifies is not None and accepted is not None:
             yield GaugeMetricFamily("k3rt_spec_tau", "tokens per speculative verify since start (accepted drafts + 1; "
                                     "0 before the first)", value=(accepted + verifies) / verifies if verifies else 0.0)
+        steps, speculated = s.get("spec_steps"), s.get("spec_steps_speculated")
+        if steps is not None and speculated is not None:
+            yield GaugeMetricFamily("k3rt_spec_speculated_fraction", "of the steps in which some request could "
+                                    "speculate, the share that verified drafts since start (0 before the first)",
+                                    value=speculated / steps if steps else 0.0)
 
 
 class ServerMetrics:

@@ -21,6 +21,7 @@ import torch
 
 from k3rt.backend.engine import Engine
 from k3rt.backend.models.loader import CheckpointError
+from k3rt.backend.spec.base import Drafter
 from k3rt.backend.spec.dspark.checkpoint import save_drafter
 from k3rt.backend.spec.dspark.drafter import DSparkDrafter
 from k3rt.backend.spec.dspark.model import DSparkConfig, DSparkModel
@@ -89,6 +90,9 @@ class _CheckedDrafter(DSparkDrafter):
         self.checked = 0
         self.errors: list[str] = []
 
+    # the scheduler asks propose_scored: the base class's, over this propose (no confidences: drafts are replaced)
+    propose_scored = Drafter.propose_scored
+
     def propose(self, queries):
         # the scheduler turns a drafter's exception into "no drafts this step": failures are kept and asserted on
         for q in queries:
@@ -119,7 +123,8 @@ class _CheckedDrafter(DSparkDrafter):
 def _dspark_engine(arch, folder: Path, *, runner: str = "model", k: int = 5, cache: dict | None = None, **engine):
     cache = {"num_pages": 512, **(cache or {})}
     return make_engine(arch.ckpt, runner=runner, model=arch.model, budget=64,
-                       engine={"spec": SpecConfig(method="dspark", num_tokens=k, model=str(folder)), **engine}, **cache)
+                       engine={"spec": SpecConfig(method="dspark", num_tokens=k, model=str(folder), adaptive=False),
+                               **engine}, **cache)
 
 
 @pytest.mark.parametrize("runner, oracle", [("model", False), ("model", True), ("gpu", True)],
@@ -199,7 +204,8 @@ def test_gpu_runner_cuda_graph_taps_and_identity(arch, tmp_path) -> None:
     ref = _reference(arch, prompts, params)
     folder = _random_drafter(tmp_path / "drafter", arch.model)
     eng = make_engine(arch.ckpt, runner="gpu", model=model, budget=64, num_pages=256,
-                      engine={"device": "cuda", "spec": SpecConfig(method="dspark", num_tokens=5, model=str(folder))})
+                      engine={"device": "cuda",
+                              "spec": SpecConfig(method="dspark", num_tokens=5, model=str(folder), adaptive=False)})
     assert eng.runner.inner.graphs  # decode graphs captured, with the taps
     drafter = _CheckedDrafter(eng.scheduler.drafter, model, _refs(prompts, ref), atol=2e-2, every_other=True)
     eng.scheduler.drafter = drafter
@@ -331,7 +337,7 @@ def test_shipped_k3_tiny_dspark_greedy_identity_and_tau() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=40)
     plain = Engine(EngineConfig(model=str(model_dir)))
     ref = [o.output_ids for o in plain.generate(prompts, params)]
-    eng = Engine(EngineConfig(model=str(model_dir), spec=SpecConfig(method="dspark", num_tokens=7)))
+    eng = Engine(EngineConfig(model=str(model_dir), spec=SpecConfig(method="dspark", num_tokens=7, adaptive=False)))
     assert eng.cfg.spec.model == str(MODELS_DIR / "k3-tiny-dspark")
     out = eng.generate(prompts, params)
     assert [o.output_ids for o in out] == ref

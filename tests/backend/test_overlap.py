@@ -268,7 +268,7 @@ def test_requests_that_need_their_token_take_the_synchronous_path(tmp_path):
              ([12, 13], replace(plain, repetition_penalty=1.3), None),
              ([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=20),
               {"kind": "regex", "payload": "[0-9]{3}-[a-z]{2}", "strict": True})]
-    for spec in (SpecConfig(), SpecConfig(method="ngram", num_tokens=3, ngram_min=1)):
+    for spec in (SpecConfig(), SpecConfig(method="ngram", num_tokens=3, ngram_min=1, adaptive=False)):
         got = {}
         for overlap in (False, True):
             cfg = engine_config_for_tests(str(ckpt), num_pages=64)

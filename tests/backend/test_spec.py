@@ -185,19 +185,26 @@ def _reference(arch: Arch, prompts, params) -> list[list[int]]:
     return [arch.outputs[k] for k in keys]
 
 
-def _spec_engine(arch: Arch, method: str, k: int = 4, **cache):
+def _spec_engine(arch: Arch, method: str, k: int = 4, adaptive: bool = False, **cache):
     cache = {"num_pages": 512, **cache}
-    # ngram_min 1: a random model rarely repeats a bigram of its prompt, a single token often enough to verify
+    # ngram_min 1: a random model rarely repeats a bigram of its prompt, a single token often enough to verify.
+    # adaptive False: these tests pin what verify steps do, so every step that can draft does (the controller's
+    # choices follow wall time); the identity test also runs with it on
     return make_engine(arch.ckpt, runner="model", model=arch.model, budget=64,
-                       engine={"spec": SpecConfig(method=method, num_tokens=k, ngram_min=1)}, **cache)
+                       engine={"spec": SpecConfig(method=method, num_tokens=k, ngram_min=1, adaptive=adaptive)},
+                       **cache)
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "oracle"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "oracle", "gated"])
 def test_greedy_speculation_is_token_identical(arch, method) -> None:
+    """gated: the oracle under the speculation controller, whose choices follow this machine's step times; the
+    output must not depend on them."""
     r1, r2 = _workload(seed=3)
     p1, p2 = _params(len(r1), 24), _params(len(r2), 24)
     ref1, ref2 = _reference(arch, r1, p1), _reference(arch, r2, p2)
-    eng = _spec_engine(arch, "ngram" if method == "oracle" else method)
+    gated = method == "gated"
+    method = "oracle" if gated else method
+    eng = _spec_engine(arch, "ngram" if method == "oracle" else method, adaptive=gated)
     if method == "oracle":
         eng.scheduler.drafter = OracleDrafter(_refs(r1 + r2, ref1 + ref2), noise=0.25, seed=1)
     mixed: set[str] = set()  # what verify runs shared a forward with
@@ -211,11 +218,18 @@ def test_greedy_speculation_is_token_identical(arch, method) -> None:
     eng.runner.execute = spy
     out1 = run(eng, r1, p1)
     out2 = run(eng, r2, p2)
-    # the oracle drafts for every decode (so none stay plain); the others draft now and then
-    assert ("prefill" in mixed) if method == "oracle" else ("decode" in mixed)
     assert [o.output_ids for o in out1] == ref1
     assert [o.output_ids for o in out2] == ref2
     s = eng.stats
+    if gated:
+        # every step in which a request could draft was either speculated, skipped by the controller, or left
+        # without drafts by the oracle's lookahead limits; the explorations drafted at least once
+        assert s.spec_steps >= s.spec_steps_speculated + s.spec_steps_skipped and s.spec_steps_speculated > 0
+        assert s.spec_accepted_tokens == sum(o.spec_accepted_tokens for o in out1 + out2)
+        assert_at_rest(eng)
+        return
+    # the oracle drafts for every decode (so none stay plain); the others draft now and then
+    assert ("prefill" in mixed) if method == "oracle" else ("decode" in mixed)
     assert s.spec_verifies > 0 and s.spec_drafted_tokens > 0
     assert s.spec_accepted_tokens == sum(o.spec_accepted_tokens for o in out1 + out2)
     assert sum(o.cached_tokens for o in out2) > 0  # the repeats hit the prefix cache
@@ -422,7 +436,7 @@ def test_grammar_constrained_output_is_the_same_with_speculation(tmp_path_factor
     outs = {}
     for method in (None, "ngram"):
         eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), runner="model",
-                             spec=SpecConfig(method=method, num_tokens=4)))
+                             spec=SpecConfig(method=method, num_tokens=4, adaptive=False)))
         if method is not None:
             ref = outs[None]
             # drafts: the true continuation with a wrong token in the middle, which the grammar cuts
@@ -530,7 +544,7 @@ def test_sampled_outputs_have_the_plain_distribution_end_to_end(arch) -> None:
         nxt = follow.get((t1, t2))
         table[(t1,)] = [t2] + ([nxt.most_common(1)[0][0]] if nxt else [])
     eng = make_engine(arch.ckpt, runner="model", model=arch.model, num_pages=1024, budget=2048,
-                      engine={"spec": SpecConfig(method="ngram", num_tokens=2)})
+                      engine={"spec": SpecConfig(method="ngram", num_tokens=2, adaptive=False)})
     eng.scheduler.drafter = _TableDrafter(table)
     spec = [tuple(o.output_ids) for o in run(eng, [prompt] * n, [replace(p, seed=p.seed + n) for p in params])]
     s = eng.stats
@@ -590,7 +604,7 @@ def test_gpu_runner_verify_steps_are_token_identical(arch, over, monkeypatch) ->
     ref = _reference(arch, prompts, params)
     engine = {k: v for k, v in over.items() if k not in ("runner", "verify_form", "kda_verify_launch")}
     eng = make_engine(arch.ckpt, runner="gpu", model=model, budget=64, num_pages=256,
-                      engine=engine | {"spec": SpecConfig(method="ngram", num_tokens=4)})
+                      engine=engine | {"spec": SpecConfig(method="ngram", num_tokens=4, adaptive=False)})
     inner = eng.runner.inner
     multi_calls = []  # (commit,) of each kda_decode_multi launch
     if "kda_verify_launch" in over:
@@ -731,7 +745,7 @@ def test_shipped_model_bf16_greedy_identity_and_tau() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=64)
     outs, taus = {}, {}
     for method in (None, "ngram", "suffix"):
-        eng = Engine(EngineConfig(model=str(model_dir), spec=SpecConfig(method=method, num_tokens=4)))
+        eng = Engine(EngineConfig(model=str(model_dir), spec=SpecConfig(method=method, num_tokens=4, adaptive=False)))
         outs[method] = [o.output_ids for o in eng.generate(prompts, params)]
         taus[method] = eng.stats.spec_tau
         eng.check()
@@ -766,7 +780,8 @@ def test_lookahead_pages_across_page_boundaries_with_the_null_runner(tmp_path_fa
     prompts = [_rand(rng, n) for n in (1, 40, 47, 48, 49, 95, 100)]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (60, 9, 50, 2, 49, 30, 57)]
     plain = run(make_engine(ckpt, num_pages=num_pages), prompts, params)
-    eng = make_engine(ckpt, num_pages=num_pages, engine={"spec": SpecConfig(method="ngram", num_tokens=7)})
+    eng = make_engine(ckpt, num_pages=num_pages,
+                      engine={"spec": SpecConfig(method="ngram", num_tokens=7, adaptive=False)})
     eng.scheduler.drafter = _NullOracle(eng.runner.inner)
     out = run(eng, prompts, params)
     assert [o.output_ids for o in out] == [o.output_ids for o in plain]
@@ -791,7 +806,12 @@ def test_cli_generate_with_spec(tmp_path_factory, capsys) -> None:
     assert main(args + ["--spec", "suffix", "--spec-tokens", "3"]) == 0
     spec = json.loads(capsys.readouterr().out)
     assert spec["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) == 16
-    assert set(spec["spec"]) == {"drafted_tokens", "accepted_tokens", "verifies", "tau"}
+    assert set(spec["spec"]) == {"drafted_tokens", "accepted_tokens", "verifies", "tau", "steps_speculated",
+                                 "steps_skipped"}
+    # without the controller no step is skipped
+    assert main(args + ["--spec", "suffix", "--spec-tokens", "3", "--no-spec-adaptive"]) == 0
+    always = json.loads(capsys.readouterr().out)
+    assert always["token_ids"] == plain["token_ids"] and always["spec"]["steps_skipped"] == 0
     with pytest.raises(SystemExit):  # argparse: not one of the drafters
         main(args + ["--spec", "eagle"])
 
@@ -805,7 +825,7 @@ def test_a_failing_drafter_costs_only_speculation(tmp_path_factory) -> None:
     prompts = [_rand(random.Random(5), 12)]
     params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)]
     plain = run(make_engine(ckpt), prompts, params)
-    eng = make_engine(ckpt, engine={"spec": SpecConfig(method="ngram")})
+    eng = make_engine(ckpt, engine={"spec": SpecConfig(method="ngram", adaptive=False)})
     eng.scheduler.drafter = Broken()
     assert [o.output_ids for o in run(eng, prompts, params)] == [o.output_ids for o in plain]
     assert eng.stats.spec_verifies == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ def test_bench_spec_tiny_cpu_run(capsys, tmp_path) -> None:
         out = tmp_path / "spec.json"
         assert main(["bench", "spec", "--workloads", "code,agent", "--batch-sizes", "1,2", "--drafters",
                      "ngram,dspark", "--max-tokens", "8", "--turns", "2", "--prompt-len", "32", "--json",
-                     "--out", str(out)]) == 0
+                     "--out", str(out), "--no-spec-adaptive"]) == 0
     finally:
         torch.set_num_threads(n)
     rows = json.loads(capsys.readouterr().out)
@@ -30,8 +31,9 @@ def test_bench_spec_tiny_cpu_run(capsys, tmp_path) -> None:
     assert all(r["identical"] for r in rows)
     assert all(r["plain_step_ms"] > 0 and r["tokens_per_s_plain"] > 0 and r["tokens_per_s_spec"] > 0 for r in rows)
     for r in rows:
+        assert r["skipped"] == 0 and 0.0 <= r["spec_share"] <= 1.0  # no controller: nothing skipped
         if r["verifies"]:
-            assert 1.0 <= r["tau"] <= 1 + r["spec_tokens"] and r["verify_step_ms"] > 0
+            assert 1.0 <= r["tau"] <= 1 + r["spec_tokens"] and r["verify_step_ms"] > 0 and r["spec_share"] > 0
             assert r["speedup"] == pytest.approx(r["tokens_per_s_spec"] / r["tokens_per_s_plain"])
     dspark = [r for r in rows if r["drafter"] == "dspark"]
     assert all(r["draft_ms"] > 0 for r in dspark) and sum(r["verifies"] for r in dspark) > 0
@@ -54,9 +56,10 @@ def test_step_times_are_measured_under_overlap_scheduling(monkeypatch) -> None:
     # a slow drafter: its time must land in draft_ms, not in the verify step's (the scheduler drafts inside
     # the engine step; the H200 table's verify column included the drafter's pass)
     slow = NgramDrafter.propose
+    delay = [0.2]
 
     def slow_propose(self, queries):
-        time.sleep(0.2)
+        time.sleep(delay[0])
         return slow(self, queries)
 
     monkeypatch.setattr(NgramDrafter, "propose", slow_propose)
@@ -69,10 +72,18 @@ def test_step_times_are_measured_under_overlap_scheduling(monkeypatch) -> None:
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        rows = spec_bench.bench_spec(SpecBenchConfig(workloads=("agent",), batch_sizes=(1,), drafters=("ngram",),
-                                                     max_tokens=12, turns=2, overlap=True), progress=False)
+        cfg = SpecBenchConfig(workloads=("agent",), batch_sizes=(1,), drafters=("ngram",), max_tokens=12, turns=2,
+                              overlap=True, spec_adaptive=False)
+        rows = spec_bench.bench_spec(cfg, progress=False)
+        first = list(calls)
+        # with the speculation controller, a drafter whose pass costs 50 ms (a few plain steps) is turned down:
+        # most steps decode plainly (overlapped), only explorations and probes draft
+        delay[0] = 0.05
+        (gated,) = spec_bench.bench_spec(replace(cfg, spec_adaptive=True), progress=False)
     finally:
         torch.set_num_threads(n)
+    assert gated.identical and gated.skipped > 0 and gated.spec_share < 0.5
+    calls = first
     (r,) = rows
     assert r.plain_step_ms > 0 and r.verifies and r.verify_step_ms > 0 and r.identical
     assert r.draft_ms >= 200 and r.verify_step_ms < 200

@@ -30,8 +30,9 @@ from k3rt.sampling_params import SamplingParams
 from tests.backend.test_spec import OracleDrafter, _refs
 from tests.backend.threads import single_thread  # noqa: F401  (autouse fixture)
 
-DRAFTERS = {"ngram": SpecConfig(method="ngram", num_tokens=4), "suffix": SpecConfig(method="suffix", num_tokens=4),
-            "dspark": SpecConfig(method="dspark", num_tokens=7)}
+DRAFTERS = {"ngram": SpecConfig(method="ngram", num_tokens=4, adaptive=False),
+            "suffix": SpecConfig(method="suffix", num_tokens=4, adaptive=False),
+            "dspark": SpecConfig(method="dspark", num_tokens=7, adaptive=False)}
 
 # code completions the trained k3-tiny repeats itself on (so every drafter gets drafts accepted); the
 # last is longer than the 64-token budget, so it prefills in two chunks while the others verify
@@ -154,7 +155,7 @@ def test_gpu_runner_interpreter_verify_logprobs_equal_plain(tmp_path) -> None:
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (4, 3, 5)]
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in (5, 4, 2)]
     plain = _staggered_logprobs(_interp_engine(ckpt, SpecConfig()), prompts, params, late=2)
-    eng = _interp_engine(ckpt, SpecConfig(method="ngram", num_tokens=3))
+    eng = _interp_engine(ckpt, SpecConfig(method="ngram", num_tokens=3, adaptive=False))
     eng.scheduler.drafter = OracleDrafter(_refs(prompts, [[t for t, _ in o] for o in plain]), noise=0.3, seed=1)
     beside_prefill = []
     execute = eng.runner.execute

@@ -16,7 +16,8 @@ from tests.server.conftest import MODEL_NAME, ServeProcess, serving
 
 @pytest.fixture(scope="module")
 def spec_server(tiny_model: Path, log_dir: Path):
-    with serving(tiny_model, log_dir, "--spec", "suffix", "--spec-tokens", "4") as s:
+    # --no-spec-adaptive: the controller's choices follow wall time; this test pins what drafting does
+    with serving(tiny_model, log_dir, "--spec", "suffix", "--spec-tokens", "4", "--no-spec-adaptive") as s:
         yield s
 
 
@@ -61,6 +62,11 @@ def test_speculative_server(spec_server: ServeProcess, tiny_model: Path) -> None
     assert _metric(spec_server, "k3rt_spec_accepted_tokens", "k3rt_spec_accepted_tokens_total") == accepted1
     assert _metric(spec_server, "k3rt_spec_drafted_tokens", "k3rt_spec_drafted_tokens_total") >= accepted1
     assert _metric(spec_server, "k3rt_spec_tau") > 1.0
+    # without the controller nothing is skipped, and the steps that verified are a share of those that could draft
+    assert _metric(spec_server, "k3rt_spec_steps_skipped", "k3rt_spec_steps_skipped_total") == 0
+    speculated = _metric(spec_server, "k3rt_spec_steps_speculated", "k3rt_spec_steps_speculated_total")
+    assert 0 < speculated <= _metric(spec_server, "k3rt_spec_steps", "k3rt_spec_steps_total")
+    assert 0 < _metric(spec_server, "k3rt_spec_speculated_fraction") <= 1.0
     # a stop string inside an accepted run: the text ends where the stop string starts
     text = first["choices"][0]["text"]
     stop = text[len(text) // 2:len(text) // 2 + 2]

@@ -29,7 +29,7 @@ import torch
 
 from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.backend.models.loader import CheckpointError
-from k3rt.backend.spec.base import DraftQuery, Drafter
+from k3rt.backend.spec.base import DraftQuery, Drafter, Proposal
 from k3rt.backend.spec.dspark.checkpoint import load_drafter
 from k3rt.backend.spec.dspark.graph import DraftGraphs
 from k3rt.backend.spec.dspark.model import DSparkModel, clamp_verify, confident_prefix
@@ -135,12 +135,19 @@ class DSparkDrafter(Drafter):
             extra = dict(ctx_tokens=meta[:, 2 * w:], ctx_valid=meta[:, w:2 * w].bool())
         return ctx, meta[:, -1], extra
 
-    @torch.no_grad()
     def propose(self, queries: Sequence[DraftQuery]) -> list[list[int]]:
+        return [p.token_ids for p in self._pass(queries)]
+
+    def propose_scored(self, queries: Sequence[DraftQuery]) -> list[Proposal]:
+        return self._pass(queries)
+
+    @torch.no_grad()
+    def _pass(self, queries: Sequence[DraftQuery]) -> list[Proposal]:
         """One batched block pass over every query that carries target states; a query without them (its
         states were not recorded, e.g. right after a preemption) gets no drafts this step. A request whose
-        confidence says no draft pays (min_verify 0) also gets none: it decodes plainly."""
-        out: list[list[int]] = [[] for _ in queries]
+        confidence says no draft pays (min_verify 0) also gets none: it decodes plainly. Each proposal carries
+        the confidence head's per-draft acceptance estimates of the drafts it returns."""
+        out: list[Proposal] = [Proposal([]) for _ in queries]
         ready = [i for i, q in enumerate(queries) if q.hidden is not None]
         if not ready:
             return out
@@ -149,9 +156,12 @@ class DSparkDrafter(Drafter):
             tokens, conf = self.graphs.draft(ctx, anchors, **extra)
         else:
             tokens, conf = self.model.greedy_pass(ctx, anchors, self.embed, self.lm_head, fused=self.fused, **extra)
-        # each request's confident prefix on the device, read with the tokens: one sync, no per-request tensor op
+        # each request's confident prefix on the device, read with the tokens: one wait for the device, no
+        # per-request tensor op (the confidences' copy follows it, the pass already done)
         prefix = confident_prefix(conf, self.threshold)
         cfg = self.model.cfg
-        for row, i in zip(torch.cat([tokens, prefix[:, None]], 1).tolist(), ready):
-            out[i] = row[:clamp_verify(row[-1], cfg.min_verify, queries[i].max_tokens, cfg.block_size)]
+        rows, confs = torch.cat([tokens, prefix[:, None]], 1).tolist(), conf.float().tolist()
+        for row, c, i in zip(rows, confs, ready):
+            n = clamp_verify(row[-1], cfg.min_verify, queries[i].max_tokens, cfg.block_size)
+            out[i] = Proposal(row[:n], c[:n])
         return out

@@ -1,0 +1,291 @@
+"""The cost-aware speculation controller: per step, draft only when drafting + verifying is expected to emit
+tokens faster than plain decoding, trimming each request's drafts to the ones worth their verify cost.
+
+The rule, for a step of `batch` decode-like requests (plain decoding emits one token per request per step):
+
+    speculate  iff  (batch + sum_r gain_r) / (draft + P * verify + (1 - P) * plain)  >  (1 + margin) * batch / plain
+
+plain, verify, draft: seconds of a plain step, a verify step and the drafter's pass at this batch bucket
+(cost.py, learned from the engine's step times); gain_r: the draft tokens request r is expected to get accepted;
+P: the probability that some request gets drafts to verify (a model-free drafter often has none to offer).
+
+Two estimates of gain, before and after the drafter's pass:
+- before (`plan`, deciding whether to call the drafter at all): the request's *yield*, an EMA of the drafts
+  accepted per drafting step (0 when the drafter had nothing for it or `trim` kept none of its drafts),
+  blended with the method's yield as a prior worth `prior_verifies` steps, so a new request starts at the
+  method's running rate;
+- after (`trim`, the drafts in hand): per draft j the probability that drafts 1..j are all accepted: the
+  drafter's own estimates where it gives them (DSpark's confidence head: the cumulative product, scaled by how
+  the method's predictions have compared with what was accepted), else alpha^j, alpha the request's
+  conditional acceptance rate (accepted / (accepted + rejections) over its verifies, EMA'd and blended with
+  the method's like the yield). A draft is kept while its probability times a token's worth (plain / batch
+  seconds) covers its share of the verify's extra cost (verify - plain per draft token); the drafter's pass
+  is already paid, so the step then speculates iff (batch + gain) / verify beats the plain rate.
+
+A model-free drafter whose pass costs at most CHEAP_PASS of a plain step (suffix and n-gram lookups next to a
+GPU step) is asked every step instead, and `trim` alone decides from what it proposed: a suffix match into a
+repeated tool output is worth verifying at once, whatever the running averages say.
+
+Exploration: with no plain sample at this bucket the step decodes plainly (one sample is enough to start);
+with no verify or draft sample, or fewer than `explore_samples` request outcomes of drafting steps for the
+method, it speculates. While the rule says no, a step now and then drafts anyway (a probe, drafts untrimmed)
+so the estimates follow changing acceptance and cost. A probe loses its step's time beyond the plain steps its
+tokens are worth, so probes come at least `probe_interval` steps apart and far enough apart that this loss
+stays within `probe_overhead` of plain decoding's time (at a batch where a verify costs several plain steps,
+one in a hundred steps or so), sooner in proportion to the step's requests never measured (only drafting can
+tell whether an agent's new turn repeats what the last one wrote). While the rule says yes, a plain step is
+forced when the bucket's plain cost is older than 4 x probe_interval.
+
+The controller knows nothing of pages, grammars or sampling: the scheduler asks it, then bounds drafts as
+before. Its only clock is its own decision counter (`steps`); times come in as seconds.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from k3rt.backend.spec.cost import StepCosts, StepKind, bucket
+from k3rt.config import SpecGateConfig
+
+# a drafter pass costing at most this share of a plain step is asked every step (its proposals decide)
+CHEAP_PASS = 0.05
+# probability that a draft is accepted before any verify has been seen (the prior's prior)
+_ALPHA0 = 0.5
+# estimates are scaled by (accepted + _CALIB_PRIOR) / (predicted + _CALIB_PRIOR), kept within _CALIB: one
+# verify that accepted nothing must not condemn a drafter whose estimates then never get verified again
+_CALIB = (0.25, 2.0)
+_CALIB_PRIOR = 2.0
+
+
+class Why(enum.Enum):
+    """Why a step speculates or not (the scheduler counts them)."""
+
+    PAYS = "pays"  # the estimates say drafting pays
+    NOT_WORTH = "not_worth"  # they say it does not
+    EXPLORE = "explore"  # a cost or acceptance estimate is missing: measure it
+    PROBE = "probe"  # off, but drafting this step to refresh the estimates
+    REFRESH = "refresh"  # on, but decoding plainly this step to refresh the plain cost
+    CHEAP = "cheap"  # a model-free drafter's pass costs next to nothing: ask it, and let its drafts decide (trim)
+
+
+class Plan(NamedTuple):
+    draft: bool
+    why: Why
+
+
+class Trim(NamedTuple):
+    keep: list[int]  # drafts to verify per request (all zeros: the step decodes plainly)
+    probe: bool  # every draft kept to refresh the estimates, not because they pay
+
+
+@dataclass(slots=True)
+class _Acceptance:
+    """Decayed acceptance counts of one request or one method."""
+
+    accepted: float = 0.0  # accepted drafts
+    trials: float = 0.0  # accepted drafts + rejections (a verify that accepted all of its drafts adds none)
+    gained: float = 0.0  # accepted drafts over drafting steps (0 for a step the drafter proposed nothing)
+    verified: float = 0.0  # drafting steps in which it verified drafts (the others cost no verify)
+    steps: float = 0.0  # drafting steps
+    seen: int = 0  # outcomes observed, undecayed (exploration lasts until the method has explore_samples)
+    predicted: float = 0.0  # accepted drafts the drafter's own estimates predicted (DSpark)
+    actual: float = 0.0  # accepted drafts of the verifies that had estimates
+
+    def decay(self, keep: float) -> None:
+        self.accepted *= keep
+        self.trials *= keep
+        self.gained *= keep
+        self.verified *= keep
+        self.steps *= keep
+
+
+class SpecGate:
+    def __init__(self, cfg: SpecGateConfig) -> None:
+        self.cfg = cfg
+        self.costs = StepCosts(cfg.ema_weight)
+        self.steps = 0  # decisions made (the controller's clock)
+        self._method = _Acceptance()
+        self._reqs: dict[int, _Acceptance] = {}
+        self._last_spec: dict[int, int] = {}  # bucket -> step of its last speculating decision
+        self._last_verify: dict[int, int] = {}  # bucket -> step of its last trim that kept drafts
+
+    # ---- estimates ----
+
+    def _method_alpha(self) -> float:
+        m = self._method
+        return m.accepted / m.trials if m.trials > 0 else (1.0 if m.accepted > 0 else _ALPHA0)
+
+    def alpha(self, rid: int) -> float:
+        """P(a draft is accepted | the drafts before it were), for request rid."""
+        r, prior = self._reqs.get(rid), self.cfg.prior_verifies
+        g = self._method_alpha()
+        if r is None or r.trials + prior <= 0:
+            return g
+        # the method's rate counts as prior_verifies trials of the request's own
+        return (r.accepted + prior * g) / (r.trials + prior)
+
+    def yield_(self, rid: int) -> float | None:
+        """Expected accepted drafts for rid in a step that drafts (None: too little measured yet)."""
+        m = self._method
+        if m.seen < self.cfg.explore_samples:
+            return None
+        g = m.gained / m.steps
+        r = self._reqs.get(rid)
+        if r is None:
+            return g
+        prior = self.cfg.prior_verifies
+        return (r.gained + prior * g) / (r.steps + prior)
+
+    def verifies(self, rid: int) -> float:
+        """P(rid verifies drafts in a step that drafts): suffix and n-gram drafters often have nothing to offer."""
+        m = self._method
+        g = m.verified / m.steps if m.steps > 0 else 1.0
+        r = self._reqs.get(rid)
+        if r is None:
+            return g
+        prior = self.cfg.prior_verifies
+        return (r.verified + prior * g) / (r.steps + prior)
+
+    def calibration(self) -> float:
+        m = self._method
+        return min(max((m.actual + _CALIB_PRIOR) / (m.predicted + _CALIB_PRIOR), _CALIB[0]), _CALIB[1])
+
+    def survival(self, rid: int, num_drafts: int, estimates: Sequence[float] | None) -> list[float]:
+        """P(drafts 1..j all accepted) for j = 1..num_drafts."""
+        out: list[float] = []
+        p = 1.0
+        if estimates is not None:
+            c = self.calibration()
+            for j in range(num_drafts):
+                p *= float(estimates[j]) if j < len(estimates) else 0.0
+                out.append(min(p * c, 1.0))
+            return out
+        a = self.alpha(rid)
+        for _ in range(num_drafts):
+            p *= a
+            out.append(p)
+        return out
+
+    # ---- decisions ----
+
+    def plan(self, batch: int, rids: Sequence[int], *, model_free: bool = False) -> Plan:
+        """Before the drafter's pass: draft this step? batch: the step's decode-like requests; rids: those the
+        drafter would be asked for; model_free: the drafter reads tokens only (so it can also be asked about the
+        tokens known before a step in flight, see Scheduler.drafts_next)."""
+        self.steps += 1
+        c, b = self.costs, bucket(batch)
+        plain, verify = c.get(c.plain, batch), c.get(c.verify, batch)
+        draft = c.get(c.draft, len(rids))
+        if plain is None:
+            return Plan(False, Why.EXPLORE)
+        if verify is None or draft is None:
+            return self._spec(b, Why.EXPLORE)
+        if model_free and draft.value <= CHEAP_PASS * plain.value:
+            # the pass is nearly free and its proposals (their length, the trie's probabilities) say more about
+            # this step than any running average: trim() decides
+            if self.steps - plain.at_step > 4 * self.cfg.probe_interval:
+                return Plan(False, Why.REFRESH)
+            return self._spec(b, Why.CHEAP)
+        gains = [self.yield_(r) for r in rids]
+        if any(g is None for g in gains):
+            return self._spec(b, Why.EXPLORE)
+        # a drafting step verifies unless no request gets drafts (then it is a plain step plus the pass)
+        none = math.prod(1.0 - self.verifies(r) for r in rids)
+        spec_s, plain_s = draft.value + (1.0 - none) * verify.value + none * plain.value, max(plain.value, 1e-9)
+        tokens = batch + sum(gains)
+        if tokens / max(spec_s, 1e-9) > (1.0 + self.cfg.margin) * batch / plain_s:
+            if self.steps - plain.at_step > 4 * self.cfg.probe_interval:
+                return Plan(False, Why.REFRESH)
+            return self._spec(b, Why.PAYS)
+        # a probe costs what its step takes beyond the plain steps its tokens are worth; spaced so that this
+        # stays within probe_overhead of plain decoding's time, and sooner the more of the step's requests have
+        # never been measured (a new turn of an agent may repeat what the last one wrote: only drafting tells)
+        if self.steps - self._last_spec.get(b, 0) >= self._probe_every(spec_s / plain_s - tokens / batch, rids):
+            return self._spec(b, Why.PROBE)
+        return Plan(False, Why.NOT_WORTH)
+
+    def _probe_every(self, loss: float, rids: Sequence[int]) -> int:
+        """Steps between probes that each lose `loss` plain steps' time: within probe_overhead of plain decoding,
+        sooner in proportion to the requests never measured."""
+        fresh = sum(r not in self._reqs for r in rids) / max(len(rids), 1)
+        return max(self.cfg.probe_interval, math.ceil(max(loss, 0.0) / self.cfg.probe_overhead * (1.0 - fresh)))
+
+    def _spec(self, b: int, why: Why) -> Plan:
+        self._last_spec[b] = self.steps
+        return Plan(True, why)
+
+    def trim(self, batch: int, drafts: Sequence[tuple[int, int, Sequence[float] | None]], why: Why, *,
+             record: bool = True) -> Trim:
+        """After the drafter's pass: how many of each request's drafts to verify. drafts: (rid, drafts proposed,
+        the drafter's per-draft acceptance estimates or None) per request; why: the plan's. Probes and
+        explorations keep every draft (they measure what the drafter offers); so does a step asked every step
+        (Why.CHEAP) whose bucket has not verified for as long as a probe's spacing. record False: a look ahead
+        (Scheduler.drafts_next), not the step itself."""
+        full = [n for _, n, _ in drafts]
+        c, b = self.costs, bucket(batch)
+        plain, verify = c.get(c.plain, batch), c.get(c.verify, batch)
+        if why in (Why.PROBE, Why.EXPLORE) or plain is None or verify is None:
+            return Trim(full, why is Why.PROBE)
+        per_draft = c.get(c.verify_drafts, batch)
+        # seconds one more draft token adds to the verify (linear in the step's draft tokens), and what an
+        # accepted token is worth (the time plain decoding takes per token at this batch)
+        cost = max(verify.value - plain.value, 0.0) / max(per_draft.value if per_draft else 1.0, 1.0)
+        worth = plain.value / batch
+        keep, gain = [], 0.0
+        for rid, n, est in drafts:
+            k = 0
+            for p in self.survival(rid, n, est):
+                if p * worth < cost * (1.0 + self.cfg.margin):
+                    break
+                k += 1
+                gain += p
+            keep.append(k)
+        if (batch + gain) / max(verify.value, 1e-9) <= (1.0 + self.cfg.margin) * batch / max(plain.value, 1e-9):
+            if why is Why.CHEAP and drafts:
+                every = self._probe_every(verify.value / plain.value - 1.0 - gain / batch, [r for r, _, _ in drafts])
+                if self.steps - self._last_verify.get(b, 0) >= every:
+                    if record:
+                        self._last_verify[b] = self.steps
+                    return Trim(full, True)
+            return Trim([0] * len(drafts), False)
+        if record:
+            self._last_verify[b] = self.steps
+        return Trim(keep, False)
+
+    # ---- observations ----
+
+    def observe_step(self, kind: StepKind, batch: int, seconds: float, drafted: int = 0) -> None:
+        """A step's wall time (the drafter's pass excluded) and its draft tokens (verify steps)."""
+        self.costs.observe_step(kind, batch, seconds, self.steps, drafted)
+
+    def observe_draft(self, batch: int, seconds: float) -> None:
+        """One drafter pass over `batch` requests took `seconds`."""
+        self.costs.observe_draft(batch, seconds, self.steps)
+
+    def observe(self, rid: int, drafted: int, accepted: int, estimated: float | None = None) -> None:
+        """Request rid was asked for drafts in a drafting step: `drafted` were verified (0: the drafter had none)
+        and `accepted` of them accepted; estimated: the accepted count the drafter's estimates predicted."""
+        keep = 1.0 - self.cfg.ema_weight
+        r = self._reqs.get(rid)
+        if r is None:
+            r = self._reqs[rid] = _Acceptance()
+        for a in (r, self._method):
+            a.decay(keep)
+            a.seen += 1
+            a.steps += 1.0
+            a.gained += accepted
+            if drafted:
+                a.verified += 1.0
+                a.accepted += accepted
+                a.trials += accepted + (1.0 if accepted < drafted else 0.0)
+        if estimated is not None and drafted:
+            m = self._method
+            m.predicted = keep * m.predicted + estimated
+            m.actual = keep * m.actual + accepted
+
+    def finish(self, rid: int) -> None:
+        self._reqs.pop(rid, None)

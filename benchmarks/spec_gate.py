@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Issue 16's "never below 0.95x": speculation with the cost-aware controller (--spec-adaptive, the default)
+against speculation in every step and against plain decoding, per workload, batch size and drafter.
+
+    python3 benchmarks/spec_gate.py --device cuda --budget-s 540          # the H200: k3-tiny bf16, graphs
+    python3 benchmarks/spec_gate.py --smoke                               # CPU, a few tokens (CI smoke)
+
+1. Correctness first: `k3rt bench spec` rows with --deterministic (batch-invariant numerics, so speculative greedy
+   output must equal plain output byte for byte in bf16 too) and the controller on, every drafter, batches 1 and 4,
+   few tokens: every row must say identical (the exit status is 1 otherwise).
+2. Timing: per batch size (in order, until --budget-s is spent), `bench spec` with the controller on and with it
+   off (`spec_adaptive=False`), both against the same kind of plain run. Per row: plain tokens/s, speedup with
+   the controller (goal >= 0.95 everywhere) and without, the controller's share of speculated steps, the steps
+   it skipped, tau, and whether the outputs equal the plain ones.
+
+JSON to --out (default $OUT/spec_gate.json) after every batch size; a markdown table to stdout at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+GOAL = 0.95
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="k3-tiny")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="compute dtype (default: the checkpoint's; k3-tiny bf16)")
+    p.add_argument("--workloads", default="code,chat,agent")
+    p.add_argument("--batch-sizes", default="1,4,16,64")
+    p.add_argument("--drafters", default="ngram,suffix,dspark")
+    p.add_argument("--spec-tokens", type=int, default=7)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--smoke", action="store_true", help="CPU, batch 1, 6 tokens, two drafters")
+    p.add_argument("--budget-s", type=float, default=540.0, help="no new batch size is started after this many s")
+    p.add_argument("--out", type=Path, default=None)
+    return p.parse_args()
+
+
+def main() -> int:
+    a = _args()
+    from _timing import Report, default_out
+
+    from k3rt.backend.bench.spec_bench import SpecBenchConfig, bench_spec, parse_list
+
+    if a.smoke:
+        a.batch_sizes, a.max_tokens, a.turns, a.drafters, a.workloads = "1", 6, 2, "ngram,suffix", "code,agent"
+    report = Report(default_out(a.out, "spec_gate.json"), a.budget_s, {"args": {k: str(v) for k, v in vars(a).items()}})
+    res, log = report.result, report.log
+    base = SpecBenchConfig(model=a.model, device=a.device, dtype=a.dtype,
+                           workloads=parse_list(a.workloads, "workloads"),
+                           drafters=parse_list(a.drafters, "drafters"), spec_tokens=a.spec_tokens,
+                           max_tokens=a.max_tokens, turns=a.turns)
+    sizes = parse_list(a.batch_sizes, "batch_sizes", int)
+    # 1. correctness: batch-invariant numerics, the controller on; every output equals the plain one
+    check = bench_spec(replace(base, batch_sizes=tuple(b for b in sizes if b <= 4) or sizes[:1], deterministic=True,
+                               max_tokens=min(a.max_tokens, 16), turns=min(a.turns, 2)), progress=False)
+    res["check"] = [asdict(r) for r in check]
+    ok = all(r.identical for r in check)
+    log(f"correctness (deterministic, controller on): {'identical' if ok else 'DIFFERENT'} in {len(check)} rows")
+    report.save()
+    # 2. timing, one batch size at a time, while the budget lasts
+    res["rows"], res["skipped"] = [], []
+    last = 0.0
+    for b in sizes:
+        if report.elapsed() + last > a.budget_s:
+            res["skipped"].append(b)
+            log(f"batch {b}: skipped (budget {a.budget_s:.0f}s)")
+            continue
+        t0 = time.monotonic()
+        gated = bench_spec(replace(base, batch_sizes=(b,)), progress=False)
+        always = bench_spec(replace(base, batch_sizes=(b,), spec_adaptive=False), progress=False)
+        for g, w in zip(gated, always):
+            assert (g.workload, g.drafter) == (w.workload, w.drafter)
+            res["rows"].append({"workload": g.workload, "batch": b, "drafter": g.drafter,
+                                "tokens_per_s_plain": g.tokens_per_s_plain, "speedup_adaptive": g.speedup,
+                                "speedup_always": w.speedup, "spec_share": g.spec_share, "skipped_steps": g.skipped,
+                                "tau_adaptive": g.tau, "tau_always": w.tau,
+                                "identical": g.identical and w.identical})
+        last = time.monotonic() - t0
+        log(f"batch {b}: {len(gated)} rows in {last:.0f}s")
+        report.save()
+    rows = res["rows"]
+    res["goal_met"] = bool(rows) and all(r["speedup_adaptive"] >= GOAL for r in rows)
+    report.save()
+    print("| workload | batch | drafter | tok/s plain | speedup (controller) | speedup (always) | spec share | "
+          "skipped | tau (controller) | tau (always) | identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        flag = "" if r["speedup_adaptive"] >= GOAL else " **<0.95**"
+        print(f"| {r['workload']} | {r['batch']} | {r['drafter']} | {r['tokens_per_s_plain']:.1f} | "
+              f"{r['speedup_adaptive']:.2f}{flag} | {r['speedup_always']:.2f} | {r['spec_share']:.2f} | "
+              f"{r['skipped_steps']} | {r['tau_adaptive']:.2f} | {r['tau_always']:.2f} | "
+              f"{'yes' if r['identical'] else 'no'} |")
+    print(f"\ncorrectness rows identical: {ok}; goal (controller >= {GOAL}x everywhere): {res['goal_met']}; "
+          f"skipped batch sizes: {res['skipped'] or 'none'}; JSON: {report.path}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
