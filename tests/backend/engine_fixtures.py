@@ -11,6 +11,7 @@ from k3rt.backend.cache.radix import Node
 from k3rt.backend.engine import Engine, engine_config_for_tests
 from k3rt.backend.runner.base import Runner
 from k3rt.backend.scheduler.scheduler import SchedulerOutput
+from k3rt.backend.spec.base import Drafter
 from k3rt.config import SchedulerConfig
 from k3rt.sampling_params import SamplingParams
 
@@ -160,3 +161,19 @@ def path_tokens(node: Node) -> list[int]:
 
 def snapshot_nodes(engine: Engine) -> list[Node]:
     return [n for n in engine.scheduler.tree._nodes() if n.snapshot is not None]
+
+
+class NullOracle(Drafter):
+    """Drafts the null runner's own next tokens, as many as each query may take: every draft is accepted."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+
+    def propose(self, queries):
+        out = []
+        for q in queries:
+            seq = list(q.token_ids)
+            for _ in range(q.max_tokens):
+                seq.append(self.runner.next_token(seq))
+            out.append(seq[len(q.token_ids):])
+        return out

@@ -35,7 +35,7 @@ from k3rt.backend.spec.rejection import verify_requests
 from k3rt.backend.spec.suffix import SuffixDrafter, SuffixTrie
 from k3rt.config import SpecConfig
 from k3rt.sampling_params import SamplingParams
-from tests.backend.engine_fixtures import assert_at_rest, drain, make_engine, run, tiny_checkpoint
+from tests.backend.engine_fixtures import NullOracle, assert_at_rest, drain, make_engine, run, tiny_checkpoint
 from tests.backend.test_engine_cache import Arch, assert_snapshots_exact
 from tests.backend.threads import single_thread  # noqa: F401  (autouse fixture)
 
@@ -753,23 +753,6 @@ def test_shipped_model_bf16_greedy_identity_and_tau() -> None:
     assert taus["ngram"] > 2.0 and taus["suffix"] > 1.3, taus
 
 
-class _NullOracle(Drafter):
-    """Drafts the null runner's own next tokens (every draft accepted), but only every other step's worth."""
-
-    def __init__(self, runner) -> None:
-        self.runner = runner
-
-    def propose(self, queries):
-        out = []
-        for q in queries:
-            seq, d = list(q.token_ids), []
-            for _ in range(q.max_tokens):
-                d.append(self.runner.next_token(seq))
-                seq.append(d[-1])
-            out.append(d)
-        return out
-
-
 @pytest.mark.parametrize("num_pages", [400, 10], ids=["roomy", "tight-preempting"])
 def test_lookahead_pages_across_page_boundaries_with_the_null_runner(tmp_path_factory, num_pages) -> None:
     """Null runner (no compute): verify runs cross page boundaries (block 48) at every offset; lookahead
@@ -782,7 +765,7 @@ def test_lookahead_pages_across_page_boundaries_with_the_null_runner(tmp_path_fa
     plain = run(make_engine(ckpt, num_pages=num_pages), prompts, params)
     eng = make_engine(ckpt, num_pages=num_pages,
                       engine={"spec": SpecConfig(method="ngram", num_tokens=7, adaptive=False)})
-    eng.scheduler.drafter = _NullOracle(eng.runner.inner)
+    eng.scheduler.drafter = NullOracle(eng.runner.inner)
     out = run(eng, prompts, params)
     assert [o.output_ids for o in out] == [o.output_ids for o in plain]
     s = eng.stats

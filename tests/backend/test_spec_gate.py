@@ -10,11 +10,10 @@ import random
 import pytest
 
 from k3rt.backend.scheduler.scheduler import ScheduledChunk, SchedulerOutput
-from k3rt.backend.spec.base import Drafter
 from k3rt.backend.spec.cost import Ema, StepKind, bucket, step_sample
 from k3rt.backend.spec.gate import Plan, SpecGate, Trim, Why
 from k3rt.config import SpecConfig, SpecGateConfig
-from tests.backend.engine_fixtures import assert_at_rest, greedy, make_engine, run, tiny_checkpoint
+from tests.backend.engine_fixtures import NullOracle, assert_at_rest, greedy, make_engine, run, tiny_checkpoint
 
 
 def _costs(g: SpecGate, batch: int, plain: float, verify: float, draft: float, drafted: int = 7) -> None:
@@ -162,22 +161,6 @@ def _workload() -> list[list[int]]:
     return [gram * 5, [rng.randrange(1, 200) for _ in range(20)], gram * 3 + [7], gram * 4]
 
 
-class _NullOracle(Drafter):
-    """Drafts exactly what the null runner will emit: every draft is accepted."""
-
-    def __init__(self, runner) -> None:
-        self.runner = runner
-
-    def propose(self, queries):
-        out = []
-        for q in queries:
-            seq = list(q.token_ids)
-            for _ in range(q.max_tokens):
-                seq.append(self.runner.next_token(seq))
-            out.append(seq[len(q.token_ids):])
-        return out
-
-
 def _forced(eng, pays: bool) -> list:
     """Fix the controller's costs at every batch bucket (and stop it learning new ones) so it decides one way:
     a perfect drafter's 4 accepted drafts per request pay for a verify at 1.1 plain steps + a 0.05 pass, not
@@ -191,7 +174,7 @@ def _forced(eng, pays: bool) -> list:
     samples = []  # the step samples the engine hands in: recorded, not learned from
     g.observe_step = lambda kind, batch, seconds, drafted=0: samples.append((kind, drafted))
     g.observe_draft = lambda *a, **k: None
-    eng.scheduler.drafter = _NullOracle(eng.runner.inner)
+    eng.scheduler.drafter = NullOracle(eng.runner.inner)
     return samples
 
 
@@ -244,7 +227,7 @@ def test_a_skipped_step_decodes_every_request_plainly(tmp_path_factory, overlap)
         assert_at_rest(eng)
 
 
-class _Stretches(_NullOracle):
+class _Stretches(NullOracle):
     """Drafts (what the null runner will emit) only in alternate stretches of 4 output tokens."""
 
     def propose(self, queries):
