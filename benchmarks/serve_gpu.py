@@ -129,6 +129,12 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait(10)
 
 
+def split_mode(mode: str) -> tuple[str, str]:
+    """--modes entry MODE[:DELAY] -> (overlap | no-overlap, DELAY or "" for the server's default)."""
+    base, _, delay = mode.partition(":")
+    return base, delay
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", nargs="+", default=["no-overlap", "overlap"], metavar="MODE[:DELAY]",
@@ -148,7 +154,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     for m in args.modes:
-        base, _, delay = m.partition(":")
+        base, delay = split_mode(m)
         if base not in ("overlap", "no-overlap") or (delay and not delay.isdigit()):
             p.error(f"--modes: {m!r} is not overlap or no-overlap, optionally followed by :STEPS")
     t0 = time.time()
@@ -163,7 +169,7 @@ def main() -> int:
         if time.time() - t0 > args.budget_s:
             print(f"budget: skipping mode {mode}")
             continue
-        base, _, delay = mode.partition(":")
+        base, delay = split_mode(mode)
         extra = ([*device, "--max-running", str(args.max_running)] + (["--no-overlap"] if base == "no-overlap" else [])
                  + (["--prefill-delay-steps", delay] if delay else []))
         proc = start(model, args.port, log_dir / f"serve_{mode.replace(':', '_delay')}.log", extra)
@@ -219,7 +225,7 @@ def main() -> int:
               f"| {e['preemptions']} | {e['queue_wait_ms_mean']:.1f} |")
     by = {(r["mode"], r["concurrency"], r["request_rate"]): r for r in rows}
     for (mode, conc, rate), r in by.items():
-        base, _, delay = mode.partition(":")
+        base, delay = split_mode(mode)
         off = by.get(("no-overlap" + (":" + delay if delay else ""), conc, rate))
         if base == "overlap" and off and off["output_throughput"] > 0:
             print(f"overlap / no-overlap at concurrency {conc}: "

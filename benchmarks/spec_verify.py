@@ -161,10 +161,8 @@ def floor_bytes(model, cfg: ModelConfig, layout, B: int, rows: int, distinct: li
 
 def shallow(cfg: ModelConfig, n: int) -> ModelConfig:
     """cfg cut to its first n layers (the check model: same widths, kernels and routing, little depth)."""
-    from dataclasses import replace as dc_replace
-
     n = min(n, cfg.num_hidden_layers)
-    return dc_replace(cfg, num_hidden_layers=n, layer_types=cfg.layer_types[:n], mlp_types=cfg.mlp_types[:n])
+    return replace(cfg, num_hidden_layers=n, layer_types=cfg.layer_types[:n], mlp_types=cfg.mlp_types[:n])
 
 
 def build(cfg: ModelConfig, dtype: str, dev: torch.device, extra_pages: int):

@@ -257,7 +257,8 @@ class Scheduler:
         # no admissions in a step that had to preempt: the freed memory belongs to running requests
         deferred: list[Request] = []
         self._prefix_checks = 0
-        hold = self.hold_admissions(decodes, budget)
+        can_admit = budget > 0 and len(self.running) < self.cfg.max_running and not self._preempted_this_step
+        hold = can_admit and self.hold_admissions(decodes, budget)
         if hold:
             self.stats.admissions_held += 1
         while (self.waiting and budget > 0 and len(self.running) < self.cfg.max_running

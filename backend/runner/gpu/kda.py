@@ -311,14 +311,18 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
         # only the verify runs' rows, gathered (the step's activations are not kept alive until the commit)
         rows = step.verify_rows
         step.verify_inputs[attn.layer_idx] = (qkv[rows], g[rows], beta[rows])
-    if k.triton and step.chunk is not None and live is None and rec_pool.dtype == torch.float32:
-        # the step's tables (pack_step chunk_tables), the states read and written on their pages in place,
-        # snapshots straight to their destination pages: no state copy, nothing built here
+    if k.triton:
         from k3rt.kernels.kda import kda_chunk_fwd
 
-        return kda_chunk_fwd(q, kk, v, g, beta, step.cu_seqlens, rec_pool, pages,
-                             tables=step.chunk._replace(snap=step.chunk_snap_pages[w.group]),
-                             precision="ieee" if q.dtype == torch.float32 else "tf32", scratch=step.chunk_scratch)
+        # the step's tables: the runner packs them whenever the kernels run (GpuModelRunner._build)
+        assert step.chunk is not None, "the chunked KDA kernel needs the step's tables: pack_step(chunk_tables=True)"
+        prec = "ieee" if q.dtype == torch.float32 else "tf32"
+        if live is None and rec_pool.dtype == torch.float32:
+            # the states read and written on their pages in place, snapshots straight to their destination
+            # pages: no state copy, nothing built here
+            return kda_chunk_fwd(q, kk, v, g, beta, step.cu_seqlens, rec_pool, pages,
+                                 tables=step.chunk._replace(snap=step.chunk_snap_pages[w.group]), precision=prec,
+                                 scratch=step.chunk_scratch)
     # else the recurrence runs on a contiguous copy of the sequences' states: slots 0..B-1 live, B.. snapshots
     # (verify runs' states are computed but not written back)
     if snaps or rec_pool.dtype != torch.float32:
@@ -326,23 +330,9 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
         states[:nseq] = rec_pool[pages]
     else:  # the gather is the copy
         states = rec_pool[pages]
-    if k.triton and step.chunk is not None:  # the step's tables (pack_step chunk_tables): nothing built here
-        from k3rt.kernels.kda import kda_chunk_fwd
-
+    if k.triton:
         o = kda_chunk_fwd(q, kk, v, g, beta, step.cu_seqlens, states, step.chunk_slots, tables=step.chunk,
-                          precision="ieee" if q.dtype == torch.float32 else "tf32", scratch=step.chunk_scratch)
-    elif k.triton:
-        from k3rt.kernels.kda import kda_chunk_fwd
-
-        pos: list[list[int]] = [[] for _ in range(nseq)]
-        dst: list[list[int]] = [[] for _ in range(nseq)]
-        for j, (i, p, _) in enumerate(snaps):
-            pos[i].append(p - step.starts[i])
-            dst[i].append(nseq + j)
-        slots = torch.arange(nseq, device=qkv.device)
-        o = kda_chunk_fwd(q, kk, v, g, beta, step.cu_seqlens, states, slots,
-                          snapshot_positions=pos if snaps else None, snapshot_slots=dst if snaps else None,
-                          cu_seqlens_cpu=step.cu, precision="ieee" if q.dtype == torch.float32 else "tf32")
+                          precision=prec, scratch=step.chunk_scratch)
     else:
         o = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
         for i in range(nseq):

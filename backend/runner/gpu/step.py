@@ -93,7 +93,7 @@ class KdaRows:
     live_seqs: torch.Tensor | None  # int64 [Bl]: the sequences that are no verify run (None: there is no verify run)
     verify_rows: torch.Tensor | None  # int64 [Tv]: the rows of the verify runs, in order (None: no verify run)
     # the chunked kernel's tables and the sequences' state slots 0..num_seqs-1 (int32), built once per step
-    # (pack_step chunk_tables); None: each layer's kda_chunk_fwd builds its own
+    # (pack_step chunk_tables, which the runner asks for whenever the kernels run); None: the torch-op path
     chunk: ChunkTables | None
     chunk_slots: torch.Tensor | None
     # int32 [G, NC]: the chunk tables' snapshots as each group's destination pages (-1: none), for the layers
