@@ -203,13 +203,14 @@ def main() -> int:
                 print(json.dumps(row), flush=True)
         finally:
             stop(proc)
-    print("\n| mode | concurrency | arrivals | out tok/s | TTFT p50/p90 ms | TPOT p50/p90 ms | ITL p50/p90 ms "
-          "| GPU idle | errors |")
-    print("|---|---:|---|---:|---|---|---|---:|---:|")
+    print("\n| mode | concurrency | arrivals | out tok/s | steady tok/s | TTFT p50/p90 ms | TPOT p50/p90 ms "
+          "| ITL p50/p90 ms | GPU idle | errors |")
+    print("|---|---:|---|---:|---:|---|---|---|---:|---:|")
     for r in rows:
         arr = "at once" if r["request_rate"] is None else f"Poisson {r['request_rate']:g}/s"
         idle = "—" if r["gpu_idle_fraction"] is None else f"{100 * r['gpu_idle_fraction']:.1f}%"
-        print(f"| {r['mode']} | {r['concurrency']} | {arr} | {r['output_throughput']:.0f} "
+        steady = "—" if r["steady_output_throughput"] is None else f"{r['steady_output_throughput']:.0f}"
+        print(f"| {r['mode']} | {r['concurrency']} | {arr} | {r['output_throughput']:.0f} | {steady} "
               f"| {r['ttft_ms']['p50']:.1f} / {r['ttft_ms']['p90']:.1f} | {r['tpot_ms']['p50']:.2f} / "
               f"{r['tpot_ms']['p90']:.2f} | {r['itl_ms']['p50']:.2f} / {r['itl_ms']['p90']:.2f} | {idle} "
               f"| {r['errors']} |")

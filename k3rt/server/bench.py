@@ -45,6 +45,8 @@ class Result:
     cached_tokens: int = 0
     reply: str = ""
     error: str | None = None
+    sent_s: float = 0.0  # when the request was sent, seconds since the run's start
+    token_times_s: list[float] = field(default_factory=list)  # each streamed content chunk's arrival, likewise
 
 
 @dataclass
@@ -67,6 +69,9 @@ class Report:
     # not reported), and the share of the GPU's step time it waited for the host (None: no GPU, not 0)
     overlap: bool | None = None
     gpu_idle_fraction: float | None = None
+    # output tokens/s while the client held its concurrency (steady_throughput; None: no such window)
+    steady_output_throughput: float | None = None
+    steady_window_s: float = 0.0
 
 
 def _text(rng: random.Random, num_words: int) -> str:
@@ -108,11 +113,12 @@ class _Bench:
             return {}
         return parse_engine_timing(r.text)
 
-    async def chat(self, messages: list[dict[str, str]], max_tokens: int) -> Result:
+    async def chat(self, messages: list[dict[str, str]], max_tokens: int, t0: float = 0.0) -> Result:
+        """One streamed chat request; t0: the run's start (perf_counter), which its timestamps count from."""
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         start = last = time.perf_counter()
-        res = Result(ok=False)
+        res = Result(ok=False, sent_s=start - t0)
         try:
             async with self.http.stream("POST", "/v1/chat/completions", json=body) as r:
                 if r.status_code != 200:
@@ -135,6 +141,7 @@ class _Bench:
                                 res.itl_s.append(now - last)
                             last = now
                             res.reply += content
+                            res.token_times_s.append(now - t0)
                     usage = chunk.get("usage")
                     if usage:
                         res.prompt_tokens = usage["prompt_tokens"]
@@ -175,6 +182,23 @@ def tpot_s(r: Result) -> float | None:
     if r.completion_tokens < 2:
         return None
     return (r.latency_s - r.ttft_s) / (r.completion_tokens - 1)
+
+
+def steady_throughput(results: list[Result]) -> tuple[float, float] | None:
+    """(output tokens/s, window s) between the first request's finish and the last request's send, or None when
+    the last send comes first. Before that window the first wave's prefills ramp the server up; after it no
+    request replaces a finished one and the batch drains. Inside it the client keeps its concurrency, so this is
+    the rate to compare with a pure decode step at that batch (the whole run's rate mixes in ramp and drain).
+    A request's tokens count in proportion to its streamed chunks that arrived inside the window."""
+    ok = [r for r in results if r.ok and r.token_times_s]
+    if not ok:
+        return None
+    t0 = min(r.sent_s + r.latency_s for r in ok)
+    t1 = max(r.sent_s for r in results)
+    if t1 <= t0:
+        return None
+    tokens = sum(r.completion_tokens * sum(t0 <= t <= t1 for t in r.token_times_s) / len(r.token_times_s) for r in ok)
+    return tokens / (t1 - t0), t1 - t0
 
 
 def arrival_times(num: int, rate: float | None, rng: random.Random) -> list[float]:
@@ -236,7 +260,7 @@ async def run_bench(url: str, *, workload: str = "sharegpt", concurrency: int = 
         async with gate:
             history: list[dict] = []
             for new, out_len in conv:
-                res = await bench.chat(history + new, out_len)
+                res = await bench.chat(history + new, out_len, start)
                 results.append(res)
                 if bar is not None:
                     bar.update(1)
@@ -256,6 +280,7 @@ async def run_bench(url: str, *, workload: str = "sharegpt", concurrency: int = 
             bar.close()
     ok = [r for r in results if r.ok]
     prompt = sum(r.prompt_tokens for r in ok)
+    steady = steady_throughput(results)
     return Report(
         workload=workload, requests=len(results), errors=len(results) - len(ok), concurrency=concurrency,
         request_rate=request_rate, duration_s=duration, request_throughput=len(ok) / duration,
@@ -265,7 +290,8 @@ async def run_bench(url: str, *, workload: str = "sharegpt", concurrency: int = 
         tpot_ms=_pct([t for t in map(tpot_s, ok) if t is not None]),
         latency_ms=_pct([r.latency_s for r in ok]),
         overlap=bool(timing1["overlap"]) if "overlap" in timing1 else None,
-        gpu_idle_fraction=gpu_idle_fraction(timing0, timing1))
+        gpu_idle_fraction=gpu_idle_fraction(timing0, timing1),
+        steady_output_throughput=steady[0] if steady else None, steady_window_s=steady[1] if steady else 0.0)
 
 
 def format_report(r: Report) -> str:
@@ -274,6 +300,10 @@ def format_report(r: Report) -> str:
              f"arrivals {arrivals}, {r.duration_s:.1f} s",
              f"  throughput   {r.request_throughput:.2f} req/s, {r.output_throughput:.1f} output tok/s, "
              f"{r.input_throughput:.1f} prompt tok/s",
+             "  steady       " + ("no window (every request was sent before the first finished)"
+                                  if r.steady_output_throughput is None else
+                                  f"{r.steady_output_throughput:.1f} output tok/s over {r.steady_window_s:.1f} s "
+                                  "(first finish to last send)"),
              f"  cache hit    {100 * r.cache_hit_rate:.1f}% of prompt tokens",
              f"  {'':12} {'p50':>9} {'p90':>9} {'p99':>9} {'mean':>9}  (ms)"]
     for name, d in (("TTFT", r.ttft_ms), ("TPOT", r.tpot_ms), ("ITL", r.itl_ms), ("latency", r.latency_ms)):

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from k3rt.server.bench import Result, arrival_times, tpot_s
+from k3rt.server.bench import Result, arrival_times, steady_throughput, tpot_s
 
 
 def test_arrivals_and_tpot() -> None:
@@ -21,6 +21,23 @@ def test_arrivals_and_tpot() -> None:
     assert abs(sum(gaps) / len(gaps) - 1 / 50) < 0.002  # Poisson: exponential gaps of mean 1/rate
     assert tpot_s(Result(ok=True, ttft_s=0.5, latency_s=2.5, completion_tokens=5)) == 0.5  # 2 s over 4 tokens
     assert tpot_s(Result(ok=True, ttft_s=0.5, latency_s=0.5, completion_tokens=1)) is None
+
+
+def test_steady_throughput_counts_the_window_between_first_finish_and_last_send() -> None:
+    # two requests sent at 0 (10 tokens, one chunk a second from 1 s; the first ends at 10 s), a third sent at
+    # 10 s when the first finished (its chunks at 11..14 s), a fourth sent at 12 s: window [10, 12] s
+    a = Result(ok=True, sent_s=0.0, latency_s=10.0, completion_tokens=10, token_times_s=[float(t) for t in range(1, 11)])
+    b = Result(ok=True, sent_s=0.0, latency_s=20.0, completion_tokens=20, token_times_s=[float(t) for t in range(1, 21)])
+    c = Result(ok=True, sent_s=10.0, latency_s=4.0, completion_tokens=8, token_times_s=[11.0, 12.0, 13.0, 14.0])
+    d = Result(ok=True, sent_s=12.0, latency_s=3.0, completion_tokens=2, token_times_s=[13.0, 15.0])
+    rate, window = steady_throughput([a, b, c, d])
+    assert window == 2.0
+    # in [10, 12]: a's chunk at 10 (1 of its 10 -> 1 token), b's 10, 11, 12 (3 of 20 -> 3 tokens), c's 11, 12 (2 of 4
+    # chunks of 8 tokens -> 4 tokens), none of d's
+    assert rate == (1 + 3 + 4) / 2.0
+    # every request sent before the first finish (all at once, requests <= concurrency): no steady window
+    assert steady_throughput([a, b]) is None
+    assert steady_throughput([Result(ok=False, sent_s=0.0)]) is None
 
 
 @pytest.mark.parametrize("workload", ["sharegpt", "system-prompt", "multi-turn"])
@@ -38,5 +55,6 @@ def test_bench_serve_reports(server, workload: str) -> None:
     assert 0 < report["tpot_ms"]["p50"] <= report["tpot_ms"]["p99"]  # sharegpt's shortest output is 4 tokens
     assert 0.0 <= report["cache_hit_rate"] <= 1.0
     assert report["overlap"] is False and report["gpu_idle_fraction"] is None  # a CPU server: absent, not 0
+    assert "steady_output_throughput" in report and report["steady_window_s"] >= 0.0  # its value: the unit test
     if workload == "system-prompt":
         assert report["cache_hit_rate"] > 0.3  # the shared system prompt is computed once
