@@ -391,7 +391,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--json", action="store_true")
     v = bsub.add_parser("serve", help="load a running server: throughput, TTFT / ITL percentiles, cache hit rate",
                         description="Send a seeded synthetic workload to an OpenAI-compatible server (streaming chat "
-                                    "completions, fixed output lengths) and report request and token throughput, "
+                                    "completions, fixed output lengths) and report request and token throughput (whole run, "
+                                    "and steady: first finish to last send, while the client keeps its concurrency), "
                                     "time-to-first-token, time-per-output-token, inter-token latency and request "
                                     "latency percentiles, the server's GPU-idle share (k3rt /metrics), and "
                                     "the prefix-cache hit rate from usage.prompt_tokens_details.cached_tokens.")
