@@ -31,8 +31,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _two_steps(eng, seed: int, num_decodes: int) -> list[list[StepSeq]]:
     """Two consecutive steps over fresh random cache contents: decodes at random contexts beside a new request's
-    21-token chunk, then the decodes' next tokens beside the chunk's 40-token continuation (which ends with a
-    snapshot at 64 when the chunk grid allows). The pool is filled with small random values."""
+    21-token chunk, then the decodes' next tokens beside the chunk's 43-token continuation (which ends with a
+    snapshot at 64). The pool is filled with small random values."""
     pool, bs = eng.pool, eng.layout.block_size
     per_set = eng.layout.pages_per_state_set
     g = torch.Generator().manual_seed(seed)
@@ -41,9 +41,9 @@ def _two_steps(eng, seed: int, num_decodes: int) -> list[list[StepSeq]]:
         ctx = int(torch.randint(1, 2 * bs, (1,), generator=g))
         decs.append(StepSeq([int(torch.randint(3, 500, (1,), generator=g))], ctx, pool.allocate(-(-(ctx + 2) // bs)),
                             pool.allocate(per_set), True))
-    prompt = torch.randint(3, 500, (61,), generator=g).tolist()
-    table, states = pool.allocate(-(-61 // bs)), pool.allocate(per_set)
-    snap = [(64, pool.allocate(per_set))] if len(prompt) >= 64 else []
+    prompt = torch.randint(3, 500, (64,), generator=g).tolist()
+    table, states = pool.allocate(-(-64 // bs)), pool.allocate(per_set)
+    snap = [(64, pool.allocate(per_set))]  # the KDA state after the chunk, into a state set of its own
     first = decs + [StepSeq(prompt[:21], 0, table, states, False)]
     second = [StepSeq([int(torch.randint(3, 500, (1,), generator=g))], d.start + 1, d.block_table, d.state_pages, True)
               for d in decs] + [StepSeq(prompt[21:], 21, table, states, True, snap)]
@@ -77,7 +77,7 @@ def _piecewise_equals_eager(eng, steps: list[list[StepSeq]], logits_rel: float, 
 @pytest.mark.parametrize("kernels", [False, True], ids=["torch_ops", "interpreter"])
 @pytest.mark.parametrize("arch", ["kimi_linear", "k3"])
 def test_piecewise_form_run_eagerly_equals_the_eager_step(arch, kernels, tmp_path) -> None:
-    """fp32: two consecutive mixed steps (3 decodes + a chunk of 21, then + its 40-token continuation with a
+    """fp32: two consecutive mixed steps (3 decodes + a chunk of 21, then + its 43-token continuation with a
     snapshot) through the pieces padded to buckets 32 and 64 equal the eager steps, logits and caches."""
     if kernels and HAS_CUDA:
         pytest.skip("on a GPU the replayed pieces are tested (test_replayed_mixed_steps_equal_eager_on_cuda)")
