@@ -69,7 +69,8 @@ def _piecewise_equals_eager(eng, steps: list[list[StepSeq]], logits_rel: float, 
     got, got_pool = run(lambda step: runner.mixed.run(step))
     for g, w in zip(got, want):
         assert g.shape == w.shape and rel(g, w) < logits_rel
-        assert torch.equal(g.argmax(-1), w.argmax(-1))
+        if logits_rel <= 1e-4:  # fp32; in bf16 a near-tie may flip
+            assert torch.equal(g.argmax(-1), w.argmax(-1))
     for a, b in zip(got_pool, want_pool):  # every page; padding rows wrote none (bit patterns: viewed as fp32)
         torch.testing.assert_close(a.view(torch.float32), b.view(torch.float32), rtol=pool_tol, atol=pool_tol)
 
