@@ -79,7 +79,7 @@ from _timing import Report, copy_bandwidth, default_out, time_ms  # noqa: E402
 from k3rt.backend.cache.pool import PagePool  # noqa: E402
 from k3rt.backend.models.random_init import random_model  # noqa: E402
 from k3rt.backend.runner.gpu.ops import KernelConfig  # noqa: E402
-from k3rt.backend.runner.gpu.pieces import DEFAULT_MIXED_BUCKETS  # noqa: E402
+from k3rt.backend.runner.gpu.pieces import DEFAULT_MIXED_BUCKETS, PiecewiseForward  # noqa: E402
 from k3rt.backend.runner.gpu.runner import GpuModelRunner  # noqa: E402
 from k3rt.backend.runner.gpu.step import StepSeq  # noqa: E402
 from k3rt.cache_layout import compute_layout  # noqa: E402
@@ -268,7 +268,7 @@ def bench_mixed(runner: GpuModelRunner, cfg, layout, B: int, P: int) -> dict:
                    argmax_agree=float((got.argmax(-1) == want.argmax(-1)).float().mean()))
     timed = [(row if split else row["unsplit"], split, lambda step=step: runner.fwd(step)) for split, step in steps.items()]
     mixed = runner.mixed
-    if mixed is not None and mixed.bucket(B + P) in mixed.graphs:
+    if mixed is not None and (mixed.bucket(B + P) in mixed.graphs or not torch.cuda.is_available()):
         # the piecewise graphs (backend/runner/gpu/pieces.py) on the split step: its decodes against the decode
         # step's, and all its logits against the eager step's
         runner.fwd.k = base
@@ -412,6 +412,8 @@ def main() -> int:
     buckets = tuple(sorted({b for P in ARGS.mixed if (b := bucket_for(max(ARGS.batch) + P)) is not None}))
     runner = GpuModelRunner(model, pool, kernels=KernelConfig(triton=cuda), cuda_graphs=cuda, graph_sizes=sizes,
                             mixed_buckets=buckets if ARGS.mixed_graphs else ())
+    if ARGS.smoke and ARGS.mixed_graphs and buckets:  # no capture on the CPU: the same pieces run eagerly (bit-rot)
+        runner.mixed = PiecewiseForward(runner.fwd, buckets)
     RESULT["layout"] = layout.as_dict()
     RESULT["decode"], RESULT["prefill"] = [], []
     for B in ARGS.batch:
