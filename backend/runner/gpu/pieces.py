@@ -161,6 +161,7 @@ class PiecewiseForward:
 
     # ---- the pieces: everything between two cores, over rows 0..n-1 ----
 
+    @torch.no_grad()
     def _piece(self, j: int, n: int) -> None:
         """Piece j (0: before layer 0's core; j: after layer j-1's) over n rows, boundary buffers in and out."""
         fwd, eps, L = self.fwd, self.fwd.cfg.rms_norm_eps, self.num_layers
@@ -238,6 +239,7 @@ class PiecewiseForward:
 
     # ---- capture ----
 
+    @torch.no_grad()
     def capture(self, pool) -> None:
         """Capture every bucket's pieces (largest first), sharing the memory pool `pool`, with a progress bar;
         the time and memory they took are logged."""
