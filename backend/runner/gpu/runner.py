@@ -165,7 +165,7 @@ class GpuModelRunner(Runner):
         # steps with prefill rows: replayed piecewise (None: eager); not with taps (the pieces keep no layer
         # states) nor in the batch-invariant mode (its forms step token by token on host-built indices)
         self.mixed: PiecewiseForward | None = None
-        mixed_ok = mixed_buckets and target_states is None and not kernels.batch_invariant
+        mixed_ok = bool(mixed_buckets) and target_states is None and not kernels.batch_invariant
         if cuda_graphs and self.device.type == "cuda":
             missing = self._graph_blockers()
             if missing:
