@@ -58,6 +58,9 @@ def _args() -> argparse.Namespace:
                    help="--mixed steps with the KDA split (plain decodes through the decode kernel, the chunk alone "
                         "through the chunked form: KernelConfig.kda_split, the default), without it (every row "
                         "chunked, as before issue 18), or both side by side (default)")
+    p.add_argument("--no-mixed-graphs", dest="mixed_graphs", action="store_false",
+                   help="--mixed: skip the piecewise-graph variant (by default, on CUDA, each --mixed step is also "
+                        "replayed from piecewise graphs captured for its token bucket: backend/runner/gpu/pieces.py)")
     p.add_argument("--profile", type=int, default=0, metavar="B",
                    help="also profile one eager decode step at batch B: time per kernel name, top 30 "
                         "(kernel times as in the graph; the launch gaps are the graph's to remove)")
@@ -76,6 +79,7 @@ from _timing import Report, copy_bandwidth, default_out, time_ms  # noqa: E402
 from k3rt.backend.cache.pool import PagePool  # noqa: E402
 from k3rt.backend.models.random_init import random_model  # noqa: E402
 from k3rt.backend.runner.gpu.ops import KernelConfig  # noqa: E402
+from k3rt.backend.runner.gpu.pieces import DEFAULT_MIXED_BUCKETS, PiecewiseForward  # noqa: E402
 from k3rt.backend.runner.gpu.runner import GpuModelRunner  # noqa: E402
 from k3rt.backend.runner.gpu.step import StepSeq  # noqa: E402
 from k3rt.cache_layout import compute_layout  # noqa: E402
@@ -84,6 +88,10 @@ from k3rt.model_config import ModelConfig, load_model_config, param_count, parse
 REPORT = Report(default_out(ARGS.out, "decode.json"), ARGS.budget_s,
                 {"args": {k: str(v) for k, v in vars(ARGS).items()}})
 RESULT, log, save, over_budget = REPORT.result, REPORT.log, REPORT.save, REPORT.over_budget
+
+
+def bucket_for(num_tokens: int) -> int | None:
+    return next((b for b in DEFAULT_MIXED_BUCKETS if b >= num_tokens), None)
 
 
 def config() -> ModelConfig:
@@ -226,7 +234,9 @@ def bench_mixed(runner: GpuModelRunner, cfg, layout, B: int, P: int) -> dict:
     check (from the same states, the decodes' logits against an eager decode-only step's: with the split only
     the GEMMs' row grouping differs, so the error is far below the unsplit step's), then its time (CUDA
     events, so host launch gaps count), its device kernel time and launches (profiler), and its top kernels.
-    The split variant's numbers are the row's own fields, the other's under "unsplit"."""
+    The split variant's numbers are the row's own fields, the other's under "unsplit"; with the runner's
+    piecewise graphs for the step's bucket, the replayed step's under "piecewise" (its decodes against the
+    decode step's, its logits against the eager split step's)."""
     pool = runner.pool
     seqs = decode_seqs(pool, layout, B, ARGS.context, cfg.vocab_size)
     g = torch.Generator().manual_seed(P)
@@ -256,13 +266,28 @@ def bench_mixed(runner: GpuModelRunner, cfg, layout, B: int, P: int) -> dict:
         out = row if split else row.setdefault("unsplit", {})
         out.update(split=step.kda_split is not None, rel_vs_decode_step=float((got - want).norm() / want.norm()),
                    argmax_agree=float((got.argmax(-1) == want.argmax(-1)).float().mean()))
-    for split, step in steps.items():
+    timed = [(row if split else row["unsplit"], split, lambda step=step: runner.fwd(step)) for split, step in steps.items()]
+    mixed = runner.mixed
+    if mixed is not None and (mixed.bucket(B + P) in mixed.graphs or not torch.cuda.is_available()):
+        # the piecewise graphs (backend/runner/gpu/pieces.py) on the split step: its decodes against the decode
+        # step's, and all its logits against the eager step's
+        runner.fwd.k = base
+        step = runner._build(seqs + [chunk], [])
+        restore()
+        eager = runner.fwd(step).float()
+        restore()
+        got = mixed.run(step).float()
+        row["piecewise"] = out = {"bucket": mixed.bucket(B + P), "split": step.kda_split is not None,
+                                  "rel_vs_decode_step": float((got[:B] - want).norm() / want.norm()),
+                                  "argmax_agree": float((got[:B].argmax(-1) == want.argmax(-1)).float().mean()),
+                                  "rel_vs_eager_step": float((got - eager).norm() / eager.norm())}
+        timed.append((out, True, lambda step=step: mixed.run(step)))
+    for out, split, fn in timed:
         runner.fwd.k = replace(base, kda_split=split)
-        out = row if split else row["unsplit"]
-        out["ms"] = time_ms(lambda step=step: runner.fwd(step), reps=ARGS.reps, warmup=2)["median_ms"]
-        out["kernel_ms"], out["launches"], top = kernel_profile(lambda step=step: runner.fwd(step))
+        out["ms"] = time_ms(fn, reps=ARGS.reps, warmup=2)["median_ms"]
+        out["kernel_ms"], out["launches"], top = kernel_profile(fn)
         out["top"] = top[:12]
-        out["host"] = host_probe(lambda step=step: runner.fwd(step))
+        out["host"] = host_probe(fn)
     runner.fwd.k = base
     restore()
     del saved
@@ -383,7 +408,12 @@ def main() -> int:
     longest = -(-max(ARGS.prefill + ARGS.mixed, default=0) // layout.block_size) + layout.pages_per_state_set
     pool = PagePool(layout, max(ARGS.batch) * per_seq + longest + 2, device=dev)
     sizes = tuple(sorted(set(ARGS.batch)))
-    runner = GpuModelRunner(model, pool, kernels=KernelConfig(triton=cuda), cuda_graphs=cuda, graph_sizes=sizes)
+    # the piecewise graphs of the --mixed steps: the bucket each one pads to (not every bucket: capture time)
+    buckets = tuple(sorted({b for P in ARGS.mixed if (b := bucket_for(max(ARGS.batch) + P)) is not None}))
+    runner = GpuModelRunner(model, pool, kernels=KernelConfig(triton=cuda), cuda_graphs=cuda, graph_sizes=sizes,
+                            mixed_buckets=buckets if ARGS.mixed_graphs else ())
+    if ARGS.smoke and ARGS.mixed_graphs and buckets:  # no capture on the CPU: the same pieces run eagerly (bit-rot)
+        runner.mixed = PiecewiseForward(runner.fwd, buckets)
     RESULT["layout"] = layout.as_dict()
     RESULT["decode"], RESULT["prefill"] = [], []
     for B in ARGS.batch:
@@ -402,7 +432,7 @@ def main() -> int:
             break
         runner.fwd.k = KernelConfig(triton=True, **VARIANTS[name])
         runner.graphs.clear()
-        runner.capture()
+        runner.capture(mixed=False)
         for row in RESULT["decode"]:
             if "graph_size" in row:
                 seqs = decode_seqs(pool, layout, row["batch"], ARGS.context, cfg.vocab_size)
@@ -413,13 +443,13 @@ def main() -> int:
                 release(pool, seqs)
         runner.fwd.k = KernelConfig(triton=True)
         runner.graphs.clear()
-        runner.capture()
+        runner.capture(mixed=False)
     RESULT["mixed"] = []
     for P in ARGS.mixed:
         if over_budget():
             break
         row = bench_mixed(runner, cfg, layout, max(ARGS.batch), P)
-        for name, r in (("split", row), ("unsplit", row.get("unsplit"))):
+        for name, r in (("split", row), ("unsplit", row.get("unsplit")), ("piecewise", row.get("piecewise"))):
             if r is None or "ms" not in r:
                 continue
             log(f"mixed B={row['batch']} P={P} {name}: {r['ms']:.2f} ms, kernels {r['kernel_ms']:.2f} ms, "
@@ -465,13 +495,14 @@ def print_table() -> None:
               f"{f('eager_ms')} | {f('graph_ms')} | " + "".join(f"{f(f'graph_{v}_ms')} | " for v in var) + f"{f('runner_step_ms')} | "
               f"{r['x_roofline']:.2f} | {r['tokens_per_s']:.0f} |")
     if RESULT.get("mixed"):
-        print("\n| decodes | + prefill tokens | KDA split | step ms | kernel ms | launches "
+        print("\n| decodes | + prefill tokens | KDA split (graphs) | step ms | kernel ms | launches "
               "| decodes' rel err vs decode step |")
         print("|---:|---:|---|---:|---:|---:|---:|")
         for row in RESULT["mixed"]:
-            for r in (row, row.get("unsplit")):
+            for r in (row, row.get("unsplit"), row.get("piecewise")):
                 if r is not None and "ms" in r:
-                    print(f"| {row['batch']} | {row['prefill']} | {'on' if r['split'] else 'off'} | {r['ms']:.2f} | "
+                    form = ("on" if r["split"] else "off") + (f", piecewise {r['bucket']}" if "bucket" in r else "")
+                    print(f"| {row['batch']} | {row['prefill']} | {form} | {r['ms']:.2f} | "
                           f"{r['kernel_ms']:.2f} | {r['launches']} | {r['rel_vs_decode_step']:.2e} |")
     print("\n| prefill tokens | chunk | ms | tokens/s | TFLOP/s | x matmul floor |")
     print("|---:|---:|---:|---:|---:|---:|")

@@ -650,6 +650,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="gpu runner: run decode steps eagerly; with --spec also the verify steps and the dspark "
                         "drafter's pass (by default replayed from CUDA graphs captured at --spec-tokens for batches "
                         "up to 64; --no-spec-graphs turns off only those)")
+    p.add_argument("--no-mixed-graphs", action="store_true",
+                   help="gpu runner: run steps with prefill rows (a prompt chunk beside the decodes) eagerly; by default "
+                        "those of up to the token budget (at most 4096 tokens) replay piecewise CUDA graphs, every "
+                        "layer's attention core run eagerly between captured pieces (off with --no-cuda-graphs too)")
     p.add_argument("--no-overlap", action="store_true",
                    help="run each engine step to its end before scheduling the next; by default the gpu runner on a "
                         "CUDA device overlaps them (the host schedules and launches step N+1 while the GPU runs step "
@@ -719,7 +723,8 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     cache = placement.cache
     engine = EngineConfig(model=str(model_dir), dtype=a.dtype, device=placement.device, seed=a.seed,
                           grammar_backend=a.grammar_backend,
-                          runner=a.runner, cuda_graphs=not a.no_cuda_graphs, use_pdl=a.pdl, random_weights=a.random_weights,
+                          runner=a.runner, cuda_graphs=not a.no_cuda_graphs,
+                          mixed_graphs=not a.no_mixed_graphs, use_pdl=a.pdl, random_weights=a.random_weights,
                           overlap=False if a.no_overlap else None,
                           cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=a.max_batched_tokens,
                                                                  max_running=a.max_running, max_waiting=a.max_waiting,

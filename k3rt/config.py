@@ -257,6 +257,9 @@ class EngineConfig:
     # gpu runner: replay decode steps from captured CUDA graphs; with speculation also verify steps and the dspark
     # drafter's pass (batches up to 64, backend/runner/gpu/runner.py spec_graph_sizes)
     cuda_graphs: bool = True
+    # gpu runner, with cuda_graphs on CUDA: steps with prefill rows replay piecewise graphs (every layer's attention
+    # core eager between captured pieces; backend/runner/gpu/pieces.py) for token counts up to the step budget
+    mixed_graphs: bool = True
     # overlap scheduling (backend/overlap.py): the host schedules and launches step N+1 while the device runs
     # step N, learning step N's tokens one step late; None (auto): on for the gpu runner on a CUDA device at tp=1.
     # The reference and null runners compute eagerly, so on them overlap only exercises the protocol (tests)

@@ -163,7 +163,8 @@ def test_gpu_runner_bf16_logits_within_tolerance(arch, tmp_path) -> None:
 
 
 def test_decode_benchmark_smoke(tmp_path) -> None:
-    """benchmarks/decode.py --smoke (tiny config, CPU, torch ops) runs and writes its JSON."""
+    """benchmarks/decode.py --smoke (tiny config, CPU, torch ops) runs and writes its JSON, with a --mixed step
+    timed eagerly and through the pieces of its bucket (run eagerly: no capture on the CPU)."""
     import json
     import subprocess
     import sys
@@ -171,12 +172,16 @@ def test_decode_benchmark_smoke(tmp_path) -> None:
 
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "decode.json"
-    subprocess.run([sys.executable, str(root / "benchmarks" / "decode.py"), "--smoke", "--profile", "1", "--out", str(out)],
+    subprocess.run([sys.executable, str(root / "benchmarks" / "decode.py"), "--smoke", "--profile", "1", "--mixed", "8",
+                    "--out", str(out)],
                    check=True, capture_output=True, timeout=300)
     res = json.loads(out.read_text())
     assert [r["batch"] for r in res["decode"]] == [1, 2] and all(r["eager_ms"] > 0 for r in res["decode"])
     assert res["prefill"][0]["tokens"] == 80 and res["prefill"][0]["tokens_per_s"] > 0
     assert res["profile"]["launches"] > 0 and res["profile"]["top"][0]["us"] > 0
+    mixed = res["mixed"][0]
+    assert (mixed["batch"], mixed["prefill"], mixed["piecewise"]["bucket"]) == (2, 8, 32)
+    assert mixed["piecewise"]["rel_vs_eager_step"] < 1e-5 and mixed["piecewise"]["ms"] > 0
 
 
 @pytest.mark.gpu

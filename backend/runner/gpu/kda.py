@@ -111,19 +111,23 @@ def kda_forward(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: 
 def kda_attend(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, gate: torch.Tensor, f: torch.Tensor,
                b: torch.Tensor, step: GpuStep, conv_pool: torch.Tensor, rec_pool: torch.Tensor, k: KernelConfig, *,
                decode: bool, workspace: torch.Tensor | None = None,
-               keep: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               keep: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """The layer between its projections (`kda_project`) and o_proj: the step's form (module docstring) on its
-    states. -> o [T, H, D] (gated, normed)."""
+    states. -> o [T, H, D] (gated, normed), written into `out` (contiguous [T, H, D]) when given: the piecewise
+    graphs' static buffer (backend/runner/gpu/pieces.py; the mixed step's forms write it in place)."""
     pages = step.state_pages[w.group]
     if step.row_seq is not None and k.triton and not k.batch_invariant:
-        return _verify_runs(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, pages, k, workspace, keep)
-    if k.batch_invariant and not decode:
-        return _token_by_token(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, pages, k)
-    if decode and k.triton:
-        return _decode(attn, w, qkv, f, b, gate, conv_pool, rec_pool, pages, k, workspace)
-    if step.kda_split is not None:
-        return _split(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, k, workspace)
-    return _general_gated(attn, w, qkv, f, b, gate, step.kda_rows, conv_pool, rec_pool, k)
+        o = _verify_runs(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, pages, k, workspace, keep)
+    elif k.batch_invariant and not decode:
+        o = _token_by_token(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, pages, k)
+    elif decode and k.triton:
+        return _decode(attn, w, qkv, f, b, gate, conv_pool, rec_pool, pages, k, workspace, out=out)
+    elif step.kda_split is not None:
+        return _split(attn, w, qkv, f, b, gate, step, conv_pool, rec_pool, k, workspace, out=out)
+    else:
+        return _general_gated(attn, w, qkv, f, b, gate, step.kda_rows, conv_pool, rec_pool, k, out=out)
+    return o if out is None else out.copy_(o)
 
 
 def kda_project(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor,
@@ -169,7 +173,7 @@ def _general_gated(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f
 
 def _split(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
            gate: torch.Tensor, step: GpuStep, conv_pool: torch.Tensor, rec_pool: torch.Tensor, k: KernelConfig,
-           workspace: torch.Tensor | None) -> torch.Tensor:
+           workspace: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
     """A mixed step (GpuStep.kda_split): the plain decodes' rows through the decode form on their live states,
     the other sequences' rows through the general form, both written into the step's row order. Contiguous
     row ranges (decodes first: the usual plan) are slices, so the decode rows are neither gathered nor
@@ -178,7 +182,7 @@ def _split(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.
         raise ValueError("kda_split: a split step needs the decode kernel (KernelConfig.triton); pack it unsplit")
     sp = step.kda_split
     T, H, D = qkv.shape[0], attn.num_heads, attn.head_dim
-    o = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
+    o = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device) if out is None else out
     pages = sp.dec_pages[w.group]
     if sp.dec_span is not None:
         s, e = sp.dec_span

@@ -48,11 +48,35 @@ class MlaWeights:
 def mla_forward(attn: MultiHeadLatentAttention, w: MlaWeights, x: torch.Tensor, step: GpuStep,
                 kv_pages: torch.Tensor, k: KernelConfig) -> torch.Tensor:
     """x [T, hidden] -> [T, hidden]; kv_pages [P, block_size, L+R] (this layer's pool view)."""
+    q, ckv, gate = mla_project(attn, w, x, k)
+    return mla_output(attn, mla_attend(attn, w, q, ckv, step, kv_pages, k), gate, k)
+
+
+def mla_project(attn: MultiHeadLatentAttention, w: MlaWeights, x: torch.Tensor,
+                k: KernelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The layer's projections of x [T, hidden], row-wise (no cache, no step): -> (q [T, H, P+R], the latent
+    before its norm ckv [T, L+R], the output gate's pre-activation [T, H*V] or None)."""
     m, T, H = attn.cfg, x.shape[0], attn.num_heads
     parts = torch.split(linear(x, w.w_in, k), w.splits, dim=-1)
     q = parts[0] if m.q_lora_rank is None else linear(attn.q_a_layernorm(parts[0]), attn.q_b_proj.weight, k)
-    q = q.view(T, H, m.qk_head_dim)
-    ckv = parts[1]
+    return q.view(T, H, m.qk_head_dim), parts[1], parts[2] if m.use_output_gate else None
+
+
+def mla_output(attn: MultiHeadLatentAttention, o: torch.Tensor, gate: torch.Tensor | None,
+               k: KernelConfig) -> torch.Tensor:
+    """o [T, H, V] (mla_attend's) -> the output gate, then o_proj: [T, hidden] (this rank's partial sum)."""
+    T, V = o.shape[0], attn.cfg.v_head_dim
+    if gate is not None:
+        o = o * torch.sigmoid(gate.float()).view(T, attn.num_heads, V).to(o.dtype)
+    return linear(o.reshape(T, attn.num_heads * V), attn.o_proj.weight, k)
+
+
+def mla_attend(attn: MultiHeadLatentAttention, w: MlaWeights, q: torch.Tensor, ckv: torch.Tensor, step: GpuStep,
+               kv_pages: torch.Tensor, k: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention core on the paged cache: the step's latents written into their pages, then each row's
+    attention (the decode or the expanded form, module docstring) -> [T, H, V], into `out` (contiguous) when
+    given (the piecewise graphs' static buffer, backend/runner/gpu/pieces.py)."""
+    m, T, H = attn.cfg, q.shape[0], attn.num_heads
     flat = kv_pages.view(-1, kv_pages.shape[-1])
     store = kernel("mla", "mla_store_latent") if k.triton else None
     if store is not None:  # norm, rope append and scatter in one launch
@@ -61,31 +85,33 @@ def mla_forward(attn: MultiHeadLatentAttention, w: MlaWeights, x: torch.Tensor, 
         lat = torch.cat([attn.kv_a_layernorm(ckv[:, :m.kv_lora_rank]), ckv[:, m.kv_lora_rank:]], dim=-1)
         flat.index_copy_(0, step.kv_slot, lat.to(flat.dtype))
     rows = step.decode_rows
+    fresh = None  # a form that returns its own tensor (copied into `out` when given)
     if step.row_seq is not None:  # the verify graphs' form: every row its own decode query (step.py)
-        out = _decode(q, w, step, kv_pages, m, k, per_row=True)
+        fresh = _decode(q, w, step, kv_pages, m, k, per_row=True)
     elif k.batch_invariant:
         # every row is its own query over exactly the context it sees, the way a decode row is, so a
         # position's output does not depend on the chunk (or the step) it was computed in
-        out = _decode(q, w, step, kv_pages, m, k, per_row=not (step.decode_seqs.numel() and len(rows) == T))
+        fresh = _decode(q, w, step, kv_pages, m, k, per_row=not (step.decode_seqs.numel() and len(rows) == T))
     elif step.decode_seqs.numel() and len(rows) == T:  # every row decodes (the graphed form): no scatter
-        out = _decode(q, w, step, kv_pages, m, k)
+        fresh = _decode(q, w, step, kv_pages, m, k)
     else:  # both forms (a mixed step) or prefill only: contiguous row ranges (the usual order) are slices
-        out = torch.empty(T, H, m.v_head_dim, dtype=x.dtype, device=x.device)
+        if out is None:
+            out = torch.empty(T, H, m.v_head_dim, dtype=q.dtype, device=q.device)
         if step.decode_seqs.numel():
             if step.decode_span is not None:
                 s, e = step.decode_span
                 out[s:e] = _decode(q[s:e], w, step, kv_pages, m, k)
             else:
                 out[rows] = _decode(q[rows], w, step, kv_pages, m, k)
+    if fresh is not None:
+        out = fresh if out is None else out.copy_(fresh)
     if step.prefill_seqs and not k.batch_invariant:
         if step.prefill_span is not None:  # the kernel writes its rows of out in place
             s, e = step.prefill_span
             _expanded(attn, q[s:e], step, flat, m, k, out=out[s:e])
         else:
             out[step.prefill_rows] = _expanded(attn, q[step.prefill_rows], step, flat, m, k)
-    if m.use_output_gate:
-        out = out * torch.sigmoid(parts[2].float()).view(T, H, m.v_head_dim).to(out.dtype)
-    return linear(out.reshape(T, H * m.v_head_dim), attn.o_proj.weight, k)
+    return out
 
 
 def _decode(q: torch.Tensor, w: MlaWeights, step: GpuStep, kv_pages: torch.Tensor, m, k: KernelConfig,

@@ -10,6 +10,10 @@ size (sizes up to 512; those captured follow --max-running, `graph_sizes_for`); 
 at one reserved pool page (state set and MLA page), so they compute garbage nobody reads and touch no
 live state.
 
+Steps with prefill rows (a new request's chunk beside the decodes) of up to the largest mixed bucket's tokens
+replay piecewise graphs (backend/runner/gpu/pieces.py): everything between two attention cores is captured
+per token-count bucket, the attention cores run eagerly on the real rows; --no-mixed-graphs runs them eagerly.
+
 Steps of plain decodes and verify runs only (speculative decoding: no prefill chunk, no prompt-logprob
 rows) of up to SPEC_GRAPH_MAX_BATCH requests replay a verify graph captured for (batch bucket, K + 1) at
 the configured --spec-tokens K: every request runs K + 1 rows, KDA states stay at the runs' start and the
@@ -40,6 +44,7 @@ from k3rt.backend.runner.gpu.forward import GpuForward
 from k3rt.backend.runner.gpu.idle import IdleTimer
 from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, to_device
 from k3rt.backend.runner.gpu.penalties import PenaltyState
+from k3rt.backend.runner.gpu.pieces import PiecewiseForward, mixed_buckets_for
 from k3rt.backend.runner.gpu.sample import sample_on_device, sample_step
 from k3rt.backend.runner.gpu.step import GpuStep, StepSeq, build_step, pack_step, step_views
 from k3rt.backend.runner.gpu.verify_graph import pad_rows, plan_verify
@@ -90,7 +95,9 @@ def engine_gpu_runner(cfg, model: KimiForCausalLM, pool: PagePool, *, sender: Pl
     return GpuModelRunner(model, pool, kernels=kernels,
                           cuda_graphs=cfg.cuda_graphs, graph_sizes=graph_sizes_for(cfg.scheduler.max_running),
                           sender=sender, target_states=target_states,
-                          verify_graphs=(cfg.spec.num_tokens, spec_sizes) if spec_sizes else None)
+                          verify_graphs=(cfg.spec.num_tokens, spec_sizes) if spec_sizes else None,
+                          mixed_buckets=mixed_buckets_for(cfg.scheduler.max_num_batched_tokens)
+                          if cfg.mixed_graphs else ())
 
 
 @dataclass
@@ -110,14 +117,19 @@ class GpuModelRunner(Runner):
                  cuda_graphs: bool = True, graph_sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES,
                  max_model_len: int | None = None, target_states: TargetStates | None = None,
                  sender: PlanSender | None = None,
-                 verify_graphs: tuple[int, tuple[int, ...]] | None = None) -> None:
+                 verify_graphs: tuple[int, tuple[int, ...]] | None = None,
+                 mixed_buckets: tuple[int, ...] = ()) -> None:
         """verify_graphs: (K, batch buckets) of the speculative verify graphs (None: verify steps run eagerly);
         when no graph is captured (graphs off, not on CUDA) verify steps run in the eager form. Setting
         verify_run_len and verify_sizes afterwards runs the padded form the graphs replay eagerly (CPU tests).
         target_states: where to record the target states a model drafter reads (None: no taps). sender:
         rank 0 of a tensor-parallel engine, the workers' plan channel (None: a single rank, or a worker, which
         runs the plans it receives through backend/runner/gpu/tp.py run_worker_plan). Every rank builds its
-        runner with the same arguments: the same reserved pad page and the same graphs."""
+        runner with the same arguments: the same reserved pad page and the same graphs.
+        mixed_buckets: token-count buckets of the piecewise graphs for steps with prefill rows (pieces.py; ():
+        those steps run eagerly), captured with the decode graphs; not with a model drafter's taps, nor in the
+        batch-invariant mode. Setting `mixed` to a PiecewiseForward afterwards runs its pieces eagerly (CPU
+        tests)."""
         if target_states is not None and sender is not None:
             raise ValueError("spec: a model drafter's target states are captured on a single rank only")
         self.model, self.pool, self.kernels, self.sender = model, pool, kernels, sender
@@ -150,11 +162,16 @@ class GpuModelRunner(Runner):
         self.verify_sizes = tuple(sorted(spec[1])) if spec else ()
         self.verify_graphs: dict[int, _Graph] = {}
         self.verify_graph_replays = 0  # verify steps replayed from a graph so far (benchmarks read it)
+        # steps with prefill rows: replayed piecewise (None: eager); not with taps (the pieces keep no layer
+        # states) nor in the batch-invariant mode (its forms step token by token on host-built indices)
+        self.mixed: PiecewiseForward | None = None
+        mixed_ok = bool(mixed_buckets) and target_states is None and not kernels.batch_invariant
         if cuda_graphs and self.device.type == "cuda":
             missing = self._graph_blockers()
             if missing:
                 log.warning("CUDA graphs off: no graph-safe kernel for %s", ", ".join(missing))
             else:
+                self.mixed = PiecewiseForward(self.fwd, mixed_buckets) if mixed_ok else None
                 self.capture()
         if not self.verify_graphs:  # the padded form only pays off replayed
             self.verify_run_len, self.verify_sizes = 0, ()
@@ -296,7 +313,16 @@ class GpuModelRunner(Runner):
             return self.fwd.full_logits(self._replay(seqs, graph, pending, prev)[:len(seqs)]), None
         step = self._build(seqs, extra_rows)
         self._feed_pending(step.ids, pending, prev)
+        if self._piecewise(step):
+            return self.fwd.full_logits(self.mixed.run(step)), step
         return self.fwd.full_logits(self.fwd(step, decode=step.decode_only)), step
+
+    def _piecewise(self, step: GpuStep) -> bool:
+        """Whether an eager step runs through the piecewise graphs: a step with prefill rows (a decode-only step
+        without a graph keeps the decode form), no verify run, within the largest bucket. Decided from the
+        step alone, so every tensor-parallel rank decides alike."""
+        return (self.mixed is not None and not step.decode_only and not step.verify_seqs
+                and self.mixed.bucket(step.num_tokens) is not None)
 
     def _verify_size(self, chunks: list[ScheduledChunk], score_rows: list) -> int:
         """The verify graph bucket a step takes (0: the eager step): plain decodes and verify runs of at most K
@@ -367,10 +393,11 @@ class GpuModelRunner(Runner):
         return pack_step(seqs, block_size=self.block_size, conv_width=self.fwd.conv_width,
                          num_groups=self.num_groups, max_blocks=self.max_blocks, row_queries=row_queries)
 
-    def capture(self) -> None:
-        """Capture one decode graph per size, then (speculation) one verify graph per bucket, largest first
-        (all share one memory pool), with a progress bar that names the graph being captured; the time and
-        the memory each kind took are logged."""
+    def capture(self, mixed: bool = True) -> None:
+        """Capture one decode graph per size, then (speculation) one verify graph per bucket, largest first,
+        then (mixed: when the runner has them) the piecewise graphs of steps with prefill rows, every bucket's
+        pieces (all share one memory pool), with a progress bar that names the graph being captured; the time
+        and the memory each kind took are logged."""
         from tqdm import tqdm
 
         pool = torch.cuda.graph_pool_handle()
@@ -397,6 +424,8 @@ class GpuModelRunner(Runner):
                 log.info("captured %d %s graphs (batch %d to %d) in %.1f s, %.2f GiB of device memory", len(graphs),
                          kind, min(graphs), max(graphs), time.perf_counter() - t0,
                          (torch.cuda.memory_reserved(self.device) - reserved0) / 2**30)
+        if mixed and self.mixed is not None:
+            self.mixed.capture(pool)
 
     def _capture_one(self, size: int, verify: bool, shared: torch.Tensor, pool) -> _Graph:
         """One graph of `size` pad sequences: a decode step, or (verify) the padded verify form."""
