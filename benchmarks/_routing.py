@@ -6,8 +6,9 @@ import torch
 
 
 def distinct_experts(runner, step) -> list[int]:
-    """Distinct routed experts each MoE layer reads for this step (one eager forward, routing recorded: the
-    routing kernel on the GPU, the torch router on the CPU path)."""
+    """Distinct routed experts each MoE layer reads for this step (one eager forward in the step's own form,
+    routing recorded: the routing kernel on the GPU, the torch router on the CPU path). A decode step packed the
+    way the graphs are (no chunk tables) must run in the decode form: the chunked KDA kernel needs the tables."""
     import k3rt.backend.runner.gpu.ffn as ffn
 
     seen: list[int] = []
@@ -35,7 +36,7 @@ def distinct_experts(runner, step) -> list[int]:
 
     ffn.kernel, ffn.route = recording, torch_route
     try:
-        runner.fwd(step)
+        runner.fwd(step, decode=step.decode_only)
     finally:
         ffn.kernel, ffn.route = real_kernel, real_route
     return seen

@@ -295,6 +295,32 @@ def test_logits_out_receives_the_logits(tmp_path) -> None:
     assert got.data_ptr() == out.data_ptr() and torch.equal(out[:3], want) and out[3:].isnan().all()
 
 
+def test_routing_count_runs_a_graph_packed_decode_step(tmp_path) -> None:
+    """Regression: benchmarks/_routing.py ran every step in the general form, so on the kernels' path a decode step
+    packed the way the graphs pack it (no KDA chunk tables: decode.py and spec_verify.py count its experts) failed
+    the chunked kernel's assert and crashed `decode.py` on the H200. The step runs in its own (decode) form now."""
+    import sys
+    from pathlib import Path
+
+    from k3rt.backend.runner.gpu.step import StepSeq, step_views
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from _routing import distinct_experts
+
+    ckpt = make_tiny(tmp_path / "m", arch="kimi_linear", dtype="float32", seed=9)
+    eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), runner="gpu", kernels=True,
+                         cuda_graphs=False))
+    runner, pool = eng.runner, eng.pool
+    seqs = [StepSeq([5 + i], 3 * i, pool.allocate(1), pool.allocate(eng.layout.pages_per_state_set), True)
+            for i in range(3)]
+    meta, (h64, h32) = runner._pack(seqs)
+    step = step_views(meta, h64, h32)
+    assert step.decode_only and step.kda_rows.chunk is None
+    seen = distinct_experts(runner, step)
+    moe_layers = sum(1 for layer in runner.fwd.layers if layer.mlp.__class__.__name__ == "MoE")
+    assert len(seen) == moe_layers and all(1 <= n <= runner.fwd.cfg.moe.num_experts for n in seen)
+
+
 def _mixed_decodes_equal_a_decode_step(eng, order: str, logits_rel: float | None = 1e-5) -> None:
     """Decodes at random contexts over random cache contents, once as a decode-only step and once beside a
     new request's 21-token prefill chunk (order: 'd' a decode, 'p' the chunk).
