@@ -4,7 +4,8 @@ CPU: the piecewise form run eagerly (the replayed path less the capture: padding
 eager cores on the real rows) equals the eager step: logits and every cache page, over two consecutive steps (a
 chunk continuing, decodes advancing, a snapshot), on the torch-op path and the Triton interpreter, for both
 architectures (K3: attention residuals cross the boundaries); the engine's greedy tokens with it equal the
-reference runner's. GPU: the replayed pieces against the eager step, bf16, requests continuing across steps.
+reference runner's; the pieces (with the Triton kernels) issue no op that reads device values on the host.
+GPU: the replayed pieces against the eager step, bf16, requests continuing across steps.
 """
 
 from __future__ import annotations
@@ -196,3 +197,28 @@ def test_replayed_mixed_steps_equal_eager_on_cuda(arch, tmp_path) -> None:
     assert runner.mixed is not None and runner.mixed.replays >= 8  # 9 mixed steps of 30 (the same run on the CPU)
     want, _ = run(runner="model")
     assert got == want
+
+
+# torch ops that read device values on the host or size their output by them: a capture would fail on them or
+# bake in one step's values
+_HOST_OPS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique2", "repeat_interleave",
+             "bincount", "is_nonzero", "equal"}
+
+
+@pytest.mark.parametrize("arch", ["kimi_linear", "k3"])
+def test_pieces_read_nothing_back_on_the_host(arch, tmp_path) -> None:
+    """Capture safety of what the graphs hold, on the CPU: every piece of every bucket, with the Triton kernels
+    (launches counted, not run), issues no torch op that reads device values on the host or has a data-dependent
+    shape (the MoE router and grouped experts, norms, the attention-residual mix, the projections)."""
+    from tests.backend.test_gpu_runner import _LaunchWork
+
+    ckpt = make_tiny(tmp_path / arch, arch=arch, dtype="float32", seed=9)
+    eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), runner="gpu", cuda_graphs=False))
+    assert eng.runner.fwd.k.triton
+    mixed = PiecewiseForward(eng.runner.fwd, (32, 64))
+    for n in mixed.buckets:
+        for j in range(mixed.num_layers + 1):
+            mixed._piece(j, 64)  # the boundary buffers (a capture allocates none)
+            with _LaunchWork() as work:
+                mixed._piece(j, n)
+            assert work.triton > 0 and not _HOST_OPS & set(work.torch_ops), (n, j, work.torch_ops)
