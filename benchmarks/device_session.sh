@@ -8,7 +8,8 @@
 #   bash benchmarks/device_session.sh tests-runner kda mla    # stages run in the order given
 #
 # Stages (seconds: the stage's time limit):
-#   tests-runner (150)  GPU tests of the runner, engine, cache oracle and MoE block (tests/backend)
+#   tests-runner (270)  GPU tests of the runner, engine, cache oracle and MoE block (tests/backend; the engines
+#                       there now also capture the piecewise graphs of steps with prefill rows)
 #   tests-kernels (590) GPU tests of every kernel package (tests/kernels), one pytest per package, so a
 #                       broken CUDA context in one (an illegal memory access poisons the process) does
 #                       not fail the others (moe 90 s: the MXFP4 kernels' variants compile too)
@@ -93,7 +94,7 @@ gpu_pytest() {  # gpu_pytest <stage> <seconds> <paths...>: -v, so each test's ve
 for stage in "$@"; do
   case $stage in
     tests-runner|tests)
-      gpu_pytest tests-runner 150 tests/backend ;;&
+      gpu_pytest tests-runner 270 tests/backend ;;&
     tests-kernels|tests)
       for pkg in kda mla moe linear norm attn_res sampling spec; do  # ~30 s each, most of it compiling
         gpu_pytest tests-kernels "$(case $pkg in kda) echo 200 ;; moe) echo 90 ;; *) echo 60 ;; esac)" \
