@@ -51,9 +51,10 @@ def _args() -> argparse.Namespace:
                         "pdl (programmatic dependent launch between kernels), cublas_gemv (torch/cuBLAS for "
                         "the projections of decode rows instead of the skinny GEMV kernel)")
     p.add_argument("--mixed", type=int, nargs="*", default=[], metavar="P",
-                   help="also time eager steps of (the largest --batch) decodes plus one P-token prefill chunk, per P: "
-                        "a served step when a request arrives (time, kernel time, launches, top kernels), after "
-                        "checking its decodes' logits against an eager decode-only step's")
+                   help="also time steps of (the largest --batch) decodes plus one P-token prefill chunk, per P: "
+                        "a served step when a request arrives (time, kernel time, launches, top kernels, host issue "
+                        "time), after checking its decodes' logits against an eager decode-only step's; eager, and "
+                        "replayed from the piecewise graphs of its token bucket (on CUDA; --no-mixed-graphs: not)")
     p.add_argument("--mixed-split", choices=["on", "off", "both"], default="both",
                    help="--mixed steps with the KDA split (plain decodes through the decode kernel, the chunk alone "
                         "through the chunked form: KernelConfig.kda_split, the default), without it (every row "
@@ -266,7 +267,8 @@ def bench_mixed(runner: GpuModelRunner, cfg, layout, B: int, P: int) -> dict:
         out = row if split else row.setdefault("unsplit", {})
         out.update(split=step.kda_split is not None, rel_vs_decode_step=float((got - want).norm() / want.norm()),
                    argmax_agree=float((got.argmax(-1) == want.argmax(-1)).float().mean()))
-    timed = [(row if split else row["unsplit"], split, lambda step=step: runner.fwd(step)) for split, step in steps.items()]
+    timed = [(row if split else row["unsplit"], split, lambda step=step: runner.fwd(step))
+             for split, step in steps.items()]
     mixed = runner.mixed
     if mixed is not None and (mixed.bucket(B + P) in mixed.graphs or not torch.cuda.is_available()):
         # the piecewise graphs (backend/runner/gpu/pieces.py) on the split step: its decodes against the decode

@@ -8,7 +8,8 @@
 #   bash benchmarks/device_session.sh tests-runner kda mla    # stages run in the order given
 #
 # Stages (seconds: the stage's time limit):
-#   tests-runner (540)  GPU tests of the runner, engine, cache oracle and MoE block (tests/backend)
+#   tests-runner (540)  GPU tests of the runner, engine, cache oracle and MoE block (tests/backend, ~460 s in
+#                       session 12; the engines there also capture the piecewise graphs of steps with prefill rows)
 #   tests-kernels (590) GPU tests of every kernel package (tests/kernels), one pytest per package, so a
 #                       broken CUDA context in one (an illegal memory access poisons the process) does
 #                       not fail the others (moe 90 s: the MXFP4 kernels' variants compile too)

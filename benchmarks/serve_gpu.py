@@ -146,6 +146,9 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--request-rate", type=float, default=None, help="also a Poisson-arrival run at this rate")
     p.add_argument("--max-running", type=int, default=256)
+    p.add_argument("--no-mixed-graphs", action="store_true",
+                   help="servers run steps with prefill rows eagerly (`k3rt serve --no-mixed-graphs`; default: "
+                        "replayed from the piecewise graphs), to compare against the default")
     p.add_argument("--smoke", action="store_true", help="the shipped k3-tiny on the CPU (checks the plumbing only)")
     p.add_argument("--port", type=int, default=30123)
     p.add_argument("--ready-timeout", type=float, default=300)
@@ -171,7 +174,8 @@ def main() -> int:
             continue
         base, delay = split_mode(mode)
         extra = ([*device, "--max-running", str(args.max_running)] + (["--no-overlap"] if base == "no-overlap" else [])
-                 + (["--prefill-delay-steps", delay] if delay else []))
+                 + (["--prefill-delay-steps", delay] if delay else [])
+                 + (["--no-mixed-graphs"] if args.no_mixed_graphs else []))
         proc = start(model, args.port, log_dir / f"serve_{mode.replace(':', '_delay')}.log", extra)
         try:
             ready = wait_ready(proc, url, args.ready_timeout)

@@ -670,7 +670,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-delay-steps", type=int, default=None, metavar="STEPS",
                    help="admission batching: while requests decode, hold new requests until the oldest has waited "
                         "STEPS engine steps or the waiting prompts fill a step's prefill budget, so several arrivals "
-                        "share one mixed (eager) step and the other steps stay decode-graph replays; 0 admits at "
+                        "share one mixed step (costlier than a decode-graph replay, piecewise graphs or not) and the "
+                        "other steps stay decode-graph replays; 0 admits at "
                         "once (default: 16 with the gpu runner's CUDA graphs, else 0)")
     p.add_argument("--pdl", action="store_true",
                    help="gpu runner: launch chained decode kernels with programmatic dependent launch")

@@ -4,7 +4,8 @@ CPU: the piecewise form run eagerly (the replayed path less the capture: padding
 eager cores on the real rows) equals the eager step: logits and every cache page, over two consecutive steps (a
 chunk continuing, decodes advancing, a snapshot), on the torch-op path and the Triton interpreter, for both
 architectures (K3: attention residuals cross the boundaries); the engine's greedy tokens with it equal the
-reference runner's. GPU: the replayed pieces against the eager step, bf16, requests continuing across steps.
+reference runner's; the pieces (with the Triton kernels) issue no op that reads device values on the host.
+GPU: the replayed pieces against the eager step, bf16, requests continuing across steps.
 """
 
 from __future__ import annotations
@@ -71,8 +72,16 @@ def _piecewise_equals_eager(eng, steps: list[list[StepSeq]], logits_rel: float, 
         assert g.shape == w.shape and rel(g, w) < logits_rel
         if logits_rel <= 1e-4:  # fp32; in bf16 a near-tie may flip
             assert torch.equal(g.argmax(-1), w.argmax(-1))
-    for a, b in zip(got_pool, want_pool):  # every page; padding rows wrote none (bit patterns: viewed as fp32)
-        torch.testing.assert_close(a.view(torch.float32), b.view(torch.float32), rtol=pool_tol, atol=pool_tol)
+    for a, b, old in zip(got_pool, want_pool, before):
+        # the pages the eager steps left alone stay bit for bit as they were (padding rows wrote no page)
+        untouched = (b == old).all(dim=1)
+        assert untouched.any() and torch.equal(a[untouched], old[untouched])
+        # and the cores wrote the others as the eager steps did (bit patterns viewed as fp32)
+        a, b = a.view(torch.float32), b.view(torch.float32)
+        if pool_tol <= 1e-4:
+            torch.testing.assert_close(a, b, rtol=pool_tol, atol=pool_tol)
+        else:  # bf16: a routing flip in one row may move its later layers' latents more than elementwise bounds
+            assert rel(a, b) < pool_tol
 
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["torch_ops", "interpreter"])
@@ -157,12 +166,12 @@ def test_replayed_mixed_steps_equal_eager_on_cuda(arch, tmp_path) -> None:
     if not HAS_CUDA:
         pytest.skip("no CUDA device")
     ckpt = make_tiny(tmp_path / arch, arch=arch, dtype="float32", seed=9)
-    eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=256, kv_dtype="bfloat16", conv_dtype="bfloat16"),
+    eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=512, kv_dtype="bfloat16", conv_dtype="bfloat16"),
                          device="cuda", dtype="bfloat16", runner="gpu"))
     mixed = eng.runner.mixed
     assert mixed is not None and set(mixed.graphs) == set(mixed.buckets)
     steps = _two_steps(eng, seed=4, num_decodes=40)
-    _piecewise_equals_eager(eng, steps, logits_rel=2e-2, pool_tol=3e-2)
+    _piecewise_equals_eager(eng, steps, logits_rel=2e-2, pool_tol=2e-2)
     assert mixed.replays == 2
 
     prompts = [torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist()
@@ -171,7 +180,8 @@ def test_replayed_mixed_steps_equal_eager_on_cuda(arch, tmp_path) -> None:
 
     def run(**over):
         cfg = replace(engine_config_for_tests(str(ckpt), num_pages=256), **over)
-        e = Engine(replace(cfg, scheduler=replace(cfg.scheduler, max_num_batched_tokens=128)))
+        # every arrival admitted at once (no admission batching): most steps mix
+        e = Engine(replace(cfg, scheduler=replace(cfg.scheduler, max_num_batched_tokens=128, prefill_delay_steps=0)))
         rids, out, step = [], {}, 0
         while len(rids) < len(prompts) or e.has_unfinished:
             if len(rids) < len(prompts) and step % 2 == 0:
@@ -184,6 +194,31 @@ def test_replayed_mixed_steps_equal_eager_on_cuda(arch, tmp_path) -> None:
         return [out[r] for r in rids], e.runner
 
     got, runner = run(runner="gpu", device="cuda")
-    assert runner.mixed is not None and runner.mixed.replays >= 8
+    assert runner.mixed is not None and runner.mixed.replays >= 8  # 9 mixed steps of 30 (the same run on the CPU)
     want, _ = run(runner="model")
     assert got == want
+
+
+# torch ops that read device values on the host or size their output by them: a capture would fail on them or
+# bake in one step's values
+_HOST_OPS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique2", "repeat_interleave",
+             "bincount", "is_nonzero", "equal"}
+
+
+@pytest.mark.parametrize("arch", ["kimi_linear", "k3"])
+def test_pieces_read_nothing_back_on_the_host(arch, tmp_path) -> None:
+    """Capture safety of what the graphs hold, on the CPU: every piece of every bucket, with the Triton kernels
+    (launches counted, not run), issues no torch op that reads device values on the host or has a data-dependent
+    shape (the MoE router and grouped experts, norms, the attention-residual mix, the projections)."""
+    from tests.backend.test_gpu_runner import _LaunchWork
+
+    ckpt = make_tiny(tmp_path / arch, arch=arch, dtype="float32", seed=9)
+    eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), runner="gpu", cuda_graphs=False))
+    assert eng.runner.fwd.k.triton
+    mixed = PiecewiseForward(eng.runner.fwd, (32, 64))
+    for n in mixed.buckets:
+        for j in range(mixed.num_layers + 1):
+            mixed._piece(j, 64)  # the boundary buffers (a capture allocates none)
+            with _LaunchWork() as work:
+                mixed._piece(j, n)
+            assert work.triton > 0 and not _HOST_OPS & set(work.torch_ops), (n, j, work.torch_ops)
