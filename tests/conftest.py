@@ -3,12 +3,27 @@
 TRITON_INTERPRET decides what @triton.jit returns when a kernel module is first imported (and
 kernels/common.py reads it once), so it must be set before anything imports one, in any test folder:
 the backend tests run the GPU runner's kernels too. The root conftest is imported first.
+
+The interpreter computes `tl.dot` with numpy's matmul, i.e. OpenBLAS, which picks its sgemm kernel by CPU. On
+an AMD EPYC it picks the "Haswell" kernel, whose result for a row depends on the row's position in the
+matrix (rows 6.. of a 16-row block are summed in another order), so a kernel tile's rows are not independent
+and the batch-invariant tests (tests/backend/test_deterministic.py) fail there while passing on Intel hosts
+(the "SkylakeX" kernel). The "Sandybridge" kernel (AVX, on every x86-64 host CI can get) is position-
+invariant (measured: 0 of 84 row placements differ, against 84 with "Haswell"); it must be chosen before
+numpy loads OpenBLAS, so here, before torch imports numpy. On a GPU
+machine the kernels compile and tl.dot runs on tensor cores: nothing to pin.
 """
 from __future__ import annotations
 
 import os
+import platform
 
-import torch
+# an AVX host: unset, or named as one (this sandbox's environment sets OPENBLAS_CORETYPE=Haswell itself)
+if platform.machine() in ("x86_64", "AMD64") and os.environ.get("OPENBLAS_CORETYPE", "Haswell") in (
+        "Haswell", "Zen", "SkylakeX", "Cooperlake", "SapphireRapids", "Sandybridge"):
+    os.environ["OPENBLAS_CORETYPE"] = "Sandybridge"
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
