@@ -118,6 +118,22 @@ def run(engine: Engine, prompts, params, *, salts=None, after_step=None) -> list
     return [final[r] for r in rids]
 
 
+def staggered(engine: Engine, prompts, params: SamplingParams, every: int) -> list[list[int]]:
+    """One request added every `every` steps while the earlier ones decode (so most steps mix a new prompt with
+    decodes), stepped to completion with Engine.check() after every step; output token ids in prompt order."""
+    rids, out, step = [], {}, 0
+    while len(rids) < len(prompts) or engine.has_unfinished:
+        assert step < MAX_STEPS, f"not finished after {MAX_STEPS} steps"
+        if len(rids) < len(prompts) and step % every == 0:
+            rids.append(engine.add_request(prompts[len(rids)], params))
+        for o in engine.step():
+            if o.finished:
+                out[o.rid] = o.output_ids
+        engine.check()
+        step += 1
+    return [out[r] for r in rids]
+
+
 def drain(engine: Engine) -> dict:
     """Step until nothing is unfinished, Engine.check() after every step; -> {rid: final output}."""
     done: dict = {}

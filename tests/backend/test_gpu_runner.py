@@ -20,6 +20,7 @@ from k3rt.backend.models.batch import ForwardBatch
 from k3rt.backend.models.loader import load_model
 from k3rt.backend.models.tiny import make_tiny
 from k3rt.sampling_params import SamplingParams
+from tests.backend.engine_fixtures import staggered
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -275,17 +276,23 @@ def test_512_wide_decode_replays_its_graph_and_equals_eager(tmp_path) -> None:
     _padded_decode_equals_eager(eng, 300, lambda seqs: eng.runner._replay(seqs, 320))  # a smaller graph after it
 
 
-def test_logits_out_receives_the_logits(tmp_path) -> None:
-    """GpuForward(logits_out=...) (what every decode graph writes into) returns that buffer holding the logits
-    the forward returns without it (torch ops on the CPU; the graphs themselves are covered on CUDA above)."""
+def _three_decodes(tmp_path, *, kernels: bool):
+    """A tiny fp32 kimi_linear engine on the GPU runner (no graphs) and three decode StepSeqs at contexts 0, 3, 6."""
     from k3rt.backend.runner.gpu.step import StepSeq
 
     ckpt = make_tiny(tmp_path / "m", arch="kimi_linear", dtype="float32", seed=9)
-    eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), runner="gpu", kernels=False,
+    eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), runner="gpu", kernels=kernels,
                          cuda_graphs=False))
+    pool = eng.pool
+    return eng, [StepSeq([5 + i], 3 * i, pool.allocate(1), pool.allocate(eng.layout.pages_per_state_set), True)
+                 for i in range(3)]
+
+
+def test_logits_out_receives_the_logits(tmp_path) -> None:
+    """GpuForward(logits_out=...) (what every decode graph writes into) returns that buffer holding the logits
+    the forward returns without it (torch ops on the CPU; the graphs themselves are covered on CUDA above)."""
+    eng, seqs = _three_decodes(tmp_path, kernels=False)
     runner, pool = eng.runner, eng.pool
-    seqs = [StepSeq([5 + i], 3 * i, pool.allocate(1), pool.allocate(eng.layout.pages_per_state_set), True)
-            for i in range(3)]
     before = [t.clone() for t in pool.tensors]
     want = runner.fwd(runner._build(seqs, []), decode=True)
     for t, b in zip(pool.tensors, before):
@@ -302,17 +309,13 @@ def test_routing_count_runs_a_graph_packed_decode_step(tmp_path) -> None:
     import sys
     from pathlib import Path
 
-    from k3rt.backend.runner.gpu.step import StepSeq, step_views
+    from k3rt.backend.runner.gpu.step import step_views
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from _routing import distinct_experts
 
-    ckpt = make_tiny(tmp_path / "m", arch="kimi_linear", dtype="float32", seed=9)
-    eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), runner="gpu", kernels=True,
-                         cuda_graphs=False))
-    runner, pool = eng.runner, eng.pool
-    seqs = [StepSeq([5 + i], 3 * i, pool.allocate(1), pool.allocate(eng.layout.pages_per_state_set), True)
-            for i in range(3)]
+    eng, seqs = _three_decodes(tmp_path, kernels=True)
+    runner = eng.runner
     meta, (h64, h32) = runner._pack(seqs)
     step = step_views(meta, h64, h32)
     assert step.decode_only and step.kda_rows.chunk is None
@@ -426,17 +429,8 @@ def test_prefills_arriving_mid_decode_on_cuda_equal_the_reference(arch, tmp_path
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
     def run(**over) -> list[list[int]]:
-        eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=256), **over))
-        rids, out, step = [], {}, 0
-        while len(rids) < len(prompts) or eng.has_unfinished:
-            if len(rids) < len(prompts) and step % 3 == 0:
-                rids.append(eng.add_request(prompts[len(rids)], params))
-            for o in eng.step():
-                if o.finished:
-                    out[o.rid] = o.output_ids
-            step += 1
-        eng.check()
-        return [out[r] for r in rids]
+        return staggered(Engine(replace(engine_config_for_tests(str(ckpt), num_pages=256), **over)), prompts, params,
+                         every=3)
 
     assert run(runner="gpu", device="cuda") == run(runner="model")
 

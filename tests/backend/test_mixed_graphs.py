@@ -20,6 +20,7 @@ from k3rt.backend.models.tiny import make_tiny
 from k3rt.backend.runner.gpu.pieces import Boundary, PiecewiseForward, mixed_buckets_for
 from k3rt.backend.runner.gpu.step import StepSeq
 from k3rt.sampling_params import SamplingParams
+from tests.backend.engine_fixtures import staggered
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -182,16 +183,7 @@ def test_replayed_mixed_steps_equal_eager_on_cuda(arch, tmp_path) -> None:
         cfg = replace(engine_config_for_tests(str(ckpt), num_pages=256), **over)
         # every arrival admitted at once (no admission batching): most steps mix
         e = Engine(replace(cfg, scheduler=replace(cfg.scheduler, max_num_batched_tokens=128, prefill_delay_steps=0)))
-        rids, out, step = [], {}, 0
-        while len(rids) < len(prompts) or e.has_unfinished:
-            if len(rids) < len(prompts) and step % 2 == 0:
-                rids.append(e.add_request(prompts[len(rids)], params))
-            for o in e.step():
-                if o.finished:
-                    out[o.rid] = o.output_ids
-            step += 1
-        e.check()
-        return [out[r] for r in rids], e.runner
+        return staggered(e, prompts, params, every=2), e.runner
 
     got, runner = run(runner="gpu", device="cuda")
     assert runner.mixed is not None and runner.mixed.replays >= 8  # 9 mixed steps of 30 (the same run on the CPU)
