@@ -106,7 +106,8 @@ def _norm_gate_row(raw_row, gate_row, w_ptr, o_row, offs, mask, eps, D: tl.const
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(o_row + offs, (x * rstd * w * tl.sigmoid(gt)).to(o_row.dtype.element_ty), mask=mask)
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): slots: a view of the packed step
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _kda_decode_kernel(
     qkv_ptr, stride_qkv_n,  # [N, 3*H*D] pre-conv q|k|v
     conv_w_ptr,  # [3*H*D, W] fp32
