@@ -49,12 +49,17 @@ from k3rt.kernels.kda.ref import kda_chunked, kda_gate_lower_bound, kda_gate_sof
 from k3rt.kernels.short_conv.ref import causal_conv1d_rows, conv_windows_store
 
 
+# the fused projection's width is padded to a multiple of this (KdaWeights.of)
+ROW_ALIGN = 16
+
+
 @dataclass
 class KdaWeights:
     """Weights of one KDA layer, rearranged once for the GPU path (views share storage where possible)."""
 
-    w_in: torch.Tensor  # [3P + (P full-rank gate | D g_a) + D(f_a) + H(b), hidden]: every projection of x, one GEMM
-    splits: tuple[int, ...]
+    # [3P + (P full-rank gate | D g_a) + D(f_a) + H(b) + pad, hidden]: every projection of x, one GEMM
+    w_in: torch.Tensor
+    splits: tuple[int, ...]  # the column widths of its output: qkv, gate, f_a, b, then the zero pad
     # low-rank gate (None: full rank): [[g_b, 0], [0, f_b]] [2P, 2D]: both up-projections of the adjacent (g_a | f_a)
     # columns in one GEMM (the zero blocks add exact zeros; at decode one launch less per layer)
     w_up: torch.Tensor | None
@@ -71,9 +76,16 @@ class KdaWeights:
         low_rank = not hasattr(attn, "g_proj")
         parts.append(attn.g_a_proj.weight if low_rank else attn.g_proj.weight)
         parts += [attn.f_a_proj.weight, attn.b_proj.weight]
-        w = torch.cat([t.detach() for t in parts], dim=0).contiguous()
-        share_rows(parts, w)
         splits = (3 * p, parts[3].shape[0], attn.head_dim, attn.num_heads)
+        # zero rows up to a multiple of ROW_ALIGN: the output's row stride is then a multiple of 16 elements, so a
+        # row slice of any column view (a mixed step's rows) keeps the 16-byte alignment the kernels were
+        # compiled for, whatever row it starts at (kernels/common.py, "Compiles"); else k3-tiny's 1,092 columns
+        # give every other start row a binary of its own
+        pad = -sum(splits) % ROW_ALIGN
+        w0 = parts[0]
+        w = torch.cat([t.detach() for t in parts] + [w0.new_zeros(pad, w0.shape[1])], dim=0).contiguous()
+        share_rows(parts, w)
+        splits += (pad,)
         w_up = None
         if low_rank:
             gb, fb = attn.g_b_proj.weight.detach(), attn.f_b_proj.weight.detach()
@@ -131,7 +143,7 @@ def kda_project(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor,
     """x [T, hidden] -> (pre-conv qkv [T, 3P], output gate [T, P], f [T, P], b [T, H]): column views of the
     fused GEMMs' outputs."""
     proj = linear(x, w.w_in, k)
-    qkv, gate, f_a, b = torch.split(proj, w.splits, dim=-1)
+    qkv, gate, f_a, b = torch.split(proj, w.splits, dim=-1)[:4]
     if w.w_up is not None:  # (g_a | f_a) -> (gate | f), one GEMM
         s0 = w.splits[0]
         gate, f = linear(proj[:, s0:s0 + w.w_up.shape[1]], w.w_up, k).split(w.w_up.shape[0] // 2, dim=-1)
