@@ -64,9 +64,9 @@ def test_step_times_are_measured_under_overlap_scheduling(monkeypatch) -> None:
 
     monkeypatch.setattr(NgramDrafter, "propose", slow_propose)
 
-    def spy(eng, prompts, cfg, tok, workload):
+    def spy(eng, prompts, cfg, tok, workload, **kw):
         calls.append((id(eng), prompts, cfg.max_tokens))
-        return real(eng, prompts, cfg, tok, workload)
+        return real(eng, prompts, cfg, tok, workload, **kw)
 
     monkeypatch.setattr(spec_bench, "_run", spy)
     n = torch.get_num_threads()
