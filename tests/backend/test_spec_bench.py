@@ -116,3 +116,48 @@ def test_bench_code_prompts_are_the_drafters_held_out_prompts() -> None:
 def test_bench_spec_cli_refuses_a_bad_list(capsys) -> None:
     assert main(["bench", "spec", "--batch-sizes", "1,x"]) == 2
     assert "batch_sizes" in capsys.readouterr().err
+
+
+def test_warm_up_prefills_every_measured_prompt_length(monkeypatch) -> None:
+    """Each measured run follows a warm-up on the same workload that prefills prompts of every length the
+    measured run prefills, every agent turn included, generating at most WARMUP_TOKENS per request and turn.
+    On the H200 the warm-up ran only the first turn (as "code"), so the measured agent runs compiled kernels
+    for their later turns' shapes (plain agent b1 at 29 tokens/s against 767 for code b1)."""
+    from k3rt.backend.bench import spec_bench
+    from k3rt.backend.engine import Engine
+
+    calls = []
+    real = Engine.generate
+
+    def spy(self, prompts, params, *a, **kw):
+        calls.append((id(self), [len(p) for p in prompts], params.max_tokens))
+        return real(self, prompts, params, *a, **kw)
+
+    monkeypatch.setattr(Engine, "generate", spy)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = SpecBenchConfig(workloads=("chat", "agent"), batch_sizes=(2,), drafters=("ngram",), max_tokens=10,
+                              turns=3, spec_adaptive=False)
+        rows = spec_bench.bench_spec(cfg, progress=False)
+    finally:
+        torch.set_num_threads(n)
+    assert [r.workload for r in rows] == ["chat", "agent"] and all(r.identical for r in rows)
+    assert all(r.compiles_plain == r.compiles_spec == 0 for r in rows)  # the CPU compiles nothing
+    # per engine: warm-up calls (fewer tokens), then the measured calls of the same run (cfg.max_tokens)
+    runs, i = [], 0
+    while i < len(calls):
+        j = i
+        while j < len(calls) and calls[j][2] < cfg.max_tokens:
+            j += 1
+        k = j
+        while k < len(calls) and calls[k][2] == cfg.max_tokens:
+            k += 1
+        runs.append((calls[i:j], calls[j:k]))
+        i = k
+    assert len(runs) == 4  # (plain, ngram) x (chat, agent)
+    for warm, measured in runs:
+        assert warm and all(c[2] <= spec_bench.WARMUP_TOKENS for c in warm)
+        assert {c[0] for c in warm + measured} == {measured[0][0]}
+        assert [c[1] for c in warm] == [c[1] for c in measured]  # the same prompt lengths, turn by turn
+    assert [len(m) for _, m in runs] == [1, 3, 1, 3]
