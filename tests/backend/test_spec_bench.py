@@ -46,13 +46,23 @@ def test_step_times_are_measured_under_overlap_scheduling(monkeypatch) -> None:
     times were all 0.00 on the H200 when the bench timed execute. It times engine steps now (the reference
     runner overlaps here, computing eagerly, which the engine cannot tell apart).
     And every measured run follows an untimed one on the same prompts: on the H200 the first method's runs timed
-    the kernels' compiles for their shapes (plain k3-tiny at 30 tokens/s, so every speedup read ~15x)."""
+    the kernels' compiles for their shapes (plain k3-tiny at 30 tokens/s, so every speedup read ~15x). That
+    warm-up prefills every prompt length its measured run prefills, every agent turn included, at most
+    WARMUP_TOKENS per request and turn: it ran only the first turn (as "code"), and the measured agent runs then
+    compiled for their later turns' shapes (plain agent b1 at 29 tokens/s against 767 for code b1)."""
     from k3rt.backend.bench import spec_bench
-
+    from k3rt.backend.engine import Engine
     from k3rt.backend.spec.ngram import NgramDrafter
 
-    calls = []
+    calls, generated = [], []
     real = spec_bench._run
+    real_generate = Engine.generate
+
+    def generate_spy(self, prompts, params, *a, **kw):
+        generated.append((id(self), [len(p) for p in prompts], params.max_tokens))
+        return real_generate(self, prompts, params, *a, **kw)
+
+    monkeypatch.setattr(Engine, "generate", generate_spy)
     # a slow drafter: its time must land in draft_ms, not in the verify step's (the scheduler drafts inside
     # the engine step; the H200 table's verify column included the drafter's pass)
     slow = NgramDrafter.propose
@@ -75,7 +85,7 @@ def test_step_times_are_measured_under_overlap_scheduling(monkeypatch) -> None:
         cfg = SpecBenchConfig(workloads=("agent",), batch_sizes=(1,), drafters=("ngram",), max_tokens=12, turns=2,
                               overlap=True, spec_adaptive=False)
         rows = spec_bench.bench_spec(cfg, progress=False)
-        first = list(calls)
+        first, first_generated = list(calls), list(generated)
         # with the speculation controller, a drafter whose pass costs 50 ms (a few plain steps) is turned down:
         # most steps decode plainly (overlapped), only explorations and probes draft
         delay[0] = 0.05
@@ -92,6 +102,13 @@ def test_step_times_are_measured_under_overlap_scheduling(monkeypatch) -> None:
     assert len(measured) == 2  # plain, ngram
     for i in measured:  # the call before: same engine, same prompts, fewer tokens (the warm-up)
         assert i > 0 and calls[i - 1][0] == calls[i][0] and calls[i - 1][1] == calls[i][1] and calls[i - 1][2] < 12
+    # turn by turn (generate calls: warm-up turns, then the measured run's turns, per method): the same lengths
+    warm = [g for g in first_generated if g[2] < 12]
+    timed = [g for g in first_generated if g[2] == 12]
+    assert len(warm) == len(timed) == 4  # (plain, ngram) x 2 turns
+    assert all(g[2] <= spec_bench.WARMUP_TOKENS for g in warm)
+    assert [g[:2] for g in warm] == [g[:2] for g in timed]  # the same engine and prompt lengths, in order
+    assert all(r.compiles_plain == r.compiles_spec == 0 for r in rows)  # the CPU compiles nothing
 
 
 @pytest.mark.parametrize("kw, field", [({"drafters": ("eagle",)}, "drafters"), ({"workloads": ()}, "workloads"),
@@ -117,47 +134,3 @@ def test_bench_spec_cli_refuses_a_bad_list(capsys) -> None:
     assert main(["bench", "spec", "--batch-sizes", "1,x"]) == 2
     assert "batch_sizes" in capsys.readouterr().err
 
-
-def test_warm_up_prefills_every_measured_prompt_length(monkeypatch) -> None:
-    """Each measured run follows a warm-up on the same workload that prefills prompts of every length the
-    measured run prefills, every agent turn included, generating at most WARMUP_TOKENS per request and turn.
-    On the H200 the warm-up ran only the first turn (as "code"), so the measured agent runs compiled kernels
-    for their later turns' shapes (plain agent b1 at 29 tokens/s against 767 for code b1)."""
-    from k3rt.backend.bench import spec_bench
-    from k3rt.backend.engine import Engine
-
-    calls = []
-    real = Engine.generate
-
-    def spy(self, prompts, params, *a, **kw):
-        calls.append((id(self), [len(p) for p in prompts], params.max_tokens))
-        return real(self, prompts, params, *a, **kw)
-
-    monkeypatch.setattr(Engine, "generate", spy)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        cfg = SpecBenchConfig(workloads=("chat", "agent"), batch_sizes=(2,), drafters=("ngram",), max_tokens=10,
-                              turns=3, spec_adaptive=False)
-        rows = spec_bench.bench_spec(cfg, progress=False)
-    finally:
-        torch.set_num_threads(n)
-    assert [r.workload for r in rows] == ["chat", "agent"] and all(r.identical for r in rows)
-    assert all(r.compiles_plain == r.compiles_spec == 0 for r in rows)  # the CPU compiles nothing
-    # per engine: warm-up calls (fewer tokens), then the measured calls of the same run (cfg.max_tokens)
-    runs, i = [], 0
-    while i < len(calls):
-        j = i
-        while j < len(calls) and calls[j][2] < cfg.max_tokens:
-            j += 1
-        k = j
-        while k < len(calls) and calls[k][2] == cfg.max_tokens:
-            k += 1
-        runs.append((calls[i:j], calls[j:k]))
-        i = k
-    assert len(runs) == 4  # (plain, ngram) x (chat, agent)
-    for warm, measured in runs:
-        assert warm and all(c[2] <= spec_bench.WARMUP_TOKENS for c in warm)
-        assert {c[0] for c in warm + measured} == {measured[0][0]}
-        assert [c[1] for c in warm] == [c[1] for c in measured]  # the same prompt lengths, turn by turn
-    assert [len(m) for _, m in runs] == [1, 3, 1, 3]
