@@ -65,3 +65,29 @@ def test_varied_steps_compile_nothing_new_on_cuda(tmp_path) -> None:
     assert res["runtime_churn"] == {}
     assert res["warmup"].keys  # the probe saw the launches (binaries may predate it: other tests' compiles)
     assert sum(res["measured"].binaries.values()) <= 4, res["measured_churn"]
+
+
+def test_kda_row_slices_and_gathers_keep_16_element_row_strides(tmp_path) -> None:
+    """The fused KDA projection is padded to a multiple of ROW_ALIGN columns, so a row slice of any of its column
+    views starts 16-byte aligned whatever the start row, and a gathered b keeps such a stride: without this the
+    tiny models' odd widths (k3-tiny: 1,092 columns, H = 4) gave the kernels reading them a binary per parity of
+    a mixed step's first rest row, and one more for gathered rows."""
+    from k3rt.backend.models.loader import load_model
+    from k3rt.backend.models.kda import KimiDeltaAttention
+    from k3rt.backend.runner.gpu.kda import ROW_ALIGN, KdaWeights, _gather_rows, kda_project
+    from k3rt.backend.runner.gpu.ops import KernelConfig
+
+    model = load_model(make_tiny(tmp_path / "m", arch="kimi_linear", dtype="float32", seed=9), dtype="float32",
+                       progress=False)
+    attn = next(m for m in model.modules() if isinstance(m, KimiDeltaAttention))
+    w = KdaWeights.of(attn, 0, 0)
+    assert w.w_in.shape[0] % ROW_ALIGN == 0 and sum(w.splits) == w.w_in.shape[0]
+    assert sum(w.splits[:4]) % ROW_ALIGN != 0  # the tiny model's own width is odd: the pad is what aligns it
+    x = torch.randn(7, model.cfg.hidden_size)
+    qkv, gate, f, b = kda_project(attn, w, x, KernelConfig(triton=False))
+    want = (attn.q_proj(x), attn.b_proj(x))  # the projections themselves, through the modules (shared rows)
+    assert torch.allclose(qkv[:, :want[0].shape[1]], want[0], atol=1e-5) and torch.allclose(b, want[1], atol=1e-5)
+    assert all(t.stride(0) % ROW_ALIGN == 0 for t in (qkv, gate, f, b))
+    rows = torch.tensor([5, 0, 3])
+    g = _gather_rows(b, rows)
+    assert torch.equal(g, b[rows]) and g.stride(0) % ROW_ALIGN == 0

@@ -197,14 +197,25 @@ def _split(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.
         _decode(attn, w, qkv[s:e], f[s:e], b[s:e], gate[s:e], conv_pool, rec_pool, pages, k, workspace, out=o[s:e])
     else:
         r = sp.dec_rows
-        o[r] = _decode(attn, w, qkv[r], f[r], b[r], gate[r], conv_pool, rec_pool, pages, k, workspace)
+        o[r] = _decode(attn, w, qkv[r], f[r], _gather_rows(b, r), gate[r], conv_pool, rec_pool, pages, k, workspace)
     if sp.rest_span is not None:
         s, e = sp.rest_span
         _general_gated(attn, w, qkv[s:e], f[s:e], b[s:e], gate[s:e], sp.rest, conv_pool, rec_pool, k, out=o[s:e])
     else:
         r = sp.rest_rows
-        o[r] = _general_gated(attn, w, qkv[r], f[r], b[r], gate[r], sp.rest, conv_pool, rec_pool, k)
+        o[r] = _general_gated(attn, w, qkv[r], f[r], _gather_rows(b, r), gate[r], sp.rest, conv_pool, rec_pool, k)
     return o
+
+
+def _gather_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """t[rows] with a row stride that is a multiple of ROW_ALIGN, as the projection's column views have: a
+    gathered b [n, H] would otherwise have stride H (4 at k3-tiny), a second binary of every kernel that reads
+    it, compiled the first time a step's rows come unordered (kernels/common.py, "Compiles")."""
+    width = -(-t.shape[1] // ROW_ALIGN) * ROW_ALIGN
+    if width == t.shape[1]:
+        return t[rows]
+    out = t.new_empty(rows.shape[0], width)[:, :t.shape[1]]
+    return out.copy_(t[rows])
 
 
 def _verify_runs(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
