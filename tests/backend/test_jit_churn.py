@@ -68,14 +68,16 @@ def test_varied_steps_compile_nothing_new_on_cuda(tmp_path) -> None:
 
 
 def test_kda_row_slices_and_gathers_keep_16_element_row_strides(tmp_path) -> None:
-    """The fused KDA projection is padded to a multiple of ROW_ALIGN columns, so a row slice of any of its column
+    """The fused KDA (and MLA) projection is padded to a multiple of ROW_ALIGN columns, so a row slice of any of its column
     views starts 16-byte aligned whatever the start row, and a gathered b keeps such a stride: without this the
     tiny models' odd widths (k3-tiny: 1,092 columns, H = 4) gave the kernels reading them a binary per parity of
     a mixed step's first rest row, and one more for gathered rows."""
     from k3rt.backend.models.loader import load_model
     from k3rt.backend.models.kda import KimiDeltaAttention
-    from k3rt.backend.runner.gpu.kda import ROW_ALIGN, KdaWeights, _gather_rows, kda_project
-    from k3rt.backend.runner.gpu.ops import KernelConfig
+    from k3rt.backend.models.mla import MultiHeadLatentAttention
+    from k3rt.backend.runner.gpu.kda import KdaWeights, _gather_rows, kda_project
+    from k3rt.backend.runner.gpu.mla import MlaWeights
+    from k3rt.backend.runner.gpu.ops import ROW_ALIGN, KernelConfig
 
     model = load_model(make_tiny(tmp_path / "m", arch="kimi_linear", dtype="float32", seed=9), dtype="float32",
                        progress=False)
@@ -91,3 +93,7 @@ def test_kda_row_slices_and_gathers_keep_16_element_row_strides(tmp_path) -> Non
     rows = torch.tensor([5, 0, 3])
     g = _gather_rows(b, rows)
     assert torch.equal(g, b[rows]) and g.stride(0) % ROW_ALIGN == 0
+    mla = next(m for m in model.modules() if isinstance(m, MultiHeadLatentAttention))
+    wm = MlaWeights.of(mla, 0)
+    assert wm.w_in.shape[0] % ROW_ALIGN == 0 and sum(wm.splits) == wm.w_in.shape[0]
+    assert torch.equal(wm.w_in[:wm.splits[0]], (mla.q_proj if mla.cfg.q_lora_rank is None else mla.q_a_proj).weight)

@@ -43,14 +43,10 @@ import torch.nn.functional as F
 
 from k3rt.backend.layers.norm import rms_norm_gated
 from k3rt.backend.models.kda import KimiDeltaAttention
-from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear, share_rows
+from k3rt.backend.runner.gpu.ops import ROW_ALIGN, KernelConfig, fuse_rows, kernel, linear
 from k3rt.backend.runner.gpu.step import GpuStep, KdaRows
 from k3rt.kernels.kda.ref import kda_chunked, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent
 from k3rt.kernels.short_conv.ref import causal_conv1d_rows, conv_windows_store
-
-
-# the fused projection's width is padded to a multiple of this (KdaWeights.of)
-ROW_ALIGN = 16
 
 
 @dataclass
@@ -76,16 +72,8 @@ class KdaWeights:
         low_rank = not hasattr(attn, "g_proj")
         parts.append(attn.g_a_proj.weight if low_rank else attn.g_proj.weight)
         parts += [attn.f_a_proj.weight, attn.b_proj.weight]
-        splits = (3 * p, parts[3].shape[0], attn.head_dim, attn.num_heads)
-        # zero rows up to a multiple of ROW_ALIGN: the output's row stride is then a multiple of 16 elements, so a
-        # row slice of any column view (a mixed step's rows) keeps the 16-byte alignment the kernels were
-        # compiled for, whatever row it starts at (kernels/common.py, "Compiles"); else k3-tiny's 1,092 columns
-        # give every other start row a binary of its own
-        pad = -sum(splits) % ROW_ALIGN
-        w0 = parts[0]
-        w = torch.cat([t.detach() for t in parts] + [w0.new_zeros(pad, w0.shape[1])], dim=0).contiguous()
-        share_rows(parts, w)
-        splits += (pad,)
+        w, rows = fuse_rows(parts)  # padded to ROW_ALIGN columns of output (ops.py says why)
+        splits = (3 * p, *rows[3:])
         w_up = None
         if low_rank:
             gb, fb = attn.g_b_proj.weight.detach(), attn.f_b_proj.weight.detach()
