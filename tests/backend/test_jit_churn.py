@@ -68,10 +68,10 @@ def test_varied_steps_compile_nothing_new_on_cuda(tmp_path) -> None:
 
 
 def test_kda_row_slices_and_gathers_keep_16_element_row_strides(tmp_path) -> None:
-    """The fused KDA (and MLA) projection is padded to a multiple of ROW_ALIGN columns, so a row slice of any of its column
-    views starts 16-byte aligned whatever the start row, and a gathered b keeps such a stride: without this the
-    tiny models' odd widths (k3-tiny: 1,092 columns, H = 4) gave the kernels reading them a binary per parity of
-    a mixed step's first rest row, and one more for gathered rows."""
+    """The fused KDA (and MLA) projections are padded to a multiple of ROW_ALIGN columns, so a row slice of any
+    of their column views starts 16-byte aligned whatever the start row, and a gathered b keeps such a stride:
+    without this the tiny models' odd widths (k3-tiny: 1,092 columns, H = 4) gave the kernels reading them a
+    binary per parity of a mixed step's first rest row, and one more for gathered rows."""
     from k3rt.backend.models.loader import load_model
     from k3rt.backend.models.kda import KimiDeltaAttention
     from k3rt.backend.models.mla import MultiHeadLatentAttention
