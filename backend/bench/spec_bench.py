@@ -193,14 +193,16 @@ def _prompts(cfg: SpecBenchConfig, tok, workload: str, batch: int) -> list[list[
     return [tok.encode_prompt(f"# task {i}: {t}\n# plan, then call tools\n") for i, t in enumerate(texts)]
 
 
-def _agent_turn(tok, prompt: list[int], output: list[int]) -> list[int]:
-    """History + the model's turn + a tool result that echoes it (the agent's file, read back)."""
-    return prompt + output + tok.encode("\n# tool read_file ->\n") + output + tok.encode("\n# next step\n")
+def _agent_turn(tok, prompt: list[int], output: list[int], echo_len: int | None = None) -> list[int]:
+    """History + the model's turn + a tool result that echoes it (the agent's file, read back). echo_len (the
+    warm-up): the echo repeated to that length (the measured turn's output length), so the part of the next
+    prompt past the cached history (the prefill) is as long as the measured turn's."""
+    return prompt + output + tok.encode("\n# tool read_file ->\n") + _padded(output, echo_len) + \
+        tok.encode("\n# next step\n")
 
 
 def _padded(output: list[int], length: int | None) -> list[int]:
-    """A warm-up turn's output repeated up to the measured turn's length (None: as it is), so the next turn's
-    prompt has the measured prompt's length."""
+    """`output` repeated up to `length` tokens (None: as it is)."""
     if length is None or not output:
         return output
     return (output * -(-length // len(output)))[:length]
@@ -217,9 +219,10 @@ def _compiled(eng) -> int:
 
 def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str,
          turn_output_len: int | None = None) -> _Run:
-    """One run of `workload` on these prompts. turn_output_len (the warm-up): each agent turn's output is
-    repeated to this length before the next turn's prompt is built from it, so the warm-up's turns prefill
-    prompts of the measured turns' lengths while generating only cfg.max_tokens per turn."""
+    """One run of `workload` on these prompts. turn_output_len (the warm-up): each agent turn's echoed output is
+    repeated to this length in the next turn's prompt, so the warm-up's later turns prefill as many new tokens
+    as the measured turns (their cached history is shorter: it holds the warm-up's few generated tokens) while
+    generating only cfg.max_tokens per turn."""
     from k3rt.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=True)
@@ -273,7 +276,7 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
             outs = [o.output_ids for o in eng.generate(prompts, params)]
             outputs += outs
             if workload == "agent":
-                prompts = [_agent_turn(tok, p, _padded(o, turn_output_len)) for p, o in zip(prompts, outs)]
+                prompts = [_agent_turn(tok, p, o, turn_output_len) for p, o in zip(prompts, outs)]
     finally:
         eng.step, eng.scheduler.schedule = step, schedule
         if drafter is not None:  # a drafter kept for the next run (dspark) must not time into this run's list
@@ -348,8 +351,8 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
                                                               adaptive=cfg.spec_adaptive)
         eng = Engine(replace(base, spec=spec), model=model)
         for (w, b), ps in prompts.items():
-            # warm-up on the measured workload itself, untimed: these very prompts, every agent turn (each turn's
-            # prompt of the measured turn's length), so what compiles for their prefill and batch shapes (tile
+            # warm-up on the measured workload itself, untimed: these very prompts, every agent turn (each turn
+            # prefilling as many new tokens as the measured one), so what compiles for their prefill and batch shapes (tile
             # choices by size; per-step sizes are not specialized, kernels/common.py) compiles outside the
             # measured run; on the H200 the measured runs otherwise timed compiles (plain k3-tiny at 30 tokens/s
             # instead of ~700 on the first method's runs; agent b1 at 29 while code b1 ran 767 after the

@@ -48,8 +48,9 @@ def test_step_times_are_measured_under_overlap_scheduling(monkeypatch) -> None:
     And every measured run follows an untimed one on the same prompts: on the H200 the first method's runs timed
     the kernels' compiles for their shapes (plain k3-tiny at 30 tokens/s, so every speedup read ~15x). That
     warm-up prefills every prompt length its measured run prefills, every agent turn included, at most
-    WARMUP_TOKENS per request and turn: it ran only the first turn (as "code"), and the measured agent runs then
-    compiled for their later turns' shapes (plain agent b1 at 29 tokens/s against 767 for code b1)."""
+    WARMUP_TOKENS per request and turn, the same number of new prompt tokens per turn (up to the prefix cache's
+    page rounding): it ran only the first turn (as "code"), and the measured agent runs then compiled for their
+    later turns' shapes (plain agent b1 at 29 tokens/s against 767 for code b1)."""
     from k3rt.backend.bench import spec_bench
     from k3rt.backend.engine import Engine
     from k3rt.backend.spec.ngram import NgramDrafter
@@ -59,8 +60,12 @@ def test_step_times_are_measured_under_overlap_scheduling(monkeypatch) -> None:
     real_generate = Engine.generate
 
     def generate_spy(self, prompts, params, *a, **kw):
-        generated.append((id(self), [len(p) for p in prompts], params.max_tokens))
-        return real_generate(self, prompts, params, *a, **kw)
+        before = self.stats.computed_prompt_tokens
+        out = real_generate(self, prompts, params, *a, **kw)
+        # the engine, the prompt tokens prefilled (past the cached prefix), the tokens generated per request
+        generated.append((id(self), self.stats.computed_prompt_tokens - before, params.max_tokens,
+                          self.layout.block_size))
+        return out
 
     monkeypatch.setattr(Engine, "generate", generate_spy)
     # a slow drafter: its time must land in draft_ms, not in the verify step's (the scheduler drafts inside
@@ -107,7 +112,10 @@ def test_step_times_are_measured_under_overlap_scheduling(monkeypatch) -> None:
     timed = [g for g in first_generated if g[2] == 12]
     assert len(warm) == len(timed) == 4  # (plain, ngram) x 2 turns
     assert all(g[2] <= spec_bench.WARMUP_TOKENS for g in warm)
-    assert [g[:2] for g in warm] == [g[:2] for g in timed]  # the same engine and prompt lengths, in order
+    assert [g[0] for g in warm] == [g[0] for g in timed]  # the same engines, in order
+    assert warm[0][1] == timed[0][1] and warm[2][1] == timed[2][1]  # first turns: the same prompts
+    for w_, t_ in zip(warm, timed):  # later turns: the history cached up to a page boundary
+        assert abs(w_[1] - t_[1]) < w_[3] and t_[1] > 0, (warm, timed)
     assert all(r.compiles_plain == r.compiles_spec == 0 for r in rows)  # the CPU compiles nothing
 
 
