@@ -8,8 +8,8 @@ and served TTFTs that paid for JIT compiles).
 A warm-up (one prompt per power-of-two length 1..256, arriving one per step while the others decode), then 40
 prompts of random lengths 1..300 in waves of 8 at random arrival spacings (backend/bench/jit_churn.py). Per
 phase: binaries compiled per kernel (CUDA), launch keys first seen per kernel (any device: what the GPU would
-compile), steps and wall time; then which arguments made the measured phase's new keys. Run it on a commit
-before and after a change to compare. JSON to --out (default $OUT/jit_churn.json); exit status 1 when the
+compile), steps and wall time; then which arguments made the measured phase's new keys. --specialize-all is
+the before: the kernels' do_not_specialize lists ignored (every argument specialized, as Triton does by default). JSON to --out (default $OUT/jit_churn.json); exit status 1 when the
 measured phase compiled anything or a per-step argument is specialized (runtime churn).
 """
 
@@ -36,6 +36,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=300)
     p.add_argument("--no-cuda-graphs", action="store_true", help="every step eager")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--specialize-all", action="store_true",
+                   help="the comparison: ignore the kernels' do_not_specialize lists (every argument specialized, as "
+                        "before them; kernels/jit_probe.py specialize_all)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU: the Triton interpreter, a tiny random model, 6 short prompts (launch keys only)")
     p.add_argument("--out", type=Path, default=None)
@@ -47,6 +50,8 @@ def main() -> int:
     if a.smoke:  # before anything imports triton: the interpreter runs the kernels on the CPU
         os.environ["TRITON_INTERPRET"] = "1"
     from _timing import Report, default_out
+
+    from contextlib import nullcontext
 
     from k3rt.backend.bench.jit_churn import ChurnConfig, run_churn
     from k3rt.backend.engine import Engine
@@ -63,11 +68,15 @@ def main() -> int:
     else:
         model = str(resolve_model_dir(a.model))
     report = Report(default_out(a.out, "jit_churn.json"), 0.0, {"args": {k: str(v) for k, v in vars(a).items()}})
-    eng = Engine(EngineConfig(model=model, device=a.device, dtype=a.dtype, runner="gpu", seed=a.seed,
-                              cuda_graphs=not a.no_cuda_graphs and a.device.startswith("cuda"),
-                              cache=CacheConfig(num_pages=4096 if a.device.startswith("cuda") else 256)))
-    res = run_churn(eng, cfg)
-    eng.close()
+    from k3rt.kernels.jit_probe import specialize_all
+
+    # around the engine too: its start (CUDA graph capture) is the kernels' first launch
+    with specialize_all() if a.specialize_all else nullcontext():
+        eng = Engine(EngineConfig(model=model, device=a.device, dtype=a.dtype, runner="gpu", seed=a.seed,
+                                  cuda_graphs=not a.no_cuda_graphs and a.device.startswith("cuda"),
+                                  cache=CacheConfig(num_pages=4096 if a.device.startswith("cuda") else 256)))
+        res = run_churn(eng, cfg)
+        eng.close()
     out = report.result
     out["warmup"], out["measured"] = asdict(res["warmup"]), asdict(res["measured"])
     out["runtime_churn"], out["measured_churn"] = res["runtime_churn"], res["measured_churn"]

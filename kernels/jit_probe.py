@@ -12,13 +12,16 @@ it. Two views:
                      launch options). It runs the same way on the GPU and under the interpreter, so a CPU test
                      sees which launches would compile on the GPU, and `churn` names the arguments responsible.
 
+  specialize_all     comparison runs only: every argument specialized again, as before the kernels' lists.
+
 This module knows nothing of the runner: callers drive the work and read the counts.
 """
 from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
@@ -152,3 +155,35 @@ class LaunchKeys:
             if c:
                 out[name] = c
         return out
+
+
+@contextmanager
+def specialize_all(kernels: dict[str, Any] | None = None) -> Iterator[None]:
+    """Comparison runs only (benchmarks/jit_churn.py --specialize-all): inside, the kernels' do_not_specialize
+    lists are ignored, so every argument is specialized the way Triton does by default (what the kernels did
+    before the lists); the lists are restored on exit. A JITFunction builds its argument binder at its first
+    launch on a device and keeps it, so this must wrap the process's first launch of each kernel (else
+    ValueError), and a kernel first launched inside keeps the default specialization for the rest of the process
+    (a comparison run's process does nothing else)."""
+    kernels = kernels if kernels is not None else triton_kernels()
+    saved = []
+    for name, fn in kernels.items():
+        if isinstance(fn, JITFunction):
+            if len(fn.device_caches):
+                raise ValueError(f"specialize_all: {name} was launched already (its binder is built)")
+            saved.append((fn, [(p.do_not_specialize, p.do_not_specialize_on_alignment) for p in fn.params]))
+            for p in fn.params:
+                p.do_not_specialize = p.do_not_specialize_on_alignment = False
+        else:  # the interpreter's function: LaunchKeys reads the lists from its kwargs
+            saved.append((fn, dict(fn.kwargs)))
+            fn.kwargs.update(do_not_specialize=None, do_not_specialize_on_alignment=None)
+    try:
+        yield
+    finally:
+        for fn, old in saved:
+            if isinstance(fn, JITFunction):
+                for p, (dns, dns_oa) in zip(fn.params, old):
+                    p.do_not_specialize, p.do_not_specialize_on_alignment = dns, dns_oa
+            else:
+                fn.kwargs.clear()
+                fn.kwargs.update(old)

@@ -97,3 +97,25 @@ def test_kda_row_slices_and_gathers_keep_16_element_row_strides(tmp_path) -> Non
     wm = MlaWeights.of(mla, 0)
     assert wm.w_in.shape[0] % ROW_ALIGN == 0 and sum(wm.splits) == wm.w_in.shape[0]
     assert torch.equal(wm.w_in[:wm.splits[0]], (mla.q_proj if mla.cfg.q_lora_rank is None else mla.q_a_proj).weight)
+
+
+def test_specialize_all_brings_back_a_key_per_row_count_class() -> None:
+    """The comparison switch of benchmarks/jit_churn.py: inside specialize_all the norm kernel's row count is
+    specialized again (== 1, other, % 16: three keys for 1, 3 and 16 rows), outside it is one key."""
+    if HAS_CUDA:
+        pytest.skip("needs kernels not yet launched in the process (the interpreter's are never bound)")
+    from k3rt.kernels.jit_probe import LaunchKeys, specialize_all
+    from k3rt.kernels.norm import rms_norm
+
+    w = torch.ones(64)
+
+    def keys() -> int:
+        with LaunchKeys() as rec:
+            for n in (1, 3, 16):
+                rms_norm(torch.randn(n, 64), w, 1e-5)
+        return rec.counts()["norm.triton_norm._rms_norm_fwd_kernel"]
+
+    assert keys() == 1
+    with specialize_all():
+        assert keys() == 3
+    assert keys() == 1
