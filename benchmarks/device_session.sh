@@ -42,6 +42,9 @@
 #   spec-gate (580)     benchmarks/spec_gate.py on k3-tiny (bf16): correctness (deterministic, the speculation
 #                       controller on), then per batch 1/4/16/64 the controller vs drafting every step vs plain,
 #                       code/chat/agent x ngram/suffix/dspark, until --budget-s 540 (issue 16's >= 0.95x goal)
+#   jit-churn (120 + 240) the compile-churn GPU test (tests/backend/test_jit_churn.py), then benchmarks/jit_churn.py
+#                       on k3-tiny (bf16, graphs on): binaries compiled per kernel in a warm-up and in 40 varied
+#                       prompts (1..300 tokens) arriving while others decode; 0 in the measured phase is the goal
 #   tp-tests (300)      tensor parallelism in the GPU runner on 2 GPUs (gpu tests of test_tp_gpu_runner.py and
 #                       test_tp_bench.py; they skip with fewer GPUs): ask for nvidia-h200-x2
 #   tp (540)            k3rt bench tp: 48B shape, TP 1 and 2, batch 1/16/64 at 4K, the latent tail AR vs RS
@@ -52,7 +55,7 @@ set -u
 for stage in "$@"; do
   case $stage in
     tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det|overlap|serve) ;;
-    spec-tests|spec-verify|dspark-pass|spec-bench|spec-gate|tp-tests|tp|tp-symm) ;;
+    spec-tests|spec-verify|dspark-pass|spec-bench|spec-gate|jit-churn|tp-tests|tp|tp-symm) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -137,6 +140,9 @@ for stage in "$@"; do
     spec-gate)
       run spec-gate 580 python3 benchmarks/spec_gate.py --device cuda --dtype bfloat16 --budget-s 540 \
         --out "$OUT/spec_gate.json" ;;
+    jit-churn)
+      gpu_pytest jit-churn 120 tests/backend/test_jit_churn.py
+      run jit-churn 240 python3 benchmarks/jit_churn.py --device cuda --out "$OUT/jit_churn.json" ;;
     tp-tests)
       gpu_pytest tp-tests 300 tests/backend/test_tp_gpu_runner.py tests/backend/test_tp_bench.py ;;
     tp)

@@ -87,7 +87,9 @@ def main() -> int:
                                 "tokens_per_s_plain": g.tokens_per_s_plain, "speedup_adaptive": g.speedup,
                                 "speedup_always": w.speedup, "spec_share": g.spec_share, "skipped_steps": g.skipped,
                                 "tau_adaptive": g.tau, "tau_always": w.tau,
-                                "identical": g.identical and w.identical})
+                                "identical": g.identical and w.identical,
+                                # Triton compiles inside the measured runs (plain, controller, always): 0 expected
+                                "compiles": [g.compiles_plain, g.compiles_spec, w.compiles_spec]})
         last = time.monotonic() - t0
         log(f"batch {b}: {len(gated)} rows in {last:.0f}s")
         report.save()

@@ -2,6 +2,15 @@
 
 Import this module only after TRITON_INTERPRET is settled (tests set it before importing kernels):
 `INTERPRET` is read once, at import.
+
+Compiles: Triton 3.6 compiles one binary per specialization of a kernel's arguments. Every int argument
+is keyed on (== 1: then a constant, % 16 == 0, other) and every pointer on 16-byte alignment. An argument
+that varies per step (row, sequence and pair counts, split counts, the block table's width) would make each
+new batch or prompt length a candidate for a compile in the middle of serving, so each kernel lists those in
+`@triton.jit(do_not_specialize=...)`; so are pointers into the runner's packed step buffers (index arrays
+at offsets that move with the step's sizes) in `do_not_specialize_on_alignment`. Model-shape sizes and
+strides (which feed vectorized address arithmetic) stay specialized. kernels/jit_probe.py counts the
+binaries; tests/backend/test_jit_churn.py checks that varied steps stop producing new ones.
 """
 from __future__ import annotations
 

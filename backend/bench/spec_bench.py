@@ -122,6 +122,10 @@ class SpecRow:
     # of the steps in which some request could speculate, the share that verified drafts (the controller's choice)
     spec_share: float = 0.0
     skipped: int = 0  # steps the speculation controller decoded plainly
+    # Triton binaries compiled inside the measured runs (CUDA only; 0 is the goal: a compile there is seconds of
+    # the run's wall time, which the warm-up is for)
+    compiles_plain: int = 0
+    compiles_spec: int = 0
 
 
 @dataclass
@@ -139,6 +143,7 @@ class _Run:
     spec_steps: int = 0
     speculated: int = 0
     skipped: int = 0
+    compiles: int = 0  # Triton binaries compiled during the run (CUDA; kernels/jit_probe.py)
 
 
 def _code_sources() -> list[str]:
@@ -188,12 +193,36 @@ def _prompts(cfg: SpecBenchConfig, tok, workload: str, batch: int) -> list[list[
     return [tok.encode_prompt(f"# task {i}: {t}\n# plan, then call tools\n") for i, t in enumerate(texts)]
 
 
-def _agent_turn(tok, prompt: list[int], output: list[int]) -> list[int]:
-    """History + the model's turn + a tool result that echoes it (the agent's file, read back)."""
-    return prompt + output + tok.encode("\n# tool read_file ->\n") + output + tok.encode("\n# next step\n")
+def _agent_turn(tok, prompt: list[int], output: list[int], echo_len: int | None = None) -> list[int]:
+    """History + the model's turn + a tool result that echoes it (the agent's file, read back). echo_len (the
+    warm-up): the echo repeated to that length (the measured turn's output length), so the part of the next
+    prompt past the cached history (the prefill) is as long as the measured turn's."""
+    return prompt + output + tok.encode("\n# tool read_file ->\n") + _padded(output, echo_len) + \
+        tok.encode("\n# next step\n")
 
 
-def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str) -> _Run:
+def _padded(output: list[int], length: int | None) -> list[int]:
+    """`output` repeated up to `length` tokens (None: as it is)."""
+    if length is None or not output:
+        return output
+    return (output * -(-length // len(output)))[:length]
+
+
+def _compiled(eng) -> int:
+    """Triton binaries the GPU runner's kernels hold now (kernels/jit_probe.py); 0 off CUDA."""
+    if not str(eng.cfg.device).startswith("cuda"):
+        return 0
+    from k3rt.kernels.jit_probe import compiled_counts
+
+    return sum(compiled_counts().values())
+
+
+def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str,
+         turn_output_len: int | None = None) -> _Run:
+    """One run of `workload` on these prompts. turn_output_len (the warm-up): each agent turn's echoed output is
+    repeated to this length in the next turn's prompt, so the warm-up's later turns prefill as many new tokens
+    as the measured turns (their cached history is shorter: it holds the warm-up's few generated tokens) while
+    generating only cfg.max_tokens per turn."""
     from k3rt.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=True)
@@ -239,6 +268,7 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
           eng.stats.spec_steps, eng.stats.spec_steps_speculated, eng.stats.spec_steps_skipped)
     g0 = getattr(eng.runner, "verify_graph_replays", 0)
     outputs: list[list[int]] = []
+    compiled0 = _compiled(eng)
     t0 = time.perf_counter()
     try:
         turns = cfg.turns if workload == "agent" else 1
@@ -246,17 +276,18 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
             outs = [o.output_ids for o in eng.generate(prompts, params)]
             outputs += outs
             if workload == "agent":
-                prompts = [_agent_turn(tok, p, o) for p, o in zip(prompts, outs)]
+                prompts = [_agent_turn(tok, p, o, turn_output_len) for p, o in zip(prompts, outs)]
     finally:
         eng.step, eng.scheduler.schedule = step, schedule
         if drafter is not None:  # a drafter kept for the next run (dspark) must not time into this run's list
             drafter.propose_scored = propose
     wall = time.perf_counter() - t0
+    compiled = _compiled(eng) - compiled0
     s = eng.stats
     return _Run(outputs, wall, sum(map(len, outputs)), step_ms, draft_ms, s.spec_verifies - s0[0],
                 s.spec_drafted_tokens - s0[1], s.spec_accepted_tokens - s0[2],
                 getattr(eng.runner, "verify_graph_replays", 0) - g0, getattr(drafter, "graphs", None) is not None,
-                s.spec_steps - s0[3], s.spec_steps_speculated - s0[4], s.spec_steps_skipped - s0[5])
+                s.spec_steps - s0[3], s.spec_steps_speculated - s0[4], s.spec_steps_skipped - s0[5], compiled)
 
 
 def step_speedup(plain_ms: float, verify_ms: float, draft: float, tau: float) -> float:
@@ -320,11 +351,15 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
                                                               adaptive=cfg.spec_adaptive)
         eng = Engine(replace(base, spec=spec), model=model)
         for (w, b), ps in prompts.items():
-            # warm-up on these very prompts, untimed: the kernels compile for their prefill and batch shapes
-            # (Triton specializes on sizes) outside the measured run; on the H200 the first method's runs
-            # otherwise timed those compiles (plain k3-tiny at 30 tokens/s instead of ~700)
+            # warm-up on the measured workload itself, untimed: these very prompts, every agent turn (each turn
+            # prefilling as many new tokens as the measured one), so what compiles for their prefill and batch shapes (tile
+            # choices by size; per-step sizes are not specialized, kernels/common.py) compiles outside the
+            # measured run; on the H200 the measured runs otherwise timed compiles (plain k3-tiny at 30 tokens/s
+            # instead of ~700 on the first method's runs; agent b1 at 29 while code b1 ran 767 after the
+            # code-only warm-up). Few tokens per request and turn: the warm-up's cost stays bounded
             eng.flush_cache()
-            _run(eng, ps, replace(cfg, max_tokens=min(cfg.max_tokens, WARMUP_TOKENS)), tok, "code")
+            _run(eng, ps, replace(cfg, max_tokens=min(cfg.max_tokens, WARMUP_TOKENS)), tok, w,
+                 turn_output_len=cfg.max_tokens)
             eng.flush_cache()
             # a fresh drafter: no run drafts from another's outputs (dspark keeps nothing between requests: its
             # drafter, with the CUDA graphs it captured, is kept)
@@ -358,7 +393,8 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
                                 step_speedup=step_speedup(plain_ms, verify_ms, draft, tau),
                                 identical=r.outputs == plain.outputs, graph_verifies=r.graph_verifies,
                                 drafter_graphs=r.drafter_graphs,
-                                spec_share=r.speculated / r.spec_steps if r.spec_steps else 0.0, skipped=r.skipped))
+                                spec_share=r.speculated / r.spec_steps if r.spec_steps else 0.0, skipped=r.skipped,
+                                compiles_plain=plain.compiles, compiles_spec=r.compiles))
     return rows
 
 
@@ -370,7 +406,7 @@ def format_table(rows: Sequence[SpecRow]) -> str:
     """A markdown table, one line per row."""
     head = ("| workload | batch | drafter | K | tau | accept | verifies | draft ms | verify ms | plain ms | "
             "verify/plain | draft/plain | tok/s plain | tok/s spec | speedup | step speedup | identical | "
-            "graph verifies | drafter graphs | spec share | skipped |")
+            "graph verifies | drafter graphs | spec share | skipped | compiles |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(f"| {r.workload} | {r.batch} | {r.drafter} | {r.spec_tokens} | {r.tau:.2f} | "
@@ -379,7 +415,7 @@ def format_table(rows: Sequence[SpecRow]) -> str:
                      f"{r.tokens_per_s_plain:.1f} | {r.tokens_per_s_spec:.1f} | {r.speedup:.2f} | "
                      f"{r.step_speedup:.2f} | "
                      f"{'yes' if r.identical else 'NO'} | {r.graph_verifies} | {'yes' if r.drafter_graphs else 'no'} | "
-                     f"{r.spec_share:.2f} | {r.skipped} |")
+                     f"{r.spec_share:.2f} | {r.skipped} | {r.compiles_plain}/{r.compiles_spec} |")
     return "\n".join(lines)
 
 

@@ -19,7 +19,8 @@ from k3rt.kernels.common import INTERPRET, check_same_device, pdl_kwargs, poison
 _TILE = 4096
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): N: the step's rows
+@triton.jit(do_not_specialize=["N"])
 def _attn_res_mix_fwd_kernel(
     src_ptr, stride_j, stride_n,  # [Jmax, N, D], last dim contiguous
     nw_ptr, pw_ptr,  # [D], [D]

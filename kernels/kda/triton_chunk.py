@@ -58,7 +58,8 @@ def _dot(a, b, DOT16: tl.constexpr, PREC: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): the chunk tables are views of the packed step
+@triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
 def _kda_chunk_intra_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,  # inputs, heads folded in via the strides below
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -201,7 +202,8 @@ def _kda_chunk_intra_kernel(
     tl.store(u_ptr + scr * (C * BV) + rows[:, None] * BV + offs_v[None, :], u.to(u_ptr.dtype.element_ty))
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): the chunk tables and slots are views of the packed step
+@triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_off_ptr", "slot_ptr", "init_ptr", "snap_ptr"])
 def _kda_chunk_state_kernel(
     o_ptr, stride_ot, stride_oh,  # [T_total, H, V]
     cu_ptr,  # [N+1] int32
@@ -262,7 +264,8 @@ def _kda_chunk_state_kernel(
     tl.store(state_ptr + slot * stride_s + s_off, S, mask=mask_s & (slot >= 0))
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): the chunk tables are views of the packed step
+@triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
 def _kda_chunk_out_kernel(
     o_ptr, stride_ot, stride_oh,  # [T_total, H, V]
     cu_ptr, chunk_seq_ptr, chunk_idx_ptr,

@@ -106,7 +106,10 @@ def _norm_gate_row(raw_row, gate_row, w_ptr, o_row, offs, mask, eps, D: tl.const
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(o_row + offs, (x * rstd * w * tl.sigmoid(gt)).to(o_row.dtype.element_ty), mask=mask)
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): slots, a view of the packed step (count_ptr too, which is the
+# slots where no counter is used); b's row stride (a column view's, or H where a mixed step gathered its rows: one
+# scalar per head, never a vector load)
+@triton.jit(do_not_specialize=["stride_b_n"], do_not_specialize_on_alignment=["slot_ptr", "count_ptr"])
 def _kda_decode_kernel(
     qkv_ptr, stride_qkv_n,  # [N, 3*H*D] pre-conv q|k|v
     conv_w_ptr,  # [3*H*D, W] fp32

@@ -41,7 +41,9 @@ def _store_window_tail(win, cs_ptr, ch, mask, C: tl.constexpr, W: tl.constexpr, 
              mask=((r >= 1) & (r < W))[:, None] & mask)
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): slots, token counts: views of the packed step or per-step
+# tensors (count_ptr too, which is the slots where no counter is used)
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr", "n_ptr", "count_ptr"])
 def _kda_multi_kernel(
     qkv_ptr, stride_qkv_n, stride_qkv_t,  # [N, R, 3*H*D] pre-conv q|k|v
     conv_w_ptr,  # [3*H*D, W] fp32

@@ -24,7 +24,10 @@ _BT = 64 if INTERPRET else 16
 _BC = 256 if INTERPRET else 128
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): T, num_old: the step's rows and old windows; slots, idx:
+# views of the packed step. b's row stride stays specialized (a row of H heads is one vector load at the 48B
+# shape): the runner keeps it a multiple of 16 (backend/runner/gpu/kda.py ROW_ALIGN)
+@triton.jit(do_not_specialize=["T", "num_old"], do_not_specialize_on_alignment=["slot_ptr", "idx_ptr"])
 def _kda_chunk_prep_kernel(
     x_ptr, stride_x, cs_ptr, stride_cs_s, stride_cs_w, slot_ptr, idx_ptr, cw_ptr, y_ptr,  # the conv
     f_ptr, stride_f, b_ptr, stride_b, a_log_ptr, dt_ptr, g_ptr, beta_ptr, lower_bound,  # the gate

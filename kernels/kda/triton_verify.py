@@ -55,7 +55,9 @@ def _verify_window(x_seq, stride_xt, cs_ptr, t, ch, mask, C: tl.constexpr, W: tl
     return tl.where((p < 0)[:, None], hist.to(tl.float32), tok.to(tl.float32))
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): slots, a view of the packed step (count_ptr too, which is the
+# slots where no counter is used)
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr", "count_ptr"])
 def _kda_verify_kernel(
     qkv_ptr, stride_qkv_n, stride_qkv_t,  # [N, T, 3*H*D] pre-conv q|k|v
     conv_w_ptr,  # [3*H*D, W] fp32
@@ -153,7 +155,8 @@ def _kda_verify_kernel(
                     tl.store(count_ptr + (i_n * H + i_h), 0)  # ready for the next launch
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): accepted, slots: per-step vectors (slices)
+@triton.jit(do_not_specialize_on_alignment=["accepted_ptr", "slot_ptr"])
 def _kda_commit_kernel(
     accepted_ptr,  # [N] int32: accepted drafted tokens; 0 (or out of 1..T) leaves the slot as is
     slot_ptr,  # [N]

@@ -63,7 +63,9 @@ def prefer_skinny(m: int, n: int, x_dtype: torch.dtype, w_dtype: torch.dtype) ->
     return w_dtype == torch.float32 or (m == 1 and n <= 4096)
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): M: the step's rows (BLOCK_M keeps one compile per power of
+# two)
+@triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr, stride_xm,
     w_ptr, stride_wn,

@@ -80,7 +80,12 @@ def _load_tile(kv_ptr, pages, pos, end, block_size, L: tl.constexpr, R: tl.const
     return c, pe
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): the table's width (longest context) and the split count vary
+# per step; table and lengths are views of the packed step
+@triton.jit(
+    do_not_specialize=["stride_bt_n", "num_splits"],
+    do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr"],
+)
 def _mla_decode_split_tokens_kernel(
     q_ptr, stride_q_n, stride_q_h,  # [N, H, L+R]
     kv_ptr,  # [num_pages, block_size, L+R], contiguous
@@ -162,7 +167,12 @@ def _mla_decode_split_tokens_kernel(
     tl.store(lse_ptr + row, lse, mask=mask_h)
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): the table's width (longest context) and the split count vary
+# per step; table and lengths are views of the packed step
+@triton.jit(
+    do_not_specialize=["stride_bt_n", "num_splits"],
+    do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr"],
+)
 def _mla_decode_split_kernel(
     q_ptr, stride_q_n, stride_q_h,  # [N, H, L+R]
     kv_ptr,  # [num_pages, block_size, L+R], contiguous
@@ -239,7 +249,8 @@ def _mla_decode_split_kernel(
         tl.store(lse_ptr + row, lse, mask=mask_h)
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): the split count varies per step
+@triton.jit(do_not_specialize=["num_splits"])
 def _mla_decode_combine_kernel(
     part_ptr,  # [N, S, H, L] fp32, or the output's dtype (partial_dtype="input")
     lse_ptr,  # [N, S, H] fp32, log2 domain

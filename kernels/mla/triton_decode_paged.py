@@ -149,7 +149,12 @@ def _store_partial(part_ptr, lse_ptr, slot, H, offs_h, mask_h, acc, m_i, l_i, L:
     tl.store(lse_ptr + out_row, lse, mask=mask_h)
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): the table's width (longest context) and the split count vary
+# per step; table and lengths are views of the packed step
+@triton.jit(
+    do_not_specialize=["stride_bt_n", "num_splits"],
+    do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr"],
+)
 def _mla_decode_paged_kernel(
     q_ptr, stride_q_n, stride_q_h,  # [N, H, L+R]
     kv_ptr,  # [num_pages, block_size, L+R], contiguous
@@ -208,7 +213,12 @@ def _balanced_plan(seq_lens_ptr, N, block_size, num_programs, min_tiles, BLOCK_N
     return lens, tiles, cu, total, per
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): the batch and the table's width vary per step; table and
+# lengths are views of the packed step
+@triton.jit(
+    do_not_specialize=["stride_bt_n", "N"],
+    do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr"],
+)
 def _mla_decode_balanced_kernel(
     q_ptr, stride_q_n, stride_q_h,  # [N, H, L+R]
     kv_ptr,  # [num_pages, block_size, L+R], contiguous
@@ -267,7 +277,9 @@ def _mla_decode_balanced_kernel(
         gdc_launch_dependents()
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): the batch varies per step; the lengths are a view of the
+# packed step
+@triton.jit(do_not_specialize=["N"], do_not_specialize_on_alignment=["seq_lens_ptr"])
 def _mla_decode_balanced_combine_kernel(
     part_ptr,  # [P + N - 1, H, L] fp32, or the output's dtype (partial_dtype="input")
     lse_ptr,  # [P + N - 1, H] fp32, log2 domain

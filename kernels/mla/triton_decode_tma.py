@@ -23,7 +23,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from k3rt.kernels.mla.triton_decode_paged import _load_q, _store_partial, _tile_update
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): the table's width (longest context) and the split count vary
+# per step; table and lengths are views of the packed step
+@triton.jit(
+    do_not_specialize=["stride_bt_n", "num_splits"],
+    do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr"],
+)
 def _mla_decode_tma_kernel(
     q_ptr, stride_q_n, stride_q_h,  # [N, H, L+R]
     kv_ptr,  # [num_pages, block_size, L+R], contiguous (the masked last tile)

@@ -13,7 +13,8 @@ from torch import Tensor
 from k3rt.kernels.common import check, check_same_device
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): slot_ptr: the step's kv_slot, a view of the packed step
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _store_latent_kernel(
     ckv_ptr, stride_ct,
     w_ptr,

@@ -48,7 +48,8 @@ def _attend_tile(acc, m_i, l_i, q_n, q_p, kn_rows, kpe_rows, v_rows, offs_p, off
     return acc, m_new, l_i
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): cu_q, cu_k: views of the packed step
+@triton.jit(do_not_specialize_on_alignment=["cu_q_ptr", "cu_k_ptr"])
 def _mla_prefill_kernel(
     q_ptr, stride_q_t, stride_q_h,  # [Tq, H, P+R]
     kn_ptr, stride_kn_t, stride_kn_h,  # [Tk, H, P]

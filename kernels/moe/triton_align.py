@@ -48,7 +48,8 @@ def _scatter_chunk(ids_ptr, base_ptr, sorted_ptr, c, P, BP: tl.constexpr, SUB: t
     tl.store(sorted_ptr + slot, offs, mask=ok)
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): P: the step's (token, expert) pairs
+@triton.jit(do_not_specialize=["P"])
 def _moe_align_count_kernel(ids_ptr, counts_ptr, P, E_P: tl.constexpr, BP: tl.constexpr, USE_PDL: tl.constexpr):
     c = tl.program_id(0)
     offs = c * BP + tl.arange(0, BP)
@@ -60,7 +61,8 @@ def _moe_align_count_kernel(ids_ptr, counts_ptr, P, E_P: tl.constexpr, BP: tl.co
     tl.store(counts_ptr + c * E_P + tl.arange(0, E_P), tl.histogram(e, E_P, mask=offs < P))
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): P, NC, NB: the step's pairs, chunks and blocks
+@triton.jit(do_not_specialize=["P", "NC", "NB"])
 def _moe_align_offsets_kernel(
     ids_ptr,  # [P] int32 expert of each pair
     counts_ptr,  # [NC, E_P] int32: chunk histograms in, each chunk's first slot per expert out
@@ -120,7 +122,8 @@ def _moe_align_offsets_kernel(
         _scatter_chunk(ids_ptr, start_ptr, sorted_ptr, 0, P, BP, SUB)
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): P: the step's pairs
+@triton.jit(do_not_specialize=["P"])
 def _moe_align_scatter_kernel(ids_ptr, counts_ptr, sorted_ptr, P, E_P: tl.constexpr, BP: tl.constexpr,
                               SUB: tl.constexpr, USE_PDL: tl.constexpr):
     c = tl.program_id(0)

@@ -30,6 +30,11 @@ from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs,
 from k3rt.kernels.moe.triton_align import moe_align_fwd
 from k3rt.model_config import ActivationConfig
 
+# The expert GEMMs' arguments that change with the batch and the routing (pairs, tokens, block counts): not
+# specialized, so one compile serves every step of a tile config (kernels/common.py, "Compiles"); D and I
+# (model shape, in the address arithmetic) stay specialized
+PER_STEP = ["P", "T", "NB_ROUTED", "NB_SHARED"]
+
 
 @dataclass(frozen=True)
 class ExpertTiles:
@@ -104,7 +109,7 @@ def _block_rows(pid_m, sorted_ptr, block_expert_ptr, P, T, NB_ROUTED, NB_SHARED,
     return e, pair, tl.where(row_ok, tok, 0).to(tl.int64), row_ok
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP)
 def _moe_gate_up_kernel(
     x_ptr, stride_xt,  # [T, D]
     w13_ptr,  # [E, 2I, D] contiguous
@@ -170,7 +175,7 @@ def _moe_gate_up_kernel(
         tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP)
 def _moe_down_kernel(
     h_ptr,  # [S, I] contiguous
     w2_ptr,  # [E, D, I] contiguous
@@ -223,7 +228,8 @@ def _moe_down_kernel(
         tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): T, P: the step's tokens and pairs
+@triton.jit(do_not_specialize=["T", "P"])
 def _moe_sum_kernel(y_ptr, out_ptr, stride_ot, D, T, P, TOPK: tl.constexpr, SHARED: tl.constexpr,
                     BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
     t = tl.program_id(0)

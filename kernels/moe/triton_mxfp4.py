@@ -33,6 +33,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs, poison_like
 from k3rt.kernels.moe.mxfp4_ref import GROUP
 from k3rt.kernels.moe.triton_experts import (
+    PER_STEP,
     ExpertTiles, _block_rows, _tanh, align_blocks, check_routing, check_x, pick_tiles, sum_slots,
 )
 from k3rt.model_config import ActivationConfig
@@ -121,7 +122,7 @@ def _w_tiles(q_ptrs, s_ptrs, k, mask):
     return q, sc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP)
 def _moe_gate_up_mxfp4_kernel(
     x_ptr, stride_xt,  # [T, D]
     wq_ptr,  # [E, 2I, D/2] uint8
@@ -209,7 +210,7 @@ def _moe_gate_up_mxfp4_kernel(
         tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP)
 def _moe_down_mxfp4_kernel(
     h_ptr,  # [S, I]
     wq_ptr,  # [E, D, I/2] uint8

@@ -53,7 +53,7 @@ from k3rt.kernels.common import INTERPRET, check, check_same_device, poison_like
 # the layout itself (torch only); SLOT_BITS, to_planar and from_planar are re-exported with the kernels
 from k3rt.kernels.moe.mxfp4_planar_layout import CHUNK, SLOT_BITS, from_planar, repack_in_place, to_planar  # noqa: F401
 from k3rt.kernels.moe.mxfp4_ref import GROUP
-from k3rt.kernels.moe.triton_experts import _tanh, align_blocks, check_routing, check_x, sum_slots
+from k3rt.kernels.moe.triton_experts import PER_STEP, _tanh, align_blocks, check_routing, check_x, sum_slots
 from k3rt.model_config import ActivationConfig
 
 MAX_SCALE = 240  # the largest E8M0 exponent whose group factor 2^(s - 113) is a normal fp32
@@ -63,9 +63,6 @@ PLANAR_VARIANTS = ("mma", "mma_ws", "fma")
 # what the GPU runner serves MXFP4 experts with (its default tiles, PLANAR_CANDIDATES): the fastest variant at
 # every decode routing measured (benchmarks/kernels_mxfp4.py on the H200, 2026-12-02)
 PLANAR_SERVE_VARIANT = "mma_ws"
-# the GEMMs' arguments that change with the batch and the routing: not specialized (one compile per tile
-# config, not one per value class of T; serving and the benchmark would otherwise recompile mid-run)
-_PER_STEP = ["P", "T", "NB_ROUTED", "NB_SHARED"]
 
 
 @dataclass(frozen=True)
@@ -294,7 +291,7 @@ def _finish(acc, FMA: tl.constexpr):
     return tl.sum(acc, axis=1)[:, None] if FMA else acc
 
 
-@triton.jit(do_not_specialize=_PER_STEP)
+@triton.jit(do_not_specialize=PER_STEP)
 def _moe_gate_up_planar_kernel(
     x_ptr, stride_xt,  # [T, D]
     w_ptr, stride_w,  # [E, 2I, D/8] int32 planar words; stride_w = D/8
@@ -364,7 +361,7 @@ def _moe_gate_up_planar_kernel(
             tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_ok[:, None] & ok[None, :])
 
 
-@triton.jit(do_not_specialize=_PER_STEP)
+@triton.jit(do_not_specialize=PER_STEP)
 def _moe_down_planar_kernel(
     h_ptr,  # [S, I]
     w_ptr, stride_w,  # [E, D, I/8] int32 planar words; stride_w = I/8

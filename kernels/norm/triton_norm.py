@@ -19,7 +19,8 @@ from k3rt.kernels.common import INTERPRET, check_same_device, pdl_kwargs, poison
 _TILE = 4096
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): N: the step's rows
+@triton.jit(do_not_specialize=["N"])
 def _rms_norm_fwd_kernel(
     x_ptr, stride_x,  # [N, D]
     r_ptr, stride_r,  # [N, D] residual (unused without HAS_RESIDUAL)
@@ -54,7 +55,8 @@ def _rms_norm_fwd_kernel(
     tl.store(y_ptr + rows64 * D + cols[None, :], (xn * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): R: the step's rows times heads
+@triton.jit(do_not_specialize=["R"])
 def _rms_norm_gated_fwd_kernel(
     x_ptr, stride_xn, stride_xh,  # [N, H, D]
     g_ptr, stride_gn, stride_gh,  # [N, H, D]

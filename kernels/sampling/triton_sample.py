@@ -22,7 +22,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from k3rt.kernels.common import INTERPRET, pdl_kwargs
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): the per-row parameter vectors: slices of the sampler's batch
+# buffers
+@triton.jit(
+    do_not_specialize_on_alignment=["temp_ptr", "topk_ptr", "rep_ptr", "freq_ptr", "pres_ptr", "rows_ptr",
+                                    "seed_ptr", "off_ptr", "thr_ptr"],
+)
 def _sample_fwd_kernel(
     in_ptr, stride_in,  # [B, V] fp32: raw logits (PROCESS) or processed x
     x_ptr,  # [B, V] fp32 contiguous, processed logits out (WRITE_X)

@@ -35,7 +35,9 @@ def _ext_rows(x_ptr, stride_x, cs_ptr, stride_cs_s, stride_cs_w, slot_ptr, r, m_
     return tl.where(old[:, None], a.to(x_ptr.dtype.element_ty).to(tl.float32), b.to(tl.float32))
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): num_old: the step's sequences times W-1; slots, idx, dest:
+# views of the packed step
+@triton.jit(do_not_specialize=["num_old"], do_not_specialize_on_alignment=["slot_ptr", "idx_ptr", "dest_ptr"])
 def _conv_windows_store_kernel(
     x_ptr, stride_x, cs_ptr, stride_cs_s, stride_cs_w, slot_ptr, idx_ptr, dest_ptr,
     C, num_old,

@@ -52,7 +52,8 @@ def _step_tile(base_ptr, row, mout_ptr, code, offs, valid, rs, rmask, R, HAS_MAR
     return x
 
 
-@triton.jit
+# not specialized per step (kernels/common.py, Compiles): anchors: a per-step slice
+@triton.jit(do_not_specialize_on_alignment=["anchor_ptr"])
 def _greedy_draft_fwd_kernel(
     base_ptr,  # [B, K, V] fp32 contiguous
     anchor_ptr,  # [B] int64

@@ -46,13 +46,28 @@ def test_step_times_are_measured_under_overlap_scheduling(monkeypatch) -> None:
     times were all 0.00 on the H200 when the bench timed execute. It times engine steps now (the reference
     runner overlaps here, computing eagerly, which the engine cannot tell apart).
     And every measured run follows an untimed one on the same prompts: on the H200 the first method's runs timed
-    the kernels' compiles for their shapes (plain k3-tiny at 30 tokens/s, so every speedup read ~15x)."""
+    the kernels' compiles for their shapes (plain k3-tiny at 30 tokens/s, so every speedup read ~15x). That
+    warm-up prefills every prompt length its measured run prefills, every agent turn included, at most
+    WARMUP_TOKENS per request and turn, the same number of new prompt tokens per turn (up to the prefix cache's
+    page rounding): it ran only the first turn (as "code"), and the measured agent runs then compiled for their
+    later turns' shapes (plain agent b1 at 29 tokens/s against 767 for code b1)."""
     from k3rt.backend.bench import spec_bench
-
+    from k3rt.backend.engine import Engine
     from k3rt.backend.spec.ngram import NgramDrafter
 
-    calls = []
+    calls, generated = [], []
     real = spec_bench._run
+    real_generate = Engine.generate
+
+    def generate_spy(self, prompts, params, *a, **kw):
+        before = self.stats.computed_prompt_tokens
+        out = real_generate(self, prompts, params, *a, **kw)
+        # the engine, the prompt tokens prefilled (past the cached prefix), the tokens generated per request
+        generated.append((id(self), self.stats.computed_prompt_tokens - before, params.max_tokens,
+                          self.layout.block_size))
+        return out
+
+    monkeypatch.setattr(Engine, "generate", generate_spy)
     # a slow drafter: its time must land in draft_ms, not in the verify step's (the scheduler drafts inside
     # the engine step; the H200 table's verify column included the drafter's pass)
     slow = NgramDrafter.propose
@@ -64,9 +79,9 @@ def test_step_times_are_measured_under_overlap_scheduling(monkeypatch) -> None:
 
     monkeypatch.setattr(NgramDrafter, "propose", slow_propose)
 
-    def spy(eng, prompts, cfg, tok, workload):
+    def spy(eng, prompts, cfg, tok, workload, **kw):
         calls.append((id(eng), prompts, cfg.max_tokens))
-        return real(eng, prompts, cfg, tok, workload)
+        return real(eng, prompts, cfg, tok, workload, **kw)
 
     monkeypatch.setattr(spec_bench, "_run", spy)
     n = torch.get_num_threads()
@@ -75,7 +90,7 @@ def test_step_times_are_measured_under_overlap_scheduling(monkeypatch) -> None:
         cfg = SpecBenchConfig(workloads=("agent",), batch_sizes=(1,), drafters=("ngram",), max_tokens=12, turns=2,
                               overlap=True, spec_adaptive=False)
         rows = spec_bench.bench_spec(cfg, progress=False)
-        first = list(calls)
+        first, first_generated = list(calls), list(generated)
         # with the speculation controller, a drafter whose pass costs 50 ms (a few plain steps) is turned down:
         # most steps decode plainly (overlapped), only explorations and probes draft
         delay[0] = 0.05
@@ -92,6 +107,16 @@ def test_step_times_are_measured_under_overlap_scheduling(monkeypatch) -> None:
     assert len(measured) == 2  # plain, ngram
     for i in measured:  # the call before: same engine, same prompts, fewer tokens (the warm-up)
         assert i > 0 and calls[i - 1][0] == calls[i][0] and calls[i - 1][1] == calls[i][1] and calls[i - 1][2] < 12
+    # turn by turn (generate calls: warm-up turns, then the measured run's turns, per method): the same lengths
+    warm = [g for g in first_generated if g[2] < 12]
+    timed = [g for g in first_generated if g[2] == 12]
+    assert len(warm) == len(timed) == 4  # (plain, ngram) x 2 turns
+    assert all(g[2] <= spec_bench.WARMUP_TOKENS for g in warm)
+    assert [g[0] for g in warm] == [g[0] for g in timed]  # the same engines, in order
+    assert warm[0][1] == timed[0][1] and warm[2][1] == timed[2][1]  # first turns: the same prompts
+    for w_, t_ in zip(warm, timed):  # later turns: the history cached up to a page boundary
+        assert abs(w_[1] - t_[1]) < w_[3] and t_[1] > 0, (warm, timed)
+    assert all(r.compiles_plain == r.compiles_spec == 0 for r in rows)  # the CPU compiles nothing
 
 
 @pytest.mark.parametrize("kw, field", [({"drafters": ("eagle",)}, "drafters"), ({"workloads": ()}, "workloads"),
@@ -116,3 +141,4 @@ def test_bench_code_prompts_are_the_drafters_held_out_prompts() -> None:
 def test_bench_spec_cli_refuses_a_bad_list(capsys) -> None:
     assert main(["bench", "spec", "--batch-sizes", "1,x"]) == 2
     assert "batch_sizes" in capsys.readouterr().err
+

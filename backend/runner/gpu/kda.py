@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from k3rt.backend.layers.norm import rms_norm_gated
 from k3rt.backend.models.kda import KimiDeltaAttention
-from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear, share_rows
+from k3rt.backend.runner.gpu.ops import ROW_ALIGN, KernelConfig, fuse_rows, kernel, linear
 from k3rt.backend.runner.gpu.step import GpuStep, KdaRows
 from k3rt.kernels.kda.ref import kda_chunked, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent
 from k3rt.kernels.short_conv.ref import causal_conv1d_rows, conv_windows_store
@@ -53,8 +53,9 @@ from k3rt.kernels.short_conv.ref import causal_conv1d_rows, conv_windows_store
 class KdaWeights:
     """Weights of one KDA layer, rearranged once for the GPU path (views share storage where possible)."""
 
-    w_in: torch.Tensor  # [3P + (P full-rank gate | D g_a) + D(f_a) + H(b), hidden]: every projection of x, one GEMM
-    splits: tuple[int, ...]
+    # [3P + (P full-rank gate | D g_a) + D(f_a) + H(b) + pad, hidden]: every projection of x, one GEMM
+    w_in: torch.Tensor
+    splits: tuple[int, ...]  # the column widths of its output: qkv, gate, f_a, b, then the zero pad
     # low-rank gate (None: full rank): [[g_b, 0], [0, f_b]] [2P, 2D]: both up-projections of the adjacent (g_a | f_a)
     # columns in one GEMM (the zero blocks add exact zeros; at decode one launch less per layer)
     w_up: torch.Tensor | None
@@ -71,9 +72,8 @@ class KdaWeights:
         low_rank = not hasattr(attn, "g_proj")
         parts.append(attn.g_a_proj.weight if low_rank else attn.g_proj.weight)
         parts += [attn.f_a_proj.weight, attn.b_proj.weight]
-        w = torch.cat([t.detach() for t in parts], dim=0).contiguous()
-        share_rows(parts, w)
-        splits = (3 * p, parts[3].shape[0], attn.head_dim, attn.num_heads)
+        w, rows = fuse_rows(parts)  # padded to ROW_ALIGN columns of output (ops.py says why)
+        splits = (3 * p, *rows[3:])
         w_up = None
         if low_rank:
             gb, fb = attn.g_b_proj.weight.detach(), attn.f_b_proj.weight.detach()
@@ -135,7 +135,7 @@ def kda_project(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor,
     """x [T, hidden] -> (pre-conv qkv [T, 3P], output gate [T, P], f [T, P], b [T, H]): column views of the
     fused GEMMs' outputs."""
     proj = linear(x, w.w_in, k)
-    qkv, gate, f_a, b = torch.split(proj, w.splits, dim=-1)
+    qkv, gate, f_a, b = torch.split(proj, w.splits, dim=-1)[:4]
     if w.w_up is not None:  # (g_a | f_a) -> (gate | f), one GEMM
         s0 = w.splits[0]
         gate, f = linear(proj[:, s0:s0 + w.w_up.shape[1]], w.w_up, k).split(w.w_up.shape[0] // 2, dim=-1)
@@ -189,14 +189,25 @@ def _split(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.
         _decode(attn, w, qkv[s:e], f[s:e], b[s:e], gate[s:e], conv_pool, rec_pool, pages, k, workspace, out=o[s:e])
     else:
         r = sp.dec_rows
-        o[r] = _decode(attn, w, qkv[r], f[r], b[r], gate[r], conv_pool, rec_pool, pages, k, workspace)
+        o[r] = _decode(attn, w, qkv[r], f[r], _gather_rows(b, r), gate[r], conv_pool, rec_pool, pages, k, workspace)
     if sp.rest_span is not None:
         s, e = sp.rest_span
         _general_gated(attn, w, qkv[s:e], f[s:e], b[s:e], gate[s:e], sp.rest, conv_pool, rec_pool, k, out=o[s:e])
     else:
         r = sp.rest_rows
-        o[r] = _general_gated(attn, w, qkv[r], f[r], b[r], gate[r], sp.rest, conv_pool, rec_pool, k)
+        o[r] = _general_gated(attn, w, qkv[r], f[r], _gather_rows(b, r), gate[r], sp.rest, conv_pool, rec_pool, k)
     return o
+
+
+def _gather_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """t[rows] with a row stride that is a multiple of ROW_ALIGN, as the projection's column views have: a
+    gathered b [n, H] would otherwise have stride H (4 at k3-tiny), a second binary of every kernel that reads
+    it, compiled the first time a step's rows come unordered (kernels/common.py, "Compiles")."""
+    width = -(-t.shape[1] // ROW_ALIGN) * ROW_ALIGN
+    if width == t.shape[1]:
+        return t[rows]
+    out = t.new_empty(rows.shape[0], width)[:, :t.shape[1]]
+    return out.copy_(t[rows])
 
 
 def _verify_runs(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,

@@ -18,13 +18,13 @@ import torch.nn.functional as F
 
 from k3rt.backend.layers.batch_invariant import ROW_TILE
 from k3rt.backend.models.mla import MultiHeadLatentAttention
-from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear, share_rows
+from k3rt.backend.runner.gpu.ops import KernelConfig, fuse_rows, kernel, linear
 from k3rt.backend.runner.gpu.step import GpuStep
 
 
 @dataclass
 class MlaWeights:
-    w_in: torch.Tensor  # [q_a or q | kv_a | gate?, hidden]: every projection of x, one GEMM
+    w_in: torch.Tensor  # [q_a or q | kv_a | gate? | pad, hidden]: every projection of x, one GEMM (ops.fuse_rows)
     splits: tuple[int, ...]
     w_uk: torch.Tensor  # [H, P, L]
     w_uv_t: torch.Tensor  # [H, L, V]
@@ -37,10 +37,9 @@ class MlaWeights:
         parts = [first, attn.kv_a_proj_with_mqa.weight]
         if m.use_output_gate:
             parts.append(attn.g_proj.weight)
-        fused = torch.cat([p.detach() for p in parts]).contiguous()
-        share_rows(parts, fused)
+        fused, splits = fuse_rows(parts)
         w = attn.kv_b_proj.weight.detach().view(h, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-        return MlaWeights(fused, tuple(p.shape[0] for p in parts),
+        return MlaWeights(fused, splits,
                           w[:, :m.qk_nope_head_dim].contiguous(), w[:, m.qk_nope_head_dim:].transpose(1, 2).contiguous(),
                           slot)
 

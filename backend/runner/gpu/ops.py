@@ -10,6 +10,7 @@ import importlib
 from dataclasses import dataclass
 from functools import cache
 
+import torch
 import torch.nn.functional as F
 
 from k3rt.backend.layers.batch_invariant import invariant_linear
@@ -82,6 +83,23 @@ def linear(x, w, k: KernelConfig, out_dtype=None):
     if out_dtype is not None and (x.dtype != out_dtype or w.dtype != out_dtype):
         return F.linear(x.to(out_dtype), w.to(out_dtype))
     return F.linear(x, w)
+
+
+# A fused projection's output width is padded (zero weight rows) to a multiple of this: its row stride is then a
+# multiple of 16 elements, so a row slice of any column view (a mixed step's rows) keeps the 16-byte alignment the
+# kernels reading it were compiled for, whatever row it starts at (kernels/common.py, "Compiles"); k3-tiny's KDA
+# projection (1,092 columns) otherwise gave them a binary per parity of the slice's first row
+ROW_ALIGN = 16
+
+
+def fuse_rows(parts: list) -> tuple:
+    """The concatenation of the weights `parts` along dim 0, then zero rows up to a multiple of ROW_ALIGN, each part
+    pointed at its rows (share_rows). -> (fused weight, (each part's rows..., the pad's rows))."""
+    pad = -sum(p.shape[0] for p in parts) % ROW_ALIGN
+    p0 = parts[0]
+    fused = torch.cat([p.detach() for p in parts] + [p0.new_zeros(pad, *p0.shape[1:])]).contiguous()
+    share_rows(parts, fused)
+    return fused, (*(p.shape[0] for p in parts), pad)
 
 
 def share_rows(parts: list, fused) -> None:
