@@ -4,8 +4,10 @@ CPU (gloo; the runner's torch-op path, kernels=False, no graphs): TP2 and TP2 wi
 give TP1's tokens through the engine for both archs (the workload of test_tp.py: concurrent requests,
 a seeded sampled one, prefix-cache hits), with really two processes each running the GPU runner on its
 shard; k3 at TP2 with expert parallelism through the Triton kernels (run by the interpreter) gives the
-reference TP1 tokens; a killed worker fails the engine; the plan -> StepSeq conversion the workers use
-rebuilds rank 0's logits rows; the fast all-reduce hook and its refusals.
+reference TP1 tokens; the piecewise forward of steps with prefill rows run eagerly on both ranks
+(EngineConfig.mixed_pieces_eager) gives TP1's tokens, rank 0's plans naming the bucket each worker must take too,
+and a worker refuses a plan whose bucket is not its own; a killed worker fails the engine; the plan -> StepSeq
+conversion the workers use rebuilds rank 0's logits rows; the fast all-reduce hook and its refusals.
 GPU (`gpu`, two CUDA devices; skipped with fewer): TP2 with the Triton kernels and the collectives
 captured in the decode graphs (NCCL, or the opt-in symmetric-memory all-reduce) gives TP1's greedy tokens.
 """
@@ -70,6 +72,71 @@ def test_gpu_runner_tp2_ep_triton_kernels_in_the_interpreter(tmp_path_factory, m
         eng.close()
 
 
+@pytest.mark.parametrize("ep", [False, True], ids=["tp2", "tp2-ep"])
+def test_gpu_runner_tp2_pieces_run_eagerly_match_tp1(tp1, ep, no_new_processes):  # noqa: F811
+    """mixed_pieces_eager: every rank builds the piecewise forward from the config and runs its pieces eagerly (the
+    replayed path less the capture: padded buckets, boundary buffers, the o_proj/MoE/embedding all-reduces inside
+    the pieces over gloo). TP2 (and TP2 with expert parallelism) gives TP1's eager tokens and prefix-cache hits.
+    Rank 0 ran every step with prefill rows piecewise (one of them chunks beside decodes, round two's resuming
+    from the prefix cache); each worker checked its own bucket against the one rank 0's plan named, so a worker
+    that ran a step another way (or not through the pieces) would have failed the engine."""
+    ckpt, want, want_cached = tp1
+    eng = gpu_engine(ckpt, 2, ep=ep, mixed_pieces_eager=True)
+    try:
+        runner = eng.runner.inner
+        assert runner.mixed is not None and not runner.mixed.graphs
+        got, cached = workload(eng)
+        assert got == want
+        assert cached == want_cached
+        prefill = [s for s in eng.runner.steps if s.chunks]
+        assert runner.mixed.runs == len(prefill) and runner.mixed.replays == 0
+        assert any(s.decodes for s in prefill), "no step mixed a prefill chunk with decodes"
+    finally:
+        eng.close()
+
+
+def test_worker_refuses_a_plan_in_another_bucket(tmp_path):
+    """A worker runs a plan's step piecewise only in the bucket rank 0 named: a plan naming another bucket, or no
+    pieces where this rank would take them (or the reverse), raises before the forward (on GPUs the ranks'
+    collectives would otherwise differ in shape: a hang, or sums of unrelated rows)."""
+    from dataclasses import replace
+
+    from k3rt.backend.engine import Engine, engine_config_for_tests
+    from k3rt.backend.models.tiny import make_tiny
+    from k3rt.backend.runner.gpu.tp import run_worker_plan
+
+    ckpt = make_tiny(tmp_path / "m", arch="kimi_linear", dtype="float32", seed=9)
+    cfg = engine_config_for_tests(str(ckpt), num_pages=64)
+    eng = Engine(replace(cfg, runner="gpu", kernels=False, cuda_graphs=False, mixed_pieces_eager=True))
+    runner, pool = eng.runner, eng.pool
+    assert runner.mixed is not None and runner.mixed.buckets[:2] == (32, 64)
+    per_set = eng.layout.pages_per_state_set
+    decodes = tuple(PlanSeq(40, 1, tuple(pool.allocate(1)), tuple(pool.allocate(per_set))) for _ in range(2))
+    chunk = PlanSeq(0, 21, tuple(pool.allocate(1)), tuple(pool.allocate(per_set)))
+    mixed = StepPlan(seqs=decodes + (chunk,), token_ids=tuple(range(3, 26)), logits_rows=(0, 1, 22))
+    with pytest.raises(RuntimeError, match="rank 0 runs this 23-token step piecewise in bucket 64, this rank "
+                                           "piecewise in bucket 32"):
+        run_worker_plan(runner, replace(mixed, mixed=64))
+    with pytest.raises(RuntimeError, match="without the pieces, this rank piecewise in bucket 32"):
+        run_worker_plan(runner, mixed)
+    decode_only = StepPlan(seqs=decodes, token_ids=(3, 4), logits_rows=(0, 1))
+    with pytest.raises(RuntimeError, match="piecewise in bucket 32, this rank without the pieces"):
+        run_worker_plan(runner, replace(decode_only, mixed=32))
+    assert runner.mixed.runs == 0  # refused before the forward
+    run_worker_plan(runner, replace(mixed, mixed=32))
+    run_worker_plan(runner, decode_only)
+    assert runner.mixed.runs == 1
+
+
+def test_mixed_pieces_eager_is_refused_where_no_pieces_run():
+    from k3rt.config import EngineConfig, SpecConfig
+
+    assert EngineConfig(model="m", runner="gpu", kernels=False, mixed_pieces_eager=True).mixed_pieces_eager
+    for over in ({"runner": "model"}, {"mixed_graphs": False}, {"spec": SpecConfig(method="dspark")}):
+        with pytest.raises(ValueError, match="mixed_pieces_eager"):
+            EngineConfig(**({"model": "m", "runner": "gpu", "kernels": False, "mixed_pieces_eager": True} | over))
+
+
 def test_plan_seqs_rebuilds_the_logits_rows():
     """Sampled last rows first (in sequence order), then scored rows, one of them a non-sampled sequence's
     last row: the rebuilt StepSeqs give back exactly the plan's rows; the graph size survives the codec."""
@@ -85,6 +152,7 @@ def test_plan_seqs_rebuilds_the_logits_rows():
     rows = h64[sum(meta.sizes64[:6]):sum(meta.sizes64[:7])]
     assert rows.tolist() == list(plan.logits_rows)
     assert StepPlan.unpack(StepPlan(seqs=plan.seqs, token_ids=plan.token_ids, graph=16).pack()).graph == 16
+    assert StepPlan.unpack(StepPlan(seqs=plan.seqs, token_ids=plan.token_ids, mixed=64).pack()).mixed == 64
     with pytest.raises(ValueError, match="token_ids"):
         plan_seqs(StepPlan(seqs=plan.seqs, token_ids=(1, 2)))
 

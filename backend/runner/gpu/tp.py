@@ -50,10 +50,11 @@ def plan_seqs(plan: StepPlan) -> tuple[list[StepSeq], list[int]]:
 @torch.no_grad()
 def run_worker_plan(runner, plan: StepPlan) -> None:
     """One RUN plan on a worker's GpuModelRunner: the cache operations (every fill too: this pool never
-    allocates), then the step's forward or graph replay, taking part in every collective rank 0 does."""
+    allocates), then the step's forward or graph replay, taking part in every collective rank 0 does. Raises
+    when this runner would run the step in another piecewise bucket than rank 0 (its collectives would differ)."""
     from k3rt.backend.runner.step_plan import apply_cache_ops
 
     apply_cache_ops(runner.pool, plan)
     if plan.seqs:
         seqs, extra = plan_seqs(plan)
-        runner.run_seqs(seqs, extra, plan.graph)
+        runner.run_seqs(seqs, extra, plan.graph, mixed=plan.mixed)
