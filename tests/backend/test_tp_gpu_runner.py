@@ -128,6 +128,35 @@ def test_worker_refuses_a_plan_in_another_bucket(tmp_path):
     assert runner.mixed.runs == 1
 
 
+# imported by the worker processes only (their PYTHONPATH): each pads every step to its largest piecewise bucket
+_WORKER_IN_ANOTHER_BUCKET = """
+from k3rt.backend.runner.gpu.pieces import PiecewiseForward
+
+PiecewiseForward.bucket = lambda self, num_tokens: self.buckets[-1]
+"""
+
+
+def test_worker_in_another_bucket_fails_the_engine(tmp_path, tmp_path_factory, monkeypatch, no_new_processes):  # noqa: F811
+    """End to end: a worker whose pieces choose another bucket than rank 0's (patched into the worker process alone,
+    by a sitecustomize on its PYTHONPATH) fails the engine at its first such step with an error naming both
+    choices, instead of all-reducing tensors of other shapes (gloo aborts the worker; NCCL may hang or sum
+    unrelated rows)."""
+    import os
+
+    from k3rt.backend.distributed.group import TPFailure
+
+    (tmp_path / "sitecustomize.py").write_text(_WORKER_IN_ANOTHER_BUCKET)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
+    eng = gpu_engine(tiny_checkpoint(tmp_path_factory, "kimi_linear"), 2, mixed_pieces_eager=True)
+    try:
+        assert eng.runner.inner.mixed.bucket(40) == 64  # rank 0 (this process) is not patched
+        with pytest.raises(TPFailure, match="worker rank 1 .* rank 0 runs this 40-token step piecewise in bucket 64, "
+                                            "this rank piecewise in bucket 256"):
+            run(eng, [list(range(3, 43))], greedy(2))
+    finally:
+        eng.close()
+
+
 def test_mixed_pieces_eager_is_refused_where_no_pieces_run():
     from k3rt.config import EngineConfig, SpecConfig
 
