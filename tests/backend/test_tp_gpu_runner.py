@@ -166,6 +166,41 @@ def test_mixed_pieces_eager_is_refused_where_no_pieces_run():
             EngineConfig(**({"model": "m", "runner": "gpu", "kernels": False, "mixed_pieces_eager": True} | over))
 
 
+def _staggered(eng) -> tuple[list[list[int]], int]:
+    """A 70-token prompt, then (after its prefill and first decode) a second prompt sharing its first 64 tokens:
+    that step mixes the new chunk, resumed from the prefix cache, with the first request's decode.
+    -> (both outputs, the second request's cached tokens)."""
+    first = [(i * 37 + 11) % 512 for i in range(70)]
+    rids, outs, step = [eng.add_request(first, greedy(4))], {}, 0
+    while len(outs) < 2:
+        if step == 2:
+            rids.append(eng.add_request(first[:64] + [5, 9, 2], greedy(3)))
+        outs.update((o.rid, o) for o in eng.step() if o.finished)
+        eng.check()
+        step += 1
+    return [outs[r].output_ids for r in rids], outs[rids[1]].cached_tokens
+
+
+def test_gpu_runner_tp2_ep_pieces_with_triton_kernels_in_the_interpreter(tmp_path_factory, monkeypatch,
+                                                                          no_new_processes):  # noqa: F811
+    """The pieces as the GPU runs them under TP, less the capture: k3 at TP2 with expert parallelism, the Triton
+    kernels (interpreter) inside the pieces on both ranks (router, grouped experts on local ids, LatentMoE's tail,
+    the projections) and in the eager cores between them; a step mixing a prefix-cache-resumed chunk with a decode
+    gives the reference TP1 tokens."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ckpt = tiny_checkpoint(tmp_path_factory, "k3")
+    want, want_cached = _staggered(make_engine(ckpt, runner="model", budget=256))
+    eng = gpu_engine(ckpt, 2, ep=True, kernels=True, mixed_pieces_eager=True)
+    try:
+        assert eng.runner.inner.kernels.triton
+        got, cached = _staggered(eng)
+        assert got == want and cached == want_cached == 64
+        prefill = [s for s in eng.runner.steps if s.chunks]
+        assert eng.runner.inner.mixed.runs == len(prefill) == 2 and prefill[1].decodes
+    finally:
+        eng.close()
+
+
 def test_plan_seqs_rebuilds_the_logits_rows():
     """Sampled last rows first (in sequence order), then scored rows, one of them a non-sampled sequence's
     last row: the rebuilt StepSeqs give back exactly the plan's rows; the graph size survives the codec."""
