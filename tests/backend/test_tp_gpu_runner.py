@@ -247,8 +247,8 @@ def test_fast_all_reduce_hook():
 @pytest.mark.parametrize("arch", ["kimi_linear", "k3"])
 def test_gpu_runner_tp2_cuda_graphs_equal_tp1(arch, symm, tmp_path_factory):
     """Two GPUs: Triton kernels, the collectives (NCCL, or the symmetric-memory all-reduce) inside the
-    captured decode graphs, logits gathered to rank 0 after the replay; greedy tokens equal TP1's on one
-    GPU (fp32 tiny checkpoint)."""
+    captured decode graphs and the captured pieces of the prompts' step, logits gathered to rank 0 after the
+    replay; greedy tokens equal TP1's on one GPU (fp32 tiny checkpoint)."""
     from k3rt.config import DistConfig
 
     if torch.cuda.device_count() < 2:
@@ -265,6 +265,8 @@ def test_gpu_runner_tp2_cuda_graphs_equal_tp1(arch, symm, tmp_path_factory):
             if tp == 2:
                 runner = eng.runner.inner if hasattr(eng.runner, "inner") else eng.runner
                 assert runner.graphs, "no decode graphs were captured"
+                # the prompts' prefill replayed the pieces on rank 0, in the buckets the workers checked theirs against
+                assert runner.mixed is not None and runner.mixed.replays >= 1
         finally:
             eng.close()
     assert outs[2] == outs[1]

@@ -12,7 +12,8 @@ live state.
 
 Steps with prefill rows (a new request's chunk beside the decodes) of up to the largest mixed bucket's tokens
 replay piecewise graphs (backend/runner/gpu/pieces.py): everything between two attention cores is captured
-per token-count bucket, the attention cores run eagerly on the real rows; --no-mixed-graphs runs them eagerly.
+per token-count bucket, the attention cores run eagerly on the real rows; --no-mixed-graphs runs them eagerly
+(EngineConfig.mixed_pieces_eager, test/debug: the pieces themselves, eagerly, on any device).
 
 Steps of plain decodes and verify runs only (speculative decoding: no prefill chunk, no prompt-logprob
 rows) of up to SPEC_GRAPH_MAX_BATCH requests replay a verify graph captured for (batch bucket, K + 1) at
@@ -24,8 +25,8 @@ With a model drafter (DSpark) the forward also taps the target layer states the 
 rows (inside the graphs too), and the runner records the kept rows per speculating request.
 
 Under tensor parallelism every rank runs this runner on its model shard: rank 0 schedules, broadcasts
-the step as one StepPlan, and samples from the gathered logits; the workers replay the plans
-(backend/runner/gpu/tp.py).
+the step as one StepPlan (naming the decode graph and the piecewise bucket it takes), and samples from the
+gathered logits; the workers replay the plans (backend/runner/gpu/tp.py).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Tensor parallelism in the GPU runner: the workers' side of a step, and where the fused forward reduces.
 
 Rank 0's GpuModelRunner turns each step into a StepPlan (backend/distributed/plan.py: fills, page and
-state copies, sequences, logits rows, and which decode graph it replays) and broadcasts it once; every
-worker's runner turns the plan back into the same StepSeqs (`plan_seqs`) and runs the same forward or
-graph replay on its shard. The fused forward (forward.py, ffn.py) calls the collectives at the points
+state copies, sequences, logits rows, which decode graph it replays and which piecewise bucket it takes)
+and broadcasts it once; every worker's runner turns the plan back into the same StepSeqs (`plan_seqs`) and
+runs the same forward or graph replay on its shard, refusing a step whose bucket it would choose otherwise. The fused forward (forward.py, ffn.py) calls the collectives at the points
 the reference layers do:
   embedding (vocab-parallel)       all-reduce of the masked lookups (VocabParallelEmbedding itself);
   attention o_proj (KDA, MLA)      all-reduce of the per-head-shard partial sums;
