@@ -9,7 +9,8 @@ reference TP1 tokens; the piecewise forward of steps with prefill rows run eager
 and a worker refuses a plan whose bucket is not its own; a killed worker fails the engine; the plan -> StepSeq
 conversion the workers use rebuilds rank 0's logits rows; the fast all-reduce hook and its refusals.
 GPU (`gpu`, two CUDA devices; skipped with fewer): TP2 with the Triton kernels and the collectives
-captured in the decode graphs (NCCL, or the opt-in symmetric-memory all-reduce) gives TP1's greedy tokens.
+captured in the decode graphs and the pieces (NCCL, or the opt-in symmetric-memory all-reduce; or the pieces
+run eagerly) gives TP1's greedy tokens.
 """
 
 from __future__ import annotations
@@ -243,12 +244,13 @@ def test_fast_all_reduce_hook():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("symm", [False, True], ids=["nccl", "symm-mem"])
+@pytest.mark.parametrize("mode", ["nccl", "symm-mem", "pieces-eager"])
 @pytest.mark.parametrize("arch", ["kimi_linear", "k3"])
-def test_gpu_runner_tp2_cuda_graphs_equal_tp1(arch, symm, tmp_path_factory):
+def test_gpu_runner_tp2_cuda_graphs_equal_tp1(arch, mode, tmp_path_factory):
     """Two GPUs: Triton kernels, the collectives (NCCL, or the symmetric-memory all-reduce) inside the
-    captured decode graphs and the captured pieces of the prompts' step, logits gathered to rank 0 after the
-    replay; greedy tokens equal TP1's on one GPU (fp32 tiny checkpoint)."""
+    captured decode graphs and the captured pieces of the prompts' step (pieces-eager: the same pieces run
+    eagerly on both ranks, never captured), logits gathered to rank 0 after the replay; greedy tokens equal
+    TP1's on one GPU (fp32 tiny checkpoint)."""
     from k3rt.config import DistConfig
 
     if torch.cuda.device_count() < 2:
@@ -256,17 +258,19 @@ def test_gpu_runner_tp2_cuda_graphs_equal_tp1(arch, symm, tmp_path_factory):
     ckpt = tiny_checkpoint(tmp_path_factory, arch)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 70, 130, 9)]
+    over = {"symm-mem": {"dist": DistConfig(symm_all_reduce=True)}, "pieces-eager": {"mixed_pieces_eager": True}}
     outs = {}
     for tp in (1, 2):
-        extra = {"dist": DistConfig(symm_all_reduce=True)} if symm and tp == 2 else {}
-        eng = gpu_engine(ckpt, tp, device="cuda", **extra)
+        eng = gpu_engine(ckpt, tp, device="cuda", **(over.get(mode, {}) if tp == 2 else {}))
         try:
             outs[tp] = [o.output_ids for o in run(eng, prompts, greedy(24))]
             if tp == 2:
                 runner = eng.runner.inner if hasattr(eng.runner, "inner") else eng.runner
                 assert runner.graphs, "no decode graphs were captured"
-                # the prompts' prefill replayed the pieces on rank 0, in the buckets the workers checked theirs against
-                assert runner.mixed is not None and runner.mixed.replays >= 1
+                # the prompts' prefill went through the pieces on rank 0 (replayed unless eager), in the buckets
+                # the workers checked theirs against
+                assert runner.mixed is not None and runner.mixed.runs >= 1
+                assert runner.mixed.replays == (0 if mode == "pieces-eager" else runner.mixed.runs)
         finally:
             eng.close()
     assert outs[2] == outs[1]
