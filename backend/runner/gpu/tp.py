@@ -3,16 +3,16 @@
 Rank 0's GpuModelRunner turns each step into a StepPlan (backend/distributed/plan.py: fills, page and
 state copies, sequences, logits rows, which decode graph it replays and which piecewise bucket it takes)
 and broadcasts it once; every worker's runner turns the plan back into the same StepSeqs (`plan_seqs`) and
-runs the same forward or graph replay on its shard, refusing a step whose bucket it would choose otherwise. The fused forward (forward.py, ffn.py) calls the collectives at the points
-the reference layers do:
+runs the same forward or graph replay on its shard, refusing a step whose bucket it would choose otherwise.
+The fused forward (forward.py, ffn.py) calls the collectives at the points the reference layers do:
   embedding (vocab-parallel)       all-reduce of the masked lookups (VocabParallelEmbedding itself);
   attention o_proj (KDA, MLA)      all-reduce of the per-head-shard partial sums;
   dense MLP down_proj              all-reduce;
   MoE routed (+ fused shared)      one all-reduce (routed experts split by width, or by expert with EP);
   LatentMoE                        all-reduce of the routed latent, then the latent tail (moe.latent_tail);
   LM head (vocab-parallel)         the slices gathered to rank 0 after the forward, outside any graph.
-On NCCL the in-forward collectives are captured in the decode graphs with the rest; on gloo (CPU) the
-runner never captures. Only rank 0 samples.
+On NCCL the in-forward collectives are captured in the decode graphs and the piecewise graphs (pieces.py)
+with the rest; on gloo (CPU) the runner never captures. Only rank 0 samples.
 """
 
 from __future__ import annotations
