@@ -54,7 +54,7 @@ class StepPlan:
     graph: int = 0
     # the GPU runner's piecewise bucket for a step with prefill rows (its token count; 0: not run piecewise). Each
     # rank decides it from the step itself; a worker checks its own choice against rank 0's, since a different
-    # bucket pads the pieces' collectives to other shapes (a mismatch hangs or sums garbage, NCCL checks nothing)
+    # bucket pads the pieces' collectives to other shapes (gloo aborts a process; NCCL may hang or sum unrelated rows)
     mixed: int = 0
 
     def pack(self) -> torch.Tensor:
