@@ -173,19 +173,20 @@ def test_mixed_pieces_eager_is_refused_where_no_pieces_run():
             EngineConfig(**({"model": "m", "runner": "gpu", "kernels": False, "mixed_pieces_eager": True} | over))
 
 
-def _staggered(eng) -> tuple[list[list[int]], int]:
-    """A 70-token prompt, then (after its prefill and first decode) a second prompt sharing its first 64 tokens:
-    that step mixes the new chunk, resumed from the prefix cache, with the first request's decode.
-    -> (both outputs, the second request's cached tokens)."""
+def _staggered(eng) -> tuple[list[list[int]], int, dict[int, float]]:
+    """A 70-token prompt, then (after its prefill and first decode) a second prompt sharing its first 64 tokens,
+    scored from its 65th: that step mixes the new chunk, resumed from the prefix cache, with the first request's
+    decode, and gathers prompt-logprob rows beside the sampled ones.
+    -> (both outputs, the second request's cached tokens, its prompt logprobs)."""
     first = [(i * 37 + 11) % 512 for i in range(70)]
     rids, outs, step = [eng.add_request(first, greedy(4))], {}, 0
     while len(outs) < 2:
         if step == 2:
-            rids.append(eng.add_request(first[:64] + [5, 9, 2], greedy(3)))
+            rids.append(eng.add_request(first[:64] + [5, 9, 2], greedy(3), prompt_logprobs_from=65))
         outs.update((o.rid, o) for o in eng.step() if o.finished)
         eng.check()
         step += 1
-    return [outs[r].output_ids for r in rids], outs[rids[1]].cached_tokens
+    return [outs[r].output_ids for r in rids], outs[rids[1]].cached_tokens, outs[rids[1]].prompt_logprobs
 
 
 def test_gpu_runner_tp2_ep_pieces_with_triton_kernels_in_the_interpreter(tmp_path_factory, monkeypatch,
@@ -193,15 +194,17 @@ def test_gpu_runner_tp2_ep_pieces_with_triton_kernels_in_the_interpreter(tmp_pat
     """The pieces as the GPU runs them under TP, less the capture: k3 at TP2 with expert parallelism, the Triton
     kernels (interpreter) inside the pieces on both ranks (router, grouped experts on local ids, LatentMoE's tail,
     the projections) and in the eager cores between them; a step mixing a prefix-cache-resumed chunk with a decode
-    gives the reference TP1 tokens."""
+    (with prompt-logprob rows) gives the reference TP1 tokens and prompt logprobs."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     ckpt = tiny_checkpoint(tmp_path_factory, "k3")
-    want, want_cached = _staggered(make_engine(ckpt, runner="model", budget=256))
+    want, want_cached, want_scores = _staggered(make_engine(ckpt, runner="model", budget=256))
     eng = gpu_engine(ckpt, 2, ep=True, kernels=True, mixed_pieces_eager=True)
     try:
         assert eng.runner.inner.kernels.triton
-        got, cached = _staggered(eng)
+        got, cached, scores = _staggered(eng)
         assert got == want and cached == want_cached == 64
+        assert scores.keys() == want_scores.keys() == {65, 66}
+        assert max(abs(scores[k] - want_scores[k]) for k in want_scores) < 1e-4
         prefill = [s for s in eng.runner.steps if s.chunks]
         assert eng.runner.inner.mixed.runs == len(prefill) == 2 and prefill[1].decodes
     finally:
