@@ -260,6 +260,11 @@ class EngineConfig:
     # gpu runner, with cuda_graphs on CUDA: steps with prefill rows replay piecewise graphs (every layer's attention
     # core eager between captured pieces; backend/runner/gpu/pieces.py) for token counts up to the step budget
     mixed_graphs: bool = True
+    # test/debug (not a CLI flag): build the piecewise forward on every rank and run its pieces eagerly, never
+    # captured, on any device (the replayed path less the capture: CPU/gloo tests of the pieces under TP, whose
+    # workers no test can reach into; on CUDA it separates a capture problem from a piece problem). Needs
+    # mixed_graphs; the decode graphs are unaffected
+    mixed_pieces_eager: bool = False
     # overlap scheduling (backend/overlap.py): the host schedules and launches step N+1 while the device runs
     # step N, learning step N's tokens one step late; None (auto): on for the gpu runner on a CUDA device at tp=1.
     # The reference and null runners compute eagerly, so on them overlap only exercises the protocol (tests)
@@ -299,6 +304,13 @@ class EngineConfig:
         if self.runner == "gpu" and self.deterministic and not self.kernels:
             raise ValueError("deterministic: the gpu runner's batch-invariant mode needs its Triton kernels "
                              "(kernels=True), or use runner='model'")
+        if self.mixed_pieces_eager and (self.runner != "gpu" or not self.mixed_graphs or self.deterministic
+                                        or self.spec.method == "dspark"):
+            # the pieces belong to the gpu runner, which keeps them off in the batch-invariant mode and with a model
+            # drafter's taps (GpuModelRunner): refused here rather than silently ignored
+            raise ValueError(f"mixed_pieces_eager: needs runner='gpu' with mixed_graphs, neither deterministic nor "
+                             f"--spec dspark; got runner={self.runner!r}, mixed_graphs={self.mixed_graphs}, "
+                             f"deterministic={self.deterministic}, spec={self.spec.method}")
         if self.grammar_backend not in ("llguidance", "outlines"):
             raise ValueError(f"grammar_backend: {self.grammar_backend!r} not one of llguidance, outlines")
         if self.tp < 1:

@@ -52,6 +52,10 @@ class StepPlan:
     # the GPU runner's decode graph the step replays (its batch size; 0: the step runs eagerly). Every rank must
     # make the same choice: a replay pads the batch to the graph's size, so its collectives have other shapes
     graph: int = 0
+    # the GPU runner's piecewise bucket for a step with prefill rows (its token count; 0: not run piecewise). Each
+    # rank decides it from the step itself; a worker checks its own choice against rank 0's, since a different
+    # bucket pads the pieces' collectives to other shapes (gloo aborts a process; NCCL may hang or sum unrelated rows)
+    mixed: int = 0
 
     def pack(self) -> torch.Tensor:
         """This plan as one CPU int64 tensor (unpack(pack(p)) == p)."""
@@ -71,7 +75,8 @@ class StepPlan:
             out.append(len(q.snapshots))
             for pos, dest in q.snapshots:
                 out += [pos, len(dest), *dest]
-        out += [len(self.token_ids), *self.token_ids, len(self.logits_rows), *self.logits_rows, self.graph]
+        out += [len(self.token_ids), *self.token_ids, len(self.logits_rows), *self.logits_rows, self.graph,
+                self.mixed]
         return torch.tensor(out, dtype=torch.int64)
 
     @staticmethod
@@ -93,10 +98,11 @@ class StepPlan:
             seqs.append(PlanSeq(start, num, table, state, snaps))
         token_ids = r.many(r.one())
         rows = r.many(r.one())
-        graph = r.one()
+        graph, mixed = r.one(), r.one()
         if r.i != len(r.data):
             raise ValueError(f"step plan: {len(r.data) - r.i} trailing values after unpacking")
-        return StepPlan(kind, fills, page_copies, tuple(state_copies), tuple(seqs), token_ids, rows, graph=graph)
+        return StepPlan(kind, fills, page_copies, tuple(state_copies), tuple(seqs), token_ids, rows, graph=graph,
+                         mixed=mixed)
 
 
 class _Reader:

@@ -98,7 +98,8 @@ class PiecewiseForward:
     """A GpuForward's forward for steps with prefill rows, cut at the attention cores and padded to buckets
     (module docstring): `run(step)` replays the bucket's pieces when `capture` took them, else runs the same
     pieces eagerly. Every rank of a tensor-parallel engine builds one with the same buckets, so a step's
-    pieces (and their collectives) replay identically on each."""
+    pieces (and their collectives) replay identically on each (the workers check the bucket against the one
+    rank 0's plan names: GpuModelRunner.run_seqs)."""
 
     def __init__(self, fwd: GpuForward, buckets: tuple[int, ...]) -> None:
         if not buckets:

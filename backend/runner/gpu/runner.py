@@ -12,7 +12,8 @@ live state.
 
 Steps with prefill rows (a new request's chunk beside the decodes) of up to the largest mixed bucket's tokens
 replay piecewise graphs (backend/runner/gpu/pieces.py): everything between two attention cores is captured
-per token-count bucket, the attention cores run eagerly on the real rows; --no-mixed-graphs runs them eagerly.
+per token-count bucket, the attention cores run eagerly on the real rows; --no-mixed-graphs runs them eagerly
+(EngineConfig.mixed_pieces_eager, test/debug: the pieces themselves, eagerly, on any device).
 
 Steps of plain decodes and verify runs only (speculative decoding: no prefill chunk, no prompt-logprob
 rows) of up to SPEC_GRAPH_MAX_BATCH requests replay a verify graph captured for (batch bucket, K + 1) at
@@ -24,8 +25,8 @@ With a model drafter (DSpark) the forward also taps the target layer states the 
 rows (inside the graphs too), and the runner records the kept rows per speculating request.
 
 Under tensor parallelism every rank runs this runner on its model shard: rank 0 schedules, broadcasts
-the step as one StepPlan, and samples from the gathered logits; the workers replay the plans
-(backend/runner/gpu/tp.py).
+the step as one StepPlan (naming the decode graph and the piecewise bucket it takes), and samples from the
+gathered logits; the workers replay the plans (backend/runner/gpu/tp.py).
 """
 
 from __future__ import annotations
@@ -97,7 +98,11 @@ def engine_gpu_runner(cfg, model: KimiForCausalLM, pool: PagePool, *, sender: Pl
                           sender=sender, target_states=target_states,
                           verify_graphs=(cfg.spec.num_tokens, spec_sizes) if spec_sizes else None,
                           mixed_buckets=mixed_buckets_for(cfg.scheduler.max_num_batched_tokens)
-                          if cfg.mixed_graphs else ())
+                          if cfg.mixed_graphs else (), mixed_capture=not cfg.mixed_pieces_eager)
+
+
+def _form(bucket: int) -> str:
+    return f"piecewise in bucket {bucket}" if bucket else "without the pieces"
 
 
 @dataclass
@@ -118,7 +123,7 @@ class GpuModelRunner(Runner):
                  max_model_len: int | None = None, target_states: TargetStates | None = None,
                  sender: PlanSender | None = None,
                  verify_graphs: tuple[int, tuple[int, ...]] | None = None,
-                 mixed_buckets: tuple[int, ...] = ()) -> None:
+                 mixed_buckets: tuple[int, ...] = (), mixed_capture: bool = True) -> None:
         """verify_graphs: (K, batch buckets) of the speculative verify graphs (None: verify steps run eagerly);
         when no graph is captured (graphs off, not on CUDA) verify steps run in the eager form. Setting
         verify_run_len and verify_sizes afterwards runs the padded form the graphs replay eagerly (CPU tests).
@@ -128,8 +133,9 @@ class GpuModelRunner(Runner):
         runner with the same arguments: the same reserved pad page and the same graphs.
         mixed_buckets: token-count buckets of the piecewise graphs for steps with prefill rows (pieces.py; ():
         those steps run eagerly), captured with the decode graphs; not with a model drafter's taps, nor in the
-        batch-invariant mode. Setting `mixed` to a PiecewiseForward afterwards runs its pieces eagerly (CPU
-        tests)."""
+        batch-invariant mode. mixed_capture False (EngineConfig.mixed_pieces_eager, test/debug): the pieces are
+        built on any device and run eagerly, never captured. Setting `mixed` to a PiecewiseForward afterwards
+        runs its pieces eagerly too (single-process CPU tests)."""
         if target_states is not None and sender is not None:
             raise ValueError("spec: a model drafter's target states are captured on a single rank only")
         self.model, self.pool, self.kernels, self.sender = model, pool, kernels, sender
@@ -166,13 +172,16 @@ class GpuModelRunner(Runner):
         # states) nor in the batch-invariant mode (its forms step token by token on host-built indices)
         self.mixed: PiecewiseForward | None = None
         mixed_ok = bool(mixed_buckets) and target_states is None and not kernels.batch_invariant
+        if mixed_ok and not mixed_capture:
+            self.mixed = PiecewiseForward(self.fwd, mixed_buckets)
         if cuda_graphs and self.device.type == "cuda":
             missing = self._graph_blockers()
             if missing:
                 log.warning("CUDA graphs off: no graph-safe kernel for %s", ", ".join(missing))
             else:
-                self.mixed = PiecewiseForward(self.fwd, mixed_buckets) if mixed_ok else None
-                self.capture()
+                if mixed_ok and mixed_capture:
+                    self.mixed = PiecewiseForward(self.fwd, mixed_buckets)
+                self.capture(mixed=mixed_capture)
         if not self.verify_graphs:  # the padded form only pays off replayed
             self.verify_run_len, self.verify_sizes = 0, ()
 
@@ -223,9 +232,13 @@ class GpuModelRunner(Runner):
                 raise RuntimeError("speculative decoding does not run under tensor parallelism yet")
             if pending:  # EngineConfig refuses overlap for the gpu runner at tp > 1
                 raise RuntimeError("overlap: a tensor-parallel step cannot take its tokens from the device")
-            plan = replace(build_plan(out, chunks, self.pool.take_fills(), score_rows, self.block_size), graph=graph)
+            # built before the plan goes out: the plan names the piecewise bucket the step takes, which the
+            # workers check against their own choice
+            step = None if graph else self._build(seqs, extra)
+            plan = replace(build_plan(out, chunks, self.pool.take_fills(), score_rows, self.block_size), graph=graph,
+                           mixed=self._mixed_bucket(step) if step is not None else 0)
             with self.sender.step(plan):
-                logits, step = self.run_seqs(seqs, extra, graph)
+                logits, step = self.run_seqs(seqs, extra, graph, step=step)
         if tapped is None:
             tapped = self.graphs[graph].taps if graph else self.fwd.tapped
         reqs = [c.req for c in chunks if c.needs_logits and not c.draft_ids]
@@ -305,24 +318,34 @@ class GpuModelRunner(Runner):
             ids.index_copy_(0, rows, to_device(vals, self.device))
 
     def run_seqs(self, seqs: list[StepSeq], extra_rows: list[int], graph: int, pending: dict[int, int] | None = None,
-                 prev: LaunchedStep | None = None) -> tuple[torch.Tensor, GpuStep | None]:
+                 prev: LaunchedStep | None = None, *, step: GpuStep | None = None,
+                 mixed: int | None = None) -> tuple[torch.Tensor, GpuStep | None]:
         """The step's forward (or the replay of decode graph `graph`, 0: none) -> (fp32 logits of its logits
         rows, gathered to rank 0 under TP; the eager step, None for a replay). Workers run it too, with the
-        StepSeqs of rank 0's plan. pending: rows whose token is prev's, fed on the device (overlap, one rank)."""
+        StepSeqs of rank 0's plan. pending: rows whose token is prev's, fed on the device (overlap, one rank).
+        step: the eager step already built from seqs (rank 0 under TP). mixed: rank 0's piecewise bucket
+        (workers: the plan's), checked against this rank's own choice; None: no check."""
         if graph:
             return self.fwd.full_logits(self._replay(seqs, graph, pending, prev)[:len(seqs)]), None
-        step = self._build(seqs, extra_rows)
+        if step is None:
+            step = self._build(seqs, extra_rows)
         self._feed_pending(step.ids, pending, prev)
-        if self._piecewise(step):
+        bucket = self._mixed_bucket(step)
+        if mixed is not None and bucket != mixed:
+            raise RuntimeError(f"step plan: rank 0 runs this {step.num_tokens}-token step {_form(mixed)}, this "
+                               f"rank {_form(bucket)}: the ranks' runners were built differently (mixed buckets)")
+        if bucket:
             return self.fwd.full_logits(self.mixed.run(step)), step
         return self.fwd.full_logits(self.fwd(step, decode=step.decode_only)), step
 
-    def _piecewise(self, step: GpuStep) -> bool:
-        """Whether an eager step runs through the piecewise graphs: a step with prefill rows (a decode-only step
-        without a graph keeps the decode form), no verify run, within the largest bucket. Decided from the
-        step alone, so every tensor-parallel rank decides alike."""
-        return (self.mixed is not None and not step.decode_only and not step.verify_seqs
-                and self.mixed.bucket(step.num_tokens) is not None)
+    def _mixed_bucket(self, step: GpuStep) -> int:
+        """The piecewise bucket an eager step runs in (0: the plain eager forward): a step with prefill rows (a
+        decode-only step without a graph keeps the decode form), no verify run, within the largest bucket.
+        Decided from the step alone, so every tensor-parallel rank decides alike (workers check it against the
+        plan's)."""
+        if self.mixed is None or step.decode_only or step.verify_seqs:
+            return 0
+        return self.mixed.bucket(step.num_tokens) or 0
 
     def _verify_size(self, chunks: list[ScheduledChunk], score_rows: list) -> int:
         """The verify graph bucket a step takes (0: the eager step): plain decodes and verify runs of at most K
