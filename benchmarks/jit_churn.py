@@ -92,9 +92,12 @@ def main() -> int:
     for n, c in res["measured_churn"].items():
         print(f"  new keys of {n}: " + "; ".join(f"{p}: {', '.join(v)}" for p, v in c.items()))
     if res["runtime_churn"]:
-        print(f"per-step arguments still specialized: {res['runtime_churn']}")
+        # a kernel launched from several call sites (the skinny GEMV: one per weight) varies in the sizes its
+        # weights fix, which is no churn: only the measured phase's new keys are (the exit status)
+        print(f"arguments whose specialization varied across launches (call sites' model-shaped sizes, or per-step "
+              f"values the do_not_specialize lists miss): {res['runtime_churn']}")
     print(f"JSON: {report.path}")
-    return 1 if m.binaries or m.keys or res["runtime_churn"] else 0
+    return 1 if m.binaries or m.keys else 0
 
 
 if __name__ == "__main__":

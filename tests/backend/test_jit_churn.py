@@ -52,17 +52,18 @@ def test_new_prompt_lengths_and_batches_ask_for_no_new_binary_in_the_interpreter
 def test_varied_steps_compile_nothing_new_on_cuda(tmp_path) -> None:
     """A tiny random model in bf16 on CUDA, CUDA graphs on, through backend/bench/jit_churn.py's workload: a
     warm-up of one prompt per power-of-two length (1..256) arriving one per step while the others decode, then
-    40 prompts of random lengths 1..300 in waves at random arrival spacings. No per-step argument is
-    specialized in any launch (runtime_churn empty), and the measured phase compiles at most a few binaries,
-    each a tile the launcher picks by size that the warm-up did not reach (the skinny GEMV's BLOCK_M, a power of
-    two of the rows; MoE align's BP, of the pairs); the message names them."""
+    40 prompts of random lengths 1..300 in waves at random arrival spacings. The measured phase compiles no more
+    than a few binaries, each a tile the launcher picks by size that the warm-up did not reach (the
+    skinny GEMV's BLOCK_M, a power of two of the rows; MoE align's BP, of the pairs); the message names them.
+    runtime_churn is not asserted empty on CUDA: the skinny GEMV runs at one call site per weight, and its N and
+    output stride (and the pointers' dtypes) differ between weights, which the H200 run of session 12 showed
+    (k3-tiny: 0 binaries compiled in the measured phase, the GEMV's N/stride_ym/w_ptr/y_ptr varying by weight)."""
     if not HAS_CUDA:
         pytest.skip("no CUDA device")
     ckpt = make_tiny(tmp_path / "m", arch="kimi_linear", dtype="bfloat16", seed=3)
     cfg = replace(engine_config_for_tests(str(ckpt), num_pages=2048, kv_dtype="bfloat16", conv_dtype="bfloat16"),
                   device="cuda", dtype="bfloat16", runner="gpu", kernels=True, cuda_graphs=True)
     res = run_churn(Engine(cfg), ChurnConfig(seed=1))
-    assert res["runtime_churn"] == {}
     assert res["warmup"].keys  # the probe saw the launches (binaries may predate it: other tests' compiles)
     assert sum(res["measured"].binaries.values()) <= 4, res["measured_churn"]
 
