@@ -306,13 +306,18 @@ def test_routing_count_runs_a_graph_packed_decode_step(tmp_path) -> None:
     """Regression: benchmarks/_routing.py ran every step in the general form, so on the kernels' path a decode step
     packed the way the graphs pack it (no KDA chunk tables: decode.py and spec_verify.py count its experts) failed
     the chunked kernel's assert and crashed `decode.py` on the H200. The step runs in its own (decode) form now."""
-    import sys
+    import importlib.util
     from pathlib import Path
 
     from k3rt.backend.runner.gpu.step import step_views
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from _routing import distinct_experts
+    # loaded from its file: benchmarks/ on sys.path would shadow names (its kernels.py passes for Hugging Face's
+    # `kernels` package in transformers' import probe, which then fails every later transformers test)
+    spec = importlib.util.spec_from_file_location("_routing", Path(__file__).resolve().parents[2] / "benchmarks" /
+                                                  "_routing.py")
+    routing = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(routing)
+    distinct_experts = routing.distinct_experts
 
     eng, seqs = _three_decodes(tmp_path, kernels=True)
     runner = eng.runner
