@@ -36,6 +36,10 @@ TOL = 1e-5
 # the CUDA runner's fused decode kernels round fp32 differently from the reference: latent KV written by
 # 59 decode steps (a conversation end's snapshot) measured 1.14e-5 off on the H200; states stay within TOL
 TOL_CUDA_KV = 3e-5
+# the GPU runner's torch-op path on the CPU computes the latent from one fused projection GEMM (zero-padded to a
+# multiple of 16 columns since session 12: backend/runner/gpu/ops.py fuse_rows), which MKL sums in another order than
+# the reference's separate projections: 1.02e-5 off measured in CI (k3, big pool); states stay within TOL
+TOL_GPU_RUNNER_KV = 2e-5
 VOCAB = 512
 
 
@@ -124,7 +128,8 @@ def assert_snapshots_exact(engine, arch: Arch) -> int:
         for i, layer in enumerate(L.mla_group):
             err = (pool.mla[i][pages.to(pool.mla[i].device), (pos % L.block_size).to(pool.mla[i].device)].cpu()
                    - ref.kv[layer]).abs().max().item()
-            tol = TOL_CUDA_KV if pool.mla[i].is_cuda else TOL
+            tol = (TOL_CUDA_KV if pool.mla[i].is_cuda else TOL_GPU_RUNNER_KV if engine.cfg.runner == "gpu"
+                   else TOL)
             assert err <= tol, f"{where}: layer {layer} latent KV off by {err}"
     return len(nodes)
 
