@@ -172,16 +172,15 @@ class GpuModelRunner(Runner):
         # states) nor in the batch-invariant mode (its forms step token by token on host-built indices)
         self.mixed: PiecewiseForward | None = None
         mixed_ok = bool(mixed_buckets) and target_states is None and not kernels.batch_invariant
-        if mixed_ok and not mixed_capture:
+        capturing = cuda_graphs and self.device.type == "cuda"
+        missing = self._graph_blockers() if capturing else []
+        if missing:
+            log.warning("CUDA graphs off: no graph-safe kernel for %s", ", ".join(missing))
+        capturing = capturing and not missing
+        if mixed_ok and (capturing or not mixed_capture):
             self.mixed = PiecewiseForward(self.fwd, mixed_buckets)
-        if cuda_graphs and self.device.type == "cuda":
-            missing = self._graph_blockers()
-            if missing:
-                log.warning("CUDA graphs off: no graph-safe kernel for %s", ", ".join(missing))
-            else:
-                if mixed_ok and mixed_capture:
-                    self.mixed = PiecewiseForward(self.fwd, mixed_buckets)
-                self.capture(mixed=mixed_capture)
+        if capturing:
+            self.capture(mixed=mixed_capture)
         if not self.verify_graphs:  # the padded form only pays off replayed
             self.verify_run_len, self.verify_sizes = 0, ()
 
