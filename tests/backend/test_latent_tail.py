@@ -5,7 +5,6 @@ the TP-1 model's logits, through the real loader's sharding, with 2 gloo process
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -18,14 +17,9 @@ from k3rt.backend.layers.linear import ColumnParallelLinear, ReplicatedLinear
 from k3rt.backend.models.batch import ForwardBatch
 from k3rt.backend.models.loader import load_model
 from k3rt.backend.models.tiny import make_tiny
+from tests.ports import free_port
 
 TP = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int, ckpt: str, ids: list[int], out: str) -> None:
@@ -55,7 +49,7 @@ def test_both_latent_tails_equal_tp1(tmp_path: Path) -> None:
     with torch.no_grad():
         want = load_model(ckpt, progress=False)(torch.tensor(ids), ForwardBatch.single(len(ids)))
     out = tmp_path / "logits.pt"
-    mp.spawn(_rank, args=(_free_port(), str(ckpt), ids, str(out)), nprocs=TP, join=True)
+    mp.spawn(_rank, args=(free_port(), str(ckpt), ids, str(out)), nprocs=TP, join=True)
     got = torch.load(out)
     for tail, logits in got.items():
         assert logits.shape == want.shape
@@ -77,7 +71,7 @@ def test_tail_benchmark_smoke(tmp_path: Path) -> None:
     out = tmp_path / "tail.json"
     bench = Path(__file__).resolve().parents[2] / "benchmarks" / "latent_tail.py"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(_free_port()), str(bench), "--smoke", "--out", str(out)],
+                           "--master-port", str(free_port()), str(bench), "--smoke", "--out", str(out)],
                           capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]

@@ -215,14 +215,14 @@ def test_mxfp4_experts_under_expert_parallelism_equal_tp1(pair, tmp_path) -> Non
     import torch.multiprocessing as mp
 
     from k3rt.backend.distributed import TPContext
-    from tests.backend.test_latent_tail import _free_port
+    from tests.ports import free_port
 
     _, mx = pair
     ids = torch.randint(3, 500, (23,), generator=torch.Generator().manual_seed(2)).tolist()
     with torch.no_grad():
         want = load_model(mx, progress=False)(torch.tensor(ids), ForwardBatch.single(len(ids)))
     out = tmp_path / "ep.pt"
-    mp.spawn(_ep_rank, args=(_free_port(), str(mx), ids, str(out)), nprocs=2, join=True)
+    mp.spawn(_ep_rank, args=(free_port(), str(mx), ids, str(out)), nprocs=2, join=True)
     assert torch.allclose(torch.load(out), want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="not a multiple of 32 .the MXFP4 group."):
         load_model(mx, tp=TPContext(0, 2), progress=False)

@@ -150,11 +150,9 @@ def test_programs_of_a_client_that_goes_away_are_cancelled(rt, tmp_path: Path) -
 
 
 def test_connect_over_tcp(tiny_model, rt) -> None:
-    import socket
+    from tests.ports import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     want = multi_turn.run(q1="Hi", q2="Is it raining?", backend=rt, temperature=0)
     with k3rt.Runtime(model=str(tiny_model), in_process=True, dtype="float32",
                       endpoint=f"tcp://127.0.0.1:{port}"):

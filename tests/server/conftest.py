@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,30 +21,17 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.ports import free_port
 from tests.procs import alive, descendants
 
 MODEL_NAME = "tiny-k3"
 READY_TIMEOUT_S = 240  # the first start imports torch and loads the checkpoint on a loaded 2-core machine
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def free_port_pair() -> int:
     """A free port p whose p + 1 is free too: the server's HTTP port and its DSL port (HTTP + 1 by
     default). A taken DSL port makes the server exit at start, so both are checked."""
-    for _ in range(100):
-        p = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + 1))
-            except OSError:
-                continue
-        return p
-    raise RuntimeError("no two adjacent free ports")
+    return free_port(span=2)
 
 
 class ServeProcess:
@@ -135,14 +121,26 @@ def log_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("serve-logs")
 
 
+PORT_TAKEN = "Address already in use"
+START_TRIES = 3
+
+
 def start_server(model: Path, log_dir: Path, *args: str) -> ServeProcess:
-    s = ServeProcess(model, log_dir, *args)
-    try:
-        s.wait_ready()
-    except Exception:
-        s.kill()
-        raise
-    return s
+    """A ready server. A start that lost its port to another process between `free_port` and the server's
+    bind (the server exits naming the taken address) is retried on other ports; any other failure raises."""
+    for attempt in range(START_TRIES):
+        s = ServeProcess(model, log_dir, *args)
+        try:
+            s.wait_ready()
+            return s
+        except RuntimeError:
+            s.kill()
+            if PORT_TAKEN not in s.log() or attempt == START_TRIES - 1:
+                raise
+        except Exception:
+            s.kill()
+            raise
+    raise AssertionError("unreachable")
 
 
 @contextmanager
