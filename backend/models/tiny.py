@@ -45,6 +45,13 @@ TINY_CONFIGS: dict[str, dict] = {
 }
 
 
+def two_layer_overrides(arch: str) -> dict:
+    """make_tiny overrides for a two-layer variant of `arch`'s tiny config: one KDA layer (dense MLP), then one
+    MLA layer (MoE), so every kind of layer runs once. For tests whose cost is per layer (the Triton interpreter)."""
+    return {"num_hidden_layers": 2, "linear_attn_config": {
+        **TINY_CONFIGS[arch]["linear_attn_config"], "kda_layers": [1], "full_attn_layers": [2]}}
+
+
 def random_init(model: KimiForCausalLM, seed: int) -> None:
     """Deterministic random weights with healthy scales (std 0.02 linears, fla-style gate params)."""
     g = torch.Generator().manual_seed(seed)

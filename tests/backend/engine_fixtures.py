@@ -18,10 +18,12 @@ from k3rt.sampling_params import SamplingParams
 MAX_STEPS = 20_000
 
 
-def tiny_checkpoint(tmp_path_factory, arch: str = "kimi_linear") -> Path:
-    from k3rt.backend.models.tiny import make_tiny
+def tiny_checkpoint(tmp_path_factory, arch: str = "kimi_linear", *, two_layers: bool = False) -> Path:
+    """The arch's tiny fp32 checkpoint; two_layers: one KDA and one MLA layer (for the interpreter's cases)."""
+    from k3rt.backend.models.tiny import make_tiny, two_layer_overrides
 
-    return make_tiny(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, seed=0, dtype="float32")
+    return make_tiny(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, seed=0, dtype="float32",
+                     overrides=two_layer_overrides(arch) if two_layers else None)
 
 
 def greedy(max_tokens: int) -> SamplingParams:

@@ -16,7 +16,7 @@ import torch
 
 from k3rt.backend.engine import Engine, engine_config_for_tests
 from k3rt.backend.layers.batch_invariant import ROW_TILE, invariant_linear
-from k3rt.backend.models.tiny import make_tiny
+from k3rt.backend.models.tiny import make_tiny, two_layer_overrides
 from k3rt.config import SchedulerConfig
 from k3rt.sampling_params import SamplingParams
 from tests.backend.threads import single_thread  # noqa: F401  (autouse fixture)
@@ -26,7 +26,8 @@ from tests.backend.threads import single_thread  # noqa: F401  (autouse fixture)
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     # bf16 weights and activations: the rounding that makes batch composition visible in greedy tokens
-    return make_tiny(tmp_path_factory.mktemp("tiny-det"), arch="k3", seed=3, dtype="bfloat16")
+    return make_tiny(tmp_path_factory.mktemp("tiny-det"), arch="k3", seed=3, dtype="bfloat16",
+                     overrides=two_layer_overrides("k3"))  # each kind of layer once
 
 
 def _workload(n: int = 64) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -141,7 +142,7 @@ def test_gpu_runner_interpreter_concurrent_equal_one_at_a_time(tmp_path) -> None
     (a 70-token prompt split at the 64-token budget, a prefix-cache hit on its first 64 tokens, a short
     prompt decoding alongside) equals each request run alone in one chunk, twice (the second round
     from the cache). Kept this small because every KDA token is a kernel launch in the interpreter."""
-    ckpt = make_tiny(tmp_path / "k3", arch="k3", seed=5, dtype="float32")
+    ckpt = make_tiny(tmp_path / "k3", arch="k3", seed=5, dtype="float32", overrides=two_layer_overrides("k3"))
     g = torch.Generator().manual_seed(2)
     long = torch.randint(3, 500, (70,), generator=g).tolist()
     prompts = [long, torch.randint(3, 500, (3,), generator=g).tolist(), long[:66] + [7, 8]]

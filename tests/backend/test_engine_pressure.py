@@ -251,11 +251,12 @@ def test_regression_full_block_mode_runs_with_the_triton_kda_kernel(tmp_path, de
     import torch
 
     from k3rt.backend.engine import Engine, engine_config_for_tests
-    from k3rt.backend.models.tiny import make_tiny
+    from k3rt.backend.models.tiny import make_tiny, two_layer_overrides
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    ck = make_tiny(tmp_path / "m", arch="kimi_linear", dtype="float32", seed=3)
+    ck = make_tiny(tmp_path / "m", arch="kimi_linear", dtype="float32", seed=3,
+                   overrides=two_layer_overrides("kimi_linear"))  # one KDA layer shows it
     prompts = [list(range(3, 133)), list(range(3, 133)) + [9, 10]]
     ref = Engine(engine_config_for_tests(str(ck), num_pages=64))
     want = [ref.generate([p], greedy(2))[0] for p in prompts]

@@ -18,7 +18,7 @@ import torch
 from k3rt.backend.engine import Engine, engine_config_for_tests
 from k3rt.backend.models.batch import ForwardBatch
 from k3rt.backend.models.loader import load_model
-from k3rt.backend.models.tiny import make_tiny
+from k3rt.backend.models.tiny import make_tiny, two_layer_overrides
 from k3rt.sampling_params import SamplingParams
 from tests.backend.engine_fixtures import staggered
 
@@ -71,10 +71,11 @@ def test_gpu_path_prompt_logprobs_equal_the_reference(tmp_path) -> None:
 def test_gpu_runner_with_triton_kernels_in_the_interpreter_equals_reference(arch, tmp_path) -> None:
     """The GPU runner with every Triton kernel (KDA decode + chunk, MLA decode + prefill, MoE router +
     experts, norms, attn-res mix) run by the Triton interpreter on the CPU: the reference engine's
-    greedy tokens, with a ragged batch, a one-token prompt and a prefix-cache hit (~30 s per arch)."""
+    greedy tokens, with a ragged batch, a one-token prompt and a prefix-cache hit. Two layers (each kind once):
+    the interpreter's cost is per layer."""
     if HAS_CUDA:
         pytest.skip("on a GPU the compiled kernels are tested (test_gpu_runner_fp32_greedy_equals_cpu_reference)")
-    ckpt = make_tiny(tmp_path / arch, arch=arch, dtype="float32", seed=9)
+    ckpt = make_tiny(tmp_path / arch, arch=arch, dtype="float32", seed=9, overrides=two_layer_overrides(arch))
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 70, 1)]
     prompts.append(prompts[1] + [7, 8, 9])
@@ -400,7 +401,8 @@ def test_a_mixed_steps_decode_rows_equal_a_decode_steps(kernels, tmp_path) -> No
     (contiguous row ranges: slices) and around it (gathered rows)."""
     if kernels and HAS_CUDA:
         pytest.skip("on a GPU: test_a_mixed_steps_decode_rows_equal_a_decode_steps_on_cuda")
-    ckpt = make_tiny(tmp_path / "m", arch="kimi_linear", dtype="float32", seed=9)
+    ckpt = make_tiny(tmp_path / "m", arch="kimi_linear", dtype="float32", seed=9,
+                     overrides=two_layer_overrides("kimi_linear") if kernels else None)
     eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), runner="gpu", kernels=kernels,
                          cuda_graphs=False))
     _mixed_decodes_equal_a_decode_step(eng, "dddp")

@@ -16,7 +16,7 @@ import torch
 
 from k3rt.backend.bench.jit_churn import ChurnConfig, run_churn, stream
 from k3rt.backend.engine import Engine, engine_config_for_tests
-from k3rt.backend.models.tiny import make_tiny
+from k3rt.backend.models.tiny import make_tiny, two_layer_overrides
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -33,7 +33,8 @@ def test_new_prompt_lengths_and_batches_ask_for_no_new_binary_in_the_interpreter
         pytest.skip("on a GPU the compiled caches are checked (test_varied_steps_compile_nothing_new_on_cuda)")
     from k3rt.kernels.jit_probe import LaunchKeys
 
-    ckpt = make_tiny(tmp_path / "m", arch="kimi_linear", dtype="float32", seed=9)
+    ckpt = make_tiny(tmp_path / "m", arch="kimi_linear", dtype="float32", seed=9,
+                     overrides=two_layer_overrides("kimi_linear"))  # every kernel, once per step
     eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=128), runner="gpu", kernels=True,
                          cuda_graphs=False))
     rng = random.Random(0)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from k3rt.backend.engine import Engine, engine_config_for_tests
-from k3rt.backend.models.tiny import make_tiny
+from k3rt.backend.models.tiny import make_tiny, two_layer_overrides
 from k3rt.backend.runner.gpu.pieces import Boundary, PiecewiseForward, mixed_buckets_for
 from k3rt.backend.runner.gpu.step import StepSeq
 from k3rt.sampling_params import SamplingParams
@@ -92,7 +92,9 @@ def test_piecewise_form_run_eagerly_equals_the_eager_step(arch, kernels, tmp_pat
     snapshot) through the pieces padded to buckets 32 and 64 equal the eager steps, logits and caches."""
     if kernels and HAS_CUDA:
         pytest.skip("on a GPU the replayed pieces are tested (test_replayed_mixed_steps_equal_eager_on_cuda)")
-    ckpt = make_tiny(tmp_path / arch, arch=arch, dtype="float32", seed=9)
+    # the interpreter runs two layers (each kind once): its cost is per layer
+    ckpt = make_tiny(tmp_path / arch, arch=arch, dtype="float32", seed=9,
+                     overrides=two_layer_overrides(arch) if kernels else None)
     eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), runner="gpu", kernels=kernels,
                          cuda_graphs=False))
     eng.runner.mixed = PiecewiseForward(eng.runner.fwd, (32, 64, 128))

@@ -19,7 +19,7 @@ from k3rt.backend.engine import Engine, engine_config_for_tests
 from k3rt.backend.models.batch import ForwardBatch
 from k3rt.backend.models.loader import CheckpointError, load_model
 from k3rt.backend.models.quantize import quantize_checkpoint
-from k3rt.backend.models.tiny import make_tiny
+from k3rt.backend.models.tiny import make_tiny, two_layer_overrides
 from k3rt.kernels.moe.mxfp4_ref import dequantize_mxfp4
 from k3rt.model_config import ConfigError, load_model_config
 from k3rt.sampling_params import SamplingParams
@@ -41,10 +41,12 @@ def pair(request, tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def planar_pair(tmp_path_factory) -> tuple[Path, Path]:
     """(dense, MXFP4) tiny K3 checkpoints whose experts fit the planar layout (latent width and expert
-    intermediate 256: K of both weights a multiple of the planar chunk), so the GPU runner repacks them."""
+    intermediate 256: K of both weights a multiple of the planar chunk), so the GPU runner repacks them. Two
+    layers (one MoE layer): the interpreter pays per program."""
     d = tmp_path_factory.mktemp("k3_planar")
     dense = make_tiny(d / "dense", arch="k3", dtype="float32", seed=4,
-                      overrides={"routed_expert_hidden_size": 256, "moe_intermediate_size": 256})
+                      overrides={**two_layer_overrides("k3"), "routed_expert_hidden_size": 256,
+                                 "moe_intermediate_size": 256})
     quantize_checkpoint(dense, d / "mx", progress=False)
     return dense, d / "mx"
 

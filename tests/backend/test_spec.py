@@ -142,6 +142,13 @@ def arch(request, tmp_path_factory) -> Arch:
     return Arch(ckpt, load_model(ckpt, dtype="float32", progress=False))
 
 
+@pytest.fixture(scope="module")
+def k3_two_layers(tmp_path_factory) -> Arch:
+    """The K3 tiny config cut to two layers (KDA, then MLA): the interpreter cases' cost is per layer."""
+    ckpt = tiny_checkpoint(tmp_path_factory, "k3", two_layers=True)
+    return Arch(ckpt, load_model(ckpt, dtype="float32", progress=False))
+
+
 def _rand(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(VOCAB) for _ in range(n)]
 
@@ -580,7 +587,7 @@ GPU_PATHS = [
 
 
 @pytest.mark.parametrize("over", GPU_PATHS)
-def test_gpu_runner_verify_steps_are_token_identical(arch, over, monkeypatch) -> None:
+def test_gpu_runner_verify_steps_are_token_identical(arch, over, monkeypatch, request) -> None:
     """Verify chunks through the GPU runner (packed logit rows, states left alone, kda_commit replay),
     mixed with plain decodes and prefill chunks: the reference's greedy tokens, and exact snapshots."""
     import copy
@@ -595,6 +602,9 @@ def test_gpu_runner_verify_steps_are_token_identical(arch, over, monkeypatch) ->
     elif over.get("kernels") and arch.model.cfg.kda.gate_lower_bound is None:
         # ~1 min per architecture in the interpreter: the K3 one (every kernel the other uses, and more)
         pytest.skip("the interpreter runs the K3 architecture only")
+    if over.get("kernels") and over.get("device") != "cuda":
+        arch = request.getfixturevalue("k3_two_layers")
+        model = arch.model
     r1, r2 = _workload(seed=3)
     prompts, params = r1[:4] + r2[-1:], _params(4, 24) + _params(1, 24)
     if over.get("kernels") and over.get("device") != "cuda":

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from k3rt.backend.engine import Engine, engine_config_for_tests
-from k3rt.backend.models.tiny import make_tiny
+from k3rt.backend.models.tiny import make_tiny, two_layer_overrides
 from k3rt.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from k3rt.models import MODELS_DIR
 from k3rt.sampling_params import SamplingParams
@@ -147,10 +147,10 @@ def test_gpu_runner_interpreter_verify_logprobs_equal_plain(tmp_path) -> None:
     (scratch KDA states, decode-form MLA rows) beside a prefill and a plain decode, then the commit's replay;
     every generated (token, logprob) equals plain deterministic decoding bit for bit (the tiny fp32 model's
     greedy tokens alone agree even with the default numerics; its logprobs do not: with deterministic=False
-    the first request's second logprob differs in the last bit). Before the mode covered verify runs, the
+    the first request's first and third logprobs differ). Before the mode covered verify runs, the
     token-by-token KDA path advanced the live states during the verify and the commit advanced them again.
-    Kept this small: every KDA token is a kernel launch in the interpreter."""
-    ckpt = make_tiny(tmp_path / "k3", arch="k3", seed=5, dtype="float32")
+    Kept small (two layers, short prompts): every KDA token is a kernel launch in the interpreter."""
+    ckpt = make_tiny(tmp_path / "k3", arch="k3", seed=7, dtype="float32", overrides=two_layer_overrides("k3"))
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (4, 3, 5)]
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in (5, 4, 2)]

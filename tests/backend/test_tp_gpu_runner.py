@@ -61,7 +61,7 @@ def test_gpu_runner_tp2_ep_triton_kernels_in_the_interpreter(tmp_path_factory, m
     MLA/KDA kernels on half the heads, LatentMoE's tail) gives the reference TP1 tokens: k3, Triton kernels
     run by the interpreter on CPU in both ranks (the worker inherits TRITON_INTERPRET)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    ckpt = tiny_checkpoint(tmp_path_factory, "k3")
+    ckpt = tiny_checkpoint(tmp_path_factory, "k3", two_layers=True)
     prompts = [[(i * 37 + 11) % 512 for i in range(40)], [5, 9, 2, 7]]
     ref = make_engine(ckpt, runner="model", budget=256)
     want = [o.output_ids for o in run(ref, prompts, greedy(4))]
@@ -196,7 +196,7 @@ def test_gpu_runner_tp2_ep_pieces_with_triton_kernels_in_the_interpreter(tmp_pat
     the projections) and in the eager cores between them; a step mixing a prefix-cache-resumed chunk with a decode
     (with prompt-logprob rows) gives the reference TP1 tokens and prompt logprobs."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    ckpt = tiny_checkpoint(tmp_path_factory, "k3")
+    ckpt = tiny_checkpoint(tmp_path_factory, "k3", two_layers=True)
     want, want_cached, want_scores = _staggered(make_engine(ckpt, runner="model", budget=256))
     eng = gpu_engine(ckpt, 2, ep=True, kernels=True, mixed_pieces_eager=True)
     try:
