@@ -250,7 +250,8 @@ class PiecewiseForward:
         reserved0 = torch.cuda.memory_reserved(self.buf.device)
         for j in range(self.num_layers + 1):  # the boundary buffers, allocated outside any capture and side stream
             self._piece(j, self.buckets[-1])
-        bar = tqdm(sorted(self.buckets, reverse=True), desc="capturing mixed-step graphs", unit="bucket", leave=False)
+        bar = tqdm(sorted(self.buckets, reverse=True), desc="capturing mixed-step graphs", unit="bucket", leave=False,
+                   disable=None)  # a terminal's bar only: the log line after it reports the capture
         for n in bar:
             bar.set_postfix_str(f"{n} tokens, {self.num_layers + 1} pieces")
             side = torch.cuda.Stream()

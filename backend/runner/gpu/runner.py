@@ -418,8 +418,8 @@ class GpuModelRunner(Runner):
     def capture(self, mixed: bool = True) -> None:
         """Capture one decode graph per size, then (speculation) one verify graph per bucket, largest first,
         then (mixed: when the runner has them) the piecewise graphs of steps with prefill rows, every bucket's
-        pieces (all share one memory pool), with a progress bar that names the graph being captured; the time
-        and the memory each kind took are logged."""
+        pieces (all share one memory pool), with a progress bar (on a terminal) that names the graph being captured;
+        the time and the memory each kind took are logged."""
         from tqdm import tqdm
 
         pool = torch.cuda.graph_pool_handle()
@@ -436,8 +436,10 @@ class GpuModelRunner(Runner):
         for kind, sizes, graphs in kinds:
             t0 = time.perf_counter()
             reserved0 = torch.cuda.memory_reserved(self.device)
+            # disable=None: a bar on a terminal only (in a log file each update would be a line; the log line
+            # below reports what was captured)
             bar = tqdm(sorted(sizes, reverse=True), desc=f"capturing {kind.split()[0]} graphs", unit="graph",
-                       leave=False)
+                       leave=False, disable=None)
             for size in bar:
                 bar.set_postfix_str(f"batch {size}")
                 graphs[size] = self._capture_one(size, graphs is self.verify_graphs, shared, pool)
