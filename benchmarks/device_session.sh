@@ -49,13 +49,16 @@
 #                       test_tp_bench.py; they skip with fewer GPUs): ask for nvidia-h200-x2
 #   tp (540)            k3rt bench tp: 48B shape, TP 1 and 2, batch 1/16/64 at 4K, the latent tail AR vs RS
 #   tp-symm (540)       TP 2 alone with --symm-allreduce (the model's all-reduces through symmetric memory)
+#   k3-slice (580)      benchmarks/k3_slice.py --tp 2: a K3-width slice (4 layers, 64 random MXFP4 experts, ~6 GB
+#                       checkpoint written to /tmp) greedy under TP2 in bf16 against the fp32 CPU reference, 16 tokens
+#                       (issue 17's end-to-end goal): ask for nvidia-h200-x2
 # Outputs: $OUT/<stage>.log and, for benchmarks, $OUT/<stage>.json (at most 8 files come back from a call:
 # choose at most 4 benchmark stages per call).
 set -u
 for stage in "$@"; do
   case $stage in
     tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det|overlap|serve) ;;
-    spec-tests|spec-verify|dspark-pass|spec-bench|spec-gate|jit-churn|tp-tests|tp|tp-symm) ;;
+    spec-tests|spec-verify|dspark-pass|spec-bench|spec-gate|jit-churn|tp-tests|tp|tp-symm|k3-slice) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -147,6 +150,8 @@ for stage in "$@"; do
       gpu_pytest tp-tests 300 tests/backend/test_tp_gpu_runner.py tests/backend/test_tp_bench.py ;;
     tp)
       run tp 540 python3 -m k3rt.cli bench tp --tp 1 2 --batch 1 16 64 --context 4096 --out "$OUT/tp.json" ;;
+    k3-slice)
+      run k3-slice 580 python3 benchmarks/k3_slice.py --tp 2 --dir /tmp/k3_slice --out "$OUT/k3_slice.json" ;;
     tp-symm)
       run tp-symm 540 python3 -m k3rt.cli bench tp --tp 2 --batch 1 16 64 --context 4096 --symm-allreduce \
         --out "$OUT/tp_symm.json" ;;

@@ -21,26 +21,14 @@ import torch
 from k3rt.backend.models.loader import CheckpointError, checkpoint_files
 from k3rt.kernels.moe.mxfp4_ref import GROUP, quantize_mxfp4
 from k3rt.model_config import load_model_config
+from k3rt.presets import MXFP4_EXPERTS_QUANTIZATION
 from k3rt.models import resolve_model_dir
 
 # a routed expert's dense projection, under any of the prefixes the loader accepts
 _ROUTED = re.compile(r"^(.*\.(?:mlp|block_sparse_moe)\.experts\.\d+\.w[123])\.weight$")
 
-QUANTIZATION_CONFIG = {
-    "quant_method": "compressed-tensors",
-    "format": "mxfp4-pack-quantized",
-    "config_groups": {
-        "group_0": {
-            "targets": [r"re:.*experts\.\d+\.w[123]$"],
-            "weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": GROUP,
-                        "symmetric": True, "dynamic": False, "scale_dtype": "e8m0"},
-            "input_activations": None,
-            "format": "mxfp4-pack-quantized",
-        }
-    },
-    "ignore": ["lm_head", r"re:.*self_attn.*", r"re:.*shared_experts.*", r"re:.*mlp\.(gate|gate_proj|up_proj|down_proj)$",
-               r"re:.*routed_expert_(down|up)_proj$"],
-}
+# config.json's quantization_config for what this writes (the format as Kimi-K3 publishes it)
+QUANTIZATION_CONFIG = MXFP4_EXPERTS_QUANTIZATION
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, *, progress: bool = True) -> Path:

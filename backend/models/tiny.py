@@ -149,7 +149,9 @@ def write_checkpoint(model: KimiForCausalLM, out_dir: Path, raw_config: dict, *,
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.to(DTYPES[dtype]) if _cast_ok(k) else v.float() for k, v in export_checkpoint(model).items()}
+    # integer tensors (MXFP4 codes and scales) keep their dtype; float ones take `dtype` or stay fp32
+    tensors = {k: v if not v.is_floating_point() else v.to(DTYPES[dtype]) if _cast_ok(k) else v.float()
+               for k, v in export_checkpoint(model).items()}
     (out_dir / "config.json").write_text(json.dumps({**raw_config, "torch_dtype": dtype}, indent=2) + "\n")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
