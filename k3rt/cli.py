@@ -43,9 +43,11 @@ def _add_tp(p: argparse.ArgumentParser) -> None:
         "MASTER_ADDR, MASTER_PORT set) each process is one rank: rank 0 serves, the others run as workers.")
     g.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=None,
                    help="tensor-parallel degree (default 1, or WORLD_SIZE under torchrun)")
-    g.add_argument("--ep", action="store_true",
-                   help="expert parallelism over the --tp ranks: each holds num_experts/N whole routed experts "
-                        "(default: each holds 1/N of every expert's width)")
+    g.add_argument("--ep", "--expert-parallel-size", dest="ep", type=int, nargs="?", const=True, default=1,
+                   metavar="M",
+                   help="expert parallelism: the routed experts in M groups of whole experts (M divides --tp), each "
+                        "expert's width split over the N/M ranks of its group; --ep alone: M = N, every rank "
+                        "num_experts/N whole experts (default 1: each rank 1/N of every expert's width)")
     g.add_argument("--nnodes", type=int, default=1, help="hosts the ranks are spread over (default 1)")
     g.add_argument("--node-rank", type=int, default=0, help="this host's index among them (default 0)")
     g.add_argument("--master-addr", default=None,

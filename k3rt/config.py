@@ -246,9 +246,10 @@ class EngineConfig:
     dtype: str | None = None  # compute dtype; None: the checkpoint's
     device: str = "cpu"
     tp: int = 1
-    # expert parallelism over the tp ranks: each holds num_experts / tp whole routed experts (False: each holds
-    # a 1/tp slice of every expert's width)
-    ep: bool = False
+    # expert parallelism: the routed experts in `ep` groups of whole experts over the tp ranks, each expert's width
+    # split over the tp / ep ranks of its group (1: none, every rank a 1/tp slice of every expert; tp: each rank
+    # num_experts / tp whole experts; True/False are read as tp/1; k3rt.model_config.ep_degree)
+    ep: int = 1
     # "model": the reference torch path (any device); "gpu": fused Triton kernels, device-side batch
     # description, decode in CUDA graphs; "null": no compute, fake tokens (scheduler benchmarks);
     # "auto": gpu on a CUDA device (any tp), model elsewhere
@@ -315,6 +316,9 @@ class EngineConfig:
             raise ValueError(f"grammar_backend: {self.grammar_backend!r} not one of llguidance, outlines")
         if self.tp < 1:
             raise ValueError(f"tp: must be >= 1, got {self.tp}")
+        from k3rt.model_config import ep_degree
+
+        object.__setattr__(self, "ep", ep_degree(self.ep, self.tp))
         if self.tp % self.dist.nnodes:
             raise ValueError(f"tp: {self.tp} ranks do not split evenly over nnodes={self.dist.nnodes}")
         if self.tp > 1 and self.random_weights:

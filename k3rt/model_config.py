@@ -169,20 +169,36 @@ class ModelConfig:
             if tp < 1 or count % tp:
                 raise ConfigError(f"{name}={count} is not divisible by tensor-parallel size {tp}")
 
-    def check_tp_model(self, tp: int, ep: bool = False) -> None:
+    def check_tp_model(self, tp: int, ep: int | bool = 1) -> None:
         """Every dimension the model's layers split over `tp` ranks: heads, vocabulary, MLP widths, and the
-        experts (ep: expert parallelism) or their width."""
+        routed experts: split into `ep` groups of whole experts (expert parallelism, `ep_degree`), each
+        expert's width over the tp / ep ranks of its group."""
         self.check_tp(tp)
-        dims = [("vocab_size", self.vocab_size)]
+        ep = ep_degree(ep, tp)
+        dims = [("vocab_size", self.vocab_size, tp, "tensor-parallel size")]
         if "dense" in self.mlp_types:
-            dims.append(("intermediate_size", self.intermediate_size))
+            dims.append(("intermediate_size", self.intermediate_size, tp, "tensor-parallel size"))
         if self.moe is not None:
-            dims.append(("num_experts", self.moe.num_experts) if ep else ("moe_intermediate_size", self.moe.intermediate_size))
+            dims.append(("num_experts", self.moe.num_experts, ep, "expert-parallel size"))
+            dims.append(("moe_intermediate_size", self.moe.intermediate_size, tp // ep,
+                         f"the {tp // ep} ranks that split each expert (tp {tp} / ep {ep})"))
             if self.moe.num_shared_experts:
-                dims.append(("shared expert intermediate size", self.moe.shared_intermediate_size))
-        for name, count in dims:
-            if count % tp:
-                raise ConfigError(f"{name}={count} is not divisible by tensor-parallel size {tp}")
+                dims.append(("shared expert intermediate size", self.moe.shared_intermediate_size, tp,
+                             "tensor-parallel size"))
+        for name, count, parts, what in dims:
+            if count % parts:
+                raise ConfigError(f"{name}={count} is not divisible by {what} {parts}")
+
+
+def ep_degree(ep: int | bool, tp: int) -> int:
+    """The expert-parallel degree: how many groups of whole routed experts the tp ranks hold (1: none, each rank a
+    1/tp slice of every expert's width; tp: each rank num_experts/tp whole experts; between: each group's experts
+    split by width over its tp/ep ranks). True/False (the old flag) mean tp/1. Raises naming `ep`."""
+    if isinstance(ep, bool):
+        return tp if ep else 1
+    if not isinstance(ep, int) or ep < 1 or tp % ep:
+        raise ConfigError(f"ep: the expert-parallel size must be >= 1 and divide tp={tp}, got {ep!r}")
+    return ep
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from k3rt.model_config import ModelConfig
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, idx: int, *, tp: TPContext = SINGLE, ep: bool = False,
+    def __init__(self, cfg: ModelConfig, idx: int, *, tp: TPContext = SINGLE, ep: int | bool = 1,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.idx = idx
@@ -59,7 +59,7 @@ class DecoderLayer(nn.Module):
 
 
 class KimiModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp: TPContext = SINGLE, ep: bool = False,
+    def __init__(self, cfg: ModelConfig, *, tp: TPContext = SINGLE, ep: int | bool = 1,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.cfg = cfg
@@ -84,9 +84,9 @@ class KimiModel(nn.Module):
 
 
 class KimiForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp: TPContext = SINGLE, ep: bool = False,
+    def __init__(self, cfg: ModelConfig, *, tp: TPContext = SINGLE, ep: int | bool = 1,
                  dtype: torch.dtype | None = None) -> None:
-        """ep: routed experts split by expert across the tp ranks (expert parallelism) instead of by width."""
+        """ep: the expert-parallel degree (model_config.ep_degree): routed experts in ep groups of whole experts."""
         super().__init__()
         self.cfg, self.tp = cfg, tp
         self.model = KimiModel(cfg, tp=tp, ep=ep, dtype=dtype)

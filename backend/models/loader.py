@@ -177,14 +177,15 @@ def load_weights(model: KimiForCausalLM, model_dir: Path, *, tp: TPContext = SIN
             if t.param not in params:
                 raise CheckpointError(f"{name}: unexpected tensor (no such parameter {t.param!r}) in {f.name}")
             param = params[t.param]
-            # expert parallelism: this rank's stack holds experts offset..offset+local-1, each whole
+            # expert parallelism: this rank's stack holds experts offset..offset+local-1, each split by width over
+            # the ranks of its group (expert_tp; one rank when the experts are whole)
             offset, local, total = getattr(param, "expert_range", (0, 0, 0))
             by_expert = local != total
             if by_expert and t.expert is not None:
                 if not offset <= t.expert < offset + local:
                     continue  # another rank's expert (not even read)
                 t = replace(t, expert=t.expert - offset)
-            ptp = SINGLE if by_expert else tp
+            ptp = getattr(param, "expert_tp", tp)
             try:
                 src = h.get_tensor(name)
             except Exception as e:
@@ -234,10 +235,10 @@ def _is_expert_stack(param: nn.Parameter) -> bool:
     return getattr(param, "expert_stack", False)  # set by MoE on w13/w2: dim 0 indexes experts
 
 
-def load_model(model_dir: str | Path, *, dtype: str | None = None, tp: TPContext = SINGLE, ep: bool = False,
+def load_model(model_dir: str | Path, *, dtype: str | None = None, tp: TPContext = SINGLE, ep: int | bool = 1,
                device: str = "cpu", progress: bool = True) -> KimiForCausalLM:
-    """config.json + weights -> an eval-mode KimiForCausalLM on `device` (this rank's shard under tp; ep:
-    routed experts split by expert). `model_dir` may also name a model shipped with k3rt (`k3-tiny`)."""
+    """config.json + weights -> an eval-mode KimiForCausalLM on `device` (this rank's shard under tp; ep: the
+    expert-parallel degree, model_config.ep_degree). `model_dir` may also name a model shipped with k3rt (`k3-tiny`)."""
     model_dir = resolve_model_dir(model_dir)
     cfg = load_model_config(model_dir)
     if cfg.ignored_fields:
@@ -249,5 +250,5 @@ def load_model(model_dir: str | Path, *, dtype: str | None = None, tp: TPContext
 
 
 def build_model(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, tp: TPContext = SINGLE,
-                ep: bool = False) -> KimiForCausalLM:
+                ep: int | bool = 1) -> KimiForCausalLM:
     return KimiForCausalLM(cfg, tp=tp, ep=ep, dtype=dtype)

@@ -7,10 +7,12 @@ weights use the un-biased s; optional renormalization; * routed_scaling_factor. 
 is never scaled. LatentMoE order (§7.2): router on x, z = down(x), y = Σ w_i E_i(z) (w includes the
 scaling), optional RMSNorm(y), up(y), + shared(x). Under TP each rank holds a slice of every
 expert's intermediate dimension; the latent partial sums are reduced BEFORE the (nonlinear) norm.
-With expert parallelism (ep=True) each rank instead holds num_experts / tp whole experts; every rank
-has every token (attention is tensor-parallel, so hidden states are replicated), so dispatch is
-picking the tokens routed to this rank's experts and combine is the same all-reduce of partial sums.
-The shared expert stays split by width either way.
+With expert parallelism of degree ep (`model_config.ep_degree`) the ranks form ep groups of tp/ep: group g
+holds experts [g E/ep, (g+1) E/ep), and within it each expert's width is split over the group's ranks (ep =
+tp: every rank whole experts; ep = 1: the width split above). Every rank has every token (attention is
+tensor-parallel, so hidden states are replicated), so dispatch is picking the tokens routed to this rank's
+experts and combine is the same all-reduce of partial sums over all tp ranks. The shared expert stays split
+by width over all tp ranks.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from k3rt.backend.layers.linear import (
 from k3rt.backend.layers.norm import rms_norm
 from k3rt.kernels.moe.mxfp4_planar_layout import from_planar
 from k3rt.kernels.moe.mxfp4_ref import GROUP as MXFP4_GROUP, dequantize_mxfp4
-from k3rt.model_config import ActivationConfig, ModelConfig, MoEConfig
+from k3rt.model_config import ActivationConfig, ModelConfig, MoEConfig, ep_degree
 
 
 class GatedMLP(nn.Module):
@@ -82,21 +84,23 @@ def latent_tail(tp: TPContext, y_lat: torch.Tensor, shared: torch.Tensor | None,
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp: TPContext = SINGLE, ep: bool = False,
+    def __init__(self, cfg: ModelConfig, *, tp: TPContext = SINGLE, ep: int | bool = 1,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         assert cfg.moe is not None
         m, h = cfg.moe, cfg.hidden_size
         self.m, self.act, self.tp, self.eps = m, cfg.act, tp, cfg.rms_norm_eps
         width = m.latent_size or h  # the experts' input/output width
-        if ep:
-            # this rank's experts: [expert_offset, expert_offset + num_local_experts), each whole
-            self.num_local_experts = tp.shard(m.num_experts, "num_experts")
-            inter = m.intermediate_size
-        else:
-            self.num_local_experts = m.num_experts
-            inter = tp.shard(m.intermediate_size, "moe_intermediate_size")
-        self.expert_offset = tp.rank * self.num_local_experts if ep else 0
+        ep = ep_degree(ep, tp.size)
+        # this rank's experts: [expert_offset, expert_offset + num_local_experts), each a 1/(tp/ep) slice of its
+        # width: the slice expert_tp.rank of expert_tp.size (the loader shards the stacks' split dims over it)
+        per_group = tp.size // ep
+        if m.num_experts % ep:
+            raise ValueError(f"num_experts={m.num_experts} is not divisible by expert-parallel size {ep}")
+        self.num_local_experts = m.num_experts // ep
+        self.expert_offset = (tp.rank // per_group) * self.num_local_experts
+        self.expert_tp = TPContext(rank=tp.rank % per_group, size=per_group)
+        inter = self.expert_tp.shard(m.intermediate_size, "moe_intermediate_size")
         E = self.num_local_experts
         # router kept in fp32 (selection must not flip on bf16 rounding)
         self.gate_weight = set_shard_spec(nn.Parameter(torch.empty(m.num_experts, h), requires_grad=False), ShardSpec())
@@ -107,8 +111,9 @@ class MoE(nn.Module):
             # packed E2M1 bytes [.., K/2] and E8M0 scales [.., K/32] per weight (kernels/moe/mxfp4_ref.py);
             # TP splits I: rows of w13, the packed K of w2, so I_local must stay a multiple of the group
             if inter % MXFP4_GROUP:
-                raise ValueError(f"moe_intermediate_size={m.intermediate_size} over tensor-parallel size {tp.size} "
-                                 f"gives {inter} per rank, not a multiple of {MXFP4_GROUP} (the MXFP4 group)")
+                raise ValueError(f"moe_intermediate_size={m.intermediate_size} over {per_group} ranks per expert "
+                                 f"(tensor-parallel size {tp.size}, expert-parallel size {ep}) gives {inter} per rank, "
+                                 f"not a multiple of {MXFP4_GROUP} (the MXFP4 group)")
             I = m.intermediate_size
             u8 = torch.uint8
             self.w13_packed = set_shard_spec(nn.Parameter(torch.empty(E, 2 * inter, width // 2, dtype=u8), requires_grad=False),
@@ -131,9 +136,10 @@ class MoE(nn.Module):
             stacks = (self.w13, self.w2)
         for p in stacks:
             p.expert_stack = True  # type: ignore[attr-defined]  (loader: dim 0 = expert)
-            # loader: which checkpoint experts this rank's stack holds (global ids offset .. offset + E - 1); a
-            # stack of some of the experts holds them whole (its split dims are split over one rank)
+            # loader: which checkpoint experts this rank's stack holds (global ids offset .. offset + E - 1), and
+            # over which ranks its split dims are split (the expert's group: all tp ranks without expert parallelism)
             p.expert_range = (self.expert_offset, E, m.num_experts)  # type: ignore[attr-defined]
+            p.expert_tp = self.expert_tp  # type: ignore[attr-defined]  (loader: the split dims' ranks)
         self.shared_experts = (
             GatedMLP(h, m.shared_intermediate_size, cfg.act, tp=tp, dtype=dtype, reduce=False)
             if m.num_shared_experts else None

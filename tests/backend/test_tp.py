@@ -93,12 +93,13 @@ def test_layout_padding_per_rank(tp):
 
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["per-expert", "transformers5-stacked"])
-@pytest.mark.parametrize("tp, ep", [(2, False), (4, False), (2, True), (4, True)],
-                         ids=["tp2", "tp4", "tp2-ep", "tp4-ep"])
+@pytest.mark.parametrize("tp, ep", [(2, 1), (4, 1), (2, 2), (4, 4), (4, 2)],
+                         ids=["tp2", "tp4", "tp2-ep", "tp4-ep", "tp4-ep2"])
 def test_loader_shards(tp, ep, stacked, tmp_path):
     """Every rank's shard is its slice of the full weights: column-parallel rows, row-parallel columns,
-    merged parts split part by part, vocabulary rows; routed experts by width, or (ep) whole experts
-    offset..offset+E/tp-1, from per-expert tensors and from one stacked tensor alike."""
+    merged parts split part by part, vocabulary rows; routed experts in ep groups of E/ep whole experts, each
+    split by width over the tp/ep ranks of its group (ep 1: every expert over all ranks; ep = tp: whole
+    experts), from per-expert tensors and from one stacked tensor alike."""
     from safetensors.torch import save_file
 
     from k3rt.backend.distributed import TPContext
@@ -128,13 +129,16 @@ def test_loader_shards(tp, ep, stacked, tmp_path):
         assert torch.equal(sl[3].self_attn.kv_b_proj.weight, rows(fl[3].self_attn.kv_b_proj.weight, r))
         assert torch.equal(sl[3].self_attn.kv_a_proj_with_mqa.weight, fl[3].self_attn.kv_a_proj_with_mqa.weight)
         moe, fmoe = sl[1].mlp, fl[1].mlp
-        if ep:
-            assert moe.w13.shape[0] == E // tp and moe.expert_offset == r * E // tp
-            assert torch.equal(moe.w13, rows(fmoe.w13, r)) and torch.equal(moe.w2, rows(fmoe.w2, r))
-        else:
-            gate, up = fmoe.w13.split(I, dim=1)
-            assert torch.equal(moe.w13, torch.cat([rows(gate, r, 1), rows(up, r, 1)], dim=1))
-            assert torch.equal(moe.w2, rows(fmoe.w2, r, 2))
+        per, g, sub = tp // ep, r // (tp // ep), r % (tp // ep)  # ranks per expert group, this rank's group, slice
+        mine = slice(g * E // ep, (g + 1) * E // ep)
+        assert moe.w13.shape[0] == E // ep and moe.expert_offset == mine.start
+
+        def part(t: torch.Tensor, dim: int) -> torch.Tensor:
+            n = t.shape[dim] // per
+            return t.narrow(dim, sub * n, n)
+        gate, up = fmoe.w13[mine].split(I, dim=1)
+        assert torch.equal(moe.w13, torch.cat([part(gate, 1), part(up, 1)], dim=1))
+        assert torch.equal(moe.w2, part(fmoe.w2[mine], 2))
         gate, up = fmoe.shared_experts.gate_up_proj.weight.chunk(2)
         assert torch.equal(moe.shared_experts.gate_up_proj.weight, torch.cat([rows(gate, r), rows(up, r)]))
     assert TINY_CONFIGS["k3"]["num_experts"] == E
@@ -157,7 +161,7 @@ def no_new_processes():
     assert not left, f"processes left behind: {[(p, _cmdline(p)) for p in left]}"
 
 
-def tp_engine(ckpt, tp: int, *, ep: bool = False, **cache):
+def tp_engine(ckpt, tp: int, *, ep: int = 1, **cache):
     return make_engine(ckpt, runner="model", budget=256, engine={"tp": tp, "ep": ep}, **cache)
 
 
@@ -185,7 +189,7 @@ def arch(request, tmp_path_factory):
     return ckpt, outputs, cached
 
 
-@pytest.mark.parametrize("tp, ep", [(2, False), (4, False), (2, True)], ids=["tp2", "tp4", "tp2-ep"])
+@pytest.mark.parametrize("tp, ep", [(2, 1), (4, 1), (2, 2), (4, 2)], ids=["tp2", "tp4", "tp2-ep", "tp4-ep2"])
 def test_tp_matches_tp1(arch, tp, ep, no_new_processes):
     ckpt, want, want_cached = arch
     eng = tp_engine(ckpt, tp, ep=ep)
@@ -449,3 +453,28 @@ def test_cli_generate_two_nodes_matches_tp1(tmp_path_factory, capsys, no_new_pro
     assert got == want and len(want["token_ids"]) == 6
     assert main(["generate", "--model", str(ckpt), "--prompt", "x", "--tp", "3"]) == 2
     assert "num_heads=4 is not divisible by tensor-parallel size 3" in capsys.readouterr().err
+
+
+def test_ep_degree_from_the_cli_and_its_errors():
+    """`--ep M` is the expert-parallel degree (M groups of whole experts); `--ep` alone is M = --tp (the old flag),
+    and True/False in an EngineConfig read as tp/1. A degree that does not divide tp, or a model dimension that
+    does not split, is refused naming it."""
+    from k3rt.cli import build_parser
+    from k3rt.config import EngineConfig
+    from k3rt.model_config import ConfigError, parse_model_config
+    from k3rt.backend.models.tiny import TINY_CONFIGS
+
+    parse = build_parser().parse_args
+    assert parse(["serve", "--tp", "4", "--ep", "2"]).ep == 2
+    assert parse(["serve", "--tp", "4", "--expert-parallel-size", "4"]).ep == 4
+    assert parse(["serve", "--tp", "4", "--ep"]).ep is True and parse(["serve", "--tp", "4"]).ep == 1
+    assert [EngineConfig(model="m", tp=4, ep=e).ep for e in (True, False, 1, 2, 4)] == [4, 1, 1, 2, 4]
+    for bad in (3, 0, 8):
+        with pytest.raises(ValueError, match=f"ep: the expert-parallel size must be >= 1 and divide tp=4, got {bad}"):
+            EngineConfig(model="m", tp=4, ep=bad)
+    parse_model_config(dict(TINY_CONFIGS["k3"])).check_tp_model(4, 2)  # 8 experts of width 32
+    with pytest.raises(ConfigError, match="num_experts=6 is not divisible by expert-parallel size 4"):
+        parse_model_config(dict(TINY_CONFIGS["k3"], num_experts=6)).check_tp_model(4, 4)
+    with pytest.raises(ConfigError, match=r"moe_intermediate_size=42 is not divisible by the 4 ranks that split "
+                                          r"each expert \(tp 4 / ep 1\)"):
+        parse_model_config(dict(TINY_CONFIGS["k3"], moe_intermediate_size=42)).check_tp_model(4, 1)

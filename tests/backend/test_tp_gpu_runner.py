@@ -27,7 +27,7 @@ from tests.backend.test_tp import no_new_processes, workload  # noqa: F401  (fix
 from tests.backend.threads import single_thread  # noqa: F401  (autouse: rank 0 runs in this process)
 
 
-def gpu_engine(ckpt, tp: int, *, ep: bool = False, device: str = "cpu", **over):
+def gpu_engine(ckpt, tp: int, *, ep: int | bool = 1, device: str = "cpu", **over):
     engine = {"tp": tp, "ep": ep, "device": device, "kernels": device == "cuda", "cuda_graphs": device == "cuda"}
     return make_engine(ckpt, runner="gpu", budget=256, engine=engine | over)
 
@@ -41,14 +41,15 @@ def tp1(request, tmp_path_factory):
     return ckpt, outputs, cached
 
 
-@pytest.mark.parametrize("ep", [False, True], ids=["tp2", "tp2-ep"])
-def test_gpu_runner_tp2_matches_tp1(tp1, ep, no_new_processes):  # noqa: F811
+@pytest.mark.parametrize("tp, ep", [(2, 1), (2, 2), (4, 2)], ids=["tp2", "tp2-ep", "tp4-ep2"])
+def test_gpu_runner_tp2_matches_tp1(tp1, tp, ep, no_new_processes):  # noqa: F811
+    """TP2, TP2 with whole experts per rank, and TP4 with two expert groups (each expert split over two ranks)."""
     ckpt, want, want_cached = tp1
-    eng = gpu_engine(ckpt, 2, ep=ep)
+    eng = gpu_engine(ckpt, tp, ep=ep)
     try:
         runner = eng.runner.inner if hasattr(eng.runner, "inner") else eng.runner
-        assert isinstance(runner, GpuModelRunner) and len(runner.sender.workers.procs) == 1
-        assert runner.model.model.layers[0].self_attn.num_heads == eng.model_cfg.kda.num_heads // 2
+        assert isinstance(runner, GpuModelRunner) and len(runner.sender.workers.procs) == tp - 1
+        assert runner.model.model.layers[0].self_attn.num_heads == eng.model_cfg.kda.num_heads // tp
         got, cached = workload(eng)
         assert got == want
         assert cached == want_cached
