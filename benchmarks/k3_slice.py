@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (one GPU each on CUDA)")
-    p.add_argument("--ep", action="store_true", help="routed experts split by expert over the ranks")
+    p.add_argument("--ep", type=int, nargs="?", const=True, default=1, metavar="M",
+                   help="expert-parallel degree (as serve --ep: M groups of whole experts; alone: M = --tp)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="the engine under test's compute dtype (the reference is always fp32 on the CPU)")

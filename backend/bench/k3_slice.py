@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 class SliceConfig:
     out_dir: str  # the checkpoint folder (created; reused when it holds a checkpoint of the same config)
     tp: int = 2
-    ep: bool = False
+    ep: int | bool = 1  # expert-parallel degree (EngineConfig.ep)
     device: str = "cuda"
     dtype: str = "bfloat16"  # the engine under test's compute dtype (the reference is fp32)
     experts: int | None = None  # None: the preset's (64)
@@ -191,12 +191,13 @@ def run_slice(cfg: SliceConfig) -> dict:
 
 def table(res: dict) -> str:
     c = res["config"]
+    ep = " EP" if c["ep"] is True else "" if c["ep"] in (1, False) else f" EP{c['ep']}"
     verdict = ("identical" if res["identical"] else
                f"differs from token {res['first_difference']}" + (" (a tie flip)" if res["tie_flip"] else ""))
     return "\n".join([
         f"| slice | engine | tokens | greedy | max / mean forced logprob diff | min ref margin |",
         "|---|---|---:|---|---:|---:|",
-        f"| {'tiny k3 (smoke)' if c['smoke'] else 'kimi-k3-slice'} | TP{c['tp']}{' EP' if c['ep'] else ''} "
+        f"| {'tiny k3 (smoke)' if c['smoke'] else 'kimi-k3-slice'} | TP{c['tp']}{ep} "
         f"{c['device']} {c['dtype']} | {c['tokens']} | {verdict} | "
         f"{res['max_forced_logprob_diff']:.4f} / {res['mean_forced_logprob_diff']:.4f} | "
         f"{min(res['reference_margins']):.4f} |",
