@@ -12,13 +12,18 @@ from tests.backend.test_tp import no_new_processes  # noqa: F401  (fixture)
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_k3_slice_preset_splits_over_tensor_parallel_ranks(tp) -> None:
-    """K3's widths at TP 1-8: every per-rank width divides (KDA/MLA heads, the MXFP4 experts' groups of 32)."""
+    """K3's widths at TP 1-8: every per-rank width divides (KDA/MLA heads, the MXFP4 experts' groups of 32), and
+    the page that holds one rank's KDA state shard wastes at most 2%."""
     cfg = parse_model_config(PRESETS["kimi-k3-slice"])
     assert (cfg.hidden_size, cfg.kda.num_heads, cfg.moe.latent_size, cfg.moe.expert_format) == (7168, 96, 3584, "mxfp4")
     assert cfg.mlp_types == ("dense", "moe", "moe", "moe")
     cfg.check_tp(tp)
     cfg.check_tp_model(tp)
     assert (cfg.moe.intermediate_size // tp) % 32 == 0
+    from k3rt.cache_layout import compute_layout
+
+    lay = compute_layout(cfg, tp=tp)  # issue 17: page padding <= 2% at TP 1-8 (K3: 0.19 / 0.19 / 0.75 / 1.85%)
+    assert lay.padding_fraction <= 0.02, lay.as_dict()
 
 
 def test_random_mxfp4_model_checkpoint_keeps_its_codes(tmp_path) -> None:
