@@ -312,7 +312,7 @@ def kda_chunk_fwd(
     inv_precision: str | None = None,
     split_output: bool = False,
     intra: str = "fused",
-    block_k_split: int = 32,
+    block_k_split: int = 16,
     num_warps_split: int = 4,
     block_v: int = 32,
     block_v_out: int = 64,
@@ -356,7 +356,7 @@ def kda_chunk_fwd(
         intra: "fused" (default): one intra program per (chunk, head); "split": two launches of smaller
             programs, per (chunk, 16-row block, head) then per (chunk, head) (triton_intra_split.py; not yet
             timed on a GPU). The state pass is the same after either.
-        block_k_split, num_warps_split: the split intra kernels' K/V column slice and warps.
+        block_k_split, num_warps_split: the split path's K slice of its first kernel, and both kernels' warps.
         block_v, block_v_out, num_warps_*, num_stages_state: launch tuning.
         tables: the chunk tables already on the device (`chunk_tables.ChunkTables`, built and validated once
             per step by the GPU runner's step packer and shared by every layer): then cu_seqlens_cpu,
@@ -439,7 +439,8 @@ def kda_chunk_fwd(
         BK=max(16, triton.next_power_of_2(K)), BVF=max(16, triton.next_power_of_2(V)),
         BV=block_v, BVO=block_v_out, scale=K**-0.5 if scale is None else float(scale),
         dot16=dot16, prec=prec, prec_inv=prec_inv, scratch_dtype=scratch_dtype, split_output=split_output,
-        intra=intra, bk_split=block_k_split, nw_split=num_warps_split, nw_intra=num_warps_intra, nw_state=num_warps_state, ns_state=num_stages_state, nw_out=num_warps_out,
+        intra=intra, bk_split=block_k_split, nw_split=num_warps_split,
+        nw_intra=num_warps_intra, nw_state=num_warps_state, ns_state=num_stages_state, nw_out=num_warps_out,
     )
     _launch_chunk(q, k, v, g, beta, out, cu_dev, tables.chunk_seq, tables.chunk_idx, tables.chunk_off, slots,
                   tables.init, tables.snap, state, NC, N, cfg, scratch)
@@ -531,8 +532,8 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
         akk, rk = buf("akk", NC, H, C, C), buf("rk", NC, H, C)
         triton_intra_split.launch_intra_split(
             q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl, akk, rk, scale=cfg.scale,
-            block_k=min(cfg.bk_split, BK), num_warps_rows=cfg.nw_split, num_warps_solve=cfg.nw_split,
-            dot16=cfg.dot16, prec=cfg.prec, prec_inv=cfg.prec_inv, chunk=C, sub=SUB, safe_span=SAFE_SPAN)
+            block_k=min(cfg.bk_split, BK), num_warps=cfg.nw_split, dot16=cfg.dot16, prec=cfg.prec,
+            prec_inv=cfg.prec_inv, sub=SUB, safe_span=SAFE_SPAN)
     else:
         gc, akk = buf("gc", NC, H, C, BK), buf("akk", NC, H, C, C)
         _kda_chunk_intra_kernel[(NC, H)](

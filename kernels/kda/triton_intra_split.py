@@ -11,8 +11,8 @@ one after another. Here the same quantities come from two launches with small ti
          Aqk[i, j] = sum_d qn_i[d] exp(Gc_i - Gc_j)[d] kn_j[d]            (j <= i)
      with the fused kernel's decay split at r0 (exp(Gc_i - Gc_r0) <= 1 on the rows; exp(Gc_r0 - Gc_j) <= 1
      on the columns j < r0, at most exp(span) on the diagonal block, which is computed exactly, elementwise,
-     when span > SAFE_SPAN). The chunk's cumsum Gc is recomputed per program (cheap) and the block's rows
-     are taken out of that same register tile, so rows and columns see bit-identical Gc. Its outputs:
+     when span > SAFE_SPAN). The chunk's cumsum Gc is recomputed per program (cheap; the block's own rows as
+     the sum of the rows above plus a local cumsum, equal to the columns' Gc up to fp32 rounding). Its outputs:
      L's row block left of the diagonal, (I + L_rr)^-1 of the 16x16 diagonal block by forward substitution
      in registers (15 dependent steps, no memory traffic), Aqk's row block, and qg, kd, 1/||k|| for its rows
      (the program of the last block also exp(Gc_last)).
@@ -66,21 +66,27 @@ def _kda_intra_rows_kernel(
     m_r = ri < n_valid
     m_g = rows < n_valid
     m_col = rows < tl.minimum(n_valid, r0)  # the columns left of the diagonal block
-    blk = tl.arange(0, NB)
     scr = i_c.to(tl.int64) * H + i_h
     q_h = q_ptr + t0 * stride_qt + i_h * stride_qh  # row 0 of this chunk, this head
     k_h = k_ptr + t0 * stride_kt + i_h * stride_kh
     g_h = g_ptr + t0 * stride_gt + i_h * stride_gh
 
-    # 1. the block's row norms (whole K) and its in-block decay span = max_d Gc_r0 - Gc_{r0+BC-1}
-    offs_k = tl.arange(0, BK)
-    m_rk = m_r[:, None] & (offs_k < K)[None, :]
-    qr = tl.load(q_h + ri[:, None] * stride_qt + offs_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
-    rq = scale / tl.sqrt(tl.sum(qr * qr, axis=1) + 1e-6)
-    kr = tl.load(k_h + ri[:, None] * stride_kt + offs_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
-    rk = 1.0 / tl.sqrt(tl.sum(kr * kr, axis=1) + 1e-6)
-    gb = tl.load(g_h + ri[:, None].to(tl.int64) * stride_gt + offs_k[None, :], mask=m_rk, other=0.0)
-    span = tl.max(-tl.sum(tl.where(loc[:, None] > 0, gb, 0.0), axis=0), axis=0)
+    # 1. the block's row norms and its in-block decay span = max_d Gc_r0 - Gc_{r0+BC-1}, over K slices (a
+    #    loop: whole [BC, K] tiles here cost more registers than the rest of the kernel)
+    ssq_q = tl.zeros([BC], dtype=tl.float32)
+    ssq_k = tl.zeros([BC], dtype=tl.float32)
+    span = 0.0
+    for k0 in range(0, BK, BKI):
+        offs = k0 + tl.arange(0, BKI)
+        m_rs = m_r[:, None] & (offs < K)[None, :]
+        qs = tl.load(q_h + ri[:, None] * stride_qt + offs[None, :], mask=m_rs, other=0.0).to(tl.float32)
+        ks = tl.load(k_h + ri[:, None] * stride_kt + offs[None, :], mask=m_rs, other=0.0).to(tl.float32)
+        gs = tl.load(g_h + ri[:, None] * stride_gt + offs[None, :], mask=m_rs, other=0.0)
+        ssq_q += tl.sum(qs * qs, axis=1)
+        ssq_k += tl.sum(ks * ks, axis=1)
+        span = tl.maximum(span, tl.max(-tl.sum(tl.where(loc[:, None] > 0, gs, 0.0), axis=0), axis=0))
+    rq = scale / tl.sqrt(ssq_q + 1e-6)
+    rk = 1.0 / tl.sqrt(ssq_k + 1e-6)
     exact = span > SAFE_SPAN  # a steep gate: the diagonal block takes the elementwise path (step 3)
     br = tl.load(beta_ptr + (t0 + ri) * stride_bt + i_h * stride_bh, mask=m_r, other=0.0)
     tl.store(rk_ptr + scr * C + ri, rk)
@@ -95,14 +101,16 @@ def _kda_intra_rows_kernel(
     for k0 in range(0, BK, BKI):  # a loop, not unrolled: the slices' loads are not all hoisted
         offs = k0 + tl.arange(0, BKI)
         m_s = offs < K
-        g = tl.load(g_h + rows[:, None].to(tl.int64) * stride_gt + offs[None, :], mask=m_g[:, None] & m_s[None, :],
+        g = tl.load(g_h + rows[:, None] * stride_gt + offs[None, :], mask=m_g[:, None] & m_s[None, :],
                     other=0.0)
         gc = tl.cumsum(g, axis=0)  # [C, BKI]
         g_last = tl.sum(g, axis=0)  # Gc of the last row (padding rows add 0)
-        gref = tl.sum(tl.where(rows[:, None] == r0, gc, 0.0), axis=0)  # Gc_r0
-        # the block's rows of the same tile (bit-identical to the columns' Gc): [NB, BC, BKI], pick block r
-        gr = tl.sum(tl.where(blk[:, None, None] == r, tl.reshape(gc, (NB, BC, BKI)), 0.0), axis=0)  # [BC, BKI]
+        # the block's rows: the sum of the rows above plus a cumsum of its own (taking them out of gc's
+        # register tile, by a reshape or a gather, costs more registers than the rest of the loop)
         m_rs = m_r[:, None] & m_s[None, :]
+        g_r = tl.load(g_h + ri[:, None] * stride_gt + offs[None, :], mask=m_rs, other=0.0)
+        gr = tl.sum(tl.where(rows[:, None] < r0, g, 0.0), axis=0)[None, :] + tl.cumsum(g_r, axis=0)  # [BC, BKI]
+        gref = tl.sum(tl.where(loc[:, None] == 0, gr, 0.0), axis=0)  # Gc_r0 as the rows see it
         qs = tl.load(q_h + ri[:, None] * stride_qt + offs[None, :], mask=m_rs, other=0.0).to(tl.float32)
         ks = tl.load(k_h + ri[:, None] * stride_kt + offs[None, :], mask=m_rs, other=0.0).to(tl.float32)
         qs = qs * rq[:, None]
@@ -135,7 +143,7 @@ def _kda_intra_rows_kernel(
         for k1 in range(0, BK, BKS):  # names of their own: Triton carries loop variables at one type
             offs_e = k1 + tl.arange(0, BKS)
             m_e = m_r[:, None] & (offs_e < K)[None, :]
-            g_e = tl.cumsum(tl.load(g_h + ri[:, None].to(tl.int64) * stride_gt + offs_e[None, :], mask=m_e,
+            g_e = tl.cumsum(tl.load(g_h + ri[:, None] * stride_gt + offs_e[None, :], mask=m_e,
                                     other=0.0), axis=0)
             k_e = tl.load(k_h + ri[:, None] * stride_kt + offs_e[None, :], mask=m_e, other=0.0).to(tl.float32)
             q_e = tl.load(q_h + ri[:, None] * stride_qt + offs_e[None, :], mask=m_e, other=0.0).to(tl.float32)
@@ -220,7 +228,7 @@ def _kda_intra_solve_kernel(
         offs = k0 + tl.arange(0, BKI)
         m = m_row[:, None] & (offs < K)[None, :]
         # the same [C, BKI] cumsum as kernel A's: the same Gc bits
-        gc = tl.cumsum(tl.load(g_h + rows[:, None].to(tl.int64) * stride_gt + offs[None, :], mask=m, other=0.0),
+        gc = tl.cumsum(tl.load(g_h + rows[:, None] * stride_gt + offs[None, :], mask=m, other=0.0),
                        axis=0)
         kg = tl.load(k_h + rows[:, None] * stride_kt + offs[None, :], mask=m, other=0.0).to(tl.float32)
         kg = kg * rk[:, None] * tl.exp(gc)
@@ -235,32 +243,37 @@ def _kda_intra_solve_kernel(
         tl.store(u_ptr + scr * (C * BV) + rows[:, None] * BV + offs[None, :], u.to(u_ptr.dtype.element_ty))
 
 
+# K/V column slice of kernel B's W and U loop (sm_90a, bf16, K = V = 128, 4 warps: 85 registers at 32,
+# 139 at 64; kernel A's slice is kda_chunk_fwd's block_k_split)
+SOLVE_BLOCK = 32
+
+
 def launch_intra_split(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl, akk, rk, *, scale: float,
-                       block_k: int, num_warps_rows: int, num_warps_solve: int, dot16: bool, prec: str,
-                       prec_inv: str, chunk: int, sub: int, safe_span: float) -> None:
-    """Kernels A then B over NC chunks; the buffers are _launch_chunk's (akk [NC, H, C, C] and rk [NC, H, C]
-    fp32 scratch of this path)."""
+                       block_k: int, num_warps: int, dot16: bool, prec: str, prec_inv: str, sub: int,
+                       safe_span: float) -> None:
+    """Kernel A then kernel B over all NC chunks. The buffers are _launch_chunk's: the state pass's scratch
+    (qg, kd, w, u, aqk, gl) and this path's own fp32 akk [NC, H, C, C] and rk [NC, H, C]."""
     NC, H, C, BK = qg.shape
     BV = u.shape[3]
     K, V = k.shape[2], v.shape[2]
-    assert C == chunk and C % sub == 0 and akk.shape == (NC, H, C, C) and rk.shape == (NC, H, C)
+    assert C % sub == 0 and akk.shape == (NC, H, C, C) and rk.shape == (NC, H, C)
     assert akk.dtype == rk.dtype == torch.float32 and BK % block_k == 0
-    BKI = min(block_k, BK)
     _kda_intra_rows_kernel[(NC * (C // sub), H)](
         q, k, g, beta,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         cu, t_seq, t_idx,
         qg, kd, aqk, gl, akk, rk,
         scale,
-        H=H, K=K, BK=BK, BKI=BKI, BKS=min(BKI, 16), C=C, BC=sub, DOT16=dot16, PREC=prec, SAFE_SPAN=safe_span,
-        num_warps=num_warps_rows,
+        H=H, K=K, BK=BK, BKI=block_k, BKS=min(block_k, 16), C=C, BC=sub, DOT16=dot16, PREC=prec,
+        SAFE_SPAN=safe_span,
+        num_warps=num_warps,
     )
     _kda_intra_solve_kernel[(NC, H)](
         k, v, g, beta,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         cu, t_seq, t_idx,
         akk, rk, w, u,
-        H=H, K=K, V=V, BK=BK, BV=BV, BKI=BKI, BVI=min(BKI, BV), C=C, BC=sub,
+        H=H, K=K, V=V, BK=BK, BV=BV, BKI=min(SOLVE_BLOCK, BK), BVI=min(SOLVE_BLOCK, BV), C=C, BC=sub,
         DOT16=dot16, PREC=prec, PREC_INV=prec_inv,
-        num_warps=num_warps_solve,
+        num_warps=num_warps,
     )

@@ -29,6 +29,7 @@ from tests.kernels.helpers import DEV, HAS_CUDA, rel_err, run_benchmark_smoke  #
 
 LOWER_BOUND = -5.0
 W = 4
+INTRA = ["fused", "split"]  # kda_chunk_fwd's intra-chunk paths (the state pass is shared)
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")  # NaN-filled outputs: conftest.py
 
@@ -297,8 +298,9 @@ def test_chunk_single_sequence(T: int, kind: str, with_h0: bool) -> None:
     check_chunk(case, [1], has_init=[with_h0])
 
 
+@pytest.mark.parametrize("intra", INTRA)
 @pytest.mark.parametrize("kind", ["softplus", "lower_bound"])
-def test_chunk_aligned_keys_high_beta_stay_exact(kind: str) -> None:
+def test_chunk_aligned_keys_high_beta_stay_exact(kind: str, intra: str) -> None:
     """Nearly parallel keys, beta 0.95 and a slow decay make L's entries close to 1: its powers grow
     like binomials, so a power series of L for (I + L)^-1 (repeated squaring) cancelled
     catastrophically (relative error 1e16; 620 with less aligned keys); the block forward substitution
@@ -308,19 +310,21 @@ def test_chunk_aligned_keys_high_beta_stay_exact(kind: str) -> None:
     case["k"] = (torch.randn(1, 2, 16, generator=g) + 0.3 * torch.randn(128, 2, 16, generator=g)).to(DEV)
     case["beta"] = torch.full((128, 2), 0.95, device=DEV)
     case["g"] = case["g"] * 0.05
-    check_chunk(case, [1], tol=1e-5, precision="ieee")
+    check_chunk(case, [1], tol=1e-5, precision="ieee", intra=intra)
 
 
-def test_chunk_varlen_padding_slot_d32() -> None:
+@pytest.mark.parametrize("intra", INTRA)
+def test_chunk_varlen_padding_slot_d32(intra: str) -> None:
     """Three sequences (63, 1, 130 tokens), one without a slot (zero start, no final write)."""
     case = chunk_case([63, 1, 130], H=2, D=32, kind="lower_bound", dtype=torch.float32, num_slots=5)
-    check_chunk(case, [3, -1, 0])
+    check_chunk(case, [3, -1, 0], intra=intra)
 
 
-def test_chunk_varlen_mixed_initial_state_and_snapshots() -> None:
+@pytest.mark.parametrize("intra", INTRA)
+def test_chunk_varlen_mixed_initial_state_and_snapshots(intra: str) -> None:
     case = chunk_case([130, 65, 64], H=2, D=16, kind="softplus", dtype=torch.float32, num_slots=9, seed=3)
     snaps = ([[64, 128, 130], [65], [64]], [[4, 5, 6], [7], [8]])
-    check_chunk(case, [0, 1, 2], has_init=[True, False, True], snaps=snaps)
+    check_chunk(case, [0, 1, 2], has_init=[True, False, True], snaps=snaps, intra=intra)
 
 
 def test_chunk_split_output_pass() -> None:
@@ -329,7 +333,8 @@ def test_chunk_split_output_pass() -> None:
     check_chunk(case, [2, 0], snaps=([[64, 130], []], [[3, 4], []]), split_output=True, block_v_out=8)
 
 
-def test_chunk_steep_gate_exact_diagonal_blocks() -> None:
+@pytest.mark.parametrize("intra", INTRA)
+def test_chunk_steep_gate_exact_diagonal_blocks(intra: str) -> None:
     """A decay of more than SAFE_SPAN nats inside a 16-row block (one token at -80 or -300 in some
     channels) takes the exact elementwise path for that diagonal block; no inf/NaN anywhere."""
     case = chunk_case([150], H=2, D=16, kind="softplus", dtype=torch.float32, num_slots=2, seed=12)
@@ -337,13 +342,14 @@ def test_chunk_steep_gate_exact_diagonal_blocks() -> None:
     g[5, 0, :4] = -80.0  # block 0 of chunk 0, head 0 only
     g[70, 1, 3] = -300.0  # block 0 of chunk 1, head 1
     g[140:142, :, 8:] = -45.0  # block 0 of the tail chunk, both heads: span 90
-    check_chunk(case, [1])
+    check_chunk(case, [1], intra=intra)
 
 
-def test_chunk_fp16_inputs_and_scratch() -> None:
+@pytest.mark.parametrize("intra", INTRA)
+def test_chunk_fp16_inputs_and_scratch(intra: str) -> None:
     """The 16-bit scratch path (16-bit tensor-core dots on the GPU); fp16 runs in the interpreter."""
     case = chunk_case([65, 63], H=2, D=16, kind="lower_bound", dtype=torch.float16, num_slots=2, seed=4)
-    check_chunk(case, [1, 0], tol=3e-3, scratch_dtype=torch.float16)
+    check_chunk(case, [1, 0], tol=3e-3, scratch_dtype=torch.float16, intra=intra)
 
 
 def test_chunk_rejects_bad_inputs() -> None:
