@@ -402,8 +402,10 @@ def test_gpu_decode_kimi_shape(kind: str) -> None:
 @pytest.mark.parametrize(
     "kw,tol",
     [({}, 2e-2), ({"split_output": True}, 2e-2), ({"scratch_dtype": torch.float32}, 2e-2),
-     ({"precision": "tf32x3", "scratch_dtype": torch.float32}, 5e-3)],
-    ids=["bf16_dots", "bf16_dots_split_output", "bf16_dots_fp32_scratch", "tf32x3_fp32_scratch"],
+     ({"precision": "tf32x3", "scratch_dtype": torch.float32}, 5e-3), ({"intra": "split"}, 2e-2),
+     ({"intra": "split", "precision": "tf32x3", "scratch_dtype": torch.float32}, 5e-3)],
+    ids=["bf16_dots", "bf16_dots_split_output", "bf16_dots_fp32_scratch", "tf32x3_fp32_scratch", "split_intra",
+         "split_intra_tf32x3"],
 )
 def test_gpu_chunk_kimi_shape(kw: dict, tol: float) -> None:
     lens = [2048, 1000, 64, 1]
@@ -414,13 +416,14 @@ def test_gpu_chunk_kimi_shape(kw: dict, tol: float) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_gpu_chunk_steep_softplus_gate() -> None:
+@pytest.mark.parametrize("intra", INTRA)
+def test_gpu_chunk_steep_softplus_gate(intra: str) -> None:
     """Softplus gate with steep tokens (the exact diagonal-block path) at Kimi shapes, bf16 dots."""
     case = chunk_case([700, 300], H=32, D=128, kind="softplus", dtype=torch.bfloat16, num_slots=2, seed=15)
     case["g"][5, 0, :4] = -80.0
     case["g"][70, 1:9, 3] = -300.0
     case["g"][690:692, :, 8:] = -45.0
-    check_chunk(case, [1, 0], tol=2e-2)
+    check_chunk(case, [1, 0], tol=2e-2, intra=intra)
 
 
 @pytest.mark.gpu
