@@ -499,13 +499,13 @@ def main() -> int:
                 item("decode_sweep", f"k3rt N={N} {cfg}", lambda N=N, c=cfg: bench_decode(N, H, D, "k3rt", c))
     for case in (ARGS.verify if not smoke else ["2x3"]):
         item("verify", f"k3rt {case}", lambda c=case: bench_verify(c, H, D))
-    steep_lens = [300, 64, 1000] if not smoke else [80, 3]
-    if not smoke:
-        item("correctness", "kda_chunk_fwd base steep", lambda: check_chunk(steep_lens, H, D, "base", True))
     variants = ARGS.prefill_variants if not smoke else ["base", "split", "split_intra"]
-    for var in ({v for v in variants + ARGS.prefill_sweep if PREFILL_VARIANTS[v].get("intra") == "split"}
-                if not smoke else ["split_intra"]):  # the split intra path has its own steep-gate code
-        item("correctness", f"kda_chunk_fwd {var} steep", lambda v=var: check_chunk(steep_lens, H, D, v, True))
+    if not smoke:
+        item("correctness", "kda_chunk_fwd base steep", lambda: check_chunk([300, 64, 1000], H, D, "base", True))
+        # the split intra path has steep-gate code of its own
+        for var in sorted({v for v in variants + ARGS.prefill_sweep if PREFILL_VARIANTS[v].get("intra") == "split"}):
+            item("correctness", f"kda_chunk_fwd {var} steep",
+                 lambda v=var: check_chunk([300, 64, 1000], H, D, v, True))
     for var in variants:
         if var != "base":
             item("correctness", f"kda_chunk_fwd {var}", lambda v=var: check_chunk(lens, H, D, v))
