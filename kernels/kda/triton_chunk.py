@@ -529,9 +529,9 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
     if cfg.intra == "split":
         from k3rt.kernels.kda import triton_intra_split  # imports this module: not at the top
 
-        akk, rk = buf("akk", NC, H, C, C), buf("rk", NC, H, C)
+        akk, kg = buf("akk", NC, H, C, C), buf("kg", NC, H, C, BK, dtype=sd)
         triton_intra_split.launch_intra_split(
-            q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl, akk, rk, scale=cfg.scale,
+            q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl, akk, kg, scale=cfg.scale,
             block_k=min(cfg.bk_split, BK), num_warps=cfg.nw_split, dot16=cfg.dot16, prec=cfg.prec,
             prec_inv=cfg.prec_inv, sub=SUB, safe_span=SAFE_SPAN)
     else:

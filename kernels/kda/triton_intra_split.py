@@ -14,12 +14,12 @@ one after another. Here the same quantities come from two launches with small ti
      when span > SAFE_SPAN). The chunk's cumsum Gc is recomputed per program (cheap; the block's own rows as
      the sum of the rows above plus a local cumsum, equal to the columns' Gc up to fp32 rounding). Its outputs:
      L's row block left of the diagonal, (I + L_rr)^-1 of the 16x16 diagonal block by forward substitution
-     in registers (15 dependent steps, no memory traffic), Aqk's row block, and qg, kd, 1/||k|| for its rows
-     (the program of the last block also exp(Gc_last)).
+     in registers (15 dependent steps, no memory traffic), Aqk's row block, and qg, kd, kg = kn exp(Gc) for
+     its rows (the program of the last block also exp(Gc_last)).
   B. `_kda_intra_solve_kernel`, one program per (chunk, head): (I + L)^-1 by block forward substitution,
          X_r = (I + L_rr)^-1 (E_r - sum_{m<r} L_rm X_m)        (row block r, [16, 64])
      (stable: no power series of L, kernels/kda/NOTES.md "After run 4"), then Tm = X diag(beta),
-     W = Tm (exp(Gc) kn) and U = Tm v over column slices.
+     W = Tm kg and U = Tm v over column slices (kg from scratch: fewer bytes than re-reading k and g).
 The state pass reads the same scratch (qg, kd, w, u, aqk, gl) as after the fused kernel.
 """
 from __future__ import annotations
@@ -39,10 +39,10 @@ def _kda_intra_rows_kernel(
     cu_ptr,  # [N+1] int32 token offsets
     chunk_seq_ptr, chunk_idx_ptr,  # [NC] int32: sequence of each chunk, chunk index inside it
     qg_ptr, kd_ptr,  # out [NC, H, C, BK]: q exp(Gc) (normalized, scaled), k exp(Gc_last - Gc) (normalized)
+    kg_ptr,  # out [NC, H, C, BK]: k exp(Gc) (normalized), for kernel B's W
     aqk_ptr,  # out [NC, H, C, C]
     gl_ptr,  # out [NC, H, BK] fp32: exp(Gc_last)
     akk_ptr,  # out [NC, H, C, C] fp32: L left of the diagonal blocks, (I + L_rr)^-1 on them (upper: unwritten)
-    rk_ptr,  # out [NC, H, C] fp32: 1 / ||k_i||
     scale,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKI: tl.constexpr, BKS: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr,
@@ -89,7 +89,6 @@ def _kda_intra_rows_kernel(
     rk = 1.0 / tl.sqrt(ssq_k + 1e-6)
     exact = span > SAFE_SPAN  # a steep gate: the diagonal block takes the elementwise path (step 3)
     br = tl.load(beta_ptr + (t0 + ri) * stride_bt + i_h * stride_bh, mask=m_r, other=0.0)
-    tl.store(rk_ptr + scr * C + ri, rk)
 
     # 2. over K slices: qg, kd (and exp(Gc_last)) for the block's rows, and the block row of L and Aqk as
     #    [BC, BKI] x [BKI, C] dots left of the diagonal block, [BC, BKI] x [BKI, BC] on it
@@ -118,6 +117,7 @@ def _kda_intra_rows_kernel(
         tile = scr * (C * BK) + ri[:, None] * BK + offs[None, :]
         tl.store(qg_ptr + tile, (qs * tl.exp(gr)).to(qg_ptr.dtype.element_ty))
         tl.store(kd_ptr + tile, (ks * tl.exp(g_last[None, :] - gr)).to(kd_ptr.dtype.element_ty))
+        tl.store(kg_ptr + tile, (ks * tl.exp(gr)).to(kg_ptr.dtype.element_ty))
         tl.store(gl_ptr + scr * BK + offs, tl.exp(g_last), mask=r == NB - 1)
         er = tl.exp(gr - gref[None, :])  # <= 1
         a_q = qs * er
@@ -176,14 +176,14 @@ def _kda_intra_rows_kernel(
 # not specialized per step (kernels/common.py, Compiles): the chunk tables are views of the packed step
 @triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
 def _kda_intra_solve_kernel(
-    k_ptr, v_ptr, g_ptr, beta_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, stride_bt, stride_bh,
+    v_ptr, beta_ptr,
+    stride_vt, stride_vh, stride_bt, stride_bh,
     cu_ptr, chunk_seq_ptr, chunk_idx_ptr,
     akk_ptr,  # in/out [NC, H, C, C] fp32: kernel A's blocks in, X = (I + L)^-1 out (all of it)
-    rk_ptr,  # [NC, H, C] fp32 from kernel A: 1 / ||k_i||
+    kg_ptr,  # [NC, H, C, BK] from kernel A: k exp(Gc) (normalized)
     w_ptr,  # out [NC, H, C, BK]
     u_ptr,  # out [NC, H, C, BV]
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BKI: tl.constexpr, BVI: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr,
     DOT16: tl.constexpr, PREC: tl.constexpr, PREC_INV: tl.constexpr,
@@ -221,19 +221,10 @@ def _kda_intra_solve_kernel(
     # 2. Tm = X diag(beta); W = Tm (exp(Gc) kn), U = Tm v, over column slices
     b = tl.load(beta_ptr + (t0 + rows) * stride_bt + i_h * stride_bh, mask=m_row, other=0.0)
     tm = tl.load(a_buf + rows[:, None] * C + rows[None, :]) * b[None, :]  # [C, C]
-    rk = tl.load(rk_ptr + scr * C + rows)
-    k_h = k_ptr + t0 * stride_kt + i_h * stride_kh
-    g_h = g_ptr + t0 * stride_gt + i_h * stride_gh
     for k0 in tl.static_range(0, BK, BKI):
-        offs = k0 + tl.arange(0, BKI)
-        m = m_row[:, None] & (offs < K)[None, :]
-        # the same [C, BKI] cumsum as kernel A's: the same Gc bits
-        gc = tl.cumsum(tl.load(g_h + rows[:, None] * stride_gt + offs[None, :], mask=m, other=0.0),
-                       axis=0)
-        kg = tl.load(k_h + rows[:, None] * stride_kt + offs[None, :], mask=m, other=0.0).to(tl.float32)
-        kg = kg * rk[:, None] * tl.exp(gc)
-        w = _dot(tm, kg, DOT16, PREC)
-        tl.store(w_ptr + scr * (C * BK) + rows[:, None] * BK + offs[None, :], w.to(w_ptr.dtype.element_ty))
+        tile = scr * (C * BK) + rows[:, None] * BK + (k0 + tl.arange(0, BKI))[None, :]
+        w = _dot(tm, tl.load(kg_ptr + tile), DOT16, PREC)
+        tl.store(w_ptr + tile, w.to(w_ptr.dtype.element_ty))
     v_h = v_ptr + t0 * stride_vt + i_h * stride_vh
     for v0 in tl.static_range(0, BV, BVI):
         offs = v0 + tl.arange(0, BVI)
@@ -243,37 +234,37 @@ def _kda_intra_solve_kernel(
         tl.store(u_ptr + scr * (C * BV) + rows[:, None] * BV + offs[None, :], u.to(u_ptr.dtype.element_ty))
 
 
-# K/V column slice of kernel B's W and U loop (sm_90a, bf16, K = V = 128, 4 warps: 85 registers at 32,
-# 139 at 64; kernel A's slice is kda_chunk_fwd's block_k_split)
+# K/V column slice of kernel B's W and U loop (sm_90a, bf16, K = V = 128, 4 warps: 76 registers at 32;
+# kernel A's slice is kda_chunk_fwd's block_k_split)
 SOLVE_BLOCK = 32
 
 
-def launch_intra_split(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl, akk, rk, *, scale: float,
+def launch_intra_split(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl, akk, kg, *, scale: float,
                        block_k: int, num_warps: int, dot16: bool, prec: str, prec_inv: str, sub: int,
                        safe_span: float) -> None:
     """Kernel A then kernel B over all NC chunks. The buffers are _launch_chunk's: the state pass's scratch
-    (qg, kd, w, u, aqk, gl) and this path's own fp32 akk [NC, H, C, C] and rk [NC, H, C]."""
+    (qg, kd, w, u, aqk, gl) and this path's own akk [NC, H, C, C] (fp32) and kg [NC, H, C, BK] (as qg)."""
     NC, H, C, BK = qg.shape
     BV = u.shape[3]
     K, V = k.shape[2], v.shape[2]
-    assert C % sub == 0 and akk.shape == (NC, H, C, C) and rk.shape == (NC, H, C)
-    assert akk.dtype == rk.dtype == torch.float32 and BK % block_k == 0
+    assert C % sub == 0 and akk.shape == (NC, H, C, C) and akk.dtype == torch.float32
+    assert kg.shape == qg.shape and kg.dtype == qg.dtype and BK % block_k == 0
     _kda_intra_rows_kernel[(NC * (C // sub), H)](
         q, k, g, beta,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         cu, t_seq, t_idx,
-        qg, kd, aqk, gl, akk, rk,
+        qg, kd, kg, aqk, gl, akk,
         scale,
         H=H, K=K, BK=BK, BKI=block_k, BKS=min(block_k, 16), C=C, BC=sub, DOT16=dot16, PREC=prec,
         SAFE_SPAN=safe_span,
         num_warps=num_warps,
     )
     _kda_intra_solve_kernel[(NC, H)](
-        k, v, g, beta,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+        v, beta,
+        v.stride(0), v.stride(1), beta.stride(0), beta.stride(1),
         cu, t_seq, t_idx,
-        akk, rk, w, u,
-        H=H, K=K, V=V, BK=BK, BV=BV, BKI=min(SOLVE_BLOCK, BK), BVI=min(SOLVE_BLOCK, BV), C=C, BC=sub,
+        akk, kg, w, u,
+        H=H, V=V, BK=BK, BV=BV, BKI=min(SOLVE_BLOCK, BK), BVI=min(SOLVE_BLOCK, BV), C=C, BC=sub,
         DOT16=dot16, PREC=prec, PREC_INV=prec_inv,
         num_warps=num_warps,
     )

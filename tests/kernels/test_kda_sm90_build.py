@@ -96,15 +96,15 @@ strided = lambda k: k.startswith("stride")
 def rows(act, scratch):
     return dict(q_ptr=act, k_ptr=act, g_ptr="*fp32", beta_ptr="*fp32", stride_qt=I32, stride_qh=I32, stride_kt=I32,
                 stride_kh=I32, stride_gt=I32, stride_gh=I32, stride_bt=I32, stride_bh=I32, cu_ptr="*i32",
-                chunk_seq_ptr="*i32", chunk_idx_ptr="*i32", qg_ptr=scratch, kd_ptr=scratch, aqk_ptr=scratch,
-                gl_ptr="*fp32", akk_ptr="*fp32", rk_ptr="*fp32", scale="fp32", H=C, K=C, BK=C, BKI=C, BKS=C, C=C,
+                chunk_seq_ptr="*i32", chunk_idx_ptr="*i32", qg_ptr=scratch, kd_ptr=scratch, kg_ptr=scratch,
+                aqk_ptr=scratch, gl_ptr="*fp32", akk_ptr="*fp32", scale="fp32", H=C, K=C, BK=C, BKI=C, BKS=C, C=C,
                 BC=C, DOT16=C, PREC=C, SAFE_SPAN=C)
 
 def solve(act, scratch):
-    return dict(k_ptr=act, v_ptr=act, g_ptr="*fp32", beta_ptr="*fp32", stride_kt=I32, stride_kh=I32, stride_vt=I32,
-                stride_vh=I32, stride_gt=I32, stride_gh=I32, stride_bt=I32, stride_bh=I32, cu_ptr="*i32",
-                chunk_seq_ptr="*i32", chunk_idx_ptr="*i32", akk_ptr="*fp32", rk_ptr="*fp32", w_ptr=scratch,
-                u_ptr=scratch, H=C, K=C, V=C, BK=C, BV=C, BKI=C, BVI=C, C=C, BC=C, DOT16=C, PREC=C, PREC_INV=C)
+    return dict(v_ptr=act, beta_ptr="*fp32", stride_vt=I32, stride_vh=I32, stride_bt=I32, stride_bh=I32,
+                cu_ptr="*i32", chunk_seq_ptr="*i32", chunk_idx_ptr="*i32", akk_ptr="*fp32", kg_ptr=scratch,
+                w_ptr=scratch, u_ptr=scratch, H=C, V=C, BK=C, BV=C, BKI=C, BVI=C, C=C, BC=C, DOT16=C, PREC=C,
+                PREC_INV=C)
 
 def build(dtype, dot16, prec):
     # kda_chunk_fwd's defaults: block_k_split 16, num_warps_split 4
@@ -114,7 +114,7 @@ def build(dtype, dot16, prec):
             H=32, K=128, BK=128, BKI=16, BKS=16, C=K.CHUNK, BC=K.SUB, DOT16=dot16, PREC=prec,
             SAFE_SPAN=K.SAFE_SPAN), 4, 1, strided),
         "solve": sm90_build(S._kda_intra_solve_kernel, solve(act, act), dict(
-            H=32, K=128, V=128, BK=128, BV=128, BKI=S.SOLVE_BLOCK, BVI=S.SOLVE_BLOCK, C=K.CHUNK, BC=K.SUB,
+            H=32, V=128, BK=128, BV=128, BKI=S.SOLVE_BLOCK, BVI=S.SOLVE_BLOCK, C=K.CHUNK, BC=K.SUB,
             DOT16=dot16, PREC=prec, PREC_INV=prec), 4, 1, strided),
     }
 
