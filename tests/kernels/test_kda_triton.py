@@ -365,6 +365,10 @@ def test_chunk_rejects_bad_inputs() -> None:
         kda_chunk_fwd(**case, slot_indices=slots, snapshot_positions=[[64]], snapshot_slots=[[2]])
     with pytest.raises(ValueError, match="cu_seqlens"):
         kda_chunk_fwd(**case, slot_indices=slots, cu_seqlens_cpu=[0, 64, 60])
+    with pytest.raises(ValueError, match="intra must be"):
+        kda_chunk_fwd(**case, slot_indices=slots, intra="splt")
+    with pytest.raises(ValueError, match="block_k_split"):
+        kda_chunk_fwd(**case, slot_indices=slots, intra="split", block_k_split=24)
 
 
 def test_benchmark_smoke(tmp_path: Path) -> None:
@@ -468,7 +472,8 @@ def _device_tables(lens: list[int], snaps) -> ChunkTables:
     return ChunkTables(*t, torch.ones(len(lens), dtype=torch.int32, device=DEV), len(c_seq))
 
 
-def test_chunk_prebuilt_tables_equal_its_own() -> None:
+@pytest.mark.parametrize("intra", INTRA)
+def test_chunk_prebuilt_tables_equal_its_own(intra: str) -> None:
     """Issue 18: tables built once (the GPU runner's pack_step) and intermediates reused across calls give the
     call's own results bit for bit, also on states in a page pool's strided view, and a table of the wrong size
     is refused naming it."""
@@ -476,16 +481,19 @@ def test_chunk_prebuilt_tables_equal_its_own() -> None:
     case = chunk_case(lens, H=2, D=16, kind="softplus", dtype=torch.float32, num_slots=6, seed=5)
     slots = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
     state0 = case["state"].clone()
-    own = kda_chunk_fwd(**case, slot_indices=slots, snapshot_positions=snaps[0], snapshot_slots=snaps[1])
+    own = kda_chunk_fwd(**case, slot_indices=slots, snapshot_positions=snaps[0], snapshot_slots=snaps[1],
+                        intra=intra)
     own_state, case["state"] = case["state"], state0.clone()
     scratch: dict = {}  # the intermediates allocated by the first call, reused (NaN-poisoned again) by the second
-    shared = kda_chunk_fwd(**case, slot_indices=slots, tables=_device_tables(lens, snaps), scratch=scratch)
+    shared = kda_chunk_fwd(**case, slot_indices=slots, tables=_device_tables(lens, snaps), scratch=scratch,
+                           intra=intra)
     assert torch.equal(shared, own) and torch.equal(case["state"], own_state) and len(scratch) == 8
     # the states as a page pool's view (slots further apart than a state): read and written in place
     pages = torch.full((6, state0[0].numel() + 24), float("nan"), device=DEV)
     case["state"] = pages[:, 8:8 + state0[0].numel()].view(state0.shape)
     case["state"].copy_(state0)
-    strided = kda_chunk_fwd(**case, slot_indices=slots, tables=_device_tables(lens, snaps), scratch=scratch)
+    strided = kda_chunk_fwd(**case, slot_indices=slots, tables=_device_tables(lens, snaps), scratch=scratch,
+                            intra=intra)
     assert torch.equal(strided, own) and torch.equal(case["state"], own_state)
     assert pages[:, :8].isnan().all() and pages[:, 8 + state0[0].numel():].isnan().all()  # the rest untouched
     with pytest.raises(ValueError, match="tables: chunk_off"):
