@@ -49,6 +49,7 @@ PREFILL_VARIANTS: dict[str, dict] = {
     "split_intra": {"intra": "split"},
     "split_intra_bk32": {"intra": "split", "block_k_split": 32},
     "split_intra_w8": {"intra": "split", "num_warps_split": 8},
+    "split_intra_s2": {"intra": "split", "num_stages_split": 2},  # cp.async prefetch of the next K slice
 }
 
 

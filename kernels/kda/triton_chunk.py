@@ -314,6 +314,7 @@ def kda_chunk_fwd(
     intra: str = "fused",
     block_k_split: int = 16,
     num_warps_split: int = 4,
+    num_stages_split: int = 1,
     block_v: int = 32,
     block_v_out: int = 64,
     num_warps_intra: int = 4,
@@ -356,7 +357,9 @@ def kda_chunk_fwd(
         intra: "fused" (default): one intra program per (chunk, head); "split": two launches of smaller
             programs, per (chunk, 16-row block, head) then per (chunk, head) (triton_intra_split.py; not yet
             timed on a GPU). The state pass is the same after either.
-        block_k_split, num_warps_split: the split path's K slice of its first kernel, and both kernels' warps.
+        block_k_split, num_warps_split, num_stages_split: the split path's K slice of its first kernel, both
+            kernels' warps, and the first kernel's software-pipelining stages (1: no cp.async prefetch of the
+            next slice, 128 registers at the Kimi head; 2 or 3 prefetch, 168).
         block_v, block_v_out, num_warps_*, num_stages_state: launch tuning.
         tables: the chunk tables already on the device (`chunk_tables.ChunkTables`, built and validated once
             per step by the GPU runner's step packer and shared by every layer): then cu_seqlens_cpu,
@@ -404,6 +407,8 @@ def kda_chunk_fwd(
         raise ValueError(f"intra must be 'fused' or 'split', got {intra!r}")
     if block_k_split not in (16, 32, 64, 128):
         raise ValueError(f"block_k_split must be 16, 32, 64 or 128, got {block_k_split}")
+    if num_stages_split not in (1, 2, 3, 4):
+        raise ValueError(f"num_stages_split must be 1 to 4, got {num_stages_split}")
     if scratch_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"scratch_dtype must be float32, bfloat16 or float16, got {scratch_dtype}")
     if K > 256 or V > 256:
@@ -439,7 +444,7 @@ def kda_chunk_fwd(
         BK=max(16, triton.next_power_of_2(K)), BVF=max(16, triton.next_power_of_2(V)),
         BV=block_v, BVO=block_v_out, scale=K**-0.5 if scale is None else float(scale),
         dot16=dot16, prec=prec, prec_inv=prec_inv, scratch_dtype=scratch_dtype, split_output=split_output,
-        intra=intra, bk_split=block_k_split, nw_split=num_warps_split,
+        intra=intra, bk_split=block_k_split, nw_split=num_warps_split, ns_split=num_stages_split,
         nw_intra=num_warps_intra, nw_state=num_warps_state, ns_state=num_stages_state, nw_out=num_warps_out,
     )
     _launch_chunk(q, k, v, g, beta, out, cu_dev, tables.chunk_seq, tables.chunk_idx, tables.chunk_off, slots,
@@ -491,6 +496,7 @@ class _Launch:
     intra: str  # "fused" or "split"
     bk_split: int  # column slice of the split intra kernels
     nw_split: int
+    ns_split: int  # num_stages of the split path's first kernel
     nw_intra: int
     nw_state: int
     ns_state: int
@@ -532,8 +538,8 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
         akk, kg = buf("akk", NC, H, C, C), buf("kg", NC, H, C, BK, dtype=sd)
         triton_intra_split.launch_intra_split(
             q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl, akk, kg, scale=cfg.scale,
-            block_k=min(cfg.bk_split, BK), num_warps=cfg.nw_split, dot16=cfg.dot16, prec=cfg.prec,
-            prec_inv=cfg.prec_inv, sub=SUB, safe_span=SAFE_SPAN)
+            block_k=min(cfg.bk_split, BK), num_warps=cfg.nw_split, num_stages=cfg.ns_split, dot16=cfg.dot16,
+            prec=cfg.prec, prec_inv=cfg.prec_inv, sub=SUB, safe_span=SAFE_SPAN)
     else:
         gc, akk = buf("gc", NC, H, C, BK), buf("akk", NC, H, C, C)
         _kda_chunk_intra_kernel[(NC, H)](

@@ -240,7 +240,7 @@ SOLVE_BLOCK = 32
 
 
 def launch_intra_split(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl, akk, kg, *, scale: float,
-                       block_k: int, num_warps: int, dot16: bool, prec: str, prec_inv: str, sub: int,
+                       block_k: int, num_warps: int, num_stages: int, dot16: bool, prec: str, prec_inv: str, sub: int,
                        safe_span: float) -> None:
     """Kernel A then kernel B over all NC chunks. The buffers are _launch_chunk's: the state pass's scratch
     (qg, kd, w, u, aqk, gl) and this path's own akk [NC, H, C, C] (fp32) and kg [NC, H, C, BK] (as qg)."""
@@ -257,7 +257,7 @@ def launch_intra_split(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl
         scale,
         H=H, K=K, BK=BK, BKI=block_k, BKS=min(block_k, 16), C=C, BC=sub, DOT16=dot16, PREC=prec,
         SAFE_SPAN=safe_span,
-        num_warps=num_warps,
+        num_warps=num_warps, num_stages=num_stages,
     )
     _kda_intra_solve_kernel[(NC, H)](
         v, beta,
@@ -266,5 +266,5 @@ def launch_intra_split(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl
         akk, kg, w, u,
         H=H, V=V, BK=BK, BV=BV, BKI=min(SOLVE_BLOCK, BK), BVI=min(SOLVE_BLOCK, BV), C=C, BC=sub,
         DOT16=dot16, PREC=prec, PREC_INV=prec_inv,
-        num_warps=num_warps,
+        num_warps=num_warps, num_stages=1,  # its loops are unrolled: nothing to pipeline
     )
