@@ -15,6 +15,8 @@ Launches:
          W = (I + L)^-1 diag(beta) (exp(Gc) k),   U = (I + L)^-1 diag(beta) v,
      plus qg = q exp(Gc), kd = k exp(Gc_last - Gc), exp(Gc_last) and Aqk for the state pass.
      Tail chunks are zero-padded (q = k = v = 0, g = 0, beta = 0), which leaves the state exact.
+     With intra="split" two launches of smaller programs compute the same scratch instead
+     (triton_intra_split.py: per (chunk, 16-row block, head), then per (chunk, head)).
   2. `_kda_chunk_state_kernel`, one program per (V tile, sequence, head), walks the chunks of its
      sequence in order with the state tile S [K, BV] in registers:
          Vnew = U - W S;  O = qg S + Aqk Vnew;  S = exp(Gc_last) S + kd^T Vnew
