@@ -395,7 +395,7 @@ def kernel_split_ms(fn, reps: int) -> dict:
     import k3rt.kernels.kda.triton_chunk as tc
     import k3rt.kernels.kda.triton_intra_split as ts
 
-    # (module, kernel): the split intra path's two launches live in their own module
+    # (kernel, module): the split intra path's two launches live in their own module
     names = (("_kda_chunk_intra_kernel", tc), ("_kda_intra_rows_kernel", ts), ("_kda_intra_solve_kernel", ts),
              ("_kda_chunk_state_kernel", tc), ("_kda_chunk_out_kernel", tc))
     orig = {n: getattr(m, n) for n, m in names}
@@ -430,7 +430,7 @@ def kernel_split_ms(fn, reps: int) -> dict:
     finally:
         for n, m in names:
             setattr(m, n, orig[n])
-    # intra_kernel_ms, state_kernel_ms, out_kernel_ms; the split intra path: intra_rows_kernel_ms, intra_solve_kernel_ms
+    # intra_kernel_ms, state_kernel_ms, out_kernel_ms; split intra: intra_rows_kernel_ms, intra_solve_kernel_ms
     return {f"{n.strip('_').removeprefix('kda_chunk_').removeprefix('kda_')}_ms": statistics.median(t)
             for n, t in times.items() if t}
 
