@@ -44,6 +44,12 @@ PREFILL_VARIANTS: dict[str, dict] = {
     "bv64": {"block_v": 64},
     "fp32_scratch": {"scratch_dtype": "float32"},
     "tf32x3": {"precision": "tf32x3", "scratch_dtype": "float32"},  # fp32 operands everywhere
+    # the split intra path (kernels/kda/triton_intra_split.py, session 13): (chunk, 16-row block, head) programs
+    # then (chunk, head) programs instead of one fused intra program per (chunk, head)
+    "split_intra": {"intra": "split"},
+    "split_intra_bk32": {"intra": "split", "block_k_split": 32},
+    "split_intra_w8": {"intra": "split", "num_warps_split": 8},
+    "split_intra_s2": {"intra": "split", "num_stages_split": 2},  # cp.async prefetch of the next K slice
 }
 
 
@@ -387,10 +393,13 @@ def bench_verify(case: str, H: int, D: int) -> dict:
 def kernel_split_ms(fn, reps: int) -> dict:
     """Median time of each of kda_chunk_fwd's launches (events around each; syncs in between)."""
     import k3rt.kernels.kda.triton_chunk as tc
+    import k3rt.kernels.kda.triton_intra_split as ts
 
-    names = ("_kda_chunk_intra_kernel", "_kda_chunk_state_kernel", "_kda_chunk_out_kernel")
-    orig = {n: getattr(tc, n) for n in names}
-    times: dict = {n: [] for n in names}
+    # (kernel, module): the split intra path's two launches live in their own module
+    names = (("_kda_chunk_intra_kernel", tc), ("_kda_intra_rows_kernel", ts), ("_kda_intra_solve_kernel", ts),
+             ("_kda_chunk_state_kernel", tc), ("_kda_chunk_out_kernel", tc))
+    orig = {n: getattr(m, n) for n, m in names}
+    times: dict = {n: [] for n, _ in names}
 
     class Timed:
         def __init__(self, name: str) -> None:
@@ -414,14 +423,16 @@ def kernel_split_ms(fn, reps: int) -> dict:
             return run
 
     try:
-        for n in names:
-            setattr(tc, n, Timed(n))
+        for n, m in names:
+            setattr(m, n, Timed(n))
         for _ in range(reps):
             fn()
     finally:
-        for n in names:
-            setattr(tc, n, orig[n])
-    return {f"{n.strip('_').removeprefix('kda_chunk_')}_ms": statistics.median(t) for n, t in times.items() if t}
+        for n, m in names:
+            setattr(m, n, orig[n])
+    # intra_kernel_ms, state_kernel_ms, out_kernel_ms; split intra: intra_rows_kernel_ms, intra_solve_kernel_ms
+    return {f"{n.strip('_').removeprefix('kda_chunk_').removeprefix('kda_')}_ms": statistics.median(t)
+            for n, t in times.items() if t}
 
 
 def bench_prefill(case: str, H: int, D: int, impl: str, variant: str = "base") -> dict:
@@ -489,9 +500,13 @@ def main() -> int:
                 item("decode_sweep", f"k3rt N={N} {cfg}", lambda N=N, c=cfg: bench_decode(N, H, D, "k3rt", c))
     for case in (ARGS.verify if not smoke else ["2x3"]):
         item("verify", f"k3rt {case}", lambda c=case: bench_verify(c, H, D))
+    variants = ARGS.prefill_variants if not smoke else ["base", "split", "split_intra"]
     if not smoke:
         item("correctness", "kda_chunk_fwd base steep", lambda: check_chunk([300, 64, 1000], H, D, "base", True))
-    variants = ARGS.prefill_variants if not smoke else ["base", "split"]
+        # the split intra path has steep-gate code of its own
+        for var in sorted({v for v in variants + ARGS.prefill_sweep if PREFILL_VARIANTS[v].get("intra") == "split"}):
+            item("correctness", f"kda_chunk_fwd {var} steep",
+                 lambda v=var: check_chunk([300, 64, 1000], H, D, v, True))
     for var in variants:
         if var != "base":
             item("correctness", f"kda_chunk_fwd {var}", lambda v=var: check_chunk(lens, H, D, v))
@@ -539,12 +554,16 @@ def print_table() -> None:
             print(f"verify N={d['N']} T={d['T']}: verify {d['verify_us']:.2f} us (floor {d['verify_floor_us'] or float('nan'):.2f}),"
                   f" commit {d['commit_us']:.2f} us, err o {d['rel_err_o_last']:.1e} state {d['rel_err_state_last']:.1e}")
     print(f"\nprefill (H=32 D=128, ms)  {'case':>8} {'impl':<34} {'median':>9} {'Mtok/s':>8} {'first s':>8} "
-          f"{'intra':>8} {'state':>8} {'out':>8}")
+          f"{'intra':>8} {'state':>8} {'out':>8} {'rows':>8} {'solve':>8}")
+    nan = float("nan")
     for p in RESULT.get("prefill", []):
         if "median_ms" in p:
+            # the split intra path's intra time is its two launches (rows, solve) together
+            intra = p.get("intra_kernel_ms", p.get("intra_rows_kernel_ms", nan) + p.get("intra_solve_kernel_ms", nan))
             print(f"{'':26}{p['case']:>8} {p['impl']:<34} {p['median_ms']:9.3f} {p['Mtok_per_s']:8.2f} "
-                  f"{p['first_call_s']:8.1f} {p.get('intra_kernel_ms', float('nan')):8.3f} "
-                  f"{p.get('state_kernel_ms', float('nan')):8.3f} {p.get('out_kernel_ms', float('nan')):8.3f}")
+                  f"{p['first_call_s']:8.1f} {intra:8.3f} "
+                  f"{p.get('state_kernel_ms', nan):8.3f} {p.get('out_kernel_ms', nan):8.3f} "
+                  f"{p.get('intra_rows_kernel_ms', nan):8.3f} {p.get('intra_solve_kernel_ms', nan):8.3f}")
         else:
             print(f"{'':26}{p['name']:<44} {p.get('error', p.get('skipped', ''))}")
     for sec in ("decode", "decode_sweep", "verify"):

@@ -15,6 +15,8 @@ Launches:
          W = (I + L)^-1 diag(beta) (exp(Gc) k),   U = (I + L)^-1 diag(beta) v,
      plus qg = q exp(Gc), kd = k exp(Gc_last - Gc), exp(Gc_last) and Aqk for the state pass.
      Tail chunks are zero-padded (q = k = v = 0, g = 0, beta = 0), which leaves the state exact.
+     With intra="split" two launches of smaller programs compute the same scratch instead
+     (triton_intra_split.py: per (chunk, 16-row block, head), then per (chunk, head)).
   2. `_kda_chunk_state_kernel`, one program per (V tile, sequence, head), walks the chunks of its
      sequence in order with the state tile S [K, BV] in registers:
          Vnew = U - W S;  O = qg S + Aqk Vnew;  S = exp(Gc_last) S + kd^T Vnew
@@ -311,6 +313,10 @@ def kda_chunk_fwd(
     scratch_dtype: torch.dtype | None = None,
     inv_precision: str | None = None,
     split_output: bool = False,
+    intra: str = "fused",
+    block_k_split: int = 16,
+    num_warps_split: int = 4,
+    num_stages_split: int = 1,
     block_v: int = 32,
     block_v_out: int = 64,
     num_warps_intra: int = 4,
@@ -350,6 +356,12 @@ def kda_chunk_fwd(
             "tf32x3", "ieee" when precision is "ieee").
         split_output: the state pass stores per-chunk states and Vnew, and a third, fully parallel
             launch computes the output (instead of the state pass computing it).
+        intra: "fused" (default): one intra program per (chunk, head); "split": two launches of smaller
+            programs, per (chunk, 16-row block, head) then per (chunk, head) (triton_intra_split.py; not yet
+            timed on a GPU). The state pass is the same after either.
+        block_k_split, num_warps_split, num_stages_split: the split path's K slice of its first kernel, both
+            kernels' warps, and the first kernel's software-pipelining stages (1: no cp.async prefetch of the
+            next slice, 128 registers at the Kimi head; 2 or 3 prefetch, 168).
         block_v, block_v_out, num_warps_*, num_stages_state: launch tuning.
         tables: the chunk tables already on the device (`chunk_tables.ChunkTables`, built and validated once
             per step by the GPU runner's step packer and shared by every layer): then cu_seqlens_cpu,
@@ -393,6 +405,12 @@ def kda_chunk_fwd(
     for name, p in (("precision", precision), ("inv_precision", inv_precision)):
         if p not in ("tf32", "ieee", "tf32x3") and (p is not None or name == "precision"):
             raise ValueError(f"{name} must be 'tf32', 'tf32x3' or 'ieee', got {p!r}")
+    if intra not in ("fused", "split"):
+        raise ValueError(f"intra must be 'fused' or 'split', got {intra!r}")
+    if block_k_split not in (16, 32, 64, 128):
+        raise ValueError(f"block_k_split must be 16, 32, 64 or 128, got {block_k_split}")
+    if num_stages_split not in (1, 2, 3, 4):
+        raise ValueError(f"num_stages_split must be 1 to 4, got {num_stages_split}")
     if scratch_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"scratch_dtype must be float32, bfloat16 or float16, got {scratch_dtype}")
     if K > 256 or V > 256:
@@ -428,6 +446,7 @@ def kda_chunk_fwd(
         BK=max(16, triton.next_power_of_2(K)), BVF=max(16, triton.next_power_of_2(V)),
         BV=block_v, BVO=block_v_out, scale=K**-0.5 if scale is None else float(scale),
         dot16=dot16, prec=prec, prec_inv=prec_inv, scratch_dtype=scratch_dtype, split_output=split_output,
+        intra=intra, bk_split=block_k_split, nw_split=num_warps_split, ns_split=num_stages_split,
         nw_intra=num_warps_intra, nw_state=num_warps_state, ns_state=num_stages_state, nw_out=num_warps_out,
     )
     _launch_chunk(q, k, v, g, beta, out, cu_dev, tables.chunk_seq, tables.chunk_idx, tables.chunk_off, slots,
@@ -476,6 +495,10 @@ class _Launch:
     prec_inv: str  # input_precision of the (I + L)^-1 dots
     scratch_dtype: torch.dtype
     split_output: bool
+    intra: str  # "fused" or "split"
+    bk_split: int  # column slice of the split intra kernels
+    nw_split: int
+    ns_split: int  # num_stages of the split path's first kernel
     nw_intra: int
     nw_state: int
     ns_state: int
@@ -511,18 +534,27 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
     qg, kd, w, u = buf("qg", NC, H, C, BK, dtype=sd), buf("kd", NC, H, C, BK, dtype=sd), \
         buf("w", NC, H, C, BK, dtype=sd), buf("u", NC, H, C, BVF, dtype=sd)
     aqk, gl = buf("aqk", NC, H, C, C, dtype=sd), buf("gl", NC, H, BK)
-    gc, akk = buf("gc", NC, H, C, BK), buf("akk", NC, H, C, C)
-    _kda_chunk_intra_kernel[(NC, H)](
-        q, k, v, g, beta,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
-        cu, t_seq, t_idx,
-        qg, kd, w, u, aqk, gl, gc, akk,
-        cfg.scale,
-        H=H, K=K, V=V, BK=BK, BKS=min(BK, 16), BV=BVF, C=C, BC=SUB,
-        DOT16=cfg.dot16, PREC=cfg.prec, PREC_INV=cfg.prec_inv, SAFE_SPAN=SAFE_SPAN,
-        num_warps=cfg.nw_intra,
-    )
+    if cfg.intra == "split":
+        from k3rt.kernels.kda import triton_intra_split  # imports this module: not at the top
+
+        akk, kg = buf("akk", NC, H, C, C), buf("kg", NC, H, C, BK, dtype=sd)
+        triton_intra_split.launch_intra_split(
+            q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl, akk, kg, scale=cfg.scale,
+            block_k=min(cfg.bk_split, BK), num_warps=cfg.nw_split, num_stages=cfg.ns_split, dot16=cfg.dot16,
+            prec=cfg.prec, prec_inv=cfg.prec_inv, sub=SUB, safe_span=SAFE_SPAN)
+    else:
+        gc, akk = buf("gc", NC, H, C, BK), buf("akk", NC, H, C, C)
+        _kda_chunk_intra_kernel[(NC, H)](
+            q, k, v, g, beta,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+            cu, t_seq, t_idx,
+            qg, kd, w, u, aqk, gl, gc, akk,
+            cfg.scale,
+            H=H, K=K, V=V, BK=BK, BKS=min(BK, 16), BV=BVF, C=C, BC=SUB,
+            DOT16=cfg.dot16, PREC=cfg.prec, PREC_INV=cfg.prec_inv, SAFE_SPAN=SAFE_SPAN,
+            num_warps=cfg.nw_intra,
+        )
     split = cfg.split_output
     h, vn = (buf("h", NC, H, BK, BVF, dtype=sd), buf("vn", NC, H, C, BVF, dtype=sd)) if split else (gl, gl)
     _kda_chunk_state_kernel[(BVF // BV, N, H)](

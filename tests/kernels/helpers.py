@@ -40,7 +40,7 @@ def run_benchmark_smoke(script: str, out: Path) -> dict:
 
 # The head of every sm_90 build script: `sm90_build` compiles one kernel for an H100/H200 target with
 # Triton's own frontend, ptxas and cuobjdump (all in the triton wheel), so it needs no GPU, and reports
-# its register spills (stack, local), cp.async and wgmma counts from the TTGIR, and shared memory.
+# its registers and spills (regs; stack, local), cp.async and wgmma counts from the TTGIR, and shared memory.
 SM90_BUILD_PRELUDE = r'''
 import json, os, re, subprocess, tempfile, triton
 from triton.backends.compiler import GPUTarget
@@ -67,7 +67,8 @@ def sm90_build(fn, sig, consts, num_warps, num_stages, divisible):
     k = sm90_kernel(fn, sig, consts, num_warps, num_stages, divisible)
     usage = cuobjdump(k, "-res-usage")
     ttgir = k.asm["ttgir"]
-    return {"stack": int(re.search(r"STACK:(\d+)", usage).group(1)), "local": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
+    return {"regs": int(re.search(r"REG:(\d+)", usage).group(1)),
+            "stack": int(re.search(r"STACK:(\d+)", usage).group(1)), "local": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
             "async_copies": ttgir.count("async_copy_global_to_local"), "wgmma": ttgir.count("warp_group_dot"),
             "shared": k.metadata.shared}
 '''

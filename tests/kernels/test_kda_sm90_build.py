@@ -85,3 +85,49 @@ def test_host_path_kernels_build_for_sm90() -> None:
     res = run_sm90_build(_BUILD_HOST_PATH, timeout=600)
     for name, r in res.items():
         assert r["local"] == 0 and r["shared"] <= 227 * 1024, (name, r)
+
+
+_BUILD_SPLIT = r'''
+from k3rt.kernels.kda import triton_chunk as K, triton_intra_split as S
+
+I32, C = "i32", "constexpr"
+strided = lambda k: k.startswith("stride")
+
+def rows(act, scratch):
+    return dict(q_ptr=act, k_ptr=act, g_ptr="*fp32", beta_ptr="*fp32", stride_qt=I32, stride_qh=I32, stride_kt=I32,
+                stride_kh=I32, stride_gt=I32, stride_gh=I32, stride_bt=I32, stride_bh=I32, cu_ptr="*i32",
+                chunk_seq_ptr="*i32", chunk_idx_ptr="*i32", qg_ptr=scratch, kd_ptr=scratch, kg_ptr=scratch,
+                aqk_ptr=scratch, gl_ptr="*fp32", akk_ptr="*fp32", scale="fp32", H=C, K=C, BK=C, BKI=C, BKS=C, C=C,
+                BC=C, DOT16=C, PREC=C, SAFE_SPAN=C)
+
+def solve(act, scratch):
+    return dict(v_ptr=act, beta_ptr="*fp32", stride_vt=I32, stride_vh=I32, stride_bt=I32, stride_bh=I32,
+                cu_ptr="*i32", chunk_seq_ptr="*i32", chunk_idx_ptr="*i32", akk_ptr="*fp32", kg_ptr=scratch,
+                w_ptr=scratch, u_ptr=scratch, H=C, V=C, BK=C, BV=C, BKI=C, BVI=C, C=C, BC=C, DOT16=C, PREC=C,
+                PREC_INV=C)
+
+def build(dtype, dot16, prec):
+    # kda_chunk_fwd's defaults: block_k_split 16, num_warps_split 4
+    act = "*" + dtype
+    return {
+        "rows": sm90_build(S._kda_intra_rows_kernel, rows(act, act), dict(
+            H=32, K=128, BK=128, BKI=16, BKS=16, C=K.CHUNK, BC=K.SUB, DOT16=dot16, PREC=prec,
+            SAFE_SPAN=K.SAFE_SPAN), 4, 1, strided),
+        "solve": sm90_build(S._kda_intra_solve_kernel, solve(act, act), dict(
+            H=32, V=128, BK=128, BV=128, BKI=S.SOLVE_BLOCK, BVI=S.SOLVE_BLOCK, C=K.CHUNK, BC=K.SUB,
+            DOT16=dot16, PREC=prec, PREC_INV=prec), 4, 1, strided),
+    }
+
+print(json.dumps({"bf16": build("bf16", True, "tf32"), "fp32": build("fp32", False, "ieee")}))
+'''
+
+
+def test_split_intra_kernels_build_for_sm90_without_spills() -> None:
+    """intra="split" (triton_intra_split.py) at the Kimi head, bf16 with 16-bit dots: both kernels build for
+    sm_90 and neither spills, at <= 128 registers (four 4-warp programs per SM; the fused kernel: 255 plus
+    spills, one program per SM). The fp32 form builds too."""
+    res = run_sm90_build(_BUILD_SPLIT, timeout=600)
+    for name, r in res["bf16"].items():
+        assert r["stack"] == 0 and r["local"] == 0 and r["regs"] <= 128, (name, r)
+    for name, r in res["fp32"].items():
+        assert r["shared"] <= 227 * 1024, (name, r)

@@ -29,6 +29,7 @@ from tests.kernels.helpers import DEV, HAS_CUDA, rel_err, run_benchmark_smoke  #
 
 LOWER_BOUND = -5.0
 W = 4
+INTRA = ["fused", "split"]  # kda_chunk_fwd's intra-chunk paths (the state pass is shared)
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")  # NaN-filled outputs: conftest.py
 
@@ -297,8 +298,9 @@ def test_chunk_single_sequence(T: int, kind: str, with_h0: bool) -> None:
     check_chunk(case, [1], has_init=[with_h0])
 
 
+@pytest.mark.parametrize("intra", INTRA)
 @pytest.mark.parametrize("kind", ["softplus", "lower_bound"])
-def test_chunk_aligned_keys_high_beta_stay_exact(kind: str) -> None:
+def test_chunk_aligned_keys_high_beta_stay_exact(kind: str, intra: str) -> None:
     """Nearly parallel keys, beta 0.95 and a slow decay make L's entries close to 1: its powers grow
     like binomials, so a power series of L for (I + L)^-1 (repeated squaring) cancelled
     catastrophically (relative error 1e16; 620 with less aligned keys); the block forward substitution
@@ -308,19 +310,21 @@ def test_chunk_aligned_keys_high_beta_stay_exact(kind: str) -> None:
     case["k"] = (torch.randn(1, 2, 16, generator=g) + 0.3 * torch.randn(128, 2, 16, generator=g)).to(DEV)
     case["beta"] = torch.full((128, 2), 0.95, device=DEV)
     case["g"] = case["g"] * 0.05
-    check_chunk(case, [1], tol=1e-5, precision="ieee")
+    check_chunk(case, [1], tol=1e-5, precision="ieee", intra=intra)
 
 
-def test_chunk_varlen_padding_slot_d32() -> None:
+@pytest.mark.parametrize("intra", INTRA)
+def test_chunk_varlen_padding_slot_d32(intra: str) -> None:
     """Three sequences (63, 1, 130 tokens), one without a slot (zero start, no final write)."""
     case = chunk_case([63, 1, 130], H=2, D=32, kind="lower_bound", dtype=torch.float32, num_slots=5)
-    check_chunk(case, [3, -1, 0])
+    check_chunk(case, [3, -1, 0], intra=intra)
 
 
-def test_chunk_varlen_mixed_initial_state_and_snapshots() -> None:
+@pytest.mark.parametrize("intra", INTRA)
+def test_chunk_varlen_mixed_initial_state_and_snapshots(intra: str) -> None:
     case = chunk_case([130, 65, 64], H=2, D=16, kind="softplus", dtype=torch.float32, num_slots=9, seed=3)
     snaps = ([[64, 128, 130], [65], [64]], [[4, 5, 6], [7], [8]])
-    check_chunk(case, [0, 1, 2], has_init=[True, False, True], snaps=snaps)
+    check_chunk(case, [0, 1, 2], has_init=[True, False, True], snaps=snaps, intra=intra)
 
 
 def test_chunk_split_output_pass() -> None:
@@ -329,7 +333,8 @@ def test_chunk_split_output_pass() -> None:
     check_chunk(case, [2, 0], snaps=([[64, 130], []], [[3, 4], []]), split_output=True, block_v_out=8)
 
 
-def test_chunk_steep_gate_exact_diagonal_blocks() -> None:
+@pytest.mark.parametrize("intra", INTRA)
+def test_chunk_steep_gate_exact_diagonal_blocks(intra: str) -> None:
     """A decay of more than SAFE_SPAN nats inside a 16-row block (one token at -80 or -300 in some
     channels) takes the exact elementwise path for that diagonal block; no inf/NaN anywhere."""
     case = chunk_case([150], H=2, D=16, kind="softplus", dtype=torch.float32, num_slots=2, seed=12)
@@ -337,13 +342,14 @@ def test_chunk_steep_gate_exact_diagonal_blocks() -> None:
     g[5, 0, :4] = -80.0  # block 0 of chunk 0, head 0 only
     g[70, 1, 3] = -300.0  # block 0 of chunk 1, head 1
     g[140:142, :, 8:] = -45.0  # block 0 of the tail chunk, both heads: span 90
-    check_chunk(case, [1])
+    check_chunk(case, [1], intra=intra)
 
 
-def test_chunk_fp16_inputs_and_scratch() -> None:
+@pytest.mark.parametrize("intra", INTRA)
+def test_chunk_fp16_inputs_and_scratch(intra: str) -> None:
     """The 16-bit scratch path (16-bit tensor-core dots on the GPU); fp16 runs in the interpreter."""
     case = chunk_case([65, 63], H=2, D=16, kind="lower_bound", dtype=torch.float16, num_slots=2, seed=4)
-    check_chunk(case, [1, 0], tol=3e-3, scratch_dtype=torch.float16)
+    check_chunk(case, [1, 0], tol=3e-3, scratch_dtype=torch.float16, intra=intra)
 
 
 def test_chunk_rejects_bad_inputs() -> None:
@@ -359,6 +365,10 @@ def test_chunk_rejects_bad_inputs() -> None:
         kda_chunk_fwd(**case, slot_indices=slots, snapshot_positions=[[64]], snapshot_slots=[[2]])
     with pytest.raises(ValueError, match="cu_seqlens"):
         kda_chunk_fwd(**case, slot_indices=slots, cu_seqlens_cpu=[0, 64, 60])
+    with pytest.raises(ValueError, match="intra must be"):
+        kda_chunk_fwd(**case, slot_indices=slots, intra="splt")
+    with pytest.raises(ValueError, match="block_k_split"):
+        kda_chunk_fwd(**case, slot_indices=slots, intra="split", block_k_split=24)
 
 
 def test_benchmark_smoke(tmp_path: Path) -> None:
@@ -396,8 +406,10 @@ def test_gpu_decode_kimi_shape(kind: str) -> None:
 @pytest.mark.parametrize(
     "kw,tol",
     [({}, 2e-2), ({"split_output": True}, 2e-2), ({"scratch_dtype": torch.float32}, 2e-2),
-     ({"precision": "tf32x3", "scratch_dtype": torch.float32}, 5e-3)],
-    ids=["bf16_dots", "bf16_dots_split_output", "bf16_dots_fp32_scratch", "tf32x3_fp32_scratch"],
+     ({"precision": "tf32x3", "scratch_dtype": torch.float32}, 5e-3), ({"intra": "split"}, 2e-2),
+     ({"intra": "split", "precision": "tf32x3", "scratch_dtype": torch.float32}, 5e-3)],
+    ids=["bf16_dots", "bf16_dots_split_output", "bf16_dots_fp32_scratch", "tf32x3_fp32_scratch", "split_intra",
+         "split_intra_tf32x3"],
 )
 def test_gpu_chunk_kimi_shape(kw: dict, tol: float) -> None:
     lens = [2048, 1000, 64, 1]
@@ -408,13 +420,14 @@ def test_gpu_chunk_kimi_shape(kw: dict, tol: float) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_gpu_chunk_steep_softplus_gate() -> None:
+@pytest.mark.parametrize("intra", INTRA)
+def test_gpu_chunk_steep_softplus_gate(intra: str) -> None:
     """Softplus gate with steep tokens (the exact diagonal-block path) at Kimi shapes, bf16 dots."""
     case = chunk_case([700, 300], H=32, D=128, kind="softplus", dtype=torch.bfloat16, num_slots=2, seed=15)
     case["g"][5, 0, :4] = -80.0
     case["g"][70, 1:9, 3] = -300.0
     case["g"][690:692, :, 8:] = -45.0
-    check_chunk(case, [1, 0], tol=2e-2)
+    check_chunk(case, [1, 0], tol=2e-2, intra=intra)
 
 
 @pytest.mark.gpu
@@ -459,7 +472,8 @@ def _device_tables(lens: list[int], snaps) -> ChunkTables:
     return ChunkTables(*t, torch.ones(len(lens), dtype=torch.int32, device=DEV), len(c_seq))
 
 
-def test_chunk_prebuilt_tables_equal_its_own() -> None:
+@pytest.mark.parametrize("intra", INTRA)
+def test_chunk_prebuilt_tables_equal_its_own(intra: str) -> None:
     """Issue 18: tables built once (the GPU runner's pack_step) and intermediates reused across calls give the
     call's own results bit for bit, also on states in a page pool's strided view, and a table of the wrong size
     is refused naming it."""
@@ -467,16 +481,19 @@ def test_chunk_prebuilt_tables_equal_its_own() -> None:
     case = chunk_case(lens, H=2, D=16, kind="softplus", dtype=torch.float32, num_slots=6, seed=5)
     slots = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
     state0 = case["state"].clone()
-    own = kda_chunk_fwd(**case, slot_indices=slots, snapshot_positions=snaps[0], snapshot_slots=snaps[1])
+    own = kda_chunk_fwd(**case, slot_indices=slots, snapshot_positions=snaps[0], snapshot_slots=snaps[1],
+                        intra=intra)
     own_state, case["state"] = case["state"], state0.clone()
     scratch: dict = {}  # the intermediates allocated by the first call, reused (NaN-poisoned again) by the second
-    shared = kda_chunk_fwd(**case, slot_indices=slots, tables=_device_tables(lens, snaps), scratch=scratch)
+    shared = kda_chunk_fwd(**case, slot_indices=slots, tables=_device_tables(lens, snaps), scratch=scratch,
+                           intra=intra)
     assert torch.equal(shared, own) and torch.equal(case["state"], own_state) and len(scratch) == 8
     # the states as a page pool's view (slots further apart than a state): read and written in place
     pages = torch.full((6, state0[0].numel() + 24), float("nan"), device=DEV)
     case["state"] = pages[:, 8:8 + state0[0].numel()].view(state0.shape)
     case["state"].copy_(state0)
-    strided = kda_chunk_fwd(**case, slot_indices=slots, tables=_device_tables(lens, snaps), scratch=scratch)
+    strided = kda_chunk_fwd(**case, slot_indices=slots, tables=_device_tables(lens, snaps), scratch=scratch,
+                            intra=intra)
     assert torch.equal(strided, own) and torch.equal(case["state"], own_state)
     assert pages[:, :8].isnan().all() and pages[:, 8 + state0[0].numel():].isnan().all()  # the rest untouched
     with pytest.raises(ValueError, match="tables: chunk_off"):
