@@ -16,7 +16,8 @@
 #   tests               both of the above
 #   decode (200)        benchmarks/decode.py: batch 1/16/64 at 4K, --profile 1, prefill 8K and 32K,
 #                       the cuBLAS-GEMV variant
-#   kda (200)           benchmarks/kernels.py: KDA decode and prefill against fla
+#   kda (240)           benchmarks/kernels.py: KDA decode and prefill against fla, the fused and the split intra
+#                       path (kda_chunk_fwd intra="split", session 13) side by side with their sweep
 #   mla (240)           benchmarks/kernels_mla.py --decode-only (13 launch variants x 11 cases, then splits)
 #   moe (120)           benchmarks/kernels_moe.py: decode T=1/16/64, prefill 4K/16K, route
 #   linear (100)        benchmarks/kernels_linear.py
@@ -110,7 +111,8 @@ for stage in "$@"; do
       run decode 200 python3 benchmarks/decode.py --batch 1 16 64 --profile 1 --prefill 8192 32768 \
         --variants cublas_gemv --budget-s 180 --out "$OUT/decode.json" ;;
     kda)
-      run kda 200 python3 benchmarks/kernels.py --budget-s 180 --out "$OUT/kda.json" ;;
+      run kda 240 python3 benchmarks/kernels.py --prefill 4096 16384 65536 8x4096 --prefill-variants base split_intra \
+        --prefill-sweep split_intra_bk32 split_intra_w8 split_intra_s2 --budget-s 220 --out "$OUT/kda.json" ;;
     mla)
       run mla 240 python3 benchmarks/kernels_mla.py --decode-only --budget-s 200 --out "$OUT/mla.json" ;;
     moe)
