@@ -45,6 +45,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--context", type=int, default=4096, help="tokens already in each sequence's cache")
     p.add_argument("--prefill", type=int, nargs="*", default=[8192, 32768])
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk (the scheduler's token budget)")
+    p.add_argument("--prefill-kda-intra", choices=["fused", "split", "both"], default="fused",
+                   help="--prefill: the chunked KDA kernel's intra step (KernelConfig.kda_intra); both: each prefill "
+                        "timed with fused, then split (a row per variant)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
                    help="decode graphs re-captured with other kernel settings and timed beside the default: "
@@ -467,14 +470,19 @@ def main() -> int:
         RESULT["mixed"].append(row)
         save()
     active = param_count(cfg)["active_per_token"] - cfg.vocab_size * cfg.hidden_size  # lookups are not flops
-    for T in ARGS.prefill:
-        if over_budget():
-            RESULT["prefill"].append({"tokens": T, "skipped": "budget"})
-            continue
-        row = bench_prefill(runner, cfg, layout, T, RESULT["matmul_tflops"], active)
-        log(f"prefill T={T}: {row}")
-        RESULT["prefill"].append(row)
-        save()
+    intras = ["fused", "split"] if ARGS.prefill_kda_intra == "both" else [ARGS.prefill_kda_intra]
+    base_k = runner.fwd.k
+    for intra in intras:  # fused first: a failing new variant cannot cost the measured default's rows
+        runner.fwd.k = replace(base_k, kda_intra=intra)
+        for T in ARGS.prefill:
+            if over_budget():
+                RESULT["prefill"].append({"tokens": T, "kda_intra": intra, "skipped": "budget"})
+                continue
+            row = {**bench_prefill(runner, cfg, layout, T, RESULT["matmul_tflops"], active), "kda_intra": intra}
+            log(f"prefill T={T}: {row}")
+            RESULT["prefill"].append(row)
+            save()
+    runner.fwd.k = base_k
     save()
     print_table()
     return 0
@@ -506,14 +514,14 @@ def print_table() -> None:
                     form = ("on" if r["split"] else "off") + (f", piecewise {r['bucket']}" if "bucket" in r else "")
                     print(f"| {row['batch']} | {row['prefill']} | {form} | {r['ms']:.2f} | "
                           f"{r['kernel_ms']:.2f} | {r['launches']} | {r['rel_vs_decode_step']:.2e} |")
-    print("\n| prefill tokens | chunk | ms | tokens/s | TFLOP/s | x matmul floor |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("\n| prefill tokens | KDA intra | chunk | ms | tokens/s | TFLOP/s | x matmul floor |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
     for r in RESULT["prefill"]:
         if "skipped" in r:
-            print(f"| {r['tokens']} | skipped |")
+            print(f"| {r['tokens']} | {r.get('kda_intra', '-')} | skipped |")
             continue
-        print(f"| {r['tokens']} | {r['chunk']} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | {r['tflops']:.0f} | "
-              f"{r['x_floor']:.2f} |")
+        print(f"| {r['tokens']} | {r['kda_intra']} | {r['chunk']} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | "
+              f"{r['tflops']:.0f} | {r['x_floor']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@
 #                       broken CUDA context in one (an illegal memory access poisons the process) does
 #                       not fail the others (moe 90 s: the MXFP4 kernels' variants compile too)
 #   tests               both of the above
-#   decode (200)        benchmarks/decode.py: batch 1/16/64 at 4K, --profile 1, prefill 8K and 32K,
-#                       the cuBLAS-GEMV variant
+#   decode (200)        benchmarks/decode.py: batch 1/16/64 at 4K, --profile 1, prefill 8K and 32K (the KDA
+#                       chunk kernel's fused and split intra step), the cuBLAS-GEMV variant
 #   kda (240)           benchmarks/kernels.py: KDA decode and prefill against fla, the fused and the split intra
 #                       path (kda_chunk_fwd intra="split", session 13) side by side with their sweep
 #   mla (240)           benchmarks/kernels_mla.py --decode-only (13 launch variants x 11 cases, then splits)
@@ -109,7 +109,7 @@ for stage in "$@"; do
       done ;;
     decode)
       run decode 200 python3 benchmarks/decode.py --batch 1 16 64 --profile 1 --prefill 8192 32768 \
-        --variants cublas_gemv --budget-s 180 --out "$OUT/decode.json" ;;
+        --prefill-kda-intra both --variants cublas_gemv --budget-s 180 --out "$OUT/decode.json" ;;
     kda)
       run kda 240 python3 benchmarks/kernels.py --prefill 4096 16384 65536 8x4096 --prefill-variants base split_intra \
         --prefill-sweep split_intra_bk32 split_intra_w8 split_intra_s2 --budget-s 220 --out "$OUT/kda.json" ;;

@@ -67,8 +67,8 @@ def test_gpu_path_prompt_logprobs_equal_the_reference(tmp_path) -> None:
     assert max(abs(got["gpu"][k] - got["ref"][k]) for k in got["ref"]) < 1e-4
 
 
-@pytest.mark.parametrize("arch", ["kimi_linear", "k3"])
-def test_gpu_runner_with_triton_kernels_in_the_interpreter_equals_reference(arch, tmp_path) -> None:
+@pytest.mark.parametrize("arch, intra", [("kimi_linear", "fused"), ("k3", "fused"), ("k3", "split")])
+def test_gpu_runner_with_triton_kernels_in_the_interpreter_equals_reference(arch, intra, tmp_path) -> None:
     """The GPU runner with every Triton kernel (KDA decode + chunk, MLA decode + prefill, MoE router +
     experts, norms, attn-res mix) run by the Triton interpreter on the CPU: the reference engine's
     greedy tokens, with a ragged batch, a one-token prompt and a prefix-cache hit. Two layers (each kind once):
@@ -83,6 +83,8 @@ def test_gpu_runner_with_triton_kernels_in_the_interpreter_equals_reference(arch
 
     def run(**over) -> list[list[int]]:
         eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), **over))
+        if over["runner"] == "gpu":  # the chunked KDA kernel's intra step (KernelConfig.kda_intra)
+            eng.runner.kernels = eng.runner.fwd.k = replace(eng.runner.fwd.k, kda_intra=intra)
         outs = [o.output_ids for o in eng.generate(prompts, params)]
         eng.check()
         return outs

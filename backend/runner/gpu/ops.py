@@ -48,8 +48,14 @@ class KernelConfig:
     # each, no scratch copies: the default, measured faster on the H200 (benchmarks/spec_verify.py at the 48B
     # shape, 1 + 7 tokens: verify graph 7.48 vs 8.38 ms at batch 1, 26.2 vs 31.5 ms at 16; commit 0.53 vs 1.64 ms)
     kda_verify_launch: str = "multi"
+    # the chunked KDA prefill's intra step (kernels/kda/triton_chunk.py `intra`): "fused" (one program per chunk
+    # and head, the H200-measured default) or "split" (kernels/kda/triton_intra_split.py: two launches of small
+    # programs; session 13, not yet timed on a GPU: benchmarks/decode.py --prefill-kda-intra both)
+    kda_intra: str = "fused"
 
     def __post_init__(self) -> None:
+        if self.kda_intra not in ("fused", "split"):
+            raise ValueError(f"kda_intra: must be 'fused' or 'split', got {self.kda_intra!r}")
         if self.mxfp4_experts not in MXFP4_EXPERT_PATHS:
             raise ValueError(f"mxfp4_experts: must be one of {MXFP4_EXPERT_PATHS}, got {self.mxfp4_experts!r}")
         if self.kda_verify_launch not in KDA_VERIFY_LAUNCHES:
