@@ -60,6 +60,17 @@ def _dot(a, b, DOT16: tl.constexpr, PREC: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
 
 
+@triton.jit
+def _chunk_rows(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, C: tl.constexpr):
+    """Chunk i_c of the step (its tables: sequence, index inside it): the token offset of its first row, and how
+    many of its C rows are real (rows >= n_valid are padding: q = k = v = 0, g = 0, beta = 0)."""
+    seq = tl.load(chunk_seq_ptr + i_c)
+    bos = tl.load(cu_ptr + seq).to(tl.int64)
+    eos = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    t0 = bos + tl.load(chunk_idx_ptr + i_c).to(tl.int64) * C
+    return t0, eos - t0
+
+
 # not specialized per step (kernels/common.py, Compiles): the chunk tables are views of the packed step
 @triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
 def _kda_chunk_intra_kernel(
@@ -81,11 +92,7 @@ def _kda_chunk_intra_kernel(
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    seq = tl.load(chunk_seq_ptr + i_c)
-    bos = tl.load(cu_ptr + seq).to(tl.int64)
-    eos = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    t0 = bos + tl.load(chunk_idx_ptr + i_c).to(tl.int64) * C
-    n_valid = eos - t0  # rows >= n_valid are padding: q = k = v = 0, g = 0, beta = 0
+    t0, n_valid = _chunk_rows(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, C)  # rows >= n_valid: padding
 
     rows = tl.arange(0, C)
     m_row = rows < n_valid

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3rt.kernels.kda.triton_chunk import _dot
+from k3rt.kernels.kda.triton_chunk import _chunk_rows, _dot
 
 
 # not specialized per step (kernels/common.py, Compiles): the chunk tables are views of the packed step
@@ -53,11 +53,7 @@ def _kda_intra_rows_kernel(
     i_c = pid // NB
     r = pid % NB  # the row block: the NB programs of one chunk are adjacent
     i_h = tl.program_id(1)
-    seq = tl.load(chunk_seq_ptr + i_c)
-    bos = tl.load(cu_ptr + seq).to(tl.int64)
-    eos = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    t0 = bos + tl.load(chunk_idx_ptr + i_c).to(tl.int64) * C
-    n_valid = eos - t0  # rows >= n_valid are padding: q = k = 0, g = 0, beta = 0
+    t0, n_valid = _chunk_rows(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, C)  # rows >= n_valid: padding
 
     r0 = r * BC
     rows = tl.arange(0, C)
@@ -191,11 +187,7 @@ def _kda_intra_solve_kernel(
     NB: tl.constexpr = C // BC
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    seq = tl.load(chunk_seq_ptr + i_c)
-    bos = tl.load(cu_ptr + seq).to(tl.int64)
-    eos = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    t0 = bos + tl.load(chunk_idx_ptr + i_c).to(tl.int64) * C
-    n_valid = eos - t0
+    t0, n_valid = _chunk_rows(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, C)
     rows = tl.arange(0, C)
     m_row = rows < n_valid
     loc = tl.arange(0, BC)
