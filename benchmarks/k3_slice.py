@@ -40,6 +40,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init-device", default=None, help="where the random weights are drawn (default: cuda if any)")
     p.add_argument("--tie-margin", type=float, default=0.05)
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="the engine under test runs every step eagerly (skips the graph capture: a shorter run)")
     p.add_argument("--dir", type=Path, default=None, help="checkpoint folder (default: a temporary one)")
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, the tiny k3 shape with MXFP4 experts")
     p.add_argument("--out", type=Path, default=None)
@@ -59,7 +61,7 @@ def main() -> int:
     cfg = SliceConfig(out_dir=str(folder), tp=a.tp, ep=a.ep, device="cpu" if a.smoke else a.device,
                       dtype="float32" if a.smoke else a.dtype, experts=a.experts, vocab=a.vocab,
                       prompt_len=a.prompt_len, tokens=a.tokens, seed=a.seed, init_device=init,
-                      tie_margin=a.tie_margin, smoke=a.smoke)
+                      tie_margin=a.tie_margin, cuda_graphs=a.cuda_graphs, smoke=a.smoke)
     res = run_slice(cfg)
     out = default_out(a.out, "k3_slice.json")
     out.write_text(json.dumps(res, indent=1) + "\n")

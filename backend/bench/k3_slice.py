@@ -42,6 +42,7 @@ class SliceConfig:
     seed: int = 0
     init_device: str = "cpu"  # where the random weights are drawn (the GPU is faster at K3 width)
     tie_margin: float = 0.05  # nats: a reference top-2 margin below this makes a differing token a tie flip
+    cuda_graphs: bool = True  # the engine under test on CUDA: decode steps replayed from graphs (off: all eager)
     smoke: bool = False
 
     def __post_init__(self) -> None:
@@ -142,7 +143,7 @@ def _engine(cfg: SliceConfig, folder: Path, *, reference: bool):
                           cache=CacheConfig(kv_dtype="float32", conv_dtype="float32", num_pages=64))
     else:
         ec = EngineConfig(model=str(folder), dtype=cfg.dtype, device=cfg.device, tp=cfg.tp, ep=cfg.ep,
-                          runner="gpu", kernels=cfg.device == "cuda", cuda_graphs=cfg.device == "cuda",
+                          runner="gpu", kernels=cfg.device == "cuda", cuda_graphs=cfg.device == "cuda" and cfg.cuda_graphs,
                           cache=CacheConfig(num_pages=64, **({} if cfg.device == "cuda" else
                                                             dict(kv_dtype="float32", conv_dtype="float32"))))
     return Engine(replace(ec, scheduler=SchedulerConfig(max_num_batched_tokens=max(256, cfg.prompt_len + cfg.tokens))))
