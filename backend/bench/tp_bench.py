@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import pickle
-import socket
 import statistics
 import subprocess
 import sys
@@ -144,16 +143,17 @@ def format_tables(result: dict) -> str:
 
 # ---- the rank processes ----
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(cfg: TpBenchConfig, tp: int) -> dict:
     """Run one TP degree's ranks to completion; rank 0's results. Any rank failing (or the timeout) kills the
-    others and raises, naming the rank."""
-    port = _free_port()
+    others and raises, naming the rank. This process hosts the ranks' rendezvous store on a port the OS picks and
+    keeps it bound for the run (a port probed free and handed over could be taken before a rank binds it)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, tp, is_master=True, timeout=timedelta(seconds=cfg.timeout_s),
+                          wait_for_workers=False)
+    port = store.port
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rank0.json"
         procs = []
@@ -196,7 +196,7 @@ def _rank_main(cfg: TpBenchConfig, tp: int, rank: int, port: int, out: str) -> N
     else:
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-    store = dist.TCPStore("127.0.0.1", port, tp, is_master=rank == 0, timeout=timedelta(seconds=cfg.timeout_s))
+    store = dist.TCPStore("127.0.0.1", port, tp, is_master=False, timeout=timedelta(seconds=cfg.timeout_s))
     dist.init_process_group("gloo" if cfg.smoke else "nccl", store=store, rank=rank, world_size=tp,
                             timeout=timedelta(seconds=cfg.timeout_s))
     try:
