@@ -75,27 +75,17 @@ def write_slice(cfg: SliceConfig) -> Path:
     """Write (or reuse) the random slice checkpoint; returns its folder."""
     import torch
 
-    from k3rt.backend.models.random_init import random_model
-    from k3rt.backend.models.tiny import write_checkpoint
-    from k3rt.backend.tokenizer import load_tokenizer, write_tiny_tokenizer
-    from k3rt.model_config import parse_model_config
+    from k3rt.backend.models.tiny import write_random_checkpoint
 
     out = Path(cfg.out_dir)
-    raw = slice_raw_config(cfg)
     stamp = out / "k3_slice.json"
-    key = {"raw": raw, "seed": cfg.seed}
-    if stamp.exists() and json.loads(stamp.read_text()) == json.loads(json.dumps(key)):
+    key = json.loads(json.dumps({"raw": slice_raw_config(cfg), "seed": cfg.seed}))  # as read back from the stamp
+    if stamp.exists() and json.loads(stamp.read_text()) == key:
         log.info("reusing the slice checkpoint in %s", out)
         return out
-    out.mkdir(parents=True, exist_ok=True)
-    write_tiny_tokenizer(out, vocab_size=raw["vocab_size"], seed=cfg.seed)
-    tok = load_tokenizer(out)
-    raw.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_ids[0], pad_token_id=tok.pad_token_id)
-    key["raw"] = raw
     t0 = time.perf_counter()
-    model = random_model(parse_model_config(raw), dtype="bfloat16", device=cfg.init_device, seed=cfg.seed)
-    write_checkpoint(model.to("cpu"), out, raw, dtype="bfloat16", max_shard_bytes=4 << 30)
-    del model
+    write_random_checkpoint(out, key["raw"], seed=cfg.seed, dtype="bfloat16", init_dtype="bfloat16",
+                            device=cfg.init_device, max_shard_bytes=4 << 30, progress=True)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     stamp.write_text(json.dumps(key))

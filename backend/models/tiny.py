@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from k3rt.backend.models.kimi import KimiForCausalLM
-from k3rt.backend.models.loader import DTYPES, build_model
+from k3rt.backend.models.loader import DTYPES
+from k3rt.backend.tokenizer import load_tokenizer, write_tiny_tokenizer
 from k3rt.model_config import parse_model_config
 
 _COMMON = {
@@ -188,21 +189,29 @@ def make_tiny(out_dir: str | Path, *, arch: str = "kimi_linear", seed: int = 0, 
               overrides: dict | None = None) -> Path:
     """Write a small random checkpoint (config, safetensors, tokenizer) to out_dir and return it. overrides:
     config.json keys replaced in the arch's tiny config (e.g. expert widths a kernel's layout needs)."""
-    from k3rt.backend.tokenizer import load_tokenizer, write_tiny_tokenizer
-
     if arch not in TINY_CONFIGS:
         raise ValueError(f"arch: {arch!r} not one of {sorted(TINY_CONFIGS)}")
-    out = Path(out_dir)
     raw = dict(TINY_CONFIGS[arch])
     if vocab_size is not None:
         raw["vocab_size"] = vocab_size
     raw.update(overrides or {})
+    write_random_checkpoint(out_dir, raw, seed=seed, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    return Path(out_dir)
+
+
+def write_random_checkpoint(out_dir: str | Path, raw: dict, *, seed: int, dtype: str, init_dtype: str = "float32",
+                            device: str = "cpu", max_shard_bytes: int | None = None, progress: bool = False) -> dict:
+    """A checkpoint of `raw`'s shape with random weights: the tiny tokenizer of its vocabulary (whose special ids go
+    into config.json), the weights drawn in `init_dtype` on `device` (random_model; fp32 on the CPU gives
+    random_init's values) and written in `dtype`. Returns the config.json written."""
+    from k3rt.backend.models.random_init import random_model  # imports this module
+
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_tiny_tokenizer(out, vocab_size=raw["vocab_size"], seed=seed)
     tok = load_tokenizer(out)
-    raw.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_ids[0], pad_token_id=tok.pad_token_id)
-    cfg = parse_model_config(raw)
-    model = build_model(cfg, dtype=torch.float32)
-    random_init(model, seed)
-    write_checkpoint(model, out, raw, dtype=dtype, max_shard_bytes=max_shard_bytes)
-    return out
+    raw = {**raw, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_ids[0],
+           "pad_token_id": tok.pad_token_id}
+    model = random_model(parse_model_config(raw), dtype=init_dtype, device=device, seed=seed, progress=progress)
+    write_checkpoint(model.to("cpu"), out, raw, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    return raw

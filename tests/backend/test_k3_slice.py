@@ -48,10 +48,14 @@ def test_random_mxfp4_model_checkpoint_keeps_its_codes(tmp_path) -> None:
 
 
 def test_k3_slice_smoke_tp2_equals_the_fp32_reference(tmp_path, no_new_processes) -> None:  # noqa: F811
-    from k3rt.backend.bench.k3_slice import SliceConfig, run_slice, table
+    from k3rt.backend.bench.k3_slice import SliceConfig, run_slice, table, write_slice
 
-    res = run_slice(SliceConfig(out_dir=str(tmp_path / "slice"), tp=2, device="cpu", dtype="float32", smoke=True,
-                                prompt_len=20, tokens=8))
+    cfg = SliceConfig(out_dir=str(tmp_path / "slice"), tp=2, device="cpu", dtype="float32", smoke=True,
+                      prompt_len=20, tokens=8)
+    res = run_slice(cfg)
+    weights = tmp_path / "slice" / "model.safetensors"
+    written = weights.stat().st_mtime_ns
+    assert write_slice(cfg) == tmp_path / "slice" and weights.stat().st_mtime_ns == written  # reused, not rewritten
     assert res["identical"] and res["first_difference"] is None and len(res["engine"]) == 8
     assert res["max_forced_logprob_diff"] < 1e-4
     assert "TP2 cpu float32" in table(res) and "identical" in table(res)
