@@ -71,6 +71,36 @@ def _chunk_rows(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, C: tl.constexpr):
     return t0, eos - t0
 
 
+@triton.jit
+def _exact_diag_block(q_h, k_h, g_h, ri, stride_qt, stride_kt, stride_g, m_r, m_gr,
+                      K: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BC: tl.constexpr, CUMSUM: tl.constexpr):
+    """A 16-row diagonal block of L and Aqk computed exactly, for a steep gate (in-block decay > SAFE_SPAN, where the
+    dots' split exp(Gc_i - Gc_r0) exp(Gc_r0 - Gc_j) would overflow): the raw sums over d, elementwise,
+        d_kk[i, j] = sum_d k_i[d] exp(Gc_i[d] - Gc_j[d]) k_j[d],   d_qk[i, j] = sum_d q_i[d] exp(...) k_j[d]
+    for j <= i (each exp <= 1; zero above the diagonal), q and k un-normalized (the callers scale). The block's rows
+    are ri of q_h / k_h / g_h; g_h holds Gc (CUMSUM False) or the raw log decay, summed here (CUMSUM True: only
+    in-block differences of Gc matter). m_r: the block's real rows; m_gr: the g rows to read."""
+    loc = tl.arange(0, BC)
+    tri = loc[:, None, None] >= loc[None, :, None]  # [BC, BC, 1]
+    d_kk = tl.zeros([BC, BC], dtype=tl.float32)
+    d_qk = tl.zeros([BC, BC], dtype=tl.float32)
+    for k0 in range(0, BK, BKS):
+        offs = k0 + tl.arange(0, BKS)
+        m_s = m_r[:, None] & (offs < K)[None, :]
+        ks = tl.load(k_h + ri[:, None] * stride_kt + offs[None, :], mask=m_s, other=0.0).to(tl.float32)
+        qs = tl.load(q_h + ri[:, None] * stride_qt + offs[None, :], mask=m_s, other=0.0).to(tl.float32)
+        # columns >= K: Gc is 0 there (the fused kernel's scratch holds those zeros; raw g rows end at K)
+        gs = tl.load(g_h + ri[:, None] * stride_g + offs[None, :], mask=m_gr[:, None] & (offs < K)[None, :],
+                     other=0.0)
+        if CUMSUM:
+            gs = tl.cumsum(gs, axis=0)
+        e = tl.exp(tl.where(tri, gs[:, None, :] - gs[None, :, :], float("-inf")))  # [BC, BC, BKS]
+        ke = e * ks[None, :, :]
+        d_kk += tl.sum(ks[:, None, :] * ke, axis=2)
+        d_qk += tl.sum(qs[:, None, :] * ke, axis=2)
+    return d_kk, d_qk
+
+
 # not specialized per step (kernels/common.py, Compiles): the chunk tables are views of the packed step
 @triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
 def _kda_chunk_intra_kernel(
@@ -151,20 +181,9 @@ def _kda_chunk_intra_kernel(
         tl.store(akk_buf + off_rc, a_kk, mask=keep)
         tl.store(aqk_buf + off_rc, a_qk.to(aqk_ptr.dtype.element_ty), mask=keep)
         if span > SAFE_SPAN:
-            # exact diagonal block: sum_d x_i[d] exp(Gc_i[d] - Gc_j[d]) k_j[d], elementwise (<= 1)
-            tri = loc[:, None, None] >= loc[None, :, None]  # [BC, BC, 1]
-            d_kk = tl.zeros([BC, BC], dtype=tl.float32)
-            d_qk = tl.zeros([BC, BC], dtype=tl.float32)
-            for k0 in range(0, BK, BKS):
-                offs_s = k0 + tl.arange(0, BKS)
-                m_s = m_r[:, None] & (offs_s < K)[None, :]
-                ks = tl.load(k_h + ri[:, None] * stride_kt + offs_s[None, :], mask=m_s, other=0.0).to(tl.float32)
-                qs = tl.load(q_h + ri[:, None] * stride_qt + offs_s[None, :], mask=m_s, other=0.0).to(tl.float32)
-                gs = tl.load(gc_buf + ri[:, None] * BK + offs_s[None, :])
-                e = tl.exp(tl.where(tri, gs[:, None, :] - gs[None, :, :], float("-inf")))  # [BC, BC, BKS]
-                ke = e * ks[None, :, :]
-                d_kk += tl.sum(ks[:, None, :] * ke, axis=2)
-                d_qk += tl.sum(qs[:, None, :] * ke, axis=2)
+            # exact diagonal block, from the chunk's Gc (every row of it, padding included: loc < BC)
+            d_kk, d_qk = _exact_diag_block(q_h, k_h, gc_buf, ri, stride_qt, stride_kt, BK, m_r, loc < BC,
+                                           K, BK, BKS, BC, False)
             d_kk = tl.where(loc[:, None] > loc[None, :], d_kk * (br * rk)[:, None] * rk[None, :], 0.0)
             d_qk = d_qk * rq[:, None] * rk[None, :]
             off_d = ri[:, None] * C + ri[None, :]

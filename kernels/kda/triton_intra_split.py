@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3rt.kernels.kda.triton_chunk import _chunk_rows, _dot
+from k3rt.kernels.kda.triton_chunk import _chunk_rows, _dot, _exact_diag_block
 
 
 # not specialized per step (kernels/common.py, Compiles): the chunk tables are views of the packed step
@@ -133,20 +133,8 @@ def _kda_intra_rows_kernel(
     # 3. a steep gate: the diagonal block exactly, sum_d x_i[d] exp(Gc_i[d] - Gc_j[d]) k_j[d] elementwise
     #    (<= 1); only in-block differences of Gc matter, so a local cumsum of the block's rows suffices
     if exact:
-        tri = loc[:, None, None] >= loc[None, :, None]  # [BC, BC, 1]
-        d_kk = tl.zeros([BC, BC], dtype=tl.float32)
-        d_qk = tl.zeros([BC, BC], dtype=tl.float32)
-        for k1 in range(0, BK, BKS):  # names of their own: Triton carries loop variables at one type
-            offs_e = k1 + tl.arange(0, BKS)
-            m_e = m_r[:, None] & (offs_e < K)[None, :]
-            g_e = tl.cumsum(tl.load(g_h + ri[:, None] * stride_gt + offs_e[None, :], mask=m_e,
-                                    other=0.0), axis=0)
-            k_e = tl.load(k_h + ri[:, None] * stride_kt + offs_e[None, :], mask=m_e, other=0.0).to(tl.float32)
-            q_e = tl.load(q_h + ri[:, None] * stride_qt + offs_e[None, :], mask=m_e, other=0.0).to(tl.float32)
-            e = tl.exp(tl.where(tri, g_e[:, None, :] - g_e[None, :, :], float("-inf")))  # [BC, BC, BKS]
-            ke = e * k_e[None, :, :]
-            d_kk += tl.sum(k_e[:, None, :] * ke, axis=2)
-            d_qk += tl.sum(q_e[:, None, :] * ke, axis=2)
+        d_kk, d_qk = _exact_diag_block(q_h, k_h, g_h, ri, stride_qt, stride_kt, stride_gt, m_r, m_r,
+                                       K, BK, BKS, BC, True)
         d_kk = d_kk * rk[:, None] * rk[None, :]
         d_qk = d_qk * rq[:, None] * rk[None, :]
 
