@@ -81,6 +81,7 @@ from _routing import distinct_experts  # noqa: E402
 from _timing import Report, copy_bandwidth, default_out, time_ms  # noqa: E402
 
 from k3rt.backend.cache.pool import PagePool  # noqa: E402
+from k3rt.kernels.kda.chunk_tables import INTRA_FORMS  # noqa: E402
 from k3rt.backend.models.random_init import random_model  # noqa: E402
 from k3rt.backend.runner.gpu.ops import KernelConfig  # noqa: E402
 from k3rt.backend.runner.gpu.pieces import DEFAULT_MIXED_BUCKETS, PiecewiseForward  # noqa: E402
@@ -470,7 +471,7 @@ def main() -> int:
         RESULT["mixed"].append(row)
         save()
     active = param_count(cfg)["active_per_token"] - cfg.vocab_size * cfg.hidden_size  # lookups are not flops
-    intras = ["fused", "split"] if ARGS.prefill_kda_intra == "both" else [ARGS.prefill_kda_intra]
+    intras = list(INTRA_FORMS) if ARGS.prefill_kda_intra == "both" else [ARGS.prefill_kda_intra]
     base_k = runner.fwd.k
     for intra in intras:  # fused first: a failing new variant cannot cost the measured default's rows
         runner.fwd.k = replace(base_k, kda_intra=intra)

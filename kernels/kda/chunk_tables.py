@@ -11,6 +11,8 @@ import numpy as np
 from torch import Tensor
 
 CHUNK = 64  # C: tokens per chunk
+# kda_chunk_fwd's intra step: one fused program per (chunk, head), or two launches of smaller programs
+INTRA_FORMS = ("fused", "split")
 
 
 class ChunkTables(NamedTuple):

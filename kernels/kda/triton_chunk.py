@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from k3rt.kernels.kda.chunk_tables import CHUNK, ChunkTables, chunk_tables
+from k3rt.kernels.kda.chunk_tables import CHUNK, INTRA_FORMS, ChunkTables, chunk_tables
 from k3rt.kernels.kda.triton_decode import INTERPRET, _slots_contiguous, check, poison_like
 
 DOT16_MIN_HEAD = 64  # narrowest head dim that takes 16-bit dot operands (see kda_chunk_fwd)
@@ -431,8 +431,8 @@ def kda_chunk_fwd(
     for name, p in (("precision", precision), ("inv_precision", inv_precision)):
         if p not in ("tf32", "ieee", "tf32x3") and (p is not None or name == "precision"):
             raise ValueError(f"{name} must be 'tf32', 'tf32x3' or 'ieee', got {p!r}")
-    if intra not in ("fused", "split"):
-        raise ValueError(f"intra must be 'fused' or 'split', got {intra!r}")
+    if intra not in INTRA_FORMS:
+        raise ValueError(f"intra must be one of {INTRA_FORMS}, got {intra!r}")
     if block_k_split not in (16, 32, 64, 128):
         raise ValueError(f"block_k_split must be 16, 32, 64 or 128, got {block_k_split}")
     if num_stages_split not in (1, 2, 3, 4):

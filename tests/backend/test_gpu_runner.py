@@ -67,6 +67,14 @@ def test_gpu_path_prompt_logprobs_equal_the_reference(tmp_path) -> None:
     assert max(abs(got["gpu"][k] - got["ref"][k]) for k in got["ref"]) < 1e-4
 
 
+def test_kernel_config_names_an_unknown_kda_intra_form() -> None:
+    from k3rt.backend.runner.gpu.ops import KernelConfig
+
+    assert KernelConfig(kda_intra="split").kda_intra == "split"
+    with pytest.raises(ValueError, match=r"kda_intra: must be one of \('fused', 'split'\), got 'tiled'"):
+        KernelConfig(kda_intra="tiled")
+
+
 @pytest.mark.parametrize("arch, intra", [("kimi_linear", "fused"), ("k3", "fused"), ("k3", "split")])
 def test_gpu_runner_with_triton_kernels_in_the_interpreter_equals_reference(arch, intra, tmp_path) -> None:
     """The GPU runner with every Triton kernel (KDA decode + chunk, MLA decode + prefill, MoE router +

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from k3rt.backend.layers.batch_invariant import invariant_linear
+from k3rt.kernels.kda.chunk_tables import INTRA_FORMS
 
 
 MXFP4_EXPERT_PATHS = ("planar", "dot_scaled")
@@ -54,8 +55,8 @@ class KernelConfig:
     kda_intra: str = "fused"
 
     def __post_init__(self) -> None:
-        if self.kda_intra not in ("fused", "split"):
-            raise ValueError(f"kda_intra: must be 'fused' or 'split', got {self.kda_intra!r}")
+        if self.kda_intra not in INTRA_FORMS:
+            raise ValueError(f"kda_intra: must be one of {INTRA_FORMS}, got {self.kda_intra!r}")
         if self.mxfp4_experts not in MXFP4_EXPERT_PATHS:
             raise ValueError(f"mxfp4_experts: must be one of {MXFP4_EXPERT_PATHS}, got {self.mxfp4_experts!r}")
         if self.kda_verify_launch not in KDA_VERIFY_LAUNCHES:
