@@ -128,19 +128,15 @@ START_TRIES = 3
 def start_server(model: Path, log_dir: Path, *args: str) -> ServeProcess:
     """A ready server. A start that lost its port to another process between `free_port` and the server's
     bind (the server exits naming the taken address) is retried on other ports; any other failure raises."""
-    for attempt in range(START_TRIES):
+    for attempt in range(1, START_TRIES + 1):
         s = ServeProcess(model, log_dir, *args)
         try:
             s.wait_ready()
             return s
-        except RuntimeError:
-            s.kill()
-            if PORT_TAKEN not in s.log() or attempt == START_TRIES - 1:
-                raise
         except Exception:
             s.kill()
-            raise
-    raise AssertionError("unreachable")
+            if attempt == START_TRIES or PORT_TAKEN not in s.log():
+                raise
 
 
 @contextmanager

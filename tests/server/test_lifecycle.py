@@ -264,3 +264,33 @@ def test_killed_gateway_leaves_no_engine(tiny_model, log_dir) -> None:
     finally:
         if s.proc.poll() is None:
             s.kill()
+
+
+def test_a_start_that_loses_its_port_retries_on_another(tiny_model, log_dir, monkeypatch) -> None:
+    """start_server's retry (the CI flake: a port checked free was taken before the server bound it): the first
+    port pair handed out has its DSL port taken, so that server exits naming the address; the start is retried on
+    another pair and the server comes up there."""
+    import socket
+
+    from tests.server import conftest
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    taken = busy.getsockname()[1] - 1  # HTTP port whose DSL port (HTTP + 1) is `busy`'s
+    handed = []
+
+    def pair() -> int:
+        handed.append(taken if not handed else conftest.free_port(span=2))
+        return handed[-1]
+
+    monkeypatch.setattr(conftest, "free_port_pair", pair)
+    try:
+        s = start_server(tiny_model, log_dir)
+    finally:
+        busy.close()
+    try:
+        assert len(handed) == 2 and s.port == handed[1] != taken
+        assert conftest.PORT_TAKEN in (log_dir / f"serve-{taken}.log").read_text()
+    finally:
+        assert s.stop() == 0
