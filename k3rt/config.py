@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from k3rt.model_config import ep_degree
+
 KDA_CHUNK = 64  # the chunked KDA kernels' chunk: snapshot grids must be multiples of it
 
 
@@ -316,8 +318,6 @@ class EngineConfig:
             raise ValueError(f"grammar_backend: {self.grammar_backend!r} not one of llguidance, outlines")
         if self.tp < 1:
             raise ValueError(f"tp: must be >= 1, got {self.tp}")
-        from k3rt.model_config import ep_degree
-
         object.__setattr__(self, "ep", ep_degree(self.ep, self.tp))
         if self.tp % self.dist.nnodes:
             raise ValueError(f"tp: {self.tp} ranks do not split evenly over nnodes={self.dist.nnodes}")
