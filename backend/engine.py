@@ -334,6 +334,12 @@ class Engine:
             self.runner.timing_break()  # the wait for the next request is not the host's step cost
         return outputs
 
+    @property
+    def last_step(self) -> tuple[SchedulerOutput | None, list[SchedulerOutput]]:
+        """What the last `step` call ran: the step it launched (None: none) and the steps it read back (with
+        overlap scheduling usually the one before; the same step on the synchronous path)."""
+        return self._launched, self._collected
+
     def _observe_step(self, seconds: float) -> None:
         """Hand the controller this call's wall time, less the drafter's pass, when it measured one step kind."""
         sample = step_sample(self._launched, self._collected)

@@ -35,7 +35,7 @@ import random
 import sysconfig
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 WORKLOADS = ("code", "chat", "agent")
@@ -126,6 +126,27 @@ class SpecRow:
     # the run's wall time, which the warm-up is for)
     compiles_plain: int = 0
     compiles_spec: int = 0
+    # where each run's wall time went: engine-step calls by what they ran (_call_kind) -> [calls, ms]; the
+    # drafter's calls under "draft" (their ms are inside the calls' too); "other": outside any step call
+    time_plain: dict[str, list[float]] = field(default_factory=dict)
+    time_spec: dict[str, list[float]] = field(default_factory=dict)
+
+
+def _call_kind(launched, collected) -> str:
+    """What one engine-step call ran: "prefill" (a prefill chunk launched or read back), "verify" (it launched a
+    verify step), "plain_overlap" (it launched a plain step and read back the one before), "plain_sync" (it
+    launched a plain step and read that same step back: the synchronous path, or overlap given up because the
+    next step drafts), "drain" (it launched nothing)."""
+    from k3rt.backend.spec.cost import StepKind, classify
+
+    if launched is None:
+        return "drain"
+    kinds = {classify(o)[0] for o in [launched, *collected]}
+    if StepKind.MIXED in kinds:
+        return "prefill"
+    if classify(launched)[0] is StepKind.VERIFY:
+        return "verify"
+    return "plain_sync" if any(o is launched for o in collected) else "plain_overlap"
 
 
 @dataclass
@@ -144,6 +165,7 @@ class _Run:
     speculated: int = 0
     skipped: int = 0
     compiles: int = 0  # Triton binaries compiled during the run (CUDA; kernels/jit_probe.py)
+    time_ms: dict[str, list[float]] = field(default_factory=dict)  # SpecRow.time_plain / time_spec
 
 
 def _code_sources() -> list[str]:
@@ -232,6 +254,12 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
     # runner's default) the runner's execute is not called and a step's wall time spans the device's step
     step, schedule = eng.step, eng.scheduler.schedule
     scheduled: list = []
+    time_ms: dict[str, list[float]] = {}
+
+    def account(kind: str, ms: float) -> None:
+        slot = time_ms.setdefault(kind, [0, 0.0])
+        slot[0] += 1
+        slot[1] += ms
 
     def recording_schedule():
         out = schedule()
@@ -244,7 +272,11 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
         t0 = time.perf_counter()
         res = step()
         # the scheduler drafts inside the step: its time is the draft column's, not the verify step's
-        dt = (time.perf_counter() - t0) * 1e3 - sum(draft_ms[drafts_before:])
+        call_ms = (time.perf_counter() - t0) * 1e3
+        dt = call_ms - sum(draft_ms[drafts_before:])
+        account(_call_kind(*eng.last_step), call_ms)
+        if len(draft_ms) > drafts_before:
+            account("draft", sum(draft_ms[drafts_before:]))
         for out in scheduled:
             verify = any(c.draft_ids for c in out.chunks)
             prefill = any(not c.draft_ids for c in out.chunks)
@@ -282,12 +314,15 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
         if drafter is not None:  # a drafter kept for the next run (dspark) must not time into this run's list
             drafter.propose_scored = propose
     wall = time.perf_counter() - t0
+    account("other", wall * 1e3 - sum(v[1] for k, v in time_ms.items() if k != "draft"))
+    time_ms["other"][0] = 0
     compiled = _compiled(eng) - compiled0
     s = eng.stats
     return _Run(outputs, wall, sum(map(len, outputs)), step_ms, draft_ms, s.spec_verifies - s0[0],
                 s.spec_drafted_tokens - s0[1], s.spec_accepted_tokens - s0[2],
                 getattr(eng.runner, "verify_graph_replays", 0) - g0, getattr(drafter, "graphs", None) is not None,
-                s.spec_steps - s0[3], s.spec_steps_speculated - s0[4], s.spec_steps_skipped - s0[5], compiled)
+                s.spec_steps - s0[3], s.spec_steps_speculated - s0[4], s.spec_steps_skipped - s0[5], compiled,
+                {k: [int(n), round(ms, 3)] for k, (n, ms) in time_ms.items()})
 
 
 def step_speedup(plain_ms: float, verify_ms: float, draft: float, tau: float) -> float:
@@ -394,7 +429,8 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
                                 identical=r.outputs == plain.outputs, graph_verifies=r.graph_verifies,
                                 drafter_graphs=r.drafter_graphs,
                                 spec_share=r.speculated / r.spec_steps if r.spec_steps else 0.0, skipped=r.skipped,
-                                compiles_plain=plain.compiles, compiles_spec=r.compiles))
+                                compiles_plain=plain.compiles, compiles_spec=r.compiles,
+                                time_plain=plain.time_ms, time_spec=r.time_ms))
     return rows
 
 

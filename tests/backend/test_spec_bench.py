@@ -39,6 +39,17 @@ def test_bench_spec_tiny_cpu_run(capsys, tmp_path) -> None:
     assert all(r["draft_ms"] > 0 for r in dspark) and sum(r["verifies"] for r in dspark) > 0
     # graphs are a CUDA thing: on the CPU every verify step and drafter pass runs eagerly, and the rows say so
     assert all(r["graph_verifies"] == 0 and not r["drafter_graphs"] for r in rows)
+    # where the time went: step calls by kind (their ms add up to the run's wall time with "other"), the drafter
+    # inside them; a run with verifies has verify calls, a plain run none
+    for r in rows:
+        spec, plain = r["time_spec"], r["time_plain"]
+        assert "verify" not in plain and "draft" not in plain and plain["prefill"][0] >= 1
+        assert (r["verifies"] > 0) == ("verify" in spec)
+        assert spec["draft"][0] >= 1 and spec["draft"][1] > 0
+        assert set(spec) <= {"prefill", "verify", "plain_sync", "plain_overlap", "drain", "draft", "other"}
+        tokens = r["batch"] * 8 * (2 if r["workload"] == "agent" else 1)
+        wall_ms = sum(v[1] for k, v in spec.items() if k != "draft")
+        assert wall_ms == pytest.approx(1e3 * tokens / r["tokens_per_s_spec"], abs=0.01)  # ms rounded to 3 places
 
 
 def test_step_times_are_measured_under_overlap_scheduling(monkeypatch) -> None:
