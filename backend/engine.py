@@ -22,7 +22,7 @@ from k3rt.backend.runner.base import Runner
 from k3rt.backend.scheduler.request import FinishReason, Request
 from k3rt.backend.scheduler.scheduler import Scheduler, SchedulerOutput
 from k3rt.backend.spec.base import create_drafter
-from k3rt.backend.spec.cost import StepKind, step_sample
+from k3rt.backend.spec.cost import StepKind, classify, step_sample
 from k3rt.backend.spec.gate import SpecGate
 from k3rt.cache_layout import CacheLayout, compute_layout
 from k3rt.config import EngineConfig
@@ -326,7 +326,7 @@ class Engine:
         self.num_steps += 1
         self.step_time.observe(t1 - t0)
         if self.gate is not None:
-            self._observe_step(t1 - t0)
+            self._observe_step(t1 - t0, outputs)
         for req in self.scheduler.admitted_now:
             self.queue_wait.observe(t0 - req.arrival)
         self.scheduler.admitted_now.clear()
@@ -340,9 +340,13 @@ class Engine:
         overlap scheduling usually the one before; the same step on the synchronous path)."""
         return self._launched, self._collected
 
-    def _observe_step(self, seconds: float) -> None:
-        """Hand the controller this call's wall time, less the drafter's pass, when it measured one step kind."""
-        sample = step_sample(self._launched, self._collected)
+    def _observe_step(self, seconds: float, outputs: list[RequestOutput]) -> None:
+        """Hand the controller this call's wall time, less the drafter's pass, when it measured one step kind;
+        and to its governor the tokens the call delivered in its whole wall time, when no prefill ran in it."""
+        launched, collected = self._launched, self._collected
+        if launched is not None and not any(classify(o)[0] is StepKind.MIXED for o in [launched, *collected]):
+            self.gate.observe_rate(classify(launched)[1], sum(len(o.new_token_ids) for o in outputs), seconds)
+        sample = step_sample(launched, collected)
         if sample is None:
             return
         kind, batch = sample

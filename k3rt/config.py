@@ -123,6 +123,11 @@ class SpecGateConfig:
     ema_weight: float = 0.125
     # per request, the method-wide acceptance counts as this many verifies of prior (a new request starts there)
     prior_verifies: float = 2.0
+    # the governor (backend/spec/governor.py): per batch bucket, speculation allowed or off by the tokens/s each
+    # delivered, in trials of this many decode-only steps (0: no governor, the per-step rule alone)...
+    governor_trial: int = 8
+    # ...the winning mode holding for up to this many steps between trials of the other (growing while it wins)
+    governor_max_hold: int = 1024
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.margin <= 1.0:
@@ -137,6 +142,9 @@ class SpecGateConfig:
             raise ValueError(f"spec_gate.ema_weight: must be in (0, 1], got {self.ema_weight}")
         if self.prior_verifies < 0:
             raise ValueError(f"spec_gate.prior_verifies: must be >= 0, got {self.prior_verifies}")
+        if self.governor_trial < 0 or (self.governor_trial and self.governor_max_hold < self.governor_trial):
+            raise ValueError(f"spec_gate.governor_trial, governor_max_hold: need 0 <= governor_trial <= "
+                             f"governor_max_hold, got {self.governor_trial}, {self.governor_max_hold}")
 
 
 @dataclass(frozen=True)

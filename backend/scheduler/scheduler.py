@@ -349,11 +349,19 @@ class Scheduler:
                  and r.params.speculative and r.prompt_logprobs_from is None and r.num_output >= r.params.min_tokens]
         if not asked:
             return False
-        plan = self.gate.plan(len(live), [r.rid for r in asked], model_free=self.target_states is None)
+        plan = self._plan(len(live), [r.rid for r in asked])
         if plan.why is Why.CHEAP:
             plan = self._peek(asked, len(live))
         self._next_plan = plan
         return plan.draft
+
+    def _plan(self, batch: int, rids: list[int]) -> Plan:
+        """The controller's plan for a step; while its governor has speculation off, the target states (a model
+        drafter's) are not recorded either."""
+        plan = self.gate.plan(batch, rids, model_free=self.target_states is None)
+        if self.target_states is not None:
+            self.target_states.paused = plan.why is Why.OFF
+        return plan
 
     def _peek(self, reqs: list[Request], batch: int) -> Plan:
         """Would the drafter's proposals for `reqs`, given their tokens known now (a trailing PENDING left out),
@@ -398,7 +406,7 @@ class Scheduler:
         batch = len(self._step_decodes)
         if gate is not None:
             if plan is None:
-                plan = gate.plan(batch, [q.rid for q in queries], model_free=self.target_states is None)
+                plan = self._plan(batch, [q.rid for q in queries])
             stats.spec_probes += plan.why is Why.PROBE
             if not plan.draft:
                 stats.spec_steps_skipped += 1

@@ -36,6 +36,10 @@ one in a hundred steps or so), sooner in proportion to the step's requests never
 tell whether an agent's new turn repeats what the last one wrote). While the rule says yes, a plain step is
 forced when the bucket's plain cost is older than 4 x probe_interval.
 
+Over the rule sits the governor (governor.py): per batch bucket it allows speculation or turns it off by the
+tokens per second the engine delivered in each mode, in alternating trials; while it says off, `plan` says so
+(Why.OFF) before any estimate is read, and no probe runs.
+
 The controller knows nothing of pages, grammars or sampling: the scheduler asks it, then bounds drafts as
 before. Its only clock is its own decision counter (`steps`); times come in as seconds.
 """
@@ -49,6 +53,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from k3rt.backend.spec.cost import StepCosts, StepKind, bucket
+from k3rt.backend.spec.governor import Governor
 from k3rt.config import SpecGateConfig
 
 # a drafter pass costing at most this share of a plain step is asked every step (its proposals decide)
@@ -70,6 +75,7 @@ class Why(enum.Enum):
     PROBE = "probe"  # off, but drafting this step to refresh the estimates
     REFRESH = "refresh"  # on, but decoding plainly this step to refresh the plain cost
     CHEAP = "cheap"  # a model-free drafter's pass costs next to nothing: ask it, and let its drafts decide (trim)
+    OFF = "off"  # the governor measured plain decoding faster at this batch bucket (governor.py)
 
 
 class Plan(NamedTuple):
@@ -112,6 +118,8 @@ class SpecGate:
         self._reqs: dict[int, _Acceptance] = {}
         self._last_spec: dict[int, int] = {}  # bucket -> step of its last speculating decision
         self._last_verify: dict[int, int] = {}  # bucket -> step of its last trim that kept drafts
+        self.governor = (Governor(cfg.governor_trial, cfg.governor_max_hold, 0.0)
+                         if cfg.governor_trial else None)
 
     # ---- estimates ----
 
@@ -178,6 +186,8 @@ class SpecGate:
         tokens known before a step in flight, see Scheduler.drafts_next)."""
         self.steps += 1
         c, b = self.costs, bucket(batch)
+        if self.governor is not None and not self.governor.allowed(b):
+            return Plan(False, Why.OFF)
         plain, verify = c.get(c.plain, batch), c.get(c.verify, batch)
         draft = c.get(c.draft, len(rids))
         if plain is None:
@@ -261,6 +271,11 @@ class SpecGate:
     def observe_step(self, kind: StepKind, batch: int, seconds: float, drafted: int = 0) -> None:
         """A step's wall time (the drafter's pass excluded) and its draft tokens (verify steps)."""
         self.costs.observe_step(kind, batch, seconds, self.steps, drafted)
+
+    def observe_rate(self, batch: int, tokens: int, seconds: float) -> None:
+        """A decode-only engine step of `batch` requests delivered `tokens` in `seconds` (the governor's input)."""
+        if self.governor is not None:
+            self.governor.observe(bucket(batch), tokens, seconds)
 
     def observe_draft(self, batch: int, seconds: float) -> None:
         """One drafter pass over `batch` requests took `seconds`."""

@@ -1,0 +1,87 @@
+"""The speculation governor: per batch bucket, whether speculation is allowed at all, decided by the tokens per
+second the engine actually delivered with it allowed and with it off (A/B phases), not by a model of step costs.
+
+Why a second layer over the per-step rule (gate.py): the rule compares modeled step costs (plain, verify,
+draft), but speculation also costs what no step time shows: plain steps that give up overlap because the next
+one drafts, the target-state recording a model drafter needs every step, the drafter's index upkeep, the tail
+of a batch whose requests finish at different steps. On the H200 with k3-tiny at batch 16-64 (plain steps of
+1.5-1.9 ms) the rule speculated in 30-50% of steps and delivered 0.5-0.8x plain decoding's tokens/s (session
+14, benchmarks/spec_gate.py). The governor measures the outcome and turns speculation off where it loses.
+
+Phases, per bucket, counted in rate samples (decode-only engine steps of that bucket):
+  1. a trial with speculation allowed (the rule decides each step), `trial` samples;
+  2. a trial with speculation off (plain decoding, overlap kept, no drafter calls), `trial` samples;
+  3. the faster mode holds for `hold` samples, then the slower one gets another trial; a trial that loses
+     again multiplies `hold` by GROWTH (up to `max_hold`: the losing trials then cost at most trial / max_hold of
+     the time);
+     a trial that wins takes over and `hold` starts again from `trial`.
+Speculation wins by more than `margin` (the engine's controller passes 0: with speculation configured but off
+the engine still pays part of its upkeep, ~10-20% at k3-tiny's 1.3-1.9 ms steps in session 14, so a margin in
+favour of off gave back more than the noise it guards against: batch-4 rows fell from 0.88-1.00x to 0.67-0.86x).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# a trial that loses again multiplies the next hold by this: the losing side's share of the steps falls fast
+# (k3-tiny's speculation at batch 64 delivered half of plain decoding's rate: every losing trial step costs)
+GROWTH = 4
+
+
+@dataclass(slots=True)
+class _Phase:
+    tokens: int = 0
+    seconds: float = 0.0
+    samples: int = 0
+
+
+@dataclass(slots=True)
+class _Bucket:
+    on: bool = True  # the current phase's mode: speculation allowed (True) or off
+    trial: bool = True  # the current phase is a trial (ends after `trial` samples) rather than a hold
+    phase: _Phase = field(default_factory=_Phase)
+    rate: dict[bool, float] = field(default_factory=dict)  # mode -> tokens/s of its latest finished phase
+    hold: int = 0
+
+
+class Governor:
+    def __init__(self, trial: int, max_hold: int, margin: float) -> None:
+        if trial < 1 or max_hold < trial:
+            raise ValueError(f"governor: need 1 <= trial <= max_hold, got trial {trial}, max_hold {max_hold}")
+        self.trial, self.max_hold, self.margin = trial, max_hold, margin
+        self._buckets: dict[int, _Bucket] = {}
+
+    def allowed(self, b: int) -> bool:
+        """Whether speculation is allowed at batch bucket b now."""
+        st = self._buckets.get(b)
+        return True if st is None else st.on
+
+    def rates(self, b: int) -> dict[bool, float]:
+        """tokens/s of the latest finished phase per mode (True: speculation allowed) at bucket b."""
+        st = self._buckets.get(b)
+        return {} if st is None else dict(st.rate)
+
+    def observe(self, b: int, tokens: int, seconds: float) -> None:
+        """One decode-only engine step at bucket b delivered `tokens` in `seconds` (wall time, the drafter's
+        pass and any synchronous wait included)."""
+        st = self._buckets.setdefault(b, _Bucket(hold=self.trial))
+        ph = st.phase
+        ph.tokens += tokens
+        ph.seconds += seconds
+        ph.samples += 1
+        if ph.samples < (self.trial if st.trial else st.hold):
+            return
+        st.rate[st.on] = ph.tokens / max(ph.seconds, 1e-9)
+        st.phase = _Phase()
+        if len(st.rate) < 2:  # the first trial of each mode: speculation allowed first, then off
+            st.on, st.trial = not st.on, True
+            return
+        best = st.rate[True] > (1.0 + self.margin) * st.rate[False]
+        if st.trial:  # the better mode holds; a trial that lost makes the next hold longer
+            st.hold = min(GROWTH * st.hold, self.max_hold) if st.on != best else self.trial
+            st.on, st.trial = best, False
+        elif st.on == best:  # the hold confirmed its mode: the other one gets a trial
+            st.on, st.trial = not best, True
+        else:  # the held mode fell behind the other's last rate: switch
+            st.on, st.hold = best, self.trial
