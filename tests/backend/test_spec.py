@@ -122,9 +122,9 @@ def test_suffix_trie_matches_brute_force_counts_through_adds_and_evictions() -> 
 
 def test_suffix_drafter_holds_no_gc_tracked_object_per_token() -> None:
     """Regression (session 14): trie nodes were Python objects with a children dict each, ~24 per indexed token,
-    all tracked by the cyclic GC; its full collections then walked them all, and on the H200 the suffix drafter's
-    calls averaged 85-370 ms at batch 64 (a plain k3-tiny step: 1.9 ms). Indexing 20K tokens must not add
-    tracked objects in proportion."""
+    all tracked by the cyclic GC, whose full collections then walked them all (120 ms pauses at batch 64 in a CPU
+    replay; on the H200 the drafter's calls averaged up to 370 ms, a plain k3-tiny step 1.9 ms). Indexing 20K
+    tokens must not add tracked objects in proportion."""
     rng = random.Random(0)
     d = SuffixDrafter(SpecConfig(method="suffix"))
     gc.collect()
