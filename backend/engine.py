@@ -22,7 +22,7 @@ from k3rt.backend.runner.base import Runner
 from k3rt.backend.scheduler.request import FinishReason, Request
 from k3rt.backend.scheduler.scheduler import Scheduler, SchedulerOutput
 from k3rt.backend.spec.base import create_drafter
-from k3rt.backend.spec.cost import StepKind, classify, step_sample
+from k3rt.backend.spec.cost import StepKind, classify, ran_prefill, step_sample
 from k3rt.backend.spec.gate import SpecGate
 from k3rt.cache_layout import CacheLayout, compute_layout
 from k3rt.config import EngineConfig
@@ -344,7 +344,7 @@ class Engine:
         """Hand the controller this call's wall time, less the drafter's pass, when it measured one step kind;
         and to its governor the tokens the call delivered in its whole wall time, when no prefill ran in it."""
         launched, collected = self._launched, self._collected
-        if launched is not None and not any(classify(o)[0] is StepKind.MIXED for o in [launched, *collected]):
+        if launched is not None and not ran_prefill(launched, collected):
             self.gate.observe_rate(classify(launched)[1], sum(len(o.new_token_ids) for o in outputs), seconds)
         sample = step_sample(launched, collected)
         if sample is None:

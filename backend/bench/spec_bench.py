@@ -38,6 +38,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from k3rt.backend.spec.cost import StepKind, classify, ran_prefill
+
 WORKLOADS = ("code", "chat", "agent")
 # training/corpus.py HELDOUT_MODULES (a test keeps the two equal): k3-tiny's held-out code
 CODE_MODULES = (
@@ -137,12 +139,9 @@ def _call_kind(launched, collected) -> str:
     verify step), "plain_overlap" (it launched a plain step and read back the one before), "plain_sync" (it
     launched a plain step and read that same step back: the synchronous path, or overlap given up because the
     next step drafts), "drain" (it launched nothing)."""
-    from k3rt.backend.spec.cost import StepKind, classify
-
     if launched is None:
         return "drain"
-    kinds = {classify(o)[0] for o in [launched, *collected]}
-    if StepKind.MIXED in kinds:
+    if ran_prefill(launched, collected):
         return "prefill"
     if classify(launched)[0] is StepKind.VERIFY:
         return "verify"
@@ -314,8 +313,7 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
         if drafter is not None:  # a drafter kept for the next run (dspark) must not time into this run's list
             drafter.propose_scored = propose
     wall = time.perf_counter() - t0
-    account("other", wall * 1e3 - sum(v[1] for k, v in time_ms.items() if k != "draft"))
-    time_ms["other"][0] = 0
+    time_ms["other"] = [0, wall * 1e3 - sum(v[1] for k, v in time_ms.items() if k != "draft")]
     compiled = _compiled(eng) - compiled0
     s = eng.stats
     return _Run(outputs, wall, sum(map(len, outputs)), step_ms, draft_ms, s.spec_verifies - s0[0],

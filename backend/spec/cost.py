@@ -45,6 +45,12 @@ def classify(out: SchedulerOutput) -> tuple[StepKind, int]:
     return kind, len(out.decodes) + verify + prefill
 
 
+def ran_prefill(launched: SchedulerOutput, collected: Sequence[SchedulerOutput]) -> bool:
+    """Whether an engine-step call that launched `launched` and read back `collected` involved a prefill chunk
+    (its time is then the prefill's, no sample of decoding)."""
+    return any(classify(o)[0] is StepKind.MIXED for o in (launched, *collected))
+
+
 def step_sample(launched: SchedulerOutput | None, collected: Sequence[SchedulerOutput]
                 ) -> tuple[StepKind, int] | None:
     """The step kind and batch one engine-step call's wall time measures, or None when it measures no one kind.

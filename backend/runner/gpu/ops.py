@@ -51,7 +51,8 @@ class KernelConfig:
     kda_verify_launch: str = "multi"
     # the chunked KDA prefill's intra step (kernels/kda/triton_chunk.py `intra`): "fused" (one program per chunk
     # and head, the H200-measured default) or "split" (kernels/kda/triton_intra_split.py: two launches of small
-    # programs; session 13, not yet timed on a GPU: benchmarks/decode.py --prefill-kda-intra both)
+    # programs; on the H200 no faster end to end: 3.741 vs 3.732 ms at 16K, 164.3 vs 160.4 ms for the 48B
+    # prefill of 8K, benchmarks/RESULTS.md 2026-12-02)
     kda_intra: str = "fused"
 
     def __post_init__(self) -> None:
