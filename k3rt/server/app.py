@@ -275,7 +275,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         gw = ctx.gateway
-        if not gw.ready:
+        if not ctx.ready:
             why = "draining" if gw.draining else ("dead" if gw.dead else "starting")
             return json_response({"status": why}, status=503)
         problem = ctx.health.problem()
@@ -315,7 +315,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     @v1.get("/k3rt/stats")
     async def stats() -> Response:
         return json_response({"stats": ctx.gateway.stats, "info": ctx.gateway.client.info,
-                              "ready": ctx.gateway.ready})
+                              "ready": ctx.ready})
 
     @v1.post("/k3rt/flush_cache")
     async def flush_cache() -> Response:

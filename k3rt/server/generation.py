@@ -43,6 +43,14 @@ class ServerContext:
     metrics: ServerMetrics
     health: EngineWatch
     shutdown_error: str | None = None  # set by `cut_requests`: the error the requests it ended carry
+    # False from `k3rt serve`'s start until every endpoint it was asked for is bound (the DSL port binds after the
+    # engine is up): a server whose DSL port turns out taken exits, and must never have answered /health 200
+    endpoints_bound: bool = True
+
+    @property
+    def ready(self) -> bool:
+        """Ready for traffic: the engine is up and not draining, and every front door is open."""
+        return self.endpoints_bound and self.gateway.ready
 
     def cut_requests(self, why: str) -> int:
         """End every running generation now (shutdown: the drain timeout passed, or a second signal). Each

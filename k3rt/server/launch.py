@@ -2,7 +2,8 @@
 
 Lifecycle
   start    bind the port first (a busy port fails before anything is spawned), serve HTTP at once
-           (/health answers 503), spawn the engine in the background; /health turns 200 on its Ready.
+           (/health answers 503), spawn the engine in the background; /health turns 200 on its Ready and once
+           the DSL port is bound (a taken DSL port exits 1 without ever having said 200).
   signal   SIGINT/SIGTERM, to the gateway or to the whole process group (the engine process ignores
            both: the gateway owns shutdown): stop accepting, answer 503 to new requests on open
            connections, let running requests finish for up to `drain_timeout_s`; those still running
@@ -70,7 +71,8 @@ async def _serve(cfg: ServerConfig) -> int:
     gateway = Gateway(GatewayConfig(cfg.engine, cfg.context_length, cfg.log_level))
     sock = _bind(cfg.host, cfg.port)
     port = sock.getsockname()[1]
-    ctx = ServerContext(gateway, cfg, ServerMetrics(lambda: gateway.stats), EngineWatch(gateway, cfg.stall_timeout_s))
+    ctx = ServerContext(gateway, cfg, ServerMetrics(lambda: gateway.stats), EngineWatch(gateway, cfg.stall_timeout_s),
+                        endpoints_bound=False)
     server = Server(uvicorn.Config(create_app(ctx), log_config=None, log_level=cfg.log_level.lower(),
                                    access_log=False, lifespan="off",
                                    # a backstop: our own cut at the drain timeout answers every request
@@ -132,6 +134,7 @@ async def _serve(cfg: ServerConfig) -> int:
             if dsl_task.done():
                 dsl_task.result()  # the endpoint could not bind: fail loudly
             dsl = programs.endpoint
+        ctx.endpoints_bound = True  # only now may /health say 200
         watch_task = asyncio.create_task(ctx.health.run())
         print(f"k3rt serve: ready on http://{cfg.host}:{port} (model {cfg.model_name}, engine pid "
               f"{gateway.client.info.get('pid')}" + (f", DSL programs at {dsl}" if dsl else "") + ")",

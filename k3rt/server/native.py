@@ -428,7 +428,7 @@ async def health_generate(ctx: ServerContext, timeout_s: float = 20.0) -> Respon
     from k3rt.backend.gateway import Job
 
     gw = ctx.gateway
-    if not gw.ready:
+    if not ctx.ready:
         return json_response({"status": "not ready"}, status=503)
     prompt = list(gw.tokenizer.sequence_prefix) or [0]
     try:

@@ -197,3 +197,38 @@ def test_a_wedged_engine_turns_health_503_and_back(small_server: ServeProcess) -
     while _health(small_server).status_code != 200 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _health(small_server).status_code == 200
+
+
+def test_health_is_503_until_every_endpoint_is_bound(tiny_model) -> None:
+    """The CI flake behind `test_a_start_that_loses_its_port_retries_on_another`: `k3rt serve` binds its DSL
+    port after the engine is up, and /health said 200 in between, so a server whose DSL port was taken
+    answered 200 and then exited 1. Until `endpoints_bound`, /health (and /health_generate, and the stats'
+    `ready`) must say starting."""
+    from k3rt.backend.engine_inproc import InProcEngineClient
+    from k3rt.backend.gateway import Gateway, GatewayConfig
+    from k3rt.config import EngineConfig
+    from k3rt.server.app import create_app
+    from k3rt.server.config import ServerConfig
+    from k3rt.server.generation import ServerContext
+    from k3rt.server.metrics import ServerMetrics
+
+    async def main() -> None:
+        scfg = ServerConfig(engine=EngineConfig(model=str(tiny_model)))
+        gw = Gateway(GatewayConfig(scfg.engine), client=InProcEngineClient(scfg.engine))
+        ctx = ServerContext(gw, scfg, ServerMetrics(lambda: gw.stats), EngineWatch(gw, 30.0))
+        ctx.endpoints_bound = False  # as `k3rt serve` starts it (launch.py), until the DSL port is bound
+        await gw.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(create_app(ctx)),
+                                         base_url="http://k3rt") as c:
+                r = await c.get("/health")
+                assert (r.status_code, r.json()) == (503, {"status": "starting"})
+                assert (await c.get("/health_generate")).status_code == 503
+                assert (await c.get("/v1/k3rt/stats")).json()["ready"] is False
+                ctx.endpoints_bound = True
+                assert (await c.get("/health")).status_code == 200
+                assert (await c.get("/v1/k3rt/stats")).json()["ready"] is True
+        finally:
+            await gw.shutdown()
+
+    asyncio.run(main())
