@@ -315,13 +315,12 @@ class EngineConfig:
         if self.runner == "gpu" and self.deterministic and not self.kernels:
             raise ValueError("deterministic: the gpu runner's batch-invariant mode needs its Triton kernels "
                              "(kernels=True), or use runner='model'")
-        if self.mixed_pieces_eager and (self.runner != "gpu" or not self.mixed_graphs or self.deterministic
-                                        or self.spec.method == "dspark"):
-            # the pieces belong to the gpu runner, which keeps them off in the batch-invariant mode and with a model
-            # drafter's taps (GpuModelRunner): refused here rather than silently ignored
-            raise ValueError(f"mixed_pieces_eager: needs runner='gpu' with mixed_graphs, neither deterministic nor "
-                             f"--spec dspark; got runner={self.runner!r}, mixed_graphs={self.mixed_graphs}, "
-                             f"deterministic={self.deterministic}, spec={self.spec.method}")
+        if self.mixed_pieces_eager and (self.runner != "gpu" or not self.mixed_graphs or self.deterministic):
+            # the pieces belong to the gpu runner, which keeps them off in the batch-invariant mode
+            # (GpuModelRunner): refused here rather than silently ignored
+            raise ValueError(f"mixed_pieces_eager: needs runner='gpu' with mixed_graphs, not deterministic; got "
+                             f"runner={self.runner!r}, mixed_graphs={self.mixed_graphs}, "
+                             f"deterministic={self.deterministic}")
         if self.grammar_backend not in ("llguidance", "outlines"):
             raise ValueError(f"grammar_backend: {self.grammar_backend!r} not one of llguidance, outlines")
         if self.tp < 1:

@@ -127,15 +127,26 @@ def _dspark_engine(arch, folder: Path, *, runner: str = "model", k: int = 5, cac
                                **engine}, **cache)
 
 
-@pytest.mark.parametrize("runner, oracle", [("model", False), ("model", True), ("gpu", True)],
-                         ids=["reference-drafts", "reference-oracle", "gpu-path-torch-ops-oracle"])
+@pytest.mark.parametrize("runner, oracle", [("model", False), ("model", True), ("gpu", True), ("pieces", True)],
+                         ids=["reference-drafts", "reference-oracle", "gpu-path-torch-ops-oracle",
+                              "gpu-path-pieces-oracle"])
 def test_dspark_states_are_exact_and_greedy_output_is_identical(arch, tmp_path, runner, oracle) -> None:
+    """pieces: the GPU runner's steps with prefill rows or verify runs through the piecewise forward (run
+    eagerly), whose pieces tap the target states the drafter reads."""
     r1, r2 = _workload(seed=3)
     p1, p2 = _params(len(r1), 16), _params(len(r2), 16)
     ref1, ref2 = _reference(arch, r1, p1), _reference(arch, r2, p2)
     folder = _random_drafter(tmp_path / "drafter", arch.model)
-    engine = {"kernels": False, "cuda_graphs": False} if runner == "gpu" else {}
-    eng = _dspark_engine(arch, folder, runner=runner, **engine)
+    engine = {"kernels": False, "cuda_graphs": False} if runner in ("gpu", "pieces") else {}
+    if runner == "pieces":
+        engine["mixed_pieces_eager"] = True
+    eng = _dspark_engine(arch, folder, runner="gpu" if runner == "pieces" else runner, **engine)
+    mixed = getattr(getattr(eng.runner, "inner", eng.runner), "mixed", None)
+    if runner == "pieces":
+        assert mixed is not None
+        forms = []
+        mixed_run = mixed.run
+        mixed.run = lambda step: forms.append(bool(step.verify_seqs)) or mixed_run(step)
     drafter = _CheckedDrafter(eng.scheduler.drafter, arch.model, _refs(r1 + r2, ref1 + ref2) if oracle else None)
     eng.scheduler.drafter = drafter
     out1 = run(eng, r1, p1)
@@ -148,6 +159,8 @@ def test_dspark_states_are_exact_and_greedy_output_is_identical(arch, tmp_path, 
     assert sum(o.cached_tokens for o in out2) > 0  # the repeats hit the prefix cache
     if oracle:
         assert s.spec_accepted_tokens > s.spec_verifies  # most verifies accepted something
+    if runner == "pieces":  # prefill steps and verify steps both ran through the pieces
+        assert forms.count(True) > 5 and forms.count(False) > 2, forms
     assert len(eng.target_states) == 0  # every finished request's states were freed
     assert_at_rest(eng)
 

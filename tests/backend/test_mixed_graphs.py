@@ -31,10 +31,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def _two_steps(eng, seed: int, num_decodes: int) -> list[list[StepSeq]]:
+def _two_steps(eng, seed: int, num_decodes: int, verify: bool = False) -> list[list[StepSeq]]:
     """Two consecutive steps over fresh random cache contents: decodes at random contexts beside a new request's
     21-token chunk, then the decodes' next tokens beside the chunk's 43-token continuation (which ends with a
-    snapshot at 64). The pool is filled with small random values."""
+    snapshot at 64). The pool is filled with small random values. verify: the first decode's second step is a
+    verify run of 1 + 4 tokens."""
     pool, bs = eng.pool, eng.layout.block_size
     per_set = eng.layout.pages_per_state_set
     g = torch.Generator().manual_seed(seed)
@@ -49,6 +50,10 @@ def _two_steps(eng, seed: int, num_decodes: int) -> list[list[StepSeq]]:
     first = decs + [StepSeq(prompt[:21], 0, table, states, False)]
     second = [StepSeq([int(torch.randint(3, 500, (1,), generator=g))], d.start + 1, d.block_table, d.state_pages, True)
               for d in decs] + [StepSeq(prompt[21:], 21, table, states, True, snap)]
+    if verify:  # the first decode verifies 4 drafts in the second step: its states stay, its commit inputs kept
+        d = second[0]
+        second[0] = StepSeq(d.token_ids + torch.randint(3, 500, (4,), generator=g).tolist(), d.start, d.block_table,
+                            d.state_pages, True, verify=True)
     # the MLA view last: its pairs read as fp32 state are finite where a state's halves read as latents need not be
     for v in pool.conv + pool.rec + pool.mla:
         if v is not None:
@@ -60,19 +65,32 @@ def _piecewise_equals_eager(eng, steps: list[list[StepSeq]], logits_rel: float, 
     runner, pool = eng.runner, eng.pool
     before = [t.clone() for t in pool.tensors]
 
-    def run(forward) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def run(forward, tapped) -> tuple[list[torch.Tensor], list[torch.Tensor], list]:
         for t, b in zip(pool.tensors, before):
             t.copy_(b)
-        outs = [forward(runner._build(seqs, [])).clone() for seqs in steps]
-        return outs, [t.clone() for t in pool.tensors]
+        outs, kept = [], []
+        for seqs in steps:
+            step = runner._build(seqs, [])
+            outs.append(forward(step).clone())
+            # the taps and the verify runs' commit inputs, as each forward left them
+            kept.append(({i: t.clone() for i, t in tapped().items()},
+                         {i: [t.clone() for t in ts] for i, ts in step.verify_inputs.items()}))
+        return outs, [t.clone() for t in pool.tensors], kept
 
-    want, want_pool = run(lambda step: runner.fwd(step))
+    want, want_pool, want_kept = run(lambda step: runner.fwd(step), lambda: runner.fwd.tapped)
     assert runner.mixed is not None
-    got, got_pool = run(lambda step: runner.mixed.run(step))
+    got, got_pool, got_kept = run(lambda step: runner.mixed.run(step), lambda: runner.mixed.tapped)
     for g, w in zip(got, want):
         assert g.shape == w.shape and rel(g, w) < logits_rel
         if logits_rel <= 1e-4:  # fp32; in bf16 a near-tie may flip
             assert torch.equal(g.argmax(-1), w.argmax(-1))
+    for (gt, gv), (wt, wv) in zip(got_kept, want_kept):
+        assert gt.keys() == wt.keys() == runner.fwd.taps and gv.keys() == wv.keys()
+        for i in wt:
+            assert gt[i].shape == wt[i].shape and rel(gt[i], wt[i]) < logits_rel
+        for i in wv:
+            for a, b in zip(gv[i], wv[i]):
+                assert a.shape == b.shape and rel(a, b) < logits_rel
     for a, b, old in zip(got_pool, want_pool, before):
         # the pages the eager steps left alone stay bit for bit as they were (padding rows wrote no page)
         untouched = (b == old).all(dim=1)
@@ -105,6 +123,25 @@ def test_piecewise_form_run_eagerly_equals_the_eager_step(arch, kernels, tmp_pat
     bufs = eng.runner.mixed.buf.bufs
     assert {b.shape[0] for b in bufs.values()} == {128}
     assert {"kda.qkv", "kda.o", "mla.q", "mla.o", "final"} <= bufs.keys()
+
+
+@pytest.mark.parametrize("arch", ["kimi_linear", "k3"])
+def test_piecewise_form_taps_target_states_and_runs_verify_runs(arch, tmp_path) -> None:
+    """fp32, torch ops: a model drafter's taps (the first layer's input, a middle one, the final norm's output)
+    and a verify run of 1 + 4 tokens in the mixed step: through the pieces the tapped states, the verify run's
+    kept commit inputs, the logits and the caches equal the eager step's (the pieces were off with a dspark
+    drafter, and for verify runs, until session 15)."""
+    ckpt = make_tiny(tmp_path / arch, arch=arch, dtype="float32", seed=9)
+    eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), runner="gpu", kernels=False,
+                         cuda_graphs=False))
+    L = len(eng.runner.fwd.layers)
+    eng.runner.fwd.taps = frozenset({0, L // 2, L})
+    eng.runner.mixed = PiecewiseForward(eng.runner.fwd, (32, 64, 128))
+    steps = _two_steps(eng, seed=4, num_decodes=3, verify=True)
+    assert eng.runner._build(steps[1], []).verify_seqs == [0]
+    _piecewise_equals_eager(eng, steps, logits_rel=1e-5, pool_tol=1e-5)
+    assert eng.runner.mixed.runs == 2 and {"tap0", f"tap{L // 2}"} <= eng.runner.mixed.buf.bufs.keys()
+    assert eng.runner._mixed_bucket(eng.runner._build(steps[1], [])) == 64  # the runner takes the pieces for it
 
 
 def test_engine_greedy_with_mixed_steps_run_piecewise_equals_reference(tmp_path) -> None:

@@ -34,6 +34,7 @@ from k3rt.backend.spec.base import DraftQuery, Drafter
 from k3rt.backend.spec.ngram import NgramDrafter
 from k3rt.backend.spec.rejection import verify_requests
 from k3rt.backend.spec.suffix import SuffixDrafter, SuffixTrie
+from tests.backend.suffix_ref import RefSuffixTrie
 from k3rt.config import SpecConfig
 from k3rt.sampling_params import SamplingParams
 from tests.backend.engine_fixtures import NullOracle, assert_at_rest, drain, make_engine, run, tiny_checkpoint
@@ -65,16 +66,16 @@ def test_ngram_proposes_what_followed_the_latest_match_longest_n_first() -> None
 
 def test_suffix_trie_counts_substrings_and_unindexes_exactly() -> None:
     t = SuffixTrie(3)
-    t.add([1, 2, 1, 2, 3])
-    n1 = t.child(t.ROOT, 1)
-    n12 = t.child(n1, 2)
-    assert t.count[n1] == 2 and t.count[n12] == 2
-    assert t.count[t.child(n12, 1)] == 1  # depth 3: [1, 2, 1]
-    assert t.child(t.child(n12, 1), 2) == -1  # no depth 4
-    node, m = t.find([7, 1, 2], 2)
-    assert m == 2 and t.children(node) == {1: 1, 3: 1}
-    t.add([1, 2, 1, 2, 3], -1)
-    assert not t.children(t.ROOT) and len(t) == 1
+    sid = t.add([1, 2, 1, 2, 3])
+    n1 = t.step((t.ROOT, 0), 1)
+    n12 = t.step(n1, 2)
+    assert t.count_at(n1) == 2 and t.count_at(n12) == 2
+    assert t.count_at(t.step(n12, 1)) == 1  # depth 3: [1, 2, 1]
+    assert t.step(t.step(n12, 1), 2) is None  # no depth 4
+    node, off, m = t.matches([7, 1, 2], 2)[-1]
+    assert m == 2 and t.children_at((node, off)) == {1: 1, 3: 1}
+    t.remove(sid)
+    assert not t.children_at((t.ROOT, 0)) and len(t) == 1 and not t._seqs
 
 
 def _substring_counts(seqs: list[list[int]], depth: int) -> dict[tuple[int, ...], int]:
@@ -86,38 +87,82 @@ def _substring_counts(seqs: list[list[int]], depth: int) -> dict[tuple[int, ...]
     return out
 
 
-def _trie_counts(t: SuffixTrie) -> dict[tuple[int, ...], int]:
-    out, stack = {}, [(t.ROOT, ())]
+def _logical_view(t) -> dict[tuple[int, ...], tuple[int, int | None]]:
+    """path -> (count, the token its draft follows: the best child's) over the trie's logical view."""
+    out, stack = {}, [((t.ROOT, 0), ())]
     while stack:
-        node, path = stack.pop()
-        for tok in t.children(node):
-            c = t.child(node, tok)
-            out[path + (tok,)] = t.count[c]
-            stack.append((c, path + (tok,)))
+        pos, path = stack.pop()
+        kids = t.children_at(pos)
+        if path:
+            d = t.draft(pos[0], pos[1], 1, 1, 0.0, 1.0)[0]
+            out[path] = (t.count_at(pos), d[0] if d else None)
+        stack += [(t.step(pos, k), path + (k,)) for k in kids]
     return out
 
 
-def test_suffix_trie_matches_brute_force_counts_through_adds_and_evictions() -> None:
-    """The flat trie (nodes as ints, freed ids reused) against brute-force substring counts, with the best child
-    per node the most frequent, ties to the earliest created, through interleaved adds and un-indexes."""
+def test_suffix_trie_matches_brute_force_counts_and_the_uncompressed_trie() -> None:
+    """The compressed trie (count-1 chains implicit, freed ids reused) against brute-force substring counts and,
+    path by path, against the uncompressed oracle (tests/backend/suffix_ref.py): the same counts and the same
+    best child (the most frequent, ties to the earliest created), through interleaved adds and removals, on
+    repetitive sequences (small alphabet, repeats) where chains split and re-form."""
     rng = random.Random(3)
-    t, live = SuffixTrie(4), []
-    for step in range(60):
+    t, ref, live = SuffixTrie(4), RefSuffixTrie(4), []
+    for step in range(300):
         if live and rng.random() < 0.4:
-            t.add(live.pop(rng.randrange(len(live))), -1)
+            s, sid, rid = live.pop(rng.randrange(len(live)))
+            t.remove(sid)
+            ref.remove(rid)
         else:
-            live.append([rng.randrange(5) for _ in range(rng.randrange(1, 12))])
-            t.add(live[-1])
-        assert _trie_counts(t) == _substring_counts(live, 4), step
-        stack = [t.ROOT]
-        while stack:
-            node = stack.pop()
-            kids = t.children(node)
-            assert t.total[node] == sum(kids.values())
-            if kids:
-                top = max(kids.values())
-                assert t.count[t.best[node]] == top and t.token[t.best[node]] in kids
-            stack += [t.child(node, k) for k in kids]
+            s = [rng.randrange(4) for _ in range(rng.randrange(1, 14))]
+            if rng.random() < 0.3 and live:  # a repeat of a live one, maybe extended
+                s = live[rng.randrange(len(live))][0] + s[:rng.randrange(3)]
+            live.append((s, t.add(s), ref.add(s)))
+        view = _logical_view(t)
+        assert {k: c for k, (c, _) in view.items()} == _substring_counts([s for s, _, _ in live], 4), step
+        assert view == _logical_view(ref), step
+        assert t.total[t.ROOT] == ref.total[ref.ROOT]
+    assert len(t) < len(ref)  # the point: fewer explicit nodes
+
+
+def test_suffix_trie_grows_its_own_sequence_like_the_uncompressed_one() -> None:
+    """`extend` (a request's own trie, the sequence growing token by token): the same logical view and the same
+    active suffixes with a continuation as the oracle at every length."""
+    rng = random.Random(5)
+    t, ref = SuffixTrie(6, removable=False), RefSuffixTrie(6, removable=False)
+    toks = []
+    for _ in range(120):
+        chunk = [rng.randrange(3)] if rng.random() < 0.7 else toks[-rng.randrange(1, 8):] if toks else [0]
+        toks += chunk
+        t.extend(chunk)
+        ref.extend(chunk)
+        assert _logical_view(t) == _logical_view(ref)
+        mine = [m for m in range(1, len(t.active)) if t.total[t.active[m]]]
+        theirs = [m for m in range(1, len(ref.active)) if ref.total[ref.active[m]]]
+        assert mine == theirs
+
+
+def test_suffix_drafter_drafts_exactly_what_the_uncompressed_tries_draft() -> None:
+    """Whole drafter: requests growing, finishing into the global trie, evicted from it, on a repetitive
+    workload; every proposal (tokens and probabilities) equals the one from the uncompressed tries."""
+
+    class RefDrafter(SuffixDrafter):
+        Trie = RefSuffixTrie
+
+    rng = random.Random(11)
+    cfg = SpecConfig(method="suffix", suffix_max_depth=8, suffix_cached_requests=3, suffix_max_spec_factor=2.0)
+    d, r = SuffixDrafter(cfg), RefDrafter(cfg)
+    phrases = [[rng.randrange(30) for _ in range(rng.randrange(3, 9))] for _ in range(6)]
+    live: dict[int, list[int]] = {}
+    for rid in range(40):
+        live[rid] = [t for _ in range(3) for t in rng.choice(phrases)]
+        for _ in range(rng.randrange(2, 6)):
+            qs = [DraftQuery(q, toks, 3, rng.randrange(1, 8)) for q, toks in live.items()]
+            assert d.propose_scored(qs) == r.propose_scored(qs), rid
+            for toks in live.values():
+                toks += rng.choice(phrases)[:rng.randrange(1, 4)] if rng.random() < 0.8 else [rng.randrange(30)]
+        for q in rng.sample(sorted(live), k=min(len(live), rng.randrange(0, 3))):
+            d.finish(q, live[q], 3)
+            r.finish(q, live.pop(q), 3)
 
 
 def test_suffix_drafter_holds_no_gc_tracked_object_per_token() -> None:

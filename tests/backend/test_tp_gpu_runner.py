@@ -169,7 +169,7 @@ def test_mixed_pieces_eager_is_refused_where_no_pieces_run():
     from k3rt.config import EngineConfig, SpecConfig
 
     assert EngineConfig(model="m", runner="gpu", kernels=False, mixed_pieces_eager=True).mixed_pieces_eager
-    for over in ({"runner": "model"}, {"mixed_graphs": False}, {"spec": SpecConfig(method="dspark")}):
+    for over in ({"runner": "model"}, {"mixed_graphs": False}, {"deterministic": True, "kernels": True}):
         with pytest.raises(ValueError, match="mixed_pieces_eager"):
             EngineConfig(**({"model": "m", "runner": "gpu", "kernels": False, "mixed_pieces_eager": True} | over))
 

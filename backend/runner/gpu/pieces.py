@@ -110,6 +110,10 @@ class PiecewiseForward:
         self.ids = torch.zeros(self.buckets[-1], dtype=torch.int64, device=device)  # rows past T: stale ids
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # bucket -> its pieces' graphs (num_layers + 1)
         self.runs = self.replays = 0  # steps run piecewise, and of them replayed from graphs (benchmarks, tests)
+        # a model drafter's target states (GpuForward.taps): each tapped layer's normalized input is written to a
+        # boundary buffer of its own ("tap{i}"; the last one is "final") by the piece that computes it; `run`
+        # leaves views of the step's rows here, as GpuForward leaves its `tapped`
+        self.tapped: dict[int, torch.Tensor] = {}
         self.num_layers = len(fwd.layers)
         self.res_block = fwd.cfg.attn_res_block_size  # attention residuals (K3): the stream crosses boundaries
 
@@ -121,7 +125,8 @@ class PiecewiseForward:
     @torch.no_grad()
     def run(self, step: GpuStep) -> torch.Tensor:
         """The step's forward -> fp32 logits of its logit rows (this rank's vocabulary slice under TP, as
-        GpuForward returns them). The step must fit a bucket and carry no verify run (runner's choice)."""
+        GpuForward returns them). The step must fit a bucket. Verify runs in it take the eager step's mixed form
+        in the cores (their states left as they were, their commit inputs kept on the step), as in GpuForward."""
         T = step.num_tokens
         n = self.bucket(T)
         if n is None:
@@ -138,6 +143,7 @@ class PiecewiseForward:
             else:
                 self._piece(j, n)
         x = self.buf.bufs["final"][:T]
+        self.tapped = {i: (x if i == self.num_layers else self.buf.bufs[f"tap{i}"][:T]) for i in self.fwd.taps}
         return self.fwd.logits(x if step.logits_every_row else x[step.logit_rows])
 
     def _core(self, i: int, step: GpuStep) -> None:
@@ -197,6 +203,8 @@ class PiecewiseForward:
                 h = fwd.mix(stream, m.output_attn_res_norm.weight, m.output_attn_res_proj.weight, eps)
                 x = fwd.norm(h, m.norm.weight, eps)
         if j < L:
+            if j in fwd.taps:
+                self.buf.put(f"tap{j}", x)
             self._project(j, x)
         else:
             self.buf.put("final", x)

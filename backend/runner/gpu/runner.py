@@ -132,7 +132,7 @@ class GpuModelRunner(Runner):
         runs the plans it receives through backend/runner/gpu/tp.py run_worker_plan). Every rank builds its
         runner with the same arguments: the same reserved pad page and the same graphs.
         mixed_buckets: token-count buckets of the piecewise graphs for steps with prefill rows (pieces.py; ():
-        those steps run eagerly), captured with the decode graphs; not with a model drafter's taps, nor in the
+        those steps run eagerly), captured with the decode graphs (a model drafter's taps included); not in the
         batch-invariant mode. mixed_capture False (EngineConfig.mixed_pieces_eager, test/debug): the pieces are
         built on any device and run eagerly, never captured. Setting `mixed` to a PiecewiseForward afterwards
         runs its pieces eagerly too (single-process CPU tests)."""
@@ -168,10 +168,10 @@ class GpuModelRunner(Runner):
         self.verify_sizes = tuple(sorted(spec[1])) if spec else ()
         self.verify_graphs: dict[int, _Graph] = {}
         self.verify_graph_replays = 0  # verify steps replayed from a graph so far (benchmarks read it)
-        # steps with prefill rows: replayed piecewise (None: eager); not with taps (the pieces keep no layer
-        # states) nor in the batch-invariant mode (its forms step token by token on host-built indices)
+        # steps with prefill rows: replayed piecewise (None: eager); not in the batch-invariant mode (its forms
+        # step token by token on host-built indices)
         self.mixed: PiecewiseForward | None = None
-        mixed_ok = bool(mixed_buckets) and target_states is None and not kernels.batch_invariant
+        mixed_ok = bool(mixed_buckets) and not kernels.batch_invariant
         capturing = cuda_graphs and self.device.type == "cuda"
         missing = self._graph_blockers() if capturing else []
         if missing:
@@ -334,15 +334,17 @@ class GpuModelRunner(Runner):
             raise RuntimeError(f"step plan: rank 0 runs this {step.num_tokens}-token step {_form(mixed)}, this "
                                f"rank {_form(bucket)}: the ranks' runners were built differently (mixed buckets)")
         if bucket:
-            return self.fwd.full_logits(self.mixed.run(step)), step
+            logits = self.mixed.run(step)
+            self.fwd.tapped = self.mixed.tapped  # the target states of this step's forward, the pieces
+            return self.fwd.full_logits(logits), step
         return self.fwd.full_logits(self.fwd(step, decode=step.decode_only)), step
 
     def _mixed_bucket(self, step: GpuStep) -> int:
-        """The piecewise bucket an eager step runs in (0: the plain eager forward): a step with prefill rows (a
-        decode-only step without a graph keeps the decode form), no verify run, within the largest bucket.
+        """The piecewise bucket an eager step runs in (0: the plain eager forward): a step with prefill rows or
+        verify runs (a decode-only step without a graph keeps the decode form), within the largest bucket.
         Decided from the step alone, so every tensor-parallel rank decides alike (workers check it against the
         plan's)."""
-        if self.mixed is None or step.decode_only or step.verify_seqs:
+        if self.mixed is None or step.decode_only:
             return 0
         return self.mixed.bucket(step.num_tokens) or 0
 
