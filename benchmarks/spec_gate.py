@@ -44,6 +44,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="CPU, batch 1, 6 tokens, two drafters")
     p.add_argument("--budget-s", type=float, default=540.0, help="no new batch size is started after this many s")
+    p.add_argument("--no-check", action="store_true", help="skip step 1 (the deterministic correctness rows)")
+    p.add_argument("--no-always", action="store_true",
+                   help="skip the drafting-every-step runs (half the time; their columns read nan)")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args()
 
@@ -64,12 +67,15 @@ def main() -> int:
                            max_tokens=a.max_tokens, turns=a.turns)
     sizes = parse_list(a.batch_sizes, "batch_sizes", int)
     # 1. correctness: batch-invariant numerics, the controller on; every output equals the plain one
-    check = bench_spec(replace(base, batch_sizes=tuple(b for b in sizes if b <= 4) or sizes[:1], deterministic=True,
-                               max_tokens=min(a.max_tokens, 16), turns=min(a.turns, 2)), progress=False)
-    res["check"] = [asdict(r) for r in check]
-    ok = all(r.identical for r in check)
-    log(f"correctness (deterministic, controller on): {'identical' if ok else 'DIFFERENT'} in {len(check)} rows")
-    report.save()
+    ok = True
+    if not a.no_check:
+        check = bench_spec(replace(base, batch_sizes=tuple(b for b in sizes if b <= 4) or sizes[:1],
+                                   deterministic=True, max_tokens=min(a.max_tokens, 16), turns=min(a.turns, 2)),
+                           progress=False)
+        res["check"] = [asdict(r) for r in check]
+        ok = all(r.identical for r in check)
+        log(f"correctness (deterministic, controller on): {'identical' if ok else 'DIFFERENT'} in {len(check)} rows")
+        report.save()
     # 2. timing, one batch size at a time, while the budget lasts
     res["rows"], res["skipped"] = [], []
     last = 0.0
@@ -80,16 +86,21 @@ def main() -> int:
             continue
         t0 = time.monotonic()
         gated = bench_spec(replace(base, batch_sizes=(b,)), progress=False)
-        always = bench_spec(replace(base, batch_sizes=(b,), spec_adaptive=False), progress=False)
+        always = (gated if a.no_always else
+                  bench_spec(replace(base, batch_sizes=(b,), spec_adaptive=False), progress=False))
+        nan = float("nan")
         for g, w in zip(gated, always):
             assert (g.workload, g.drafter) == (w.workload, w.drafter)
             res["rows"].append({"workload": g.workload, "batch": b, "drafter": g.drafter,
                                 "tokens_per_s_plain": g.tokens_per_s_plain, "speedup_adaptive": g.speedup,
-                                "speedup_always": w.speedup, "spec_share": g.spec_share, "skipped_steps": g.skipped,
-                                "tau_adaptive": g.tau, "tau_always": w.tau,
+                                "speedup_always": nan if a.no_always else w.speedup, "spec_share": g.spec_share,
+                                "skipped_steps": g.skipped, "tau_adaptive": g.tau,
+                                "tau_always": nan if a.no_always else w.tau,
                                 "identical": g.identical and w.identical,
                                 # Triton compiles inside the measured runs (plain, controller, always): 0 expected
-                                "compiles": [g.compiles_plain, g.compiles_spec, w.compiles_spec]})
+                                "compiles": [g.compiles_plain, g.compiles_spec, w.compiles_spec],
+                                # where the time went ({kind: [calls, ms]}, `k3rt bench spec`'s breakdown)
+                                "time_plain": g.time_plain, "time_spec": g.time_spec})
         last = time.monotonic() - t0
         log(f"batch {b}: {len(gated)} rows in {last:.0f}s")
         report.save()
