@@ -47,6 +47,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--no-check", action="store_true", help="skip step 1 (the deterministic correctness rows)")
     p.add_argument("--no-always", action="store_true",
                    help="skip the drafting-every-step runs (half the time; their columns read nan)")
+    p.add_argument("--trace", action="store_true", help="each timing row keeps its runs' per-call traces "
+                   "(`k3rt bench spec --trace`)")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args()
 
@@ -64,7 +66,7 @@ def main() -> int:
     base = SpecBenchConfig(model=a.model, device=a.device, dtype=a.dtype,
                            workloads=parse_list(a.workloads, "workloads"),
                            drafters=parse_list(a.drafters, "drafters"), spec_tokens=a.spec_tokens,
-                           max_tokens=a.max_tokens, turns=a.turns)
+                           max_tokens=a.max_tokens, turns=a.turns, trace=a.trace)
     sizes = parse_list(a.batch_sizes, "batch_sizes", int)
     # 1. correctness: batch-invariant numerics, the controller on; every output equals the plain one
     ok = True
@@ -100,7 +102,8 @@ def main() -> int:
                                 # Triton compiles inside the measured runs (plain, controller, always): 0 expected
                                 "compiles": [g.compiles_plain, g.compiles_spec, w.compiles_spec],
                                 # where the time went ({kind: [calls, ms]}, `k3rt bench spec`'s breakdown)
-                                "time_plain": g.time_plain, "time_spec": g.time_spec})
+                                "time_plain": g.time_plain, "time_spec": g.time_spec,
+                                **({"trace_plain": g.trace_plain, "trace_spec": g.trace_spec} if a.trace else {})})
         last = time.monotonic() - t0
         log(f"batch {b}: {len(gated)} rows in {last:.0f}s")
         report.save()

@@ -83,6 +83,8 @@ class SpecBenchConfig:
     cuda_graphs: bool = True  # the GPU runner's decode/verify graphs and the dspark drafter's (CUDA only)
     spec_graphs: bool = True  # the verify and drafter graphs alone (False: those eager, decode graphs kept)
     spec_adaptive: bool = True  # the speculation controller (False: every step that can draft does)
+    # every engine-step call of the measured runs in the rows (SpecRow.trace_plain / trace_spec): for diagnosis
+    trace: bool = False
 
     def __post_init__(self) -> None:
         bad = [w for w in self.workloads if w not in WORKLOADS]
@@ -132,6 +134,10 @@ class SpecRow:
     # drafter's calls under "draft" (their ms are inside the calls' too); "other": outside any step call
     time_plain: dict[str, list[float]] = field(default_factory=dict)
     time_spec: dict[str, list[float]] = field(default_factory=dict)
+    # SpecBenchConfig.trace: per engine-step call [kind, running requests, call ms, drafter ms, draft tokens
+    # verified, prefill tokens, decodes] in call order (empty otherwise)
+    trace_plain: list[list] = field(default_factory=list)
+    trace_spec: list[list] = field(default_factory=list)
 
 
 def _call_kind(launched, collected) -> str:
@@ -165,6 +171,7 @@ class _Run:
     skipped: int = 0
     compiles: int = 0  # Triton binaries compiled during the run (CUDA; kernels/jit_probe.py)
     time_ms: dict[str, list[float]] = field(default_factory=dict)  # SpecRow.time_plain / time_spec
+    trace: list[list] = field(default_factory=list)  # SpecRow.trace_plain / trace_spec
 
 
 def _code_sources() -> list[str]:
@@ -254,6 +261,7 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
     step, schedule = eng.step, eng.scheduler.schedule
     scheduled: list = []
     time_ms: dict[str, list[float]] = {}
+    trace: list[list] = []
 
     def account(kind: str, ms: float) -> None:
         slot = time_ms.setdefault(kind, [0, 0.0])
@@ -273,9 +281,17 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
         # the scheduler drafts inside the step: its time is the draft column's, not the verify step's
         call_ms = (time.perf_counter() - t0) * 1e3
         dt = call_ms - sum(draft_ms[drafts_before:])
-        account(_call_kind(*eng.last_step), call_ms)
+        kind = _call_kind(*eng.last_step)
+        account(kind, call_ms)
         if len(draft_ms) > drafts_before:
             account("draft", sum(draft_ms[drafts_before:]))
+        if cfg.trace:
+            launched = eng.last_step[0]
+            chunks = launched.chunks if launched is not None else ()
+            trace.append([kind, len(eng.scheduler.running), round(call_ms, 3), round(call_ms - dt, 3),
+                          sum(len(c.draft_ids) for c in chunks),
+                          sum(c.num_tokens for c in chunks if not c.draft_ids),
+                          len(launched.decodes) if launched is not None else 0])
         for out in scheduled:
             verify = any(c.draft_ids for c in out.chunks)
             prefill = any(not c.draft_ids for c in out.chunks)
@@ -320,7 +336,7 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
                 s.spec_drafted_tokens - s0[1], s.spec_accepted_tokens - s0[2],
                 getattr(eng.runner, "verify_graph_replays", 0) - g0, getattr(drafter, "graphs", None) is not None,
                 s.spec_steps - s0[3], s.spec_steps_speculated - s0[4], s.spec_steps_skipped - s0[5], compiled,
-                {k: [int(n), round(ms, 3)] for k, (n, ms) in time_ms.items()})
+                {k: [int(n), round(ms, 3)] for k, (n, ms) in time_ms.items()}, trace)
 
 
 def step_speedup(plain_ms: float, verify_ms: float, draft: float, tau: float) -> float:
@@ -428,7 +444,8 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
                                 drafter_graphs=r.drafter_graphs,
                                 spec_share=r.speculated / r.spec_steps if r.spec_steps else 0.0, skipped=r.skipped,
                                 compiles_plain=plain.compiles, compiles_spec=r.compiles,
-                                time_plain=plain.time_ms, time_spec=r.time_ms))
+                                time_plain=plain.time_ms, time_spec=r.time_ms, trace_plain=plain.trace,
+                                trace_spec=r.trace))
     return rows
 
 
