@@ -77,6 +77,7 @@ def bench(lengths: list[int], batch: int, out_len: int, reps: int, seed: int) ->
         for d in drafters.values():  # the global trie full: suffix_cached_requests outputs in it
             for i in range(cfg.suffix_cached_requests):
                 d.finish(10_000 + i, seqs[batch + i][:out_len], 0)
+            d.index_finished()
         for impl, d in drafters.items():
             d.propose_scored([DraftQuery(r, seqs[r][:ctx], ctx, 7) for r in range(batch)])  # first sight, untimed
         step = {"stream": name, "measure": f"step at batch {batch} (context {ctx}+)", "unit": "ms/call"}
@@ -100,6 +101,7 @@ def bench(lengths: list[int], batch: int, out_len: int, reps: int, seed: int) ->
                 for _ in range(batch):
                     d.finish(20_000 + nxt[0], seqs[nxt[0]][:out_len], 0)
                     nxt[0] += 1
+                d.index_finished()  # finish only queues them: the next proposal indexes them
             drain[impl] = median_ms(finish_all, reps)
         rows.append(drain)
     for r in rows:

@@ -345,8 +345,16 @@ class Scheduler:
         if self.gate is None:
             return True
         live = [r for r in reqs if r.status is Status.RUNNING and r.num_output < r.params.max_tokens]
-        asked = [r for r in live if min(self.spec_cfg.num_tokens, r.params.max_tokens - r.num_output - 1) > 0
-                 and r.params.speculative and r.prompt_logprobs_from is None and r.num_output >= r.params.min_tokens]
+        k = self.spec_cfg.num_tokens
+        askable = (lambda r: min(k, r.params.max_tokens - r.num_output - 1) > 0 and r.params.speculative
+                   and r.prompt_logprobs_from is None and r.num_output >= r.params.min_tokens)
+        if self.gate.off(len(live)):
+            # the governor has speculation off at this bucket: the plan (Why.OFF) reads no request, so the
+            # first one that could be asked is enough (at batch 64 the full list cost ~3% of a k3-tiny step)
+            if any(map(askable, live)):
+                self._next_plan = self._plan(len(live), ())
+            return False
+        asked = [r for r in live if askable(r)]
         if not asked:
             return False
         plan = self._plan(len(live), [r.rid for r in asked])

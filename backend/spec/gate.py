@@ -180,13 +180,17 @@ class SpecGate:
 
     # ---- decisions ----
 
+    def off(self, batch: int) -> bool:
+        """Whether the governor has speculation off at this batch's bucket (plan() would say Why.OFF)."""
+        return self.governor is not None and not self.governor.allowed(bucket(batch))
+
     def plan(self, batch: int, rids: Sequence[int], *, model_free: bool = False) -> Plan:
         """Before the drafter's pass: draft this step? batch: the step's decode-like requests; rids: those the
         drafter would be asked for; model_free: the drafter reads tokens only (so it can also be asked about the
         tokens known before a step in flight, see Scheduler.drafts_next)."""
         self.steps += 1
         c, b = self.costs, bucket(batch)
-        if self.governor is not None and not self.governor.allowed(b):
+        if self.off(batch):
             return Plan(False, Why.OFF)
         plain, verify = c.get(c.plain, batch), c.get(c.verify, batch)
         draft = c.get(c.draft, len(rids))

@@ -354,25 +354,41 @@ class SuffixDrafter(Drafter):
         self.depth = cfg.suffix_max_depth
         self.global_trie = self.Trie(self.depth)
         self._cached: deque[int] = deque()  # ids of the outputs in the global trie, oldest first
+        # outputs of finished requests not yet in the global trie (finish -> index_finished), oldest first: a
+        # batch's outputs cost ~10-40 us per token to index (a drain of 64 outputs of 128 tokens: ~0.3 s on the
+        # CI machine, benchmarks/suffix_host.py), which in `finish` landed on the step that ended them, drafting
+        # or not; at the next proposal it is part of the drafter's measured pass
+        self._finished: deque[list[int]] = deque()
         self._reqs: dict[int, _Index] = {}
 
     def propose(self, queries: Sequence[DraftQuery]) -> list[list[int]]:
-        return [self._propose(q).token_ids for q in queries]
+        return [p.token_ids for p in self.propose_scored(queries)]
 
     def propose_scored(self, queries: Sequence[DraftQuery]) -> list[Proposal]:
         """With each draft's empirical continuation probability in the trie that matched (the speculation
         controller calibrates them against what gets accepted)."""
+        self.index_finished()
         return [self._propose(q) for q in queries]
 
     def finish(self, rid: int, token_ids: Sequence[int], prompt_len: int) -> None:
+        """Drop the request's trie; queue its output for the global trie, indexed at the next proposal
+        (`index_finished`): not in the step that finished it, and not at all while nothing asks for drafts."""
         self._reqs.pop(rid, None)
         if self.cfg.suffix_cached_requests == 0:
             return
         out = token_ids[prompt_len:]
         if len(out) > 1:
-            self._cached.append(self.global_trie.add(out))
-        while len(self._cached) > self.cfg.suffix_cached_requests:
-            self.global_trie.remove(self._cached.popleft())
+            self._finished.append(list(out))
+            if len(self._finished) > self.cfg.suffix_cached_requests:
+                self._finished.popleft()  # it would leave the global trie before any proposal read it
+
+    def index_finished(self) -> None:
+        """Index the queued outputs into the global trie, oldest first; it keeps the newest
+        suffix_cached_requests outputs (older ones are subtracted out)."""
+        while self._finished:
+            self._cached.append(self.global_trie.add(self._finished.popleft()))
+            while len(self._cached) > self.cfg.suffix_cached_requests:
+                self.global_trie.remove(self._cached.popleft())
 
     def _propose(self, q: DraftQuery) -> Proposal:
         toks = q.token_ids

@@ -165,6 +165,23 @@ def test_suffix_drafter_drafts_exactly_what_the_uncompressed_tries_draft() -> No
             r.finish(q, live.pop(q), 3)
 
 
+def test_suffix_finish_defers_indexing_to_the_next_proposal() -> None:
+    """Regression (session 16): `finish` indexed each output into the global trie at once, in the engine step
+    that ended the request, drafting or not (on the H200 at batch 64, 64 outputs ended in one step and their
+    indexing, ~0.3 s, was most of a 0.3 s run; with speculation turned off the drafter is never asked, so the
+    work was all loss). Now the output waits for the next proposal, and at most suffix_cached_requests wait."""
+    d = SuffixDrafter(SpecConfig(method="suffix", suffix_cached_requests=2, suffix_max_spec_factor=4.0))
+    empty = len(d.global_trie)
+    for rid, base in enumerate((10, 20, 30)):
+        d.finish(rid, [1, base, base + 1, base + 2, base + 3], 1)
+    assert len(d.global_trie) == empty  # nothing indexed by finish
+    # the oldest output would have left the trie before any proposal read it: never indexed
+    assert d.propose([DraftQuery(7, [5, 10], 1, 3)]) == [[]]
+    assert len(d.global_trie) > empty
+    assert d.propose([DraftQuery(8, [5, 20], 1, 3)]) == [[21, 22, 23]]
+    assert d.propose([DraftQuery(9, [5, 30], 1, 3)]) == [[31, 32, 33]]
+
+
 def test_suffix_drafter_holds_no_gc_tracked_object_per_token() -> None:
     """Regression (session 14): trie nodes were Python objects with a children dict each, ~24 per indexed token,
     all tracked by the cyclic GC, whose full collections then walked them all (120 ms pauses at batch 64 in a CPU
