@@ -9,7 +9,8 @@ against speculation in every step and against plain decoding, per workload, batc
    output must equal plain output byte for byte in bf16 too) and the controller on, every drafter, batches 1 and 4,
    few tokens: every row must say identical (the exit status is 1 otherwise).
 2. Timing: per batch size (in order, until --budget-s is spent), `bench spec` with the controller on and with it
-   off (`spec_adaptive=False`), both against the same kind of plain run. Per row: plain tokens/s, speedup with
+   off (`spec_adaptive=False`), both against the same kind of plain run, --rounds runs each with the engines taking
+   turns (the row's speedup: the median of the rounds' ratios). Per row: plain tokens/s, speedup with
    the controller (goal >= 0.95 everywhere) and without, the controller's share of speculated steps, the steps
    it skipped, tau, and whether the outputs equal the plain ones.
 
@@ -47,6 +48,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--no-check", action="store_true", help="skip step 1 (the deterministic correctness rows)")
     p.add_argument("--no-always", action="store_true",
                    help="skip the drafting-every-step runs (half the time; their columns read nan)")
+    p.add_argument("--rounds", type=int, default=3, help="measured runs per engine and row, the engines taking "
+                   "turns (`k3rt bench spec --rounds`); the row's speedup is the median of the rounds' ratios")
     p.add_argument("--trace", action="store_true", help="each timing row keeps its runs' per-call traces "
                    "(`k3rt bench spec --trace`)")
     p.add_argument("--out", type=Path, default=None)
@@ -66,13 +69,15 @@ def main() -> int:
     base = SpecBenchConfig(model=a.model, device=a.device, dtype=a.dtype,
                            workloads=parse_list(a.workloads, "workloads"),
                            drafters=parse_list(a.drafters, "drafters"), spec_tokens=a.spec_tokens,
-                           max_tokens=a.max_tokens, turns=a.turns, trace=a.trace)
+                           max_tokens=a.max_tokens, turns=a.turns, trace=a.trace,
+                           rounds=a.rounds)
     sizes = parse_list(a.batch_sizes, "batch_sizes", int)
     # 1. correctness: batch-invariant numerics, the controller on; every output equals the plain one
     ok = True
     if not a.no_check:
         check = bench_spec(replace(base, batch_sizes=tuple(b for b in sizes if b <= 4) or sizes[:1],
-                                   deterministic=True, max_tokens=min(a.max_tokens, 16), turns=min(a.turns, 2)),
+                                   deterministic=True, max_tokens=min(a.max_tokens, 16), turns=min(a.turns, 2),
+                                   rounds=1),
                            progress=False)
         res["check"] = [asdict(r) for r in check]
         ok = all(r.identical for r in check)
@@ -95,6 +100,7 @@ def main() -> int:
             assert (g.workload, g.drafter) == (w.workload, w.drafter)
             res["rows"].append({"workload": g.workload, "batch": b, "drafter": g.drafter,
                                 "tokens_per_s_plain": g.tokens_per_s_plain, "speedup_adaptive": g.speedup,
+                                "speedups_adaptive": g.speedups,
                                 "speedup_always": nan if a.no_always else w.speedup, "spec_share": g.spec_share,
                                 "skipped_steps": g.skipped, "tau_adaptive": g.tau,
                                 "tau_always": nan if a.no_always else w.tau,

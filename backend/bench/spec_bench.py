@@ -1,8 +1,11 @@
 """`k3rt bench spec`: speculative decoding against plain decoding, per workload, batch size and drafter.
 
-Each (workload, batch size) runs its requests once without speculation and once per drafter, greedy, all
-requests of the batch submitted together, on one engine per drafter (the prefix cache is flushed and the
-drafter rebuilt between runs, so no run drafts from another's outputs). Workloads:
+Each (workload, batch size) runs its requests without speculation and with each drafter, greedy, all
+requests of the batch submitted together, on one engine per drafter, all engines alive at once and sharing the
+weights (the prefix cache is flushed and the drafter rebuilt before each run, so no run drafts from another's
+outputs). The engines take turns, `rounds` times, so each speculative run has a plain run close by in time:
+the speedup is the median over rounds of the two runs' tokens/s ratio (the host's speed drifts between runs
+far apart). Workloads:
 
   code   held-out code completion: windows of the stdlib modules k3-tiny and its drafter never trained on
          (CODE_MODULES, the corpus' HELDOUT_MODULES; serving code imports nothing from k3rt.training),
@@ -25,13 +28,15 @@ verify steps that replayed a graph and `drafter_graphs` says whether the drafter
 The speculation controller (backend/spec/gate.py) is on unless spec_adaptive=False: `spec_share` is the share of
 the steps in which some request could speculate that verified drafts (the rest the controller decoded plainly,
 or the drafter had nothing), `skipped` the steps the controller turned down. Each method's engine (and so its
-controller's learned costs) is kept across the rows, warm-up runs included.
+controller's learned costs) is kept across the rows and rounds, warm-up runs included. Counts and times are
+summed over the rounds.
 """
 
 from __future__ import annotations
 
 import gc
 import random
+import statistics
 import sysconfig
 import time
 from collections.abc import Callable, Sequence
@@ -83,6 +88,9 @@ class SpecBenchConfig:
     cuda_graphs: bool = True  # the GPU runner's decode/verify graphs and the dspark drafter's (CUDA only)
     spec_graphs: bool = True  # the verify and drafter graphs alone (False: those eager, decode graphs kept)
     spec_adaptive: bool = True  # the speculation controller (False: every step that can draft does)
+    # measured runs per engine and (workload, batch), the engines taking turns (rows sum counts and times over
+    # them; speedup is the median of the rounds' ratios)
+    rounds: int = 1
     # every engine-step call of the measured runs in the rows (SpecRow.trace_plain / trace_spec): for diagnosis
     trace: bool = False
 
@@ -95,7 +103,7 @@ class SpecBenchConfig:
             raise ValueError(f"drafters: {bad or 'none'} not among {', '.join(DRAFTERS)}")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"batch_sizes: need sizes >= 1, got {self.batch_sizes}")
-        for name in ("max_tokens", "prompt_len", "turns"):
+        for name in ("max_tokens", "prompt_len", "turns", "rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
 
@@ -116,11 +124,14 @@ class SpecRow:
     draft_over_plain: float
     tokens_per_s_plain: float
     tokens_per_s_spec: float
-    speedup: float  # tokens/s spec / plain, wall clock over whole runs (prefills included)
+    # tokens/s spec / plain, wall clock over whole runs (prefills included): the median over rounds of the ratio
+    # of the round's two runs (`speedups`, one per round)
+    speedup: float
     # from the step times: plain_step_ms * tau / (verify_step_ms + draft_ms), the decode-phase speedup when every
     # step verifies (batch 1; at larger batches a step also carries plain decodes, so it is an estimate)
     step_speedup: float
     identical: bool
+    speedups: list[float] = field(default_factory=list)
     graph_verifies: int = 0  # verify steps replayed from a CUDA graph
     drafter_graphs: bool = False  # the drafter's pass replayed CUDA graphs (dspark on CUDA)
     # of the steps in which some request could speculate, the share that verified drafts (the controller's choice)
@@ -339,6 +350,24 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
                 {k: [int(n), round(ms, 3)] for k, (n, ms) in time_ms.items()}, trace)
 
 
+def _merge(runs: Sequence[_Run]) -> _Run:
+    """One run's figures summed (counts, times) or concatenated (step and drafter times) over rounds; the
+    outputs and traces are the first round's."""
+    first = runs[0]
+    time_ms: dict[str, list[float]] = {}
+    for r in runs:
+        for k, (n, ms) in r.time_ms.items():
+            slot = time_ms.setdefault(k, [0, 0.0])
+            slot[0] += n
+            slot[1] = round(slot[1] + ms, 3)
+    return _Run(first.outputs, sum(r.wall_s for r in runs), sum(r.tokens for r in runs),
+                [x for r in runs for x in r.step_ms], [x for r in runs for x in r.draft_ms],
+                sum(r.verifies for r in runs), sum(r.drafted for r in runs), sum(r.accepted for r in runs),
+                sum(r.graph_verifies for r in runs), first.drafter_graphs, sum(r.spec_steps for r in runs),
+                sum(r.speculated for r in runs), sum(r.skipped for r in runs), sum(r.compiles for r in runs),
+                time_ms, first.trace)
+
+
 def step_speedup(plain_ms: float, verify_ms: float, draft: float, tau: float) -> float:
     """Tokens per ms of a drafting + verifying step over a plain step's, from the step times (0: no verify)."""
     if not tau or not plain_ms or verify_ms + draft <= 0:
@@ -390,62 +419,78 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
     per_req = -(-(longest + cfg.max_tokens + cfg.spec_tokens + 1) // layout.block_size) + 2 * layout.pages_per_state_set
     base = replace(base, cache=CacheConfig(num_pages=bmax * per_req * 2 + 64))
 
-    runs: dict[tuple[str, int, str], _Run] = {}
     methods = [None, *cfg.drafters]
-    bar = tqdm(total=len(methods) * len(prompts), desc="bench spec", unit="run", disable=not progress)
+    engines: dict[str, Engine] = {}
     for method in methods:
         spec = SpecConfig() if method is None else SpecConfig(method=method, num_tokens=cfg.spec_tokens,
                                                               model=spec_model if method == "dspark" else None,
                                                               cuda_graphs=cfg.spec_graphs,
                                                               adaptive=cfg.spec_adaptive)
-        eng = Engine(replace(base, spec=spec), model=model)
+        engines[method or "plain"] = Engine(replace(base, spec=spec), model=model)
+    names = list(engines)
+    runs: dict[tuple[str, int, str], list[_Run]] = {}
+    bar = tqdm(total=len(names) * len(prompts) * cfg.rounds, desc="bench spec", unit="run", disable=not progress)
+    try:
         for (w, b), ps in prompts.items():
-            # warm-up on the measured workload itself, untimed: these very prompts, every agent turn (each turn
-            # prefilling as many new tokens as the measured one), so what compiles for their prefill and batch shapes (tile
-            # choices by size; per-step sizes are not specialized, kernels/common.py) compiles outside the
-            # measured run; on the H200 the measured runs otherwise timed compiles (plain k3-tiny at 30 tokens/s
-            # instead of ~700 on the first method's runs; agent b1 at 29 while code b1 ran 767 after the
-            # code-only warm-up). Few tokens per request and turn: the warm-up's cost stays bounded
-            eng.flush_cache()
-            _run(eng, ps, replace(cfg, max_tokens=min(cfg.max_tokens, WARMUP_TOKENS)), tok, w,
-                 turn_output_len=cfg.max_tokens)
-            eng.flush_cache()
-            # a fresh drafter: no run drafts from another's outputs (dspark keeps nothing between requests: its
-            # drafter, with the CUDA graphs it captured, is kept)
-            if method is not None and method != "dspark":
-                eng.scheduler.drafter = create_drafter(eng.cfg.spec, model)
-            bar.set_postfix_str(f"{method or 'plain'} {w} b={b}")
-            runs[(w, b, method or "plain")] = _run(eng, ps, cfg, tok, w)
-            bar.update()
-        eng.close()
-        del eng
+            for eng in engines.values():
+                # warm-up on the measured workload itself, untimed: these very prompts, every agent turn (each
+                # turn prefilling as many new tokens as the measured one), so what compiles for their prefill and
+                # batch shapes (tile choices by size; per-step sizes are not specialized, kernels/common.py)
+                # compiles outside the measured runs; on the H200 the measured runs otherwise timed compiles
+                # (plain k3-tiny at 30 tokens/s instead of ~700 on the first method's runs). Few tokens per
+                # request and turn: the warm-up's cost stays bounded
+                eng.flush_cache()
+                _run(eng, ps, replace(cfg, max_tokens=min(cfg.max_tokens, WARMUP_TOKENS)), tok, w,
+                     turn_output_len=cfg.max_tokens)
+            for rnd in range(cfg.rounds):
+                # the engines take turns, the first one rotating: the host's speed drifts by up to ~1.35x over
+                # tens of seconds on the H200's machine (benchmarks/spec_upkeep.py, session 16), so a plain run
+                # and a speculative one are compared within a round, never across the whole bench
+                for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+                    eng = engines[name]
+                    eng.flush_cache()
+                    # a fresh drafter: no run drafts from another's outputs (dspark keeps nothing between
+                    # requests: its drafter, with the CUDA graphs it captured, is kept)
+                    if name not in ("plain", "dspark"):
+                        eng.scheduler.drafter = create_drafter(eng.cfg.spec, model)
+                    bar.set_postfix_str(f"{name} {w} b={b} round {rnd + 1}")
+                    runs.setdefault((w, b, name), []).append(_run(eng, ps, cfg, tok, w))
+                    bar.update()
+    finally:
+        bar.close()
+        for eng in engines.values():
+            eng.close()
+        engines.clear()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    bar.close()
     rows = []
     for (w, b), _ in prompts.items():
-        plain = runs[(w, b, "plain")]
+        plains = runs[(w, b, "plain")]
+        plain = _merge(plains)
         plain_ms = _mean(plain.step_ms)
-        tps_plain = plain.tokens / plain.wall_s
         for d in cfg.drafters:
-            r = runs[(w, b, d)]
+            specs = runs[(w, b, d)]
+            r = _merge(specs)
             verify_ms, draft = _mean(r.step_ms), _mean(r.draft_ms)
-            tps = r.tokens / r.wall_s
             tau = (r.accepted + r.verifies) / r.verifies if r.verifies else 0.0
+            # per round: the speculative run's tokens/s over the plain run's of the same round
+            ratios = [(s.tokens / s.wall_s) / (p.tokens / p.wall_s) for s, p in zip(specs, plains)]
             rows.append(SpecRow(w, b, d, cfg.spec_tokens, tau=tau,
                                 accept_rate=r.accepted / r.drafted if r.drafted else 0.0, verifies=r.verifies,
                                 draft_ms=draft, verify_step_ms=verify_ms, plain_step_ms=plain_ms,
                                 verify_over_plain=verify_ms / plain_ms if plain_ms else 0.0,
                                 draft_over_plain=draft / plain_ms if plain_ms else 0.0,
-                                tokens_per_s_plain=tps_plain, tokens_per_s_spec=tps, speedup=tps / tps_plain,
+                                tokens_per_s_plain=statistics.median(p.tokens / p.wall_s for p in plains),
+                                tokens_per_s_spec=statistics.median(s.tokens / s.wall_s for s in specs),
+                                speedup=statistics.median(ratios), speedups=[round(x, 4) for x in ratios],
                                 step_speedup=step_speedup(plain_ms, verify_ms, draft, tau),
-                                identical=r.outputs == plain.outputs, graph_verifies=r.graph_verifies,
-                                drafter_graphs=r.drafter_graphs,
+                                identical=all(s.outputs == p.outputs for s, p in zip(specs, plains)),
+                                graph_verifies=r.graph_verifies, drafter_graphs=r.drafter_graphs,
                                 spec_share=r.speculated / r.spec_steps if r.spec_steps else 0.0, skipped=r.skipped,
                                 compiles_plain=plain.compiles, compiles_spec=r.compiles,
-                                time_plain=plain.time_ms, time_spec=r.time_ms, trace_plain=plain.trace,
-                                trace_spec=r.trace))
+                                time_plain=plain.time_ms, time_spec=r.time_ms, trace_plain=plains[0].trace,
+                                trace_spec=specs[0].trace))
     return rows
 
 
