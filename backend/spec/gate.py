@@ -26,6 +26,10 @@ A model-free drafter whose pass costs at most CHEAP_PASS of a plain step (suffix
 GPU step) is asked every step instead, and `trim` alone decides from what it proposed: a suffix match into a
 repeated tool output is worth verifying at once, whatever the running averages say.
 
+Hopeless buckets: when even a typical verify's drafts all accepted (the verify_drafts estimate) would emit
+tokens no faster than plain decoding, `plan` says no without reading acceptance, and probes keep the spacing
+their loss allows, never shortened for new requests (below).
+
 Exploration: with no plain sample at this bucket the step decodes plainly (one sample is enough to start);
 with no verify or draft sample, or fewer than `explore_samples` request outcomes of drafting steps for the
 method, it speculates. While the rule says no, a step now and then drafts anyway (a probe, drafts untrimmed)
@@ -204,6 +208,18 @@ class SpecGate:
             if self.steps - plain.at_step > 4 * self.cfg.probe_interval:
                 return Plan(False, Why.REFRESH)
             return self._spec(b, Why.CHEAP)
+        drafted = c.get(c.verify_drafts, batch)
+        if drafted is not None:
+            ceiling_s = draft.value + verify.value
+            if (batch + drafted.value) * plain.value <= batch * ceiling_s:
+                # hopeless at this bucket: with every draft of a typical verify accepted, a drafting step would
+                # still emit tokens no faster than plain decoding (k3-tiny at batch 64 on the H200: a verify of
+                # ~16 ms against 1.6 ms plain steps). Acceptance cannot change that, so no exploration, and probes
+                # (which refresh the costs) only as far apart as their loss allows, however new the requests
+                loss = ceiling_s / plain.value - (batch + drafted.value) / batch
+                if self.steps - self._last_spec.get(b, 0) >= self._probe_every(loss, ()):
+                    return self._spec(b, Why.PROBE)
+                return Plan(False, Why.NOT_WORTH)
         gains = [self.yield_(r) for r in rids]
         if any(g is None for g in gains):
             return self._spec(b, Why.EXPLORE)

@@ -55,7 +55,8 @@ def test_off_when_a_verify_costs_more_than_it_emits_on_after_a_probe_shows_accep
 def test_the_same_acceptance_does_not_pay_at_a_batch_whose_verify_costs_several_plain_steps() -> None:
     g = SpecGate(SpecGateConfig(probe_interval=16, probe_overhead=0.02, explore_samples=64))
     _costs(g, 1, plain=1.0, verify=1.5, draft=0.2)
-    _costs(g, 64, plain=1.0, verify=4.0, draft=0.3)  # 64 x 8 tokens route to many more experts than 64 x 1
+    # 64 x 8 tokens route to many more experts than 64 x 1
+    _costs(g, 64, plain=1.0, verify=4.0, draft=0.3, drafted=64 * 7)
     for rid in range(64):
         g.observe(rid, 7, 2)  # 2 of 7 accepted per verify: 3 tokens per request per verify step
     assert g.plan(1, [0]) == Plan(True, Why.PAYS)  # 3 tokens in 1.7 plain steps
@@ -71,6 +72,27 @@ def test_the_same_acceptance_does_not_pay_at_a_batch_whose_verify_costs_several_
     while (p := g.plan(64, list(range(100, 164)))) == Plan(False, Why.NOT_WORTH):
         pass
     assert p == Plan(True, Why.PROBE) and g.steps == 65 + 16
+
+
+def test_a_bucket_where_even_full_acceptance_loses_is_not_explored_nor_probed_for_new_requests() -> None:
+    """Regression (session 16): on the H200 at batch 64 a k3-tiny verify step took ~16 ms and a plain step 1.6 ms;
+    every new batch of requests was probed within probe_interval steps (new requests shorten the spacing) and
+    each probe cost ~10 plain steps, so code b64 ran at 0.82-0.83x of plain decoding in every round. When a
+    verify's drafts all accepted would still not pay, acceptance is not explored and new requests do not bring
+    the probes closer: they keep the spacing their loss allows (probe_overhead of plain decoding's time)."""
+    g = SpecGate(SpecGateConfig(probe_interval=16, probe_overhead=0.02, explore_samples=64))
+    # 64 requests, ~3 drafts each per verify: (64 + 200) tokens in 1 + 10 = 11 plain steps' time < 64 per step
+    _costs(g, 64, plain=1.0, verify=10.0, draft=1.0, drafted=200)
+    assert g.plan(64, list(range(64))) == Plan(False, Why.NOT_WORTH)  # no EXPLORE: acceptance is moot
+    # a probe loses 11 - 264 / 64 = 6.9 plain steps: 2% of the time means one in 344 steps, new requests or not
+    new_batches = (list(range(r, r + 64)) for r in range(1000, 10 ** 6, 64))
+    while (p := g.plan(64, next(new_batches))) == Plan(False, Why.NOT_WORTH):
+        pass
+    assert p == Plan(True, Why.PROBE) and g.steps == 344
+    # where a full acceptance would pay, the acceptance estimate decides as before (explored first)
+    g2 = SpecGate(SpecGateConfig(probe_interval=16, probe_overhead=0.02, explore_samples=64))
+    _costs(g2, 64, plain=1.0, verify=4.0, draft=0.3, drafted=64 * 7)
+    assert g2.plan(64, list(range(64))) == Plan(True, Why.EXPLORE)
 
 
 def test_a_drafter_that_often_has_nothing_costs_only_its_pass_in_those_steps() -> None:
