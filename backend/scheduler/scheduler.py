@@ -246,7 +246,16 @@ class Scheduler:
                 self._drop_from_step(req)  # the newest, out of pages: waits for the older requests
         budget -= len(decodes)
         if self.drafter is not None and budget > 0:
-            budget -= self._schedule_drafts(budget)
+            if self.gate is not None and self._prefill_coming(multi, decodes, budget):
+                # the controller drafts in decode-only steps only: a step with a prefill chunk is no sample of
+                # any step cost it learns (cost.py), and verify rows there were far from free (k3-tiny at batch
+                # 64 on the H200: such steps took 57-62 ms against ~12 ms without the rows, session 16)
+                self._next_plan = None
+                if any(self._draft_limit(r) > 0 for r in decodes):
+                    self.stats.spec_steps += 1
+                    self.stats.spec_steps_skipped += 1
+            else:
+                budget -= self._schedule_drafts(budget)
             decodes = self._step_decodes
         budget = min(budget, self.prefill_budget(len(decodes)))
         for req in multi:
@@ -293,6 +302,12 @@ class Scheduler:
             state_copies += req.pending_state_copies
             req.pending_page_copies, req.pending_state_copies = [], []
         return SchedulerOutput(decodes, scheduled, page_copies, state_copies)
+
+    def _prefill_coming(self, multi: list[Request], decodes: list[Request], budget: int) -> bool:
+        """Will this step (being scheduled) carry prefill work: a running request's next chunk, or an admission
+        (waiting requests, room to run them, and admissions not held)?"""
+        return bool(multi) or (bool(self.waiting) and len(self.running) < self.cfg.max_running
+                               and not self.hold_admissions(decodes, budget))
 
     def hold_admissions(self, decodes: list[Request], budget: int) -> bool:
         """Admission batching (SchedulerConfig.prefill_delay_steps): hold the waiting queue this step? Only

@@ -6,6 +6,7 @@ is exactly a plain step (with and without overlap scheduling). Deterministic: no
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -198,6 +199,36 @@ def _forced(eng, pays: bool) -> list:
     g.observe_draft = lambda *a, **k: None
     eng.scheduler.drafter = NullOracle(eng.runner.inner)
     return samples
+
+
+def test_the_controller_drafts_in_decode_only_steps(tmp_path_factory) -> None:
+    """Regression (session 16): with the controller on, verify rows rode in steps that also carried a prefill
+    chunk; such steps are no sample of any cost the controller learns, and on the H200 (k3-tiny, batch 64) they
+    took 57-62 ms against ~12 ms without the rows. The controller now drafts only in steps without prefill work;
+    with it off (adaptive=False) verify and prefill chunks still share steps (the runner's capability)."""
+    ckpt = tiny_checkpoint(tmp_path_factory)
+    gram = [11, 12, 13, 14, 15, 16]
+    spec = SpecConfig(method="ngram", num_tokens=4, ngram_min=1, gate=SpecGateConfig(probe_interval=10_000))
+    for adaptive in (True, False):
+        eng = make_engine(ckpt, budget=64, engine={"spec": replace(spec, adaptive=adaptive)})
+        if adaptive:
+            _forced(eng, pays=True)
+        else:
+            eng.scheduler.drafter = NullOracle(eng.runner.inner)
+        outs = []
+        schedule = eng.scheduler.schedule
+        eng.scheduler.schedule = lambda: outs.append(o := schedule()) or o
+        eng.add_request(gram * 3, greedy(40))
+        for _ in range(4):  # the first request decodes (and speculates)
+            eng.step()
+        eng.add_request(list(range(100, 400)), greedy(4))  # 300 prompt tokens: chunks over several steps
+        while eng.has_unfinished:
+            eng.step()
+        verify = [o for o in outs if any(c.draft_ids for c in o.chunks)]
+        mixed = [o for o in verify if any(not c.draft_ids for c in o.chunks)]
+        prefill = [o for o in outs if any(not c.draft_ids for c in o.chunks)]
+        assert verify and len(prefill) >= 5
+        assert (not mixed) if adaptive else mixed, (adaptive, len(mixed))
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
