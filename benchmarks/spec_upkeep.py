@@ -119,7 +119,8 @@ def main() -> int:
     from k3rt.models import resolve_model_dir
     from k3rt.sampling_params import SamplingParams
 
-    report = Report(default_out(a.out, "spec_upkeep.json"), a.budget_s, {"args": {k: str(v) for k, v in vars(a).items()}})
+    report = Report(default_out(a.out, "spec_upkeep.json"), a.budget_s,
+                    {"args": {k: str(v) for k, v in vars(a).items()}})
     res, log = report.result, report.log
     md = resolve_model_dir(a.model)
     tok = load_tokenizer(md)

@@ -249,7 +249,7 @@ class Scheduler:
             if self.gate is not None and self._prefill_coming(multi, decodes, budget):
                 # the controller drafts in decode-only steps only: a step with a prefill chunk is no sample of
                 # any step cost it learns (cost.py), and verify rows there were far from free (k3-tiny at batch
-                # 64 on the H200: such steps took 57-62 ms against ~12 ms without the rows, session 16)
+                # 64 on the H200: such calls took 57-62 ms against 9-17 ms without the rows, session 16)
                 self._next_plan = None
                 if any(self._draft_limit(r) > 0 for r in decodes):
                     self.stats.spec_steps += 1
@@ -365,7 +365,7 @@ class Scheduler:
                    and r.prompt_logprobs_from is None and r.num_output >= r.params.min_tokens)
         if self.gate.off(len(live)):
             # the governor has speculation off at this bucket: the plan (Why.OFF) reads no request, so the
-            # first one that could be asked is enough (at batch 64 the full list cost ~3% of a k3-tiny step)
+            # first one that could be asked is enough (at batch 64 the full list cost ~5% of a profiled k3-tiny step)
             if any(map(askable, live)):
                 self._next_plan = self._plan(len(live), ())
             return False

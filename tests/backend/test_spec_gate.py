@@ -204,7 +204,7 @@ def _forced(eng, pays: bool) -> list:
 def test_the_controller_drafts_in_decode_only_steps(tmp_path_factory) -> None:
     """Regression (session 16): with the controller on, verify rows rode in steps that also carried a prefill
     chunk; such steps are no sample of any cost the controller learns, and on the H200 (k3-tiny, batch 64) they
-    took 57-62 ms against ~12 ms without the rows. The controller now drafts only in steps without prefill work;
+    took 57-62 ms against 9-17 ms without the rows. The controller now drafts only in steps without prefill work;
     with it off (adaptive=False) verify and prefill chunks still share steps (the runner's capability)."""
     ckpt = tiny_checkpoint(tmp_path_factory)
     gram = [11, 12, 13, 14, 15, 16]
