@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from k3rt.backend.scheduler.scheduler import ScheduledChunk, SchedulerOutput
-from k3rt.backend.spec.cost import Ema, StepKind, bucket, step_sample
+from k3rt.backend.spec.cost import Ema, StepCosts, StepKind, bucket, step_sample
 from k3rt.backend.spec.gate import Plan, SpecGate, Trim, Why
 from k3rt.config import SpecConfig, SpecGateConfig
 from tests.backend.engine_fixtures import NullOracle, assert_at_rest, greedy, make_engine, run, tiny_checkpoint
@@ -168,6 +168,19 @@ def test_step_cost_estimates_shrug_off_stalls() -> None:
     assert (e.value, e.n, e.at_step) == (0.01, 1, 2)
     e.add(1.0, 0.125, 3)  # a GC pause counts as 4x the estimate at most, at the 1/n weight of a second sample
     assert e.value == pytest.approx(0.01 + 0.5 * (0.04 - 0.01)) and e.n == 2
+
+
+def test_a_drafters_dear_calls_are_not_forgotten_after_a_cheap_one() -> None:
+    """Regression (session 16): the suffix drafter's first sight of a new batch's 64 agent prompts cost ~100 ms on
+    the H200, its next call ~7 ms; the draft estimate restarted from the cheap call (the stall rule of step
+    times), so the next probe, with new prompts again, was priced at 7 ms and came 15x too often."""
+    c = StepCosts(0.125)
+    c.observe_draft(64, 0.100, 1)
+    c.observe_draft(64, 0.007, 2)
+    assert c.get(c.draft, 64).value == pytest.approx(0.0535)  # the mean of both (weight 1/2 for a second sample)
+    c.observe_step(StepKind.VERIFY, 64, 0.100, step=1, drafted=8)
+    c.observe_step(StepKind.VERIFY, 64, 0.002, step=2, drafted=8)
+    assert c.get(c.verify, 64).value == 0.002  # step times still restart after a stall (a compile)
 
 
 def test_gate_config_errors_name_the_field() -> None:
