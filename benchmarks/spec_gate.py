@@ -107,6 +107,7 @@ def main() -> int:
                                 "identical": g.identical and w.identical,
                                 # Triton compiles inside the measured runs (plain, controller, always): 0 expected
                                 "compiles": [g.compiles_plain, g.compiles_spec, w.compiles_spec],
+                                "compiled_kernels": [g.compiled_kernels_plain, g.compiled_kernels_spec],
                                 # where the time went ({kind: [calls, ms]}, `k3rt bench spec`'s breakdown)
                                 "time_plain": g.time_plain, "time_spec": g.time_spec,
                                 **({"trace_plain": g.trace_plain, "trace_spec": g.trace_spec} if a.trace else {})})

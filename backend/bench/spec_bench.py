@@ -141,6 +141,8 @@ class SpecRow:
     # the run's wall time, which the warm-up is for)
     compiles_plain: int = 0
     compiles_spec: int = 0
+    compiled_kernels_plain: dict[str, int] = field(default_factory=dict)  # the compiles per kernel
+    compiled_kernels_spec: dict[str, int] = field(default_factory=dict)
     # where each run's wall time went: engine-step calls by what they ran (_call_kind) -> [calls, ms]; the
     # drafter's calls under "draft" (their ms are inside the calls' too); "other": outside any step call
     time_plain: dict[str, list[float]] = field(default_factory=dict)
@@ -181,6 +183,7 @@ class _Run:
     speculated: int = 0
     skipped: int = 0
     compiles: int = 0  # Triton binaries compiled during the run (CUDA; kernels/jit_probe.py)
+    compiled_kernels: dict[str, int] = field(default_factory=dict)  # of those, per kernel
     time_ms: dict[str, list[float]] = field(default_factory=dict)  # SpecRow.time_plain / time_spec
     trace: list[list] = field(default_factory=list)  # SpecRow.trace_plain / trace_spec
 
@@ -247,13 +250,13 @@ def _padded(output: list[int], length: int | None) -> list[int]:
     return (output * -(-length // len(output)))[:length]
 
 
-def _compiled(eng) -> int:
-    """Triton binaries the GPU runner's kernels hold now (kernels/jit_probe.py); 0 off CUDA."""
+def _compiled(eng) -> dict[str, int]:
+    """Triton binaries the GPU runner's kernels hold now, per kernel (kernels/jit_probe.py); {} off CUDA."""
     if not str(eng.cfg.device).startswith("cuda"):
-        return 0
+        return {}
     from k3rt.kernels.jit_probe import compiled_counts
 
-    return sum(compiled_counts().values())
+    return compiled_counts()
 
 
 def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str,
@@ -341,13 +344,15 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
             drafter.propose_scored = propose
     wall = time.perf_counter() - t0
     time_ms["other"] = [0, wall * 1e3 - sum(v[1] for k, v in time_ms.items() if k != "draft")]
-    compiled = _compiled(eng) - compiled0
+    compiled_now = _compiled(eng)
+    compiled = {k: n - compiled0.get(k, 0) for k, n in compiled_now.items() if n > compiled0.get(k, 0)}
     s = eng.stats
     return _Run(outputs, wall, sum(map(len, outputs)), step_ms, draft_ms, s.spec_verifies - s0[0],
                 s.spec_drafted_tokens - s0[1], s.spec_accepted_tokens - s0[2],
                 getattr(eng.runner, "verify_graph_replays", 0) - g0, getattr(drafter, "graphs", None) is not None,
-                s.spec_steps - s0[3], s.spec_steps_speculated - s0[4], s.spec_steps_skipped - s0[5], compiled,
-                {k: [int(n), round(ms, 3)] for k, (n, ms) in time_ms.items()}, trace)
+                s.spec_steps - s0[3], s.spec_steps_speculated - s0[4], s.spec_steps_skipped - s0[5],
+                compiles=sum(compiled.values()), compiled_kernels=compiled,
+                time_ms={k: [int(n), round(ms, 3)] for k, (n, ms) in time_ms.items()}, trace=trace)
 
 
 def _merge(runs: Sequence[_Run]) -> _Run:
@@ -355,7 +360,10 @@ def _merge(runs: Sequence[_Run]) -> _Run:
     outputs and traces are the first round's."""
     first = runs[0]
     time_ms: dict[str, list[float]] = {}
+    kernels: dict[str, int] = {}
     for r in runs:
+        for k, n in r.compiled_kernels.items():
+            kernels[k] = kernels.get(k, 0) + n
         for k, (n, ms) in r.time_ms.items():
             slot = time_ms.setdefault(k, [0, 0.0])
             slot[0] += n
@@ -364,8 +372,8 @@ def _merge(runs: Sequence[_Run]) -> _Run:
                 [x for r in runs for x in r.step_ms], [x for r in runs for x in r.draft_ms],
                 sum(r.verifies for r in runs), sum(r.drafted for r in runs), sum(r.accepted for r in runs),
                 sum(r.graph_verifies for r in runs), first.drafter_graphs, sum(r.spec_steps for r in runs),
-                sum(r.speculated for r in runs), sum(r.skipped for r in runs), sum(r.compiles for r in runs),
-                time_ms, first.trace)
+                sum(r.speculated for r in runs), sum(r.skipped for r in runs), compiles=sum(r.compiles for r in runs),
+                compiled_kernels=kernels, time_ms=time_ms, trace=first.trace)
 
 
 def step_speedup(plain_ms: float, verify_ms: float, draft: float, tau: float) -> float:
@@ -489,6 +497,7 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
                                 graph_verifies=r.graph_verifies, drafter_graphs=r.drafter_graphs,
                                 spec_share=r.speculated / r.spec_steps if r.spec_steps else 0.0, skipped=r.skipped,
                                 compiles_plain=plain.compiles, compiles_spec=r.compiles,
+                                compiled_kernels_plain=plain.compiled_kernels, compiled_kernels_spec=r.compiled_kernels,
                                 time_plain=plain.time_ms, time_spec=r.time_ms, trace_plain=plains[0].trace,
                                 trace_spec=specs[0].trace))
     return rows

@@ -259,8 +259,7 @@ def _mla_decode_combine_kernel(
     num_splits,
     L: tl.constexpr,
     BLOCK_L: tl.constexpr,  # a program merges BLOCK_L columns of one head (grid axis 2 covers L)
-    SPLITS_P2: tl.constexpr,  # next_power_of_2(num_splits)
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # splits per loop iteration (fixed: no constexpr follows the step's split count)
     USE_PDL: tl.constexpr,
 ):
     i_n = tl.program_id(0)
@@ -269,16 +268,21 @@ def _mla_decode_combine_kernel(
     if USE_PDL:
         gdc_wait()
     base = i_n.to(tl.int64) * num_splits * H + i_h  # row (n, s=0, h); split s adds s*H
-    offs_s = tl.arange(0, SPLITS_P2)
-    lse = tl.load(lse_ptr + base + offs_s * H, mask=offs_s < num_splits, other=float("-inf"))
-    m = tl.max(lse, axis=0)
+    # the max over splits in BLOCK_S chunks: a constexpr sized by the split count (its next power of two) made
+    # a binary per power of two, i.e. a compile each time a longer context or another batch size changed the
+    # split count (k3-tiny on the H200: inside a measured run of `k3rt bench spec`, session 16)
+    m = tl.full([], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        ss = s0 + tl.arange(0, BLOCK_S)
+        m = tl.maximum(m, tl.max(tl.load(lse_ptr + base + ss * H, mask=ss < num_splits, other=float("-inf")), axis=0))
     m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: every weight is 0, output 0
-    denom = tl.sum(tl.exp2(lse - m), axis=0)
+    denom = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([BLOCK_L], dtype=tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
         ss = s0 + tl.arange(0, BLOCK_S)
         mask_s = ss < num_splits
         w = tl.exp2(tl.load(lse_ptr + base + ss * H, mask=mask_s, other=float("-inf")) - m)  # [BLOCK_S]
+        denom += tl.sum(w, axis=0)
         part = tl.load(part_ptr + (base + ss * H)[:, None] * L + offs_l[None, :], mask=mask_s[:, None],
                        other=0.0).to(tl.float32)
         acc += tl.sum(w[:, None] * part, axis=0)
@@ -586,11 +590,10 @@ def mla_decode(
     else:
         _mla_decode_split_kernel[grid](*args, WRITE_OUT=direct, **meta)
     if not direct:
-        splits_p2 = triton.next_power_of_2(S)
         block_l = min(L, 128)
         _mla_decode_combine_kernel[(N, H, L // block_l)](
             part, lse, out, out.stride(0), out.stride(1), H, S,
-            L=L, BLOCK_L=block_l, SPLITS_P2=splits_p2, BLOCK_S=min(16, splits_p2),
+            L=L, BLOCK_L=block_l, BLOCK_S=16,
             USE_PDL=pdl, num_warps=4, **pdl_kwargs(use_pdl),
         )
     return out
