@@ -307,7 +307,7 @@ class Scheduler:
         """Will this step (being scheduled) carry prefill work: a running request's next chunk, or an admission
         (waiting requests, room to run them, and admissions not held)?"""
         return bool(multi) or (bool(self.waiting) and len(self.running) < self.cfg.max_running
-                               and not self.hold_admissions(decodes, budget))
+                               and not self.hold_admissions(decodes, min(budget, self.prefill_budget(len(decodes)))))
 
     def hold_admissions(self, decodes: list[Request], budget: int) -> bool:
         """Admission batching (SchedulerConfig.prefill_delay_steps): hold the waiting queue this step? Only
