@@ -1011,3 +1011,23 @@ def test_spec_verify_benchmark_smoke(tmp_path) -> None:
         assert r["verify_graph_rel_err"] < 1e-5 and r["verify_argmax_agree"] == 1.0 and r["commit_graph_rel_err"] < 1e-5
         assert r["verify_eager_ms"] > 0 and r["commit_ms"] > 0 and r["plain_eager_ms"] > 0
         assert r["verify_bytes"]["total"] > r["plain_bytes"]["total"] > 0 and r["floor_ratio"] > 1
+
+
+def test_spec_upkeep_benchmark_smoke(tmp_path) -> None:
+    """benchmarks/spec_upkeep.py --smoke (CPU, null runner): a row per engine and batch with its decode-step times,
+    the host's state and a by-function profile; the governor held off ('-off') speculates in no step."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "spec_upkeep.json"
+    subprocess.run([sys.executable, str(root / "benchmarks" / "spec_upkeep.py"), "--smoke", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["engine"], r["batch"]) for r in rows] == [(e, b) for e in ("plain", "suffix", "suffix-off")
+                                                         for b in (1, 8)]
+    for r in rows:
+        assert r["steps"] > 0 and 0 < r["step_ms_median"] <= r["step_ms_p90"] and r["top"]
+        assert len(r["gc_collections"]) == 3 and r["cpu_over_wall"] > 0
+    assert all(r["speculated_steps"] == 0 for r in rows if r["engine"] in ("plain", "suffix-off"))
