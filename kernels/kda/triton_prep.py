@@ -27,10 +27,7 @@ _BC = 256 if INTERPRET else 128
 # not specialized per step (kernels/common.py, Compiles): T, num_old: the step's rows and old windows; slots, idx:
 # views of the packed step. b's row stride stays specialized (a row of H heads is one vector load at the 48B
 # shape): the runner keeps it a multiple of 16 (backend/runner/gpu/kda.py ROW_ALIGN)
-# b_ptr's alignment: the H200 compiled a second binary inside a measured run when the step's b (a column view of
-# the fused projection, H columns) arrived 16-byte aligned in one step and not in another (session 16); its tile
-# is [BT, H] scalars, so the alignment buys nothing
-@triton.jit(do_not_specialize=["T", "num_old"], do_not_specialize_on_alignment=["slot_ptr", "idx_ptr", "b_ptr"])
+@triton.jit(do_not_specialize=["T", "num_old"], do_not_specialize_on_alignment=["slot_ptr", "idx_ptr"])
 def _kda_chunk_prep_kernel(
     x_ptr, stride_x, cs_ptr, stride_cs_s, stride_cs_w, slot_ptr, idx_ptr, cw_ptr, y_ptr,  # the conv
     f_ptr, stride_f, b_ptr, stride_b, a_log_ptr, dt_ptr, g_ptr, beta_ptr, lower_bound,  # the gate
