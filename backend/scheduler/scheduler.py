@@ -340,14 +340,15 @@ class Scheduler:
         left = cfg.max_num_batched_tokens - int(num_decodes * cfg.decode_token_cost)
         return max(min(cfg.min_prefill_tokens, cfg.max_num_batched_tokens), left // KDA_CHUNK * KDA_CHUNK)
 
-    def _draft_limit(self, req: Request) -> int:
-        """Draft tokens req may be asked for this step (0: it decodes plainly)."""
+    def _draft_limit(self, req: Request, in_flight_ok: bool = False) -> int:
+        """Draft tokens req may be asked for this step (0: it decodes plainly). in_flight_ok: ask about the tokens
+        known so far although one is still in flight (drafts_next's look ahead)."""
         k = min(self.spec_cfg.num_tokens, req.params.max_tokens - req.num_output - 1)
         # under min_tokens the sampler bans stop tokens per position; verify positions would each need their own
         # ban, so such a request decodes plainly until it has its minimum. A token still in flight (overlap) cannot
         # be drafted after.
         if (k <= 0 or not req.params.speculative or req.prompt_logprobs_from is not None
-                or req.num_output < req.params.min_tokens or req.token_ids[-1] == PENDING):
+                or req.num_output < req.params.min_tokens or (not in_flight_ok and req.token_ids[-1] == PENDING)):
             return 0
         return k
 
@@ -360,16 +361,13 @@ class Scheduler:
         if self.gate is None:
             return True
         live = [r for r in reqs if r.status is Status.RUNNING and r.num_output < r.params.max_tokens]
-        k = self.spec_cfg.num_tokens
-        askable = (lambda r: min(k, r.params.max_tokens - r.num_output - 1) > 0 and r.params.speculative
-                   and r.prompt_logprobs_from is None and r.num_output >= r.params.min_tokens)
         if self.gate.off(len(live)):
             # the governor has speculation off at this bucket: the plan (Why.OFF) reads no request, so the
             # first one that could be asked is enough (at batch 64 the full list cost ~5% of a profiled k3-tiny step)
-            if any(map(askable, live)):
+            if any(self._draft_limit(r, in_flight_ok=True) for r in live):
                 self._next_plan = self._plan(len(live), ())
             return False
-        asked = [r for r in live if askable(r)]
+        asked = [r for r in live if self._draft_limit(r, in_flight_ok=True)]
         if not asked:
             return False
         plan = self._plan(len(live), [r.rid for r in asked])
@@ -392,7 +390,7 @@ class Scheduler:
         queries = []
         for r in reqs:
             ids = _Known(r.token_ids)
-            k = min(self.spec_cfg.num_tokens, r.params.max_tokens - r.num_output - 1)
+            k = self._draft_limit(r, in_flight_ok=True)
             if len(ids) and k > 0:
                 queries.append(DraftQuery(r.rid, ids, r.prompt_len, k))
         try:
