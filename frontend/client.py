@@ -163,6 +163,8 @@ class RemoteBackend(Backend):
                 if wake in events:
                     while wake.poll(0):
                         wake.recv()
+                if sock in events:
+                    self._receive(sock)
                 if monitor in events:
                     while monitor.poll(0):
                         failure = link.on_event(recv_monitor_message(monitor), self.api_key)
@@ -171,6 +173,9 @@ class RemoteBackend(Backend):
                         if isinstance(failure, PermissionError):
                             with self.lock:  # (run() checks it under the lock before it registers a program)
                                 self.failed = failure
+                        # what the server sent before it closed is read first: a program's result (its
+                        # shutdown error, say) must not be lost to the disconnect that follows it
+                        self._receive(sock)
                         self._fail_pending(failure)
                 if self.failed is not None:
                     break  # a refused key: stop retrying it every 100 ms (closing the socket)
@@ -187,17 +192,6 @@ class RemoteBackend(Backend):
                     except zmq.Again:
                         break
                     unsent.popleft()
-                if sock in events:
-                    while sock.poll(0):
-                        data = sock.recv()
-                        if not data:
-                            continue  # an empty frame is the server's liveness probe
-                        try:
-                            msg = decode(data)
-                        except ProtocolError as e:  # never let one bad frame end the I/O thread
-                            log.warning("ignoring a malformed message from the server: %s", e)
-                            continue
-                        self._dispatch(msg)
         except Exception as e:  # a bug: fail the waiting programs rather than leave them hanging
             log.exception("the DSL client's I/O thread failed")
             with self.lock:
@@ -208,6 +202,19 @@ class RemoteBackend(Backend):
             monitor.close(linger=0)
             sock.close(linger=0 if self.failed else 500)
             wake.close(linger=0)
+
+    def _receive(self, sock: Any) -> None:
+        """Dispatch every message waiting on the socket."""
+        while sock.poll(0):
+            data = sock.recv()
+            if not data:
+                continue  # an empty frame is the server's liveness probe
+            try:
+                msg = decode(data)
+            except ProtocolError as e:  # never let one bad frame end the I/O thread
+                log.warning("ignoring a malformed message from the server: %s", e)
+                continue
+            self._dispatch(msg)
 
     def _fail_pending(self, error: Exception) -> None:
         with self.lock:

@@ -72,7 +72,8 @@ class ProgramInvalid(ValueError):
     """A ProgramRun's program that cannot run; the text names the field (`program.ops[3].state: ...`)."""
 
 
-_FLUSH_S = 5.0  # at shutdown, how long the last results may take to leave the socket
+_FLUSH_S = 5.0  # at shutdown, how long the last results may take to leave the queue for the socket
+_CLOSE_LINGER_MS = 1000  # then how long libzmq may take to write them out (ctx.term() waits for it)
 
 
 class _Entry:
@@ -186,7 +187,10 @@ class ProgramServer:
                 self.sock.disable_monitor()
             for m in sockets:
                 m.close(linger=0)
-            self.sock.close(linger=0)  # before the ZAP handler: never a CURVE socket without one
+            # the last results (a drain's shutdown errors) may still be queued in libzmq: they get _CLOSE_LINGER_MS
+            # to leave (linger 0 dropped them, and the client saw only the connection close). Before the ZAP
+            # handler: never a CURVE socket without one
+            self.sock.close(linger=_CLOSE_LINGER_MS)
             if zap is not None:
                 zap.close(linger=0)
             self.ctx.term()

@@ -36,6 +36,7 @@ import orjson
 from fastapi import Depends, FastAPI, Request
 from fastapi.routing import APIRouter
 from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -44,7 +45,7 @@ from k3rt.server.errors import APIError, from_validation_error
 from k3rt.server.generation import ServerContext, json_response
 from k3rt.server.limits import BIG_BODY_BYTES, BigBodies, PromptBudget
 from k3rt.server.metrics import CONTENT_TYPE
-from k3rt.server.schemas import ChatCompletionRequest, CompletionRequest
+from k3rt.server.schemas import ChatCompletionRequest, CompletionRequest, check_prompt_shape
 
 log = logging.getLogger(__name__)
 
@@ -127,14 +128,69 @@ def _token_arrays(body: bytes, context_length: int) -> tuple[int, int, list] | N
             return None
 
 
+def _json_array(body: bytes, start: int) -> tuple[int, list] | None:
+    """The JSON array whose "[" is at body[start], parsed a slice of ~_SLICE_BYTES at a time, so no one
+    orjson call holds the GIL for long: (end, items), end just past its "]"; None when it is not valid JSON
+    there (the full parse then names what is wrong). Runs in a worker thread.
+
+    A slice runs from an item's start to a comma and is parsed as the items of an array. One that parses
+    is whole items, so that comma is the array's own separator; one that ends inside a string or a nested
+    value fails and is tried again twice as long. When the array ends inside a slice, the parse stops
+    just past the array's "]" (the content after it is "unexpected"); the items up to that "]" are parsed
+    again on their own to confirm it."""
+    items: list = []
+    a, n = start + 1, len(body)
+    while True:
+        size = _SLICE_BYTES
+        while True:
+            c = body.find(b",", min(a + size, n))
+            c = n if c < 0 else c
+            try:
+                got = orjson.loads(b"[" + body[a:c] + b"]")
+            except orjson.JSONDecodeError as e:
+                end = a + len(e.doc[:e.pos].encode("utf-8", "surrogatepass")) - 2  # the "]" it stopped after
+                if a <= end < c and body[end] == 0x5D:
+                    try:
+                        got = orjson.loads(b"[" + body[a:end] + b"]")
+                    except orjson.JSONDecodeError:
+                        got = None
+                    if got is not None:
+                        if not got and (items or a > start + 1):  # "[1,]": not JSON
+                            return None
+                        return end + 1, items + got
+                if c >= n:
+                    return None
+                size *= 2
+                continue
+            if c >= n or not got:  # the body ended inside the array, or "[," / ",,"
+                return None
+            items += got
+            a = c + 1
+            break
+
+
+_PROMPT_ARRAY = re.compile(rb'"prompt"\s*:\s*\[')
+
+
 def _validate_completion(body: bytes, context_length: int) -> Any:
-    """CompletionRequest from a big body; a token-id prompt is parsed piecewise (_token_arrays)."""
-    found = _token_arrays(body, context_length)
+    """CompletionRequest from a big body; a prompt array is parsed piecewise: token ids by _token_arrays,
+    any other array by _json_array (then checked by the schema's Python loop)."""
+    found, checked = _token_arrays(body, context_length), True
+    if found is None and (m := _PROMPT_ARRAY.search(body, 0, 4096)) is not None:
+        if (array := _json_array(body, m.end() - 1)) is not None:
+            found, checked = (m.end() - 1, *array), False
     if found is None:
         return _validate(CompletionRequest, body)
-    start, end, ids = found
+    start, end, prompt = found
     req = _validate(CompletionRequest, body[:start] + b"[]" + body[end:])
-    req.prompt = ids  # checked by _token_arrays: integers only (their range is checked later)
+    if req.prompt != []:  # that array was not the body's own prompt (a nested "prompt" key, or a repeated one)
+        return _validate(CompletionRequest, body)
+    if not checked:
+        try:
+            check_prompt_shape(prompt)
+        except PydanticCustomError as e:
+            raise from_validation_error([{"type": e.type, "loc": ("prompt",), "msg": e.message()}]) from None
+    req.prompt = prompt
     return req
 
 

@@ -226,23 +226,28 @@ class CompletionRequest(_Request):
     @field_validator("prompt")
     @classmethod
     def _prompt_shape(cls, prompt: Any) -> Any:
-        """A string, or a list whose first item decides the rest: strings, token ids, or lists of token ids.
-        A plain Python loop, so a big body's check (in a worker thread) lets the event loop run."""
-        if isinstance(prompt, str) or prompt == []:
-            return prompt
-        if not isinstance(prompt, list):
-            raise PydanticCustomError("prompt_type", _PROMPT_TYPES)
-        if type(prompt[0]) is list:
-            for i, ids in enumerate(prompt):
-                if type(ids) is not list:
-                    raise PydanticCustomError("prompt_type", f"item [{i}]: {_PROMPT_TYPES}")
-                _check_items(ids, int, f"[{i}]", "a token id (an integer)")
-            return prompt
-        if type(prompt[0]) is str:
-            _check_items(prompt, str, "", "a string")
-        else:
-            _check_items(prompt, int, "", "a token id (an integer)")
+        return check_prompt_shape(prompt)
+
+
+def check_prompt_shape(prompt: Any) -> Any:
+    """A string, or a list whose first item decides the rest: strings, token ids, or lists of token ids.
+    A plain Python loop, so a big body's check (in a worker thread) lets the event loop run. Raises
+    PydanticCustomError ("prompt_type")."""
+    if isinstance(prompt, str) or prompt == []:
         return prompt
+    if not isinstance(prompt, list):
+        raise PydanticCustomError("prompt_type", _PROMPT_TYPES)
+    if type(prompt[0]) is list:
+        for i, ids in enumerate(prompt):
+            if type(ids) is not list:
+                raise PydanticCustomError("prompt_type", f"item [{i}]: {_PROMPT_TYPES}")
+            _check_items(ids, int, f"[{i}]", "a token id (an integer)")
+        return prompt
+    if type(prompt[0]) is str:
+        _check_items(prompt, str, "", "a string")
+    else:
+        _check_items(prompt, int, "", "a token id (an integer)")
+    return prompt
 
 
 _PROMPT_TYPES = "must be a string, a list of strings, a list of token ids, or a list of lists of token ids"

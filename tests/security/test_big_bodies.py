@@ -8,6 +8,7 @@ small greedy completion runs beside it; the bad body gets a 4xx naming the field
 
 from __future__ import annotations
 
+import gc
 import socket
 import threading
 import time
@@ -16,6 +17,7 @@ import httpx
 import orjson
 import pytest
 
+from k3rt.server.errors import APIError
 from tests.server.conftest import MODEL_NAME, log_dir, serving, tiny_model  # noqa: F401
 
 HEALTH_LIMIT_S = 0.1  # the issue's bound on /health latency under any single request
@@ -177,6 +179,70 @@ def test_token_arrays_are_parsed_exactly():
         assert got == prompt and orjson.loads(body[start:end]) == prompt
     assert _token_arrays(orjson.dumps({"prompt": [1, "a"]}), 10) is None  # the parser names the bad item
     assert _token_arrays(orjson.dumps({"prompt": "text"}), 10) is None
+
+
+def _longest_gil_hold(fn) -> float:
+    """The longest a ticking thread (1 ms sleeps) waited while `fn` ran, with the collector paused as
+    BigBodies pauses it: how long `fn` held the GIL in one piece, at most."""
+    longest, stop = [0.0], threading.Event()
+
+    def tick() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            longest[0], last = max(longest[0], now - last), now
+
+    t = threading.Thread(target=tick)
+    gc_was = gc.isenabled()
+    gc.disable()
+    t.start()
+    time.sleep(0.02)
+    try:
+        fn()
+    finally:
+        stop.set()
+        t.join()
+        if gc_was:
+            gc.enable()
+    return longest[0]
+
+
+@pytest.mark.parametrize("prompt", [[1] + ["a"] * 1_200_000, ["a,]"] * 1_200_000], ids=["bad-item", "strings"])
+def test_a_big_prompt_array_is_parsed_without_one_long_gil_hold(prompt):
+    """CI saw /health take 121 ms while a 2.4 MB body whose token-id prompt had a bad second item was
+    parsed: the token-id path gave up on it and pydantic parsed the whole body in one call (~70-110 ms
+    here for 600K items). Any prompt array is now parsed in slices of a few milliseconds each."""
+    from k3rt.server.app import _validate_completion
+
+    body = orjson.dumps({"model": "m", "prompt": prompt, "max_tokens": 2})
+
+    out: list = []
+
+    def parse() -> None:
+        try:
+            out.append(_validate_completion(body, 8192))
+        except APIError as e:
+            out.append(e)
+
+    assert _longest_gil_hold(parse) < 0.04
+    if prompt[1] == "a":
+        assert out[0].status == 400 and "prompt: item [1] must be a token id" in str(out[0]), out[0]
+    else:
+        assert out[0].prompt == prompt and out[0].max_tokens == 2
+
+
+def test_big_body_prompt_is_the_top_level_one():
+    """A "prompt" key inside another field (a schema's property, ahead of the real prompt) is not the
+    request's prompt: the piecewise parse checks the array it took out was the top-level one."""
+    from k3rt.server.app import _validate_completion
+
+    schema = {"type": "object", "properties": {"x": {"type": "string"}}, "prompt": [7, 8, 9]}
+    for prompt in ("the real prompt", [1, 2, 3], ["a", "b"]):
+        body = orjson.dumps({"model": "m", "response_format": {"type": "json_schema", "json_schema": {
+            "name": "s", "schema": schema}}, "prompt": prompt, "max_tokens": 2, "pad": "x" * 300_000})
+        req = _validate_completion(body, 8192)
+        assert req.prompt == prompt and req.response_format.json_schema.schema_["prompt"] == [7, 8, 9]
 
 
 @pytest.mark.timeout(120)
