@@ -8,7 +8,6 @@ small greedy completion runs beside it; the bad body gets a 4xx naming the field
 
 from __future__ import annotations
 
-import gc
 import socket
 import threading
 import time
@@ -19,6 +18,9 @@ import pytest
 
 from k3rt.server.errors import APIError
 from tests.server.conftest import MODEL_NAME, log_dir, serving, tiny_model  # noqa: F401
+from tests.timing import paused_gc
+
+pytestmark = pytest.mark.serial  # /health latency and GIL-hold bounds: run alone (Makefile)
 
 HEALTH_LIMIT_S = 0.1  # the bound on /health latency under any single request
 MAX_BODY = 32 << 20  # the server's default body limit
@@ -75,6 +77,8 @@ class Watch:
         self.small = _small(self.url)
 
     def __enter__(self) -> Watch:
+        self._gc = paused_gc()
+        self._gc.__enter__()
         for t in self._threads:
             t.start()
         time.sleep(0.1)
@@ -85,6 +89,7 @@ class Watch:
         time.sleep(0.2)
         self._stop.set()
         self._threads[0].join(30)
+        self._gc.__exit__(*exc)
 
     def check(self, small_text: str) -> None:
         assert not self.bad_status, f"/health answered {self.bad_status}"
@@ -194,17 +199,14 @@ def _longest_gil_hold(fn) -> float:
             longest[0], last = max(longest[0], now - last), now
 
     t = threading.Thread(target=tick)
-    gc_was = gc.isenabled()
-    gc.disable()
-    t.start()
-    time.sleep(0.02)
-    try:
-        fn()
-    finally:
-        stop.set()
-        t.join()
-        if gc_was:
-            gc.enable()
+    with paused_gc():
+        t.start()
+        time.sleep(0.02)
+        try:
+            fn()
+        finally:
+            stop.set()
+            t.join()
     return longest[0]
 
 

@@ -21,11 +21,12 @@ import k3rt
 from k3rt.frontend.client import apply_api_key
 from k3rt.protocol import ProgramResult, ProgramRun, decode, encode
 from tests.server.conftest import ServeProcess, free_port, log_dir, serving, tiny_model  # noqa: F401 (fixtures)
+from tests.timing import paused_gc
 
 KEY = "dsl-test-key"
 MAX_MB = 12
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.serial]  # a /health latency bound: run alone (Makefile)
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +226,7 @@ def test_big_text_op_keeps_health_answering(dsl_server: ServeProcess, size: int)
         except BaseException as e:  # noqa: BLE001 (reported below)
             done["error"] = e
 
-    with httpx.Client(base_url=dsl_server.url, timeout=30) as http:
+    with httpx.Client(base_url=dsl_server.url, timeout=30) as http, paused_gc():
         assert http.get("/health").status_code == 200
         worst = 0.0
         t = threading.Thread(target=run)
