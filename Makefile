@@ -30,8 +30,19 @@ endif
 
 install: $(STAMP)
 
+# The suite: first everything but the `serial` tests on TEST_WORKERS processes (pytest-xdist; a file's tests stay
+# on one worker, so module-scoped servers start once), then the `serial` tests alone: they bound wall-clock
+# latencies that another worker's load would stretch. pytest's exit status 5 (nothing selected, e.g. a -k that
+# matches only one part) counts as success.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
+
 test: install
-	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+	@status=0; \
+	set -x; $(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile -m "not gpu and not serial" $(PYTEST_ARGS); \
+	rc=$$?; { set +x; } 2>/dev/null; [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || status=$$rc; \
+	set -x; $(BIN)/python -m pytest tests -m "serial and not gpu" $(PYTEST_ARGS); \
+	rc=$$?; { set +x; } 2>/dev/null; [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || status=$$rc; \
+	exit $$status
 
 # The main job on the embedded default model (k3-tiny, shipped inside the package): an example
 # @k3rt.function program that completes a Python function, summarizes it as schema-constrained

@@ -25,5 +25,10 @@ if platform.machine() in ("x86_64", "AMD64") and os.environ.get("OPENBLAS_CORETY
 
 import torch  # noqa: E402
 
+# under pytest-xdist (make test) the workers share the cores: each gets its share for torch's intra-op threads
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"

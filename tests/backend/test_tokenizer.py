@@ -308,6 +308,7 @@ def test_matches_transformers(tiny_dirs: dict[str, Path]) -> None:
     assert ours.apply_chat_template(CONVERSATION, tools=TOOLS) == expected
 
 
+@pytest.mark.serial  # a wall-clock bound: run alone (Makefile)
 def test_tiny_writer_is_deterministic_and_exact(tmp_path: Path) -> None:
     start = time.perf_counter()
     write_tiny_tokenizer(tmp_path / "a")

@@ -228,6 +228,7 @@ def test_any_field_value_decodes_or_raises_protocol_error(msg) -> None:
             target[key] = saved
 
 
+@pytest.mark.serial  # a wall-clock bound: run alone (Makefile)
 def test_codec_is_far_cheaper_than_asdict() -> None:
     """A loose guard against a return to dataclasses.asdict-level costs: encode + decode of a 1,000-update batch
     (about 1.2 ms on a 2-core dev VM) must take under half of what dataclasses.asdict alone takes on the same

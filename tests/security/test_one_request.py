@@ -14,6 +14,8 @@ import pytest
 import k3rt
 from tests.server.conftest import MODEL_NAME, log_dir, serving, tiny_model  # noqa: F401
 
+pytestmark = pytest.mark.serial  # a /health latency bound: run alone (Makefile)
+
 BAD = [
     ("regex", "a{1000000}"),
     ("regex", "(ab){300000}"),

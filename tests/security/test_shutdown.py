@@ -17,9 +17,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
+import pytest
 
 from tests.procs import alive
 from tests.server.conftest import MODEL_NAME, ServeProcess, log_dir, start_server, tiny_model  # noqa: F401
+
+pytestmark = pytest.mark.serial  # drain timeouts of a few seconds: run alone (Makefile)
 
 # the tiny model on 2 CPU cores makes ~150 tokens/s for one request: SHORT finishes in a second or two
 # after its first token, LONG cannot finish in a few seconds
