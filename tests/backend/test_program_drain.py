@@ -66,3 +66,41 @@ def test_a_program_past_the_drain_gets_its_shutdown_error(tokenizer, monkeypatch
         assert got["q"][0] == b"peer-quick" and got["q"][1].error is None
 
     asyncio.run(main())
+
+
+def test_results_queued_at_shutdown_still_leave_the_socket(tokenizer) -> None:
+    """serve() closed its socket with linger 0 once the drain had handed the last results to it: libzmq
+    dropped what it had not written yet, and the client saw only the connection close (CI: a drained
+    program's shutdown error never arrived). A 32 MB result queued just before the endpoint stops arrives."""
+    import zmq
+    import zmq.asyncio
+
+    from k3rt.protocol import encode
+
+    big = encode(ProgramResult("p", {}, {"0": "x" * (32 << 20)}, {}, {}, "server_shutdown: test", None))
+
+    async def main() -> bytes | None:
+        server = ProgramServer(_Client(), tokenizer, "tcp://127.0.0.1:0")
+        serving = asyncio.create_task(server.serve())
+        await server.bound.wait()
+        ctx = zmq.asyncio.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.IDENTITY, b"peer-1")
+        dealer.connect(server.endpoint)
+        await dealer.send(b"")  # the ROUTER learns the peer (an empty frame reads as a disconnect notice: no-op)
+        await asyncio.sleep(0.3)
+        server.outq.put_nowait((b"peer-1", big))
+        while not server.outq.empty():  # the drain's flush: the send loop has taken it
+            await asyncio.sleep(0)
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+        try:
+            return await asyncio.wait_for(dealer.recv(), 10)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            dealer.close(linger=0)
+            ctx.term()
+
+    got = asyncio.run(main())
+    assert got is not None and decode(got).error == "server_shutdown: test"
