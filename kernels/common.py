@@ -21,6 +21,10 @@ from torch import Tensor
 # Under TRITON_INTERPRET=1 (CPU) PDL intrinsics cannot run and 16-bit dots are wrong: launchers
 # force USE_PDL off and use fp32/ieee paths when this is set.
 INTERPRET = bool(triton.knobs.runtime.interpret)
+if INTERPRET:
+    from k3rt.kernels.interpreter_speed import install as _install_interpreter_speed
+
+    _install_interpreter_speed()
 
 _POISON = False
 
