@@ -1,0 +1,268 @@
+"""Where a speculative round's time goes at small batch (issue 16's batch-1 goal): the engine's decode-phase step
+wall, the host phases inside it, and the device's work, plain engine against drafting engines.
+
+Per engine (plain, then each drafter with the speculation controller off, so every step drafts and verifies):
+B code requests prefilled, then
+  1. `Engine.step` wall times of the decode phase (median), tokens emitted per step, tau;
+  2. the same steps under torch.profiler with the engine's phases labelled (drafter pass, verify forward, the
+     host's acceptance, commit, target-state recording, plain graph replay): host ms per step of each label,
+     the device's kernel ms and kernel count per step, the share of the wall the device was busy, the top
+     kernels by device time;
+  3. at the end (the requests done), each CUDA graph the engine replays, alone, CUDA-event timed: the decode
+     graph, the verify graph and its commit graph, the drafter's graph, at the batch's bucket.
+
+    python3 benchmarks/spec_round.py --device cuda --dtype bfloat16 --batch 1,16
+    python3 benchmarks/spec_round.py --smoke      # CPU, reference runner, few steps: bit-rot check
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import Report, default_out  # noqa: E402
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="k3-tiny")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
+    p.add_argument("--engines", default="plain,dspark,suffix", help="plain and/or drafters (ngram, suffix, dspark)")
+    p.add_argument("--spec-tokens", type=int, default=7)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--profile-steps", type=int, default=24, help="decode steps under the profiler per engine")
+    p.add_argument("--top", type=int, default=20, help="kernels kept per row")
+    p.add_argument("--smoke", action="store_true", help="CPU, batch 1 and 2, 24 tokens")
+    p.add_argument("--budget-s", type=float, default=300.0)
+    p.add_argument("--out", type=Path, default=None)
+    return p.parse_args()
+
+
+# (object path from the engine, attribute, label): the engine phases labelled in the profile
+_PHASES = (
+    ("scheduler.drafter", "propose_scored", "draft"),
+    ("runner", "_run_verify", "verify_forward"),
+    ("runner", "_sample_now", "sample_and_accept"),
+    ("runner", "_commit_verify_form", "commit"),
+    ("runner", "_replay", "decode_replay"),
+    ("runner", "collect", "collect"),
+    ("scheduler", "schedule", "schedule"),
+)
+
+
+def _resolve(eng, path: str):
+    obj = eng
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _label(eng, record_function) -> list:
+    """Wrap each phase's method on its instance with a profiler label; returns what to undo."""
+    undo = []
+    for path, attr, label in _PHASES:
+        obj = _resolve(eng, path)
+        fn = getattr(obj, attr, None) if obj is not None else None
+        if fn is None:
+            continue
+
+        def wrapped(*a, _fn=fn, _label=label, **kw):
+            with record_function(f"k3rt::{_label}"):
+                return _fn(*a, **kw)
+
+        setattr(obj, attr, functools.wraps(fn)(wrapped))
+        undo.append((obj, attr))
+    return undo
+
+
+def _decode_ready(eng, prompts, params) -> None:
+    for p in prompts:
+        eng.add_request(p, params)
+    while eng.scheduler.waiting or any(r.num_output == 0 for r in eng.scheduler.running):
+        eng.step()
+
+
+def _timed_steps(eng, sync) -> tuple[list[float], list[int]]:
+    """Step until a request finishes (the batch stays whole); (seconds per step, tokens emitted per step)."""
+    times, tokens = [], []
+    n0 = len(eng.scheduler.running)
+    while eng.scheduler.running and len(eng.scheduler.running) == n0:
+        t0 = time.perf_counter()
+        outs = eng.step()
+        sync()
+        times.append(time.perf_counter() - t0)
+        tokens.append(sum(len(o.new_token_ids) for o in outs))
+    return times, tokens
+
+
+def _profile_summary(prof, steps: int, wall_s: float, top: int) -> dict:
+    from torch.autograd import DeviceType
+
+    host = defaultdict(float)
+    kernels = defaultdict(lambda: [0.0, 0])
+    spans = []
+    for ev in prof.events():
+        if ev.device_type == DeviceType.CUDA:
+            if ev.name.startswith("Memcpy") or ev.name.startswith("Memset"):
+                key = ev.name.split(" ")[0]
+            else:
+                key = ev.name
+            kernels[key][0] += ev.time_range.elapsed_us()
+            kernels[key][1] += 1
+            spans.append((ev.time_range.start, ev.time_range.end))
+        elif ev.name.startswith("k3rt::"):
+            host[ev.name[6:]] += ev.time_range.elapsed_us()
+    spans.sort()
+    busy, end = 0.0, float("-inf")
+    for s, e in spans:
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    total = sum(v[0] for v in kernels.values())
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"host_ms_per_step": {k: round(v / 1e3 / steps, 4) for k, v in sorted(host.items())},
+            "device_kernel_ms_per_step": round(total / 1e3 / steps, 4),
+            "device_busy_ms_per_step": round(busy / 1e3 / steps, 4),
+            "device_ops_per_step": round(sum(v[1] for v in kernels.values()) / steps, 1),
+            "wall_ms_per_step": round(wall_s * 1e3 / steps, 4),
+            "top_kernels": [[k[:90], round(v[0] / 1e3 / steps, 4), round(v[1] / steps, 2)] for k, v in ranked]}
+
+
+def _graph_times(eng, batch: int, reps: int = 30) -> dict:
+    """Each graph the engine replays at this batch's bucket, alone (after the run: replays write scratch state)."""
+    import torch
+
+    r = eng.runner
+    out: dict[str, float] = {}
+
+    def timed(name, fn):
+        for _ in range(3):
+            fn()
+        ts = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b))
+        out[name] = round(statistics.median(ts), 4)
+
+    size = next((s for s in sorted(getattr(r, "graphs", {}) or {}) if s >= batch), None)
+    if size is not None:
+        timed("decode_graph_ms", r.graphs[size].graph.replay)
+    vg = getattr(r, "verify_graphs", {}) or {}
+    vsize = next((s for s in sorted(vg) if s >= batch), None)
+    if vsize is not None:
+        timed("verify_graph_ms", vg[vsize].graph.replay)
+        timed("commit_graph_ms", vg[vsize].commit.replay)
+    dg = getattr(getattr(eng.scheduler, "drafter", None), "graphs", None)
+    if dg is not None and dg.size_for(batch) is not None and dg.size_for(batch) in dg.graphs:
+        timed("drafter_graph_ms", dg.graphs[dg.size_for(batch)].graph.replay)
+    return out
+
+
+def main() -> int:
+    a = _args()
+    if a.smoke:
+        a.device, a.batch, a.max_tokens, a.profile_steps = "cpu", "1,2", 24, 4
+    import torch
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    from k3rt.backend.bench.spec_bench import _code_prompts
+    from k3rt.backend.engine import Engine
+    from k3rt.backend.models.loader import load_model
+    from k3rt.backend.tokenizer import load_tokenizer
+    from k3rt.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+    from k3rt.models import resolve_model_dir
+    from k3rt.sampling_params import SamplingParams
+
+    report = Report(default_out(a.out, "spec_round.json"), a.budget_s,
+                    {"args": {k: str(v) for k, v in vars(a).items()}})
+    res, log = report.result, report.log
+    cuda = a.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    md = resolve_model_dir(a.model)
+    tok = load_tokenizer(md)
+    model = load_model(md, dtype=a.dtype, device=a.device)
+    sizes = [int(x) for x in a.batch.split(",") if x.strip()]
+    bmax = max(sizes)
+    base = EngineConfig(model=str(md), dtype=a.dtype, device=a.device,
+                        scheduler=SchedulerConfig(max_num_batched_tokens=max(2048, bmax * 16), max_running=bmax),
+                        cache=CacheConfig(num_pages=bmax * 64 + 64))
+    params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
+    res["rows"] = []
+    for name in a.engines.split(","):
+        if report.over_budget():
+            log(f"{name}: skipped (budget)")
+            continue
+        spec = SpecConfig() if name == "plain" else SpecConfig(method=name, num_tokens=a.spec_tokens, adaptive=False)
+        eng = Engine(replace(base, spec=spec), model=model)
+        for b in sizes:
+            prompts = _code_prompts(tok, b, 96, seed=b)
+            eng.generate(prompts, replace(params, max_tokens=16))  # warm-up: compiles, graphs
+            eng.flush_cache()
+            v0, acc0 = eng.stats.spec_verifies, eng.stats.spec_accepted_tokens
+            _decode_ready(eng, prompts, params)
+            times, emitted = _timed_steps(eng, sync)
+            verifies = eng.stats.spec_verifies - v0
+            accepted = eng.stats.spec_accepted_tokens - acc0
+            while eng.has_unfinished:
+                eng.step()
+            eng.flush_cache()
+            _decode_ready(eng, prompts, params)
+            undo = _label(eng, record_function)
+            n = min(a.profile_steps, max(1, a.max_tokens // 4))
+            sync()
+            with profile(activities=activities) as prof:
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    eng.step()
+                sync()
+                wall = time.perf_counter() - t0
+            for obj, attr in undo:
+                delattr(obj, attr)  # back to the class's method
+            while eng.has_unfinished:
+                eng.step()
+            eng.flush_cache()
+            ms = [t * 1e3 for t in times]
+            row = {"engine": name, "batch": b, "steps": len(ms), "step_ms_median": round(statistics.median(ms), 4),
+                   "tokens_per_step": round(sum(emitted) / max(1, len(emitted)), 3),
+                   "tok_s": round(sum(emitted) / max(1e-9, sum(times)), 1),
+                   "tau": round((accepted + verifies) / verifies, 3) if verifies else None,
+                   "profile": _profile_summary(prof, n, wall, a.top)}
+            if cuda:
+                row["graphs"] = _graph_times(eng, b)
+            res["rows"].append(row)
+            log(f"{name} b={b}: step {row['step_ms_median']:.3f} ms, {row['tokens_per_step']} tok/step, "
+                f"{row['tok_s']} tok/s, tau {row['tau']}, graphs {row.get('graphs')}")
+            report.save()
+        eng.close()
+        del eng
+        if cuda:
+            torch.cuda.empty_cache()
+    print("| engine | batch | step ms | tok/step | tok/s | tau | device busy ms/step | kernels/step | graphs ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in res["rows"]:
+        p = r["profile"]
+        g = ", ".join(f"{k[:-3]} {v}" for k, v in r.get("graphs", {}).items())
+        print(f"| {r['engine']} | {r['batch']} | {r['step_ms_median']} | {r['tokens_per_step']} | {r['tok_s']} | "
+              f"{r['tau']} | {p['device_busy_ms_per_step']} | {p['device_ops_per_step']} | {g} |")
+    report.save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
