@@ -46,19 +46,28 @@ def _args() -> argparse.Namespace:
     return p.parse_args()
 
 
-# (object path from the engine, attribute, label): the engine phases labelled in the profile
+# (object path from the engine, attribute, label): the engine phases labelled in the profile and timed on the
+# host; "runner module" names a function the runner's module imported (patched there)
 _PHASES = (
+    ("scheduler", "schedule", "schedule"),
     ("scheduler.drafter", "propose_scored", "draft"),
+    ("scheduler.drafter", "_inputs", "draft_inputs"),
+    ("runner", "launch", "launch"),
+    ("runner", "_pack", "pack"),
     ("runner", "_run_verify", "verify_forward"),
     ("runner", "_sample_now", "sample_and_accept"),
+    ("runner module", "verify_requests", "accept"),
     ("runner", "_commit_verify_form", "commit"),
+    ("runner module", "record_step_states", "record_states"),
     ("runner", "_replay", "decode_replay"),
     ("runner", "collect", "collect"),
-    ("scheduler", "schedule", "schedule"),
+    ("scheduler", "resolve", "resolve"),
 )
 
 
 def _resolve(eng, path: str):
+    if path == "runner module":
+        return sys.modules[type(eng.runner).__module__]
     obj = eng
     for part in path.split("."):
         obj = getattr(obj, part, None)
@@ -67,22 +76,38 @@ def _resolve(eng, path: str):
     return obj
 
 
-def _label(eng, record_function) -> list:
-    """Wrap each phase's method on its instance with a profiler label; returns what to undo."""
+def _label(eng, record_function=None, totals: dict | None = None) -> list:
+    """Wrap each phase's method on its instance (or function in the runner's module) with a profiler label
+    (record_function) or a perf_counter total (totals: label -> seconds); returns what to undo."""
     undo = []
     for path, attr, label in _PHASES:
         obj = _resolve(eng, path)
         fn = getattr(obj, attr, None) if obj is not None else None
         if fn is None:
             continue
-
-        def wrapped(*a, _fn=fn, _label=label, **kw):
-            with record_function(f"k3rt::{_label}"):
-                return _fn(*a, **kw)
+        if record_function is not None:
+            def wrapped(*a, _fn=fn, _label=label, **kw):
+                with record_function(f"k3rt::{_label}"):
+                    return _fn(*a, **kw)
+        else:
+            def wrapped(*a, _fn=fn, _label=label, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return _fn(*a, **kw)
+                finally:
+                    totals[_label] += time.perf_counter() - t0
 
         setattr(obj, attr, functools.wraps(fn)(wrapped))
-        undo.append((obj, attr))
+        undo.append((obj, attr, fn if isinstance(obj, type(sys)) else None))
     return undo
+
+
+def _unlabel(undo: list) -> None:
+    for obj, attr, fn in undo:
+        if fn is not None:
+            setattr(obj, attr, fn)  # a module's function
+        else:
+            delattr(obj, attr)  # back to the class's method
 
 
 def _decode_ready(eng, prompts, params) -> None:
@@ -217,13 +242,23 @@ def main() -> int:
             v0, acc0 = eng.stats.spec_verifies, eng.stats.spec_accepted_tokens
             _decode_ready(eng, prompts, params)
             times, emitted = _timed_steps(eng, sync)
-            verifies = eng.stats.spec_verifies - v0
-            accepted = eng.stats.spec_accepted_tokens - acc0
+            v1, acc1 = eng.stats.spec_verifies, eng.stats.spec_accepted_tokens
+            while eng.has_unfinished:
+                eng.step()
+            eng.flush_cache()
+            # the same steps again with each phase's host time totalled (perf_counter around each call: what
+            # a phase holds the host, device waits inside it included)
+            totals: dict[str, float] = defaultdict(float)
+            _decode_ready(eng, prompts, params)
+            undo = _label(eng, totals=totals)
+            htimes, _ = _timed_steps(eng, sync)
+            _unlabel(undo)
+            verifies, accepted = v1 - v0, acc1 - acc0
             while eng.has_unfinished:
                 eng.step()
             eng.flush_cache()
             _decode_ready(eng, prompts, params)
-            undo = _label(eng, record_function)
+            undo = _label(eng, record_function=record_function)
             n = min(a.profile_steps, max(1, a.max_tokens // 4))
             sync()
             with profile(activities=activities) as prof:
@@ -232,8 +267,7 @@ def main() -> int:
                     eng.step()
                 sync()
                 wall = time.perf_counter() - t0
-            for obj, attr in undo:
-                delattr(obj, attr)  # back to the class's method
+            _unlabel(undo)
             while eng.has_unfinished:
                 eng.step()
             eng.flush_cache()
@@ -242,6 +276,8 @@ def main() -> int:
                    "tokens_per_step": round(sum(emitted) / max(1, len(emitted)), 3),
                    "tok_s": round(sum(emitted) / max(1e-9, sum(times)), 1),
                    "tau": round((accepted + verifies) / verifies, 3) if verifies else None,
+                   "host_phase_ms_per_step": {k: round(v * 1e3 / len(htimes), 4) for k, v in sorted(totals.items())},
+                   "host_timed_step_ms_median": round(statistics.median(htimes) * 1e3, 4),
                    "profile": _profile_summary(prof, n, wall, a.top)}
             if cuda:
                 row["graphs"] = _graph_times(eng, b)
