@@ -90,8 +90,14 @@ class Engine:
         drafter = create_drafter(spec, getattr(self.runner, "model", None), graph_sizes=self._spec_graph_sizes())
         # the speculation controller learns step costs from this engine's step times (see `step`)
         self.gate = SpecGate(spec.gate) if drafter is not None and spec.adaptive else None
+        # several verify rounds per step on the device (SpecConfig.rounds): the GPU runner with a DSpark drafter
+        device_rounds = (spec.rounds > 1 and self.target_states is not None and hasattr(drafter, "draft_tokens")
+                         and hasattr(self.runner, "round_drafter"))
+        if device_rounds:
+            self.runner.round_drafter = drafter
         self.scheduler = Scheduler(cfg.scheduler, cc, self.pool, RadixCache(self.pool, self.layout.block_size, policy),
-                                   drafter=drafter, spec_cfg=spec, target_states=self.target_states, gate=self.gate)
+                                   drafter=drafter, spec_cfg=spec, target_states=self.target_states, gate=self.gate,
+                                   device_rounds=device_rounds)
         self.overlap = None  # the OverlapLoop (backend/overlap.py) when steps overlap, else None
         if cfg.overlap:
             from k3rt.backend.overlap import OverlapLoop
@@ -320,6 +326,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One schedule -> run -> update cycle. Returns outputs of requests that advanced or ended."""
+        self.scheduler.step_rounds = 1
         t0 = time.monotonic()
         outputs = self._step()
         t1 = time.monotonic()
@@ -351,7 +358,9 @@ class Engine:
             return
         kind, batch = sample
         drafted = sum(len(c.draft_ids) for c in self._launched.chunks) if kind is StepKind.VERIFY else 0
-        self.gate.observe_step(kind, batch, max(seconds - self.scheduler.step_draft_s, 0.0), drafted)
+        # a step of several device rounds (SpecConfig.rounds) is that many verify steps to the cost model
+        rounds = self.scheduler.step_rounds if kind is StepKind.VERIFY else 1
+        self.gate.observe_step(kind, batch, max(seconds - self.scheduler.step_draft_s, 0.0) / rounds, drafted)
 
     def _step(self) -> list[RequestOutput]:
         outputs = []

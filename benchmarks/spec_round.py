@@ -35,7 +35,11 @@ def _args() -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None)
     p.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
-    p.add_argument("--engines", default="plain,dspark,suffix", help="plain and/or drafters (ngram, suffix, dspark)")
+    p.add_argument("--engines", default="plain,dspark,suffix",
+                   help="plain and/or drafters (ngram, suffix, dspark); dspark:N runs up to N verify rounds per step "
+                        "on the device (SpecConfig.rounds)")
+    p.add_argument("--adaptive", action="store_true", help="the speculation controller on (default off: every step "
+                                                           "drafts)")
     p.add_argument("--spec-tokens", type=int, default=7)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--profile-steps", type=int, default=24, help="decode steps under the profiler per engine")
@@ -233,7 +237,9 @@ def main() -> int:
         if report.over_budget():
             log(f"{name}: skipped (budget)")
             continue
-        spec = SpecConfig() if name == "plain" else SpecConfig(method=name, num_tokens=a.spec_tokens, adaptive=False)
+        method, _, rounds = name.partition(":")  # dspark:4 = up to 4 verify rounds per step on the device
+        spec = SpecConfig() if name == "plain" else SpecConfig(method=method, num_tokens=a.spec_tokens,
+                                                               adaptive=a.adaptive, rounds=int(rounds or 1))
         eng = Engine(replace(base, spec=spec), model=model)
         for b in sizes:
             prompts = _code_prompts(tok, b, 96, seed=b)

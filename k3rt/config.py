@@ -174,6 +174,10 @@ class SpecConfig:
     # the cost-aware controller (backend/spec/gate.py): skip drafting in steps where a verify would not pay for
     # itself (learned step times and acceptance); False drafts every step the drafter can
     adaptive: bool = True
+    # gpu runner, dspark: verify rounds one engine step may run on the device (backend/runner/gpu/rounds.py): a
+    # step of greedy verify chunks runs round after round without the host, each round's drafts drafted on the
+    # device from the round before; 1: every round is its own step
+    rounds: int = 1
     gate: SpecGateConfig = field(default_factory=SpecGateConfig)
 
     def __post_init__(self) -> None:
@@ -182,6 +186,8 @@ class SpecConfig:
         # 16: the KDA verify kernel's longest run, and within every grammar backend's rollback (outlines keeps 32)
         if not 1 <= self.num_tokens <= 16:
             raise ValueError(f"spec_tokens: must be in [1, 16], got {self.num_tokens}")
+        if not 1 <= self.rounds <= 64:
+            raise ValueError(f"spec_rounds: must be in [1, 64], got {self.rounds}")
         if self.max_draft_tokens_per_step < 1:
             raise ValueError(f"max_draft_tokens_per_step: must be >= 1, got {self.max_draft_tokens_per_step}")
         if not 1 <= self.ngram_min <= self.ngram_max:

@@ -102,6 +102,9 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]  # multi-token chunks (prefill, or a resumed request)
     page_copies: list[tuple[int, int]]  # MLA partial-page copy-on-write: (src page, dst page), all tensors
     state_copies: list[tuple[list[int], list[int]]]  # snapshot -> live state set, before the forward
+    # speculative rounds the runner may run on the device in this step (backend/runner/gpu/rounds.py): > 1 only
+    # for a step of greedy verify chunks whose pages cover every round (_plan_rounds)
+    spec_rounds: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -145,15 +148,19 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, cache_cfg: CacheConfig, pool: PagePool, tree: RadixCache,
                  drafter: Drafter | None = None, spec_cfg: SpecConfig | None = None,
-                 target_states: TargetStates | None = None, gate: SpecGate | None = None) -> None:
+                 target_states: TargetStates | None = None, gate: SpecGate | None = None,
+                 device_rounds: bool = False) -> None:
         """target_states: the target states a model drafter reads (the runner records them), put into each
         DraftQuery.hidden; None for model-free drafters. gate: the speculation controller (None: every step that
-        can draft does)."""
+        can draft does). device_rounds: the runner can run several verify rounds of a step on the device
+        (spec_cfg.rounds of them at most: `_plan_rounds`)."""
         self.cfg, self.cache_cfg, self.pool, self.tree = cfg, cache_cfg, pool, tree
         if drafter is not None and spec_cfg is None:
             raise ValueError("spec_cfg: a drafter needs its SpecConfig (draft lengths and budget)")
         self.drafter, self.spec_cfg, self.target_states, self.gate = drafter, spec_cfg, target_states, gate
+        self.device_rounds = device_rounds  # the runner runs several verify rounds per step (_plan_rounds)
         self.step_draft_s = 0.0  # seconds of the drafter's pass in the last schedule() (the engine takes it off the step)
+        self.step_rounds = 1  # most verify rounds a request ran in the steps resolved since the engine last reset it
         self._next_plan: Plan | None = None  # the controller's plan for the next step, made early (overlap)
         self.B = tree.B
         self.grid = self.B if cache_cfg.full_block_mode else cache_cfg.hash_block_size
@@ -301,7 +308,34 @@ class Scheduler:
             page_copies += req.pending_page_copies
             state_copies += req.pending_state_copies
             req.pending_page_copies, req.pending_state_copies = [], []
-        return SchedulerOutput(decodes, scheduled, page_copies, state_copies)
+        return SchedulerOutput(decodes, scheduled, page_copies, state_copies, self._plan_rounds(scheduled, decodes))
+
+    def _plan_rounds(self, scheduled: list[ScheduledChunk], decodes: list[Request]) -> int:
+        """Device rounds for this step (SpecConfig.rounds): only when every request of the step verifies drafts of
+        a drafter that drafts on the device, and each is greedy with nothing the host must see per token
+        (grammar, logprobs, logit bias, penalties). Each round feeds K + 1 tokens, so every request gets pages
+        up to position start + rounds * (K + 1) - 1, and rounds stop at the request's own reach (prompt plus
+        max_tokens: no position past the model's length); without free pages for that, one round."""
+        sc = self.spec_cfg
+        if not self.device_rounds or sc.rounds <= 1 or decodes or not scheduled:
+            return 1
+        run = sc.num_tokens + 1
+        rounds = sc.rounds
+        for c in scheduled:
+            r, p = c.req, c.req.params
+            if (not c.draft_ids or not p.greedy or r.grammar is not None or p.logprobs is not None or p.logit_bias
+                    or p.has_penalties or r.prompt_logprobs_from is not None):
+                return 1
+            rounds = min(rounds, (r.prompt_len + p.max_tokens - c.start) // run)
+        if rounds <= 1:
+            return 1
+        need = [max(0, -(-(c.start + rounds * run) // self.B) - len(c.req.block_table)) for c in scheduled]
+        if sum(need) > self.pool.num_free:
+            return 1
+        for c, n in zip(scheduled, need):
+            if n:
+                c.req.block_table.extend(self.pool.allocate(n))
+        return rounds
 
     def _prefill_coming(self, multi: list[Request], decodes: list[Request], budget: int) -> bool:
         """Will this step (being scheduled) carry prefill work: a running request's next chunk, or an admission
@@ -873,16 +907,21 @@ class Scheduler:
         """A verify chunk ran: the runner left the live state after the run's fed tokens (the last token
         and the accepted drafts, len(run) in all), so num_computed advances by len(run)."""
         req, stats = c.req, self.stats
-        accepted = 0
-        while accepted < min(len(run), len(c.draft_ids)) and run[accepted] == c.draft_ids[accepted]:
-            accepted += 1
-        stats.spec_verifies += 1
-        stats.spec_drafted_tokens += len(c.draft_ids)
-        stats.spec_accepted_tokens += accepted
-        req.spec_drafted += len(c.draft_ids)
-        req.spec_accepted += accepted
-        if self.gate is not None:
-            self.gate.observe(req.rid, len(c.draft_ids), accepted, c.draft_estimate)
+        rounds = getattr(run, "rounds", None)  # (drafted, accepted) per device round (backend/runner/gpu/rounds.py)
+        if rounds is None:
+            accepted = 0
+            while accepted < min(len(run), len(c.draft_ids)) and run[accepted] == c.draft_ids[accepted]:
+                accepted += 1
+            rounds = [(len(c.draft_ids), accepted)]
+        self.step_rounds = max(self.step_rounds, len(rounds))
+        for i, (drafted, accepted) in enumerate(rounds):
+            stats.spec_verifies += 1
+            stats.spec_drafted_tokens += drafted
+            stats.spec_accepted_tokens += accepted
+            req.spec_drafted += drafted
+            req.spec_accepted += accepted
+            if self.gate is not None:
+                self.gate.observe(req.rid, drafted, accepted, c.draft_estimate if i == 0 else None)
         req.num_computed += len(run)
         stats.computed_tokens += len(run)
         # the verifier ends the run at the first token that ends the request, so only the last one can; the

@@ -46,6 +46,7 @@ from k3rt.backend.runner.gpu.idle import IdleTimer
 from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, to_device
 from k3rt.backend.runner.gpu.penalties import PenaltyState
 from k3rt.backend.runner.gpu.pieces import PiecewiseForward, mixed_buckets_for
+from k3rt.backend.runner.gpu.rounds import run_rounds
 from k3rt.backend.runner.gpu.sample import sample_on_device, sample_step
 from k3rt.backend.runner.gpu.step import GpuStep, StepSeq, build_step, pack_step, step_views
 from k3rt.backend.runner.gpu.verify_graph import pad_rows, plan_verify
@@ -168,6 +169,9 @@ class GpuModelRunner(Runner):
         self.verify_sizes = tuple(sorted(spec[1])) if spec else ()
         self.verify_graphs: dict[int, _Graph] = {}
         self.verify_graph_replays = 0  # verify steps replayed from a graph so far (benchmarks read it)
+        # a drafter that drafts on the device from its own window (DSpark): verify-form steps the scheduler planned
+        # several rounds for run them here (rounds.py); set by the engine
+        self.round_drafter = None
         # steps with prefill rows: replayed piecewise (None: eager); not in the batch-invariant mode (its forms
         # step token by token on host-built indices)
         self.mixed: PiecewiseForward | None = None
@@ -223,7 +227,16 @@ class GpuModelRunner(Runner):
         vsize = self._verify_size(chunks, score_rows)
         tapped: dict[int, torch.Tensor] | None = None
         if vsize:
-            logits, step, tapped = self._run_verify(seqs, vsize, pending, prev)
+            logits, step, tapped, raw = self._run_verify(seqs, vsize, pending, prev)
+            if self._rounds(out, chunks) > 1:
+                launched = LaunchedStep(timing=timing)
+                launched.sampled = run_rounds(self, chunks, step, raw, vsize, out.spec_rounds,
+                                              self.round_drafter).tokens
+                for c in chunks:
+                    self.penalties.release(c.req.rid)
+                if timing is not None:
+                    self.idle.end(timing)
+                return launched
         elif self.sender is None:
             logits, step = self.run_seqs(seqs, extra, graph, pending, prev)
         else:
@@ -360,11 +373,21 @@ class GpuModelRunner(Runner):
             return 0
         return next(s for s in self.verify_sizes if s >= len(chunks))
 
+    def _rounds(self, out: SchedulerOutput, chunks: list[ScheduledChunk]) -> int:
+        """Speculative rounds this verify-form step runs on the device (rounds.py; 1: the one round, sampled on the
+        host). The scheduler plans them for greedy requests it allocated pages for; the runner takes them when
+        every sequence is a verify run and a drafter that can draft on the device is attached."""
+        if (out.spec_rounds <= 1 or self.round_drafter is None or self.target_states is None or out.decodes
+                or not all(c.draft_ids for c in chunks)):
+            return 1
+        return out.spec_rounds
+
     def _run_verify(self, seqs: list[StepSeq], size: int, pending: dict[int, int] | None,
-                    prev: LaunchedStep | None) -> tuple[torch.Tensor, GpuStep, dict[int, torch.Tensor]]:
+                    prev: LaunchedStep | None) -> tuple[torch.Tensor, GpuStep, dict[int, torch.Tensor], tuple]:
         """A verify-form step (verify_graph.py): replayed from its graph when captured, else the same padded
         step eagerly. -> (fp32 logits of the real logit rows in the eager order, the step the commit reads,
-        the tapped target states of the real rows in the eager packing)."""
+        the tapped target states of the real rows in the eager packing, and (logits, taps) of every padded
+        row: what the device rounds read)."""
         padded, plan = plan_verify(seqs, size, self.verify_run_len, self._pad_seq())
         meta, (h64, h32) = self._pack(padded, row_queries=True)
         pad_rows(meta, h64, plan, self.pad_page * self.block_size)
@@ -384,7 +407,7 @@ class GpuModelRunner(Runner):
         rows = to_device(torch.tensor(plan.logit_rows, dtype=torch.int64), self.device)
         fed = to_device(torch.tensor(plan.fed_rows, dtype=torch.int64), self.device) if taps else None
         tapped = {i: t.index_select(0, fed) for i, t in taps.items()}
-        return self.fwd.full_logits(logits.index_select(0, rows)), step, tapped
+        return self.fwd.full_logits(logits.index_select(0, rows)), step, tapped, (logits, taps)
 
     def _commit_verify_form(self, step: GpuStep, size: int, runs: list[tuple[int, int, list[int]]]) -> None:
         """The commit of a verify-form step: the bucket's commit graph replayed with each sequence's kept

@@ -135,6 +135,30 @@ class DSparkDrafter(Drafter):
             extra = dict(ctx_tokens=meta[:, 2 * w:], ctx_valid=meta[:, w:2 * w].bool())
         return ctx, meta[:, -1], extra
 
+    def window(self, queries: Sequence[DraftQuery]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                             torch.Tensor]:
+        """The pass inputs of queries that all carry states, as tensors the caller may update in place (the
+        device rounds of backend/runner/gpu/rounds.py shift them): (states [n, context_len, F], anchors [n],
+        window token ids [n, context_len + 1] or None when this drafter reads none, valid rows [n, context_len])."""
+        ctx, anchors, extra = self._inputs(queries)
+        valid = extra.get("ctx_valid")
+        if valid is None:  # the window's valid rows all the same: the rows each query holds, right-aligned
+            w = ctx.shape[1]
+            held = torch.tensor([q.hidden.shape[0] for q in queries], device=ctx.device)
+            valid = torch.arange(w, device=ctx.device)[None, :] >= (w - held)[:, None]
+        tokens = extra.get("ctx_tokens")
+        return ctx, anchors, (tokens.clone() if tokens is not None else None), valid
+
+    @torch.no_grad()
+    def draft_tokens(self, ctx: torch.Tensor, anchors: torch.Tensor, tokens: torch.Tensor | None,
+                     valid: torch.Tensor) -> torch.Tensor:
+        """Every draft of one pass over `window`'s inputs -> tokens [n, block_size] on the device, not read back
+        (no confidence cut: the device rounds verify every draft)."""
+        extra = {} if not self.model.needs_tokens else {"ctx_tokens": tokens, "ctx_valid": valid}
+        if self.graphs is not None and self.graphs.size_for(ctx.shape[0]) is not None:
+            return self.graphs.draft(ctx, anchors, **extra)[0]
+        return self.model.greedy_pass(ctx, anchors, self.embed, self.lm_head, fused=self.fused, **extra)[0]
+
     def propose(self, queries: Sequence[DraftQuery]) -> list[list[int]]:
         return [p.token_ids for p in self._pass(queries)]
 

@@ -1,0 +1,152 @@
+"""Several speculative verify rounds per engine step on the device (backend/runner/gpu/rounds.py, SpecConfig.rounds).
+
+The pure tensor steps against their host definitions (rejection.py's cut, pack_step's indices), then the engine:
+k3-tiny with its shipped DSpark drafter through the GPU runner's padded verify form (torch ops on the CPU; graphs
+on CUDA), greedy output equal to plain decoding token for token, with stop tokens and token budgets that end
+requests inside a round."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3rt.backend.engine import Engine
+from k3rt.backend.runner.gpu.rounds import advance_step, greedy_accept, shift_window
+from k3rt.backend.runner.gpu.step import StepSeq, pack_step, step_views
+from k3rt.backend.runner.gpu.verify_graph import pad_rows, plan_verify
+from k3rt.backend.tokenizer import load_tokenizer
+from k3rt.config import EngineConfig, SpecConfig
+from k3rt.models import MODELS_DIR
+from k3rt.sampling_params import SamplingParams
+from tests.backend.engine_fixtures import assert_at_rest, run
+
+
+def test_greedy_accept_cuts_like_the_host_verifier() -> None:
+    # rows: argmax per row; fed: anchor then drafts. Sequence 0 accepts 2 drafts (row 2 disagrees), 1 accepts all
+    # 3 and gets a bonus, 2 hits a stop id inside its accepted run, 3 runs out of budget, 4 is not live.
+    argmax = torch.tensor([[5, 6, 9, 1], [5, 6, 7, 8], [5, 99, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]])
+    fed = torch.tensor([[0, 5, 6, 7], [0, 5, 6, 7], [0, 5, 99, 7], [0, 5, 6, 7], [0, 5, 6, 7]])
+    drafts = torch.tensor([3, 3, 3, 3, 3])
+    stops = torch.tensor([[-1], [-1], [99], [-1], [-1]])
+    budget = torch.tensor([10, 10, 10, 2, 10])
+    live = torch.tensor([True, True, True, True, False])
+    kept, ended = greedy_accept(argmax, fed, drafts, stops, budget, live)
+    assert kept.tolist() == [3, 4, 2, 2, 0]  # tokens emitted: argmax[:kept]
+    assert ended.tolist() == [False, False, True, True, False]
+    # padding rows past a sequence's real drafts are never accepted
+    kept, _ = greedy_accept(argmax[1:2], fed[1:2], torch.tensor([1]), stops[1:2], budget[1:2], live[1:2])
+    assert kept.tolist() == [2]
+
+
+def test_shift_window_keeps_the_newest_positions() -> None:
+    W, R, F = 4, 3, 2
+    ctx = torch.arange(2 * W * F, dtype=torch.float32).view(2, W, F)
+    tokens = torch.tensor([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]])
+    valid = torch.tensor([[False, True, True, True], [True, True, True, True]])
+    taps = -torch.arange(2 * R * F, dtype=torch.float32).view(2, R, F) - 1
+    fed = torch.tensor([[14, 15, 16], [24, 25, 26]])
+    kept, anchor = torch.tensor([2, 0]), torch.tensor([77, 88])
+    before = ctx.clone(), tokens.clone(), valid.clone()
+    shift_window(ctx, tokens, valid, taps, fed, kept, anchor)
+    assert torch.equal(ctx[0], torch.cat([before[0][0, 2:], taps[0, :2]]))
+    assert tokens[0].tolist() == [12, 13, 14, 15, 77]
+    assert valid[0].tolist() == [True, True, True, True]
+    # kept 0 (an ended request): the window stays
+    assert torch.equal(ctx[1], before[0][1]) and torch.equal(tokens[1], before[1][1]) and torch.equal(valid[1], before[2][1])
+
+
+def test_advance_step_equals_packing_the_next_round() -> None:
+    """The device advance of a verify-form step gives the indices pack_step computes for the next round's rows."""
+    bs, R = 4, 3
+    table = [[7, 3, 9, 2]]
+    pad = StepSeq([0], 0, [1], [1], True)
+
+    def packed(start: int, ids: list[int], size: int = 2):
+        padded, plan = plan_verify([StepSeq(ids, start, table[0], [5], True, verify=True)], size, R, pad)
+        meta, (h64, h32) = pack_step(padded, block_size=bs, conv_width=4, num_groups=1, max_blocks=4,
+                                     row_queries=True)
+        pad_rows(meta, h64, plan, 1 * bs)
+        return step_views(meta, h64, h32)
+
+    step = packed(5, [40, 41])  # one draft: the run's third row is padding
+    nxt = packed(7, [50, 51, 52])
+    advance_step(step.ids.view(2, R)[:1], step.pos.view(2, R)[:1], step.kv_slot.view(2, R)[:1], step.ctx_lens[:1],
+                 step.block_table[:1], torch.tensor([2]), torch.tensor([50]), torch.tensor([[51, 52, 60]]), bs)
+    for name in ("ids", "pos", "kv_slot", "ctx_lens", "block_table", "row_seq", "state_pages"):
+        assert torch.equal(getattr(step, name), getattr(nxt, name)), name
+    assert torch.equal(step.kda_rows.conv_idx, nxt.kda_rows.conv_idx)
+
+
+# ---- the engine: k3-tiny and its shipped drafter ----
+
+def _engine(rounds: int, **over) -> Engine:
+    eng = Engine(EngineConfig(model=str(MODELS_DIR / "k3-tiny"), dtype="float32", runner="gpu", kernels=False,
+                              cuda_graphs=False, spec=SpecConfig(method="dspark", num_tokens=7, rounds=rounds, **over)))
+    inner = eng.runner
+    # the padded verify form the CUDA graphs replay, run eagerly (what the engine sets up on CUDA, without capture)
+    inner.verify_run_len, inner.verify_sizes = 8, (1, 2, 4)
+    inner.fwd.reserve_verify_inputs(4 * 8)
+    return eng
+
+
+@pytest.fixture(scope="module")
+def workload():
+    tok = load_tokenizer(MODELS_DIR / "k3-tiny")
+    texts = ("def fibonacci(n):", "import os\n\ndef read_lines(path):", "class Stack:\n    def push(self, x):",
+             "for i in range(10):")
+    prompts = [tok.encode_prompt(t) for t in texts]
+    plain = Engine(EngineConfig(model=str(MODELS_DIR / "k3-tiny"), dtype="float32"))
+    base = SamplingParams(temperature=0.0, max_tokens=56, ignore_eos=True)
+    ref = [o.output_ids for o in plain.generate(prompts, base)]
+    # stop ids taken from the outputs (each ends its request mid-output, inside some round), and budgets that
+    # end requests inside a round
+    params = [SamplingParams(temperature=0.0, max_tokens=56, ignore_eos=True, stop_token_ids=(ref[0][30],)),
+              SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=56, ignore_eos=True, stop_token_ids=(ref[2][17],)),
+              SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True)]
+    expect = [o.output_ids for o in plain.generate(prompts, params)]
+    return prompts, params, expect
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["every-step", "controller"])
+def test_device_rounds_greedy_output_equals_plain(workload, adaptive) -> None:
+    prompts, params, expect = workload
+    eng = _engine(4, adaptive=adaptive)
+    planned, rounds_run = [], []
+    plan = eng.scheduler._plan_rounds
+    eng.scheduler._plan_rounds = lambda s, d: (lambda r: planned.append(r) or r)(plan(s, d))
+    update = eng.scheduler._update_verify
+    eng.scheduler._update_verify = lambda c, r, f: (rounds_run.append(len(getattr(r, "rounds", [0]))), update(c, r, f))
+    # one request alone (batch 1: every step may run rounds), then all four
+    out = run(eng, prompts[:1], params[:1]) + run(eng, prompts, params)
+    assert [o.output_ids for o in out] == expect[:1] + expect
+    assert max(rounds_run) == 4 and 4 in planned  # steps of several rounds ran
+    s = eng.stats
+    assert s.spec_verifies >= sum(rounds_run) and s.spec_accepted_tokens > s.spec_verifies
+    assert sum(o.spec_accepted_tokens for o in out[1:]) + out[0].spec_accepted_tokens == s.spec_accepted_tokens
+    eng.check()
+    assert len(eng.target_states) == 0
+    assert_at_rest(eng)  # every page back (lookahead pages of the rounds included), or in the cache
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_device_rounds_on_cuda_graphs(workload, dtype) -> None:
+    """On CUDA the rounds replay the verify, commit and drafter graphs. fp32: equal to plain decoding; bf16:
+    equal to one round per step (the same graphs on the same inputs: the device's window and drafts are the ones
+    the host path builds)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    prompts, params, expect = workload
+
+    def outputs(rounds: int) -> tuple[list[list[int]], Engine]:
+        eng = Engine(EngineConfig(model=str(MODELS_DIR / "k3-tiny"), dtype=dtype, device="cuda",
+                                  spec=SpecConfig(method="dspark", num_tokens=7, rounds=rounds, adaptive=False)))
+        return [o.output_ids for o in run(eng, prompts, params)], eng
+
+    one, _ = outputs(1)
+    four, eng = outputs(4)
+    assert four == one
+    if dtype == "float32":
+        assert four == expect
+    assert eng.runner.verify_graph_replays > 0 and eng.stats.spec_accepted_tokens > eng.stats.spec_verifies
