@@ -94,7 +94,7 @@ class Engine:
         device_rounds = (spec.rounds > 1 and self.target_states is not None and hasattr(drafter, "draft_tokens")
                          and hasattr(self.runner, "round_drafter"))
         if device_rounds:
-            self.runner.round_drafter = drafter
+            self.runner.capture_rounds(drafter)
         self.scheduler = Scheduler(cfg.scheduler, cc, self.pool, RadixCache(self.pool, self.layout.block_size, policy),
                                    drafter=drafter, spec_cfg=spec, target_states=self.target_states, gate=self.gate,
                                    device_rounds=device_rounds)

@@ -81,19 +81,124 @@ def shift_window(ctx: torch.Tensor, tokens: torch.Tensor | None, valid: torch.Te
 
 def advance_step(ids: torch.Tensor, pos: torch.Tensor, kv_slot: torch.Tensor, ctx_lens: torch.Tensor,
                  table: torch.Tensor, kept: torch.Tensor, anchor: torch.Tensor, drafts: torch.Tensor,
-                 block_size: int) -> None:
-    """In place, for the first n sequences of a verify-form step (views [n, R] of its ids, positions and cache
-    rows; ctx_lens [n] int32; table [n, max_blocks] int32): the next round feeds the anchor and R - 1 drafts at
-    the positions right after the kept tokens. Pages for every position the rounds can reach are in the table
-    (the scheduler allocated them before packing)."""
+                 block_size: int, real: torch.Tensor | None = None) -> None:
+    """In place, for the sequences of a verify-form step (views [S, R] of its ids, positions and cache rows;
+    ctx_lens [S] int32; table [S, max_blocks] int32): the next round feeds the anchor and R - 1 drafts at the
+    positions right after the kept tokens. Pages for every position the rounds can reach are in the table (the
+    scheduler allocated them before packing). real [S] bool: the sequences to move (pad sequences stay put)."""
     R = ids.shape[1]
     start = pos[:, 0] + kept
     p = start[:, None] + torch.arange(R, device=pos.device)[None, :]
-    ids[:, 0] = anchor
-    ids[:, 1:] = drafts[:, :R - 1]
-    pos.copy_(p)
-    kv_slot.copy_(table.gather(1, p // block_size).to(torch.int64) * block_size + p % block_size)
-    ctx_lens.add_(kept.to(ctx_lens.dtype))
+    new_ids = torch.cat([anchor[:, None], drafts[:, :R - 1]], 1)
+    slots = table.gather(1, p // block_size).to(torch.int64) * block_size + p % block_size
+    if real is None:
+        ids.copy_(new_ids)
+        pos.copy_(p)
+        kv_slot.copy_(slots)
+        ctx_lens.add_(kept.to(ctx_lens.dtype))
+        return
+    m = real[:, None]
+    ids.copy_(torch.where(m, new_ids, ids))
+    pos.copy_(torch.where(m, p, pos))
+    kv_slot.copy_(torch.where(m, slots, kv_slot))
+    ctx_lens.add_(torch.where(real, kept, 0).to(ctx_lens.dtype))
+
+
+@dataclass
+class RoundState:
+    """What the rounds carry from one to the next, per sequence of the verify bucket (device tensors; static
+    buffers of a round graph, or fresh ones on the eager path)."""
+
+    ctx: torch.Tensor  # [S, W, F] drafter window states
+    tokens: torch.Tensor | None  # [S, W + 1] its token ids and the anchor (drafters that read them)
+    valid: torch.Tensor  # [S, W] bool
+    anchors: torch.Tensor  # [S]
+    num_drafts: torch.Tensor  # [S] real drafts of the round being accepted
+    budget: torch.Tensor  # [S] tokens each may still emit
+    live: torch.Tensor  # [S] bool
+    real: torch.Tensor  # [S] bool: sequences of the step (not padding)
+    stops: torch.Tensor  # [S, P] stop ids, -1 padded
+    argmax: torch.Tensor  # [S, R] the accepted round's argmax rows (out)
+    kept: torch.Tensor  # [S] its kept counts (out)
+
+    @classmethod
+    def empty(cls, size: int, run: int, window: int, features: int, stops: int, dtype: torch.dtype,
+              tokens: bool, device) -> "RoundState":
+        z = dict(dtype=torch.int64, device=device)
+        return cls(torch.zeros(size, window, features, dtype=dtype, device=device),
+                   torch.zeros(size, window + 1, **z) if tokens else None,
+                   torch.zeros(size, window, dtype=torch.bool, device=device), torch.zeros(size, **z),
+                   torch.zeros(size, **z), torch.zeros(size, **z), torch.zeros(size, dtype=torch.bool, device=device),
+                   torch.zeros(size, dtype=torch.bool, device=device), torch.full((size, stops), -1, **z),
+                   torch.zeros(size, run, **z), torch.zeros(size, **z))
+
+
+def accept_round(runner, step, st: RoundState, logits: torch.Tensor, taps: dict[int, torch.Tensor],
+                 accepted: torch.Tensor | None) -> None:
+    """Accept the round whose forward wrote `logits` [S * R, V] and `taps`, commit it (into `accepted`, the
+    verify graph's commit input, then the commit; None: the eager commit) and shift the window past it."""
+    S, R = st.argmax.shape
+    ids = step.ids.view(S, R)
+    am = logits.view(S, R, -1).argmax(-1)
+    kept, ended = greedy_accept(am, ids, st.num_drafts, st.stops, st.budget, st.live)
+    st.argmax.copy_(am)
+    st.kept.copy_(kept)
+    if accepted is not None:
+        accepted.copy_(kept)
+        runner.fwd.commit_graphed(step, accepted)
+    else:
+        runner.fwd.commit_graphed(step, kept)
+    tapped = torch.cat([taps[layer].view(S, R, -1) for layer in runner.target_states.layers], -1)
+    anchor = am.gather(1, (kept - 1).clamp(min=0)[:, None])[:, 0]
+    anchor = torch.where(kept > 0, anchor, st.anchors)
+    shift_window(st.ctx, st.tokens, st.valid, tapped, ids, kept, anchor)
+    st.anchors.copy_(anchor)
+    st.budget.sub_(kept)
+    st.live.logical_and_(~ended)
+
+
+def next_round(runner, drafter, step, st: RoundState, logits_out: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+    """Draft from the window, move the step to the next round, run its verify forward -> (logits, taps)."""
+    S, R = st.argmax.shape
+    extra = {"ctx_tokens": st.tokens, "ctx_valid": st.valid} if drafter.model.needs_tokens else {}
+    drafts = drafter.model.greedy_pass(st.ctx, st.anchors, drafter.embed, drafter.lm_head, fused=drafter.fused,
+                                       **extra)[0]
+    advance_step(step.ids.view(S, R), step.pos.view(S, R), step.kv_slot.view(S, R), step.ctx_lens, step.block_table,
+                 st.kept, st.anchors, drafts, runner.block_size, st.real)
+    st.num_drafts.copy_(torch.where(st.real, R - 1, 0))
+    logits = runner.fwd(step, logits_out=logits_out)
+    return logits, dict(runner.fwd.tapped)
+
+
+class RoundGraph:
+    """One verify bucket's round in a CUDA graph: accept the last forward, commit, shift, draft, advance, verify
+    forward (its logits into the verify graph's buffer, its taps copied into the verify graph's, so the next
+    replay reads them where the first round left them). Captured once, at engine start, on pad sequences."""
+
+    STOPS = 16  # stop ids per request a round graph checks (a request with more takes one round per step)
+
+    def __init__(self, runner, drafter, size: int, pool) -> None:
+        g = runner.verify_graphs[size]
+        cfg = drafter.model.cfg
+        R = runner.verify_run_len
+        self.size, self.g = size, g
+        self.st = RoundState.empty(size, R, cfg.context_len, drafter.model.fc.in_features, self.STOPS,
+                                   drafter.dtype, drafter.model.needs_tokens, g.logits.device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+
+        def body() -> None:
+            accept_round(runner, g.step, self.st, g.logits, g.taps, g.accepted)
+            _, taps = next_round(runner, drafter, g.step, self.st, g.logits)
+            for layer, t in taps.items():
+                g.taps[layer].copy_(t)
+
+        with torch.cuda.stream(side):
+            body()  # compile and warm up outside the capture (pad sequences, nothing live: kept 0)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            body()
 
 
 @dataclass
@@ -118,57 +223,47 @@ def run_rounds(runner, chunks: list, step, first: tuple, size: int, rounds: int,
     """Rounds 2..`rounds` of a verify-form step whose first round already ran (see the module docstring).
     chunks: the step's verify chunks, in its sequence order (no plain decodes); step: the verify form's GpuStep
     (views of the graph's static buffers, or of the eager step's); first: (logits [size * R, V], taps
-    {layer: [size * R, hidden]}) of round one's forward; drafter: the DSpark drafter (`window`, `draft_tokens`)."""
+    {layer: [size * R, hidden]}) of round one's forward; drafter: the DSpark drafter. Each further round replays
+    the bucket's round graph when one was captured (runner.round_graphs), else runs the same ops eagerly."""
     from k3rt.backend.spec.base import DraftQuery
 
-    fwd, R, n = runner.fwd, runner.verify_run_len, len(chunks)
+    R, n = runner.verify_run_len, len(chunks)
     dev = step.ids.device
     g = runner.verify_graphs.get(size)
     reqs = [c.req for c in chunks]
     store = runner.target_states
     queries = [DraftQuery(r.rid, r.token_ids, r.prompt_len, R - 1, store.get(r.rid)) for r in reqs]
     ctx, anchors, tokens, valid = drafter.window(queries)
-    host = torch.zeros(3, size, dtype=torch.int64)
+    host = torch.zeros(2, size, dtype=torch.int64)
     host[0, :n] = torch.tensor([len(c.draft_ids) for c in chunks])
     host[1, :n] = torch.tensor([r.params.max_tokens - r.num_output for r in reqs])
-    num_drafts, budget = host[0].to(dev, non_blocking=True), host[1].to(dev, non_blocking=True)
-    live = budget > 0
+    host = host.to(dev, non_blocking=True)
     stops = stop_table(reqs, size, dev)
-    ids, pos, slot = step.ids.view(size, R), step.pos.view(size, R), step.kv_slot.view(size, R)
+    rg = runner.round_graphs.get(size)
+    if rg is not None and stops.shape[1] > RoundGraph.STOPS:
+        rg = None
+    st = rg.st if rg is not None else RoundState.empty(size, R, ctx.shape[1], ctx.shape[2], stops.shape[1],
+                                                       ctx.dtype, tokens is not None, dev)
+    fill_state(st, ctx, anchors, tokens, valid, host[0], host[1], stops, n)
     logits, taps = first
+    accepted = g.accepted if g is not None else None
     outs, kepts = [], []
-    for r in range(rounds):
-        am = logits.view(size, R, -1).argmax(-1)
-        kept, ended = greedy_accept(am, ids, num_drafts, stops, budget, live)
-        outs.append(am)
-        kepts.append(kept)
-        if g is not None:
-            g.accepted.copy_(kept)
-            g.commit.replay()
-        else:
-            fwd.commit_graphed(step, kept)
-        tapped = torch.cat([taps[layer].view(size, R, -1)[:n] for layer in store.layers], -1)
-        k = kept[:n]
-        anchor = am[:n].gather(1, (k - 1).clamp(min=0)[:, None])[:, 0]
-        anchor = torch.where(k > 0, anchor, anchors)
-        shift_window(ctx, tokens, valid, tapped, ids[:n], k, anchor)
-        anchors = anchor
-        budget, live = budget - kept, live & ~ended
-        if r == rounds - 1:
-            break
-        drafts = drafter.draft_tokens(ctx, anchors, tokens, valid)
-        advance_step(ids[:n], pos[:n], slot[:n], step.ctx_lens[:n], step.block_table[:n], k, anchors, drafts,
-                     runner.block_size)
-        num_drafts = torch.where(torch.arange(size, device=dev) < n, R - 1, 0)
-        if g is not None:
-            g.graph.replay()
+    for _ in range(rounds - 1):
+        if rg is not None:
+            rg.graph.replay()
             runner.verify_graph_replays += 1
-            logits, taps = g.logits, g.taps
         else:
-            logits = fwd(step)
-            taps = dict(fwd.tapped)
-    counts = valid.sum(1) if valid is not None else torch.full((n,), ctx.shape[1], device=dev)
-    flat = torch.cat([torch.stack(outs).flatten(), torch.stack(kepts).flatten(), counts.to(torch.int64)]).tolist()
+            accept_round(runner, step, st, logits, taps, accepted)
+            logits, taps = next_round(runner, drafter, step, st, None)
+        outs.append(st.argmax.clone())
+        kepts.append(st.kept.clone())
+    if rg is not None:
+        logits, taps = g.logits, g.taps
+    accept_round(runner, step, st, logits, taps, accepted)
+    outs.append(st.argmax)
+    kepts.append(st.kept)
+    flat = torch.cat([torch.stack(outs).flatten(), torch.stack(kepts).flatten(),
+                      st.valid[:n].sum(1).to(torch.int64)]).tolist()
     ams = [flat[i * size * R:(i + 1) * size * R] for i in range(rounds)]
     at = rounds * size * R
     kept_h = [flat[at + i * size:at + (i + 1) * size] for i in range(rounds)]
@@ -184,9 +279,24 @@ def run_rounds(runner, chunks: list, step, first: tuple, size: int, rounds: int,
             per.append((len(c.draft_ids) if r == 0 else R - 1, m - 1))
         result.tokens[c.req.rid] = RoundsRun(toks, per)
         result.kept.append(len(toks))
-    W = ctx.shape[1]
+    W = st.ctx.shape[1]
     for i, c in enumerate(chunks):
         nv = rows[i]
         if nv > 0:
-            store.record(c.req.rid, c.start + result.kept[i] - nv, ctx[i, W - nv:])
+            store.record(c.req.rid, c.start + result.kept[i] - nv, st.ctx[i, W - nv:])
     return result
+
+
+def fill_state(st: RoundState, ctx, anchors, tokens, valid, num_drafts, budget, stops, n: int) -> None:
+    """The first n sequences' window and counts into `st` (the rest: padding, never live)."""
+    st.ctx[:n].copy_(ctx)
+    st.anchors[:n].copy_(anchors)
+    if st.tokens is not None:
+        st.tokens[:n].copy_(tokens)
+    st.valid[:n].copy_(valid)
+    st.num_drafts.copy_(num_drafts)
+    st.budget.copy_(budget)
+    st.live.copy_(budget > 0)
+    st.real.copy_(torch.arange(st.real.shape[0], device=budget.device) < n)
+    st.stops.fill_(-1)
+    st.stops[:, :stops.shape[1]].copy_(stops)

@@ -46,7 +46,7 @@ from k3rt.backend.runner.gpu.idle import IdleTimer
 from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, to_device
 from k3rt.backend.runner.gpu.penalties import PenaltyState
 from k3rt.backend.runner.gpu.pieces import PiecewiseForward, mixed_buckets_for
-from k3rt.backend.runner.gpu.rounds import run_rounds
+from k3rt.backend.runner.gpu.rounds import RoundGraph, run_rounds
 from k3rt.backend.runner.gpu.sample import sample_on_device, sample_step
 from k3rt.backend.runner.gpu.step import GpuStep, StepSeq, build_step, pack_step, step_views
 from k3rt.backend.runner.gpu.verify_graph import pad_rows, plan_verify
@@ -172,6 +172,7 @@ class GpuModelRunner(Runner):
         # a drafter that drafts on the device from its own window (DSpark): verify-form steps the scheduler planned
         # several rounds for run them here (rounds.py); set by the engine
         self.round_drafter = None
+        self.round_graphs: dict[int, RoundGraph] = {}  # verify bucket -> its captured round (capture_rounds)
         # steps with prefill rows: replayed piecewise (None: eager); not in the batch-invariant mode (its forms
         # step token by token on host-built indices)
         self.mixed: PiecewiseForward | None = None
@@ -381,6 +382,23 @@ class GpuModelRunner(Runner):
                 or not all(c.draft_ids for c in chunks)):
             return 1
         return out.spec_rounds
+
+    def capture_rounds(self, drafter) -> None:
+        """Attach the drafter of the device rounds and, where verify graphs were captured, capture one round graph
+        per verify bucket (rounds.py RoundGraph), in a pool of their own; logs the time and memory they took."""
+        self.round_drafter = drafter
+        if not self.verify_graphs:
+            return
+        t0 = time.perf_counter()
+        reserved0 = torch.cuda.memory_reserved(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        with torch.no_grad():
+            for size in sorted(self.verify_graphs, reverse=True):
+                self.round_graphs[size] = RoundGraph(self, drafter, size, pool)
+        torch.cuda.synchronize(self.device)
+        log.info("captured %d speculative round graphs (batch %d to %d) in %.1f s, %.2f GiB of device memory",
+                 len(self.round_graphs), min(self.round_graphs), max(self.round_graphs), time.perf_counter() - t0,
+                 (torch.cuda.memory_reserved(self.device) - reserved0) / 2**30)
 
     def _run_verify(self, seqs: list[StepSeq], size: int, pending: dict[int, int] | None,
                     prev: LaunchedStep | None) -> tuple[torch.Tensor, GpuStep, dict[int, torch.Tensor], tuple]:
