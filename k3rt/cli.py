@@ -145,6 +145,12 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="gpu runner on CUDA: run verify steps and the dspark drafter's pass eagerly (by default they "
                         "replay CUDA graphs captured at --spec-tokens for batches up to 64; decode graphs are kept; "
                         "--no-cuda-graphs turns off both)")
+    p.add_argument("--spec-rounds", type=int, default=1, metavar="N",
+                   help="--spec dspark on the gpu runner: up to N verify rounds per engine step on the device "
+                        "(greedy requests without grammar, logprobs, logit bias or penalties): each round's "
+                        "acceptance, commit, drafter pass and next verify run as one CUDA graph with no host round "
+                        "trip, and the step's tokens are read back once (default 1: every round is its own step; "
+                        "tokens then stream once per round)")
     _add_spec_adaptive(p)
 
 
@@ -173,7 +179,7 @@ def _spec_config(a: argparse.Namespace):
                 raise ValueError(f"spec_model: cannot read block_size from {cfg_path}: {e}") from None
     return SpecConfig(method=a.spec, num_tokens=4 if num_tokens is None else num_tokens, model=model,
                       confidence_threshold=a.spec_confidence, cuda_graphs=not a.no_spec_graphs,
-                      adaptive=a.spec_adaptive)
+                      adaptive=a.spec_adaptive, rounds=a.spec_rounds)
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:

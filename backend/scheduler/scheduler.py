@@ -313,23 +313,26 @@ class Scheduler:
     def _plan_rounds(self, scheduled: list[ScheduledChunk], decodes: list[Request]) -> int:
         """Device rounds for this step (SpecConfig.rounds): only when every request of the step verifies drafts of
         a drafter that drafts on the device, and each is greedy with nothing the host must see per token
-        (grammar, logprobs, logit bias, penalties). Each round feeds K + 1 tokens, so every request gets pages
-        up to position start + rounds * (K + 1) - 1, and rounds stop at the request's own reach (prompt plus
-        max_tokens: no position past the model's length); without free pages for that, one round."""
+        (grammar, logprobs, logit bias, penalties); no more rounds than the most tokens a request may still emit
+        (each live round emits one at least). Each round feeds K + 1 tokens at most up to the request's last
+        position (prompt + max_tokens - 1: rounds.advance_step), so every request gets pages up to
+        min(start + rounds * (K + 1), that reach); without free pages for that, one round."""
         sc = self.spec_cfg
         if not self.device_rounds or sc.rounds <= 1 or decodes or not scheduled:
             return 1
         run = sc.num_tokens + 1
-        rounds = sc.rounds
+        left = 0
         for c in scheduled:
             r, p = c.req, c.req.params
             if (not c.draft_ids or not p.greedy or r.grammar is not None or p.logprobs is not None or p.logit_bias
                     or p.has_penalties or r.prompt_logprobs_from is not None):
                 return 1
-            rounds = min(rounds, (r.prompt_len + p.max_tokens - c.start) // run)
+            left = max(left, p.max_tokens - r.num_output)
+        rounds = min(sc.rounds, left)
         if rounds <= 1:
             return 1
-        need = [max(0, -(-(c.start + rounds * run) // self.B) - len(c.req.block_table)) for c in scheduled]
+        need = [max(0, -(-min(c.start + rounds * run, c.req.prompt_len + c.req.params.max_tokens) // self.B)
+                    - len(c.req.block_table)) for c in scheduled]
         if sum(need) > self.pool.num_free:
             return 1
         for c, n in zip(scheduled, need):

@@ -122,7 +122,9 @@ def test_device_rounds_greedy_output_equals_plain(workload, adaptive) -> None:
     assert [o.output_ids for o in out] == expect[:1] + expect
     assert max(rounds_run) == 4 and 4 in planned  # steps of several rounds ran
     s = eng.stats
-    assert s.spec_verifies >= sum(rounds_run) and s.spec_accepted_tokens > s.spec_verifies
+    assert s.spec_verifies == sum(rounds_run)  # every round counted once
+    # the drafter's tau on these prompts is above 2 when every step drafts (the controller's choices vary with timing)
+    assert s.spec_accepted_tokens > (s.spec_verifies if not adaptive else 0)
     assert sum(o.spec_accepted_tokens for o in out[1:]) + out[0].spec_accepted_tokens == s.spec_accepted_tokens
     eng.check()
     assert len(eng.target_states) == 0
@@ -150,3 +152,13 @@ def test_device_rounds_on_cuda_graphs(workload, dtype) -> None:
     if dtype == "float32":
         assert four == expect
     assert eng.runner.verify_graph_replays > 0 and eng.stats.spec_accepted_tokens > eng.stats.spec_verifies
+
+
+def test_spec_rounds_flag_and_its_bounds() -> None:
+    from k3rt.cli import _spec_config, build_parser
+
+    a = build_parser().parse_args(["serve", "--spec", "dspark", "--spec-rounds", "8"])
+    assert _spec_config(a).rounds == 8
+    assert _spec_config(build_parser().parse_args(["serve", "--spec", "dspark"])).rounds == 1
+    with pytest.raises(ValueError, match=r"spec_rounds: must be in \[1, 64\], got 0"):
+        SpecConfig(method="dspark", rounds=0)

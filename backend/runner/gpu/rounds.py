@@ -81,14 +81,19 @@ def shift_window(ctx: torch.Tensor, tokens: torch.Tensor | None, valid: torch.Te
 
 def advance_step(ids: torch.Tensor, pos: torch.Tensor, kv_slot: torch.Tensor, ctx_lens: torch.Tensor,
                  table: torch.Tensor, kept: torch.Tensor, anchor: torch.Tensor, drafts: torch.Tensor,
-                 block_size: int, real: torch.Tensor | None = None) -> None:
+                 block_size: int, real: torch.Tensor | None = None, limit: torch.Tensor | None = None) -> None:
     """In place, for the sequences of a verify-form step (views [S, R] of its ids, positions and cache rows;
     ctx_lens [S] int32; table [S, max_blocks] int32): the next round feeds the anchor and R - 1 drafts at the
-    positions right after the kept tokens. Pages for every position the rounds can reach are in the table (the
-    scheduler allocated them before packing). real [S] bool: the sequences to move (pad sequences stay put)."""
+    positions right after the kept tokens. real [S] bool: the sequences to move (pad sequences stay put).
+    limit [S]: each sequence's last position (prompt + max_tokens - 1): rows past it are fed there instead.
+    A row at that position or past it can only yield a token beyond max_tokens, and nothing kept ever reads
+    what it writes, so the rounds touch no page past the request's own reach (the scheduler allocated pages
+    up to it, and it is within the model's length)."""
     R = ids.shape[1]
     start = pos[:, 0] + kept
     p = start[:, None] + torch.arange(R, device=pos.device)[None, :]
+    if limit is not None:
+        p = torch.minimum(p, limit[:, None])
     new_ids = torch.cat([anchor[:, None], drafts[:, :R - 1]], 1)
     slots = table.gather(1, p // block_size).to(torch.int64) * block_size + p % block_size
     if real is None:
@@ -117,6 +122,7 @@ class RoundState:
     budget: torch.Tensor  # [S] tokens each may still emit
     live: torch.Tensor  # [S] bool
     real: torch.Tensor  # [S] bool: sequences of the step (not padding)
+    limit: torch.Tensor  # [S] last position each may feed (advance_step)
     stops: torch.Tensor  # [S, P] stop ids, -1 padded
     argmax: torch.Tensor  # [S, R] the accepted round's argmax rows (out)
     kept: torch.Tensor  # [S] its kept counts (out)
@@ -129,7 +135,8 @@ class RoundState:
                    torch.zeros(size, window + 1, **z) if tokens else None,
                    torch.zeros(size, window, dtype=torch.bool, device=device), torch.zeros(size, **z),
                    torch.zeros(size, **z), torch.zeros(size, **z), torch.zeros(size, dtype=torch.bool, device=device),
-                   torch.zeros(size, dtype=torch.bool, device=device), torch.full((size, stops), -1, **z),
+                   torch.zeros(size, dtype=torch.bool, device=device), torch.zeros(size, **z),
+                   torch.full((size, stops), -1, **z),
                    torch.zeros(size, run, **z), torch.zeros(size, **z))
 
 
@@ -164,7 +171,7 @@ def next_round(runner, drafter, step, st: RoundState, logits_out: torch.Tensor |
     drafts = drafter.model.greedy_pass(st.ctx, st.anchors, drafter.embed, drafter.lm_head, fused=drafter.fused,
                                        **extra)[0]
     advance_step(step.ids.view(S, R), step.pos.view(S, R), step.kv_slot.view(S, R), step.ctx_lens, step.block_table,
-                 st.kept, st.anchors, drafts, runner.block_size, st.real)
+                 st.kept, st.anchors, drafts, runner.block_size, st.real, st.limit)
     st.num_drafts.copy_(torch.where(st.real, R - 1, 0))
     logits = runner.fwd(step, logits_out=logits_out)
     return logits, dict(runner.fwd.tapped)
@@ -234,9 +241,10 @@ def run_rounds(runner, chunks: list, step, first: tuple, size: int, rounds: int,
     store = runner.target_states
     queries = [DraftQuery(r.rid, r.token_ids, r.prompt_len, R - 1, store.get(r.rid)) for r in reqs]
     ctx, anchors, tokens, valid = drafter.window(queries)
-    host = torch.zeros(2, size, dtype=torch.int64)
+    host = torch.zeros(3, size, dtype=torch.int64)
     host[0, :n] = torch.tensor([len(c.draft_ids) for c in chunks])
     host[1, :n] = torch.tensor([r.params.max_tokens - r.num_output for r in reqs])
+    host[2, :n] = torch.tensor([r.prompt_len + r.params.max_tokens - 1 for r in reqs])
     host = host.to(dev, non_blocking=True)
     stops = stop_table(reqs, size, dev)
     rg = runner.round_graphs.get(size)
@@ -244,7 +252,7 @@ def run_rounds(runner, chunks: list, step, first: tuple, size: int, rounds: int,
         rg = None
     st = rg.st if rg is not None else RoundState.empty(size, R, ctx.shape[1], ctx.shape[2], stops.shape[1],
                                                        ctx.dtype, tokens is not None, dev)
-    fill_state(st, ctx, anchors, tokens, valid, host[0], host[1], stops, n)
+    fill_state(st, ctx, anchors, tokens, valid, host[0], host[1], host[2], stops, n)
     logits, taps = first
     accepted = g.accepted if g is not None else None
     outs, kepts = [], []
@@ -287,7 +295,7 @@ def run_rounds(runner, chunks: list, step, first: tuple, size: int, rounds: int,
     return result
 
 
-def fill_state(st: RoundState, ctx, anchors, tokens, valid, num_drafts, budget, stops, n: int) -> None:
+def fill_state(st: RoundState, ctx, anchors, tokens, valid, num_drafts, budget, limit, stops, n: int) -> None:
     """The first n sequences' window and counts into `st` (the rest: padding, never live)."""
     st.ctx[:n].copy_(ctx)
     st.anchors[:n].copy_(anchors)
@@ -296,6 +304,7 @@ def fill_state(st: RoundState, ctx, anchors, tokens, valid, num_drafts, budget, 
     st.valid[:n].copy_(valid)
     st.num_drafts.copy_(num_drafts)
     st.budget.copy_(budget)
+    st.limit.copy_(limit)
     st.live.copy_(budget > 0)
     st.real.copy_(torch.arange(st.real.shape[0], device=budget.device) < n)
     st.stops.fill_(-1)
