@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import Report, default_out  # noqa: E402
+from _timing import Report, default_out, time_ms  # noqa: E402
 
 
 def _args() -> argparse.Namespace:
@@ -169,23 +169,11 @@ def _profile_summary(prof, steps: int, wall_s: float, top: int) -> dict:
 
 def _graph_times(eng, batch: int, reps: int = 30) -> dict:
     """Each graph the engine replays at this batch's bucket, alone (after the run: replays write scratch state)."""
-    import torch
-
     r = eng.runner
     out: dict[str, float] = {}
 
     def timed(name, fn):
-        for _ in range(3):
-            fn()
-        ts = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b))
-        out[name] = round(statistics.median(ts), 4)
+        out[name] = round(time_ms(fn, reps=reps, cuda=True)["median_ms"], 4)
 
     size = next((s for s in sorted(getattr(r, "graphs", {}) or {}) if s >= batch), None)
     if size is not None:
