@@ -44,7 +44,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--profile-steps", type=int, default=24, help="decode steps under the profiler per engine")
     p.add_argument("--top", type=int, default=20, help="kernels kept per row")
-    p.add_argument("--smoke", action="store_true", help="CPU, batch 1 and 2, 24 tokens")
+    p.add_argument("--smoke", action="store_true", help="CPU, batch 1, 16 tokens (the reference runner: no graphs)")
     p.add_argument("--budget-s", type=float, default=300.0)
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args()
@@ -192,7 +192,7 @@ def _graph_times(eng, batch: int, reps: int = 30) -> dict:
 def main() -> int:
     a = _args()
     if a.smoke:
-        a.device, a.batch, a.max_tokens, a.profile_steps = "cpu", "1,2", 24, 4
+        a.device, a.batch, a.max_tokens, a.profile_steps = "cpu", "1", 16, 3
     import torch
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile

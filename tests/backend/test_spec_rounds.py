@@ -162,3 +162,21 @@ def test_spec_rounds_flag_and_its_bounds() -> None:
     assert _spec_config(build_parser().parse_args(["serve", "--spec", "dspark"])).rounds == 1
     with pytest.raises(ValueError, match=r"spec_rounds: must be in \[1, 64\], got 0"):
         SpecConfig(method="dspark", rounds=0)
+
+
+def test_spec_round_benchmark_smoke(tmp_path) -> None:
+    """benchmarks/spec_round.py --smoke (CPU, reference runner): a row per engine with its step times, tokens per
+    step, tau and host phases (bit-rot check; its numbers mean something on the GPU)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "spec_round.json"
+    subprocess.run([sys.executable, str(root / "benchmarks" / "spec_round.py"), "--smoke", "--engines",
+                    "plain,dspark", "--out", str(out)], check=True, capture_output=True, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["engine"], r["batch"]) for r in rows] == [("plain", 1), ("dspark", 1)]
+    assert rows[0]["tokens_per_step"] == 1.0 and rows[0]["tau"] is None
+    assert rows[1]["tau"] > 1.0 and "draft" in rows[1]["host_phase_ms_per_step"]
