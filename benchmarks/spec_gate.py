@@ -52,6 +52,8 @@ def _args() -> argparse.Namespace:
                    "turns (`k3rt bench spec --rounds`); the row's speedup is the median of the rounds' ratios")
     p.add_argument("--trace", action="store_true", help="each timing row keeps its runs' per-call traces "
                    "(`k3rt bench spec --trace`)")
+    p.add_argument("--spec-rounds", type=int, default=1, metavar="N",
+                   help="dspark on the gpu runner: up to N verify rounds per step on the device (SpecConfig.rounds)")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args()
 
@@ -70,7 +72,7 @@ def main() -> int:
                            workloads=parse_list(a.workloads, "workloads"),
                            drafters=parse_list(a.drafters, "drafters"), spec_tokens=a.spec_tokens,
                            max_tokens=a.max_tokens, turns=a.turns, trace=a.trace,
-                           rounds=a.rounds)
+                           rounds=a.rounds, spec_rounds=a.spec_rounds)
     sizes = parse_list(a.batch_sizes, "batch_sizes", int)
     # 1. correctness: batch-invariant numerics, the controller on; every output equals the plain one
     ok = True

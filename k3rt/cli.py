@@ -467,6 +467,9 @@ def _add_bench_spec(bsub: argparse._SubParsersAction) -> None:
                    help="on CUDA: run verify steps and the drafter's pass eagerly, decode steps still from graphs "
                         "(to compare against the default, where all three replay graphs)")
     _add_spec_adaptive(s)
+    s.add_argument("--spec-rounds", type=int, default=1, metavar="N",
+                   help="dspark on the gpu runner: up to N verify rounds per engine step on the device (as serve's "
+                        "--spec-rounds; default 1)")
     s.add_argument("--rounds", type=int, default=1,
                    help="measured runs per engine and row, the engines taking turns; the speedup is the median "
                         "of the rounds' spec/plain ratios (default 1)")
@@ -488,7 +491,7 @@ def _cmd_bench_spec(a: argparse.Namespace) -> int:
                           spec_model=a.spec_model, max_tokens=a.max_tokens, prompt_len=a.prompt_len, turns=a.turns,
                           seed=a.seed, deterministic=a.deterministic, cuda_graphs=not a.no_cuda_graphs,
                           spec_graphs=not a.no_spec_graphs, spec_adaptive=a.spec_adaptive, trace=a.trace,
-                          rounds=a.rounds)
+                          rounds=a.rounds, spec_rounds=a.spec_rounds)
     rows = bench_spec(cfg, progress=not a.json)
     data = rows_json(rows)
     if a.out:

@@ -88,6 +88,9 @@ class SpecBenchConfig:
     cuda_graphs: bool = True  # the GPU runner's decode/verify graphs and the dspark drafter's (CUDA only)
     spec_graphs: bool = True  # the verify and drafter graphs alone (False: those eager, decode graphs kept)
     spec_adaptive: bool = True  # the speculation controller (False: every step that can draft does)
+    # dspark on the GPU runner: verify rounds per step on the device (SpecConfig.rounds; rows then count a step of
+    # several rounds as one verify step in their verify-time columns: tokens/s and speedup are per token)
+    spec_rounds: int = 1
     # measured runs per engine and (workload, batch), the engines taking turns (rows sum counts and times over
     # them; speedup is the median of the rounds' ratios)
     rounds: int = 1
@@ -433,7 +436,7 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
         spec = SpecConfig() if method is None else SpecConfig(method=method, num_tokens=cfg.spec_tokens,
                                                               model=spec_model if method == "dspark" else None,
                                                               cuda_graphs=cfg.spec_graphs,
-                                                              adaptive=cfg.spec_adaptive)
+                                                              adaptive=cfg.spec_adaptive, rounds=cfg.spec_rounds)
         engines[method or "plain"] = Engine(replace(base, spec=spec), model=model)
     names = list(engines)
     runs: dict[tuple[str, int, str], list[_Run]] = {}
