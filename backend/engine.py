@@ -360,7 +360,7 @@ class Engine:
         drafted = sum(len(c.draft_ids) for c in self._launched.chunks) if kind is StepKind.VERIFY else 0
         # a step of several device rounds (SpecConfig.rounds) is that many verify steps to the cost model
         rounds = self.scheduler.step_rounds if kind is StepKind.VERIFY else 1
-        self.gate.observe_step(kind, batch, max(seconds - self.scheduler.step_draft_s, 0.0) / rounds, drafted)
+        self.gate.observe_step(kind, batch, max(seconds - self.scheduler.step_draft_s, 0.0) / rounds, drafted, rounds)
 
     def _step(self) -> list[RequestOutput]:
         outputs = []

@@ -111,15 +111,20 @@ class StepCosts:
     verify: dict[int, Ema] = field(default_factory=dict)
     draft: dict[int, Ema] = field(default_factory=dict)
     verify_drafts: dict[int, Ema] = field(default_factory=dict)  # draft tokens per verify step (trimming's unit)
+    # verify rounds per verifying engine step (SpecConfig.rounds: the device runs several; `verify` is per round)
+    verify_rounds: dict[int, Ema] = field(default_factory=dict)
 
-    def observe_step(self, kind: StepKind, batch: int, seconds: float, step: int, drafted: int = 0) -> None:
-        """A sampled step's wall time, the drafter's pass excluded (MIXED steps are ignored)."""
+    def observe_step(self, kind: StepKind, batch: int, seconds: float, step: int, drafted: int = 0,
+                     rounds: int = 1) -> None:
+        """A sampled step's wall time, the drafter's pass excluded (MIXED steps are ignored); a verify step of
+        several device rounds is given per round (seconds / rounds) with its round count."""
         b = bucket(batch)
         if kind is StepKind.PLAIN:
             self.plain.setdefault(b, Ema()).add(seconds, self.weight, step)
         elif kind is StepKind.VERIFY:
             self.verify.setdefault(b, Ema()).add(seconds, self.weight, step)
             self.verify_drafts.setdefault(b, Ema()).add(float(drafted), self.weight, step)
+            self.verify_rounds.setdefault(b, Ema()).add(float(rounds), self.weight, step, restart=False)
 
     def observe_draft(self, batch: int, seconds: float, step: int) -> None:
         # no restart on a cheap call after a dear one: a drafter's dear calls recur (the suffix drafter's first

@@ -208,9 +208,13 @@ class SpecGate:
             if self.steps - plain.at_step > 4 * self.cfg.probe_interval:
                 return Plan(False, Why.REFRESH)
             return self._spec(b, Why.CHEAP)
+        # the scheduler's drafter pass runs once per engine step; a step of several device rounds (SpecConfig.rounds)
+        # drafts its further rounds inside the rounds' own time (`verify` is per round): per round it costs a share
+        rounds = c.get(c.verify_rounds, batch)
+        draft_s = draft.value / max(rounds.value if rounds is not None else 1.0, 1.0)
         drafted = c.get(c.verify_drafts, batch)
         if drafted is not None:
-            ceiling_s = draft.value + verify.value
+            ceiling_s = draft_s + verify.value
             if (batch + drafted.value) * plain.value <= batch * ceiling_s:
                 # hopeless at this bucket: with every draft of a typical verify accepted, a drafting step would
                 # still emit tokens no faster than plain decoding (k3-tiny at batch 64 on the H200: a verify of
@@ -225,7 +229,7 @@ class SpecGate:
             return self._spec(b, Why.EXPLORE)
         # a drafting step verifies unless no request gets drafts (then it is a plain step plus the pass)
         none = math.prod(1.0 - self.verifies(r) for r in rids)
-        spec_s, plain_s = draft.value + (1.0 - none) * verify.value + none * plain.value, max(plain.value, 1e-9)
+        spec_s, plain_s = draft_s + (1.0 - none) * verify.value + none * plain.value, max(plain.value, 1e-9)
         tokens = batch + sum(gains)
         if tokens / max(spec_s, 1e-9) > (1.0 + self.cfg.margin) * batch / plain_s:
             if self.steps - plain.at_step > 4 * self.cfg.probe_interval:
@@ -288,9 +292,10 @@ class SpecGate:
 
     # ---- observations ----
 
-    def observe_step(self, kind: StepKind, batch: int, seconds: float, drafted: int = 0) -> None:
-        """A step's wall time (the drafter's pass excluded) and its draft tokens (verify steps)."""
-        self.costs.observe_step(kind, batch, seconds, self.steps, drafted)
+    def observe_step(self, kind: StepKind, batch: int, seconds: float, drafted: int = 0, rounds: int = 1) -> None:
+        """A step's wall time (the drafter's pass excluded; per round for a step of several device rounds), its
+        draft tokens and its rounds (verify steps)."""
+        self.costs.observe_step(kind, batch, seconds, self.steps, drafted, rounds)
 
     def observe_rate(self, batch: int, tokens: int, seconds: float) -> None:
         """A decode-only engine step of `batch` requests delivered `tokens` in `seconds` (the governor's input)."""

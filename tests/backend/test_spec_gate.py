@@ -75,6 +75,22 @@ def test_the_same_acceptance_does_not_pay_at_a_batch_whose_verify_costs_several_
     assert p == Plan(True, Why.PROBE) and g.steps == 65 + 16
 
 
+def test_a_step_of_several_device_rounds_pays_the_drafters_host_pass_once() -> None:
+    """SpecConfig.rounds: a verifying step ran 8 rounds on the device (its time given per round) and called the
+    scheduler's drafter pass once: per round the pass costs an eighth. The same costs with one round per step
+    do not pay (k3-tiny at batch 1 on the H200, session 18: pass 0.6, round 1.8, plain 1.1 ms, 2 tokens a round)."""
+    one, eight = (SpecGate(SpecGateConfig(margin=0.05, explore_samples=2)) for _ in range(2))
+    for g, rounds in ((one, 1), (eight, 8)):
+        g.observe_step(StepKind.PLAIN, 1, 1.1)
+        g.observe_step(StepKind.VERIFY, 1, 1.8, 7, rounds)
+        g.observe_draft(1, 0.6)
+        for _ in range(2):
+            g.observe(0, 7, 1)  # 2 tokens a round
+    assert one.plan(1, [0]) == Plan(False, Why.NOT_WORTH)  # 2 tokens in 2.4 ms < 1 in 1.1 ms
+    assert eight.plan(1, [0]) == Plan(True, Why.PAYS)  # 2 tokens in 1.8 + 0.6 / 8 ms
+    assert eight.costs.verify_rounds[1].value == 8.0
+
+
 def test_a_bucket_where_even_full_acceptance_loses_is_not_explored_nor_probed_for_new_requests() -> None:
     """Regression (session 16): on the H200 at batch 64 a k3-tiny verify step took ~16 ms and a plain step 1.6 ms;
     every new batch of requests was probed within probe_interval steps (new requests shorten the spacing) and
@@ -208,7 +224,7 @@ def _forced(eng, pays: bool) -> list:
         g.observe(-1, 4, 4)
     g.finish(-1)
     samples = []  # the step samples the engine hands in: recorded, not learned from
-    g.observe_step = lambda kind, batch, seconds, drafted=0: samples.append((kind, drafted))
+    g.observe_step = lambda kind, batch, seconds, drafted=0, rounds=1: samples.append((kind, drafted))
     g.observe_draft = lambda *a, **k: None
     eng.scheduler.drafter = NullOracle(eng.runner.inner)
     return samples
