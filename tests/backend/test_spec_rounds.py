@@ -180,3 +180,39 @@ def test_spec_round_benchmark_smoke(tmp_path) -> None:
     assert [(r["engine"], r["batch"]) for r in rows] == [("plain", 1), ("dspark", 1)]
     assert rows[0]["tokens_per_step"] == 1.0 and rows[0]["tau"] is None
     assert rows[1]["tau"] > 1.0 and "draft" in rows[1]["host_phase_ms_per_step"]
+
+
+def test_plan_rounds_rules(tmp_path_factory) -> None:
+    """Scheduler._plan_rounds: rounds only for steps of greedy verify chunks, no more than tokens are left to emit,
+    pages allocated up to each request's reach, one round when the pool cannot give them."""
+    from dataclasses import replace
+
+    from k3rt.backend.scheduler.scheduler import ScheduledChunk
+    from tests.backend.engine_fixtures import greedy, make_engine, tiny_checkpoint
+
+    eng = make_engine(tiny_checkpoint(tmp_path_factory), runner="null", num_pages=64,
+                      engine={"spec": SpecConfig(method="ngram", num_tokens=3, rounds=4)})
+    sched = eng.scheduler
+    assert not sched.device_rounds  # the null runner runs no device rounds: never planned
+    sched.device_rounds = True  # as the engine sets it for the GPU runner with a DSpark drafter
+    eng.add_request(list(range(1, 44)), greedy(40))  # 43 tokens: the rounds reach the next page
+    while not any(r.num_output for r in sched.running):
+        eng.step()
+    req = sched.running[0]
+    chunk = ScheduledChunk(req, req.num_computed, 1, True, draft_ids=[5, 6, 7])
+    B, pages = sched.B, len(req.block_table)
+    assert sched._plan_rounds([chunk], [req]) == 1  # a plain decode in the step
+    assert sched._plan_rounds([ScheduledChunk(req, req.num_computed, 1, True)], []) == 1  # no drafts
+    for bad in (replace(req.params, temperature=0.7), replace(req.params, logprobs=2),
+                replace(req.params, repetition_penalty=1.2)):
+        params, req.params = req.params, bad
+        assert sched._plan_rounds([chunk], []) == 1, bad
+        req.params = params
+    held = sched.pool.allocate(sched.pool.num_free)  # no page to spare
+    reach = min(chunk.start + 4 * 4, req.prompt_len + req.params.max_tokens)
+    assert -(-reach // B) > pages  # the rounds need more pages than the request holds
+    assert sched._plan_rounds([chunk], []) == 1 and len(req.block_table) == pages
+    sched.pool.unref(held)
+    assert sched._plan_rounds([chunk], []) == 4 and len(req.block_table) == -(-reach // B)
+    req.params = replace(req.params, max_tokens=req.num_output + 2)  # two tokens left: two rounds at most
+    assert sched._plan_rounds([chunk], []) == 2
