@@ -13,10 +13,13 @@ the one before, with no host round trip:
   commit    the verify form's commit (graph) with those counts: the live KDA states advance by the kept tokens;
   window    the drafter's context window (target states of the last W positions, their token ids, the anchor)
             shifted by the kept rows, whose states the verify forward tapped;
-  draft     the drafter's pass on that window (its graph when captured);
+  draft     the drafter's pass on that window (all K drafts: no confidence cut);
   advance   the verify step's device buffers moved to the next round: token ids (the new anchor and the drafts),
             positions, MLA cache rows (from the step's block table: the scheduler allocated pages for every
-            round), context lengths; then the verify forward again (graph replay, or the same padded step eagerly).
+            round), context lengths; then the verify forward again.
+
+On CUDA each further round is one replay of the verify bucket's RoundGraph (all of the above, captured at engine
+start); without graphs the same functions run eagerly (the CPU tests' path).
 
 One read-back at the end returns every round's tokens. Only greedy requests without grammar, logit bias,
 penalties or logprobs take this path (the scheduler plans the rounds; the runner checks the rest), so the
@@ -212,7 +215,6 @@ class RoundGraph:
 class RoundsResult:
     tokens: dict[int, RoundsRun]  # rid -> the run over every round
     kept: list[int]  # per sequence: fed tokens the live state advanced by, over every round
-    window_rows: list[int]  # per sequence: valid rows of its final drafter window (what to record)
 
 
 def stop_table(reqs: list, size: int, device: torch.device) -> torch.Tensor:
@@ -276,7 +278,7 @@ def run_rounds(runner, chunks: list, step, first: tuple, size: int, rounds: int,
     at = rounds * size * R
     kept_h = [flat[at + i * size:at + (i + 1) * size] for i in range(rounds)]
     rows = flat[at + rounds * size:]
-    result = RoundsResult({}, [], rows)
+    result = RoundsResult({}, [])
     for i, c in enumerate(chunks):
         toks, per = [], []
         for r in range(rounds):
