@@ -65,6 +65,17 @@ def rel_err(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def engine_bench_parser(doc: str | None):
+    """The engine benchmarks' common options (--model, --device, --dtype); the script adds its own."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="k3-tiny", help="a shipped model's name or a checkpoint folder")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="compute dtype (default: the checkpoint's)")
+    return p
+
+
 def _use_cuda(cuda: bool | None) -> bool:
     """cuda=None: time on the device whenever there is one. A script that runs on the CPU on a machine
     with a GPU (kernels.py --smoke) passes False, so its CPU work is neither event-timed nor captured."""

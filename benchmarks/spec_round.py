@@ -26,14 +26,11 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import Report, default_out, time_ms  # noqa: E402
+from _timing import Report, default_out, engine_bench_parser, time_ms  # noqa: E402
 
 
 def _args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="k3-tiny")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None)
+    p = engine_bench_parser(__doc__)
     p.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
     p.add_argument("--engines", default="plain,dspark,suffix",
                    help="plain and/or drafters (ngram, suffix, dspark); dspark:N runs up to N verify rounds per step "
