@@ -91,7 +91,7 @@ class Engine:
         # the speculation controller learns step costs from this engine's step times (see `step`)
         self.gate = SpecGate(spec.gate) if drafter is not None and spec.adaptive else None
         # several verify rounds per step on the device (SpecConfig.rounds): the GPU runner with a DSpark drafter
-        device_rounds = (spec.rounds > 1 and self.target_states is not None and hasattr(drafter, "draft_tokens")
+        device_rounds = (spec.rounds > 1 and self.target_states is not None and hasattr(drafter, "window")
                          and hasattr(self.runner, "round_drafter"))
         if device_rounds:
             self.runner.capture_rounds(drafter)

@@ -197,7 +197,8 @@ def check(runner: GpuModelRunner, cfg: ModelConfig, layout, B: int) -> dict:
     want_v = runner.fwd(verify_step).clone()
     row["verify_eager_keeps_states"] = all(torch.equal(a, b) for a, b in zip(states_of(pool, plain), saved))
     vsize = next((s for s in runner.verify_sizes if s >= B), None)
-    got_v, vstep = runner._run_verify(verify, vsize, None, None)[:2]
+    raw, vstep, vplan = runner._run_verify(verify, vsize, None, None)
+    got_v = runner._verify_rows(raw, vplan)[0]
     row["verify_graph_rel_err"] = rel_err(got_v, want_v)
     row["verify_graph_keeps_states"] = all(torch.equal(a, b) for a, b in zip(states_of(pool, plain), saved))
     row["verify_graph_replayed"] = vsize in runner.verify_graphs

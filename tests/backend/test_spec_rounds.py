@@ -52,7 +52,7 @@ def test_shift_window_keeps_the_newest_positions() -> None:
     assert tokens[0].tolist() == [12, 13, 14, 15, 77]
     assert valid[0].tolist() == [True, True, True, True]
     # kept 0 (an ended request): the window stays
-    assert torch.equal(ctx[1], before[0][1]) and torch.equal(tokens[1], before[1][1]) and torch.equal(valid[1], before[2][1])
+    assert all(torch.equal(now[1], was[1]) for now, was in zip((ctx, tokens, valid), before))
 
 
 def test_advance_step_equals_packing_the_next_round() -> None:
@@ -70,11 +70,20 @@ def test_advance_step_equals_packing_the_next_round() -> None:
 
     step = packed(5, [40, 41])  # one draft: the run's third row is padding
     nxt = packed(7, [50, 51, 52])
-    advance_step(step.ids.view(2, R)[:1], step.pos.view(2, R)[:1], step.kv_slot.view(2, R)[:1], step.ctx_lens[:1],
-                 step.block_table[:1], torch.tensor([2]), torch.tensor([50]), torch.tensor([[51, 52, 60]]), bs)
+    pad_before = step.pos.view(2, R)[1].clone(), step.kv_slot.view(2, R)[1].clone()
+    advance_step(step.ids.view(2, R), step.pos.view(2, R), step.kv_slot.view(2, R), step.ctx_lens,
+                 step.block_table, torch.tensor([2, 0]), torch.tensor([50, 0]), torch.tensor([[51, 52, 60], [1, 2, 3]]),
+                 bs, torch.tensor([True, False]), torch.tensor([100, 100]))
     for name in ("ids", "pos", "kv_slot", "ctx_lens", "block_table", "row_seq", "state_pages"):
-        assert torch.equal(getattr(step, name), getattr(nxt, name)), name
+        assert torch.equal(getattr(step, name), getattr(nxt, name)), name  # the pad sequence's rows included
     assert torch.equal(step.kda_rows.conv_idx, nxt.kda_rows.conv_idx)
+    # the pad sequence stays put
+    assert torch.equal(step.pos.view(2, R)[1], pad_before[0]) and torch.equal(step.kv_slot.view(2, R)[1], pad_before[1])
+    # rows past a request's last position are fed at it (positions 9 and 10 -> 8 when its last position is 8)
+    advance_step(step.ids.view(2, R), step.pos.view(2, R), step.kv_slot.view(2, R), step.ctx_lens,
+                 step.block_table, torch.tensor([1, 0]), torch.tensor([5, 0]), torch.tensor([[6, 7, 8], [1, 2, 3]]),
+                 bs, torch.tensor([True, False]), torch.tensor([8, 8]))
+    assert step.pos.view(2, R)[0].tolist() == [8, 8, 8] and step.kv_slot.view(2, R)[0].tolist() == [9 * bs] * 3
 
 
 # ---- the engine: k3-tiny and its shipped drafter ----
@@ -117,10 +126,26 @@ def test_device_rounds_greedy_output_equals_plain(workload, adaptive) -> None:
     eng.scheduler._plan_rounds = lambda s, d: (lambda r: planned.append(r) or r)(plan(s, d))
     update = eng.scheduler._update_verify
     eng.scheduler._update_verify = lambda c, r, f: (rounds_run.append(len(getattr(r, "rounds", [0]))), update(c, r, f))
+    # the rounds start from the windows of this step's proposal (DSparkDrafter.window): equal to building them anew
+    drafter, windows = eng.runner.round_drafter, []
+    window = drafter.window
+
+    def checked(queries):
+        got = window(queries)
+        assert drafter._last is not None and all(q.rid in drafter._last[0] for q in queries)
+        last, drafter._last = drafter._last, None
+        fresh = window(queries)
+        drafter._last = last
+        assert [a is None for a in got] == [b is None for b in fresh]
+        assert all(torch.equal(a, b) for a, b in zip(got, fresh) if a is not None)
+        windows.append(len(queries))
+        return got
+
+    drafter.window = checked
     # one request alone (batch 1: every step may run rounds), then all four
     out = run(eng, prompts[:1], params[:1]) + run(eng, prompts, params)
     assert [o.output_ids for o in out] == expect[:1] + expect
-    assert max(rounds_run) == 4 and 4 in planned  # steps of several rounds ran
+    assert max(rounds_run) == 4 and 4 in planned and windows  # steps of several rounds ran
     s = eng.stats
     assert s.spec_verifies == sum(rounds_run)  # every round counted once
     # the drafter's tau on these prompts is above 2 when every step drafts (the controller's choices vary with timing)

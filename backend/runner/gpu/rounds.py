@@ -10,7 +10,8 @@ the one before, with no host round trip:
   accept    greedy chain acceptance of the round's drafts (the argmax of every row; drafts accepted while they
             equal the row before's argmax), the run cut at the first stop token and at the request's token budget
             exactly as backend/spec/rejection.py cuts it; a request that ended keeps nothing in later rounds;
-  commit    the verify form's commit (graph) with those counts: the live KDA states advance by the kept tokens;
+  commit    the verify form's commit (`commit_graphed`) with those counts: the live KDA states advance by the kept
+            tokens;
   window    the drafter's context window (target states of the last W positions, their token ids, the anchor)
             shifted by the kept rows, whose states the verify forward tapped;
   draft     the drafter's pass on that window (all K drafts: no confidence cut);
@@ -48,7 +49,7 @@ def greedy_accept(argmax: torch.Tensor, fed: torch.Tensor, num_drafts: torch.Ten
 
     argmax [S, R]: the target's argmax at each row; fed [S, R]: the fed tokens (anchor, then drafts);
     num_drafts [S]: real drafts per sequence (rows past 1 + num_drafts are padding); stop_ids [S, P]: each
-    sequence's stop token ids (-1 pads); budget [S]: tokens it may still emit; live [S] bool.
+    sequence's stop token ids (-1 pads); budget [S]: tokens it may still emit; live [S] bool (budget > 0).
     -> (kept [S]: tokens the round emits = fed tokens the state keeps (0 when not live), ended [S] bool).
     The emitted tokens are argmax[:, :kept]: a draft accepted at row j equals row j's argmax."""
     S, R = argmax.shape
@@ -59,12 +60,12 @@ def greedy_accept(argmax: torch.Tensor, fed: torch.Tensor, num_drafts: torch.Ten
     stop = (argmax[:, :, None] == stop_ids[:, None, :]).any(-1) & (idx[None, :] <= accepted[:, None])
     first_stop = torch.where(stop, idx[None, :], R).amin(1)  # R: none
     cut = torch.minimum(torch.minimum(accepted, first_stop), budget - 1)
-    kept = torch.where(live & (budget > 0), cut + 1, 0)
+    kept = torch.where(live, cut + 1, 0)
     ended = live & ((first_stop == cut) | (budget - kept <= 0))
     return kept, ended
 
 
-def shift_window(ctx: torch.Tensor, tokens: torch.Tensor | None, valid: torch.Tensor | None, taps: torch.Tensor,
+def shift_window(ctx: torch.Tensor, tokens: torch.Tensor | None, valid: torch.Tensor, taps: torch.Tensor,
                  fed: torch.Tensor, kept: torch.Tensor, anchor: torch.Tensor) -> None:
     """In place: the drafter's window after a round that kept `kept` [n] of each sequence's fed rows.
     ctx [n, W, F]: states of the W positions before the anchor, oldest first; tokens [n, W + 1]: their ids, then
@@ -78,13 +79,12 @@ def shift_window(ctx: torch.Tensor, tokens: torch.Tensor | None, valid: torch.Te
         shifted = torch.cat([tokens[:, :W], fed], 1).gather(1, idx)
         tokens[:, :W] = shifted
         tokens[:, W] = torch.where(kept > 0, anchor, tokens[:, W])
-    if valid is not None:
-        valid.copy_(torch.cat([valid, torch.ones_like(fed, dtype=valid.dtype)], 1).gather(1, idx))
+    valid.copy_(torch.cat([valid, torch.ones_like(fed, dtype=valid.dtype)], 1).gather(1, idx))
 
 
 def advance_step(ids: torch.Tensor, pos: torch.Tensor, kv_slot: torch.Tensor, ctx_lens: torch.Tensor,
                  table: torch.Tensor, kept: torch.Tensor, anchor: torch.Tensor, drafts: torch.Tensor,
-                 block_size: int, real: torch.Tensor | None = None, limit: torch.Tensor | None = None) -> None:
+                 block_size: int, real: torch.Tensor, limit: torch.Tensor) -> None:
     """In place, for the sequences of a verify-form step (views [S, R] of its ids, positions and cache rows;
     ctx_lens [S] int32; table [S, max_blocks] int32): the next round feeds the anchor and R - 1 drafts at the
     positions right after the kept tokens. real [S] bool: the sequences to move (pad sequences stay put).
@@ -94,17 +94,9 @@ def advance_step(ids: torch.Tensor, pos: torch.Tensor, kv_slot: torch.Tensor, ct
     up to it, and it is within the model's length)."""
     R = ids.shape[1]
     start = pos[:, 0] + kept
-    p = start[:, None] + torch.arange(R, device=pos.device)[None, :]
-    if limit is not None:
-        p = torch.minimum(p, limit[:, None])
+    p = torch.minimum(start[:, None] + torch.arange(R, device=pos.device)[None, :], limit[:, None])
     new_ids = torch.cat([anchor[:, None], drafts[:, :R - 1]], 1)
     slots = table.gather(1, p // block_size).to(torch.int64) * block_size + p % block_size
-    if real is None:
-        ids.copy_(new_ids)
-        pos.copy_(p)
-        kv_slot.copy_(slots)
-        ctx_lens.add_(kept.to(ctx_lens.dtype))
-        return
     m = real[:, None]
     ids.copy_(torch.where(m, new_ids, ids))
     pos.copy_(torch.where(m, p, pos))
@@ -143,21 +135,16 @@ class RoundState:
                    torch.zeros(size, run, **z), torch.zeros(size, **z))
 
 
-def accept_round(runner, step, st: RoundState, logits: torch.Tensor, taps: dict[int, torch.Tensor],
-                 accepted: torch.Tensor | None) -> None:
-    """Accept the round whose forward wrote `logits` [S * R, V] and `taps`, commit it (into `accepted`, the
-    verify graph's commit input, then the commit; None: the eager commit) and shift the window past it."""
+def accept_round(runner, step, st: RoundState, logits: torch.Tensor, taps: dict[int, torch.Tensor]) -> None:
+    """Accept the round whose forward wrote `logits` [S * R, V] and `taps`, commit its kept tokens into the live
+    KDA states and shift the window past them."""
     S, R = st.argmax.shape
     ids = step.ids.view(S, R)
     am = logits.view(S, R, -1).argmax(-1)
     kept, ended = greedy_accept(am, ids, st.num_drafts, st.stops, st.budget, st.live)
     st.argmax.copy_(am)
     st.kept.copy_(kept)
-    if accepted is not None:
-        accepted.copy_(kept)
-        runner.fwd.commit_graphed(step, accepted)
-    else:
-        runner.fwd.commit_graphed(step, kept)
+    runner.fwd.commit_graphed(step, st.kept)
     tapped = torch.cat([taps[layer].view(S, R, -1) for layer in runner.target_states.layers], -1)
     anchor = am.gather(1, (kept - 1).clamp(min=0)[:, None])[:, 0]
     anchor = torch.where(kept > 0, anchor, st.anchors)
@@ -198,7 +185,7 @@ class RoundGraph:
         side.wait_stream(torch.cuda.current_stream())
 
         def body() -> None:
-            accept_round(runner, g.step, self.st, g.logits, g.taps, g.accepted)
+            accept_round(runner, g.step, self.st, g.logits, g.taps)
             _, taps = next_round(runner, drafter, g.step, self.st, g.logits)
             for layer, t in taps.items():
                 g.taps[layer].copy_(t)
@@ -209,12 +196,6 @@ class RoundGraph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             body()
-
-
-@dataclass
-class RoundsResult:
-    tokens: dict[int, RoundsRun]  # rid -> the run over every round
-    kept: list[int]  # per sequence: fed tokens the live state advanced by, over every round
 
 
 def stop_table(reqs: list, size: int, device: torch.device) -> torch.Tensor:
@@ -228,17 +209,17 @@ def stop_table(reqs: list, size: int, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
-def run_rounds(runner, chunks: list, step, first: tuple, size: int, rounds: int, drafter) -> RoundsResult:
+def run_rounds(runner, chunks: list, step, first: tuple, size: int, rounds: int, drafter) -> dict[int, RoundsRun]:
     """Rounds 2..`rounds` of a verify-form step whose first round already ran (see the module docstring).
     chunks: the step's verify chunks, in its sequence order (no plain decodes); step: the verify form's GpuStep
     (views of the graph's static buffers, or of the eager step's); first: (logits [size * R, V], taps
     {layer: [size * R, hidden]}) of round one's forward; drafter: the DSpark drafter. Each further round replays
-    the bucket's round graph when one was captured (runner.round_graphs), else runs the same ops eagerly."""
+    the bucket's round graph when one was captured (runner.round_graphs), else runs the same ops eagerly.
+    -> rid -> its run over every round; the final windows are recorded as the requests' target states."""
     from k3rt.backend.spec.base import DraftQuery
 
     R, n = runner.verify_run_len, len(chunks)
     dev = step.ids.device
-    g = runner.verify_graphs.get(size)
     reqs = [c.req for c in chunks]
     store = runner.target_states
     queries = [DraftQuery(r.rid, r.token_ids, r.prompt_len, R - 1, store.get(r.rid)) for r in reqs]
@@ -256,20 +237,19 @@ def run_rounds(runner, chunks: list, step, first: tuple, size: int, rounds: int,
                                                        ctx.dtype, tokens is not None, dev)
     fill_state(st, ctx, anchors, tokens, valid, host[0], host[1], host[2], stops, n)
     logits, taps = first
-    accepted = g.accepted if g is not None else None
     outs, kepts = [], []
     for _ in range(rounds - 1):
         if rg is not None:
             rg.graph.replay()
             runner.verify_graph_replays += 1
         else:
-            accept_round(runner, step, st, logits, taps, accepted)
+            accept_round(runner, step, st, logits, taps)
             logits, taps = next_round(runner, drafter, step, st, None)
         outs.append(st.argmax.clone())
         kepts.append(st.kept.clone())
     if rg is not None:
-        logits, taps = g.logits, g.taps
-    accept_round(runner, step, st, logits, taps, accepted)
+        logits, taps = rg.g.logits, rg.g.taps
+    accept_round(runner, step, st, logits, taps)
     outs.append(st.argmax)
     kepts.append(st.kept)
     flat = torch.cat([torch.stack(outs).flatten(), torch.stack(kepts).flatten(),
@@ -278,23 +258,19 @@ def run_rounds(runner, chunks: list, step, first: tuple, size: int, rounds: int,
     at = rounds * size * R
     kept_h = [flat[at + i * size:at + (i + 1) * size] for i in range(rounds)]
     rows = flat[at + rounds * size:]
-    result = RoundsResult({}, [])
+    runs: dict[int, RoundsRun] = {}
+    W = st.ctx.shape[1]
     for i, c in enumerate(chunks):
         toks, per = [], []
         for r in range(rounds):
             m = kept_h[r][i]
-            if m == 0:
-                continue
-            toks += ams[r][i * R:i * R + m]
-            per.append((len(c.draft_ids) if r == 0 else R - 1, m - 1))
-        result.tokens[c.req.rid] = RoundsRun(toks, per)
-        result.kept.append(len(toks))
-    W = st.ctx.shape[1]
-    for i, c in enumerate(chunks):
-        nv = rows[i]
-        if nv > 0:
-            store.record(c.req.rid, c.start + result.kept[i] - nv, st.ctx[i, W - nv:])
-    return result
+            if m:
+                toks += ams[r][i * R:i * R + m]
+                per.append((len(c.draft_ids) if r == 0 else R - 1, m - 1))
+        runs[c.req.rid] = RoundsRun(toks, per)
+        if rows[i] > 0:
+            store.record(c.req.rid, c.start + len(toks) - rows[i], st.ctx[i, W - rows[i]:])
+    return runs
 
 
 def fill_state(st: RoundState, ctx, anchors, tokens, valid, num_drafts, budget, limit, stops, n: int) -> None:

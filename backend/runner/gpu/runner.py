@@ -49,7 +49,7 @@ from k3rt.backend.runner.gpu.pieces import PiecewiseForward, mixed_buckets_for
 from k3rt.backend.runner.gpu.rounds import RoundGraph, run_rounds
 from k3rt.backend.runner.gpu.sample import sample_on_device, sample_step
 from k3rt.backend.runner.gpu.step import GpuStep, StepSeq, build_step, pack_step, step_views
-from k3rt.backend.runner.gpu.verify_graph import pad_rows, plan_verify
+from k3rt.backend.runner.gpu.verify_graph import VerifyPlan, pad_rows, plan_verify
 from k3rt.backend.runner.sampling import prompt_score_rows, record_prompt_logprobs
 from k3rt.backend.runner.step_plan import build_plan
 from k3rt.backend.sampling.sampler import Sampler
@@ -228,16 +228,15 @@ class GpuModelRunner(Runner):
         vsize = self._verify_size(chunks, score_rows)
         tapped: dict[int, torch.Tensor] | None = None
         if vsize:
-            logits, step, tapped, raw = self._run_verify(seqs, vsize, pending, prev)
-            if self._rounds(out, chunks) > 1:
-                launched = LaunchedStep(timing=timing)
-                launched.sampled = run_rounds(self, chunks, step, raw, vsize, out.spec_rounds,
-                                              self.round_drafter).tokens
-                for c in chunks:
-                    self.penalties.release(c.req.rid)
+            raw, step, plan = self._run_verify(seqs, vsize, pending, prev)
+            if out.spec_rounds > 1 and self.round_drafter is not None:
+                # the scheduler plans rounds only for steps of greedy verify chunks (Scheduler._plan_rounds)
+                launched = LaunchedStep(sampled=run_rounds(self, chunks, step, raw, vsize, out.spec_rounds,
+                                                           self.round_drafter), timing=timing)
                 if timing is not None:
                     self.idle.end(timing)
                 return launched
+            logits, tapped = self._verify_rows(raw, plan)
         elif self.sender is None:
             logits, step = self.run_seqs(seqs, extra, graph, pending, prev)
         else:
@@ -374,15 +373,6 @@ class GpuModelRunner(Runner):
             return 0
         return next(s for s in self.verify_sizes if s >= len(chunks))
 
-    def _rounds(self, out: SchedulerOutput, chunks: list[ScheduledChunk]) -> int:
-        """Speculative rounds this verify-form step runs on the device (rounds.py; 1: the one round, sampled on the
-        host). The scheduler plans them for greedy requests it allocated pages for; the runner takes them when
-        every sequence is a verify run and a drafter that can draft on the device is attached."""
-        if (out.spec_rounds <= 1 or self.round_drafter is None or self.target_states is None or out.decodes
-                or not all(c.draft_ids for c in chunks)):
-            return 1
-        return out.spec_rounds
-
     def capture_rounds(self, drafter) -> None:
         """Attach the drafter of the device rounds and, where verify graphs were captured, capture one round graph
         per verify bucket (rounds.py RoundGraph), in a pool of their own; logs the time and memory they took."""
@@ -401,11 +391,9 @@ class GpuModelRunner(Runner):
                  (torch.cuda.memory_reserved(self.device) - reserved0) / 2**30)
 
     def _run_verify(self, seqs: list[StepSeq], size: int, pending: dict[int, int] | None,
-                    prev: LaunchedStep | None) -> tuple[torch.Tensor, GpuStep, dict[int, torch.Tensor], tuple]:
+                    prev: LaunchedStep | None) -> tuple[tuple, GpuStep, VerifyPlan]:
         """A verify-form step (verify_graph.py): replayed from its graph when captured, else the same padded
-        step eagerly. -> (fp32 logits of the real logit rows in the eager order, the step the commit reads,
-        the tapped target states of the real rows in the eager packing, and (logits, taps) of every padded
-        row: what the device rounds read)."""
+        step eagerly. -> ((logits, taps) of every padded row, the step the commit reads, the padding plan)."""
         padded, plan = plan_verify(seqs, size, self.verify_run_len, self._pad_seq())
         meta, (h64, h32) = self._pack(padded, row_queries=True)
         pad_rows(meta, h64, plan, self.pad_page * self.block_size)
@@ -422,10 +410,16 @@ class GpuModelRunner(Runner):
             step = step_views(meta, to_device(h64, self.device), to_device(h32, self.device))
             self._feed_pending(step.ids, moved, prev)
             logits, taps = self.fwd(step), dict(self.fwd.tapped)
+        return (logits, taps), step, plan
+
+    def _verify_rows(self, raw: tuple, plan: VerifyPlan) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """(logits, taps) of a padded verify step -> (fp32 logits of the real logit rows in the eager order, the
+        tapped target states of the real rows in the eager packing)."""
+        logits, taps = raw
         rows = to_device(torch.tensor(plan.logit_rows, dtype=torch.int64), self.device)
         fed = to_device(torch.tensor(plan.fed_rows, dtype=torch.int64), self.device) if taps else None
         tapped = {i: t.index_select(0, fed) for i, t in taps.items()}
-        return self.fwd.full_logits(logits.index_select(0, rows)), step, tapped, (logits, taps)
+        return self.fwd.full_logits(logits.index_select(0, rows)), tapped
 
     def _commit_verify_form(self, step: GpuStep, size: int, runs: list[tuple[int, int, list[int]]]) -> None:
         """The commit of a verify-form step: the bucket's commit graph replayed with each sequence's kept

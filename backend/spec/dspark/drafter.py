@@ -59,6 +59,7 @@ class DSparkDrafter(Drafter):
         self.threshold = cfg.confidence_threshold if confidence_threshold is None else confidence_threshold
         self.fused = embed.device.type == "cuda" if fused is None else fused
         self.graphs: DraftGraphs | None = None
+        self._last: tuple | None = None  # the last pass's inputs (window)
         if graph_sizes and embed.device.type == "cuda":
             self.graphs = DraftGraphs(self.model, self.embed, self.lm_head, graph_sizes, self.dtype, fused=self.fused)
             self.graphs.capture()
@@ -139,25 +140,27 @@ class DSparkDrafter(Drafter):
                                                              torch.Tensor]:
         """The pass inputs of queries that all carry states, as tensors the caller may update in place (the
         device rounds of backend/runner/gpu/rounds.py shift them): (states [n, context_len, F], anchors [n],
-        window token ids [n, context_len + 1] or None when this drafter reads none, valid rows [n, context_len])."""
+        window token ids [n, context_len + 1] or None when this drafter reads none, valid rows [n, context_len]).
+        Rows of this step's proposal are taken from it (a gather) when every query is one of its requests at the
+        same token count; otherwise built again."""
+        last = self._last
+        if last is not None and all(last[0].get(q.rid, (None, -1))[1] == len(q.token_ids) for q in queries):
+            rows = torch.tensor([last[0][q.rid][0] for q in queries], device=last[1].device)
+            ctx, anchors, tokens, valid = (t.index_select(0, rows) if t is not None else None for t in last[1:])
+            return ctx, anchors, tokens, valid
         ctx, anchors, extra = self._inputs(queries)
-        valid = extra.get("ctx_valid")
-        if valid is None:  # the window's valid rows all the same: the rows each query holds, right-aligned
-            w = ctx.shape[1]
-            held = torch.tensor([q.hidden.shape[0] for q in queries], device=ctx.device)
-            valid = torch.arange(w, device=ctx.device)[None, :] >= (w - held)[:, None]
-        tokens = extra.get("ctx_tokens")
-        return ctx, anchors, (tokens.clone() if tokens is not None else None), valid
+        return (ctx, anchors, extra["ctx_tokens"].clone() if "ctx_tokens" in extra else None,
+                self._valid(queries, ctx, extra))
 
-    @torch.no_grad()
-    def draft_tokens(self, ctx: torch.Tensor, anchors: torch.Tensor, tokens: torch.Tensor | None,
-                     valid: torch.Tensor) -> torch.Tensor:
-        """Every draft of one pass over `window`'s inputs -> tokens [n, block_size] on the device, not read back
-        (no confidence cut: the device rounds verify every draft)."""
-        extra = {} if not self.model.needs_tokens else {"ctx_tokens": tokens, "ctx_valid": valid}
-        if self.graphs is not None and self.graphs.size_for(ctx.shape[0]) is not None:
-            return self.graphs.draft(ctx, anchors, **extra)[0]
-        return self.model.greedy_pass(ctx, anchors, self.embed, self.lm_head, fused=self.fused, **extra)[0]
+    @staticmethod
+    def _valid(queries: Sequence[DraftQuery], ctx: torch.Tensor, extra: dict) -> torch.Tensor:
+        """[n, context_len] bool: the window rows that hold a state (a drafter that reads token ids has them in
+        extra; else the rows each query holds, right-aligned)."""
+        if "ctx_valid" in extra:
+            return extra["ctx_valid"]
+        w = ctx.shape[1]
+        held = torch.tensor([q.hidden.shape[0] for q in queries], device=ctx.device)
+        return torch.arange(w, device=ctx.device)[None, :] >= (w - held)[:, None]
 
     def propose(self, queries: Sequence[DraftQuery]) -> list[list[int]]:
         return [p.token_ids for p in self._pass(queries)]
@@ -175,7 +178,11 @@ class DSparkDrafter(Drafter):
         ready = [i for i, q in enumerate(queries) if q.hidden is not None]
         if not ready:
             return out
-        ctx, anchors, extra = self._inputs([queries[i] for i in ready])
+        asked = [queries[i] for i in ready]
+        ctx, anchors, extra = self._inputs(asked)
+        # kept for `window` (the device rounds of this step start from the same windows): rid -> (row, tokens)
+        self._last = ({q.rid: (row, len(q.token_ids)) for row, q in enumerate(asked)}, ctx, anchors,
+                      extra.get("ctx_tokens"), self._valid(asked, ctx, extra))
         if self.graphs is not None and self.graphs.size_for(len(ready)) is not None:
             tokens, conf = self.graphs.draft(ctx, anchors, **extra)
         else:
