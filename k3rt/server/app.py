@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib
 import logging
 import re
 from typing import Any
@@ -41,11 +42,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from k3rt.server import native
+from k3rt.server.chat import chat_completion
+from k3rt.server.completions import completion
 from k3rt.server.errors import APIError, from_validation_error
 from k3rt.server.generation import ServerContext, json_response
 from k3rt.server.limits import BIG_BODY_BYTES, BigBodies, PromptBudget, dismantle
 from k3rt.server.metrics import CONTENT_TYPE
 from k3rt.server.schemas import ChatCompletionRequest, CompletionRequest, check_prompt_shape
+from k3rt.server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
+
+# What request handling imports inside functions (grammars, the GBNF converter, model info). Imported when the
+# app is made: a first import on the event loop compiles modules with the GIL held, and a server's first chat
+# or completion held /health ~0.7 s while k3rt.backend.grammar was imported (tests/server/test_first_use.py)
+FIRST_USE_IMPORTS = ("k3rt.backend.gateway", "k3rt.backend.grammar", "k3rt.model_config", "k3rt.sampling_params",
+                     "llguidance.gbnf_to_lark")
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +82,12 @@ async def _read_body(request: Request, limit: int) -> bytes:
         if size > limit:
             raise APIError(413, f"the request body exceeds the limit of {limit} bytes", code="body_too_large")
         chunks.append(chunk)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    if len(chunks) == 1:
+        return chunks[0]
+    if size <= BIG_BODY_BYTES:
+        return b"".join(chunks)
+    # a worker thread's join lets the loop run: joining 20 MB held it 5-35 ms (page faults of the new copy)
+    return await asyncio.to_thread(b"".join, chunks)
 
 
 def _validate(model: type[BaseModel], body: bytes) -> Any:
@@ -265,9 +281,6 @@ class _CountRequests:
 
 def _native_router(ctx: ServerContext, budget: PromptBudget, bigs: BigBodies, check_api_key: Any) -> APIRouter:
     """The routes outside /v1: the tokenizer (vLLM's) and SGLang's native API."""
-    from k3rt.server import native
-    from k3rt.server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
-
     cfg = ctx.config
     router = APIRouter(dependencies=[Depends(check_api_key)])
 
@@ -318,6 +331,8 @@ def _native_router(ctx: ServerContext, budget: PromptBudget, bigs: BigBodies, ch
 
 
 def create_app(ctx: ServerContext) -> FastAPI:
+    for name in FIRST_USE_IMPORTS:
+        importlib.import_module(name)
     cfg = ctx.config
     budget = PromptBudget.of(ctx.gateway.tokenizer, ctx.gateway.context_length)
     bigs = BigBodies()
@@ -371,15 +386,11 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        from k3rt.server.chat import chat_completion
-
         req, big = await _parse(request, ChatCompletionRequest, cfg.max_body_bytes, bigs)
         return await chat_completion(ctx, req, request, budget, bigs if big else None)
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
-        from k3rt.server.completions import completion
-
         req, big = await _parse(request, CompletionRequest, cfg.max_body_bytes, bigs, ctx.gateway.context_length)
         return await completion(ctx, req, request, budget, bigs if big else None)
 

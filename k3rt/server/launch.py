@@ -60,6 +60,7 @@ async def _serve(cfg: ServerConfig) -> int:
     from k3rt.server.app import create_app
     from k3rt.server.generation import ServerContext
     from k3rt.server.health import EngineWatch
+    from k3rt.server.limits import freeze_startup_heap
     from k3rt.server.metrics import ServerMetrics
 
     class Server(uvicorn.Server):
@@ -134,6 +135,7 @@ async def _serve(cfg: ServerConfig) -> int:
             if dsl_task.done():
                 dsl_task.result()  # the endpoint could not bind: fail loudly
             dsl = programs.endpoint
+        freeze_startup_heap()
         ctx.endpoints_bound = True  # only now may /health say 200
         watch_task = asyncio.create_task(ctx.health.run())
         print(f"k3rt serve: ready on http://{cfg.host}:{port} (model {cfg.model_name}, engine pid "

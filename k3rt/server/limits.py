@@ -96,69 +96,71 @@ class BigBodies:
 
     Parsing a body of 300K messages makes over a million objects, and every burst of allocations triggers
     a collection; the full ones walk every object in the process while holding the GIL, 30-110 ms each,
-    and the event loop waits for all of them. So each step runs with the collector paused and ends with
-    `gc.freeze()`, which moves what exists (the request's objects among them) out of the collector's view
-    in O(1). Refcounts still free them when the request ends (`dismantle`, a piece at a time), and the
-    last big request to end thaws the rest (`gc.unfreeze()`), collects and trims the C heap. Under a
-    steady stream of overlapping big requests the thaw comes at least every THAW_EVERY_S, so cyclic
-    garbage frozen along the way is never kept for long."""
+    and the event loop waits for all of them. So the collector is off while any big request is in flight
+    (`begin` to `end`). Refcounts still free the request's objects when it ends (`dismantle`, a piece at a
+    time); the last big request to end turns the collector back on, runs one full collection for what was
+    left in reference cycles (a 413's traceback holds the coroutine frame that held the token ids) and
+    trims the C heap. That collection is short because the server froze its start-up heap
+    (`freeze_startup_heap`): it walks only what is younger. Under a steady stream of overlapping big
+    requests a collection still comes at least every COLLECT_EVERY_S, so cyclic garbage is never kept long.
 
-    THAW_EVERY_S = 10.0
+    (The collector used to be paused per step and what existed frozen after each; the last request then
+    had to unfreeze everything, the start-up heap too, and that one collection held /health 35-60 ms.)"""
+
+    COLLECT_EVERY_S = 10.0
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._requests = 0  # big requests begun and not ended
-        self._steps = 0  # steps running with the collector paused
         self._gc_was_enabled = True
-        self._thawed_at = time.monotonic()
+        self._collected_at = time.monotonic()
 
     def begin(self) -> None:
         with self._lock:
+            if self._requests == 0:
+                self._gc_was_enabled = gc.isenabled()
+                gc.disable()
             self._requests += 1
 
     async def run(self, fn: Callable[[], _R]) -> _R:
-        """`fn()` in a worker thread, the collector paused; what exists afterwards is frozen."""
-        return await asyncio.to_thread(self._step, fn)
-
-    def _step(self, fn: Callable[[], _R]) -> _R:
-        with self._lock:
-            if self._steps == 0:
-                self._gc_was_enabled = gc.isenabled()
-            self._steps += 1
-            gc.disable()
-        try:
-            return fn()
-        except BaseException as e:
-            # the error goes to the event loop; the frames it passed through need not keep their locals (the
-            # token ids of a prompt too long, say), which would otherwise die in a reference cycle later
-            traceback.clear_frames(e.__traceback__)
-            raise
-        finally:
-            with self._lock:
-                self._steps -= 1
-                gc.freeze()
-                if self._steps == 0 and self._gc_was_enabled:
-                    gc.enable()
+        """`fn()` in a worker thread (between `begin` and `end`: the collector is off)."""
+        return await asyncio.to_thread(_step, fn)
 
     async def end(self, held: list[Any]) -> None:
         """A big request ended (answered or failed). `held`: what it kept alive for this moment (its parsed
-        body), freed here in a worker thread; the last big request thaws the frozen objects and trims."""
+        body), freed here in a worker thread; the last big request collects and trims."""
         await asyncio.to_thread(dismantle, held)
         with self._lock:
             self._requests -= 1
-            if self._requests > 0 and time.monotonic() - self._thawed_at < self.THAW_EVERY_S:
+            if self._requests == 0 and self._gc_was_enabled:
+                gc.enable()
+            if self._requests > 0 and time.monotonic() - self._collected_at < self.COLLECT_EVERY_S:
                 return
-            self._thawed_at = time.monotonic()
-        await asyncio.to_thread(_thaw)
+            self._collected_at = time.monotonic()
+        await asyncio.to_thread(_collect)
 
 
-def _thaw() -> None:
-    # the frozen objects rejoin the collector's view, and one full collection frees what the requests left
-    # in reference cycles (a 413's traceback holds the coroutine frame that held the token ids; frozen
-    # with it, so a collection before the thaw could not free it); then the C heap gets the pages back
-    gc.unfreeze()
+def _step(fn: Callable[[], _R]) -> _R:
+    try:
+        return fn()
+    except BaseException as e:
+        # the error goes to the event loop; the frames it passed through need not keep their locals (the
+        # token ids of a prompt too long, say), which would otherwise die in a reference cycle later
+        traceback.clear_frames(e.__traceback__)
+        raise
+
+
+def _collect() -> None:
     gc.collect()
     release_memory()
+
+
+def freeze_startup_heap() -> None:
+    """Move what the gateway holds once it is up (modules, the app's routes and pydantic validators: ~50K
+    objects) out of the cyclic collector's view for good: a full pass over them held the GIL 25-40 ms,
+    and the collector runs such passes by itself every so often, stalling every request in flight."""
+    gc.collect()
+    gc.freeze()
 
 
 _PIECE = 4096  # list items freed per step of `dismantle` (~0.2 ms of strings)
