@@ -41,7 +41,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--profile-steps", type=int, default=24, help="decode steps under the profiler per engine")
     p.add_argument("--top", type=int, default=20, help="kernels kept per row")
-    p.add_argument("--smoke", action="store_true", help="CPU, batch 1, 16 tokens (the reference runner: no graphs)")
+    p.add_argument("--smoke", action="store_true", help="CPU, batch 1, 32-token prompts, 8 tokens (the reference runner: no graphs)")
     p.add_argument("--budget-s", type=float, default=300.0)
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args()
@@ -189,7 +189,7 @@ def _graph_times(eng, batch: int, reps: int = 30) -> dict:
 def main() -> int:
     a = _args()
     if a.smoke:
-        a.device, a.batch, a.max_tokens, a.profile_steps = "cpu", "1", 16, 3
+        a.device, a.batch, a.max_tokens, a.profile_steps = "cpu", "1", 8, 2
     import torch
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
@@ -227,8 +227,8 @@ def main() -> int:
                                                                adaptive=a.adaptive, rounds=int(rounds or 1))
         eng = Engine(replace(base, spec=spec), model=model)
         for b in sizes:
-            prompts = _code_prompts(tok, b, 96, seed=b)
-            eng.generate(prompts, replace(params, max_tokens=16))  # warm-up: compiles, graphs
+            prompts = _code_prompts(tok, b, 32 if a.smoke else 96, seed=b)
+            eng.generate(prompts, replace(params, max_tokens=min(16, a.max_tokens)))  # warm-up: compiles, graphs
             eng.flush_cache()
             v0, acc0 = eng.stats.spec_verifies, eng.stats.spec_accepted_tokens
             _decode_ready(eng, prompts, params)
