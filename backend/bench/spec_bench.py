@@ -27,7 +27,9 @@ verify steps that replayed a graph and `drafter_graphs` says whether the drafter
 
 The speculation controller (backend/spec/gate.py) is on unless spec_adaptive=False: `spec_share` is the share of
 the steps in which some request could speculate that verified drafts (the rest the controller decoded plainly,
-or the drafter had nothing), `skipped` the steps the controller turned down. Each method's engine (and so its
+or the drafter had nothing), `skipped` the steps the controller turned down, `plan_whys` its plans by reason and
+`controller` what it believed after the row (SpecGate.state: per bucket costs, acceptance, the governor's modes
+and rates). Each method's engine (and so its
 controller's learned costs) is kept across the rows and rounds, warm-up runs included. Counts and times are
 summed over the rounds.
 """
@@ -154,6 +156,10 @@ class SpecRow:
     # verified, prefill tokens, decodes] in call order (empty otherwise)
     trace_plain: list[list] = field(default_factory=list)
     trace_spec: list[list] = field(default_factory=list)
+    # the controller's plans in the measured runs by reason (gate.Why: pays, not_worth, explore, probe, refresh,
+    # cheap, off), and what it believed after them (SpecGate.state: costs, acceptance, the governor's modes)
+    plan_whys: dict[str, int] = field(default_factory=dict)
+    controller: dict = field(default_factory=dict)
 
 
 def _call_kind(launched, collected) -> str:
@@ -189,6 +195,7 @@ class _Run:
     compiled_kernels: dict[str, int] = field(default_factory=dict)  # of those, per kernel
     time_ms: dict[str, list[float]] = field(default_factory=dict)  # SpecRow.time_plain / time_spec
     trace: list[list] = field(default_factory=list)  # SpecRow.trace_plain / trace_spec
+    whys: dict[str, int] = field(default_factory=dict)  # the controller's plans in the run by reason
 
 
 def _code_sources() -> list[str]:
@@ -331,6 +338,7 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
     s0 = (eng.stats.spec_verifies, eng.stats.spec_drafted_tokens, eng.stats.spec_accepted_tokens,
           eng.stats.spec_steps, eng.stats.spec_steps_speculated, eng.stats.spec_steps_skipped)
     g0 = getattr(eng.runner, "verify_graph_replays", 0)
+    whys0 = dict(eng.stats.spec_plan_whys)
     outputs: list[list[int]] = []
     compiled0 = _compiled(eng)
     t0 = time.perf_counter()
@@ -355,7 +363,12 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
                 getattr(eng.runner, "verify_graph_replays", 0) - g0, getattr(drafter, "graphs", None) is not None,
                 s.spec_steps - s0[3], s.spec_steps_speculated - s0[4], s.spec_steps_skipped - s0[5],
                 compiles=sum(compiled.values()), compiled_kernels=compiled,
-                time_ms={k: [int(n), round(ms, 3)] for k, (n, ms) in time_ms.items()}, trace=trace)
+                time_ms={k: [int(n), round(ms, 3)] for k, (n, ms) in time_ms.items()}, trace=trace,
+                whys=_count_delta(s.spec_plan_whys, whys0))
+
+
+def _count_delta(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: n - before.get(k, 0) for k, n in sorted(now.items()) if n > before.get(k, 0)}
 
 
 def _merge(runs: Sequence[_Run]) -> _Run:
@@ -364,9 +377,12 @@ def _merge(runs: Sequence[_Run]) -> _Run:
     first = runs[0]
     time_ms: dict[str, list[float]] = {}
     kernels: dict[str, int] = {}
+    whys: dict[str, int] = {}
     for r in runs:
         for k, n in r.compiled_kernels.items():
             kernels[k] = kernels.get(k, 0) + n
+        for k, n in r.whys.items():
+            whys[k] = whys.get(k, 0) + n
         for k, (n, ms) in r.time_ms.items():
             slot = time_ms.setdefault(k, [0, 0.0])
             slot[0] += n
@@ -376,7 +392,7 @@ def _merge(runs: Sequence[_Run]) -> _Run:
                 sum(r.verifies for r in runs), sum(r.drafted for r in runs), sum(r.accepted for r in runs),
                 sum(r.graph_verifies for r in runs), first.drafter_graphs, sum(r.spec_steps for r in runs),
                 sum(r.speculated for r in runs), sum(r.skipped for r in runs), compiles=sum(r.compiles for r in runs),
-                compiled_kernels=kernels, time_ms=time_ms, trace=first.trace)
+                compiled_kernels=kernels, time_ms=time_ms, trace=first.trace, whys=whys)
 
 
 def step_speedup(plain_ms: float, verify_ms: float, draft: float, tau: float) -> float:
@@ -440,6 +456,7 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
         engines[method or "plain"] = Engine(replace(base, spec=spec), model=model)
     names = list(engines)
     runs: dict[tuple[str, int, str], list[_Run]] = {}
+    controllers: dict[tuple[str, int, str], dict] = {}
     bar = tqdm(total=len(names) * len(prompts) * cfg.rounds, desc="bench spec", unit="run", disable=not progress)
     try:
         for (w, b), ps in prompts.items():
@@ -467,6 +484,9 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
                     bar.set_postfix_str(f"{name} {w} b={b} round {rnd + 1}")
                     runs.setdefault((w, b, name), []).append(_run(eng, ps, cfg, tok, w))
                     bar.update()
+            for name, eng in engines.items():
+                if eng.scheduler.gate is not None:
+                    controllers[(w, b, name)] = eng.scheduler.gate.state()
     finally:
         bar.close()
         for eng in engines.values():
@@ -502,7 +522,7 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
                                 compiles_plain=plain.compiles, compiles_spec=r.compiles,
                                 compiled_kernels_plain=plain.compiled_kernels, compiled_kernels_spec=r.compiled_kernels,
                                 time_plain=plain.time_ms, time_spec=r.time_ms, trace_plain=plains[0].trace,
-                                trace_spec=specs[0].trace))
+                                trace_spec=specs[0].trace, plan_whys=r.whys, controller=controllers.get((w, b, d), {})))
     return rows
 
 

@@ -137,6 +137,8 @@ class SchedulerStats:
     spec_steps_speculated: int = 0  # of those, steps that verified drafts
     spec_steps_skipped: int = 0  # of those, steps the controller decoded plainly (before or after the drafter's pass)
     spec_probes: int = 0  # steps the controller drafted while speculation did not pay, to refresh its estimates
+    # the controller's plans by their reason (gate.Why values): why a step drafted or did not
+    spec_plan_whys: dict[str, int] = field(default_factory=dict)
 
     @property
     def spec_tau(self) -> float:
@@ -417,6 +419,8 @@ class Scheduler:
         """The controller's plan for a step; while its governor has speculation off, the target states (a model
         drafter's) are not recorded either."""
         plan = self.gate.plan(batch, rids, model_free=self.target_states is None)
+        whys = self.stats.spec_plan_whys
+        whys[plan.why.value] = whys.get(plan.why.value, 0) + 1
         if self.target_states is not None:
             self.target_states.paused = plan.why is Why.OFF
         return plan

@@ -329,3 +329,20 @@ class SpecGate:
 
     def finish(self, rid: int) -> None:
         self._reqs.pop(rid, None)
+
+    def state(self) -> dict:
+        """What the controller believes now, for benchmarks: per batch bucket its cost estimates in ms (plain, verify
+        per round, drafter pass) with their sample counts, draft tokens and rounds per verify step; the method's
+        acceptance (alpha, the accepted drafts per drafting step, outcomes seen); the governor's state."""
+        c, m = self.costs, self._method
+        tables = {"plain_ms": c.plain, "verify_ms": c.verify, "draft_ms": c.draft,
+                  "drafts_per_verify": c.verify_drafts, "rounds_per_verify": c.verify_rounds}
+        costs: dict[int, dict] = {}
+        for name, table in tables.items():
+            scale = 1e3 if name.endswith("_ms") else 1.0
+            for b, e in table.items():
+                costs.setdefault(b, {})[name] = [round(e.value * scale, 4), e.n]
+        return {"costs": dict(sorted(costs.items())),
+                "method": {"alpha": round(self._method_alpha(), 4),
+                           "yield": round(m.gained / m.steps, 4) if m.steps else None, "seen": m.seen},
+                "governor": self.governor.state() if self.governor is not None else {}}

@@ -62,6 +62,14 @@ class Governor:
         st = self._buckets.get(b)
         return {} if st is None else dict(st.rate)
 
+    def state(self) -> dict[int, dict]:
+        """Per bucket: the current mode (on: speculation allowed), whether it is a trial, the phase's samples so far,
+        the hold, and each mode's latest rate in tokens/s (benchmarks report it)."""
+        return {b: {"on": st.on, "trial": st.trial, "samples": st.phase.samples, "hold": st.hold,
+                    "rate_on": round(st.rate[True], 1) if True in st.rate else None,
+                    "rate_off": round(st.rate[False], 1) if False in st.rate else None}
+                for b, st in sorted(self._buckets.items())}
+
     def observe(self, b: int, tokens: int, seconds: float) -> None:
         """One decode-only engine step at bucket b delivered `tokens` in `seconds` (wall time, the drafter's
         pass and any synchronous wait included)."""

@@ -199,6 +199,22 @@ def test_a_drafters_dear_calls_are_not_forgotten_after_a_cheap_one() -> None:
     assert c.get(c.verify, 64).value == 0.002  # step times still restart after a stall (a compile)
 
 
+def test_state_reports_the_estimates_it_decides_by() -> None:
+    """SpecGate.state (benchmarks report it): per bucket the cost EMAs in ms with their sample counts, the method's
+    acceptance, the governor's modes."""
+    g = SpecGate(SpecGateConfig(explore_samples=1, governor_trial=2, governor_max_hold=8))
+    assert g.state() == {"costs": {}, "method": {"alpha": 0.5, "yield": None, "seen": 0}, "governor": {}}
+    _costs(g, 3, plain=0.002, verify=0.004, draft=0.001, drafted=5)
+    g.observe(1, 4, 3)
+    g.observe_rate(3, 3, 0.002)
+    st = g.state()
+    assert st["costs"] == {4: {"plain_ms": [2.0, 1], "verify_ms": [4.0, 1], "draft_ms": [1.0, 1],
+                               "drafts_per_verify": [5.0, 1], "rounds_per_verify": [1.0, 1]}}
+    assert st["method"] == {"alpha": 0.75, "yield": 3.0, "seen": 1}
+    assert st["governor"] == {4: {"on": True, "trial": True, "samples": 1, "hold": 2, "rate_on": None,
+                                  "rate_off": None}}
+
+
 def test_gate_config_errors_name_the_field() -> None:
     for kw, name in (({"margin": -0.1}, "margin"), ({"probe_interval": 0}, "probe_interval"),
                      ({"ema_weight": 0.0}, "ema_weight"), ({"probe_overhead": 0.0}, "probe_overhead"),
@@ -292,11 +308,13 @@ def test_a_skipped_step_decodes_every_request_plainly(tmp_path_factory, overlap)
         if pays:
             assert asked and s.spec_steps_speculated > 0 and s.spec_verifies > 0 and s.spec_steps_skipped == 0
             assert 0 < sum(k is StepKind.VERIFY for k, _ in samples) <= s.spec_steps_speculated
+            # the plans by reason: a pass at 0.05 of a plain step is a cheap one, asked every step
+            assert set(s.spec_plan_whys) <= {"cheap", "refresh"} and s.spec_plan_whys.get("cheap", 0) > 0
         else:
             assert {k for k, _ in samples} == {StepKind.PLAIN}
             assert eng.runner.steps == plain.runner.steps  # the same steps, decode for decode
             assert not asked and s.spec_verifies == 0 and s.spec_steps_skipped == s.spec_steps > 0
-            assert s.spec_probes == 0
+            assert s.spec_probes == 0 and s.spec_plan_whys == {"not_worth": s.spec_steps}
         # plain steps overlap while speculation is off; a verify step is never left in flight (its advance needs
         # its accepted run), and while it pays only steps after which nobody can draft are
         assert not any(v for _, v in in_flight)

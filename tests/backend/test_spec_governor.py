@@ -32,6 +32,10 @@ def test_governor_turns_speculation_off_where_it_loses_and_retries_ever_more_rar
     # plain decoding holds 8, then (each trial of speculation lost) 32, 128, 512, 1024, 1024 ... steps
     holds = [len(run) for run in "".join("1" if m else "0" for m in modes).split("1") if run]
     assert holds[:6] == [16, 32, 128, 512, 1024, 1024], holds  # the first: the trial of plain decoding + its hold
+    st = gov.state()[64]  # what benchmarks report: the mode, the phase, each mode's last rate
+    assert st["rate_on"] == pytest.approx(10_000.0) and st["rate_off"] == pytest.approx(20_000.0)
+    assert st["on"] is False or st["trial"] is True
+    assert Governor(trial=8, max_hold=8, margin=0.0).state() == {}
     assert rate >= 0.98 * 20_000.0, rate  # issue 16's floor is 0.95, with speculation at half speed
     assert gov.allowed(1)  # another bucket knows nothing yet: it starts with a trial of speculation
 
