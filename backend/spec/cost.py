@@ -71,6 +71,8 @@ def step_sample(launched: SchedulerOutput | None, collected: Sequence[SchedulerO
 
 # a step time this many times off the running estimate is an outlier (see Ema.add)
 OUTLIER = 4.0
+# a verify sample this many times below an estimate that went unsampled for a while replaces it (StepCosts)
+STALE_DROP = 1.5
 
 
 def bucket(batch: int) -> int:
@@ -86,11 +88,13 @@ class Ema:
     n: int = 0
     at_step: int = 0  # the controller's step counter at the last sample (how stale it is)
 
-    def add(self, x: float, weight: float, step: int, restart: bool = True) -> None:
+    def add(self, x: float, weight: float, step: int, restart: bool = True, stale_after: int | None = None) -> None:
         """restart False: a sample far below the estimate is averaged in like any other (the estimate's high
-        samples recur: see StepCosts.observe_draft)."""
+        samples recur: see StepCosts.observe_draft). stale_after: an estimate not sampled for that many steps is
+        replaced by a sample STALE_DROP times below it (see StepCosts.observe_step)."""
+        stale = stale_after is not None and step - self.at_step >= stale_after and x < self.value / STALE_DROP
         self.at_step = step
-        if restart and self.n and x < self.value / OUTLIER:
+        if self.n and (stale or (restart and x < self.value / OUTLIER)):
             # the estimate began on a stall (a kernel compiling, a first graph replay): start again from here
             self.value, self.n = x, 1
             return
@@ -107,6 +111,8 @@ class StepCosts:
     """Seconds per step kind and batch bucket (see the module docstring)."""
 
     weight: float
+    # decisions after which an unsampled verify estimate is stale (the controller's probe_interval)
+    stale_after: int = 16
     plain: dict[int, Ema] = field(default_factory=dict)
     verify: dict[int, Ema] = field(default_factory=dict)
     draft: dict[int, Ema] = field(default_factory=dict)
@@ -122,7 +128,12 @@ class StepCosts:
         if kind is StepKind.PLAIN:
             self.plain.setdefault(b, Ema()).add(seconds, self.weight, step)
         elif kind is StepKind.VERIFY:
-            self.verify.setdefault(b, Ema()).add(seconds, self.weight, step)
+            # a verify estimate that says speculation costs too much seals itself: the controller stops verifying,
+            # so samples come only from probes, spaced by the very loss the estimate implies, each moving it by
+            # `weight` (k3-tiny's first verify on the H200 includes warm-up work: at 3x the true cost, recovery
+            # took thousands of steps). A probe far below an estimate that went unsampled therefore replaces it;
+            # an estimate too low corrects itself (the controller keeps verifying and sampling)
+            self.verify.setdefault(b, Ema()).add(seconds, self.weight, step, stale_after=self.stale_after)
             self.verify_drafts.setdefault(b, Ema()).add(float(drafted), self.weight, step)
             self.verify_rounds.setdefault(b, Ema()).add(float(rounds), self.weight, step, restart=False)
 

@@ -116,7 +116,7 @@ class _Acceptance:
 class SpecGate:
     def __init__(self, cfg: SpecGateConfig) -> None:
         self.cfg = cfg
-        self.costs = StepCosts(cfg.ema_weight)
+        self.costs = StepCosts(cfg.ema_weight, cfg.probe_interval)
         self.steps = 0  # decisions made (the controller's clock)
         self._method = _Acceptance()
         self._reqs: dict[int, _Acceptance] = {}

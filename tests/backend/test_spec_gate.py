@@ -199,6 +199,43 @@ def test_a_drafters_dear_calls_are_not_forgotten_after_a_cheap_one() -> None:
     assert c.get(c.verify, 64).value == 0.002  # step times still restart after a stall (a compile)
 
 
+def test_a_stale_verify_estimate_is_replaced_by_a_probe_far_below_it() -> None:
+    e = Ema()
+    e.add(0.005, 0.125, 1)
+    e.add(0.003, 0.125, 5, stale_after=16)  # sampled 4 decisions ago: averaged in
+    assert e.value == pytest.approx(0.004) and e.n == 2
+    e.add(0.003, 0.125, 21, stale_after=16)  # 16 decisions unsampled, but within STALE_DROP of it: averaged in
+    assert e.value == pytest.approx(0.004 - 0.001 / 3) and e.n == 3  # (a third sample weighs 1/3)
+    e.add(0.002, 0.125, 40, stale_after=16)  # unsampled for 19 decisions and 1.9x below: out of date, replaced
+    assert (e.value, e.n, e.at_step) == (0.002, 1, 40)
+    e.add(0.0001, 0.125, 41, stale_after=16)  # fresh, and a stall's opposite (the 4x restart rule) still applies
+    assert e.value == 0.0001
+
+
+def test_speculation_recovers_at_once_from_a_verify_estimate_that_began_dear() -> None:
+    """Regression: the controller's verify estimate of a bucket came from warm-up steps at ~3x the steady cost; it
+    then said drafting did not pay, so it verified only in probes, spaced by the loss the dear estimate implied,
+    each moving the estimate by ema_weight: with k3-tiny's costs (plain 1, verify 1.8 against 5 estimated, pass
+    0.1, tau 3.2) the rule took ~700 steps to speculate again. The first probe now replaces the stale estimate."""
+    g = SpecGate(SpecGateConfig(governor_trial=0))  # the rule alone
+    for _ in range(8):  # warm-up: exploration's verifies at the dear cost
+        _costs(g, 1, plain=0.001, verify=0.005, draft=0.0001)
+        g.observe(0, 7, 2)
+        g.plan(1, [0])
+    first_pays = None
+    for step in range(2000):
+        p = g.plan(1, [0])
+        if p.why is Why.PAYS:
+            first_pays = step
+            break
+        if p.draft:  # a probe: the steady verify cost, the same acceptance
+            g.observe_step(StepKind.VERIFY, 1, 0.0018, 7)
+            g.observe(0, 7, 2)
+        else:
+            g.observe_step(StepKind.PLAIN, 1, 0.001)
+    assert first_pays is not None and first_pays <= 150, first_pays
+
+
 def test_state_reports_the_estimates_it_decides_by() -> None:
     """SpecGate.state (benchmarks report it): per bucket the cost EMAs in ms with their sample counts, the method's
     acceptance, the governor's modes."""
