@@ -114,8 +114,12 @@ class _Acceptance:
 
 
 class SpecGate:
-    def __init__(self, cfg: SpecGateConfig) -> None:
+    def __init__(self, cfg: SpecGateConfig, fixed_verify_upto: int = 0) -> None:
+        """fixed_verify_upto: at batches up to this the runner replays verify steps from CUDA graphs that run
+        K + 1 rows for every request whatever it drafted (verify_graph.py), so a draft costs nothing more to verify
+        and `trim` keeps them all; above it (eager verify steps) a draft costs its share (0: no graphs)."""
         self.cfg = cfg
+        self.fixed_verify_upto = fixed_verify_upto
         self.costs = StepCosts(cfg.ema_weight, cfg.probe_interval)
         self.steps = 0  # decisions made (the controller's clock)
         self._method = _Acceptance()
@@ -265,9 +269,11 @@ class SpecGate:
         if why in (Why.PROBE, Why.EXPLORE) or plain is None or verify is None:
             return Trim(full, why is Why.PROBE)
         per_draft = c.get(c.verify_drafts, batch)
-        # seconds one more draft token adds to the verify (linear in the step's draft tokens), and what an
-        # accepted token is worth (the time plain decoding takes per token at this batch)
-        cost = max(verify.value - plain.value, 0.0) / max(per_draft.value if per_draft else 1.0, 1.0)
+        # seconds one more draft token adds to the verify (linear in the step's draft tokens in an eager step,
+        # nothing in a graph of fixed shape), and what an accepted token is worth (the time plain decoding takes
+        # per token at this batch)
+        cost = (0.0 if batch <= self.fixed_verify_upto else
+                max(verify.value - plain.value, 0.0) / max(per_draft.value if per_draft else 1.0, 1.0))
         worth = plain.value / batch
         keep, gain = [], 0.0
         for rid, n, est in drafts:

@@ -146,6 +146,22 @@ def test_trim_keeps_drafts_whose_acceptance_pays_their_verify_share() -> None:
     assert g.alpha(3) == pytest.approx(g.alpha(12345))  # its own counts are gone
 
 
+def test_trim_keeps_every_draft_where_verify_graphs_run_k_plus_1_rows_anyway() -> None:
+    """On CUDA graphs a verify step runs K + 1 rows for every request whatever it drafted (verify_graph.py): a
+    trimmed draft saved nothing, cost accepted tokens, and its request decoded plainly, which held the whole step
+    to one device round (Scheduler._plan_rounds). Up to the largest graph bucket trim keeps every draft; the step
+    still speculates only if the expected gain beats plain decoding."""
+    g = SpecGate(SpecGateConfig(margin=0.05), fixed_verify_upto=16)
+    for b in (1, 16):
+        _costs(g, b, plain=1.0, verify=1.7, draft=0.2)
+    _costs(g, 32, plain=1.0, verify=1.1, draft=0.2)  # a draft: 0.1 / 7 of a step; a token: 1 / 32 of one
+    sure = [0.9, 0.9, 0.5, 0.5, 0.5, 0.5, 0.5]
+    assert g.trim(1, [(0, 7, sure)], Why.PAYS).keep == [7]  # eager: 4 (the test above)
+    assert g.trim(16, [(r, 7, sure) for r in range(16)], Why.PAYS).keep == [7] * 16
+    assert g.trim(32, [(r, 7, sure) for r in range(32)], Why.PAYS).keep == [2] * 32  # past the graphs: eager
+    assert g.trim(1, [(0, 7, [0.05] * 7)], Why.PAYS).keep == [0]  # 1.05 tokens per 1.7 steps: plain decoding
+
+
 def test_a_cheap_drafter_is_asked_every_step_and_probed_when_its_drafts_never_pay() -> None:
     g = SpecGate(SpecGateConfig(probe_interval=4, probe_overhead=1.0))
     _costs(g, 1, plain=1.0, verify=1.7, draft=0.01)  # a suffix lookup next to a GPU step
