@@ -114,6 +114,14 @@ class _EngineCollector:
         if verifies is not None and accepted is not None:
             yield GaugeMetricFamily("k3rt_spec_tau", "tokens per speculative verify since start (accepted drafts + 1; "
                                     "0 before the first)", value=(accepted + verifies) / verifies if verifies else 0.0)
+        whys = s.get("spec_plan_whys")
+        if whys:
+            plans = CounterMetricFamily("k3rt_spec_plans", "the speculation controller's plans by reason: pays, "
+                                        "not_worth, explore, probe, refresh, cheap, off (the governor measured plain "
+                                        "decoding faster at that batch size)", labels=["why"])
+            for why, n in sorted(whys.items()):
+                plans.add_metric([why], n)
+            yield plans
         steps, speculated = s.get("spec_steps"), s.get("spec_steps_speculated")
         if steps is not None and speculated is not None:
             yield GaugeMetricFamily("k3rt_spec_speculated_fraction", "of the steps in which some request could "

@@ -43,6 +43,10 @@ def test_dspark_server_greedy_metrics_and_dsl(dspark_server: ServeProcess, tiny_
     assert body["choices"][0]["token_ids"] == _engine_reference(tiny_model, body["prompt_token_ids"])
     stats = dspark_server.stats()["stats"]
     assert stats["spec_drafted_tokens"] >= 4 and stats["spec_drafted_tokens"] >= stats["spec_accepted_tokens"]
+    # the controller's plans by reason reach the stats and /metrics (k3rt_spec_plans_total{why})
+    assert sum(stats["spec_plan_whys"].values()) >= 1
+    metrics = httpx.get(dspark_server.url + "/metrics", timeout=30).text
+    assert 'k3rt_spec_plans_total{why="' in metrics
     backend = k3rt.connect(f"tcp://127.0.0.1:{dspark_server.port + 1}", timeout=60)
     try:
         run = _two_turns.run(topic="drafts", backend=backend)

@@ -75,3 +75,13 @@ def test_gpu_idle_metrics_are_exported_from_engine_stats() -> None:
     after = parse_engine_timing(ServerMetrics(lambda: stats).render().decode())
     assert before == {"overlap": 1.0, "idle": 0.5, "span": 20.0} and gpu_idle_fraction(before, after) == 0.1
     assert gpu_idle_fraction({}, {"overlap": 0.0}) is None
+
+
+def test_speculation_plans_are_exported_by_reason() -> None:
+    from k3rt.server.metrics import ServerMetrics
+
+    text = ServerMetrics(lambda: {"spec_plan_whys": {"pays": 5, "off": 40}}).render().decode()
+    fam = {f.name: f for f in text_string_to_metric_families(text)}["k3rt_spec_plans"]
+    assert {(x.labels["why"], x.value) for x in fam.samples if x.name == "k3rt_spec_plans_total"} == {
+        ("pays", 5.0), ("off", 40.0)}
+    assert "k3rt_spec_plans" not in ServerMetrics(lambda: {"spec_plan_whys": {}}).render().decode()
