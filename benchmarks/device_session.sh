@@ -43,6 +43,9 @@
 #   spec-gate (580)     benchmarks/spec_gate.py on k3-tiny (bf16): correctness (deterministic, the speculation
 #                       controller on), then per batch 1/4/16/64 the controller vs drafting every step vs plain,
 #                       code/chat/agent x ngram/suffix/dspark, until --budget-s 540 (issue 16's >= 0.95x goal)
+#   spec-rounds (150 + 420) the device-rounds GPU tests (tests/backend/test_spec_rounds.py), then the gate with the
+#                       controller on and --spec-rounds 8 (dspark; code/agent; batch 1/16/64), whose rows carry the
+#                       controller's plans by reason and its state (costs, acceptance, governor)
 #   jit-churn (120 + 240) the compile-churn GPU test (tests/backend/test_jit_churn.py), then benchmarks/jit_churn.py
 #                       on k3-tiny (bf16, graphs on): binaries compiled per kernel in a warm-up and in 40 varied
 #                       prompts (1..300 tokens) arriving while others decode; 0 in the measured phase is the goal
@@ -145,6 +148,11 @@ for stage in "$@"; do
     spec-gate)
       run spec-gate 580 python3 benchmarks/spec_gate.py --device cuda --dtype bfloat16 --budget-s 540 \
         --out "$OUT/spec_gate.json" ;;
+    spec-rounds)
+      gpu_pytest spec-rounds 150 tests/backend/test_spec_rounds.py
+      run spec-rounds 420 python3 benchmarks/spec_gate.py --device cuda --dtype bfloat16 --no-check --no-always \
+        --rounds 2 --batch-sizes 1,16,64 --workloads code,agent --drafters dspark --spec-rounds 8 --budget-s 380 \
+        --out "$OUT/spec_rounds_gate.json" ;;
     jit-churn)
       gpu_pytest jit-churn 120 tests/backend/test_jit_churn.py
       run jit-churn 240 python3 benchmarks/jit_churn.py --device cuda --out "$OUT/jit_churn.json" ;;
