@@ -41,7 +41,7 @@ import random
 import statistics
 import sysconfig
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -356,7 +356,7 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
     wall = time.perf_counter() - t0
     time_ms["other"] = [0, wall * 1e3 - sum(v[1] for k, v in time_ms.items() if k != "draft")]
     compiled_now = _compiled(eng)
-    compiled = {k: n - compiled0.get(k, 0) for k, n in compiled_now.items() if n > compiled0.get(k, 0)}
+    compiled = _count_delta(compiled_now, compiled0)
     s = eng.stats
     return _Run(outputs, wall, sum(map(len, outputs)), step_ms, draft_ms, s.spec_verifies - s0[0],
                 s.spec_drafted_tokens - s0[1], s.spec_accepted_tokens - s0[2],
@@ -371,18 +371,20 @@ def _count_delta(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {k: n - before.get(k, 0) for k, n in sorted(now.items()) if n > before.get(k, 0)}
 
 
+def _sum_counts(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, n in c.items():
+            out[k] = out.get(k, 0) + n
+    return out
+
+
 def _merge(runs: Sequence[_Run]) -> _Run:
     """One run's figures summed (counts, times) or concatenated (step and drafter times) over rounds; the
     outputs and traces are the first round's."""
     first = runs[0]
     time_ms: dict[str, list[float]] = {}
-    kernels: dict[str, int] = {}
-    whys: dict[str, int] = {}
     for r in runs:
-        for k, n in r.compiled_kernels.items():
-            kernels[k] = kernels.get(k, 0) + n
-        for k, n in r.whys.items():
-            whys[k] = whys.get(k, 0) + n
         for k, (n, ms) in r.time_ms.items():
             slot = time_ms.setdefault(k, [0, 0.0])
             slot[0] += n
@@ -392,7 +394,8 @@ def _merge(runs: Sequence[_Run]) -> _Run:
                 sum(r.verifies for r in runs), sum(r.drafted for r in runs), sum(r.accepted for r in runs),
                 sum(r.graph_verifies for r in runs), first.drafter_graphs, sum(r.spec_steps for r in runs),
                 sum(r.speculated for r in runs), sum(r.skipped for r in runs), compiles=sum(r.compiles for r in runs),
-                compiled_kernels=kernels, time_ms=time_ms, trace=first.trace, whys=whys)
+                compiled_kernels=_sum_counts(r.compiled_kernels for r in runs), time_ms=time_ms, trace=first.trace,
+                whys=_sum_counts(r.whys for r in runs))
 
 
 def step_speedup(plain_ms: float, verify_ms: float, draft: float, tau: float) -> float:

@@ -54,7 +54,7 @@ from k3rt.server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize,
 
 # What request handling imports inside functions (grammars, the GBNF converter, model info). Imported when the
 # app is made: a first import on the event loop compiles modules with the GIL held, and a server's first chat
-# or completion held /health ~0.7 s while k3rt.backend.grammar was imported (tests/server/test_first_use.py)
+# or completion held /health ~0.7 s while k3rt.backend.grammar was imported (tests/server/test_gateway_heap.py)
 FIRST_USE_IMPORTS = ("k3rt.backend.gateway", "k3rt.backend.grammar", "k3rt.model_config", "k3rt.sampling_params",
                      "llguidance.gbnf_to_lark")
 
