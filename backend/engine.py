@@ -327,7 +327,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One schedule -> run -> update cycle. Returns outputs of requests that advanced or ended."""
-        self.scheduler.step_rounds = 1
+        self.scheduler.step_rounds, self.scheduler.step_drafted = 1, 0
         t0 = time.monotonic()
         outputs = self._step()
         t1 = time.monotonic()
@@ -358,9 +358,11 @@ class Engine:
         if sample is None:
             return
         kind, batch = sample
-        drafted = sum(len(c.draft_ids) for c in self._launched.chunks) if kind is StepKind.VERIFY else 0
-        # a step of several device rounds (SpecConfig.rounds) is that many verify steps to the cost model
+        # a step of several device rounds (SpecConfig.rounds) is that many verify steps to the cost model, each with
+        # its share of the step's drafts (the first round carries the scheduled drafts, the further ones K per
+        # request: counting the first alone priced a round's tokens at a fraction of what it yields)
         rounds = self.scheduler.step_rounds if kind is StepKind.VERIFY else 1
+        drafted = self.scheduler.step_drafted / rounds if kind is StepKind.VERIFY else 0
         self.gate.observe_step(kind, batch, max(seconds - self.scheduler.step_draft_s, 0.0) / rounds, drafted, rounds)
 
     def _step(self) -> list[RequestOutput]:

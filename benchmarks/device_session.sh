@@ -62,7 +62,7 @@ set -u
 for stage in "$@"; do
   case $stage in
     tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det|overlap|serve) ;;
-    spec-tests|spec-verify|dspark-pass|spec-bench|spec-gate|jit-churn|tp-tests|tp|tp-symm|k3-slice) ;;
+    spec-tests|spec-verify|dspark-pass|spec-bench|spec-gate|spec-rounds|jit-churn|tp-tests|tp|tp-symm|k3-slice) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done

@@ -163,6 +163,7 @@ class Scheduler:
         self.device_rounds = device_rounds  # the runner runs several verify rounds per step (_plan_rounds)
         self.step_draft_s = 0.0  # seconds of the drafter's pass in the last schedule() (the engine takes it off the step)
         self.step_rounds = 1  # most verify rounds a request ran in the steps resolved since the engine last reset it
+        self.step_drafted = 0  # draft tokens verified, over every round, in the steps resolved since then
         self._next_plan: Plan | None = None  # the controller's plan for the next step, made early (overlap)
         self.B = tree.B
         self.grid = self.B if cache_cfg.full_block_mode else cache_cfg.hash_block_size
@@ -474,8 +475,12 @@ class Scheduler:
                 stats.spec_steps_skipped += 1
                 return 0
         t0 = time.perf_counter()
+        # where the verify replays a CUDA graph of K + 1 rows per request, a draft costs nothing to verify: the
+        # drafter's own confidence cut would only lose tokens (k3-tiny's drafter cut code at batch 1 to ~1 draft
+        # of 7, so one measured verify priced every later one as hopeless); the controller's trim decides
+        full = gate is not None and batch <= gate.fixed_verify_upto
         try:
-            proposals = self.drafter.propose_scored(queries)
+            proposals = self.drafter.propose_scored(queries, full)
         except Exception:  # drafts are optional: a drafter bug costs this step's speculation, not the engine
             log.exception("the drafter failed; this step decodes without drafts")
             return 0
@@ -922,6 +927,7 @@ class Scheduler:
             rounds = [(len(c.draft_ids), accepted)]
         self.step_rounds = max(self.step_rounds, len(rounds))
         for i, (drafted, accepted) in enumerate(rounds):
+            self.step_drafted += drafted
             stats.spec_verifies += 1
             stats.spec_drafted_tokens += drafted
             stats.spec_accepted_tokens += accepted

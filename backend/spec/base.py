@@ -42,8 +42,11 @@ class Drafter(ABC):
     def propose(self, queries: Sequence[DraftQuery]) -> list[list[int]]:
         """Draft tokens for each query (possibly none), at most query.max_tokens each, in query order."""
 
-    def propose_scored(self, queries: Sequence[DraftQuery]) -> list[Proposal]:
-        """`propose` with the drafter's acceptance estimates where it has them (the scheduler calls this)."""
+    def propose_scored(self, queries: Sequence[DraftQuery], full: bool = False) -> list[Proposal]:
+        """`propose` with the drafter's acceptance estimates where it has them (the scheduler calls this).
+        full: every draft the drafter has, up to query.max_tokens, with no cut of its own by confidence (the
+        step's verify costs the same whatever it carries, e.g. a verify CUDA graph of K + 1 rows per request,
+        so a cut only loses tokens; the speculation controller trims by the estimates)."""
         return [Proposal(list(d)) for d in self.propose(queries)]
 
     def finish(self, rid: int, token_ids: Sequence[int], prompt_len: int) -> None:

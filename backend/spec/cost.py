@@ -120,7 +120,7 @@ class StepCosts:
     # verify rounds per verifying engine step (SpecConfig.rounds: the device runs several; `verify` is per round)
     verify_rounds: dict[int, Ema] = field(default_factory=dict)
 
-    def observe_step(self, kind: StepKind, batch: int, seconds: float, step: int, drafted: int = 0,
+    def observe_step(self, kind: StepKind, batch: int, seconds: float, step: int, drafted: float = 0,
                      rounds: int = 1) -> None:
         """A sampled step's wall time, the drafter's pass excluded (MIXED steps are ignored); a verify step of
         several device rounds is given per round (seconds / rounds) with its round count."""

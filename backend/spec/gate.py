@@ -298,7 +298,7 @@ class SpecGate:
 
     # ---- observations ----
 
-    def observe_step(self, kind: StepKind, batch: int, seconds: float, drafted: int = 0, rounds: int = 1) -> None:
+    def observe_step(self, kind: StepKind, batch: int, seconds: float, drafted: float = 0, rounds: int = 1) -> None:
         """A step's wall time (the drafter's pass excluded; per round for a step of several device rounds), its
         draft tokens and its rounds (verify steps)."""
         self.costs.observe_step(kind, batch, seconds, self.steps, drafted, rounds)

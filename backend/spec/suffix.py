@@ -364,9 +364,10 @@ class SuffixDrafter(Drafter):
     def propose(self, queries: Sequence[DraftQuery]) -> list[list[int]]:
         return [p.token_ids for p in self.propose_scored(queries)]
 
-    def propose_scored(self, queries: Sequence[DraftQuery]) -> list[Proposal]:
+    def propose_scored(self, queries: Sequence[DraftQuery], full: bool = False) -> list[Proposal]:
         """With each draft's empirical continuation probability in the trie that matched (the speculation
-        controller calibrates them against what gets accepted)."""
+        controller calibrates them against what gets accepted). full changes nothing: a suffix match's length
+        is what the trie holds, not a cut by confidence."""
         self.index_finished()
         return [self._propose(q) for q in queries]
 

@@ -344,7 +344,7 @@ def test_a_skipped_step_decodes_every_request_plainly(tmp_path_factory, overlap)
         samples = _forced(eng, pays)
         asked = []
         propose = eng.scheduler.drafter.propose_scored
-        eng.scheduler.drafter.propose_scored = lambda qs: asked.append(len(qs)) or propose(qs)
+        eng.scheduler.drafter.propose_scored = lambda qs, full=False: asked.append(len(qs)) or propose(qs, full)
         in_flight = []  # per step: (a step left in flight, it verifies drafts)
 
         def look(e) -> None:

@@ -241,3 +241,51 @@ def test_plan_rounds_rules(tmp_path_factory) -> None:
     assert sched._plan_rounds([chunk], []) == 4 and len(req.block_table) == -(-reach // B)
     req.params = replace(req.params, max_tokens=req.num_output + 2)  # two tokens left: two rounds at most
     assert sched._plan_rounds([chunk], []) == 2
+
+
+def test_fixed_shape_verify_drafts_every_token_and_each_round_counts_its_drafts(workload) -> None:
+    """Regression (session 19's H200 gate, k3-tiny + its DSpark drafter, 8 rounds, controller on, batch 1): the
+    drafter cut its first round's drafts by its confidence threshold (code: ~1 draft of 7) although a verify CUDA
+    graph runs K + 1 rows per request whatever they carry, and the engine handed the controller that first
+    round's drafts as the step's drafts per round (the further rounds draft K each), so one measured verify priced
+    a round's tokens at 1 + 1 and the controller judged speculation hopeless at batch 1 (0 verifies after it).
+    Where verify has a fixed shape (gate.fixed_verify_upto) the drafter now returns min(K, tokens left) drafts,
+    and a verify sample's drafts are the step's drafts over every round, per round."""
+    from k3rt.backend.spec.cost import Ema, StepKind
+
+    prompts, params, expect = workload
+    eng = _engine(4, adaptive=True)
+    g, drafter = eng.gate, eng.scheduler.drafter
+    drafter.threshold = 1.0  # a cut that bites on every request: the confident prefix is then min_verify (1)
+    g.fixed_verify_upto = 4  # the padded verify form runs K + 1 rows per request, as the graphs do on CUDA
+    for b in (1, 2, 4):  # costs where drafting pays, fixed (nothing learned: the samples are recorded instead)
+        g.costs.plain[b], g.costs.verify[b], g.costs.draft[b] = Ema(1.0, 1), Ema(1.1, 1), Ema(0.05, 1)
+    for _ in range(g.cfg.explore_samples):
+        g.observe(-1, 4, 4)
+    g.finish(-1)
+    samples, firsts, per_step = [], [], []
+    g.observe_step = lambda kind, batch, seconds, drafted=0, rounds=1: samples.append((kind, drafted, rounds))
+    g.observe_draft = lambda *a, **k: None
+    update = eng.scheduler._update_verify
+
+    def recorded(c, run_, finished):
+        left = c.req.params.max_tokens - c.req.num_output
+        firsts.append((len(c.draft_ids), left))
+        per_step[-1] += sum(d for d, _ in getattr(run_, "rounds", [(len(c.draft_ids), 0)]))
+        update(c, run_, finished)
+
+    eng.scheduler._update_verify = recorded
+    step = eng.step
+
+    def counted():
+        per_step.append(0)
+        return step()
+
+    eng.step = counted
+    out = run(eng, prompts[1:2], params[1:2])  # 45 tokens, no stop id: several steps of 4 rounds
+    assert [o.output_ids for o in out] == expect[1:2]
+    assert firsts and all(n == min(7, left - 1) for n, left in firsts), firsts  # every draft, not the cut's 1
+    verifies = [(d, r) for k, d, r in samples if k is StepKind.VERIFY]
+    assert verifies and any(r > 1 for _, r in verifies)
+    # each verify sample: the step's drafts over its rounds, per round (steps that verified, in order)
+    assert [d * r for d, r in verifies] == pytest.approx([n for n in per_step if n][:len(verifies)])

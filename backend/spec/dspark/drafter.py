@@ -165,15 +165,16 @@ class DSparkDrafter(Drafter):
     def propose(self, queries: Sequence[DraftQuery]) -> list[list[int]]:
         return [p.token_ids for p in self._pass(queries)]
 
-    def propose_scored(self, queries: Sequence[DraftQuery]) -> list[Proposal]:
-        return self._pass(queries)
+    def propose_scored(self, queries: Sequence[DraftQuery], full: bool = False) -> list[Proposal]:
+        return self._pass(queries, full)
 
     @torch.no_grad()
-    def _pass(self, queries: Sequence[DraftQuery]) -> list[Proposal]:
+    def _pass(self, queries: Sequence[DraftQuery], full: bool = False) -> list[Proposal]:
         """One batched block pass over every query that carries target states; a query without them (its
         states were not recorded, e.g. right after a preemption) gets no drafts this step. A request whose
         confidence says no draft pays (min_verify 0) also gets none: it decodes plainly. Each proposal carries
-        the confidence head's per-draft acceptance estimates of the drafts it returns."""
+        the confidence head's per-draft acceptance estimates of the drafts it returns. full: no confidence cut
+        (every request gets min(K, max_tokens) drafts; see Drafter.propose_scored)."""
         out: list[Proposal] = [Proposal([]) for _ in queries]
         ready = [i for i, q in enumerate(queries) if q.hidden is not None]
         if not ready:
@@ -193,6 +194,7 @@ class DSparkDrafter(Drafter):
         cfg = self.model.cfg
         rows, confs = torch.cat([tokens, prefix[:, None]], 1).tolist(), conf.float().tolist()
         for row, c, i in zip(rows, confs, ready):
-            n = clamp_verify(row[-1], cfg.min_verify, queries[i].max_tokens, cfg.block_size)
+            n = clamp_verify(cfg.block_size if full else row[-1], cfg.min_verify, queries[i].max_tokens,
+                             cfg.block_size)
             out[i] = Proposal(row[:n], c[:n])
         return out
