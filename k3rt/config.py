@@ -153,7 +153,8 @@ class SpecConfig:
 
     method: str | None = None  # None: off; one of SPEC_METHODS
     num_tokens: int = 4  # draft tokens per request per step, at most (K)
-    # draft tokens per step over all requests; they also count against max_num_batched_tokens
+    # draft tokens per step over all requests; they also count against max_num_batched_tokens. Not applied where
+    # the controller is on and the step's verify replays a CUDA graph (K + 1 rows per request whatever it carries)
     max_draft_tokens_per_step: int = 256
     ngram_min: int = 2  # prompt lookup: match the last n tokens, n from ngram_max down to ngram_min
     ngram_max: int = 4

@@ -327,9 +327,9 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
     if drafter is not None:
         propose = drafter.propose_scored  # what the scheduler calls
 
-        def timed_propose(queries):
+        def timed_propose(queries, full=False):
             t0 = time.perf_counter()
-            res = propose(queries)
+            res = propose(queries, full)
             draft_ms.append((time.perf_counter() - t0) * 1e3)
             return res
 

@@ -457,16 +457,30 @@ class Scheduler:
             stats.spec_steps += 1
             stats.spec_steps_skipped += 1
             return 0
-        left = min(budget, sc.max_draft_tokens_per_step)
+        batch = len(self._step_decodes)
+        # where the verify replays a CUDA graph of K + 1 rows per request, a draft costs nothing to verify: the
+        # drafter's own confidence cut would only lose tokens (k3-tiny's drafter cut code at batch 1 to ~1 draft
+        # of 7, so one measured verify priced every later one as hopeless), and so would the per-step draft cap,
+        # which bounds eager verify work (at batch 64, K 7: 256 of 448 drafts, the rest plain decodes that held
+        # the step to one device round); the controller's trim decides
+        full = gate is not None and batch <= gate.fixed_verify_upto
+        left = budget if full else min(budget, sc.max_draft_tokens_per_step)
         queries: list[DraftQuery] = []
         for req in self._step_decodes:
             k = self._draft_limit(req)
-            if k > 0:
-                queries.append(DraftQuery(req.rid, req.token_ids, req.prompt_len, k, self._hidden(req)))
+            if k <= 0:
+                continue
+            hidden = self._hidden(req)
+            if hidden is None and self.target_states is not None:
+                # a model drafter without the request's states (not recorded while the governor had speculation
+                # off, or right after a preemption) has nothing to draft from: the request decodes plainly, and
+                # that is no outcome of drafting (counted as one, it drove the controller's yield to ~0 at batch
+                # 16 on the H200: every request came back without states when the governor allowed drafting again)
+                continue
+            queries.append(DraftQuery(req.rid, req.token_ids, req.prompt_len, k, hidden))
         if not queries:
             return 0
         stats.spec_steps += 1
-        batch = len(self._step_decodes)
         if gate is not None:
             if plan is None:
                 plan = self._plan(batch, [q.rid for q in queries])
@@ -475,10 +489,6 @@ class Scheduler:
                 stats.spec_steps_skipped += 1
                 return 0
         t0 = time.perf_counter()
-        # where the verify replays a CUDA graph of K + 1 rows per request, a draft costs nothing to verify: the
-        # drafter's own confidence cut would only lose tokens (k3-tiny's drafter cut code at batch 1 to ~1 draft
-        # of 7, so one measured verify priced every later one as hopeless); the controller's trim decides
-        full = gate is not None and batch <= gate.fixed_verify_upto
         try:
             proposals = self.drafter.propose_scored(queries, full)
         except Exception:  # drafts are optional: a drafter bug costs this step's speculation, not the engine

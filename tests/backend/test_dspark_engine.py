@@ -384,3 +384,44 @@ def test_serve_flags_resolve_the_drafter_and_its_block_size() -> None:
     assert _spec_config(a).num_tokens == 4 and _spec_config(a).model is None
     with pytest.raises(ValueError, match="spec_confidence"):
         _spec_config(build_parser().parse_args(["serve", "--spec", "dspark", "--spec-confidence", "2"]))
+
+
+@pytest.mark.parametrize("arch", ["k3"], indirect=True)
+def test_a_request_without_states_is_not_asked_and_is_no_drafting_outcome(arch, tmp_path) -> None:
+    """Regression (session 19's H200 gate, batch 16): a request whose target states were not recorded (the
+    governor had speculation off, so recording was paused) went to the drafter anyway, came back without drafts,
+    and the scheduler counted that as a drafting step that gained nothing; every request did so when drafting was
+    allowed again, the controller's yield fell to ~0.004 and it never judged drafting worth it (0 verifies at
+    batch 16, where drafting with 8 rounds ran 1.4-1.9x plain with the controller off). Such a request now
+    decodes plainly without being asked, and the controller hears nothing of it."""
+    from k3rt.backend.spec.cost import Ema
+
+    prompts, params = [list(range(3, 40)), list(range(50, 70))], _params(2, 20)
+    ref = _reference(arch, prompts, params)
+    folder = _random_drafter(tmp_path / "drafter", arch.model)
+    eng = make_engine(arch.ckpt, runner="model", model=arch.model, budget=64, num_pages=512,
+                      engine={"spec": SpecConfig(method="dspark", num_tokens=5, model=str(folder))})
+    g = eng.gate
+    for b in (1, 2):  # costs where drafting pays, so every step with states drafts
+        g.costs.plain[b], g.costs.verify[b], g.costs.draft[b] = Ema(1.0, 1), Ema(1.1, 1), Ema(0.05, 1)
+    g.observe_step = g.observe_draft = lambda *a, **k: None
+    for _ in range(g.cfg.explore_samples):
+        g.observe(-1, 4, 4)
+    g.finish(-1)
+    asked, observed = [], []
+    propose, observe = eng.scheduler.drafter.propose_scored, g.observe
+    eng.scheduler.drafter.propose_scored = lambda qs, full=False: (
+        asked.append([(q.rid, q.hidden is None) for q in qs]) or propose(qs, full))
+    g.observe = lambda rid, *a, **k: observed.append(rid) or observe(rid, *a, **k)
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while eng.stats.spec_verifies < 2:
+        eng.step()
+    eng.target_states.release(rids[0])  # its states gone, as when recording was paused
+    asked.clear(), observed.clear()
+    eng.step()
+    assert asked and all(not none for qs in asked for _, none in qs), asked  # never asked without states
+    assert rids[0] not in observed and rids[1] in observed
+    done = drain(eng)
+    assert [done[r].output_ids for r in rids] == ref
+    assert len(eng.target_states) == 0
+    assert_at_rest(eng)

@@ -250,11 +250,13 @@ def test_fixed_shape_verify_drafts_every_token_and_each_round_counts_its_drafts(
     round's drafts as the step's drafts per round (the further rounds draft K each), so one measured verify priced
     a round's tokens at 1 + 1 and the controller judged speculation hopeless at batch 1 (0 verifies after it).
     Where verify has a fixed shape (gate.fixed_verify_upto) the drafter now returns min(K, tokens left) drafts,
-    and a verify sample's drafts are the step's drafts over every round, per round."""
+    and a verify sample's drafts are the step's drafts over every round, per round. The per-step draft cap
+    (bounding eager verify work) does not apply there either: at batch 64, K 7 it kept 256 of 448 drafts, and
+    the plain decodes it left held every step to one device round."""
     from k3rt.backend.spec.cost import Ema, StepKind
 
     prompts, params, expect = workload
-    eng = _engine(4, adaptive=True)
+    eng = _engine(4, adaptive=True, max_draft_tokens_per_step=3)
     g, drafter = eng.gate, eng.scheduler.drafter
     drafter.threshold = 1.0  # a cut that bites on every request: the confident prefix is then min_verify (1)
     g.fixed_verify_upto = 4  # the padded verify form runs K + 1 rows per request, as the graphs do on CUDA
