@@ -465,6 +465,10 @@ class Scheduler:
         # the step to one device round); the controller's trim decides
         full = gate is not None and batch <= gate.fixed_verify_upto
         left = budget if full else min(budget, sc.max_draft_tokens_per_step)
+        if gate is not None and self.target_states is not None:
+            # recording follows the governor here too, not only in _plan: with every request still without states
+            # (paused while off) no plan would be asked for, and recording would never resume
+            self.target_states.paused = gate.off(batch)
         queries: list[DraftQuery] = []
         for req in self._step_decodes:
             k = self._draft_limit(req)

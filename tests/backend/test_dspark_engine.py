@@ -421,6 +421,15 @@ def test_a_request_without_states_is_not_asked_and_is_no_drafting_outcome(arch, 
     eng.step()
     assert asked and all(not none for qs in asked for _, none in qs), asked  # never asked without states
     assert rids[0] not in observed and rids[1] in observed
+    # every request without states, recording paused (as the governor leaves it when it had speculation off):
+    # with the governor allowing drafting, recording resumes and drafting with it
+    for r in rids:
+        eng.target_states.release(r)
+    eng.target_states.paused = True
+    verifies = eng.stats.spec_verifies
+    for _ in range(3):
+        eng.step()
+    assert eng.stats.spec_verifies > verifies
     done = drain(eng)
     assert [done[r].output_ids for r in rids] == ref
     assert len(eng.target_states) == 0
