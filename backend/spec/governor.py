@@ -31,7 +31,7 @@ GROWTH = 4
 
 @dataclass(slots=True)
 class _Phase:
-    tokens: int = 0
+    tokens: float = 0.0
     seconds: float = 0.0
     samples: int = 0
 
@@ -64,15 +64,17 @@ class Governor:
 
     def state(self) -> dict[int, dict]:
         """Per bucket: the current mode (on: speculation allowed), whether it is a trial, the phase's samples so far,
-        the hold, and each mode's latest rate in tokens/s (benchmarks report it)."""
+        the hold, and each mode's latest rate in tokens/s (per request, as SpecGate hands them in; benchmarks
+        report it)."""
         return {b: {"on": st.on, "trial": st.trial, "samples": st.phase.samples, "hold": st.hold,
                     "rate_on": round(st.rate[True], 1) if True in st.rate else None,
                     "rate_off": round(st.rate[False], 1) if False in st.rate else None}
                 for b, st in sorted(self._buckets.items())}
 
-    def observe(self, b: int, tokens: int, seconds: float) -> None:
+    def observe(self, b: int, tokens: float, seconds: float) -> None:
         """One decode-only engine step at bucket b delivered `tokens` in `seconds` (wall time, the drafter's
-        pass and any synchronous wait included)."""
+        pass and any synchronous wait included). The controller hands in tokens per request of the step
+        (SpecGate.observe_rate), so rates are per request and comparable across a bucket's batch sizes."""
         st = self._buckets.setdefault(b, _Bucket(hold=self.trial))
         ph = st.phase
         ph.tokens += tokens

@@ -99,3 +99,17 @@ def test_paused_target_states_record_nothing() -> None:
     store.paused = False
     record_step_states(store, [SimpleNamespace(req=req, num_tokens=1, num_fed=1, start=7)], tapped, {})
     assert store.end(7) == 8 and store.get(7).shape == (1, 4)  # the gap dropped the old row
+
+
+def test_the_governor_compares_tokens_per_request_not_per_batch() -> None:
+    """Regression (H200 gate at f97aa7c, k3-tiny code at batch 16): the trial of speculation ran while the bucket
+    held 16 requests, plain decoding's trial after some had finished (9 left, still bucket 16); by raw tokens/s
+    speculation won (10.3K against 6.7K) and stayed on at 0.82x plain decoding end to end. Per request, the same
+    steps show plain decoding faster, and the governor turns speculation off."""
+    gate = SpecGate(SpecGateConfig(governor_trial=4, governor_max_hold=8))
+    for _ in range(4):  # speculation allowed, 16 requests: 16 tokens per 2.0 ms (8K tokens/s, 500 per request)
+        gate.observe_rate(16, 16, 0.002)
+    for _ in range(4):  # off, 9 requests: 9 tokens per 1.5 ms (6K tokens/s, 667 per request)
+        gate.observe_rate(9, 9, 0.0015)
+    assert gate.off(16)
+    assert gate.governor.rates(16) == {True: pytest.approx(500.0), False: pytest.approx(2000.0 / 3)}
