@@ -49,6 +49,7 @@ def engine_stats(engine) -> dict:
         "spec_accepted_tokens": s.spec_accepted_tokens,
         "spec_steps": s.spec_steps, "spec_steps_speculated": s.spec_steps_speculated,
         "spec_steps_skipped": s.spec_steps_skipped, "spec_probes": s.spec_probes,
+        "spec_drafter_errors": s.spec_drafter_errors,
         "spec_plan_whys": dict(s.spec_plan_whys),
         "evicted_snapshots": tree.stats.evicted_snapshots, "evicted_pages": tree.stats.evicted_pages,
         "steps": engine.num_steps,

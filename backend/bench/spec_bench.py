@@ -337,6 +337,7 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
     eng.step, eng.scheduler.schedule = timed_step, recording_schedule
     s0 = (eng.stats.spec_verifies, eng.stats.spec_drafted_tokens, eng.stats.spec_accepted_tokens,
           eng.stats.spec_steps, eng.stats.spec_steps_speculated, eng.stats.spec_steps_skipped)
+    errors0 = eng.stats.spec_drafter_errors
     g0 = getattr(eng.runner, "verify_graph_replays", 0)
     whys0 = dict(eng.stats.spec_plan_whys)
     outputs: list[list[int]] = []
@@ -354,6 +355,11 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
         if drafter is not None:  # a drafter kept for the next run (dspark) must not time into this run's list
             drafter.propose_scored = propose
     wall = time.perf_counter() - t0
+    if eng.stats.spec_drafter_errors > errors0:
+        # the engine carries on without drafts, so the row would time plain decoding under the drafter's name (an
+        # H200 gate call did: a wrapper here took the wrong arguments and every drafter call raised)
+        raise RuntimeError(f"the drafter raised in {eng.stats.spec_drafter_errors - errors0} calls of a measured run "
+                           "(the log has the tracebacks): its row would measure plain decoding")
     time_ms["other"] = [0, wall * 1e3 - sum(v[1] for k, v in time_ms.items() if k != "draft")]
     compiled_now = _compiled(eng)
     compiled = _count_delta(compiled_now, compiled0)

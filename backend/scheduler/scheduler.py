@@ -137,6 +137,7 @@ class SchedulerStats:
     spec_steps_speculated: int = 0  # of those, steps that verified drafts
     spec_steps_skipped: int = 0  # of those, steps the controller decoded plainly (before or after the drafter's pass)
     spec_probes: int = 0  # steps the controller drafted while speculation did not pay, to refresh its estimates
+    spec_drafter_errors: int = 0  # drafter calls that raised (the step decoded without drafts; the log has each)
     # the controller's plans by their reason (gate.Why values): why a step drafted or did not
     spec_plan_whys: dict[str, int] = field(default_factory=dict)
 
@@ -438,6 +439,7 @@ class Scheduler:
         try:
             proposals = self.drafter.propose_scored(queries)
         except Exception:
+            self.stats.spec_drafter_errors += 1
             log.exception("the drafter failed; the next step decodes without drafts")
             return Plan(False, Why.NOT_WORTH)
         offered = [(q.rid, len(p.token_ids[:q.max_tokens]), p.accept_probs)
@@ -496,6 +498,7 @@ class Scheduler:
         try:
             proposals = self.drafter.propose_scored(queries, full)
         except Exception:  # drafts are optional: a drafter bug costs this step's speculation, not the engine
+            stats.spec_drafter_errors += 1
             log.exception("the drafter failed; this step decodes without drafts")
             return 0
         self.step_draft_s = time.perf_counter() - t0

@@ -60,6 +60,8 @@ _ENGINE_COUNTERS = {
                            "plainly because a verify was not expected to pay (--spec-adaptive)"),
     "spec_probes": ("k3rt_spec_probes", "steps the speculation controller drafted while speculation did not pay, to "
                     "refresh its acceptance and cost estimates"),
+    "spec_drafter_errors": ("k3rt_spec_drafter_errors", "drafter calls that raised (those steps decoded without "
+                            "drafts; the server log has each traceback)"),
     "gpu_idle_seconds": ("k3rt_gpu_idle_seconds", "time the GPU waited for the host between engine steps (absent "
                          "without a GPU)"),
     "gpu_step_seconds": ("k3rt_gpu_step_seconds", "GPU time from one engine step's end to the next's, over the "

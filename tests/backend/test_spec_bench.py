@@ -187,3 +187,21 @@ def test_bench_spec_cli_refuses_a_bad_list(capsys) -> None:
     assert main(["bench", "spec", "--batch-sizes", "1,x"]) == 2
     assert "batch_sizes" in capsys.readouterr().err
 
+
+
+def test_a_drafter_that_raises_is_counted_and_voids_the_bench(monkeypatch) -> None:
+    """Regression (session 20, H200): the bench's timing wrapper of propose_scored took one argument after the
+    scheduler began passing two; every drafter call raised, the scheduler decoded without drafts as it should, and
+    the gate printed a full table of plain-decoding rows under the drafter's name. The engine counts such calls
+    (stats, /metrics k3rt_spec_drafter_errors) and the bench refuses a measured run that had any."""
+    from k3rt.backend.bench import spec_bench
+    from k3rt.backend.spec.ngram import NgramDrafter
+
+    def broken(self, queries):
+        raise ValueError("a drafter bug")
+
+    monkeypatch.setattr(NgramDrafter, "propose", broken)
+    cfg = SpecBenchConfig(workloads=("code",), batch_sizes=(1,), drafters=("ngram",), max_tokens=6,
+                          spec_adaptive=False)
+    with pytest.raises(RuntimeError, match=r"the drafter raised in \d+ calls of a measured run"):
+        spec_bench.bench_spec(cfg, progress=False)

@@ -85,3 +85,11 @@ def test_speculation_plans_are_exported_by_reason() -> None:
     assert {(x.labels["why"], x.value) for x in fam.samples if x.name == "k3rt_spec_plans_total"} == {
         ("pays", 5.0), ("off", 40.0)}
     assert "k3rt_spec_plans" not in ServerMetrics(lambda: {"spec_plan_whys": {}}).render().decode()
+
+
+def test_drafter_errors_are_a_counter() -> None:
+    from k3rt.server.metrics import ServerMetrics
+
+    text = ServerMetrics(lambda: {"spec_drafter_errors": 3}).render().decode()
+    fam = {f.name: f for f in text_string_to_metric_families(text)}["k3rt_spec_drafter_errors"]
+    assert [x.value for x in fam.samples if x.name == "k3rt_spec_drafter_errors_total"] == [3.0]
