@@ -25,10 +25,15 @@ if platform.machine() in ("x86_64", "AMD64") and os.environ.get("OPENBLAS_CORETY
 
 import torch  # noqa: E402
 
-# under pytest-xdist (make test) the workers share the cores: each gets its share for torch's intra-op threads
+# under pytest-xdist (make test) the workers share the cores: each gets its share for torch's intra-op threads,
+# and so do the processes a test starts (benchmark --smoke scripts, `k3rt serve`, CLI runs), through the
+# environment they inherit: with their default of one thread per core, spinning OpenMP workers on cores the
+# other worker is using made benchmarks/overlap.py --smoke take 121 s instead of 7 s
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+    _SHARE = max(1, (os.cpu_count() or 1) // _WORKERS)
+    torch.set_num_threads(_SHARE)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_SHARE))
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
