@@ -113,3 +113,36 @@ def test_the_governor_compares_tokens_per_request_not_per_batch() -> None:
         gate.observe_rate(9, 9, 0.0015)
     assert gate.off(16)
     assert gate.governor.rates(16) == {True: pytest.approx(500.0), False: pytest.approx(2000.0 / 3)}
+
+
+def test_with_speculation_off_a_step_reads_one_request_not_all(tmp_path_factory) -> None:
+    """Regression (session 20, `benchmarks/spec_upkeep.py --runner null --batch 64`): with the governor holding
+    speculation off, the synchronous path still built every request's draft query before asking the plan (which
+    reads none of them): ngram-off and suffix-off steps took 0.47-0.51 ms of host time against plain's 0.26-0.29,
+    ~12% of an H200 step of k3-tiny at batch 64, which is host-bound. The plan is now asked as soon as one request
+    could draft. The steps still count as skipped speculation steps with the reason `off`."""
+    from k3rt.backend.spec.governor import _Bucket
+    from k3rt.config import SpecConfig
+    from tests.backend.engine_fixtures import greedy, make_engine, tiny_checkpoint
+
+    eng = make_engine(tiny_checkpoint(tmp_path_factory), runner="null", num_pages=512,
+                      engine={"spec": SpecConfig(method="ngram", num_tokens=4, ngram_min=1)})
+    sched = eng.scheduler
+    for b in (8, 16):  # off, held for longer than the run
+        eng.gate.governor._buckets[b] = _Bucket(on=False, trial=False, hold=1 << 30)
+    for i in range(16):
+        eng.add_request([5 + i, 6, 7, 8, 9, 10, 11, 12], greedy(12))
+    while any(r.num_computed < r.prompt_len for r in sched.running) or sched.waiting:
+        eng.step()
+    asked, limit = [], sched._draft_limit
+    sched._draft_limit = lambda r, *a, **k: asked.append(r.rid) or limit(r, *a, **k)
+    before = dict(sched.stats.spec_plan_whys)
+    steps = 0
+    while eng.has_unfinished and steps < 6:
+        asked.clear()
+        eng.step()
+        steps += 1
+        assert len(asked) <= 1, asked  # one request read, not 16
+    s = sched.stats
+    assert steps == 6 and s.spec_verifies == 0
+    assert s.spec_plan_whys.get("off", 0) - before.get("off", 0) == steps
