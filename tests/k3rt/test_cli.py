@@ -71,7 +71,17 @@ def test_generate_rejects_bad_sampling_values(tiny: Path, flag: str, value: str,
     assert r.returncode == 2 and field in r.stderr
 
 
-def test_generate_errors_name_the_problem(tmp_path: Path, tiny: Path) -> None:
+@pytest.fixture(scope="module")
+def k3_files(tmp_path_factory) -> Path:
+    """One tiny checkpoint's files, for checks that fail before any architecture's code runs (config.json's
+    architecture, the safetensors header, the folder): one run of them, not one per architecture."""
+    from k3rt.backend.models.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("k3-files"), arch="k3", seed=3, dtype="float32")
+
+
+def test_generate_errors_name_the_problem(tmp_path: Path, k3_files: Path) -> None:
+    tiny = k3_files
     bad = tmp_path / "bad"
     bad.mkdir()
     for f in tiny.iterdir():
