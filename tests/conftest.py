@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Callable
+from typing import Any
 
 # an AVX host: unset, or named as one (this sandbox's environment sets OPENBLAS_CORETYPE=Haswell itself)
 if platform.machine() in ("x86_64", "AMD64") and os.environ.get("OPENBLAS_CORETYPE", "Haswell") in (
@@ -36,7 +38,6 @@ if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(_SHARE))
 
 
-
 def _skip_dead_overflow_checks() -> None:
     """The interpreter's integer add/sub/mul build an overflow check (both operands cast to int64, the op
     again, two comparisons, an and) that only `device_assert` consumes, and device_assert drops it unless the
@@ -48,7 +49,7 @@ def _skip_dead_overflow_checks() -> None:
 
     sanitize = TritonSemantic.binary_op_sanitize_overflow_impl
 
-    def sanitize_unless_dead(self, lhs, rhs, binary_op):
+    def sanitize_unless_dead(self: TritonSemantic, lhs: Any, rhs: Any, binary_op: Callable) -> None:
         if isinstance(self.builder, InterpreterBuilder) and not self.builder.options.debug:
             return None
         return sanitize(self, lhs, rhs, binary_op)
