@@ -17,8 +17,7 @@ import pytest
 import k3rt
 from tests.server.conftest import MODEL_NAME, ServeProcess
 
-# about 20 of a round's 32 gens end by a stop string: 10 rounds are ~200 such ends, each checked within its round
-ROUNDS, PROGRAMS = 10, 32
+ROUNDS, PROGRAMS = 20, 32
 STOP = ["e", " "]  # frequent in the tiny model's text at temperature 0.8: some gens end by a stop string
 
 
