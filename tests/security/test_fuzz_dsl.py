@@ -1,8 +1,8 @@
-"""An adversarial fuzzer over the DSL wire protocol of a real `k3rt serve` (issue 19): 1,000 hypothesis-made
+"""An adversarial fuzzer over the DSL wire protocol of a real `k3rt serve` (issue 19): 2,000 hypothesis-made
 frames sent to the DSL port from a raw ZMQ DEALER — ProgramRun / ProgramClose messages with ops, states,
 params, grammars and choices mostly wrong in one way or another, other message types, arbitrary JSON and
 arbitrary bytes. Afterwards the server must be up, /health must answer, and a real program must still run
-with its usual output. Derandomized: the same 1,000 frames every run (2,000 took 15-30 s in the suite)."""
+with its usual output. Derandomized: the same 2,000 frames every run."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import k3rt
 from tests.server.conftest import log_dir, serving, tiny_model  # noqa: F401
 
-FRAMES = 1000
+FRAMES = 2000
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
                     st.floats(allow_nan=False), st.text(max_size=30))
