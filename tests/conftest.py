@@ -47,7 +47,9 @@ def _skip_dead_overflow_checks() -> None:
     from triton.language.semantic import TritonSemantic
     from triton.runtime.interpreter import InterpreterBuilder
 
-    sanitize = TritonSemantic.binary_op_sanitize_overflow_impl
+    sanitize = getattr(TritonSemantic, "binary_op_sanitize_overflow_impl", None)
+    if sanitize is None:  # another Triton: its own path, slower but the same results
+        return
 
     def sanitize_unless_dead(self: TritonSemantic, lhs: Any, rhs: Any, binary_op: Callable) -> None:
         if isinstance(self.builder, InterpreterBuilder) and not self.builder.options.debug:
