@@ -71,6 +71,7 @@ def test_big_requests_run_with_the_collector_off_and_their_end_keeps_the_start_u
     gc.enable()
     freeze_startup_heap()
     frozen = gc.get_freeze_count()
+    assert frozen > 10_000  # the pytest process heap: an unfreeze would show far below the slack below
     bigs = BigBodies()
 
     async def scenario() -> None:
@@ -86,7 +87,10 @@ def test_big_requests_run_with_the_collector_off_and_their_end_keeps_the_start_u
         await bigs.end([])
         assert held == [] and gc.isenabled()
         assert ref() is None  # the last one's collection freed the cycle
-        assert gc.get_freeze_count() == frozen  # ... without unfreezing the start-up heap to do it
+        # ... without unfreezing the start-up heap to do it (an unfreeze empties the permanent generation). Not
+        # `== frozen`: a frozen object freed by its reference count leaves it too, and under xdist the frozen heap
+        # holds earlier tests' objects, some of which asyncio's loop close releases (CI saw frozen - 1).
+        assert frozen - 1000 <= gc.get_freeze_count() <= frozen
 
     try:
         asyncio.run(scenario())
