@@ -427,7 +427,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 def _add_bench_spec(bsub: argparse._SubParsersAction) -> None:
     s = bsub.add_parser("spec", help="speculative decoding vs plain decoding: tau, draft and verify time, tokens/s",
                         description="Run each workload at each batch size greedily without speculation and with each "
-                                    "drafter (in process, the real model). Per row: tau (mean tokens a verify step "
+                                    "drafter (in process, the real model), in waves of the batch size (--requests "
+                                    "per row at least). Per row: tau (mean tokens a verify step "
                                     "emits: accepted drafts + the bonus token), the acceptance rate, the drafter's "
                                     "time per call (one batched pass for dspark), the mean verify step time against "
                                     "a plain decode step at that batch size, tokens/s with and without speculation "
@@ -456,6 +457,10 @@ def _add_bench_spec(bsub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request and turn (default 64)")
     s.add_argument("--prompt-len", type=int, default=96, help="code prompt length in tokens (default 96)")
     s.add_argument("--turns", type=int, default=3, help="agent turns per session (default 3)")
+    s.add_argument("--requests", type=int, default=8,
+                   help="requests per row at least, run in waves of the batch size (each wave submitted together, "
+                        "the next when it finishes): batch 1 measures this many prompts one after another, not "
+                        "one prompt's luck (default 8)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numerics for the plain and the speculative runs (docs/deterministic.md): "
@@ -489,8 +494,8 @@ def _cmd_bench_spec(a: argparse.Namespace) -> int:
                           batch_sizes=parse_list(a.batch_sizes, "batch_sizes", int),
                           drafters=parse_list(a.drafters, "drafters"), spec_tokens=a.spec_tokens,
                           spec_model=a.spec_model, max_tokens=a.max_tokens, prompt_len=a.prompt_len, turns=a.turns,
-                          seed=a.seed, deterministic=a.deterministic, cuda_graphs=not a.no_cuda_graphs,
-                          spec_graphs=not a.no_spec_graphs, spec_adaptive=a.spec_adaptive, trace=a.trace,
+                          requests=a.requests, seed=a.seed, deterministic=a.deterministic,
+                          cuda_graphs=not a.no_cuda_graphs, spec_graphs=not a.no_spec_graphs, spec_adaptive=a.spec_adaptive, trace=a.trace,
                           rounds=a.rounds, spec_rounds=a.spec_rounds)
     rows = bench_spec(cfg, progress=not a.json)
     data = rows_json(rows)

@@ -1,7 +1,9 @@
 """`k3rt bench spec`: speculative decoding against plain decoding, per workload, batch size and drafter.
 
-Each (workload, batch size) runs its requests without speculation and with each drafter, greedy, all
-requests of the batch submitted together, on one engine per drafter, all engines alive at once and sharing the
+Each (workload, batch size) runs its requests without speculation and with each drafter, greedy, in waves of
+`batch` requests submitted together (`requests` per row at least, so a batch-1 row measures several prompts one
+after another, not one prompt's luck: a single code prompt's tau ranged 2.5-3.1 where 16 prompts average 3.2),
+on one engine per drafter, all engines alive at once and sharing the
 weights (the prefix cache is flushed and the drafter rebuilt before each run, so no run drafts from another's
 outputs). The engines take turns, `rounds` times, so each speculative run has a plain run close by in time:
 the speedup is the median over rounds of the two runs' tokens/s ratio (the host's speed drifts between runs
@@ -83,6 +85,9 @@ class SpecBenchConfig:
     max_tokens: int = 64  # generated per request (per turn for agent)
     prompt_len: int = 96  # code prompts
     turns: int = 3  # agent turns per session
+    # requests per row at least: a row runs ceil(requests / batch) waves of `batch` requests (each wave submitted
+    # together, the next after it finishes), so small batches sample as many prompts as large ones
+    requests: int = 8
     seed: int = 0
     overlap: bool | None = None  # the engine's overlap scheduling (None: its default, on for the GPU runner)
     # batch-invariant numerics (docs/deterministic.md) for the plain and the speculative runs alike
@@ -108,7 +113,7 @@ class SpecBenchConfig:
             raise ValueError(f"drafters: {bad or 'none'} not among {', '.join(DRAFTERS)}")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"batch_sizes: need sizes >= 1, got {self.batch_sizes}")
-        for name in ("max_tokens", "prompt_len", "turns", "rounds"):
+        for name in ("max_tokens", "prompt_len", "turns", "rounds", "requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
 
@@ -118,6 +123,7 @@ class SpecRow:
     workload: str
     batch: int
     drafter: str
+    requests: int  # per run, in waves of `batch`
     spec_tokens: int
     tau: float  # (accepted + verifies) / verifies
     accept_rate: float  # accepted / drafted
@@ -232,11 +238,18 @@ def code_windows(texts: Sequence[str], tok, num: int, prompt_len: int, seed: int
     return out
 
 
+def requests_per_row(batch: int, requests: int) -> int:
+    """`requests` rounded up to whole waves of `batch`."""
+    return batch * -(-requests // batch)
+
+
 def _prompts(cfg: SpecBenchConfig, tok, workload: str, batch: int) -> list[list[int]]:
+    """The row's prompts, requests_per_row of them: the first `batch` are the same whatever `requests` is."""
+    n = requests_per_row(batch, cfg.requests)
     if workload == "code":
-        return _code_prompts(tok, batch, cfg.prompt_len, seed=cfg.seed * 1000 + batch)
+        return _code_prompts(tok, n, cfg.prompt_len, seed=cfg.seed * 1000 + batch)
     texts = [_QUESTIONS[i % len(_QUESTIONS)] + (f" (question {i})" if i >= len(_QUESTIONS) else "")
-             for i in range(batch)]
+             for i in range(n)]
     if workload == "chat" and tok.chat_template is not None:
         return [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]
     if workload == "chat":
@@ -269,9 +282,10 @@ def _compiled(eng) -> dict[str, int]:
     return compiled_counts()
 
 
-def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str,
+def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str, *, batch: int,
          turn_output_len: int | None = None) -> _Run:
-    """One run of `workload` on these prompts. turn_output_len (the warm-up): each agent turn's echoed output is
+    """One run of `workload` on these prompts, in waves of `batch` (an agent wave runs all its turns before the
+    next wave starts). turn_output_len (the warm-up): each agent turn's echoed output is
     repeated to this length in the next turn's prompt, so the warm-up's later turns prefill as many new tokens
     as the measured turns (their cached history is shorter: it holds the warm-up's few generated tokens) while
     generating only cfg.max_tokens per turn."""
@@ -345,11 +359,13 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
     t0 = time.perf_counter()
     try:
         turns = cfg.turns if workload == "agent" else 1
-        for _ in range(turns):
-            outs = [o.output_ids for o in eng.generate(prompts, params)]
-            outputs += outs
-            if workload == "agent":
-                prompts = [_agent_turn(tok, p, o, turn_output_len) for p, o in zip(prompts, outs)]
+        for start in range(0, len(prompts), batch):
+            wave = prompts[start:start + batch]
+            for _ in range(turns):
+                outs = [o.output_ids for o in eng.generate(wave, params)]
+                outputs += outs
+                if workload == "agent":
+                    wave = [_agent_turn(tok, p, o, turn_output_len) for p, o in zip(wave, outs)]
     finally:
         eng.step, eng.scheduler.schedule = step, schedule
         if drafter is not None:  # a drafter kept for the next run (dspark) must not time into this run's list
@@ -477,7 +493,7 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
                 # (plain k3-tiny at 30 tokens/s instead of ~700 on the first method's runs). Few tokens per
                 # request and turn: the warm-up's cost stays bounded
                 eng.flush_cache()
-                _run(eng, ps, replace(cfg, max_tokens=min(cfg.max_tokens, WARMUP_TOKENS)), tok, w,
+                _run(eng, ps, replace(cfg, max_tokens=min(cfg.max_tokens, WARMUP_TOKENS)), tok, w, batch=b,
                      turn_output_len=cfg.max_tokens)
             for rnd in range(cfg.rounds):
                 # the engines take turns, the first one rotating: the host's speed drifts by up to ~1.35x over
@@ -491,7 +507,7 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
                     if name not in ("plain", "dspark"):
                         eng.scheduler.drafter = create_drafter(eng.cfg.spec, model)
                     bar.set_postfix_str(f"{name} {w} b={b} round {rnd + 1}")
-                    runs.setdefault((w, b, name), []).append(_run(eng, ps, cfg, tok, w))
+                    runs.setdefault((w, b, name), []).append(_run(eng, ps, cfg, tok, w, batch=b))
                     bar.update()
             for name, eng in engines.items():
                 if eng.scheduler.gate is not None:
@@ -505,7 +521,7 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     rows = []
-    for (w, b), _ in prompts.items():
+    for (w, b), ps in prompts.items():
         plains = runs[(w, b, "plain")]
         plain = _merge(plains)
         plain_ms = _mean(plain.step_ms)
@@ -516,7 +532,7 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
             tau = (r.accepted + r.verifies) / r.verifies if r.verifies else 0.0
             # per round: the speculative run's tokens/s over the plain run's of the same round
             ratios = [(s.tokens / s.wall_s) / (p.tokens / p.wall_s) for s, p in zip(specs, plains)]
-            rows.append(SpecRow(w, b, d, cfg.spec_tokens, tau=tau,
+            rows.append(SpecRow(w, b, d, len(ps), cfg.spec_tokens, tau=tau,
                                 accept_rate=r.accepted / r.drafted if r.drafted else 0.0, verifies=r.verifies,
                                 draft_ms=draft, verify_step_ms=verify_ms, plain_step_ms=plain_ms,
                                 verify_over_plain=verify_ms / plain_ms if plain_ms else 0.0,
@@ -541,12 +557,12 @@ def rows_json(rows: Sequence[SpecRow]) -> list[dict]:
 
 def format_table(rows: Sequence[SpecRow]) -> str:
     """A markdown table, one line per row."""
-    head = ("| workload | batch | drafter | K | tau | accept | verifies | draft ms | verify ms | plain ms | "
+    head = ("| workload | batch | requests | drafter | K | tau | accept | verifies | draft ms | verify ms | plain ms | "
             "verify/plain | draft/plain | tok/s plain | tok/s spec | speedup | step speedup | identical | "
             "graph verifies | drafter graphs | spec share | skipped | compiles |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        lines.append(f"| {r.workload} | {r.batch} | {r.drafter} | {r.spec_tokens} | {r.tau:.2f} | "
+        lines.append(f"| {r.workload} | {r.batch} | {r.requests} | {r.drafter} | {r.spec_tokens} | {r.tau:.2f} | "
                      f"{r.accept_rate:.2f} | {r.verifies} | {r.draft_ms:.2f} | {r.verify_step_ms:.2f} | "
                      f"{r.plain_step_ms:.2f} | {r.verify_over_plain:.2f} | {r.draft_over_plain:.2f} | "
                      f"{r.tokens_per_s_plain:.1f} | {r.tokens_per_s_spec:.1f} | {r.speedup:.2f} | "

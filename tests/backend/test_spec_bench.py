@@ -21,7 +21,7 @@ def test_bench_spec_tiny_cpu_run(capsys, tmp_path) -> None:
         out = tmp_path / "spec.json"
         assert main(["bench", "spec", "--workloads", "code,agent", "--batch-sizes", "1,2", "--drafters",
                      "ngram,dspark", "--max-tokens", "8", "--turns", "2", "--prompt-len", "32", "--json",
-                     "--out", str(out), "--no-spec-adaptive"]) == 0
+                     "--out", str(out), "--no-spec-adaptive", "--requests", "1"]) == 0
     finally:
         torch.set_num_threads(n)
     rows = json.loads(capsys.readouterr().out)
@@ -100,7 +100,7 @@ def test_step_times_are_measured_under_overlap_scheduling(monkeypatch) -> None:
     torch.set_num_threads(1)
     try:
         cfg = SpecBenchConfig(workloads=("agent",), batch_sizes=(1,), drafters=("ngram",), max_tokens=12, turns=2,
-                              overlap=True, spec_adaptive=False)
+                              overlap=True, spec_adaptive=False, requests=1)
         rows = spec_bench.bench_spec(cfg, progress=False)
         first, first_generated = list(calls), list(generated)
         # with the speculation controller, a drafter whose pass costs 50 ms (a few plain steps) is turned down:
@@ -153,8 +153,9 @@ def test_rounds_alternate_the_engines_and_pair_each_speculative_run_with_a_plain
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        (row,) = spec_bench.bench_spec(SpecBenchConfig(workloads=("code",), batch_sizes=(1,), drafters=("ngram",),
-                                                       max_tokens=10, prompt_len=16, rounds=3), progress=False)
+        cfg = SpecBenchConfig(workloads=("code",), batch_sizes=(1,), drafters=("ngram",), max_tokens=10,
+                              prompt_len=16, rounds=3, requests=1)
+        (row,) = spec_bench.bench_spec(cfg, progress=False)
     finally:
         torch.set_num_threads(n)
     assert order == ["plain", "ngram", "ngram", "plain", "plain", "ngram"]
@@ -165,10 +166,52 @@ def test_rounds_alternate_the_engines_and_pair_each_speculative_run_with_a_plain
 
 @pytest.mark.parametrize("kw, field", [({"drafters": ("eagle",)}, "drafters"), ({"workloads": ()}, "workloads"),
                                        ({"batch_sizes": (0,)}, "batch_sizes"), ({"turns": 0}, "turns"),
-                                       ({"rounds": 0}, "rounds")])
+                                       ({"rounds": 0}, "rounds"), ({"requests": 0}, "requests")])
 def test_bench_spec_config_errors_name_the_field(kw, field) -> None:
     with pytest.raises(ValueError, match=field):
         SpecBenchConfig(**kw)
+
+
+def test_a_row_runs_its_requests_in_waves_of_the_batch(monkeypatch) -> None:
+    """Regression (session 21): a row ran exactly `batch` requests, so a batch-1 row timed one prompt. The H200
+    gate's batch-1 code row read tau 2.52 (one prompt, k3-tiny + its drafter) against 3.97 over the drafter's 32
+    held-out prompts, and its speedup was that prompt's luck. A row now runs `requests` (rounded up to whole
+    waves) in waves of `batch` submitted together, every agent turn of a wave before the next wave."""
+    from k3rt.backend.bench import spec_bench
+    from k3rt.backend.engine import Engine
+
+    waves, real_generate = [], Engine.generate
+
+    def generate_spy(self, prompts, params, *a, **kw):
+        if params.max_tokens == 10:  # measured runs (the warm-up generates WARMUP_TOKENS)
+            waves.append((self.scheduler.drafter is None, [list(p) for p in prompts]))
+        return real_generate(self, prompts, params, *a, **kw)
+
+    monkeypatch.setattr(Engine, "generate", generate_spy)
+    cfg = SpecBenchConfig(workloads=("code", "agent"), batch_sizes=(2,), drafters=("ngram",), max_tokens=10,
+                          prompt_len=16, turns=2, requests=3, spec_adaptive=False)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        code, agent = spec_bench.bench_spec(cfg, progress=False)
+    finally:
+        torch.set_num_threads(n)
+    assert code.requests == agent.requests == 4 and spec_bench.requests_per_row(2, 3) == 4
+    plain = [w for is_plain, w in waves if is_plain]
+    assert [len(w) for w in plain] == [2, 2] + [2] * 4  # code: 2 waves; agent: 2 waves x 2 turns
+    # code: four different prompts, the first two the ones a one-wave row runs
+    from k3rt.backend.tokenizer import load_tokenizer
+    one = spec_bench._prompts(replace(cfg, requests=1), load_tokenizer("k3-tiny"), "code", 2)
+    assert plain[0] == one and len({tuple(p) for w in plain[:2] for p in w}) == 4
+    # agent: a wave's second turn resends its first turn's prompts, before the next wave starts
+    first, second, third = plain[2], plain[3], plain[4]
+    assert all(b[:len(a)] == a for a, b in zip(first, second))
+    assert not any(c[:len(a)] == a for a, c in zip(first, third))
+    # every measured token is counted: 4 requests x 10 tokens (x 2 turns for agent) per run
+    assert code.identical and agent.identical
+    for row, tokens in ((code, 4 * 10), (agent, 4 * 10 * 2)):
+        wall_ms = sum(v[1] for k, v in row.time_spec.items() if k != "draft")
+        assert wall_ms == pytest.approx(1e3 * tokens / row.tokens_per_s_spec, abs=0.01)
 
 
 def test_bench_code_prompts_are_the_drafters_held_out_prompts() -> None:
@@ -202,6 +245,6 @@ def test_a_drafter_that_raises_is_counted_and_voids_the_bench(monkeypatch) -> No
 
     monkeypatch.setattr(NgramDrafter, "propose", broken)
     cfg = SpecBenchConfig(workloads=("code",), batch_sizes=(1,), drafters=("ngram",), max_tokens=6,
-                          spec_adaptive=False)
+                          spec_adaptive=False, requests=1)
     with pytest.raises(RuntimeError, match=r"the drafter raised in \d+ calls of a measured run"):
         spec_bench.bench_spec(cfg, progress=False)
