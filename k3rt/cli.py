@@ -461,6 +461,8 @@ def _add_bench_spec(bsub: argparse._SubParsersAction) -> None:
                    help="requests per row at least, run in waves of the batch size (each wave submitted together, "
                         "the next when it finishes): batch 1 measures this many prompts one after another, not "
                         "one prompt's luck (default 8)")
+    s.add_argument("--waves", type=int, default=1,
+                   help="waves per row at least (default 1): more makes a large batch's runs long enough to time")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numerics for the plain and the speculative runs (docs/deterministic.md): "
@@ -494,7 +496,7 @@ def _cmd_bench_spec(a: argparse.Namespace) -> int:
                           batch_sizes=parse_list(a.batch_sizes, "batch_sizes", int),
                           drafters=parse_list(a.drafters, "drafters"), spec_tokens=a.spec_tokens,
                           spec_model=a.spec_model, max_tokens=a.max_tokens, prompt_len=a.prompt_len, turns=a.turns,
-                          requests=a.requests, seed=a.seed, deterministic=a.deterministic,
+                          requests=a.requests, waves=a.waves, seed=a.seed, deterministic=a.deterministic,
                           cuda_graphs=not a.no_cuda_graphs, spec_graphs=not a.no_spec_graphs, spec_adaptive=a.spec_adaptive, trace=a.trace,
                           rounds=a.rounds, spec_rounds=a.spec_rounds)
     rows = bench_spec(cfg, progress=not a.json)

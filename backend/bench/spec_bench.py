@@ -86,8 +86,10 @@ class SpecBenchConfig:
     prompt_len: int = 96  # code prompts
     turns: int = 3  # agent turns per session
     # requests per row at least: a row runs ceil(requests / batch) waves of `batch` requests (each wave submitted
-    # together, the next after it finishes), so small batches sample as many prompts as large ones
+    # together, the next after it finishes), so small batches sample as many prompts as large ones; and `waves`
+    # waves at least, so a large batch's run lasts long enough to time (64 x 64 tokens of k3-tiny on the H200: 0.2 s)
     requests: int = 8
+    waves: int = 1
     seed: int = 0
     overlap: bool | None = None  # the engine's overlap scheduling (None: its default, on for the GPU runner)
     # batch-invariant numerics (docs/deterministic.md) for the plain and the speculative runs alike
@@ -113,7 +115,7 @@ class SpecBenchConfig:
             raise ValueError(f"drafters: {bad or 'none'} not among {', '.join(DRAFTERS)}")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"batch_sizes: need sizes >= 1, got {self.batch_sizes}")
-        for name in ("max_tokens", "prompt_len", "turns", "rounds", "requests"):
+        for name in ("max_tokens", "prompt_len", "turns", "rounds", "requests", "waves"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
 
@@ -238,14 +240,14 @@ def code_windows(texts: Sequence[str], tok, num: int, prompt_len: int, seed: int
     return out
 
 
-def requests_per_row(batch: int, requests: int) -> int:
-    """`requests` rounded up to whole waves of `batch`."""
-    return batch * -(-requests // batch)
+def requests_per_row(batch: int, requests: int, waves: int = 1) -> int:
+    """`requests` rounded up to whole waves of `batch`, `waves` waves at least."""
+    return batch * max(waves, -(-requests // batch))
 
 
 def _prompts(cfg: SpecBenchConfig, tok, workload: str, batch: int) -> list[list[int]]:
     """The row's prompts, requests_per_row of them: the first `batch` are the same whatever `requests` is."""
-    n = requests_per_row(batch, cfg.requests)
+    n = requests_per_row(batch, cfg.requests, cfg.waves)
     if workload == "code":
         return _code_prompts(tok, n, cfg.prompt_len, seed=cfg.seed * 1000 + batch)
     texts = [_QUESTIONS[i % len(_QUESTIONS)] + (f" (question {i})" if i >= len(_QUESTIONS) else "")

@@ -166,7 +166,8 @@ def test_rounds_alternate_the_engines_and_pair_each_speculative_run_with_a_plain
 
 @pytest.mark.parametrize("kw, field", [({"drafters": ("eagle",)}, "drafters"), ({"workloads": ()}, "workloads"),
                                        ({"batch_sizes": (0,)}, "batch_sizes"), ({"turns": 0}, "turns"),
-                                       ({"rounds": 0}, "rounds"), ({"requests": 0}, "requests")])
+                                       ({"rounds": 0}, "rounds"), ({"requests": 0}, "requests"),
+                                       ({"waves": 0}, "waves")])
 def test_bench_spec_config_errors_name_the_field(kw, field) -> None:
     with pytest.raises(ValueError, match=field):
         SpecBenchConfig(**kw)
@@ -197,6 +198,8 @@ def test_a_row_runs_its_requests_in_waves_of_the_batch(monkeypatch) -> None:
     finally:
         torch.set_num_threads(n)
     assert code.requests == agent.requests == 4 and spec_bench.requests_per_row(2, 3) == 4
+    # the gate's defaults (8 requests, 4 waves at least): batch 1 runs 8 prompts, batch 64 four waves
+    assert [spec_bench.requests_per_row(b, 8, 4) for b in (1, 4, 16, 64)] == [8, 16, 64, 256]
     plain = [w for is_plain, w in waves if is_plain]
     assert [len(w) for w in plain] == [2, 2] + [2] * 4  # code: 2 waves; agent: 2 waves x 2 turns
     # code: four different prompts, the first two the ones a one-wave row runs
