@@ -247,3 +247,19 @@ def test_chunk_tables_are_packed_once_for_the_general_form() -> None:
     bad = StepSeq(list(range(130)), 0, [11, 12, 13, 14, 15], [16, 17], True, [(32, [20, 21])])
     with pytest.raises(ValueError, match="snapshot position must satisfy 0 < p <= T=130 and be a multiple of 64"):
         pack_step([dec, bad], chunk_tables=True, **kw)
+
+
+def test_the_copy_forms_state_slots_have_the_in_place_forms_dtype() -> None:
+    """Regression (session 21): the chunked KDA kernel got int64 slots from the in-place form (the state pages) and
+    int32 slots from the copy form (chunk_slots: steps with a verify run), so a slot pointer of each dtype was a
+    binary of its own; the speculative engine compiled `_kda_chunk_state_kernel` inside the H200 gate's measured
+    runs (code, batch 16 and 64) at its first step that mixed a verify run with a prefill chunk. One dtype now (the
+    Triton interpreter's launch keys showed the churn on the slot pointer: ('*i32', '') against ('*i64', ''))."""
+    chunk = StepSeq(list(range(70)), 0, [11, 12, 13], [16, 17], True)
+    verify = StepSeq([1, 2, 3], 70, [30, 31, 32, 33, 34], [35, 36], True, verify=True)
+    kw = dict(block_size=32, conv_width=4, num_groups=2, chunk_tables=True)
+    copy = _views(pack_step([chunk, verify], **kw)).kda_rows
+    in_place = _views(pack_step([chunk], **kw)).kda_rows
+    assert copy.live_seqs is not None and in_place.live_seqs is None  # the two forms kda._general takes
+    assert copy.chunk_slots.tolist() == [0, 1]
+    assert copy.chunk_slots.dtype == in_place.state_pages.dtype == torch.int64

@@ -36,10 +36,11 @@ non-blocking copy, so no layer ever synchronizes with the host:
   kda_live, kda_verify_rows [Bl], [Tv]  (steps with verify runs) the general form's sequences that are no
                                 verify run, and the rows of those that are: what every KDA layer writes back and keeps
   chunk tables        (chunk_tables: eager steps the chunked KDA kernel runs in) int32 chunk_seq, chunk_idx [NC],
-                                chunk_off [Bk], snap [NC], init [Bk], the state slots 0..Bk-1 of the general
-                                form's sequences (kernels/kda/chunk_tables.py) and snap as destination pages
-                                [G, NC]: built and checked once per step here, so the 20 KDA layers of a 48B
-                                step neither rebuild nor copy them
+                                chunk_off [Bk], snap [NC], init [Bk] (kernels/kda/chunk_tables.py) and snap as
+                                destination pages [G, NC]; int64 (last in that buffer, like the state pages the
+                                in-place form passes): the state slots 0..Bk-1 of the general form's sequences.
+                                Built and checked once per step here, so the 20 KDA layers of a 48B step neither
+                                rebuild nor copy them
 
 The host-side lists (cu, starts, snapshots) stay on the object for launchers that need Python ints.
 """
@@ -92,7 +93,7 @@ class KdaRows:
     snap_dest: torch.Tensor  # int64 [G, S]
     live_seqs: torch.Tensor | None  # int64 [Bl]: the sequences that are no verify run (None: there is no verify run)
     verify_rows: torch.Tensor | None  # int64 [Tv]: the rows of the verify runs, in order (None: no verify run)
-    # the chunked kernel's tables and the sequences' state slots 0..num_seqs-1 (int32), built once per step
+    # the chunked kernel's tables and the sequences' state slots 0..num_seqs-1 (int64), built once per step
     # (pack_step chunk_tables, which the runner asks for whenever the kernels run); None: the torch-op path
     chunk: ChunkTables | None
     chunk_slots: torch.Tensor | None
@@ -308,7 +309,7 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
     k_verify = verify[k_seqs]
     k_live, k_verify_rows = ((np.flatnonzero(~k_verify), np.flatnonzero(k_verify[k_seq_of_row])) if k_verify.any()
                              else (np.zeros(0, dtype=np.int64),) * 2)
-    chunk32 = []
+    chunk32, chunk64 = [], []
     if chunk_tables and (has_snaps or not is_decode.all()):
         # the general form's state copy holds its sequences in slots 0..Bk-1, then one slot per snapshot
         positions: list[list[int]] = [[] for _ in range(Bk)]
@@ -324,7 +325,11 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
         taken = c_snap >= 0
         if taken.any():
             snap_pages[:, taken] = np.asarray([d for _, _, d in k_snaps], dtype=np.int64)[c_snap[taken] - Bk].T
-        chunk32 = [c_seq, c_idx, c_off, c_snap, np.ones(Bk, dtype=np.int64), np.arange(Bk), snap_pages.ravel()]
+        chunk32 = [c_seq, c_idx, c_off, c_snap, np.ones(Bk, dtype=np.int64), snap_pages.ravel()]
+        # the state copy's slots in the int64 buffer, as the in-place form's state pages are: the chunk state
+        # kernel takes either, and a slot dtype per form was one more binary (compiled mid-run on the H200 by the
+        # first step that mixed a verify run, which takes the copy, with a prefill chunk)
+        chunk64 = [np.arange(Bk, dtype=np.int64)]
 
     # the ragged tables scattered into [B, max_blocks] through flat indices (row * width + column)
     filled = int(num_pages.sum())
@@ -378,7 +383,7 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
 
     i64 = [ids, pos, kv_slot, states.T.ravel(), conv_idx.ravel(), conv_tail.ravel(), logit_rows, ctx_slot,
            pre_rows, dec, cu[dec], snap_conv.ravel(), snap_dest.T.ravel(),
-           seq_of_row if row_queries else np.zeros(0, dtype=np.int64), *kda_extra, k_live, k_verify_rows]
+           seq_of_row if row_queries else np.zeros(0, dtype=np.int64), *kda_extra, k_live, k_verify_rows, *chunk64]
     cu32[:], ctx32[:], cu_k32[:], cu_q32[:] = cu, ctx, cu_k, cu_q
     split_meta = None
     if split is not None:
@@ -420,7 +425,7 @@ def step_views(meta: StepMeta, flat64: torch.Tensor, flat32: torch.Tensor) -> Gp
     B, T, w1 = meta.num_seqs, meta.num_tokens, meta.w1
     (t_ids, t_pos, t_slot, t_states, t_conv, t_tail, t_logit, t_ctx_slot, t_pre_rows, t_dec, t_dec_rows,
      t_snap, t_snap_dest, t_row_seq, t_kdec_rows, t_kdec_pages, t_krest_rows,
-     t_krest_pages, t_live, t_verify_rows) = _split(flat64, meta.sizes64)
+     t_krest_pages, t_live, t_verify_rows, *t_chunk64) = _split(flat64, meta.sizes64)
     t_cu, t_ctx, t_table, t_cuk, t_cuq, *tail32 = _split(flat32, meta.sizes32)
     G = t_states.numel() // B
     state_pages = t_states.view(G, B)
@@ -430,7 +435,8 @@ def step_views(meta: StepMeta, flat64: torch.Tensor, flat32: torch.Tensor) -> Gp
     t_krest_cu = tail32.pop(0) if sm is not None else None
     chunk, chunk_slots, chunk_snap_pages = None, None, None
     if meta.num_chunks is not None:
-        c_seq, c_idx, c_off, c_snap, c_init, chunk_slots, c_snap_pages = tail32
+        c_seq, c_idx, c_off, c_snap, c_init, c_snap_pages = tail32
+        (chunk_slots,) = t_chunk64
         chunk = ChunkTables(c_seq, c_idx, c_off, c_snap, c_init, meta.num_chunks)
         chunk_snap_pages = c_snap_pages.view(G, meta.num_chunks)
     verify_any = t_verify_rows.numel() > 0
