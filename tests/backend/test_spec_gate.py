@@ -75,6 +75,36 @@ def test_the_same_acceptance_does_not_pay_at_a_batch_whose_verify_costs_several_
     assert p == Plan(True, Why.PROBE) and g.steps == 65 + 16
 
 
+def test_new_requests_bring_a_probe_forward_once_and_its_debt_is_paid_before_the_next() -> None:
+    """Regression (session 21): every batch of new requests was probed probe_interval steps after the last probe,
+    however much a probe cost, so a benchmark whose waves of 64 new requests last ~65 steps probed every wave: on
+    the H200 the suffix and n-gram rows at batch 64 drafted in 1-2% of the steps and ran at 0.85-0.91x of plain
+    decoding (a probe there, the drafter's pass over 64 new prompts and a verify, is an estimated ~10% of a
+    wave; not measured on its own). New requests
+    still bring a probe forward, once: the credit it overdraws (probe_overhead of plain decoding's time per step)
+    is paid back before the next, so over many waves probes cost probe_overhead of the time."""
+    g = SpecGate(SpecGateConfig(probe_interval=16, probe_overhead=0.02, explore_samples=64))
+    # a full acceptance would pay ((64 + 448) tokens in 7.3 plain steps' time), the measured one does not
+    _costs(g, 64, plain=1.0, verify=7.0, draft=0.3, drafted=64 * 7)
+    for rid in range(64):
+        g.observe(rid, 7, 2)  # 3 tokens per request: a probe loses 7.3 - 192 / 64 = 4.3 plain steps
+    waves = (list(range(r, r + 64)) for r in range(1000, 10 ** 6, 64))
+    probes, wave = [], next(waves)
+    while g.steps < 1300:
+        if g.steps % 65 == 0:
+            wave = next(waves)  # 64 new requests every 65 steps (64 tokens each and a prefill)
+        plan = g.plan(64, wave)
+        assert plan in (Plan(True, Why.PROBE), Plan(False, Why.NOT_WORTH))
+        if plan.draft:
+            probes.append(g.steps)
+            for rid in wave:
+                g.observe(rid, 7, 2)
+    # the first wave's new requests bring a probe forward to probe_interval steps; it leaves a debt of 4.3 - 0.32
+    # plain steps, paid 199 steps later: from then on one probe per 4.3 / 0.02 = 215 steps, not one per wave
+    # (20 probes, 4.3 x 20 / 1300 = 6.6% of the time, before)
+    assert probes == [16, 215, 430, 645, 860, 1075, 1290]
+
+
 def test_a_step_of_several_device_rounds_pays_the_drafters_host_pass_once() -> None:
     """SpecConfig.rounds: a verifying step ran 8 rounds on the device (its time given per round) and called the
     scheduler's drafter pass once: per round the pass costs an eighth. The same costs with one round per step
