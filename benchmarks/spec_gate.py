@@ -111,6 +111,9 @@ def main() -> int:
                                 "speedups_adaptive": g.speedups,
                                 "speedup_always": nan if a.no_always else w.speedup, "spec_share": g.spec_share,
                                 "skipped_steps": g.skipped, "tau_adaptive": g.tau,
+                                # the costs behind the controller's choices (ms): a plain decode step, a verifying
+                                # step (per engine step: several device rounds count once), one drafter call
+                                "plain_ms": g.plain_step_ms, "verify_ms": g.verify_step_ms, "draft_ms": g.draft_ms,
                                 # why the controller drafted or not, and its costs, acceptance and governor after
                                 "plan_whys": g.plan_whys, "controller": g.controller,
                                 "tau_always": nan if a.no_always else w.tau,
@@ -128,13 +131,14 @@ def main() -> int:
     res["goal_met"] = bool(rows) and all(r["speedup_adaptive"] >= GOAL for r in rows)
     report.save()
     print("| workload | batch | drafter | tok/s plain | speedup (controller) | speedup (always) | spec share | "
-          "skipped | tau (controller) | tau (always) | identical | plans (why) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "skipped | tau (controller) | tau (always) | plain / verify / draft ms | identical | plans (why) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         flag = "" if r["speedup_adaptive"] >= GOAL else " **<0.95**"
         print(f"| {r['workload']} | {r['batch']} | {r['drafter']} | {r['tokens_per_s_plain']:.1f} | "
               f"{r['speedup_adaptive']:.2f}{flag} | {r['speedup_always']:.2f} | {r['spec_share']:.2f} | "
               f"{r['skipped_steps']} | {r['tau_adaptive']:.2f} | {r['tau_always']:.2f} | "
+              f"{r['plain_ms']:.2f} / {r['verify_ms']:.2f} / {r['draft_ms']:.2f} | "
               f"{'yes' if r['identical'] else 'no'} | {', '.join(f'{k} {n}' for k, n in r['plan_whys'].items())} |")
     print(f"\ncorrectness rows identical: {ok}; goal (controller >= {GOAL}x everywhere): {res['goal_met']}; "
           f"skipped batch sizes: {res['skipped'] or 'none'}; JSON: {report.path}")
