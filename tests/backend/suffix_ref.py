@@ -101,6 +101,9 @@ class RefSuffixTrie:
         c = self._edge.get(pos[0] << _SHIFT | tok)
         return None if c is None else (c, 0)
 
+    def continues(self, pos: tuple[int, int]) -> bool:
+        return self.total[pos[0]] > 0
+
     def count_at(self, pos: tuple[int, int]) -> int:
         return self.count[pos[0]]
 

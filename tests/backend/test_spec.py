@@ -33,7 +33,7 @@ from k3rt.backend.sampling.sampler import Sampler
 from k3rt.backend.spec.base import DraftQuery, Drafter
 from k3rt.backend.spec.ngram import NgramDrafter
 from k3rt.backend.spec.rejection import verify_requests
-from k3rt.backend.spec.suffix import SuffixDrafter, SuffixTrie
+from k3rt.backend.spec.suffix import SuffixDrafter, SuffixTrie, advance_matches
 from tests.backend.suffix_ref import RefSuffixTrie
 from k3rt.config import SpecConfig
 from k3rt.sampling_params import SamplingParams
@@ -163,6 +163,26 @@ def test_suffix_drafter_drafts_exactly_what_the_uncompressed_tries_draft() -> No
         for q in rng.sample(sorted(live), k=min(len(live), rng.randrange(0, 3))):
             d.finish(q, live[q], 3)
             r.finish(q, live.pop(q), 3)
+
+
+def test_suffix_global_matches_carried_token_by_token_equal_a_fresh_walk() -> None:
+    """The drafter carries each request's matches in the global trie forward one token at a time (O(depth) a
+    token, where a fresh walk is O(depth^2): 20% of a batch-64 call at context 256+, the whole call 51 -> 41 us a
+    request on the CI machine); they must equal `matches` on the grown context, for both tries, on repetitive
+    and on random text, up to and past the pattern limit."""
+    rng = random.Random(3)
+    phrases = [[rng.randrange(12) for _ in range(rng.randrange(2, 7))] for _ in range(5)]
+    for Trie in (SuffixTrie, RefSuffixTrie):
+        trie = Trie(6)
+        for _ in range(8):
+            trie.add([t for _ in range(4) for t in rng.choice(phrases)] + [rng.randrange(12)])
+        for _ in range(20):
+            ctx, found, L = [], [], rng.randrange(1, 6)
+            for _ in range(40):
+                tok = rng.choice(rng.choice(phrases)) if rng.random() < 0.8 else rng.randrange(14)
+                ctx.append(tok)
+                found = advance_matches(trie, found, tok, L)
+                assert found == trie.matches(ctx[-L:], L), (Trie, ctx, L)
 
 
 def test_suffix_finish_defers_indexing_to_the_next_proposal() -> None:
