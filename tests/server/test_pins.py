@@ -80,20 +80,15 @@ def _baseline(server: ServeProcess) -> int:
 @pytest.mark.timeout(120)
 def test_rounds_of_programs_with_stop_strings_leak_no_pins(server: ServeProcess) -> None:
     assert _pins(server) == 0
-    _tb = time.monotonic()
     before = _baseline(server)
-    print(f"baseline {time.monotonic()-_tb:.2f}", flush=True)
     backend = k3rt.connect(f"tcp://127.0.0.1:{server.port + 1}", timeout=60)
     reasons: collections.Counter[str] = collections.Counter()
     try:
         for r in range(ROUNDS):
-            _t0 = time.monotonic()
             states = short.run_batch([{"topic": f"topic {r}.{i}"} for i in range(PROGRAMS)], backend=backend)
             assert all(s.error() is None for s in states), [s.error() for s in states if s.error()]
             reasons.update(s.meta("answer")["finish_reason"] for s in states)
-            _t1 = time.monotonic()
             pins = _pins(server)
-            print(f"round {r}: run {_t1-_t0:.2f} pins {time.monotonic()-_t1:.2f}", flush=True)
             assert pins == 0, f"round {r}: {pins} pins left after every program ended ({dict(reasons)})"
     finally:
         backend.shutdown()
