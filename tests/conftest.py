@@ -117,5 +117,7 @@ def pytest_configure(config: Any) -> None:
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    if not hasattr(config, "workerinput"):  # only an xdist worker's collection feeds the scheduler
+        return
     rank = {f"tests/{name}": i for i, name in enumerate(SLOW_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: files stay whole
