@@ -189,32 +189,34 @@ def test_a_row_runs_its_requests_in_waves_of_the_batch(monkeypatch) -> None:
         return real_generate(self, prompts, params, *a, **kw)
 
     monkeypatch.setattr(Engine, "generate", generate_spy)
-    cfg = SpecBenchConfig(workloads=("code", "agent"), batch_sizes=(2,), drafters=("ngram",), max_tokens=10,
+    cfg = SpecBenchConfig(workloads=("agent",), batch_sizes=(2,), drafters=("ngram",), max_tokens=10,
                           prompt_len=16, turns=2, requests=3, spec_adaptive=False)
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        code, agent = spec_bench.bench_spec(cfg, progress=False)
+        (agent,) = spec_bench.bench_spec(cfg, progress=False)
     finally:
         torch.set_num_threads(n)
-    assert code.requests == agent.requests == 4 and spec_bench.requests_per_row(2, 3) == 4
+    assert agent.requests == 4 and spec_bench.requests_per_row(2, 3) == 4
     # the gate's defaults (8 requests, 4 waves at least): batch 1 runs 8 prompts, batch 64 four waves
     assert [spec_bench.requests_per_row(b, 8, 4) for b in (1, 4, 16, 64)] == [8, 16, 64, 256]
     plain = [w for is_plain, w in waves if is_plain]
-    assert [len(w) for w in plain] == [2, 2] + [2] * 4  # code: 2 waves; agent: 2 waves x 2 turns
-    # code: four different prompts, the first two the ones a one-wave row runs
-    from k3rt.backend.tokenizer import load_tokenizer
-    one = spec_bench._prompts(replace(cfg, requests=1), load_tokenizer("k3-tiny"), "code", 2)
-    assert plain[0] == one and len({tuple(p) for w in plain[:2] for p in w}) == 4
-    # agent: a wave's second turn resends its first turn's prompts, before the next wave starts
-    first, second, third = plain[2], plain[3], plain[4]
+    assert [len(w) for w in plain] == [2] * 4  # 2 waves x 2 turns
+    # a wave's second turn resends its first turn's prompts, before the next wave starts
+    first, second, third = plain[0], plain[1], plain[2]
     assert all(b[:len(a)] == a for a, b in zip(first, second))
     assert not any(c[:len(a)] == a for a, c in zip(first, third))
-    # every measured token is counted: 4 requests x 10 tokens (x 2 turns for agent) per run
-    assert code.identical and agent.identical
-    for row, tokens in ((code, 4 * 10), (agent, 4 * 10 * 2)):
-        wall_ms = sum(v[1] for k, v in row.time_spec.items() if k != "draft")
-        assert wall_ms == pytest.approx(1e3 * tokens / row.tokens_per_s_spec, abs=0.01)
+    # every measured token is counted: 4 requests x 10 tokens x 2 turns per run
+    assert agent.identical
+    wall_ms = sum(v[1] for k, v in agent.time_spec.items() if k != "draft")
+    assert wall_ms == pytest.approx(1e3 * 4 * 10 * 2 / agent.tokens_per_s_spec, abs=0.01)
+    # code: four different prompts, the first two the ones a one-wave row runs
+    from k3rt.backend.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("k3-tiny")
+    code = spec_bench._prompts(replace(cfg, workloads=("code",)), tok, "code", 2)
+    assert len(code) == 4 and len({tuple(p) for p in code}) == 4
+    assert code[:2] == spec_bench._prompts(replace(cfg, workloads=("code",), requests=1), tok, "code", 2)
 
 
 def test_bench_code_prompts_are_the_drafters_held_out_prompts() -> None:
