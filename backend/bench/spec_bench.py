@@ -2,8 +2,8 @@
 
 Each (workload, batch size) runs its requests without speculation and with each drafter, greedy, in waves of
 `batch` requests submitted together (`requests` per row at least, so a batch-1 row measures several prompts one
-after another, not one prompt's luck: a single code prompt's tau ranged 2.5-3.1 where 16 prompts average 3.2),
-on one engine per drafter, all engines alive at once and sharing the
+after another, not one prompt's luck: with k3-tiny's drafter on the CPU the first code prompt gave tau 2.62 and
+16 prompts one after another 3.67), on one engine per drafter, all engines alive at once and sharing the
 weights (the prefix cache is flushed and the drafter rebuilt before each run, so no run drafts from another's
 outputs). The engines take turns, `rounds` times, so each speculative run has a plain run close by in time:
 the speedup is the median over rounds of the two runs' tokens/s ratio (the host's speed drifts between runs
