@@ -77,8 +77,7 @@ def main() -> int:
                            workloads=parse_list(a.workloads, "workloads"),
                            drafters=parse_list(a.drafters, "drafters"), spec_tokens=a.spec_tokens,
                            max_tokens=a.max_tokens, turns=a.turns, requests=a.requests, waves=a.waves,
-                           trace=a.trace,
-                           rounds=a.rounds, spec_rounds=a.spec_rounds)
+                           trace=a.trace, rounds=a.rounds, spec_rounds=a.spec_rounds)
     sizes = parse_list(a.batch_sizes, "batch_sizes", int)
     # 1. correctness: batch-invariant numerics, the controller on; every output equals the plain one
     ok = True

@@ -497,8 +497,8 @@ def _cmd_bench_spec(a: argparse.Namespace) -> int:
                           drafters=parse_list(a.drafters, "drafters"), spec_tokens=a.spec_tokens,
                           spec_model=a.spec_model, max_tokens=a.max_tokens, prompt_len=a.prompt_len, turns=a.turns,
                           requests=a.requests, waves=a.waves, seed=a.seed, deterministic=a.deterministic,
-                          cuda_graphs=not a.no_cuda_graphs, spec_graphs=not a.no_spec_graphs, spec_adaptive=a.spec_adaptive, trace=a.trace,
-                          rounds=a.rounds, spec_rounds=a.spec_rounds)
+                          cuda_graphs=not a.no_cuda_graphs, spec_graphs=not a.no_spec_graphs,
+                          spec_adaptive=a.spec_adaptive, trace=a.trace, rounds=a.rounds, spec_rounds=a.spec_rounds)
     rows = bench_spec(cfg, progress=not a.json)
     data = rows_json(rows)
     if a.out:

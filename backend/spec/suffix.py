@@ -291,7 +291,7 @@ class SuffixTrie:
         first."""
         out = []
         context = list(context[-max_len:])  # a list: the chains compare slices with it
-        n, edge, total, leaf_seq, depth = len(context), self._edge, self.total, self.leaf_seq, self.depth
+        n, edge, leaf_seq, depth = len(context), self._edge, self.leaf_seq, self.depth
         for m in range(1, n + 1):
             node, i = self.ROOT, n - m
             while i < n:
@@ -308,11 +308,7 @@ class SuffixTrie:
             if node < 0:
                 break  # a longer suffix contains this one: absent too
             off = n - i  # steps down a leaf's chain (0: the walk ended on an explicit node)
-            if leaf_seq[node] < 0:
-                if total[node]:
-                    out.append((node, 0, m))
-            elif (self.node_depth[node] + off < depth
-                  and self.leaf_end[node] + off + 1 < len(self._seqs[leaf_seq[node]])):
+            if self.continues((node, off)):
                 out.append((node, off, m))
         return out
 
