@@ -56,7 +56,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from k3rt.backend.spec.cost import StepCosts, StepKind, bucket
@@ -116,6 +116,17 @@ class _Acceptance:
         self.steps *= keep
 
 
+@dataclass(slots=True)
+class _ProbeClock:
+    """Per batch bucket, when one kind of drafting step last happened and the step at which the bucket's probe
+    credit is zero: credit accrues probe_overhead plain steps' time per step after it; a probe spends its loss, and a
+    probe the step's new requests brought forward leaves the bucket in debt (that step lies ahead), so the next
+    probe waits until the debt is paid."""
+
+    last: dict[int, int] = field(default_factory=dict)
+    credit_at: dict[int, float] = field(default_factory=dict)
+
+
 class SpecGate:
     def __init__(self, cfg: SpecGateConfig, fixed_verify_upto: int = 0) -> None:
         """fixed_verify_upto: at batches up to this the runner replays verify steps from CUDA graphs that run
@@ -127,13 +138,8 @@ class SpecGate:
         self.steps = 0  # decisions made (the controller's clock)
         self._method = _Acceptance()
         self._reqs: dict[int, _Acceptance] = {}
-        self._last_spec: dict[int, int] = {}  # bucket -> step of its last speculating decision
-        # bucket -> the step at which its probe credit is zero: credit accrues probe_overhead plain steps' time per
-        # step after it; a probe spends its loss, and a probe the step's new requests brought forward leaves the
-        # bucket in debt (this step lies ahead), so the next probe waits until the debt is paid
-        self._credit_at: dict[int, float] = {}
-        self._verify_credit_at: dict[int, float] = {}  # the same for `trim`'s verify probes (Why.CHEAP steps)
-        self._last_verify: dict[int, int] = {}  # bucket -> step of its last trim that kept drafts
+        self._spec_probes = _ProbeClock()  # speculating decisions (`plan`) and their probes
+        self._verify_probes = _ProbeClock()  # trims that kept drafts and `trim`'s verify probes (Why.CHEAP steps)
         self.governor = (Governor(cfg.governor_trial, cfg.governor_max_hold, 0.0)
                          if cfg.governor_trial else None)
 
@@ -233,7 +239,7 @@ class SpecGate:
                 # ~16 ms against 1.6 ms plain steps). Acceptance cannot change that, so no exploration, and probes
                 # (which refresh the costs) only as far apart as their loss allows, however new the requests
                 loss = ceiling_s / plain.value - (batch + drafted.value) / batch
-                if self._probe_due(self._last_spec, self._credit_at, b, loss, ()):
+                if self._probe_due(self._spec_probes, b, loss, ()):
                     return self._spec(b, Why.PROBE, loss)
                 return Plan(False, Why.NOT_WORTH)
         gains = [self.yield_(r) for r in rids]
@@ -251,7 +257,7 @@ class SpecGate:
         # stays within probe_overhead of plain decoding's time, and sooner the more of the step's requests have
         # never been measured (a new turn of an agent may repeat what the last one wrote: only drafting tells)
         loss = spec_s / plain_s - tokens / batch
-        if self._probe_due(self._last_spec, self._credit_at, b, loss, rids):
+        if self._probe_due(self._spec_probes, b, loss, rids):
             return self._spec(b, Why.PROBE, loss)
         return Plan(False, Why.NOT_WORTH)
 
@@ -259,12 +265,11 @@ class SpecGate:
         """The share of rids never measured."""
         return sum(r not in self._reqs for r in rids) / max(len(rids), 1)
 
-    def _credit(self, credit_at: dict[int, float], b: int) -> float:
+    def _credit(self, clock: _ProbeClock, b: int) -> float:
         """Bucket b's probe credit now, in plain steps' time (negative: a debt)."""
-        return (self.steps - credit_at.get(b, 0.0)) * self.cfg.probe_overhead
+        return (self.steps - clock.credit_at.get(b, 0.0)) * self.cfg.probe_overhead
 
-    def _probe_due(self, last: dict[int, int], credit_at: dict[int, float], b: int, loss: float,
-                   rids: Sequence[int]) -> bool:
+    def _probe_due(self, clock: _ProbeClock, b: int, loss: float, rids: Sequence[int]) -> bool:
         """Whether a probe that loses `loss` plain steps' time is due at bucket b: probe_interval steps after the
         last drafting step at least, and the bucket's credit covering the loss, or the share of it the step's
         never-measured requests leave (they bring a probe forward; the debt it leaves is paid before the next).
@@ -272,19 +277,19 @@ class SpecGate:
         time, whatever a probe cost: at batch 64 on the H200 one probe per 64-token wave (a suffix drafter's pass
         over 64 new prompts plus a verify: an estimated ~10% of the wave's time) where the gate's suffix and n-gram
         rows ran at 0.85-0.91x of plain decoding with 1-2% of their steps drafting."""
-        if self.steps - last.get(b, 0) < self.cfg.probe_interval:
+        if self.steps - clock.last.get(b, 0) < self.cfg.probe_interval:
             return False
-        return self._credit(credit_at, b) >= max(loss, 0.0) * (1.0 - self._fresh(rids))
+        return self._credit(clock, b) >= max(loss, 0.0) * (1.0 - self._fresh(rids))
 
-    def _spend(self, last: dict[int, int], credit_at: dict[int, float], b: int, loss: float) -> None:
+    def _spend(self, clock: _ProbeClock, b: int, loss: float) -> None:
         """A drafting (verifying) step at bucket b: a probe spends `loss` of the credit; any such step drops the
         credit saved beyond zero (probes are spaced from the last one, as without credit), a debt stays."""
-        credit = min(self._credit(credit_at, b) - max(loss, 0.0), 0.0)
-        credit_at[b] = self.steps - credit / self.cfg.probe_overhead
-        last[b] = self.steps
+        credit = min(self._credit(clock, b) - max(loss, 0.0), 0.0)
+        clock.credit_at[b] = self.steps - credit / self.cfg.probe_overhead
+        clock.last[b] = self.steps
 
     def _spec(self, b: int, why: Why, loss: float = 0.0) -> Plan:
-        self._spend(self._last_spec, self._credit_at, b, loss)
+        self._spend(self._spec_probes, b, loss)
         return Plan(True, why)
 
     def trim(self, batch: int, drafts: Sequence[tuple[int, int, Sequence[float] | None]], why: Why, *,
@@ -318,13 +323,13 @@ class SpecGate:
         if (batch + gain) / max(verify.value, 1e-9) <= (1.0 + self.cfg.margin) * batch / max(plain.value, 1e-9):
             if why is Why.CHEAP and drafts:
                 loss = verify.value / plain.value - 1.0 - gain / batch
-                if self._probe_due(self._last_verify, self._verify_credit_at, b, loss, [r for r, _, _ in drafts]):
+                if self._probe_due(self._verify_probes, b, loss, [r for r, _, _ in drafts]):
                     if record:
-                        self._spend(self._last_verify, self._verify_credit_at, b, loss)
+                        self._spend(self._verify_probes, b, loss)
                     return Trim(full, True)
             return Trim([0] * len(drafts), False)
         if record:
-            self._spend(self._last_verify, self._verify_credit_at, b, 0.0)
+            self._spend(self._verify_probes, b, 0.0)
         return Trim(keep, False)
 
     # ---- observations ----

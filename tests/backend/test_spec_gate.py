@@ -203,7 +203,7 @@ def test_a_cheap_drafter_is_asked_every_step_and_probed_when_its_drafts_never_pa
     assert got == [Trim([0], False)] * 3 + [Trim([7], True), Trim([0], False)]
     # a look ahead (overlap) neither probes nor records
     assert g.trim(1, [(0, 7, [0.99] * 7)], Why.CHEAP, record=False) == Trim([7], False)
-    assert g._last_verify[1] == 4
+    assert g._verify_probes.last[1] == 4
 
 
 def test_step_samples_name_one_kind_of_step_or_none() -> None:
