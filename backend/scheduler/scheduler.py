@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -75,6 +76,10 @@ log = logging.getLogger(__name__)
 # waiting requests compared token by token with a running request per step (~0.1 ms each for a 4K
 # prefix): a thousand requests arriving together are looked at over a few steps, not in one
 PREFIX_CHECKS_PER_STEP = 32
+# device rounds are planned on this share of a request's expected accepted drafts per round: a round too many costs
+# one replay (~0.9 ms for k3-tiny at batch 1 on the H200), a round too few another step, whose first round the
+# host drafts (~2 ms), so the plan errs toward one round more
+PLAN_YIELD_SHARE = 0.85
 
 
 @dataclass
@@ -314,25 +319,38 @@ class Scheduler:
             req.pending_page_copies, req.pending_state_copies = [], []
         return SchedulerOutput(decodes, scheduled, page_copies, state_copies, self._plan_rounds(scheduled, decodes))
 
+    def _round_tokens(self, req: Request) -> float:
+        """Tokens one device round is expected to emit for req: 1 + PLAN_YIELD_SHARE of the accepted drafts per
+        drafting round the controller expects of it (its yield; with device rounds each round is one outcome), 1
+        without a controller or before it has an estimate."""
+        y = self.gate.yield_(req.rid) if self.gate is not None else None
+        return 1.0 + PLAN_YIELD_SHARE * max(y or 0.0, 0.0)
+
     def _plan_rounds(self, scheduled: list[ScheduledChunk], decodes: list[Request]) -> int:
         """Device rounds for this step (SpecConfig.rounds): only when every request of the step verifies drafts of
         a drafter that drafts on the device, and each is greedy with nothing the host must see per token
         (grammar, logprobs, logit bias, penalties); no more rounds than the most tokens a request may still emit
         (each live round emits one at least). Each round feeds K + 1 tokens at most up to the request's last
         position (prompt + max_tokens - 1: rounds.advance_step), so every request gets pages up to
-        min(start + rounds * (K + 1), that reach); without free pages for that, one round."""
+        min(start + rounds * (K + 1), that reach); without free pages for that, one round.
+
+        The device replays every planned round whether or not a request is still live in it, so a request's rounds
+        are its tokens left over the tokens a round is expected to emit (`_round_tokens`), not one per round: with
+        one per round, k3-tiny's code requests at batch 1 on the H200 (64 tokens, tau ~4) ran 8 rounds for the ~20
+        tokens their second step had left, 3-4 of them live, and the controller, pricing a round as the step's time
+        over its live rounds, saw verify rounds at 2.3x a plain step and turned speculation off (session 22)."""
         sc = self.spec_cfg
         if not self.device_rounds or sc.rounds <= 1 or decodes or not scheduled:
             return 1
         run = sc.num_tokens + 1
-        left = 0
+        rounds = 1
         for c in scheduled:
             r, p = c.req, c.req.params
             if (not c.draft_ids or not p.greedy or r.grammar is not None or p.logprobs is not None or p.logit_bias
                     or p.has_penalties or r.prompt_logprobs_from is not None):
                 return 1
-            left = max(left, p.max_tokens - r.num_output)
-        rounds = min(sc.rounds, left)
+            rounds = max(rounds, math.ceil((p.max_tokens - r.num_output) / self._round_tokens(r)))
+        rounds = min(sc.rounds, rounds)
         if rounds <= 1:
             return 1
         need = [max(0, -(-min(c.start + rounds * run, c.req.prompt_len + c.req.params.max_tokens) // self.B)

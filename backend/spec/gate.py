@@ -45,7 +45,8 @@ than the budget. While the rule says yes, a plain step is forced when the bucket
 
 Over the rule sits the governor (governor.py): per batch bucket it allows speculation or turns it off by the
 tokens per second the engine delivered in each mode, in alternating trials; while it says off, `plan` says so
-(Why.OFF) before any estimate is read, and no probe runs.
+(Why.OFF) before any estimate is read, and no probe runs. When it allows speculation again, the bucket's next step
+that the rule would not draft probes (the estimates are as old as the period off).
 
 The controller knows nothing of pages, grammars or sampling: the scheduler asks it, then bounds drafts as
 before. Its only clock is its own decision counter (`steps`); times come in as seconds.
@@ -142,6 +143,9 @@ class SpecGate:
         self._verify_probes = _ProbeClock()  # trims that kept drafts and `trim`'s verify probes (Why.CHEAP steps)
         self.governor = (Governor(cfg.governor_trial, cfg.governor_max_hold, 0.0)
                          if cfg.governor_trial else None)
+        # buckets where the governor allowed speculation again after a period off: their next step that the rule
+        # would not draft probes instead (see _owed_probe)
+        self._owed: set[int] = set()
 
     # ---- estimates ----
 
@@ -239,7 +243,7 @@ class SpecGate:
                 # ~16 ms against 1.6 ms plain steps). Acceptance cannot change that, so no exploration, and probes
                 # (which refresh the costs) only as far apart as their loss allows, however new the requests
                 loss = ceiling_s / plain.value - (batch + drafted.value) / batch
-                if self._probe_due(self._spec_probes, b, loss, ()):
+                if self._owed_probe(b) or self._probe_due(self._spec_probes, b, loss, ()):
                     return self._spec(b, Why.PROBE, loss)
                 return Plan(False, Why.NOT_WORTH)
         gains = [self.yield_(r) for r in rids]
@@ -257,9 +261,21 @@ class SpecGate:
         # stays within probe_overhead of plain decoding's time, and sooner the more of the step's requests have
         # never been measured (a new turn of an agent may repeat what the last one wrote: only drafting tells)
         loss = spec_s / plain_s - tokens / batch
-        if self._probe_due(self._spec_probes, b, loss, rids):
+        if self._owed_probe(b) or self._probe_due(self._spec_probes, b, loss, rids):
             return self._spec(b, Why.PROBE, loss)
         return Plan(False, Why.NOT_WORTH)
+
+    def _owed_probe(self, b: int) -> bool:
+        """Whether bucket b is owed a probe (and settle it): the governor allowed speculation again after a period
+        off, during which nothing refreshed the estimates. Without it the rule judged the governor's trial by
+        estimates as old as that period, and when they said no, the trial measured plain steps against plain
+        steps, lost by noise and turned speculation off for ever longer holds: k3-tiny's code at batch 1 on the
+        H200 spent 968 of 989 steps off after its first three verifies, priced at 2.3x a plain step by rounds
+        the device replayed after the request had ended (session 22)."""
+        if b not in self._owed:
+            return False
+        self._owed.discard(b)
+        return True
 
     def _fresh(self, rids: Sequence[int]) -> float:
         """The share of rids never measured."""
@@ -323,7 +339,8 @@ class SpecGate:
         if (batch + gain) / max(verify.value, 1e-9) <= (1.0 + self.cfg.margin) * batch / max(plain.value, 1e-9):
             if why is Why.CHEAP and drafts:
                 loss = verify.value / plain.value - 1.0 - gain / batch
-                if self._probe_due(self._verify_probes, b, loss, [r for r, _, _ in drafts]):
+                if ((record and self._owed_probe(b))
+                        or self._probe_due(self._verify_probes, b, loss, [r for r, _, _ in drafts])):
                     if record:
                         self._spend(self._verify_probes, b, loss)
                     return Trim(full, True)
@@ -345,8 +362,8 @@ class SpecGate:
         bucket 16), and as a batch's requests finish its trials run at fewer of them, so raw tokens/s favoured
         whichever mode had its trial first (k3-tiny code at batch 16 on the H200: speculation measured 10.3K
         tokens/s against plain's 6.7K and stayed on, delivering 0.82x plain decoding end to end)."""
-        if self.governor is not None:
-            self.governor.observe(bucket(batch), tokens / max(batch, 1), seconds)
+        if self.governor is not None and self.governor.observe(bucket(batch), tokens / max(batch, 1), seconds):
+            self._owed.add(bucket(batch))
 
     def observe_draft(self, batch: int, seconds: float) -> None:
         """One drafter pass over `batch` requests took `seconds`."""

@@ -71,22 +71,25 @@ class Governor:
                     "rate_off": round(st.rate[False], 1) if False in st.rate else None}
                 for b, st in sorted(self._buckets.items())}
 
-    def observe(self, b: int, tokens: float, seconds: float) -> None:
+    def observe(self, b: int, tokens: float, seconds: float) -> bool:
         """One decode-only engine step at bucket b delivered `tokens` in `seconds` (wall time, the drafter's
         pass and any synchronous wait included). The controller hands in tokens per request of the step
-        (SpecGate.observe_rate), so rates are per request and comparable across a bucket's batch sizes."""
+        (SpecGate.observe_rate), so rates are per request and comparable across a bucket's batch sizes.
+        Returns True when this step ended a period of speculation off and speculation is allowed again (the
+        controller's estimates are then as old as that period: SpecGate owes the bucket a probe)."""
         st = self._buckets.setdefault(b, _Bucket(hold=self.trial))
         ph = st.phase
         ph.tokens += tokens
         ph.seconds += seconds
         ph.samples += 1
         if ph.samples < (self.trial if st.trial else st.hold):
-            return
+            return False
+        was_on = st.on
         st.rate[st.on] = ph.tokens / max(ph.seconds, 1e-9)
         st.phase = _Phase()
         if len(st.rate) < 2:  # the first trial of each mode: speculation allowed first, then off
             st.on, st.trial = not st.on, True
-            return
+            return False
         best = st.rate[True] > (1.0 + self.margin) * st.rate[False]
         if st.trial:  # the better mode holds; a trial that lost makes the next hold longer
             st.hold = min(GROWTH * st.hold, self.max_hold) if st.on != best else self.trial
@@ -95,3 +98,4 @@ class Governor:
             st.on, st.trial = not best, True
         else:  # the held mode fell behind the other's last rate: switch
             st.on, st.hold = best, self.trial
+        return st.on and not was_on

@@ -282,6 +282,34 @@ def test_speculation_recovers_at_once_from_a_verify_estimate_that_began_dear() -
     assert first_pays is not None and first_pays <= 150, first_pays
 
 
+def test_the_governor_allowing_speculation_again_brings_a_probe_at_once() -> None:
+    """Regression (k3-tiny code at batch 1 on the H200, session 22): the rule's verify estimate began dear (2.3x a
+    plain step), so the governor's first trial with speculation allowed ran plain steps, lost to plain decoding by
+    noise, and each later trial judged speculation by the same stale estimate: no probe came within a trial's
+    steps, so it lost again and the holds grew to 1024 steps. A trial after a period off now probes in its first
+    step, and that probe's cheap verify replaces the stale estimate (STALE_DROP)."""
+    g = SpecGate(SpecGateConfig(governor_trial=2, governor_max_hold=8, explore_samples=1))
+    for _ in range(2):
+        _costs(g, 1, plain=0.001, verify=0.0023, draft=0.0003)
+        g.observe(0, 7, 1)
+    whys = []
+    for step in range(40):
+        p = g.plan(1, [0])
+        whys.append(p.why)
+        if p.why is Why.PROBE:
+            break
+        g.observe_step(StepKind.PLAIN, 1, 0.001)
+        # plain steps in both modes: "on" a little slower (its steps record target states)
+        g.observe_rate(1, 1, 0.00105 if g.governor.allowed(1) else 0.001)
+    assert Why.OFF in whys and whys[-1] is Why.PROBE, whys  # off, then back with a probe
+    assert whys[whys.index(Why.OFF):].count(Why.NOT_WORTH) == 0  # the first step allowed again probes
+    # the probe measures the steady cost (1.1 plain steps per round) and acceptance: the rule pays from here on
+    g.observe_step(StepKind.VERIFY, 1, 0.0011, 7)
+    g.observe(0, 7, 4)
+    assert g.plan(1, [0]) == Plan(True, Why.PAYS)
+    assert g.plan(1, [0]).why is not Why.PROBE  # owed once per return, not every step
+
+
 def test_state_reports_the_estimates_it_decides_by() -> None:
     """SpecGate.state (benchmarks report it): per bucket the cost EMAs in ms with their sample counts, the method's
     acceptance, the governor's modes."""

@@ -243,6 +243,42 @@ def test_plan_rounds_rules(tmp_path_factory) -> None:
     assert sched._plan_rounds([chunk], []) == 2
 
 
+def test_plan_rounds_count_the_tokens_a_round_is_expected_to_emit(tmp_path_factory) -> None:
+    """The device replays every planned round: a request expected to accept 3 drafts per round gets the rounds its
+    tokens left need at that rate (ceil(12 / (1 + 0.85 * 3)) = 4), not one round per token left (8, the cap, half
+    of them replays after it ended); without an estimate, one token per round as before."""
+    from dataclasses import replace
+
+    from k3rt.backend.scheduler.scheduler import PLAN_YIELD_SHARE, ScheduledChunk
+    from tests.backend.engine_fixtures import greedy, make_engine, tiny_checkpoint
+
+    eng = make_engine(tiny_checkpoint(tmp_path_factory), runner="null", num_pages=64,
+                      engine={"spec": SpecConfig(method="ngram", num_tokens=3, rounds=8)})
+    sched = eng.scheduler
+    sched.device_rounds = True
+    eng.add_request(list(range(1, 20)), greedy(40))
+    while not any(r.num_output for r in sched.running):
+        eng.step()
+    req = sched.running[0]
+    req.params = replace(req.params, max_tokens=req.num_output + 12)
+    chunk = ScheduledChunk(req, req.num_computed, 1, True, draft_ids=[5, 6, 7])
+
+    class Yields:  # the controller's expectation for this request
+        def __init__(self, y):
+            self.y = y
+
+        def yield_(self, rid):
+            return self.y
+
+    gate, sched.gate = sched.gate, Yields(None)
+    assert sched._plan_rounds([chunk], []) == 8
+    sched.gate = Yields(3.0)
+    assert PLAN_YIELD_SHARE == 0.85 and sched._plan_rounds([chunk], []) == 4
+    sched.gate = Yields(0.0)  # nothing accepted lately: one token per round
+    assert sched._plan_rounds([chunk], []) == 8
+    sched.gate = gate
+
+
 def test_fixed_shape_verify_drafts_every_token_and_each_round_counts_its_drafts(workload) -> None:
     """Regression (session 19's H200 gate, k3-tiny + its DSpark drafter, 8 rounds, controller on, batch 1): the
     drafter cut its first round's drafts by its confidence threshold (code: ~1 draft of 7) although a verify CUDA
