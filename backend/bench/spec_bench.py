@@ -5,9 +5,11 @@ Each (workload, batch size) runs its requests without speculation and with each 
 after another, not one prompt's luck: with k3-tiny's drafter on the CPU the first code prompt gave tau 2.62 and
 16 prompts one after another 3.67), on one engine per drafter, all engines alive at once and sharing the
 weights (the prefix cache is flushed and the drafter rebuilt before each run, so no run drafts from another's
-outputs). The engines take turns, `rounds` times, so each speculative run has a plain run close by in time:
-the speedup is the median over rounds of the two runs' tokens/s ratio (the host's speed drifts between runs
-far apart). Workloads:
+outputs). Each round runs every drafter next to a plain run of its own (plain first or second, alternating), so
+each ratio compares two adjacent runs: the speedup is the median over rounds of the pair's tokens/s ratio (the
+host's speed drifts between runs far apart; with one plain run per round shared by every drafter, k3-tiny's
+code at batch 64 on the H200 measured 0.96-0.98 in round 1 and 0.73-0.77 in round 2 for all three drafters
+alike, speculating in under 1% of steps). Workloads:
 
   code   held-out code completion: windows of the stdlib modules k3-tiny and its drafter never trained on
          (CODE_MODULES, the corpus' HELDOUT_MODULES; serving code imports nothing from k3rt.training),
@@ -481,10 +483,10 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
                                                               cuda_graphs=cfg.spec_graphs,
                                                               adaptive=cfg.spec_adaptive, rounds=cfg.spec_rounds)
         engines[method or "plain"] = Engine(replace(base, spec=spec), model=model)
-    names = list(engines)
     runs: dict[tuple[str, int, str], list[_Run]] = {}
     controllers: dict[tuple[str, int, str], dict] = {}
-    bar = tqdm(total=len(names) * len(prompts) * cfg.rounds, desc="bench spec", unit="run", disable=not progress)
+    bar = tqdm(total=2 * len(cfg.drafters) * len(prompts) * cfg.rounds, desc="bench spec", unit="run",
+               disable=not progress)
     try:
         for (w, b), ps in prompts.items():
             for eng in engines.values():
@@ -498,19 +500,23 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
                 _run(eng, ps, replace(cfg, max_tokens=min(cfg.max_tokens, WARMUP_TOKENS)), tok, w, batch=b,
                      turn_output_len=cfg.max_tokens)
             for rnd in range(cfg.rounds):
-                # the engines take turns, the first one rotating: the host's speed drifts by up to ~1.35x over
-                # tens of seconds on the H200's machine (benchmarks/spec_upkeep.py, session 16), so a plain run
-                # and a speculative one are compared within a round, never across the whole bench
-                for name in names[rnd % len(names):] + names[:rnd % len(names)]:
-                    eng = engines[name]
-                    eng.flush_cache()
-                    # a fresh drafter: no run drafts from another's outputs (dspark keeps nothing between
-                    # requests: its drafter, with the CUDA graphs it captured, is kept)
-                    if name not in ("plain", "dspark"):
-                        eng.scheduler.drafter = create_drafter(eng.cfg.spec, model)
-                    bar.set_postfix_str(f"{name} {w} b={b} round {rnd + 1}")
-                    runs.setdefault((w, b, name), []).append(_run(eng, ps, cfg, tok, w, batch=b))
-                    bar.update()
+                # each drafter next to a plain run of its own, the drafters' order rotating and plain going first
+                # and second in turn: the host's speed drifts by up to ~1.35x over tens of seconds on the H200's
+                # machine (benchmarks/spec_upkeep.py, session 16), so only adjacent runs are compared
+                drafters = list(cfg.drafters)
+                drafters = drafters[rnd % len(drafters):] + drafters[:rnd % len(drafters)]
+                for i, d in enumerate(drafters):
+                    for name in (("plain", d) if (rnd + i) % 2 == 0 else (d, "plain")):
+                        eng = engines[name]
+                        eng.flush_cache()
+                        # a fresh drafter: no run drafts from another's outputs (dspark keeps nothing between
+                        # requests: its drafter, with the CUDA graphs it captured, is kept)
+                        if name not in ("plain", "dspark"):
+                            eng.scheduler.drafter = create_drafter(eng.cfg.spec, model)
+                        bar.set_postfix_str(f"{name} {w} b={b} round {rnd + 1}")
+                        key = (w, b, name) if name != "plain" else (w, b, f"plain/{d}")
+                        runs.setdefault(key, []).append(_run(eng, ps, cfg, tok, w, batch=b))
+                        bar.update()
             for name, eng in engines.items():
                 if eng.scheduler.gate is not None:
                     controllers[(w, b, name)] = eng.scheduler.gate.state()
@@ -524,10 +530,10 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
             torch.cuda.empty_cache()
     rows = []
     for (w, b), ps in prompts.items():
-        plains = runs[(w, b, "plain")]
-        plain = _merge(plains)
-        plain_ms = _mean(plain.step_ms)
         for d in cfg.drafters:
+            plains = runs[(w, b, f"plain/{d}")]  # the plain runs paired with this drafter's, round by round
+            plain = _merge(plains)
+            plain_ms = _mean(plain.step_ms)
             specs = runs[(w, b, d)]
             r = _merge(specs)
             verify_ms, draft = _mean(r.step_ms), _mean(r.draft_ms)

@@ -164,6 +164,41 @@ def test_rounds_alternate_the_engines_and_pair_each_speculative_run_with_a_plain
     assert row.identical
 
 
+def test_each_drafters_ratio_pairs_it_with_an_adjacent_plain_run_of_its_own(monkeypatch) -> None:
+    """Regression (session 22): a round ran one plain run and then every drafter, each drafter's ratio reading that
+    one plain run; on the H200, k3-tiny's code at batch 64 (speculating in under 1% of steps) measured 0.96-0.98 in
+    round 1 and 0.73-0.77 in round 2 for all three drafters alike. Now each drafter runs next to a plain run of
+    its own, plain first and second in turn, and its ratios read that run."""
+    from k3rt.backend.bench import spec_bench
+    from k3rt.backend.spec.suffix import SuffixDrafter
+
+    order, real = [], spec_bench._run
+    walls = iter([1.0, 2.0, 3.0, 6.0, 8.0, 2.0, 5.0, 5.0])  # measured runs' wall times, in call order
+
+    def spy(eng, prompts, cfg, tok, workload, **kw):
+        r = real(eng, prompts, cfg, tok, workload, **kw)
+        if cfg.max_tokens == 10:  # a measured run (warm-ups generate WARMUP_TOKENS)
+            d = eng.scheduler.drafter
+            order.append("plain" if d is None else "suffix" if isinstance(d, SuffixDrafter) else "ngram")
+            r = replace(r, wall_s=next(walls))
+        return r
+
+    monkeypatch.setattr(spec_bench, "_run", spy)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = SpecBenchConfig(workloads=("code",), batch_sizes=(1,), drafters=("ngram", "suffix"), max_tokens=10,
+                              prompt_len=16, rounds=2, requests=1)
+        ngram, suffix = spec_bench.bench_spec(cfg, progress=False)
+    finally:
+        torch.set_num_threads(n)
+    assert order == ["plain", "ngram", "suffix", "plain", "suffix", "plain", "plain", "ngram"]
+    # ngram: (t / 2) / (t / 1), then (t / 5) / (t / 5); suffix: (t / 3) / (t / 6), then (t / 8) / (t / 2)
+    assert ngram.speedups == pytest.approx([0.5, 1.0], abs=1e-4)
+    assert suffix.speedups == pytest.approx([2.0, 0.25], abs=1e-4)
+    assert ngram.identical and suffix.identical
+
+
 @pytest.mark.parametrize("kw, field", [({"drafters": ("eagle",)}, "drafters"), ({"workloads": ()}, "workloads"),
                                        ({"batch_sizes": (0,)}, "batch_sizes"), ({"turns": 0}, "turns"),
                                        ({"rounds": 0}, "rounds"), ({"requests": 0}, "requests"),
