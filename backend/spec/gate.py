@@ -243,7 +243,7 @@ class SpecGate:
                 # ~16 ms against 1.6 ms plain steps). Acceptance cannot change that, so no exploration, and probes
                 # (which refresh the costs) only as far apart as their loss allows, however new the requests
                 loss = ceiling_s / plain.value - (batch + drafted.value) / batch
-                if self._owed_probe(b) or self._probe_due(self._spec_probes, b, loss, ()):
+                if self._owed_probe(b, loss) or self._probe_due(self._spec_probes, b, loss, ()):
                     return self._spec(b, Why.PROBE, loss)
                 return Plan(False, Why.NOT_WORTH)
         gains = [self.yield_(r) for r in rids]
@@ -261,21 +261,23 @@ class SpecGate:
         # stays within probe_overhead of plain decoding's time, and sooner the more of the step's requests have
         # never been measured (a new turn of an agent may repeat what the last one wrote: only drafting tells)
         loss = spec_s / plain_s - tokens / batch
-        if self._owed_probe(b) or self._probe_due(self._spec_probes, b, loss, rids):
+        if self._owed_probe(b, loss) or self._probe_due(self._spec_probes, b, loss, rids):
             return self._spec(b, Why.PROBE, loss)
         return Plan(False, Why.NOT_WORTH)
 
-    def _owed_probe(self, b: int) -> bool:
-        """Whether bucket b is owed a probe (and settle it): the governor allowed speculation again after a period
-        off, during which nothing refreshed the estimates. Without it the rule judged the governor's trial by
-        estimates as old as that period, and when they said no, the trial measured plain steps against plain
-        steps, lost by noise and turned speculation off for ever longer holds: k3-tiny's code at batch 1 on the
-        H200 spent 968 of 989 steps off after its first three verifies, priced at 2.3x a plain step by rounds
-        the device replayed after the request had ended (session 22)."""
+    def _owed_probe(self, b: int, loss: float) -> bool:
+        """Whether bucket b is owed a probe that loses `loss` plain steps' time (and settle the debt): the governor
+        allowed speculation again after a period off, during which nothing refreshed the estimates. Without it the
+        rule judged the governor's trial by estimates as old as that period, and when they said no, the trial
+        measured plain steps against plain steps, lost by noise and turned speculation off for ever longer holds:
+        k3-tiny's code at batch 1 on the H200 spent 968 of 989 steps off after its first three verifies, priced at
+        2.3x a plain step by rounds the device replayed after the request had ended (session 22). Not a probe
+        dearer than the trial itself (governor_trial plain steps: a suffix drafter's first sight of 64 agent
+        prompts cost ~100 ms, 50 plain steps, on the H200): those keep the budgeted spacing."""
         if b not in self._owed:
             return False
         self._owed.discard(b)
-        return True
+        return loss <= self.cfg.governor_trial
 
     def _fresh(self, rids: Sequence[int]) -> float:
         """The share of rids never measured."""
@@ -339,7 +341,7 @@ class SpecGate:
         if (batch + gain) / max(verify.value, 1e-9) <= (1.0 + self.cfg.margin) * batch / max(plain.value, 1e-9):
             if why is Why.CHEAP and drafts:
                 loss = verify.value / plain.value - 1.0 - gain / batch
-                if ((record and self._owed_probe(b))
+                if ((record and self._owed_probe(b, loss))
                         or self._probe_due(self._verify_probes, b, loss, [r for r, _, _ in drafts])):
                     if record:
                         self._spend(self._verify_probes, b, loss)

@@ -310,6 +310,22 @@ def test_the_governor_allowing_speculation_again_brings_a_probe_at_once() -> Non
     assert g.plan(1, [0]).why is not Why.PROBE  # owed once per return, not every step
 
 
+def test_a_probe_dearer_than_the_governors_trial_is_not_owed_to_it() -> None:
+    """The probe owed to a governor's return is no probe dearer than the trial it would run in (governor_trial
+    plain steps): a drafter's pass of 30 plain steps keeps the budgeted spacing."""
+    g = SpecGate(SpecGateConfig(governor_trial=2, governor_max_hold=8, explore_samples=1))
+    for _ in range(2):
+        _costs(g, 1, plain=0.001, verify=0.0023, draft=0.03)
+        g.observe(0, 7, 1)
+    whys = []
+    for _ in range(40):
+        p = g.plan(1, [0])
+        whys.append(p.why)
+        g.observe_step(StepKind.PLAIN, 1, 0.001)
+        g.observe_rate(1, 1, 0.00105 if g.governor.allowed(1) else 0.001)
+    assert Why.OFF in whys and Why.PROBE not in whys, whys
+
+
 def test_state_reports_the_estimates_it_decides_by() -> None:
     """SpecGate.state (benchmarks report it): per bucket the cost EMAs in ms with their sample counts, the method's
     acceptance, the governor's modes."""
