@@ -512,6 +512,8 @@ class Scheduler:
                 continue
             queries.append(DraftQuery(req.rid, req.token_ids, req.prompt_len, k, hidden))
         if not queries:
+            if gate is not None and plan is not None and plan.why is Why.PROBE:
+                gate.void_probe(batch)  # planned a step early, before any request had states: owed again
             return 0
         stats.spec_steps += 1
         if gate is not None:

@@ -279,6 +279,14 @@ class SpecGate:
         self._owed.discard(b)
         return loss <= self.cfg.governor_trial
 
+    def void_probe(self, batch: int) -> None:
+        """A probe (Why.PROBE) found no request to draft for: a model drafter's requests had no recorded target
+        states yet (the plan is made a step ahead, when the governor's return has only just resumed recording).
+        The bucket is owed the probe again: its next step that the rule would not draft probes (_owed_probe).
+        Without this the probe owed to the governor's return was spent on a step with nothing to draft, and
+        k3-tiny's DSpark drafter at batch 1 on the H200 still never verified after the first three (session 22)."""
+        self._owed.add(bucket(batch))
+
     def _fresh(self, rids: Sequence[int]) -> float:
         """The share of rids never measured."""
         return sum(r not in self._reqs for r in rids) / max(len(rids), 1)
