@@ -387,6 +387,50 @@ def test_serve_flags_resolve_the_drafter_and_its_block_size() -> None:
 
 
 @pytest.mark.parametrize("arch", ["k3"], indirect=True)
+def test_a_probe_planned_before_any_request_had_states_is_owed_again(arch, tmp_path) -> None:
+    """Regression (session 22's H200 gate, batch 1): the probe owed to the governor's return was planned a step
+    ahead (overlap: Scheduler.drafts_next), when recording had only just resumed, so no request had states, the step
+    drafted nothing and the probe was spent: the DSpark drafter never verified again after its first three. Such a
+    probe is now owed again, and the first step with states probes."""
+    from k3rt.backend.spec.cost import Ema
+    from k3rt.backend.spec.gate import Plan, Why
+
+    prompts, params = [list(range(3, 40))], _params(1, 24)
+    ref = _reference(arch, prompts, params)
+    folder = _random_drafter(tmp_path / "drafter", arch.model)
+    # synchronous steps: the plan a step ahead (overlap's drafts_next) is set by hand below
+    eng = make_engine(arch.ckpt, runner="model", model=arch.model, budget=64, num_pages=512,
+                      engine={"spec": SpecConfig(method="dspark", num_tokens=5, model=str(folder)), "overlap": False})
+    g = eng.gate
+    rid = eng.add_request(prompts[0], params[0])
+    while eng.requests[rid].num_output < 2:
+        eng.step()
+    # costs where drafting does not pay (only a probe verifies), the method measured
+    g.costs.plain[1], g.costs.verify[1], g.costs.draft[1] = Ema(1.0, 1, 10**6), Ema(3.0, 1, 10**6), Ema(0.5, 1)
+    g.observe_step = g.observe_draft = g.observe_rate = lambda *a, **k: None
+    for _ in range(g.cfg.explore_samples):
+        g.observe(-1, 5, 0)
+    g.finish(-1)
+    eng.target_states.release(rid)  # as after a period with the governor off: no states, recording resumed
+    verifies = eng.stats.spec_verifies
+    eng.scheduler._next_plan = Plan(True, Why.PROBE)  # the probe drafts_next planned a step ahead
+    steps = 0
+    while eng.scheduler._next_plan is not None:  # the step that takes the plan up
+        eng.step()
+        steps += 1
+        assert steps < 4
+    assert eng.stats.spec_verifies == verifies and 1 in g._owed  # nothing to draft: owed again
+    for _ in range(3):
+        eng.step()
+        if eng.stats.spec_verifies > verifies:
+            break
+    assert eng.stats.spec_verifies == verifies + 1 and not g._owed  # the first step with states probed
+    done = drain(eng)
+    assert done[rid].output_ids == ref[0]
+    assert_at_rest(eng)
+
+
+@pytest.mark.parametrize("arch", ["k3"], indirect=True)
 def test_a_request_without_states_is_not_asked_and_is_no_drafting_outcome(arch, tmp_path) -> None:
     """Regression (session 19's H200 gate, batch 16): a request whose target states were not recorded (the
     governor had speculation off, so recording was paused) went to the drafter anyway, came back without drafts,
