@@ -131,33 +131,40 @@ def test_step_times_are_measured_under_overlap_scheduling(monkeypatch) -> None:
     assert all(r.compiles_plain == r.compiles_spec == 0 for r in rows)  # the CPU compiles nothing
 
 
-def test_rounds_alternate_the_engines_and_pair_each_speculative_run_with_a_plain_one(monkeypatch) -> None:
-    """Regression (session 16): each engine ran all its rows before the next engine was built, so a speculative
-    run was compared with a plain run minutes earlier; the H200 machine's host speed drifts by up to 1.35x over
-    tens of seconds (the same plain engine: 1.02 then 1.34 ms per step, benchmarks/spec_upkeep.py), and a row's
-    speedup read that drift. Now every engine is alive at once, they take turns per round (the first rotating),
-    and the speedup is the median of the rounds' own ratios."""
+def _timed_bench(monkeypatch, drafters: tuple[str, ...], rounds: int, walls: list[float]):
+    """`bench_spec` on code at batch 1 (10 tokens, 1 request) with the measured runs' wall times replaced by `walls`
+    in call order -> (the engines of the measured runs in order, the rows)."""
     from k3rt.backend.bench import spec_bench
+    from k3rt.backend.spec.suffix import SuffixDrafter
 
-    order, real = [], spec_bench._run
-    walls = iter([1.0, 2.0, 4.0, 2.0, 1.0, 3.0])  # measured runs' wall times, in call order
+    order, real, it = [], spec_bench._run, iter(walls)
 
     def spy(eng, prompts, cfg, tok, workload, **kw):
         r = real(eng, prompts, cfg, tok, workload, **kw)
         if cfg.max_tokens == 10:  # a measured run (warm-ups generate WARMUP_TOKENS)
-            order.append("plain" if eng.scheduler.drafter is None else "ngram")
-            r = replace(r, wall_s=next(walls))
+            d = eng.scheduler.drafter
+            order.append("plain" if d is None else "suffix" if isinstance(d, SuffixDrafter) else "ngram")
+            r = replace(r, wall_s=next(it))
         return r
 
     monkeypatch.setattr(spec_bench, "_run", spy)
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        cfg = SpecBenchConfig(workloads=("code",), batch_sizes=(1,), drafters=("ngram",), max_tokens=10,
-                              prompt_len=16, rounds=3, requests=1)
-        (row,) = spec_bench.bench_spec(cfg, progress=False)
+        cfg = SpecBenchConfig(workloads=("code",), batch_sizes=(1,), drafters=drafters, max_tokens=10,
+                              prompt_len=16, rounds=rounds, requests=1)
+        return order, spec_bench.bench_spec(cfg, progress=False)
     finally:
         torch.set_num_threads(n)
+
+
+def test_rounds_alternate_the_engines_and_pair_each_speculative_run_with_a_plain_one(monkeypatch) -> None:
+    """Regression (session 16): each engine ran all its rows before the next engine was built, so a speculative
+    run was compared with a plain run minutes earlier; the H200 machine's host speed drifts by up to 1.35x over
+    tens of seconds (the same plain engine: 1.02 then 1.34 ms per step, benchmarks/spec_upkeep.py), and a row's
+    speedup read that drift. Now every engine is alive at once, they take turns per round (the first rotating),
+    and the speedup is the median of the rounds' own ratios."""
+    order, (row,) = _timed_bench(monkeypatch, ("ngram",), 3, [1.0, 2.0, 4.0, 2.0, 1.0, 3.0])
     assert order == ["plain", "ngram", "ngram", "plain", "plain", "ngram"]
     # rounds' ratios: (t / 2) / (t / 1), (t / 4) / (t / 2), (t / 3) / (t / 1) -> median 0.5
     assert row.speedups == pytest.approx([0.5, 0.5, 1 / 3], abs=1e-4) and row.speedup == pytest.approx(0.5)
@@ -169,29 +176,7 @@ def test_each_drafters_ratio_pairs_it_with_an_adjacent_plain_run_of_its_own(monk
     one plain run; on the H200, k3-tiny's code at batch 64 (speculating in under 1% of steps) measured 0.96-0.98 in
     round 1 and 0.73-0.77 in round 2 for all three drafters alike. Now each drafter runs next to a plain run of
     its own, plain first and second in turn, and its ratios read that run."""
-    from k3rt.backend.bench import spec_bench
-    from k3rt.backend.spec.suffix import SuffixDrafter
-
-    order, real = [], spec_bench._run
-    walls = iter([1.0, 2.0, 3.0, 6.0, 8.0, 2.0, 5.0, 5.0])  # measured runs' wall times, in call order
-
-    def spy(eng, prompts, cfg, tok, workload, **kw):
-        r = real(eng, prompts, cfg, tok, workload, **kw)
-        if cfg.max_tokens == 10:  # a measured run (warm-ups generate WARMUP_TOKENS)
-            d = eng.scheduler.drafter
-            order.append("plain" if d is None else "suffix" if isinstance(d, SuffixDrafter) else "ngram")
-            r = replace(r, wall_s=next(walls))
-        return r
-
-    monkeypatch.setattr(spec_bench, "_run", spy)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        cfg = SpecBenchConfig(workloads=("code",), batch_sizes=(1,), drafters=("ngram", "suffix"), max_tokens=10,
-                              prompt_len=16, rounds=2, requests=1)
-        ngram, suffix = spec_bench.bench_spec(cfg, progress=False)
-    finally:
-        torch.set_num_threads(n)
+    order, (ngram, suffix) = _timed_bench(monkeypatch, ("ngram", "suffix"), 2, [1.0, 2.0, 3.0, 6.0, 8.0, 2.0, 5.0, 5.0])
     assert order == ["plain", "ngram", "suffix", "plain", "suffix", "plain", "plain", "ngram"]
     # ngram: (t / 2) / (t / 1), then (t / 5) / (t / 5); suffix: (t / 3) / (t / 6), then (t / 8) / (t / 2)
     assert ngram.speedups == pytest.approx([0.5, 1.0], abs=1e-4)

@@ -282,25 +282,31 @@ def test_speculation_recovers_at_once_from_a_verify_estimate_that_began_dear() -
     assert first_pays is not None and first_pays <= 150, first_pays
 
 
+def _governed_until_probe(draft: float) -> tuple[SpecGate, list[Why]]:
+    """A bucket-1 controller whose rule says drafting does not pay (verify 2.3 plain steps, one draft accepted of 7,
+    the drafter's pass `draft` seconds), under a governor (trials of 2 steps) that sees plain steps in both modes,
+    "on" a little slower (its steps record target states): the plans until the first probe, 40 at most."""
+    g = SpecGate(SpecGateConfig(governor_trial=2, governor_max_hold=8, explore_samples=1))
+    for _ in range(2):
+        _costs(g, 1, plain=0.001, verify=0.0023, draft=draft)
+        g.observe(0, 7, 1)
+    whys = []
+    for _ in range(40):
+        whys.append(g.plan(1, [0]).why)
+        if whys[-1] is Why.PROBE:
+            break
+        g.observe_step(StepKind.PLAIN, 1, 0.001)
+        g.observe_rate(1, 1, 0.00105 if g.governor.allowed(1) else 0.001)
+    return g, whys
+
+
 def test_the_governor_allowing_speculation_again_brings_a_probe_at_once() -> None:
     """Regression (k3-tiny code at batch 1 on the H200, session 22): the rule's verify estimate began dear (2.3x a
     plain step), so the governor's first trial with speculation allowed ran plain steps, lost to plain decoding by
     noise, and each later trial judged speculation by the same stale estimate: no probe came within a trial's
     steps, so it lost again and the holds grew to 1024 steps. A trial after a period off now probes in its first
     step, and that probe's cheap verify replaces the stale estimate (STALE_DROP)."""
-    g = SpecGate(SpecGateConfig(governor_trial=2, governor_max_hold=8, explore_samples=1))
-    for _ in range(2):
-        _costs(g, 1, plain=0.001, verify=0.0023, draft=0.0003)
-        g.observe(0, 7, 1)
-    whys = []
-    for step in range(40):
-        p = g.plan(1, [0])
-        whys.append(p.why)
-        if p.why is Why.PROBE:
-            break
-        g.observe_step(StepKind.PLAIN, 1, 0.001)
-        # plain steps in both modes: "on" a little slower (its steps record target states)
-        g.observe_rate(1, 1, 0.00105 if g.governor.allowed(1) else 0.001)
+    g, whys = _governed_until_probe(draft=0.0003)
     assert Why.OFF in whys and whys[-1] is Why.PROBE, whys  # off, then back with a probe
     assert whys[whys.index(Why.OFF):].count(Why.NOT_WORTH) == 0  # the first step allowed again probes
     # the probe measures the steady cost (1.1 plain steps per round) and acceptance: the rule pays from here on
@@ -313,16 +319,7 @@ def test_the_governor_allowing_speculation_again_brings_a_probe_at_once() -> Non
 def test_a_probe_dearer_than_the_governors_trial_is_not_owed_to_it() -> None:
     """The probe owed to a governor's return is no probe dearer than the trial it would run in (governor_trial
     plain steps): a drafter's pass of 30 plain steps keeps the budgeted spacing."""
-    g = SpecGate(SpecGateConfig(governor_trial=2, governor_max_hold=8, explore_samples=1))
-    for _ in range(2):
-        _costs(g, 1, plain=0.001, verify=0.0023, draft=0.03)
-        g.observe(0, 7, 1)
-    whys = []
-    for _ in range(40):
-        p = g.plan(1, [0])
-        whys.append(p.why)
-        g.observe_step(StepKind.PLAIN, 1, 0.001)
-        g.observe_rate(1, 1, 0.00105 if g.governor.allowed(1) else 0.001)
+    _, whys = _governed_until_probe(draft=0.03)
     assert Why.OFF in whys and Why.PROBE not in whys, whys
 
 
