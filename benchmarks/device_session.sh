@@ -42,7 +42,8 @@
 #   spec-bench (540)    k3rt bench spec on k3-tiny (bf16): code and agent, batch 1 and 16, dspark and suffix, graphs on
 #   spec-gate (580)     benchmarks/spec_gate.py on k3-tiny (bf16): correctness (deterministic, the speculation
 #                       controller on), then per batch 1/4/16/64 the controller (dspark: 8 device rounds) vs plain,
-#                       code/chat/agent x ngram/suffix/dspark, 8 requests and 4 waves per row at least, 2 rounds,
+#                       code/chat/agent x ngram/suffix/dspark, 8 requests and 4 waves per row at least, 3 rounds
+#                       (each drafter next to a plain run of its own; session 22's 2-round rows spread by up to 0.25),
 #                       until --budget-s 480 (issue 16's 2.5x at batch 1 on code and >= 0.95x goals)
 #   spec-rounds (150 + 420) the device-rounds GPU tests (tests/backend/test_spec_rounds.py), then the gate with the
 #                       controller on and --spec-rounds 8 (dspark; code/agent; batch 1/16/64), whose rows carry the
@@ -148,7 +149,7 @@ for stage in "$@"; do
         --batch-sizes 1,16 --drafters dspark,suffix --out "$OUT/spec_bench.json" ;;
     spec-gate)
       run spec-gate 580 python3 benchmarks/spec_gate.py --device cuda --dtype bfloat16 --budget-s 480 \
-        --spec-rounds 8 --rounds 2 --no-always --out "$OUT/spec_gate.json" ;;
+        --spec-rounds 8 --rounds 3 --no-always --out "$OUT/spec_gate.json" ;;
     spec-rounds)
       gpu_pytest spec-rounds 150 tests/backend/test_spec_rounds.py
       run spec-rounds 420 python3 benchmarks/spec_gate.py --device cuda --dtype bfloat16 --no-check --no-always \

@@ -163,7 +163,8 @@ class SpecRow:
     time_plain: dict[str, list[float]] = field(default_factory=dict)
     time_spec: dict[str, list[float]] = field(default_factory=dict)
     # SpecBenchConfig.trace: per engine-step call [kind, running requests, call ms, drafter ms, draft tokens
-    # verified, prefill tokens, decodes] in call order (empty otherwise)
+    # verified, prefill tokens, decodes, device rounds planned, tokens the call delivered] in call order (empty
+    # otherwise)
     trace_plain: list[list] = field(default_factory=list)
     trace_spec: list[list] = field(default_factory=list)
     # the controller's plans in the measured runs by reason (gate.Why: pays, not_worth, explore, probe, refresh,
@@ -333,7 +334,9 @@ def _run(eng, prompts: list[list[int]], cfg: SpecBenchConfig, tok, workload: str
             trace.append([kind, len(eng.scheduler.running), round(call_ms, 3), round(call_ms - dt, 3),
                           sum(len(c.draft_ids) for c in chunks),
                           sum(c.num_tokens for c in chunks if not c.draft_ids),
-                          len(launched.decodes) if launched is not None else 0])
+                          len(launched.decodes) if launched is not None else 0,
+                          launched.spec_rounds if launched is not None else 0,
+                          sum(len(o.new_token_ids) for o in res)])
         for out in scheduled:
             verify = any(c.draft_ids for c in out.chunks)
             prefill = any(not c.draft_ids for c in out.chunks)

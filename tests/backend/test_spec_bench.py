@@ -21,7 +21,7 @@ def test_bench_spec_tiny_cpu_run(capsys, tmp_path) -> None:
         out = tmp_path / "spec.json"
         assert main(["bench", "spec", "--workloads", "code,agent", "--batch-sizes", "1,2", "--drafters",
                      "ngram,dspark", "--max-tokens", "8", "--turns", "2", "--prompt-len", "32", "--json",
-                     "--out", str(out), "--no-spec-adaptive", "--requests", "1"]) == 0
+                     "--out", str(out), "--no-spec-adaptive", "--requests", "1", "--trace"]) == 0
     finally:
         torch.set_num_threads(n)
     rows = json.loads(capsys.readouterr().out)
@@ -51,6 +51,11 @@ def test_bench_spec_tiny_cpu_run(capsys, tmp_path) -> None:
         tokens = r["batch"] * 8 * (2 if r["workload"] == "agent" else 1)
         wall_ms = sum(v[1] for k, v in spec.items() if k != "draft")
         assert wall_ms == pytest.approx(1e3 * tokens / r["tokens_per_s_spec"], abs=0.01)  # ms rounded to 3 places
+        # --trace: a line per step call; its last two fields, the device rounds planned (one on the CPU's reference
+        # runner) and the tokens the call delivered, which add up to the run's
+        for trace in (r["trace_plain"], r["trace_spec"]):
+            assert trace and all(len(t) == 9 and t[7] in (0, 1) for t in trace)
+            assert sum(t[8] for t in trace) == tokens
 
 
 def test_step_times_are_measured_under_overlap_scheduling(monkeypatch) -> None:
