@@ -276,6 +276,19 @@ def test_plan_rounds_count_the_tokens_a_round_is_expected_to_emit(tmp_path_facto
     assert PLAN_YIELD_SHARE == 0.85 and sched._plan_rounds([chunk], []) == 4
     sched.gate = Yields(0.0)  # nothing accepted lately: one token per round
     assert sched._plan_rounds([chunk], []) == 8
+    # a step of several requests runs the median request's rounds (2, 3, 8 -> 3), not the most any needs: rounds
+    # past it would replay the whole batch for the few still live (the rest go on in the next step)
+    sched.gate = gate
+    for p in (list(range(30, 45)), list(range(50, 60))):
+        eng.add_request(p, greedy(40))
+    while sum(1 for r in sched.running if r.num_output) < 3:
+        eng.step()
+    chunks = []
+    for r, left in zip(sched.running, (2, 3, 8)):
+        r.params = replace(r.params, max_tokens=r.num_output + left)
+        chunks.append(ScheduledChunk(r, r.num_computed, 1, True, draft_ids=[5, 6, 7]))
+    sched.gate = Yields(None)
+    assert sched._plan_rounds(chunks, []) == 3
     sched.gate = gate
 
 
