@@ -478,12 +478,14 @@ def _add_bench_spec(bsub: argparse._SubParsersAction) -> None:
                    help="dspark on the gpu runner: up to N verify rounds per engine step on the device (as serve's "
                         "--spec-rounds; default 1)")
     s.add_argument("--rounds", type=int, default=1,
-                   help="measured runs per engine and row, the engines taking turns; the speedup is the median "
-                        "of the rounds' spec/plain ratios (default 1)")
+                   help="rounds per row: each round runs every drafter next to a plain run of its own (plain "
+                        "first and second in turn); the speedup is the median of those pairs' spec/plain ratios "
+                        "(default 1)")
     s.add_argument("--trace", action="store_true",
                    help="keep every engine-step call of the measured runs in the JSON rows (trace_plain, "
                         "trace_spec: kind, running requests, call ms, drafter ms, draft tokens verified, prefill "
-                        "tokens, decodes), to see where a slow row's time went")
+                        "tokens, decodes, device rounds planned, tokens delivered), to see where a slow row's "
+                        "time went")
     s.add_argument("--json", action="store_true", help="print JSON instead of the table")
     s.add_argument("--out", default=None, metavar="FILE", help="also write the rows as JSON here")
 
