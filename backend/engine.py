@@ -353,7 +353,9 @@ class Engine:
         and to its governor the tokens the call delivered in its whole wall time, when no prefill ran in it."""
         launched, collected = self._launched, self._collected
         if launched is not None and not ran_prefill(launched, collected):
-            self.gate.observe_rate(classify(launched)[1], sum(len(o.new_token_ids) for o in outputs), seconds)
+            kind, batch = classify(launched)
+            self.gate.observe_rate(batch, sum(len(o.new_token_ids) for o in outputs), seconds,
+                                   kind is StepKind.VERIFY)
         sample = step_sample(launched, collected)
         if sample is None:
             return

@@ -366,13 +366,15 @@ class SpecGate:
         draft tokens and its rounds (verify steps)."""
         self.costs.observe_step(kind, batch, seconds, self.steps, drafted, rounds)
 
-    def observe_rate(self, batch: int, tokens: int, seconds: float) -> None:
-        """A decode-only engine step of `batch` requests delivered `tokens` in `seconds` (the governor's input).
-        The governor compares tokens per request-second: a bucket spans batches up to 2x apart (9-16 requests in
+    def observe_rate(self, batch: int, tokens: int, seconds: float, drafted: bool = False) -> None:
+        """A decode-only engine step of `batch` requests delivered `tokens` in `seconds` (the governor's input);
+        drafted: it verified drafts (a phase of speculation allowed without any measured only its upkeep, see
+        governor.IDLE_TOLERANCE). The governor compares tokens per request-second: a bucket spans batches up to 2x apart (9-16 requests in
         bucket 16), and as a batch's requests finish its trials run at fewer of them, so raw tokens/s favoured
         whichever mode had its trial first (k3-tiny code at batch 16 on the H200: speculation measured 10.3K
         tokens/s against plain's 6.7K and stayed on, delivering 0.82x plain decoding end to end)."""
-        if self.governor is not None and self.governor.observe(bucket(batch), tokens / max(batch, 1), seconds):
+        if self.governor is not None and self.governor.observe(bucket(batch), tokens / max(batch, 1), seconds,
+                                                               drafted):
             self._owed.add(bucket(batch))
 
     def observe_draft(self, batch: int, seconds: float) -> None:

@@ -20,7 +20,7 @@ def _drive(gov: Governor, steps: int, rate_on: float, rate_off: float, b: int = 
         modes.append(on)
         dt = b / (rate_on if on else rate_off)
         seconds += dt
-        gov.observe(b, b, dt)
+        gov.observe(b, b, dt, drafted=on)  # speculation allowed drafts in every step here
     return steps * b / seconds, modes
 
 
@@ -49,6 +49,26 @@ def test_governor_keeps_speculation_where_it_wins() -> None:
     gov2 = Governor(trial=8, max_hold=64, margin=0.05)
     _drive(gov2, 60, rate_on=20_500.0, rate_off=20_000.0)
     assert not gov2.allowed(64)
+
+
+def test_a_phase_allowed_that_never_drafted_loses_only_beyond_the_upkeep_tolerance() -> None:
+    """Regression (k3-tiny code at batch 1 on the H200, session 22): the per-step rule said no drafting, so the
+    governor's phase with speculation allowed ran plain steps; off by noise (809 against 823 tokens/s) it turned
+    speculation off, and with it the rule's probes, for 1024-step holds. Such a phase now loses only when plain
+    decoding is more than IDLE_TOLERANCE faster; a phase that drafted still loses by any margin."""
+    from k3rt.backend.spec.governor import IDLE_TOLERANCE
+
+    def run(rate_on: float, drafted: bool) -> bool:
+        gov = Governor(trial=4, max_hold=64, margin=0.0)
+        for _ in range(200):
+            on = gov.allowed(1)
+            gov.observe(1, 1.0, 1.0 / (rate_on if on else 1000.0), drafted=on and drafted)
+        return gov.allowed(1)
+
+    assert IDLE_TOLERANCE == 0.05
+    assert run(983.0, drafted=False)  # 1.7% behind without drafting: upkeep within the tolerance, still allowed
+    assert not run(900.0, drafted=False)  # 10% behind: the upkeep itself loses
+    assert not run(983.0, drafted=True)  # a phase that drafted and lost: off
 
 
 def test_governor_follows_a_change_in_which_mode_wins() -> None:
