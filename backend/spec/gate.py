@@ -40,7 +40,8 @@ one in a hundred steps or so): each bucket holds a credit of probe_overhead plai
 a probe spends. A step whose requests were never measured may probe sooner, in proportion to their share (only
 drafting can tell whether an agent's new turn repeats what the last one wrote), running the credit into a debt
 that is paid before the next probe: new requests bring a probe forward, they never make probes more frequent
-than the budget. While the rule says yes, a plain step is forced when the bucket's plain cost is older than
+than the budget. A probe whose drafter pass cost more than the estimate its loss assumed (a suffix drafter's
+first sight of new prompts) adds the difference to the debt (observe_draft). While the rule says yes, a plain step is forced when the bucket's plain cost is older than
 4 x probe_interval.
 
 Over the rule sits the governor (governor.py): per batch bucket it allows speculation or turns it off by the
@@ -146,6 +147,7 @@ class SpecGate:
         # buckets where the governor allowed speculation again after a period off: their next step that the rule
         # would not draft probes instead (see _owed_probe)
         self._owed: set[int] = set()
+        self._probe_pass: tuple[int, float] | None = None  # the last probe's bucket and assumed pass (observe_draft)
 
     # ---- estimates ----
 
@@ -244,7 +246,7 @@ class SpecGate:
                 # (which refresh the costs) only as far apart as their loss allows, however new the requests
                 loss = ceiling_s / plain.value - (batch + drafted.value) / batch
                 if self._owed_probe(b, loss) or self._probe_due(self._spec_probes, b, loss, ()):
-                    return self._spec(b, Why.PROBE, loss)
+                    return self._spec(b, Why.PROBE, loss, draft.value)
                 return Plan(False, Why.NOT_WORTH)
         gains = [self.yield_(r) for r in rids]
         if any(g is None for g in gains):
@@ -262,7 +264,7 @@ class SpecGate:
         # never been measured (a new turn of an agent may repeat what the last one wrote: only drafting tells)
         loss = spec_s / plain_s - tokens / batch
         if self._owed_probe(b, loss) or self._probe_due(self._spec_probes, b, loss, rids):
-            return self._spec(b, Why.PROBE, loss)
+            return self._spec(b, Why.PROBE, loss, draft.value)
         return Plan(False, Why.NOT_WORTH)
 
     def _owed_probe(self, b: int, loss: float) -> bool:
@@ -286,6 +288,7 @@ class SpecGate:
         Without this the probe owed to the governor's return was spent on a step with nothing to draft, and
         k3-tiny's DSpark drafter at batch 1 on the H200 still never verified after the first three (session 22)."""
         self._owed.add(bucket(batch))
+        self._probe_pass = None  # no pass ran for it
 
     def _fresh(self, rids: Sequence[int]) -> float:
         """The share of rids never measured."""
@@ -314,8 +317,11 @@ class SpecGate:
         clock.credit_at[b] = self.steps - credit / self.cfg.probe_overhead
         clock.last[b] = self.steps
 
-    def _spec(self, b: int, why: Why, loss: float = 0.0) -> Plan:
+    def _spec(self, b: int, why: Why, loss: float = 0.0, draft_s: float | None = None) -> Plan:
+        """A drafting plan at bucket b; a probe (draft_s: the drafter-pass estimate its loss assumed) spends its loss
+        now, and observe_draft charges what the pass cost beyond that estimate."""
         self._spend(self._spec_probes, b, loss)
+        self._probe_pass = (b, draft_s) if draft_s is not None else None
         return Plan(True, why)
 
     def trim(self, batch: int, drafts: Sequence[tuple[int, int, Sequence[float] | None]], why: Why, *,
@@ -369,17 +375,29 @@ class SpecGate:
     def observe_rate(self, batch: int, tokens: int, seconds: float, drafted: bool = False) -> None:
         """A decode-only engine step of `batch` requests delivered `tokens` in `seconds` (the governor's input);
         drafted: it verified drafts (a phase of speculation allowed without any measured only its upkeep, see
-        governor.IDLE_TOLERANCE). The governor compares tokens per request-second: a bucket spans batches up to 2x apart (9-16 requests in
-        bucket 16), and as a batch's requests finish its trials run at fewer of them, so raw tokens/s favoured
-        whichever mode had its trial first (k3-tiny code at batch 16 on the H200: speculation measured 10.3K
-        tokens/s against plain's 6.7K and stayed on, delivering 0.82x plain decoding end to end)."""
+        governor.IDLE_TOLERANCE). The governor compares tokens per request-second: a bucket spans batches up to 2x
+        apart (9-16 requests in bucket 16), and as a batch's requests finish its trials run at fewer of them, so
+        raw tokens/s favoured whichever mode had its trial first (k3-tiny code at batch 16 on the H200: speculation
+        measured 10.3K tokens/s against plain's 6.7K and stayed on, delivering 0.82x plain decoding end to end)."""
         if self.governor is not None and self.governor.observe(bucket(batch), tokens / max(batch, 1), seconds,
                                                                drafted):
             self._owed.add(bucket(batch))
 
     def observe_draft(self, batch: int, seconds: float) -> None:
-        """One drafter pass over `batch` requests took `seconds`."""
+        """One drafter pass over `batch` requests took `seconds`. The pass of a probe that cost more than its loss
+        assumed leaves the difference as probe debt: a suffix drafter's pass is dear on its first sight of new
+        prompts (a wave of 64 agent prompts: ~200 ms on the H200's host against a 2.3 ms plain step) and cheap
+        after, so its running estimate priced the probes that new requests bring forward at a fraction of their
+        cost, and they came several times a row (agent batch 64: 4 passes, 795 ms, 18% of the row; session 22)."""
         self.costs.observe_draft(batch, seconds, self.steps)
+        if self._probe_pass is None:
+            return
+        (b, assumed), self._probe_pass = self._probe_pass, None
+        plain = self.costs.plain.get(b)
+        if plain is not None and plain.n and seconds > assumed:
+            extra = (seconds - assumed) / plain.value  # plain steps' time beyond the loss already spent
+            clock = self._spec_probes
+            clock.credit_at[b] = clock.credit_at.get(b, 0.0) + extra / self.cfg.probe_overhead
 
     def observe(self, rid: int, drafted: int, accepted: int, estimated: float | None = None) -> None:
         """Request rid was asked for drafts in a drafting step: `drafted` were verified (0: the drafter had none)

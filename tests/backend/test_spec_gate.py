@@ -105,6 +105,34 @@ def test_new_requests_bring_a_probe_forward_once_and_its_debt_is_paid_before_the
     assert probes == [16, 215, 430, 645, 860, 1075, 1290]
 
 
+def test_a_probes_pass_dearer_than_assumed_leaves_its_cost_as_debt() -> None:
+    """Regression (session 22's H200 gate, suffix drafter, agent at batch 64): the drafter's pass is dear on its
+    first sight of a wave's prompts (~200 ms) and cheap after (its running estimate ~50 ms), so each probe that new
+    requests brought forward was priced, and its debt set, at a fraction of its cost: 4 such passes took 795 ms,
+    18% of the row. What a probe's pass cost beyond the estimate its loss assumed is now debt too."""
+    def probes(actual_pass: float) -> list[int]:
+        g = SpecGate(SpecGateConfig(probe_interval=16, probe_overhead=0.02, explore_samples=64, governor_trial=0))
+        _costs(g, 64, plain=1.0, verify=7.0, draft=0.3, drafted=64 * 7)
+        for rid in range(64):
+            g.observe(rid, 7, 2)
+        waves = (list(range(r, r + 64)) for r in range(1000, 10 ** 6, 64))
+        out, wave = [], next(waves)
+        while g.steps < 1300:
+            if g.steps % 65 == 0:
+                wave = next(waves)
+            if g.plan(64, wave).draft:
+                out.append(g.steps)
+                g.observe_draft(64, actual_pass)  # the probe's pass
+                g.costs.draft[64].value = 0.3  # the running estimate stays where cheap passes keep it
+                for rid in wave:
+                    g.observe(rid, 7, 2)
+        return out
+
+    assert probes(0.3) == [16, 215, 430, 645, 860, 1075, 1290]  # as estimated: one probe per 4.3 / 0.02 steps
+    # a pass of 4.3 plain steps beyond the estimate doubles the debt: half as many probes
+    assert probes(4.6) == [16, 430, 860, 1290]
+
+
 def test_a_step_of_several_device_rounds_pays_the_drafters_host_pass_once() -> None:
     """SpecConfig.rounds: a verifying step ran 8 rounds on the device (its time given per round) and called the
     scheduler's drafter pass once: per round the pass costs an eighth. The same costs with one round per step
