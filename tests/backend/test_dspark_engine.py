@@ -395,7 +395,7 @@ def test_a_probe_planned_before_any_request_had_states_is_owed_again(arch, tmp_p
     from k3rt.backend.spec.cost import Ema
     from k3rt.backend.spec.gate import Plan, Why
 
-    prompts, params = [list(range(3, 40))], _params(1, 24)
+    prompts, params = [list(range(3, 40))], _params(1, 48)
     ref = _reference(arch, prompts, params)
     folder = _random_drafter(tmp_path / "drafter", arch.model)
     # synchronous steps: the plan a step ahead (overlap's drafts_next) is set by hand below
@@ -420,11 +420,19 @@ def test_a_probe_planned_before_any_request_had_states_is_owed_again(arch, tmp_p
         steps += 1
         assert steps < 4
     assert eng.stats.spec_verifies == verifies and 1 in g._owed  # nothing to draft: owed again
-    for _ in range(3):
+    # recording resumed: the request drafts again once its states hold MIN_STATE_ROWS positions, and the first step
+    # that can probes
+    from k3rt.backend.scheduler.scheduler import MIN_STATE_ROWS
+
+    held = []
+    for _ in range(MIN_STATE_ROWS + 3):
         eng.step()
         if eng.stats.spec_verifies > verifies:
             break
-    assert eng.stats.spec_verifies == verifies + 1 and not g._owed  # the first step with states probed
+        held.append(eng.target_states.get(rid).shape[0])
+    assert eng.stats.spec_verifies == verifies + 1 and not g._owed
+    need = min(MIN_STATE_ROWS, eng.target_states.window)  # this drafter's window may be shorter
+    assert held[-1] == need and held == list(range(2, need + 1)), held  # not a step before
     done = drain(eng)
     assert done[rid].output_ids == ref[0]
     assert_at_rest(eng)
@@ -440,7 +448,7 @@ def test_a_request_without_states_is_not_asked_and_is_no_drafting_outcome(arch, 
     decodes plainly without being asked, and the controller hears nothing of it."""
     from k3rt.backend.spec.cost import Ema
 
-    prompts, params = [list(range(3, 40)), list(range(50, 70))], _params(2, 20)
+    prompts, params = [list(range(3, 40)), list(range(50, 70))], _params(2, 48)
     ref = _reference(arch, prompts, params)
     folder = _random_drafter(tmp_path / "drafter", arch.model)
     eng = make_engine(arch.ckpt, runner="model", model=arch.model, budget=64, num_pages=512,
@@ -466,15 +474,44 @@ def test_a_request_without_states_is_not_asked_and_is_no_drafting_outcome(arch, 
     assert asked and all(not none for qs in asked for _, none in qs), asked  # never asked without states
     assert rids[0] not in observed and rids[1] in observed
     # every request without states, recording paused (as the governor leaves it when it had speculation off):
-    # with the governor allowing drafting, recording resumes and drafting with it
+    # with the governor allowing drafting, recording resumes, and drafting once MIN_STATE_ROWS positions are held
+    from k3rt.backend.scheduler.scheduler import MIN_STATE_ROWS
+
     for r in rids:
         eng.target_states.release(r)
     eng.target_states.paused = True
     verifies = eng.stats.spec_verifies
-    for _ in range(3):
+    g.governor = None  # the costs above decide, not this machine's step times
+    for _ in range(MIN_STATE_ROWS + 3):
         eng.step()
     assert eng.stats.spec_verifies > verifies
     done = drain(eng)
     assert [done[r].output_ids for r in rids] == ref
     assert len(eng.target_states) == 0
     assert_at_rest(eng)
+
+
+def test_a_request_drafts_once_its_states_hold_enough_positions() -> None:
+    """Regression (session 22): after recording resumed, a request drafted from a window of 1-2 recorded states;
+    replayed on held-out code on the CPU, k3-tiny's drafter drafts at tau 1.8-2.0 from those against 3.5 from its
+    full window, and a probe there judged speculation not worth it. A request now drafts once MIN_STATE_ROWS
+    positions are held (all of a shorter request's), ending at its next fed position (within `slack`)."""
+    from types import SimpleNamespace
+
+    from k3rt.backend.scheduler.scheduler import MIN_STATE_ROWS, Scheduler
+
+    ts = TargetStates([0], window=128)
+    sched = SimpleNamespace(target_states=ts)
+    ready = lambda req, slack=0: Scheduler._states_ready(sched, req, slack)  # noqa: E731
+    req = SimpleNamespace(rid=1, num_computed=100)
+    assert not ready(req)  # nothing recorded
+    ts.record(1, 100 - 5, torch.zeros(5, 4))  # 5 positions since recording resumed
+    assert MIN_STATE_ROWS == 16 and not ready(req)
+    ts.record(1, 100, torch.zeros(11, 4))  # 16 held, but ending 11 positions past the request's next one
+    assert not ready(req)
+    req.num_computed = 111
+    assert ready(req) and not ready(SimpleNamespace(rid=1, num_computed=113), 1) and ready(
+        SimpleNamespace(rid=1, num_computed=112), 1)  # a step in flight: one position short is ready
+    short = SimpleNamespace(rid=2, num_computed=9)
+    ts.record(2, 0, torch.zeros(9, 4))  # a 9-token request holds all of its states
+    assert ready(short)
