@@ -447,12 +447,14 @@ class Scheduler:
 
     def _plan(self, batch: int, rids: list[int]) -> Plan:
         """The controller's plan for a step; while its governor has speculation off, the target states (a model
-        drafter's) are not recorded either."""
+        drafter's) are not recorded either, except over the last MIN_STATE_ROWS steps of a hold off: the trial of
+        speculation that follows it then starts with states to draft from (recorded from its first step, they were
+        ready only after its 8 steps had ended, so every such trial measured plain steps)."""
         plan = self.gate.plan(batch, rids, model_free=self.target_states is None)
         whys = self.stats.spec_plan_whys
         whys[plan.why.value] = whys.get(plan.why.value, 0) + 1
         if self.target_states is not None:
-            self.target_states.paused = plan.why is Why.OFF
+            self.target_states.paused = plan.why is Why.OFF and not self.gate.resumes_within(batch, MIN_STATE_ROWS)
         return plan
 
     def _peek(self, reqs: list[Request], batch: int) -> Plan:

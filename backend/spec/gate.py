@@ -208,6 +208,12 @@ class SpecGate:
 
     # ---- decisions ----
 
+    def resumes_within(self, batch: int, steps: int) -> bool:
+        """Whether the governor's hold of speculation off at this batch's bucket ends within `steps` decode steps
+        (a model drafter's target states must be recorded again before then, see Scheduler._plan)."""
+        left = self.governor.off_hold_left(bucket(batch)) if self.governor is not None else None
+        return left is not None and left <= steps
+
     def off(self, batch: int) -> bool:
         """Whether the governor has speculation off at this batch's bucket (plan() would say Why.OFF)."""
         return self.governor is not None and not self.governor.allowed(bucket(batch))

@@ -67,6 +67,14 @@ class Governor:
         st = self._buckets.get(b)
         return True if st is None else st.on
 
+    def off_hold_left(self, b: int) -> int | None:
+        """Samples left in bucket b's hold of speculation off (None: not in such a hold; a trial of plain decoding
+        is not, so it keeps measuring plain decoding with none of speculation's upkeep)."""
+        st = self._buckets.get(b)
+        if st is None or st.on or st.trial:
+            return None
+        return st.hold - st.phase.samples
+
     def rates(self, b: int) -> dict[bool, float]:
         """tokens/s of the latest finished phase per mode (True: speculation allowed) at bucket b."""
         st = self._buckets.get(b)

@@ -515,3 +515,23 @@ def test_a_request_drafts_once_its_states_hold_enough_positions() -> None:
     short = SimpleNamespace(rid=2, num_computed=9)
     ts.record(2, 0, torch.zeros(9, 4))  # a 9-token request holds all of its states
     assert ready(short)
+
+
+def test_recording_resumes_over_the_last_steps_of_a_hold_off() -> None:
+    """Scheduler._plan pauses a model drafter's target-state recording while the governor has speculation off, but
+    not over the last MIN_STATE_ROWS steps of its hold: the trial of speculation after it starts with states."""
+    from types import SimpleNamespace
+
+    from k3rt.backend.scheduler.scheduler import MIN_STATE_ROWS, Scheduler
+    from k3rt.backend.spec.gate import Plan, Why
+
+    asked = []
+    gate = SimpleNamespace(plan=lambda batch, rids, model_free: Plan(False, Why.OFF),
+                           resumes_within=lambda batch, steps: asked.append(steps) or left[0] <= steps)
+    sched = SimpleNamespace(gate=gate, stats=SimpleNamespace(spec_plan_whys={}), target_states=TargetStates([0], 128))
+    left = [40]
+    Scheduler._plan(sched, 4, [])
+    assert sched.target_states.paused and asked == [MIN_STATE_ROWS]
+    left = [MIN_STATE_ROWS]
+    Scheduler._plan(sched, 4, [])
+    assert not sched.target_states.paused and sched.stats.spec_plan_whys == {"off": 2}

@@ -166,3 +166,23 @@ def test_with_speculation_off_a_step_reads_one_request_not_all(tmp_path_factory)
     s = sched.stats
     assert steps == 6 and s.spec_verifies == 0
     assert s.spec_plan_whys.get("off", 0) - before.get("off", 0) == steps
+
+
+def test_the_last_steps_of_a_hold_off_say_speculation_resumes_soon() -> None:
+    """A model drafter's target states are recorded again over the last MIN_STATE_ROWS steps of a hold of speculation
+    off (Scheduler._plan asks SpecGate.resumes_within), so the trial of speculation after it starts with states to
+    draft from: recorded from the trial's own first step they were ready (16 positions) only after its 8 steps, and
+    every such trial measured plain steps (session 22). Trials of plain decoding never say so: they measure it
+    without speculation's upkeep."""
+    gov = Governor(trial=8, max_hold=1024, margin=0.0)
+    _drive(gov, 16, rate_on=10_000.0, rate_off=20_000.0)  # the two first trials: off won, a hold of 8 follows
+    assert not gov.allowed(64) and gov.off_hold_left(64) == 8
+    gov.observe(64, 64, 0.0032)
+    assert gov.off_hold_left(64) == 7
+    _drive(gov, 7, rate_on=10_000.0, rate_off=20_000.0)  # the hold ends: a trial of speculation
+    assert gov.allowed(64) and gov.off_hold_left(64) is None
+    _drive(gov, 8, rate_on=10_000.0, rate_off=20_000.0)  # it lost: a hold of 32 off
+    assert gov.off_hold_left(64) == 32
+    g = SpecGate(SpecGateConfig(governor_trial=8, governor_max_hold=1024))
+    g.governor = gov
+    assert not g.resumes_within(64, 16) and g.resumes_within(64, 32) and not g.resumes_within(1, 1000)
