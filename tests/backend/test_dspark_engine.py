@@ -535,3 +535,19 @@ def test_recording_resumes_over_the_last_steps_of_a_hold_off() -> None:
     left = [MIN_STATE_ROWS]
     Scheduler._plan(sched, 4, [])
     assert not sched.target_states.paused and sched.stats.spec_plan_whys == {"off": 2}
+
+
+def test_window_fill_benchmark_smoke(tmp_path) -> None:
+    """benchmarks/dspark_window_fill.py (the replay behind MIN_STATE_ROWS) on 2 prompts: a tau per window size, and
+    the drafter drafts better from its full window than from one held row."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "wf.json"
+    subprocess.run([sys.executable, str(root / "benchmarks" / "dspark_window_fill.py"), "--prompts", "2",
+                    "--gen-len", "16", "--rows", "1,128", "--out", str(out)], check=True, capture_output=True,
+                   timeout=300)
+    res = json.loads(out.read_text())
+    assert res["context_len"] == 128 and set(res["tau_by_rows"]) == {"1", "128"}
+    assert 1.0 <= res["tau_by_rows"]["1"] < res["tau_by_rows"]["128"] <= 1 + res["k"]
