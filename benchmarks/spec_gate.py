@@ -147,8 +147,8 @@ def main() -> int:
               f"{r['skipped_steps']} | {r['tau_adaptive']:.2f} | {r['tau_always']:.2f} | "
               f"{r['plain_ms']:.2f} / {r['verify_ms']:.2f} / {r['draft_ms']:.2f} | "
               f"{'yes' if r['identical'] else 'no'} | {', '.join(f'{k} {n}' for k, n in r['plan_whys'].items())} |")
-    print(f"\ncorrectness rows identical and verifying: {ok}; goal (controller >= {GOAL}x everywhere): {res['goal_met']}; "
-          f"skipped batch sizes: {res['skipped'] or 'none'}; JSON: {report.path}")
+    print(f"\ncorrectness rows identical and verifying: {ok}; goal (controller >= {GOAL}x everywhere): "
+          f"{res['goal_met']}; skipped batch sizes: {res['skipped'] or 'none'}; JSON: {report.path}")
     return 0 if ok else 1
 
 
