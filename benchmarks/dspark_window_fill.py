@@ -33,8 +33,6 @@ def main() -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
-    import torch
-
     from _timing import default_out
 
     from k3rt.models import MODELS_DIR
@@ -47,20 +45,10 @@ def main() -> int:
     prompts = D.code_prompts("heldout", a.prompts, a.prompt_len, 0, str(MODELS_DIR / "k3-tiny"))
     tokens, states, _ = D.greedy_with_states(target, prompts, a.gen_len, model.cfg.target_layers)
     embed, head = target.model.embed_tokens.weight.float(), target.lm_head.weight.float()
-    full = D.window
     tau = {}
-    try:
-        for n in rows:
-            def held(tokens_, states_, pairs, cfg, n=n):
-                ctx, ids, valid = full(tokens_, states_, pairs, cfg)
-                w = valid.shape[1]
-                return ctx, ids, valid & (torch.arange(w, device=valid.device)[None, :] >= w - n)
-
-            D.window = held  # replay_tau builds its windows through this module's function
-            tau[n] = round(D.replay_tau(model, tokens, states, a.prompt_len, embed, head)["tau"], 3)
-            print(f"rows {n}: tau {tau[n]}", file=sys.stderr)
-    finally:
-        D.window = full
+    for n in rows:
+        tau[n] = round(D.replay_tau(model, tokens, states, a.prompt_len, embed, head, held=n)["tau"], 3)
+        print(f"rows {n}: tau {tau[n]}", file=sys.stderr)
     res = {"args": {k: str(v) for k, v in vars(a).items()}, "context_len": model.cfg.context_len,
            "k": model.cfg.block_size, "tau_by_rows": tau, "seconds": round(time.time() - t0, 1)}
     out = default_out(a.out, "dspark_window_fill.json")

@@ -615,14 +615,15 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 @torch.no_grad()
 def replay_tau(model: DSparkModel, tokens: torch.Tensor, states: torch.Tensor, prompt_len: int, embed: torch.Tensor,
-               lm_head: torch.Tensor, k: int | None = None) -> dict:
+               lm_head: torch.Tensor, k: int | None = None, held: int | None = None) -> dict:
     """Greedy speculative decoding replayed on the target's greedy continuations: each round drafts from
     the anchor (newest token) and the states of the W positions before it; accepted = the drafts'
     longest prefix equal to the target's next tokens; the round yields accepted + 1 tokens (the target's
     own next token follows). Rounds start after the first generated token and stop when the
     continuation cannot check a full block. All sequences advance together: one block pass per round
     over every sequence still going. Also reports the confidence-scheduled variant (verify only
-    verify_length drafts; accepted capped there)."""
+    verify_length drafts; accepted capped there). held: only the window's last `held` rows hold states (the engine's
+    window after target-state recording resumed; benchmarks/dspark_window_fill.py)."""
     cfg = model.cfg
     k = cfg.block_size if k is None else k
     rounds, scheduled, verified = [], [], []
@@ -633,6 +634,9 @@ def replay_tau(model: DSparkModel, tokens: torch.Tensor, states: torch.Tensor, p
             break
         pairs = torch.tensor([[s, pos[s]] for s in live], device=tokens.device)
         win = window(tokens, states, pairs, cfg)
+        if held is not None:
+            w = cfg.context_len
+            win = (win[0], win[1], win[2] & (torch.arange(w, device=win[2].device)[None, :] >= w - held))
         drafts, _, conf = model.draft(win[0], pairs.new_tensor([int(tokens[s, pos[s]]) for s in live]),
                                       embed, lm_head, **_window_kwargs(model, win))
         drafts, conf = drafts.cpu(), conf.cpu()
