@@ -10,8 +10,8 @@ against speculation in every step and against plain decoding, per workload, batc
    step, every drafter, batches 1 and 4, few tokens: every row must say identical, and every row of the second kind
    must have verified drafts (the exit status is 1 otherwise).
 2. Timing: per batch size (in order, until --budget-s is spent), `bench spec` with the controller on and with it
-   off (`spec_adaptive=False`), both against the same kind of plain run, --rounds runs each with the engines taking
-   turns (the row's speedup: the median of the rounds' ratios). Per row: plain tokens/s, speedup with
+   off (`spec_adaptive=False`), --rounds rounds each, every drafter's run next to a plain run of its own (the
+   row's speedup: the median of those pairs' ratios). Per row: plain tokens/s, speedup with
    the controller (goal >= 0.95 everywhere) and without, the controller's share of speculated steps, the steps
    it skipped, tau, and whether the outputs equal the plain ones.
 
@@ -63,6 +63,13 @@ def _args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def check_verdict(gated, always) -> tuple[bool, list[str]]:
+    """The correctness rows' verdict: (every row's outputs equal plain decoding's, the every-step rows that never
+    verified a draft: such a row checked nothing)."""
+    return (all(r.identical for r in [*gated, *always]),
+            [f"{r.workload}/b{r.batch}/{r.drafter}" for r in always if r.verifies == 0])
+
+
 def main() -> int:
     a = _args()
     from _timing import Report, default_out
@@ -91,8 +98,7 @@ def main() -> int:
         always = bench_spec(replace(check_cfg, spec_adaptive=False), progress=False)
         res["check"] = [asdict(r) for r in gated]
         res["check_always"] = [asdict(r) for r in always]
-        same = all(r.identical for r in gated + always)
-        unverified = [f"{r.workload}/b{r.batch}/{r.drafter}" for r in always if r.verifies == 0]
+        same, unverified = check_verdict(gated, always)
         ok = same and not unverified
         log(f"correctness (deterministic): {'identical' if same else 'DIFFERENT'} in {len(gated + always)} rows; "
             f"verifies with the controller on {sum(r.verifies for r in gated)}, in every step "

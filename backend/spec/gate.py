@@ -41,8 +41,8 @@ a probe spends. A step whose requests were never measured may probe sooner, in p
 drafting can tell whether an agent's new turn repeats what the last one wrote), running the credit into a debt
 that is paid before the next probe: new requests bring a probe forward, they never make probes more frequent
 than the budget. A probe whose drafter pass cost more than the estimate its loss assumed (a suffix drafter's
-first sight of new prompts) adds the difference to the debt (observe_draft). While the rule says yes, a plain step is forced when the bucket's plain cost is older than
-4 x probe_interval.
+first sight of new prompts) adds the difference to the debt (observe_draft). While the rule says yes, a plain step
+is forced when the bucket's plain cost is older than 4 x probe_interval.
 
 Over the rule sits the governor (governor.py): per batch bucket it allows speculation or turns it off by the
 tokens per second the engine delivered in each mode, in alternating trials; while it says off, `plan` says so

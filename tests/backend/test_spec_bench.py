@@ -278,3 +278,26 @@ def test_a_drafter_that_raises_is_counted_and_voids_the_bench(monkeypatch) -> No
                           spec_adaptive=False, requests=1)
     with pytest.raises(RuntimeError, match=r"the drafter raised in \d+ calls of a measured run"):
         spec_bench.bench_spec(cfg, progress=False)
+
+
+def test_the_gates_correctness_check_fails_a_row_that_never_verified() -> None:
+    """benchmarks/spec_gate.py's check (regression, session 22: its 18 rows with the controller on verified 0 times
+    on the H200 and still said "identical"): every row identical, and each every-step row must have verified."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "spec_gate.py"
+    spec = importlib.util.spec_from_file_location("spec_gate", path)
+    gate = importlib.util.module_from_spec(spec)
+    saved = list(sys.path)
+    try:
+        spec.loader.exec_module(gate)
+    finally:
+        sys.path[:] = saved  # the script puts benchmarks/ first on the path: not for the other tests
+    row = lambda drafter, identical=True, verifies=3: SimpleNamespace(  # noqa: E731
+        workload="code", batch=1, drafter=drafter, identical=identical, verifies=verifies)
+    assert gate.check_verdict([row("ngram", verifies=0)], [row("ngram")]) == (True, [])
+    assert gate.check_verdict([row("ngram")], [row("ngram"), row("dspark", verifies=0)]) == (True, ["code/b1/dspark"])
+    assert gate.check_verdict([row("ngram", identical=False)], [row("ngram")]) == (False, [])
