@@ -4,13 +4,14 @@ oracles every MoE kernel is tested against.
 MXFP4 experts: `mxfp4_ref` (the format, quantizer, oracle), `fused_experts_mxfp4` and, on the planar
 in-memory layout (`PlanarMxfp4.from_packed`, `mxfp4_planar_layout`), `fused_experts_mxfp4_planar`
 (the GPU runner's default, its `PLANAR_SERVE_VARIANT`).
-The Triton ops (`moe_route`, `fused_experts`, `fused_experts_mxfp4`, `moe_align_fwd`) are exported lazily, so importing the
+The Triton ops (`act_and_mul`, `moe_route`, `fused_experts`, `fused_experts_mxfp4`, `moe_align_fwd`) are exported lazily, so importing the
 reference ops never imports Triton.
 """
 from k3rt.kernels.lazy import lazy_exports
 from k3rt.kernels.moe.ref import act_and_mul_ref, align_ref, fused_experts_ref, route_ref
 
 _TRITON_EXPORTS = {
+    "act_and_mul": "k3rt.kernels.moe.triton_act",
     "moe_route": "k3rt.kernels.moe.triton_router",
     "fused_experts": "k3rt.kernels.moe.triton_experts",
     "ExpertTiles": "k3rt.kernels.moe.triton_experts",
@@ -25,6 +26,7 @@ __all__ = [
     "ExpertTiles",
     "PLANAR_SERVE_VARIANT",
     "PlanarMxfp4",
+    "act_and_mul",
     "act_and_mul_ref",
     "align_ref",
     "fused_experts",

@@ -512,3 +512,23 @@ def test_a_mixed_steps_kda_layer_launches_no_torch_work(tmp_path) -> None:
             kda_attend(attn, w, *parts, step, pool.conv[w.tensor], pool.rec[w.tensor], fwd.k, decode=False,
                        workspace=fwd.kda_workspace)
         assert (work.torch_ops, work.triton) == ([], launches)
+
+
+def test_a_k3_decode_forward_launches_no_torch_glue_for_norms_activations_or_residual_sources(tmp_path) -> None:
+    """Issue 16 (a batch-1 round is launch-bound: 545 kernels per round on the H200, session 23): with the kernels
+    on, a k3 decode forward runs SiTU (shared expert, dense MLP), the latent and MLA q norms through their Triton
+    kernels and mixes the attention residuals from one slot buffer. Before, the torch expressions launched
+    tanh/div/mul/sigmoid (9 per MLP), pow/mean/rsqrt/mul (6 per norm) and one stack of the sources per mix."""
+    from k3rt.backend.runner.gpu.mla import MlaWeights
+    from k3rt.backend.runner.gpu.step import StepSeq
+
+    ckpt = make_tiny(tmp_path / "m", arch="k3", dtype="float32", seed=4)
+    eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), runner="gpu", cuda_graphs=False))
+    runner, pool = eng.runner, eng.pool
+    step = runner._build([StepSeq([7], 20, pool.allocate(2), pool.allocate(eng.layout.pages_per_state_set), True)], [])
+    with torch.no_grad(), _LaunchWork() as work:
+        runner.fwd(step, decode=True)
+    glue = {"tanh", "div", "pow", "mean", "rsqrt", "stack"} & set(work.torch_ops)
+    assert not glue, sorted(glue)
+    mla = sum(isinstance(w, MlaWeights) for w in runner.fwd.prepared.values())
+    assert work.torch_ops.count("mul") == work.torch_ops.count("sigmoid") == mla  # the MLA output gate's only

@@ -334,3 +334,49 @@ def test_gpu_align_prefill_many_chunks() -> None:
         assert block_expert[:used].tolist() == ref_blocks
         assert (block_expert[used:] == -1).all()
         assert sorted_ids[:used * block_m].tolist() == ref_sorted
+
+
+# --------------------------------------------------------------------------------------------
+# the dense MLP's gated activation (triton_act.py)
+
+
+@pytest.mark.parametrize("T,I", [(1, 96), (3, 1500), (0, 64)])
+@pytest.mark.parametrize("act", list(ACTS))
+def test_act_and_mul_matches_ref(act: str, T: int, I: int) -> None:
+    """fp32: the kernel equals the torch expression to fp32 rounding, from a strided (column-sliced) input into a
+    given output buffer; the values span both tanh branches' saturation (|x| up to ~40)."""
+    from k3rt.kernels.moe import act_and_mul, act_and_mul_ref
+
+    gen = torch.Generator().manual_seed(T * 7 + I)
+    wide = (torch.randn(T, 2 * I + 5, generator=gen) * 12).to(DEV)
+    gate_up = wide[:, :2 * I]  # row stride 2I + 5: the kernel reads rows by their stride
+    want = act_and_mul_ref(gate_up[:, :I], gate_up[:, I:], ACTS[act])
+    out = torch.full((T, I), float("nan"), device=DEV)
+    got = act_and_mul(gate_up, ACTS[act], out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert got.shape == (T, I)
+    if T:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-5)
+
+
+def test_act_and_mul_names_what_it_refuses() -> None:
+    from k3rt.kernels.moe import act_and_mul
+
+    with pytest.raises(ValueError, match="gate_up: expected"):
+        act_and_mul(torch.zeros(2, 5, device=DEV), ACTS["silu"])
+    with pytest.raises(ValueError, match="act must be silu or situ"):
+        act_and_mul(torch.zeros(2, 4, device=DEV), ActivationConfig("gelu"))
+    with pytest.raises(ValueError, match="out: expected"):
+        act_and_mul(torch.zeros(2, 4, device=DEV), ACTS["silu"], out=torch.zeros(2, 3, device=DEV))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("act", list(ACTS))
+def test_gpu_act_and_mul_bf16(act: str) -> None:
+    """bf16 at K3's shared-expert width: within bf16 rounding of the fp32 expression on the same inputs."""
+    from k3rt.kernels.moe import act_and_mul, act_and_mul_ref
+
+    gate_up = (torch.randn(16, 2 * 2048, device="cuda") * 8).to(torch.bfloat16)
+    want = act_and_mul_ref(gate_up[:, :2048].float(), gate_up[:, 2048:].float(), ACTS[act])
+    assert rel_err(act_and_mul(gate_up, ACTS[act]).float(), want) < 8e-3

@@ -124,13 +124,16 @@ def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> to
 
     if w.shared_fused:
         return moe.tp.all_reduce(routed(x))
-    shared = moe.shared_experts(x) if moe.shared_experts is not None else None
+    # the shared expert's partial sum (its module does not reduce: the all-reduce or the latent tail does)
+    shared = mlp_forward(moe.shared_experts, x, k) if moe.shared_experts is not None else None
     if m.latent_size is None:
         y = routed(x)
         return moe.tp.all_reduce(y if shared is None else y + shared)
     y = moe.tp.all_reduce(routed(linear(x, moe.routed_expert_down_proj.weight, k)))
     if m.latent_norm:
-        y = rms_norm(y, moe.routed_expert_norm, moe.eps)
+        norm = kernel("norm", "rms_norm") if k.triton else None
+        y = norm(y, moe.routed_expert_norm, moe.eps) if norm is not None else rms_norm(y, moe.routed_expert_norm,
+                                                                                       moe.eps)
     return moe.latent_tail(y, shared, moe.routed_expert_up_proj.weight, lambda a, w: linear(a, w, k))
 
 
@@ -151,4 +154,7 @@ def local_routing(tw: torch.Tensor, ids: torch.Tensor, offset: int, num_local: i
 def mlp_forward(mlp: GatedMLP, x: torch.Tensor, k: KernelConfig) -> torch.Tensor:
     """The dense gated MLP with its projections through `linear`; under TP this rank's partial sum (the
     caller all-reduces it, as RowParallelLinear does)."""
-    return linear(act_and_mul(linear(x, mlp.gate_up_proj.weight, k), mlp.act), mlp.down_proj.weight, k)
+    gate_up = linear(x, mlp.gate_up_proj.weight, k)
+    fused = kernel("moe", "act_and_mul") if k.triton else None  # one launch, not SiTU's nine (triton_act.py)
+    h = fused(gate_up, mlp.act) if fused is not None else act_and_mul(gate_up, mlp.act)
+    return linear(h, mlp.down_proj.weight, k)

@@ -57,7 +57,12 @@ def mla_project(attn: MultiHeadLatentAttention, w: MlaWeights, x: torch.Tensor,
     before its norm ckv [T, L+R], the output gate's pre-activation [T, H*V] or None)."""
     m, T, H = attn.cfg, x.shape[0], attn.num_heads
     parts = torch.split(linear(x, w.w_in, k), w.splits, dim=-1)
-    q = parts[0] if m.q_lora_rank is None else linear(attn.q_a_layernorm(parts[0]), attn.q_b_proj.weight, k)
+    if m.q_lora_rank is None:
+        q = parts[0]
+    else:
+        qn = attn.q_a_layernorm
+        norm = kernel("norm", "rms_norm") if k.triton else None  # one launch, not the torch expression's six
+        q = linear(norm(parts[0], qn.weight, qn.eps) if norm is not None else qn(parts[0]), attn.q_b_proj.weight, k)
     return q.view(T, H, m.qk_head_dim), parts[1], parts[2] if m.use_output_gate else None
 
 
