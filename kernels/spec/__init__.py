@@ -1,7 +1,9 @@
-"""Speculative decoding ops: the DSpark drafter's left-to-right greedy steps in one launch.
+"""Speculative decoding ops: the DSpark drafter's left-to-right greedy steps in one launch, and a device round's
+acceptance, window shift and step advance (triton_rounds.py; their torch oracles are in
+backend/runner/gpu/rounds.py).
 
 `greedy_draft_ref` and `DraftHeads` (ref.py) are the torch oracle and the heads' weights it reads, imported
-eagerly; the Triton op `greedy_draft` (triton_draft.py) is exported lazily, so the reference never imports
+eagerly; the Triton ops are exported lazily, so the reference never imports
 Triton.
 """
 from k3rt.kernels.lazy import lazy_exports
@@ -10,8 +12,11 @@ from k3rt.kernels.spec.ref import greedy_draft as greedy_draft_ref
 
 _TRITON_EXPORTS = {
     "greedy_draft": "k3rt.kernels.spec.triton_draft",
+    "round_accept": "k3rt.kernels.spec.triton_rounds",
+    "round_advance": "k3rt.kernels.spec.triton_rounds",
+    "round_shift": "k3rt.kernels.spec.triton_rounds",
 }
 
-__all__ = ["DraftHeads", "greedy_draft", "greedy_draft_ref"]
+__all__ = ["DraftHeads", "greedy_draft", "greedy_draft_ref", "round_accept", "round_advance", "round_shift"]
 
 __getattr__ = lazy_exports(__name__, _TRITON_EXPORTS)

@@ -156,6 +156,25 @@ def test_device_rounds_greedy_output_equals_plain(workload, adaptive) -> None:
     assert_at_rest(eng)  # every page back (lookahead pages of the rounds included), or in the cache
 
 
+def test_device_rounds_through_the_fused_round_kernels_equal_plain(workload, monkeypatch) -> None:
+    """The round's acceptance, window shift and advance through kernels/spec/triton_rounds.py (the interpreter here;
+    what CUDA runs with the kernels on) inside the engine's rounds: the same greedy output as plain decoding."""
+    import k3rt.kernels.spec as fused
+    from k3rt.backend.runner.gpu import rounds
+
+    prompts, params, expect = workload
+    calls = []
+    for name in ("round_accept", "round_shift", "round_advance"):
+        fn = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, _fn=fn, _n=name: calls.append(_n) or _fn(*a), raising=False)
+    monkeypatch.setattr(rounds, "_fused", lambda runner: fused)
+    eng = _engine(4, adaptive=False)
+    assert [o.output_ids for o in run(eng, prompts[:2], params[:2])] == expect[:2]
+    assert {"round_accept", "round_shift", "round_advance"} <= set(calls)
+    eng.check()
+    assert_at_rest(eng)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_device_rounds_on_cuda_graphs(workload, dtype) -> None:
