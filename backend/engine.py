@@ -90,7 +90,9 @@ class Engine:
         drafter = create_drafter(spec, getattr(self.runner, "model", None), graph_sizes=self._spec_graph_sizes())
         # the speculation controller learns step costs from this engine's step times (see `step`)
         fixed = max(getattr(self.runner, "verify_graphs", {}), default=0)  # verify graphs: a draft costs nothing more
-        self.gate = SpecGate(spec.gate, fixed) if drafter is not None and spec.adaptive else None
+        # a model drafter (it reads target states) costs alike per pass: its cold first pass is not its price
+        self.gate = (SpecGate(spec.gate, fixed, stable_pass=self.target_states is not None)
+                     if drafter is not None and spec.adaptive else None)
         # several verify rounds per step on the device (SpecConfig.rounds): the GPU runner with a DSpark drafter
         device_rounds = (spec.rounds > 1 and self.target_states is not None and hasattr(drafter, "window")
                          and hasattr(self.runner, "round_drafter"))

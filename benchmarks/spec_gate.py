@@ -136,7 +136,8 @@ def main() -> int:
                                 "compiled_kernels": [g.compiled_kernels_plain, g.compiled_kernels_spec],
                                 # where the time went ({kind: [calls, ms]}, `k3rt bench spec`'s breakdown)
                                 "time_plain": g.time_plain, "time_spec": g.time_spec,
-                                **({"trace_plain": g.trace_plain, "trace_spec": g.trace_spec} if a.trace else {})})
+                                **({"trace_plain": g.trace_plain, "trace_spec": g.trace_spec, "whys_by_round": g.whys_by_round,
+                                     "controller_by_round": g.controller_by_round} if a.trace else {})})
         last = time.monotonic() - t0
         log(f"batch {b}: {len(gated)} rows in {last:.0f}s")
         report.save()

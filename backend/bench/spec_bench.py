@@ -171,6 +171,10 @@ class SpecRow:
     # cheap, off), and what it believed after them (SpecGate.state: costs, acceptance, the governor's modes)
     plan_whys: dict[str, int] = field(default_factory=dict)
     controller: dict = field(default_factory=dict)
+    # SpecBenchConfig.trace: per round the controller's plans by reason in that run, and its state after the warm-up
+    # (first) and after each round's run (a round's speedup depends on what the runs before taught it)
+    whys_by_round: list[dict[str, int]] = field(default_factory=list)
+    controller_by_round: list[dict] = field(default_factory=list)
 
 
 def _call_kind(launched, collected) -> str:
@@ -488,6 +492,7 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
         engines[method or "plain"] = Engine(replace(base, spec=spec), model=model)
     runs: dict[tuple[str, int, str], list[_Run]] = {}
     controllers: dict[tuple[str, int, str], dict] = {}
+    states: dict[tuple[str, int, str], list[dict]] = {}  # cfg.trace: the controller after the warm-up and each run
     bar = tqdm(total=2 * len(cfg.drafters) * len(prompts) * cfg.rounds, desc="bench spec", unit="run",
                disable=not progress)
     try:
@@ -502,6 +507,9 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
                 eng.flush_cache()
                 _run(eng, ps, replace(cfg, max_tokens=min(cfg.max_tokens, WARMUP_TOKENS)), tok, w, batch=b,
                      turn_output_len=cfg.max_tokens)
+            for name, eng in engines.items():
+                if cfg.trace and eng.scheduler.gate is not None:
+                    states[(w, b, name)] = [eng.scheduler.gate.state()]
             for rnd in range(cfg.rounds):
                 # each drafter next to a plain run of its own, the drafters' order rotating and plain going first
                 # and second in turn: the host's speed drifts by up to ~1.35x over tens of seconds on the H200's
@@ -519,6 +527,8 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
                         bar.set_postfix_str(f"{name} {w} b={b} round {rnd + 1}")
                         key = (w, b, name) if name != "plain" else (w, b, f"plain/{d}")
                         runs.setdefault(key, []).append(_run(eng, ps, cfg, tok, w, batch=b))
+                        if (w, b, name) in states:
+                            states[(w, b, name)].append(eng.scheduler.gate.state())
                         bar.update()
             for name, eng in engines.items():
                 if eng.scheduler.gate is not None:
@@ -558,7 +568,9 @@ def bench_spec(cfg: SpecBenchConfig, progress: bool = True) -> list[SpecRow]:
                                 compiles_plain=plain.compiles, compiles_spec=r.compiles,
                                 compiled_kernels_plain=plain.compiled_kernels, compiled_kernels_spec=r.compiled_kernels,
                                 time_plain=plain.time_ms, time_spec=r.time_ms, trace_plain=plains[0].trace,
-                                trace_spec=specs[0].trace, plan_whys=r.whys, controller=controllers.get((w, b, d), {})))
+                                trace_spec=specs[0].trace, plan_whys=r.whys, controller=controllers.get((w, b, d), {}),
+                                whys_by_round=[s.whys for s in specs] if cfg.trace else [],
+                                controller_by_round=states.get((w, b, d), [])))
     return rows
 
 

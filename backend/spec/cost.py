@@ -71,6 +71,8 @@ def step_sample(launched: SchedulerOutput | None, collected: Sequence[SchedulerO
 
 # a step time this many times off the running estimate is an outlier (see Ema.add)
 OUTLIER = 4.0
+# the second sample of an estimate this many times below its first replaces it (see Ema.add)
+FIRST_DROP = 2.0
 # a verify sample this many times below an estimate that went unsampled for a while replaces it (StepCosts)
 STALE_DROP = 1.5
 
@@ -94,7 +96,11 @@ class Ema:
         replaced by a sample STALE_DROP times below it (see StepCosts.observe_step)."""
         stale = stale_after is not None and step - self.at_step >= stale_after and x < self.value / STALE_DROP
         self.at_step = step
-        if self.n and (stale or (restart and x < self.value / OUTLIER)):
+        # the first sample of a kind at a bucket carries first-use costs (CUDA's lazy kernel loading, allocator
+        # growth, host paths run for the first time): on the H200 k3-tiny's first verify round at batch 1 took
+        # 4.96 ms and its first DSpark pass 44.6 ms, against 1.3-1.4 and 0.7-0.9 ms after (session 23)
+        drop = FIRST_DROP if self.n == 1 else OUTLIER
+        if self.n and (stale or (restart and x < self.value / drop)):
             # the estimate began on a stall (a kernel compiling, a first graph replay): start again from here
             self.value, self.n = x, 1
             return
@@ -137,11 +143,13 @@ class StepCosts:
             self.verify_drafts.setdefault(b, Ema()).add(float(drafted), self.weight, step)
             self.verify_rounds.setdefault(b, Ema()).add(float(rounds), self.weight, step, restart=False)
 
-    def observe_draft(self, batch: int, seconds: float, step: int) -> None:
-        # no restart on a cheap call after a dear one: a drafter's dear calls recur (the suffix drafter's first
-        # sight of each new batch's prompts: ~100 ms for 64 agent prompts on the H200 against ~7 ms once indexed;
-        # restarting from the cheap call priced the next probe, new prompts again, at a fifteenth of its cost)
-        self.draft.setdefault(bucket(batch), Ema()).add(seconds, self.weight, step, restart=False)
+    def observe_draft(self, batch: int, seconds: float, step: int, stable: bool = False) -> None:
+        """stable: the drafter's passes cost alike whatever they are asked (a model drafter replaying its graph), so
+        a call far below the estimate restarts it as a step time does. Otherwise no restart on a cheap call after
+        a dear one: a drafter's dear calls recur (the suffix drafter's first sight of each new batch's prompts:
+        ~100 ms for 64 agent prompts on the H200 against ~7 ms once indexed; restarting from the cheap call priced
+        the next probe, new prompts again, at a fifteenth of its cost)."""
+        self.draft.setdefault(bucket(batch), Ema()).add(seconds, self.weight, step, restart=stable)
 
     @staticmethod
     def get(table: dict[int, Ema], batch: int) -> Ema | None:

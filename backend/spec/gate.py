@@ -130,12 +130,14 @@ class _ProbeClock:
 
 
 class SpecGate:
-    def __init__(self, cfg: SpecGateConfig, fixed_verify_upto: int = 0) -> None:
+    def __init__(self, cfg: SpecGateConfig, fixed_verify_upto: int = 0, stable_pass: bool = False) -> None:
         """fixed_verify_upto: at batches up to this the runner replays verify steps from CUDA graphs that run
         K + 1 rows for every request whatever it drafted (verify_graph.py), so a draft costs nothing more to verify
-        and `trim` keeps them all; above it (eager verify steps) a draft costs its share (0: no graphs)."""
+        and `trim` keeps them all; above it (eager verify steps) a draft costs its share (0: no graphs).
+        stable_pass: the drafter's pass costs alike whatever it is asked (a model drafter: StepCosts.observe_draft)."""
         self.cfg = cfg
         self.fixed_verify_upto = fixed_verify_upto
+        self.stable_pass = stable_pass
         self.costs = StepCosts(cfg.ema_weight, cfg.probe_interval)
         self.steps = 0  # decisions made (the controller's clock)
         self._method = _Acceptance()
@@ -243,6 +245,12 @@ class SpecGate:
         rounds = c.get(c.verify_rounds, batch)
         draft_s = draft.value / max(rounds.value if rounds is not None else 1.0, 1.0)
         drafted = c.get(c.verify_drafts, batch)
+        # a "no" that rests on the first sample of the verify or of the pass is not trusted: draft again to take a
+        # second (which replaces a first far above it, cost.py FIRST_DROP). A first sample carries first-use costs;
+        # taken as the estimate, k3-tiny's DSpark drafter at batch 1 on the H200 looked hopeless (a 44.6 ms first
+        # pass, a 4.96 ms first verify round), so it was probed only as far apart as that loss allowed and spent
+        # the gate's first two code rounds off (0.90-1.11x where the later rounds ran 1.92x, session 23)
+        unsure = verify.n < 2 or draft.n < 2
         if drafted is not None:
             ceiling_s = draft_s + verify.value
             if (batch + drafted.value) * plain.value <= batch * ceiling_s:
@@ -250,6 +258,8 @@ class SpecGate:
                 # still emit tokens no faster than plain decoding (k3-tiny at batch 64 on the H200: a verify of
                 # ~16 ms against 1.6 ms plain steps). Acceptance cannot change that, so no exploration, and probes
                 # (which refresh the costs) only as far apart as their loss allows, however new the requests
+                if unsure:
+                    return self._spec(b, Why.EXPLORE)
                 loss = ceiling_s / plain.value - (batch + drafted.value) / batch
                 if self._owed_probe(b, loss) or self._probe_due(self._spec_probes, b, loss, ()):
                     return self._spec(b, Why.PROBE, loss, draft.value)
@@ -268,6 +278,8 @@ class SpecGate:
         # a probe costs what its step takes beyond the plain steps its tokens are worth; spaced so that this
         # stays within probe_overhead of plain decoding's time, and sooner the more of the step's requests have
         # never been measured (a new turn of an agent may repeat what the last one wrote: only drafting tells)
+        if unsure:
+            return self._spec(b, Why.EXPLORE)
         loss = spec_s / plain_s - tokens / batch
         if self._owed_probe(b, loss) or self._probe_due(self._spec_probes, b, loss, rids):
             return self._spec(b, Why.PROBE, loss, draft.value)
@@ -395,7 +407,7 @@ class SpecGate:
         prompts (a wave of 64 agent prompts: ~200 ms on the H200's host against a 2.3 ms plain step) and cheap
         after, so its running estimate priced the probes that new requests bring forward at a fraction of their
         cost, and they came several times a row (agent batch 64: 4 passes, 795 ms, 18% of the row; session 22)."""
-        self.costs.observe_draft(batch, seconds, self.steps)
+        self.costs.observe_draft(batch, seconds, self.steps, self.stable_pass)
         if self._probe_pass is None:
             return
         (b, assumed), self._probe_pass = self._probe_pass, None

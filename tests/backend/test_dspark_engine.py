@@ -406,7 +406,7 @@ def test_a_probe_planned_before_any_request_had_states_is_owed_again(arch, tmp_p
     while eng.requests[rid].num_output < 2:
         eng.step()
     # costs where drafting does not pay (only a probe verifies), the method measured
-    g.costs.plain[1], g.costs.verify[1], g.costs.draft[1] = Ema(1.0, 1, 10**6), Ema(3.0, 1, 10**6), Ema(0.5, 1)
+    g.costs.plain[1], g.costs.verify[1], g.costs.draft[1] = Ema(1.0, 2, 10**6), Ema(3.0, 2, 10**6), Ema(0.5, 2)
     g.observe_step = g.observe_draft = g.observe_rate = lambda *a, **k: None
     for _ in range(g.cfg.explore_samples):
         g.observe(-1, 5, 0)

@@ -33,6 +33,7 @@ def test_bench_spec_tiny_cpu_run(capsys, tmp_path) -> None:
     for r in rows:
         assert r["skipped"] == 0 and 0.0 <= r["spec_share"] <= 1.0  # no controller: nothing skipped
         assert r["plan_whys"] == {} and r["controller"] == {}  # ... no plans, no controller state
+        assert r["whys_by_round"] == [{}] and r["controller_by_round"] == []  # --trace's per round: the same
         if r["verifies"]:
             assert 1.0 <= r["tau"] <= 1 + r["spec_tokens"] and r["verify_step_ms"] > 0 and r["spec_share"] > 0
             assert r["speedup"] == pytest.approx(r["tokens_per_s_spec"] / r["tokens_per_s_plain"])

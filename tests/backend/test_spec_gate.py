@@ -18,9 +18,11 @@ from tests.backend.engine_fixtures import NullOracle, assert_at_rest, greedy, ma
 
 
 def _costs(g: SpecGate, batch: int, plain: float, verify: float, draft: float, drafted: int = 7) -> None:
-    g.observe_step(StepKind.PLAIN, batch, plain)
-    g.observe_step(StepKind.VERIFY, batch, verify, drafted)
-    g.observe_draft(batch, draft)
+    """Two samples of each (the controller does not say no on a first sample alone)."""
+    for _ in range(2):
+        g.observe_step(StepKind.PLAIN, batch, plain)
+        g.observe_step(StepKind.VERIFY, batch, verify, drafted)
+        g.observe_draft(batch, draft)
 
 
 def test_off_when_a_verify_costs_more_than_it_emits_on_after_a_probe_shows_acceptance() -> None:
@@ -37,11 +39,17 @@ def test_off_when_a_verify_costs_more_than_it_emits_on_after_a_probe_shows_accep
     assert g.yield_(0) is None and g.plan(1, [0]) == Plan(True, Why.EXPLORE)  # one outcome is not enough (step 3)
     g.observe(0, 7, 1)  # and again
     assert g.yield_(0) == pytest.approx(1.0)
-    assert [g.plan(1, [0]) for _ in range(3)] == [Plan(False, Why.NOT_WORTH)] * 3  # steps 4..6
-    assert g.plan(1, [0]) == Plan(True, Why.PROBE)  # step 7: probe_interval steps since the last drafting one
+    # a "no" on the first sample of the verify and the pass is not trusted: one more drafting step (step 4)
+    assert g.plan(1, [0]) == Plan(True, Why.EXPLORE)
+    g.observe_draft(1, 0.92)
+    g.observe_step(StepKind.VERIFY, 1, 1.84, 7)
+    g.observe(0, 7, 1)
+    assert g.yield_(0) == pytest.approx(1.0)
+    assert [g.plan(1, [0]) for _ in range(3)] == [Plan(False, Why.NOT_WORTH)] * 3  # steps 5..7
+    assert g.plan(1, [0]) == Plan(True, Why.PROBE)  # step 8: probe_interval steps since the last drafting one
     g.observe(0, 7, 7)  # the probe: every draft accepted (the request reached a repetitive stretch)
-    # yield: (0.5 * (0.5 + 1) + 7) / (0.5 * 1.5 + 1) = 4.43 for the method and the request: 5.4 tokens per 2.76
-    assert g.yield_(0) == pytest.approx(7.75 / 1.75)
+    # yield: (0.5 * 1.75 + 7) / (0.5 * 1.75 + 1) = 4.2 for the method and the request: 5.2 tokens per 2.76
+    assert g.yield_(0) == pytest.approx(7.875 / 1.875)
     assert g.plan(1, [0]) == Plan(True, Why.PAYS)
     # a new request starts at the method's rate
     assert g.plan(1, [9]) == Plan(True, Why.PAYS)
@@ -139,9 +147,10 @@ def test_a_step_of_several_device_rounds_pays_the_drafters_host_pass_once() -> N
     do not pay (k3-tiny at batch 1 on the H200, session 18: pass 0.6, round 1.8, plain 1.1 ms, 2 tokens a round)."""
     one, eight = (SpecGate(SpecGateConfig(margin=0.05, explore_samples=2)) for _ in range(2))
     for g, rounds in ((one, 1), (eight, 8)):
-        g.observe_step(StepKind.PLAIN, 1, 1.1)
-        g.observe_step(StepKind.VERIFY, 1, 1.8, 7, rounds)
-        g.observe_draft(1, 0.6)
+        for _ in range(2):
+            g.observe_step(StepKind.PLAIN, 1, 1.1)
+            g.observe_step(StepKind.VERIFY, 1, 1.8, 7, rounds)
+            g.observe_draft(1, 0.6)
         for _ in range(2):
             g.observe(0, 7, 1)  # 2 tokens a round
     assert one.plan(1, [0]) == Plan(False, Why.NOT_WORTH)  # 2 tokens in 2.4 ms < 1 in 1.1 ms
@@ -310,6 +319,37 @@ def test_speculation_recovers_at_once_from_a_verify_estimate_that_began_dear() -
     assert first_pays is not None and first_pays <= 150, first_pays
 
 
+def test_a_cold_first_verify_and_pass_do_not_price_speculation_out() -> None:
+    """Regression (session 23, H200, k3-tiny with DSpark, 8 device rounds, batch 1): the bucket's first verify round
+    (4.96 ms, against ~1.4 after) and first drafter pass (44.6 ms, against ~0.8) came from the warm-up and were
+    each the estimate's only sample; the rule found the bucket hopeless (a verify's whole drafts accepted would not
+    pay 22 ms of pass per round), so it probed only as far apart as that loss allowed and the gate's first two code
+    rounds ran at 0.90-1.11x of plain decoding, the later ones at 1.92x. A "no" on first samples is not trusted:
+    the controller drafts again, and a second sample far below the first replaces it."""
+    g = SpecGate(SpecGateConfig(governor_trial=0, explore_samples=2), fixed_verify_upto=1, stable_pass=True)
+    for _ in range(40):
+        g.observe_step(StepKind.PLAIN, 1, 0.001)
+    g.observe_step(StepKind.VERIFY, 1, 0.00496, 5, rounds=2)
+    g.observe_draft(1, 0.0446)
+    for _ in range(2):
+        g.observe(0, 7, 2)
+    assert g.plan(1, [0]) == Plan(True, Why.EXPLORE)  # it said NOT_WORTH (hopeless) here before
+    g.observe_step(StepKind.VERIFY, 1, 0.0014, 7, rounds=8)
+    g.observe_draft(1, 0.0008)
+    g.observe(0, 7, 2)
+    assert g.costs.verify[1].value == 0.0014 and g.costs.draft[1].value == 0.0008  # the cold samples dropped
+    assert g.plan(1, [0]) == Plan(True, Why.PAYS)  # 3 tokens in 1.4 + 0.8 / 8 ms
+
+
+def test_a_model_free_drafters_dear_first_pass_still_prices_its_next_dear_ones() -> None:
+    """The first-sample drop is for passes that cost alike (stable_pass): a suffix drafter's dear first sight of new
+    prompts recurs with every new batch of them, so its cheap second call does not replace it."""
+    g = SpecGate(SpecGateConfig())
+    g.observe_draft(64, 0.1)
+    g.observe_draft(64, 0.007)
+    assert g.costs.draft[64].value > 0.05
+
+
 def _governed_until_probe(draft: float) -> tuple[SpecGate, list[Why]]:
     """A bucket-1 controller whose rule says drafting does not pay (verify 2.3 plain steps, one draft accepted of 7,
     the drafter's pass `draft` seconds), under a governor (trials of 2 steps) that sees plain steps in both modes,
@@ -360,8 +400,8 @@ def test_state_reports_the_estimates_it_decides_by() -> None:
     g.observe(1, 4, 3)
     g.observe_rate(3, 3, 0.002)
     st = g.state()
-    assert st["costs"] == {4: {"plain_ms": [2.0, 1], "verify_ms": [4.0, 1], "draft_ms": [1.0, 1],
-                               "drafts_per_verify": [5.0, 1], "rounds_per_verify": [1.0, 1]}}
+    assert st["costs"] == {4: {"plain_ms": [2.0, 2], "verify_ms": [4.0, 2], "draft_ms": [1.0, 2],
+                               "drafts_per_verify": [5.0, 2], "rounds_per_verify": [1.0, 2]}}
     assert st["method"] == {"alpha": 0.75, "yield": 3.0, "seen": 1}
     assert st["governor"] == {4: {"on": True, "trial": True, "samples": 1, "hold": 2, "rate_on": None,
                                   "rate_off": None}}
