@@ -611,8 +611,7 @@ class Scheduler:
         end = ts.end(req.rid)
         if end is None or not 0 <= req.num_computed - end <= slack:
             return False
-        rows = ts.get(req.rid).shape[0]
-        return rows + slack >= min(MIN_STATE_ROWS, ts.window, req.num_computed)
+        return ts.held(req.rid) + slack >= min(MIN_STATE_ROWS, ts.window, req.num_computed)
 
     def _chunk_len(self, req: Request, budget: int) -> int:
         start, remaining = req.num_computed, len(req.token_ids) - req.num_computed

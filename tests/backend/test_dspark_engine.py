@@ -60,6 +60,53 @@ def test_target_states_keep_the_newest_contiguous_window() -> None:
     assert s.get(0)[:, 0].tolist() == [9]
 
 
+def test_target_states_pool_equals_rebuilding_each_window() -> None:
+    """The pooled store (one [slots, 2 x window, F] buffer, records of a step in one indexed write, rows moved to a
+    slot's front when they reach its end, the pool doubled when full) holds what rebuilding each request's window
+    per record held: random decodes, prefill chunks, verify runs, recomputes after a preemption, gaps after cache
+    hits, releases and new requests, several requests per record_many."""
+    import random
+
+    W, rng = 5, random.Random(3)
+    s, want, end = TargetStates((1,), window=W), {}, {}
+
+    def oracle(rid: int, start: int, m: int) -> None:
+        pos = list(range(start, start + m))[-W:]
+        old = want.get(rid, [])
+        if old and end[rid] >= pos[0]:
+            before = [p for p in old if p < pos[0]][-(W - len(pos)):] if len(pos) < W else []
+            pos = before + pos
+        want[rid], end[rid] = pos, start + m
+
+    for _ in range(600):
+        spans, used = [], set()
+        for _ in range(rng.randint(1, 4)):
+            rid = rng.randrange(12)
+            if rid in used:
+                continue
+            used.add(rid)
+            e = end.get(rid, 0)
+            kind = rng.random()
+            start = (e - rng.randint(0, 3) if kind < 0.15 else e + rng.randint(1, 4) if kind < 0.25 else e)
+            m = rng.choice([1, 1, 1, 2, 3, 8]) if e else rng.randint(1, 9)
+            spans.append((rid, max(start, 0), m))
+        rows = torch.cat([torch.arange(st, st + m, dtype=torch.float32)[:, None] * torch.ones(1, 3)
+                          for _, st, m in spans])
+        s.record_many(spans, rows)
+        for rid, st, m in spans:
+            oracle(rid, st, m)
+        if rng.random() < 0.05:
+            gone = rng.choice(sorted(want))
+            s.release(gone)
+            want.pop(gone), end.pop(gone)
+        s.check(set(want))
+        for rid, pos in want.items():
+            got = s.get(rid)
+            assert got[:, 0].tolist() == pos and s.held(rid) == len(pos) and s.end(rid) == end[rid], rid
+            assert torch.equal(got[:, 2], got[:, 0])  # every feature of the row
+    assert len(s) == len(want) and s._pool.shape[0] >= 8
+
+
 # ---- the engine on tiny random checkpoints ----
 
 def _random_drafter(folder: Path, model, *, seed: int = 0, threshold: float = 0.0, min_verify: int = 1) -> Path:
