@@ -484,8 +484,9 @@ def _add_bench_spec(bsub: argparse._SubParsersAction) -> None:
     s.add_argument("--trace", action="store_true",
                    help="keep every engine-step call of the measured runs in the JSON rows (trace_plain, "
                         "trace_spec: kind, running requests, call ms, drafter ms, draft tokens verified, prefill "
-                        "tokens, decodes, device rounds planned, tokens delivered), to see where a slow row's "
-                        "time went")
+                        "tokens, decodes, device rounds planned, tokens delivered) and, per round, the "
+                        "controller's plans by reason and its state after the warm-up and each run "
+                        "(whys_by_round, controller_by_round), to see where a slow row's time went")
     s.add_argument("--json", action="store_true", help="print JSON instead of the table")
     s.add_argument("--out", default=None, metavar="FILE", help="also write the rows as JSON here")
 
