@@ -36,3 +36,40 @@ def test_greedy_draft_kernel_builds_for_sm90_without_spills() -> None:
     assert res.pop("tiles") == [1024, 16]
     for name, r in res.items():
         assert r["stack"] == 0 and r["local"] == 0, (name, r)  # register spills go to the stack
+
+
+_ROUNDS = r'''
+from k3rt.kernels.spec import triton_rounds as Rk
+from k3rt.kernels.moe import triton_act as A
+
+I32, C, L = "i32", "constexpr", "*i64"
+accept = dict(am_ptr=L, fed_ptr=L, nd_ptr=L, stops_ptr=L, budget_ptr=L, live_ptr="*i1", anchor_ptr=L, kept_ptr=L,
+              P=I32, R=C, BLOCK_R=C, BLOCK_P=C)
+shift = dict(ctx_ptr="*bf16", taps_ptr="*bf16", tok_ptr=L, valid_ptr="*i1", fed_ptr=L, kept_ptr=L, anchor_ptr=L,
+             F=I32, W=C, R=C, HAS_TOKENS=C, BLOCK_W=C, BLOCK_F=C)
+advance = dict(ids_ptr=L, pos_ptr=L, slot_ptr=L, lens_ptr="*i32", table_ptr="*i32", stride_table=I32, kept_ptr=L,
+               anchor_ptr=L, drafts_ptr=L, stride_drafts=I32, real_ptr="*i1", limit_ptr=L, nd_ptr=L, block_size=I32,
+               R=C, BLOCK_R=C)
+act = dict(x_ptr="*bf16", stride_x=I32, o_ptr="*bf16", stride_o=I32, I=I32, beta="fp32", lin_beta="fp32", SITU=C,
+           LIN_SAT=C, BLOCK=C)
+res = {
+    "accept": sm90_build(Rk._round_accept_kernel, accept, dict(R=8, BLOCK_R=8, BLOCK_P=16), 1, 1, lambda k: False),
+    # k3-tiny's drafter window: 128 rows of 3 x 384 features, the launcher's BLOCK_F for it
+    "shift": sm90_build(Rk._round_shift_kernel, shift, dict(W=128, R=8, HAS_TOKENS=True, BLOCK_W=128, BLOCK_F=64), 4,
+                        1, lambda k: k == "F"),
+    "advance": sm90_build(Rk._round_advance_kernel, advance, dict(R=8, BLOCK_R=8), 1, 1, lambda k: False),
+    "act": sm90_build(A._act_and_mul_kernel, act, dict(SITU=True, LIN_SAT=True, BLOCK=1024), 4, 1,
+                      lambda k: k in ("I", "stride_x", "stride_o")),
+}
+print(json.dumps(res))
+'''
+
+
+def test_round_and_activation_kernels_build_for_sm90_without_spills() -> None:
+    """A device round's three bookkeeping kernels (triton_rounds.py) at k3-tiny's drafter window and the dense MLP's
+    gated activation (kernels/moe/triton_act.py) at its launcher's tile: they build for sm_90 and keep their tiles in
+    registers (the window shift holds a [128, 64] tile of the old rows and one of the taps between its barrier's
+    two sides)."""
+    res = run_sm90_build(_ROUNDS, timeout=300)
+    for name, r in res.items():
+        assert r["stack"] == 0 and r["local"] == 0, (name, r)
