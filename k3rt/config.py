@@ -163,6 +163,9 @@ class SpecConfig:
     suffix_max_spec_factor: float = 1.0  # a draft is at most this many times the matched pattern's length
     suffix_index_tokens: int = 8192  # a request's trie indexes only its last this many tokens (bounded host time)
     suffix_cached_requests: int = 256  # finished requests whose outputs the global trie keeps
+    # finished outputs' tokens the suffix drafter indexes into its global trie per call (at least one output per call,
+    # oldest first): a batch's drain is spread over calls instead of landing on one (backend/spec/suffix.py)
+    suffix_drain_tokens: int = 1024
     # dspark: the drafter folder (config.json + model.safetensors); None: the drafter shipped beside the
     # target (k3rt/models/<target>-dspark), resolved by the engine
     model: str | None = None
@@ -202,6 +205,8 @@ class SpecConfig:
             raise ValueError(f"suffix_max_spec_factor: must be > 0, got {self.suffix_max_spec_factor}")
         if self.suffix_index_tokens < 1 or self.suffix_cached_requests < 0:
             raise ValueError("suffix_index_tokens must be >= 1 and suffix_cached_requests >= 0")
+        if self.suffix_drain_tokens < 1:
+            raise ValueError(f"suffix_drain_tokens: must be >= 1, got {self.suffix_drain_tokens}")
         if self.model is not None and self.method != "dspark":
             raise ValueError(f"spec_model: a drafter folder is read by --spec dspark only, got --spec {self.method}")
         if self.confidence_threshold is not None and not 0.0 <= self.confidence_threshold <= 1.0:

@@ -16,7 +16,8 @@ the trie, so the longest match (m near D, in a repetitive context) could draft a
 
 Bounded host cost: a request's trie indexes only its last `suffix_index_tokens` tokens when first seen
 (a 128K prompt would otherwise cost ~D x 128K dict operations on the scheduler loop), and the global trie
-keeps the outputs of the last `suffix_cached_requests` finished requests (older ones are subtracted out). A
+keeps the outputs of the last `suffix_cached_requests` finished requests (older ones are subtracted out), indexed
+`suffix_drain_tokens` at a time per proposal (a batch's outputs are spread over calls). A
 request's matches in the global trie are carried forward token by token while that trie is unchanged
 (`advance_matches`), and a candidate pattern whose longest possible draft cannot beat the best so far is not
 drafted: a decode step's call at batch 64 (context 256+) 51 -> 41 us a request on the CI machine, same drafts.
@@ -396,7 +397,7 @@ class SuffixDrafter(Drafter):
         """With each draft's empirical continuation probability in the trie that matched (the speculation
         controller calibrates them against what gets accepted). full changes nothing: a suffix match's length
         is what the trie holds, not a cut by confidence."""
-        self.index_finished()
+        self.index_finished(self.cfg.suffix_drain_tokens)
         return [self._propose(q) for q in queries]
 
     def finish(self, rid: int, token_ids: Sequence[int], prompt_len: int) -> None:
@@ -411,10 +412,18 @@ class SuffixDrafter(Drafter):
             if len(self._finished) > self.cfg.suffix_cached_requests:
                 self._finished.popleft()  # it would leave the global trie before any proposal read it
 
-    def index_finished(self) -> None:
+    def index_finished(self, budget: int | None = None) -> None:
         """Index the queued outputs into the global trie, oldest first; it keeps the newest
-        suffix_cached_requests outputs (older ones are subtracted out)."""
-        while self._finished:
+        suffix_cached_requests outputs (older ones are subtracted out). budget: index outputs only until this many
+        tokens are indexed (at least one output; None: all). Each proposal drains suffix_drain_tokens: a batch
+        of 64 outputs of 128 tokens into the full trie costs ~0.5 s on the CI machine (benchmarks/suffix_host.py),
+        and landed whole on one proposal: on the H200 the suffix drafter's calls at code batch 64 (a drain and a
+        wave's new prompts each) averaged 30 ms against a ~1.7 ms plain step, the row at 0.83x of plain decoding
+        with 1% of its steps drafting (session 23). The global trie serves other requests' repetitions, which
+        can wait a few calls."""
+        spent = 0
+        while self._finished and (budget is None or spent < budget):
+            spent += len(self._finished[0])
             self._version += 1
             self._cached.append(self.global_trie.add(self._finished.popleft()))
             while len(self._cached) > self.cfg.suffix_cached_requests:

@@ -202,6 +202,26 @@ def test_suffix_finish_defers_indexing_to_the_next_proposal() -> None:
     assert d.propose([DraftQuery(9, [5, 30], 1, 3)]) == [[31, 32, 33]]
 
 
+def test_suffix_drain_of_finished_outputs_is_spread_over_proposals() -> None:
+    """Regression (session 23): a batch's finished outputs were all indexed into the global trie by the next
+    proposal (64 outputs of 128 tokens into the full trie: ~0.5 s on the CI machine, on one call of a drafter priced
+    per call). Each proposal now indexes suffix_drain_tokens of them, oldest first, at least one output."""
+    d = SuffixDrafter(SpecConfig(method="suffix", suffix_drain_tokens=6, suffix_max_spec_factor=4.0))
+    for rid, base in enumerate((10, 20, 30, 40)):
+        d.finish(rid, [1, base, base + 1, base + 2, base + 3], 1)  # 4-token outputs
+    q = [DraftQuery(7, [5, 10], 1, 3), DraftQuery(8, [5, 20], 1, 3), DraftQuery(9, [5, 30], 1, 3),
+         DraftQuery(6, [5, 40], 1, 3)]
+    assert d.propose(q) == [[11, 12, 13], [21, 22, 23], [], []]  # two outputs (8 tokens >= 6), the oldest
+    assert len(d._finished) == 2
+    assert d.propose(q) == [[11, 12, 13], [21, 22, 23], [31, 32, 33], [41, 42, 43]]
+    assert not d._finished
+    d.finish(5, [1] + list(range(60, 80)), 1)  # one output longer than the budget: indexed whole
+    d.propose(q[:1])
+    assert not d._finished
+    with pytest.raises(ValueError, match="suffix_drain_tokens: must be >= 1, got 0"):
+        SpecConfig(method="suffix", suffix_drain_tokens=0)
+
+
 def test_suffix_drafter_holds_no_gc_tracked_object_per_token() -> None:
     """Regression (session 14): trie nodes were Python objects with a children dict each, ~24 per indexed token,
     all tracked by the cyclic GC, whose full collections then walked them all (120 ms pauses at batch 64 in a CPU
