@@ -165,7 +165,7 @@ class SpecConfig:
     suffix_cached_requests: int = 256  # finished requests whose outputs the global trie keeps
     # finished outputs' tokens the suffix drafter indexes into its global trie per call (at least one output per call,
     # oldest first): a batch's drain is spread over calls instead of landing on one (backend/spec/suffix.py)
-    suffix_drain_tokens: int = 1024
+    suffix_drain_tokens: int = 128
     # dspark: the drafter folder (config.json + model.safetensors); None: the drafter shipped beside the
     # target (k3rt/models/<target>-dspark), resolved by the engine
     model: str | None = None
