@@ -11,7 +11,8 @@ the median of --reps runs with the cyclic GC off while timing:
   first sight   a new request's first proposal: its own trie indexes the prompt (us per prompt token)
   step          one decode step of B requests: each gets one new token and is asked for a draft (ms per call)
   drain         B requests finish with their outputs into the global trie, which is full, so as many old
-                outputs are subtracted out (ms per drain)
+                outputs are subtracted out (ms per drain); and the dearest call of such a drain as proposals take
+                it, SpecConfig.suffix_drain_tokens at a time (ms per call)
 Both implementations' drafts are compared on every call (they must be identical: the compressed trie changes
 the cost, not the drafts).
 """
@@ -19,9 +20,11 @@ the cost, not the drafts).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.backend.suffix_ref: the uncompressed oracle
@@ -59,7 +62,7 @@ def bench(lengths: list[int], batch: int, out_len: int, reps: int, seed: int) ->
     longest = max(lengths + [out_len * 2])
     cfg = SpecConfig(method="suffix", num_tokens=7)
     # distinct streams for the requests, the outputs already cached and the drained ones
-    pool = batch + cfg.suffix_cached_requests + batch * (reps + 1)
+    pool = batch + cfg.suffix_cached_requests + batch * (reps + 2)
     code = code_windows(_code_sources(), tok, pool, longest, seed)
     streams = {"code": code, "agent": [_agent_stream(code, longest, seed + i) for i in range(pool)]}
     rows = []
@@ -104,6 +107,23 @@ def bench(lengths: list[int], batch: int, out_len: int, reps: int, seed: int) ->
                 d.index_finished()  # finish only queues them: the next proposal indexes them
             drain[impl] = median_ms(finish_all, reps)
         rows.append(drain)
+        # the same drain as proposals take it (SpecConfig.suffix_drain_tokens per call): its dearest call
+        spread = {"stream": name, "measure": f"dearest call of such a drain, {cfg.suffix_drain_tokens} tokens a call",
+                  "unit": "ms/call"}
+        for impl, d in drafters.items():
+            for i in range(batch):
+                d.finish(30_000 + i, seqs[pool - batch + i][:out_len], 0)
+            worst = 0.0
+            gc.disable()
+            try:
+                while d._finished:
+                    t = time.perf_counter()
+                    d.index_finished(cfg.suffix_drain_tokens)
+                    worst = max(worst, time.perf_counter() - t)
+            finally:
+                gc.enable()
+            spread[impl] = worst * 1e3
+        rows.append(spread)
     for r in rows:
         r["speedup"] = r["uncompressed"] / r["compressed"]
     return rows
