@@ -32,7 +32,9 @@ their loss allows, never shortened for new requests (below).
 
 Exploration: with no plain sample at this bucket the step decodes plainly (one sample is enough to start);
 with no verify or draft sample, or fewer than `explore_samples` request outcomes of drafting steps for the
-method, it speculates. While the rule says no, a step now and then drafts anyway (a probe, drafts untrimmed)
+method, it speculates; and a "no" that rests on the first sample of the verify or the pass explores too (a first
+sample carries first-use costs; a second one at most half of it replaces it, cost.py). While the rule says no, a
+step now and then drafts anyway (a probe, drafts untrimmed)
 so the estimates follow changing acceptance and cost. A probe loses its step's time beyond the plain steps its
 tokens are worth, so probes come at least `probe_interval` steps apart and far enough apart that this loss
 stays within `probe_overhead` of plain decoding's time (at a batch where a verify costs several plain steps,
