@@ -99,11 +99,16 @@ class TargetStates:
         """pool rows dst (flat over slots) = rows[src], one indexed copy."""
         if not dst:
             return
-        idx = torch.tensor([dst, src], dtype=torch.int64)
+        # src ascends over distinct rows: as many as `rows` has, it takes them all in order (no gather)
+        whole = len(src) == rows.shape[0]
+        idx = torch.tensor(dst if whole else [dst, src], dtype=torch.int64)
         if rows.device.type == "cuda":
             idx = idx.pin_memory().to(rows.device, non_blocking=True)  # no wait for the stream's work
         flat = self._pool.view(-1, self._pool.shape[-1])
-        flat[idx[0]] = rows[idx[1]].to(flat.dtype)
+        if whole:
+            flat[idx] = rows.to(flat.dtype)
+        else:
+            flat[idx[0]] = rows[idx[1]].to(flat.dtype)
 
     def get(self, rid: int) -> torch.Tensor | None:
         """The request's rows [n <= window, F], oldest first, or None before its first run: a view of the store,

@@ -1,10 +1,9 @@
 """Speculative decoding ops: the DSpark drafter's left-to-right greedy steps in one launch, and a device round's
-acceptance, window shift and step advance (triton_rounds.py; their torch oracles are in
-backend/runner/gpu/rounds.py).
+acceptance, window shift and step advance (triton_rounds.py).
 
-`greedy_draft_ref` and `DraftHeads` (ref.py) are the torch oracle and the heads' weights it reads, imported
-eagerly; the Triton ops are exported lazily, so the reference never imports
-Triton.
+ref.py holds the torch oracles, imported eagerly: `greedy_draft_ref` with `DraftHeads` (the heads' weights it
+reads), and `greedy_accept`, `shift_window`, `advance_step` (what backend/runner/gpu/rounds.py runs without the
+kernels). The Triton ops are exported lazily, so the references never import Triton.
 """
 from k3rt.kernels.lazy import lazy_exports
 from k3rt.kernels.spec.ref import DraftHeads

@@ -30,9 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from k3rt.backend.layers.activation import act_and_mul
-from k3rt.backend.layers.norm import rms_norm
 from k3rt.backend.models.moe import GatedMLP, MoE, route
-from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear
+from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear, norm
 
 
 @dataclass
@@ -131,9 +130,7 @@ def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> to
         return moe.tp.all_reduce(y if shared is None else y + shared)
     y = moe.tp.all_reduce(routed(linear(x, moe.routed_expert_down_proj.weight, k)))
     if m.latent_norm:
-        norm = kernel("norm", "rms_norm") if k.triton else None
-        y = norm(y, moe.routed_expert_norm, moe.eps) if norm is not None else rms_norm(y, moe.routed_expert_norm,
-                                                                                       moe.eps)
+        y = norm(y, moe.routed_expert_norm, moe.eps, k)
     return moe.latent_tail(y, shared, moe.routed_expert_up_proj.weight, lambda a, w: linear(a, w, k))
 
 

@@ -20,7 +20,7 @@ from k3rt.backend.models.moe import MoE
 from k3rt.backend.runner.gpu.ffn import MoeWeights, mlp_forward, moe_forward
 from k3rt.backend.runner.gpu.kda import KdaWeights, kda_commit, kda_commit_graphed, kda_forward
 from k3rt.backend.runner.gpu.mla import MlaWeights, mla_forward
-from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear
+from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear, norm
 from k3rt.backend.runner.gpu.step import GpuStep
 
 log = logging.getLogger(__name__)
@@ -80,9 +80,7 @@ class GpuForward:
             self.tapped[i] = x
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if self.norm_kernel is not None:
-            return self.norm_kernel(x, weight, eps)
-        return rms_norm(x, weight, eps)
+        return norm(x, weight, eps, self.k)
 
     def add_norm(self, delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from k3rt.backend.layers.batch_invariant import ROW_TILE
 from k3rt.backend.models.mla import MultiHeadLatentAttention
-from k3rt.backend.runner.gpu.ops import KernelConfig, fuse_rows, kernel, linear
+from k3rt.backend.runner.gpu.ops import KernelConfig, fuse_rows, kernel, linear, norm
 from k3rt.backend.runner.gpu.step import GpuStep
 
 
@@ -61,8 +61,7 @@ def mla_project(attn: MultiHeadLatentAttention, w: MlaWeights, x: torch.Tensor,
         q = parts[0]
     else:
         qn = attn.q_a_layernorm
-        norm = kernel("norm", "rms_norm") if k.triton else None  # one launch, not the torch expression's six
-        q = linear(norm(parts[0], qn.weight, qn.eps) if norm is not None else qn(parts[0]), attn.q_b_proj.weight, k)
+        q = linear(norm(parts[0], qn.weight, qn.eps, k), attn.q_b_proj.weight, k)
     return q.view(T, H, m.qk_head_dim), parts[1], parts[2] if m.use_output_gate else None
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from k3rt.backend.layers.batch_invariant import invariant_linear
+from k3rt.backend.layers.norm import rms_norm
 from k3rt.kernels.kda.chunk_tables import INTRA_FORMS
 
 
@@ -91,6 +92,13 @@ def linear(x, w, k: KernelConfig, out_dtype=None):
     if out_dtype is not None and (x.dtype != out_dtype or w.dtype != out_dtype):
         return F.linear(x.to(out_dtype), w.to(out_dtype))
     return F.linear(x, w)
+
+
+def norm(x, weight, eps: float, k: KernelConfig):
+    """RMSNorm of x's rows: the Triton norm kernel when the kernels are on (one launch), else the torch expression
+    (six kernels; the reference's rounding order either way)."""
+    fn = kernel("norm", "rms_norm") if k.triton else None
+    return fn(x, weight, eps) if fn is not None else rms_norm(x, weight, eps)
 
 
 # A fused projection's output width is padded (zero weight rows) to a multiple of this: its row stride is then a

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 # the pure tensor steps of a round: the kernels' torch oracles (kernels/spec/ref.py), the path without kernels
-from k3rt.kernels.spec.ref import advance_step, greedy_accept, shift_window  # noqa: F401
+from k3rt.kernels.spec.ref import advance_step, greedy_accept, shift_window
 
 
 class RoundsRun(list):
@@ -82,13 +82,13 @@ def accept_round(runner, step, st: RoundState, logits: torch.Tensor, taps: dict[
     KDA states and shift the window past them."""
     S, R = st.argmax.shape
     ids = step.ids.view(S, R)
-    tapped = lambda: torch.cat([taps[layer].view(S, R, -1) for layer in runner.target_states.layers], -1)  # noqa: E731
+    tapped = torch.cat([taps[layer].view(S, R, -1) for layer in runner.target_states.layers], -1)
     fused = _fused(runner)
     if fused is not None:  # the same steps in three launches where ~50 torch ops ran (kernels/spec/triton_rounds.py)
         torch.argmax(logits.view(S, R, -1), -1, out=st.argmax)
         fused.round_accept(st.argmax, ids, st.num_drafts, st.stops, st.budget, st.live, st.anchors, st.kept)
         runner.fwd.commit_graphed(step, st.kept)
-        fused.round_shift(st.ctx, st.tokens, st.valid, tapped(), ids, st.kept, st.anchors)
+        fused.round_shift(st.ctx, st.tokens, st.valid, tapped, ids, st.kept, st.anchors)
         return
     am = logits.view(S, R, -1).argmax(-1)
     kept, ended = greedy_accept(am, ids, st.num_drafts, st.stops, st.budget, st.live)
@@ -97,7 +97,7 @@ def accept_round(runner, step, st: RoundState, logits: torch.Tensor, taps: dict[
     runner.fwd.commit_graphed(step, st.kept)
     anchor = am.gather(1, (kept - 1).clamp(min=0)[:, None])[:, 0]
     anchor = torch.where(kept > 0, anchor, st.anchors)
-    shift_window(st.ctx, st.tokens, st.valid, tapped(), ids, kept, anchor)
+    shift_window(st.ctx, st.tokens, st.valid, tapped, ids, kept, anchor)
     st.anchors.copy_(anchor)
     st.budget.sub_(kept)
     st.live.logical_and_(~ended)
