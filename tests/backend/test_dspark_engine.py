@@ -69,6 +69,7 @@ def test_target_states_pool_equals_rebuilding_each_window() -> None:
 
     W, rng = 5, random.Random(3)
     s, want, end = TargetStates((1,), window=W), {}, {}
+    peak = moved = 0
 
     def oracle(rid: int, start: int, m: int) -> None:
         pos = list(range(start, start + m))[-W:]
@@ -92,9 +93,14 @@ def test_target_states_pool_equals_rebuilding_each_window() -> None:
             spans.append((rid, max(start, 0), m))
         rows = torch.cat([torch.arange(st, st + m, dtype=torch.float32)[:, None] * torch.ones(1, 3)
                           for _, st, m in spans])
+        bases = {rid: h[1] for rid, h in s._held.items()}
         s.record_many(spans, rows)
+        # rows kept from before (lo before the record's first position) under a new base: moved to the front
+        moved += sum(rid in bases and s._held[rid][1] != bases[rid] and s._held[rid][2] < st + m - min(m, W)
+                     for rid, st, m in spans)
         for rid, st, m in spans:
             oracle(rid, st, m)
+        peak = max(peak, len(want))
         if rng.random() < 0.05:
             gone = rng.choice(sorted(want))
             s.release(gone)
@@ -104,7 +110,9 @@ def test_target_states_pool_equals_rebuilding_each_window() -> None:
             got = s.get(rid)
             assert got[:, 0].tolist() == pos and s.held(rid) == len(pos) and s.end(rid) == end[rid], rid
             assert torch.equal(got[:, 2], got[:, 0])  # every feature of the row
-    assert len(s) == len(want) and s._pool.shape[0] >= 8
+    assert len(s) == len(want)
+    assert peak > 8 and s._pool.shape[0] == 16  # more requests held at once than the first pool's 8 slots: it grew
+    assert moved > 0  # and some request's rows reached its slot's end and moved to the front
 
 
 # ---- the engine on tiny random checkpoints ----
