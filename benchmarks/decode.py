@@ -65,9 +65,12 @@ def _args() -> argparse.Namespace:
     p.add_argument("--no-mixed-graphs", dest="mixed_graphs", action="store_false",
                    help="--mixed: skip the piecewise-graph variant (by default, on CUDA, each --mixed step is also "
                         "replayed from piecewise graphs captured for its token bucket: backend/runner/gpu/pieces.py)")
-    p.add_argument("--profile", type=int, default=0, metavar="B",
-                   help="also profile one eager decode step at batch B: time per kernel name, top 30 "
+    p.add_argument("--profile", type=int, nargs="*", default=[], metavar="B",
+                   help="also profile one eager decode step at each batch B: time per kernel name, top 30 "
                         "(kernel times as in the graph; the launch gaps are the graph's to remove)")
+    p.add_argument("--profile-prefill", action="store_true",
+                   help="--prefill: also profile the last chunk of each prefill (eager, as it runs): time per "
+                        "kernel name, top 30")
     p.add_argument("--smoke", action="store_true", help="tiny config on CPU with torch ops (no kernels, no graphs)")
     p.add_argument("--budget-s", type=float, default=420.0, help="skip remaining items after this many seconds")
     p.add_argument("--out", type=Path, default=None)
@@ -368,6 +371,13 @@ def bench_prefill(runner: GpuModelRunner, cfg, layout, T: int, matmul_tflops: fl
             runner.fwd(s)
 
     t = time_ms(run, reps=3, warmup=1)["median_ms"]
+    prof = {}
+    if ARGS.profile_prefill:  # the last chunk: the most context its attention reads
+        prof["kernel_ms"], prof["launches"], prof["top"] = kernel_profile(lambda: runner.fwd(steps[-1]))
+        print(f"\nprofile: the last {len(chunks[-1].token_ids)}-token chunk of a {T}-token prefill: "
+              f"{prof['kernel_ms']:.1f} ms of kernel time, {prof['launches']} kernel launches")
+        for r in prof["top"]:
+            print(f"  {r['us']:9.1f} us {100 * r['share']:5.1f} %  x{r['calls']:<4} {r['kernel']}")
     # attention flops of the MLA layers (expanded form: (P+R) + V per head per key, causal half)
     m = cfg.mla
     attn = sum(2 * m.num_heads * (m.qk_head_dim + m.v_head_dim) * T * T / 2 for _ in cfg.mla_layers)
@@ -375,7 +385,7 @@ def bench_prefill(runner: GpuModelRunner, cfg, layout, T: int, matmul_tflops: fl
     pool.unref(table + states)
     return {"tokens": T, "chunk": ARGS.chunk, "ms": t, "tokens_per_s": T / (t * 1e-3),
             "tflops": flops / (t * 1e-3) / 1e12, "floor_ms": flops / (matmul_tflops * 1e12) * 1e3,
-            "x_floor": t / (flops / (matmul_tflops * 1e12) * 1e3)}
+            "x_floor": t / (flops / (matmul_tflops * 1e12) * 1e3), **({"profile_last_chunk": prof} if prof else {})}
 
 
 def matmul_rate() -> float:
@@ -430,9 +440,11 @@ def main() -> int:
         log(f"decode B={B}: {row}")
         RESULT["decode"].append(row)
         save()
-    if ARGS.profile and not over_budget():
-        RESULT["profile"] = profile_step(runner, cfg, layout, ARGS.profile)
-        save()
+    RESULT["profile"] = []
+    for B in ARGS.profile:
+        if not over_budget():
+            RESULT["profile"].append(profile_step(runner, cfg, layout, B))
+            save()
     for name in ARGS.variants if cuda else []:
         if over_budget():
             break

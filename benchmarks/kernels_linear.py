@@ -22,7 +22,8 @@ from _timing import kernel_bench_args  # noqa: E402
 
 
 def _add_args(p) -> None:
-    p.add_argument("--rows", type=int, nargs="*", default=[1, 4], help="decode rows M (<= 4)")
+    p.add_argument("--rows", type=int, nargs="*", default=[1, 4], help="decode rows M (<= MAX_ROWS, 16)")
+    p.add_argument("--shapes", nargs="*", default=None, help="only these shapes (names as in the table)")
 
 
 ARGS = kernel_bench_args(__doc__, "kernels_linear.json", 120.0, _add_args)
@@ -94,6 +95,8 @@ def main() -> None:
     RESULT["candidates"] = [t.__dict__ for t in CANDIDATES]
     log(f"copy {RESULT['copy']['GBps']:.0f} GB/s")
     for name, N, K, wdt in SHAPES:
+        if ARGS.shapes and name not in ARGS.shapes:
+            continue
         for M in ARGS.rows:
             item("gemv", f"{name} N={N} K={K} M={M}", lambda: measure(name, N, K, wdt, M))
     save()

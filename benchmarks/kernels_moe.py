@@ -160,13 +160,16 @@ def prefill(T: int, w13, w2, peak_tflops: float) -> None:
     flops = 6 * T * k * D * inter
     reps = REPS if T <= 4096 else max(2, REPS // 2)
 
+    base = fused_experts(x, w13, w2, w, ids, act=ACT)  # the default tiles: each candidate is checked against it
+
     def ours(tiles: ExpertTiles | None):
         def run() -> dict:
+            err = rel_err(fused_experts(x, w13, w2, w, ids, act=ACT, tiles=tiles), base)
             t = time_ms(lambda: fused_experts(x, w13, w2, w, ids, act=ACT, out=out, tiles=tiles), reps=reps, warmup=2)
             tf = flops / (t["median_ms"] * 1e-3) / 1e12
             used = tiles or pick_tiles(T * k, SHAPE["E"])
             return {"T": T, "tiles": used.__dict__, "ms": t["median_ms"], "TFLOPs": tf,
-                    "pct_of_matmul_peak": 100 * tf / peak_tflops}
+                    "pct_of_matmul_peak": 100 * tf / peak_tflops, "rel_err_vs_default": err}
         return run
 
     sweep = [None] + [t for t in PREFILL_CANDIDATES if t != pick_tiles(T * k, SHAPE["E"])]

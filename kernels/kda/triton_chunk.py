@@ -119,7 +119,11 @@ def _kda_chunk_intra_kernel(
     BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr,
     DOT16: tl.constexpr, PREC: tl.constexpr, PREC_INV: tl.constexpr, SAFE_SPAN: tl.constexpr,
+    PROBE: tl.constexpr = 0,
 ):
+    # PROBE (timing only, results wrong; benchmarks/kernels.py's probe_* variants): bits that skip one stage each
+    # to see where a program's time goes: 1 the L/Aqk blocks, 2 the diagonal blocks' substitution, 4 the block
+    # series, 8 W and U, 16 the cumsum (Gc = g)
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, n_valid = _chunk_rows(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, C)  # rows >= n_valid: padding
@@ -143,7 +147,10 @@ def _kda_chunk_intra_kernel(
     q = tl.load(q_h + rows[:, None] * stride_qt + offs_k[None, :], mask=m_ck, other=0.0).to(tl.float32)
     k = tl.load(k_h + rows[:, None] * stride_kt + offs_k[None, :], mask=m_ck, other=0.0).to(tl.float32)
     g = tl.load(g_h + rows[:, None].to(tl.int64) * stride_gt + offs_k[None, :], mask=m_ck, other=0.0)
-    gc = tl.cumsum(g, axis=0)
+    if (PROBE & 16) == 0:
+        gc = tl.cumsum(g, axis=0)
+    else:
+        gc = g
     g_last = tl.sum(g, axis=0)  # Gc of the last row (padding rows add 0)
     k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6))[:, None]
     qg = q * (scale / tl.sqrt(tl.sum(q * q, axis=1) + 1e-6))[:, None] * tl.exp(gc)
@@ -155,40 +162,41 @@ def _kda_chunk_intra_kernel(
 
     # 2. L and Aqk, one block of BC rows at a time: [BC, K] x [K, C] with the decay split at row r0
     loc = tl.arange(0, BC)
-    for r in tl.static_range(C // BC):
-        r0 = r * BC
-        ri = r0 + loc
-        m_r = ri < n_valid
-        m_rk = m_r[:, None] & mask_k[None, :]
-        qr = tl.load(q_h + ri[:, None] * stride_qt + offs_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
-        kr = tl.load(k_h + ri[:, None] * stride_kt + offs_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
-        rq = scale / tl.sqrt(tl.sum(qr * qr, axis=1) + 1e-6)
-        rk = 1.0 / tl.sqrt(tl.sum(kr * kr, axis=1) + 1e-6)
-        br = tl.load(b_h + ri.to(tl.int64) * stride_bt, mask=m_r, other=0.0)
-        gr = tl.load(gc_buf + ri[:, None] * BK + offs_k[None, :])
-        gref = tl.load(gc_buf + r0 * BK + offs_k)
-        span = tl.max(gref - tl.load(gc_buf + (r0 + BC - 1) * BK + offs_k), axis=0)
-        lim = tl.where(span <= SAFE_SPAN, r0 + BC, r0)  # columns j < lim go through the dot
-        er = tl.exp(gr - gref[None, :])  # <= 1
-        kc_t = tl.trans(k * tl.exp(tl.where(rows[:, None] < lim, gref[None, :] - gc, float("-inf"))))
-        a_qk = _dot(qr * (rq[:, None] * er), kc_t, DOT16, PREC)  # [BC, C]
-        a_kk = _dot(kr * (rk[:, None] * er), kc_t, DOT16, PREC)
-        a_qk = tl.where(rows[None, :] <= ri[:, None], a_qk, 0.0)
-        a_kk = tl.where(rows[None, :] < ri[:, None], a_kk * br[:, None], 0.0)
-        # a steep gate leaves the diagonal block to the exact path below: don't overwrite it
-        keep = (rows[None, :] < lim) | (rows[None, :] >= r0 + BC)
-        off_rc = ri[:, None] * C + rows[None, :]
-        tl.store(akk_buf + off_rc, a_kk, mask=keep)
-        tl.store(aqk_buf + off_rc, a_qk.to(aqk_ptr.dtype.element_ty), mask=keep)
-        if span > SAFE_SPAN:
-            # exact diagonal block, from the chunk's Gc (every row of it, padding included: loc < BC)
-            d_kk, d_qk = _exact_diag_block(q_h, k_h, gc_buf, ri, stride_qt, stride_kt, BK, m_r, loc < BC,
-                                           K, BK, BKS, BC, False)
-            d_kk = tl.where(loc[:, None] > loc[None, :], d_kk * (br * rk)[:, None] * rk[None, :], 0.0)
-            d_qk = d_qk * rq[:, None] * rk[None, :]
-            off_d = ri[:, None] * C + ri[None, :]
-            tl.store(akk_buf + off_d, d_kk)
-            tl.store(aqk_buf + off_d, d_qk.to(aqk_ptr.dtype.element_ty))
+    if (PROBE & 1) == 0:
+        for r in tl.static_range(C // BC):
+            r0 = r * BC
+            ri = r0 + loc
+            m_r = ri < n_valid
+            m_rk = m_r[:, None] & mask_k[None, :]
+            qr = tl.load(q_h + ri[:, None] * stride_qt + offs_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
+            kr = tl.load(k_h + ri[:, None] * stride_kt + offs_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
+            rq = scale / tl.sqrt(tl.sum(qr * qr, axis=1) + 1e-6)
+            rk = 1.0 / tl.sqrt(tl.sum(kr * kr, axis=1) + 1e-6)
+            br = tl.load(b_h + ri.to(tl.int64) * stride_bt, mask=m_r, other=0.0)
+            gr = tl.load(gc_buf + ri[:, None] * BK + offs_k[None, :])
+            gref = tl.load(gc_buf + r0 * BK + offs_k)
+            span = tl.max(gref - tl.load(gc_buf + (r0 + BC - 1) * BK + offs_k), axis=0)
+            lim = tl.where(span <= SAFE_SPAN, r0 + BC, r0)  # columns j < lim go through the dot
+            er = tl.exp(gr - gref[None, :])  # <= 1
+            kc_t = tl.trans(k * tl.exp(tl.where(rows[:, None] < lim, gref[None, :] - gc, float("-inf"))))
+            a_qk = _dot(qr * (rq[:, None] * er), kc_t, DOT16, PREC)  # [BC, C]
+            a_kk = _dot(kr * (rk[:, None] * er), kc_t, DOT16, PREC)
+            a_qk = tl.where(rows[None, :] <= ri[:, None], a_qk, 0.0)
+            a_kk = tl.where(rows[None, :] < ri[:, None], a_kk * br[:, None], 0.0)
+            # a steep gate leaves the diagonal block to the exact path below: don't overwrite it
+            keep = (rows[None, :] < lim) | (rows[None, :] >= r0 + BC)
+            off_rc = ri[:, None] * C + rows[None, :]
+            tl.store(akk_buf + off_rc, a_kk, mask=keep)
+            tl.store(aqk_buf + off_rc, a_qk.to(aqk_ptr.dtype.element_ty), mask=keep)
+            if span > SAFE_SPAN:
+                # exact diagonal block, from the chunk's Gc (every row of it, padding included: loc < BC)
+                d_kk, d_qk = _exact_diag_block(q_h, k_h, gc_buf, ri, stride_qt, stride_kt, BK, m_r, loc < BC,
+                                               K, BK, BKS, BC, False)
+                d_kk = tl.where(loc[:, None] > loc[None, :], d_kk * (br * rk)[:, None] * rk[None, :], 0.0)
+                d_qk = d_qk * rq[:, None] * rk[None, :]
+                off_d = ri[:, None] * C + ri[None, :]
+                tl.store(akk_buf + off_d, d_kk)
+                tl.store(aqk_buf + off_d, d_qk.to(aqk_ptr.dtype.element_ty))
     tl.debug_barrier()
 
     # 3. (I + L)^-1, stably: the NB unit-lower 16x16 diagonal blocks by forward substitution
@@ -201,33 +209,36 @@ def _kda_chunk_intra_kernel(
     blk_id = tl.arange(0, NB)
     off_d = (blk_id * (BC * (C + 1)))[:, None] + loc[None, :]  # [NB, BC]: row 0 of each diagonal block
     x_d = tl.where(loc[None, :, None] == loc[None, None, :], 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
-    for i in range(1, BC):
-        l_i = tl.load(akk_buf + i * C + off_d)  # [NB, BC]: row i of each block
-        new = tl.where(loc[None, :] == i, 1.0, 0.0) - tl.sum(l_i[:, :, None] * x_d, axis=1)  # [NB, BC]
-        x_d = tl.where(loc[None, :, None] == i, new[:, None, :], x_d)
+    if (PROBE & 2) == 0:
+        for i in range(1, BC):
+            l_i = tl.load(akk_buf + i * C + off_d)  # [NB, BC]: row i of each block
+            new = tl.where(loc[None, :] == i, 1.0, 0.0) - tl.sum(l_i[:, :, None] * x_d, axis=1)  # [NB, BC]
+            x_d = tl.where(loc[None, :, None] == i, new[:, None, :], x_d)
     tl.debug_barrier()
     tl.store(akk_buf + off_d[:, None, :] + (loc * C)[None, :, None], x_d)  # L's diagonal blocks are done
     tl.debug_barrier()
     m = tl.load(akk_buf + rows[:, None] * C + rows[None, :])
     same = (rows // BC)[:, None] == (rows // BC)[None, :]
     d_inv = tl.where(same, m, 0.0)
-    p = tl.dot(d_inv, tl.where(same, 0.0, m), input_precision=PREC_INV)
     x = d_inv
-    for _ in tl.static_range(NB - 1):
-        x = d_inv - tl.dot(p, x, input_precision=PREC_INV)
+    if (PROBE & 4) == 0:
+        p = tl.dot(d_inv, tl.where(same, 0.0, m), input_precision=PREC_INV)
+        for _ in tl.static_range(NB - 1):
+            x = d_inv - tl.dot(p, x, input_precision=PREC_INV)
 
     # 4. Tm = (I + L)^-1 diag(beta); W = Tm (exp(Gc) k); U = Tm v (k and Gc reloaded: fewer live registers
     #    through step 3)
-    tm = x * tl.load(b_h + rows.to(tl.int64) * stride_bt, mask=m_row, other=0.0)[None, :]
-    k = tl.load(k_h + rows[:, None] * stride_kt + offs_k[None, :], mask=m_ck, other=0.0).to(tl.float32)
-    k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6))[:, None]
-    w = _dot(tm, k * tl.exp(tl.load(gc_buf + tile_k)), DOT16, PREC)
-    tl.store(w_ptr + scr * (C * BK) + tile_k, w.to(w_ptr.dtype.element_ty))
-    offs_v = tl.arange(0, BV)
-    v = tl.load(v_ptr + t0 * stride_vt + i_h * stride_vh + rows[:, None] * stride_vt + offs_v[None, :],
-                mask=m_row[:, None] & (offs_v < V)[None, :], other=0.0)
-    u = _dot(tm, v, DOT16, PREC)
-    tl.store(u_ptr + scr * (C * BV) + rows[:, None] * BV + offs_v[None, :], u.to(u_ptr.dtype.element_ty))
+    if (PROBE & 8) == 0:
+        tm = x * tl.load(b_h + rows.to(tl.int64) * stride_bt, mask=m_row, other=0.0)[None, :]
+        k = tl.load(k_h + rows[:, None] * stride_kt + offs_k[None, :], mask=m_ck, other=0.0).to(tl.float32)
+        k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6))[:, None]
+        w = _dot(tm, k * tl.exp(tl.load(gc_buf + tile_k)), DOT16, PREC)
+        tl.store(w_ptr + scr * (C * BK) + tile_k, w.to(w_ptr.dtype.element_ty))
+        offs_v = tl.arange(0, BV)
+        v = tl.load(v_ptr + t0 * stride_vt + i_h * stride_vh + rows[:, None] * stride_vt + offs_v[None, :],
+                    mask=m_row[:, None] & (offs_v < V)[None, :], other=0.0)
+        u = _dot(tm, v, DOT16, PREC)
+        tl.store(u_ptr + scr * (C * BV) + rows[:, None] * BV + offs_v[None, :], u.to(u_ptr.dtype.element_ty))
 
 
 # not specialized per step (kernels/common.py, Compiles): the chunk tables and slots are views of the packed step
@@ -345,12 +356,13 @@ def kda_chunk_fwd(
     num_stages_split: int = 1,
     block_v: int = 32,
     block_v_out: int = 64,
-    num_warps_intra: int = 4,
+    num_warps_intra: int = 8,
     num_warps_state: int = 4,
     num_stages_state: int = 2,
     num_warps_out: int = 4,
     tables: ChunkTables | None = None,
     scratch: dict | None = None,
+    probe: int = 0,
 ) -> Tensor:
     """Chunked KDA prefill over a packed varlen batch; states are read and written in place.
 
@@ -388,7 +400,9 @@ def kda_chunk_fwd(
         block_k_split, num_warps_split, num_stages_split: the split path's K slice of its first kernel, both
             kernels' warps, and the first kernel's software-pipelining stages (1: no cp.async prefetch of the
             next slice, 128 registers at the Kimi head; 2 or 3 prefetch, 168).
-        block_v, block_v_out, num_warps_*, num_stages_state: launch tuning.
+        block_v, block_v_out, num_warps_*, num_stages_state: launch tuning. num_warps_intra 8 (the fused
+            intra kernel): 16% faster than 4 at 16K-64K tokens on the H200 (session 24; its [64, 128] fp32
+            tiles spill at 4 warps, and 16 were slower again).
         tables: the chunk tables already on the device (`chunk_tables.ChunkTables`, built and validated once
             per step by the GPU runner's step packer and shared by every layer): then cu_seqlens_cpu,
             has_initial_state and the snapshot arguments are not read (the tables hold them), and no
@@ -396,6 +410,8 @@ def kda_chunk_fwd(
         scratch: a dict the caller keeps across calls of one shape (the GPU runner: one per step, shared by its
             KDA layers, which run one after another on one stream): the per-chunk intermediates are allocated
             into it once and reused. None: allocated per call.
+        probe: timing probes only (the output is wrong when nonzero): bits that make the fused intra kernel
+            skip one stage each (its PROBE), so a benchmark can see where its time goes.
 
     Returns:
         o: [T_total, H, V] in v.dtype.
@@ -474,6 +490,7 @@ def kda_chunk_fwd(
         dot16=dot16, prec=prec, prec_inv=prec_inv, scratch_dtype=scratch_dtype, split_output=split_output,
         intra=intra, bk_split=block_k_split, nw_split=num_warps_split, ns_split=num_stages_split,
         nw_intra=num_warps_intra, nw_state=num_warps_state, ns_state=num_stages_state, nw_out=num_warps_out,
+        probe=probe,
     )
     _launch_chunk(q, k, v, g, beta, out, cu_dev, tables.chunk_seq, tables.chunk_idx, tables.chunk_off, slots,
                   tables.init, tables.snap, state, NC, N, cfg, scratch)
@@ -529,6 +546,7 @@ class _Launch:
     nw_state: int
     ns_state: int
     nw_out: int
+    probe: int = 0  # the fused intra kernel's PROBE (timing only)
 
 
 def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init, t_snap, state, NC, N,
@@ -578,7 +596,7 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
             qg, kd, w, u, aqk, gl, gc, akk,
             cfg.scale,
             H=H, K=K, V=V, BK=BK, BKS=min(BK, 16), BV=BVF, C=C, BC=SUB,
-            DOT16=cfg.dot16, PREC=cfg.prec, PREC_INV=cfg.prec_inv, SAFE_SPAN=SAFE_SPAN,
+            DOT16=cfg.dot16, PREC=cfg.prec, PREC_INV=cfg.prec_inv, SAFE_SPAN=SAFE_SPAN, PROBE=cfg.probe,
             num_warps=cfg.nw_intra,
         )
     split = cfg.split_output

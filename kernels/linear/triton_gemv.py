@@ -23,7 +23,10 @@ from torch import Tensor
 
 from k3rt.kernels.common import INTERPRET, check, check_same_device, poison_like
 
-MAX_ROWS = 4
+MAX_ROWS = 16
+# the [BLOCK_M, BLOCK_N, BLOCK_K] fp32 partial products a program keeps in registers: BLOCK_K shrinks to keep
+# them at most this many (64 per thread at 4 warps) when more rows or columns would spill
+MAX_PARTIALS = 8192
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,8 @@ def pick_tiles(n: int, k: int) -> GemvTiles:
 def prefer_skinny(m: int, n: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
     """Where the kernel beat torch's matmul on the H200 (benchmarks/kernels_linear.py), for 16-bit
     activations: one row and outputs up to 4096 wide, and the fp32-weight router at any M <= MAX_ROWS
-    (torch needs a cast kernel there). For wide outputs at M=1 and for M > 1, cuBLAS's tiles are as
+    (torch needs a cast kernel there, and at M = 16 cuBLAS ran a SIMT sgemm of 4 thread blocks: 11.5 us for
+    a 2.4 MB weight, session 24's 48B batch-16 profile). For wide outputs at M=1 and for M > 1, cuBLAS's tiles are as
     fast or faster. fp32 activations (the test checkpoints) stay on torch: nothing was measured there,
     and their reference numerics are cuBLAS's."""
     if not 1 <= m <= MAX_ROWS or x_dtype not in (torch.bfloat16, torch.float16):
@@ -110,7 +114,8 @@ def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None,
         w: [N, K] bf16/fp16/fp32, last dim contiguous (a row slice of a larger weight is fine).
         out_dtype: output dtype (default x.dtype); out: optional [M, N] buffer of that dtype, last
             dim contiguous.
-        tiles: tile override (benchmarks); default `pick_tiles(N, K)`.
+        tiles: tile override (benchmarks); default `pick_tiles(N, K)`. Its block_k is capped so that a
+            program's partial products stay within MAX_PARTIALS (more rows: shorter K steps).
 
     Returns:
         [M, N]: fp32 sums of fp32 products, rounded once to the output dtype.
@@ -134,10 +139,11 @@ def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None,
             raise ValueError(f"out must have a contiguous last dim, got strides {out.stride()}")
     check_same_device(x=x, w=w, out=out)
     cfg = tiles or pick_tiles(N, K)
-    bk = min(cfg.block_k, max(16, triton.next_power_of_2(K)))
+    bm = max(1, triton.next_power_of_2(M))
+    bk = min(cfg.block_k, max(16, triton.next_power_of_2(K)), max(16, MAX_PARTIALS // (bm * cfg.block_n)))
     _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
         x, x.stride(0), w, w.stride(0), out, out.stride(0), M, N, K,
-        BLOCK_M=max(1, triton.next_power_of_2(M)), BLOCK_N=cfg.block_n, BLOCK_K=bk, EVEN_K=K % bk == 0,
+        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=bk, EVEN_K=K % bk == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -66,6 +66,9 @@ DECODE_CANDIDATES = (
     ExpertTiles(16, 32, 128, 32, 128, 4, 4, 4),
     ExpertTiles(16, 16, 256, 16, 256, 2, 2, 4),
 )
+# Alternatives timed against the defaults. Session 24 (H200, 48B shape, T = 8192, `kernels_moe.py --prefill-t 8192`)
+# also timed BLOCK_M 64 with 4 stages, 4 stages at 128, down tiles 256 wide, K steps of 128 and gate/up tiles 32
+# wide: each 7-53% slower than PREFILL_TILES_128 (itself at 51% of the matmul rate there)
 PREFILL_CANDIDATES = (PREFILL_TILES_64, PREFILL_TILES_128, ExpertTiles(128, 128, 64, 128, 64, 8, 8, 3))
 # Interpreter: small tiles keep the CPU runs short.
 INTERPRET_TILES = ExpertTiles(16, 16, 16, 16, 16, 4, 4, 1)
@@ -90,14 +93,18 @@ def _tanh(y):
 
 @triton.jit
 def _block_rows(pid_m, sorted_ptr, block_expert_ptr, P, T, NB_ROUTED, NB_SHARED, E_ROUTED,
-                TOPK: tl.constexpr, BLOCK_M: tl.constexpr):
+                TOPK: tl.constexpr, BLOCK_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
     """Block pid_m's expert (-1: an unused routed block), its rows' pair ids (the down GEMM's output
     rows), token ids and validity: the aligned routed blocks first, then NB_SHARED blocks per shared
-    expert covering every token in order (pair P + s*T + t)."""
+    expert covering every token in order (pair P + s*T + t). PAIR_BLOCKS (one token): routed block b is pair b
+    alone, block_expert the routing ids themselves, sorted_ptr unread (`align_blocks`)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if pid_m < NB_ROUTED:
         e = tl.load(block_expert_ptr + pid_m)
-        pair = tl.load(sorted_ptr + offs_m, mask=e >= 0, other=P)
+        if PAIR_BLOCKS:
+            pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, P)
+        else:
+            pair = tl.load(sorted_ptr + offs_m, mask=e >= 0, other=P)
         row_ok = pair < P
         tok = pair // TOPK
     else:
@@ -127,6 +134,7 @@ def _moe_gate_up_kernel(
     LIN_SAT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(I, BLOCK_N)
@@ -136,7 +144,7 @@ def _moe_gate_up_kernel(
         gdc_wait()
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     e, _, tok, row_ok = _block_rows(pid_m, sorted_ptr, block_expert_ptr, P, T, NB_ROUTED, NB_SHARED, E_ROUTED,
-                                    TOPK, BLOCK_M)
+                                    TOPK, BLOCK_M, PAIR_BLOCKS)
     if e >= 0:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < I
@@ -191,6 +199,7 @@ def _moe_down_kernel(
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(D, BLOCK_N)
@@ -200,7 +209,7 @@ def _moe_down_kernel(
         gdc_wait()
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     e, pair, _, row_ok = _block_rows(pid_m, sorted_ptr, block_expert_ptr, P, T, NB_ROUTED, NB_SHARED, E_ROUTED,
-                                     TOPK, BLOCK_M)
+                                     TOPK, BLOCK_M, PAIR_BLOCKS)
     if e >= 0:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < D
@@ -297,20 +306,31 @@ class ExpertBlocks:
     args: tuple[int, int, int, int]  # T, NB_ROUTED, NB_SHARED, E_ROUTED (the kernels' _block_rows arguments)
     h: Tensor  # [num_blocks * block_m, I] gate/up output
     y: Tensor  # [P + S*T, D] per-pair (and shared) outputs
+    pair_blocks: bool = False  # routed block b is pair b alone (the kernels' PAIR_BLOCKS)
 
 
 def align_blocks(x: Tensor, topk_ids: Tensor, num_experts: int, inter: int, shared_experts: int, block_m: int,
                  use_pdl: bool) -> ExpertBlocks:
+    """The grouped GEMMs' blocks: the alignment (`moe_align_fwd`), or for one token its k pairs as k blocks of one
+    row in slot order (pair_blocks): one token's slots name k distinct experts, or under expert parallelism a
+    repeated local expert at weight 0, which a block of its own computes the same. No alignment launch then
+    (batch-1 decode: one launch fewer per MoE layer, ~3 us each on the H200); the per-pair outputs are the same."""
     T, D = x.shape
     P, S = topk_ids.numel(), shared_experts
     E_routed = num_experts - S
-    sorted_ids, block_expert = moe_align_fwd(topk_ids, E_routed, block_m, use_pdl=use_pdl)
+    pair_blocks = T == 1
+    if pair_blocks:
+        block_expert = topk_ids.view(-1)
+        sorted_ids = block_expert  # not read (PAIR_BLOCKS)
+    else:
+        sorted_ids, block_expert = moe_align_fwd(topk_ids, E_routed, block_m, use_pdl=use_pdl)
     nb_routed = block_expert.numel()
     nb_shared = triton.cdiv(T, block_m)
     num_blocks = nb_routed + S * nb_shared
     h = poison_like(torch.empty(num_blocks * block_m, inter, dtype=x.dtype, device=x.device))
     y = poison_like(torch.empty(P + S * T, D, dtype=x.dtype, device=x.device))
-    return ExpertBlocks(sorted_ids, block_expert, num_blocks, (T, nb_routed, max(1, nb_shared), E_routed), h, y)
+    return ExpertBlocks(sorted_ids, block_expert, num_blocks, (T, nb_routed, max(1, nb_shared), E_routed), h, y,
+                        pair_blocks)
 
 
 def sum_slots(y: Tensor, out: Tensor, k: int, shared_experts: int, use_pdl: bool) -> Tensor:
@@ -387,43 +407,14 @@ def fused_experts(
         float(act.situ_beta or 1.0), float(act.situ_linear_beta or 1.0), *b.args,
         TOPK=k, BLOCK_M=cfg.block_m, BLOCK_N=bn1, BLOCK_K=bk1, EVEN_K=D % bk1 == 0,
         SITU=situ, LIN_SAT=situ and act.situ_linear_beta is not None, DOT_PRECISION=precision,
-        USE_PDL=pdl, num_warps=cfg.num_warps1, num_stages=cfg.num_stages, **pdl_kwargs(use_pdl),
+        USE_PDL=pdl, PAIR_BLOCKS=b.pair_blocks, num_warps=cfg.num_warps1, num_stages=cfg.num_stages,
+        **pdl_kwargs(use_pdl),
     )
     bn2, bk2 = min(cfg.block_n2, triton.next_power_of_2(D)), min(cfg.block_k2, max(16, triton.next_power_of_2(I)))
     _moe_down_kernel[(b.num_blocks * triton.cdiv(D, bn2),)](
         b.h, w2, b.y, topk_weights, b.sorted_ids, b.block_expert, P, D, I, *b.args,
         TOPK=k, BLOCK_M=cfg.block_m, BLOCK_N=bn2, BLOCK_K=bk2, EVEN_K=I % bk2 == 0, DOT_PRECISION=precision,
-        USE_PDL=pdl, num_warps=cfg.num_warps2, num_stages=cfg.num_stages, **pdl_kwargs(use_pdl),
+        USE_PDL=pdl, PAIR_BLOCKS=b.pair_blocks, num_warps=cfg.num_warps2, num_stages=cfg.num_stages,
+        **pdl_kwargs(use_pdl),
     )
     return sum_slots(b.y, out, k, S, use_pdl)
-    S, E_routed = shared_experts, E - shared_experts
-    cfg = tiles or pick_tiles(P + S * T, E)
-    sorted_ids, block_expert = moe_align_fwd(topk_ids, E_routed, cfg.block_m, use_pdl=use_pdl)
-    nb_routed = block_expert.numel()
-    nb_shared = triton.cdiv(T, cfg.block_m)
-    num_blocks = nb_routed + S * nb_shared
-    h = poison_like(torch.empty(num_blocks * cfg.block_m, I, dtype=x.dtype, device=x.device))
-    y = poison_like(torch.empty(P + S * T, D, dtype=x.dtype, device=x.device))
-    blocks = (T, nb_routed, max(1, nb_shared), E_routed)
-    pdl = use_pdl and not INTERPRET
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    situ = act.name == "situ"
-    bn1, bk1 = min(cfg.block_n1, triton.next_power_of_2(I)), min(cfg.block_k1, max(16, triton.next_power_of_2(D)))
-    _moe_gate_up_kernel[(num_blocks * triton.cdiv(I, bn1),)](
-        x, x.stride(0), w13, h, sorted_ids, block_expert, P, D, I,
-        float(act.situ_beta or 1.0), float(act.situ_linear_beta or 1.0), *blocks,
-        TOPK=k, BLOCK_M=cfg.block_m, BLOCK_N=bn1, BLOCK_K=bk1, EVEN_K=D % bk1 == 0,
-        SITU=situ, LIN_SAT=situ and act.situ_linear_beta is not None, DOT_PRECISION=precision,
-        USE_PDL=pdl, num_warps=cfg.num_warps1, num_stages=cfg.num_stages, **pdl_kwargs(use_pdl),
-    )
-    bn2, bk2 = min(cfg.block_n2, triton.next_power_of_2(D)), min(cfg.block_k2, max(16, triton.next_power_of_2(I)))
-    _moe_down_kernel[(num_blocks * triton.cdiv(D, bn2),)](
-        h, w2, y, topk_weights, sorted_ids, block_expert, P, D, I, *blocks,
-        TOPK=k, BLOCK_M=cfg.block_m, BLOCK_N=bn2, BLOCK_K=bk2, EVEN_K=I % bk2 == 0, DOT_PRECISION=precision,
-        USE_PDL=pdl, num_warps=cfg.num_warps2, num_stages=cfg.num_stages, **pdl_kwargs(use_pdl),
-    )
-    block_d = min(1024, triton.next_power_of_2(D))
-    _moe_sum_kernel[(T, triton.cdiv(D, block_d))](
-        y, out, out.stride(0), D, T, P, TOPK=k, SHARED=S, BLOCK_D=block_d, USE_PDL=pdl, num_warps=4, **pdl_kwargs(use_pdl),
-    )
-    return out

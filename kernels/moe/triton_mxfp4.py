@@ -143,6 +143,7 @@ def _moe_gate_up_mxfp4_kernel(
     A_FORMAT: tl.constexpr,
     PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(I, BLOCK_N)
@@ -152,7 +153,7 @@ def _moe_gate_up_mxfp4_kernel(
         gdc_wait()
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     e, _, tok, row_ok = _block_rows(pid_m, sorted_ptr, block_expert_ptr, P, T, NB_ROUTED, NB_SHARED, E_ROUTED,
-                                    TOPK, BLOCK_M)
+                                    TOPK, BLOCK_M, PAIR_BLOCKS)
     if e >= 0:
         HALF: tl.constexpr = BLOCK_K // 2
         D2 = D // 2
@@ -229,6 +230,7 @@ def _moe_down_mxfp4_kernel(
     A_FORMAT: tl.constexpr,
     PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(D, BLOCK_N)
@@ -238,7 +240,7 @@ def _moe_down_mxfp4_kernel(
         gdc_wait()
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     e, pair, _, row_ok = _block_rows(pid_m, sorted_ptr, block_expert_ptr, P, T, NB_ROUTED, NB_SHARED, E_ROUTED,
-                                     TOPK, BLOCK_M)
+                                     TOPK, BLOCK_M, PAIR_BLOCKS)
     if e >= 0:
         HALF: tl.constexpr = BLOCK_K // 2
         I2 = I // 2
@@ -360,14 +362,16 @@ def fused_experts_mxfp4(
         float(act.situ_beta or 1.0), float(act.situ_linear_beta or 1.0), *b.args,
         TOPK=k, BLOCK_M=cfg.block_m, BLOCK_N=bn1, BLOCK_K=bk1,
         SITU=situ, LIN_SAT=situ and act.situ_linear_beta is not None, DOT_PRECISION=precision,
-        NATIVE=native, A_FORMAT=a_format, PREFETCH=cfg.prefetch, USE_PDL=pdl, num_warps=cfg.num_warps1,
+        NATIVE=native, A_FORMAT=a_format, PREFETCH=cfg.prefetch, USE_PDL=pdl, PAIR_BLOCKS=b.pair_blocks,
+        num_warps=cfg.num_warps1,
         num_stages=cfg.num_stages, **pdl_kwargs(use_pdl),
     )
     bn2, bk2 = min(cfg.block_n2, triton.next_power_of_2(D)), _block_k(cfg.block_k2, I)
     _moe_down_mxfp4_kernel[(b.num_blocks * triton.cdiv(D, bn2),)](
         b.h, w2_packed, w2_scale, b.y, topk_weights, b.sorted_ids, b.block_expert, P, D, I, *b.args,
         TOPK=k, BLOCK_M=cfg.block_m, BLOCK_N=bn2, BLOCK_K=bk2, DOT_PRECISION=precision,
-        NATIVE=native, A_FORMAT=a_format, PREFETCH=cfg.prefetch, USE_PDL=pdl, num_warps=cfg.num_warps2,
+        NATIVE=native, A_FORMAT=a_format, PREFETCH=cfg.prefetch, USE_PDL=pdl, PAIR_BLOCKS=b.pair_blocks,
+        num_warps=cfg.num_warps2,
         num_stages=cfg.num_stages, **pdl_kwargs(use_pdl),
     )
     return sum_slots(b.y, out, k, S, use_pdl)

@@ -253,7 +253,7 @@ def _chunk(acc, w_ptrs, s_ptrs, a_ptrs, w_mask, a_mask, FMA: tl.constexpr, WSCAL
 
 @triton.jit
 def _sub_rows(pid_m, first, n_valid, sorted_ptr, P, T, NB_ROUTED, NB_SHARED,
-              TOPK: tl.constexpr, BLOCK_M: tl.constexpr, SUB_M: tl.constexpr):
+              TOPK: tl.constexpr, BLOCK_M: tl.constexpr, SUB_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
     """Rows first .. first + SUB_M of block pid_m: (slot offsets, pair ids, token ids, validity). The valid
     rows of a block are a prefix (the alignment pads each expert's run at its end; shared blocks cover the
     tokens in order), n_valid long; `triton_experts._block_rows` has the layout."""
@@ -261,7 +261,10 @@ def _sub_rows(pid_m, first, n_valid, sorted_ptr, P, T, NB_ROUTED, NB_SHARED,
     offs_m = pid_m * BLOCK_M + r
     ok = r < n_valid
     if pid_m < NB_ROUTED:
-        pair = tl.load(sorted_ptr + offs_m, mask=ok, other=P)
+        if PAIR_BLOCKS:  # routed block b is pair b alone (triton_experts.align_blocks)
+            pair = tl.where(ok, pid_m, P)
+        else:
+            pair = tl.load(sorted_ptr + offs_m, mask=ok, other=P)
         tok = pair // TOPK
     else:
         j = pid_m - NB_ROUTED
@@ -271,13 +274,17 @@ def _sub_rows(pid_m, first, n_valid, sorted_ptr, P, T, NB_ROUTED, NB_SHARED,
 
 
 @triton.jit
-def _n_valid(pid_m, block_expert_ptr, sorted_ptr, P, T, NB_ROUTED, NB_SHARED, E_ROUTED, BLOCK_M: tl.constexpr):
+def _n_valid(pid_m, block_expert_ptr, sorted_ptr, P, T, NB_ROUTED, NB_SHARED, E_ROUTED, BLOCK_M: tl.constexpr,
+             PAIR_BLOCKS: tl.constexpr):
     """Block pid_m's expert (-1: unused) and its number of valid rows."""
     r = tl.arange(0, BLOCK_M)
     if pid_m < NB_ROUTED:
         e = tl.load(block_expert_ptr + pid_m)
-        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + r, mask=e >= 0, other=P)
-        n = tl.sum((pair < P).to(tl.int32))
+        if PAIR_BLOCKS:
+            n = tl.full([], 1, tl.int32)
+        else:
+            pair = tl.load(sorted_ptr + pid_m * BLOCK_M + r, mask=e >= 0, other=P)
+            n = tl.sum((pair < P).to(tl.int32))
     else:
         j = pid_m - NB_ROUTED
         e = E_ROUTED + j // NB_SHARED
@@ -312,12 +319,14 @@ def _moe_gate_up_planar_kernel(
     SITU: tl.constexpr,
     LIN_SAT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(I, BLOCK_N)
     pid_m = pid // n_tiles
     pid_n = pid % n_tiles
-    e, n_valid = _n_valid(pid_m, block_expert_ptr, sorted_ptr, P, T, NB_ROUTED, NB_SHARED, E_ROUTED, BLOCK_M)
+    e, n_valid = _n_valid(pid_m, block_expert_ptr, sorted_ptr, P, T, NB_ROUTED, NB_SHARED, E_ROUTED, BLOCK_M,
+                          PAIR_BLOCKS)
     if e >= 0:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < I
@@ -329,7 +338,7 @@ def _moe_gate_up_planar_kernel(
         us_ptrs = gs_ptrs + I * stride_s
         for first in range(0, n_valid, SUB_M):
             offs_m, _, tok, ok = _sub_rows(pid_m, first, n_valid, sorted_ptr, P, T, NB_ROUTED, NB_SHARED,
-                                           TOPK, BLOCK_M, SUB_M)
+                                           TOPK, BLOCK_M, SUB_M, PAIR_BLOCKS)
             if FMA:  # one token: its activations as a row [1, 32], the accumulator [BN, 32]
                 xa_ptrs = x_ptr + tok[:, None] * stride_xt + offs_j[None, :]
                 a_mask = ok[:, None]
@@ -380,12 +389,14 @@ def _moe_down_planar_kernel(
     WSCALE: tl.constexpr,
     FUSED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(D, BLOCK_N)
     pid_m = pid // n_tiles
     pid_n = pid % n_tiles
-    e, n_valid = _n_valid(pid_m, block_expert_ptr, sorted_ptr, P, T, NB_ROUTED, NB_SHARED, E_ROUTED, BLOCK_M)
+    e, n_valid = _n_valid(pid_m, block_expert_ptr, sorted_ptr, P, T, NB_ROUTED, NB_SHARED, E_ROUTED, BLOCK_M,
+                          PAIR_BLOCKS)
     if e >= 0:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < D
@@ -395,7 +406,7 @@ def _moe_down_planar_kernel(
         s_ptrs = s_ptr + rows * stride_s
         for first in range(0, n_valid, SUB_M):
             offs_m, pair, _, ok = _sub_rows(pid_m, first, n_valid, sorted_ptr, P, T, NB_ROUTED, NB_SHARED,
-                                            TOPK, BLOCK_M, SUB_M)
+                                            TOPK, BLOCK_M, SUB_M, PAIR_BLOCKS)
             if FMA:
                 ha_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * I + offs_j[None, :]  # [1, 32]
                 a_mask = ok[:, None]
@@ -531,7 +542,7 @@ def fused_experts_mxfp4_planar(
         float(act.situ_beta or 1.0), float(act.situ_linear_beta or 1.0), *b.args,
         TOPK=k, BLOCK_M=cfg.block_m, SUB_M=cfg.sub_m, BLOCK_N=bn1, CHUNKS=_chunks_per_step(cfg.chunks, D),
         FMA=fma, WSCALE=variant == "mma_ws", FUSED=fused, SITU=situ, LIN_SAT=situ and act.situ_linear_beta is not None,
-        DOT_PRECISION=precision,
+        DOT_PRECISION=precision, PAIR_BLOCKS=b.pair_blocks,
         num_warps=cfg.num_warps1, num_stages=cfg.num_stages,
     )
     bn2 = min(cfg.block_n2, triton.next_power_of_2(D))
@@ -539,7 +550,8 @@ def fused_experts_mxfp4_planar(
         b.h, w.w2_words, I // 8, w.w2_scale, I // GROUP, b.y, topk_weights, b.sorted_ids, b.block_expert,
         P, D, I, *b.args,
         TOPK=k, BLOCK_M=cfg.block_m, SUB_M=cfg.sub_m, BLOCK_N=bn2, CHUNKS=_chunks_per_step(cfg.chunks, I),
-        FMA=fma, WSCALE=variant == "mma_ws", FUSED=fused, DOT_PRECISION=precision, num_warps=cfg.num_warps2,
+        FMA=fma, WSCALE=variant == "mma_ws", FUSED=fused, DOT_PRECISION=precision, PAIR_BLOCKS=b.pair_blocks,
+        num_warps=cfg.num_warps2,
         num_stages=cfg.num_stages,
     )
     return sum_slots(b.y, out, k, S, use_pdl)

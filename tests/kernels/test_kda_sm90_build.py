@@ -27,15 +27,16 @@ def sig(act, scratch):
                 cu_ptr="*i32", chunk_seq_ptr="*i32", chunk_idx_ptr="*i32",
                 qg_ptr=scratch, kd_ptr=scratch, w_ptr=scratch, u_ptr=scratch, aqk_ptr=scratch, gl_ptr="*fp32",
                 gc_ptr="*fp32", akk_ptr="*fp32", scale="fp32",
-                H=C, K=C, V=C, BK=C, BKS=C, BV=C, C=C, BC=C, DOT16=C, PREC=C, PREC_INV=C, SAFE_SPAN=C)
+                H=C, K=C, V=C, BK=C, BKS=C, BV=C, C=C, BC=C, DOT16=C, PREC=C, PREC_INV=C, SAFE_SPAN=C,
+                PROBE=C)
 
 def consts(dot16, prec):
     return dict(H=32, K=128, V=128, BK=128, BKS=16, BV=128, C=K.CHUNK, BC=K.SUB, DOT16=dot16, PREC=prec,
-                PREC_INV=prec, SAFE_SPAN=K.SAFE_SPAN)
+                PREC_INV=prec, SAFE_SPAN=K.SAFE_SPAN, PROBE=0)
 
 strides = ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_gt", "stride_gh")
 res = {
-    "bf16": sm90_build(K._kda_chunk_intra_kernel, sig("*bf16", "*bf16"), consts(True, "tf32"), 4, 1,
+    "bf16": sm90_build(K._kda_chunk_intra_kernel, sig("*bf16", "*bf16"), consts(True, "tf32"), 8, 1,
                        lambda k: k in strides),
     "fp32": sm90_build(K._kda_chunk_intra_kernel, sig("*fp32", "*fp32"), consts(False, "ieee"), 4, 1,
                        lambda k: k in strides),

@@ -407,9 +407,10 @@ def test_gpu_decode_kimi_shape(kind: str) -> None:
     "kw,tol",
     [({}, 2e-2), ({"split_output": True}, 2e-2), ({"scratch_dtype": torch.float32}, 2e-2),
      ({"precision": "tf32x3", "scratch_dtype": torch.float32}, 5e-3), ({"intra": "split"}, 2e-2),
-     ({"intra": "split", "precision": "tf32x3", "scratch_dtype": torch.float32}, 5e-3)],
+     ({"intra": "split", "precision": "tf32x3", "scratch_dtype": torch.float32}, 5e-3),
+     ({"num_warps_intra": 4}, 2e-2)],
     ids=["bf16_dots", "bf16_dots_split_output", "bf16_dots_fp32_scratch", "tf32x3_fp32_scratch", "split_intra",
-         "split_intra_tf32x3"],
+         "split_intra_tf32x3", "intra_w4"],
 )
 def test_gpu_chunk_kimi_shape(kw: dict, tol: float) -> None:
     lens = [2048, 1000, 64, 1]

@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("triton")
 
 from k3rt.kernels.linear import MAX_ROWS, prefer_skinny, skinny_linear, skinny_linear_ref  # noqa: E402
-from k3rt.kernels.linear.triton_gemv import CANDIDATES  # noqa: E402
+from k3rt.kernels.linear.triton_gemv import CANDIDATES, GemvTiles  # noqa: E402
 from tests.kernels.helpers import DEV, HAS_CUDA, rel_err, run_benchmark_smoke  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")
@@ -38,10 +38,20 @@ def test_fp16_activations_fp32_weight_fp32_output_strided_rows_and_out() -> None
     assert rel_err(y, skinny_linear_ref(x, w, torch.float32)) <= 1e-6
 
 
+def test_wide_tiles_at_many_rows_keep_their_partials_bounded() -> None:
+    """A tile whose [M, BLOCK_N, BLOCK_K] partial products would exceed MAX_PARTIALS runs with a shorter K step
+    (the same sums, another split of K)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(MAX_ROWS, 300, generator=g).to(DEV)
+    w = torch.randn(40, 300, generator=g).to(DEV)
+    y = skinny_linear(x, w, tiles=GemvTiles(16, 1024, 4, 1))
+    assert rel_err(y, skinny_linear_ref(x, w)) <= 1e-6
+
+
 def test_rejects_bad_inputs() -> None:
     x, w = torch.randn(2, 16, device=DEV), torch.randn(8, 16, device=DEV)
-    with pytest.raises(ValueError, match=r"rows M must be in \[1, 4\]"):
-        skinny_linear(torch.randn(5, 16, device=DEV), w)
+    with pytest.raises(ValueError, match=rf"rows M must be in \[1, {MAX_ROWS}\]"):
+        skinny_linear(torch.randn(MAX_ROWS + 1, 16, device=DEV), w)
     with pytest.raises(ValueError, match="w must have shape"):
         skinny_linear(x, torch.randn(8, 17, device=DEV))
     with pytest.raises(ValueError, match="x must be"):
@@ -56,6 +66,7 @@ def test_prefer_skinny_follows_the_measured_split() -> None:
     assert not prefer_skinny(1, 12576, bf16, bf16) and not prefer_skinny(1, 163840, bf16, bf16)  # wide: cuBLAS
     assert not prefer_skinny(2, 2304, bf16, bf16)  # several rows: cuBLAS
     assert prefer_skinny(4, 256, bf16, fp32) and not prefer_skinny(MAX_ROWS + 1, 256, bf16, fp32)  # the router
+    assert prefer_skinny(16, 256, bf16, fp32)  # batch 16's router (cuBLAS: a 4-block SIMT sgemm)
     assert not prefer_skinny(1, 256, fp32, fp32)  # fp32 activations: torch
 
 
@@ -67,7 +78,7 @@ def test_benchmark_smoke(tmp_path) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("tiles", CANDIDATES)
-@pytest.mark.parametrize("M", [1, 4])
+@pytest.mark.parametrize("M", [1, 4, 16])
 @pytest.mark.parametrize("N,K", [(12576, 2304), (2304, 4096), (256, 2304), (576, 2304)])
 def test_gpu_bf16_kimi_shapes(tiles, M: int, N: int, K: int) -> None:
     x = torch.randn(M, K, device="cuda").bfloat16()

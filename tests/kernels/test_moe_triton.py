@@ -174,6 +174,34 @@ def test_fused_experts_shared_experts_after_the_routed_ones(T: int, shared: int)
         fused_experts(**case, act=act, shared_experts=8 + shared)
 
 
+@pytest.mark.parametrize("shared", [0, 1])
+def test_one_token_runs_its_pairs_as_blocks_without_the_alignment(monkeypatch, shared: int) -> None:
+    """Batch-1 decode: the k pairs are k blocks of one row in slot order (no alignment launch), the same
+    outputs as the aligned layout's; also with a repeated expert at weight 0 (expert parallelism's local
+    routing gives a slot owned by another rank the token's first local expert)."""
+    import k3rt.kernels.moe.triton_experts as te
+
+    gen = torch.Generator().manual_seed(300 + shared)
+    case = experts_case(gen, 1, E=8 + shared, k=4, D=32, inter=16, dtype=torch.float32, experts=8)
+    act = ACTS["silu"]
+    ref = fused_experts_ref(**case, act=act, shared_experts=shared)
+    aligned = fused_experts(**dict(case, x=case["x"].repeat(2, 1), topk_weights=case["topk_weights"].repeat(2, 1),
+                                   topk_ids=case["topk_ids"].repeat(2, 1)), act=act, shared_experts=shared)
+
+    def no_align(*a, **kw):
+        raise AssertionError("one token must not run the alignment")
+
+    monkeypatch.setattr(te, "moe_align_fwd", no_align)
+    out = fused_experts(**case, act=act, shared_experts=shared)
+    assert rel_err(out, ref) <= 1e-5
+    assert torch.equal(out[0], aligned[0])  # the same per-pair products, summed in the same order
+    ids, w = case["topk_ids"].clone(), case["topk_weights"].clone()
+    ids[0, 2], w[0, 2] = ids[0, 0], 0.0  # a repeated expert at weight 0
+    dup = dict(case, topk_ids=ids, topk_weights=w)
+    assert rel_err(fused_experts(**dup, act=act, shared_experts=shared),
+                   fused_experts_ref(**dup, act=act, shared_experts=shared)) <= 1e-5
+
+
 def test_fused_experts_skewed_routing_odd_sizes_prefill_tiles() -> None:
     """All tokens on 3 of 8 experts (5 get none), D and I not multiples of the K tile, wider tiles."""
     gen = torch.Generator().manual_seed(7)
