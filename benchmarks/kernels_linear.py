@@ -24,6 +24,9 @@ from _timing import kernel_bench_args  # noqa: E402
 def _add_args(p) -> None:
     p.add_argument("--rows", type=int, nargs="*", default=[1, 4], help="decode rows M (<= MAX_ROWS, 16)")
     p.add_argument("--shapes", nargs="*", default=None, help="only these shapes (names as in the table)")
+    p.add_argument("--model", choices=["kimi-linear-48b", "k3-tiny"], default="kimi-linear-48b",
+                   help="whose projection shapes: the 48B's, or k3-tiny's (a verify step's 8 or 16 rows there: "
+                        "launch-bound GEMMs)")
 
 
 ARGS = kernel_bench_args(__doc__, "kernels_linear.json", 120.0, _add_args)
@@ -44,6 +47,11 @@ SHAPES = [("tiny", 24, 40, DT), ("tiny_router", 8, 40, torch.float32)] if ARGS.s
     ("kda_in", 12576, 2304, DT), ("attn_o", 2304, 4096, DT), ("mla_in", 6720, 2304, DT),
     ("kda_gate_b", 4096, 128, DT), ("kda_gate_f_b_blockdiag", 8192, 256, DT), ("router_fp32", 256, 2304, torch.float32), ("dense_gate_up", 18432, 2304, DT),
     ("dense_down", 2304, 9216, DT), ("lm_head", 163840, 2304, DT),
+] if ARGS.model == "kimi-linear-48b" else [  # k3-tiny, its fused projections as the GPU runner holds them
+    ("kda_in", 1104, 384, DT), ("kda_f_b", 256, 64, DT), ("attn_o", 384, 256, DT), ("mla_in", 544, 384, DT),
+    ("mla_q_b", 384, 128, DT), ("router_fp32", 8, 384, torch.float32), ("latent_down", 128, 384, DT),
+    ("shared_gate_up", 384, 384, DT), ("shared_down", 384, 192, DT), ("latent_up", 384, 128, DT),
+    ("dense_gate_up", 1024, 384, DT), ("dense_down", 384, 512, DT), ("lm_head", 8192, 384, DT),
 ]
 REPS = 2 if ARGS.smoke else 30
 REPORT = Report(default_out(ARGS.out, "kernels_linear.json"), ARGS.budget_s, {"mode": "smoke" if ARGS.smoke else "gpu"},

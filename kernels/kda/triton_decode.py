@@ -65,12 +65,23 @@ def _conv_window(x_row, cs_ptr, ch, mask, C: tl.constexpr, W: tl.constexpr, WP: 
 
 
 @triton.jit
-def _conv_silu(win, w_ptr, ch, mask, W: tl.constexpr, WP: tl.constexpr):
-    """SiLU(sum_r win[r] * w[ch, r]): the conv output of the window's last row, fp32."""
+def _conv_taps(w_ptr, ch, mask, W: tl.constexpr, WP: tl.constexpr):
+    """The depthwise conv's taps of channels `ch`: [WP, len(ch)] fp32 (rows past W zero)."""
     r = tl.arange(0, WP)
-    taps = tl.load(w_ptr + ch[None, :] * W + r[:, None], mask=(r < W)[:, None] & mask[None, :], other=0.0)
+    return tl.load(w_ptr + ch[None, :] * W + r[:, None], mask=(r < W)[:, None] & mask[None, :], other=0.0)
+
+
+@triton.jit
+def _silu_conv(win, taps):
+    """SiLU(sum_r win[r] * taps[r]): the conv output of the window's last row, fp32."""
     acc = tl.sum(win * taps, axis=0)
     return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _conv_silu(win, w_ptr, ch, mask, W: tl.constexpr, WP: tl.constexpr):
+    """SiLU(sum_r win[r] * w[ch, r]): the conv output of the window's last row, fp32."""
+    return _silu_conv(win, _conv_taps(w_ptr, ch, mask, W, WP))
 
 
 @triton.jit
@@ -82,12 +93,25 @@ def _conv_shift_store(win, cs_ptr, ch, mask, C: tl.constexpr, W: tl.constexpr, W
 
 
 @triton.jit
+def _gate_consts(dt_ptr, a_log_ptr, i_h, offs_k, mask_k, D: tl.constexpr):
+    """A head's gate constants: (dt_bias [BK], exp(A_log))."""
+    return tl.load(dt_ptr + i_h * D + offs_k, mask=mask_k, other=0.0), tl.exp(tl.load(a_log_ptr + i_h).to(tl.float32))
+
+
+@triton.jit
 def _gate_beta(f_row, dt_ptr, a_log_ptr, b_row, i_h, offs_k, mask_k, lower_bound, D: tl.constexpr,
                USE_LOWER_BOUND: tl.constexpr):
     """(exp(g) [BK], beta): the per-key-channel decay and the update strength (model-facts §1.1)."""
+    dt, a = _gate_consts(dt_ptr, a_log_ptr, i_h, offs_k, mask_k, D)
+    return _gate_beta_with(f_row, dt, a, b_row, i_h, offs_k, mask_k, lower_bound, D, USE_LOWER_BOUND)
+
+
+@triton.jit
+def _gate_beta_with(f_row, dt, a, b_row, i_h, offs_k, mask_k, lower_bound, D: tl.constexpr,
+                    USE_LOWER_BOUND: tl.constexpr):
+    """_gate_beta with the head's constants already loaded (_gate_consts: a loop over tokens loads them once)."""
     x = tl.load(f_row + i_h * D + offs_k, mask=mask_k, other=0.0)
-    x = x.to(tl.float32) + tl.load(dt_ptr + i_h * D + offs_k, mask=mask_k, other=0.0)
-    a = tl.exp(tl.load(a_log_ptr + i_h).to(tl.float32))
+    x = x.to(tl.float32) + dt
     if USE_LOWER_BOUND:
         g = lower_bound * tl.sigmoid(a * x)
     else:

@@ -29,7 +29,7 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from k3rt.kernels.common import INTERPRET, pdl_kwargs, poison_like
-from k3rt.kernels.kda.triton_decode import _conv_silu, _gate_beta, _norm_gate_row
+from k3rt.kernels.kda.triton_decode import _conv_taps, _gate_beta_with, _gate_consts, _norm_gate_row, _silu_conv
 from k3rt.kernels.kda.triton_verify import _verify_window, check_token_block
 
 
@@ -92,18 +92,23 @@ def _kda_multi_kernel(
         S = tl.load(s_ptrs, mask=mask2, other=0.0)  # [BK, BV] fp32, in registers across the tokens
         if USE_PDL:
             gdc_launch_dependents()
+        # the taps and gate constants once, not per token (the same values, so the same per-token math)
+        taps_q = _conv_taps(conv_w_ptr, q_ch, mask_k, W, WP)
+        taps_k = _conv_taps(conv_w_ptr, k_ch, mask_k, W, WP)
+        taps_v = _conv_taps(conv_w_ptr, v_ch, mask_v, W, WP)
+        dt, a = _gate_consts(dt_bias_ptr, a_log_ptr, i_h, offs_k, mask_k, D)
         for t in range(n):
             win_q = _verify_window(x_seq, stride_qkv_t, cs, t, q_ch, mask_k, C, W, WP)
             win_k = _verify_window(x_seq, stride_qkv_t, cs, t, k_ch, mask_k, C, W, WP)
             win_v = _verify_window(x_seq, stride_qkv_t, cs, t, v_ch, mask_v, C, W, WP)
-            q = _conv_silu(win_q, conv_w_ptr, q_ch, mask_k, W, WP)
-            k = _conv_silu(win_k, conv_w_ptr, k_ch, mask_k, W, WP)
-            v = _conv_silu(win_v, conv_w_ptr, v_ch, mask_v, W, WP)
+            q = _silu_conv(win_q, taps_q)
+            k = _silu_conv(win_k, taps_k)
+            v = _silu_conv(win_v, taps_v)
             q = q * (scale / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6))
             k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-            decay, beta = _gate_beta(f_ptr + i_n.to(tl.int64) * stride_f_n + t * stride_f_t, dt_bias_ptr,
-                                     a_log_ptr, b_ptr + i_n.to(tl.int64) * stride_b_n + t * stride_b_t,
-                                     i_h, offs_k, mask_k, lower_bound, D, USE_LOWER_BOUND)
+            decay, beta = _gate_beta_with(f_ptr + i_n.to(tl.int64) * stride_f_n + t * stride_f_t, dt, a,
+                                          b_ptr + i_n.to(tl.int64) * stride_b_n + t * stride_b_t,
+                                          i_h, offs_k, mask_k, lower_bound, D, USE_LOWER_BOUND)
             # the decode kernel's update, in its order
             S = S * decay[:, None]
             kv = tl.sum(S * k[:, None], axis=0)

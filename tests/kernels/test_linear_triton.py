@@ -70,6 +70,18 @@ def test_prefer_skinny_follows_the_measured_split() -> None:
     assert not prefer_skinny(1, 256, fp32, fp32)  # fp32 activations: torch
 
 
+def test_compiled_tiles_follow_the_measured_shapes(monkeypatch) -> None:
+    """The H200's choices (the interpreter always takes its own small tiles): short rows (K <= 512, k3-tiny) 4
+    columns x 512; the narrow 48B router one column x 1024 at 2 warps; wider outputs 2 columns."""
+    from k3rt.kernels.linear import triton_gemv as tg
+
+    monkeypatch.setattr(tg, "INTERPRET", False)
+    assert tg.pick_tiles(1104, 384) == tg.pick_tiles(384, 256) == tg.DEFAULT_TILES  # k3-tiny's projections
+    assert tg.pick_tiles(256, 2304) == GemvTiles(1, 1024, 2, 4) == tg.pick_tiles(8, 384)  # routers
+    assert tg.pick_tiles(2304, 4096) == GemvTiles(2, 1024, 4, 4)  # 48B attention output
+    assert tg.pick_tiles(4096, 128) == GemvTiles(2, 256, 4, 4)  # 48B KDA gate up-projection
+
+
 def test_benchmark_smoke(tmp_path) -> None:
     res = run_benchmark_smoke("kernels_linear.py", tmp_path / "k.json")
     assert len(res["gemv"]) == 4 and all("best_us" in r for r in res["gemv"]), res["gemv"]
