@@ -12,6 +12,7 @@ from torch import Tensor
 pytest.importorskip("triton")
 
 from k3rt.kernels.attn_res import attn_res_mix, attn_res_mix_ref  # noqa: E402
+from k3rt.backend.layers.norm import rms_norm  # noqa: E402
 from tests.kernels.helpers import DEV, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")  # NaN-filled outputs: conftest.py
@@ -32,6 +33,35 @@ def test_mix_matches_ref(J: int, N: int, D: int) -> None:
     buf, nw, pw = case(J * 7 + N, J + 2, N, D)
     got = attn_res_mix(buf, nw, pw, 1e-5, num_sources=J)
     assert rel_err(got, attn_res_mix_ref(buf, J, nw, pw, 1e-5)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("delta_add", [True, False])
+@pytest.mark.parametrize("J", [1, 3])
+def test_delta_and_out_norm_fused_equal_the_add_the_mix_and_the_norm(J: int, delta_add: bool,
+                                                                    dtype: torch.dtype) -> None:
+    """delta: the sub-layer output added into (or, delta_add=False, copied into) the prefix slot J-1 by the
+    kernel, which writes the slot, as the stream's own add did (rounded to the buffer's dtype); out_norm_weight:
+    the output through the norm kernel's RMSNorm. Equal to the three launches."""
+    from k3rt.kernels.norm import rms_norm as rms_norm_kernel
+
+    buf, nw, pw = case(40 + J, J + 1, 5, 48, dtype)
+    gen = torch.Generator().manual_seed(J)
+    delta = (torch.randn(5, 48, generator=gen) * 3).to(dtype).to(DEV)
+    onw = (1 + 0.1 * torch.randn(48, generator=gen)).to(DEV)
+    want = buf.clone()
+    want[J - 1] = want[J - 1] + delta if delta_add else delta
+    mixed = attn_res_mix(want, nw, pw, 1e-5, num_sources=J)
+    got = attn_res_mix(buf, nw, pw, 1e-5, num_sources=J, delta=delta, delta_add=delta_add, out_norm_weight=onw,
+                       out_norm_eps=1e-6)
+    assert torch.equal(buf, want)  # the slot written as the add (copy) wrote it, nothing else touched
+    # the norm's sum over the row may reduce in another order than the norm kernel's: fp32 rounding apart, so at
+    # most one step of the 16-bit rounding after it
+    sep = rms_norm_kernel(mixed, onw, 1e-6)
+    assert rel_err(got.float(), sep.float()) < (1e-6 if dtype == torch.float32 else 1e-3)
+    assert rel_err(got.float(), rms_norm(attn_res_mix_ref(want, J, nw, pw, 1e-5), onw.to(dtype), 1e-6).float()) < 3e-3
+    with pytest.raises(ValueError, match="delta must be"):
+        attn_res_mix(buf, nw, pw, 1e-5, num_sources=J, delta=delta[:4])
 
 
 def test_single_source_is_the_prefix() -> None:

@@ -111,15 +111,25 @@ class GpuForward:
         out = self.tp.gather_last_dim(local)
         return out.float() if self.tp.rank == 0 else out
 
-    def mix(self, stream: AttnResStream, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
+    def mix(self, stream: AttnResStream, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float,
+            then_norm: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention-residual mix of the stream's sources, then (then_norm: its weight) the next sub-layer's
+        RMSNorm. From a SlotStream, one launch: the sub-layer output the stream holds back (SlotStream.add), the
+        mix and the norm (where the stream, mix and norm were three launches: a k3 forward's 16 mixes took 48)."""
+        if isinstance(stream, SlotStream) and stream.blocks:  # the sources where they are: no stack per mix
+            delta, opens = stream.take_pending()
+            return self.mix_kernel(stream.buf, norm_w, proj_w.reshape(-1), eps, num_sources=stream.num_sources,
+                                   delta=delta, delta_add=not opens, out_norm_weight=then_norm, out_norm_eps=eps)
+        if isinstance(stream, SlotStream):
+            stream.flush()
         assert stream.prefix is not None
         if not stream.blocks:
-            return stream.prefix
-        if self.mix_kernel is not None:
-            if isinstance(stream, SlotStream):  # the sources where they are: no stack per mix
-                return self.mix_kernel(stream.buf, norm_w, proj_w.reshape(-1), eps, num_sources=stream.num_sources)
-            return self.mix_kernel(torch.stack([*stream.blocks, stream.prefix]), norm_w, proj_w.reshape(-1), eps)
-        return attn_res_mix(stream.blocks, stream.prefix, norm_w, proj_w, eps)
+            x = stream.prefix
+        elif self.mix_kernel is not None:
+            x = self.mix_kernel(torch.stack([*stream.blocks, stream.prefix]), norm_w, proj_w.reshape(-1), eps)
+        else:
+            x = attn_res_mix(stream.blocks, stream.prefix, norm_w, proj_w, eps)
+        return x if then_norm is None else self.norm(x, then_norm, eps)
 
     def attention(self, i: int, x: torch.Tensor, step: GpuStep, decode: bool) -> torch.Tensor:
         w = self.prepared[i]
@@ -177,42 +187,58 @@ class GpuForward:
         bs = self.cfg.attn_res_block_size
         stream = SlotStream(h, bs, len(self.layers)) if self.mix_kernel is not None else AttnResStream(h, bs)
         for i, layer in enumerate(self.layers):
-            x = self.mix(stream, layer.self_attention_res_norm.weight, layer.self_attention_res_proj.weight, eps)
+            x = self.mix(stream, layer.self_attention_res_norm.weight, layer.self_attention_res_proj.weight, eps,
+                         then_norm=layer.input_layernorm.weight)
             stream.begin_layer(i)
-            x = self.norm(x, layer.input_layernorm.weight, eps)
             self._tap(i, x)
             stream.add(self.attention(i, x, step, decode))
-            x = self.mix(stream, layer.mlp_res_norm.weight, layer.mlp_res_proj.weight, eps)
-            stream.add(self.ffn(i, self.norm(x, layer.post_attention_layernorm.weight, eps)))
-        h = self.mix(stream, m.output_attn_res_norm.weight, m.output_attn_res_proj.weight, eps)
-        if len(self.layers) in self.taps:  # the final normalized state of every row, not only the logit rows
-            self._tap(len(self.layers), self.norm(h, m.norm.weight, eps))
-        h = h if step.logits_every_row else h[step.logit_rows]
-        return self.logits(self.norm(h, m.norm.weight, eps), logits_out)
+            x = self.mix(stream, layer.mlp_res_norm.weight, layer.mlp_res_proj.weight, eps,
+                         then_norm=layer.post_attention_layernorm.weight)
+            stream.add(self.ffn(i, x))
+        # the final norm is row-wise: every row normalized with the mix (one launch), then the logit rows taken
+        x = self.mix(stream, m.output_attn_res_norm.weight, m.output_attn_res_proj.weight, eps, then_norm=m.norm.weight)
+        self._tap(len(self.layers), x)  # the final normalized state of every row, not only the logit rows
+        return self.logits(x if step.logits_every_row else x[step.logit_rows], logits_out)
 
 
 class SlotStream(AttnResStream):
     """The attention-residual stream with its blocks and running prefix in the slots of one [J, T, D] buffer
     (slot j: block j, then the prefix after the last block), so the mix kernel reads its sources in place. The
-    list form stacks every source for every mix: 15 copies per k3-tiny forward, against one copy per block
-    started here (the first sub-layer output of a block is copied into its slot; each later one is added into it,
-    with the rounding of `prefix + y`)."""
+    list form stacks every source for every mix: 15 copies per k3-tiny forward, against none here (the first
+    sub-layer output of a block goes into its slot; each later one is added into it, with the rounding of
+    `prefix + y`). The add is held back until the mix that follows it, which the mix kernel then does in the same
+    launch (`take_pending`); anything else reading the prefix first applies it (`flush`)."""
 
     def __init__(self, embeddings: torch.Tensor, block_size: int, num_layers: int) -> None:
         # blocks close before layers 0, B, 2B, ...: ceil(L / B) of them, then the running prefix
         self.buf = embeddings.new_empty(-(-num_layers // block_size) + 1, *embeddings.shape)
         self.buf[0].copy_(embeddings)
         super().__init__(self.buf[0], block_size)
+        self.pending: tuple[torch.Tensor, bool] | None = None  # (sub-layer output, it opens a block)
 
     @property
     def num_sources(self) -> int:
         return len(self.blocks) + 1
 
     def add(self, y: torch.Tensor) -> None:
-        slot = self.buf[len(self.blocks)]
-        if self.prefix is None:
-            slot.copy_(y)
-        else:
-            torch.add(self.prefix, y, out=slot)
-        self.prefix = slot
+        self.flush()
+        self.pending = (y, self.prefix is None)
+        self.prefix = self.buf[len(self.blocks)]  # the slot the add writes (once applied)
+
+    def take_pending(self) -> tuple[torch.Tensor | None, bool]:
+        """(the held-back output, whether it opens its block) for the mix kernel to apply, or (None, False)."""
+        pending, self.pending = self.pending, None
+        return pending if pending is not None else (None, False)
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            (y, opens), self.pending = self.pending, None
+            if opens:
+                self.prefix.copy_(y)
+            else:
+                torch.add(self.prefix, y, out=self.prefix)
+
+    def begin_layer(self, idx: int) -> None:
+        self.flush()
+        super().begin_layer(idx)
 
