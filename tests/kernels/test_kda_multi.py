@@ -62,9 +62,14 @@ def test_multi_equals_decode_calls(R: int, v_split: int, kind: str, ns: list[int
                          lower_bound=lb, v_split=v_split, workspace=ws,
                          **({} if nrm is None else dict(o_gate=nrm[0], o_norm_weight=nrm[1], o_norm_eps=eps)))
     assert torch.equal(ws, torch.zeros_like(ws))
-    assert torch.equal(o, o_loop)  # rows past n (and the padding sequence's) are zero in both
+    # the interpreter: the same bits. Compiled, the two kernels' multiply-adds contract differently: about one fp32
+    # ulp apart (the H200, 2026-12-04: at most 4.8e-7 on outputs up to 3.4, and 6 of these 8 cases differed before
+    # the multi kernel loaded its constants once)
+    same = torch.equal if DEV == "cpu" else (lambda a, b: bool(((a - b).abs() <= 1e-6 * b.abs().max().clamp(min=1))
+                                                                  .all()))
+    assert same(o, o_loop)  # rows past n (and the padding sequence's) are zero in both
     if commit:
-        assert torch.equal(case["state"], s_loop) and torch.equal(case["conv_state"], c_loop)
+        assert same(case["state"], s_loop) and torch.equal(case["conv_state"], c_loop)
     else:
         assert torch.equal(case["state"], state0) and torch.equal(case["conv_state"], conv0)
     # and the torch oracle: ref_steps runs all R tokens per live slot
