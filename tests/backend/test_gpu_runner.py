@@ -514,12 +514,8 @@ def test_a_mixed_steps_kda_layer_launches_no_torch_work(tmp_path) -> None:
         assert (work.torch_ops, work.triton) == ([], launches)
 
 
-def test_a_k3_decode_forward_launches_no_torch_glue_for_norms_activations_or_residual_sources(tmp_path) -> None:
-    """Issue 16 (a batch-1 round is launch-bound: 545 kernels per round on the H200, session 23): with the kernels
-    on, a k3 decode forward runs SiTU (shared expert, dense MLP), the latent and MLA q norms through their Triton
-    kernels and mixes the attention residuals from one slot buffer. Before, the torch expressions launched
-    tanh/div/mul/sigmoid (9 per MLP), pow/mean/rsqrt/mul (6 per norm) and one stack of the sources per mix."""
-    from k3rt.backend.runner.gpu.mla import MlaWeights
+def _k3_decode_forward_counted(tmp_path):
+    """(runner, step, _LaunchWork) of one decode forward of a tiny k3 checkpoint through the GPU runner, kernels on."""
     from k3rt.backend.runner.gpu.step import StepSeq
 
     ckpt = make_tiny(tmp_path / "m", arch="k3", dtype="float32", seed=4)
@@ -528,6 +524,17 @@ def test_a_k3_decode_forward_launches_no_torch_glue_for_norms_activations_or_res
     step = runner._build([StepSeq([7], 20, pool.allocate(2), pool.allocate(eng.layout.pages_per_state_set), True)], [])
     with torch.no_grad(), _LaunchWork() as work:
         runner.fwd(step, decode=True)
+    return runner, step, work
+
+
+def test_a_k3_decode_forward_launches_no_torch_glue_for_norms_activations_or_residual_sources(tmp_path) -> None:
+    """Issue 16 (a batch-1 round is launch-bound: 545 kernels per round on the H200, session 23): with the kernels
+    on, a k3 decode forward runs SiTU (shared expert, dense MLP), the latent and MLA q norms through their Triton
+    kernels and mixes the attention residuals from one slot buffer. Before, the torch expressions launched
+    tanh/div/mul/sigmoid (9 per MLP), pow/mean/rsqrt/mul (6 per norm) and one stack of the sources per mix."""
+    from k3rt.backend.runner.gpu.mla import MlaWeights
+
+    runner, step, work = _k3_decode_forward_counted(tmp_path)
     glue = {"tanh", "div", "pow", "mean", "rsqrt", "stack"} & set(work.torch_ops)
     assert not glue, sorted(glue)
     mla = sum(isinstance(w, MlaWeights) for w in runner.fwd.prepared.values())
@@ -539,14 +546,7 @@ def test_a_k3_forward_adds_mixes_and_norms_its_residual_stream_in_one_launch_per
     the next norm (the final norm included): per forward the embeddings' copy into the slot buffer, one mix launch
     per sub-layer, and no norm launch of its own for them. Before: an add or copy, a mix and a norm each (a k3-tiny
     decode forward: 126 torch ops and 90 Triton launches, now 94 and 74; the greedy and logit tests above hold)."""
-    from k3rt.backend.runner.gpu.step import StepSeq
-
-    ckpt = make_tiny(tmp_path / "m", arch="k3", dtype="float32", seed=4)
-    eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), runner="gpu", cuda_graphs=False))
-    runner, pool = eng.runner, eng.pool
-    step = runner._build([StepSeq([7], 20, pool.allocate(2), pool.allocate(eng.layout.pages_per_state_set), True)], [])
-    with torch.no_grad(), _LaunchWork() as work:
-        runner.fwd(step, decode=True)
+    runner, step, work = _k3_decode_forward_counted(tmp_path)
     moe = len(runner.fwd.moe)
     assert work.torch_ops.count("copy_") == 1  # the embeddings into slot 0
     assert work.torch_ops.count("add") == moe  # the latent tails' shared + routed only: no stream adds
