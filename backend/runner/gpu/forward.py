@@ -125,8 +125,9 @@ class GpuForward:
         assert stream.prefix is not None
         if not stream.blocks:
             x = stream.prefix
-        elif self.mix_kernel is not None:
-            x = self.mix_kernel(torch.stack([*stream.blocks, stream.prefix]), norm_w, proj_w.reshape(-1), eps)
+        elif self.mix_kernel is not None:  # the list form (pieces.py): the sources stacked, the norm in the launch
+            return self.mix_kernel(torch.stack([*stream.blocks, stream.prefix]), norm_w, proj_w.reshape(-1), eps,
+                                   out_norm_weight=then_norm, out_norm_eps=eps)
         else:
             x = attn_res_mix(stream.blocks, stream.prefix, norm_w, proj_w, eps)
         return x if then_norm is None else self.norm(x, then_norm, eps)

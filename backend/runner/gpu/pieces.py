@@ -191,17 +191,18 @@ class PiecewiseForward:
                 i, layer = j - 1, fwd.layers[j - 1]
                 stream = self._load_stream(i, n)
                 stream.add(self._o_proj(i, n))
-                x = fwd.mix(stream, layer.mlp_res_norm.weight, layer.mlp_res_proj.weight, eps)
-                stream.add(fwd.ffn(i, fwd.norm(x, layer.post_attention_layernorm.weight, eps)))
+                x = fwd.mix(stream, layer.mlp_res_norm.weight, layer.mlp_res_proj.weight, eps,
+                            then_norm=layer.post_attention_layernorm.weight)
+                stream.add(fwd.ffn(i, x))
             if j < L:
                 layer = fwd.layers[j]
-                x = fwd.mix(stream, layer.self_attention_res_norm.weight, layer.self_attention_res_proj.weight, eps)
+                x = fwd.mix(stream, layer.self_attention_res_norm.weight, layer.self_attention_res_proj.weight, eps,
+                            then_norm=layer.input_layernorm.weight)
                 stream.begin_layer(j)
-                x = fwd.norm(x, layer.input_layernorm.weight, eps)
                 self._save_stream(stream)
             else:
-                h = fwd.mix(stream, m.output_attn_res_norm.weight, m.output_attn_res_proj.weight, eps)
-                x = fwd.norm(h, m.norm.weight, eps)
+                x = fwd.mix(stream, m.output_attn_res_norm.weight, m.output_attn_res_proj.weight, eps,
+                            then_norm=m.norm.weight)
         if j < L:
             if j in fwd.taps:
                 self.buf.put(f"tap{j}", x)
