@@ -58,6 +58,13 @@
 #   k3-slice (580)      benchmarks/k3_slice.py --tp 2: a K3-width slice (4 layers, 64 random MXFP4 experts, ~6 GB
 #                       checkpoint written to /tmp) greedy under TP2 in bf16 against the fp32 CPU reference, 16 tokens
 #                       (issue 17's end-to-end goal): ask for nvidia-h200-x2
+#   profile (220)       benchmarks/decode.py: 48B decode 1/16/64 at 4K with the kernels of one eager step at batch 1 and
+#                       16 by name, prefill 8K/32K with the kernels of each one's last chunk (session 24)
+#   kda-probe (200)     benchmarks/kernels.py at 16K, no fla: the fused intra kernel with one stage skipped per probe
+#                       (probe_*: where its time goes), and 4 / 16 warps against the default 8
+#   tiny-linear (120)   benchmarks/kernels_linear.py --model k3-tiny: k3-tiny's projections at 1, 8 and 16 rows
+#   spec-round (150)    benchmarks/spec_round.py: k3-tiny batch 1, plain and dspark with 8 device rounds: step time,
+#                       each graph alone, the kernels of a round by name
 # Outputs: $OUT/<stage>.log and, for benchmarks, $OUT/<stage>.json (at most 8 files come back from a call:
 # choose at most 4 benchmark stages per call).
 set -u
@@ -65,6 +72,7 @@ for stage in "$@"; do
   case $stage in
     tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det|overlap|serve) ;;
     spec-tests|spec-verify|dspark-pass|spec-bench|spec-gate|spec-rounds|jit-churn|tp-tests|tp|tp-symm|k3-slice) ;;
+    profile|kda-probe|tiny-linear|spec-round) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -169,6 +177,19 @@ for stage in "$@"; do
         --out "$OUT/tp_symm.json" ;;
     linear)
       run linear 100 python3 benchmarks/kernels_linear.py --budget-s 80 --out "$OUT/linear.json" ;;
+    profile)
+      run profile 220 python3 benchmarks/decode.py --batch 1 16 64 --profile 1 16 --prefill 8192 32768 \
+        --profile-prefill --variants --budget-s 200 --out "$OUT/profile.json" ;;
+    kda-probe)
+      run kda-probe 200 python3 benchmarks/kernels.py --no-fla --decode-n --prefill 16384 --prefill-variants base \
+        --prefill-sweep probe_no_blocks probe_no_subst probe_no_series probe_no_wu probe_no_cumsum probe_only_io \
+        intra_w4 intra_w16 --sweep-case 16384 --budget-s 180 --out "$OUT/kda_probe.json" ;;
+    tiny-linear)
+      run tiny-linear 120 python3 benchmarks/kernels_linear.py --model k3-tiny --rows 1 8 16 --budget-s 110 \
+        --out "$OUT/tiny_linear.json" ;;
+    spec-round)
+      run spec-round 150 python3 benchmarks/spec_round.py --device cuda --dtype bfloat16 --batch 1 \
+        --engines plain,dspark:8 --profile-steps 4 --top 70 --budget-s 140 --out "$OUT/spec_round.json" ;;
     overlap)
       run overlap 480 python3 benchmarks/overlap.py --batch 64 256 --budget-s 420 --out "$OUT/overlap.json" ;;
     *) ;;  # tests-runner / tests-kernels after their own clause (;;& tests the later patterns too)
