@@ -281,13 +281,11 @@ def test_a_drafter_that_raises_is_counted_and_voids_the_bench(monkeypatch) -> No
         spec_bench.bench_spec(cfg, progress=False)
 
 
-def test_the_gates_correctness_check_fails_a_row_that_never_verified() -> None:
-    """benchmarks/spec_gate.py's check (regression, session 22: its 18 rows with the controller on verified 0 times
-    on the H200 and still said "identical"): every row identical, and each every-step row must have verified."""
+def _spec_gate_module():
+    """benchmarks/spec_gate.py as a module (the script puts benchmarks/ first on the path: not for the other tests)."""
     import importlib.util
     import sys
     from pathlib import Path
-    from types import SimpleNamespace
 
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "spec_gate.py"
     spec = importlib.util.spec_from_file_location("spec_gate", path)
@@ -296,7 +294,27 @@ def test_the_gates_correctness_check_fails_a_row_that_never_verified() -> None:
     try:
         spec.loader.exec_module(gate)
     finally:
-        sys.path[:] = saved  # the script puts benchmarks/ first on the path: not for the other tests
+        sys.path[:] = saved
+    return gate
+
+
+def test_the_gates_plain_spread_is_the_noise_of_a_rows_plain_runs() -> None:
+    """Each drafter of a (workload, batch) ran plain runs of one configuration: their max / min - 1 is the row's
+    noise floor, per (workload, batch)."""
+    gate = _spec_gate_module()
+    rows = [{"workload": w, "batch": b, "drafter": d, "tokens_per_s_plain": t}
+            for w, b, d, t in [("code", 64, "ngram", 18026.0), ("code", 64, "suffix", 17393.0),
+                               ("code", 64, "dspark", 21761.0), ("chat", 64, "ngram", 30000.0), ("code", 1, "ngram", 900.0)]]
+    gate.add_plain_spread(rows)
+    assert [round(r["plain_spread"], 4) for r in rows] == [0.2511] * 3 + [0.0, 0.0]
+
+
+def test_the_gates_correctness_check_fails_a_row_that_never_verified() -> None:
+    """benchmarks/spec_gate.py's check (regression, session 22: its 18 rows with the controller on verified 0 times
+    on the H200 and still said "identical"): every row identical, and each every-step row must have verified."""
+    from types import SimpleNamespace
+
+    gate = _spec_gate_module()
     row = lambda drafter, identical=True, verifies=3: SimpleNamespace(  # noqa: E731
         workload="code", batch=1, drafter=drafter, identical=identical, verifies=verifies)
     assert gate.check_verdict([row("ngram", verifies=0)], [row("ngram")]) == (True, [])
