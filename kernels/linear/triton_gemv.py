@@ -58,6 +58,12 @@ def pick_tiles(n: int, k: int) -> GemvTiles:
     return GemvTiles(2, 1024 if k >= 1024 else 256, 4, 4)
 
 
+def block_k(tiles: GemvTiles, block_m: int, k: int) -> int:
+    """The K step a launch uses: the tile's, no longer than K (rounded up to a power of two, >= 16), and short
+    enough that the [block_m, block_n, K step] fp32 partial products stay within MAX_PARTIALS."""
+    return min(tiles.block_k, max(16, triton.next_power_of_2(k)), max(16, MAX_PARTIALS // (block_m * tiles.block_n)))
+
+
 def prefer_skinny(m: int, n: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
     """Where the kernel beat torch's matmul on the H200 (benchmarks/kernels_linear.py), for 16-bit
     activations: one row and outputs up to 4096 wide, and the fp32-weight router at any M <= MAX_ROWS
@@ -143,7 +149,7 @@ def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None,
     check_same_device(x=x, w=w, out=out)
     cfg = tiles or pick_tiles(N, K)
     bm = max(1, triton.next_power_of_2(M))
-    bk = min(cfg.block_k, max(16, triton.next_power_of_2(K)), max(16, MAX_PARTIALS // (bm * cfg.block_n)))
+    bk = block_k(cfg, bm, K)
     _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
         x, x.stride(0), w, w.stride(0), out, out.stride(0), M, N, K,
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=bk, EVEN_K=K % bk == 0,

@@ -41,10 +41,15 @@ def test_fp16_activations_fp32_weight_fp32_output_strided_rows_and_out() -> None
 def test_wide_tiles_at_many_rows_keep_their_partials_bounded() -> None:
     """A tile whose [M, BLOCK_N, BLOCK_K] partial products would exceed MAX_PARTIALS runs with a shorter K step
     (the same sums, another split of K)."""
+    from k3rt.kernels.linear.triton_gemv import MAX_PARTIALS, block_k
+
+    wide = GemvTiles(16, 1024, 4, 1)
+    assert block_k(wide, 1, 4096) == 512 and block_k(wide, 16, 4096) * 16 * 16 == MAX_PARTIALS  # 16 rows: K step 32
+    assert block_k(GemvTiles(1, 1024, 2, 4), 16, 4096) == 512 and block_k(GemvTiles(1, 1024, 2, 4), 1, 300) == 512
     g = torch.Generator().manual_seed(5)
     x = torch.randn(MAX_ROWS, 300, generator=g).to(DEV)
     w = torch.randn(40, 300, generator=g).to(DEV)
-    y = skinny_linear(x, w, tiles=GemvTiles(16, 1024, 4, 1))
+    y = skinny_linear(x, w, tiles=wide)
     assert rel_err(y, skinny_linear_ref(x, w)) <= 1e-6
 
 

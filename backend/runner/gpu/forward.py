@@ -116,11 +116,11 @@ class GpuForward:
         """The attention-residual mix of the stream's sources, then (then_norm: its weight) the next sub-layer's
         RMSNorm. From a SlotStream, one launch: the sub-layer output the stream holds back (SlotStream.add), the
         mix and the norm (where the stream, mix and norm were three launches: a k3 forward's 16 mixes took 48)."""
-        if isinstance(stream, SlotStream) and stream.blocks:  # the sources where they are: no stack per mix
-            delta, opens = stream.take_pending()
-            return self.mix_kernel(stream.buf, norm_w, proj_w.reshape(-1), eps, num_sources=stream.num_sources,
-                                   delta=delta, delta_add=not opens, out_norm_weight=then_norm, out_norm_eps=eps)
         if isinstance(stream, SlotStream):
+            if stream.blocks:  # the sources where they are: no stack per mix
+                delta, opens = stream.take_pending()
+                return self.mix_kernel(stream.buf, norm_w, proj_w.reshape(-1), eps, num_sources=stream.num_sources,
+                                       delta=delta, delta_add=not opens, out_norm_weight=then_norm, out_norm_eps=eps)
             stream.flush()
         assert stream.prefix is not None
         if not stream.blocks:
