@@ -18,8 +18,10 @@ In order, on the target's device (k3-tiny and models/k3-tiny-dspark; random targ
      pays) and the pass alone (CUDA events), eager and graphed (graph.py buckets), torch and fused steps;
      `vs_plain` = propose time / --plain-step-ms (a plain k3-tiny decode step; 1.46 ms measured on the H200
      with `k3rt bench spec`, pass the one measured beside this run); then the fused kernel alone on one pass's
-     inputs per tile (BLOCK_V x warps: the default `tiles(V, R)` first, then 256x8, 512x16, 1024x8), with
-     whether its tokens equal the default's.
+     inputs, replayed from a CUDA graph, per form and tile (BLOCK_V x warps): one program per request (the
+     default `tiles(V, R)`, then 256x8, 512x16, 1024x8) and the vocabulary split over programs
+     (triton_draft_split.py: `split_tile(V, R)`, then 256x4, 1024x8, 2048x16), with whether its tokens equal
+     the one-program default's.
 JSON to --out (default $OUT/dspark_pass.json) and to stdout's first line, then a markdown table; --budget-s
 bounds the run (items past it are skipped and say so).
 """
@@ -57,7 +59,7 @@ def _args() -> argparse.Namespace:
 ARGS = _args()
 
 import torch  # noqa: E402
-from _timing import Report, default_out, time_ms  # noqa: E402
+from _timing import Report, default_out, graph_time, time_ms  # noqa: E402
 
 from k3rt.backend.bench.op_count import count_ops  # noqa: E402
 from k3rt.backend.models.loader import load_model  # noqa: E402
@@ -142,22 +144,30 @@ def main() -> None:
                     return {"batch": n, "variant": name, "pass_ms": t_pass, "propose_ms": wall,
                             "vs_plain": wall / ARGS.plain_step_ms}
                 rep.item("times", f"{name}-b{n}", timed)
-        # the fused kernel alone on one pass's inputs, per tile (BLOCK_V, warps): the default first; tokens checked
-        from k3rt.kernels.spec.triton_draft import greedy_draft, tiles
+        # the fused kernel alone on one pass's inputs, per form and tile (BLOCK_V, warps), replayed from a CUDA
+        # graph (the split form's 2k launches are what the drafter's graph replays); tokens checked against the
+        # one-program default's
+        from k3rt.kernels.spec.triton_draft import greedy_draft, split_tile, tiles
         d = drafters["fused"]
         cfg = d.model.cfg
-        variants_tile = [tiles(cfg.vocab_size, cfg.markov_rank), (256, 8), (512, 16), (1024, 8)]
+        forms = [(False, t) for t in dict.fromkeys([tiles(cfg.vocab_size, cfg.markov_rank), (256, 8), (512, 16),
+                                                    (1024, 8)])]
+        forms += [(True, t) for t in dict.fromkeys([split_tile(cfg.vocab_size, cfg.markov_rank), (256, 4), (1024, 8),
+                                                    (2048, 16)])]
         for n in ARGS.batch:
             ctx, anchors, extra = d._inputs(_queries(d, n, seed=4))
             inputs = d.model.greedy_step_inputs(ctx, anchors, d.embed, d.lm_head, **extra)
-            want = greedy_draft(*inputs)[0]
-            for tile in dict.fromkeys(variants_tile):
+            want = greedy_draft(*inputs, split=False)[0]
+            for split, tile in forms:
+                form = "split" if split else "one-program"
+
                 def timed_tile() -> dict:
-                    same = bool(torch.equal(greedy_draft(*inputs, tile=tile)[0], want))
-                    ms = time_ms(lambda: greedy_draft(*inputs, tile=tile), reps=ARGS.reps)["median_ms"]
-                    return {"batch": n, "variant": f"kernel {tile[0]}x{tile[1]}", "kernel_ms": ms,
+                    same = bool(torch.equal(greedy_draft(*inputs, tile=tile, split=split)[0], want))
+                    us = graph_time([lambda: greedy_draft(*inputs, tile=tile, split=split)],
+                                    reps=ARGS.reps)["us_per_call"]
+                    return {"batch": n, "variant": f"kernel {form} {tile[0]}x{tile[1]}", "kernel_graph_us": us,
                             "tokens_as_default": same}
-                rep.item("times", f"kernel-{tile[0]}x{tile[1]}-b{n}", timed_tile)
+                rep.item("times", f"kernel-{form}-{tile[0]}x{tile[1]}-b{n}", timed_tile)
     print(json.dumps(rep.result))
     print("\n| section | variant | batch | values |\n|---|---|---|---|")
     for section in ("check", "ops", "times"):

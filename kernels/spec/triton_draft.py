@@ -22,8 +22,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from k3rt.kernels.common import check, check_same_device, poison_like
+from k3rt.kernels.common import INTERPRET, check, check_same_device, poison_like
 from k3rt.kernels.spec.ref import DraftHeads
+from k3rt.kernels.spec.triton_draft_split import greedy_draft_split, split_tile
+from k3rt.kernels.spec.triton_draft_tile import _step_tile
 
 # [BLOCK_V, R] Markov slice per tile: at most this many elements (k3-tiny's rank 32: BLOCK_V 1024 over 16 warps,
 # eight tiles for its 8192-token vocabulary). Per-lane running values keep the loop free of cross-warp
@@ -31,6 +33,8 @@ from k3rt.kernels.spec.ref import DraftHeads
 # waits through. Built for sm_90 without spills (tests/kernels/test_spec_sm90_build.py); BLOCK_V 256 at 8 warps
 # and 512 at 16 build too (benchmarks/dspark_pass.py times them against the default: `tiles=`).
 _TILE_ELEMS = 32768
+# the split form by default up to this many requests (prefer_split)
+SPLIT_MAX_BATCH = 16
 
 
 def tiles(V: int, R: int) -> tuple[int, int]:
@@ -39,17 +43,6 @@ def tiles(V: int, R: int) -> tuple[int, int]:
     block_v = max(16, min(1024, triton.next_power_of_2(V), _TILE_ELEMS // block_r))
     elems = block_v * block_r
     return block_v, 16 if elems >= 16384 else 8 if elems >= 4096 else 4
-
-
-@triton.jit
-def _step_tile(base_ptr, row, mout_ptr, code, offs, valid, rs, rmask, R, HAS_MARKOV: tl.constexpr):
-    """One tile of a draft's logits before the copy mix: base + Markov bias, -inf past the vocabulary."""
-    x = tl.load(base_ptr + row + offs, mask=valid, other=float("-inf")).to(tl.float32)
-    if HAS_MARKOV:
-        w = tl.load(mout_ptr + offs[:, None] * R + rs[None, :], mask=valid[:, None] & rmask[None, :], other=0.0)
-        # rounded to the table's dtype, as the torch path's linear output is
-        x = x + tl.sum(w.to(tl.float32) * code[None, :], axis=1).to(mout_ptr.dtype.element_ty).to(tl.float32)
-    return x
 
 
 # not specialized per step (kernels/common.py, Compiles): anchors: a per-step slice
@@ -185,12 +178,20 @@ def greedy_draft_fwd(base: Tensor, anchor_ids: Tensor, conf_pre: Tensor, heads: 
     )
 
 
+def prefer_split(B: int, V: int) -> bool:
+    """Whether `greedy_draft` runs the split form (triton_draft_split.py) by default: compiled (the interpreter
+    runs either only when asked), and few requests, where one program per request leaves the GPU idle."""
+    return not INTERPRET and B <= SPLIT_MAX_BATCH and V >= 2048
+
+
 def greedy_draft(base: Tensor, anchor_ids: Tensor, conf_pre: Tensor, heads: DraftHeads,
                  copy: Tensor | None = None, gate: Tensor | None = None, *,
-                 tile: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:
-    """ref.greedy_draft in one launch: base [B, k, V] fp32, anchor_ids [B] int64, conf_pre [B, k, C],
-    copy [B, k, V] fp32 and gate [B, k] fp32 (both or neither) -> (tokens [B, k] int64, confidence [B, k]
-    fp32). tile: (BLOCK_V, num_warps) instead of `tiles(V, R)` (benchmarks). Never syncs (CUDA-graph safe)."""
+                 tile: tuple[int, int] | None = None, split: bool | None = None) -> tuple[Tensor, Tensor]:
+    """ref.greedy_draft: base [B, k, V] fp32, anchor_ids [B] int64, conf_pre [B, k, C], copy [B, k, V] fp32 and
+    gate [B, k] fp32 (both or neither) -> (tokens [B, k] int64, confidence [B, k] fp32). split: one program per
+    request in one launch (False), or the vocabulary split over programs, one or two launches per draft (True,
+    triton_draft_split.py); default `prefer_split`. tile: (BLOCK_V, num_warps) instead of the form's default
+    (`tiles(V, R)`, `split_tile(V, R)`; benchmarks). Never syncs (CUDA-graph safe)."""
     if base.dim() != 3:
         raise ValueError(f"base must be [B, k, V], got {list(base.shape)}")
     B, K, V = base.shape
@@ -224,11 +225,20 @@ def greedy_draft(base: Tensor, anchor_ids: Tensor, conf_pre: Tensor, heads: Draf
             raise ValueError(f"heads.conf_prev: rows must be contiguous, got strides {heads.conf_prev.stride()}")
     check_same_device(base=base, anchor_ids=anchor_ids, conf_pre=conf_pre, copy=copy, gate=gate,
                       markov_in=heads.markov_in, conf_out=heads.conf_out)
+    if split is None:
+        split = prefer_split(B, V)
+    rank = 0 if heads.markov_in is None else heads.markov_in.shape[1]
     if tile is None:
-        tile = tiles(V, 0 if heads.markov_in is None else heads.markov_in.shape[1])
+        tile = split_tile(V, rank) if split else tiles(V, rank)
     elif not (tile[0] >= 16 and tile[0] & (tile[0] - 1) == 0 and tile[1] in (1, 2, 4, 8, 16)):
         raise ValueError(f"tile: (BLOCK_V a power of 2 >= 16, num_warps in 1..16 a power of 2), got {tile}")
     tokens = torch.empty(B, K, dtype=torch.int64, device=base.device)
+    if split:
+        confidence = poison_like(torch.empty(B, K, dtype=torch.float32, device=base.device))
+        greedy_draft_split(base.contiguous(), anchor_ids.contiguous(), conf_pre.contiguous(), heads,
+                           None if copy is None else copy.contiguous(), None if gate is None else gate.contiguous(),
+                           tokens, confidence, tile)
+        return tokens, confidence
     scratch = None if copy is None else poison_like(torch.empty(B, V, dtype=torch.float32, device=base.device))
     confidence = poison_like(torch.empty(B, K, dtype=torch.float32, device=base.device))
     greedy_draft_fwd(base.contiguous(), anchor_ids.contiguous(), conf_pre.contiguous(), heads,

@@ -156,6 +156,41 @@ def test_device_rounds_greedy_output_equals_plain(workload, adaptive) -> None:
     assert_at_rest(eng)  # every page back (lookahead pages of the rounds included), or in the cache
 
 
+def test_the_next_step_drafts_from_the_pass_the_rounds_ran_after_their_last_acceptance(workload) -> None:
+    """After a step of device rounds the drafter's pass over the final windows is read back with the step's tokens
+    (DSparkDrafter.carry): the next step's proposal takes it instead of building the windows from the recorded
+    states and running a pass with the host waiting. Its drafts and estimates equal a fresh pass's, and the
+    output equals plain decoding."""
+    prompts, params, expect = workload
+    eng = _engine(4, adaptive=False)
+    drafter = eng.runner.round_drafter
+    built, carried = [], []
+    inputs, pass_ = drafter._inputs, drafter._pass
+
+    def counted_inputs(queries):
+        built.append(len(queries))
+        return inputs(queries)
+
+    def checked_pass(queries, full=False):
+        got = pass_(queries, full)
+        if any(drafter._carried_for(q) is not None for q in queries):
+            carried.append(len(queries))
+            held, last = drafter._carried, drafter._last
+            drafter._carried = {}
+            assert pass_(queries, full) == got  # a fresh pass over the recorded states proposes the same
+            drafter._carried, drafter._last = held, last
+        return got
+
+    drafter._inputs, drafter._pass = counted_inputs, checked_pass
+    out = run(eng, prompts[1:2], params[1:2])  # 45 tokens, no stop id: several steps of rounds
+    assert [o.output_ids for o in out] == expect[1:2]
+    assert carried  # steps after a rounds step drafted from the carried pass
+    # windows were built only for the checks and the steps without a carried pass: fewer than the proposals
+    assert len(built) - len(carried) < eng.stats.spec_steps
+    assert not drafter._carried  # dropped when the request ended
+    assert_at_rest(eng)
+
+
 def test_device_rounds_through_the_fused_round_kernels_equal_plain(workload, monkeypatch) -> None:
     """The round's acceptance, window shift and advance through kernels/spec/triton_rounds.py (the interpreter here;
     what CUDA runs with the kernels on) inside the engine's rounds: the same greedy output as plain decoding."""

@@ -47,8 +47,11 @@ def _to_dev(a):
     return None if a is None else a.to(DEV)
 
 
-def _same(args: tuple) -> Tensor:
-    tokens, conf = greedy_draft(*args)
+SPLIT = [pytest.param(False, id="one-program"), pytest.param(True, id="split")]
+
+
+def _same(args: tuple, split: bool | None = None) -> Tensor:
+    tokens, conf = greedy_draft(*args, split=split)
     want_tokens, want_conf = greedy_draft_ref(*args)
     assert torch.equal(tokens, want_tokens)
     torch.testing.assert_close(conf, want_conf, rtol=1e-5, atol=1e-6)
@@ -63,9 +66,12 @@ def _same(args: tuple) -> Tensor:
     pytest.param(2, 1, 300, 5, True, None, id="k1-V300-markov5-copy"),  # one tile of 512
     pytest.param(1, 7, 70, 0, True, None, id="k7-V70-copy-only"),
 ])
-def test_kernel_matches_ref(B, K, V, R, copy, tile):
+@pytest.mark.parametrize("split", SPLIT)
+def test_kernel_matches_ref(B, K, V, R, copy, tile, split):
+    """Both forms: one program per request (tiles of BLOCK_V walked in order), and the split form, where the
+    tile is one program's slice (V 1100 in slices of 1024: 2 programs, of 256: 5)."""
     args = _inputs(B * 100 + V + R, B, K, V, R, 8 if R != 32 else 64, copy)
-    tokens, conf = greedy_draft(*args, tile=tile)
+    tokens, conf = greedy_draft(*args, tile=tile, split=split)
     want_tokens, want_conf = greedy_draft_ref(*args)
     assert torch.equal(tokens, want_tokens)
     torch.testing.assert_close(conf, want_conf, rtol=1e-5, atol=1e-6)
@@ -74,9 +80,10 @@ def test_kernel_matches_ref(B, K, V, R, copy, tile):
 
 @pytest.mark.parametrize("R,copy", [pytest.param(0, False, id="plain"), pytest.param(3, False, id="markov"),
                                     pytest.param(3, True, id="markov-copy")])
-def test_ties_go_to_the_lowest_index(R, copy):
-    """Planted exact ties (tiles of 1024 here): within one tile (600 vs 601, 5 vs 700) and across tiles (5 vs
-    1050, 900 vs 1090); the Markov rows of tied tokens are equal so the bias keeps them tied; with the copy
+@pytest.mark.parametrize("split", SPLIT)
+def test_ties_go_to_the_lowest_index(R, copy, split):
+    """Planted exact ties (tiles of 1024 here; the split form's slices of 512: 600 vs 601 within one, the rest
+    across slices): within one tile (600 vs 601, 5 vs 700) and across tiles (5 vs 1050, 900 vs 1090); the Markov rows of tied tokens are equal so the bias keeps them tied; with the copy
     head, draft 0's tied tokens also get equal copy mass."""
     base, anchors, pre, heads, cp, gate = _inputs(7, 2, 3, 1100, R, 8, copy)
     top = base.abs().max() + 50
@@ -91,11 +98,12 @@ def test_ties_go_to_the_lowest_index(R, copy):
         cp[0, 0, [600, 601]] = 0.5
         gate.zero_()  # the other drafts: the logits' ties through the softmax
         gate[0, 0] = 0.9
-    tokens = _same((base, anchors, pre, heads, cp, gate))
+    tokens = _same((base, anchors, pre, heads, cp, gate), split)
     assert tokens[0, :2].tolist() == [600, 5] and tokens[1].tolist() == [900] * 3
 
 
-def test_copy_mass_and_gate_decide_the_mixed_argmax():
+@pytest.mark.parametrize("split", SPLIT)
+def test_copy_mass_and_gate_decide_the_mixed_argmax(split):
     """An open gate on a draft with copy mass picks the copied token over the logits' argmax; the same gate on
     a draft with no mass leaves the logits' argmax (the mass check, not the gate, decides)."""
     base, anchors, pre, heads, cp, gate = _inputs(11, 1, 2, 200, 0, 8, True)
@@ -103,7 +111,7 @@ def test_copy_mass_and_gate_decide_the_mixed_argmax():
     cp.zero_()
     cp[0, 0, 40] = 1.0
     gate.fill_(0.99)
-    assert _same((base, anchors, pre, heads, cp, gate))[0].tolist() == [40, 17]
+    assert _same((base, anchors, pre, heads, cp, gate), split)[0].tolist() == [40, 17]
 
 
 def test_contract_errors_name_the_field():
@@ -124,12 +132,14 @@ def test_contract_errors_name_the_field():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-tables"])
-def test_kernel_matches_ref_at_k3_tiny_shape(table_dtype):
-    """k3-tiny's drafter shape (V 8192, rank 32, confidence width 64, k 7, copy head) at batch 64 on CUDA; with
+@pytest.mark.parametrize("B", [1, 64])
+@pytest.mark.parametrize("split", SPLIT)
+def test_kernel_matches_ref_at_k3_tiny_shape(table_dtype, B, split):
+    """k3-tiny's drafter shape (V 8192, rank 32, confidence width 64, k 7, copy head) at batch 1 and 64 on CUDA; with
     bf16 tables both round the Markov bias to bf16, so tokens still agree exactly."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    base, anchors, pre, heads, cp, gate = _inputs(5, 64, 7, 8192, 32, 64, True)
+    base, anchors, pre, heads, cp, gate = _inputs(5, B, 7, 8192, 32, 64, True)
     heads = DraftHeads(*(None if t is None else t.to(table_dtype) for t in (
         heads.markov_in, heads.markov_out, heads.conf_prev, heads.conf_top, heads.conf_out, heads.conf_out_bias)))
-    _same((base, anchors, pre.to(table_dtype), heads, cp, gate))
+    _same((base, anchors, pre.to(table_dtype), heads, cp, gate), split)

@@ -215,14 +215,28 @@ def run_rounds(runner, chunks: list, step, first: tuple, size: int, rounds: int,
     accept_round(runner, step, st, logits, taps)
     outs.append(st.argmax)
     kepts.append(st.kept)
+    # the next step's drafts from the final windows, read back with this step's tokens (DSparkDrafter.carry); the
+    # window's token ids on padding rows as the host builds them (the anchor), so the window is the one the next
+    # step would build from the recorded states
+    valid = st.valid[:n].clone()
+    tokens = None
+    if st.tokens is not None:
+        tokens = st.tokens[:n].clone()
+        tokens[:, :-1] = torch.where(valid, tokens[:, :-1], st.anchors[:n, None])
+    window = (st.ctx[:n].clone(), st.anchors[:n].clone(), tokens, valid)
+    drafts, conf, prefix = drafter.pass_on(*window)
+    K = drafts.shape[1]
     flat = torch.cat([torch.stack(outs).flatten(), torch.stack(kepts).flatten(),
-                      st.valid[:n].sum(1).to(torch.int64)]).tolist()
+                      st.valid[:n].sum(1).to(torch.int64), torch.cat([drafts, prefix[:, None]], 1).flatten()]).tolist()
+    confs = conf.float().tolist()
     ams = [flat[i * size * R:(i + 1) * size * R] for i in range(rounds)]
     at = rounds * size * R
     kept_h = [flat[at + i * size:at + (i + 1) * size] for i in range(rounds)]
-    rows = flat[at + rounds * size:]
+    at += rounds * size
+    rows, nxt = flat[at:at + n], flat[at + n:]
     runs: dict[int, RoundsRun] = {}
     W = st.ctx.shape[1]
+    counts = []
     for i, c in enumerate(chunks):
         toks, per = [], []
         for r in range(rounds):
@@ -231,8 +245,11 @@ def run_rounds(runner, chunks: list, step, first: tuple, size: int, rounds: int,
                 toks += ams[r][i * R:i * R + m]
                 per.append((len(c.draft_ids) if r == 0 else R - 1, m - 1))
         runs[c.req.rid] = RoundsRun(toks, per)
+        counts.append(len(c.req.token_ids) + len(toks))
         if rows[i] > 0:
             store.record(c.req.rid, c.start + len(toks) - rows[i], st.ctx[i, W - rows[i]:])
+    drafter.carry([c.req.rid for c in chunks], counts, [nxt[i * (K + 1):(i + 1) * (K + 1)] for i in range(n)],
+                  confs, window)
     return runs
 
 
