@@ -139,8 +139,10 @@ def decode(T: int, w13, w2, bw_GBps: float) -> None:
         if "us" in rec:
             log(f"decode T={T} tiles{i}: {rec['us']:.1f} us, floor {floor_us:.1f} us ({rec['pct_of_floor']:.0f}%)")
     bm = pick_tiles(T * SHAPE["k"], SHAPE["E"]).block_m
-    item("decode", f"T={T} align only", lambda: {**base, "us": graph_time(
-        [lambda ids=ids: moe_align_fwd(ids, SHAPE["E"], bm) for _, ids in sets], reps=REPS)["us_per_call"]})
+    for split in (True, False):  # the single chunk over several programs (the default) or in one
+        item("decode", f"T={T} align only" + ("" if split else " (one program)"), lambda split=split: {
+            **base, "us": graph_time([lambda ids=ids: moe_align_fwd(ids, SHAPE["E"], bm, split=split)
+                                      for _, ids in sets], reps=REPS)["us_per_call"]})
 
     def peer() -> dict:
         ts = [time_ms(lambda w=w, ids=ids: torch_loop_experts(x, w13, w2, w, ids), reps=max(2, REPS // 4), warmup=1)

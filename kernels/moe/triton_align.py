@@ -12,8 +12,8 @@ Sizes come from T*k, E and BLOCK_M only (no host sync, CUDA-graph safe):
 No atomics: the pairs are cut into chunks of BP; a pair's slot is
   padded_start[e] + (e's pairs in earlier chunks) + (e's pairs before it in its chunk),
 so the layout is a pure function of the ids. Three launches: per-chunk histograms; one program for
-the prefix sums, padding and block experts; the scatter. When all pairs fit one chunk (decode),
-the one program does all of it.
+the prefix sums, padding and block experts; the scatter. When all pairs fit one chunk (decode), one
+launch: its programs each recompute the chunk's prefix sums and write a share of the outputs.
 """
 from __future__ import annotations
 
@@ -27,6 +27,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from k3rt.kernels.common import INTERPRET, pdl_kwargs
 
 CHUNK = 512  # pairs per chunk: T <= 64 at k = 8 is one chunk, hence one launch
+# pairs per program of the split single-chunk form: the one program took 7 us at 128 pairs and 23 us at 512 over
+# 256 experts (the Kimi-Linear-48B's decode at batch 16 and 64, session 24-25 on the H200), a chain of loops over
+# the blocks, the ranks and the padding tails; G programs each take a G-th of them
+SPLIT_PAIRS = 32
 _SUB = 32  # columns of the in-chunk rank comparison held at once (64 spills at 512 rows, sm_90)
 
 
@@ -122,6 +126,54 @@ def _moe_align_offsets_kernel(
         _scatter_chunk(ids_ptr, start_ptr, sorted_ptr, 0, P, BP, SUB)
 
 
+# not specialized per step (kernels/common.py, Compiles): P, NB: the step's pairs and blocks
+@triton.jit(do_not_specialize=["P", "NB"])
+def _moe_align_split_kernel(
+    ids_ptr, sorted_ptr, block_expert_ptr, P, NB,
+    E_P: tl.constexpr, BLOCK_M: tl.constexpr, BP: tl.constexpr, SP: tl.constexpr, G: tl.constexpr,
+    BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """One chunk's alignment over G programs (decode sizes): each reads every id and recomputes the padded
+    starts (a histogram of <= BP ids), then writes its share: the pairs [g * SP, (g + 1) * SP) at their
+    slots, a G-th of the blocks' experts and of the experts' sentinel tails. No program reads what another
+    writes, so nothing orders them."""
+    g = tl.program_id(0)
+    offs = tl.arange(0, BP)
+    offs_e = tl.arange(0, E_P)
+    if USE_PDL:
+        gdc_wait()
+    tot = tl.histogram(tl.load(ids_ptr + offs, mask=offs < P, other=0), E_P, mask=offs < P)
+    if USE_PDL:
+        gdc_launch_dependents()
+    padded = (tot + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pend = tl.cumsum(padded, axis=0)
+    pstart = pend - padded
+    total = tl.sum(padded, axis=0)
+    # the sentinel P in the padding tails of this program's experts (e % G == g)
+    tail = pstart + tot
+    mine_e = (offs_e % G) == g
+    for j0 in tl.static_range(0, BLOCK_M, 16):
+        pj = j0 + tl.arange(0, 16)
+        tl.store(sorted_ptr + tail[:, None] + pj[None, :], tl.zeros([E_P, 16], dtype=tl.int32) + P,
+                 mask=(pj[None, :] < (padded - tot)[:, None]) & mine_e[:, None])
+    # blocks b0 = g * BLOCK_B, then every G * BLOCK_B: block b belongs to the first expert whose run ends past it
+    for b0 in range(g * BLOCK_B, NB, G * BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        owner = tl.sum((pend[None, :] <= b[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        owner = tl.where(b * BLOCK_M < total, owner, -1)
+        tl.store(block_expert_ptr + b, owner, mask=b < NB)
+    # this program's pairs: slot = padded start of its expert + the pairs of that expert before it
+    li = g * SP + tl.arange(0, SP)
+    ok = li < P
+    e = tl.load(ids_ptr + li, mask=ok, other=-1)
+    rank = tl.sum(tl.where(offs_e[None, :] == e[:, None], pstart[None, :], 0), axis=1)
+    for j0 in range(0, (g + 1) * SP, SP):
+        lj = j0 + tl.arange(0, SP)
+        ej = tl.load(ids_ptr + lj, mask=lj < P, other=-2)
+        rank += tl.sum(((e[:, None] == ej[None, :]) & (lj[None, :] < li[:, None])).to(tl.int32), axis=1)
+    tl.store(sorted_ptr + rank, li, mask=ok)
+
+
 # not specialized per step (kernels/common.py, Compiles): P: the step's pairs
 @triton.jit(do_not_specialize=["P"])
 def _moe_align_scatter_kernel(ids_ptr, counts_ptr, sorted_ptr, P, E_P: tl.constexpr, BP: tl.constexpr,
@@ -138,10 +190,12 @@ def num_blocks_max(num_pairs: int, num_experts: int, block_m: int) -> int:
     return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
 
 
-def moe_align_fwd(topk_ids: Tensor, num_experts: int, block_m: int, *, use_pdl: bool = False) -> tuple[Tensor, Tensor]:
+def moe_align_fwd(topk_ids: Tensor, num_experts: int, block_m: int, *, use_pdl: bool = False,
+                  split: bool = True) -> tuple[Tensor, Tensor]:
     """topk_ids [T, k] int32 contiguous, ids in [0, num_experts) -> (sorted_pair_ids, block_expert).
 
-    Layout and sizes: see the module docstring. block_m must be a power of two >= 16.
+    Layout and sizes: see the module docstring. block_m must be a power of two >= 16. split: a single chunk's
+    work over several programs (`_moe_align_split_kernel`); False: in one program (benchmarks, tests).
     """
     assert topk_ids.dim() == 2 and topk_ids.dtype == torch.int32 and topk_ids.is_contiguous()
     assert block_m >= 16 and block_m & (block_m - 1) == 0 and 1 <= num_experts <= 4096
@@ -161,6 +215,13 @@ def moe_align_fwd(topk_ids: Tensor, num_experts: int, block_m: int, *, use_pdl: 
     start = torch.empty(E_P, dtype=torch.int32, device=dev)
     single = NC == 1
     pdl = use_pdl and not INTERPRET
+    if single and split:
+        # decode sizes: the single chunk's work over programs of SPLIT_PAIRS pairs each (_moe_align_split_kernel)
+        G = triton.cdiv(P, SPLIT_PAIRS)
+        _moe_align_split_kernel[(G,)](
+            topk_ids, sorted_ids, block_expert, P, NB, E_P=E_P, BLOCK_M=block_m, BP=bp, SP=SPLIT_PAIRS, G=G,
+            BLOCK_B=max(1, min(32, 8192 // E_P)), USE_PDL=pdl, num_warps=4, **pdl_kwargs(use_pdl))
+        return sorted_ids, block_expert
     if not single:
         _moe_align_count_kernel[(NC,)](topk_ids, counts, P, E_P=E_P, BP=bp, USE_PDL=pdl, num_warps=4,
                                        **pdl_kwargs(use_pdl))

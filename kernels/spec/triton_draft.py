@@ -33,8 +33,9 @@ from k3rt.kernels.spec.triton_draft_tile import _step_tile
 # waits through. Built for sm_90 without spills (tests/kernels/test_spec_sm90_build.py); BLOCK_V 256 at 8 warps
 # and 512 at 16 build too (benchmarks/dspark_pass.py times them against the default: `tiles=`).
 _TILE_ELEMS = 32768
-# the split form by default up to this many requests (prefer_split)
-SPLIT_MAX_BATCH = 16
+# the split form by default up to this many requests (prefer_split): faster at every batch measured, 1 to 64
+# (triton_draft_split.py's table)
+SPLIT_MAX_BATCH = 64
 
 
 def tiles(V: int, R: int) -> tuple[int, int]:
@@ -191,7 +192,7 @@ def greedy_draft(base: Tensor, anchor_ids: Tensor, conf_pre: Tensor, heads: Draf
     gate [B, k] fp32 (both or neither) -> (tokens [B, k] int64, confidence [B, k] fp32). split: one program per
     request in one launch (False), or the vocabulary split over programs, one or two launches per draft (True,
     triton_draft_split.py); default `prefer_split`. tile: (BLOCK_V, num_warps) instead of the form's default
-    (`tiles(V, R)`, `split_tile(V, R)`; benchmarks). Never syncs (CUDA-graph safe)."""
+    (`tiles(V, R)`, `split_tile(V, R, B)`; benchmarks). Never syncs (CUDA-graph safe)."""
     if base.dim() != 3:
         raise ValueError(f"base must be [B, k, V], got {list(base.shape)}")
     B, K, V = base.shape
@@ -229,7 +230,7 @@ def greedy_draft(base: Tensor, anchor_ids: Tensor, conf_pre: Tensor, heads: Draf
         split = prefer_split(B, V)
     rank = 0 if heads.markov_in is None else heads.markov_in.shape[1]
     if tile is None:
-        tile = split_tile(V, rank) if split else tiles(V, rank)
+        tile = split_tile(V, rank, B) if split else tiles(V, rank)
     elif not (tile[0] >= 16 and tile[0] & (tile[0] - 1) == 0 and tile[1] in (1, 2, 4, 8, 16)):
         raise ValueError(f"tile: (BLOCK_V a power of 2 >= 16, num_warps in 1..16 a power of 2), got {tile}")
     tokens = torch.empty(B, K, dtype=torch.int64, device=base.device)

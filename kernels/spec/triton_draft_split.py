@@ -32,14 +32,17 @@ from k3rt.kernels.common import poison_like
 from k3rt.kernels.spec.ref import DraftHeads
 from k3rt.kernels.spec.triton_draft_tile import _step_tile
 
-# BLOCK_V per program by default: the [BLOCK_V, R] Markov slice of k3-tiny's rank 32 in bf16 is 32 KB, one L2
-# round trip per program; 8192 tokens -> 16 programs per request
-SPLIT_BLOCK_V = 512
+# BLOCK_V per program by default, below and from SPLIT_WIDE_BATCH requests. H200, k3-tiny's drafter (V 8192, rank
+# 32, copy head, k 7), one pass from a graph (benchmarks/dspark_pass.py, session 25): at batch 1 / 4 / 16 / 64
+# 512-wide slices 58.6 / 63.3 / 73.1 / 134.2 us, 1024-wide 63.0 / 66.5 / 69.7 / 120.6 us; the one-program kernel
+# 140.9 / 143.3 / 144.0 / 149.5 us (its best tile)
+SPLIT_BLOCK_V = (512, 1024)
+SPLIT_WIDE_BATCH = 16
 
 
-def split_tile(V: int, R: int) -> tuple[int, int]:
-    """(BLOCK_V, num_warps) of the split form for vocabulary V and Markov rank R (0: none)."""
-    block_v = max(16, min(SPLIT_BLOCK_V, triton.next_power_of_2(V)))
+def split_tile(V: int, R: int, B: int = 1) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) of the split form for vocabulary V, Markov rank R (0: none) and B requests."""
+    block_v = max(16, min(SPLIT_BLOCK_V[B >= SPLIT_WIDE_BATCH], triton.next_power_of_2(V)))
     elems = block_v * triton.next_power_of_2(max(R, 1))
     return block_v, 8 if elems >= 8192 else 4
 
