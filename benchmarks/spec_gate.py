@@ -35,6 +35,8 @@ GOAL = 0.95
 
 
 def _args() -> argparse.Namespace:
+    from k3rt.backend.bench.spec_bench import SpecBenchConfig
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="k3-tiny")
     p.add_argument("--device", default="cpu")
@@ -58,8 +60,9 @@ def _args() -> argparse.Namespace:
                    "turns (`k3rt bench spec --rounds`); the row's speedup is the median of the rounds' ratios")
     p.add_argument("--trace", action="store_true", help="each timing row keeps its runs' per-call traces "
                    "(`k3rt bench spec --trace`)")
-    p.add_argument("--spec-rounds", type=int, default=1, metavar="N",
-                   help="dspark on the gpu runner: up to N verify rounds per step on the device (SpecConfig.rounds)")
+    p.add_argument("--spec-rounds", type=int, default=SpecBenchConfig.spec_rounds, metavar="N",
+                   help="dspark on the gpu runner: up to N verify rounds per step on the device (SpecConfig.rounds; "
+                        "default %(default)s)")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args()
 

@@ -127,7 +127,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    from k3rt.config import SPEC_METHODS
+    from k3rt.config import SPEC_METHODS, SpecConfig
 
     p.add_argument("--spec", choices=SPEC_METHODS, default=None,
                    help="speculative decoding: 'ngram' (prompt lookup), 'suffix' (suffix tries over the request and "
@@ -145,12 +145,13 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="gpu runner on CUDA: run verify steps and the dspark drafter's pass eagerly (by default they "
                         "replay CUDA graphs captured at --spec-tokens for batches up to 64; decode graphs are kept; "
                         "--no-cuda-graphs turns off both)")
-    p.add_argument("--spec-rounds", type=int, default=1, metavar="N",
+    p.add_argument("--spec-rounds", type=int, default=SpecConfig.rounds, metavar="N",
                    help="--spec dspark on the gpu runner: up to N verify rounds per engine step on the device "
                         "(greedy requests without grammar, logprobs, logit bias or penalties): each round's "
                         "acceptance, commit, drafter pass and next verify run as one CUDA graph with no host round "
-                        "trip, and the step's tokens are read back once (default 1: every round is its own step; "
-                        "tokens then stream once per round)")
+                        "trip, and the step's tokens are read back once, streaming together when the step ends "
+                        f"(default {SpecConfig.rounds}; 1: every round is its own step, tokens streaming once per "
+                        "round)")
     _add_spec_adaptive(p)
 
 
@@ -425,6 +426,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_bench_spec(bsub: argparse._SubParsersAction) -> None:
+    from k3rt.config import SpecConfig
+
     s = bsub.add_parser("spec", help="speculative decoding vs plain decoding: tau, draft and verify time, tokens/s",
                         description="Run each workload at each batch size greedily without speculation and with each "
                                     "drafter (in process, the real model), in waves of the batch size (--requests "
@@ -474,9 +477,9 @@ def _add_bench_spec(bsub: argparse._SubParsersAction) -> None:
                    help="on CUDA: run verify steps and the drafter's pass eagerly, decode steps still from graphs "
                         "(to compare against the default, where all three replay graphs)")
     _add_spec_adaptive(s)
-    s.add_argument("--spec-rounds", type=int, default=1, metavar="N",
+    s.add_argument("--spec-rounds", type=int, default=SpecConfig.rounds, metavar="N",
                    help="dspark on the gpu runner: up to N verify rounds per engine step on the device (as serve's "
-                        "--spec-rounds; default 1)")
+                        f"--spec-rounds; default {SpecConfig.rounds})")
     s.add_argument("--rounds", type=int, default=1,
                    help="rounds per row: each round runs every drafter next to a plain run of its own (plain "
                         "first and second in turn); the speedup is the median of those pairs' spec/plain ratios "

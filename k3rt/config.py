@@ -180,8 +180,10 @@ class SpecConfig:
     adaptive: bool = True
     # gpu runner, dspark: verify rounds one engine step may run on the device (backend/runner/gpu/rounds.py): a
     # step of greedy verify chunks runs round after round without the host, each round's drafts drafted on the
-    # device from the round before; 1: every round is its own step
-    rounds: int = 1
+    # device from the round before; 1: every round is its own step. 16 by default: on the H200 (session 26,
+    # benchmarks/RESULTS.md) the gate's speedups at 16 rounds beat 1 round's in every row (batch 1: 1.96-2.66x
+    # against 1.12-1.53x); tokens of such a step stream together when it ends (~15 ms at batch 1 for k3-tiny)
+    rounds: int = 16
     gate: SpecGateConfig = field(default_factory=SpecGateConfig)
 
     def __post_init__(self) -> None:

@@ -101,7 +101,7 @@ class SpecBenchConfig:
     spec_adaptive: bool = True  # the speculation controller (False: every step that can draft does)
     # dspark on the GPU runner: verify rounds per step on the device (SpecConfig.rounds; rows then count a step of
     # several rounds as one verify step in their verify-time columns: tokens/s and speedup are per token)
-    spec_rounds: int = 1
+    spec_rounds: int = 16  # SpecConfig.rounds' default
     # measured runs per engine and (workload, batch), the engines taking turns (rows sum counts and times over
     # them; speedup is the median of the rounds' ratios)
     rounds: int = 1

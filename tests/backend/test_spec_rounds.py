@@ -238,7 +238,7 @@ def test_spec_rounds_flag_and_its_bounds() -> None:
 
     a = build_parser().parse_args(["serve", "--spec", "dspark", "--spec-rounds", "8"])
     assert _spec_config(a).rounds == 8
-    assert _spec_config(build_parser().parse_args(["serve", "--spec", "dspark"])).rounds == 1
+    assert _spec_config(build_parser().parse_args(["serve", "--spec", "dspark"])).rounds == 16  # the default (session 26: 16 beat 1 in every gate row)
     with pytest.raises(ValueError, match=r"spec_rounds: must be in \[1, 64\], got 0"):
         SpecConfig(method="dspark", rounds=0)
 
