@@ -9,7 +9,9 @@ B code requests prefilled, then
      the device's kernel ms and kernel count per step, the share of the wall the device was busy, the top
      kernels by device time;
   3. at the end (the requests done), each CUDA graph the engine replays, alone, CUDA-event timed: the decode
-     graph, the verify graph and its commit graph, the drafter's graph, at the batch's bucket.
+     graph, the verify graph and its commit graph, the drafter's graph, at the batch's bucket;
+  4. the prefill phase (`prefill_ms`: the steps from the B requests' arrival until each has its first token,
+     synced; median of 3) and, with --profile-prefill, those steps under the profiler as in 2.
 
     python3 benchmarks/spec_round.py --device cuda --dtype bfloat16 --batch 1,16
     python3 benchmarks/spec_round.py --smoke      # CPU, reference runner, few steps: bit-rot check
@@ -41,6 +43,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--profile-steps", type=int, default=24, help="decode steps under the profiler per engine")
     p.add_argument("--top", type=int, default=20, help="kernels kept per row")
+    p.add_argument("--profile-prefill", action="store_true",
+                   help="also profile the prefill phase's steps (the row's prefill_profile)")
     p.add_argument("--smoke", action="store_true", help="CPU, batch 1, 32-token prompts, 8 tokens (the reference runner: no graphs)")
     p.add_argument("--budget-s", type=float, default=300.0)
     p.add_argument("--out", type=Path, default=None)
@@ -55,6 +59,8 @@ _PHASES = (
     ("scheduler.drafter", "_inputs", "draft_inputs"),
     ("runner", "launch", "launch"),
     ("runner", "_pack", "pack"),
+    ("runner", "_build", "build_step"),
+    ("runner.fwd", "logits", "logits"),
     ("runner", "_run_verify", "verify_forward"),
     ("runner", "_sample_now", "sample_and_accept"),
     ("runner module", "verify_requests", "accept"),
@@ -111,11 +117,21 @@ def _unlabel(undo: list) -> None:
             delattr(obj, attr)  # back to the class's method
 
 
-def _decode_ready(eng, prompts, params) -> None:
+def _decode_ready(eng, prompts, params) -> int:
+    """Add the prompts and step until each request has its first token; returns the steps taken."""
     for p in prompts:
         eng.add_request(p, params)
+    steps = 0
     while eng.scheduler.waiting or any(r.num_output == 0 for r in eng.scheduler.running):
         eng.step()
+        steps += 1
+    return steps
+
+
+def _finish(eng) -> None:
+    while eng.has_unfinished:
+        eng.step()
+    eng.flush_cache()
 
 
 def _timed_steps(eng, sync) -> tuple[list[float], list[int]]:
@@ -162,6 +178,61 @@ def _profile_summary(prof, steps: int, wall_s: float, top: int) -> dict:
             "device_ops_per_step": round(sum(v[1] for v in kernels.values()) / steps, 1),
             "wall_ms_per_step": round(wall_s * 1e3 / steps, 4),
             "top_kernels": [[k[:90], round(v[0] / 1e3 / steps, 4), round(v[1] / steps, 2)] for k, v in ranked]}
+
+
+def _profile_prefill(eng, prompts, params, sync, prefill_steps: int, top: int) -> dict:
+    """The prefill phase's steps twice: host time per phase with nothing attached (the labelled phases plus the
+    piecewise forward's cores and graph replays: `host_phase_ms_per_step`), then under the torch profiler
+    (`_profile_summary`), in that order (CUPTI slows graph launches once a profiler has attached)."""
+    import torch
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    totals = defaultdict(float)
+    undo = _label(eng, totals=totals)
+    mixed = getattr(eng.runner, "mixed", None)
+    replay = torch.cuda.CUDAGraph.replay
+
+    def timed_replay(g, _totals=totals):
+        t0 = time.perf_counter()
+        try:
+            return replay(g)
+        finally:
+            _totals["graph_replay"] += time.perf_counter() - t0
+    torch.cuda.CUDAGraph.replay = timed_replay
+    core = mixed._core if mixed is not None else None
+    if core is not None:
+        def timed_core(*args, _core=core, _totals=totals, **kw):
+            t0 = time.perf_counter()
+            try:
+                return _core(*args, **kw)
+            finally:
+                _totals["piecewise_core"] += time.perf_counter() - t0
+        mixed._core = timed_core
+    sync()
+    t0 = time.perf_counter()
+    steps = _decode_ready(eng, prompts, params)
+    sync()
+    totals["wall"] = time.perf_counter() - t0
+    torch.cuda.CUDAGraph.replay = replay
+    if core is not None:
+        del mixed._core
+    _unlabel(undo)
+    _finish(eng)
+    prefill_host = {k: round(v * 1e3 / steps, 4) for k, v in sorted(totals.items())}
+    undo = _label(eng, record_function=record_function)
+    sync()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        _decode_ready(eng, prompts, params)
+        sync()
+        wall = time.perf_counter() - t0
+    _unlabel(undo)
+    prefill_profile = _profile_summary(prof, prefill_steps, wall, top)
+    prefill_profile["host_phase_ms_per_step"] = prefill_host
+    _finish(eng)
+    return prefill_profile
 
 
 def _graph_times(eng, batch: int, reps: int = 30) -> dict:
@@ -230,13 +301,21 @@ def main() -> int:
             prompts = _code_prompts(tok, b, 32 if a.smoke else 96, seed=b)
             eng.generate(prompts, replace(params, max_tokens=min(16, a.max_tokens)))  # warm-up: compiles, graphs
             eng.flush_cache()
+            prefill_ms, prefill_steps = [], 0
+            for _ in range(3):  # the prefill phase alone (synced; the prefix cache flushed between)
+                sync()
+                t0 = time.perf_counter()
+                prefill_steps = _decode_ready(eng, prompts, params)
+                sync()
+                prefill_ms.append((time.perf_counter() - t0) * 1e3)
+                _finish(eng)
+            prefill_profile = (_profile_prefill(eng, prompts, params, sync, prefill_steps, a.top)
+                               if a.profile_prefill else None)
             v0, acc0 = eng.stats.spec_verifies, eng.stats.spec_accepted_tokens
             _decode_ready(eng, prompts, params)
             times, emitted = _timed_steps(eng, sync)
             v1, acc1 = eng.stats.spec_verifies, eng.stats.spec_accepted_tokens
-            while eng.has_unfinished:
-                eng.step()
-            eng.flush_cache()
+            _finish(eng)
             # the same steps again with each phase's host time totalled (perf_counter around each call: what
             # a phase holds the host, device waits inside it included)
             totals: dict[str, float] = defaultdict(float)
@@ -245,9 +324,7 @@ def main() -> int:
             htimes, _ = _timed_steps(eng, sync)
             _unlabel(undo)
             verifies, accepted = v1 - v0, acc1 - acc0
-            while eng.has_unfinished:
-                eng.step()
-            eng.flush_cache()
+            _finish(eng)
             _decode_ready(eng, prompts, params)
             undo = _label(eng, record_function=record_function)
             n = min(a.profile_steps, max(1, a.max_tokens // 4))
@@ -259,9 +336,7 @@ def main() -> int:
                 sync()
                 wall = time.perf_counter() - t0
             _unlabel(undo)
-            while eng.has_unfinished:
-                eng.step()
-            eng.flush_cache()
+            _finish(eng)
             ms = [t * 1e3 for t in times]
             row = {"engine": name, "batch": b, "steps": len(ms), "step_ms_median": round(statistics.median(ms), 4),
                    "tokens_per_step": round(sum(emitted) / max(1, len(emitted)), 3),
@@ -269,24 +344,29 @@ def main() -> int:
                    "tau": round((accepted + verifies) / verifies, 3) if verifies else None,
                    "host_phase_ms_per_step": {k: round(v * 1e3 / len(htimes), 4) for k, v in sorted(totals.items())},
                    "host_timed_step_ms_median": round(statistics.median(htimes) * 1e3, 4),
-                   "profile": _profile_summary(prof, n, wall, a.top)}
+                   "profile": _profile_summary(prof, n, wall, a.top),
+                   "prefill_ms": round(statistics.median(prefill_ms), 4), "prefill_steps": prefill_steps}
+            if prefill_profile is not None:
+                row["prefill_profile"] = prefill_profile
             if cuda:
                 row["graphs"] = _graph_times(eng, b)
             res["rows"].append(row)
             log(f"{name} b={b}: step {row['step_ms_median']:.3f} ms, {row['tokens_per_step']} tok/step, "
-                f"{row['tok_s']} tok/s, tau {row['tau']}, graphs {row.get('graphs')}")
+                f"{row['tok_s']} tok/s, tau {row['tau']}, prefill {row['prefill_ms']:.3f} ms in {prefill_steps} "
+                f"steps, graphs {row.get('graphs')}")
             report.save()
         eng.close()
         del eng
         if cuda:
             torch.cuda.empty_cache()
-    print("| engine | batch | step ms | tok/step | tok/s | tau | device busy ms/step | kernels/step | graphs ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("| engine | batch | step ms | tok/step | tok/s | tau | device busy ms/step | kernels/step | prefill ms | "
+          "graphs ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in res["rows"]:
         p = r["profile"]
         g = ", ".join(f"{k[:-3]} {v}" for k, v in r.get("graphs", {}).items())
         print(f"| {r['engine']} | {r['batch']} | {r['step_ms_median']} | {r['tokens_per_step']} | {r['tok_s']} | "
-              f"{r['tau']} | {p['device_busy_ms_per_step']} | {p['device_ops_per_step']} | {g} |")
+              f"{r['tau']} | {p['device_busy_ms_per_step']} | {p['device_ops_per_step']} | {r['prefill_ms']} | {g} |")
     report.save()
     return 0
 

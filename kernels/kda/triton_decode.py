@@ -39,6 +39,10 @@ _LOWER_BOUND_MIN = -5.0
 # never below this many value columns per program
 _TARGET_PROGRAMS = 256
 _MIN_SPLIT_COLS = 16
+# default_block_v: unsplit heads walk their state in 32-column tiles up to this many (sequence, head) programs
+# and in 64-column tiles above. H200, H=32 D=128, CUDA graph (kernels.py --decode-sweep; NOTES.md runs 1 and 5):
+# N=16 25.4 us at 32 against 27.4 at 64; N=64 96.3 against 85.4; N=256 352.9 against 313.5
+_NARROW_TILE_PROGRAMS = 512
 
 
 def _slots_contiguous(t: Tensor) -> bool:
@@ -307,6 +311,12 @@ def _launch_decode(
     )
 
 
+def default_block_v(N: int, H: int, v_split: int) -> int:
+    """Value columns per state tile: narrow tiles while few unsplit programs run (more of them resident per SM
+    with the tile in registers), wider ones once the grid is several waves deep (fewer, longer loads)."""
+    return 32 if v_split == 1 and N * H <= _NARROW_TILE_PROGRAMS else 64
+
+
 def default_v_split(N: int, H: int, D: int) -> int:
     """Programs per head: enough (sequence, head, V slice) programs to cover the GPU at small N;
     1 once N*H alone fills it (splitting then only repeats the q/k conv)."""
@@ -342,7 +352,7 @@ def kda_decode(
     out: Tensor | None = None,
     use_pdl: bool = False,
     num_warps: int = 4,
-    block_v: int = 64,
+    block_v: int | None = None,
     o_gate: Tensor | None = None,
     o_norm_weight: Tensor | None = None,
     o_norm_eps: float = 1e-5,
@@ -374,7 +384,8 @@ def kda_decode(
         o_norm_eps: the output norm's eps (Kimi: rms_norm_eps, 1e-5).
         v_split: programs per head, each owning D/v_split value columns (a power of two dividing
             D); None picks `default_v_split(N, H, D)`.
-        num_warps, block_v: launch tuning (block_v: value columns per state tile).
+        num_warps, block_v: launch tuning (block_v: value columns per state tile; None: `default_block_v`
+            when v_split is None too, else 64).
         workspace: int32 counters from `kda_decode_workspace(>= N, H)`, zero between launches; used
             when v_split > 1 (None allocates zeroed counters per call).
 
@@ -428,9 +439,13 @@ def kda_decode(
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
     o_gate, o_norm_weight = _check_norm(o_gate, o_norm_weight, N, H, D)
+    if block_v is None:
+        # a caller that pins v_split pins the tile too (the batch-invariant mode: one launch shape at any N)
+        block_v = default_block_v(N, H, default_v_split(N, H, D)) if v_split is None else 64
     v_split = default_v_split(N, H, D) if v_split is None else int(v_split)
     if v_split < 1 or D % v_split != 0 or (D // v_split) & (D // v_split - 1):
         raise ValueError(f"v_split must be a power of two dividing D={D} into powers of two, got {v_split}")
+    block_v = int(block_v)
     counts = None
     if v_split > 1:
         if workspace is None:

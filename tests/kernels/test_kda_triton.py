@@ -213,6 +213,25 @@ def test_decode_fused_gated_rmsnorm(v_split: int, block_v: int, gate_2d: bool) -
     assert torch.equal(case["conv_state"], conv_ref)
 
 
+def test_decode_default_tile_narrow_for_few_programs_and_pinned_with_v_split(monkeypatch) -> None:
+    """block_v None: 32-column tiles while (sequence, head) programs <= 512 and heads are unsplit (H200: N=16 H=32
+    25.4 against 27.4 us), 64 above; a caller that pins v_split (the batch-invariant mode) gets 64 at any N, so its
+    launch shape, and with it the summation order, never depends on the batch."""
+    assert triton_decode.default_block_v(16, 32, 1) == 32
+    assert triton_decode.default_block_v(17, 32, 1) == 64
+    assert triton_decode.default_block_v(4, 32, 2) == 64
+    seen = []
+    monkeypatch.setattr(triton_decode, "_launch_decode", lambda *a: seen.append((a[-2], a[-1])))
+    N, H, D = 3, 2, 32
+    case = decode_case(N, H, D, "softplus", torch.float32, num_slots=4, seed=3)
+    slots = torch.tensor([0, 1, 2], device=DEV)
+    kda_decode(**case, slot_indices=slots)
+    kda_decode(**case, slot_indices=slots, v_split=1)
+    kda_decode(**case, slot_indices=slots, v_split=1, block_v=8)
+    split = triton_decode.default_v_split(N, H, D)
+    assert seen == [(triton_decode.default_block_v(N, H, split), split), (64, 1), (8, 1)]
+
+
 def test_decode_rejects_bad_inputs() -> None:
     case = decode_case(2, 2, 16, "softplus", torch.float32, num_slots=3)
     slots = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
