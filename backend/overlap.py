@@ -6,8 +6,10 @@ The protocol (one step late), per engine step:
                  token at the end of token_ids), so a continuing request is a plain decode of it
   launch N+1     the runner feeds step N's sampled tokens from the device (a gather by row), never the host
   advance N+1    the scheduler counts N+1's work as done (Scheduler.advance) and appends its PENDING tokens
-  collect N      the only wait: step N's tokens come back; Scheduler.resolve puts them in place, finishes the
-                 requests they end and the engine reports them
+  collect N      the only wait: step N's tokens come back (from a pinned copy queued right after step N's
+                 sampling, behind an event of its own: a read of the device tokens would queue behind N+1 and
+                 wait for it); Scheduler.resolve puts them in place, finishes the requests they end and the
+                 engine reports them
 
 Exactness (outputs equal overlap off, token for token, under greedy sampling):
 - A request at its max_tokens with a token in flight is not scheduled again (its end is known without the

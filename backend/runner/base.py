@@ -24,6 +24,11 @@ class LaunchedStep:
     sampled: dict[int, int | list[int]] | None = None
     tokens: Any = None  # torch.Tensor [R] int64 on the device, or None
     rows: dict[int, int] = field(default_factory=dict)
+    # the tokens' copy into pinned host memory, queued right after the step's sampling, and a CUDA event recorded
+    # after it: `collect` waits for that event, not for the stream (a read of `tokens` itself would queue behind,
+    # and wait for, the step launched after this one)
+    host_tokens: Any = None
+    ready: Any = None
     timing: Any = None  # the runner's GPU timing record of this step (backend/runner/gpu/idle.py), or None
 
 

@@ -255,6 +255,49 @@ def test_gpu_runner_overlap_equals_sync_on_cuda_with_graphs(tmp_path):
     assert outs[True] == outs[False]
 
 
+@pytest.mark.gpu
+def test_collecting_a_step_does_not_wait_for_the_step_launched_after_it(tmp_path):
+    """Overlap on CUDA: collect(N) runs after launch(N+1) and must wait for step N's tokens only. Reading the
+    device tokens (`tokens.tolist()`) queued behind N+1 and waited for it too, so host and device took turns (a
+    k3-tiny step at batch 64 on the H200: 1.8 ms of wall for 0.53 ms of kernels). Here every launch is followed
+    by 200 ms of device sleep standing in for a long next step: a collect that waits for it takes >= 200 ms."""
+    import time
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from k3rt.backend.models.tiny import make_tiny
+
+    ckpt = make_tiny(tmp_path / "k3", arch="k3", dtype="float32", seed=9)
+    cfg = engine_config_for_tests(str(ckpt), num_pages=64)
+    eng = Engine(replace(cfg, device="cuda", runner="gpu", overlap=True))
+    eng.add_request([5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    for _ in range(3):  # prefill, then decodes in flight
+        eng.step()
+    props = torch.cuda.get_device_properties(0)
+    cycles = int(0.2 * getattr(props, "clock_rate", 1_980_000) * 1e3)  # ~200 ms at the SM clock (kHz)
+    launch, collect, waits = eng.runner.launch, eng.runner.collect, []
+
+    def slow_launch(*a, **kw):
+        out = launch(*a, **kw)
+        torch.cuda._sleep(cycles)  # queued after this step's work: the "next step" of the previous one
+        return out
+
+    def timed_collect(step):
+        t0 = time.perf_counter()
+        try:
+            return collect(step)
+        finally:
+            waits.append(time.perf_counter() - t0)
+
+    eng.runner.launch, eng.runner.collect = slow_launch, timed_collect
+    torch.cuda.synchronize()
+    eng.step()  # launches step N+1 (and its sleep), then collects step N
+    torch.cuda.synchronize()
+    assert waits and waits[0] < 0.1, f"collecting step N waited {waits[0] * 1e3:.0f} ms: it waited for step N+1"
+
+
 def test_requests_that_need_their_token_take_the_synchronous_path(tmp_path):
     """Grammar, logprobs and penalties in a batch with plain requests, and speculative decoding: outputs
     (logprobs included) equal overlap off, and a step holding such a request is collected before the
