@@ -118,7 +118,6 @@ class _Graph:
     accepted: torch.Tensor | None = None  # its input: tokens each sequence keeps, [size] int64 (0: none)
 
 
-
 def _read_back(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
     """Queue the copy of a step's device tokens into pinned host memory on the current stream, and record an event
     after it: (host tensor, event). Waiting on the event waits for this step's work only; a later step's work,
@@ -128,6 +127,7 @@ def _read_back(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
     ready = torch.cuda.Event()
     ready.record()
     return host, ready
+
 
 class GpuModelRunner(Runner):
     def __init__(self, model: KimiForCausalLM, pool: PagePool, *, kernels: KernelConfig = KernelConfig(),
