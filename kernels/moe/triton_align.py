@@ -65,6 +65,36 @@ def _moe_align_count_kernel(ids_ptr, counts_ptr, P, E_P: tl.constexpr, BP: tl.co
     tl.store(counts_ptr + c * E_P + tl.arange(0, E_P), tl.histogram(e, E_P, mask=offs < P))
 
 
+@triton.jit
+def _padded_runs(tot, BLOCK_M: tl.constexpr):
+    """Per expert, its pair count padded to BLOCK_M and its padded run [pstart, pend); and the runs' total."""
+    padded = (tot + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pend = tl.cumsum(padded, axis=0)
+    return padded, pend, pend - padded, tl.sum(padded, axis=0)
+
+
+@triton.jit
+def _store_tails(sorted_ptr, pstart, tot, padded, P, mine_e, E_P: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The sentinel P in the padding tails (fewer than BLOCK_M slots) of the experts mine_e selects."""
+    tail = pstart + tot
+    for j0 in tl.static_range(0, BLOCK_M, 16):
+        pj = j0 + tl.arange(0, 16)
+        tl.store(sorted_ptr + tail[:, None] + pj[None, :], tl.zeros([E_P, 16], dtype=tl.int32) + P,
+                 mask=(pj[None, :] < (padded - tot)[:, None]) & mine_e[:, None])
+
+
+@triton.jit
+def _store_block_experts(block_expert_ptr, pend, total, first, step, NB, BLOCK_M: tl.constexpr,
+                         BLOCK_B: tl.constexpr):
+    """Blocks first, first + step, ... (BLOCK_B at a time): block b belongs to the first expert whose padded run
+    ends after slot b * BLOCK_M (-1 past the last run)."""
+    for b0 in range(first, NB, step):
+        b = b0 + tl.arange(0, BLOCK_B)
+        owner = tl.sum((pend[None, :] <= b[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        owner = tl.where(b * BLOCK_M < total, owner, -1)
+        tl.store(block_expert_ptr + b, owner, mask=b < NB)
+
+
 # not specialized per step (kernels/common.py, Compiles): P, NC, NB: the step's pairs, chunks and blocks
 @triton.jit(do_not_specialize=["P", "NC", "NB"])
 def _moe_align_offsets_kernel(
@@ -96,10 +126,7 @@ def _moe_align_offsets_kernel(
             tot += tl.sum(tl.load(counts_ptr + (c0 + rc)[:, None] * E_P + offs_e[None, :], mask=m, other=0), axis=0)
     if USE_PDL:
         gdc_launch_dependents()
-    padded = (tot + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    pend = tl.cumsum(padded, axis=0)
-    pstart = pend - padded
-    total = tl.sum(padded, axis=0)
+    padded, pend, pstart, total = _padded_runs(tot, BLOCK_M)
     if not SINGLE_CHUNK:
         run = pstart
         for c0 in range(0, NC, TILE_C):
@@ -108,18 +135,8 @@ def _moe_align_offsets_kernel(
             cnt = tl.load(ptrs, mask=m, other=0)
             tl.store(ptrs, tl.cumsum(cnt, axis=0) - cnt + run[None, :], mask=m)
             run += tl.sum(cnt, axis=0)
-    # the sentinel P in each expert's padding tail (fewer than BLOCK_M slots)
-    tail = pstart + tot
-    for j0 in tl.static_range(0, BLOCK_M, 16):
-        pj = j0 + tl.arange(0, 16)
-        tl.store(sorted_ptr + tail[:, None] + pj[None, :], tl.zeros([E_P, 16], dtype=tl.int32) + P,
-                 mask=pj[None, :] < (padded - tot)[:, None])
-    # block b belongs to the first expert whose padded run ends after slot b * BLOCK_M
-    for b0 in range(0, NB, BLOCK_B):
-        b = b0 + tl.arange(0, BLOCK_B)
-        owner = tl.sum((pend[None, :] <= b[:, None] * BLOCK_M).to(tl.int32), axis=1)
-        owner = tl.where(b * BLOCK_M < total, owner, -1)
-        tl.store(block_expert_ptr + b, owner, mask=b < NB)
+    _store_tails(sorted_ptr, pstart, tot, padded, P, offs_e < E_P, E_P, BLOCK_M)  # every expert's tail
+    _store_block_experts(block_expert_ptr, pend, total, 0, BLOCK_B, NB, BLOCK_M, BLOCK_B)
     if SINGLE_CHUNK:
         tl.store(start_ptr + offs_e, pstart)
         tl.debug_barrier()  # the scatter gathers padded_start back from memory
@@ -145,23 +162,10 @@ def _moe_align_split_kernel(
     tot = tl.histogram(tl.load(ids_ptr + offs, mask=offs < P, other=0), E_P, mask=offs < P)
     if USE_PDL:
         gdc_launch_dependents()
-    padded = (tot + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    pend = tl.cumsum(padded, axis=0)
-    pstart = pend - padded
-    total = tl.sum(padded, axis=0)
-    # the sentinel P in the padding tails of this program's experts (e % G == g)
-    tail = pstart + tot
-    mine_e = (offs_e % G) == g
-    for j0 in tl.static_range(0, BLOCK_M, 16):
-        pj = j0 + tl.arange(0, 16)
-        tl.store(sorted_ptr + tail[:, None] + pj[None, :], tl.zeros([E_P, 16], dtype=tl.int32) + P,
-                 mask=(pj[None, :] < (padded - tot)[:, None]) & mine_e[:, None])
-    # blocks b0 = g * BLOCK_B, then every G * BLOCK_B: block b belongs to the first expert whose run ends past it
-    for b0 in range(g * BLOCK_B, NB, G * BLOCK_B):
-        b = b0 + tl.arange(0, BLOCK_B)
-        owner = tl.sum((pend[None, :] <= b[:, None] * BLOCK_M).to(tl.int32), axis=1)
-        owner = tl.where(b * BLOCK_M < total, owner, -1)
-        tl.store(block_expert_ptr + b, owner, mask=b < NB)
+    padded, pend, pstart, total = _padded_runs(tot, BLOCK_M)
+    # the padding tails of this program's experts (e % G == g); blocks g * BLOCK_B, then every G * BLOCK_B
+    _store_tails(sorted_ptr, pstart, tot, padded, P, (offs_e % G) == g, E_P, BLOCK_M)
+    _store_block_experts(block_expert_ptr, pend, total, g * BLOCK_B, G * BLOCK_B, NB, BLOCK_M, BLOCK_B)
     # this program's pairs: slot = padded start of its expert + the pairs of that expert before it
     li = g * SP + tl.arange(0, SP)
     ok = li < P
