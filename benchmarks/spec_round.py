@@ -83,6 +83,17 @@ def _resolve(eng, path: str):
     return obj
 
 
+def _timed(fn, totals: dict, label: str):
+    """fn, adding the seconds each call holds the host to totals[label]."""
+    def timed(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            totals[label] += time.perf_counter() - t0
+    return timed
+
+
 def _label(eng, record_function=None, totals: dict | None = None) -> list:
     """Wrap each phase's method on its instance (or function in the runner's module) with a profiler label
     (record_function) or a perf_counter total (totals: label -> seconds); returns what to undo."""
@@ -97,13 +108,7 @@ def _label(eng, record_function=None, totals: dict | None = None) -> list:
                 with record_function(f"k3rt::{_label}"):
                     return _fn(*a, **kw)
         else:
-            def wrapped(*a, _fn=fn, _label=label, **kw):
-                t0 = time.perf_counter()
-                try:
-                    return _fn(*a, **kw)
-                finally:
-                    totals[_label] += time.perf_counter() - t0
-
+            wrapped = _timed(fn, totals, label)
         setattr(obj, attr, functools.wraps(fn)(wrapped))
         undo.append((obj, attr, fn if isinstance(obj, type(sys)) else None))
     return undo
@@ -154,7 +159,12 @@ def _profile_summary(prof, steps: int, wall_s: float, top: int) -> dict:
     kernels = defaultdict(lambda: [0.0, 0])
     spans = []
     for ev in prof.events():
-        if ev.device_type == DeviceType.CUDA:
+        if ev.name.startswith("k3rt::"):
+            # a label also comes back as a device-side range: a span of a host phase, no kernel (counted as one, it
+            # made the busy and kernel time per step those of the longest phase)
+            if ev.device_type != DeviceType.CUDA:
+                host[ev.name[6:]] += ev.time_range.elapsed_us()
+        elif ev.device_type == DeviceType.CUDA:
             if ev.name.startswith("Memcpy") or ev.name.startswith("Memset"):
                 key = ev.name.split(" ")[0]
             else:
@@ -162,8 +172,6 @@ def _profile_summary(prof, steps: int, wall_s: float, top: int) -> dict:
             kernels[key][0] += ev.time_range.elapsed_us()
             kernels[key][1] += 1
             spans.append((ev.time_range.start, ev.time_range.end))
-        elif ev.name.startswith("k3rt::"):
-            host[ev.name[6:]] += ev.time_range.elapsed_us()
     spans.sort()
     busy, end = 0.0, float("-inf")
     for s, e in spans:
@@ -193,30 +201,16 @@ def _profile_prefill(eng, prompts, params, sync, prefill_steps: int, top: int) -
     undo = _label(eng, totals=totals)
     mixed = getattr(eng.runner, "mixed", None)
     replay = torch.cuda.CUDAGraph.replay
-
-    def timed_replay(g, _totals=totals):
-        t0 = time.perf_counter()
-        try:
-            return replay(g)
-        finally:
-            _totals["graph_replay"] += time.perf_counter() - t0
-    torch.cuda.CUDAGraph.replay = timed_replay
-    core = mixed._core if mixed is not None else None
-    if core is not None:
-        def timed_core(*args, _core=core, _totals=totals, **kw):
-            t0 = time.perf_counter()
-            try:
-                return _core(*args, **kw)
-            finally:
-                _totals["piecewise_core"] += time.perf_counter() - t0
-        mixed._core = timed_core
+    torch.cuda.CUDAGraph.replay = _timed(replay, totals, "graph_replay")
+    if mixed is not None:
+        mixed._core = _timed(mixed._core, totals, "piecewise_core")
     sync()
     t0 = time.perf_counter()
     steps = _decode_ready(eng, prompts, params)
     sync()
     totals["wall"] = time.perf_counter() - t0
     torch.cuda.CUDAGraph.replay = replay
-    if core is not None:
+    if mixed is not None:
         del mixed._core
     _unlabel(undo)
     _finish(eng)
