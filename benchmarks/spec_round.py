@@ -94,6 +94,34 @@ def _timed(fn, totals: dict, label: str):
     return timed
 
 
+def _time_triton_launches():
+    """Total the host time of every Triton launch (JITFunction.run) per kernel until the returned function is
+    called, which restores the launcher and returns {kernel name: (launches, seconds)}. Nested runs (an autotuner's
+    benchmark launches) count once each."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return dict
+    run = JITFunction.run
+    stats: dict[str, list] = defaultdict(lambda: [0, 0.0])
+
+    def timed_run(self, *a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return run(self, *a, **kw)
+        finally:
+            s = stats[self.__name__]
+            s[0] += 1
+            s[1] += time.perf_counter() - t0
+
+    JITFunction.run = timed_run
+
+    def done() -> dict[str, tuple[int, float]]:
+        JITFunction.run = run
+        return {k: (n, t) for k, (n, t) in stats.items()}
+    return done
+
+
 def _label(eng, record_function=None, totals: dict | None = None) -> list:
     """Wrap each phase's method on its instance (or function in the runner's module) with a profiler label
     (record_function) or a perf_counter total (totals: label -> seconds); returns what to undo."""
@@ -204,6 +232,7 @@ def _profile_prefill(eng, prompts, params, sync, prefill_steps: int, top: int) -
     torch.cuda.CUDAGraph.replay = _timed(replay, totals, "graph_replay")
     if mixed is not None:
         mixed._core = _timed(mixed._core, totals, "piecewise_core")
+    launches = _time_triton_launches()
     sync()
     t0 = time.perf_counter()
     steps = _decode_ready(eng, prompts, params)
@@ -212,6 +241,7 @@ def _profile_prefill(eng, prompts, params, sync, prefill_steps: int, top: int) -
     torch.cuda.CUDAGraph.replay = replay
     if mixed is not None:
         del mixed._core
+    per_kernel = launches()
     _unlabel(undo)
     _finish(eng)
     prefill_host = {k: round(v * 1e3 / steps, 4) for k, v in sorted(totals.items())}
@@ -225,6 +255,12 @@ def _profile_prefill(eng, prompts, params, sync, prefill_steps: int, top: int) -
     _unlabel(undo)
     prefill_profile = _profile_summary(prof, prefill_steps, wall, top)
     prefill_profile["host_phase_ms_per_step"] = prefill_host
+    # per Triton kernel: launches per step and the host ms per step its launches held (JITFunction.run: argument
+    # binding, specialization, cache lookup and the driver call), largest first
+    prefill_profile["triton_launch_host"] = {
+        name: {"launches_per_step": round(n / steps, 2), "host_ms_per_step": round(t * 1e3 / steps, 4),
+               "us_per_launch": round(t * 1e6 / max(n, 1), 2)}
+        for name, (n, t) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1])}
     _finish(eng)
     return prefill_profile
 

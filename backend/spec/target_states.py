@@ -101,9 +101,7 @@ class TargetStates:
             return
         # src ascends over distinct rows: as many as `rows` has, it takes them all in order (no gather)
         whole = len(src) == rows.shape[0]
-        idx = torch.tensor(dst if whole else [dst, src], dtype=torch.int64)
-        if rows.device.type == "cuda":
-            idx = idx.pin_memory().to(rows.device, non_blocking=True)  # no wait for the stream's work
+        idx = _upload(torch.tensor(dst if whole else [dst, src], dtype=torch.int64), rows.device)
         flat = self._pool.view(-1, self._pool.shape[-1])
         if whole:
             flat[idx] = rows.to(flat.dtype)
@@ -150,6 +148,15 @@ class TargetStates:
             raise AssertionError(f"target states kept for ended requests {stale}")
 
 
+def _upload(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host index tensor on `device` without waiting for the device: pinned, non-blocking. (`torch.tensor(...,
+    device=cuda)` copies from pageable memory and waits for the stream, i.e. for the step just launched: in
+    record_step_states it took overlap scheduling away from every step of a model drafter's engine.)"""
+    if device.type != "cuda":
+        return idx.to(device)
+    return idx.pin_memory().to(device, non_blocking=True)
+
+
 def record_step_states(store: TargetStates, chunks: Sequence, tapped: dict[int, torch.Tensor],
                        kept: dict[int, int]) -> None:
     """After a step: tapped maps each of store.layers to its states [rows, hidden], packed in chunk order (each
@@ -173,6 +180,7 @@ def record_step_states(store: TargetStates, chunks: Sequence, tapped: dict[int, 
     if not spans:
         return
     device = tapped[store.layers[0]].device
-    idx = torch.tensor([r for _, first, n, _ in spans for r in range(first, first + n)], device=device)
+    idx = _upload(torch.tensor([r for _, first, n, _ in spans for r in range(first, first + n)], dtype=torch.int64),
+                  device)
     rows = torch.cat([tapped[i][idx] for i in store.layers], dim=-1)  # [kept rows, len(layers) * hidden]
     store.record_many([(rid, pos, n) for rid, _, n, pos in spans], rows)
