@@ -298,6 +298,42 @@ def test_collecting_a_step_does_not_wait_for_the_step_launched_after_it(tmp_path
     assert waits and waits[0] < 0.1, f"collecting step N waited {waits[0] * 1e3:.0f} ms: it waited for step N+1"
 
 
+@pytest.mark.gpu
+def test_gpu_idle_counts_the_hosts_packing_as_the_device_waiting(tmp_path):
+    """Without overlap the device waits while the host reads a step back, schedules and packs the next one. The
+    metric's start mark was recorded where `launch` begins, before packing, so the packing counted as device
+    time: here decode steps whose packing takes 30 ms (against ~1 ms of device work) read ~0% idle."""
+    import time
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from k3rt.backend.models.tiny import make_tiny
+
+    ckpt = make_tiny(tmp_path / "k3", arch="k3", dtype="float32", seed=9)
+    eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), device="cuda", runner="gpu",
+                         overlap=False))
+    eng.add_request([5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    for _ in range(3):  # prefill, then decodes
+        eng.step()
+    runner = eng.runner
+
+    def slow(fn):
+        def wrapped(*a, **kw):
+            time.sleep(0.03)
+            return fn(*a, **kw)
+        return wrapped
+
+    runner._pack, runner._build = slow(runner._pack), slow(runner._build)  # replayed and eager steps alike
+    idle0, span0 = runner.gpu_time()
+    for _ in range(5):
+        eng.step()
+    idle1, span1 = runner.gpu_time()
+    frac = (idle1 - idle0) / (span1 - span0)
+    assert frac > 0.8, f"GPU idle {frac:.1%} of the step time while the host packed for 30 ms a step"
+
+
 def test_requests_that_need_their_token_take_the_synchronous_path(tmp_path):
     """Grammar, logprobs and penalties in a batch with plain requests, and speculative decoding: outputs
     (logprobs included) equal overlap off, and a step holding such a request is collected before the

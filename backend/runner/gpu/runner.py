@@ -170,6 +170,7 @@ class GpuModelRunner(Runner):
         self.penalties = PenaltyState(model.cfg.vocab_size, self.device)
         self.pad_page = pool.reserve()  # padding rows of graph-replayed batches write here, never read
         self.idle = IdleTimer() if self.device.type == "cuda" else None  # the GPU-idle metric (idle.py)
+        self._timing = None  # the launching step's idle-metric events (launch sets them; None between launches)
         if sender is not None:
             pool.record_fills()  # after the pad page: each worker's pool reserves the same page itself
         self.graphs: dict[int, _Graph] = {}
@@ -228,7 +229,7 @@ class GpuModelRunner(Runner):
         now). Requests continuing from `prev` get prev's tokens by a device gather."""
         if not out.chunks and not out.decodes:
             return LaunchedStep(sampled={})
-        timing = self.idle.begin() if self.idle is not None else None
+        timing = self._timing = self.idle.begin() if self.idle is not None else None
         chunks = begin_step(self.pool, out)
         seqs = [self._seq(c) for c in chunks]
         pending = pending_tokens(chunks, prev)
@@ -302,6 +303,12 @@ class GpuModelRunner(Runner):
             self.idle.collected(step.timing)
         return step.sampled
 
+    def _device_starts(self) -> None:
+        """The launching step's device work is queued next (its buffers are packed): the GPU-idle metric's start
+        mark goes here, so the host's scheduling and packing count as the device waiting (idle.py)."""
+        if self.idle is not None:
+            self.idle.started(self._timing)
+
     def gpu_time(self) -> tuple[float, float] | None:
         return None if self.idle is None else (self.idle.idle_s, self.idle.span_s)
 
@@ -361,6 +368,7 @@ class GpuModelRunner(Runner):
             return self.fwd.full_logits(self._replay(seqs, graph, pending, prev)[:len(seqs)]), None
         if step is None:
             step = self._build(seqs, extra_rows)
+        self._device_starts()
         self._feed_pending(step.ids, pending, prev)
         bucket = self._mixed_bucket(step)
         if mixed is not None and bucket != mixed:
@@ -418,6 +426,7 @@ class GpuModelRunner(Runner):
         meta, (h64, h32) = self._pack(padded, row_queries=True)
         pad_rows(meta, h64, plan, self.pad_page * self.block_size)
         moved = {plan.fed_rows[row]: rid for row, rid in (pending or {}).items()}
+        self._device_starts()
         g = self.verify_graphs.get(size)
         if g is not None:
             g.flat64.copy_(h64.pin_memory(), non_blocking=True)
@@ -545,6 +554,7 @@ class GpuModelRunner(Runner):
                 prev: LaunchedStep | None = None) -> torch.Tensor:
         g = self.graphs[size]
         _, (h64, h32) = self._pack(seqs + [self._pad_seq()] * (size - len(seqs)))
+        self._device_starts()
         g.flat64.copy_(h64.pin_memory(), non_blocking=True)
         g.flat32.copy_(h32.pin_memory(), non_blocking=True)
         if pending:
