@@ -490,9 +490,10 @@ class _LaunchWork:
 def test_a_mixed_steps_kda_layer_launches_no_torch_work(tmp_path) -> None:
     """Issue 18 (host cost of eager mixed steps): a KDA layer of a mixed step (decodes beside a prefill chunk with a
     snapshot) and of a prefill step issues only its Triton launches: the decode kernel for the plain decodes, then
-    the chunked form's conv with gate and beta, snapshot and new window stores, two chunk kernels and the gated
-    norm. Before, the general form built its conv windows, gate, state copies and chunk tables with ~30 torch
-    kernels per layer (~600 launches of a 20-KDA-layer 48B step) beside 4 Triton launches."""
+    the chunked form's conv with gate and beta, the snapshot and new windows in one store (pack_step merge_stores:
+    two stores before session 27), two chunk kernels and the gated norm. Before, the general form built its conv
+    windows, gate, state copies and chunk tables with ~30 torch kernels per layer (~600 launches of a
+    20-KDA-layer 48B step) beside 4 Triton launches."""
     from k3rt.backend.runner.gpu.kda import KdaWeights, kda_attend, kda_project
     from k3rt.backend.runner.gpu.step import StepSeq
 
@@ -505,7 +506,7 @@ def test_a_mixed_steps_kda_layer_launches_no_torch_work(tmp_path) -> None:
                     [(64, pool.allocate(per_set))])
     i, w = next((i, w) for i, w in fwd.prepared.items() if isinstance(w, KdaWeights))
     attn = fwd.layers[i].self_attn
-    for seqs, launches in ((decs + [chunk], 7), ([chunk], 6)):
+    for seqs, launches in ((decs + [chunk], 6), ([chunk], 5)):
         step = runner._build(seqs, [])
         parts = kda_project(attn, w, torch.randn(step.num_tokens, fwd.cfg.hidden_size, dtype=w.w_in.dtype), fwd.k)
         with _LaunchWork() as work:

@@ -263,3 +263,40 @@ def test_the_copy_forms_state_slots_have_the_in_place_forms_dtype() -> None:
     assert copy.live_seqs is not None and in_place.live_seqs is None  # the two forms kda._general takes
     assert copy.chunk_slots.tolist() == [0, 1]
     assert copy.chunk_slots.dtype == in_place.state_pages.dtype == torch.int64
+
+
+def test_snapshot_and_new_windows_are_one_store_when_no_snapshot_reads_a_cached_row() -> None:
+    """merge_stores (issue 18: one launch less per KDA layer in a prefill step with snapshots): the snapshot windows
+    then the new windows, with their destination pages, when every snapshot window lies in the step's own rows;
+    two stores (None here) when one reaches into the cached window that the new windows overwrite, or with a
+    verify run (its form stores a subset). The one store writes exactly what the two wrote in order."""
+    from k3rt.kernels.short_conv.ref import conv_windows_store
+
+    dec = StepSeq([5], 40, [3, 4, 5], [9, 10], True)
+    chunk = StepSeq(list(range(130)), 0, [11, 12, 13, 14, 15], [16, 17], True, [(64, [20, 21]), (130, [22, 23])])
+    kw = dict(block_size=32, conv_width=4, num_groups=2)
+    merged = _views(pack_step([dec, chunk], merge_stores=True, **kw)).kda_rows
+    two = _views(pack_step([dec, chunk], **kw)).kda_rows
+    assert two.store_idx is None and two.store_dest is None
+    assert torch.equal(merged.store_idx, torch.cat([two.snap_conv_idx, two.conv_tail_idx]))
+    assert torch.equal(merged.store_dest, torch.cat([two.snap_dest, two.state_pages], 1))
+    assert merged.store_dest.tolist() == [[20, 22, 9, 16], [21, 23, 10, 17]]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(131, 6, generator=gen)
+    for g in range(2):
+        pages = two.state_pages[g]
+        want = torch.randn(30, 3, 6, generator=gen)
+        got = want.clone()
+        conv_windows_store(x, want, pages, two.snap_conv_idx, two.snap_dest[g])
+        conv_windows_store(x, want, pages, two.conv_tail_idx, pages)
+        conv_windows_store(x, got, pages, merged.store_idx, merged.store_dest[g])
+        assert torch.equal(got, want)
+    # a chunk from position 62 with a snapshot at 64: that window's first row is a cached one -> two stores
+    late = StepSeq(list(range(10)), 62, [11, 12, 13], [16, 17], True, [(64, [20, 21])])
+    assert _views(pack_step([dec, late], merge_stores=True, **kw)).kda_rows.store_idx is None
+    verify = StepSeq([1, 2, 3], 70, [30, 31, 32], [25, 26], True, verify=True)
+    assert _views(pack_step([chunk, verify], merge_stores=True, **kw)).kda_rows.store_idx is None
+    assert _views(pack_step([dec, dec], merge_stores=True, **kw)).kda_rows.store_idx is None  # no snapshot
+    # a split step merges the rest's windows (the plain decode runs through the decode kernel)
+    split = _views(pack_step([dec, chunk], merge_stores=True, kda_split=True, **kw)).kda_rows
+    assert split.store_dest.tolist() == [[20, 22, 16], [21, 23, 17]]

@@ -313,14 +313,17 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
         g, beta = _gate(attn, w, f), torch.sigmoid(b.float())
         store = conv_windows_store
     nseq, snaps = step.num_seqs, step.snapshots
-    if snaps:  # first: a snapshot's window may read cached rows that the new windows overwrite
-        store(qkv, conv_pool, pages, step.snap_conv_idx, step.snap_dest[w.group])
-    # verify runs keep their states: only the other sequences' windows and states are written back
     live = step.live_seqs
-    if live is None:
-        store(qkv, conv_pool, pages, step.conv_tail_idx, pages)
+    if step.store_idx is not None:  # snapshot and new windows in one store (no snapshot reads a cached row)
+        store(qkv, conv_pool, pages, step.store_idx, step.store_dest[w.group])
     else:
-        store(qkv, conv_pool, pages, step.conv_tail_idx[live], pages[live])
+        if snaps:  # first: a snapshot's window may read cached rows that the new windows overwrite
+            store(qkv, conv_pool, pages, step.snap_conv_idx, step.snap_dest[w.group])
+        # verify runs keep their states: only the other sequences' windows and states are written back
+        if live is None:
+            store(qkv, conv_pool, pages, step.conv_tail_idx, pages)
+        else:
+            store(qkv, conv_pool, pages, step.conv_tail_idx[live], pages[live])
     q, kk, v = y.view(T, 3, H, D).unbind(1)
     if live is not None:
         # only the verify runs' rows, gathered (the step's activations are not kept alive until the commit)

@@ -473,7 +473,8 @@ class GpuModelRunner(Runner):
         return build_step(seqs, block_size=self.block_size, conv_width=self.fwd.conv_width,
                           num_groups=self.num_groups, device=self.device, extra_logit_rows=extra_rows,
                           kda_split=k.triton and k.kda_split and not k.batch_invariant,
-                          chunk_tables=k.triton and not k.batch_invariant)
+                          chunk_tables=k.triton and not k.batch_invariant,
+                          merge_stores=k.triton and not k.batch_invariant)
 
     # ---- CUDA graphs ----
 

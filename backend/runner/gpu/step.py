@@ -35,6 +35,11 @@ non-blocking copy, so no layer ever synchronizes with the host:
                                 whole step), and cu_seqlens of the rest is packed as an int32 array of its own
   kda_live, kda_verify_rows [Bl], [Tv]  (steps with verify runs) the general form's sequences that are no
                                 verify run, and the rows of those that are: what every KDA layer writes back and keeps
+  store_idx/dest      [M, W-1], [G, M]  (merge_stores, a step with snapshots whose windows all lie in the step's
+                                rows, no verify run) the snapshot windows then the new windows, M = S + the
+                                general form's sequences, and each window's destination page: one store launch
+                                per KDA layer instead of two (the two must stay ordered when a snapshot window
+                                reads cached rows the new windows overwrite)
   chunk tables        (chunk_tables: eager steps the chunked KDA kernel runs in) int32 chunk_seq, chunk_idx [NC],
                                 chunk_off [Bk], snap [NC], init [Bk] (kernels/kda/chunk_tables.py) and snap as
                                 destination pages [G, NC]; int64 (last in that buffer, like the state pages the
@@ -105,6 +110,10 @@ class KdaRows:
     # the chunked kernel's intermediates, allocated by the first KDA layer and reused by the others
     # (kda_chunk_fwd scratch): every layer's chunks have the same shapes
     chunk_scratch: dict = field(default_factory=dict)
+    # pack_step merge_stores: the snapshot windows and the new windows in one store ([M, W-1] rows of ext, [G, M]
+    # destination pages); None: two stores, snapshots first
+    store_idx: torch.Tensor | None = None
+    store_dest: torch.Tensor | None = None
 
 
 @dataclass
@@ -216,12 +225,13 @@ class StepMeta:
     mla_mixed: bool = False  # both MLA forms: the decodes' table rows and contexts packed
     decode_span: tuple[int, int] | None = None  # the MLA decode rows (first, end) when contiguous
     prefill_span: tuple[int, int] | None = None  # the expanded-form rows (first, end) when contiguous
+    merged_stores: bool = False  # store_idx / store_dest packed (pack_step merge_stores)
 
 
 def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_groups: int,
               max_blocks: int | None = None, extra_logit_rows: list[int] = (),
-              row_queries: bool = False, kda_split: bool = False,
-              chunk_tables: bool = False) -> tuple[StepMeta, tuple[torch.Tensor, torch.Tensor]]:
+              row_queries: bool = False, kda_split: bool = False, chunk_tables: bool = False,
+              merge_stores: bool = False) -> tuple[StepMeta, tuple[torch.Tensor, torch.Tensor]]:
     """Compute every index of the step on the host: (meta, (int64 buffer, int32 buffer)).
     row_queries: the verify graphs' form (every MLA row a decode query, row_seq packed; module docstring).
     kda_split: a step with plain decodes (one token, no snapshot, not a verify run) and other sequences is
@@ -230,6 +240,9 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
     chunk_tables: pack the chunked KDA kernel's tables of the general form's sequences (the runner asks for them
     on eager steps with the kernels, outside the batch-invariant mode; none for a decode-only step, which
     never runs the chunked form); a bad snapshot position is refused here (ValueError naming it).
+    merge_stores: a step whose snapshot windows all lie in its own rows (none reads a cached window row) and that
+    has no verify run packs its snapshot and new conv windows as one store (store_idx, store_dest): the KDA layers
+    then launch one store each instead of two.
 
     Vectorized over sequences: each per-sequence field is read once in a C-level map (no Python loop over
     the batch, which cost 4 ms at 1,000 decodes with the graph table width), and every index array is a
@@ -304,11 +317,17 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
                 k_snaps.append((j, p, dest))
                 snap_rows.append(_window_rows(j, p - starts[i] + np.arange(-w1, 0), k_cu[j], w1, old_base))
     snap_conv = np.asarray(snap_rows, dtype=np.int64).reshape(len(snaps), w1)
+    snap_dest = np.asarray([d for _, _, d in snaps], dtype=np.int64).reshape(len(snaps), num_groups)
     # the general form's verify runs keep their states: its layers write back the others' (k_live) and keep
     # the runs' rows (k_verify_rows) for the commit
     k_verify = verify[k_seqs]
     k_live, k_verify_rows = ((np.flatnonzero(~k_verify), np.flatnonzero(k_verify[k_seq_of_row])) if k_verify.any()
                              else (np.zeros(0, dtype=np.int64),) * 2)
+    # one store of the snapshot windows and the new windows: safe when no snapshot window reads an old window row
+    # (rows below old_base), which the new windows overwrite; the verify runs' form stores a subset (no merge)
+    merged = bool(merge_stores and snaps and not k_verify.any() and (snap_conv >= old_base).all())
+    store64 = ([np.concatenate([snap_conv, conv_tail]).ravel(), np.concatenate([snap_dest, states[k_seqs]]).T.ravel()]
+               if merged else [np.zeros(0, dtype=np.int64)] * 2)
     chunk32, chunk64 = [], []
     if chunk_tables and (has_snaps or not is_decode.all()):
         # the general form's state copy holds its sequences in slots 0..Bk-1, then one slot per snapshot
@@ -362,7 +381,6 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
     if mla_mixed:
         dec_views[0][:], dec_views[1][:] = table[dec].ravel(), ctx[dec]
     kv_slot = table[seq_of_row, pos // block_size].astype(np.int64) * block_size + pos % block_size
-    snap_dest = np.asarray([d for _, _, d in snaps], dtype=np.int64).reshape(len(snaps), num_groups)
 
     sampled = np.fromiter(map(_NEEDS_LOGITS, seqs), dtype=bool, count=B) & ~verify
     verify_seqs = np.flatnonzero(verify).tolist()
@@ -383,7 +401,8 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
 
     i64 = [ids, pos, kv_slot, states.T.ravel(), conv_idx.ravel(), conv_tail.ravel(), logit_rows, ctx_slot,
            pre_rows, dec, cu[dec], snap_conv.ravel(), snap_dest.T.ravel(),
-           seq_of_row if row_queries else np.zeros(0, dtype=np.int64), *kda_extra, k_live, k_verify_rows, *chunk64]
+           seq_of_row if row_queries else np.zeros(0, dtype=np.int64), *kda_extra, k_live, k_verify_rows, *store64,
+           *chunk64]
     cu32[:], ctx32[:], cu_k32[:], cu_q32[:] = cu, ctx, cu_k, cu_q
     split_meta = None
     if split is not None:
@@ -395,7 +414,7 @@ def pack_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_grou
                     int(lens_np[pre_np].max(initial=0)), int(ctx_pre.max(initial=0)),
                     bool(logit_rows.size == T and np.array_equal(logit_rows, np.arange(T))), verify_seqs, row_queries,
                     split_meta, len(chunk32[0]) if chunk32 else None, mla_mixed,
-                    _span(cu[dec]) if dec.size else None, _span(pre_rows) if pre_rows.size else None)
+                    _span(cu[dec]) if dec.size else None, _span(pre_rows) if pre_rows.size else None, merged)
     host = (torch.from_numpy(np.concatenate(i64, dtype=np.int64)), torch.from_numpy(flat32))
     return meta, host
 
@@ -425,7 +444,7 @@ def step_views(meta: StepMeta, flat64: torch.Tensor, flat32: torch.Tensor) -> Gp
     B, T, w1 = meta.num_seqs, meta.num_tokens, meta.w1
     (t_ids, t_pos, t_slot, t_states, t_conv, t_tail, t_logit, t_ctx_slot, t_pre_rows, t_dec, t_dec_rows,
      t_snap, t_snap_dest, t_row_seq, t_kdec_rows, t_kdec_pages, t_krest_rows,
-     t_krest_pages, t_live, t_verify_rows, *t_chunk64) = _split(flat64, meta.sizes64)
+     t_krest_pages, t_live, t_verify_rows, t_store_idx, t_store_dest, *t_chunk64) = _split(flat64, meta.sizes64)
     t_cu, t_ctx, t_table, t_cuk, t_cuq, *tail32 = _split(flat32, meta.sizes32)
     G = t_states.numel() // B
     state_pages = t_states.view(G, B)
@@ -442,6 +461,9 @@ def step_views(meta: StepMeta, flat64: torch.Tensor, flat32: torch.Tensor) -> Gp
     verify_any = t_verify_rows.numel() > 0
     rows_kw = dict(live_seqs=t_live if verify_any else None, verify_rows=t_verify_rows if verify_any else None,
                    chunk=chunk, chunk_slots=chunk_slots, chunk_snap_pages=chunk_snap_pages, verify_inputs=verify_inputs)
+    if meta.merged_stores:
+        M = t_store_idx.numel() // w1
+        rows_kw.update(store_idx=t_store_idx.view(M, w1), store_dest=t_store_dest.view(G, M))
     if sm is None:
         kda_rows = KdaRows(B, meta.cu, meta.starts, meta.lens, meta.snapshots, meta.verify_seqs, t_cu, state_pages,
                            t_conv.view(T, w1 + 1), t_tail.view(B, w1), t_snap.view(meta.num_snapshots, w1),
@@ -471,11 +493,11 @@ def step_views(meta: StepMeta, flat64: torch.Tensor, flat32: torch.Tensor) -> Gp
 
 def build_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_groups: int, device: torch.device,
                max_blocks: int | None = None, extra_logit_rows: list[int] = (), kda_split: bool = False,
-               chunk_tables: bool = False) -> GpuStep:
+               chunk_tables: bool = False, merge_stores: bool = False) -> GpuStep:
     """Pack on the host, copy to the device (pinned, non-blocking), return the views."""
     meta, (h64, h32) = pack_step(seqs, block_size=block_size, conv_width=conv_width, num_groups=num_groups,
                                  max_blocks=max_blocks, extra_logit_rows=extra_logit_rows, kda_split=kda_split,
-                                 chunk_tables=chunk_tables)
+                                 chunk_tables=chunk_tables, merge_stores=merge_stores)
     if device.type == "cuda":
         h64, h32 = h64.pin_memory(), h32.pin_memory()
     return step_views(meta, h64.to(device, non_blocking=True), h32.to(device, non_blocking=True))
