@@ -300,6 +300,71 @@ def test_plan_rounds_rules(tmp_path_factory) -> None:
     assert sched._plan_rounds([chunk], []) == 2
 
 
+def test_a_drafting_step_that_cannot_run_rounds_is_planned_as_one_round(tmp_path_factory) -> None:
+    """Scheduler._one_round (session 27): with device rounds, a drafting step runs one round when a request of it
+    is not asked for drafts (no target states yet, its last token) or needs the host per token; the controller is
+    then asked with one_round (priced by whole one-round steps), in the plan and in the trim. Without device
+    rounds every step is one round and priced as such (never flagged)."""
+    from dataclasses import replace
+
+    from k3rt.backend.spec.gate import Plan, Trim, Why
+    from tests.backend.engine_fixtures import greedy, make_engine, tiny_checkpoint
+
+    eng = make_engine(tiny_checkpoint(tmp_path_factory), runner="null", num_pages=64,
+                      engine={"spec": SpecConfig(method="ngram", num_tokens=3, rounds=4, ngram_min=1)})
+    sched = eng.scheduler
+    for p in (list(range(1, 20)), list(range(30, 45)), [5, 6, 5, 6, 5, 6, 5, 6]):
+        eng.add_request(p, greedy(40))
+    while sum(1 for r in sched.running if r.num_output) < 3:
+        eng.step()
+    reqs = list(sched.running)
+    assert not sched._one_round(reqs[:2], 3)  # no device rounds: one round is all there is
+    sched.device_rounds = True
+    assert not sched._one_round(reqs, 3)
+    assert sched._one_round(reqs[:2], 3)  # the third decodes plainly: no rounds for the step
+    params, reqs[0].params = reqs[0].params, replace(reqs[0].params, logprobs=1)
+    assert sched._one_round(reqs, 3)  # the host reads its token's logprobs
+    reqs[0].params = params
+    # the controller sees the flag in the plan and the trim of a drafting step
+    seen = []
+
+    class Gate:
+        fixed_verify_upto = 64
+
+        def off(self, batch):
+            return False
+
+        def plan(self, batch, rids, *, model_free=False, one_round=False):
+            seen.append(("plan", len(rids), one_round))
+            return Plan(True, Why.PAYS)
+
+        def trim(self, batch, offered, why, *, record=True, one_round=False):
+            seen.append(("trim", len(offered), one_round))
+            return Trim([n for _, n, _ in offered], False)
+
+        def observe_draft(self, *a):
+            pass
+
+        def observe(self, *a):
+            pass
+
+        def yield_(self, rid):
+            return None
+
+    gate, sched.gate = sched.gate, Gate()
+    sched._next_plan = None
+    sched._step_decodes = list(reqs)
+    sched._chunks = {}
+    sched._schedule_drafts(1024)
+    assert seen and seen[0] == ("plan", 3, False), seen
+    sched._step_decodes, sched._chunks, seen[:] = list(reqs), {}, []
+    reqs[2].params = replace(reqs[2].params, max_tokens=reqs[2].num_output + 1)  # its last token: not asked
+    sched._schedule_drafts(1024)
+    assert seen[0] == ("plan", 2, True), seen
+    assert all(one for _, _, one in seen), seen
+    sched.gate = gate
+
+
 def test_plan_rounds_count_the_tokens_a_round_is_expected_to_emit(tmp_path_factory) -> None:
     """The device replays every planned round: a request expected to accept 3 drafts per round gets the rounds its
     tokens left need at that rate (ceil(12 / (1 + 0.85 * 3)) = 4), not one round per token left (8, the cap, half
