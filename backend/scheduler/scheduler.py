@@ -350,10 +350,11 @@ class Scheduler:
         run = sc.num_tokens + 1
         needs = []
         for c in scheduled:
-            r = c.req
-            if not c.draft_ids or not _round_capable(r):
+            r, p = c.req, c.req.params
+            if (not c.draft_ids or not p.greedy or r.grammar is not None or p.logprobs is not None or p.logit_bias
+                    or p.has_penalties or r.prompt_logprobs_from is not None):
                 return 1
-            needs.append(math.ceil((r.params.max_tokens - r.num_output) / self._round_tokens(r)))
+            needs.append(math.ceil((p.max_tokens - r.num_output) / self._round_tokens(r)))
         # the median request's rounds, not the most any request needs: a round is replayed for the whole batch, so
         # rounds past the median run with most requests ended (k3-tiny code at batch 64 on the H200, a wave's tail:
         # 8-round steps of 19 ms delivering 41 tokens a round where a plain step gives 64 in 1.8 ms); the requests
@@ -369,14 +370,6 @@ class Scheduler:
             if n:
                 c.req.block_table.extend(self.pool.allocate(n))
         return rounds
-
-    def _one_round(self, asked: list[Request], batch: int) -> bool:
-        """Would a drafting step of `batch` decode-like requests, `asked` of them asked for drafts, run one verify
-        round although the device runs several (`_plan_rounds`): a request would decode plainly (not asked: no
-        target states yet, its last token) or needs the host per token. The controller then prices the step whole
-        (StepCosts.verify_one): priced as rounds, such steps at batch 64 ran at a third of plain decoding's rate."""
-        return (self.device_rounds and self.spec_cfg.rounds > 1
-                and (len(asked) < batch or not all(_round_capable(r) for r in asked)))
 
     def _prefill_coming(self, multi: list[Request], decodes: list[Request], budget: int) -> bool:
         """Will this step (being scheduled) carry prefill work: a running request's next chunk, or an admission
@@ -446,18 +439,18 @@ class Scheduler:
                  and (self.target_states is None or self._states_ready(r, 1))]
         if not asked:
             return False
-        plan = self._plan(len(live), [r.rid for r in asked], self._one_round(asked, len(live)))
+        plan = self._plan(len(live), [r.rid for r in asked])
         if plan.why is Why.CHEAP:
             plan = self._peek(asked, len(live))
         self._next_plan = plan
         return plan.draft
 
-    def _plan(self, batch: int, rids: list[int], one_round: bool = False) -> Plan:
+    def _plan(self, batch: int, rids: list[int]) -> Plan:
         """The controller's plan for a step; while its governor has speculation off, the target states (a model
         drafter's) are not recorded either, except over the last MIN_STATE_ROWS steps of a hold off: the trial of
         speculation that follows it then starts with states to draft from (recorded from its first step, they were
         ready only after its 8 steps had ended, so every such trial measured plain steps)."""
-        plan = self.gate.plan(batch, rids, model_free=self.target_states is None, one_round=one_round)
+        plan = self.gate.plan(batch, rids, model_free=self.target_states is None)
         whys = self.stats.spec_plan_whys
         whys[plan.why.value] = whys.get(plan.why.value, 0) + 1
         if self.target_states is not None:
@@ -518,7 +511,6 @@ class Scheduler:
             # paused while off, no plan would be asked for and recording would never resume)
             self.target_states.paused = False
         queries: list[DraftQuery] = []
-        asked: list[Request] = []
         for req in self._step_decodes:
             k = self._draft_limit(req)
             if k <= 0:
@@ -531,16 +523,14 @@ class Scheduler:
                 # 16 on the H200: every request came back without states when the governor allowed drafting again)
                 continue
             queries.append(DraftQuery(req.rid, req.token_ids, req.prompt_len, k, hidden))
-            asked.append(req)
         if not queries:
             if gate is not None and plan is not None and plan.why is Why.PROBE:
                 gate.void_probe(batch)  # planned a step early, before any request had states: owed again
             return 0
         stats.spec_steps += 1
-        one_round = gate is not None and self._one_round(asked, batch)
         if gate is not None:
             if plan is None:
-                plan = self._plan(batch, [q.rid for q in queries], one_round)
+                plan = self._plan(batch, [q.rid for q in queries])
             stats.spec_probes += plan.why is Why.PROBE
             if not plan.draft:
                 stats.spec_steps_skipped += 1
@@ -561,7 +551,7 @@ class Scheduler:
                 if not d:
                     gate.observe(rid, 0, 0)  # the drafter had nothing for it: a drafting step that gained nothing
             offered = [(rid, len(d), est) for rid, (_, d, est) in props.items() if d]
-            trimmed = gate.trim(batch, offered, plan.why, one_round=one_round)
+            trimmed = gate.trim(batch, offered, plan.why)
             stats.spec_probes += trimmed.probe and plan.why is Why.CHEAP  # a PROBE plan was counted above
             keep = dict(zip((rid for rid, _, _ in offered), trimmed.keep))
             for rid, k in keep.items():
@@ -1157,14 +1147,6 @@ class _Known(Sequence):
         if not -self.n <= i < self.n:
             raise IndexError(i)
         return self.ids[i if i >= 0 else self.n + i]
-
-
-def _round_capable(req: Request) -> bool:
-    """A request the device's rounds can run: greedy, with nothing the host must see per token (grammar,
-    logprobs, logit bias, penalties, prompt scoring)."""
-    p = req.params
-    return (p.greedy and req.grammar is None and p.logprobs is None and not p.logit_bias and not p.has_penalties
-            and req.prompt_logprobs_from is None)
 
 
 def _drop_pending(req: Request) -> None:

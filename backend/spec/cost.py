@@ -125,12 +125,6 @@ class StepCosts:
     verify_drafts: dict[int, Ema] = field(default_factory=dict)  # draft tokens per verify step (trimming's unit)
     # verify rounds per verifying engine step (SpecConfig.rounds: the device runs several; `verify` is per round)
     verify_rounds: dict[int, Ema] = field(default_factory=dict)
-    # the verify steps that ran one round, whole: in an engine whose device runs several rounds, a step where some
-    # request decodes plainly (no target states yet, its last token) or needs the host per token runs one, with the
-    # host's acceptance, and `verify` (per round, mostly from multi-round steps) underprices it: k3-tiny at batch 64
-    # on the H200 took 6.65 ms for 108 tokens in such a step against 1.46 ms for 64 in a plain one, priced as a
-    # ~1.1 ms round (session 27). The controller reads this one for a step that cannot run rounds
-    verify_one: dict[int, Ema] = field(default_factory=dict)
 
     def observe_step(self, kind: StepKind, batch: int, seconds: float, step: int, drafted: float = 0,
                      rounds: int = 1) -> None:
@@ -148,8 +142,6 @@ class StepCosts:
             self.verify.setdefault(b, Ema()).add(seconds, self.weight, step, stale_after=self.stale_after)
             self.verify_drafts.setdefault(b, Ema()).add(float(drafted), self.weight, step)
             self.verify_rounds.setdefault(b, Ema()).add(float(rounds), self.weight, step, restart=False)
-            if rounds == 1:
-                self.verify_one.setdefault(b, Ema()).add(seconds, self.weight, step, stale_after=self.stale_after)
 
     def observe_draft(self, batch: int, seconds: float, step: int, stable: bool = False) -> None:
         """stable: the drafter's passes cost alike whatever they are asked (a model drafter replaying its graph), so

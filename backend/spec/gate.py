@@ -222,17 +222,15 @@ class SpecGate:
         """Whether the governor has speculation off at this batch's bucket (plan() would say Why.OFF)."""
         return self.governor is not None and not self.governor.allowed(bucket(batch))
 
-    def plan(self, batch: int, rids: Sequence[int], *, model_free: bool = False, one_round: bool = False) -> Plan:
+    def plan(self, batch: int, rids: Sequence[int], *, model_free: bool = False) -> Plan:
         """Before the drafter's pass: draft this step? batch: the step's decode-like requests; rids: those the
         drafter would be asked for; model_free: the drafter reads tokens only (so it can also be asked about the
-        tokens known before a step in flight, see Scheduler.drafts_next); one_round: the engine's device runs
-        several rounds per verify step, but this step cannot (a request of it would decode plainly or needs the
-        host per token): priced as a whole one-round step (StepCosts.verify_one), not as rounds."""
+        tokens known before a step in flight, see Scheduler.drafts_next)."""
         self.steps += 1
         c, b = self.costs, bucket(batch)
         if self.off(batch):
             return Plan(False, Why.OFF)
-        plain, verify = c.get(c.plain, batch), c.get(c.verify_one if one_round else c.verify, batch)
+        plain, verify = c.get(c.plain, batch), c.get(c.verify, batch)
         draft = c.get(c.draft, len(rids))
         if plain is None:
             return Plan(False, Why.EXPLORE)
@@ -246,7 +244,7 @@ class SpecGate:
             return self._spec(b, Why.CHEAP)
         # the scheduler's drafter pass runs once per engine step; a step of several device rounds (SpecConfig.rounds)
         # drafts its further rounds inside the rounds' own time (`verify` is per round): per round it costs a share
-        rounds = None if one_round else c.get(c.verify_rounds, batch)
+        rounds = c.get(c.verify_rounds, batch)
         draft_s = draft.value / max(rounds.value if rounds is not None else 1.0, 1.0)
         drafted = c.get(c.verify_drafts, batch)
         # a "no" that rests on the first sample of the verify or of the pass is not trusted: draft again to take a
@@ -347,15 +345,15 @@ class SpecGate:
         return Plan(True, why)
 
     def trim(self, batch: int, drafts: Sequence[tuple[int, int, Sequence[float] | None]], why: Why, *,
-             record: bool = True, one_round: bool = False) -> Trim:
+             record: bool = True) -> Trim:
         """After the drafter's pass: how many of each request's drafts to verify. drafts: (rid, drafts proposed,
         the drafter's per-draft acceptance estimates or None) per request; why: the plan's. Probes and
         explorations keep every draft (they measure what the drafter offers); so does a step asked every step
         (Why.CHEAP) whose bucket has not verified for as long as a probe's spacing. record False: a look ahead
-        (Scheduler.drafts_next), not the step itself. one_round: as in `plan`."""
+        (Scheduler.drafts_next), not the step itself."""
         full = [n for _, n, _ in drafts]
         c, b = self.costs, bucket(batch)
-        plain, verify = c.get(c.plain, batch), c.get(c.verify_one if one_round else c.verify, batch)
+        plain, verify = c.get(c.plain, batch), c.get(c.verify, batch)
         if why in (Why.PROBE, Why.EXPLORE) or plain is None or verify is None:
             return Trim(full, why is Why.PROBE)
         per_draft = c.get(c.verify_drafts, batch)

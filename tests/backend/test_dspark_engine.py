@@ -581,7 +581,7 @@ def test_recording_resumes_over_the_last_steps_of_a_hold_off() -> None:
     from k3rt.backend.spec.gate import Plan, Why
 
     asked = []
-    gate = SimpleNamespace(plan=lambda batch, rids, model_free, one_round=False: Plan(False, Why.OFF),
+    gate = SimpleNamespace(plan=lambda batch, rids, model_free: Plan(False, Why.OFF),
                            resumes_within=lambda batch, steps: asked.append(steps) or left[0] <= steps)
     sched = SimpleNamespace(gate=gate, stats=SimpleNamespace(spec_plan_whys={}), target_states=TargetStates([0], 128))
     left = [40]

@@ -158,37 +158,6 @@ def test_a_step_of_several_device_rounds_pays_the_drafters_host_pass_once() -> N
     assert eight.costs.verify_rounds[1].value == 8.0
 
 
-def test_a_step_that_cannot_run_device_rounds_is_priced_as_a_whole_one_round_step() -> None:
-    """Session 27 (H200, k3-tiny, batch 64, 16 device rounds): multi-round verify steps cost ~1.1 ms a round, but a
-    step where some requests decode plainly runs one round with the host's acceptance: 6.65 ms for 108 tokens
-    against 1.46 ms for 64 in a plain step. Priced as a round (`verify` holds per-round times, mostly from
-    multi-round steps) such steps looked paying and ran at a third of plain decoding's rate. One-round steps are
-    timed on their own (StepCosts.verify_one) and a step that cannot run rounds is planned and trimmed by them."""
-    g = SpecGate(SpecGateConfig(margin=0.05, explore_samples=2), fixed_verify_upto=64)
-    for _ in range(2):
-        g.observe_step(StepKind.PLAIN, 64, 1.46e-3)
-        g.observe_step(StepKind.VERIFY, 64, 1.1e-3, 448, 16)  # per round of a 16-round step
-        g.observe_step(StepKind.VERIFY, 64, 4.8e-3, 126, 1)  # a one-round step, whole (its pass excluded)
-        g.observe_draft(64, 0.5e-3)
-    rids = list(range(64))
-    for rid in rids:
-        for _ in range(2):
-            g.observe(rid, 7, 2)  # 2 of 7 drafts accepted a round: 3 tokens
-    assert g.costs.verify_one[64].value == pytest.approx(4.8e-3) and g.costs.verify[64].n == 4
-    assert g.plan(64, rids) == Plan(True, Why.PAYS)  # 192 tokens a 1.1 ms round (+ the pass / 16)
-    assert g.plan(64, rids, one_round=True) == Plan(False, Why.NOT_WORTH)  # 192 in 5.3 ms < 64 in 1.46 ms
-    offered = [(rid, 7, None) for rid in rids]
-    assert all(g.trim(64, offered, Why.PAYS, record=False).keep)
-    assert not any(g.trim(64, offered, Why.PAYS, record=False, one_round=True).keep)
-    # without a one-round sample at the bucket yet, such a step explores (it takes one)
-    fresh = SpecGate(SpecGateConfig(margin=0.05, explore_samples=2), fixed_verify_upto=64)
-    for _ in range(2):
-        fresh.observe_step(StepKind.PLAIN, 64, 1.46e-3)
-        fresh.observe_step(StepKind.VERIFY, 64, 1.1e-3, 448, 16)
-        fresh.observe_draft(64, 0.5e-3)
-    assert fresh.plan(64, rids, one_round=True) == Plan(True, Why.EXPLORE)
-
-
 def test_a_bucket_where_even_full_acceptance_loses_is_not_explored_nor_probed_for_new_requests() -> None:
     """Regression (session 16): on the H200 at batch 64 a k3-tiny verify step took ~16 ms and a plain step 1.6 ms;
     every new batch of requests was probed within probe_interval steps (new requests shorten the spacing) and
