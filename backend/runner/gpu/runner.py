@@ -368,7 +368,6 @@ class GpuModelRunner(Runner):
             return self.fwd.full_logits(self._replay(seqs, graph, pending, prev)[:len(seqs)]), None
         if step is None:
             step = self._build(seqs, extra_rows)
-        self._device_starts()
         self._feed_pending(step.ids, pending, prev)
         bucket = self._mixed_bucket(step)
         if mixed is not None and bucket != mixed:
@@ -474,7 +473,7 @@ class GpuModelRunner(Runner):
                           num_groups=self.num_groups, device=self.device, extra_logit_rows=extra_rows,
                           kda_split=k.triton and k.kda_split and not k.batch_invariant,
                           chunk_tables=k.triton and not k.batch_invariant,
-                          merge_stores=k.triton and not k.batch_invariant)
+                          merge_stores=k.triton and not k.batch_invariant, before_copy=self._device_starts)
 
     # ---- CUDA graphs ----
 

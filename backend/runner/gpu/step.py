@@ -52,6 +52,7 @@ The host-side lists (cu, starts, snapshots) stay on the object for launchers tha
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import attrgetter
@@ -493,11 +494,15 @@ def step_views(meta: StepMeta, flat64: torch.Tensor, flat32: torch.Tensor) -> Gp
 
 def build_step(seqs: list[StepSeq], *, block_size: int, conv_width: int, num_groups: int, device: torch.device,
                max_blocks: int | None = None, extra_logit_rows: list[int] = (), kda_split: bool = False,
-               chunk_tables: bool = False, merge_stores: bool = False) -> GpuStep:
-    """Pack on the host, copy to the device (pinned, non-blocking), return the views."""
+               chunk_tables: bool = False, merge_stores: bool = False,
+               before_copy: Callable[[], None] | None = None) -> GpuStep:
+    """Pack on the host, copy to the device (pinned, non-blocking), return the views. before_copy: called between
+    the two (the GPU-idle metric's start mark: backend/runner/gpu/idle.py)."""
     meta, (h64, h32) = pack_step(seqs, block_size=block_size, conv_width=conv_width, num_groups=num_groups,
                                  max_blocks=max_blocks, extra_logit_rows=extra_logit_rows, kda_split=kda_split,
                                  chunk_tables=chunk_tables, merge_stores=merge_stores)
+    if before_copy is not None:
+        before_copy()
     if device.type == "cuda":
         h64, h32 = h64.pin_memory(), h32.pin_memory()
     return step_views(meta, h64.to(device, non_blocking=True), h32.to(device, non_blocking=True))
