@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from k3rt.backend.device import to_device
 from k3rt.cache_layout import CacheLayout
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -105,11 +106,7 @@ class PagePool:
     def _index(self, pages: list[int]) -> torch.Tensor:
         """Page ids as a device index without waiting for the device: a pageable host-to-device copy would
         wait for every queued step (and so undo overlap scheduling); a pinned one is queued behind them."""
-        idx = torch.tensor(pages, dtype=torch.int64)
-        dev = self.tensors[0].device
-        if dev.type == "cuda":
-            return idx.pin_memory().to(dev, non_blocking=True)
-        return idx.to(dev)
+        return to_device(torch.tensor(pages, dtype=torch.int64), self.tensors[0].device)
 
     def record_fills(self) -> None:
         """Start logging page fills (tensor parallelism: other ranks replay them)."""

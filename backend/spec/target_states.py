@@ -19,6 +19,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from k3rt.backend.device import to_device
+
 
 class TargetStates:
     def __init__(self, layers: Sequence[int], window: int) -> None:
@@ -102,7 +104,7 @@ class TargetStates:
         d, s = _runs(dst), _runs(src)
         # src ascends over distinct rows: as many as `rows` has, it takes them all in order (no gather)
         whole = s.size == rows.shape[0]
-        idx = _upload(torch.from_numpy(d if whole else np.stack([d, s])), rows.device)
+        idx = to_device(torch.from_numpy(d if whole else np.stack([d, s])), rows.device)
         flat = self._pool.view(-1, self._pool.shape[-1])
         if whole:
             flat[idx] = rows.to(flat.dtype)
@@ -159,15 +161,6 @@ def _runs(runs: Sequence[tuple[int, int]]) -> np.ndarray:
     return np.repeat(firsts - offsets, counts) + np.arange(int(counts.sum()), dtype=np.int64)
 
 
-def _upload(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host index tensor on `device` without waiting for the device: pinned, non-blocking. (`torch.tensor(...,
-    device=cuda)` copies from pageable memory and waits for the stream, i.e. for the step just launched: in
-    record_step_states it took overlap scheduling away from every step of a model drafter's engine.)"""
-    if device.type != "cuda":
-        return idx.to(device)
-    return idx.pin_memory().to(device, non_blocking=True)
-
-
 def record_step_states(store: TargetStates, chunks: Sequence, tapped: dict[int, torch.Tensor],
                        kept: dict[int, int]) -> None:
     """After a step: tapped maps each of store.layers to its states [rows, hidden], packed in chunk order (each
@@ -191,6 +184,6 @@ def record_step_states(store: TargetStates, chunks: Sequence, tapped: dict[int, 
     if not spans:
         return
     device = tapped[store.layers[0]].device
-    idx = _upload(torch.from_numpy(_runs([(first, n) for _, first, n, _ in spans])), device)
+    idx = to_device(torch.from_numpy(_runs([(first, n) for _, first, n, _ in spans])), device)
     rows = torch.cat([tapped[i][idx] for i in store.layers], dim=-1)  # [kept rows, len(layers) * hidden]
     store.record_many([(rid, pos, n) for rid, _, n, pos in spans], rows)

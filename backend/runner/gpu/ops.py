@@ -13,6 +13,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from k3rt.backend.device import to_device  # noqa: F401 (the runner's modules import it from here)
 from k3rt.backend.layers.batch_invariant import invariant_linear
 from k3rt.backend.layers.norm import rms_norm
 from k3rt.kernels.kda.chunk_tables import INTRA_FORMS
@@ -126,11 +127,3 @@ def share_rows(parts: list, fused) -> None:
         n = p.shape[0]
         p.data = fused[o:o + n]
         o += n
-
-
-def to_device(host, device):
-    """A host tensor on `device` without a host sync: pageable host-to-device copies wait for the
-    stream, pinned ones are queued behind it."""
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
