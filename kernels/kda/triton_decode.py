@@ -439,12 +439,13 @@ def kda_decode(
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
     o_gate, o_norm_weight = _check_norm(o_gate, o_norm_weight, N, H, D)
-    if block_v is None:
-        # a caller that pins v_split pins the tile too (the batch-invariant mode: one launch shape at any N)
-        block_v = default_block_v(N, H, default_v_split(N, H, D)) if v_split is None else 64
+    pinned = v_split is not None
     v_split = default_v_split(N, H, D) if v_split is None else int(v_split)
     if v_split < 1 or D % v_split != 0 or (D // v_split) & (D // v_split - 1):
         raise ValueError(f"v_split must be a power of two dividing D={D} into powers of two, got {v_split}")
+    if block_v is None:
+        # a caller that pins v_split pins the tile too (the batch-invariant mode: one launch shape at any N)
+        block_v = 64 if pinned else default_block_v(N, H, v_split)
     block_v = int(block_v)
     counts = None
     if v_split > 1:
