@@ -80,17 +80,22 @@ def test_launching_prefill_and_decode_steps_never_waits_for_the_device(tmp_path,
     prompts = [list(range(3, 80)), list(range(90, 101))]
     eng.generate(prompts, params)  # compiles and first uses outside the check
     eng.flush_cache()
-    runner, launched = eng.runner, []
+    runner, launched, waits = eng.runner, [], []
     launch = runner.launch
 
     def checked(out, prev):
-        with _NoWait():
-            step = launch(out, prev)
+        try:
+            with _NoWait():
+                step = launch(out, prev)
+        except RuntimeError as e:  # the engine fails the step's requests and goes on: keep what it was
+            waits.append(f"{len(out.chunks)} chunks, {len(out.decodes)} decodes: {e}")
+            raise
         launched.append((len(out.chunks), len(out.decodes)))
         return step
 
     runner.launch = checked
     outs = eng.generate([[p + 1 for p in prompt] for prompt in prompts], params)
+    assert not waits, waits
     assert all(len(o.output_ids) == 8 for o in outs)
     assert any(chunks for chunks, _ in launched) and any(decodes for _, decodes in launched), launched
     assert eng.stats.spec_verifies == 0
