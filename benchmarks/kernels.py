@@ -335,10 +335,17 @@ def decode_sweep_configs(N: int) -> list[dict]:
     """The launch shapes worth timing at batch N (small N: split V, PDL; large N: tile width, warps)."""
     def c(s: int, bv: int, w: int = 4, **kw) -> dict:
         return dict(v_split=s, block_v=bv, num_warps=w, **kw)
+    # one or two warps per program: the state tile's key axis (the reduced one) then stays inside a warp, so the
+    # two reductions per tile are shuffles, not shared-memory round trips with barriers
     if N <= 4:
         return [c(8, 16), c(8, 16, use_pdl=True), c(4, 32), c(4, 32, use_pdl=True), c(4, 16),
-                c(8, 16, norm=True), c(8, 16, norm=True, use_pdl=True), c(4, 32, norm=True)]
-    return [c(1, 32), c(1, 64), c(1, 64, 8), c(2, 32), c(2, 64), c(1, 64, norm=True)]
+                c(8, 16, norm=True), c(8, 16, norm=True, use_pdl=True), c(4, 32, norm=True),
+                c(8, 16, 1), c(8, 16, 2), c(16, 8, 1), c(16, 8, 2), c(4, 32, 1), c(4, 16, 1), c(8, 16, 1, use_pdl=True),
+                c(16, 8, 1, use_pdl=True), c(8, 16, 1, norm=True)]
+    return [c(1, 32), c(1, 64), c(1, 64, 8), c(2, 32), c(2, 64), c(1, 64, norm=True),
+            c(1, 16, 1), c(1, 32, 1), c(2, 16, 1), c(2, 32, 1), c(4, 16, 1), c(4, 32, 1), c(8, 16, 1),
+            c(1, 16, 2), c(1, 32, 2), c(2, 32, 2), c(4, 32, 2), c(1, 16, 1, norm=True), c(2, 32, 1, norm=True),
+            c(1, 16, 1, prefetch=True), c(2, 16, 1, prefetch=True), c(1, 32, 4, prefetch=True)]
 
 
 def check_decode_cfg(N: int, H: int, D: int, cfg: dict) -> dict:
@@ -504,7 +511,7 @@ def main() -> int:
     if ARGS.decode_sweep:
         for N in (decode_n or [1, 16, 64, 256]):
             for i, cfg in enumerate(decode_sweep_configs(N)):
-                if i == 0 or cfg.get("norm") or cfg.get("v_split", 1) > 1:
+                if i == 0 or cfg.get("norm") or cfg.get("v_split", 1) > 1 or cfg.get("num_warps", 4) < 4:
                     item("correctness", f"kda_decode N={N} {cfg}", lambda N=N, c=cfg: check_decode_cfg(N, H, D, c))
                 item("decode_sweep", f"k3rt N={N} {cfg}", lambda N=N, c=cfg: bench_decode(N, H, D, "k3rt", c))
     for case in (ARGS.verify if not smoke else ["2x3"]):

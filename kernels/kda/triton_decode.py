@@ -167,6 +167,7 @@ def _kda_decode_kernel(
     USE_LOWER_BOUND: tl.constexpr,
     NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -186,10 +187,11 @@ def _kda_decode_kernel(
             tl.store(o_row + offs_v, zero, mask=offs_v < D)
     else:
         s_base = state_ptr + slot * stride_state_slot + i_h * (D * D)
-        if NV > 1:
+        if PREFETCH:
             # split heads (small N, latency bound): issue the first state tile's load before the conv
-            # and gate loads so their latencies overlap. Unsplit (large N, bandwidth bound) this
-            # cost 15-45% on the H200 (NOTES.md, run 2), so there the tile loads stay in the loop.
+            # and gate loads so their latencies overlap, and each next tile's before this one's update.
+            # Unsplit at 4 warps (large N, bandwidth bound) this cost 15-45% on the H200 (NOTES.md, run 2),
+            # so there the tile loads stay in the loop.
             offs_v = i_v * BVS + tl.arange(0, BV)
             s_next = tl.load(s_base + offs_k[:, None] * D + offs_v[None, :],
                              mask=mask_k[:, None] & (offs_v < D)[None, :], other=0.0)
@@ -223,7 +225,7 @@ def _kda_decode_kernel(
             mask_v = offs_v < D
             s_ptrs = s_base + offs_k[:, None] * D + offs_v[None, :]
             mask2 = mask_k[:, None] & mask_v[None, :]
-            if NV > 1:
+            if PREFETCH:
                 S = s_next  # S: [BK, BV] fp32
                 if v0 + BV < BVS:
                     s_next = tl.load(s_ptrs + BV, mask=mask_k[:, None] & (offs_v + BV < D)[None, :], other=0.0)
@@ -233,7 +235,7 @@ def _kda_decode_kernel(
             tl.debug_barrier()
             # these v channels belong to this program alone
             _conv_shift_store(win_v, cs, v_ch, mask_v, C, W, WP)
-            if NV == 1:
+            if not PREFETCH:
                 S = tl.load(s_ptrs, mask=mask2, other=0.0)  # S: [BK, BV] fp32
             S = S * decay[:, None]
             kv = tl.sum(S * k[:, None], axis=0)  # S'^T k: [BV]
@@ -270,7 +272,7 @@ def _launch_decode(
     dt_bias: Tensor, b: Tensor, state: Tensor, slot_indices: Tensor, out: Tensor,
     o_gate: Tensor | None, o_norm_weight: Tensor | None, raw: Tensor | None, counts: Tensor | None,
     lower_bound: float | None, scale: float, eps: float, use_pdl: bool, num_warps: int, block_v: int,
-    v_split: int,
+    v_split: int, prefetch: bool,
 ) -> None:
     N = qkv_pre.shape[0]
     _, H, D, _ = state.shape
@@ -307,7 +309,7 @@ def _launch_decode(
         H=H, D=D, BK=triton.next_power_of_2(D), BV=min(block_v, bvs), BVS=bvs, NV=v_split,
         W=W, WP=triton.next_power_of_2(W),
         USE_LOWER_BOUND=lower_bound is not None, NORM=norm, USE_PDL=use_pdl and not INTERPRET,
-        num_warps=num_warps, **pdl_kwargs(use_pdl),
+        PREFETCH=prefetch, num_warps=num_warps, **pdl_kwargs(use_pdl),
     )
 
 
@@ -358,6 +360,7 @@ def kda_decode(
     o_norm_eps: float = 1e-5,
     v_split: int | None = None,
     workspace: Tensor | None = None,
+    prefetch: bool | None = None,
 ) -> Tensor:
     """One fused KDA decode step for N sequences (one token each) of one layer.
 
@@ -388,6 +391,7 @@ def kda_decode(
             when v_split is None too, else 64).
         workspace: int32 counters from `kda_decode_workspace(>= N, H)`, zero between launches; used
             when v_split > 1 (None allocates zeroed counters per call).
+        prefetch: load each state tile one step ahead of its update (None: when V is split over programs).
 
     Returns:
         o: [N, H, D] in qkv_pre.dtype: the raw recurrence output, or its gated RMSNorm when o_gate
@@ -474,6 +478,7 @@ def kda_decode(
         qkv_pre, conv_weight, conv_state, f, A_log.contiguous().view(H), dt_bias.contiguous().view(H * D),
         b, state, slot_indices, out, o_gate, o_norm_weight, raw, counts, lower_bound,
         D**-0.5 if scale is None else float(scale), float(o_norm_eps), use_pdl, num_warps, block_v, v_split,
+        v_split > 1 if prefetch is None else bool(prefetch),
     )
     return out
 

@@ -162,10 +162,13 @@ def test_decode_two_steps_int64_slots_fp16() -> None:
 
 
 @pytest.mark.parametrize(
-    "v_split,block_v", [(1, 8), (2, 32), (4, 4)], ids=["split1_tiles4", "split2", "split4_tiles2"]
+    "v_split,block_v,prefetch",
+    [(1, 8, None), (2, 32, None), (4, 4, None), (1, 8, True), (2, 8, False)],
+    ids=["split1_tiles4", "split2", "split4_tiles2", "split1_tiles4_prefetch", "split2_tiles2_no_prefetch"],
 )
-def test_decode_v_split_two_steps_shared_workspace(v_split: int, block_v: int) -> None:
-    """Heads split over V: the last program of a head shifts the q/k conv cache; counters return to 0."""
+def test_decode_v_split_two_steps_shared_workspace(v_split: int, block_v: int, prefetch: bool | None) -> None:
+    """Heads split over V: the last program of a head shifts the q/k conv cache; counters return to 0. Either
+    tile schedule (each state tile loaded one step ahead, or in its own step) gives the same result."""
     N, H, D, kind = 3, 2, 32, "lower_bound"
     case = decode_case(N, H, D, kind, torch.float32, num_slots=5, seed=7)
     ref = {k: v.clone() for k, v in case.items()}
@@ -175,7 +178,7 @@ def test_decode_v_split_two_steps_shared_workspace(v_split: int, block_v: int) -
     for step in range(2):
         o_ref, ref["state"], ref["conv_state"] = decode_ref(ref, slots, kind)
         o = kda_decode(**case, slot_indices=slot_t, lower_bound=LOWER_BOUND, v_split=v_split,
-                       block_v=block_v, workspace=ws)
+                       block_v=block_v, workspace=ws, prefetch=prefetch)
         assert rel_err(o, o_ref) <= 1e-4, step
         assert torch.equal(o[1], torch.zeros_like(o[1]))
         assert rel_err(case["state"], ref["state"]) <= 1e-4, step
@@ -221,7 +224,7 @@ def test_decode_default_tile_narrow_for_few_programs_and_pinned_with_v_split(mon
     assert triton_decode.default_block_v(17, 32, 1) == 64
     assert triton_decode.default_block_v(4, 32, 2) == 64
     seen = []
-    monkeypatch.setattr(triton_decode, "_launch_decode", lambda *a: seen.append((a[-2], a[-1])))
+    monkeypatch.setattr(triton_decode, "_launch_decode", lambda *a: seen.append((a[-3], a[-2])))
     N, H, D = 3, 2, 32
     case = decode_case(N, H, D, "softplus", torch.float32, num_slots=4, seed=3)
     slots = torch.tensor([0, 1, 2], device=DEV)
