@@ -10,7 +10,7 @@ GPU mode (default), one H200-class GPU, Kimi-Linear-48B shape (E=256, top-8, D=2
      MoE.experts path, eager: it syncs on the host); the alignment step alone; a few decode tile
      configs (the default first);
   4. prefill T in {4096, 16384}: TFLOP/s (6*T*k*D*I flops) vs the matmul peak, for the default and
-     two other tile configs, and the torch loop;
+     two other tile configs, the CUTLASS grouped GEMMs (kernels/moe/grouped.py, sm90+), and the torch loop;
   5. moe_route alone at T in {1, 64, 4096}, 1/2/4/8 warps (--route-only: just this, first).
 Times are medians of CUDA-event-timed repetitions after warm-up. A table goes to stdout, all numbers
 to JSON ($OUT/kernels_moe.json, or --out). Items past --budget-s are skipped and say so.
@@ -42,7 +42,9 @@ from _timing import (  # noqa: E402
 import torch  # noqa: E402
 
 import_k3rt_kernels()
-from k3rt.kernels.moe import fused_experts, moe_align_fwd, moe_route  # noqa: E402
+from k3rt.kernels.moe import (  # noqa: E402
+    fused_experts, fused_experts_grouped, grouped_mm_available, moe_align_fwd, moe_route,
+)
 from k3rt.kernels.moe.ref import act_and_mul_ref, fused_experts_ref, route_ref  # noqa: E402
 from k3rt.kernels.moe.triton_experts import (  # noqa: E402
     DECODE_CANDIDATES, PREFILL_CANDIDATES, ExpertTiles, pick_tiles,
@@ -180,6 +182,18 @@ def prefill(T: int, w13, w2, peak_tflops: float) -> None:
         if "ms" in rec:
             log(f"prefill {rec['name']}: {rec['ms']:.3f} ms, {rec['TFLOPs']:.0f} TFLOP/s "
                 f"({rec['pct_of_matmul_peak']:.0f}% of matmul)")
+
+    def grouped() -> dict:
+        err = rel_err(fused_experts_grouped(x, w13, w2, w, ids, act=ACT), base)
+        t = time_ms(lambda: fused_experts_grouped(x, w13, w2, w, ids, act=ACT, out=out), reps=reps, warmup=2)
+        tf = flops / (t["median_ms"] * 1e-3) / 1e12
+        return {"T": T, "ms": t["median_ms"], "TFLOPs": tf, "pct_of_matmul_peak": 100 * tf / peak_tflops,
+                "rel_err_vs_default": err}
+    if ARGS.smoke or grouped_mm_available(x):
+        rec = item("prefill", f"T={T} grouped (CUTLASS)", grouped)
+        if "ms" in rec:
+            log(f"prefill {rec['name']}: {rec['ms']:.3f} ms, {rec['TFLOPs']:.0f} TFLOP/s "
+                f"({rec['pct_of_matmul_peak']:.0f}% of matmul), rel err vs default {rec['rel_err_vs_default']:.1e}")
 
     def peer() -> dict:
         t = time_ms(lambda: torch_loop_experts(x, w13, w2, w, ids), reps=max(2, reps // 4), warmup=1)

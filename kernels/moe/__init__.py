@@ -5,7 +5,8 @@ MXFP4 experts: `mxfp4_ref` (the format, quantizer, oracle), `fused_experts_mxfp4
 in-memory layout (`PlanarMxfp4.from_packed`, `mxfp4_planar_layout`), `fused_experts_mxfp4_planar`
 (the GPU runner's default, its `PLANAR_SERVE_VARIANT`).
 The Triton ops (`act_and_mul`, `moe_route`, `fused_experts`, `fused_experts_mxfp4`, `moe_align_fwd`) are exported lazily, so importing the
-reference ops never imports Triton.
+reference ops never imports Triton. `fused_experts_grouped` (grouped.py): the same contract through CUTLASS's
+grouped GEMMs, for prefill-sized batches on sm90+.
 """
 from k3rt.kernels.lazy import lazy_exports
 from k3rt.kernels.moe.ref import act_and_mul_ref, align_ref, fused_experts_ref, route_ref
@@ -14,6 +15,8 @@ _TRITON_EXPORTS = {
     "act_and_mul": "k3rt.kernels.moe.triton_act",
     "moe_route": "k3rt.kernels.moe.triton_router",
     "fused_experts": "k3rt.kernels.moe.triton_experts",
+    "fused_experts_grouped": "k3rt.kernels.moe.grouped",
+    "grouped_mm_available": "k3rt.kernels.moe.grouped",
     "ExpertTiles": "k3rt.kernels.moe.triton_experts",
     "moe_align_fwd": "k3rt.kernels.moe.triton_align",
     "fused_experts_mxfp4": "k3rt.kernels.moe.triton_mxfp4",
@@ -30,9 +33,11 @@ __all__ = [
     "act_and_mul_ref",
     "align_ref",
     "fused_experts",
+    "fused_experts_grouped",
     "fused_experts_mxfp4",
     "fused_experts_mxfp4_planar",
     "fused_experts_ref",
+    "grouped_mm_available",
     "moe_align_fwd",
     "moe_route",
     "route_ref",
