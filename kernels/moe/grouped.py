@@ -26,7 +26,7 @@ from torch import Tensor
 from k3rt.kernels.common import check_same_device, poison_like
 from k3rt.kernels.moe.triton_act import act_and_mul
 from k3rt.kernels.moe.triton_align import moe_align_fwd
-from k3rt.kernels.moe.triton_experts import check_routing, check_x
+from k3rt.kernels.moe.triton_experts import check_routing, check_stacks, check_x
 from k3rt.model_config import ActivationConfig
 
 GROUP_ALIGN = 16  # rows each expert's run is padded to (the alignment's smallest block)
@@ -97,12 +97,7 @@ def fused_experts_grouped(
     topk_weights [T, k] fp32, topk_ids [T, k] int32 in [0, E - shared_experts). Returns [T, D] in x.dtype.
     """
     T, D = check_x(x)
-    if w13.dim() != 3 or w13.shape[2] != D or w13.shape[1] % 2 or not w13.is_contiguous():
-        raise ValueError(f"w13 must be contiguous [E, 2I, D={D}], got {list(w13.shape)}")
-    E, I = w13.shape[0], w13.shape[1] // 2
-    if tuple(w2.shape) != (E, D, I) or not w2.is_contiguous() or w2.dtype != x.dtype or w13.dtype != x.dtype:
-        raise ValueError(f"w2 must be contiguous [E, D, I]={[E, D, I]} and both stacks {x.dtype}, got "
-                         f"{list(w2.shape)} {w13.dtype}/{w2.dtype}")
+    E, _ = check_stacks(x, w13, w2)
     k = check_routing(x, topk_weights, topk_ids, act, shared_experts, E, out)
     check_same_device(x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
     if out is None:

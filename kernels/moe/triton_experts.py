@@ -274,6 +274,20 @@ def check_x(x: Tensor) -> tuple[int, int]:
     return x.shape[0], x.shape[1]
 
 
+def check_stacks(x: Tensor, w13: Tensor, w2: Tensor) -> tuple[int, int]:
+    """Dense expert stacks for x [T, D]: w13 [E, 2I, D] and w2 [E, D, I], contiguous, x.dtype -> (E, I)."""
+    D = x.shape[1]
+    if w13.dim() != 3 or w13.shape[2] != D or w13.shape[1] % 2:
+        raise ValueError(f"w13 must be [E, 2I, D={D}], got {list(w13.shape)}")
+    E, I = w13.shape[0], w13.shape[1] // 2
+    check(w13, "w13", (E, 2 * I, D), x.dtype)
+    check(w2, "w2", (E, D, I), x.dtype)
+    for name, t in (("w13", w13), ("w2", w2)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    return E, I
+
+
 def check_routing(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, act: ActivationConfig, shared_experts: int,
                   num_experts: int, out: Tensor | None) -> int:
     """The arguments every fused-experts launcher shares besides the weights; -> k (slots per token)."""
@@ -380,14 +394,7 @@ def fused_experts(
         [T, D] in x.dtype. Rounding: h and the per-pair outputs are stored in x.dtype (ref.py).
     """
     T, D = check_x(x)
-    if w13.dim() != 3 or w13.shape[2] != D or w13.shape[1] % 2:
-        raise ValueError(f"w13 must be [E, 2I, D={D}], got {list(w13.shape)}")
-    E, I = w13.shape[0], w13.shape[1] // 2
-    check(w13, "w13", (E, 2 * I, D), x.dtype)
-    check(w2, "w2", (E, D, I), x.dtype)
-    for name, t in (("w13", w13), ("w2", w2)):
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
+    E, I = check_stacks(x, w13, w2)
     k = check_routing(x, topk_weights, topk_ids, act, shared_experts, E, out)
     check_same_device(x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
     if out is None:

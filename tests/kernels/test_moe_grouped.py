@@ -70,8 +70,10 @@ def test_grouped_rejects_bad_inputs() -> None:
     gen = torch.Generator().manual_seed(5)
     case = experts_case(gen, 4, E=8, k=2, D=32, inter=16, dtype=torch.float32)
     act = ActivationConfig("silu")
-    with pytest.raises(ValueError, match="w2 must be contiguous"):
+    with pytest.raises(ValueError, match="w2 must have shape"):
         fused_experts_grouped(**dict(case, w2=case["w2"][:, :16]), act=act)
+    with pytest.raises(ValueError, match="w2 must be contiguous"):
+        fused_experts_grouped(**dict(case, w2=case["w2"].transpose(1, 2).contiguous().transpose(1, 2)), act=act)
     with pytest.raises(ValueError, match="topk_ids must be"):
         fused_experts_grouped(**dict(case, topk_ids=case["topk_ids"][:3]), act=act)
     with pytest.raises(ValueError, match="shared_experts must be in"):
