@@ -9,7 +9,8 @@ What it measures, in one run (medians of CUDA-event-timed repetitions after warm
   2. decode, batch B in --batch at context --context: one step of the model forward
        eager (every kernel launched from Python), graph (replay of the captured CUDA graph),
        graph variants (--variants: re-captured with PDL between kernels, or with cuBLAS for the
-         decode-row projections instead of the skinny GEMV kernel),
+         decode-row projections instead of the skinny GEMV kernel, or as the default again: "control",
+         the spread a variant's gain is read against), each graph timed from the batch's seeded cache contents,
      and the full runner step (host packing + copy + graph replay + argmax + reading the tokens);
      against the roofline: bytes a step must move (weights it touches + KDA state read and written +
      MLA latent KV read) / copy bandwidth;
@@ -35,7 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-VARIANTS = {"pdl": dict(use_pdl=True), "cublas_gemv": dict(skinny_gemv=False)}  # KernelConfig fields
+# KernelConfig fields; "control" re-captures the default and times it as the variants are timed: its gain is the
+# benchmark's own noise (0 up to that), against which the others' gains are read
+VARIANTS = {"control": {}, "pdl": dict(use_pdl=True), "cublas_gemv": dict(skinny_gemv=False)}
 
 
 def _args() -> argparse.Namespace:
@@ -130,29 +133,34 @@ def step_bytes(model, cfg: ModelConfig, B: int, ctx: int, layout) -> dict:
             "total": int(dense + expert * frac + state + kv), "expert_fraction": frac}
 
 
-def fill_noise(pool: PagePool, seq: StepSeq) -> None:
+def fill_noise(pool: PagePool, seq: StepSeq, gen: torch.Generator) -> None:
     """Random cache contents for one sequence: latent KV in its MLA pages, conv and recurrent state in
     its state set. Views of one page overlap (a page is either KV or a KDA state), so each page is
     filled only through the view its role uses: noise written through the other would read back as
-    arbitrary bit patterns, NaN included."""
+    arbitrary bit patterns, NaN included. Drawn from `gen`: the cache contents steer the hidden states and so
+    the routing, and the experts a step reads are most of its bytes, so every timing of a batch must start
+    from the same contents (unseeded, the graph timed first read 1-1.7% slower at batch 64 than the
+    variants re-captured after it, whatever the variant: RESULTS.md session 28)."""
     for page in seq.block_table:
         for t in range(len(pool.tensors)):
-            pool.mla[t][page].normal_()
+            pool.mla[t][page].normal_(generator=gen)
     for page in seq.state_pages or []:
         for t in range(len(pool.conv)):
-            pool.conv[t][page].normal_()
-            pool.rec[t][page].normal_(0.0, 0.05)
+            pool.conv[t][page].normal_(generator=gen)
+            pool.rec[t][page].normal_(0.0, 0.05, generator=gen)
 
 
 def decode_seqs(pool: PagePool, layout, B: int, ctx: int, vocab: int) -> list[StepSeq]:
+    """B sequences at context ctx with seeded tokens and cache contents: the same batch at every call for B."""
     g = torch.Generator().manual_seed(B)
+    noise = torch.Generator(device=pool.tensors[0].device).manual_seed(B)
     seqs = []
     for _ in range(B):
         table = pool.allocate(-(-(ctx + 1) // layout.block_size), zero=False)
         states = pool.allocate(max(1, layout.pages_per_state_set), zero=False)
         tok = int(torch.randint(0, vocab, (1,), generator=g))
         seqs.append(StepSeq([tok], ctx, table, states, True))
-        fill_noise(pool, seqs[-1])
+        fill_noise(pool, seqs[-1], noise)
     return seqs
 
 
@@ -166,27 +174,39 @@ def bench_decode(runner: GpuModelRunner, model, cfg, layout, copy_gbps: float, B
     seqs = decode_seqs(runner.pool, layout, B, ctx, cfg.vocab_size)
     step = runner._build(seqs, [])
     row: dict = {"batch": B, "context": ctx, "bytes": step_bytes(model, cfg, B, ctx, layout)}
+    # the experts the batch's seeded contents route to, before any step moves its states on; each replay moves
+    # them on (the graph decodes the same token again), and the routing with them, so the roofline takes the mean
+    # of this and the routing after the timed replays
+    routed = [distinct_experts(runner, step)]
     row["eager_ms"] = time_ms(lambda: runner.fwd(step, decode=True), reps=ARGS.reps, warmup=2)["median_ms"]
     size = next((s for s in sorted(runner.graphs) if s >= B), None)
     if size is not None:
+        # the eager steps moved these sequences' states on: the graph starts from the batch's seeded contents,
+        # as each variant's graph does
+        release(runner.pool, seqs)
+        seqs = decode_seqs(runner.pool, layout, B, ctx, cfg.vocab_size)
         g = runner.graphs[size]
         runner._replay(seqs, size)  # loads this batch's indices into the graph's buffers
         row["graph_ms"] = time_ms(g.graph.replay, reps=ARGS.reps, warmup=3)["median_ms"]
         row["graph_size"] = size
+        routed.append(distinct_experts(runner, runner._build(seqs, [])))
 
         def full_step() -> None:
             runner._replay(seqs, size)
             torch.argmax(g.logits[:B], dim=-1).tolist()
 
         row["runner_step_ms"] = time_ms(full_step, reps=ARGS.reps, warmup=2)["median_ms"]
-    distinct = distinct_experts(runner, step) or None
-    if distinct is not None:  # replace the uniform-routing expectation by what this batch routes to
+    routed = [d for d in routed if d]
+    if routed:  # replace the uniform-routing expectation by what this batch routes to
+        layers = len(routed[0])
         per_expert = sum(
             p.numel() * p.element_size() for n, p in model.named_parameters() if n.endswith((".w13", ".w2"))
-        ) / (cfg.moe.num_experts * len(distinct))
+        ) / (cfg.moe.num_experts * layers)
         b = row["bytes"]
-        b["weights_experts"] = int(per_expert * sum(distinct))
-        b["distinct_experts_per_layer"] = sum(distinct) / len(distinct)
+        mean = sum(map(sum, routed)) / len(routed)  # distinct experts summed over the layers, averaged
+        b["weights_experts"] = int(per_expert * mean)
+        b["distinct_experts_per_layer"] = mean / layers
+        b["distinct_experts_per_layer_first_last"] = [sum(d) / layers for d in routed]
         b["total"] = b["weights_dense"] + b["weights_experts"] + b["kda_state"] + b["mla_kv"]
     roof_ms = row["bytes"]["total"] / (copy_gbps * 1e9) * 1e3
     row["roofline_ms"] = roof_ms
@@ -440,11 +460,6 @@ def main() -> int:
         log(f"decode B={B}: {row}")
         RESULT["decode"].append(row)
         save()
-    RESULT["profile"] = []
-    for B in ARGS.profile:
-        if not over_budget():
-            RESULT["profile"].append(profile_step(runner, cfg, layout, B))
-            save()
     for name in ARGS.variants if cuda else []:
         if over_budget():
             break
@@ -496,6 +511,12 @@ def main() -> int:
             RESULT["prefill"].append(row)
             save()
     runner.fwd.k = base_k
+    # last: graphs replayed after a torch.profiler session ran 1-7% slower (RESULTS.md session 28)
+    RESULT["profile"] = []
+    for B in ARGS.profile:
+        if not over_budget():
+            RESULT["profile"].append(profile_step(runner, cfg, layout, B))
+            save()
     save()
     print_table()
     return 0
