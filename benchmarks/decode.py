@@ -51,6 +51,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--prefill-kda-intra", choices=["fused", "split", "both"], default="fused",
                    help="--prefill: the chunked KDA kernel's intra step (KernelConfig.kda_intra); both: each prefill "
                         "timed with fused, then split (a row per variant)")
+    p.add_argument("--prefill-router", choices=["split", "fp32", "both"], default="split",
+                   help="--prefill: the MoE router's logits from the bf16 parts of its weight (the default, "
+                        "KernelConfig.split_router_min_rows) or torch's fp32 linear; both: each prefill timed with each")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
                    help="decode graphs re-captured with other kernel settings and timed beside the default: "
@@ -499,14 +502,18 @@ def main() -> int:
         save()
     active = param_count(cfg)["active_per_token"] - cfg.vocab_size * cfg.hidden_size  # lookups are not flops
     intras = list(INTRA_FORMS) if ARGS.prefill_kda_intra == "both" else [ARGS.prefill_kda_intra]
+    routers = ["split", "fp32"] if ARGS.prefill_router == "both" else [ARGS.prefill_router]
     base_k = runner.fwd.k
-    for intra in intras:  # fused first: a failing new variant cannot cost the measured default's rows
-        runner.fwd.k = replace(base_k, kda_intra=intra)
+    # the defaults first: a failing variant cannot cost the measured default's rows
+    for intra, router in [(i, r) for i in intras for r in routers]:
+        runner.fwd.k = replace(base_k, kda_intra=intra,
+                               split_router_min_rows=base_k.split_router_min_rows if router == "split" else 0)
         for T in ARGS.prefill:
             if over_budget():
-                RESULT["prefill"].append({"tokens": T, "kda_intra": intra, "skipped": "budget"})
+                RESULT["prefill"].append({"tokens": T, "kda_intra": intra, "router": router, "skipped": "budget"})
                 continue
-            row = {**bench_prefill(runner, cfg, layout, T, RESULT["matmul_tflops"], active), "kda_intra": intra}
+            row = {**bench_prefill(runner, cfg, layout, T, RESULT["matmul_tflops"], active), "kda_intra": intra,
+                   "router": router}
             log(f"prefill T={T}: {row}")
             RESULT["prefill"].append(row)
             save()
@@ -548,13 +555,13 @@ def print_table() -> None:
                     form = ("on" if r["split"] else "off") + (f", piecewise {r['bucket']}" if "bucket" in r else "")
                     print(f"| {row['batch']} | {row['prefill']} | {form} | {r['ms']:.2f} | "
                           f"{r['kernel_ms']:.2f} | {r['launches']} | {r['rel_vs_decode_step']:.2e} |")
-    print("\n| prefill tokens | KDA intra | chunk | ms | tokens/s | TFLOP/s | x matmul floor |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print("\n| prefill tokens | KDA intra | router | chunk | ms | tokens/s | TFLOP/s | x matmul floor |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|")
     for r in RESULT["prefill"]:
         if "skipped" in r:
-            print(f"| {r['tokens']} | {r.get('kda_intra', '-')} | skipped |")
+            print(f"| {r['tokens']} | {r.get('kda_intra', '-')} | {r.get('router', '-')} | skipped |")
             continue
-        print(f"| {r['tokens']} | {r['kda_intra']} | {r['chunk']} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | "
+        print(f"| {r['tokens']} | {r['kda_intra']} | {r['router']} | {r['chunk']} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | "
               f"{r['tflops']:.0f} | {r['x_floor']:.2f} |")
 
 

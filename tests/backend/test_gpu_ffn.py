@@ -139,3 +139,43 @@ def test_mxfp4_experts_keep_dot_scaled_where_asked_or_where_planar_does_not_fit(
     with pytest.raises(ValueError, match="mxfp4_experts: must be one of"):
         KernelConfig(mxfp4_experts="planer")
 
+
+
+def test_bf16_parts_sum_to_the_fp32_weight_exactly() -> None:
+    """Three bf16 parts carry fp32's 24 significant bits (the router's split GEMM relies on it): their fp32 sum is
+    the weight, bit for bit, across magnitudes."""
+    from k3rt.backend.runner.gpu.ffn import bf16_parts
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(16, 64, generator=g) * torch.logspace(-20, 20, 64)
+    parts = bf16_parts(w)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (48, 64)
+    hi, mid, lo = parts.float().view(3, 16, 64)
+    assert torch.equal(hi + mid + lo, w)
+
+
+def test_the_router_parts_are_built_for_cuda_kernels_only() -> None:
+    moe = tiny_moe("kimi_linear", 1)
+    split = MoeWeights.of(moe, KernelConfig(triton=True)).gate_split
+    assert (split is not None) == (DEV.type == "cuda")
+    assert MoeWeights.of(tiny_moe("kimi_linear", 1), KernelConfig(triton=False)).gate_split is None
+    assert MoeWeights.of(tiny_moe("kimi_linear", 1), KernelConfig(triton=True, batch_invariant=True)).gate_split is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1024, 8192])
+def test_gpu_split_router_equals_the_fp32_router(rows: int) -> None:
+    """The 48B router (256 x 2304 fp32) at prefill sizes: the split GEMM's logits within fp32 accumulation of the
+    fp64 product, as torch's fp32 linear is, and the same top-8 experts for every row."""
+    from k3rt.backend.runner.gpu.ffn import bf16_parts, split_router
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    w = torch.randn(256, 2304, device="cuda", generator=g) * 2304 ** -0.5
+    x = torch.randn(rows, 2304, device="cuda", generator=g).bfloat16()
+    exact = x.double() @ w.double().t()
+    got, fp32 = split_router(x, bf16_parts(w)), torch.nn.functional.linear(x.float(), w)
+    scale = exact.abs().max().item()
+    assert (got.double() - exact).abs().max().item() <= 1e-5 * scale
+    assert (fp32.double() - exact).abs().max().item() <= 1e-5 * scale
+    assert torch.equal(got.topk(8).indices.sort(-1).values, fp32.topk(8).indices.sort(-1).values)

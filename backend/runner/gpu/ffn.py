@@ -14,6 +14,10 @@ routed sum first): equal up to that rounding. For S = 1 the module's own paramet
 the stacks (no second copy); for S > 1 the stacks hold a copy of the shared weights.
 LatentMoE's shared expert reads the full-width x while its routed experts read the latent: no fusion.
 
+The router's fp32 logits of prefill-sized batches (`KernelConfig.split_router_min_rows`) come from one bf16
+tensor-core GEMM against three bf16 parts of its fp32 weight (`bf16_parts`: their sum is the weight exactly) with
+fp32 output, summed, instead of torch's fp32 linear (a cast of x and a SIMT sgemm, 5.5 ms of the 48B's 8K chunk).
+
 MXFP4 routed experts (`KernelConfig.mxfp4_experts`): by default repacked once here, in place, into the planar
 layout (`PlanarMxfp4.from_packed(in_place=True)`: the words take the packed codes' own storage, so device
 memory stays what the checkpoint's stacks take) and run by `fused_experts_mxfp4_planar`; the module then
@@ -46,9 +50,19 @@ class MoeWeights:
     mx: dict[str, torch.Tensor] | None = None
     planar: object | None = None  # kernels.moe.PlanarMxfp4 (not imported here: Triton only when kernels run)
     unfit: str | None = None  # why planar was asked for and these stacks kept the packed codes (GpuForward logs it)
+    # the fp32 router weight as three bf16 parts stacked [3E, D] (`split_router`): prefill-sized batches' logits
+    gate_split: torch.Tensor | None = None
 
     @staticmethod
     def of(moe: MoE, k: KernelConfig) -> "MoeWeights":
+        w = MoeWeights._stacks(moe, k)
+        gate = moe.gate_weight.detach()
+        if k.triton and not k.batch_invariant and gate.is_cuda and gate.dtype == torch.float32:
+            w.gate_split = bf16_parts(gate)
+        return w
+
+    @staticmethod
+    def _stacks(moe: MoE, k: KernelConfig) -> "MoeWeights":
         m, mlp = moe.m, moe.shared_experts
         if moe.mxfp4:
             return MoeWeights._mxfp4(moe, k)
@@ -92,7 +106,10 @@ def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> to
     experts = kernel("moe", name) if k.triton else None
     router = kernel("moe", "moe_route") if k.triton else None
     if router is not None:
-        logits = linear(x, moe.gate_weight, k, out_dtype=torch.float32)
+        if w.gate_split is not None and 0 < k.split_router_min_rows <= x.shape[0] and x.dtype == torch.bfloat16:
+            logits = split_router(x, w.gate_split)
+        else:
+            logits = linear(x, moe.gate_weight, k, out_dtype=torch.float32)
         tw, ids = router(logits, moe.e_score_correction_bias.float(), top_k=m.num_experts_per_token,
                          num_expert_group=m.num_expert_group, topk_group=m.topk_group,
                          renormalize=m.renormalize, scaling=m.routed_scaling_factor)
@@ -132,6 +149,24 @@ def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> to
     if m.latent_norm:
         y = norm(y, moe.routed_expert_norm, moe.eps, k)
     return moe.latent_tail(y, shared, moe.routed_expert_up_proj.weight, lambda a, w: linear(a, w, k))
+
+
+def bf16_parts(w: torch.Tensor) -> torch.Tensor:
+    """An fp32 [E, D] weight as three bf16 parts stacked [3E, D] whose fp32 sum is w exactly: each part takes the
+    next 8 significant bits of what the ones before left (fp32's 24 = 3 x 8; the exponent range is the same)."""
+    hi = w.to(torch.bfloat16)
+    rest = w - hi.float()
+    mid = rest.to(torch.bfloat16)
+    lo = (rest - mid.float()).to(torch.bfloat16)
+    return torch.cat([hi, mid, lo])
+
+
+def split_router(x: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
+    """fp32 logits x @ w^T of bf16 rows x through the parts of w (`bf16_parts`): one bf16 tensor-core GEMM with fp32
+    output (each product of 8-bit significands exact, sums in fp32) against three part columns per expert, then
+    their sum, where torch's fp32 linear runs a SIMT sgemm after casting x (CUDA only: torch.mm's out_dtype)."""
+    E = parts.shape[0] // 3
+    return torch.mm(x, parts.t(), out_dtype=torch.float32).view(x.shape[0], 3, E).sum(1)
 
 
 def local_routing(tw: torch.Tensor, ids: torch.Tensor, offset: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,8 +56,15 @@ class KernelConfig:
     # programs; on the H200 no faster end to end: 3.741 vs 3.732 ms at 16K, 164.3 vs 160.4 ms for the 48B
     # prefill of 8K, benchmarks/RESULTS.md 2026-12-02)
     kda_intra: str = "fused"
+    # batches of at least this many rows take the fp32 MoE router's logits from three bf16 parts of its weight in
+    # one tensor-core GEMM (backend/runner/gpu/ffn.py split_router) instead of torch's fp32 linear, a SIMT sgemm;
+    # 0: never. H200, the 48B's 256 x 2304 router (RESULTS.md session 28): 0.055 against 0.072 ms at 1,024 rows,
+    # 0.078 against 0.269 at 8,192; equal at 256, slower at 64
+    split_router_min_rows: int = 1024
 
     def __post_init__(self) -> None:
+        if self.split_router_min_rows < 0:
+            raise ValueError(f"split_router_min_rows: must be >= 0, got {self.split_router_min_rows}")
         if self.kda_intra not in INTRA_FORMS:
             raise ValueError(f"kda_intra: must be one of {INTRA_FORMS}, got {self.kda_intra!r}")
         if self.mxfp4_experts not in MXFP4_EXPERT_PATHS:
