@@ -256,3 +256,35 @@ def test_pieces_read_nothing_back_on_the_host(arch, tmp_path) -> None:
             with _LaunchWork() as work:
                 mixed._piece(j, n)
             assert work.triton > 0 and not _HOST_OPS & set(work.torch_ops), (n, j, work.torch_ops)
+
+
+@pytest.mark.gpu
+def test_a_long_prefill_takes_the_split_router_inside_the_pieces_on_cuda(tmp_path, monkeypatch) -> None:
+    """bf16 on CUDA with a 2,048-token budget: the 1,100-token prompt's steps pad to buckets of >= 1,024 rows, whose
+    captured pieces compute the router's logits from the weight's bf16 parts (KernelConfig.split_router_min_rows);
+    the engine gives the reference engine's fp32 greedy tokens."""
+    if not HAS_CUDA:
+        pytest.skip("no CUDA device")
+    import k3rt.backend.runner.gpu.ffn as ffn
+
+    rows: list[int] = []
+    real = ffn.split_router
+
+    def spy(x, parts):
+        rows.append(x.shape[0])
+        return real(x, parts)
+    monkeypatch.setattr(ffn, "split_router", spy)
+    ckpt = make_tiny(tmp_path / "m", arch="kimi_linear", dtype="float32", seed=9)
+    prompts = [torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (1100, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def run(**over):
+        cfg = replace(engine_config_for_tests(str(ckpt), num_pages=512), **over)
+        e = Engine(replace(cfg, scheduler=replace(cfg.scheduler, max_num_batched_tokens=2048, prefill_delay_steps=0)))
+        return staggered(e, prompts, params, every=1), e.runner
+
+    got, runner = run(runner="gpu", device="cuda", dtype="bfloat16")
+    assert runner.mixed is not None and max(runner.mixed.buckets) >= 1024 and runner.mixed.replays >= 1
+    assert rows and min(rows) >= 1024  # captured (a replay calls no Python), and only at prefill sizes
+    want, _ = run(runner="model")
+    assert got == want

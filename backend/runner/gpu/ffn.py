@@ -50,7 +50,9 @@ class MoeWeights:
     mx: dict[str, torch.Tensor] | None = None
     planar: object | None = None  # kernels.moe.PlanarMxfp4 (not imported here: Triton only when kernels run)
     unfit: str | None = None  # why planar was asked for and these stacks kept the packed codes (GpuForward logs it)
-    # the fp32 router weight as three bf16 parts stacked [3E, D] (`split_router`): prefill-sized batches' logits
+    # the fp32 router weight as three bf16 parts stacked [3E, D] (`split_router`): prefill-sized batches' logits.
+    # A copy taken when the runner is built (as the benchmarks' re-drawn routers are, before it): the weights of a
+    # served model do not change after load
     gate_split: torch.Tensor | None = None
 
     @staticmethod
