@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 import k3rt
 
@@ -149,8 +150,6 @@ def _call(programs: types.ModuleType, name: str) -> None:
     # the in-process engine samples requests without a seed from torch's global generator: seeding it per test makes
     # a single-request test's answer the same in every run, whatever ran before it (SGLang's gens sample at
     # temperature 1)
-    import torch
-
     torch.manual_seed(zlib.crc32(name.encode()))
     fn = getattr(programs, name)
     if name in CHECK_ANSWER:

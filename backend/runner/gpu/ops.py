@@ -13,7 +13,6 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from k3rt.backend.device import to_device  # noqa: F401 (the runner's modules import it from here)
 from k3rt.backend.layers.batch_invariant import invariant_linear
 from k3rt.backend.layers.norm import rms_norm
 from k3rt.kernels.kda.chunk_tables import INTRA_FORMS

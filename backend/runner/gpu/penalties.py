@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from k3rt.backend.runner.gpu.ops import to_device
+from k3rt.backend.device import to_device
 
 
 class PenaltyState:

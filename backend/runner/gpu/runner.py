@@ -38,12 +38,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from k3rt.backend.cache.pool import PagePool
+from k3rt.backend.device import to_device
 from k3rt.backend.distributed.channel import PlanSender
 from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.backend.runner.base import LaunchedStep, Runner, begin_step, pending_tokens
 from k3rt.backend.runner.gpu.forward import GpuForward
 from k3rt.backend.runner.gpu.idle import IdleTimer
-from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, to_device
+from k3rt.backend.runner.gpu.ops import KernelConfig, kernel
 from k3rt.backend.runner.gpu.penalties import PenaltyState
 from k3rt.backend.runner.gpu.pieces import PiecewiseForward, mixed_buckets_for
 from k3rt.backend.runner.gpu.rounds import RoundGraph, run_rounds

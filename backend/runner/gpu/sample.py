@@ -16,7 +16,8 @@ import random
 
 import torch
 
-from k3rt.backend.runner.gpu.ops import kernel, to_device
+from k3rt.backend.device import to_device
+from k3rt.backend.runner.gpu.ops import kernel
 from k3rt.backend.runner.gpu.penalties import PenaltyState
 from k3rt.backend.runner.sampling import accept_grammar, allowed_mask, sample_requests, under_min_tokens
 from k3rt.backend.sampling.sampler import Sampler
