@@ -54,6 +54,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--prefill-router", choices=["split", "fp32", "both"], default="split",
                    help="--prefill: the MoE router's logits from the bf16 parts of its weight (the default, "
                         "KernelConfig.split_router_min_rows) or torch's fp32 linear; both: each prefill timed with each")
+    p.add_argument("--prefill-configs", nargs="*", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
+                   help="--prefill: also time each prefill with these KernelConfig overrides (e.g. "
+                        "kda_prep_one_seq=1 or mla_prefill_tma=1,kda_prep_one_seq=1), after the default's rows")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
                    help="decode graphs re-captured with other kernel settings and timed beside the default: "
@@ -505,15 +508,18 @@ def main() -> int:
     routers = ["split", "fp32"] if ARGS.prefill_router == "both" else [ARGS.prefill_router]
     base_k = runner.fwd.k
     # the defaults first: a failing variant cannot cost the measured default's rows
-    for intra, router in [(i, r) for i in intras for r in routers]:
-        runner.fwd.k = replace(base_k, kda_intra=intra,
-                               split_router_min_rows=base_k.split_router_min_rows if router == "split" else 0)
+    runs = [(f"{i}/{r}", dict(kda_intra=i, split_router_min_rows=base_k.split_router_min_rows if r == "split" else 0),
+             i, r) for i in intras for r in routers]
+    runs += [(c, _config_overrides(base_k, c), base_k.kda_intra, "split") for c in ARGS.prefill_configs]
+    for label, overrides, intra, router in runs:
+        runner.fwd.k = replace(base_k, **overrides)
         for T in ARGS.prefill:
             if over_budget():
-                RESULT["prefill"].append({"tokens": T, "kda_intra": intra, "router": router, "skipped": "budget"})
+                RESULT["prefill"].append({"tokens": T, "kda_intra": intra, "router": router, "config": label,
+                                          "skipped": "budget"})
                 continue
             row = {**bench_prefill(runner, cfg, layout, T, RESULT["matmul_tflops"], active), "kda_intra": intra,
-                   "router": router}
+                   "router": router, "config": label}
             log(f"prefill T={T}: {row}")
             RESULT["prefill"].append(row)
             save()
@@ -527,6 +533,18 @@ def main() -> int:
     save()
     print_table()
     return 0
+
+
+def _config_overrides(base, spec: str) -> dict:
+    """'kda_prep_one_seq=1,mla_prefill_tma=0' -> KernelConfig overrides, each value parsed as its field's type."""
+    out = {}
+    for item in spec.split(","):
+        name, _, value = item.partition("=")
+        if not hasattr(base, name) or not value:
+            raise SystemExit(f"--prefill-configs: {item!r} is not FIELD=VALUE over KernelConfig's fields")
+        cur = getattr(base, name)
+        out[name] = value.lower() in ("1", "true", "on") if isinstance(cur, bool) else type(cur)(value)
+    return out
 
 
 def print_table() -> None:
@@ -555,13 +573,13 @@ def print_table() -> None:
                     form = ("on" if r["split"] else "off") + (f", piecewise {r['bucket']}" if "bucket" in r else "")
                     print(f"| {row['batch']} | {row['prefill']} | {form} | {r['ms']:.2f} | "
                           f"{r['kernel_ms']:.2f} | {r['launches']} | {r['rel_vs_decode_step']:.2e} |")
-    print("\n| prefill tokens | KDA intra | router | chunk | ms | tokens/s | TFLOP/s | x matmul floor |")
-    print("|---:|---|---|---:|---:|---:|---:|---:|")
+    print("\n| prefill tokens | config | chunk | ms | tokens/s | TFLOP/s | x matmul floor |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
     for r in RESULT["prefill"]:
         if "skipped" in r:
-            print(f"| {r['tokens']} | {r.get('kda_intra', '-')} | {r.get('router', '-')} | skipped |")
+            print(f"| {r['tokens']} | {r.get('config', '-')} | skipped |")
             continue
-        print(f"| {r['tokens']} | {r['kda_intra']} | {r['router']} | {r['chunk']} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | "
+        print(f"| {r['tokens']} | {r['config']} | {r['chunk']} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | "
               f"{r['tflops']:.0f} | {r['x_floor']:.2f} |")
 
 

@@ -39,6 +39,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--variant-index", type=int, default=None,
                     help="time only DECODE_VARIANTS[i] (run variants in separate processes: a crash stays local)")
     ap.add_argument("--decode-only", action="store_true", help="skip the prefill benchmark and its check")
+    ap.add_argument("--prefill-only", action="store_true", help="skip the decode benchmark and its checks")
+    ap.add_argument("--prefill-lens", type=int, nargs="+", default=None,
+                    help="fresh single-sequence prefill lengths (GPU default 8192 32768)")
+    ap.add_argument("--prefill-variants", nargs="*", default=None,
+                    help=f"prefill launch variants timed at every length, each checked against the oracle first "
+                         f"(names from PREFILL_VARIANTS; default: the tile sweep at the first length only)")
     ap.add_argument("--budget-s", type=float, default=150.0, help="skip items that would start past this")
     return ap.parse_args()
 
@@ -68,6 +74,23 @@ if GPU:
 else:
     SHAPE = dict(H=4, L=32, R=16, P=16, V=16, page=48)
     CONTEXTS, BATCHES, PREFILL_LENS = [100], [1, 3], [40]
+PREFILL_LENS = ARGS.prefill_lens or PREFILL_LENS
+# mla_prefill's launch options by name (block sizes, warps, stages; TMA descriptors; Triton's warp specialization)
+PREFILL_VARIANTS = {
+    "default": {},
+    "m128n64w8s2": dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    "m128n128w8s2": dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
+    "m64n64w4s3": dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
+    "m128n64w4s3": dict(block_m=128, block_n=64, num_warps=4, num_stages=3),
+    "tma": dict(tma=True),
+    "tma_s2": dict(tma=True, num_stages=2),
+    "tma_s4": dict(tma=True, num_stages=4),
+    "tma_n128s2": dict(tma=True, block_n=128, num_stages=2),
+    "tma_m64w4": dict(tma=True, block_m=64, num_warps=4),
+    "ws": dict(warp_specialize=True),
+    "tma_ws": dict(tma=True, warp_specialize=True),
+    "tma_ws_w4": dict(tma=True, warp_specialize=True, num_warps=4),
+}
 H, L, R, P, V, PAGE = (SHAPE[k] for k in ("H", "L", "R", "P", "V", "page"))
 SCALE = (P + R) ** -0.5
 # this script's sections are plain lists filled by hand (no per-item records): only the budget clock
@@ -319,11 +342,14 @@ def bench_decode() -> None:
 
 
 def prefill_inputs(lens: list[tuple[int, int]], gen: torch.Generator) -> dict:
+    """Packed varlen inputs laid out as the runner's expanded form: k_nope and v views of one kv_b_proj output
+    [Tk, H, P+V], k_pe the rope columns of the latent rows [Tk, L+R]."""
     Tq, Tk = sum(q for q, _ in lens), sum(k for _, k in lens)
     cu_q = torch.tensor([0] + [sum(q for q, _ in lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32)
     cu_k = torch.tensor([0] + [sum(k for _, k in lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32)
     rnd = lambda *shape: torch.randn(*shape, generator=gen, device=DEV).to(DTYPE)  # noqa: E731
-    return dict(q=rnd(Tq, H, P + R), k_nope=rnd(Tk, H, P), k_pe=rnd(Tk, R), v=rnd(Tk, H, V),
+    kv, ctx = rnd(Tk, H, P + V), rnd(Tk, L + R)
+    return dict(q=rnd(Tq, H, P + R), k_nope=kv[..., :P], k_pe=ctx[:, L:], v=kv[..., P:],
                 cu_seqlens_q=cu_q.to(DEV), cu_seqlens_k=cu_k.to(DEV),
                 max_seqlen_q=max(q for q, _ in lens), max_seqlen_k=max(k for _, k in lens))
 
@@ -368,21 +394,41 @@ def bench_prefill() -> None:
         print(f"prefill T={T:6d}  {t:8.2f} ms  {row['tokens_per_s']:10.0f} tok/s  {row['TFLOPs']:6.1f} TFLOP/s"
               + (f"   SDPA[{row['sdpa_backend']}] {row['sdpa_ms']:8.2f} ms {row['sdpa_TFLOPs']:6.1f} TFLOP/s"
                  if "sdpa_ms" in row else ""))
-        if GPU and T == PREFILL_LENS[0]:
-            for bm, bn, warps, stages in [(128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 4)]:
-                if not in_budget(f"prefill tile {bm}x{bn}"):
-                    continue
-                tune = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+        variants = ARGS.prefill_variants
+        if variants is None:
+            variants = ["m128n64w8s2", "m128n128w8s2", "m64n64w4s3", "m64n32w4s4"] if GPU and T == PREFILL_LENS[0] else []
+        want = mla_prefill(**case, scale=SCALE) if variants else None
+        for name in variants:
+            tune = _prefill_tune(name)
+            if not in_budget(f"prefill T={T} {name}"):
+                continue
+            try:
+                err = rel_err(mla_prefill(**case, scale=SCALE, **tune), want)
                 ts = time_ms(lambda: mla_prefill(**case, scale=SCALE, **tune), reps=reps, warmup=2)["median_ms"]
-                RESULT["prefill_sweep"].append({"T": T, **tune, "ms": ts, "TFLOPs": flops / (ts * 1e-3) / 1e12})
-                print(f"  sweep {tune}  {ts:8.2f} ms  {flops / (ts * 1e-3) / 1e12:6.1f} TFLOP/s")
+            except Exception as e:  # a variant that does not compile is a row, not the end of the run
+                print(f"  variant {name}: ERROR {repr(e)[:300]}")
+                RESULT["prefill_sweep"].append({"T": T, "variant": name, **tune, "error": repr(e)[:500]})
+                continue
+            RESULT["prefill_sweep"].append({"T": T, "variant": name, **tune, "ms": ts, "rel_err_vs_default": err,
+                                            "TFLOPs": flops / (ts * 1e-3) / 1e12, "vs_default": t / ts})
+            print(f"  variant {name:14s} {ts:8.3f} ms {flops / (ts * 1e-3) / 1e12:6.1f} TFLOP/s  {t / ts:5.3f}x the "
+                  f"default  (rel err vs the default {err:.1e})")
+            REPORT.save()
 
 
-def check_correctness() -> None:
-    """Every decode variant (auto splits and one split) on ragged lengths, and prefill, vs the oracles."""
-    gen = torch.Generator(device=DEV).manual_seed(0)
-    tol = 1e-2 if GPU else 1e-4
-    ctx = 32768 if GPU else 120
+def _prefill_tune(name: str) -> dict:
+    """A PREFILL_VARIANTS name, or 'm64n32w4s4' -> block_m 64, block_n 32, 4 warps, 4 stages."""
+    import re
+    if name in PREFILL_VARIANTS:
+        return PREFILL_VARIANTS[name]
+    m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)", name)
+    if m is None:
+        raise SystemExit(f"unknown prefill variant {name!r}: one of {sorted(PREFILL_VARIANTS)} or mMnNwWsS")
+    bm, bn, w, st = map(int, m.groups())
+    return dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+
+
+def check_decode(gen: torch.Generator, tol: float, ctx: int) -> None:
     kv, (table,), (q,), _ = decode_inputs(4, ctx, 1, gen)
     seq_lens = torch.tensor([ctx, 1, PAGE + 1, ctx // 3 + 5], dtype=torch.int32, device=DEV)
     want = mla_decode_ref(q, kv, table, seq_lens, SCALE, L)
@@ -397,11 +443,27 @@ def check_correctness() -> None:
             RESULT["correctness"].append({"name": f"decode {variant} splits={splits or 'auto'} lens={seq_lens.tolist()}",
                                           "rel_err": err, "tol": tol, "ok": err <= tol})
             REPORT.save()
+
+
+def check_correctness() -> None:
+    """Every decode variant (auto splits and one split) on ragged lengths, and prefill, vs the oracles."""
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    tol = 1e-2 if GPU else 1e-4
+    ctx = 32768 if GPU else 120
+    if not ARGS.prefill_only:
+        check_decode(gen, tol, ctx)
     if not ARGS.decode_only:
         lens = [(1000, 3000), (512, 512), (1, 700)] if GPU else [(20, 50), (17, 17), (1, 9)]
         case = prefill_inputs(lens, gen)
-        err = rel_err(mla_prefill(**case, scale=SCALE), mla_prefill_ref(**case, scale=SCALE))
-        RESULT["correctness"].append({"name": f"prefill {lens}", "rel_err": err, "tol": tol, "ok": err <= tol})
+        want = mla_prefill_ref(**case, scale=SCALE)
+        for name in ["default", *[v for v in ARGS.prefill_variants or [] if v != "default"]]:
+            tune = _prefill_tune(name)
+            try:
+                err = rel_err(mla_prefill(**case, scale=SCALE, **tune), want)
+            except Exception as e:  # recorded as a failed check; the timing loop records it again
+                print(f"correctness prefill {name}: ERROR {repr(e)[:300]}")
+                err = float("inf")
+            RESULT["correctness"].append({"name": f"prefill {name} {lens}", "rel_err": err, "tol": tol, "ok": err <= tol})
     for c in RESULT["correctness"]:
         print(f"correctness {c['name']}: rel_err {c['rel_err']:.2e} (tol {c['tol']:.0e}) {'ok' if c['ok'] else 'FAIL'}")
 
@@ -412,7 +474,8 @@ def main() -> int:
     RESULT["copy_bandwidth"] = copy_bandwidth()
     print(f"copy bandwidth: {RESULT['copy_bandwidth']['GBps']:.0f} GB/s")
     check_correctness()
-    bench_decode()
+    if not ARGS.prefill_only:
+        bench_decode()
     if not ARGS.decode_only:
         bench_prefill()
     RESULT["elapsed_s"] = REPORT.elapsed()

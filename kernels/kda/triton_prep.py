@@ -33,7 +33,7 @@ def _kda_chunk_prep_kernel(
     f_ptr, stride_f, b_ptr, stride_b, a_log_ptr, dt_ptr, g_ptr, beta_ptr, lower_bound,  # the gate
     T, C, num_old, conv_blocks,
     W: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr,
-    USE_LOWER_BOUND: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr, ONE_SEQ: tl.constexpr,
 ):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     m_r = rows < T
@@ -43,11 +43,21 @@ def _kda_chunk_prep_kernel(
         ch = pc * BC + tl.arange(0, BC)
         m_c = ch < C
         acc = tl.zeros([BT, BC], dtype=tl.float32)
-        for tap in tl.static_range(W):  # fp32 sum over the taps in order, as the reference's addcmul_
-            r = tl.load(idx_ptr + r64 * W + tap, mask=m_r, other=0)
-            v = _ext_rows(x_ptr, stride_x, cs_ptr, stride_cs_s, stride_cs_w, slot_ptr, r, m_r, ch, m_c, num_old,
-                          W - 1)
-            acc += v * tl.load(cw_ptr + ch * W + tap, mask=m_c, other=0.0)[None, :]
+        if ONE_SEQ and tl.program_id(0) * BT >= W - 1:
+            # one sequence, every window inside the step's rows: row t's taps are rows t-W+1 .. t, no index loads
+            for tap in tl.static_range(W):
+                v = tl.load(x_ptr + (r64 + (tap - (W - 1)))[:, None] * stride_x + ch[None, :],
+                            mask=m_r[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+                acc += v * tl.load(cw_ptr + ch * W + tap, mask=m_c, other=0.0)[None, :]
+        else:
+            for tap in tl.static_range(W):  # fp32 sum over the taps in order, as the reference's addcmul_
+                if ONE_SEQ:  # conv_idx of one sequence is ext row t + tap (its W-1 cached rows first)
+                    r = rows + tap
+                else:
+                    r = tl.load(idx_ptr + r64 * W + tap, mask=m_r, other=0)
+                v = _ext_rows(x_ptr, stride_x, cs_ptr, stride_cs_s, stride_cs_w, slot_ptr, r, m_r, ch, m_c,
+                              num_old, W - 1)
+                acc += v * tl.load(cw_ptr + ch * W + tap, mask=m_c, other=0.0)[None, :]
         y = acc * tl.sigmoid(acc)
         tl.store(y_ptr + r64[:, None] * C + ch[None, :], y.to(y_ptr.dtype.element_ty),
                  mask=m_r[:, None] & m_c[None, :])
@@ -72,7 +82,8 @@ def _kda_chunk_prep_kernel(
 
 def kda_chunk_prep(qkv: Tensor, conv_state: Tensor, slots: Tensor, conv_idx: Tensor, conv_weight: Tensor,
                    f: Tensor, A_log: Tensor, dt_bias: Tensor, b: Tensor,
-                   lower_bound: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                   lower_bound: float | None = None, *, one_seq: bool = False, block_t: int | None = None,
+                   block_c: int | None = None, num_warps: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The conv (SiLU) of the step's pre-conv rows and the gate and beta, in one launch. No host sync.
 
     Args:
@@ -85,6 +96,10 @@ def kda_chunk_prep(qkv: Tensor, conv_state: Tensor, slots: Tensor, conv_idx: Ten
         f: [T, H*D] raw f_b_proj output; b: [T, H] raw b_proj output (last dims contiguous).
         A_log: [H] fp32; dt_bias: [H*D] fp32 (both contiguous).
         lower_bound: None for the softplus gate, else the bounded gate's lower bound (-5 <= lb < 0).
+        one_seq: the step is one sequence and conv_idx its natural windows (row t: ext rows t .. t+W-1, as
+            backend/runner/gpu/step.py builds them for one sequence), so the kernel computes the taps' rows
+            instead of loading them (slots must hold one slot). The caller vouches for conv_idx.
+        block_t, block_c, num_warps: tile overrides (rows and columns per program).
 
     Returns:
         y [T, C] in qkv.dtype, g [T, H, D] fp32 log decay, beta [T, H] fp32.
@@ -114,16 +129,20 @@ def kda_chunk_prep(qkv: Tensor, conv_state: Tensor, slots: Tensor, conv_idx: Ten
             raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
     if lower_bound is not None and not (-5.0 <= lower_bound < 0.0):
         raise ValueError(f"lower_bound must satisfy -5 <= lower_bound < 0, got {lower_bound}")
+    if one_seq and slots.shape[0] != 1:
+        raise ValueError(f"one_seq needs slots to hold one sequence's slot, got {slots.shape[0]}")
     dev = qkv.device
     y = poison_like(torch.empty(T, C, dtype=qkv.dtype, device=dev))
     g = poison_like(torch.empty(T, H, D, dtype=torch.float32, device=dev))
     beta = poison_like(torch.empty(T, H, dtype=torch.float32, device=dev))
     if T:
-        conv_blocks = triton.cdiv(C, _BC)
-        _kda_chunk_prep_kernel[(triton.cdiv(T, _BT), conv_blocks + triton.cdiv(P, _BC))](
+        bt, bc = block_t or _BT, block_c or _BC
+        conv_blocks = triton.cdiv(C, bc)
+        _kda_chunk_prep_kernel[(triton.cdiv(T, bt), conv_blocks + triton.cdiv(P, bc))](
             qkv, qkv.stride(0), conv_state, conv_state.stride(0), conv_state.stride(1), slots, conv_idx, conv_weight,
             y, f, f.stride(0), b, b.stride(0), A_log, dt_bias, g, beta,
             0.0 if lower_bound is None else float(lower_bound), T, C, slots.shape[0] * (W - 1), conv_blocks,
-            W=W, H=H, D=D, BT=_BT, BC=_BC, BH=triton.next_power_of_2(H), USE_LOWER_BOUND=lower_bound is not None,
+            W=W, H=H, D=D, BT=bt, BC=bc, BH=triton.next_power_of_2(H), USE_LOWER_BOUND=lower_bound is not None,
+            ONE_SEQ=one_seq, num_warps=num_warps or 4,
         )
     return y, g, beta

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from k3rt.kernels.common import INTERPRET, check, check_same_device, poison_like
 
@@ -25,27 +26,49 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q_n, q_p, kn_rows, kpe_rows, v_rows, offs_p, offs_r, offs_v,
-                 mask_k, mask_s, qk_scale, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One key tile of the online softmax. mask_k: [BLOCK_N] live keys; mask_s: [BLOCK_M, BLOCK_N]."""
-    if MASKED:
-        k_n = tl.load(kn_rows[:, None] + offs_p[None, :], mask=mask_k[:, None], other=0.0)
-        k_p = tl.load(kpe_rows[:, None] + offs_r[None, :], mask=mask_k[:, None], other=0.0)
-        v = tl.load(v_rows[:, None] + offs_v[None, :], mask=mask_k[:, None], other=0.0)
-    else:
-        k_n = tl.load(kn_rows[:, None] + offs_p[None, :])  # [BLOCK_N, P]
-        k_p = tl.load(kpe_rows[:, None] + offs_r[None, :])  # [BLOCK_N, R]
-        v = tl.load(v_rows[:, None] + offs_v[None, :])  # [BLOCK_N, V]
+def _attend_tile(acc, m_i, l_i, q_n, q_p, k_n, k_p, v, mask_s, qk_scale,
+                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One key tile [BLOCK_N] of the online softmax (k_n [BLOCK_N, P], k_p [BLOCK_N, R], v [BLOCK_N, V] loaded);
+    mask_s: [BLOCK_M, BLOCK_N] visible (MASKED). The scale is folded into the exponent's multiply-add."""
     s = tl.dot(q_n, tl.trans(k_n), input_precision=DOT_PRECISION)
-    s = tl.dot(q_p, tl.trans(k_p), acc=s, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    s = tl.dot(q_p, tl.trans(k_p), acc=s, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] unscaled
     if MASKED:
         s = tl.where(mask_s, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    p = tl.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _load_tile(kn_ptr, kpe_ptr, v_ptr, kn_base, kpe_base, v_base, stride_kn_t, stride_kpe_t, stride_v_t,
+               row0, n0, i_h, offs_n, offs_p, offs_r, offs_v, len_k,
+               P: tl.constexpr, R: tl.constexpr, V: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASKED: tl.constexpr, TMA: tl.constexpr):
+    """Keys n0 .. n0+BLOCK_N of the sequence whose first key row is row0. TMA: through the tensor descriptors
+    (rows past the sequence are other sequences' finite rows or the descriptor's zero fill; the caller masks
+    their scores); else pointer loads, masked past len_k when MASKED."""
+    if TMA:
+        k_n = kn_ptr.load([row0 + n0, i_h, 0]).reshape(BLOCK_N, P)
+        k_p = kpe_ptr.load([row0 + n0, 0])
+        v = v_ptr.load([row0 + n0, i_h, 0]).reshape(BLOCK_N, V)
+    else:
+        kk = (n0 + offs_n).to(tl.int64)
+        kn_rows = kn_base + kk * stride_kn_t
+        kpe_rows = kpe_base + kk * stride_kpe_t
+        v_rows = v_base + kk * stride_v_t
+        if MASKED:
+            mask_k = (n0 + offs_n) < len_k
+            k_n = tl.load(kn_rows[:, None] + offs_p[None, :], mask=mask_k[:, None], other=0.0)
+            k_p = tl.load(kpe_rows[:, None] + offs_r[None, :], mask=mask_k[:, None], other=0.0)
+            v = tl.load(v_rows[:, None] + offs_v[None, :], mask=mask_k[:, None], other=0.0)
+        else:
+            k_n = tl.load(kn_rows[:, None] + offs_p[None, :])  # [BLOCK_N, P]
+            k_p = tl.load(kpe_rows[:, None] + offs_r[None, :])  # [BLOCK_N, R]
+            v = tl.load(v_rows[:, None] + offs_v[None, :])  # [BLOCK_N, V]
+    return k_n, k_p, v
 
 
 # not specialized per step (kernels/common.py, Compiles): cu_q, cu_k: views of the packed step
@@ -64,6 +87,8 @@ def _mla_prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     # the longest query blocks (most keys) launch first, so they do not form the tail
     i_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -93,28 +118,37 @@ def _mla_prefill_kernel(
     full_end = (tl.minimum(first_pos, len_k) // BLOCK_N) * BLOCK_N
     hi = tl.minimum(len_k, first_pos + BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    kn_base = kn_ptr + k_begin.to(tl.int64) * stride_kn_t + i_h * stride_kn_h
-    kpe_base = kpe_ptr + k_begin.to(tl.int64) * stride_kpe_t
-    v_base = v_ptr + k_begin.to(tl.int64) * stride_v_t + i_h * stride_v_h
-    for n0 in range(0, full_end, BLOCK_N):
-        kk = (n0 + offs_n).to(tl.int64)
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q_n, q_p, kn_base + kk * stride_kn_t, kpe_base + kk * stride_kpe_t,
-            v_base + kk * stride_v_t, offs_p, offs_r, offs_v, None, None, qk_scale,
-            MASKED=False, DOT_PRECISION=DOT_PRECISION)
+    kn_base = kn_ptr
+    kpe_base = kpe_ptr
+    v_base = v_ptr
+    if not TMA:  # descriptors take coordinates instead
+        kn_base = kn_ptr + k_begin.to(tl.int64) * stride_kn_t + i_h * stride_kn_h
+        kpe_base = kpe_ptr + k_begin.to(tl.int64) * stride_kpe_t
+        v_base = v_ptr + k_begin.to(tl.int64) * stride_v_t + i_h * stride_v_h
+    for n0 in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        k_n, k_p, v = _load_tile(kn_ptr, kpe_ptr, v_ptr, kn_base, kpe_base, v_base, stride_kn_t, stride_kpe_t,
+                                 stride_v_t, k_begin, n0, i_h, offs_n, offs_p, offs_r, offs_v, len_k,
+                                 P, R, V, BLOCK_N, MASKED=False, TMA=TMA)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q_n, q_p, k_n, k_p, v, None, qk_scale,
+                                     MASKED=False, DOT_PRECISION=DOT_PRECISION)
     # key 0 is visible to every row, so no row is fully masked before it has a finite max
     for n0 in range(full_end, hi, BLOCK_N):
         k_idx = n0 + offs_n
-        mask_k = k_idx < len_k
-        kk = k_idx.to(tl.int64)
-        mask_s = (k_idx[None, :] <= q_pos[:, None]) & mask_k[None, :]
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q_n, q_p, kn_base + kk * stride_kn_t, kpe_base + kk * stride_kpe_t,
-            v_base + kk * stride_v_t, offs_p, offs_r, offs_v, mask_k, mask_s, qk_scale,
-            MASKED=True, DOT_PRECISION=DOT_PRECISION)
+        mask_s = (k_idx[None, :] <= q_pos[:, None]) & (k_idx < len_k)[None, :]
+        k_n, k_p, v = _load_tile(kn_ptr, kpe_ptr, v_ptr, kn_base, kpe_base, v_base, stride_kn_t, stride_kpe_t,
+                                 stride_v_t, k_begin, n0, i_h, offs_n, offs_p, offs_r, offs_v, len_k,
+                                 P, R, V, BLOCK_N, MASKED=True, TMA=TMA)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q_n, q_p, k_n, k_p, v, mask_s, qk_scale,
+                                     MASKED=True, DOT_PRECISION=DOT_PRECISION)
     o = acc / l_i[:, None]
     o_rows = o_ptr + (q_begin + offs_m).to(tl.int64) * stride_o_t + i_h * stride_o_h
     tl.store(o_rows[:, None] + offs_v[None, :], o.to(o_ptr.dtype.element_ty), mask=mask_m[:, None])
+
+
+def _tma_ok(*tensors: Tensor) -> bool:
+    """TMA's constraints: 16-byte aligned base and strides (the last dim contiguous is checked already)."""
+    return all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+               for t in tensors)
 
 
 def _check_pow2(value: int, name: str) -> None:
@@ -138,6 +172,8 @@ def mla_prefill(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    tma: bool = False,
+    warp_specialize: bool = False,
 ) -> Tensor:
     """Expanded-form varlen causal MLA attention for prefill and extend.
 
@@ -155,6 +191,9 @@ def mla_prefill(
         scale: softmax scale ((P+R)^-0.5 for Kimi).
         out: optional preallocated [Tq, H, V] in q's dtype (last dim contiguous).
         block_m, block_n, num_warps, num_stages: tuning overrides.
+        tma: load the key tiles through TMA tensor descriptors (needs 16-byte aligned bases and row strides;
+            falls back to pointer loads otherwise). warp_specialize: ask Triton to warp-specialize the
+            unmasked key loop. Both are variants under measurement (benchmarks/kernels_mla.py --prefill-sweep).
 
     Returns:
         out: [Tq, H, V] in q.dtype.
@@ -199,11 +238,17 @@ def mla_prefill(
         block_m = 16 if INTERPRET else 128
     if block_n is None:
         block_n = 16 if INTERPRET else 64
+    kn_arg, kpe_arg, v_arg = k_nope, k_pe, v
+    use_tma = tma and _tma_ok(k_nope, k_pe, v)
+    if use_tma:
+        kn_arg = TensorDescriptor(k_nope, list(k_nope.shape), list(k_nope.stride()), [block_n, 1, P])
+        kpe_arg = TensorDescriptor(k_pe, list(k_pe.shape), list(k_pe.stride()), [block_n, R])
+        v_arg = TensorDescriptor(v, list(v.shape), list(v.stride()), [block_n, 1, V])
     _mla_prefill_kernel[(triton.cdiv(max_seqlen_q, block_m), B, H)](
-        q, q.stride(0), q.stride(1), k_nope, k_nope.stride(0), k_nope.stride(1), k_pe, k_pe.stride(0),
-        v, v.stride(0), v.stride(1), out, out.stride(0), out.stride(1), cu_seqlens_q, cu_seqlens_k,
+        q, q.stride(0), q.stride(1), kn_arg, k_nope.stride(0), k_nope.stride(1), kpe_arg, k_pe.stride(0),
+        v_arg, v.stride(0), v.stride(1), out, out.stride(0), out.stride(1), cu_seqlens_q, cu_seqlens_k,
         float(scale) * _LOG2E, P=P, R=R, V=V, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TMA=use_tma, WARP_SPECIALIZE=warp_specialize,
         num_warps=num_warps or (4 if block_m <= 64 else 8), num_stages=num_stages or 3,
     )
     return out

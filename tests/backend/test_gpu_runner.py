@@ -75,12 +75,14 @@ def test_kernel_config_names_an_unknown_kda_intra_form() -> None:
         KernelConfig(kda_intra="tiled")
 
 
-@pytest.mark.parametrize("arch, intra", [("kimi_linear", "fused"), ("k3", "fused"), ("k3", "split")])
+@pytest.mark.parametrize("arch, intra", [("kimi_linear", "fused"), ("k3", "fused"), ("k3", "split"),
+                                         ("kimi_linear", "one_seq_tma")])
 def test_gpu_runner_with_triton_kernels_in_the_interpreter_equals_reference(arch, intra, tmp_path) -> None:
     """The GPU runner with every Triton kernel (KDA decode + chunk, MLA decode + prefill, MoE router +
     experts, norms, attn-res mix) run by the Triton interpreter on the CPU: the reference engine's
     greedy tokens, with a ragged batch, a one-token prompt and a prefix-cache hit. Two layers (each kind once):
-    the interpreter's cost is per layer."""
+    the interpreter's cost is per layer. one_seq_tma: the prompts one at a time (steps of one sequence) with the
+    KDA prep's one-sequence path and the MLA prefill's TMA descriptors."""
     if HAS_CUDA:
         pytest.skip("on a GPU the compiled kernels are tested (test_gpu_runner_fp32_greedy_equals_cpu_reference)")
     ckpt = make_tiny(tmp_path / arch, arch=arch, dtype="float32", seed=9, overrides=two_layer_overrides(arch))
@@ -92,8 +94,13 @@ def test_gpu_runner_with_triton_kernels_in_the_interpreter_equals_reference(arch
     def run(**over) -> list[list[int]]:
         eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), **over))
         if over["runner"] == "gpu":  # the chunked KDA kernel's intra step (KernelConfig.kda_intra)
-            eng.runner.kernels = eng.runner.fwd.k = replace(eng.runner.fwd.k, kda_intra=intra)
-        outs = [o.output_ids for o in eng.generate(prompts, params)]
+            opts = (dict(kda_prep_one_seq=True, mla_prefill_tma=True) if intra == "one_seq_tma"
+                    else dict(kda_intra=intra))
+            eng.runner.kernels = eng.runner.fwd.k = replace(eng.runner.fwd.k, **opts)
+        if intra == "one_seq_tma":
+            outs = [o.output_ids for p in prompts for o in eng.generate([p], params)]
+        else:
+            outs = [o.output_ids for o in eng.generate(prompts, params)]
         eng.check()
         return outs
 

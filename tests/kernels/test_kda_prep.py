@@ -57,12 +57,14 @@ def test_chunk_prep_matches_refs(kind, x_dtype, state_dtype) -> None:
     _check_prep(lens, kind, x_dtype, state_dtype, H, D, tol=1e-6 if x_dtype == torch.float32 else 1e-3)
 
 
-def _check_prep(lens: list[int], kind: str, x_dtype, state_dtype, H: int, D: int, tol: float) -> None:
+def _check_prep(lens: list[int], kind: str, x_dtype, state_dtype, H: int, D: int, tol: float,
+                one_seq: bool = False) -> None:
     x, pool, slots, idx, _, w = _case(lens, x_dtype, state_dtype, C=3 * H * D)
     f, b, A_log, dt_bias = _gate_case(sum(lens), kind, x_dtype, H, D)
     lb = -5.0 if kind == "lower_bound" else None
     pool0 = pool.clone()
-    y, g, beta = kda_chunk_prep(x, pool, slots, idx, w, f.to(DEV), A_log.to(DEV), dt_bias.to(DEV), b.to(DEV), lb)
+    y, g, beta = kda_chunk_prep(x, pool, slots, idx, w, f.to(DEV), A_log.to(DEV), dt_bias.to(DEV), b.to(DEV), lb,
+                                one_seq=one_seq)
     assert torch.equal(pool, pool0)  # the cached windows are only read
     want = causal_conv1d_rows(x, pool, slots, idx, w)
     assert y.dtype == x_dtype and rel_err(y, want) < tol
@@ -70,6 +72,24 @@ def _check_prep(lens: list[int], kind: str, x_dtype, state_dtype, H: int, D: int
     g_ref = kda_gate_softplus(fh, A_log, dth) if lb is None else kda_gate_lower_bound(fh, A_log, dth, lb)
     assert g.shape == (sum(lens), H, D) and g.dtype == beta.dtype == torch.float32
     assert rel_err(g.cpu(), g_ref) < 1e-6 and rel_err(beta.cpu(), torch.sigmoid(b.float())) < 1e-6
+
+
+@pytest.mark.parametrize("n,block_t", [(1, None), (3, None), (20, 16), (150, 16), (150, None)])
+def test_one_sequence_path_equals_the_indexed_one(n: int, block_t: int | None) -> None:
+    """`one_seq`: the taps' rows computed, not loaded, and read straight from x past the first W-1 rows: the same
+    bits as the indexed path and the references, for a step shorter than the window and for several row blocks
+    (the first one reads the cached window)."""
+    x, pool, slots, idx, _, w = _case([n], torch.float16, torch.float32, seed=n)
+    f, b, A_log, dt_bias = (t.to(DEV) for t in _gate_case(n, "softplus", torch.float16))
+    got = kda_chunk_prep(x, pool, slots, idx, w, f, A_log, dt_bias, b, one_seq=True, block_t=block_t)
+    base = kda_chunk_prep(x, pool, slots, idx, w, f, A_log, dt_bias, b, block_t=block_t)
+    for a, e in zip(got, base):
+        assert torch.equal(a, e)
+    assert rel_err(got[0], causal_conv1d_rows(x, pool, slots, idx, w)) < 1e-3
+    x2, pool2, slots2, idx2, _, w2 = _case([2, 3], torch.float32, torch.float32)
+    f2, b2, A2, dt2 = (t.to(DEV) for t in _gate_case(5, "softplus", torch.float32))
+    with pytest.raises(ValueError, match="one_seq needs slots to hold one"):
+        kda_chunk_prep(x2, pool2, slots2, idx2, w2, f2, A2, dt2, b2, one_seq=True)
 
 
 @pytest.mark.gpu
@@ -80,6 +100,7 @@ def test_gpu_chunk_prep_kimi_shape(kind) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     _check_prep([200, 1, 2, 5], kind, torch.bfloat16, torch.bfloat16, 32, 128, tol=1e-2)
+    _check_prep([300], kind, torch.bfloat16, torch.bfloat16, 32, 128, tol=1e-2, one_seq=True)
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16_rows_fp32_cache"])

@@ -315,12 +315,14 @@ def prefill_case(lens: list[tuple[int, int]], H: int, P: int, R: int, V: int, dt
 PREFILL_LENS = [(1, 1), (1, 37), (20, 20), (17, 50), (0, 5), (33, 40)]
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("blocks", [(16, 16), (32, 16), (16, 32)], ids=["m16n16", "m32n16", "m16n32"])
-def test_prefill_matches_ref(blocks: tuple[int, int]) -> None:
-    """Fresh sequences, extends over a cached prefix, one query after a long prefix, an empty query."""
+def test_prefill_matches_ref(blocks: tuple[int, int], tma: bool) -> None:
+    """Fresh sequences, extends over a cached prefix, one query after a long prefix, an empty query; the key
+    tiles through pointers or TMA descriptors (whose tiles past a sequence read the next one's rows)."""
     case = prefill_case(PREFILL_LENS, H=3, P=16, R=16, V=32, dtype=torch.float32, seed=blocks[0] + blocks[1])
     want = mla_prefill_ref(**case, scale=0.2)
-    got = mla_prefill(**case, scale=0.2, block_m=blocks[0], block_n=blocks[1])
+    got = mla_prefill(**case, scale=0.2, block_m=blocks[0], block_n=blocks[1], tma=tma)
     assert got.shape == want.shape and got.dtype == torch.float32
     assert rel_err(got, want) <= 1e-5
 

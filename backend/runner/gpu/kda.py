@@ -306,7 +306,8 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
     T, H, D = qkv.shape[0], attn.num_heads, attn.head_dim
     if k.triton:  # conv, gate and beta in one launch, the cached windows read in place (kernels/kda/triton_prep.py)
         y, g, beta = kernel("kda", "kda_chunk_prep")(qkv, conv_pool, pages, step.conv_idx, w.conv_weight, f, w.A_log,
-                                                     w.dt_bias, b, attn.lower_bound)
+                                                     w.dt_bias, b, attn.lower_bound,
+                                                     one_seq=k.kda_prep_one_seq and step.num_seqs == 1)
         store = kernel("short_conv", "conv_windows_store_fwd")
     else:
         y = causal_conv1d_rows(qkv, conv_pool, pages, step.conv_idx, w.conv_weight)

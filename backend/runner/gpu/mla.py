@@ -187,7 +187,8 @@ def _expanded(attn: MultiHeadLatentAttention, q: torch.Tensor, step: GpuStep, fl
     k_nope, v, k_pe = kv[..., :P], kv[..., P:], ctx[:, L:]
     fn = kernel("mla", "mla_prefill") if k.triton else None
     if fn is not None:  # strided rows are fine (the kernel takes row and head strides): no copies of kv's columns
-        return fn(q, k_nope, k_pe, v, step.cu_q, step.cu_k, step.max_q, step.max_k, m.scale, out=out)
+        return fn(q, k_nope, k_pe, v, step.cu_q, step.cu_k, step.max_q, step.max_k, m.scale, out=out,
+                  tma=k.mla_prefill_tma)
     if out is None:
         out = torch.empty(q.shape[0], H, V, dtype=q.dtype, device=q.device)
     qo = ko = 0

@@ -60,6 +60,12 @@ class KernelConfig:
     # 0: never. H200, the 48B's 256 x 2304 router (RESULTS.md session 28): 0.055 against 0.072 ms at 1,024 rows,
     # 0.078 against 0.269 at 8,192; equal at 256, slower at 64
     split_router_min_rows: int = 1024
+    # the chunked KDA form's conv/gate launch (kernels/kda/triton_prep.py) for a step of one sequence: the taps'
+    # rows computed instead of loaded from conv_idx (`one_seq`); under measurement (benchmarks/kda_prep.py)
+    kda_prep_one_seq: bool = False
+    # MLA prefill (kernels/mla/triton_prefill.py): key tiles through TMA descriptors; under measurement
+    # (benchmarks/kernels_mla.py --prefill-variants)
+    mla_prefill_tma: bool = False
 
     def __post_init__(self) -> None:
         if self.split_router_min_rows < 0:
