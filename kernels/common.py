@@ -60,3 +60,11 @@ def check_same_device(**tensors: Tensor) -> None:
 def pdl_kwargs(use_pdl: bool) -> dict:
     """Launch kwargs for programmatic dependent launch (never under the interpreter)."""
     return {"launch_pdl": True} if use_pdl and not INTERPRET else {}
+
+
+def has_tma(device: torch.device) -> bool:
+    """Whether launches on `device` may take TMA tensor descriptors: the interpreter emulates them; a CUDA GPU needs
+    compute capability 9 or newer (Hopper's tensor memory accelerator)."""
+    if INTERPRET or device.type != "cuda":
+        return INTERPRET
+    return torch.cuda.get_device_capability(device)[0] >= 9

@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from k3rt.kernels.common import INTERPRET, check, check_same_device, poison_like
+from k3rt.kernels.common import INTERPRET, check, check_same_device, has_tma, poison_like
 
 _LOG2E = 1.4426950408889634
 
@@ -146,9 +146,10 @@ def _mla_prefill_kernel(
 
 
 def _tma_ok(*tensors: Tensor) -> bool:
-    """TMA's constraints: 16-byte aligned base and strides (the last dim contiguous is checked already)."""
-    return all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
-               for t in tensors)
+    """TMA's constraints: a GPU with TMA (sm90+; the interpreter emulates it), 16-byte aligned base and strides
+    (the last dim contiguous is checked already)."""
+    return has_tma(tensors[0].device) and all(
+        t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
 
 
 def _check_pow2(value: int, name: str) -> None:
@@ -191,9 +192,11 @@ def mla_prefill(
         scale: softmax scale ((P+R)^-0.5 for Kimi).
         out: optional preallocated [Tq, H, V] in q's dtype (last dim contiguous).
         block_m, block_n, num_warps, num_stages: tuning overrides.
-        tma: load the key tiles through TMA tensor descriptors (needs 16-byte aligned bases and row strides;
-            falls back to pointer loads otherwise). warp_specialize: ask Triton to warp-specialize the
-            unmasked key loop. Both are variants under measurement (benchmarks/kernels_mla.py --prefill-sweep).
+        tma: load the key tiles through TMA tensor descriptors (needs an sm90+ GPU, 16-byte aligned bases and row
+            strides; falls back to pointer loads otherwise). H200, 48B shape (benchmarks/RESULTS.md session 29):
+            1.04-1.10x at 8K-32K tokens; the GPU runner passes KernelConfig.mla_prefill_tma (on).
+            warp_specialize: ask Triton to warp-specialize the unmasked key loop (no gain measured: 1.00x
+            alone, 1.02-1.05x with TMA against TMA's 1.04-1.09x; 4 warps fail to compile).
 
     Returns:
         out: [Tq, H, V] in q.dtype.

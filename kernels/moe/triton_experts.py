@@ -23,10 +23,11 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs, poison_like
+from k3rt.kernels.common import INTERPRET, check, check_same_device, has_tma, pdl_kwargs, poison_like
 from k3rt.kernels.moe.triton_align import moe_align_fwd
 from k3rt.model_config import ActivationConfig
 
@@ -48,11 +49,13 @@ class ExpertTiles:
     num_warps1: int
     num_warps2: int
     num_stages: int
+    # the expert weights' tiles (and the down GEMM's h tiles) through TMA descriptors instead of pointer loads
+    tma: bool = False
 
 
 DECODE_TILES = ExpertTiles(16, 32, 128, 64, 128, 4, 4, 4)
 PREFILL_TILES_64 = ExpertTiles(64, 64, 64, 128, 64, 4, 4, 3)
-PREFILL_TILES_128 = ExpertTiles(128, 64, 64, 128, 64, 8, 8, 3)
+PREFILL_TILES_128 = ExpertTiles(128, 64, 64, 128, 64, 8, 8, 3, tma=True)
 # Alternatives the benchmark times against the defaults (and the gpu tests check for correctness).
 DECODE_CANDIDATES = (
     DECODE_TILES,
@@ -65,11 +68,22 @@ DECODE_CANDIDATES = (
     ExpertTiles(16, 16, 128, 32, 128, 4, 4, 4),
     ExpertTiles(16, 32, 128, 32, 128, 4, 4, 4),
     ExpertTiles(16, 16, 256, 16, 256, 2, 2, 4),
+    ExpertTiles(16, 32, 128, 64, 128, 4, 4, 4, tma=True),
 )
 # Alternatives timed against the defaults. Session 24 (H200, 48B shape, T = 8192, `kernels_moe.py --prefill-t 8192`)
 # also timed BLOCK_M 64 with 4 stages, 4 stages at 128, down tiles 256 wide, K steps of 128 and gate/up tiles 32
 # wide: each 7-53% slower than PREFILL_TILES_128 (itself at 51% of the matmul rate there)
-PREFILL_CANDIDATES = (PREFILL_TILES_64, PREFILL_TILES_128, ExpertTiles(128, 128, 64, 128, 64, 8, 8, 3))
+PREFILL_CANDIDATES = (
+    PREFILL_TILES_64, PREFILL_TILES_128, ExpertTiles(128, 128, 64, 128, 64, 8, 8, 3),
+    # the weights' tiles (and the down GEMM's h) through TMA descriptors (session 29: PREFILL_TILES_128 with TMA
+    # 1.05x / 1.07x the pointer loads at T = 8K / 32K, 48B shape; 64-row tiles 3% slower with it at 2K)
+    ExpertTiles(128, 64, 64, 128, 64, 8, 8, 3),
+    ExpertTiles(128, 64, 64, 128, 64, 8, 8, 4, tma=True),
+    ExpertTiles(64, 64, 64, 128, 64, 4, 4, 3, tma=True),
+    ExpertTiles(128, 128, 64, 128, 64, 8, 8, 3, tma=True),
+    ExpertTiles(128, 64, 128, 128, 128, 8, 8, 3, tma=True),
+    ExpertTiles(128, 64, 64, 256, 64, 8, 8, 3, tma=True),
+)
 # Interpreter: small tiles keep the CPU runs short.
 INTERPRET_TILES = ExpertTiles(16, 16, 16, 16, 16, 4, 4, 1)
 
@@ -135,6 +149,7 @@ def _moe_gate_up_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(I, BLOCK_N)
@@ -150,26 +165,39 @@ def _moe_gate_up_kernel(
         n_ok = offs_n < I
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
-        w_e = w13_ptr + e.to(tl.int64) * (2 * I) * D
-        g_ptrs = w_e + offs_n[None, :].to(tl.int64) * D + offs_k[:, None]  # [BK, BN] of gate rows
-        u_ptrs = g_ptrs + I * D  # the up rows follow the gate rows
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, D, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
-                bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
-            else:
-                k_ok = k0 + offs_k < D
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
-            acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
+        if TMA:  # w13_ptr: a descriptor over [E*2I, D] (columns past D zero-filled; rows past I masked at the store)
+            g_row = e * (2 * I) + pid_n * BLOCK_N
+            for k0 in range(0, D, BLOCK_K):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & (k0 + offs_k < D)[None, :], other=0.0)
+                bg = w13_ptr.load([g_row, k0])  # [BN, BK]
+                bu = w13_ptr.load([g_row + I, k0])
+                acc_g = tl.dot(a, tl.trans(bg), acc_g, input_precision=DOT_PRECISION)
+                acc_u = tl.dot(a, tl.trans(bu), acc_u, input_precision=DOT_PRECISION)
+                a_ptrs += BLOCK_K
+        else:
+            w_e = w13_ptr + e.to(tl.int64) * (2 * I) * D
+            g_ptrs = w_e + offs_n[None, :].to(tl.int64) * D + offs_k[:, None]  # [BK, BN] of gate rows
+            u_ptrs = g_ptrs + I * D  # the up rows follow the gate rows
+            for k0 in range(0, D, BLOCK_K):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                    bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+                    bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+                else:
+                    k_ok = k0 + offs_k < D
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                    bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
+                acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
+                a_ptrs += BLOCK_K
+                g_ptrs += BLOCK_K
+                u_ptrs += BLOCK_K
         if USE_PDL:
             gdc_launch_dependents()
         if SITU:
@@ -200,6 +228,7 @@ def _moe_down_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(D, BLOCK_N)
@@ -214,20 +243,27 @@ def _moe_down_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < D
         offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * I + offs_k[None, :]
-        b_ptrs = w2_ptr + e.to(tl.int64) * D * I + offs_n[None, :].to(tl.int64) * I + offs_k[:, None]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
-            else:
-                k_ok = k0 + offs_k < I
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
+        if TMA:  # h_ptr over [S, I], w2_ptr over [E*D, I]: descriptors (columns past I zero-filled)
+            b_row = e * D + pid_n * BLOCK_N
+            for k0 in range(0, I, BLOCK_K):
+                a = h_ptr.load([pid_m * BLOCK_M, k0])  # [BM, BK]
+                b = w2_ptr.load([b_row, k0])  # [BN, BK]
+                acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+        else:
+            a_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * I + offs_k[None, :]
+            b_ptrs = w2_ptr + e.to(tl.int64) * D * I + offs_n[None, :].to(tl.int64) * I + offs_k[:, None]
+            for k0 in range(0, I, BLOCK_K):
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                    b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+                else:
+                    k_ok = k0 + offs_k < I
+                    a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+                a_ptrs += BLOCK_K
+                b_ptrs += BLOCK_K
         if USE_PDL:
             gdc_launch_dependents()
         # routed rows: their routing weight; shared rows: 1; padding rows: 0
@@ -409,19 +445,27 @@ def fused_experts(
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     situ = act.name == "situ"
     bn1, bk1 = min(cfg.block_n1, triton.next_power_of_2(I)), min(cfg.block_k1, max(16, triton.next_power_of_2(D)))
+    # TMA's constraints: 16-byte aligned bases and row strides (D and I multiples of 8 at 2 bytes)
+    tma = cfg.tma and has_tma(x.device) and all(t.data_ptr() % 16 == 0 for t in (w13, w2)) \
+        and (D * x.element_size()) % 16 == 0 and (I * x.element_size()) % 16 == 0
+    bn2, bk2 = min(cfg.block_n2, triton.next_power_of_2(D)), min(cfg.block_k2, max(16, triton.next_power_of_2(I)))
+    w13_arg, w2_arg, h_arg = w13, w2, b.h
+    if tma:
+        w13_arg = TensorDescriptor.from_tensor(w13.view(E * 2 * I, D), [bn1, bk1])
+        w2_arg = TensorDescriptor.from_tensor(w2.view(E * D, I), [bn2, bk2])
+        h_arg = TensorDescriptor.from_tensor(b.h, [cfg.block_m, bk2])
     _moe_gate_up_kernel[(b.num_blocks * triton.cdiv(I, bn1),)](
-        x, x.stride(0), w13, b.h, b.sorted_ids, b.block_expert, P, D, I,
+        x, x.stride(0), w13_arg, b.h, b.sorted_ids, b.block_expert, P, D, I,
         float(act.situ_beta or 1.0), float(act.situ_linear_beta or 1.0), *b.args,
         TOPK=k, BLOCK_M=cfg.block_m, BLOCK_N=bn1, BLOCK_K=bk1, EVEN_K=D % bk1 == 0,
         SITU=situ, LIN_SAT=situ and act.situ_linear_beta is not None, DOT_PRECISION=precision,
-        USE_PDL=pdl, PAIR_BLOCKS=b.pair_blocks, num_warps=cfg.num_warps1, num_stages=cfg.num_stages,
+        USE_PDL=pdl, PAIR_BLOCKS=b.pair_blocks, TMA=tma, num_warps=cfg.num_warps1, num_stages=cfg.num_stages,
         **pdl_kwargs(use_pdl),
     )
-    bn2, bk2 = min(cfg.block_n2, triton.next_power_of_2(D)), min(cfg.block_k2, max(16, triton.next_power_of_2(I)))
     _moe_down_kernel[(b.num_blocks * triton.cdiv(D, bn2),)](
-        b.h, w2, b.y, topk_weights, b.sorted_ids, b.block_expert, P, D, I, *b.args,
+        h_arg, w2_arg, b.y, topk_weights, b.sorted_ids, b.block_expert, P, D, I, *b.args,
         TOPK=k, BLOCK_M=cfg.block_m, BLOCK_N=bn2, BLOCK_K=bk2, EVEN_K=I % bk2 == 0, DOT_PRECISION=precision,
-        USE_PDL=pdl, PAIR_BLOCKS=b.pair_blocks, num_warps=cfg.num_warps2, num_stages=cfg.num_stages,
+        USE_PDL=pdl, PAIR_BLOCKS=b.pair_blocks, TMA=tma, num_warps=cfg.num_warps2, num_stages=cfg.num_stages,
         **pdl_kwargs(use_pdl),
     )
     return sum_slots(b.y, out, k, S, use_pdl)

@@ -262,10 +262,14 @@ def test_pieces_read_nothing_back_on_the_host(arch, tmp_path) -> None:
 def test_a_long_prefill_takes_the_split_router_inside_the_pieces_on_cuda(tmp_path, monkeypatch) -> None:
     """bf16 on CUDA with a 2,048-token budget: the 1,100-token prompt's steps pad to buckets of >= 1,024 rows, whose
     captured pieces compute the router's logits from the weight's bf16 parts (KernelConfig.split_router_min_rows);
-    the engine gives the reference engine's fp32 greedy tokens."""
+    the engine gives the greedy tokens of the same engine with torch's fp32 router (the split only ever replaces
+    that router, bf16 activations being what it takes; a reference engine in fp32 would differ by bf16 rounding)."""
     if not HAS_CUDA:
         pytest.skip("no CUDA device")
+    from functools import partial
+
     import k3rt.backend.runner.gpu.ffn as ffn
+    import k3rt.backend.runner.gpu.runner as runner_mod
 
     rows: list[int] = []
     real = ffn.split_router
@@ -278,13 +282,17 @@ def test_a_long_prefill_takes_the_split_router_inside_the_pieces_on_cuda(tmp_pat
     prompts = [torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (1100, 40)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
-    def run(**over):
-        cfg = replace(engine_config_for_tests(str(ckpt), num_pages=512), **over)
+    def run():
+        cfg = replace(engine_config_for_tests(str(ckpt), num_pages=512, kv_dtype="bfloat16", conv_dtype="bfloat16"),
+                      runner="gpu", device="cuda", dtype="bfloat16")
         e = Engine(replace(cfg, scheduler=replace(cfg.scheduler, max_num_batched_tokens=2048, prefill_delay_steps=0)))
         return staggered(e, prompts, params, every=1), e.runner
 
-    got, runner = run(runner="gpu", device="cuda", dtype="bfloat16")
+    got, runner = run()
     assert runner.mixed is not None and max(runner.mixed.buckets) >= 1024 and runner.mixed.replays >= 1
     assert rows and min(rows) >= 1024  # captured (a replay calls no Python), and only at prefill sizes
-    want, _ = run(runner="model")
+    monkeypatch.setattr(runner_mod, "KernelConfig", partial(runner_mod.KernelConfig, split_router_min_rows=0))
+    n = len(rows)
+    want, _ = run()
+    assert len(rows) == n  # the fp32 router throughout
     assert got == want

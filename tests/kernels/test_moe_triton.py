@@ -6,6 +6,8 @@ the compiled kernels at the Kimi-Linear-48B shape (E=256, k=8, D=2304, I=1024, b
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pathlib import Path
 
 import pytest
@@ -168,6 +170,7 @@ def test_fused_experts_shared_experts_after_the_routed_ones(T: int, shared: int)
     out = fused_experts(**case, act=act, shared_experts=shared, tiles=tiles)
     ref = fused_experts_ref(**case, act=act, shared_experts=shared)
     assert rel_err(out, ref) <= 1e-5
+    assert torch.equal(fused_experts(**case, act=act, shared_experts=shared, tiles=replace(tiles, tma=True)), out)
     routed = fused_experts_ref(**case, act=act).float()
     for s in range(shared):
         one = dict(case, topk_ids=torch.full((T, 1), 8 + s, dtype=torch.int32, device=DEV),
@@ -212,7 +215,8 @@ def test_fused_experts_skewed_routing_odd_sizes_prefill_tiles() -> None:
     case = experts_case(gen, 37, E=8, k=2, D=40, inter=24, dtype=torch.float32, experts=3)
     act = ACTS["situ_lin"]
     ref = fused_experts_ref(**case, act=act)
-    for tiles in (None, ExpertTiles(32, 16, 32, 32, 16, 4, 4, 1)):
+    for tiles in (None, ExpertTiles(32, 16, 32, 32, 16, 4, 4, 1), ExpertTiles(32, 16, 32, 32, 16, 4, 4, 1, tma=True)):
+        # tma: the weights' tiles past I and D come from the next expert's rows or the zero fill (masked / zero)
         out = fused_experts(**case, act=act, tiles=tiles)
         assert rel_err(out, ref) <= 1e-4
 

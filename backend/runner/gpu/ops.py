@@ -61,11 +61,13 @@ class KernelConfig:
     # 0.078 against 0.269 at 8,192; equal at 256, slower at 64
     split_router_min_rows: int = 1024
     # the chunked KDA form's conv/gate launch (kernels/kda/triton_prep.py) for a step of one sequence: the taps'
-    # rows computed instead of loaded from conv_idx (`one_seq`); under measurement (benchmarks/kda_prep.py)
-    kda_prep_one_seq: bool = False
-    # MLA prefill (kernels/mla/triton_prefill.py): key tiles through TMA descriptors; under measurement
-    # (benchmarks/kernels_mla.py --prefill-variants)
-    mla_prefill_tma: bool = False
+    # rows computed instead of loaded from conv_idx (`one_seq`, the same bits). H200, 48B layer (RESULTS.md
+    # session 29): 0.283-0.310 against 0.489 ms at 8K rows, 0.903 against 1.574 at 32K
+    kda_prep_one_seq: bool = True
+    # MLA prefill (kernels/mla/triton_prefill.py) and the MoE prefill tiles of 128 rows (kernels/moe/
+    # triton_experts.py): key tiles / weight tiles through TMA descriptors where the GPU has TMA (sm90+).
+    # H200 (session 29): MLA 1.04-1.10x at 8K-32K; MoE 1.05x at 8K, 1.07x at 32K
+    mla_prefill_tma: bool = True
 
     def __post_init__(self) -> None:
         if self.split_router_min_rows < 0:
