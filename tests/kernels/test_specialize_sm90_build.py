@@ -47,7 +47,7 @@ state = dict(o_ptr=B16, stride_ot=I32, stride_oh=I32, cu_ptr="*i32", chunk_off_p
              u_ptr=B16, aqk_ptr=B16, gl_ptr="*fp32", h_ptr=B16, vn_ptr=B16, H=C, K=C, V=C, BK=C, BV=C, BVF=C, C=C,
              DOT16=C, PREC=C, SPLIT_O=C)
 cases["kda_state"] = (K._kda_chunk_state_kernel, state, dict(H=32, K=128, V=128, BK=128, BV=32, BVF=128, C=K.CHUNK,
-                                                             DOT16=True, PREC="tf32", SPLIT_O=False), 4, 2)
+                                                             DOT16=True, PREC="tf32", SPLIT_O=False), 4, 3)
 dec = dict(qkv_ptr=B16, stride_qkv_n=I32, conv_w_ptr="*fp32", conv_state_ptr=B16, stride_cs_slot=I32, f_ptr=B16,
            stride_f_n=I32, a_log_ptr="*fp32", dt_bias_ptr="*fp32", b_ptr=B16, stride_b_n=I32, state_ptr="*fp32",
            stride_state_slot=I32, slot_ptr="*i64", o_ptr=B16, gate_ptr=B16, stride_gate_n=I32, stride_gate_h=I32,
