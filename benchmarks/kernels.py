@@ -40,7 +40,7 @@ PREFILL_VARIANTS: dict[str, dict] = {
     "inv_tf32x3": {"inv_precision": "tf32x3"},
     "state_w8": {"num_warps_state": 8},
     "state_s1": {"num_stages_state": 1},
-    "state_s2": {"num_stages_state": 2},  # the default before session 29 (3 now)
+    "state_s2": {"num_stages_state": 2},  # the default before session 29 (now 3 with 16-bit scratch)
     "state_w2": {"num_warps_state": 2},
     "bv16": {"block_v": 16},
     "bv16_w2": {"block_v": 16, "num_warps_state": 2},

@@ -358,7 +358,7 @@ def kda_chunk_fwd(
     block_v_out: int = 64,
     num_warps_intra: int = 8,
     num_warps_state: int = 4,
-    num_stages_state: int = 3,
+    num_stages_state: int | None = None,
     num_warps_out: int = 4,
     tables: ChunkTables | None = None,
     scratch: dict | None = None,
@@ -402,9 +402,10 @@ def kda_chunk_fwd(
             next slice, 128 registers at the Kimi head; 2 or 3 prefetch, 168).
         block_v, block_v_out, num_warps_*, num_stages_state: launch tuning. num_warps_intra 8 (the fused
             intra kernel): 16% faster than 4 at 16K-64K tokens on the H200 (session 24; its [64, 128] fp32
-            tiles spill at 4 warps, and 16 were slower again). num_stages_state 3 (the state pass prefetches two
-            chunks ahead): its time 0.34 -> 0.26 ms at 8K tokens, 0.64 -> 0.43 at 16K, 2.29 -> 1.57 at 64K on the H200
-            (session 29; 2 stages before, 4 exceed shared memory, 16-column V tiles and 2 or 8 warps slower).
+            tiles spill at 4 warps, and 16 were slower again). num_stages_state (None: 3 with 16-bit scratch, the
+            state pass prefetching two chunks ahead: its time 0.34 -> 0.26 ms at 8K tokens, 0.64 -> 0.43 at 16K,
+            2.29 -> 1.57 at 64K on the H200, session 29; 2 with fp32 scratch, whose three stages exceed the
+            shared memory; 4 exceed it at 16 bits; 16-column V tiles and 2 or 8 warps were slower).
         tables: the chunk tables already on the device (`chunk_tables.ChunkTables`, built and validated once
             per step by the GPU runner's step packer and shared by every layer): then cu_seqlens_cpu,
             has_initial_state and the snapshot arguments are not read (the tables hold them), and no
@@ -486,6 +487,8 @@ def kda_chunk_fwd(
     prec_inv = "ieee" if INTERPRET else inv_precision
     if scratch_dtype is None:
         scratch_dtype = torch.bfloat16 if dot16 else torch.float32
+    if num_stages_state is None:
+        num_stages_state = 3 if scratch_dtype.itemsize == 2 else 2
     cfg = _Launch(
         BK=max(16, triton.next_power_of_2(K)), BVF=max(16, triton.next_power_of_2(V)),
         BV=block_v, BVO=block_v_out, scale=K**-0.5 if scale is None else float(scale),
