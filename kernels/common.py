@@ -14,6 +14,8 @@ binaries; tests/backend/test_jit_churn.py checks that varied steps stop producin
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from torch import Tensor
@@ -67,4 +69,9 @@ def has_tma(device: torch.device) -> bool:
     compute capability 9 or newer (Hopper's tensor memory accelerator)."""
     if INTERPRET or device.type != "cuda":
         return INTERPRET
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return _cc_major(torch.cuda.current_device() if device.index is None else device.index) >= 9
+
+
+@functools.cache
+def _cc_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]

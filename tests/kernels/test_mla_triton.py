@@ -327,6 +327,22 @@ def test_prefill_matches_ref(blocks: tuple[int, int], tma: bool) -> None:
     assert rel_err(got, want) <= 1e-5
 
 
+def test_prefill_tma_falls_back_where_a_base_is_not_16_byte_aligned(monkeypatch) -> None:
+    """k_pe a column view one element in: its base is 2 bytes off 16, so `tma=True` takes the pointer loads (the
+    same bits) and builds no descriptor."""
+    import k3rt.kernels.mla.triton_prefill as tp
+
+    case = prefill_case([(20, 20), (17, 50)], H=2, P=16, R=16, V=16, dtype=torch.float16, seed=23)
+    case["k_pe"] = torch.cat([case["k_pe"][:, :1], case["k_pe"]], dim=1)[:, 1:]
+    assert case["k_pe"].data_ptr() % 16
+    want = mla_prefill(**case, scale=0.25)
+
+    def no_descriptor(*a, **kw):
+        raise AssertionError("a TMA descriptor over an unaligned base")
+    monkeypatch.setattr(tp, "TensorDescriptor", no_descriptor)
+    assert torch.equal(mla_prefill(**case, scale=0.25, tma=True), want)
+
+
 def test_prefill_fp16_into_strided_out() -> None:
     case = prefill_case([(40, 40), (5, 70)], H=2, P=32, R=16, V=16, dtype=torch.float16, seed=21)
     want = mla_prefill_ref(**case, scale=(48) ** -0.5)

@@ -221,6 +221,23 @@ def test_fused_experts_skewed_routing_odd_sizes_prefill_tiles() -> None:
         assert rel_err(out, ref) <= 1e-4
 
 
+def test_tma_tiles_fall_back_to_pointer_loads_where_rows_are_not_16_byte_aligned(monkeypatch) -> None:
+    """fp16 with D = 36 and I = 20: rows of 72 and 40 bytes, which a TMA descriptor cannot take; the TMA tiles
+    then run the pointer loads (the same bits as the pointer tiles), and no descriptor is built."""
+    import k3rt.kernels.moe.triton_experts as te
+
+    gen = torch.Generator().manual_seed(17)
+    case = experts_case(gen, 9, E=4, k=2, D=36, inter=20, dtype=torch.float16)
+    act = ACTS["silu"]
+    tiles = ExpertTiles(16, 16, 16, 16, 16, 4, 4, 1)
+    want = fused_experts(**case, act=act, tiles=tiles)
+
+    def no_descriptor(*a, **kw):
+        raise AssertionError("a TMA descriptor over unaligned rows")
+    monkeypatch.setattr(te.TensorDescriptor, "from_tensor", no_descriptor)
+    assert torch.equal(fused_experts(**case, act=act, tiles=replace(tiles, tma=True)), want)
+
+
 def test_fused_experts_out_buffer_strided_and_reproducible() -> None:
     gen = torch.Generator().manual_seed(8)
     case = experts_case(gen, 5, E=8, k=2, D=32, inter=16, dtype=torch.float32)
