@@ -12,7 +12,7 @@ from torch import Tensor
 
 CHUNK = 64  # C: tokens per chunk
 # kda_chunk_fwd's intra step: one fused program per (chunk, head), or two launches of smaller programs
-INTRA_FORMS = ("fused", "split")
+INTRA_FORMS = ("fused", "split", "blocks")
 
 
 class ChunkTables(NamedTuple):

@@ -354,6 +354,9 @@ def kda_chunk_fwd(
     block_k_split: int = 16,
     num_warps_split: int = 4,
     num_stages_split: int = 1,
+    block_k_blocks: int = 32,
+    num_warps_blocks: int = 4,
+    num_stages_blocks: int = 2,
     block_v: int = 32,
     block_v_out: int = 64,
     num_warps_intra: int = 8,
@@ -395,11 +398,13 @@ def kda_chunk_fwd(
         split_output: the state pass stores per-chunk states and Vnew, and a third, fully parallel
             launch computes the output (instead of the state pass computing it).
         intra: "fused" (default): one intra program per (chunk, head); "split": two launches of smaller
-            programs, per (chunk, 16-row block, head) then per (chunk, head) (triton_intra_split.py; not yet
-            timed on a GPU). The state pass is the same after either.
+            programs, per (chunk, 16-row block, head) then per (chunk, head) (triton_intra_split.py; no faster
+            on the H200, session 14); "blocks": one program per (chunk, head) on 16 x 16 blocks and K slices
+            (triton_intra_blocks.py; session 29, not yet timed on a GPU). The state pass is the same after each.
         block_k_split, num_warps_split, num_stages_split: the split path's K slice of its first kernel, both
             kernels' warps, and the first kernel's software-pipelining stages (1: no cp.async prefetch of the
             next slice, 128 registers at the Kimi head; 2 or 3 prefetch, 168).
+        block_k_blocks, num_warps_blocks, num_stages_blocks: the blocks path's K (and V) slice, warps, stages.
         block_v, block_v_out, num_warps_*, num_stages_state: launch tuning. num_warps_intra 8 (the fused
             intra kernel): 16% faster than 4 at 16K-64K tokens on the H200 (session 24; its [64, 128] fp32
             tiles spill at 4 warps, and 16 were slower again). num_stages_state (None: 3 with 16-bit scratch, the
@@ -494,6 +499,7 @@ def kda_chunk_fwd(
         BV=block_v, BVO=block_v_out, scale=K**-0.5 if scale is None else float(scale),
         dot16=dot16, prec=prec, prec_inv=prec_inv, scratch_dtype=scratch_dtype, split_output=split_output,
         intra=intra, bk_split=block_k_split, nw_split=num_warps_split, ns_split=num_stages_split,
+        bk_blocks=block_k_blocks, nw_blocks=num_warps_blocks, ns_blocks=num_stages_blocks,
         nw_intra=num_warps_intra, nw_state=num_warps_state, ns_state=num_stages_state, nw_out=num_warps_out,
         probe=probe,
     )
@@ -543,10 +549,13 @@ class _Launch:
     prec_inv: str  # input_precision of the (I + L)^-1 dots
     scratch_dtype: torch.dtype
     split_output: bool
-    intra: str  # "fused" or "split"
+    intra: str  # "fused", "split" or "blocks"
     bk_split: int  # column slice of the split intra kernels
     nw_split: int
     ns_split: int  # num_stages of the split path's first kernel
+    bk_blocks: int  # K (and V) slice of the blocks intra kernel
+    nw_blocks: int
+    ns_blocks: int
     nw_intra: int
     nw_state: int
     ns_state: int
@@ -591,6 +600,15 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
             q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl, akk, kg, scale=cfg.scale,
             block_k=min(cfg.bk_split, BK), num_warps=cfg.nw_split, num_stages=cfg.ns_split, dot16=cfg.dot16,
             prec=cfg.prec, prec_inv=cfg.prec_inv, sub=SUB, safe_span=SAFE_SPAN)
+    elif cfg.intra == "blocks":
+        from k3rt.kernels.kda import triton_intra_blocks  # imports this module: not at the top
+
+        triton_intra_blocks.launch_intra_blocks(
+            q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl, buf("gc", NC, H, C, BK),
+            buf("akk", NC, H, C, C), buf("sq", NC, H, 2, C), buf("span", NC, H, 4), scale=cfg.scale,
+            block_k=min(cfg.bk_blocks, BK), block_v=min(cfg.bk_blocks, BVF), num_warps=cfg.nw_blocks,
+            num_stages=cfg.ns_blocks, dot16=cfg.dot16, prec=cfg.prec, prec_inv=cfg.prec_inv, sub=SUB,
+            safe_span=SAFE_SPAN)
     else:
         gc, akk = buf("gc", NC, H, C, BK), buf("akk", NC, H, C, C)
         _kda_chunk_intra_kernel[(NC, H)](

@@ -29,7 +29,7 @@ from tests.kernels.helpers import DEV, HAS_CUDA, rel_err, run_benchmark_smoke  #
 
 LOWER_BOUND = -5.0
 W = 4
-INTRA = ["fused", "split"]  # kda_chunk_fwd's intra-chunk paths (the state pass is shared)
+INTRA = ["fused", "split", "blocks"]  # kda_chunk_fwd's intra-chunk paths (the state pass is shared)
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")  # NaN-filled outputs: conftest.py
 
@@ -430,9 +430,10 @@ def test_gpu_decode_kimi_shape(kind: str) -> None:
     [({}, 2e-2), ({"split_output": True}, 2e-2), ({"scratch_dtype": torch.float32}, 2e-2),
      ({"precision": "tf32x3", "scratch_dtype": torch.float32}, 5e-3), ({"intra": "split"}, 2e-2),
      ({"intra": "split", "precision": "tf32x3", "scratch_dtype": torch.float32}, 5e-3),
-     ({"num_warps_intra": 4}, 2e-2)],
+     ({"num_warps_intra": 4}, 2e-2), ({"intra": "blocks"}, 2e-2),
+     ({"intra": "blocks", "precision": "tf32x3", "scratch_dtype": torch.float32}, 5e-3)],
     ids=["bf16_dots", "bf16_dots_split_output", "bf16_dots_fp32_scratch", "tf32x3_fp32_scratch", "split_intra",
-         "split_intra_tf32x3", "intra_w4"],
+         "split_intra_tf32x3", "intra_w4", "blocks_intra", "blocks_intra_tf32x3"],
 )
 def test_gpu_chunk_kimi_shape(kw: dict, tol: float) -> None:
     lens = [2048, 1000, 64, 1]
@@ -510,7 +511,9 @@ def test_chunk_prebuilt_tables_equal_its_own(intra: str) -> None:
     scratch: dict = {}  # the intermediates allocated by the first call, reused (NaN-poisoned again) by the second
     shared = kda_chunk_fwd(**case, slot_indices=slots, tables=_device_tables(lens, snaps), scratch=scratch,
                            intra=intra)
-    assert torch.equal(shared, own) and torch.equal(case["state"], own_state) and len(scratch) == 8
+    # the state pass's six buffers and the intra path's own: fused gc + akk, split akk + kg, blocks gc, akk, sq, span
+    assert torch.equal(shared, own) and torch.equal(case["state"], own_state)
+    assert len(scratch) == 6 + {"fused": 2, "split": 2, "blocks": 4}[intra]
     # the states as a page pool's view (slots further apart than a state): read and written in place
     pages = torch.full((6, state0[0].numel() + 24), float("nan"), device=DEV)
     case["state"] = pages[:, 8:8 + state0[0].numel()].view(state0.shape)
