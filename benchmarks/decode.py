@@ -48,9 +48,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--context", type=int, default=4096, help="tokens already in each sequence's cache")
     p.add_argument("--prefill", type=int, nargs="*", default=[8192, 32768])
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk (the scheduler's token budget)")
-    p.add_argument("--prefill-kda-intra", choices=["fused", "split", "both"], default="fused",
+    p.add_argument("--prefill-kda-intra", choices=["fused", "split", "blocks", "both"], default="fused",
                    help="--prefill: the chunked KDA kernel's intra step (KernelConfig.kda_intra); both: each prefill "
-                        "timed with fused, then split (a row per variant)")
+                        "timed with each form (fused, split, blocks: a row per variant)")
     p.add_argument("--prefill-router", choices=["split", "fp32", "both"], default="split",
                    help="--prefill: the MoE router's logits from the bf16 parts of its weight (the default, "
                         "KernelConfig.split_router_min_rows) or torch's fp32 linear; both: each prefill timed with each")

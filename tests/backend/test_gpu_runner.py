@@ -71,7 +71,7 @@ def test_kernel_config_names_an_unknown_kda_intra_form() -> None:
     from k3rt.backend.runner.gpu.ops import KernelConfig
 
     assert KernelConfig(kda_intra="split").kda_intra == "split"
-    with pytest.raises(ValueError, match=r"kda_intra: must be one of \('fused', 'split'\), got 'tiled'"):
+    with pytest.raises(ValueError, match=r"kda_intra: must be one of \('fused', 'split', 'blocks'\), got 'tiled'"):
         KernelConfig(kda_intra="tiled")
 
 
