@@ -43,8 +43,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prefill-lens", type=int, nargs="+", default=None,
                     help="fresh single-sequence prefill lengths (GPU default 8192 32768)")
     ap.add_argument("--prefill-variants", nargs="*", default=None,
-                    help=f"prefill launch variants timed at every length, each checked against the oracle first "
-                         f"(names from PREFILL_VARIANTS; default: the tile sweep at the first length only)")
+                    help="prefill launch variants timed at every length, each checked against the oracle first "
+                         "(names from PREFILL_VARIANTS, or mMnNwWsS tiles; default: a tile sweep at the first length)")
     ap.add_argument("--budget-s", type=float, default=150.0, help="skip items that would start past this")
     return ap.parse_args()
 
