@@ -101,6 +101,26 @@ def _exact_diag_block(q_h, k_h, g_h, ri, stride_qt, stride_kt, stride_g, m_r, m_
     return d_kk, d_qk
 
 
+@triton.jit
+def _diag_block_inverses(akk_buf, C: tl.constexpr, BC: tl.constexpr, SKIP: tl.constexpr = False):
+    """The C // BC unit-lower diagonal blocks I + L_ii of the [C, C] fp32 scratch akk_buf (L strictly lower there)
+    replaced by their inverses, by forward substitution, all blocks at once: X_i = e_i - sum_{m<i} L_im X_m (rows
+    local to each block, row i read back from the scratch). SKIP: identities instead (the fused kernel's timing
+    probe). Ends with a barrier: the caller's threads may read any block after it."""
+    NB: tl.constexpr = C // BC
+    loc = tl.arange(0, BC)
+    off_d = (tl.arange(0, NB) * (BC * (C + 1)))[:, None] + loc[None, :]  # [NB, BC]: row 0 of each diagonal block
+    x_d = tl.where(loc[None, :, None] == loc[None, None, :], 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
+    if not SKIP:
+        for i in range(1, BC):
+            l_i = tl.load(akk_buf + i * C + off_d)  # [NB, BC]: row i of each block
+            new = tl.where(loc[None, :] == i, 1.0, 0.0) - tl.sum(l_i[:, :, None] * x_d, axis=1)  # [NB, BC]
+            x_d = tl.where(loc[None, :, None] == i, new[:, None, :], x_d)
+    tl.debug_barrier()
+    tl.store(akk_buf + off_d[:, None, :] + (loc * C)[None, :, None], x_d)
+    tl.debug_barrier()
+
+
 # not specialized per step (kernels/common.py, Compiles): the chunk tables are views of the packed step
 @triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
 def _kda_chunk_intra_kernel(
@@ -205,25 +225,14 @@ def _kda_chunk_intra_kernel(
     #    block-lower). Not the power series of L itself (repeated squaring): with aligned keys and beta
     #    near 1 the entries of L^n grow like binomials and the series cancels catastrophically (relative
     #    error 1e16 against the oracle where this form gives 6e-7; tests/kernels/test_kda_triton.py).
-    NB: tl.constexpr = C // BC
-    blk_id = tl.arange(0, NB)
-    off_d = (blk_id * (BC * (C + 1)))[:, None] + loc[None, :]  # [NB, BC]: row 0 of each diagonal block
-    x_d = tl.where(loc[None, :, None] == loc[None, None, :], 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
-    if (PROBE & 2) == 0:
-        for i in range(1, BC):
-            l_i = tl.load(akk_buf + i * C + off_d)  # [NB, BC]: row i of each block
-            new = tl.where(loc[None, :] == i, 1.0, 0.0) - tl.sum(l_i[:, :, None] * x_d, axis=1)  # [NB, BC]
-            x_d = tl.where(loc[None, :, None] == i, new[:, None, :], x_d)
-    tl.debug_barrier()
-    tl.store(akk_buf + off_d[:, None, :] + (loc * C)[None, :, None], x_d)  # L's diagonal blocks are done
-    tl.debug_barrier()
+    _diag_block_inverses(akk_buf, C, BC, SKIP=(PROBE & 2) != 0)
     m = tl.load(akk_buf + rows[:, None] * C + rows[None, :])
     same = (rows // BC)[:, None] == (rows // BC)[None, :]
     d_inv = tl.where(same, m, 0.0)
     x = d_inv
     if (PROBE & 4) == 0:
         p = tl.dot(d_inv, tl.where(same, 0.0, m), input_precision=PREC_INV)
-        for _ in tl.static_range(NB - 1):
+        for _ in tl.static_range(C // BC - 1):
             x = d_inv - tl.dot(p, x, input_precision=PREC_INV)
 
     # 4. Tm = (I + L)^-1 diag(beta); W = Tm (exp(Gc) k); U = Tm v (k and Gc reloaded: fewer live registers

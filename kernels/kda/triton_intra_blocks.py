@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3rt.kernels.kda.triton_chunk import _chunk_rows, _dot, _exact_diag_block
+from k3rt.kernels.kda.triton_chunk import _chunk_rows, _diag_block_inverses, _dot, _exact_diag_block
 
 
 @triton.jit
@@ -268,7 +268,6 @@ def _kda_intra_blocks_kernel(
     akk_buf = akk_ptr + scr * (C * C)
     aqk_buf = aqk_ptr + scr * (C * C)
     sq_buf = sq_ptr + scr * (2 * C)
-    loc = tl.arange(0, BC)
     rows = tl.arange(0, C)
 
     # 0. Gc, exp(Gc_last), squared norms, spans
@@ -306,17 +305,7 @@ def _kda_intra_blocks_kernel(
     tl.debug_barrier()
 
     # 2. (I + L)^-1: the diagonal blocks by forward substitution, all four at once (rows read back from akk)
-    NB: tl.constexpr = C // BC
-    blk = tl.arange(0, NB)
-    off_d = (blk * (BC * (C + 1)))[:, None] + loc[None, :]  # [NB, BC]: row 0 of each diagonal block
-    x_d = tl.where(loc[None, :, None] == loc[None, None, :], 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
-    for i in range(1, BC):
-        l_i = tl.load(akk_buf + i * C + off_d)  # [NB, BC]: row i of each block
-        new = tl.where(loc[None, :] == i, 1.0, 0.0) - tl.sum(l_i[:, :, None] * x_d, axis=1)
-        x_d = tl.where(loc[None, :, None] == i, new[:, None, :], x_d)
-    tl.debug_barrier()
-    tl.store(akk_buf + off_d[:, None, :] + (loc * C)[None, :, None], x_d)
-    tl.debug_barrier()
+    _diag_block_inverses(akk_buf, C, BC)
     # the blocks below, a row at a time: X_ij = -X_ii sum_{j <= m < i} L_im X_mj, each X_ij stored over L_ij once
     # no later block of its row reads L_ij (few tiles live at once: the rows come back from the scratch)
     x10 = -_dinv(akk_buf, 1, _lx(akk_buf, 1, 0, 0, C, BC, PREC_INV), C, BC, PREC_INV)

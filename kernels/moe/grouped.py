@@ -23,10 +23,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from k3rt.kernels.common import check_same_device, poison_like
 from k3rt.kernels.moe.triton_act import act_and_mul
 from k3rt.kernels.moe.triton_align import moe_align_fwd
-from k3rt.kernels.moe.triton_experts import check_routing, check_stacks, check_x
+from k3rt.kernels.moe.triton_experts import check_call
 from k3rt.model_config import ActivationConfig
 
 GROUP_ALIGN = 16  # rows each expert's run is padded to (the alignment's smallest block)
@@ -96,12 +95,7 @@ def fused_experts_grouped(
     x [T, D] bf16 (any dtype `torch._grouped_mm` takes on this device), w13 [E, 2I, D], w2 [E, D, I] contiguous,
     topk_weights [T, k] fp32, topk_ids [T, k] int32 in [0, E - shared_experts). Returns [T, D] in x.dtype.
     """
-    T, D = check_x(x)
-    E, _ = check_stacks(x, w13, w2)
-    k = check_routing(x, topk_weights, topk_ids, act, shared_experts, E, out)
-    check_same_device(x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
-    if out is None:
-        out = poison_like(torch.empty(T, D, dtype=x.dtype, device=x.device))
+    T, D, E, _, k, out = check_call(x, w13, w2, topk_weights, topk_ids, act, shared_experts, out)
     if T == 0:
         return out
     S = shared_experts

@@ -359,6 +359,19 @@ class ExpertBlocks:
     pair_blocks: bool = False  # routed block b is pair b alone (the kernels' PAIR_BLOCKS)
 
 
+def check_call(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, act: ActivationConfig,
+               shared_experts: int, out: Tensor | None) -> tuple[int, int, int, int, int, Tensor]:
+    """The checks of a call with stacked 16-bit/fp32 expert weights (`fused_experts`, grouped.py's
+    `fused_experts_grouped`), each error naming the argument; -> (T, D, E, I, k, out), out allocated when None."""
+    T, D = check_x(x)
+    E, I = check_stacks(x, w13, w2)
+    k = check_routing(x, topk_weights, topk_ids, act, shared_experts, E, out)
+    check_same_device(x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
+    if out is None:
+        out = poison_like(torch.empty(T, D, dtype=x.dtype, device=x.device))
+    return T, D, E, I, k, out
+
+
 def align_blocks(x: Tensor, topk_ids: Tensor, num_experts: int, inter: int, shared_experts: int, block_m: int,
                  use_pdl: bool) -> ExpertBlocks:
     """The grouped GEMMs' blocks: the alignment (`moe_align_fwd`), or for one token its k pairs as k blocks of one
@@ -429,12 +442,7 @@ def fused_experts(
     Returns:
         [T, D] in x.dtype. Rounding: h and the per-pair outputs are stored in x.dtype (ref.py).
     """
-    T, D = check_x(x)
-    E, I = check_stacks(x, w13, w2)
-    k = check_routing(x, topk_weights, topk_ids, act, shared_experts, E, out)
-    check_same_device(x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
-    if out is None:
-        out = poison_like(torch.empty(T, D, dtype=x.dtype, device=x.device))
+    T, D, E, I, k, out = check_call(x, w13, w2, topk_weights, topk_ids, act, shared_experts, out)
     P = T * k
     if P == 0:
         return out

@@ -140,7 +140,6 @@ def test_mxfp4_experts_keep_dot_scaled_where_asked_or_where_planar_does_not_fit(
         KernelConfig(mxfp4_experts="planer")
 
 
-
 def test_bf16_parts_sum_to_the_fp32_weight_exactly() -> None:
     """Three bf16 parts carry fp32's 24 significant bits (the router's split GEMM relies on it): their fp32 sum is
     the weight, bit for bit, across magnitudes."""

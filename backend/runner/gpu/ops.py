@@ -65,9 +65,9 @@ class KernelConfig:
     # rows computed instead of loaded from conv_idx (`one_seq`, the same bits). H200, 48B layer (RESULTS.md
     # session 29): 0.283-0.310 against 0.489 ms at 8K rows, 0.903 against 1.574 at 32K
     kda_prep_one_seq: bool = True
-    # MLA prefill (kernels/mla/triton_prefill.py) and the MoE prefill tiles of 128 rows (kernels/moe/
-    # triton_experts.py): key tiles / weight tiles through TMA descriptors where the GPU has TMA (sm90+).
-    # H200 (session 29): MLA 1.04-1.10x at 8K-32K; MoE 1.05x at 8K, 1.07x at 32K
+    # MLA prefill (kernels/mla/triton_prefill.py): the key tiles through TMA descriptors where the GPU has TMA
+    # (sm90+). H200 (session 29): 1.04-1.10x at 8K-32K. (The MoE prefill's 128-row tiles take TMA by their own
+    # tile config, kernels/moe/triton_experts.py PREFILL_TILES_128: 1.05x at 8K, 1.07x at 32K.)
     mla_prefill_tma: bool = True
 
     def __post_init__(self) -> None:
