@@ -72,6 +72,13 @@ def has_tma(device: torch.device) -> bool:
     return _cc_major(torch.cuda.current_device() if device.index is None else device.index) >= 9
 
 
+def tma_ok(*tensors: Tensor) -> bool:
+    """Whether TMA descriptors can take every tensor: a device with TMA (`has_tma`), 16-byte aligned bases and
+    strides (all but the last, which must be 1: the callers check that already)."""
+    return has_tma(tensors[0].device) and all(
+        t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
+
+
 @functools.cache
 def _cc_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]

@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from k3rt.kernels.common import INTERPRET, check, check_same_device, has_tma, poison_like
+from k3rt.kernels.common import INTERPRET, check, check_same_device, poison_like, tma_ok
 
 _LOG2E = 1.4426950408889634
 
@@ -145,13 +145,6 @@ def _mla_prefill_kernel(
     tl.store(o_rows[:, None] + offs_v[None, :], o.to(o_ptr.dtype.element_ty), mask=mask_m[:, None])
 
 
-def _tma_ok(*tensors: Tensor) -> bool:
-    """TMA's constraints: a GPU with TMA (sm90+; the interpreter emulates it), 16-byte aligned base and strides
-    (the last dim contiguous is checked already)."""
-    return has_tma(tensors[0].device) and all(
-        t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
-
-
 def _check_pow2(value: int, name: str) -> None:
     if value < 16 or value & (value - 1):
         raise ValueError(f"{name} must be a power of 2 >= 16, got {value}")
@@ -242,7 +235,7 @@ def mla_prefill(
     if block_n is None:
         block_n = 16 if INTERPRET else 64
     kn_arg, kpe_arg, v_arg = k_nope, k_pe, v
-    use_tma = tma and _tma_ok(k_nope, k_pe, v)
+    use_tma = tma and tma_ok(k_nope, k_pe, v)
     if use_tma:
         kn_arg = TensorDescriptor(k_nope, list(k_nope.shape), list(k_nope.stride()), [block_n, 1, P])
         kpe_arg = TensorDescriptor(k_pe, list(k_pe.shape), list(k_pe.stride()), [block_n, R])

@@ -27,7 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from k3rt.kernels.common import INTERPRET, check, check_same_device, has_tma, pdl_kwargs, poison_like
+from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs, poison_like, tma_ok
 from k3rt.kernels.moe.triton_align import moe_align_fwd
 from k3rt.model_config import ActivationConfig
 
@@ -453,15 +453,13 @@ def fused_experts(
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     situ = act.name == "situ"
     bn1, bk1 = min(cfg.block_n1, triton.next_power_of_2(I)), min(cfg.block_k1, max(16, triton.next_power_of_2(D)))
-    # TMA's constraints: 16-byte aligned bases and row strides (D and I multiples of 8 at 2 bytes)
-    tma = cfg.tma and has_tma(x.device) and all(t.data_ptr() % 16 == 0 for t in (w13, w2)) \
-        and (D * x.element_size()) % 16 == 0 and (I * x.element_size()) % 16 == 0
     bn2, bk2 = min(cfg.block_n2, triton.next_power_of_2(D)), min(cfg.block_k2, max(16, triton.next_power_of_2(I)))
-    w13_arg, w2_arg, h_arg = w13, w2, b.h
+    w13_arg, w2_arg, h_arg = w13.view(E * 2 * I, D), w2.view(E * D, I), b.h
+    tma = cfg.tma and tma_ok(w13_arg, w2_arg, h_arg)  # rows of D and I elements 16-byte aligned, a TMA device
     if tma:
-        w13_arg = TensorDescriptor.from_tensor(w13.view(E * 2 * I, D), [bn1, bk1])
-        w2_arg = TensorDescriptor.from_tensor(w2.view(E * D, I), [bn2, bk2])
-        h_arg = TensorDescriptor.from_tensor(b.h, [cfg.block_m, bk2])
+        w13_arg = TensorDescriptor.from_tensor(w13_arg, [bn1, bk1])
+        w2_arg = TensorDescriptor.from_tensor(w2_arg, [bn2, bk2])
+        h_arg = TensorDescriptor.from_tensor(h_arg, [cfg.block_m, bk2])
     _moe_gate_up_kernel[(b.num_blocks * triton.cdiv(I, bn1),)](
         x, x.stride(0), w13_arg, b.h, b.sorted_ids, b.block_expert, P, D, I,
         float(act.situ_beta or 1.0), float(act.situ_linear_beta or 1.0), *b.args,
