@@ -58,6 +58,7 @@ PREFILL_VARIANTS: dict[str, dict] = {
     "blocks_intra": {"intra": "blocks"},
     "blocks_intra_bk16": {"intra": "blocks", "block_k_blocks": 16},
     "blocks_intra_bk64": {"intra": "blocks", "block_k_blocks": 64},
+    "blocks_intra_w1": {"intra": "blocks", "num_warps_blocks": 1},
     "blocks_intra_w2": {"intra": "blocks", "num_warps_blocks": 2},
     "blocks_intra_w8": {"intra": "blocks", "num_warps_blocks": 8},
     "blocks_intra_s1": {"intra": "blocks", "num_stages_blocks": 1},
