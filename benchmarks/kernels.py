@@ -62,6 +62,8 @@ PREFILL_VARIANTS: dict[str, dict] = {
     "blocks_intra_w2": {"intra": "blocks", "num_warps_blocks": 2},
     "blocks_intra_w8": {"intra": "blocks", "num_warps_blocks": 8},
     "blocks_intra_s1": {"intra": "blocks", "num_stages_blocks": 1},
+    "blocks_intra_sliced": {"intra": "blocks", "sliced_out_blocks": True},
+    "blocks_intra_sliced_w2": {"intra": "blocks", "sliced_out_blocks": True, "num_warps_blocks": 2},
     # timing probes (results wrong, not checked): the fused intra kernel with one stage skipped each (its PROBE
     # bits), so base minus a probe is about what that stage costs
     "probe_no_blocks": {"probe": 1},  # L and Aqk

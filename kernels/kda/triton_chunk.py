@@ -366,6 +366,7 @@ def kda_chunk_fwd(
     block_k_blocks: int = 32,
     num_warps_blocks: int = 4,
     num_stages_blocks: int = 2,
+    sliced_out_blocks: bool = False,
     block_v: int = 32,
     block_v_out: int = 64,
     num_warps_intra: int = 8,
@@ -408,12 +409,14 @@ def kda_chunk_fwd(
             launch computes the output (instead of the state pass computing it).
         intra: "fused" (default): one intra program per (chunk, head); "split": two launches of smaller
             programs, per (chunk, 16-row block, head) then per (chunk, head) (triton_intra_split.py; no faster
-            on the H200, session 14); "blocks": one program per (chunk, head) on 16 x 16 blocks and K slices
-            (triton_intra_blocks.py; session 29, not yet timed on a GPU). The state pass is the same after each.
+            on the H200, session 14); "blocks": four launches on 16 x 16 blocks and K slices, the heavy two one
+            program per block or row block (triton_intra_blocks.py; session 30, not yet timed on a GPU). The state
+            pass is the same after each.
         block_k_split, num_warps_split, num_stages_split: the split path's K slice of its first kernel, both
             kernels' warps, and the first kernel's software-pipelining stages (1: no cp.async prefetch of the
             next slice, 128 registers at the Kimi head; 2 or 3 prefetch, 168).
-        block_k_blocks, num_warps_blocks, num_stages_blocks: the blocks path's K (and V) slice, warps, stages.
+        block_k_blocks, num_warps_blocks, num_stages_blocks: the blocks path's K (and V) slice, and its block and
+            row-block programs' warps and stages; sliced_out_blocks: its row-block programs per K or V slice too.
         block_v, block_v_out, num_warps_*, num_stages_state: launch tuning. num_warps_intra 8 (the fused
             intra kernel): 16% faster than 4 at 16K-64K tokens on the H200 (session 24; its [64, 128] fp32
             tiles spill at 4 warps, and 16 were slower again). num_stages_state (None: 3 with 16-bit scratch, the
@@ -509,7 +512,8 @@ def kda_chunk_fwd(
         dot16=dot16, prec=prec, prec_inv=prec_inv, scratch_dtype=scratch_dtype, split_output=split_output,
         intra=intra, bk_split=block_k_split, nw_split=num_warps_split, ns_split=num_stages_split,
         bk_blocks=block_k_blocks, nw_blocks=num_warps_blocks, ns_blocks=num_stages_blocks,
-        nw_intra=num_warps_intra, nw_state=num_warps_state, ns_state=num_stages_state, nw_out=num_warps_out,
+        sliced_blocks=sliced_out_blocks, nw_intra=num_warps_intra, nw_state=num_warps_state,
+        ns_state=num_stages_state, nw_out=num_warps_out,
         probe=probe,
     )
     _launch_chunk(q, k, v, g, beta, out, cu_dev, tables.chunk_seq, tables.chunk_idx, tables.chunk_off, slots,
@@ -565,6 +569,7 @@ class _Launch:
     bk_blocks: int  # K (and V) slice of the blocks intra kernel
     nw_blocks: int
     ns_blocks: int
+    sliced_blocks: bool  # the blocks path's phase 3 per (chunk, row block and slice, head)
     nw_intra: int
     nw_state: int
     ns_state: int
@@ -617,7 +622,7 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
             buf("akk", NC, H, C, C), buf("sq", NC, H, 2, C), buf("span", NC, H, 4), scale=cfg.scale,
             block_k=min(cfg.bk_blocks, BK), block_v=min(cfg.bk_blocks, BVF), num_warps=cfg.nw_blocks,
             num_stages=cfg.ns_blocks, dot16=cfg.dot16, prec=cfg.prec, prec_inv=cfg.prec_inv, sub=SUB,
-            safe_span=SAFE_SPAN)
+            safe_span=SAFE_SPAN, sliced_out=cfg.sliced_blocks)
     else:
         gc, akk = buf("gc", NC, H, C, BK), buf("akk", NC, H, C, C)
         _kda_chunk_intra_kernel[(NC, H)](

@@ -20,8 +20,9 @@ block, many resident per SM, so that one program's load latencies hide behind an
   2. per (chunk, head): (I + L)^-1 by blocks, stably (no power series; NOTES.md "After run 4"): D_i = (I + L_ii)^-1
      by forward substitution (the fused kernel's code), X_ij = -D_i sum_{j <= m < i} L_im X_mj, each into akk
      over L_ij;
-  3. per (chunk, row block i, head), over the K slices: qg_i = qn_i exp(Gc_i), kd_i = kn_i exp(Gc_last - Gc_i)
-     and W_i = sum_{j <= i} X_ij beta_j kn_j exp(Gc_j); over V slices U_i = sum_{j <= i} X_ij beta_j v_j.
+  3. per (chunk, row block i, head) (or per row block and slice: `sliced_out`), over the K slices:
+     qg_i = qn_i exp(Gc_i), kd_i = kn_i exp(Gc_last - Gc_i) and W_i = sum_{j <= i} X_ij beta_j kn_j exp(Gc_j);
+     over V slices U_i = sum_{j <= i} X_ij beta_j v_j.
 The state pass reads the same scratch (qg, kd, w, u, aqk, gl) as after the fused kernel. The decomposition (16-row
 sub-chunks, K slices, the block inverse, a launch per stage) is the one fla's chunk_kda uses; own code. Oracle:
 `ref.kda_chunked`.
@@ -236,9 +237,23 @@ def _blocks_out_kernel(
     scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
     BVS: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, DOT16: tl.constexpr, PREC: tl.constexpr,
+    SLICED: tl.constexpr,
 ):
-    """Phase 3, one program per (chunk, row block i, head): qg, kd, W and U rows from X's blocks (i, 0..i)."""
-    i_c, i, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Phase 3, one program per (chunk, row block i, head): qg, kd, W and U rows from X's blocks (i, 0..i).
+    SLICED: one program per (chunk, row block i and one K or V slice, head) instead, each doing one slice's loop
+    iteration (BK / BKS + BV / BVS programs per row block: more and smaller programs)."""
+    i_c, i_p, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NKS: tl.constexpr = BK // BKS
+    if SLICED:
+        NS: tl.constexpr = NKS + BV // BVS
+        i, s = i_p // NS, i_p % NS
+        k_lo = tl.minimum(s, NKS) * BKS
+        k_hi = tl.where(s < NKS, k_lo + BKS, k_lo)
+        v_lo = tl.maximum(s - NKS, 0) * BVS
+        v_hi = tl.where(s < NKS, v_lo, v_lo + BVS)
+    else:
+        i = i_p
+        k_lo, k_hi, v_lo, v_hi = 0, BK, 0, BV
     t0, n_valid, scr = _program(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, i_h, H, C)
     q_h = q_ptr + t0 * stride_qt + i_h * stride_qh
     k_h = k_ptr + t0 * stride_kt + i_h * stride_kh
@@ -248,7 +263,7 @@ def _blocks_out_kernel(
     sq_buf = sq_ptr + scr * (2 * C)
     akk_buf = akk_ptr + scr * (C * C)
     rk_i, rq_i = _norms(sq_buf, i, BC)
-    for ks in range(0, BK, BKS):
+    for ks in range(k_lo, k_hi, BKS):
         offs = ks + tl.arange(0, BKS)
         g_last = tl.load(gc_buf + (C - 1) * BK + offs)
         gc_i = _gc_rows(gc_buf, i * BC, offs, BK, BC)
@@ -265,7 +280,7 @@ def _blocks_out_kernel(
                 _gc_rows(gc_buf, j * BC, offs, BK, BC))
             w += _dot(x, kg, DOT16, PREC)
         _row_out(w_ptr + scr * (C * BK), w, i * BC, offs, BK, BC)
-    for vs in range(0, BV, BVS):
+    for vs in range(v_lo, v_hi, BVS):
         offs = vs + tl.arange(0, BVS)
         u = tl.zeros([BC, BVS], dtype=tl.float32)
         for j in range(0, i + 1):
@@ -276,10 +291,11 @@ def _blocks_out_kernel(
 
 def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl, gc, akk, sq, span, *,
                         scale: float, block_k: int, block_v: int, num_warps: int, num_stages: int, dot16: bool,
-                        prec: str, prec_inv: str, sub: int, safe_span: float) -> None:
+                        prec: str, prec_inv: str, sub: int, safe_span: float, sliced_out: bool = False) -> None:
     """Four launches over the NC chunks x H heads. The buffers are _launch_chunk's: the state pass's scratch (qg, kd,
     w, u, aqk, gl) and this path's fp32 gc [NC, H, C, BK], akk [NC, H, C, C], sq [NC, H, 2, C], span [NC, H, 4].
-    num_warps / num_stages: the block (phase 1) and row-block (phase 3) programs'; phases 0 and 2 take 4 warps."""
+    num_warps / num_stages: the block (phase 1) and row-block (phase 3) programs'; phases 0 and 2 take 4 warps.
+    sliced_out: phase 3 as one program per (chunk, row block and K or V slice, head)."""
     NC, H, C, BK = qg.shape
     BV = u.shape[3]
     K, V = k.shape[2], v.shape[2]
@@ -297,8 +313,9 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
         H=H, K=K, BK=BK, BKS=block_k, C=C, BC=sub, DOT16=dot16, PREC=prec, SAFE_SPAN=safe_span,
         num_warps=num_warps, num_stages=num_stages)
     _blocks_inverse_kernel[(NC, H)](akk, H=H, C=C, BC=sub, PREC_INV=prec_inv, num_warps=4)
-    _blocks_out_kernel[(NC, 4, H)](
+    n_out = 4 * (BK // block_k + BV // block_v) if sliced_out else 4
+    _blocks_out_kernel[(NC, n_out, H)](
         q, k, v, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         beta.stride(0), beta.stride(1), *tables, gc, sq, akk, qg, kd, w, u, scale,
         H=H, K=K, V=V, BK=BK, BKS=block_k, BV=BV, BVS=block_v, C=C, BC=sub, DOT16=dot16, PREC=prec,
-        num_warps=num_warps, num_stages=num_stages)
+        SLICED=sliced_out, num_warps=num_warps, num_stages=num_stages)

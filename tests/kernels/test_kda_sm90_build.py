@@ -147,16 +147,18 @@ ptrs = dict(q_ptr=None, k_ptr=None, v_ptr=None, g_ptr=F, beta_ptr=F, stride_qt=I
             akk_ptr=F, aqk_ptr=None, qg_ptr=None, kd_ptr=None, w_ptr=None, u_ptr=None, scale="fp32")
 const = dict(H=32, K=128, V=128, BK=128, BKS=32, BV=128, BVS=32, C=K.CHUNK, BC=K.SUB, SAFE_SPAN=K.SAFE_SPAN)
 
-def build(fn, act, dot16, prec, warps):
+def build(fn, act, dot16, prec, warps, sliced):
     args = fn.arg_names
     sig = {a: (act if ptrs.get(a, C) is None else ptrs.get(a, C)) for a in args}
-    consts = {a: v for a, v in dict(const, DOT16=dot16, PREC=prec, PREC_INV=prec).items() if a in args}
+    consts = {a: v for a, v in dict(const, DOT16=dot16, PREC=prec, PREC_INV=prec, SLICED=sliced).items()
+              if a in args}
     return sm90_build(fn, sig, consts, warps, 2, lambda k: k in strides)
 
-kernels = dict(gc=(B._blocks_gc_kernel, 4), pair=(B._blocks_pair_kernel, 4), inverse=(B._blocks_inverse_kernel, 4),
-               out=(B._blocks_out_kernel, 4))
+kernels = dict(gc=(B._blocks_gc_kernel, False), pair=(B._blocks_pair_kernel, False),
+               inverse=(B._blocks_inverse_kernel, False), out=(B._blocks_out_kernel, False),
+               out_sliced=(B._blocks_out_kernel, True))
 print(json.dumps({  # kda_chunk_fwd's defaults for intra="blocks": 32-column slices, 4 warps, 2 stages
-    form: {name: build(fn, act, dot16, prec, w) for name, (fn, w) in kernels.items()}
+    form: {name: build(fn, act, dot16, prec, 4, sliced) for name, (fn, sliced) in kernels.items()}
     for form, act, dot16, prec in (("bf16", "*bf16", True, "tf32"), ("fp32", "*fp32", False, "ieee"))}))
 """
 
