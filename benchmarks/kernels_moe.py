@@ -195,6 +195,14 @@ def prefill(T: int, w13, w2, peak_tflops: float) -> None:
             log(f"prefill {rec['name']}: {rec['ms']:.3f} ms, {rec['TFLOPs']:.0f} TFLOP/s "
                 f"({rec['pct_of_matmul_peak']:.0f}% of matmul), rel err vs default {rec['rel_err_vs_default']:.1e}")
 
+    bm = pick_tiles(T * k, SHAPE["E"]).block_m
+    for split in (True, False):  # the offsets over one program per chunk (the default) or in one program
+        rec = item("prefill", f"T={T} align only" + ("" if split else " (one offsets program)"), lambda split=split: {
+            "T": T, "us": graph_time([lambda: moe_align_fwd(ids, SHAPE["E"], bm, split=split)],
+                                     reps=REPS)["us_per_call"]})
+        if "us" in rec:
+            log(f"prefill {rec['name']}: {rec['us']:.1f} us")
+
     def peer() -> dict:
         t = time_ms(lambda: torch_loop_experts(x, w13, w2, w, ids), reps=max(2, reps // 4), warmup=1)
         tf = flops / (t["median_ms"] * 1e-3) / 1e12
@@ -231,6 +239,9 @@ def table() -> None:
         if "ms" in rec:
             print(f"| prefill {rec['name']} | {rec['ms']:.3f} ms | {RESULT['matmul']['TFLOPs']:.0f} TFLOP/s | "
                   f"{rec['pct_of_matmul_peak']:.0f} ({rec['TFLOPs']:.0f} TFLOP/s) |")
+    for rec in RESULT.get("prefill", []):
+        if "us" in rec:
+            print(f"| prefill {rec['name']} | {rec['us']:.1f} us | | |")
     for rec in RESULT.get("route", []):
         if "us" in rec:
             print(f"| route {rec['name']} | {rec['us']:.1f} us | | |")

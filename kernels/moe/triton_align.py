@@ -11,9 +11,12 @@ Sizes come from T*k, E and BLOCK_M only (no host sync, CUDA-graph safe):
 
 No atomics: the pairs are cut into chunks of BP; a pair's slot is
   padded_start[e] + (e's pairs in earlier chunks) + (e's pairs before it in its chunk),
-so the layout is a pure function of the ids. Three launches: per-chunk histograms; one program for
-the prefix sums, padding and block experts; the scatter. When all pairs fit one chunk (decode), one
-launch: its programs each recompute the chunk's prefix sums and write a share of the outputs.
+so the layout is a pure function of the ids. Two launches: per-chunk histograms; then one program per chunk
+that sums the histograms (all of them for the padded starts, the earlier chunks' for its own base), writes a
+share of the padding tails and block experts, and scatters its chunk. (Before: one program for the prefix sums,
+padding and block experts between the two, ~50 us per 48B layer at 8K tokens, a chain of dependent loads; it
+stays as `split=False`.) When all pairs fit one chunk (decode), one launch: its programs each recompute the
+chunk's prefix sums and write a share of the outputs.
 """
 from __future__ import annotations
 
@@ -178,6 +181,42 @@ def _moe_align_split_kernel(
     tl.store(sorted_ptr + rank, li, mask=ok)
 
 
+# not specialized per step (kernels/common.py, Compiles): P, NC, NB: the step's pairs, chunks and blocks
+@triton.jit(do_not_specialize=["P", "NC", "NB"])
+def _moe_align_place_kernel(
+    ids_ptr,  # [P] int32 expert of each pair
+    counts_ptr,  # [NC, E_P] int32 chunk histograms (read only)
+    base_ptr,  # [NC, E_P] int32 scratch: each chunk's first slot per expert
+    sorted_ptr, block_expert_ptr,
+    P, NC, NB,
+    E_P: tl.constexpr, BLOCK_M: tl.constexpr, BP: tl.constexpr, SUB: tl.constexpr, TILE_C: tl.constexpr,
+    BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Chunk c's program: the padded starts from every chunk's histogram, its base from the earlier ones', the
+    padding tails of experts e % NC == c, blocks c * BLOCK_B, then every NC * BLOCK_B, and chunk c's pairs. Every
+    program reads the histograms (NC x E_P ints, from L2) and writes only its own share, so nothing orders them."""
+    c = tl.program_id(0)
+    offs_e = tl.arange(0, E_P)
+    rc = tl.arange(0, TILE_C)
+    if USE_PDL:
+        gdc_wait()
+    tot = tl.zeros([E_P], dtype=tl.int32)
+    pre = tl.zeros([E_P], dtype=tl.int32)
+    for c0 in range(0, NC, TILE_C):
+        rows = c0 + rc
+        cnt = tl.load(counts_ptr + rows[:, None] * E_P + offs_e[None, :], mask=(rows < NC)[:, None], other=0)
+        tot += tl.sum(cnt, axis=0)
+        pre += tl.sum(tl.where((rows < c)[:, None], cnt, 0), axis=0)
+    if USE_PDL:
+        gdc_launch_dependents()
+    padded, pend, pstart, total = _padded_runs(tot, BLOCK_M)
+    _store_tails(sorted_ptr, pstart, tot, padded, P, (offs_e % NC) == c, E_P, BLOCK_M)
+    _store_block_experts(block_expert_ptr, pend, total, c * BLOCK_B, NC * BLOCK_B, NB, BLOCK_M, BLOCK_B)
+    tl.store(base_ptr + c * E_P + offs_e, pstart + pre)
+    tl.debug_barrier()  # the scatter gathers the base back from memory
+    _scatter_chunk(ids_ptr, base_ptr + c * E_P, sorted_ptr, c, P, BP, SUB)
+
+
 # not specialized per step (kernels/common.py, Compiles): P: the step's pairs
 @triton.jit(do_not_specialize=["P"])
 def _moe_align_scatter_kernel(ids_ptr, counts_ptr, sorted_ptr, P, E_P: tl.constexpr, BP: tl.constexpr,
@@ -198,8 +237,9 @@ def moe_align_fwd(topk_ids: Tensor, num_experts: int, block_m: int, *, use_pdl: 
                   split: bool = True) -> tuple[Tensor, Tensor]:
     """topk_ids [T, k] int32 contiguous, ids in [0, num_experts) -> (sorted_pair_ids, block_expert).
 
-    Layout and sizes: see the module docstring. block_m must be a power of two >= 16. split: a single chunk's
-    work over several programs (`_moe_align_split_kernel`); False: in one program (benchmarks, tests).
+    Layout and sizes: see the module docstring. block_m must be a power of two >= 16. split: the offsets' work
+    over several programs (a single chunk's: `_moe_align_split_kernel`; several chunks': `_moe_align_place_kernel`);
+    False: in one program (benchmarks, tests).
     """
     assert topk_ids.dim() == 2 and topk_ids.dtype == torch.int32 and topk_ids.is_contiguous()
     assert block_m >= 16 and block_m & (block_m - 1) == 0 and 1 <= num_experts <= 4096
@@ -229,6 +269,13 @@ def moe_align_fwd(topk_ids: Tensor, num_experts: int, block_m: int, *, use_pdl: 
     if not single:
         _moe_align_count_kernel[(NC,)](topk_ids, counts, P, E_P=E_P, BP=bp, USE_PDL=pdl, num_warps=4,
                                        **pdl_kwargs(use_pdl))
+    if not single and split:
+        base = torch.empty(NC, E_P, dtype=torch.int32, device=dev)
+        _moe_align_place_kernel[(NC,)](
+            topk_ids, counts, base, sorted_ids, block_expert, P, NC, NB, E_P=E_P, BLOCK_M=block_m, BP=bp, SUB=sub,
+            TILE_C=max(1, min(32, 8192 // E_P)), BLOCK_B=max(1, min(32, 8192 // E_P)), USE_PDL=pdl, num_warps=8,
+            **pdl_kwargs(use_pdl))
+        return sorted_ids, block_expert
     _moe_align_offsets_kernel[(1,)](
         topk_ids, counts, start, sorted_ids, block_expert, P, NC, NB,
         E_P=E_P, BLOCK_M=block_m, BP=bp, SUB=sub, TILE_C=max(1, min(16, 8192 // E_P)),

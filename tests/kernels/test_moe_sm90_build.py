@@ -28,6 +28,8 @@ count = dict(ids_ptr="*i32", counts_ptr="*i32", P=I32, E_P=C, BP=C, USE_PDL=C)
 offsets = dict(ids_ptr="*i32", counts_ptr="*i32", start_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32",
                P=I32, NC=I32, NB=I32, E_P=C, BLOCK_M=C, BP=C, SUB=C, TILE_C=C, BLOCK_B=C, SINGLE_CHUNK=C, USE_PDL=C)
 scatter = dict(ids_ptr="*i32", counts_ptr="*i32", sorted_ptr="*i32", P=I32, E_P=C, BP=C, SUB=C, USE_PDL=C)
+place = dict(ids_ptr="*i32", counts_ptr="*i32", base_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32", P=I32,
+             NC=I32, NB=I32, E_P=C, BLOCK_M=C, BP=C, SUB=C, TILE_C=C, BLOCK_B=C, USE_PDL=C)
 split = dict(ids_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32", P=I32, NB=I32, E_P=C, BLOCK_M=C, BP=C, SP=C,
              G=C, BLOCK_B=C, USE_PDL=C)
 gate_up = dict(x_ptr="*bf16", stride_xt=I32, w13_ptr="*bf16", h_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32",
@@ -44,6 +46,8 @@ res = {
     "align_count": build(A._moe_align_count_kernel, count, dict(E_P=256, BP=A.CHUNK, USE_PDL=True), 4),
     "align_offsets": build(A._moe_align_offsets_kernel, offsets, dict(E_P=256, BLOCK_M=64, BP=A.CHUNK, SUB=A._SUB,
                            TILE_C=16, BLOCK_B=32, SINGLE_CHUNK=False, USE_PDL=True), 8),
+    "align_place": build(A._moe_align_place_kernel, place, dict(E_P=256, BLOCK_M=64, BP=A.CHUNK, SUB=A._SUB,
+                         TILE_C=32, BLOCK_B=32, USE_PDL=True), 8),
     "align_scatter": build(A._moe_align_scatter_kernel, scatter, dict(E_P=256, BP=A.CHUNK, SUB=A._SUB, USE_PDL=True), 8),
     # the launcher's split form at the 48B decode of batch 64 (512 pairs over 256 experts: 16 programs)
     "align_split": build(A._moe_align_split_kernel, split, dict(E_P=256, BLOCK_M=16, BP=A.CHUNK, SP=A.SPLIT_PAIRS,

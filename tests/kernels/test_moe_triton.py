@@ -112,14 +112,15 @@ def test_route_rejects_bad_inputs() -> None:
 @pytest.mark.parametrize(
     "T,k,E,block_m,experts",
     [(1, 2, 8, 16, None), (5, 2, 8, 16, None), (33, 2, 8, 16, 3), (33, 2, 5, 64, None),
-     (CHUNK // 2 + 7, 2, 8, 16, None), (2 * CHUNK + 3, 1, 6, 32, 4), (16, 8, 256, 16, None), (64, 8, 256, 16, 40)],
+     (CHUNK // 2 + 7, 2, 8, 16, None), (2 * CHUNK + 3, 1, 6, 32, 4), (16, 8, 256, 16, None), (64, 8, 256, 16, 40),
+     (300, 8, 256, 64, None)],
     ids=["T1", "T5", "T33_3experts", "T33_E5_bm64", "two_chunks", "three_chunks_empty_experts", "T16_k8_E256",
-         "T64_k8_E256_40experts"],
+         "T64_k8_E256_40experts", "five_chunks_k8_E256_bm64"],
 )
 @pytest.mark.parametrize("split", [True, False], ids=["split", "one-program"])
 def test_align_matches_ref(T: int, k: int, E: int, block_m: int, experts: int | None, split: bool) -> None:
-    """Both single-chunk forms (one program; the chunk's work over programs of SPLIT_PAIRS pairs) and the
-    multi-chunk one."""
+    """Both single-chunk forms (one program; the chunk's work over programs of SPLIT_PAIRS pairs) and both
+    multi-chunk ones (the offsets in one program; one program per chunk placing its share)."""
     gen = torch.Generator().manual_seed(T + E)
     ids = random_ids(gen, T, E, k, experts).to(DEV)
     sorted_ids, block_expert = moe_align_fwd(ids, E, block_m, split=split)
