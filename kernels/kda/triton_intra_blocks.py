@@ -13,11 +13,12 @@ block, many resident per SM, so that one program's load latencies hide behind an
   1. per (chunk, block (i, j), head), over the K slices:
          raw_kk[i, j] = (k_i exp(Gc_i - c_i)) (k_j exp(c_i - Gc_j))^T,   raw_qk[i, j] likewise with q_i.
      Both exponentials are <= 1 for j < i (g <= 0: Gc falls); on the diagonal the column side reaches exp(span_i),
-     so it is clamped there, and a sub-chunk whose span exceeds SAFE_SPAN (a steep gate) gets its diagonal block
-     exactly, elementwise (`_exact_diag_block`), instead. Then the norms and beta: L_ij = beta_i rk_i raw_kk rk_j
-     (strictly lower on the diagonal) into the fp32 scratch akk, Aqk_ij = scale rq_i raw_qk rk_j into aqk; the
-     programs of blocks above the diagonal write Aqk's zeros;
-  2. per (chunk, head): (I + L)^-1 by blocks, stably (no power series; NOTES.md "After run 4"): D_i = (I + L_ii)^-1
+     so it is clamped there. Then the norms and beta: L_ij = beta_i rk_i raw_kk rk_j (strictly lower on the
+     diagonal) into the fp32 scratch akk, Aqk_ij = scale rq_i raw_qk rk_j into aqk; the programs of blocks above
+     the diagonal write Aqk's zeros;
+  2. per (chunk, head): a sub-chunk whose span exceeds SAFE_SPAN (a steep gate) gets its diagonal blocks of L and
+     Aqk again, exactly, elementwise (`_exact_diag_block`; here rather than in phase 1, whose many programs would
+     otherwise all hold that path's registers: 168 against 94 at one warp on sm_90); then (I + L)^-1 by blocks, stably (no power series; NOTES.md "After run 4"): D_i = (I + L_ii)^-1
      by forward substitution (the fused kernel's code), X_ij = -D_i sum_{j <= m < i} L_im X_mj, each into akk
      over L_ij;
   3. per (chunk, row block i, head) (or per row block and slice: `sliced_out`), over the K slices:
@@ -96,6 +97,22 @@ def _norms(sq_ptr, i, BC: tl.constexpr):
 
 
 @triton.jit
+def _scale_store(akk_buf, aqk_buf, kk, qk, b_h, stride_bt, sq_buf, n_valid, scale, i, j, C: tl.constexpr,
+                 BC: tl.constexpr):
+    """Block (i, j) of the raw sums to L (beta_i rk_i kk rk_j; strictly lower on the diagonal) into akk and Aqk
+    (scale rq_i qk rk_j; lower on the diagonal) into aqk."""
+    loc = tl.arange(0, BC)
+    rk_i, rq_i = _norms(sq_buf, i, BC)
+    rk_j, _ = _norms(sq_buf, j, BC)
+    b_i = _beta(b_h, stride_bt, i, n_valid, BC)
+    low = (loc[:, None] > loc[None, :]) | (i > j)
+    kk = tl.where(low, kk * (b_i * rk_i)[:, None] * rk_j[None, :], 0.0)
+    qk = tl.where(low | (loc[:, None] == loc[None, :]), qk * (rq_i * scale)[:, None] * rk_j[None, :], 0.0)
+    _store_block(akk_buf, kk, i, j, C, BC)
+    _store_block(aqk_buf, qk, i, j, C, BC)
+
+
+@triton.jit
 def _program(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, i_h, H: tl.constexpr, C: tl.constexpr):
     """(first token, real rows, scratch row) of the program's (chunk, head)."""
     t0, n_valid = _chunk_rows(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, C)
@@ -145,15 +162,16 @@ def _blocks_pair_kernel(
     q_ptr, k_ptr, g_ptr, beta_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh,
     stride_bt, stride_bh,
     cu_ptr, chunk_seq_ptr, chunk_idx_ptr,
-    gc_ptr, sq_ptr, span_ptr,  # phase 0's
+    gc_ptr, sq_ptr,  # phase 0's
     akk_ptr,  # out [NC, H, C, C] fp32: L on and below the diagonal blocks
     aqk_ptr,  # out [NC, H, C, C]
     scale,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
     DOT16: tl.constexpr, PREC: tl.constexpr, SAFE_SPAN: tl.constexpr,
 ):
-    """Phase 1, one program per (chunk, block (i, j) of the 4 x 4, head)."""
-    i_c, i_p, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Phase 1, one program per (chunk, block (i, j) of the 4 x 4, head); axis 0 is chunk * 16 + block, so that
+    consecutive programs share their chunk's rows and Gc in L2."""
+    i_c, i_p, i_h = tl.program_id(0) // 16, tl.program_id(0) % 16, tl.program_id(1)
     i, j = i_p // 4, i_p % 4
     t0, n_valid, scr = _program(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, i_h, H, C)
     aqk_buf = aqk_ptr + scr * (C * C)
@@ -174,33 +192,47 @@ def _blocks_pair_kernel(
         ke = _rows(k_h, stride_kt, i * BC, n_valid, offs, K, BC) * e
         qe = _rows(q_h, stride_qt, i * BC, n_valid, offs, K, BC) * e
         # the columns, clamped at exp(SAFE_SPAN): only the diagonal block reaches past 1 (a steep one is redone
-        # exactly below)
+        # exactly by the inverse's launch, which keeps that path's registers out of these many programs)
         col = tl.exp(tl.minimum(c_i[None, :] - _gc_rows(gc_buf, j * BC, offs, BK, BC), SAFE_SPAN))
         kt = tl.trans(_rows(k_h, stride_kt, j * BC, n_valid, offs, K, BC) * col)
         kk += _dot(ke, kt, DOT16, PREC)
         qk += _dot(qe, kt, DOT16, PREC)
-    loc = tl.arange(0, BC)
-    rk_i, rq_i = _norms(sq_buf, i, BC)
-    rk_j, _ = _norms(sq_buf, j, BC)
-    if i == j:
-        if tl.load(span_ptr + scr * 4 + i) > SAFE_SPAN:
-            g_h = g_ptr + t0 * stride_gt + i_h * stride_gh
-            ri = i * BC + loc
-            kk, qk = _exact_diag_block(q_h, k_h, g_h, ri, stride_qt, stride_kt, stride_gt, ri < n_valid,
-                                       ri < n_valid, K, BK, 16, BC, True)
-    b_i = _beta(beta_ptr + t0 * stride_bt + i_h * stride_bh, stride_bt, i, n_valid, BC)
-    low = (loc[:, None] > loc[None, :]) | (i > j)
-    kk = tl.where(low, kk * (b_i * rk_i)[:, None] * rk_j[None, :], 0.0)
-    qk = tl.where(low | (loc[:, None] == loc[None, :]), qk * (rq_i * scale)[:, None] * rk_j[None, :], 0.0)
-    _store_block(akk_ptr + scr * (C * C), kk, i, j, C, BC)
-    _store_block(aqk_buf, qk, i, j, C, BC)
+    _scale_store(akk_ptr + scr * (C * C), aqk_buf, kk, qk, beta_ptr + t0 * stride_bt + i_h * stride_bh, stride_bt,
+                 sq_buf, n_valid, scale, i, j, C, BC)
 
 
-@triton.jit
-def _blocks_inverse_kernel(akk_ptr, H: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, PREC_INV: tl.constexpr):
-    """Phase 2, one program per (chunk, head): X = (I + L)^-1 over L in the akk scratch."""
+@triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
+def _blocks_inverse_kernel(
+    q_ptr, k_ptr, g_ptr, beta_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh,
+    stride_bt, stride_bh,
+    cu_ptr, chunk_seq_ptr, chunk_idx_ptr,
+    sq_ptr, span_ptr,  # phase 0's
+    akk_ptr,  # in: L (phase 1), out: X = (I + L)^-1
+    aqk_ptr,  # phase 1's; a steep sub-chunk's diagonal block is rewritten
+    scale,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+    PREC_INV: tl.constexpr, SAFE_SPAN: tl.constexpr,
+):
+    """Phase 2, one program per (chunk, head): first the diagonal blocks of steep sub-chunks (span > SAFE_SPAN)
+    exactly, elementwise, over phase 1's clamped ones; then X = (I + L)^-1 over L in the akk scratch."""
     tl.static_assert(C == 4 * BC, "four sub-chunks per chunk")
-    akk_buf = akk_ptr + (tl.program_id(0).to(tl.int64) * H + tl.program_id(1)) * (C * C)
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    scr = i_c.to(tl.int64) * H + i_h
+    akk_buf = akk_ptr + scr * (C * C)
+    spans = span_ptr + scr * 4
+    if tl.max(tl.load(spans + tl.arange(0, 4)), axis=0) > SAFE_SPAN:
+        t0, n_valid = _chunk_rows(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, C)
+        q_h = q_ptr + t0 * stride_qt + i_h * stride_qh
+        k_h = k_ptr + t0 * stride_kt + i_h * stride_kh
+        g_h = g_ptr + t0 * stride_gt + i_h * stride_gh
+        for i in tl.static_range(4):
+            if tl.load(spans + i) > SAFE_SPAN:
+                ri = i * BC + tl.arange(0, BC)
+                kk, qk = _exact_diag_block(q_h, k_h, g_h, ri, stride_qt, stride_kt, stride_gt, ri < n_valid,
+                                           ri < n_valid, K, BK, 8, BC, True)
+                _scale_store(akk_buf, aqk_ptr + scr * (C * C), kk, qk, beta_ptr + t0 * stride_bt + i_h * stride_bh,
+                             stride_bt, sq_ptr + scr * (2 * C), n_valid, scale, i, i, C, BC)
+        tl.debug_barrier()  # the substitution reads the rewritten blocks back
     # the diagonal blocks by forward substitution, all four at once (rows read back from akk)
     _diag_block_inverses(akk_buf, C, BC)
     # the blocks below, a row at a time: X_ij = -X_ii sum_{j <= m < i} L_im X_mj, each X_ij stored over L_ij once
@@ -242,10 +274,11 @@ def _blocks_out_kernel(
     """Phase 3, one program per (chunk, row block i, head): qg, kd, W and U rows from X's blocks (i, 0..i).
     SLICED: one program per (chunk, row block i and one K or V slice, head) instead, each doing one slice's loop
     iteration (BK / BKS + BV / BVS programs per row block: more and smaller programs)."""
-    i_c, i_p, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NKS: tl.constexpr = BK // BKS
+    NS: tl.constexpr = NKS + BV // BVS
+    NP: tl.constexpr = 4 * NS if SLICED else 4  # programs per (chunk, head), axis 0 = chunk * NP + program
+    i_c, i_p, i_h = tl.program_id(0) // NP, tl.program_id(0) % NP, tl.program_id(1)
     if SLICED:
-        NS: tl.constexpr = NKS + BV // BVS
         i, s = i_p // NS, i_p % NS
         k_lo = tl.minimum(s, NKS) * BKS
         k_hi = tl.where(s < NKS, k_lo + BKS, k_lo)
@@ -307,14 +340,17 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
     _blocks_gc_kernel[(NC, H)](
         q, k, g, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1), *tables,
         gl, gc, sq, span, H=H, K=K, BK=BK, BKS=block_k, C=C, BC=sub, num_warps=4)
-    _blocks_pair_kernel[(NC, 16, H)](
+    _blocks_pair_kernel[(NC * 16, H)](
         q, k, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
-        beta.stride(0), beta.stride(1), *tables, gc, sq, span, akk, aqk, scale,
+        beta.stride(0), beta.stride(1), *tables, gc, sq, akk, aqk, scale,
         H=H, K=K, BK=BK, BKS=block_k, C=C, BC=sub, DOT16=dot16, PREC=prec, SAFE_SPAN=safe_span,
         num_warps=num_warps, num_stages=num_stages)
-    _blocks_inverse_kernel[(NC, H)](akk, H=H, C=C, BC=sub, PREC_INV=prec_inv, num_warps=4)
+    _blocks_inverse_kernel[(NC, H)](
+        q, k, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
+        beta.stride(0), beta.stride(1), *tables, sq, span, akk, aqk, scale,
+        H=H, K=K, BK=BK, C=C, BC=sub, PREC_INV=prec_inv, SAFE_SPAN=safe_span, num_warps=4)
     n_out = 4 * (BK // block_k + BV // block_v) if sliced_out else 4
-    _blocks_out_kernel[(NC, n_out, H)](
+    _blocks_out_kernel[(NC * n_out, H)](
         q, k, v, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         beta.stride(0), beta.stride(1), *tables, gc, sq, akk, qg, kd, w, u, scale,
         H=H, K=K, V=V, BK=BK, BKS=block_k, BV=BV, BVS=block_v, C=C, BC=sub, DOT16=dot16, PREC=prec,

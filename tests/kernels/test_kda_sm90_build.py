@@ -146,6 +146,7 @@ ptrs = dict(q_ptr=None, k_ptr=None, v_ptr=None, g_ptr=F, beta_ptr=F, stride_qt=I
             cu_ptr="*i32", chunk_seq_ptr="*i32", chunk_idx_ptr="*i32", gl_ptr=F, gc_ptr=F, sq_ptr=F, span_ptr=F,
             akk_ptr=F, aqk_ptr=None, qg_ptr=None, kd_ptr=None, w_ptr=None, u_ptr=None, scale="fp32")
 const = dict(H=32, K=128, V=128, BK=128, BKS=32, BV=128, BVS=32, C=K.CHUNK, BC=K.SUB, SAFE_SPAN=K.SAFE_SPAN)
+ptrs["beta_ptr"] = F
 
 def build(fn, act, dot16, prec, warps, sliced):
     args = fn.arg_names
