@@ -422,11 +422,13 @@ def bench_verify(case: str, H: int, D: int) -> dict:
 def kernel_split_ms(fn, reps: int) -> dict:
     """Median time of each of kda_chunk_fwd's launches (events around each; syncs in between)."""
     import k3rt.kernels.kda.triton_chunk as tc
+    import k3rt.kernels.kda.triton_intra_blocks as tb
     import k3rt.kernels.kda.triton_intra_split as ts
 
-    # (kernel, module): the split intra path's two launches live in their own module
+    # (kernel, module): the split and blocks intra paths' launches live in their own modules
     names = (("_kda_chunk_intra_kernel", tc), ("_kda_intra_rows_kernel", ts), ("_kda_intra_solve_kernel", ts),
-             ("_kda_chunk_state_kernel", tc), ("_kda_chunk_out_kernel", tc))
+             ("_blocks_gc_kernel", tb), ("_blocks_pair_kernel", tb), ("_blocks_inverse_kernel", tb),
+             ("_blocks_out_kernel", tb), ("_kda_chunk_state_kernel", tc), ("_kda_chunk_out_kernel", tc))
     orig = {n: getattr(m, n) for n, m in names}
     times: dict = {n: [] for n, _ in names}
 
@@ -529,11 +531,12 @@ def main() -> int:
                 item("decode_sweep", f"k3rt N={N} {cfg}", lambda N=N, c=cfg: bench_decode(N, H, D, "k3rt", c))
     for case in (ARGS.verify if not smoke else ["2x3"]):
         item("verify", f"k3rt {case}", lambda c=case: bench_verify(c, H, D))
-    variants = ARGS.prefill_variants if not smoke else ["base", "split", "split_intra"]
+    variants = ARGS.prefill_variants if not smoke else ["base", "split", "split_intra", "blocks_intra"]
     if not smoke:
         item("correctness", "kda_chunk_fwd base steep", lambda: check_chunk([300, 64, 1000], H, D, "base", True))
-        # the split intra path has steep-gate code of its own
-        for var in sorted({v for v in variants + ARGS.prefill_sweep if PREFILL_VARIANTS[v].get("intra") == "split"}):
+        # the split and blocks intra paths have steep-gate code of their own
+        for var in sorted({v for v in variants + ARGS.prefill_sweep
+                           if PREFILL_VARIANTS[v].get("intra") in ("split", "blocks")}):
             item("correctness", f"kda_chunk_fwd {var} steep",
                  lambda v=var: check_chunk([300, 64, 1000], H, D, v, True))
     for var in variants:
