@@ -75,7 +75,7 @@ def test_kernel_config_names_an_unknown_kda_intra_form() -> None:
         KernelConfig(kda_intra="tiled")
 
 
-@pytest.mark.parametrize("arch, intra", [("kimi_linear", "fused"), ("k3", "fused"), ("k3", "split"),
+@pytest.mark.parametrize("arch, intra", [("kimi_linear", "fused"), ("k3", "fused"), ("k3", "split"), ("k3", "blocks"),
                                          ("kimi_linear", "one_seq_tma")])
 def test_gpu_runner_with_triton_kernels_in_the_interpreter_equals_reference(arch, intra, tmp_path) -> None:
     """The GPU runner with every Triton kernel (KDA decode + chunk, MLA decode + prefill, MoE router +
