@@ -98,14 +98,46 @@ def _store_block_experts(block_expert_ptr, pend, total, first, step, NB, BLOCK_M
         tl.store(block_expert_ptr + b, owner, mask=b < NB)
 
 
+@triton.jit
+def _store_group_tables(big_ptr, small_ptr, pstart, padded, first, step, NBIG, NSMALL, E_P: tl.constexpr,
+                        BLOCK_M: tl.constexpr, GROUP: tl.constexpr, BLOCK_B: tl.constexpr):
+    """The grouped GEMMs' tiles (GROUP > 1): an expert's run of n blocks is n // GROUP tiles of GROUP consecutive
+    blocks (big_ptr[t]: the first block of big tile t) and n % GROUP single blocks (small_ptr[s]: the block of small
+    tile s), experts in order; -1 past the last. Entries first, first + step, ... (BLOCK_B at a time)."""
+    offs_e = tl.arange(0, E_P)
+    nblk = padded // BLOCK_M
+    nbig = nblk // GROUP
+    nsmall = nblk - nbig * GROUP
+    big_end = tl.cumsum(nbig, axis=0)
+    small_end = tl.cumsum(nsmall, axis=0)
+    first_blk = pstart // BLOCK_M
+    # big tile t of expert e: block first_blk[e] + (t - big_start[e]) * GROUP; small tile s: the block after e's big
+    # tiles, plus (s - small_start[e])
+    big_base = first_blk - (big_end - nbig) * GROUP
+    small_base = first_blk + nbig * GROUP - (small_end - nsmall)
+    total_big = tl.sum(nbig, axis=0)
+    total_small = tl.sum(nsmall, axis=0)
+    for b0 in range(first, NBIG, step):
+        b = b0 + tl.arange(0, BLOCK_B)
+        owner = tl.sum((big_end[None, :] <= b[:, None]).to(tl.int32), axis=1)
+        base = tl.sum(tl.where(offs_e[None, :] == owner[:, None], big_base[None, :], 0), axis=1)
+        tl.store(big_ptr + b, tl.where(b < total_big, base + b * GROUP, -1), mask=b < NBIG)
+    for s0 in range(first, NSMALL, step):
+        t = s0 + tl.arange(0, BLOCK_B)
+        owner = tl.sum((small_end[None, :] <= t[:, None]).to(tl.int32), axis=1)
+        base = tl.sum(tl.where(offs_e[None, :] == owner[:, None], small_base[None, :], 0), axis=1)
+        tl.store(small_ptr + t, tl.where(t < total_small, base + t, -1), mask=t < NSMALL)
+
+
 # not specialized per step (kernels/common.py, Compiles): P, NC, NB: the step's pairs, chunks and blocks
-@triton.jit(do_not_specialize=["P", "NC", "NB"])
+@triton.jit(do_not_specialize=["P", "NC", "NB", "NBIG", "NSMALL"])
 def _moe_align_offsets_kernel(
     ids_ptr,  # [P] int32 expert of each pair
     counts_ptr,  # [NC, E_P] int32: chunk histograms in, each chunk's first slot per expert out
     start_ptr,  # [E_P] int32 scratch: padded_start (single-chunk mode)
     sorted_ptr, block_expert_ptr,
-    P, NC, NB,
+    big_ptr, small_ptr,  # GROUP > 1: the grouped GEMMs' tile tables (_store_group_tables)
+    P, NC, NB, NBIG, NSMALL,
     E_P: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BP: tl.constexpr,
@@ -114,6 +146,7 @@ def _moe_align_offsets_kernel(
     BLOCK_B: tl.constexpr,
     SINGLE_CHUNK: tl.constexpr,
     USE_PDL: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     offs_e = tl.arange(0, E_P)
     rc = tl.arange(0, TILE_C)
@@ -140,6 +173,8 @@ def _moe_align_offsets_kernel(
             run += tl.sum(cnt, axis=0)
     _store_tails(sorted_ptr, pstart, tot, padded, P, offs_e < E_P, E_P, BLOCK_M)  # every expert's tail
     _store_block_experts(block_expert_ptr, pend, total, 0, BLOCK_B, NB, BLOCK_M, BLOCK_B)
+    if GROUP > 1:
+        _store_group_tables(big_ptr, small_ptr, pstart, padded, 0, BLOCK_B, NBIG, NSMALL, E_P, BLOCK_M, GROUP, BLOCK_B)
     if SINGLE_CHUNK:
         tl.store(start_ptr + offs_e, pstart)
         tl.debug_barrier()  # the scatter gathers padded_start back from memory
@@ -147,11 +182,11 @@ def _moe_align_offsets_kernel(
 
 
 # not specialized per step (kernels/common.py, Compiles): P, NB: the step's pairs and blocks
-@triton.jit(do_not_specialize=["P", "NB"])
+@triton.jit(do_not_specialize=["P", "NB", "NBIG", "NSMALL"])
 def _moe_align_split_kernel(
-    ids_ptr, sorted_ptr, block_expert_ptr, P, NB,
+    ids_ptr, sorted_ptr, block_expert_ptr, big_ptr, small_ptr, P, NB, NBIG, NSMALL,
     E_P: tl.constexpr, BLOCK_M: tl.constexpr, BP: tl.constexpr, SP: tl.constexpr, G: tl.constexpr,
-    BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr, GROUP: tl.constexpr,
 ):
     """One chunk's alignment over G programs (decode sizes): each reads every id and recomputes the padded
     starts (a histogram of <= BP ids), then writes its share: the pairs [g * SP, (g + 1) * SP) at their
@@ -169,6 +204,9 @@ def _moe_align_split_kernel(
     # the padding tails of this program's experts (e % G == g); blocks g * BLOCK_B, then every G * BLOCK_B
     _store_tails(sorted_ptr, pstart, tot, padded, P, (offs_e % G) == g, E_P, BLOCK_M)
     _store_block_experts(block_expert_ptr, pend, total, g * BLOCK_B, G * BLOCK_B, NB, BLOCK_M, BLOCK_B)
+    if GROUP > 1:
+        _store_group_tables(big_ptr, small_ptr, pstart, padded, g * BLOCK_B, G * BLOCK_B, NBIG, NSMALL, E_P, BLOCK_M,
+                            GROUP, BLOCK_B)
     # this program's pairs: slot = padded start of its expert + the pairs of that expert before it
     li = g * SP + tl.arange(0, SP)
     ok = li < P
@@ -182,15 +220,16 @@ def _moe_align_split_kernel(
 
 
 # not specialized per step (kernels/common.py, Compiles): P, NC, NB: the step's pairs, chunks and blocks
-@triton.jit(do_not_specialize=["P", "NC", "NB"])
+@triton.jit(do_not_specialize=["P", "NC", "NB", "NBIG", "NSMALL"])
 def _moe_align_place_kernel(
     ids_ptr,  # [P] int32 expert of each pair
     counts_ptr,  # [NC, E_P] int32 chunk histograms (read only)
     base_ptr,  # [NC, E_P] int32 scratch: each chunk's first slot per expert
     sorted_ptr, block_expert_ptr,
-    P, NC, NB,
+    big_ptr, small_ptr,  # GROUP > 1: the grouped GEMMs' tile tables (_store_group_tables)
+    P, NC, NB, NBIG, NSMALL,
     E_P: tl.constexpr, BLOCK_M: tl.constexpr, BP: tl.constexpr, SUB: tl.constexpr, TILE_C: tl.constexpr,
-    BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr, GROUP: tl.constexpr,
 ):
     """Chunk c's program: the padded starts from every chunk's histogram, its base from the earlier ones', the
     padding tails of experts e % NC == c, blocks c * BLOCK_B, then every NC * BLOCK_B, and chunk c's pairs. Every
@@ -212,6 +251,9 @@ def _moe_align_place_kernel(
     padded, pend, pstart, total = _padded_runs(tot, BLOCK_M)
     _store_tails(sorted_ptr, pstart, tot, padded, P, (offs_e % NC) == c, E_P, BLOCK_M)
     _store_block_experts(block_expert_ptr, pend, total, c * BLOCK_B, NC * BLOCK_B, NB, BLOCK_M, BLOCK_B)
+    if GROUP > 1:
+        _store_group_tables(big_ptr, small_ptr, pstart, padded, c * BLOCK_B, NC * BLOCK_B, NBIG, NSMALL, E_P,
+                            BLOCK_M, GROUP, BLOCK_B)
     tl.store(base_ptr + c * E_P + offs_e, pstart + pre)
     tl.debug_barrier()  # the scatter gathers the base back from memory
     _scatter_chunk(ids_ptr, base_ptr + c * E_P, sorted_ptr, c, P, BP, SUB)
@@ -233,6 +275,12 @@ def num_blocks_max(num_pairs: int, num_experts: int, block_m: int) -> int:
     return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
 
 
+def group_table_sizes(num_blocks: int, num_experts: int, group: int) -> tuple[int, int]:
+    """Upper bounds on the grouped tables' entries (`moe_align_grouped`): big tiles <= blocks // group; small ones
+    <= group - 1 per expert, and <= blocks."""
+    return num_blocks // group, min(num_blocks, num_experts * (group - 1))
+
+
 def moe_align_fwd(topk_ids: Tensor, num_experts: int, block_m: int, *, use_pdl: bool = False,
                   split: bool = True) -> tuple[Tensor, Tensor]:
     """topk_ids [T, k] int32 contiguous, ids in [0, num_experts) -> (sorted_pair_ids, block_expert).
@@ -241,6 +289,23 @@ def moe_align_fwd(topk_ids: Tensor, num_experts: int, block_m: int, *, use_pdl: 
     over several programs (a single chunk's: `_moe_align_split_kernel`; several chunks': `_moe_align_place_kernel`);
     False: in one program (benchmarks, tests).
     """
+    return _align(topk_ids, num_experts, block_m, 1, use_pdl, split)[:2]
+
+
+def moe_align_grouped(topk_ids: Tensor, num_experts: int, block_m: int, group: int, *, use_pdl: bool = False,
+                      split: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`moe_align_fwd`'s layout at block_m, plus the tables of GEMM tiles of `group` blocks -> (sorted_pair_ids,
+    block_expert, big [nbig], small [nsmall]) (sizes: `group_table_sizes`): each expert's run of n blocks as
+    n // group tiles of group consecutive blocks (big: each tile's first block) and n % group single blocks
+    (small), experts in order, -1 past the last. So a prefill's grouped GEMMs run in tiles of group * block_m rows
+    while each expert pads only to block_m (the tails in a launch of block_m-row tiles)."""
+    if group < 2 or group & (group - 1):
+        raise ValueError(f"group must be a power of two >= 2, got {group}")
+    return _align(topk_ids, num_experts, block_m, group, use_pdl, split)
+
+
+def _align(topk_ids: Tensor, num_experts: int, block_m: int, group: int, use_pdl: bool, split: bool
+           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     assert topk_ids.dim() == 2 and topk_ids.dtype == torch.int32 and topk_ids.is_contiguous()
     assert block_m >= 16 and block_m & (block_m - 1) == 0 and 1 <= num_experts <= 4096
     P = topk_ids.numel()
@@ -248,8 +313,12 @@ def moe_align_fwd(topk_ids: Tensor, num_experts: int, block_m: int, *, use_pdl: 
     NB = num_blocks_max(P, num_experts, block_m)
     sorted_ids = torch.empty(NB * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(NB, dtype=torch.int32, device=dev)
+    nbig, nsmall = group_table_sizes(NB, num_experts, group) if group > 1 else (0, 0)
+    big = torch.empty(max(1, nbig), dtype=torch.int32, device=dev)
+    small = torch.empty(max(1, nsmall), dtype=torch.int32, device=dev)
+    out = (sorted_ids, block_expert, big[:nbig], small[:nsmall])
     if P == 0:
-        return sorted_ids, block_expert
+        return out
     E_P = max(16, triton.next_power_of_2(num_experts))
     # a single chunk shrinks to the pairs present: decode does not pay for CHUNK^2 rank compares
     bp = max(16, min(CHUNK, triton.next_power_of_2(P)))
@@ -259,30 +328,31 @@ def moe_align_fwd(topk_ids: Tensor, num_experts: int, block_m: int, *, use_pdl: 
     start = torch.empty(E_P, dtype=torch.int32, device=dev)
     single = NC == 1
     pdl = use_pdl and not INTERPRET
+    block_b = max(1, min(32, 8192 // E_P))
     if single and split:
         # decode sizes: the single chunk's work over programs of SPLIT_PAIRS pairs each (_moe_align_split_kernel)
         G = triton.cdiv(P, SPLIT_PAIRS)
         _moe_align_split_kernel[(G,)](
-            topk_ids, sorted_ids, block_expert, P, NB, E_P=E_P, BLOCK_M=block_m, BP=bp, SP=SPLIT_PAIRS, G=G,
-            BLOCK_B=max(1, min(32, 8192 // E_P)), USE_PDL=pdl, num_warps=4, **pdl_kwargs(use_pdl))
-        return sorted_ids, block_expert
+            topk_ids, sorted_ids, block_expert, big, small, P, NB, nbig, nsmall, E_P=E_P, BLOCK_M=block_m, BP=bp,
+            SP=SPLIT_PAIRS, G=G, BLOCK_B=block_b, USE_PDL=pdl, GROUP=group, num_warps=4, **pdl_kwargs(use_pdl))
+        return out
     if not single:
         _moe_align_count_kernel[(NC,)](topk_ids, counts, P, E_P=E_P, BP=bp, USE_PDL=pdl, num_warps=4,
                                        **pdl_kwargs(use_pdl))
     if not single and split:
         base = torch.empty(NC, E_P, dtype=torch.int32, device=dev)
         _moe_align_place_kernel[(NC,)](
-            topk_ids, counts, base, sorted_ids, block_expert, P, NC, NB, E_P=E_P, BLOCK_M=block_m, BP=bp, SUB=sub,
-            TILE_C=max(1, min(32, 8192 // E_P)), BLOCK_B=max(1, min(32, 8192 // E_P)), USE_PDL=pdl, num_warps=8,
-            **pdl_kwargs(use_pdl))
-        return sorted_ids, block_expert
+            topk_ids, counts, base, sorted_ids, block_expert, big, small, P, NC, NB, nbig, nsmall, E_P=E_P,
+            BLOCK_M=block_m, BP=bp, SUB=sub, TILE_C=max(1, min(32, 8192 // E_P)), BLOCK_B=block_b, USE_PDL=pdl,
+            GROUP=group, num_warps=8, **pdl_kwargs(use_pdl))
+        return out
     _moe_align_offsets_kernel[(1,)](
-        topk_ids, counts, start, sorted_ids, block_expert, P, NC, NB,
+        topk_ids, counts, start, sorted_ids, block_expert, big, small, P, NC, NB, nbig, nsmall,
         E_P=E_P, BLOCK_M=block_m, BP=bp, SUB=sub, TILE_C=max(1, min(16, 8192 // E_P)),
-        BLOCK_B=max(1, min(64, 8192 // E_P)), SINGLE_CHUNK=single, USE_PDL=pdl, num_warps=8,
+        BLOCK_B=max(1, min(64, 8192 // E_P)), SINGLE_CHUNK=single, USE_PDL=pdl, GROUP=group, num_warps=8,
         **pdl_kwargs(use_pdl),
     )
     if not single:
         _moe_align_scatter_kernel[(NC,)](topk_ids, counts, sorted_ids, P, E_P=E_P, BP=bp, SUB=sub,
                                          USE_PDL=pdl, num_warps=8, **pdl_kwargs(use_pdl))
-    return sorted_ids, block_expert
+    return out

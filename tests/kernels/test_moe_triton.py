@@ -18,7 +18,8 @@ pytest.importorskip("triton")
 
 from k3rt.kernels.moe import ExpertTiles, fused_experts, moe_align_fwd, moe_route  # noqa: E402
 from k3rt.kernels.moe.ref import align_ref, fused_experts_ref, route_ref  # noqa: E402
-from k3rt.kernels.moe.triton_align import CHUNK, num_blocks_max  # noqa: E402
+from k3rt.kernels.moe.triton_align import (  # noqa: E402
+    CHUNK, group_table_sizes, moe_align_grouped, num_blocks_max)
 from k3rt.kernels.moe.triton_experts import DECODE_CANDIDATES, PREFILL_CANDIDATES  # noqa: E402
 from k3rt.model_config import ActivationConfig  # noqa: E402
 from tests.kernels.helpers import DEV, HAS_CUDA, rel_err, run_benchmark_smoke  # noqa: E402
@@ -131,6 +132,51 @@ def test_align_matches_ref(T: int, k: int, E: int, block_m: int, experts: int | 
     assert block_expert[:used].tolist() == ref_blocks
     assert (block_expert[used:] == -1).all()
     assert sorted_ids[:used * block_m].tolist() == ref_sorted
+
+
+def group_tables_ref(block_experts: list[int], group: int) -> tuple[list[int], list[int]]:
+    """The grouped tables from align_ref's block experts: per expert run of n blocks from block b, the big tiles'
+    first blocks b, b + group, ... (n // group of them), then its n % group leftover blocks as small tiles."""
+    big, small, b = [], [], 0
+    while b < len(block_experts):
+        n = 1
+        while b + n < len(block_experts) and block_experts[b + n] == block_experts[b]:
+            n += 1
+        big += [b + group * m for m in range(n // group)]
+        small += list(range(b + (n // group) * group, b + n))
+        b += n
+    return big, small
+
+
+@pytest.mark.parametrize(
+    "T,k,E,block_m,group,experts",
+    [(5, 2, 8, 16, 2, None), (64, 8, 256, 16, 4, 40), (CHUNK // 2 + 7, 2, 8, 16, 2, None),
+     (2 * CHUNK + 3, 1, 6, 32, 4, 4), (300, 8, 256, 64, 2, None), (600, 8, 16, 16, 8, None)],
+    ids=["T5_g2", "one_chunk_E256_g4", "two_chunks_g2", "three_chunks_empty_experts_g4", "five_chunks_E256_g2",
+         "ten_chunks_E16_g8"],
+)
+@pytest.mark.parametrize("split", [True, False], ids=["split", "one-program"])
+def test_align_grouped_tables_match_ref(T: int, k: int, E: int, block_m: int, group: int, experts: int | None,
+                                        split: bool) -> None:
+    """moe_align_grouped: the same layout as moe_align_fwd, and each expert's run cut into tiles of `group`
+    blocks (big) and its leftover blocks (small), in every alignment form, -1 past the used entries."""
+    gen = torch.Generator().manual_seed(T + E + group)
+    ids = random_ids(gen, T, E, k, experts).to(DEV)
+    sorted_ids, block_expert, big, small = moe_align_grouped(ids, E, block_m, group, split=split)
+    nb = num_blocks_max(T * k, E, block_m)
+    assert (big.numel(), small.numel()) == group_table_sizes(nb, E, group)
+    ref_sorted, ref_blocks = align_ref(ids.cpu(), E, block_m)
+    used = len(ref_blocks)
+    assert block_expert[:used].tolist() == ref_blocks and sorted_ids[:used * block_m].tolist() == ref_sorted
+    ref_big, ref_small = group_tables_ref(ref_blocks, group)
+    assert big[:len(ref_big)].tolist() == ref_big and (big[len(ref_big):] == -1).all()
+    assert small[:len(ref_small)].tolist() == ref_small and (small[len(ref_small):] == -1).all()
+
+
+def test_align_grouped_rejects_a_bad_group() -> None:
+    ids = torch.zeros(4, 2, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="group must be a power of two >= 2, got 3"):
+        moe_align_grouped(ids, 8, 16, 3)
 
 
 # --------------------------------------------------------------------------------------------
