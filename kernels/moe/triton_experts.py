@@ -28,13 +28,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs, poison_like, tma_ok
-from k3rt.kernels.moe.triton_align import moe_align_fwd
+from k3rt.kernels.moe.triton_align import moe_align_fwd, moe_align_grouped
 from k3rt.model_config import ActivationConfig
 
 # The expert GEMMs' arguments that change with the batch and the routing (pairs, tokens, block counts): not
 # specialized, so one compile serves every step of a tile config (kernels/common.py, "Compiles"); D and I
 # (model shape, in the address arithmetic) stay specialized
-PER_STEP = ["P", "T", "NB_ROUTED", "NB_SHARED"]
+PER_STEP = ["P", "T", "NB_ROUTED", "NB_SHARED", "H_SHARED"]
 
 
 @dataclass(frozen=True)
@@ -51,11 +51,19 @@ class ExpertTiles:
     num_stages: int
     # the expert weights' tiles (and the down GEMM's h tiles) through TMA descriptors instead of pointer loads
     tma: bool = False
+    # grouped tiles: the experts' runs are padded to tail.block_m rows only (not block_m), the tiles of block_m rows
+    # take the runs' whole groups of block_m // tail.block_m blocks and a second launch of each GEMM in `tail`'s
+    # config their leftover blocks (`moe_align_grouped`). 128-row tiles padded per expert waste 64 rows per expert
+    # on average, a quarter of the rows at 8K tokens on the 48B (256 experts, 256 rows each); padding to 64
+    # halves that
+    tail: ExpertTiles | None = None
 
 
 DECODE_TILES = ExpertTiles(16, 32, 128, 64, 128, 4, 4, 4)
 PREFILL_TILES_64 = ExpertTiles(64, 64, 64, 128, 64, 4, 4, 3)
 PREFILL_TILES_128 = ExpertTiles(128, 64, 64, 128, 64, 8, 8, 3, tma=True)
+# 128-row tiles over runs padded to 64 rows, the runs' odd 64-row blocks in PREFILL_TILES_64's config (not timed yet)
+PREFILL_TILES_128_GROUPED = ExpertTiles(128, 64, 64, 128, 64, 8, 8, 3, tma=True, tail=PREFILL_TILES_64)
 # Alternatives the benchmark times against the defaults (and the gpu tests check for correctness).
 DECODE_CANDIDATES = (
     DECODE_TILES,
@@ -83,6 +91,8 @@ PREFILL_CANDIDATES = (
     ExpertTiles(128, 128, 64, 128, 64, 8, 8, 3, tma=True),
     ExpertTiles(128, 64, 128, 128, 128, 8, 8, 3, tma=True),
     ExpertTiles(128, 64, 64, 256, 64, 8, 8, 3, tma=True),
+    PREFILL_TILES_128_GROUPED,
+    ExpertTiles(128, 64, 64, 128, 64, 8, 8, 3, tma=True, tail=ExpertTiles(32, 64, 64, 128, 64, 4, 4, 3)),
 )
 # Interpreter: small tiles keep the CPU runs short.
 INTERPRET_TILES = ExpertTiles(16, 16, 16, 16, 16, 4, 4, 1)
@@ -130,17 +140,51 @@ def _block_rows(pid_m, sorted_ptr, block_expert_ptr, P, T, NB_ROUTED, NB_SHARED,
     return e, pair, tl.where(row_ok, tok, 0).to(tl.int64), row_ok
 
 
+@triton.jit
+def _tile_rows(pid_m, sorted_ptr, block_expert_ptr, table_ptr, P, T, NB_ROUTED, NB_SHARED, E_ROUTED, H_SHARED,
+               TOPK: tl.constexpr, BLOCK_M: tl.constexpr, SUB_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
+               GROUPED: tl.constexpr):
+    """`_block_rows` with each tile's first row of h (int64), and GROUPED: routed tile pid_m covers BLOCK_M rows of
+    one expert's run from the alignment's block table[pid_m] of SUB_M rows (-1: unused; `moe_align_grouped`).
+    h: the routed rows at their sorted slots, the shared experts' tiles from row H_SHARED."""
+    if GROUPED:
+        if pid_m < NB_ROUTED:
+            b0 = tl.load(table_ptr + pid_m)
+            e = tl.load(block_expert_ptr + b0, mask=b0 >= 0, other=-1)
+            h0 = b0.to(tl.int64) * SUB_M
+            pair = tl.load(sorted_ptr + h0 + tl.arange(0, BLOCK_M), mask=e >= 0, other=P)
+            row_ok = pair < P
+            tok = pair // TOPK
+        else:
+            j = pid_m - NB_ROUTED
+            e = E_ROUTED + j // NB_SHARED
+            tok = (j % NB_SHARED) * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = tok < T
+            pair = P + (j // NB_SHARED) * T + tok
+            h0 = H_SHARED + j.to(tl.int64) * BLOCK_M
+        tok = tl.where(row_ok, tok, 0).to(tl.int64)
+    else:
+        e, pair, tok, row_ok = _block_rows(pid_m, sorted_ptr, block_expert_ptr, P, T, NB_ROUTED, NB_SHARED,
+                                           E_ROUTED, TOPK, BLOCK_M, PAIR_BLOCKS)
+        h0 = pid_m.to(tl.int64) * BLOCK_M
+    return e, pair, tok, row_ok, h0
+
+
 @triton.jit(do_not_specialize=PER_STEP)
 def _moe_gate_up_kernel(
     x_ptr, stride_xt,  # [T, D]
     w13_ptr,  # [E, 2I, D] contiguous
     h_ptr,  # [S, I] contiguous, S = sorted slots
     sorted_ptr, block_expert_ptr,
+    table_ptr,  # GROUPED: [NB_ROUTED] the routed tiles' first blocks (moe_align_grouped)
     P, D, I,
     beta, lin_beta,
     T, NB_ROUTED, NB_SHARED, E_ROUTED,  # shared blocks: after the NB_ROUTED routed ones, NB_SHARED per shared expert
+    H_SHARED,  # h's first row of the shared experts' tiles
     TOPK: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    SUB_M: tl.constexpr,  # the alignment's block (GROUPED; else BLOCK_M)
+    GROUPED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -157,9 +201,8 @@ def _moe_gate_up_kernel(
     pid_n = pid % n_tiles
     if USE_PDL:
         gdc_wait()
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    e, _, tok, row_ok = _block_rows(pid_m, sorted_ptr, block_expert_ptr, P, T, NB_ROUTED, NB_SHARED, E_ROUTED,
-                                    TOPK, BLOCK_M, PAIR_BLOCKS)
+    e, _, tok, row_ok, h0 = _tile_rows(pid_m, sorted_ptr, block_expert_ptr, table_ptr, P, T, NB_ROUTED, NB_SHARED,
+                                       E_ROUTED, H_SHARED, TOPK, BLOCK_M, SUB_M, PAIR_BLOCKS, GROUPED)
     if e >= 0:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < I
@@ -207,7 +250,7 @@ def _moe_gate_up_kernel(
         else:
             gate = acc_g * tl.sigmoid(acc_g)
         h = gate * acc_u
-        h_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * I + offs_n[None, :]
+        h_ptrs = h_ptr + (h0 + tl.arange(0, BLOCK_M))[:, None] * I + offs_n[None, :]
         tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
@@ -218,10 +261,14 @@ def _moe_down_kernel(
     y_ptr,  # [P, D] contiguous, row p = t*k + j
     topk_w_ptr,  # [P] fp32
     sorted_ptr, block_expert_ptr,
+    table_ptr,  # GROUPED: as the gate/up kernel's
     P, D, I,
     T, NB_ROUTED, NB_SHARED, E_ROUTED,
+    H_SHARED,
     TOPK: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    SUB_M: tl.constexpr,
+    GROUPED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -236,9 +283,8 @@ def _moe_down_kernel(
     pid_n = pid % n_tiles
     if USE_PDL:
         gdc_wait()
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    e, pair, _, row_ok = _block_rows(pid_m, sorted_ptr, block_expert_ptr, P, T, NB_ROUTED, NB_SHARED, E_ROUTED,
-                                     TOPK, BLOCK_M, PAIR_BLOCKS)
+    e, pair, _, row_ok, h0 = _tile_rows(pid_m, sorted_ptr, block_expert_ptr, table_ptr, P, T, NB_ROUTED, NB_SHARED,
+                                        E_ROUTED, H_SHARED, TOPK, BLOCK_M, SUB_M, PAIR_BLOCKS, GROUPED)
     if e >= 0:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < D
@@ -247,11 +293,11 @@ def _moe_down_kernel(
         if TMA:  # h_ptr over [S, I], w2_ptr over [E*D, I]: descriptors (columns past I zero-filled)
             b_row = e * D + pid_n * BLOCK_N
             for k0 in range(0, I, BLOCK_K):
-                a = h_ptr.load([pid_m * BLOCK_M, k0])  # [BM, BK]
+                a = h_ptr.load([h0.to(tl.int32), k0])  # [BM, BK]
                 b = w2_ptr.load([b_row, k0])  # [BN, BK]
                 acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
         else:
-            a_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * I + offs_k[None, :]
+            a_ptrs = h_ptr + (h0 + tl.arange(0, BLOCK_M))[:, None] * I + offs_k[None, :]
             b_ptrs = w2_ptr + e.to(tl.int64) * D * I + offs_n[None, :].to(tl.int64) * I + offs_k[:, None]
             for k0 in range(0, I, BLOCK_K):
                 if EVEN_K:
@@ -352,11 +398,15 @@ class ExpertBlocks:
 
     sorted_ids: Tensor
     block_expert: Tensor
-    num_blocks: int
+    num_blocks: int  # tiles along M of the (first) launch: routed, then S * NB_SHARED shared
     args: tuple[int, int, int, int]  # T, NB_ROUTED, NB_SHARED, E_ROUTED (the kernels' _block_rows arguments)
-    h: Tensor  # [num_blocks * block_m, I] gate/up output
+    h: Tensor  # [rows, I] gate/up output: the routed rows at their sorted slots, then the shared experts' tiles
     y: Tensor  # [P + S*T, D] per-pair (and shared) outputs
     pair_blocks: bool = False  # routed block b is pair b alone (the kernels' PAIR_BLOCKS)
+    h_shared: int = 0  # h's first row of the shared experts' tiles
+    # grouped (`ExpertTiles.tail`): the first launch's routed tiles (groups of blocks) and the tail launch's
+    big: Tensor | None = None
+    small: Tensor | None = None
 
 
 def check_call(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, act: ActivationConfig,
@@ -373,27 +423,34 @@ def check_call(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_id
 
 
 def align_blocks(x: Tensor, topk_ids: Tensor, num_experts: int, inter: int, shared_experts: int, block_m: int,
-                 use_pdl: bool) -> ExpertBlocks:
+                 use_pdl: bool, group: int = 1) -> ExpertBlocks:
     """The grouped GEMMs' blocks: the alignment (`moe_align_fwd`), or for one token its k pairs as k blocks of one
     row in slot order (pair_blocks): one token's slots name k distinct experts, or under expert parallelism a
     repeated local expert at weight 0, which a block of its own computes the same. No alignment launch then
-    (batch-1 decode: one launch fewer per MoE layer, ~3 us each on the H200); the per-pair outputs are the same."""
+    (batch-1 decode: one launch fewer per MoE layer, ~3 us each on the H200); the per-pair outputs are the same.
+    group > 1 (several tokens): the runs padded to block_m rows and the tables of tiles of group blocks and of the
+    leftover blocks (`moe_align_grouped`); the shared experts' tiles then have group * block_m rows."""
     T, D = x.shape
     P, S = topk_ids.numel(), shared_experts
     E_routed = num_experts - S
     pair_blocks = T == 1
+    big = small = None
     if pair_blocks:
         block_expert = topk_ids.view(-1)
         sorted_ids = block_expert  # not read (PAIR_BLOCKS)
+        group = 1
+    elif group > 1:
+        sorted_ids, block_expert, big, small = moe_align_grouped(topk_ids, E_routed, block_m, group, use_pdl=use_pdl)
     else:
         sorted_ids, block_expert = moe_align_fwd(topk_ids, E_routed, block_m, use_pdl=use_pdl)
-    nb_routed = block_expert.numel()
-    nb_shared = triton.cdiv(T, block_m)
-    num_blocks = nb_routed + S * nb_shared
-    h = poison_like(torch.empty(num_blocks * block_m, inter, dtype=x.dtype, device=x.device))
+    nb_routed = block_expert.numel() if big is None else big.numel()  # the first launch's routed tiles
+    tile_m = block_m * group
+    nb_shared = triton.cdiv(T, tile_m)
+    h_shared = block_expert.numel() * block_m
+    h = poison_like(torch.empty(h_shared + S * nb_shared * tile_m, inter, dtype=x.dtype, device=x.device))
     y = poison_like(torch.empty(P + S * T, D, dtype=x.dtype, device=x.device))
-    return ExpertBlocks(sorted_ids, block_expert, num_blocks, (T, nb_routed, max(1, nb_shared), E_routed), h, y,
-                        pair_blocks)
+    return ExpertBlocks(sorted_ids, block_expert, nb_routed + S * nb_shared, (T, nb_routed, max(1, nb_shared),
+                        E_routed), h, y, pair_blocks, h_shared, big, small)
 
 
 def sum_slots(y: Tensor, out: Tensor, k: int, shared_experts: int, use_pdl: bool) -> Tensor:
@@ -448,30 +505,44 @@ def fused_experts(
         return out
     S = shared_experts
     cfg = tiles or pick_tiles(P + S * T, E)
-    b = align_blocks(x, topk_ids, E, I, S, cfg.block_m, use_pdl)
+    sub = cfg.tail or cfg  # the alignment's block
+    b = align_blocks(x, topk_ids, E, I, S, sub.block_m, use_pdl, cfg.block_m // sub.block_m)
     pdl = use_pdl and not INTERPRET
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     situ = act.name == "situ"
-    bn1, bk1 = min(cfg.block_n1, triton.next_power_of_2(I)), min(cfg.block_k1, max(16, triton.next_power_of_2(D)))
-    bn2, bk2 = min(cfg.block_n2, triton.next_power_of_2(D)), min(cfg.block_k2, max(16, triton.next_power_of_2(I)))
-    w13_arg, w2_arg, h_arg = w13.view(E * 2 * I, D), w2.view(E * D, I), b.h
-    tma = cfg.tma and tma_ok(w13_arg, w2_arg, h_arg)  # rows of D and I elements 16-byte aligned, a TMA device
-    if tma:
-        w13_arg = TensorDescriptor.from_tensor(w13_arg, [bn1, bk1])
-        w2_arg = TensorDescriptor.from_tensor(w2_arg, [bn2, bk2])
-        h_arg = TensorDescriptor.from_tensor(h_arg, [cfg.block_m, bk2])
-    _moe_gate_up_kernel[(b.num_blocks * triton.cdiv(I, bn1),)](
-        x, x.stride(0), w13_arg, b.h, b.sorted_ids, b.block_expert, P, D, I,
-        float(act.situ_beta or 1.0), float(act.situ_linear_beta or 1.0), *b.args,
-        TOPK=k, BLOCK_M=cfg.block_m, BLOCK_N=bn1, BLOCK_K=bk1, EVEN_K=D % bk1 == 0,
-        SITU=situ, LIN_SAT=situ and act.situ_linear_beta is not None, DOT_PRECISION=precision,
-        USE_PDL=pdl, PAIR_BLOCKS=b.pair_blocks, TMA=tma, num_warps=cfg.num_warps1, num_stages=cfg.num_stages,
-        **pdl_kwargs(use_pdl),
-    )
-    _moe_down_kernel[(b.num_blocks * triton.cdiv(D, bn2),)](
-        h_arg, w2_arg, b.y, topk_weights, b.sorted_ids, b.block_expert, P, D, I, *b.args,
-        TOPK=k, BLOCK_M=cfg.block_m, BLOCK_N=bn2, BLOCK_K=bk2, EVEN_K=I % bk2 == 0, DOT_PRECISION=precision,
-        USE_PDL=pdl, PAIR_BLOCKS=b.pair_blocks, TMA=tma, num_warps=cfg.num_warps2, num_stages=cfg.num_stages,
-        **pdl_kwargs(use_pdl),
-    )
+    grouped = b.big is not None
+    T_, nb_routed, nb_shared, E_routed = b.args
+
+    def gemms(t: ExpertTiles, table: Tensor, n_routed: int, n_shared: int) -> None:
+        """Both GEMMs over n_routed routed tiles of t.block_m rows (table: their first blocks, when grouped) and
+        n_shared shared tiles per shared expert."""
+        bn1, bk1 = min(t.block_n1, triton.next_power_of_2(I)), min(t.block_k1, max(16, triton.next_power_of_2(D)))
+        bn2, bk2 = min(t.block_n2, triton.next_power_of_2(D)), min(t.block_k2, max(16, triton.next_power_of_2(I)))
+        w13_arg, w2_arg, h_arg = w13.view(E * 2 * I, D), w2.view(E * D, I), b.h
+        tma = t.tma and tma_ok(w13_arg, w2_arg, h_arg)  # rows of D and I elements 16-byte aligned, a TMA device
+        if tma:
+            w13_arg = TensorDescriptor.from_tensor(w13_arg, [bn1, bk1])
+            w2_arg = TensorDescriptor.from_tensor(w2_arg, [bn2, bk2])
+            h_arg = TensorDescriptor.from_tensor(h_arg, [t.block_m, bk2])
+        n_m = n_routed + S * n_shared
+        rows = (T_, n_routed, max(1, n_shared), E_routed, b.h_shared if grouped else n_routed * t.block_m)
+        common = dict(TOPK=k, BLOCK_M=t.block_m, SUB_M=sub.block_m, GROUPED=grouped, USE_PDL=pdl,
+                      PAIR_BLOCKS=b.pair_blocks, TMA=tma, num_stages=t.num_stages, **pdl_kwargs(use_pdl))
+        _moe_gate_up_kernel[(n_m * triton.cdiv(I, bn1),)](
+            x, x.stride(0), w13_arg, b.h, b.sorted_ids, b.block_expert, table, P, D, I,
+            float(act.situ_beta or 1.0), float(act.situ_linear_beta or 1.0), *rows,
+            BLOCK_N=bn1, BLOCK_K=bk1, EVEN_K=D % bk1 == 0, SITU=situ, LIN_SAT=situ and act.situ_linear_beta is not None,
+            DOT_PRECISION=precision, num_warps=t.num_warps1, **common,
+        )
+        _moe_down_kernel[(n_m * triton.cdiv(D, bn2),)](
+            h_arg, w2_arg, b.y, topk_weights, b.sorted_ids, b.block_expert, table, P, D, I, *rows,
+            BLOCK_N=bn2, BLOCK_K=bk2, EVEN_K=I % bk2 == 0, DOT_PRECISION=precision, num_warps=t.num_warps2, **common,
+        )
+
+    if grouped:  # the runs' groups of blocks in cfg's tiles (and the shared experts), their leftovers in the tail's
+        gemms(cfg, b.big, nb_routed, triton.cdiv(T, cfg.block_m))
+        if b.small.numel():
+            gemms(sub, b.small, b.small.numel(), 0)
+    else:
+        gemms(cfg, b.block_expert, nb_routed, (b.num_blocks - nb_routed) // max(1, S))
     return sum_slots(b.y, out, k, S, use_pdl)

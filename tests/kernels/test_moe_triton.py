@@ -268,6 +268,34 @@ def test_fused_experts_skewed_routing_odd_sizes_prefill_tiles() -> None:
         assert rel_err(out, ref) <= 1e-4
 
 
+@pytest.mark.parametrize("shared", [0, 1])
+@pytest.mark.parametrize("T,experts,group", [(37, 3, 2), (70, None, 2), (70, 5, 4), (300, None, 4)],
+                         ids=["skewed_g2", "spread_g2", "five_experts_g4", "many_chunks_g4"])
+def test_fused_experts_grouped_tiles(T: int, experts: int | None, group: int, shared: int) -> None:
+    """ExpertTiles.tail: the runs padded to the tail's 16 rows, tiles of 16 * group rows over their whole groups
+    of blocks, the leftovers in a second launch of 16-row tiles; the shared experts' tiles of 16 * group rows after
+    the routed rows. Equal to the oracle, with TMA tiles too, and D, I not multiples of the K tiles."""
+    gen = torch.Generator().manual_seed(400 + T + group + shared)
+    case = experts_case(gen, T, E=8 + shared, k=2, D=40, inter=24, dtype=torch.float32, experts=experts or 8)
+    act = ACTS["situ_lin"]
+    ref = fused_experts_ref(**case, act=act, shared_experts=shared)
+    tail = ExpertTiles(16, 16, 16, 16, 16, 4, 4, 1)
+    for tma in (False, True):
+        tiles = ExpertTiles(16 * group, 16, 32, 32, 16, 4, 4, 1, tma=tma, tail=tail)
+        out = fused_experts(**case, act=act, shared_experts=shared, tiles=tiles)
+        assert rel_err(out, ref) <= 1e-5, tma
+
+
+def test_grouped_tiles_pad_each_expert_to_the_tail_block_only() -> None:
+    """The point of grouping: 3 experts with 40, 20 and 5 pairs, runs padded to 16 rows: 48 + 32 + 16 = 96 rows, in
+    32-row tiles from blocks 0 and 3 and 16-row tiles at blocks 2 and 5 (ungrouped 32-row tiles: 64 + 32 + 32)."""
+    ids = torch.tensor([0] * 40 + [1] * 20 + [2] * 5, dtype=torch.int32, device=DEV).view(-1, 1)
+    sorted_ids, block_expert, big, small = moe_align_grouped(ids, 4, 16, 2)
+    used = (block_expert >= 0).sum().item()
+    assert used * 16 == 96
+    assert big[big >= 0].tolist() == [0, 3] and small[small >= 0].tolist() == [2, 5]
+
+
 def test_tma_tiles_fall_back_to_pointer_loads_where_rows_are_not_16_byte_aligned(monkeypatch) -> None:
     """fp16 with D = 36 and I = 20: rows of 72 and 40 bytes, which a TMA descriptor cannot take; the TMA tiles
     then run the pointer loads (the same bits as the pointer tiles), and no descriptor is built."""
