@@ -98,15 +98,18 @@ PREFILL_CANDIDATES = (
 INTERPRET_TILES = ExpertTiles(16, 16, 16, 16, 16, 4, 4, 1)
 
 
-def pick_tiles(num_pairs: int, num_experts: int) -> ExpertTiles:
+def pick_tiles(num_pairs: int, num_experts: int, grouped: bool = False) -> ExpertTiles:
     """By the expected rows per expert: decode tiles up to 16 (48B: T <= 512), BLOCK_M 64 below
-    256, then 128 (padding wastes under BLOCK_M / 2 rows per expert on average)."""
+    256, then 128 (padding wastes under BLOCK_M / 2 rows per expert on average); grouped: those as
+    PREFILL_TILES_128_GROUPED (the runs padded to 64 rows only)."""
     if INTERPRET:
         return INTERPRET_TILES
     rows = num_pairs / num_experts
     if rows <= 16:
         return DECODE_TILES
-    return PREFILL_TILES_64 if rows < 256 else PREFILL_TILES_128
+    if rows < 256:
+        return PREFILL_TILES_64
+    return PREFILL_TILES_128_GROUPED if grouped else PREFILL_TILES_128
 
 
 @triton.jit
@@ -477,6 +480,7 @@ def fused_experts(
     shared_experts: int = 0,
     use_pdl: bool = False,
     tiles: ExpertTiles | None = None,
+    grouped_tiles: bool = False,
 ) -> Tensor:
     """Routed experts of one MoE layer for T tokens (model-facts §6; SiTU §7.3).
 
@@ -494,7 +498,8 @@ def fused_experts(
             routed blocks directly: they take no part in the alignment, whose cost grows with the
             expert count rounded up to a power of two (256 routed + 1 shared would double it).
         use_pdl: chain the launches with programmatic dependent launch (GPU only).
-        tiles: tile config override (benchmarks); default `pick_tiles(T*k, E)`.
+        tiles: tile config override (benchmarks); default `pick_tiles(T*k + S*T, E, grouped_tiles)`.
+        grouped_tiles: the default's 128-row tiles as PREFILL_TILES_128_GROUPED (KernelConfig.moe_grouped_tiles).
 
     Returns:
         [T, D] in x.dtype. Rounding: h and the per-pair outputs are stored in x.dtype (ref.py).
@@ -504,7 +509,7 @@ def fused_experts(
     if P == 0:
         return out
     S = shared_experts
-    cfg = tiles or pick_tiles(P + S * T, E)
+    cfg = tiles or pick_tiles(P + S * T, E, grouped_tiles)
     sub = cfg.tail or cfg  # the alignment's block
     b = align_blocks(x, topk_ids, E, I, S, sub.block_m, use_pdl, cfg.block_m // sub.block_m)
     pdl = use_pdl and not INTERPRET

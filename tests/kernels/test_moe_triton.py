@@ -418,6 +418,20 @@ def test_gpu_fused_experts_tile_candidates(T: int, tiles: ExpertTiles) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_grouped_tiles_at_prefill_size_with_a_shared_expert() -> None:
+    """grouped_tiles (KernelConfig.moe_grouped_tiles) at 8K tokens: pick_tiles' 128-row tiles over runs padded to 64
+    rows, a shared expert's 128-row tiles after them; equal to the oracle and close to the ungrouped default."""
+    case = gpu_case(8192, seed=13)
+    E = case["w13"].shape[0]
+    ids = case["topk_ids"].clamp(max=E - 2)  # the last expert is shared
+    case = dict(case, topk_ids=ids)
+    out = fused_experts(**case, act=ACTS["situ_lin"], shared_experts=1, grouped_tiles=True)
+    assert rel_err(out, fused_experts_ref(**case, act=ACTS["situ_lin"], shared_experts=1)) <= 1e-2
+    assert rel_err(out, fused_experts(**case, act=ACTS["situ_lin"], shared_experts=1)) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("act", ["situ_lin", "situ"])
 def test_gpu_fused_experts_situ_pdl_graph(act: str) -> None:
     """SiTU at T=64 with PDL, captured in and replayed from a CUDA graph."""

@@ -69,6 +69,11 @@ class KernelConfig:
     # (sm90+). H200 (session 29): 1.04-1.10x at 8K-32K. (The MoE prefill's 128-row tiles take TMA by their own
     # tile config, kernels/moe/triton_experts.py PREFILL_TILES_128: 1.05x at 8K, 1.07x at 32K.)
     mla_prefill_tma: bool = True
+    # the MoE prefill's 128-row expert tiles over runs padded to 64 rows (kernels/moe/triton_experts.py
+    # PREFILL_TILES_128_GROUPED: the runs' odd 64-row blocks in a second launch of 64-row tiles) instead of runs
+    # padded to 128: a quarter of the 48B's rows at 8K tokens are padding with 128 (256 rows per expert), an
+    # eighth with 64. Not timed yet (session 30), so off
+    moe_grouped_tiles: bool = False
 
     def __post_init__(self) -> None:
         if self.split_router_min_rows < 0:
