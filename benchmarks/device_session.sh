@@ -14,12 +14,13 @@
 #                       broken CUDA context in one (an illegal memory access poisons the process) does
 #                       not fail the others (moe 90 s: the MXFP4 kernels' variants compile too)
 #   tests               both of the above
-#   decode (200)        benchmarks/decode.py: batch 1/16/64 at 4K, --profile 1, prefill 8K and 32K (the KDA
-#                       chunk kernel's fused and split intra step), the cuBLAS-GEMV variant
-#   kda (240)           benchmarks/kernels.py: KDA decode and prefill against fla, the fused and the split intra
-#                       path (kda_chunk_fwd intra="split", session 13) side by side with their sweep
+#   decode (200)        benchmarks/decode.py: batch 1/16/64 at 4K, --profile 1, prefill 8K and 32K (the defaults,
+#                       the KDA blocks intra step, the MoE grouped tiles, both), the cuBLAS-GEMV variant
+#   kda (240)           benchmarks/kernels.py: KDA decode and prefill against fla, the fused and the blocks intra
+#                       path (kda_chunk_fwd intra="blocks", session 30) side by side, the blocks' sweep at 16K
 #   mla (240)           benchmarks/kernels_mla.py --decode-only (13 launch variants x 11 cases, then splits)
-#   moe (120)           benchmarks/kernels_moe.py: decode T=1/16/64, prefill 4K/16K, route
+#   moe (200)           benchmarks/kernels_moe.py: decode T=1/64, prefill 2K/8K/32K (every tile candidate, the
+#                       grouped tiles among them; the alignment alone in both multi-chunk forms), route
 #   linear (100)        benchmarks/kernels_linear.py
 #   overlap (480)       benchmarks/overlap.py: the engine at the 48B shape, N = 64 and 256 decodes, overlap on vs
 #                       off (tokens/s, GPU idle)
@@ -122,14 +123,17 @@ for stage in "$@"; do
       done ;;
     decode)
       run decode 200 python3 benchmarks/decode.py --batch 1 16 64 --profile 1 --prefill 8192 32768 \
-        --prefill-kda-intra both --variants cublas_gemv --budget-s 180 --out "$OUT/decode.json" ;;
+        --prefill-configs kda_intra=blocks moe_grouped_tiles=1 kda_intra=blocks,moe_grouped_tiles=1 \
+        --variants cublas_gemv --budget-s 180 --out "$OUT/decode.json" ;;
     kda)
-      run kda 240 python3 benchmarks/kernels.py --prefill 4096 16384 65536 8x4096 --prefill-variants base split_intra \
-        --prefill-sweep split_intra_bk32 split_intra_w8 split_intra_s2 --budget-s 220 --out "$OUT/kda.json" ;;
+      run kda 240 python3 benchmarks/kernels.py --prefill 8192 16384 65536 8x4096 --prefill-variants base blocks_intra \
+        --prefill-sweep blocks_intra_w1 blocks_intra_w2 blocks_intra_w8 blocks_intra_sliced blocks_intra_sliced_w2 \
+        blocks_intra_bk64 --sweep-case 16384 --budget-s 220 --out "$OUT/kda.json" ;;
     mla)
       run mla 240 python3 benchmarks/kernels_mla.py --decode-only --budget-s 200 --out "$OUT/mla.json" ;;
     moe)
-      run moe 120 python3 benchmarks/kernels_moe.py --budget-s 100 --out "$OUT/moe.json" ;;
+      run moe 200 python3 benchmarks/kernels_moe.py --decode-t 1 64 --prefill-t 2048 8192 32768 --budget-s 180 \
+        --out "$OUT/moe.json" ;;
     mxfp4)
       gpu_pytest mxfp4 150 tests/kernels/test_moe_mxfp4.py
       run mxfp4 300 python3 benchmarks/kernels_mxfp4.py --budget-s 270 --out "$OUT/mxfp4.json" ;;
