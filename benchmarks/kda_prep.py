@@ -1,7 +1,9 @@
 """`kda_chunk_prep` (the chunked KDA form's conv + SiLU, decay gate and beta, one launch) at the 48B layer's shape
-against copy bandwidth: the indexed windows (conv_idx loads, any step) and the one-sequence path (the taps' rows
-computed; backend/runner/gpu/kda.py takes it for a step of one sequence), over tile configs. Every variant's
-outputs are first compared with the indexed default's (they must be equal bit for bit).
+against copy bandwidth: the indexed windows (conv_idx, any step: a row block whose windows are all natural reads
+x directly), the one-sequence path (the taps' rows computed; backend/runner/gpu/kda.py takes it for a step of one
+sequence) over tile configs, and the step cut into --seqs sequences (conv_idx as pack_step builds it, the cached
+windows first). Every one-sequence variant's outputs are first compared with the indexed default's (they must be
+equal bit for bit), the several sequences' with the torch reference.
 
     python3 benchmarks/kda_prep.py --tokens 8192 32768                 # GPU
     python3 benchmarks/kda_prep.py --smoke                              # CPU interpreter, bit-rot check only
@@ -21,6 +23,8 @@ def _add(p) -> None:
     p.add_argument("--configs", nargs="*", default=["16x128w4", "32x128w4", "32x256w8", "64x128w8", "64x256w8",
                                                       "128x128w8", "16x256w4"],
                    help="one-sequence tile configs ROWSxCOLSwWARPS (the indexed path runs at the default tile)")
+    p.add_argument("--seqs", type=int, nargs="*", default=[8, 64],
+                   help="also time the step as this many equal sequences (the indexed path)")
 
 
 ARGS = kernel_bench_args(__doc__, "kda_prep.json", 200.0, _add)
@@ -29,6 +33,7 @@ import torch  # noqa: E402
 
 import_k3rt_kernels()
 from k3rt.kernels.kda import kda_chunk_prep  # noqa: E402
+from k3rt.kernels.short_conv import causal_conv1d_rows  # noqa: E402
 
 GPU = torch.cuda.is_available() and not ARGS.smoke
 DEV = "cuda" if GPU else "cpu"
@@ -49,6 +54,22 @@ def inputs(T: int) -> tuple:
     slots = torch.tensor([2], device=DEV)
     idx = (torch.arange(T, device=DEV)[:, None] + torch.arange(W, device=DEV)[None, :]).contiguous()  # one sequence
     return x, pool, slots, idx, rnd(C, W).contiguous(), f, -rnd(H).abs(), rnd(H * D) * 0.1, b
+
+
+def several(T: int, n: int, args: tuple) -> tuple:
+    """args with the step cut into n equal sequences (the last takes the remainder): a pool slot each, conv_idx over
+    ext = [their cached windows ; x] as the runner's pack_step builds it."""
+    x, _, _, _, w, f, a_log, dt_bias, b = args
+    g = torch.Generator(device=DEV).manual_seed(n)
+    pool = torch.randn(n + 1, W - 1, C, generator=g, device=DEV).to(DTYPE)
+    slots = torch.arange(1, n + 1, device=DEV)
+    lens = [T // n] * (n - 1) + [T - (T // n) * (n - 1)]
+    rows, w1, start = [], W - 1, 0
+    for i, m in enumerate(lens):
+        rel = torch.arange(m)[:, None] - w1 + torch.arange(W)[None, :]
+        rows.append(torch.where(rel < 0, i * w1 + rel + w1, n * w1 + start + rel))
+        start += m
+    return x, pool, slots, torch.cat(rows).to(DEV).contiguous(), w, f, a_log, dt_bias, b
 
 
 def config(name: str) -> dict:
@@ -82,6 +103,22 @@ def main() -> int:
             REPORT.save()
             pct = f"{row['pct_copy']:5.1f} % of copy" if GPU else ""
             print(f"T={T:6d} {name:22s} {t['median_ms']:8.4f} ms {pct}  equal to indexed: {same}")
+        for n in (ARGS.seqs if GPU else [3]):
+            if REPORT.over_budget():
+                print(f"skipped (budget): T={T} {n} sequences")
+                continue
+            many = several(T, n, args)
+            x, pool, slots, idx, w = many[:5]
+            err = (kda_chunk_prep(*many)[0].float() - causal_conv1d_rows(x, pool, slots, idx, w).float()).abs().max()
+            good = bool(err <= 1e-2 * causal_conv1d_rows(x, pool, slots, idx, w).float().abs().max())
+            ok &= good
+            t = time_ms(lambda: kda_chunk_prep(*many), reps=20 if GPU else 1, warmup=3 if GPU else 0)
+            row = {"T": T, "variant": f"indexed, {n} sequences", "seqs": n, "ms": t["median_ms"], "ok": good,
+                   "bytes": nbytes, "pct_copy": 100 * nbytes / (t["median_ms"] * 1e-3) / 1e9 / bw if GPU else None}
+            REPORT.result["rows"].append(row)
+            REPORT.save()
+            pct = f"{row['pct_copy']:5.1f} % of copy" if GPU else ""
+            print(f"T={T:6d} {row['variant']:22s} {t['median_ms']:8.4f} ms {pct}  equal to the reference: {good}")
     REPORT.save()
     print(f"wrote {REPORT.path}")
     return 0 if ok else 1

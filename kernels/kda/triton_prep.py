@@ -2,7 +2,10 @@
 over their row-index windows (SiLU), and the decay gate and beta.
 
 Programs over (block of rows, block of columns): the first column blocks take the conv's channels (windows as
-rows of [cached windows ; the step's rows], read in place: `short_conv.triton_rows._ext_rows`), the rest the
+rows of [cached windows ; the step's rows], read in place: `short_conv.triton_rows._ext_rows`; a row block whose
+windows are all its rows' natural ones inside the step, as most of a long prompt's are, reads the taps straight
+from x after one load of its indices: the dependent index loads, not the bytes, were the indexed path's cost,
+session 29), the rest the
 gate's H*D columns (the block right after the conv's also writes beta). Per element the math of the torch
 references (`short_conv.ref.causal_conv1d_rows`; `ref.kda_gate_softplus` / `ref.kda_gate_lower_bound` and a
 sigmoid for beta) as the decode kernel computes it (softplus as log(1 + exp(x)) below its threshold 20), where
@@ -32,8 +35,8 @@ def _kda_chunk_prep_kernel(
     x_ptr, stride_x, cs_ptr, stride_cs_s, stride_cs_w, slot_ptr, idx_ptr, cw_ptr, y_ptr,  # the conv
     f_ptr, stride_f, b_ptr, stride_b, a_log_ptr, dt_ptr, g_ptr, beta_ptr, lower_bound,  # the gate
     T, C, num_old, conv_blocks,
-    W: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr,
-    USE_LOWER_BOUND: tl.constexpr, ONE_SEQ: tl.constexpr,
+    W: tl.constexpr, WP: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BH: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, ONE_SEQ: tl.constexpr,
 ):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     m_r = rows < T
@@ -49,15 +52,31 @@ def _kda_chunk_prep_kernel(
                 v = tl.load(x_ptr + (r64 + (tap - (W - 1)))[:, None] * stride_x + ch[None, :],
                             mask=m_r[:, None] & m_c[None, :], other=0.0).to(tl.float32)
                 acc += v * tl.load(cw_ptr + ch * W + tap, mask=m_c, other=0.0)[None, :]
-        else:
+        elif ONE_SEQ:
             for tap in tl.static_range(W):  # fp32 sum over the taps in order, as the reference's addcmul_
-                if ONE_SEQ:  # conv_idx of one sequence is ext row t + tap (its W-1 cached rows first)
-                    r = rows + tap
-                else:
-                    r = tl.load(idx_ptr + r64 * W + tap, mask=m_r, other=0)
-                v = _ext_rows(x_ptr, stride_x, cs_ptr, stride_cs_s, stride_cs_w, slot_ptr, r, m_r, ch, m_c,
+                # conv_idx of one sequence is ext row t + tap (its W-1 cached rows first)
+                v = _ext_rows(x_ptr, stride_x, cs_ptr, stride_cs_s, stride_cs_w, slot_ptr, rows + tap, m_r, ch, m_c,
                               num_old, W - 1)
                 acc += v * tl.load(cw_ptr + ch * W + tap, mask=m_c, other=0.0)[None, :]
+        else:
+            # the block's windows in one load; when each is its row's natural window inside the step's rows (ext rows
+            # num_old + t - W + 1 .. num_old + t, all >= num_old: a sequence's rows past its first W - 1 in this
+            # step), the taps are read straight from x as in the one-sequence path, else through the indices
+            taps = tl.arange(0, WP)
+            m_t = m_r[:, None] & (taps < W)[None, :]
+            idx = tl.load(idx_ptr + r64[:, None] * W + taps[None, :], mask=m_t, other=0)
+            natural = ((idx == num_old + r64[:, None] - (W - 1) + taps[None, :]) & (idx >= num_old)) | ~m_t
+            if tl.min(natural.to(tl.int32)) == 1:
+                for tap in tl.static_range(W):
+                    v = tl.load(x_ptr + (r64 + (tap - (W - 1)))[:, None] * stride_x + ch[None, :],
+                                mask=m_r[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+                    acc += v * tl.load(cw_ptr + ch * W + tap, mask=m_c, other=0.0)[None, :]
+            else:
+                for tap in tl.static_range(W):
+                    r = tl.sum(tl.where(taps[None, :] == tap, idx, 0), axis=1)
+                    v = _ext_rows(x_ptr, stride_x, cs_ptr, stride_cs_s, stride_cs_w, slot_ptr, r, m_r, ch, m_c,
+                                  num_old, W - 1)
+                    acc += v * tl.load(cw_ptr + ch * W + tap, mask=m_c, other=0.0)[None, :]
         y = acc * tl.sigmoid(acc)
         tl.store(y_ptr + r64[:, None] * C + ch[None, :], y.to(y_ptr.dtype.element_ty),
                  mask=m_r[:, None] & m_c[None, :])
@@ -142,7 +161,8 @@ def kda_chunk_prep(qkv: Tensor, conv_state: Tensor, slots: Tensor, conv_idx: Ten
             qkv, qkv.stride(0), conv_state, conv_state.stride(0), conv_state.stride(1), slots, conv_idx, conv_weight,
             y, f, f.stride(0), b, b.stride(0), A_log, dt_bias, g, beta,
             0.0 if lower_bound is None else float(lower_bound), T, C, slots.shape[0] * (W - 1), conv_blocks,
-            W=W, H=H, D=D, BT=bt, BC=bc, BH=triton.next_power_of_2(H), USE_LOWER_BOUND=lower_bound is not None,
+            W=W, WP=triton.next_power_of_2(W), H=H, D=D, BT=bt, BC=bc, BH=triton.next_power_of_2(H),
+            USE_LOWER_BOUND=lower_bound is not None,
             ONE_SEQ=one_seq, num_warps=num_warps or 4,
         )
     return y, g, beta

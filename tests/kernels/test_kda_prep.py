@@ -92,6 +92,22 @@ def test_one_sequence_path_equals_the_indexed_one(n: int, block_t: int | None) -
         kda_chunk_prep(x2, pool2, slots2, idx2, w2, f2, A2, dt2, b2, one_seq=True)
 
 
+def test_row_blocks_of_natural_windows_read_x_directly_and_others_the_indices() -> None:
+    """Several sequences, 16-row blocks: a block whose every row's window is its natural one inside the step's rows
+    takes the taps straight from x, the others (a sequence's first W-1 rows, its cached window) through conv_idx;
+    the reference's values either way. A window that differs from the natural one in any tap (here the third of
+    a row in the middle of a long sequence) keeps its block on the indices: the check is over all W taps."""
+    lens = [40, 3, 70]
+    x, pool, slots, idx, _, w = _case(lens, torch.float32, torch.float32, seed=5)
+    f, b, A_log, dt_bias = (t.to(DEV) for t in _gate_case(sum(lens), "softplus", torch.float32))
+    for odd in (False, True):
+        if odd:
+            idx = idx.clone()
+            idx[60, 2] = idx[10, 1]  # row 60 (sequence 2, block 3: otherwise natural) reads another row there
+        y, _, _ = kda_chunk_prep(x, pool, slots, idx, w, f, A_log, dt_bias, b, block_t=16)
+        assert rel_err(y, causal_conv1d_rows(x, pool, slots, idx, w)) < 1e-6, odd
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["softplus", "lower_bound"])
 def test_gpu_chunk_prep_kimi_shape(kind) -> None:

@@ -62,7 +62,7 @@ B16 = "*bf16"
 prep = dict(x_ptr=B16, stride_x=I32, cs_ptr=B16, stride_cs_s=I32, stride_cs_w=I32, slot_ptr="*i64", idx_ptr="*i64",
             cw_ptr="*fp32", y_ptr=B16, f_ptr=B16, stride_f=I32, b_ptr=B16, stride_b=I32, a_log_ptr="*fp32",
             dt_ptr="*fp32", g_ptr="*fp32", beta_ptr="*fp32", lower_bound="fp32", T=I32, C=I32, num_old=I32,
-            conv_blocks=I32, W=C, H=C, D=C, BT=C, BC=C, BH=C, USE_LOWER_BOUND=C, ONE_SEQ=C)
+            conv_blocks=I32, W=C, WP=C, H=C, D=C, BT=C, BC=C, BH=C, USE_LOWER_BOUND=C, ONE_SEQ=C)
 store = dict(x_ptr=B16, stride_x=I32, cs_ptr=B16, stride_cs_s=I32, stride_cs_w=I32, slot_ptr="*i64", idx_ptr="*i64",
              dest_ptr="*i64", C=I32, num_old=I32, W1=C, BW=C, BC=C)
 state = dict(o_ptr=B16, stride_ot=I32, stride_oh=I32, cu_ptr="*i32", chunk_off_ptr="*i32", slot_ptr="*i64",
@@ -71,9 +71,9 @@ state = dict(o_ptr=B16, stride_ot=I32, stride_oh=I32, cu_ptr="*i32", chunk_off_p
              DOT16=C, PREC=C, SPLIT_O=C)
 strided = lambda k: k.startswith("stride")
 res = {
-    "prep": sm90_build(P._kda_chunk_prep_kernel, prep, dict(W=4, H=32, D=128, BT=P._BT, BC=P._BC, BH=32,
+    "prep": sm90_build(P._kda_chunk_prep_kernel, prep, dict(W=4, WP=4, H=32, D=128, BT=P._BT, BC=P._BC, BH=32,
                                                             USE_LOWER_BOUND=False, ONE_SEQ=False), 4, 1, strided),
-    "prep_one_seq": sm90_build(P._kda_chunk_prep_kernel, prep, dict(W=4, H=32, D=128, BT=P._BT, BC=P._BC, BH=32,
+    "prep_one_seq": sm90_build(P._kda_chunk_prep_kernel, prep, dict(W=4, WP=4, H=32, D=128, BT=P._BT, BC=P._BC, BH=32,
                                                                     USE_LOWER_BOUND=False, ONE_SEQ=True), 4, 1, strided),
     "store": sm90_build(R._conv_windows_store_kernel, store, dict(W1=3, BW=4, BC=R._BC), 4, 1, strided),
     "state": sm90_build(K._kda_chunk_state_kernel, state, dict(H=32, K=128, V=128, BK=128, BV=32, BVF=128, C=K.CHUNK,

@@ -36,8 +36,8 @@ cases = {}
 prep = dict(x_ptr=B16, stride_x=I32, cs_ptr=B16, stride_cs_s=I32, stride_cs_w=I32, slot_ptr="*i64", idx_ptr="*i64",
             cw_ptr="*fp32", y_ptr=B16, f_ptr=B16, stride_f=I32, b_ptr=B16, stride_b=I32, a_log_ptr="*fp32",
             dt_ptr="*fp32", g_ptr="*fp32", beta_ptr="*fp32", lower_bound="fp32", T=I32, C=I32, num_old=I32,
-            conv_blocks=I32, W=C, H=C, D=C, BT=C, BC=C, BH=C, USE_LOWER_BOUND=C)
-cases["kda_prep"] = (P._kda_chunk_prep_kernel, prep, dict(W=4, H=32, D=128, BT=P._BT, BC=P._BC, BH=32,
+            conv_blocks=I32, W=C, WP=C, H=C, D=C, BT=C, BC=C, BH=C, USE_LOWER_BOUND=C)
+cases["kda_prep"] = (P._kda_chunk_prep_kernel, prep, dict(W=4, WP=4, H=32, D=128, BT=P._BT, BC=P._BC, BH=32,
                                                           USE_LOWER_BOUND=False), 4, 1)
 store = dict(x_ptr=B16, stride_x=I32, cs_ptr=B16, stride_cs_s=I32, stride_cs_w=I32, slot_ptr="*i64", idx_ptr="*i64",
              dest_ptr="*i64", C=I32, num_old=I32, W1=C, BW=C, BC=C)
