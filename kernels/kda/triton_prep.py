@@ -64,7 +64,12 @@ def _kda_chunk_prep_kernel(
             # step), the taps are read straight from x as in the one-sequence path, else through the indices
             taps = tl.arange(0, WP)
             m_t = m_r[:, None] & (taps < W)[None, :]
-            idx = tl.load(idx_ptr + r64[:, None] * W + taps[None, :], mask=m_t, other=0)
+            # a load per tap, gathered into [BT, WP]: one 2D load vectorizes only where idx_ptr's alignment is known,
+            # which it is not at launch (a view of the packed step: tests/kernels/test_specialize_sm90_build.py)
+            idx = tl.zeros([BT, WP], dtype=tl.int64)
+            for tap in tl.static_range(W):
+                col = tl.load(idx_ptr + r64 * W + tap, mask=m_r, other=0).to(tl.int64)
+                idx = tl.where(taps[None, :] == tap, col[:, None], idx)
             natural = ((idx == num_old + r64[:, None] - (W - 1) + taps[None, :]) & (idx >= num_old)) | ~m_t
             if tl.min(natural.to(tl.int32)) == 1:
                 for tap in tl.static_range(W):
