@@ -129,6 +129,21 @@ def _store_group_tables(big_ptr, small_ptr, pstart, padded, first, step, NBIG, N
         tl.store(small_ptr + t, tl.where(t < total_small, base + t, -1), mask=t < NSMALL)
 
 
+@triton.jit
+def _store_share(sorted_ptr, block_expert_ptr, big_ptr, small_ptr, tot, P, NB, NBIG, NSMALL, g, G,
+                 E_P: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr, BLOCK_B: tl.constexpr):
+    """From the experts' pair counts `tot`: program g of G's share of the padding tails (experts e % G == g), of
+    the blocks' experts (blocks g * BLOCK_B, then every G * BLOCK_B) and of the grouped tables (GROUP > 1).
+    Returns the experts' padded starts."""
+    padded, pend, pstart, total = _padded_runs(tot, BLOCK_M)
+    _store_tails(sorted_ptr, pstart, tot, padded, P, (tl.arange(0, E_P) % G) == g, E_P, BLOCK_M)
+    _store_block_experts(block_expert_ptr, pend, total, g * BLOCK_B, G * BLOCK_B, NB, BLOCK_M, BLOCK_B)
+    if GROUP > 1:
+        _store_group_tables(big_ptr, small_ptr, pstart, padded, g * BLOCK_B, G * BLOCK_B, NBIG, NSMALL, E_P, BLOCK_M,
+                            GROUP, BLOCK_B)
+    return pstart
+
+
 # not specialized per step (kernels/common.py, Compiles): P, NC, NB: the step's pairs, chunks and blocks
 @triton.jit(do_not_specialize=["P", "NC", "NB", "NBIG", "NSMALL"])
 def _moe_align_offsets_kernel(
@@ -162,7 +177,8 @@ def _moe_align_offsets_kernel(
             tot += tl.sum(tl.load(counts_ptr + (c0 + rc)[:, None] * E_P + offs_e[None, :], mask=m, other=0), axis=0)
     if USE_PDL:
         gdc_launch_dependents()
-    padded, pend, pstart, total = _padded_runs(tot, BLOCK_M)
+    pstart = _store_share(sorted_ptr, block_expert_ptr, big_ptr, small_ptr, tot, P, NB, NBIG, NSMALL, 0, 1, E_P,
+                          BLOCK_M, GROUP, BLOCK_B)  # every expert's tail, every block
     if not SINGLE_CHUNK:
         run = pstart
         for c0 in range(0, NC, TILE_C):
@@ -171,10 +187,6 @@ def _moe_align_offsets_kernel(
             cnt = tl.load(ptrs, mask=m, other=0)
             tl.store(ptrs, tl.cumsum(cnt, axis=0) - cnt + run[None, :], mask=m)
             run += tl.sum(cnt, axis=0)
-    _store_tails(sorted_ptr, pstart, tot, padded, P, offs_e < E_P, E_P, BLOCK_M)  # every expert's tail
-    _store_block_experts(block_expert_ptr, pend, total, 0, BLOCK_B, NB, BLOCK_M, BLOCK_B)
-    if GROUP > 1:
-        _store_group_tables(big_ptr, small_ptr, pstart, padded, 0, BLOCK_B, NBIG, NSMALL, E_P, BLOCK_M, GROUP, BLOCK_B)
     if SINGLE_CHUNK:
         tl.store(start_ptr + offs_e, pstart)
         tl.debug_barrier()  # the scatter gathers padded_start back from memory
@@ -200,13 +212,8 @@ def _moe_align_split_kernel(
     tot = tl.histogram(tl.load(ids_ptr + offs, mask=offs < P, other=0), E_P, mask=offs < P)
     if USE_PDL:
         gdc_launch_dependents()
-    padded, pend, pstart, total = _padded_runs(tot, BLOCK_M)
-    # the padding tails of this program's experts (e % G == g); blocks g * BLOCK_B, then every G * BLOCK_B
-    _store_tails(sorted_ptr, pstart, tot, padded, P, (offs_e % G) == g, E_P, BLOCK_M)
-    _store_block_experts(block_expert_ptr, pend, total, g * BLOCK_B, G * BLOCK_B, NB, BLOCK_M, BLOCK_B)
-    if GROUP > 1:
-        _store_group_tables(big_ptr, small_ptr, pstart, padded, g * BLOCK_B, G * BLOCK_B, NBIG, NSMALL, E_P, BLOCK_M,
-                            GROUP, BLOCK_B)
+    pstart = _store_share(sorted_ptr, block_expert_ptr, big_ptr, small_ptr, tot, P, NB, NBIG, NSMALL, g, G, E_P,
+                          BLOCK_M, GROUP, BLOCK_B)
     # this program's pairs: slot = padded start of its expert + the pairs of that expert before it
     li = g * SP + tl.arange(0, SP)
     ok = li < P
@@ -248,12 +255,8 @@ def _moe_align_place_kernel(
         pre += tl.sum(tl.where((rows < c)[:, None], cnt, 0), axis=0)
     if USE_PDL:
         gdc_launch_dependents()
-    padded, pend, pstart, total = _padded_runs(tot, BLOCK_M)
-    _store_tails(sorted_ptr, pstart, tot, padded, P, (offs_e % NC) == c, E_P, BLOCK_M)
-    _store_block_experts(block_expert_ptr, pend, total, c * BLOCK_B, NC * BLOCK_B, NB, BLOCK_M, BLOCK_B)
-    if GROUP > 1:
-        _store_group_tables(big_ptr, small_ptr, pstart, padded, c * BLOCK_B, NC * BLOCK_B, NBIG, NSMALL, E_P,
-                            BLOCK_M, GROUP, BLOCK_B)
+    pstart = _store_share(sorted_ptr, block_expert_ptr, big_ptr, small_ptr, tot, P, NB, NBIG, NSMALL, c, NC, E_P,
+                          BLOCK_M, GROUP, BLOCK_B)
     tl.store(base_ptr + c * E_P + offs_e, pstart + pre)
     tl.debug_barrier()  # the scatter gathers the base back from memory
     _scatter_chunk(ids_ptr, base_ptr + c * E_P, sorted_ptr, c, P, BP, SUB)

@@ -135,12 +135,16 @@ def _block_rows(pid_m, sorted_ptr, block_expert_ptr, P, T, NB_ROUTED, NB_SHARED,
         row_ok = pair < P
         tok = pair // TOPK
     else:
-        j = pid_m - NB_ROUTED
-        e = E_ROUTED + j // NB_SHARED
-        tok = (j % NB_SHARED) * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = tok < T
-        pair = P + (j // NB_SHARED) * T + tok
+        e, tok, row_ok, pair = _shared_rows(pid_m - NB_ROUTED, P, T, NB_SHARED, E_ROUTED, BLOCK_M)
     return e, pair, tl.where(row_ok, tok, 0).to(tl.int64), row_ok
+
+
+@triton.jit
+def _shared_rows(j, P, T, NB_SHARED, E_ROUTED, BLOCK_M: tl.constexpr):
+    """Shared tile j (NB_SHARED per shared expert, every token in order): (expert, tokens, validity, pairs
+    P + s*T + t)."""
+    tok = (j % NB_SHARED) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return E_ROUTED + j // NB_SHARED, tok, tok < T, P + (j // NB_SHARED) * T + tok
 
 
 @triton.jit
@@ -160,10 +164,7 @@ def _tile_rows(pid_m, sorted_ptr, block_expert_ptr, table_ptr, P, T, NB_ROUTED, 
             tok = pair // TOPK
         else:
             j = pid_m - NB_ROUTED
-            e = E_ROUTED + j // NB_SHARED
-            tok = (j % NB_SHARED) * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_ok = tok < T
-            pair = P + (j // NB_SHARED) * T + tok
+            e, tok, row_ok, pair = _shared_rows(j, P, T, NB_SHARED, E_ROUTED, BLOCK_M)
             h0 = H_SHARED + j.to(tl.int64) * BLOCK_M
         tok = tl.where(row_ok, tok, 0).to(tl.int64)
     else:
