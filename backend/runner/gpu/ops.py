@@ -53,8 +53,9 @@ class KernelConfig:
     # the chunked KDA prefill's intra step (kernels/kda/triton_chunk.py `intra`): "fused" (one program per chunk
     # and head, the H200-measured default) or "split" (kernels/kda/triton_intra_split.py: two launches of small
     # programs; on the H200 no faster end to end: 3.741 vs 3.732 ms at 16K, 164.3 vs 160.4 ms for the 48B
-    # prefill of 8K, benchmarks/RESULTS.md 2026-12-02) or "blocks" (kernels/kda/triton_intra_blocks.py: one program
-    # per chunk and head on 16 x 16 blocks and K slices; session 29, not yet timed on a GPU)
+    # prefill of 8K, benchmarks/RESULTS.md 2026-12-02) or "blocks" (kernels/kda/triton_intra_blocks.py: four launches
+    # on 16 x 16 blocks and K slices, one program per block of L/Aqk and per row block of W/U; session 30, not yet
+    # timed on a GPU)
     kda_intra: str = "fused"
     # batches of at least this many rows take the fp32 MoE router's logits from three bf16 parts of its weight in
     # one tensor-core GEMM (backend/runner/gpu/ffn.py split_router) instead of torch's fp32 linear, a SIMT sgemm;
