@@ -64,6 +64,8 @@
 #   kda-probe (200)     benchmarks/kernels.py at 16K, no fla: the fused intra kernel with one stage skipped per probe
 #                       (probe_*: where its time goes), and 4 / 16 warps against the default 8
 #   tiny-linear (120)   benchmarks/kernels_linear.py --model k3-tiny: k3-tiny's projections at 1, 8 and 16 rows
+#   prep (150)          benchmarks/kda_prep.py: the KDA conv/gate launch at the 48B layer, 8K and 32K rows, one
+#                       sequence (indexed and one_seq tiles) and 8 / 64 sequences (natural row blocks read x directly)
 #   spec-round (150)    benchmarks/spec_round.py: k3-tiny batch 1, plain and dspark with 8 device rounds: step time,
 #                       each graph alone, the kernels of a round by name
 # Outputs: $OUT/<stage>.log and, for benchmarks, $OUT/<stage>.json (at most 8 files come back from a call:
@@ -73,7 +75,7 @@ for stage in "$@"; do
   case $stage in
     tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det|overlap|serve) ;;
     spec-tests|spec-verify|dspark-pass|spec-bench|spec-gate|spec-rounds|jit-churn|tp-tests|tp|tp-symm|k3-slice) ;;
-    profile|kda-probe|tiny-linear|spec-round) ;;
+    profile|kda-probe|tiny-linear|spec-round|prep) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -188,6 +190,9 @@ for stage in "$@"; do
       run kda-probe 200 python3 benchmarks/kernels.py --no-fla --decode-n --prefill 16384 --prefill-variants base \
         --prefill-sweep probe_no_blocks probe_no_subst probe_no_series probe_no_wu probe_no_cumsum probe_only_io \
         intra_w4 intra_w16 --sweep-case 16384 --budget-s 180 --out "$OUT/kda_probe.json" ;;
+    prep)
+      run prep 150 python3 benchmarks/kda_prep.py --tokens 8192 32768 --seqs 8 64 --budget-s 130 \
+        --out "$OUT/prep.json" ;;
     tiny-linear)
       run tiny-linear 120 python3 benchmarks/kernels_linear.py --model k3-tiny --rows 1 8 16 --budget-s 110 \
         --out "$OUT/tiny_linear.json" ;;
