@@ -23,7 +23,8 @@ block, many resident per SM, so that one program's load latencies hide behind an
      over L_ij;
   3. per (chunk, row block i, head) (or per row block and slice: `sliced_out`), over the K slices:
      qg_i = qn_i exp(Gc_i), kd_i = kn_i exp(Gc_last - Gc_i) and W_i = sum_{j <= i} X_ij beta_j kn_j exp(Gc_j);
-     over V slices U_i = sum_{j <= i} X_ij beta_j v_j.
+     over V slices U_i = sum_{j <= i} X_ij beta_j v_j: each one dot of X's row block i (the blocks past i masked to
+     zero) against all C rows.
 The state pass reads the same scratch (qg, kd, w, u, aqk, gl) as after the fused kernel. The decomposition (16-row
 sub-chunks, K slices, the block inverse, a launch per stage) is the one fla's chunk_kda uses; own code. Oracle:
 `ref.kda_chunked`.
@@ -296,6 +297,14 @@ def _blocks_out_kernel(
     sq_buf = sq_ptr + scr * (2 * C)
     akk_buf = akk_ptr + scr * (C * C)
     rk_i, rq_i = _norms(sq_buf, i, BC)
+    # T = X diag(beta), row block i: its blocks (i, j <= i) in one [BC, C] tile, the columns past block i masked
+    # (akk holds no X there), so that W_i and U_i are one dot per slice over the chunk's C rows instead of i + 1
+    # dependent dots over 16
+    cols = tl.arange(0, C)
+    past = cols < (i + 1) * BC
+    t_row = tl.load(akk_buf + (i * BC + tl.arange(0, BC))[:, None] * C + cols[None, :], mask=past[None, :], other=0.0)
+    t_row = t_row * tl.load(b_h + cols.to(tl.int64) * stride_bt, mask=past & (cols < n_valid), other=0.0)[None, :]
+    rk_all = 1.0 / tl.sqrt(tl.load(sq_buf + cols) + 1e-6)
     for ks in range(k_lo, k_hi, BKS):
         offs = ks + tl.arange(0, BKS)
         g_last = tl.load(gc_buf + (C - 1) * BK + offs)
@@ -304,21 +313,12 @@ def _blocks_out_kernel(
         _row_out(qg_ptr + scr * (C * BK), q_i * (rq_i * scale)[:, None] * tl.exp(gc_i), i * BC, offs, BK, BC)
         kn_i = _rows(k_h, stride_kt, i * BC, n_valid, offs, K, BC) * rk_i[:, None]
         _row_out(kd_ptr + scr * (C * BK), kn_i * tl.exp(g_last[None, :] - gc_i), i * BC, offs, BK, BC)
-        w = tl.zeros([BC, BKS], dtype=tl.float32)
-        for j in range(0, i + 1):
-            # T_ij = X_ij diag(beta_j), times kn_j exp(Gc_j)
-            x = _load_block(akk_buf, i, j, C, BC) * _beta(b_h, stride_bt, j, n_valid, BC)[None, :]
-            rk_j, _ = _norms(sq_buf, j, BC)
-            kg = _rows(k_h, stride_kt, j * BC, n_valid, offs, K, BC) * rk_j[:, None] * tl.exp(
-                _gc_rows(gc_buf, j * BC, offs, BK, BC))
-            w += _dot(x, kg, DOT16, PREC)
-        _row_out(w_ptr + scr * (C * BK), w, i * BC, offs, BK, BC)
+        # kn_j exp(Gc_j) of every row (rows past block i meet T's zeros)
+        kg = _rows(k_h, stride_kt, 0, n_valid, offs, K, C) * rk_all[:, None] * tl.exp(_gc_rows(gc_buf, 0, offs, BK, C))
+        _row_out(w_ptr + scr * (C * BK), _dot(t_row, kg, DOT16, PREC), i * BC, offs, BK, BC)
     for vs in range(v_lo, v_hi, BVS):
         offs = vs + tl.arange(0, BVS)
-        u = tl.zeros([BC, BVS], dtype=tl.float32)
-        for j in range(0, i + 1):
-            x = _load_block(akk_buf, i, j, C, BC) * _beta(b_h, stride_bt, j, n_valid, BC)[None, :]
-            u += _dot(x, _rows(v_h, stride_vt, j * BC, n_valid, offs, V, BC), DOT16, PREC)
+        u = _dot(t_row, _rows(v_h, stride_vt, 0, n_valid, offs, V, C), DOT16, PREC)
         _row_out(u_ptr + scr * (C * BV), u, i * BC, offs, BV, BC)
 
 
