@@ -130,7 +130,7 @@ for stage in "$@"; do
     kda)
       run kda 240 python3 benchmarks/kernels.py --prefill 8192 16384 65536 8x4096 --prefill-variants base blocks_intra \
         --prefill-sweep blocks_intra_w1 blocks_intra_w2 blocks_intra_w8 blocks_intra_sliced blocks_intra_sliced_w2 \
-        blocks_intra_bk64 --sweep-case 16384 --budget-s 220 --out "$OUT/kda.json" ;;
+        blocks_intra_pairs blocks_intra_pairs_w2 blocks_intra_bk64 --sweep-case 16384 --budget-s 220 --out "$OUT/kda.json" ;;
     mla)
       run mla 240 python3 benchmarks/kernels_mla.py --decode-only --budget-s 200 --out "$OUT/mla.json" ;;
     moe)

@@ -64,6 +64,8 @@ PREFILL_VARIANTS: dict[str, dict] = {
     "blocks_intra_s1": {"intra": "blocks", "num_stages_blocks": 1},
     "blocks_intra_sliced": {"intra": "blocks", "sliced_out_blocks": True},
     "blocks_intra_sliced_w2": {"intra": "blocks", "sliced_out_blocks": True, "num_warps_blocks": 2},
+    "blocks_intra_pairs": {"intra": "blocks", "l_rows_blocks": False},
+    "blocks_intra_pairs_w2": {"intra": "blocks", "l_rows_blocks": False, "num_warps_blocks": 2},
     # timing probes (results wrong, not checked): the fused intra kernel with one stage skipped each (its PROBE
     # bits), so base minus a probe is about what that stage costs
     "probe_no_blocks": {"probe": 1},  # L and Aqk
@@ -427,7 +429,8 @@ def kernel_split_ms(fn, reps: int) -> dict:
 
     # (kernel, module): the split and blocks intra paths' launches live in their own modules
     names = (("_kda_chunk_intra_kernel", tc), ("_kda_intra_rows_kernel", ts), ("_kda_intra_solve_kernel", ts),
-             ("_blocks_gc_kernel", tb), ("_blocks_pair_kernel", tb), ("_blocks_inverse_kernel", tb),
+             ("_blocks_gc_kernel", tb), ("_blocks_pair_kernel", tb), ("_blocks_lrow_kernel", tb),
+             ("_blocks_inverse_kernel", tb),
              ("_blocks_out_kernel", tb), ("_kda_chunk_state_kernel", tc), ("_kda_chunk_out_kernel", tc))
     orig = {n: getattr(m, n) for n, m in names}
     times: dict = {n: [] for n, _ in names}

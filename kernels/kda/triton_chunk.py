@@ -367,6 +367,7 @@ def kda_chunk_fwd(
     num_warps_blocks: int = 4,
     num_stages_blocks: int = 2,
     sliced_out_blocks: bool = False,
+    l_rows_blocks: bool = True,
     block_v: int = 32,
     block_v_out: int = 64,
     num_warps_intra: int = 8,
@@ -416,7 +417,8 @@ def kda_chunk_fwd(
             kernels' warps, and the first kernel's software-pipelining stages (1: no cp.async prefetch of the
             next slice, 128 registers at the Kimi head; 2 or 3 prefetch, 168).
         block_k_blocks, num_warps_blocks, num_stages_blocks: the blocks path's K (and V) slice, and its block and
-            row-block programs' warps and stages; sliced_out_blocks: its row-block programs per K or V slice too.
+            row-block programs' warps and stages; sliced_out_blocks: its row-block programs per K or V slice too;
+            l_rows_blocks: L and Aqk one program per row block (False: per 16 x 16 block).
         block_v, block_v_out, num_warps_*, num_stages_state: launch tuning. num_warps_intra 8 (the fused
             intra kernel): 16% faster than 4 at 16K-64K tokens on the H200 (session 24; its [64, 128] fp32
             tiles spill at 4 warps, and 16 were slower again). num_stages_state (None: 3 with 16-bit scratch, the
@@ -512,8 +514,8 @@ def kda_chunk_fwd(
         dot16=dot16, prec=prec, prec_inv=prec_inv, scratch_dtype=scratch_dtype, split_output=split_output,
         intra=intra, bk_split=block_k_split, nw_split=num_warps_split, ns_split=num_stages_split,
         bk_blocks=block_k_blocks, nw_blocks=num_warps_blocks, ns_blocks=num_stages_blocks,
-        sliced_blocks=sliced_out_blocks, nw_intra=num_warps_intra, nw_state=num_warps_state,
-        ns_state=num_stages_state, nw_out=num_warps_out,
+        sliced_blocks=sliced_out_blocks, lrows_blocks=l_rows_blocks, nw_intra=num_warps_intra,
+        nw_state=num_warps_state, ns_state=num_stages_state, nw_out=num_warps_out,
         probe=probe,
     )
     _launch_chunk(q, k, v, g, beta, out, cu_dev, tables.chunk_seq, tables.chunk_idx, tables.chunk_off, slots,
@@ -576,6 +578,7 @@ class _Launch:
     nw_blocks: int
     ns_blocks: int
     sliced_blocks: bool  # the blocks path's phase 3 per (chunk, row block and slice, head)
+    lrows_blocks: bool  # the blocks path's phase 1 per row block (else per 16 x 16 block)
     nw_intra: int
     nw_state: int
     ns_state: int
@@ -628,7 +631,7 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
             buf("akk", NC, H, C, C), buf("sq", NC, H, 2, C), buf("span", NC, H, 4), scale=cfg.scale,
             block_k=min(cfg.bk_blocks, BK), block_v=min(cfg.bk_blocks, BVF), num_warps=cfg.nw_blocks,
             num_stages=cfg.ns_blocks, dot16=cfg.dot16, prec=cfg.prec, prec_inv=cfg.prec_inv, sub=SUB,
-            safe_span=SAFE_SPAN, sliced_out=cfg.sliced_blocks)
+            safe_span=SAFE_SPAN, sliced_out=cfg.sliced_blocks, l_rows=cfg.lrows_blocks)
     else:
         gc, akk = buf("gc", NC, H, C, BK), buf("akk", NC, H, C, C)
         _kda_chunk_intra_kernel[(NC, H)](

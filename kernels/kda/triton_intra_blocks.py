@@ -10,7 +10,8 @@ block, many resident per SM, so that one program's load latencies hide behind an
   0. per (chunk, head), over the K slices: Gc (the in-chunk cumsum of g) into the fp32 scratch gc, exp(Gc_last),
      the rows' squared norms, and each sub-chunk's decay span_i = c_i - c_{i+1} (c_i: Gc just above sub-chunk i,
      c_0 = 0);
-  1. per (chunk, block (i, j), head), over the K slices:
+  1. per (chunk, block (i, j), head) (or per row block i, all its j at once: `l_rows`, the default), over the K
+     slices:
          raw_kk[i, j] = (k_i exp(Gc_i - c_i)) (k_j exp(c_i - Gc_j))^T,   raw_qk[i, j] likewise with q_i.
      Both exponentials are <= 1 for j < i (g <= 0: Gc falls); on the diagonal the column side reaches exp(span_i),
      so it is clamped there. Then the norms and beta: L_ij = beta_i rk_i raw_kk rk_j (strictly lower on the
@@ -203,6 +204,56 @@ def _blocks_pair_kernel(
 
 
 @triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
+def _blocks_lrow_kernel(
+    q_ptr, k_ptr, beta_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_bt, stride_bh,
+    cu_ptr, chunk_seq_ptr, chunk_idx_ptr,
+    gc_ptr, sq_ptr,  # phase 0's
+    akk_ptr,  # out [NC, H, C, C] fp32: L's row block i (zeros past the diagonal block)
+    aqk_ptr,  # out [NC, H, C, C]
+    scale,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+    DOT16: tl.constexpr, PREC: tl.constexpr, SAFE_SPAN: tl.constexpr,
+):
+    """Phase 1 by row blocks (`launch_intra_blocks(l_rows=True)`): one program per (chunk, row block i, head)
+    computes L's and Aqk's whole row block [BC, C], one dot per K slice against all C rows (the columns past block
+    i zeroed before the dot: their exp(c_i - Gc_j) would exceed 1), instead of i + 1 block programs that each reload
+    the row side. Axis 0 is chunk * 4 + i."""
+    i_c, i, i_h = tl.program_id(0) // 4, tl.program_id(0) % 4, tl.program_id(1)
+    t0, n_valid, scr = _program(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, i_h, H, C)
+    q_h = q_ptr + t0 * stride_qt + i_h * stride_qh
+    k_h = k_ptr + t0 * stride_kt + i_h * stride_kh
+    gc_buf = gc_ptr + scr * (C * BK)
+    sq_buf = sq_ptr + scr * (2 * C)
+    cols = tl.arange(0, C)
+    upto = cols < (i + 1) * BC
+    kk = tl.zeros([BC, C], dtype=tl.float32)
+    qk = tl.zeros([BC, C], dtype=tl.float32)
+    for ks in range(0, BK, BKS):
+        offs = ks + tl.arange(0, BKS)
+        c_i = tl.load(gc_buf + (i * BC - 1) * BK + offs, mask=(offs < BK) & (i > 0), other=0.0)
+        e = tl.exp(_gc_rows(gc_buf, i * BC, offs, BK, BC) - c_i[None, :])
+        ke = _rows(k_h, stride_kt, i * BC, n_valid, offs, K, BC) * e
+        qe = _rows(q_h, stride_qt, i * BC, n_valid, offs, K, BC) * e
+        # the columns, clamped at exp(SAFE_SPAN) (a steep diagonal block is redone exactly by the inverse's launch)
+        col = tl.where(upto[:, None], tl.exp(tl.minimum(c_i[None, :] - _gc_rows(gc_buf, 0, offs, BK, C), SAFE_SPAN)),
+                       0.0)
+        kt = tl.trans(_rows(k_h, stride_kt, 0, n_valid, offs, K, C) * col)
+        kk += _dot(ke, kt, DOT16, PREC)
+        qk += _dot(qe, kt, DOT16, PREC)
+    loc = tl.arange(0, BC)
+    rk_i, rq_i = _norms(sq_buf, i, BC)
+    rk = 1.0 / tl.sqrt(tl.load(sq_buf + cols) + 1e-6)
+    b_i = _beta(beta_ptr + t0 * stride_bt + i_h * stride_bh, stride_bt, i, n_valid, BC)
+    below = (cols[None, :] // BC < i) | ((cols[None, :] // BC == i) & (loc[:, None] > cols[None, :] % BC))
+    diag = (cols[None, :] // BC == i) & (loc[:, None] == cols[None, :] % BC)
+    rows = (i * BC + loc)[:, None] * C + cols[None, :]
+    kk = tl.where(below, kk * (b_i * rk_i)[:, None] * rk[None, :], 0.0)
+    qk = tl.where(below | diag, qk * (rq_i * scale)[:, None] * rk[None, :], 0.0)
+    tl.store(akk_ptr + scr * (C * C) + rows, kk)
+    tl.store(aqk_ptr + scr * (C * C) + rows, qk.to(aqk_ptr.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
 def _blocks_inverse_kernel(
     q_ptr, k_ptr, g_ptr, beta_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh,
     stride_bt, stride_bh,
@@ -324,11 +375,13 @@ def _blocks_out_kernel(
 
 def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl, gc, akk, sq, span, *,
                         scale: float, block_k: int, block_v: int, num_warps: int, num_stages: int, dot16: bool,
-                        prec: str, prec_inv: str, sub: int, safe_span: float, sliced_out: bool = False) -> None:
+                        prec: str, prec_inv: str, sub: int, safe_span: float, sliced_out: bool = False,
+                        l_rows: bool = True) -> None:
     """Four launches over the NC chunks x H heads. The buffers are _launch_chunk's: the state pass's scratch (qg, kd,
     w, u, aqk, gl) and this path's fp32 gc [NC, H, C, BK], akk [NC, H, C, C], sq [NC, H, 2, C], span [NC, H, 4].
     num_warps / num_stages: the block (phase 1) and row-block (phase 3) programs'; phases 0 and 2 take 4 warps.
-    sliced_out: phase 3 as one program per (chunk, row block and K or V slice, head)."""
+    sliced_out: phase 3 as one program per (chunk, row block and K or V slice, head). l_rows: phase 1 one program
+    per row block of L and Aqk (`_blocks_lrow_kernel`); False: per 16 x 16 block (`_blocks_pair_kernel`)."""
     NC, H, C, BK = qg.shape
     BV = u.shape[3]
     K, V = k.shape[2], v.shape[2]
@@ -340,11 +393,17 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
     _blocks_gc_kernel[(NC, H)](
         q, k, g, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1), *tables,
         gl, gc, sq, span, H=H, K=K, BK=BK, BKS=block_k, C=C, BC=sub, num_warps=4)
-    _blocks_pair_kernel[(NC * 16, H)](
-        q, k, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
-        beta.stride(0), beta.stride(1), *tables, gc, sq, akk, aqk, scale,
-        H=H, K=K, BK=BK, BKS=block_k, C=C, BC=sub, DOT16=dot16, PREC=prec, SAFE_SPAN=safe_span,
-        num_warps=num_warps, num_stages=num_stages)
+    if l_rows:
+        _blocks_lrow_kernel[(NC * 4, H)](
+            q, k, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), beta.stride(0), beta.stride(1), *tables,
+            gc, sq, akk, aqk, scale, H=H, K=K, BK=BK, BKS=block_k, C=C, BC=sub, DOT16=dot16, PREC=prec,
+            SAFE_SPAN=safe_span, num_warps=num_warps, num_stages=num_stages)
+    else:
+        _blocks_pair_kernel[(NC * 16, H)](
+            q, k, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
+            beta.stride(0), beta.stride(1), *tables, gc, sq, akk, aqk, scale,
+            H=H, K=K, BK=BK, BKS=block_k, C=C, BC=sub, DOT16=dot16, PREC=prec, SAFE_SPAN=safe_span,
+            num_warps=num_warps, num_stages=num_stages)
     _blocks_inverse_kernel[(NC, H)](
         q, k, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
         beta.stride(0), beta.stride(1), *tables, sq, span, akk, aqk, scale,

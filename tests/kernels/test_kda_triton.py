@@ -349,13 +349,16 @@ def test_chunk_varlen_mixed_initial_state_and_snapshots(intra: str) -> None:
     check_chunk(case, [0, 1, 2], has_init=[True, False, True], snaps=snaps, intra=intra)
 
 
-@pytest.mark.parametrize("sliced", [False, True])
-def test_chunk_blocks_k_and_v_slices(sliced: bool) -> None:
+@pytest.mark.parametrize("sliced,l_rows", [(False, True), (True, True), (False, False)],
+                         ids=["rows", "rows_sliced", "pairs"])
+def test_chunk_blocks_k_and_v_slices(sliced: bool, l_rows: bool) -> None:
     """intra="blocks" with two K and two V slices (D=32, 16-column slices): its row-block launch loops over the slices
-    or (sliced_out_blocks) runs one program per row block and slice, with snapshots and a tail chunk."""
+    or (sliced_out_blocks) runs one program per row block and slice; L and Aqk per row block or (l_rows_blocks
+    False) per 16 x 16 block; with snapshots, a tail chunk and a steep sub-chunk (the inverse's exact fix-up)."""
     case = chunk_case([150, 64], H=2, D=32, kind="softplus", dtype=torch.float32, num_slots=5, seed=21)
+    case["g"][100, 1, 5] = -90.0
     check_chunk(case, [1, 0], snaps=([[64, 128, 150], []], [[2, 3, 4], []]), intra="blocks", block_k_blocks=16,
-                sliced_out_blocks=sliced)
+                sliced_out_blocks=sliced, l_rows_blocks=l_rows)
 
 
 def test_chunk_split_output_pass() -> None:
@@ -440,10 +443,11 @@ def test_gpu_decode_kimi_shape(kind: str) -> None:
      ({"precision": "tf32x3", "scratch_dtype": torch.float32}, 5e-3), ({"intra": "split"}, 2e-2),
      ({"intra": "split", "precision": "tf32x3", "scratch_dtype": torch.float32}, 5e-3),
      ({"num_warps_intra": 4}, 2e-2), ({"intra": "blocks"}, 2e-2),
-     ({"intra": "blocks", "sliced_out_blocks": True}, 2e-2),
+     ({"intra": "blocks", "sliced_out_blocks": True}, 2e-2), ({"intra": "blocks", "l_rows_blocks": False}, 2e-2),
      ({"intra": "blocks", "precision": "tf32x3", "scratch_dtype": torch.float32}, 5e-3)],
     ids=["bf16_dots", "bf16_dots_split_output", "bf16_dots_fp32_scratch", "tf32x3_fp32_scratch", "split_intra",
-         "split_intra_tf32x3", "intra_w4", "blocks_intra", "blocks_intra_sliced", "blocks_intra_tf32x3"],
+         "split_intra_tf32x3", "intra_w4", "blocks_intra", "blocks_intra_sliced", "blocks_intra_pairs",
+         "blocks_intra_tf32x3"],
 )
 def test_gpu_chunk_kimi_shape(kw: dict, tol: float) -> None:
     lens = [2048, 1000, 64, 1]
