@@ -9,7 +9,8 @@ What it measures, in one run (medians of CUDA-event-timed repetitions after warm
   2. decode, batch B in --batch at context --context: one step of the model forward
        eager (every kernel launched from Python), graph (replay of the captured CUDA graph),
        graph variants (--variants: re-captured with PDL between kernels, or with cuBLAS for the
-         decode-row projections instead of the skinny GEMV kernel, or as the default again: "control",
+         decode-row projections instead of the skinny GEMV kernel, or batch 1's MoE in two launches
+         (moe_one_token), or as the default again: "control",
          the spread a variant's gain is read against), each graph timed from the batch's seeded cache contents,
      and the full runner step (host packing + copy + graph replay + argmax + reading the tokens);
      against the roofline: bytes a step must move (weights it touches + KDA state read and written +
@@ -38,7 +39,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 # KernelConfig fields; "control" re-captures the default and times it as the variants are timed: its gain is the
 # benchmark's own noise (0 up to that), against which the others' gains are read
-VARIANTS = {"control": {}, "pdl": dict(use_pdl=True), "cublas_gemv": dict(skinny_gemv=False)}
+VARIANTS = {"control": {}, "pdl": dict(use_pdl=True), "cublas_gemv": dict(skinny_gemv=False),
+            "moe_one_token": dict(moe_one_token=True)}
 
 
 def _args() -> argparse.Namespace:
@@ -61,7 +63,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
                    help="decode graphs re-captured with other kernel settings and timed beside the default: "
                         "pdl (programmatic dependent launch between kernels), cublas_gemv (torch/cuBLAS for "
-                        "the projections of decode rows instead of the skinny GEMV kernel)")
+                        "the projections of decode rows instead of the skinny GEMV kernel), moe_one_token (batch "
+                        "1's MoE in two launches: KernelConfig.moe_one_token), control (the default again)")
     p.add_argument("--mixed", type=int, nargs="*", default=[], metavar="P",
                    help="also time steps of (the largest --batch) decodes plus one P-token prefill chunk, per P: "
                         "a served step when a request arrives (time, kernel time, launches, top kernels, host issue "

@@ -4,7 +4,8 @@ oracles every MoE kernel is tested against.
 MXFP4 experts: `mxfp4_ref` (the format, quantizer, oracle), `fused_experts_mxfp4` and, on the planar
 in-memory layout (`PlanarMxfp4.from_packed`, `mxfp4_planar_layout`), `fused_experts_mxfp4_planar`
 (the GPU runner's default, its `PLANAR_SERVE_VARIANT`).
-The Triton ops (`act_and_mul`, `moe_route`, `fused_experts`, `fused_experts_mxfp4`, `moe_align_fwd`) are exported lazily, so importing the
+The Triton ops (`act_and_mul`, `moe_route`, `fused_experts` (its one-token form: triton_one_token.py),
+`fused_experts_mxfp4`, `moe_align_fwd`) are exported lazily, so importing the
 reference ops never imports Triton. `fused_experts_grouped` (grouped.py): the same contract through CUTLASS's
 grouped GEMMs, for prefill-sized batches on sm90+.
 """

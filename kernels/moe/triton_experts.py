@@ -482,6 +482,7 @@ def fused_experts(
     use_pdl: bool = False,
     tiles: ExpertTiles | None = None,
     grouped_tiles: bool = False,
+    one_token: bool = False,
 ) -> Tensor:
     """Routed experts of one MoE layer for T tokens (model-facts §6; SiTU §7.3).
 
@@ -501,6 +502,8 @@ def fused_experts(
         use_pdl: chain the launches with programmatic dependent launch (GPU only).
         tiles: tile config override (benchmarks); default `pick_tiles(T*k + S*T, E, grouped_tiles)`.
         grouped_tiles: the default's 128-row tiles as PREFILL_TILES_128_GROUPED (KernelConfig.moe_grouped_tiles).
+        one_token: with T == 1 and no tiles given, two launches instead of three (triton_one_token.py;
+            KernelConfig.moe_one_token).
 
     Returns:
         [T, D] in x.dtype. Rounding: h and the per-pair outputs are stored in x.dtype (ref.py).
@@ -510,6 +513,12 @@ def fused_experts(
     if P == 0:
         return out
     S = shared_experts
+    if one_token and T == 1 and tiles is None:
+        from k3rt.kernels.moe.triton_one_token import fused_experts_one_token  # imports this module
+
+        return fused_experts_one_token(x, w13, w2, topk_weights, topk_ids, situ=act.name == "situ",
+                                       beta=act.situ_beta or 1.0, lin_beta=act.situ_linear_beta, out=out,
+                                       shared_experts=S, use_pdl=use_pdl)
     cfg = tiles or pick_tiles(P + S * T, E, grouped_tiles)
     sub = cfg.tail or cfg  # the alignment's block
     b = align_blocks(x, topk_ids, E, I, S, sub.block_m, use_pdl, cfg.block_m // sub.block_m)

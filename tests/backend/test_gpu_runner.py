@@ -82,7 +82,7 @@ def test_gpu_runner_with_triton_kernels_in_the_interpreter_equals_reference(arch
     experts, norms, attn-res mix) run by the Triton interpreter on the CPU: the reference engine's
     greedy tokens, with a ragged batch, a one-token prompt and a prefix-cache hit. Two layers (each kind once):
     the interpreter's cost is per layer. one_seq_tma: the prompts one at a time (steps of one sequence) with the
-    KDA prep's one-sequence path and the MLA prefill's TMA descriptors."""
+    KDA prep's one-sequence path, the MLA prefill's TMA descriptors and one token's MoE in two launches."""
     if HAS_CUDA:
         pytest.skip("on a GPU the compiled kernels are tested (test_gpu_runner_fp32_greedy_equals_cpu_reference)")
     ckpt = make_tiny(tmp_path / arch, arch=arch, dtype="float32", seed=9, overrides=two_layer_overrides(arch))
@@ -94,7 +94,7 @@ def test_gpu_runner_with_triton_kernels_in_the_interpreter_equals_reference(arch
     def run(**over) -> list[list[int]]:
         eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), **over))
         if over["runner"] == "gpu":  # the chunked KDA kernel's intra step (KernelConfig.kda_intra)
-            opts = (dict(kda_prep_one_seq=True, mla_prefill_tma=True) if intra == "one_seq_tma"
+            opts = (dict(kda_prep_one_seq=True, mla_prefill_tma=True, moe_one_token=True) if intra == "one_seq_tma"
                     else dict(kda_intra=intra))
             eng.runner.kernels = eng.runner.fwd.k = replace(eng.runner.fwd.k, **opts)
         if intra == "one_seq_tma":

@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 from tests.kernels.helpers import run_sm90_build  # noqa: E402
 
 _BUILD = r'''
-from k3rt.kernels.moe import triton_align as A, triton_experts as X, triton_router as R
+from k3rt.kernels.moe import triton_align as A, triton_experts as X, triton_one_token as O, triton_router as R
 
 def build(fn, sig, consts, num_warps, num_stages=3):
     # the runtime marks pointers and sizes divisible by 16 as such; the 48B shapes all are
@@ -72,6 +72,16 @@ for name, t, sub in (("decode", X.DECODE_TILES, None), ("prefill64", X.PREFILL_T
         TOPK=8, BLOCK_M=t.block_m, BLOCK_N=t.block_n2, BLOCK_K=t.block_k2, EVEN_K=True, DOT_PRECISION="tf32",
         USE_PDL=True, **rows),
         t.num_warps2, t.num_stages)
+one = dict(x_ptr="*bf16", w13_ptr="*bf16", w2_ptr="*bf16", ids_ptr="*i32", part_ptr="*fp32", D=I32, I=I32,
+           beta="fp32", lin_beta="fp32", E_ROUTED=I32, TOPK=C, BLOCK_N=C, BLOCK_K=C, BLOCK_D=C, EVEN_K=C, SITU=C,
+           LIN_SAT=C, DOT_PRECISION=C, USE_PDL=C)
+res["one_token_gate_up"] = build(O._moe_one_token_kernel, one, dict(
+    TOPK=8, BLOCK_N=O.BLOCK_N, BLOCK_K=O.BLOCK_K, BLOCK_D=O.BLOCK_D, EVEN_K=True, SITU=True, LIN_SAT=True,
+    DOT_PRECISION="tf32", USE_PDL=True), 4, 4)
+red = dict(part_ptr="*fp32", topk_w_ptr="*fp32", out_ptr="*bf16", D=I32, NT=I32, SLOTS=C, TOPK=C, BLOCK_T=C,
+           BLOCK_D=C, USE_PDL=C)
+res["one_token_reduce"] = build(O._moe_one_token_reduce_kernel, red, dict(SLOTS=9, TOPK=8, BLOCK_T=32,
+                                BLOCK_D=O.REDUCE_D, USE_PDL=True), 4, 1)
 print(json.dumps(res))
 '''
 

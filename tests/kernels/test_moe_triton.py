@@ -296,6 +296,22 @@ def test_grouped_tiles_pad_each_expert_to_the_tail_block_only() -> None:
     assert big[big >= 0].tolist() == [0, 3] and small[small >= 0].tolist() == [2, 5]
 
 
+@pytest.mark.parametrize("act", ["silu", "situ_lin"])
+@pytest.mark.parametrize("shared", [0, 1])
+@pytest.mark.parametrize("D,inter", [(40, 24), (64, 32)], ids=["odd", "even"])
+def test_one_token_in_two_launches(D: int, inter: int, shared: int, act: str) -> None:
+    """one_token (triton_one_token.py): the gate/up and the down product of each (slot, column tile) in one
+    program, the partials summed per slot, weighted, rounded and summed over the slots in a second launch: the
+    oracle's values, with D and I not multiples of the tiles and a shared expert; bit-reproducible."""
+    gen = torch.Generator().manual_seed(500 + D + shared)
+    case = experts_case(gen, 1, E=8 + shared, k=4, D=D, inter=inter, dtype=torch.float32, experts=8)
+    kw = dict(act=ACTS[act], shared_experts=shared)
+    out = fused_experts(**case, **kw, one_token=True)
+    assert rel_err(out, fused_experts_ref(**case, **kw)) <= 1e-5
+    assert rel_err(out, fused_experts(**case, **kw)) <= 1e-5
+    assert torch.equal(fused_experts(**case, **kw, one_token=True), out)
+
+
 def test_tma_tiles_fall_back_to_pointer_loads_where_rows_are_not_16_byte_aligned(monkeypatch) -> None:
     """fp16 with D = 36 and I = 20: rows of 72 and 40 bytes, which a TMA descriptor cannot take; the TMA tiles
     then run the pointer loads (the same bits as the pointer tiles), and no descriptor is built."""
@@ -414,6 +430,27 @@ def test_gpu_fused_experts_tile_candidates(T: int, tiles: ExpertTiles) -> None:
     case = gpu_case(T, seed=11)
     out = fused_experts(**case, act=ACTS["situ_lin"], tiles=tiles)
     assert rel_err(out, fused_experts_ref(**case, act=ACTS["situ_lin"])) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("use_pdl", [False, True])
+def test_gpu_one_token_two_launches_48b(use_pdl: bool) -> None:
+    """one_token at the 48B shape (8 routed + 1 shared expert, SiTU), from a CUDA graph: the oracle's values and the
+    grouped path's to bf16 rounding."""
+    case = gpu_case(1, seed=17)
+    E = case["w13"].shape[0]
+    case = dict(case, topk_ids=case["topk_ids"].clamp(max=E - 2))  # the last expert is shared
+    kw = dict(act=ACTS["situ_lin"], shared_experts=1)
+    out = torch.empty(1, D48, dtype=torch.bfloat16, device="cuda")
+    fused_experts(**case, **kw, one_token=True, use_pdl=use_pdl, out=out)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fused_experts(**case, **kw, one_token=True, use_pdl=use_pdl, out=out)
+    g.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, fused_experts_ref(**case, **kw)) <= 1e-2
+    assert rel_err(out, fused_experts(**case, **kw)) <= 1e-2
 
 
 @pytest.mark.gpu

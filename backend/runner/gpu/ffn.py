@@ -138,7 +138,7 @@ def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> to
         if w.mx is not None:
             return experts(z, **w.mx, topk_weights=tw, topk_ids=ids.to(torch.int32), act=moe.act, use_pdl=k.use_pdl)
         return experts(z, w.w13, w.w2, tw, ids.to(torch.int32), act=moe.act, shared_experts=w.shared_fused,
-                       use_pdl=k.use_pdl, tiles=tiles, grouped_tiles=k.moe_grouped_tiles)
+                       use_pdl=k.use_pdl, tiles=tiles, grouped_tiles=k.moe_grouped_tiles, one_token=k.moe_one_token)
 
     if w.shared_fused:
         return moe.tp.all_reduce(routed(x))

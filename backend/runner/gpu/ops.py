@@ -75,6 +75,11 @@ class KernelConfig:
     # padded to 128: a quarter of the 48B's rows at 8K tokens are padding with 128 (256 rows per expert), an
     # eighth with 64. Not timed yet (session 30), so off
     moe_grouped_tiles: bool = False
+    # one token's MoE (batch-1 decode) in two launches instead of three (kernels/moe/triton_one_token.py: each
+    # program's gate/up tile and its down product together, then the partials' sum), so no launch waits for the
+    # whole gate/up. The grouped path took 38.9 us per 48B layer at T = 1 against a 27.4-30 us floor (session 25).
+    # Not timed yet (session 30), so off
+    moe_one_token: bool = False
 
     def __post_init__(self) -> None:
         if self.split_router_min_rows < 0:
