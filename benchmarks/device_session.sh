@@ -15,7 +15,7 @@
 #                       not fail the others (moe 90 s: the MXFP4 kernels' variants compile too)
 #   tests               both of the above
 #   decode (200)        benchmarks/decode.py: batch 1/16/64 at 4K, --profile 1, prefill 8K and 32K (the defaults,
-#                       the KDA blocks intra step, the MoE grouped tiles, both), the cuBLAS-GEMV variant
+#                       the KDA blocks intra step, the MoE grouped tiles, both), batch 1's MoE in two launches
 #   kda (240)           benchmarks/kernels.py: KDA decode and prefill against fla, the fused and the blocks intra
 #                       path (kda_chunk_fwd intra="blocks", session 30) side by side, the blocks' sweep at 16K
 #   mla (240)           benchmarks/kernels_mla.py --decode-only (13 launch variants x 11 cases, then splits)
@@ -126,7 +126,7 @@ for stage in "$@"; do
     decode)
       run decode 200 python3 benchmarks/decode.py --batch 1 16 64 --profile 1 --prefill 8192 32768 \
         --prefill-configs kda_intra=blocks moe_grouped_tiles=1 kda_intra=blocks,moe_grouped_tiles=1 \
-        --variants cublas_gemv --budget-s 180 --out "$OUT/decode.json" ;;
+        --variants control moe_one_token --budget-s 180 --out "$OUT/decode.json" ;;
     kda)
       run kda 240 python3 benchmarks/kernels.py --prefill 8192 16384 65536 8x4096 --prefill-variants base blocks_intra \
         --prefill-sweep blocks_intra_w1 blocks_intra_w2 blocks_intra_w8 blocks_intra_sliced blocks_intra_sliced_w2 \
