@@ -349,6 +349,13 @@ def test_chunk_varlen_mixed_initial_state_and_snapshots(intra: str) -> None:
     check_chunk(case, [0, 1, 2], has_init=[True, False, True], snaps=snaps, intra=intra)
 
 
+@pytest.mark.parametrize("intra", INTRA)
+def test_chunk_head_dim_not_a_power_of_two(intra: str) -> None:
+    """D = 24: the kernels' 32-wide tiles hold 8 padding columns of k, q, v and g (zeros, Gc 0 there)."""
+    case = chunk_case([100, 30], H=2, D=24, kind="softplus", dtype=torch.float32, num_slots=3, seed=23)
+    check_chunk(case, [2, 0], intra=intra)
+
+
 @pytest.mark.parametrize("sliced,l_rows", [(False, True), (True, True), (False, False)],
                          ids=["rows", "rows_sliced", "pairs"])
 def test_chunk_blocks_k_and_v_slices(sliced: bool, l_rows: bool) -> None:
