@@ -99,6 +99,17 @@ def _norms(sq_ptr, i, BC: tl.constexpr):
 
 
 @triton.jit
+def _row_side(q_h, k_h, stride_qt, stride_kt, gc_buf, i, n_valid, offs, K: tl.constexpr, BK: tl.constexpr,
+              BC: tl.constexpr):
+    """Sub-chunk i's side of L's and Aqk's dots, one K slice: (c_i, k_i exp(Gc_i - c_i), q_i exp(Gc_i - c_i)), c_i
+    Gc of the row just above sub-chunk i (0 above the first), so every factor is <= 1."""
+    c_i = tl.load(gc_buf + (i * BC - 1) * BK + offs, mask=(offs < BK) & (i > 0), other=0.0)
+    e = tl.exp(_gc_rows(gc_buf, i * BC, offs, BK, BC) - c_i[None, :])
+    return (c_i, _rows(k_h, stride_kt, i * BC, n_valid, offs, K, BC) * e,
+            _rows(q_h, stride_qt, i * BC, n_valid, offs, K, BC) * e)
+
+
+@triton.jit
 def _scale_store(akk_buf, aqk_buf, kk, qk, b_h, stride_bt, sq_buf, n_valid, scale, i, j, C: tl.constexpr,
                  BC: tl.constexpr):
     """Block (i, j) of the raw sums to L (beta_i rk_i kk rk_j; strictly lower on the diagonal) into akk and Aqk
@@ -188,11 +199,7 @@ def _blocks_pair_kernel(
     qk = tl.zeros([BC, BC], dtype=tl.float32)
     for ks in range(0, BK, BKS):
         offs = ks + tl.arange(0, BKS)
-        # c_i: Gc of the row just above sub-chunk i (0 above the first)
-        c_i = tl.load(gc_buf + (i * BC - 1) * BK + offs, mask=(offs < BK) & (i > 0), other=0.0)
-        e = tl.exp(_gc_rows(gc_buf, i * BC, offs, BK, BC) - c_i[None, :])
-        ke = _rows(k_h, stride_kt, i * BC, n_valid, offs, K, BC) * e
-        qe = _rows(q_h, stride_qt, i * BC, n_valid, offs, K, BC) * e
+        c_i, ke, qe = _row_side(q_h, k_h, stride_qt, stride_kt, gc_buf, i, n_valid, offs, K, BK, BC)
         # the columns, clamped at exp(SAFE_SPAN): only the diagonal block reaches past 1 (a steep one is redone
         # exactly by the inverse's launch, which keeps that path's registers out of these many programs)
         col = tl.exp(tl.minimum(c_i[None, :] - _gc_rows(gc_buf, j * BC, offs, BK, BC), SAFE_SPAN))
@@ -230,10 +237,7 @@ def _blocks_lrow_kernel(
     qk = tl.zeros([BC, C], dtype=tl.float32)
     for ks in range(0, BK, BKS):
         offs = ks + tl.arange(0, BKS)
-        c_i = tl.load(gc_buf + (i * BC - 1) * BK + offs, mask=(offs < BK) & (i > 0), other=0.0)
-        e = tl.exp(_gc_rows(gc_buf, i * BC, offs, BK, BC) - c_i[None, :])
-        ke = _rows(k_h, stride_kt, i * BC, n_valid, offs, K, BC) * e
-        qe = _rows(q_h, stride_qt, i * BC, n_valid, offs, K, BC) * e
+        c_i, ke, qe = _row_side(q_h, k_h, stride_qt, stride_kt, gc_buf, i, n_valid, offs, K, BK, BC)
         # the columns, clamped at exp(SAFE_SPAN) (a steep diagonal block is redone exactly by the inverse's launch)
         col = tl.where(upto[:, None], tl.exp(tl.minimum(c_i[None, :] - _gc_rows(gc_buf, 0, offs, BK, C), SAFE_SPAN)),
                        0.0)

@@ -174,6 +174,44 @@ def _tile_rows(pid_m, sorted_ptr, block_expert_ptr, table_ptr, P, T, NB_ROUTED, 
     return e, pair, tok, row_ok, h0
 
 
+@triton.jit
+def _gate_up_loop(a_ptrs, w13_ptr, e, offs_n, row_ok, n_ok, acc_g, acc_u, D, I, BLOCK_K: tl.constexpr,
+                  EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc_g, acc_u += the rows at a_ptrs ([BM, BK] from column 0) against expert e's gate and up rows offs_n of w13
+    [E, 2I, D] (pointer loads), over D in steps of BLOCK_K."""
+    offs_k = tl.arange(0, BLOCK_K)
+    g_ptrs = w13_ptr + e.to(tl.int64) * (2 * I) * D + offs_n[None, :].to(tl.int64) * D + offs_k[:, None]  # [BK, BN]
+    u_ptrs = g_ptrs + I * D  # the up rows follow the gate rows
+    for k0 in range(0, D, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+            bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = k0 + offs_k < D
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    return acc_g, acc_u
+
+
+@triton.jit
+def _act_mul(acc_g, acc_u, beta, lin_beta, SITU: tl.constexpr, LIN_SAT: tl.constexpr):
+    """act(gate) * up in fp32: SiLU, or SiTU (and the up branch's linear saturation)."""
+    if SITU:
+        gate = beta * _tanh(acc_g / beta) * tl.sigmoid(acc_g)
+        if LIN_SAT:
+            acc_u = lin_beta * _tanh(acc_u / lin_beta)
+    else:
+        gate = acc_g * tl.sigmoid(acc_g)
+    return gate * acc_u
+
+
 @triton.jit(do_not_specialize=PER_STEP)
 def _moe_gate_up_kernel(
     x_ptr, stride_xt,  # [T, D]
@@ -227,33 +265,11 @@ def _moe_gate_up_kernel(
                 acc_u = tl.dot(a, tl.trans(bu), acc_u, input_precision=DOT_PRECISION)
                 a_ptrs += BLOCK_K
         else:
-            w_e = w13_ptr + e.to(tl.int64) * (2 * I) * D
-            g_ptrs = w_e + offs_n[None, :].to(tl.int64) * D + offs_k[:, None]  # [BK, BN] of gate rows
-            u_ptrs = g_ptrs + I * D  # the up rows follow the gate rows
-            for k0 in range(0, D, BLOCK_K):
-                if EVEN_K:
-                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                    bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
-                    bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
-                else:
-                    k_ok = k0 + offs_k < D
-                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                    bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                    bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
-                acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
-                a_ptrs += BLOCK_K
-                g_ptrs += BLOCK_K
-                u_ptrs += BLOCK_K
+            acc_g, acc_u = _gate_up_loop(a_ptrs, w13_ptr, e, offs_n, row_ok, n_ok, acc_g, acc_u, D, I, BLOCK_K, EVEN_K,
+                                         DOT_PRECISION)
         if USE_PDL:
             gdc_launch_dependents()
-        if SITU:
-            gate = beta * _tanh(acc_g / beta) * tl.sigmoid(acc_g)
-            if LIN_SAT:
-                acc_u = lin_beta * _tanh(acc_u / lin_beta)
-        else:
-            gate = acc_g * tl.sigmoid(acc_g)
-        h = gate * acc_u
+        h = _act_mul(acc_g, acc_u, beta, lin_beta, SITU, LIN_SAT)
         h_ptrs = h_ptr + (h0 + tl.arange(0, BLOCK_M))[:, None] * I + offs_n[None, :]
         tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_ok[None, :])
 

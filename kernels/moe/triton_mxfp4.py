@@ -34,7 +34,7 @@ from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs,
 from k3rt.kernels.moe.mxfp4_ref import GROUP
 from k3rt.kernels.moe.triton_experts import (
     PER_STEP,
-    ExpertTiles, _block_rows, _tanh, align_blocks, check_routing, check_x, pick_tiles, sum_slots,
+    ExpertTiles, _act_mul, _block_rows, align_blocks, check_routing, check_x, pick_tiles, sum_slots,
 )
 from k3rt.model_config import ActivationConfig
 
@@ -200,13 +200,7 @@ def _moe_gate_up_mxfp4_kernel(
                 acc_u = _wt_dot(uq, us, a_lo, a_hi, a, acc_u, NATIVE, A_FORMAT, DOT_PRECISION)
         if USE_PDL:
             gdc_launch_dependents()
-        if SITU:
-            gate = beta * _tanh(acc_g / beta) * tl.sigmoid(acc_g)
-            if LIN_SAT:
-                acc_u = lin_beta * _tanh(acc_u / lin_beta)
-        else:
-            gate = acc_g * tl.sigmoid(acc_g)
-        h = gate * acc_u  # [BN, BM]
+        h = _act_mul(acc_g, acc_u, beta, lin_beta, SITU, LIN_SAT)  # [BN, BM]
         h_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * I + offs_n[:, None]
         tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_ok[:, None])
 

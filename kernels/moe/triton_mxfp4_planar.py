@@ -53,7 +53,7 @@ from k3rt.kernels.common import INTERPRET, check, check_same_device, poison_like
 # the layout itself (torch only); SLOT_BITS, to_planar and from_planar are re-exported with the kernels
 from k3rt.kernels.moe.mxfp4_planar_layout import CHUNK, SLOT_BITS, from_planar, repack_in_place, to_planar  # noqa: F401
 from k3rt.kernels.moe.mxfp4_ref import GROUP
-from k3rt.kernels.moe.triton_experts import PER_STEP, _tanh, align_blocks, check_routing, check_x, sum_slots
+from k3rt.kernels.moe.triton_experts import PER_STEP, _act_mul, align_blocks, check_routing, check_x, sum_slots
 from k3rt.model_config import ActivationConfig
 
 MAX_SCALE = 240  # the largest E8M0 exponent whose group factor 2^(s - 113) is a normal fp32
@@ -359,13 +359,7 @@ def _moe_gate_up_planar_kernel(
                                    FUSED, DOT_PRECISION)
             g = _finish(acc_g, FMA)
             u = _finish(acc_u, FMA)
-            if SITU:
-                gate = beta * _tanh(g / beta) * tl.sigmoid(g)
-                if LIN_SAT:
-                    u = lin_beta * _tanh(u / lin_beta)
-            else:
-                gate = g * tl.sigmoid(g)
-            h = gate * u  # [BN, SM]
+            h = _act_mul(g, u, beta, lin_beta, SITU, LIN_SAT)  # [BN, SM]
             h_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * I + offs_n[:, None]
             tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_ok[:, None] & ok[None, :])
 

@@ -24,7 +24,7 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from k3rt.kernels.common import INTERPRET, pdl_kwargs, poison_like
-from k3rt.kernels.moe.triton_experts import _tanh
+from k3rt.kernels.moe.triton_experts import _act_mul, _gate_up_loop
 
 # columns of I per program (9 slots x 1024 / 32 = 288 programs at the 48B shape), the K step of the gate/up loop,
 # the D rows of the down loop's step; the reduce's D block
@@ -61,35 +61,11 @@ def _moe_one_token_kernel(
     one = tl.arange(0, 16) == 0  # the token is row 0 of a 16-row MMA tile; the other rows are zeros
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + tl.zeros([16], dtype=tl.int32)[:, None] + offs_k[None, :]
-    g_ptrs = w13_ptr + e * (2 * I) * D + offs_n[None, :].to(tl.int64) * D + offs_k[:, None]  # [BK, BN] gate rows
-    u_ptrs = g_ptrs + I * D  # the up rows follow the gate rows
-    acc_g = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=one[:, None], other=0.0)
-            bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
-            bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = k0 + offs_k < D
-            a = tl.load(a_ptrs, mask=one[:, None] & k_ok[None, :], other=0.0)
-            bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
-        acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-    if SITU:
-        gate = beta * _tanh(acc_g / beta) * tl.sigmoid(acc_g)
-        if LIN_SAT:
-            acc_u = lin_beta * _tanh(acc_u / lin_beta)
-    else:
-        gate = acc_g * tl.sigmoid(acc_g)
+    a_ptrs = x_ptr + tl.zeros([16], dtype=tl.int32)[:, None] + tl.arange(0, BLOCK_K)[None, :]
+    acc_g, acc_u = _gate_up_loop(a_ptrs, w13_ptr, e, offs_n, one, n_ok, tl.zeros([16, BLOCK_N], dtype=tl.float32),
+                                 tl.zeros([16, BLOCK_N], dtype=tl.float32), D, I, BLOCK_K, EVEN_K, DOT_PRECISION)
     # h as the grouped path stores it (x.dtype); columns past I are zero (their gate and up are)
-    h = (gate * acc_u).to(x_ptr.dtype.element_ty)
+    h = _act_mul(acc_g, acc_u, beta, lin_beta, SITU, LIN_SAT).to(x_ptr.dtype.element_ty)
     if USE_PDL:
         gdc_launch_dependents()
     # the down product over this program's columns of I, BLOCK_D rows of w2[e] at a time
