@@ -25,6 +25,9 @@ from k3rt.kernels.short_conv.triton_rows import _ext_rows, check_rows
 # rows and columns per program; the interpreter's cost is per program, so it takes larger tiles
 _BT = 64 if INTERPRET else 16
 _BC = 256 if INTERPRET else 128
+# the one-sequence path's columns: 16 x 256 tiles 0.283 against 0.310 ms at 8K rows of the 48B layer, a tie at 32K
+# (0.903 / 0.905; H200, benchmarks/kda_prep.py, RESULTS.md session 29)
+_BC_ONE_SEQ = 256
 
 
 # not specialized per step (kernels/common.py, Compiles): T, num_old: the step's rows and old windows; slots, idx:
@@ -160,7 +163,7 @@ def kda_chunk_prep(qkv: Tensor, conv_state: Tensor, slots: Tensor, conv_idx: Ten
     g = poison_like(torch.empty(T, H, D, dtype=torch.float32, device=dev))
     beta = poison_like(torch.empty(T, H, dtype=torch.float32, device=dev))
     if T:
-        bt, bc = block_t or _BT, block_c or _BC
+        bt, bc = block_t or _BT, block_c or (_BC_ONE_SEQ if one_seq else _BC)
         conv_blocks = triton.cdiv(C, bc)
         _kda_chunk_prep_kernel[(triton.cdiv(T, bt), conv_blocks + triton.cdiv(P, bc))](
             qkv, qkv.stride(0), conv_state, conv_state.stride(0), conv_state.stride(1), slots, conv_idx, conv_weight,

@@ -73,8 +73,9 @@ strided = lambda k: k.startswith("stride")
 res = {
     "prep": sm90_build(P._kda_chunk_prep_kernel, prep, dict(W=4, WP=4, H=32, D=128, BT=P._BT, BC=P._BC, BH=32,
                                                             USE_LOWER_BOUND=False, ONE_SEQ=False), 4, 1, strided),
-    "prep_one_seq": sm90_build(P._kda_chunk_prep_kernel, prep, dict(W=4, WP=4, H=32, D=128, BT=P._BT, BC=P._BC, BH=32,
-                                                                    USE_LOWER_BOUND=False, ONE_SEQ=True), 4, 1, strided),
+    "prep_one_seq": sm90_build(P._kda_chunk_prep_kernel, prep, dict(W=4, WP=4, H=32, D=128, BT=P._BT,
+                                                                    BC=P._BC_ONE_SEQ, BH=32, USE_LOWER_BOUND=False,
+                                                                    ONE_SEQ=True), 4, 1, strided),
     "store": sm90_build(R._conv_windows_store_kernel, store, dict(W1=3, BW=4, BC=R._BC), 4, 1, strided),
     "state": sm90_build(K._kda_chunk_state_kernel, state, dict(H=32, K=128, V=128, BK=128, BV=32, BVF=128, C=K.CHUNK,
                                                                DOT16=True, PREC="tf32", SPLIT_O=False), 4,
