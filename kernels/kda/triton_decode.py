@@ -319,6 +319,14 @@ def default_block_v(N: int, H: int, v_split: int) -> int:
     return 32 if v_split == 1 and N * H <= _NARROW_TILE_PROGRAMS else 64
 
 
+def default_num_warps(D: int, v_split: int) -> int:
+    """Warps per program: 2 for split heads' narrow slices (<= 16 value columns: a [128, 16] fp32 tile is 32 values
+    a thread at 2 warps), else 4. H200, N = 1 (8 programs a head, 16 columns; NOTES.md run 6, one call): 5.60 us at
+    2 warps and 5.78 at 1 against 6.04 at 4; with the fused norm 6.21 at 1 against 6.46 at 4. Wider tiles at fewer
+    warps spill (2 programs a head, 32 columns, 1 warp: 165 us against 25 at N = 16)."""
+    return 2 if v_split > 1 and D // v_split <= 16 else 4
+
+
 def default_v_split(N: int, H: int, D: int) -> int:
     """Programs per head: enough (sequence, head, V slice) programs to cover the GPU at small N;
     1 once N*H alone fills it (splitting then only repeats the q/k conv)."""
@@ -353,7 +361,7 @@ def kda_decode(
     scale: float | None = None,
     out: Tensor | None = None,
     use_pdl: bool = False,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     block_v: int | None = None,
     o_gate: Tensor | None = None,
     o_norm_weight: Tensor | None = None,
@@ -387,8 +395,8 @@ def kda_decode(
         o_norm_eps: the output norm's eps (Kimi: rms_norm_eps, 1e-5).
         v_split: programs per head, each owning D/v_split value columns (a power of two dividing
             D); None picks `default_v_split(N, H, D)`.
-        num_warps, block_v: launch tuning (block_v: value columns per state tile; None: `default_block_v`
-            when v_split is None too, else 64).
+        num_warps, block_v: launch tuning (num_warps None: `default_num_warps`; block_v: value columns per state
+            tile; None: `default_block_v` when v_split is None too, else 64).
         workspace: int32 counters from `kda_decode_workspace(>= N, H)`, zero between launches; used
             when v_split > 1 (None allocates zeroed counters per call).
         prefetch: load each state tile one step ahead of its update (None: when V is split over programs).
@@ -451,6 +459,8 @@ def kda_decode(
         # a caller that pins v_split pins the tile too (the batch-invariant mode: one launch shape at any N)
         block_v = 64 if pinned else default_block_v(N, H, v_split)
     block_v = int(block_v)
+    if num_warps is None:
+        num_warps = default_num_warps(D, v_split)
     counts = None
     if v_split > 1:
         if workspace is None:
