@@ -16,8 +16,10 @@
 #   tests               both of the above
 #   decode (200)        benchmarks/decode.py: batch 1/16/64 at 4K, --profile 1, prefill 8K and 32K (the defaults,
 #                       the KDA blocks intra step, the MoE grouped tiles, both), batch 1's MoE in two launches
-#   kda (240)           benchmarks/kernels.py: KDA decode and prefill against fla, the fused and the blocks intra
-#                       path (kda_chunk_fwd intra="blocks", session 30) side by side, the blocks' sweep at 16K
+#   kda (240)           benchmarks/kernels.py: KDA decode (N = 1, 16) and prefill against fla, the fused and the
+#                       blocks intra path (kda_chunk_fwd intra="blocks", session 30) side by side
+#   kda-blocks (120 + 200) the chunk kernels' GPU tests (the blocks cases, fp32 scratch), then the blocks path's
+#                       sweep at 16K without fla (warps, sliced W/U, per-block L, 64-column slices)
 #   mla (240)           benchmarks/kernels_mla.py --decode-only (13 launch variants x 11 cases, then splits)
 #   moe (200)           benchmarks/kernels_moe.py: decode T=1/64, prefill 2K/8K/32K (every tile candidate, the
 #                       grouped tiles among them; the alignment alone in both multi-chunk forms), route
@@ -75,7 +77,7 @@ for stage in "$@"; do
   case $stage in
     tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det|overlap|serve) ;;
     spec-tests|spec-verify|dspark-pass|spec-bench|spec-gate|spec-rounds|jit-churn|tp-tests|tp|tp-symm|k3-slice) ;;
-    profile|kda-probe|tiny-linear|spec-round|prep) ;;
+    profile|kda-probe|tiny-linear|spec-round|prep|kda-blocks) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -128,9 +130,14 @@ for stage in "$@"; do
         --prefill-configs kda_intra=blocks moe_grouped_tiles=1 kda_intra=blocks,moe_grouped_tiles=1 \
         --variants control moe_one_token --budget-s 180 --out "$OUT/decode.json" ;;
     kda)
-      run kda 240 python3 benchmarks/kernels.py --prefill 8192 16384 65536 8x4096 --prefill-variants base blocks_intra \
-        --prefill-sweep blocks_intra_w1 blocks_intra_w2 blocks_intra_w8 blocks_intra_sliced blocks_intra_sliced_w2 \
-        blocks_intra_pairs blocks_intra_pairs_w2 blocks_intra_bk64 --sweep-case 16384 --budget-s 220 --out "$OUT/kda.json" ;;
+      run kda 240 python3 benchmarks/kernels.py --decode-n 1 16 --prefill 8192 16384 65536 8x4096 \
+        --prefill-variants base blocks_intra --budget-s 220 --out "$OUT/kda.json" ;;
+    kda-blocks)
+      gpu_pytest kda-blocks 120 tests/kernels/test_kda_triton.py -k "chunk"
+      run kda-blocks 200 python3 benchmarks/kernels.py --no-fla --decode-n --prefill 16384 --prefill-variants base \
+        blocks_intra --prefill-sweep blocks_intra_w1 blocks_intra_w2 blocks_intra_w8 blocks_intra_sliced \
+        blocks_intra_sliced_w2 blocks_intra_pairs blocks_intra_pairs_w2 blocks_intra_bk64 --sweep-case 16384 \
+        --budget-s 180 --out "$OUT/kda_blocks.json" ;;
     mla)
       run mla 240 python3 benchmarks/kernels_mla.py --decode-only --budget-s 200 --out "$OUT/mla.json" ;;
     moe)
