@@ -16,12 +16,12 @@ block, many resident per SM, so that one program's load latencies hide behind an
      Both exponentials are <= 1 for j < i (g <= 0: Gc falls); on the diagonal the column side reaches exp(span_i),
      so it is clamped there. Then the norms and beta: L_ij = beta_i rk_i raw_kk rk_j (strictly lower on the
      diagonal) into the fp32 scratch akk, Aqk_ij = scale rq_i raw_qk rk_j into aqk; the programs of blocks above
-     the diagonal write Aqk's zeros;
+     the diagonal write Aqk's zeros (the row-block form writes the whole row, zeros past the diagonal block);
   2. per (chunk, head): a sub-chunk whose span exceeds SAFE_SPAN (a steep gate) gets its diagonal blocks of L and
      Aqk again, exactly, elementwise (`_exact_diag_block`; here rather than in phase 1, whose many programs would
-     otherwise all hold that path's registers: 168 against 94 at one warp on sm_90); then (I + L)^-1 by blocks, stably (no power series; NOTES.md "After run 4"): D_i = (I + L_ii)^-1
-     by forward substitution (the fused kernel's code), X_ij = -D_i sum_{j <= m < i} L_im X_mj, each into akk
-     over L_ij;
+     otherwise all hold that path's registers: 168 against 94 at one warp on sm_90); then (I + L)^-1 by blocks,
+     stably (no power series; NOTES.md "After run 4"): D_i = (I + L_ii)^-1 by forward substitution (the fused
+     kernel's code), X_ij = -D_i sum_{j <= m < i} L_im X_mj, each into akk over L_ij;
   3. per (chunk, row block i, head) (or per row block and slice: `sliced_out`), over the K slices:
      qg_i = qn_i exp(Gc_i), kd_i = kn_i exp(Gc_last - Gc_i) and W_i = sum_{j <= i} X_ij beta_j kn_j exp(Gc_j);
      over V slices U_i = sum_{j <= i} X_ij beta_j v_j: each one dot of X's row block i (the blocks past i masked to

@@ -119,7 +119,8 @@ def fused_experts_one_token(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Te
     pdl = use_pdl and not INTERPRET
     _moe_one_token_kernel[((k + S) * nt,)](
         x, w13, w2, topk_ids, part, D, I, float(beta), float(lin_beta or 1.0), E - S,
-        TOPK=k, BLOCK_N=bn, BLOCK_K=bk, BLOCK_D=bd, EVEN_K=D % bk == 0, SITU=situ, LIN_SAT=situ and lin_beta is not None,
+        TOPK=k, BLOCK_N=bn, BLOCK_K=bk, BLOCK_D=bd, EVEN_K=D % bk == 0, SITU=situ,
+        LIN_SAT=situ and lin_beta is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl, num_warps=4, num_stages=4,
         **pdl_kwargs(use_pdl),
     )

@@ -180,7 +180,8 @@ def build(fn, act, dot16, prec, warps, sliced):
               if a in args}
     return sm90_build(fn, sig, consts, warps, 2, lambda k: k in strides)
 
-kernels = dict(gc=(B._blocks_gc_kernel, False), pair=(B._blocks_pair_kernel, False), lrow=(B._blocks_lrow_kernel, False),
+kernels = dict(gc=(B._blocks_gc_kernel, False), pair=(B._blocks_pair_kernel, False),
+               lrow=(B._blocks_lrow_kernel, False),
                inverse=(B._blocks_inverse_kernel, False), out=(B._blocks_out_kernel, False),
                out_sliced=(B._blocks_out_kernel, True))
 print(json.dumps({  # kda_chunk_fwd's defaults for intra="blocks": 32-column slices, 4 warps, 2 stages
