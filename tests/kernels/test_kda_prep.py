@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from k3rt.kernels.kda import kda_chunk_prep, kda_gate_lower_bound, kda_gate_softplus  # noqa: E402
 from k3rt.kernels.short_conv import causal_conv1d_rows, conv_windows_store, conv_windows_store_fwd  # noqa: E402
-from tests.kernels.helpers import DEV, rel_err  # noqa: E402
+from tests.kernels.helpers import DEV, rel_err, run_benchmark_smoke  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")
 W, H, D = 4, 3, 32
@@ -106,6 +106,14 @@ def test_row_blocks_of_natural_windows_read_x_directly_and_others_the_indices() 
             idx[60, 2] = idx[10, 1]  # row 60 (sequence 2, block 3: otherwise natural) reads another row there
         y, _, _ = kda_chunk_prep(x, pool, slots, idx, w, f, A_log, dt_bias, b, block_t=16)
         assert rel_err(y, causal_conv1d_rows(x, pool, slots, idx, w)) < 1e-6, odd
+
+
+def test_benchmark_smoke(tmp_path) -> None:
+    """benchmarks/kda_prep.py --smoke runs on the CPU interpreter (one sequence, its one_seq tiles, several
+    sequences) and every variant passes its check."""
+    rows = run_benchmark_smoke("kda_prep.py", tmp_path / "kda_prep.json")["rows"]
+    assert [r["variant"] for r in rows] == ["indexed", "one_seq 16x128w4", "indexed, 3 sequences"]
+    assert all(r["equal"] for r in rows), rows
 
 
 @pytest.mark.gpu
