@@ -92,10 +92,15 @@ def _beta(b_h, stride_bt, i, n_valid, BC: tl.constexpr):
 
 
 @triton.jit
+def _rnorm(sq_ptr, r0, N: tl.constexpr):
+    """1 / ||row|| (l2norm's eps) of rows r0 .. r0+N from their squared norms in the scratch."""
+    return 1.0 / tl.sqrt(tl.load(sq_ptr + r0 + tl.arange(0, N)) + 1e-6)
+
+
+@triton.jit
 def _norms(sq_ptr, i, BC: tl.constexpr):
     """(rk, rq / scale) of sub-chunk i from the squared norms phase 0 stored: [2, C] fp32 (k row, then q row)."""
-    loc = i * BC + tl.arange(0, BC)
-    return 1.0 / tl.sqrt(tl.load(sq_ptr + loc) + 1e-6), 1.0 / tl.sqrt(tl.load(sq_ptr + 4 * BC + loc) + 1e-6)
+    return _rnorm(sq_ptr, i * BC, BC), _rnorm(sq_ptr, 4 * BC + i * BC, BC)
 
 
 @triton.jit
@@ -246,7 +251,7 @@ def _blocks_lrow_kernel(
         qk += _dot(qe, kt, DOT16, PREC)
     loc = tl.arange(0, BC)
     rk_i, rq_i = _norms(sq_buf, i, BC)
-    rk = 1.0 / tl.sqrt(tl.load(sq_buf + cols) + 1e-6)
+    rk = _rnorm(sq_buf, 0, C)
     b_i = _beta(beta_ptr + t0 * stride_bt + i_h * stride_bh, stride_bt, i, n_valid, BC)
     below = (cols[None, :] // BC < i) | ((cols[None, :] // BC == i) & (loc[:, None] > cols[None, :] % BC))
     diag = (cols[None, :] // BC == i) & (loc[:, None] == cols[None, :] % BC)
@@ -359,7 +364,7 @@ def _blocks_out_kernel(
     past = cols < (i + 1) * BC
     t_row = tl.load(akk_buf + (i * BC + tl.arange(0, BC))[:, None] * C + cols[None, :], mask=past[None, :], other=0.0)
     t_row = t_row * tl.load(b_h + cols.to(tl.int64) * stride_bt, mask=past & (cols < n_valid), other=0.0)[None, :]
-    rk_all = 1.0 / tl.sqrt(tl.load(sq_buf + cols) + 1e-6)
+    rk_all = _rnorm(sq_buf, 0, C)
     for ks in range(k_lo, k_hi, BKS):
         offs = ks + tl.arange(0, BKS)
         g_last = tl.load(gc_buf + (C - 1) * BK + offs)

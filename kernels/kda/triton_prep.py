@@ -30,6 +30,17 @@ _BC = 256 if INTERPRET else 128
 _BC_ONE_SEQ = 256
 
 
+@triton.jit
+def _natural_taps(acc, x_ptr, stride_x, cw_ptr, r64, m_r, ch, m_c, W: tl.constexpr):
+    """acc + the conv of rows whose windows are their natural ones inside the step (row t's taps: x rows
+    t - W + 1 .. t), read straight from x: the fp32 sum over the taps in order, as the reference's addcmul_."""
+    for tap in tl.static_range(W):
+        v = tl.load(x_ptr + (r64 + (tap - (W - 1)))[:, None] * stride_x + ch[None, :],
+                    mask=m_r[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+        acc += v * tl.load(cw_ptr + ch * W + tap, mask=m_c, other=0.0)[None, :]
+    return acc
+
+
 # not specialized per step (kernels/common.py, Compiles): T, num_old: the step's rows and old windows; slots, idx:
 # views of the packed step. b's row stride stays specialized (a row of H heads is one vector load at the 48B
 # shape): the runner keeps it a multiple of 16 (backend/runner/gpu/kda.py ROW_ALIGN)
@@ -51,10 +62,7 @@ def _kda_chunk_prep_kernel(
         acc = tl.zeros([BT, BC], dtype=tl.float32)
         if ONE_SEQ and tl.program_id(0) * BT >= W - 1:
             # one sequence, every window inside the step's rows: row t's taps are rows t-W+1 .. t, no index loads
-            for tap in tl.static_range(W):
-                v = tl.load(x_ptr + (r64 + (tap - (W - 1)))[:, None] * stride_x + ch[None, :],
-                            mask=m_r[:, None] & m_c[None, :], other=0.0).to(tl.float32)
-                acc += v * tl.load(cw_ptr + ch * W + tap, mask=m_c, other=0.0)[None, :]
+            acc = _natural_taps(acc, x_ptr, stride_x, cw_ptr, r64, m_r, ch, m_c, W)
         elif ONE_SEQ:
             for tap in tl.static_range(W):  # fp32 sum over the taps in order, as the reference's addcmul_
                 # conv_idx of one sequence is ext row t + tap (its W-1 cached rows first)
@@ -75,10 +83,7 @@ def _kda_chunk_prep_kernel(
                 idx = tl.where(taps[None, :] == tap, col[:, None], idx)
             natural = ((idx == num_old + r64[:, None] - (W - 1) + taps[None, :]) & (idx >= num_old)) | ~m_t
             if tl.min(natural.to(tl.int32)) == 1:
-                for tap in tl.static_range(W):
-                    v = tl.load(x_ptr + (r64 + (tap - (W - 1)))[:, None] * stride_x + ch[None, :],
-                                mask=m_r[:, None] & m_c[None, :], other=0.0).to(tl.float32)
-                    acc += v * tl.load(cw_ptr + ch * W + tap, mask=m_c, other=0.0)[None, :]
+                acc = _natural_taps(acc, x_ptr, stride_x, cw_ptr, r64, m_r, ch, m_c, W)
             else:
                 for tap in tl.static_range(W):
                     r = tl.sum(tl.where(taps[None, :] == tap, idx, 0), axis=1)

@@ -556,7 +556,7 @@ def fused_experts(
             w2_arg = TensorDescriptor.from_tensor(w2_arg, [bn2, bk2])
             h_arg = TensorDescriptor.from_tensor(h_arg, [t.block_m, bk2])
         n_m = n_routed + S * n_shared
-        rows = (T_, n_routed, max(1, n_shared), E_routed, b.h_shared if grouped else n_routed * t.block_m)
+        rows = (T_, n_routed, max(1, n_shared), E_routed, b.h_shared)
         common = dict(TOPK=k, BLOCK_M=t.block_m, SUB_M=sub.block_m, GROUPED=grouped, USE_PDL=pdl,
                       PAIR_BLOCKS=b.pair_blocks, TMA=tma, num_stages=t.num_stages, **pdl_kwargs(use_pdl))
         _moe_gate_up_kernel[(n_m * triton.cdiv(I, bn1),)](
@@ -571,9 +571,9 @@ def fused_experts(
         )
 
     if grouped:  # the runs' groups of blocks in cfg's tiles (and the shared experts), their leftovers in the tail's
-        gemms(cfg, b.big, nb_routed, triton.cdiv(T, cfg.block_m))
+        gemms(cfg, b.big, nb_routed, nb_shared)
         if b.small.numel():
             gemms(sub, b.small, b.small.numel(), 0)
     else:
-        gemms(cfg, b.block_expert, nb_routed, (b.num_blocks - nb_routed) // max(1, S))
+        gemms(cfg, b.block_expert, nb_routed, nb_shared)
     return sum_slots(b.y, out, k, S, use_pdl)

@@ -271,10 +271,15 @@ def test_fused_experts_skewed_routing_odd_sizes_prefill_tiles() -> None:
 @pytest.mark.parametrize("shared", [0, 1])
 @pytest.mark.parametrize("T,experts,group", [(37, 3, 2), (70, None, 2), (70, 5, 4), (300, None, 4)],
                          ids=["skewed_g2", "spread_g2", "five_experts_g4", "many_chunks_g4"])
-def test_fused_experts_grouped_tiles(T: int, experts: int | None, group: int, shared: int) -> None:
+def test_fused_experts_grouped_tiles(monkeypatch, T: int, experts: int | None, group: int, shared: int) -> None:
     """ExpertTiles.tail: the runs padded to the tail's 16 rows, tiles of 16 * group rows over their whole groups
     of blocks, the leftovers in a second launch of 16-row tiles; the shared experts' tiles of 16 * group rows after
-    the routed rows. Equal to the oracle, with TMA tiles too, and D, I not multiples of the K tiles."""
+    the routed rows. Equal to the oracle, with TMA tiles too, and D, I not multiples of the K tiles; the grouped
+    alignment is the one that ran."""
+    import k3rt.kernels.moe.triton_experts as te
+
+    calls = []
+    monkeypatch.setattr(te, "moe_align_grouped", lambda *a, **k: calls.append(a[3]) or moe_align_grouped(*a, **k))
     gen = torch.Generator().manual_seed(400 + T + group + shared)
     case = experts_case(gen, T, E=8 + shared, k=2, D=40, inter=24, dtype=torch.float32, experts=experts or 8)
     act = ACTS["situ_lin"]
@@ -284,6 +289,7 @@ def test_fused_experts_grouped_tiles(T: int, experts: int | None, group: int, sh
         tiles = ExpertTiles(16 * group, 16, 32, 32, 16, 4, 4, 1, tma=tma, tail=tail)
         out = fused_experts(**case, act=act, shared_experts=shared, tiles=tiles)
         assert rel_err(out, ref) <= 1e-5, tma
+    assert calls == [group, group]
 
 
 def test_grouped_tiles_pad_each_expert_to_the_tail_block_only() -> None:
@@ -299,16 +305,24 @@ def test_grouped_tiles_pad_each_expert_to_the_tail_block_only() -> None:
 @pytest.mark.parametrize("act", ["silu", "situ_lin"])
 @pytest.mark.parametrize("shared", [0, 1])
 @pytest.mark.parametrize("D,inter", [(40, 24), (64, 32)], ids=["odd", "even"])
-def test_one_token_in_two_launches(D: int, inter: int, shared: int, act: str) -> None:
+def test_one_token_in_two_launches(monkeypatch, D: int, inter: int, shared: int, act: str) -> None:
     """one_token (triton_one_token.py): the gate/up and the down product of each (slot, column tile) in one
     program, the partials summed per slot, weighted, rounded and summed over the slots in a second launch: the
-    oracle's values, with D and I not multiples of the tiles and a shared expert; bit-reproducible."""
+    oracle's values, with D and I not multiples of the tiles and a shared expert; bit-reproducible; the grouped
+    GEMMs do not run."""
+    import k3rt.kernels.moe.triton_experts as te
+
     gen = torch.Generator().manual_seed(500 + D + shared)
     case = experts_case(gen, 1, E=8 + shared, k=4, D=D, inter=inter, dtype=torch.float32, experts=8)
     kw = dict(act=ACTS[act], shared_experts=shared)
+    grouped_path = fused_experts(**case, **kw)
+
+    def no_grouped(*a, **k):
+        raise AssertionError("one_token ran the grouped GEMMs")
+    monkeypatch.setattr(te, "align_blocks", no_grouped)
     out = fused_experts(**case, **kw, one_token=True)
     assert rel_err(out, fused_experts_ref(**case, **kw)) <= 1e-5
-    assert rel_err(out, fused_experts(**case, **kw)) <= 1e-5
+    assert rel_err(out, grouped_path) <= 1e-5
     assert torch.equal(fused_experts(**case, **kw, one_token=True), out)
 
 
