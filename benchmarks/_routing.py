@@ -7,7 +7,7 @@ import torch
 
 def distinct_experts(runner, step) -> list[int]:
     """Distinct routed experts each MoE layer reads for this step (one eager forward in the step's own form,
-    routing recorded: the routing kernel on the GPU, the torch router on the CPU path). A decode step packed the
+    routing recorded: the routing kernels (either form) on the GPU, the torch router on the CPU path). A decode step packed the
     way the graphs are (no chunk tables) must run in the decode form: the chunked KDA kernel needs the tables."""
     import k3rt.backend.runner.gpu.ffn as ffn
 
@@ -20,7 +20,7 @@ def distinct_experts(runner, step) -> list[int]:
 
     def recording(module: str, name: str):
         fn = real_kernel(module, name)
-        if (module, name) != ("moe", "moe_route") or fn is None:
+        if module != "moe" or name not in ("moe_route", "moe_route_from_x") or fn is None:
             return fn
 
         def routed(*a, **kw):

@@ -111,3 +111,17 @@ def mla_store_latent_ref(ckv: Tensor, norm_weight: Tensor, eps: float, kv_flat: 
     cf = cf * torch.rsqrt(cf.pow(2).mean(-1, keepdim=True) + eps)
     lat = torch.cat([norm_weight * cf.to(c.dtype), ckv[:, kv_lora_rank:]], dim=-1)
     kv_flat[slots] = lat.to(kv_flat.dtype)
+
+
+def mla_output_gate_ref(o: Tensor, gate: Tensor) -> Tensor:
+    """MLA's output gate (model-facts §5, `mla_use_output_gate`): o * sigmoid(gate), the sigmoid in fp32 rounded to
+    o's dtype before the product (the model's order, backend/models/mla.py).
+
+    Args:
+        o: [N, H, V] attention output.
+        gate: [N, H, V] the gate's pre-activation (g_proj(x)).
+
+    Returns:
+        [N, H, V] in o.dtype.
+    """
+    return o * torch.sigmoid(gate.float()).to(o.dtype)

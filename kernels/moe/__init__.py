@@ -4,7 +4,8 @@ oracles every MoE kernel is tested against.
 MXFP4 experts: `mxfp4_ref` (the format, quantizer, oracle), `fused_experts_mxfp4` and, on the planar
 in-memory layout (`PlanarMxfp4.from_packed`, `mxfp4_planar_layout`), `fused_experts_mxfp4_planar`
 (the GPU runner's default, its `PLANAR_SERVE_VARIANT`).
-The Triton ops (`act_and_mul`, `moe_route`, `fused_experts` (its one-token form: triton_one_token.py),
+The Triton ops (`act_and_mul`, `moe_route` (and `moe_route_from_x`: small routers' logits in the same launch),
+`fused_experts` (its one-token form: triton_one_token.py),
 `fused_experts_mxfp4`, `moe_align_fwd`) are exported lazily, so importing the
 reference ops never imports Triton. `fused_experts_grouped` (grouped.py): the same contract through CUTLASS's
 grouped GEMMs, for prefill-sized batches on sm90+.
@@ -15,6 +16,8 @@ from k3rt.kernels.moe.ref import act_and_mul_ref, align_ref, fused_experts_ref, 
 _TRITON_EXPORTS = {
     "act_and_mul": "k3rt.kernels.moe.triton_act",
     "moe_route": "k3rt.kernels.moe.triton_router",
+    "moe_route_from_x": "k3rt.kernels.moe.triton_router",
+    "fused_router_fits": "k3rt.kernels.moe.triton_router",
     "fused_experts": "k3rt.kernels.moe.triton_experts",
     "fused_experts_grouped": "k3rt.kernels.moe.grouped",
     "grouped_mm_available": "k3rt.kernels.moe.grouped",
@@ -38,9 +41,11 @@ __all__ = [
     "fused_experts_mxfp4",
     "fused_experts_mxfp4_planar",
     "fused_experts_ref",
+    "fused_router_fits",
     "grouped_mm_available",
     "moe_align_fwd",
     "moe_route",
+    "moe_route_from_x",
     "route_ref",
 ]
 

@@ -5,7 +5,11 @@ repeated argmax, so the k ids come out in descending order of biased score, like
 num_expert_group > 1 the group score is the sum of the group's two largest biased scores (max, then
 max again with the argmax masked, which equals torch.topk(2).sum on ties too); the topk_group best
 groups are kept, the rest masked to -inf before the top-k. The oracle is `ref.py::route_ref`. The
-router GEMM (x @ W_gate^T, fp32) stays a cuBLAS matmul outside.
+router GEMM (x @ W_gate^T, fp32) stays a matmul outside (cuBLAS or the skinny GEMV), except for small routers:
+`moe_route_from_x` computes a token's logits in its own program first ([E, D] products in fp32, summed over D),
+one launch instead of two. That pays where the weight is a few KB (k3-tiny: 8 x 384, read by every token's
+program from L2) and a decode forward is launch-bound; `fused_router_fits` bounds it (at the 48B's 256 x 2304 one
+program would stream 2.4 MB).
 """
 from __future__ import annotations
 
@@ -19,11 +23,21 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs
 
 MAX_EXPERTS = 512
+# moe_route_from_x: at most this many router weights (E * D; fp32: 128 KB a program reads) and rows
+FUSED_MAX_WEIGHTS = 32768
+FUSED_MAX_ROWS = 16
+
+
+def fused_router_fits(rows: int, num_experts: int, hidden: int, num_expert_group: int = 1) -> bool:
+    """Whether `moe_route_from_x` takes these: a small router (every program reads the whole weight), few rows
+    (decode and verify steps; a prefill's router is a GEMM), ungrouped selection."""
+    return 1 <= rows <= FUSED_MAX_ROWS and num_experts * hidden <= FUSED_MAX_WEIGHTS and num_expert_group == 1
 
 
 @triton.jit
 def _moe_route_kernel(
-    logits_ptr, stride_lt,  # [T, E] fp32
+    logits_ptr, stride_lt,  # [T, E] fp32 (FROM_X: x [T, D], any float)
+    gate_ptr, D,  # FROM_X: the router weight [E, D] contiguous, any float; else unused
     bias_ptr,  # [E] fp32
     w_ptr, ids_ptr,  # [T, K] fp32 / int32, contiguous
     scaling,
@@ -37,6 +51,8 @@ def _moe_route_kernel(
     TOPK_GROUP: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     USE_PDL: tl.constexpr,
+    FROM_X: tl.constexpr = False,
+    BLOCK_D: tl.constexpr = 16,
 ):
     t = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
@@ -44,7 +60,18 @@ def _moe_route_kernel(
     if USE_PDL:
         gdc_wait()
     row = logits_ptr + t.to(tl.int64) * stride_lt
-    s = tl.sigmoid(tl.load(row + offs_e, mask=mask_e, other=0.0).to(tl.float32))  # [BLOCK_E]
+    if FROM_X:  # the logits x @ W^T in fp32 here: [E, BLOCK_D] products per step, summed over D at the end
+        offs_d = tl.arange(0, BLOCK_D)
+        acc = tl.zeros([BLOCK_E, BLOCK_D], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            ok_d = d0 + offs_d < D
+            xd = tl.load(row + d0 + offs_d, mask=ok_d, other=0.0).to(tl.float32)
+            wd = tl.load(gate_ptr + offs_e[:, None] * D + d0 + offs_d[None, :], mask=mask_e[:, None] & ok_d[None, :],
+                         other=0.0).to(tl.float32)
+            acc += wd * xd[None, :]
+        s = tl.sigmoid(tl.sum(acc, axis=1))  # [BLOCK_E]
+    else:
+        s = tl.sigmoid(tl.load(row + offs_e, mask=mask_e, other=0.0).to(tl.float32))  # [BLOCK_E]
     bias = tl.load(bias_ptr + offs_e, mask=mask_e, other=0.0).to(tl.float32)
     sel = tl.where(mask_e, s + bias, float("-inf"))
     if GROUPS > 1:
@@ -118,7 +145,56 @@ def moe_route(
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be fp32 [T, E] with a contiguous last dim, got {logits.dtype} "
                          f"{list(logits.shape)} strides {logits.stride()}")
-    T, E = logits.shape
+    return _route(logits, None, logits.shape[1], bias, top_k, num_expert_group, topk_group, renormalize, scaling,
+                  out_weights, out_ids, use_pdl, num_warps)
+
+
+def moe_route_from_x(
+    x: Tensor,
+    gate_weight: Tensor,
+    bias: Tensor,
+    *,
+    top_k: int,
+    num_expert_group: int = 1,
+    topk_group: int = 1,
+    renormalize: bool = True,
+    scaling: float = 1.0,
+    out_weights: Tensor | None = None,
+    out_ids: Tensor | None = None,
+    use_pdl: bool = False,
+    num_warps: int = 1,
+) -> tuple[Tensor, Tensor]:
+    """`moe_route` of the logits x @ gate_weight^T, computed in the same launch (module docstring): fp32 products
+    and sums whatever the inputs' dtype (the router's fp32 logits). Within `fused_router_fits` only.
+
+    Args:
+        x: [T, D] float activations (rows may be strided; last dim contiguous).
+        gate_weight: [E, D] contiguous float router weight (Kimi keeps it fp32).
+        bias, top_k, ...: as `moe_route`.
+    """
+    if x.dim() != 2 or not x.is_floating_point() or x.stride(-1) != 1:
+        raise ValueError(f"x must be a float [T, D] tensor with a contiguous last dim, got {x.dtype} "
+                         f"{list(x.shape)} strides {x.stride()}")
+    T, D = x.shape
+    if gate_weight.dim() != 2 or gate_weight.shape[1] != D or not gate_weight.is_floating_point():
+        raise ValueError(f"gate_weight must be a float [E, D={D}] tensor, got {gate_weight.dtype} "
+                         f"{list(gate_weight.shape)}")
+    if not gate_weight.is_contiguous():
+        raise ValueError("gate_weight must be contiguous")
+    E = gate_weight.shape[0]
+    if not fused_router_fits(max(T, 1), E, D, num_expert_group):
+        raise ValueError(f"moe_route_from_x: T={T} rows, E={E} x D={D} weights, {num_expert_group} groups is past "
+                         f"fused_router_fits (<= {FUSED_MAX_ROWS} rows, <= {FUSED_MAX_WEIGHTS} weights, one group)")
+    check_same_device(x=x, gate_weight=gate_weight)
+    return _route(x, gate_weight, E, bias, top_k, num_expert_group, topk_group, renormalize, scaling, out_weights,
+                  out_ids, use_pdl, num_warps)
+
+
+def _route(rows: Tensor, gate_weight: Tensor | None, E: int, bias: Tensor, top_k: int, num_expert_group: int,
+           topk_group: int, renormalize: bool, scaling: float, out_weights: Tensor | None, out_ids: Tensor | None,
+           use_pdl: bool, num_warps: int) -> tuple[Tensor, Tensor]:
+    """The checks and the launch of both forms: rows are the logits [T, E], or x [T, D] with gate_weight."""
+    T = rows.shape[0]
     if not 1 <= E <= MAX_EXPERTS:
         raise ValueError(f"logits: E must be in [1, {MAX_EXPERTS}], got {E}")
     check(bias, "bias", (E,), torch.float32)
@@ -139,17 +215,21 @@ def moe_route(
             check(t, name, (T, top_k), dtype)
             if not t.is_contiguous():
                 raise ValueError(f"{name} must be contiguous")
-    check_same_device(logits=logits, bias=bias, out_weights=out_weights, out_ids=out_ids)
-    w = out_weights if out_weights is not None else torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
-    ids = out_ids if out_ids is not None else torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
+    check_same_device(rows=rows, bias=bias, out_weights=out_weights, out_ids=out_ids)
+    w = out_weights if out_weights is not None else torch.empty(T, top_k, dtype=torch.float32, device=rows.device)
+    ids = out_ids if out_ids is not None else torch.empty(T, top_k, dtype=torch.int32, device=rows.device)
     if T == 0:
         return w, ids
+    from_x = gate_weight is not None
+    D = rows.shape[1] if from_x else 0
     _moe_route_kernel[(T,)](
-        logits, logits.stride(0), bias, w, ids, float(scaling),
+        rows, rows.stride(0), gate_weight if from_x else rows, D, bias, w, ids, float(scaling),
         E=E, BLOCK_E=triton.next_power_of_2(E), K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
         GROUPS=num_expert_group, BLOCK_G=triton.next_power_of_2(num_expert_group),
         BLOCK_PER=triton.next_power_of_2(per), TOPK_GROUP=topk_group,
         RENORMALIZE=bool(renormalize), USE_PDL=use_pdl and not INTERPRET,
+        # the [BLOCK_E, BLOCK_D] fp32 products: at most 2048 (64 registers a thread at one warp)
+        FROM_X=from_x, BLOCK_D=max(16, min(128, triton.next_power_of_2(max(D, 1)), 2048 // triton.next_power_of_2(E))),
         num_warps=num_warps, **pdl_kwargs(use_pdl),
     )
     return w, ids

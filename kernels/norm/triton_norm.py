@@ -25,7 +25,7 @@ def _rms_norm_fwd_kernel(
     x_ptr, stride_x,  # [N, D]
     r_ptr, stride_r,  # [N, D] residual (unused without HAS_RESIDUAL)
     w_ptr,  # [D]
-    y_ptr,  # [N, D] contiguous
+    y_ptr, stride_y,  # [N, D]
     h_ptr,  # [N, D] contiguous residual_out (unused without HAS_RESIDUAL)
     N, D, eps,
     BLOCK_D: tl.constexpr,
@@ -52,7 +52,7 @@ def _rms_norm_fwd_kernel(
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / D + eps)  # [ROWS]
     xn = (xf * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(y_ptr + rows64 * D + cols[None, :], (xn * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + rows64 * stride_y + cols[None, :], (xn * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # not specialized per step (kernels/common.py, Compiles): R: the step's rows times heads
@@ -117,7 +117,8 @@ def rms_norm(
         weight: [D] contiguous, x.dtype or fp32.
         eps: added to mean(h^2) inside the rsqrt.
         residual: optional [N, D] in x.dtype (last dim contiguous); h = x + residual is normalized.
-        out: optional contiguous [N, D] output in promote(weight.dtype, x.dtype); may be x itself.
+        out: optional [N, D] output in promote(weight.dtype, x.dtype), last dim contiguous (rows may be strided:
+            a column slice of a wider buffer, e.g. the LatentMoE tail's [shared h | latent] input); may be x itself.
         residual_out: optional contiguous [N, D] x.dtype buffer for h; may be residual itself.
         use_pdl: programmatic dependent launch (GPU only).
 
@@ -143,14 +144,14 @@ def rms_norm(
         raise ValueError("residual_out must be None when residual is None")
     if out is None:
         out = poison_like(torch.empty(N, D, dtype=out_dtype, device=x.device))
-    _check_rows(out, "out", (N, D), out_dtype, contiguous=True)
+    _check_rows(out, "out", (N, D), out_dtype)
     check_same_device(x=x, weight=weight, residual=residual, out=out, residual_out=residual_out)
     if N > 0:
         block_d, rows, num_warps = _tiling(D)
         has_res = residual is not None
         _rms_norm_fwd_kernel[(triton.cdiv(N, rows),)](
             x, x.stride(0), residual if has_res else x, residual.stride(0) if has_res else 0, weight,
-            out, residual_out if has_res else out, N, D, float(eps),
+            out, out.stride(0), residual_out if has_res else out, N, D, float(eps),
             BLOCK_D=block_d, ROWS=rows, HAS_RESIDUAL=has_res, USE_PDL=use_pdl and not INTERPRET,
             num_warps=num_warps, **pdl_kwargs(use_pdl),
         )

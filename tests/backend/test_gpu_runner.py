@@ -522,13 +522,15 @@ def test_a_mixed_steps_kda_layer_launches_no_torch_work(tmp_path) -> None:
         assert (work.torch_ops, work.triton) == ([], launches)
 
 
-def _k3_decode_forward_counted(tmp_path):
-    """(runner, step, _LaunchWork) of one decode forward of a tiny k3 checkpoint through the GPU runner, kernels on."""
+def _k3_decode_forward_counted(tmp_path, **kernel_config):
+    """(runner, step, _LaunchWork) of one decode forward of a tiny k3 checkpoint through the GPU runner, kernels on
+    (KernelConfig fields overridden by kernel_config)."""
     from k3rt.backend.runner.gpu.step import StepSeq
 
     ckpt = make_tiny(tmp_path / "m", arch="k3", dtype="float32", seed=4)
     eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), runner="gpu", cuda_graphs=False))
     runner, pool = eng.runner, eng.pool
+    runner.fwd.k = replace(runner.fwd.k, **kernel_config)
     step = runner._build([StepSeq([7], 20, pool.allocate(2), pool.allocate(eng.layout.pages_per_state_set), True)], [])
     with torch.no_grad(), _LaunchWork() as work:
         runner.fwd(step, decode=True)
@@ -545,8 +547,47 @@ def test_a_k3_decode_forward_launches_no_torch_glue_for_norms_activations_or_res
     runner, step, work = _k3_decode_forward_counted(tmp_path)
     glue = {"tanh", "div", "pow", "mean", "rsqrt", "stack"} & set(work.torch_ops)
     assert not glue, sorted(glue)
-    mla = sum(isinstance(w, MlaWeights) for w in runner.fwd.prepared.values())
-    assert work.torch_ops.count("mul") == work.torch_ops.count("sigmoid") == mla  # the MLA output gate's only
+    assert any(isinstance(w, MlaWeights) for w in runner.fwd.prepared.values())
+    # nor for the MLA output gate (kernels/mla/triton_gate.py: one launch, not a cast, sigmoid, cast and product)
+    assert work.torch_ops.count("mul") == work.torch_ops.count("sigmoid") == work.torch_ops.count("_to_copy") == 0
+
+
+def test_a_latent_moe_layer_runs_shared_and_latent_projections_in_two_gemms(tmp_path) -> None:
+    """Issue 16 (a batch-1 round is launch-bound): with the kernels on, a LatentMoE layer's shared gate/up rows and
+    routed down projection are one GEMM (both read x), and at TP 1 its shared down and latent up projections with
+    their sum are one more over [h | latent] (ffn.LatentFusion): per layer two GEMMs and the add fewer. The output
+    equals the unfused path's up to fp32 summation order, and the module's weights are views of the fused ones
+    (one copy in memory: the reference forward reads the same storage)."""
+    fused_runner, step, fused = _k3_decode_forward_counted(tmp_path / "a")
+    plain_runner, plain_step, plain = _k3_decode_forward_counted(tmp_path / "b", moe_latent_fusion=False)
+    n = len(fused_runner.fwd.moe)
+    assert n and all(w.latent is not None and w.latent.tail is not None for w in fused_runner.fwd.moe.values())
+    assert plain.torch_ops.count("mm") - fused.torch_ops.count("mm") == 2 * n
+    assert (plain.torch_ops.count("add"), fused.torch_ops.count("add")) == (n, 0)
+    assert fused.triton == plain.triton
+    with torch.no_grad():
+        got, want = fused_runner.fwd(step, decode=True), plain_runner.fwd(plain_step, decode=True)
+    assert rel(got, want) < 1e-5
+    for i, w in fused_runner.fwd.moe.items():
+        moe, lf = fused_runner.fwd.layers[i].mlp, w.latent
+        mlp = moe.shared_experts
+        assert mlp.gate_up_proj.weight.data_ptr() == lf.head.data_ptr()
+        assert moe.routed_expert_down_proj.weight.data_ptr() == lf.head[2 * lf.inter:].data_ptr()
+        assert mlp.down_proj.weight.data_ptr() == lf.tail.data_ptr()
+        assert moe.routed_expert_up_proj.weight.data_ptr() == lf.tail[:, lf.inter:].data_ptr()
+
+
+def test_a_small_router_computes_its_logits_in_the_top_k_launch(tmp_path) -> None:
+    """Issue 16 (launch-bound batch-1 round): k3's 8-expert router takes its logits inside the top-k launch
+    (KernelConfig.moe_fused_router, kernels/moe/triton_router.py moe_route_from_x): one GEMM per MoE layer fewer,
+    the same Triton launches, the same logits up to fp32 summation order."""
+    fused_runner, step, fused = _k3_decode_forward_counted(tmp_path / "a")
+    plain_runner, plain_step, plain = _k3_decode_forward_counted(tmp_path / "b", moe_fused_router=False)
+    n = len(fused_runner.fwd.moe)
+    assert plain.torch_ops.count("mm") - fused.torch_ops.count("mm") == n and fused.triton == plain.triton
+    with torch.no_grad():
+        got, want = fused_runner.fwd(step, decode=True), plain_runner.fwd(plain_step, decode=True)
+    assert rel(got, want) < 1e-5
 
 
 def test_a_k3_forward_adds_mixes_and_norms_its_residual_stream_in_one_launch_per_sub_layer(tmp_path) -> None:
@@ -557,7 +598,7 @@ def test_a_k3_forward_adds_mixes_and_norms_its_residual_stream_in_one_launch_per
     runner, step, work = _k3_decode_forward_counted(tmp_path)
     moe = len(runner.fwd.moe)
     assert work.torch_ops.count("copy_") == 1  # the embeddings into slot 0
-    assert work.torch_ops.count("add") == moe  # the latent tails' shared + routed only: no stream adds
+    assert work.torch_ops.count("add") == 0  # no stream adds (and the latent tails' shared + routed are one GEMM)
     calls: list[dict] = []
     mix = runner.fwd.mix_kernel
 

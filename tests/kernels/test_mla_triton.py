@@ -370,6 +370,34 @@ def test_prefill_rejects_bad_inputs() -> None:
 # benchmark script
 
 
+# --------------------------------------------------------------------------------------------
+# output gate
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("N,H,V", [(1, 4, 64), (5, 3, 24)], ids=str)
+def test_output_gate_matches_ref_bit_for_bit_from_strided_inputs(N: int, H: int, V: int, dtype: torch.dtype) -> None:
+    """o as the W_UV product leaves it (heads outermost: [H, N, V] transposed) and the gate as a column slice of a
+    wider projection, as the runner passes them. In 16 bits the kernel's y equals the model's rounding order bit for
+    bit; in fp32 up to the sigmoid's last bits (Triton's and torch's fp32 sigmoid differ by an ulp)."""
+    from k3rt.kernels.mla import mla_output_gate, mla_output_gate_ref
+
+    gen = torch.Generator(device=DEV).manual_seed(N * 100 + V)
+    o = (torch.randn(H, N, V, generator=gen, device=DEV) * 3).to(dtype).transpose(0, 1)
+    proj = (torch.randn(N, 16 + H * V + 8, generator=gen, device=DEV) * 4).to(dtype)
+    gate = proj[:, 16:16 + H * V].view(N, H, V)
+    got = mla_output_gate(o, gate)
+    assert got.is_contiguous() and got.dtype == dtype
+    want = mla_output_gate_ref(o, gate)
+    assert torch.equal(got, want) if dtype != torch.float32 else rel_err(got, want) < 1e-6
+    out = torch.full((N, H, V), float("nan"), dtype=dtype, device=DEV)
+    assert mla_output_gate(o, gate, out=out) is out and torch.equal(out, got)
+    with pytest.raises(ValueError, match="gate must have o's shape"):
+        mla_output_gate(o, gate[:, :, :-1])
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        mla_output_gate(o, gate, out=out.transpose(0, 1))
+
+
 def test_benchmark_smoke(tmp_path: Path) -> None:
     """benchmarks/kernels_mla.py --smoke runs end to end on the interpreter and writes its JSON."""
     out = tmp_path / "kernels_mla.json"

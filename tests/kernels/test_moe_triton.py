@@ -106,6 +106,39 @@ def test_route_rejects_bad_inputs() -> None:
         moe_route(torch.randn(2, 513, device=DEV), torch.zeros(513, device=DEV), **kw)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("T,E,D,k", [(1, 8, 384, 2), (16, 12, 200, 3), (3, 64, 512, 6)], ids=str)
+def test_route_from_x_matches_the_logits_route(T: int, E: int, D: int, k: int, dtype: torch.dtype) -> None:
+    """The small router's logits in the top-k launch (k3-tiny's 8 x 384, a D that is no multiple of the tile, the
+    [E, D] bound) select what the router GEMM's fp32 logits select, with the same weights; x's rows strided."""
+    from k3rt.kernels.moe import moe_route_from_x
+
+    gen = torch.Generator().manual_seed(T * 7 + E)
+    wide = torch.randn(T, D + 8, generator=gen).to(dtype).to(DEV)
+    x = wide[:, 8:]
+    gate = (torch.randn(E, D, generator=gen) * D ** -0.5).to(DEV)
+    bias = (torch.randn(E, generator=gen) * 0.1).to(DEV)
+    c = dict(top_k=k, num_expert_group=1, topk_group=1, renormalize=True, scaling=2.5)
+    w, ids = moe_route_from_x(x, gate, bias, **c)
+    w_ref, ids_ref = route_ref(x.float() @ gate.t(), bias, **c)
+    assert torch.equal(ids, ids_ref) and rel_err(w, w_ref) <= 1e-5
+
+
+def test_route_from_x_rejects_what_it_does_not_fit() -> None:
+    from k3rt.kernels.moe import fused_router_fits, moe_route_from_x
+
+    assert fused_router_fits(1, 8, 384) and fused_router_fits(16, 64, 512)
+    assert not fused_router_fits(17, 8, 384) and not fused_router_fits(1, 256, 2304)
+    assert not fused_router_fits(1, 8, 384, num_expert_group=2)
+    bias, kw = torch.zeros(8, device=DEV), dict(top_k=2)
+    with pytest.raises(ValueError, match="past fused_router_fits"):
+        moe_route_from_x(torch.randn(17, 384, device=DEV), torch.randn(8, 384, device=DEV), bias, **kw)
+    with pytest.raises(ValueError, match=r"gate_weight must be a float \[E, D=384\]"):
+        moe_route_from_x(torch.randn(1, 384, device=DEV), torch.randn(8, 380, device=DEV), bias, **kw)
+    with pytest.raises(ValueError, match="gate_weight must be contiguous"):
+        moe_route_from_x(torch.randn(1, 384, device=DEV), torch.randn(384, 8, device=DEV).t(), bias, **kw)
+
+
 # --------------------------------------------------------------------------------------------
 # alignment
 

@@ -12,7 +12,14 @@ product and the add per layer (at batch 1 those launches cost more than the shar
 The routed and shared outputs are summed in fp32 before one rounding (the reference rounds the
 routed sum first): equal up to that rounding. For S = 1 the module's own parameters become views of
 the stacks (no second copy); for S > 1 the stacks hold a copy of the shared weights.
-LatentMoE's shared expert reads the full-width x while its routed experts read the latent: no fusion.
+LatentMoE's shared expert reads the full-width x while its routed experts read the latent: no fusion into the
+stacks. Its projections fuse instead (`LatentFusion`, kernels on, not batch-invariant): the shared expert's gate/up
+rows and the routed down projection read the same x, so they are one GEMM (`head`); at TP 1 the shared expert's
+down projection and the latent up projection both end in the layer's output, so [h | latent] @ [down | up]^T is one
+GEMM too (`tail`): routed + shared summed in fp32 before one rounding, as the shared-expert fusion above (the
+reference rounds each, then their sum). h and the normed latent are written side by side into the tail's input
+(the activation and the norm take strided rows). Per layer 5 launches instead of 8 (two GEMMs and the add gone):
+at batch 1 k3-tiny's forward is launch-bound (issue 16's batch-1 round, RESULTS.md session 23).
 
 The router's fp32 logits of prefill-sized batches (`KernelConfig.split_router_min_rows`) come from one bf16
 tensor-core GEMM against three bf16 parts of its fp32 weight (`bf16_parts`: their sum is the weight exactly) with
@@ -35,7 +42,7 @@ import torch
 
 from k3rt.backend.layers.activation import act_and_mul
 from k3rt.backend.models.moe import GatedMLP, MoE, route
-from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear, norm
+from k3rt.backend.runner.gpu.ops import ROW_ALIGN, KernelConfig, fuse_rows, kernel, linear, norm
 
 
 @dataclass
@@ -54,6 +61,7 @@ class MoeWeights:
     # A copy taken when the runner is built (as the benchmarks' re-drawn routers are, before it): the weights of a
     # served model do not change after load
     gate_split: torch.Tensor | None = None
+    latent: "LatentFusion | None" = None
 
     @staticmethod
     def of(moe: MoE, k: KernelConfig) -> "MoeWeights":
@@ -61,6 +69,8 @@ class MoeWeights:
         gate = moe.gate_weight.detach()
         if k.triton and not k.batch_invariant and gate.is_cuda and gate.dtype == torch.float32:
             w.gate_split = bf16_parts(gate)
+        if k.triton and not k.batch_invariant:
+            w.latent = LatentFusion.of(moe)
         return w
 
     @staticmethod
@@ -101,6 +111,60 @@ class MoeWeights:
         return MoeWeights(None, None, 0, planar=planar)
 
 
+@dataclass
+class LatentFusion:
+    """A LatentMoE layer's fused projections (module docstring). The module's weights become views of these (its
+    reference forward keeps working on the same storage, no second copy)."""
+
+    head: torch.Tensor  # [2SI + L + pad, D]: the shared expert's gate/up rows, the routed experts' down projection
+    tail: torch.Tensor | None  # [D, SI + L]: the shared expert's down columns, then the latent up projection's (TP 1)
+    inter: int  # SI: the shared expert's width on this rank
+    latent: int  # L
+
+    @staticmethod
+    def of(moe: MoE) -> "LatentFusion | None":
+        mlp, m = moe.shared_experts, moe.m
+        if m.latent_size is None or mlp is None:
+            return None
+        gu, sd = mlp.gate_up_proj.weight, mlp.down_proj.weight
+        down, up = moe.routed_expert_down_proj.weight, moe.routed_expert_up_proj.weight
+        ws = (gu, sd, down, up)
+        SI = sd.shape[1]
+        # one float dtype (no quantized shared expert), and the latent's columns start 16-byte aligned in both
+        # (ROW_ALIGN elements): the kernels reading those slices compile for that alignment
+        if (len({t.dtype for t in ws}) != 1 or not gu.dtype.is_floating_point or SI % ROW_ALIGN
+                or any(t.stride(-1) != 1 for t in ws)):
+            return None
+        head, _ = fuse_rows([gu, down])
+        tail = None
+        if moe.tp.size == 1 and up.shape[0] == sd.shape[0]:
+            tail = torch.cat([sd.detach(), up.detach()], dim=1)
+            sd.data, up.data = tail[:, :SI], tail[:, SI:]
+        return LatentFusion(head, tail, SI, down.shape[0])
+
+
+def _latent_forward(moe: MoE, lf: LatentFusion, x: torch.Tensor, routed, k: KernelConfig) -> torch.Tensor:
+    """LatentMoE through the fused projections: head GEMM -> (shared h, latent z); routed experts on z, normed; the
+    tail GEMM over [h | latent] (TP 1), else the shared down projection and the module's latent tail."""
+    mlp, SI, T = moe.shared_experts, lf.inter, x.shape[0]
+    both = linear(x, lf.head, k)  # [T, 2SI + L]
+    gate_up, z = both[:, :2 * SI], both[:, 2 * SI:2 * SI + lf.latent]
+    act = kernel("moe", "act_and_mul")
+    if lf.tail is None:
+        shared = linear(act(gate_up, mlp.act), mlp.down_proj.weight, k)
+        y = moe.tp.all_reduce(routed(z))
+        if moe.m.latent_norm:
+            y = norm(y, moe.routed_expert_norm, moe.eps, k)
+        return moe.latent_tail(y, shared, moe.routed_expert_up_proj.weight, lambda a, w: linear(a, w, k))
+    cat = x.new_empty(T, lf.tail.shape[1])  # [h | latent]: the tail GEMM's input
+    act(gate_up, mlp.act, out=cat[:, :SI])
+    if moe.m.latent_norm:
+        kernel("norm", "rms_norm")(routed(z), moe.routed_expert_norm, moe.eps, out=cat[:, SI:])
+    else:
+        routed(z, out=cat[:, SI:])
+    return linear(cat, lf.tail, k)
+
+
 def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> torch.Tensor:
     m = moe.m
     name = ("fused_experts_mxfp4_planar" if w.planar is not None else "fused_experts_mxfp4" if w.mx is not None
@@ -108,13 +172,18 @@ def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> to
     experts = kernel("moe", name) if k.triton else None
     router = kernel("moe", "moe_route") if k.triton else None
     if router is not None:
-        if w.gate_split is not None and 0 < k.split_router_min_rows <= x.shape[0] and x.dtype == torch.bfloat16:
-            logits = split_router(x, w.gate_split)
+        how = dict(top_k=m.num_experts_per_token, num_expert_group=m.num_expert_group, topk_group=m.topk_group,
+                   renormalize=m.renormalize, scaling=m.routed_scaling_factor)
+        gate, bias = moe.gate_weight, moe.e_score_correction_bias.float()
+        if (k.moe_fused_router and not k.batch_invariant
+                and kernel("moe", "fused_router_fits")(x.shape[0], *gate.shape, m.num_expert_group)):
+            tw, ids = kernel("moe", "moe_route_from_x")(x, gate, bias, **how)  # the logits in the same launch
         else:
-            logits = linear(x, moe.gate_weight, k, out_dtype=torch.float32)
-        tw, ids = router(logits, moe.e_score_correction_bias.float(), top_k=m.num_experts_per_token,
-                         num_expert_group=m.num_expert_group, topk_group=m.topk_group,
-                         renormalize=m.renormalize, scaling=m.routed_scaling_factor)
+            if w.gate_split is not None and 0 < k.split_router_min_rows <= x.shape[0] and x.dtype == torch.bfloat16:
+                logits = split_router(x, w.gate_split)
+            else:
+                logits = linear(x, gate, k, out_dtype=torch.float32)
+            tw, ids = router(logits, bias, **how)
     else:
         tw, ids = route(x, moe.gate_weight, moe.e_score_correction_bias, m)
 
@@ -129,17 +198,22 @@ def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> to
         # prefill tiles' BLOCK_K (64, against 128) would sum each row's products in another order
         tiles = pick_tiles(1, w.w13.shape[0])
 
-    def routed(z: torch.Tensor) -> torch.Tensor:
+    def routed(z: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if experts is None:
-            return moe.experts(z, tw, ids)
+            y = moe.experts(z, tw, ids)
+            return y if out is None else out.copy_(y)
         if w.planar is not None:
             return experts(z, w.planar, tw, ids.to(torch.int32), act=moe.act,
-                           variant=kernel("moe", "PLANAR_SERVE_VARIANT"), use_pdl=k.use_pdl)
+                           variant=kernel("moe", "PLANAR_SERVE_VARIANT"), use_pdl=k.use_pdl, out=out)
         if w.mx is not None:
-            return experts(z, **w.mx, topk_weights=tw, topk_ids=ids.to(torch.int32), act=moe.act, use_pdl=k.use_pdl)
+            return experts(z, **w.mx, topk_weights=tw, topk_ids=ids.to(torch.int32), act=moe.act, use_pdl=k.use_pdl,
+                           out=out)
         return experts(z, w.w13, w.w2, tw, ids.to(torch.int32), act=moe.act, shared_experts=w.shared_fused,
-                       use_pdl=k.use_pdl, tiles=tiles, grouped_tiles=k.moe_grouped_tiles, one_token=k.moe_one_token)
+                       use_pdl=k.use_pdl, tiles=tiles, grouped_tiles=k.moe_grouped_tiles, one_token=k.moe_one_token,
+                       out=out)
 
+    if w.latent is not None and experts is not None and k.moe_latent_fusion:
+        return _latent_forward(moe, w.latent, x, routed, k)
     if w.shared_fused:
         return moe.tp.all_reduce(routed(x))
     # the shared expert's partial sum (its module does not reduce: the all-reduce or the latent tail does)

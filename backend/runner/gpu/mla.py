@@ -70,7 +70,9 @@ def mla_output(attn: MultiHeadLatentAttention, o: torch.Tensor, gate: torch.Tens
     """o [T, H, V] (mla_attend's) -> the output gate, then o_proj: [T, hidden] (this rank's partial sum)."""
     T, V = o.shape[0], attn.cfg.v_head_dim
     if gate is not None:
-        o = o * torch.sigmoid(gate.float()).view(T, attn.num_heads, V).to(o.dtype)
+        gate = gate.view(T, attn.num_heads, V)
+        fused = kernel("mla", "mla_output_gate") if k.triton else None  # one launch, not the torch form's four
+        o = fused(o, gate) if fused is not None else o * torch.sigmoid(gate.float()).to(o.dtype)
     return linear(o.reshape(T, attn.num_heads * V), attn.o_proj.weight, k)
 
 

@@ -80,6 +80,16 @@ class KernelConfig:
     # whole gate/up. The grouped path took 38.9 us per 48B layer at T = 1 against a 27.4-30 us floor (session 25).
     # Not timed yet (session 30), so off
     moe_one_token: bool = False
+    # small routers (kernels/moe/triton_router.py fused_router_fits: E x D <= 32K weights, <= 16 rows, one expert
+    # group; k3-tiny's 8 x 384) compute their logits inside the top-k launch (`moe_route_from_x`): one launch per
+    # MoE layer fewer in a decode or verify forward, which at batch 1 is launch-bound (issue 16). Off in the
+    # batch-invariant mode (a prefill's router stays a GEMM, so a token's logits would depend on the step's rows)
+    moe_fused_router: bool = True
+    # LatentMoE (K3, k3-tiny) with a shared expert: its gate/up and the routed down projection in one GEMM, and at
+    # TP 1 its down and the latent up projection with their sum in one more (backend/runner/gpu/ffn.py
+    # LatentFusion): 5 launches of the layer's own instead of 8. The fused weights are prepared whatever this
+    # says (the module's weights become views of them), so benchmarks switch it per run
+    moe_latent_fusion: bool = True
 
     def __post_init__(self) -> None:
         if self.split_router_min_rows < 0:
