@@ -341,8 +341,8 @@ def _moe_down_kernel(
 
 # not specialized per step (kernels/common.py, Compiles): T, P: the step's tokens and pairs
 @triton.jit(do_not_specialize=["T", "P"])
-def _moe_sum_kernel(y_ptr, out_ptr, stride_ot, D, T, P, TOPK: tl.constexpr, SHARED: tl.constexpr,
-                    BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+def _moe_sum_kernel(y_ptr, out_ptr, stride_ot, D, T, P, norm_w_ptr, eps, TOPK: tl.constexpr, SHARED: tl.constexpr,
+                    BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr, NORM: tl.constexpr = False):
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -356,6 +356,10 @@ def _moe_sum_kernel(y_ptr, out_ptr, stride_ot, D, T, P, TOPK: tl.constexpr, SHAR
         acc += tl.load(y_ptr + (P + s * T + t).to(tl.int64) * D + offs, mask=mask, other=0.0).to(tl.float32)
     if USE_PDL:
         gdc_launch_dependents()
+    if NORM:  # the whole row is here (BLOCK_D >= D): kernels/norm's rounding order on the sum rounded to x's dtype
+        h = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / D + eps)
+        acc = (h * rstd).to(y_ptr.dtype.element_ty).to(tl.float32) * tl.load(norm_w_ptr + offs, mask=mask).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -391,9 +395,13 @@ def check_stacks(x: Tensor, w13: Tensor, w2: Tensor) -> tuple[int, int]:
 
 
 def check_routing(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, act: ActivationConfig, shared_experts: int,
-                  num_experts: int, out: Tensor | None) -> int:
+                  num_experts: int, out: Tensor | None, norm: tuple[Tensor, float] | None = None) -> int:
     """The arguments every fused-experts launcher shares besides the weights; -> k (slots per token)."""
     T, D = x.shape
+    if norm is not None:
+        check(norm[0], "norm weight", (D,), x.dtype)
+        if not norm[0].is_contiguous():
+            raise ValueError("norm weight must be contiguous")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
         raise ValueError(f"topk_ids must be [T={T}, k], got {list(topk_ids.shape)}")
     k = topk_ids.shape[1]
@@ -430,12 +438,13 @@ class ExpertBlocks:
 
 
 def check_call(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, act: ActivationConfig,
-               shared_experts: int, out: Tensor | None) -> tuple[int, int, int, int, int, Tensor]:
+               shared_experts: int, out: Tensor | None,
+               norm: tuple[Tensor, float] | None = None) -> tuple[int, int, int, int, int, Tensor]:
     """The checks of a call with stacked 16-bit/fp32 expert weights (`fused_experts`, grouped.py's
     `fused_experts_grouped`), each error naming the argument; -> (T, D, E, I, k, out), out allocated when None."""
     T, D = check_x(x)
     E, I = check_stacks(x, w13, w2)
-    k = check_routing(x, topk_weights, topk_ids, act, shared_experts, E, out)
+    k = check_routing(x, topk_weights, topk_ids, act, shared_experts, E, out, norm)
     check_same_device(x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
     if out is None:
         out = poison_like(torch.empty(T, D, dtype=x.dtype, device=x.device))
@@ -473,13 +482,26 @@ def align_blocks(x: Tensor, topk_ids: Tensor, num_experts: int, inter: int, shar
                         E_routed), h, y, pair_blocks, h_shared, big, small)
 
 
-def sum_slots(y: Tensor, out: Tensor, k: int, shared_experts: int, use_pdl: bool) -> Tensor:
-    """out[t] = the sum over token t's k routed slots, then its shared experts' rows, in fp32."""
+# the widest row the sum's norm epilogue takes (one program per row holds it)
+NORM_MAX_D = 1024
+
+
+def sum_slots(y: Tensor, out: Tensor, k: int, shared_experts: int, use_pdl: bool,
+              norm: tuple[Tensor, float] | None = None) -> Tensor:
+    """out[t] = the sum over token t's k routed slots, then its shared experts' rows, in fp32; with norm
+    (weight, eps) RMSNorm of that sum rounded to y's dtype, as kernels/norm rounds: in this launch where a row fits
+    one program (D <= NORM_MAX_D), else by the norm kernel after."""
     T, D = out.shape
+    if norm is not None and D > NORM_MAX_D:
+        from k3rt.kernels.norm import rms_norm
+
+        return rms_norm(sum_slots(y, torch.empty_like(out), k, shared_experts, use_pdl), norm[0], norm[1], out=out,
+                        use_pdl=use_pdl)
     pdl = use_pdl and not INTERPRET
-    block_d = min(1024, triton.next_power_of_2(D))
+    block_d = min(NORM_MAX_D, triton.next_power_of_2(D))
     _moe_sum_kernel[(T, triton.cdiv(D, block_d))](
-        y, out, out.stride(0), D, T, T * k, TOPK=k, SHARED=shared_experts, BLOCK_D=block_d, USE_PDL=pdl, num_warps=4,
+        y, out, out.stride(0), D, T, T * k, norm[0] if norm else out, float(norm[1]) if norm else 0.0, TOPK=k,
+        SHARED=shared_experts, BLOCK_D=block_d, USE_PDL=pdl, NORM=norm is not None, num_warps=4,
         **pdl_kwargs(use_pdl),
     )
     return out
@@ -499,6 +521,7 @@ def fused_experts(
     tiles: ExpertTiles | None = None,
     grouped_tiles: bool = False,
     one_token: bool = False,
+    norm: tuple[Tensor, float] | None = None,
 ) -> Tensor:
     """Routed experts of one MoE layer for T tokens (model-facts §6; SiTU §7.3).
 
@@ -520,21 +543,27 @@ def fused_experts(
         grouped_tiles: the default's 128-row tiles as PREFILL_TILES_128_GROUPED (KernelConfig.moe_grouped_tiles).
         one_token: with T == 1 and no tiles given, two launches instead of three (triton_one_token.py;
             KernelConfig.moe_one_token).
+        norm: (weight [D] x.dtype, eps): RMSNorm of each token's sum (LatentMoE's routed_expert_norm), in the sum's
+            launch where a row fits it (`sum_slots`; the one-token path's sum splits rows: the norm kernel after);
+            the sum is rounded to x.dtype first, as the unfused layer rounds it.
 
     Returns:
         [T, D] in x.dtype. Rounding: h and the per-pair outputs are stored in x.dtype (ref.py).
     """
-    T, D, E, I, k, out = check_call(x, w13, w2, topk_weights, topk_ids, act, shared_experts, out)
+    T, D, E, I, k, out = check_call(x, w13, w2, topk_weights, topk_ids, act, shared_experts, out, norm)
     P = T * k
     if P == 0:
         return out
     S = shared_experts
     if one_token and T == 1 and tiles is None:
         from k3rt.kernels.moe.triton_one_token import fused_experts_one_token  # imports this module
+        from k3rt.kernels.norm import rms_norm
 
-        return fused_experts_one_token(x, w13, w2, topk_weights, topk_ids, situ=act.name == "situ",
-                                       beta=act.situ_beta or 1.0, lin_beta=act.situ_linear_beta, out=out,
-                                       shared_experts=S, use_pdl=use_pdl)
+        y = fused_experts_one_token(x, w13, w2, topk_weights, topk_ids, situ=act.name == "situ",
+                                    beta=act.situ_beta or 1.0, lin_beta=act.situ_linear_beta,
+                                    out=out if norm is None else torch.empty_like(out), shared_experts=S,
+                                    use_pdl=use_pdl)
+        return y if norm is None else rms_norm(y, norm[0], norm[1], out=out, use_pdl=use_pdl)
     cfg = tiles or pick_tiles(P + S * T, E, grouped_tiles)
     sub = cfg.tail or cfg  # the alignment's block
     b = align_blocks(x, topk_ids, E, I, S, sub.block_m, use_pdl, cfg.block_m // sub.block_m)
@@ -576,4 +605,4 @@ def fused_experts(
             gemms(sub, b.small, b.small.numel(), 0)
     else:
         gemms(cfg, b.block_expert, nb_routed, nb_shared)
-    return sum_slots(b.y, out, k, S, use_pdl)
+    return sum_slots(b.y, out, k, S, use_pdl, norm)

@@ -300,6 +300,7 @@ def fused_experts_mxfp4(
     *,
     act: ActivationConfig,
     out: Tensor | None = None,
+    norm: tuple[Tensor, float] | None = None,
     shared_experts: int = 0,
     use_pdl: bool = False,
     tiles: Mxfp4Tiles | None = None,
@@ -330,7 +331,7 @@ def fused_experts_mxfp4(
                     ("w2_scale", w2_scale)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-    k = check_routing(x, topk_weights, topk_ids, act, shared_experts, E, out)
+    k = check_routing(x, topk_weights, topk_ids, act, shared_experts, E, out, norm)
     check_same_device(x=x, w13_packed=w13_packed, w13_scale=w13_scale, w2_packed=w2_packed, w2_scale=w2_scale,
                       topk_weights=topk_weights, topk_ids=topk_ids, out=out)
     if out is None:
@@ -368,4 +369,4 @@ def fused_experts_mxfp4(
         num_warps=cfg.num_warps2,
         num_stages=cfg.num_stages, **pdl_kwargs(use_pdl),
     )
-    return sum_slots(b.y, out, k, S, use_pdl)
+    return sum_slots(b.y, out, k, S, use_pdl, norm)

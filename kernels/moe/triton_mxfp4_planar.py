@@ -481,6 +481,7 @@ def fused_experts_mxfp4_planar(
     act: ActivationConfig,
     variant: str = "mma",
     out: Tensor | None = None,
+    norm: tuple[Tensor, float] | None = None,
     shared_experts: int = 0,
     use_pdl: bool = False,
     tiles: PlanarTiles | None = None,
@@ -508,7 +509,7 @@ def fused_experts_mxfp4_planar(
     for name in ("w13_words", "w13_scale", "w2_words", "w2_scale"):
         if not getattr(w, name).is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-    k = check_routing(x, topk_weights, topk_ids, act, shared_experts, E, out)
+    k = check_routing(x, topk_weights, topk_ids, act, shared_experts, E, out, norm)
     check_same_device(x=x, w13_words=w.w13_words, w13_scale=w.w13_scale, w2_words=w.w2_words,
                       w2_scale=w.w2_scale, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
     cfg = tiles or (PLANAR_INTERPRET_TILES if INTERPRET else PLANAR_CANDIDATES)[variant][0]
@@ -548,4 +549,4 @@ def fused_experts_mxfp4_planar(
         num_warps=cfg.num_warps2,
         num_stages=cfg.num_stages,
     )
-    return sum_slots(b.y, out, k, S, use_pdl)
+    return sum_slots(b.y, out, k, S, use_pdl, norm)

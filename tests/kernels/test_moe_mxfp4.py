@@ -140,6 +140,24 @@ def test_fused_experts_mxfp4_fp16() -> None:
     assert rel_err(out, fused_experts_mxfp4_ref(**case, act=SILU)) <= 2e-3
 
 
+def test_fused_experts_mxfp4_norm_in_the_sum_equals_the_norm_kernel_after() -> None:
+    """K3's LatentMoE with MXFP4 experts: routed_expert_norm in the slot sum's launch (`norm=`, both MXFP4 paths)
+    equals the sum and then kernels/norm's rms_norm bit for bit, into a strided out."""
+    from k3rt.kernels.norm import rms_norm
+
+    gen = torch.Generator().manual_seed(61)
+    case = mx_case(gen, 5, E=6, k=2, D=64, inter=32, dtype=torch.float16)
+    weight = (torch.rand(64, generator=gen) + 0.5).half().to(DEV)
+    wide = torch.full((5, 80), float("nan"), dtype=torch.float16, device=DEV)
+    got = fused_experts_mxfp4(**case, act=SITU, out=wide[:, 16:], norm=(weight, 1e-5))
+    assert torch.equal(got, rms_norm(fused_experts_mxfp4(**case, act=SITU), weight, 1e-5))
+    pcase, w = planar_case(torch.Generator().manual_seed(9), 3, torch.float16, False)
+    weight = (torch.rand(256, generator=gen) + 0.5).half().to(DEV)
+    args = (pcase["x"], w, pcase["topk_weights"], pcase["topk_ids"])
+    got = fused_experts_mxfp4_planar(*args, act=SITU, norm=(weight, 1e-5))
+    assert torch.equal(got, rms_norm(fused_experts_mxfp4_planar(*args, act=SITU), weight, 1e-5))
+
+
 def test_fused_experts_mxfp4_rejects_bad_inputs() -> None:
     gen = torch.Generator().manual_seed(7)
     case = mx_case(gen, 3, E=6, k=2, D=64, inter=32, dtype=torch.float32)

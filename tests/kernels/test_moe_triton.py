@@ -261,6 +261,31 @@ def test_fused_experts_shared_experts_after_the_routed_ones(T: int, shared: int)
         fused_experts(**case, act=act, shared_experts=8 + shared)
 
 
+@pytest.mark.parametrize("path", ["grouped", "one_token", "wide_rows"])
+def test_fused_experts_norm_equals_the_norm_kernel_after_the_sum(monkeypatch, path: str) -> None:
+    """LatentMoE's routed_expert_norm in the experts' sum launch (`norm=`): bit-identical in fp16 to the sum
+    rounded to x's dtype and then kernels/norm's rms_norm, written into a strided out (the latent tail's input
+    columns). The one-token path's sum splits rows and the rows past NORM_MAX_D do not fit one program: both
+    run the norm kernel after instead, with the same result."""
+    import k3rt.kernels.moe.triton_experts as te
+    from k3rt.kernels.norm import rms_norm
+
+    T = 1 if path == "one_token" else 5
+    if path == "wide_rows":
+        monkeypatch.setattr(te, "NORM_MAX_D", 16)
+    gen = torch.Generator().manual_seed(77 + T)
+    case = experts_case(gen, T, E=8, k=2, D=32, inter=16, dtype=torch.float16)
+    act = ACTS["situ"]
+    weight = (torch.rand(32, generator=gen) + 0.5).half().to(DEV)
+    want = rms_norm(fused_experts(**case, act=act), weight, 1e-5)
+    wide = torch.full((T, 48), float("nan"), dtype=torch.float16, device=DEV)
+    got = fused_experts(**case, act=act, out=wide[:, 16:], norm=(weight, 1e-5), one_token=path == "one_token")
+    assert got.data_ptr() == wide[:, 16:].data_ptr() and torch.equal(got, want)
+    assert wide[:, :16].isnan().all()
+    with pytest.raises(ValueError, match="norm weight must have shape"):
+        fused_experts(**case, act=act, norm=(weight[:16], 1e-5))
+
+
 @pytest.mark.parametrize("shared", [0, 1])
 def test_one_token_runs_its_pairs_as_blocks_without_the_alignment(monkeypatch, shared: int) -> None:
     """Batch-1 decode: the k pairs are k blocks of one row in slot order (no alignment launch), the same

@@ -18,7 +18,8 @@ rows and the routed down projection read the same x, so they are one GEMM (`head
 down projection and the latent up projection both end in the layer's output, so [h | latent] @ [down | up]^T is one
 GEMM too (`tail`): routed + shared summed in fp32 before one rounding, as the shared-expert fusion above (the
 reference rounds each, then their sum). h and the normed latent are written side by side into the tail's input
-(the activation and the norm take strided rows). Per layer 5 launches instead of 8 (two GEMMs and the add gone):
+(the activation and the experts' sum take strided rows; the latent norm runs in the sum's launch). Per layer 4
+launches of its own instead of 8 (two GEMMs, the add and the norm gone):
 at batch 1 k3-tiny's forward is launch-bound (issue 16's batch-1 round, RESULTS.md session 23).
 
 The router's fp32 logits of prefill-sized batches (`KernelConfig.split_router_min_rows`) come from one bf16
@@ -133,7 +134,8 @@ class LatentFusion:
         # one float dtype (no quantized shared expert), and the latent's columns start 16-byte aligned in both
         # (ROW_ALIGN elements): the kernels reading those slices compile for that alignment
         if (len({t.dtype for t in ws}) != 1 or not gu.dtype.is_floating_point or SI % ROW_ALIGN
-                or any(t.stride(-1) != 1 for t in ws)):
+                or any(t.stride(-1) != 1 for t in ws)
+                or (m.latent_norm and moe.routed_expert_norm.dtype != gu.dtype)):  # normed into the tail's input
             return None
         head, _ = fuse_rows([gu, down])
         tail = None
@@ -158,10 +160,8 @@ def _latent_forward(moe: MoE, lf: LatentFusion, x: torch.Tensor, routed, k: Kern
         return moe.latent_tail(y, shared, moe.routed_expert_up_proj.weight, lambda a, w: linear(a, w, k))
     cat = x.new_empty(T, lf.tail.shape[1])  # [h | latent]: the tail GEMM's input
     act(gate_up, mlp.act, out=cat[:, :SI])
-    if moe.m.latent_norm:
-        kernel("norm", "rms_norm")(routed(z), moe.routed_expert_norm, moe.eps, out=cat[:, SI:])
-    else:
-        routed(z, out=cat[:, SI:])
+    # the latent norm in the experts' sum launch (kernels/moe/triton_experts.py sum_slots)
+    routed(z, out=cat[:, SI:], norm=(moe.routed_expert_norm, moe.eps) if moe.m.latent_norm else None)
     return linear(cat, lf.tail, k)
 
 
@@ -198,19 +198,20 @@ def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> to
         # prefill tiles' BLOCK_K (64, against 128) would sum each row's products in another order
         tiles = pick_tiles(1, w.w13.shape[0])
 
-    def routed(z: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def routed(z: torch.Tensor, out: torch.Tensor | None = None, norm=None) -> torch.Tensor:
+        """The routed experts' sum of z's rows (into out), RMSNormed by norm = (weight, eps) when given (the
+        kernels only)."""
         if experts is None:
-            y = moe.experts(z, tw, ids)
-            return y if out is None else out.copy_(y)
+            return moe.experts(z, tw, ids)
         if w.planar is not None:
             return experts(z, w.planar, tw, ids.to(torch.int32), act=moe.act,
-                           variant=kernel("moe", "PLANAR_SERVE_VARIANT"), use_pdl=k.use_pdl, out=out)
+                           variant=kernel("moe", "PLANAR_SERVE_VARIANT"), use_pdl=k.use_pdl, out=out, norm=norm)
         if w.mx is not None:
             return experts(z, **w.mx, topk_weights=tw, topk_ids=ids.to(torch.int32), act=moe.act, use_pdl=k.use_pdl,
-                           out=out)
+                           out=out, norm=norm)
         return experts(z, w.w13, w.w2, tw, ids.to(torch.int32), act=moe.act, shared_experts=w.shared_fused,
                        use_pdl=k.use_pdl, tiles=tiles, grouped_tiles=k.moe_grouped_tiles, one_token=k.moe_one_token,
-                       out=out)
+                       out=out, norm=norm)
 
     if w.latent is not None and experts is not None and k.moe_latent_fusion:
         return _latent_forward(moe, w.latent, x, routed, k)
