@@ -40,7 +40,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 # KernelConfig fields; "control" re-captures the default and times it as the variants are timed: its gain is the
 # benchmark's own noise (0 up to that), against which the others' gains are read
 VARIANTS = {"control": {}, "pdl": dict(use_pdl=True), "cublas_gemv": dict(skinny_gemv=False),
-            "moe_one_token": dict(moe_one_token=True)}
+            "moe_one_token": dict(moe_one_token=True),
+            # session 31's launch cuts, off (their gain is then the default's over these): LatentMoE's fused
+            # projections and the router's logits in its top-k launch (the MLA gate kernel has no switch)
+            "no_latent_fusion": dict(moe_latent_fusion=False), "no_fused_router": dict(moe_fused_router=False),
+            "unfused": dict(moe_latent_fusion=False, moe_fused_router=False)}
 
 
 def _args() -> argparse.Namespace:
@@ -64,7 +68,9 @@ def _args() -> argparse.Namespace:
                    help="decode graphs re-captured with other kernel settings and timed beside the default: "
                         "pdl (programmatic dependent launch between kernels), cublas_gemv (torch/cuBLAS for "
                         "the projections of decode rows instead of the skinny GEMV kernel), moe_one_token (batch "
-                        "1's MoE in two launches: KernelConfig.moe_one_token), control (the default again)")
+                        "1's MoE in two launches: KernelConfig.moe_one_token), no_latent_fusion / no_fused_router / "
+                        "unfused (LatentMoE's fused projections, the router's logits in its top-k launch, both: off; "
+                        "a negative gain is what they save), control (the default again)")
     p.add_argument("--mixed", type=int, nargs="*", default=[], metavar="P",
                    help="also time steps of (the largest --batch) decodes plus one P-token prefill chunk, per P: "
                         "a served step when a request arrives (time, kernel time, launches, top kernels, host issue "

@@ -1,6 +1,7 @@
 """The MoE kernels build for sm_90 (H100/H200) at the 48B shape without a GPU (Triton's frontend,
-ptxas and cuobjdump ship in the triton wheel): router, alignment (one chunk and many), the default
-decode and prefill tiles of both grouped GEMMs with PDL on, and the k-sum. No build may spill
+ptxas and cuobjdump ship in the triton wheel): router (and k3-tiny's with its logits in the launch), alignment
+(one chunk and many), the default decode and prefill tiles of both grouped GEMMs with PDL on, and the k-sum (and
+its norm epilogue). No build may spill
 registers; the GEMMs must pipeline their loads (cp.async) and the prefill tiles must use wgmma.
 
 The build runs in a subprocess (tests/kernels/helpers.py: run_sm90_build) because TRITON_INTERPRET
@@ -22,8 +23,9 @@ def build(fn, sig, consts, num_warps, num_stages=3):
     return sm90_build(fn, sig, consts, num_warps, num_stages, lambda k: k in ("D", "I", "stride_xt"))
 
 I32, C = "i32", "constexpr"
-route = dict(logits_ptr="*fp32", stride_lt=I32, bias_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i32", scaling="fp32",
-             E=C, BLOCK_E=C, K=C, BLOCK_K=C, GROUPS=C, BLOCK_G=C, BLOCK_PER=C, TOPK_GROUP=C, RENORMALIZE=C, USE_PDL=C)
+route = dict(logits_ptr="*fp32", stride_lt=I32, gate_ptr="*fp32", D=I32, bias_ptr="*fp32", w_ptr="*fp32",
+             ids_ptr="*i32", scaling="fp32", E=C, BLOCK_E=C, K=C, BLOCK_K=C, GROUPS=C, BLOCK_G=C, BLOCK_PER=C,
+             TOPK_GROUP=C, RENORMALIZE=C, USE_PDL=C, FROM_X=C, BLOCK_D=C)
 count = dict(ids_ptr="*i32", counts_ptr="*i32", P=I32, E_P=C, BP=C, USE_PDL=C)
 offsets = dict(ids_ptr="*i32", counts_ptr="*i32", start_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32",
                big_ptr="*i32", small_ptr="*i32", P=I32, NC=I32, NB=I32, NBIG=I32, NSMALL=I32, E_P=C, BLOCK_M=C, BP=C,
@@ -41,10 +43,16 @@ gate_up = dict(x_ptr="*bf16", stride_xt=I32, w13_ptr="*bf16", h_ptr="*bf16", sor
 down = dict(h_ptr="*bf16", w2_ptr="*bf16", y_ptr="*bf16", topk_w_ptr="*fp32", sorted_ptr="*i32", block_expert_ptr="*i32",
             table_ptr="*i32", P=I32, D=I32, I=I32, T=I32, NB_ROUTED=I32, NB_SHARED=I32, E_ROUTED=I32, H_SHARED=I32,
             TOPK=C, BLOCK_M=C, SUB_M=C, GROUPED=C, BLOCK_N=C, BLOCK_K=C, EVEN_K=C, DOT_PRECISION=C, USE_PDL=C)
-ksum = dict(y_ptr="*bf16", out_ptr="*bf16", stride_ot=I32, D=I32, T=I32, P=I32, TOPK=C, SHARED=C, BLOCK_D=C, USE_PDL=C)
+ksum = dict(y_ptr="*bf16", out_ptr="*bf16", stride_ot=I32, D=I32, T=I32, P=I32, norm_w_ptr="*bf16", eps="fp32",
+            TOPK=C, SHARED=C, BLOCK_D=C, USE_PDL=C, NORM=C)
 res = {
     "route": build(R._moe_route_kernel, route, dict(E=256, BLOCK_E=256, K=8, BLOCK_K=8, GROUPS=8, BLOCK_G=8,
-                                                    BLOCK_PER=32, TOPK_GROUP=4, RENORMALIZE=True, USE_PDL=True), 4),
+                                                    BLOCK_PER=32, TOPK_GROUP=4, RENORMALIZE=True, USE_PDL=True,
+                                                    FROM_X=False, BLOCK_D=16), 4),
+    # k3-tiny's router with its logits in the launch (moe_route_from_x): bf16 x, the fp32 8 x 384 weight, one warp
+    "route_from_x": build(R._moe_route_kernel, dict(route, logits_ptr="*bf16"), dict(
+        E=8, BLOCK_E=8, K=2, BLOCK_K=2, GROUPS=1, BLOCK_G=1, BLOCK_PER=8, TOPK_GROUP=1, RENORMALIZE=True,
+        USE_PDL=True, FROM_X=True, BLOCK_D=128), 1),
     "align_single": build(A._moe_align_offsets_kernel, offsets, dict(E_P=256, BLOCK_M=16, BP=A.CHUNK, SUB=A._SUB, TILE_C=16,
                           BLOCK_B=32, SINGLE_CHUNK=True, USE_PDL=True, GROUP=1), 8),
     "align_count": build(A._moe_align_count_kernel, count, dict(E_P=256, BP=A.CHUNK, USE_PDL=True), 4),
@@ -59,7 +67,9 @@ res = {
     # the launcher's split form at the 48B decode of batch 64 (512 pairs over 256 experts: 16 programs)
     "align_split": build(A._moe_align_split_kernel, split, dict(E_P=256, BLOCK_M=16, BP=A.CHUNK, SP=A.SPLIT_PAIRS,
                          G=A.CHUNK // A.SPLIT_PAIRS, BLOCK_B=32, USE_PDL=True, GROUP=1), 4),
-    "sum": build(X._moe_sum_kernel, ksum, dict(TOPK=8, SHARED=1, BLOCK_D=1024, USE_PDL=True), 4),
+    "sum": build(X._moe_sum_kernel, ksum, dict(TOPK=8, SHARED=1, BLOCK_D=1024, USE_PDL=True, NORM=False), 4),
+    # LatentMoE's sum with routed_expert_norm (a 1024-wide latent, the widest it takes)
+    "sum_norm": build(X._moe_sum_kernel, ksum, dict(TOPK=8, SHARED=0, BLOCK_D=1024, USE_PDL=True, NORM=True), 4),
 }
 G128 = X.PREFILL_TILES_128_GROUPED
 for name, t, sub in (("decode", X.DECODE_TILES, None), ("prefill64", X.PREFILL_TILES_64, None),

@@ -62,7 +62,7 @@ cfg = d.mla_decode_config(64, 32, 32768, 132)
 cases["mla_paged"] = (MP._mla_decode_paged_kernel, paged, dict(L=512, R=64, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
                                                                DOT_PRECISION="tf32", USE_PDL=False, HEADS_ON_M=True),
                       cfg.num_warps, cfg.num_stages)
-norm = dict(x_ptr=B16, stride_x=I32, r_ptr=B16, stride_r=I32, w_ptr=B16, y_ptr=B16, h_ptr=B16, N=I32, D=I32,
+norm = dict(x_ptr=B16, stride_x=I32, r_ptr=B16, stride_r=I32, w_ptr=B16, y_ptr=B16, stride_y=I32, h_ptr=B16, N=I32, D=I32,
             eps="fp32", BLOCK_D=C, ROWS=C, HAS_RESIDUAL=C, USE_PDL=C)
 cases["rms_norm"] = (N._rms_norm_fwd_kernel, norm, dict(BLOCK_D=4096, ROWS=1, HAS_RESIDUAL=True, USE_PDL=False), 8, 1)
 res = {name: {"launched": vector_accesses(*c, True), "all_marked": vector_accesses(*c, False)}
