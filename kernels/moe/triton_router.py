@@ -36,6 +36,46 @@ def fused_router_fits(rows: int, num_experts: int, hidden: int, num_expert_group
 
 @triton.jit
 def _moe_route_kernel(
+    logits_ptr, stride_lt,  # [T, E] fp32
+    bias_ptr,  # [E] fp32
+    w_ptr, ids_ptr,  # [T, K] fp32 / int32, contiguous
+    scaling,
+    E: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUPS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_PER: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    _route_topk(logits_ptr, stride_lt, logits_ptr, 0, bias_ptr, w_ptr, ids_ptr, scaling, E, BLOCK_E, K, BLOCK_K, GROUPS,
+                BLOCK_G, BLOCK_PER, TOPK_GROUP, RENORMALIZE, USE_PDL, False, 16)
+
+
+# a kernel of its own, not a constexpr of the one above: its row stride (x's) and the logits' differ in alignment,
+# which would give one kernel two specializations of stride_lt (tests/backend/test_jit_churn.py)
+@triton.jit
+def _moe_route_from_x_kernel(
+    x_ptr, stride_x,  # [T, D] any float
+    gate_ptr, D,  # the router weight [E, D] contiguous, any float
+    bias_ptr, w_ptr, ids_ptr, scaling,
+    E: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    _route_topk(x_ptr, stride_x, gate_ptr, D, bias_ptr, w_ptr, ids_ptr, scaling, E, BLOCK_E, K, BLOCK_K, 1, 1, 1, 1,
+                RENORMALIZE, USE_PDL, True, BLOCK_D)
+
+
+@triton.jit
+def _route_topk(
     logits_ptr, stride_lt,  # [T, E] fp32 (FROM_X: x [T, D], any float)
     gate_ptr, D,  # FROM_X: the router weight [E, D] contiguous, any float; else unused
     bias_ptr,  # [E] fp32
@@ -51,8 +91,8 @@ def _moe_route_kernel(
     TOPK_GROUP: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     USE_PDL: tl.constexpr,
-    FROM_X: tl.constexpr = False,
-    BLOCK_D: tl.constexpr = 16,
+    FROM_X: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
@@ -220,16 +260,19 @@ def _route(rows: Tensor, gate_weight: Tensor | None, E: int, bias: Tensor, top_k
     ids = out_ids if out_ids is not None else torch.empty(T, top_k, dtype=torch.int32, device=rows.device)
     if T == 0:
         return w, ids
-    from_x = gate_weight is not None
-    D = rows.shape[1] if from_x else 0
-    _moe_route_kernel[(T,)](
-        rows, rows.stride(0), gate_weight if from_x else rows, D, bias, w, ids, float(scaling),
-        E=E, BLOCK_E=triton.next_power_of_2(E), K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
-        GROUPS=num_expert_group, BLOCK_G=triton.next_power_of_2(num_expert_group),
-        BLOCK_PER=triton.next_power_of_2(per), TOPK_GROUP=topk_group,
-        RENORMALIZE=bool(renormalize), USE_PDL=use_pdl and not INTERPRET,
+    common = dict(E=E, BLOCK_E=triton.next_power_of_2(E), K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
+                  RENORMALIZE=bool(renormalize), USE_PDL=use_pdl and not INTERPRET, num_warps=num_warps,
+                  **pdl_kwargs(use_pdl))
+    if gate_weight is not None:  # moe_route_from_x (ungrouped: fused_router_fits)
+        D = rows.shape[1]
         # the [BLOCK_E, BLOCK_D] fp32 products: at most 2048 (64 registers a thread at one warp)
-        FROM_X=from_x, BLOCK_D=max(16, min(128, triton.next_power_of_2(max(D, 1)), 2048 // triton.next_power_of_2(E))),
-        num_warps=num_warps, **pdl_kwargs(use_pdl),
-    )
+        block_d = max(16, min(128, triton.next_power_of_2(max(D, 1)), 2048 // triton.next_power_of_2(E)))
+        _moe_route_from_x_kernel[(T,)](rows, rows.stride(0), gate_weight, D, bias, w, ids, float(scaling),
+                                       BLOCK_D=block_d, **common)
+    else:
+        _moe_route_kernel[(T,)](
+            rows, rows.stride(0), bias, w, ids, float(scaling), GROUPS=num_expert_group,
+            BLOCK_G=triton.next_power_of_2(num_expert_group), BLOCK_PER=triton.next_power_of_2(per),
+            TOPK_GROUP=topk_group, **common,
+        )
     return w, ids

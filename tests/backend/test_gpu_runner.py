@@ -18,7 +18,7 @@ import torch
 from k3rt.backend.engine import Engine, engine_config_for_tests
 from k3rt.backend.models.batch import ForwardBatch
 from k3rt.backend.models.loader import load_model
-from k3rt.backend.models.tiny import make_tiny, two_layer_overrides
+from k3rt.backend.models.tiny import TINY_CONFIGS, make_tiny, two_layer_overrides
 from k3rt.sampling_params import SamplingParams
 from tests.backend.engine_fixtures import staggered
 
@@ -589,6 +589,34 @@ def test_a_small_router_computes_its_logits_in_the_top_k_launch(tmp_path) -> Non
     with torch.no_grad():
         got, want = fused_runner.fwd(step, decode=True), plain_runner.fwd(plain_step, decode=True)
     assert rel(got, want) < 1e-5
+
+
+def test_a_verify_form_forward_derives_per_row_tables_and_run_lengths_once(tmp_path) -> None:
+    """Issue 16 (a verify round is launch-bound at batch 1): in the verify graphs' form every MLA layer gathered
+    its per-row block table and context lengths (an index, an add and a cast) and every KDA layer filled its run
+    lengths (a full) anew; now the first layer derives them (GpuStep.derived) and the others reuse them, and the
+    next forward (a device round after `advance`) derives them again from the advanced buffers."""
+    from k3rt.backend.runner.gpu.mla import MlaWeights
+    from k3rt.backend.runner.gpu.step import StepSeq, step_views
+
+    lin = TINY_CONFIGS["k3"]["linear_attn_config"]  # two MLA layers, two KDA layers
+    ckpt = make_tiny(tmp_path / "m", arch="k3", dtype="float32", seed=4, overrides={
+        "linear_attn_config": {**lin, "kda_layers": [1, 3], "full_attn_layers": [2, 4]}})
+    eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), runner="gpu", cuda_graphs=False))
+    runner, pool = eng.runner, eng.pool
+    seqs = [StepSeq([7] * 4, 20 + 5 * i, pool.allocate(2), pool.allocate(eng.layout.pages_per_state_set), True,
+                    verify=True) for i in range(2)]
+    meta, (h64, h32) = runner._pack(seqs, row_queries=True)
+    step = step_views(meta, h64, h32)
+    mla = sum(isinstance(w, MlaWeights) for w in runner.fwd.prepared.values())
+    assert mla >= 2 and len(runner.fwd.layers) > mla  # several MLA layers and some KDA ones
+    for _ in range(2):
+        with torch.no_grad(), _LaunchWork() as work:
+            runner.fwd(step)
+        assert (work.torch_ops.count("index"), work.torch_ops.count("full")) == (1, 1), work.torch_ops
+        table, ctx = step.derived["mla_rows"]
+        assert torch.equal(table, step.block_table[step.row_seq]) and torch.equal(ctx, (step.pos + 1).int())
+        step.pos.add_(1)  # as a device round's advance: the next forward's context lengths follow
 
 
 def test_a_k3_forward_adds_mixes_and_norms_its_residual_stream_in_one_launch_per_sub_layer(tmp_path) -> None:

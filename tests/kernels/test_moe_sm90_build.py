@@ -23,9 +23,10 @@ def build(fn, sig, consts, num_warps, num_stages=3):
     return sm90_build(fn, sig, consts, num_warps, num_stages, lambda k: k in ("D", "I", "stride_xt"))
 
 I32, C = "i32", "constexpr"
-route = dict(logits_ptr="*fp32", stride_lt=I32, gate_ptr="*fp32", D=I32, bias_ptr="*fp32", w_ptr="*fp32",
-             ids_ptr="*i32", scaling="fp32", E=C, BLOCK_E=C, K=C, BLOCK_K=C, GROUPS=C, BLOCK_G=C, BLOCK_PER=C,
-             TOPK_GROUP=C, RENORMALIZE=C, USE_PDL=C, FROM_X=C, BLOCK_D=C)
+route = dict(logits_ptr="*fp32", stride_lt=I32, bias_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i32", scaling="fp32",
+             E=C, BLOCK_E=C, K=C, BLOCK_K=C, GROUPS=C, BLOCK_G=C, BLOCK_PER=C, TOPK_GROUP=C, RENORMALIZE=C, USE_PDL=C)
+route_x = dict(x_ptr="*bf16", stride_x=I32, gate_ptr="*fp32", D=I32, bias_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i32",
+               scaling="fp32", E=C, BLOCK_E=C, K=C, BLOCK_K=C, RENORMALIZE=C, USE_PDL=C, BLOCK_D=C)
 count = dict(ids_ptr="*i32", counts_ptr="*i32", P=I32, E_P=C, BP=C, USE_PDL=C)
 offsets = dict(ids_ptr="*i32", counts_ptr="*i32", start_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32",
                big_ptr="*i32", small_ptr="*i32", P=I32, NC=I32, NB=I32, NBIG=I32, NSMALL=I32, E_P=C, BLOCK_M=C, BP=C,
@@ -47,12 +48,10 @@ ksum = dict(y_ptr="*bf16", out_ptr="*bf16", stride_ot=I32, D=I32, T=I32, P=I32, 
             TOPK=C, SHARED=C, BLOCK_D=C, USE_PDL=C, NORM=C)
 res = {
     "route": build(R._moe_route_kernel, route, dict(E=256, BLOCK_E=256, K=8, BLOCK_K=8, GROUPS=8, BLOCK_G=8,
-                                                    BLOCK_PER=32, TOPK_GROUP=4, RENORMALIZE=True, USE_PDL=True,
-                                                    FROM_X=False, BLOCK_D=16), 4),
+                                                    BLOCK_PER=32, TOPK_GROUP=4, RENORMALIZE=True, USE_PDL=True), 4),
     # k3-tiny's router with its logits in the launch (moe_route_from_x): bf16 x, the fp32 8 x 384 weight, one warp
-    "route_from_x": build(R._moe_route_kernel, dict(route, logits_ptr="*bf16"), dict(
-        E=8, BLOCK_E=8, K=2, BLOCK_K=2, GROUPS=1, BLOCK_G=1, BLOCK_PER=8, TOPK_GROUP=1, RENORMALIZE=True,
-        USE_PDL=True, FROM_X=True, BLOCK_D=128), 1),
+    "route_from_x": build(R._moe_route_from_x_kernel, route_x, dict(E=8, BLOCK_E=8, K=2, BLOCK_K=2, RENORMALIZE=True,
+                                                                    USE_PDL=True, BLOCK_D=128), 1),
     "align_single": build(A._moe_align_offsets_kernel, offsets, dict(E_P=256, BLOCK_M=16, BP=A.CHUNK, SUB=A._SUB, TILE_C=16,
                           BLOCK_B=32, SINGLE_CHUNK=True, USE_PDL=True, GROUP=1), 8),
     "align_count": build(A._moe_align_count_kernel, count, dict(E_P=256, BP=A.CHUNK, USE_PDL=True), 4),

@@ -131,9 +131,10 @@ class LatentFusion:
         down, up = moe.routed_expert_down_proj.weight, moe.routed_expert_up_proj.weight
         ws = (gu, sd, down, up)
         SI = sd.shape[1]
-        # one float dtype (no quantized shared expert), and the latent's columns start 16-byte aligned in both
+        # one 16/32-bit float dtype (no quantized shared expert), the latent's columns 16-byte aligned in both
         # (ROW_ALIGN elements): the kernels reading those slices compile for that alignment
-        if (len({t.dtype for t in ws}) != 1 or not gu.dtype.is_floating_point or SI % ROW_ALIGN
+        if (len({t.dtype for t in ws}) != 1 or gu.dtype not in (torch.bfloat16, torch.float16, torch.float32)
+                or SI % ROW_ALIGN
                 or any(t.stride(-1) != 1 for t in ws)
                 or (m.latent_norm and moe.routed_expert_norm.dtype != gu.dtype)):  # normed into the tail's input
             return None

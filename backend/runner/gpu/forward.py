@@ -173,6 +173,7 @@ class GpuForward:
         """-> fp32 logits [len(step.logit_rows), vocab], written into `logits_out` when given (the decode graphs
         all write one buffer: a [B, vocab] fp32 output per graph size is 1.6 GiB at 163,840 words up to 512)."""
         m, eps = self.model.model, self.cfg.rms_norm_eps
+        step.derived.clear()  # what the layers derive from the step's buffers is re-derived by this forward
         h = m.embed_tokens(step.ids)
         if not self.cfg.attn_res_block_size:
             # pre-norm residual stream; each residual add is fused into the next norm

@@ -232,7 +232,9 @@ def _verify_runs(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: 
         from k3rt.kernels.kda import kda_decode_multi
 
         q3, f3, b3, g3 = (t.reshape(B, R, *t.shape[1:]) for t in (qkv, f, b, gate))  # views: rows keep their stride
-        every = torch.full((B,), R, dtype=torch.int32, device=qkv.device)
+        every = step.derived.get("kda_runs")  # every run's R rows: one tensor for the step's KDA layers
+        if every is None:
+            every = step.derived["kda_runs"] = torch.full((B,), R, dtype=torch.int32, device=qkv.device)
         o = kda_decode_multi(q3, w.conv_weight, conv_pool, f3, w.A_log, w.dt_bias, b3, rec_pool, pages, every,
                              commit=False, lower_bound=attn.lower_bound, use_pdl=k.use_pdl,
                              o_gate=g3.reshape(B, R, H, D), o_norm_weight=attn.o_norm_weight, o_norm_eps=attn.eps,

@@ -130,9 +130,13 @@ def _decode(q: torch.Tensor, w: MlaWeights, step: GpuStep, kv_pages: torch.Tenso
         q_lat = torch.bmm(q[..., :P].transpose(0, 1), w.w_uk.to(q.dtype)).transpose(0, 1)  # [N, H, L]
     qcat = torch.cat([q_lat, q[..., P:]], dim=-1).contiguous()
     if per_row:
-        seq_of_row = (step.row_seq if step.row_seq is not None else
-                      torch.repeat_interleave(torch.arange(step.num_seqs), torch.tensor(step.lens)).to(q.device))
-        table, ctx = step.block_table[seq_of_row], (step.pos + 1).to(torch.int32)
+        rows = step.derived.get("mla_rows")  # (table, ctx) per row: once per forward, shared by the MLA layers
+        if rows is None:
+            seq_of_row = (step.row_seq if step.row_seq is not None else
+                          torch.repeat_interleave(torch.arange(step.num_seqs), torch.tensor(step.lens)).to(q.device))
+            rows = step.derived["mla_rows"] = (step.block_table[seq_of_row].contiguous(),
+                                               (step.pos + 1).to(torch.int32))
+        table, ctx = rows
     else:
         seqs = step.decode_seqs
         all_seqs = seqs.numel() == step.num_seqs

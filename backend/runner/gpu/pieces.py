@@ -132,6 +132,7 @@ class PiecewiseForward:
         if n is None:
             raise ValueError(f"step: {T} tokens, more than the largest bucket {self.buckets[-1]}")
         self.ids[:T].copy_(step.ids)
+        step.derived.clear()  # as GpuForward: the cores re-derive what they share (GpuStep.derived)
         graphs = self.graphs.get(n)
         self.runs += 1
         self.replays += graphs is not None

@@ -188,6 +188,10 @@ class GpuStep:
     verify_inputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     # the verify graphs' form (pack_step row_queries): each row's sequence [T] int64; None otherwise
     row_seq: torch.Tensor | None = None
+    # device tensors the layers derive from the step's buffers once per forward and share (the verify form's per-row
+    # MLA block table and context lengths, its KDA run lengths): one launch or three per step instead of per layer.
+    # GpuForward clears it as each forward starts: device rounds (rounds.py) advance the buffers between forwards
+    derived: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def decode_only(self) -> bool:
