@@ -18,7 +18,8 @@ NO_LAUNCH = frozenset({
     "aten::view", "aten::reshape", "aten::_unsafe_view", "aten::slice", "aten::select", "aten::transpose",
     "aten::t", "aten::expand", "aten::unsqueeze", "aten::squeeze", "aten::as_strided", "aten::permute",
     "aten::detach", "aten::alias", "aten::empty", "aten::empty_strided", "aten::chunk", "aten::split",
-    "aten::narrow", "aten::lift_fresh", "aten::resolve_conj", "aten::resolve_neg", "aten::to"})
+    "aten::narrow", "aten::lift_fresh", "aten::resolve_conj", "aten::resolve_neg", "aten::to",
+    "aten::promote_types"})  # a dtype computed on the host (the Triton wrappers' output dtype)
 
 
 @contextmanager

@@ -245,10 +245,34 @@ def test_fused_pass_launches_do_not_grow_with_k():
         for fused in (False, True):
             counts[k, fused] = count_ops(lambda: model.greedy_pass(ctx, ids[:, -1], embed, head, ctx_tokens=ids,
                                                                    ctx_valid=valid, fused=fused))
-    assert counts[1, True]["triton"] == counts[5, True]["triton"] == 1 and counts[5, False]["triton"] == 0
+    L = model.cfg.num_layers  # the fused pass's layers: norms (the context's, then 2 per layer) and the SiLU product
+    assert counts[1, True]["triton"] == counts[5, True]["triton"] == 1 + (2 + 2 * L) + L
+    assert counts[5, False]["triton"] == 0
     assert counts[5, True]["launching"] == counts[1, True]["launching"]
     assert counts[5, False]["launching"] - counts[1, False]["launching"] >= 4 * 20  # >= 20 ops per extra draft
     assert counts[5, False]["launching"] - counts[5, True]["launching"] >= 5 * 20
+
+
+def test_the_fused_pass_adds_residuals_inside_its_norm_launches():
+    """Issue 16 (the drafter's pass is launch-bound at batch 1): the serving pass's layers run each residual add
+    inside the next norm's launch and SiLU-and-product as one (DSparkModel._layers_kernels): per layer 3 launches
+    fewer than the torch layers'; the block's slots equal theirs to fp32 rounding."""
+    from k3rt.backend.bench.op_count import count_ops
+
+    model, embed, _ = _small(block_size=3, context_tokens=True, copy_dim=8, context_len=4)
+    ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(3))
+    ctx, valid = _ctx(model.cfg, 2), torch.ones(2, 4, dtype=torch.bool)
+    counts, slots = {}, {}
+    for kernels in (False, True):
+        def block():
+            slots[kernels] = model._block(ctx, ids[:, -1], embed, ids, valid, kernels=kernels)[0]
+        counts[kernels] = count_ops(block)
+    L = model.cfg.num_layers
+    assert counts[True]["triton"] == 2 + 3 * L and counts[False]["triton"] == 0
+    # torch: per layer 2 norms, 2 adds, silu and the product, then the final norm; kernels: the first layer's norm,
+    # then per layer those six in 3 launches (the final norm inside the last layer's); the context's norm 1 in both
+    assert counts[False]["launching"] - (counts[True]["launching"] + counts[True]["triton"]) == 3 * L
+    assert (slots[True] - slots[False]).abs().max() < 1e-5
 
 
 def test_folded_block_ops_keep_the_spelled_out_results():

@@ -38,6 +38,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3rt.kernels.spec import DraftHeads
+from k3rt.model_config import ActivationConfig
+
+_SILU = ActivationConfig("silu")  # the layers' MLP activation, as the act_and_mul kernel takes it
 
 
 # learned context position vectors: a window past this would be mostly untrained rows, and the engine
@@ -140,7 +143,12 @@ class _BlockLayer(nn.Module):
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, S, h] block slots; ctx [B, W, h] projected context (not updated by the layer); mask [B, W + S]
         bool, False for context rows that hold no state (a window longer than what has run), or None."""
-        y = self.attn_norm(x)
+        x = x + self.attend(self.attn_norm(x), ctx, mask)
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+    def attend(self, y: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The attention sub-layer's output (before the residual add) for the normed slots y [B, S, h]."""
         kv_in = torch.cat([ctx, y], dim=1)
         if torch.is_grad_enabled():
             q, k, v = self._heads(self.q_proj(y)), self._heads(self.k_proj(kv_in)), self._heads(self.v_proj(kv_in))
@@ -151,9 +159,7 @@ class _BlockLayer(nn.Module):
             q, k, v = self._heads(q[:, ctx.shape[1]:]), self._heads(k), self._heads(v)
         # no causal mask: every slot sees all context and all slots
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None, None])
-        x = x + self.o_proj(o.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
-        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        return self.o_proj(o.transpose(1, 2).reshape(y.shape[0], y.shape[1], -1))
 
 
 class DSparkModel(nn.Module):
@@ -223,12 +229,20 @@ class DSparkModel(nn.Module):
             raise ValueError(f"ctx_valid: expected [B, {w}], got {list(ctx_valid.shape)}")
 
     def _block(self, ctx_states: torch.Tensor, anchor_ids: torch.Tensor, embed: torch.Tensor,
-               ctx_tokens: torch.Tensor | None, ctx_valid: torch.Tensor | None
+               ctx_tokens: torch.Tensor | None, ctx_valid: torch.Tensor | None, kernels: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (all k+1 slots after the final norm [B, k+1, h], projected context [B, W, h])."""
+        """-> (all k+1 slots after the final norm [B, k+1, h], projected context [B, W, h]). kernels: the norms and
+        the SiLU product through the Triton kernels (`_layers_kernels`; the fused serving pass)."""
         self._check_window(ctx_states, ctx_tokens, ctx_valid)
         b = anchor_ids.shape[0]
-        ctx = self.ctx_norm(self.fc(ctx_states.to(self.fc.weight.dtype))) + self.ctx_pos
+        fc = self.fc(ctx_states.to(self.fc.weight.dtype))
+        if kernels:
+            from k3rt.kernels.norm import rms_norm  # Triton: imported only where the kernels run
+
+            ctx = rms_norm(fc.reshape(-1, fc.shape[-1]), self.ctx_norm.weight, self.ctx_norm.eps).view(fc.shape)
+            ctx = ctx + self.ctx_pos
+        else:
+            ctx = self.ctx_norm(fc) + self.ctx_pos
         if self.cfg.context_tokens:
             emb = F.embedding(ctx_tokens, embed).to(ctx.dtype)
             ctx = ctx + self.ctx_tok(emb[:, :-1]) + self.ctx_next(emb[:, 1:])
@@ -238,9 +252,31 @@ class DSparkModel(nn.Module):
         mask = None
         if ctx_valid is not None:
             mask = torch.cat([ctx_valid, ctx_valid.new_ones(b, x.shape[1])], dim=1)
+        if kernels:
+            return self._layers_kernels(x, ctx, mask), ctx
         for layer in self.layers:
             x = layer(x, ctx, mask)
         return self.norm(x), ctx
+
+    def _layers_kernels(self, x: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The layers and the final norm as `_BlockLayer.forward` and `norm` compute them, each residual add inside
+        the next norm's launch (kernels/norm rms_norm(residual=): the sum rounded, then normed, as the torch
+        form rounds) and SiLU-and-product one launch: per layer 3 launches fewer, and every norm one launch. The
+        serving pass is launch-bound at small batch (issue 16's batch-1 round)."""
+        from k3rt.kernels.moe import act_and_mul
+        from k3rt.kernels.norm import rms_norm
+
+        B, S, h = x.shape
+        eps = self.cfg.rms_norm_eps
+        x = x.reshape(B * S, h).contiguous()
+        y = rms_norm(x, self.layers[0].attn_norm.weight, eps)
+        for i, layer in enumerate(self.layers):
+            attn = layer.attend(y.view(B, S, h), ctx, mask).reshape(B * S, h)
+            y, x = rms_norm(attn, layer.mlp_norm.weight, eps, residual=x)
+            mlp = layer.down(act_and_mul(layer.gate_up(y), _SILU))
+            nxt = self.layers[i + 1].attn_norm.weight if i + 1 < len(self.layers) else self.norm.weight
+            y, x = rms_norm(mlp, nxt, eps, residual=x)
+        return y.view(B, S, h)
 
     def block_hidden(self, ctx_states: torch.Tensor, anchor_ids: torch.Tensor, embed: torch.Tensor, *,
                      ctx_tokens: torch.Tensor | None = None, ctx_valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -366,7 +402,7 @@ class DSparkModel(nn.Module):
         """The block pass, and what the fused left-to-right steps read from it: (base logits [B, k, V] fp32,
         anchor_ids, conf_pre [B, k, C], the heads, copy distributions [B, k, V] | None, gates [B, k] | None),
         the arguments of kernels/spec.greedy_draft in order."""
-        slots, ctx = self._block(ctx_states, anchor_ids, embed, ctx_tokens, ctx_valid)
+        slots, ctx = self._block(ctx_states, anchor_ids, embed, ctx_tokens, ctx_valid, kernels=True)
         hidden = slots[:, 1:]
         copy, gate = self.copy_probs(slots, ctx, ctx_tokens, ctx_valid) if self.cfg.copy_dim else (None, None)
         # the confidence MLP's hidden layer over the draft states, for all k at once; the kernel adds the
