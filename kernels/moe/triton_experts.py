@@ -451,18 +451,25 @@ def check_call(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_id
     return T, D, E, I, k, out
 
 
+# pair blocks for several tokens while their expert weights read, one pair at a time, stay within this many bytes
+# (a few hundred ns of bandwidth, against the alignment's ~3 us launch; k3-tiny's verify of 8 or 16 rows: 1.2 or
+# 2.3 MB; never the 48B's 14 MB experts)
+PAIR_BLOCKS_MAX_BYTES = 4 << 20
+
+
 def align_blocks(x: Tensor, topk_ids: Tensor, num_experts: int, inter: int, shared_experts: int, block_m: int,
                  use_pdl: bool, group: int = 1) -> ExpertBlocks:
-    """The grouped GEMMs' blocks: the alignment (`moe_align_fwd`), or for one token its k pairs as k blocks of one
-    row in slot order (pair_blocks): one token's slots name k distinct experts, or under expert parallelism a
-    repeated local expert at weight 0, which a block of its own computes the same. No alignment launch then
-    (batch-1 decode: one launch fewer per MoE layer, ~3 us each on the H200); the per-pair outputs are the same.
-    group > 1 (several tokens): the runs padded to block_m rows and the tables of tiles of group blocks and of the
-    leftover blocks (`moe_align_grouped`); the shared experts' tiles then have group * block_m rows."""
+    """The grouped GEMMs' blocks: the alignment (`moe_align_fwd`), or each pair as a block of one row in pair order
+    (pair_blocks) for one token (its slots name k distinct experts, or under expert parallelism a repeated local
+    expert at weight 0, which a block of its own computes the same) and for a few tokens of small experts
+    (PAIR_BLOCKS_MAX_BYTES: an expert two pairs share is read twice). No alignment launch then (batch-1 decode
+    and k3-tiny's verify steps: one launch fewer per MoE layer, ~3 us each on the H200); the per-pair outputs are
+    the same. group > 1 (several tokens): the runs padded to block_m rows and the tables of tiles of group blocks
+    and of the leftover blocks (`moe_align_grouped`); the shared experts' tiles then have group * block_m rows."""
     T, D = x.shape
     P, S = topk_ids.numel(), shared_experts
     E_routed = num_experts - S
-    pair_blocks = T == 1
+    pair_blocks = T == 1 or (group == 1 and P * 3 * D * inter * x.element_size() <= PAIR_BLOCKS_MAX_BYTES)
     big = small = None
     if pair_blocks:
         block_expert = topk_ids.view(-1)

@@ -287,6 +287,25 @@ def test_fused_experts_norm_equals_the_norm_kernel_after_the_sum(monkeypatch, pa
 
 
 @pytest.mark.parametrize("shared", [0, 1])
+def test_few_tokens_of_small_experts_run_their_pairs_as_blocks(monkeypatch, shared: int) -> None:
+    """k3-tiny's verify steps (8 or 16 rows): pairs as blocks of one row (no alignment launch) while the experts'
+    weights, read once per pair, stay within PAIR_BLOCKS_MAX_BYTES; a shared expert repeated among the pairs and
+    tokens whose pairs share experts; the same outputs as the aligned layout's. Past the bound: the alignment."""
+    import k3rt.kernels.moe.triton_experts as te
+
+    gen = torch.Generator().manual_seed(400 + shared)
+    case = experts_case(gen, 6, E=4 + shared, k=2, D=32, inter=16, dtype=torch.float32, experts=4)
+    act = ACTS["situ"]
+    real_align, calls = te.moe_align_fwd, []
+    monkeypatch.setattr(te, "moe_align_fwd", lambda *a, **kw: calls.append(1) or real_align(*a, **kw))
+    out = fused_experts(**case, act=act, shared_experts=shared)
+    assert calls == [] and rel_err(out, fused_experts_ref(**case, act=act, shared_experts=shared)) <= 1e-5
+    monkeypatch.setattr(te, "PAIR_BLOCKS_MAX_BYTES", 6 * 2 * 3 * 32 * 16 * 4 - 1)  # one byte short of the pairs'
+    aligned = fused_experts(**case, act=act, shared_experts=shared)
+    assert calls == [1] and torch.equal(aligned, out)
+
+
+@pytest.mark.parametrize("shared", [0, 1])
 def test_one_token_runs_its_pairs_as_blocks_without_the_alignment(monkeypatch, shared: int) -> None:
     """Batch-1 decode: the k pairs are k blocks of one row in slot order (no alignment launch), the same
     outputs as the aligned layout's; also with a repeated expert at weight 0 (expert parallelism's local
@@ -297,6 +316,7 @@ def test_one_token_runs_its_pairs_as_blocks_without_the_alignment(monkeypatch, s
     case = experts_case(gen, 1, E=8 + shared, k=4, D=32, inter=16, dtype=torch.float32, experts=8)
     act = ACTS["silu"]
     ref = fused_experts_ref(**case, act=act, shared_experts=shared)
+    monkeypatch.setattr(te, "PAIR_BLOCKS_MAX_BYTES", 0)  # two tokens: the alignment
     aligned = fused_experts(**dict(case, x=case["x"].repeat(2, 1), topk_weights=case["topk_weights"].repeat(2, 1),
                                    topk_ids=case["topk_ids"].repeat(2, 1)), act=act, shared_experts=shared)
 
