@@ -619,6 +619,17 @@ def test_a_verify_form_forward_derives_per_row_tables_and_run_lengths_once(tmp_p
         step.pos.add_(1)  # as a device round's advance: the next forward's context lengths follow
 
 
+def test_launches_benchmark_smoke(tmp_path) -> None:
+    """benchmarks/launches.py (the launch counts behind issue 16's cuts) runs, and counts fewer launches with the
+    cuts on than off in both forms."""
+    from tests.kernels.helpers import run_benchmark_smoke
+
+    res = run_benchmark_smoke("launches.py", tmp_path / "launches.json")
+    for form in ("decode", "verify"):
+        on, off = (next(r for r in res[form] if r["cuts"] is c) for c in (True, False))
+        assert 0 < on["launches"] < off["launches"], (form, on, off)
+
+
 def test_a_k3_forward_adds_mixes_and_norms_its_residual_stream_in_one_launch_per_sub_layer(tmp_path) -> None:
     """Each sub-layer output enters the attention-residual stream inside the next mix's launch, which also applies
     the next norm (the final norm included): per forward the embeddings' copy into the slot buffer, one mix launch
