@@ -545,7 +545,8 @@ def test_a_k3_decode_forward_launches_no_torch_glue_for_norms_activations_or_res
     from k3rt.backend.runner.gpu.mla import MlaWeights
 
     runner, step, work = _k3_decode_forward_counted(tmp_path)
-    glue = {"tanh", "div", "pow", "mean", "rsqrt", "stack"} & set(work.torch_ops)
+    # "cat": the MLA decode query is one product through [[W_UK, 0], [0, I]] (MlaWeights.w_uk_ext), no concatenation
+    glue = {"tanh", "div", "pow", "mean", "rsqrt", "stack", "cat"} & set(work.torch_ops)
     assert not glue, sorted(glue)
     assert any(isinstance(w, MlaWeights) for w in runner.fwd.prepared.values())
     # nor for the MLA output gate (kernels/mla/triton_gate.py: one launch, not a cast, sigmoid, cast and product)
@@ -617,6 +618,24 @@ def test_a_verify_form_forward_derives_per_row_tables_and_run_lengths_once(tmp_p
         table, ctx = step.derived["mla_rows"]
         assert torch.equal(table, step.block_table[step.row_seq]) and torch.equal(ctx, (step.pos + 1).int())
         step.pos.add_(1)  # as a device round's advance: the next forward's context lengths follow
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_extended_w_uk_gives_the_decode_query_bit_for_bit(tmp_path, dtype) -> None:
+    """[q_nope W_UK ; q_pe] as one product of q through [[W_UK, 0], [0, I]] (the rope part times one plus exact
+    zeros) equals the product and the concatenation exactly, in bf16 too (fp32 accumulation); the extension is
+    built only while it adds at most QCAT_MAX_EXTRA_BYTES (the 48B's layers keep the concatenation)."""
+    from k3rt.backend.runner.gpu import mla as gmla
+
+    eng, _ = _three_decodes(tmp_path, kernels=True)
+    w = next(w for w in eng.runner.fwd.prepared.values() if isinstance(w, gmla.MlaWeights))
+    H, P, L = w.w_uk.shape
+    R = w.w_uk_ext.shape[1] - P
+    q = torch.randn(5, H, P + R, generator=torch.Generator().manual_seed(0)).to(dtype)
+    got = torch.bmm(q.transpose(0, 1), w.w_uk_ext.to(dtype)).transpose(0, 1)
+    want = torch.cat([torch.bmm(q[..., :P].transpose(0, 1), w.w_uk.to(dtype)).transpose(0, 1), q[..., P:]], dim=-1)
+    assert torch.equal(got, want)
+    assert 32 * ((128 + 64) * (512 + 64) - 128 * 512) * 2 > gmla.QCAT_MAX_EXTRA_BYTES  # the 48B's MLA: no extension
 
 
 def test_launches_benchmark_smoke(tmp_path) -> None:

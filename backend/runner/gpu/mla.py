@@ -22,6 +22,12 @@ from k3rt.backend.runner.gpu.ops import KernelConfig, fuse_rows, kernel, linear,
 from k3rt.backend.runner.gpu.step import GpuStep
 
 
+# the decode query's fold through [[W_UK, 0], [0, I]] (MlaWeights.w_uk_ext) while the extension costs at most this many
+# more weight bytes per layer than W_UK alone (k3-tiny: 0.07 MB; the 48B's 2.9 MB, read every decode step, stay on
+# the cat)
+QCAT_MAX_EXTRA_BYTES = 1 << 20
+
+
 @dataclass
 class MlaWeights:
     w_in: torch.Tensor  # [q_a or q | kv_a | gate? | pad, hidden]: every projection of x, one GEMM (ops.fuse_rows)
@@ -29,6 +35,10 @@ class MlaWeights:
     w_uk: torch.Tensor  # [H, P, L]
     w_uv_t: torch.Tensor  # [H, L, V]
     slot: int  # tensor index of this layer in the pool's MLA group
+    # [H, P + R, L + R] = [[W_UK, 0], [0, I_R]]: q [T, H, P + R] through it is the decode kernel's query
+    # [q_nope W_UK ; q_pe] in one product (the rope part times 1 plus exact zeros: its own value), not a product
+    # and a concatenation; None past QCAT_MAX_EXTRA_BYTES
+    w_uk_ext: torch.Tensor | None = None
 
     @staticmethod
     def of(attn: MultiHeadLatentAttention, slot: int) -> "MlaWeights":
@@ -39,9 +49,14 @@ class MlaWeights:
             parts.append(attn.g_proj.weight)
         fused, splits = fuse_rows(parts)
         w = attn.kv_b_proj.weight.detach().view(h, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-        return MlaWeights(fused, splits,
-                          w[:, :m.qk_nope_head_dim].contiguous(), w[:, m.qk_nope_head_dim:].transpose(1, 2).contiguous(),
-                          slot)
+        w_uk = w[:, :m.qk_nope_head_dim].contiguous()
+        P, L, R = m.qk_nope_head_dim, m.kv_lora_rank, m.qk_rope_head_dim
+        ext = None
+        if h * ((P + R) * (L + R) - P * L) * w.element_size() <= QCAT_MAX_EXTRA_BYTES:
+            ext = w.new_zeros(h, P + R, L + R)
+            ext[:, :P, :L] = w_uk
+            ext[:, P:, L:] = torch.eye(R, dtype=w.dtype, device=w.device)
+        return MlaWeights(fused, splits, w_uk, w[:, m.qk_nope_head_dim:].transpose(1, 2).contiguous(), slot, ext)
 
 
 def mla_forward(attn: MultiHeadLatentAttention, w: MlaWeights, x: torch.Tensor, step: GpuStep,
@@ -125,10 +140,12 @@ def _decode(q: torch.Tensor, w: MlaWeights, step: GpuStep, kv_pages: torch.Tenso
     graphs' form) for every row of the step, each over its own context (position + 1)."""
     P = m.qk_nope_head_dim
     if k.batch_invariant:
-        q_lat = _per_row_bmm(q[..., :P], w.w_uk.to(q.dtype))  # [N, H, L]
+        qcat = torch.cat([_per_row_bmm(q[..., :P], w.w_uk.to(q.dtype)), q[..., P:]], dim=-1)  # [N, H, L + R]
+    elif w.w_uk_ext is not None:  # one launch: the product leaves it heads outermost, the kernel takes the strides
+        qcat = torch.bmm(q.transpose(0, 1), w.w_uk_ext.to(q.dtype)).transpose(0, 1)
     else:
         q_lat = torch.bmm(q[..., :P].transpose(0, 1), w.w_uk.to(q.dtype)).transpose(0, 1)  # [N, H, L]
-    qcat = torch.cat([q_lat, q[..., P:]], dim=-1).contiguous()
+        qcat = torch.cat([q_lat, q[..., P:]], dim=-1)
     if per_row:
         rows = step.derived.get("mla_rows")  # (table, ctx) per row: once per forward, shared by the MLA layers
         if rows is None:
