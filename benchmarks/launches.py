@@ -72,7 +72,8 @@ def _seqs(eng: Engine, batch: int, rows: int) -> list[StepSeq]:
 def _forward_counts(eng: Engine, batch: int, rows: int, cuts: bool) -> dict:
     runner = eng.runner
     default = runner.fwd.k
-    runner.fwd.k = default if cuts else replace(default, **CUTS_OFF)
+    # (a tree without the switches, e.g. an older commit's: its own default only)
+    runner.fwd.k = default if cuts else replace(default, **{k: v for k, v in CUTS_OFF.items() if hasattr(default, k)})
     try:
         seqs = _seqs(eng, batch, rows)
         if rows == 1:
@@ -91,7 +92,7 @@ def _drafter_counts(eng: Engine, batch: int) -> dict:
     from k3rt.backend.spec.base import DraftQuery
     from k3rt.backend.spec.dspark.drafter import DSparkDrafter
 
-    d = DSparkDrafter.from_folder(MODELS_DIR / "k3-tiny-dspark", eng.model, fused=True)
+    d = DSparkDrafter.from_folder(MODELS_DIR / "k3-tiny-dspark", eng.runner.fwd.model, fused=True)
     cfg = d.model.cfg
     g = torch.Generator().manual_seed(batch)
     width = len(cfg.target_layers) * cfg.target_hidden_size

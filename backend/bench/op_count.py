@@ -19,7 +19,7 @@ NO_LAUNCH = frozenset({
     "aten::t", "aten::expand", "aten::unsqueeze", "aten::squeeze", "aten::as_strided", "aten::permute",
     "aten::detach", "aten::alias", "aten::empty", "aten::empty_strided", "aten::chunk", "aten::split",
     "aten::narrow", "aten::lift_fresh", "aten::resolve_conj", "aten::resolve_neg", "aten::to",
-    "aten::new_empty", "aten::empty_like",
+    "aten::new_empty", "aten::empty_like", "aten::split_with_sizes", "aten::unbind",
     "aten::promote_types"})  # a dtype computed on the host (the Triton wrappers' output dtype)
 
 
