@@ -2,7 +2,8 @@
 what the DSpark drafter's fused kernel removed; benchmarks/dspark_pass.py and its tests count with this).
 
 "Top-level" is an aten op called from Python, not one that another aten op runs inside it; `launching` leaves
-out views, aliases, allocations and casts (which launch nothing). Triton launches, compiled or under the
+out views, aliases and allocations (which launch nothing), and `.to` / `reshape` unless they copied (a cast of
+another dtype, a reshape that cannot be a view). Triton launches, compiled or under the
 interpreter, are wrapped in a profiler range for the call, so each counts once and the interpreter's own
 tensor copies inside it are not counted. On CUDA the device kernels the profiler saw are counted too.
 """
@@ -43,6 +44,16 @@ def triton_ranges() -> Iterator[None]:
             cls.run = orig
 
 
+# what an op of NO_LAUNCH runs inside it when it does launch: `.to` of another dtype or device (a cast kernel),
+# `reshape`/`contiguous` of a tensor whose strides do not allow a view (a copy)
+_COPIES = frozenset({"aten::_to_copy", "aten::clone", "aten::copy_"})
+
+
+def _copies(e) -> bool:
+    """Whether op event e ran a copy inside it (a NO_LAUNCH op that launched after all)."""
+    return any(c.name in _COPIES or _copies(c) for c in e.cpu_children)
+
+
 def count_ops(fn: Callable[[], object]) -> dict[str, int]:
     """Ops of one call of fn, after one warm-up call (compiles, allocator): {"aten_ops", "launching", "triton"}
     and on CUDA "device_kernels"."""
@@ -67,7 +78,7 @@ def count_ops(fn: Callable[[], object]) -> dict[str, int]:
             out["triton"] += 1
         elif e.name.startswith("aten::"):
             out["aten_ops"] += 1
-            out["launching"] += e.name not in NO_LAUNCH
+            out["launching"] += e.name not in NO_LAUNCH or _copies(e)
     if cuda:
         out["device_kernels"] = sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
     return out

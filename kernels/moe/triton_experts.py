@@ -469,7 +469,9 @@ def align_blocks(x: Tensor, topk_ids: Tensor, num_experts: int, inter: int, shar
     T, D = x.shape
     P, S = topk_ids.numel(), shared_experts
     E_routed = num_experts - S
-    pair_blocks = T == 1 or (group == 1 and P * 3 * D * inter * x.element_size() <= PAIR_BLOCKS_MAX_BYTES)
+    # (a few tokens: the decode tiles only, whose 16-row blocks waste less than prefill tiles' on one row each)
+    pair_blocks = T == 1 or (group == 1 and block_m <= 16
+                             and P * 3 * D * inter * x.element_size() <= PAIR_BLOCKS_MAX_BYTES)
     big = small = None
     if pair_blocks:
         block_expert = topk_ids.view(-1)

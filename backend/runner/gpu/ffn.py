@@ -176,7 +176,7 @@ def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> to
         how = dict(top_k=m.num_experts_per_token, num_expert_group=m.num_expert_group, topk_group=m.topk_group,
                    renormalize=m.renormalize, scaling=m.routed_scaling_factor)
         gate, bias = moe.gate_weight, moe.e_score_correction_bias.float()
-        if (k.moe_fused_router and not k.batch_invariant
+        if (k.moe_fused_router and not k.batch_invariant and gate.is_contiguous()
                 and kernel("moe", "fused_router_fits")(x.shape[0], *gate.shape, m.num_expert_group)):
             tw, ids = kernel("moe", "moe_route_from_x")(x, gate, bias, **how)  # the logits in the same launch
         else:
