@@ -209,7 +209,8 @@ for stage in "$@"; do
         --out "$OUT/tiny_linear.json" ;;
     k3-launches)
       gpu_pytest k3-launches 200 tests/kernels/test_mla_triton.py tests/kernels/test_moe_triton.py \
-        tests/kernels/test_moe_mxfp4.py tests/backend/test_gpu_runner.py -k "gate or route or norm or k3 or latent"
+        tests/kernels/test_moe_mxfp4.py tests/backend/test_gpu_runner.py \
+        -k "gate or route or norm or k3 or latent or pair or shared"
       run k3-launches 90 python3 benchmarks/launches.py --device cuda --dtype bfloat16 --batch 1 4 --budget-s 80 \
         --out "$OUT/k3_launch_counts.json"
       run k3-launches 150 python3 benchmarks/decode.py --model k3-tiny --batch 1 4 16 --prefill \
