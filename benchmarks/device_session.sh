@@ -214,7 +214,7 @@ for stage in "$@"; do
       run k3-launches 90 python3 benchmarks/launches.py --device cuda --dtype bfloat16 --batch 1 4 --budget-s 80 \
         --out "$OUT/k3_launch_counts.json"
       run k3-launches 150 python3 benchmarks/decode.py --model k3-tiny --batch 1 4 16 --prefill \
-        --variants control unfused no_latent_fusion no_fused_router moe_one_token pdl --budget-s 130 \
+        --variants control unfused no_latent_fusion no_fused_router no_pair_blocks moe_one_token pdl --budget-s 130 \
         --out "$OUT/k3_launches.json" ;;
     spec-round)
       run spec-round 150 python3 benchmarks/spec_round.py --device cuda --dtype bfloat16 --batch 1 \

@@ -458,20 +458,21 @@ PAIR_BLOCKS_MAX_BYTES = 4 << 20
 
 
 def align_blocks(x: Tensor, topk_ids: Tensor, num_experts: int, inter: int, shared_experts: int, block_m: int,
-                 use_pdl: bool, group: int = 1) -> ExpertBlocks:
+                 use_pdl: bool, group: int = 1, pair_blocks_bytes: int | None = None) -> ExpertBlocks:
     """The grouped GEMMs' blocks: the alignment (`moe_align_fwd`), or each pair as a block of one row in pair order
     (pair_blocks) for one token (its slots name k distinct experts, or under expert parallelism a repeated local
     expert at weight 0, which a block of its own computes the same) and for a few tokens of small experts
     (PAIR_BLOCKS_MAX_BYTES: an expert two pairs share is read twice). No alignment launch then (batch-1 decode
     and k3-tiny's verify steps: one launch fewer per MoE layer, ~3 us each on the H200); the per-pair outputs are
     the same. group > 1 (several tokens): the runs padded to block_m rows and the tables of tiles of group blocks
-    and of the leftover blocks (`moe_align_grouped`); the shared experts' tiles then have group * block_m rows."""
+    and of the leftover blocks (`moe_align_grouped`); the shared experts' tiles then have group * block_m rows.
+    pair_blocks_bytes: the bound for several tokens (None: PAIR_BLOCKS_MAX_BYTES; 0: one token only)."""
     T, D = x.shape
     P, S = topk_ids.numel(), shared_experts
     E_routed = num_experts - S
     # (a few tokens: the decode tiles only, whose 16-row blocks waste less than prefill tiles' on one row each)
-    pair_blocks = T == 1 or (group == 1 and block_m <= 16
-                             and P * 3 * D * inter * x.element_size() <= PAIR_BLOCKS_MAX_BYTES)
+    bound = PAIR_BLOCKS_MAX_BYTES if pair_blocks_bytes is None else pair_blocks_bytes
+    pair_blocks = T == 1 or (group == 1 and block_m <= 16 and P * 3 * D * inter * x.element_size() <= bound)
     big = small = None
     if pair_blocks:
         block_expert = topk_ids.view(-1)
@@ -531,6 +532,7 @@ def fused_experts(
     grouped_tiles: bool = False,
     one_token: bool = False,
     norm: tuple[Tensor, float] | None = None,
+    pair_blocks_bytes: int | None = None,
 ) -> Tensor:
     """Routed experts of one MoE layer for T tokens (model-facts §6; SiTU §7.3).
 
@@ -555,6 +557,9 @@ def fused_experts(
         norm: (weight [D] x.dtype, eps): RMSNorm of each token's sum (LatentMoE's routed_expert_norm), in the sum's
             launch where a row fits it (`sum_slots`; the one-token path's sum splits rows: the norm kernel after);
             the sum is rounded to x.dtype first, as the unfused layer rounds it.
+        pair_blocks_bytes: a few tokens' pairs as blocks of one row (no alignment) while their experts' weights,
+            read once per pair, stay within this many bytes (`align_blocks`; None: PAIR_BLOCKS_MAX_BYTES; 0: one
+            token only; KernelConfig.moe_pair_blocks_bytes).
 
     Returns:
         [T, D] in x.dtype. Rounding: h and the per-pair outputs are stored in x.dtype (ref.py).
@@ -575,7 +580,7 @@ def fused_experts(
         return y if norm is None else rms_norm(y, norm[0], norm[1], out=out, use_pdl=use_pdl)
     cfg = tiles or pick_tiles(P + S * T, E, grouped_tiles)
     sub = cfg.tail or cfg  # the alignment's block
-    b = align_blocks(x, topk_ids, E, I, S, sub.block_m, use_pdl, cfg.block_m // sub.block_m)
+    b = align_blocks(x, topk_ids, E, I, S, sub.block_m, use_pdl, cfg.block_m // sub.block_m, pair_blocks_bytes)
     pdl = use_pdl and not INTERPRET
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     situ = act.name == "situ"

@@ -73,6 +73,8 @@ def test_kernel_config_names_an_unknown_kda_intra_form() -> None:
     assert KernelConfig(kda_intra="split").kda_intra == "split"
     with pytest.raises(ValueError, match=r"kda_intra: must be one of \('fused', 'split', 'blocks'\), got 'tiled'"):
         KernelConfig(kda_intra="tiled")
+    with pytest.raises(ValueError, match="moe_pair_blocks_bytes: must be >= 0, got -1"):
+        KernelConfig(moe_pair_blocks_bytes=-1)
 
 
 @pytest.mark.parametrize("arch, intra", [("kimi_linear", "fused"), ("k3", "fused"), ("k3", "split"), ("k3", "blocks"),

@@ -303,6 +303,10 @@ def test_few_tokens_of_small_experts_run_their_pairs_as_blocks(monkeypatch, shar
     monkeypatch.setattr(te, "PAIR_BLOCKS_MAX_BYTES", 6 * 2 * 3 * 32 * 16 * 4 - 1)  # one byte short of the pairs'
     aligned = fused_experts(**case, act=act, shared_experts=shared)
     assert calls == [1] and torch.equal(aligned, out)
+    assert torch.equal(fused_experts(**case, act=act, shared_experts=shared, pair_blocks_bytes=1 << 30), out)
+    assert calls == [1]  # the call's own bound (KernelConfig.moe_pair_blocks_bytes) over the module's
+    assert torch.equal(fused_experts(**case, act=act, shared_experts=shared, pair_blocks_bytes=0), out)
+    assert calls == [1, 1]
 
 
 @pytest.mark.parametrize("shared", [0, 1])

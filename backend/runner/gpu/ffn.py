@@ -212,7 +212,7 @@ def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> to
                            out=out, norm=norm)
         return experts(z, w.w13, w.w2, tw, ids.to(torch.int32), act=moe.act, shared_experts=w.shared_fused,
                        use_pdl=k.use_pdl, tiles=tiles, grouped_tiles=k.moe_grouped_tiles, one_token=k.moe_one_token,
-                       out=out, norm=norm)
+                       out=out, norm=norm, pair_blocks_bytes=k.moe_pair_blocks_bytes)
 
     if w.latent is not None and experts is not None and k.moe_latent_fusion:
         return _latent_forward(moe, w.latent, x, routed, k)

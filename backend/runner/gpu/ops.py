@@ -90,8 +90,14 @@ class KernelConfig:
     # LatentFusion): 5 launches of the layer's own instead of 8. The fused weights are prepared whatever this
     # says (the module's weights become views of them), so benchmarks switch it per run
     moe_latent_fusion: bool = True
+    # a few tokens' MoE pairs as blocks of one row, no alignment launch, while their experts' weights (read once per
+    # pair) stay within this many bytes (kernels/moe/triton_experts.py align_blocks: k3-tiny's verify steps; never the
+    # 48B's 14 MB experts); 0: one token only, as before session 31. Not timed on a GPU yet
+    moe_pair_blocks_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
+        if self.moe_pair_blocks_bytes < 0:
+            raise ValueError(f"moe_pair_blocks_bytes: must be >= 0, got {self.moe_pair_blocks_bytes}")
         if self.split_router_min_rows < 0:
             raise ValueError(f"split_router_min_rows: must be >= 0, got {self.split_router_min_rows}")
         if self.kda_intra not in INTRA_FORMS:
