@@ -189,7 +189,7 @@ class DSparkModel(nn.Module):
             i, j = torch.arange(cfg.context_len), torch.arange(1, cfg.block_size + 1)
             src = i[None, :] + j[:, None]  # [k, W]
             self.register_buffer("copy_src", src.clamp(max=cfg.context_len), persistent=False)
-            self.register_buffer("copy_unknown", src > cfg.context_len, persistent=False)
+            self.register_buffer("copy_known", src <= cfg.context_len, persistent=False)
         conf_in = h + cfg.markov_rank + (1 if cfg.copy_dim else 0)
         self.conf_hidden = nn.Linear(conf_in, cfg.confidence_hidden)
         self.conf_out = nn.Linear(cfg.confidence_hidden, 1)
@@ -295,8 +295,9 @@ class DSparkModel(nn.Module):
         b, k = ctx.shape[0], cfg.block_size
         score = torch.einsum("bd,bwd->bw", self.copy_q(slots[:, 0]), self.copy_k(ctx)).float() / math.sqrt(cfg.copy_dim)
         # [B, k, W]: draft j may copy through window index i when x_{p+j} is known and row i holds a state
-        masked = self.copy_unknown[None] | (~ctx_valid[:, None] if ctx_valid is not None else False)
-        attn = torch.softmax(score[:, None].masked_fill(masked, float("-inf")), dim=-1).nan_to_num(0.0)
+        keep = self.copy_known[None] & ctx_valid[:, None] if ctx_valid is not None else self.copy_known[None]
+        # (one mask op and a select: the pass is launch-bound, and a not, an or and a fill were three)
+        attn = torch.softmax(torch.where(keep, score[:, None], float("-inf")), dim=-1).nan_to_num(0.0)
         src = ctx_tokens[:, self.copy_src]  # [B, k, W]: window index i's x_{p+j} is ctx_tokens[:, i + j]
         copy = torch.zeros(b, k, cfg.vocab_size, device=ctx.device, dtype=attn.dtype).scatter_add_(-1, src, attn)
         return copy, torch.sigmoid(self.copy_gate(slots[:, 1:]).squeeze(-1).float())
