@@ -11,7 +11,8 @@ the verify form's shared per-row tables and the pair blocks have no switch).
     python3 benchmarks/launches.py --device cuda --dtype bfloat16   # also the device kernels per forward
     python3 benchmarks/launches.py --smoke                          # a tiny random k3 checkpoint (bit-rot check)
 
-JSON to --out (default $OUT/launches.json), then a markdown table. Counts only: the times are decode.py's
+JSON to --out (default $OUT/launches.json, with each form's launches by op or kernel name), then a markdown table
+and the by-name lists of the forms with the cuts on. Counts only: the times are decode.py's
 (--model k3-tiny --variants unfused ...) and spec_round.py's.
 """
 from __future__ import annotations
@@ -81,7 +82,7 @@ def _forward_counts(eng: Engine, batch: int, rows: int, cuts: bool) -> dict:
         else:  # the verify graphs' form, eagerly (what each verify graph and device round replays)
             meta, (h64, h32) = runner._pack(seqs, row_queries=True)
             step = step_views(meta, to_device(h64, runner.device), to_device(h32, runner.device))
-        c = count_ops(lambda: runner.fwd(step, decode=rows == 1))
+        c = count_ops(lambda: runner.fwd(step, decode=rows == 1), names=True)
     finally:
         runner.fwd.k = default
     return {"batch": batch, "rows": batch * rows, "cuts": cuts, **c, "launches": c["launching"] + c["triton"]}
@@ -100,7 +101,7 @@ def _drafter_counts(eng: Engine, batch: int) -> dict:
     states = torch.randn(batch, cfg.context_len, width, generator=g).to(d.embed.device, d.embed.dtype)
     ctx, anchors, extra = d._inputs([DraftQuery(i, ids[i].tolist(), cfg.context_len, cfg.block_size, states[i])
                                      for i in range(batch)])
-    c = count_ops(lambda: d.model.greedy_pass(ctx, anchors, d.embed, d.lm_head, fused=True, **extra))
+    c = count_ops(lambda: d.model.greedy_pass(ctx, anchors, d.embed, d.lm_head, fused=True, **extra), names=True)
     return {"batch": batch, **c, "launches": c["launching"] + c["triton"]}
 
 
@@ -134,6 +135,12 @@ def main() -> None:
                 cuts = "" if "cuts" not in r else ("on" if r["cuts"] else "off")
                 print(f"| {sec} | {r['batch']} | {cuts} | {r['launching']} | {r['triton']} | {r['launches']} | "
                       f"{r.get('device_kernels', '')} |")
+    # where each form's launches come from (the cuts on; JSON has every row's)
+    for sec in ("decode", "verify", "drafter_pass"):
+        for r in rep.result.get(sec, []):
+            if "names" in r and r.get("cuts", True):
+                top = ", ".join(f"{n.split('::')[-1]} {c}" for n, c in r["names"].items())
+                print(f"\n{sec} b{r['batch']}: {top}")
 
 
 if __name__ == "__main__":

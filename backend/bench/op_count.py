@@ -54,9 +54,10 @@ def _copies(e) -> bool:
     return any(c.name in _COPIES or _copies(c) for c in e.cpu_children)
 
 
-def count_ops(fn: Callable[[], object]) -> dict[str, int]:
+def count_ops(fn: Callable[[], object], names: bool = False) -> dict:
     """Ops of one call of fn, after one warm-up call (compiles, allocator): {"aten_ops", "launching", "triton"}
-    and on CUDA "device_kernels"."""
+    and on CUDA "device_kernels"; names=True adds "names": {op or `triton::<kernel>`: launches} (where the
+    launches of a form come from)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -68,17 +69,25 @@ def count_ops(fn: Callable[[], object]) -> dict[str, int]:
         if cuda:
             torch.cuda.synchronize()
     out = {"aten_ops": 0, "launching": 0, "triton": 0}
+    by_name: dict[str, int] = {}
     for e in prof.events():
         parent = e.cpu_parent
         while parent is not None and not parent.name.startswith(("aten::", "triton::")):
             parent = parent.cpu_parent
         if parent is not None or e.device_type != DeviceType.CPU:
             continue
+        launched = False
         if e.name.startswith("triton::"):
             out["triton"] += 1
+            launched = True
         elif e.name.startswith("aten::"):
             out["aten_ops"] += 1
-            out["launching"] += e.name not in NO_LAUNCH or _copies(e)
+            launched = e.name not in NO_LAUNCH or _copies(e)
+            out["launching"] += launched
+        if launched:
+            by_name[e.name] = by_name.get(e.name, 0) + 1
     if cuda:
         out["device_kernels"] = sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+    if names:
+        out["names"] = dict(sorted(by_name.items(), key=lambda kv: (-kv[1], kv[0])))
     return out

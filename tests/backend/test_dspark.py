@@ -266,9 +266,12 @@ def test_the_fused_pass_adds_residuals_inside_its_norm_launches():
     for kernels in (False, True):
         def block():
             slots[kernels] = model._block(ctx, ids[:, -1], embed, ids, valid, kernels=kernels)[0]
-        counts[kernels] = count_ops(block)
+        counts[kernels] = count_ops(block, names=True)
     L = model.cfg.num_layers
     assert counts[True]["triton"] == 2 + 3 * L and counts[False]["triton"] == 0
+    for c in counts.values():  # the by-name breakdown adds up to the totals
+        assert sum(c["names"].values()) == c["launching"] + c["triton"]
+    assert counts[True]["names"]["triton::_act_and_mul_kernel"] == L
     # torch: per layer 2 norms, 2 adds, silu and the product, then the final norm; kernels: the first layer's norm,
     # then per layer those six in 3 launches (the final norm inside the last layer's); the context's norm 1 in both
     assert counts[False]["launching"] - (counts[True]["launching"] + counts[True]["triton"]) == 3 * L

@@ -649,6 +649,9 @@ def test_launches_benchmark_smoke(tmp_path) -> None:
     for form in ("decode", "verify"):
         on, off = (next(r for r in res[form] if r["cuts"] is c) for c in (True, False))
         assert 0 < on["launches"] < off["launches"], (form, on, off)
+        assert sum(on["names"].values()) == on["launches"]
+        # the MLA decode kernel in both forms (the verify form's rows as one-token queries), one per MLA layer
+        assert on["names"]["triton::_mla_decode_paged_kernel"] == off["names"]["triton::_mla_decode_paged_kernel"] > 0
 
 
 def test_a_k3_forward_adds_mixes_and_norms_its_residual_stream_in_one_launch_per_sub_layer(tmp_path) -> None:
