@@ -81,7 +81,7 @@ for stage in "$@"; do
   case $stage in
     tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det|overlap|serve) ;;
     spec-tests|spec-verify|dspark-pass|spec-bench|spec-gate|spec-rounds|jit-churn|tp-tests|tp|tp-symm|k3-slice) ;;
-    profile|kda-probe|tiny-linear|spec-round|prep|kda-blocks) ;;
+    profile|kda-probe|tiny-linear|spec-round|prep|kda-blocks|k3-launches) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
