@@ -502,7 +502,8 @@ def test_a_mixed_steps_kda_layer_launches_no_torch_work(tmp_path) -> None:
     the chunked form's conv with gate and beta, the snapshot and new windows in one store (pack_step merge_stores:
     two stores before session 27), two chunk kernels and the gated norm. Before, the general form built its conv
     windows, gate, state copies and chunk tables with ~30 torch kernels per layer (~600 launches of a
-    20-KDA-layer 48B step) beside 4 Triton launches."""
+    20-KDA-layer 48B step) beside 4 Triton launches. The chunk kernels' intra step in one launch ("fused") or four
+    ("blocks", KernelConfig.kda_intra's default since session 32)."""
     from k3rt.backend.runner.gpu.kda import KdaWeights, kda_attend, kda_project
     from k3rt.backend.runner.gpu.step import StepSeq
 
@@ -515,7 +516,9 @@ def test_a_mixed_steps_kda_layer_launches_no_torch_work(tmp_path) -> None:
                     [(64, pool.allocate(per_set))])
     i, w = next((i, w) for i, w in fwd.prepared.items() if isinstance(w, KdaWeights))
     attn = fwd.layers[i].self_attn
-    for seqs, launches in ((decs + [chunk], 6), ([chunk], 5)):
+    assert fwd.k.kda_intra == "blocks"
+    for intra, seqs, launches in (("blocks", decs + [chunk], 9), ("blocks", [chunk], 8), ("fused", [chunk], 5)):
+        fwd.k = replace(fwd.k, kda_intra=intra)
         step = runner._build(seqs, [])
         parts = kda_project(attn, w, torch.randn(step.num_tokens, fwd.cfg.hidden_size, dtype=w.w_in.dtype), fwd.k)
         with _LaunchWork() as work:

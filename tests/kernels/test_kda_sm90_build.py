@@ -184,20 +184,21 @@ kernels = dict(gc=(B._blocks_gc_kernel, False), pair=(B._blocks_pair_kernel, Fal
                lrow=(B._blocks_lrow_kernel, False),
                inverse=(B._blocks_inverse_kernel, False), out=(B._blocks_out_kernel, False),
                out_sliced=(B._blocks_out_kernel, True))
-print(json.dumps({  # kda_chunk_fwd's defaults for intra="blocks": 32-column slices, 4 warps, 2 stages
-    form: {name: build(fn, act, dot16, prec, 4, sliced) for name, (fn, sliced) in kernels.items()}
-    for form, act, dot16, prec in (("bf16", "*bf16", True, "tf32"), ("fp32", "*fp32", False, "ieee"))}))
+print(json.dumps({  # kda_chunk_fwd's defaults for intra="blocks": 32-column slices, 2 stages, 2 warps (bf16), 4 (fp32)
+    form: {name: build(fn, act, dot16, prec, warps, sliced) for name, (fn, sliced) in kernels.items()}
+    for form, act, dot16, prec, warps in (("bf16", "*bf16", True, "tf32", 2), ("fp32", "*fp32", False, "ieee", 4))}))
 """
 
 
 def test_blocks_intra_kernels_build_for_sm90() -> None:
     """intra="blocks" (triton_intra_blocks.py) at the Kimi head builds for sm_90 in both forms, within the shared
-    memory, and its four launches stay small: no spills, <= 128 registers in the bf16 form (at least four 4-warp
-    programs per SM; the point of the split: session 29's one-launch form took 255 with spills)."""
+    memory, and its four launches stay small at their default warps: no spills in the bf16 form (2 warps) and registers
+    for at least four programs per SM (the point of the split: session 29's one-launch form took 255 with spills;
+    2 warps measured faster than 4 on the H200, 2.29 against 2.53 ms at 16K tokens, session 32)."""
     res = run_sm90_build(_BUILD_BLOCKS, timeout=600)
     for form, kernels in res.items():
         for name, r in kernels.items():
             assert r["shared"] <= 227 * 1024, (form, name, r)
             if form == "bf16":
-                assert r["stack"] == 0 and r["local"] == 0 and r["regs"] <= 128, (name, r)
+                assert r["stack"] == 0 and r["local"] == 0 and 4 * 2 * 32 * r["regs"] <= 65536, (name, r)
     print(res)

@@ -50,13 +50,13 @@ class KernelConfig:
     # each, no scratch copies: the default, measured faster on the H200 (benchmarks/spec_verify.py at the 48B
     # shape, 1 + 7 tokens: verify graph 7.48 vs 8.38 ms at batch 1, 26.2 vs 31.5 ms at 16; commit 0.53 vs 1.64 ms)
     kda_verify_launch: str = "multi"
-    # the chunked KDA prefill's intra step (kernels/kda/triton_chunk.py `intra`): "fused" (one program per chunk
-    # and head, the H200-measured default) or "split" (kernels/kda/triton_intra_split.py: two launches of small
-    # programs; on the H200 no faster end to end: 3.741 vs 3.732 ms at 16K, 164.3 vs 160.4 ms for the 48B
-    # prefill of 8K, benchmarks/RESULTS.md 2026-12-02) or "blocks" (kernels/kda/triton_intra_blocks.py: four launches
-    # on 16 x 16 blocks and K slices, one program per block of L/Aqk and per row block of W/U; session 30, not yet
-    # timed on a GPU)
-    kda_intra: str = "fused"
+    # the chunked KDA prefill's intra step (kernels/kda/triton_chunk.py `intra`): "blocks" (kernels/kda/
+    # triton_intra_blocks.py: four launches on 16 x 16 blocks and K slices, one program per block of L/Aqk and per
+    # row block of W/U), the default: on the H200 with fla 0.6.0 in the same run (session 32, H=32 D=128 bf16)
+    # 1.353 / 2.476 / 9.138 / 4.717 ms at 8K / 16K / 64K / 8 x 4K tokens against "fused" (one program per chunk
+    # and head) 1.567 / 2.958 / 11.203 / 5.731, and the 48B prefill 137.1 vs 138.8 ms at 8K; "split"
+    # (kernels/kda/triton_intra_split.py: two launches of small programs; no faster than fused, session 14)
+    kda_intra: str = "blocks"
     # batches of at least this many rows take the fp32 MoE router's logits from three bf16 parts of its weight in
     # one tensor-core GEMM (backend/runner/gpu/ffn.py split_router) instead of torch's fp32 linear, a SIMT sgemm;
     # 0: never. H200, the 48B's 256 x 2304 router (RESULTS.md session 28): 0.055 against 0.072 ms at 1,024 rows,
@@ -73,12 +73,14 @@ class KernelConfig:
     # the MoE prefill's 128-row expert tiles over runs padded to 64 rows (kernels/moe/triton_experts.py
     # PREFILL_TILES_128_GROUPED: the runs' odd 64-row blocks in a second launch of 64-row tiles) instead of runs
     # padded to 128: a quarter of the 48B's rows at 8K tokens are padding with 128 (256 rows per expert), an
-    # eighth with 64. Not timed yet (session 30), so off
+    # eighth with 64. Off: slower on the H200 (session 32, the 48B prefill: 143.1 vs 138.8 ms at 8K, 686.6 vs 680.1
+    # at 32K)
     moe_grouped_tiles: bool = False
     # one token's MoE (batch-1 decode) in two launches instead of three (kernels/moe/triton_one_token.py: each
     # program's gate/up tile and its down product together, then the partials' sum), so no launch waits for the
     # whole gate/up. The grouped path took 38.9 us per 48B layer at T = 1 against a 27.4-30 us floor (session 25).
-    # Not timed yet (session 30), so off
+    # Off: slower on the H200 (session 32, the 48B decode graph at batch 1: 2.851 vs 2.669 ms; k3-tiny 0.276 vs
+    # 0.278)
     moe_one_token: bool = False
     # small routers (kernels/moe/triton_router.py fused_router_fits: E x D <= 32K weights, <= 16 rows, one expert
     # group; k3-tiny's 8 x 384) compute their logits inside the top-k launch (`moe_route_from_x`): one launch per
@@ -88,11 +90,13 @@ class KernelConfig:
     # LatentMoE (K3, k3-tiny) with a shared expert: its gate/up and the routed down projection in one GEMM, and at
     # TP 1 its down and the latent up projection with their sum in one more (backend/runner/gpu/ffn.py
     # LatentFusion): 5 launches of the layer's own instead of 8. The fused weights are prepared whatever this
-    # says (the module's weights become views of them), so benchmarks switch it per run
+    # says (the module's weights become views of them), so benchmarks switch it per run. H200 (session 32,
+    # k3-tiny decode graphs at batch 1 / 4 / 16): 0.278 / 0.348 / 0.415 ms against 0.325 / 0.418 / 0.477 without
     moe_latent_fusion: bool = True
     # a few tokens' MoE pairs as blocks of one row, no alignment launch, while their experts' weights (read once per
     # pair) stay within this many bytes (kernels/moe/triton_experts.py align_blocks: k3-tiny's verify steps; never the
-    # 48B's 14 MB experts); 0: one token only, as before session 31. Not timed on a GPU yet
+    # 48B's 14 MB experts); 0: one token only, as before session 31. H200 (session 32, k3-tiny decode graphs):
+    # 0.348 vs 0.375 ms at batch 4, 0.415 vs 0.433 at 16, equal at 1
     moe_pair_blocks_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
