@@ -54,12 +54,13 @@ PREFILL_VARIANTS: dict[str, dict] = {
     "split_intra_w8": {"intra": "split", "num_warps_split": 8},
     "split_intra_s2": {"intra": "split", "num_stages_split": 2},  # cp.async prefetch of the next K slice
     # the blocks intra path (kernels/kda/triton_intra_blocks.py, session 29): one program per (chunk, head) on 16 x 16
-    # blocks and K slices (fla's decomposition), not yet timed on a GPU
+    # blocks and K slices (fla's decomposition); the runner's default since session 32 (2 warps on 16-bit dots)
     "blocks_intra": {"intra": "blocks"},
     "blocks_intra_bk16": {"intra": "blocks", "block_k_blocks": 16},
     "blocks_intra_bk64": {"intra": "blocks", "block_k_blocks": 64},
     "blocks_intra_w1": {"intra": "blocks", "num_warps_blocks": 1},
     "blocks_intra_w2": {"intra": "blocks", "num_warps_blocks": 2},
+    "blocks_intra_w4": {"intra": "blocks", "num_warps_blocks": 4},
     "blocks_intra_w8": {"intra": "blocks", "num_warps_blocks": 8},
     "blocks_intra_s1": {"intra": "blocks", "num_stages_blocks": 1},
     "blocks_intra_sliced": {"intra": "blocks", "sliced_out_blocks": True},
