@@ -75,8 +75,8 @@ def _forward_counts(eng: Engine, batch: int, rows: int, cuts: bool) -> dict:
     default = runner.fwd.k
     # (a tree without the switches, e.g. an older commit's: its own default only)
     runner.fwd.k = default if cuts else replace(default, **{k: v for k, v in CUTS_OFF.items() if hasattr(default, k)})
+    seqs = _seqs(eng, batch, rows)
     try:
-        seqs = _seqs(eng, batch, rows)
         if rows == 1:
             step = runner._build(seqs, [])
         else:  # the verify graphs' form, eagerly (what each verify graph and device round replays)
@@ -85,6 +85,8 @@ def _forward_counts(eng: Engine, batch: int, rows: int, cuts: bool) -> dict:
         c = count_ops(lambda: runner.fwd(step, decode=rows == 1), names=True)
     finally:
         runner.fwd.k = default
+        for s in seqs:  # the pages back, so that every item of a run finds its own (no OutOfPages at batch 4)
+            eng.pool.unref(s.block_table + s.state_pages)
     return {"batch": batch, "rows": batch * rows, "cuts": cuts, **c, "launches": c["launching"] + c["triton"]}
 
 
