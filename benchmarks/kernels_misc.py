@@ -92,6 +92,16 @@ def norms() -> None:
         item("attn_res_mix", f"N={N} J={J}", lambda: bandwidth_item(
             lambda: (randn(J, N, D),), lambda s: attn_res_mix(s, nw, pw, EPS, num_sources=J),
             lambda s: attn_res_mix_ref(s, J, nw, pw, EPS), (J + 1) * N * D * es + 2 * D * es, tol))
+    # k3-tiny's stream (9 slots of 384, 7 live: a mid-forward mix), both forms of the kernel (triton_mix.py: the
+    # stacked one is the default at this width), at a decode row, a verify run's 8 rows and a prefill chunk
+    dk, jk = (64, 3) if ARGS.smoke else (384, 9)
+    nwk, pwk = 1 + randn(dk, scale=0.1), randn(dk)
+    for N in ([1, 4] if ARGS.smoke else [1, 8, 8192]):
+        for stacked in (False, True):
+            item("attn_res_mix", f"k3-tiny N={N} {'stacked' if stacked else 'online'}", lambda: bandwidth_item(
+                lambda: (randn(jk, N, dk),), lambda s: attn_res_mix(s, nwk, pwk, EPS, num_sources=jk - 2,
+                                                                    stacked=stacked),
+                lambda s: attn_res_mix_ref(s, jk - 2, nwk, pwk, EPS), (jk - 1) * N * dk * es + 2 * dk * es, tol))
 
 
 def sampling_inputs(B: int, filters: bool) -> dict:

@@ -4,6 +4,13 @@ Per row, source j gives a logit l_j = rstd(src_j) * sum_d src_j[d] * w[d] (w = n
 proj_weight) that needs the whole row before the row can be weighted, so one program holds ROWS whole
 rows and walks the J sources, rescaling its running weighted sum whenever the running max logit
 grows (flash-attention's online softmax, over depth instead of keys). Oracle: ref.py.
+
+Narrow streams (every slot of a row within _STACK_TILE elements: k3-tiny's 9 x 384) take the stacked form
+instead: one program per row loads all J slots as one [J, D] tile at once and takes the softmax in two passes
+over registers. The online form is a chain of J dependent steps, each with two row reductions across the
+program's warps; at one decode row that chain, not memory, is the launch's time (k3-tiny: ~3.8 us a launch on the
+H200, 16 launches per forward, a fifth of its decode graph). Which form a row takes depends on the buffer's
+(Jmax, D) only, never on the step's rows, so a row's bits do not depend on what else the step carries.
 """
 from __future__ import annotations
 
@@ -17,6 +24,9 @@ from k3rt.kernels.common import INTERPRET, check_same_device, pdl_kwargs, poison
 
 # Elements of one source tile a program keeps live (the running sum doubles it).
 _TILE = 4096
+# The stacked form's bound on next_pow2(Jmax) * next_pow2(D) (its whole tile lives in registers), and its warps.
+_STACK_TILE = 8192
+_STACK_WARPS = 4
 
 
 @triton.jit
@@ -85,6 +95,70 @@ def _attn_res_mix_fwd_kernel(
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], out, mask=mask)
 
 
+@triton.jit(do_not_specialize=["N"])
+def _attn_res_mix_stacked_kernel(
+    src_ptr, stride_j, stride_n,  # [Jmax, N, D], last dim contiguous
+    nw_ptr, pw_ptr,  # [D], [D]
+    out_ptr,  # [N, D] contiguous
+    delta_ptr, stride_dn,  # [N, D] (DELTA only)
+    onw_ptr,  # [D] the output's RMSNorm weight (OUT_NORM only)
+    J, N, D, eps, out_eps,
+    BLOCK_D: tl.constexpr,
+    BLOCK_J: tl.constexpr,  # >= Jmax
+    DELTA: tl.constexpr,  # as the online kernel's
+    OUT_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One row: slots 0..J-2 loaded as one [BLOCK_J, BLOCK_D] tile, the prefix (slot J-1) as the online kernel
+    takes it, then the softmax over depth in two passes."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    js = tl.arange(0, BLOCK_J)
+    cmask = cols < D
+    done = js < J - 1  # the completed blocks
+    w = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    w = w * tl.load(pw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        gdc_wait()
+    base = src_ptr + row * stride_n
+    s = tl.load(base + js.to(tl.int64)[:, None] * stride_j + cols[None, :], mask=done[:, None] & cmask[None, :],
+                other=0.0).to(tl.float32)
+    last_ptrs = base + (J - 1).to(tl.int64) * stride_j + cols
+    if DELTA == 0:
+        last = tl.load(last_ptrs, mask=cmask, other=0.0)
+    else:
+        d = tl.load(delta_ptr + row * stride_dn + cols, mask=cmask, other=0.0)
+        if DELTA == 1:
+            last = d.to(src_ptr.dtype.element_ty)
+        else:  # rounded to the stream's dtype, as torch's add of the two is
+            last = (tl.load(last_ptrs, mask=cmask, other=0.0).to(tl.float32) + d.to(tl.float32)).to(
+                src_ptr.dtype.element_ty)
+        tl.store(last_ptrs, last, mask=cmask)
+    lf = last.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / D + eps)
+    logit = tl.where(done, tl.sum(s * w[None, :], axis=1) * rstd, float("-inf"))
+    l_last = tl.sum(lf * w, axis=0) / tl.sqrt(tl.sum(lf * lf, axis=0) / D + eps)
+    m = tl.maximum(tl.max(logit, axis=0), l_last)
+    p = tl.exp(logit - m)  # 0 past the completed blocks
+    p_last = tl.exp(l_last - m)
+    acc = tl.sum(p[:, None] * s, axis=0) + p_last * lf
+    if USE_PDL:
+        gdc_launch_dependents()
+    out = (acc / (tl.sum(p, axis=0) + p_last)).to(out_ptr.dtype.element_ty)
+    if OUT_NORM:  # the next sub-layer's RMSNorm, in the norm kernel's rounding order (triton_norm.py)
+        xf = out.to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + out_eps)
+        xn = (xf * r).to(out_ptr.dtype.element_ty).to(tl.float32)
+        ow = tl.load(onw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        out = (xn * ow).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * D + cols, out, mask=cmask)
+
+
+def stacked_fits(jmax: int, D: int) -> bool:
+    """Whether a [jmax, N, D] stream takes the stacked form (module docstring)."""
+    return triton.next_power_of_2(jmax) * triton.next_power_of_2(D) <= _STACK_TILE
+
+
 def attn_res_mix(
     sources: Tensor,
     norm_weight: Tensor,
@@ -98,6 +172,7 @@ def attn_res_mix(
     delta_add: bool = True,
     out_norm_weight: Tensor | None = None,
     out_norm_eps: float = 0.0,
+    stacked: bool | None = None,
 ) -> Tensor:
     """Softmax-over-depth mix of the first J slots of a stacked source buffer, in one pass.
 
@@ -118,6 +193,7 @@ def attn_res_mix(
         out_norm_weight, out_norm_eps: optional [D]: the output goes through RMSNorm with this weight (the next
             sub-layer's input norm, in triton_norm's rounding order) before it is stored. The mix and the norm in
             one launch.
+        stacked: the stacked form (module docstring) or the online one; None: stacked where `stacked_fits`.
 
     Returns:
         [N, D] in sources.dtype, equal to ref.attn_res_mix(sources, J, ...) up to fp32 rounding (then
@@ -146,7 +222,20 @@ def attn_res_mix(
         raise ValueError(f"out_norm_weight must be contiguous [{D}], got {list(out_norm_weight.shape)}")
     check_same_device(sources=sources, norm_weight=norm_weight, proj_weight=proj_weight, out=out, delta=delta,
                       out_norm_weight=out_norm_weight)
-    if N > 0:
+    if stacked is None:
+        stacked = stacked_fits(jmax, D)
+    if stacked and not stacked_fits(jmax, D):
+        raise ValueError(f"stacked: a [{jmax}, N, {D}] stream exceeds the stacked form's {_STACK_TILE}-element tile")
+    if N > 0 and stacked:
+        _attn_res_mix_stacked_kernel[(N,)](
+            sources, sources.stride(0), sources.stride(1), norm_weight, proj_weight, out,
+            delta if delta is not None else out, delta.stride(0) if delta is not None else 0,
+            out_norm_weight if out_norm_weight is not None else norm_weight, J, N, D, float(eps), float(out_norm_eps),
+            BLOCK_D=triton.next_power_of_2(D), BLOCK_J=triton.next_power_of_2(jmax),
+            DELTA=0 if delta is None else 2 if delta_add else 1, OUT_NORM=out_norm_weight is not None,
+            USE_PDL=use_pdl and not INTERPRET, num_warps=_STACK_WARPS, **pdl_kwargs(use_pdl),
+        )
+    elif N > 0:
         block_d = triton.next_power_of_2(D)
         rows = max(1, _TILE // block_d)
         num_warps = min(16, max(1, rows * block_d // 256))

@@ -12,6 +12,7 @@ from torch import Tensor
 pytest.importorskip("triton")
 
 from k3rt.kernels.attn_res import attn_res_mix, attn_res_mix_ref  # noqa: E402
+from k3rt.kernels.attn_res.triton_mix import stacked_fits  # noqa: E402
 from k3rt.backend.layers.norm import rms_norm  # noqa: E402
 from tests.kernels.helpers import DEV, rel_err  # noqa: E402
 
@@ -28,18 +29,38 @@ def case(seed: int, jmax: int, N: int, D: int, dtype: torch.dtype = torch.float3
     return buf, nw, pw
 
 
-@pytest.mark.parametrize("J,N,D", [(1, 3, 16), (2, 1, 37), (5, 4, 64), (16, 2, 300)], ids=lambda v: str(v))
-def test_mix_matches_ref(J: int, N: int, D: int) -> None:
+@pytest.mark.parametrize("stacked", [False, True], ids=["online", "stacked"])
+@pytest.mark.parametrize("J,N,D", [(1, 3, 16), (2, 1, 37), (5, 4, 64), (7, 2, 300), (16, 2, 300)],
+                         ids=lambda v: str(v))
+def test_mix_matches_ref(J: int, N: int, D: int, stacked: bool) -> None:
     buf, nw, pw = case(J * 7 + N, J + 2, N, D)
-    got = attn_res_mix(buf, nw, pw, 1e-5, num_sources=J)
+    if stacked and not stacked_fits(J + 2, D):
+        with pytest.raises(ValueError, match="stacked form"):
+            attn_res_mix(buf, nw, pw, 1e-5, num_sources=J, stacked=True)
+        return
+    got = attn_res_mix(buf, nw, pw, 1e-5, num_sources=J, stacked=stacked)
     assert rel_err(got, attn_res_mix_ref(buf, J, nw, pw, 1e-5)) < 1e-5
 
 
+def test_the_form_follows_the_buffer_not_the_rows() -> None:
+    """The stacked form where the whole [Jmax, D] stack fits its tile (k3-tiny's 9 x 384), else the online one;
+    the rows never choose (a row's bits must not depend on the step's other rows: batch-invariant mode, greedy
+    identity of speculative and plain decoding). Both agree with each other to fp32 rounding."""
+    assert stacked_fits(9, 384) and stacked_fits(16, 512) and not stacked_fits(17, 384)
+    assert not stacked_fits(9, 2304) and not stacked_fits(2, 7168)
+    buf, nw, pw = case(5, 9, 6, 384)
+    rows = [attn_res_mix(buf[:, :n], nw, pw, 1e-5, num_sources=7) for n in (1, 6)]
+    assert torch.equal(rows[0][0], rows[1][0])  # the same program per row whatever N
+    assert torch.equal(rows[1], attn_res_mix(buf, nw, pw, 1e-5, num_sources=7, stacked=True))
+    assert rel_err(rows[1], attn_res_mix(buf, nw, pw, 1e-5, num_sources=7, stacked=False)) < 1e-6
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["online", "stacked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("delta_add", [True, False])
 @pytest.mark.parametrize("J", [1, 3])
 def test_delta_and_out_norm_fused_equal_the_add_the_mix_and_the_norm(J: int, delta_add: bool,
-                                                                    dtype: torch.dtype) -> None:
+                                                                    dtype: torch.dtype, stacked: bool) -> None:
     """delta: the sub-layer output added into (or, delta_add=False, copied into) the prefix slot J-1 by the
     kernel, which writes the slot, as the stream's own add did (rounded to the buffer's dtype); out_norm_weight:
     the output through the norm kernel's RMSNorm. Equal to the three launches."""
@@ -53,7 +74,7 @@ def test_delta_and_out_norm_fused_equal_the_add_the_mix_and_the_norm(J: int, del
     want[J - 1] = want[J - 1] + delta if delta_add else delta
     mixed = attn_res_mix(want, nw, pw, 1e-5, num_sources=J)
     got = attn_res_mix(buf, nw, pw, 1e-5, num_sources=J, delta=delta, delta_add=delta_add, out_norm_weight=onw,
-                       out_norm_eps=1e-6)
+                       out_norm_eps=1e-6, stacked=stacked)
     assert torch.equal(buf, want)  # the slot written as the add (copy) wrote it, nothing else touched
     # the norm's sum over the row may reduce in another order than the norm kernel's: fp32 rounding apart, so at
     # most one step of the 16-bit rounding after it
@@ -94,6 +115,25 @@ def test_contract_errors() -> None:
         attn_res_mix(buf, nw, pw[:, :4], 1e-5)
     with pytest.raises(ValueError, match="out must be"):
         attn_res_mix(buf, nw, pw, 1e-5, out=torch.empty(2, 8, dtype=torch.float16, device=DEV))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stacked", [False, True], ids=["online", "stacked"])
+@pytest.mark.parametrize("N", [1, 8, 8192])
+def test_gpu_mix_k3_tiny_width(N: int, stacked: bool) -> None:
+    """k3-tiny's stream (9 slots of 384) in both forms, with the prefix's add and the next norm, in bf16."""
+    from k3rt.kernels.norm import rms_norm as rms_norm_kernel
+
+    buf, nw, pw = case(N, 9, N, 384, torch.bfloat16)
+    delta = torch.randn(N, 384, device=DEV).bfloat16()
+    onw = (1 + 0.1 * torch.randn(384, device=DEV)).bfloat16()
+    want = buf.clone()
+    want[6] += delta
+    got = attn_res_mix(buf, nw.bfloat16(), pw.bfloat16(), 1e-5, num_sources=7, delta=delta, out_norm_weight=onw,
+                       out_norm_eps=1e-6, stacked=stacked, use_pdl=True)
+    assert torch.equal(buf, want)
+    ref = rms_norm_kernel(attn_res_mix_ref(want, 7, nw.bfloat16(), pw.bfloat16(), 1e-5), onw, 1e-6)
+    assert rel_err(got, ref) < 1e-2
 
 
 @pytest.mark.gpu
