@@ -40,6 +40,36 @@ def _mix_source(s, w, m, den, acc, eps, D):
     return m_new, den * alpha + p, acc * alpha[:, None] + p[:, None] * s
 
 
+@triton.jit
+def _prefix_slot(ptrs, delta_ptrs, mask, DELTA: tl.constexpr):
+    """The running prefix, slot J-1, as the mix reads it: with DELTA the sub-layer output that ends it is added
+    (or, opening a block, copied) here and the slot written, instead of by a launch of its own before the mix."""
+    if DELTA == 0:
+        last = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        d = tl.load(delta_ptrs, mask=mask, other=0.0)
+        if DELTA == 1:
+            last = d.to(ptrs.dtype.element_ty)
+        else:  # rounded to the stream's dtype, as torch's add of the two is
+            last = (tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + d.to(tl.float32)).to(ptrs.dtype.element_ty)
+        tl.store(ptrs, last, mask=mask)
+    return last
+
+
+@triton.jit
+def _store_out(acc, den, out_ptrs, mask, onw_ptr, cols, D, out_eps, OUT_NORM: tl.constexpr):
+    """acc / den [ROWS, BLOCK_D] stored, through the next sub-layer's RMSNorm with OUT_NORM (in the norm kernel's
+    rounding order, triton_norm.py)."""
+    out = (acc / den[:, None]).to(out_ptrs.dtype.element_ty)
+    if OUT_NORM:
+        xf = out.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / D + out_eps)
+        xn = (xf * rstd[:, None]).to(out_ptrs.dtype.element_ty).to(tl.float32)
+        ow = tl.load(onw_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        out = (xn * ow[None, :]).to(out_ptrs.dtype.element_ty)
+    tl.store(out_ptrs, out, mask=mask)
+
+
 # not specialized per step (kernels/common.py, Compiles): N: the step's rows
 @triton.jit(do_not_specialize=["N"])
 def _attn_res_mix_fwd_kernel(
@@ -71,28 +101,12 @@ def _attn_res_mix_fwd_kernel(
         s = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         ptrs += stride_j  # 64-bit pointer arithmetic: j * stride_j never overflows an int32
         m, den, acc = _mix_source(s, w, m, den, acc, eps, D)
-    # the running prefix, slot J-1: with DELTA the sub-layer output that ends it is added (or, opening a block,
-    # copied) here and the slot written, instead of by a launch of its own before the mix
-    if DELTA == 0:
-        last = tl.load(ptrs, mask=mask, other=0.0)
-    else:
-        d = tl.load(delta_ptr + rows.to(tl.int64)[:, None] * stride_dn + cols[None, :], mask=mask, other=0.0)
-        if DELTA == 1:
-            last = d.to(src_ptr.dtype.element_ty)
-        else:  # rounded to the stream's dtype, as torch's add of the two is
-            last = (tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + d.to(tl.float32)).to(src_ptr.dtype.element_ty)
-        tl.store(ptrs, last, mask=mask)
+    last = _prefix_slot(ptrs, delta_ptr + rows.to(tl.int64)[:, None] * stride_dn + cols[None, :], mask, DELTA)
     m, den, acc = _mix_source(last.to(tl.float32), w, m, den, acc, eps, D)
     if USE_PDL:
         gdc_launch_dependents()
-    out = (acc / den[:, None]).to(out_ptr.dtype.element_ty)
-    if OUT_NORM:  # the next sub-layer's RMSNorm, in the norm kernel's rounding order (triton_norm.py)
-        xf = out.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / D + out_eps)
-        xn = (xf * rstd[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
-        ow = tl.load(onw_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-        out = (xn * ow[None, :]).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], out, mask=mask)
+    _store_out(acc, den, out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], mask, onw_ptr, cols, D, out_eps,
+               OUT_NORM)
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -110,8 +124,8 @@ def _attn_res_mix_stacked_kernel(
     USE_PDL: tl.constexpr,
 ):
     """One row: slots 0..J-2 loaded as one [BLOCK_J, BLOCK_D] tile, the prefix (slot J-1) as the online kernel
-    takes it, then the softmax over depth in two passes."""
-    row = tl.program_id(0).to(tl.int64)
+    takes it ([1, BLOCK_D]), then the softmax over depth in two passes."""
+    row = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
     cols = tl.arange(0, BLOCK_D)
     js = tl.arange(0, BLOCK_J)
     cmask = cols < D
@@ -120,38 +134,24 @@ def _attn_res_mix_stacked_kernel(
     w = w * tl.load(pw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     if USE_PDL:
         gdc_wait()
-    base = src_ptr + row * stride_n
+    base = src_ptr + row * stride_n  # [1]
     s = tl.load(base + js.to(tl.int64)[:, None] * stride_j + cols[None, :], mask=done[:, None] & cmask[None, :],
                 other=0.0).to(tl.float32)
-    last_ptrs = base + (J - 1).to(tl.int64) * stride_j + cols
-    if DELTA == 0:
-        last = tl.load(last_ptrs, mask=cmask, other=0.0)
-    else:
-        d = tl.load(delta_ptr + row * stride_dn + cols, mask=cmask, other=0.0)
-        if DELTA == 1:
-            last = d.to(src_ptr.dtype.element_ty)
-        else:  # rounded to the stream's dtype, as torch's add of the two is
-            last = (tl.load(last_ptrs, mask=cmask, other=0.0).to(tl.float32) + d.to(tl.float32)).to(
-                src_ptr.dtype.element_ty)
-        tl.store(last_ptrs, last, mask=cmask)
+    lmask = cmask[None, :] & (row < N)[:, None]
+    last = _prefix_slot(base[:, None] + (J - 1).to(tl.int64) * stride_j + cols[None, :],
+                        delta_ptr + row[:, None] * stride_dn + cols[None, :], lmask, DELTA)
     lf = last.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / D + eps)
     logit = tl.where(done, tl.sum(s * w[None, :], axis=1) * rstd, float("-inf"))
-    l_last = tl.sum(lf * w, axis=0) / tl.sqrt(tl.sum(lf * lf, axis=0) / D + eps)
+    l_last = tl.sum(lf * w[None, :], axis=1) / tl.sqrt(tl.sum(lf * lf, axis=1) / D + eps)  # [1]
     m = tl.maximum(tl.max(logit, axis=0), l_last)
     p = tl.exp(logit - m)  # 0 past the completed blocks
     p_last = tl.exp(l_last - m)
-    acc = tl.sum(p[:, None] * s, axis=0) + p_last * lf
+    acc = tl.sum(p[:, None] * s, axis=0)[None, :] + p_last[:, None] * lf
     if USE_PDL:
         gdc_launch_dependents()
-    out = (acc / (tl.sum(p, axis=0) + p_last)).to(out_ptr.dtype.element_ty)
-    if OUT_NORM:  # the next sub-layer's RMSNorm, in the norm kernel's rounding order (triton_norm.py)
-        xf = out.to(tl.float32)
-        r = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + out_eps)
-        xn = (xf * r).to(out_ptr.dtype.element_ty).to(tl.float32)
-        ow = tl.load(onw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        out = (xn * ow).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * D + cols, out, mask=cmask)
+    _store_out(acc, tl.sum(p, axis=0) + p_last, out_ptr + row[:, None] * D + cols[None, :], lmask, onw_ptr, cols, D,
+               out_eps, OUT_NORM)
 
 
 def stacked_fits(jmax: int, D: int) -> bool:
@@ -226,25 +226,19 @@ def attn_res_mix(
         stacked = stacked_fits(jmax, D)
     if stacked and not stacked_fits(jmax, D):
         raise ValueError(f"stacked: a [{jmax}, N, {D}] stream exceeds the stacked form's {_STACK_TILE}-element tile")
-    if N > 0 and stacked:
-        _attn_res_mix_stacked_kernel[(N,)](
-            sources, sources.stride(0), sources.stride(1), norm_weight, proj_weight, out,
-            delta if delta is not None else out, delta.stride(0) if delta is not None else 0,
-            out_norm_weight if out_norm_weight is not None else norm_weight, J, N, D, float(eps), float(out_norm_eps),
-            BLOCK_D=triton.next_power_of_2(D), BLOCK_J=triton.next_power_of_2(jmax),
-            DELTA=0 if delta is None else 2 if delta_add else 1, OUT_NORM=out_norm_weight is not None,
-            USE_PDL=use_pdl and not INTERPRET, num_warps=_STACK_WARPS, **pdl_kwargs(use_pdl),
-        )
-    elif N > 0:
+    if N > 0:
         block_d = triton.next_power_of_2(D)
-        rows = max(1, _TILE // block_d)
-        num_warps = min(16, max(1, rows * block_d // 256))
-        _attn_res_mix_fwd_kernel[(triton.cdiv(N, rows),)](
-            sources, sources.stride(0), sources.stride(1), norm_weight, proj_weight, out,
-            delta if delta is not None else out, delta.stride(0) if delta is not None else 0,
-            out_norm_weight if out_norm_weight is not None else norm_weight, J, N, D, float(eps), float(out_norm_eps),
-            BLOCK_D=block_d, ROWS=rows, DELTA=0 if delta is None else 2 if delta_add else 1,
-            OUT_NORM=out_norm_weight is not None, USE_PDL=use_pdl and not INTERPRET, num_warps=num_warps,
-            **pdl_kwargs(use_pdl),
-        )
+        args = (sources, sources.stride(0), sources.stride(1), norm_weight, proj_weight, out,
+                delta if delta is not None else out, delta.stride(0) if delta is not None else 0,
+                out_norm_weight if out_norm_weight is not None else norm_weight, J, N, D, float(eps),
+                float(out_norm_eps))
+        common = dict(BLOCK_D=block_d, DELTA=0 if delta is None else 2 if delta_add else 1,
+                      OUT_NORM=out_norm_weight is not None, USE_PDL=use_pdl and not INTERPRET, **pdl_kwargs(use_pdl))
+        if stacked:
+            _attn_res_mix_stacked_kernel[(N,)](*args, BLOCK_J=triton.next_power_of_2(jmax), num_warps=_STACK_WARPS,
+                                               **common)
+        else:
+            rows = max(1, _TILE // block_d)
+            _attn_res_mix_fwd_kernel[(triton.cdiv(N, rows),)](
+                *args, ROWS=rows, num_warps=min(16, max(1, rows * block_d // 256)), **common)
     return out

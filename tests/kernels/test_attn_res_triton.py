@@ -143,3 +143,34 @@ def test_gpu_mix_kimi_width(N: int, J: int) -> None:
     buf, nw, pw = case(N + J, J, N, 2304, torch.bfloat16)
     got = attn_res_mix(buf, nw.bfloat16(), pw.bfloat16(), 1e-5, num_sources=J, use_pdl=True)
     assert rel_err(got, attn_res_mix_ref(buf, J, nw.bfloat16(), pw.bfloat16(), 1e-5)) < 1e-2
+
+
+_BUILD = r"""
+from k3rt.kernels.attn_res import triton_mix as M
+
+I32, C = "i32", "constexpr"
+def build(fn, D, extra, warps):
+    ptrs = {"src_ptr": "*bf16", "nw_ptr": "*bf16", "pw_ptr": "*bf16", "out_ptr": "*bf16", "delta_ptr": "*bf16",
+            "onw_ptr": "*bf16", "eps": "fp32", "out_eps": "fp32"}
+    consts_names = ("BLOCK_D", "BLOCK_J", "ROWS", "DELTA", "OUT_NORM", "USE_PDL")
+    sig = {a: ptrs.get(a, C if a in consts_names else I32) for a in fn.arg_names}
+    consts = dict(BLOCK_D=triton.next_power_of_2(D), DELTA=2, OUT_NORM=True, USE_PDL=False, **extra)
+    return sm90_build(fn, sig, {a: v for a, v in consts.items() if a in fn.arg_names}, warps, 1, lambda a: False)
+
+print(json.dumps({
+    "stacked k3-tiny": build(M._attn_res_mix_stacked_kernel, 384, dict(BLOCK_J=16), M._STACK_WARPS),
+    "online k3-tiny": build(M._attn_res_mix_fwd_kernel, 384, dict(ROWS=8), 16),
+    "online 2304": build(M._attn_res_mix_fwd_kernel, 2304, dict(ROWS=1), 16),
+}))
+"""
+
+
+def test_both_forms_build_for_sm90_without_spills() -> None:
+    """The compiled kernels (not the interpreter's) at k3-tiny's width in both forms and the online one at a Kimi
+    width: they build for sm_90 with the prefix's add and the next norm, and keep their tiles in registers."""
+    from tests.kernels.helpers import run_sm90_build
+
+    res = run_sm90_build(_BUILD, timeout=300)
+    for name, r in res.items():
+        assert r["stack"] == 0 and r["local"] == 0, (name, r)
+    print(res)
