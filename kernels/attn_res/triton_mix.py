@@ -118,7 +118,7 @@ def _attn_res_mix_stacked_kernel(
     onw_ptr,  # [D] the output's RMSNorm weight (OUT_NORM only)
     J, N, D, eps, out_eps,
     BLOCK_D: tl.constexpr,
-    BLOCK_J: tl.constexpr,  # >= Jmax
+    BLOCK_J: tl.constexpr,  # >= Jmax: stacked_block_j(D)
     DELTA: tl.constexpr,  # as the online kernel's
     OUT_NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -154,9 +154,16 @@ def _attn_res_mix_stacked_kernel(
                out_eps, OUT_NORM)
 
 
+def stacked_block_j(D: int) -> int:
+    """The stacked form's slot tile at width D: the whole _STACK_TILE, whatever the buffer's Jmax, so that every
+    call at one width reduces in one order (a row mixed from a [J, N, D] stack, pieces.py's list form, and from the
+    slot buffer, a decode step's, get the same bits) and compiles once."""
+    return max(1, _STACK_TILE // triton.next_power_of_2(D))
+
+
 def stacked_fits(jmax: int, D: int) -> bool:
     """Whether a [jmax, N, D] stream takes the stacked form (module docstring)."""
-    return triton.next_power_of_2(jmax) * triton.next_power_of_2(D) <= _STACK_TILE
+    return jmax <= stacked_block_j(D)
 
 
 def attn_res_mix(
@@ -235,8 +242,7 @@ def attn_res_mix(
         common = dict(BLOCK_D=block_d, DELTA=0 if delta is None else 2 if delta_add else 1,
                       OUT_NORM=out_norm_weight is not None, USE_PDL=use_pdl and not INTERPRET, **pdl_kwargs(use_pdl))
         if stacked:
-            _attn_res_mix_stacked_kernel[(N,)](*args, BLOCK_J=triton.next_power_of_2(jmax), num_warps=_STACK_WARPS,
-                                               **common)
+            _attn_res_mix_stacked_kernel[(N,)](*args, BLOCK_J=stacked_block_j(D), num_warps=_STACK_WARPS, **common)
         else:
             rows = max(1, _TILE // block_d)
             _attn_res_mix_fwd_kernel[(triton.cdiv(N, rows),)](

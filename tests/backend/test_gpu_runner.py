@@ -469,7 +469,7 @@ class _LaunchWork:
         from torch.utils._python_dispatch import TorchDispatchMode
 
         counter = self
-        self.torch_ops, self.triton = [], 0
+        self.torch_ops, self.triton, self.triton_names = [], 0, []
         if HAS_CUDA:
             from triton.runtime.jit import JITFunction as cls
         else:
@@ -478,6 +478,7 @@ class _LaunchWork:
 
         def run(fn, *args, **kwargs):
             counter.triton += 1
+            counter.triton_names.append(getattr(fn.fn, "__name__", "kernel"))
             return counter.run(fn, *args, **kwargs) if HAS_CUDA else None
 
         class Ops(TorchDispatchMode):
@@ -678,3 +679,17 @@ def test_a_k3_forward_adds_mixes_and_norms_its_residual_stream_in_one_launch_per
     L = len(runner.fwd.layers)
     assert len(calls) == 2 * L  # every mix but layer 0's first (one source) and the stream's adds within them
     assert sum(c["delta"] is not None for c in calls) == 2 * L and all(c["out_norm_weight"] is not None for c in calls)
+
+
+def test_a_k3_forward_mixes_in_the_stacked_form_unless_switched_off(tmp_path) -> None:
+    """KernelConfig.attn_res_stacked (session 32): a narrow model's mixes launch the stacked kernel; switched off,
+    the online one; the forward's logits agree to fp32 rounding (the two forms differ only in the order of the
+    softmax's sums)."""
+    logits, launched = {}, {}
+    for stacked in (True, False):
+        runner, step, work = _k3_decode_forward_counted(tmp_path / str(stacked), attn_res_stacked=stacked)
+        launched[stacked] = {n for n in work.triton_names if "attn_res_mix" in n}
+        with torch.no_grad():
+            logits[stacked] = runner.fwd(step, decode=True)
+    assert launched == {True: {"_attn_res_mix_stacked_kernel"}, False: {"_attn_res_mix_fwd_kernel"}}
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)

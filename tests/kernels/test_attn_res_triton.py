@@ -51,6 +51,8 @@ def test_the_form_follows_the_buffer_not_the_rows() -> None:
     buf, nw, pw = case(5, 9, 6, 384)
     rows = [attn_res_mix(buf[:, :n], nw, pw, 1e-5, num_sources=7) for n in (1, 6)]
     assert torch.equal(rows[0][0], rows[1][0])  # the same program per row whatever N
+    # the live slots stacked alone (pieces.py's list form) mix to the bits of the slot buffer's (one tile per width)
+    assert torch.equal(attn_res_mix(buf[:7].clone(), nw, pw, 1e-5), rows[1])
     assert torch.equal(rows[1], attn_res_mix(buf, nw, pw, 1e-5, num_sources=7, stacked=True))
     assert rel_err(rows[1], attn_res_mix(buf, nw, pw, 1e-5, num_sources=7, stacked=False)) < 1e-6
 
@@ -158,7 +160,7 @@ def build(fn, D, extra, warps):
     return sm90_build(fn, sig, {a: v for a, v in consts.items() if a in fn.arg_names}, warps, 1, lambda a: False)
 
 print(json.dumps({
-    "stacked k3-tiny": build(M._attn_res_mix_stacked_kernel, 384, dict(BLOCK_J=16), M._STACK_WARPS),
+    "stacked k3-tiny": build(M._attn_res_mix_stacked_kernel, 384, dict(BLOCK_J=M.stacked_block_j(384)), M._STACK_WARPS),
     "online k3-tiny": build(M._attn_res_mix_fwd_kernel, 384, dict(ROWS=8), 16),
     "online 2304": build(M._attn_res_mix_fwd_kernel, 2304, dict(ROWS=1), 16),
 }))

@@ -120,14 +120,16 @@ class GpuForward:
             if stream.blocks:  # the sources where they are: no stack per mix
                 delta, opens = stream.take_pending()
                 return self.mix_kernel(stream.buf, norm_w, proj_w.reshape(-1), eps, num_sources=stream.num_sources,
-                                       delta=delta, delta_add=not opens, out_norm_weight=then_norm, out_norm_eps=eps)
+                                       delta=delta, delta_add=not opens, out_norm_weight=then_norm, out_norm_eps=eps,
+                                       stacked=None if self.k.attn_res_stacked else False)
             stream.flush()
         assert stream.prefix is not None
         if not stream.blocks:
             x = stream.prefix
         elif self.mix_kernel is not None:  # the list form (pieces.py): the sources stacked, the norm in the launch
             return self.mix_kernel(torch.stack([*stream.blocks, stream.prefix]), norm_w, proj_w.reshape(-1), eps,
-                                   out_norm_weight=then_norm, out_norm_eps=eps)
+                                   out_norm_weight=then_norm, out_norm_eps=eps,
+                                   stacked=None if self.k.attn_res_stacked else False)
         else:
             x = attn_res_mix(stream.blocks, stream.prefix, norm_w, proj_w, eps)
         return x if then_norm is None else self.norm(x, then_norm, eps)

@@ -102,6 +102,11 @@ class KernelConfig:
     # 48B's 14 MB experts); 0: one token only, as before session 31. H200 (session 32, k3-tiny decode graphs):
     # 0.348 vs 0.375 ms at batch 4, 0.415 vs 0.433 at 16, equal at 1
     moe_pair_blocks_bytes: int = 4 << 20
+    # K3's attention-residual mix in its stacked form where a row's stack fits one tile (kernels/attn_res/triton_mix.py:
+    # k3-tiny's 9 x 384; every slot loaded at once, the softmax in two passes) instead of the online chain of J
+    # dependent steps, ~3.8 us a launch at one row on the H200 (session 32, 16 launches per k3-tiny forward). Not
+    # timed on a GPU yet (session 32); False: the online form everywhere (decode.py variant online_mix)
+    attn_res_stacked: bool = True
 
     def __post_init__(self) -> None:
         if self.moe_pair_blocks_bytes < 0:
