@@ -64,21 +64,16 @@ def block_k(tiles: GemvTiles, block_m: int, k: int) -> int:
     return min(tiles.block_k, max(16, triton.next_power_of_2(k)), max(16, MAX_PARTIALS // (block_m * tiles.block_n)))
 
 
-def prefer_skinny(m: int, n: int, x_dtype: torch.dtype, w_dtype: torch.dtype, *, k: int | None = None,
-                  small_rows: int = 1) -> bool:
+def prefer_skinny(m: int, n: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
     """Where the kernel beat torch's matmul on the H200 (benchmarks/kernels_linear.py), for 16-bit
     activations: one row and outputs up to 4096 wide, and the fp32-weight router at any M <= MAX_ROWS
     (torch needs a cast kernel there, and at M = 16 cuBLAS ran a SIMT sgemm of 4 thread blocks: 11.5 us for
     a 2.4 MB weight, session 24's 48B batch-16 profile). For wide outputs at M=1 and for M > 1, cuBLAS's tiles are as
-    fast or faster at the 48B's widths. `small_rows` (> 1; KernelConfig.skinny_small_rows): up to that many rows
-    for small weights (K <= 512, N <= 2048: k3-tiny's projections, given k), where cuBLAS's 8-row GEMMs took ~2.6 us
-    each in a verify step (session 32) against ~1.5 us for the one-row kernel. fp32 activations (the test
-    checkpoints) stay on torch: nothing was measured there, and their reference numerics are cuBLAS's."""
+    fast or faster. fp32 activations (the test checkpoints) stay on torch: nothing was measured there,
+    and their reference numerics are cuBLAS's."""
     if not 1 <= m <= MAX_ROWS or x_dtype not in (torch.bfloat16, torch.float16):
         return False
-    if w_dtype == torch.float32 or (m == 1 and n <= 4096):
-        return True
-    return m <= small_rows and k is not None and k <= 512 and n <= 2048
+    return w_dtype == torch.float32 or (m == 1 and n <= 4096)
 
 
 # not specialized per step (kernels/common.py, Compiles): M: the step's rows (BLOCK_M keeps one compile per power of

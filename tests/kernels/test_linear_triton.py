@@ -70,12 +70,6 @@ def test_prefer_skinny_follows_the_measured_split() -> None:
     assert prefer_skinny(1, 2304, bf16, bf16) and prefer_skinny(1, 4096, fp16, fp16)  # narrow outputs, one row
     assert not prefer_skinny(1, 12576, bf16, bf16) and not prefer_skinny(1, 163840, bf16, bf16)  # wide: cuBLAS
     assert not prefer_skinny(2, 2304, bf16, bf16)  # several rows: cuBLAS
-    # small weights (k3-tiny's) at several rows only when asked (KernelConfig.skinny_small_rows), within MAX_ROWS
-    assert not prefer_skinny(8, 1024, bf16, bf16, k=384)
-    assert prefer_skinny(8, 1024, bf16, bf16, k=384, small_rows=16)
-    assert not prefer_skinny(8, 1024, bf16, bf16, k=2304, small_rows=16)  # the 48B's rows: cuBLAS
-    assert not prefer_skinny(8, 4096, bf16, bf16, k=384, small_rows=16)
-    assert not prefer_skinny(17, 1024, bf16, bf16, k=384, small_rows=16)
     assert prefer_skinny(4, 256, bf16, fp32) and not prefer_skinny(MAX_ROWS + 1, 256, bf16, fp32)  # the router
     assert prefer_skinny(16, 256, bf16, fp32)  # batch 16's router (cuBLAS: a 4-block SIMT sgemm)
     assert not prefer_skinny(1, 256, fp32, fp32)  # fp32 activations: torch

@@ -29,10 +29,6 @@ class KernelConfig:
     # projections of decode-sized batches (<= kernels.linear.MAX_ROWS rows) through the skinny GEMV
     # kernel instead of torch's matmul (cuBLAS): benchmarks/kernels_linear.py, decode.py --variants
     skinny_gemv: bool = True
-    # up to this many rows (> 1) take the skinny kernel for small weights too (K <= 512, N <= 2048: k3-tiny's
-    # projections; kernels/linear prefer_skinny): a verify run's 8 rows, small decode batches. 1: one row only
-    # (cuBLAS from two rows, as measured at the 48B's widths). Not timed on a GPU yet (session 32), so 1
-    skinny_small_rows: int = 1
     # mixed steps (plain decodes beside prefill chunks, snapshot rows or verify runs): the plain decodes' KDA rows
     # through the decode kernel and only the rest through the chunked form (backend/runner/gpu/kda.py; on with
     # the kernels outside the batch-invariant mode; off: every row chunked, as before, for benchmarks/decode.py)
@@ -143,8 +139,7 @@ def linear(x, w, k: KernelConfig, out_dtype=None):
         return invariant_linear(x, w)
     if k.triton and k.skinny_gemv and x.dim() == 2 and x.stride(-1) == 1:
         prefer = kernel("linear", "prefer_skinny")
-        if prefer is not None and prefer(x.shape[0], w.shape[0], x.dtype, w.dtype, k=w.shape[1],
-                                         small_rows=k.skinny_small_rows):
+        if prefer is not None and prefer(x.shape[0], w.shape[0], x.dtype, w.dtype):
             return kernel("linear", "skinny_linear")(x, w, out_dtype=out_dtype)
     if out_dtype is not None and (x.dtype != out_dtype or w.dtype != out_dtype):
         return F.linear(x.to(out_dtype), w.to(out_dtype))
