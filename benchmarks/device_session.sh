@@ -39,7 +39,8 @@
 #   k3-launches (200 + 90 + 150) GPU tests of session 31's launch cuts (MLA gate kernel, the router's logits in
 #                       its top-k launch, LatentMoE's fused projections and norm in the experts' sum), the device
 #                       kernels per k3-tiny forward (benchmarks/launches.py), then k3-tiny's decode graphs (random
-#                       weights) at batch 1/4/16 with each cut switched off beside the default
+#                       weights) at batch 1/4/16 with each cut switched off beside the default (and K3's residual mix in
+#                       its online form: the stacked one, session 32, is not timed yet)
 #   spec-tests (240)    the speculative decoding GPU tests (verify graphs and the drafter's graphs against eager,
 #                       greedy identity, taps inside the graphs; test_spec, test_dspark_engine, test_spec_deterministic)
 #   spec-verify (300)   benchmarks/spec_verify.py: 48B shape, a 1 + 7 verify step vs a plain step at 4K, batch 1
@@ -209,12 +210,12 @@ for stage in "$@"; do
         --out "$OUT/tiny_linear.json" ;;
     k3-launches)
       gpu_pytest k3-launches 200 tests/kernels/test_mla_triton.py tests/kernels/test_moe_triton.py \
-        tests/kernels/test_moe_mxfp4.py tests/backend/test_gpu_runner.py \
+        tests/kernels/test_moe_mxfp4.py tests/backend/test_gpu_runner.py tests/kernels/test_attn_res_triton.py \
         -k "gate or route or norm or k3 or latent or pair or shared"
       run k3-launches 90 python3 benchmarks/launches.py --device cuda --dtype bfloat16 --batch 1 4 --budget-s 80 \
         --out "$OUT/k3_launch_counts.json"
       run k3-launches 150 python3 benchmarks/decode.py --model k3-tiny --batch 1 4 16 --prefill \
-        --variants control unfused no_latent_fusion no_fused_router no_pair_blocks moe_one_token pdl --budget-s 130 \
+        --variants control unfused no_latent_fusion no_fused_router no_pair_blocks online_mix pdl --budget-s 130 \
         --out "$OUT/k3_launches.json" ;;
     spec-round)
       run spec-round 150 python3 benchmarks/spec_round.py --device cuda --dtype bfloat16 --batch 1 \
