@@ -70,6 +70,19 @@ def _store_out(acc, den, out_ptrs, mask, onw_ptr, cols, D, out_eps, OUT_NORM: tl
     tl.store(out_ptrs, out, mask=mask)
 
 
+@triton.jit
+def _mix_stacked(s, done, last, w, eps, D):
+    """The softmax over depth in two passes: s [BLOCK_J, BLOCK_D] fp32 the completed blocks (rows past `done`
+    zero), last [1, BLOCK_D] fp32 the prefix -> (the weighted sum [1, BLOCK_D], its denominator [1])."""
+    rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / D + eps)
+    logit = tl.where(done, tl.sum(s * w[None, :], axis=1) * rstd, float("-inf"))
+    l_last = tl.sum(last * w[None, :], axis=1) / tl.sqrt(tl.sum(last * last, axis=1) / D + eps)  # [1]
+    m = tl.maximum(tl.max(logit, axis=0), l_last)
+    p = tl.exp(logit - m)  # 0 past the completed blocks
+    p_last = tl.exp(l_last - m)
+    return tl.sum(p[:, None] * s, axis=0)[None, :] + p_last[:, None] * last, tl.sum(p, axis=0) + p_last
+
+
 # not specialized per step (kernels/common.py, Compiles): N: the step's rows
 @triton.jit(do_not_specialize=["N"])
 def _attn_res_mix_fwd_kernel(
@@ -80,7 +93,9 @@ def _attn_res_mix_fwd_kernel(
     onw_ptr,  # [D] the output's RMSNorm weight (OUT_NORM only)
     J, N, D, eps, out_eps,
     BLOCK_D: tl.constexpr,
-    ROWS: tl.constexpr,
+    ROWS: tl.constexpr,  # 1 when STACKED
+    BLOCK_J: tl.constexpr,  # STACKED: >= Jmax, stacked_block_j(D)
+    STACKED: tl.constexpr,  # the stacked form (module docstring), else the online one
     DELTA: tl.constexpr,  # 0: slot J-1 as it is; 1: slot J-1 := delta; 2: slot J-1 := slot J-1 + delta (rounded)
     OUT_NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -93,65 +108,30 @@ def _attn_res_mix_fwd_kernel(
     w = w * tl.load(pw_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     if USE_PDL:
         gdc_wait()
-    m = tl.full([ROWS], float("-inf"), tl.float32)  # running max logit
-    den = tl.zeros([ROWS], tl.float32)  # running sum of exp(l_j - m)
-    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)  # running sum of exp(l_j - m) * src_j
-    ptrs = src_ptr + offs
-    for _ in range(J - 1):
-        s = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        ptrs += stride_j  # 64-bit pointer arithmetic: j * stride_j never overflows an int32
-        m, den, acc = _mix_source(s, w, m, den, acc, eps, D)
-    last = _prefix_slot(ptrs, delta_ptr + rows.to(tl.int64)[:, None] * stride_dn + cols[None, :], mask, DELTA)
-    m, den, acc = _mix_source(last.to(tl.float32), w, m, den, acc, eps, D)
+    last_ptrs = src_ptr + offs + (J - 1).to(tl.int64) * stride_j  # the running prefix, slot J-1
+    delta_ptrs = delta_ptr + rows.to(tl.int64)[:, None] * stride_dn + cols[None, :]
+    if STACKED:  # one row: the completed blocks as one [BLOCK_J, BLOCK_D] tile
+        js = tl.arange(0, BLOCK_J)
+        done = js < J - 1
+        s = tl.load(src_ptr + tl.program_id(0).to(tl.int64) * stride_n + js.to(tl.int64)[:, None] * stride_j
+                    + cols[None, :], mask=done[:, None] & (cols < D)[None, :], other=0.0).to(tl.float32)
+        last = _prefix_slot(last_ptrs, delta_ptrs, mask, DELTA)
+        acc, den = _mix_stacked(s, done, last.to(tl.float32), w, eps, D)
+    else:
+        m = tl.full([ROWS], float("-inf"), tl.float32)  # running max logit
+        den = tl.zeros([ROWS], tl.float32)  # running sum of exp(l_j - m)
+        acc = tl.zeros([ROWS, BLOCK_D], tl.float32)  # running sum of exp(l_j - m) * src_j
+        ptrs = src_ptr + offs
+        for _ in range(J - 1):
+            s = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            ptrs += stride_j  # 64-bit pointer arithmetic: j * stride_j never overflows an int32
+            m, den, acc = _mix_source(s, w, m, den, acc, eps, D)
+        last = _prefix_slot(last_ptrs, delta_ptrs, mask, DELTA)
+        m, den, acc = _mix_source(last.to(tl.float32), w, m, den, acc, eps, D)
     if USE_PDL:
         gdc_launch_dependents()
     _store_out(acc, den, out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], mask, onw_ptr, cols, D, out_eps,
                OUT_NORM)
-
-
-@triton.jit(do_not_specialize=["N"])
-def _attn_res_mix_stacked_kernel(
-    src_ptr, stride_j, stride_n,  # [Jmax, N, D], last dim contiguous
-    nw_ptr, pw_ptr,  # [D], [D]
-    out_ptr,  # [N, D] contiguous
-    delta_ptr, stride_dn,  # [N, D] (DELTA only)
-    onw_ptr,  # [D] the output's RMSNorm weight (OUT_NORM only)
-    J, N, D, eps, out_eps,
-    BLOCK_D: tl.constexpr,
-    BLOCK_J: tl.constexpr,  # >= Jmax: stacked_block_j(D)
-    DELTA: tl.constexpr,  # as the online kernel's
-    OUT_NORM: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """One row: slots 0..J-2 loaded as one [BLOCK_J, BLOCK_D] tile, the prefix (slot J-1) as the online kernel
-    takes it ([1, BLOCK_D]), then the softmax over depth in two passes."""
-    row = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
-    cols = tl.arange(0, BLOCK_D)
-    js = tl.arange(0, BLOCK_J)
-    cmask = cols < D
-    done = js < J - 1  # the completed blocks
-    w = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    w = w * tl.load(pw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    if USE_PDL:
-        gdc_wait()
-    base = src_ptr + row * stride_n  # [1]
-    s = tl.load(base + js.to(tl.int64)[:, None] * stride_j + cols[None, :], mask=done[:, None] & cmask[None, :],
-                other=0.0).to(tl.float32)
-    lmask = cmask[None, :] & (row < N)[:, None]
-    last = _prefix_slot(base[:, None] + (J - 1).to(tl.int64) * stride_j + cols[None, :],
-                        delta_ptr + row[:, None] * stride_dn + cols[None, :], lmask, DELTA)
-    lf = last.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / D + eps)
-    logit = tl.where(done, tl.sum(s * w[None, :], axis=1) * rstd, float("-inf"))
-    l_last = tl.sum(lf * w[None, :], axis=1) / tl.sqrt(tl.sum(lf * lf, axis=1) / D + eps)  # [1]
-    m = tl.maximum(tl.max(logit, axis=0), l_last)
-    p = tl.exp(logit - m)  # 0 past the completed blocks
-    p_last = tl.exp(l_last - m)
-    acc = tl.sum(p[:, None] * s, axis=0)[None, :] + p_last[:, None] * lf
-    if USE_PDL:
-        gdc_launch_dependents()
-    _store_out(acc, tl.sum(p, axis=0) + p_last, out_ptr + row[:, None] * D + cols[None, :], lmask, onw_ptr, cols, D,
-               out_eps, OUT_NORM)
 
 
 def stacked_block_j(D: int) -> int:
@@ -235,16 +215,14 @@ def attn_res_mix(
         raise ValueError(f"stacked: a [{jmax}, N, {D}] stream exceeds the stacked form's {_STACK_TILE}-element tile")
     if N > 0:
         block_d = triton.next_power_of_2(D)
-        args = (sources, sources.stride(0), sources.stride(1), norm_weight, proj_weight, out,
-                delta if delta is not None else out, delta.stride(0) if delta is not None else 0,
-                out_norm_weight if out_norm_weight is not None else norm_weight, J, N, D, float(eps),
-                float(out_norm_eps))
-        common = dict(BLOCK_D=block_d, DELTA=0 if delta is None else 2 if delta_add else 1,
-                      OUT_NORM=out_norm_weight is not None, USE_PDL=use_pdl and not INTERPRET, **pdl_kwargs(use_pdl))
-        if stacked:
-            _attn_res_mix_stacked_kernel[(N,)](*args, BLOCK_J=stacked_block_j(D), num_warps=_STACK_WARPS, **common)
-        else:
-            rows = max(1, _TILE // block_d)
-            _attn_res_mix_fwd_kernel[(triton.cdiv(N, rows),)](
-                *args, ROWS=rows, num_warps=min(16, max(1, rows * block_d // 256)), **common)
+        rows = 1 if stacked else max(1, _TILE // block_d)
+        _attn_res_mix_fwd_kernel[(triton.cdiv(N, rows),)](
+            sources, sources.stride(0), sources.stride(1), norm_weight, proj_weight, out,
+            delta if delta is not None else out, delta.stride(0) if delta is not None else 0,
+            out_norm_weight if out_norm_weight is not None else norm_weight, J, N, D, float(eps), float(out_norm_eps),
+            BLOCK_D=block_d, ROWS=rows, BLOCK_J=stacked_block_j(D) if stacked else 1, STACKED=stacked,
+            DELTA=0 if delta is None else 2 if delta_add else 1, OUT_NORM=out_norm_weight is not None,
+            USE_PDL=use_pdl and not INTERPRET,
+            num_warps=_STACK_WARPS if stacked else min(16, max(1, rows * block_d // 256)), **pdl_kwargs(use_pdl),
+        )
     return out

@@ -154,15 +154,16 @@ I32, C = "i32", "constexpr"
 def build(fn, D, extra, warps):
     ptrs = {"src_ptr": "*bf16", "nw_ptr": "*bf16", "pw_ptr": "*bf16", "out_ptr": "*bf16", "delta_ptr": "*bf16",
             "onw_ptr": "*bf16", "eps": "fp32", "out_eps": "fp32"}
-    consts_names = ("BLOCK_D", "BLOCK_J", "ROWS", "DELTA", "OUT_NORM", "USE_PDL")
+    consts_names = ("BLOCK_D", "BLOCK_J", "ROWS", "STACKED", "DELTA", "OUT_NORM", "USE_PDL")
     sig = {a: ptrs.get(a, C if a in consts_names else I32) for a in fn.arg_names}
     consts = dict(BLOCK_D=triton.next_power_of_2(D), DELTA=2, OUT_NORM=True, USE_PDL=False, **extra)
     return sm90_build(fn, sig, {a: v for a, v in consts.items() if a in fn.arg_names}, warps, 1, lambda a: False)
 
 print(json.dumps({
-    "stacked k3-tiny": build(M._attn_res_mix_stacked_kernel, 384, dict(BLOCK_J=M.stacked_block_j(384)), M._STACK_WARPS),
-    "online k3-tiny": build(M._attn_res_mix_fwd_kernel, 384, dict(ROWS=8), 16),
-    "online 2304": build(M._attn_res_mix_fwd_kernel, 2304, dict(ROWS=1), 16),
+    "stacked k3-tiny": build(M._attn_res_mix_fwd_kernel, 384,
+                             dict(ROWS=1, BLOCK_J=M.stacked_block_j(384), STACKED=True), M._STACK_WARPS),
+    "online k3-tiny": build(M._attn_res_mix_fwd_kernel, 384, dict(ROWS=8, BLOCK_J=1, STACKED=False), 16),
+    "online 2304": build(M._attn_res_mix_fwd_kernel, 2304, dict(ROWS=1, BLOCK_J=1, STACKED=False), 16),
 }))
 """
 
