@@ -9,8 +9,9 @@ Narrow streams (every slot of a row within _STACK_TILE elements: k3-tiny's 9 x 3
 instead: one program per row loads all J slots as one [J, D] tile at once and takes the softmax in two passes
 over registers. The online form is a chain of J dependent steps, each with two row reductions across the
 program's warps; at one decode row that chain, not memory, is the launch's time (k3-tiny: ~3.8 us a launch on the
-H200, 16 launches per forward, a fifth of its decode graph). Which form a row takes depends on the buffer's
-(Jmax, D) only, never on the step's rows, so a row's bits do not depend on what else the step carries.
+H200, 16 launches per forward, a fifth of its decode graph). Which form a row takes, and the stacked form's
+slot tile, depend on the width D only (and whether Jmax fits it), never on the step's rows, so a row's bits do
+not depend on what else the step carries. Both forms are one kernel (`STACKED`).
 """
 from __future__ import annotations
 
