@@ -55,9 +55,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--context", type=int, default=4096, help="tokens already in each sequence's cache")
     p.add_argument("--prefill", type=int, nargs="*", default=[8192, 32768])
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk (the scheduler's token budget)")
-    p.add_argument("--prefill-kda-intra", choices=["fused", "split", "blocks", "both"], default="fused",
-                   help="--prefill: the chunked KDA kernel's intra step (KernelConfig.kda_intra); both: each prefill "
-                        "timed with each form (fused, split, blocks: a row per variant)")
+    p.add_argument("--prefill-kda-intra", choices=["fused", "split", "blocks", "both"], default=None,
+                   help="--prefill: the chunked KDA kernel's intra step (KernelConfig.kda_intra; default: its default, "
+                        "blocks); both: each prefill timed with each form (fused, split, blocks: a row per variant)")
     p.add_argument("--prefill-router", choices=["split", "fp32", "both"], default="split",
                    help="--prefill: the MoE router's logits from the bf16 parts of its weight (the default, "
                         "KernelConfig.split_router_min_rows) or torch's fp32 linear; both: each prefill timed with each")
@@ -533,9 +533,10 @@ def main() -> int:
         RESULT["mixed"].append(row)
         save()
     active = param_count(cfg)["active_per_token"] - cfg.vocab_size * cfg.hidden_size  # lookups are not flops
-    intras = list(INTRA_FORMS) if ARGS.prefill_kda_intra == "both" else [ARGS.prefill_kda_intra]
-    routers = ["split", "fp32"] if ARGS.prefill_router == "both" else [ARGS.prefill_router]
     base_k = runner.fwd.k
+    intras = (list(INTRA_FORMS) if ARGS.prefill_kda_intra == "both"
+              else [ARGS.prefill_kda_intra or base_k.kda_intra])
+    routers = ["split", "fp32"] if ARGS.prefill_router == "both" else [ARGS.prefill_router]
     # the defaults first: a failing variant cannot cost the measured default's rows
     runs = [(f"{i}/{r}", dict(kda_intra=i, split_router_min_rows=base_k.split_router_min_rows if r == "split" else 0),
              i, r) for i in intras for r in routers]

@@ -15,11 +15,16 @@
 #                       not fail the others (moe 90 s: the MXFP4 kernels' variants compile too)
 #   tests               both of the above
 #   decode (200)        benchmarks/decode.py: batch 1/16/64 at 4K, --profile 1, prefill 8K and 32K (the defaults,
-#                       the KDA blocks intra step, the MoE grouped tiles, both), batch 1's MoE in two launches
+#                       then the KDA fused intra step, the default before session 32), batch 1's MoE in two launches
 #   kda (240)           benchmarks/kernels.py: KDA decode (N = 1, 16) and prefill against fla, the fused and the
 #                       blocks intra path (kda_chunk_fwd intra="blocks", session 30) side by side
 #   kda-blocks (120 + 200) the chunk kernels' GPU tests (the blocks cases, fp32 scratch), then the blocks path's
 #                       sweep at 16K without fla (warps, sliced W/U, per-block L, 64-column slices)
+#   kda-warps (150)     the blocks path at its default 2 warps (session 32: one 16K reading) against 4, beside fla,
+#                       at 16K / 64K / 8 x 4K (issue 18's >= 1.2x fla goal)
+#   spec-b1 (130 + 110) issue 16 at batch 1 with the default 16 rounds: the gate on code and agent, then
+#                       spec_round.py plain vs dspark:16 with the prefill steps profiled (session 32: a dspark
+#                       request's prefill step 9.1 ms against plain's 5.2, a large share of a 64-token request)
 #   mla (240)           benchmarks/kernels_mla.py --decode-only (13 launch variants x 11 cases, then splits)
 #   moe (200)           benchmarks/kernels_moe.py: decode T=1/64, prefill 2K/8K/32K (every tile candidate, the
 #                       grouped tiles among them; the alignment alone in both multi-chunk forms), route
@@ -82,7 +87,7 @@ for stage in "$@"; do
   case $stage in
     tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det|overlap|serve) ;;
     spec-tests|spec-verify|dspark-pass|spec-bench|spec-gate|spec-rounds|jit-churn|tp-tests|tp|tp-symm|k3-slice) ;;
-    profile|kda-probe|tiny-linear|spec-round|prep|kda-blocks|k3-launches) ;;
+    profile|kda-probe|tiny-linear|spec-round|prep|kda-blocks|k3-launches|kda-warps|spec-b1) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -132,8 +137,8 @@ for stage in "$@"; do
       done ;;
     decode)
       run decode 200 python3 benchmarks/decode.py --batch 1 16 64 --profile 1 --prefill 8192 32768 \
-        --prefill-configs kda_intra=blocks moe_grouped_tiles=1 kda_intra=blocks,moe_grouped_tiles=1 \
-        --variants control moe_one_token --budget-s 180 --out "$OUT/decode.json" ;;
+        --prefill-configs kda_intra=fused --variants control moe_one_token --budget-s 180 \
+        --out "$OUT/decode.json" ;;
     kda)
       run kda 240 python3 benchmarks/kernels.py --decode-n 1 16 --prefill 8192 16384 65536 8x4096 \
         --prefill-variants base blocks_intra --budget-s 220 --out "$OUT/kda.json" ;;
@@ -143,6 +148,16 @@ for stage in "$@"; do
         blocks_intra --prefill-sweep blocks_intra_w1 blocks_intra_w2 blocks_intra_w8 blocks_intra_sliced \
         blocks_intra_sliced_w2 blocks_intra_pairs blocks_intra_pairs_w2 blocks_intra_bk64 --sweep-case 16384 \
         --budget-s 180 --out "$OUT/kda_blocks.json" ;;
+    kda-warps)
+      run kda-warps 150 python3 benchmarks/kernels.py --decode-n 1 --prefill 16384 65536 8x4096 \
+        --prefill-variants blocks_intra blocks_intra_w4 --budget-s 130 --out "$OUT/kda_warps.json" ;;
+    spec-b1)
+      run spec-b1 130 python3 benchmarks/spec_gate.py --device cuda --dtype bfloat16 --batch-sizes 1 \
+        --workloads code,agent --drafters dspark --rounds 3 --no-check --no-always --budget-s 110 \
+        --out "$OUT/spec_b1_gate.json"
+      run spec-b1 110 python3 benchmarks/spec_round.py --device cuda --dtype bfloat16 --batch 1 \
+        --engines plain,dspark:16 --profile-steps 4 --profile-prefill --top 40 --budget-s 100 \
+        --out "$OUT/spec_b1_round.json" ;;
     mla)
       run mla 240 python3 benchmarks/kernels_mla.py --decode-only --budget-s 200 --out "$OUT/mla.json" ;;
     moe)
