@@ -111,6 +111,12 @@ class GpuForward:
         out = self.tp.gather_last_dim(local)
         return out.float() if self.tp.rank == 0 else out
 
+    @property
+    def mix_stacked(self) -> bool | None:
+        """The mix kernel's `stacked` (KernelConfig.attn_res_stacked, read per call: benchmarks swap `k`): None lets
+        it take its stacked form where that fits, False keeps the online one."""
+        return None if self.k.attn_res_stacked else False
+
     def mix(self, stream: AttnResStream, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float,
             then_norm: torch.Tensor | None = None) -> torch.Tensor:
         """The attention-residual mix of the stream's sources, then (then_norm: its weight) the next sub-layer's
@@ -121,15 +127,14 @@ class GpuForward:
                 delta, opens = stream.take_pending()
                 return self.mix_kernel(stream.buf, norm_w, proj_w.reshape(-1), eps, num_sources=stream.num_sources,
                                        delta=delta, delta_add=not opens, out_norm_weight=then_norm, out_norm_eps=eps,
-                                       stacked=None if self.k.attn_res_stacked else False)
+                                       stacked=self.mix_stacked)
             stream.flush()
         assert stream.prefix is not None
         if not stream.blocks:
             x = stream.prefix
         elif self.mix_kernel is not None:  # the list form (pieces.py): the sources stacked, the norm in the launch
             return self.mix_kernel(torch.stack([*stream.blocks, stream.prefix]), norm_w, proj_w.reshape(-1), eps,
-                                   out_norm_weight=then_norm, out_norm_eps=eps,
-                                   stacked=None if self.k.attn_res_stacked else False)
+                                   out_norm_weight=then_norm, out_norm_eps=eps, stacked=self.mix_stacked)
         else:
             x = attn_res_mix(stream.blocks, stream.prefix, norm_w, proj_w, eps)
         return x if then_norm is None else self.norm(x, then_norm, eps)

@@ -95,9 +95,10 @@ class KernelConfig:
     moe_latent_fusion: bool = True
     # a few tokens' MoE pairs as blocks of one row, no alignment launch, while their experts' weights (read once per
     # pair) stay within this many bytes (kernels/moe/triton_experts.py align_blocks: k3-tiny's verify steps; never the
-    # 48B's 14 MB experts); 0: one token only, as before session 31. H200 (session 32, k3-tiny decode graphs):
-    # 0.348 vs 0.375 ms at batch 4, 0.415 vs 0.433 at 16, equal at 1
-    moe_pair_blocks_bytes: int = 4 << 20
+    # 48B's 14 MB experts); None: the kernel's own bound (PAIR_BLOCKS_MAX_BYTES, 4 MB); 0: one token only, as before
+    # session 31. H200 (session 32, k3-tiny decode graphs): 0.348 vs 0.375 ms at batch 4, 0.415 vs 0.433 at 16,
+    # equal at 1
+    moe_pair_blocks_bytes: int | None = None
     # K3's attention-residual mix in its stacked form where a row's stack fits one tile (kernels/attn_res/triton_mix.py:
     # k3-tiny's 9 x 384; every slot loaded at once, the softmax in two passes) instead of the online chain of J
     # dependent steps, ~3.8 us a launch at one row on the H200 (session 32, 16 launches per k3-tiny forward). Not
@@ -105,7 +106,7 @@ class KernelConfig:
     attn_res_stacked: bool = True
 
     def __post_init__(self) -> None:
-        if self.moe_pair_blocks_bytes < 0:
+        if self.moe_pair_blocks_bytes is not None and self.moe_pair_blocks_bytes < 0:
             raise ValueError(f"moe_pair_blocks_bytes: must be >= 0, got {self.moe_pair_blocks_bytes}")
         if self.split_router_min_rows < 0:
             raise ValueError(f"split_router_min_rows: must be >= 0, got {self.split_router_min_rows}")
