@@ -115,14 +115,20 @@ def _gate_beta_with(f_row, dt, a, b_row, i_h, offs_k, mask_k, lower_bound, D: tl
                     USE_LOWER_BOUND: tl.constexpr):
     """_gate_beta with the head's constants already loaded (_gate_consts: a loop over tokens loads them once)."""
     x = tl.load(f_row + i_h * D + offs_k, mask=mask_k, other=0.0)
+    beta = tl.sigmoid(tl.load(b_row + i_h).to(tl.float32))
+    return _decay(x, dt, a, lower_bound, USE_LOWER_BOUND), beta
+
+
+@triton.jit
+def _decay(x, dt, a, lower_bound, USE_LOWER_BOUND: tl.constexpr):
+    """exp(g) of raw f_b_proj values x (any shape whose last axis is the head's channels; dt [BK] broadcast)."""
     x = x.to(tl.float32) + dt
     if USE_LOWER_BOUND:
         g = lower_bound * tl.sigmoid(a * x)
     else:
         softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
         g = -a * softplus
-    beta = tl.sigmoid(tl.load(b_row + i_h).to(tl.float32))
-    return tl.exp(g), beta
+    return tl.exp(g)
 
 
 @triton.jit

@@ -29,7 +29,8 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from k3rt.kernels.common import INTERPRET, pdl_kwargs, poison_like
-from k3rt.kernels.kda.triton_decode import _conv_taps, _gate_beta_with, _gate_consts, _norm_gate_row, _silu_conv
+from k3rt.kernels.kda.triton_decode import (_conv_taps, _decay, _gate_beta_with, _gate_consts, _norm_gate_row,
+                                            _silu_conv)
 from k3rt.kernels.kda.triton_verify import _verify_window, check_token_block
 
 
@@ -39,6 +40,61 @@ def _store_window_tail(win, cs_ptr, ch, mask, C: tl.constexpr, W: tl.constexpr, 
     r = tl.arange(0, WP)
     tl.store(cs_ptr + (r[:, None] - 1) * C + ch[None, :], win.to(cs_ptr.dtype.element_ty),
              mask=((r >= 1) & (r < W))[:, None] & mask)
+
+
+@triton.jit
+def _conv_rows(x_seq, stride_xt, cs_ptr, rr, live, ch, mask, taps, C: tl.constexpr, W: tl.constexpr,
+               WP: tl.constexpr):
+    """SiLU(conv) of every drafted position rr at once (rows past `live` zero): [RP, len(ch)] fp32. Position t's
+    window is _verify_window's (rows t-(W-1) .. t; those before the block from the live cache), each row the sum
+    over its window of win * taps in _silu_conv's order."""
+    w = tl.arange(0, WP)
+    p = rr[:, None] - (W - 1) + w[None, :]  # [RP, WP]
+    in_win = ((w < W)[None, :] & live[:, None])[:, :, None] & mask[None, None, :]
+    hist = tl.load(cs_ptr + tl.maximum(p + W - 1, 0)[:, :, None] * C + ch[None, None, :],
+                   mask=in_win & (p < 0)[:, :, None], other=0.0)
+    tok = tl.load(x_seq + tl.maximum(p, 0).to(tl.int64)[:, :, None] * stride_xt + ch[None, None, :],
+                  mask=in_win & (p >= 0)[:, :, None], other=0.0)
+    win = tl.where((p < 0)[:, :, None], hist.to(tl.float32), tok.to(tl.float32))
+    acc = tl.sum(win * taps[None, :, :], axis=1)
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _delta_rule_token(S, q, k, v, decay, beta, raw_ptr, o_seq, i_n, i_h, t, offs_v, mask_v, R: tl.constexpr,
+                      H: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
+    """Token t's update of the [BK, BV] state tile, in the decode kernel's order, and its output row (into the fp32
+    scratch when the head is normalized after). Returns the new state tile."""
+    S = S * decay[:, None]
+    kv = tl.sum(S * k[:, None], axis=0)
+    u = beta * (v - kv)
+    S = S + k[:, None] * u[None, :]
+    o = tl.sum(S * q[:, None], axis=0)  # [BV]
+    if NORM:
+        tl.store(raw_ptr + ((i_n.to(tl.int64) * R + t) * H + i_h) * D + offs_v, o, mask=mask_v)
+    else:
+        tl.store(o_seq + t * (H * D) + offs_v, o.to(o_seq.dtype.element_ty), mask=mask_v)
+    return S
+
+
+@triton.jit
+def _row(x, sel):
+    """Row `sel` (a one-hot [RP] mask) of a [RP, M] register tile, as [M] (the other rows add exact zeros)."""
+    return tl.sum(tl.where(sel[:, None], x, 0.0), axis=0)
+
+
+@triton.jit
+def _norm_gate_rows(raw_seq, gate_seq, stride_gate_t, w_ptr, o_seq, rr, live, offs, mask, eps, HD: tl.constexpr,
+                    D: tl.constexpr):
+    """_norm_gate_row over every live row rr of one head at once (raw and o rows HD apart): one round of loads
+    instead of one per row."""
+    m = live[:, None] & mask[None, :]
+    x = tl.load(raw_seq + rr[:, None] * HD + offs[None, :], mask=m, other=0.0, cache_modifier=".cg")
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    gt = tl.load(gate_seq + rr[:, None] * stride_gate_t + offs[None, :], mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(o_seq + rr[:, None] * HD + offs[None, :],
+             (x * rstd[:, None] * w[None, :] * tl.sigmoid(gt)).to(o_seq.dtype.element_ty), mask=m)
 
 
 # not specialized per step (kernels/common.py, Compiles): slots, token counts: views of the packed step or per-step
@@ -60,9 +116,10 @@ def _kda_multi_kernel(
     raw_ptr,  # [N, R, H, D] fp32 scratch (NORM only)
     count_ptr,  # [N*H] int32, zero between launches (NV > 1 with NORM or COMMIT)
     scale, lower_bound, eps,
-    R: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    R: tl.constexpr, RP: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NV: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
-    USE_LOWER_BOUND: tl.constexpr, NORM: tl.constexpr, COMMIT: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr, NORM: tl.constexpr, COMMIT: tl.constexpr, HOIST: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -98,29 +155,42 @@ def _kda_multi_kernel(
         taps_k = _conv_taps(conv_w_ptr, k_ch, mask_k, W, WP)
         taps_v = _conv_taps(conv_w_ptr, v_ch, mask_v, W, WP)
         dt, a = _gate_consts(dt_bias_ptr, a_log_ptr, i_h, offs_k, mask_k, D)
-        for t in range(n):
-            win_q = _verify_window(x_seq, stride_qkv_t, cs, t, q_ch, mask_k, C, W, WP)
-            win_k = _verify_window(x_seq, stride_qkv_t, cs, t, k_ch, mask_k, C, W, WP)
-            win_v = _verify_window(x_seq, stride_qkv_t, cs, t, v_ch, mask_v, C, W, WP)
-            q = _silu_conv(win_q, taps_q)
-            k = _silu_conv(win_k, taps_k)
-            v = _silu_conv(win_v, taps_v)
-            q = q * (scale / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6))
-            k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-            decay, beta = _gate_beta_with(f_ptr + i_n.to(tl.int64) * stride_f_n + t * stride_f_t, dt, a,
-                                          b_ptr + i_n.to(tl.int64) * stride_b_n + t * stride_b_t,
-                                          i_h, offs_k, mask_k, lower_bound, D, USE_LOWER_BOUND)
-            # the decode kernel's update, in its order
-            S = S * decay[:, None]
-            kv = tl.sum(S * k[:, None], axis=0)
-            u = beta * (v - kv)
-            S = S + k[:, None] * u[None, :]
-            o = tl.sum(S * q[:, None], axis=0)  # [BV]
-            nt = i_n.to(tl.int64) * R + t
-            if NORM:
-                tl.store(raw_ptr + (nt * H + i_h) * D + offs_v, o, mask=mask_v)
-            else:
-                tl.store(o_seq + t * (H * D) + offs_v, o.to(o_ptr.dtype.element_ty), mask=mask_v)
+        rr = tl.arange(0, RP)
+        if HOIST:
+            # every token's conv, norms and gates first, as [RP, .] tiles (one round of loads, none of it waits for
+            # the state); the loop below then runs only the recurrence, each token's rows picked out of the tiles
+            live = rr < n
+            Q = _conv_rows(x_seq, stride_qkv_t, cs, rr, live, q_ch, mask_k, taps_q, C, W, WP)
+            K = _conv_rows(x_seq, stride_qkv_t, cs, rr, live, k_ch, mask_k, taps_k, C, W, WP)
+            V = _conv_rows(x_seq, stride_qkv_t, cs, rr, live, v_ch, mask_v, taps_v, C, W, WP)
+            Q = Q * (scale / tl.sqrt(tl.sum(Q * Q, axis=1) + 1e-6))[:, None]
+            K = K / tl.sqrt(tl.sum(K * K, axis=1) + 1e-6)[:, None]
+            f_seq = f_ptr + i_n.to(tl.int64) * stride_f_n + i_h * D
+            fx = tl.load(f_seq + rr[:, None] * stride_f_t + offs_k[None, :], mask=live[:, None] & mask_k[None, :],
+                         other=0.0)
+            DEC = _decay(fx, dt[None, :], a, lower_bound, USE_LOWER_BOUND)
+            BETA = tl.sigmoid(tl.load(b_ptr + i_n.to(tl.int64) * stride_b_n + rr * stride_b_t + i_h, mask=live,
+                                      other=0.0).to(tl.float32))
+            for t in range(n):
+                sel = rr == t
+                beta = tl.sum(tl.where(sel, BETA, 0.0), axis=0)
+                S = _delta_rule_token(S, _row(Q, sel), _row(K, sel), _row(V, sel), _row(DEC, sel), beta, raw_ptr,
+                                      o_seq, i_n, i_h, t, offs_v, mask_v, R, H, D, NORM)
+        else:
+            for t in range(n):
+                win_q = _verify_window(x_seq, stride_qkv_t, cs, t, q_ch, mask_k, C, W, WP)
+                win_k = _verify_window(x_seq, stride_qkv_t, cs, t, k_ch, mask_k, C, W, WP)
+                win_v = _verify_window(x_seq, stride_qkv_t, cs, t, v_ch, mask_v, C, W, WP)
+                q = _silu_conv(win_q, taps_q)
+                k = _silu_conv(win_k, taps_k)
+                v = _silu_conv(win_v, taps_v)
+                q = q * (scale / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6))
+                k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+                decay, beta = _gate_beta_with(f_ptr + i_n.to(tl.int64) * stride_f_n + t * stride_f_t, dt, a,
+                                              b_ptr + i_n.to(tl.int64) * stride_b_n + t * stride_b_t,
+                                              i_h, offs_k, mask_k, lower_bound, D, USE_LOWER_BOUND)
+                S = _delta_rule_token(S, q, k, v, decay, beta, raw_ptr, o_seq, i_n, i_h, t, offs_v, mask_v, R, H, D,
+                                      NORM)
         if COMMIT:
             tl.store(s_ptrs, S, mask=mask2)
             # the window after n tokens is the one of token n-1; these v channels are this program's alone
@@ -143,7 +213,11 @@ def _kda_multi_kernel(
                     tl.debug_barrier()
                     _store_window_tail(win_q, cs, q_ch, mask_k[None, :] & (n > 0), C, W, WP)
                     _store_window_tail(win_k, cs, k_ch, mask_k[None, :] & (n > 0), C, W, WP)
-                if NORM:
+                if NORM and HOIST:
+                    _norm_gate_rows(raw_ptr + (i_n.to(tl.int64) * R * H + i_h) * D,
+                                    gate_ptr + i_n.to(tl.int64) * stride_gate_n + i_h * stride_gate_h,
+                                    stride_gate_t, norm_w_ptr, o_seq, rr, rr < n, offs_k, mask_k, eps, H * D, D)
+                elif NORM:
                     for t in range(n):
                         nt = i_n.to(tl.int64) * R + t
                         _norm_gate_row(raw_ptr + (nt * H + i_h) * D,
@@ -185,6 +259,7 @@ def kda_decode_multi(
     workspace: Tensor | None = None,
     use_pdl: bool = False,
     num_warps: int = 4,
+    hoist: bool = False,
 ) -> Tensor:
     """KDA decode over the first num_tokens[i] of R tokens of each of N sequences, one launch.
 
@@ -240,8 +315,8 @@ def kda_decode_multi(
             o_norm_weight if norm else out, raw if norm else out, counts if counts is not None else slot_indices,
             D**-0.5 if scale is None else float(scale), 0.0 if lower_bound is None else float(lower_bound),
             float(o_norm_eps),
-            R=R, H=H, D=D, BK=triton.next_power_of_2(D), BV=D // v_split, NV=v_split, W=W,
-            WP=triton.next_power_of_2(W), USE_LOWER_BOUND=lower_bound is not None, NORM=norm, COMMIT=commit,
-            USE_PDL=use_pdl and not INTERPRET, num_warps=num_warps, **pdl_kwargs(use_pdl),
+            R=R, RP=triton.next_power_of_2(R), H=H, D=D, BK=triton.next_power_of_2(D), BV=D // v_split, NV=v_split,
+            W=W, WP=triton.next_power_of_2(W), USE_LOWER_BOUND=lower_bound is not None, NORM=norm, COMMIT=commit,
+            HOIST=hoist, USE_PDL=use_pdl and not INTERPRET, num_warps=num_warps, **pdl_kwargs(use_pdl),
         )
     return out

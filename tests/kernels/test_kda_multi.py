@@ -43,7 +43,9 @@ def decode_loop(case: dict, slots: list[int], ns: list[int], R: int, lb: float |
     ids=["R1_split1", "R4_split2_0_1_R", "R5_split4_norm", "R3_split1_norm"],
 )
 @pytest.mark.parametrize("commit", [False, True], ids=["verify", "commit"])
-def test_multi_equals_decode_calls(R: int, v_split: int, kind: str, ns: list[int], norm: bool, commit: bool) -> None:
+@pytest.mark.parametrize("hoist", [False, True], ids=["loop", "hoist"])
+def test_multi_equals_decode_calls(R: int, v_split: int, kind: str, ns: list[int], norm: bool, commit: bool,
+                                   hoist: bool) -> None:
     N, H, D, eps = 4, 2, 32, 1e-5
     case = verify_case(N, R, H, D, kind, torch.float32, num_slots=6, seed=R + 7 * v_split)
     slots = [4, 0, 2, -1]
@@ -59,7 +61,7 @@ def test_multi_equals_decode_calls(R: int, v_split: int, kind: str, ns: list[int
     ws = kda_decode_workspace(N, H, DEV)
     o = kda_decode_multi(**case, slot_indices=torch.tensor(slots, device=DEV),
                          num_tokens=torch.tensor(ns, dtype=torch.int32, device=DEV), commit=commit,
-                         lower_bound=lb, v_split=v_split, workspace=ws,
+                         lower_bound=lb, v_split=v_split, workspace=ws, hoist=hoist,
                          **({} if nrm is None else dict(o_gate=nrm[0], o_norm_weight=nrm[1], o_norm_eps=eps)))
     assert torch.equal(ws, torch.zeros_like(ws))
     # the interpreter: the same bits. Compiled, the two kernels' multiply-adds contract differently: about one fp32
@@ -104,27 +106,30 @@ def test_multi_rejects_bad_inputs() -> None:
 
 _BUILD = r'''
 import inspect
+import itertools
 from k3rt.kernels.kda.triton_multi import _kda_multi_kernel as fn
 names = list(inspect.signature(fn.fn).parameters)
 act = {"qkv_ptr", "f_ptr", "b_ptr", "o_ptr", "gate_ptr", "conv_state_ptr", "norm_w_ptr"}
 out = {}
-for commit, norm, nv in ((False, True, 4), (True, False, 4), (True, False, 1)):
+for (commit, norm, nv), hoist in itertools.product(((False, True, 4), (True, False, 4), (True, False, 1)),
+                                                   (False, True)):
     # the launcher's tile: 32 value columns (D = 128 split 4; one program per head at D = 32)
-    consts = dict(R=8, H=32, D=32 * nv, BK=32 * nv, BV=32, NV=nv, W=4, WP=4, USE_LOWER_BOUND=True,
-                  NORM=norm, COMMIT=commit, USE_PDL=False)
+    consts = dict(R=8, RP=8, H=32, D=32 * nv, BK=32 * nv, BV=32, NV=nv, W=4, WP=4, USE_LOWER_BOUND=True,
+                  NORM=norm, COMMIT=commit, HOIST=hoist, USE_PDL=False)
     sig = {n: "constexpr" if n in consts else "i64" if n.startswith("stride")
            else "fp32" if n in ("scale", "lower_bound", "eps")
            else "*i32" if n in ("slot_ptr", "n_ptr", "count_ptr") else "*bf16" if n in act else "*fp32"
            for n in names}
-    out[f"{commit},{norm},{nv}"] = sm90_build(fn, sig, consts, 4, 1, lambda k: False)
+    out[f"{commit},{norm},{nv},{hoist}"] = sm90_build(fn, sig, consts, 4, 1, lambda k: False)
 print(json.dumps(out))
 '''
 
 
 def test_multi_builds_for_sm90_without_spills() -> None:
     """The compiled kernel (no GPU here: built for sm_90 by the wheel's compiler), R = 8, H = 32, for the
-    verify pass (norm, D = 128 split 4), the split commit and the one-program commit (D = 32): the state
-    tile stays in registers across the tokens (no local memory)."""
+    verify pass (norm, D = 128 split 4), the split commit and the one-program commit (D = 32), the token loop's
+    form and the hoisted one (every token's [R, D] tiles held too): the state tile stays in registers across the
+    tokens (no local memory)."""
     from tests.kernels.helpers import run_sm90_build
 
     for key, b in run_sm90_build(_BUILD, timeout=240).items():

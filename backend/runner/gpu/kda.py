@@ -238,7 +238,7 @@ def _verify_runs(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: 
         o = kda_decode_multi(q3, w.conv_weight, conv_pool, f3, w.A_log, w.dt_bias, b3, rec_pool, pages, every,
                              commit=False, lower_bound=attn.lower_bound, use_pdl=k.use_pdl,
                              o_gate=g3.reshape(B, R, H, D), o_norm_weight=attn.o_norm_weight, o_norm_eps=attn.eps,
-                             workspace=workspace)
+                             workspace=workspace, hoist=k.kda_multi_hoist)
         return o.view(T, H, D)
     convs, recs = conv_pool[pages].clone(), rec_pool[pages].clone()  # [B, W-1, C], [B, H, D, D]
     slots = torch.arange(B, device=qkv.device)
@@ -424,7 +424,8 @@ def kda_commit_graphed(attn: KimiDeltaAttention, w: KdaWeights, step: GpuStep, a
 
             kda_decode_multi(qkv.reshape(B, R, -1), w.conv_weight, conv_pool,
                              f.reshape(B, R, -1), w.A_log, w.dt_bias, b.reshape(B, R, -1), rec_pool, pages, accepted,
-                             commit=True, lower_bound=attn.lower_bound, use_pdl=k.use_pdl, workspace=workspace)
+                             commit=True, lower_bound=attn.lower_bound, use_pdl=k.use_pdl, workspace=workspace,
+                             hoist=k.kda_multi_hoist)
             return
         runs = [t.reshape(B, R, *t.shape[1:]) for t in (qkv, f, b)]
         for t in range(R):

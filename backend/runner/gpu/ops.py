@@ -50,6 +50,10 @@ class KernelConfig:
     # each, no scratch copies: the default, measured faster on the H200 (benchmarks/spec_verify.py at the 48B
     # shape, 1 + 7 tokens: verify graph 7.48 vs 8.38 ms at batch 1, 26.2 vs 31.5 ms at 16; commit 0.53 vs 1.64 ms)
     kda_verify_launch: str = "multi"
+    # "multi"'s form (kernels/kda/triton_multi.py `hoist`): every token's conv, norms and gates first as [R, D]
+    # tiles, the token loop then only the recurrence, and the verify pass's output norm over all rows at once;
+    # False: each token's loads and conv inside the loop and the norm a row at a time (the form before session 33)
+    kda_multi_hoist: bool = False
     # the chunked KDA prefill's intra step (kernels/kda/triton_chunk.py `intra`): "blocks" (kernels/kda/
     # triton_intra_blocks.py: four launches on 16 x 16 blocks and K slices, one program per block of L/Aqk and per
     # row block of W/U), the default: on the H200 with fla 0.6.0 in the same run (session 32, H=32 D=128 bf16)
