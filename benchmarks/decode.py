@@ -45,7 +45,7 @@ VARIANTS = {"control": {}, "pdl": dict(use_pdl=True), "cublas_gemv": dict(skinny
             # projections and the router's logits in its top-k launch (the MLA gate kernel has no switch)
             "no_latent_fusion": dict(moe_latent_fusion=False), "no_fused_router": dict(moe_fused_router=False),
             "unfused": dict(moe_latent_fusion=False, moe_fused_router=False),
-            "no_pair_blocks": dict(moe_pair_blocks_bytes=0), "online_mix": dict(attn_res_stacked=False)}
+            "no_pair_blocks": dict(moe_pair_blocks_bytes=0), "stacked_mix": dict(attn_res_stacked=True)}
 
 
 def _args() -> argparse.Namespace:
@@ -72,8 +72,8 @@ def _args() -> argparse.Namespace:
                         "1's MoE in two launches: KernelConfig.moe_one_token), no_latent_fusion / no_fused_router / "
                         "unfused (LatentMoE's fused projections, the router's logits in its top-k launch, both: off; "
                         "a negative gain is what they save), no_pair_blocks (a few tokens' MoE through the "
-                        "alignment again), online_mix (K3's residual mix in its online form: "
-                        "KernelConfig.attn_res_stacked off), control (the default again)")
+                        "alignment again), stacked_mix (K3's residual mix in its stacked form: "
+                        "KernelConfig.attn_res_stacked on), control (the default again)")
     p.add_argument("--mixed", type=int, nargs="*", default=[], metavar="P",
                    help="also time steps of (the largest --batch) decodes plus one P-token prefill chunk, per P: "
                         "a served step when a request arrives (time, kernel time, launches, top kernels, host issue "

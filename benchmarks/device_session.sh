@@ -45,7 +45,7 @@
 #                       its top-k launch, LatentMoE's fused projections and norm in the experts' sum), the device
 #                       kernels per k3-tiny forward (benchmarks/launches.py), then k3-tiny's decode graphs (random
 #                       weights) at batch 1/4/16 with each cut switched off beside the default (and K3's residual mix in
-#                       its online form: the stacked one, session 32, is not timed yet)
+#                       its stacked form, off since session 33)
 #   spec-tests (240)    the speculative decoding GPU tests (verify graphs and the drafter's graphs against eager,
 #                       greedy identity, taps inside the graphs; test_spec, test_dspark_engine, test_spec_deterministic)
 #   spec-verify (300)   benchmarks/spec_verify.py: 48B shape, a 1 + 7 verify step vs a plain step at 4K, batch 1
@@ -230,7 +230,7 @@ for stage in "$@"; do
       run k3-launches 90 python3 benchmarks/launches.py --device cuda --dtype bfloat16 --batch 1 4 --budget-s 80 \
         --out "$OUT/k3_launch_counts.json"
       run k3-launches 150 python3 benchmarks/decode.py --model k3-tiny --batch 1 4 16 --prefill \
-        --variants control unfused no_latent_fusion no_fused_router no_pair_blocks online_mix pdl --budget-s 130 \
+        --variants control unfused no_latent_fusion no_fused_router no_pair_blocks stacked_mix pdl --budget-s 130 \
         --out "$OUT/k3_launches.json" ;;
     spec-round)
       run spec-round 150 python3 benchmarks/spec_round.py --device cuda --dtype bfloat16 --batch 1 \

@@ -11,7 +11,9 @@ over registers. The online form is a chain of J dependent steps, each with two r
 program's warps; at one decode row that chain, not memory, is the launch's time (k3-tiny: ~3.8 us a launch on the
 H200, 16 launches per forward, a fifth of its decode graph). Which form a row takes, and the stacked form's
 slot tile, depend on the width D only (and whether Jmax fits it), never on the step's rows, so a row's bits do
-not depend on what else the step carries. Both forms are one kernel (`STACKED`).
+not depend on what else the step carries. Both forms are one kernel (`STACKED`). Timed in k3-tiny's decode graphs
+on the H200 (session 33), the stacked form was no faster (0.285 / 0.351 / 0.414 ms at batch 1 / 4 / 16 against
+0.281 / 0.337 / 0.412 online): the runner takes the online form unless KernelConfig.attn_res_stacked says otherwise.
 """
 from __future__ import annotations
 

@@ -680,9 +680,9 @@ def test_a_k3_forward_adds_mixes_and_norms_its_residual_stream_in_one_launch_per
     assert sum(c["delta"] is not None for c in calls) == 2 * L and all(c["out_norm_weight"] is not None for c in calls)
 
 
-def test_a_k3_forward_mixes_in_the_stacked_form_unless_switched_off(tmp_path) -> None:
-    """KernelConfig.attn_res_stacked (session 32): a narrow model's mixes take the stacked form; switched off, the
-    online one; the forward's logits agree to fp32 rounding (the two forms differ only in the order of the softmax's
+def test_a_k3_forward_mixes_in_the_online_form_unless_stacked_is_switched_on(tmp_path) -> None:
+    """KernelConfig.attn_res_stacked (session 32; off by default since session 33): switched on, a narrow model's
+    mixes take the stacked form; by default, the online one; the forward's logits agree to fp32 rounding (the two forms differ only in the order of the softmax's
     sums)."""
     from k3rt.kernels.attn_res import triton_mix
 
@@ -701,4 +701,7 @@ def test_a_k3_forward_mixes_in_the_stacked_form_unless_switched_off(tmp_path) ->
             logits[stacked] = runner.fwd(step, decode=True)
         forms[stacked] = set(calls)
     assert forms == {True: {True}, False: {False}}
+    from k3rt.backend.runner.gpu.ops import KernelConfig
+
+    assert KernelConfig().attn_res_stacked is False
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)

@@ -105,9 +105,9 @@ class KernelConfig:
     moe_pair_blocks_bytes: int | None = None
     # K3's attention-residual mix in its stacked form where a row's stack fits one tile (kernels/attn_res/triton_mix.py:
     # k3-tiny's 9 x 384; every slot loaded at once, the softmax in two passes) instead of the online chain of J
-    # dependent steps, ~3.8 us a launch at one row on the H200 (session 32, 16 launches per k3-tiny forward). Not
-    # timed on a GPU yet (session 32); False: the online form everywhere (decode.py variant online_mix)
-    attn_res_stacked: bool = True
+    # dependent steps. Off: no faster on the H200 (session 33, k3-tiny decode graphs at batch 1 / 4 / 16: 0.285 /
+    # 0.351 / 0.414 ms stacked against 0.281 / 0.337 / 0.412 online; decode.py variant stacked_mix)
+    attn_res_stacked: bool = False
 
     def __post_init__(self) -> None:
         if self.moe_pair_blocks_bytes is not None and self.moe_pair_blocks_bytes < 0:
