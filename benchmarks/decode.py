@@ -607,6 +607,8 @@ def print_table() -> None:
                     form = ("on" if r["split"] else "off") + (f", piecewise {r['bucket']}" if "bucket" in r else "")
                     print(f"| {row['batch']} | {row['prefill']} | {form} | {r['ms']:.2f} | "
                           f"{r['kernel_ms']:.2f} | {r['launches']} | {r['rel_vs_decode_step']:.2e} |")
+    if not RESULT["prefill"]:  # `--prefill` with no sizes: no prefill timed, no empty table
+        return
     print("\n| prefill tokens | config | chunk | ms | tokens/s | TFLOP/s | x matmul floor |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     for r in RESULT["prefill"]:
