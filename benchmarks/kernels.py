@@ -67,6 +67,10 @@ PREFILL_VARIANTS: dict[str, dict] = {
     "blocks_intra_sliced_w2": {"intra": "blocks", "sliced_out_blocks": True, "num_warps_blocks": 2},
     "blocks_intra_pairs": {"intra": "blocks", "l_rows_blocks": False},
     "blocks_intra_pairs_w2": {"intra": "blocks", "l_rows_blocks": False, "num_warps_blocks": 2},
+    # session 33: no phase-0 launch, Gc (the in-chunk cumsum of g) taken from g where it is read (no fp32 Gc scratch:
+    # ~1 GB written and 2 GB read less at 64K tokens); phase 1 then holds 255 registers at 2 warps (139 before)
+    "blocks_intra_fused_gc": {"intra": "blocks", "fuse_gc_blocks": True},
+    "blocks_intra_fused_gc_w4": {"intra": "blocks", "fuse_gc_blocks": True, "num_warps_blocks": 4},
     # timing probes (results wrong, not checked): the fused intra kernel with one stage skipped each (its PROBE
     # bits), so base minus a probe is about what that stage costs
     "probe_no_blocks": {"probe": 1},  # L and Aqk

@@ -368,6 +368,7 @@ def kda_chunk_fwd(
     num_stages_blocks: int = 2,
     sliced_out_blocks: bool = False,
     l_rows_blocks: bool = True,
+    fuse_gc_blocks: bool = False,
     block_v: int = 32,
     block_v_out: int = 64,
     num_warps_intra: int = 8,
@@ -421,6 +422,8 @@ def kda_chunk_fwd(
             at 2; H200, 16K tokens bf16: 2.29 ms at 2 warps, 2.53 at 4, 2.48 at 1, 3.38 at 8, session 32) and
             stages; sliced_out_blocks: its row-block programs per K or V slice too;
             l_rows_blocks: L and Aqk one program per row block (False: per 16 x 16 block).
+            fuse_gc_blocks: no launch for Gc (the in-chunk cumsum of g): L's and W/U's programs take it from g's
+            rows themselves (with l_rows_blocks; the same values, no fp32 Gc scratch written or read).
         block_v, block_v_out, num_warps_*, num_stages_state: launch tuning. num_warps_intra 8 (the fused
             intra kernel): 16% faster than 4 at 16K-64K tokens on the H200 (session 24; its [64, 128] fp32
             tiles spill at 4 warps, and 16 were slower again). num_stages_state (None: 3 with 16-bit scratch, the
@@ -477,6 +480,8 @@ def kda_chunk_fwd(
         raise ValueError(f"block_k_split must be 16, 32, 64 or 128, got {block_k_split}")
     if num_stages_split not in (1, 2, 3, 4):
         raise ValueError(f"num_stages_split must be 1 to 4, got {num_stages_split}")
+    if fuse_gc_blocks and intra != "blocks":
+        raise ValueError(f"fuse_gc_blocks: a form of intra='blocks', got intra={intra!r}")
     if scratch_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"scratch_dtype must be float32, bfloat16 or float16, got {scratch_dtype}")
     if K > 256 or V > 256:
@@ -518,7 +523,8 @@ def kda_chunk_fwd(
         dot16=dot16, prec=prec, prec_inv=prec_inv, scratch_dtype=scratch_dtype, split_output=split_output,
         intra=intra, bk_split=block_k_split, nw_split=num_warps_split, ns_split=num_stages_split,
         bk_blocks=block_k_blocks, nw_blocks=num_warps_blocks, ns_blocks=num_stages_blocks,
-        sliced_blocks=sliced_out_blocks, lrows_blocks=l_rows_blocks, nw_intra=num_warps_intra,
+        sliced_blocks=sliced_out_blocks, lrows_blocks=l_rows_blocks, fuse_gc_blocks=fuse_gc_blocks,
+        nw_intra=num_warps_intra,
         nw_state=num_warps_state, ns_state=num_stages_state, nw_out=num_warps_out,
         probe=probe,
     )
@@ -583,6 +589,7 @@ class _Launch:
     ns_blocks: int
     sliced_blocks: bool  # the blocks path's phase 3 per (chunk, row block and slice, head)
     lrows_blocks: bool  # the blocks path's phase 1 per row block (else per 16 x 16 block)
+    fuse_gc_blocks: bool  # the blocks path without its phase 0 launch (Gc where it is read)
     nw_intra: int
     nw_state: int
     ns_state: int
@@ -631,11 +638,12 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
         from k3rt.kernels.kda import triton_intra_blocks  # imports this module: not at the top
 
         triton_intra_blocks.launch_intra_blocks(
-            q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl, buf("gc", NC, H, C, BK),
+            q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl,
+            None if cfg.fuse_gc_blocks else buf("gc", NC, H, C, BK),
             buf("akk", NC, H, C, C), buf("sq", NC, H, 2, C), buf("span", NC, H, 4), scale=cfg.scale,
             block_k=min(cfg.bk_blocks, BK), block_v=min(cfg.bk_blocks, BVF), num_warps=cfg.nw_blocks,
             num_stages=cfg.ns_blocks, dot16=cfg.dot16, prec=cfg.prec, prec_inv=cfg.prec_inv, sub=SUB,
-            safe_span=SAFE_SPAN, sliced_out=cfg.sliced_blocks, l_rows=cfg.lrows_blocks)
+            safe_span=SAFE_SPAN, sliced_out=cfg.sliced_blocks, l_rows=cfg.lrows_blocks, fuse_gc=cfg.fuse_gc_blocks)
     else:
         gc, akk = buf("gc", NC, H, C, BK), buf("akk", NC, H, C, C)
         _kda_chunk_intra_kernel[(NC, H)](

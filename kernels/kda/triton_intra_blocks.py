@@ -54,6 +54,28 @@ def _gc_rows(gc_buf, r0, offs, BK: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+def _gc_tile(g_h, stride_gt, n_valid, offs, K: tl.constexpr, C: tl.constexpr):
+    """(g, Gc = its in-chunk cumsum) of the chunk's rows, columns offs: what phase 0 writes to gc, computed where it
+    is read instead (`fuse_gc`)."""
+    g = _rows(g_h, stride_gt, 0, n_valid, offs, K, C)
+    return g, tl.cumsum(g, axis=0)
+
+
+@triton.jit
+def _block_rows(x, i, BC: tl.constexpr):
+    """Rows of sub-chunk i (i * BC .. i * BC + BC) of a [4 * BC, M] register tile, as [BC, M] (the other sub-chunks
+    add exact zeros)."""
+    x3 = tl.reshape(x, (4, BC, x.shape[1]))
+    return tl.sum(tl.where((tl.arange(0, 4) == i)[:, None, None], x3, 0.0), axis=0)
+
+
+@triton.jit
+def _one_row(x, r):
+    """Row r of a [C, M] register tile as [M] (zeros when r is not a row: c_0 = 0 above the first sub-chunk)."""
+    return tl.sum(tl.where((tl.arange(0, x.shape[0]) == r)[:, None], x, 0.0), axis=0)
+
+
+@triton.jit
 def _store_block(ptr, tile, i, j, C: tl.constexpr, BC: tl.constexpr):
     loc = tl.arange(0, BC)
     tl.store(ptr + (i * BC + loc)[:, None] * C + (j * BC + loc)[None, :], tile.to(ptr.dtype.element_ty))
@@ -217,41 +239,70 @@ def _blocks_pair_kernel(
 
 @triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
 def _blocks_lrow_kernel(
-    q_ptr, k_ptr, beta_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_bt, stride_bh,
+    q_ptr, k_ptr, g_ptr, beta_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh, stride_bt,
+    stride_bh,
     cu_ptr, chunk_seq_ptr, chunk_idx_ptr,
-    gc_ptr, sq_ptr,  # phase 0's
+    gc_ptr, sq_ptr,  # phase 0's (FUSE_GC: sq written here, gc unused)
+    gl_ptr, span_ptr,  # FUSE_GC only: written here (phase 0's outputs otherwise)
     akk_ptr,  # out [NC, H, C, C] fp32: L's row block i (zeros past the diagonal block)
     aqk_ptr,  # out [NC, H, C, C]
     scale,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-    DOT16: tl.constexpr, PREC: tl.constexpr, SAFE_SPAN: tl.constexpr,
+    DOT16: tl.constexpr, PREC: tl.constexpr, SAFE_SPAN: tl.constexpr, FUSE_GC: tl.constexpr,
 ):
     """Phase 1 by row blocks (`launch_intra_blocks(l_rows=True)`): one program per (chunk, row block i, head)
     computes L's and Aqk's whole row block [BC, C], one dot per K slice against all C rows (the columns past block
     i zeroed before the dot: their exp(c_i - Gc_j) would exceed 1), instead of i + 1 block programs that each reload
-    the row side. Axis 0 is chunk * 4 + i."""
+    the row side. Axis 0 is chunk * 4 + i.
+    FUSE_GC (`launch_intra_blocks(fuse_gc=True)`): no phase 0 launch; Gc is the cumsum of the chunk's g rows, taken
+    here per K slice (and again in phase 3), and this launch writes what phase 0 would have besides gc, the same
+    values: the rows' squared norms (each program its row block's), the sub-chunks' spans and exp(Gc_last)."""
     i_c, i, i_h = tl.program_id(0) // 4, tl.program_id(0) % 4, tl.program_id(1)
     t0, n_valid, scr = _program(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, i_h, H, C)
     q_h = q_ptr + t0 * stride_qt + i_h * stride_qh
     k_h = k_ptr + t0 * stride_kt + i_h * stride_kh
+    g_h = g_ptr + t0 * stride_gt + i_h * stride_gh
     gc_buf = gc_ptr + scr * (C * BK)
     sq_buf = sq_ptr + scr * (2 * C)
     cols = tl.arange(0, C)
     upto = cols < (i + 1) * BC
     kk = tl.zeros([BC, C], dtype=tl.float32)
     qk = tl.zeros([BC, C], dtype=tl.float32)
+    sk = tl.zeros([C], dtype=tl.float32)  # FUSE_GC: every row's squared k norm, and block i's q norms
+    sq_i = tl.zeros([BC], dtype=tl.float32)
+    span = tl.zeros([4], dtype=tl.float32)
     for ks in range(0, BK, BKS):
         offs = ks + tl.arange(0, BKS)
-        c_i, ke, qe = _row_side(q_h, k_h, stride_qt, stride_kt, gc_buf, i, n_valid, offs, K, BK, BC)
+        kr = _rows(k_h, stride_kt, 0, n_valid, offs, K, C)
+        if FUSE_GC:
+            g, gc_all = _gc_tile(g_h, stride_gt, n_valid, offs, K, C)
+            c_i = _one_row(gc_all, i * BC - 1)
+            e = tl.exp(_block_rows(gc_all, i, BC) - c_i[None, :])
+            qr_i = _rows(q_h, stride_qt, i * BC, n_valid, offs, K, BC)
+            ke, qe = _rows(k_h, stride_kt, i * BC, n_valid, offs, K, BC) * e, qr_i * e
+            sk += tl.sum(kr * kr, axis=1)
+            sq_i += tl.sum(qr_i * qr_i, axis=1)
+            span = tl.maximum(span, tl.max(-tl.sum(tl.reshape(g, (4, BC, BKS)), axis=1), axis=1))
+            tl.store(gl_ptr + scr * BK + offs, tl.exp(tl.sum(g, axis=0)), mask=(offs < BK) & (i == 0))
+        else:
+            c_i, ke, qe = _row_side(q_h, k_h, stride_qt, stride_kt, gc_buf, i, n_valid, offs, K, BK, BC)
+            gc_all = _gc_rows(gc_buf, 0, offs, BK, C)
         # the columns, clamped at exp(SAFE_SPAN) (a steep diagonal block is redone exactly by the inverse's launch)
-        col = tl.where(upto[:, None], tl.exp(tl.minimum(c_i[None, :] - _gc_rows(gc_buf, 0, offs, BK, C), SAFE_SPAN)),
-                       0.0)
-        kt = tl.trans(_rows(k_h, stride_kt, 0, n_valid, offs, K, C) * col)
+        col = tl.where(upto[:, None], tl.exp(tl.minimum(c_i[None, :] - gc_all, SAFE_SPAN)), 0.0)
+        kt = tl.trans(kr * col)
         kk += _dot(ke, kt, DOT16, PREC)
         qk += _dot(qe, kt, DOT16, PREC)
     loc = tl.arange(0, BC)
-    rk_i, rq_i = _norms(sq_buf, i, BC)
-    rk = _rnorm(sq_buf, 0, C)
+    if FUSE_GC:
+        # phase 0's other outputs (the inverse and phase 3 read them); l2norm's eps as _rnorm's
+        sk_i = tl.sum(tl.where((tl.arange(0, 4) == i)[:, None], tl.reshape(sk, (4, BC)), 0.0), axis=0)
+        tl.store(sq_buf + i * BC + loc, sk_i)
+        tl.store(sq_buf + C + i * BC + loc, sq_i)
+        tl.store(span_ptr + scr * 4 + tl.arange(0, 4), span, mask=tl.arange(0, 4) == i)
+        rk_i, rq_i, rk = 1.0 / tl.sqrt(sk_i + 1e-6), 1.0 / tl.sqrt(sq_i + 1e-6), 1.0 / tl.sqrt(sk + 1e-6)
+    else:
+        rk_i, rq_i = _norms(sq_buf, i, BC)
+        rk = _rnorm(sq_buf, 0, C)
     b_i = _beta(beta_ptr + t0 * stride_bt + i_h * stride_bh, stride_bt, i, n_valid, BC)
     below = (cols[None, :] // BC < i) | ((cols[None, :] // BC == i) & (loc[:, None] > cols[None, :] % BC))
     diag = (cols[None, :] // BC == i) & (loc[:, None] == cols[None, :] % BC)
@@ -321,8 +372,8 @@ def _blocks_inverse_kernel(
 
 @triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
 def _blocks_out_kernel(
-    q_ptr, k_ptr, v_ptr, beta_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_bt, stride_bh,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_gt, stride_gh, stride_bt, stride_bh,
     cu_ptr, chunk_seq_ptr, chunk_idx_ptr,
     gc_ptr, sq_ptr, akk_ptr,  # phases 0 and 2's
     qg_ptr, kd_ptr, w_ptr,  # out [NC, H, C, BK]
@@ -330,11 +381,12 @@ def _blocks_out_kernel(
     scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
     BVS: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, DOT16: tl.constexpr, PREC: tl.constexpr,
-    SLICED: tl.constexpr,
+    SLICED: tl.constexpr, FUSE_GC: tl.constexpr,
 ):
     """Phase 3, one program per (chunk, row block i, head): qg, kd, W and U rows from X's blocks (i, 0..i).
     SLICED: one program per (chunk, row block i and one K or V slice, head) instead, each doing one slice's loop
-    iteration (BK / BKS + BV / BVS programs per row block: more and smaller programs)."""
+    iteration (BK / BKS + BV / BVS programs per row block: more and smaller programs). FUSE_GC: Gc from the chunk's
+    g rows per K slice (see _blocks_lrow_kernel), not from phase 0's gc."""
     NKS: tl.constexpr = BK // BKS
     NS: tl.constexpr = NKS + BV // BVS
     NP: tl.constexpr = 4 * NS if SLICED else 4  # programs per (chunk, head), axis 0 = chunk * NP + program
@@ -352,6 +404,7 @@ def _blocks_out_kernel(
     q_h = q_ptr + t0 * stride_qt + i_h * stride_qh
     k_h = k_ptr + t0 * stride_kt + i_h * stride_kh
     v_h = v_ptr + t0 * stride_vt + i_h * stride_vh
+    g_h = g_ptr + t0 * stride_gt + i_h * stride_gh
     b_h = beta_ptr + t0 * stride_bt + i_h * stride_bh
     gc_buf = gc_ptr + scr * (C * BK)
     sq_buf = sq_ptr + scr * (2 * C)
@@ -367,14 +420,19 @@ def _blocks_out_kernel(
     rk_all = _rnorm(sq_buf, 0, C)
     for ks in range(k_lo, k_hi, BKS):
         offs = ks + tl.arange(0, BKS)
-        g_last = tl.load(gc_buf + (C - 1) * BK + offs)
-        gc_i = _gc_rows(gc_buf, i * BC, offs, BK, BC)
+        if FUSE_GC:
+            gc_all = _gc_tile(g_h, stride_gt, n_valid, offs, K, C)[1]
+            g_last, gc_i = _one_row(gc_all, C - 1), _block_rows(gc_all, i, BC)
+        else:
+            g_last = tl.load(gc_buf + (C - 1) * BK + offs)
+            gc_i = _gc_rows(gc_buf, i * BC, offs, BK, BC)
+            gc_all = _gc_rows(gc_buf, 0, offs, BK, C)
         q_i = _rows(q_h, stride_qt, i * BC, n_valid, offs, K, BC)
         _row_out(qg_ptr + scr * (C * BK), q_i * (rq_i * scale)[:, None] * tl.exp(gc_i), i * BC, offs, BK, BC)
         kn_i = _rows(k_h, stride_kt, i * BC, n_valid, offs, K, BC) * rk_i[:, None]
         _row_out(kd_ptr + scr * (C * BK), kn_i * tl.exp(g_last[None, :] - gc_i), i * BC, offs, BK, BC)
         # kn_j exp(Gc_j) of every row (rows past block i meet T's zeros)
-        kg = _rows(k_h, stride_kt, 0, n_valid, offs, K, C) * rk_all[:, None] * tl.exp(_gc_rows(gc_buf, 0, offs, BK, C))
+        kg = _rows(k_h, stride_kt, 0, n_valid, offs, K, C) * rk_all[:, None] * tl.exp(gc_all)
         _row_out(w_ptr + scr * (C * BK), _dot(t_row, kg, DOT16, PREC), i * BC, offs, BK, BC)
     for vs in range(v_lo, v_hi, BVS):
         offs = vs + tl.arange(0, BVS)
@@ -385,28 +443,40 @@ def _blocks_out_kernel(
 def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl, gc, akk, sq, span, *,
                         scale: float, block_k: int, block_v: int, num_warps: int, num_stages: int, dot16: bool,
                         prec: str, prec_inv: str, sub: int, safe_span: float, sliced_out: bool = False,
-                        l_rows: bool = True) -> None:
+                        l_rows: bool = True, fuse_gc: bool = False) -> None:
     """Four launches over the NC chunks x H heads. The buffers are _launch_chunk's: the state pass's scratch (qg, kd,
-    w, u, aqk, gl) and this path's fp32 gc [NC, H, C, BK], akk [NC, H, C, C], sq [NC, H, 2, C], span [NC, H, 4].
+    w, u, aqk, gl) and this path's fp32 gc [NC, H, C, BK] (None with fuse_gc), akk [NC, H, C, C], sq [NC, H, 2, C],
+    span [NC, H, 4].
     num_warps / num_stages: the block (phase 1) and row-block (phase 3) programs'; phases 0 and 2 take 4 warps.
     sliced_out: phase 3 as one program per (chunk, row block and K or V slice, head). l_rows: phase 1 one program
-    per row block of L and Aqk (`_blocks_lrow_kernel`); False: per 16 x 16 block (`_blocks_pair_kernel`)."""
+    per row block of L and Aqk (`_blocks_lrow_kernel`); False: per 16 x 16 block (`_blocks_pair_kernel`). fuse_gc
+    (with l_rows): three launches, no phase 0: phases 1 and 3 take Gc from g's rows themselves and phase 1 writes sq,
+    span and gl (gc is neither written nor read: ~1 GB of fp32 traffic each way at 64K tokens of the 48B layer)."""
     NC, H, C, BK = qg.shape
     BV = u.shape[3]
     K, V = k.shape[2], v.shape[2]
-    assert C == 4 * sub and akk.shape == (NC, H, C, C) and gc.shape == (NC, H, C, BK)
+    if gc is None:  # fuse_gc: no gc scratch; the kernels take a placeholder pointer they never touch
+        assert fuse_gc, "gc: phase 0's scratch is needed unless fuse_gc"
+        gc = gl
+    else:
+        assert gc.shape == (NC, H, C, BK)
+    assert C == 4 * sub and akk.shape == (NC, H, C, C)
     assert sq.shape == (NC, H, 2, C) and span.shape == (NC, H, 4)
     assert all(t.dtype == torch.float32 for t in (gc, akk, sq, span))
     assert BK % block_k == 0 and BV % block_v == 0
     tables = (cu, t_seq, t_idx)
-    _blocks_gc_kernel[(NC, H)](
-        q, k, g, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1), *tables,
-        gl, gc, sq, span, H=H, K=K, BK=BK, BKS=block_k, C=C, BC=sub, num_warps=4)
+    if fuse_gc and not l_rows:
+        raise ValueError("fuse_gc: needs l_rows (the 16 x 16 block programs read phase 0's gc)")
+    if not fuse_gc:
+        _blocks_gc_kernel[(NC, H)](
+            q, k, g, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1), *tables,
+            gl, gc, sq, span, H=H, K=K, BK=BK, BKS=block_k, C=C, BC=sub, num_warps=4)
     if l_rows:
         _blocks_lrow_kernel[(NC * 4, H)](
-            q, k, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), beta.stride(0), beta.stride(1), *tables,
-            gc, sq, akk, aqk, scale, H=H, K=K, BK=BK, BKS=block_k, C=C, BC=sub, DOT16=dot16, PREC=prec,
-            SAFE_SPAN=safe_span, num_warps=num_warps, num_stages=num_stages)
+            q, k, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
+            beta.stride(0), beta.stride(1), *tables, gc, sq, gl, span, akk, aqk, scale, H=H, K=K, BK=BK, BKS=block_k,
+            C=C, BC=sub, DOT16=dot16, PREC=prec, SAFE_SPAN=safe_span, FUSE_GC=fuse_gc, num_warps=num_warps,
+            num_stages=num_stages)
     else:
         _blocks_pair_kernel[(NC * 16, H)](
             q, k, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
@@ -419,7 +489,7 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
         H=H, K=K, BK=BK, C=C, BC=sub, PREC_INV=prec_inv, SAFE_SPAN=safe_span, num_warps=4)
     n_out = 4 * (BK // block_k + BV // block_v) if sliced_out else 4
     _blocks_out_kernel[(NC * n_out, H)](
-        q, k, v, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        beta.stride(0), beta.stride(1), *tables, gc, sq, akk, qg, kd, w, u, scale,
+        q, k, v, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), *tables, gc, sq, akk, qg, kd, w, u, scale,
         H=H, K=K, V=V, BK=BK, BKS=block_k, BV=BV, BVS=block_v, C=C, BC=sub, DOT16=dot16, PREC=prec,
-        SLICED=sliced_out, num_warps=num_warps, num_stages=num_stages)
+        SLICED=sliced_out, FUSE_GC=fuse_gc, num_warps=num_warps, num_stages=num_stages)

@@ -75,10 +75,12 @@ def test_kernel_config_names_an_unknown_kda_intra_form() -> None:
         KernelConfig(kda_intra="tiled")
     with pytest.raises(ValueError, match="moe_pair_blocks_bytes: must be >= 0, got -1"):
         KernelConfig(moe_pair_blocks_bytes=-1)
+    with pytest.raises(ValueError, match="kda_blocks_fuse_gc: a form of kda_intra='blocks', got kda_intra='fused'"):
+        KernelConfig(kda_intra="fused", kda_blocks_fuse_gc=True)
 
 
 @pytest.mark.parametrize("arch, intra", [("kimi_linear", "fused"), ("k3", "fused"), ("k3", "split"), ("k3", "blocks"),
-                                         ("kimi_linear", "one_seq_tma")])
+                                         ("k3", "blocks_fused_gc"), ("kimi_linear", "one_seq_tma")])
 def test_gpu_runner_with_triton_kernels_in_the_interpreter_equals_reference(arch, intra, tmp_path) -> None:
     """The GPU runner with every Triton kernel (KDA decode + chunk, MLA decode + prefill, MoE router +
     experts, norms, attn-res mix) run by the Triton interpreter on the CPU: the reference engine's
@@ -97,6 +99,7 @@ def test_gpu_runner_with_triton_kernels_in_the_interpreter_equals_reference(arch
         eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), **over))
         if over["runner"] == "gpu":  # the chunked KDA kernel's intra step (KernelConfig.kda_intra)
             opts = (dict(kda_prep_one_seq=True, mla_prefill_tma=True, moe_one_token=True) if intra == "one_seq_tma"
+                    else dict(kda_intra="blocks", kda_blocks_fuse_gc=True) if intra == "blocks_fused_gc"
                     else dict(kda_intra=intra))
             eng.runner.kernels = eng.runner.fwd.k = replace(eng.runner.fwd.k, **opts)
         if intra == "one_seq_tma":
@@ -503,7 +506,7 @@ def test_a_mixed_steps_kda_layer_launches_no_torch_work(tmp_path) -> None:
     two stores before session 27), two chunk kernels and the gated norm. Before, the general form built its conv
     windows, gate, state copies and chunk tables with ~30 torch kernels per layer (~600 launches of a
     20-KDA-layer 48B step) beside 4 Triton launches. The chunk kernels' intra step in one launch ("fused") or four
-    ("blocks", KernelConfig.kda_intra's default since session 32)."""
+    ("blocks", KernelConfig.kda_intra's default since session 32), three with KernelConfig.kda_blocks_fuse_gc."""
     from k3rt.backend.runner.gpu.kda import KdaWeights, kda_attend, kda_project
     from k3rt.backend.runner.gpu.step import StepSeq
 
@@ -517,8 +520,9 @@ def test_a_mixed_steps_kda_layer_launches_no_torch_work(tmp_path) -> None:
     i, w = next((i, w) for i, w in fwd.prepared.items() if isinstance(w, KdaWeights))
     attn = fwd.layers[i].self_attn
     assert fwd.k.kda_intra == "blocks"
-    for intra, seqs, launches in (("blocks", decs + [chunk], 9), ("blocks", [chunk], 8), ("fused", [chunk], 5)):
-        fwd.k = replace(fwd.k, kda_intra=intra)
+    for intra, seqs, launches in (("blocks", decs + [chunk], 9), ("blocks", [chunk], 8), ("fused", [chunk], 5),
+                                  ("blocks_fused_gc", [chunk], 7)):
+        fwd.k = replace(fwd.k, kda_intra=intra.removesuffix("_fused_gc"), kda_blocks_fuse_gc=intra.endswith("_gc"))
         step = runner._build(seqs, [])
         parts = kda_project(attn, w, torch.randn(step.num_tokens, fwd.cfg.hidden_size, dtype=w.w_in.dtype), fwd.k)
         with _LaunchWork() as work:

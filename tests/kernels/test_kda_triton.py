@@ -356,16 +356,45 @@ def test_chunk_head_dim_not_a_power_of_two(intra: str) -> None:
     check_chunk(case, [2, 0], intra=intra)
 
 
-@pytest.mark.parametrize("sliced,l_rows", [(False, True), (True, True), (False, False)],
-                         ids=["rows", "rows_sliced", "pairs"])
-def test_chunk_blocks_k_and_v_slices(sliced: bool, l_rows: bool) -> None:
+@pytest.mark.parametrize("sliced,l_rows,fuse_gc", [(False, True, False), (True, True, False), (False, False, False),
+                                                   (False, True, True), (True, True, True)],
+                         ids=["rows", "rows_sliced", "pairs", "rows_fused_gc", "rows_sliced_fused_gc"])
+def test_chunk_blocks_k_and_v_slices(sliced: bool, l_rows: bool, fuse_gc: bool) -> None:
     """intra="blocks" with two K and two V slices (D=32, 16-column slices): its row-block launch loops over the slices
     or (sliced_out_blocks) runs one program per row block and slice; L and Aqk per row block or (l_rows_blocks
-    False) per 16 x 16 block; with snapshots, a tail chunk and a steep sub-chunk (the inverse's exact fix-up)."""
+    False) per 16 x 16 block; Gc from phase 0's launch or (fuse_gc_blocks) where it is read; with snapshots, a tail
+    chunk and a steep sub-chunk (the inverse's exact fix-up)."""
     case = chunk_case([150, 64], H=2, D=32, kind="softplus", dtype=torch.float32, num_slots=5, seed=21)
     case["g"][100, 1, 5] = -90.0
     check_chunk(case, [1, 0], snaps=([[64, 128, 150], []], [[2, 3, 4], []]), intra="blocks", block_k_blocks=16,
-                sliced_out_blocks=sliced, l_rows_blocks=l_rows)
+                sliced_out_blocks=sliced, l_rows_blocks=l_rows, fuse_gc_blocks=fuse_gc)
+
+
+@pytest.mark.parametrize("sliced", [False, True], ids=["rows", "rows_sliced"])
+def test_chunk_blocks_fused_gc_equals_its_phase_zero(sliced: bool) -> None:
+    """fuse_gc_blocks computes what phase 0 stores (Gc, the norms, the spans, exp(Gc_last)) where it is read, with the
+    same operations: outputs, final states and snapshots equal the four-launch path's bit for bit in the interpreter
+    (compiled, the norms' sums may associate differently: within fp32 rounding), a steep sub-chunk and a padded tail
+    chunk included; no gc scratch is allocated; and fuse_gc without row-block programs is refused."""
+    lens, snaps = [150, 64, 7], ([[64, 128, 150], [], []], [[3, 4, 5], [], []])
+    case = chunk_case(lens, H=2, D=32, kind="softplus", dtype=torch.float32, num_slots=6, seed=31)
+    case["g"][100, 1, 5] = -90.0
+    slots = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
+    state0 = case["state"].clone()
+    outs, states, scratches = [], [], []
+    for fuse in (False, True):
+        case["state"] = state0.clone()
+        scratch: dict = {}
+        outs.append(kda_chunk_fwd(**case, slot_indices=slots, snapshot_positions=snaps[0], snapshot_slots=snaps[1],
+                                  intra="blocks", block_k_blocks=16, sliced_out_blocks=sliced, fuse_gc_blocks=fuse,
+                                  scratch=scratch))
+        states.append(case["state"])
+        scratches.append(scratch)
+    same = torch.equal if DEV == "cpu" else (lambda a, b: rel_err(a, b) <= 1e-6)
+    assert same(outs[1], outs[0]) and same(states[1], states[0])
+    assert any(key[0] == "gc" for key in scratches[0]) and not any(key[0] == "gc" for key in scratches[1])
+    with pytest.raises(ValueError, match="fuse_gc"):
+        kda_chunk_fwd(**case, slot_indices=slots, intra="blocks", l_rows_blocks=False, fuse_gc_blocks=True)
 
 
 def test_chunk_split_output_pass() -> None:
@@ -451,10 +480,11 @@ def test_gpu_decode_kimi_shape(kind: str) -> None:
      ({"intra": "split", "precision": "tf32x3", "scratch_dtype": torch.float32}, 5e-3),
      ({"num_warps_intra": 4}, 2e-2), ({"intra": "blocks"}, 2e-2),
      ({"intra": "blocks", "sliced_out_blocks": True}, 2e-2), ({"intra": "blocks", "l_rows_blocks": False}, 2e-2),
-     ({"intra": "blocks", "precision": "tf32x3", "scratch_dtype": torch.float32}, 5e-3)],
+     ({"intra": "blocks", "precision": "tf32x3", "scratch_dtype": torch.float32}, 5e-3),
+     ({"intra": "blocks", "fuse_gc_blocks": True}, 2e-2)],
     ids=["bf16_dots", "bf16_dots_split_output", "bf16_dots_fp32_scratch", "tf32x3_fp32_scratch", "split_intra",
          "split_intra_tf32x3", "intra_w4", "blocks_intra", "blocks_intra_sliced", "blocks_intra_pairs",
-         "blocks_intra_tf32x3"],
+         "blocks_intra_tf32x3", "blocks_intra_fused_gc"],
 )
 def test_gpu_chunk_kimi_shape(kw: dict, tol: float) -> None:
     lens = [2048, 1000, 64, 1]

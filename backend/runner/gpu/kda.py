@@ -343,7 +343,7 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
             # pages: no state copy, nothing built here
             return kda_chunk_fwd(q, kk, v, g, beta, step.cu_seqlens, rec_pool, pages,
                                  tables=step.chunk._replace(snap=step.chunk_snap_pages[w.group]), precision=prec,
-                                 scratch=step.chunk_scratch, intra=k.kda_intra)
+                                 scratch=step.chunk_scratch, intra=k.kda_intra, fuse_gc_blocks=k.kda_blocks_fuse_gc)
     # else the recurrence runs on a contiguous copy of the sequences' states: slots 0..B-1 live, B.. snapshots
     # (verify runs' states are computed but not written back)
     if snaps or rec_pool.dtype != torch.float32:
@@ -353,7 +353,8 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
         states = rec_pool[pages]
     if k.triton:
         o = kda_chunk_fwd(q, kk, v, g, beta, step.cu_seqlens, states, step.chunk_slots, tables=step.chunk,
-                          precision=prec, scratch=step.chunk_scratch, intra=k.kda_intra)
+                          precision=prec, scratch=step.chunk_scratch, intra=k.kda_intra,
+                          fuse_gc_blocks=k.kda_blocks_fuse_gc)
     else:
         o = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
         for i in range(nseq):
