@@ -22,6 +22,15 @@
 #                       sweep at 16K without fla (warps, sliced W/U, per-block L, 64-column slices)
 #   kda-warps (150)     the blocks path at its default 2 warps (session 32: one 16K reading) against 4, beside fla,
 #                       at 16K / 64K / 8 x 4K (issue 18's >= 1.2x fla goal)
+#   kda-multi (120 + 220) the verify graphs' KDA (kda_decode_multi) on the GPU: its tests (the hoisted form within an
+#                       fp32 ulp of the decode kernel), then benchmarks/kda_multi.py: token loop vs hoist (session 33,
+#                       built without a GPU) at k3-tiny's and the 48B's KDA shapes, warps and V splits
+#   kda-fused-gc (150 + 260 + 150) the blocks intra path without its Gc launch (KernelConfig.kda_blocks_fuse_gc,
+#                       session 33, built without a GPU): the chunk kernels' GPU tests, kernels.py at 16K / 64K / 8 x 4K
+#                       beside fla (issue 18's >= 1.2x), the 48B prefill at 8K / 32K with it
+#   bf16-paths (200)    benchmarks/bf16_paths.py: the bf16 runner's prefill error per kernel form (session 33:
+#                       test_gpu_runner_bf16_logits_within_tolerance[k3] failed at 8fc76af, 0.0459 against 0.0381)
+#   spec-b16 (230)      issue 16's >= 0.95x at batch 16 and 64 (session 32: agent b16 0.89) at the default 16 rounds
 #   spec-b1 (130 + 110) issue 16 at batch 1 with the default 16 rounds: the gate on code and agent, then
 #                       spec_round.py plain vs dspark:16 with the prefill steps profiled (session 32: a dspark
 #                       request's prefill step 9.1 ms against plain's 5.2, a large share of a 64-token request)
@@ -88,6 +97,7 @@ for stage in "$@"; do
     tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det|overlap|serve) ;;
     spec-tests|spec-verify|dspark-pass|spec-bench|spec-gate|spec-rounds|jit-churn|tp-tests|tp|tp-symm|k3-slice) ;;
     profile|kda-probe|tiny-linear|spec-round|prep|kda-blocks|k3-launches|kda-warps|spec-b1) ;;
+    kda-multi|kda-fused-gc|bf16-paths|spec-b16) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -151,6 +161,23 @@ for stage in "$@"; do
     kda-warps)
       run kda-warps 150 python3 benchmarks/kernels.py --decode-n 1 --prefill 16384 65536 8x4096 \
         --prefill-variants blocks_intra blocks_intra_w4 --budget-s 130 --out "$OUT/kda_warps.json" ;;
+    kda-multi)
+      run kda-multi 120 python3 -m pytest -o addopts="" -v -p no:warnings --tb=short tests/kernels/test_kda_multi.py
+      run kda-multi 220 python3 benchmarks/kda_multi.py --budget-s 200 --out "$OUT/kda_multi.json" ;;
+    kda-fused-gc)
+      run kda-fused-gc 150 python3 -m pytest -o addopts="" -m gpu -v -p no:warnings --tb=short \
+        tests/kernels/test_kda_triton.py -k "kimi_shape or steep"
+      run kda-fused-gc 260 python3 benchmarks/kernels.py --decode-n --prefill 16384 65536 8x4096 \
+        --prefill-variants blocks_intra blocks_intra_fused_gc blocks_intra_fused_gc_w4 --budget-s 240 \
+        --out "$OUT/kda_fused_gc.json"
+      run kda-fused-gc 150 python3 benchmarks/decode.py --batch 1 --prefill 8192 32768 --variants \
+        --prefill-configs kda_blocks_fuse_gc=1 --budget-s 130 --out "$OUT/kda_fused_gc_48b.json" ;;
+    bf16-paths)
+      run bf16-paths 200 python3 benchmarks/bf16_paths.py --budget-s 180 --out "$OUT/bf16_paths.json" ;;
+    spec-b16)
+      run spec-b16 230 python3 benchmarks/spec_gate.py --device cuda --dtype bfloat16 --batch-sizes 16,64 \
+        --workloads agent,code --drafters dspark --rounds 3 --no-check --no-always --budget-s 200 \
+        --out "$OUT/spec_b16_gate.json" ;;
     spec-b1)
       run spec-b1 130 python3 benchmarks/spec_gate.py --device cuda --dtype bfloat16 --batch-sizes 1 \
         --workloads code,agent --drafters dspark --rounds 3 --no-check --no-always --budget-s 110 \

@@ -10,6 +10,7 @@ indexes pages and states); `gpu` cases run the Triton kernels and the graphs on 
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -206,6 +207,23 @@ def test_decode_benchmark_smoke(tmp_path) -> None:
     mixed = res["mixed"][0]
     assert (mixed["batch"], mixed["prefill"], mixed["piecewise"]["bucket"]) == (2, 8, 32)
     assert mixed["piecewise"]["rel_vs_eager_step"] < 1e-5 and mixed["piecewise"]["ms"] > 0
+
+
+def test_bf16_paths_benchmark_smoke(tmp_path) -> None:
+    """benchmarks/bf16_paths.py --smoke (k3 two layers, fp16 under the interpreter): each form's prefill logits against
+    the fp32 reference, next to the reference's own 16-bit error; on the CPU every form stays within 1.5x of it."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "bf16_paths.json"
+    subprocess.run([sys.executable, str(root / "benchmarks" / "bf16_paths.py"), "--smoke", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["form"] for r in rows] == ["default", "kda_fused"]
+    assert all(len(r["rel_err"]) == 3 and 0 < r["worst_over_ref"] < 1.5 for r in rows), rows
 
 
 @pytest.mark.gpu

@@ -134,3 +134,13 @@ def test_multi_builds_for_sm90_without_spills() -> None:
 
     for key, b in run_sm90_build(_BUILD, timeout=240).items():
         assert b["local"] == 0, (key, b)
+
+
+def test_benchmark_smoke(tmp_path) -> None:
+    """benchmarks/kda_multi.py --smoke: the hoisted form against the token loop (pass and commit) on the CPU
+    interpreter, every check passing (the timing runs on the GPU only)."""
+    from tests.kernels.helpers import run_benchmark_smoke
+
+    result = run_benchmark_smoke("kda_multi.py", tmp_path / "kda_multi.json")
+    assert result["mode"] == "smoke" and result["rows"] == []
+    assert len(result["checks"]) == 4 and all(c["ok"] for c in result["checks"]), result["checks"]
