@@ -276,14 +276,15 @@ def _blocks_lrow_kernel(
         kr = _rows(k_h, stride_kt, 0, n_valid, offs, K, C)
         if FUSE_GC:
             g, gc_all = _gc_tile(g_h, stride_gt, n_valid, offs, K, C)
+            # phase 0's span and exp(Gc_last) from the same g (the same operations as there)
+            span = tl.maximum(span, tl.max(-tl.sum(tl.reshape(g, (4, BC, BKS)), axis=1), axis=1))
+            tl.store(gl_ptr + scr * BK + offs, tl.exp(tl.sum(g, axis=0)), mask=(offs < BK) & (i == 0))
             c_i = _one_row(gc_all, i * BC - 1)
             e = tl.exp(_block_rows(gc_all, i, BC) - c_i[None, :])
             qr_i = _rows(q_h, stride_qt, i * BC, n_valid, offs, K, BC)
             ke, qe = _rows(k_h, stride_kt, i * BC, n_valid, offs, K, BC) * e, qr_i * e
             sk += tl.sum(kr * kr, axis=1)
             sq_i += tl.sum(qr_i * qr_i, axis=1)
-            span = tl.maximum(span, tl.max(-tl.sum(tl.reshape(g, (4, BC, BKS)), axis=1), axis=1))
-            tl.store(gl_ptr + scr * BK + offs, tl.exp(tl.sum(g, axis=0)), mask=(offs < BK) & (i == 0))
         else:
             c_i, ke, qe = _row_side(q_h, k_h, stride_qt, stride_kt, gc_buf, i, n_valid, offs, K, BK, BC)
             gc_all = _gc_rows(gc_buf, 0, offs, BK, C)
