@@ -12,8 +12,8 @@ Phases, per bucket, counted in rate samples (decode-only engine steps of that bu
   1. a trial with speculation allowed (the rule decides each step), `trial` samples;
   2. a trial with speculation off (plain decoding, overlap kept, no drafter calls), `trial` samples;
   3. the faster mode holds for `hold` samples, then the slower one gets another trial; a trial that loses
-     again multiplies `hold` by GROWTH (up to `max_hold`: the losing trials then cost at most trial / max_hold of
-     the time);
+     again multiplies `hold` by GROWTH, by BIG_GROWTH when it lost by more than BIG_MARGIN x (up to `max_hold`: the
+     losing trials then cost at most trial / max_hold of the time);
      a trial that wins takes over and `hold` starts again from `trial`.
 Speculation wins by more than `margin` (the engine's controller passes 0: with speculation configured but off
 the engine still pays part of its upkeep, ~10-20% at k3-tiny's 1.3-1.9 ms steps in session 14, so a margin in
@@ -29,6 +29,12 @@ from dataclasses import dataclass, field
 # a trial that loses again multiplies the next hold by this: the losing side's share of the steps falls fast
 # (k3-tiny's speculation at batch 64 delivered half of plain decoding's rate: every losing trial step costs)
 GROWTH = 4
+# ...and by this when it lost by more than BIG_MARGIN (the winner's rate over the loser's): such a trial is unlikely to
+# win the next time and costs much (k3-tiny code at batch 1 on the H200, session 33: speculation 2,659 tokens/s
+# against 991 plain; the governor's 85 trial steps of plain decoding took 89 of the 803 ms the speculative engine
+# ran, for 85 tokens that speculation emits in ~25 ms)
+BIG_GROWTH = 16
+BIG_MARGIN = 2.5
 # a phase with speculation allowed in which no step drafted measured only the upkeep of having it allowed: it loses
 # to plain decoding only by more than this share. Off by noise, such a phase turned speculation off and with it the
 # per-step rule's probes, the only way its estimates recover (k3-tiny code at batch 1 on the H200, session 22: 809
@@ -115,8 +121,9 @@ class Governor:
             best = (1.0 + IDLE_TOLERANCE) * st.rate[True] > st.rate[False]
         else:
             best = st.rate[True] > (1.0 + self.margin) * st.rate[False]
-        if st.trial:  # the better mode holds; a trial that lost makes the next hold longer
-            st.hold = min(GROWTH * st.hold, self.max_hold) if st.on != best else self.trial
+        if st.trial:  # the better mode holds; a trial that lost makes the next hold longer (much longer: by far)
+            far = st.rate[best] > BIG_MARGIN * st.rate[not best]
+            st.hold = min((BIG_GROWTH if far else GROWTH) * st.hold, self.max_hold) if st.on != best else self.trial
             st.on, st.trial = best, False
         elif st.on == best:  # the hold confirmed its mode: the other one gets a trial
             st.on, st.trial = not best, True

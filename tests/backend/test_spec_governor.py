@@ -40,6 +40,33 @@ def test_governor_turns_speculation_off_where_it_loses_and_retries_ever_more_rar
     assert gov.allowed(1)  # another bucket knows nothing yet: it starts with a trial of speculation
 
 
+def test_a_trial_that_loses_by_far_is_retried_much_more_rarely() -> None:
+    """Session 33 (k3-tiny code at batch 1 on the H200: speculation 2,659 against 991 tokens/s): the governor's
+    trials of plain decoding took 11% of the speculative engine's time. A trial that loses by more than BIG_MARGIN
+    grows the next hold by BIG_GROWTH instead of GROWTH, either way round; by less, as before (batch 64's 2x above)."""
+    from k3rt.backend.spec.governor import BIG_GROWTH, BIG_MARGIN, GROWTH
+
+    assert BIG_GROWTH > GROWTH and BIG_MARGIN == 2.5
+
+    def runs(modes: list[bool], held: bool) -> list[int]:
+        """Lengths of the runs of the held mode (each: the other's lost trial between them)."""
+        return [len(r) for r in "".join("1" if m == held else "0" for m in modes).split("0") if r]
+
+    # speculation 3x slower: plain decoding holds 8 (after its own trial), then 8 * 16, then max_hold
+    gov = Governor(trial=8, max_hold=1024, margin=0.0)
+    rate, modes = _drive(gov, 3000, rate_on=10_000.0, rate_off=30_000.0)
+    assert runs(modes, False)[:4] == [16, 128, 1024, 1024]
+    assert rate >= 0.97 * 30_000.0  # the first two trials of speculation cost most of the 3%
+    # speculation 2.68x faster (the session's batch-1 rates): plain decoding's trials lose by far too
+    gov = Governor(trial=8, max_hold=1024, margin=0.0)
+    _, modes = _drive(gov, 3000, rate_on=2_659.0 * 64, rate_off=991.0 * 64)
+    assert runs(modes, True)[:3] == [8, 8 * BIG_GROWTH, 1024]
+    # 1.5x: GROWTH as before
+    gov = Governor(trial=8, max_hold=1024, margin=0.0)
+    _, modes = _drive(gov, 3000, rate_on=30_000.0, rate_off=20_000.0)
+    assert runs(modes, True)[:3] == [8, 8 * GROWTH, 8 * GROWTH ** 2]
+
+
 def test_governor_keeps_speculation_where_it_wins() -> None:
     gov = Governor(trial=8, max_hold=1024, margin=0.05)
     rate, modes = _drive(gov, 4000, rate_on=30_000.0, rate_off=20_000.0)
