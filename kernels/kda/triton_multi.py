@@ -18,6 +18,12 @@ Rows t >= n_i of the output are zero. A V-split head's q/k conv cache rows and i
 head, so (as in kda_decode) the programs of a head count their arrivals in an int32 workspace and the
 last to arrive writes the q/k rows and normalizes the head's rows. No host sync, shapes fixed by (N, R):
 CUDA-graph safe. Equal to n_i successive `kda_decode` calls (tests/kernels/test_kda_multi.py).
+
+Two forms of the token loop (`hoist`): each token's conv windows, gates and norms loaded and computed inside the
+loop, one dependent round of loads per token, and the norm a row at a time (the default); or every token's conv,
+norms and gates first as [R, D] tiles (one round of loads), the loop then only the recurrence with each token's
+rows picked out of the tiles, and the norm over all rows at once. The per-element operations are the same
+(bit-identical under the interpreter). Session 33 built the second without a GPU: benchmarks/kda_multi.py times both.
 """
 from __future__ import annotations
 
