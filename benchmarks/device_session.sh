@@ -22,9 +22,10 @@
 #                       sweep at 16K without fla (warps, sliced W/U, per-block L, 64-column slices)
 #   kda-warps (150)     the blocks path at its default 2 warps (session 32: one 16K reading) against 4, beside fla,
 #                       at 16K / 64K / 8 x 4K (issue 18's >= 1.2x fla goal)
-#   kda-multi (120 + 220) the verify graphs' KDA (kda_decode_multi) on the GPU: its tests (the hoisted form within an
-#                       fp32 ulp of the decode kernel), then benchmarks/kda_multi.py: token loop vs hoist (session 33,
-#                       built without a GPU) at k3-tiny's and the 48B's KDA shapes, warps and V splits
+#   kda-multi (120 + 220 + 180) the verify graphs' KDA (kda_decode_multi) on the GPU: its tests (the hoisted form
+#                       within an fp32 ulp of the decode kernel), benchmarks/kda_multi.py: token loop vs hoist (session
+#                       33, built without a GPU) at k3-tiny's and the 48B's KDA shapes, warps and V splits, then k3-tiny's
+#                       verify and commit graphs with each (spec_verify.py --variants multi multi_hoist)
 #   kda-fused-gc (150 + 260 + 150) the blocks intra path without its Gc launch (KernelConfig.kda_blocks_fuse_gc,
 #                       session 33, built without a GPU): the chunk kernels' GPU tests, kernels.py at 16K / 64K / 8 x 4K
 #                       beside fla (issue 18's >= 1.2x), the 48B prefill at 8K / 32K with it
@@ -163,7 +164,9 @@ for stage in "$@"; do
         --prefill-variants blocks_intra blocks_intra_w4 --budget-s 130 --out "$OUT/kda_warps.json" ;;
     kda-multi)
       run kda-multi 120 python3 -m pytest -o addopts="" -v -p no:warnings --tb=short tests/kernels/test_kda_multi.py
-      run kda-multi 220 python3 benchmarks/kda_multi.py --budget-s 200 --out "$OUT/kda_multi.json" ;;
+      run kda-multi 220 python3 benchmarks/kda_multi.py --budget-s 200 --out "$OUT/kda_multi.json"
+      run kda-multi 180 python3 benchmarks/spec_verify.py --model k3-tiny --batch 1 16 --variants multi multi_hoist \
+        --budget-s 160 --out "$OUT/kda_multi_verify.json" ;;
     kda-fused-gc)
       run kda-fused-gc 150 python3 -m pytest -o addopts="" -m gpu -v -p no:warnings --tb=short \
         tests/kernels/test_kda_triton.py -k "kimi_shape or steep"

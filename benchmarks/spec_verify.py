@@ -6,6 +6,7 @@ plain decode step), on the GPU runner, graphs and eager, in one run.
     python3 benchmarks/spec_verify.py                  # Kimi-Linear-48B shape, one H200
     python3 benchmarks/spec_verify.py --smoke          # tiny config on CPU (torch ops): bit-rot check
     python3 benchmarks/spec_verify.py --variants multi # one KernelConfig.kda_verify_launch setting only
+    python3 benchmarks/spec_verify.py --model k3-tiny --variants multi multi_hoist   # the multi kernel's two forms
 
 Every row is measured once per --variants setting of KernelConfig.kda_verify_launch (default both, side by
 side): "decode_loop" (the verify graph form's KDA as R = K + 1 kda_decode launches on scratch state copies,
@@ -44,6 +45,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
+# --variants: KernelConfig settings of the verify form's KDA (each launch value checked against KDA_VERIFY_LAUNCHES)
+VARIANTS = {"decode_loop": dict(kda_verify_launch="decode_loop"), "multi": dict(kda_verify_launch="multi"),
+            "multi_hoist": dict(kda_verify_launch="multi", kda_multi_hoist=True)}
+
+
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="kimi-linear-48b", help="preset name or checkpoint folder (config only)")
@@ -52,7 +58,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--spec-tokens", type=int, default=7, metavar="K", help="draft tokens per verify (default 7)")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--variants", nargs="+", default=["decode_loop", "multi"], metavar="LAUNCH",
-                   help="KernelConfig.kda_verify_launch settings to time side by side (default: decode_loop multi)")
+                   help="KernelConfig.kda_verify_launch settings to time side by side (default: decode_loop multi); "
+                        "multi_hoist: multi in its hoisted form (KernelConfig.kda_multi_hoist)")
     p.add_argument("--check-layers", type=int, default=4, metavar="N",
                    help="the correctness checks run on a random model of the same shape cut to its first N layers "
                         "(default 4: three KDA, one MLA at the 48B shape); after 27 random bf16 layers two correct "
@@ -62,9 +69,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=300.0, help="skip remaining items after this many seconds")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
-    launches = ("decode_loop", "multi")  # KernelConfig.kda_verify_launch's values (checked against it below)
-    if not a.variants or any(v not in launches for v in a.variants):
-        p.error(f"--variants: each one of {launches}, got {a.variants}")
+    if not a.variants or any(v not in VARIANTS for v in a.variants):
+        p.error(f"--variants: each one of {tuple(VARIANTS)}, got {a.variants}")
     if not 1 <= a.spec_tokens <= 16:
         p.error(f"--spec-tokens: must be in [1, 16], got {a.spec_tokens}")
     if not a.batch or min(a.batch) < 1 or max(a.batch) > 64:
@@ -291,7 +297,7 @@ def main() -> int:
     ccfg = shallow(cfg, ARGS.check_layers)
     cmodel, clayout, cpool = build(ccfg, dtype, dev, len(ARGS.variants))
     sizes = tuple(sorted(set(ARGS.batch)))
-    assert set(ARGS.variants) <= set(KDA_VERIFY_LAUNCHES), (ARGS.variants, KDA_VERIFY_LAUNCHES)  # _args' list
+    assert {VARIANTS[v]["kda_verify_launch"] for v in ARGS.variants} <= set(KDA_VERIFY_LAUNCHES), ARGS.variants
     RESULT["rows"] = []
     for variant in ARGS.variants:
         if REPORT.over_budget():
@@ -299,7 +305,7 @@ def main() -> int:
                                for B in ARGS.batch]
             continue
         # a runner per setting: its verify and commit graphs are captured with it
-        kernels = KernelConfig(triton=cuda, kda_verify_launch=variant)
+        kernels = KernelConfig(triton=cuda, **VARIANTS[variant])
         runner, crunner = (GpuModelRunner(m, p, kernels=kernels, cuda_graphs=cuda, graph_sizes=sizes,
                                           verify_graphs=(ARGS.spec_tokens, sizes)) for m, p in ((model, pool), (cmodel, cpool)))
         for r in (runner, crunner):
