@@ -30,6 +30,9 @@ class LaunchedStep:
     host_tokens: Any = None
     ready: Any = None
     timing: Any = None  # the runner's GPU timing record of this step (backend/runner/gpu/idle.py), or None
+    # a drafter pass queued after the step for the requests whose prompt it completed (backend/runner/gpu/rounds.py
+    # PendingCarry), handed to the drafter when `collect` reads the step back; or None
+    carry: Any = None
 
 
 class Runner(ABC):

@@ -114,6 +114,9 @@ class SchedulerOutput:
     # speculative rounds the runner may run on the device in this step (backend/runner/gpu/rounds.py): > 1 only
     # for a step of greedy verify chunks whose pages cover every round (_plan_rounds)
     spec_rounds: int = 1
+    # the runner may queue the drafter's pass for the requests whose prompt this step completes, their first drafts
+    # (backend/runner/gpu/rounds.py queue_first_pass): device rounds run, and the controller's latest plan drafted
+    first_pass: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -175,6 +178,9 @@ class Scheduler:
         self.step_rounds = 1  # most verify rounds a request ran in the steps resolved since the engine last reset it
         self.step_drafted = 0  # draft tokens verified, over every round, in the steps resolved since then
         self._next_plan: Plan | None = None  # the controller's plan for the next step, made early (overlap)
+        # whether the controller's latest plan drafted (True with no controller): a new request's first pass is queued
+        # only then (SchedulerOutput.first_pass), so steps that decode plainly pay no drafter pass per arrival
+        self._last_plan_drafted = True
         self.B = tree.B
         self.grid = self.B if cache_cfg.full_block_mode else cache_cfg.hash_block_size
         self.S = pool.layout.pages_per_state_set
@@ -321,7 +327,8 @@ class Scheduler:
             page_copies += req.pending_page_copies
             state_copies += req.pending_state_copies
             req.pending_page_copies, req.pending_state_copies = [], []
-        return SchedulerOutput(decodes, scheduled, page_copies, state_copies, self._plan_rounds(scheduled, decodes))
+        return SchedulerOutput(decodes, scheduled, page_copies, state_copies, self._plan_rounds(scheduled, decodes),
+                               first_pass=self.device_rounds and self._last_plan_drafted)
 
     def _round_tokens(self, req: Request) -> float:
         """Tokens one device round is expected to emit for req: 1 + PLAN_YIELD_SHARE of the accepted drafts per
@@ -451,6 +458,7 @@ class Scheduler:
         speculation that follows it then starts with states to draft from (recorded from its first step, they were
         ready only after its 8 steps had ended, so every such trial measured plain steps)."""
         plan = self.gate.plan(batch, rids, model_free=self.target_states is None)
+        self._last_plan_drafted = plan.draft
         whys = self.stats.spec_plan_whys
         whys[plan.why.value] = whys.get(plan.why.value, 0) + 1
         if self.target_states is not None:

@@ -191,6 +191,45 @@ def test_the_next_step_drafts_from_the_pass_the_rounds_ran_after_their_last_acce
     assert_at_rest(eng)
 
 
+def test_a_requests_first_drafts_come_from_the_pass_queued_after_its_prefill(workload) -> None:
+    """Session 33: the step that completes a prompt queues the drafter's pass on the device (the sampled token as
+    the anchor, rounds.py queue_first_pass) and its collect hands it to the drafter, so the request's first
+    drafting step builds no window and runs no pass with the host waiting. Every request's first proposal is
+    carried; each carried proposal equals a fresh pass over the recorded states (checked below); output equals plain
+    decoding, alone and four at once."""
+    prompts, params, expect = workload
+    eng = _engine(4, adaptive=False)
+    drafter = eng.runner.round_drafter
+    pass_ = drafter._pass
+    first: dict[int, bool] = {}  # rid -> its first proposal was carried
+
+    def checked_pass(queries, full=False):
+        carried = {q.rid: drafter._carried_for(q) is not None for q in queries}
+        got = pass_(queries, full)
+        for rid, c in carried.items():
+            first.setdefault(rid, c)
+        if any(carried.values()):
+            held, last = drafter._carried, drafter._last
+            drafter._carried = {}
+            assert pass_(queries, full) == got  # a fresh pass over the recorded states proposes the same
+            drafter._carried, drafter._last = held, last
+        return got
+
+    drafter._pass = checked_pass
+    out = run(eng, prompts[:1], params[:1]) + run(eng, prompts, params)
+    assert [o.output_ids for o in out] == expect[:1] + expect
+    assert len(first) == 5 and all(first.values()), first
+    assert not drafter._carried
+    assert_at_rest(eng)
+    # while the controller's latest plan decoded plainly (SchedulerOutput.first_pass False) no pass is queued: an
+    # arrival then costs no drafter pass the next steps may not use
+    first.clear()
+    eng.scheduler._last_plan_drafted = False  # no controller here: nothing plans it back
+    out = run(eng, prompts[:2], params[:2])
+    assert [o.output_ids for o in out] == expect[:2]
+    assert len(first) == 2 and not any(first.values()), first
+
+
 def test_device_rounds_through_the_fused_round_kernels_equal_plain(workload, monkeypatch) -> None:
     """The round's acceptance, window shift and advance through kernels/spec/triton_rounds.py (the interpreter here;
     what CUDA runs with the kernels on) inside the engine's rounds: the same greedy output as plain decoding."""

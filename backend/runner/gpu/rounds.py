@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from k3rt.backend.device import to_device
 # the pure tensor steps of a round: the kernels' torch oracles (kernels/spec/ref.py), the path without kernels
 from k3rt.kernels.spec.ref import advance_step, greedy_accept, shift_window
 
@@ -267,3 +268,60 @@ def fill_state(st: RoundState, ctx, anchors, tokens, valid, num_drafts, budget, 
     st.real.copy_(torch.arange(st.real.shape[0], device=budget.device) < n)
     st.stops.fill_(-1)
     st.stops[:, :stops.shape[1]].copy_(stops)
+
+
+@dataclass
+class PendingCarry:
+    """A drafter pass queued on the device after a plain step (`queue_first_pass`), read back by the step's collect
+    (`carry_back`): the next step's proposal for these requests then takes it instead of building their windows and
+    running a pass with the host waiting."""
+
+    rids: list[int]
+    counts: list[int]  # each request's token count once the step's sampled token (the pass's anchor) is appended
+    drafts: torch.Tensor  # [n, K + 1]: the drafts, then the confident prefix
+    conf: torch.Tensor  # [n, K]
+    window: tuple  # (ctx, anchors, tokens, valid), rows in rids' order
+
+
+def queue_first_pass(drafter, store, chunks: list, tokens: torch.Tensor, rows: dict[int, int]) -> PendingCarry | None:
+    """After a step that sampled on the device (`tokens`, one per entry of `rows`: rid -> index): for each request
+    whose prompt this step completed (its first sampled token; a speculative request with recorded target states),
+    the drafter's window with that token as the anchor and its pass, queued on the device (no sync). Why: at batch
+    1 a request's first drafting step otherwise builds the window from the recorded states and runs the pass with the
+    host waiting (session 33 on the H200: 1.2 ms of host time in a 15 ms k3-tiny step of 16 rounds, once per
+    request), while its later steps draft from the pass the previous step's rounds carried (DSparkDrafter.carry).
+    The window is `drafter.window`'s for the token ids with the sampled token appended: built with a placeholder
+    anchor, whose places (the last token id, the padding rows' ids, the anchor) then take the sampled token on the
+    device. No host sync: every host-to-device copy here is pinned and non-blocking."""
+    from k3rt.backend.spec.base import DraftQuery
+
+    picked = [c for c in chunks if c.needs_logits and not c.draft_ids and c.req.params.speculative
+              and c.start + c.num_tokens == c.req.prompt_len and c.req.rid in rows]
+    queries = []
+    for c in picked:
+        hidden = store.get(c.req.rid)
+        if hidden is not None and store.end(c.req.rid) == c.start + c.num_tokens:
+            queries.append(DraftQuery(c.req.rid, [*c.req.token_ids[:c.req.prompt_len], 0], c.req.prompt_len,
+                                      drafter.model.cfg.block_size, hidden))
+    if not queries:
+        return None
+    ctx, anchors, ids, valid = drafter.fresh_window(queries)
+    dev = ctx.device
+    sampled = tokens.index_select(0, to_device(torch.tensor([rows[q.rid] for q in queries]), tokens.device))
+    anchors = sampled.to(anchors.dtype)
+    if ids is not None:
+        # the anchor's places: the last column and the left padding (`_inputs` pads with the anchor)
+        w = valid.shape[1]
+        held = to_device(torch.tensor([q.hidden.shape[0] for q in queries]), dev)
+        pos = torch.arange(w + 1, device=dev)[None, :]
+        ids = torch.where((pos == w) | (pos < (w - held)[:, None]), sampled[:, None].to(ids.dtype), ids)
+    window = (ctx, anchors, ids, valid)
+    drafts, conf, prefix = drafter.pass_on(*window)
+    return PendingCarry([q.rid for q in queries], [q.prompt_len + 1 for q in queries],
+                        torch.cat([drafts, prefix[:, None].to(drafts.dtype)], 1), conf.clone(), window)
+
+
+def carry_back(drafter, pending: PendingCarry) -> None:
+    """Read a queued pass back (after its step's tokens: the device has run it) and hand it to the drafter."""
+    rows, confs = pending.drafts.tolist(), pending.conf.float().tolist()
+    drafter.carry(pending.rids, pending.counts, rows, confs, pending.window)

@@ -47,7 +47,7 @@ from k3rt.backend.runner.gpu.idle import IdleTimer
 from k3rt.backend.runner.gpu.ops import KernelConfig, kernel
 from k3rt.backend.runner.gpu.penalties import PenaltyState
 from k3rt.backend.runner.gpu.pieces import PiecewiseForward, mixed_buckets_for
-from k3rt.backend.runner.gpu.rounds import RoundGraph, run_rounds
+from k3rt.backend.runner.gpu.rounds import RoundGraph, carry_back, queue_first_pass, run_rounds
 from k3rt.backend.runner.gpu.sample import sample_on_device, sample_step
 from k3rt.backend.runner.gpu.step import GpuStep, StepSeq, build_step, pack_step, step_views
 from k3rt.backend.runner.gpu.verify_graph import VerifyPlan, pad_rows, plan_verify
@@ -286,6 +286,11 @@ class GpuModelRunner(Runner):
             launched.sampled, kept = self._sample_now(logits, reqs, verify, n_plain, n_verify, step, plain, vsize)
         if self.target_states is not None:
             record_step_states(self.target_states, chunks, tapped, kept)
+            if (out.first_pass and tokens is not None and self.round_drafter is not None
+                    and not self.target_states.paused):
+                # the first drafts of the requests whose prompt this step completed, from the device's token
+                launched.carry = queue_first_pass(self.round_drafter, self.target_states, chunks, tokens,
+                                                  launched.rows)
         if timing is not None:
             self.idle.end(timing)
         return launched
@@ -300,6 +305,9 @@ class GpuModelRunner(Runner):
                 step.sampled = dict(zip(step.rows, step.host_tokens.tolist()))
             else:
                 step.sampled = dict(zip(step.rows, step.tokens.tolist()))
+        if step.carry is not None:
+            carry_back(self.round_drafter, step.carry)
+            step.carry = None
         if step.timing is not None:
             self.idle.collected(step.timing)
         return step.sampled

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from k3rt.backend.device import to_device
 from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.backend.models.loader import CheckpointError
 from k3rt.backend.spec.base import DraftQuery, Drafter, Proposal
@@ -131,7 +132,8 @@ class DSparkDrafter(Drafter):
         pos = torch.arange(w)[None, :]
         # window row p of request i is its state row max(0, p - pad_i), a row of the concatenated states
         index = (torch.cumsum(n_held, 0) - n_held)[:, None] + (pos - pad).clamp(min=0)
-        meta = torch.cat([index, (pos >= pad).long(), torch.tensor(ids)], 1).to(self.embed.device)
+        # pinned and non-blocking: no wait for the device's queued work (the runner queues a pass right after a step)
+        meta = to_device(torch.cat([index, (pos >= pad).long(), torch.tensor(ids)], 1), self.embed.device)
         rows = torch.cat([q.hidden for q in queries]) if len(queries) > 1 else queries[0].hidden
         ctx = rows.to(self.embed.device)[meta[:, :w]].to(self.dtype)
         extra = {}
@@ -151,6 +153,11 @@ class DSparkDrafter(Drafter):
             rows = torch.tensor([last[0][q.rid][0] for q in queries], device=last[1].device)
             ctx, anchors, tokens, valid = (t.index_select(0, rows) if t is not None else None for t in last[1:])
             return ctx, anchors, tokens, valid
+        return self.fresh_window(queries)
+
+    def fresh_window(self, queries: Sequence[DraftQuery]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                                   torch.Tensor]:
+        """`window`'s tensors built from the queries' recorded states and token ids, never taken from a pass."""
         ctx, anchors, extra = self._inputs(queries)
         return (ctx, anchors, extra["ctx_tokens"].clone() if "ctx_tokens" in extra else None,
                 self._valid(queries, ctx, extra))
@@ -162,7 +169,7 @@ class DSparkDrafter(Drafter):
         if "ctx_valid" in extra:
             return extra["ctx_valid"]
         w = ctx.shape[1]
-        held = torch.tensor([q.hidden.shape[0] for q in queries], device=ctx.device)
+        held = to_device(torch.tensor([q.hidden.shape[0] for q in queries]), ctx.device)
         return torch.arange(w, device=ctx.device)[None, :] >= (w - held)[:, None]
 
     def propose(self, queries: Sequence[DraftQuery]) -> list[list[int]]:
