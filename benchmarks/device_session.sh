@@ -56,8 +56,9 @@
 #                       kernels per k3-tiny forward (benchmarks/launches.py), then k3-tiny's decode graphs (random
 #                       weights) at batch 1/4/16 with each cut switched off beside the default (and K3's residual mix in
 #                       its stacked form, off since session 33)
-#   spec-tests (240)    the speculative decoding GPU tests (verify graphs and the drafter's graphs against eager,
-#                       greedy identity, taps inside the graphs; test_spec, test_dspark_engine, test_spec_deterministic)
+#   spec-tests (300)    the speculative decoding GPU tests (verify graphs and the drafter's graphs against eager,
+#                       greedy identity, taps inside the graphs, the device rounds on CUDA graphs; test_spec,
+#                       test_dspark_engine, test_spec_deterministic, test_spec_rounds)
 #   spec-verify (300)   benchmarks/spec_verify.py: 48B shape, a 1 + 7 verify step vs a plain step at 4K, batch 1
 #                       and 16, graph and eager, with the bytes floors
 #   dspark-pass (300)   benchmarks/dspark_pass.py: the DSpark drafter's pass on k3-tiny (bf16), torch steps vs the
@@ -209,8 +210,8 @@ for stage in "$@"; do
       run serve 110 python3 benchmarks/decode.py --batch 64 --prefill --mixed 32 128 512 1792 --budget-s 90 \
         --out "$OUT/serve_decode.json" ;;
     spec-tests)
-      gpu_pytest spec-tests 240 tests/backend/test_spec.py tests/backend/test_dspark_engine.py \
-        tests/backend/test_spec_deterministic.py ;;
+      gpu_pytest spec-tests 300 tests/backend/test_spec.py tests/backend/test_dspark_engine.py \
+        tests/backend/test_spec_deterministic.py tests/backend/test_spec_rounds.py ;;
     spec-verify)
       run spec-verify 300 python3 benchmarks/spec_verify.py --batch 1 16 --budget-s 260 --out "$OUT/spec_verify.json" ;;
     dspark-pass)
