@@ -278,9 +278,12 @@ class PendingCarry:
 
     rids: list[int]
     counts: list[int]  # each request's token count once the step's sampled token (the pass's anchor) is appended
-    drafts: torch.Tensor  # [n, K + 1]: the drafts, then the confident prefix
-    conf: torch.Tensor  # [n, K]
+    drafts: torch.Tensor  # [n, K + 1]: the drafts, then the confident prefix (pinned host memory on CUDA)
+    conf: torch.Tensor  # [n, K] fp32 (likewise)
     window: tuple  # (ctx, anchors, tokens, valid), rows in rids' order
+    # CUDA: recorded after the copies to the host; `carry_back` waits for it, not for the stream, which by then may
+    # hold the next step's work (overlap scheduling); None elsewhere
+    ready: torch.cuda.Event | None = None
 
 
 def queue_first_pass(drafter, store, chunks: list, tokens: torch.Tensor, rows: dict[int, int]) -> PendingCarry | None:
@@ -317,11 +320,18 @@ def queue_first_pass(drafter, store, chunks: list, tokens: torch.Tensor, rows: d
         ids = torch.where((pos == w) | (pos < (w - held)[:, None]), sampled[:, None].to(ids.dtype), ids)
     window = (ctx, anchors, ids, valid)
     drafts, conf, prefix = drafter.pass_on(*window)
-    return PendingCarry([q.rid for q in queries], [q.prompt_len + 1 for q in queries],
-                        torch.cat([drafts, prefix[:, None].to(drafts.dtype)], 1), conf.clone(), window)
+    drafts, conf, ready = torch.cat([drafts, prefix[:, None].to(drafts.dtype)], 1), conf.float(), None
+    if drafts.is_cuda:
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (drafts, conf)]
+        for h, t in zip(host, (drafts, conf)):
+            h.copy_(t, non_blocking=True)
+        (drafts, conf), ready = host, torch.cuda.Event()
+        ready.record()
+    return PendingCarry([q.rid for q in queries], [q.prompt_len + 1 for q in queries], drafts, conf, window, ready)
 
 
 def carry_back(drafter, pending: PendingCarry) -> None:
-    """Read a queued pass back (after its step's tokens: the device has run it) and hand it to the drafter."""
-    rows, confs = pending.drafts.tolist(), pending.conf.float().tolist()
-    drafter.carry(pending.rids, pending.counts, rows, confs, pending.window)
+    """Hand a queued pass to the drafter once the device has run it (its own event, not the stream)."""
+    if pending.ready is not None:
+        pending.ready.synchronize()
+    drafter.carry(pending.rids, pending.counts, pending.drafts.tolist(), pending.conf.tolist(), pending.window)
