@@ -191,12 +191,15 @@ def test_the_next_step_drafts_from_the_pass_the_rounds_ran_after_their_last_acce
     assert_at_rest(eng)
 
 
-def test_a_requests_first_drafts_come_from_the_pass_queued_after_its_prefill(workload) -> None:
+def test_a_requests_first_drafts_come_from_the_pass_queued_after_its_prefill(workload, monkeypatch) -> None:
     """Session 33: the step that completes a prompt queues the drafter's pass on the device (the sampled token as
     the anchor, rounds.py queue_first_pass) and its collect hands it to the drafter, so the request's first
     drafting step builds no window and runs no pass with the host waiting. Every request's first proposal is
     carried; each carried proposal equals a fresh pass over the recorded states (checked below); output equals plain
-    decoding, alone and four at once."""
+    decoding, alone and four at once. Nothing is queued while the controller's latest plan decoded plainly, and a
+    pass that fails to queue leaves the step's tokens alone (the first drafts then come from the host)."""
+    from k3rt.backend.runner.gpu import runner as gpu_runner
+
     prompts, params, expect = workload
     eng = _engine(4, adaptive=False)
     drafter = eng.runner.round_drafter
@@ -228,6 +231,16 @@ def test_a_requests_first_drafts_come_from_the_pass_queued_after_its_prefill(wor
     out = run(eng, prompts[:2], params[:2])
     assert [o.output_ids for o in out] == expect[:2]
     assert len(first) == 2 and not any(first.values()), first
+    # a pass that fails to queue costs the step nothing: the first drafts come from the host, output unchanged
+    first.clear()
+    eng.scheduler._last_plan_drafted = True
+
+    def broken(*args):
+        raise RuntimeError("no pass")
+    monkeypatch.setattr(gpu_runner, "queue_first_pass", broken)
+    out = run(eng, prompts[:1], params[:1])
+    assert [o.output_ids for o in out] == expect[:1]
+    assert len(first) == 1 and not any(first.values()), first
 
 
 def test_device_rounds_through_the_fused_round_kernels_equal_plain(workload, monkeypatch) -> None:

@@ -288,9 +288,14 @@ class GpuModelRunner(Runner):
             record_step_states(self.target_states, chunks, tapped, kept)
             if (out.first_pass and tokens is not None and self.round_drafter is not None
                     and not self.target_states.paused):
-                # the first drafts of the requests whose prompt this step completed, from the device's token
-                launched.carry = queue_first_pass(self.round_drafter, self.target_states, chunks, tokens,
-                                                  launched.rows)
+                # the first drafts of the requests whose prompt this step completed, from the device's token; a
+                # speed-up only: should it fail, the next step drafts on the host as before (as a failed proposal
+                # there decodes plainly), the step's tokens unaffected
+                try:
+                    launched.carry = queue_first_pass(self.round_drafter, self.target_states, chunks, tokens,
+                                                      launched.rows)
+                except Exception:
+                    log.exception("queuing the drafter's first pass failed; those requests draft on the host")
         if timing is not None:
             self.idle.end(timing)
         return launched
