@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3rt.backend.device import to_device
+from k3rt.backend.device import read_back, to_device
 # the pure tensor steps of a round: the kernels' torch oracles (kernels/spec/ref.py), the path without kernels
 from k3rt.kernels.spec.ref import advance_step, greedy_accept, shift_window
 
@@ -309,24 +309,18 @@ def queue_first_pass(drafter, store, chunks: list, tokens: torch.Tensor, rows: d
     if not queries:
         return None
     ctx, anchors, ids, valid = drafter.fresh_window(queries)
-    dev = ctx.device
     sampled = tokens.index_select(0, to_device(torch.tensor([rows[q.rid] for q in queries]), tokens.device))
     anchors = sampled.to(anchors.dtype)
     if ids is not None:
-        # the anchor's places: the last column and the left padding (`_inputs` pads with the anchor)
-        w = valid.shape[1]
-        held = to_device(torch.tensor([q.hidden.shape[0] for q in queries]), dev)
-        pos = torch.arange(w + 1, device=dev)[None, :]
-        ids = torch.where((pos == w) | (pos < (w - held)[:, None]), sampled[:, None].to(ids.dtype), ids)
+        # the anchor's places: the left padding (the window rows that hold no state: `_inputs` pads with the
+        # anchor) and the last column
+        anchor_at = torch.cat([~valid, torch.ones_like(valid[:, :1])], 1)
+        ids = torch.where(anchor_at, sampled[:, None].to(ids.dtype), ids)
     window = (ctx, anchors, ids, valid)
     drafts, conf, prefix = drafter.pass_on(*window)
     drafts, conf, ready = torch.cat([drafts, prefix[:, None].to(drafts.dtype)], 1), conf.float(), None
     if drafts.is_cuda:
-        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (drafts, conf)]
-        for h, t in zip(host, (drafts, conf)):
-            h.copy_(t, non_blocking=True)
-        (drafts, conf), ready = host, torch.cuda.Event()
-        ready.record()
+        (drafts, conf), ready = read_back(drafts, conf)
     return PendingCarry([q.rid for q in queries], [q.prompt_len + 1 for q in queries], drafts, conf, window, ready)
 
 

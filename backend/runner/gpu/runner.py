@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from k3rt.backend.cache.pool import PagePool
-from k3rt.backend.device import to_device
+from k3rt.backend.device import read_back, to_device
 from k3rt.backend.distributed.channel import PlanSender
 from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.backend.runner.base import LaunchedStep, Runner, begin_step, pending_tokens
@@ -117,17 +117,6 @@ class _Graph:
     step: GpuStep | None = None  # verify graphs: the captured step (its verify_inputs feed the commit)
     commit: torch.cuda.CUDAGraph | None = None  # verify graphs: the commit after sampling (kda_commit_graphed)
     accepted: torch.Tensor | None = None  # its input: tokens each sequence keeps, [size] int64 (0: none)
-
-
-def _read_back(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
-    """Queue the copy of a step's device tokens into pinned host memory on the current stream, and record an event
-    after it: (host tensor, event). Waiting on the event waits for this step's work only; a later step's work,
-    queued on the same stream after it, is not waited for."""
-    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-    host.copy_(tokens, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
 
 
 class GpuModelRunner(Runner):
@@ -279,20 +268,20 @@ class GpuModelRunner(Runner):
         if tokens is not None:
             launched.tokens, launched.rows = tokens, {r.rid: i for i, r in enumerate(reqs)}
             if tokens.is_cuda:
-                launched.host_tokens, launched.ready = _read_back(tokens)
+                (launched.host_tokens,), launched.ready = read_back(tokens)
         else:
             # the verify form left every plain decode's KDA states alone too: committed with one token each
             plain = ([(i, 1, c.req.state_set) for i, c in enumerate(chunks) if not c.draft_ids] if vsize else [])
             launched.sampled, kept = self._sample_now(logits, reqs, verify, n_plain, n_verify, step, plain, vsize)
         if self.target_states is not None:
             record_step_states(self.target_states, chunks, tapped, kept)
-            if (out.first_pass and tokens is not None and self.round_drafter is not None
+            if (out.first_pass and out.chunks and tokens is not None and self.round_drafter is not None
                     and not self.target_states.paused):
                 # the first drafts of the requests whose prompt this step completed, from the device's token; a
                 # speed-up only: should it fail, the next step drafts on the host as before (as a failed proposal
                 # there decodes plainly), the step's tokens unaffected
                 try:
-                    launched.carry = queue_first_pass(self.round_drafter, self.target_states, chunks, tokens,
+                    launched.carry = queue_first_pass(self.round_drafter, self.target_states, out.chunks, tokens,
                                                       launched.rows)
                 except Exception:
                     log.exception("queuing the drafter's first pass failed; those requests draft on the host")
