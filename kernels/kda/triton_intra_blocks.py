@@ -70,6 +70,13 @@ def _block_rows(x, i, BC: tl.constexpr):
 
 
 @triton.jit
+def _spans(g, BC: tl.constexpr):
+    """Each sub-chunk's decay span over these columns of the chunk's g rows [4 * BC, M]: max_d -(sum of g over its
+    rows), [4] (phase 0's, and phase 1's with fuse_gc)."""
+    return tl.max(-tl.sum(tl.reshape(g, (4, BC, g.shape[1])), axis=1), axis=1)
+
+
+@triton.jit
 def _one_row(x, r):
     """Row r of a [C, M] register tile as [M] (zeros when r is not a row: c_0 = 0 above the first sub-chunk)."""
     return tl.sum(tl.where((tl.arange(0, x.shape[0]) == r)[:, None], x, 0.0), axis=0)
@@ -191,7 +198,7 @@ def _blocks_gc_kernel(
         sk += tl.sum(kr * kr, axis=1)
         sq += tl.sum(qr * qr, axis=1)
         # span_i = max_d (c_i - c_{i+1}) = max_d -(sum of g over sub-chunk i)
-        span = tl.maximum(span, tl.max(-tl.sum(tl.reshape(g, (4, BC, BKS)), axis=1), axis=1))
+        span = tl.maximum(span, _spans(g, BC))
     tl.store(sq_ptr + scr * (2 * C) + rows, sk)
     tl.store(sq_ptr + scr * (2 * C) + C + rows, sq)
     tl.store(span_ptr + scr * 4 + tl.arange(0, 4), span)
@@ -268,7 +275,8 @@ def _blocks_lrow_kernel(
     upto = cols < (i + 1) * BC
     kk = tl.zeros([BC, C], dtype=tl.float32)
     qk = tl.zeros([BC, C], dtype=tl.float32)
-    sk = tl.zeros([C], dtype=tl.float32)  # FUSE_GC: every row's squared k norm, and block i's q norms
+    sk = tl.zeros([C], dtype=tl.float32)  # FUSE_GC: every row's squared k norm, and block i's k and q ones
+    sk_i = tl.zeros([BC], dtype=tl.float32)
     sq_i = tl.zeros([BC], dtype=tl.float32)
     span = tl.zeros([4], dtype=tl.float32)
     for ks in range(0, BK, BKS):
@@ -277,13 +285,15 @@ def _blocks_lrow_kernel(
         if FUSE_GC:
             g, gc_all = _gc_tile(g_h, stride_gt, n_valid, offs, K, C)
             # phase 0's span and exp(Gc_last) from the same g (the same operations as there)
-            span = tl.maximum(span, tl.max(-tl.sum(tl.reshape(g, (4, BC, BKS)), axis=1), axis=1))
+            span = tl.maximum(span, _spans(g, BC))
             tl.store(gl_ptr + scr * BK + offs, tl.exp(tl.sum(g, axis=0)), mask=(offs < BK) & (i == 0))
             c_i = _one_row(gc_all, i * BC - 1)
             e = tl.exp(_block_rows(gc_all, i, BC) - c_i[None, :])
+            kr_i = _rows(k_h, stride_kt, i * BC, n_valid, offs, K, BC)
             qr_i = _rows(q_h, stride_qt, i * BC, n_valid, offs, K, BC)
-            ke, qe = _rows(k_h, stride_kt, i * BC, n_valid, offs, K, BC) * e, qr_i * e
+            ke, qe = kr_i * e, qr_i * e
             sk += tl.sum(kr * kr, axis=1)
+            sk_i += tl.sum(kr_i * kr_i, axis=1)
             sq_i += tl.sum(qr_i * qr_i, axis=1)
         else:
             c_i, ke, qe = _row_side(q_h, k_h, stride_qt, stride_kt, gc_buf, i, n_valid, offs, K, BK, BC)
@@ -296,7 +306,6 @@ def _blocks_lrow_kernel(
     loc = tl.arange(0, BC)
     if FUSE_GC:
         # phase 0's other outputs (the inverse and phase 3 read them); l2norm's eps as _rnorm's
-        sk_i = tl.sum(tl.where((tl.arange(0, 4) == i)[:, None], tl.reshape(sk, (4, BC)), 0.0), axis=0)
         tl.store(sq_buf + i * BC + loc, sk_i)
         tl.store(sq_buf + C + i * BC + loc, sq_i)
         tl.store(span_ptr + scr * 4 + tl.arange(0, 4), span, mask=tl.arange(0, 4) == i)
