@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from _timing import Report, default_out, kernel_bench_args
+from _timing import Report, default_out, kernel_bench_args, rel_err
 
 FORMS = {"default": {}, "kda_fused": dict(kda_intra="fused"), "kda_blocks": dict(kda_intra="blocks"),
          "kda_blocks_fused_gc": dict(kda_intra="blocks", kda_blocks_fuse_gc=True),
@@ -47,11 +47,6 @@ REPORT = Report(default_out(ARGS.out, "bf16_paths.json"), ARGS.budget_s, {"mode"
                 "dtype": DTYPE, "rows": []})
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return ((a - b).norm() / b.norm()).item()
-
-
 def run(arch: str, seed: int, forms: list[str], tmp: Path) -> None:
     over = {} if GPU else dict(overrides=two_layer_overrides(arch))
     ckpt = make_tiny(tmp / f"{arch}{seed}", arch=arch, dtype="float32", seed=seed, **over)
@@ -63,7 +58,7 @@ def run(arch: str, seed: int, forms: list[str], tmp: Path) -> None:
     g = torch.Generator().manual_seed(4)
     full = [torch.randint(3, 500, (n + 3,), generator=g).tolist() for n in (100, 37, 64)]
     want = [ref(torch.tensor(t), ForwardBatch.single(len(t)))[len(t) - 4] for t in full]
-    base = [rel(ref16(torch.tensor(t), ForwardBatch.single(len(t)))[len(t) - 4], w) for t, w in zip(full, want)]
+    base = [rel_err(ref16(torch.tensor(t), ForwardBatch.single(len(t)))[len(t) - 4], w) for t, w in zip(full, want)]
     k0 = runner.fwd.k
     for form in forms:
         if REPORT.over_budget():
@@ -74,7 +69,7 @@ def run(arch: str, seed: int, forms: list[str], tmp: Path) -> None:
                         eng.pool.allocate(eng.layout.pages_per_state_set), True) for t in full]
         with torch.no_grad():
             logits = runner.fwd(runner._build(seqs, []), decode=False)
-        errs = [rel(logits[i], want[i]) for i in range(len(seqs))]
+        errs = [rel_err(logits[i].cpu(), want[i]) for i in range(len(seqs))]
         for s in seqs:
             eng.pool.unref(s.block_table + s.state_pages)
         row = {"arch": arch, "seed": seed, "form": form, "rel_err": errs, "ref_rel_err": base,
