@@ -23,10 +23,17 @@ from torch import Tensor
 # Under TRITON_INTERPRET=1 (CPU) PDL intrinsics cannot run and 16-bit dots are wrong: launchers
 # force USE_PDL off and use fp32/ieee paths when this is set.
 INTERPRET = bool(triton.knobs.runtime.interpret)
+# K3RT_GPU_NUMERICS=1 under the interpreter: bf16 math, casts and tf32 dots as the GPU does them
+# (kernels/interp_numerics.py), and EXACT_DOTS off, so launchers keep their GPU dot paths on the CPU.
+GPU_NUMERICS = False
 if INTERPRET:
+    from k3rt.kernels import interp_numerics
     from k3rt.kernels.interpreter_speed import install as _install_interpreter_speed
 
     _install_interpreter_speed()
+    GPU_NUMERICS = interp_numerics.wanted() and interp_numerics.install()
+# launchers run fp32/ieee dots instead of 16-bit or tf32 ones: the plain interpreter gets those wrong or exact
+EXACT_DOTS = INTERPRET and not GPU_NUMERICS
 
 _POISON = False
 

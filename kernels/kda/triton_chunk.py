@@ -42,7 +42,8 @@ import triton.language as tl
 from torch import Tensor
 
 from k3rt.kernels.kda.chunk_tables import CHUNK, INTRA_FORMS, ChunkTables, chunk_tables
-from k3rt.kernels.kda.triton_decode import INTERPRET, _slots_contiguous, check, poison_like
+from k3rt.kernels.common import EXACT_DOTS
+from k3rt.kernels.kda.triton_decode import _slots_contiguous, check, poison_like
 
 DOT16_MIN_HEAD = 64  # narrowest head dim that takes 16-bit dot operands (see kda_chunk_fwd)
 SUB = 16  # BC: rows per block of the intra-chunk matrices
@@ -501,16 +502,16 @@ def kda_chunk_fwd(
     cu_dev = cu_seqlens.to(device=dev, dtype=torch.int32)  # no copy when it already is
     slots = slot_indices if slot_indices.device == dev else slot_indices.to(dev)
 
-    # the interpreter computes 16-bit dots wrongly: fp32 operands there. The 16-bit dot path is verified
+    # the interpreter computes 16-bit dots wrongly: fp32 operands there (EXACT_DOTS; not with K3RT_GPU_NUMERICS). The 16-bit dot path is verified
     # on the H200 at K = V = 128 (the Kimi head); at K = V = 16 (the tiny test checkpoints) the intra
     # kernel hit an illegal memory access on the H200 (2026-11-30, not diagnosed), so heads narrower
     # than DOT16_MIN_HEAD take the fp32-scratch tf32 path.
-    dot16 = (not INTERPRET and precision == "tf32" and q.dtype in (torch.bfloat16, torch.float16)
+    dot16 = (not EXACT_DOTS and precision == "tf32" and q.dtype in (torch.bfloat16, torch.float16)
              and min(K, V) >= DOT16_MIN_HEAD)
-    prec = "ieee" if INTERPRET else precision
+    prec = "ieee" if EXACT_DOTS else precision
     if inv_precision is None:
         inv_precision = "tf32" if dot16 else ("ieee" if precision == "ieee" else "tf32x3")
-    prec_inv = "ieee" if INTERPRET else inv_precision
+    prec_inv = "ieee" if EXACT_DOTS else inv_precision
     if scratch_dtype is None:
         scratch_dtype = torch.bfloat16 if dot16 else torch.float32
     if num_stages_state is None:

@@ -210,8 +210,9 @@ def test_decode_benchmark_smoke(tmp_path) -> None:
 
 
 def test_bf16_paths_benchmark_smoke(tmp_path) -> None:
-    """benchmarks/bf16_paths.py --smoke (k3 two layers, fp16 under the interpreter): each form's prefill logits against
-    the fp32 reference, next to the reference's own 16-bit error; on the CPU every form stays within 1.5x of it."""
+    """benchmarks/bf16_paths.py --smoke (k3 two layers, bf16 under the interpreter with the GPU's numerics emulated:
+    kernels/interp_numerics.py): each form's prefill logits against the fp32 reference, next to the reference's own
+    bf16 error; every form stays within 1.5x of it (the bar of test_gpu_runner_bf16_logits_within_tolerance)."""
     import json
     import subprocess
     import sys
@@ -222,6 +223,7 @@ def test_bf16_paths_benchmark_smoke(tmp_path) -> None:
     subprocess.run([sys.executable, str(root / "benchmarks" / "bf16_paths.py"), "--smoke", "--out", str(out)],
                    check=True, capture_output=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
     rows = json.loads(out.read_text())["rows"]
+    assert json.loads(out.read_text())["dtype"] == "bfloat16"
     assert [r["form"] for r in rows] == ["default", "kda_fused"]
     assert all(len(r["rel_err"]) == 3 and 0 < r["worst_over_ref"] < 1.5 for r in rows), rows
 
