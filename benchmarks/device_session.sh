@@ -29,8 +29,9 @@
 #   kda-fused-gc (150 + 260 + 150) the blocks intra path without its Gc launch (KernelConfig.kda_blocks_fuse_gc,
 #                       session 33, built without a GPU): the chunk kernels' GPU tests, kernels.py at 16K / 64K / 8 x 4K
 #                       beside fla (issue 18's >= 1.2x), the 48B prefill at 8K / 32K with it
-#   bf16-paths (200)    benchmarks/bf16_paths.py: the bf16 runner's prefill error per kernel form (session 33:
-#                       test_gpu_runner_bf16_logits_within_tolerance[k3] failed at 8fc76af, 0.0459 against 0.0381)
+#   bf16-paths (120 + 200) test_gpu_runner_bf16_logits_within_tolerance (session 33: [k3] failed at 8fc76af,
+#                       0.0459 against 0.0381), then benchmarks/bf16_paths.py: the bf16 runner's prefill error per
+#                       kernel form (its --cpu-bf16 twin on the CPU: every form 0.87-0.96x the reference's error)
 #   spec-b16 (230)      issue 16's >= 0.95x at batch 16 and 64 (session 32: agent b16 0.89) at the default 16 rounds
 #   spec-b1 (130 + 110) issue 16 at batch 1 with the default 16 rounds: the gate on code and agent, then
 #                       spec_round.py plain vs dspark:16 with the prefill steps profiled (session 32: a dspark
@@ -177,6 +178,7 @@ for stage in "$@"; do
       run kda-fused-gc 150 python3 benchmarks/decode.py --batch 1 --prefill 8192 32768 --variants \
         --prefill-configs kda_blocks_fuse_gc=1 --budget-s 130 --out "$OUT/kda_fused_gc_48b.json" ;;
     bf16-paths)
+      gpu_pytest bf16-test 120 tests/backend/test_gpu_runner.py -k bf16_logits
       run bf16-paths 200 python3 benchmarks/bf16_paths.py --budget-s 180 --out "$OUT/bf16_paths.json" ;;
     spec-b16)
       run spec-b16 230 python3 benchmarks/spec_gate.py --device cuda --dtype bfloat16 --batch-sizes 16,64 \
