@@ -148,18 +148,16 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["kimi_linear", "k3"])
-def test_gpu_runner_bf16_logits_within_tolerance(arch, tmp_path) -> None:
-    """bf16 weights and activations on the GPU runner vs the fp32 reference forward on the CPU."""
-    if not HAS_CUDA:
-        pytest.skip("no CUDA device")
+def bf16_logits_check(arch: str, tmp_path, device: str) -> list[float]:
+    """bf16 weights and activations on the GPU runner vs the fp32 reference forward on the CPU: a prefill of three
+    sequences, then three decode steps (graph replays on CUDA, eager steps elsewhere). Returns every relative error
+    over the bar (1.5x the torch reference's own bf16 error, at least 2e-2), after asserting each is below it."""
     from k3rt.backend.runner.gpu.step import StepSeq
 
     ckpt = make_tiny(tmp_path / arch, arch=arch, dtype="float32", seed=9)
     ref = load_model(ckpt, dtype="float32", progress=False)
     cfg = replace(engine_config_for_tests(str(ckpt), num_pages=64, kv_dtype="bfloat16", conv_dtype="bfloat16"),
-                  device="cuda", dtype="bfloat16", runner="gpu")
+                  device=device, dtype="bfloat16", runner="gpu")
     eng = Engine(cfg)
     runner = eng.runner
     g = torch.Generator().manual_seed(4)
@@ -175,16 +173,55 @@ def test_gpu_runner_bf16_logits_within_tolerance(arch, tmp_path) -> None:
     ref16 = load_model(ckpt, dtype="bfloat16", progress=False)
     base = max(rel(ref16(torch.tensor(t), ForwardBatch.single(len(t))), w) for t, w in zip(full, want))
     tol = max(2e-2, 1.5 * base)
-    logits = runner.fwd(runner._build(seqs, []), decode=False)
+    with torch.no_grad():
+        logits = runner.fwd(runner._build(seqs, []), decode=False)
+    ratios = []
     for i, s in enumerate(seqs):
-        assert rel(logits[i], want[i][len(s.token_ids) - 1]) < tol, (i, tol)
+        err = rel(logits[i], want[i][len(s.token_ids) - 1])
+        assert err < tol, (i, err, tol)
+        ratios.append(err / tol)
     for k in range(3):  # decode steps: graph replay (size 4 padded with one row) vs the reference
         dec = [StepSeq([full[i][len(s.token_ids) + k]], len(s.token_ids) + k, s.block_table, s.state_pages, True)
                for i, s in enumerate(seqs)]
-        out = runner._replay(dec, 4)[:3].clone() if runner.graphs else runner.fwd(runner._build(dec, []), decode=True)
+        with torch.no_grad():
+            out = runner._replay(dec, 4)[:3].clone() if runner.graphs else runner.fwd(runner._build(dec, []),
+                                                                                       decode=True)
         for i, s in enumerate(seqs):
-            assert rel(out[i], want[i][len(s.token_ids) + k]) < tol, (i, k, tol)
-    assert runner.graphs, "decode graphs were not captured"
+            err = rel(out[i], want[i][len(s.token_ids) + k])
+            assert err < tol, (i, k, err, tol)
+            ratios.append(err / tol)
+    assert runner.graphs or device != "cuda", "decode graphs were not captured"
+    return ratios
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["kimi_linear", "k3"])
+def test_gpu_runner_bf16_logits_within_tolerance(arch, tmp_path) -> None:
+    """bf16 weights and activations on the GPU runner vs the fp32 reference forward on the CPU."""
+    if not HAS_CUDA:
+        pytest.skip("no CUDA device")
+    bf16_logits_check(arch, tmp_path, "cuda")
+
+
+@pytest.mark.parametrize("arch", ["kimi_linear", "k3"])
+def test_gpu_runner_bf16_logits_with_gpu_numerics(arch, tmp_path) -> None:
+    """The CPU twin of test_gpu_runner_bf16_logits_within_tolerance: the same check with the kernels under the
+    interpreter and the GPU's bf16/tf32 rounding emulated (kernels/interp_numerics.py: the plain interpreter's bf16
+    math is garbage, and its launchers would take fp32 dot paths), in a subprocess because that patch is
+    process-wide. Session 33's H200 run failed [k3] (0.0459 against 0.0381) where this passes: the forms'
+    arithmetic is within the bar, so that failure is in something the interpreter does not model."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys; from pathlib import Path; from tests.backend.test_gpu_runner import bf16_logits_check; "
+            f"r = bf16_logits_check({arch!r}, Path({str(tmp_path)!r}), 'cpu'); print(max(r))")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "K3RT_GPU_NUMERICS": "1"}
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert 0 < float(res.stdout.split()[-1]) < 1
 
 
 def test_decode_benchmark_smoke(tmp_path) -> None:
