@@ -71,6 +71,10 @@ PREFILL_VARIANTS: dict[str, dict] = {
     # ~1 GB written and 2 GB read less at 64K tokens); phase 1 then holds 255 registers at 2 warps (139 before)
     "blocks_intra_fused_gc": {"intra": "blocks", "fuse_gc_blocks": True},
     "blocks_intra_fused_gc_w4": {"intra": "blocks", "fuse_gc_blocks": True, "num_warps_blocks": 4},
+    # session 34: the inverse launch (1.23 of 8.71 ms at 64K, session 33) with its blocks in registers, ~3 waits on
+    # the scratch per program instead of ~22 (the same values)
+    "blocks_intra_inverse_regs": {"intra": "blocks", "inverse_regs_blocks": True},
+    "blocks_intra_fused_gc_inverse_regs": {"intra": "blocks", "fuse_gc_blocks": True, "inverse_regs_blocks": True},
     # timing probes (results wrong, not checked): the fused intra kernel with one stage skipped each (its PROBE
     # bits), so base minus a probe is about what that stage costs
     "probe_no_blocks": {"probe": 1},  # L and Aqk

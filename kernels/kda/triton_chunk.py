@@ -103,18 +103,26 @@ def _exact_diag_block(q_h, k_h, g_h, ri, stride_qt, stride_kt, stride_g, m_r, m_
 
 
 @triton.jit
-def _diag_block_inverses(akk_buf, C: tl.constexpr, BC: tl.constexpr, SKIP: tl.constexpr = False):
+def _diag_block_inverses(akk_buf, C: tl.constexpr, BC: tl.constexpr, SKIP: tl.constexpr = False,
+                         REGS: tl.constexpr = False):
     """The C // BC unit-lower diagonal blocks I + L_ii of the [C, C] fp32 scratch akk_buf (L strictly lower there)
     replaced by their inverses, by forward substitution, all blocks at once: X_i = e_i - sum_{m<i} L_im X_m (rows
     local to each block, row i read back from the scratch). SKIP: identities instead (the fused kernel's timing
-    probe). Ends with a barrier: the caller's threads may read any block after it."""
+    probe). REGS: the blocks loaded once and row i taken from the registers, so the BC - 1 steps wait on one load,
+    not on one each (the same values: a masked sum adds exact zeros). Ends with a barrier: the caller's threads may
+    read any block after it."""
     NB: tl.constexpr = C // BC
     loc = tl.arange(0, BC)
     off_d = (tl.arange(0, NB) * (BC * (C + 1)))[:, None] + loc[None, :]  # [NB, BC]: row 0 of each diagonal block
     x_d = tl.where(loc[None, :, None] == loc[None, None, :], 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
+    if REGS:
+        l_d = tl.load(akk_buf + off_d[:, None, :] + (loc * C)[None, :, None])  # [NB, BC, BC]: the blocks' rows
     if not SKIP:
         for i in range(1, BC):
-            l_i = tl.load(akk_buf + i * C + off_d)  # [NB, BC]: row i of each block
+            if REGS:
+                l_i = tl.sum(tl.where(loc[None, :, None] == i, l_d, 0.0), axis=1)
+            else:
+                l_i = tl.load(akk_buf + i * C + off_d)  # [NB, BC]: row i of each block
             new = tl.where(loc[None, :] == i, 1.0, 0.0) - tl.sum(l_i[:, :, None] * x_d, axis=1)  # [NB, BC]
             x_d = tl.where(loc[None, :, None] == i, new[:, None, :], x_d)
     tl.debug_barrier()
@@ -370,6 +378,7 @@ def kda_chunk_fwd(
     sliced_out_blocks: bool = False,
     l_rows_blocks: bool = True,
     fuse_gc_blocks: bool = False,
+    inverse_regs_blocks: bool = False,
     block_v: int = 32,
     block_v_out: int = 64,
     num_warps_intra: int = 8,
@@ -425,6 +434,8 @@ def kda_chunk_fwd(
             l_rows_blocks: L and Aqk one program per row block (False: per 16 x 16 block).
             fuse_gc_blocks: no launch for Gc (the in-chunk cumsum of g): L's and W/U's programs take it from g's
             rows themselves (with l_rows_blocks; the same values, no fp32 Gc scratch written or read).
+            inverse_regs_blocks: the inverse launch with its blocks in registers (the same values, about 3 waits
+            on the scratch per program instead of about 22).
         block_v, block_v_out, num_warps_*, num_stages_state: launch tuning. num_warps_intra 8 (the fused
             intra kernel): 16% faster than 4 at 16K-64K tokens on the H200 (session 24; its [64, 128] fp32
             tiles spill at 4 warps, and 16 were slower again). num_stages_state (None: 3 with 16-bit scratch, the
@@ -483,6 +494,8 @@ def kda_chunk_fwd(
         raise ValueError(f"num_stages_split must be 1 to 4, got {num_stages_split}")
     if fuse_gc_blocks and intra != "blocks":
         raise ValueError(f"fuse_gc_blocks: a form of intra='blocks', got intra={intra!r}")
+    if inverse_regs_blocks and intra != "blocks":
+        raise ValueError(f"inverse_regs_blocks: a form of intra='blocks', got intra={intra!r}")
     if scratch_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"scratch_dtype must be float32, bfloat16 or float16, got {scratch_dtype}")
     if K > 256 or V > 256:
@@ -525,6 +538,7 @@ def kda_chunk_fwd(
         intra=intra, bk_split=block_k_split, nw_split=num_warps_split, ns_split=num_stages_split,
         bk_blocks=block_k_blocks, nw_blocks=num_warps_blocks, ns_blocks=num_stages_blocks,
         sliced_blocks=sliced_out_blocks, lrows_blocks=l_rows_blocks, fuse_gc_blocks=fuse_gc_blocks,
+        inverse_regs_blocks=inverse_regs_blocks,
         nw_intra=num_warps_intra,
         nw_state=num_warps_state, ns_state=num_stages_state, nw_out=num_warps_out,
         probe=probe,
@@ -591,6 +605,7 @@ class _Launch:
     sliced_blocks: bool  # the blocks path's phase 3 per (chunk, row block and slice, head)
     lrows_blocks: bool  # the blocks path's phase 1 per row block (else per 16 x 16 block)
     fuse_gc_blocks: bool  # the blocks path without its phase 0 launch (Gc where it is read)
+    inverse_regs_blocks: bool  # the blocks path's inverse launch with its blocks in registers
     nw_intra: int
     nw_state: int
     ns_state: int
@@ -644,7 +659,8 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
             buf("akk", NC, H, C, C), buf("sq", NC, H, 2, C), buf("span", NC, H, 4), scale=cfg.scale,
             block_k=min(cfg.bk_blocks, BK), block_v=min(cfg.bk_blocks, BVF), num_warps=cfg.nw_blocks,
             num_stages=cfg.ns_blocks, dot16=cfg.dot16, prec=cfg.prec, prec_inv=cfg.prec_inv, sub=SUB,
-            safe_span=SAFE_SPAN, sliced_out=cfg.sliced_blocks, l_rows=cfg.lrows_blocks, fuse_gc=cfg.fuse_gc_blocks)
+            safe_span=SAFE_SPAN, sliced_out=cfg.sliced_blocks, l_rows=cfg.lrows_blocks, fuse_gc=cfg.fuse_gc_blocks,
+            inverse_regs=cfg.inverse_regs_blocks)
     else:
         gc, akk = buf("gc", NC, H, C, BK), buf("akk", NC, H, C, C)
         _kda_chunk_intra_kernel[(NC, H)](

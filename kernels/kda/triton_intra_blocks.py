@@ -323,6 +323,34 @@ def _blocks_lrow_kernel(
     tl.store(aqk_ptr + scr * (C * C) + rows, qk.to(aqk_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _below_diag_inverse_regs(akk_buf, C: tl.constexpr, BC: tl.constexpr, PREC_INV: tl.constexpr):
+    """X's blocks below the diagonal, X_ij = -X_ii sum_{j <= m < i} L_im X_mj, from one load of the six L blocks
+    and the four X_ii (the substitution's, on the diagonal), all issued before the first dot, and stored at the end:
+    the products and their order are the row-at-a-time path's (bit-equal), without its stores and reloads."""
+    tl.static_assert(C == 4 * BC, "four sub-chunks per chunk")
+    d0, d1 = _load_block(akk_buf, 0, 0, C, BC), _load_block(akk_buf, 1, 1, C, BC)
+    d2, d3 = _load_block(akk_buf, 2, 2, C, BC), _load_block(akk_buf, 3, 3, C, BC)
+    l10, l20 = _load_block(akk_buf, 1, 0, C, BC), _load_block(akk_buf, 2, 0, C, BC)
+    l21, l30 = _load_block(akk_buf, 2, 1, C, BC), _load_block(akk_buf, 3, 0, C, BC)
+    l31, l32 = _load_block(akk_buf, 3, 1, C, BC), _load_block(akk_buf, 3, 2, C, BC)
+    x10 = -tl.dot(d1, tl.dot(l10, d0, input_precision=PREC_INV), input_precision=PREC_INV)
+    x21 = -tl.dot(d2, tl.dot(l21, d1, input_precision=PREC_INV), input_precision=PREC_INV)
+    x20 = -tl.dot(d2, tl.dot(l20, d0, input_precision=PREC_INV) + tl.dot(l21, x10, input_precision=PREC_INV),
+                  input_precision=PREC_INV)
+    x32 = -tl.dot(d3, tl.dot(l32, d2, input_precision=PREC_INV), input_precision=PREC_INV)
+    x31 = -tl.dot(d3, tl.dot(l31, d1, input_precision=PREC_INV) + tl.dot(l32, x21, input_precision=PREC_INV),
+                  input_precision=PREC_INV)
+    x30 = -tl.dot(d3, tl.dot(l30, d0, input_precision=PREC_INV) + tl.dot(l31, x10, input_precision=PREC_INV)
+                  + tl.dot(l32, x20, input_precision=PREC_INV), input_precision=PREC_INV)
+    _store_block(akk_buf, x10, 1, 0, C, BC)
+    _store_block(akk_buf, x20, 2, 0, C, BC)
+    _store_block(akk_buf, x21, 2, 1, C, BC)
+    _store_block(akk_buf, x30, 3, 0, C, BC)
+    _store_block(akk_buf, x31, 3, 1, C, BC)
+    _store_block(akk_buf, x32, 3, 2, C, BC)
+
+
 @triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
 def _blocks_inverse_kernel(
     q_ptr, k_ptr, g_ptr, beta_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh,
@@ -333,10 +361,14 @@ def _blocks_inverse_kernel(
     aqk_ptr,  # phase 1's; a steep sub-chunk's diagonal block is rewritten
     scale,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-    PREC_INV: tl.constexpr, SAFE_SPAN: tl.constexpr,
+    PREC_INV: tl.constexpr, SAFE_SPAN: tl.constexpr, REGS: tl.constexpr,
 ):
     """Phase 2, one program per (chunk, head): first the diagonal blocks of steep sub-chunks (span > SAFE_SPAN)
-    exactly, elementwise, over phase 1's clamped ones; then X = (I + L)^-1 over L in the akk scratch."""
+    exactly, elementwise, over phase 1's clamped ones; then X = (I + L)^-1 over L in the akk scratch.
+    REGS (`launch_intra_blocks(inverse_regs=True)`): the same values with fewer dependent round trips through the
+    scratch. The diagonal blocks' substitution reads its rows from registers (one load, not one per row), and the
+    blocks below are computed from one load of L's six blocks and X's diagonal, kept in registers, and stored
+    once, with no store, barrier and reload between X's block rows: about 3 waits on memory instead of about 22."""
     tl.static_assert(C == 4 * BC, "four sub-chunks per chunk")
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     scr = i_c.to(tl.int64) * H + i_h
@@ -356,7 +388,10 @@ def _blocks_inverse_kernel(
                              stride_bt, sq_ptr + scr * (2 * C), n_valid, scale, i, i, C, BC)
         tl.debug_barrier()  # the substitution reads the rewritten blocks back
     # the diagonal blocks by forward substitution, all four at once (rows read back from akk)
-    _diag_block_inverses(akk_buf, C, BC)
+    _diag_block_inverses(akk_buf, C, BC, REGS=REGS)
+    if REGS:
+        _below_diag_inverse_regs(akk_buf, C, BC, PREC_INV)
+        return
     # the blocks below, a row at a time: X_ij = -X_ii sum_{j <= m < i} L_im X_mj, each X_ij stored over L_ij once
     # no later block of its row reads L_ij (few tiles live at once: the rows come back from the scratch)
     x10 = -_dinv(akk_buf, 1, _lx(akk_buf, 1, 0, 0, C, BC, PREC_INV), C, BC, PREC_INV)
@@ -453,7 +488,7 @@ def _blocks_out_kernel(
 def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl, gc, akk, sq, span, *,
                         scale: float, block_k: int, block_v: int, num_warps: int, num_stages: int, dot16: bool,
                         prec: str, prec_inv: str, sub: int, safe_span: float, sliced_out: bool = False,
-                        l_rows: bool = True, fuse_gc: bool = False) -> None:
+                        l_rows: bool = True, fuse_gc: bool = False, inverse_regs: bool = False) -> None:
     """Four launches over the NC chunks x H heads. The buffers are _launch_chunk's: the state pass's scratch (qg, kd,
     w, u, aqk, gl) and this path's fp32 gc [NC, H, C, BK] (None with fuse_gc), akk [NC, H, C, C], sq [NC, H, 2, C],
     span [NC, H, 4].
@@ -461,7 +496,8 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
     sliced_out: phase 3 as one program per (chunk, row block and K or V slice, head). l_rows: phase 1 one program
     per row block of L and Aqk (`_blocks_lrow_kernel`); False: per 16 x 16 block (`_blocks_pair_kernel`). fuse_gc
     (with l_rows): three launches, no phase 0: phases 1 and 3 take Gc from g's rows themselves and phase 1 writes sq,
-    span and gl (gc is neither written nor read: ~1 GB of fp32 traffic each way at 64K tokens of the 48B layer)."""
+    span and gl (gc is neither written nor read: ~1 GB of fp32 traffic each way at 64K tokens of the 48B layer).
+    inverse_regs: phase 2 with its blocks in registers (`_blocks_inverse_kernel` REGS; the same values)."""
     NC, H, C, BK = qg.shape
     BV = u.shape[3]
     K, V = k.shape[2], v.shape[2]
@@ -496,7 +532,7 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
     _blocks_inverse_kernel[(NC, H)](
         q, k, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
         beta.stride(0), beta.stride(1), *tables, sq, span, akk, aqk, scale,
-        H=H, K=K, BK=BK, C=C, BC=sub, PREC_INV=prec_inv, SAFE_SPAN=safe_span, num_warps=4)
+        H=H, K=K, BK=BK, C=C, BC=sub, PREC_INV=prec_inv, SAFE_SPAN=safe_span, REGS=inverse_regs, num_warps=4)
     n_out = 4 * (BK // block_k + BV // block_v) if sliced_out else 4
     _blocks_out_kernel[(NC * n_out, H)](
         q, k, v, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

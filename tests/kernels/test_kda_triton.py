@@ -397,6 +397,31 @@ def test_chunk_blocks_fused_gc_equals_its_phase_zero(sliced: bool) -> None:
         kda_chunk_fwd(**case, slot_indices=slots, intra="blocks", l_rows_blocks=False, fuse_gc_blocks=True)
 
 
+@pytest.mark.parametrize("fuse_gc", [False, True], ids=["phase0", "fused_gc"])
+def test_chunk_blocks_inverse_regs_equals_scratch_rows(fuse_gc: bool) -> None:
+    """inverse_regs_blocks (the inverse launch's blocks in registers, stored once) computes the same products in the
+    same order as the row-at-a-time form that reads them back from the scratch: outputs, final states and snapshots
+    equal bit for bit in the interpreter (compiled: within fp32 rounding), with steep sub-chunks in two chunks (the
+    exact fix-up writes the diagonal blocks the register form then loads) and a padded tail chunk; refused outside
+    intra="blocks"."""
+    lens, snaps = [150, 64, 7], ([[64, 128, 150], [], []], [[3, 4, 5], [], []])
+    case = chunk_case(lens, H=2, D=32, kind="softplus", dtype=torch.float32, num_slots=6, seed=37)
+    case["g"][100, 1, 5] = -90.0
+    case["g"][170, 0, 2] = -75.0
+    slots = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
+    state0 = case["state"].clone()
+    outs, states = [], []
+    for regs in (False, True):
+        case["state"] = state0.clone()
+        outs.append(kda_chunk_fwd(**case, slot_indices=slots, snapshot_positions=snaps[0], snapshot_slots=snaps[1],
+                                  intra="blocks", block_k_blocks=16, fuse_gc_blocks=fuse_gc, inverse_regs_blocks=regs))
+        states.append(case["state"])
+    same = torch.equal if DEV == "cpu" else (lambda a, b: rel_err(a, b) <= 1e-6)
+    assert same(outs[1], outs[0]) and same(states[1], states[0])
+    with pytest.raises(ValueError, match="inverse_regs_blocks"):
+        kda_chunk_fwd(**case, slot_indices=slots, intra="fused", inverse_regs_blocks=True)
+
+
 def test_chunk_split_output_pass() -> None:
     """split_output: the state pass stores per-chunk states and Vnew, a third launch computes O."""
     case = chunk_case([130, 63], H=2, D=16, kind="lower_bound", dtype=torch.float32, num_slots=5, seed=11)
@@ -481,10 +506,11 @@ def test_gpu_decode_kimi_shape(kind: str) -> None:
      ({"num_warps_intra": 4}, 2e-2), ({"intra": "blocks"}, 2e-2),
      ({"intra": "blocks", "sliced_out_blocks": True}, 2e-2), ({"intra": "blocks", "l_rows_blocks": False}, 2e-2),
      ({"intra": "blocks", "precision": "tf32x3", "scratch_dtype": torch.float32}, 5e-3),
-     ({"intra": "blocks", "fuse_gc_blocks": True}, 2e-2)],
+     ({"intra": "blocks", "fuse_gc_blocks": True}, 2e-2), ({"intra": "blocks", "inverse_regs_blocks": True}, 2e-2),
+     ({"intra": "blocks", "fuse_gc_blocks": True, "inverse_regs_blocks": True}, 2e-2)],
     ids=["bf16_dots", "bf16_dots_split_output", "bf16_dots_fp32_scratch", "tf32x3_fp32_scratch", "split_intra",
          "split_intra_tf32x3", "intra_w4", "blocks_intra", "blocks_intra_sliced", "blocks_intra_pairs",
-         "blocks_intra_tf32x3", "blocks_intra_fused_gc"],
+         "blocks_intra_tf32x3", "blocks_intra_fused_gc", "blocks_intra_inverse_regs", "blocks_intra_fused_gc_regs"],
 )
 def test_gpu_chunk_kimi_shape(kw: dict, tol: float) -> None:
     lens = [2048, 1000, 64, 1]

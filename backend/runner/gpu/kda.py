@@ -338,12 +338,14 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
         # the step's tables: the runner packs them whenever the kernels run (GpuModelRunner._build)
         assert step.chunk is not None, "the chunked KDA kernel needs the step's tables: pack_step(chunk_tables=True)"
         prec = "ieee" if q.dtype == torch.float32 else "tf32"
+        form = dict(intra=k.kda_intra, fuse_gc_blocks=k.kda_blocks_fuse_gc,
+                    inverse_regs_blocks=k.kda_blocks_inverse_regs)
         if live is None and rec_pool.dtype == torch.float32:
             # the states read and written on their pages in place, snapshots straight to their destination
             # pages: no state copy, nothing built here
             return kda_chunk_fwd(q, kk, v, g, beta, step.cu_seqlens, rec_pool, pages,
                                  tables=step.chunk._replace(snap=step.chunk_snap_pages[w.group]), precision=prec,
-                                 scratch=step.chunk_scratch, intra=k.kda_intra, fuse_gc_blocks=k.kda_blocks_fuse_gc)
+                                 scratch=step.chunk_scratch, **form)
     # else the recurrence runs on a contiguous copy of the sequences' states: slots 0..B-1 live, B.. snapshots
     # (verify runs' states are computed but not written back)
     if snaps or rec_pool.dtype != torch.float32:
@@ -353,8 +355,7 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
         states = rec_pool[pages]
     if k.triton:
         o = kda_chunk_fwd(q, kk, v, g, beta, step.cu_seqlens, states, step.chunk_slots, tables=step.chunk,
-                          precision=prec, scratch=step.chunk_scratch, intra=k.kda_intra,
-                          fuse_gc_blocks=k.kda_blocks_fuse_gc)
+                          precision=prec, scratch=step.chunk_scratch, **form)
     else:
         o = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
         for i in range(nseq):

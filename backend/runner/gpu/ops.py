@@ -65,6 +65,12 @@ class KernelConfig:
     # themselves (kernels/kda/triton_intra_blocks.py fuse_gc; no fp32 Gc scratch). Off until timed on a GPU (session
     # 33 built it without one; benchmarks/kernels.py variants blocks_intra_fused_gc, blocks_intra_fused_gc_w4)
     kda_blocks_fuse_gc: bool = False
+    # "blocks"'s (I + L)^-1 launch with its blocks in registers (kernels/kda/triton_intra_blocks.py REGS: the same
+    # values; the substitution's rows from one load, the blocks below from one load of L and X's diagonal, stored
+    # once: ~3 dependent waits on the scratch per program against ~22). That launch took 1.23 ms of 8.71 at 64K
+    # tokens (session 33). Off until timed on a GPU (session 34 built it without one; benchmarks/kernels.py variants
+    # blocks_intra_inverse_regs, blocks_intra_fused_gc_inverse_regs)
+    kda_blocks_inverse_regs: bool = False
     # batches of at least this many rows take the fp32 MoE router's logits from three bf16 parts of its weight in
     # one tensor-core GEMM (backend/runner/gpu/ffn.py split_router) instead of torch's fp32 linear, a SIMT sgemm;
     # 0: never. H200, the 48B's 256 x 2304 router (RESULTS.md session 28): 0.055 against 0.072 ms at 1,024 rows,
@@ -120,8 +126,9 @@ class KernelConfig:
             raise ValueError(f"split_router_min_rows: must be >= 0, got {self.split_router_min_rows}")
         if self.kda_intra not in INTRA_FORMS:
             raise ValueError(f"kda_intra: must be one of {INTRA_FORMS}, got {self.kda_intra!r}")
-        if self.kda_blocks_fuse_gc and self.kda_intra != "blocks":
-            raise ValueError(f"kda_blocks_fuse_gc: a form of kda_intra='blocks', got kda_intra={self.kda_intra!r}")
+        for name in ("kda_blocks_fuse_gc", "kda_blocks_inverse_regs"):
+            if getattr(self, name) and self.kda_intra != "blocks":
+                raise ValueError(f"{name}: a form of kda_intra='blocks', got kda_intra={self.kda_intra!r}")
         if self.mxfp4_experts not in MXFP4_EXPERT_PATHS:
             raise ValueError(f"mxfp4_experts: must be one of {MXFP4_EXPERT_PATHS}, got {self.mxfp4_experts!r}")
         if self.kda_verify_launch not in KDA_VERIFY_LAUNCHES:
