@@ -727,7 +727,6 @@ def test_a_k3_forward_adds_mixes_and_norms_its_residual_stream_in_one_launch_per
     per sub-layer, and no norm launch of its own for them. Before: an add or copy, a mix and a norm each (a k3-tiny
     decode forward: 126 torch ops and 90 Triton launches, now 94 and 74; the greedy and logit tests above hold)."""
     runner, step, work = _k3_decode_forward_counted(tmp_path)
-    moe = len(runner.fwd.moe)
     assert work.torch_ops.count("copy_") == 1  # the embeddings into slot 0
     assert work.torch_ops.count("add") == 0  # no stream adds (and the latent tails' shared + routed are one GEMM)
     calls: list[dict] = []
