@@ -75,6 +75,12 @@ PREFILL_VARIANTS: dict[str, dict] = {
     # the scratch per program instead of ~22 (the same values)
     "blocks_intra_inverse_regs": {"intra": "blocks", "inverse_regs_blocks": True},
     "blocks_intra_fused_gc_inverse_regs": {"intra": "blocks", "fuse_gc_blocks": True, "inverse_regs_blocks": True},
+    # session 34: W/U one program per (chunk, head), the chunk's k, v and Gc rows read once instead of once per row
+    # block (~4.7 GB from the L2 at 8 x 4K tokens against ~1.6)
+    "blocks_intra_out_chunk": {"intra": "blocks", "out_chunk_blocks": True},
+    "blocks_intra_out_chunk_w8": {"intra": "blocks", "out_chunk_blocks": True, "num_warps_out_chunk": 8},
+    "blocks_intra_all_three": {"intra": "blocks", "fuse_gc_blocks": True, "inverse_regs_blocks": True,
+                               "out_chunk_blocks": True},
     # timing probes (results wrong, not checked): the fused intra kernel with one stage skipped each (its PROBE
     # bits), so base minus a probe is about what that stage costs
     "probe_no_blocks": {"probe": 1},  # L and Aqk

@@ -485,10 +485,64 @@ def _blocks_out_kernel(
         _row_out(u_ptr + scr * (C * BV), u, i * BC, offs, BV, BC)
 
 
+@triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
+def _blocks_out_chunk_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_gt, stride_gh, stride_bt, stride_bh,
+    cu_ptr, chunk_seq_ptr, chunk_idx_ptr,
+    gc_ptr, sq_ptr, akk_ptr,  # phases 0 and 2's
+    qg_ptr, kd_ptr, w_ptr,  # out [NC, H, C, BK]
+    u_ptr,  # out [NC, H, C, BV]
+    scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
+    BVS: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, DOT16: tl.constexpr, PREC: tl.constexpr,
+    FUSE_GC: tl.constexpr,
+):
+    """Phase 3 per (chunk, head) (`launch_intra_blocks(out_chunk=True)`): all C rows of qg, kd, W and U in one
+    program, T = X diag(beta) as one [C, C] tile (X's blocks on and below the diagonal), W and U one [C, C] x [C, *]
+    dot per slice. The row-block programs (_blocks_out_kernel) each load the chunk's k, v and Gc rows for their dot,
+    so those reach the SMs four times; here once (at 8 x 4K tokens of the 48B layer ~4.7 GB from L2 against ~1.6).
+    The same elementwise operations per row; the dots' rows the same sums (interpreter: equal up to the order the
+    host's matmul takes them in)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, n_valid, scr = _program(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, i_h, H, C)
+    q_h = q_ptr + t0 * stride_qt + i_h * stride_qh
+    k_h = k_ptr + t0 * stride_kt + i_h * stride_kh
+    v_h = v_ptr + t0 * stride_vt + i_h * stride_vh
+    g_h = g_ptr + t0 * stride_gt + i_h * stride_gh
+    b_h = beta_ptr + t0 * stride_bt + i_h * stride_bh
+    gc_buf = gc_ptr + scr * (C * BK)
+    sq_buf = sq_ptr + scr * (2 * C)
+    rows = tl.arange(0, C)
+    # X's blocks on and below the diagonal (akk holds zeros or nothing above them), times beta of each column
+    lower = rows[None, :] // BC <= rows[:, None] // BC
+    t = tl.load(akk_ptr + scr * (C * C) + rows[:, None] * C + rows[None, :], mask=lower, other=0.0)
+    t = t * tl.load(b_h + rows.to(tl.int64) * stride_bt, mask=rows < n_valid, other=0.0)[None, :]
+    rk, rq = _rnorm(sq_buf, 0, C), _rnorm(sq_buf, C, C)
+    for ks in range(0, BK, BKS):
+        offs = ks + tl.arange(0, BKS)
+        if FUSE_GC:
+            gc_all = _gc_tile(g_h, stride_gt, n_valid, offs, K, C)[1]
+            g_last = _one_row(gc_all, C - 1)
+        else:
+            g_last = tl.load(gc_buf + (C - 1) * BK + offs)
+            gc_all = _gc_rows(gc_buf, 0, offs, BK, C)
+        q = _rows(q_h, stride_qt, 0, n_valid, offs, K, C)
+        _row_out(qg_ptr + scr * (C * BK), q * (rq * scale)[:, None] * tl.exp(gc_all), 0, offs, BK, C)
+        kn = _rows(k_h, stride_kt, 0, n_valid, offs, K, C) * rk[:, None]
+        _row_out(kd_ptr + scr * (C * BK), kn * tl.exp(g_last[None, :] - gc_all), 0, offs, BK, C)
+        _row_out(w_ptr + scr * (C * BK), _dot(t, kn * tl.exp(gc_all), DOT16, PREC), 0, offs, BK, C)
+    for vs in range(0, BV, BVS):
+        offs = vs + tl.arange(0, BVS)
+        _row_out(u_ptr + scr * (C * BV), _dot(t, _rows(v_h, stride_vt, 0, n_valid, offs, V, C), DOT16, PREC), 0,
+                 offs, BV, C)
+
+
 def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl, gc, akk, sq, span, *,
                         scale: float, block_k: int, block_v: int, num_warps: int, num_stages: int, dot16: bool,
                         prec: str, prec_inv: str, sub: int, safe_span: float, sliced_out: bool = False,
-                        l_rows: bool = True, fuse_gc: bool = False, inverse_regs: bool = False) -> None:
+                        l_rows: bool = True, fuse_gc: bool = False, inverse_regs: bool = False,
+                        out_chunk: bool = False, num_warps_out_chunk: int = 4) -> None:
     """Four launches over the NC chunks x H heads. The buffers are _launch_chunk's: the state pass's scratch (qg, kd,
     w, u, aqk, gl) and this path's fp32 gc [NC, H, C, BK] (None with fuse_gc), akk [NC, H, C, C], sq [NC, H, 2, C],
     span [NC, H, 4].
@@ -497,7 +551,9 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
     per row block of L and Aqk (`_blocks_lrow_kernel`); False: per 16 x 16 block (`_blocks_pair_kernel`). fuse_gc
     (with l_rows): three launches, no phase 0: phases 1 and 3 take Gc from g's rows themselves and phase 1 writes sq,
     span and gl (gc is neither written nor read: ~1 GB of fp32 traffic each way at 64K tokens of the 48B layer).
-    inverse_regs: phase 2 with its blocks in registers (`_blocks_inverse_kernel` REGS; the same values)."""
+    inverse_regs: phase 2 with its blocks in registers (`_blocks_inverse_kernel` REGS; the same values).
+    out_chunk: phase 3 one program per (chunk, head) at num_warps_out_chunk warps (`_blocks_out_chunk_kernel`: the
+    chunk's k, v and Gc rows read once, not once per row block; not with sliced_out)."""
     NC, H, C, BK = qg.shape
     BV = u.shape[3]
     K, V = k.shape[2], v.shape[2]
@@ -533,6 +589,15 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
         q, k, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
         beta.stride(0), beta.stride(1), *tables, sq, span, akk, aqk, scale,
         H=H, K=K, BK=BK, C=C, BC=sub, PREC_INV=prec_inv, SAFE_SPAN=safe_span, REGS=inverse_regs, num_warps=4)
+    if out_chunk:
+        if sliced_out:
+            raise ValueError("out_chunk: one program per (chunk, head); sliced_out splits the row-block programs")
+        _blocks_out_chunk_kernel[(NC, H)](
+            q, k, v, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), *tables, gc, sq, akk, qg, kd, w, u, scale,
+            H=H, K=K, V=V, BK=BK, BKS=block_k, BV=BV, BVS=block_v, C=C, BC=sub, DOT16=dot16, PREC=prec,
+            FUSE_GC=fuse_gc, num_warps=num_warps_out_chunk, num_stages=num_stages)
+        return
     n_out = 4 * (BK // block_k + BV // block_v) if sliced_out else 4
     _blocks_out_kernel[(NC * n_out, H)](
         q, k, v, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

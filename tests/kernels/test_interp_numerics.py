@@ -85,15 +85,16 @@ _SCRIPT = textwrap.dedent('''
     gg = -torch.nn.functional.softplus(torch.randn(T, H, D, generator=g)) * 0.1
     beta = torch.sigmoid(torch.randn(T, H, generator=g))
     o_ref, s_ref, _ = kda_chunked(q[None], kk[None], v[None], gg[None], beta[None])
-    for intra in ("fused", "blocks"):
+    blocks_all = dict(intra="blocks", fuse_gc_blocks=True, inverse_regs_blocks=True, out_chunk_blocks=True)
+    for form in (dict(intra="fused"), dict(intra="blocks"), blocks_all):
         state = torch.zeros(1, H, D, D)
         out = kda_chunk_fwd(q.bfloat16(), kk.bfloat16(), v.bfloat16(), gg, beta, torch.tensor([0, T], dtype=torch.int32),
                             state, torch.tensor([0], dtype=torch.int32), has_initial_state=torch.tensor([False]),
-                            intra=intra)
+                            **form)
         err = ((out.float() - o_ref[0]).norm() / o_ref.norm()).item()
         serr = ((state[0] - s_ref[0]).norm() / s_ref.norm()).item()
-        print(intra, err, serr)
-        assert 1e-3 < err < 1e-2 and serr < 1e-2, (intra, err, serr)  # bf16-sized error: neither garbage nor fp32
+        print(form, err, serr)
+        assert 1e-3 < err < 1e-2 and serr < 1e-2, (form, err, serr)  # bf16-sized error: neither garbage nor fp32
 ''')
 
 

@@ -356,18 +356,44 @@ def test_chunk_head_dim_not_a_power_of_two(intra: str) -> None:
     check_chunk(case, [2, 0], intra=intra)
 
 
-@pytest.mark.parametrize("sliced,l_rows,fuse_gc", [(False, True, False), (True, True, False), (False, False, False),
-                                                   (False, True, True), (True, True, True)],
-                         ids=["rows", "rows_sliced", "pairs", "rows_fused_gc", "rows_sliced_fused_gc"])
-def test_chunk_blocks_k_and_v_slices(sliced: bool, l_rows: bool, fuse_gc: bool) -> None:
+@pytest.mark.parametrize("sliced,l_rows,fuse_gc,out_chunk", [
+    (False, True, False, False), (True, True, False, False), (False, False, False, False), (False, True, True, False),
+    (True, True, True, False), (False, True, False, True), (False, True, True, True), (False, False, False, True)],
+    ids=["rows", "rows_sliced", "pairs", "rows_fused_gc", "rows_sliced_fused_gc", "out_chunk", "out_chunk_fused_gc",
+         "pairs_out_chunk"])
+def test_chunk_blocks_k_and_v_slices(sliced: bool, l_rows: bool, fuse_gc: bool, out_chunk: bool) -> None:
     """intra="blocks" with two K and two V slices (D=32, 16-column slices): its row-block launch loops over the slices
-    or (sliced_out_blocks) runs one program per row block and slice; L and Aqk per row block or (l_rows_blocks
-    False) per 16 x 16 block; Gc from phase 0's launch or (fuse_gc_blocks) where it is read; with snapshots, a tail
-    chunk and a steep sub-chunk (the inverse's exact fix-up)."""
+    or (sliced_out_blocks) runs one program per row block and slice, or (out_chunk_blocks) one per chunk; L and Aqk
+    per row block or (l_rows_blocks False: akk's blocks above the diagonal never written) per 16 x 16 block; Gc from
+    phase 0's launch or (fuse_gc_blocks) where it is read; with snapshots, a tail chunk and a steep sub-chunk (the
+    inverse's exact fix-up)."""
     case = chunk_case([150, 64], H=2, D=32, kind="softplus", dtype=torch.float32, num_slots=5, seed=21)
     case["g"][100, 1, 5] = -90.0
     check_chunk(case, [1, 0], snaps=([[64, 128, 150], []], [[2, 3, 4], []]), intra="blocks", block_k_blocks=16,
-                sliced_out_blocks=sliced, l_rows_blocks=l_rows, fuse_gc_blocks=fuse_gc)
+                sliced_out_blocks=sliced, l_rows_blocks=l_rows, fuse_gc_blocks=fuse_gc, out_chunk_blocks=out_chunk)
+
+
+def test_chunk_blocks_out_chunk_equals_row_blocks() -> None:
+    """out_chunk_blocks (W/U one program per chunk) does per row what the row-block programs do; only the dots' sums
+    may be taken in another order (the interpreter's host matmul on a [C, C] instead of a [BC, C] operand): outputs
+    and states within fp32 rounding of the row-block form's, padded tail chunk and steep sub-chunk included. Refused
+    with sliced_out_blocks and outside intra="blocks"."""
+    lens = [150, 64, 7]
+    case = chunk_case(lens, H=2, D=32, kind="softplus", dtype=torch.float32, num_slots=6, seed=41)
+    case["g"][30, 0, 3] = -80.0
+    slots = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
+    state0 = case["state"].clone()
+    outs, states = [], []
+    for out_chunk in (False, True):
+        case["state"] = state0.clone()
+        outs.append(kda_chunk_fwd(**case, slot_indices=slots, intra="blocks", block_k_blocks=16,
+                                  out_chunk_blocks=out_chunk))
+        states.append(case["state"])
+    assert rel_err(outs[1], outs[0]) <= 1e-6 and rel_err(states[1], states[0]) <= 1e-6
+    with pytest.raises(ValueError, match="out_chunk"):
+        kda_chunk_fwd(**case, slot_indices=slots, intra="blocks", out_chunk_blocks=True, sliced_out_blocks=True)
+    with pytest.raises(ValueError, match="out_chunk_blocks"):
+        kda_chunk_fwd(**case, slot_indices=slots, intra="split", out_chunk_blocks=True)
 
 
 @pytest.mark.parametrize("sliced", [False, True], ids=["rows", "rows_sliced"])
@@ -507,10 +533,13 @@ def test_gpu_decode_kimi_shape(kind: str) -> None:
      ({"intra": "blocks", "sliced_out_blocks": True}, 2e-2), ({"intra": "blocks", "l_rows_blocks": False}, 2e-2),
      ({"intra": "blocks", "precision": "tf32x3", "scratch_dtype": torch.float32}, 5e-3),
      ({"intra": "blocks", "fuse_gc_blocks": True}, 2e-2), ({"intra": "blocks", "inverse_regs_blocks": True}, 2e-2),
-     ({"intra": "blocks", "fuse_gc_blocks": True, "inverse_regs_blocks": True}, 2e-2)],
+     ({"intra": "blocks", "fuse_gc_blocks": True, "inverse_regs_blocks": True}, 2e-2),
+     ({"intra": "blocks", "out_chunk_blocks": True}, 2e-2),
+     ({"intra": "blocks", "fuse_gc_blocks": True, "inverse_regs_blocks": True, "out_chunk_blocks": True}, 2e-2)],
     ids=["bf16_dots", "bf16_dots_split_output", "bf16_dots_fp32_scratch", "tf32x3_fp32_scratch", "split_intra",
          "split_intra_tf32x3", "intra_w4", "blocks_intra", "blocks_intra_sliced", "blocks_intra_pairs",
-         "blocks_intra_tf32x3", "blocks_intra_fused_gc", "blocks_intra_inverse_regs", "blocks_intra_fused_gc_regs"],
+         "blocks_intra_tf32x3", "blocks_intra_fused_gc", "blocks_intra_inverse_regs", "blocks_intra_fused_gc_regs", "blocks_intra_out_chunk",
+         "blocks_intra_all_three"],
 )
 def test_gpu_chunk_kimi_shape(kw: dict, tol: float) -> None:
     lens = [2048, 1000, 64, 1]

@@ -71,6 +71,12 @@ class KernelConfig:
     # tokens (session 33). Off until timed on a GPU (session 34 built it without one; benchmarks/kernels.py variants
     # blocks_intra_inverse_regs, blocks_intra_fused_gc_inverse_regs)
     kda_blocks_inverse_regs: bool = False
+    # "blocks"'s W/U launch one program per (chunk, head) at 4 warps (kernels/kda/triton_intra_blocks.py
+    # _blocks_out_chunk_kernel) instead of one per 16-row block at kda_intra's warps: the row-block programs each
+    # read the chunk's k, v and Gc rows for their dot, four times what the chunk holds (~4.7 GB from the L2 at
+    # 8 x 4K tokens of the 48B layer against ~1.6; that launch took 1.17 of 4.67 ms there, session 33). Off until
+    # timed (session 34 built it without a GPU; benchmarks/kernels.py variants blocks_intra_out_chunk, ...)
+    kda_blocks_out_chunk: bool = False
     # batches of at least this many rows take the fp32 MoE router's logits from three bf16 parts of its weight in
     # one tensor-core GEMM (backend/runner/gpu/ffn.py split_router) instead of torch's fp32 linear, a SIMT sgemm;
     # 0: never. H200, the 48B's 256 x 2304 router (RESULTS.md session 28): 0.055 against 0.072 ms at 1,024 rows,
@@ -126,7 +132,7 @@ class KernelConfig:
             raise ValueError(f"split_router_min_rows: must be >= 0, got {self.split_router_min_rows}")
         if self.kda_intra not in INTRA_FORMS:
             raise ValueError(f"kda_intra: must be one of {INTRA_FORMS}, got {self.kda_intra!r}")
-        for name in ("kda_blocks_fuse_gc", "kda_blocks_inverse_regs"):
+        for name in ("kda_blocks_fuse_gc", "kda_blocks_inverse_regs", "kda_blocks_out_chunk"):
             if getattr(self, name) and self.kda_intra != "blocks":
                 raise ValueError(f"{name}: a form of kda_intra='blocks', got kda_intra={self.kda_intra!r}")
         if self.mxfp4_experts not in MXFP4_EXPERT_PATHS:
