@@ -27,8 +27,8 @@
 #                       33, built without a GPU) at k3-tiny's and the 48B's KDA shapes, warps and V splits, then k3-tiny's
 #                       verify and commit graphs with each (spec_verify.py --variants multi multi_hoist)
 #   kda-fused-gc (150 + 360 + 240) the blocks intra path without its Gc launch (KernelConfig.kda_blocks_fuse_gc,
-#                       session 33), with its inverse in registers and W/U per chunk (kda_blocks_inverse_regs,
-#                       kda_blocks_out_chunk, session 34), all built without a GPU: the chunk kernels' GPU tests,
+#                       session 33), with its inverse in registers, L and W/U per chunk (kda_blocks_inverse_regs,
+#                       kda_blocks_l_chunk, kda_blocks_out_chunk, session 34), all built without a GPU: GPU tests,
 #                       kernels.py at 16K / 64K / 8 x 4K beside fla (issue 18's >= 1.2x), the 48B prefill at 8K / 32K
 #   bf16-paths (120 + 200) test_gpu_runner_bf16_logits_within_tolerance (session 33: [k3] failed at 8fc76af,
 #                       0.0459 against 0.0381), then benchmarks/bf16_paths.py: the bf16 runner's prefill error per
@@ -175,11 +175,11 @@ for stage in "$@"; do
         tests/kernels/test_kda_triton.py -k "kimi_shape or steep or inverse_regs or fused_gc"
       run kda-fused-gc 360 python3 benchmarks/kernels.py --decode-n --prefill 16384 65536 8x4096 \
         --prefill-variants blocks_intra blocks_intra_fused_gc blocks_intra_inverse_regs blocks_intra_out_chunk \
-        blocks_intra_all_three blocks_intra_out_chunk_w8 blocks_intra_fused_gc_inverse_regs blocks_intra_fused_gc_w4 \
-        --budget-s 340 --out "$OUT/kda_fused_gc.json"
+        blocks_intra_l_chunk blocks_intra_all_four blocks_intra_chunks_regs blocks_intra_all_three \
+        blocks_intra_out_chunk_w8 blocks_intra_fused_gc_w4 --budget-s 340 --out "$OUT/kda_fused_gc.json"
       run kda-fused-gc 240 python3 benchmarks/decode.py --batch 1 --prefill 8192 32768 --variants \
-        --prefill-configs kda_blocks_fuse_gc=1 kda_blocks_inverse_regs=1 kda_blocks_out_chunk=1 \
-        kda_blocks_fuse_gc=1,kda_blocks_inverse_regs=1,kda_blocks_out_chunk=1 --budget-s 220 \
+        --prefill-configs kda_blocks_fuse_gc=1 kda_blocks_inverse_regs=1 kda_blocks_out_chunk=1 kda_blocks_l_chunk=1 \
+        kda_blocks_fuse_gc=1,kda_blocks_inverse_regs=1,kda_blocks_out_chunk=1,kda_blocks_l_chunk=1 --budget-s 220 \
         --out "$OUT/kda_fused_gc_48b.json" ;;
     bf16-paths)
       gpu_pytest bf16-test 120 tests/backend/test_gpu_runner.py -k bf16_logits

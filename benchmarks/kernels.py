@@ -79,8 +79,15 @@ PREFILL_VARIANTS: dict[str, dict] = {
     # block (~4.7 GB from the L2 at 8 x 4K tokens against ~1.6)
     "blocks_intra_out_chunk": {"intra": "blocks", "out_chunk_blocks": True},
     "blocks_intra_out_chunk_w8": {"intra": "blocks", "out_chunk_blocks": True, "num_warps_out_chunk": 8},
+    # session 34: L's four row blocks one after another in one program per chunk (blocks 1-3 read the chunk's rows
+    # from the L1)
+    "blocks_intra_l_chunk": {"intra": "blocks", "l_chunk_blocks": True},
     "blocks_intra_all_three": {"intra": "blocks", "fuse_gc_blocks": True, "inverse_regs_blocks": True,
                                "out_chunk_blocks": True},
+    "blocks_intra_all_four": {"intra": "blocks", "fuse_gc_blocks": True, "inverse_regs_blocks": True,
+                              "out_chunk_blocks": True, "l_chunk_blocks": True},
+    "blocks_intra_chunks_regs": {"intra": "blocks", "inverse_regs_blocks": True, "out_chunk_blocks": True,
+                                 "l_chunk_blocks": True},
     # timing probes (results wrong, not checked): the fused intra kernel with one stage skipped each (its PROBE
     # bits), so base minus a probe is about what that stage costs
     "probe_no_blocks": {"probe": 1},  # L and Aqk

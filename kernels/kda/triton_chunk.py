@@ -381,6 +381,8 @@ def kda_chunk_fwd(
     inverse_regs_blocks: bool = False,
     out_chunk_blocks: bool = False,
     num_warps_out_chunk: int = 4,
+    l_chunk_blocks: bool = False,
+    num_warps_l_chunk: int = 4,
     block_v: int = 32,
     block_v_out: int = 64,
     num_warps_intra: int = 8,
@@ -441,6 +443,8 @@ def kda_chunk_fwd(
             out_chunk_blocks: W/U's launch one program per (chunk, head) at num_warps_out_chunk warps, reading the
             chunk's k, v and Gc rows once instead of once per row block (not with sliced_out_blocks; sm_90 bf16:
             86 registers at 4 warps, 124 with fuse_gc_blocks, no spills).
+            l_chunk_blocks: L's and Aqk's launch one program per (chunk, head) at num_warps_l_chunk warps, the four
+            row blocks from one load of each K slice's k and Gc rows (with l_rows_blocks; the same values).
         block_v, block_v_out, num_warps_*, num_stages_state: launch tuning. num_warps_intra 8 (the fused
             intra kernel): 16% faster than 4 at 16K-64K tokens on the H200 (session 24; its [64, 128] fp32
             tiles spill at 4 warps, and 16 were slower again). num_stages_state (None: 3 with 16-bit scratch, the
@@ -499,7 +503,8 @@ def kda_chunk_fwd(
         raise ValueError(f"num_stages_split must be 1 to 4, got {num_stages_split}")
     if fuse_gc_blocks and intra != "blocks":
         raise ValueError(f"fuse_gc_blocks: a form of intra='blocks', got intra={intra!r}")
-    for name, on in (("inverse_regs_blocks", inverse_regs_blocks), ("out_chunk_blocks", out_chunk_blocks)):
+    for name, on in (("inverse_regs_blocks", inverse_regs_blocks), ("out_chunk_blocks", out_chunk_blocks),
+                     ("l_chunk_blocks", l_chunk_blocks)):
         if on and intra != "blocks":
             raise ValueError(f"{name}: a form of intra='blocks', got intra={intra!r}")
     if scratch_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
@@ -545,6 +550,7 @@ def kda_chunk_fwd(
         bk_blocks=block_k_blocks, nw_blocks=num_warps_blocks, ns_blocks=num_stages_blocks,
         sliced_blocks=sliced_out_blocks, lrows_blocks=l_rows_blocks, fuse_gc_blocks=fuse_gc_blocks,
         inverse_regs_blocks=inverse_regs_blocks, out_chunk_blocks=out_chunk_blocks, nw_out_chunk=num_warps_out_chunk,
+        l_chunk_blocks=l_chunk_blocks, nw_l_chunk=num_warps_l_chunk,
         nw_intra=num_warps_intra,
         nw_state=num_warps_state, ns_state=num_stages_state, nw_out=num_warps_out,
         probe=probe,
@@ -614,6 +620,8 @@ class _Launch:
     inverse_regs_blocks: bool  # the blocks path's inverse launch with its blocks in registers
     out_chunk_blocks: bool  # the blocks path's W/U launch one program per (chunk, head)
     nw_out_chunk: int  # its warps
+    l_chunk_blocks: bool  # the blocks path's L/Aqk launch one program per (chunk, head)
+    nw_l_chunk: int  # its warps
     nw_intra: int
     nw_state: int
     ns_state: int
@@ -668,7 +676,8 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
             block_k=min(cfg.bk_blocks, BK), block_v=min(cfg.bk_blocks, BVF), num_warps=cfg.nw_blocks,
             num_stages=cfg.ns_blocks, dot16=cfg.dot16, prec=cfg.prec, prec_inv=cfg.prec_inv, sub=SUB,
             safe_span=SAFE_SPAN, sliced_out=cfg.sliced_blocks, l_rows=cfg.lrows_blocks, fuse_gc=cfg.fuse_gc_blocks,
-            inverse_regs=cfg.inverse_regs_blocks, out_chunk=cfg.out_chunk_blocks, num_warps_out_chunk=cfg.nw_out_chunk)
+            inverse_regs=cfg.inverse_regs_blocks, out_chunk=cfg.out_chunk_blocks, num_warps_out_chunk=cfg.nw_out_chunk,
+            l_chunk=cfg.l_chunk_blocks, num_warps_l_chunk=cfg.nw_l_chunk)
     else:
         gc, akk = buf("gc", NC, H, C, BK), buf("akk", NC, H, C, C)
         _kda_chunk_intra_kernel[(NC, H)](

@@ -244,6 +244,100 @@ def _blocks_pair_kernel(
                  sq_buf, n_valid, scale, i, j, C, BC)
 
 
+@triton.jit
+def _store_l_row(akk_ptr, aqk_ptr, scr, kk, qk, i, rk_i, rq_i, rk, b_i, scale, C: tl.constexpr, BC: tl.constexpr):
+    """Row block i of the raw sums [BC, C] to L (beta_i rk_i kk rk_j, strictly below the diagonal, zeros past it)
+    into akk and Aqk (scale rq_i qk rk_j, on and below the diagonal) into aqk, whole rows."""
+    loc = tl.arange(0, BC)
+    cols = tl.arange(0, C)
+    below = (cols[None, :] // BC < i) | ((cols[None, :] // BC == i) & (loc[:, None] > cols[None, :] % BC))
+    diag = (cols[None, :] // BC == i) & (loc[:, None] == cols[None, :] % BC)
+    rows = (i * BC + loc)[:, None] * C + cols[None, :]
+    kk = tl.where(below, kk * (b_i * rk_i)[:, None] * rk[None, :], 0.0)
+    qk = tl.where(below | diag, qk * (rq_i * scale)[:, None] * rk[None, :], 0.0)
+    tl.store(akk_ptr + scr * (C * C) + rows, kk)
+    tl.store(aqk_ptr + scr * (C * C) + rows, qk.to(aqk_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _l_row_slice(kk, qk, q_h, k_h, stride_qt, stride_kt, gc_buf, kr, gc_all, i: tl.constexpr, n_valid, offs,
+                 K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, DOT16: tl.constexpr,
+                 PREC: tl.constexpr, SAFE_SPAN: tl.constexpr, FUSE_GC: tl.constexpr):
+    """Row block i's sums over one K slice, added to (kk, qk) [BC, C]: _blocks_lrow_kernel's loop body, with the
+    chunk's k rows kr and Gc rows gc_all [C, BKS] given (loaded once for the four row blocks)."""
+    if FUSE_GC:
+        c_i = _one_row(gc_all, i * BC - 1)
+        e = tl.exp(_block_rows(gc_all, i, BC) - c_i[None, :])
+        ke = _rows(k_h, stride_kt, i * BC, n_valid, offs, K, BC) * e
+        qe = _rows(q_h, stride_qt, i * BC, n_valid, offs, K, BC) * e
+    else:
+        c_i, ke, qe = _row_side(q_h, k_h, stride_qt, stride_kt, gc_buf, i, n_valid, offs, K, BK, BC)
+    cols = tl.arange(0, C)
+    col = tl.where((cols < (i + 1) * BC)[:, None], tl.exp(tl.minimum(c_i[None, :] - gc_all, SAFE_SPAN)), 0.0)
+    kt = tl.trans(kr * col)
+    return kk + _dot(ke, kt, DOT16, PREC), qk + _dot(qe, kt, DOT16, PREC)
+
+
+@triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
+def _blocks_lchunk_kernel(
+    q_ptr, k_ptr, g_ptr, beta_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh, stride_bt,
+    stride_bh,
+    cu_ptr, chunk_seq_ptr, chunk_idx_ptr,
+    gc_ptr, sq_ptr,  # phase 0's (FUSE_GC: sq written here, gc unused)
+    gl_ptr, span_ptr,  # FUSE_GC only: written here (phase 0's outputs otherwise)
+    akk_ptr,  # out [NC, H, C, C] fp32: L (zeros past the diagonal blocks)
+    aqk_ptr,  # out [NC, H, C, C]
+    scale,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+    DOT16: tl.constexpr, PREC: tl.constexpr, SAFE_SPAN: tl.constexpr, FUSE_GC: tl.constexpr,
+):
+    """Phase 1 per (chunk, head) (`launch_intra_blocks(l_chunk=True)`): _blocks_lrow_kernel's four row blocks one
+    after another in one program, the same operations (bit-equal in the interpreter). The row-block programs of a
+    chunk run on different SMs, so each brings the chunk's k and Gc rows from the L2 (at 8 x 4K tokens of the 48B
+    layer ~3 GB against ~0.8); here row blocks 1-3 find them in this SM's L1 (48 KB a K pass), with row-block
+    registers (the four blocks' sums side by side took 255 on sm_90 and a stack at 4 warps). FUSE_GC: the norms,
+    spans and exp(Gc_last) during row block 0, stored, and read back as phase 0's are."""
+    tl.static_assert(C == 4 * BC, "four sub-chunks per chunk")
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, n_valid, scr = _program(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, i_h, H, C)
+    q_h = q_ptr + t0 * stride_qt + i_h * stride_qh
+    k_h = k_ptr + t0 * stride_kt + i_h * stride_kh
+    g_h = g_ptr + t0 * stride_gt + i_h * stride_gh
+    b_h = beta_ptr + t0 * stride_bt + i_h * stride_bh
+    gc_buf = gc_ptr + scr * (C * BK)
+    sq_buf = sq_ptr + scr * (2 * C)
+    rows = tl.arange(0, C)
+    for i in tl.static_range(4):
+        kk = tl.zeros([BC, C], dtype=tl.float32)
+        qk = tl.zeros([BC, C], dtype=tl.float32)
+        sk = tl.zeros([C], dtype=tl.float32)
+        sq = tl.zeros([C], dtype=tl.float32)
+        span = tl.zeros([4], dtype=tl.float32)
+        for ks in range(0, BK, BKS):
+            offs = ks + tl.arange(0, BKS)
+            kr = _rows(k_h, stride_kt, 0, n_valid, offs, K, C)
+            if FUSE_GC:
+                g, gc_all = _gc_tile(g_h, stride_gt, n_valid, offs, K, C)
+                if i == 0:  # phase 0's other outputs, from the same g and rows (the same operations as there)
+                    span = tl.maximum(span, _spans(g, BC))
+                    tl.store(gl_ptr + scr * BK + offs, tl.exp(tl.sum(g, axis=0)))
+                    qr = _rows(q_h, stride_qt, 0, n_valid, offs, K, C)
+                    sk += tl.sum(kr * kr, axis=1)
+                    sq += tl.sum(qr * qr, axis=1)
+            else:
+                gc_all = _gc_rows(gc_buf, 0, offs, BK, C)
+            kk, qk = _l_row_slice(kk, qk, q_h, k_h, stride_qt, stride_kt, gc_buf, kr, gc_all, i, n_valid, offs, K, BK,
+                                  C, BC, DOT16, PREC, SAFE_SPAN, FUSE_GC)
+        if FUSE_GC and i == 0:
+            tl.store(sq_buf + rows, sk)
+            tl.store(sq_buf + C + rows, sq)
+            tl.store(span_ptr + scr * 4 + tl.arange(0, 4), span)
+            tl.debug_barrier()  # the norms are read back below, by other threads
+        rk_i, rq_i = _norms(sq_buf, i, BC)
+        _store_l_row(akk_ptr, aqk_ptr, scr, kk, qk, i, rk_i, rq_i, _rnorm(sq_buf, 0, C),
+                     _beta(b_h, stride_bt, i, n_valid, BC), scale, C, BC)
+
+
 @triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
 def _blocks_lrow_kernel(
     q_ptr, k_ptr, g_ptr, beta_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh, stride_bt,
@@ -313,14 +407,8 @@ def _blocks_lrow_kernel(
     else:
         rk_i, rq_i = _norms(sq_buf, i, BC)
         rk = _rnorm(sq_buf, 0, C)
-    b_i = _beta(beta_ptr + t0 * stride_bt + i_h * stride_bh, stride_bt, i, n_valid, BC)
-    below = (cols[None, :] // BC < i) | ((cols[None, :] // BC == i) & (loc[:, None] > cols[None, :] % BC))
-    diag = (cols[None, :] // BC == i) & (loc[:, None] == cols[None, :] % BC)
-    rows = (i * BC + loc)[:, None] * C + cols[None, :]
-    kk = tl.where(below, kk * (b_i * rk_i)[:, None] * rk[None, :], 0.0)
-    qk = tl.where(below | diag, qk * (rq_i * scale)[:, None] * rk[None, :], 0.0)
-    tl.store(akk_ptr + scr * (C * C) + rows, kk)
-    tl.store(aqk_ptr + scr * (C * C) + rows, qk.to(aqk_ptr.dtype.element_ty))
+    _store_l_row(akk_ptr, aqk_ptr, scr, kk, qk, i, rk_i, rq_i, rk,
+                 _beta(beta_ptr + t0 * stride_bt + i_h * stride_bh, stride_bt, i, n_valid, BC), scale, C, BC)
 
 
 @triton.jit
@@ -542,7 +630,8 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
                         scale: float, block_k: int, block_v: int, num_warps: int, num_stages: int, dot16: bool,
                         prec: str, prec_inv: str, sub: int, safe_span: float, sliced_out: bool = False,
                         l_rows: bool = True, fuse_gc: bool = False, inverse_regs: bool = False,
-                        out_chunk: bool = False, num_warps_out_chunk: int = 4) -> None:
+                        out_chunk: bool = False, num_warps_out_chunk: int = 4, l_chunk: bool = False,
+                        num_warps_l_chunk: int = 4) -> None:
     """Four launches over the NC chunks x H heads. The buffers are _launch_chunk's: the state pass's scratch (qg, kd,
     w, u, aqk, gl) and this path's fp32 gc [NC, H, C, BK] (None with fuse_gc), akk [NC, H, C, C], sq [NC, H, 2, C],
     span [NC, H, 4].
@@ -553,7 +642,9 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
     span and gl (gc is neither written nor read: ~1 GB of fp32 traffic each way at 64K tokens of the 48B layer).
     inverse_regs: phase 2 with its blocks in registers (`_blocks_inverse_kernel` REGS; the same values).
     out_chunk: phase 3 one program per (chunk, head) at num_warps_out_chunk warps (`_blocks_out_chunk_kernel`: the
-    chunk's k, v and Gc rows read once, not once per row block; not with sliced_out)."""
+    chunk's k, v and Gc rows read once, not once per row block; not with sliced_out). l_chunk: phase 1 one program
+    per (chunk, head) at num_warps_l_chunk warps (`_blocks_lchunk_kernel`: the same, its k and Gc rows read once for
+    the four row blocks; with l_rows)."""
     NC, H, C, BK = qg.shape
     BV = u.shape[3]
     K, V = k.shape[2], v.shape[2]
@@ -569,11 +660,19 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
     tables = (cu, t_seq, t_idx)
     if fuse_gc and not l_rows:
         raise ValueError("fuse_gc: needs l_rows (the 16 x 16 block programs read phase 0's gc)")
+    if l_chunk and not l_rows:
+        raise ValueError("l_chunk: a form of l_rows (the row blocks of one chunk in one program)")
     if not fuse_gc:
         _blocks_gc_kernel[(NC, H)](
             q, k, g, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1), *tables,
             gl, gc, sq, span, H=H, K=K, BK=BK, BKS=block_k, C=C, BC=sub, num_warps=4)
-    if l_rows:
+    if l_chunk:
+        _blocks_lchunk_kernel[(NC, H)](
+            q, k, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
+            beta.stride(0), beta.stride(1), *tables, gc, sq, gl, span, akk, aqk, scale, H=H, K=K, BK=BK, BKS=block_k,
+            C=C, BC=sub, DOT16=dot16, PREC=prec, SAFE_SPAN=safe_span, FUSE_GC=fuse_gc, num_warps=num_warps_l_chunk,
+            num_stages=num_stages)
+    elif l_rows:
         _blocks_lrow_kernel[(NC * 4, H)](
             q, k, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
             beta.stride(0), beta.stride(1), *tables, gc, sq, gl, span, akk, aqk, scale, H=H, K=K, BK=BK, BKS=block_k,

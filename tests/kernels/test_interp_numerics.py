@@ -85,7 +85,8 @@ _SCRIPT = textwrap.dedent('''
     gg = -torch.nn.functional.softplus(torch.randn(T, H, D, generator=g)) * 0.1
     beta = torch.sigmoid(torch.randn(T, H, generator=g))
     o_ref, s_ref, _ = kda_chunked(q[None], kk[None], v[None], gg[None], beta[None])
-    blocks_all = dict(intra="blocks", fuse_gc_blocks=True, inverse_regs_blocks=True, out_chunk_blocks=True)
+    blocks_all = dict(intra="blocks", fuse_gc_blocks=True, inverse_regs_blocks=True, out_chunk_blocks=True,
+                      l_chunk_blocks=True)
     for form in (dict(intra="fused"), dict(intra="blocks"), blocks_all):
         state = torch.zeros(1, H, D, D)
         out = kda_chunk_fwd(q.bfloat16(), kk.bfloat16(), v.bfloat16(), gg, beta, torch.tensor([0, T], dtype=torch.int32),

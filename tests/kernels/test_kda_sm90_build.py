@@ -179,7 +179,7 @@ def build(fn, act, dot16, prec, warps, sliced, fuse, regs):
     consts = {a: v for a, v in dict(const, DOT16=dot16, PREC=prec, PREC_INV=prec, SLICED=sliced,
                                     FUSE_GC=fuse, REGS=regs).items() if a in args}
     # the inverse and the per-chunk W/U launches take 4 warps (launch_intra_blocks' defaults); the others the form's
-    own4 = fn is B._blocks_inverse_kernel or fn is B._blocks_out_chunk_kernel
+    own4 = fn in (B._blocks_inverse_kernel, B._blocks_out_chunk_kernel, B._blocks_lchunk_kernel)
     return sm90_build(fn, sig, consts, 4 if own4 else warps, 2, lambda k: k in strides)
 
 kernels = dict(gc=(B._blocks_gc_kernel, False, False, False), pair=(B._blocks_pair_kernel, False, False, False),
@@ -190,7 +190,8 @@ kernels = dict(gc=(B._blocks_gc_kernel, False, False, False), pair=(B._blocks_pa
                out=(B._blocks_out_kernel, False, False, False), out_sliced=(B._blocks_out_kernel, True, False, False),
                out_fused_gc=(B._blocks_out_kernel, False, True, False),
                out_chunk=(B._blocks_out_chunk_kernel, False, False, False),
-               out_chunk_fused_gc=(B._blocks_out_chunk_kernel, False, True, False))
+               out_chunk_fused_gc=(B._blocks_out_chunk_kernel, False, True, False),
+               l_chunk=(B._blocks_lchunk_kernel, False, False, False))
 print(json.dumps({  # kda_chunk_fwd's defaults for intra="blocks": 32-column slices, 2 stages, 2 warps (bf16), 4 (fp32)
     form: {name: build(fn, act, dot16, prec, warps, *flags) for name, (fn, *flags) in kernels.items()}
     for form, act, dot16, prec, warps in (("bf16", "*bf16", True, "tf32", 2), ("fp32", "*fp32", False, "ieee", 4))}))
@@ -202,8 +203,8 @@ def test_blocks_intra_kernels_build_for_sm90() -> None:
     memory, and its four launches stay small at their default warps: no spills in the bf16 form (2 warps) and registers
     for at least four programs per SM (the point of the split: session 29's one-launch form took 255 with spills;
     2 warps measured faster than 4 on the H200, 2.29 against 2.53 ms at 16K tokens, session 32); the fused-Gc forms of
-    phases 1 and 3 (fuse_gc_blocks, session 33), the inverse's register form and the per-chunk W/U launch
-    (inverse_regs_blocks, out_chunk_blocks, session 34) too."""
+    phases 1 and 3 (fuse_gc_blocks, session 33), the inverse's register form and the per-chunk L and W/U launches
+    (inverse_regs_blocks, l_chunk_blocks, out_chunk_blocks, session 34) too."""
     res = run_sm90_build(_BUILD_BLOCKS, timeout=600)
     for form, kernels in res.items():
         for name, r in kernels.items():

@@ -356,21 +356,49 @@ def test_chunk_head_dim_not_a_power_of_two(intra: str) -> None:
     check_chunk(case, [2, 0], intra=intra)
 
 
-@pytest.mark.parametrize("sliced,l_rows,fuse_gc,out_chunk", [
-    (False, True, False, False), (True, True, False, False), (False, False, False, False), (False, True, True, False),
-    (True, True, True, False), (False, True, False, True), (False, True, True, True), (False, False, False, True)],
+@pytest.mark.parametrize("sliced,l_rows,fuse_gc,out_chunk,l_chunk", [
+    (False, True, False, False, False), (True, True, False, False, False), (False, False, False, False, False),
+    (False, True, True, False, False), (True, True, True, False, False), (False, True, False, True, False),
+    (False, True, True, True, False), (False, False, False, True, False), (False, True, False, False, True),
+    (False, True, True, True, True)],
     ids=["rows", "rows_sliced", "pairs", "rows_fused_gc", "rows_sliced_fused_gc", "out_chunk", "out_chunk_fused_gc",
-         "pairs_out_chunk"])
-def test_chunk_blocks_k_and_v_slices(sliced: bool, l_rows: bool, fuse_gc: bool, out_chunk: bool) -> None:
+         "pairs_out_chunk", "l_chunk", "l_chunk_out_chunk_fused_gc"])
+def test_chunk_blocks_k_and_v_slices(sliced: bool, l_rows: bool, fuse_gc: bool, out_chunk: bool, l_chunk: bool) -> None:
     """intra="blocks" with two K and two V slices (D=32, 16-column slices): its row-block launch loops over the slices
     or (sliced_out_blocks) runs one program per row block and slice, or (out_chunk_blocks) one per chunk; L and Aqk
-    per row block or (l_rows_blocks False: akk's blocks above the diagonal never written) per 16 x 16 block; Gc from
-    phase 0's launch or (fuse_gc_blocks) where it is read; with snapshots, a tail chunk and a steep sub-chunk (the
-    inverse's exact fix-up)."""
+    per row block, all four in one program per chunk (l_chunk_blocks), or (l_rows_blocks False: akk's blocks above
+    the diagonal never written) per 16 x 16 block; Gc from phase 0's launch or (fuse_gc_blocks) where it is read;
+    with snapshots, a tail chunk and a steep sub-chunk (the inverse's exact fix-up)."""
     case = chunk_case([150, 64], H=2, D=32, kind="softplus", dtype=torch.float32, num_slots=5, seed=21)
     case["g"][100, 1, 5] = -90.0
     check_chunk(case, [1, 0], snaps=([[64, 128, 150], []], [[2, 3, 4], []]), intra="blocks", block_k_blocks=16,
-                sliced_out_blocks=sliced, l_rows_blocks=l_rows, fuse_gc_blocks=fuse_gc, out_chunk_blocks=out_chunk)
+                sliced_out_blocks=sliced, l_rows_blocks=l_rows, fuse_gc_blocks=fuse_gc, out_chunk_blocks=out_chunk,
+                l_chunk_blocks=l_chunk)
+
+
+@pytest.mark.parametrize("fuse_gc", [False, True], ids=["phase0", "fused_gc"])
+def test_chunk_blocks_l_chunk_equals_row_blocks(fuse_gc: bool) -> None:
+    """l_chunk_blocks (the four row blocks of L and Aqk one after another in one program per chunk) does the row-block
+    programs' operations: outputs, final states and snapshots equal bit for bit in the interpreter (compiled: within
+    fp32 rounding), steep sub-chunk and padded tail chunk included; with fuse_gc_blocks its norms, spans and
+    exp(Gc_last) are phase 0's. Refused without l_rows_blocks and outside intra="blocks"."""
+    lens, snaps = [150, 64, 7], ([[64, 128, 150], [], []], [[3, 4, 5], [], []])
+    case = chunk_case(lens, H=2, D=32, kind="softplus", dtype=torch.float32, num_slots=6, seed=43)
+    case["g"][100, 1, 5] = -90.0
+    slots = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
+    state0 = case["state"].clone()
+    outs, states = [], []
+    for l_chunk in (False, True):
+        case["state"] = state0.clone()
+        outs.append(kda_chunk_fwd(**case, slot_indices=slots, snapshot_positions=snaps[0], snapshot_slots=snaps[1],
+                                  intra="blocks", block_k_blocks=16, fuse_gc_blocks=fuse_gc, l_chunk_blocks=l_chunk))
+        states.append(case["state"])
+    same = torch.equal if DEV == "cpu" else (lambda a, b: rel_err(a, b) <= 1e-6)
+    assert same(outs[1], outs[0]) and same(states[1], states[0])
+    with pytest.raises(ValueError, match="l_chunk"):
+        kda_chunk_fwd(**case, slot_indices=slots, intra="blocks", l_rows_blocks=False, l_chunk_blocks=True)
+    with pytest.raises(ValueError, match="l_chunk_blocks"):
+        kda_chunk_fwd(**case, slot_indices=slots, intra="fused", l_chunk_blocks=True)
 
 
 def test_chunk_blocks_out_chunk_equals_row_blocks() -> None:
@@ -535,11 +563,13 @@ def test_gpu_decode_kimi_shape(kind: str) -> None:
      ({"intra": "blocks", "fuse_gc_blocks": True}, 2e-2), ({"intra": "blocks", "inverse_regs_blocks": True}, 2e-2),
      ({"intra": "blocks", "fuse_gc_blocks": True, "inverse_regs_blocks": True}, 2e-2),
      ({"intra": "blocks", "out_chunk_blocks": True}, 2e-2),
-     ({"intra": "blocks", "fuse_gc_blocks": True, "inverse_regs_blocks": True, "out_chunk_blocks": True}, 2e-2)],
+     ({"intra": "blocks", "l_chunk_blocks": True}, 2e-2),
+     ({"intra": "blocks", "fuse_gc_blocks": True, "inverse_regs_blocks": True, "out_chunk_blocks": True,
+       "l_chunk_blocks": True}, 2e-2)],
     ids=["bf16_dots", "bf16_dots_split_output", "bf16_dots_fp32_scratch", "tf32x3_fp32_scratch", "split_intra",
          "split_intra_tf32x3", "intra_w4", "blocks_intra", "blocks_intra_sliced", "blocks_intra_pairs",
          "blocks_intra_tf32x3", "blocks_intra_fused_gc", "blocks_intra_inverse_regs", "blocks_intra_fused_gc_regs", "blocks_intra_out_chunk",
-         "blocks_intra_all_three"],
+         "blocks_intra_l_chunk", "blocks_intra_all_four"],
 )
 def test_gpu_chunk_kimi_shape(kw: dict, tol: float) -> None:
     lens = [2048, 1000, 64, 1]

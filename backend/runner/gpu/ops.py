@@ -77,6 +77,11 @@ class KernelConfig:
     # 8 x 4K tokens of the 48B layer against ~1.6; that launch took 1.17 of 4.67 ms there, session 33). Off until
     # timed (session 34 built it without a GPU; benchmarks/kernels.py variants blocks_intra_out_chunk, ...)
     kda_blocks_out_chunk: bool = False
+    # "blocks"'s L/Aqk launch one program per (chunk, head) (kernels/kda/triton_intra_blocks.py
+    # _blocks_lchunk_kernel): the row-block programs' four row blocks one after another, so blocks 1-3 find the
+    # chunk's k and Gc rows in the SM's L1 instead of the L2 (~3 GB against ~0.8 at 8 x 4K tokens of the 48B layer;
+    # that launch took 0.95 of 4.67 ms there, session 33). The same values. Off until timed (session 34)
+    kda_blocks_l_chunk: bool = False
     # batches of at least this many rows take the fp32 MoE router's logits from three bf16 parts of its weight in
     # one tensor-core GEMM (backend/runner/gpu/ffn.py split_router) instead of torch's fp32 linear, a SIMT sgemm;
     # 0: never. H200, the 48B's 256 x 2304 router (RESULTS.md session 28): 0.055 against 0.072 ms at 1,024 rows,
@@ -132,7 +137,7 @@ class KernelConfig:
             raise ValueError(f"split_router_min_rows: must be >= 0, got {self.split_router_min_rows}")
         if self.kda_intra not in INTRA_FORMS:
             raise ValueError(f"kda_intra: must be one of {INTRA_FORMS}, got {self.kda_intra!r}")
-        for name in ("kda_blocks_fuse_gc", "kda_blocks_inverse_regs", "kda_blocks_out_chunk"):
+        for name in ("kda_blocks_fuse_gc", "kda_blocks_inverse_regs", "kda_blocks_out_chunk", "kda_blocks_l_chunk"):
             if getattr(self, name) and self.kda_intra != "blocks":
                 raise ValueError(f"{name}: a form of kda_intra='blocks', got kda_intra={self.kda_intra!r}")
         if self.mxfp4_experts not in MXFP4_EXPERT_PATHS:
