@@ -76,7 +76,7 @@ PREFILL_VARIANTS: dict[str, dict] = {
     "blocks_intra_inverse_regs": {"intra": "blocks", "inverse_regs_blocks": True},
     "blocks_intra_fused_gc_inverse_regs": {"intra": "blocks", "fuse_gc_blocks": True, "inverse_regs_blocks": True},
     # session 34: W/U one program per (chunk, head), the chunk's k, v and Gc rows read once instead of once per row
-    # block (~4.7 GB from the L2 at 8 x 4K tokens against ~1.6)
+    # block (~4.2 GB from the L2 at 8 x 4K tokens against ~1.05)
     "blocks_intra_out_chunk": {"intra": "blocks", "out_chunk_blocks": True},
     "blocks_intra_out_chunk_w8": {"intra": "blocks", "out_chunk_blocks": True, "num_warps_out_chunk": 8},
     # session 34: L's four row blocks one after another in one program per chunk (blocks 1-3 read the chunk's rows

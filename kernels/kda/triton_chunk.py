@@ -526,10 +526,10 @@ def kda_chunk_fwd(
     cu_dev = cu_seqlens.to(device=dev, dtype=torch.int32)  # no copy when it already is
     slots = slot_indices if slot_indices.device == dev else slot_indices.to(dev)
 
-    # the interpreter computes 16-bit dots wrongly: fp32 operands there (EXACT_DOTS; not with K3RT_GPU_NUMERICS). The 16-bit dot path is verified
-    # on the H200 at K = V = 128 (the Kimi head); at K = V = 16 (the tiny test checkpoints) the intra
-    # kernel hit an illegal memory access on the H200 (2026-11-30, not diagnosed), so heads narrower
-    # than DOT16_MIN_HEAD take the fp32-scratch tf32 path.
+    # the interpreter computes 16-bit dots wrongly: fp32 operands there (EXACT_DOTS; not with K3RT_GPU_NUMERICS).
+    # The 16-bit dot path is verified on the H200 at K = V = 128 (the Kimi head); at K = V = 16 (the tiny test
+    # checkpoints) the intra kernel hit an illegal memory access on the H200 (2026-11-30, not diagnosed), so heads
+    # narrower than DOT16_MIN_HEAD take the fp32-scratch tf32 path.
     dot16 = (not EXACT_DOTS and precision == "tf32" and q.dtype in (torch.bfloat16, torch.float16)
              and min(K, V) >= DOT16_MIN_HEAD)
     prec = "ieee" if EXACT_DOTS else precision

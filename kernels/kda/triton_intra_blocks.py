@@ -589,9 +589,9 @@ def _blocks_out_chunk_kernel(
     """Phase 3 per (chunk, head) (`launch_intra_blocks(out_chunk=True)`): all C rows of qg, kd, W and U in one
     program, T = X diag(beta) as one [C, C] tile (X's blocks on and below the diagonal), W and U one [C, C] x [C, *]
     dot per slice. The row-block programs (_blocks_out_kernel) each load the chunk's k, v and Gc rows for their dot,
-    so those reach the SMs four times; here once (at 8 x 4K tokens of the 48B layer ~4.7 GB from L2 against ~1.6).
-    The same elementwise operations per row; the dots' rows the same sums (interpreter: equal up to the order the
-    host's matmul takes them in)."""
+    so those reach the SMs four times; here once (at 8 x 4K tokens of the 48B layer ~4.2 GB from the L2 against
+    ~1.05). The same elementwise operations per row; the dots' rows the same sums (interpreter: equal up to the order
+    the host's matmul takes them in)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, n_valid, scr = _program(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, i_h, H, C)
     q_h = q_ptr + t0 * stride_qt + i_h * stride_qh

@@ -89,9 +89,9 @@ _SCRIPT = textwrap.dedent('''
                       l_chunk_blocks=True)
     for form in (dict(intra="fused"), dict(intra="blocks"), blocks_all):
         state = torch.zeros(1, H, D, D)
-        out = kda_chunk_fwd(q.bfloat16(), kk.bfloat16(), v.bfloat16(), gg, beta, torch.tensor([0, T], dtype=torch.int32),
-                            state, torch.tensor([0], dtype=torch.int32), has_initial_state=torch.tensor([False]),
-                            **form)
+        cu = torch.tensor([0, T], dtype=torch.int32)
+        out = kda_chunk_fwd(q.bfloat16(), kk.bfloat16(), v.bfloat16(), gg, beta, cu, state,
+                            torch.tensor([0], dtype=torch.int32), has_initial_state=torch.tensor([False]), **form)
         err = ((out.float() - o_ref[0]).norm() / o_ref.norm()).item()
         serr = ((state[0] - s_ref[0]).norm() / s_ref.norm()).item()
         print(form, err, serr)

@@ -568,7 +568,8 @@ def test_gpu_decode_kimi_shape(kind: str) -> None:
        "l_chunk_blocks": True}, 2e-2)],
     ids=["bf16_dots", "bf16_dots_split_output", "bf16_dots_fp32_scratch", "tf32x3_fp32_scratch", "split_intra",
          "split_intra_tf32x3", "intra_w4", "blocks_intra", "blocks_intra_sliced", "blocks_intra_pairs",
-         "blocks_intra_tf32x3", "blocks_intra_fused_gc", "blocks_intra_inverse_regs", "blocks_intra_fused_gc_regs", "blocks_intra_out_chunk",
+         "blocks_intra_tf32x3", "blocks_intra_fused_gc", "blocks_intra_inverse_regs", "blocks_intra_fused_gc_regs",
+         "blocks_intra_out_chunk",
          "blocks_intra_l_chunk", "blocks_intra_all_four"],
 )
 def test_gpu_chunk_kimi_shape(kw: dict, tol: float) -> None:
