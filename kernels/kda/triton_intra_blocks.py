@@ -296,7 +296,7 @@ def _blocks_lchunk_kernel(
     chunk run on different SMs, so each brings the chunk's k and Gc rows from the L2 (at 8 x 4K tokens of the 48B
     layer ~3 GB against ~0.8); here row blocks 1-3 find them in this SM's L1 (48 KB a K pass), with row-block
     registers (the four blocks' sums side by side took 255 on sm_90 and a stack at 4 warps). FUSE_GC: the norms,
-    spans and exp(Gc_last) during row block 0, stored, and read back as phase 0's are."""
+    spans and exp(Gc_last) in a first pass over the K slices, stored, and read back as phase 0's are."""
     tl.static_assert(C == 4 * BC, "four sub-chunks per chunk")
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, n_valid, scr = _program(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, i_h, H, C)
@@ -306,33 +306,36 @@ def _blocks_lchunk_kernel(
     b_h = beta_ptr + t0 * stride_bt + i_h * stride_bh
     gc_buf = gc_ptr + scr * (C * BK)
     sq_buf = sq_ptr + scr * (2 * C)
-    rows = tl.arange(0, C)
-    for i in tl.static_range(4):
-        kk = tl.zeros([BC, C], dtype=tl.float32)
-        qk = tl.zeros([BC, C], dtype=tl.float32)
+    if FUSE_GC:  # phase 0's outputs but gc first, in a pass of their own (its registers apart from the sums')
+        rows = tl.arange(0, C)
         sk = tl.zeros([C], dtype=tl.float32)
         sq = tl.zeros([C], dtype=tl.float32)
         span = tl.zeros([4], dtype=tl.float32)
         for ks in range(0, BK, BKS):
             offs = ks + tl.arange(0, BKS)
+            g = _rows(g_h, stride_gt, 0, n_valid, offs, K, C)
+            span = tl.maximum(span, _spans(g, BC))
+            tl.store(gl_ptr + scr * BK + offs, tl.exp(tl.sum(g, axis=0)))
+            kr = _rows(k_h, stride_kt, 0, n_valid, offs, K, C)
+            qr = _rows(q_h, stride_qt, 0, n_valid, offs, K, C)
+            sk += tl.sum(kr * kr, axis=1)
+            sq += tl.sum(qr * qr, axis=1)
+        tl.store(sq_buf + rows, sk)
+        tl.store(sq_buf + C + rows, sq)
+        tl.store(span_ptr + scr * 4 + tl.arange(0, 4), span)
+        tl.debug_barrier()  # the norms are read back below, by other threads
+    for i in tl.static_range(4):
+        kk = tl.zeros([BC, C], dtype=tl.float32)
+        qk = tl.zeros([BC, C], dtype=tl.float32)
+        for ks in range(0, BK, BKS):
+            offs = ks + tl.arange(0, BKS)
             kr = _rows(k_h, stride_kt, 0, n_valid, offs, K, C)
             if FUSE_GC:
-                g, gc_all = _gc_tile(g_h, stride_gt, n_valid, offs, K, C)
-                if i == 0:  # phase 0's other outputs, from the same g and rows (the same operations as there)
-                    span = tl.maximum(span, _spans(g, BC))
-                    tl.store(gl_ptr + scr * BK + offs, tl.exp(tl.sum(g, axis=0)))
-                    qr = _rows(q_h, stride_qt, 0, n_valid, offs, K, C)
-                    sk += tl.sum(kr * kr, axis=1)
-                    sq += tl.sum(qr * qr, axis=1)
+                gc_all = _gc_tile(g_h, stride_gt, n_valid, offs, K, C)[1]
             else:
                 gc_all = _gc_rows(gc_buf, 0, offs, BK, C)
             kk, qk = _l_row_slice(kk, qk, q_h, k_h, stride_qt, stride_kt, gc_buf, kr, gc_all, i, n_valid, offs, K, BK,
                                   C, BC, DOT16, PREC, SAFE_SPAN, FUSE_GC)
-        if FUSE_GC and i == 0:
-            tl.store(sq_buf + rows, sk)
-            tl.store(sq_buf + C + rows, sq)
-            tl.store(span_ptr + scr * 4 + tl.arange(0, 4), span)
-            tl.debug_barrier()  # the norms are read back below, by other threads
         rk_i, rq_i = _norms(sq_buf, i, BC)
         _store_l_row(akk_ptr, aqk_ptr, scr, kk, qk, i, rk_i, rq_i, _rnorm(sq_buf, 0, C),
                      _beta(b_h, stride_bt, i, n_valid, BC), scale, C, BC)
