@@ -17,7 +17,9 @@ interpreter's builder so that
     bits of each register: truncation); "tf32x3" and "ieee" stay exact fp32;
 and `gpu_numerics()` tells the launchers to take their GPU dot paths (16-bit operands, tf32) under the interpreter.
 Accumulation order inside a dot and the GPU's fast exp/rsqrt differ from numpy's: that is rounding of fp32, orders
-of magnitude below bf16's, which is what this module is for. Used by benchmarks/bf16_paths.py --cpu-bf16 and its
+of magnitude below bf16's, which is what this module is for. One bf16 difference remains: a tl.sum of a bf16 tensor
+rounds once here, after an fp32 sum, where the GPU rounds at every step of its tree (Triton keeps a bf16 sum in
+bf16); the kernels upcast before their sums. Used by benchmarks/bf16_paths.py --cpu-bf16 and its
 test; never on a GPU (there is no interpreter to patch).
 """
 from __future__ import annotations
