@@ -556,7 +556,8 @@ def main() -> int:
                 item("decode_sweep", f"k3rt N={N} {cfg}", lambda N=N, c=cfg: bench_decode(N, H, D, "k3rt", c))
     for case in (ARGS.verify if not smoke else ["2x3"]):
         item("verify", f"k3rt {case}", lambda c=case: bench_verify(c, H, D))
-    variants = ARGS.prefill_variants if not smoke else ["base", "split", "split_intra", "blocks_intra"]
+    smoke_variants = ["base", "split", "split_intra", "blocks_intra", "blocks_intra_all_four"]
+    variants = ARGS.prefill_variants if not smoke else smoke_variants
     if not smoke:
         item("correctness", "kda_chunk_fwd base steep", lambda: check_chunk([300, 64, 1000], H, D, "base", True))
         # the split and blocks intra paths have steep-gate code of their own
