@@ -442,7 +442,8 @@ def kda_chunk_fwd(
             on the scratch per program instead of about 22).
             out_chunk_blocks: W/U's launch one program per (chunk, head) at num_warps_out_chunk warps, reading the
             chunk's k, v and Gc rows once instead of once per row block (not with sliced_out_blocks; sm_90 bf16:
-            86 registers at 4 warps, 124 with fuse_gc_blocks, no spills).
+            86 registers at 4 warps, 124 with fuse_gc_blocks, no spills; the fp32 form of heads under
+            DOT16_MIN_HEAD spills there).
             l_chunk_blocks: L's and Aqk's launch one program per (chunk, head) at num_warps_l_chunk warps, the four
             row blocks from one load of each K slice's k and Gc rows (with l_rows_blocks; the same values).
         block_v, block_v_out, num_warps_*, num_stages_state: launch tuning. num_warps_intra 8 (the fused

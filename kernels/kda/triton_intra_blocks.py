@@ -517,15 +517,22 @@ def _blocks_out_kernel(
     scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
     BVS: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, DOT16: tl.constexpr, PREC: tl.constexpr,
-    SLICED: tl.constexpr, FUSE_GC: tl.constexpr,
+    SLICED: tl.constexpr, FUSE_GC: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """Phase 3, one program per (chunk, row block i, head): qg, kd, W and U rows from X's blocks (i, 0..i).
-    SLICED: one program per (chunk, row block i and one K or V slice, head) instead, each doing one slice's loop
-    iteration (BK / BKS + BV / BVS programs per row block: more and smaller programs). FUSE_GC: Gc from the chunk's
-    g rows per K slice (see _blocks_lrow_kernel), not from phase 0's gc."""
+    """Phase 3, one program per (chunk, row block i, head) (ROWS = BC): qg, kd, W and U rows from X's blocks
+    (i, 0..i). SLICED: one program per (chunk, row block i and one K or V slice, head) instead, each doing one
+    slice's loop iteration (BK / BKS + BV / BVS programs per row block: more and smaller programs). FUSE_GC: Gc from
+    the chunk's g rows per K slice (see _blocks_lrow_kernel), not from phase 0's gc.
+    ROWS = C (`launch_intra_blocks(out_chunk=True)`): one program per (chunk, head) for all C rows, T = X diag(beta)
+    one [C, C] tile, W and U one [C, C] x [C, *] dot per slice. The row-block programs each load the chunk's k, v
+    and Gc rows for their dot, so those reach the SMs four times (at 8 x 4K tokens of the 48B layer ~4.2 GB from the
+    L2 against ~1.05 here). The same elementwise operations per row; the dots' rows the same sums (interpreter:
+    equal up to the order the host's matmul takes them in)."""
+    tl.static_assert((ROWS == BC) or ((ROWS == C) and not SLICED), "row blocks, or the whole chunk unsliced")
     NKS: tl.constexpr = BK // BKS
     NS: tl.constexpr = NKS + BV // BVS
-    NP: tl.constexpr = 4 * NS if SLICED else 4  # programs per (chunk, head), axis 0 = chunk * NP + program
+    NB: tl.constexpr = C // ROWS  # row tiles per chunk
+    NP: tl.constexpr = NB * NS if SLICED else NB  # programs per (chunk, head), axis 0 = chunk * NP + program
     i_c, i_p, i_h = tl.program_id(0) // NP, tl.program_id(0) % NP, tl.program_id(1)
     if SLICED:
         i, s = i_p // NS, i_p % NS
@@ -536,6 +543,7 @@ def _blocks_out_kernel(
     else:
         i = i_p
         k_lo, k_hi, v_lo, v_hi = 0, BK, 0, BV
+    r0 = i * ROWS
     t0, n_valid, scr = _program(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, i_h, H, C)
     q_h = q_ptr + t0 * stride_qt + i_h * stride_qh
     k_h = k_ptr + t0 * stride_kt + i_h * stride_kh
@@ -544,89 +552,44 @@ def _blocks_out_kernel(
     b_h = beta_ptr + t0 * stride_bt + i_h * stride_bh
     gc_buf = gc_ptr + scr * (C * BK)
     sq_buf = sq_ptr + scr * (2 * C)
-    akk_buf = akk_ptr + scr * (C * C)
-    rk_i, rq_i = _norms(sq_buf, i, BC)
-    # T = X diag(beta), row block i: its blocks (i, j <= i) in one [BC, C] tile, the columns past block i masked
-    # (akk holds no X there), so that W_i and U_i are one dot per slice over the chunk's C rows instead of i + 1
-    # dependent dots over 16
+    rk_i, rq_i = _rnorm(sq_buf, r0, ROWS), _rnorm(sq_buf, C + r0, ROWS)
+    # T = X diag(beta), the tile's rows: their blocks (i, j <= i) in one [ROWS, C] tile, the blocks above the
+    # diagonal masked (akk holds no X there), so that W and U are one dot per slice over the chunk's C rows instead
+    # of i + 1 dependent dots over 16
+    rows = r0 + tl.arange(0, ROWS)
     cols = tl.arange(0, C)
-    past = cols < (i + 1) * BC
-    t_row = tl.load(akk_buf + (i * BC + tl.arange(0, BC))[:, None] * C + cols[None, :], mask=past[None, :], other=0.0)
+    past = cols < r0 + ROWS
+    if ROWS == C:
+        lower = cols[None, :] // BC <= rows[:, None] // BC
+    else:  # one row block: a column mask (a 2D one costs the sliced programs 40 registers on sm_90)
+        lower = past[None, :]
+    t_row = tl.load(akk_ptr + scr * (C * C) + rows[:, None] * C + cols[None, :], mask=lower, other=0.0)
     t_row = t_row * tl.load(b_h + cols.to(tl.int64) * stride_bt, mask=past & (cols < n_valid), other=0.0)[None, :]
     rk_all = _rnorm(sq_buf, 0, C)
     for ks in range(k_lo, k_hi, BKS):
         offs = ks + tl.arange(0, BKS)
         if FUSE_GC:
             gc_all = _gc_tile(g_h, stride_gt, n_valid, offs, K, C)[1]
-            g_last, gc_i = _one_row(gc_all, C - 1), _block_rows(gc_all, i, BC)
+            g_last = _one_row(gc_all, C - 1)
+            gc_i = gc_all if ROWS == C else _block_rows(gc_all, i, BC)
         else:
             g_last = tl.load(gc_buf + (C - 1) * BK + offs)
-            gc_i = _gc_rows(gc_buf, i * BC, offs, BK, BC)
-            gc_all = _gc_rows(gc_buf, 0, offs, BK, C)
-        q_i = _rows(q_h, stride_qt, i * BC, n_valid, offs, K, BC)
-        _row_out(qg_ptr + scr * (C * BK), q_i * (rq_i * scale)[:, None] * tl.exp(gc_i), i * BC, offs, BK, BC)
-        kn_i = _rows(k_h, stride_kt, i * BC, n_valid, offs, K, BC) * rk_i[:, None]
-        _row_out(kd_ptr + scr * (C * BK), kn_i * tl.exp(g_last[None, :] - gc_i), i * BC, offs, BK, BC)
-        # kn_j exp(Gc_j) of every row (rows past block i meet T's zeros)
-        kg = _rows(k_h, stride_kt, 0, n_valid, offs, K, C) * rk_all[:, None] * tl.exp(gc_all)
-        _row_out(w_ptr + scr * (C * BK), _dot(t_row, kg, DOT16, PREC), i * BC, offs, BK, BC)
+            gc_i = _gc_rows(gc_buf, r0, offs, BK, ROWS)
+            gc_all = gc_i if ROWS == C else _gc_rows(gc_buf, 0, offs, BK, C)
+        q_i = _rows(q_h, stride_qt, r0, n_valid, offs, K, ROWS)
+        _row_out(qg_ptr + scr * (C * BK), q_i * (rq_i * scale)[:, None] * tl.exp(gc_i), r0, offs, BK, ROWS)
+        kn_i = _rows(k_h, stride_kt, r0, n_valid, offs, K, ROWS) * rk_i[:, None]
+        _row_out(kd_ptr + scr * (C * BK), kn_i * tl.exp(g_last[None, :] - gc_i), r0, offs, BK, ROWS)
+        # kn_j exp(Gc_j) of every row (rows past the tile's blocks meet T's zeros)
+        if ROWS == C:
+            kg = kn_i * tl.exp(gc_all)
+        else:
+            kg = _rows(k_h, stride_kt, 0, n_valid, offs, K, C) * rk_all[:, None] * tl.exp(gc_all)
+        _row_out(w_ptr + scr * (C * BK), _dot(t_row, kg, DOT16, PREC), r0, offs, BK, ROWS)
     for vs in range(v_lo, v_hi, BVS):
         offs = vs + tl.arange(0, BVS)
         u = _dot(t_row, _rows(v_h, stride_vt, 0, n_valid, offs, V, C), DOT16, PREC)
-        _row_out(u_ptr + scr * (C * BV), u, i * BC, offs, BV, BC)
-
-
-@triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
-def _blocks_out_chunk_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_gt, stride_gh, stride_bt, stride_bh,
-    cu_ptr, chunk_seq_ptr, chunk_idx_ptr,
-    gc_ptr, sq_ptr, akk_ptr,  # phases 0 and 2's
-    qg_ptr, kd_ptr, w_ptr,  # out [NC, H, C, BK]
-    u_ptr,  # out [NC, H, C, BV]
-    scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
-    BVS: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, DOT16: tl.constexpr, PREC: tl.constexpr,
-    FUSE_GC: tl.constexpr,
-):
-    """Phase 3 per (chunk, head) (`launch_intra_blocks(out_chunk=True)`): all C rows of qg, kd, W and U in one
-    program, T = X diag(beta) as one [C, C] tile (X's blocks on and below the diagonal), W and U one [C, C] x [C, *]
-    dot per slice. The row-block programs (_blocks_out_kernel) each load the chunk's k, v and Gc rows for their dot,
-    so those reach the SMs four times; here once (at 8 x 4K tokens of the 48B layer ~4.2 GB from the L2 against
-    ~1.05). The same elementwise operations per row; the dots' rows the same sums (interpreter: equal up to the order
-    the host's matmul takes them in)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0, n_valid, scr = _program(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, i_h, H, C)
-    q_h = q_ptr + t0 * stride_qt + i_h * stride_qh
-    k_h = k_ptr + t0 * stride_kt + i_h * stride_kh
-    v_h = v_ptr + t0 * stride_vt + i_h * stride_vh
-    g_h = g_ptr + t0 * stride_gt + i_h * stride_gh
-    b_h = beta_ptr + t0 * stride_bt + i_h * stride_bh
-    gc_buf = gc_ptr + scr * (C * BK)
-    sq_buf = sq_ptr + scr * (2 * C)
-    rows = tl.arange(0, C)
-    # X's blocks on and below the diagonal (akk holds zeros or nothing above them), times beta of each column
-    lower = rows[None, :] // BC <= rows[:, None] // BC
-    t = tl.load(akk_ptr + scr * (C * C) + rows[:, None] * C + rows[None, :], mask=lower, other=0.0)
-    t = t * tl.load(b_h + rows.to(tl.int64) * stride_bt, mask=rows < n_valid, other=0.0)[None, :]
-    rk, rq = _rnorm(sq_buf, 0, C), _rnorm(sq_buf, C, C)
-    for ks in range(0, BK, BKS):
-        offs = ks + tl.arange(0, BKS)
-        if FUSE_GC:
-            gc_all = _gc_tile(g_h, stride_gt, n_valid, offs, K, C)[1]
-            g_last = _one_row(gc_all, C - 1)
-        else:
-            g_last = tl.load(gc_buf + (C - 1) * BK + offs)
-            gc_all = _gc_rows(gc_buf, 0, offs, BK, C)
-        q = _rows(q_h, stride_qt, 0, n_valid, offs, K, C)
-        _row_out(qg_ptr + scr * (C * BK), q * (rq * scale)[:, None] * tl.exp(gc_all), 0, offs, BK, C)
-        kn = _rows(k_h, stride_kt, 0, n_valid, offs, K, C) * rk[:, None]
-        _row_out(kd_ptr + scr * (C * BK), kn * tl.exp(g_last[None, :] - gc_all), 0, offs, BK, C)
-        _row_out(w_ptr + scr * (C * BK), _dot(t, kn * tl.exp(gc_all), DOT16, PREC), 0, offs, BK, C)
-    for vs in range(0, BV, BVS):
-        offs = vs + tl.arange(0, BVS)
-        _row_out(u_ptr + scr * (C * BV), _dot(t, _rows(v_h, stride_vt, 0, n_valid, offs, V, C), DOT16, PREC), 0,
-                 offs, BV, C)
+        _row_out(u_ptr + scr * (C * BV), u, r0, offs, BV, ROWS)
 
 
 def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl, gc, akk, sq, span, *,
@@ -644,7 +607,7 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
     (with l_rows): three launches, no phase 0: phases 1 and 3 take Gc from g's rows themselves and phase 1 writes sq,
     span and gl (gc is neither written nor read: ~1 GB of fp32 traffic each way at 64K tokens of the 48B layer).
     inverse_regs: phase 2 with its blocks in registers (`_blocks_inverse_kernel` REGS; the same values).
-    out_chunk: phase 3 one program per (chunk, head) at num_warps_out_chunk warps (`_blocks_out_chunk_kernel`: the
+    out_chunk: phase 3 one program per (chunk, head) at num_warps_out_chunk warps (`_blocks_out_kernel` ROWS = C: the
     chunk's k, v and Gc rows read once, not once per row block; not with sliced_out). l_chunk: phase 1 one program
     per (chunk, head) at num_warps_l_chunk warps (`_blocks_lchunk_kernel`: the same, its k and Gc rows read once for
     the four row blocks; with l_rows)."""
@@ -694,15 +657,10 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
     if out_chunk:
         if sliced_out:
             raise ValueError("out_chunk: one program per (chunk, head); sliced_out splits the row-block programs")
-        _blocks_out_chunk_kernel[(NC, H)](
-            q, k, v, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), *tables, gc, sq, akk, qg, kd, w, u, scale,
-            H=H, K=K, V=V, BK=BK, BKS=block_k, BV=BV, BVS=block_v, C=C, BC=sub, DOT16=dot16, PREC=prec,
-            FUSE_GC=fuse_gc, num_warps=num_warps_out_chunk, num_stages=num_stages)
-        return
-    n_out = 4 * (BK // block_k + BV // block_v) if sliced_out else 4
+    n_out = 1 if out_chunk else 4 * (BK // block_k + BV // block_v) if sliced_out else 4
     _blocks_out_kernel[(NC * n_out, H)](
         q, k, v, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), *tables, gc, sq, akk, qg, kd, w, u, scale,
         H=H, K=K, V=V, BK=BK, BKS=block_k, BV=BV, BVS=block_v, C=C, BC=sub, DOT16=dot16, PREC=prec,
-        SLICED=sliced_out, FUSE_GC=fuse_gc, num_warps=num_warps, num_stages=num_stages)
+        SLICED=sliced_out, FUSE_GC=fuse_gc, ROWS=C if out_chunk else sub,
+        num_warps=num_warps_out_chunk if out_chunk else num_warps, num_stages=num_stages)

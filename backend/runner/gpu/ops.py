@@ -72,7 +72,7 @@ class KernelConfig:
     # blocks_intra_inverse_regs, blocks_intra_fused_gc_inverse_regs)
     kda_blocks_inverse_regs: bool = False
     # "blocks"'s W/U launch one program per (chunk, head) at 4 warps (kernels/kda/triton_intra_blocks.py
-    # _blocks_out_chunk_kernel) instead of one per 16-row block at kda_intra's warps: the row-block programs each
+    # _blocks_out_kernel ROWS = C) instead of one per 16-row block at kda_intra's warps: the row-block programs each
     # read the chunk's k, v and Gc rows for their dot, four times what the chunk holds (~4.2 GB from the L2 at
     # 8 x 4K tokens of the 48B layer against ~1.05; that launch took 1.17 of 4.67 ms there, session 33). Off until
     # timed (session 34 built it without a GPU; benchmarks/kernels.py variants blocks_intra_out_chunk, ...)
