@@ -26,7 +26,7 @@
 #                       within an fp32 ulp of the decode kernel), benchmarks/kda_multi.py: token loop vs hoist (session
 #                       33, built without a GPU) at k3-tiny's and the 48B's KDA shapes, warps and V splits, then k3-tiny's
 #                       verify and commit graphs with each (spec_verify.py --variants multi multi_hoist)
-#   kda-fused-gc (120 + 360) the blocks intra path without its Gc launch (KernelConfig.kda_blocks_fuse_gc,
+#   kda-fused-gc (150 + 340) the blocks intra path without its Gc launch (KernelConfig.kda_blocks_fuse_gc,
 #                       session 33), with its inverse in registers, L and W/U per chunk (kda_blocks_inverse_regs,
 #                       kda_blocks_l_chunk, kda_blocks_out_chunk, session 34), all built without a GPU: the chunk
 #                       tests on CUDA, then kernels.py at 16K / 64K / 8 x 4K, fla right after the default (issue
@@ -173,12 +173,12 @@ for stage in "$@"; do
       run kda-multi 180 python3 benchmarks/spec_verify.py --model k3-tiny --batch 1 16 --variants multi multi_hoist \
         --budget-s 160 --out "$OUT/kda_multi_verify.json" ;;
     kda-fused-gc)
-      run kda-fused-gc 120 python3 -m pytest -o addopts="" -v -p no:warnings --tb=short \
+      run kda-fused-gc 150 python3 -m pytest -o addopts="" -v -p no:warnings --tb=short \
         tests/kernels/test_kda_triton.py -k "kimi_shape or steep or inverse_regs or fused_gc or l_chunk or out_chunk"
-      run kda-fused-gc 360 python3 benchmarks/kernels.py --decode-n --prefill 16384 65536 8x4096 \
+      run kda-fused-gc 340 python3 benchmarks/kernels.py --decode-n --prefill 16384 65536 8x4096 \
         --prefill-variants blocks_intra blocks_intra_all_four blocks_intra_fused_gc blocks_intra_inverse_regs \
         blocks_intra_out_chunk blocks_intra_l_chunk blocks_intra_chunks_regs blocks_intra_all_three \
-        blocks_intra_out_chunk_w8 blocks_intra_fused_gc_w4 --budget-s 340 --out "$OUT/kda_fused_gc.json" ;;
+        blocks_intra_out_chunk_w8 blocks_intra_fused_gc_w4 --budget-s 320 --out "$OUT/kda_fused_gc.json" ;;
     kda-forms-48b)
       run kda-forms-48b 240 python3 benchmarks/decode.py --batch 1 --prefill 8192 32768 --variants \
         --prefill-configs kda_blocks_fuse_gc=1 kda_blocks_inverse_regs=1 kda_blocks_out_chunk=1 kda_blocks_l_chunk=1 \
