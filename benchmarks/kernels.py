@@ -452,7 +452,7 @@ def kernel_split_ms(fn, reps: int) -> dict:
     # (kernel, module): the split and blocks intra paths' launches live in their own modules
     names = (("_kda_chunk_intra_kernel", tc), ("_kda_intra_rows_kernel", ts), ("_kda_intra_solve_kernel", ts),
              ("_blocks_gc_kernel", tb), ("_blocks_pair_kernel", tb), ("_blocks_lrow_kernel", tb),
-             ("_blocks_lchunk_kernel", tb), ("_blocks_inverse_kernel", tb),
+             ("_blocks_inverse_kernel", tb),
              ("_blocks_out_kernel", tb), ("_kda_chunk_state_kernel", tc), ("_kda_chunk_out_kernel", tc))
     orig = {n: getattr(m, n) for n, m in names}
     times: dict = {n: [] for n, _ in names}

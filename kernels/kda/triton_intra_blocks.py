@@ -260,11 +260,13 @@ def _store_l_row(akk_ptr, aqk_ptr, scr, kk, qk, i, rk_i, rq_i, rk, b_i, scale, C
 
 
 @triton.jit
-def _l_row_slice(kk, qk, q_h, k_h, stride_qt, stride_kt, gc_buf, kr, gc_all, i: tl.constexpr, n_valid, offs,
-                 K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, DOT16: tl.constexpr,
-                 PREC: tl.constexpr, SAFE_SPAN: tl.constexpr, FUSE_GC: tl.constexpr):
-    """Row block i's sums over one K slice, added to (kk, qk) [BC, C]: _blocks_lrow_kernel's loop body, with the
-    chunk's k rows kr and Gc rows gc_all [C, BKS] given (loaded once for the four row blocks)."""
+def _l_row_slice(kk, qk, q_h, k_h, stride_qt, stride_kt, gc_buf, kr, gc_all, i, n_valid, offs, K: tl.constexpr,
+                 BK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, DOT16: tl.constexpr, PREC: tl.constexpr,
+                 SAFE_SPAN: tl.constexpr, FUSE_GC: tl.constexpr):
+    """Row block i's sums over one K slice, added to (kk, qk) [BC, C], with the chunk's k rows kr and (FUSE_GC) Gc
+    rows gc_all [C, BKS] (else None: phase 0's, loaded here): the row side relative to c_i (Gc just above block i), one dot against all C rows, the columns past
+    block i zeroed before it (their exp(c_i - Gc_j) would exceed 1) and the rest clamped at exp(SAFE_SPAN) (a steep
+    diagonal block is redone exactly by the inverse's launch)."""
     if FUSE_GC:
         c_i = _one_row(gc_all, i * BC - 1)
         e = tl.exp(_block_rows(gc_all, i, BC) - c_i[None, :])
@@ -272,73 +274,55 @@ def _l_row_slice(kk, qk, q_h, k_h, stride_qt, stride_kt, gc_buf, kr, gc_all, i: 
         qe = _rows(q_h, stride_qt, i * BC, n_valid, offs, K, BC) * e
     else:
         c_i, ke, qe = _row_side(q_h, k_h, stride_qt, stride_kt, gc_buf, i, n_valid, offs, K, BK, BC)
+        gc_all = _gc_rows(gc_buf, 0, offs, BK, C)
     cols = tl.arange(0, C)
     col = tl.where((cols < (i + 1) * BC)[:, None], tl.exp(tl.minimum(c_i[None, :] - gc_all, SAFE_SPAN)), 0.0)
     kt = tl.trans(kr * col)
     return kk + _dot(ke, kt, DOT16, PREC), qk + _dot(qe, kt, DOT16, PREC)
 
 
-@triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
-def _blocks_lchunk_kernel(
-    q_ptr, k_ptr, g_ptr, beta_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh, stride_bt,
-    stride_bh,
-    cu_ptr, chunk_seq_ptr, chunk_idx_ptr,
-    gc_ptr, sq_ptr,  # phase 0's (FUSE_GC: sq written here, gc unused)
-    gl_ptr, span_ptr,  # FUSE_GC only: written here (phase 0's outputs otherwise)
-    akk_ptr,  # out [NC, H, C, C] fp32: L (zeros past the diagonal blocks)
-    aqk_ptr,  # out [NC, H, C, C]
-    scale,
-    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-    DOT16: tl.constexpr, PREC: tl.constexpr, SAFE_SPAN: tl.constexpr, FUSE_GC: tl.constexpr,
-):
-    """Phase 1 per (chunk, head) (`launch_intra_blocks(l_chunk=True)`): _blocks_lrow_kernel's four row blocks one
-    after another in one program, the same operations (bit-equal in the interpreter). The row-block programs of a
-    chunk run on different SMs, so each brings the chunk's k and Gc rows from the L2 (at 8 x 4K tokens of the 48B
-    layer ~3 GB against ~0.8); here row blocks 1-3 find them in this SM's L1 (48 KB a K pass), with row-block
-    registers (the four blocks' sums side by side took 255 on sm_90 and a stack at 4 warps). FUSE_GC: the norms,
-    spans and exp(Gc_last) in a first pass over the K slices, stored, and read back as phase 0's are."""
-    tl.static_assert(C == 4 * BC, "four sub-chunks per chunk")
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0, n_valid, scr = _program(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, i_h, H, C)
-    q_h = q_ptr + t0 * stride_qt + i_h * stride_qh
-    k_h = k_ptr + t0 * stride_kt + i_h * stride_kh
-    g_h = g_ptr + t0 * stride_gt + i_h * stride_gh
-    b_h = beta_ptr + t0 * stride_bt + i_h * stride_bh
-    gc_buf = gc_ptr + scr * (C * BK)
-    sq_buf = sq_ptr + scr * (2 * C)
-    if FUSE_GC:  # phase 0's outputs but gc first, in a pass of their own (its registers apart from the sums')
-        rows = tl.arange(0, C)
-        sk = tl.zeros([C], dtype=tl.float32)
-        sq = tl.zeros([C], dtype=tl.float32)
-        span = tl.zeros([4], dtype=tl.float32)
-        for ks in range(0, BK, BKS):
-            offs = ks + tl.arange(0, BKS)
-            g = _rows(g_h, stride_gt, 0, n_valid, offs, K, C)
-            span = tl.maximum(span, _spans(g, BC))
-            tl.store(gl_ptr + scr * BK + offs, tl.exp(tl.sum(g, axis=0)))
-            kr = _rows(k_h, stride_kt, 0, n_valid, offs, K, C)
-            qr = _rows(q_h, stride_qt, 0, n_valid, offs, K, C)
-            sk += tl.sum(kr * kr, axis=1)
-            sq += tl.sum(qr * qr, axis=1)
-        tl.store(sq_buf + rows, sk)
-        tl.store(sq_buf + C + rows, sq)
-        tl.store(span_ptr + scr * 4 + tl.arange(0, 4), span)
-        tl.debug_barrier()  # the norms are read back below, by other threads
-    for i in tl.static_range(4):
-        kk = tl.zeros([BC, C], dtype=tl.float32)
-        qk = tl.zeros([BC, C], dtype=tl.float32)
-        for ks in range(0, BK, BKS):
-            offs = ks + tl.arange(0, BKS)
-            kr = _rows(k_h, stride_kt, 0, n_valid, offs, K, C)
-            if FUSE_GC:
-                gc_all = _gc_tile(g_h, stride_gt, n_valid, offs, K, C)[1]
-            else:
-                gc_all = _gc_rows(gc_buf, 0, offs, BK, C)
-            kk, qk = _l_row_slice(kk, qk, q_h, k_h, stride_qt, stride_kt, gc_buf, kr, gc_all, i, n_valid, offs, K, BK,
-                                  C, BC, DOT16, PREC, SAFE_SPAN, FUSE_GC)
+@triton.jit
+def _l_row_block(q_h, k_h, g_h, b_h, stride_qt, stride_kt, stride_gt, stride_bt, gc_buf, sq_buf, gl_ptr, span_ptr,
+                 akk_ptr, aqk_ptr, scr, i, n_valid, scale, K: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
+                 C: tl.constexpr, BC: tl.constexpr, DOT16: tl.constexpr, PREC: tl.constexpr, SAFE_SPAN: tl.constexpr,
+                 FUSE_GC: tl.constexpr, NORMS_HERE: tl.constexpr):
+    """Row block i of L and Aqk [BC, C] over the K slices, stored (_store_l_row). Gc from phase 0's scratch, or
+    (FUSE_GC) the cumsum of the chunk's g rows per K slice. NORMS_HERE (FUSE_GC with one row block per program): the
+    outputs phase 0 would have written besides gc, the same values, taken from the rows this loop loads: the row
+    block's squared norms, its sub-chunk's span and (block 0) exp(Gc_last); else the norms are read back from sq."""
+    kk = tl.zeros([BC, C], dtype=tl.float32)
+    qk = tl.zeros([BC, C], dtype=tl.float32)
+    sk = tl.zeros([C], dtype=tl.float32)  # NORMS_HERE: every row's squared k norm, and block i's k and q ones
+    sk_i = tl.zeros([BC], dtype=tl.float32)
+    sq_i = tl.zeros([BC], dtype=tl.float32)
+    span = tl.zeros([4], dtype=tl.float32)
+    for ks in range(0, BK, BKS):
+        offs = ks + tl.arange(0, BKS)
+        kr = _rows(k_h, stride_kt, 0, n_valid, offs, K, C)
+        if FUSE_GC:
+            g, gc_all = _gc_tile(g_h, stride_gt, n_valid, offs, K, C)
+            if NORMS_HERE:  # the same operations as phase 0's
+                span = tl.maximum(span, _spans(g, BC))
+                tl.store(gl_ptr + scr * BK + offs, tl.exp(tl.sum(g, axis=0)), mask=(offs < BK) & (i == 0))
+                kr_i = _rows(k_h, stride_kt, i * BC, n_valid, offs, K, BC)
+                qr_i = _rows(q_h, stride_qt, i * BC, n_valid, offs, K, BC)
+                sk += tl.sum(kr * kr, axis=1)
+                sk_i += tl.sum(kr_i * kr_i, axis=1)
+                sq_i += tl.sum(qr_i * qr_i, axis=1)
+        else:
+            gc_all = None  # phase 0's: _l_row_slice loads them after the row side (2 registers fewer on sm_90)
+        kk, qk = _l_row_slice(kk, qk, q_h, k_h, stride_qt, stride_kt, gc_buf, kr, gc_all, i, n_valid, offs, K, BK, C,
+                              BC, DOT16, PREC, SAFE_SPAN, FUSE_GC)
+    if NORMS_HERE:
+        loc = tl.arange(0, BC)
+        tl.store(sq_buf + i * BC + loc, sk_i)
+        tl.store(sq_buf + C + i * BC + loc, sq_i)
+        tl.store(span_ptr + scr * 4 + tl.arange(0, 4), span, mask=tl.arange(0, 4) == i)
+        rk_i, rq_i, rk = 1.0 / tl.sqrt(sk_i + 1e-6), 1.0 / tl.sqrt(sq_i + 1e-6), 1.0 / tl.sqrt(sk + 1e-6)  # _rnorm's
+    else:
         rk_i, rq_i = _norms(sq_buf, i, BC)
-        _store_l_row(akk_ptr, aqk_ptr, scr, kk, qk, i, rk_i, rq_i, _rnorm(sq_buf, 0, C),
-                     _beta(b_h, stride_bt, i, n_valid, BC), scale, C, BC)
+        rk = _rnorm(sq_buf, 0, C)
+    _store_l_row(akk_ptr, aqk_ptr, scr, kk, qk, i, rk_i, rq_i, rk, _beta(b_h, stride_bt, i, n_valid, BC), scale, C, BC)
 
 
 @triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
@@ -348,70 +332,63 @@ def _blocks_lrow_kernel(
     cu_ptr, chunk_seq_ptr, chunk_idx_ptr,
     gc_ptr, sq_ptr,  # phase 0's (FUSE_GC: sq written here, gc unused)
     gl_ptr, span_ptr,  # FUSE_GC only: written here (phase 0's outputs otherwise)
-    akk_ptr,  # out [NC, H, C, C] fp32: L's row block i (zeros past the diagonal block)
+    akk_ptr,  # out [NC, H, C, C] fp32: L by row blocks (zeros past the diagonal block)
     aqk_ptr,  # out [NC, H, C, C]
     scale,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-    DOT16: tl.constexpr, PREC: tl.constexpr, SAFE_SPAN: tl.constexpr, FUSE_GC: tl.constexpr,
+    DOT16: tl.constexpr, PREC: tl.constexpr, SAFE_SPAN: tl.constexpr, FUSE_GC: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Phase 1 by row blocks (`launch_intra_blocks(l_rows=True)`): one program per (chunk, row block i, head)
-    computes L's and Aqk's whole row block [BC, C], one dot per K slice against all C rows (the columns past block
-    i zeroed before the dot: their exp(c_i - Gc_j) would exceed 1), instead of i + 1 block programs that each reload
-    the row side. Axis 0 is chunk * 4 + i.
+    computes L's and Aqk's whole row block [BC, C], one dot per K slice against all C rows, instead of i + 1 block
+    programs that each reload the row side. Axis 0 is chunk * 4 + i.
     FUSE_GC (`launch_intra_blocks(fuse_gc=True)`): no phase 0 launch; Gc is the cumsum of the chunk's g rows, taken
     here per K slice (and again in phase 3), and this launch writes what phase 0 would have besides gc, the same
-    values: the rows' squared norms (each program its row block's), the sub-chunks' spans and exp(Gc_last)."""
-    i_c, i, i_h = tl.program_id(0) // 4, tl.program_id(0) % 4, tl.program_id(1)
+    values: the rows' squared norms, the sub-chunks' spans and exp(Gc_last).
+    CHUNK (`launch_intra_blocks(l_chunk=True)`): one program per (chunk, head), its four row blocks one after
+    another, the same operations (bit-equal in the interpreter). The row-block programs of a chunk run on different
+    SMs, so each brings the chunk's k and Gc rows from the L2 (at 8 x 4K tokens of the 48B layer ~3 GB against
+    ~0.8); here row blocks 1-3 find them in this SM's L1 (48 KB a K pass), at row-block registers (the four blocks'
+    sums side by side took 255 on sm_90 and a stack at 4 warps). With FUSE_GC the norms, spans and exp(Gc_last) come
+    from a first pass over the K slices, stored, and read back as phase 0's are."""
+    tl.static_assert(C == 4 * BC, "four sub-chunks per chunk")
+    if CHUNK:
+        i_c, i_h = tl.program_id(0), tl.program_id(1)
+    else:
+        i_c, i_h = tl.program_id(0) // 4, tl.program_id(1)
     t0, n_valid, scr = _program(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, i_h, H, C)
     q_h = q_ptr + t0 * stride_qt + i_h * stride_qh
     k_h = k_ptr + t0 * stride_kt + i_h * stride_kh
     g_h = g_ptr + t0 * stride_gt + i_h * stride_gh
+    b_h = beta_ptr + t0 * stride_bt + i_h * stride_bh
     gc_buf = gc_ptr + scr * (C * BK)
     sq_buf = sq_ptr + scr * (2 * C)
-    cols = tl.arange(0, C)
-    upto = cols < (i + 1) * BC
-    kk = tl.zeros([BC, C], dtype=tl.float32)
-    qk = tl.zeros([BC, C], dtype=tl.float32)
-    sk = tl.zeros([C], dtype=tl.float32)  # FUSE_GC: every row's squared k norm, and block i's k and q ones
-    sk_i = tl.zeros([BC], dtype=tl.float32)
-    sq_i = tl.zeros([BC], dtype=tl.float32)
-    span = tl.zeros([4], dtype=tl.float32)
-    for ks in range(0, BK, BKS):
-        offs = ks + tl.arange(0, BKS)
-        kr = _rows(k_h, stride_kt, 0, n_valid, offs, K, C)
-        if FUSE_GC:
-            g, gc_all = _gc_tile(g_h, stride_gt, n_valid, offs, K, C)
-            # phase 0's span and exp(Gc_last) from the same g (the same operations as there)
-            span = tl.maximum(span, _spans(g, BC))
-            tl.store(gl_ptr + scr * BK + offs, tl.exp(tl.sum(g, axis=0)), mask=(offs < BK) & (i == 0))
-            c_i = _one_row(gc_all, i * BC - 1)
-            e = tl.exp(_block_rows(gc_all, i, BC) - c_i[None, :])
-            kr_i = _rows(k_h, stride_kt, i * BC, n_valid, offs, K, BC)
-            qr_i = _rows(q_h, stride_qt, i * BC, n_valid, offs, K, BC)
-            ke, qe = kr_i * e, qr_i * e
-            sk += tl.sum(kr * kr, axis=1)
-            sk_i += tl.sum(kr_i * kr_i, axis=1)
-            sq_i += tl.sum(qr_i * qr_i, axis=1)
-        else:
-            c_i, ke, qe = _row_side(q_h, k_h, stride_qt, stride_kt, gc_buf, i, n_valid, offs, K, BK, BC)
-            gc_all = _gc_rows(gc_buf, 0, offs, BK, C)
-        # the columns, clamped at exp(SAFE_SPAN) (a steep diagonal block is redone exactly by the inverse's launch)
-        col = tl.where(upto[:, None], tl.exp(tl.minimum(c_i[None, :] - gc_all, SAFE_SPAN)), 0.0)
-        kt = tl.trans(kr * col)
-        kk += _dot(ke, kt, DOT16, PREC)
-        qk += _dot(qe, kt, DOT16, PREC)
-    loc = tl.arange(0, BC)
-    if FUSE_GC:
-        # phase 0's other outputs (the inverse and phase 3 read them); l2norm's eps as _rnorm's
-        tl.store(sq_buf + i * BC + loc, sk_i)
-        tl.store(sq_buf + C + i * BC + loc, sq_i)
-        tl.store(span_ptr + scr * 4 + tl.arange(0, 4), span, mask=tl.arange(0, 4) == i)
-        rk_i, rq_i, rk = 1.0 / tl.sqrt(sk_i + 1e-6), 1.0 / tl.sqrt(sq_i + 1e-6), 1.0 / tl.sqrt(sk + 1e-6)
+    if CHUNK:
+        if FUSE_GC:  # phase 0's outputs but gc first, in a pass of their own (its registers apart from the sums')
+            rows = tl.arange(0, C)
+            sk = tl.zeros([C], dtype=tl.float32)
+            sq = tl.zeros([C], dtype=tl.float32)
+            span = tl.zeros([4], dtype=tl.float32)
+            for ks in range(0, BK, BKS):
+                offs = ks + tl.arange(0, BKS)
+                g = _rows(g_h, stride_gt, 0, n_valid, offs, K, C)
+                span = tl.maximum(span, _spans(g, BC))
+                tl.store(gl_ptr + scr * BK + offs, tl.exp(tl.sum(g, axis=0)))
+                kr = _rows(k_h, stride_kt, 0, n_valid, offs, K, C)
+                qr = _rows(q_h, stride_qt, 0, n_valid, offs, K, C)
+                sk += tl.sum(kr * kr, axis=1)
+                sq += tl.sum(qr * qr, axis=1)
+            tl.store(sq_buf + rows, sk)
+            tl.store(sq_buf + C + rows, sq)
+            tl.store(span_ptr + scr * 4 + tl.arange(0, 4), span)
+            tl.debug_barrier()  # the norms are read back below, by other threads
+        for i in tl.static_range(4):
+            _l_row_block(q_h, k_h, g_h, b_h, stride_qt, stride_kt, stride_gt, stride_bt, gc_buf, sq_buf, gl_ptr,
+                         span_ptr, akk_ptr, aqk_ptr, scr, i, n_valid, scale, K, BK, BKS, C, BC, DOT16, PREC,
+                         SAFE_SPAN, FUSE_GC, False)
     else:
-        rk_i, rq_i = _norms(sq_buf, i, BC)
-        rk = _rnorm(sq_buf, 0, C)
-    _store_l_row(akk_ptr, aqk_ptr, scr, kk, qk, i, rk_i, rq_i, rk,
-                 _beta(beta_ptr + t0 * stride_bt + i_h * stride_bh, stride_bt, i, n_valid, BC), scale, C, BC)
+        _l_row_block(q_h, k_h, g_h, b_h, stride_qt, stride_kt, stride_gt, stride_bt, gc_buf, sq_buf, gl_ptr,
+                     span_ptr, akk_ptr, aqk_ptr, scr, tl.program_id(0) % 4, n_valid, scale, K, BK, BKS, C, BC, DOT16,
+                     PREC, SAFE_SPAN, FUSE_GC, FUSE_GC)
 
 
 @triton.jit
@@ -609,7 +586,7 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
     inverse_regs: phase 2 with its blocks in registers (`_blocks_inverse_kernel` REGS; the same values).
     out_chunk: phase 3 one program per (chunk, head) at num_warps_out_chunk warps (`_blocks_out_kernel` ROWS = C: the
     chunk's k, v and Gc rows read once, not once per row block; not with sliced_out). l_chunk: phase 1 one program
-    per (chunk, head) at num_warps_l_chunk warps (`_blocks_lchunk_kernel`: the same, its k and Gc rows read once for
+    per (chunk, head) at num_warps_l_chunk warps (`_blocks_lrow_kernel` CHUNK: the same, its k and Gc rows read once for
     the four row blocks; with l_rows)."""
     NC, H, C, BK = qg.shape
     BV = u.shape[3]
@@ -632,18 +609,12 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
         _blocks_gc_kernel[(NC, H)](
             q, k, g, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1), *tables,
             gl, gc, sq, span, H=H, K=K, BK=BK, BKS=block_k, C=C, BC=sub, num_warps=4)
-    if l_chunk:
-        _blocks_lchunk_kernel[(NC, H)](
+    if l_rows:
+        _blocks_lrow_kernel[(NC if l_chunk else NC * 4, H)](
             q, k, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
             beta.stride(0), beta.stride(1), *tables, gc, sq, gl, span, akk, aqk, scale, H=H, K=K, BK=BK, BKS=block_k,
-            C=C, BC=sub, DOT16=dot16, PREC=prec, SAFE_SPAN=safe_span, FUSE_GC=fuse_gc, num_warps=num_warps_l_chunk,
-            num_stages=num_stages)
-    elif l_rows:
-        _blocks_lrow_kernel[(NC * 4, H)](
-            q, k, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
-            beta.stride(0), beta.stride(1), *tables, gc, sq, gl, span, akk, aqk, scale, H=H, K=K, BK=BK, BKS=block_k,
-            C=C, BC=sub, DOT16=dot16, PREC=prec, SAFE_SPAN=safe_span, FUSE_GC=fuse_gc, num_warps=num_warps,
-            num_stages=num_stages)
+            C=C, BC=sub, DOT16=dot16, PREC=prec, SAFE_SPAN=safe_span, FUSE_GC=fuse_gc, CHUNK=l_chunk,
+            num_warps=num_warps_l_chunk if l_chunk else num_warps, num_stages=num_stages)
     else:
         _blocks_pair_kernel[(NC * 16, H)](
             q, k, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),

@@ -177,10 +177,11 @@ def build(fn, act, dot16, prec, warps, sliced, fuse, regs, chunk=False):
     args = fn.arg_names
     sig = {a: (act if ptrs.get(a, C) is None else ptrs.get(a, C)) for a in args}
     consts = {a: v for a, v in dict(const, DOT16=dot16, PREC=prec, PREC_INV=prec, SLICED=sliced,
-                                    FUSE_GC=fuse, REGS=regs, ROWS=K.CHUNK if chunk else K.SUB).items() if a in args}
+                                    FUSE_GC=fuse, REGS=regs, ROWS=K.CHUNK if chunk else K.SUB,
+                                    CHUNK=chunk).items() if a in args}
     # the inverse and the per-chunk L and W/U launches take 4 warps (launch_intra_blocks' defaults); the others the
     # form's
-    own4 = chunk or fn in (B._blocks_inverse_kernel, B._blocks_lchunk_kernel)
+    own4 = chunk or fn is B._blocks_inverse_kernel
     return sm90_build(fn, sig, consts, 4 if own4 else warps, 2, lambda k: k in strides)
 
 kernels = dict(gc=(B._blocks_gc_kernel, False, False, False), pair=(B._blocks_pair_kernel, False, False, False),
@@ -192,7 +193,7 @@ kernels = dict(gc=(B._blocks_gc_kernel, False, False, False), pair=(B._blocks_pa
                out_fused_gc=(B._blocks_out_kernel, False, True, False),
                out_chunk=(B._blocks_out_kernel, False, False, False, True),
                out_chunk_fused_gc=(B._blocks_out_kernel, False, True, False, True),
-               l_chunk=(B._blocks_lchunk_kernel, False, False, False))
+               l_chunk=(B._blocks_lrow_kernel, False, False, False, True))
 print(json.dumps({  # kda_chunk_fwd's defaults for intra="blocks": 32-column slices, 2 stages, 2 warps (bf16), 4 (fp32)
     form: {name: build(fn, act, dot16, prec, warps, *flags) for name, (fn, *flags) in kernels.items()}
     for form, act, dot16, prec, warps in (("bf16", "*bf16", True, "tf32", 2), ("fp32", "*fp32", False, "ieee", 4))}))

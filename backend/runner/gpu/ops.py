@@ -78,7 +78,7 @@ class KernelConfig:
     # timed (session 34 built it without a GPU; benchmarks/kernels.py variants blocks_intra_out_chunk, ...)
     kda_blocks_out_chunk: bool = False
     # "blocks"'s L/Aqk launch one program per (chunk, head) (kernels/kda/triton_intra_blocks.py
-    # _blocks_lchunk_kernel): the row-block programs' four row blocks one after another, so blocks 1-3 find the
+    # _blocks_lrow_kernel CHUNK): the row-block programs' four row blocks one after another, so blocks 1-3 find the
     # chunk's k and Gc rows in the SM's L1 instead of the L2 (~3 GB against ~0.8 at 8 x 4K tokens of the 48B layer;
     # that launch took 0.95 of 4.67 ms there, session 33). The same values. Off until timed (session 34)
     kda_blocks_l_chunk: bool = False
