@@ -15,7 +15,7 @@ interpreter's builder so that
   - casts into bf16 round to nearest even (or toward zero where the kernel asks for "rtz");
   - a dot of fp32 operands at input_precision "tf32" first cuts each operand to tf32 (the mma reads the top 19
     bits of each register: truncation); "tf32x3" and "ieee" stay exact fp32;
-and `gpu_numerics()` tells the launchers to take their GPU dot paths (16-bit operands, tf32) under the interpreter.
+and kernels/common.py then sets EXACT_DOTS off, so the launchers take their GPU dot paths (16-bit operands, tf32).
 Accumulation order inside a dot and the GPU's fast exp/rsqrt differ from numpy's: that is rounding of fp32, orders
 of magnitude below bf16's, which is what this module is for. One bf16 difference remains: a tl.sum of a bf16 tensor
 rounds once here, after an fp32 sum, where the GPU rounds at every step of its tree (Triton keeps a bf16 sum in
@@ -30,11 +30,6 @@ import numpy as np
 
 ENV = "K3RT_GPU_NUMERICS"
 _STATE = {"installed": False}
-
-
-def gpu_numerics() -> bool:
-    """True when the interpreter runs with GPU numerics (launchers then keep their 16-bit and tf32 dot paths)."""
-    return _STATE["installed"]
 
 
 def wanted() -> bool:

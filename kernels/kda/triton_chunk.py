@@ -444,8 +444,9 @@ def kda_chunk_fwd(
             chunk's k, v and Gc rows once instead of once per row block (not with sliced_out_blocks; sm_90 bf16:
             86 registers at 4 warps, 124 with fuse_gc_blocks, no spills; the fp32 form of heads under
             DOT16_MIN_HEAD spills there).
-            l_chunk_blocks: L's and Aqk's launch one program per (chunk, head) at num_warps_l_chunk warps, the four
-            row blocks from one load of each K slice's k and Gc rows (with l_rows_blocks; the same values).
+            l_chunk_blocks: L's and Aqk's launch one program per (chunk, head) at num_warps_l_chunk warps, its four
+            row blocks one after another, so blocks 1-3 read the chunk's k and Gc rows from the L1 (with
+            l_rows_blocks; the same values).
         block_v, block_v_out, num_warps_*, num_stages_state: launch tuning. num_warps_intra 8 (the fused
             intra kernel): 16% faster than 4 at 16K-64K tokens on the H200 (session 24; its [64, 128] fp32
             tiles spill at 4 warps, and 16 were slower again). num_stages_state (None: 3 with 16-bit scratch, the
@@ -502,10 +503,8 @@ def kda_chunk_fwd(
         raise ValueError(f"block_k_split must be 16, 32, 64 or 128, got {block_k_split}")
     if num_stages_split not in (1, 2, 3, 4):
         raise ValueError(f"num_stages_split must be 1 to 4, got {num_stages_split}")
-    if fuse_gc_blocks and intra != "blocks":
-        raise ValueError(f"fuse_gc_blocks: a form of intra='blocks', got intra={intra!r}")
-    for name, on in (("inverse_regs_blocks", inverse_regs_blocks), ("out_chunk_blocks", out_chunk_blocks),
-                     ("l_chunk_blocks", l_chunk_blocks)):
+    for name, on in (("fuse_gc_blocks", fuse_gc_blocks), ("inverse_regs_blocks", inverse_regs_blocks),
+                     ("out_chunk_blocks", out_chunk_blocks), ("l_chunk_blocks", l_chunk_blocks)):
         if on and intra != "blocks":
             raise ValueError(f"{name}: a form of intra='blocks', got intra={intra!r}")
     if scratch_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):

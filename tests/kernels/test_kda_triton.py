@@ -376,25 +376,41 @@ def test_chunk_blocks_k_and_v_slices(sliced: bool, l_rows: bool, fuse_gc: bool, 
                 l_chunk_blocks=l_chunk)
 
 
+def blocks_forms(seed: int, steep: list[tuple[int, int, int, float]], forms: list[dict]):
+    """Each of `forms` (kda_chunk_fwd keyword sets, intra="blocks" with two 16-column K slices) over the same case
+    (lengths 150 / 64 / 7: a padded tail chunk; snapshots at 64, 128 and 150; g set to the given values at the
+    given places: steep sub-chunks) and the same starting states: each form's output, final states (snapshots
+    included) and scratch dict."""
+    case = chunk_case([150, 64, 7], H=2, D=32, kind="softplus", dtype=torch.float32, num_slots=6, seed=seed)
+    for t, h, d, value in steep:
+        case["g"][t, h, d] = value
+    slots = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
+    state0 = case["state"].clone()
+    runs = []
+    for kw in forms:
+        case["state"] = state0.clone()
+        scratch: dict = {}
+        out = kda_chunk_fwd(**case, slot_indices=slots, snapshot_positions=[[64, 128, 150], [], []],
+                            snapshot_slots=[[3, 4, 5], [], []], intra="blocks", block_k_blocks=16, scratch=scratch,
+                            **kw)
+        runs.append((out, case["state"], scratch))
+    return case, slots, runs
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit in the interpreter; compiled, within fp32 rounding (sums may associate differently)."""
+    return torch.equal(a, b) if DEV == "cpu" else rel_err(a, b) <= 1e-6
+
+
 @pytest.mark.parametrize("fuse_gc", [False, True], ids=["phase0", "fused_gc"])
 def test_chunk_blocks_l_chunk_equals_row_blocks(fuse_gc: bool) -> None:
     """l_chunk_blocks (the four row blocks of L and Aqk one after another in one program per chunk) does the row-block
     programs' operations: outputs, final states and snapshots equal bit for bit in the interpreter (compiled: within
     fp32 rounding), steep sub-chunk and padded tail chunk included; with fuse_gc_blocks its norms, spans and
     exp(Gc_last) are phase 0's. Refused without l_rows_blocks and outside intra="blocks"."""
-    lens, snaps = [150, 64, 7], ([[64, 128, 150], [], []], [[3, 4, 5], [], []])
-    case = chunk_case(lens, H=2, D=32, kind="softplus", dtype=torch.float32, num_slots=6, seed=43)
-    case["g"][100, 1, 5] = -90.0
-    slots = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
-    state0 = case["state"].clone()
-    outs, states = [], []
-    for l_chunk in (False, True):
-        case["state"] = state0.clone()
-        outs.append(kda_chunk_fwd(**case, slot_indices=slots, snapshot_positions=snaps[0], snapshot_slots=snaps[1],
-                                  intra="blocks", block_k_blocks=16, fuse_gc_blocks=fuse_gc, l_chunk_blocks=l_chunk))
-        states.append(case["state"])
-    same = torch.equal if DEV == "cpu" else (lambda a, b: rel_err(a, b) <= 1e-6)
-    assert same(outs[1], outs[0]) and same(states[1], states[0])
+    case, slots, ((o0, s0, _), (o1, s1, _)) = blocks_forms(43, [(100, 1, 5, -90.0)], [
+        dict(fuse_gc_blocks=fuse_gc), dict(fuse_gc_blocks=fuse_gc, l_chunk_blocks=True)])
+    assert same_bits(o1, o0) and same_bits(s1, s0)
     with pytest.raises(ValueError, match="l_chunk"):
         kda_chunk_fwd(**case, slot_indices=slots, intra="blocks", l_rows_blocks=False, l_chunk_blocks=True)
     with pytest.raises(ValueError, match="l_chunk_blocks"):
@@ -406,18 +422,9 @@ def test_chunk_blocks_out_chunk_equals_row_blocks() -> None:
     may be taken in another order (the interpreter's host matmul on a [C, C] instead of a [BC, C] operand): outputs
     and states within fp32 rounding of the row-block form's, padded tail chunk and steep sub-chunk included. Refused
     with sliced_out_blocks and outside intra="blocks"."""
-    lens = [150, 64, 7]
-    case = chunk_case(lens, H=2, D=32, kind="softplus", dtype=torch.float32, num_slots=6, seed=41)
-    case["g"][30, 0, 3] = -80.0
-    slots = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
-    state0 = case["state"].clone()
-    outs, states = [], []
-    for out_chunk in (False, True):
-        case["state"] = state0.clone()
-        outs.append(kda_chunk_fwd(**case, slot_indices=slots, intra="blocks", block_k_blocks=16,
-                                  out_chunk_blocks=out_chunk))
-        states.append(case["state"])
-    assert rel_err(outs[1], outs[0]) <= 1e-6 and rel_err(states[1], states[0]) <= 1e-6
+    case, slots, ((o0, s0, _), (o1, s1, _)) = blocks_forms(41, [(30, 0, 3, -80.0)], [
+        {}, dict(out_chunk_blocks=True)])
+    assert rel_err(o1, o0) <= 1e-6 and rel_err(s1, s0) <= 1e-6
     with pytest.raises(ValueError, match="out_chunk"):
         kda_chunk_fwd(**case, slot_indices=slots, intra="blocks", out_chunk_blocks=True, sliced_out_blocks=True)
     with pytest.raises(ValueError, match="out_chunk_blocks"):
@@ -430,23 +437,10 @@ def test_chunk_blocks_fused_gc_equals_its_phase_zero(sliced: bool) -> None:
     same operations: outputs, final states and snapshots equal the four-launch path's bit for bit in the interpreter
     (compiled, the norms' sums may associate differently: within fp32 rounding), a steep sub-chunk and a padded tail
     chunk included; no gc scratch is allocated; and fuse_gc without row-block programs is refused."""
-    lens, snaps = [150, 64, 7], ([[64, 128, 150], [], []], [[3, 4, 5], [], []])
-    case = chunk_case(lens, H=2, D=32, kind="softplus", dtype=torch.float32, num_slots=6, seed=31)
-    case["g"][100, 1, 5] = -90.0
-    slots = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
-    state0 = case["state"].clone()
-    outs, states, scratches = [], [], []
-    for fuse in (False, True):
-        case["state"] = state0.clone()
-        scratch: dict = {}
-        outs.append(kda_chunk_fwd(**case, slot_indices=slots, snapshot_positions=snaps[0], snapshot_slots=snaps[1],
-                                  intra="blocks", block_k_blocks=16, sliced_out_blocks=sliced, fuse_gc_blocks=fuse,
-                                  scratch=scratch))
-        states.append(case["state"])
-        scratches.append(scratch)
-    same = torch.equal if DEV == "cpu" else (lambda a, b: rel_err(a, b) <= 1e-6)
-    assert same(outs[1], outs[0]) and same(states[1], states[0])
-    assert any(key[0] == "gc" for key in scratches[0]) and not any(key[0] == "gc" for key in scratches[1])
+    case, slots, ((o0, s0, scratch0), (o1, s1, scratch1)) = blocks_forms(31, [(100, 1, 5, -90.0)], [
+        dict(sliced_out_blocks=sliced), dict(sliced_out_blocks=sliced, fuse_gc_blocks=True)])
+    assert same_bits(o1, o0) and same_bits(s1, s0)
+    assert any(key[0] == "gc" for key in scratch0) and not any(key[0] == "gc" for key in scratch1)
     with pytest.raises(ValueError, match="fuse_gc"):
         kda_chunk_fwd(**case, slot_indices=slots, intra="blocks", l_rows_blocks=False, fuse_gc_blocks=True)
 
@@ -458,20 +452,9 @@ def test_chunk_blocks_inverse_regs_equals_scratch_rows(fuse_gc: bool) -> None:
     equal bit for bit in the interpreter (compiled: within fp32 rounding), with steep sub-chunks in two chunks (the
     exact fix-up writes the diagonal blocks the register form then loads) and a padded tail chunk; refused outside
     intra="blocks"."""
-    lens, snaps = [150, 64, 7], ([[64, 128, 150], [], []], [[3, 4, 5], [], []])
-    case = chunk_case(lens, H=2, D=32, kind="softplus", dtype=torch.float32, num_slots=6, seed=37)
-    case["g"][100, 1, 5] = -90.0
-    case["g"][170, 0, 2] = -75.0
-    slots = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)
-    state0 = case["state"].clone()
-    outs, states = [], []
-    for regs in (False, True):
-        case["state"] = state0.clone()
-        outs.append(kda_chunk_fwd(**case, slot_indices=slots, snapshot_positions=snaps[0], snapshot_slots=snaps[1],
-                                  intra="blocks", block_k_blocks=16, fuse_gc_blocks=fuse_gc, inverse_regs_blocks=regs))
-        states.append(case["state"])
-    same = torch.equal if DEV == "cpu" else (lambda a, b: rel_err(a, b) <= 1e-6)
-    assert same(outs[1], outs[0]) and same(states[1], states[0])
+    case, slots, ((o0, s0, _), (o1, s1, _)) = blocks_forms(37, [(100, 1, 5, -90.0), (170, 0, 2, -75.0)], [
+        dict(fuse_gc_blocks=fuse_gc), dict(fuse_gc_blocks=fuse_gc, inverse_regs_blocks=True)])
+    assert same_bits(o1, o0) and same_bits(s1, s0)
     with pytest.raises(ValueError, match="inverse_regs_blocks"):
         kda_chunk_fwd(**case, slot_indices=slots, intra="fused", inverse_regs_blocks=True)
 
