@@ -383,6 +383,8 @@ def kda_chunk_fwd(
     num_warps_out_chunk: int = 4,
     l_chunk_blocks: bool = False,
     num_warps_l_chunk: int = 4,
+    l_inverse_blocks: bool = False,
+    l_out_blocks: bool = False,
     block_v: int = 32,
     block_v_out: int = 64,
     num_warps_intra: int = 8,
@@ -447,6 +449,10 @@ def kda_chunk_fwd(
             l_chunk_blocks: L's and Aqk's launch one program per (chunk, head) at num_warps_l_chunk warps, its four
             row blocks one after another, so blocks 1-3 read the chunk's k and Gc rows from the L1 (with
             l_rows_blocks; the same values).
+            l_inverse_blocks: the inverse in that launch too, after L (one program per (chunk, head) at
+            num_warps_l_chunk warps, l_chunk_blocks' L; the same values): L's scratch is read back from this SM's
+            L1/L2, not after a launch boundary. l_out_blocks (with l_inverse_blocks): W/U there as well (out_chunk's
+            rows), so the intra step is one launch (two without fuse_gc_blocks).
         block_v, block_v_out, num_warps_*, num_stages_state: launch tuning. num_warps_intra 8 (the fused
             intra kernel): 16% faster than 4 at 16K-64K tokens on the H200 (session 24; its [64, 128] fp32
             tiles spill at 4 warps, and 16 were slower again). num_stages_state (None: 3 with 16-bit scratch, the
@@ -504,7 +510,8 @@ def kda_chunk_fwd(
     if num_stages_split not in (1, 2, 3, 4):
         raise ValueError(f"num_stages_split must be 1 to 4, got {num_stages_split}")
     for name, on in (("fuse_gc_blocks", fuse_gc_blocks), ("inverse_regs_blocks", inverse_regs_blocks),
-                     ("out_chunk_blocks", out_chunk_blocks), ("l_chunk_blocks", l_chunk_blocks)):
+                     ("out_chunk_blocks", out_chunk_blocks), ("l_chunk_blocks", l_chunk_blocks),
+                     ("l_inverse_blocks", l_inverse_blocks), ("l_out_blocks", l_out_blocks)):
         if on and intra != "blocks":
             raise ValueError(f"{name}: a form of intra='blocks', got intra={intra!r}")
     if scratch_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
@@ -550,7 +557,8 @@ def kda_chunk_fwd(
         bk_blocks=block_k_blocks, nw_blocks=num_warps_blocks, ns_blocks=num_stages_blocks,
         sliced_blocks=sliced_out_blocks, lrows_blocks=l_rows_blocks, fuse_gc_blocks=fuse_gc_blocks,
         inverse_regs_blocks=inverse_regs_blocks, out_chunk_blocks=out_chunk_blocks, nw_out_chunk=num_warps_out_chunk,
-        l_chunk_blocks=l_chunk_blocks, nw_l_chunk=num_warps_l_chunk,
+        l_chunk_blocks=l_chunk_blocks, nw_l_chunk=num_warps_l_chunk, l_inverse_blocks=l_inverse_blocks,
+        l_out_blocks=l_out_blocks,
         nw_intra=num_warps_intra,
         nw_state=num_warps_state, ns_state=num_stages_state, nw_out=num_warps_out,
         probe=probe,
@@ -622,6 +630,8 @@ class _Launch:
     nw_out_chunk: int  # its warps
     l_chunk_blocks: bool  # the blocks path's L/Aqk launch one program per (chunk, head)
     nw_l_chunk: int  # its warps
+    l_inverse_blocks: bool  # the inverse in that launch (one program per (chunk, head))
+    l_out_blocks: bool  # and W/U too
     nw_intra: int
     nw_state: int
     ns_state: int
@@ -677,7 +687,8 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
             num_stages=cfg.ns_blocks, dot16=cfg.dot16, prec=cfg.prec, prec_inv=cfg.prec_inv, sub=SUB,
             safe_span=SAFE_SPAN, sliced_out=cfg.sliced_blocks, l_rows=cfg.lrows_blocks, fuse_gc=cfg.fuse_gc_blocks,
             inverse_regs=cfg.inverse_regs_blocks, out_chunk=cfg.out_chunk_blocks, num_warps_out_chunk=cfg.nw_out_chunk,
-            l_chunk=cfg.l_chunk_blocks, num_warps_l_chunk=cfg.nw_l_chunk)
+            l_chunk=cfg.l_chunk_blocks, num_warps_l_chunk=cfg.nw_l_chunk, l_inverse=cfg.l_inverse_blocks,
+            l_out=cfg.l_out_blocks)
     else:
         gc, akk = buf("gc", NC, H, C, BK), buf("akk", NC, H, C, C)
         _kda_chunk_intra_kernel[(NC, H)](

@@ -459,6 +459,33 @@ def test_chunk_blocks_inverse_regs_equals_scratch_rows(fuse_gc: bool) -> None:
         kda_chunk_fwd(**case, slot_indices=slots, intra="fused", inverse_regs_blocks=True)
 
 
+@pytest.mark.parametrize("fuse_gc,regs", [(False, False), (True, True), (False, True)],
+                         ids=["phase0", "fused_gc_regs", "phase0_regs"])
+def test_chunk_blocks_one_launch_equals_three(fuse_gc: bool, regs: bool) -> None:
+    """l_inverse_blocks (the inverse after L in L's per-chunk launch) and l_out_blocks (W/U there too: the intra step
+    one launch with fuse_gc_blocks) run the same operations in the same order as l_chunk_blocks' L, the inverse
+    launch and out_chunk_blocks' W/U: outputs, final states and snapshots equal bit for bit in the interpreter
+    (compiled: within fp32 rounding), with steep sub-chunks in two chunks (the exact fix-up, after L in the same
+    program, which the inverse then reads back) and a padded tail chunk. l_out without l_inverse, either without
+    l_rows_blocks, l_out with sliced_out_blocks and both outside intra="blocks" are refused."""
+    base = dict(fuse_gc_blocks=fuse_gc, inverse_regs_blocks=regs, l_chunk_blocks=True)
+    case, slots, runs = blocks_forms(47, [(100, 1, 5, -90.0), (170, 0, 2, -75.0)], [
+        base, dict(base, l_inverse_blocks=True), dict(base, out_chunk_blocks=True),
+        dict(base, l_inverse_blocks=True, l_out_blocks=True)])
+    (o0, s0, _), (o1, s1, _), (o2, s2, _), (o3, s3, scratch3) = runs
+    assert same_bits(o1, o0) and same_bits(s1, s0)
+    assert same_bits(o3, o2) and same_bits(s3, s2)
+    assert any(key[0] == "gc" for key in scratch3) != fuse_gc
+    for kw, match in ((dict(l_out_blocks=True), "l_out: a form of l_inverse"),
+                      (dict(l_inverse_blocks=True, l_rows_blocks=False), "l_inverse: a form of l_rows"),
+                      (dict(l_inverse_blocks=True, l_out_blocks=True, sliced_out_blocks=True), "l_out: one program")):
+        with pytest.raises(ValueError, match=match):
+            kda_chunk_fwd(**case, slot_indices=slots, intra="blocks", **kw)
+    for name in ("l_inverse_blocks", "l_out_blocks"):
+        with pytest.raises(ValueError, match=name):
+            kda_chunk_fwd(**case, slot_indices=slots, intra="fused", **{name: True})
+
+
 def test_chunk_split_output_pass() -> None:
     """split_output: the state pass stores per-chunk states and Vnew, a third launch computes O."""
     case = chunk_case([130, 63], H=2, D=16, kind="lower_bound", dtype=torch.float32, num_slots=5, seed=11)
