@@ -178,8 +178,9 @@ for stage in "$@"; do
       run kda-fused-gc 150 python3 -m pytest -o addopts="" -v -p no:warnings --tb=short \
         tests/kernels/test_kda_triton.py -k "kimi_shape or steep or inverse_regs or fused_gc or l_chunk or out_chunk or one_launch"
       run kda-fused-gc 340 python3 benchmarks/kernels.py --decode-n --prefill 16384 65536 8x4096 \
-        --prefill-variants blocks_intra blocks_intra_one_launch blocks_intra_all_four blocks_intra_l_inverse \
-        blocks_intra_two_launches blocks_intra_fused_gc blocks_intra_one_launch_w8 blocks_intra_inverse_regs \
+        --prefill-variants blocks_intra blocks_intra_one_launch blocks_intra_all_four blocks_intra_one_launch_r168 \
+        blocks_intra_l_inverse blocks_intra_two_launches blocks_intra_fused_gc blocks_intra_l_inverse_r168 \
+        blocks_intra_one_launch_w8 blocks_intra_inverse_regs \
         blocks_intra_out_chunk blocks_intra_l_chunk blocks_intra_chunks_regs blocks_intra_all_three \
         blocks_intra_out_chunk_w8 blocks_intra_fused_gc_w4 --budget-s 320 --out "$OUT/kda_fused_gc.json" ;;
     kda-forms-48b)

@@ -97,6 +97,12 @@ PREFILL_VARIANTS: dict[str, dict] = {
     "blocks_intra_one_launch_w8": {"intra": "blocks", "fuse_gc_blocks": True, "inverse_regs_blocks": True,
                                    "l_chunk_blocks": True, "l_inverse_blocks": True, "l_out_blocks": True,
                                    "num_warps_l_chunk": 8},
+    # ptxas gives the one-launch kernel 248 registers (2 programs per SM at 4 warps); capped at 168, 3 fit (8 B spill)
+    "blocks_intra_one_launch_r168": {"intra": "blocks", "fuse_gc_blocks": True, "inverse_regs_blocks": True,
+                                     "l_chunk_blocks": True, "l_inverse_blocks": True, "l_out_blocks": True,
+                                     "max_registers_l_chunk": 168},
+    "blocks_intra_l_inverse_r168": {"intra": "blocks", "inverse_regs_blocks": True, "out_chunk_blocks": True,
+                                    "l_chunk_blocks": True, "l_inverse_blocks": True, "max_registers_l_chunk": 168},
     "blocks_intra_two_launches": {"intra": "blocks", "inverse_regs_blocks": True, "l_chunk_blocks": True,
                                   "l_inverse_blocks": True, "l_out_blocks": True},
     # timing probes (results wrong, not checked): the fused intra kernel with one stage skipped each (its PROBE

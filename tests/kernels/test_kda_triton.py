@@ -466,15 +466,18 @@ def test_chunk_blocks_one_launch_equals_three(fuse_gc: bool, regs: bool) -> None
     one launch with fuse_gc_blocks) run the same operations in the same order as l_chunk_blocks' L, the inverse
     launch and out_chunk_blocks' W/U: outputs, final states and snapshots equal bit for bit in the interpreter
     (compiled: within fp32 rounding), with steep sub-chunks in two chunks (the exact fix-up, after L in the same
-    program, which the inverse then reads back) and a padded tail chunk. l_out without l_inverse, either without
+    program, which the inverse then reads back) and a padded tail chunk; and so does the launch under a register cap
+    (max_registers_l_chunk). l_out without l_inverse, either without
     l_rows_blocks, l_out with sliced_out_blocks and both outside intra="blocks" are refused."""
     base = dict(fuse_gc_blocks=fuse_gc, inverse_regs_blocks=regs, l_chunk_blocks=True)
     case, slots, runs = blocks_forms(47, [(100, 1, 5, -90.0), (170, 0, 2, -75.0)], [
         base, dict(base, l_inverse_blocks=True), dict(base, out_chunk_blocks=True),
-        dict(base, l_inverse_blocks=True, l_out_blocks=True)])
-    (o0, s0, _), (o1, s1, _), (o2, s2, _), (o3, s3, scratch3) = runs
+        dict(base, l_inverse_blocks=True, l_out_blocks=True),
+        dict(base, l_inverse_blocks=True, l_out_blocks=True, max_registers_l_chunk=168)])
+    (o0, s0, _), (o1, s1, _), (o2, s2, _), (o3, s3, scratch3), (o4, s4, _) = runs
     assert same_bits(o1, o0) and same_bits(s1, s0)
     assert same_bits(o3, o2) and same_bits(s3, s2)
+    assert same_bits(o4, o3) and same_bits(s4, s3)  # the register cap (compiled: spills, not other values)
     assert any(key[0] == "gc" for key in scratch3) != fuse_gc
     for kw, match in ((dict(l_out_blocks=True), "l_out: a form of l_inverse"),
                       (dict(l_inverse_blocks=True, l_rows_blocks=False), "l_inverse: a form of l_rows"),
