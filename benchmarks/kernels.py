@@ -100,9 +100,12 @@ PREFILL_VARIANTS: dict[str, dict] = {
     # ptxas gives the one-launch kernel 248 registers (2 programs per SM at 4 warps); capped at 168, 3 fit (8 B spill)
     "blocks_intra_one_launch_r168": {"intra": "blocks", "fuse_gc_blocks": True, "inverse_regs_blocks": True,
                                      "l_chunk_blocks": True, "l_inverse_blocks": True, "l_out_blocks": True,
-                                     "max_registers_l_chunk": 168},
+                                     "max_registers_l": 168},
     "blocks_intra_l_inverse_r168": {"intra": "blocks", "inverse_regs_blocks": True, "out_chunk_blocks": True,
-                                    "l_chunk_blocks": True, "l_inverse_blocks": True, "max_registers_l_chunk": 168},
+                                    "l_chunk_blocks": True, "l_inverse_blocks": True, "max_registers_l": 168},
+    # the row-block L launch with fused Gc takes 254 registers at 2 warps (4 programs per SM; 139 without): capped
+    "blocks_intra_fused_gc_r168": {"intra": "blocks", "fuse_gc_blocks": True, "max_registers_l": 168},
+    "blocks_intra_fused_gc_r128": {"intra": "blocks", "fuse_gc_blocks": True, "max_registers_l": 128},
     "blocks_intra_two_launches": {"intra": "blocks", "inverse_regs_blocks": True, "l_chunk_blocks": True,
                                   "l_inverse_blocks": True, "l_out_blocks": True},
     # timing probes (results wrong, not checked): the fused intra kernel with one stage skipped each (its PROBE

@@ -385,7 +385,7 @@ def kda_chunk_fwd(
     num_warps_l_chunk: int = 4,
     l_inverse_blocks: bool = False,
     l_out_blocks: bool = False,
-    max_registers_l_chunk: int | None = None,
+    max_registers_l: int | None = None,
     block_v: int = 32,
     block_v_out: int = 64,
     num_warps_intra: int = 8,
@@ -453,9 +453,10 @@ def kda_chunk_fwd(
             l_inverse_blocks: the inverse in that launch too, after L (one program per (chunk, head) at
             num_warps_l_chunk warps, l_chunk_blocks' L; the same values): L's scratch is read back from this SM's
             L1/L2, not after a launch boundary. l_out_blocks (with l_inverse_blocks): W/U there as well (out_chunk's
-            rows), so the intra step is one launch (two without fuse_gc_blocks). max_registers_l_chunk: ptxas's
-            register cap for the per-chunk L launch (Triton's maxnreg; None: its own choice, 236-248 on sm_90 bf16
-            with the inverse: two programs per SM at 4 warps; 168 fits three, spilling 0-8 bytes).
+            rows), so the intra step is one launch (two without fuse_gc_blocks). max_registers_l: ptxas's
+            register cap for the L launch, row-block or per-chunk (Triton's maxnreg; None: its own choice; sm_90
+            bf16: 236-248 per chunk with the inverse, two programs per SM at 4 warps, 168 fits three with 0-8 bytes
+            spilled; 254 per row block with fuse_gc_blocks at 2 warps, 168 fits six with 56 spilled).
         block_v, block_v_out, num_warps_*, num_stages_state: launch tuning. num_warps_intra 8 (the fused
             intra kernel): 16% faster than 4 at 16K-64K tokens on the H200 (session 24; its [64, 128] fp32
             tiles spill at 4 warps, and 16 were slower again). num_stages_state (None: 3 with 16-bit scratch, the
@@ -561,7 +562,7 @@ def kda_chunk_fwd(
         sliced_blocks=sliced_out_blocks, lrows_blocks=l_rows_blocks, fuse_gc_blocks=fuse_gc_blocks,
         inverse_regs_blocks=inverse_regs_blocks, out_chunk_blocks=out_chunk_blocks, nw_out_chunk=num_warps_out_chunk,
         l_chunk_blocks=l_chunk_blocks, nw_l_chunk=num_warps_l_chunk, l_inverse_blocks=l_inverse_blocks,
-        l_out_blocks=l_out_blocks, maxnreg_l_chunk=max_registers_l_chunk,
+        l_out_blocks=l_out_blocks, maxnreg_l=max_registers_l,
         nw_intra=num_warps_intra,
         nw_state=num_warps_state, ns_state=num_stages_state, nw_out=num_warps_out,
         probe=probe,
@@ -635,7 +636,7 @@ class _Launch:
     nw_l_chunk: int  # its warps
     l_inverse_blocks: bool  # the inverse in that launch (one program per (chunk, head))
     l_out_blocks: bool  # and W/U too
-    maxnreg_l_chunk: int | None  # its register cap
+    maxnreg_l: int | None  # its register cap
     nw_intra: int
     nw_state: int
     ns_state: int
@@ -692,7 +693,7 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
             safe_span=SAFE_SPAN, sliced_out=cfg.sliced_blocks, l_rows=cfg.lrows_blocks, fuse_gc=cfg.fuse_gc_blocks,
             inverse_regs=cfg.inverse_regs_blocks, out_chunk=cfg.out_chunk_blocks, num_warps_out_chunk=cfg.nw_out_chunk,
             l_chunk=cfg.l_chunk_blocks, num_warps_l_chunk=cfg.nw_l_chunk, l_inverse=cfg.l_inverse_blocks,
-            l_out=cfg.l_out_blocks, maxnreg_l_chunk=cfg.maxnreg_l_chunk)
+            l_out=cfg.l_out_blocks, maxnreg_l=cfg.maxnreg_l)
     else:
         gc, akk = buf("gc", NC, H, C, BK), buf("akk", NC, H, C, C)
         _kda_chunk_intra_kernel[(NC, H)](

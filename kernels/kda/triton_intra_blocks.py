@@ -658,7 +658,7 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
                         l_rows: bool = True, fuse_gc: bool = False, inverse_regs: bool = False,
                         out_chunk: bool = False, num_warps_out_chunk: int = 4, l_chunk: bool = False,
                         num_warps_l_chunk: int = 4, l_inverse: bool = False, l_out: bool = False,
-                        maxnreg_l_chunk: int | None = None) -> None:
+                        maxnreg_l: int | None = None) -> None:
     """Four launches over the NC chunks x H heads. The buffers are _launch_chunk's: the state pass's scratch (qg, kd,
     w, u, aqk, gl) and this path's fp32 gc [NC, H, C, BK] (None with fuse_gc), akk [NC, H, C, C], sq [NC, H, 2, C],
     span [NC, H, 4].
@@ -674,7 +674,7 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
     the four row blocks; with l_rows). l_inverse: phases 1 and 2 in one launch (`_blocks_chunk_kernel`, one program
     per (chunk, head) at num_warps_l_chunk warps: l_chunk's L, then the inverse, inverse_regs its form); l_out (with
     l_inverse): phase 3 there too (out_chunk's rows), so the whole intra step is one launch, two without fuse_gc.
-    maxnreg_l_chunk: the per-chunk L launch's register cap (Triton's maxnreg; None: ptxas's choice)."""
+    maxnreg_l: the L launch's register cap (row-block or per-chunk; Triton's maxnreg; None: ptxas's choice)."""
     NC, H, C, BK = qg.shape
     BV = u.shape[3]
     K, V = k.shape[2], v.shape[2]
@@ -688,7 +688,7 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
     assert all(t.dtype == torch.float32 for t in (gc, akk, sq, span))
     assert BK % block_k == 0 and BV % block_v == 0
     tables = (cu, t_seq, t_idx)
-    cap = {} if maxnreg_l_chunk is None else {"maxnreg": maxnreg_l_chunk}
+    cap = {} if maxnreg_l is None else {"maxnreg": maxnreg_l}
     if fuse_gc and not l_rows:
         raise ValueError("fuse_gc: needs l_rows (the 16 x 16 block programs read phase 0's gc)")
     if l_chunk and not l_rows:
@@ -719,8 +719,7 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
                 q, k, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
                 beta.stride(0), beta.stride(1), *tables, gc, sq, gl, span, akk, aqk, scale, H=H, K=K, BK=BK,
                 BKS=block_k, C=C, BC=sub, DOT16=dot16, PREC=prec, SAFE_SPAN=safe_span, FUSE_GC=fuse_gc, CHUNK=l_chunk,
-                num_warps=num_warps_l_chunk if l_chunk else num_warps, num_stages=num_stages,
-                **(cap if l_chunk else {}))
+                num_warps=num_warps_l_chunk if l_chunk else num_warps, num_stages=num_stages, **cap)
         else:
             _blocks_pair_kernel[(NC * 16, H)](
                 q, k, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
