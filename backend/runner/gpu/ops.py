@@ -133,7 +133,11 @@ class KernelConfig:
     # K3's attention-residual mix in its stacked form where a row's stack fits one tile (kernels/attn_res/triton_mix.py:
     # k3-tiny's 9 x 384; every slot loaded at once, the softmax in two passes) instead of the online chain of J
     # dependent steps. Off: no faster on the H200 (session 33, k3-tiny decode graphs at batch 1 / 4 / 16: 0.285 /
-    # 0.351 / 0.414 ms stacked against 0.281 / 0.337 / 0.412 online; decode.py variant stacked_mix)
+    # 0.351 / 0.414 ms stacked against 0.281 / 0.337 / 0.412 online; decode.py variant stacked_mix). And less
+    # exact on the GPU: the bf16 runner's k3 prefill logits at 1.57x the torch reference's own bf16 error with it
+    # against 0.92x without (H100, session 35, benchmarks/bf16_paths.py, checkpoint seed 10: session 33's failing
+    # test_gpu_runner_bf16_logits_within_tolerance, 0.0459) while the CPU's GPU-numerics emulation gives the two
+    # forms equal logits (1.03x); not diagnosed
     attn_res_stacked: bool = False
 
     def __post_init__(self) -> None:
