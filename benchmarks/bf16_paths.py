@@ -31,8 +31,6 @@ FORMS = {"default": {}, "kda_fused": dict(kda_intra="fused"), "kda_blocks": dict
          "kda_blocks_inverse_regs": dict(kda_intra="blocks", kda_blocks_inverse_regs=True),
          "kda_blocks_out_chunk": dict(kda_intra="blocks", kda_blocks_out_chunk=True),
          "kda_blocks_l_chunk": dict(kda_intra="blocks", kda_blocks_l_chunk=True),
-         "kda_blocks_one_launch": dict(kda_intra="blocks", kda_blocks_fuse_gc=True, kda_blocks_inverse_regs=True,
-                                       kda_blocks_l_chunk=True, kda_blocks_l_inverse=True, kda_blocks_l_out=True),
          "mix_stacked": dict(attn_res_stacked=True), "mix_online": dict(attn_res_stacked=False),
          "no_latent_fusion": dict(moe_latent_fusion=False), "no_fused_router": dict(moe_fused_router=False)}
 

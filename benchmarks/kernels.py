@@ -88,26 +88,10 @@ PREFILL_VARIANTS: dict[str, dict] = {
                               "out_chunk_blocks": True, "l_chunk_blocks": True},
     "blocks_intra_chunks_regs": {"intra": "blocks", "inverse_regs_blocks": True, "out_chunk_blocks": True,
                                  "l_chunk_blocks": True},
-    # session 35: the inverse in L's per-chunk launch (l_inverse), and W/U there too (l_out): with fuse_gc the intra
-    # step is one launch; the inverse launch moved ~0.5 GB in 0.65 ms at 8 x 4K (session 33), a chain of waits
-    "blocks_intra_l_inverse": {"intra": "blocks", "inverse_regs_blocks": True, "out_chunk_blocks": True,
-                               "l_chunk_blocks": True, "l_inverse_blocks": True},
-    "blocks_intra_one_launch": {"intra": "blocks", "fuse_gc_blocks": True, "inverse_regs_blocks": True,
-                                "l_chunk_blocks": True, "l_inverse_blocks": True, "l_out_blocks": True},
-    "blocks_intra_one_launch_w8": {"intra": "blocks", "fuse_gc_blocks": True, "inverse_regs_blocks": True,
-                                   "l_chunk_blocks": True, "l_inverse_blocks": True, "l_out_blocks": True,
-                                   "num_warps_l_chunk": 8},
-    # ptxas gives the one-launch kernel 248 registers (2 programs per SM at 4 warps); capped at 168, 3 fit (8 B spill)
-    "blocks_intra_one_launch_r168": {"intra": "blocks", "fuse_gc_blocks": True, "inverse_regs_blocks": True,
-                                     "l_chunk_blocks": True, "l_inverse_blocks": True, "l_out_blocks": True,
-                                     "max_registers_l": 168},
-    "blocks_intra_l_inverse_r168": {"intra": "blocks", "inverse_regs_blocks": True, "out_chunk_blocks": True,
-                                    "l_chunk_blocks": True, "l_inverse_blocks": True, "max_registers_l": 168},
-    # the row-block L launch with fused Gc takes 254 registers at 2 warps (4 programs per SM; 139 without): capped
+    # session 35: the row-block L launch with fused Gc takes 254 registers at 2 warps (4 programs per SM; 139
+    # without; fused_gc 30% slower than the default on the H100): capped
     "blocks_intra_fused_gc_r168": {"intra": "blocks", "fuse_gc_blocks": True, "max_registers_l": 168},
     "blocks_intra_fused_gc_r128": {"intra": "blocks", "fuse_gc_blocks": True, "max_registers_l": 128},
-    "blocks_intra_two_launches": {"intra": "blocks", "inverse_regs_blocks": True, "l_chunk_blocks": True,
-                                  "l_inverse_blocks": True, "l_out_blocks": True},
     # timing probes (results wrong, not checked): the fused intra kernel with one stage skipped each (its PROBE
     # bits), so base minus a probe is about what that stage costs
     "probe_no_blocks": {"probe": 1},  # L and Aqk

@@ -383,8 +383,6 @@ def kda_chunk_fwd(
     num_warps_out_chunk: int = 4,
     l_chunk_blocks: bool = False,
     num_warps_l_chunk: int = 4,
-    l_inverse_blocks: bool = False,
-    l_out_blocks: bool = False,
     max_registers_l: int | None = None,
     block_v: int = 32,
     block_v_out: int = 64,
@@ -450,13 +448,10 @@ def kda_chunk_fwd(
             l_chunk_blocks: L's and Aqk's launch one program per (chunk, head) at num_warps_l_chunk warps, its four
             row blocks one after another, so blocks 1-3 read the chunk's k and Gc rows from the L1 (with
             l_rows_blocks; the same values).
-            l_inverse_blocks: the inverse in that launch too, after L (one program per (chunk, head) at
-            num_warps_l_chunk warps, l_chunk_blocks' L; the same values): L's scratch is read back from this SM's
-            L1/L2, not after a launch boundary. l_out_blocks (with l_inverse_blocks): W/U there as well (out_chunk's
-            rows), so the intra step is one launch (two without fuse_gc_blocks). max_registers_l: ptxas's
-            register cap for the L launch, row-block or per-chunk (Triton's maxnreg; None: its own choice; sm_90
-            bf16: 236-248 per chunk with the inverse, two programs per SM at 4 warps, 168 fits three with 0-8 bytes
-            spilled; 254 per row block with fuse_gc_blocks at 2 warps, 168 fits six with 56 spilled).
+            max_registers_l: ptxas's register cap for the L launch, row-block or per-chunk (Triton's maxnreg;
+            None: its own choice). sm_90 bf16: 254 per row block with fuse_gc_blocks at 2 warps (four programs per
+            SM, where 139 without it fit seven; fuse_gc lost 30% on the H100, session 35); 168 fits six, spilling
+            56 bytes, 128 eight, spilling 328.
         block_v, block_v_out, num_warps_*, num_stages_state: launch tuning. num_warps_intra 8 (the fused
             intra kernel): 16% faster than 4 at 16K-64K tokens on the H200 (session 24; its [64, 128] fp32
             tiles spill at 4 warps, and 16 were slower again). num_stages_state (None: 3 with 16-bit scratch, the
@@ -514,8 +509,7 @@ def kda_chunk_fwd(
     if num_stages_split not in (1, 2, 3, 4):
         raise ValueError(f"num_stages_split must be 1 to 4, got {num_stages_split}")
     for name, on in (("fuse_gc_blocks", fuse_gc_blocks), ("inverse_regs_blocks", inverse_regs_blocks),
-                     ("out_chunk_blocks", out_chunk_blocks), ("l_chunk_blocks", l_chunk_blocks),
-                     ("l_inverse_blocks", l_inverse_blocks), ("l_out_blocks", l_out_blocks)):
+                     ("out_chunk_blocks", out_chunk_blocks), ("l_chunk_blocks", l_chunk_blocks)):
         if on and intra != "blocks":
             raise ValueError(f"{name}: a form of intra='blocks', got intra={intra!r}")
     if scratch_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
@@ -561,8 +555,7 @@ def kda_chunk_fwd(
         bk_blocks=block_k_blocks, nw_blocks=num_warps_blocks, ns_blocks=num_stages_blocks,
         sliced_blocks=sliced_out_blocks, lrows_blocks=l_rows_blocks, fuse_gc_blocks=fuse_gc_blocks,
         inverse_regs_blocks=inverse_regs_blocks, out_chunk_blocks=out_chunk_blocks, nw_out_chunk=num_warps_out_chunk,
-        l_chunk_blocks=l_chunk_blocks, nw_l_chunk=num_warps_l_chunk, l_inverse_blocks=l_inverse_blocks,
-        l_out_blocks=l_out_blocks, maxnreg_l=max_registers_l,
+        l_chunk_blocks=l_chunk_blocks, nw_l_chunk=num_warps_l_chunk, maxnreg_l=max_registers_l,
         nw_intra=num_warps_intra,
         nw_state=num_warps_state, ns_state=num_stages_state, nw_out=num_warps_out,
         probe=probe,
@@ -634,9 +627,7 @@ class _Launch:
     nw_out_chunk: int  # its warps
     l_chunk_blocks: bool  # the blocks path's L/Aqk launch one program per (chunk, head)
     nw_l_chunk: int  # its warps
-    l_inverse_blocks: bool  # the inverse in that launch (one program per (chunk, head))
-    l_out_blocks: bool  # and W/U too
-    maxnreg_l: int | None  # its register cap
+    maxnreg_l: int | None  # the blocks path's L launch's register cap
     nw_intra: int
     nw_state: int
     ns_state: int
@@ -692,8 +683,7 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
             num_stages=cfg.ns_blocks, dot16=cfg.dot16, prec=cfg.prec, prec_inv=cfg.prec_inv, sub=SUB,
             safe_span=SAFE_SPAN, sliced_out=cfg.sliced_blocks, l_rows=cfg.lrows_blocks, fuse_gc=cfg.fuse_gc_blocks,
             inverse_regs=cfg.inverse_regs_blocks, out_chunk=cfg.out_chunk_blocks, num_warps_out_chunk=cfg.nw_out_chunk,
-            l_chunk=cfg.l_chunk_blocks, num_warps_l_chunk=cfg.nw_l_chunk, l_inverse=cfg.l_inverse_blocks,
-            l_out=cfg.l_out_blocks, maxnreg_l=cfg.maxnreg_l)
+            l_chunk=cfg.l_chunk_blocks, num_warps_l_chunk=cfg.nw_l_chunk, maxnreg_l=cfg.maxnreg_l)
     else:
         gc, akk = buf("gc", NC, H, C, BK), buf("akk", NC, H, C, C)
         _kda_chunk_intra_kernel[(NC, H)](

@@ -325,37 +325,6 @@ def _l_row_block(q_h, k_h, g_h, b_h, stride_qt, stride_kt, stride_gt, stride_bt,
     _store_l_row(akk_ptr, aqk_ptr, scr, kk, qk, i, rk_i, rq_i, rk, _beta(b_h, stride_bt, i, n_valid, BC), scale, C, BC)
 
 
-@triton.jit
-def _l_chunk(q_h, k_h, g_h, b_h, stride_qt, stride_kt, stride_gt, stride_bt, gc_buf, sq_buf, gl_ptr, span_ptr,
-             akk_ptr, aqk_ptr, scr, n_valid, scale, K: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
-             C: tl.constexpr, BC: tl.constexpr, DOT16: tl.constexpr, PREC: tl.constexpr, SAFE_SPAN: tl.constexpr,
-             FUSE_GC: tl.constexpr):
-    """L's and Aqk's four row blocks of one chunk, one after another (`_blocks_lrow_kernel` CHUNK); with FUSE_GC
-    first the norms, spans and exp(Gc_last), stored."""
-    if FUSE_GC:  # phase 0's outputs but gc first, in a pass of their own (its registers apart from the sums')
-        rows = tl.arange(0, C)
-        sk = tl.zeros([C], dtype=tl.float32)
-        sq = tl.zeros([C], dtype=tl.float32)
-        span = tl.zeros([4], dtype=tl.float32)
-        for ks in range(0, BK, BKS):
-            offs = ks + tl.arange(0, BKS)
-            g = _rows(g_h, stride_gt, 0, n_valid, offs, K, C)
-            span = tl.maximum(span, _spans(g, BC))
-            tl.store(gl_ptr + scr * BK + offs, tl.exp(tl.sum(g, axis=0)))
-            kr = _rows(k_h, stride_kt, 0, n_valid, offs, K, C)
-            qr = _rows(q_h, stride_qt, 0, n_valid, offs, K, C)
-            sk += tl.sum(kr * kr, axis=1)
-            sq += tl.sum(qr * qr, axis=1)
-        tl.store(sq_buf + rows, sk)
-        tl.store(sq_buf + C + rows, sq)
-        tl.store(span_ptr + scr * 4 + tl.arange(0, 4), span)
-        tl.debug_barrier()  # the norms are read back below, by other threads
-    for i in tl.static_range(4):
-        _l_row_block(q_h, k_h, g_h, b_h, stride_qt, stride_kt, stride_gt, stride_bt, gc_buf, sq_buf, gl_ptr,
-                     span_ptr, akk_ptr, aqk_ptr, scr, i, n_valid, scale, K, BK, BKS, C, BC, DOT16, PREC,
-                     SAFE_SPAN, FUSE_GC, False)
-
-
 @triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
 def _blocks_lrow_kernel(
     q_ptr, k_ptr, g_ptr, beta_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh, stride_bt,
@@ -394,8 +363,28 @@ def _blocks_lrow_kernel(
     gc_buf = gc_ptr + scr * (C * BK)
     sq_buf = sq_ptr + scr * (2 * C)
     if CHUNK:
-        _l_chunk(q_h, k_h, g_h, b_h, stride_qt, stride_kt, stride_gt, stride_bt, gc_buf, sq_buf, gl_ptr, span_ptr,
-                 akk_ptr, aqk_ptr, scr, n_valid, scale, K, BK, BKS, C, BC, DOT16, PREC, SAFE_SPAN, FUSE_GC)
+        if FUSE_GC:  # phase 0's outputs but gc first, in a pass of their own (its registers apart from the sums')
+            rows = tl.arange(0, C)
+            sk = tl.zeros([C], dtype=tl.float32)
+            sq = tl.zeros([C], dtype=tl.float32)
+            span = tl.zeros([4], dtype=tl.float32)
+            for ks in range(0, BK, BKS):
+                offs = ks + tl.arange(0, BKS)
+                g = _rows(g_h, stride_gt, 0, n_valid, offs, K, C)
+                span = tl.maximum(span, _spans(g, BC))
+                tl.store(gl_ptr + scr * BK + offs, tl.exp(tl.sum(g, axis=0)))
+                kr = _rows(k_h, stride_kt, 0, n_valid, offs, K, C)
+                qr = _rows(q_h, stride_qt, 0, n_valid, offs, K, C)
+                sk += tl.sum(kr * kr, axis=1)
+                sq += tl.sum(qr * qr, axis=1)
+            tl.store(sq_buf + rows, sk)
+            tl.store(sq_buf + C + rows, sq)
+            tl.store(span_ptr + scr * 4 + tl.arange(0, 4), span)
+            tl.debug_barrier()  # the norms are read back below, by other threads
+        for i in tl.static_range(4):
+            _l_row_block(q_h, k_h, g_h, b_h, stride_qt, stride_kt, stride_gt, stride_bt, gc_buf, sq_buf, gl_ptr,
+                         span_ptr, akk_ptr, aqk_ptr, scr, i, n_valid, scale, K, BK, BKS, C, BC, DOT16, PREC,
+                         SAFE_SPAN, FUSE_GC, False)
     else:
         _l_row_block(q_h, k_h, g_h, b_h, stride_qt, stride_kt, stride_gt, stride_bt, gc_buf, sq_buf, gl_ptr,
                      span_ptr, akk_ptr, aqk_ptr, scr, tl.program_id(0) % 4, n_valid, scale, K, BK, BKS, C, BC, DOT16,
@@ -430,52 +419,6 @@ def _below_diag_inverse_regs(akk_buf, C: tl.constexpr, BC: tl.constexpr, PREC_IN
     _store_block(akk_buf, x32, 3, 2, C, BC)
 
 
-@triton.jit
-def _steep_diag_blocks(q_h, k_h, g_h, b_h, stride_qt, stride_kt, stride_gt, stride_bt, spans, sq_buf, akk_buf,
-                       aqk_buf, n_valid, scale, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-                       SAFE_SPAN: tl.constexpr):
-    """The diagonal blocks of L and Aqk of the steep sub-chunks (span > SAFE_SPAN) exactly, elementwise, over phase
-    1's clamped ones; ends with a barrier (the substitution reads them back)."""
-    for i in tl.static_range(4):
-        if tl.load(spans + i) > SAFE_SPAN:
-            ri = i * BC + tl.arange(0, BC)
-            kk, qk = _exact_diag_block(q_h, k_h, g_h, ri, stride_qt, stride_kt, stride_gt, ri < n_valid,
-                                       ri < n_valid, K, BK, 8, BC, True)
-            _scale_store(akk_buf, aqk_buf, kk, qk, b_h, stride_bt, sq_buf, n_valid, scale, i, i, C, BC)
-    tl.debug_barrier()
-
-
-@triton.jit
-def _block_inverse(akk_buf, C: tl.constexpr, BC: tl.constexpr, PREC_INV: tl.constexpr, REGS: tl.constexpr):
-    """X = (I + L)^-1 over L in the [C, C] scratch akk_buf (REGS: see _blocks_inverse_kernel)."""
-    # the diagonal blocks by forward substitution, all four at once (rows read back from akk)
-    _diag_block_inverses(akk_buf, C, BC, REGS=REGS)
-    if REGS:
-        _below_diag_inverse_regs(akk_buf, C, BC, PREC_INV)
-    else:
-        # the blocks below, a row at a time: X_ij = -X_ii sum_{j <= m < i} L_im X_mj, each X_ij stored over L_ij once
-        # no later block of its row reads L_ij (few tiles live at once: the rows come back from the scratch)
-        x10 = -_dinv(akk_buf, 1, _lx(akk_buf, 1, 0, 0, C, BC, PREC_INV), C, BC, PREC_INV)
-        _store_block(akk_buf, x10, 1, 0, C, BC)
-        tl.debug_barrier()
-        x21 = -_dinv(akk_buf, 2, _lx(akk_buf, 2, 1, 1, C, BC, PREC_INV), C, BC, PREC_INV)
-        x20 = -_dinv(akk_buf, 2, _lx(akk_buf, 2, 0, 0, C, BC, PREC_INV) + _lx(akk_buf, 2, 1, 0, C, BC, PREC_INV), C,
-                     BC, PREC_INV)
-        tl.debug_barrier()
-        _store_block(akk_buf, x21, 2, 1, C, BC)
-        _store_block(akk_buf, x20, 2, 0, C, BC)
-        tl.debug_barrier()
-        x32 = -_dinv(akk_buf, 3, _lx(akk_buf, 3, 2, 2, C, BC, PREC_INV), C, BC, PREC_INV)
-        x31 = -_dinv(akk_buf, 3, _lx(akk_buf, 3, 1, 1, C, BC, PREC_INV) + _lx(akk_buf, 3, 2, 1, C, BC, PREC_INV), C,
-                     BC, PREC_INV)
-        x30 = -_dinv(akk_buf, 3, _lx(akk_buf, 3, 0, 0, C, BC, PREC_INV) + _lx(akk_buf, 3, 1, 0, C, BC, PREC_INV)
-                     + _lx(akk_buf, 3, 2, 0, C, BC, PREC_INV), C, BC, PREC_INV)
-        tl.debug_barrier()
-        _store_block(akk_buf, x32, 3, 2, C, BC)
-        _store_block(akk_buf, x31, 3, 1, C, BC)
-        _store_block(akk_buf, x30, 3, 0, C, BC)
-
-
 @triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
 def _blocks_inverse_kernel(
     q_ptr, k_ptr, g_ptr, beta_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh,
@@ -501,60 +444,43 @@ def _blocks_inverse_kernel(
     spans = span_ptr + scr * 4
     if tl.max(tl.load(spans + tl.arange(0, 4)), axis=0) > SAFE_SPAN:
         t0, n_valid = _chunk_rows(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, C)
-        _steep_diag_blocks(q_ptr + t0 * stride_qt + i_h * stride_qh, k_ptr + t0 * stride_kt + i_h * stride_kh,
-                           g_ptr + t0 * stride_gt + i_h * stride_gh, beta_ptr + t0 * stride_bt + i_h * stride_bh,
-                           stride_qt, stride_kt, stride_gt, stride_bt, spans, sq_ptr + scr * (2 * C), akk_buf,
-                           aqk_ptr + scr * (C * C), n_valid, scale, K, BK, C, BC, SAFE_SPAN)
-    _block_inverse(akk_buf, C, BC, PREC_INV, REGS)
-
-
-@triton.jit
-def _out_rows(q_h, k_h, v_h, g_h, b_h, stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, gc_buf, sq_buf, akk_buf,
-              qg_ptr, kd_ptr, w_ptr, u_ptr, scr, i, k_lo, k_hi, v_lo, v_hi, n_valid, scale, K: tl.constexpr,
-              V: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, BVS: tl.constexpr,
-              C: tl.constexpr, BC: tl.constexpr, DOT16: tl.constexpr, PREC: tl.constexpr, FUSE_GC: tl.constexpr,
-              ROWS: tl.constexpr):
-    """Phase 3's work on row tile i (ROWS rows: a row block, or the whole chunk), K slices k_lo..k_hi and V slices
-    v_lo..v_hi: qg and kd rows, W and U from X's rows in akk_buf (see _blocks_out_kernel)."""
-    r0 = i * ROWS
-    rk_i, rq_i = _rnorm(sq_buf, r0, ROWS), _rnorm(sq_buf, C + r0, ROWS)
-    # T = X diag(beta), the tile's rows: their blocks (i, j <= i) in one [ROWS, C] tile, the blocks above the
-    # diagonal masked (akk holds no X there), so that W and U are one dot per slice over the chunk's C rows instead
-    # of i + 1 dependent dots over 16
-    rows = r0 + tl.arange(0, ROWS)
-    cols = tl.arange(0, C)
-    past = cols < r0 + ROWS
-    if ROWS == C:
-        lower = cols[None, :] // BC <= rows[:, None] // BC
-    else:  # one row block: a column mask (a 2D one costs the sliced programs 40 registers on sm_90)
-        lower = past[None, :]
-    t_row = tl.load(akk_buf + rows[:, None] * C + cols[None, :], mask=lower, other=0.0)
-    t_row = t_row * tl.load(b_h + cols.to(tl.int64) * stride_bt, mask=past & (cols < n_valid), other=0.0)[None, :]
-    rk_all = _rnorm(sq_buf, 0, C)
-    for ks in range(k_lo, k_hi, BKS):
-        offs = ks + tl.arange(0, BKS)
-        if FUSE_GC:
-            gc_all = _gc_tile(g_h, stride_gt, n_valid, offs, K, C)[1]
-            g_last = _one_row(gc_all, C - 1)
-            gc_i = gc_all if ROWS == C else _block_rows(gc_all, i, BC)
-        else:
-            g_last = tl.load(gc_buf + (C - 1) * BK + offs)
-            gc_i = _gc_rows(gc_buf, r0, offs, BK, ROWS)
-            gc_all = gc_i if ROWS == C else _gc_rows(gc_buf, 0, offs, BK, C)
-        q_i = _rows(q_h, stride_qt, r0, n_valid, offs, K, ROWS)
-        _row_out(qg_ptr + scr * (C * BK), q_i * (rq_i * scale)[:, None] * tl.exp(gc_i), r0, offs, BK, ROWS)
-        kn_i = _rows(k_h, stride_kt, r0, n_valid, offs, K, ROWS) * rk_i[:, None]
-        _row_out(kd_ptr + scr * (C * BK), kn_i * tl.exp(g_last[None, :] - gc_i), r0, offs, BK, ROWS)
-        # kn_j exp(Gc_j) of every row (rows past the tile's blocks meet T's zeros)
-        if ROWS == C:
-            kg = kn_i * tl.exp(gc_all)
-        else:
-            kg = _rows(k_h, stride_kt, 0, n_valid, offs, K, C) * rk_all[:, None] * tl.exp(gc_all)
-        _row_out(w_ptr + scr * (C * BK), _dot(t_row, kg, DOT16, PREC), r0, offs, BK, ROWS)
-    for vs in range(v_lo, v_hi, BVS):
-        offs = vs + tl.arange(0, BVS)
-        u = _dot(t_row, _rows(v_h, stride_vt, 0, n_valid, offs, V, C), DOT16, PREC)
-        _row_out(u_ptr + scr * (C * BV), u, r0, offs, BV, ROWS)
+        q_h = q_ptr + t0 * stride_qt + i_h * stride_qh
+        k_h = k_ptr + t0 * stride_kt + i_h * stride_kh
+        g_h = g_ptr + t0 * stride_gt + i_h * stride_gh
+        for i in tl.static_range(4):
+            if tl.load(spans + i) > SAFE_SPAN:
+                ri = i * BC + tl.arange(0, BC)
+                kk, qk = _exact_diag_block(q_h, k_h, g_h, ri, stride_qt, stride_kt, stride_gt, ri < n_valid,
+                                           ri < n_valid, K, BK, 8, BC, True)
+                _scale_store(akk_buf, aqk_ptr + scr * (C * C), kk, qk, beta_ptr + t0 * stride_bt + i_h * stride_bh,
+                             stride_bt, sq_ptr + scr * (2 * C), n_valid, scale, i, i, C, BC)
+        tl.debug_barrier()  # the substitution reads the rewritten blocks back
+    # the diagonal blocks by forward substitution, all four at once (rows read back from akk)
+    _diag_block_inverses(akk_buf, C, BC, REGS=REGS)
+    if REGS:
+        _below_diag_inverse_regs(akk_buf, C, BC, PREC_INV)
+        return
+    # the blocks below, a row at a time: X_ij = -X_ii sum_{j <= m < i} L_im X_mj, each X_ij stored over L_ij once
+    # no later block of its row reads L_ij (few tiles live at once: the rows come back from the scratch)
+    x10 = -_dinv(akk_buf, 1, _lx(akk_buf, 1, 0, 0, C, BC, PREC_INV), C, BC, PREC_INV)
+    _store_block(akk_buf, x10, 1, 0, C, BC)
+    tl.debug_barrier()
+    x21 = -_dinv(akk_buf, 2, _lx(akk_buf, 2, 1, 1, C, BC, PREC_INV), C, BC, PREC_INV)
+    x20 = -_dinv(akk_buf, 2, _lx(akk_buf, 2, 0, 0, C, BC, PREC_INV) + _lx(akk_buf, 2, 1, 0, C, BC, PREC_INV), C, BC,
+                 PREC_INV)
+    tl.debug_barrier()
+    _store_block(akk_buf, x21, 2, 1, C, BC)
+    _store_block(akk_buf, x20, 2, 0, C, BC)
+    tl.debug_barrier()
+    x32 = -_dinv(akk_buf, 3, _lx(akk_buf, 3, 2, 2, C, BC, PREC_INV), C, BC, PREC_INV)
+    x31 = -_dinv(akk_buf, 3, _lx(akk_buf, 3, 1, 1, C, BC, PREC_INV) + _lx(akk_buf, 3, 2, 1, C, BC, PREC_INV), C, BC,
+                 PREC_INV)
+    x30 = -_dinv(akk_buf, 3, _lx(akk_buf, 3, 0, 0, C, BC, PREC_INV) + _lx(akk_buf, 3, 1, 0, C, BC, PREC_INV)
+                 + _lx(akk_buf, 3, 2, 0, C, BC, PREC_INV), C, BC, PREC_INV)
+    tl.debug_barrier()
+    _store_block(akk_buf, x32, 3, 2, C, BC)
+    _store_block(akk_buf, x31, 3, 1, C, BC)
+    _store_block(akk_buf, x30, 3, 0, C, BC)
 
 
 @triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
@@ -594,62 +520,53 @@ def _blocks_out_kernel(
     else:
         i = i_p
         k_lo, k_hi, v_lo, v_hi = 0, BK, 0, BV
+    r0 = i * ROWS
     t0, n_valid, scr = _program(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, i_h, H, C)
     q_h = q_ptr + t0 * stride_qt + i_h * stride_qh
     k_h = k_ptr + t0 * stride_kt + i_h * stride_kh
     v_h = v_ptr + t0 * stride_vt + i_h * stride_vh
     g_h = g_ptr + t0 * stride_gt + i_h * stride_gh
     b_h = beta_ptr + t0 * stride_bt + i_h * stride_bh
-    _out_rows(q_h, k_h, v_h, g_h, b_h, stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, gc_ptr + scr * (C * BK),
-              sq_ptr + scr * (2 * C), akk_ptr + scr * (C * C), qg_ptr, kd_ptr, w_ptr, u_ptr, scr, i, k_lo, k_hi, v_lo,
-              v_hi, n_valid, scale, K, V, BK, BKS, BV, BVS, C, BC, DOT16, PREC, FUSE_GC, ROWS)
-
-
-@triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
-def _blocks_chunk_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_gt, stride_gh, stride_bt, stride_bh,
-    cu_ptr, chunk_seq_ptr, chunk_idx_ptr,
-    gc_ptr, sq_ptr, gl_ptr, span_ptr,  # as _blocks_lrow_kernel's
-    akk_ptr,  # out [NC, H, C, C] fp32: X = (I + L)^-1 (L on the way)
-    aqk_ptr,  # out [NC, H, C, C]
-    qg_ptr, kd_ptr, w_ptr, u_ptr,  # OUT: out, as _blocks_out_kernel's
-    scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
-    BVS: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, DOT16: tl.constexpr, PREC: tl.constexpr,
-    PREC_INV: tl.constexpr, SAFE_SPAN: tl.constexpr, FUSE_GC: tl.constexpr, REGS: tl.constexpr, OUT: tl.constexpr,
-):
-    """Phases 1 and 2 (and with OUT 3) in one program per (chunk, head) (`launch_intra_blocks(l_inverse=True)`,
-    `l_out=True`): L's and Aqk's row blocks as `_blocks_lrow_kernel` CHUNK computes them, then, after a barrier, the
-    steep diagonal blocks and the inverse as `_blocks_inverse_kernel` does (REGS its form), then (OUT) qg, kd, W and
-    U as `_blocks_out_kernel` ROWS = C does: the same operations in the same order (bit-equal in the interpreter).
-    Why: the inverse launch moves ~0.5 GB at 8 x 4K tokens of the 48B layer in 0.65 ms, a chain of dependent waits
-    on L's scratch at one (chunk, head) per program; here L's rows are in this SM's L1/L2 when the inverse reads
-    them, and X's when W/U read them, the akk round trips through DRAM and the launches' tails go, and other resident
-    programs' dots hide one program's waits."""
-    tl.static_assert(C == 4 * BC, "four sub-chunks per chunk")
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0, n_valid, scr = _program(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, i_h, H, C)
-    q_h = q_ptr + t0 * stride_qt + i_h * stride_qh
-    k_h = k_ptr + t0 * stride_kt + i_h * stride_kh
-    g_h = g_ptr + t0 * stride_gt + i_h * stride_gh
-    b_h = beta_ptr + t0 * stride_bt + i_h * stride_bh
     gc_buf = gc_ptr + scr * (C * BK)
     sq_buf = sq_ptr + scr * (2 * C)
-    akk_buf = akk_ptr + scr * (C * C)
-    spans = span_ptr + scr * 4
-    _l_chunk(q_h, k_h, g_h, b_h, stride_qt, stride_kt, stride_gt, stride_bt, gc_buf, sq_buf, gl_ptr, span_ptr,
-             akk_ptr, aqk_ptr, scr, n_valid, scale, K, BK, BKS, C, BC, DOT16, PREC, SAFE_SPAN, FUSE_GC)
-    tl.debug_barrier()  # L's rows (and with FUSE_GC the spans) are read back by other threads
-    if tl.max(tl.load(spans + tl.arange(0, 4)), axis=0) > SAFE_SPAN:
-        _steep_diag_blocks(q_h, k_h, g_h, b_h, stride_qt, stride_kt, stride_gt, stride_bt, spans, sq_buf, akk_buf,
-                           aqk_ptr + scr * (C * C), n_valid, scale, K, BK, C, BC, SAFE_SPAN)
-    _block_inverse(akk_buf, C, BC, PREC_INV, REGS)
-    if OUT:
-        tl.debug_barrier()  # X's blocks are read back by other threads
-        _out_rows(q_h, k_h, v_ptr + t0 * stride_vt + i_h * stride_vh, g_h, b_h, stride_qt, stride_kt, stride_vt,
-                  stride_gt, stride_bt, gc_buf, sq_buf, akk_buf, qg_ptr, kd_ptr, w_ptr, u_ptr, scr, 0, 0, BK, 0, BV,
-                  n_valid, scale, K, V, BK, BKS, BV, BVS, C, BC, DOT16, PREC, FUSE_GC, C)
+    rk_i, rq_i = _rnorm(sq_buf, r0, ROWS), _rnorm(sq_buf, C + r0, ROWS)
+    # T = X diag(beta), the tile's rows: their blocks (i, j <= i) in one [ROWS, C] tile, the blocks above the
+    # diagonal masked (akk holds no X there), so that W and U are one dot per slice over the chunk's C rows instead
+    # of i + 1 dependent dots over 16
+    rows = r0 + tl.arange(0, ROWS)
+    cols = tl.arange(0, C)
+    past = cols < r0 + ROWS
+    if ROWS == C:
+        lower = cols[None, :] // BC <= rows[:, None] // BC
+    else:  # one row block: a column mask (a 2D one costs the sliced programs 40 registers on sm_90)
+        lower = past[None, :]
+    t_row = tl.load(akk_ptr + scr * (C * C) + rows[:, None] * C + cols[None, :], mask=lower, other=0.0)
+    t_row = t_row * tl.load(b_h + cols.to(tl.int64) * stride_bt, mask=past & (cols < n_valid), other=0.0)[None, :]
+    rk_all = _rnorm(sq_buf, 0, C)
+    for ks in range(k_lo, k_hi, BKS):
+        offs = ks + tl.arange(0, BKS)
+        if FUSE_GC:
+            gc_all = _gc_tile(g_h, stride_gt, n_valid, offs, K, C)[1]
+            g_last = _one_row(gc_all, C - 1)
+            gc_i = gc_all if ROWS == C else _block_rows(gc_all, i, BC)
+        else:
+            g_last = tl.load(gc_buf + (C - 1) * BK + offs)
+            gc_i = _gc_rows(gc_buf, r0, offs, BK, ROWS)
+            gc_all = gc_i if ROWS == C else _gc_rows(gc_buf, 0, offs, BK, C)
+        q_i = _rows(q_h, stride_qt, r0, n_valid, offs, K, ROWS)
+        _row_out(qg_ptr + scr * (C * BK), q_i * (rq_i * scale)[:, None] * tl.exp(gc_i), r0, offs, BK, ROWS)
+        kn_i = _rows(k_h, stride_kt, r0, n_valid, offs, K, ROWS) * rk_i[:, None]
+        _row_out(kd_ptr + scr * (C * BK), kn_i * tl.exp(g_last[None, :] - gc_i), r0, offs, BK, ROWS)
+        # kn_j exp(Gc_j) of every row (rows past the tile's blocks meet T's zeros)
+        if ROWS == C:
+            kg = kn_i * tl.exp(gc_all)
+        else:
+            kg = _rows(k_h, stride_kt, 0, n_valid, offs, K, C) * rk_all[:, None] * tl.exp(gc_all)
+        _row_out(w_ptr + scr * (C * BK), _dot(t_row, kg, DOT16, PREC), r0, offs, BK, ROWS)
+    for vs in range(v_lo, v_hi, BVS):
+        offs = vs + tl.arange(0, BVS)
+        u = _dot(t_row, _rows(v_h, stride_vt, 0, n_valid, offs, V, C), DOT16, PREC)
+        _row_out(u_ptr + scr * (C * BV), u, r0, offs, BV, ROWS)
 
 
 def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl, gc, akk, sq, span, *,
@@ -657,8 +574,7 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
                         prec: str, prec_inv: str, sub: int, safe_span: float, sliced_out: bool = False,
                         l_rows: bool = True, fuse_gc: bool = False, inverse_regs: bool = False,
                         out_chunk: bool = False, num_warps_out_chunk: int = 4, l_chunk: bool = False,
-                        num_warps_l_chunk: int = 4, l_inverse: bool = False, l_out: bool = False,
-                        maxnreg_l: int | None = None) -> None:
+                        num_warps_l_chunk: int = 4, maxnreg_l: int | None = None) -> None:
     """Four launches over the NC chunks x H heads. The buffers are _launch_chunk's: the state pass's scratch (qg, kd,
     w, u, aqk, gl) and this path's fp32 gc [NC, H, C, BK] (None with fuse_gc), akk [NC, H, C, C], sq [NC, H, 2, C],
     span [NC, H, 4].
@@ -671,10 +587,8 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
     out_chunk: phase 3 one program per (chunk, head) at num_warps_out_chunk warps (`_blocks_out_kernel` ROWS = C: the
     chunk's k, v and Gc rows read once, not once per row block; not with sliced_out). l_chunk: phase 1 one program
     per (chunk, head) at num_warps_l_chunk warps (`_blocks_lrow_kernel` CHUNK: the same, its k and Gc rows read once for
-    the four row blocks; with l_rows). l_inverse: phases 1 and 2 in one launch (`_blocks_chunk_kernel`, one program
-    per (chunk, head) at num_warps_l_chunk warps: l_chunk's L, then the inverse, inverse_regs its form); l_out (with
-    l_inverse): phase 3 there too (out_chunk's rows), so the whole intra step is one launch, two without fuse_gc.
-    maxnreg_l: the L launch's register cap (row-block or per-chunk; Triton's maxnreg; None: ptxas's choice)."""
+    the four row blocks; with l_rows). maxnreg_l: the L launch's register cap (with l_rows; Triton's maxnreg; None:
+    ptxas's choice)."""
     NC, H, C, BK = qg.shape
     BV = u.shape[3]
     K, V = k.shape[2], v.shape[2]
@@ -688,48 +602,34 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
     assert all(t.dtype == torch.float32 for t in (gc, akk, sq, span))
     assert BK % block_k == 0 and BV % block_v == 0
     tables = (cu, t_seq, t_idx)
-    cap = {} if maxnreg_l is None else {"maxnreg": maxnreg_l}
     if fuse_gc and not l_rows:
         raise ValueError("fuse_gc: needs l_rows (the 16 x 16 block programs read phase 0's gc)")
     if l_chunk and not l_rows:
         raise ValueError("l_chunk: a form of l_rows (the row blocks of one chunk in one program)")
-    if l_inverse and not l_rows:
-        raise ValueError("l_inverse: a form of l_rows (L by row blocks, then the inverse, in one program per chunk)")
-    if l_out and not l_inverse:
-        raise ValueError("l_out: a form of l_inverse (W/U after the inverse, in its launch)")
-    if (out_chunk or l_out) and sliced_out:
-        raise ValueError(f"{'l_out' if l_out else 'out_chunk'}: one program per (chunk, head); sliced_out splits the "
-                         f"row-block programs")
     if not fuse_gc:
         _blocks_gc_kernel[(NC, H)](
             q, k, g, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1), *tables,
             gl, gc, sq, span, H=H, K=K, BK=BK, BKS=block_k, C=C, BC=sub, num_warps=4)
-    if l_inverse:
-        _blocks_chunk_kernel[(NC, H)](
-            q, k, v, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), *tables, gc, sq, gl, span, akk, aqk, qg, kd, w,
-            u, scale, H=H, K=K, V=V, BK=BK, BKS=block_k, BV=BV, BVS=block_v, C=C, BC=sub, DOT16=dot16, PREC=prec,
-            PREC_INV=prec_inv, SAFE_SPAN=safe_span, FUSE_GC=fuse_gc, REGS=inverse_regs, OUT=l_out,
-            num_warps=num_warps_l_chunk, num_stages=num_stages, **cap)
-        if l_out:
-            return
-    else:
-        if l_rows:
-            _blocks_lrow_kernel[(NC if l_chunk else NC * 4, H)](
-                q, k, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
-                beta.stride(0), beta.stride(1), *tables, gc, sq, gl, span, akk, aqk, scale, H=H, K=K, BK=BK,
-                BKS=block_k, C=C, BC=sub, DOT16=dot16, PREC=prec, SAFE_SPAN=safe_span, FUSE_GC=fuse_gc, CHUNK=l_chunk,
-                num_warps=num_warps_l_chunk if l_chunk else num_warps, num_stages=num_stages, **cap)
-        else:
-            _blocks_pair_kernel[(NC * 16, H)](
-                q, k, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
-                beta.stride(0), beta.stride(1), *tables, gc, sq, akk, aqk, scale,
-                H=H, K=K, BK=BK, BKS=block_k, C=C, BC=sub, DOT16=dot16, PREC=prec, SAFE_SPAN=safe_span,
-                num_warps=num_warps, num_stages=num_stages)
-        _blocks_inverse_kernel[(NC, H)](
+    if l_rows:
+        cap = {} if maxnreg_l is None else {"maxnreg": maxnreg_l}
+        _blocks_lrow_kernel[(NC if l_chunk else NC * 4, H)](
             q, k, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
-            beta.stride(0), beta.stride(1), *tables, sq, span, akk, aqk, scale,
-            H=H, K=K, BK=BK, C=C, BC=sub, PREC_INV=prec_inv, SAFE_SPAN=safe_span, REGS=inverse_regs, num_warps=4)
+            beta.stride(0), beta.stride(1), *tables, gc, sq, gl, span, akk, aqk, scale, H=H, K=K, BK=BK, BKS=block_k,
+            C=C, BC=sub, DOT16=dot16, PREC=prec, SAFE_SPAN=safe_span, FUSE_GC=fuse_gc, CHUNK=l_chunk,
+            num_warps=num_warps_l_chunk if l_chunk else num_warps, num_stages=num_stages, **cap)
+    else:
+        _blocks_pair_kernel[(NC * 16, H)](
+            q, k, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
+            beta.stride(0), beta.stride(1), *tables, gc, sq, akk, aqk, scale,
+            H=H, K=K, BK=BK, BKS=block_k, C=C, BC=sub, DOT16=dot16, PREC=prec, SAFE_SPAN=safe_span,
+            num_warps=num_warps, num_stages=num_stages)
+    _blocks_inverse_kernel[(NC, H)](
+        q, k, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
+        beta.stride(0), beta.stride(1), *tables, sq, span, akk, aqk, scale,
+        H=H, K=K, BK=BK, C=C, BC=sub, PREC_INV=prec_inv, SAFE_SPAN=safe_span, REGS=inverse_regs, num_warps=4)
+    if out_chunk:
+        if sliced_out:
+            raise ValueError("out_chunk: one program per (chunk, head); sliced_out splits the row-block programs")
     n_out = 1 if out_chunk else 4 * (BK // block_k + BV // block_v) if sliced_out else 4
     _blocks_out_kernel[(NC * n_out, H)](
         q, k, v, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -84,15 +84,10 @@ def test_kernel_config_names_an_unknown_kda_intra_form() -> None:
         KernelConfig(kda_intra="fused", kda_blocks_out_chunk=True)
     with pytest.raises(ValueError, match="kda_blocks_l_chunk: a form of kda_intra='blocks'"):
         KernelConfig(kda_intra="fused", kda_blocks_l_chunk=True)
-    with pytest.raises(ValueError, match="kda_blocks_l_inverse: a form of kda_intra='blocks'"):
-        KernelConfig(kda_intra="fused", kda_blocks_l_inverse=True)
-    with pytest.raises(ValueError, match="kda_blocks_l_out: a form of kda_blocks_l_inverse"):
-        KernelConfig(kda_intra="blocks", kda_blocks_l_out=True)
 
 
 @pytest.mark.parametrize("arch, intra", [("kimi_linear", "fused"), ("k3", "fused"), ("k3", "split"), ("k3", "blocks"),
-                                         ("k3", "blocks_all_four"), ("kimi_linear", "blocks_one_launch"),
-                                         ("kimi_linear", "one_seq_tma")])
+                                         ("k3", "blocks_all_four"), ("kimi_linear", "one_seq_tma")])
 def test_gpu_runner_with_triton_kernels_in_the_interpreter_equals_reference(arch, intra, tmp_path) -> None:
     """The GPU runner with every Triton kernel (KDA decode + chunk, MLA decode + prefill, MoE router +
     experts, norms, attn-res mix) run by the Triton interpreter on the CPU: the reference engine's
@@ -113,9 +108,6 @@ def test_gpu_runner_with_triton_kernels_in_the_interpreter_equals_reference(arch
             opts = (dict(kda_prep_one_seq=True, mla_prefill_tma=True, moe_one_token=True) if intra == "one_seq_tma"
                     else dict(kda_intra="blocks", kda_blocks_fuse_gc=True, kda_blocks_inverse_regs=True,
                               kda_blocks_out_chunk=True, kda_blocks_l_chunk=True) if intra == "blocks_all_four"
-                    else dict(kda_intra="blocks", kda_blocks_fuse_gc=True, kda_blocks_inverse_regs=True,
-                              kda_blocks_l_chunk=True, kda_blocks_l_inverse=True, kda_blocks_l_out=True)
-                    if intra == "blocks_one_launch"
                     else dict(kda_intra=intra))
             eng.runner.kernels = eng.runner.fwd.k = replace(eng.runner.fwd.k, **opts)
         if intra == "one_seq_tma":

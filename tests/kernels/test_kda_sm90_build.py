@@ -173,12 +173,12 @@ ptrs = dict(q_ptr=None, k_ptr=None, v_ptr=None, g_ptr=F, beta_ptr=F, stride_qt=I
 const = dict(H=32, K=128, V=128, BK=128, BKS=32, BV=128, BVS=32, C=K.CHUNK, BC=K.SUB, SAFE_SPAN=K.SAFE_SPAN)
 ptrs["beta_ptr"] = F
 
-def build(fn, act, dot16, prec, warps, sliced, fuse, regs, chunk=False, out=False):
+def build(fn, act, dot16, prec, warps, sliced, fuse, regs, chunk=False):
     args = fn.arg_names
     sig = {a: (act if ptrs.get(a, C) is None else ptrs.get(a, C)) for a in args}
     consts = {a: v for a, v in dict(const, DOT16=dot16, PREC=prec, PREC_INV=prec, SLICED=sliced,
                                     FUSE_GC=fuse, REGS=regs, ROWS=K.CHUNK if chunk else K.SUB,
-                                    CHUNK=chunk, OUT=out).items() if a in args}
+                                    CHUNK=chunk).items() if a in args}
     # the inverse and the per-chunk L and W/U launches take 4 warps (launch_intra_blocks' defaults); the others the
     # form's
     own4 = chunk or fn is B._blocks_inverse_kernel
@@ -193,10 +193,7 @@ kernels = dict(gc=(B._blocks_gc_kernel, False, False, False), pair=(B._blocks_pa
                out_fused_gc=(B._blocks_out_kernel, False, True, False),
                out_chunk=(B._blocks_out_kernel, False, False, False, True),
                out_chunk_fused_gc=(B._blocks_out_kernel, False, True, False, True),
-               l_chunk=(B._blocks_lrow_kernel, False, False, False, True),
-               l_inverse=(B._blocks_chunk_kernel, False, False, True, True),
-               one_launch=(B._blocks_chunk_kernel, False, True, True, True, True),
-               two_launches=(B._blocks_chunk_kernel, False, False, True, True, True))
+               l_chunk=(B._blocks_lrow_kernel, False, False, False, True))
 print(json.dumps({  # kda_chunk_fwd's defaults for intra="blocks": 32-column slices, 2 stages, 2 warps (bf16), 4 (fp32)
     form: {name: build(fn, act, dot16, prec, warps, *flags) for name, (fn, *flags) in kernels.items()}
     for form, act, dot16, prec, warps in (("bf16", "*bf16", True, "tf32", 2), ("fp32", "*fp32", False, "ieee", 4))}))
@@ -209,8 +206,7 @@ def test_blocks_intra_kernels_build_for_sm90() -> None:
     for at least four programs per SM (the point of the split: session 29's one-launch form took 255 with spills;
     2 warps measured faster than 4 on the H200, 2.29 against 2.53 ms at 16K tokens, session 32); the fused-Gc forms of
     phases 1 and 3 (fuse_gc_blocks, session 33), the inverse's register form and the per-chunk L and W/U launches
-    (inverse_regs_blocks, l_chunk_blocks, out_chunk_blocks, session 34) too, and the launch of L with the inverse,
-    and W/U, after it (l_inverse_blocks, l_out_blocks, session 35)."""
+    (inverse_regs_blocks, l_chunk_blocks, out_chunk_blocks, session 34) too."""
     res = run_sm90_build(_BUILD_BLOCKS, timeout=600)
     for form, kernels in res.items():
         for name, r in kernels.items():

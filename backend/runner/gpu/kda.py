@@ -340,8 +340,7 @@ def _general(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torc
         prec = "ieee" if q.dtype == torch.float32 else "tf32"
         form = dict(intra=k.kda_intra, fuse_gc_blocks=k.kda_blocks_fuse_gc,
                     inverse_regs_blocks=k.kda_blocks_inverse_regs, out_chunk_blocks=k.kda_blocks_out_chunk,
-                    l_chunk_blocks=k.kda_blocks_l_chunk, l_inverse_blocks=k.kda_blocks_l_inverse,
-                    l_out_blocks=k.kda_blocks_l_out)
+                    l_chunk_blocks=k.kda_blocks_l_chunk)
         if live is None and rec_pool.dtype == torch.float32:
             # the states read and written on their pages in place, snapshots straight to their destination
             # pages: no state copy, nothing built here

@@ -82,12 +82,6 @@ class KernelConfig:
     # chunk's k and Gc rows in the SM's L1 instead of the L2 (~3 GB against ~0.8 at 8 x 4K tokens of the 48B layer;
     # that launch took 0.95 of 4.67 ms there, session 33). The same values. Off until timed (session 34)
     kda_blocks_l_chunk: bool = False
-    # "blocks"'s inverse in that per-chunk launch, after L (_blocks_chunk_kernel; l_chunk's L): the inverse launch
-    # moved ~0.5 GB in 0.65 of 4.67 ms at 8 x 4K tokens (session 33), a chain of waits on L's scratch per program;
-    # and (kda_blocks_l_out, with it) W/U there too, so with kda_blocks_fuse_gc the intra step is one launch. The
-    # same values. Off until timed (session 35)
-    kda_blocks_l_inverse: bool = False
-    kda_blocks_l_out: bool = False
     # batches of at least this many rows take the fp32 MoE router's logits from three bf16 parts of its weight in
     # one tensor-core GEMM (backend/runner/gpu/ffn.py split_router) instead of torch's fp32 linear, a SIMT sgemm;
     # 0: never. H200, the 48B's 256 x 2304 router (RESULTS.md session 28): 0.055 against 0.072 ms at 1,024 rows,
@@ -147,12 +141,9 @@ class KernelConfig:
             raise ValueError(f"split_router_min_rows: must be >= 0, got {self.split_router_min_rows}")
         if self.kda_intra not in INTRA_FORMS:
             raise ValueError(f"kda_intra: must be one of {INTRA_FORMS}, got {self.kda_intra!r}")
-        for name in ("kda_blocks_fuse_gc", "kda_blocks_inverse_regs", "kda_blocks_out_chunk", "kda_blocks_l_chunk",
-                     "kda_blocks_l_inverse", "kda_blocks_l_out"):
+        for name in ("kda_blocks_fuse_gc", "kda_blocks_inverse_regs", "kda_blocks_out_chunk", "kda_blocks_l_chunk"):
             if getattr(self, name) and self.kda_intra != "blocks":
                 raise ValueError(f"{name}: a form of kda_intra='blocks', got kda_intra={self.kda_intra!r}")
-        if self.kda_blocks_l_out and not self.kda_blocks_l_inverse:
-            raise ValueError("kda_blocks_l_out: a form of kda_blocks_l_inverse (W/U after the inverse, in its launch)")
         if self.mxfp4_experts not in MXFP4_EXPERT_PATHS:
             raise ValueError(f"mxfp4_experts: must be one of {MXFP4_EXPERT_PATHS}, got {self.mxfp4_experts!r}")
         if self.kda_verify_launch not in KDA_VERIFY_LAUNCHES:
