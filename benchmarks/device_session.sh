@@ -30,8 +30,9 @@
 #                       session 33), with its inverse in registers, L and W/U per chunk (kda_blocks_inverse_regs,
 #                       kda_blocks_l_chunk, kda_blocks_out_chunk, session 34), all built without a GPU: the chunk
 #                       tests on CUDA, then kernels.py at 16K / 64K / 8 x 4K, fla right after the default (issue
-#                       18's >= 1.2x fla), the fused-Gc L launch under register caps (session 35: every form lost to
-#                       the default on the H100, fused Gc by 30% at 254 registers), each form and all four together
+#                       18's >= 1.2x fla), 16-column K slices and the fused-Gc L launch under register caps (session
+#                       35: every form lost to the default on the H100, fused Gc by 30% at 254 registers), each form
+#                       and all four together
 #   kda-forms-48b (240) the 48B prefill at 8K / 32K with each of those forms and all four (decode.py)
 #   bf16-paths (120 + 200) test_gpu_runner_bf16_logits_within_tolerance (session 33: [k3] failed at 8fc76af,
 #                       0.0459 against 0.0381), then benchmarks/bf16_paths.py: the bf16 runner's prefill error per
@@ -177,7 +178,8 @@ for stage in "$@"; do
       run kda-fused-gc 150 python3 -m pytest -o addopts="" -v -p no:warnings --tb=short \
         tests/kernels/test_kda_triton.py -k "kimi_shape or steep or inverse_regs or fused_gc or l_chunk or out_chunk"
       run kda-fused-gc 340 python3 benchmarks/kernels.py --decode-n --prefill 16384 65536 8x4096 \
-        --prefill-variants blocks_intra blocks_intra_fused_gc_r168 blocks_intra_fused_gc_r128 blocks_intra_fused_gc \
+        --prefill-variants blocks_intra blocks_intra_bk16 blocks_intra_fused_gc_bk16 blocks_intra_fused_gc_r168 \
+        blocks_intra_fused_gc_r128 blocks_intra_fused_gc \
         blocks_intra_out_chunk blocks_intra_all_four blocks_intra_inverse_regs blocks_intra_l_chunk --budget-s 320 --out "$OUT/kda_fused_gc.json" ;;
     kda-forms-48b)
       run kda-forms-48b 240 python3 benchmarks/decode.py --batch 1 --prefill 8192 32768 --variants \
