@@ -7,6 +7,9 @@
 #   bash benchmarks/device_session.sh tests decode            # the GPU tests, then the 48B decode benchmark
 #   bash benchmarks/device_session.sh tests-runner kda mla    # stages run in the order given
 #
+# The 48B-shape stages (decode, kda-forms-48b, overlap, serve, spec-verify, det's second part) need an H200: the
+# shape's random bf16 weights are 91.5 GiB, refused up front on an 80 GB H100 (random_model's check_weights_fit).
+#
 # Stages (seconds: the stage's time limit):
 #   tests-runner (540)  GPU tests of the runner, engine, cache oracle and MoE block (tests/backend, ~460 s in
 #                       session 12; the engines there also capture the piecewise graphs of steps with prefill rows)
