@@ -15,19 +15,26 @@ from tqdm import tqdm
 from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.backend.models.loader import DTYPES
 from k3rt.backend.models.tiny import init_parameter
-from k3rt.model_config import ModelConfig, param_count
+from k3rt.model_config import ModelConfig
 
 
-def check_weights_fit(cfg: ModelConfig, dtype: str, free_bytes: int, total_bytes: int, where: str) -> None:
-    """Refuse, naming the sizes, a model whose weights alone exceed the device's free memory: building it would
-    allocate tensor after tensor for a minute and end in CUDA's out-of-memory error (the 48B shape in bf16 is
-    91.5 GiB of weights: it fits an H200, not an 80 GB H100; session 35's `decode.py` on an H100 died that way)."""
-    need = param_count(cfg)["total"] * DTYPES[dtype].itemsize
-    if need > free_bytes:
+def weight_bytes(cfg: ModelConfig, dtype: str) -> int:
+    """The bytes of the model's parameters as k3rt builds them (MXFP4 experts packed), from a build on the meta
+    device: no memory, no weights drawn."""
+    with torch.device("meta"):
+        model = KimiForCausalLM(cfg, dtype=DTYPES[dtype])
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def check_weights_fit(need_bytes: int, dtype: str, free_bytes: int, total_bytes: int, where: str) -> None:
+    """Refuse, naming the sizes, weights that alone exceed the device's free memory: building them would allocate
+    tensor after tensor for a minute and end in CUDA's out-of-memory error (the 48B shape in bf16 is 91.5 GiB of
+    weights: it fits an H200, not an 80 GB H100; session 35's `decode.py` on an H100 died that way)."""
+    if need_bytes > free_bytes:
         gib = 1 << 30
-        raise ValueError(f"random weights: this model's {param_count(cfg)['total'] / 1e9:.1f}B parameters in {dtype} "
-                         f"need {need / gib:.1f} GiB; {where} has {free_bytes / gib:.1f} GiB free of "
-                         f"{total_bytes / gib:.1f} GiB (use a GPU with more memory, or a smaller model)")
+        raise ValueError(f"random weights: this model's weights in {dtype} need {need_bytes / gib:.1f} GiB; {where} "
+                         f"has {free_bytes / gib:.1f} GiB free of {total_bytes / gib:.1f} GiB (use a GPU with more "
+                         f"memory, or a smaller model)")
 
 
 @torch.no_grad()
@@ -38,7 +45,8 @@ def random_model(cfg: ModelConfig, *, dtype: str | None = None, device: str | to
     device = torch.device(device)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        check_weights_fit(cfg, dtype or cfg.dtype, free, total, torch.cuda.get_device_name(device))
+        check_weights_fit(weight_bytes(cfg, dtype or cfg.dtype), dtype or cfg.dtype, free, total,
+                          torch.cuda.get_device_name(device))
     with torch.device(device):
         model = KimiForCausalLM(cfg, dtype=DTYPES[dtype or cfg.dtype])
     gen = torch.Generator(device=device)
