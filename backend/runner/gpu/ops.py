@@ -62,25 +62,27 @@ class KernelConfig:
     # (kernels/kda/triton_intra_split.py: two launches of small programs; no faster than fused, session 14)
     kda_intra: str = "blocks"
     # "blocks" without its phase-0 launch: L's and W/U's programs take Gc (the in-chunk cumsum of g) from g's rows
-    # themselves (kernels/kda/triton_intra_blocks.py fuse_gc; no fp32 Gc scratch). Off until timed on a GPU (session
-    # 33 built it without one; benchmarks/kernels.py variants blocks_intra_fused_gc, blocks_intra_fused_gc_w4)
+    # themselves (kernels/kda/triton_intra_blocks.py fuse_gc; no fp32 Gc scratch). Off: 30-36% slower on the H100
+    # (session 35: its L launch takes 254 registers against 139; kernels.py variants blocks_intra_fused_gc, and under
+    # a register cap or in 16-column slices _r168, _r128, _bk16, not yet run)
     kda_blocks_fuse_gc: bool = False
     # "blocks"'s (I + L)^-1 launch with its blocks in registers (kernels/kda/triton_intra_blocks.py REGS: the same
     # values; the substitution's rows from one load, the blocks below from one load of L and X's diagonal, stored
     # once: ~3 dependent waits on the scratch per program against ~22). That launch took 1.23 ms of 8.71 at 64K
-    # tokens (session 33). Off until timed on a GPU (session 34 built it without one; benchmarks/kernels.py variants
-    # blocks_intra_inverse_regs, blocks_intra_fused_gc_inverse_regs)
+    # tokens (session 33). Off: 8-10% slower on the H100 (session 35; benchmarks/kernels.py variant
+    # blocks_intra_inverse_regs)
     kda_blocks_inverse_regs: bool = False
     # "blocks"'s W/U launch one program per (chunk, head) at 4 warps (kernels/kda/triton_intra_blocks.py
     # _blocks_out_kernel ROWS = C) instead of one per 16-row block at kda_intra's warps: the row-block programs each
     # read the chunk's k, v and Gc rows for their dot, four times what the chunk holds (~4.2 GB from the L2 at
-    # 8 x 4K tokens of the 48B layer against ~1.05; that launch took 1.17 of 4.67 ms there, session 33). Off until
-    # timed (session 34 built it without a GPU; benchmarks/kernels.py variants blocks_intra_out_chunk, ...)
+    # 8 x 4K tokens of the 48B layer against ~1.05; that launch took 1.17 of 4.67 ms there, session 33). Off: 1-5%
+    # slower on the H100 (session 35; benchmarks/kernels.py variants blocks_intra_out_chunk, _out_chunk_w8)
     kda_blocks_out_chunk: bool = False
     # "blocks"'s L/Aqk launch one program per (chunk, head) (kernels/kda/triton_intra_blocks.py
     # _blocks_lrow_kernel CHUNK): the row-block programs' four row blocks one after another, so blocks 1-3 find the
     # chunk's k and Gc rows in the SM's L1 instead of the L2 (~3 GB against ~0.8 at 8 x 4K tokens of the 48B layer;
-    # that launch took 0.95 of 4.67 ms there, session 33). The same values. Off until timed (session 34)
+    # that launch took 0.95 of 4.67 ms there, session 33). The same values. Off: 10-11% slower on the H100 (session
+    # 35; benchmarks/kernels.py variant blocks_intra_l_chunk)
     kda_blocks_l_chunk: bool = False
     # batches of at least this many rows take the fp32 MoE router's logits from three bf16 parts of its weight in
     # one tensor-core GEMM (backend/runner/gpu/ffn.py split_router) instead of torch's fp32 linear, a SIMT sgemm;
