@@ -424,11 +424,12 @@ def kda_chunk_fwd(
             "tf32x3", "ieee" when precision is "ieee").
         split_output: the state pass stores per-chunk states and Vnew, and a third, fully parallel
             launch computes the output (instead of the state pass computing it).
-        intra: "fused" (default): one intra program per (chunk, head); "split": two launches of smaller
-            programs, per (chunk, 16-row block, head) then per (chunk, head) (triton_intra_split.py; no faster
-            on the H200, session 14); "blocks": four launches on 16 x 16 blocks and K slices, the heavy two one
-            program per block or row block (triton_intra_blocks.py; session 30, not yet timed on a GPU). The state
-            pass is the same after each.
+        intra: "fused" (this function's default): one intra program per (chunk, head); "split": two launches of
+            smaller programs, per (chunk, 16-row block, head) then per (chunk, head) (triton_intra_split.py; no
+            faster on the H200, session 14); "blocks" (the GPU runner's default, KernelConfig.kda_intra): four
+            launches on 16 x 16 blocks and K slices, the heavy two one program per block or row block
+            (triton_intra_blocks.py; 1.16-1.23x faster than fused on the H200, session 32). The state pass is the
+            same after each.
         block_k_split, num_warps_split, num_stages_split: the split path's K slice of its first kernel, both
             kernels' warps, and the first kernel's software-pipelining stages (1: no cp.async prefetch of the
             next slice, 128 registers at the Kimi head; 2 or 3 prefetch, 168).
