@@ -166,6 +166,33 @@ def _program(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, i_h, H: tl.constexpr, C:
     return t0, n_valid, i_c.to(tl.int64) * H + i_h
 
 
+@triton.jit
+def _phase0(q_h, k_h, g_h, stride_qt, stride_kt, stride_gt, n_valid, scr, gc_ptr, gl_ptr, sq_buf, span_ptr,
+            K: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+            STORE_GC: tl.constexpr):
+    """Phase 0's outputs for one (chunk, head), over the K slices: exp(Gc_last) into gl, the rows' squared norms into
+    sq_buf (k, then q), the sub-chunks' spans into span, and (STORE_GC) Gc itself into gc."""
+    rows = tl.arange(0, C)
+    sk = tl.zeros([C], dtype=tl.float32)
+    sq = tl.zeros([C], dtype=tl.float32)
+    span = tl.zeros([4], dtype=tl.float32)
+    for ks in range(0, BK, BKS):
+        offs = ks + tl.arange(0, BKS)
+        g = _rows(g_h, stride_gt, 0, n_valid, offs, K, C)  # [C, BKS]
+        if STORE_GC:
+            tl.store(gc_ptr + scr * (C * BK) + rows[:, None] * BK + offs[None, :], tl.cumsum(g, axis=0))
+        tl.store(gl_ptr + scr * BK + offs, tl.exp(tl.sum(g, axis=0)))
+        kr = _rows(k_h, stride_kt, 0, n_valid, offs, K, C)
+        qr = _rows(q_h, stride_qt, 0, n_valid, offs, K, C)
+        sk += tl.sum(kr * kr, axis=1)
+        sq += tl.sum(qr * qr, axis=1)
+        # span_i = max_d (c_i - c_{i+1}) = max_d -(sum of g over sub-chunk i)
+        span = tl.maximum(span, _spans(g, BC))
+    tl.store(sq_buf + rows, sk)
+    tl.store(sq_buf + C + rows, sq)
+    tl.store(span_ptr + scr * 4 + tl.arange(0, 4), span)
+
+
 # not specialized per step (kernels/common.py, Compiles): the chunk tables are views of the packed step
 @triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
 def _blocks_gc_kernel(
@@ -181,27 +208,9 @@ def _blocks_gc_kernel(
     tl.static_assert(C == 4 * BC, "four sub-chunks per chunk")
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, n_valid, scr = _program(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, i_h, H, C)
-    q_h = q_ptr + t0 * stride_qt + i_h * stride_qh
-    k_h = k_ptr + t0 * stride_kt + i_h * stride_kh
-    g_h = g_ptr + t0 * stride_gt + i_h * stride_gh
-    rows = tl.arange(0, C)
-    sk = tl.zeros([C], dtype=tl.float32)
-    sq = tl.zeros([C], dtype=tl.float32)
-    span = tl.zeros([4], dtype=tl.float32)
-    for ks in range(0, BK, BKS):
-        offs = ks + tl.arange(0, BKS)
-        g = _rows(g_h, stride_gt, 0, n_valid, offs, K, C)  # [C, BKS]
-        tl.store(gc_ptr + scr * (C * BK) + rows[:, None] * BK + offs[None, :], tl.cumsum(g, axis=0))
-        tl.store(gl_ptr + scr * BK + offs, tl.exp(tl.sum(g, axis=0)))
-        kr = _rows(k_h, stride_kt, 0, n_valid, offs, K, C)
-        qr = _rows(q_h, stride_qt, 0, n_valid, offs, K, C)
-        sk += tl.sum(kr * kr, axis=1)
-        sq += tl.sum(qr * qr, axis=1)
-        # span_i = max_d (c_i - c_{i+1}) = max_d -(sum of g over sub-chunk i)
-        span = tl.maximum(span, _spans(g, BC))
-    tl.store(sq_ptr + scr * (2 * C) + rows, sk)
-    tl.store(sq_ptr + scr * (2 * C) + C + rows, sq)
-    tl.store(span_ptr + scr * 4 + tl.arange(0, 4), span)
+    _phase0(q_ptr + t0 * stride_qt + i_h * stride_qh, k_ptr + t0 * stride_kt + i_h * stride_kh,
+            g_ptr + t0 * stride_gt + i_h * stride_gh, stride_qt, stride_kt, stride_gt, n_valid, scr, gc_ptr, gl_ptr,
+            sq_ptr + scr * (2 * C), span_ptr, K, BK, BKS, C, BC, True)
 
 
 @triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
@@ -364,22 +373,8 @@ def _blocks_lrow_kernel(
     sq_buf = sq_ptr + scr * (2 * C)
     if CHUNK:
         if FUSE_GC:  # phase 0's outputs but gc first, in a pass of their own (its registers apart from the sums')
-            rows = tl.arange(0, C)
-            sk = tl.zeros([C], dtype=tl.float32)
-            sq = tl.zeros([C], dtype=tl.float32)
-            span = tl.zeros([4], dtype=tl.float32)
-            for ks in range(0, BK, BKS):
-                offs = ks + tl.arange(0, BKS)
-                g = _rows(g_h, stride_gt, 0, n_valid, offs, K, C)
-                span = tl.maximum(span, _spans(g, BC))
-                tl.store(gl_ptr + scr * BK + offs, tl.exp(tl.sum(g, axis=0)))
-                kr = _rows(k_h, stride_kt, 0, n_valid, offs, K, C)
-                qr = _rows(q_h, stride_qt, 0, n_valid, offs, K, C)
-                sk += tl.sum(kr * kr, axis=1)
-                sq += tl.sum(qr * qr, axis=1)
-            tl.store(sq_buf + rows, sk)
-            tl.store(sq_buf + C + rows, sq)
-            tl.store(span_ptr + scr * 4 + tl.arange(0, 4), span)
+            _phase0(q_h, k_h, g_h, stride_qt, stride_kt, stride_gt, n_valid, scr, gc_ptr, gl_ptr, sq_buf, span_ptr, K,
+                    BK, BKS, C, BC, False)
             tl.debug_barrier()  # the norms are read back below, by other threads
         for i in tl.static_range(4):
             _l_row_block(q_h, k_h, g_h, b_h, stride_qt, stride_kt, stride_gt, stride_bt, gc_buf, sq_buf, gl_ptr,
