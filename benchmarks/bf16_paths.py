@@ -14,7 +14,8 @@ below runs on fresh pages (a prefill reads the states its pages hold).
 On the CPU the kernels run under the interpreter with kernels/interp_numerics.py (K3RT_GPU_NUMERICS=1): bf16
 arithmetic and casts rounded as the GPU rounds them, tf32 dots cut to tf32, and the launchers' GPU dot paths.
 Session 34, --cpu-bf16 at 58c51cf, k3 seed 9: every form 0.87-0.96x the reference's own error (sequence 1 0.0200,
-the GPU's 0.0459 not reproduced), so the forms' arithmetic is not what failed on the H200.
+the GPU's 0.0459 not reproduced). Session 35 on the H100: the stacked mix (mix_stacked) gives k3 seed 10 1.57x,
+sequence 1 at 0.0459, every other form 0.85-0.96x; the emulation gives the stacked mix 1.03x (not diagnosed).
 """
 from __future__ import annotations
 

@@ -79,7 +79,6 @@ _SCRIPT = textwrap.dedent('''
     # fp32 oracle: the interpreter ran it with fp32 operands before
     from k3rt.kernels.kda.ref import kda_chunked
     from k3rt.kernels.kda.triton_chunk import kda_chunk_fwd
-    from k3rt.kernels.kda.triton_decode import INTERPRET
     T, H, D = 64 + 37, 1, 128
     q, kk, v = (torch.randn(T, H, D, generator=g) for _ in range(3))
     gg = -torch.nn.functional.softplus(torch.randn(T, H, D, generator=g)) * 0.1
