@@ -95,6 +95,17 @@ PREFILL_VARIANTS: dict[str, dict] = {
     "blocks_intra_fused_gc_bk16": {"intra": "blocks", "fuse_gc_blocks": True, "block_k_blocks": 16},
     "blocks_intra_fused_gc_r168": {"intra": "blocks", "fuse_gc_blocks": True, "max_registers_l": 168},
     "blocks_intra_fused_gc_r128": {"intra": "blocks", "fuse_gc_blocks": True, "max_registers_l": 128},
+    # session 36: per-phase launch shapes (sm_90 bf16 registers): Gc at 4 warps and 32-column slices takes 128 and its
+    # slice loop is not software-pipelined (no async copies), so a program has 16 KB in flight at a time; 8 warps
+    # with 64 or 128 columns (128 registers) issue 32-64 KB at once. The inverse at 4 warps 96, at 2 128, at 1 168:
+    # its 16 x 16 dots need no more than a warp or two. W/U (out) at 4 warps 80 against 96 at 2.
+    "blocks_intra_gc_w8_bk128": {"intra": "blocks", "num_warps_gc_blocks": 8, "block_k_gc_blocks": 128},
+    "blocks_intra_gc_w8_bk64": {"intra": "blocks", "num_warps_gc_blocks": 8, "block_k_gc_blocks": 64},
+    "blocks_intra_gc_w4_bk64": {"intra": "blocks", "block_k_gc_blocks": 64},
+    "blocks_intra_inv_w2": {"intra": "blocks", "num_warps_inverse_blocks": 2},
+    "blocks_intra_inv_w1": {"intra": "blocks", "num_warps_inverse_blocks": 1},
+    "blocks_intra_out_w4": {"intra": "blocks", "num_warps_out_blocks": 4},
+    "blocks_intra_out_w1": {"intra": "blocks", "num_warps_out_blocks": 1},
     # timing probes (results wrong, not checked): the fused intra kernel with one stage skipped each (its PROBE
     # bits), so base minus a probe is about what that stage costs
     "probe_no_blocks": {"probe": 1},  # L and Aqk
@@ -123,6 +134,8 @@ def _add_args(p) -> None:
     p.add_argument("--prefill-sweep", nargs="*", default=[], choices=sorted(PREFILL_VARIANTS),
                    help="more variants, checked, then timed on --sweep-case only")
     p.add_argument("--sweep-case", default="16384", help="the prefill case --prefill-sweep variants are timed on")
+    p.add_argument("--profile-kernels", action="store_true",
+                   help="per-kernel device time (torch.profiler) of fla's and the default's prefill calls")
 
 
 ARGS = kernel_bench_args(__doc__, "kernels.json", 420.0, _add_args)
@@ -498,6 +511,42 @@ def kernel_split_ms(fn, reps: int) -> dict:
             for n, t in times.items() if t}
 
 
+def back_to_back_ms(fn, calls: int = 4, reps: int = 3) -> float:
+    """Median per-call time of `calls` calls issued back to back between two events: the host's per-call work (tables,
+    launches) runs while the GPU works on the previous call, as in a forward over many layers, so this is the
+    kernels' throughput. time_ms's single call also counts the host's work before its first launch."""
+    ts = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(calls):
+            fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) / calls)
+    return statistics.median(ts)
+
+
+def kernel_profile(fn, calls: int = 3) -> dict:
+    """Device time per call of each kernel `fn` launches (torch.profiler; names cut to 80 characters), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None)
+        if us is None:
+            us = getattr(ev, "cuda_time_total", 0.0)
+        if us and ev.key:
+            per[ev.key[:80]] = per.get(ev.key[:80], 0.0) + us / calls
+    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
+
+
 def bench_prefill(case: str, H: int, D: int, impl: str, variant: str = "base") -> dict:
     n, _, t = case.rpartition("x")
     lens = [int(t)] * (int(n) if n else 1)
@@ -516,6 +565,10 @@ def bench_prefill(case: str, H: int, D: int, impl: str, variant: str = "base") -
     t = time_ms(fn, reps=reps if DEV == "cuda" else 1, warmup=2 if DEV == "cuda" else 0)
     t.update({"case": case, "tokens": sum(lens), "impl": impl if impl != "k3rt" else f"k3rt {variant}",
               "first_call_s": first_s, "Mtok_per_s": sum(lens) / (t["median_ms"] * 1e-3) / 1e6})
+    if DEV == "cuda":
+        t["b2b_ms"] = back_to_back_ms(fn)
+        if ARGS.profile_kernels and variant in ("base", "blocks_intra"):
+            t["kernels_us"] = kernel_profile(fn)
     if impl == "k3rt":  # where the time goes: the parallel intra-chunk pass, the sequential state pass, output
         t.update(kernel_split_ms(fn, reps=3 if DEV == "cuda" else 1))
     return t
@@ -621,17 +674,23 @@ def print_table() -> None:
         if "verify_us" in d:
             print(f"verify N={d['N']} T={d['T']}: verify {d['verify_us']:.2f} us (floor {d['verify_floor_us'] or float('nan'):.2f}),"
                   f" commit {d['commit_us']:.2f} us, err o {d['rel_err_o_last']:.1e} state {d['rel_err_state_last']:.1e}")
-    print(f"\nprefill (H=32 D=128, ms)  {'case':>8} {'impl':<34} {'median':>9} {'Mtok/s':>8} {'first s':>8} "
+    print(f"\nprefill (H=32 D=128, ms)  {'case':>8} {'impl':<34} {'median':>9} {'b2b':>8} {'Mtok/s':>8} {'first s':>8} "
           f"{'intra':>8} {'state':>8} {'out':>8} {'rows':>8} {'solve':>8}")
     nan = float("nan")
     for p in RESULT.get("prefill", []):
         if "median_ms" in p:
             # the split intra path's intra time is its two launches (rows, solve) together
             intra = p.get("intra_kernel_ms", p.get("intra_rows_kernel_ms", nan) + p.get("intra_solve_kernel_ms", nan))
-            print(f"{'':26}{p['case']:>8} {p['impl']:<34} {p['median_ms']:9.3f} {p['Mtok_per_s']:8.2f} "
+            print(f"{'':26}{p['case']:>8} {p['impl']:<34} {p['median_ms']:9.3f} {p.get('b2b_ms', nan):8.3f} "
+                  f"{p['Mtok_per_s']:8.2f} "
                   f"{p['first_call_s']:8.1f} {intra:8.3f} "
                   f"{p.get('state_kernel_ms', nan):8.3f} {p.get('out_kernel_ms', nan):8.3f} "
                   f"{p.get('intra_rows_kernel_ms', nan):8.3f} {p.get('intra_solve_kernel_ms', nan):8.3f}")
+            if "blocks_gc_kernel_ms" in p or "blocks_lrow_kernel_ms" in p:
+                phases = " / ".join(f"{p.get(f'blocks_{n}_kernel_ms', nan):.3f}" for n in ("gc", "lrow", "inverse", "out"))
+                print(f"{'':36}blocks phases gc / lrow / inverse / out: {phases}")
+            for name, us in list(p.get("kernels_us", {}).items())[:10]:
+                print(f"{'':36}{us:10.1f} us  {name}")
         else:
             print(f"{'':26}{p['name']:<44} {p.get('error', p.get('skipped', ''))}")
     for sec in ("decode", "decode_sweep", "verify"):

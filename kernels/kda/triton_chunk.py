@@ -384,6 +384,10 @@ def kda_chunk_fwd(
     l_chunk_blocks: bool = False,
     num_warps_l_chunk: int = 4,
     max_registers_l: int | None = None,
+    num_warps_gc_blocks: int = 4,
+    block_k_gc_blocks: int | None = None,
+    num_warps_inverse_blocks: int = 4,
+    num_warps_out_blocks: int | None = None,
     block_v: int = 32,
     block_v_out: int = 64,
     num_warps_intra: int = 8,
@@ -453,6 +457,10 @@ def kda_chunk_fwd(
             None: its own choice). sm_90 bf16: 254 per row block with fuse_gc_blocks at 2 warps (four programs per
             SM, where 139 without it fit seven; fuse_gc lost 30% on the H100, session 35); 168 fits six, spilling
             56 bytes, 128 eight, spilling 328.
+            num_warps_gc_blocks, block_k_gc_blocks: the Gc launch's warps and K slice (None: block_k_blocks);
+            num_warps_inverse_blocks: the inverse launch's warps; num_warps_out_blocks: the W/U launch's row-block
+            programs' warps (None: num_warps_blocks). Per-phase tuning (session 36): the phases' programs differ
+            in size, so one warp count need not suit all.
         block_v, block_v_out, num_warps_*, num_stages_state: launch tuning. num_warps_intra 8 (the fused
             intra kernel): 16% faster than 4 at 16K-64K tokens on the H200 (session 24; its [64, 128] fp32
             tiles spill at 4 warps, and 16 were slower again). num_stages_state (None: 3 with 16-bit scratch, the
@@ -557,6 +565,8 @@ def kda_chunk_fwd(
         sliced_blocks=sliced_out_blocks, lrows_blocks=l_rows_blocks, fuse_gc_blocks=fuse_gc_blocks,
         inverse_regs_blocks=inverse_regs_blocks, out_chunk_blocks=out_chunk_blocks, nw_out_chunk=num_warps_out_chunk,
         l_chunk_blocks=l_chunk_blocks, nw_l_chunk=num_warps_l_chunk, maxnreg_l=max_registers_l,
+        nw_gc_blocks=num_warps_gc_blocks, bk_gc_blocks=block_k_gc_blocks or block_k_blocks,
+        nw_inverse_blocks=num_warps_inverse_blocks, nw_out_blocks=num_warps_out_blocks or num_warps_blocks,
         nw_intra=num_warps_intra,
         nw_state=num_warps_state, ns_state=num_stages_state, nw_out=num_warps_out,
         probe=probe,
@@ -629,6 +639,10 @@ class _Launch:
     l_chunk_blocks: bool  # the blocks path's L/Aqk launch one program per (chunk, head)
     nw_l_chunk: int  # its warps
     maxnreg_l: int | None  # the blocks path's L launch's register cap
+    nw_gc_blocks: int  # the blocks path's Gc launch's warps
+    bk_gc_blocks: int  # and its K slice
+    nw_inverse_blocks: int  # the blocks path's inverse launch's warps
+    nw_out_blocks: int  # the blocks path's W/U row-block programs' warps
     nw_intra: int
     nw_state: int
     ns_state: int
@@ -684,7 +698,9 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
             num_stages=cfg.ns_blocks, dot16=cfg.dot16, prec=cfg.prec, prec_inv=cfg.prec_inv, sub=SUB,
             safe_span=SAFE_SPAN, sliced_out=cfg.sliced_blocks, l_rows=cfg.lrows_blocks, fuse_gc=cfg.fuse_gc_blocks,
             inverse_regs=cfg.inverse_regs_blocks, out_chunk=cfg.out_chunk_blocks, num_warps_out_chunk=cfg.nw_out_chunk,
-            l_chunk=cfg.l_chunk_blocks, num_warps_l_chunk=cfg.nw_l_chunk, maxnreg_l=cfg.maxnreg_l)
+            l_chunk=cfg.l_chunk_blocks, num_warps_l_chunk=cfg.nw_l_chunk, maxnreg_l=cfg.maxnreg_l,
+            num_warps_gc=cfg.nw_gc_blocks, block_k_gc=min(cfg.bk_gc_blocks, BK),
+            num_warps_inverse=cfg.nw_inverse_blocks, num_warps_out=cfg.nw_out_blocks)
     else:
         gc, akk = buf("gc", NC, H, C, BK), buf("akk", NC, H, C, C)
         _kda_chunk_intra_kernel[(NC, H)](

@@ -569,11 +569,15 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
                         prec: str, prec_inv: str, sub: int, safe_span: float, sliced_out: bool = False,
                         l_rows: bool = True, fuse_gc: bool = False, inverse_regs: bool = False,
                         out_chunk: bool = False, num_warps_out_chunk: int = 4, l_chunk: bool = False,
-                        num_warps_l_chunk: int = 4, maxnreg_l: int | None = None) -> None:
+                        num_warps_l_chunk: int = 4, maxnreg_l: int | None = None, num_warps_gc: int = 4,
+                        block_k_gc: int | None = None, num_warps_inverse: int = 4,
+                        num_warps_out: int | None = None) -> None:
     """Four launches over the NC chunks x H heads. The buffers are _launch_chunk's: the state pass's scratch (qg, kd,
     w, u, aqk, gl) and this path's fp32 gc [NC, H, C, BK] (None with fuse_gc), akk [NC, H, C, C], sq [NC, H, 2, C],
     span [NC, H, 4].
-    num_warps / num_stages: the block (phase 1) and row-block (phase 3) programs'; phases 0 and 2 take 4 warps.
+    num_warps / num_stages: the block (phase 1) and row-block (phase 3) programs'; num_warps_gc / block_k_gc (None:
+    block_k): phase 0's warps and K slice; num_warps_inverse: phase 2's warps; num_warps_out (None: num_warps):
+    phase 3's row-block programs' warps.
     sliced_out: phase 3 as one program per (chunk, row block and K or V slice, head). l_rows: phase 1 one program
     per row block of L and Aqk (`_blocks_lrow_kernel`); False: per 16 x 16 block (`_blocks_pair_kernel`). fuse_gc
     (with l_rows): three launches, no phase 0: phases 1 and 3 take Gc from g's rows themselves and phase 1 writes sq,
@@ -604,7 +608,7 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
     if not fuse_gc:
         _blocks_gc_kernel[(NC, H)](
             q, k, g, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1), *tables,
-            gl, gc, sq, span, H=H, K=K, BK=BK, BKS=block_k, C=C, BC=sub, num_warps=4)
+            gl, gc, sq, span, H=H, K=K, BK=BK, BKS=block_k_gc or block_k, C=C, BC=sub, num_warps=num_warps_gc)
     if l_rows:
         cap = {} if maxnreg_l is None else {"maxnreg": maxnreg_l}
         _blocks_lrow_kernel[(NC if l_chunk else NC * 4, H)](
@@ -621,7 +625,8 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
     _blocks_inverse_kernel[(NC, H)](
         q, k, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
         beta.stride(0), beta.stride(1), *tables, sq, span, akk, aqk, scale,
-        H=H, K=K, BK=BK, C=C, BC=sub, PREC_INV=prec_inv, SAFE_SPAN=safe_span, REGS=inverse_regs, num_warps=4)
+        H=H, K=K, BK=BK, C=C, BC=sub, PREC_INV=prec_inv, SAFE_SPAN=safe_span, REGS=inverse_regs,
+        num_warps=num_warps_inverse)
     if out_chunk:
         if sliced_out:
             raise ValueError("out_chunk: one program per (chunk, head); sliced_out splits the row-block programs")
@@ -631,4 +636,4 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), *tables, gc, sq, akk, qg, kd, w, u, scale,
         H=H, K=K, V=V, BK=BK, BKS=block_k, BV=BV, BVS=block_v, C=C, BC=sub, DOT16=dot16, PREC=prec,
         SLICED=sliced_out, FUSE_GC=fuse_gc, ROWS=C if out_chunk else sub,
-        num_warps=num_warps_out_chunk if out_chunk else num_warps, num_stages=num_stages)
+        num_warps=num_warps_out_chunk if out_chunk else (num_warps_out or num_warps), num_stages=num_stages)

@@ -429,6 +429,15 @@ def test_chunk_blocks_l_chunk_equals_row_blocks(fuse_gc: bool) -> None:
         kda_chunk_fwd(**case, slot_indices=slots, intra="fused", l_chunk_blocks=True)
 
 
+def test_chunk_blocks_per_phase_launch_shapes_equal_the_default() -> None:
+    """The per-phase launch shapes (the Gc launch's warps and a K slice of the whole head, the inverse's and W/U's warps)
+    compute the same values: the Gc slice only regroups the rows' squared norms, so within fp32 rounding, snapshots,
+    padded tail chunk and steep sub-chunk included."""
+    case, slots, ((o0, s0, _), (o1, s1, _)) = blocks_forms(44, [(30, 0, 3, -80.0)], [
+        {}, dict(num_warps_gc_blocks=8, block_k_gc_blocks=32, num_warps_inverse_blocks=1, num_warps_out_blocks=4)])
+    assert rel_err(o1, o0) <= 1e-6 and rel_err(s1, s0) <= 1e-6
+
+
 def test_chunk_blocks_out_chunk_equals_row_blocks() -> None:
     """out_chunk_blocks (W/U one program per chunk) does per row what the row-block programs do; only the dots' sums
     may be taken in another order (the interpreter's host matmul on a [C, C] instead of a [BC, C] operand): outputs
