@@ -91,7 +91,6 @@ PREFILL_VARIANTS: dict[str, dict] = {
     # session 35: the row-block L launch with fused Gc takes 254 registers at 2 warps (4 programs per SM; 139
     # without; fused_gc 30% slower than the default on the H100): capped
     # 16-column K slices: sm_90 registers 102 (L, default), 168 (L, fused Gc: no spills), 72 / 128 (W/U)
-    "blocks_intra_bk16": {"intra": "blocks", "block_k_blocks": 16},
     "blocks_intra_fused_gc_bk16": {"intra": "blocks", "fuse_gc_blocks": True, "block_k_blocks": 16},
     "blocks_intra_fused_gc_r168": {"intra": "blocks", "fuse_gc_blocks": True, "max_registers_l": 168},
     "blocks_intra_fused_gc_r128": {"intra": "blocks", "fuse_gc_blocks": True, "max_registers_l": 128},
