@@ -105,6 +105,11 @@ PREFILL_VARIANTS: dict[str, dict] = {
     "blocks_intra_inv_w1": {"intra": "blocks", "num_warps_inverse_blocks": 1},
     "blocks_intra_out_w4": {"intra": "blocks", "num_warps_out_blocks": 4},
     "blocks_intra_out_w1": {"intra": "blocks", "num_warps_out_blocks": 1},
+    # session 36: the rows' squared norms in L's row-block programs (L 139 -> 168 registers at 2 warps), so the Gc launch
+    # reads only g (80 registers at 4 warps, 103 at 8 with 128 columns)
+    "blocks_intra_norms_in_l": {"intra": "blocks", "norms_in_l_blocks": True},
+    "blocks_intra_norms_in_l_gc_w8_bk128": {"intra": "blocks", "norms_in_l_blocks": True, "num_warps_gc_blocks": 8,
+                                            "block_k_gc_blocks": 128},
     # timing probes (results wrong, not checked): the fused intra kernel with one stage skipped each (its PROBE
     # bits), so base minus a probe is about what that stage costs
     "probe_no_blocks": {"probe": 1},  # L and Aqk

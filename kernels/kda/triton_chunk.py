@@ -388,6 +388,7 @@ def kda_chunk_fwd(
     block_k_gc_blocks: int | None = None,
     num_warps_inverse_blocks: int = 4,
     num_warps_out_blocks: int | None = None,
+    norms_in_l_blocks: bool = False,
     block_v: int = 32,
     block_v_out: int = 64,
     num_warps_intra: int = 8,
@@ -460,7 +461,9 @@ def kda_chunk_fwd(
             num_warps_gc_blocks, block_k_gc_blocks: the Gc launch's warps and K slice (None: block_k_blocks);
             num_warps_inverse_blocks: the inverse launch's warps; num_warps_out_blocks: the W/U launch's row-block
             programs' warps (None: num_warps_blocks). Per-phase tuning (session 36): the phases' programs differ
-            in size, so one warp count need not suit all.
+            in size, so one warp count need not suit all. norms_in_l_blocks: the rows' squared norms taken by L's
+            row-block programs from the rows they load, so the Gc launch reads only g (with l_rows_blocks, not
+            l_chunk_blocks or fuse_gc_blocks; the same values).
         block_v, block_v_out, num_warps_*, num_stages_state: launch tuning. num_warps_intra 8 (the fused
             intra kernel): 16% faster than 4 at 16K-64K tokens on the H200 (session 24; its [64, 128] fp32
             tiles spill at 4 warps, and 16 were slower again). num_stages_state (None: 3 with 16-bit scratch, the
@@ -518,7 +521,8 @@ def kda_chunk_fwd(
     if num_stages_split not in (1, 2, 3, 4):
         raise ValueError(f"num_stages_split must be 1 to 4, got {num_stages_split}")
     for name, on in (("fuse_gc_blocks", fuse_gc_blocks), ("inverse_regs_blocks", inverse_regs_blocks),
-                     ("out_chunk_blocks", out_chunk_blocks), ("l_chunk_blocks", l_chunk_blocks)):
+                     ("out_chunk_blocks", out_chunk_blocks), ("l_chunk_blocks", l_chunk_blocks),
+                     ("norms_in_l_blocks", norms_in_l_blocks)):
         if on and intra != "blocks":
             raise ValueError(f"{name}: a form of intra='blocks', got intra={intra!r}")
     if scratch_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
@@ -567,6 +571,7 @@ def kda_chunk_fwd(
         l_chunk_blocks=l_chunk_blocks, nw_l_chunk=num_warps_l_chunk, maxnreg_l=max_registers_l,
         nw_gc_blocks=num_warps_gc_blocks, bk_gc_blocks=block_k_gc_blocks or block_k_blocks,
         nw_inverse_blocks=num_warps_inverse_blocks, nw_out_blocks=num_warps_out_blocks or num_warps_blocks,
+        norms_in_l_blocks=norms_in_l_blocks,
         nw_intra=num_warps_intra,
         nw_state=num_warps_state, ns_state=num_stages_state, nw_out=num_warps_out,
         probe=probe,
@@ -643,6 +648,7 @@ class _Launch:
     bk_gc_blocks: int  # and its K slice
     nw_inverse_blocks: int  # the blocks path's inverse launch's warps
     nw_out_blocks: int  # the blocks path's W/U row-block programs' warps
+    norms_in_l_blocks: bool  # the blocks path's rows' squared norms in L's launch, not Gc's
     nw_intra: int
     nw_state: int
     ns_state: int
@@ -700,7 +706,8 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
             inverse_regs=cfg.inverse_regs_blocks, out_chunk=cfg.out_chunk_blocks, num_warps_out_chunk=cfg.nw_out_chunk,
             l_chunk=cfg.l_chunk_blocks, num_warps_l_chunk=cfg.nw_l_chunk, maxnreg_l=cfg.maxnreg_l,
             num_warps_gc=cfg.nw_gc_blocks, block_k_gc=min(cfg.bk_gc_blocks, BK),
-            num_warps_inverse=cfg.nw_inverse_blocks, num_warps_out=cfg.nw_out_blocks)
+            num_warps_inverse=cfg.nw_inverse_blocks, num_warps_out=cfg.nw_out_blocks,
+            norms_in_l=cfg.norms_in_l_blocks)
     else:
         gc, akk = buf("gc", NC, H, C, BK), buf("akk", NC, H, C, C)
         _kda_chunk_intra_kernel[(NC, H)](

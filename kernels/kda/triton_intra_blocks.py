@@ -169,9 +169,9 @@ def _program(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, i_h, H: tl.constexpr, C:
 @triton.jit
 def _phase0(q_h, k_h, g_h, stride_qt, stride_kt, stride_gt, n_valid, scr, gc_ptr, gl_ptr, sq_buf, span_ptr,
             K: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-            STORE_GC: tl.constexpr):
-    """Phase 0's outputs for one (chunk, head), over the K slices: exp(Gc_last) into gl, the rows' squared norms into
-    sq_buf (k, then q), the sub-chunks' spans into span, and (STORE_GC) Gc itself into gc."""
+            STORE_GC: tl.constexpr, NORMS: tl.constexpr = True):
+    """Phase 0's outputs for one (chunk, head), over the K slices: exp(Gc_last) into gl, (NORMS) the rows' squared
+    norms into sq_buf (k, then q), the sub-chunks' spans into span, and (STORE_GC) Gc itself into gc."""
     rows = tl.arange(0, C)
     sk = tl.zeros([C], dtype=tl.float32)
     sq = tl.zeros([C], dtype=tl.float32)
@@ -182,14 +182,16 @@ def _phase0(q_h, k_h, g_h, stride_qt, stride_kt, stride_gt, n_valid, scr, gc_ptr
         if STORE_GC:
             tl.store(gc_ptr + scr * (C * BK) + rows[:, None] * BK + offs[None, :], tl.cumsum(g, axis=0))
         tl.store(gl_ptr + scr * BK + offs, tl.exp(tl.sum(g, axis=0)))
-        kr = _rows(k_h, stride_kt, 0, n_valid, offs, K, C)
-        qr = _rows(q_h, stride_qt, 0, n_valid, offs, K, C)
-        sk += tl.sum(kr * kr, axis=1)
-        sq += tl.sum(qr * qr, axis=1)
+        if NORMS:
+            kr = _rows(k_h, stride_kt, 0, n_valid, offs, K, C)
+            qr = _rows(q_h, stride_qt, 0, n_valid, offs, K, C)
+            sk += tl.sum(kr * kr, axis=1)
+            sq += tl.sum(qr * qr, axis=1)
         # span_i = max_d (c_i - c_{i+1}) = max_d -(sum of g over sub-chunk i)
         span = tl.maximum(span, _spans(g, BC))
-    tl.store(sq_buf + rows, sk)
-    tl.store(sq_buf + C + rows, sq)
+    if NORMS:
+        tl.store(sq_buf + rows, sk)
+        tl.store(sq_buf + C + rows, sq)
     tl.store(span_ptr + scr * 4 + tl.arange(0, 4), span)
 
 
@@ -203,14 +205,16 @@ def _blocks_gc_kernel(
     sq_ptr,  # out [NC, H, 2, C] fp32: the rows' squared norms (k, then q)
     span_ptr,  # out [NC, H, 4] fp32: each sub-chunk's decay span
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+    NORMS: tl.constexpr,
 ):
-    """Phase 0, one program per (chunk, head)."""
+    """Phase 0, one program per (chunk, head); without NORMS (`norms_in_l`) q and k are not read here: phase 1's
+    row-block programs take the norms from the rows they load."""
     tl.static_assert(C == 4 * BC, "four sub-chunks per chunk")
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, n_valid, scr = _program(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, i_h, H, C)
     _phase0(q_ptr + t0 * stride_qt + i_h * stride_qh, k_ptr + t0 * stride_kt + i_h * stride_kh,
             g_ptr + t0 * stride_gt + i_h * stride_gh, stride_qt, stride_kt, stride_gt, n_valid, scr, gc_ptr, gl_ptr,
-            sq_ptr + scr * (2 * C), span_ptr, K, BK, BKS, C, BC, True)
+            sq_ptr + scr * (2 * C), span_ptr, K, BK, BKS, C, BC, True, NORMS)
 
 
 @triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
@@ -296,9 +300,10 @@ def _l_row_block(q_h, k_h, g_h, b_h, stride_qt, stride_kt, stride_gt, stride_bt,
                  C: tl.constexpr, BC: tl.constexpr, DOT16: tl.constexpr, PREC: tl.constexpr, SAFE_SPAN: tl.constexpr,
                  FUSE_GC: tl.constexpr, NORMS_HERE: tl.constexpr):
     """Row block i of L and Aqk [BC, C] over the K slices, stored (_store_l_row). Gc from phase 0's scratch, or
-    (FUSE_GC) the cumsum of the chunk's g rows per K slice. NORMS_HERE (FUSE_GC with one row block per program): the
-    outputs phase 0 would have written besides gc, the same values, taken from the rows this loop loads: the row
-    block's squared norms, its sub-chunk's span and (block 0) exp(Gc_last); else the norms are read back from sq."""
+    (FUSE_GC) the cumsum of the chunk's g rows per K slice. NORMS_HERE (one row block per program, with FUSE_GC or
+    norms_in_l): the row block's squared norms, the same values as phase 0's, taken from the rows this loop loads and
+    stored for phase 3, and with FUSE_GC the other outputs phase 0 would have written besides gc: its sub-chunk's span
+    and (block 0) exp(Gc_last); else the norms are read back from sq."""
     kk = tl.zeros([BC, C], dtype=tl.float32)
     qk = tl.zeros([BC, C], dtype=tl.float32)
     sk = tl.zeros([C], dtype=tl.float32)  # NORMS_HERE: every row's squared k norm, and block i's k and q ones
@@ -313,20 +318,22 @@ def _l_row_block(q_h, k_h, g_h, b_h, stride_qt, stride_kt, stride_gt, stride_bt,
             if NORMS_HERE:  # the same operations as phase 0's
                 span = tl.maximum(span, _spans(g, BC))
                 tl.store(gl_ptr + scr * BK + offs, tl.exp(tl.sum(g, axis=0)), mask=(offs < BK) & (i == 0))
-                kr_i = _rows(k_h, stride_kt, i * BC, n_valid, offs, K, BC)
-                qr_i = _rows(q_h, stride_qt, i * BC, n_valid, offs, K, BC)
-                sk += tl.sum(kr * kr, axis=1)
-                sk_i += tl.sum(kr_i * kr_i, axis=1)
-                sq_i += tl.sum(qr_i * qr_i, axis=1)
         else:
             gc_all = None  # phase 0's: _l_row_slice loads them after the row side (2 registers fewer on sm_90)
+        if NORMS_HERE:
+            kr_i = _rows(k_h, stride_kt, i * BC, n_valid, offs, K, BC)
+            qr_i = _rows(q_h, stride_qt, i * BC, n_valid, offs, K, BC)
+            sk += tl.sum(kr * kr, axis=1)
+            sk_i += tl.sum(kr_i * kr_i, axis=1)
+            sq_i += tl.sum(qr_i * qr_i, axis=1)
         kk, qk = _l_row_slice(kk, qk, q_h, k_h, stride_qt, stride_kt, gc_buf, kr, gc_all, i, n_valid, offs, K, BK, C,
                               BC, DOT16, PREC, SAFE_SPAN, FUSE_GC)
     if NORMS_HERE:
         loc = tl.arange(0, BC)
         tl.store(sq_buf + i * BC + loc, sk_i)
         tl.store(sq_buf + C + i * BC + loc, sq_i)
-        tl.store(span_ptr + scr * 4 + tl.arange(0, 4), span, mask=tl.arange(0, 4) == i)
+        if FUSE_GC:
+            tl.store(span_ptr + scr * 4 + tl.arange(0, 4), span, mask=tl.arange(0, 4) == i)
         rk_i, rq_i, rk = 1.0 / tl.sqrt(sk_i + 1e-6), 1.0 / tl.sqrt(sq_i + 1e-6), 1.0 / tl.sqrt(sk + 1e-6)  # _rnorm's
     else:
         rk_i, rq_i = _norms(sq_buf, i, BC)
@@ -346,6 +353,7 @@ def _blocks_lrow_kernel(
     scale,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
     DOT16: tl.constexpr, PREC: tl.constexpr, SAFE_SPAN: tl.constexpr, FUSE_GC: tl.constexpr, CHUNK: tl.constexpr,
+    NORMS_L: tl.constexpr = False,
 ):
     """Phase 1 by row blocks (`launch_intra_blocks(l_rows=True)`): one program per (chunk, row block i, head)
     computes L's and Aqk's whole row block [BC, C], one dot per K slice against all C rows, instead of i + 1 block
@@ -358,8 +366,12 @@ def _blocks_lrow_kernel(
     SMs, so each brings the chunk's k and Gc rows from the L2 (at 8 x 4K tokens of the 48B layer ~3 GB against
     ~0.8); here row blocks 1-3 find them in this SM's L1 (48 KB a K pass), at row-block registers (the four blocks'
     sums side by side took 255 on sm_90 and a stack at 4 warps). With FUSE_GC the norms, spans and exp(Gc_last) come
-    from a first pass over the K slices, stored, and read back as phase 0's are."""
+    from a first pass over the K slices, stored, and read back as phase 0's are.
+    NORMS_L (`launch_intra_blocks(norms_in_l=True)`, row-block programs): the rows' squared norms are taken here from
+    the k and q rows this launch loads, not by phase 0 (which then reads only g: ~1 GB less at 64K tokens of the 48B
+    layer), and stored for phase 3."""
     tl.static_assert(C == 4 * BC, "four sub-chunks per chunk")
+    tl.static_assert(not (NORMS_L and CHUNK), "norms_in_l: row-block programs")
     if CHUNK:
         i_c, i_h = tl.program_id(0), tl.program_id(1)
     else:
@@ -383,7 +395,7 @@ def _blocks_lrow_kernel(
     else:
         _l_row_block(q_h, k_h, g_h, b_h, stride_qt, stride_kt, stride_gt, stride_bt, gc_buf, sq_buf, gl_ptr,
                      span_ptr, akk_ptr, aqk_ptr, scr, tl.program_id(0) % 4, n_valid, scale, K, BK, BKS, C, BC, DOT16,
-                     PREC, SAFE_SPAN, FUSE_GC, FUSE_GC)
+                     PREC, SAFE_SPAN, FUSE_GC, FUSE_GC or NORMS_L)
 
 
 @triton.jit
@@ -571,7 +583,7 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
                         out_chunk: bool = False, num_warps_out_chunk: int = 4, l_chunk: bool = False,
                         num_warps_l_chunk: int = 4, maxnreg_l: int | None = None, num_warps_gc: int = 4,
                         block_k_gc: int | None = None, num_warps_inverse: int = 4,
-                        num_warps_out: int | None = None) -> None:
+                        num_warps_out: int | None = None, norms_in_l: bool = False) -> None:
     """Four launches over the NC chunks x H heads. The buffers are _launch_chunk's: the state pass's scratch (qg, kd,
     w, u, aqk, gl) and this path's fp32 gc [NC, H, C, BK] (None with fuse_gc), akk [NC, H, C, C], sq [NC, H, 2, C],
     span [NC, H, 4].
@@ -605,16 +617,19 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
         raise ValueError("fuse_gc: needs l_rows (the 16 x 16 block programs read phase 0's gc)")
     if l_chunk and not l_rows:
         raise ValueError("l_chunk: a form of l_rows (the row blocks of one chunk in one program)")
+    if norms_in_l and (not l_rows or l_chunk or fuse_gc):
+        raise ValueError("norms_in_l: a form of the row-block L launch (l_rows, not l_chunk or fuse_gc)")
     if not fuse_gc:
         _blocks_gc_kernel[(NC, H)](
             q, k, g, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1), *tables,
-            gl, gc, sq, span, H=H, K=K, BK=BK, BKS=block_k_gc or block_k, C=C, BC=sub, num_warps=num_warps_gc)
+            gl, gc, sq, span, H=H, K=K, BK=BK, BKS=block_k_gc or block_k, C=C, BC=sub, NORMS=not norms_in_l,
+            num_warps=num_warps_gc)
     if l_rows:
         cap = {} if maxnreg_l is None else {"maxnreg": maxnreg_l}
         _blocks_lrow_kernel[(NC if l_chunk else NC * 4, H)](
             q, k, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
             beta.stride(0), beta.stride(1), *tables, gc, sq, gl, span, akk, aqk, scale, H=H, K=K, BK=BK, BKS=block_k,
-            C=C, BC=sub, DOT16=dot16, PREC=prec, SAFE_SPAN=safe_span, FUSE_GC=fuse_gc, CHUNK=l_chunk,
+            C=C, BC=sub, DOT16=dot16, PREC=prec, SAFE_SPAN=safe_span, FUSE_GC=fuse_gc, CHUNK=l_chunk, NORMS_L=norms_in_l,
             num_warps=num_warps_l_chunk if l_chunk else num_warps, num_stages=num_stages, **cap)
     else:
         _blocks_pair_kernel[(NC * 16, H)](

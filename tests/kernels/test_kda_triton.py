@@ -438,6 +438,21 @@ def test_chunk_blocks_per_phase_launch_shapes_equal_the_default() -> None:
     assert rel_err(o1, o0) <= 1e-6 and rel_err(s1, s0) <= 1e-6
 
 
+def test_chunk_blocks_norms_in_l_equals_phase_zero_norms() -> None:
+    """norms_in_l_blocks: L's row-block programs take the rows' squared norms from the rows they load (the Gc launch then
+    reads only g): the same operations, so outputs, final states and snapshots equal bit for bit in the interpreter
+    (compiled: within fp32 rounding), steep sub-chunk and padded tail chunk included. Refused with the per-block L,
+    the per-chunk L and fused Gc, and outside intra="blocks"."""
+    case, slots, ((o0, s0, _), (o1, s1, _)) = blocks_forms(45, [(100, 1, 5, -90.0)], [
+        {}, dict(norms_in_l_blocks=True)])
+    assert same_bits(o1, o0) and same_bits(s1, s0)
+    for bad in (dict(l_rows_blocks=False), dict(l_chunk_blocks=True), dict(fuse_gc_blocks=True)):
+        with pytest.raises(ValueError, match="norms_in_l"):
+            kda_chunk_fwd(**case, slot_indices=slots, intra="blocks", norms_in_l_blocks=True, **bad)
+    with pytest.raises(ValueError, match="norms_in_l_blocks"):
+        kda_chunk_fwd(**case, slot_indices=slots, intra="fused", norms_in_l_blocks=True)
+
+
 def test_chunk_blocks_out_chunk_equals_row_blocks() -> None:
     """out_chunk_blocks (W/U one program per chunk) does per row what the row-block programs do; only the dots' sums
     may be taken in another order (the interpreter's host matmul on a [C, C] instead of a [BC, C] operand): outputs
