@@ -192,7 +192,7 @@ for stage in "$@"; do
         blocks_intra_out_chunk blocks_intra_all_four blocks_intra_inverse_regs blocks_intra_l_chunk --budget-s 320 --out "$OUT/kda_fused_gc.json" ;;
     kda-phases)
       run kda-phases 150 python3 -m pytest -o addopts="" -v -p no:warnings --tb=short \
-        tests/kernels/test_kda_triton.py -k "kimi_shape or steep or per_phase or fused_gc or l_chunk or out_chunk"
+        tests/kernels/test_kda_triton.py -k "kimi_shape or steep or per_phase or norms_in_l or fused_gc or l_chunk or out_chunk"
       run kda-phases 400 python3 benchmarks/kernels.py --decode-n 1 16 --prefill 16384 65536 8x4096 \
         --prefill-variants blocks_intra blocks_intra_gc_w8_bk128 blocks_intra_gc_w8_bk64 blocks_intra_gc_w4_bk64 \
         blocks_intra_norms_in_l blocks_intra_norms_in_l_gc_w8_bk128 blocks_intra_inv_w2 blocks_intra_inv_w1 \
