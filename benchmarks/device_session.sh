@@ -36,11 +36,11 @@
 #                       18's >= 1.2x fla), 16-column K slices and the fused-Gc L launch under register caps (session
 #                       35: every form lost to the default on the H100, fused Gc by 30% at 254 registers), each form
 #                       and all four together
-#   kda-phases (380 + 150) the blocks path's launch shapes phase by phase (session 36): kernels.py at 16K / 64K / 8 x 4K with the Gc launch at 8 warps and 64- or 128-column slices,
-#                       the rows' norms in L's launch (Gc then reads only g), the inverse at 1 or 2 warps, W/U at 4 or
-#                       1, 16-column slices, beside fla; each case also back
-#                       to back (b2b: the host's per-call work behind the GPU's) and fla's and the default's kernels
-#                       by name (torch.profiler)
+#   kda-phases (380 + 150) the blocks path's launch shapes phase by phase (session 36): kernels.py at 16K / 64K /
+#                       8 x 4K with the Gc launch at 8 warps and 64- or 128-column slices, the rows' norms in L's
+#                       launch (Gc then reads only g), the inverse at 1 or 2 warps, W/U at 4 or 1, 16-column slices,
+#                       beside fla; each case also back to back (b2b: the host's per-call work behind the GPU's) and
+#                       fla's and the default's kernels by name (torch.profiler); then the chunk tests on CUDA
 #   kda-forms-48b (240) the 48B prefill at 8K / 32K with each of those forms and all four (decode.py)
 #   bf16-paths (120 + 200) test_gpu_runner_bf16_logits_within_tolerance (session 33: [k3] failed at 8fc76af,
 #                       0.0459 against 0.0381), then benchmarks/bf16_paths.py: the bf16 runner's prefill error per
