@@ -105,6 +105,23 @@ PREFILL_VARIANTS: dict[str, dict] = {
     "blocks_intra_inv_w1": {"intra": "blocks", "num_warps_inverse_blocks": 1},
     "blocks_intra_out_w4": {"intra": "blocks", "num_warps_out_blocks": 4},
     "blocks_intra_out_w1": {"intra": "blocks", "num_warps_out_blocks": 1},
+    # session 36, second call: the default is now norms_in_l with the inverse at 1 warp; the earlier default beside it,
+    # the Gc launch per (chunk, K slice, head), and W/U's launch shapes (fla's recompute_w_u: one program per chunk,
+    # 1.50 ms at 64K on the H100 against the row blocks' 2.62)
+    "blocks_intra_old_default": {"intra": "blocks", "norms_in_l_blocks": False, "num_warps_inverse_blocks": 4},
+    "blocks_intra_gc_sliced_w2": {"intra": "blocks", "gc_sliced_blocks": True, "num_warps_gc_blocks": 2},
+    "blocks_intra_gc_sliced_w4": {"intra": "blocks", "gc_sliced_blocks": True},
+    "blocks_intra_gc_sliced_w2_bk16": {"intra": "blocks", "gc_sliced_blocks": True, "num_warps_gc_blocks": 2,
+                                       "block_k_gc_blocks": 16},
+    "blocks_intra_out_s3": {"intra": "blocks", "num_stages_out_blocks": 3},
+    "blocks_intra_out_s4": {"intra": "blocks", "num_stages_out_blocks": 4},
+    "blocks_intra_out_chunk_s3": {"intra": "blocks", "out_chunk_blocks": True, "num_stages_out_blocks": 3},
+    "blocks_intra_out_chunk_s4": {"intra": "blocks", "out_chunk_blocks": True, "num_stages_out_blocks": 4},
+    "blocks_intra_out_chunk_w8_s3": {"intra": "blocks", "out_chunk_blocks": True, "num_warps_out_chunk": 8,
+                                     "num_stages_out_blocks": 3},
+    "blocks_intra_out_chunk_bk64": {"intra": "blocks", "out_chunk_blocks": True, "block_k_out_blocks": 64},
+    "blocks_intra_out_chunk_w8_bk64": {"intra": "blocks", "out_chunk_blocks": True, "num_warps_out_chunk": 8,
+                                       "block_k_out_blocks": 64},
     # session 36: the rows' squared norms in L's row-block programs (L 139 -> 168 registers at 2 warps), so the Gc launch
     # reads only g (80 registers at 4 warps, 103 at 8 with 128 columns)
     "blocks_intra_norms_in_l": {"intra": "blocks", "norms_in_l_blocks": True},
@@ -475,7 +492,8 @@ def kernel_split_ms(fn, reps: int) -> dict:
 
     # (kernel, module): the split and blocks intra paths' launches live in their own modules
     names = (("_kda_chunk_intra_kernel", tc), ("_kda_intra_rows_kernel", ts), ("_kda_intra_solve_kernel", ts),
-             ("_blocks_gc_kernel", tb), ("_blocks_pair_kernel", tb), ("_blocks_lrow_kernel", tb),
+             ("_blocks_gc_kernel", tb), ("_blocks_gc_slice_kernel", tb), ("_blocks_pair_kernel", tb),
+             ("_blocks_lrow_kernel", tb),
              ("_blocks_inverse_kernel", tb),
              ("_blocks_out_kernel", tb), ("_kda_chunk_state_kernel", tc), ("_kda_chunk_out_kernel", tc))
     orig = {n: getattr(m, n) for n, m in names}
@@ -691,7 +709,9 @@ def print_table() -> None:
                   f"{p.get('state_kernel_ms', nan):8.3f} {p.get('out_kernel_ms', nan):8.3f} "
                   f"{p.get('intra_rows_kernel_ms', nan):8.3f} {p.get('intra_solve_kernel_ms', nan):8.3f}")
             if "blocks_gc_kernel_ms" in p or "blocks_lrow_kernel_ms" in p:
-                phases = " / ".join(f"{p.get(f'blocks_{n}_kernel_ms', nan):.3f}" for n in ("gc", "lrow", "inverse", "out"))
+                gc = p.get("blocks_gc_kernel_ms", p.get("blocks_gc_slice_kernel_ms", nan))
+                phases = " / ".join(f"{x:.3f}" for x in [gc] + [p.get(f"blocks_{n}_kernel_ms", nan)
+                                                                 for n in ("lrow", "inverse", "out")])
                 print(f"{'':36}blocks phases gc / lrow / inverse / out: {phases}")
             for name, us in list(p.get("kernels_us", {}).items())[:10]:
                 print(f"{'':36}{us:10.1f} us  {name}")

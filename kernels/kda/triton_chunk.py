@@ -386,9 +386,12 @@ def kda_chunk_fwd(
     max_registers_l: int | None = None,
     num_warps_gc_blocks: int = 4,
     block_k_gc_blocks: int | None = None,
-    num_warps_inverse_blocks: int = 4,
+    num_warps_inverse_blocks: int = 1,
     num_warps_out_blocks: int | None = None,
-    norms_in_l_blocks: bool = False,
+    norms_in_l_blocks: bool | None = None,
+    gc_sliced_blocks: bool = False,
+    block_k_out_blocks: int | None = None,
+    num_stages_out_blocks: int | None = None,
     block_v: int = 32,
     block_v_out: int = 64,
     num_warps_intra: int = 8,
@@ -461,9 +464,15 @@ def kda_chunk_fwd(
             num_warps_gc_blocks, block_k_gc_blocks: the Gc launch's warps and K slice (None: block_k_blocks);
             num_warps_inverse_blocks: the inverse launch's warps; num_warps_out_blocks: the W/U launch's row-block
             programs' warps (None: num_warps_blocks). Per-phase tuning (session 36): the phases' programs differ
-            in size, so one warp count need not suit all. norms_in_l_blocks: the rows' squared norms taken by L's
-            row-block programs from the rows they load, so the Gc launch reads only g (with l_rows_blocks, not
-            l_chunk_blocks or fuse_gc_blocks; the same values).
+            in size, so one warp count need not suit all. The inverse at 1 warp (16 x 16 dots; 168 registers on
+            sm_90): 0.57 against 1.11 ms at 4 warps at 64K tokens on the H100 (session 36).
+            norms_in_l_blocks: the rows' squared norms taken by L's row-block programs from the rows they load, so
+            the Gc launch reads only g (the same values; None: on wherever it applies, l_rows_blocks without
+            l_chunk_blocks or fuse_gc_blocks; H100 at 64K: Gc 1.54 -> 0.98 ms, L 2.05 -> 2.43, session 36).
+            gc_sliced_blocks (with norms_in_l_blocks): the Gc launch one program per (chunk, K slice of
+            block_k_gc_blocks, head), independent, instead of one per (chunk, head) walking the slices.
+            block_k_out_blocks, num_stages_out_blocks: the W/U launch's K and V slice and stages (None: the blocks
+            path's).
         block_v, block_v_out, num_warps_*, num_stages_state: launch tuning. num_warps_intra 8 (the fused
             intra kernel): 16% faster than 4 at 16K-64K tokens on the H200 (session 24; its [64, 128] fp32
             tiles spill at 4 warps, and 16 were slower again). num_stages_state (None: 3 with 16-bit scratch, the
@@ -522,7 +531,7 @@ def kda_chunk_fwd(
         raise ValueError(f"num_stages_split must be 1 to 4, got {num_stages_split}")
     for name, on in (("fuse_gc_blocks", fuse_gc_blocks), ("inverse_regs_blocks", inverse_regs_blocks),
                      ("out_chunk_blocks", out_chunk_blocks), ("l_chunk_blocks", l_chunk_blocks),
-                     ("norms_in_l_blocks", norms_in_l_blocks)):
+                     ("norms_in_l_blocks", norms_in_l_blocks), ("gc_sliced_blocks", gc_sliced_blocks)):
         if on and intra != "blocks":
             raise ValueError(f"{name}: a form of intra='blocks', got intra={intra!r}")
     if scratch_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
@@ -571,7 +580,10 @@ def kda_chunk_fwd(
         l_chunk_blocks=l_chunk_blocks, nw_l_chunk=num_warps_l_chunk, maxnreg_l=max_registers_l,
         nw_gc_blocks=num_warps_gc_blocks, bk_gc_blocks=block_k_gc_blocks or block_k_blocks,
         nw_inverse_blocks=num_warps_inverse_blocks, nw_out_blocks=num_warps_out_blocks or num_warps_blocks,
-        norms_in_l_blocks=norms_in_l_blocks,
+        norms_in_l_blocks=(intra == "blocks" and l_rows_blocks and not l_chunk_blocks and not fuse_gc_blocks)
+        if norms_in_l_blocks is None
+        else norms_in_l_blocks, gc_sliced_blocks=gc_sliced_blocks, bk_out_blocks=block_k_out_blocks,
+        ns_out_blocks=num_stages_out_blocks,
         nw_intra=num_warps_intra,
         nw_state=num_warps_state, ns_state=num_stages_state, nw_out=num_warps_out,
         probe=probe,
@@ -649,6 +661,9 @@ class _Launch:
     nw_inverse_blocks: int  # the blocks path's inverse launch's warps
     nw_out_blocks: int  # the blocks path's W/U row-block programs' warps
     norms_in_l_blocks: bool  # the blocks path's rows' squared norms in L's launch, not Gc's
+    gc_sliced_blocks: bool  # the blocks path's Gc launch per (chunk, K slice, head)
+    bk_out_blocks: int | None  # the blocks path's W/U launch's slice (None: bk_blocks)
+    ns_out_blocks: int | None  # and stages (None: ns_blocks)
     nw_intra: int
     nw_state: int
     ns_state: int
@@ -699,7 +714,8 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
         triton_intra_blocks.launch_intra_blocks(
             q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl,
             None if cfg.fuse_gc_blocks else buf("gc", NC, H, C, BK),
-            buf("akk", NC, H, C, C), buf("sq", NC, H, 2, C), buf("span", NC, H, 4), scale=cfg.scale,
+            buf("akk", NC, H, C, C), buf("sq", NC, H, 2, C),
+            buf("span", NC, H, 4 * (BK // min(cfg.bk_gc_blocks, BK) if cfg.gc_sliced_blocks else 1)), scale=cfg.scale,
             block_k=min(cfg.bk_blocks, BK), block_v=min(cfg.bk_blocks, BVF), num_warps=cfg.nw_blocks,
             num_stages=cfg.ns_blocks, dot16=cfg.dot16, prec=cfg.prec, prec_inv=cfg.prec_inv, sub=SUB,
             safe_span=SAFE_SPAN, sliced_out=cfg.sliced_blocks, l_rows=cfg.lrows_blocks, fuse_gc=cfg.fuse_gc_blocks,
@@ -707,7 +723,8 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
             l_chunk=cfg.l_chunk_blocks, num_warps_l_chunk=cfg.nw_l_chunk, maxnreg_l=cfg.maxnreg_l,
             num_warps_gc=cfg.nw_gc_blocks, block_k_gc=min(cfg.bk_gc_blocks, BK),
             num_warps_inverse=cfg.nw_inverse_blocks, num_warps_out=cfg.nw_out_blocks,
-            norms_in_l=cfg.norms_in_l_blocks)
+            norms_in_l=cfg.norms_in_l_blocks, gc_sliced=cfg.gc_sliced_blocks, block_k_out=cfg.bk_out_blocks,
+            num_stages_out=cfg.ns_out_blocks)
     else:
         gc, akk = buf("gc", NC, H, C, BK), buf("akk", NC, H, C, C)
         _kda_chunk_intra_kernel[(NC, H)](

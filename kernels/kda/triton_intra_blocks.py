@@ -218,6 +218,30 @@ def _blocks_gc_kernel(
 
 
 @triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
+def _blocks_gc_slice_kernel(
+    g_ptr, stride_gt, stride_gh,
+    cu_ptr, chunk_seq_ptr, chunk_idx_ptr,
+    gl_ptr,  # out [NC, H, BK] fp32: exp(Gc_last)
+    gc_ptr,  # out [NC, H, C, BK] fp32: Gc
+    span_ptr,  # out [NC, H, BK // BKS, 4] fp32: each sub-chunk's decay span over this slice's columns
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+):
+    """Phase 0 without the norms (`launch_intra_blocks(gc_sliced=True)`, with norms_in_l): one program per (chunk, K
+    slice, head), all independent, instead of one per (chunk, head) walking the slices one after another; the spans
+    stay per slice (the inverse's launch takes their max)."""
+    tl.static_assert(C == 4 * BC, "four sub-chunks per chunk")
+    NKS: tl.constexpr = BK // BKS
+    i_c, i_s, i_h = tl.program_id(0) // NKS, tl.program_id(0) % NKS, tl.program_id(1)
+    t0, n_valid, scr = _program(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, i_h, H, C)
+    offs = i_s * BKS + tl.arange(0, BKS)
+    g = _rows(g_ptr + t0 * stride_gt + i_h * stride_gh, stride_gt, 0, n_valid, offs, K, C)  # [C, BKS]
+    rows = tl.arange(0, C)
+    tl.store(gc_ptr + scr * (C * BK) + rows[:, None] * BK + offs[None, :], tl.cumsum(g, axis=0))
+    tl.store(gl_ptr + scr * BK + offs, tl.exp(tl.sum(g, axis=0)))
+    tl.store(span_ptr + (scr * NKS + i_s) * 4 + tl.arange(0, 4), _spans(g, BC))
+
+
+@triton.jit(do_not_specialize_on_alignment=["cu_ptr", "chunk_seq_ptr", "chunk_idx_ptr"])
 def _blocks_pair_kernel(
     q_ptr, k_ptr, g_ptr, beta_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh,
     stride_bt, stride_bh,
@@ -436,7 +460,7 @@ def _blocks_inverse_kernel(
     aqk_ptr,  # phase 1's; a steep sub-chunk's diagonal block is rewritten
     scale,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-    PREC_INV: tl.constexpr, SAFE_SPAN: tl.constexpr, REGS: tl.constexpr,
+    PREC_INV: tl.constexpr, SAFE_SPAN: tl.constexpr, REGS: tl.constexpr, NSPAN: tl.constexpr = 1,
 ):
     """Phase 2, one program per (chunk, head): first the diagonal blocks of steep sub-chunks (span > SAFE_SPAN)
     exactly, elementwise, over phase 1's clamped ones; then X = (I + L)^-1 over L in the akk scratch.
@@ -448,14 +472,16 @@ def _blocks_inverse_kernel(
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     scr = i_c.to(tl.int64) * H + i_h
     akk_buf = akk_ptr + scr * (C * C)
-    spans = span_ptr + scr * 4
-    if tl.max(tl.load(spans + tl.arange(0, 4)), axis=0) > SAFE_SPAN:
+    # the sub-chunks' spans: [NSPAN, 4] partial maxima (one row per K slice with gc_sliced), their max
+    sub = tl.arange(0, 4)
+    spans = tl.max(tl.load(span_ptr + scr * (NSPAN * 4) + tl.arange(0, NSPAN)[:, None] * 4 + sub[None, :]), axis=0)
+    if tl.max(spans, axis=0) > SAFE_SPAN:
         t0, n_valid = _chunk_rows(cu_ptr, chunk_seq_ptr, chunk_idx_ptr, i_c, C)
         q_h = q_ptr + t0 * stride_qt + i_h * stride_qh
         k_h = k_ptr + t0 * stride_kt + i_h * stride_kh
         g_h = g_ptr + t0 * stride_gt + i_h * stride_gh
         for i in tl.static_range(4):
-            if tl.load(spans + i) > SAFE_SPAN:
+            if tl.sum(tl.where(sub == i, spans, 0.0), axis=0) > SAFE_SPAN:
                 ri = i * BC + tl.arange(0, BC)
                 kk, qk = _exact_diag_block(q_h, k_h, g_h, ri, stride_qt, stride_kt, stride_gt, ri < n_valid,
                                            ri < n_valid, K, BK, 8, BC, True)
@@ -583,7 +609,8 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
                         out_chunk: bool = False, num_warps_out_chunk: int = 4, l_chunk: bool = False,
                         num_warps_l_chunk: int = 4, maxnreg_l: int | None = None, num_warps_gc: int = 4,
                         block_k_gc: int | None = None, num_warps_inverse: int = 4,
-                        num_warps_out: int | None = None, norms_in_l: bool = False) -> None:
+                        num_warps_out: int | None = None, norms_in_l: bool = False, gc_sliced: bool = False,
+                        block_k_out: int | None = None, num_stages_out: int | None = None) -> None:
     """Four launches over the NC chunks x H heads. The buffers are _launch_chunk's: the state pass's scratch (qg, kd,
     w, u, aqk, gl) and this path's fp32 gc [NC, H, C, BK] (None with fuse_gc), akk [NC, H, C, C], sq [NC, H, 2, C],
     span [NC, H, 4].
@@ -609,7 +636,9 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
     else:
         assert gc.shape == (NC, H, C, BK)
     assert C == 4 * sub and akk.shape == (NC, H, C, C)
-    assert sq.shape == (NC, H, 2, C) and span.shape == (NC, H, 4)
+    bk_gc = block_k_gc or block_k
+    nspan = BK // bk_gc if gc_sliced else 1
+    assert sq.shape == (NC, H, 2, C) and span.shape == (NC, H, 4 * nspan)
     assert all(t.dtype == torch.float32 for t in (gc, akk, sq, span))
     assert BK % block_k == 0 and BV % block_v == 0
     tables = (cu, t_seq, t_idx)
@@ -619,10 +648,16 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
         raise ValueError("l_chunk: a form of l_rows (the row blocks of one chunk in one program)")
     if norms_in_l and (not l_rows or l_chunk or fuse_gc):
         raise ValueError("norms_in_l: a form of the row-block L launch (l_rows, not l_chunk or fuse_gc)")
-    if not fuse_gc:
+    if gc_sliced and not norms_in_l:
+        raise ValueError("gc_sliced: with norms_in_l (the sliced Gc programs take no norms)")
+    if gc_sliced:
+        _blocks_gc_slice_kernel[(NC * nspan, H)](
+            g, g.stride(0), g.stride(1), *tables, gl, gc, span, H=H, K=K, BK=BK, BKS=bk_gc, C=C, BC=sub,
+            num_warps=num_warps_gc)
+    elif not fuse_gc:
         _blocks_gc_kernel[(NC, H)](
             q, k, g, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1), *tables,
-            gl, gc, sq, span, H=H, K=K, BK=BK, BKS=block_k_gc or block_k, C=C, BC=sub, NORMS=not norms_in_l,
+            gl, gc, sq, span, H=H, K=K, BK=BK, BKS=bk_gc, C=C, BC=sub, NORMS=not norms_in_l,
             num_warps=num_warps_gc)
     if l_rows:
         cap = {} if maxnreg_l is None else {"maxnreg": maxnreg_l}
@@ -640,15 +675,17 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
     _blocks_inverse_kernel[(NC, H)](
         q, k, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1),
         beta.stride(0), beta.stride(1), *tables, sq, span, akk, aqk, scale,
-        H=H, K=K, BK=BK, C=C, BC=sub, PREC_INV=prec_inv, SAFE_SPAN=safe_span, REGS=inverse_regs,
+        H=H, K=K, BK=BK, C=C, BC=sub, PREC_INV=prec_inv, SAFE_SPAN=safe_span, REGS=inverse_regs, NSPAN=nspan,
         num_warps=num_warps_inverse)
     if out_chunk:
         if sliced_out:
             raise ValueError("out_chunk: one program per (chunk, head); sliced_out splits the row-block programs")
-    n_out = 1 if out_chunk else 4 * (BK // block_k + BV // block_v) if sliced_out else 4
+    bks_out, bvs_out = (block_k, block_v) if block_k_out is None else (min(block_k_out, BK), min(block_k_out, BV))
+    n_out = 1 if out_chunk else 4 * (BK // bks_out + BV // bvs_out) if sliced_out else 4
     _blocks_out_kernel[(NC * n_out, H)](
         q, k, v, g, beta, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), *tables, gc, sq, akk, qg, kd, w, u, scale,
-        H=H, K=K, V=V, BK=BK, BKS=block_k, BV=BV, BVS=block_v, C=C, BC=sub, DOT16=dot16, PREC=prec,
-        SLICED=sliced_out, FUSE_GC=fuse_gc, ROWS=C if out_chunk else sub,
-        num_warps=num_warps_out_chunk if out_chunk else (num_warps_out or num_warps), num_stages=num_stages)
+        H=H, K=K, V=V, BK=BK, BKS=bks_out, BV=BV, BVS=bvs_out, C=C, BC=sub,
+        DOT16=dot16, PREC=prec, SLICED=sliced_out, FUSE_GC=fuse_gc, ROWS=C if out_chunk else sub,
+        num_warps=num_warps_out_chunk if out_chunk else (num_warps_out or num_warps),
+        num_stages=num_stages_out or num_stages)

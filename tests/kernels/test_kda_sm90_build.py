@@ -178,13 +178,15 @@ def build(fn, act, dot16, prec, warps, sliced, fuse, regs, chunk=False):
     sig = {a: (act if ptrs.get(a, C) is None else ptrs.get(a, C)) for a in args}
     consts = {a: v for a, v in dict(const, DOT16=dot16, PREC=prec, PREC_INV=prec, SLICED=sliced,
                                     FUSE_GC=fuse, REGS=regs, ROWS=K.CHUNK if chunk else K.SUB,
-                                    CHUNK=chunk).items() if a in args}
-    # the inverse and the per-chunk L and W/U launches take 4 warps (launch_intra_blocks' defaults); the others the
+                                    CHUNK=chunk, NORMS=False, NORMS_L=not (chunk or fuse), NSPAN=1).items()
+              if a in args}
+    # the per-chunk L and W/U launches take 4 warps and the inverse 1 (kda_chunk_fwd's defaults); the others the
     # form's
-    own4 = chunk or fn is B._blocks_inverse_kernel
-    return sm90_build(fn, sig, consts, 4 if own4 else warps, 2, lambda k: k in strides)
+    nw = 4 if chunk else 1 if fn is B._blocks_inverse_kernel else warps
+    return sm90_build(fn, sig, consts, nw, 2, lambda k: k in strides)
 
-kernels = dict(gc=(B._blocks_gc_kernel, False, False, False), pair=(B._blocks_pair_kernel, False, False, False),
+kernels = dict(gc=(B._blocks_gc_kernel, False, False, False), gc_slice=(B._blocks_gc_slice_kernel, False, False, False),
+               pair=(B._blocks_pair_kernel, False, False, False),
                lrow=(B._blocks_lrow_kernel, False, False, False),
                lrow_fused_gc=(B._blocks_lrow_kernel, False, True, False),
                inverse=(B._blocks_inverse_kernel, False, False, False),

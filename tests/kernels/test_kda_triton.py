@@ -441,11 +441,18 @@ def test_chunk_blocks_per_phase_launch_shapes_equal_the_default() -> None:
 def test_chunk_blocks_norms_in_l_equals_phase_zero_norms() -> None:
     """norms_in_l_blocks: L's row-block programs take the rows' squared norms from the rows they load (the Gc launch then
     reads only g): the same operations, so outputs, final states and snapshots equal bit for bit in the interpreter
-    (compiled: within fp32 rounding), steep sub-chunk and padded tail chunk included. Refused with the per-block L,
+    (compiled: within fp32 rounding), steep sub-chunk (its span found by the inverse's launch) and padded tail chunk
+    included; so does the Gc launch per K slice (gc_sliced_blocks), which needs it. Refused with the per-block L,
     the per-chunk L and fused Gc, and outside intra="blocks"."""
-    case, slots, ((o0, s0, _), (o1, s1, _)) = blocks_forms(45, [(100, 1, 5, -90.0)], [
-        {}, dict(norms_in_l_blocks=True)])
+    # the steep channel in the second K slice: the sliced Gc launch's spans are found only by a max over the slices
+    case, slots, ((o0, s0, _), (o1, s1, _), (o2, s2, scratch2)) = blocks_forms(45, [(100, 1, 20, -90.0)], [
+        dict(norms_in_l_blocks=False), dict(norms_in_l_blocks=True), dict(gc_sliced_blocks=True)])
     assert same_bits(o1, o0) and same_bits(s1, s0)
+    # the Gc launch per (chunk, K slice, head) (on with the default norms_in_l): the same values, spans per slice
+    assert same_bits(o2, o0) and same_bits(s2, s0)
+    assert any(key[0] == "span" and key[1][2] == 4 * 2 for key in scratch2)  # two 16-column K slices
+    with pytest.raises(ValueError, match="gc_sliced"):
+        kda_chunk_fwd(**case, slot_indices=slots, intra="blocks", norms_in_l_blocks=False, gc_sliced_blocks=True)
     for bad in (dict(l_rows_blocks=False), dict(l_chunk_blocks=True), dict(fuse_gc_blocks=True)):
         with pytest.raises(ValueError, match="norms_in_l"):
             kda_chunk_fwd(**case, slot_indices=slots, intra="blocks", norms_in_l_blocks=True, **bad)
