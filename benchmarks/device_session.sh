@@ -39,9 +39,8 @@
 #   kda-phases (170 + 60) the blocks path's launch shapes phase by phase (session 36): kernels.py at 64K and
 #                       8 x 4K, fla beside, the default (the rows' norms in L's launch, the inverse at 1 warp) against
 #                       the earlier one (norms in the Gc launch, the inverse at 4 warps) and the Gc launch per K slice;
-#                       at 64K alone W/U's stages, per-chunk programs, 8 warps and 64-column slices; each case also back
-#                       to back (b2b: the host's per-call work behind the GPU's) and fla's and the default's kernels by
-#                       name (torch.profiler); then the chunk tests of the new forms on CUDA
+#                       at 64K alone W/U per chunk at 3 stages or at 8 warps with 64-column slices; each case also back
+#                       to back (b2b: the host's per-call work behind the GPU's); then the new forms' chunk tests on CUDA
 #   kda-forms-48b (240) the 48B prefill at 8K / 32K with each of those forms and all four (decode.py)
 #   bf16-paths (120 + 200) test_gpu_runner_bf16_logits_within_tolerance (session 33: [k3] failed at 8fc76af,
 #                       0.0459 against 0.0381), then benchmarks/bf16_paths.py: the bf16 runner's prefill error per
