@@ -36,7 +36,7 @@
 #                       18's >= 1.2x fla), 16-column K slices and the fused-Gc L launch under register caps (session
 #                       35: every form lost to the default on the H100, fused Gc by 30% at 254 registers), each form
 #                       and all four together
-#   kda-phases (170 + 60) the blocks path's launch shapes phase by phase (session 36): kernels.py at 64K and
+#   kda-phases (150 + 45) the blocks path's launch shapes phase by phase (session 36): kernels.py at 64K and
 #                       8 x 4K, fla beside, the default (the rows' norms in L's launch, the inverse at 1 warp) against
 #                       the earlier one (norms in the Gc launch, the inverse at 4 warps) and the Gc launch per K slice;
 #                       at 64K alone W/U per chunk at 3 stages or at 8 warps with 64-column slices; each case also back
@@ -190,10 +190,10 @@ for stage in "$@"; do
         blocks_intra_fused_gc_r128 blocks_intra_fused_gc \
         blocks_intra_out_chunk blocks_intra_all_four blocks_intra_inverse_regs blocks_intra_l_chunk --budget-s 320 --out "$OUT/kda_fused_gc.json" ;;
     kda-phases)
-      run kda-phases 170 python3 benchmarks/kernels.py --decode-n --prefill 65536 8x4096 \
+      run kda-phases 150 python3 benchmarks/kernels.py --decode-n --prefill 65536 8x4096 \
         --prefill-variants blocks_intra blocks_intra_old_default \
         --prefill-sweep blocks_intra_out_chunk_s3 blocks_intra_out_chunk_w8_bk64 blocks_intra_gc_sliced_w2 \
-        --sweep-case 65536 --budget-s 155 --out "$OUT/kda_phases.json"
+        --sweep-case 65536 --budget-s 138 --out "$OUT/kda_phases.json"
       run kda-phases 60 python3 -m pytest -o addopts="" -v -p no:warnings --tb=short \
         tests/kernels/test_kda_triton.py -k "per_phase or norms_in_l" ;;
     kda-forms-48b)
