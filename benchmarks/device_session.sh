@@ -194,7 +194,7 @@ for stage in "$@"; do
         --prefill-variants blocks_intra blocks_intra_old_default \
         --prefill-sweep blocks_intra_out_chunk_s3 blocks_intra_out_chunk_w8_bk64 blocks_intra_gc_sliced_w2 \
         --sweep-case 65536 --budget-s 138 --out "$OUT/kda_phases.json"
-      run kda-phases 60 python3 -m pytest -o addopts="" -v -p no:warnings --tb=short \
+      run kda-phases 45 python3 -m pytest -o addopts="" -v -p no:warnings --tb=short \
         tests/kernels/test_kda_triton.py -k "per_phase or norms_in_l" ;;
     kda-forms-48b)
       run kda-forms-48b 240 python3 benchmarks/decode.py --batch 1 --prefill 8192 32768 --variants \
