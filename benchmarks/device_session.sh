@@ -36,11 +36,16 @@
 #                       18's >= 1.2x fla), 16-column K slices and the fused-Gc L launch under register caps (session
 #                       35: every form lost to the default on the H100, fused Gc by 30% at 254 registers), each form
 #                       and all four together
-#   kda-phases (150 + 45) the blocks path's launch shapes phase by phase (session 36): kernels.py at 64K and
+#   kda-phases (330 + 90) the blocks path's launch shapes phase by phase (session 36): kernels.py at 16K / 64K /
 #                       8 x 4K, fla beside, the default (the rows' norms in L's launch, the inverse at 1 warp) against
-#                       the earlier one (norms in the Gc launch, the inverse at 4 warps) and the Gc launch per K slice;
-#                       at 64K alone W/U per chunk at 3 stages or at 8 warps with 64-column slices; each case also back
-#                       to back (b2b: the host's per-call work behind the GPU's); then the new forms' chunk tests on CUDA
+#                       the earlier one (norms in the Gc launch, the inverse at 4 warps), W/U one program per chunk (at
+#                       3 stages, at 8 warps with 64-column slices: fla's recompute_w_u shape), the Gc launch per K
+#                       slice; at 64K alone the inverse at 2 warps, W/U's row blocks at 3 stages; each case also back
+#                       to back (b2b: the host's per-call work behind the GPU's) and fla's and the default's kernels
+#                       by name (torch.profiler); then the new forms' tests on CUDA (chunk and pipelined decode)
+#   kda-decode-pipe (200) KDA decode at N = 16 and 64 over every launch shape beside fla, the software-pipelined tile
+#                       loop among them (kda_decode(stages=): the next tiles' loads as async copies; session 36, built
+#                       without a GPU); issue 18's >= 80% of the floor at N >= 16
 #   kda-forms-48b (240) the 48B prefill at 8K / 32K with each of those forms and all four (decode.py)
 #   bf16-paths (120 + 200) test_gpu_runner_bf16_logits_within_tolerance (session 33: [k3] failed at 8fc76af,
 #                       0.0459 against 0.0381), then benchmarks/bf16_paths.py: the bf16 runner's prefill error per
@@ -113,7 +118,7 @@ for stage in "$@"; do
     tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det|overlap|serve) ;;
     spec-tests|spec-verify|dspark-pass|spec-bench|spec-gate|spec-rounds|jit-churn|tp-tests|tp|tp-symm|k3-slice) ;;
     profile|kda-probe|tiny-linear|spec-round|prep|kda-blocks|k3-launches|kda-warps|spec-b1) ;;
-    kda-multi|kda-fused-gc|kda-forms-48b|bf16-paths|spec-b16|kda-phases) ;;
+    kda-multi|kda-fused-gc|kda-forms-48b|bf16-paths|spec-b16|kda-phases|kda-decode-pipe) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -190,12 +195,16 @@ for stage in "$@"; do
         blocks_intra_fused_gc_r128 blocks_intra_fused_gc \
         blocks_intra_out_chunk blocks_intra_all_four blocks_intra_inverse_regs blocks_intra_l_chunk --budget-s 320 --out "$OUT/kda_fused_gc.json" ;;
     kda-phases)
-      run kda-phases 150 python3 benchmarks/kernels.py --decode-n --prefill 65536 8x4096 \
-        --prefill-variants blocks_intra blocks_intra_old_default \
-        --prefill-sweep blocks_intra_out_chunk_s3 blocks_intra_out_chunk_w8_bk64 blocks_intra_gc_sliced_w2 \
-        --sweep-case 65536 --budget-s 138 --out "$OUT/kda_phases.json"
-      run kda-phases 45 python3 -m pytest -o addopts="" -v -p no:warnings --tb=short \
-        tests/kernels/test_kda_triton.py -k "per_phase or norms_in_l" ;;
+      run kda-phases 330 python3 benchmarks/kernels.py --decode-n --prefill 16384 65536 8x4096 \
+        --prefill-variants blocks_intra blocks_intra_old_default blocks_intra_out_chunk blocks_intra_out_chunk_s3 \
+        blocks_intra_out_chunk_w8_bk64 blocks_intra_gc_sliced_w2 blocks_intra_gc_sliced_w4 \
+        --prefill-sweep blocks_intra_inv_w2 blocks_intra_out_s3 blocks_intra_out_chunk_w8_s3 --sweep-case 65536 \
+        --profile-kernels --budget-s 315 --out "$OUT/kda_phases.json"
+      run kda-phases 90 python3 -m pytest -o addopts="" -v -p no:warnings --tb=short \
+        tests/kernels/test_kda_triton.py -k "kimi_shape or per_phase or norms_in_l or pipelined" ;;
+    kda-decode-pipe)
+      run kda-decode-pipe 200 python3 benchmarks/kernels.py --decode-sweep --decode-n 16 64 --prefill \
+        --budget-s 185 --out "$OUT/kda_decode_pipe.json" ;;
     kda-forms-48b)
       run kda-forms-48b 240 python3 benchmarks/decode.py --batch 1 --prefill 8192 32768 --variants \
         --prefill-configs kda_blocks_fuse_gc=1 kda_blocks_inverse_regs=1 kda_blocks_out_chunk=1 kda_blocks_l_chunk=1 \
