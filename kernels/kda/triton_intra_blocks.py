@@ -8,8 +8,9 @@ So each phase is its own launch here, and the two heavy ones run one small progr
 block, many resident per SM, so that one program's load latencies hide behind another's work:
 
   0. per (chunk, head), over the K slices: Gc (the in-chunk cumsum of g) into the fp32 scratch gc, exp(Gc_last),
-     the rows' squared norms, and each sub-chunk's decay span_i = c_i - c_{i+1} (c_i: Gc just above sub-chunk i,
-     c_0 = 0);
+     and each sub-chunk's decay span_i = c_i - c_{i+1} (c_i: Gc just above sub-chunk i, c_0 = 0); the rows' squared
+     norms too unless phase 1's row-block programs take them (`norms_in_l`, kda_chunk_fwd's default: then this
+     launch reads only g; or per (chunk, K slice, head): `gc_sliced`);
   1. per (chunk, block (i, j), head) (or per row block i, all its j at once: `l_rows`, the default), over the K
      slices:
          raw_kk[i, j] = (k_i exp(Gc_i - c_i)) (k_j exp(c_i - Gc_j))^T,   raw_qk[i, j] likewise with q_i.
