@@ -668,6 +668,11 @@ def main() -> int:
         if "probe" not in PREFILL_VARIANTS[var]:  # a probe's output is wrong by design
             item("correctness", f"kda_chunk_fwd {var}", lambda v=var: check_chunk(lens, H, D, v))
         item("prefill", f"k3rt {ARGS.sweep_case} {var}", lambda v=var: bench_prefill(ARGS.sweep_case, H, D, "k3rt", v))
+    if FLA is not None and len(variants) > 1:
+        # fla's times moved by up to 38% between calls (its autotuner's picks; session 35): a second reading of the
+        # peer in the same call, after every variant, so the ratio can be taken against its faster one
+        for case in prefill:
+            item("prefill", f"fla {case} again", lambda c=case: {**bench_prefill(c, H, D, "fla"), "impl": "fla again"})
 
     print_table()
     save()
