@@ -43,12 +43,12 @@ def random_model(cfg: ModelConfig, *, dtype: str | None = None, device: str | to
     """An eval-mode KimiForCausalLM for `cfg` on `device`, weights drawn from `seed`. On a CUDA device, refused
     up front when the weights alone do not fit its free memory (check_weights_fit)."""
     device = torch.device(device)
+    dtype = dtype or cfg.dtype
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        check_weights_fit(weight_bytes(cfg, dtype or cfg.dtype), dtype or cfg.dtype, free, total,
-                          torch.cuda.get_device_name(device))
+        check_weights_fit(weight_bytes(cfg, dtype), dtype, free, total, torch.cuda.get_device_name(device))
     with torch.device(device):
-        model = KimiForCausalLM(cfg, dtype=DTYPES[dtype or cfg.dtype])
+        model = KimiForCausalLM(cfg, dtype=DTYPES[dtype])
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     for name, p in tqdm(list(model.named_parameters()), desc="random weights", unit="tensor",

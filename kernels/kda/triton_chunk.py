@@ -569,6 +569,8 @@ def kda_chunk_fwd(
         num_stages_state = default_state_stages(scratch_dtype)
     if num_warps_blocks is None:
         num_warps_blocks = 2 if dot16 else 4
+    if norms_in_l_blocks is None:  # on wherever the row-block L launch runs
+        norms_in_l_blocks = intra == "blocks" and l_rows_blocks and not l_chunk_blocks and not fuse_gc_blocks
     cfg = _Launch(
         BK=max(16, triton.next_power_of_2(K)), BVF=max(16, triton.next_power_of_2(V)),
         BV=block_v, BVO=block_v_out, scale=K**-0.5 if scale is None else float(scale),
@@ -580,9 +582,7 @@ def kda_chunk_fwd(
         l_chunk_blocks=l_chunk_blocks, nw_l_chunk=num_warps_l_chunk, maxnreg_l=max_registers_l,
         nw_gc_blocks=num_warps_gc_blocks, bk_gc_blocks=block_k_gc_blocks or block_k_blocks,
         nw_inverse_blocks=num_warps_inverse_blocks, nw_out_blocks=num_warps_out_blocks or num_warps_blocks,
-        norms_in_l_blocks=(intra == "blocks" and l_rows_blocks and not l_chunk_blocks and not fuse_gc_blocks)
-        if norms_in_l_blocks is None
-        else norms_in_l_blocks, gc_sliced_blocks=gc_sliced_blocks, bk_out_blocks=block_k_out_blocks,
+        norms_in_l_blocks=norms_in_l_blocks, gc_sliced_blocks=gc_sliced_blocks, bk_out_blocks=block_k_out_blocks,
         ns_out_blocks=num_stages_out_blocks,
         nw_intra=num_warps_intra,
         nw_state=num_warps_state, ns_state=num_stages_state, nw_out=num_warps_out,
@@ -715,7 +715,8 @@ def _launch_chunk(q, k, v, g, beta, out, cu, t_seq, t_idx, t_off, slots, t_init,
             q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl,
             None if cfg.fuse_gc_blocks else buf("gc", NC, H, C, BK),
             buf("akk", NC, H, C, C), buf("sq", NC, H, 2, C),
-            buf("span", NC, H, 4 * (BK // min(cfg.bk_gc_blocks, BK) if cfg.gc_sliced_blocks else 1)), scale=cfg.scale,
+            buf("span", NC, H, 4 * triton_intra_blocks.span_rows(BK, min(cfg.bk_gc_blocks, BK), cfg.gc_sliced_blocks)),
+            scale=cfg.scale,
             block_k=min(cfg.bk_blocks, BK), block_v=min(cfg.bk_blocks, BVF), num_warps=cfg.nw_blocks,
             num_stages=cfg.ns_blocks, dot16=cfg.dot16, prec=cfg.prec, prec_inv=cfg.prec_inv, sub=SUB,
             safe_span=SAFE_SPAN, sliced_out=cfg.sliced_blocks, l_rows=cfg.lrows_blocks, fuse_gc=cfg.fuse_gc_blocks,

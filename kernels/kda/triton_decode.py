@@ -141,6 +141,14 @@ def _norm_gate_row(raw_row, gate_row, w_ptr, o_row, offs, mask, eps, D: tl.const
     tl.store(o_row + offs, (x * rstd * w * tl.sigmoid(gt)).to(o_row.dtype.element_ty), mask=mask)
 
 @triton.jit
+def _tile(s_base, offs_k, mask_k, col0, D: tl.constexpr, BV: tl.constexpr):
+    """The state tile of value columns col0 .. col0+BV: (its columns, their mask, its pointers, its 2D mask)."""
+    offs_v = col0 + tl.arange(0, BV)
+    mask_v = offs_v < D
+    return offs_v, mask_v, s_base + offs_k[:, None] * D + offs_v[None, :], mask_k[:, None] & mask_v[None, :]
+
+
+@triton.jit
 def _delta_tile(S, s_ptrs, mask2, decay, k, q, beta, v, raw_row, o_row, offs_v, mask_v, NORM: tl.constexpr):
     """The delta-rule step of one [BK, BV] state tile S (model-facts §1.2): stored back, and its o columns (to the
     fp32 scratch row when NORM, else to the output row)."""
@@ -250,10 +258,7 @@ def _kda_decode_kernel(
             # shifted after it, from a reload of their windows: every read of the old rows, in the loop and here,
             # comes before the barrier
             for v0 in tl.range(0, BVS, BV, num_stages=STAGES):
-                offs_v = i_v * BVS + v0 + tl.arange(0, BV)
-                mask_v = offs_v < D
-                s_ptrs = s_base + offs_k[:, None] * D + offs_v[None, :]
-                mask2 = mask_k[:, None] & mask_v[None, :]
+                offs_v, mask_v, s_ptrs, mask2 = _tile(s_base, offs_k, mask_k, i_v * BVS + v0, D, BV)
                 v_ch = 2 * H * D + i_h * D + offs_v
                 v = _conv_silu(_conv_window(x_row, cs, v_ch, mask_v, C, W, WP), conv_w_ptr, v_ch, mask_v, W, WP)
                 S = tl.load(s_ptrs, mask=mask2, other=0.0)  # S: [BK, BV] fp32
@@ -265,10 +270,7 @@ def _kda_decode_kernel(
             _conv_shift_store(win_all, cs, v_all, offs_all < D, C, W, WP)
         else:
             for v0 in tl.static_range(0, BVS, BV):
-                offs_v = i_v * BVS + v0 + tl.arange(0, BV)
-                mask_v = offs_v < D
-                s_ptrs = s_base + offs_k[:, None] * D + offs_v[None, :]
-                mask2 = mask_k[:, None] & mask_v[None, :]
+                offs_v, mask_v, s_ptrs, mask2 = _tile(s_base, offs_k, mask_k, i_v * BVS + v0, D, BV)
                 if PREFETCH:
                     S = s_next  # S: [BK, BV] fp32
                     if v0 + BV < BVS:
@@ -344,7 +346,7 @@ def _launch_decode(
         H=H, D=D, BK=triton.next_power_of_2(D), BV=min(block_v, bvs), BVS=bvs, NV=v_split,
         W=W, WP=triton.next_power_of_2(W),
         USE_LOWER_BOUND=lower_bound is not None, NORM=norm, USE_PDL=use_pdl and not INTERPRET,
-        PREFETCH=prefetch, STAGES=1 if prefetch else stages, num_warps=num_warps, **pdl_kwargs(use_pdl),
+        PREFETCH=prefetch, STAGES=stages, num_warps=num_warps, **pdl_kwargs(use_pdl),
     )
 
 
@@ -435,8 +437,9 @@ def kda_decode(
             tile; None: `default_block_v` when v_split is None too, else 64).
         workspace: int32 counters from `kda_decode_workspace(>= N, H)`, zero between launches; used
             when v_split > 1 (None allocates zeroed counters per call).
-        prefetch: load each state tile one step ahead of its update (None: when V is split over programs).
-        stages: without prefetch, > 1 walks the tiles in Triton's software-pipelined loop (the next tiles' loads
+        prefetch: load each state tile one step ahead of its update (None: when V is split over programs and
+            stages is 1).
+        stages: without prefetch (the two are refused together), > 1 walks the tiles in Triton's software-pipelined loop (the next tiles' loads
             as asynchronous copies into shared memory during this one's update; the v channels' conv cache shifted
             after the loop); 1: an unrolled loop (the default; the pipelined form is built, not yet timed).
 
@@ -494,8 +497,13 @@ def kda_decode(
     v_split = default_v_split(N, H, D) if v_split is None else int(v_split)
     if v_split < 1 or D % v_split != 0 or (D // v_split) & (D // v_split - 1):
         raise ValueError(f"v_split must be a power of two dividing D={D} into powers of two, got {v_split}")
-    if int(stages) < 1:
+    stages = int(stages)
+    if stages < 1:
         raise ValueError(f"stages must be >= 1, got {stages}")
+    if prefetch is None:
+        prefetch = v_split > 1 and stages == 1
+    elif prefetch and stages > 1:
+        raise ValueError(f"prefetch and stages={stages} are two tile schedules: give one")
     if block_v is None:
         # a caller that pins v_split pins the tile too (the batch-invariant mode: one launch shape at any N)
         block_v = 64 if pinned else default_block_v(N, H, v_split)
@@ -529,7 +537,7 @@ def kda_decode(
         qkv_pre, conv_weight, conv_state, f, A_log.contiguous().view(H), dt_bias.contiguous().view(H * D),
         b, state, slot_indices, out, o_gate, o_norm_weight, raw, counts, lower_bound,
         D**-0.5 if scale is None else float(scale), float(o_norm_eps), use_pdl, num_warps, block_v, v_split,
-        v_split > 1 if prefetch is None else bool(prefetch), int(stages),
+        bool(prefetch), stages,
     )
     return out
 

@@ -603,13 +603,18 @@ def _blocks_out_kernel(
         _row_out(u_ptr + scr * (C * BV), u, r0, offs, BV, ROWS)
 
 
+def span_rows(BK: int, block_k_gc: int, gc_sliced: bool) -> int:
+    """Rows of 4 spans per (chunk, head) in the span scratch: one per K slice of the sliced Gc launch, else one."""
+    return BK // block_k_gc if gc_sliced else 1
+
+
 def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl, gc, akk, sq, span, *,
                         scale: float, block_k: int, block_v: int, num_warps: int, num_stages: int, dot16: bool,
                         prec: str, prec_inv: str, sub: int, safe_span: float, sliced_out: bool = False,
                         l_rows: bool = True, fuse_gc: bool = False, inverse_regs: bool = False,
                         out_chunk: bool = False, num_warps_out_chunk: int = 4, l_chunk: bool = False,
                         num_warps_l_chunk: int = 4, maxnreg_l: int | None = None, num_warps_gc: int = 4,
-                        block_k_gc: int | None = None, num_warps_inverse: int = 4,
+                        block_k_gc: int | None = None, num_warps_inverse: int = 1,
                         num_warps_out: int | None = None, norms_in_l: bool = False, gc_sliced: bool = False,
                         block_k_out: int | None = None, num_stages_out: int | None = None) -> None:
     """Four launches over the NC chunks x H heads. The buffers are _launch_chunk's: the state pass's scratch (qg, kd,
@@ -638,7 +643,7 @@ def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, g
         assert gc.shape == (NC, H, C, BK)
     assert C == 4 * sub and akk.shape == (NC, H, C, C)
     bk_gc = block_k_gc or block_k
-    nspan = BK // bk_gc if gc_sliced else 1
+    nspan = span_rows(BK, bk_gc, gc_sliced)
     assert sq.shape == (NC, H, 2, C) and span.shape == (NC, H, 4 * nspan)
     assert all(t.dtype == torch.float32 for t in (gc, akk, sq, span))
     assert BK % block_k == 0 and BV % block_v == 0

@@ -245,6 +245,8 @@ def test_decode_rejects_bad_inputs() -> None:
     slots = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="stages"):
         kda_decode(**case, slot_indices=slots, stages=0)
+    with pytest.raises(ValueError, match="prefetch and stages=2"):  # two tile schedules: refused, not one dropped
+        kda_decode(**case, slot_indices=slots, prefetch=True, stages=2)
     with pytest.raises(ValueError, match="qkv_pre"):
         kda_decode(**{**case, "qkv_pre": case["qkv_pre"][:, :-1]}, slot_indices=slots)
     with pytest.raises(ValueError, match="state must be fp32"):
