@@ -542,17 +542,7 @@ def back_to_back_ms(fn, calls: int = 4, reps: int = 3) -> float:
     """Median per-call time of `calls` calls issued back to back between two events: the host's per-call work (tables,
     launches) runs while the GPU works on the previous call, as in a forward over many layers, so this is the
     kernels' throughput. time_ms's single call also counts the host's work before its first launch."""
-    ts = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(calls):
-            fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / calls)
-    return statistics.median(ts)
+    return time_ms(lambda: [fn() for _ in range(calls)], reps=reps, warmup=0)["median_ms"] / calls
 
 
 def kernel_profile(fn, calls: int = 3) -> dict:
