@@ -108,9 +108,10 @@ PREFILL_VARIANTS: dict[str, dict] = {
     # session 36, second call: the default is now norms_in_l with the inverse at 1 warp; the earlier default beside it,
     # the Gc launch per (chunk, K slice, head), and W/U's launch shapes (fla's recompute_w_u: one program per chunk,
     # 1.50 ms at 64K on the H100 against the row blocks' 2.62)
-    "blocks_intra_old_default": {"intra": "blocks", "norms_in_l_blocks": False, "num_warps_inverse_blocks": 4},
+    "blocks_intra_old_default": {"intra": "blocks", "norms_in_l_blocks": False, "num_warps_inverse_blocks": 4,
+                                 "out_chunk_blocks": False},
     "blocks_intra_gc_sliced_w2": {"intra": "blocks", "gc_sliced_blocks": True, "num_warps_gc_blocks": 2},
-    "blocks_intra_gc_sliced_w4": {"intra": "blocks", "gc_sliced_blocks": True},
+    "blocks_intra_gc_sliced_w4": {"intra": "blocks", "gc_sliced_blocks": True, "num_warps_gc_blocks": 4},
     "blocks_intra_gc_sliced_w2_bk16": {"intra": "blocks", "gc_sliced_blocks": True, "num_warps_gc_blocks": 2,
                                        "block_k_gc_blocks": 16},
     "blocks_intra_out_s3": {"intra": "blocks", "num_stages_out_blocks": 3},
@@ -122,6 +123,9 @@ PREFILL_VARIANTS: dict[str, dict] = {
     "blocks_intra_out_chunk_bk64": {"intra": "blocks", "out_chunk_blocks": True, "block_k_out_blocks": 64},
     "blocks_intra_out_chunk_w8_bk64": {"intra": "blocks", "out_chunk_blocks": True, "num_warps_out_chunk": 8,
                                        "block_k_out_blocks": 64},
+    # session 37: the default is now also W/U per (chunk, head) at 3 stages and Gc per (chunk, K slice, head) at 2
+    # warps; session 36's default beside it
+    "blocks_intra_s36_default": {"intra": "blocks", "out_chunk_blocks": False, "gc_sliced_blocks": False},
     # session 36: the rows' squared norms in L's row-block programs (L 139 -> 168 registers at 2 warps), so the Gc launch
     # reads only g (80 registers at 4 warps, 103 at 8 with 128 columns)
     "blocks_intra_norms_in_l": {"intra": "blocks", "norms_in_l_blocks": True},

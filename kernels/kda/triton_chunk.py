@@ -379,17 +379,17 @@ def kda_chunk_fwd(
     l_rows_blocks: bool = True,
     fuse_gc_blocks: bool = False,
     inverse_regs_blocks: bool = False,
-    out_chunk_blocks: bool = False,
+    out_chunk_blocks: bool | None = None,
     num_warps_out_chunk: int = 4,
     l_chunk_blocks: bool = False,
     num_warps_l_chunk: int = 4,
     max_registers_l: int | None = None,
-    num_warps_gc_blocks: int = 4,
+    num_warps_gc_blocks: int | None = None,
     block_k_gc_blocks: int | None = None,
     num_warps_inverse_blocks: int = 1,
     num_warps_out_blocks: int | None = None,
     norms_in_l_blocks: bool | None = None,
-    gc_sliced_blocks: bool = False,
+    gc_sliced_blocks: bool | None = None,
     block_k_out_blocks: int | None = None,
     num_stages_out_blocks: int | None = None,
     block_v: int = 32,
@@ -453,7 +453,8 @@ def kda_chunk_fwd(
             out_chunk_blocks: W/U's launch one program per (chunk, head) at num_warps_out_chunk warps, reading the
             chunk's k, v and Gc rows once instead of once per row block (not with sliced_out_blocks; sm_90 bf16:
             86 registers at 4 warps, 124 with fuse_gc_blocks, no spills; the fp32 form of heads under
-            DOT16_MIN_HEAD spills there).
+            DOT16_MIN_HEAD spills there). None: on with 16-bit dots, at 3 stages (H200 at 64K tokens, session
+            37: that launch 2.37 -> 1.76 ms, 8 x 4K 1.23 -> 0.92).
             l_chunk_blocks: L's and Aqk's launch one program per (chunk, head) at num_warps_l_chunk warps, its four
             row blocks one after another, so blocks 1-3 read the chunk's k and Gc rows from the L1 (with
             l_rows_blocks; the same values).
@@ -461,7 +462,8 @@ def kda_chunk_fwd(
             None: its own choice). sm_90 bf16: 254 per row block with fuse_gc_blocks at 2 warps (four programs per
             SM, where 139 without it fit seven; fuse_gc lost 30% on the H100, session 35); 168 fits six, spilling
             56 bytes, 128 eight, spilling 328.
-            num_warps_gc_blocks, block_k_gc_blocks: the Gc launch's warps and K slice (None: block_k_blocks);
+            num_warps_gc_blocks, block_k_gc_blocks: the Gc launch's warps (None: see gc_sliced_blocks) and K slice
+            (None: block_k_blocks);
             num_warps_inverse_blocks: the inverse launch's warps; num_warps_out_blocks: the W/U launch's row-block
             programs' warps (None: num_warps_blocks). Per-phase tuning (session 36): the phases' programs differ
             in size, so one warp count need not suit all. The inverse at 1 warp (16 x 16 dots; 168 registers on
@@ -470,9 +472,11 @@ def kda_chunk_fwd(
             the Gc launch reads only g (the same values; None: on wherever it applies, l_rows_blocks without
             l_chunk_blocks or fuse_gc_blocks; H100 at 64K: Gc 1.54 -> 0.98 ms, L 2.05 -> 2.43, session 36).
             gc_sliced_blocks (with norms_in_l_blocks): the Gc launch one program per (chunk, K slice of
-            block_k_gc_blocks, head), independent, instead of one per (chunk, head) walking the slices.
+            block_k_gc_blocks, head), independent, instead of one per (chunk, head) walking the slices (None: with
+            norms_in_l_blocks, and num_warps_gc_blocks None then 2, else 4; H200 session 37: Gc 0.95 -> 0.65 ms at
+            64K tokens, 0.51 -> 0.34 at 8 x 4K).
             block_k_out_blocks, num_stages_out_blocks: the W/U launch's K and V slice and stages (None: the blocks
-            path's).
+            path's, and 3 stages with out_chunk_blocks).
         block_v, block_v_out, num_warps_*, num_stages_state: launch tuning. num_warps_intra 8 (the fused
             intra kernel): 16% faster than 4 at 16K-64K tokens on the H200 (session 24; its [64, 128] fp32
             tiles spill at 4 warps, and 16 were slower again). num_stages_state (None: 3 with 16-bit scratch, the
@@ -571,6 +575,14 @@ def kda_chunk_fwd(
         num_warps_blocks = 2 if dot16 else 4
     if norms_in_l_blocks is None:  # on wherever the row-block L launch runs
         norms_in_l_blocks = intra == "blocks" and l_rows_blocks and not l_chunk_blocks and not fuse_gc_blocks
+    if out_chunk_blocks is None:  # on with 16-bit dots (the fp32 form's per-chunk programs spill on sm_90)
+        out_chunk_blocks = intra == "blocks" and dot16 and not sliced_out_blocks
+    if num_stages_out_blocks is None and out_chunk_blocks:
+        num_stages_out_blocks = 3
+    if gc_sliced_blocks is None:  # on wherever the rows' norms leave the Gc launch
+        gc_sliced_blocks = norms_in_l_blocks
+    if num_warps_gc_blocks is None:
+        num_warps_gc_blocks = 2 if gc_sliced_blocks else 4
     cfg = _Launch(
         BK=max(16, triton.next_power_of_2(K)), BVF=max(16, triton.next_power_of_2(V)),
         BV=block_v, BVO=block_v_out, scale=K**-0.5 if scale is None else float(scale),

@@ -475,7 +475,7 @@ def test_chunk_blocks_out_chunk_equals_row_blocks() -> None:
     and states within fp32 rounding of the row-block form's, padded tail chunk and steep sub-chunk included. Refused
     with sliced_out_blocks and outside intra="blocks"."""
     case, slots, ((o0, s0, _), (o1, s1, _)) = blocks_forms(41, [(30, 0, 3, -80.0)], [
-        {}, dict(out_chunk_blocks=True)])
+        dict(out_chunk_blocks=False), dict(out_chunk_blocks=True)])
     assert rel_err(o1, o0) <= 1e-6 and rel_err(s1, s0) <= 1e-6
     with pytest.raises(ValueError, match="out_chunk"):
         kda_chunk_fwd(**case, slot_indices=slots, intra="blocks", out_chunk_blocks=True, sliced_out_blocks=True)

@@ -75,9 +75,10 @@ class KernelConfig:
     # "blocks"'s W/U launch one program per (chunk, head) at 4 warps (kernels/kda/triton_intra_blocks.py
     # _blocks_out_kernel ROWS = C) instead of one per 16-row block at kda_intra's warps: the row-block programs each
     # read the chunk's k, v and Gc rows for their dot, four times what the chunk holds (~4.2 GB from the L2 at
-    # 8 x 4K tokens of the 48B layer against ~1.05; that launch took 1.17 of 4.67 ms there, session 33). Off: 1-5%
-    # slower on the H100 (session 35; benchmarks/kernels.py variants blocks_intra_out_chunk, _out_chunk_w8)
-    kda_blocks_out_chunk: bool = False
+    # 8 x 4K tokens of the 48B layer against ~1.05; that launch took 1.17 of 4.67 ms there, session 33). None: the
+    # kernel's default, on with 16-bit dots at 3 stages (H200 session 37: that launch 2.37 -> 1.76 ms at 64K tokens,
+    # 1.23 -> 0.92 at 8 x 4K; at 2 stages it was 1-5% slower on the H100, session 35)
+    kda_blocks_out_chunk: bool | None = None
     # "blocks"'s L/Aqk launch one program per (chunk, head) (kernels/kda/triton_intra_blocks.py
     # _blocks_lrow_kernel CHUNK): the row-block programs' four row blocks one after another, so blocks 1-3 find the
     # chunk's k and Gc rows in the SM's L1 instead of the L2 (~3 GB against ~0.8 at 8 x 4K tokens of the 48B layer;
