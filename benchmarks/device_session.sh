@@ -42,13 +42,10 @@
 #                       3 stages, at 8 warps with 64-column slices: fla's recompute_w_u shape), the Gc launch per K
 #                       slice; at 64K alone the inverse at 2 warps, W/U's row blocks at 3 stages; each case also back
 #                       to back (b2b: the host's per-call work behind the GPU's) and fla's and the default's kernels
-#                       by name (torch.profiler); then the new forms' tests on CUDA (chunk and pipelined decode)
+#                       by name (torch.profiler); then the new forms' tests on CUDA
 #   kda-default (120 + 150) kernels.py at 8K / 16K / 64K / 8 x 4K: the blocks path's default (session 37: W/U one
 #                       program per chunk at 3 stages, Gc per K slice at 2 warps) against session 36's, fla twice
 #                       beside (issue 18's >= 1.2x fla); then the chunk tests and the blocks forms' on CUDA
-#   kda-decode-pipe (200) KDA decode at N = 16 and 64 over every launch shape beside fla, the software-pipelined tile
-#                       loop among them (kda_decode(stages=): the next tiles' loads as async copies; session 36, built
-#                       without a GPU); issue 18's >= 80% of the floor at N >= 16
 #   kda-forms-48b (240) the 48B prefill at 8K / 32K with each of those forms and all four (decode.py)
 #   bf16-paths (120 + 200) test_gpu_runner_bf16_logits_within_tolerance (session 33: [k3] failed at 8fc76af,
 #                       0.0459 against 0.0381), then benchmarks/bf16_paths.py: the bf16 runner's prefill error per
@@ -121,7 +118,7 @@ for stage in "$@"; do
     tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det|overlap|serve) ;;
     spec-tests|spec-verify|dspark-pass|spec-bench|spec-gate|spec-rounds|jit-churn|tp-tests|tp|tp-symm|k3-slice) ;;
     profile|kda-probe|tiny-linear|spec-round|prep|kda-blocks|k3-launches|kda-warps|spec-b1) ;;
-    kda-multi|kda-fused-gc|kda-forms-48b|bf16-paths|spec-b16|kda-phases|kda-default|kda-decode-pipe) ;;
+    kda-multi|kda-fused-gc|kda-forms-48b|bf16-paths|spec-b16|kda-phases|kda-default) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -204,15 +201,12 @@ for stage in "$@"; do
         --prefill-sweep blocks_intra_inv_w2 blocks_intra_out_s3 blocks_intra_out_chunk_w8_s3 --sweep-case 65536 \
         --profile-kernels --budget-s 315 --out "$OUT/kda_phases.json"
       run kda-phases 90 python3 -m pytest -o addopts="" -v -p no:warnings --tb=short \
-        tests/kernels/test_kda_triton.py -k "kimi_shape or per_phase or norms_in_l or pipelined" ;;
+        tests/kernels/test_kda_triton.py -k "kimi_shape or per_phase or norms_in_l" ;;
     kda-default)
       run kda-default 120 python3 benchmarks/kernels.py --decode-n --prefill 8192 16384 65536 8x4096 \
         --prefill-variants blocks_intra blocks_intra_s36_default --budget-s 110 --out "$OUT/kda_default.json"
       run kda-default 150 python3 -m pytest -o addopts="" -v -p no:warnings --tb=short \
         tests/kernels/test_kda_triton.py -k "chunk_kimi_shape or out_chunk or norms_in_l or per_phase" ;;
-    kda-decode-pipe)
-      run kda-decode-pipe 200 python3 benchmarks/kernels.py --decode-sweep --decode-n 16 64 --prefill \
-        --budget-s 185 --out "$OUT/kda_decode_pipe.json" ;;
     kda-forms-48b)
       run kda-forms-48b 240 python3 benchmarks/decode.py --batch 1 --prefill 8192 32768 --variants \
         --prefill-configs kda_blocks_fuse_gc=1 kda_blocks_inverse_regs=1 kda_blocks_out_chunk=1 kda_blocks_l_chunk=1 \

@@ -162,17 +162,14 @@ def test_decode_two_steps_int64_slots_fp16() -> None:
 
 
 @pytest.mark.parametrize(
-    "v_split,block_v,prefetch,stages",
-    [(1, 8, None, 1), (2, 32, None, 1), (4, 4, None, 1), (1, 8, True, 1), (2, 8, False, 1), (1, 8, None, 3),
-     (2, 4, False, 2)],
-    ids=["split1_tiles4", "split2", "split4_tiles2", "split1_tiles4_prefetch", "split2_tiles2_no_prefetch",
-         "split1_tiles4_pipelined", "split2_tiles4_pipelined"],
+    "v_split,block_v,prefetch",
+    [(1, 8, None), (2, 32, None), (4, 4, None), (1, 8, True), (2, 8, False)],
+    ids=["split1_tiles4", "split2", "split4_tiles2", "split1_tiles4_prefetch", "split2_tiles2_no_prefetch"],
 )
-def test_decode_v_split_two_steps_shared_workspace(v_split: int, block_v: int, prefetch: bool | None,
-                                                   stages: int) -> None:
-    """Heads split over V: the last program of a head shifts the q/k conv cache; counters return to 0. Every tile
-    schedule (each state tile loaded one step ahead, in its own step, or in the software-pipelined loop, which
-    shifts the v channels' conv cache after it) gives the same result, conv cache included, over two steps."""
+def test_decode_v_split_two_steps_shared_workspace(v_split: int, block_v: int, prefetch: bool | None) -> None:
+    """Heads split over V: the last program of a head shifts the q/k conv cache; counters return to 0. Both tile
+    schedules (each state tile loaded one step ahead, or in its own step) give the same result, conv cache included,
+    over two steps."""
     N, H, D, kind = 3, 2, 32, "lower_bound"
     case = decode_case(N, H, D, kind, torch.float32, num_slots=5, seed=7)
     ref = {k: v.clone() for k, v in case.items()}
@@ -182,7 +179,7 @@ def test_decode_v_split_two_steps_shared_workspace(v_split: int, block_v: int, p
     for step in range(2):
         o_ref, ref["state"], ref["conv_state"] = decode_ref(ref, slots, kind)
         o = kda_decode(**case, slot_indices=slot_t, lower_bound=LOWER_BOUND, v_split=v_split,
-                       block_v=block_v, workspace=ws, prefetch=prefetch, stages=stages)
+                       block_v=block_v, workspace=ws, prefetch=prefetch)
         assert rel_err(o, o_ref) <= 1e-4, step
         assert torch.equal(o[1], torch.zeros_like(o[1]))
         assert rel_err(case["state"], ref["state"]) <= 1e-4, step
@@ -193,11 +190,10 @@ def test_decode_v_split_two_steps_shared_workspace(v_split: int, block_v: int, p
 
 
 @pytest.mark.parametrize(
-    "v_split,block_v,gate_2d,stages", [(1, 8, False, 1), (1, 32, True, 1), (2, 16, False, 1), (4, 8, True, 1),
-                                       (1, 8, False, 2)],
-    ids=["split1_tiles4", "split1_one_tile_2d_gate", "split2", "split4", "split1_tiles4_pipelined"],
+    "v_split,block_v,gate_2d", [(1, 8, False), (1, 32, True), (2, 16, False), (4, 8, True)],
+    ids=["split1_tiles4", "split1_one_tile_2d_gate", "split2", "split4"],
 )
-def test_decode_fused_gated_rmsnorm(v_split: int, block_v: int, gate_2d: bool, stages: int) -> None:
+def test_decode_fused_gated_rmsnorm(v_split: int, block_v: int, gate_2d: bool) -> None:
     """o_gate/o_norm_weight: the output is rms_norm_gated(o) (fp32 math); state and cache as without."""
     from k3rt.backend.layers.norm import rms_norm_gated
 
@@ -214,7 +210,7 @@ def test_decode_fused_gated_rmsnorm(v_split: int, block_v: int, gate_2d: bool, s
     want[2] = 0.0  # padding row
     o = kda_decode(**case, slot_indices=torch.tensor(slots, dtype=torch.int32, device=DEV),
                    o_gate=gate if gate_2d else gate.view(N, H, D), o_norm_weight=weight, o_norm_eps=eps,
-                   v_split=v_split, block_v=block_v, stages=stages)
+                   v_split=v_split, block_v=block_v)
     assert rel_err(o, want) <= 1e-4
     assert torch.equal(o[2], torch.zeros_like(o[2]))
     assert rel_err(case["state"], state_ref) <= 1e-4
@@ -229,7 +225,7 @@ def test_decode_default_tile_narrow_for_few_programs_and_pinned_with_v_split(mon
     assert triton_decode.default_block_v(17, 32, 1) == 64
     assert triton_decode.default_block_v(4, 32, 2) == 64
     seen = []
-    monkeypatch.setattr(triton_decode, "_launch_decode", lambda *a: seen.append((a[-4], a[-3])))
+    monkeypatch.setattr(triton_decode, "_launch_decode", lambda *a: seen.append((a[-3], a[-2])))
     N, H, D = 3, 2, 32
     case = decode_case(N, H, D, "softplus", torch.float32, num_slots=4, seed=3)
     slots = torch.tensor([0, 1, 2], device=DEV)
@@ -243,10 +239,6 @@ def test_decode_default_tile_narrow_for_few_programs_and_pinned_with_v_split(mon
 def test_decode_rejects_bad_inputs() -> None:
     case = decode_case(2, 2, 16, "softplus", torch.float32, num_slots=3)
     slots = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
-    with pytest.raises(ValueError, match="stages"):
-        kda_decode(**case, slot_indices=slots, stages=0)
-    with pytest.raises(ValueError, match="prefetch and stages=2"):  # two tile schedules: refused, not one dropped
-        kda_decode(**case, slot_indices=slots, prefetch=True, stages=2)
     with pytest.raises(ValueError, match="qkv_pre"):
         kda_decode(**{**case, "qkv_pre": case["qkv_pre"][:, :-1]}, slot_indices=slots)
     with pytest.raises(ValueError, match="state must be fp32"):
