@@ -43,7 +43,7 @@
 #                       slice; at 64K alone the inverse at 2 warps, W/U's row blocks at 3 stages; each case also back
 #                       to back (b2b: the host's per-call work behind the GPU's) and fla's and the default's kernels
 #                       by name (torch.profiler); then the new forms' tests on CUDA
-#   kda-default (120 + 150) kernels.py at 8K / 16K / 64K / 8 x 4K: the blocks path's default (session 37: W/U one
+#   kda-default (200 + 150) kernels.py at 8K / 16K / 64K / 8 x 4K: the blocks path's default (session 37: W/U one
 #                       program per chunk at 3 stages, Gc per K slice at 2 warps) against session 36's, fla twice
 #                       beside (issue 18's >= 1.2x fla); then the chunk tests and the blocks forms' on CUDA
 #   kda-forms-48b (240) the 48B prefill at 8K / 32K with each of those forms and all four (decode.py)
@@ -203,8 +203,8 @@ for stage in "$@"; do
       run kda-phases 90 python3 -m pytest -o addopts="" -v -p no:warnings --tb=short \
         tests/kernels/test_kda_triton.py -k "kimi_shape or per_phase or norms_in_l" ;;
     kda-default)
-      run kda-default 120 python3 benchmarks/kernels.py --decode-n --prefill 8192 16384 65536 8x4096 \
-        --prefill-variants blocks_intra blocks_intra_s36_default --budget-s 110 --out "$OUT/kda_default.json"
+      run kda-default 200 python3 benchmarks/kernels.py --decode-n --prefill 8192 16384 65536 8x4096 \
+        --prefill-variants blocks_intra blocks_intra_s36_default --budget-s 180 --out "$OUT/kda_default.json"
       run kda-default 150 python3 -m pytest -o addopts="" -v -p no:warnings --tb=short \
         tests/kernels/test_kda_triton.py -k "chunk_kimi_shape or out_chunk or norms_in_l or per_phase" ;;
     kda-forms-48b)
