@@ -475,6 +475,32 @@ def test_chunk_blocks_out_chunk_equals_row_blocks() -> None:
         kda_chunk_fwd(**case, slot_indices=slots, intra="split", out_chunk_blocks=True)
 
 
+def test_chunk_blocks_defaults_per_dot_form(monkeypatch) -> None:
+    """The blocks path's launch record as kda_chunk_fwd resolves it (H200 session 37: W/U per chunk at 3 stages 2.37 ->
+    1.76 ms and Gc per K slice at 2 warps 0.95 -> 0.65 at 64K tokens): with 16-bit dots W/U one program per (chunk,
+    head) at 3 stages; on the fp32 form (its per-chunk W/U programs spill on sm_90) per row block at the blocks
+    path's stages; the Gc launch per K slice at 2 warps wherever the rows' norms are in L, else per chunk at 4;
+    explicit values win; other intra forms get none of them."""
+    from k3rt.kernels.kda import triton_chunk
+
+    seen = []
+    monkeypatch.setattr(triton_chunk, "_launch_chunk", lambda *a: seen.append(a[-2]))
+    monkeypatch.setattr(triton_chunk, "EXACT_DOTS", False)  # the GPU's choice of dots (nothing launches here)
+    slots = torch.tensor([0], dtype=torch.int32, device=DEV)
+    for dtype in (torch.bfloat16, torch.float32):
+        case = chunk_case([70], H=2, D=64, kind="softplus", dtype=dtype, num_slots=1)
+        kda_chunk_fwd(**case, slot_indices=slots, intra="blocks")
+        kda_chunk_fwd(**case, slot_indices=slots, intra="blocks", norms_in_l_blocks=False)
+        kda_chunk_fwd(**case, slot_indices=slots, intra="blocks", out_chunk_blocks=False, num_warps_gc_blocks=8,
+                      num_stages_out_blocks=1)
+        kda_chunk_fwd(**case, slot_indices=slots, intra="fused")
+    got = [(c.dot16, c.out_chunk_blocks, c.ns_out_blocks, c.gc_sliced_blocks, c.nw_gc_blocks) for c in seen]
+    assert got == [(True, True, 3, True, 2), (True, True, 3, False, 4), (True, False, 1, True, 8),
+                   (True, False, None, False, 4),
+                   (False, False, None, True, 2), (False, False, None, False, 4), (False, False, 1, True, 8),
+                   (False, False, None, False, 4)]
+
+
 @pytest.mark.parametrize("sliced", [False, True], ids=["rows", "rows_sliced"])
 def test_chunk_blocks_fused_gc_equals_its_phase_zero(sliced: bool) -> None:
     """fuse_gc_blocks computes what phase 0 stores (Gc, the norms, the spans, exp(Gc_last)) where it is read, with the
