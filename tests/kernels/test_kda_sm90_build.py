@@ -181,10 +181,12 @@ def build(fn, act, dot16, prec, warps, sliced, fuse, regs, chunk=False):
                                     FUSE_GC=fuse, REGS=regs, ROWS=K.CHUNK if chunk else K.SUB,
                                     CHUNK=chunk, NORMS=False, NORMS_L=not (chunk or fuse), NSPAN=1).items()
               if a in args}
-    # the per-chunk L and W/U launches take 4 warps and the inverse 1 (kda_chunk_fwd's defaults); the others the
-    # form's
-    nw = 4 if chunk else 1 if fn is B._blocks_inverse_kernel else warps
-    return sm90_build(fn, sig, consts, nw, 2, lambda k: k in strides)
+    # kda_chunk_fwd's defaults: the per-chunk L and W/U launches at 4 warps, W/U at 3 stages with 16-bit dots; the
+    # inverse at 1 warp; the Gc launch at 2 warps per K slice, 4 per chunk; the others the form's
+    nw = (4 if chunk else 1 if fn is B._blocks_inverse_kernel else 2 if fn is B._blocks_gc_slice_kernel
+          else 4 if fn is B._blocks_gc_kernel else warps)
+    stages = 3 if chunk and dot16 and fn is B._blocks_out_kernel else 2
+    return sm90_build(fn, sig, consts, nw, stages, lambda k: k in strides)
 
 kernels = dict(gc=(B._blocks_gc_kernel, False, False, False), gc_slice=(B._blocks_gc_slice_kernel, False, False, False),
                pair=(B._blocks_pair_kernel, False, False, False),
