@@ -107,7 +107,7 @@ from _timing import Report, copy_bandwidth, default_out, time_ms  # noqa: E402
 from k3rt.backend.cache.pool import PagePool  # noqa: E402
 from k3rt.kernels.kda.chunk_tables import INTRA_FORMS  # noqa: E402
 from k3rt.backend.models.random_init import random_model  # noqa: E402
-from k3rt.backend.runner.gpu.ops import KernelConfig  # noqa: E402
+from k3rt.backend.runner.gpu.ops import KernelConfig, parse_overrides  # noqa: E402
 from k3rt.backend.runner.gpu.pieces import DEFAULT_MIXED_BUCKETS, PiecewiseForward  # noqa: E402
 from k3rt.backend.runner.gpu.runner import GpuModelRunner  # noqa: E402
 from k3rt.backend.runner.gpu.step import StepSeq  # noqa: E402
@@ -540,7 +540,7 @@ def main() -> int:
     # the defaults first: a failing variant cannot cost the measured default's rows
     runs = [(f"{i}/{r}", dict(kda_intra=i, split_router_min_rows=base_k.split_router_min_rows if r == "split" else 0),
              i, r) for i in intras for r in routers]
-    runs += [(c, _config_overrides(base_k, c), base_k.kda_intra, "split") for c in ARGS.prefill_configs]
+    runs += [(c, _overrides(c), base_k.kda_intra, "split") for c in ARGS.prefill_configs]
     for label, overrides, intra, router in runs:
         runner.fwd.k = replace(base_k, **overrides)
         for T in ARGS.prefill:
@@ -569,16 +569,11 @@ def main() -> int:
     return 0
 
 
-def _config_overrides(base, spec: str) -> dict:
-    """'kda_prep_one_seq=1,mla_prefill_tma=0' -> KernelConfig overrides, each value parsed as its field's type."""
-    out = {}
-    for item in spec.split(","):
-        name, _, value = item.partition("=")
-        if not hasattr(base, name) or not value:
-            raise SystemExit(f"--prefill-configs: {item!r} is not FIELD=VALUE over KernelConfig's fields")
-        cur = getattr(base, name)
-        out[name] = value.lower() in ("1", "true", "on") if isinstance(cur, bool) else type(cur)(value)
-    return out
+def _overrides(spec: str) -> dict:
+    try:
+        return parse_overrides(spec)
+    except ValueError as e:
+        raise SystemExit(f"--prefill-configs: {e}") from None
 
 
 def print_table() -> None:

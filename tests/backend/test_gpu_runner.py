@@ -86,6 +86,21 @@ def test_kernel_config_names_an_unknown_kda_intra_form() -> None:
         KernelConfig(kda_intra="fused", kda_blocks_l_chunk=True)
 
 
+def test_kernel_config_overrides_parse_by_field_type() -> None:
+    """decode.py --prefill-configs FIELD=VALUE: each value as its field's type, the fields whose default is None
+    included (the old parser called type(None)(value) on them), and a clear error naming the item."""
+    from k3rt.backend.runner.gpu.ops import parse_overrides
+
+    assert parse_overrides("kda_blocks_out_chunk=1,moe_pair_blocks_bytes=0,kda_intra=fused,mla_prefill_tma=off") == \
+        dict(kda_blocks_out_chunk=True, moe_pair_blocks_bytes=0, kda_intra="fused", mla_prefill_tma=False)
+    assert parse_overrides("kda_blocks_out_chunk=none,split_router_min_rows=64") == \
+        dict(kda_blocks_out_chunk=None, split_router_min_rows=64)
+    for bad, msg in (("kda_blocks_out_chunk", "not FIELD=VALUE"), ("no_such_field=1", "not FIELD=VALUE"),
+                     ("mla_prefill_tma=yes", "mla_prefill_tma takes 1/0"), ("split_router_min_rows=none", "int")):
+        with pytest.raises(ValueError, match=msg):
+            parse_overrides(bad)
+
+
 @pytest.mark.parametrize("arch, intra", [("kimi_linear", "fused"), ("k3", "fused"), ("k3", "split"), ("k3", "blocks"),
                                          ("k3", "blocks_all_four"), ("kimi_linear", "one_seq_tma")])
 def test_gpu_runner_with_triton_kernels_in_the_interpreter_equals_reference(arch, intra, tmp_path) -> None:

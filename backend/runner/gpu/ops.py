@@ -7,7 +7,7 @@ off, every op runs its torch reference, which is also what runs where a kernel d
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cache
 
 import torch
@@ -152,6 +152,27 @@ class KernelConfig:
         if self.kda_verify_launch not in KDA_VERIFY_LAUNCHES:
             raise ValueError(f"kda_verify_launch: must be one of {KDA_VERIFY_LAUNCHES}, "
                              f"got {self.kda_verify_launch!r}")
+
+
+def parse_overrides(spec: str) -> dict:
+    """'kda_prep_one_seq=1,moe_pair_blocks_bytes=0' -> KernelConfig overrides, each value parsed as its field's type
+    (bools from 1/0, true/false, on/off; `none` for the fields whose default is None)."""
+    types = {f.name: str(f.type) for f in fields(KernelConfig)}  # annotations are strings here (future import)
+    out: dict = {}
+    for item in spec.split(","):
+        name, _, value = item.partition("=")
+        if name not in types or not value:
+            raise ValueError(f"{item!r}: not FIELD=VALUE over KernelConfig's fields")
+        kind = types[name].split(" | ")
+        if value.lower() == "none" and "None" in kind:
+            out[name] = None
+        elif kind[0] == "bool":
+            if value.lower() not in ("1", "0", "true", "false", "on", "off"):
+                raise ValueError(f"{item!r}: {name} takes 1/0, true/false or on/off")
+            out[name] = value.lower() in ("1", "true", "on")
+        else:
+            out[name] = {"int": int, "float": float, "str": str}[kind[0]](value)
+    return out
 
 
 @cache
