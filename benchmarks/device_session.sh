@@ -46,6 +46,9 @@
 #   kda-default (200 + 150) kernels.py at 8K / 16K / 64K / 8 x 4K: the blocks path's default (session 37: W/U one
 #                       program per chunk at 3 stages, Gc per K slice at 2 warps) against session 36's, fla twice
 #                       beside (issue 18's >= 1.2x fla); then the chunk tests and the blocks forms' on CUDA
+#   kda-decode-probe (120) KDA decode at N = 1 over the split-head shapes, with timing probes (session 37,
+#                       kda_decode(probe=)): without the heads' arrival atomic, without the conv cache, without both;
+#                       what each costs of the 5-6 us step (issue 18's N = 1 goal: 4 us)
 #   kda-forms-48b (240) the 48B prefill at 8K / 32K with each of those forms and all four (decode.py)
 #   bf16-paths (120 + 200) test_gpu_runner_bf16_logits_within_tolerance (session 33: [k3] failed at 8fc76af,
 #                       0.0459 against 0.0381), then benchmarks/bf16_paths.py: the bf16 runner's prefill error per
@@ -118,7 +121,7 @@ for stage in "$@"; do
     tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det|overlap|serve) ;;
     spec-tests|spec-verify|dspark-pass|spec-bench|spec-gate|spec-rounds|jit-churn|tp-tests|tp|tp-symm|k3-slice) ;;
     profile|kda-probe|tiny-linear|spec-round|prep|kda-blocks|k3-launches|kda-warps|spec-b1) ;;
-    kda-multi|kda-fused-gc|kda-forms-48b|bf16-paths|spec-b16|kda-phases|kda-default) ;;
+    kda-multi|kda-fused-gc|kda-forms-48b|bf16-paths|spec-b16|kda-phases|kda-default|kda-decode-probe) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -207,6 +210,9 @@ for stage in "$@"; do
         --prefill-variants blocks_intra blocks_intra_s36_default --budget-s 180 --out "$OUT/kda_default.json"
       run kda-default 150 python3 -m pytest -o addopts="" -v -p no:warnings --tb=short \
         tests/kernels/test_kda_triton.py -k "chunk_kimi_shape or out_chunk or norms_in_l or per_phase" ;;
+    kda-decode-probe)
+      run kda-decode-probe 120 python3 benchmarks/kernels.py --decode-sweep --decode-n 1 --prefill --budget-s 110 \
+        --out "$OUT/kda_decode_probe.json" ;;
     kda-forms-48b)
       run kda-forms-48b 240 python3 benchmarks/decode.py --batch 1 --prefill 8192 32768 --variants \
         --prefill-configs kda_blocks_fuse_gc=1 kda_blocks_inverse_regs=1 kda_blocks_out_chunk=1 kda_blocks_l_chunk=1 \

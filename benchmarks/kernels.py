@@ -423,7 +423,11 @@ def decode_sweep_configs(N: int) -> list[dict]:
         return [c(8, 16), c(8, 16, use_pdl=True), c(4, 32), c(4, 32, use_pdl=True), c(4, 16),
                 c(8, 16, norm=True), c(8, 16, norm=True, use_pdl=True), c(4, 32, norm=True),
                 c(8, 16, 1), c(8, 16, 2), c(16, 8, 1), c(16, 8, 2), c(4, 32, 1), c(4, 16, 1), c(8, 16, 1, use_pdl=True),
-                c(16, 8, 1, use_pdl=True), c(8, 16, 1, norm=True)]
+                c(16, 8, 1, use_pdl=True), c(8, 16, 1, norm=True),
+                # timing probes (results wrong, not checked; session 37): N = 1's default shape without the split
+                # heads' arrival (1), without the conv cache (2), without both (3), and with the norm asked for
+                c(8, 16, 2, norm=True, probe=1), c(8, 16, 2, norm=True), c(8, 16, 2, probe=1), c(8, 16, 2, probe=2),
+                c(8, 16, 2, probe=3), c(8, 16, 2, norm=True, use_pdl=True, probe=3)]
     return [c(1, 32), c(1, 64), c(1, 64, 8), c(2, 32), c(2, 64), c(1, 64, norm=True),
             c(1, 16, 1), c(1, 32, 1), c(2, 16, 1), c(2, 32, 1), c(4, 16, 1), c(4, 32, 1), c(8, 16, 1),
             c(1, 16, 2), c(1, 32, 2), c(2, 32, 2), c(4, 32, 2), c(1, 16, 1, norm=True), c(2, 32, 1, norm=True),
@@ -627,7 +631,8 @@ def main() -> int:
     if ARGS.decode_sweep:
         for N in (decode_n or [1, 16, 64, 256]):
             for i, cfg in enumerate(decode_sweep_configs(N)):
-                if i == 0 or cfg.get("norm") or cfg.get("v_split", 1) > 1 or cfg.get("num_warps", 4) < 4:
+                if not cfg.get("probe") and (i == 0 or cfg.get("norm") or cfg.get("v_split", 1) > 1
+                                             or cfg.get("num_warps", 4) < 4):
                     item("correctness", f"kda_decode N={N} {cfg}", lambda N=N, c=cfg: check_decode_cfg(N, H, D, c))
                 item("decode_sweep", f"k3rt N={N} {cfg}", lambda N=N, c=cfg: bench_decode(N, H, D, "k3rt", c))
     for case in (ARGS.verify if not smoke else ["2x3"]):

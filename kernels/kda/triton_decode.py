@@ -198,6 +198,7 @@ def _kda_decode_kernel(
     NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PROBE: tl.constexpr = 0,
 ):
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -267,7 +268,7 @@ def _kda_decode_kernel(
             _delta_tile(S, s_ptrs, mask2, decay, k, q, beta, v, raw_row, o_row, offs_v, mask_v, NORM)
 
         gate_row = gate_ptr + i_n.to(tl.int64) * stride_gate_n + i_h * stride_gate_h
-        if NV > 1:
+        if NV > 1 and (PROBE & 1) == 0:
             # The head's q/k cache may be overwritten, and its norm taken, only once every program
             # of the head has read the cache and written its o columns: the last one to arrive
             # does both. The barrier orders all threads' accesses before the release.
@@ -290,7 +291,7 @@ def _launch_decode(
     dt_bias: Tensor, b: Tensor, state: Tensor, slot_indices: Tensor, out: Tensor,
     o_gate: Tensor | None, o_norm_weight: Tensor | None, raw: Tensor | None, counts: Tensor | None,
     lower_bound: float | None, scale: float, eps: float, use_pdl: bool, num_warps: int, block_v: int,
-    v_split: int, prefetch: bool,
+    v_split: int, prefetch: bool, probe: int = 0,
 ) -> None:
     N = qkv_pre.shape[0]
     _, H, D, _ = state.shape
@@ -325,9 +326,9 @@ def _launch_decode(
         o_norm_weight if norm else out, raw if norm else out, counts if v_split > 1 else slot_indices,
         scale, 0.0 if lower_bound is None else float(lower_bound), eps,
         H=H, D=D, BK=triton.next_power_of_2(D), BV=min(block_v, bvs), BVS=bvs, NV=v_split,
-        W=W, WP=triton.next_power_of_2(W),
+        W=1 if probe & 2 else W, WP=1 if probe & 2 else triton.next_power_of_2(W),
         USE_LOWER_BOUND=lower_bound is not None, NORM=norm, USE_PDL=use_pdl and not INTERPRET,
-        PREFETCH=prefetch, num_warps=num_warps, **pdl_kwargs(use_pdl),
+        PREFETCH=prefetch, PROBE=probe, num_warps=num_warps, **pdl_kwargs(use_pdl),
     )
 
 
@@ -387,6 +388,7 @@ def kda_decode(
     v_split: int | None = None,
     workspace: Tensor | None = None,
     prefetch: bool | None = None,
+    probe: int = 0,
 ) -> Tensor:
     """One fused KDA decode step for N sequences (one token each) of one layer.
 
@@ -420,6 +422,10 @@ def kda_decode(
         prefetch: load each state tile one step ahead of its update (None: when V is split over programs).
             Triton's software-pipelined tile loop (async copies of the next tiles) lost to it and to the plain
             loop at every shape (H200, N = 16 / 64: 29.9-35.1 / 112-127 us against 24.9 / 86.2; session 37).
+        probe: timing only, results wrong by design (benchmarks/kernels.py's decode sweep): bit 1 skips the split
+            heads' arrival (no atomic; the q/k conv cache is not shifted and the norm not taken), bit 2 runs the conv
+            at width 1 (no conv cache read or written, wrong taps), so the default minus a probe is about what that
+            part costs at N = 1, where the step is a chain of dependent loads.
 
     Returns:
         o: [N, H, D] in qkv_pre.dtype: the raw recurrence output, or its gated RMSNorm when o_gate
@@ -477,6 +483,8 @@ def kda_decode(
         raise ValueError(f"v_split must be a power of two dividing D={D} into powers of two, got {v_split}")
     if prefetch is None:
         prefetch = v_split > 1
+    if probe not in (0, 1, 2, 3):
+        raise ValueError(f"probe must be 0-3 (timing only), got {probe}")
     if block_v is None:
         # a caller that pins v_split pins the tile too (the batch-invariant mode: one launch shape at any N)
         block_v = 64 if pinned else default_block_v(N, H, v_split)
@@ -510,7 +518,7 @@ def kda_decode(
         qkv_pre, conv_weight, conv_state, f, A_log.contiguous().view(H), dt_bias.contiguous().view(H * D),
         b, state, slot_indices, out, o_gate, o_norm_weight, raw, counts, lower_bound,
         D**-0.5 if scale is None else float(scale), float(o_norm_eps), use_pdl, num_warps, block_v, v_split,
-        bool(prefetch),
+        bool(prefetch), probe=probe,
     )
     return out
 

@@ -225,7 +225,7 @@ def test_decode_default_tile_narrow_for_few_programs_and_pinned_with_v_split(mon
     assert triton_decode.default_block_v(17, 32, 1) == 64
     assert triton_decode.default_block_v(4, 32, 2) == 64
     seen = []
-    monkeypatch.setattr(triton_decode, "_launch_decode", lambda *a: seen.append((a[-3], a[-2])))
+    monkeypatch.setattr(triton_decode, "_launch_decode", lambda *a, **kw: seen.append((a[-3], a[-2])))
     N, H, D = 3, 2, 32
     case = decode_case(N, H, D, "softplus", torch.float32, num_slots=4, seed=3)
     slots = torch.tensor([0, 1, 2], device=DEV)
@@ -234,6 +234,31 @@ def test_decode_default_tile_narrow_for_few_programs_and_pinned_with_v_split(mon
     kda_decode(**case, slot_indices=slots, v_split=1, block_v=8)
     split = triton_decode.default_v_split(N, H, D)
     assert seen == [(triton_decode.default_block_v(N, H, split), split), (64, 1), (8, 1)]
+
+
+def test_decode_probes_skip_what_they_name() -> None:
+    """kda_decode(probe=) is for timing only (benchmarks/kernels.py's decode sweep). Bit 1 skips the split heads'
+    arrival: o and the state as without it (no norm asked), the v channels' conv cache shifted by their programs, the
+    q/k channels' left unshifted and the counters untouched. Bit 2 runs the conv at width 1: no conv cache read or
+    written. Other values are refused."""
+    N, H, D, kind = 2, 2, 32, "softplus"
+    case = decode_case(N, H, D, kind, torch.float32, num_slots=3, seed=11)
+    slots = torch.tensor([2, 0], dtype=torch.int32, device=DEV)
+    ref = {k: v.clone() for k, v in case.items()}
+    o_ref = kda_decode(**ref, slot_indices=slots, v_split=2, block_v=8)
+    conv0 = case["conv_state"].clone()
+    ws = triton_decode.kda_decode_workspace(N, H, DEV)
+    o = kda_decode(**case, slot_indices=slots, v_split=2, block_v=8, workspace=ws, probe=1)
+    assert torch.equal(o, o_ref) and torch.equal(case["state"], ref["state"])
+    qk = slice(0, 2 * H * D)
+    assert torch.equal(case["conv_state"][:, :, qk], conv0[:, :, qk])
+    assert torch.equal(case["conv_state"][:, :, 2 * H * D:], ref["conv_state"][:, :, 2 * H * D:])
+    assert torch.equal(ws, torch.zeros_like(ws))
+    case["conv_state"] = conv0.clone()
+    kda_decode(**case, slot_indices=slots, v_split=1, probe=2)
+    assert torch.equal(case["conv_state"], conv0)
+    with pytest.raises(ValueError, match="probe must be 0-3"):
+        kda_decode(**case, slot_indices=slots, probe=4)
 
 
 def test_decode_rejects_bad_inputs() -> None:
