@@ -140,28 +140,17 @@ def _norm_gate_row(raw_row, gate_row, w_ptr, o_row, offs, mask, eps, D: tl.const
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(o_row + offs, (x * rstd * w * tl.sigmoid(gt)).to(o_row.dtype.element_ty), mask=mask)
 
-@triton.jit
-def _tile(s_base, offs_k, mask_k, col0, D: tl.constexpr, BV: tl.constexpr):
-    """The state tile of value columns col0 .. col0+BV: (its columns, their mask, its pointers, its 2D mask)."""
-    offs_v = col0 + tl.arange(0, BV)
-    mask_v = offs_v < D
-    return offs_v, mask_v, s_base + offs_k[:, None] * D + offs_v[None, :], mask_k[:, None] & mask_v[None, :]
 
 
 @triton.jit
-def _delta_tile(S, s_ptrs, mask2, decay, k, q, beta, v, raw_row, o_row, offs_v, mask_v, NORM: tl.constexpr):
-    """The delta-rule step of one [BK, BV] state tile S (model-facts §1.2): stored back, and its o columns (to the
-    fp32 scratch row when NORM, else to the output row)."""
+def _delta_step(S, q, k, v, decay, beta):
+    """One token's delta-rule update of a [BK, BV] state tile (model-facts §1.2): S' = diag(decay) S,
+    S = S' + k (beta (v - S'^T k))^T, o = S^T q. Returns (S, o [BV]); the decode, verify and multi-token kernels all
+    take it from here, so their sums run in one order."""
     S = S * decay[:, None]
-    kv = tl.sum(S * k[:, None], axis=0)  # S'^T k: [BV]
-    u = beta * (v - kv)
+    u = beta * (v - tl.sum(S * k[:, None], axis=0))
     S = S + k[:, None] * u[None, :]
-    o = tl.sum(S * q[:, None], axis=0)  # S^T q: [BV]
-    tl.store(s_ptrs, S, mask=mask2)
-    if NORM:
-        tl.store(raw_row + offs_v, o, mask=mask_v)
-    else:
-        tl.store(o_row + offs_v, o.to(o_row.dtype.element_ty), mask=mask_v)
+    return S, tl.sum(S * q[:, None], axis=0)
 
 
 # not specialized per step (kernels/common.py, Compiles): slots, a view of the packed step (count_ptr too, which is the
@@ -252,7 +241,10 @@ def _kda_decode_kernel(
         raw_row = raw_ptr + row
         # value columns are independent in the update: walk the state in [BK, BV] tiles
         for v0 in tl.static_range(0, BVS, BV):
-            offs_v, mask_v, s_ptrs, mask2 = _tile(s_base, offs_k, mask_k, i_v * BVS + v0, D, BV)
+            offs_v = i_v * BVS + v0 + tl.arange(0, BV)
+            mask_v = offs_v < D
+            s_ptrs = s_base + offs_k[:, None] * D + offs_v[None, :]
+            mask2 = mask_k[:, None] & mask_v[None, :]
             if PREFETCH:
                 S = s_next  # S: [BK, BV] fp32
                 if v0 + BV < BVS:
@@ -265,7 +257,12 @@ def _kda_decode_kernel(
             _conv_shift_store(win_v, cs, v_ch, mask_v, C, W, WP)
             if not PREFETCH:
                 S = tl.load(s_ptrs, mask=mask2, other=0.0)  # S: [BK, BV] fp32
-            _delta_tile(S, s_ptrs, mask2, decay, k, q, beta, v, raw_row, o_row, offs_v, mask_v, NORM)
+            S, o = _delta_step(S, q, k, v, decay, beta)
+            tl.store(s_ptrs, S, mask=mask2)
+            if NORM:
+                tl.store(raw_row + offs_v, o, mask=mask_v)
+            else:
+                tl.store(o_row + offs_v, o.to(o_ptr.dtype.element_ty), mask=mask_v)
 
         gate_row = gate_ptr + i_n.to(tl.int64) * stride_gate_n + i_h * stride_gate_h
         if NV > 1 and (PROBE & 1) == 0:

@@ -604,8 +604,9 @@ def _blocks_out_kernel(
 
 
 def span_rows(BK: int, block_k_gc: int, gc_sliced: bool) -> int:
-    """Rows of 4 spans per (chunk, head) in the span scratch: one per K slice of the sliced Gc launch, else one."""
-    return BK // block_k_gc if gc_sliced else 1
+    """Rows of 4 spans per (chunk, head) in the span scratch: one per K slice of the sliced Gc launch (a slice no
+    wider than the head's BK), else one."""
+    return BK // min(block_k_gc, BK) if gc_sliced else 1
 
 
 def launch_intra_blocks(q, k, v, g, beta, cu, t_seq, t_idx, qg, kd, w, u, aqk, gl, gc, akk, sq, span, *,

@@ -35,8 +35,8 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from k3rt.kernels.common import INTERPRET, pdl_kwargs, poison_like
-from k3rt.kernels.kda.triton_decode import (_conv_taps, _decay, _gate_beta_with, _gate_consts, _norm_gate_row,
-                                            _silu_conv)
+from k3rt.kernels.kda.triton_decode import (_conv_taps, _decay, _delta_step, _gate_beta_with, _gate_consts,
+                                            _norm_gate_row, _silu_conv)
 from k3rt.kernels.kda.triton_verify import _verify_window, check_token_block
 
 
@@ -71,11 +71,7 @@ def _delta_rule_token(S, q, k, v, decay, beta, raw_ptr, o_seq, i_n, i_h, t, offs
                       H: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
     """Token t's update of the [BK, BV] state tile, in the decode kernel's order, and its output row (into the fp32
     scratch when the head is normalized after). Returns the new state tile."""
-    S = S * decay[:, None]
-    kv = tl.sum(S * k[:, None], axis=0)
-    u = beta * (v - kv)
-    S = S + k[:, None] * u[None, :]
-    o = tl.sum(S * q[:, None], axis=0)  # [BV]
+    S, o = _delta_step(S, q, k, v, decay, beta)
     if NORM:
         tl.store(raw_ptr + ((i_n.to(tl.int64) * R + t) * H + i_h) * D + offs_v, o, mask=mask_v)
     else:

@@ -31,6 +31,7 @@ from k3rt.kernels.kda.triton_decode import (
     _LOWER_BOUND_MIN,
     _check_norm,
     _conv_silu,
+    _delta_step,
     _gate_beta,
     _norm_gate_row,
     _slots_contiguous,
@@ -128,10 +129,7 @@ def _kda_verify_kernel(
             decay, beta = _gate_beta(f_ptr + i_n.to(tl.int64) * stride_f_n + t * stride_f_t, dt_bias_ptr,
                                      a_log_ptr, b_ptr + i_n.to(tl.int64) * stride_b_n + t * stride_b_t,
                                      i_h, offs_k, mask_k, lower_bound, D, USE_LOWER_BOUND)
-            S = S * decay[:, None]
-            u = beta * (v - tl.sum(S * k[:, None], axis=0))
-            S = S + k[:, None] * u[None, :]
-            o = tl.sum(S * q[:, None], axis=0)  # [BV]
+            S, o = _delta_step(S, q, k, v, decay, beta)
             tl.store(states_out_ptr + (nt * H + i_h) * (D * D) + s_tile, S, mask=mask2)
             if NORM:
                 tl.store(raw_ptr + (nt * H + i_h) * D + offs_v, o, mask=mask_v)
