@@ -36,9 +36,10 @@ from k3rt.kernels.common import INTERPRET, check, pdl_kwargs, poison_like, set_p
 
 _LOWER_BOUND_MIN = -5.0
 # default_v_split: split heads over V until this many programs run (about 2 per SM on an H200),
-# never below this many value columns per program
+# never below this many value columns per program, and once split, to at most this many (one 1-warp tile)
 _TARGET_PROGRAMS = 256
 _MIN_SPLIT_COLS = 16
+_MAX_SPLIT_COLS = 32
 # default_block_v: unsplit heads walk their state in 32-column tiles up to this many (sequence, head) programs
 # and in 64-column tiles above. H200, H=32 D=128, CUDA graph (kernels.py --decode-sweep; NOTES.md runs 1 and 5):
 # N=16 25.4 us at 32 against 27.4 at 64; N=64 96.3 against 85.4; N=256 352.9 against 313.5
@@ -59,12 +60,18 @@ def _slots_contiguous(t: Tensor) -> bool:
 
 
 @triton.jit
-def _conv_window(x_row, cs_ptr, ch, mask, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
-    """The conv window of one token on channels `ch`: [WP, len(ch)] fp32, rows 0..W-2 from the
-    cache [W-1, C] (oldest first), row W-1 the token's pre-conv row x_row."""
+def _conv_hist(cs_ptr, ch, mask, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """The cached W-1 pre-conv rows of channels `ch` (oldest first) from the cache [W-1, C]: [WP, len(ch)] in the
+    cache's dtype, rows W-1.. zero."""
     r = tl.arange(0, WP)
-    hist = tl.load(cs_ptr + r[:, None] * C + ch[None, :], mask=(r < W - 1)[:, None] & mask[None, :], other=0.0)
-    x = tl.load(x_row + ch, mask=mask, other=0.0)
+    return tl.load(cs_ptr + r[:, None] * C + ch[None, :], mask=(r < W - 1)[:, None] & mask[None, :], other=0.0)
+
+
+@triton.jit
+def _conv_window(hist, x, W: tl.constexpr, WP: tl.constexpr):
+    """The conv window of one token: [WP, len(x)] fp32, rows 0..W-2 the cached ones (_conv_hist), row W-1 the
+    token's pre-conv row x."""
+    r = tl.arange(0, WP)
     return tl.where((r == W - 1)[:, None], x.to(tl.float32)[None, :], hist.to(tl.float32))
 
 
@@ -171,7 +178,7 @@ def _kda_decode_kernel(
     gate_ptr, stride_gate_n, stride_gate_h,  # [N, H, D] output gate (NORM only)
     norm_w_ptr,  # [D] output norm weight (NORM only)
     raw_ptr,  # [N, H, D] fp32 scratch: o before the norm (NORM only)
-    count_ptr,  # [N*H] int32, zero between launches: programs of a head done so far (NV > 1 only)
+    count_ptr,  # [N*H] int32, zero between launches: programs of a head past their windows (EARLY) or done (NV > 1)
     scale,
     lower_bound,
     eps,
@@ -188,6 +195,8 @@ def _kda_decode_kernel(
     USE_PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
     PROBE: tl.constexpr = 0,
+    HOIST: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
 ):
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -196,9 +205,32 @@ def _kda_decode_kernel(
     mask_k = offs_k < D
     row = (i_n * H + i_h).to(tl.int64) * D
     o_row = o_ptr + row
+    C = 3 * H * D
+    x_row = qkv_ptr + i_n.to(tl.int64) * stride_qkv_n
+    q_ch = i_h * D + offs_k
+    k_ch = H * D + q_ch
+    f_row = f_ptr + i_n.to(tl.int64) * stride_f_n
+    b_row = b_ptr + i_n.to(tl.int64) * stride_b_n
     if USE_PDL:
         gdc_wait()
     slot = tl.load(slot_ptr + i_n).to(tl.int64)
+    if HOIST:
+        # Every load issued before the first reduction or layout change: on sm_90 each of those is a shared-memory
+        # round trip behind a barrier, and a load placed after one waits for every load before it. The loads that
+        # do not need the slot go out before its value returns, the rest right after it. (Otherwise the N = 1 step
+        # is four dependent trips to memory in a row, SASS of session 38: x_q, then x_k, then the windows, then
+        # the gates.)
+        x_q = tl.load(x_row + q_ch, mask=mask_k, other=0.0)
+        x_k = tl.load(x_row + k_ch, mask=mask_k, other=0.0)
+        taps_q = _conv_taps(conv_w_ptr, q_ch, mask_k, W, WP)
+        taps_k = _conv_taps(conv_w_ptr, k_ch, mask_k, W, WP)
+        decay, beta = _gate_beta(f_row, dt_bias_ptr, a_log_ptr, b_row, i_h, offs_k, mask_k, lower_bound, D,
+                                 USE_LOWER_BOUND)
+        # the first tile's v channels too (the loop loads each next tile's with its state)
+        offs_v = i_v * BVS + tl.arange(0, BV)
+        v_ch = 2 * H * D + i_h * D + offs_v
+        x_v = tl.load(x_row + v_ch, mask=offs_v < D, other=0.0)
+        taps_v = _conv_taps(conv_w_ptr, v_ch, offs_v < D, W, WP)
     if slot < 0:
         # padding entry: zero output, no state touched
         for v0 in tl.static_range(0, BVS, BV):
@@ -207,6 +239,7 @@ def _kda_decode_kernel(
             tl.store(o_row + offs_v, zero, mask=offs_v < D)
     else:
         s_base = state_ptr + slot * stride_state_slot + i_h * (D * D)
+        cs = conv_state_ptr + slot * stride_cs_slot
         if PREFETCH:
             # split heads (small N, latency bound): issue the first state tile's load before the conv
             # and gate loads so their latencies overlap, and each next tile's before this one's update.
@@ -215,26 +248,40 @@ def _kda_decode_kernel(
             offs_v = i_v * BVS + tl.arange(0, BV)
             s_next = tl.load(s_base + offs_k[:, None] * D + offs_v[None, :],
                              mask=mask_k[:, None] & (offs_v < D)[None, :], other=0.0)
-        C = 3 * H * D
-        x_row = qkv_ptr + i_n.to(tl.int64) * stride_qkv_n
-        cs = conv_state_ptr + slot * stride_cs_slot
-        q_ch = i_h * D + offs_k
-        k_ch = H * D + q_ch
-        win_q = _conv_window(x_row, cs, q_ch, mask_k, C, W, WP)
-        win_k = _conv_window(x_row, cs, k_ch, mask_k, C, W, WP)
-        q = _conv_silu(win_q, conv_w_ptr, q_ch, mask_k, W, WP)
-        k = _conv_silu(win_k, conv_w_ptr, k_ch, mask_k, W, WP)
+        if HOIST:
+            hist_v = _conv_hist(cs, v_ch, offs_v < D, C, W, WP)
+            win_q = _conv_window(_conv_hist(cs, q_ch, mask_k, C, W, WP), x_q, W, WP)
+            win_k = _conv_window(_conv_hist(cs, k_ch, mask_k, C, W, WP), x_k, W, WP)
+        else:
+            win_q = _conv_window(_conv_hist(cs, q_ch, mask_k, C, W, WP),
+                                 tl.load(x_row + q_ch, mask=mask_k, other=0.0), W, WP)
+            win_k = _conv_window(_conv_hist(cs, k_ch, mask_k, C, W, WP),
+                                 tl.load(x_row + k_ch, mask=mask_k, other=0.0), W, WP)
+            taps_q = _conv_taps(conv_w_ptr, q_ch, mask_k, W, WP)
+            taps_k = _conv_taps(conv_w_ptr, k_ch, mask_k, W, WP)
+        q = _silu_conv(win_q, taps_q)
+        k = _silu_conv(win_k, taps_k)
+        cnt = count_ptr + (i_n * H + i_h)
         if NV == 1:
             # a value may be held (and loaded) by several threads: all must have read the cache
             # before any overwrites it
             tl.debug_barrier()
             _conv_shift_store(win_q, cs, q_ch, mask_k, C, W, WP)
             _conv_shift_store(win_k, cs, k_ch, mask_k, C, W, WP)
+        elif EARLY and (PROBE & 1) == 0:
+            # The head's q/k cache may be shifted only once every program of the head has read it: each counts
+            # itself in as soon as its windows are in registers, and the last to arrive shifts, after its update,
+            # so the count's latency hides behind the update instead of ending the program. Release only: it
+            # orders this program's loads of the cache before the count, and does not hold back the loads after
+            # it as an acquire would; the last one's stores depend on the count it reads and so cannot happen
+            # before it.
+            tl.debug_barrier()
+            first = tl.atomic_add(cnt, 1, sem="release", scope="gpu")
         q = q * (scale / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6))
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-        decay, beta = _gate_beta(f_ptr + i_n.to(tl.int64) * stride_f_n, dt_bias_ptr, a_log_ptr,
-                                 b_ptr + i_n.to(tl.int64) * stride_b_n, i_h, offs_k, mask_k, lower_bound,
-                                 D, USE_LOWER_BOUND)
+        if not HOIST:
+            decay, beta = _gate_beta(f_row, dt_bias_ptr, a_log_ptr, b_row, i_h, offs_k, mask_k, lower_bound, D,
+                                     USE_LOWER_BOUND)
 
         if USE_PDL:
             gdc_launch_dependents()  # dependents may start their prologue; they gdc_wait for us
@@ -245,16 +292,26 @@ def _kda_decode_kernel(
             mask_v = offs_v < D
             s_ptrs = s_base + offs_k[:, None] * D + offs_v[None, :]
             mask2 = mask_k[:, None] & mask_v[None, :]
+            if HOIST:
+                win_v = _conv_window(hist_v, x_v, W, WP)
+                v = _silu_conv(win_v, taps_v)
+                if v0 + BV < BVS:  # the next tile's v channels, with its state below
+                    v_ch = v_ch + BV
+                    x_v = tl.load(x_row + v_ch, mask=offs_v + BV < D, other=0.0)
+                    taps_v = _conv_taps(conv_w_ptr, v_ch, offs_v + BV < D, W, WP)
+                    hist_v = _conv_hist(cs, v_ch, offs_v + BV < D, C, W, WP)
             if PREFETCH:
                 S = s_next  # S: [BK, BV] fp32
                 if v0 + BV < BVS:
                     s_next = tl.load(s_ptrs + BV, mask=mask_k[:, None] & (offs_v + BV < D)[None, :], other=0.0)
-            v_ch = 2 * H * D + i_h * D + offs_v
-            win_v = _conv_window(x_row, cs, v_ch, mask_v, C, W, WP)
-            v = _conv_silu(win_v, conv_w_ptr, v_ch, mask_v, W, WP)
+            if not HOIST:
+                v_ch = 2 * H * D + i_h * D + offs_v
+                win_v = _conv_window(_conv_hist(cs, v_ch, mask_v, C, W, WP),
+                                     tl.load(x_row + v_ch, mask=mask_v, other=0.0), W, WP)
+                v = _silu_conv(win_v, _conv_taps(conv_w_ptr, v_ch, mask_v, W, WP))
             tl.debug_barrier()
             # these v channels belong to this program alone
-            _conv_shift_store(win_v, cs, v_ch, mask_v, C, W, WP)
+            _conv_shift_store(win_v, cs, 2 * H * D + i_h * D + offs_v, mask_v, C, W, WP)
             if not PREFETCH:
                 S = tl.load(s_ptrs, mask=mask2, other=0.0)  # S: [BK, BV] fp32
             S, o = _delta_step(S, q, k, v, decay, beta)
@@ -265,12 +322,16 @@ def _kda_decode_kernel(
                 tl.store(o_row + offs_v, o.to(o_ptr.dtype.element_ty), mask=mask_v)
 
         gate_row = gate_ptr + i_n.to(tl.int64) * stride_gate_n + i_h * stride_gate_h
-        if NV > 1 and (PROBE & 1) == 0:
+        if NV > 1 and EARLY and (PROBE & 1) == 0:
+            if first == NV - 1:  # every program of the head has read the q/k cache
+                _conv_shift_store(win_q, cs, q_ch, mask_k, C, W, WP)
+                _conv_shift_store(win_k, cs, k_ch, mask_k, C, W, WP)
+                tl.store(cnt, 0)  # ready for the next launch
+        elif NV > 1 and (PROBE & 1) == 0:
             # The head's q/k cache may be overwritten, and its norm taken, only once every program
             # of the head has read the cache and written its o columns: the last one to arrive
             # does both. The barrier orders all threads' accesses before the release.
             tl.debug_barrier()
-            cnt = count_ptr + (i_n * H + i_h)
             arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
             if arrived == NV - 1:
                 _conv_shift_store(win_q, cs, q_ch, mask_k, C, W, WP)
@@ -316,6 +377,7 @@ def _launch_decode(
     if N == 0:
         return
     bvs = D // v_split if v_split > 1 else triton.next_power_of_2(D)
+    hoist, early = hoist_and_early(prefetch, num_warps, v_split, norm)
     _kda_decode_kernel[(N, H, v_split)](
         qkv_pre, qkv_pre.stride(0), conv_weight, conv_state, conv_state.stride(0), f, f.stride(0), A_log, dt_bias,
         b, b.stride(0), state, state.stride(0), slot_indices, out,
@@ -325,8 +387,19 @@ def _launch_decode(
         H=H, D=D, BK=triton.next_power_of_2(D), BV=min(block_v, bvs), BVS=bvs, NV=v_split,
         W=1 if probe & 2 else W, WP=1 if probe & 2 else triton.next_power_of_2(W),
         USE_LOWER_BOUND=lower_bound is not None, NORM=norm, USE_PDL=use_pdl and not INTERPRET,
-        PREFETCH=prefetch, PROBE=probe, num_warps=num_warps, **pdl_kwargs(use_pdl),
+        PREFETCH=prefetch, PROBE=probe, HOIST=hoist, EARLY=early, num_warps=num_warps,
+        **pdl_kwargs(use_pdl),
     )
+
+
+def hoist_and_early(prefetch: bool, num_warps: int, v_split: int, norm: bool) -> tuple[bool, bool]:
+    """The kernel's (HOIST, EARLY): one-warp split programs take every load up front and, without the norm, count in
+    for the q/k cache shift as soon as their windows are read. H100, N = 1, 8 programs a head (session 38, same
+    process): 6.20 us -> 5.75 hoisted, 5.67 early, 5.32 both (4.75 with PDL, against 5.49); N = 4 at 4 programs a
+    head 14.30 -> 9.43. At 2 warps hoisting lost (5.96 -> 6.38), and with the norm so did the early count (a second
+    atomic then: 6.22 hoisted against 6.68 with both)."""
+    hoist = prefetch and num_warps == 1
+    return hoist, hoist and v_split > 1 and not norm
 
 
 def default_block_v(N: int, H: int, v_split: int) -> int:
@@ -336,18 +409,21 @@ def default_block_v(N: int, H: int, v_split: int) -> int:
 
 
 def default_num_warps(D: int, v_split: int) -> int:
-    """Warps per program: 2 for split heads' narrow slices (<= 16 value columns: a [128, 16] fp32 tile is 32 values
-    a thread at 2 warps), else 4. H200, N = 1 (8 programs a head, 16 columns; NOTES.md run 6, one call): 5.60 us at
-    2 warps and 5.78 at 1 against 6.04 at 4; with the fused norm 6.21 at 1 against 6.46 at 4. Wider tiles at fewer
-    warps spill (2 programs a head, 32 columns, 1 warp: 165 us against 25 at N = 16)."""
-    return 2 if v_split > 1 and D // v_split <= 16 else 4
+    """Warps per program: 1 for split heads' slices of <= 32 value columns (every default split: the tile's key axis
+    stays in one warp, so its reductions are shuffles with no barrier, and the launcher then issues every load up
+    front), else 4. H100, N = 1, 8 programs a head (session 38, same process): 5.32 us at 1 warp against 5.96 at 2;
+    N = 4, 4 programs a head: 9.43 against 11.50 for the earlier default (2 a head, 4 warps). Wider tiles at fewer
+    warps spill (2 programs a head, 32-column tiles of 64 columns, 1 warp: 165 us against 25 at N = 16)."""
+    return 1 if v_split > 1 and D // v_split <= _MAX_SPLIT_COLS else 4
 
 
 def default_v_split(N: int, H: int, D: int) -> int:
-    """Programs per head: enough (sequence, head, V slice) programs to cover the GPU at small N;
-    1 once N*H alone fills it (splitting then only repeats the q/k conv)."""
+    """Programs per head: enough (sequence, head, V slice) programs to cover the GPU at small N, each at most
+    _MAX_SPLIT_COLS value columns once split (one-warp programs); 1 once N*H alone fills it (splitting then only
+    repeats the q/k conv)."""
     split = 1
-    while N * H * split < _TARGET_PROGRAMS and D // (2 * split) >= _MIN_SPLIT_COLS:
+    while D // (2 * split) >= _MIN_SPLIT_COLS and (
+            N * H * split < _TARGET_PROGRAMS or (split > 1 and D // split > _MAX_SPLIT_COLS)):
         split *= 2
     return split
 

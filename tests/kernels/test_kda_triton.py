@@ -162,24 +162,36 @@ def test_decode_two_steps_int64_slots_fp16() -> None:
 
 
 @pytest.mark.parametrize(
-    "v_split,block_v,prefetch",
-    [(1, 8, None), (2, 32, None), (4, 4, None), (1, 8, True), (2, 8, False)],
-    ids=["split1_tiles4", "split2", "split4_tiles2", "split1_tiles4_prefetch", "split2_tiles2_no_prefetch"],
+    "v_split,block_v,prefetch,norm",
+    [(1, 8, None, False), (2, 32, None, False), (4, 4, None, False), (1, 8, True, False), (2, 8, False, False),
+     (4, 4, None, True), (2, 8, False, True)],
+    ids=["split1_tiles4", "split2", "split4_tiles2", "split1_tiles4_prefetch", "split2_tiles2_no_prefetch",
+         "split4_tiles2_norm", "split2_tiles2_no_prefetch_norm"],
 )
-def test_decode_v_split_two_steps_shared_workspace(v_split: int, block_v: int, prefetch: bool | None) -> None:
-    """Heads split over V: the last program of a head shifts the q/k conv cache; counters return to 0. Both tile
-    schedules (each state tile loaded one step ahead, or in its own step) give the same result, conv cache included,
-    over two steps."""
+def test_decode_v_split_two_steps_shared_workspace(v_split: int, block_v: int, prefetch: bool | None,
+                                                    norm: bool) -> None:
+    """Heads split over V: the last program of a head to read the q/k conv cache shifts it; with the fused norm the
+    last to store its o columns takes the norm (a second count in the same counter); counters return to 0. Both
+    tile schedules (each state tile loaded one step ahead, or in its own step) give the same result, conv cache
+    included, over two steps."""
+    from k3rt.backend.layers.norm import rms_norm_gated
+
     N, H, D, kind = 3, 2, 32, "lower_bound"
     case = decode_case(N, H, D, kind, torch.float32, num_slots=5, seed=7)
     ref = {k: v.clone() for k, v in case.items()}
     slots = [4, -1, 1]
     slot_t = torch.tensor(slots, dtype=torch.int32, device=DEV)
     ws = triton_decode.kda_decode_workspace(N + 2, H, DEV)
+    gen = torch.Generator().manual_seed(11)
+    gate, weight = torch.randn(N, H, D, generator=gen).to(DEV), (1 + 0.3 * torch.randn(D, generator=gen)).to(DEV)
+    extra = dict(o_gate=gate, o_norm_weight=weight) if norm else {}
     for step in range(2):
         o_ref, ref["state"], ref["conv_state"] = decode_ref(ref, slots, kind)
+        if norm:
+            o_ref = rms_norm_gated(o_ref, gate, weight, 1e-5)
+            o_ref[1] = 0.0  # padding row
         o = kda_decode(**case, slot_indices=slot_t, lower_bound=LOWER_BOUND, v_split=v_split,
-                       block_v=block_v, workspace=ws, prefetch=prefetch)
+                       block_v=block_v, workspace=ws, prefetch=prefetch, **extra)
         assert rel_err(o, o_ref) <= 1e-4, step
         assert torch.equal(o[1], torch.zeros_like(o[1]))
         assert rel_err(case["state"], ref["state"]) <= 1e-4, step
