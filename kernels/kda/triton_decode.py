@@ -35,8 +35,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from k3rt.kernels.common import INTERPRET, check, pdl_kwargs, poison_like, set_poison  # noqa: F401  (re-exported)
 
 _LOWER_BOUND_MIN = -5.0
-# default_v_split: split heads over V until this many programs run (about 2 per SM on an H200),
-# never below this many value columns per program, and once split, to at most this many (one 1-warp tile)
+# default_v_split: heads split over V while N * H <= _SPLIT_HEADS (H200, session 38: N = 8 and 16 at H = 32 ran
+# 12.9 / 24.3 us split against 18.1 / 25.7 whole), each program at most _MAX_SPLIT_COLS value columns (one 1-warp
+# tile), and narrower until _TARGET_PROGRAMS programs run (about 2 per SM), never below _MIN_SPLIT_COLS columns
+_SPLIT_HEADS = 512
 _TARGET_PROGRAMS = 256
 _MIN_SPLIT_COLS = 16
 _MAX_SPLIT_COLS = 32
@@ -418,12 +420,14 @@ def default_num_warps(D: int, v_split: int) -> int:
 
 
 def default_v_split(N: int, H: int, D: int) -> int:
-    """Programs per head: enough (sequence, head, V slice) programs to cover the GPU at small N, each at most
-    _MAX_SPLIT_COLS value columns once split (one-warp programs); 1 once N*H alone fills it (splitting then only
-    repeats the q/k conv)."""
-    split = 1
-    while D // (2 * split) >= _MIN_SPLIT_COLS and (
-            N * H * split < _TARGET_PROGRAMS or (split > 1 and D // split > _MAX_SPLIT_COLS)):
+    """Programs per head: for N * H <= _SPLIT_HEADS, slices of at most _MAX_SPLIT_COLS value columns (one-warp
+    programs, all loads up front), narrower until _TARGET_PROGRAMS programs run; 1 above (the grid is full and
+    splitting would only repeat the q/k conv). H200, H = 32, D = 128 (session 38, kernels.py --decode-sweep): 32-column
+    programs at N = 4 / 8 / 16 ran 8.31 / 12.89 / 24.26 us, 16-column ones 8.96 / 16.35 / 38.93; at N = 1 both 5.1."""
+    if N * H > _SPLIT_HEADS:
+        return 1
+    split = max(1, D // _MAX_SPLIT_COLS)
+    while N * H * split < _TARGET_PROGRAMS and D // (2 * split) >= _MIN_SPLIT_COLS:
         split *= 2
     return split
 
