@@ -261,24 +261,27 @@ def _kda_decode_kernel(
                                  tl.load(x_row + k_ch, mask=mask_k, other=0.0), W, WP)
             taps_q = _conv_taps(conv_w_ptr, q_ch, mask_k, W, WP)
             taps_k = _conv_taps(conv_w_ptr, k_ch, mask_k, W, WP)
+        cnt = count_ptr + (i_n * H + i_h)
+        if EARLY and (PROBE & 1) == 0:
+            # The head's q/k cache may be shifted only once every program of the head has read it: each counts
+            # itself in as soon as its windows are loaded, and the last to arrive shifts, after its update, so the
+            # count's latency hides behind the update instead of ending the program. Release only: it orders this
+            # program's loads of the cache (all threads', by the barrier) before the count, and does not hold back
+            # the loads after it as an acquire would; the last one's stores depend on the count it reads and so
+            # cannot happen before it. Counting here, before the conv math, also keeps the state tile's loads beside
+            # the windows': no load moves past the count's fence, and without it ptxas sinks them below that math
+            # (register pressure at one warp), a second round trip to memory after the windows' (SASS, session 38;
+            # a barrier alone does not stop it).
+            tl.debug_barrier()
+            first = tl.atomic_add(cnt, 1, sem="release", scope="gpu")
         q = _silu_conv(win_q, taps_q)
         k = _silu_conv(win_k, taps_k)
-        cnt = count_ptr + (i_n * H + i_h)
         if NV == 1:
             # a value may be held (and loaded) by several threads: all must have read the cache
             # before any overwrites it
             tl.debug_barrier()
             _conv_shift_store(win_q, cs, q_ch, mask_k, C, W, WP)
             _conv_shift_store(win_k, cs, k_ch, mask_k, C, W, WP)
-        elif EARLY and (PROBE & 1) == 0:
-            # The head's q/k cache may be shifted only once every program of the head has read it: each counts
-            # itself in as soon as its windows are in registers, and the last to arrive shifts, after its update,
-            # so the count's latency hides behind the update instead of ending the program. Release only: it
-            # orders this program's loads of the cache before the count, and does not hold back the loads after
-            # it as an acquire would; the last one's stores depend on the count it reads and so cannot happen
-            # before it.
-            tl.debug_barrier()
-            first = tl.atomic_add(cnt, 1, sem="release", scope="gpu")
         q = q * (scale / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6))
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
         if not HOIST:
