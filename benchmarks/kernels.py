@@ -420,7 +420,7 @@ def decode_sweep_configs(N: int) -> list[dict]:
     # one or two warps per program: the state tile's key axis (the reduced one) then stays inside a warp, so the
     # two reductions per tile are shuffles, not shared-memory round trips with barriers
     if N <= 4:
-        # session 38: split programs at one warp take every load up front (kda_decode's hoist_and_early), the
+        # session 38: split programs at one warp take every load up front (triton_decode.load_order), the
         # default now; the 2- and 4-warp shapes stay for comparison
         return [{}, c(8, 16, 1), c(8, 16, 1, use_pdl=True), c(8, 16, 2), c(8, 16, 2, use_pdl=True), c(4, 32, 1),
                 c(4, 32, 1, use_pdl=True), c(4, 32, 4), c(16, 8, 1), c(16, 8, 1, use_pdl=True), c(2, 64, 4),

@@ -106,6 +106,14 @@ def _conv_shift_store(win, cs_ptr, ch, mask, C: tl.constexpr, W: tl.constexpr, W
 
 
 @triton.jit
+def _fence_cta(x):
+    """A CTA-scope fence (`fence.acq_rel.cta`, SASS MEMBAR.ALL.CTA), returning x: ptxas moves no load past it, so the
+    loads before it are issued before the instructions after it. Not for the interpreter (inline PTX)."""
+    return tl.inline_asm_elementwise("fence.acq_rel.cta; mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def _gate_consts(dt_ptr, a_log_ptr, i_h, offs_k, mask_k, D: tl.constexpr):
     """A head's gate constants: (dt_bias [BK], exp(A_log))."""
     return tl.load(dt_ptr + i_h * D + offs_k, mask=mask_k, other=0.0), tl.exp(tl.load(a_log_ptr + i_h).to(tl.float32))
@@ -199,6 +207,7 @@ def _kda_decode_kernel(
     PROBE: tl.constexpr = 0,
     HOIST: tl.constexpr = False,
     EARLY: tl.constexpr = False,
+    PIN: tl.constexpr = False,
 ):
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -262,6 +271,11 @@ def _kda_decode_kernel(
             taps_q = _conv_taps(conv_w_ptr, q_ch, mask_k, W, WP)
             taps_k = _conv_taps(conv_w_ptr, k_ch, mask_k, W, WP)
         cnt = count_ptr + (i_n * H + i_h)
+        if PIN:
+            # Without EARLY's count (whose fence does the same), a fence keeps the state tile's loads beside the
+            # windows': ptxas otherwise sinks them below the conv and norm math (register pressure at one warp), a
+            # second round trip to memory after the windows' (SASS, session 38; a barrier alone does not stop it).
+            _fence_cta(i_h)
         if EARLY and (PROBE & 1) == 0:
             # The head's q/k cache may be shifted only once every program of the head has read it: each counts
             # itself in as soon as its windows are loaded, and the last to arrive shifts, after its update, so the
@@ -382,7 +396,7 @@ def _launch_decode(
     if N == 0:
         return
     bvs = D // v_split if v_split > 1 else triton.next_power_of_2(D)
-    hoist, early = hoist_and_early(prefetch, num_warps, v_split, norm)
+    hoist, early, pin = load_order(prefetch, num_warps, v_split, norm)
     _kda_decode_kernel[(N, H, v_split)](
         qkv_pre, qkv_pre.stride(0), conv_weight, conv_state, conv_state.stride(0), f, f.stride(0), A_log, dt_bias,
         b, b.stride(0), state, state.stride(0), slot_indices, out,
@@ -392,19 +406,23 @@ def _launch_decode(
         H=H, D=D, BK=triton.next_power_of_2(D), BV=min(block_v, bvs), BVS=bvs, NV=v_split,
         W=1 if probe & 2 else W, WP=1 if probe & 2 else triton.next_power_of_2(W),
         USE_LOWER_BOUND=lower_bound is not None, NORM=norm, USE_PDL=use_pdl and not INTERPRET,
-        PREFETCH=prefetch, PROBE=probe, HOIST=hoist, EARLY=early, num_warps=num_warps,
+        PREFETCH=prefetch, PROBE=probe, HOIST=hoist, EARLY=early, PIN=pin and not INTERPRET,
+        num_warps=num_warps,
         **pdl_kwargs(use_pdl),
     )
 
 
-def hoist_and_early(prefetch: bool, num_warps: int, v_split: int, norm: bool) -> tuple[bool, bool]:
-    """The kernel's (HOIST, EARLY): one-warp split programs take every load up front and, without the norm, count in
-    for the q/k cache shift as soon as their windows are read. H100, N = 1, 8 programs a head (session 38, same
-    process): 6.20 us -> 5.75 hoisted, 5.67 early, 5.32 both (4.75 with PDL, against 5.49); N = 4 at 4 programs a
-    head 14.30 -> 9.43. At 2 warps hoisting lost (5.96 -> 6.38), and with the norm so did the early count (a second
-    atomic then: 6.22 hoisted against 6.68 with both)."""
+def load_order(prefetch: bool, num_warps: int, v_split: int, norm: bool) -> tuple[bool, bool, bool]:
+    """The kernel's (HOIST, EARLY, PIN): one-warp split programs take every load up front and, without the norm,
+    count in for the q/k cache shift as soon as their windows are loaded; with it, a CTA fence in the count's place
+    keeps the state tile's loads beside the windows' (the count's fence does that for EARLY). H100, N = 1, 8 programs
+    a head (session 38, same process, the count then after the conv math, no PIN): 6.20 us -> 5.75 hoisted, 5.67
+    early, 5.32 both (4.75 with PDL, against 5.49); N = 4 at 4 programs a head 14.30 -> 9.43. At 2 warps hoisting
+    lost (5.96 -> 6.38), and with the norm so did the early count (a second atomic then: 6.22 hoisted against 6.68
+    with both)."""
     hoist = prefetch and num_warps == 1
-    return hoist, hoist and v_split > 1 and not norm
+    early = hoist and v_split > 1 and not norm
+    return hoist, early, hoist and not early
 
 
 def default_block_v(N: int, H: int, v_split: int) -> int:
