@@ -20,6 +20,12 @@ head count their arrivals in an int32 workspace and the last to arrive shifts th
 reader of it is done by then), applies the norm to the fp32 o row the others left in scratch, and
 zeroes the counter again. No host sync, no data-dependent shapes: CUDA-graph safe.
 
+The split programs run at one warp by default, and then (`load_order`) issue every load before the
+first reduction, count in for the shift as soon as their windows are loaded when there is no norm
+(the count's latency then hides behind the update), and keep the state tile's loads beside the
+windows' with a fence (ptxas would sink them below the math): at N = 1 the step is a chain of
+round trips to memory, and each of these removes one.
+
 The oracle is `ref.py` (`kda_recurrent`, the gates, `l2norm`), `short_conv/ref.py`
 (`causal_conv1d`) and `backend/layers/norm.py` (`rms_norm_gated`).
 """
