@@ -229,6 +229,19 @@ def test_decode_fused_gated_rmsnorm(v_split: int, block_v: int, gate_2d: bool) -
     assert torch.equal(case["conv_state"], conv_ref)
 
 
+def test_decode_split_defaults_one_warp_programs() -> None:
+    """Session 38's defaults at the 48B's KDA shape (H = 32, D = 128): heads split into one-warp programs of at most
+    32 value columns while N * H <= 512 (16 columns at N = 1, to reach 256 programs), whole heads at 4 warps above;
+    split one-warp programs hoist every load, take the early count without the norm and the fence with it."""
+    KD = triton_decode
+    assert [KD.default_v_split(n, 32, 128) for n in (1, 2, 4, 8, 16, 17, 64)] == [8, 4, 4, 4, 4, 1, 1]
+    assert [KD.default_num_warps(128, s) for s in (8, 4, 2, 1)] == [1, 1, 4, 4]
+    assert KD.load_order(True, 1, 8, norm=False) == (True, True, False)
+    assert KD.load_order(True, 1, 8, norm=True) == (True, False, True)
+    assert KD.load_order(True, 2, 8, norm=False) == (False, False, False)  # 2 warps: hoisting lost there
+    assert KD.load_order(False, 4, 1, norm=False) == (False, False, False)
+
+
 def test_decode_default_tile_narrow_for_few_programs_and_pinned_with_v_split(monkeypatch) -> None:
     """block_v None: 32-column tiles while (sequence, head) programs <= 512 and heads are unsplit (H200: N=16 H=32
     25.4 against 27.4 us), 64 above; a caller that pins v_split (the batch-invariant mode) gets 64 at any N, so its
