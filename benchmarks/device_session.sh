@@ -49,6 +49,10 @@
 #   kda-decode-probe (120) KDA decode at N = 1 over the split-head shapes, with timing probes (session 37,
 #                       kda_decode(probe=)): without the heads' arrival atomic, without the conv cache, without both;
 #                       what each costs of the 5-6 us step (issue 18's N = 1 goal: 4 us)
+#   kda-decode (200 + 150) KDA decode at N = 1-64 beside fla, with and without the fused norm; with
+#                       DECODE_BASELINE=FILE (an earlier kernels/kda/triton_decode.py, carried to the device) that kernel
+#                       too, interleaved (kernels.py --decode-baseline); then the decode sweep at N = 16 and 64 (session
+#                       38's split one-warp programs against whole heads; issue 18's >= 80% of the floor at N >= 16)
 #   kda-forms-48b (240) the 48B prefill at 8K / 32K with each of those forms and all four (decode.py)
 #   bf16-paths (120 + 200) test_gpu_runner_bf16_logits_within_tolerance (session 33: [k3] failed at 8fc76af,
 #                       0.0459 against 0.0381), then benchmarks/bf16_paths.py: the bf16 runner's prefill error per
@@ -121,7 +125,7 @@ for stage in "$@"; do
     tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det|overlap|serve) ;;
     spec-tests|spec-verify|dspark-pass|spec-bench|spec-gate|spec-rounds|jit-churn|tp-tests|tp|tp-symm|k3-slice) ;;
     profile|kda-probe|tiny-linear|spec-round|prep|kda-blocks|k3-launches|kda-warps|spec-b1) ;;
-    kda-multi|kda-fused-gc|kda-forms-48b|bf16-paths|spec-b16|kda-phases|kda-default|kda-decode-probe) ;;
+    kda-multi|kda-fused-gc|kda-forms-48b|bf16-paths|spec-b16|kda-phases|kda-default|kda-decode-probe|kda-decode) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -213,6 +217,11 @@ for stage in "$@"; do
     kda-decode-probe)
       run kda-decode-probe 120 python3 benchmarks/kernels.py --decode-sweep --decode-n 1 --prefill --budget-s 110 \
         --out "$OUT/kda_decode_probe.json" ;;
+    kda-decode)
+      run kda-decode 200 python3 benchmarks/kernels.py --decode-n 1 2 4 8 16 32 64 --decode-norm --prefill \
+        ${DECODE_BASELINE:+--decode-baseline "$DECODE_BASELINE"} --budget-s 190 --out "$OUT/kda_decode.json"
+      run kda-decode 150 python3 benchmarks/kernels.py --decode-sweep --decode-n 16 64 --prefill --budget-s 140 \
+        --out "$OUT/kda_decode_sweep.json" ;;
     kda-forms-48b)
       run kda-forms-48b 240 python3 benchmarks/decode.py --batch 1 --prefill 8192 32768 --variants \
         --prefill-configs kda_blocks_fuse_gc=1 kda_blocks_inverse_regs=1 kda_blocks_out_chunk=1 kda_blocks_l_chunk=1 \

@@ -151,6 +151,11 @@ def _add_args(p) -> None:
     p.add_argument("--decode-n", type=int, nargs="*", default=[1, 16, 64, 256])
     p.add_argument("--decode-sweep", action="store_true",
                    help="time kda_decode over (v_split, block_v, num_warps, pdl, fused norm) configs per N")
+    p.add_argument("--decode-baseline", default=None, metavar="FILE",
+                   help="an earlier kernels/kda/triton_decode.py (e.g. `git show REV:kernels/kda/triton_decode.py > "
+                        "FILE`; carry it to the device) timed at its defaults beside the current kernel, interleaved, "
+                        "in the decode rows (and with the fused norm: `--decode-norm`)")
+    p.add_argument("--decode-norm", action="store_true", help="decode rows with the fused gated norm too")
     p.add_argument("--verify", nargs="*", default=[], help="kda_verify cases NxT (N sequences, T drafted tokens)")
     p.add_argument("--prefill", nargs="*", default=["4096", "16384", "65536", "8x4096"],
                    help="prefill cases: T (one sequence) or NxT (N sequences of T)")
@@ -371,24 +376,38 @@ def rotation_layers(state_bytes: int) -> int:
     return _timing.l2_rotation(state_bytes, cuda=DEV == "cuda")
 
 
-def bench_decode(N: int, H: int, D: int, impl: str, cfg: dict | None = None) -> dict:
+def load_baseline(path: str) -> types.SimpleNamespace:
+    """kda_decode and kda_decode_workspace of an earlier triton_decode.py (--decode-baseline), loaded as its own
+    module (it imports k3rt.kernels.common like the current one)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("k3rt_decode_baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return types.SimpleNamespace(kda_decode=mod.kda_decode, kda_decode_workspace=mod.kda_decode_workspace)
+
+
+def bench_decode(N: int, H: int, D: int, impl: str, cfg: dict | None = None,
+                 kernel: types.SimpleNamespace | None = None) -> dict:
     """cfg (k3rt only): kda_decode keywords (v_split, block_v, num_warps, use_pdl) plus norm=True for
-    the fused gated RMSNorm epilogue."""
+    the fused gated RMSNorm epilogue. kernel: another kda_decode / kda_decode_workspace pair (load_baseline)."""
+    decode, workspace = (kda_decode, kda_decode_workspace) if kernel is None else (kernel.kda_decode,
+                                                                                  kernel.kda_decode_workspace)
     cfg = dict(cfg or {})
     norm = cfg.pop("norm", False)
     state_bytes = N * H * D * D * 4
     L = rotation_layers(state_bytes)
     x = decode_inputs(N, H, D, ACT, layers=L, seed=5)
     outs = [torch.empty(N, H, D, dtype=ACT, device=DEV) for _ in range(L)]
-    if impl == "k3rt":
+    if impl != "fla":
         extra = dict(cfg)
         if norm:
             gen = torch.Generator(device=DEV).manual_seed(6)
             extra.update(o_gate=torch.randn(N, 2 * H * D, generator=gen, device=DEV).to(ACT)[:, H * D:],
                          o_norm_weight=torch.ones(D, device=DEV, dtype=ACT))
-        extra["workspace"] = kda_decode_workspace(N, H, DEV)  # allocated before capture, reused
+        extra["workspace"] = workspace(N, H, DEV)  # allocated before capture, reused
         calls = [
-            (lambda l=l: kda_decode(x["qkv_pre"], x["conv_weight"], x["conv_states"][l], x["f"], x["A_log"],
+            (lambda l=l: decode(x["qkv_pre"], x["conv_weight"], x["conv_states"][l], x["f"], x["A_log"],
                                     x["dt_bias"], x["b"], x["states"][l], x["slots"], lower_bound=LB, out=outs[l],
                                     **extra))
             for l in range(L)
@@ -628,8 +647,16 @@ def main() -> int:
 
     decode_n = ARGS.decode_n if not smoke else [2]
     prefill = ARGS.prefill if not smoke else ["65", "2x33"]
+    base = load_baseline(ARGS.decode_baseline) if ARGS.decode_baseline else None
     for N in (decode_n if not ARGS.decode_sweep else []):
-        item("decode", f"k3rt N={N}", lambda N=N: bench_decode(N, H, D, "k3rt"))
+        for cfg, tag in [({}, "")] + ([({"norm": True}, " norm")] if ARGS.decode_norm else []):
+            # the baseline right after the current kernel, then the current kernel again: two readings each,
+            # interleaved, so a drift of the GPU's clocks shows instead of favouring one side
+            for rep in ("", " again")[:2 if base else 1]:
+                item("decode", f"k3rt{tag} N={N}{rep}", lambda N=N, c=cfg: bench_decode(N, H, D, "k3rt", c))
+                if base:
+                    item("decode", f"baseline{tag} N={N}{rep}",
+                         lambda N=N, c=cfg: bench_decode(N, H, D, "baseline", c, kernel=base))
         if FLA is not None:
             item("decode", f"fla N={N}", lambda N=N: bench_decode(N, H, D, "fla"))
     if ARGS.decode_sweep:
@@ -685,16 +712,21 @@ def print_table() -> None:
         print(f"check {c['name']:<32} {c.get('shape', ''):<58} o {c.get('rel_err_o', float('nan')):.2e} "
               f"state {c.get('rel_err_state', float('nan')):.2e} {'ok' if c.get('ok') else 'FAIL'} "
               f"{c.get('error', c.get('skipped', ''))}")
-    by = {}
+    by = {}  # (N, norm) -> impl -> readings (k3rt and the baseline twice each with --decode-baseline)
     for d in RESULT.get("decode", []):
         if "N" in d:
-            by.setdefault(d["N"], {})[d["impl"]] = d
-    print(f"\ndecode (H=32 D=128, CUDA graph, us/call)  {'N':>4} {'k3rt':>9} {'fla':>9} {'floor':>9} {'k3rt GB/s':>10}")
-    for N, r in sorted(by.items()):
-        k, f = r.get("k3rt", {}), r.get("fla", {})
-        fl = k.get("floor_us") or f.get("floor_us")
-        print(f"{'':42}{N:>4} {k.get('us_per_call', float('nan')):9.2f} {f.get('us_per_call', float('nan')):9.2f} "
-              f"{fl if fl is not None else float('nan'):9.2f} {k.get('state_GBps', float('nan')):10.0f}")
+            by.setdefault((d["N"], d["cfg"].get("norm", False)), {}).setdefault(d["impl"], []).append(d)
+    print(f"\ndecode (H=32 D=128, CUDA graph, us/call)  {'N':>4} {'norm':>5} {'k3rt':>13} {'baseline':>13} "
+          f"{'fla':>9} {'floor':>9} {'k3rt GB/s':>10}")
+
+    def us(rows: list) -> str:
+        return " / ".join(f"{d['us_per_call']:.2f}" for d in rows) or "-"
+
+    for (N, norm), r in sorted(by.items()):
+        k, b, f = r.get("k3rt", []), r.get("baseline", []), r.get("fla", [])
+        fl = next((d["floor_us"] for d in k + f if d.get("floor_us")), float("nan"))
+        gbps = k[0].get("state_GBps", float("nan")) if k else float("nan")
+        print(f"{'':42}{N:>4} {'yes' if norm else 'no':>5} {us(k):>13} {us(b):>13} {us(f):>9} {fl:9.2f} {gbps:10.0f}")
     sweep = [d for d in RESULT.get("decode_sweep", []) if "us_per_call" in d]
     if sweep:
         print(f"\ndecode sweep (us/call, CUDA graph)  {'N':>4} {'us':>8} {'floor%':>7}  config")

@@ -36,12 +36,12 @@ _AS_IN_TESTS = ("import runpy, sys; sys.path[0] = {repo!r}; import tests.conftes
                 "sys.argv = sys.argv[1:]; sys.path[0] = {bench!r}; runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
-def run_benchmark_smoke(script: str, out: Path) -> dict:
-    """Run benchmarks/<script> --smoke under the Triton interpreter, writing its JSON to `out`; that JSON."""
+def run_benchmark_smoke(script: str, out: Path, *args: str) -> dict:
+    """Run benchmarks/<script> --smoke [args] under the Triton interpreter, writing its JSON to `out`; that JSON."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     launch = _AS_IN_TESTS.format(repo=str(REPO), bench=str(REPO / "benchmarks"))
-    proc = subprocess.run([sys.executable, "-c", launch, str(REPO / "benchmarks" / script), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", launch, str(REPO / "benchmarks" / script), "--smoke", "--out", str(out),
+                           *args], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())
 

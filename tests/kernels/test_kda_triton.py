@@ -25,7 +25,7 @@ from k3rt.kernels.kda.ref import (  # noqa: E402
     kda_recurrent,
 )
 from k3rt.kernels.short_conv.ref import causal_conv1d  # noqa: E402
-from tests.kernels.helpers import DEV, HAS_CUDA, rel_err, run_benchmark_smoke  # noqa: E402
+from tests.kernels.helpers import DEV, HAS_CUDA, REPO, rel_err, run_benchmark_smoke  # noqa: E402
 
 LOWER_BOUND = -5.0
 W = 4
@@ -632,6 +632,18 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
     result = run_benchmark_smoke("kernels.py", out)
     assert result["mode"] == "smoke"
     assert all(c["ok"] for c in result["correctness"]), result["correctness"]
+
+
+def test_benchmark_decode_baseline_smoke(tmp_path: Path) -> None:
+    """kernels.py --decode-baseline FILE --decode-norm: an earlier triton_decode.py (here the current one, as a file)
+    timed beside the current kernel, twice each, interleaved, with and without the fused norm, all in the decode
+    rows (the timing itself is the GPU's; here the rows must exist and have run)."""
+    base = tmp_path / "old_decode.py"
+    base.write_text((REPO / "kernels" / "kda" / "triton_decode.py").read_text())
+    result = run_benchmark_smoke("kernels.py", tmp_path / "kernels.json", "--decode-baseline", str(base),
+                                 "--decode-norm", "--prefill")
+    rows = [(d["impl"], d["cfg"]["norm"]) for d in result["decode"] if "us_per_call" in d]
+    assert sorted(rows) == sorted([(impl, norm) for impl in ("k3rt", "baseline") for norm in (False, True)] * 2), rows
 
 
 # --------------------------------------------------------------------------------------------
