@@ -45,7 +45,9 @@ VARIANTS = {"control": {}, "pdl": dict(use_pdl=True), "cublas_gemv": dict(skinny
             # projections and the router's logits in its top-k launch (the MLA gate kernel has no switch)
             "no_latent_fusion": dict(moe_latent_fusion=False), "no_fused_router": dict(moe_fused_router=False),
             "unfused": dict(moe_latent_fusion=False, moe_fused_router=False),
-            "no_pair_blocks": dict(moe_pair_blocks_bytes=0), "stacked_mix": dict(attn_res_stacked=True)}
+            "no_pair_blocks": dict(moe_pair_blocks_bytes=0), "stacked_mix": dict(attn_res_stacked=True),
+            # session 38: the residual add and the next norm in the MoE's experts' sum launch, off
+            "no_sum_add_norm": dict(moe_sum_add_norm=False)}
 
 
 def _args() -> argparse.Namespace:

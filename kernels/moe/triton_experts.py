@@ -18,6 +18,7 @@ Prefill is compute-bound: BLOCK_M 64/128, wide tiles for the tensor cores.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -30,6 +31,18 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs, poison_like, tma_ok
 from k3rt.kernels.moe.triton_align import moe_align_fwd, moe_align_grouped
 from k3rt.model_config import ActivationConfig
+
+
+class SumNorm(NamedTuple):
+    """The experts' sum's epilogue (`norm=` of the fused-experts launchers; a plain (weight, eps) pair is one too):
+    RMSNorm by weight / eps of each token's sum rounded to x's dtype (LatentMoE's routed_expert_norm), or, with
+    residual, of residual + that rounded sum, rounded again, the new residual stream written to residual_out: the
+    decoder layer's residual add and the next norm (kernels/norm's `rms_norm(residual=)`, its rounding order)."""
+
+    weight: Tensor
+    eps: float
+    residual: Tensor | None = None  # [T, D] x.dtype, last dim contiguous
+    residual_out: Tensor | None = None  # [T, D] x.dtype contiguous (may be residual itself)
 
 # The expert GEMMs' arguments that change with the batch and the routing (pairs, tokens, block counts): not
 # specialized, so one compile serves every step of a tile config (kernels/common.py, "Compiles"); D and I
@@ -341,8 +354,9 @@ def _moe_down_kernel(
 
 # not specialized per step (kernels/common.py, Compiles): T, P: the step's tokens and pairs
 @triton.jit(do_not_specialize=["T", "P"])
-def _moe_sum_kernel(y_ptr, out_ptr, stride_ot, D, T, P, norm_w_ptr, eps, TOPK: tl.constexpr, SHARED: tl.constexpr,
-                    BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr, NORM: tl.constexpr = False):
+def _moe_sum_kernel(y_ptr, out_ptr, stride_ot, D, T, P, norm_w_ptr, eps, r_ptr, stride_r, h_ptr, TOPK: tl.constexpr,
+                    SHARED: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr, NORM: tl.constexpr = False,
+                    RESIDUAL: tl.constexpr = False):
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -358,6 +372,11 @@ def _moe_sum_kernel(y_ptr, out_ptr, stride_ot, D, T, P, norm_w_ptr, eps, TOPK: t
         gdc_launch_dependents()
     if NORM:  # the whole row is here (BLOCK_D >= D): kernels/norm's rounding order on the sum rounded to x's dtype
         h = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+        if RESIDUAL:  # the layer's residual add first, rounded, and that is the new residual stream (SumNorm)
+            r = tl.load(r_ptr + t.to(tl.int64) * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+            h = (h + r).to(y_ptr.dtype.element_ty)
+            tl.store(h_ptr + t.to(tl.int64) * D + offs, h, mask=mask)
+            h = h.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / D + eps)
         acc = (h * rstd).to(y_ptr.dtype.element_ty).to(tl.float32) * tl.load(norm_w_ptr + offs, mask=mask).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -395,13 +414,21 @@ def check_stacks(x: Tensor, w13: Tensor, w2: Tensor) -> tuple[int, int]:
 
 
 def check_routing(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, act: ActivationConfig, shared_experts: int,
-                  num_experts: int, out: Tensor | None, norm: tuple[Tensor, float] | None = None) -> int:
+                  num_experts: int, out: Tensor | None, norm: SumNorm | tuple[Tensor, float] | None = None) -> int:
     """The arguments every fused-experts launcher shares besides the weights; -> k (slots per token)."""
     T, D = x.shape
     if norm is not None:
-        check(norm[0], "norm weight", (D,), x.dtype)
-        if not norm[0].is_contiguous():
+        norm = SumNorm(*norm)
+        check(norm.weight, "norm weight", (D,), x.dtype)
+        if not norm.weight.is_contiguous():
             raise ValueError("norm weight must be contiguous")
+        if (norm.residual is None) != (norm.residual_out is None):
+            raise ValueError("norm residual and residual_out must be given together")
+        if norm.residual is not None:
+            check(norm.residual, "norm residual", (T, D), x.dtype)
+            check(norm.residual_out, "norm residual_out", (T, D), x.dtype)
+            if norm.residual.stride(-1) != 1 or not norm.residual_out.is_contiguous():
+                raise ValueError("norm residual must have a contiguous last dim and residual_out be contiguous")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
         raise ValueError(f"topk_ids must be [T={T}, k], got {list(topk_ids.shape)}")
     k = topk_ids.shape[1]
@@ -439,7 +466,7 @@ class ExpertBlocks:
 
 def check_call(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, act: ActivationConfig,
                shared_experts: int, out: Tensor | None,
-               norm: tuple[Tensor, float] | None = None) -> tuple[int, int, int, int, int, Tensor]:
+               norm: SumNorm | tuple[Tensor, float] | None = None) -> tuple[int, int, int, int, int, Tensor]:
     """The checks of a call with stacked 16-bit/fp32 expert weights (`fused_experts`, grouped.py's
     `fused_experts_grouped`), each error naming the argument; -> (T, D, E, I, k, out), out allocated when None."""
     T, D = check_x(x)
@@ -492,26 +519,40 @@ def align_blocks(x: Tensor, topk_ids: Tensor, num_experts: int, inter: int, shar
                         E_routed), h, y, pair_blocks, h_shared, big, small)
 
 
-# the widest row the sum's norm epilogue takes (one program per row holds it)
-NORM_MAX_D = 1024
+# the widest row the sum's norm epilogue takes (one program per row holds it: the 48B's 2,304, a [4096] fp32 row
+# across 4 warps); the plain sum's column block
+NORM_MAX_D = 4096
+SUM_BLOCK_D = 1024
+
+
+def norm_after(y: Tensor, norm: SumNorm | tuple[Tensor, float], out: Tensor, use_pdl: bool) -> Tensor:
+    """The SumNorm epilogue as kernels/norm's launch after the sum y (rows too wide for one program, or a sum that
+    splits rows), into out."""
+    from k3rt.kernels.norm import rms_norm
+
+    n = SumNorm(*norm)
+    if n.residual is None:
+        return rms_norm(y, n.weight, n.eps, out=out, use_pdl=use_pdl)
+    rms_norm(y, n.weight, n.eps, residual=n.residual, residual_out=n.residual_out, out=out, use_pdl=use_pdl)
+    return out
 
 
 def sum_slots(y: Tensor, out: Tensor, k: int, shared_experts: int, use_pdl: bool,
-              norm: tuple[Tensor, float] | None = None) -> Tensor:
+              norm: SumNorm | tuple[Tensor, float] | None = None) -> Tensor:
     """out[t] = the sum over token t's k routed slots, then its shared experts' rows, in fp32; with norm
-    (weight, eps) RMSNorm of that sum rounded to y's dtype, as kernels/norm rounds: in this launch where a row fits
-    one program (D <= NORM_MAX_D), else by the norm kernel after."""
+    (SumNorm) RMSNorm of that sum rounded to y's dtype (after the residual add, with one), as kernels/norm rounds:
+    in this launch where a row fits one program (D <= NORM_MAX_D), else by the norm kernel after."""
     T, D = out.shape
     if norm is not None and D > NORM_MAX_D:
-        from k3rt.kernels.norm import rms_norm
-
-        return rms_norm(sum_slots(y, torch.empty_like(out), k, shared_experts, use_pdl), norm[0], norm[1], out=out,
-                        use_pdl=use_pdl)
+        return norm_after(sum_slots(y, torch.empty_like(out), k, shared_experts, use_pdl), norm, out, use_pdl)
+    n = None if norm is None else SumNorm(*norm)
+    res = n is not None and n.residual is not None
     pdl = use_pdl and not INTERPRET
-    block_d = min(NORM_MAX_D, triton.next_power_of_2(D))
+    block_d = triton.next_power_of_2(D) if n is not None else min(SUM_BLOCK_D, triton.next_power_of_2(D))
     _moe_sum_kernel[(T, triton.cdiv(D, block_d))](
-        y, out, out.stride(0), D, T, T * k, norm[0] if norm else out, float(norm[1]) if norm else 0.0, TOPK=k,
-        SHARED=shared_experts, BLOCK_D=block_d, USE_PDL=pdl, NORM=norm is not None, num_warps=4,
+        y, out, out.stride(0), D, T, T * k, n.weight if n else out, float(n.eps) if n else 0.0,
+        n.residual if res else out, n.residual.stride(0) if res else 0, n.residual_out if res else out, TOPK=k,
+        SHARED=shared_experts, BLOCK_D=block_d, USE_PDL=pdl, NORM=n is not None, RESIDUAL=res, num_warps=4,
         **pdl_kwargs(use_pdl),
     )
     return out
@@ -531,7 +572,7 @@ def fused_experts(
     tiles: ExpertTiles | None = None,
     grouped_tiles: bool = False,
     one_token: bool = False,
-    norm: tuple[Tensor, float] | None = None,
+    norm: SumNorm | tuple[Tensor, float] | None = None,
     pair_blocks_bytes: int | None = None,
 ) -> Tensor:
     """Routed experts of one MoE layer for T tokens (model-facts §6; SiTU §7.3).
@@ -556,7 +597,9 @@ def fused_experts(
             KernelConfig.moe_one_token).
         norm: (weight [D] x.dtype, eps): RMSNorm of each token's sum (LatentMoE's routed_expert_norm), in the sum's
             launch where a row fits it (`sum_slots`; the one-token path's sum splits rows: the norm kernel after);
-            the sum is rounded to x.dtype first, as the unfused layer rounds it.
+            the sum is rounded to x.dtype first, as the unfused layer rounds it. A SumNorm with a residual: the
+            decoder layer's residual add and its next norm instead (the output is then the normed row, and the new
+            residual stream goes to residual_out).
         pair_blocks_bytes: a few tokens' pairs as blocks of one row (no alignment) while their experts' weights,
             read once per pair, stay within this many bytes (`align_blocks`; None: PAIR_BLOCKS_MAX_BYTES; 0: one
             token only; KernelConfig.moe_pair_blocks_bytes).
@@ -571,13 +614,12 @@ def fused_experts(
     S = shared_experts
     if one_token and T == 1 and tiles is None:
         from k3rt.kernels.moe.triton_one_token import fused_experts_one_token  # imports this module
-        from k3rt.kernels.norm import rms_norm
 
         y = fused_experts_one_token(x, w13, w2, topk_weights, topk_ids, situ=act.name == "situ",
                                     beta=act.situ_beta or 1.0, lin_beta=act.situ_linear_beta,
                                     out=out if norm is None else torch.empty_like(out), shared_experts=S,
                                     use_pdl=use_pdl)
-        return y if norm is None else rms_norm(y, norm[0], norm[1], out=out, use_pdl=use_pdl)
+        return y if norm is None else norm_after(y, norm, out, use_pdl)
     cfg = tiles or pick_tiles(P + S * T, E, grouped_tiles)
     sub = cfg.tail or cfg  # the alignment's block
     b = align_blocks(x, topk_ids, E, I, S, sub.block_m, use_pdl, cfg.block_m // sub.block_m, pair_blocks_bytes)

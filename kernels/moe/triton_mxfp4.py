@@ -34,7 +34,7 @@ from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs,
 from k3rt.kernels.moe.mxfp4_ref import GROUP
 from k3rt.kernels.moe.triton_experts import (
     PER_STEP,
-    ExpertTiles, _act_mul, _block_rows, align_blocks, check_routing, check_x, pick_tiles, sum_slots,
+    ExpertTiles, _act_mul, _block_rows, align_blocks, check_routing, check_x, pick_tiles, SumNorm, sum_slots,
 )
 from k3rt.model_config import ActivationConfig
 
@@ -300,7 +300,7 @@ def fused_experts_mxfp4(
     *,
     act: ActivationConfig,
     out: Tensor | None = None,
-    norm: tuple[Tensor, float] | None = None,
+    norm: SumNorm | tuple[Tensor, float] | None = None,
     shared_experts: int = 0,
     use_pdl: bool = False,
     tiles: Mxfp4Tiles | None = None,

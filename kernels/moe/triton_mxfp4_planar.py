@@ -53,7 +53,8 @@ from k3rt.kernels.common import INTERPRET, check, check_same_device, poison_like
 # the layout itself (torch only); SLOT_BITS, to_planar and from_planar are re-exported with the kernels
 from k3rt.kernels.moe.mxfp4_planar_layout import CHUNK, SLOT_BITS, from_planar, repack_in_place, to_planar  # noqa: F401
 from k3rt.kernels.moe.mxfp4_ref import GROUP
-from k3rt.kernels.moe.triton_experts import PER_STEP, _act_mul, align_blocks, check_routing, check_x, sum_slots
+from k3rt.kernels.moe.triton_experts import (PER_STEP, SumNorm, _act_mul, align_blocks, check_routing, check_x,
+                                            sum_slots)
 from k3rt.model_config import ActivationConfig
 
 MAX_SCALE = 240  # the largest E8M0 exponent whose group factor 2^(s - 113) is a normal fp32
@@ -481,7 +482,7 @@ def fused_experts_mxfp4_planar(
     act: ActivationConfig,
     variant: str = "mma",
     out: Tensor | None = None,
-    norm: tuple[Tensor, float] | None = None,
+    norm: SumNorm | tuple[Tensor, float] | None = None,
     shared_experts: int = 0,
     use_pdl: bool = False,
     tiles: PlanarTiles | None = None,

@@ -611,12 +611,12 @@ def test_a_mixed_steps_kda_layer_launches_no_torch_work(tmp_path) -> None:
         assert (work.torch_ops, work.triton) == ([], launches)
 
 
-def _k3_decode_forward_counted(tmp_path, **kernel_config):
-    """(runner, step, _LaunchWork) of one decode forward of a tiny k3 checkpoint through the GPU runner, kernels on
-    (KernelConfig fields overridden by kernel_config)."""
+def _k3_decode_forward_counted(tmp_path, arch: str = "k3", **kernel_config):
+    """(runner, step, _LaunchWork) of one decode forward of a tiny checkpoint (k3 unless arch says) through the GPU
+    runner, kernels on (KernelConfig fields overridden by kernel_config)."""
     from k3rt.backend.runner.gpu.step import StepSeq
 
-    ckpt = make_tiny(tmp_path / "m", arch="k3", dtype="float32", seed=4)
+    ckpt = make_tiny(tmp_path / "m", arch=arch, dtype="float32", seed=4)
     eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), runner="gpu", cuda_graphs=False))
     runner, pool = eng.runner, eng.pool
     runner.fwd.k = replace(runner.fwd.k, **kernel_config)
@@ -666,6 +666,23 @@ def test_a_latent_moe_layer_runs_shared_and_latent_projections_in_two_gemms(tmp_
         assert moe.routed_expert_down_proj.weight.data_ptr() == lf.head[2 * lf.inter:].data_ptr()
         assert mlp.down_proj.weight.data_ptr() == lf.tail.data_ptr()
         assert moe.routed_expert_up_proj.weight.data_ptr() == lf.tail[:, lf.inter:].data_ptr()
+
+
+def test_a_moe_layer_adds_its_residual_and_takes_the_next_norm_in_the_experts_sum_launch(tmp_path) -> None:
+    """Issue 18 (the 48B's batch-1 step: ~300 us of glue): a Kimi-Linear MoE layer (shared experts stacked in, TP 1)
+    adds its output to the residual stream and takes the next layer's norm inside the experts' sum launch
+    (KernelConfig.moe_sum_add_norm, ffn.moe_add_norm): one Triton launch per MoE layer fewer than the sum and then
+    the norm kernel, the same logits up to the norm's fp32 summation order."""
+    fused_runner, step, fused = _k3_decode_forward_counted(tmp_path / "a", arch="kimi_linear")
+    plain_runner, plain_step, plain = _k3_decode_forward_counted(tmp_path / "b", arch="kimi_linear",
+                                                                 moe_sum_add_norm=False)
+    n = len(fused_runner.fwd.moe)
+    assert n and all(w.shared_fused for w in fused_runner.fwd.moe.values())
+    device_work = lambda w: [o for o in w.torch_ops if o != "promote_types"]  # noqa: E731  (the norm's dtype query)
+    assert plain.triton - fused.triton == n and device_work(fused) == device_work(plain)
+    with torch.no_grad():
+        got, want = fused_runner.fwd(step, decode=True), plain_runner.fwd(plain_step, decode=True)
+    assert rel(got, want) < 1e-5
 
 
 def test_a_small_router_computes_its_logits_in_the_top_k_launch(tmp_path) -> None:

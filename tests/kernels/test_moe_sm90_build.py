@@ -45,7 +45,7 @@ down = dict(h_ptr="*bf16", w2_ptr="*bf16", y_ptr="*bf16", topk_w_ptr="*fp32", so
             table_ptr="*i32", P=I32, D=I32, I=I32, T=I32, NB_ROUTED=I32, NB_SHARED=I32, E_ROUTED=I32, H_SHARED=I32,
             TOPK=C, BLOCK_M=C, SUB_M=C, GROUPED=C, BLOCK_N=C, BLOCK_K=C, EVEN_K=C, DOT_PRECISION=C, USE_PDL=C)
 ksum = dict(y_ptr="*bf16", out_ptr="*bf16", stride_ot=I32, D=I32, T=I32, P=I32, norm_w_ptr="*bf16", eps="fp32",
-            TOPK=C, SHARED=C, BLOCK_D=C, USE_PDL=C, NORM=C)
+            r_ptr="*bf16", stride_r=I32, h_ptr="*bf16", TOPK=C, SHARED=C, BLOCK_D=C, USE_PDL=C, NORM=C, RESIDUAL=C)
 res = {
     "route": build(R._moe_route_kernel, route, dict(E=256, BLOCK_E=256, K=8, BLOCK_K=8, GROUPS=8, BLOCK_G=8,
                                                     BLOCK_PER=32, TOPK_GROUP=4, RENORMALIZE=True, USE_PDL=True), 4),
@@ -66,9 +66,14 @@ res = {
     # the launcher's split form at the 48B decode of batch 64 (512 pairs over 256 experts: 16 programs)
     "align_split": build(A._moe_align_split_kernel, split, dict(E_P=256, BLOCK_M=16, BP=A.CHUNK, SP=A.SPLIT_PAIRS,
                          G=A.CHUNK // A.SPLIT_PAIRS, BLOCK_B=32, USE_PDL=True, GROUP=1), 4),
-    "sum": build(X._moe_sum_kernel, ksum, dict(TOPK=8, SHARED=1, BLOCK_D=1024, USE_PDL=True, NORM=False), 4),
-    # LatentMoE's sum with routed_expert_norm (a 1024-wide latent, the widest it takes)
-    "sum_norm": build(X._moe_sum_kernel, ksum, dict(TOPK=8, SHARED=0, BLOCK_D=1024, USE_PDL=True, NORM=True), 4),
+    "sum": build(X._moe_sum_kernel, ksum, dict(TOPK=8, SHARED=1, BLOCK_D=1024, USE_PDL=True, NORM=False,
+                                               RESIDUAL=False), 4),
+    # LatentMoE's sum with routed_expert_norm (a 1024-wide latent)
+    "sum_norm": build(X._moe_sum_kernel, ksum, dict(TOPK=8, SHARED=0, BLOCK_D=1024, USE_PDL=True, NORM=True,
+                                                    RESIDUAL=False), 4),
+    # the 48B's sum with the residual add and the next norm (D 2,304 in one program: the widest it takes)
+    "sum_add_norm": build(X._moe_sum_kernel, ksum, dict(TOPK=8, SHARED=1, BLOCK_D=X.NORM_MAX_D, USE_PDL=True,
+                                                        NORM=True, RESIDUAL=True), 4),
 }
 G128 = X.PREFILL_TILES_128_GROUPED
 for name, t, sub in (("decode", X.DECODE_TILES, None), ("prefill64", X.PREFILL_TILES_64, None),

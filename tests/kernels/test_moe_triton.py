@@ -286,6 +286,35 @@ def test_fused_experts_norm_equals_the_norm_kernel_after_the_sum(monkeypatch, pa
         fused_experts(**case, act=act, norm=(weight[:16], 1e-5))
 
 
+@pytest.mark.parametrize("path", ["grouped", "one_token", "wide_rows", "in_place"])
+def test_fused_experts_residual_add_and_norm_equal_the_norm_kernel_after_the_sum(monkeypatch, path: str) -> None:
+    """`norm=SumNorm(weight, eps, residual, residual_out)`: the decoder layer's residual add and its next norm in
+    the experts' sum launch, bit-identical in fp16 to the sum and then kernels/norm's rms_norm(residual=): the normed
+    rows returned (into out), the new residual stream in residual_out (which may be the residual itself). The
+    one-token path and rows past NORM_MAX_D take the norm kernel after, with the same result."""
+    import k3rt.kernels.moe.triton_experts as te
+    from k3rt.kernels.moe.triton_experts import SumNorm
+    from k3rt.kernels.norm import rms_norm
+
+    T = 1 if path == "one_token" else 5
+    if path == "wide_rows":
+        monkeypatch.setattr(te, "NORM_MAX_D", 16)
+    gen = torch.Generator().manual_seed(91 + T)
+    case = experts_case(gen, T, E=8, k=2, D=32, inter=16, dtype=torch.float16)
+    act = ACTS["situ"]
+    weight = (torch.rand(32, generator=gen) + 0.5).half().to(DEV)
+    residual = torch.randn(T, 32, generator=gen).half().to(DEV)
+    want, want_h = rms_norm(fused_experts(**case, act=act), weight, 1e-5, residual=residual)
+    h_out = residual.clone() if path == "in_place" else torch.full_like(residual, float("nan"))
+    r_in = h_out if path == "in_place" else residual
+    got = fused_experts(**case, act=act, norm=SumNorm(weight, 1e-5, r_in, h_out), one_token=path == "one_token")
+    assert torch.equal(got, want) and torch.equal(h_out, want_h)
+    with pytest.raises(ValueError, match="residual and residual_out must be given together"):
+        fused_experts(**case, act=act, norm=SumNorm(weight, 1e-5, residual))
+    with pytest.raises(ValueError, match="norm residual must have shape"):
+        fused_experts(**case, act=act, norm=SumNorm(weight, 1e-5, residual[:, :16], h_out))
+
+
 @pytest.mark.parametrize("shared", [0, 1])
 def test_few_tokens_of_small_experts_run_their_pairs_as_blocks(monkeypatch, shared: int) -> None:
     """k3-tiny's verify steps (8 or 16 rows): pairs as blocks of one row (no alignment launch) while the experts'

@@ -166,7 +166,27 @@ def _latent_forward(moe: MoE, lf: LatentFusion, x: torch.Tensor, routed, k: Kern
     return linear(cat, lf.tail, k)
 
 
-def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> torch.Tensor:
+def sums_add_norm(moe: MoE, w: MoeWeights, x: torch.Tensor, weight: torch.Tensor, k: KernelConfig) -> bool:
+    """Whether the decoder layer's residual add and its next norm can run in this MoE's experts' sum launch
+    (`moe_add_norm`): the grouped kernels' plain MoE with its shared experts stacked in (the sum is the layer's
+    whole output), nothing to reduce across ranks, a norm weight in x's dtype (the sum's epilogue rounds to it)."""
+    return (k.triton and k.moe_sum_add_norm and bool(w.shared_fused) and moe.m.latent_size is None
+            and moe.tp.size == 1 and weight.dtype == x.dtype)
+
+
+def moe_add_norm(moe: MoE, w: MoeWeights, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 k: KernelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(residual + moe(x)), residual + moe(x)) with the add and the norm in the experts' sum launch
+    (kernels/moe SumNorm; only where `sums_add_norm` says so): one launch per layer fewer than the sum and then
+    kernels/norm's add-and-norm, the same rounding order."""
+    h = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)  # written whole by the sum
+    y = moe_forward(moe, w, x, k, sum_norm=kernel("moe", "SumNorm")(weight, eps, residual, h))
+    return y, h
+
+
+def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig, sum_norm=None) -> torch.Tensor:
+    """The MoE layer's output for x's rows (reduced across ranks, routed + shared, the latent tail); with sum_norm
+    (a kernels/moe SumNorm, `moe_add_norm`) the normed rows of residual + that output instead."""
     m = moe.m
     name = ("fused_experts_mxfp4_planar" if w.planar is not None else "fused_experts_mxfp4" if w.mx is not None
             else "fused_experts")
@@ -214,6 +234,9 @@ def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig) -> to
                        use_pdl=k.use_pdl, tiles=tiles, grouped_tiles=k.moe_grouped_tiles, one_token=k.moe_one_token,
                        out=out, norm=norm, pair_blocks_bytes=k.moe_pair_blocks_bytes)
 
+    if sum_norm is not None:
+        assert experts is not None and w.shared_fused and moe.tp.size == 1, "sums_add_norm decides"
+        return routed(x, norm=sum_norm)
     if w.latent is not None and experts is not None and k.moe_latent_fusion:
         return _latent_forward(moe, w.latent, x, routed, k)
     if w.shared_fused:

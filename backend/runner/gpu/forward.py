@@ -17,7 +17,7 @@ from k3rt.backend.layers.norm import rms_norm
 from k3rt.backend.models.attn_res import AttnResStream, attn_res_mix
 from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.backend.models.moe import MoE
-from k3rt.backend.runner.gpu.ffn import MoeWeights, mlp_forward, moe_forward
+from k3rt.backend.runner.gpu.ffn import MoeWeights, mlp_forward, moe_add_norm, moe_forward, sums_add_norm
 from k3rt.backend.runner.gpu.kda import KdaWeights, kda_commit, kda_commit_graphed, kda_forward
 from k3rt.backend.runner.gpu.mla import MlaWeights, mla_forward
 from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear, norm
@@ -168,6 +168,15 @@ class GpuForward:
                 kda_commit_graphed(self.layers[i].self_attn, w, step, accepted, self.pool.conv[w.tensor],
                                    self.pool.rec[w.tensor], self.k, self.kda_workspace)
 
+    def ffn_add_norm(self, i: int, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """add_norm(ffn(i, x), residual, weight, eps), with the add and the norm in the MoE's experts' sum launch
+        where it can run there (ffn.py sums_add_norm)."""
+        mlp = self.layers[i].mlp
+        if isinstance(mlp, MoE) and sums_add_norm(mlp, self.moe[i], x, weight, self.k):
+            return moe_add_norm(mlp, self.moe[i], x, residual, weight, eps, self.k)
+        return self.add_norm(self.ffn(i, x), residual, weight, eps)
+
     def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
         mlp = self.layers[i].mlp
         if isinstance(mlp, MoE):
@@ -189,7 +198,7 @@ class GpuForward:
             for i, layer in enumerate(self.layers):
                 x, h = self.add_norm(self.attention(i, x, step, decode), h, layer.post_attention_layernorm.weight, eps)
                 nxt = self.layers[i + 1].input_layernorm.weight if i + 1 < len(self.layers) else m.norm.weight
-                x, h = self.add_norm(self.ffn(i, x), h, nxt, eps)
+                x, h = self.ffn_add_norm(i, x, h, nxt, eps)
                 self._tap(i + 1, x)  # layer i + 1's normalized input; the final norm's output after the last
             x = x if step.logits_every_row else x[step.logit_rows]
             return self.logits(x, logits_out)

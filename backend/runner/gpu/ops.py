@@ -121,6 +121,11 @@ class KernelConfig:
     # says (the module's weights become views of them), so benchmarks switch it per run. H200 (session 32,
     # k3-tiny decode graphs at batch 1 / 4 / 16): 0.278 / 0.348 / 0.415 ms against 0.325 / 0.418 / 0.477 without
     moe_latent_fusion: bool = True
+    # the decoder layer's residual add and the next norm in the MoE's experts' sum launch (backend/runner/gpu/ffn.py
+    # moe_add_norm: plain MoE with stacked shared experts at TP 1, the 48B's layers) instead of a norm launch after:
+    # one launch per MoE layer fewer (26 in the 48B's forward). Session 38, built without a GPU: not timed yet
+    # (decode.py variant no_sum_add_norm)
+    moe_sum_add_norm: bool = True
     # a few tokens' MoE pairs as blocks of one row, no alignment launch, while their experts' weights (read once per
     # pair) stay within this many bytes (kernels/moe/triton_experts.py align_blocks: k3-tiny's verify steps; never the
     # 48B's 14 MB experts); None: the kernel's own bound (PAIR_BLOCKS_MAX_BYTES, 4 MB); 0: one token only, as before

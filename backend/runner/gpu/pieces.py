@@ -183,7 +183,7 @@ class PiecewiseForward:
                 h = self.buf.bufs["h"][:n]
                 x, h = fwd.add_norm(self._o_proj(i, n), h, layer.post_attention_layernorm.weight, eps)
                 nxt = fwd.layers[j].input_layernorm.weight if j < L else m.norm.weight
-                x, h = fwd.add_norm(fwd.ffn(i, x), h, nxt, eps)
+                x, h = fwd.ffn_add_norm(i, x, h, nxt, eps)
                 self.buf.put("h", h)
         else:
             if j == 0:
