@@ -261,22 +261,28 @@ def test_fused_experts_shared_experts_after_the_routed_ones(T: int, shared: int)
         fused_experts(**case, act=act, shared_experts=8 + shared)
 
 
+def _sum_norm_case(monkeypatch, path: str, seed: int):
+    """(T, generator, experts case, act, norm weight) of the sum-epilogue tests: fp16, D 32; one token for the
+    one-token path; NORM_MAX_D below D for wide_rows (the norm kernel after the sum)."""
+    import k3rt.kernels.moe.triton_experts as te
+
+    T = 1 if path == "one_token" else 5
+    if path == "wide_rows":
+        monkeypatch.setattr(te, "NORM_MAX_D", 16)
+    gen = torch.Generator().manual_seed(seed + T)
+    case = experts_case(gen, T, E=8, k=2, D=32, inter=16, dtype=torch.float16)
+    return T, gen, case, ACTS["situ"], (torch.rand(32, generator=gen) + 0.5).half().to(DEV)
+
+
 @pytest.mark.parametrize("path", ["grouped", "one_token", "wide_rows"])
 def test_fused_experts_norm_equals_the_norm_kernel_after_the_sum(monkeypatch, path: str) -> None:
     """LatentMoE's routed_expert_norm in the experts' sum launch (`norm=`): bit-identical in fp16 to the sum
     rounded to x's dtype and then kernels/norm's rms_norm, written into a strided out (the latent tail's input
     columns). The one-token path's sum splits rows and the rows past NORM_MAX_D do not fit one program: both
     run the norm kernel after instead, with the same result."""
-    import k3rt.kernels.moe.triton_experts as te
     from k3rt.kernels.norm import rms_norm
 
-    T = 1 if path == "one_token" else 5
-    if path == "wide_rows":
-        monkeypatch.setattr(te, "NORM_MAX_D", 16)
-    gen = torch.Generator().manual_seed(77 + T)
-    case = experts_case(gen, T, E=8, k=2, D=32, inter=16, dtype=torch.float16)
-    act = ACTS["situ"]
-    weight = (torch.rand(32, generator=gen) + 0.5).half().to(DEV)
+    T, gen, case, act, weight = _sum_norm_case(monkeypatch, path, seed=77)
     want = rms_norm(fused_experts(**case, act=act), weight, 1e-5)
     wide = torch.full((T, 48), float("nan"), dtype=torch.float16, device=DEV)
     got = fused_experts(**case, act=act, out=wide[:, 16:], norm=(weight, 1e-5), one_token=path == "one_token")
@@ -292,17 +298,10 @@ def test_fused_experts_residual_add_and_norm_equal_the_norm_kernel_after_the_sum
     the experts' sum launch, bit-identical in fp16 to the sum and then kernels/norm's rms_norm(residual=): the normed
     rows returned (into out), the new residual stream in residual_out (which may be the residual itself). The
     one-token path and rows past NORM_MAX_D take the norm kernel after, with the same result."""
-    import k3rt.kernels.moe.triton_experts as te
     from k3rt.kernels.moe.triton_experts import SumNorm
     from k3rt.kernels.norm import rms_norm
 
-    T = 1 if path == "one_token" else 5
-    if path == "wide_rows":
-        monkeypatch.setattr(te, "NORM_MAX_D", 16)
-    gen = torch.Generator().manual_seed(91 + T)
-    case = experts_case(gen, T, E=8, k=2, D=32, inter=16, dtype=torch.float16)
-    act = ACTS["situ"]
-    weight = (torch.rand(32, generator=gen) + 0.5).half().to(DEV)
+    T, gen, case, act, weight = _sum_norm_case(monkeypatch, path, seed=91)
     residual = torch.randn(T, 32, generator=gen).half().to(DEV)
     want, want_h = rms_norm(fused_experts(**case, act=act), weight, 1e-5, residual=residual)
     h_out = residual.clone() if path == "in_place" else torch.full_like(residual, float("nan"))
