@@ -44,6 +44,7 @@ class SumNorm(NamedTuple):
     residual: Tensor | None = None  # [T, D] x.dtype, last dim contiguous
     residual_out: Tensor | None = None  # [T, D] x.dtype contiguous (may be residual itself)
 
+
 # The expert GEMMs' arguments that change with the batch and the routing (pairs, tokens, block counts): not
 # specialized, so one compile serves every step of a tile config (kernels/common.py, "Compiles"); D and I
 # (model shape, in the address arithmetic) stay specialized
