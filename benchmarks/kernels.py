@@ -449,8 +449,9 @@ def decode_sweep_configs(N: int) -> list[dict]:
                 # split heads' arrival (1), without the conv cache (2), without both (3), and with the norm asked for
                 c(8, 16, 1, probe=1), c(8, 16, 1, probe=2), c(8, 16, 1, probe=3), c(8, 16, 1, use_pdl=True, probe=3),
                 c(8, 16, 1, norm=True, probe=1)]
-    # split one-warp programs (the N <= 4 default since session 38) past N * H = 256 too
-    return [{}, c(4, 32, 1), c(4, 32, 1, use_pdl=True), c(8, 16, 1), c(4, 32, 1, norm=True), c(2, 64, 4),
+    # {}: the default (split one-warp programs up to N * H = 512 since session 38); c(4, 32, 1) and c(8, 16, 1), the
+    # split one-warp shapes, are in the list below
+    return [{}, c(4, 32, 1, use_pdl=True), c(4, 32, 1, norm=True),
             c(1, 32), c(1, 64), c(1, 64, 8), c(2, 32), c(2, 64), c(1, 64, norm=True),
             c(1, 16, 1), c(1, 32, 1), c(2, 16, 1), c(2, 32, 1), c(4, 16, 1), c(4, 32, 1), c(8, 16, 1),
             c(1, 16, 2), c(1, 32, 2), c(2, 32, 2), c(4, 32, 2), c(1, 16, 1, norm=True), c(2, 32, 1, norm=True),

@@ -288,10 +288,7 @@ def _kda_decode_kernel(
             # count's latency hides behind the update instead of ending the program. Release only: it orders this
             # program's loads of the cache (all threads', by the barrier) before the count, and does not hold back
             # the loads after it as an acquire would; the last one's stores depend on the count it reads and so
-            # cannot happen before it. Counting here, before the conv math, also keeps the state tile's loads beside
-            # the windows': no load moves past the count's fence, and without it ptxas sinks them below that math
-            # (register pressure at one warp), a second round trip to memory after the windows' (SASS, session 38;
-            # a barrier alone does not stop it).
+            # cannot happen before it. Counting here, before the conv math, its fence also does PIN's work.
             tl.debug_barrier()
             first = tl.atomic_add(cnt, 1, sem="release", scope="gpu")
         q = _silu_conv(win_q, taps_q)

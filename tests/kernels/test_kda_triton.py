@@ -170,10 +170,10 @@ def test_decode_two_steps_int64_slots_fp16() -> None:
 )
 def test_decode_v_split_two_steps_shared_workspace(v_split: int, block_v: int, prefetch: bool | None,
                                                     norm: bool) -> None:
-    """Heads split over V: the last program of a head to read the q/k conv cache shifts it; with the fused norm the
-    last to store its o columns takes the norm (a second count in the same counter); counters return to 0. Both
-    tile schedules (each state tile loaded one step ahead, or in its own step) give the same result, conv cache
-    included, over two steps."""
+    """Heads split over V: the last program of a head to read the q/k conv cache shifts it (counting in early, at one
+    warp without the norm; with it, the last to store its o columns shifts and takes the norm); counters return to
+    0. Both tile schedules (each state tile loaded one step ahead, or in its own step) give the same result, conv
+    cache included, over two steps."""
     from k3rt.backend.layers.norm import rms_norm_gated
 
     N, H, D, kind = 3, 2, 32, "lower_bound"
@@ -638,12 +638,16 @@ def test_benchmark_decode_baseline_smoke(tmp_path: Path) -> None:
     """kernels.py --decode-baseline FILE --decode-norm: an earlier triton_decode.py (here the current one, as a file)
     timed beside the current kernel, twice each, interleaved, with and without the fused norm, all in the decode
     rows (the timing itself is the GPU's; here the rows must exist and have run)."""
-    base = tmp_path / "old_decode.py"
-    base.write_text((REPO / "kernels" / "kda" / "triton_decode.py").read_text())
+    base, calls = tmp_path / "old_decode.py", tmp_path / "baseline_calls"
+    # the copy counts its own calls, so the baseline rows are shown to run the file's kernel, not the current one
+    base.write_text((REPO / "kernels" / "kda" / "triton_decode.py").read_text() + (
+        f"\n_kda_decode = kda_decode\n\n\ndef kda_decode(*a, **kw):\n"
+        f"    open({str(calls)!r}, 'a').write('.')\n    return _kda_decode(*a, **kw)\n"))
     result = run_benchmark_smoke("kernels.py", tmp_path / "kernels.json", "--decode-baseline", str(base),
                                  "--decode-norm", "--prefill")
     rows = [(d["impl"], d["cfg"]["norm"]) for d in result["decode"] if "us_per_call" in d]
     assert sorted(rows) == sorted([(impl, norm) for impl in ("k3rt", "baseline") for norm in (False, True)] * 2), rows
+    assert calls.exists() and len(calls.read_text()) >= 4  # every baseline row called the file's kda_decode
 
 
 # --------------------------------------------------------------------------------------------
