@@ -22,9 +22,9 @@ zeroes the counter again. No host sync, no data-dependent shapes: CUDA-graph saf
 
 The split programs run at one warp by default, and then (`load_order`) issue every load before the
 first reduction, count in for the shift as soon as their windows are loaded when there is no norm
-(the count's latency then hides behind the update), and keep the state tile's loads beside the
-windows' with a fence (ptxas would sink them below the math): at N = 1 the step is a chain of
-round trips to memory, and each of these removes one.
+(the count's latency then hides behind the update), and, while one wave holds every program, keep
+the state tile's loads beside the windows' with a fence (ptxas would sink them below the math): at
+N = 1 the step is a chain of round trips to memory, and each of these removes one.
 
 The oracle is `ref.py` (`kda_recurrent`, the gates, `l2norm`), `short_conv/ref.py`
 (`causal_conv1d`) and `backend/layers/norm.py` (`rms_norm_gated`).
@@ -52,6 +52,12 @@ _MAX_SPLIT_COLS = 32
 # and in 64-column tiles above. H200, H=32 D=128, CUDA graph (kernels.py --decode-sweep; NOTES.md runs 1 and 5):
 # N=16 25.4 us at 32 against 27.4 at 64; N=64 96.3 against 85.4; N=256 352.9 against 313.5
 _NARROW_TILE_PROGRAMS = 512
+# load_order: the state tile's loads pinned beside the windows' up to this many programs (one wave at one warp). H200,
+# same process (session 39): N = 1 (256 programs) 5.20 -> 4.77 us, N = 2 6.25 -> 6.18; N = 8 (1,024) 12.9 -> 13.0 and
+# with the norm 13.5 -> 14.1, N = 16 24.3 -> 24.9
+_PIN_PROGRAMS = 256
+# the CTA fence is inline PTX: not for the interpreter
+_FENCE = tl.constexpr(not INTERPRET)
 
 
 def _slots_contiguous(t: Tensor) -> bool:
@@ -278,19 +284,16 @@ def _kda_decode_kernel(
             taps_k = _conv_taps(conv_w_ptr, k_ch, mask_k, W, WP)
         cnt = count_ptr + (i_n * H + i_h)
         if PIN:
-            # Without EARLY's count (whose fence does the same), a fence keeps the state tile's loads beside the
-            # windows': ptxas otherwise sinks them below the conv and norm math (register pressure at one warp), a
-            # second round trip to memory after the windows' (SASS, session 38; a barrier alone does not stop it).
-            _fence_cta(i_h)
-        if EARLY and (PROBE & 1) == 0:
-            # The head's q/k cache may be shifted only once every program of the head has read it: each counts
-            # itself in as soon as its windows are loaded, and the last to arrive shifts, after its update, so the
-            # count's latency hides behind the update instead of ending the program. Release only: it orders this
-            # program's loads of the cache (all threads', by the barrier) before the count, and does not hold back
-            # the loads after it as an acquire would; the last one's stores depend on the count it reads and so
-            # cannot happen before it. Counting here, before the conv math, its fence also does PIN's work.
-            tl.debug_barrier()
-            first = tl.atomic_add(cnt, 1, sem="release", scope="gpu")
+            # Keep the state tile's loads beside the windows': ptxas otherwise sinks them below the conv and norm
+            # math (register pressure at one warp), a second round trip to memory after the windows' (SASS, session
+            # 38; a barrier alone does not stop it). No load moves past a fence: the early count's, or a CTA fence.
+            # Only where a wave holds every program (load_order): with programs queued behind, the sunk loads'
+            # latency hides behind the others' and the pinned registers cost (H200, session 39).
+            if EARLY and (PROBE & 1) == 0:
+                tl.debug_barrier()
+                first = tl.atomic_add(cnt, 1, sem="release", scope="gpu")
+            elif _FENCE:
+                _fence_cta(i_h)
         q = _silu_conv(win_q, taps_q)
         k = _silu_conv(win_k, taps_k)
         if NV == 1:
@@ -299,6 +302,15 @@ def _kda_decode_kernel(
             tl.debug_barrier()
             _conv_shift_store(win_q, cs, q_ch, mask_k, C, W, WP)
             _conv_shift_store(win_k, cs, k_ch, mask_k, C, W, WP)
+        elif EARLY and not PIN and (PROBE & 1) == 0:
+            # The head's q/k cache may be shifted only once every program of the head has read it: each counts
+            # itself in as soon as its windows are loaded, and the last to arrive shifts, after its update, so the
+            # count's latency hides behind the update instead of ending the program. Release only: it orders this
+            # program's loads of the cache (all threads', by the barrier) before the count, and does not hold back
+            # the loads after it as an acquire would; the last one's stores depend on the count it reads and so
+            # cannot happen before it. (With PIN it comes before the conv math, above.)
+            tl.debug_barrier()
+            first = tl.atomic_add(cnt, 1, sem="release", scope="gpu")
         q = q * (scale / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6))
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
         if not HOIST:
@@ -399,7 +411,7 @@ def _launch_decode(
     if N == 0:
         return
     bvs = D // v_split if v_split > 1 else triton.next_power_of_2(D)
-    hoist, early, pin = load_order(prefetch, num_warps, v_split, norm)
+    hoist, early, pin = load_order(prefetch, num_warps, v_split, norm, N * H * v_split)
     _kda_decode_kernel[(N, H, v_split)](
         qkv_pre, qkv_pre.stride(0), conv_weight, conv_state, conv_state.stride(0), f, f.stride(0), A_log, dt_bias,
         b, b.stride(0), state, state.stride(0), slot_indices, out,
@@ -409,23 +421,23 @@ def _launch_decode(
         H=H, D=D, BK=triton.next_power_of_2(D), BV=min(block_v, bvs), BVS=bvs, NV=v_split,
         W=1 if probe & 2 else W, WP=1 if probe & 2 else triton.next_power_of_2(W),
         USE_LOWER_BOUND=lower_bound is not None, NORM=norm, USE_PDL=use_pdl and not INTERPRET,
-        PREFETCH=prefetch, PROBE=probe, HOIST=hoist, EARLY=early, PIN=pin and not INTERPRET,
+        PREFETCH=prefetch, PROBE=probe, HOIST=hoist, EARLY=early, PIN=pin,
         num_warps=num_warps,
         **pdl_kwargs(use_pdl),
     )
 
 
-def load_order(prefetch: bool, num_warps: int, v_split: int, norm: bool) -> tuple[bool, bool, bool]:
+def load_order(prefetch: bool, num_warps: int, v_split: int, norm: bool, programs: int) -> tuple[bool, bool, bool]:
     """The kernel's (HOIST, EARLY, PIN): one-warp split programs take every load up front and, without the norm,
-    count in for the q/k cache shift as soon as their windows are loaded; with it, a CTA fence in the count's place
-    keeps the state tile's loads beside the windows' (the count's fence does that for EARLY). H100, N = 1, 8 programs
-    a head (session 38, same process, the count then after the conv math, no PIN): 6.20 us -> 5.75 hoisted, 5.67
-    early, 5.32 both (4.75 with PDL, against 5.49); N = 4 at 4 programs a head 14.30 -> 9.43. At 2 warps hoisting
-    lost (5.96 -> 6.38), and with the norm so did the early count (a second atomic then: 6.22 hoisted against 6.68
-    with both)."""
+    count in for the q/k cache shift as soon as their windows are loaded. While one wave holds every program
+    (<= _PIN_PROGRAMS), the state tile's loads are pinned beside the windows' (by the early count placed before the
+    conv math, or a CTA fence with the norm). H100, N = 1, 8 programs a head (session 38, same process, unpinned):
+    6.20 us -> 5.75 hoisted, 5.67 early, 5.32 both (4.75 with PDL, against 5.49); N = 4 at 4 programs a head 14.30 ->
+    9.43. At 2 warps hoisting lost (5.96 -> 6.38), and with the norm so did the early count (a second atomic then:
+    6.22 hoisted against 6.68 with both). Pinning: see _PIN_PROGRAMS."""
     hoist = prefetch and num_warps == 1
     early = hoist and v_split > 1 and not norm
-    return hoist, early, hoist and not early
+    return hoist, early, hoist and programs <= _PIN_PROGRAMS
 
 
 def default_block_v(N: int, H: int, v_split: int) -> int:

@@ -232,14 +232,17 @@ def test_decode_fused_gated_rmsnorm(v_split: int, block_v: int, gate_2d: bool) -
 def test_decode_split_defaults_one_warp_programs() -> None:
     """Session 38's defaults at the 48B's KDA shape (H = 32, D = 128): heads split into one-warp programs of at most
     32 value columns while N * H <= 512 (16 columns at N = 1, to reach 256 programs), whole heads at 4 warps above;
-    split one-warp programs hoist every load, take the early count without the norm and the fence with it."""
+    split one-warp programs hoist every load, take the early count without the norm, and pin the state tile's loads
+    (the count before the conv math, or the fence) only while one wave holds every program (N = 1 and 2 here)."""
     KD = triton_decode
     assert [KD.default_v_split(n, 32, 128) for n in (1, 2, 4, 8, 16, 17, 64)] == [8, 4, 4, 4, 4, 1, 1]
     assert [KD.default_num_warps(128, s) for s in (8, 4, 2, 1)] == [1, 1, 4, 4]
-    assert KD.load_order(True, 1, 8, norm=False) == (True, True, False)
-    assert KD.load_order(True, 1, 8, norm=True) == (True, False, True)
-    assert KD.load_order(True, 2, 8, norm=False) == (False, False, False)  # 2 warps: hoisting lost there
-    assert KD.load_order(False, 4, 1, norm=False) == (False, False, False)
+    assert KD.load_order(True, 1, 8, norm=False, programs=256) == (True, True, True)
+    assert KD.load_order(True, 1, 8, norm=True, programs=256) == (True, False, True)
+    assert KD.load_order(True, 1, 4, norm=False, programs=512) == (True, True, False)  # N = 4: the count after
+    assert KD.load_order(True, 1, 4, norm=True, programs=1024) == (True, False, False)
+    assert KD.load_order(True, 2, 8, norm=False, programs=256) == (False, False, False)  # 2 warps: hoisting lost
+    assert KD.load_order(False, 4, 1, norm=False, programs=64) == (False, False, False)
 
 
 def test_decode_default_tile_narrow_for_few_programs_and_pinned_with_v_split(monkeypatch) -> None:
