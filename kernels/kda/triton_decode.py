@@ -118,9 +118,67 @@ def _conv_shift_store(win, cs_ptr, ch, mask, C: tl.constexpr, W: tl.constexpr, W
 
 
 @triton.jit
+def _taps_rows(w_ptr, ch, mask, W: tl.constexpr):
+    """_conv_taps as four [len(ch)] fp32 vectors (taps past W zero; W <= 4), each loaded in the channels' own layout:
+    the [WP, len(ch)] tile's load takes another layout, and converting it is a shared-memory round trip that waits
+    for the load, so every load after it goes out one trip to memory later (SASS of session 39)."""
+    t0 = tl.load(w_ptr + ch * W, mask=mask, other=0.0)
+    t1 = tl.load(w_ptr + ch * W + 1, mask=mask & (W > 1), other=0.0)
+    t2 = tl.load(w_ptr + ch * W + 2, mask=mask & (W > 2), other=0.0)
+    t3 = tl.load(w_ptr + ch * W + 3, mask=mask & (W > 3), other=0.0)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _hist_rows(cs_ptr, ch, mask, C: tl.constexpr, W: tl.constexpr):
+    """_conv_hist as three [len(ch)] vectors, oldest first, in the cache's dtype (rows past W-2 zero; W <= 4)."""
+    h0 = tl.load(cs_ptr + ch, mask=mask & (W > 1), other=0.0)
+    h1 = tl.load(cs_ptr + C + ch, mask=mask & (W > 2), other=0.0)
+    h2 = tl.load(cs_ptr + 2 * C + ch, mask=mask & (W > 3), other=0.0)
+    return h0, h1, h2
+
+
+@triton.jit
+def _silu_conv_rows(h0, h1, h2, x, t0, t1, t2, t3, W: tl.constexpr):
+    """_silu_conv of _conv_window(h, x) from the row vectors (W <= 4): the same products summed in the same order,
+    row by row (the window's rows past W are zero there: adding them changes nothing)."""
+    if W == 1:  # kda_decode(probe=2) only
+        acc = x.to(tl.float32) * t0
+    elif W == 2:
+        acc = h0.to(tl.float32) * t0
+        acc = acc + x.to(tl.float32) * t1
+    else:
+        acc = h0.to(tl.float32) * t0
+        acc = acc + h1.to(tl.float32) * t1
+        if W == 3:
+            acc = acc + x.to(tl.float32) * t2
+        else:
+            acc = acc + h2.to(tl.float32) * t2
+            acc = acc + x.to(tl.float32) * t3
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _shift_store_rows(cs_ptr, h1, h2, x, ch, mask, C: tl.constexpr, W: tl.constexpr):
+    """_conv_shift_store from the row vectors (W <= 4): window rows 1..W-1 as the new cache rows 0..W-2."""
+    dt = cs_ptr.dtype.element_ty
+    if W == 1:  # kda_decode(probe=2) only: no cache
+        pass
+    elif W == 2:
+        tl.store(cs_ptr + ch, x.to(dt), mask=mask)
+    else:
+        tl.store(cs_ptr + ch, h1.to(dt), mask=mask)
+        if W == 3:
+            tl.store(cs_ptr + C + ch, x.to(dt), mask=mask)
+        else:
+            tl.store(cs_ptr + C + ch, h2.to(dt), mask=mask)
+            tl.store(cs_ptr + 2 * C + ch, x.to(dt), mask=mask)
+
+
+@triton.jit
 def _fence_cta(x):
-    """A CTA-scope fence (`fence.acq_rel.cta`, SASS MEMBAR.ALL.CTA), returning x: ptxas moves no load past it, so the
-    loads before it are issued before the instructions after it. Not for the interpreter (inline PTX)."""
+    """A CTA-scope fence (`fence.acq_rel.cta`, SASS MEMBAR.ALL.CTA), returning x: no load moves past it, so the loads
+    before it are issued before the loads after it. Not for the interpreter (inline PTX)."""
     return tl.inline_asm_elementwise("fence.acq_rel.cta; mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
                                      is_pure=False, pack=1)
 
@@ -243,17 +301,21 @@ def _kda_decode_kernel(
         # do not need the slot go out before its value returns, the rest right after it. (Otherwise the N = 1 step
         # is four dependent trips to memory in a row, SASS of session 38: x_q, then x_k, then the windows, then
         # the gates.)
+        # The conv's operands as one vector per window row (W <= 4, load_order), all in the channels' layout:
+        # see _taps_rows.
         x_q = tl.load(x_row + q_ch, mask=mask_k, other=0.0)
         x_k = tl.load(x_row + k_ch, mask=mask_k, other=0.0)
-        taps_q = _conv_taps(conv_w_ptr, q_ch, mask_k, W, WP)
-        taps_k = _conv_taps(conv_w_ptr, k_ch, mask_k, W, WP)
-        decay, beta = _gate_beta(f_row, dt_bias_ptr, a_log_ptr, b_row, i_h, offs_k, mask_k, lower_bound, D,
-                                 USE_LOWER_BOUND)
+        tq0, tq1, tq2, tq3 = _taps_rows(conv_w_ptr, q_ch, mask_k, W)
+        tk0, tk1, tk2, tk3 = _taps_rows(conv_w_ptr, k_ch, mask_k, W)
+        if not PIN:
+            dt, a = _gate_consts(dt_bias_ptr, a_log_ptr, i_h, offs_k, mask_k, D)
+            f_raw = tl.load(f_row + i_h * D + offs_k, mask=mask_k, other=0.0)
+            b_raw = tl.load(b_row + i_h)
         # the first tile's v channels too (the loop loads each next tile's with its state)
         offs_v = i_v * BVS + tl.arange(0, BV)
         v_ch = 2 * H * D + i_h * D + offs_v
         x_v = tl.load(x_row + v_ch, mask=offs_v < D, other=0.0)
-        taps_v = _conv_taps(conv_w_ptr, v_ch, offs_v < D, W, WP)
+        tv0, tv1, tv2, tv3 = _taps_rows(conv_w_ptr, v_ch, offs_v < D, W)
     if slot < 0:
         # padding entry: zero output, no state touched
         for v0 in tl.static_range(0, BVS, BV):
@@ -272,9 +334,20 @@ def _kda_decode_kernel(
             s_next = tl.load(s_base + offs_k[:, None] * D + offs_v[None, :],
                              mask=mask_k[:, None] & (offs_v < D)[None, :], other=0.0)
         if HOIST:
-            hist_v = _conv_hist(cs, v_ch, offs_v < D, C, W, WP)
-            win_q = _conv_window(_conv_hist(cs, q_ch, mask_k, C, W, WP), x_q, W, WP)
-            win_k = _conv_window(_conv_hist(cs, k_ch, mask_k, C, W, WP), x_k, W, WP)
+            if PIN:
+                # Pinned: the state tile's loads (PREFETCH, above) go out before every load the math waits on. ptxas
+                # otherwise starts the gate and conv math before issuing them (it moves arithmetic past a fence
+                # freely; only memory operations are held), so they went out a round trip to memory late (SASS of
+                # session 39). The gates' operands, too, come after the fence. Only while a wave holds every program
+                # (load_order): with programs queued behind, the late loads' latency hides behind the others'.
+                if _FENCE:
+                    _fence_cta(i_h)
+                dt, a = _gate_consts(dt_bias_ptr, a_log_ptr, i_h, offs_k, mask_k, D)
+                f_raw = tl.load(f_row + i_h * D + offs_k, mask=mask_k, other=0.0)
+                b_raw = tl.load(b_row + i_h)
+            hv0, hv1, hv2 = _hist_rows(cs, v_ch, offs_v < D, C, W)
+            hq0, hq1, hq2 = _hist_rows(cs, q_ch, mask_k, C, W)
+            hk0, hk1, hk2 = _hist_rows(cs, k_ch, mask_k, C, W)
         else:
             win_q = _conv_window(_conv_hist(cs, q_ch, mask_k, C, W, WP),
                                  tl.load(x_row + q_ch, mask=mask_k, other=0.0), W, WP)
@@ -283,25 +356,28 @@ def _kda_decode_kernel(
             taps_q = _conv_taps(conv_w_ptr, q_ch, mask_k, W, WP)
             taps_k = _conv_taps(conv_w_ptr, k_ch, mask_k, W, WP)
         cnt = count_ptr + (i_n * H + i_h)
-        if PIN:
-            # Keep the state tile's loads beside the windows': ptxas otherwise sinks them below the conv and norm
-            # math (register pressure at one warp), a second round trip to memory after the windows' (SASS, session
-            # 38; a barrier alone does not stop it). No load moves past a fence: the early count's, or a CTA fence.
-            # Only where a wave holds every program (load_order): with programs queued behind, the sunk loads'
-            # latency hides behind the others' and the pinned registers cost (H200, session 39).
-            if EARLY and (PROBE & 1) == 0:
-                tl.debug_barrier()
-                first = tl.atomic_add(cnt, 1, sem="release", scope="gpu")
-            elif _FENCE:
-                _fence_cta(i_h)
-        q = _silu_conv(win_q, taps_q)
-        k = _silu_conv(win_k, taps_k)
+        if PIN and EARLY and (PROBE & 1) == 0:
+            # the early count (below) before the conv math, its latency behind that math
+            tl.debug_barrier()
+            first = tl.atomic_add(cnt, 1, sem="release", scope="gpu")
+        if HOIST:
+            decay = _decay(f_raw, dt, a, lower_bound, USE_LOWER_BOUND)
+            beta = tl.sigmoid(b_raw.to(tl.float32))
+            q = _silu_conv_rows(hq0, hq1, hq2, x_q, tq0, tq1, tq2, tq3, W)
+            k = _silu_conv_rows(hk0, hk1, hk2, x_k, tk0, tk1, tk2, tk3, W)
+        else:
+            q = _silu_conv(win_q, taps_q)
+            k = _silu_conv(win_k, taps_k)
         if NV == 1:
             # a value may be held (and loaded) by several threads: all must have read the cache
             # before any overwrites it
             tl.debug_barrier()
-            _conv_shift_store(win_q, cs, q_ch, mask_k, C, W, WP)
-            _conv_shift_store(win_k, cs, k_ch, mask_k, C, W, WP)
+            if HOIST:
+                _shift_store_rows(cs, hq1, hq2, x_q, q_ch, mask_k, C, W)
+                _shift_store_rows(cs, hk1, hk2, x_k, k_ch, mask_k, C, W)
+            else:
+                _conv_shift_store(win_q, cs, q_ch, mask_k, C, W, WP)
+                _conv_shift_store(win_k, cs, k_ch, mask_k, C, W, WP)
         elif EARLY and not PIN and (PROBE & 1) == 0:
             # The head's q/k cache may be shifted only once every program of the head has read it: each counts
             # itself in as soon as its windows are loaded, and the last to arrive shifts, after its update, so the
@@ -327,13 +403,13 @@ def _kda_decode_kernel(
             s_ptrs = s_base + offs_k[:, None] * D + offs_v[None, :]
             mask2 = mask_k[:, None] & mask_v[None, :]
             if HOIST:
-                win_v = _conv_window(hist_v, x_v, W, WP)
-                v = _silu_conv(win_v, taps_v)
+                v = _silu_conv_rows(hv0, hv1, hv2, x_v, tv0, tv1, tv2, tv3, W)
+                sv1, sv2, sx_v = hv1, hv2, x_v  # this tile's window rows to store, below
                 if v0 + BV < BVS:  # the next tile's v channels, with its state below
                     v_ch = v_ch + BV
                     x_v = tl.load(x_row + v_ch, mask=offs_v + BV < D, other=0.0)
-                    taps_v = _conv_taps(conv_w_ptr, v_ch, offs_v + BV < D, W, WP)
-                    hist_v = _conv_hist(cs, v_ch, offs_v + BV < D, C, W, WP)
+                    tv0, tv1, tv2, tv3 = _taps_rows(conv_w_ptr, v_ch, offs_v + BV < D, W)
+                    hv0, hv1, hv2 = _hist_rows(cs, v_ch, offs_v + BV < D, C, W)
             if PREFETCH:
                 S = s_next  # S: [BK, BV] fp32
                 if v0 + BV < BVS:
@@ -345,7 +421,10 @@ def _kda_decode_kernel(
                 v = _silu_conv(win_v, _conv_taps(conv_w_ptr, v_ch, mask_v, W, WP))
             tl.debug_barrier()
             # these v channels belong to this program alone
-            _conv_shift_store(win_v, cs, 2 * H * D + i_h * D + offs_v, mask_v, C, W, WP)
+            if HOIST:
+                _shift_store_rows(cs, sv1, sv2, sx_v, 2 * H * D + i_h * D + offs_v, mask_v, C, W)
+            else:
+                _conv_shift_store(win_v, cs, 2 * H * D + i_h * D + offs_v, mask_v, C, W, WP)
             if not PREFETCH:
                 S = tl.load(s_ptrs, mask=mask2, other=0.0)  # S: [BK, BV] fp32
             S, o = _delta_step(S, q, k, v, decay, beta)
@@ -358,8 +437,8 @@ def _kda_decode_kernel(
         gate_row = gate_ptr + i_n.to(tl.int64) * stride_gate_n + i_h * stride_gate_h
         if NV > 1 and EARLY and (PROBE & 1) == 0:
             if first == NV - 1:  # every program of the head has read the q/k cache
-                _conv_shift_store(win_q, cs, q_ch, mask_k, C, W, WP)
-                _conv_shift_store(win_k, cs, k_ch, mask_k, C, W, WP)
+                _shift_store_rows(cs, hq1, hq2, x_q, q_ch, mask_k, C, W)  # EARLY: HOIST's rows
+                _shift_store_rows(cs, hk1, hk2, x_k, k_ch, mask_k, C, W)
                 tl.store(cnt, 0)  # ready for the next launch
         elif NV > 1 and (PROBE & 1) == 0:
             # The head's q/k cache may be overwritten, and its norm taken, only once every program
@@ -368,8 +447,12 @@ def _kda_decode_kernel(
             tl.debug_barrier()
             arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
             if arrived == NV - 1:
-                _conv_shift_store(win_q, cs, q_ch, mask_k, C, W, WP)
-                _conv_shift_store(win_k, cs, k_ch, mask_k, C, W, WP)
+                if HOIST:
+                    _shift_store_rows(cs, hq1, hq2, x_q, q_ch, mask_k, C, W)
+                    _shift_store_rows(cs, hk1, hk2, x_k, k_ch, mask_k, C, W)
+                else:
+                    _conv_shift_store(win_q, cs, q_ch, mask_k, C, W, WP)
+                    _conv_shift_store(win_k, cs, k_ch, mask_k, C, W, WP)
                 if NORM:
                     _norm_gate_row(raw_row, gate_row, norm_w_ptr, o_row, offs_k, mask_k, eps, D)
                 tl.store(cnt, 0)  # ready for the next launch
@@ -411,7 +494,7 @@ def _launch_decode(
     if N == 0:
         return
     bvs = D // v_split if v_split > 1 else triton.next_power_of_2(D)
-    hoist, early, pin = load_order(prefetch, num_warps, v_split, norm, N * H * v_split)
+    hoist, early, pin = load_order(prefetch, num_warps, v_split, norm, N * H * v_split, W)
     _kda_decode_kernel[(N, H, v_split)](
         qkv_pre, qkv_pre.stride(0), conv_weight, conv_state, conv_state.stride(0), f, f.stride(0), A_log, dt_bias,
         b, b.stride(0), state, state.stride(0), slot_indices, out,
@@ -427,15 +510,17 @@ def _launch_decode(
     )
 
 
-def load_order(prefetch: bool, num_warps: int, v_split: int, norm: bool, programs: int) -> tuple[bool, bool, bool]:
-    """The kernel's (HOIST, EARLY, PIN): one-warp split programs take every load up front and, without the norm,
+def load_order(prefetch: bool, num_warps: int, v_split: int, norm: bool, programs: int, conv_width: int
+               ) -> tuple[bool, bool, bool]:
+    """The kernel's (HOIST, EARLY, PIN): one-warp split programs take every load up front (the conv's operands one
+    vector per window row, for conv widths <= 4: _taps_rows) and, without the norm,
     count in for the q/k cache shift as soon as their windows are loaded. While one wave holds every program
     (<= _PIN_PROGRAMS), the state tile's loads are pinned beside the windows' (by the early count placed before the
     conv math, or a CTA fence with the norm). H100, N = 1, 8 programs a head (session 38, same process, unpinned):
     6.20 us -> 5.75 hoisted, 5.67 early, 5.32 both (4.75 with PDL, against 5.49); N = 4 at 4 programs a head 14.30 ->
     9.43. At 2 warps hoisting lost (5.96 -> 6.38), and with the norm so did the early count (a second atomic then:
     6.22 hoisted against 6.68 with both). Pinning: see _PIN_PROGRAMS."""
-    hoist = prefetch and num_warps == 1
+    hoist = prefetch and num_warps == 1 and conv_width <= 4
     early = hoist and v_split > 1 and not norm
     return hoist, early, hoist and programs <= _PIN_PROGRAMS
 

@@ -94,7 +94,7 @@ for name, n, norm in (("decode_n1", 1, True), ("decode_n1_no_norm", 1, False), (
     nv = KD.default_v_split(n, 32, 128)
     bvs = 128 // nv
     warps = KD.default_num_warps(128, nv)
-    hoist, early, pin = KD.load_order(nv > 1, warps, nv, norm, n * 32 * nv)
+    hoist, early, pin = KD.load_order(nv > 1, warps, nv, norm, n * 32 * nv, 4)
     res[name] = sm90_build(KD._kda_decode_kernel, dec, dict(
         H=32, D=128, BK=128, BV=min(KD.default_block_v(n, 32, nv), bvs), BVS=bvs, NV=nv, W=4, WP=4,
         USE_LOWER_BOUND=False, NORM=norm, USE_PDL=False, PREFETCH=nv > 1, PROBE=0, HOIST=hoist,

@@ -57,14 +57,15 @@ def gate(f: Tensor, A_log: Tensor, dt_bias: Tensor, kind: str) -> Tensor:
 # decode
 
 
-def decode_case(N: int, H: int, D: int, kind: str, dtype: torch.dtype, num_slots: int, seed: int = 0):
+def decode_case(N: int, H: int, D: int, kind: str, dtype: torch.dtype, num_slots: int, seed: int = 0,
+                width: int = W):
     gen = torch.Generator().manual_seed(seed)
     P = H * D
     A_log, dt_bias = gate_params(gen, H, D, kind)
     case = dict(
         qkv_pre=torch.randn(N, 3 * P, generator=gen).to(dtype),
-        conv_weight=torch.randn(3 * P, W, generator=gen) * 0.5,
-        conv_state=torch.randn(num_slots, W - 1, 3 * P, generator=gen).to(dtype),
+        conv_weight=torch.randn(3 * P, width, generator=gen) * 0.5,
+        conv_state=torch.randn(num_slots, width - 1, 3 * P, generator=gen).to(dtype),
         f=torch.randn(N, P, generator=gen).to(dtype),
         A_log=A_log,
         dt_bias=dt_bias,
@@ -119,6 +120,33 @@ def test_decode_matches_ref(N: int, D: int, slots: list[int], kind: str) -> None
     untouched = [s for s in range(num_slots) if s not in slots]
     assert torch.equal(case["state"][untouched], state0[untouched])
     assert torch.equal(case["conv_state"][untouched], conv0[untouched])
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
+@pytest.mark.parametrize("width", [2, 3, 4])
+def test_decode_hoisted_rows_match_the_tile_form(width: int, norm: bool) -> None:
+    """The hoisted one-warp programs take the conv's operands as one vector per window row (_taps_rows, W <= 4);
+    the other forms take them as one [W, channels] tile. Same sums in the same order: on the interpreter the
+    outputs, states and conv caches are the same bits at every width (and match the oracle)."""
+    N, H, D, slots = 3, 2, 32, [1, -1, 3]
+    slot_t = torch.tensor(slots, dtype=torch.int32, device=DEV)
+    got = []
+    for prefetch in (True, False):  # True at one warp: HOIST (load_order); False: the tile form
+        case = decode_case(N, H, D, "softplus", torch.float32, num_slots=4, seed=9, width=width)
+        extra = {}
+        if norm:
+            gen = torch.Generator().manual_seed(10)
+            extra = dict(o_gate=torch.randn(N, H, D, generator=gen).to(DEV), o_norm_weight=torch.ones(D, device=DEV))
+        if not norm:
+            o_ref, state_ref, conv_ref = decode_ref(case, slots, "softplus")
+        o = kda_decode(**case, **extra, slot_indices=slot_t, v_split=2, block_v=16, num_warps=1, prefetch=prefetch)
+        if not norm:
+            assert rel_err(o, o_ref) <= 1e-4 and rel_err(case["state"], state_ref) <= 1e-4
+            assert torch.equal(case["conv_state"], conv_ref)
+        got.append((o, case["state"], case["conv_state"]))
+    if DEV == "cpu":
+        for a, b in zip(*got):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("v_split", [1, 2])
@@ -237,12 +265,13 @@ def test_decode_split_defaults_one_warp_programs() -> None:
     KD = triton_decode
     assert [KD.default_v_split(n, 32, 128) for n in (1, 2, 4, 8, 16, 17, 64)] == [8, 4, 4, 4, 4, 1, 1]
     assert [KD.default_num_warps(128, s) for s in (8, 4, 2, 1)] == [1, 1, 4, 4]
-    assert KD.load_order(True, 1, 8, norm=False, programs=256) == (True, True, True)
-    assert KD.load_order(True, 1, 8, norm=True, programs=256) == (True, False, True)
-    assert KD.load_order(True, 1, 4, norm=False, programs=512) == (True, True, False)  # N = 4: the count after
-    assert KD.load_order(True, 1, 4, norm=True, programs=1024) == (True, False, False)
-    assert KD.load_order(True, 2, 8, norm=False, programs=256) == (False, False, False)  # 2 warps: hoisting lost
-    assert KD.load_order(False, 4, 1, norm=False, programs=64) == (False, False, False)
+    assert KD.load_order(True, 1, 8, norm=False, programs=256, conv_width=4) == (True, True, True)
+    assert KD.load_order(True, 1, 8, norm=True, programs=256, conv_width=4) == (True, False, True)
+    assert KD.load_order(True, 1, 4, norm=False, programs=512, conv_width=4) == (True, True, False)  # N = 4: the count after
+    assert KD.load_order(True, 1, 4, norm=True, programs=1024, conv_width=4) == (True, False, False)
+    assert KD.load_order(True, 2, 8, norm=False, programs=256, conv_width=4) == (False, False, False)  # 2 warps: hoisting lost
+    assert KD.load_order(False, 4, 1, norm=False, programs=64, conv_width=4) == (False, False, False)
+    assert KD.load_order(True, 1, 8, norm=False, programs=256, conv_width=5) == (False, False, False)  # rows: W <= 4
 
 
 def test_decode_default_tile_narrow_for_few_programs_and_pinned_with_v_split(monkeypatch) -> None:
