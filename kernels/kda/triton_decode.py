@@ -22,9 +22,10 @@ zeroes the counter again. No host sync, no data-dependent shapes: CUDA-graph saf
 
 The split programs run at one warp by default, and then (`load_order`) issue every load before the
 first reduction, count in for the shift as soon as their windows are loaded when there is no norm
-(the count's latency then hides behind the update), and, while one wave holds every program, keep
-the state tile's loads beside the windows' with a fence (ptxas would sink them below the math): at
-N = 1 the step is a chain of round trips to memory, and each of these removes one.
+(the count's latency then hides behind the update), and, while one wave holds every program, take
+the conv's operands one vector per window row and issue the state tile's loads before a fence and
+every load the math waits on (ptxas would otherwise start the math first and the tile would go out
+a trip late): at N = 1 the step is a chain of round trips to memory, and each of these removes one.
 
 The oracle is `ref.py` (`kda_recurrent`, the gates, `l2norm`), `short_conv/ref.py`
 (`causal_conv1d`) and `backend/layers/norm.py` (`rms_norm_gated`).
@@ -301,21 +302,26 @@ def _kda_decode_kernel(
         # do not need the slot go out before its value returns, the rest right after it. (Otherwise the N = 1 step
         # is four dependent trips to memory in a row, SASS of session 38: x_q, then x_k, then the windows, then
         # the gates.)
-        # The conv's operands as one vector per window row (W <= 4, load_order), all in the channels' layout:
-        # see _taps_rows.
+        # Pinned (PIN, W <= 4), the conv's operands come as one vector per window row, all in the channels'
+        # layout: see _taps_rows. (Unpinned that form lost: H100, N = 8 15.6 -> 16.8 us; session 39.)
         x_q = tl.load(x_row + q_ch, mask=mask_k, other=0.0)
         x_k = tl.load(x_row + k_ch, mask=mask_k, other=0.0)
-        tq0, tq1, tq2, tq3 = _taps_rows(conv_w_ptr, q_ch, mask_k, W)
-        tk0, tk1, tk2, tk3 = _taps_rows(conv_w_ptr, k_ch, mask_k, W)
-        if not PIN:
-            dt, a = _gate_consts(dt_bias_ptr, a_log_ptr, i_h, offs_k, mask_k, D)
-            f_raw = tl.load(f_row + i_h * D + offs_k, mask=mask_k, other=0.0)
-            b_raw = tl.load(b_row + i_h)
-        # the first tile's v channels too (the loop loads each next tile's with its state)
         offs_v = i_v * BVS + tl.arange(0, BV)
         v_ch = 2 * H * D + i_h * D + offs_v
+        if PIN:
+            tq0, tq1, tq2, tq3 = _taps_rows(conv_w_ptr, q_ch, mask_k, W)
+            tk0, tk1, tk2, tk3 = _taps_rows(conv_w_ptr, k_ch, mask_k, W)
+        else:
+            taps_q = _conv_taps(conv_w_ptr, q_ch, mask_k, W, WP)
+            taps_k = _conv_taps(conv_w_ptr, k_ch, mask_k, W, WP)
+            decay, beta = _gate_beta(f_row, dt_bias_ptr, a_log_ptr, b_row, i_h, offs_k, mask_k, lower_bound, D,
+                                     USE_LOWER_BOUND)
+        # the first tile's v channels too (the loop loads each next tile's with its state)
         x_v = tl.load(x_row + v_ch, mask=offs_v < D, other=0.0)
-        tv0, tv1, tv2, tv3 = _taps_rows(conv_w_ptr, v_ch, offs_v < D, W)
+        if PIN:
+            tv0, tv1, tv2, tv3 = _taps_rows(conv_w_ptr, v_ch, offs_v < D, W)
+        else:
+            taps_v = _conv_taps(conv_w_ptr, v_ch, offs_v < D, W, WP)
     if slot < 0:
         # padding entry: zero output, no state touched
         for v0 in tl.static_range(0, BVS, BV):
@@ -345,9 +351,13 @@ def _kda_decode_kernel(
                 dt, a = _gate_consts(dt_bias_ptr, a_log_ptr, i_h, offs_k, mask_k, D)
                 f_raw = tl.load(f_row + i_h * D + offs_k, mask=mask_k, other=0.0)
                 b_raw = tl.load(b_row + i_h)
-            hv0, hv1, hv2 = _hist_rows(cs, v_ch, offs_v < D, C, W)
-            hq0, hq1, hq2 = _hist_rows(cs, q_ch, mask_k, C, W)
-            hk0, hk1, hk2 = _hist_rows(cs, k_ch, mask_k, C, W)
+                hv0, hv1, hv2 = _hist_rows(cs, v_ch, offs_v < D, C, W)
+                hq0, hq1, hq2 = _hist_rows(cs, q_ch, mask_k, C, W)
+                hk0, hk1, hk2 = _hist_rows(cs, k_ch, mask_k, C, W)
+            else:
+                hist_v = _conv_hist(cs, v_ch, offs_v < D, C, W, WP)
+                win_q = _conv_window(_conv_hist(cs, q_ch, mask_k, C, W, WP), x_q, W, WP)
+                win_k = _conv_window(_conv_hist(cs, k_ch, mask_k, C, W, WP), x_k, W, WP)
         else:
             win_q = _conv_window(_conv_hist(cs, q_ch, mask_k, C, W, WP),
                                  tl.load(x_row + q_ch, mask=mask_k, other=0.0), W, WP)
@@ -360,7 +370,7 @@ def _kda_decode_kernel(
             # the early count (below) before the conv math, its latency behind that math
             tl.debug_barrier()
             first = tl.atomic_add(cnt, 1, sem="release", scope="gpu")
-        if HOIST:
+        if PIN:
             decay = _decay(f_raw, dt, a, lower_bound, USE_LOWER_BOUND)
             beta = tl.sigmoid(b_raw.to(tl.float32))
             q = _silu_conv_rows(hq0, hq1, hq2, x_q, tq0, tq1, tq2, tq3, W)
@@ -372,7 +382,7 @@ def _kda_decode_kernel(
             # a value may be held (and loaded) by several threads: all must have read the cache
             # before any overwrites it
             tl.debug_barrier()
-            if HOIST:
+            if PIN:
                 _shift_store_rows(cs, hq1, hq2, x_q, q_ch, mask_k, C, W)
                 _shift_store_rows(cs, hk1, hk2, x_k, k_ch, mask_k, C, W)
             else:
@@ -402,7 +412,7 @@ def _kda_decode_kernel(
             mask_v = offs_v < D
             s_ptrs = s_base + offs_k[:, None] * D + offs_v[None, :]
             mask2 = mask_k[:, None] & mask_v[None, :]
-            if HOIST:
+            if PIN:
                 v = _silu_conv_rows(hv0, hv1, hv2, x_v, tv0, tv1, tv2, tv3, W)
                 sv1, sv2, sx_v = hv1, hv2, x_v  # this tile's window rows to store, below
                 if v0 + BV < BVS:  # the next tile's v channels, with its state below
@@ -410,6 +420,14 @@ def _kda_decode_kernel(
                     x_v = tl.load(x_row + v_ch, mask=offs_v + BV < D, other=0.0)
                     tv0, tv1, tv2, tv3 = _taps_rows(conv_w_ptr, v_ch, offs_v + BV < D, W)
                     hv0, hv1, hv2 = _hist_rows(cs, v_ch, offs_v + BV < D, C, W)
+            elif HOIST:
+                win_v = _conv_window(hist_v, x_v, W, WP)
+                v = _silu_conv(win_v, taps_v)
+                if v0 + BV < BVS:  # the next tile's v channels, with its state below
+                    v_ch = v_ch + BV
+                    x_v = tl.load(x_row + v_ch, mask=offs_v + BV < D, other=0.0)
+                    taps_v = _conv_taps(conv_w_ptr, v_ch, offs_v + BV < D, W, WP)
+                    hist_v = _conv_hist(cs, v_ch, offs_v + BV < D, C, W, WP)
             if PREFETCH:
                 S = s_next  # S: [BK, BV] fp32
                 if v0 + BV < BVS:
@@ -421,7 +439,7 @@ def _kda_decode_kernel(
                 v = _silu_conv(win_v, _conv_taps(conv_w_ptr, v_ch, mask_v, W, WP))
             tl.debug_barrier()
             # these v channels belong to this program alone
-            if HOIST:
+            if PIN:
                 _shift_store_rows(cs, sv1, sv2, sx_v, 2 * H * D + i_h * D + offs_v, mask_v, C, W)
             else:
                 _conv_shift_store(win_v, cs, 2 * H * D + i_h * D + offs_v, mask_v, C, W, WP)
@@ -437,8 +455,12 @@ def _kda_decode_kernel(
         gate_row = gate_ptr + i_n.to(tl.int64) * stride_gate_n + i_h * stride_gate_h
         if NV > 1 and EARLY and (PROBE & 1) == 0:
             if first == NV - 1:  # every program of the head has read the q/k cache
-                _shift_store_rows(cs, hq1, hq2, x_q, q_ch, mask_k, C, W)  # EARLY: HOIST's rows
-                _shift_store_rows(cs, hk1, hk2, x_k, k_ch, mask_k, C, W)
+                if PIN:
+                    _shift_store_rows(cs, hq1, hq2, x_q, q_ch, mask_k, C, W)
+                    _shift_store_rows(cs, hk1, hk2, x_k, k_ch, mask_k, C, W)
+                else:
+                    _conv_shift_store(win_q, cs, q_ch, mask_k, C, W, WP)
+                    _conv_shift_store(win_k, cs, k_ch, mask_k, C, W, WP)
                 tl.store(cnt, 0)  # ready for the next launch
         elif NV > 1 and (PROBE & 1) == 0:
             # The head's q/k cache may be overwritten, and its norm taken, only once every program
@@ -447,7 +469,7 @@ def _kda_decode_kernel(
             tl.debug_barrier()
             arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
             if arrived == NV - 1:
-                if HOIST:
+                if PIN:
                     _shift_store_rows(cs, hq1, hq2, x_q, q_ch, mask_k, C, W)
                     _shift_store_rows(cs, hk1, hk2, x_k, k_ch, mask_k, C, W)
                 else:
@@ -512,17 +534,18 @@ def _launch_decode(
 
 def load_order(prefetch: bool, num_warps: int, v_split: int, norm: bool, programs: int, conv_width: int
                ) -> tuple[bool, bool, bool]:
-    """The kernel's (HOIST, EARLY, PIN): one-warp split programs take every load up front (the conv's operands one
-    vector per window row, for conv widths <= 4: _taps_rows) and, without the norm,
+    """The kernel's (HOIST, EARLY, PIN): one-warp split programs take every load up front and, without the norm,
     count in for the q/k cache shift as soon as their windows are loaded. While one wave holds every program
-    (<= _PIN_PROGRAMS), the state tile's loads are pinned beside the windows' (by the early count placed before the
-    conv math, or a CTA fence with the norm). H100, N = 1, 8 programs a head (session 38, same process, unpinned):
+    (<= _PIN_PROGRAMS) and the conv is at most 4 wide, the program is pinned: its conv operands come one vector per
+    window row (_taps_rows), and its state tile's loads go out before a CTA fence and every load the math waits on.
+    H100, N = 1, 8 programs a head (session 38, same process, unpinned):
     6.20 us -> 5.75 hoisted, 5.67 early, 5.32 both (4.75 with PDL, against 5.49); N = 4 at 4 programs a head 14.30 ->
     9.43. At 2 warps hoisting lost (5.96 -> 6.38), and with the norm so did the early count (a second atomic then:
-    6.22 hoisted against 6.68 with both). Pinning: see _PIN_PROGRAMS."""
-    hoist = prefetch and num_warps == 1 and conv_width <= 4
+    6.22 hoisted against 6.68 with both). Pinning: see _PIN_PROGRAMS (H100, same process, session 39:
+    N = 1 5.03 -> 4.63 us, 6.10 -> 5.62 with the norm; unpinned programs with the row vectors lost, N = 8 15.6 -> 16.8)."""
+    hoist = prefetch and num_warps == 1
     early = hoist and v_split > 1 and not norm
-    return hoist, early, hoist and programs <= _PIN_PROGRAMS
+    return hoist, early, hoist and programs <= _PIN_PROGRAMS and conv_width <= 4
 
 
 def default_block_v(N: int, H: int, v_split: int) -> int:

@@ -125,13 +125,13 @@ def test_decode_matches_ref(N: int, D: int, slots: list[int], kind: str) -> None
 @pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
 @pytest.mark.parametrize("width", [2, 3, 4])
 def test_decode_hoisted_rows_match_the_tile_form(width: int, norm: bool) -> None:
-    """The hoisted one-warp programs take the conv's operands as one vector per window row (_taps_rows, W <= 4);
-    the other forms take them as one [W, channels] tile. Same sums in the same order: on the interpreter the
+    """Pinned one-warp programs (load_order: one wave, W <= 4) take the conv's operands as one vector per window row
+    (_taps_rows); the other forms take them as one [W, channels] tile. Same sums in the same order: on the interpreter the
     outputs, states and conv caches are the same bits at every width (and match the oracle)."""
     N, H, D, slots = 3, 2, 32, [1, -1, 3]
     slot_t = torch.tensor(slots, dtype=torch.int32, device=DEV)
     got = []
-    for prefetch in (True, False):  # True at one warp: HOIST (load_order); False: the tile form
+    for prefetch in (True, False):  # True at one warp: HOIST and PIN (load_order); False: the tile form
         case = decode_case(N, H, D, "softplus", torch.float32, num_slots=4, seed=9, width=width)
         extra = {}
         if norm:
@@ -271,7 +271,7 @@ def test_decode_split_defaults_one_warp_programs() -> None:
     assert KD.load_order(True, 1, 4, norm=True, programs=1024, conv_width=4) == (True, False, False)
     assert KD.load_order(True, 2, 8, norm=False, programs=256, conv_width=4) == (False, False, False)  # 2 warps: hoisting lost
     assert KD.load_order(False, 4, 1, norm=False, programs=64, conv_width=4) == (False, False, False)
-    assert KD.load_order(True, 1, 8, norm=False, programs=256, conv_width=5) == (False, False, False)  # rows: W <= 4
+    assert KD.load_order(True, 1, 8, norm=False, programs=256, conv_width=5) == (True, True, False)  # rows: W <= 4
 
 
 def test_decode_default_tile_narrow_for_few_programs_and_pinned_with_v_split(monkeypatch) -> None:
