@@ -448,14 +448,20 @@ def decode_sweep_configs(N: int) -> list[dict]:
                 # timing probes (results wrong, not checked; session 37): the default one-warp shape without the
                 # split heads' arrival (1), without the conv cache (2), without both (3), and with the norm asked for
                 c(8, 16, 1, probe=1), c(8, 16, 1, probe=2), c(8, 16, 1, probe=3), c(8, 16, 1, use_pdl=True, probe=3),
-                c(8, 16, 1, norm=True, probe=1)]
+                c(8, 16, 1, norm=True, probe=1),
+                # session 39: the pinned form (row vectors, the tile before the fence) off at N = 1 and on at N = 4
+                c(8, 16, 1, pin=False), c(8, 16, 1, norm=True, pin=False), c(4, 32, 1, pin=True),
+                c(4, 32, 1, norm=True, pin=True)]
     # {}: the default (split one-warp programs up to N * H = 512 since session 38); c(4, 32, 1) and c(8, 16, 1), the
     # split one-warp shapes, are in the list below
     return [{}, c(4, 32, 1, use_pdl=True), c(4, 32, 1, norm=True),
             c(1, 32), c(1, 64), c(1, 64, 8), c(2, 32), c(2, 64), c(1, 64, norm=True),
             c(1, 16, 1), c(1, 32, 1), c(2, 16, 1), c(2, 32, 1), c(4, 16, 1), c(4, 32, 1), c(8, 16, 1),
             c(1, 16, 2), c(1, 32, 2), c(2, 32, 2), c(4, 32, 2), c(1, 16, 1, norm=True), c(2, 32, 1, norm=True),
-            c(1, 16, 1, prefetch=True), c(2, 16, 1, prefetch=True), c(1, 32, 4, prefetch=True)]
+            c(1, 16, 1, prefetch=True), c(2, 16, 1, prefetch=True), c(1, 32, 4, prefetch=True),
+            # session 39: the pinned form past one wave (load_order pins up to 256 programs; on the H100 the row
+            # vectors alone lost at N = 8-16, the tile before the fence was not tried there)
+            c(4, 32, 1, pin=True), c(4, 32, 1, norm=True, pin=True), c(8, 16, 1, pin=True)]
 
 
 def check_decode_cfg(N: int, H: int, D: int, cfg: dict) -> dict:

@@ -488,7 +488,7 @@ def _launch_decode(
     dt_bias: Tensor, b: Tensor, state: Tensor, slot_indices: Tensor, out: Tensor,
     o_gate: Tensor | None, o_norm_weight: Tensor | None, raw: Tensor | None, counts: Tensor | None,
     lower_bound: float | None, scale: float, eps: float, use_pdl: bool, num_warps: int, block_v: int,
-    v_split: int, prefetch: bool, probe: int = 0,
+    v_split: int, prefetch: bool, probe: int = 0, pin: bool | None = None,
 ) -> None:
     N = qkv_pre.shape[0]
     _, H, D, _ = state.shape
@@ -516,7 +516,9 @@ def _launch_decode(
     if N == 0:
         return
     bvs = D // v_split if v_split > 1 else triton.next_power_of_2(D)
-    hoist, early, pin = load_order(prefetch, num_warps, v_split, norm, N * H * v_split, W)
+    hoist, early, auto_pin = load_order(prefetch, num_warps, v_split, norm, N * H * v_split, W)
+    pin = auto_pin if pin is None else pin
+    assert not pin or (hoist and W <= 4)
     _kda_decode_kernel[(N, H, v_split)](
         qkv_pre, qkv_pre.stride(0), conv_weight, conv_state, conv_state.stride(0), f, f.stride(0), A_log, dt_bias,
         b, b.stride(0), state, state.stride(0), slot_indices, out,
@@ -610,6 +612,7 @@ def kda_decode(
     workspace: Tensor | None = None,
     prefetch: bool | None = None,
     probe: int = 0,
+    pin: bool | None = None,
 ) -> Tensor:
     """One fused KDA decode step for N sequences (one token each) of one layer.
 
@@ -647,6 +650,9 @@ def kda_decode(
             heads' arrival (no atomic; the q/k conv cache is not shifted and the norm not taken), bit 2 runs the conv
             at width 1 (no conv cache read or written, wrong taps), so the default minus a probe is about what that
             part costs at N = 1, where the step is a chain of dependent loads.
+        pin: the pinned program form (`load_order`: the state tile's loads before a fence and every load the math
+            waits on, the conv's operands one vector per window row); None: while one wave holds every program.
+            True needs the hoisted form (prefetch at one warp) and a conv at most 4 wide. Same results either way.
 
     Returns:
         o: [N, H, D] in qkv_pre.dtype: the raw recurrence output, or its gated RMSNorm when o_gate
@@ -712,6 +718,9 @@ def kda_decode(
     block_v = int(block_v)
     if num_warps is None:
         num_warps = default_num_warps(D, v_split)
+    if pin and not (prefetch and num_warps == 1 and W <= 4):
+        raise ValueError(f"pin=True needs prefetch at num_warps=1 and a conv at most 4 wide, got prefetch={prefetch} "
+                         f"num_warps={num_warps} W={W}")
     counts = None
     if v_split > 1:
         if workspace is None:
@@ -739,7 +748,7 @@ def kda_decode(
         qkv_pre, conv_weight, conv_state, f, A_log.contiguous().view(H), dt_bias.contiguous().view(H * D),
         b, state, slot_indices, out, o_gate, o_norm_weight, raw, counts, lower_bound,
         D**-0.5 if scale is None else float(scale), float(o_norm_eps), use_pdl, num_warps, block_v, v_split,
-        bool(prefetch), probe=probe,
+        bool(prefetch), probe=probe, pin=pin,
     )
     return out
 

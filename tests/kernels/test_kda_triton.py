@@ -131,7 +131,8 @@ def test_decode_hoisted_rows_match_the_tile_form(width: int, norm: bool) -> None
     N, H, D, slots = 3, 2, 32, [1, -1, 3]
     slot_t = torch.tensor(slots, dtype=torch.int32, device=DEV)
     got = []
-    for prefetch in (True, False):  # True at one warp: HOIST and PIN (load_order); False: the tile form
+    for prefetch, pin in ((True, None), (False, None), (True, False)):  # HOIST and PIN (load_order: one wave);
+        # the tile form unhoisted; hoisted but not pinned (as past one wave)
         case = decode_case(N, H, D, "softplus", torch.float32, num_slots=4, seed=9, width=width)
         extra = {}
         if norm:
@@ -139,14 +140,16 @@ def test_decode_hoisted_rows_match_the_tile_form(width: int, norm: bool) -> None
             extra = dict(o_gate=torch.randn(N, H, D, generator=gen).to(DEV), o_norm_weight=torch.ones(D, device=DEV))
         if not norm:
             o_ref, state_ref, conv_ref = decode_ref(case, slots, "softplus")
-        o = kda_decode(**case, **extra, slot_indices=slot_t, v_split=2, block_v=16, num_warps=1, prefetch=prefetch)
+        o = kda_decode(**case, **extra, slot_indices=slot_t, v_split=2, block_v=16, num_warps=1, prefetch=prefetch,
+                       pin=pin)
         if not norm:
             assert rel_err(o, o_ref) <= 1e-4 and rel_err(case["state"], state_ref) <= 1e-4
             assert torch.equal(case["conv_state"], conv_ref)
         got.append((o, case["state"], case["conv_state"]))
     if DEV == "cpu":
-        for a, b in zip(*got):
-            assert torch.equal(a, b)
+        for other in got[1:]:
+            for a, b in zip(got[0], other):
+                assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("v_split", [1, 2])
@@ -340,6 +343,8 @@ def test_decode_rejects_bad_inputs() -> None:
         kda_decode(**case, slot_indices=slots, v_split=3)
     with pytest.raises(ValueError, match="workspace"):
         kda_decode(**case, slot_indices=slots, v_split=2, workspace=torch.zeros(3, dtype=torch.int32, device=DEV))
+    with pytest.raises(ValueError, match="pin=True needs prefetch at num_warps=1"):
+        kda_decode(**case, slot_indices=slots, v_split=2, num_warps=2, pin=True)
 
 
 # --------------------------------------------------------------------------------------------
