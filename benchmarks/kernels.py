@@ -460,8 +460,11 @@ def decode_sweep_configs(N: int) -> list[dict]:
             c(1, 16, 2), c(1, 32, 2), c(2, 32, 2), c(4, 32, 2), c(1, 16, 1, norm=True), c(2, 32, 1, norm=True),
             c(1, 16, 1, prefetch=True), c(2, 16, 1, prefetch=True), c(1, 32, 4, prefetch=True),
             # session 39: the pinned form past one wave (load_order pins up to 256 programs; on the H100 the row
-            # vectors alone lost at N = 8-16, the tile before the fence was not tried there)
-            c(4, 32, 1, pin=True), c(4, 32, 1, norm=True, pin=True), c(8, 16, 1, pin=True)]
+            # vectors alone lost at N = 8-16, the tile before the fence was not tried there). Its registers (sm_90
+            # build): 216 at 32 columns, 158 at 16 (12 programs an SM against 8), 255 with two or four 16-column
+            # tiles a program (the tile form spilled there: c(2, 16, 1, prefetch=True) above)
+            c(4, 32, 1, pin=True), c(4, 32, 1, norm=True, pin=True), c(8, 16, 1, pin=True),
+            c(8, 16, 1, norm=True, pin=True), c(4, 16, 1, pin=True), c(2, 16, 1, pin=True)]
 
 
 def check_decode_cfg(N: int, H: int, D: int, cfg: dict) -> dict:
