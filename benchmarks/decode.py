@@ -47,7 +47,9 @@ VARIANTS = {"control": {}, "pdl": dict(use_pdl=True), "cublas_gemv": dict(skinny
             "unfused": dict(moe_latent_fusion=False, moe_fused_router=False),
             "no_pair_blocks": dict(moe_pair_blocks_bytes=0), "stacked_mix": dict(attn_res_stacked=True),
             # session 38: the residual add and the next norm in the MoE's experts' sum launch, off
-            "no_sum_add_norm": dict(moe_sum_add_norm=False)}
+            "no_sum_add_norm": dict(moe_sum_add_norm=False),
+            # session 39: batch 1's KDA output norm finished in o_proj's launch (off by default until timed)
+            "kda_norm_in_o_proj": dict(kda_norm_in_o_proj=True)}
 
 
 def _args() -> argparse.Namespace:

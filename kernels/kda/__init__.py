@@ -17,6 +17,7 @@ from k3rt.kernels.lazy import lazy_exports
 _TRITON_EXPORTS = {
     "kda_decode": "k3rt.kernels.kda.triton_decode",
     "kda_decode_workspace": "k3rt.kernels.kda.triton_decode",
+    "kda_decode_split_norm": "k3rt.kernels.kda.triton_decode",
     "kda_verify": "k3rt.kernels.kda.triton_verify",
     "kda_commit": "k3rt.kernels.kda.triton_verify",
     "kda_decode_multi": "k3rt.kernels.kda.triton_multi",
@@ -31,6 +32,7 @@ __all__ = [
     "kda_commit",
     "kda_decode",
     "kda_decode_multi",
+    "kda_decode_split_norm",
     "kda_decode_workspace",
     "kda_gate_lower_bound",
     "kda_gate_softplus",

@@ -220,6 +220,13 @@ def _decay(x, dt, a, lower_bound, USE_LOWER_BOUND: tl.constexpr):
 
 
 @triton.jit
+def _gate_weight(gate_row, w_ptr, offs, mask):
+    """weight * sigmoid(gate) over columns offs of one head, fp32 (SPLIT_NORM's factor)."""
+    gt = tl.load(gate_row + offs, mask=mask, other=0.0).to(tl.float32)
+    return tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.sigmoid(gt)
+
+
+@triton.jit
 def _norm_gate_row(raw_row, gate_row, w_ptr, o_row, offs, mask, eps, D: tl.constexpr):
     """o = rmsnorm(raw) * weight * sigmoid(gate) over one head's D values, fp32 math."""
     x = tl.load(raw_row + offs, mask=mask, other=0.0, cache_modifier=".cg")
@@ -258,7 +265,7 @@ def _kda_decode_kernel(
     o_ptr,  # [N, H, D]
     gate_ptr, stride_gate_n, stride_gate_h,  # [N, H, D] output gate (NORM only)
     norm_w_ptr,  # [D] output norm weight (NORM only)
-    raw_ptr,  # [N, H, D] fp32 scratch: o before the norm (NORM only)
+    raw_ptr,  # [N, H, D] fp32 scratch: o before the norm (NORM); SPLIT_NORM: [N, H, NV] fp32 out, sum of o^2 a program
     count_ptr,  # [N*H] int32, zero between launches: programs of a head past their windows (EARLY) or done (NV > 1)
     scale,
     lower_bound,
@@ -279,6 +286,7 @@ def _kda_decode_kernel(
     HOIST: tl.constexpr = False,
     EARLY: tl.constexpr = False,
     PIN: tl.constexpr = False,
+    SPLIT_NORM: tl.constexpr = False,
 ):
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -293,6 +301,7 @@ def _kda_decode_kernel(
     k_ch = H * D + q_ch
     f_row = f_ptr + i_n.to(tl.int64) * stride_f_n
     b_row = b_ptr + i_n.to(tl.int64) * stride_b_n
+    gate_row = gate_ptr + i_n.to(tl.int64) * stride_gate_n + i_h * stride_gate_h
     if USE_PDL:
         gdc_wait()
     slot = tl.load(slot_ptr + i_n).to(tl.int64)
@@ -322,12 +331,16 @@ def _kda_decode_kernel(
             tv0, tv1, tv2, tv3 = _taps_rows(conv_w_ptr, v_ch, offs_v < D, W)
         else:
             taps_v = _conv_taps(conv_w_ptr, v_ch, offs_v < D, W, WP)
+        if SPLIT_NORM:  # the first tile's norm weight and gate
+            gw = _gate_weight(gate_row, norm_w_ptr, offs_v, offs_v < D)
     if slot < 0:
         # padding entry: zero output, no state touched
         for v0 in tl.static_range(0, BVS, BV):
             offs_v = i_v * BVS + v0 + tl.arange(0, BV)
             zero = tl.zeros([BV], dtype=tl.float32).to(o_ptr.dtype.element_ty)
             tl.store(o_row + offs_v, zero, mask=offs_v < D)
+        if SPLIT_NORM:
+            tl.store(raw_ptr + (i_n * H + i_h) * NV + i_v, 0.0)
     else:
         s_base = state_ptr + slot * stride_state_slot + i_h * (D * D)
         cs = conv_state_ptr + slot * stride_cs_slot
@@ -406,6 +419,7 @@ def _kda_decode_kernel(
         if USE_PDL:
             gdc_launch_dependents()  # dependents may start their prologue; they gdc_wait for us
         raw_row = raw_ptr + row
+        ss = tl.zeros([], dtype=tl.float32)  # SPLIT_NORM: sum of o^2 over this program's columns
         # value columns are independent in the update: walk the state in [BK, BV] tiles
         for v0 in tl.static_range(0, BVS, BV):
             offs_v = i_v * BVS + v0 + tl.arange(0, BV)
@@ -449,10 +463,16 @@ def _kda_decode_kernel(
             tl.store(s_ptrs, S, mask=mask2)
             if NORM:
                 tl.store(raw_row + offs_v, o, mask=mask_v)
+            elif SPLIT_NORM:
+                if not HOIST or v0 > 0:
+                    gw = _gate_weight(gate_row, norm_w_ptr, offs_v, mask_v)
+                ss += tl.sum(o * o, axis=0)  # masked columns: o = 0
+                tl.store(o_row + offs_v, (o * gw).to(o_ptr.dtype.element_ty), mask=mask_v)
             else:
                 tl.store(o_row + offs_v, o.to(o_ptr.dtype.element_ty), mask=mask_v)
+        if SPLIT_NORM:
+            tl.store(raw_ptr + (i_n * H + i_h) * NV + i_v, ss)
 
-        gate_row = gate_ptr + i_n.to(tl.int64) * stride_gate_n + i_h * stride_gate_h
         if NV > 1 and EARLY and (PROBE & 1) == 0:
             if first == NV - 1:  # every program of the head has read the q/k cache
                 if PIN:
@@ -488,12 +508,14 @@ def _launch_decode(
     dt_bias: Tensor, b: Tensor, state: Tensor, slot_indices: Tensor, out: Tensor,
     o_gate: Tensor | None, o_norm_weight: Tensor | None, raw: Tensor | None, counts: Tensor | None,
     lower_bound: float | None, scale: float, eps: float, use_pdl: bool, num_warps: int, block_v: int,
-    v_split: int, prefetch: bool, probe: int = 0, pin: bool | None = None,
+    v_split: int, prefetch: bool, probe: int = 0, pin: bool | None = None, split_norm: bool = False,
 ) -> None:
+    """split_norm: raw is the [N, H, v_split] fp32 partials (kda_decode_split_norm), not the [N, H, D] scratch."""
     N = qkv_pre.shape[0]
     _, H, D, _ = state.shape
     W = conv_weight.shape[1]
-    norm = o_gate is not None
+    gated = o_gate is not None
+    norm = gated and not split_norm  # the norm in this launch
     # contract (the public function has already raised ValueError on user-facing mismatches)
     assert qkv_pre.shape == (N, 3 * H * D) and qkv_pre.stride(1) == 1
     assert conv_weight.shape == (3 * H * D, W) and conv_weight.is_contiguous()
@@ -507,10 +529,11 @@ def _launch_decode(
     assert slot_indices.shape == (N,) and slot_indices.dtype in (torch.int32, torch.int64)
     assert out.shape == (N, H, D) and out.is_contiguous()
     assert D % v_split == 0 and triton.next_power_of_2(D // v_split) == D // v_split
-    if norm:
+    if gated:
         assert o_gate.shape == (N, H, D) and o_gate.stride(2) == 1
         assert o_norm_weight.shape == (D,) and o_norm_weight.is_contiguous()
-        assert raw.shape == (N, H, D) and raw.dtype == torch.float32 and raw.is_contiguous()
+        assert raw.shape == ((N, H, v_split) if split_norm else (N, H, D)) and raw.dtype == torch.float32
+        assert raw.is_contiguous()
     if v_split > 1:
         assert counts.dtype == torch.int32 and counts.numel() >= N * H and counts.is_contiguous()
     if N == 0:
@@ -522,13 +545,13 @@ def _launch_decode(
     _kda_decode_kernel[(N, H, v_split)](
         qkv_pre, qkv_pre.stride(0), conv_weight, conv_state, conv_state.stride(0), f, f.stride(0), A_log, dt_bias,
         b, b.stride(0), state, state.stride(0), slot_indices, out,
-        o_gate if norm else out, o_gate.stride(0) if norm else 0, o_gate.stride(1) if norm else 0,
-        o_norm_weight if norm else out, raw if norm else out, counts if v_split > 1 else slot_indices,
+        o_gate if gated else out, o_gate.stride(0) if gated else 0, o_gate.stride(1) if gated else 0,
+        o_norm_weight if gated else out, raw if gated else out, counts if v_split > 1 else slot_indices,
         scale, 0.0 if lower_bound is None else float(lower_bound), eps,
         H=H, D=D, BK=triton.next_power_of_2(D), BV=min(block_v, bvs), BVS=bvs, NV=v_split,
         W=1 if probe & 2 else W, WP=1 if probe & 2 else triton.next_power_of_2(W),
         USE_LOWER_BOUND=lower_bound is not None, NORM=norm, USE_PDL=use_pdl and not INTERPRET,
-        PREFETCH=prefetch, PROBE=probe, HOIST=hoist, EARLY=early, PIN=pin,
+        PREFETCH=prefetch, PROBE=probe, HOIST=hoist, EARLY=early, PIN=pin, SPLIT_NORM=split_norm,
         num_warps=num_warps,
         **pdl_kwargs(use_pdl),
     )
@@ -613,6 +636,7 @@ def kda_decode(
     prefetch: bool | None = None,
     probe: int = 0,
     pin: bool | None = None,
+    norm_partials: Tensor | None = None,
 ) -> Tensor:
     """One fused KDA decode step for N sequences (one token each) of one layer.
 
@@ -653,6 +677,11 @@ def kda_decode(
         pin: the pinned program form (`load_order`: the state tile's loads before a fence and every load the math
             waits on, the conv's operands one vector per window row); None: while one wave holds every program.
             True needs the hoisted form (prefetch at one warp) and a conv at most 4 wide. Same results either way.
+        norm_partials: with o_gate and o_norm_weight, the output norm split in two (`kda_decode_split_norm`, which
+            sizes it): an fp32 [N, H, v_split] buffer that gets each program's sum of o^2 over its value columns,
+            and the output is then o * weight * sigmoid(gate) without the rms factor. No program waits for the
+            head's others (the fused norm's arrival: ~0.9 us of the N = 1 step, session 39); the consumer applies
+            the factor (kernels/linear skinny_linear(row_rms=)).
 
     Returns:
         o: [N, H, D] in qkv_pre.dtype: the raw recurrence output, or its gated RMSNorm when o_gate
@@ -742,15 +771,39 @@ def kda_decode(
     elif tuple(out.shape) != (N, H, D) or not out.is_contiguous():
         raise ValueError(f"out must be contiguous [N, H, D]={[N, H, D]}, got {list(out.shape)}")
     raw = None
-    if o_gate is not None:
+    if norm_partials is not None:
+        if o_gate is None:
+            raise ValueError("norm_partials needs o_gate and o_norm_weight")
+        if (tuple(norm_partials.shape) != (N, H, v_split) or norm_partials.dtype != torch.float32
+                or not norm_partials.is_contiguous() or norm_partials.device != qkv_pre.device):
+            raise ValueError(f"norm_partials must be contiguous fp32 [N, H, v_split]={[N, H, v_split]} on "
+                             f"{qkv_pre.device}, got {norm_partials.dtype} {list(norm_partials.shape)}")
+        raw = norm_partials
+    elif o_gate is not None:
         raw = poison_like(torch.empty(N, H, D, dtype=torch.float32, device=qkv_pre.device))
     _launch_decode(
         qkv_pre, conv_weight, conv_state, f, A_log.contiguous().view(H), dt_bias.contiguous().view(H * D),
         b, state, slot_indices, out, o_gate, o_norm_weight, raw, counts, lower_bound,
         D**-0.5 if scale is None else float(scale), float(o_norm_eps), use_pdl, num_warps, block_v, v_split,
-        bool(prefetch), probe=probe, pin=pin,
+        bool(prefetch), probe=probe, pin=pin, split_norm=norm_partials is not None,
     )
     return out
+
+
+def kda_decode_split_norm(qkv_pre: Tensor, conv_weight: Tensor, conv_state: Tensor, f: Tensor, A_log: Tensor,
+                          dt_bias: Tensor, b: Tensor, state: Tensor, slot_indices: Tensor, *, o_gate: Tensor,
+                          o_norm_weight: Tensor, v_split: int | None = None, **kwargs) -> tuple[Tensor, Tensor]:
+    """`kda_decode` with its gated output norm left to the consumer: -> (y [N, H, D] in qkv_pre.dtype, partials
+    [N, H, P] fp32), y = o * o_norm_weight * sigmoid(o_gate) and partials the sums of o^2 over the P programs' value
+    columns, so that rms_norm_gated(o, o_gate, o_norm_weight, eps) = y * rsqrt(partials.sum(-1) / D + eps)
+    (kernels/linear: `skinny_linear(y, w, row_rms=(partials, eps))` applies that factor in o_proj's launch, and
+    `skinny_linear_ref` is its oracle). Other arguments as kda_decode's."""
+    N, H, D = qkv_pre.shape[0], state.shape[1], state.shape[2]
+    v_split = default_v_split(N, H, D) if v_split is None else int(v_split)
+    partials = torch.empty(N, H, v_split, dtype=torch.float32, device=qkv_pre.device)
+    y = kda_decode(qkv_pre, conv_weight, conv_state, f, A_log, dt_bias, b, state, slot_indices, o_gate=o_gate,
+                   o_norm_weight=o_norm_weight, v_split=v_split, norm_partials=partials, **kwargs)
+    return y, partials
 
 
 def _check_norm(o_gate: Tensor | None, o_norm_weight: Tensor | None, N: int, H: int, D: int

@@ -84,10 +84,16 @@ def _gemv_kernel(
     w_ptr, stride_wn,
     y_ptr, stride_ym,
     M, N, K,
+    rms_ptr,  # ROW_RMS: [M, K // GS, P] fp32 partial sums of squares (skinny_linear row_rms)
+    eps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    ROW_RMS: tl.constexpr = False,
+    GS: tl.constexpr = 1,  # ROW_RMS: columns a group (BLOCK_K a multiple of it)
+    P: tl.constexpr = 1,  # ROW_RMS: partial sums a group
+    PP: tl.constexpr = 1,  # P's next power of two
 ):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -106,7 +112,18 @@ def _gemv_kernel(
             k_ok = k0 + offs_k < K
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        xf = x.to(tl.float32)
+        if ROW_RMS:
+            # the block's BLOCK_K // GS groups, each scaled by its rsqrt(mean of squares + eps) (EVEN_K here)
+            NG: tl.constexpr = BLOCK_K // GS
+            offs_g = k0 // GS + tl.arange(0, NG)
+            offs_p = tl.arange(0, PP)
+            part = tl.load(rms_ptr + ((offs_m[:, None, None] * (K // GS) + offs_g[None, :, None]) * P
+                                      + offs_p[None, None, :]),
+                           mask=m_ok[:, None, None] & (offs_p < P)[None, None, :], other=0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(part, axis=2) / GS + eps)  # [BLOCK_M, NG]
+            xf = tl.reshape(tl.reshape(xf, [BLOCK_M, NG, GS]) * rstd[:, :, None], [BLOCK_M, BLOCK_K])
+        acc += xf[:, None, :] * w.to(tl.float32)[None, :, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
@@ -115,7 +132,7 @@ def _gemv_kernel(
 
 
 def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None, out: Tensor | None = None,
-                  tiles: GemvTiles | None = None) -> Tensor:
+                  tiles: GemvTiles | None = None, row_rms: tuple[Tensor, float] | None = None) -> Tensor:
     """y = x @ w^T for M <= MAX_ROWS rows.
 
     Args:
@@ -125,6 +142,9 @@ def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None,
             dim contiguous.
         tiles: tile override (benchmarks); default `pick_tiles(N, K)`. Its block_k is capped so that a
             program's partial products stay within MAX_PARTIALS (more rows: shorter K steps).
+        row_rms: (partials [M, G, P] fp32, eps): an RMS norm whose sums of squares were taken in P parts
+            elsewhere (kernels/kda `kda_decode_split_norm`): x's K columns in G groups of K/G (a power of two),
+            each group scaled by rsqrt(partials.sum(-1) / (K/G) + eps) before the product, in fp32.
 
     Returns:
         [M, N]: fp32 sums of fp32 products, rounded once to the output dtype.
@@ -150,9 +170,24 @@ def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None,
     cfg = tiles or pick_tiles(N, K)
     bm = max(1, triton.next_power_of_2(M))
     bk = block_k(cfg, bm, K)
+    partials, eps, gs, parts = out, 0.0, 1, 1
+    if row_rms is not None:
+        partials, eps = row_rms
+        G = partials.shape[1] if partials.dim() == 3 else 0
+        gs = K // G if G and K % G == 0 else 0
+        if (partials.dim() != 3 or partials.shape[0] != M or gs == 0 or gs & (gs - 1)
+                or partials.dtype != torch.float32 or not partials.is_contiguous()):
+            raise ValueError(f"row_rms partials must be contiguous fp32 [M, G, P] with M={M} and K={K} in G groups "
+                             f"of a power of two, got {partials.dtype} {list(partials.shape)}")
+        check_same_device(x=x, partials=partials)
+        parts = partials.shape[2]
+        bk = max(bk, gs)
+        while (K // gs) % (bk // gs):  # whole groups a K step, and whole K steps
+            bk //= 2
     _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
-        x, x.stride(0), w, w.stride(0), out, out.stride(0), M, N, K,
+        x, x.stride(0), w, w.stride(0), out, out.stride(0), M, N, K, partials, float(eps),
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=bk, EVEN_K=K % bk == 0,
+        ROW_RMS=row_rms is not None, GS=gs, P=parts, PP=triton.next_power_of_2(parts),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

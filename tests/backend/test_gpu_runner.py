@@ -685,6 +685,26 @@ def test_a_moe_layer_adds_its_residual_and_takes_the_next_norm_in_the_experts_su
     assert rel(got, want) < 1e-5
 
 
+def test_a_one_sequence_decode_finishes_the_kda_output_norm_in_o_proj(tmp_path) -> None:
+    """Issue 18 (KDA decode at N = 1: the fused norm's arrival ~0.9 us a layer): with KernelConfig.kda_norm_in_o_proj
+    a one-sequence decode's KDA layers write o * weight * sigmoid(gate) and per-program sums of o^2
+    (kda_decode_split_norm) and o_proj's skinny GEMV applies the rms factor: o_proj through that one Triton launch
+    (here in place of torch's matmul: fp32 weights), the same logits up to fp32 summation order, the same states."""
+    from k3rt.backend.runner.gpu.kda import KdaWeights
+
+    split_runner, step, split = _k3_decode_forward_counted(tmp_path / "a", arch="kimi_linear",
+                                                           kda_norm_in_o_proj=True)
+    plain_runner, plain_step, plain = _k3_decode_forward_counted(tmp_path / "b", arch="kimi_linear")
+    n = sum(isinstance(w, KdaWeights) for w in split_runner.fwd.prepared.values())
+    assert n and split.triton - plain.triton == n and plain.torch_ops.count("mm") - split.torch_ops.count("mm") == n
+    for pool_a, pool_b in ((split_runner.fwd.pool.rec, plain_runner.fwd.pool.rec),
+                           (split_runner.fwd.pool.conv, plain_runner.fwd.pool.conv)):
+        assert all(a is None or torch.equal(a, b) for a, b in zip(pool_a, pool_b))
+    with torch.no_grad():
+        got, want = split_runner.fwd(step, decode=True), plain_runner.fwd(plain_step, decode=True)
+    assert rel(got, want) < 1e-5
+
+
 def test_a_small_router_computes_its_logits_in_the_top_k_launch(tmp_path) -> None:
     """Issue 16 (launch-bound batch-1 round): k3's 8-expert router takes its logits inside the top-k launch
     (KernelConfig.moe_fused_router, kernels/moe/triton_router.py moe_route_from_x): one GEMM per MoE layer fewer,

@@ -260,6 +260,42 @@ def test_decode_fused_gated_rmsnorm(v_split: int, block_v: int, gate_2d: bool) -
     assert torch.equal(case["conv_state"], conv_ref)
 
 
+@pytest.mark.parametrize("v_split,block_v,num_warps", [(1, 16, 4), (2, 16, 1), (4, 8, 1), (2, 8, 1)],
+                         ids=["whole_head", "split2", "split4", "split2_two_tiles"])
+def test_decode_split_norm_finishes_to_the_fused_norm(v_split: int, block_v: int, num_warps: int) -> None:
+    """kda_decode_split_norm: y = o * weight * sigmoid(gate) and per-program sums of o^2, the rms factor left to
+    the consumer (skinny_linear row_rms): y times that factor is the fused norm's output; states and conv caches
+    are the fused launch's, bit for bit on the interpreter; a padding row gives zeros in both."""
+    from k3rt.backend.layers.norm import rms_norm_gated
+    from k3rt.kernels.kda import kda_decode_split_norm
+
+    N, H, D, kind, eps = 3, 2, 32, "softplus", 1e-5
+    slots = torch.tensor([2, 0, -1], dtype=torch.int32, device=DEV)
+    gen = torch.Generator().manual_seed(9)
+    gate = torch.randn(N, H, D, generator=gen).to(DEV)
+    weight = (1 + 0.3 * torch.randn(D, generator=gen)).to(DEV)
+    fused_case = decode_case(N, H, D, kind, torch.float32, num_slots=4, seed=8)
+    split_case = decode_case(N, H, D, kind, torch.float32, num_slots=4, seed=8)
+    o_ref, _, _ = decode_ref(decode_case(N, H, D, kind, torch.float32, num_slots=4, seed=8), [2, 0, -1], kind)
+    kw = dict(slot_indices=slots, v_split=v_split, block_v=block_v, num_warps=num_warps)
+    fused = kda_decode(**fused_case, o_gate=gate, o_norm_weight=weight, o_norm_eps=eps, **kw)
+    y, partials = kda_decode_split_norm(**split_case, o_gate=gate, o_norm_weight=weight, **kw)
+    assert partials.shape == (N, H, v_split)
+    assert rel_err(y, o_ref * weight * torch.sigmoid(gate)) <= 1e-4
+    done = y * torch.rsqrt(partials.sum(-1, keepdim=True) / D + eps)
+    assert rel_err(done, fused) <= 1e-5
+    assert rel_err(done[:2], rms_norm_gated(o_ref, gate, weight, eps)[:2]) <= 1e-4
+    assert torch.equal(y[2], torch.zeros_like(y[2])) and torch.equal(partials[2], torch.zeros_like(partials[2]))
+    if DEV == "cpu":
+        assert torch.equal(split_case["state"], fused_case["state"])
+    assert torch.equal(split_case["conv_state"], fused_case["conv_state"])
+    with pytest.raises(ValueError, match="norm_partials needs o_gate"):
+        kda_decode(**split_case, slot_indices=slots, norm_partials=partials)
+    with pytest.raises(ValueError, match="norm_partials must be"):
+        kda_decode(**split_case, slot_indices=slots, o_gate=gate, o_norm_weight=weight, v_split=v_split,
+                   norm_partials=partials[:, :, :1] if v_split > 1 else partials.expand(N, H, 2).contiguous())
+
+
 def test_decode_split_defaults_one_warp_programs() -> None:
     """Session 38's defaults at the 48B's KDA shape (H = 32, D = 128): heads split into one-warp programs of at most
     32 value columns while N * H <= 512 (16 columns at N = 1, to reach 256 programs), whole heads at 4 warps above;

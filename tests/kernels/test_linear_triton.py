@@ -53,6 +53,33 @@ def test_wide_tiles_at_many_rows_keep_their_partials_bounded() -> None:
     assert rel_err(y, skinny_linear_ref(x, w)) <= 1e-6
 
 
+@pytest.mark.parametrize("M,G,P,tiles", [(1, 4, 8, None), (3, 2, 1, None), (2, 8, 3, GemvTiles(2, 16, 4, 1)),
+                                          (1, 4, 2, GemvTiles(4, 64, 4, 1))])
+def test_row_rms_scales_each_group(M: int, G: int, P: int, tiles) -> None:
+    """row_rms: x's K columns in G groups, each scaled by rsqrt(sum of its P partials / group size + eps) before the
+    product (KDA's output norm finished in o_proj's launch), against the oracle; K steps shorter or longer than a
+    group are rounded to whole groups."""
+    K, N = G * 16, 24
+    g = torch.Generator().manual_seed(M * 10 + G + P)
+    x = torch.randn(M, K, generator=g).to(DEV)
+    w = torch.randn(N, K, generator=g).to(DEV)
+    partials = (torch.rand(M, G, P, generator=g) * 16).to(DEV)
+    y = skinny_linear(x, w, row_rms=(partials, 1e-5), tiles=tiles)
+    ref = skinny_linear_ref(x, w, row_rms=(partials, 1e-5))
+    assert rel_err(y, ref) <= 1e-6
+    # the oracle itself: a group's columns divided by the rms its partials give
+    rms = torch.sqrt(partials.sum(-1) / 16 + 1e-5)  # [M, G]
+    assert rel_err(ref, skinny_linear_ref((x.view(M, G, 16) / rms[:, :, None]).view(M, K), w)) <= 1e-6
+
+
+def test_row_rms_rejects_bad_partials() -> None:
+    x, w = torch.randn(1, 64, device=DEV), torch.randn(8, 64, device=DEV)
+    for bad in (torch.ones(1, 3, 2, device=DEV), torch.ones(2, 4, 2, device=DEV),  # 64 / 3; M
+                torch.ones(1, 4, 2, device=DEV, dtype=torch.float16), torch.ones(1, 8, device=DEV)):
+        with pytest.raises(ValueError, match="row_rms partials"):
+            skinny_linear(x, w, row_rms=(bad, 1e-5))
+
+
 def test_rejects_bad_inputs() -> None:
     x, w = torch.randn(2, 16, device=DEV), torch.randn(8, 16, device=DEV)
     with pytest.raises(ValueError, match=rf"rows M must be in \[1, {MAX_ROWS}\]"):

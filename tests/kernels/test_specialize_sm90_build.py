@@ -53,10 +53,11 @@ dec = dict(qkv_ptr=B16, stride_qkv_n=I32, conv_w_ptr="*fp32", conv_state_ptr=B16
            stride_state_slot=I32, slot_ptr="*i64", o_ptr=B16, gate_ptr=B16, stride_gate_n=I32, stride_gate_h=I32,
            norm_w_ptr=B16, raw_ptr="*fp32", count_ptr="*i32", scale="fp32", lower_bound="fp32", eps="fp32",
            H=C, D=C, BK=C, BV=C, BVS=C, NV=C, W=C, WP=C, USE_LOWER_BOUND=C, NORM=C, USE_PDL=C, PREFETCH=C,
-           PROBE=C, HOIST=C, EARLY=C, PIN=C)
+           PROBE=C, HOIST=C, EARLY=C, PIN=C, SPLIT_NORM=C)
 cases["kda_decode"] = (KD._kda_decode_kernel, dec, dict(H=32, D=128, BK=128, BV=32, BVS=32, NV=4, W=4, WP=4,
                                                         USE_LOWER_BOUND=False, NORM=True, USE_PDL=False,
-                                                        PREFETCH=True, PROBE=0, HOIST=True, EARLY=False, PIN=True), 1, 1)
+                                                        PREFETCH=True, PROBE=0, HOIST=True, EARLY=False, PIN=True,
+                                                        SPLIT_NORM=False), 1, 1)
 paged = dict(q_ptr=B16, stride_q_n=I32, stride_q_h=I32, kv_ptr=B16, block_table_ptr="*i32", stride_bt_n=I32,
              seq_lens_ptr="*i32", part_ptr="*fp32", lse_ptr="*fp32", qk_scale="fp32", H=I32, block_size=I32,
              num_splits=I32, L=C, R=C, BLOCK_H=C, BLOCK_N=C, DOT_PRECISION=C, USE_PDL=C, HEADS_ON_M=C)

@@ -103,6 +103,10 @@ def kda_forward(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: 
     form copies its commit inputs into (GpuForward.verify_keep; None: the step keeps its own tensors)."""
     T, H, D = x.shape[0], attn.num_heads, attn.head_dim
     qkv, gate, f, b = kda_project(attn, w, x, k)
+    if (decode and T == 1 and k.triton and k.skinny_gemv and k.kda_norm_in_o_proj and not k.batch_invariant
+            and step.row_seq is None):
+        return _decode_norm_in_o_proj(attn, w, qkv, f, b, gate, conv_pool, rec_pool, step.state_pages[w.group], k,
+                                      workspace)
     o = kda_attend(attn, w, qkv, gate, f, b, step, conv_pool, rec_pool, k, decode=decode, workspace=workspace,
                    keep=keep)
     return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
@@ -156,6 +160,22 @@ def _decode(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch
                       lower_bound=attn.lower_bound, use_pdl=k.use_pdl, o_gate=gate.reshape(N, H, D),
                       o_norm_weight=attn.o_norm_weight, o_norm_eps=attn.eps, workspace=workspace,
                       v_split=1 if k.batch_invariant else None, out=out)
+
+
+def _decode_norm_in_o_proj(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor,
+                           b: torch.Tensor, gate: torch.Tensor, conv_pool: torch.Tensor, rec_pool: torch.Tensor,
+                           pages: torch.Tensor, k: KernelConfig, workspace: torch.Tensor | None) -> torch.Tensor:
+    """The decode form of one sequence with its output norm finished in o_proj's launch
+    (KernelConfig.kda_norm_in_o_proj): the decode launch writes o * weight * sigmoid(gate) and each program's sum of
+    o^2, the skinny GEMV scales each head's columns by the rms factor as it reads them. -> [1, hidden]."""
+    from k3rt.kernels.kda import kda_decode_split_norm
+    from k3rt.kernels.linear import skinny_linear
+
+    H, D = attn.num_heads, attn.head_dim
+    y, partials = kda_decode_split_norm(qkv, w.conv_weight, conv_pool, f, w.A_log, w.dt_bias, b, rec_pool, pages,
+                                        lower_bound=attn.lower_bound, use_pdl=k.use_pdl, o_gate=gate.reshape(1, H, D),
+                                        o_norm_weight=attn.o_norm_weight, workspace=workspace)
+    return skinny_linear(y.reshape(1, H * D), attn.o_proj.weight, row_rms=(partials, attn.eps))
 
 
 def _general_gated(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,

@@ -123,9 +123,15 @@ class KernelConfig:
     moe_latent_fusion: bool = True
     # the decoder layer's residual add and the next norm in the MoE's experts' sum launch (backend/runner/gpu/ffn.py
     # moe_add_norm: plain MoE with stacked shared experts at TP 1, the 48B's layers) instead of a norm launch after:
-    # one launch per MoE layer fewer (26 in the 48B's forward). Session 38, built without a GPU: not timed yet
-    # (decode.py variant no_sum_add_norm)
+    # one launch per MoE layer fewer (26 in the 48B's forward; decode.py variant no_sum_add_norm). Timed in session 39 (H200, 48B graphs): 2.678 -> 2.643 ms at batch 1,
+    # 11.111 -> 11.054 at 16, 22.041 -> 21.958 at 64
     moe_sum_add_norm: bool = True
+    # a one-sequence decode's KDA output norm split between the decode launch and o_proj's (kernels/kda
+    # kda_decode_split_norm: y = o * weight * sigmoid(gate) and per-program sums of o^2, no program waiting for its
+    # head's others; kernels/linear skinny_linear(row_rms=) applies the rms factor as it reads y). The fused norm's
+    # arrival cost ~0.9 us of the N = 1 step (H100 probes, session 39). Built without a GPU: off until timed
+    # (decode.py variant kda_norm_in_o_proj)
+    kda_norm_in_o_proj: bool = False
     # a few tokens' MoE pairs as blocks of one row, no alignment launch, while their experts' weights (read once per
     # pair) stay within this many bytes (kernels/moe/triton_experts.py align_blocks: k3-tiny's verify steps; never the
     # 48B's 14 MB experts); None: the kernel's own bound (PAIR_BLOCKS_MAX_BYTES, 4 MB); 0: one token only, as before
