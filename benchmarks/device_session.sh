@@ -19,7 +19,8 @@
 #   tests               both of the above
 #   decode (200)        benchmarks/decode.py: batch 1/16/64 at 4K, --profile 1, prefill 8K and 32K (the defaults,
 #                       then the KDA fused intra step, the default before session 32), batch 1's MoE in two launches,
-#                       and without the residual add and next norm in the MoE's sum launch (session 38, no_sum_add_norm)
+#                       and without the residual add and next norm in the MoE's sum launch (session 38, no_sum_add_norm),
+#                       and batch 1's KDA output norm finished in o_proj's launch (session 39, kda_norm_in_o_proj)
 #   kda (240)           benchmarks/kernels.py: KDA decode (N = 1, 16) and prefill against fla, the fused and the
 #                       blocks intra path (kda_chunk_fwd intra="blocks", session 30) side by side
 #   kda-blocks (120 + 200) the chunk kernels' GPU tests (the blocks cases, fp32 scratch), then the blocks path's
@@ -176,7 +177,8 @@ for stage in "$@"; do
       done ;;
     decode)
       run decode 200 python3 benchmarks/decode.py --batch 1 16 64 --profile 1 --prefill 8192 32768 \
-        --prefill-configs kda_intra=fused --variants control moe_one_token no_sum_add_norm --budget-s 180 \
+        --prefill-configs kda_intra=fused --variants control moe_one_token no_sum_add_norm kda_norm_in_o_proj \
+        --budget-s 180 \
         --out "$OUT/decode.json" ;;
     kda)
       run kda 240 python3 benchmarks/kernels.py --decode-n 1 16 --prefill 8192 16384 65536 8x4096 \
