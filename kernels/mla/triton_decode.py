@@ -268,24 +268,27 @@ def _mla_decode_combine_kernel(
     if USE_PDL:
         gdc_wait()
     base = i_n.to(tl.int64) * num_splits * H + i_h  # row (n, s=0, h); split s adds s*H
-    # the max over splits in BLOCK_S chunks: a constexpr sized by the split count (its next power of two) made
-    # a binary per power of two, i.e. a compile each time a longer context or another batch size changed the
-    # split count (k3-tiny on the H200: inside a measured run of `k3rt bench spec`, session 16)
+    # One pass over the splits in BLOCK_S chunks (a fixed constexpr: one sized by the split count made a binary per
+    # power of two, i.e. a compile each time a longer context or another batch size changed the split count; k3-tiny
+    # on the H200 inside a measured run of `k3rt bench spec`, session 16), the running max rescaling what is summed
+    # so far: each chunk's lse and partial loads go out together, where a first pass for the max made every chunk's
+    # lse load a dependent trip to memory before any partial was read (132 splits at batch 1 and 32K: 9 of them).
     m = tl.full([], float("-inf"), tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        ss = s0 + tl.arange(0, BLOCK_S)
-        m = tl.maximum(m, tl.max(tl.load(lse_ptr + base + ss * H, mask=ss < num_splits, other=float("-inf")), axis=0))
-    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: every weight is 0, output 0
     denom = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([BLOCK_L], dtype=tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
         ss = s0 + tl.arange(0, BLOCK_S)
         mask_s = ss < num_splits
-        w = tl.exp2(tl.load(lse_ptr + base + ss * H, mask=mask_s, other=float("-inf")) - m)  # [BLOCK_S]
-        denom += tl.sum(w, axis=0)
+        lse = tl.load(lse_ptr + base + ss * H, mask=mask_s, other=float("-inf"))  # [BLOCK_S]
         part = tl.load(part_ptr + (base + ss * H)[:, None] * L + offs_l[None, :], mask=mask_s[:, None],
                        other=0.0).to(tl.float32)
-        acc += tl.sum(w[:, None] * part, axis=0)
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all splits so far empty: every weight 0
+        alpha = tl.exp2(m - m_ref)  # 0 while m is -inf
+        w = tl.exp2(lse - m_ref)
+        denom = denom * alpha + tl.sum(w, axis=0)
+        acc = acc * alpha + tl.sum(w[:, None] * part, axis=0)
+        m = m_new
     if USE_PDL:
         gdc_launch_dependents()
     o = acc / tl.where(denom > 0.0, denom, 1.0)
@@ -593,7 +596,7 @@ def mla_decode(
         block_l = min(L, 128)
         _mla_decode_combine_kernel[(N, H, L // block_l)](
             part, lse, out, out.stride(0), out.stride(1), H, S,
-            L=L, BLOCK_L=block_l, BLOCK_S=16,
+            L=L, BLOCK_L=block_l, BLOCK_S=32,
             USE_PDL=pdl, num_warps=4, **pdl_kwargs(use_pdl),
         )
     return out
