@@ -2,7 +2,7 @@
 its commit (backend/runner/gpu/kda.py, `KernelConfig.kda_verify_launch = "multi"`).
 
 `kda_decode_multi` runs the decode step (conv + SiLU, l2norm, gates, delta rule, optional gated RMSNorm;
-the helpers of triton_decode.py, so the per-token math is the decode kernel's) over tokens 0..n_i-1 of row
+the helpers of triton_step.py, so the per-token math is the decode kernel's) over tokens 0..n_i-1 of row
 block i of an [N, R] block, n_i read from a device tensor (clamped to 0..R), starting from the sequence's
 live conv window and recurrent state. Per (sequence, head, V slice) a program keeps its [K, D/v_split]
 state tile in registers across the tokens (as `kda_verify` does) and builds each token's conv window from
@@ -35,14 +35,14 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from k3rt.kernels.common import INTERPRET, pdl_kwargs, poison_like
-from k3rt.kernels.kda.triton_decode import (_conv_taps, _decay, _delta_step, _gate_beta_with, _gate_consts,
-                                            _norm_gate_row, _silu_conv)
+from k3rt.kernels.kda.triton_step import (_conv_taps, _decay, _delta_step, _gate_beta_with, _gate_consts,
+                                          _norm_gate_row, _silu_conv)
 from k3rt.kernels.kda.triton_verify import _verify_window, check_token_block
 
 
 @triton.jit
 def _store_window_tail(win, cs_ptr, ch, mask, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
-    """Window rows 1..W-1 as the new cache rows 0..W-2 (triton_decode's _conv_shift_store, `mask` 2-D)."""
+    """Window rows 1..W-1 as the new cache rows 0..W-2 (triton_step's _conv_shift_store, `mask` 2-D)."""
     r = tl.arange(0, WP)
     tl.store(cs_ptr + (r[:, None] - 1) * C + ch[None, :], win.to(cs_ptr.dtype.element_ty),
              mask=((r >= 1) & (r < W))[:, None] & mask)

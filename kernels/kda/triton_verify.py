@@ -30,14 +30,11 @@ from k3rt.kernels.common import INTERPRET, check, pdl_kwargs, poison_like
 from k3rt.kernels.kda.triton_decode import (
     _LOWER_BOUND_MIN,
     _check_norm,
-    _conv_silu,
-    _delta_step,
-    _gate_beta,
-    _norm_gate_row,
     _slots_contiguous,
     default_v_split,
     kda_decode_workspace,
 )
+from k3rt.kernels.kda.triton_step import _conv_silu, _delta_step, _gate_beta, _norm_gate_row
 
 MAX_DRAFT = 16
 
