@@ -53,6 +53,7 @@ from k3rt.kernels.kda.triton_step import (
     _gate_weight,
     _hist_rows,
     _norm_gate_row,
+    _shift_store,
     _shift_store_rows,
     _silu_conv,
     _silu_conv_rows,
@@ -211,6 +212,7 @@ def _kda_decode_kernel(
                 hv0, hv1, hv2 = _hist_rows(cs, v_ch, offs_v < D, C, W)
                 hq0, hq1, hq2 = _hist_rows(cs, q_ch, mask_k, C, W)
                 hk0, hk1, hk2 = _hist_rows(cs, k_ch, mask_k, C, W)
+                win_q, win_k = (hq1, hq2, x_q), (hk1, hk2, x_k)  # the rows the shifted cache keeps
             else:
                 hist_v = _conv_hist(cs, v_ch, offs_v < D, C, W, WP)
                 win_q = _conv_window(_conv_hist(cs, q_ch, mask_k, C, W, WP), x_q, W, WP)
@@ -239,12 +241,8 @@ def _kda_decode_kernel(
             # a value may be held (and loaded) by several threads: all must have read the cache
             # before any overwrites it
             tl.debug_barrier()
-            if PIN:
-                _shift_store_rows(cs, hq1, hq2, x_q, q_ch, mask_k, C, W)
-                _shift_store_rows(cs, hk1, hk2, x_k, k_ch, mask_k, C, W)
-            else:
-                _conv_shift_store(win_q, cs, q_ch, mask_k, C, W, WP)
-                _conv_shift_store(win_k, cs, k_ch, mask_k, C, W, WP)
+            _shift_store(win_q, cs, q_ch, mask_k, C, W, WP, PIN)
+            _shift_store(win_k, cs, k_ch, mask_k, C, W, WP, PIN)
         elif EARLY and not PIN and (PROBE & 1) == 0:
             # The head's q/k cache may be shifted only once every program of the head has read it: each counts
             # itself in as soon as its windows are loaded, and the last to arrive shifts, after its update, so the
@@ -319,12 +317,8 @@ def _kda_decode_kernel(
 
         if NV > 1 and EARLY and (PROBE & 1) == 0:
             if first == NV - 1:  # every program of the head has read the q/k cache
-                if PIN:
-                    _shift_store_rows(cs, hq1, hq2, x_q, q_ch, mask_k, C, W)
-                    _shift_store_rows(cs, hk1, hk2, x_k, k_ch, mask_k, C, W)
-                else:
-                    _conv_shift_store(win_q, cs, q_ch, mask_k, C, W, WP)
-                    _conv_shift_store(win_k, cs, k_ch, mask_k, C, W, WP)
+                _shift_store(win_q, cs, q_ch, mask_k, C, W, WP, PIN)
+                _shift_store(win_k, cs, k_ch, mask_k, C, W, WP, PIN)
                 tl.store(cnt, 0)  # ready for the next launch
         elif NV > 1 and (PROBE & 1) == 0:
             # The head's q/k cache may be overwritten, and its norm taken, only once every program
@@ -333,12 +327,8 @@ def _kda_decode_kernel(
             tl.debug_barrier()
             arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
             if arrived == NV - 1:
-                if PIN:
-                    _shift_store_rows(cs, hq1, hq2, x_q, q_ch, mask_k, C, W)
-                    _shift_store_rows(cs, hk1, hk2, x_k, k_ch, mask_k, C, W)
-                else:
-                    _conv_shift_store(win_q, cs, q_ch, mask_k, C, W, WP)
-                    _conv_shift_store(win_k, cs, k_ch, mask_k, C, W, WP)
+                _shift_store(win_q, cs, q_ch, mask_k, C, W, WP, PIN)
+                _shift_store(win_k, cs, k_ch, mask_k, C, W, WP, PIN)
                 if NORM:
                     _norm_gate_row(raw_row, gate_row, norm_w_ptr, o_row, offs_k, mask_k, eps, D)
                 tl.store(cnt, 0)  # ready for the next launch

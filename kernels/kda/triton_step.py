@@ -115,6 +115,16 @@ def _shift_store_rows(cs_ptr, h1, h2, x, ch, mask, C: tl.constexpr, W: tl.conste
 
 
 @triton.jit
+def _shift_store(win, cs_ptr, ch, mask, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, ROWS: tl.constexpr):
+    """The cache after this token from either window form: ROWS, the tuple (row 1, row 2, the token's row) of
+    `_hist_rows` and x; else `_conv_window`'s tile."""
+    if ROWS:
+        _shift_store_rows(cs_ptr, win[0], win[1], win[2], ch, mask, C, W)
+    else:
+        _conv_shift_store(win, cs_ptr, ch, mask, C, W, WP)
+
+
+@triton.jit
 def _fence_cta(x):
     """A CTA-scope fence (`fence.acq_rel.cta`, SASS MEMBAR.ALL.CTA), returning x: no load moves past it, so the loads
     before it are issued before the loads after it. Not for the interpreter (inline PTX)."""
