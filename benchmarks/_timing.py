@@ -57,6 +57,16 @@ def import_k3rt_kernels() -> None:
     pkg.kernels = mod
 
 
+def load_file_module(path: str, name: str) -> types.ModuleType:
+    """An earlier copy of a kernel file (`git show REV:kernels/... > FILE`) loaded as a module of its own, to time
+    beside the current one in the same process (its imports resolve to this checkout's other modules)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def rel_err(a, b) -> float:
     """||a - b|| / ||b|| in fp64; any non-finite value in a gives inf."""
     a, b = a.double(), b.double()

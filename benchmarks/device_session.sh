@@ -63,7 +63,9 @@
 #   spec-b1 (130 + 110) issue 16 at batch 1 with the default 16 rounds: the gate on code and agent, then
 #                       spec_round.py plain vs dspark:16 with the prefill steps profiled (session 32: a dspark
 #                       request's prefill step 9.1 ms against plain's 5.2, a large share of a 64-token request)
-#   mla (240)           benchmarks/kernels_mla.py --decode-only (13 launch variants x 11 cases, then splits)
+#   mla (240)           benchmarks/kernels_mla.py --decode-only (13 launch variants x 11 cases, then splits); with
+#                       MLA_BASELINE=FILE (an earlier kernels/mla/triton_decode.py, carried) that file's mla_decode
+#                       too, beside the default at every case, interleaved (session 39: the one-pass combine)
 #   moe (200)           benchmarks/kernels_moe.py: decode T=1/64, prefill 2K/8K/32K (every tile candidate, the
 #                       grouped tiles among them; the alignment alone in both multi-chunk forms), route
 #   linear (100)        benchmarks/kernels_linear.py
@@ -245,7 +247,8 @@ for stage in "$@"; do
         --engines plain,dspark:16 --profile-steps 4 --profile-prefill --top 40 --budget-s 100 \
         --out "$OUT/spec_b1_round.json" ;;
     mla)
-      run mla 240 python3 benchmarks/kernels_mla.py --decode-only --budget-s 200 --out "$OUT/mla.json" ;;
+      run mla 240 python3 benchmarks/kernels_mla.py --decode-only --budget-s 200 \
+        ${MLA_BASELINE:+--decode-baseline "$MLA_BASELINE"} --out "$OUT/mla.json" ;;
     moe)
       run moe 200 python3 benchmarks/kernels_moe.py --decode-t 1 64 --prefill-t 2048 8192 32768 --budget-s 180 \
         --out "$OUT/moe.json" ;;

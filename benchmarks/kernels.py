@@ -173,7 +173,7 @@ ARGS = kernel_bench_args(__doc__, "kernels.json", 420.0, _add_args)
 import torch  # noqa: E402
 
 import _timing  # noqa: E402
-from _timing import Report, copy_bandwidth, default_out, import_k3rt_kernels, rel_err  # noqa: E402
+from _timing import Report, copy_bandwidth, default_out, import_k3rt_kernels, load_file_module, rel_err  # noqa: E402
 
 import_k3rt_kernels()
 from k3rt.kernels.kda import kda_chunk_fwd, kda_commit, kda_decode, kda_decode_workspace, kda_verify  # noqa: E402
@@ -377,13 +377,8 @@ def rotation_layers(state_bytes: int) -> int:
 
 
 def load_baseline(path: str) -> types.SimpleNamespace:
-    """kda_decode and kda_decode_workspace of an earlier triton_decode.py (--decode-baseline), loaded as its own
-    module (it imports k3rt.kernels.common like the current one)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("k3rt_decode_baseline", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    """kda_decode and kda_decode_workspace of an earlier triton_decode.py (--decode-baseline)."""
+    mod = load_file_module(path, "k3rt_decode_baseline")
     return types.SimpleNamespace(kda_decode=mod.kda_decode, kda_decode_workspace=mod.kda_decode_workspace)
 
 

@@ -46,6 +46,10 @@ def parse_args() -> argparse.Namespace:
                     help="prefill launch variants timed at every length, each checked against the oracle first "
                          "(names from PREFILL_VARIANTS, or mMnNwWsS tiles; default: a tile sweep at the first length)")
     ap.add_argument("--budget-s", type=float, default=150.0, help="skip items that would start past this")
+    ap.add_argument("--decode-baseline", default=None, metavar="FILE",
+                    help="an earlier kernels/mla/triton_decode.py (git show REV:kernels/mla/triton_decode.py > FILE): "
+                         "its mla_decode timed beside the default variant at every decode case, twice each, "
+                         "interleaved, in the same process (decode_baseline in the JSON)")
     return ap.parse_args()
 
 
@@ -56,7 +60,7 @@ if ARGS.smoke:
 import torch  # noqa: E402
 
 from _timing import (  # noqa: E402
-    Report, copy_bandwidth, graph_time, import_k3rt_kernels, l2_rotation, rel_err, time_ms,
+    Report, copy_bandwidth, graph_time, import_k3rt_kernels, l2_rotation, load_file_module, rel_err, time_ms,
 )
 
 import_k3rt_kernels()
@@ -101,6 +105,7 @@ SCALE = (P + R) ** -0.5
 # and the JSON writing come from the Report
 REPORT = Report(Path(ARGS.out), ARGS.budget_s, {
     "mode": "gpu" if GPU else "smoke", "shape": SHAPE, "dtype": str(DTYPE), "decode": [], "decode_errors": [], "decode_sweep": [],
+    "decode_baseline": [],
     "prefill": [], "prefill_sweep": [], "correctness": [], "skipped": []})
 RESULT = REPORT.result
 
@@ -192,7 +197,9 @@ class DecodeCase:
         self.bytes_per_call = int(self.seq_lens.sum()) * (L + R) * 2 + N * H * (2 * L + R) * 2
         self.outs = [torch.empty(N, H, L, dtype=DTYPE, device=DEV) for _ in range(self.rot)]
 
-    def time(self, variant: str, num_splits: int | None = None) -> dict:
+    def time(self, variant: str, num_splits: int | None = None, decode=None) -> dict:
+        """decode: another mla_decode (--decode-baseline's) in the variant's launch."""
+        decode = decode or mla_decode
         tune = DECODE_VARIANTS[variant]
         # the balanced schedule's count is work programs (None: the launcher's choice), not splits
         balanced = tune.get("schedule") == "balanced"
@@ -201,8 +208,8 @@ class DecodeCase:
             splits = num_splits or mla_decode_balanced_programs(H, cfg, None if GPU else 4)  # interpreter: few
         else:
             splits = num_splits or mla_decode_num_splits(self.N, H, self.span)
-        calls = [lambda r=r: mla_decode(self.qs[r], self.kv, self.tables[r], self.seq_lens, SCALE, kv_lora_rank=L,
-                                        num_splits=splits, out=self.outs[r], **tune) for r in range(self.rot)]
+        calls = [lambda r=r: decode(self.qs[r], self.kv, self.tables[r], self.seq_lens, SCALE, kv_lora_rank=L,
+                                    num_splits=splits, out=self.outs[r], **tune) for r in range(self.rot)]
         us = graph_time(calls, reps=30 if GPU else 1)["us_per_call"]
         gbps = self.bytes_per_call / (us * 1e-6) / 1e9
         return {"variant": variant, "N": self.N, "ctx": self.ctx, "ragged": self.ragged, "num_splits": splits,
@@ -268,6 +275,22 @@ def profile_decode(variants: list[str]) -> None:
         torch.cuda.empty_cache()
 
 
+BASELINE = load_file_module(ARGS.decode_baseline, "k3rt_mla_decode_baseline") if ARGS.decode_baseline else None
+
+
+def time_baseline(case: "DecodeCase") -> None:
+    """--decode-baseline: the default variant through the current and the earlier mla_decode, twice each,
+    interleaved (the second pair's readings say how much the order moved the first)."""
+    first = next(iter(DECODE_VARIANTS))
+    for again in ("", " again"):
+        for impl, fn in (("k3rt", None), ("baseline", BASELINE.mla_decode)):
+            row = {**case.time(first, decode=fn), "impl": impl + again}
+            RESULT["decode_baseline"].append(row)
+            REPORT.save()
+            print(f"decode N={case.N:3d} ctx={case.ctx:6d} {first} {impl + again:15s} {row['us']:9.2f} us "
+                  f"{row['pct_copy_bw']:5.1f}% of copy")
+
+
 def bench_decode() -> None:
     """Every variant at every (context, batch) with the split heuristic's count, then split counts
     around the heuristic's for the variant with the best mean at contexts >= 32K."""
@@ -291,6 +314,8 @@ def bench_decode() -> None:
                 REPORT.save()  # a later crash (illegal address) keeps what was measured
                 print(f"decode N={N:3d} ctx={ctx:6d} splits={row['num_splits']:3d} {variant:36s} {row['us']:9.2f} us "
                       f"{row['GBps']:7.0f} GB/s  {row['pct_copy_bw']:5.1f}% of copy")
+            if BASELINE is not None:
+                time_baseline(case)
             del case
             if GPU:
                 torch.cuda.empty_cache()  # the pools of the largest cases are ~10 GB

@@ -406,6 +406,25 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
     assert result["correctness"] and all(c["ok"] for c in result["correctness"]), result["correctness"]
 
 
+def test_benchmark_decode_baseline_smoke(tmp_path: Path) -> None:
+    """kernels_mla.py --decode-baseline FILE: an earlier triton_decode.py (here the current one, as a file) timed
+    beside the default launch at every decode case, twice each, interleaved (the timing itself is the GPU's; here
+    the rows must exist and the baseline rows must have run the file's mla_decode)."""
+    from tests.kernels.helpers import REPO
+
+    base, calls = tmp_path / "old_mla_decode.py", tmp_path / "baseline_calls"
+    base.write_text((REPO / "kernels" / "mla" / "triton_decode.py").read_text() + (
+        f"\n_mla_decode = mla_decode\n\n\ndef mla_decode(*a, **kw):\n"
+        f"    open({str(calls)!r}, 'a').write('.')\n    return _mla_decode(*a, **kw)\n"))
+    result = run_benchmark_smoke("kernels_mla.py", tmp_path / "kernels_mla.json", "--decode-only",
+                                 "--decode-baseline", str(base))
+    rows = result["decode_baseline"]
+    cases = {(r["N"], r["ctx"]) for r in result["decode"]}
+    assert cases and sorted(r["impl"] for r in rows) == sorted(
+        ["k3rt", "baseline", "k3rt again", "baseline again"] * len(cases))
+    assert calls.exists() and len(calls.read_text()) >= 2 * len(cases)
+
+
 # --------------------------------------------------------------------------------------------
 # GPU, Kimi-Linear-48B shape
 
