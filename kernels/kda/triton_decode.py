@@ -160,16 +160,16 @@ def _kda_decode_kernel(
         # layout: see _taps_rows. (Unpinned that form lost: H100, N = 8 15.6 -> 16.8 us; session 39.)
         x_q = tl.load(x_row + q_ch, mask=mask_k, other=0.0)
         x_k = tl.load(x_row + k_ch, mask=mask_k, other=0.0)
+        if not PIN:
+            taps_q = _conv_taps(conv_w_ptr, q_ch, mask_k, W, WP)
+            taps_k = _conv_taps(conv_w_ptr, k_ch, mask_k, W, WP)
+            decay, beta = _gate_beta(f_row, dt_bias_ptr, a_log_ptr, b_row, i_h, offs_k, mask_k, lower_bound, D,
+                                     USE_LOWER_BOUND)
         offs_v = i_v * BVS + tl.arange(0, BV)
         v_ch = 2 * H * D + i_h * D + offs_v
         if PIN:
             tq0, tq1, tq2, tq3 = _taps_rows(conv_w_ptr, q_ch, mask_k, W)
             tk0, tk1, tk2, tk3 = _taps_rows(conv_w_ptr, k_ch, mask_k, W)
-        else:
-            taps_q = _conv_taps(conv_w_ptr, q_ch, mask_k, W, WP)
-            taps_k = _conv_taps(conv_w_ptr, k_ch, mask_k, W, WP)
-            decay, beta = _gate_beta(f_row, dt_bias_ptr, a_log_ptr, b_row, i_h, offs_k, mask_k, lower_bound, D,
-                                     USE_LOWER_BOUND)
         # the first tile's v channels too (the loop loads each next tile's with its state)
         x_v = tl.load(x_row + v_ch, mask=offs_v < D, other=0.0)
         if PIN:
