@@ -401,7 +401,8 @@ def load_order(prefetch: bool, num_warps: int, v_split: int, norm: bool, program
     6.20 us -> 5.75 hoisted, 5.67 early, 5.32 both (4.75 with PDL, against 5.49); N = 4 at 4 programs a head 14.30 ->
     9.43. At 2 warps hoisting lost (5.96 -> 6.38), and with the norm so did the early count (a second atomic then:
     6.22 hoisted against 6.68 with both). Pinning: see _PIN_PROGRAMS (H100, same process, session 39:
-    N = 1 5.03 -> 4.63 us, 6.10 -> 5.62 with the norm; unpinned programs with the row vectors lost, N = 8 15.6 -> 16.8)."""
+    N = 1 5.03 -> 4.63 us, 6.10 -> 5.62 with the norm; unpinned programs with the row vectors lost, N = 8 15.6 ->
+    16.8)."""
     hoist = prefetch and num_warps == 1
     early = hoist and v_split > 1 and not norm
     return hoist, early, hoist and programs <= _PIN_PROGRAMS and conv_width <= 4

@@ -115,8 +115,8 @@ def test_host_path_kernels_build_for_sm90() -> None:
     """Issue 18's kernels of the chunked form's host path (conv + gate, window store) and the state pass on a
     page pool's strided states build for sm_90 at the 48B shape, without spilling, within the shared memory at the
     launcher's stages for 16-bit and fp32 scratch (three stages with fp32 scratch did not fit: session 29's GPU
-    tests failed on it); so does the decode kernel at N = 1's and N = 4's defaults (each with and without the norm: the tile's loads
-    pinned at N = 1, not at N = 4; N = 1 with the norm split too) and N = 16's."""
+    tests failed on it); so does the decode kernel at N = 1's and N = 4's defaults (each with and without the norm:
+    the tile's loads pinned at N = 1, not at N = 4; N = 1 with the norm split too) and N = 16's."""
     res = run_sm90_build(_BUILD_HOST_PATH, timeout=600)
     for name, r in res.items():
         assert r["local"] == 0 and r["shared"] <= 227 * 1024, (name, r)

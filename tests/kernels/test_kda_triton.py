@@ -126,8 +126,8 @@ def test_decode_matches_ref(N: int, D: int, slots: list[int], kind: str) -> None
 @pytest.mark.parametrize("width", [2, 3, 4])
 def test_decode_hoisted_rows_match_the_tile_form(width: int, norm: bool) -> None:
     """Pinned one-warp programs (load_order: one wave, W <= 4) take the conv's operands as one vector per window row
-    (_taps_rows); the other forms take them as one [W, channels] tile. Same sums in the same order: on the interpreter the
-    outputs, states and conv caches are the same bits at every width (and match the oracle)."""
+    (_taps_rows); the other forms take them as one [W, channels] tile. Same sums in the same order: on the
+    interpreter the outputs, states and conv caches are the same bits at every width (and match the oracle)."""
     N, H, D, slots = 3, 2, 32, [1, -1, 3]
     slot_t = torch.tensor(slots, dtype=torch.int32, device=DEV)
     got = []
@@ -306,9 +306,11 @@ def test_decode_split_defaults_one_warp_programs() -> None:
     assert [KD.default_num_warps(128, s) for s in (8, 4, 2, 1)] == [1, 1, 4, 4]
     assert KD.load_order(True, 1, 8, norm=False, programs=256, conv_width=4) == (True, True, True)
     assert KD.load_order(True, 1, 8, norm=True, programs=256, conv_width=4) == (True, False, True)
-    assert KD.load_order(True, 1, 4, norm=False, programs=512, conv_width=4) == (True, True, False)  # N = 4: the count after
+    # N = 4: the count after the conv math, no fence
+    assert KD.load_order(True, 1, 4, norm=False, programs=512, conv_width=4) == (True, True, False)
     assert KD.load_order(True, 1, 4, norm=True, programs=1024, conv_width=4) == (True, False, False)
-    assert KD.load_order(True, 2, 8, norm=False, programs=256, conv_width=4) == (False, False, False)  # 2 warps: hoisting lost
+    # 2 warps: hoisting lost there
+    assert KD.load_order(True, 2, 8, norm=False, programs=256, conv_width=4) == (False, False, False)
     assert KD.load_order(False, 4, 1, norm=False, programs=64, conv_width=4) == (False, False, False)
     assert KD.load_order(True, 1, 8, norm=False, programs=256, conv_width=5) == (True, True, False)  # rows: W <= 4
 

@@ -123,8 +123,8 @@ class KernelConfig:
     moe_latent_fusion: bool = True
     # the decoder layer's residual add and the next norm in the MoE's experts' sum launch (backend/runner/gpu/ffn.py
     # moe_add_norm: plain MoE with stacked shared experts at TP 1, the 48B's layers) instead of a norm launch after:
-    # one launch per MoE layer fewer (26 in the 48B's forward; decode.py variant no_sum_add_norm). Timed in session 39 (H200, 48B graphs): 2.678 -> 2.643 ms at batch 1,
-    # 11.111 -> 11.054 at 16, 22.041 -> 21.958 at 64
+    # one launch per MoE layer fewer (26 in the 48B's forward; decode.py variant no_sum_add_norm). H200, 48B graphs
+    # (session 39): 2.678 -> 2.643 ms at batch 1, 11.111 -> 11.054 at 16, 22.041 -> 21.958 at 64
     moe_sum_add_norm: bool = True
     # a one-sequence decode's KDA output norm split between the decode launch and o_proj's (kernels/kda
     # kda_decode_split_norm: y = o * weight * sigmoid(gate) and per-program sums of o^2, no program waiting for its
