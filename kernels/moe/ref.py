@@ -102,3 +102,23 @@ def align_ref(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[list[in
         sorted_ids += pairs + [sentinel] * (n_blocks * block_m - len(pairs))
         block_expert += [e] * n_blocks
     return sorted_ids, block_expert
+
+
+def moe_layer_ref(x: Tensor, gate_weight: Tensor, bias: Tensor, w13: Tensor, w2: Tensor, *, top_k: int,
+                  renormalize: bool, scaling: float, shared_experts: int, act: ActivationConfig,
+                  norm: tuple | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """One token's MoE layer (triton_layer.py's `moe_layer_one_token`) from the references above: fp32 logits,
+    `route_ref` (ungrouped), `fused_experts_ref`; with norm = (weight, eps[, residual]) the residual add rounded to
+    x.dtype and kernels/norm's RMSNorm. -> (out, weights, ids, the new residual stream or None)."""
+    from k3rt.kernels.norm.ref import rms_norm
+
+    logits = x.float() @ gate_weight.float().t()
+    tw, ids = route_ref(logits, bias, top_k=top_k, num_expert_group=1, topk_group=1, renormalize=renormalize,
+                        scaling=scaling)
+    y = fused_experts_ref(x, w13, w2, tw, ids, act=act, shared_experts=shared_experts)
+    if norm is None:
+        return y, tw, ids, None
+    weight, eps, residual = (tuple(norm) + (None,))[:3]
+    if residual is not None:
+        y = (y.float() + residual.float()).to(x.dtype)
+    return rms_norm(y, weight, eps), tw, ids, y if residual is not None else None

@@ -136,6 +136,18 @@ def _route_topk(
     if USE_PDL:
         gdc_launch_dependents()
     offs_k = tl.arange(0, BLOCK_K)
+    w, ids = _select_topk(s, sel, scaling, K, BLOCK_K, RENORMALIZE)
+    tl.store(w_ptr + t.to(tl.int64) * K + offs_k, w, mask=offs_k < K)
+    tl.store(ids_ptr + t.to(tl.int64) * K + offs_k, ids, mask=offs_k < K)
+
+
+@triton.jit
+def _select_topk(s, sel, scaling, K: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """The k experts of largest biased score sel [BLOCK_E] (-inf: not eligible) by repeated argmax, in descending
+    order (ties to the lower id, as torch.topk), and their weights from the un-biased scores s: -> (weights, ids),
+    [BLOCK_K] fp32 / int32 (slots past K zero). Shared with triton_layer.py's persistent MoE layer."""
+    offs_e = tl.arange(0, sel.shape[0])
+    offs_k = tl.arange(0, BLOCK_K)
     ids = tl.zeros([BLOCK_K], dtype=tl.int32)
     w = tl.zeros([BLOCK_K], dtype=tl.float32)
     for i in tl.static_range(K):
@@ -145,9 +157,7 @@ def _route_topk(
         sel = tl.where(offs_e == e, float("-inf"), sel)
     if RENORMALIZE:
         w = w / (tl.sum(w, axis=0) + 1e-20)
-    w = w * scaling
-    tl.store(w_ptr + t.to(tl.int64) * K + offs_k, w, mask=offs_k < K)
-    tl.store(ids_ptr + t.to(tl.int64) * K + offs_k, ids, mask=offs_k < K)
+    return w * scaling, ids
 
 
 def moe_route(
