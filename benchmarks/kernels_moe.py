@@ -11,7 +11,11 @@ GPU mode (default), one H200-class GPU, Kimi-Linear-48B shape (E=256, top-8, D=2
      configs (the default first);
   4. prefill T in {4096, 16384}: TFLOP/s (6*T*k*D*I flops) vs the matmul peak, for the default and
      two other tile configs, the CUTLASS grouped GEMMs (kernels/moe/grouped.py, sm90+), and the torch loop;
-  5. moe_route alone at T in {1, 64, 4096}, 1/2/4/8 warps (--route-only: just this, first).
+  5. moe_route alone at T in {1, 64, 4096}, 1/2/4/8 warps (--route-only: just this, first);
+  6. one token's whole layer (--layer; --layer-only: just this): the runner's five launches (the fp32 router's skinny
+     GEMV, moe_route, fused_experts with one shared expert and the residual add + norm in its sum) against
+     kernels/moe/triton_layer.py's one persistent launch at each LayerTiles candidate, and its phased form (three
+     launches), from CUDA graphs over layers rotated past the L2; floor = (E x D fp32 router + 9 experts) / copy.
 Times are medians of CUDA-event-timed repetitions after warm-up. A table goes to stdout, all numbers
 to JSON ($OUT/kernels_moe.json, or --out). Items past --budget-s are skipped and say so.
 
@@ -31,6 +35,8 @@ def _add_args(p) -> None:
     p.add_argument("--decode-t", type=int, nargs="*", default=[1, 16, 64])
     p.add_argument("--prefill-t", type=int, nargs="*", default=[4096, 16384])
     p.add_argument("--route-only", action="store_true", help="time moe_route only (its warp counts), then stop")
+    p.add_argument("--layer", action="store_true", help="also time one token's whole layer (item 6)")
+    p.add_argument("--layer-only", action="store_true", help="time one token's whole layer only (item 6), then stop")
 
 
 ARGS = kernel_bench_args(__doc__, "kernels_moe.json", 150.0, _add_args)
@@ -42,10 +48,12 @@ from _timing import (  # noqa: E402
 import torch  # noqa: E402
 
 import_k3rt_kernels()
+from k3rt.kernels.linear import skinny_linear  # noqa: E402
 from k3rt.kernels.moe import (  # noqa: E402
-    fused_experts, fused_experts_grouped, grouped_mm_available, moe_align_fwd, moe_route,
+    SumNorm, fused_experts, fused_experts_grouped, grouped_mm_available, moe_align_fwd, moe_layer_one_token, moe_route,
 )
-from k3rt.kernels.moe.ref import act_and_mul_ref, fused_experts_ref, route_ref  # noqa: E402
+from k3rt.kernels.moe import triton_layer  # noqa: E402
+from k3rt.kernels.moe.ref import act_and_mul_ref, fused_experts_ref, moe_layer_ref, route_ref  # noqa: E402
 from k3rt.kernels.moe.triton_experts import (  # noqa: E402
     DECODE_CANDIDATES, PREFILL_CANDIDATES, ExpertTiles, pick_tiles,
 )
@@ -220,6 +228,67 @@ def route_timing(T: int) -> None:
             reps=REPS)["us_per_call"]})
 
 
+def layer(bw_GBps: float) -> None:
+    """Item 6: one token's MoE layer, the runner's five launches against the persistent one (module docstring)."""
+    E, k, D, inter = SHAPE["E"], SHAPE["k"], SHAPE["D"], SHAPE["I"]
+    dtype = torch.float32 if ARGS.smoke else torch.bfloat16
+    expert_bytes = 3 * D * inter * torch.finfo(dtype).bits // 8
+    layer_bytes = E * D * 4 + (k + 1) * expert_bytes
+    rot = l2_rotation(layer_bytes)
+    torch.manual_seed(5)
+    # layer r: experts r .. r + E of one stack (the last its shared expert), so every layer's shared one differs too
+    w13 = torch.empty(E + rot, 2 * inter, D, dtype=dtype, device=DEV).normal_(0, D ** -0.5)
+    w2 = torch.empty(E + rot, D, inter, dtype=dtype, device=DEV).normal_(0, inter ** -0.5)
+    layers = [dict(x=torch.randn(1, D, device=DEV).to(dtype), gate_weight=torch.randn(E, D, device=DEV) * D ** -0.5,
+                   bias=torch.randn(E, device=DEV) * 0.1, w13=w13[r:r + E + 1], w2=w2[r:r + E + 1],
+                   residual=torch.randn(1, D, device=DEV).to(dtype)) for r in range(rot)]
+    norm_w = (torch.rand(D, device=DEV) + 0.5).to(dtype)
+    out, res_out = torch.empty(1, D, dtype=dtype, device=DEV), torch.empty(1, D, dtype=dtype, device=DEV)
+    sync = torch.zeros(triton_layer.LAYER_SYNC_WORDS, dtype=torch.int32, device=DEV)
+    route_kw = dict(top_k=k, renormalize=True, scaling=SCALING)
+    floor_us = layer_bytes / (bw_GBps * 1e9) * 1e6
+    base = {"layer_bytes": layer_bytes, "floor_us": floor_us, "rotation": rot}
+
+    def grouped(c: dict) -> None:  # what the runner launches today (ffn.moe_add_norm at T = 1)
+        logits = skinny_linear(c["x"], c["gate_weight"], out_dtype=torch.float32)
+        tw, ids = moe_route(logits, c["bias"], **route_kw)
+        fused_experts(c["x"], c["w13"], c["w2"], tw, ids, act=ACT, shared_experts=1, out=out,
+                      norm=SumNorm(norm_w, 1e-5, c["residual"], res_out))
+
+    def persistent(c: dict, tiles=None, phased: bool | None = None) -> None:
+        moe_layer_one_token(c["x"], c["gate_weight"], c["bias"], c["w13"], c["w2"], sync, act=ACT, shared_experts=1,
+                            norm=SumNorm(norm_w, 1e-5, c["residual"], res_out), out=out, tiles=tiles, phased=phased,
+                            **route_kw)
+
+    def check(tiles, phased) -> dict:
+        c = layers[0]
+        ref, _, ids_ref, res_ref = moe_layer_ref(c["x"], c["gate_weight"], c["bias"], c["w13"], c["w2"], act=ACT,
+                                                 shared_experts=1, norm=(norm_w, 1e-5, c["residual"]), **route_kw)
+        persistent(c, tiles, phased)
+        got, got_res = out.clone(), res_out.clone()
+        grouped(c)
+        err = max(rel_err(got, ref), rel_err(got_res, res_ref))
+        return {"rel_err": err, "rel_err_vs_grouped": rel_err(got, out),
+                "ok": err <= (1e-4 if ARGS.smoke else 1e-2) and not bool(sync.any())}
+
+    def timed(fn) -> dict:
+        t = graph_time([lambda c=c: fn(c) for c in layers], reps=REPS)
+        return {**base, "us": t["us_per_call"], "pct_of_floor": 100 * floor_us / t["us_per_call"]}
+
+    item("layer", "grouped (5 launches)", lambda: timed(grouped))
+    forms = [("phased (3 launches)", None, True)]
+    if not ARGS.smoke:
+        forms = [(f"persistent tiles{i}", t, None) for i, t in enumerate(triton_layer.CANDIDATES)] + forms
+    for name, tiles, phased in forms:
+        rec = item("layer", name, lambda tiles=tiles, phased=phased: {
+            **check(tiles, phased), "tiles": (tiles or triton_layer.DEFAULT_TILES).__dict__,
+            **timed(lambda c: persistent(c, tiles, phased))})
+        if "us" in rec:
+            log(f"layer {name}: {rec['us']:.1f} us, floor {floor_us:.1f} us ({rec['pct_of_floor']:.0f}%), "
+                f"rel err {rec['rel_err']:.2e}, ok {rec['ok']}")
+    RESULT["layer_stalled"] = int(sync[triton_layer.STALLED.value])
+
+
 def matmul_peak() -> dict:
     n = 256 if ARGS.smoke else 8192
     dtype = torch.float32 if ARGS.smoke else torch.bfloat16
@@ -245,7 +314,10 @@ def table() -> None:
     for rec in RESULT.get("route", []):
         if "us" in rec:
             print(f"| route {rec['name']} | {rec['us']:.1f} us | | |")
-    for section in ("decode", "prefill", "route"):
+    for rec in RESULT.get("layer", []):
+        if "us" in rec:
+            print(f"| layer {rec['name']} | {rec['us']:.1f} us | {rec['floor_us']:.1f} us | {rec['pct_of_floor']:.0f} |")
+    for section in ("decode", "prefill", "route", "layer"):
         for rec in RESULT.get(section, []):
             if "skipped" in rec or "error" in rec:
                 print(f"| {section} {rec['name']} | {rec.get('skipped') or rec.get('error')} | | |")
@@ -258,6 +330,12 @@ def main() -> None:
     RESULT["copy"] = copy_bandwidth()
     RESULT["matmul"] = matmul_peak()
     log(f"copy {RESULT['copy']['GBps']:.0f} GB/s, matmul {RESULT['matmul']['TFLOPs']:.0f} TFLOP/s")
+    if ARGS.layer or ARGS.layer_only or ARGS.smoke:
+        layer(RESULT["copy"]["GBps"])
+    if ARGS.layer_only:
+        save()
+        table()
+        return
     w13, w2 = weights()
     for T in ([3] if ARGS.smoke else [1, 64, 4096]):
         route_timing(T)

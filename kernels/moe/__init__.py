@@ -6,7 +6,8 @@ in-memory layout (`PlanarMxfp4.from_packed`, `mxfp4_planar_layout`), `fused_expe
 (the GPU runner's default, its `PLANAR_SERVE_VARIANT`).
 The Triton ops (`act_and_mul`, `moe_route` (and `moe_route_from_x`: small routers' logits in the same launch),
 `fused_experts` (its one-token form: triton_one_token.py),
-`fused_experts_mxfp4`, `moe_align_fwd`) are exported lazily, so importing the
+`fused_experts_mxfp4`, `moe_align_fwd`, `moe_layer_one_token`: batch 1's whole layer in one persistent launch)
+are exported lazily, so importing the
 reference ops never imports Triton. `fused_experts_grouped` (grouped.py): the same contract through CUTLASS's
 grouped GEMMs, for prefill-sized batches on sm90+.
 """
@@ -28,6 +29,9 @@ _TRITON_EXPORTS = {
     "fused_experts_mxfp4_planar": "k3rt.kernels.moe.triton_mxfp4_planar",
     "PlanarMxfp4": "k3rt.kernels.moe.triton_mxfp4_planar",
     "PLANAR_SERVE_VARIANT": "k3rt.kernels.moe.triton_mxfp4_planar",
+    "moe_layer_one_token": "k3rt.kernels.moe.triton_layer",
+    "layer_fits": "k3rt.kernels.moe.triton_layer",
+    "LAYER_SYNC_WORDS": "k3rt.kernels.moe.triton_layer",
 }
 
 __all__ = [
@@ -46,6 +50,7 @@ __all__ = [
     "fused_router_fits",
     "grouped_mm_available",
     "moe_align_fwd",
+    "moe_layer_one_token",
     "moe_route",
     "moe_route_from_x",
     "route_ref",

@@ -60,6 +60,7 @@ SHARED_DONE = tl.constexpr(1)  # after its shared experts' gate/up items,
 ROUTED_DONE = tl.constexpr(2)  # after its routed gate/up items,
 ALL_DONE = tl.constexpr(3)  # after its down items (the last one applies the epilogue and zeroes words 0-3)
 STALLED = tl.constexpr(4)  # sticky: waits that gave up at SPIN_LIMIT (a grid the SMs cannot hold at once: a bug)
+LAYER_SYNC_WORDS = SYNC_WORDS.value  # the caller's buffer (exported as kernels.moe.LAYER_SYNC_WORDS)
 # polls of a barrier's counter before it gives up (each poll is an L2 round trip, ~1 us: seconds, never in a run)
 SPIN_LIMIT = tl.constexpr(1 << 22)
 ALL_PHASES = tl.constexpr(3)
@@ -307,7 +308,7 @@ def _k_step(w: Tensor, k: int, loads: int) -> int:
     return min(32 * loads * 16 // w.element_size(), max(16, triton.next_power_of_2(k)))
 
 
-def fits(rows: int, num_experts: int, hidden: int, num_expert_group: int, norm: bool) -> bool:
+def layer_fits(rows: int, num_experts: int, hidden: int, num_expert_group: int, norm: bool) -> bool:
     """Whether `moe_layer_one_token` takes this layer: one token, ungrouped selection over at most MAX_EXPERTS
     experts, and (with a norm) a row the epilogue's one program holds."""
     return rows == 1 and num_expert_group == 1 and 1 <= num_experts <= MAX_EXPERTS and (
@@ -320,6 +321,11 @@ def _sm_limits(index: int) -> tuple[int, int, int, int]:
     p = torch.cuda.get_device_properties(index)
     return (p.multi_processor_count, getattr(p, "max_threads_per_multi_processor", 2048),
             getattr(p, "regs_per_multiprocessor", 65536), getattr(p, "shared_memory_per_multiprocessor", 233472))
+
+
+# the grid of each compiled form on each device (a memo of `resident_programs` over the binary, which Triton caches
+# the same way): the launcher looks it up instead of binding the arguments twice per call
+_GRIDS: dict[tuple, int] = {}
 
 
 def resident_programs(index: int, num_warps: int, regs: int, shared: int, per_sm: int) -> int:
@@ -360,7 +366,7 @@ def moe_layer_one_token(
         x: [1, D] bf16/fp16/fp32 input row (last dim contiguous).
         gate_weight: [E, D] contiguous float router weight; bias: [E] fp32 correction bias.
         w13, w2: [E + S, 2I, D] and [E + S, D, I] contiguous stacks in x.dtype, the S shared experts last.
-        sync: [SYNC_WORDS] int32 zeros on the same device, owned by the caller (one per stream that launches this
+        sync: [LAYER_SYNC_WORDS] int32 zeros on the same device, owned by the caller (one per stream that launches this
             kernel: two launches in flight at once must not share it); the launch leaves it zero.
         top_k, renormalize, scaling: the router (`moe_route`), ungrouped.
         act: silu, or situ (`fused_experts`).
@@ -396,7 +402,7 @@ def moe_layer_one_token(
     n = None if norm is None else SumNorm(*norm)
     if n is not None and D > NORM_MAX_D:
         raise ValueError(f"moe_layer_one_token: a norm needs D <= {NORM_MAX_D}, got D={D}")
-    check(sync, "sync", (SYNC_WORDS.value,), torch.int32)
+    check(sync, "sync", (LAYER_SYNC_WORDS,), torch.int32)
     check_same_device(x=x, gate_weight=gate_weight, bias=bias, w13=w13, sync=sync, out=out)
     if out is None:
         out = poison_like(torch.empty(1, D, dtype=x.dtype, device=x.device))
@@ -425,9 +431,12 @@ def moe_layer_one_token(
     pdl = use_pdl and not INTERPRET
     consts.update(PHASE=ALL_PHASES.value, USE_PDL=pdl)
     if programs is None:
-        k = _moe_layer_kernel.warmup(*args, 1, grid=(1,), **consts)
-        k._init_handles()
-        programs = resident_programs(x.device.index if x.device.index is not None else torch.cuda.current_device(),
-                                     t.num_warps, k.n_regs, k.metadata.shared, t.per_sm)
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        key = (index, t.per_sm, tuple(sorted(consts.items())), x.dtype, gate_weight.dtype)
+        if key not in _GRIDS:  # the binary's registers and shared memory bound the programs an SM holds
+            k = _moe_layer_kernel.warmup(*args, 1, grid=(1,), **consts)
+            k._init_handles()
+            _GRIDS[key] = resident_programs(index, t.num_warps, k.n_regs, k.metadata.shared, t.per_sm)
+        programs = _GRIDS[key]
     _moe_layer_kernel[(programs,)](*args, programs, **consts, **pdl_kwargs(use_pdl))
     return out, tw, ids

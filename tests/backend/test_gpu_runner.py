@@ -825,3 +825,24 @@ def test_a_k3_forward_mixes_in_the_online_form_unless_stacked_is_switched_on(tmp
 
     assert KernelConfig().attn_res_stacked is False
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
+
+
+def test_a_one_token_moe_layer_runs_in_one_persistent_launch(tmp_path) -> None:
+    """Issue 18 (the 48B's batch-1 step: each MoE layer five launches, ~47 us against a 30.7 us floor): with
+    KernelConfig.moe_layer_one_token a one-token decode runs each Kimi-Linear MoE layer (shared expert stacked in,
+    TP 1) as kernels/moe moe_layer_one_token: router, top-k, experts, sum, residual add and next norm in one launch
+    on a GPU (three phased launches under the interpreter), no torch work of its own, the same logits up to fp32
+    summation order; the layers' counters are back to zero after the forward."""
+    one_runner, step, one = _k3_decode_forward_counted(tmp_path / "a", arch="kimi_linear", moe_layer_one_token=True)
+    plain_runner, plain_step, plain = _k3_decode_forward_counted(tmp_path / "b", arch="kimi_linear")
+    moes = one_runner.fwd.moe.values()
+    n = len(moes)
+    assert n and all(w.sync is not None and w.shared_fused for w in moes)
+    # the grouped path: the top-k (its logits in the launch: the tiny router fits), gate/up, down, the sum + norm
+    per_layer = 1 if HAS_CUDA else 3
+    assert plain.triton - one.triton == n * (4 - per_layer)
+    assert len(one.torch_ops) <= len(plain.torch_ops)
+    with torch.no_grad():
+        got, want = one_runner.fwd(step, decode=True), plain_runner.fwd(plain_step, decode=True)
+    assert rel(got, want) < 1e-5
+    assert all(not w.sync.any() for w in moes)

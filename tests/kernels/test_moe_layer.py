@@ -24,7 +24,7 @@ from tests.kernels.helpers import HAS_CUDA, rel_err, run_sm90_build  # noqa: E40
 pytestmark = pytest.mark.usefixtures("poison_outputs")  # NaN-filled outputs: conftest.py
 
 ACTS = {"silu": ActivationConfig("silu"), "situ_lin": ActivationConfig("situ", 4.0, 25.0)}
-SYNC = L.SYNC_WORDS.value
+SYNC = L.LAYER_SYNC_WORDS
 
 
 def make_case(D: int, I: int, E: int, S: int, dtype: torch.dtype, seed: int, device: str = "cpu") -> dict:
@@ -92,8 +92,8 @@ def test_rejects_bad_inputs() -> None:
     wide = make_case(L.NORM_MAX_D + 16, 16, 8, 1, torch.float32, seed=2)
     with pytest.raises(ValueError, match="D <="):
         L.moe_layer_one_token(**wide, sync=sync, **kw, norm=(torch.ones(L.NORM_MAX_D + 16), 1e-5))
-    assert L.fits(1, 256, 2304, 1, True) and not L.fits(2, 256, 2304, 1, True)
-    assert not L.fits(1, 256, 2304, 8, True) and not L.fits(1, 1024, 2304, 1, False)
+    assert L.layer_fits(1, 256, 2304, 1, True) and not L.layer_fits(2, 256, 2304, 1, True)
+    assert not L.layer_fits(1, 256, 2304, 8, True) and not L.layer_fits(1, 1024, 2304, 1, False)
 
 
 def test_resident_programs_fit_the_sms(monkeypatch) -> None:

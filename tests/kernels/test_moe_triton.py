@@ -507,6 +507,9 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
     result = run_benchmark_smoke("kernels_moe.py", out)
     assert result["mode"] == "smoke"
     assert result["correctness"] and all(c["ok"] for c in result["correctness"]), result["correctness"]
+    # item 6: the one-token layer's phased form checked against its oracle and timed beside the grouped path
+    layer = {r["name"]: r for r in result["layer"]}
+    assert layer["phased (3 launches)"]["ok"] and "us" in layer["grouped (5 launches)"], layer
 
 
 # --------------------------------------------------------------------------------------------

@@ -63,6 +63,9 @@ class MoeWeights:
     # served model do not change after load
     gate_split: torch.Tensor | None = None
     latent: "LatentFusion | None" = None
+    # kernels/moe moe_layer_one_token's counters (zero between launches; one launch in flight per layer at a time:
+    # the runner's forward runs on one stream): for a layer it can run (`one_token_layer`), whatever the config says
+    sync: torch.Tensor | None = None
 
     @staticmethod
     def of(moe: MoE, k: KernelConfig) -> "MoeWeights":
@@ -72,6 +75,8 @@ class MoeWeights:
             w.gate_split = bf16_parts(gate)
         if k.triton and not k.batch_invariant:
             w.latent = LatentFusion.of(moe)
+            if w.mx is None and w.planar is None and m_plain(moe) and gate.is_contiguous():
+                w.sync = torch.zeros(kernel("moe", "LAYER_SYNC_WORDS"), dtype=torch.int32, device=gate.device)
         return w
 
     @staticmethod
@@ -184,10 +189,35 @@ def moe_add_norm(moe: MoE, w: MoeWeights, x: torch.Tensor, residual: torch.Tenso
     return y, h
 
 
+def m_plain(moe: MoE) -> bool:
+    """A plain MoE layer on one rank: no latent, every expert here, nothing to reduce across ranks."""
+    return moe.m.latent_size is None and moe.tp.size == 1 and moe.num_local_experts == moe.m.num_experts
+
+
+def one_token_layer(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig, sum_norm=None) -> torch.Tensor | None:
+    """The layer's output (normed by sum_norm when given) from kernels/moe moe_layer_one_token, where it runs:
+    KernelConfig.moe_layer_one_token, one row, a layer `MoeWeights.of` gave counters (dense stacks, a plain MoE on
+    one rank), its shared experts stacked in (or none), an ungrouped router within the kernel's bounds; else None."""
+    m = moe.m
+    if (not k.moe_layer_one_token or w.sync is None or x.shape[0] != 1
+            or (moe.shared_experts is not None and not w.shared_fused)
+            or not kernel("moe", "layer_fits")(1, moe.gate_weight.shape[0], x.shape[1], m.num_expert_group,
+                                               sum_norm is not None)):
+        return None
+    w13, w2 = (w.w13, w.w2) if w.shared_fused else (moe.w13, moe.w2)
+    out, _, _ = kernel("moe", "moe_layer_one_token")(
+        x, moe.gate_weight, moe.e_score_correction_bias.float(), w13, w2, w.sync, top_k=m.num_experts_per_token,
+        act=moe.act, renormalize=m.renormalize, scaling=m.routed_scaling_factor, shared_experts=w.shared_fused,
+        norm=sum_norm, use_pdl=k.use_pdl)
+    return out
+
+
 def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig, sum_norm=None) -> torch.Tensor:
     """The MoE layer's output for x's rows (reduced across ranks, routed + shared, the latent tail); with sum_norm
     (a kernels/moe SumNorm, `moe_add_norm`) the normed rows of residual + that output instead."""
     m = moe.m
+    if k.triton and (y := one_token_layer(moe, w, x, k, sum_norm)) is not None:
+        return y
     name = ("fused_experts_mxfp4_planar" if w.planar is not None else "fused_experts_mxfp4" if w.mx is not None
             else "fused_experts")
     experts = kernel("moe", name) if k.triton else None

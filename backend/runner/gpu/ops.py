@@ -110,6 +110,12 @@ class KernelConfig:
     # Off: slower on the H200 (session 32, the 48B decode graph at batch 1: 2.851 vs 2.669 ms; k3-tiny 0.276 vs
     # 0.278)
     moe_one_token: bool = False
+    # one token's whole MoE layer in one persistent launch (kernels/moe/triton_layer.py moe_layer_one_token: the
+    # router GEMV, the top-k, gate/up, down, the sum and the residual add + next norm, the programs ordered by arrival
+    # counters instead of five launch boundaries): batch-1 decode of a plain MoE at TP 1 (the 48B's 26 layers, ~47 us
+    # each against a 30.7 us floor in session 39's profile). Built without a GPU: off until timed (decode.py variant
+    # moe_layer_one_token)
+    moe_layer_one_token: bool = False
     # small routers (kernels/moe/triton_router.py fused_router_fits: E x D <= 32K weights, <= 16 rows, one expert
     # group; k3-tiny's 8 x 384) compute their logits inside the top-k launch (`moe_route_from_x`): one launch per
     # MoE layer fewer in a decode or verify forward, which at batch 1 is launch-bound (issue 16). Off in the
