@@ -149,12 +149,13 @@ def _select_topk(s, sel, scaling, K: tl.constexpr, BLOCK_K: tl.constexpr, RENORM
     offs_e = tl.arange(0, sel.shape[0])
     offs_k = tl.arange(0, BLOCK_K)
     ids = tl.zeros([BLOCK_K], dtype=tl.int32)
-    w = tl.zeros([BLOCK_K], dtype=tl.float32)
     for i in tl.static_range(K):
         e = tl.argmax(sel, axis=0, tie_break_left=True)
         ids = tl.where(offs_k == i, e, ids)
-        w = tl.where(offs_k == i, tl.sum(tl.where(offs_e == e, s, 0.0), axis=0), w)
         sel = tl.where(offs_e == e, float("-inf"), sel)
+    # the k weights in one [BLOCK_K, E] reduction after the loop, not one more reduction a step (each a CTA barrier
+    # or two at several warps: the persistent MoE layer runs this in every program, at two warps)
+    w = tl.sum(tl.where((offs_e[None, :] == ids[:, None]) & (offs_k < K)[:, None], s[None, :], 0.0), axis=1)
     if RENORMALIZE:
         w = w / (tl.sum(w, axis=0) + 1e-20)
     return w * scaling, ids
