@@ -7,7 +7,7 @@ import torch
 
 def distinct_experts(runner, step) -> list[int]:
     """Distinct routed experts each MoE layer reads for this step (one eager forward in the step's own form,
-    routing recorded: the routing kernels (either form) on the GPU, the torch router on the CPU path). A decode step packed the
+    routing recorded: the routing kernels (any form, the one-token layer's too) on the GPU, the torch router on the CPU path). A decode step packed the
     way the graphs are (no chunk tables) must run in the decode form: the chunked KDA kernel needs the tables."""
     import k3rt.backend.runner.gpu.ffn as ffn
 
@@ -20,13 +20,13 @@ def distinct_experts(runner, step) -> list[int]:
 
     def recording(module: str, name: str):
         fn = real_kernel(module, name)
-        if module != "moe" or name not in ("moe_route", "moe_route_from_x") or fn is None:
+        if module != "moe" or name not in ("moe_route", "moe_route_from_x", "moe_layer_one_token") or fn is None:
             return fn
 
         def routed(*a, **kw):
-            w, ids = fn(*a, **kw)
-            count(ids)
-            return w, ids
+            res = fn(*a, **kw)
+            count(res[-1])  # (weights, ids), or the one-token layer's (out, weights, ids)
+            return res
         return routed
 
     def torch_route(*a, **kw):
