@@ -7,8 +7,9 @@ import torch
 
 def distinct_experts(runner, step) -> list[int]:
     """Distinct routed experts each MoE layer reads for this step (one eager forward in the step's own form,
-    routing recorded: the routing kernels (any form, the one-token layer's too) on the GPU, the torch router on the CPU path). A decode step packed the
-    way the graphs are (no chunk tables) must run in the decode form: the chunked KDA kernel needs the tables."""
+    routing recorded: the routing kernels (any form, the one-token layer's too) on the GPU, the torch router on the
+    CPU path). A decode step packed the way the graphs are (no chunk tables) must run in the decode form: the chunked
+    KDA kernel needs the tables."""
     import k3rt.backend.runner.gpu.ffn as ffn
 
     seen: list[int] = []
