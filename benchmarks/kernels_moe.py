@@ -316,7 +316,8 @@ def table() -> None:
             print(f"| route {rec['name']} | {rec['us']:.1f} us | | |")
     for rec in RESULT.get("layer", []):
         if "us" in rec:
-            print(f"| layer {rec['name']} | {rec['us']:.1f} us | {rec['floor_us']:.1f} us | {rec['pct_of_floor']:.0f} |")
+            print(f"| layer {rec['name']} | {rec['us']:.1f} us | {rec['floor_us']:.1f} us | "
+                  f"{rec['pct_of_floor']:.0f} |")
     for section in ("decode", "prefill", "route", "layer"):
         for rec in RESULT.get(section, []):
             if "skipped" in rec or "error" in rec:

@@ -127,8 +127,8 @@ consts = dict(D=2304, I=1024, BLOCK_E=256, K=8, BLOCK_KS=8, S=1, RENORMALIZE=Tru
 k = sm90_kernel(L._moe_layer_kernel, sig, consts, t.num_warps, 1, lambda n: False)
 usage = cuobjdump(k, "-res-usage")
 ptx = k.asm["ptx"]
-print(json.dumps({"regs": int(re.search(r"REG:(\d+)", usage).group(1)),
-                  "spill": int(re.search(r"STACK:(\d+)", usage).group(1)) + int(re.search(r"LOCAL:(\d+)", usage).group(1)),
+num = lambda key: int(re.search(key + r":(\d+)", usage).group(1))
+print(json.dumps({"regs": num("REG"), "spill": num("STACK") + num("LOCAL"),
                   "release": len(re.findall(r"atom\.global\.gpu\.release", ptx)),
                   "acquire": len(re.findall(r"ld\.global\.gpu\.acquire", ptx)),
                   "bars": ptx.count("bar.sync"), "warps": t.num_warps, "per_sm": t.per_sm}))
