@@ -35,12 +35,18 @@ class GemvTiles:
     block_k: int
     num_warps: int
     num_stages: int
+    # one row of x: K unrolled (a compile per K), block_n rows a program, a warp per row (`rows_dot`); more rows use
+    # the plain form
+    unrolled: bool = False
 
 
 # per-program bytes in flight ~ block_n * block_k * 2 B * stages; enough programs to cover the SMs
 DEFAULT_TILES = GemvTiles(4, 512, 4, 4)
 CANDIDATES = (DEFAULT_TILES, GemvTiles(8, 256, 4, 4), GemvTiles(2, 1024, 4, 4), GemvTiles(2, 256, 4, 4),
-              GemvTiles(4, 256, 4, 6), GemvTiles(8, 512, 8, 3), GemvTiles(16, 256, 8, 3), GemvTiles(1, 1024, 2, 4))
+              GemvTiles(4, 256, 4, 6), GemvTiles(8, 512, 8, 3), GemvTiles(16, 256, 8, 3), GemvTiles(1, 1024, 2, 4),
+              # the unrolled form (session 40, not timed yet): a 16-byte load per lane a K step (bf16: 256)
+              GemvTiles(2, 256, 2, 1, True), GemvTiles(4, 256, 4, 1, True), GemvTiles(1, 256, 1, 1, True),
+              GemvTiles(4, 512, 4, 1, True))
 INTERPRET_TILES = GemvTiles(4, 32, 4, 1)
 
 
@@ -74,6 +80,37 @@ def prefer_skinny(m: int, n: int, x_dtype: torch.dtype, w_dtype: torch.dtype) ->
     if not 1 <= m <= MAX_ROWS or x_dtype not in (torch.bfloat16, torch.float16):
         return False
     return w_dtype == torch.float32 or (m == 1 and n <= 4096)
+
+
+@triton.jit
+def rows_dot(w_ptr, rows, row_ok, x_ptr, stride, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[R] fp32: the weight rows at w_ptr + rows * stride (rows: int64 row numbers; K columns each) dotted with
+    x[0:K]; masked rows give 0. K is unrolled (the model's D or I): one basic block, so the compiler issues the
+    loads of later steps (and later calls) ahead of the math. BLOCK_K is one 16-byte load per lane, so with at least
+    num_warps rows each warp holds whole rows and the sum over K never crosses warps (no CTA barrier)."""
+    offs_k = tl.arange(0, BLOCK_K)[None, :]
+    # x read in the weights' [R, BLOCK_K] shape (each warp its own copy, from the L1): a [BLOCK_K] vector broadcast
+    # over the rows would take a layout conversion through shared memory, two CTA barriers a step
+    x_rows = tl.zeros_like(rows)[:, None]
+    acc = tl.zeros([rows.shape[0], BLOCK_K], dtype=tl.float32)
+    for c in tl.static_range((K + BLOCK_K - 1) // BLOCK_K):
+        k = c * BLOCK_K + offs_k
+        if (c + 1) * BLOCK_K <= K:
+            w = tl.load(w_ptr + rows[:, None] * stride + k, mask=row_ok[:, None], other=0.0)
+            x = tl.load(x_ptr + x_rows + k)
+        else:
+            w = tl.load(w_ptr + rows[:, None] * stride + k, mask=row_ok[:, None] & (k < K), other=0.0)
+            x = tl.load(x_ptr + x_rows + k, mask=(x_rows == 0) & (k < K), other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _gemv_rows_kernel(x_ptr, w_ptr, stride_wn, y_ptr, N, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The unrolled form (GemvTiles.unrolled, one row of x): ROWS weight rows a program through `rows_dot`."""
+    n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    y = rows_dot(w_ptr, n.to(tl.int64), n < N, x_ptr, stride_wn, K, BLOCK_K)
+    tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n < N)
 
 
 # not specialized per step (kernels/common.py, Compiles): M: the step's rows (BLOCK_M keeps one compile per power of
@@ -141,7 +178,8 @@ def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None,
         out_dtype: output dtype (default x.dtype); out: optional [M, N] buffer of that dtype, last
             dim contiguous.
         tiles: tile override (benchmarks); default `pick_tiles(N, K)`. Its block_k is capped so that a
-            program's partial products stay within MAX_PARTIALS (more rows: shorter K steps).
+            program's partial products stay within MAX_PARTIALS (more rows: shorter K steps). An unrolled one
+            (`GemvTiles.unrolled`) runs `rows_dot` at M = 1 without row_rms.
         row_rms: (partials [M, G, P] fp32, eps): an RMS norm whose sums of squares were taken in P parts
             elsewhere (kernels/kda `kda_decode_split_norm`): x's K columns in G groups of K/G (a power of two),
             each group scaled by rsqrt(partials.sum(-1) / (K/G) + eps) before the product, in fp32.
@@ -168,6 +206,11 @@ def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None,
             raise ValueError(f"out must have a contiguous last dim, got strides {out.stride()}")
     check_same_device(x=x, w=w, out=out)
     cfg = tiles or pick_tiles(N, K)
+    if cfg.unrolled and M == 1 and row_rms is None:
+        bk = 16 if INTERPRET else min(cfg.block_k, max(16, triton.next_power_of_2(K)))
+        _gemv_rows_kernel[(triton.cdiv(N, cfg.block_n),)](x, w, w.stride(0), out, N, K=K, ROWS=cfg.block_n,
+                                                          BLOCK_K=bk, num_warps=cfg.num_warps, num_stages=1)
+        return out
     bm = max(1, triton.next_power_of_2(M))
     bk = block_k(cfg, bm, K)
     partials, eps, gs, parts = out, 0.0, 1, 1

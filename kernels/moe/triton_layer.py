@@ -22,8 +22,8 @@ Arrivals come as early as their data allows and waits as late, so programs drift
 at grid-wide barriers. An arrival is a CTA barrier and thread 0's release at GPU scope; a wait spins on an acquire
 load (CUTLASS's semaphore pattern; the acquire invalidates the L1, so plain loads after it see the stores).
 
-Every item is a GEMV of a few weight rows against one vector (`_rows_dot`: [R, BLOCK_K] fp32 partial products in
-registers, reduced over K at the end); items are small (a few KB a K step) so every SM gets nearly the same bytes,
+Every item is a GEMV of a few weight rows against one vector (`rows_dot`: [R, BLOCK_K] fp32 partial products in
+registers, reduced over K at the end; kernels/linear); items are small (a few KB a K step) so every SM gets nearly the same bytes,
 and several programs share an SM for the loads in flight.
 
 Roundings: the grouped path's (`fused_experts` with a SumNorm): h in x.dtype; per slot the fp32 dot times the routing
@@ -48,6 +48,7 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs, poison_like
+from k3rt.kernels.linear.triton_gemv import rows_dot
 from k3rt.kernels.moe.triton_experts import NORM_MAX_D, SumNorm, _act_mul, check_routing, check_stacks, check_x
 from k3rt.kernels.moe.triton_router import MAX_EXPERTS, _select_topk
 from k3rt.model_config import ActivationConfig
@@ -69,7 +70,7 @@ ALL_PHASES = tl.constexpr(3)
 @dataclass(frozen=True)
 class LayerTiles:
     """Item sizes and the launch shape. An item's K step is one 16-byte load per lane of each of its rows (bf16: 256
-    columns), so with rows a multiple of num_warps each warp owns whole rows (`_rows_dot`)."""
+    columns), so with rows a multiple of num_warps each warp owns whole rows (`rows_dot`)."""
 
     router_rows: int = 2  # phase A: router rows an item
     cols: int = 1  # phases A, B: columns of I an item (its gate and up rows: 2 * cols)
@@ -95,29 +96,6 @@ INTERPRET_TILES = LayerTiles(per_sm=1)
 
 
 @triton.jit
-def _rows_dot(w_ptr, rows, row_ok, x_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[R] fp32: the weight rows at w_ptr + rows * K (rows: int64 row numbers of a [*, K] matrix) dotted with
-    x[0:K]; masked rows give 0. K is unrolled (the model's D or I): one basic block, so the compiler issues the
-    loads of later steps (and later calls) ahead of the math. BLOCK_K is one 16-byte load per lane, so with at least
-    num_warps rows each warp holds whole rows and the sum over K never crosses warps (no CTA barrier)."""
-    offs_k = tl.arange(0, BLOCK_K)[None, :]
-    # x read in the weights' [R, BLOCK_K] shape (each warp its own copy, from the L1): a [BLOCK_K] vector broadcast
-    # over the rows would take a layout conversion through shared memory, two CTA barriers a step
-    x_rows = tl.zeros_like(rows)[:, None]
-    acc = tl.zeros([rows.shape[0], BLOCK_K], dtype=tl.float32)
-    for c in tl.static_range((K + BLOCK_K - 1) // BLOCK_K):
-        k = c * BLOCK_K + offs_k
-        if (c + 1) * BLOCK_K <= K:
-            w = tl.load(w_ptr + rows[:, None] * K + k, mask=row_ok[:, None], other=0.0)
-            x = tl.load(x_ptr + x_rows + k)
-        else:
-            w = tl.load(w_ptr + rows[:, None] * K + k, mask=row_ok[:, None] & (k < K), other=0.0)
-            x = tl.load(x_ptr + x_rows + k, mask=(x_rows == 0) & (k < K), other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
 def _gate_up_item(x_ptr, w13_ptr, h_ptr, e, slot, n0, D: tl.constexpr, I: tl.constexpr, beta, lin_beta,
                   COLS: tl.constexpr, BLOCK_K: tl.constexpr, SITU: tl.constexpr, LIN_SAT: tl.constexpr):
     """h[slot, n0:n0 + COLS] = act(gate) * up of expert e's columns (its gate rows n, up rows I + n, interleaved in
@@ -125,7 +103,7 @@ def _gate_up_item(x_ptr, w13_ptr, h_ptr, e, slot, n0, D: tl.constexpr, I: tl.con
     c = tl.arange(0, 2 * COLS)
     n = n0 + c // 2
     rows = e.to(tl.int64) * (2 * I) + n + (c % 2) * I
-    g, u = tl.split(tl.reshape(_rows_dot(w13_ptr, rows, n < I, x_ptr, D, BLOCK_K), [COLS, 2]))
+    g, u = tl.split(tl.reshape(rows_dot(w13_ptr, rows, n < I, x_ptr, D, D, BLOCK_K), [COLS, 2]))
     h = _act_mul(g, u, beta, lin_beta, SITU, LIN_SAT)
     offs = n0 + tl.arange(0, COLS)
     tl.store(h_ptr + slot * I + offs, h.to(h_ptr.dtype.element_ty), mask=offs < I)
@@ -187,7 +165,7 @@ def _down_slots(w2_ptr, h_ptr, ids, tw, d, ok, acc, E, FIRST: tl.constexpr, LAST
     weight, rounded to DTYPE (the grouped path's per-pair output), added in fp32."""
     for j in tl.static_range(FIRST, LAST):
         e, wj = _slot_expert(j, ids, tw, E, K)
-        y = _rows_dot(w2_ptr, e * D + d.to(tl.int64), ok, h_ptr + j * I, I, BLOCK_K)
+        y = rows_dot(w2_ptr, e * D + d.to(tl.int64), ok, h_ptr + j * I, I, I, BLOCK_K)
         acc += (y * wj).to(DTYPE).to(tl.float32)
     return acc
 
@@ -238,7 +216,7 @@ def _moe_layer_kernel(
     if PHASE == 0 or GRID:
         for i in range(pid, n_router, G):
             e = i * ROUTER_ROWS + tl.arange(0, ROUTER_ROWS)
-            tl.store(logits_ptr + e, _rows_dot(gate_ptr, e.to(tl.int64), e < E, x_ptr, D, BLOCK_KR), mask=e < E)
+            tl.store(logits_ptr + e, rows_dot(gate_ptr, e.to(tl.int64), e < E, x_ptr, D, D, BLOCK_KR), mask=e < E)
         if GRID:
             _arrive(sync_ptr + ROUTER_DONE)
         for j in range(pid, S * nps, G):  # the shared experts' gate/up: no routing needed

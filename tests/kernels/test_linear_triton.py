@@ -38,6 +38,18 @@ def test_fp16_activations_fp32_weight_fp32_output_strided_rows_and_out() -> None
     assert rel_err(y, skinny_linear_ref(x, w, torch.float32)) <= 1e-6
 
 
+@pytest.mark.parametrize("tiles", [t for t in CANDIDATES if t.unrolled])
+def test_unrolled_tiles_one_row_strided_weight_and_the_plain_form_past_it(tiles: GemvTiles) -> None:
+    """GemvTiles.unrolled: one row of x through `rows_dot` (K unrolled, ragged N and K, a weight whose rows are
+    strided: a column slice); several rows take the plain form with the same tiles."""
+    g = torch.Generator().manual_seed(tiles.block_n)
+    wide = torch.randn(37, 90, generator=g).to(DEV)
+    w = wide[:, 3:78]  # N 37, K 75, row stride 90
+    for M in (1, 3):
+        x = torch.randn(M, 75, generator=g).to(DEV)
+        assert rel_err(skinny_linear(x, w, tiles=tiles), skinny_linear_ref(x, w)) <= 1e-6
+
+
 def test_wide_tiles_at_many_rows_keep_their_partials_bounded() -> None:
     """A tile whose [M, BLOCK_N, BLOCK_K] partial products would exceed MAX_PARTIALS runs with a shorter K step
     (the same sums, another split of K)."""
