@@ -15,7 +15,8 @@ grid-stride order. Each program:
   3. picks the top-k from the E logits itself (the same selection in every program: no broadcast, no further
      wait), computes its items of the routed experts' gate/up, arrives at ROUTED_DONE;
   4. computes its down items (DOWN_ROWS output rows over every slot): the shared slot first (after SHARED_DONE), so
-     HBM stays busy while the last routed items finish, then the routed slots (after ROUTED_DONE);
+     HBM stays busy while the last routed items finish, then the routed slots (after ROUTED_DONE); with PREFETCH
+     it first asks the L2 for its first item's routed rows (`prefetch.global.L2`), streamed during the wait;
   5. arrives at ALL_DONE; the last program applies the epilogue over the whole row (the residual add's row is then
      complete) and zeroes the counters for the next launch.
 Arrivals come as early as their data allows and waits as late, so programs drift apart instead of idling together
@@ -77,6 +78,9 @@ class LayerTiles:
     down_rows: int = 2  # phase C: output rows an item, over every slot
     num_warps: int = 2
     per_sm: int = 8  # programs an SM holds (capped by `resident_programs`)
+    # the grid form: a program's first down item's routed rows asked of the L2 before it waits for the routed h, so
+    # HBM streams them while the last gate/up items finish
+    prefetch: bool = True
     # the K step in 16-byte loads a lane (1: BLOCK_K = 32 lanes x 16 B); more puts more bytes in flight an item
     loads: int = 1
 
@@ -85,6 +89,7 @@ DEFAULT_TILES = LayerTiles()
 # Alternatives the benchmark times (benchmarks/kernels_moe.py --layer); none timed yet
 CANDIDATES = (
     DEFAULT_TILES,
+    LayerTiles(prefetch=False),
     LayerTiles(per_sm=4),
     LayerTiles(per_sm=16),
     LayerTiles(router_rows=4, cols=2, down_rows=4, num_warps=4, per_sm=4),
@@ -148,6 +153,19 @@ def _wait(ctr_ptr, stall_ptr, G):
 
 
 @triton.jit
+def _prefetch_l2_rows(w2_ptr, ids, d, ok, K: tl.constexpr, D: tl.constexpr, I: tl.constexpr, LINES: tl.constexpr):
+    """Ask the L2 for the down rows d of the k routed experts ids (`prefetch.global.L2`, one a 128-byte line of a
+    row: LINES >= the row's lines). GPU only (inline PTX)."""
+    offs = tl.arange(0, LINES) * (128 * 8 // w2_ptr.dtype.element_ty.primitive_bitwidth)
+    j = tl.arange(0, ids.shape[0])
+    rows = ids.to(tl.int64)[:, None] * D + d.to(tl.int64)[None, :]  # [BLOCK_KS, DOWN_ROWS]
+    ptrs = w2_ptr + rows[:, :, None] * I + offs[None, None, :]
+    live = ((j < K)[:, None] & ok[None, :])[:, :, None] & (offs < I)[None, None, :]
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptrs, live.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _routing(logits_ptr, bias_ptr, scaling, E, BLOCK_E: tl.constexpr, K: tl.constexpr, BLOCK_KS: tl.constexpr,
              RENORMALIZE: tl.constexpr):
     """(weights, ids) [BLOCK_KS] of the top-k over the launch's fp32 logits."""
@@ -203,6 +221,8 @@ def _moe_layer_kernel(
     DOWN_ROWS: tl.constexpr,
     BLOCK_KR: tl.constexpr,  # the K steps: one 16-byte load per lane of the router's weight, of the experts'
     BLOCK_KW: tl.constexpr,
+    LINES_I: tl.constexpr,  # PREFETCH: 128-byte lines a down row spans, to a power of two
+    PREFETCH: tl.constexpr,  # the grid form: L2 prefetch of the first down item's routed rows before its wait
     PHASE: tl.constexpr,  # 0, 1, 2: that phase alone (phased launches); ALL_PHASES: all, with the waits
     USE_PDL: tl.constexpr,
 ):
@@ -245,6 +265,8 @@ def _moe_layer_kernel(
                 ok = d < D
                 zero = tl.zeros([DOWN_ROWS], dtype=tl.float32)
                 if GRID and i == pid:
+                    if PREFETCH:  # the routed slots' rows of this item into the L2 while the last routed h is written
+                        _prefetch_l2_rows(w2_ptr, ids, d, ok, K, D, I, LINES_I)
                     _wait(sync_ptr + SHARED_DONE, sync_ptr + STALLED, G)
                 # one shared expert: its slot first, while other programs still write the routed h (added last, so
                 # the sum keeps slot order); several: in order after the routed slots
@@ -400,14 +422,15 @@ def moe_layer_one_token(
                   LIN_SAT=act.name == "situ" and act.situ_linear_beta is not None, NORM=n is not None, RESIDUAL=res,
                   BLOCK_D=triton.next_power_of_2(D), ROUTER_ROWS=t.router_rows, COLS=t.cols, DOWN_ROWS=t.down_rows,
                   BLOCK_KR=_k_step(gate_weight, D, t.loads), BLOCK_KW=_k_step(w13, max(D, I), t.loads),
+                  LINES_I=triton.next_power_of_2(triton.cdiv(I * w2.element_size(), 128)),
                   num_warps=t.num_warps)
     if phased:
         G = programs or 3  # a few programs, so the grid-stride loops run more than one item each
         for phase in range(3):
-            _moe_layer_kernel[(G,)](*args, G, PHASE=phase, USE_PDL=False, **consts)
+            _moe_layer_kernel[(G,)](*args, G, PHASE=phase, PREFETCH=False, USE_PDL=False, **consts)
         return out, tw, ids
     pdl = use_pdl and not INTERPRET
-    consts.update(PHASE=ALL_PHASES.value, USE_PDL=pdl)
+    consts.update(PHASE=ALL_PHASES.value, PREFETCH=t.prefetch, USE_PDL=pdl)
     if programs is None:
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
         key = (index, t.per_sm, tuple(sorted(consts.items())), x.dtype, gate_weight.dtype)

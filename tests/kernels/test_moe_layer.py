@@ -119,11 +119,12 @@ sig = dict(x_ptr="*bf16", gate_ptr="*fp32", bias_ptr="*fp32", w13_ptr="*bf16", w
            h_ptr="*bf16", sync_ptr="*i32", tw_ptr="*fp32", ids_ptr="*i32", out_ptr="*bf16", row_ptr="*bf16",
            res_ptr="*bf16", norm_w_ptr="*bf16", eps="fp32", scaling="fp32", beta="fp32", lin_beta="fp32", E=I32, G=I32,
            D=C, I=C, BLOCK_E=C, K=C, BLOCK_KS=C, S=C, RENORMALIZE=C, SITU=C, LIN_SAT=C, NORM=C, RESIDUAL=C, BLOCK_D=C,
-           ROUTER_ROWS=C, COLS=C, DOWN_ROWS=C, BLOCK_KR=C, BLOCK_KW=C, PHASE=C, USE_PDL=C)
+           ROUTER_ROWS=C, COLS=C, DOWN_ROWS=C, BLOCK_KR=C, BLOCK_KW=C, LINES_I=C, PREFETCH=C, PHASE=C, USE_PDL=C)
 t = L.DEFAULT_TILES
 consts = dict(D=2304, I=1024, BLOCK_E=256, K=8, BLOCK_KS=8, S=1, RENORMALIZE=True, SITU=False, LIN_SAT=False,
               NORM=True, RESIDUAL=True, BLOCK_D=4096, ROUTER_ROWS=t.router_rows, COLS=t.cols, DOWN_ROWS=t.down_rows,
-              BLOCK_KR=128 * t.loads, BLOCK_KW=256 * t.loads, PHASE=L.ALL_PHASES.value, USE_PDL=True)
+              BLOCK_KR=128 * t.loads, BLOCK_KW=256 * t.loads, LINES_I=16, PREFETCH=t.prefetch,
+              PHASE=L.ALL_PHASES.value, USE_PDL=True)
 k = sm90_kernel(L._moe_layer_kernel, sig, consts, t.num_warps, 1, lambda n: False)
 usage = cuobjdump(k, "-res-usage")
 ptx = k.asm["ptx"]
