@@ -39,7 +39,6 @@ item code. The grid form (PHASE 3) is GPU-only.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +49,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs, poison_like
 from k3rt.kernels.linear.triton_gemv import rows_dot
+from k3rt.kernels.persistent import arrive, grid_for, last_arrival, prefetch_l2, row_rms_norm, wait
 from k3rt.kernels.moe.triton_experts import NORM_MAX_D, SumNorm, _act_mul, check_routing, check_stacks, check_x
 from k3rt.kernels.moe.triton_router import MAX_EXPERTS, _select_topk
 from k3rt.model_config import ActivationConfig
@@ -63,8 +63,6 @@ ROUTED_DONE = tl.constexpr(2)  # after its routed gate/up items,
 ALL_DONE = tl.constexpr(3)  # after its down items (the last one applies the epilogue and zeroes words 0-3)
 STALLED = tl.constexpr(4)  # sticky: waits that gave up at SPIN_LIMIT (a grid the SMs cannot hold at once: a bug)
 LAYER_SYNC_WORDS = SYNC_WORDS.value  # the caller's buffer (exported as kernels.moe.LAYER_SYNC_WORDS)
-# polls of a barrier's counter before it gives up (each poll is an L2 round trip, ~1 us: seconds, never in a run)
-SPIN_LIMIT = tl.constexpr(1 << 22)
 ALL_PHASES = tl.constexpr(3)
 
 
@@ -133,26 +131,6 @@ def _slot_expert(j: tl.constexpr, ids, tw, E_ROUTED, K: tl.constexpr):
 
 
 @triton.jit
-def _arrive(ctr_ptr):
-    """This program's arrival at a counter: its stores so far happen-before what a program reads after waiting for
-    the counter (CTA barrier, then thread 0's release at GPU scope)."""
-    tl.debug_barrier()
-    tl.atomic_add(ctr_ptr, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def _wait(ctr_ptr, stall_ptr, G):
-    """Spin until all G programs arrived at the counter (an acquire at GPU scope: the L1 is invalidated, so plain
-    loads after it see the other programs' stores)."""
-    polls = 0
-    while (tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu") < G) & (polls < SPIN_LIMIT):
-        polls += 1
-    if polls >= SPIN_LIMIT:
-        tl.atomic_add(stall_ptr, 1, scope="gpu")
-    tl.debug_barrier()
-
-
-@triton.jit
 def _prefetch_l2_rows(w2_ptr, ids, d, ok, K: tl.constexpr, D: tl.constexpr, I: tl.constexpr, LINES: tl.constexpr):
     """Ask the L2 for the down rows d of the k routed experts ids (`prefetch.global.L2`, one a 128-byte line of a
     row: LINES >= the row's lines). GPU only (inline PTX)."""
@@ -161,8 +139,7 @@ def _prefetch_l2_rows(w2_ptr, ids, d, ok, K: tl.constexpr, D: tl.constexpr, I: t
     rows = ids.to(tl.int64)[:, None] * D + d.to(tl.int64)[None, :]  # [BLOCK_KS, DOWN_ROWS]
     ptrs = w2_ptr + rows[:, :, None] * I + offs[None, None, :]
     live = ((j < K)[:, None] & ok[None, :])[:, :, None] & (offs < I)[None, None, :]
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                              "=r,l,r", [ptrs, live.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    prefetch_l2(ptrs, live)
 
 
 @triton.jit
@@ -238,13 +215,13 @@ def _moe_layer_kernel(
             e = i * ROUTER_ROWS + tl.arange(0, ROUTER_ROWS)
             tl.store(logits_ptr + e, rows_dot(gate_ptr, e.to(tl.int64), e < E, x_ptr, D, D, BLOCK_KR), mask=e < E)
         if GRID:
-            _arrive(sync_ptr + ROUTER_DONE)
+            arrive(sync_ptr + ROUTER_DONE)
         for j in range(pid, S * nps, G):  # the shared experts' gate/up: no routing needed
             _gate_up_item(x_ptr, w13_ptr, h_ptr, E + j // nps, K + j // nps, (j % nps) * COLS, D, I, beta, lin_beta,
                           COLS, BLOCK_KW, SITU, LIN_SAT)
         if GRID:
-            _arrive(sync_ptr + SHARED_DONE)
-            _wait(sync_ptr + ROUTER_DONE, sync_ptr + STALLED, G)
+            arrive(sync_ptr + SHARED_DONE)
+            wait(sync_ptr + ROUTER_DONE, sync_ptr + STALLED, G)
     if PHASE >= 1:
         tw, ids = _routing(logits_ptr, bias_ptr, scaling, E, BLOCK_E, K, BLOCK_KS, RENORMALIZE)
         if PHASE != 2:
@@ -256,7 +233,7 @@ def _moe_layer_kernel(
                 _gate_up_item(x_ptr, w13_ptr, h_ptr, _pick(ids, i // nps), i // nps, (i % nps) * COLS, D, I, beta,
                               lin_beta, COLS, BLOCK_KW, SITU, LIN_SAT)
             if GRID:
-                _arrive(sync_ptr + ROUTED_DONE)
+                arrive(sync_ptr + ROUTED_DONE)
         if PHASE >= 2:
             if USE_PDL:
                 gdc_launch_dependents()
@@ -267,13 +244,13 @@ def _moe_layer_kernel(
                 if GRID and i == pid:
                     if PREFETCH:  # the routed slots' rows of this item into the L2 while the last routed h is written
                         _prefetch_l2_rows(w2_ptr, ids, d, ok, K, D, I, LINES_I)
-                    _wait(sync_ptr + SHARED_DONE, sync_ptr + STALLED, G)
+                    wait(sync_ptr + SHARED_DONE, sync_ptr + STALLED, G)
                 # one shared expert: its slot first, while other programs still write the routed h (added last, so
                 # the sum keeps slot order); several: in order after the routed slots
                 if S == 1:
                     shared = _down_slots(w2_ptr, h_ptr, ids, tw, d, ok, zero, E, K, K + 1, K, D, I, BLOCK_KW, DTYPE)
                 if GRID and i == pid:
-                    _wait(sync_ptr + ROUTED_DONE, sync_ptr + STALLED, G)
+                    wait(sync_ptr + ROUTED_DONE, sync_ptr + STALLED, G)
                 acc = _down_slots(w2_ptr, h_ptr, ids, tw, d, ok, zero, E, 0, K, K, D, I, BLOCK_KW, DTYPE)
                 if S == 1:
                     acc += shared
@@ -287,15 +264,9 @@ def _moe_layer_kernel(
                 else:
                     tl.store(out_ptr + d, total, mask=ok)
             # the last program to get here has every row: the epilogue, then the counters back to zero
-            tl.debug_barrier()
-            if tl.atomic_add(sync_ptr + ALL_DONE, 1, sem="acq_rel", scope="gpu") == G - 1:
+            if last_arrival(sync_ptr + ALL_DONE, G):
                 if NORM:
-                    offs = tl.arange(0, BLOCK_D)
-                    ok = offs < D
-                    hrow = tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-                    rstd = 1.0 / tl.sqrt(tl.sum(hrow * hrow, axis=0) / D + eps)
-                    y = (hrow * rstd).to(DTYPE).to(tl.float32) * tl.load(norm_w_ptr + offs, mask=ok).to(tl.float32)
-                    tl.store(out_ptr + offs, y.to(DTYPE), mask=ok)
+                    row_rms_norm(row_ptr, norm_w_ptr, out_ptr, eps, D, BLOCK_D)
                 words = tl.arange(0, SYNC_WORDS)
                 tl.store(sync_ptr + words, tl.zeros([SYNC_WORDS], dtype=tl.int32), mask=words < STALLED)
 
@@ -313,31 +284,6 @@ def layer_fits(rows: int, num_experts: int, hidden: int, num_expert_group: int, 
     experts, and (with a norm) a row the epilogue's one program holds."""
     return rows == 1 and num_expert_group == 1 and 1 <= num_experts <= MAX_EXPERTS and (
         not norm or hidden <= NORM_MAX_D)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_limits(index: int) -> tuple[int, int, int, int]:
-    """(SMs, threads, 32-bit registers, shared memory bytes) an SM of CUDA device `index` has."""
-    p = torch.cuda.get_device_properties(index)
-    return (p.multi_processor_count, getattr(p, "max_threads_per_multi_processor", 2048),
-            getattr(p, "regs_per_multiprocessor", 65536), getattr(p, "shared_memory_per_multiprocessor", 233472))
-
-
-# the grid of each compiled form on each device (a memo of `resident_programs` over the binary, which Triton caches
-# the same way): the launcher looks it up instead of binding the arguments twice per call
-_GRIDS: dict[tuple, int] = {}
-
-
-def resident_programs(index: int, num_warps: int, regs: int, shared: int, per_sm: int) -> int:
-    """The grid: per_sm programs an SM, fewer where the kernel's registers (allocated per warp in 256s), threads or
-    shared memory would not let that many share an SM, and never below one an SM (every program must be resident
-    while the others spin at a barrier)."""
-    sms, threads, regfile, smem = _sm_limits(index)
-    warp_regs = -(-max(regs, 1) * 32 // 256) * 256
-    fit = min(per_sm, threads // (32 * num_warps), regfile // (warp_regs * num_warps), 32)
-    if shared:
-        fit = min(fit, smem // shared)
-    return sms * max(1, fit)
 
 
 def moe_layer_one_token(
@@ -433,11 +379,6 @@ def moe_layer_one_token(
     consts.update(PHASE=ALL_PHASES.value, PREFETCH=t.prefetch, USE_PDL=pdl)
     if programs is None:
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        key = (index, t.per_sm, tuple(sorted(consts.items())), x.dtype, gate_weight.dtype)
-        if key not in _GRIDS:  # the binary's registers and shared memory bound the programs an SM holds
-            k = _moe_layer_kernel.warmup(*args, 1, grid=(1,), **consts)
-            k._init_handles()
-            _GRIDS[key] = resident_programs(index, t.num_warps, k.n_regs, k.metadata.shared, t.per_sm)
-        programs = _GRIDS[key]
+        programs = grid_for(_moe_layer_kernel, (*args, 1), consts, index, t.num_warps, t.per_sm)
     _moe_layer_kernel[(programs,)](*args, programs, **consts, **pdl_kwargs(use_pdl))
     return out, tw, ids

@@ -96,17 +96,6 @@ def test_rejects_bad_inputs() -> None:
     assert not L.layer_fits(1, 256, 2304, 8, True) and not L.layer_fits(1, 1024, 2304, 1, False)
 
 
-def test_resident_programs_fit_the_sms(monkeypatch) -> None:
-    """The grid holds per_sm programs an SM where registers (256 a warp at a time), threads and shared memory allow,
-    never fewer than one an SM."""
-    monkeypatch.setattr(L, "_sm_limits", lambda index: (132, 2048, 65536, 233472))
-    assert L.resident_programs(0, 2, 94, 1024, 8) == 132 * 8  # 96 x 32 x 2 registers: 10 fit
-    assert L.resident_programs(0, 2, 200, 1024, 8) == 132 * 5  # 200 -> 224 a thread: 65536 // 14336
-    assert L.resident_programs(0, 4, 64, 100_000, 8) == 132 * 2  # shared memory: 2
-    assert L.resident_programs(0, 32, 255, 0, 8) == 132  # one fits only partly: still one
-    assert L.resident_programs(0, 1, 32, 0, 64) == 132 * 32  # the hardware's 32 programs an SM
-
-
 def test_sm90_build_default_tiles() -> None:
     """The grid form at the 48B shape builds for sm_90: no spills, registers that let the default per_sm programs
     share an SM, the arrivals as releases and the waits as acquires at GPU scope, and the GEMVs' K steps without CTA
