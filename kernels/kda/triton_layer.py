@@ -59,7 +59,7 @@ HEAD0 = tl.constexpr(8)
 ALL_PHASES = tl.constexpr(4)
 
 
-def sync_words(num_heads: int) -> int:
+def kda_layer_sync_words(num_heads: int) -> int:
     """The counters a layer of num_heads heads needs (the caller's zeroed int32 buffer)."""
     return HEAD0.value + num_heads
 
@@ -82,6 +82,8 @@ DEFAULT_TILES = KdaLayerTiles()
 CANDIDATES = (DEFAULT_TILES, KdaLayerTiles(prefetch=False), KdaLayerTiles(v_split=8), KdaLayerTiles(v_split=2),
               KdaLayerTiles(rows=2, num_warps=2, per_sm=6, v_split=8), KdaLayerTiles(per_sm=3))
 INTERPRET_TILES = KdaLayerTiles(rows=2, num_warps=2, per_sm=1, v_split=2)
+# the launcher's tiles by default (exported as kernels.kda.KDA_LAYER_TILES: the runner's fit check)
+KDA_LAYER_TILES = INTERPRET_TILES if INTERPRET else DEFAULT_TILES
 
 
 @triton.jit
@@ -274,12 +276,12 @@ def kda_layer_one_token(
         slot: [1] int32/int64 on the device: the sequence's slot in both pools.
         o_norm_weight: [D] the output norm's weight; o_norm_eps its eps.
         o_proj: [HID, P]; residual: [1, HID]; norm_weight: [HID] the next norm's, eps its eps.
-        sync: [sync_words(H)] int32 zeros, owned by the caller (one launch in flight per buffer); left zero.
+        sync: [kda_layer_sync_words(H)] int32 zeros, owned by the caller (one launch in flight per buffer); left zero.
         lower_bound: the bounded gate's lower bound, None for softplus (`kda_decode`).
         out, residual_out: optional [1, HID] outputs.
         tiles, programs, phased, use_pdl: as kernels/moe `moe_layer_one_token`'s.
     """
-    t = tiles or (INTERPRET_TILES if INTERPRET else DEFAULT_TILES)
+    t = tiles or KDA_LAYER_TILES
     if x.dim() != 2 or x.shape[0] != 1 or not x.is_contiguous():
         raise ValueError(f"x must be one contiguous row [1, HID], got {list(x.shape)}")
     HID = x.shape[1]
@@ -295,7 +297,7 @@ def kda_layer_one_token(
             ("A_log", A_log, (H,), torch.float32), ("dt_bias", dt_bias, (P,), torch.float32),
             ("o_norm_weight", o_norm_weight, (D,), None), ("o_proj", o_proj, (HID, P), x.dtype),
             ("residual", residual, (1, HID), x.dtype), ("norm_weight", norm_weight, (HID,), None),
-            ("sync", sync, (sync_words(H),), torch.int32)):
+            ("sync", sync, (kda_layer_sync_words(H),), torch.int32)):
         check(tensor, name, shape, dtype)
         if not tensor.is_contiguous():
             raise ValueError(f"{name} must be contiguous")

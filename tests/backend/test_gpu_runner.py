@@ -846,3 +846,29 @@ def test_a_one_token_moe_layer_runs_in_one_persistent_launch(tmp_path) -> None:
         got, want = one_runner.fwd(step, decode=True), plain_runner.fwd(plain_step, decode=True)
     assert rel(got, want) < 1e-5
     assert all(not w.sync.any() for w in moes)
+
+
+def test_a_one_token_kda_layer_runs_in_one_persistent_launch(tmp_path) -> None:
+    """Issue 18 (the 48B's batch-1 step: each KDA layer five launches, ~37 us against ~20 us of bytes): with
+    KernelConfig.kda_layer_one_token a one-sequence decode runs each KDA layer with low-rank gates, from its input
+    projection to the next norm, as kernels/kda kda_layer_one_token (one launch on a GPU, four phased launches under
+    the interpreter): no torch work of its own, the same logits and the same conv windows and states up to fp32
+    summation order; the layers' counters back at zero."""
+    from k3rt.backend.runner.gpu.kda import KdaWeights
+
+    one_runner, step, one = _k3_decode_forward_counted(tmp_path / "a", arch="kimi_linear", kda_layer_one_token=True)
+    plain_runner, plain_step, plain = _k3_decode_forward_counted(tmp_path / "b", arch="kimi_linear")
+    kda = [w for w in one_runner.fwd.prepared.values() if isinstance(w, KdaWeights)]
+    assert kda and all(w.sync is not None and w.w_up is not None for w in kda)
+    # the separate path: the input projection (mm), the up-projection (mm), the decode launch, o_proj (mm) and the
+    # add + norm launch; here one launch (four phased ones under the interpreter)
+    per_layer = 1 if HAS_CUDA else 4
+    assert one.triton - plain.triton == len(kda) * (per_layer - 2)
+    assert plain.torch_ops.count("mm") - one.torch_ops.count("mm") == 3 * len(kda)
+    with torch.no_grad():
+        got, want = one_runner.fwd(step, decode=True), plain_runner.fwd(plain_step, decode=True)
+    assert rel(got, want) < 1e-5
+    for pool_a, pool_b in ((one_runner.fwd.pool.rec, plain_runner.fwd.pool.rec),
+                           (one_runner.fwd.pool.conv, plain_runner.fwd.pool.conv)):
+        assert all(a is None or rel(a, b) < 1e-5 for a, b in zip(pool_a, pool_b))
+    assert all(not w.sync.any() for w in kda)

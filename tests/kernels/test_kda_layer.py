@@ -64,7 +64,7 @@ def test_matches_the_decode_path(dtype: torch.dtype, lower_bound: float | None, 
     c = make_layer(H, D, HID, dtype, seed=H * D + HID)
     ref_c = {k: v.clone() for k, v in c.items()}
     want, want_h = reference(ref_c, lower_bound)
-    sync = torch.zeros(L.sync_words(H), dtype=torch.int32)
+    sync = torch.zeros(L.kda_layer_sync_words(H), dtype=torch.int32)
     got, got_h = L.kda_layer_one_token(**c, sync=sync, o_norm_eps=1e-5, eps=1e-6, lower_bound=lower_bound)
     tol = 1e-5 if dtype == torch.float32 else 3e-3
     assert rel_err(got, want) <= tol and rel_err(got_h, want_h) <= tol
@@ -76,7 +76,7 @@ def test_matches_the_decode_path(dtype: torch.dtype, lower_bound: float | None, 
 
 def test_rejects_what_it_does_not_take() -> None:
     c = make_layer(2, 16, 48, torch.float32, seed=1)
-    sync = torch.zeros(L.sync_words(2), dtype=torch.int32)
+    sync = torch.zeros(L.kda_layer_sync_words(2), dtype=torch.int32)
     kw = dict(o_norm_eps=1e-5, eps=1e-6)
     with pytest.raises(ValueError, match="one contiguous row"):
         L.kda_layer_one_token(**dict(c, x=c["x"].expand(2, -1)), sync=sync, **kw)
@@ -136,7 +136,7 @@ def test_gpu_grid_form_48b_from_a_graph(tiles: L.KdaLayerTiles) -> None:
     start = {k: v.clone() for k, v in c.items()}
     ref_c = {k: v.clone() for k, v in c.items()}
     want, want_h = reference(ref_c, None)
-    sync = torch.zeros(L.sync_words(32), dtype=torch.int32, device="cuda")
+    sync = torch.zeros(L.kda_layer_sync_words(32), dtype=torch.int32, device="cuda")
     kw = dict(o_norm_eps=1e-5, eps=1e-6, tiles=tiles)
     out, res_out = torch.empty_like(c["residual"]), torch.empty_like(c["residual"])
     L.kda_layer_one_token(**c, sync=sync, out=out, residual_out=res_out, **kw)  # compiles

@@ -18,7 +18,7 @@ from k3rt.backend.models.attn_res import AttnResStream, attn_res_mix
 from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.backend.models.moe import MoE
 from k3rt.backend.runner.gpu.ffn import MoeWeights, mlp_forward, moe_add_norm, moe_forward, sums_add_norm
-from k3rt.backend.runner.gpu.kda import KdaWeights, kda_commit, kda_commit_graphed, kda_forward
+from k3rt.backend.runner.gpu.kda import KdaWeights, kda_commit, kda_commit_graphed, kda_forward, kda_layer_add_norm
 from k3rt.backend.runner.gpu.mla import MlaWeights, mla_forward
 from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear, norm
 from k3rt.backend.runner.gpu.step import GpuStep
@@ -150,6 +150,18 @@ class GpuForward:
         # o_proj is row-parallel: each rank holds the partial sum over its heads (the identity at TP 1)
         return self.tp.all_reduce(y)
 
+    def attention_add_norm(self, i: int, x: torch.Tensor, step: GpuStep, decode: bool, residual: torch.Tensor,
+                           weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """add_norm(attention(i, x), residual, weight, eps), a one-sequence decode's KDA layer in one launch where
+        it can run there (kda.py kda_layer_add_norm)."""
+        w = self.prepared[i]
+        if isinstance(w, KdaWeights):
+            fused = kda_layer_add_norm(self.layers[i].self_attn, w, x, step, self.pool.conv[w.tensor],
+                                       self.pool.rec[w.tensor], self.k, residual, weight, eps, decode=decode)
+            if fused is not None:
+                return fused
+        return self.add_norm(self.attention(i, x, step, decode), residual, weight, eps)
+
     @torch.no_grad()
     def commit_verified(self, step: GpuStep, runs: list[tuple[int, int, list[int]]]) -> None:
         """After a verify step: every KDA layer advances each run's states by its accepted prefix.
@@ -196,7 +208,7 @@ class GpuForward:
             x = self.norm(h, self.layers[0].input_layernorm.weight, eps)
             self._tap(0, x)
             for i, layer in enumerate(self.layers):
-                x, h = self.add_norm(self.attention(i, x, step, decode), h, layer.post_attention_layernorm.weight, eps)
+                x, h = self.attention_add_norm(i, x, step, decode, h, layer.post_attention_layernorm.weight, eps)
                 nxt = self.layers[i + 1].input_layernorm.weight if i + 1 < len(self.layers) else m.norm.weight
                 x, h = self.ffn_add_norm(i, x, h, nxt, eps)
                 self._tap(i + 1, x)  # layer i + 1's normalized input; the final norm's output after the last

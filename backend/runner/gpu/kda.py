@@ -64,6 +64,8 @@ class KdaWeights:
     dt_bias: torch.Tensor  # [H*D] fp32
     group: int  # KDA group (page of the state set) and tensor index in the pool
     tensor: int
+    # kernels/kda kda_layer_one_token's counters (zero between launches; the forward runs on one stream)
+    sync: torch.Tensor | None = None
 
     @staticmethod
     def of(attn: KimiDeltaAttention, group: int, tensor: int) -> "KdaWeights":
@@ -80,9 +82,12 @@ class KdaWeights:
             w_up = torch.zeros(gb.shape[0] + fb.shape[0], gb.shape[1] + fb.shape[1], dtype=gb.dtype, device=gb.device)
             w_up[:gb.shape[0], :gb.shape[1]] = gb
             w_up[gb.shape[0]:, gb.shape[1]:] = fb
+        sync = None
+        if low_rank and (words := kernel("kda", "kda_layer_sync_words")) is not None:
+            sync = torch.zeros(words(attn.num_heads), dtype=torch.int32, device=w.device)
         return KdaWeights(w, splits, w_up, attn.conv_weight.detach().float().contiguous(),
                           attn.A_log.detach().float().reshape(-1).contiguous(),
-                          attn.dt_bias.detach().float().reshape(-1).contiguous(), group, tensor)
+                          attn.dt_bias.detach().float().reshape(-1).contiguous(), group, tensor, sync)
 
 
 def _gate(attn: KimiDeltaAttention, w: KdaWeights, f: torch.Tensor) -> torch.Tensor:
@@ -110,6 +115,24 @@ def kda_forward(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: 
     o = kda_attend(attn, w, qkv, gate, f, b, step, conv_pool, rec_pool, k, decode=decode, workspace=workspace,
                    keep=keep)
     return linear(o.reshape(T, H * D), attn.o_proj.weight, k)
+
+
+def kda_layer_add_norm(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: GpuStep,
+                       conv_pool: torch.Tensor, rec_pool: torch.Tensor, k: KernelConfig, residual: torch.Tensor,
+                       weight: torch.Tensor, eps: float, *, decode: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(norm(residual + layer(x)), residual + layer(x)) from kernels/kda kda_layer_one_token, where it runs: a
+    one-sequence decode step (not a verify run) with KernelConfig.kda_layer_one_token, the low-rank gates, one rank
+    (o_proj's output needs no reduction), the kernel's shapes; else None (the caller takes the separate launches)."""
+    if (not (decode and k.triton and k.kda_layer_one_token and not k.batch_invariant and w.sync is not None)
+            or x.shape[0] != 1 or step.row_seq is not None or attn.o_proj.tp.size != 1):
+        return None
+    fits, layer = kernel("kda", "kda_layer_fits"), kernel("kda", "kda_layer_one_token")
+    tiles = kernel("kda", "KDA_LAYER_TILES")
+    if not fits(1, True, attn.num_heads, attn.head_dim, x.shape[1], tiles):
+        return None
+    return layer(x.contiguous(), w.w_in, w.w_up, w.conv_weight, conv_pool, w.A_log, w.dt_bias, rec_pool,
+                 step.state_pages[w.group], attn.o_norm_weight, attn.o_proj.weight, residual, weight, w.sync,
+                 o_norm_eps=attn.eps, eps=eps, lower_bound=attn.lower_bound, use_pdl=k.use_pdl)
 
 
 def kda_attend(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, gate: torch.Tensor, f: torch.Tensor,
