@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 from k3rt.kernels.kda import kda_decode  # noqa: E402
 from k3rt.kernels.kda import triton_layer as L  # noqa: E402
 from k3rt.kernels.norm.ref import rms_norm as rms_norm_ref  # noqa: E402
-from tests.kernels.helpers import HAS_CUDA, rel_err, run_sm90_build  # noqa: E402
+from tests.kernels.helpers import HAS_CUDA, rel_err, run_benchmark_smoke, run_sm90_build  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")
 
@@ -91,6 +91,13 @@ def test_rejects_what_it_does_not_take() -> None:
     assert L.kda_layer_fits(1, True, 32, 128, 2304, L.DEFAULT_TILES)
     assert not L.kda_layer_fits(2, True, 32, 128, 2304, L.DEFAULT_TILES)
     assert not L.kda_layer_fits(1, False, 32, 128, 2304, L.DEFAULT_TILES)
+
+
+def test_benchmark_smoke(tmp_path) -> None:
+    """benchmarks/kda_layer.py --smoke: the phased form checked against the separate path and both timed."""
+    result = run_benchmark_smoke("kda_layer.py", tmp_path / "kda_layer.json")
+    layer = {r["name"]: r for r in result["layer"]}
+    assert layer["phased (4 launches)"]["ok"] and "us" in layer["separate (5 launches)"], layer
 
 
 def test_sm90_build_default_tiles() -> None:
