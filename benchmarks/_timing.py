@@ -221,3 +221,19 @@ class Report:
         self.result.setdefault(section, []).append(rec)
         self.save()
         return rec
+
+
+def persistent_forms(report: Report, section: str, candidates, default_tiles, phased_name: str, check, time_form,
+                     smoke: bool) -> None:
+    """The persistent layer kernels' items (kernels_moe.py --layer, kda_layer.py): each tile candidate (GPU only)
+    and the phased form, each checked (`check(tiles, phased)` -> {"rel_err", "ok", ...}) and then timed
+    (`time_form(tiles, phased)` -> {"us", "pct_of_floor", ...}) into report[section]."""
+    forms = [(phased_name, None, True)]
+    if not smoke:
+        forms = [(f"persistent tiles{i}", t, None) for i, t in enumerate(candidates)] + forms
+    for name, tiles, phased in forms:
+        rec = report.item(section, name, lambda tiles=tiles, phased=phased: {
+            **check(tiles, phased), "tiles": (tiles or default_tiles).__dict__, **time_form(tiles, phased)})
+        if "us" in rec:
+            report.log(f"{section} {name}: {rec['us']:.1f} us ({rec['pct_of_floor']:.0f}% of the floor), "
+                       f"rel err {rec['rel_err']:.2e}, ok {rec['ok']}")

@@ -26,7 +26,7 @@ from _timing import kernel_bench_args  # noqa: E402
 ARGS = kernel_bench_args(__doc__, "kda_layer.json", 150.0)
 
 from _timing import (  # noqa: E402
-    Report, copy_bandwidth, default_out, graph_time, import_k3rt_kernels, l2_rotation, rel_err,
+    Report, copy_bandwidth, default_out, graph_time, import_k3rt_kernels, l2_rotation, persistent_forms, rel_err,
 )
 
 import torch  # noqa: E402
@@ -108,16 +108,8 @@ def main() -> None:
         return {"rel_err": err, "ok": err <= (1e-4 if ARGS.smoke else 1e-2) and not bool(sync.any())}
 
     item("layer", "separate (5 launches)", lambda: timed(lambda c: separate(c, workspace)))
-    forms = [("phased (4 launches)", None, True)]
-    if not ARGS.smoke:
-        forms = [(f"persistent tiles{i}", t, None) for i, t in enumerate(L.CANDIDATES)] + forms
-    for name, tiles, phased in forms:
-        rec = item("layer", name, lambda tiles=tiles, phased=phased: {
-            **check(tiles, phased), "tiles": (tiles or L.KDA_LAYER_TILES).__dict__,
-            **timed(lambda c: persistent(c, sync, tiles, phased))})
-        if "us" in rec:
-            log(f"{name}: {rec['us']:.1f} us ({rec['pct_of_floor']:.0f}% of the floor), rel err {rec['rel_err']:.2e}, "
-                f"ok {rec['ok']}")
+    persistent_forms(REPORT, "layer", L.CANDIDATES, L.KDA_LAYER_TILES, "phased (4 launches)", check,
+                     lambda tiles, phased: timed(lambda c: persistent(c, sync, tiles, phased)), ARGS.smoke)
     RESULT["stalled"] = int(sync[L.STALLED.value])
     RESULT["wall_s"] = REPORT.elapsed()
     save()

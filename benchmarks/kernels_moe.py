@@ -42,7 +42,8 @@ def _add_args(p) -> None:
 ARGS = kernel_bench_args(__doc__, "kernels_moe.json", 150.0, _add_args)
 
 from _timing import (  # noqa: E402
-    Report, copy_bandwidth, default_out, graph_time, import_k3rt_kernels, l2_rotation, rel_err, time_ms,
+    Report, copy_bandwidth, default_out, graph_time, import_k3rt_kernels, l2_rotation, persistent_forms, rel_err,
+    time_ms,
 )
 
 import torch  # noqa: E402
@@ -276,16 +277,8 @@ def layer(bw_GBps: float) -> None:
         return {**base, "us": t["us_per_call"], "pct_of_floor": 100 * floor_us / t["us_per_call"]}
 
     item("layer", "grouped (5 launches)", lambda: timed(grouped))
-    forms = [("phased (3 launches)", None, True)]
-    if not ARGS.smoke:
-        forms = [(f"persistent tiles{i}", t, None) for i, t in enumerate(triton_layer.CANDIDATES)] + forms
-    for name, tiles, phased in forms:
-        rec = item("layer", name, lambda tiles=tiles, phased=phased: {
-            **check(tiles, phased), "tiles": (tiles or triton_layer.DEFAULT_TILES).__dict__,
-            **timed(lambda c: persistent(c, tiles, phased))})
-        if "us" in rec:
-            log(f"layer {name}: {rec['us']:.1f} us, floor {floor_us:.1f} us ({rec['pct_of_floor']:.0f}%), "
-                f"rel err {rec['rel_err']:.2e}, ok {rec['ok']}")
+    persistent_forms(REPORT, "layer", triton_layer.CANDIDATES, triton_layer.DEFAULT_TILES, "phased (3 launches)",
+                     check, lambda tiles, phased: timed(lambda c: persistent(c, tiles, phased)), ARGS.smoke)
     RESULT["layer_stalled"] = int(sync[triton_layer.STALLED.value])
 
 

@@ -51,7 +51,7 @@ from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs,
 from k3rt.kernels.linear.triton_gemv import rows_dot
 from k3rt.kernels.persistent import arrive, grid_for, last_arrival, prefetch_l2, row_rms_norm, wait
 from k3rt.kernels.moe.triton_experts import NORM_MAX_D, SumNorm, _act_mul, check_routing, check_stacks, check_x
-from k3rt.kernels.moe.triton_router import MAX_EXPERTS, _select_topk
+from k3rt.kernels.moe.triton_router import MAX_EXPERTS, _select_topk, check_gate_weight
 from k3rt.model_config import ActivationConfig
 
 # The launch's counters: int32 words, zero between launches (constexpr globals: the kernels read them, host code
@@ -328,12 +328,7 @@ def moe_layer_one_token(
     T, D = check_x(x)
     if T != 1:
         raise ValueError(f"moe_layer_one_token: x must be one row [1, D], got {list(x.shape)}")
-    if gate_weight.dim() != 2 or gate_weight.shape[1] != D or not gate_weight.is_floating_point():
-        raise ValueError(f"gate_weight must be a float [E, D={D}] tensor, got {gate_weight.dtype} "
-                         f"{list(gate_weight.shape)}")
-    if not gate_weight.is_contiguous():
-        raise ValueError("gate_weight must be contiguous")
-    E = gate_weight.shape[0]
+    E = check_gate_weight(gate_weight, D)
     if not 1 <= E <= MAX_EXPERTS:
         raise ValueError(f"gate_weight: E must be in [1, {MAX_EXPERTS}] experts, got {E}")
     check(bias, "bias", (E,), torch.float32)

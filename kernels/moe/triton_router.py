@@ -227,18 +227,23 @@ def moe_route_from_x(
         raise ValueError(f"x must be a float [T, D] tensor with a contiguous last dim, got {x.dtype} "
                          f"{list(x.shape)} strides {x.stride()}")
     T, D = x.shape
-    if gate_weight.dim() != 2 or gate_weight.shape[1] != D or not gate_weight.is_floating_point():
-        raise ValueError(f"gate_weight must be a float [E, D={D}] tensor, got {gate_weight.dtype} "
-                         f"{list(gate_weight.shape)}")
-    if not gate_weight.is_contiguous():
-        raise ValueError("gate_weight must be contiguous")
-    E = gate_weight.shape[0]
+    E = check_gate_weight(gate_weight, D)
     if not fused_router_fits(max(T, 1), E, D, num_expert_group):
         raise ValueError(f"moe_route_from_x: T={T} rows, E={E} x D={D} weights, {num_expert_group} groups is past "
                          f"fused_router_fits (<= {FUSED_MAX_ROWS} rows, <= {FUSED_MAX_WEIGHTS} weights, one group)")
     check_same_device(x=x, gate_weight=gate_weight)
     return _route(x, gate_weight, E, bias, top_k, num_expert_group, topk_group, renormalize, scaling, out_weights,
                   out_ids, use_pdl, num_warps)
+
+
+def check_gate_weight(gate_weight: Tensor, D: int) -> int:
+    """A router weight for rows of D: a contiguous float [E, D] tensor -> E (ValueError naming what is wrong)."""
+    if gate_weight.dim() != 2 or gate_weight.shape[1] != D or not gate_weight.is_floating_point():
+        raise ValueError(f"gate_weight must be a float [E, D={D}] tensor, got {gate_weight.dtype} "
+                         f"{list(gate_weight.shape)}")
+    if not gate_weight.is_contiguous():
+        raise ValueError("gate_weight must be contiguous")
+    return gate_weight.shape[0]
 
 
 def _route(rows: Tensor, gate_weight: Tensor | None, E: int, bias: Tensor, top_k: int, num_expert_group: int,
