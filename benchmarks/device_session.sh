@@ -137,7 +137,8 @@ for stage in "$@"; do
     tests|tests-runner|tests-kernels|decode|kda|mla|moe|linear|mxfp4|det|overlap|serve) ;;
     spec-tests|spec-verify|dspark-pass|spec-bench|spec-gate|spec-rounds|jit-churn|tp-tests|tp|tp-symm|k3-slice) ;;
     profile|kda-probe|tiny-linear|spec-round|prep|kda-blocks|k3-launches|kda-warps|spec-b1) ;;
-    kda-multi|kda-fused-gc|kda-forms-48b|bf16-paths|spec-b16|kda-phases|kda-default|kda-decode-probe|kda-decode|moe-layer|kda-layer) ;;
+    kda-multi|kda-fused-gc|kda-forms-48b|bf16-paths|spec-b16|kda-phases|kda-default|kda-decode-probe|kda-decode) ;;
+    moe-layer|kda-layer) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -236,7 +237,8 @@ for stage in "$@"; do
       run kda-layer 150 python3 benchmarks/kda_layer.py --budget-s 140 --out "$OUT/kda_layer.json" ;;
     moe-layer)
       gpu_pytest moe-layer 150 tests/kernels/test_moe_layer.py
-      run moe-layer 150 python3 benchmarks/kernels_moe.py --layer-only --budget-s 140 --out "$OUT/kernels_moe_layer.json" ;;
+      run moe-layer 150 python3 benchmarks/kernels_moe.py --layer-only --budget-s 140 \
+        --out "$OUT/kernels_moe_layer.json" ;;
     kda-decode)
       run kda-decode 200 python3 benchmarks/kernels.py --decode-n 1 2 4 8 16 32 64 --decode-norm --prefill \
         ${DECODE_BASELINE:+--decode-baseline "$DECODE_BASELINE"} --budget-s 190 --out "$OUT/kda_decode.json"
