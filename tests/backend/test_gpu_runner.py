@@ -872,3 +872,12 @@ def test_a_one_token_kda_layer_runs_in_one_persistent_launch(tmp_path) -> None:
                            (one_runner.fwd.pool.conv, plain_runner.fwd.pool.conv)):
         assert all(a is None or rel(a, b) < 1e-5 for a, b in zip(pool_a, pool_b))
     assert all(not w.sync.any() for w in kda)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_one_token_layers_in_persistent_launches(tmp_path) -> None:
+    """The two tests above on CUDA: the persistent kernels' grid form (their waits spinning) inside the runner's
+    decode forward, one launch a layer, the same logits and states as the separate launches."""
+    test_a_one_token_moe_layer_runs_in_one_persistent_launch(tmp_path / "moe")
+    test_a_one_token_kda_layer_runs_in_one_persistent_launch(tmp_path / "kda")
