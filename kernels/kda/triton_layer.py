@@ -68,7 +68,10 @@ def kda_layer_sync_words(num_heads: int) -> int:
 class KdaLayerTiles:
     """Item sizes and the launch shape (kernels/moe/triton_layer.py's LayerTiles says why they are small)."""
 
-    rows: int = 4  # GEMV rows an item (input projection, up-projections, o_proj); a multiple of num_warps
+    rows: int = 4  # GEMV rows an item (input projection, o_proj); a multiple of num_warps
+    # the up-projections' rows an item: their rows are short (D), so more of them a program keeps bytes in flight
+    # (2P rows: about one item a program at the 48B)
+    up_rows: int = 16
     v_split: int = 4  # a head's value columns over this many items (the decode step)
     # the decode step's state tile and windows set the registers (sm_90: 128 a thread at 4 warps and 4 slices, 216
     # at 2 warps), so 4 programs of 4 warps an SM: 16 warps streaming the GEMVs
@@ -80,8 +83,9 @@ class KdaLayerTiles:
 DEFAULT_TILES = KdaLayerTiles()
 # Alternatives the benchmark times (benchmarks/kernels.py --kda-layer); none timed yet
 CANDIDATES = (DEFAULT_TILES, KdaLayerTiles(prefetch=False), KdaLayerTiles(v_split=8), KdaLayerTiles(v_split=2),
-              KdaLayerTiles(rows=2, num_warps=2, per_sm=6, v_split=8), KdaLayerTiles(per_sm=3))
-INTERPRET_TILES = KdaLayerTiles(rows=2, num_warps=2, per_sm=1, v_split=2)
+              KdaLayerTiles(rows=2, num_warps=2, per_sm=6, v_split=8), KdaLayerTiles(per_sm=3),
+              KdaLayerTiles(up_rows=4))
+INTERPRET_TILES = KdaLayerTiles(rows=2, up_rows=4, num_warps=2, per_sm=1, v_split=2)
 # the launcher's tiles by default (exported as kernels.kda.KDA_LAYER_TILES: the runner's fit check)
 KDA_LAYER_TILES = INTERPRET_TILES if INTERPRET else DEFAULT_TILES
 
@@ -152,6 +156,7 @@ def _kda_layer_kernel(
     NV: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr,
     ROWS: tl.constexpr,
+    UP_ROWS: tl.constexpr,
     BLOCK_KX: tl.constexpr,  # the GEMVs' K steps: over HID, over D (the up-projections), over P (o_proj)
     BLOCK_KD: tl.constexpr,
     BLOCK_KP: tl.constexpr,
@@ -184,9 +189,9 @@ def _kda_layer_kernel(
             arrive(sync_ptr + PROJ_DONE)
             wait(sync_ptr + LOW_DONE, sync_ptr + STALLED, G)
     if PHASE == 1 or GRID:
-        for i in range(pid, 2 * P // ROWS, G):  # gate rows (block 0: g_a), then f rows (block 1: f_a)
-            r = i * ROWS + tl.arange(0, ROWS)
-            blk = (i * ROWS) // P
+        for i in range(pid, 2 * P // UP_ROWS, G):  # gate rows (block 0: g_a), then f rows (block 1: f_a)
+            r = i * UP_ROWS + tl.arange(0, UP_ROWS)
+            blk = (i * UP_ROWS) // P
             y = rows_dot(w_up_ptr + blk * D, r.to(tl.int64), r < 2 * P, proj_ptr + 3 * P + blk * D, 2 * D, D,
                          BLOCK_KD)
             tl.store(up_ptr + r, y.to(DTYPE))
@@ -233,8 +238,9 @@ def kda_layer_fits(rows: int, low_rank: bool, num_heads: int, head_dim: int, hid
     the V split divides, a row the norm's one program holds."""
     from k3rt.kernels.moe.triton_experts import NORM_MAX_D
 
+    P = num_heads * head_dim
     return (rows == 1 and low_rank and head_dim & (head_dim - 1) == 0 and head_dim % tiles.v_split == 0
-            and (num_heads * head_dim) % tiles.rows == 0 and hidden <= NORM_MAX_D)
+            and P % tiles.rows == 0 and P % tiles.up_rows == 0 and hidden <= NORM_MAX_D)
 
 
 def kda_layer_one_token(
@@ -289,7 +295,8 @@ def kda_layer_one_token(
     P, W = H * D, conv_weight.shape[1]
     if not kda_layer_fits(1, True, H, D, HID, t):
         raise ValueError(f"kda_layer_one_token: head_dim {D} (a power of two, divisible by v_split {t.v_split}), "
-                         f"H * D = {P} (divisible by {t.rows} rows) and hidden {HID} within the norm's row")
+                         f"H * D = {P} (divisible by {t.rows} and {t.up_rows} rows) and hidden {HID} within the "
+                         f"norm's row")
     if w_in.shape[0] < 3 * P + 2 * D + H or w_in.shape[1] != HID or not w_in.is_contiguous():
         raise ValueError(f"w_in must be contiguous [>= {3 * P + 2 * D + H}, {HID}], got {list(w_in.shape)}")
     for name, tensor, shape, dtype in (
@@ -318,12 +325,14 @@ def kda_layer_one_token(
     new = lambda *shape, dtype=x.dtype: poison_like(torch.empty(*shape, dtype=dtype, device=x.device))  # noqa: E731
     out = new(1, HID) if out is None else out
     residual_out = new(1, HID) if residual_out is None else residual_out
-    args = (x, w_in, w_up, conv_weight, conv_pool, conv_pool.stride(0), A_log, dt_bias, state_pool, state_pool.stride(0),
+    args = (x, w_in, w_up, conv_weight, conv_pool, conv_pool.stride(0), A_log, dt_bias, state_pool,
+            state_pool.stride(0),
             slot, o_norm_weight, o_proj, residual, norm_weight, new(w_in.shape[0]), new(2 * P),
             new(P, dtype=torch.float32), new(P), sync, out, residual_out, float(D ** -0.5),
             0.0 if lower_bound is None else float(lower_bound), float(o_norm_eps), float(eps))
     consts = dict(HID=HID, H=H, D=D, W=W, WP=triton.next_power_of_2(W), NV=t.v_split,
-                  USE_LOWER_BOUND=lower_bound is not None, ROWS=t.rows, BLOCK_KX=_k_step(w_in, HID),
+                  USE_LOWER_BOUND=lower_bound is not None, ROWS=t.rows, UP_ROWS=t.up_rows,
+                  BLOCK_KX=_k_step(w_in, HID),
                   BLOCK_KD=_k_step(w_up, D), BLOCK_KP=_k_step(o_proj, P), BLOCK_HID=triton.next_power_of_2(HID),
                   LINES_P=triton.next_power_of_2(triton.cdiv(P * o_proj.element_size(), 128)), num_warps=t.num_warps)
     if phased:

@@ -112,12 +112,12 @@ sig = dict(x_ptr="*bf16", w_in_ptr="*bf16", w_up_ptr="*bf16", conv_w_ptr="*fp32"
            slot_ptr="*i32", norm_o_w_ptr="*bf16", wo_ptr="*bf16", res_ptr="*bf16", norm_w_ptr="*bf16",
            proj_ptr="*bf16", up_ptr="*bf16", raw_ptr="*fp32", o_ptr="*bf16", sync_ptr="*i32", out_ptr="*bf16",
            res_out_ptr="*bf16", scale="fp32", lower_bound="fp32", eps_o="fp32", eps="fp32", G="i32", HID=C, H=C, D=C,
-           W=C, WP=C, NV=C, USE_LOWER_BOUND=C, ROWS=C, BLOCK_KX=C, BLOCK_KD=C, BLOCK_KP=C, BLOCK_HID=C, LINES_P=C,
-           PREFETCH=C, PHASE=C, USE_PDL=C)
+           W=C, WP=C, NV=C, USE_LOWER_BOUND=C, ROWS=C, UP_ROWS=C, BLOCK_KX=C, BLOCK_KD=C, BLOCK_KP=C, BLOCK_HID=C,
+           LINES_P=C, PREFETCH=C, PHASE=C, USE_PDL=C)
 t = L.DEFAULT_TILES
-consts = dict(HID=2304, H=32, D=128, W=4, WP=4, NV=t.v_split, USE_LOWER_BOUND=False, ROWS=t.rows, BLOCK_KX=256,
-              BLOCK_KD=128, BLOCK_KP=256, BLOCK_HID=4096, LINES_P=64, PREFETCH=t.prefetch, PHASE=L.ALL_PHASES.value,
-              USE_PDL=True)
+consts = dict(HID=2304, H=32, D=128, W=4, WP=4, NV=t.v_split, USE_LOWER_BOUND=False, ROWS=t.rows,
+              UP_ROWS=t.up_rows, BLOCK_KX=256, BLOCK_KD=128, BLOCK_KP=256, BLOCK_HID=4096, LINES_P=64,
+              PREFETCH=t.prefetch, PHASE=L.ALL_PHASES.value, USE_PDL=True)
 k = sm90_kernel(L._kda_layer_kernel, sig, consts, t.num_warps, 1, lambda n: n.startswith("stride"))
 usage = cuobjdump(k, "-res-usage")
 ptx = k.asm["ptx"]
