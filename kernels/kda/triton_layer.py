@@ -3,8 +3,8 @@ up-projections, the conv + gates + delta-rule step + gated output norm, o_proj, 
 and next norm (`kda_layer_one_token`; batch-1 decode).
 
 Why: at batch 1 the 48B's KDA layer is five launches (the fused input GEMM on cuBLAS 17.3 us, the block-diagonal
-up-projection 3.7, `kda_decode` 6.3, o_proj's GEMV ~7.9, the add + norm ~1.8: ~37 us against ~20 us for its ~85 MB,
-session 39's profile on the H200). Each launch ramps up and drains, and the decode step is a chain of round trips to
+up-projection 3.7, `kda_decode` 6.3, o_proj's GEMV ~7.9, the add + norm ~1.8: ~37 us against ~20 us for its ~85 MB;
+session 39's profile on the H200, o_proj from session 4's kernels_linear.py run). Each launch ramps up and drains, and the decode step is a chain of round trips to
 memory with the HBM idle.
 
 Here G programs, all resident (kernels/persistent.py), take items in grid-stride order. Each program:

@@ -3,8 +3,8 @@ decoder layer's residual add and next norm (`moe_layer_one_token`; batch-1 decod
 
 Why: at batch 1 the 48B's MoE layer is five launches (the fp32 router GEMV, the top-k, gate/up, down, the sum with
 the add and the norm). Session 39's profile (H200): gate/up 24.8 us and down 13.5 us a layer, 81% and 75% of copy
-bandwidth, plus the router, the top-k (2.8 us) and the sum (3.1 us), about 47 us against 30.7 us for the layer's
-129.7 MB (the 2.4 MB fp32 router and nine experts of 14.2 MB). Each launch ramps up and drains, and the down GEMM
+bandwidth, the top-k 2.8 us and the sum 3.1 us, plus the router's GEMV (one of the step's 54 skinny GEMVs, ~3 us):
+about 47 us against 30.7 us for the layer's 129.7 MB (the 2.4 MB fp32 router and nine experts of 14.2 MB). Each launch ramps up and drains, and the down GEMM
 cannot start before the last gate/up program ends.
 
 Here G programs, all resident at once (G is at most what the SMs hold: `resident_programs`), take small items in
