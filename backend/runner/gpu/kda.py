@@ -131,7 +131,7 @@ def kda_layer_add_norm(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor,
     if not fits(1, True, attn.num_heads, attn.head_dim, x.shape[1], tiles):
         return None
     return layer(x.contiguous(), w.w_in, w.w_up, w.conv_weight, conv_pool, w.A_log, w.dt_bias, rec_pool,
-                 step.state_pages[w.group], attn.o_norm_weight, attn.o_proj.weight, residual, weight, w.sync,
+                 step.state_pages[w.group][:1], attn.o_norm_weight, attn.o_proj.weight, residual, weight, w.sync,
                  o_norm_eps=attn.eps, eps=eps, lower_bound=attn.lower_bound, use_pdl=k.use_pdl)
 
 
