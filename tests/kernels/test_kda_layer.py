@@ -158,7 +158,7 @@ def test_gpu_grid_form_48b_from_a_graph(tiles: L.KdaLayerTiles) -> None:
     torch.cuda.synchronize()
     assert not sync.any()
     assert rel_err(out, want) <= 1e-2 and rel_err(res_out, want_h) <= 1e-2
-    assert rel_err(c["state_pool"], ref_c["state_pool"]) <= 1e-3
+    assert rel_err(c["state_pool"], ref_c["state_pool"]) <= 1e-2  # the inputs differ by bf16 GEMV roundings
     grid_state, grid_out = c["state_pool"].clone(), out.clone()
     c["conv_pool"].copy_(start["conv_pool"])
     c["state_pool"].copy_(start["state_pool"])
