@@ -50,10 +50,12 @@ VARIANTS = {"control": {}, "pdl": dict(use_pdl=True), "cublas_gemv": dict(skinny
             "no_sum_add_norm": dict(moe_sum_add_norm=False),
             # session 39: batch 1's KDA output norm finished in o_proj's launch (off by default until timed)
             "kda_norm_in_o_proj": dict(kda_norm_in_o_proj=True),
-            # session 40: batch 1's MoE and KDA layers each in one persistent launch (off until timed)
+            # session 40: batch 1's MoE and KDA layers each in one persistent launch, MLA's in two around its core
+            # (off until timed)
             "moe_layer_one_token": dict(moe_layer_one_token=True),
             "kda_layer_one_token": dict(kda_layer_one_token=True),
-            "layers_one_token": dict(moe_layer_one_token=True, kda_layer_one_token=True)}
+            "mla_layer_one_token": dict(mla_layer_one_token=True),
+            "layers_one_token": dict(moe_layer_one_token=True, kda_layer_one_token=True, mla_layer_one_token=True)}
 
 
 def _args() -> argparse.Namespace:

@@ -21,13 +21,14 @@
 #                       then the KDA fused intra step, the default before session 32), batch 1's MoE in two launches,
 #                       and without the residual add and next norm in the MoE's sum launch (session 38, no_sum_add_norm),
 #                       and batch 1's KDA output norm finished in o_proj's launch (session 39, kda_norm_in_o_proj),
-#                       and batch 1's MoE and KDA layers in one persistent launch each (session 40, moe_layer_one_token,
-#                       kda_layer_one_token, both: layers_one_token)
+#                       and batch 1's MoE and KDA layers in one persistent launch each, MLA's in two around its core
+#                       (session 40: moe_layer_one_token, kda_layer_one_token, mla_layer_one_token; all: layers_one_token)
 #   moe-layer (150 + 150) one token's MoE layer in one persistent launch (session 40, built without a GPU): its GPU
 #                       tests (the grid form from a graph at every tile candidate, against the grouped path), then
 #                       kernels_moe.py --layer-only: the runner's five launches against it at the 48B layer's shape
-#   kda-layer (150 + 150) one token's KDA layer in one persistent launch (session 40, built without a GPU): its GPU
-#                       tests (the grid form from a graph at every tile candidate, bit-equal to the phased form), then
+#   kda-layer (150 + 150) one token's KDA layer in one persistent launch, MLA's in two around mla_decode (session 40,
+#                       built without a GPU): their GPU tests (the grid forms from a graph, KDA's at every tile candidate,
+#                       bit-equal to the phased forms), then
 #                       benchmarks/kda_layer.py: the runner's five launches against it at the 48B's KDA shape
 #   kda (240)           benchmarks/kernels.py: KDA decode (N = 1, 16) and prefill against fla, the fused and the
 #                       blocks intra path (kda_chunk_fwd intra="blocks", session 30) side by side
@@ -189,7 +190,7 @@ for stage in "$@"; do
     decode)
       run decode 200 python3 benchmarks/decode.py --batch 1 16 64 --profile 1 --prefill 8192 32768 \
         --prefill-configs kda_intra=fused --variants control moe_one_token no_sum_add_norm kda_norm_in_o_proj \
-        moe_layer_one_token kda_layer_one_token layers_one_token \
+        moe_layer_one_token kda_layer_one_token mla_layer_one_token layers_one_token \
         --budget-s 180 \
         --out "$OUT/decode.json" ;;
     kda)
@@ -233,7 +234,7 @@ for stage in "$@"; do
       run kda-decode-probe 120 python3 benchmarks/kernels.py --decode-sweep --decode-n 1 --prefill --budget-s 110 \
         --out "$OUT/kda_decode_probe.json" ;;
     kda-layer)
-      gpu_pytest kda-layer 150 tests/kernels/test_kda_layer.py
+      gpu_pytest kda-layer 150 tests/kernels/test_kda_layer.py tests/kernels/test_mla_layer.py
       run kda-layer 150 python3 benchmarks/kda_layer.py --budget-s 140 --out "$OUT/kda_layer.json" ;;
     moe-layer)
       gpu_pytest moe-layer 150 tests/kernels/test_moe_layer.py

@@ -1,7 +1,8 @@
 """Kimi MLA attention ops. `ref` holds the plain-torch oracles every MLA kernel is tested against.
 
 The Triton kernels (`mla_decode`, `mla_decode_num_splits`, `mla_prefill`, `mla_store_latent`,
-`mla_output_gate`) are exported lazily, so
+`mla_output_gate`; `mla_pre_one_token` / `mla_post_one_token`: batch 1's layer around `mla_decode` in two
+persistent launches) are exported lazily, so
 importing the reference ops never imports Triton.
 """
 from k3rt.kernels.lazy import lazy_exports
@@ -14,6 +15,10 @@ _TRITON_EXPORTS = {
     "mla_prefill": "k3rt.kernels.mla.triton_prefill",
     "mla_store_latent": "k3rt.kernels.mla.triton_latent",
     "mla_output_gate": "k3rt.kernels.mla.triton_gate",
+    "mla_pre_one_token": "k3rt.kernels.mla.triton_layer",
+    "mla_post_one_token": "k3rt.kernels.mla.triton_layer",
+    "mla_layer_fits": "k3rt.kernels.mla.triton_layer",
+    "MLA_LAYER_SYNC_WORDS": "k3rt.kernels.mla.triton_layer",
 }
 
 __all__ = [
@@ -23,6 +28,8 @@ __all__ = [
     "mla_decode_ref",
     "mla_output_gate",
     "mla_output_gate_ref",
+    "mla_post_one_token",
+    "mla_pre_one_token",
     "mla_prefill",
     "mla_prefill_ref",
     "mla_store_latent",

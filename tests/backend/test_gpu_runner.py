@@ -874,10 +874,37 @@ def test_a_one_token_kda_layer_runs_in_one_persistent_launch(tmp_path) -> None:
     assert all(not w.sync.any() for w in kda)
 
 
+def test_a_one_token_mla_layer_runs_in_persistent_launches_around_its_attention(tmp_path) -> None:
+    """Issue 18 (the 48B's batch-1 step): with KernelConfig.mla_layer_one_token a one-sequence decode runs each MLA
+    layer (no q_lora, no output gate, TP 1) as kernels/mla's two persistent launches around mla_decode: the input
+    projection, the latent store and the absorbed query in one; the W_UV product, o_proj and the add + norm in the
+    other (two phased launches each under the interpreter). No torch work of its own, the same logits up to fp32
+    summation order, the same cache rows; the counters back at zero."""
+    from k3rt.backend.runner.gpu.mla import MlaWeights
+
+    one_runner, step, one = _k3_decode_forward_counted(tmp_path / "a", arch="kimi_linear", mla_layer_one_token=True)
+    plain_runner, plain_step, plain = _k3_decode_forward_counted(tmp_path / "b", arch="kimi_linear")
+    mla = [w for w in one_runner.fwd.prepared.values() if isinstance(w, MlaWeights)]
+    assert mla and all(w.sync is not None for w in mla)
+    # the separate path: the input projection and o_proj (mm), the absorb and W_UV products (bmm), the latent store,
+    # mla_decode's two launches and the add + norm; here the two persistent launches (each two phased ones under the
+    # interpreter) around mla_decode's
+    per_launch = 1 if HAS_CUDA else 2
+    assert one.triton - plain.triton == len(mla) * (2 * per_launch + 2 - 4)
+    assert plain.torch_ops.count("mm") - one.torch_ops.count("mm") == 2 * len(mla)
+    assert plain.torch_ops.count("bmm") - one.torch_ops.count("bmm") == 2 * len(mla)
+    with torch.no_grad():
+        got, want = one_runner.fwd(step, decode=True), plain_runner.fwd(plain_step, decode=True)
+    assert rel(got, want) < 1e-5
+    assert all(a is None or rel(a, b) < 1e-5 for a, b in zip(one_runner.fwd.pool.mla, plain_runner.fwd.pool.mla))
+    assert all(not w.sync.any() for w in mla)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_one_token_layers_in_persistent_launches(tmp_path) -> None:
-    """The two tests above on CUDA: the persistent kernels' grid form (their waits spinning) inside the runner's
-    decode forward, one launch a layer, the same logits and states as the separate launches."""
+    """The one-token layer tests on CUDA: the persistent kernels' grid form (their waits spinning) inside the runner's
+    decode forward, the same logits and states as the separate launches."""
     test_a_one_token_moe_layer_runs_in_one_persistent_launch(tmp_path / "moe")
     test_a_one_token_kda_layer_runs_in_one_persistent_launch(tmp_path / "kda")
+    test_a_one_token_mla_layer_runs_in_persistent_launches_around_its_attention(tmp_path / "mla")

@@ -19,7 +19,7 @@ from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.backend.models.moe import MoE
 from k3rt.backend.runner.gpu.ffn import MoeWeights, mlp_forward, moe_add_norm, moe_forward, sums_add_norm
 from k3rt.backend.runner.gpu.kda import KdaWeights, kda_commit, kda_commit_graphed, kda_forward, kda_layer_add_norm
-from k3rt.backend.runner.gpu.mla import MlaWeights, mla_forward
+from k3rt.backend.runner.gpu.mla import MlaWeights, mla_forward, mla_layer_add_norm
 from k3rt.backend.runner.gpu.ops import KernelConfig, kernel, linear, norm
 from k3rt.backend.runner.gpu.step import GpuStep
 
@@ -152,15 +152,17 @@ class GpuForward:
 
     def attention_add_norm(self, i: int, x: torch.Tensor, step: GpuStep, decode: bool, residual: torch.Tensor,
                            weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """add_norm(attention(i, x), residual, weight, eps), a one-sequence decode's KDA layer in one launch where
-        it can run there (kda.py kda_layer_add_norm)."""
-        w = self.prepared[i]
+        """add_norm(attention(i, x), residual, weight, eps): a one-sequence decode's KDA layer in one launch, its MLA
+        layer in three around the attention core, where they can run there (kda.py kda_layer_add_norm, mla.py
+        mla_layer_add_norm)."""
+        w, attn = self.prepared[i], self.layers[i].self_attn
         if isinstance(w, KdaWeights):
-            fused = kda_layer_add_norm(self.layers[i].self_attn, w, x, step, self.pool.conv[w.tensor],
-                                       self.pool.rec[w.tensor], self.k, residual, weight, eps, decode=decode)
-            if fused is not None:
-                return fused
-        return self.add_norm(self.attention(i, x, step, decode), residual, weight, eps)
+            fused = kda_layer_add_norm(attn, w, x, step, self.pool.conv[w.tensor], self.pool.rec[w.tensor], self.k,
+                                       residual, weight, eps, decode=decode)
+        else:
+            fused = mla_layer_add_norm(attn, w, x, step, self.pool.mla[w.slot], self.k, residual, weight, eps,
+                                       decode=decode)
+        return fused if fused is not None else self.add_norm(self.attention(i, x, step, decode), residual, weight, eps)
 
     @torch.no_grad()
     def commit_verified(self, step: GpuStep, runs: list[tuple[int, int, list[int]]]) -> None:

@@ -39,6 +39,11 @@ class MlaWeights:
     # [q_nope W_UK ; q_pe] in one product (the rope part times 1 plus exact zeros: its own value), not a product
     # and a concatenation; None past QCAT_MAX_EXTRA_BYTES
     w_uk_ext: torch.Tensor | None = None
+    # kernels/mla mla_pre_one_token's W_UK transposed [H, L, P] (each absorbed output a row over P) and the two
+    # persistent launches' counters: a layer they can run (no q_lora, no output gate), whatever the config says (the
+    # 48B's 7 layers: 4 MB each)
+    w_uk_t: torch.Tensor | None = None
+    sync: torch.Tensor | None = None
 
     @staticmethod
     def of(attn: MultiHeadLatentAttention, slot: int) -> "MlaWeights":
@@ -56,7 +61,12 @@ class MlaWeights:
             ext = w.new_zeros(h, P + R, L + R)
             ext[:, :P, :L] = w_uk
             ext[:, P:, L:] = torch.eye(R, dtype=w.dtype, device=w.device)
-        return MlaWeights(fused, splits, w_uk, w[:, m.qk_nope_head_dim:].transpose(1, 2).contiguous(), slot, ext)
+        w_uk_t = sync = None
+        if m.q_lora_rank is None and not m.use_output_gate and (words := kernel("mla", "MLA_LAYER_SYNC_WORDS")):
+            w_uk_t = w_uk.transpose(1, 2).contiguous()
+            sync = torch.zeros(words, dtype=torch.int32, device=w.device)
+        return MlaWeights(fused, splits, w_uk, w[:, m.qk_nope_head_dim:].transpose(1, 2).contiguous(), slot, ext,
+                          w_uk_t, sync)
 
 
 def mla_forward(attn: MultiHeadLatentAttention, w: MlaWeights, x: torch.Tensor, step: GpuStep,
@@ -64,6 +74,27 @@ def mla_forward(attn: MultiHeadLatentAttention, w: MlaWeights, x: torch.Tensor, 
     """x [T, hidden] -> [T, hidden]; kv_pages [P, block_size, L+R] (this layer's pool view)."""
     q, ckv, gate = mla_project(attn, w, x, k)
     return mla_output(attn, mla_attend(attn, w, q, ckv, step, kv_pages, k), gate, k)
+
+
+def mla_layer_add_norm(attn: MultiHeadLatentAttention, w: MlaWeights, x: torch.Tensor, step: GpuStep,
+                       kv_pages: torch.Tensor, k: KernelConfig, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float, *, decode: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(norm(residual + layer(x)), residual + layer(x)) of a one-sequence decode through kernels/mla's two persistent
+    launches around `mla_decode` (KernelConfig.mla_layer_one_token; no q_lora, no output gate, one rank); else None
+    (the caller takes the separate launches)."""
+    m = attn.cfg
+    if (not (decode and k.triton and k.mla_layer_one_token and not k.batch_invariant) or w.sync is None
+            or x.shape[0] != 1 or step.row_seq is not None or attn.o_proj.tp.size != 1
+            or not kernel("mla", "mla_layer_fits")(1, m.q_lora_rank is not None, m.use_output_gate, x.shape[1])):
+        return None
+    qcat = kernel("mla", "mla_pre_one_token")(
+        x.contiguous(), w.w_in, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps,
+        kv_pages.view(-1, kv_pages.shape[-1]), step.kv_slot[:1], w.w_uk_t, w.sync, qk_rope_head_dim=m.qk_rope_head_dim)
+    o_lat = kernel("mla", "mla_decode")(qcat, kv_pages, step.block_table[:1].contiguous(),
+                                        step.ctx_lens[:1].contiguous(), m.scale, kv_lora_rank=m.kv_lora_rank,
+                                        use_pdl=k.use_pdl)
+    return kernel("mla", "mla_post_one_token")(o_lat.contiguous(), attn.kv_b_proj.weight, attn.o_proj.weight, residual,
+                                               weight, eps, w.sync, qk_nope_head_dim=m.qk_nope_head_dim)
 
 
 def mla_project(attn: MultiHeadLatentAttention, w: MlaWeights, x: torch.Tensor,

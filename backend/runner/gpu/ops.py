@@ -121,6 +121,11 @@ class KernelConfig:
     # + next norm): batch-1 decode at TP 1 (the 48B's 20 KDA layers, five launches and ~37 us each against ~20 us of
     # bytes in session 39's profile). Built without a GPU: off until timed (decode.py variant kda_layer_one_token)
     kda_layer_one_token: bool = False
+    # one token's MLA layer around its attention core in two persistent launches (kernels/mla/triton_layer.py: the
+    # input projection, the latent store and the absorbed query; the W_UV product, o_proj and the residual add + next
+    # norm) with mla_decode between: four launches where the separate path takes nine (the 48B's 7 MLA layers: no
+    # q_lora, no output gate). Built without a GPU: off until timed (decode.py variant mla_layer_one_token)
+    mla_layer_one_token: bool = False
     # small routers (kernels/moe/triton_router.py fused_router_fits: E x D <= 32K weights, <= 16 rows, one expert
     # group; k3-tiny's 8 x 384) compute their logits inside the top-k launch (`moe_route_from_x`): one launch per
     # MoE layer fewer in a decode or verify forward, which at batch 1 is launch-bound (issue 16). Off in the
