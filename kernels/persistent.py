@@ -1,6 +1,6 @@
 """Persistent launches (Triton): every program of the grid resident at once, ordered by arrival counters in global
-memory instead of launch boundaries (kernels/moe/triton_layer.py, kernels/kda/triton_layer.py: one decode layer's
-chain of GEMVs and small steps in one launch, batch 1).
+memory instead of launch boundaries (kernels/moe/triton_layer.py, kernels/kda/triton_layer.py,
+kernels/mla/triton_layer.py: a decode layer's chain of GEMVs and small steps in one launch, batch 1).
 
 An arrival is a CTA barrier, then thread 0's release at GPU scope (the CTA's stores happen-before what a waiter
 reads); a wait spins on an acquire load (which invalidates the L1, so plain loads after it see those stores): CUTLASS's
