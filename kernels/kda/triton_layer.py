@@ -4,8 +4,8 @@ and next norm (`kda_layer_one_token`; batch-1 decode).
 
 Why: at batch 1 the 48B's KDA layer is five launches (the fused input GEMM on cuBLAS 17.3 us, the block-diagonal
 up-projection 3.7, `kda_decode` 6.3, o_proj's GEMV ~7.9, the add + norm ~1.8: ~37 us against ~20 us for its ~85 MB;
-session 39's profile on the H200, o_proj from session 4's kernels_linear.py run). Each launch ramps up and drains, and the decode step is a chain of round trips to
-memory with the HBM idle.
+session 39's profile on the H200, o_proj from session 4's kernels_linear.py run). Each launch ramps up and drains,
+and the decode step is a chain of round trips to memory with the HBM idle.
 
 Here G programs, all resident (kernels/persistent.py), take items in grid-stride order. Each program:
   1. computes its items of the input projection's low-rank and b rows (g_a, f_a, b: the rows the gates need first),
@@ -44,7 +44,7 @@ from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs,
 from k3rt.kernels.kda.triton_step import (
     _conv_hist, _conv_shift_store, _conv_taps, _conv_window, _delta_step, _gate_beta, _norm_gate_row, _silu_conv,
 )
-from k3rt.kernels.linear.triton_gemv import rows_dot
+from k3rt.kernels.linear.triton_gemv import rows_dot, rows_dot_step
 from k3rt.kernels.persistent import arrive, grid_for, last_arrival, prefetch_l2, row_rms_norm, wait
 
 # The launch's counters: int32 words, zero between launches (constexpr globals: the kernels read them, host code
@@ -227,12 +227,6 @@ def _kda_layer_kernel(
             tl.store(sync_ptr + words, tl.zeros([8], dtype=tl.int32), mask=words < STALLED)
 
 
-def _k_step(w: Tensor, k: int) -> int:
-    """A GEMV's K step for weight w: one 16-byte load a lane across a warp (bf16: 256), no wider than K needs; 16
-    under the interpreter."""
-    return 16 if INTERPRET else min(32 * 16 // w.element_size(), max(16, triton.next_power_of_2(k)))
-
-
 def kda_layer_fits(rows: int, low_rank: bool, num_heads: int, head_dim: int, hidden: int, tiles: KdaLayerTiles) -> bool:
     """Whether `kda_layer_one_token` takes this layer: one token, the low-rank gates (w_up), a power-of-two head_dim
     the V split divides, a row the norm's one program holds."""
@@ -332,8 +326,9 @@ def kda_layer_one_token(
             0.0 if lower_bound is None else float(lower_bound), float(o_norm_eps), float(eps))
     consts = dict(HID=HID, H=H, D=D, W=W, WP=triton.next_power_of_2(W), NV=t.v_split,
                   USE_LOWER_BOUND=lower_bound is not None, ROWS=t.rows, UP_ROWS=t.up_rows,
-                  BLOCK_KX=_k_step(w_in, HID),
-                  BLOCK_KD=_k_step(w_up, D), BLOCK_KP=_k_step(o_proj, P), BLOCK_HID=triton.next_power_of_2(HID),
+                  BLOCK_KX=rows_dot_step(w_in, HID),
+                  BLOCK_KD=rows_dot_step(w_up, D), BLOCK_KP=rows_dot_step(o_proj, P),
+                  BLOCK_HID=triton.next_power_of_2(HID),
                   LINES_P=triton.next_power_of_2(triton.cdiv(P * o_proj.element_size(), 128)), num_warps=t.num_warps)
     if phased:
         G = programs or 3

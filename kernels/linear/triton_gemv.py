@@ -105,6 +105,14 @@ def rows_dot(w_ptr, rows, row_ok, x_ptr, stride, K: tl.constexpr, BLOCK_K: tl.co
     return tl.sum(acc, axis=1)
 
 
+def rows_dot_step(w: Tensor, k: int, loads: int = 1) -> int:
+    """`rows_dot`'s K step for weight w: `loads` 16-byte loads a lane across a warp (bf16: 256 columns a load), no
+    wider than K needs; 16 under the interpreter (several masked steps on the tests' small shapes)."""
+    if INTERPRET:
+        return 16
+    return min(32 * loads * 16 // w.element_size(), max(16, triton.next_power_of_2(k)))
+
+
 @triton.jit
 def _gemv_rows_kernel(x_ptr, w_ptr, stride_wn, y_ptr, N, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """The unrolled form (GemvTiles.unrolled, one row of x): ROWS weight rows a program through `rows_dot`."""
@@ -207,7 +215,7 @@ def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None,
     check_same_device(x=x, w=w, out=out)
     cfg = tiles or pick_tiles(N, K)
     if cfg.unrolled and M == 1 and row_rms is None:
-        bk = 16 if INTERPRET else min(cfg.block_k, max(16, triton.next_power_of_2(K)))
+        bk = 16 if INTERPRET else min(cfg.block_k, max(16, triton.next_power_of_2(K)))  # the tile's own step
         _gemv_rows_kernel[(triton.cdiv(N, cfg.block_n),)](x, w, w.stride(0), out, N, K=K, ROWS=cfg.block_n,
                                                           BLOCK_K=bk, num_warps=cfg.num_warps, num_stages=1)
         return out

@@ -25,7 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 from k3rt.kernels.common import INTERPRET, check, check_same_device, poison_like
-from k3rt.kernels.linear.triton_gemv import rows_dot
+from k3rt.kernels.linear.triton_gemv import rows_dot, rows_dot_step
 from k3rt.kernels.persistent import arrive, grid_for, last_arrival, row_rms_norm, wait
 
 # counters (int32, zero between launches): every program after its first-phase rows; after its second-phase items
@@ -158,11 +158,6 @@ def _mla_post_kernel(
             tl.store(sync_ptr + words, tl.zeros([2], dtype=tl.int32))
 
 
-def _k_step(w: Tensor, k: int) -> int:
-    """A GEMV's K step: one 16-byte load a lane across a warp, no wider than K needs; 16 under the interpreter."""
-    return 16 if INTERPRET else min(32 * 16 // w.element_size(), max(16, triton.next_power_of_2(k)))
-
-
 def _launch(kernel, args: tuple, consts: dict, x: Tensor, phased: bool | None, programs: int | None) -> None:
     """Both kernels' launch: two phased launches under the interpreter (or asked for), else the grid form."""
     rows, warps = (INTERPRET_ROWS, INTERPRET_WARPS) if INTERPRET else (ROWS, NUM_WARPS)
@@ -226,7 +221,7 @@ def mla_pre_one_token(x: Tensor, w_in: Tensor, kv_norm_weight: Tensor, kv_eps: f
     args = (x, w_in, proj, kv_norm_weight, kv_flat, kv_slot, w_uk_t, qcat, sync, float(kv_eps))
     consts = dict(HID=HID, H=H, P=P, R=R, L=L, BL=triton.next_power_of_2(L), BR=max(1, triton.next_power_of_2(R)),
                   PROD_FP32=torch.promote_types(kv_norm_weight.dtype, x.dtype) == torch.float32,
-                  BLOCK_KX=_k_step(w_in, HID), BLOCK_KP=_k_step(w_uk_t, P))
+                  BLOCK_KX=rows_dot_step(w_in, HID), BLOCK_KP=rows_dot_step(w_uk_t, P))
     _launch(_mla_pre_kernel, args, consts, x, phased, programs)
     return qcat
 
@@ -259,7 +254,8 @@ def mla_post_one_token(o_lat: Tensor, kv_b_weight: Tensor, o_proj: Tensor, resid
     new = lambda *shape: poison_like(torch.empty(*shape, dtype=o_lat.dtype, device=o_lat.device))  # noqa: E731
     out, res_out = new(1, HID), new(1, HID)
     args = (o_lat, kv_b_weight, new(H * V), o_proj, residual, norm_weight, sync, out, res_out, float(eps))
-    consts = dict(HID=HID, H=H, P=P, V=V, L=L, BLOCK_KL=_k_step(kv_b_weight, L), BLOCK_KO=_k_step(o_proj, H * V),
+    consts = dict(HID=HID, H=H, P=P, V=V, L=L, BLOCK_KL=rows_dot_step(kv_b_weight, L),
+                  BLOCK_KO=rows_dot_step(o_proj, H * V),
                   BLOCK_HID=triton.next_power_of_2(HID))
     _launch(_mla_post_kernel, args, consts, o_lat, phased, programs)
     return out, res_out

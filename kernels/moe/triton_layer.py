@@ -4,8 +4,8 @@ decoder layer's residual add and next norm (`moe_layer_one_token`; batch-1 decod
 Why: at batch 1 the 48B's MoE layer is five launches (the fp32 router GEMV, the top-k, gate/up, down, the sum with
 the add and the norm). Session 39's profile (H200): gate/up 24.8 us and down 13.5 us a layer, 81% and 75% of copy
 bandwidth, the top-k 2.8 us and the sum 3.1 us, plus the router's GEMV (one of the step's 54 skinny GEMVs, ~3 us):
-about 47 us against 30.7 us for the layer's 129.7 MB (the 2.4 MB fp32 router and nine experts of 14.2 MB). Each launch ramps up and drains, and the down GEMM
-cannot start before the last gate/up program ends.
+about 47 us against 30.7 us for the layer's 129.7 MB (the 2.4 MB fp32 router and nine experts of 14.2 MB). Each
+launch ramps up and drains, and the down GEMM cannot start before the last gate/up program ends.
 
 Here G programs, all resident at once (G is at most what the SMs hold: `resident_programs`), take small items in
 grid-stride order. Each program:
@@ -24,8 +24,8 @@ at grid-wide barriers. An arrival is a CTA barrier and thread 0's release at GPU
 load (CUTLASS's semaphore pattern; the acquire invalidates the L1, so plain loads after it see the stores).
 
 Every item is a GEMV of a few weight rows against one vector (`rows_dot`: [R, BLOCK_K] fp32 partial products in
-registers, reduced over K at the end; kernels/linear); items are small (a few KB a K step) so every SM gets nearly the same bytes,
-and several programs share an SM for the loads in flight.
+registers, reduced over K at the end; kernels/linear); items are small (a few KB a K step) so every SM gets nearly
+the same bytes, and several programs share an SM for the loads in flight.
 
 Roundings: the grouped path's (`fused_experts` with a SumNorm): h in x.dtype; per slot the fp32 dot times the routing
 weight (1 for a shared expert) rounded to x.dtype; their fp32 sum in slot order, rounded; with a residual, that plus
@@ -48,7 +48,7 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs, poison_like
-from k3rt.kernels.linear.triton_gemv import rows_dot
+from k3rt.kernels.linear.triton_gemv import rows_dot, rows_dot_step
 from k3rt.kernels.persistent import arrive, grid_for, last_arrival, prefetch_l2, row_rms_norm, wait
 from k3rt.kernels.moe.triton_experts import NORM_MAX_D, SumNorm, _act_mul, check_routing, check_stacks, check_x
 from k3rt.kernels.moe.triton_router import MAX_EXPERTS, _select_topk, check_gate_weight
@@ -271,14 +271,6 @@ def _moe_layer_kernel(
                 tl.store(sync_ptr + words, tl.zeros([SYNC_WORDS], dtype=tl.int32), mask=words < STALLED)
 
 
-def _k_step(w: Tensor, k: int, loads: int) -> int:
-    """The GEMVs' K step for weight w: `loads` 16-byte loads a lane across a warp (bf16: 256 columns a load), no
-    wider than K needs; 16 under the interpreter (several masked steps on the tests' small shapes)."""
-    if INTERPRET:
-        return 16
-    return min(32 * loads * 16 // w.element_size(), max(16, triton.next_power_of_2(k)))
-
-
 def layer_fits(rows: int, num_experts: int, hidden: int, num_expert_group: int, norm: bool) -> bool:
     """Whether `moe_layer_one_token` takes this layer: one token, ungrouped selection over at most MAX_EXPERTS
     experts, and (with a norm) a row the epilogue's one program holds."""
@@ -362,7 +354,7 @@ def moe_layer_one_token(
                   S=shared_experts, RENORMALIZE=bool(renormalize), SITU=act.name == "situ",
                   LIN_SAT=act.name == "situ" and act.situ_linear_beta is not None, NORM=n is not None, RESIDUAL=res,
                   BLOCK_D=triton.next_power_of_2(D), ROUTER_ROWS=t.router_rows, COLS=t.cols, DOWN_ROWS=t.down_rows,
-                  BLOCK_KR=_k_step(gate_weight, D, t.loads), BLOCK_KW=_k_step(w13, max(D, I), t.loads),
+                  BLOCK_KR=rows_dot_step(gate_weight, D, t.loads), BLOCK_KW=rows_dot_step(w13, max(D, I), t.loads),
                   LINES_I=triton.next_power_of_2(triton.cdiv(I * w2.element_size(), 128)),
                   num_warps=t.num_warps)
     if phased:
