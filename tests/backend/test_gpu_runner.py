@@ -102,13 +102,16 @@ def test_kernel_config_overrides_parse_by_field_type() -> None:
 
 
 @pytest.mark.parametrize("arch, intra", [("kimi_linear", "fused"), ("k3", "fused"), ("k3", "split"), ("k3", "blocks"),
-                                         ("k3", "blocks_all_four"), ("kimi_linear", "one_seq_tma")])
+                                         ("k3", "blocks_all_four"), ("kimi_linear", "one_seq_tma"),
+                                         ("kimi_linear", "one_token_layers")])
 def test_gpu_runner_with_triton_kernels_in_the_interpreter_equals_reference(arch, intra, tmp_path) -> None:
     """The GPU runner with every Triton kernel (KDA decode + chunk, MLA decode + prefill, MoE router +
     experts, norms, attn-res mix) run by the Triton interpreter on the CPU: the reference engine's
     greedy tokens, with a ragged batch, a one-token prompt and a prefix-cache hit. Two layers (each kind once):
     the interpreter's cost is per layer. one_seq_tma: the prompts one at a time (steps of one sequence) with the
-    KDA prep's one-sequence path, the MLA prefill's TMA descriptors and one token's MoE in two launches."""
+    KDA prep's one-sequence path, the MLA prefill's TMA descriptors and one token's MoE in two launches;
+    one_token_layers: one at a time with each decode step's KDA, MLA and MoE layers in their persistent kernels
+    (KernelConfig.kda_layer_one_token, mla_layer_one_token, moe_layer_one_token; phased under the interpreter)."""
     if HAS_CUDA:
         pytest.skip("on a GPU the compiled kernels are tested (test_gpu_runner_fp32_greedy_equals_cpu_reference)")
     ckpt = make_tiny(tmp_path / arch, arch=arch, dtype="float32", seed=9, overrides=two_layer_overrides(arch))
@@ -121,11 +124,13 @@ def test_gpu_runner_with_triton_kernels_in_the_interpreter_equals_reference(arch
         eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), **over))
         if over["runner"] == "gpu":  # the chunked KDA kernel's intra step (KernelConfig.kda_intra)
             opts = (dict(kda_prep_one_seq=True, mla_prefill_tma=True, moe_one_token=True) if intra == "one_seq_tma"
+                    else dict(kda_layer_one_token=True, mla_layer_one_token=True, moe_layer_one_token=True)
+                    if intra == "one_token_layers"
                     else dict(kda_intra="blocks", kda_blocks_fuse_gc=True, kda_blocks_inverse_regs=True,
                               kda_blocks_out_chunk=True, kda_blocks_l_chunk=True) if intra == "blocks_all_four"
                     else dict(kda_intra=intra))
             eng.runner.kernels = eng.runner.fwd.k = replace(eng.runner.fwd.k, **opts)
-        if intra == "one_seq_tma":
+        if intra in ("one_seq_tma", "one_token_layers"):
             outs = [o.output_ids for p in prompts for o in eng.generate([p], params)]
         else:
             outs = [o.output_ids for o in eng.generate(prompts, params)]
