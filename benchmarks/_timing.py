@@ -232,8 +232,9 @@ def persistent_forms(report: Report, section: str, candidates, default_tiles, ph
     if not smoke:
         forms = [(f"persistent tiles{i}", t, None) for i, t in enumerate(candidates)] + forms
     for name, tiles, phased in forms:
-        rec = report.item(section, name, lambda tiles=tiles, phased=phased: {
-            **check(tiles, phased), "tiles": (tiles or default_tiles).__dict__, **time_form(tiles, phased)})
+        t = tiles or default_tiles  # None: a kernel without tile options
+        rec = report.item(section, name, lambda tiles=tiles, phased=phased, t=t: {
+            **check(tiles, phased), "tiles": None if t is None else t.__dict__, **time_form(tiles, phased)})
         if "us" in rec:
             report.log(f"{section} {name}: {rec['us']:.1f} us ({rec['pct_of_floor']:.0f}% of the floor), "
                        f"rel err {rec['rel_err']:.2e}, ok {rec['ok']}")

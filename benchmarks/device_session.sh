@@ -26,10 +26,10 @@
 #   moe-layer (150 + 150) one token's MoE layer in one persistent launch (session 40, built without a GPU): its GPU
 #                       tests (the grid form from a graph at every tile candidate, against the grouped path), then
 #                       kernels_moe.py --layer-only: the runner's five launches against it at the 48B layer's shape
-#   kda-layer (150 + 150) one token's KDA layer in one persistent launch, MLA's in two around mla_decode (session 40,
-#                       built without a GPU): their GPU tests (the grid forms from a graph, KDA's at every tile candidate,
-#                       bit-equal to the phased forms), then
-#                       benchmarks/kda_layer.py: the runner's five launches against it at the 48B's KDA shape
+#   kda-layer (150 + 150 + 100) one token's KDA layer in one persistent launch, MLA's in two around mla_decode
+#                       (session 40, built without a GPU): their GPU tests (the grid forms from a graph, KDA's at every
+#                       tile candidate, bit-equal to the phased forms), then benchmarks/kda_layer.py and
+#                       benchmarks/mla_layer.py: the runner's separate launches against them at the 48B's shapes
 #   kda (240)           benchmarks/kernels.py: KDA decode (N = 1, 16) and prefill against fla, the fused and the
 #                       blocks intra path (kda_chunk_fwd intra="blocks", session 30) side by side
 #   kda-blocks (120 + 200) the chunk kernels' GPU tests (the blocks cases, fp32 scratch), then the blocks path's
@@ -235,7 +235,8 @@ for stage in "$@"; do
         --out "$OUT/kda_decode_probe.json" ;;
     kda-layer)
       gpu_pytest kda-layer 150 tests/kernels/test_kda_layer.py tests/kernels/test_mla_layer.py
-      run kda-layer 150 python3 benchmarks/kda_layer.py --budget-s 140 --out "$OUT/kda_layer.json" ;;
+      run kda-layer 150 python3 benchmarks/kda_layer.py --budget-s 140 --out "$OUT/kda_layer.json"
+      run kda-layer 100 python3 benchmarks/mla_layer.py --budget-s 90 --out "$OUT/mla_layer.json" ;;
     moe-layer)
       gpu_pytest moe-layer 150 tests/kernels/test_moe_layer.py
       run moe-layer 150 python3 benchmarks/kernels_moe.py --layer-only --budget-s 140 \

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from k3rt.kernels.mla import mla_store_latent  # noqa: E402
 from k3rt.kernels.mla import triton_layer as L  # noqa: E402
 from k3rt.kernels.norm.ref import rms_norm as rms_norm_ref  # noqa: E402
-from tests.kernels.helpers import HAS_CUDA, rel_err, run_sm90_build  # noqa: E402
+from tests.kernels.helpers import HAS_CUDA, rel_err, run_benchmark_smoke, run_sm90_build  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")
 
@@ -97,6 +97,13 @@ def test_rejects_what_it_does_not_take() -> None:
     assert L.mla_layer_fits(1, False, False, 2304)
     assert not L.mla_layer_fits(1, True, False, 2304) and not L.mla_layer_fits(1, False, True, 2304)
     assert not L.mla_layer_fits(2, False, False, 2304)
+
+
+def test_benchmark_smoke(tmp_path) -> None:
+    """benchmarks/mla_layer.py --smoke: the phased form checked against the separate path and both timed."""
+    result = run_benchmark_smoke("mla_layer.py", tmp_path / "mla_layer.json")
+    layer = {r["name"]: r for r in result["layer"]}
+    assert layer["phased (6 launches)"]["ok"] and "us" in layer["separate (9 launches)"], layer
 
 
 def test_sm90_build_at_the_48b_shape() -> None:
