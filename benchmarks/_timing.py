@@ -238,3 +238,38 @@ def persistent_forms(report: Report, section: str, candidates, default_tiles, ph
         if "us" in rec:
             report.log(f"{section} {name}: {rec['us']:.1f} us ({rec['pct_of_floor']:.0f}% of the floor), "
                        f"rel err {rec['rel_err']:.2e}, ok {rec['ok']}")
+
+
+def floor_timed(fn, items: list, reps: int, base: dict) -> dict:
+    """fn(item) for each item, one pass replayed from a CUDA graph: base plus the us per call and its % of
+    base["floor_us"] (the layer benchmarks' timing)."""
+    t = graph_time([lambda c=c: fn(c) for c in items], reps=reps)
+    return {**base, "us": t["us_per_call"], "pct_of_floor": 100 * base["floor_us"] / t["us_per_call"]}
+
+
+def finish_layer_report(report: Report, stalled: int) -> None:
+    """The layer benchmarks' end (kda_layer.py, mla_layer.py): the persistent kernels' stalled waits, the wall time,
+    the JSON, and a table of report.result["layer"]."""
+    report.result["stalled"] = stalled
+    report.result["wall_s"] = report.elapsed()
+    report.save()
+    print("\n| form | us | floor us | % of floor | ok |\n|---|---:|---:|---:|---|")
+    for rec in report.result.get("layer", []):
+        if "us" in rec:
+            print(f"| {rec['name']} | {rec['us']:.1f} | {rec['floor_us']:.1f} | {rec['pct_of_floor']:.0f} | "
+                  f"{rec.get('ok', '')} |")
+        else:
+            print(f"| {rec['name']} | {rec.get('error') or rec.get('skipped')} | | | |")
+    report.log(f"wrote {report.path}")
+
+
+def start_device(report: Report, smoke: bool) -> float:
+    """A kernel benchmark's start: exit without CUDA unless --smoke, record the device and the copy bandwidth;
+    -> GB/s (bytes read + written)."""
+    import torch
+
+    if not smoke and not torch.cuda.is_available():
+        sys.exit("no CUDA device: use --smoke for the CPU interpreter run")
+    report.result["device"] = "cpu (interpreter)" if smoke else torch.cuda.get_device_name()
+    report.result["copy"] = copy_bandwidth()
+    return report.result["copy"]["GBps"]

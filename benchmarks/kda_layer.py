@@ -26,7 +26,8 @@ from _timing import kernel_bench_args  # noqa: E402
 ARGS = kernel_bench_args(__doc__, "kda_layer.json", 150.0)
 
 from _timing import (  # noqa: E402
-    Report, copy_bandwidth, default_out, graph_time, import_k3rt_kernels, l2_rotation, persistent_forms, rel_err,
+    Report, default_out, finish_layer_report, floor_timed, import_k3rt_kernels, l2_rotation, persistent_forms,
+    rel_err, start_device,
 )
 
 import torch  # noqa: E402
@@ -80,11 +81,7 @@ def persistent(c: dict, sync: torch.Tensor, tiles=None, phased=None) -> tuple[to
 
 
 def main() -> None:
-    if not ARGS.smoke and not torch.cuda.is_available():
-        sys.exit("no CUDA device: use --smoke for the CPU interpreter run")
-    RESULT["device"] = "cpu (interpreter)" if ARGS.smoke else torch.cuda.get_device_name()
-    RESULT["copy"] = copy_bandwidth()
-    bw = RESULT["copy"]["GBps"]
+    bw = start_device(REPORT, ARGS.smoke)
     e = DT.itemsize
     layer_bytes = ((3 * P + 2 * D + H) * HID + 2 * P * D + HID * P) * e + 2 * H * D * D * 4 + 2 * (W - 1) * 3 * P * e
     floor_us = layer_bytes / (bw * 1e9) * 1e6
@@ -93,10 +90,6 @@ def main() -> None:
     sync = torch.zeros(L.kda_layer_sync_words(H), dtype=torch.int32, device=DEV)
     base = {"layer_bytes": layer_bytes, "floor_us": floor_us, "rotation": len(layers)}
     log(f"copy {bw:.0f} GB/s, layer {layer_bytes / 1e6:.1f} MB, floor {floor_us:.2f} us")
-
-    def timed(fn) -> dict:
-        t = graph_time([lambda c=c: fn(c) for c in layers], reps=REPS)
-        return {**base, "us": t["us_per_call"], "pct_of_floor": 100 * floor_us / t["us_per_call"]}
 
     def check(tiles, phased) -> dict:
         a = {k: v.clone() for k, v in layers[0].items()}
@@ -107,20 +100,11 @@ def main() -> None:
                   rel_err(b["conv_pool"].float(), a["conv_pool"].float()))
         return {"rel_err": err, "ok": err <= (1e-4 if ARGS.smoke else 1e-2) and not bool(sync.any())}
 
-    item("layer", "separate (5 launches)", lambda: timed(lambda c: separate(c, workspace)))
-    persistent_forms(REPORT, "layer", L.CANDIDATES, L.KDA_LAYER_TILES, "phased (4 launches)", check,
-                     lambda tiles, phased: timed(lambda c: persistent(c, sync, tiles, phased)), ARGS.smoke)
-    RESULT["stalled"] = int(sync[L.STALLED.value])
-    RESULT["wall_s"] = REPORT.elapsed()
-    save()
-    print("\n| form | us | floor us | % of floor | ok |\n|---|---:|---:|---:|---|")
-    for rec in RESULT.get("layer", []):
-        if "us" in rec:
-            print(f"| {rec['name']} | {rec['us']:.1f} | {rec['floor_us']:.1f} | {rec['pct_of_floor']:.0f} | "
-                  f"{rec.get('ok', '')} |")
-        else:
-            print(f"| {rec['name']} | {rec.get('error') or rec.get('skipped')} | | | |")
-    log(f"wrote {REPORT.path}")
+    item("layer", "separate (5 launches)", lambda: floor_timed(lambda c: separate(c, workspace), layers, REPS, base))
+    persistent_forms(
+        REPORT, "layer", L.CANDIDATES, L.KDA_LAYER_TILES, "phased (4 launches)", check,
+        lambda tiles, phased: floor_timed(lambda c: persistent(c, sync, tiles, phased), layers, REPS, base), ARGS.smoke)
+    finish_layer_report(REPORT, int(sync[L.STALLED.value]))
 
 
 if __name__ == "__main__":

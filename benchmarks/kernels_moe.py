@@ -42,8 +42,8 @@ def _add_args(p) -> None:
 ARGS = kernel_bench_args(__doc__, "kernels_moe.json", 150.0, _add_args)
 
 from _timing import (  # noqa: E402
-    Report, copy_bandwidth, default_out, graph_time, import_k3rt_kernels, l2_rotation, persistent_forms, rel_err,
-    time_ms,
+    Report, copy_bandwidth, default_out, floor_timed, graph_time, import_k3rt_kernels, l2_rotation, persistent_forms,
+    rel_err, time_ms,
 )
 
 import torch  # noqa: E402
@@ -272,13 +272,10 @@ def layer(bw_GBps: float) -> None:
         return {"rel_err": err, "rel_err_vs_grouped": rel_err(got, out),
                 "ok": err <= (1e-4 if ARGS.smoke else 1e-2) and not bool(sync.any())}
 
-    def timed(fn) -> dict:
-        t = graph_time([lambda c=c: fn(c) for c in layers], reps=REPS)
-        return {**base, "us": t["us_per_call"], "pct_of_floor": 100 * floor_us / t["us_per_call"]}
-
-    item("layer", "grouped (5 launches)", lambda: timed(grouped))
-    persistent_forms(REPORT, "layer", triton_layer.CANDIDATES, triton_layer.DEFAULT_TILES, "phased (3 launches)",
-                     check, lambda tiles, phased: timed(lambda c: persistent(c, tiles, phased)), ARGS.smoke)
+    item("layer", "grouped (5 launches)", lambda: floor_timed(grouped, layers, REPS, base))
+    persistent_forms(
+        REPORT, "layer", triton_layer.CANDIDATES, triton_layer.DEFAULT_TILES, "phased (3 launches)", check,
+        lambda tiles, phased: floor_timed(lambda c: persistent(c, tiles, phased), layers, REPS, base), ARGS.smoke)
     RESULT["layer_stalled"] = int(sync[triton_layer.STALLED.value])
 
 

@@ -31,7 +31,8 @@ def _add_args(p) -> None:
 ARGS = kernel_bench_args(__doc__, "mla_layer.json", 120.0, _add_args)
 
 from _timing import (  # noqa: E402
-    Report, copy_bandwidth, default_out, graph_time, import_k3rt_kernels, l2_rotation, persistent_forms, rel_err,
+    Report, default_out, finish_layer_report, floor_timed, import_k3rt_kernels, l2_rotation, persistent_forms,
+    rel_err, start_device,
 )
 
 import torch  # noqa: E402
@@ -101,21 +102,13 @@ def persistent(c: dict, sync: torch.Tensor, phased: bool | None) -> tuple[torch.
 
 
 def main() -> None:
-    if not ARGS.smoke and not torch.cuda.is_available():
-        sys.exit("no CUDA device: use --smoke for the CPU interpreter run")
-    RESULT["device"] = "cpu (interpreter)" if ARGS.smoke else torch.cuda.get_device_name()
-    RESULT["copy"] = copy_bandwidth()
-    bw = RESULT["copy"]["GBps"]
+    bw = start_device(REPORT, ARGS.smoke)
     layer_bytes = ((NQ + LAT + R) * HID + 2 * H * P * LAT + HID * H * V + CTX * (LAT + R)) * DT.itemsize
     floor_us = layer_bytes / (bw * 1e9) * 1e6
     layers = [make_layer(seed) for seed in range(l2_rotation(layer_bytes))]
     sync = torch.zeros(L.MLA_LAYER_SYNC_WORDS, dtype=torch.int32, device=DEV)
     base = {"layer_bytes": layer_bytes, "floor_us": floor_us, "rotation": len(layers)}
     log(f"copy {bw:.0f} GB/s, layer {layer_bytes / 1e6:.1f} MB with {CTX} cached tokens, floor {floor_us:.2f} us")
-
-    def timed(fn) -> dict:
-        t = graph_time([lambda c=c: fn(c) for c in layers], reps=REPS)
-        return {**base, "us": t["us_per_call"], "pct_of_floor": 100 * floor_us / t["us_per_call"]}
 
     def check(tiles, phased) -> dict:
         a = {k: v.clone() for k, v in layers[0].items()}
@@ -125,21 +118,12 @@ def main() -> None:
         err = max(rel_err(got, want), rel_err(got_h, want_h), rel_err(b["kv_pages"].float(), a["kv_pages"].float()))
         return {"rel_err": err, "ok": err <= (1e-4 if ARGS.smoke else 1e-2) and not bool(sync.any())}
 
-    item("layer", "separate (9 launches)", lambda: timed(separate))
+    item("layer", "separate (9 launches)", lambda: floor_timed(separate, layers, REPS, base))
     # one form: the kernels take no tile options (kernels/mla/triton_layer.py ROWS, NUM_WARPS, PER_SM)
     persistent_forms(REPORT, "layer", [None], None, "phased (6 launches)", check,
-                     lambda tiles, phased: timed(lambda c: persistent(c, sync, phased)), ARGS.smoke)
-    RESULT["stalled"] = int(sync[L.STALLED.value])
-    RESULT["wall_s"] = REPORT.elapsed()
-    save()
-    print("\n| form | us | floor us | % of floor | ok |\n|---|---:|---:|---:|---|")
-    for rec in RESULT.get("layer", []):
-        if "us" in rec:
-            print(f"| {rec['name']} | {rec['us']:.1f} | {rec['floor_us']:.1f} | {rec['pct_of_floor']:.0f} | "
-                  f"{rec.get('ok', '')} |")
-        else:
-            print(f"| {rec['name']} | {rec.get('error') or rec.get('skipped')} | | | |")
-    log(f"wrote {REPORT.path}")
+                     lambda tiles, phased: floor_timed(lambda c: persistent(c, sync, phased), layers, REPS, base),
+                     ARGS.smoke)
+    finish_layer_report(REPORT, int(sync[L.STALLED.value]))
 
 
 if __name__ == "__main__":
