@@ -103,3 +103,28 @@ def grid_for(kernel, args: tuple, consts: dict, index: int, num_warps: int, per_
         k._init_handles()
         _GRIDS[key] = resident_programs(index, num_warps, k.n_regs, k.metadata.shared, per_sm)
     return _GRIDS[key]
+
+
+def launch_persistent(kernel, args: tuple, consts: dict, *, phases: int, device: torch.device, num_warps: int,
+                      per_sm: int, phased: bool | None, programs: int | None, grid_consts: dict | None = None,
+                      phased_consts: dict | None = None, launch_kw: dict | None = None) -> None:
+    """A persistent kernel's launch. Its PHASE constexpr runs phase 0 .. phases-1 alone, or (PHASE == phases) all of
+    them with the waits. phased (default: under the interpreter only, whose programs run one after another, so a wait
+    would never end): one launch per phase on a few programs, the launch boundaries standing for the waits; else one
+    launch of every resident program (`grid_for`), with grid_consts and launch_kw (PDL)."""
+    from k3rt.kernels.common import INTERPRET
+
+    phased = INTERPRET if phased is None else phased
+    if not phased and INTERPRET:
+        raise ValueError("the grid form spins at its waits; the interpreter needs phased=True")
+    consts = dict(consts, num_warps=num_warps)
+    if phased:
+        G = programs or 3  # a few programs, so the grid-stride loops run more than one item each
+        for phase in range(phases):
+            kernel[(G,)](*args, G, PHASE=phase, **(phased_consts or {}), **consts)
+        return
+    consts.update(PHASE=phases, **(grid_consts or {}))
+    if programs is None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        programs = grid_for(kernel, (*args, 1), consts, index, num_warps, per_sm)
+    kernel[(programs,)](*args, programs, **consts, **(launch_kw or {}))

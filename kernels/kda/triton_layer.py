@@ -45,7 +45,7 @@ from k3rt.kernels.kda.triton_step import (
     _conv_hist, _conv_shift_store, _conv_taps, _conv_window, _delta_step, _gate_beta, _norm_gate_row, _silu_conv,
 )
 from k3rt.kernels.linear.triton_gemv import rows_dot, rows_dot_step
-from k3rt.kernels.persistent import arrive, grid_for, last_arrival, prefetch_l2, row_rms_norm, wait
+from k3rt.kernels.persistent import arrive, last_arrival, launch_persistent, prefetch_l2, row_rms_norm, wait
 
 # The launch's counters: int32 words, zero between launches (constexpr globals: the kernels read them, host code
 # their .value); words HEAD0 .. HEAD0 + H - 1 count each head's slices
@@ -313,9 +313,6 @@ def kda_layer_one_token(
     if slot.numel() != 1 or slot.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot must be one int32/int64 index, got {slot.dtype} {list(slot.shape)}")
     check_same_device(x=x, w_in=w_in, conv_pool=conv_pool, state_pool=state_pool, slot=slot, o_proj=o_proj, sync=sync)
-    phased = INTERPRET if phased is None else phased
-    if not phased and INTERPRET:
-        raise ValueError("kda_layer_one_token: the grid form spins at its waits; the interpreter needs phased=True")
     new = lambda *shape, dtype=x.dtype: poison_like(torch.empty(*shape, dtype=dtype, device=x.device))  # noqa: E731
     out = new(1, HID) if out is None else out
     residual_out = new(1, HID) if residual_out is None else residual_out
@@ -329,15 +326,9 @@ def kda_layer_one_token(
                   BLOCK_KX=rows_dot_step(w_in, HID),
                   BLOCK_KD=rows_dot_step(w_up, D), BLOCK_KP=rows_dot_step(o_proj, P),
                   BLOCK_HID=triton.next_power_of_2(HID),
-                  LINES_P=triton.next_power_of_2(triton.cdiv(P * o_proj.element_size(), 128)), num_warps=t.num_warps)
-    if phased:
-        G = programs or 3
-        for phase in range(4):
-            _kda_layer_kernel[(G,)](*args, G, PHASE=phase, PREFETCH=False, USE_PDL=False, **consts)
-        return out, residual_out
-    consts.update(PHASE=ALL_PHASES.value, PREFETCH=t.prefetch, USE_PDL=use_pdl and not INTERPRET)
-    if programs is None:
-        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        programs = grid_for(_kda_layer_kernel, (*args, 1), consts, index, t.num_warps, t.per_sm)
-    _kda_layer_kernel[(programs,)](*args, programs, **consts, **pdl_kwargs(use_pdl))
+                  LINES_P=triton.next_power_of_2(triton.cdiv(P * o_proj.element_size(), 128)))
+    launch_persistent(_kda_layer_kernel, args, consts, phases=ALL_PHASES.value, device=x.device,
+                      num_warps=t.num_warps, per_sm=t.per_sm, phased=phased, programs=programs,
+                      grid_consts=dict(PREFETCH=t.prefetch, USE_PDL=use_pdl and not INTERPRET),
+                      phased_consts=dict(PREFETCH=False, USE_PDL=False), launch_kw=pdl_kwargs(use_pdl))
     return out, residual_out

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from k3rt.kernels.common import INTERPRET, check, check_same_device, poison_like
 from k3rt.kernels.linear.triton_gemv import rows_dot, rows_dot_step
-from k3rt.kernels.persistent import arrive, grid_for, last_arrival, row_rms_norm, wait
+from k3rt.kernels.persistent import arrive, last_arrival, launch_persistent, row_rms_norm, wait
 
 # counters (int32, zero between launches): every program after its first-phase rows; after its second-phase items
 # (the last zeroes words 0-1); sticky: waits that gave up
@@ -159,22 +159,10 @@ def _mla_post_kernel(
 
 
 def _launch(kernel, args: tuple, consts: dict, x: Tensor, phased: bool | None, programs: int | None) -> None:
-    """Both kernels' launch: two phased launches under the interpreter (or asked for), else the grid form."""
+    """Both kernels' launch (kernels/persistent.py launch_persistent: two phased launches under the interpreter)."""
     rows, warps = (INTERPRET_ROWS, INTERPRET_WARPS) if INTERPRET else (ROWS, NUM_WARPS)
-    consts = dict(consts, ROWS=rows, num_warps=warps)
-    phased = INTERPRET if phased is None else phased
-    if not phased and INTERPRET:
-        raise ValueError("the grid form spins at its wait; the interpreter needs phased=True")
-    if phased:
-        G = programs or 3
-        for phase in range(2):
-            kernel[(G,)](*args, G, PHASE=phase, **consts)
-        return
-    consts["PHASE"] = ALL_PHASES.value
-    if programs is None:
-        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        programs = grid_for(kernel, (*args, 1), consts, index, warps, PER_SM)
-    kernel[(programs,)](*args, programs, **consts)
+    launch_persistent(kernel, args, dict(consts, ROWS=rows), phases=ALL_PHASES.value, device=x.device,
+                      num_warps=warps, per_sm=PER_SM, phased=phased, programs=programs)
 
 
 def mla_layer_fits(rows: int, q_lora: bool, output_gate: bool, hidden: int) -> bool:

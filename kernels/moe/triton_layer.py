@@ -49,7 +49,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs, poison_like
 from k3rt.kernels.linear.triton_gemv import rows_dot, rows_dot_step
-from k3rt.kernels.persistent import arrive, grid_for, last_arrival, prefetch_l2, row_rms_norm, wait
+from k3rt.kernels.persistent import arrive, last_arrival, launch_persistent, prefetch_l2, row_rms_norm, wait
 from k3rt.kernels.moe.triton_experts import NORM_MAX_D, SumNorm, _act_mul, check_routing, check_stacks, check_x
 from k3rt.kernels.moe.triton_router import MAX_EXPERTS, _select_topk, check_gate_weight
 from k3rt.model_config import ActivationConfig
@@ -342,9 +342,6 @@ def moe_layer_one_token(
     res = n is not None and n.residual is not None
     row = (n.residual_out if res else poison_like(torch.empty(1, D, dtype=x.dtype, device=x.device))) if n else out
     t = tiles or (INTERPRET_TILES if INTERPRET else DEFAULT_TILES)
-    phased = INTERPRET if phased is None else phased
-    if not phased and INTERPRET:
-        raise ValueError("moe_layer_one_token: the grid form spins at barriers; the interpreter needs phased=True")
     logits = poison_like(torch.empty(E, dtype=torch.float32, device=x.device))
     h = poison_like(torch.empty(top_k + shared_experts, I, dtype=x.dtype, device=x.device))
     args = (x, gate_weight, bias, w13, w2, logits, h, sync, tw, ids, out, row, n.residual if res else x,
@@ -355,17 +352,9 @@ def moe_layer_one_token(
                   LIN_SAT=act.name == "situ" and act.situ_linear_beta is not None, NORM=n is not None, RESIDUAL=res,
                   BLOCK_D=triton.next_power_of_2(D), ROUTER_ROWS=t.router_rows, COLS=t.cols, DOWN_ROWS=t.down_rows,
                   BLOCK_KR=rows_dot_step(gate_weight, D, t.loads), BLOCK_KW=rows_dot_step(w13, max(D, I), t.loads),
-                  LINES_I=triton.next_power_of_2(triton.cdiv(I * w2.element_size(), 128)),
-                  num_warps=t.num_warps)
-    if phased:
-        G = programs or 3  # a few programs, so the grid-stride loops run more than one item each
-        for phase in range(3):
-            _moe_layer_kernel[(G,)](*args, G, PHASE=phase, PREFETCH=False, USE_PDL=False, **consts)
-        return out, tw, ids
-    pdl = use_pdl and not INTERPRET
-    consts.update(PHASE=ALL_PHASES.value, PREFETCH=t.prefetch, USE_PDL=pdl)
-    if programs is None:
-        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        programs = grid_for(_moe_layer_kernel, (*args, 1), consts, index, t.num_warps, t.per_sm)
-    _moe_layer_kernel[(programs,)](*args, programs, **consts, **pdl_kwargs(use_pdl))
+                  LINES_I=triton.next_power_of_2(triton.cdiv(I * w2.element_size(), 128)))
+    launch_persistent(_moe_layer_kernel, args, consts, phases=ALL_PHASES.value, device=x.device,
+                      num_warps=t.num_warps, per_sm=t.per_sm, phased=phased, programs=programs,
+                      grid_consts=dict(PREFETCH=t.prefetch, USE_PDL=use_pdl and not INTERPRET),
+                      phased_consts=dict(PREFETCH=False, USE_PDL=False), launch_kw=pdl_kwargs(use_pdl))
     return out, tw, ids
