@@ -10,6 +10,7 @@ indexes pages and states); `gpu` cases run the Triton kernels and the graphs on 
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import replace
 
@@ -913,3 +914,28 @@ def test_gpu_one_token_layers_in_persistent_launches(tmp_path) -> None:
     test_a_one_token_moe_layer_runs_in_one_persistent_launch(tmp_path / "moe")
     test_a_one_token_kda_layer_runs_in_one_persistent_launch(tmp_path / "kda")
     test_a_one_token_mla_layer_runs_in_persistent_launches_around_its_attention(tmp_path / "mla")
+
+
+def test_a_persistent_launch_that_did_not_finish_cleanly_turns_the_one_token_layers_off(tmp_path, caplog) -> None:
+    """The persistent one-token layers spin at arrival counters, so a grid the SMs cannot hold at once (another
+    process's kernels resident beside ours) makes a wait give up and the rows wrong. The runner's start-up check
+    (check_persistent: one batch-1 decode, then the counters read back) finds such a launch by its nonzero words,
+    warns naming the layer, zeroes the counters and turns the three forms off; with clean counters it changes
+    nothing."""
+    from k3rt.backend.runner.gpu.ops import PERSISTENT_FORMS
+    from k3rt.kernels.moe.triton_layer import STALLED
+
+    on = {f: True for f in PERSISTENT_FORMS}
+    runner, _, _ = _k3_decode_forward_counted(tmp_path / "a", arch="kimi_linear", **on)
+    counters = runner.fwd.persistent_counters()
+    assert any(name.endswith(kind) for name in counters for kind in ("moe", "kda", "mla"))
+    assert runner.check_persistent() == [] and all(getattr(runner.fwd.k, f) for f in PERSISTENT_FORMS)
+    first_moe = min(runner.fwd.moe)
+    runner.fwd.moe[first_moe].sync[STALLED.value] = 2  # a wait that gave up, as the kernel counts it
+    with caplog.at_level(logging.WARNING):
+        faults = runner.check_persistent()
+    assert faults == [f"layer {first_moe} moe: words {{{STALLED.value}: 2}}"]
+    assert f"layer {first_moe} moe" in caplog.text
+    assert not any(getattr(runner.fwd.k, f) or getattr(runner.kernels, f) for f in PERSISTENT_FORMS)
+    assert all(not t.any() for t in counters.values())
+    assert runner.check_persistent() == []  # the forms are off: nothing left to check

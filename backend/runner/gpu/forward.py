@@ -75,6 +75,31 @@ class GpuForward:
                                        torch.empty(rows, H * D, dtype=w.w_in.dtype, device=dev),
                                        torch.empty(rows, H, dtype=w.w_in.dtype, device=dev))
 
+    def persistent_counters(self) -> dict[str, torch.Tensor]:
+        """Each persistent one-token launch's counters (kernels/persistent.py) by the layer that owns them ("layer 3
+        moe"): every word is zero whenever the stream is idle, after each launch that finished cleanly (the last
+        program zeroes the arrival counts; a wait that gave up counts itself in a sticky word)."""
+        out = {f"layer {i} {'kda' if isinstance(w, KdaWeights) else 'mla'}": w.sync
+               for i, w in self.prepared.items() if w.sync is not None}
+        out.update({f"layer {i} moe": w.sync for i, w in self.moe.items() if w.sync is not None})
+        return out
+
+    def persistent_faults(self) -> list[str]:
+        """The persistent launches whose counters are not all zero, each with its nonzero words ("layer 3 moe: words
+        {4: 2}"): a wait gave up (a grid larger than the SMs hold at once) or a launch never finished. Reads the
+        counters back (waits for the device)."""
+        counters = self.persistent_counters()
+        if not counters:
+            return []
+        flat = torch.cat(list(counters.values())).cpu().tolist()
+        faults, at = [], 0
+        for name, t in counters.items():
+            words = {j: v for j, v in enumerate(flat[at:at + t.numel()]) if v}
+            at += t.numel()
+            if words:
+                faults.append(f"{name}: words {words}")
+        return faults
+
     def _tap(self, i: int, x: torch.Tensor) -> None:
         if i in self.taps:
             self.tapped[i] = x

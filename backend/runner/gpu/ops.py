@@ -20,6 +20,9 @@ from k3rt.kernels.kda.chunk_tables import INTRA_FORMS
 
 MXFP4_EXPERT_PATHS = ("planar", "dot_scaled")
 KDA_VERIFY_LAUNCHES = ("decode_loop", "multi")
+# the KernelConfig fields of the persistent one-token layer forms (kernels/persistent.py), which the runner checks
+# once at start and turns off together if a launch did not finish cleanly (GpuModelRunner.check_persistent)
+PERSISTENT_FORMS = ("moe_layer_one_token", "kda_layer_one_token", "mla_layer_one_token")
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from k3rt.backend.models.kimi import KimiForCausalLM
 from k3rt.backend.runner.base import LaunchedStep, Runner, begin_step, pending_tokens
 from k3rt.backend.runner.gpu.forward import GpuForward
 from k3rt.backend.runner.gpu.idle import IdleTimer
-from k3rt.backend.runner.gpu.ops import KernelConfig, kernel
+from k3rt.backend.runner.gpu.ops import PERSISTENT_FORMS, KernelConfig, kernel
 from k3rt.backend.runner.gpu.penalties import PenaltyState
 from k3rt.backend.runner.gpu.pieces import PiecewiseForward, mixed_buckets_for
 from k3rt.backend.runner.gpu.rounds import RoundGraph, carry_back, queue_first_pass, run_rounds
@@ -186,10 +186,35 @@ class GpuModelRunner(Runner):
         capturing = capturing and not missing
         if mixed_ok and (capturing or not mixed_capture):
             self.mixed = PiecewiseForward(self.fwd, mixed_buckets)
+        if self.device.type == "cuda":  # the interpreter's phased launches never spin: nothing to check there
+            self.check_persistent()
         if capturing:
             self.capture(mixed=mixed_capture)
         if not self.verify_graphs:  # the padded form only pays off replayed
             self.verify_run_len, self.verify_sizes = 0, ()
+
+    def check_persistent(self) -> list[str]:
+        """Run one batch-1 decode of the pad sequence with the persistent one-token layers the kernel config turns on
+        and read their counters back; where any launch did not finish cleanly (a wait gave up: more programs than the
+        SMs hold at once, e.g. another process's kernels resident beside ours), warn, zero the counters and turn the
+        three forms off, so the runner serves the separate launches instead of wrong rows. Returns the faults found
+        (before capture: the graphs then hold the forms that ran clean). A worker or rank 0 of a tensor-parallel
+        engine skips it (the forms are TP 1 only)."""
+        on = {f: False for f in PERSISTENT_FORMS if getattr(self.fwd.k, f)}
+        counters = self.fwd.persistent_counters()
+        if not on or not counters or self.sender is not None or self.fwd.tp.size > 1:
+            return []
+        meta, (h64, h32) = self._pack([self._pad_seq()])
+        with torch.no_grad():
+            self.fwd(step_views(meta, h64.to(self.device), h32.to(self.device)), decode=True)
+        faults = self.fwd.persistent_faults()
+        if faults:
+            log.warning("persistent one-token layers turned off (%s): their launches did not finish cleanly: %s",
+                        ", ".join(on), "; ".join(faults))
+            for t in counters.values():
+                t.zero_()
+            self.kernels = self.fwd.k = replace(self.fwd.k, **on)
+        return faults
 
     def _graph_blockers(self) -> list[str]:
         """Ops whose only implementation here would synchronize with the host inside a capture."""
