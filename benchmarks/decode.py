@@ -509,6 +509,12 @@ def main() -> int:
         if over_budget():
             break
         runner.fwd.k = KernelConfig(triton=True, **VARIANTS[name])
+        # the persistent one-token layers' start-up check (a launch that did not finish cleanly turns them off, and
+        # the variant then times the separate launches: recorded, never a silent number)
+        faults = runner.check_persistent()
+        if faults:
+            RESULT.setdefault("variant_faults", {})[name] = faults
+            log(f"variant {name}: persistent launches did not finish cleanly, timed without them: {faults}")
         runner.graphs.clear()
         runner.capture(mixed=False)
         for row in RESULT["decode"]:
