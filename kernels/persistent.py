@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3rt.kernels.common import INTERPRET
+
 # polls of a counter before a wait gives up (each an L2 round trip, ~1 us: seconds, never in a run)
 SPIN_LIMIT = tl.constexpr(1 << 22)
 
@@ -112,8 +114,6 @@ def launch_persistent(kernel, args: tuple, consts: dict, *, phases: int, device:
     them with the waits. phased (default: under the interpreter only, whose programs run one after another, so a wait
     would never end): one launch per phase on a few programs, the launch boundaries standing for the waits; else one
     launch of every resident program (`grid_for`), with grid_consts and launch_kw (PDL)."""
-    from k3rt.kernels.common import INTERPRET
-
     phased = INTERPRET if phased is None else phased
     if not phased and INTERPRET:
         raise ValueError("the grid form spins at its waits; the interpreter needs phased=True")

@@ -200,7 +200,7 @@ class GpuModelRunner(Runner):
         three forms off, so the runner serves the separate launches instead of wrong rows. Returns the faults found
         (before capture: the graphs then hold the forms that ran clean). A worker or rank 0 of a tensor-parallel
         engine skips it (the forms are TP 1 only)."""
-        on = {f: False for f in PERSISTENT_FORMS if getattr(self.fwd.k, f)}
+        on = [f for f in PERSISTENT_FORMS if getattr(self.fwd.k, f)]
         counters = self.fwd.persistent_counters()
         if not on or not counters or self.sender is not None or self.fwd.tp.size > 1:
             return []
@@ -213,7 +213,7 @@ class GpuModelRunner(Runner):
                         ", ".join(on), "; ".join(faults))
             for t in counters.values():
                 t.zero_()
-            self.kernels = self.fwd.k = replace(self.fwd.k, **on)
+            self.kernels = self.fwd.k = replace(self.fwd.k, **dict.fromkeys(on, False))
         return faults
 
     def _graph_blockers(self) -> list[str]:
