@@ -38,6 +38,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kernels_mla.json"))
     ap.add_argument("--variant-index", type=int, default=None,
                     help="time only DECODE_VARIANTS[i] (run variants in separate processes: a crash stays local)")
+    ap.add_argument("--decode-variants", nargs="+", default=None, metavar="NAME",
+                    help="time only these DECODE_VARIANTS (the first named is the split sweep's reference)")
     ap.add_argument("--decode-only", action="store_true", help="skip the prefill benchmark and its check")
     ap.add_argument("--prefill-only", action="store_true", help="skip the decode benchmark and its checks")
     ap.add_argument("--prefill-lens", type=int, nargs="+", default=None,
@@ -170,6 +172,11 @@ DECODE_VARIANTS = {
     "balanced h32 n32 w4 x3 2/SM": dict(_PAGED, schedule="balanced", layout="heads", block_n=32, num_warps=4,
                                         num_stages=3),
     "balanced wgmma h64 n32 x3": dict(_WGMMA, schedule="balanced", block_n=32, num_stages=3),
+    # the Gluon kernel (kernels/mla/gluon_decode.py): heads padded to 64 on wgmma's M, both warpgroups splitting
+    # the scores' tokens and the output's columns, TMA ring of num_stages 32-token tiles
+    "gluon n32 x2": dict(gluon=True, block_n=32, num_stages=2),
+    "gluon n32 x3": dict(gluon=True, block_n=32, num_stages=3),
+    "gluon n32 x4": dict(gluon=True, block_n=32, num_stages=4),
 }
 if not GPU:  # the interpreter: its 16-token tiles
     DECODE_VARIANTS = {"default (h32 n32 w4 x3 2/SM)": {},
@@ -179,6 +186,11 @@ if not GPU:  # the interpreter: its 16-token tiles
                                                     num_stages=3)}
 if ARGS.variant_index is not None:
     DECODE_VARIANTS = dict([list(DECODE_VARIANTS.items())[ARGS.variant_index]])
+if ARGS.decode_variants:
+    unknown = sorted(set(ARGS.decode_variants) - set(DECODE_VARIANTS))
+    if unknown:
+        raise SystemExit(f"unknown --decode-variants {unknown}: one of {sorted(DECODE_VARIANTS)}")
+    DECODE_VARIANTS = {v: DECODE_VARIANTS[v] for v in ARGS.decode_variants}
 
 
 class DecodeCase:

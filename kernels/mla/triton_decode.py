@@ -41,6 +41,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs, poison_like
+from k3rt.kernels.mla.gluon_decode import launch_gluon_decode
 from k3rt.kernels.mla.triton_decode_paged import (
     _mla_decode_balanced_combine_kernel, _mla_decode_balanced_kernel, _mla_decode_paged_kernel,
 )
@@ -359,6 +360,9 @@ class MlaDecodeConfig:
     #                              splits, for one more rounding of each partial before the exact merge)
     tma: bool = False  # paged split schedule only: KV tiles copied by TMA (triton_decode_tma.py) instead of
     #                    per-thread cp.async; needs block_size a multiple of block_n
+    gluon: bool = False  # split schedule only: the Gluon kernel (gluon_decode.py: heads padded to 64 on wgmma's M,
+    #                      TMA ring of num_stages KV tiles, 8 warps; layout/block_h/num_warps/prefetch unused); GPU
+    #                      only (sm_90+, bf16/fp16), block_size a multiple of block_n
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_splits, int) or self.num_splits < 1:
@@ -377,6 +381,9 @@ class MlaDecodeConfig:
         if self.tma and not (self.paged and self.schedule == "split"):
             raise ValueError(f"tma=True needs paged=True and schedule='split', got paged={self.paged}, "
                              f"schedule={self.schedule!r}")
+        if self.gluon and (self.schedule != "split" or self.tma):
+            raise ValueError(f"gluon=True needs schedule='split' and tma=False (it copies by TMA itself), got "
+                             f"schedule={self.schedule!r}, tma={self.tma}")
         if self.partial_dtype not in _PARTIAL_DTYPES:
             raise ValueError(f"partial_dtype must be one of {_PARTIAL_DTYPES}, got {self.partial_dtype!r}")
         if self.schedule == "balanced" and not self.paged:
@@ -488,6 +495,7 @@ def mla_decode(
     schedule: str | None = None,
     partial_dtype: str | None = None,
     tma: bool | None = None,
+    gluon: bool | None = None,
 ) -> Tensor:
     """Absorbed MLA decode, one query token per sequence, over the paged latent cache.
 
@@ -508,7 +516,7 @@ def mla_decode(
         out: optional preallocated contiguous [N, H, L] output in q's dtype.
         use_pdl: launch with programmatic dependent launch (GPU only).
         block_n, block_h, num_warps, num_stages, layout, prefetch, paged, max_registers, schedule,
-        partial_dtype, tma: tuning overrides of `mla_decode_config`'s choice (see `MlaDecodeConfig`).
+        partial_dtype, tma, gluon: tuning overrides of `mla_decode_config`'s choice (see `MlaDecodeConfig`).
 
     Returns:
         out: [N, H, L] in q.dtype, softmax(scale * q·kv^T) · kv[:, :L] per head.
@@ -541,7 +549,8 @@ def mla_decode(
     cfg = mla_decode_config(N, H, block_table.shape[1] * block_size, _num_sms(q.device.index) if q.is_cuda else None)
     overrides = dict(num_splits=num_splits, block_n=block_n, block_h=block_h, num_warps=num_warps,
                      num_stages=num_stages, layout=layout, prefetch=prefetch, paged=paged,
-                     max_registers=max_registers, schedule=schedule, partial_dtype=partial_dtype, tma=tma)
+                     max_registers=max_registers, schedule=schedule, partial_dtype=partial_dtype, tma=tma,
+                     gluon=gluon)
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if out is None:
         out = poison_like(torch.empty(N, H, L, dtype=q.dtype, device=q.device))
@@ -560,7 +569,7 @@ def mla_decode(
     S = cfg.num_splits
     # The tokens kernel always writes partials: its direct-output epilogue (the bf16 convert) spilled
     # registers at the 48B shape, so one split also goes through the combine (64 KB per sequence).
-    direct = S == 1 and cfg.layout == "heads" and not cfg.paged
+    direct = S == 1 and cfg.layout == "heads" and not cfg.paged and not cfg.gluon
     if direct:
         part, lse = out, out  # lse unused: the kernel writes the output directly
     else:
@@ -575,7 +584,10 @@ def mla_decode(
     if cfg.max_registers is not None and not INTERPRET:  # a compile option: the interpreter has no registers
         meta["maxnreg"] = cfg.max_registers
     grid = (N, triton.cdiv(H, cfg.block_h), S)
-    if cfg.tma:
+    if cfg.gluon:
+        launch_gluon_decode(q, kv_cache, block_table, seq_lens, float(scale) * _LOG2E, part, lse, S, cfg.block_n,
+                            cfg.num_stages)
+    elif cfg.tma:
         if block_size % cfg.block_n:
             raise ValueError(f"tma=True needs kv_cache's block_size ({block_size}) to be a multiple of block_n "
                              f"({cfg.block_n}): a TMA box has no row mask, so tiles must not straddle pages")

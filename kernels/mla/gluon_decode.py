@@ -1,0 +1,232 @@
+"""MLA decode in Gluon (Triton's explicit-layout dialect): heads on wgmma's M, KV tiles by TMA into a ring of
+shared buffers, every layout chosen by hand.
+
+Why Gluon: the Triton kernels of triton_decode_paged.py stop at 64-71 % of copy bandwidth at batch >= 16 and
+27 % at batch 1 (benchmarks/RESULTS.md, sessions 9-10), limited per tile, not per byte. What Triton decides
+there and cannot be told otherwise (the sm_90 TTGIR of session 10):
+- with heads on M padded to 64 rows (wgmma), a dot whose result feeds another dot gets all 8 warps along M,
+  so both warpgroups compute the same 64 x BLOCK_N scores (three times the tensor work of one score dot);
+- at 32 heads on M (mma.sync, the default) every warp reads all of q from shared memory for every tile and
+  p goes through shared memory; 13 CTA barriers per tile;
+- the pipeliner keeps one KV copy in flight at most with the tiles 576 wide.
+Here each choice is written down:
+- scores s [BLOCK_H, BLOCK_N] = q_c . c^T + q_pe . pe^T with warps [4, 2]: each warpgroup computes half of the
+  tile's tokens (no duplicated score work); both operands from shared memory (q stored there once);
+- the softmax's row max and sum cross the two warpgroups (one exchange through shared memory each);
+- acc [BLOCK_H, L] += p . c with warps [4, 2]: each warpgroup owns 256 of the 512 latent columns (128 fp32
+  registers a thread), p from registers, c straight from the KV buffer the score dot read (the MMA reads it
+  N-major);
+- KV tiles come by TMA (one box of c, one of k_pe per tile, completed on the stage's mbarrier) into STAGES
+  buffers: tiles i+1 .. i+STAGES-1 stream in while tile i is multiplied. The page ids are loaded one refill
+  ahead so the issuing warps never wait on the block table.
+Heads are padded to BLOCK_H = 64 rows (wgmma's M), as FlashMLA pads: rows >= H hold zero queries and are not
+stored. One program per SM (8 warps, ~184 KB of shared memory at 32-token tiles and 3 stages).
+
+Tiles never straddle a page (block_size a multiple of BLOCK_N, the launcher checks). A TMA box has no row mask,
+and rows past a sequence's end inside its page may hold anything (NaN included: 0 * NaN poisons p . c), so
+the loop covers the split's full tiles and the sequence's partial last tile goes through masked pointer loads
+stored into a free buffer. Split-KV exactly as the Triton kernels (equal shares of whole tiles; each split
+writes its normalized partial and log2-sum-exp, `triton_decode._mla_decode_combine_kernel` merges them; a
+split with no tiles writes the neutral partial (0, -inf)).
+
+GPU only (sm_90+): Gluon has no interpreter. The oracle is ref.py::mla_decode_ref; the CPU suite builds it for
+sm_90 (tests/kernels/test_mla_gluon.py) and the GPU tests run it against the oracle.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+GLUON_BLOCK_H = 64  # wgmma's M: the heads of a program, padded with zero queries past H
+
+
+@gluon.jit
+def _issue_tile(c_desc, pe_desc, c_buf, pe_buf, bar, page, t, tiles_per_page, block_size, BLOCK_N: gl.constexpr):
+    """Start tile t's copies (c and k_pe boxes of BLOCK_N rows of its page) into one stage, completing on bar."""
+    row0 = page * block_size + (t % tiles_per_page) * BLOCK_N
+    mbarrier.expect(bar, c_desc.block_type.nbytes + pe_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(c_desc, [row0, 0], bar, c_buf)
+    tma.async_copy_global_to_shared(pe_desc, [row0, 0], bar, pe_buf)
+
+
+@gluon.jit
+def _tile_update(qc_smem, qpe_smem, c_buf, pe_buf, n_live, acc, m_i, l_i, qk_scale,
+                 BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """One tile of the online softmax over the buffers c_buf [BLOCK_N, L], pe_buf [BLOCK_N, R]: rows >= n_live
+    score -inf (their c rows must be finite)."""
+    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
+    s = warpgroup_mma(qc_smem, c_buf.permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma(qpe_smem, pe_buf.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    s = gl.where((offs_n < n_live)[None, :], s * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+    acc = acc * alpha_o[:, None]
+    p_op = gl.convert_layout(p.to(c_buf.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    acc = warpgroup_mma(p_op, c_buf, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    return acc, m_new, l_i
+
+
+@gluon.jit(
+    do_not_specialize=["stride_bt_n", "num_splits"],
+    do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr"],
+)
+def _mla_decode_gluon_kernel(
+    q_ptr, stride_q_n, stride_q_h,  # [N, H, L+R]
+    kv_ptr,  # [num_pages, block_size, L+R], contiguous (the partial last tile's pointer loads)
+    c_desc,  # TMA descriptor over the cache as rows [num_pages * block_size, L+R], box [BLOCK_N, L] at column 0
+    pe_desc,  # the same rows, box [BLOCK_N, R] at column L
+    block_table_ptr, stride_bt_n,  # [N, max_blocks] int32
+    seq_lens_ptr,  # [N] int32
+    part_ptr,  # [N, S, H, L] normalized partials (fp32 or q's dtype)
+    lse_ptr,  # [N, S, H] fp32, log2 domain
+    qk_scale,  # scale * log2(e)
+    H,
+    block_size,  # a multiple of BLOCK_N
+    num_splits,
+    L: gl.constexpr,
+    R: gl.constexpr,
+    BLOCK_H: gl.constexpr,  # 64: wgmma's M, heads >= H padded with zero queries
+    BLOCK_N: gl.constexpr,  # tokens per tile (a TMA box of rows)
+    STAGES: gl.constexpr,  # KV buffers in the ring: STAGES - 1 tiles in flight during a tile's math
+    num_warps: gl.constexpr,  # 8: two warpgroups
+):
+    gl.static_assert(num_warps == 8, "two warpgroups: each owns half of the tile's tokens and of L")
+    gl.static_assert(BLOCK_H == 64, "wgmma's M")
+    dtype: gl.constexpr = c_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                        instr_shape=[16, BLOCK_N // 2, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                        instr_shape=[16, L // 2, 16])
+    ld_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                               warps_per_cta=[num_warps, 1], order=[1, 0])
+    i_n = gl.program_id(0)
+    i_hb = gl.program_id(1)
+    i_s = gl.program_id(2)
+
+    # q [BLOCK_H, L] and [BLOCK_H, R] into shared memory once (zero rows past H)
+    offs_h = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_layout))
+    mask_h = (offs_h < H)[:, None]
+    q_rows = q_ptr + i_n.to(gl.int64) * stride_q_n + offs_h[:, None] * stride_q_h
+    q_c = gl.load(q_rows + gl.arange(0, L, layout=gl.SliceLayout(0, ld_layout))[None, :], mask=mask_h, other=0.0)
+    q_pe = gl.load(q_rows + L + gl.arange(0, R, layout=gl.SliceLayout(0, ld_layout))[None, :], mask=mask_h,
+                   other=0.0)
+    qc_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, L], gl.NVMMASharedLayout.get_default_for([BLOCK_H, L], dtype),
+                                        q_c)
+    qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, R],
+                                         gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], dtype), q_pe)
+    c_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, L], c_desc.layout)
+    pe_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, R], pe_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(STAGES):
+        mbarrier.init(bars.index(b), count=1)
+    fence_async_shared()  # q's stores and the barriers' init before any async-proxy access
+
+    seq_len = gl.load(seq_lens_ptr + i_n)
+    tiles_per_page = block_size // BLOCK_N
+    num_tiles = gl.cdiv(seq_len, BLOCK_N)
+    chunk = gl.cdiv(num_tiles, num_splits)
+    t_start = i_s * chunk
+    t_end = gl.minimum(t_start + chunk, num_tiles)
+    t_full = gl.minimum(t_end, seq_len // BLOCK_N)  # tiles before this one hold only live rows
+    n_full = gl.maximum(t_full - t_start, 0)
+    bt_row = block_table_ptr + i_n.to(gl.int64) * stride_bt_n
+
+    for b in gl.static_range(STAGES):  # the prologue: the first STAGES tiles, one a stage
+        if b < n_full:
+            page = gl.load(bt_row + (t_start + b) // tiles_per_page)
+            _issue_tile(c_desc, pe_desc, c_ring.index(b), pe_ring.index(b), bars.index(b), page, t_start + b,
+                        tiles_per_page, block_size, BLOCK_N)
+    # the page of the next refill, loaded one refill ahead so the issue never waits on the block table
+    page_next = gl.load(bt_row + (t_start + STAGES) // tiles_per_page, mask=t_start + STAGES < t_full, other=0)
+
+    acc = gl.zeros([BLOCK_H, L], gl.float32, o_layout)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_layout))
+    for i in range(n_full):
+        j = i % STAGES
+        mbarrier.wait(bars.index(j), (i // STAGES) & 1)
+        acc, m_i, l_i = _tile_update(qc_smem, qpe_smem, c_ring.index(j), pe_ring.index(j), BLOCK_N, acc, m_i, l_i,
+                                     qk_scale, BLOCK_H, BLOCK_N, s_layout, o_layout)
+        # both warpgroups have waited for their dots on tile i: its stage takes tile i + STAGES
+        gl.thread_barrier()
+        t_refill = t_start + i + STAGES
+        if t_refill < t_full:
+            _issue_tile(c_desc, pe_desc, c_ring.index(j), pe_ring.index(j), bars.index(j), page_next, t_refill,
+                        tiles_per_page, block_size, BLOCK_N)
+        page_next = gl.load(bt_row + (t_refill + 1) // tiles_per_page, mask=t_refill + 1 < t_full, other=0)
+
+    if (t_full < t_end) & (t_full >= t_start):  # the sequence's partial last tile: masked rows, zeros past the end
+        n_live = seq_len - t_full * BLOCK_N
+        tail_page = gl.load(bt_row + t_full // tiles_per_page)
+        offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_layout))
+        live = (offs_t < n_live)[:, None]
+        rows = kv_ptr + (tail_page.to(gl.int64) * block_size + (t_full % tiles_per_page) * BLOCK_N + offs_t) * (L + R)
+        c = gl.load(rows[:, None] + gl.arange(0, L, layout=gl.SliceLayout(0, ld_layout))[None, :], mask=live,
+                    other=0.0)
+        pe = gl.load(rows[:, None] + L + gl.arange(0, R, layout=gl.SliceLayout(0, ld_layout))[None, :], mask=live,
+                     other=0.0)
+        jt = n_full % STAGES  # every issued copy has landed and been read: any stage is free
+        c_ring.index(jt).store(c)
+        pe_ring.index(jt).store(pe)
+        fence_async_shared()
+        gl.thread_barrier()
+        acc, m_i, l_i = _tile_update(qc_smem, qpe_smem, c_ring.index(jt), pe_ring.index(jt), n_live, acc, m_i, l_i,
+                                     qk_scale, BLOCK_H, BLOCK_N, s_layout, o_layout)
+    for b in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(b))
+
+    # the normalized partial and its log2-sum-exp; no tiles (a padding row, a split past the end): (0, -inf)
+    has = l_i > 0.0
+    lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+    l_o = gl.convert_layout(gl.where(has, l_i, 1.0), gl.SliceLayout(1, o_layout))
+    o = acc / l_o[:, None]
+    slot = (i_n * num_splits + i_s).to(gl.int64)
+    offs_ho = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
+    out_rows = part_ptr + (slot * H + offs_ho)[:, None] * L
+    gl.store(out_rows + gl.arange(0, L, layout=gl.SliceLayout(0, o_layout))[None, :], o.to(part_ptr.dtype.element_ty),
+             mask=(offs_ho < H)[:, None])
+    offs_hs = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
+    gl.store(lse_ptr + slot * H + offs_hs, lse, mask=offs_hs < H)
+
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+def launch_gluon_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, qk_scale: float,
+                        part: Tensor, lse: Tensor, num_splits: int, block_n: int, stages: int) -> None:
+    """The split kernel's launch (grid N x head blocks x num_splits) writing part [N, S, H, L] and lse [N, S, H];
+    `triton_decode.mla_decode` checks the shapes and merges the partials. qk_scale is scale * log2(e)."""
+    N, H, D = q.shape
+    L = part.shape[-1]
+    block_size = kv_cache.shape[1]
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] < 9:
+        raise ValueError("the Gluon MLA decode (gluon=True) needs an sm_90+ GPU: Gluon kernels have no interpreter")
+    if q.dtype not in _GL_DTYPES:
+        raise ValueError(f"the Gluon MLA decode takes bf16 or fp16, got {q.dtype}")
+    if block_size % block_n:
+        raise ValueError(f"gluon=True needs kv_cache's block_size ({block_size}) to be a multiple of block_n "
+                         f"({block_n}): a TMA box has no row mask, so tiles must not straddle pages")
+    dt = _GL_DTYPES[q.dtype]
+    rows = kv_cache.view(-1, D)  # the pool as token rows; a tile's box starts at page * block_size + offset
+    c_desc = TensorDescriptor.from_tensor(rows[:, :L], [block_n, L],
+                                          gl.NVMMASharedLayout.get_default_for([block_n, L], dt))
+    pe_desc = TensorDescriptor.from_tensor(rows[:, L:], [block_n, D - L],
+                                           gl.NVMMASharedLayout.get_default_for([block_n, D - L], dt))
+    grid = (N, triton.cdiv(H, GLUON_BLOCK_H), num_splits)
+    _mla_decode_gluon_kernel[grid](
+        q, q.stride(0), q.stride(1), kv_cache, c_desc, pe_desc, block_table, block_table.stride(0), seq_lens,
+        part, lse, qk_scale, H, block_size, num_splits,
+        L=L, R=D - L, BLOCK_H=GLUON_BLOCK_H, BLOCK_N=block_n, STAGES=stages, num_warps=8)

@@ -1,0 +1,136 @@
+"""The Gluon MLA decode (kernels/mla/gluon_decode.py, `mla_decode(gluon=True)`): it builds for sm_90 on the CPU
+without spills inside the H100/H200's shared memory, with TMA copies and wgmma dots; its refusals name the
+field; on the GPU it matches `mla_decode_ref` at the 48B shape, rows past a sequence's end poisoned with NaN
+(a TMA box has no row mask), and replays from a CUDA graph over new lengths.
+
+Gluon has no interpreter, so the CPU cases build and refuse; the `gpu` cases run it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from k3rt.kernels.mla import mla_decode, mla_decode_num_splits  # noqa: E402
+from k3rt.kernels.mla.ref import mla_decode_ref  # noqa: E402
+from k3rt.kernels.mla.triton_decode import MlaDecodeConfig  # noqa: E402
+from tests.kernels.helpers import DEV, HAS_CUDA, rel_err, run_sm90_build  # noqa: E402
+from tests.kernels.test_mla_triton import H48, L48, PAGE48, R48, SCALE48, _gpu_lens, decode_case  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("poison_outputs")
+
+# the stage counts the benchmark times (32-token tiles, the 48B page of 1888 = 59 x 32 tokens)
+_BUILDS = r'''
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from k3rt.kernels.mla import gluon_decode as g
+
+def build(block_n, stages, L=512, R=64):
+    cl = gl.NVMMASharedLayout.get_default_for([block_n, L], gl.bfloat16)
+    pl = gl.NVMMASharedLayout.get_default_for([block_n, R], gl.bfloat16)
+    I32, C = "i32", "constexpr"
+    sig = dict(q_ptr="*bf16", stride_q_n=I32, stride_q_h=I32, kv_ptr="*bf16",
+               c_desc=f"tensordesc<bf16[{block_n}, {L}],{cl!r}>", pe_desc=f"tensordesc<bf16[{block_n}, {R}],{pl!r}>",
+               block_table_ptr="*i32", stride_bt_n=I32, seq_lens_ptr="*i32", part_ptr="*fp32", lse_ptr="*fp32",
+               qk_scale="fp32", H=I32, block_size=I32, num_splits=I32, L=C, R=C, BLOCK_H=C, BLOCK_N=C, STAGES=C,
+               num_warps=C)
+    consts = dict(L=L, R=R, BLOCK_H=g.GLUON_BLOCK_H, BLOCK_N=block_n, STAGES=stages, num_warps=8)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
+             if v.startswith("*") or k.startswith("stride")}
+    k = triton.compile(GluonASTSource(g._mla_decode_gluon_kernel, sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    usage = cuobjdump(k, "-res-usage")
+    return {"regs": int(re.search(r"REG:(\d+)", usage).group(1)),
+            "stack": int(re.search(r"STACK:(\d+)", usage).group(1)),
+            "local": int(re.search(r"LOCAL:(\d+)", usage).group(1)), "shared": k.metadata.shared,
+            "tma": k.asm["ptx"].count("cp.async.bulk.tensor"), "wgmma": k.asm["ptx"].count("wgmma.mma_async")}
+
+print(json.dumps({f"n{n}x{s}": build(n, s) for n, s in [(32, 2), (32, 3), (32, 4)]}))
+'''
+
+
+def test_sm90_build_has_no_spills_and_fits_shared_memory() -> None:
+    res = run_sm90_build(_BUILDS, timeout=400)
+    for name, r in res.items():
+        assert r["stack"] == 0 and r["local"] == 0, (name, r)
+        assert r["shared"] <= 227 * 1024, (name, r)  # one program per SM
+        assert r["tma"] > 0 and r["wgmma"] > 0, (name, r)
+
+
+def test_config_refusals() -> None:
+    with pytest.raises(ValueError, match="gluon=True needs schedule='split' and tma=False"):
+        MlaDecodeConfig(num_splits=2, paged=True, prefetch="none", schedule="balanced", gluon=True)
+    with pytest.raises(ValueError, match="gluon=True needs schedule='split' and tma=False"):
+        MlaDecodeConfig(num_splits=2, paged=True, prefetch="none", tma=True, gluon=True)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the refusal of a device without sm_90")
+def test_refuses_to_run_without_a_gpu() -> None:
+    case = decode_case([40, 7], H=4, L=32, R=16, block_size=16, dtype=torch.float16, seed=3)
+    with pytest.raises(ValueError, match="needs an sm_90\\+ GPU"):
+        mla_decode(**case, scale=0.2, kv_lora_rank=32, gluon=True, block_n=16)
+
+
+def _poison_past_ends(case: dict) -> None:
+    """NaN in every pool row past a sequence's end on its last page: the kernel must never multiply them."""
+    block_size = case["kv_cache"].shape[1]
+    for n, s in enumerate(case["seq_lens"].tolist()):
+        if s % block_size:
+            case["kv_cache"][case["block_table"][n, s // block_size], s % block_size:] = float("nan")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("N,max_ctx", [(1, 32768), (16, 32768), (64, 8192)])
+@pytest.mark.parametrize("splits", ["auto", "one"])
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_gpu_matches_ref_at_the_48b_shape(N: int, max_ctx: int, splits: str, stages: int) -> None:
+    case = decode_case(_gpu_lens(N, max_ctx, seed=N + max_ctx), H=H48, L=L48, R=R48, block_size=PAGE48,
+                       dtype=torch.bfloat16, seed=N, spare_blocks=1)
+    _poison_past_ends(case)
+    want = mla_decode_ref(**case, scale=SCALE48, kv_lora_rank=L48)
+    got = mla_decode(**case, scale=SCALE48, kv_lora_rank=L48, num_splits=None if splits == "auto" else 1,
+                     gluon=True, block_n=32, num_stages=stages)
+    assert rel_err(got, want) <= 1e-2, rel_err(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_odd_heads_and_pages() -> None:
+    """Fewer heads than a block (masked rows), a page of 64 tokens, 16-token tiles, lengths of 0, 1 and one
+    past a page, more splits than tiles."""
+    case = decode_case([0, 1, 65, 300, 4097], H=20, L=L48, R=R48, block_size=64, dtype=torch.float16, seed=5)
+    _poison_past_ends(case)
+    want = mla_decode_ref(**case, scale=0.1, kv_lora_rank=L48)
+    got = mla_decode(**case, scale=0.1, kv_lora_rank=L48, num_splits=40, gluon=True, block_n=16, num_stages=4)
+    assert rel_err(got, want) <= 1e-2, rel_err(got, want)
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_cuda_graph_replay() -> None:
+    N = 8
+    case = decode_case([4000] * N, H=H48, L=L48, R=R48, block_size=PAGE48, dtype=torch.bfloat16, seed=31,
+                       spare_blocks=4)
+    num_splits = mla_decode_num_splits(N, H48, case["block_table"].shape[1] * PAGE48)
+    out = torch.empty(N, H48, L48, dtype=torch.bfloat16, device=DEV)
+    call = lambda: mla_decode(**case, scale=SCALE48, kv_lora_rank=L48, num_splits=num_splits,  # noqa: E731
+                              out=out, gluon=True, block_n=32, num_stages=3)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for step, lens in enumerate([[4000, 1, 1889, 0, 7000, 3, 12000, 555], [12000] * N]):
+        case["seq_lens"].copy_(torch.tensor(lens, dtype=torch.int32))
+        case["block_table"].copy_(case["block_table"].flip(0))
+        case["q"].normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        want = mla_decode_ref(**case, scale=SCALE48, kv_lora_rank=L48)
+        assert rel_err(out, want) <= 1e-2, step
