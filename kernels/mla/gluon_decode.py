@@ -40,7 +40,7 @@ from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -57,25 +57,32 @@ def _issue_tile(c_desc, pe_desc, c_buf, pe_buf, bar, page, t, tiles_per_page, bl
 
 
 @gluon.jit
-def _tile_update(qc_smem, qpe_smem, c_buf, pe_buf, n_live, acc, m_i, l_i, qk_scale,
-                 BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """One tile of the online softmax over the buffers c_buf [BLOCK_N, L], pe_buf [BLOCK_N, R]: rows >= n_live
-    score -inf (their c rows must be finite)."""
+def _scores(qc_smem, qpe_smem, c_buf, pe_buf, acc, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+            s_layout: gl.constexpr):
+    """s [BLOCK_H, BLOCK_N] = q_c . c^T + q_pe . pe^T (unscaled), and acc back from the MMA unit: the wait also
+    completes the previous tile's p . c when that was left in flight (OVERLAP_PV)."""
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
     s = warpgroup_mma(qc_smem, c_buf.permute((1, 0)), s, use_acc=False, is_async=True)
     s = warpgroup_mma(qpe_smem, pe_buf.permute((1, 0)), s, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    return warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
+
+
+@gluon.jit
+def _softmax_pv(s, acc, m_i, l_i, c_buf, n_live, qk_scale, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
+                o_layout: gl.constexpr, WAIT: gl.constexpr):
+    """The online softmax over the scores s (rows >= n_live score -inf; their c rows must be finite), then
+    acc += p . c from c_buf [BLOCK_N, L]; WAIT=False leaves that MMA in flight (acc is then its token)."""
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s = gl.where((offs_n < n_live)[None, :], s * qk_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + gl.sum(p, axis=1)
-    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
-    acc = acc * alpha_o[:, None]
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_op = gl.convert_layout(p.to(c_buf.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     acc = warpgroup_mma(p_op, c_buf, acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    if WAIT:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     return acc, m_new, l_i
 
 
@@ -101,6 +108,7 @@ def _mla_decode_gluon_kernel(
     BLOCK_H: gl.constexpr,  # 64: wgmma's M, heads >= H padded with zero queries
     BLOCK_N: gl.constexpr,  # tokens per tile (a TMA box of rows)
     STAGES: gl.constexpr,  # KV buffers in the ring: STAGES - 1 tiles in flight during a tile's math
+    OVERLAP_PV: gl.constexpr,  # leave tile i's p . c in flight through tile i + 1's score dots (one wait for both)
     num_warps: gl.constexpr,  # 8: two warpgroups
 ):
     gl.static_assert(num_warps == 8, "two warpgroups: each owns half of the tile's tokens and of L")
@@ -153,20 +161,36 @@ def _mla_decode_gluon_kernel(
     page_next = gl.load(bt_row + (t_start + STAGES) // tiles_per_page, mask=t_start + STAGES < t_full, other=0)
 
     acc = gl.zeros([BLOCK_H, L], gl.float32, o_layout)
+    if OVERLAP_PV:
+        acc = warpgroup_mma_init(acc)  # carried as the in-flight MMA's token
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_layout))
     for i in range(n_full):
         j = i % STAGES
         mbarrier.wait(bars.index(j), (i // STAGES) & 1)
-        acc, m_i, l_i = _tile_update(qc_smem, qpe_smem, c_ring.index(j), pe_ring.index(j), BLOCK_N, acc, m_i, l_i,
-                                     qk_scale, BLOCK_H, BLOCK_N, s_layout, o_layout)
-        # both warpgroups have waited for their dots on tile i: its stage takes tile i + STAGES
-        gl.thread_barrier()
-        t_refill = t_start + i + STAGES
-        if t_refill < t_full:
-            _issue_tile(c_desc, pe_desc, c_ring.index(j), pe_ring.index(j), bars.index(j), page_next, t_refill,
-                        tiles_per_page, block_size, BLOCK_N)
-        page_next = gl.load(bt_row + (t_refill + 1) // tiles_per_page, mask=t_refill + 1 < t_full, other=0)
+        s, acc = _scores(qc_smem, qpe_smem, c_ring.index(j), pe_ring.index(j), acc, BLOCK_H, BLOCK_N, s_layout)
+        if OVERLAP_PV:  # tile i - 1's p . c has completed: its stage takes tile i - 1 + STAGES now
+            gl.thread_barrier()
+            rel = i - 1 + STAGES
+            if i >= 1:
+                if t_start + rel < t_full:
+                    _issue_tile(c_desc, pe_desc, c_ring.index(rel % STAGES), pe_ring.index(rel % STAGES),
+                                bars.index(rel % STAGES), page_next, t_start + rel, tiles_per_page, block_size,
+                                BLOCK_N)
+                page_next = gl.load(bt_row + (t_start + rel + 1) // tiles_per_page, mask=t_start + rel + 1 < t_full,
+                                    other=0)
+        acc, m_i, l_i = _softmax_pv(s, acc, m_i, l_i, c_ring.index(j), BLOCK_N, qk_scale, BLOCK_N, s_layout, o_layout,
+                                    not OVERLAP_PV)
+        if not OVERLAP_PV:  # both warpgroups have waited for their dots on tile i: its stage takes tile i + STAGES
+            gl.thread_barrier()
+            rel = i + STAGES
+            if t_start + rel < t_full:
+                _issue_tile(c_desc, pe_desc, c_ring.index(j), pe_ring.index(j), bars.index(j), page_next,
+                            t_start + rel, tiles_per_page, block_size, BLOCK_N)
+            page_next = gl.load(bt_row + (t_start + rel + 1) // tiles_per_page, mask=t_start + rel + 1 < t_full,
+                                other=0)
+    if OVERLAP_PV:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
     if (t_full < t_end) & (t_full >= t_start):  # the sequence's partial last tile: masked rows, zeros past the end
         n_live = seq_len - t_full * BLOCK_N
@@ -179,12 +203,14 @@ def _mla_decode_gluon_kernel(
         pe = gl.load(rows[:, None] + L + gl.arange(0, R, layout=gl.SliceLayout(0, ld_layout))[None, :], mask=live,
                      other=0.0)
         jt = n_full % STAGES  # every issued copy has landed and been read: any stage is free
+        gl.thread_barrier()  # both warpgroups are past their last read of it
         c_ring.index(jt).store(c)
         pe_ring.index(jt).store(pe)
         fence_async_shared()
         gl.thread_barrier()
-        acc, m_i, l_i = _tile_update(qc_smem, qpe_smem, c_ring.index(jt), pe_ring.index(jt), n_live, acc, m_i, l_i,
-                                     qk_scale, BLOCK_H, BLOCK_N, s_layout, o_layout)
+        s, acc = _scores(qc_smem, qpe_smem, c_ring.index(jt), pe_ring.index(jt), acc, BLOCK_H, BLOCK_N, s_layout)
+        acc, m_i, l_i = _softmax_pv(s, acc, m_i, l_i, c_ring.index(jt), n_live, qk_scale, BLOCK_N, s_layout, o_layout,
+                                    True)
     for b in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(b))
 
@@ -206,7 +232,8 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 def launch_gluon_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, qk_scale: float,
-                        part: Tensor, lse: Tensor, num_splits: int, block_n: int, stages: int) -> None:
+                        part: Tensor, lse: Tensor, num_splits: int, block_n: int, stages: int,
+                        overlap_pv: bool) -> None:
     """The split kernel's launch (grid N x head blocks x num_splits) writing part [N, S, H, L] and lse [N, S, H];
     `triton_decode.mla_decode` checks the shapes and merges the partials. qk_scale is scale * log2(e)."""
     N, H, D = q.shape
@@ -229,4 +256,4 @@ def launch_gluon_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_le
     _mla_decode_gluon_kernel[grid](
         q, q.stride(0), q.stride(1), kv_cache, c_desc, pe_desc, block_table, block_table.stride(0), seq_lens,
         part, lse, qk_scale, H, block_size, num_splits,
-        L=L, R=D - L, BLOCK_H=GLUON_BLOCK_H, BLOCK_N=block_n, STAGES=stages, num_warps=8)
+        L=L, R=D - L, BLOCK_H=GLUON_BLOCK_H, BLOCK_N=block_n, STAGES=stages, OVERLAP_PV=overlap_pv, num_warps=8)

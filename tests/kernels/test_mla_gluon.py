@@ -26,7 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from k3rt.kernels.mla import gluon_decode as g
 
-def build(block_n, stages, L=512, R=64):
+def build(block_n, stages, overlap, L=512, R=64):
     cl = gl.NVMMASharedLayout.get_default_for([block_n, L], gl.bfloat16)
     pl = gl.NVMMASharedLayout.get_default_for([block_n, R], gl.bfloat16)
     I32, C = "i32", "constexpr"
@@ -34,8 +34,8 @@ def build(block_n, stages, L=512, R=64):
                c_desc=f"tensordesc<bf16[{block_n}, {L}],{cl!r}>", pe_desc=f"tensordesc<bf16[{block_n}, {R}],{pl!r}>",
                block_table_ptr="*i32", stride_bt_n=I32, seq_lens_ptr="*i32", part_ptr="*fp32", lse_ptr="*fp32",
                qk_scale="fp32", H=I32, block_size=I32, num_splits=I32, L=C, R=C, BLOCK_H=C, BLOCK_N=C, STAGES=C,
-               num_warps=C)
-    consts = dict(L=L, R=R, BLOCK_H=g.GLUON_BLOCK_H, BLOCK_N=block_n, STAGES=stages, num_warps=8)
+               OVERLAP_PV=C, num_warps=C)
+    consts = dict(L=L, R=R, BLOCK_H=g.GLUON_BLOCK_H, BLOCK_N=block_n, STAGES=stages, OVERLAP_PV=overlap, num_warps=8)
     attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
              if v.startswith("*") or k.startswith("stride")}
     k = triton.compile(GluonASTSource(g._mla_decode_gluon_kernel, sig, constexprs=consts, attrs=attrs),
@@ -46,7 +46,8 @@ def build(block_n, stages, L=512, R=64):
             "local": int(re.search(r"LOCAL:(\d+)", usage).group(1)), "shared": k.metadata.shared,
             "tma": k.asm["ptx"].count("cp.async.bulk.tensor"), "wgmma": k.asm["ptx"].count("wgmma.mma_async")}
 
-print(json.dumps({f"n{n}x{s}": build(n, s) for n, s in [(32, 2), (32, 3), (32, 4)]}))
+print(json.dumps({f"n{n}x{s}{' overlap' * o}": build(n, s, o) for n, s in [(32, 2), (32, 3), (32, 4)]
+                  for o in (False, True)}))
 '''
 
 
@@ -63,6 +64,8 @@ def test_config_refusals() -> None:
         MlaDecodeConfig(num_splits=2, paged=True, prefetch="none", schedule="balanced", gluon=True)
     with pytest.raises(ValueError, match="gluon=True needs schedule='split' and tma=False"):
         MlaDecodeConfig(num_splits=2, paged=True, prefetch="none", tma=True, gluon=True)
+    with pytest.raises(ValueError, match="overlap_pv=True is a choice of the Gluon kernel"):
+        MlaDecodeConfig(num_splits=2, overlap_pv=True)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the refusal of a device without sm_90")
@@ -85,39 +88,44 @@ def _poison_past_ends(case: dict) -> None:
 @pytest.mark.parametrize("N,max_ctx", [(1, 32768), (16, 32768), (64, 8192)])
 @pytest.mark.parametrize("splits", ["auto", "one"])
 @pytest.mark.parametrize("stages", [2, 3, 4])
-def test_gpu_matches_ref_at_the_48b_shape(N: int, max_ctx: int, splits: str, stages: int) -> None:
+@pytest.mark.parametrize("overlap_pv", [False, True], ids=["wait", "overlap"])
+def test_gpu_matches_ref_at_the_48b_shape(N: int, max_ctx: int, splits: str, stages: int, overlap_pv: bool) -> None:
     case = decode_case(_gpu_lens(N, max_ctx, seed=N + max_ctx), H=H48, L=L48, R=R48, block_size=PAGE48,
                        dtype=torch.bfloat16, seed=N, spare_blocks=1)
     _poison_past_ends(case)
     want = mla_decode_ref(**case, scale=SCALE48, kv_lora_rank=L48)
     got = mla_decode(**case, scale=SCALE48, kv_lora_rank=L48, num_splits=None if splits == "auto" else 1,
-                     gluon=True, block_n=32, num_stages=stages)
+                     gluon=True, block_n=32, num_stages=stages, overlap_pv=overlap_pv)
     assert rel_err(got, want) <= 1e-2, rel_err(got, want)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_gpu_odd_heads_and_pages() -> None:
+@pytest.mark.parametrize("overlap_pv", [False, True], ids=["wait", "overlap"])
+def test_gpu_odd_heads_and_pages(overlap_pv: bool) -> None:
     """Fewer heads than a block (masked rows), a page of 64 tokens, 16-token tiles, lengths of 0, 1 and one
     past a page, more splits than tiles."""
     case = decode_case([0, 1, 65, 300, 4097], H=20, L=L48, R=R48, block_size=64, dtype=torch.float16, seed=5)
     _poison_past_ends(case)
     want = mla_decode_ref(**case, scale=0.1, kv_lora_rank=L48)
-    got = mla_decode(**case, scale=0.1, kv_lora_rank=L48, num_splits=40, gluon=True, block_n=16, num_stages=4)
+    got = mla_decode(**case, scale=0.1, kv_lora_rank=L48, num_splits=40, gluon=True, block_n=16, num_stages=4,
+                     overlap_pv=overlap_pv)
     assert rel_err(got, want) <= 1e-2, rel_err(got, want)
     assert torch.equal(got[0], torch.zeros_like(got[0]))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_gpu_cuda_graph_replay() -> None:
+@pytest.mark.parametrize("overlap_pv", [False, True], ids=["wait", "overlap"])
+def test_gpu_cuda_graph_replay(overlap_pv: bool) -> None:
     N = 8
     case = decode_case([4000] * N, H=H48, L=L48, R=R48, block_size=PAGE48, dtype=torch.bfloat16, seed=31,
                        spare_blocks=4)
     num_splits = mla_decode_num_splits(N, H48, case["block_table"].shape[1] * PAGE48)
     out = torch.empty(N, H48, L48, dtype=torch.bfloat16, device=DEV)
     call = lambda: mla_decode(**case, scale=SCALE48, kv_lora_rank=L48, num_splits=num_splits,  # noqa: E731
-                              out=out, gluon=True, block_n=32, num_stages=3)
+                              out=out, gluon=True, block_n=32, num_stages=3,
+                              overlap_pv=overlap_pv)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
