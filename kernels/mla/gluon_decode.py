@@ -48,12 +48,49 @@ GLUON_BLOCK_H = 64  # wgmma's M: the heads of a program, padded with zero querie
 
 
 @gluon.jit
-def _issue_tile(c_desc, pe_desc, c_buf, pe_buf, bar, page, t, tiles_per_page, block_size, BLOCK_N: gl.constexpr):
-    """Start tile t's copies (c and k_pe boxes of BLOCK_N rows of its page) into one stage, completing on bar."""
-    row0 = page * block_size + (t % tiles_per_page) * BLOCK_N
-    mbarrier.expect(bar, c_desc.block_type.nbytes + pe_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(c_desc, [row0, 0], bar, c_buf)
-    tma.async_copy_global_to_shared(pe_desc, [row0, 0], bar, pe_buf)
+def _tile_pages(bt_row, t, t_full, block_size, BLOCK_N: gl.constexpr, SUB: gl.constexpr):
+    """The page ids of tile t's boxes (two when a tile is two boxes of SUB rows: it may straddle a page), 0 past
+    the split's full tiles."""
+    live = t < t_full
+    page_a = gl.load(bt_row + (t * BLOCK_N) // block_size, mask=live, other=0)
+    if BLOCK_N > SUB:
+        page_b = gl.load(bt_row + (t * BLOCK_N + SUB) // block_size, mask=live, other=0)
+    else:
+        page_b = page_a
+    return page_a, page_b
+
+
+@gluon.jit
+def _issue_tile(c_desc, pe_desc, c_buf, pe_buf, bar, page_a, page_b, t, block_size, BLOCK_N: gl.constexpr,
+                SUB: gl.constexpr):
+    """Start tile t's copies (c and k_pe boxes of SUB rows, each inside one page) into one stage, completing on
+    bar."""
+    mbarrier.expect(bar, (BLOCK_N // SUB) * (c_desc.block_type.nbytes + pe_desc.block_type.nbytes))
+    for k in gl.static_range(BLOCK_N // SUB):
+        if k == 0:
+            page = page_a
+        else:
+            page = page_b
+        pos = t * BLOCK_N + k * SUB
+        row0 = page * block_size + pos % block_size
+        if BLOCK_N > SUB:
+            tma.async_copy_global_to_shared(c_desc, [row0, 0], bar, c_buf.slice(k * SUB, SUB))
+            tma.async_copy_global_to_shared(pe_desc, [row0, 0], bar, pe_buf.slice(k * SUB, SUB))
+        else:
+            tma.async_copy_global_to_shared(c_desc, [row0, 0], bar, c_buf)
+            tma.async_copy_global_to_shared(pe_desc, [row0, 0], bar, pe_buf)
+
+
+@gluon.jit
+def _refill(c_desc, pe_desc, c_ring, pe_ring, bars, bt_row, page_a, page_b, t, t_start, t_full, block_size,
+            STAGES: gl.constexpr, BLOCK_N: gl.constexpr, SUB: gl.constexpr):
+    """Issue tile t (when it is one of the split's full tiles) into its stage of the ring, from the page ids loaded
+    one refill ahead; the page ids of tile t + 1."""
+    if t < t_full:
+        jn = (t - t_start) % STAGES
+        _issue_tile(c_desc, pe_desc, c_ring.index(jn), pe_ring.index(jn), bars.index(jn), page_a, page_b, t,
+                    block_size, BLOCK_N, SUB)
+    return _tile_pages(bt_row, t + 1, t_full, block_size, BLOCK_N, SUB)
 
 
 @gluon.jit
@@ -93,26 +130,28 @@ def _softmax_pv(s, acc, m_i, l_i, c_buf, n_live, qk_scale, BLOCK_N: gl.constexpr
 def _mla_decode_gluon_kernel(
     q_ptr, stride_q_n, stride_q_h,  # [N, H, L+R]
     kv_ptr,  # [num_pages, block_size, L+R], contiguous (the partial last tile's pointer loads)
-    c_desc,  # TMA descriptor over the cache as rows [num_pages * block_size, L+R], box [BLOCK_N, L] at column 0
-    pe_desc,  # the same rows, box [BLOCK_N, R] at column L
+    c_desc,  # TMA descriptor over the cache as rows [num_pages * block_size, L+R], box [SUB, L] at column 0
+    pe_desc,  # the same rows, box [SUB, R] at column L
     block_table_ptr, stride_bt_n,  # [N, max_blocks] int32
     seq_lens_ptr,  # [N] int32
     part_ptr,  # [N, S, H, L] normalized partials (fp32 or q's dtype)
     lse_ptr,  # [N, S, H] fp32, log2 domain
     qk_scale,  # scale * log2(e)
     H,
-    block_size,  # a multiple of BLOCK_N
+    block_size,  # a multiple of SUB
     num_splits,
     L: gl.constexpr,
     R: gl.constexpr,
     BLOCK_H: gl.constexpr,  # 64: wgmma's M, heads >= H padded with zero queries
-    BLOCK_N: gl.constexpr,  # tokens per tile (a TMA box of rows)
+    BLOCK_N: gl.constexpr,  # tokens per tile: SUB or 2 * SUB (two boxes, so a tile may straddle a page)
+    SUB: gl.constexpr,  # rows of a TMA box (block_size a multiple of it: a box never straddles a page)
     STAGES: gl.constexpr,  # KV buffers in the ring: STAGES - 1 tiles in flight during a tile's math
     OVERLAP_PV: gl.constexpr,  # leave tile i's p . c in flight through tile i + 1's score dots (one wait for both)
     num_warps: gl.constexpr,  # 8: two warpgroups
 ):
     gl.static_assert(num_warps == 8, "two warpgroups: each owns half of the tile's tokens and of L")
     gl.static_assert(BLOCK_H == 64, "wgmma's M")
+    gl.static_assert((BLOCK_N == SUB) or (BLOCK_N == 2 * SUB), "a tile is one or two TMA boxes")
     dtype: gl.constexpr = c_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                         instr_shape=[16, BLOCK_N // 2, 16])
@@ -143,7 +182,6 @@ def _mla_decode_gluon_kernel(
     fence_async_shared()  # q's stores and the barriers' init before any async-proxy access
 
     seq_len = gl.load(seq_lens_ptr + i_n)
-    tiles_per_page = block_size // BLOCK_N
     num_tiles = gl.cdiv(seq_len, BLOCK_N)
     chunk = gl.cdiv(num_tiles, num_splits)
     t_start = i_s * chunk
@@ -154,11 +192,11 @@ def _mla_decode_gluon_kernel(
 
     for b in gl.static_range(STAGES):  # the prologue: the first STAGES tiles, one a stage
         if b < n_full:
-            page = gl.load(bt_row + (t_start + b) // tiles_per_page)
-            _issue_tile(c_desc, pe_desc, c_ring.index(b), pe_ring.index(b), bars.index(b), page, t_start + b,
-                        tiles_per_page, block_size, BLOCK_N)
-    # the page of the next refill, loaded one refill ahead so the issue never waits on the block table
-    page_next = gl.load(bt_row + (t_start + STAGES) // tiles_per_page, mask=t_start + STAGES < t_full, other=0)
+            page_a, page_b = _tile_pages(bt_row, t_start + b, t_full, block_size, BLOCK_N, SUB)
+            _issue_tile(c_desc, pe_desc, c_ring.index(b), pe_ring.index(b), bars.index(b), page_a, page_b,
+                        t_start + b, block_size, BLOCK_N, SUB)
+    # the pages of the next refill, loaded one refill ahead so the issue never waits on the block table
+    page_a, page_b = _tile_pages(bt_row, t_start + STAGES, t_full, block_size, BLOCK_N, SUB)
 
     acc = gl.zeros([BLOCK_H, L], gl.float32, o_layout)
     if OVERLAP_PV:
@@ -170,38 +208,30 @@ def _mla_decode_gluon_kernel(
         mbarrier.wait(bars.index(j), (i // STAGES) & 1)
         s, acc = _scores(qc_smem, qpe_smem, c_ring.index(j), pe_ring.index(j), acc, BLOCK_H, BLOCK_N, s_layout)
         if OVERLAP_PV:  # tile i - 1's p . c has completed: its stage takes tile i - 1 + STAGES now
-            gl.thread_barrier()
-            rel = i - 1 + STAGES
             if i >= 1:
-                if t_start + rel < t_full:
-                    _issue_tile(c_desc, pe_desc, c_ring.index(rel % STAGES), pe_ring.index(rel % STAGES),
-                                bars.index(rel % STAGES), page_next, t_start + rel, tiles_per_page, block_size,
-                                BLOCK_N)
-                page_next = gl.load(bt_row + (t_start + rel + 1) // tiles_per_page, mask=t_start + rel + 1 < t_full,
-                                    other=0)
+                gl.thread_barrier()
+                page_a, page_b = _refill(c_desc, pe_desc, c_ring, pe_ring, bars, bt_row, page_a, page_b,
+                                         t_start + i - 1 + STAGES, t_start, t_full, block_size, STAGES, BLOCK_N, SUB)
         acc, m_i, l_i = _softmax_pv(s, acc, m_i, l_i, c_ring.index(j), BLOCK_N, qk_scale, BLOCK_N, s_layout, o_layout,
                                     not OVERLAP_PV)
         if not OVERLAP_PV:  # both warpgroups have waited for their dots on tile i: its stage takes tile i + STAGES
             gl.thread_barrier()
-            rel = i + STAGES
-            if t_start + rel < t_full:
-                _issue_tile(c_desc, pe_desc, c_ring.index(j), pe_ring.index(j), bars.index(j), page_next,
-                            t_start + rel, tiles_per_page, block_size, BLOCK_N)
-            page_next = gl.load(bt_row + (t_start + rel + 1) // tiles_per_page, mask=t_start + rel + 1 < t_full,
-                                other=0)
+            page_a, page_b = _refill(c_desc, pe_desc, c_ring, pe_ring, bars, bt_row, page_a, page_b,
+                                     t_start + i + STAGES, t_start, t_full, block_size, STAGES, BLOCK_N, SUB)
     if OVERLAP_PV:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
     if (t_full < t_end) & (t_full >= t_start):  # the sequence's partial last tile: masked rows, zeros past the end
         n_live = seq_len - t_full * BLOCK_N
-        tail_page = gl.load(bt_row + t_full // tiles_per_page)
         offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_layout))
-        live = (offs_t < n_live)[:, None]
-        rows = kv_ptr + (tail_page.to(gl.int64) * block_size + (t_full % tiles_per_page) * BLOCK_N + offs_t) * (L + R)
-        c = gl.load(rows[:, None] + gl.arange(0, L, layout=gl.SliceLayout(0, ld_layout))[None, :], mask=live,
-                    other=0.0)
-        pe = gl.load(rows[:, None] + L + gl.arange(0, R, layout=gl.SliceLayout(0, ld_layout))[None, :], mask=live,
-                     other=0.0)
+        pos = t_full * BLOCK_N + offs_t
+        live = offs_t < n_live
+        pages = gl.load(bt_row + pos // block_size, mask=live, other=0)  # the tile may straddle a page
+        rows = kv_ptr + (pages.to(gl.int64) * block_size + pos % block_size) * (L + R)
+        c = gl.load(rows[:, None] + gl.arange(0, L, layout=gl.SliceLayout(0, ld_layout))[None, :],
+                    mask=live[:, None], other=0.0)
+        pe = gl.load(rows[:, None] + L + gl.arange(0, R, layout=gl.SliceLayout(0, ld_layout))[None, :],
+                     mask=live[:, None], other=0.0)
         jt = n_full % STAGES  # every issued copy has landed and been read: any stage is free
         gl.thread_barrier()  # both warpgroups are past their last read of it
         c_ring.index(jt).store(c)
@@ -243,17 +273,19 @@ def launch_gluon_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_le
         raise ValueError("the Gluon MLA decode (gluon=True) needs an sm_90+ GPU: Gluon kernels have no interpreter")
     if q.dtype not in _GL_DTYPES:
         raise ValueError(f"the Gluon MLA decode takes bf16 or fp16, got {q.dtype}")
-    if block_size % block_n:
+    # a TMA box has no row mask, so a box must not straddle a page: a tile is one box, or two where the page
+    # size is a multiple of half a tile only (the 48B's 1888-token page: 59 x 32, so 64-token tiles are two boxes)
+    sub = next((b for b in (block_n, block_n // 2) if b >= 8 and block_size % b == 0), None)
+    if sub is None:
         raise ValueError(f"gluon=True needs kv_cache's block_size ({block_size}) to be a multiple of block_n "
-                         f"({block_n}): a TMA box has no row mask, so tiles must not straddle pages")
+                         f"({block_n}) or of half of it: a TMA box must not straddle a page")
     dt = _GL_DTYPES[q.dtype]
     rows = kv_cache.view(-1, D)  # the pool as token rows; a tile's box starts at page * block_size + offset
-    c_desc = TensorDescriptor.from_tensor(rows[:, :L], [block_n, L],
-                                          gl.NVMMASharedLayout.get_default_for([block_n, L], dt))
-    pe_desc = TensorDescriptor.from_tensor(rows[:, L:], [block_n, D - L],
-                                           gl.NVMMASharedLayout.get_default_for([block_n, D - L], dt))
+    c_desc = TensorDescriptor.from_tensor(rows[:, :L], [sub, L], gl.NVMMASharedLayout.get_default_for([sub, L], dt))
+    pe_desc = TensorDescriptor.from_tensor(rows[:, L:], [sub, D - L],
+                                           gl.NVMMASharedLayout.get_default_for([sub, D - L], dt))
     grid = (N, triton.cdiv(H, GLUON_BLOCK_H), num_splits)
     _mla_decode_gluon_kernel[grid](
         q, q.stride(0), q.stride(1), kv_cache, c_desc, pe_desc, block_table, block_table.stride(0), seq_lens,
         part, lse, qk_scale, H, block_size, num_splits,
-        L=L, R=D - L, BLOCK_H=GLUON_BLOCK_H, BLOCK_N=block_n, STAGES=stages, OVERLAP_PV=overlap_pv, num_warps=8)
+        L=L, R=D - L, BLOCK_H=GLUON_BLOCK_H, BLOCK_N=block_n, SUB=sub, STAGES=stages, OVERLAP_PV=overlap_pv, num_warps=8)

@@ -20,22 +20,24 @@ from tests.kernels.test_mla_triton import H48, L48, PAGE48, R48, SCALE48, _gpu_l
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")
 
-# the stage counts the benchmark times (32-token tiles, the 48B page of 1888 = 59 x 32 tokens)
+# the tiles and stage counts the benchmark times (the 48B page of 1888 = 59 x 32 tokens)
 _BUILDS = r'''
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from k3rt.kernels.mla import gluon_decode as g
 
 def build(block_n, stages, overlap, L=512, R=64):
-    cl = gl.NVMMASharedLayout.get_default_for([block_n, L], gl.bfloat16)
-    pl = gl.NVMMASharedLayout.get_default_for([block_n, R], gl.bfloat16)
+    sub = 32  # the 48B page (1888 tokens) is 59 boxes of 32 rows: 64-token tiles are two boxes
+    cl = gl.NVMMASharedLayout.get_default_for([sub, L], gl.bfloat16)
+    pl = gl.NVMMASharedLayout.get_default_for([sub, R], gl.bfloat16)
     I32, C = "i32", "constexpr"
     sig = dict(q_ptr="*bf16", stride_q_n=I32, stride_q_h=I32, kv_ptr="*bf16",
-               c_desc=f"tensordesc<bf16[{block_n}, {L}],{cl!r}>", pe_desc=f"tensordesc<bf16[{block_n}, {R}],{pl!r}>",
+               c_desc=f"tensordesc<bf16[{sub}, {L}],{cl!r}>", pe_desc=f"tensordesc<bf16[{sub}, {R}],{pl!r}>",
                block_table_ptr="*i32", stride_bt_n=I32, seq_lens_ptr="*i32", part_ptr="*fp32", lse_ptr="*fp32",
-               qk_scale="fp32", H=I32, block_size=I32, num_splits=I32, L=C, R=C, BLOCK_H=C, BLOCK_N=C, STAGES=C,
-               OVERLAP_PV=C, num_warps=C)
-    consts = dict(L=L, R=R, BLOCK_H=g.GLUON_BLOCK_H, BLOCK_N=block_n, STAGES=stages, OVERLAP_PV=overlap, num_warps=8)
+               qk_scale="fp32", H=I32, block_size=I32, num_splits=I32, L=C, R=C, BLOCK_H=C, BLOCK_N=C, SUB=C,
+               STAGES=C, OVERLAP_PV=C, num_warps=C)
+    consts = dict(L=L, R=R, BLOCK_H=g.GLUON_BLOCK_H, BLOCK_N=block_n, SUB=sub, STAGES=stages,
+                  OVERLAP_PV=overlap, num_warps=8)
     attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
              if v.startswith("*") or k.startswith("stride")}
     k = triton.compile(GluonASTSource(g._mla_decode_gluon_kernel, sig, constexprs=consts, attrs=attrs),
@@ -46,7 +48,7 @@ def build(block_n, stages, overlap, L=512, R=64):
             "local": int(re.search(r"LOCAL:(\d+)", usage).group(1)), "shared": k.metadata.shared,
             "tma": k.asm["ptx"].count("cp.async.bulk.tensor"), "wgmma": k.asm["ptx"].count("wgmma.mma_async")}
 
-print(json.dumps({f"n{n}x{s}{' overlap' * o}": build(n, s, o) for n, s in [(32, 2), (32, 3), (32, 4)]
+print(json.dumps({f"n{n}x{s}{' overlap' * o}": build(n, s, o) for n, s in [(32, 2), (32, 3), (32, 4), (64, 2)]
                   for o in (False, True)}))
 '''
 
@@ -87,15 +89,17 @@ def _poison_past_ends(case: dict) -> None:
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("N,max_ctx", [(1, 32768), (16, 32768), (64, 8192)])
 @pytest.mark.parametrize("splits", ["auto", "one"])
-@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("block_n,stages", [(32, 2), (32, 3), (32, 4), (64, 2)], ids=["n32x2", "n32x3", "n32x4", "n64x2"])
 @pytest.mark.parametrize("overlap_pv", [False, True], ids=["wait", "overlap"])
-def test_gpu_matches_ref_at_the_48b_shape(N: int, max_ctx: int, splits: str, stages: int, overlap_pv: bool) -> None:
+def test_gpu_matches_ref_at_the_48b_shape(N: int, max_ctx: int, splits: str, block_n: int, stages: int,
+                                          overlap_pv: bool) -> None:
+    """64-token tiles are two 32-row boxes there (a tile may straddle a page)."""
     case = decode_case(_gpu_lens(N, max_ctx, seed=N + max_ctx), H=H48, L=L48, R=R48, block_size=PAGE48,
                        dtype=torch.bfloat16, seed=N, spare_blocks=1)
     _poison_past_ends(case)
     want = mla_decode_ref(**case, scale=SCALE48, kv_lora_rank=L48)
     got = mla_decode(**case, scale=SCALE48, kv_lora_rank=L48, num_splits=None if splits == "auto" else 1,
-                     gluon=True, block_n=32, num_stages=stages, overlap_pv=overlap_pv)
+                     gluon=True, block_n=block_n, num_stages=stages, overlap_pv=overlap_pv)
     assert rel_err(got, want) <= 1e-2, rel_err(got, want)
 
 
