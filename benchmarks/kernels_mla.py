@@ -177,10 +177,12 @@ DECODE_VARIANTS = {
     "gluon n32 x2": dict(gluon=True, block_n=32, num_stages=2),
     "gluon n32 x3": dict(gluon=True, block_n=32, num_stages=3),
     "gluon n32 x4": dict(gluon=True, block_n=32, num_stages=4),
-    "gluon n32 x3 overlap": dict(gluon=True, block_n=32, num_stages=3, overlap_pv=True),
-    "gluon n32 x4 overlap": dict(gluon=True, block_n=32, num_stages=4, overlap_pv=True),
     "gluon n64 x2": dict(gluon=True, block_n=64, num_stages=2),  # two 32-row boxes a tile at the 1888-token page
-    "gluon n64 x2 overlap": dict(gluon=True, block_n=64, num_stages=2, overlap_pv=True),
+    "gluon n32 x3 pv": dict(gluon=True, block_n=32, num_stages=3, gluon_pipeline="pv"),
+    "gluon n32 x4 pv": dict(gluon=True, block_n=32, num_stages=4, gluon_pipeline="pv"),
+    "gluon n64 x2 pv": dict(gluon=True, block_n=64, num_stages=2, gluon_pipeline="pv"),
+    "gluon n32 x3 two_tile": dict(gluon=True, block_n=32, num_stages=3, gluon_pipeline="two_tile"),
+    "gluon n32 x4 two_tile": dict(gluon=True, block_n=32, num_stages=4, gluon_pipeline="two_tile"),
 }
 if not GPU:  # the interpreter: its 16-token tiles
     DECODE_VARIANTS = {"default (h32 n32 w4 x3 2/SM)": {},

@@ -45,6 +45,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 GLUON_BLOCK_H = 64  # wgmma's M: the heads of a program, padded with zero queries past H
+# How a tile's MMAs overlap (the kernel's PIPELINE is the index): "serial" waits for each; "pv" leaves a tile's
+# p . c in flight through the next tile's score dots; "two_tile" also starts the next tile's scores before this
+# tile's softmax, so the tensor cores work while the softmax runs (FlashAttention-3's in-warpgroup pipelining).
+PIPELINES = ("serial", "pv", "two_tile")
 
 
 @gluon.jit
@@ -94,33 +98,41 @@ def _refill(c_desc, pe_desc, c_ring, pe_ring, bars, bt_row, page_a, page_b, t, t
 
 
 @gluon.jit
-def _scores(qc_smem, qpe_smem, c_buf, pe_buf, acc, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-            s_layout: gl.constexpr):
-    """s [BLOCK_H, BLOCK_N] = q_c . c^T + q_pe . pe^T (unscaled), and acc back from the MMA unit: the wait also
-    completes the previous tile's p . c when that was left in flight (OVERLAP_PV)."""
+def _issue_scores(qc_smem, qpe_smem, c_buf, pe_buf, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                  s_layout: gl.constexpr):
+    """Start s [BLOCK_H, BLOCK_N] = q_c . c^T + q_pe . pe^T (unscaled): two MMA groups, the token of both."""
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
     s = warpgroup_mma(qc_smem, c_buf.permute((1, 0)), s, use_acc=False, is_async=True)
-    s = warpgroup_mma(qpe_smem, pe_buf.permute((1, 0)), s, is_async=True)
-    return warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
+    return warpgroup_mma(qpe_smem, pe_buf.permute((1, 0)), s, is_async=True)
 
 
 @gluon.jit
-def _softmax_pv(s, acc, m_i, l_i, c_buf, n_live, qk_scale, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
-                o_layout: gl.constexpr, WAIT: gl.constexpr):
-    """The online softmax over the scores s (rows >= n_live score -inf; their c rows must be finite), then
-    acc += p . c from c_buf [BLOCK_N, L]; WAIT=False leaves that MMA in flight (acc is then its token)."""
+def _softmax(s, m_i, l_i, n_live, qk_scale, dtype: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
+             o_layout: gl.constexpr):
+    """The online softmax's step over the scores s (rows >= n_live score -inf; their c rows must be finite): p as
+    the A operand of p . c, the factor that rescales acc (in acc's row layout), the new max and sum."""
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s = gl.where((offs_n < n_live)[None, :], s * qk_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + gl.sum(p, axis=1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p_op = gl.convert_layout(p.to(c_buf.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
-    acc = warpgroup_mma(p_op, c_buf, acc, is_async=True)
-    if WAIT:
+    p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    return p_op, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), m_new, l_i
+
+
+@gluon.jit
+def _tile_update(qc_smem, qpe_smem, c_buf, pe_buf, n_live, acc, m_i, l_i, qk_scale, BLOCK_H: gl.constexpr,
+                 BLOCK_N: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, WAIT_PV: gl.constexpr):
+    """One tile in series: the scores (their wait also completes a p . c left in flight), the softmax, then
+    acc += p . c, waited for unless WAIT_PV is False (acc is then the MMA's token)."""
+    s = _issue_scores(qc_smem, qpe_smem, c_buf, pe_buf, BLOCK_H, BLOCK_N, s_layout)
+    s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
+    p_op, alpha, m_i, l_i = _softmax(s, m_i, l_i, n_live, qk_scale, c_buf.dtype, BLOCK_N, s_layout, o_layout)
+    acc = warpgroup_mma(p_op, c_buf, acc * alpha[:, None], is_async=True)
+    if WAIT_PV:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    return acc, m_new, l_i
+    return acc, m_i, l_i
 
 
 @gluon.jit(
@@ -146,12 +158,14 @@ def _mla_decode_gluon_kernel(
     BLOCK_N: gl.constexpr,  # tokens per tile: SUB or 2 * SUB (two boxes, so a tile may straddle a page)
     SUB: gl.constexpr,  # rows of a TMA box (block_size a multiple of it: a box never straddles a page)
     STAGES: gl.constexpr,  # KV buffers in the ring: STAGES - 1 tiles in flight during a tile's math
-    OVERLAP_PV: gl.constexpr,  # leave tile i's p . c in flight through tile i + 1's score dots (one wait for both)
+    PIPELINE: gl.constexpr,  # 0 serial, 1 tile i's p . c in flight through tile i + 1's scores, 2 also tile
+    #                          i + 1's scores in flight through tile i's softmax (PIPELINES)
     num_warps: gl.constexpr,  # 8: two warpgroups
 ):
     gl.static_assert(num_warps == 8, "two warpgroups: each owns half of the tile's tokens and of L")
     gl.static_assert(BLOCK_H == 64, "wgmma's M")
     gl.static_assert((BLOCK_N == SUB) or (BLOCK_N == 2 * SUB), "a tile is one or two TMA boxes")
+    gl.static_assert((PIPELINE < 2) or (STAGES >= 3), "two_tile reads tile i + 1 while tile i - 1's stage refills")
     dtype: gl.constexpr = c_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                         instr_shape=[16, BLOCK_N // 2, 16])
@@ -199,26 +213,52 @@ def _mla_decode_gluon_kernel(
     page_a, page_b = _tile_pages(bt_row, t_start + STAGES, t_full, block_size, BLOCK_N, SUB)
 
     acc = gl.zeros([BLOCK_H, L], gl.float32, o_layout)
-    if OVERLAP_PV:
-        acc = warpgroup_mma_init(acc)  # carried as the in-flight MMA's token
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_layout))
-    for i in range(n_full):
-        j = i % STAGES
-        mbarrier.wait(bars.index(j), (i // STAGES) & 1)
-        s, acc = _scores(qc_smem, qpe_smem, c_ring.index(j), pe_ring.index(j), acc, BLOCK_H, BLOCK_N, s_layout)
-        if OVERLAP_PV:  # tile i - 1's p . c has completed: its stage takes tile i - 1 + STAGES now
-            if i >= 1:
-                gl.thread_barrier()
-                page_a, page_b = _refill(c_desc, pe_desc, c_ring, pe_ring, bars, bt_row, page_a, page_b,
-                                         t_start + i - 1 + STAGES, t_start, t_full, block_size, STAGES, BLOCK_N, SUB)
-        acc, m_i, l_i = _softmax_pv(s, acc, m_i, l_i, c_ring.index(j), BLOCK_N, qk_scale, BLOCK_N, s_layout, o_layout,
-                                    not OVERLAP_PV)
-        if not OVERLAP_PV:  # both warpgroups have waited for their dots on tile i: its stage takes tile i + STAGES
+    if PIPELINE == 0:  # serial: every MMA waited for; a tile's stage is refilled once both warpgroups are past it
+        for i in range(n_full):
+            j = i % STAGES
+            mbarrier.wait(bars.index(j), (i // STAGES) & 1)
+            acc, m_i, l_i = _tile_update(qc_smem, qpe_smem, c_ring.index(j), pe_ring.index(j), BLOCK_N, acc, m_i,
+                                         l_i, qk_scale, BLOCK_H, BLOCK_N, s_layout, o_layout, True)
             gl.thread_barrier()
             page_a, page_b = _refill(c_desc, pe_desc, c_ring, pe_ring, bars, bt_row, page_a, page_b,
                                      t_start + i + STAGES, t_start, t_full, block_size, STAGES, BLOCK_N, SUB)
-    if OVERLAP_PV:
+    elif PIPELINE == 1:  # tile i's p . c in flight through tile i + 1's score dots: one wait for both
+        acc = warpgroup_mma_init(acc)  # carried as the in-flight MMA's token
+        for i in range(n_full):
+            j = i % STAGES
+            mbarrier.wait(bars.index(j), (i // STAGES) & 1)
+            acc, m_i, l_i = _tile_update(qc_smem, qpe_smem, c_ring.index(j), pe_ring.index(j), BLOCK_N, acc, m_i,
+                                         l_i, qk_scale, BLOCK_H, BLOCK_N, s_layout, o_layout, False)
+            if i >= 1:  # tile i - 1's p . c completed at tile i's scores: its stage takes tile i - 1 + STAGES
+                gl.thread_barrier()
+                page_a, page_b = _refill(c_desc, pe_desc, c_ring, pe_ring, bars, bt_row, page_a, page_b,
+                                         t_start + i - 1 + STAGES, t_start, t_full, block_size, STAGES, BLOCK_N, SUB)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    else:  # two tiles: tile i + 1's scores in flight through tile i's softmax, tile i's p . c through tile i + 1's
+        # tile 0's scores (when the split has no full tile they read a stale stage and are never used)
+        mbarrier.wait(bars.index(0), 0, pred=n_full > 0)
+        s = _issue_scores(qc_smem, qpe_smem, c_ring.index(0), pe_ring.index(0), BLOCK_H, BLOCK_N, s_layout)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        acc = warpgroup_mma_init(acc)
+        for i in range(n_full):
+            j = i % STAGES
+            jn = (i + 1) % STAGES
+            # tile i + 1's scores (past the last full tile: a stale stage, its barrier not waited, never used)
+            mbarrier.wait(bars.index(jn), ((i + 1) // STAGES) & 1, pred=i + 1 < n_full)
+            s_next = _issue_scores(qc_smem, qpe_smem, c_ring.index(jn), pe_ring.index(jn), BLOCK_H, BLOCK_N,
+                                   s_layout)
+            p_op, alpha, m_i, l_i = _softmax(s, m_i, l_i, BLOCK_N, qk_scale, dtype, BLOCK_N, s_layout, o_layout)
+            # in flight, oldest first: tile i - 1's p . c, tile i + 1's two score groups; the first must be done
+            # before acc is rescaled
+            acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
+            acc = warpgroup_mma(p_op, c_ring.index(j), acc * alpha[:, None], is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))  # the scores done; tile i's p . c in flight
+            if i >= 1:  # tile i - 1's dots are done in both warpgroups: its stage takes tile i - 1 + STAGES
+                gl.thread_barrier()
+                page_a, page_b = _refill(c_desc, pe_desc, c_ring, pe_ring, bars, bt_row, page_a, page_b,
+                                         t_start + i - 1 + STAGES, t_start, t_full, block_size, STAGES, BLOCK_N, SUB)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
     if (t_full < t_end) & (t_full >= t_start):  # the sequence's partial last tile: masked rows, zeros past the end
@@ -238,9 +278,8 @@ def _mla_decode_gluon_kernel(
         pe_ring.index(jt).store(pe)
         fence_async_shared()
         gl.thread_barrier()
-        s, acc = _scores(qc_smem, qpe_smem, c_ring.index(jt), pe_ring.index(jt), acc, BLOCK_H, BLOCK_N, s_layout)
-        acc, m_i, l_i = _softmax_pv(s, acc, m_i, l_i, c_ring.index(jt), n_live, qk_scale, BLOCK_N, s_layout, o_layout,
-                                    True)
+        acc, m_i, l_i = _tile_update(qc_smem, qpe_smem, c_ring.index(jt), pe_ring.index(jt), n_live, acc, m_i, l_i,
+                                     qk_scale, BLOCK_H, BLOCK_N, s_layout, o_layout, True)
     for b in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(b))
 
@@ -263,7 +302,7 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 def launch_gluon_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, qk_scale: float,
                         part: Tensor, lse: Tensor, num_splits: int, block_n: int, stages: int,
-                        overlap_pv: bool) -> None:
+                        pipeline: str) -> None:
     """The split kernel's launch (grid N x head blocks x num_splits) writing part [N, S, H, L] and lse [N, S, H];
     `triton_decode.mla_decode` checks the shapes and merges the partials. qk_scale is scale * log2(e)."""
     N, H, D = q.shape
@@ -288,4 +327,5 @@ def launch_gluon_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_le
     _mla_decode_gluon_kernel[grid](
         q, q.stride(0), q.stride(1), kv_cache, c_desc, pe_desc, block_table, block_table.stride(0), seq_lens,
         part, lse, qk_scale, H, block_size, num_splits,
-        L=L, R=D - L, BLOCK_H=GLUON_BLOCK_H, BLOCK_N=block_n, SUB=sub, STAGES=stages, OVERLAP_PV=overlap_pv, num_warps=8)
+        L=L, R=D - L, BLOCK_H=GLUON_BLOCK_H, BLOCK_N=block_n, SUB=sub, STAGES=stages, PIPELINE=PIPELINES.index(pipeline),
+        num_warps=8)

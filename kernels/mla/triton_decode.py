@@ -41,7 +41,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs, poison_like
-from k3rt.kernels.mla.gluon_decode import launch_gluon_decode
+from k3rt.kernels.mla.gluon_decode import PIPELINES, launch_gluon_decode
 from k3rt.kernels.mla.triton_decode_paged import (
     _mla_decode_balanced_combine_kernel, _mla_decode_balanced_kernel, _mla_decode_paged_kernel,
 )
@@ -363,7 +363,9 @@ class MlaDecodeConfig:
     gluon: bool = False  # split schedule only: the Gluon kernel (gluon_decode.py: heads padded to 64 on wgmma's M,
     #                      TMA ring of num_stages KV tiles, 8 warps; layout/block_h/num_warps/prefetch unused); GPU
     #                      only (sm_90+, bf16/fp16), block_size a multiple of block_n
-    overlap_pv: bool = False  # gluon only: a tile's p . c left in flight through the next tile's score dots
+    gluon_pipeline: str = "serial"  # gluon only: how a tile's MMAs overlap (gluon_decode.PIPELINES): "serial",
+    #                                 "pv" (p . c in flight through the next scores), "two_tile" (also the next
+    #                                 tile's scores through this tile's softmax; num_stages >= 3)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_splits, int) or self.num_splits < 1:
@@ -385,8 +387,13 @@ class MlaDecodeConfig:
         if self.gluon and (self.schedule != "split" or self.tma):
             raise ValueError(f"gluon=True needs schedule='split' and tma=False (it copies by TMA itself), got "
                              f"schedule={self.schedule!r}, tma={self.tma}")
-        if self.overlap_pv and not self.gluon:
-            raise ValueError("overlap_pv=True is a choice of the Gluon kernel: it needs gluon=True")
+        if self.gluon_pipeline not in PIPELINES:
+            raise ValueError(f"gluon_pipeline must be one of {PIPELINES}, got {self.gluon_pipeline!r}")
+        if self.gluon_pipeline != "serial" and not self.gluon:
+            raise ValueError(f"gluon_pipeline={self.gluon_pipeline!r} is a choice of the Gluon kernel: it needs "
+                             f"gluon=True")
+        if self.gluon and self.gluon_pipeline == "two_tile" and self.num_stages < 3:
+            raise ValueError(f"gluon_pipeline='two_tile' needs num_stages >= 3, got {self.num_stages}")
         if self.partial_dtype not in _PARTIAL_DTYPES:
             raise ValueError(f"partial_dtype must be one of {_PARTIAL_DTYPES}, got {self.partial_dtype!r}")
         if self.schedule == "balanced" and not self.paged:
@@ -499,7 +506,7 @@ def mla_decode(
     partial_dtype: str | None = None,
     tma: bool | None = None,
     gluon: bool | None = None,
-    overlap_pv: bool | None = None,
+    gluon_pipeline: str | None = None,
 ) -> Tensor:
     """Absorbed MLA decode, one query token per sequence, over the paged latent cache.
 
@@ -520,7 +527,7 @@ def mla_decode(
         out: optional preallocated contiguous [N, H, L] output in q's dtype.
         use_pdl: launch with programmatic dependent launch (GPU only).
         block_n, block_h, num_warps, num_stages, layout, prefetch, paged, max_registers, schedule,
-        partial_dtype, tma, gluon, overlap_pv: tuning overrides of `mla_decode_config`'s choice (see `MlaDecodeConfig`).
+        partial_dtype, tma, gluon, gluon_pipeline: tuning overrides of `mla_decode_config`'s choice (see `MlaDecodeConfig`).
 
     Returns:
         out: [N, H, L] in q.dtype, softmax(scale * q·kv^T) · kv[:, :L] per head.
@@ -554,7 +561,7 @@ def mla_decode(
     overrides = dict(num_splits=num_splits, block_n=block_n, block_h=block_h, num_warps=num_warps,
                      num_stages=num_stages, layout=layout, prefetch=prefetch, paged=paged,
                      max_registers=max_registers, schedule=schedule, partial_dtype=partial_dtype, tma=tma,
-                     gluon=gluon, overlap_pv=overlap_pv)
+                     gluon=gluon, gluon_pipeline=gluon_pipeline)
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if out is None:
         out = poison_like(torch.empty(N, H, L, dtype=q.dtype, device=q.device))
@@ -590,7 +597,7 @@ def mla_decode(
     grid = (N, triton.cdiv(H, cfg.block_h), S)
     if cfg.gluon:
         launch_gluon_decode(q, kv_cache, block_table, seq_lens, float(scale) * _LOG2E, part, lse, S, cfg.block_n,
-                            cfg.num_stages, cfg.overlap_pv)
+                            cfg.num_stages, cfg.gluon_pipeline)
     elif cfg.tma:
         if block_size % cfg.block_n:
             raise ValueError(f"tma=True needs kv_cache's block_size ({block_size}) to be a multiple of block_n "

@@ -20,13 +20,15 @@ from tests.kernels.test_mla_triton import H48, L48, PAGE48, R48, SCALE48, _gpu_l
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")
 
-# the tiles and stage counts the benchmark times (the 48B page of 1888 = 59 x 32 tokens)
-_BUILDS = r'''
+# the tiles, stage counts and pipelines the benchmark times (the 48B page of 1888 = 59 x 32 tokens)
+LAUNCHES = [(32, 2, "serial"), (32, 3, "serial"), (32, 4, "serial"), (64, 2, "serial"), (32, 3, "pv"), (32, 4, "pv"),
+            (64, 2, "pv"), (32, 3, "two_tile"), (32, 4, "two_tile")]
+_BUILDS = f"BUILDS = {LAUNCHES!r}\n" + r'''
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from k3rt.kernels.mla import gluon_decode as g
 
-def build(block_n, stages, overlap, L=512, R=64):
+def build(block_n, stages, pipeline, L=512, R=64):
     sub = 32  # the 48B page (1888 tokens) is 59 boxes of 32 rows: 64-token tiles are two boxes
     cl = gl.NVMMASharedLayout.get_default_for([sub, L], gl.bfloat16)
     pl = gl.NVMMASharedLayout.get_default_for([sub, R], gl.bfloat16)
@@ -35,9 +37,9 @@ def build(block_n, stages, overlap, L=512, R=64):
                c_desc=f"tensordesc<bf16[{sub}, {L}],{cl!r}>", pe_desc=f"tensordesc<bf16[{sub}, {R}],{pl!r}>",
                block_table_ptr="*i32", stride_bt_n=I32, seq_lens_ptr="*i32", part_ptr="*fp32", lse_ptr="*fp32",
                qk_scale="fp32", H=I32, block_size=I32, num_splits=I32, L=C, R=C, BLOCK_H=C, BLOCK_N=C, SUB=C,
-               STAGES=C, OVERLAP_PV=C, num_warps=C)
+               STAGES=C, PIPELINE=C, num_warps=C)
     consts = dict(L=L, R=R, BLOCK_H=g.GLUON_BLOCK_H, BLOCK_N=block_n, SUB=sub, STAGES=stages,
-                  OVERLAP_PV=overlap, num_warps=8)
+                  PIPELINE=g.PIPELINES.index(pipeline), num_warps=8)
     attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
              if v.startswith("*") or k.startswith("stride")}
     k = triton.compile(GluonASTSource(g._mla_decode_gluon_kernel, sig, constexprs=consts, attrs=attrs),
@@ -48,8 +50,7 @@ def build(block_n, stages, overlap, L=512, R=64):
             "local": int(re.search(r"LOCAL:(\d+)", usage).group(1)), "shared": k.metadata.shared,
             "tma": k.asm["ptx"].count("cp.async.bulk.tensor"), "wgmma": k.asm["ptx"].count("wgmma.mma_async")}
 
-print(json.dumps({f"n{n}x{s}{' overlap' * o}": build(n, s, o) for n, s in [(32, 2), (32, 3), (32, 4), (64, 2)]
-                  for o in (False, True)}))
+print(json.dumps({f"n{n}x{s} {p}": build(n, s, p) for n, s, p in BUILDS}))
 '''
 
 
@@ -66,8 +67,13 @@ def test_config_refusals() -> None:
         MlaDecodeConfig(num_splits=2, paged=True, prefetch="none", schedule="balanced", gluon=True)
     with pytest.raises(ValueError, match="gluon=True needs schedule='split' and tma=False"):
         MlaDecodeConfig(num_splits=2, paged=True, prefetch="none", tma=True, gluon=True)
-    with pytest.raises(ValueError, match="overlap_pv=True is a choice of the Gluon kernel"):
-        MlaDecodeConfig(num_splits=2, overlap_pv=True)
+    with pytest.raises(ValueError, match="gluon_pipeline='pv' is a choice of the Gluon kernel"):
+        MlaDecodeConfig(num_splits=2, gluon_pipeline="pv")
+    with pytest.raises(ValueError, match="gluon_pipeline must be one of"):
+        MlaDecodeConfig(num_splits=2, gluon=True, paged=True, prefetch="none", gluon_pipeline="fast")
+    with pytest.raises(ValueError, match="gluon_pipeline='two_tile' needs num_stages >= 3"):
+        MlaDecodeConfig(num_splits=2, gluon=True, paged=True, prefetch="none", gluon_pipeline="two_tile",
+                        num_stages=2)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the refusal of a device without sm_90")
@@ -89,39 +95,38 @@ def _poison_past_ends(case: dict) -> None:
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("N,max_ctx", [(1, 32768), (16, 32768), (64, 8192)])
 @pytest.mark.parametrize("splits", ["auto", "one"])
-@pytest.mark.parametrize("block_n,stages", [(32, 2), (32, 3), (32, 4), (64, 2)], ids=["n32x2", "n32x3", "n32x4", "n64x2"])
-@pytest.mark.parametrize("overlap_pv", [False, True], ids=["wait", "overlap"])
+@pytest.mark.parametrize("block_n,stages,pipeline", LAUNCHES, ids=[f"n{n}x{s}_{p}" for n, s, p in LAUNCHES])
 def test_gpu_matches_ref_at_the_48b_shape(N: int, max_ctx: int, splits: str, block_n: int, stages: int,
-                                          overlap_pv: bool) -> None:
+                                          pipeline: str) -> None:
     """64-token tiles are two 32-row boxes there (a tile may straddle a page)."""
     case = decode_case(_gpu_lens(N, max_ctx, seed=N + max_ctx), H=H48, L=L48, R=R48, block_size=PAGE48,
                        dtype=torch.bfloat16, seed=N, spare_blocks=1)
     _poison_past_ends(case)
     want = mla_decode_ref(**case, scale=SCALE48, kv_lora_rank=L48)
     got = mla_decode(**case, scale=SCALE48, kv_lora_rank=L48, num_splits=None if splits == "auto" else 1,
-                     gluon=True, block_n=block_n, num_stages=stages, overlap_pv=overlap_pv)
+                     gluon=True, block_n=block_n, num_stages=stages, gluon_pipeline=pipeline)
     assert rel_err(got, want) <= 1e-2, rel_err(got, want)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("overlap_pv", [False, True], ids=["wait", "overlap"])
-def test_gpu_odd_heads_and_pages(overlap_pv: bool) -> None:
+@pytest.mark.parametrize("pipeline", ["serial", "pv", "two_tile"])
+def test_gpu_odd_heads_and_pages(pipeline: str) -> None:
     """Fewer heads than a block (masked rows), a page of 64 tokens, 16-token tiles, lengths of 0, 1 and one
     past a page, more splits than tiles."""
     case = decode_case([0, 1, 65, 300, 4097], H=20, L=L48, R=R48, block_size=64, dtype=torch.float16, seed=5)
     _poison_past_ends(case)
     want = mla_decode_ref(**case, scale=0.1, kv_lora_rank=L48)
     got = mla_decode(**case, scale=0.1, kv_lora_rank=L48, num_splits=40, gluon=True, block_n=16, num_stages=4,
-                     overlap_pv=overlap_pv)
+                     gluon_pipeline=pipeline)
     assert rel_err(got, want) <= 1e-2, rel_err(got, want)
     assert torch.equal(got[0], torch.zeros_like(got[0]))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("overlap_pv", [False, True], ids=["wait", "overlap"])
-def test_gpu_cuda_graph_replay(overlap_pv: bool) -> None:
+@pytest.mark.parametrize("pipeline", ["serial", "pv", "two_tile"])
+def test_gpu_cuda_graph_replay(pipeline: str) -> None:
     N = 8
     case = decode_case([4000] * N, H=H48, L=L48, R=R48, block_size=PAGE48, dtype=torch.bfloat16, seed=31,
                        spare_blocks=4)
@@ -129,7 +134,7 @@ def test_gpu_cuda_graph_replay(overlap_pv: bool) -> None:
     out = torch.empty(N, H48, L48, dtype=torch.bfloat16, device=DEV)
     call = lambda: mla_decode(**case, scale=SCALE48, kv_lora_rank=L48, num_splits=num_splits,  # noqa: E731
                               out=out, gluon=True, block_n=32, num_stages=3,
-                              overlap_pv=overlap_pv)
+                              gluon_pipeline=pipeline)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
