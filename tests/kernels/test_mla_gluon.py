@@ -12,11 +12,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from k3rt.kernels.mla import mla_decode, mla_decode_num_splits  # noqa: E402
+from k3rt.kernels.mla import mla_decode  # noqa: E402
 from k3rt.kernels.mla.ref import mla_decode_ref  # noqa: E402
 from k3rt.kernels.mla.triton_decode import MlaDecodeConfig  # noqa: E402
-from tests.kernels.helpers import DEV, HAS_CUDA, rel_err, run_sm90_build  # noqa: E402
-from tests.kernels.test_mla_triton import H48, L48, PAGE48, R48, SCALE48, _gpu_lens, decode_case  # noqa: E402
+from tests.kernels.helpers import HAS_CUDA, rel_err, run_sm90_build  # noqa: E402
+from tests.kernels.test_mla_triton import (  # noqa: E402
+    H48, L48, PAGE48, R48, SCALE48, _gpu_lens, check_decode_graph_replay, decode_case,
+)
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")
 
@@ -127,27 +129,4 @@ def test_gpu_odd_heads_and_pages(pipeline: str) -> None:
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("pipeline", ["serial", "pv", "two_tile"])
 def test_gpu_cuda_graph_replay(pipeline: str) -> None:
-    N = 8
-    case = decode_case([4000] * N, H=H48, L=L48, R=R48, block_size=PAGE48, dtype=torch.bfloat16, seed=31,
-                       spare_blocks=4)
-    num_splits = mla_decode_num_splits(N, H48, case["block_table"].shape[1] * PAGE48)
-    out = torch.empty(N, H48, L48, dtype=torch.bfloat16, device=DEV)
-    call = lambda: mla_decode(**case, scale=SCALE48, kv_lora_rank=L48, num_splits=num_splits,  # noqa: E731
-                              out=out, gluon=True, block_n=32, num_stages=3,
-                              gluon_pipeline=pipeline)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    for step, lens in enumerate([[4000, 1, 1889, 0, 7000, 3, 12000, 555], [12000] * N]):
-        case["seq_lens"].copy_(torch.tensor(lens, dtype=torch.int32))
-        case["block_table"].copy_(case["block_table"].flip(0))
-        case["q"].normal_()
-        graph.replay()
-        torch.cuda.synchronize()
-        want = mla_decode_ref(**case, scale=SCALE48, kv_lora_rank=L48)
-        assert rel_err(out, want) <= 1e-2, step
+    check_decode_graph_replay(gluon=True, block_n=32, num_stages=3, gluon_pipeline=pipeline)

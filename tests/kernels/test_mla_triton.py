@@ -469,14 +469,19 @@ def test_gpu_decode_kimi_shape(N: int, max_ctx: int, splits: str, tiles: str) ->
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("use_pdl", [False, True], ids=["plain", "pdl"])
 def test_gpu_decode_cuda_graph_replay(use_pdl: bool) -> None:
-    """One capture serves new lengths and block tables written in place (no host sync inside)."""
+    check_decode_graph_replay(use_pdl=use_pdl)
+
+
+def check_decode_graph_replay(**tune) -> None:
+    """One capture (mla_decode with the `tune` overrides) serves new lengths and block tables written in place
+    (no host sync inside)."""
     N = 8
     case = decode_case([4000] * N, H=H48, L=L48, R=R48, block_size=PAGE48, dtype=torch.bfloat16, seed=31,
                        spare_blocks=4)
     num_splits = mla_decode_num_splits(N, H48, case["block_table"].shape[1] * PAGE48)
     out = torch.empty(N, H48, L48, dtype=torch.bfloat16, device=DEV)
     call = lambda: mla_decode(**case, scale=SCALE48, kv_lora_rank=L48, num_splits=num_splits,  # noqa: E731
-                              out=out, use_pdl=use_pdl)
+                              out=out, **tune)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
