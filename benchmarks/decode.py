@@ -55,7 +55,9 @@ VARIANTS = {"control": {}, "pdl": dict(use_pdl=True), "cublas_gemv": dict(skinny
             "moe_layer_one_token": dict(moe_layer_one_token=True),
             "kda_layer_one_token": dict(kda_layer_one_token=True),
             "mla_layer_one_token": dict(mla_layer_one_token=True),
-            "layers_one_token": dict(moe_layer_one_token=True, kda_layer_one_token=True, mla_layer_one_token=True)}
+            "layers_one_token": dict(moe_layer_one_token=True, kda_layer_one_token=True, mla_layer_one_token=True),
+            # session 42: the MLA decode's Gluon kernel (off until timed)
+            "mla_gluon": dict(mla_gluon=True)}
 
 
 def _args() -> argparse.Namespace:

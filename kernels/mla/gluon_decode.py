@@ -34,6 +34,8 @@ sm_90 (tests/kernels/test_mla_gluon.py) and the GPU tests run it against the ora
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from torch import Tensor
@@ -49,6 +51,8 @@ GLUON_BLOCK_H = 64  # wgmma's M: the heads of a program, padded with zero querie
 # p . c in flight through the next tile's score dots; "two_tile" also starts the next tile's scores before this
 # tile's softmax, so the tensor cores work while the softmax runs (FlashAttention-3's in-warpgroup pipelining).
 PIPELINES = ("serial", "pv", "two_tile")
+# the runner's launch of it (KernelConfig.mla_gluon): a guess until benchmarks/kernels_mla.py has timed the nine
+GLUON_LAUNCH = dict(gluon=True, block_n=32, num_stages=4, gluon_pipeline="two_tile")
 
 
 @gluon.jit
@@ -300,6 +304,23 @@ def _mla_decode_gluon_kernel(
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
+@functools.lru_cache(maxsize=8)
+def _sm_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def _box_rows(block_size: int, block_n: int) -> int | None:
+    """Rows of a TMA box: a tile is one box, or two where the page size is a multiple of half a tile only (the
+    48B's 1888-token page: 59 x 32, so 64-token tiles are two boxes); None where neither fits a page."""
+    return next((b for b in (block_n, block_n // 2) if b >= 8 and block_size % b == 0), None)
+
+
+def gluon_runs(q: Tensor, block_size: int, block_n: int) -> bool:
+    """Whether the Gluon kernel takes this launch: an sm_90+ GPU, bf16/fp16, boxes that fit the pages."""
+    return (q.is_cuda and _sm_major(q.device.index) >= 9 and q.dtype in _GL_DTYPES
+            and _box_rows(block_size, block_n) is not None)
+
+
 def launch_gluon_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, qk_scale: float,
                         part: Tensor, lse: Tensor, num_splits: int, block_n: int, stages: int,
                         pipeline: str) -> None:
@@ -308,13 +329,11 @@ def launch_gluon_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_le
     N, H, D = q.shape
     L = part.shape[-1]
     block_size = kv_cache.shape[1]
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] < 9:
+    if not q.is_cuda or _sm_major(q.device.index) < 9:
         raise ValueError("the Gluon MLA decode (gluon=True) needs an sm_90+ GPU: Gluon kernels have no interpreter")
     if q.dtype not in _GL_DTYPES:
         raise ValueError(f"the Gluon MLA decode takes bf16 or fp16, got {q.dtype}")
-    # a TMA box has no row mask, so a box must not straddle a page: a tile is one box, or two where the page
-    # size is a multiple of half a tile only (the 48B's 1888-token page: 59 x 32, so 64-token tiles are two boxes)
-    sub = next((b for b in (block_n, block_n // 2) if b >= 8 and block_size % b == 0), None)
+    sub = _box_rows(block_size, block_n)  # a TMA box has no row mask: a box must not straddle a page
     if sub is None:
         raise ValueError(f"gluon=True needs kv_cache's block_size ({block_size}) to be a multiple of block_n "
                          f"({block_n}) or of half of it: a TMA box must not straddle a page")

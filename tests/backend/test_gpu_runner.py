@@ -617,13 +617,16 @@ def test_a_mixed_steps_kda_layer_launches_no_torch_work(tmp_path) -> None:
         assert (work.torch_ops, work.triton) == ([], launches)
 
 
-def _k3_decode_forward_counted(tmp_path, arch: str = "k3", **kernel_config):
+def _k3_decode_forward_counted(tmp_path, arch: str = "k3", bf16_on_cuda: bool = False, **kernel_config):
     """(runner, step, _LaunchWork) of one decode forward of a tiny checkpoint (k3 unless arch says) through the GPU
-    runner, kernels on (KernelConfig fields overridden by kernel_config)."""
+    runner, kernels on (KernelConfig fields overridden by kernel_config); bf16_on_cuda: bf16 weights and caches on
+    the GPU."""
     from k3rt.backend.runner.gpu.step import StepSeq
 
     ckpt = make_tiny(tmp_path / "m", arch=arch, dtype="float32", seed=4)
-    eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64), runner="gpu", cuda_graphs=False))
+    dtypes = dict(kv_dtype="bfloat16", conv_dtype="bfloat16") if bf16_on_cuda else {}
+    cfg = replace(engine_config_for_tests(str(ckpt), num_pages=64, **dtypes), runner="gpu", cuda_graphs=False)
+    eng = Engine(replace(cfg, device="cuda", dtype="bfloat16") if bf16_on_cuda else cfg)
     runner, pool = eng.runner, eng.pool
     runner.fwd.k = replace(runner.fwd.k, **kernel_config)
     step = runner._build([StepSeq([7], 20, pool.allocate(2), pool.allocate(eng.layout.pages_per_state_set), True)], [])
@@ -914,6 +917,33 @@ def test_gpu_one_token_layers_in_persistent_launches(tmp_path) -> None:
     test_a_one_token_moe_layer_runs_in_one_persistent_launch(tmp_path / "moe")
     test_a_one_token_kda_layer_runs_in_one_persistent_launch(tmp_path / "kda")
     test_a_one_token_mla_layer_runs_in_persistent_launches_around_its_attention(tmp_path / "mla")
+
+
+def test_mla_gluon_leaves_the_cpu_and_interpreter_decode_as_it_is(tmp_path) -> None:
+    """KernelConfig.mla_gluon asks for the Gluon MLA decode only where it runs (sm_90+, bf16/fp16, pages of a
+    multiple of 16 tokens): elsewhere the runner launches the default kernel, and the forward is the same."""
+    one_runner, step, one = _k3_decode_forward_counted(tmp_path / "a", arch="kimi_linear", mla_gluon=True)
+    plain_runner, plain_step, plain = _k3_decode_forward_counted(tmp_path / "b", arch="kimi_linear")
+    assert one.triton == plain.triton
+    with torch.no_grad():
+        assert torch.equal(one_runner.fwd(step, decode=True), plain_runner.fwd(plain_step, decode=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["kimi_linear", "k3"])
+def test_gpu_mla_decode_in_the_gluon_kernel(arch, tmp_path) -> None:
+    """KernelConfig.mla_gluon on CUDA: a bf16 decode forward with the MLA decode in kernels/mla/gluon_decode.py gives
+    the default kernel's logits up to bf16 rounding."""
+    from k3rt.kernels.mla.gluon_decode import GLUON_LAUNCH, gluon_runs
+
+    one_runner, step, _ = _k3_decode_forward_counted(tmp_path / "a", arch=arch, bf16_on_cuda=True, mla_gluon=True)
+    plain_runner, plain_step, _ = _k3_decode_forward_counted(tmp_path / "b", arch=arch, bf16_on_cuda=True)
+    probe = torch.empty(1, device="cuda", dtype=torch.bfloat16)
+    assert gluon_runs(probe, one_runner.fwd.pool.layout.block_size, GLUON_LAUNCH["block_n"])  # the case is exercised
+    with torch.no_grad():
+        got, want = one_runner.fwd(step, decode=True), plain_runner.fwd(plain_step, decode=True)
+    assert rel(got.float(), want.float()) < 2e-2
 
 
 def test_a_persistent_launch_that_did_not_finish_cleanly_turns_the_one_token_layers_off(tmp_path, caplog) -> None:

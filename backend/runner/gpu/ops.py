@@ -129,6 +129,11 @@ class KernelConfig:
     # norm) with mla_decode between: four launches where the separate path takes nine (the 48B's 7 MLA layers: no
     # q_lora, no output gate). Built without a GPU: off until timed (decode.py variant mla_layer_one_token)
     mla_layer_one_token: bool = False
+    # the MLA decode's Gluon kernel (kernels/mla/gluon_decode.py GLUON_LAUNCH: heads padded to wgmma's 64 rows, a
+    # TMA ring of KV tiles, the next tile's scores in flight through this tile's softmax) where it runs: sm_90+,
+    # bf16/fp16, pages a multiple of 16 tokens. Built without a GPU: off until timed (decode.py variant mla_gluon;
+    # benchmarks/kernels_mla.py times every launch of it against the default)
+    mla_gluon: bool = False
     # small routers (kernels/moe/triton_router.py fused_router_fits: E x D <= 32K weights, <= 16 rows, one expert
     # group; k3-tiny's 8 x 384) compute their logits inside the top-k launch (`moe_route_from_x`): one launch per
     # MoE layer fewer in a decode or verify forward, which at batch 1 is launch-bound (issue 16). Off in the
