@@ -16,15 +16,16 @@ Here each choice is written down:
 - acc [BLOCK_H, L] += p . c with warps [4, 2]: each warpgroup owns 256 of the 512 latent columns (128 fp32
   registers a thread), p from registers, c straight from the KV buffer the score dot read (the MMA reads it
   N-major);
-- KV tiles come by TMA (one box of c, one of k_pe per tile, completed on the stage's mbarrier) into STAGES
-  buffers: tiles i+1 .. i+STAGES-1 stream in while tile i is multiplied. The page ids are loaded one refill
-  ahead so the issuing warps never wait on the block table.
+- KV tiles come by TMA (a box of c and one of k_pe, SUB rows each, one or two per tile, completed on the stage's
+  mbarrier) into STAGES buffers: the next tiles stream in while tile i is multiplied. The page ids are loaded one
+  refill ahead so the issuing warps never wait on the block table;
+- how a tile's MMAs overlap each other and the softmax is the PIPELINE choice (PIPELINES below).
 Heads are padded to BLOCK_H = 64 rows (wgmma's M), as FlashMLA pads: rows >= H hold zero queries and are not
 stored. One program per SM (8 warps, ~184 KB of shared memory at 32-token tiles and 3 stages).
 
-Tiles never straddle a page (block_size a multiple of BLOCK_N, the launcher checks). A TMA box has no row mask,
-and rows past a sequence's end inside its page may hold anything (NaN included: 0 * NaN poisons p . c), so
-the loop covers the split's full tiles and the sequence's partial last tile goes through masked pointer loads
+A box never straddles a page (block_size a multiple of SUB, the launcher checks); a tile of two boxes may. A TMA
+box has no row mask, and rows past a sequence's end inside its page may hold anything (NaN included: 0 * NaN
+poisons p . c), so the loop covers the split's full tiles and the sequence's partial last tile goes through masked pointer loads
 stored into a free buffer. Split-KV exactly as the Triton kernels (equal shares of whole tiles; each split
 writes its normalized partial and log2-sum-exp, `triton_decode._mla_decode_combine_kernel` merges them; a
 split with no tiles writes the neutral partial (0, -inf)).
