@@ -52,8 +52,10 @@ GLUON_BLOCK_H = 64  # wgmma's M: the heads of a program, padded with zero querie
 # p . c in flight through the next tile's score dots; "two_tile" also starts the next tile's scores before this
 # tile's softmax, so the tensor cores work while the softmax runs (FlashAttention-3's in-warpgroup pipelining).
 PIPELINES = ("serial", "pv", "two_tile")
-# the runner's launch of it (KernelConfig.mla_gluon): a guess until benchmarks/kernels_mla.py has timed the nine
-GLUON_LAUNCH = dict(gluon=True, block_n=32, num_stages=4, gluon_pipeline="two_tile")
+# the runner's launch of it (KernelConfig.mla_gluon): the best of the nine on the H100 (benchmarks/RESULTS.md,
+# session 42: 64-token tiles at 2 stages, serial, at or past the Triton default from 32K up, 3 points behind at 8K;
+# pv and two_tile 8-15 points behind serial)
+GLUON_LAUNCH = dict(gluon=True, block_n=64, num_stages=2, gluon_pipeline="serial")
 
 
 @gluon.jit

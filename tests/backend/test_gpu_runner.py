@@ -921,7 +921,7 @@ def test_gpu_one_token_layers_in_persistent_launches(tmp_path) -> None:
 
 def test_mla_gluon_leaves_the_cpu_and_interpreter_decode_as_it_is(tmp_path) -> None:
     """KernelConfig.mla_gluon asks for the Gluon MLA decode only where it runs (sm_90+, bf16/fp16, pages of a
-    multiple of 16 tokens): elsewhere the runner launches the default kernel, and the forward is the same."""
+    multiple of 32 tokens): elsewhere the runner launches the default kernel, and the forward is the same."""
     one_runner, step, one = _k3_decode_forward_counted(tmp_path / "a", arch="kimi_linear", mla_gluon=True)
     plain_runner, plain_step, plain = _k3_decode_forward_counted(tmp_path / "b", arch="kimi_linear")
     assert one.triton == plain.triton

@@ -130,9 +130,9 @@ class KernelConfig:
     # q_lora, no output gate). Built without a GPU: off until timed (decode.py variant mla_layer_one_token)
     mla_layer_one_token: bool = False
     # the MLA decode's Gluon kernel (kernels/mla/gluon_decode.py GLUON_LAUNCH: heads padded to wgmma's 64 rows, a
-    # TMA ring of KV tiles, the next tile's scores in flight through this tile's softmax) where it runs: sm_90+,
-    # bf16/fp16, pages a multiple of 16 tokens. Built without a GPU: off until timed (decode.py variant mla_gluon;
-    # benchmarks/kernels_mla.py times every launch of it against the default)
+    # TMA ring of 64-token KV tiles) where it runs: sm_90+, bf16/fp16, pages a multiple of 32 tokens. H100 (session
+    # 42, kernels_mla.py): at or past the Triton default from 32K context, 3 points behind at 8K; off until the H200
+    # and the 48B step (decode.py variant mla_gluon) have timed it
     mla_gluon: bool = False
     # small routers (kernels/moe/triton_router.py fused_router_fits: E x D <= 32K weights, <= 16 rows, one expert
     # group; k3-tiny's 8 x 384) compute their logits inside the top-k launch (`moe_route_from_x`): one launch per
