@@ -52,6 +52,7 @@ _LOG2E = 1.4426950408889634
 # KV), so splits shorter than this spend more on partials than they gain in parallelism.
 MIN_TOKENS_PER_SPLIT = 128
 MAX_SPLITS = 256
+COMBINE_SPLITS = 32  # the combine's splits a step up to this many splits; past it, all MAX_SPLITS in one pass
 # The balanced schedule keeps every sequence's length in each program's registers (N_P2 of them).
 MAX_BALANCED_BATCH = 1024
 
@@ -616,10 +617,13 @@ def mla_decode(
     else:
         _mla_decode_split_kernel[grid](*args, WRITE_OUT=direct, **meta)
     if not direct:
-        block_l = min(L, 128)
+        # past 32 splits (small batches at long contexts) one pass over up to MAX_SPLITS at once, in 32-column blocks
+        # (4x the programs): batch 1's 132 splits at 32K took five dependent 32-split steps, a third of its time on
+        # the H100 (10.8 of 35 us, benchmarks/RESULTS.md session 42). Two fixed binaries, never one per split count.
+        block_s, block_l = (MAX_SPLITS, min(L, 32)) if S > COMBINE_SPLITS else (COMBINE_SPLITS, min(L, 128))
         _mla_decode_combine_kernel[(N, H, L // block_l)](
             part, lse, out, out.stride(0), out.stride(1), H, S,
-            L=L, BLOCK_L=block_l, BLOCK_S=32,
+            L=L, BLOCK_L=block_l, BLOCK_S=block_s,
             USE_PDL=pdl, num_warps=4, **pdl_kwargs(use_pdl),
         )
     return out
