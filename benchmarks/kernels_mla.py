@@ -160,6 +160,7 @@ DECODE_VARIANTS = {
     "default (h32 n32 w4 x3 2/SM)": {},
     "default pdl": dict(use_pdl=True),
     "default bf16 partials": dict(partial_dtype="input"),
+    "default wide combine": dict(wide_combine=True),  # past 32 splits all in one combine pass (batch 1's third)
     "paged h32 n64 w8 x3": dict(_PAGED, layout="heads", block_n=64, num_warps=8, num_stages=3),
     "paged h32 n64 w4 x3": dict(_PAGED, layout="heads", block_n=64, num_warps=4, num_stages=3),
     "wgmma h64 n32 x3": dict(_WGMMA, block_n=32, num_stages=3),

@@ -52,7 +52,7 @@ _LOG2E = 1.4426950408889634
 # KV), so splits shorter than this spend more on partials than they gain in parallelism.
 MIN_TOKENS_PER_SPLIT = 128
 MAX_SPLITS = 256
-COMBINE_SPLITS = 32  # the combine's splits a step up to this many splits; past it, all MAX_SPLITS in one pass
+COMBINE_SPLITS = 32  # the combine's splits a step (past it, with wide_combine, all MAX_SPLITS in one pass)
 # The balanced schedule keeps every sequence's length in each program's registers (N_P2 of them).
 MAX_BALANCED_BATCH = 1024
 
@@ -364,6 +364,11 @@ class MlaDecodeConfig:
     gluon: bool = False  # split schedule only: the Gluon kernel (gluon_decode.py: heads padded to 64 on wgmma's M,
     #                      TMA ring of num_stages KV tiles, 8 warps; layout/block_h/num_warps/prefetch unused); GPU
     #                      only (sm_90+, bf16/fp16), block_size a multiple of block_n
+    wide_combine: bool = False  # past 32 splits (small batches at long contexts) the combine merges up to MAX_SPLITS
+    #                             in one pass over 32-column blocks (4x the programs) instead of 32-split steps: batch
+    #                             1's 132 splits at 32K took five dependent steps, a third of its time on the H100
+    #                             (10.8 of 35 us, benchmarks/RESULTS.md session 42). Built after that run: off until
+    #                             timed (kernels_mla.py variant "default wide combine"; 125 registers, no spills)
     gluon_pipeline: str = "serial"  # gluon only: how a tile's MMAs overlap (gluon_decode.PIPELINES): "serial",
     #                                 "pv" (p . c in flight through the next scores), "two_tile" (also the next
     #                                 tile's scores through this tile's softmax; num_stages >= 3)
@@ -508,6 +513,7 @@ def mla_decode(
     tma: bool | None = None,
     gluon: bool | None = None,
     gluon_pipeline: str | None = None,
+    wide_combine: bool | None = None,
 ) -> Tensor:
     """Absorbed MLA decode, one query token per sequence, over the paged latent cache.
 
@@ -528,7 +534,7 @@ def mla_decode(
         out: optional preallocated contiguous [N, H, L] output in q's dtype.
         use_pdl: launch with programmatic dependent launch (GPU only).
         block_n, block_h, num_warps, num_stages, layout, prefetch, paged, max_registers, schedule,
-        partial_dtype, tma, gluon, gluon_pipeline: tuning overrides of `mla_decode_config`'s choice (see `MlaDecodeConfig`).
+        partial_dtype, tma, gluon, gluon_pipeline, wide_combine: tuning overrides of `mla_decode_config`'s choice (see `MlaDecodeConfig`).
 
     Returns:
         out: [N, H, L] in q.dtype, softmax(scale * q·kv^T) · kv[:, :L] per head.
@@ -562,7 +568,7 @@ def mla_decode(
     overrides = dict(num_splits=num_splits, block_n=block_n, block_h=block_h, num_warps=num_warps,
                      num_stages=num_stages, layout=layout, prefetch=prefetch, paged=paged,
                      max_registers=max_registers, schedule=schedule, partial_dtype=partial_dtype, tma=tma,
-                     gluon=gluon, gluon_pipeline=gluon_pipeline)
+                     gluon=gluon, gluon_pipeline=gluon_pipeline, wide_combine=wide_combine)
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if out is None:
         out = poison_like(torch.empty(N, H, L, dtype=q.dtype, device=q.device))
@@ -617,10 +623,10 @@ def mla_decode(
     else:
         _mla_decode_split_kernel[grid](*args, WRITE_OUT=direct, **meta)
     if not direct:
-        # past 32 splits (small batches at long contexts) one pass over up to MAX_SPLITS at once, in 32-column blocks
-        # (4x the programs): batch 1's 132 splits at 32K took five dependent 32-split steps, a third of its time on
-        # the H100 (10.8 of 35 us, benchmarks/RESULTS.md session 42). Two fixed binaries, never one per split count.
-        block_s, block_l = (MAX_SPLITS, min(L, 32)) if S > COMBINE_SPLITS else (COMBINE_SPLITS, min(L, 128))
+        # wide_combine: past 32 splits one pass over up to MAX_SPLITS (see MlaDecodeConfig); two fixed binaries,
+        # never one per split count
+        wide = cfg.wide_combine and S > COMBINE_SPLITS
+        block_s, block_l = (MAX_SPLITS, min(L, 32)) if wide else (COMBINE_SPLITS, min(L, 128))
         _mla_decode_combine_kernel[(N, H, L // block_l)](
             part, lse, out, out.stride(0), out.stride(1), H, S,
             L=L, BLOCK_L=block_l, BLOCK_S=block_s,
