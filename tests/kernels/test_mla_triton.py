@@ -72,13 +72,14 @@ def test_decode_matches_ref(block_size: int, num_splits: int) -> None:
     check_decode(case, 32, scale=0.2, tol=1e-5, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["steps", "wide"])
 @pytest.mark.parametrize("num_splits", [40, 300], ids=["one_pass", "two_passes_past_max"])
-def test_decode_combine_past_32_splits(num_splits: int) -> None:
+def test_decode_combine_past_32_splits(num_splits: int, wide: bool) -> None:
     """wide_combine: past 32 splits the combine merges up to MAX_SPLITS in one pass (a second binary, 32-column
     blocks); past MAX_SPLITS (an explicit count) in two. Lengths long enough that most splits hold tiles."""
     lens = [700, 3, 0, 1000]
     case = decode_case(lens, H=4, L=64, R=16, block_size=16, dtype=torch.float32, seed=num_splits)
-    check_decode(case, 64, scale=0.2, tol=1e-5, num_splits=num_splits, block_n=16, wide_combine=True)
+    check_decode(case, 64, scale=0.2, tol=1e-5, num_splits=num_splits, block_n=16, wide_combine=wide)
 
 
 @pytest.mark.parametrize("H", [5, 40], ids=["H5_masked", "H40_two_head_blocks"])
