@@ -363,7 +363,7 @@ class MlaDecodeConfig:
     #                    per-thread cp.async; needs block_size a multiple of block_n
     gluon: bool = False  # split schedule only: the Gluon kernel (gluon_decode.py: heads padded to 64 on wgmma's M,
     #                      TMA ring of num_stages KV tiles, 8 warps; layout/block_h/num_warps/prefetch unused); GPU
-    #                      only (sm_90+, bf16/fp16), block_size a multiple of block_n
+    #                      only (sm_90+, bf16/fp16), block_size a multiple of block_n or of half of it
     wide_combine: bool = False  # past 32 splits (small batches at long contexts) the combine merges up to MAX_SPLITS
     #                             in one pass over 32-column blocks (4x the programs) instead of 32-split steps: batch
     #                             1's 132 splits at 32K took five dependent steps, a third of its time on the H100
@@ -534,7 +534,8 @@ def mla_decode(
         out: optional preallocated contiguous [N, H, L] output in q's dtype.
         use_pdl: launch with programmatic dependent launch (GPU only).
         block_n, block_h, num_warps, num_stages, layout, prefetch, paged, max_registers, schedule,
-        partial_dtype, tma, gluon, gluon_pipeline, wide_combine: tuning overrides of `mla_decode_config`'s choice (see `MlaDecodeConfig`).
+        partial_dtype, tma, gluon, gluon_pipeline, wide_combine: tuning overrides of `mla_decode_config`'s
+            choice (see `MlaDecodeConfig`).
 
     Returns:
         out: [N, H, L] in q.dtype, softmax(scale * q·kv^T) · kv[:, :L] per head.
