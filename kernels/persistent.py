@@ -97,7 +97,10 @@ def resident_programs(index: int, num_warps: int, regs: int, shared: int, per_sm
 
 def grid_for(kernel, args: tuple, consts: dict, index: int, num_warps: int, per_sm: int) -> int:
     """The grid of `kernel` compiled for (args, consts) on CUDA device `index`: `resident_programs` over the binary
-    (compiled here on the first call, without a launch), memoized."""
+    (compiled here on the first call, without a launch), memoized. The kernel must not specialize its grid-size
+    argument G (`do_not_specialize=["G"]`): this sizing compiles it with G = 1, which Triton otherwise folds in as a
+    constant, a different binary with fewer registers than the one launched with the real G. On the H100 (session
+    42) that let the MoE layer's per_sm=16 candidate launch more programs than the SMs held: 10,594 stalled waits."""
     key = (kernel.fn.__qualname__ if hasattr(kernel, "fn") else id(kernel), index, per_sm,
            tuple(sorted(consts.items())), tuple(getattr(a, "dtype", type(a)) for a in args))
     if key not in _GRIDS:

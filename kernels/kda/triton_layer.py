@@ -129,7 +129,7 @@ def _head_item(proj_ptr, up_ptr, conv_w_ptr, cs, s_base, a_log_ptr, dt_bias_ptr,
             arrive(sync_ptr + HEADS_DONE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["G"])  # one binary for grid_for's sizing and the launch (persistent.py)
 def _kda_layer_kernel(
     x_ptr,  # [HID] x.dtype: the layer's (normed) input row
     w_in_ptr,  # [R_IN, HID] q|k|v (3P) | g_a (D) | f_a (D) | b (H) | pad

@@ -41,7 +41,7 @@ PER_SM = 4
 INTERPRET_ROWS, INTERPRET_WARPS = 2, 2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["G"])  # one binary for grid_for's sizing and the launch (persistent.py)
 def _mla_pre_kernel(
     x_ptr,  # [HID] the layer's normed input row
     w_in_ptr,  # [R_IN, HID]: q (H * (P + R) rows) | kv_a (L + R) | pad
@@ -111,7 +111,7 @@ def _mla_pre_kernel(
             tl.store(sync_ptr + words, tl.zeros([2], dtype=tl.int32))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["G"])  # one binary for grid_for's sizing and the launch (persistent.py)
 def _mla_post_kernel(
     o_lat_ptr,  # [H, L] the attention's latent output (mla_decode's)
     kvb_ptr,  # [H * (P + V), L] kv_b_proj's weight: head h's W_UV rows are h * (P + V) + P + v

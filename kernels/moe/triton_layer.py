@@ -165,7 +165,7 @@ def _down_slots(w2_ptr, h_ptr, ids, tw, d, ok, acc, E, FIRST: tl.constexpr, LAST
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["G"])  # one binary for grid_for's sizing and the launch (persistent.py)
 def _moe_layer_kernel(
     x_ptr,  # [D] x.dtype: the layer's (normed) input row
     gate_ptr,  # [E, D] float router weight, contiguous

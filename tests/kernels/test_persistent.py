@@ -18,3 +18,36 @@ def test_resident_programs_fit_the_sms(monkeypatch) -> None:
     assert P.resident_programs(0, 4, 64, 100_000, 8) == 132 * 2  # shared memory: 2
     assert P.resident_programs(0, 32, 255, 0, 8) == 132  # one fits only partly: still one
     assert P.resident_programs(0, 1, 32, 0, 64) == 132 * 32  # the hardware's 32 programs an SM
+
+
+def test_the_persistent_kernels_compile_one_binary_whatever_the_grid_size() -> None:
+    """grid_for sizes the grid from a binary compiled with G = 1; Triton folds an int argument equal to 1 in as a
+    constant (and one divisible by 16 as such), so unless G is never specialized the launched binary (G = the real
+    grid) differs from the sized one, with more registers: on the H100 (session 42) the MoE layer's per_sm=16
+    candidate then launched more programs than the SMs held (10,594 stalled waits). Checked without the interpreter
+    (which does not keep the kernels' specialization), in a subprocess."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = r'''
+import json
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
+from k3rt.kernels.moe import triton_layer as moe
+from k3rt.kernels.kda import triton_layer as kda
+from k3rt.kernels.mla import triton_layer as mla
+out = {}
+for k in (moe._moe_layer_kernel, kda._kda_layer_kernel, mla._mla_pre_kernel, mla._mla_post_kernel):
+    g = next(p for p in k.params if p.name == "G")
+    keys = {str(native_specialize_impl(BaseBackend, v, False, not g.do_not_specialize, not g.do_not_specialize_on_alignment))
+            for v in (1, 3, 1056, 1320)}
+    out[k.fn.__name__ if hasattr(k, "fn") else k.__name__] = len(keys)
+print(json.dumps(out))
+'''
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(got) == 4 and all(n == 1 for n in got.values()), got
