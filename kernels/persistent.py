@@ -95,12 +95,21 @@ def resident_programs(index: int, num_warps: int, regs: int, shared: int, per_sm
     return sms * max(1, fit)
 
 
+def _check_grid_arg(kernel, n_args: int) -> None:
+    """The grid-size argument (the last of the n_args) must be marked do_not_specialize (see grid_for)."""
+    g = kernel.params[n_args - 1]
+    if not g.do_not_specialize:
+        raise ValueError(f"{kernel.fn.__qualname__}: its grid-size argument {g.name!r} must be in do_not_specialize, "
+                         f"or grid_for would size the grid from another binary than the one launched")
+
+
 def grid_for(kernel, args: tuple, consts: dict, index: int, num_warps: int, per_sm: int) -> int:
     """The grid of `kernel` compiled for (args, consts) on CUDA device `index`: `resident_programs` over the binary
     (compiled here on the first call, without a launch), memoized. The kernel must not specialize its grid-size
     argument G (`do_not_specialize=["G"]`): this sizing compiles it with G = 1, which Triton otherwise folds in as a
     constant, a different binary with fewer registers than the one launched with the real G. On the H100 (session
     42) that let the MoE layer's per_sm=16 candidate launch more programs than the SMs held: 10,594 stalled waits."""
+    _check_grid_arg(kernel, len(args))
     key = (kernel.fn.__qualname__ if hasattr(kernel, "fn") else id(kernel), index, per_sm,
            tuple(sorted(consts.items())), tuple(getattr(a, "dtype", type(a)) for a in args))
     if key not in _GRIDS:

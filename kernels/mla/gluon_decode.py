@@ -318,10 +318,21 @@ def _box_rows(block_size: int, block_n: int) -> int | None:
     return next((b for b in (block_n, block_n // 2) if b >= 8 and block_size % b == 0), None)
 
 
+def _unfit(q: Tensor, block_size: int, block_n: int) -> str | None:
+    """Why the Gluon kernel cannot take this launch, or None where it can."""
+    if not q.is_cuda or _sm_major(q.device.index) < 9:
+        return "the Gluon MLA decode (gluon=True) needs an sm_90+ GPU: Gluon kernels have no interpreter"
+    if q.dtype not in _GL_DTYPES:
+        return f"the Gluon MLA decode takes bf16 or fp16, got {q.dtype}"
+    if _box_rows(block_size, block_n) is None:
+        return (f"gluon=True needs kv_cache's block_size ({block_size}) to be a multiple of block_n ({block_n}) or "
+                f"of half of it: a TMA box must not straddle a page")
+    return None
+
+
 def gluon_runs(q: Tensor, block_size: int, block_n: int) -> bool:
     """Whether the Gluon kernel takes this launch: an sm_90+ GPU, bf16/fp16, boxes that fit the pages."""
-    return (q.is_cuda and _sm_major(q.device.index) >= 9 and q.dtype in _GL_DTYPES
-            and _box_rows(block_size, block_n) is not None)
+    return _unfit(q, block_size, block_n) is None
 
 
 def launch_gluon_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, qk_scale: float,
@@ -332,14 +343,10 @@ def launch_gluon_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_le
     N, H, D = q.shape
     L = part.shape[-1]
     block_size = kv_cache.shape[1]
-    if not q.is_cuda or _sm_major(q.device.index) < 9:
-        raise ValueError("the Gluon MLA decode (gluon=True) needs an sm_90+ GPU: Gluon kernels have no interpreter")
-    if q.dtype not in _GL_DTYPES:
-        raise ValueError(f"the Gluon MLA decode takes bf16 or fp16, got {q.dtype}")
+    why = _unfit(q, block_size, block_n)
+    if why is not None:
+        raise ValueError(why)
     sub = _box_rows(block_size, block_n)  # a TMA box has no row mask: a box must not straddle a page
-    if sub is None:
-        raise ValueError(f"gluon=True needs kv_cache's block_size ({block_size}) to be a multiple of block_n "
-                         f"({block_n}) or of half of it: a TMA box must not straddle a page")
     dt = _GL_DTYPES[q.dtype]
     rows = kv_cache.view(-1, D)  # the pool as token rows; a tile's box starts at page * block_size + offset
     c_desc = TensorDescriptor.from_tensor(rows[:, :L], [sub, L], gl.NVMMASharedLayout.get_default_for([sub, L], dt))

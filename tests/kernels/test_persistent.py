@@ -44,10 +44,22 @@ for k in (moe._moe_layer_kernel, kda._kda_layer_kernel, mla._mla_pre_kernel, mla
     keys = {str(native_specialize_impl(BaseBackend, v, False, not g.do_not_specialize, not g.do_not_specialize_on_alignment))
             for v in (1, 3, 1056, 1320)}
     out[k.fn.__name__ if hasattr(k, "fn") else k.__name__] = len(keys)
+# grid_for refuses a kernel that would specialize its grid size (before compiling anything)
+from types import SimpleNamespace
+from k3rt.kernels import persistent as P
+
+param = lambda name, dns: SimpleNamespace(name=name, do_not_specialize=dns)
+_specializes = SimpleNamespace(fn=SimpleNamespace(__qualname__="k"), params=[param("x_ptr", False), param("G", False)])
+try:
+    P.grid_for(_specializes, (None, 1), {}, 0, 1, 1)
+    out["refused"] = False
+except ValueError as e:
+    out["refused"] = "do_not_specialize" in str(e)
 print(json.dumps(out))
 '''
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got.pop("refused") is True, got
     assert len(got) == 4 and all(n == 1 for n in got.values()), got
