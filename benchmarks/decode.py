@@ -57,7 +57,9 @@ VARIANTS = {"control": {}, "pdl": dict(use_pdl=True), "cublas_gemv": dict(skinny
             "mla_layer_one_token": dict(mla_layer_one_token=True),
             "layers_one_token": dict(moe_layer_one_token=True, kda_layer_one_token=True, mla_layer_one_token=True),
             # session 42: the MLA decode's Gluon kernel (off until timed)
-            "mla_gluon": dict(mla_gluon=True)}
+            "mla_gluon": dict(mla_gluon=True),
+            # session 43: the MLA decode's two-step combine past 32 splits (the default before session 43)
+            "mla_two_step_combine": dict(mla_wide_combine=False)}
 
 
 def _args() -> argparse.Namespace:

@@ -159,8 +159,8 @@ _WGMMA = dict(_PAGED, layout="heads", block_h=64, num_warps=8)
 DECODE_VARIANTS = {
     "default (h32 n32 w4 x3 2/SM)": {},
     "default pdl": dict(use_pdl=True),
-    "default bf16 partials": dict(partial_dtype="input"),
-    "default wide combine": dict(wide_combine=True),  # past 32 splits all in one combine pass (batch 1's third)
+    "default bf16 partials": dict(partial_dtype="input"),  # with the one-pass combine: no gain (session 43)
+    "default two-step combine": dict(wide_combine=False),  # 32 splits a combine step (the default before session 43)
     "paged h32 n64 w8 x3": dict(_PAGED, layout="heads", block_n=64, num_warps=8, num_stages=3),
     "paged h32 n64 w4 x3": dict(_PAGED, layout="heads", block_n=64, num_warps=4, num_stages=3),
     "wgmma h64 n32 x3": dict(_WGMMA, block_n=32, num_stages=3),

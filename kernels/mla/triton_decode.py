@@ -364,11 +364,11 @@ class MlaDecodeConfig:
     gluon: bool = False  # split schedule only: the Gluon kernel (gluon_decode.py: heads padded to 64 on wgmma's M,
     #                      TMA ring of num_stages KV tiles, 8 warps; layout/block_h/num_warps/prefetch unused); GPU
     #                      only (sm_90+, bf16/fp16), block_size a multiple of block_n or of half of it
-    wide_combine: bool = False  # past 32 splits (small batches at long contexts) the combine merges up to MAX_SPLITS
-    #                             in one pass over 32-column blocks (4x the programs) instead of 32-split steps: batch
-    #                             1's 132 splits at 32K took five dependent steps, a third of its time on the H100
-    #                             (10.8 of 35 us, benchmarks/RESULTS.md session 42). Built after that run: off until
-    #                             timed (kernels_mla.py variant "default wide combine"; 125 registers, no spills)
+    wide_combine: bool = True  # past 32 splits (small batches at long contexts) the combine merges up to MAX_SPLITS
+    #                            in one pass over 32-column blocks (4x the programs) instead of 32-split steps: batch
+    #                            1's 132 splits at 32K took five dependent steps, 10.8 of 35 us on the H100. H100
+    #                            (benchmarks/RESULTS.md session 43): batch 1 at 8K / 32K / 128K 22.6 -> 18.6,
+    #                            36.6 -> 29.3, 86.1 -> 77.6 us; at <= 32 splits the launch is the two-step one's
     gluon_pipeline: str = "serial"  # gluon only: how a tile's MMAs overlap (gluon_decode.PIPELINES): "serial",
     #                                 "pv" (p . c in flight through the next scores), "two_tile" (also the next
     #                                 tile's scores through this tile's softmax; num_stages >= 3)

@@ -208,8 +208,12 @@ def _decode(q: torch.Tensor, w: MlaWeights, step: GpuStep, kv_pages: torch.Tenso
 
 
 def _decode_launch(k: KernelConfig, qcat: torch.Tensor, kv_pages: torch.Tensor) -> dict:
-    """mla_decode's launch overrides: the Gluon kernel's (KernelConfig.mla_gluon) where it runs, else none."""
-    return GLUON_LAUNCH if k.mla_gluon and gluon_runs(qcat, kv_pages.shape[1], GLUON_LAUNCH["block_n"]) else {}
+    """mla_decode's launch overrides: the Gluon kernel's (KernelConfig.mla_gluon) where it runs, and the one-pass
+    combine past 32 splits (KernelConfig.mla_wide_combine)."""
+    launch = dict(wide_combine=k.mla_wide_combine)
+    if k.mla_gluon and gluon_runs(qcat, kv_pages.shape[1], GLUON_LAUNCH["block_n"]):
+        launch.update(GLUON_LAUNCH)
+    return launch
 
 
 def _per_row_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

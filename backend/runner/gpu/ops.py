@@ -134,6 +134,10 @@ class KernelConfig:
     # 42, kernels_mla.py): at or past the Triton default from 32K context, 3 points behind at 8K; off until the H200
     # and the 48B step (decode.py variant mla_gluon) have timed it
     mla_gluon: bool = False
+    # the MLA decode's combine past 32 splits in one pass over up to 256 (MlaDecodeConfig.wide_combine, its default)
+    # instead of 32-split steps: batch 1-4 at long contexts. Off only to time the two-step form (decode.py variant
+    # mla_two_step_combine)
+    mla_wide_combine: bool = True
     # small routers (kernels/moe/triton_router.py fused_router_fits: E x D <= 32K weights, <= 16 rows, one expert
     # group; k3-tiny's 8 x 384) compute their logits inside the top-k launch (`moe_route_from_x`): one launch per
     # MoE layer fewer in a decode or verify forward, which at batch 1 is launch-bound (issue 16). Off in the
