@@ -41,7 +41,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs, poison_like
-from k3rt.kernels.mla.gluon_decode import PIPELINES, launch_gluon_decode
+from k3rt.kernels.mla.gluon_decode import GLUON_BLOCK_H, PIPELINES, launch_gluon_decode
 from k3rt.kernels.mla.triton_decode_paged import (
     _mla_decode_balanced_combine_kernel, _mla_decode_balanced_kernel, _mla_decode_paged_kernel,
 )
@@ -307,22 +307,26 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def mla_decode_num_splits(batch_size: int, num_heads: int, max_context: int, num_sms: int | None = None) -> int:
+def mla_decode_num_splits(batch_size: int, num_heads: int, max_context: int, num_sms: int | None = None,
+                          max_waves: int = 2, block_h: int | None = None) -> int:
     """Splits per sequence so that batch_size * head_blocks * splits programs fill the GPU.
 
-    Among grids of at most two waves, picks the one with the highest (wave efficiency x fill of
-    the first wave), the fewest splits on ties; never splits below MIN_TOKENS_PER_SPLIT tokens of
-    `max_context` (a hint: the longest context the launch will see). A Python-only computation.
+    Among grids of at most `max_waves` waves of num_sms programs, picks the one with the highest (wave
+    efficiency x fill of the first wave), the fewest splits on ties; never splits below MIN_TOKENS_PER_SPLIT
+    tokens of `max_context` (a hint: the longest context the launch will see). Two waves for the Triton kernels
+    (two programs share an SM, so two waves run as one); one for the Gluon kernel (one program an SM: a second
+    wave is a second round, and more splits only add partials to merge). block_h: heads a program (None: the
+    Triton default's). A Python-only computation.
     """
     if num_sms is None:
         num_sms = _num_sms(torch.cuda.current_device()) if torch.cuda.is_available() else 132
-    base = max(1, batch_size) * triton.cdiv(num_heads, _block_h(num_heads))
+    base = max(1, batch_size) * triton.cdiv(num_heads, block_h or _block_h(num_heads))
     max_splits = max(1, min(MAX_SPLITS, max_context // MIN_TOKENS_PER_SPLIT))
     best, best_score = 1, 0.0
     for s in range(1, max_splits + 1):
         programs = base * s
         waves = triton.cdiv(programs, num_sms)
-        if waves > 2 and s > 1:
+        if waves > max_waves and s > 1:
             break
         score = programs / (waves * num_sms) * min(1.0, programs / num_sms)
         if score > best_score + 1e-9:
@@ -571,6 +575,11 @@ def mla_decode(
                      max_registers=max_registers, schedule=schedule, partial_dtype=partial_dtype, tma=tma,
                      gluon=gluon, gluon_pipeline=gluon_pipeline, wide_combine=wide_combine)
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    if cfg.gluon and num_splits is None:  # one program an SM: one wave (H100, session 42: 16x32K at 8 splits
+        #                                   88.6 % of copy bandwidth, at the two-wave rule's 16 85.0 %)
+        cfg = replace(cfg, num_splits=mla_decode_num_splits(
+            N, H, block_table.shape[1] * block_size, _num_sms(q.device.index) if q.is_cuda else None, max_waves=1,
+            block_h=GLUON_BLOCK_H))
     if out is None:
         out = poison_like(torch.empty(N, H, L, dtype=q.dtype, device=q.device))
     else:

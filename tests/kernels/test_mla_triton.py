@@ -276,6 +276,15 @@ def test_num_splits_heuristic() -> None:
         s = mla_decode_num_splits(n, 32, 131072, num_sms=132)
         assert n * s <= 2 * 132 or s == 1
         assert n * s >= 0.9 * 132 or n * s > 132
+    # one wave (the Gluon kernel: one program an SM): batch 16 at 32K 8 splits, not the two-wave rule's 16
+    assert mla_decode_num_splits(16, 32, 32768, num_sms=132) == 16
+    assert mla_decode_num_splits(16, 32, 32768, num_sms=132, max_waves=1) == 8
+    assert mla_decode_num_splits(64, 32, 8192, num_sms=132, max_waves=1) == 2
+    assert mla_decode_num_splits(1, 32, 32768, num_sms=132, max_waves=1) == 132
+    assert mla_decode_num_splits(200, 32, 32768, num_sms=132, max_waves=1) == 1
+    # heads a program: 64 heads in blocks of 64 are one block, in the default's 32 two
+    assert mla_decode_num_splits(16, 64, 32768, num_sms=132, max_waves=1, block_h=64) == 8
+    assert mla_decode_num_splits(16, 64, 32768, num_sms=132, max_waves=1) == 4
 
 
 def test_decode_rejects_bad_inputs() -> None:
