@@ -52,6 +52,11 @@ GLUON_BLOCK_H = 64  # wgmma's M: the heads of a program, padded with zero querie
 # p . c in flight through the next tile's score dots; "two_tile" also starts the next tile's scores before this
 # tile's softmax, so the tensor cores work while the softmax runs (FlashAttention-3's in-warpgroup pipelining).
 PIPELINES = ("serial", "pv", "two_tile")
+# Which dimension of the dots is wgmma's M (the kernel's choice, `gluon_layout`): "heads" (heads padded to 64 rows,
+# two warpgroups; _mla_decode_gluon_kernel) or "tokens" (the tile's 64 tokens on M for the scores and the 512 latent
+# columns for p . c, the heads on N unpadded; one warpgroup; _mla_decode_gluon_tokens_kernel)
+GLUON_LAYOUTS = ("heads", "tokens")
+TOKENS_BLOCK_N = 64  # the tokens layout's tile: wgmma's M
 # the runner's launch of it (KernelConfig.mla_gluon): the best of the nine on the H100 (benchmarks/RESULTS.md,
 # session 42: 64-token tiles at 2 stages, serial, at or past the Triton default from 32K up, 3 points behind at 8K;
 # pv and two_tile 8-15 points behind serial)
@@ -304,6 +309,151 @@ def _mla_decode_gluon_kernel(
     gl.store(lse_ptr + slot * H + offs_hs, lse, mask=offs_hs < H)
 
 
+@gluon.jit
+def _tokens_tile(qc_smem, qpe_smem, c_buf, pe_buf, p_smem, n_live, acc, m_i, l_i, qk_scale, BLOCK_N: gl.constexpr,
+                 layout: gl.constexpr):
+    """One tile of the tokens layout, in series: s^T [BLOCK_N, BLOCK_H] = c . q_c^T + pe . q_pe^T, the online softmax
+    over its rows (tokens >= n_live score -inf), p^T into shared memory, acc^T [L, BLOCK_H] += c^T . p^T."""
+    BLOCK_H: gl.constexpr = qc_smem.shape[0]
+    s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout)
+    s = warpgroup_mma(c_buf, qc_smem.permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma(pe_buf, qpe_smem.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    s = gl.where((offs_n < n_live)[:, None], s * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[None, :])
+    l_i = l_i * alpha + gl.sum(p, axis=0)
+    p_smem.store(p.to(p_smem.dtype))
+    fence_async_shared()
+    gl.thread_barrier()  # every warp's rows of p^T stored before the MMA reads them
+    acc = warpgroup_mma(c_buf.permute((1, 0)), p_smem, acc * alpha[None, :], is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    return acc, m_new, l_i
+
+
+@gluon.jit(
+    do_not_specialize=["stride_bt_n", "num_splits"],
+    do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr"],
+)
+def _mla_decode_gluon_tokens_kernel(
+    q_ptr, stride_q_n, stride_q_h,  # [N, H, L+R]
+    kv_ptr,  # [num_pages, block_size, L+R], contiguous (the partial last tile's pointer loads)
+    c_desc,  # TMA descriptor over the cache as rows [num_pages * block_size, L+R], box [SUB, L] at column 0
+    pe_desc,  # the same rows, box [SUB, R] at column L
+    block_table_ptr, stride_bt_n,  # [N, max_blocks] int32
+    seq_lens_ptr,  # [N] int32
+    part_ptr,  # [N, S, H, L] normalized partials (fp32 or q's dtype)
+    lse_ptr,  # [N, S, H] fp32, log2 domain
+    qk_scale,  # scale * log2(e)
+    H,
+    block_size,  # a multiple of SUB
+    num_splits,
+    L: gl.constexpr,
+    R: gl.constexpr,
+    BLOCK_H: gl.constexpr,  # heads a program (wgmma's N): H rounded up to a power of 2 >= 16, zero queries past H
+    BLOCK_N: gl.constexpr,  # 64 tokens a tile: wgmma's M
+    SUB: gl.constexpr,  # rows of a TMA box (block_size a multiple of it: a box never straddles a page)
+    STAGES: gl.constexpr,  # KV buffers in the ring
+    num_warps: gl.constexpr,  # 4: one warpgroup
+):
+    """The tokens layout: the score dot is s^T = c . q^T (tokens on M, heads on N), so no MMA row is a padded
+    head: half the tensor work of the heads layout at 32 heads, and q takes half the shared memory. p . c is
+    acc^T [L, BLOCK_H] += c^T . p^T: the KV buffer read M-major as the A operand, p^T through shared memory (the B
+    operand is always there). The online softmax reduces over the tile's rows (dim 0). Ring, page loads and the
+    partial last tile as in _mla_decode_gluon_kernel; serial (every MMA waited for)."""
+    gl.static_assert(num_warps == 4, "one warpgroup: the tile's 64 tokens are its M")
+    gl.static_assert(BLOCK_N == 64, "wgmma's M")
+    gl.static_assert((BLOCK_N == SUB) or (BLOCK_N == 2 * SUB), "a tile is one or two TMA boxes")
+    dtype: gl.constexpr = c_desc.dtype
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_H, 16])
+    ld_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                               warps_per_cta=[num_warps, 1], order=[1, 0])
+    i_n = gl.program_id(0)
+    i_hb = gl.program_id(1)
+    i_s = gl.program_id(2)
+
+    offs_h = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_layout))
+    mask_h = (offs_h < H)[:, None]
+    q_rows = q_ptr + i_n.to(gl.int64) * stride_q_n + offs_h[:, None] * stride_q_h
+    q_c = gl.load(q_rows + gl.arange(0, L, layout=gl.SliceLayout(0, ld_layout))[None, :], mask=mask_h, other=0.0)
+    q_pe = gl.load(q_rows + L + gl.arange(0, R, layout=gl.SliceLayout(0, ld_layout))[None, :], mask=mask_h,
+                   other=0.0)
+    qc_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, L], gl.NVMMASharedLayout.get_default_for([BLOCK_H, L], dtype),
+                                        q_c)
+    qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, R],
+                                         gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], dtype), q_pe)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_H],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], dtype))
+    c_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, L], c_desc.layout)
+    pe_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, R], pe_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(STAGES):
+        mbarrier.init(bars.index(b), count=1)
+    fence_async_shared()
+    gl.thread_barrier()  # every warp's rows of q stored before any MMA reads them
+
+    seq_len = gl.load(seq_lens_ptr + i_n)
+    num_tiles = gl.cdiv(seq_len, BLOCK_N)
+    chunk = gl.cdiv(num_tiles, num_splits)
+    t_start = i_s * chunk
+    t_end = gl.minimum(t_start + chunk, num_tiles)
+    t_full = gl.minimum(t_end, seq_len // BLOCK_N)
+    n_full = gl.maximum(t_full - t_start, 0)
+    bt_row = block_table_ptr + i_n.to(gl.int64) * stride_bt_n
+
+    for b in gl.static_range(STAGES):
+        if b < n_full:
+            page_a, page_b = _tile_pages(bt_row, t_start + b, t_full, block_size, BLOCK_N, SUB)
+            _issue_tile(c_desc, pe_desc, c_ring.index(b), pe_ring.index(b), bars.index(b), page_a, page_b,
+                        t_start + b, block_size, BLOCK_N, SUB)
+    page_a, page_b = _tile_pages(bt_row, t_start + STAGES, t_full, block_size, BLOCK_N, SUB)
+
+    acc = gl.zeros([L, BLOCK_H], gl.float32, layout)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, layout))
+    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(0, layout))
+    for i in range(n_full):
+        j = i % STAGES
+        mbarrier.wait(bars.index(j), (i // STAGES) & 1)
+        acc, m_i, l_i = _tokens_tile(qc_smem, qpe_smem, c_ring.index(j), pe_ring.index(j), p_smem, BLOCK_N, acc, m_i,
+                                     l_i, qk_scale, BLOCK_N, layout)
+        gl.thread_barrier()  # every warp past its reads of stage j before the refill
+        page_a, page_b = _refill(c_desc, pe_desc, c_ring, pe_ring, bars, bt_row, page_a, page_b,
+                                 t_start + i + STAGES, t_start, t_full, block_size, STAGES, BLOCK_N, SUB)
+
+    if (t_full < t_end) & (t_full >= t_start):  # the sequence's partial last tile: masked rows, zeros past the end
+        n_live = seq_len - t_full * BLOCK_N
+        offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_layout))
+        pos = t_full * BLOCK_N + offs_t
+        live = offs_t < n_live
+        pages = gl.load(bt_row + pos // block_size, mask=live, other=0)
+        rows = kv_ptr + (pages.to(gl.int64) * block_size + pos % block_size) * (L + R)
+        c = gl.load(rows[:, None] + gl.arange(0, L, layout=gl.SliceLayout(0, ld_layout))[None, :],
+                    mask=live[:, None], other=0.0)
+        pe = gl.load(rows[:, None] + L + gl.arange(0, R, layout=gl.SliceLayout(0, ld_layout))[None, :],
+                     mask=live[:, None], other=0.0)
+        jt = n_full % STAGES
+        c_ring.index(jt).store(c)
+        pe_ring.index(jt).store(pe)
+        fence_async_shared()
+        gl.thread_barrier()
+        acc, m_i, l_i = _tokens_tile(qc_smem, qpe_smem, c_ring.index(jt), pe_ring.index(jt), p_smem, n_live, acc,
+                                     m_i, l_i, qk_scale, BLOCK_N, layout)
+    for b in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(b))
+
+    has = l_i > 0.0
+    lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+    o = acc / gl.where(has, l_i, 1.0)[None, :]
+    slot = (i_n * num_splits + i_s).to(gl.int64)
+    offs_ho = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, layout))
+    out = part_ptr + (slot * H + offs_ho)[None, :] * L + gl.arange(0, L, layout=gl.SliceLayout(1, layout))[:, None]
+    gl.store(out, o.to(part_ptr.dtype.element_ty), mask=(offs_ho < H)[None, :])
+    gl.store(lse_ptr + slot * H + offs_ho, lse, mask=offs_ho < H)
+
+
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -335,9 +485,15 @@ def gluon_runs(q: Tensor, block_size: int, block_n: int) -> bool:
     return _unfit(q, block_size, block_n) is None
 
 
+def gluon_block_h(num_heads: int, layout: str) -> int:
+    """Heads a program of the Gluon kernel: 64 (wgmma's M) in the heads layout; in the tokens layout the heads are
+    wgmma's N, H rounded up to a power of 2 in [16, 32] (past 32 the [L, BLOCK_H] accumulator outgrows registers)."""
+    return GLUON_BLOCK_H if layout == "heads" else min(32, max(16, triton.next_power_of_2(num_heads)))
+
+
 def launch_gluon_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, qk_scale: float,
                         part: Tensor, lse: Tensor, num_splits: int, block_n: int, stages: int,
-                        pipeline: str) -> None:
+                        pipeline: str, layout: str = "heads") -> None:
     """The split kernel's launch (grid N x head blocks x num_splits) writing part [N, S, H, L] and lse [N, S, H];
     `triton_decode.mla_decode` checks the shapes and merges the partials. qk_scale is scale * log2(e)."""
     N, H, D = q.shape
@@ -352,9 +508,13 @@ def launch_gluon_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_le
     c_desc = TensorDescriptor.from_tensor(rows[:, :L], [sub, L], gl.NVMMASharedLayout.get_default_for([sub, L], dt))
     pe_desc = TensorDescriptor.from_tensor(rows[:, L:], [sub, D - L],
                                            gl.NVMMASharedLayout.get_default_for([sub, D - L], dt))
-    grid = (N, triton.cdiv(H, GLUON_BLOCK_H), num_splits)
-    _mla_decode_gluon_kernel[grid](
-        q, q.stride(0), q.stride(1), kv_cache, c_desc, pe_desc, block_table, block_table.stride(0), seq_lens,
-        part, lse, qk_scale, H, block_size, num_splits,
-        L=L, R=D - L, BLOCK_H=GLUON_BLOCK_H, BLOCK_N=block_n, SUB=sub, STAGES=stages, PIPELINE=PIPELINES.index(pipeline),
-        num_warps=8)
+    block_h = gluon_block_h(H, layout)
+    grid = (N, triton.cdiv(H, block_h), num_splits)
+    args = (q, q.stride(0), q.stride(1), kv_cache, c_desc, pe_desc, block_table, block_table.stride(0), seq_lens,
+            part, lse, qk_scale, H, block_size, num_splits)
+    if layout == "tokens":
+        _mla_decode_gluon_tokens_kernel[grid](*args, L=L, R=D - L, BLOCK_H=block_h, BLOCK_N=block_n, SUB=sub,
+                                              STAGES=stages, num_warps=4)
+    else:
+        _mla_decode_gluon_kernel[grid](*args, L=L, R=D - L, BLOCK_H=block_h, BLOCK_N=block_n, SUB=sub, STAGES=stages,
+                                       PIPELINE=PIPELINES.index(pipeline), num_warps=8)

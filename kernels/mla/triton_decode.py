@@ -41,7 +41,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs, poison_like
-from k3rt.kernels.mla.gluon_decode import GLUON_BLOCK_H, PIPELINES, launch_gluon_decode
+from k3rt.kernels.mla.gluon_decode import GLUON_LAYOUTS, PIPELINES, TOKENS_BLOCK_N, gluon_block_h, launch_gluon_decode
 from k3rt.kernels.mla.triton_decode_paged import (
     _mla_decode_balanced_combine_kernel, _mla_decode_balanced_kernel, _mla_decode_paged_kernel,
 )
@@ -376,6 +376,9 @@ class MlaDecodeConfig:
     gluon_pipeline: str = "serial"  # gluon only: how a tile's MMAs overlap (gluon_decode.PIPELINES): "serial",
     #                                 "pv" (p . c in flight through the next scores), "two_tile" (also the next
     #                                 tile's scores through this tile's softmax; num_stages >= 3)
+    gluon_layout: str = "heads"  # gluon only: wgmma's M (gluon_decode.GLUON_LAYOUTS): "heads" (padded to 64, two
+    #                              warpgroups), "tokens" (the tile's tokens for the scores, the latent columns for
+    #                              p . c; heads on N unpadded, one warpgroup, 64-token tiles, serial)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_splits, int) or self.num_splits < 1:
@@ -402,6 +405,13 @@ class MlaDecodeConfig:
         if self.gluon_pipeline != "serial" and not self.gluon:
             raise ValueError(f"gluon_pipeline={self.gluon_pipeline!r} is a choice of the Gluon kernel: it needs "
                              f"gluon=True")
+        if self.gluon_layout not in GLUON_LAYOUTS:
+            raise ValueError(f"gluon_layout must be one of {GLUON_LAYOUTS}, got {self.gluon_layout!r}")
+        if self.gluon_layout != "heads" and not self.gluon:
+            raise ValueError(f"gluon_layout={self.gluon_layout!r} is a choice of the Gluon kernel: it needs gluon=True")
+        if self.gluon_layout == "tokens" and (self.block_n != TOKENS_BLOCK_N or self.gluon_pipeline != "serial"):
+            raise ValueError(f"gluon_layout='tokens' takes block_n={TOKENS_BLOCK_N} (wgmma's M) and gluon_pipeline="
+                             f"'serial', got block_n={self.block_n}, gluon_pipeline={self.gluon_pipeline!r}")
         if self.gluon and self.gluon_pipeline == "two_tile" and self.num_stages < 3:
             raise ValueError(f"gluon_pipeline='two_tile' needs num_stages >= 3, got {self.num_stages}")
         if self.partial_dtype not in _PARTIAL_DTYPES:
@@ -517,6 +527,7 @@ def mla_decode(
     tma: bool | None = None,
     gluon: bool | None = None,
     gluon_pipeline: str | None = None,
+    gluon_layout: str | None = None,
     wide_combine: bool | None = None,
 ) -> Tensor:
     """Absorbed MLA decode, one query token per sequence, over the paged latent cache.
@@ -538,7 +549,7 @@ def mla_decode(
         out: optional preallocated contiguous [N, H, L] output in q's dtype.
         use_pdl: launch with programmatic dependent launch (GPU only).
         block_n, block_h, num_warps, num_stages, layout, prefetch, paged, max_registers, schedule,
-        partial_dtype, tma, gluon, gluon_pipeline, wide_combine: tuning overrides of `mla_decode_config`'s
+        partial_dtype, tma, gluon, gluon_pipeline, gluon_layout, wide_combine: tuning overrides of `mla_decode_config`'s
             choice (see `MlaDecodeConfig`).
 
     Returns:
@@ -573,13 +584,14 @@ def mla_decode(
     overrides = dict(num_splits=num_splits, block_n=block_n, block_h=block_h, num_warps=num_warps,
                      num_stages=num_stages, layout=layout, prefetch=prefetch, paged=paged,
                      max_registers=max_registers, schedule=schedule, partial_dtype=partial_dtype, tma=tma,
-                     gluon=gluon, gluon_pipeline=gluon_pipeline, wide_combine=wide_combine)
+                     gluon=gluon, gluon_pipeline=gluon_pipeline, gluon_layout=gluon_layout,
+                     wide_combine=wide_combine)
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if cfg.gluon and num_splits is None:  # one program an SM: one wave (H100, session 42: 16x32K at 8 splits
         #                                   88.6 % of copy bandwidth, at the two-wave rule's 16 85.0 %)
         cfg = replace(cfg, num_splits=mla_decode_num_splits(
             N, H, block_table.shape[1] * block_size, _num_sms(q.device.index) if q.is_cuda else None, max_waves=1,
-            block_h=GLUON_BLOCK_H))
+            block_h=gluon_block_h(H, cfg.gluon_layout)))
     if out is None:
         out = poison_like(torch.empty(N, H, L, dtype=q.dtype, device=q.device))
     else:
@@ -614,7 +626,7 @@ def mla_decode(
     grid = (N, triton.cdiv(H, cfg.block_h), S)
     if cfg.gluon:
         launch_gluon_decode(q, kv_cache, block_table, seq_lens, float(scale) * _LOG2E, part, lse, S, cfg.block_n,
-                            cfg.num_stages, cfg.gluon_pipeline)
+                            cfg.num_stages, cfg.gluon_pipeline, cfg.gluon_layout)
     elif cfg.tma:
         if block_size % cfg.block_n:
             raise ValueError(f"tma=True needs kv_cache's block_size ({block_size}) to be a multiple of block_n "

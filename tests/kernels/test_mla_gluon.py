@@ -24,7 +24,17 @@ pytestmark = pytest.mark.usefixtures("poison_outputs")
 
 # the tiles, stage counts and pipelines the benchmark times (the 48B page of 1888 = 59 x 32 tokens)
 LAUNCHES = [(32, 2, "serial"), (32, 3, "serial"), (32, 4, "serial"), (64, 2, "serial"), (32, 3, "pv"), (32, 4, "pv"),
-            (64, 2, "pv"), (32, 3, "two_tile"), (32, 4, "two_tile")]
+            (64, 2, "pv"), (32, 3, "two_tile"), (32, 4, "two_tile"), (64, 2, "tokens")]
+
+
+def _tune(block_n: int, stages: int, pipeline: str) -> dict:
+    """mla_decode's overrides for a LAUNCHES entry ("tokens": gluon_layout="tokens", whose pipeline is serial)."""
+    if pipeline == "tokens":
+        return dict(gluon=True, block_n=block_n, num_stages=stages, gluon_layout="tokens")
+    return dict(gluon=True, block_n=block_n, num_stages=stages, gluon_pipeline=pipeline)
+
+
+
 _BUILDS = f"BUILDS = {LAUNCHES!r}\n" + r'''
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -40,12 +50,19 @@ def build(block_n, stages, pipeline, L=512, R=64):
                block_table_ptr="*i32", stride_bt_n=I32, seq_lens_ptr="*i32", part_ptr="*fp32", lse_ptr="*fp32",
                qk_scale="fp32", H=I32, block_size=I32, num_splits=I32, L=C, R=C, BLOCK_H=C, BLOCK_N=C, SUB=C,
                STAGES=C, PIPELINE=C, num_warps=C)
-    consts = dict(L=L, R=R, BLOCK_H=g.GLUON_BLOCK_H, BLOCK_N=block_n, SUB=sub, STAGES=stages,
-                  PIPELINE=g.PIPELINES.index(pipeline), num_warps=8)
+    if pipeline == "tokens":  # the tokens layout: one warpgroup, the 48B's 32 heads on N
+        del sig["PIPELINE"]
+        fn, warps = g._mla_decode_gluon_tokens_kernel, 4
+        consts = dict(L=L, R=R, BLOCK_H=g.gluon_block_h(32, "tokens"), BLOCK_N=block_n, SUB=sub, STAGES=stages,
+                      num_warps=warps)
+    else:
+        fn, warps = g._mla_decode_gluon_kernel, 8
+        consts = dict(L=L, R=R, BLOCK_H=g.GLUON_BLOCK_H, BLOCK_N=block_n, SUB=sub, STAGES=stages,
+                      PIPELINE=g.PIPELINES.index(pipeline), num_warps=warps)
     attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
              if v.startswith("*") or k.startswith("stride")}
-    k = triton.compile(GluonASTSource(g._mla_decode_gluon_kernel, sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    k = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     usage = cuobjdump(k, "-res-usage")
     return {"regs": int(re.search(r"REG:(\d+)", usage).group(1)),
             "stack": int(re.search(r"STACK:(\d+)", usage).group(1)),
@@ -73,6 +90,15 @@ def test_config_refusals() -> None:
         MlaDecodeConfig(num_splits=2, gluon_pipeline="pv")
     with pytest.raises(ValueError, match="gluon_pipeline must be one of"):
         MlaDecodeConfig(num_splits=2, gluon=True, paged=True, prefetch="none", gluon_pipeline="fast")
+    with pytest.raises(ValueError, match="gluon_layout='tokens' is a choice of the Gluon kernel"):
+        MlaDecodeConfig(num_splits=2, gluon_layout="tokens")
+    with pytest.raises(ValueError, match="gluon_layout must be one of"):
+        MlaDecodeConfig(num_splits=2, gluon=True, paged=True, prefetch="none", gluon_layout="rows")
+    with pytest.raises(ValueError, match="gluon_layout='tokens' takes block_n=64"):
+        MlaDecodeConfig(num_splits=2, gluon=True, paged=True, prefetch="none", gluon_layout="tokens", block_n=32)
+    with pytest.raises(ValueError, match="gluon_layout='tokens' takes block_n=64"):
+        MlaDecodeConfig(num_splits=2, gluon=True, paged=True, prefetch="none", gluon_layout="tokens", block_n=64,
+                        gluon_pipeline="pv")
     with pytest.raises(ValueError, match="gluon_pipeline='two_tile' needs num_stages >= 3"):
         MlaDecodeConfig(num_splits=2, gluon=True, paged=True, prefetch="none", gluon_pipeline="two_tile",
                         num_stages=2)
@@ -106,27 +132,27 @@ def test_gpu_matches_ref_at_the_48b_shape(N: int, max_ctx: int, splits: str, blo
     _poison_past_ends(case)
     want = mla_decode_ref(**case, scale=SCALE48, kv_lora_rank=L48)
     got = mla_decode(**case, scale=SCALE48, kv_lora_rank=L48, num_splits=None if splits == "auto" else 1,
-                     gluon=True, block_n=block_n, num_stages=stages, gluon_pipeline=pipeline)
+                     **_tune(block_n, stages, pipeline))
     assert rel_err(got, want) <= 1e-2, rel_err(got, want)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("pipeline", ["serial", "pv", "two_tile"])
+@pytest.mark.parametrize("pipeline", ["serial", "pv", "two_tile", "tokens"])
 def test_gpu_odd_heads_and_pages(pipeline: str) -> None:
-    """Fewer heads than a block (masked rows), a page of 64 tokens, 16-token tiles, lengths of 0, 1 and one
-    past a page, more splits than tiles."""
+    """Fewer heads than a block (masked rows), a page of 64 tokens, 16-token tiles (the tokens layout: 64), lengths
+    of 0, 1 and one past a page, more splits than tiles."""
     case = decode_case([0, 1, 65, 300, 4097], H=20, L=L48, R=R48, block_size=64, dtype=torch.float16, seed=5)
     _poison_past_ends(case)
     want = mla_decode_ref(**case, scale=0.1, kv_lora_rank=L48)
-    got = mla_decode(**case, scale=0.1, kv_lora_rank=L48, num_splits=40, gluon=True, block_n=16, num_stages=4,
-                     gluon_pipeline=pipeline)
+    tune = _tune(64, 2, pipeline) if pipeline == "tokens" else _tune(16, 4, pipeline)
+    got = mla_decode(**case, scale=0.1, kv_lora_rank=L48, num_splits=40, **tune)
     assert rel_err(got, want) <= 1e-2, rel_err(got, want)
     assert torch.equal(got[0], torch.zeros_like(got[0]))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("pipeline", ["serial", "pv", "two_tile"])
+@pytest.mark.parametrize("pipeline", ["serial", "pv", "two_tile", "tokens"])
 def test_gpu_cuda_graph_replay(pipeline: str) -> None:
-    check_decode_graph_replay(gluon=True, block_n=32, num_stages=3, gluon_pipeline=pipeline)
+    check_decode_graph_replay(**(_tune(64, 2, pipeline) if pipeline == "tokens" else _tune(32, 3, pipeline)))
