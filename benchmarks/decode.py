@@ -59,7 +59,9 @@ VARIANTS = {"control": {}, "pdl": dict(use_pdl=True), "cublas_gemv": dict(skinny
             # session 42: the MLA decode's Gluon kernel (off until timed)
             "mla_gluon": dict(mla_gluon=True),
             # session 43: the MLA decode's two-step combine past 32 splits (the default before session 43)
-            "mla_two_step_combine": dict(mla_wide_combine=False)}
+            "mla_two_step_combine": dict(mla_wide_combine=False),
+            # session 43: the Gluon kernel's tokens layout
+            "mla_gluon_tokens": dict(mla_gluon=True, mla_gluon_layout="tokens")}
 
 
 def _args() -> argparse.Namespace:

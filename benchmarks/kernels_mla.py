@@ -181,6 +181,11 @@ DECODE_VARIANTS = {
     "gluon n64 x2": dict(gluon=True, block_n=64, num_stages=2),  # two 32-row boxes a tile at the 1888-token page
     # session 43: tokens on wgmma's M (the scores c . q^T, then c^T . p^T), heads on N unpadded, one warpgroup
     "gluon tokens n64 x2": dict(gluon=True, block_n=64, num_stages=2, gluon_layout="tokens"),
+    "gluon tokens n64 x2 bf16 partials": dict(gluon=True, block_n=64, num_stages=2, gluon_layout="tokens",
+                                              partial_dtype="input"),
+    # 16 heads a program: two programs a split share its KV tiles (through L2), half the splits at batch 1, so half
+    # the partials written and merged
+    "gluon tokens h16 n64 x2": dict(gluon=True, block_n=64, num_stages=2, gluon_layout="tokens", block_h=16),
     "gluon n32 x3 pv": dict(gluon=True, block_n=32, num_stages=3, gluon_pipeline="pv"),
     "gluon n32 x4 pv": dict(gluon=True, block_n=32, num_stages=4, gluon_pipeline="pv"),
     "gluon n64 x2 pv": dict(gluon=True, block_n=64, num_stages=2, gluon_pipeline="pv"),

@@ -375,6 +375,30 @@ def _mla_decode_gluon_tokens_kernel(
     i_hb = gl.program_id(1)
     i_s = gl.program_id(2)
 
+    c_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, L], c_desc.layout)
+    pe_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, R], pe_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(STAGES):
+        mbarrier.init(bars.index(b), count=1)
+    fence_async_shared()
+
+    # the first tiles' copies go out before q is loaded: at batch 1 every program has a few tiles only, and the
+    # chain seq_len -> page ids -> copies is the longest of the prologue
+    seq_len = gl.load(seq_lens_ptr + i_n)
+    num_tiles = gl.cdiv(seq_len, BLOCK_N)
+    chunk = gl.cdiv(num_tiles, num_splits)
+    t_start = i_s * chunk
+    t_end = gl.minimum(t_start + chunk, num_tiles)
+    t_full = gl.minimum(t_end, seq_len // BLOCK_N)
+    n_full = gl.maximum(t_full - t_start, 0)
+    bt_row = block_table_ptr + i_n.to(gl.int64) * stride_bt_n
+    for b in gl.static_range(STAGES):
+        if b < n_full:
+            page_a, page_b = _tile_pages(bt_row, t_start + b, t_full, block_size, BLOCK_N, SUB)
+            _issue_tile(c_desc, pe_desc, c_ring.index(b), pe_ring.index(b), bars.index(b), page_a, page_b,
+                        t_start + b, block_size, BLOCK_N, SUB)
+    page_a, page_b = _tile_pages(bt_row, t_start + STAGES, t_full, block_size, BLOCK_N, SUB)
+
     offs_h = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_layout))
     mask_h = (offs_h < H)[:, None]
     q_rows = q_ptr + i_n.to(gl.int64) * stride_q_n + offs_h[:, None] * stride_q_h
@@ -387,29 +411,8 @@ def _mla_decode_gluon_tokens_kernel(
                                          gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], dtype), q_pe)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_H],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], dtype))
-    c_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, L], c_desc.layout)
-    pe_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, R], pe_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for b in gl.static_range(STAGES):
-        mbarrier.init(bars.index(b), count=1)
     fence_async_shared()
     gl.thread_barrier()  # every warp's rows of q stored before any MMA reads them
-
-    seq_len = gl.load(seq_lens_ptr + i_n)
-    num_tiles = gl.cdiv(seq_len, BLOCK_N)
-    chunk = gl.cdiv(num_tiles, num_splits)
-    t_start = i_s * chunk
-    t_end = gl.minimum(t_start + chunk, num_tiles)
-    t_full = gl.minimum(t_end, seq_len // BLOCK_N)
-    n_full = gl.maximum(t_full - t_start, 0)
-    bt_row = block_table_ptr + i_n.to(gl.int64) * stride_bt_n
-
-    for b in gl.static_range(STAGES):
-        if b < n_full:
-            page_a, page_b = _tile_pages(bt_row, t_start + b, t_full, block_size, BLOCK_N, SUB)
-            _issue_tile(c_desc, pe_desc, c_ring.index(b), pe_ring.index(b), bars.index(b), page_a, page_b,
-                        t_start + b, block_size, BLOCK_N, SUB)
-    page_a, page_b = _tile_pages(bt_row, t_start + STAGES, t_full, block_size, BLOCK_N, SUB)
 
     acc = gl.zeros([L, BLOCK_H], gl.float32, layout)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, layout))
@@ -485,15 +488,18 @@ def gluon_runs(q: Tensor, block_size: int, block_n: int) -> bool:
     return _unfit(q, block_size, block_n) is None
 
 
-def gluon_block_h(num_heads: int, layout: str) -> int:
+def gluon_block_h(num_heads: int, layout: str, block_h: int | None = None) -> int:
     """Heads a program of the Gluon kernel: 64 (wgmma's M) in the heads layout; in the tokens layout the heads are
-    wgmma's N, H rounded up to a power of 2 in [16, 32] (past 32 the [L, BLOCK_H] accumulator outgrows registers)."""
-    return GLUON_BLOCK_H if layout == "heads" else min(32, max(16, triton.next_power_of_2(num_heads)))
+    wgmma's N: `block_h` where given (16 or 32), else H rounded up to a power of 2 in [16, 32] (past 32 the
+    [L, BLOCK_H] accumulator outgrows registers)."""
+    if layout == "heads":
+        return GLUON_BLOCK_H
+    return block_h or min(32, max(16, triton.next_power_of_2(num_heads)))
 
 
 def launch_gluon_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, qk_scale: float,
                         part: Tensor, lse: Tensor, num_splits: int, block_n: int, stages: int,
-                        pipeline: str, layout: str = "heads") -> None:
+                        pipeline: str, layout: str = "heads", block_h: int | None = None) -> None:
     """The split kernel's launch (grid N x head blocks x num_splits) writing part [N, S, H, L] and lse [N, S, H];
     `triton_decode.mla_decode` checks the shapes and merges the partials. qk_scale is scale * log2(e)."""
     N, H, D = q.shape
@@ -508,7 +514,7 @@ def launch_gluon_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_le
     c_desc = TensorDescriptor.from_tensor(rows[:, :L], [sub, L], gl.NVMMASharedLayout.get_default_for([sub, L], dt))
     pe_desc = TensorDescriptor.from_tensor(rows[:, L:], [sub, D - L],
                                            gl.NVMMASharedLayout.get_default_for([sub, D - L], dt))
-    block_h = gluon_block_h(H, layout)
+    block_h = gluon_block_h(H, layout, block_h)
     grid = (N, triton.cdiv(H, block_h), num_splits)
     args = (q, q.stride(0), q.stride(1), kv_cache, c_desc, pe_desc, block_table, block_table.stride(0), seq_lens,
             part, lse, qk_scale, H, block_size, num_splits)

@@ -378,7 +378,7 @@ class MlaDecodeConfig:
     #                                 tile's scores through this tile's softmax; num_stages >= 3)
     gluon_layout: str = "heads"  # gluon only: wgmma's M (gluon_decode.GLUON_LAYOUTS): "heads" (padded to 64, two
     #                              warpgroups), "tokens" (the tile's tokens for the scores, the latent columns for
-    #                              p . c; heads on N unpadded, one warpgroup, 64-token tiles, serial)
+    #                              p . c; block_h heads (16 or 32) on N unpadded, one warpgroup, 64-token tiles, serial)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_splits, int) or self.num_splits < 1:
@@ -409,6 +409,8 @@ class MlaDecodeConfig:
             raise ValueError(f"gluon_layout must be one of {GLUON_LAYOUTS}, got {self.gluon_layout!r}")
         if self.gluon_layout != "heads" and not self.gluon:
             raise ValueError(f"gluon_layout={self.gluon_layout!r} is a choice of the Gluon kernel: it needs gluon=True")
+        if self.gluon_layout == "tokens" and self.block_h not in (16, 32):
+            raise ValueError(f"gluon_layout='tokens' takes block_h 16 or 32 (wgmma's N), got {self.block_h}")
         if self.gluon_layout == "tokens" and (self.block_n != TOKENS_BLOCK_N or self.gluon_pipeline != "serial"):
             raise ValueError(f"gluon_layout='tokens' takes block_n={TOKENS_BLOCK_N} (wgmma's M) and gluon_pipeline="
                              f"'serial', got block_n={self.block_n}, gluon_pipeline={self.gluon_pipeline!r}")
@@ -591,7 +593,7 @@ def mla_decode(
         #                                   88.6 % of copy bandwidth, at the two-wave rule's 16 85.0 %)
         cfg = replace(cfg, num_splits=mla_decode_num_splits(
             N, H, block_table.shape[1] * block_size, _num_sms(q.device.index) if q.is_cuda else None, max_waves=1,
-            block_h=gluon_block_h(H, cfg.gluon_layout)))
+            block_h=gluon_block_h(H, cfg.gluon_layout, cfg.block_h)))
     if out is None:
         out = poison_like(torch.empty(N, H, L, dtype=q.dtype, device=q.device))
     else:
@@ -626,7 +628,7 @@ def mla_decode(
     grid = (N, triton.cdiv(H, cfg.block_h), S)
     if cfg.gluon:
         launch_gluon_decode(q, kv_cache, block_table, seq_lens, float(scale) * _LOG2E, part, lse, S, cfg.block_n,
-                            cfg.num_stages, cfg.gluon_pipeline, cfg.gluon_layout)
+                            cfg.num_stages, cfg.gluon_pipeline, cfg.gluon_layout, cfg.block_h)
     elif cfg.tma:
         if block_size % cfg.block_n:
             raise ValueError(f"tma=True needs kv_cache's block_size ({block_size}) to be a multiple of block_n "

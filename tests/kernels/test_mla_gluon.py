@@ -24,13 +24,15 @@ pytestmark = pytest.mark.usefixtures("poison_outputs")
 
 # the tiles, stage counts and pipelines the benchmark times (the 48B page of 1888 = 59 x 32 tokens)
 LAUNCHES = [(32, 2, "serial"), (32, 3, "serial"), (32, 4, "serial"), (64, 2, "serial"), (32, 3, "pv"), (32, 4, "pv"),
-            (64, 2, "pv"), (32, 3, "two_tile"), (32, 4, "two_tile"), (64, 2, "tokens")]
+            (64, 2, "pv"), (32, 3, "two_tile"), (32, 4, "two_tile"), (64, 2, "tokens"), (64, 2, "tokens16")]
 
 
 def _tune(block_n: int, stages: int, pipeline: str) -> dict:
-    """mla_decode's overrides for a LAUNCHES entry ("tokens": gluon_layout="tokens", whose pipeline is serial)."""
-    if pipeline == "tokens":
-        return dict(gluon=True, block_n=block_n, num_stages=stages, gluon_layout="tokens")
+    """mla_decode's overrides for a LAUNCHES entry ("tokens": gluon_layout="tokens", whose pipeline is serial;
+    "tokens16": with 16 heads a program)."""
+    if pipeline.startswith("tokens"):
+        return dict(gluon=True, block_n=block_n, num_stages=stages, gluon_layout="tokens",
+                    block_h=16 if pipeline == "tokens16" else None)
     return dict(gluon=True, block_n=block_n, num_stages=stages, gluon_pipeline=pipeline)
 
 
@@ -50,11 +52,11 @@ def build(block_n, stages, pipeline, L=512, R=64):
                block_table_ptr="*i32", stride_bt_n=I32, seq_lens_ptr="*i32", part_ptr="*fp32", lse_ptr="*fp32",
                qk_scale="fp32", H=I32, block_size=I32, num_splits=I32, L=C, R=C, BLOCK_H=C, BLOCK_N=C, SUB=C,
                STAGES=C, PIPELINE=C, num_warps=C)
-    if pipeline == "tokens":  # the tokens layout: one warpgroup, the 48B's 32 heads on N
+    if pipeline.startswith("tokens"):  # the tokens layout: one warpgroup, the 48B's 32 heads (or 16) on N
         del sig["PIPELINE"]
         fn, warps = g._mla_decode_gluon_tokens_kernel, 4
-        consts = dict(L=L, R=R, BLOCK_H=g.gluon_block_h(32, "tokens"), BLOCK_N=block_n, SUB=sub, STAGES=stages,
-                      num_warps=warps)
+        consts = dict(L=L, R=R, BLOCK_H=16 if pipeline == "tokens16" else g.gluon_block_h(32, "tokens"),
+                      BLOCK_N=block_n, SUB=sub, STAGES=stages, num_warps=warps)
     else:
         fn, warps = g._mla_decode_gluon_kernel, 8
         consts = dict(L=L, R=R, BLOCK_H=g.GLUON_BLOCK_H, BLOCK_N=block_n, SUB=sub, STAGES=stages,
@@ -96,6 +98,9 @@ def test_config_refusals() -> None:
         MlaDecodeConfig(num_splits=2, gluon=True, paged=True, prefetch="none", gluon_layout="rows")
     with pytest.raises(ValueError, match="gluon_layout='tokens' takes block_n=64"):
         MlaDecodeConfig(num_splits=2, gluon=True, paged=True, prefetch="none", gluon_layout="tokens", block_n=32)
+    with pytest.raises(ValueError, match="gluon_layout='tokens' takes block_h 16 or 32"):
+        MlaDecodeConfig(num_splits=2, gluon=True, paged=True, prefetch="none", gluon_layout="tokens", block_n=64,
+                        block_h=64)
     with pytest.raises(ValueError, match="gluon_layout='tokens' takes block_n=64"):
         MlaDecodeConfig(num_splits=2, gluon=True, paged=True, prefetch="none", gluon_layout="tokens", block_n=64,
                         gluon_pipeline="pv")

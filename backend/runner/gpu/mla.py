@@ -212,7 +212,7 @@ def _decode_launch(k: KernelConfig, qcat: torch.Tensor, kv_pages: torch.Tensor) 
     combine past 32 splits (KernelConfig.mla_wide_combine)."""
     launch = dict(wide_combine=k.mla_wide_combine)
     if k.mla_gluon and gluon_runs(qcat, kv_pages.shape[1], GLUON_LAUNCH["block_n"]):
-        launch.update(GLUON_LAUNCH)
+        launch.update(GLUON_LAUNCH, gluon_layout=k.mla_gluon_layout)
     return launch
 
 

@@ -134,6 +134,9 @@ class KernelConfig:
     # 42, kernels_mla.py): at or past the Triton default from 32K context, 3 points behind at 8K; off until the H200
     # and the 48B step (decode.py variant mla_gluon) have timed it
     mla_gluon: bool = False
+    # the Gluon kernel's layout where mla_gluon is on (MlaDecodeConfig.gluon_layout): "heads", or "tokens" (session
+    # 43: the tile's tokens on wgmma's M, heads unpadded; decode.py variant mla_gluon_tokens)
+    mla_gluon_layout: str = "heads"
     # the MLA decode's combine past 32 splits in one pass over up to 256 (MlaDecodeConfig.wide_combine, its default)
     # instead of 32-split steps: batch 1-4 at long contexts. Off only to time the two-step form (decode.py variant
     # mla_two_step_combine)
