@@ -110,6 +110,62 @@ def _refill(c_desc, pe_desc, c_ring, pe_ring, bars, bt_row, page_a, page_b, t, t
 
 
 @gluon.jit
+def _split_tiles(seq_lens_ptr, i_n, i_s, num_splits, BLOCK_N: gl.constexpr):
+    """Split i_s's share of sequence i_n: its tiles [t_start, t_end), the first tile holding rows past the end
+    (t_full: tiles before it hold only live rows) and its count of full tiles."""
+    seq_len = gl.load(seq_lens_ptr + i_n)
+    num_tiles = gl.cdiv(seq_len, BLOCK_N)
+    chunk = gl.cdiv(num_tiles, num_splits)
+    t_start = i_s * chunk
+    t_end = gl.minimum(t_start + chunk, num_tiles)
+    t_full = gl.minimum(t_end, seq_len // BLOCK_N)
+    return seq_len, t_start, t_end, t_full, gl.maximum(t_full - t_start, 0)
+
+
+@gluon.jit
+def _prologue(c_desc, pe_desc, c_ring, pe_ring, bars, bt_row, t_start, t_full, n_full, block_size,
+              STAGES: gl.constexpr, BLOCK_N: gl.constexpr, SUB: gl.constexpr):
+    """The ring's first STAGES tiles, one a stage; the page ids of the next refill (loaded one refill ahead so the
+    issue never waits on the block table)."""
+    for b in gl.static_range(STAGES):
+        if b < n_full:
+            page_a, page_b = _tile_pages(bt_row, t_start + b, t_full, block_size, BLOCK_N, SUB)
+            _issue_tile(c_desc, pe_desc, c_ring.index(b), pe_ring.index(b), bars.index(b), page_a, page_b,
+                        t_start + b, block_size, BLOCK_N, SUB)
+    return _tile_pages(bt_row, t_start + STAGES, t_full, block_size, BLOCK_N, SUB)
+
+
+@gluon.jit
+def _load_q(q_ptr, stride_q_n, stride_q_h, i_n, i_hb, H, L: gl.constexpr, R: gl.constexpr, BLOCK_H: gl.constexpr,
+            layout: gl.constexpr):
+    """Head block i_hb of sequence i_n's query: q_c [BLOCK_H, L] and q_pe [BLOCK_H, R], zero rows past H."""
+    offs_h = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, layout))
+    mask_h = (offs_h < H)[:, None]
+    q_rows = q_ptr + i_n.to(gl.int64) * stride_q_n + offs_h[:, None] * stride_q_h
+    q_c = gl.load(q_rows + gl.arange(0, L, layout=gl.SliceLayout(0, layout))[None, :], mask=mask_h, other=0.0)
+    q_pe = gl.load(q_rows + L + gl.arange(0, R, layout=gl.SliceLayout(0, layout))[None, :], mask=mask_h, other=0.0)
+    return q_c, q_pe
+
+
+@gluon.jit
+def _last_tile_rows(kv_ptr, bt_row, t_full, seq_len, block_size, L: gl.constexpr, R: gl.constexpr,
+                    BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """The sequence's partial last tile (tile t_full) by masked pointer loads: c [BLOCK_N, L] and pe [BLOCK_N, R],
+    zeros past the end (rows there may hold NaN, which a TMA box would copy), and its live row count."""
+    n_live = seq_len - t_full * BLOCK_N
+    offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    pos = t_full * BLOCK_N + offs_t
+    live = offs_t < n_live
+    pages = gl.load(bt_row + pos // block_size, mask=live, other=0)  # the tile may straddle a page
+    rows = kv_ptr + (pages.to(gl.int64) * block_size + pos % block_size) * (L + R)
+    c = gl.load(rows[:, None] + gl.arange(0, L, layout=gl.SliceLayout(0, layout))[None, :], mask=live[:, None],
+                other=0.0)
+    pe = gl.load(rows[:, None] + L + gl.arange(0, R, layout=gl.SliceLayout(0, layout))[None, :], mask=live[:, None],
+                 other=0.0)
+    return c, pe, n_live
+
+
+@gluon.jit
 def _issue_scores(qc_smem, qpe_smem, c_buf, pe_buf, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
                   s_layout: gl.constexpr):
     """Start s [BLOCK_H, BLOCK_N] = q_c . c^T + q_pe . pe^T (unscaled): two MMA groups, the token of both."""
@@ -190,12 +246,7 @@ def _mla_decode_gluon_kernel(
     i_s = gl.program_id(2)
 
     # q [BLOCK_H, L] and [BLOCK_H, R] into shared memory once (zero rows past H)
-    offs_h = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_layout))
-    mask_h = (offs_h < H)[:, None]
-    q_rows = q_ptr + i_n.to(gl.int64) * stride_q_n + offs_h[:, None] * stride_q_h
-    q_c = gl.load(q_rows + gl.arange(0, L, layout=gl.SliceLayout(0, ld_layout))[None, :], mask=mask_h, other=0.0)
-    q_pe = gl.load(q_rows + L + gl.arange(0, R, layout=gl.SliceLayout(0, ld_layout))[None, :], mask=mask_h,
-                   other=0.0)
+    q_c, q_pe = _load_q(q_ptr, stride_q_n, stride_q_h, i_n, i_hb, H, L, R, BLOCK_H, ld_layout)
     qc_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, L], gl.NVMMASharedLayout.get_default_for([BLOCK_H, L], dtype),
                                         q_c)
     qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, R],
@@ -207,22 +258,10 @@ def _mla_decode_gluon_kernel(
         mbarrier.init(bars.index(b), count=1)
     fence_async_shared()  # q's stores and the barriers' init before any async-proxy access
 
-    seq_len = gl.load(seq_lens_ptr + i_n)
-    num_tiles = gl.cdiv(seq_len, BLOCK_N)
-    chunk = gl.cdiv(num_tiles, num_splits)
-    t_start = i_s * chunk
-    t_end = gl.minimum(t_start + chunk, num_tiles)
-    t_full = gl.minimum(t_end, seq_len // BLOCK_N)  # tiles before this one hold only live rows
-    n_full = gl.maximum(t_full - t_start, 0)
+    seq_len, t_start, t_end, t_full, n_full = _split_tiles(seq_lens_ptr, i_n, i_s, num_splits, BLOCK_N)
     bt_row = block_table_ptr + i_n.to(gl.int64) * stride_bt_n
-
-    for b in gl.static_range(STAGES):  # the prologue: the first STAGES tiles, one a stage
-        if b < n_full:
-            page_a, page_b = _tile_pages(bt_row, t_start + b, t_full, block_size, BLOCK_N, SUB)
-            _issue_tile(c_desc, pe_desc, c_ring.index(b), pe_ring.index(b), bars.index(b), page_a, page_b,
-                        t_start + b, block_size, BLOCK_N, SUB)
-    # the pages of the next refill, loaded one refill ahead so the issue never waits on the block table
-    page_a, page_b = _tile_pages(bt_row, t_start + STAGES, t_full, block_size, BLOCK_N, SUB)
+    page_a, page_b = _prologue(c_desc, pe_desc, c_ring, pe_ring, bars, bt_row, t_start, t_full, n_full, block_size,
+                               STAGES, BLOCK_N, SUB)
 
     acc = gl.zeros([BLOCK_H, L], gl.float32, o_layout)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -274,16 +313,7 @@ def _mla_decode_gluon_kernel(
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
     if (t_full < t_end) & (t_full >= t_start):  # the sequence's partial last tile: masked rows, zeros past the end
-        n_live = seq_len - t_full * BLOCK_N
-        offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_layout))
-        pos = t_full * BLOCK_N + offs_t
-        live = offs_t < n_live
-        pages = gl.load(bt_row + pos // block_size, mask=live, other=0)  # the tile may straddle a page
-        rows = kv_ptr + (pages.to(gl.int64) * block_size + pos % block_size) * (L + R)
-        c = gl.load(rows[:, None] + gl.arange(0, L, layout=gl.SliceLayout(0, ld_layout))[None, :],
-                    mask=live[:, None], other=0.0)
-        pe = gl.load(rows[:, None] + L + gl.arange(0, R, layout=gl.SliceLayout(0, ld_layout))[None, :],
-                     mask=live[:, None], other=0.0)
+        c, pe, n_live = _last_tile_rows(kv_ptr, bt_row, t_full, seq_len, block_size, L, R, BLOCK_N, ld_layout)
         jt = n_full % STAGES  # every issued copy has landed and been read: any stage is free
         gl.thread_barrier()  # both warpgroups are past their last read of it
         c_ring.index(jt).store(c)
@@ -384,27 +414,12 @@ def _mla_decode_gluon_tokens_kernel(
 
     # the first tiles' copies go out before q is loaded: at batch 1 every program has a few tiles only, and the
     # chain seq_len -> page ids -> copies is the longest of the prologue
-    seq_len = gl.load(seq_lens_ptr + i_n)
-    num_tiles = gl.cdiv(seq_len, BLOCK_N)
-    chunk = gl.cdiv(num_tiles, num_splits)
-    t_start = i_s * chunk
-    t_end = gl.minimum(t_start + chunk, num_tiles)
-    t_full = gl.minimum(t_end, seq_len // BLOCK_N)
-    n_full = gl.maximum(t_full - t_start, 0)
+    seq_len, t_start, t_end, t_full, n_full = _split_tiles(seq_lens_ptr, i_n, i_s, num_splits, BLOCK_N)
     bt_row = block_table_ptr + i_n.to(gl.int64) * stride_bt_n
-    for b in gl.static_range(STAGES):
-        if b < n_full:
-            page_a, page_b = _tile_pages(bt_row, t_start + b, t_full, block_size, BLOCK_N, SUB)
-            _issue_tile(c_desc, pe_desc, c_ring.index(b), pe_ring.index(b), bars.index(b), page_a, page_b,
-                        t_start + b, block_size, BLOCK_N, SUB)
-    page_a, page_b = _tile_pages(bt_row, t_start + STAGES, t_full, block_size, BLOCK_N, SUB)
+    page_a, page_b = _prologue(c_desc, pe_desc, c_ring, pe_ring, bars, bt_row, t_start, t_full, n_full, block_size,
+                               STAGES, BLOCK_N, SUB)
 
-    offs_h = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_layout))
-    mask_h = (offs_h < H)[:, None]
-    q_rows = q_ptr + i_n.to(gl.int64) * stride_q_n + offs_h[:, None] * stride_q_h
-    q_c = gl.load(q_rows + gl.arange(0, L, layout=gl.SliceLayout(0, ld_layout))[None, :], mask=mask_h, other=0.0)
-    q_pe = gl.load(q_rows + L + gl.arange(0, R, layout=gl.SliceLayout(0, ld_layout))[None, :], mask=mask_h,
-                   other=0.0)
+    q_c, q_pe = _load_q(q_ptr, stride_q_n, stride_q_h, i_n, i_hb, H, L, R, BLOCK_H, ld_layout)
     qc_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, L], gl.NVMMASharedLayout.get_default_for([BLOCK_H, L], dtype),
                                         q_c)
     qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, R],
@@ -427,17 +442,8 @@ def _mla_decode_gluon_tokens_kernel(
                                  t_start + i + STAGES, t_start, t_full, block_size, STAGES, BLOCK_N, SUB)
 
     if (t_full < t_end) & (t_full >= t_start):  # the sequence's partial last tile: masked rows, zeros past the end
-        n_live = seq_len - t_full * BLOCK_N
-        offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_layout))
-        pos = t_full * BLOCK_N + offs_t
-        live = offs_t < n_live
-        pages = gl.load(bt_row + pos // block_size, mask=live, other=0)
-        rows = kv_ptr + (pages.to(gl.int64) * block_size + pos % block_size) * (L + R)
-        c = gl.load(rows[:, None] + gl.arange(0, L, layout=gl.SliceLayout(0, ld_layout))[None, :],
-                    mask=live[:, None], other=0.0)
-        pe = gl.load(rows[:, None] + L + gl.arange(0, R, layout=gl.SliceLayout(0, ld_layout))[None, :],
-                     mask=live[:, None], other=0.0)
-        jt = n_full % STAGES
+        c, pe, n_live = _last_tile_rows(kv_ptr, bt_row, t_full, seq_len, block_size, L, R, BLOCK_N, ld_layout)
+        jt = n_full % STAGES  # every stage is free: the loop's last barrier is behind every warp's reads
         c_ring.index(jt).store(c)
         pe_ring.index(jt).store(pe)
         fence_async_shared()
