@@ -75,6 +75,13 @@
 #   mla (240)           benchmarks/kernels_mla.py --decode-only (13 launch variants x 11 cases, then splits); with
 #                       MLA_BASELINE=FILE (an earlier kernels/mla/triton_decode.py, carried) that file's mla_decode
 #                       too, beside the default at every case, interleaved (session 39: the one-pass combine)
+#   mla-gluon (90 + 100) the Gluon MLA decode's GPU tests (both layouts: heads padded to 64, tokens on wgmma's M;
+#                       session 43), then kernels_mla.py: the Triton default (one-pass combine) and its two-step
+#                       combine, the Gluon heads and tokens layouts, bf16 partials (issue 18's >= 80 % at batch >= 16
+#                       and >= 50 % at batch 1 on the H200)
+#   decode-mla (240)    benchmarks/decode.py at the 48B shape, batch 1/16/64 at 4K, --profile 1: the default against
+#                       the MLA decode's two-step combine, the Gluon kernel in either layout, batch 1's KDA norm in
+#                       o_proj, the persistent one-token layers (session 43's variants; needs the H200)
 #   moe (200)           benchmarks/kernels_moe.py: decode T=1/64, prefill 2K/8K/32K (every tile candidate, the
 #                       grouped tiles among them; the alignment alone in both multi-chunk forms), route
 #   linear (100)        benchmarks/kernels_linear.py
@@ -139,7 +146,7 @@ for stage in "$@"; do
     spec-tests|spec-verify|dspark-pass|spec-bench|spec-gate|spec-rounds|jit-churn|tp-tests|tp|tp-symm|k3-slice) ;;
     profile|kda-probe|tiny-linear|spec-round|prep|kda-blocks|k3-launches|kda-warps|spec-b1) ;;
     kda-multi|kda-fused-gc|kda-forms-48b|bf16-paths|spec-b16|kda-phases|kda-default|kda-decode-probe|kda-decode) ;;
-    moe-layer|kda-layer) ;;
+    moe-layer|kda-layer|mla-gluon|decode-mla) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -268,6 +275,15 @@ for stage in "$@"; do
     mla)
       run mla 240 python3 benchmarks/kernels_mla.py --decode-only --budget-s 200 \
         ${MLA_BASELINE:+--decode-baseline "$MLA_BASELINE"} --out "$OUT/mla.json" ;;
+    mla-gluon)
+      gpu_pytest mla-gluon 90 tests/kernels/test_mla_gluon.py -k "tokens or n64x2_serial or odd or graph"
+      run mla-gluon 100 python3 benchmarks/kernels_mla.py --decode-only --budget-s 90 --decode-variants \
+        "default (h32 n32 w4 x3 2/SM)" "default two-step combine" "gluon n64 x2" "gluon tokens n64 x2" \
+        "gluon tokens n64 x2 bf16 partials" --out "$OUT/mla_gluon.json" ;;
+    decode-mla)
+      run decode-mla 240 python3 benchmarks/decode.py --batch 1 16 64 --profile 1 --prefill --variants control \
+        mla_two_step_combine mla_gluon mla_gluon_tokens kda_norm_in_o_proj layers_one_token --budget-s 220 \
+        --out "$OUT/decode_mla.json" ;;
     moe)
       run moe 200 python3 benchmarks/kernels_moe.py --decode-t 1 64 --prefill-t 2048 8192 32768 --budget-s 180 \
         --out "$OUT/moe.json" ;;
