@@ -932,12 +932,14 @@ def test_mla_gluon_leaves_the_cpu_and_interpreter_decode_as_it_is(tmp_path) -> N
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("arch", ["kimi_linear", "k3"])
-def test_gpu_mla_decode_in_the_gluon_kernel(arch, tmp_path) -> None:
-    """KernelConfig.mla_gluon on CUDA: a bf16 decode forward with the MLA decode in kernels/mla/gluon_decode.py gives
-    the default kernel's logits up to bf16 rounding."""
+@pytest.mark.parametrize("layout", ["heads", "tokens"])
+def test_gpu_mla_decode_in_the_gluon_kernel(arch, layout, tmp_path) -> None:
+    """KernelConfig.mla_gluon on CUDA, in either layout (mla_gluon_layout): a bf16 decode forward with the MLA decode
+    in kernels/mla/gluon_decode.py gives the default kernel's logits up to bf16 rounding."""
     from k3rt.kernels.mla.gluon_decode import GLUON_LAUNCH, gluon_runs
 
-    one_runner, step, _ = _k3_decode_forward_counted(tmp_path / "a", arch=arch, bf16_on_cuda=True, mla_gluon=True)
+    one_runner, step, _ = _k3_decode_forward_counted(tmp_path / "a", arch=arch, bf16_on_cuda=True, mla_gluon=True,
+                                                     mla_gluon_layout=layout)
     plain_runner, plain_step, _ = _k3_decode_forward_counted(tmp_path / "b", arch=arch, bf16_on_cuda=True)
     probe = torch.empty(1, device="cuda", dtype=torch.bfloat16)
     assert gluon_runs(probe, one_runner.fwd.pool.layout.block_size, GLUON_LAUNCH["block_n"])  # the case is exercised
