@@ -477,8 +477,12 @@ def _box_rows(block_size: int, block_n: int) -> int | None:
     return next((b for b in (block_n, block_n // 2) if b >= 8 and block_size % b == 0), None)
 
 
-def _unfit(q: Tensor, block_size: int, block_n: int) -> str | None:
+def _unfit(q: Tensor, block_size: int, block_n: int, layout: str = "heads",
+           kv_lora_rank: int | None = None) -> str | None:
     """Why the Gluon kernel cannot take this launch, or None where it can."""
+    if layout == "tokens" and kv_lora_rank is not None and kv_lora_rank % 64:
+        return (f"gluon_layout='tokens' needs kv_lora_rank a multiple of 64 (the latent columns are wgmma's M in "
+                f"c^T . p^T), got {kv_lora_rank}")
     if not q.is_cuda or _sm_major(q.device.index) < 9:
         return "the Gluon MLA decode (gluon=True) needs an sm_90+ GPU: Gluon kernels have no interpreter"
     if q.dtype not in _GL_DTYPES:
@@ -489,9 +493,11 @@ def _unfit(q: Tensor, block_size: int, block_n: int) -> str | None:
     return None
 
 
-def gluon_runs(q: Tensor, block_size: int, block_n: int) -> bool:
-    """Whether the Gluon kernel takes this launch: an sm_90+ GPU, bf16/fp16, boxes that fit the pages."""
-    return _unfit(q, block_size, block_n) is None
+def gluon_runs(q: Tensor, block_size: int, block_n: int, layout: str = "heads",
+               kv_lora_rank: int | None = None) -> bool:
+    """Whether the Gluon kernel takes this launch: an sm_90+ GPU, bf16/fp16, boxes that fit the pages (the tokens
+    layout: kv_lora_rank a multiple of 64)."""
+    return _unfit(q, block_size, block_n, layout, kv_lora_rank) is None
 
 
 def gluon_block_h(num_heads: int, layout: str, block_h: int | None = None) -> int:
@@ -511,7 +517,7 @@ def launch_gluon_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_le
     N, H, D = q.shape
     L = part.shape[-1]
     block_size = kv_cache.shape[1]
-    why = _unfit(q, block_size, block_n)
+    why = _unfit(q, block_size, block_n, layout, L)
     if why is not None:
         raise ValueError(why)
     sub = _box_rows(block_size, block_n)  # a TMA box has no row mask: a box must not straddle a page

@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from k3rt.kernels.mla import mla_decode  # noqa: E402
+from k3rt.kernels.mla.gluon_decode import gluon_runs  # noqa: E402
 from k3rt.kernels.mla.ref import mla_decode_ref  # noqa: E402
 from k3rt.kernels.mla.triton_decode import MlaDecodeConfig  # noqa: E402
 from tests.kernels.helpers import HAS_CUDA, rel_err, run_sm90_build  # noqa: E402
@@ -107,6 +108,15 @@ def test_config_refusals() -> None:
     with pytest.raises(ValueError, match="gluon_pipeline='two_tile' needs num_stages >= 3"):
         MlaDecodeConfig(num_splits=2, gluon=True, paged=True, prefetch="none", gluon_pipeline="two_tile",
                         num_stages=2)
+
+
+def test_the_tokens_layout_refuses_a_latent_below_64_columns() -> None:
+    """The tokens layout's c^T . p^T has the latent columns on wgmma's M (64 rows an instruction): the tiny
+    checkpoints' kv_lora_rank of 32 is refused by name (the runner then keeps the Triton kernel, gluon_runs)."""
+    case = decode_case([40, 7], H=4, L=32, R=16, block_size=64, dtype=torch.bfloat16, seed=3)
+    with pytest.raises(ValueError, match="gluon_layout='tokens' needs kv_lora_rank a multiple of 64.*got 32"):
+        mla_decode(**case, scale=0.2, kv_lora_rank=32, gluon=True, block_n=64, num_stages=2, gluon_layout="tokens")
+    assert not gluon_runs(case["q"], 64, 64, "tokens", 32)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the refusal of a device without sm_90")

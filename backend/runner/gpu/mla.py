@@ -93,7 +93,7 @@ def mla_layer_add_norm(attn: MultiHeadLatentAttention, w: MlaWeights, x: torch.T
         kv_pages.view(-1, kv_pages.shape[-1]), step.kv_slot[:1], w.w_uk_t, w.sync, qk_rope_head_dim=m.qk_rope_head_dim)
     o_lat = kernel("mla", "mla_decode")(qcat, kv_pages, step.block_table[:1].contiguous(),
                                         step.ctx_lens[:1].contiguous(), m.scale, kv_lora_rank=m.kv_lora_rank,
-                                        use_pdl=k.use_pdl, **_decode_launch(k, qcat, kv_pages))
+                                        use_pdl=k.use_pdl, **_decode_launch(k, qcat, kv_pages, m.kv_lora_rank))
     return kernel("mla", "mla_post_one_token")(o_lat.contiguous(), attn.kv_b_proj.weight, attn.o_proj.weight, residual,
                                                weight, eps, w.sync, qk_nope_head_dim=m.qk_nope_head_dim)
 
@@ -199,7 +199,8 @@ def _decode(q: torch.Tensor, w: MlaWeights, step: GpuStep, kv_pages: torch.Tenso
     if fn is not None:
         # one split in the batch-invariant mode: the split count otherwise follows the batch size
         o_lat = fn(qcat, kv_pages, table.contiguous(), ctx.contiguous(), m.scale, kv_lora_rank=m.kv_lora_rank,
-                   use_pdl=k.use_pdl, num_splits=1 if k.batch_invariant else None, **_decode_launch(k, qcat, kv_pages))
+                   use_pdl=k.use_pdl, num_splits=1 if k.batch_invariant else None,
+                   **_decode_launch(k, qcat, kv_pages, m.kv_lora_rank))
     else:
         o_lat = _decode_torch(qcat, kv_pages, table, ctx, m)
     if k.batch_invariant:
@@ -207,11 +208,11 @@ def _decode(q: torch.Tensor, w: MlaWeights, step: GpuStep, kv_pages: torch.Tenso
     return torch.bmm(o_lat.transpose(0, 1), w.w_uv_t.to(o_lat.dtype)).transpose(0, 1)  # [N, H, V]
 
 
-def _decode_launch(k: KernelConfig, qcat: torch.Tensor, kv_pages: torch.Tensor) -> dict:
-    """mla_decode's launch overrides: the Gluon kernel's (KernelConfig.mla_gluon) where it runs, and the one-pass
-    combine past 32 splits (KernelConfig.mla_wide_combine)."""
+def _decode_launch(k: KernelConfig, qcat: torch.Tensor, kv_pages: torch.Tensor, kv_lora_rank: int) -> dict:
+    """mla_decode's launch overrides: the Gluon kernel's (KernelConfig.mla_gluon, in mla_gluon_layout) where it runs,
+    and the one-pass combine past 32 splits (KernelConfig.mla_wide_combine)."""
     launch = dict(wide_combine=k.mla_wide_combine)
-    if k.mla_gluon and gluon_runs(qcat, kv_pages.shape[1], GLUON_LAUNCH["block_n"]):
+    if k.mla_gluon and gluon_runs(qcat, kv_pages.shape[1], GLUON_LAUNCH["block_n"], k.mla_gluon_layout, kv_lora_rank):
         launch.update(GLUON_LAUNCH, gluon_layout=k.mla_gluon_layout)
     return launch
 
