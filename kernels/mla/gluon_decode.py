@@ -30,6 +30,11 @@ stored into a free buffer. Split-KV exactly as the Triton kernels (equal shares 
 writes its normalized partial and log2-sum-exp, `triton_decode._mla_decode_combine_kernel` merges them; a
 split with no tiles writes the neutral partial (0, -inf)).
 
+A second layout (`gluon_layout="tokens"`, _mla_decode_gluon_tokens_kernel, session 43) turns the dots around so no
+MMA row is a padded head: the scores as s^T = c . q^T (the tile's 64 tokens on M, 16 or 32 heads on N), p . c as
+acc^T [L, heads] += c^T . p^T (the latent columns on M: L a multiple of 64), one warpgroup, q in half the shared
+memory; the ring, the page loads, the partial last tile and the partials are the heads layout's.
+
 GPU only (sm_90+): Gluon has no interpreter. The oracle is ref.py::mla_decode_ref; the CPU suite builds it for
 sm_90 (tests/kernels/test_mla_gluon.py) and the GPU tests run it against the oracle.
 """

@@ -365,9 +365,10 @@ class MlaDecodeConfig:
     #                              splits, for one more rounding of each partial before the exact merge)
     tma: bool = False  # paged split schedule only: KV tiles copied by TMA (triton_decode_tma.py) instead of
     #                    per-thread cp.async; needs block_size a multiple of block_n
-    gluon: bool = False  # split schedule only: the Gluon kernel (gluon_decode.py: heads padded to 64 on wgmma's M,
-    #                      TMA ring of num_stages KV tiles, 8 warps; layout/block_h/num_warps/prefetch unused); GPU
-    #                      only (sm_90+, bf16/fp16), block_size a multiple of block_n or of half of it
+    gluon: bool = False  # split schedule only: the Gluon kernel (gluon_decode.py, in gluon_layout: TMA ring of
+    #                      num_stages KV tiles, one program an SM; layout/num_warps/prefetch unused, block_h used by
+    #                      the tokens layout only); GPU only (sm_90+, bf16/fp16), block_size a multiple of block_n or
+    #                      of half of it
     wide_combine: bool = True  # past 32 splits (small batches at long contexts) the combine merges up to MAX_SPLITS
     #                            in one pass over 32-column blocks (4x the programs) instead of 32-split steps: batch
     #                            1's 132 splits at 32K took five dependent steps, 10.8 of 35 us on the H100. H100
