@@ -109,10 +109,10 @@ def grid_for(kernel, args: tuple, consts: dict, index: int, num_warps: int, per_
     argument G (`do_not_specialize=["G"]`): this sizing compiles it with G = 1, which Triton otherwise folds in as a
     constant, a different binary with fewer registers than the one launched with the real G. On the H100 (session
     42) that let the MoE layer's per_sm=16 candidate launch more programs than the SMs held: 10,594 stalled waits."""
-    _check_grid_arg(kernel, len(args))
     key = (kernel.fn.__qualname__ if hasattr(kernel, "fn") else id(kernel), index, per_sm,
            tuple(sorted(consts.items())), tuple(getattr(a, "dtype", type(a)) for a in args))
-    if key not in _GRIDS:
+    if key not in _GRIDS:  # checked once a kernel, before its sizing compile, not on every launch
+        _check_grid_arg(kernel, len(args))
         k = kernel.warmup(*args, grid=(1,), **consts)
         k._init_handles()
         _GRIDS[key] = resident_programs(index, num_warps, k.n_regs, k.metadata.shared, per_sm)

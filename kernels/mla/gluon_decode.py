@@ -505,18 +505,16 @@ def gluon_runs(q: Tensor, block_size: int, block_n: int, layout: str = "heads",
     return _unfit(q, block_size, block_n, layout, kv_lora_rank) is None
 
 
-def gluon_block_h(num_heads: int, layout: str, block_h: int | None = None) -> int:
+def gluon_block_h(layout: str, block_h: int) -> int:
     """Heads a program of the Gluon kernel: 64 (wgmma's M) in the heads layout; in the tokens layout the heads are
-    wgmma's N: `block_h` where given (16 or 32), else H rounded up to a power of 2 in [16, 32] (past 32 the
-    [L, BLOCK_H] accumulator outgrows registers)."""
-    if layout == "heads":
-        return GLUON_BLOCK_H
-    return block_h or min(32, max(16, triton.next_power_of_2(num_heads)))
+    wgmma's N, `block_h` of them (MlaDecodeConfig.block_h, 16 or 32: past 32 the [L, BLOCK_H] accumulator
+    outgrows registers)."""
+    return GLUON_BLOCK_H if layout == "heads" else block_h
 
 
 def launch_gluon_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, qk_scale: float,
                         part: Tensor, lse: Tensor, num_splits: int, block_n: int, stages: int,
-                        pipeline: str, layout: str = "heads", block_h: int | None = None) -> None:
+                        pipeline: str, layout: str, block_h: int) -> None:
     """The split kernel's launch (grid N x head blocks x num_splits) writing part [N, S, H, L] and lse [N, S, H];
     `triton_decode.mla_decode` checks the shapes and merges the partials. qk_scale is scale * log2(e)."""
     N, H, D = q.shape
@@ -531,7 +529,7 @@ def launch_gluon_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_le
     c_desc = TensorDescriptor.from_tensor(rows[:, :L], [sub, L], gl.NVMMASharedLayout.get_default_for([sub, L], dt))
     pe_desc = TensorDescriptor.from_tensor(rows[:, L:], [sub, D - L],
                                            gl.NVMMASharedLayout.get_default_for([sub, D - L], dt))
-    block_h = gluon_block_h(H, layout, block_h)
+    block_h = gluon_block_h(layout, block_h)
     grid = (N, triton.cdiv(H, block_h), num_splits)
     args = (q, q.stride(0), q.stride(1), kv_cache, c_desc, pe_desc, block_table, block_table.stride(0), seq_lens,
             part, lse, qk_scale, H, block_size, num_splits)

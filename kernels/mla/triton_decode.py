@@ -594,7 +594,7 @@ def mla_decode(
         #                                   88.6 % of copy bandwidth, at the two-wave rule's 16 85.0 %)
         cfg = replace(cfg, num_splits=mla_decode_num_splits(
             N, H, block_table.shape[1] * block_size, _num_sms(q.device.index) if q.is_cuda else None, max_waves=1,
-            block_h=gluon_block_h(H, cfg.gluon_layout, cfg.block_h)))
+            block_h=gluon_block_h(cfg.gluon_layout, cfg.block_h)))
     if out is None:
         out = poison_like(torch.empty(N, H, L, dtype=q.dtype, device=q.device))
     else:

@@ -56,7 +56,7 @@ def build(block_n, stages, pipeline, L=512, R=64):
     if pipeline.startswith("tokens"):  # the tokens layout: one warpgroup, the 48B's 32 heads (or 16) on N
         del sig["PIPELINE"]
         fn, warps = g._mla_decode_gluon_tokens_kernel, 4
-        consts = dict(L=L, R=R, BLOCK_H=16 if pipeline == "tokens16" else g.gluon_block_h(32, "tokens"),
+        consts = dict(L=L, R=R, BLOCK_H=16 if pipeline == "tokens16" else 32,
                       BLOCK_N=block_n, SUB=sub, STAGES=stages, num_warps=warps)
     else:
         fn, warps = g._mla_decode_gluon_kernel, 8
