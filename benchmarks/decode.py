@@ -61,7 +61,9 @@ VARIANTS = {"control": {}, "pdl": dict(use_pdl=True), "cublas_gemv": dict(skinny
             # session 43: the MLA decode's two-step combine past 32 splits (the default before session 43)
             "mla_two_step_combine": dict(mla_wide_combine=False),
             # session 43: the Gluon kernel's tokens layout
-            "mla_gluon_tokens": dict(mla_gluon=True, mla_gluon_layout="tokens")}
+            "mla_gluon_tokens": dict(mla_gluon=True, mla_gluon_layout="tokens"),
+            # session 44: the KDA decode launched with PDL, its state and windows loaded before the wait
+            "kda_decode_pdl": dict(kda_decode_pdl=True)}
 
 
 def _args() -> argparse.Namespace:

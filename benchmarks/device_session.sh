@@ -81,7 +81,12 @@
 #                       and >= 50 % at batch 1 on the H200)
 #   decode-mla (240)    benchmarks/decode.py at the 48B shape, batch 1/16/64 at 4K, --profile 1: the default against
 #                       the MLA decode's two-step combine, the Gluon kernel in either layout, batch 1's KDA norm in
-#                       o_proj, the persistent one-token layers (session 43's variants; needs the H200)
+#                       o_proj, the persistent one-token layers (session 43's variants), the KDA decode with PDL
+#                       and its late wait (session 44's kda_decode_pdl; needs the H200)
+#   kda-pdl (120 + 110) the KDA decode's PDL late wait (session 44): its GPU tests (a graph of decode steps over three
+#                       layers against the eager chain without PDL, bit for bit; the runner's step with
+#                       kda_decode_pdl), then the N = 1 decode sweep (kernels.py --decode-sweep: PDL with the wait
+#                       first and last, the probes; issue 18's 4 us)
 #   moe (200)           benchmarks/kernels_moe.py: decode T=1/64, prefill 2K/8K/32K (every tile candidate, the
 #                       grouped tiles among them; the alignment alone in both multi-chunk forms), route
 #   linear (100)        benchmarks/kernels_linear.py
@@ -146,7 +151,7 @@ for stage in "$@"; do
     spec-tests|spec-verify|dspark-pass|spec-bench|spec-gate|spec-rounds|jit-churn|tp-tests|tp|tp-symm|k3-slice) ;;
     profile|kda-probe|tiny-linear|spec-round|prep|kda-blocks|k3-launches|kda-warps|spec-b1) ;;
     kda-multi|kda-fused-gc|kda-forms-48b|bf16-paths|spec-b16|kda-phases|kda-default|kda-decode-probe|kda-decode) ;;
-    moe-layer|kda-layer|mla-gluon|decode-mla) ;;
+    moe-layer|kda-layer|mla-gluon|decode-mla|kda-pdl) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -237,6 +242,10 @@ for stage in "$@"; do
         --prefill-variants blocks_intra blocks_intra_s36_default --budget-s 180 --out "$OUT/kda_default.json"
       run kda-default 150 python3 -m pytest -o addopts="" -v -p no:warnings --tb=short \
         tests/kernels/test_kda_triton.py -k "chunk_kimi_shape or out_chunk or norms_in_l or per_phase" ;;
+    kda-pdl)
+      gpu_pytest kda-pdl 120 tests/kernels/test_kda_triton.py tests/backend/test_gpu_runner.py -k "pdl"
+      run kda-pdl 110 python3 benchmarks/kernels.py --decode-sweep --decode-n 1 --prefill --budget-s 100 \
+        --out "$OUT/kda_pdl.json" ;;
     kda-decode-probe)
       run kda-decode-probe 120 python3 benchmarks/kernels.py --decode-sweep --decode-n 1 --prefill --budget-s 110 \
         --out "$OUT/kda_decode_probe.json" ;;
@@ -282,7 +291,8 @@ for stage in "$@"; do
         "gluon tokens n64 x2 bf16 partials" --out "$OUT/mla_gluon.json" ;;
     decode-mla)
       run decode-mla 240 python3 benchmarks/decode.py --batch 1 16 64 --profile 1 --prefill --variants control \
-        mla_two_step_combine mla_gluon mla_gluon_tokens kda_norm_in_o_proj layers_one_token --budget-s 220 \
+        mla_two_step_combine mla_gluon mla_gluon_tokens kda_norm_in_o_proj layers_one_token kda_decode_pdl \
+        --budget-s 220 \
         --out "$OUT/decode_mla.json" ;;
     moe)
       run moe 200 python3 benchmarks/kernels_moe.py --decode-t 1 64 --prefill-t 2048 8192 32768 --budget-s 180 \

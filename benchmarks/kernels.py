@@ -446,7 +446,10 @@ def decode_sweep_configs(N: int) -> list[dict]:
                 c(8, 16, 1, norm=True, probe=1),
                 # session 39: the pinned form (row vectors, the tile before the fence) off at N = 1 and on at N = 4
                 c(8, 16, 1, pin=False), c(8, 16, 1, norm=True, pin=False), c(4, 32, 1, pin=True),
-                c(4, 32, 1, norm=True, pin=True)]
+                c(4, 32, 1, norm=True, pin=True),
+                # session 44: with PDL the pinned programs load the state tile and windows before the wait
+                # (against the wait first, above; sound here: each call's state was written L calls back)
+                c(8, 16, 1, use_pdl=True, late_wait=True), c(8, 16, 1, norm=True, use_pdl=True, late_wait=True)]
     # {}: the default (split one-warp programs up to N * H = 512 since session 38); c(4, 32, 1) and c(8, 16, 1), the
     # split one-warp shapes, are in the list below
     return [{}, c(4, 32, 1, use_pdl=True), c(4, 32, 1, norm=True),

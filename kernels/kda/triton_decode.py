@@ -132,6 +132,7 @@ def _kda_decode_kernel(
     EARLY: tl.constexpr = False,
     PIN: tl.constexpr = False,
     SPLIT_NORM: tl.constexpr = False,
+    LATE_WAIT: tl.constexpr = False,
 ):
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -147,9 +148,14 @@ def _kda_decode_kernel(
     f_row = f_ptr + i_n.to(tl.int64) * stride_f_n
     b_row = b_ptr + i_n.to(tl.int64) * stride_b_n
     gate_row = gate_ptr + i_n.to(tl.int64) * stride_gate_n + i_h * stride_gate_h
-    if USE_PDL:
+    if USE_PDL and not LATE_WAIT:
         gdc_wait()
     slot = tl.load(slot_ptr + i_n).to(tl.int64)
+    # LATE_WAIT (pinned, PDL): everything the kernel before us does not write (the slot, the state tile, the conv
+    # windows, the taps and gate constants) loads before gdc_wait, in the shadow of that kernel's tail; the inputs it
+    # writes (x, f, b, the output gate) after. The state and conv cache were last written by this layer's previous
+    # step, a launch at least two back: each PDL launch triggers its dependents only after its own wait, so every
+    # launch before the one we follow is complete when we start.
     if HOIST:
         # Every load issued before the first reduction or layout change: on sm_90 each of those is a shared-memory
         # round trip behind a barrier, and a load placed after one waits for every load before it. The loads that
@@ -158,8 +164,9 @@ def _kda_decode_kernel(
         # the gates.)
         # Pinned (PIN, W <= 4), the conv's operands come as one vector per window row, all in the channels'
         # layout: see _taps_rows. (Unpinned that form lost: H100, N = 8 15.6 -> 16.8 us; session 39.)
-        x_q = tl.load(x_row + q_ch, mask=mask_k, other=0.0)
-        x_k = tl.load(x_row + k_ch, mask=mask_k, other=0.0)
+        if not LATE_WAIT:
+            x_q = tl.load(x_row + q_ch, mask=mask_k, other=0.0)
+            x_k = tl.load(x_row + k_ch, mask=mask_k, other=0.0)
         if not PIN:
             taps_q = _conv_taps(conv_w_ptr, q_ch, mask_k, W, WP)
             taps_k = _conv_taps(conv_w_ptr, k_ch, mask_k, W, WP)
@@ -171,14 +178,17 @@ def _kda_decode_kernel(
             tq0, tq1, tq2, tq3 = _taps_rows(conv_w_ptr, q_ch, mask_k, W)
             tk0, tk1, tk2, tk3 = _taps_rows(conv_w_ptr, k_ch, mask_k, W)
         # the first tile's v channels too (the loop loads each next tile's with its state)
-        x_v = tl.load(x_row + v_ch, mask=offs_v < D, other=0.0)
+        if not LATE_WAIT:
+            x_v = tl.load(x_row + v_ch, mask=offs_v < D, other=0.0)
         if PIN:
             tv0, tv1, tv2, tv3 = _taps_rows(conv_w_ptr, v_ch, offs_v < D, W)
         else:
             taps_v = _conv_taps(conv_w_ptr, v_ch, offs_v < D, W, WP)
-        if SPLIT_NORM:  # the first tile's norm weight and gate
+        if SPLIT_NORM and not LATE_WAIT:  # the first tile's norm weight and gate
             gw = _gate_weight(gate_row, norm_w_ptr, offs_v, offs_v < D)
     if slot < 0:
+        if USE_PDL and LATE_WAIT:
+            gdc_wait()  # the kernel before us may still read o
         # padding entry: zero output, no state touched
         for v0 in tl.static_range(0, BVS, BV):
             offs_v = i_v * BVS + v0 + tl.arange(0, BV)
@@ -204,14 +214,31 @@ def _kda_decode_kernel(
                 # freely; only memory operations are held), so they went out a round trip to memory late (SASS of
                 # session 39). The gates' operands, too, come after the fence. Only while a wave holds every program
                 # (load_order): with programs queued behind, the late loads' latency hides behind the others'.
-                if _FENCE:
-                    _fence_cta(i_h)
-                dt, a = _gate_consts(dt_bias_ptr, a_log_ptr, i_h, offs_k, mask_k, D)
-                f_raw = tl.load(f_row + i_h * D + offs_k, mask=mask_k, other=0.0)
-                b_raw = tl.load(b_row + i_h)
-                hv0, hv1, hv2 = _hist_rows(cs, v_ch, offs_v < D, C, W)
-                hq0, hq1, hq2 = _hist_rows(cs, q_ch, mask_k, C, W)
-                hk0, hk1, hk2 = _hist_rows(cs, k_ch, mask_k, C, W)
+                if LATE_WAIT:
+                    dt, a = _gate_consts(dt_bias_ptr, a_log_ptr, i_h, offs_k, mask_k, D)
+                    hv0, hv1, hv2 = _hist_rows(cs, v_ch, offs_v < D, C, W)
+                    hq0, hq1, hq2 = _hist_rows(cs, q_ch, mask_k, C, W)
+                    hk0, hk1, hk2 = _hist_rows(cs, k_ch, mask_k, C, W)
+                    if _FENCE:  # issued before the wait (ptxas would sink them past it)
+                        _fence_cta(i_h)
+                    if USE_PDL:
+                        gdc_wait()
+                    x_q = tl.load(x_row + q_ch, mask=mask_k, other=0.0)
+                    x_k = tl.load(x_row + k_ch, mask=mask_k, other=0.0)
+                    x_v = tl.load(x_row + v_ch, mask=offs_v < D, other=0.0)
+                    f_raw = tl.load(f_row + i_h * D + offs_k, mask=mask_k, other=0.0)
+                    b_raw = tl.load(b_row + i_h)
+                    if SPLIT_NORM:
+                        gw = _gate_weight(gate_row, norm_w_ptr, offs_v, offs_v < D)
+                else:
+                    if _FENCE:
+                        _fence_cta(i_h)
+                    dt, a = _gate_consts(dt_bias_ptr, a_log_ptr, i_h, offs_k, mask_k, D)
+                    f_raw = tl.load(f_row + i_h * D + offs_k, mask=mask_k, other=0.0)
+                    b_raw = tl.load(b_row + i_h)
+                    hv0, hv1, hv2 = _hist_rows(cs, v_ch, offs_v < D, C, W)
+                    hq0, hq1, hq2 = _hist_rows(cs, q_ch, mask_k, C, W)
+                    hk0, hk1, hk2 = _hist_rows(cs, k_ch, mask_k, C, W)
                 win_q, win_k = (hq1, hq2, x_q), (hk1, hk2, x_k)  # the rows the shifted cache keeps
             else:
                 hist_v = _conv_hist(cs, v_ch, offs_v < D, C, W, WP)
@@ -343,8 +370,11 @@ def _launch_decode(
     o_gate: Tensor | None, o_norm_weight: Tensor | None, raw: Tensor | None, counts: Tensor | None,
     lower_bound: float | None, scale: float, eps: float, use_pdl: bool, num_warps: int, block_v: int,
     v_split: int, prefetch: bool, probe: int = 0, pin: bool | None = None, split_norm: bool = False,
+    late_wait: bool = False,
 ) -> None:
-    """split_norm: raw is the [N, H, v_split] fp32 partials (kda_decode_split_norm), not the [N, H, D] scratch."""
+    """split_norm: raw is the [N, H, v_split] fp32 partials (kda_decode_split_norm), not the [N, H, D] scratch.
+    late_wait (pinned programs only): the loads that the kernel before this one does not write go out before the PDL
+    wait (kda_decode's docstring)."""
     N = qkv_pre.shape[0]
     _, H, D, _ = state.shape
     W = conv_weight.shape[1]
@@ -376,6 +406,7 @@ def _launch_decode(
     hoist, early, auto_pin = load_order(prefetch, num_warps, v_split, norm, N * H * v_split, W)
     pin = auto_pin if pin is None else pin
     assert not pin or (hoist and W <= 4)
+    late_wait = pin and late_wait
     _kda_decode_kernel[(N, H, v_split)](
         qkv_pre, qkv_pre.stride(0), conv_weight, conv_state, conv_state.stride(0), f, f.stride(0), A_log, dt_bias,
         b, b.stride(0), state, state.stride(0), slot_indices, out,
@@ -386,7 +417,7 @@ def _launch_decode(
         W=1 if probe & 2 else W, WP=1 if probe & 2 else triton.next_power_of_2(W),
         USE_LOWER_BOUND=lower_bound is not None, NORM=norm, USE_PDL=use_pdl and not INTERPRET,
         PREFETCH=prefetch, PROBE=probe, HOIST=hoist, EARLY=early, PIN=pin, SPLIT_NORM=split_norm,
-        num_warps=num_warps,
+        LATE_WAIT=late_wait, num_warps=num_warps,
         **pdl_kwargs(use_pdl),
     )
 
@@ -472,6 +503,7 @@ def kda_decode(
     probe: int = 0,
     pin: bool | None = None,
     norm_partials: Tensor | None = None,
+    late_wait: bool = False,
 ) -> Tensor:
     """One fused KDA decode step for N sequences (one token each) of one layer.
 
@@ -517,6 +549,11 @@ def kda_decode(
             and the output is then o * weight * sigmoid(gate) without the rms factor. No program waits for the
             head's others (the fused norm's arrival: ~0.9 us of the N = 1 step, session 39); the consumer applies
             the factor (kernels/linear skinny_linear(row_rms=)).
+        late_wait: with use_pdl, pinned programs (`pin`) load everything the kernel before them does not write
+            (slot, state tile, conv windows, taps, gate constants) before the PDL wait, and x, f, b and the gate
+            after it. Only where the state and conv cache were last written at least two launches back and the
+            kernel directly before this one does not write them (a layer's decode step; not a loop of decode
+            calls on one state). Without use_pdl: the same load order, no wait (the interpreter's tests).
 
     Returns:
         o: [N, H, D] in qkv_pre.dtype: the raw recurrence output, or its gated RMSNorm when o_gate
@@ -620,7 +657,7 @@ def kda_decode(
         qkv_pre, conv_weight, conv_state, f, A_log.contiguous().view(H), dt_bias.contiguous().view(H * D),
         b, state, slot_indices, out, o_gate, o_norm_weight, raw, counts, lower_bound,
         D**-0.5 if scale is None else float(scale), float(o_norm_eps), use_pdl, num_warps, block_v, v_split,
-        bool(prefetch), probe=probe, pin=pin, split_norm=norm_partials is not None,
+        bool(prefetch), probe=probe, pin=pin, split_norm=norm_partials is not None, late_wait=late_wait,
     )
     return out
 

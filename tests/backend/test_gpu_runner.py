@@ -717,6 +717,37 @@ def test_a_one_sequence_decode_finishes_the_kda_output_norm_in_o_proj(tmp_path) 
     assert rel(got, want) < 1e-5
 
 
+def test_kda_decode_pdl_gives_the_same_step(tmp_path) -> None:
+    """KernelConfig.kda_decode_pdl (session 44): the decode step's KDA launch loads its state, windows and gate
+    constants before the PDL wait (kda_decode late_wait; the wait itself only on the GPU): the same bits, in the
+    logits and in every state and conv cache."""
+    pdl_runner, step, _ = _k3_decode_forward_counted(tmp_path / "a", arch="kimi_linear", kda_decode_pdl=True)
+    plain_runner, plain_step, _ = _k3_decode_forward_counted(tmp_path / "b", arch="kimi_linear")
+    with torch.no_grad():
+        got, want = pdl_runner.fwd(step, decode=True), plain_runner.fwd(plain_step, decode=True)
+    assert torch.equal(got, want)
+    for pool_a, pool_b in ((pdl_runner.fwd.pool.rec, plain_runner.fwd.pool.rec),
+                           (pdl_runner.fwd.pool.conv, plain_runner.fwd.pool.conv)):
+        assert all(a is None or torch.equal(a, b) for a, b in zip(pool_a, pool_b))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_kda_decode_pdl_gives_the_same_step(tmp_path) -> None:
+    """The same on CUDA in bf16, where the KDA decode launches with PDL after the input projection's GEMM."""
+    pdl_runner, step, _ = _k3_decode_forward_counted(tmp_path / "a", arch="kimi_linear", bf16_on_cuda=True,
+                                                     kda_decode_pdl=True)
+    plain_runner, plain_step, _ = _k3_decode_forward_counted(tmp_path / "b", arch="kimi_linear", bf16_on_cuda=True)
+    with torch.no_grad():
+        for _ in range(2):
+            got, want = pdl_runner.fwd(step, decode=True), plain_runner.fwd(plain_step, decode=True)
+            torch.cuda.synchronize()
+            assert torch.equal(got, want)
+    for pool_a, pool_b in ((pdl_runner.fwd.pool.rec, plain_runner.fwd.pool.rec),
+                           (pdl_runner.fwd.pool.conv, plain_runner.fwd.pool.conv)):
+        assert all(a is None or torch.equal(a, b) for a, b in zip(pool_a, pool_b))
+
+
 def test_a_small_router_computes_its_logits_in_the_top_k_launch(tmp_path) -> None:
     """Issue 16 (launch-bound batch-1 round): k3's 8-expert router takes its logits inside the top-k launch
     (KernelConfig.moe_fused_router, kernels/moe/triton_router.py moe_route_from_x): one GEMM per MoE layer fewer,

@@ -88,7 +88,7 @@ dec = dict(qkv_ptr=B16, stride_qkv_n=I32, conv_w_ptr="*fp32", conv_state_ptr=B16
            stride_state_slot=I32, slot_ptr="*i64", o_ptr=B16, gate_ptr=B16, stride_gate_n=I32, stride_gate_h=I32,
            norm_w_ptr=B16, raw_ptr="*fp32", count_ptr="*i32", scale="fp32", lower_bound="fp32", eps="fp32",
            H=C, D=C, BK=C, BV=C, BVS=C, NV=C, W=C, WP=C, USE_LOWER_BOUND=C, NORM=C, USE_PDL=C, PREFETCH=C,
-           PROBE=C, HOIST=C, EARLY=C, PIN=C, SPLIT_NORM=C)
+           PROBE=C, HOIST=C, EARLY=C, PIN=C, SPLIT_NORM=C, LATE_WAIT=C)
 for name, n, norm, split in (("decode_n1", 1, True, False), ("decode_n1_no_norm", 1, False, False),
                              ("decode_n1_split_norm", 1, False, True), ("decode_n4", 4, True, False),
                              ("decode_n4_no_norm", 4, False, False), ("decode_n16", 16, True, False)):
@@ -99,7 +99,16 @@ for name, n, norm, split in (("decode_n1", 1, True, False), ("decode_n1_no_norm"
     res[name] = sm90_build(KD._kda_decode_kernel, dec, dict(
         H=32, D=128, BK=128, BV=min(KD.default_block_v(n, 32, nv), bvs), BVS=bvs, NV=nv, W=4, WP=4,
         USE_LOWER_BOUND=False, NORM=norm, USE_PDL=False, PREFETCH=nv > 1, PROBE=0, HOIST=hoist,
-        EARLY=early, PIN=pin, SPLIT_NORM=split), warps, 1, strided)
+        EARLY=early, PIN=pin, SPLIT_NORM=split, LATE_WAIT=False), warps, 1, strided)
+# N = 1 with PDL's late wait: the state tile's 16 vector loads go out before the wait (griddepcontrol.wait: ACQBULK)
+for name, norm in (("decode_n1_pdl_late", False), ("decode_n1_norm_pdl_late", True)):
+    hoist, early, pin = KD.load_order(True, 1, 8, norm, 256, 4)
+    consts = dict(H=32, D=128, BK=128, BV=16, BVS=16, NV=8, W=4, WP=4, USE_LOWER_BOUND=False, NORM=norm, USE_PDL=True,
+                  PREFETCH=True, PROBE=0, HOIST=hoist, EARLY=early, PIN=pin, SPLIT_NORM=False, LATE_WAIT=True)
+    res[name] = sm90_build(KD._kda_decode_kernel, dec, consts, 1, 1, strided)
+    sass = cuobjdump(sm90_kernel(KD._kda_decode_kernel, dec, consts, 1, 1, strided), "-sass").splitlines()
+    last_wait = max(i for i, line in enumerate(sass) if "ACQBULK" in line)
+    res[name]["tile_loads_before_wait"] = sum("LDG.E.128" in line for line in sass[:last_wait])
 # fp32 scratch (bf16 dots, and tf32x3 dots): the launcher's default stages must fit the shared memory (3 did not)
 f32 = dict(state, qg_ptr="*fp32", kd_ptr="*fp32", w_ptr="*fp32", u_ptr="*fp32", aqk_ptr="*fp32", h_ptr="*fp32",
            vn_ptr="*fp32")
@@ -116,10 +125,13 @@ def test_host_path_kernels_build_for_sm90() -> None:
     page pool's strided states build for sm_90 at the 48B shape, without spilling, within the shared memory at the
     launcher's stages for 16-bit and fp32 scratch (three stages with fp32 scratch did not fit: session 29's GPU
     tests failed on it); so does the decode kernel at N = 1's and N = 4's defaults (each with and without the norm:
-    the tile's loads pinned at N = 1, not at N = 4; N = 1 with the norm split too) and N = 16's."""
+    the tile's loads pinned at N = 1, not at N = 4; N = 1 with the norm split too) and N = 16's; and N = 1's with
+    PDL issues its state tile's loads before the PDL wait."""
     res = run_sm90_build(_BUILD_HOST_PATH, timeout=600)
     for name, r in res.items():
         assert r["local"] == 0 and r["shared"] <= 227 * 1024, (name, r)
+    for name in ("decode_n1_pdl_late", "decode_n1_norm_pdl_late"):  # with PDL, the pinned N = 1 step's state tile
+        assert res[name]["tile_loads_before_wait"] >= 16, res[name]  # loads while the kernel before it runs
 
 
 _BUILD_SPLIT = r'''

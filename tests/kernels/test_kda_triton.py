@@ -131,8 +131,9 @@ def test_decode_hoisted_rows_match_the_tile_form(width: int, norm: bool) -> None
     N, H, D, slots = 3, 2, 32, [1, -1, 3]
     slot_t = torch.tensor(slots, dtype=torch.int32, device=DEV)
     got = []
-    for prefetch, pin in ((True, None), (False, None), (True, False)):  # HOIST and PIN (load_order: one wave);
-        # the tile form unhoisted; hoisted but not pinned (as past one wave)
+    for prefetch, pin, late in ((True, None, False), (False, None, False), (True, False, False), (True, None, True)):
+        # HOIST and PIN (load_order: one wave); the tile form unhoisted; hoisted but not pinned (as past one wave);
+        # pinned in the PDL wait's load order (the wait itself is GPU only)
         case = decode_case(N, H, D, "softplus", torch.float32, num_slots=4, seed=9, width=width)
         extra = {}
         if norm:
@@ -141,7 +142,7 @@ def test_decode_hoisted_rows_match_the_tile_form(width: int, norm: bool) -> None
         if not norm:
             o_ref, state_ref, conv_ref = decode_ref(case, slots, "softplus")
         o = kda_decode(**case, **extra, slot_indices=slot_t, v_split=2, block_v=16, num_warps=1, prefetch=prefetch,
-                       pin=pin)
+                       pin=pin, late_wait=late)
         if not norm:
             assert rel_err(o, o_ref) <= 1e-4 and rel_err(case["state"], state_ref) <= 1e-4
             assert torch.equal(case["conv_state"], conv_ref)
@@ -822,6 +823,54 @@ def test_gpu_decode_split_and_norm_kimi_shape(N: int, v_split: int, norm: bool) 
         assert torch.equal(case["conv_state"], ref["conv_state"]), step
         assert int(ws.abs().sum()) == 0, step
         case["qkv_pre"] = ref["qkv_pre"] = torch.randn(N, 3 * H * D, generator=gen, device=DEV).to(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
+def test_gpu_decode_pdl_late_wait_chain(norm: bool) -> None:
+    """PDL with the pinned programs' late wait (state, windows and slot loaded before it): a graph of decode steps
+    over three layers' states, each step's input written by a kernel right before it (as the input projection is),
+    replayed twice, matches the same chain run eagerly without PDL, bit for bit."""
+    N, H, D, kind, layers = 1, 32, 128, "lower_bound", 3
+    gen = torch.Generator(device=DEV).manual_seed(21)
+    cases = [decode_case(N, H, D, kind, torch.bfloat16, num_slots=3, seed=30 + i) for i in range(layers)]
+    slot_t = torch.tensor([1], dtype=torch.int32, device=DEV)
+    ws = triton_decode.kda_decode_workspace(N, H, DEV)
+    src = torch.randn(N, 3 * H * D, generator=gen, device=DEV).to(torch.bfloat16)
+    extra = {}
+    if norm:
+        extra = dict(o_gate=torch.randn(N, H, D, generator=gen, device=DEV).to(torch.bfloat16),
+                     o_norm_weight=1 + 0.1 * torch.randn(D, generator=gen, device=DEV))
+    outs = [torch.empty(N, H, D, dtype=torch.bfloat16, device=DEV) for _ in range(layers)]
+
+    def chain(use_pdl: bool) -> None:
+        for i, c in enumerate(cases):
+            c["qkv_pre"].copy_(src * (i + 1))  # the step's input, written just before it
+            kda_decode(**c, slot_indices=slot_t, lower_bound=LOWER_BOUND, workspace=ws, out=outs[i],
+                       use_pdl=use_pdl, late_wait=use_pdl, **extra)
+
+    start = [{k: v.clone() for k, v in c.items()} for c in cases]
+    for _ in range(2):
+        chain(False)
+    want = [o.clone() for o in outs] + [c["state"].clone() for c in cases] + [c["conv_state"].clone() for c in cases]
+    for c, s in zip(cases, start):
+        for k, v in s.items():
+            c[k].copy_(v)
+    chain(True)  # compile outside the capture, then reset
+    for c, s in zip(cases, start):
+        for k, v in s.items():
+            c[k].copy_(v)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        chain(True)
+    g.replay()
+    g.replay()
+    torch.cuda.synchronize()
+    got = outs + [c["state"] for c in cases] + [c["conv_state"] for c in cases]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert int(ws.abs().sum()) == 0
 
 
 def _device_tables(lens: list[int], snaps) -> ChunkTables:

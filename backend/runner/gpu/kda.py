@@ -180,7 +180,8 @@ def _decode(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch
 
     N, H, D = qkv.shape[0], attn.num_heads, attn.head_dim
     return kda_decode(qkv, w.conv_weight, conv_pool, f, w.A_log, w.dt_bias, b, rec_pool, pages,
-                      lower_bound=attn.lower_bound, use_pdl=k.use_pdl, o_gate=gate.reshape(N, H, D),
+                      lower_bound=attn.lower_bound, use_pdl=k.use_pdl or k.kda_decode_pdl,
+                      late_wait=k.kda_decode_pdl, o_gate=gate.reshape(N, H, D),
                       o_norm_weight=attn.o_norm_weight, o_norm_eps=attn.eps, workspace=workspace,
                       v_split=1 if k.batch_invariant else None, out=out)
 
@@ -196,7 +197,8 @@ def _decode_norm_in_o_proj(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.T
 
     H, D = attn.num_heads, attn.head_dim
     y, partials = kda_decode_split_norm(qkv, w.conv_weight, conv_pool, f, w.A_log, w.dt_bias, b, rec_pool, pages,
-                                        lower_bound=attn.lower_bound, use_pdl=k.use_pdl, o_gate=gate.reshape(1, H, D),
+                                        lower_bound=attn.lower_bound, use_pdl=k.use_pdl or k.kda_decode_pdl,
+                                        late_wait=k.kda_decode_pdl, o_gate=gate.reshape(1, H, D),
                                         o_norm_weight=attn.o_norm_weight, workspace=workspace)
     return skinny_linear(y.reshape(1, H * D), attn.o_proj.weight, row_rms=(partials, attn.eps))
 

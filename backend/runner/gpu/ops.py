@@ -163,6 +163,12 @@ class KernelConfig:
     # arrival cost ~0.9 us of the N = 1 step (H100 probes, session 39). Built without a GPU: off until timed
     # (decode.py variant kda_norm_in_o_proj)
     kda_norm_in_o_proj: bool = False
+    # a decode step's KDA decode launched with PDL (programmatic dependent launch; the other kernels as they are),
+    # its pinned programs (one wave: N = 1) loading the slot, state tile, conv windows and gate constants before the
+    # PDL wait, so those trips overlap the input projection's tail and the launch (kernels/kda kda_decode
+    # late_wait). Sound: no kernel right before a decode step's KDA writes its states. Built without a GPU (session
+    # 44): off until timed (decode.py variant kda_decode_pdl)
+    kda_decode_pdl: bool = False
     # a few tokens' MoE pairs as blocks of one row, no alignment launch, while their experts' weights (read once per
     # pair) stay within this many bytes (kernels/moe/triton_experts.py align_blocks: k3-tiny's verify steps; never the
     # 48B's 14 MB experts); None: the kernel's own bound (PAIR_BLOCKS_MAX_BYTES, 4 MB); 0: one token only, as before
