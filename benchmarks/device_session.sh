@@ -83,6 +83,11 @@
 #                       the MLA decode's two-step combine, the Gluon kernel in either layout, batch 1's KDA norm in
 #                       o_proj, the persistent one-token layers (session 43's variants), the KDA decode with PDL
 #                       and its late wait (session 44's kda_decode_pdl; needs the H200)
+#   bw-probe (150)      benchmarks/bandwidth_probe.py (session 44): what a kernel with no math reaches on the KDA
+#                       decode's states (torch's in-place scale and copy, a Triton read-modify-write in the decode's and
+#                       fla's tiles, with and without the delta rule's reductions) at N = 1/16/64 and on the MLA
+#                       decode's pages (torch's sum, a Triton paged read) at 1x32K/16x32K/64x32K/16x128K, beside the
+#                       kernels: is the H200's ~3 TB/s the access pattern's or the kernels'?
 #   kda-pdl (120 + 110) the KDA decode's PDL late wait (session 44): its GPU tests (a graph of decode steps over three
 #                       layers against the eager chain without PDL, bit for bit; the runner's step with
 #                       kda_decode_pdl), then the N = 1 decode sweep (kernels.py --decode-sweep: PDL with the wait
@@ -151,7 +156,7 @@ for stage in "$@"; do
     spec-tests|spec-verify|dspark-pass|spec-bench|spec-gate|spec-rounds|jit-churn|tp-tests|tp|tp-symm|k3-slice) ;;
     profile|kda-probe|tiny-linear|spec-round|prep|kda-blocks|k3-launches|kda-warps|spec-b1) ;;
     kda-multi|kda-fused-gc|kda-forms-48b|bf16-paths|spec-b16|kda-phases|kda-default|kda-decode-probe|kda-decode) ;;
-    moe-layer|kda-layer|mla-gluon|decode-mla|kda-pdl) ;;
+    moe-layer|kda-layer|mla-gluon|decode-mla|kda-pdl|bw-probe) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -242,6 +247,8 @@ for stage in "$@"; do
         --prefill-variants blocks_intra blocks_intra_s36_default --budget-s 180 --out "$OUT/kda_default.json"
       run kda-default 150 python3 -m pytest -o addopts="" -v -p no:warnings --tb=short \
         tests/kernels/test_kda_triton.py -k "chunk_kimi_shape or out_chunk or norms_in_l or per_phase" ;;
+    bw-probe)
+      run bw-probe 150 python3 benchmarks/bandwidth_probe.py --budget-s 140 --out "$OUT/bandwidth_probe.json" ;;
     kda-pdl)
       gpu_pytest kda-pdl 120 tests/kernels/test_kda_triton.py tests/backend/test_gpu_runner.py -k "pdl"
       run kda-pdl 110 python3 benchmarks/kernels.py --decode-sweep --decode-n 1 --prefill --budget-s 100 \
