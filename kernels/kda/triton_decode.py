@@ -370,11 +370,11 @@ def _launch_decode(
     o_gate: Tensor | None, o_norm_weight: Tensor | None, raw: Tensor | None, counts: Tensor | None,
     lower_bound: float | None, scale: float, eps: float, use_pdl: bool, num_warps: int, block_v: int,
     v_split: int, prefetch: bool, probe: int = 0, pin: bool | None = None, split_norm: bool = False,
-    late_wait: bool = False,
+    late_wait: bool = False, early: bool | None = None,
 ) -> None:
     """split_norm: raw is the [N, H, v_split] fp32 partials (kda_decode_split_norm), not the [N, H, D] scratch.
     late_wait (pinned programs only): the loads that the kernel before this one does not write go out before the PDL
-    wait (kda_decode's docstring)."""
+    wait (kda_decode's docstring). early: load_order's EARLY overridden (timing; only where load_order allows it)."""
     N = qkv_pre.shape[0]
     _, H, D, _ = state.shape
     W = conv_weight.shape[1]
@@ -403,7 +403,8 @@ def _launch_decode(
     if N == 0:
         return
     bvs = D // v_split if v_split > 1 else triton.next_power_of_2(D)
-    hoist, early, auto_pin = load_order(prefetch, num_warps, v_split, norm, N * H * v_split, W)
+    hoist, auto_early, auto_pin = load_order(prefetch, num_warps, v_split, norm, N * H * v_split, W)
+    early = auto_early if early is None else (early and auto_early)
     pin = auto_pin if pin is None else pin
     assert not pin or (hoist and W <= 4)
     late_wait = pin and late_wait
@@ -504,6 +505,7 @@ def kda_decode(
     pin: bool | None = None,
     norm_partials: Tensor | None = None,
     late_wait: bool = False,
+    early: bool | None = None,
 ) -> Tensor:
     """One fused KDA decode step for N sequences (one token each) of one layer.
 
@@ -554,6 +556,8 @@ def kda_decode(
             after it. Only where the state and conv cache were last written at least two launches back and the
             kernel directly before this one does not write them (a layer's decode step; not a loop of decode
             calls on one state). Without use_pdl: the same load order, no wait (the interpreter's tests).
+        early: timing only: False moves the split programs' q/k-cache count from right after their windows
+            (`load_order`'s EARLY, without the norm) to the end, as with the norm. Same results.
 
     Returns:
         o: [N, H, D] in qkv_pre.dtype: the raw recurrence output, or its gated RMSNorm when o_gate
@@ -658,6 +662,7 @@ def kda_decode(
         b, state, slot_indices, out, o_gate, o_norm_weight, raw, counts, lower_bound,
         D**-0.5 if scale is None else float(scale), float(o_norm_eps), use_pdl, num_warps, block_v, v_split,
         bool(prefetch), probe=probe, pin=pin, split_norm=norm_partials is not None, late_wait=late_wait,
+        early=early,
     )
     return out
 

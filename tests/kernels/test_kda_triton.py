@@ -131,9 +131,10 @@ def test_decode_hoisted_rows_match_the_tile_form(width: int, norm: bool) -> None
     N, H, D, slots = 3, 2, 32, [1, -1, 3]
     slot_t = torch.tensor(slots, dtype=torch.int32, device=DEV)
     got = []
-    for prefetch, pin, late in ((True, None, False), (False, None, False), (True, False, False), (True, None, True)):
+    for prefetch, pin, late, early in ((True, None, False, None), (False, None, False, None), (True, False, False, None),
+                                       (True, None, True, None), (True, None, True, False)):
         # HOIST and PIN (load_order: one wave); the tile form unhoisted; hoisted but not pinned (as past one wave);
-        # pinned in the PDL wait's load order (the wait itself is GPU only)
+        # pinned in the PDL wait's load order (the wait itself is GPU only), also with the q/k count at the end
         case = decode_case(N, H, D, "softplus", torch.float32, num_slots=4, seed=9, width=width)
         extra = {}
         if norm:
@@ -142,7 +143,7 @@ def test_decode_hoisted_rows_match_the_tile_form(width: int, norm: bool) -> None
         if not norm:
             o_ref, state_ref, conv_ref = decode_ref(case, slots, "softplus")
         o = kda_decode(**case, **extra, slot_indices=slot_t, v_split=2, block_v=16, num_warps=1, prefetch=prefetch,
-                       pin=pin, late_wait=late)
+                       pin=pin, late_wait=late, early=early)
         if not norm:
             assert rel_err(o, o_ref) <= 1e-4 and rel_err(case["state"], state_ref) <= 1e-4
             assert torch.equal(case["conv_state"], conv_ref)
