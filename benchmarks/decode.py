@@ -63,7 +63,9 @@ VARIANTS = {"control": {}, "pdl": dict(use_pdl=True), "cublas_gemv": dict(skinny
             # session 43: the Gluon kernel's tokens layout
             "mla_gluon_tokens": dict(mla_gluon=True, mla_gluon_layout="tokens"),
             # session 44: the KDA decode launched with PDL, its state and windows loaded before the wait
-            "kda_decode_pdl": dict(kda_decode_pdl=True)}
+            "kda_decode_pdl": dict(kda_decode_pdl=True),
+            # ... and the gates' up-projection before it in the skinny GEMV, triggering the decode at once
+            "kda_decode_pdl_trigger": dict(kda_decode_pdl=True, kda_decode_pdl_trigger=True)}
 
 
 def _args() -> argparse.Namespace:

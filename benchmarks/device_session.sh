@@ -82,7 +82,8 @@
 #   decode-mla (240)    benchmarks/decode.py at the 48B shape, batch 1/16/64 at 4K, --profile 1: the default against
 #                       the MLA decode's two-step combine, the Gluon kernel in either layout, batch 1's KDA norm in
 #                       o_proj, the persistent one-token layers (session 43's variants), the KDA decode with PDL
-#                       and its late wait (session 44's kda_decode_pdl; needs the H200)
+#                       and its late wait, alone and after the skinny GEMV's early trigger (session 44's
+#                       kda_decode_pdl, kda_decode_pdl_trigger; needs the H200)
 #   bw-probe (150)      benchmarks/bandwidth_probe.py (session 44): what a kernel with no math reaches on the KDA
 #                       decode's states (torch's in-place scale and copy, a Triton read-modify-write in the decode's and
 #                       fla's tiles, with and without the delta rule's reductions) at N = 1/16/64 and on the MLA
@@ -250,7 +251,8 @@ for stage in "$@"; do
     bw-probe)
       run bw-probe 150 python3 benchmarks/bandwidth_probe.py --budget-s 140 --out "$OUT/bandwidth_probe.json" ;;
     kda-pdl)
-      gpu_pytest kda-pdl 120 tests/kernels/test_kda_triton.py tests/backend/test_gpu_runner.py -k "pdl"
+      gpu_pytest kda-pdl 120 tests/kernels/test_kda_triton.py tests/kernels/test_linear_triton.py \
+        tests/backend/test_gpu_runner.py -k "pdl or trigger"
       run kda-pdl 110 python3 benchmarks/kernels.py --decode-sweep --decode-n 1 --prefill --budget-s 100 \
         --out "$OUT/kda_pdl.json" ;;
     kda-decode-probe)
@@ -299,6 +301,7 @@ for stage in "$@"; do
     decode-mla)
       run decode-mla 240 python3 benchmarks/decode.py --batch 1 16 64 --profile 1 --prefill --variants control \
         mla_two_step_combine mla_gluon mla_gluon_tokens kda_norm_in_o_proj layers_one_token kda_decode_pdl \
+        kda_decode_pdl_trigger \
         --budget-s 220 \
         --out "$OUT/decode_mla.json" ;;
     moe)

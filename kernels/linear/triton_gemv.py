@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from k3rt.kernels.common import INTERPRET, check, check_same_device, poison_like
 
@@ -114,8 +115,11 @@ def rows_dot_step(w: Tensor, k: int, loads: int = 1) -> int:
 
 
 @triton.jit
-def _gemv_rows_kernel(x_ptr, w_ptr, stride_wn, y_ptr, N, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_rows_kernel(x_ptr, w_ptr, stride_wn, y_ptr, N, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                      TRIGGER: tl.constexpr = False):
     """The unrolled form (GemvTiles.unrolled, one row of x): ROWS weight rows a program through `rows_dot`."""
+    if TRIGGER:
+        gdc_launch_dependents()
     n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     y = rows_dot(w_ptr, n.to(tl.int64), n < N, x_ptr, stride_wn, K, BLOCK_K)
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n < N)
@@ -139,7 +143,10 @@ def _gemv_kernel(
     GS: tl.constexpr = 1,  # ROW_RMS: columns a group (BLOCK_K a multiple of it)
     P: tl.constexpr = 1,  # ROW_RMS: partial sums a group
     PP: tl.constexpr = 1,  # P's next power of two
+    TRIGGER: tl.constexpr = False,  # skinny_linear(trigger=)
 ):
+    if TRIGGER:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -177,7 +184,8 @@ def _gemv_kernel(
 
 
 def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None, out: Tensor | None = None,
-                  tiles: GemvTiles | None = None, row_rms: tuple[Tensor, float] | None = None) -> Tensor:
+                  tiles: GemvTiles | None = None, row_rms: tuple[Tensor, float] | None = None,
+                  trigger: bool = False) -> Tensor:
     """y = x @ w^T for M <= MAX_ROWS rows.
 
     Args:
@@ -191,6 +199,9 @@ def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None,
         row_rms: (partials [M, G, P] fp32, eps): an RMS norm whose sums of squares were taken in P parts
             elsewhere (kernels/kda `kda_decode_split_norm`): x's K columns in G groups of K/G (a power of two),
             each group scaled by rsqrt(partials.sum(-1) / (K/G) + eps) before the product, in fp32.
+        trigger: let a PDL launch after this one start at once (`gdc_launch_dependents` first thing; GPU only):
+            it runs what it does before its PDL wait beside this kernel, and its wait still waits for all of it
+            (the KDA decode step's late wait, KernelConfig.kda_decode_pdl).
 
     Returns:
         [M, N]: fp32 sums of fp32 products, rounded once to the output dtype.
@@ -217,7 +228,8 @@ def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None,
     if cfg.unrolled and M == 1 and row_rms is None:
         bk = 16 if INTERPRET else min(cfg.block_k, max(16, triton.next_power_of_2(K)))  # the tile's own step
         _gemv_rows_kernel[(triton.cdiv(N, cfg.block_n),)](x, w, w.stride(0), out, N, K=K, ROWS=cfg.block_n,
-                                                          BLOCK_K=bk, num_warps=cfg.num_warps, num_stages=1)
+                                                          BLOCK_K=bk, TRIGGER=trigger and not INTERPRET,
+                                                          num_warps=cfg.num_warps, num_stages=1)
         return out
     bm = max(1, triton.next_power_of_2(M))
     bk = block_k(cfg, bm, K)
@@ -239,6 +251,6 @@ def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None,
         x, x.stride(0), w, w.stride(0), out, out.stride(0), M, N, K, partials, float(eps),
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=bk, EVEN_K=K % bk == 0,
         ROW_RMS=row_rms is not None, GS=gs, P=parts, PP=triton.next_power_of_2(parts),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TRIGGER=trigger and not INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

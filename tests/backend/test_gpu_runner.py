@@ -733,19 +733,23 @@ def test_kda_decode_pdl_gives_the_same_step(tmp_path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_gpu_kda_decode_pdl_gives_the_same_step(tmp_path) -> None:
-    """The same on CUDA in bf16, where the KDA decode launches with PDL after the input projection's GEMM."""
+@pytest.mark.parametrize("trigger", [False, True], ids=["after_cublas", "skinny_trigger"])
+def test_gpu_kda_decode_pdl_gives_the_same_step(trigger: bool, tmp_path) -> None:
+    """The same on CUDA in bf16, where the KDA decode launches with PDL after the gates' up-projection: cuBLAS's
+    (the same bits), or with kda_decode_pdl_trigger the skinny GEMV's, which triggers it first thing (its own
+    fp32 sums: the logits within bf16 rounding, the states within fp32 noise)."""
     pdl_runner, step, _ = _k3_decode_forward_counted(tmp_path / "a", arch="kimi_linear", bf16_on_cuda=True,
-                                                     kda_decode_pdl=True)
+                                                     kda_decode_pdl=True, kda_decode_pdl_trigger=trigger)
     plain_runner, plain_step, _ = _k3_decode_forward_counted(tmp_path / "b", arch="kimi_linear", bf16_on_cuda=True)
     with torch.no_grad():
         for _ in range(2):
             got, want = pdl_runner.fwd(step, decode=True), plain_runner.fwd(plain_step, decode=True)
             torch.cuda.synchronize()
-            assert torch.equal(got, want)
+            assert torch.equal(got, want) if not trigger else rel(got.float(), want.float()) < 2e-2
     for pool_a, pool_b in ((pdl_runner.fwd.pool.rec, plain_runner.fwd.pool.rec),
                            (pdl_runner.fwd.pool.conv, plain_runner.fwd.pool.conv)):
-        assert all(a is None or torch.equal(a, b) for a, b in zip(pool_a, pool_b))
+        for a, b in zip(pool_a, pool_b):
+            assert a is None or (torch.equal(a, b) if not trigger else rel(a.float(), b.float()) < 2e-2)
 
 
 def test_a_small_router_computes_its_logits_in_the_top_k_launch(tmp_path) -> None:

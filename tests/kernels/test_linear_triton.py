@@ -143,3 +143,31 @@ def test_gpu_bf16_kimi_shapes(tiles, M: int, N: int, K: int) -> None:
     ref = skinny_linear_ref(x, w, torch.float32)
     assert rel_err(y, ref) <= 8e-3  # one bf16 rounding of the output
     assert rel_err(skinny_linear(x, w.float(), out_dtype=torch.float32, tiles=tiles), ref) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("tiles", [None, *[t for t in CANDIDATES if t.unrolled][:1]])
+def test_gpu_trigger_first_changes_nothing_but_the_launch(tiles) -> None:
+    """skinny_linear(trigger=True) (the KDA gates' up-projection before the PDL-launched decode step, session 44)
+    lets the next PDL launch start at once: the same bits, also with a PDL kernel reading its output right after
+    (the decode's wait covers all of the GEMV), in a graph replayed twice."""
+    from k3rt.kernels.norm import rms_norm
+
+    x = torch.randn(1, 256, device="cuda").bfloat16()
+    w = (torch.randn(8192, 256, device="cuda") * 0.05).bfloat16()
+    want = skinny_linear(x, w, tiles=tiles)
+    assert torch.equal(skinny_linear(x, w, tiles=tiles, trigger=True), want)
+    out = torch.empty_like(want)
+    weight = torch.ones(8192, device="cuda", dtype=torch.bfloat16)
+    g = torch.cuda.CUDAGraph()
+    skinny_linear(x, w, tiles=tiles, trigger=True, out=out)
+    rms_norm(out, weight, 1e-5, use_pdl=True)  # compiled outside the capture
+    with torch.cuda.graph(g):
+        skinny_linear(x, w, tiles=tiles, trigger=True, out=out)
+        normed = rms_norm(out, weight, 1e-5, use_pdl=True)
+    for _ in range(2):
+        out.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want) and torch.equal(normed, rms_norm(want, weight, 1e-5))

@@ -107,7 +107,7 @@ def kda_forward(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor, step: 
     page apart); workspace: kda_decode's per-head counters (decode form); keep: buffers the verify graph
     form copies its commit inputs into (GpuForward.verify_keep; None: the step keeps its own tensors)."""
     T, H, D = x.shape[0], attn.num_heads, attn.head_dim
-    qkv, gate, f, b = kda_project(attn, w, x, k)
+    qkv, gate, f, b = kda_project(attn, w, x, k, trigger=decode and T == 1 and k.kda_decode_pdl_trigger)
     if (decode and T == 1 and k.triton and k.skinny_gemv and k.kda_norm_in_o_proj and not k.batch_invariant
             and step.row_seq is None):
         return _decode_norm_in_o_proj(attn, w, qkv, f, b, gate, conv_pool, rec_pool, step.state_pages[w.group], k,
@@ -158,17 +158,28 @@ def kda_attend(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, gate:
 
 
 def kda_project(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor,
-                k: KernelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                k: KernelConfig, trigger: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, hidden] -> (pre-conv qkv [T, 3P], output gate [T, P], f [T, P], b [T, H]): column views of the
-    fused GEMMs' outputs."""
+    fused GEMMs' outputs. trigger (one decode row, KernelConfig.kda_decode_pdl_trigger): the last projection runs
+    in the skinny GEMV, which lets the PDL-launched decode step after it start at once (skinny_linear trigger=)."""
     proj = linear(x, w.w_in, k)
     qkv, gate, f_a, b = torch.split(proj, w.splits, dim=-1)[:4]
+    last = (lambda a, wt: _triggering_linear(a, wt, k)) if trigger else (lambda a, wt: linear(a, wt, k))
     if w.w_up is not None:  # (g_a | f_a) -> (gate | f), one GEMM
         s0 = w.splits[0]
-        gate, f = linear(proj[:, s0:s0 + w.w_up.shape[1]], w.w_up, k).split(w.w_up.shape[0] // 2, dim=-1)
+        gate, f = last(proj[:, s0:s0 + w.w_up.shape[1]], w.w_up).split(w.w_up.shape[0] // 2, dim=-1)
     else:
-        f = linear(f_a, attn.f_b_proj.weight, k)
+        f = last(f_a, attn.f_b_proj.weight)
     return qkv, gate, f, b
+
+
+def _triggering_linear(x: torch.Tensor, wt: torch.Tensor, k: KernelConfig) -> torch.Tensor:
+    """linear() through the skinny GEMV with its PDL trigger first, where that kernel takes the operands (16-bit,
+    the kernels on, not batch-invariant); else linear() as is."""
+    if (k.triton and k.skinny_gemv and not k.batch_invariant and x.dtype in (torch.bfloat16, torch.float16)
+            and x.dim() == 2 and x.stride(-1) == 1):
+        return kernel("linear", "skinny_linear")(x, wt, trigger=True)
+    return linear(x, wt, k)
 
 
 def _decode(attn: KimiDeltaAttention, w: KdaWeights, qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor,

@@ -169,6 +169,11 @@ class KernelConfig:
     # late_wait). Sound: no kernel right before a decode step's KDA writes its states. Built without a GPU (session
     # 44): off until timed (decode.py variant kda_decode_pdl)
     kda_decode_pdl: bool = False
+    # with kda_decode_pdl, a one-sequence decode's last KDA projection (the gates' up-projection) through the skinny
+    # GEMV, which triggers the PDL launch after it first thing (skinny_linear trigger=), so the decode step's loads
+    # before its wait run beside that GEMV, not after it (cuBLAS's trigger is its end). Off until timed (session 44;
+    # decode.py variant kda_decode_pdl_trigger)
+    kda_decode_pdl_trigger: bool = False
     # a few tokens' MoE pairs as blocks of one row, no alignment launch, while their experts' weights (read once per
     # pair) stay within this many bytes (kernels/moe/triton_experts.py align_blocks: k3-tiny's verify steps; never the
     # 48B's 14 MB experts); None: the kernel's own bound (PAIR_BLOCKS_MAX_BYTES, 4 MB); 0: one token only, as before
