@@ -300,8 +300,8 @@ for stage in "$@"; do
         "gluon tokens n64 x2 bf16 partials" --out "$OUT/mla_gluon.json" ;;
     decode-mla)
       run decode-mla 240 python3 benchmarks/decode.py --batch 1 16 64 --profile 1 --prefill --variants control \
-        mla_two_step_combine mla_gluon mla_gluon_tokens kda_norm_in_o_proj layers_one_token kda_decode_pdl \
-        kda_decode_pdl_trigger \
+        mla_gluon_tokens mla_gluon kda_decode_pdl kda_decode_pdl_trigger kda_norm_in_o_proj mla_two_step_combine \
+        layers_one_token \
         --budget-s 220 \
         --out "$OUT/decode_mla.json" ;;
     moe)
