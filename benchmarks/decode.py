@@ -56,11 +56,12 @@ VARIANTS = {"control": {}, "pdl": dict(use_pdl=True), "cublas_gemv": dict(skinny
             "kda_layer_one_token": dict(kda_layer_one_token=True),
             "mla_layer_one_token": dict(mla_layer_one_token=True),
             "layers_one_token": dict(moe_layer_one_token=True, kda_layer_one_token=True, mla_layer_one_token=True),
-            # session 42: the MLA decode's Gluon kernel (off until timed)
-            "mla_gluon": dict(mla_gluon=True),
+            # session 42: the MLA decode's Gluon kernel in its heads layout; session 44: the Triton kernel (the
+            # default before session 44, when the Gluon kernel's tokens layout became it)
+            "mla_gluon": dict(mla_gluon=True, mla_gluon_layout="heads"), "mla_triton": dict(mla_gluon=False),
             # session 43: the MLA decode's two-step combine past 32 splits (the default before session 43)
             "mla_two_step_combine": dict(mla_wide_combine=False),
-            # session 43: the Gluon kernel's tokens layout
+            # session 43: the Gluon kernel's tokens layout (the default since session 44)
             "mla_gluon_tokens": dict(mla_gluon=True, mla_gluon_layout="tokens"),
             # session 44: the KDA decode launched with PDL, its state and windows loaded before the wait
             "kda_decode_pdl": dict(kda_decode_pdl=True),

@@ -79,8 +79,9 @@
 #                       session 43), then kernels_mla.py: the Triton default (one-pass combine) and its two-step
 #                       combine, the Gluon heads and tokens layouts, bf16 partials (issue 18's >= 80 % at batch >= 16
 #                       and >= 50 % at batch 1 on the H200)
-#   decode-mla (240)    benchmarks/decode.py at the 48B shape, batch 1/16/64 at 4K, --profile 1: the default against
-#                       the MLA decode's two-step combine, the Gluon kernel in either layout, batch 1's KDA norm in
+#   decode-mla (240)    benchmarks/decode.py at the 48B shape, batch 1/16/64 at 4K, --profile 1: the default (the
+#                       Gluon MLA decode's tokens layout since session 44) against the Triton MLA decode, its
+#                       two-step combine, the Gluon heads layout, batch 1's KDA norm in
 #                       o_proj, the persistent one-token layers (session 43's variants), the KDA decode with PDL
 #                       and its late wait, alone and after the skinny GEMV's early trigger (session 44's
 #                       kda_decode_pdl, kda_decode_pdl_trigger; needs the H200)
@@ -300,7 +301,7 @@ for stage in "$@"; do
         "gluon tokens n64 x2 bf16 partials" --out "$OUT/mla_gluon.json" ;;
     decode-mla)
       run decode-mla 240 python3 benchmarks/decode.py --batch 1 16 64 --profile 1 --prefill --variants control \
-        mla_gluon_tokens mla_gluon kda_decode_pdl kda_decode_pdl_trigger kda_norm_in_o_proj mla_two_step_combine \
+        mla_triton mla_gluon kda_decode_pdl kda_decode_pdl_trigger kda_norm_in_o_proj mla_two_step_combine \
         layers_one_token \
         --budget-s 220 \
         --out "$OUT/decode_mla.json" ;;

@@ -617,14 +617,17 @@ def test_a_mixed_steps_kda_layer_launches_no_torch_work(tmp_path) -> None:
         assert (work.torch_ops, work.triton) == ([], launches)
 
 
-def _k3_decode_forward_counted(tmp_path, arch: str = "k3", bf16_on_cuda: bool = False, **kernel_config):
+def _k3_decode_forward_counted(tmp_path, arch: str = "k3", bf16_on_cuda: bool = False, overrides: dict | None = None,
+                               block_size: int | None = None, **kernel_config):
     """(runner, step, _LaunchWork) of one decode forward of a tiny checkpoint (k3 unless arch says) through the GPU
     runner, kernels on (KernelConfig fields overridden by kernel_config); bf16_on_cuda: bf16 weights and caches on
-    the GPU."""
+    the GPU; overrides: the tiny config's keys (make_tiny); block_size: the cache's page in tokens."""
     from k3rt.backend.runner.gpu.step import StepSeq
 
-    ckpt = make_tiny(tmp_path / "m", arch=arch, dtype="float32", seed=4)
+    ckpt = make_tiny(tmp_path / "m", arch=arch, dtype="float32", seed=4, overrides=overrides)
     dtypes = dict(kv_dtype="bfloat16", conv_dtype="bfloat16") if bf16_on_cuda else {}
+    if block_size is not None:
+        dtypes["block_size"] = block_size
     # device and dtype in the same replace as runner="gpu": off the interpreter, a GPU runner config on the CPU is
     # refused as it is built (session 42's version set them after, so its bf16_on_cuda cases never ran)
     on_cuda = dict(device="cuda", dtype="bfloat16") if bf16_on_cuda else {}
@@ -957,6 +960,21 @@ def test_gpu_one_token_layers_in_persistent_launches(tmp_path) -> None:
     test_a_one_token_mla_layer_runs_in_persistent_launches_around_its_attention(tmp_path / "mla")
 
 
+def test_the_gluon_mla_decode_is_the_default_where_it_runs_but_not_batch_invariant(monkeypatch) -> None:
+    """Session 44: KernelConfig's MLA decode is the Gluon kernel's tokens layout wherever gluon_runs says it runs;
+    the batch-invariant mode keeps the Triton kernel whatever gluon_runs says."""
+    from k3rt.backend.runner.gpu import mla as gpu_mla
+    from k3rt.backend.runner.gpu.ops import KernelConfig
+
+    asked = []
+    monkeypatch.setattr(gpu_mla, "gluon_runs", lambda *a: asked.append(a) or True)
+    q, pages = torch.empty(1, 32, 576), torch.empty(2, 1888, 576)
+    launch = gpu_mla._decode_launch(KernelConfig(), q, pages, 512)
+    assert launch.get("gluon") is True and launch["gluon_layout"] == "tokens" and asked[-1][-2:] == ("tokens", 512)
+    assert "gluon" not in gpu_mla._decode_launch(KernelConfig(batch_invariant=True), q, pages, 512)
+    assert "gluon" not in gpu_mla._decode_launch(KernelConfig(mla_gluon=False), q, pages, 512)
+
+
 def test_mla_gluon_leaves_the_cpu_and_interpreter_decode_as_it_is(tmp_path) -> None:
     """KernelConfig.mla_gluon asks for the Gluon MLA decode only where it runs (sm_90+, bf16/fp16, pages of a
     multiple of 32 tokens): elsewhere the runner launches the default kernel, and the forward is the same."""
@@ -970,21 +988,25 @@ def test_mla_gluon_leaves_the_cpu_and_interpreter_decode_as_it_is(tmp_path) -> N
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("arch", ["kimi_linear", "k3"])
-@pytest.mark.parametrize("layout", ["heads", "tokens"])
+@pytest.mark.parametrize("layout", ["heads", "tokens", "tokens_l64"])
 def test_gpu_mla_decode_in_the_gluon_kernel(arch, layout, tmp_path) -> None:
     """KernelConfig.mla_gluon on CUDA, in either layout (mla_gluon_layout): a bf16 decode forward with the MLA decode
-    in kernels/mla/gluon_decode.py gives the default kernel's logits up to bf16 rounding. The tiny checkpoints'
+    in kernels/mla/gluon_decode.py gives the Triton kernel's logits up to bf16 rounding. The tiny checkpoints'
     kv_lora_rank of 32 is below the tokens layout's 64: there the runner keeps the Triton kernel (session 43's first
-    GPU run of this case failed to compile inside the forward instead)."""
+    GPU run of this case failed to compile inside the forward instead); tokens_l64 gives the checkpoint a 64-wide
+    latent and 64-token pages, so the tokens layout runs inside the runner."""
     from k3rt.kernels.mla.gluon_decode import GLUON_LAUNCH, gluon_runs
 
+    shape = dict(overrides={"kv_lora_rank": 64}, block_size=64) if layout == "tokens_l64" else {}
+    layout = layout.removesuffix("_l64")
     one_runner, step, _ = _k3_decode_forward_counted(tmp_path / "a", arch=arch, bf16_on_cuda=True, mla_gluon=True,
-                                                     mla_gluon_layout=layout)
-    plain_runner, plain_step, _ = _k3_decode_forward_counted(tmp_path / "b", arch=arch, bf16_on_cuda=True)
+                                                     mla_gluon_layout=layout, **shape)
+    plain_runner, plain_step, _ = _k3_decode_forward_counted(tmp_path / "b", arch=arch, bf16_on_cuda=True,
+                                                             mla_gluon=False, **shape)
     probe = torch.empty(1, device="cuda", dtype=torch.bfloat16)
     L = one_runner.fwd.cfg.mla.kv_lora_rank
     runs = gluon_runs(probe, one_runner.fwd.pool.layout.block_size, GLUON_LAUNCH["block_n"], layout, L)
-    assert runs == (layout == "heads" or L % 64 == 0)  # the heads case is exercised
+    assert runs == (layout == "heads" or L % 64 == 0)  # the heads and tokens_l64 cases are exercised
     with torch.no_grad():
         got, want = one_runner.fwd(step, decode=True), plain_runner.fwd(plain_step, decode=True)
     assert rel(got.float(), want.float()) < 2e-2

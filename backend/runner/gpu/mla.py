@@ -210,9 +210,11 @@ def _decode(q: torch.Tensor, w: MlaWeights, step: GpuStep, kv_pages: torch.Tenso
 
 def _decode_launch(k: KernelConfig, qcat: torch.Tensor, kv_pages: torch.Tensor, kv_lora_rank: int) -> dict:
     """mla_decode's launch overrides: the Gluon kernel's (KernelConfig.mla_gluon, in mla_gluon_layout) where it runs,
-    and the one-pass combine past 32 splits (KernelConfig.mla_wide_combine)."""
+    and the one-pass combine past 32 splits (KernelConfig.mla_wide_combine). The batch-invariant mode keeps the Triton
+    kernel (its one split a row is what docs/deterministic.md and its tests pin)."""
     launch = dict(wide_combine=k.mla_wide_combine)
-    if k.mla_gluon and gluon_runs(qcat, kv_pages.shape[1], GLUON_LAUNCH["block_n"], k.mla_gluon_layout, kv_lora_rank):
+    if (k.mla_gluon and not k.batch_invariant
+            and gluon_runs(qcat, kv_pages.shape[1], GLUON_LAUNCH["block_n"], k.mla_gluon_layout, kv_lora_rank)):
         launch.update(GLUON_LAUNCH, gluon_layout=k.mla_gluon_layout)
     return launch
 

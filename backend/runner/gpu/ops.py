@@ -129,14 +129,18 @@ class KernelConfig:
     # norm) with mla_decode between: four launches where the separate path takes nine (the 48B's 7 MLA layers: no
     # q_lora, no output gate). Built without a GPU: off until timed (decode.py variant mla_layer_one_token)
     mla_layer_one_token: bool = False
-    # the MLA decode's Gluon kernel (kernels/mla/gluon_decode.py GLUON_LAUNCH: heads padded to wgmma's 64 rows, a
-    # TMA ring of 64-token KV tiles) where it runs: sm_90+, bf16/fp16, pages a multiple of 32 tokens. H100 (session
-    # 42, kernels_mla.py): at or past the Triton default from 32K context, 3 points behind at 8K; off until the H200
-    # and the 48B step (decode.py variant mla_gluon) have timed it
-    mla_gluon: bool = False
-    # the Gluon kernel's layout where mla_gluon is on (MlaDecodeConfig.gluon_layout): "heads", or "tokens" (session
-    # 43: the tile's tokens on wgmma's M, heads unpadded; decode.py variant mla_gluon_tokens)
-    mla_gluon_layout: str = "heads"
+    # the MLA decode's Gluon kernel (kernels/mla/gluon_decode.py GLUON_LAUNCH: a TMA ring of two 64-token KV tiles,
+    # one program an SM) where it runs: sm_90+, bf16/fp16, pages a multiple of 32 tokens, the layout's latent width;
+    # elsewhere (and in the batch-invariant mode) the Triton kernel. The default since session 44: on the H200
+    # (kernels_mla.py, % of copy bandwidth, Triton / Gluon heads / Gluon tokens) 16x32K 64.2 / 67.7 / 81.0, 64x32K
+    # 69.4 / 75.1 / 92.0, 64x128K 71.3 / 76.9 / 95.9, 1x32K 31.9 / 35.8 / 37.0, 1x128K 48.3 / 59.6 / 67.3; the 48B
+    # step (decode.py, graph ms, Triton / tokens) 2.576 / 2.578 at batch 1, 11.050 / 10.975 at 16, 21.915 / 21.745
+    # at 64 (decode.py variants mla_triton, mla_gluon for the heads layout)
+    mla_gluon: bool = True
+    # the Gluon kernel's layout (MlaDecodeConfig.gluon_layout): "tokens" (session 43: the tile's tokens on wgmma's M,
+    # the heads on N unpadded, half the heads layout's tensor work at 32 heads; needs kv_lora_rank % 64 == 0, else
+    # the Triton kernel runs), or "heads" (session 42: heads padded to wgmma's 64 rows)
+    mla_gluon_layout: str = "tokens"
     # the MLA decode's combine past 32 splits in one pass over up to 256 (MlaDecodeConfig.wide_combine, its default)
     # instead of 32-split steps: batch 1-4 at long contexts. Off only to time the two-step form (decode.py variant
     # mla_two_step_combine)
