@@ -116,18 +116,21 @@ class KernelConfig:
     # one token's whole MoE layer in one persistent launch (kernels/moe/triton_layer.py moe_layer_one_token: the
     # router GEMV, the top-k, gate/up, down, the sum and the residual add + next norm, the programs ordered by arrival
     # counters instead of five launch boundaries): batch-1 decode of a plain MoE at TP 1 (the 48B's 26 layers, ~47 us
-    # each against a 30.7 us floor in session 39's profile). Built without a GPU: off until timed (decode.py variant
-    # moe_layer_one_token)
+    # each against a 30.7 us floor in session 39's profile). Off: one layer no faster than the separate launches (H100,
+    # session 43: 64.6 against 64.6 us), and the three one-token forms together make the 48B batch-1 step slower
+    # (H200, session 44: 3.021 against 2.576 ms; decode.py variants moe_layer_one_token, layers_one_token)
     moe_layer_one_token: bool = False
     # one token's whole KDA layer in one persistent launch (kernels/kda/triton_layer.py kda_layer_one_token: the input
     # projection, the low-rank gates' up-projections, the decode step with its gated norm, o_proj and the residual add
     # + next norm): batch-1 decode at TP 1 (the 48B's 20 KDA layers, five launches and ~37 us each against ~20 us of
-    # bytes in session 39's profile). Built without a GPU: off until timed (decode.py variant kda_layer_one_token)
+    # bytes in session 39's profile). Off: one layer 46.9 against 46.9 us separate (H100, session 43), and see
+    # moe_layer_one_token (decode.py variant kda_layer_one_token)
     kda_layer_one_token: bool = False
     # one token's MLA layer around its attention core in two persistent launches (kernels/mla/triton_layer.py: the
     # input projection, the latent store and the absorbed query; the W_UV product, o_proj and the residual add + next
     # norm) with mla_decode between: four launches where the separate path takes nine (the 48B's 7 MLA layers: no
-    # q_lora, no output gate). Built without a GPU: off until timed (decode.py variant mla_layer_one_token)
+    # q_lora, no output gate). Off: one layer even with the separate launches (H100, session 42: 62.9 against 62.8
+    # us), and see moe_layer_one_token (decode.py variant mla_layer_one_token)
     mla_layer_one_token: bool = False
     # the MLA decode's Gluon kernel (kernels/mla/gluon_decode.py GLUON_LAUNCH: a TMA ring of two 64-token KV tiles,
     # one program an SM) where it runs: sm_90+, bf16/fp16, pages a multiple of 32 tokens, the layout's latent width;
@@ -164,19 +167,20 @@ class KernelConfig:
     # a one-sequence decode's KDA output norm split between the decode launch and o_proj's (kernels/kda
     # kda_decode_split_norm: y = o * weight * sigmoid(gate) and per-program sums of o^2, no program waiting for its
     # head's others; kernels/linear skinny_linear(row_rms=) applies the rms factor as it reads y). The fused norm's
-    # arrival cost ~0.9 us of the N = 1 step (H100 probes, session 39). Built without a GPU: off until timed
-    # (decode.py variant kda_norm_in_o_proj)
+    # arrival cost ~0.9 us of the N = 1 step (H100 probes, session 39). Off: the 48B step at batch 1 is slower with
+    # it (H200, session 44: 2.650 against 2.576 ms; decode.py variant kda_norm_in_o_proj)
     kda_norm_in_o_proj: bool = False
     # a decode step's KDA decode launched with PDL (programmatic dependent launch; the other kernels as they are),
     # its pinned programs (one wave: N = 1) loading the slot, state tile, conv windows and gate constants before the
     # PDL wait, so those trips overlap the input projection's tail and the launch (kernels/kda kda_decode
-    # late_wait). Sound: no kernel right before a decode step's KDA writes its states. Built without a GPU (session
-    # 44): off until timed (decode.py variant kda_decode_pdl)
+    # late_wait). Sound: no kernel right before a decode step's KDA writes its states. Off: in a chain of PDL decode
+    # calls N = 1 runs 3.78 us against 5.15 (H200, fused norm, benchmarks/kernels.py), but the 48B step at batch 1 is
+    # slower with it (H200, session 44: 2.618 against 2.576 ms; decode.py variant kda_decode_pdl)
     kda_decode_pdl: bool = False
     # with kda_decode_pdl, a one-sequence decode's last KDA projection (the gates' up-projection) through the skinny
     # GEMV, which triggers the PDL launch after it first thing (skinny_linear trigger=), so the decode step's loads
-    # before its wait run beside that GEMV, not after it (cuBLAS's trigger is its end). Off until timed (session 44;
-    # decode.py variant kda_decode_pdl_trigger)
+    # before its wait run beside that GEMV, not after it (cuBLAS's trigger is its end). Off: the 48B step at batch 1
+    # 2.628 against 2.576 ms (H200, session 44; decode.py variant kda_decode_pdl_trigger)
     kda_decode_pdl_trigger: bool = False
     # a few tokens' MoE pairs as blocks of one row, no alignment launch, while their experts' weights (read once per
     # pair) stay within this many bytes (kernels/moe/triton_experts.py align_blocks: k3-tiny's verify steps; never the
