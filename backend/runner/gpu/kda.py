@@ -164,20 +164,20 @@ def kda_project(attn: KimiDeltaAttention, w: KdaWeights, x: torch.Tensor,
     in the skinny GEMV, which lets the PDL-launched decode step after it start at once (skinny_linear trigger=)."""
     proj = linear(x, w.w_in, k)
     qkv, gate, f_a, b = torch.split(proj, w.splits, dim=-1)[:4]
-    last = (lambda a, wt: _triggering_linear(a, wt, k)) if trigger else (lambda a, wt: linear(a, wt, k))
     if w.w_up is not None:  # (g_a | f_a) -> (gate | f), one GEMM
         s0 = w.splits[0]
-        gate, f = last(proj[:, s0:s0 + w.w_up.shape[1]], w.w_up).split(w.w_up.shape[0] // 2, dim=-1)
+        gate, f = _gate_linear(proj[:, s0:s0 + w.w_up.shape[1]], w.w_up, k, trigger).split(w.w_up.shape[0] // 2,
+                                                                                            dim=-1)
     else:
-        f = last(f_a, attn.f_b_proj.weight)
+        f = _gate_linear(f_a, attn.f_b_proj.weight, k, trigger)
     return qkv, gate, f, b
 
 
-def _triggering_linear(x: torch.Tensor, wt: torch.Tensor, k: KernelConfig) -> torch.Tensor:
-    """linear() through the skinny GEMV with its PDL trigger first, where that kernel takes the operands (16-bit,
-    the kernels on, not batch-invariant); else linear() as is."""
-    if (k.triton and k.skinny_gemv and not k.batch_invariant and x.dtype in (torch.bfloat16, torch.float16)
-            and x.dim() == 2 and x.stride(-1) == 1):
+def _gate_linear(x: torch.Tensor, wt: torch.Tensor, k: KernelConfig, trigger: bool) -> torch.Tensor:
+    """linear(), or with trigger the skinny GEMV with its PDL trigger first where that kernel takes the operands
+    (16-bit, the kernels on, not batch-invariant)."""
+    if (trigger and k.triton and k.skinny_gemv and not k.batch_invariant
+            and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2 and x.stride(-1) == 1):
         return kernel("linear", "skinny_linear")(x, wt, trigger=True)
     return linear(x, wt, k)
 
