@@ -39,6 +39,9 @@ def _add(p) -> None:
     p.add_argument("--kda-n", type=int, nargs="*", default=[1, 16, 64], help="KDA decode batch sizes")
     p.add_argument("--mla", nargs="*", default=["1x32768", "16x32768", "64x32768", "16x131072"],
                    help="MLA decode cases, BATCHxCONTEXT")
+    p.add_argument("--kda-tilings", type=lambda t: tuple(int(x) for x in t.split(",")), nargs="*",
+                   default=[(1, 32, 4), (1, 64, 4), (1, 128, 8), (2, 64, 4), (4, 32, 4), (4, 32, 2), (2, 32, 1)],
+                   help="more state RMW tilings, SPLIT,BLOCK_V,WARPS each (programs a head, columns a tile, warps)")
 
 
 ARGS = kernel_bench_args(__doc__, "bandwidth_probe.json", 200.0, _add)
@@ -165,9 +168,12 @@ def kda_items(report: Report, N: int, copy_gbps: float) -> None:
     nv = default_v_split(N, H, D)
     shapes = {"decode's tiles": (nv, min(default_block_v(N, H, nv), D // nv), default_num_warps(D, nv)),
               "fla's tiles (16 a head, 8 columns, 1 warp)": (16 if not SMOKE else 2, 8, 1)}
-    report.item("check", f"N={N} triton rmw", lambda: _check_rmw(states[0], slots, k, o, shapes))
-    for label, (split, bv, warps) in shapes.items():
-        for reduce in (False, True):
+    # other tilings, no reductions (--kda-tilings; the decode's tiling stopped at 77 % at N = 16 on the H200)
+    extra = {f"{s} a head, {bv} columns, {w} warps": (s, bv, w) for s, bv, w in ARGS.kda_tilings
+             if not SMOKE and D % s == 0 and bv <= D // s}
+    report.item("check", f"N={N} triton rmw", lambda: _check_rmw(states[0], slots, k, o, {**shapes, **extra}))
+    for label, (split, bv, warps) in {**shapes, **extra}.items():
+        for reduce in (False, True) if label in shapes else (False,):
             def rmw(i, split=split, bv=bv, warps=warps, reduce=reduce):
                 _state_rmw_kernel[(N, H, split)](states[i], slots, states[i].stride(0), k, o, D=D, BV=bv,
                                                  BVS=D // split, REDUCE=reduce, num_warps=warps)
