@@ -11,7 +11,7 @@ reads cold memory), per N, each replayed from a CUDA graph, GB/s counting the st
   - torch's in-place scale of the N states (`mul_`: the elementwise kernel, read and write the same bytes),
     and torch's copy of them to another buffer;
   - a Triton read-modify-write with the decode kernel's grid and tiles ((sequence, head, V slice) programs walking
-    [D, BV] tiles): at the decode's default shape for that N, at fla's (16 programs a head, 8 columns, one warp),
+    [D, BV] tiles): at the decode's default shape for that N, at fla's (4 programs a head, 32 columns, 4 warps),
     and with the delta rule's two reductions over the key axis (k^T S and S^T q) kept in;
   - kernels/kda kda_decode at its defaults (the whole step: conv, gates, norms, the update).
 MLA (H = 32, latent 512 + rope 64 = 576 bf16 a token, 1888-token pages shuffled in one pool), per (batch, context),
@@ -40,7 +40,7 @@ def _add(p) -> None:
     p.add_argument("--mla", nargs="*", default=["1x32768", "16x32768", "64x32768", "16x131072"],
                    help="MLA decode cases, BATCHxCONTEXT")
     p.add_argument("--kda-tilings", type=lambda t: tuple(int(x) for x in t.split(",")), nargs="*",
-                   default=[(1, 32, 4), (1, 64, 4), (1, 128, 8), (2, 64, 4), (4, 32, 4), (4, 32, 2), (2, 32, 1)],
+                   default=[(1, 32, 4), (1, 64, 4), (1, 128, 8), (2, 64, 4), (4, 32, 2), (2, 32, 1), (16, 8, 1)],
                    help="more state RMW tilings, SPLIT,BLOCK_V,WARPS each (programs a head, columns a tile, warps)")
 
 
@@ -167,7 +167,8 @@ def kda_items(report: Report, N: int, copy_gbps: float) -> None:
         "N": N, **_timed(calls(lambda i: others[i].copy_(states[i])), moved, copy_gbps)})
     nv = default_v_split(N, H, D)
     shapes = {"decode's tiles": (nv, min(default_block_v(N, H, nv), D // nv), default_num_warps(D, nv)),
-              "fla's tiles (16 a head, 8 columns, 1 warp)": (16 if not SMOKE else 2, 8, 1)}
+              # fla 0.6.0's fused_recurrent_kda launch: BV = 32, one program per 32 columns, Triton's 4 warps
+              "fla's tiles (4 a head, 32 columns, 4 warps)": (4 if not SMOKE else 2, 32 if not SMOKE else 8, 4)}
     # other tilings, no reductions (--kda-tilings; the decode's tiling stopped at 77 % at N = 16 on the H200)
     extra = {f"{s} a head, {bv} columns, {w} warps": (s, bv, w) for s, bv, w in ARGS.kda_tilings
              if not SMOKE and D % s == 0 and bv <= D // s}
