@@ -179,7 +179,7 @@ class KernelConfig:
     kda_decode_pdl: bool = False
     # with kda_decode_pdl, a one-sequence decode's last KDA projection (the gates' up-projection) through the skinny
     # GEMV, which triggers the PDL launch after it first thing (skinny_linear trigger=), so the decode step's loads
-    # before its wait run beside that GEMV, not after it (cuBLAS's trigger is its end). Off: the 48B step at batch 1
+    # before its wait run beside that GEMV (cuBLAS's PDL trigger is not ours to place). Off: the 48B step at batch 1
     # 2.628 against 2.576 ms (H200, session 44; decode.py variant kda_decode_pdl_trigger)
     kda_decode_pdl_trigger: bool = False
     # a few tokens' MoE pairs as blocks of one row, no alignment launch, while their experts' weights (read once per
