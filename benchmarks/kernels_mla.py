@@ -69,7 +69,8 @@ import_k3rt_kernels()
 from k3rt.kernels.mla import (  # noqa: E402
     mla_decode, mla_decode_num_splits, mla_decode_ref, mla_prefill, mla_prefill_ref,
 )
-from k3rt.kernels.mla.triton_decode import mla_decode_balanced_programs, mla_decode_config  # noqa: E402
+from k3rt.kernels.mla.triton_decode import (  # noqa: E402
+    gluon_num_splits, mla_decode_balanced_programs, mla_decode_config)
 
 GPU = torch.cuda.is_available() and not ARGS.smoke
 DEV = "cuda" if GPU else "cpu"
@@ -208,6 +209,17 @@ if ARGS.decode_variants:
     DECODE_VARIANTS = {v: DECODE_VARIANTS[v] for v in ARGS.decode_variants}
 
 
+def launcher_splits(variant: str, N: int, ctx: int) -> int:
+    """The split count mla_decode picks for this variant when given none (the runner's): the Gluon kernel's one
+    wave, the Triton kernels' two-wave rule. (Before session 44 every variant was timed at the Triton rule's count,
+    so the Gluon rows ran at twice their own splits from batch 16 on.)"""
+    tune = DECODE_VARIANTS[variant]
+    if tune.get("gluon"):
+        cfg = replace(mla_decode_config(N, H, ctx), **{k: v for k, v in tune.items() if k != "use_pdl"})
+        return gluon_num_splits(N, H, ctx, None, cfg.gluon_layout, cfg.block_h)
+    return mla_decode_num_splits(N, H, ctx)
+
+
 class DecodeCase:
     """One (batch, context) decode case: its page pool is built once and timed under many launches.
     ragged: lengths uniform in [1, 2 * ctx] (mean ~ctx; pages for 2 * ctx), bytes from the actual lengths."""
@@ -234,7 +246,7 @@ class DecodeCase:
             cfg = replace(mla_decode_config(self.N, H, self.span), **{k: v for k, v in tune.items() if k != "use_pdl"})
             splits = num_splits or mla_decode_balanced_programs(H, cfg, None if GPU else 4)  # interpreter: few
         else:
-            splits = num_splits or mla_decode_num_splits(self.N, H, self.span)
+            splits = num_splits or launcher_splits(variant, self.N, self.span)
         calls = [lambda r=r: decode(self.qs[r], self.kv, self.tables[r], self.seq_lens, SCALE, kv_lora_rank=L,
                                     num_splits=splits, out=self.outs[r], **tune) for r in range(self.rot)]
         us = graph_time(calls, reps=30 if GPU else 1)["us_per_call"]
@@ -276,7 +288,7 @@ def profile_decode(variants: list[str]) -> None:
         for variant in variants:
             tune = DECODE_VARIANTS[variant]
             try:
-                splits = mla_decode_num_splits(N, H, ctx) if tune.get("schedule") != "balanced" else None
+                splits = launcher_splits(variant, N, ctx) if tune.get("schedule") != "balanced" else None
                 calls = [lambda r=r: mla_decode(case.qs[r], case.kv, case.tables[r], case.seq_lens, SCALE,
                                                 kv_lora_rank=L, num_splits=splits, out=case.outs[r], **tune)
                          for r in range(case.rot)]
@@ -381,13 +393,12 @@ def bench_decode() -> None:
     sweep = ranked[:2] if GPU else ranked[:1]  # the two best: their tiles load-balance differently
     for ctx in CONTEXTS[1:] or CONTEXTS:
         for N in BATCHES:
-            chosen = mla_decode_num_splits(N, H, ctx)
-            splits = sorted({max(1, chosen // 2), chosen * 2} - {chosen})
             if not in_budget(f"decode splits N={N} ctx={ctx}"):
                 continue
             case = DecodeCase(N, ctx)
             for variant in sweep:
-                for s in splits:
+                chosen = launcher_splits(variant, N, ctx)
+                for s in sorted({max(1, chosen // 2), chosen * 2} - {chosen}):
                     row = case.time(variant, s)
                     RESULT["decode_sweep"].append(row)
                     print(f"  splits N={N:3d} ctx={ctx:6d} {variant:36s} splits={s:3d} {row['us']:9.2f} us "

@@ -120,6 +120,19 @@ def test_the_tokens_layout_refuses_a_latent_below_64_columns() -> None:
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the refusal of a device without sm_90")
+def test_the_gluon_split_count_fills_one_wave_not_two() -> None:
+    """gluon_num_splits (mla_decode's count for the Gluon kernel when given none, and kernels_mla.py's since session
+    44, which had timed the Gluon rows at the Triton kernels' two-wave count): at 132 SMs and 32 heads, batch 16
+    takes 8 splits (128 programs) where the two-wave rule takes 16, batch 64 takes 2; batch 1 fills the SMs either
+    way; 16 heads a program (tokens layout) halves the splits."""
+    from k3rt.kernels.mla.triton_decode import gluon_num_splits, mla_decode_num_splits
+
+    assert [gluon_num_splits(n, 32, 32768, 132, "tokens", 32) for n in (1, 16, 64)] == [132, 8, 2]
+    assert [mla_decode_num_splits(n, 32, 32768, 132) for n in (1, 16, 64)] == [132, 16, 4]
+    assert gluon_num_splits(16, 32, 32768, 132, "tokens", 16) == 4
+    assert gluon_num_splits(16, 32, 32768, 132, "heads", 32) == 8  # heads layout: 64 heads a program, one block
+
+
 def test_refuses_to_run_without_a_gpu() -> None:
     case = decode_case([40, 7], H=4, L=32, R=16, block_size=16, dtype=torch.float16, seed=3)
     with pytest.raises(ValueError, match="needs an sm_90\\+ GPU"):
