@@ -136,7 +136,8 @@ class KernelConfig:
     # one program an SM) where it runs: sm_90+, bf16/fp16, pages a multiple of 32 tokens, the layout's latent width;
     # elsewhere (and in the batch-invariant mode) the Triton kernel. The default since session 44: on the H200
     # (kernels_mla.py, % of copy bandwidth, Triton / Gluon heads / Gluon tokens) 16x32K 64.2 / 67.7 / 81.0, 64x32K
-    # 69.4 / 75.1 / 92.0, 64x128K 71.3 / 76.9 / 95.9, 1x32K 31.9 / 35.8 / 37.0, 1x128K 48.3 / 59.6 / 67.3; the 48B
+    # 69.4 / 75.1 / 92.0, 64x128K 71.3 / 76.9 / 95.9, 1x32K 31.9 / 35.8 / 37.0, 1x128K 48.3 / 59.6 / 67.3 (the Gluon
+    # rows at the Triton rule's splits; at their own one-wave count, as here, tokens 82.7 / 92.5 / 98.5); the 48B
     # step (decode.py, graph ms, Triton / tokens) 2.576 / 2.578 at batch 1, 11.050 / 10.975 at 16, 21.915 / 21.745
     # at 64 (decode.py variants mla_triton, mla_gluon for the heads layout)
     mla_gluon: bool = True
