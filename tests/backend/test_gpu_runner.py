@@ -720,12 +720,40 @@ def test_a_one_sequence_decode_finishes_the_kda_output_norm_in_o_proj(tmp_path) 
     assert rel(got, want) < 1e-5
 
 
-def test_kda_decode_pdl_gives_the_same_step(tmp_path) -> None:
+# KDA heads of 64 columns: one decode row splits each head over 4 one-warp programs, which load_order pins, so the
+# decode step takes the late wait (the tiny config's 16 columns give one 4-warp program a head: never pinned)
+_PINNED_KDA = {"linear_attn_config": {**TINY_CONFIGS["kimi_linear"]["linear_attn_config"], "head_dim": 64}}
+
+
+def _spy_late_waits(monkeypatch) -> list:
+    """[(pinned, late_wait asked)] of every kda_decode launch from here on."""
+    from k3rt.kernels.kda import triton_decode as KD
+
+    seen, launch, order = [], KD._launch_decode, KD.load_order
+
+    def spy(*a, late_wait=False, **kw):
+        seen.append([None, late_wait])
+        return launch(*a, late_wait=late_wait, **kw)
+
+    def spy_order(*a):
+        got = order(*a)
+        seen[-1][0] = got[2]
+        return got
+
+    monkeypatch.setattr(KD, "_launch_decode", spy)
+    monkeypatch.setattr(KD, "load_order", spy_order)
+    return seen
+
+
+def test_kda_decode_pdl_gives_the_same_step(tmp_path, monkeypatch) -> None:
     """KernelConfig.kda_decode_pdl (session 44): the decode step's KDA launch loads its state, windows and gate
-    constants before the PDL wait (kda_decode late_wait; the wait itself only on the GPU): the same bits, in the
-    logits and in every state and conv cache."""
-    pdl_runner, step, _ = _k3_decode_forward_counted(tmp_path / "a", arch="kimi_linear", kda_decode_pdl=True)
-    plain_runner, plain_step, _ = _k3_decode_forward_counted(tmp_path / "b", arch="kimi_linear")
+    constants before the PDL wait (kda_decode late_wait; the wait itself only on the GPU): every KDA launch of the
+    step pinned and late, and the same bits, in the logits and in every state and conv cache."""
+    seen = _spy_late_waits(monkeypatch)
+    pdl_runner, step, _ = _k3_decode_forward_counted(tmp_path / "a", arch="kimi_linear", overrides=_PINNED_KDA,
+                                                     kda_decode_pdl=True)
+    assert seen and all(pinned and late for pinned, late in seen), seen
+    plain_runner, plain_step, _ = _k3_decode_forward_counted(tmp_path / "b", arch="kimi_linear", overrides=_PINNED_KDA)
     with torch.no_grad():
         got, want = pdl_runner.fwd(step, decode=True), plain_runner.fwd(plain_step, decode=True)
     assert torch.equal(got, want)
@@ -737,13 +765,17 @@ def test_kda_decode_pdl_gives_the_same_step(tmp_path) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("trigger", [False, True], ids=["after_cublas", "skinny_trigger"])
-def test_gpu_kda_decode_pdl_gives_the_same_step(trigger: bool, tmp_path) -> None:
+def test_gpu_kda_decode_pdl_gives_the_same_step(trigger: bool, tmp_path, monkeypatch) -> None:
     """The same on CUDA in bf16, where the KDA decode launches with PDL after the gates' up-projection: cuBLAS's
     (the same bits), or with kda_decode_pdl_trigger the skinny GEMV's, which triggers it first thing (its own
     fp32 sums: the logits within bf16 rounding, the states within fp32 noise)."""
+    seen = _spy_late_waits(monkeypatch)
     pdl_runner, step, _ = _k3_decode_forward_counted(tmp_path / "a", arch="kimi_linear", bf16_on_cuda=True,
-                                                     kda_decode_pdl=True, kda_decode_pdl_trigger=trigger)
-    plain_runner, plain_step, _ = _k3_decode_forward_counted(tmp_path / "b", arch="kimi_linear", bf16_on_cuda=True)
+                                                     overrides=_PINNED_KDA, kda_decode_pdl=True,
+                                                     kda_decode_pdl_trigger=trigger)
+    assert seen and all(pinned and late for pinned, late in seen), seen
+    plain_runner, plain_step, _ = _k3_decode_forward_counted(tmp_path / "b", arch="kimi_linear", bf16_on_cuda=True,
+                                                             overrides=_PINNED_KDA)
     with torch.no_grad():
         for _ in range(2):
             got, want = pdl_runner.fwd(step, decode=True), plain_runner.fwd(plain_step, decode=True)
