@@ -114,6 +114,11 @@ def _paged_read_kernel(kv_ptr, table_ptr, stride_table, lens_ptr, out_ptr, SPLIT
                                                                                       axis=0))
 
 
+def _rotated(fn, n: int) -> list:
+    """fn(i) over the n rotated input sets, at least 8 calls (one graph's worth)."""
+    return [lambda i=i: fn(i) for i in range(n)] * max(1, -(-8 // n))
+
+
 def _timed(calls: list, bytes_per_call: int, copy_gbps: float) -> dict:
     t = graph_time(calls, reps=1 if SMOKE else 30, cuda=not SMOKE)
     gbps = bytes_per_call / (t["us_per_call"] * 1e-6) / 1e9
@@ -160,7 +165,7 @@ def kda_items(report: Report, N: int, copy_gbps: float) -> None:
     o = torch.empty(N, H, D, device=DEV)
     moved = 2 * state_bytes
     report.result.setdefault("kda_floor_us", {})[str(N)] = moved / (copy_gbps * 1e9) * 1e6
-    calls = lambda fn: [lambda i=i: fn(i) for i in range(layers)] * max(1, -(-8 // layers))  # noqa: E731
+    calls = lambda fn: _rotated(fn, layers)  # noqa: E731
     report.item("kda", f"N={N} torch mul_ in place", lambda: {
         "N": N, **_timed(calls(lambda i: states[i].mul_(0.999)), moved, copy_gbps)})
     report.item("kda", f"N={N} torch copy", lambda: {
@@ -213,7 +218,7 @@ def mla_items(report: Report, case: str, copy_gbps: float) -> None:
     lens = torch.full((N,), ctx, dtype=torch.int32, device=DEV)
     flat = [torch.empty(N * ctx * C, dtype=dt, device=DEV).normal_(generator=gen) for _ in range(rot)]
     sums = torch.empty((), dtype=torch.float32, device=DEV)
-    calls = lambda fn: [lambda r=r: fn(r) for r in range(rot)] * max(1, -(-8 // rot))  # noqa: E731
+    calls = lambda fn: _rotated(fn, rot)  # noqa: E731
     report.item("mla", f"{case} torch sum, contiguous", lambda: {
         "case": case, **_timed(calls(lambda r: torch.sum(flat[r], dim=0, dtype=torch.float32, out=sums)), kv_bytes,
                                copy_gbps)})

@@ -209,13 +209,18 @@ if ARGS.decode_variants:
     DECODE_VARIANTS = {v: DECODE_VARIANTS[v] for v in ARGS.decode_variants}
 
 
+def variant_config(variant: str, N: int, ctx: int):
+    """The MlaDecodeConfig a variant launches at (N, ctx): the default's with the variant's overrides."""
+    tune = DECODE_VARIANTS[variant]
+    return replace(mla_decode_config(N, H, ctx), **{k: v for k, v in tune.items() if k != "use_pdl"})
+
+
 def launcher_splits(variant: str, N: int, ctx: int) -> int:
     """The split count mla_decode picks for this variant when given none (the runner's): the Gluon kernel's one
     wave, the Triton kernels' two-wave rule. (Before session 44 every variant was timed at the Triton rule's count,
     so the Gluon rows ran at twice their own splits from batch 16 on.)"""
-    tune = DECODE_VARIANTS[variant]
-    if tune.get("gluon"):
-        cfg = replace(mla_decode_config(N, H, ctx), **{k: v for k, v in tune.items() if k != "use_pdl"})
+    if DECODE_VARIANTS[variant].get("gluon"):
+        cfg = variant_config(variant, N, ctx)
         return gluon_num_splits(N, H, ctx, None, cfg.gluon_layout, cfg.block_h)
     return mla_decode_num_splits(N, H, ctx)
 
@@ -243,8 +248,8 @@ class DecodeCase:
         # the balanced schedule's count is work programs (None: the launcher's choice), not splits
         balanced = tune.get("schedule") == "balanced"
         if balanced:
-            cfg = replace(mla_decode_config(self.N, H, self.span), **{k: v for k, v in tune.items() if k != "use_pdl"})
-            splits = num_splits or mla_decode_balanced_programs(H, cfg, None if GPU else 4)  # interpreter: few
+            splits = num_splits or mla_decode_balanced_programs(H, variant_config(variant, self.N, self.span),
+                                                                 None if GPU else 4)  # interpreter: few
         else:
             splits = num_splits or launcher_splits(variant, self.N, self.span)
         calls = [lambda r=r: decode(self.qs[r], self.kv, self.tables[r], self.seq_lens, SCALE, kv_lora_rank=L,
