@@ -40,8 +40,11 @@ def _add(p) -> None:
     p.add_argument("--mla", nargs="*", default=["1x32768", "16x32768", "64x32768", "16x131072"],
                    help="MLA decode cases, BATCHxCONTEXT")
     p.add_argument("--kda-tilings", type=lambda t: tuple(int(x) for x in t.split(",")), nargs="*",
-                   default=[(1, 32, 4), (1, 64, 4), (1, 128, 8), (2, 64, 4), (4, 32, 2), (2, 32, 1), (16, 8, 1)],
-                   help="more state RMW tilings, SPLIT,BLOCK_V,WARPS each (programs a head, columns a tile, warps)")
+                   default=[(1, 32, 4), (1, 64, 4), (1, 128, 8), (2, 64, 4), (4, 32, 2), (2, 32, 1), (16, 8, 1),
+                            (4, 32, 1, 1), (4, 32, 4, 1), (2, 64, 4, 1), (8, 16, 1, 1), (1, 32, 4, 1)],
+                   help="more state RMW tilings, SPLIT,BLOCK_V,WARPS[,T] each (programs a head, columns a tile, "
+                        "warps; T=1: the state stored value-major, [V, K] a head, so a program's columns are one "
+                        "contiguous block)")
 
 
 ARGS = kernel_bench_args(__doc__, "bandwidth_probe.json", 200.0, _add)
@@ -65,9 +68,11 @@ BN_READ = 16 if SMOKE else 64
 
 @triton.jit
 def _state_rmw_kernel(s_ptr, slot_ptr, stride_slot, k_ptr, o_ptr, D: tl.constexpr, BV: tl.constexpr,
-                      BVS: tl.constexpr, REDUCE: tl.constexpr):
+                      BVS: tl.constexpr, REDUCE: tl.constexpr, TRANS: tl.constexpr = False):
     """Program (sequence, head, V slice): its [D, BVS] columns of the head's state in [D, BV] tiles, scaled and
-    stored back; REDUCE: also the delta rule's two reductions over the key axis and its rank-1 update."""
+    stored back; REDUCE: also the delta rule's two reductions over the key axis and its rank-1 update. TRANS: the
+    head's state read as [V, K] (value-major), so the program's BVS columns are D * BVS contiguous floats instead of
+    D rows of BVS."""
     i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     H = tl.num_programs(1)
     slot = tl.load(slot_ptr + i_n).to(tl.int64)
@@ -77,7 +82,10 @@ def _state_rmw_kernel(s_ptr, slot_ptr, stride_slot, k_ptr, o_ptr, D: tl.constexp
         k = tl.load(k_ptr + (i_n * H + i_h) * D + offs_k)
     for v0 in tl.static_range(0, BVS, BV):
         offs_v = i_v * BVS + v0 + tl.arange(0, BV)
-        p = base + offs_k[:, None] * D + offs_v[None, :]
+        if TRANS:
+            p = base + offs_v[None, :] * D + offs_k[:, None]
+        else:
+            p = base + offs_k[:, None] * D + offs_v[None, :]
         s = tl.load(p) * 0.999
         if REDUCE:
             kv = tl.sum(s * k[:, None], axis=0)  # k^T S
@@ -129,12 +137,18 @@ def _check_rmw(state: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, o: tor
     """Each RMW shape does what it says (on a copy of the state): scale, or scale + the rank-1 update and o."""
     N = state.shape[0]
     errs = []
-    for split, bv, warps in shapes.values():
+    for split, bv, warps, *t in shapes.values():
+        trans = bool(t and t[0])
         for reduce in (False, True):
             s = state.clone()
             _state_rmw_kernel[(N, H, split)](s, slots, s.stride(0), k, o, D=D, BV=bv, BVS=D // split, REDUCE=reduce,
-                                             num_warps=warps)
-            want = state * 0.999
+                                             TRANS=trans, num_warps=warps)
+            if trans:  # the kernel's view: each head's [D, D] block is [V, K]
+                s = s.transpose(-1, -2)
+                state_kv = state.transpose(-1, -2)
+            else:
+                state_kv = state
+            want = state_kv * 0.999
             if reduce:
                 kv = torch.einsum("nhk,nhkv->nhv", k, want)
                 want = want + k[..., :, None] * (kv * 1e-3)[..., None, :]
@@ -175,17 +189,22 @@ def kda_items(report: Report, N: int, copy_gbps: float) -> None:
               # fla 0.6.0's fused_recurrent_kda launch: BV = 32, one program per 32 columns, Triton's 4 warps
               "fla's tiles (4 a head, 32 columns, 4 warps)": (4 if not SMOKE else 2, 32 if not SMOKE else 8, 4)}
     # other tilings, no reductions (--kda-tilings; the decode's tiling stopped at 77 % at N = 16 on the H200)
-    extra = {f"{s} a head, {bv} columns, {w} warps": (s, bv, w) for s, bv, w in ARGS.kda_tilings
-             if not SMOKE and D % s == 0 and bv <= D // s}
+    # and value-major ([V, K] a head: a program's columns one contiguous block), with the reductions
+    extra = {f"{t[0]} a head, {t[1]} columns, {t[2]} warps{', value-major' if t[3:] and t[3] else ''}": t
+             for t in ARGS.kda_tilings if not SMOKE and D % t[0] == 0 and t[1] <= D // t[0]}
+    if SMOKE:  # the value-major form's check on the interpreter
+        extra = {"2 a head, 8 columns, 1 warp, value-major": (2, 8, 1, 1)}
     report.item("check", f"N={N} triton rmw", lambda: _check_rmw(states[0], slots, k, o, {**shapes, **extra}))
-    for label, (split, bv, warps) in {**shapes, **extra}.items():
-        for reduce in (False, True) if label in shapes else (False,):
-            def rmw(i, split=split, bv=bv, warps=warps, reduce=reduce):
+    for label, (split, bv, warps, *t) in {**shapes, **extra}.items():
+        trans = bool(t and t[0])
+        for reduce in (False, True) if label in shapes or trans else (False,):
+            def rmw(i, split=split, bv=bv, warps=warps, reduce=reduce, trans=trans):
                 _state_rmw_kernel[(N, H, split)](states[i], slots, states[i].stride(0), k, o, D=D, BV=bv,
-                                                 BVS=D // split, REDUCE=reduce, num_warps=warps)
+                                                 BVS=D // split, REDUCE=reduce, TRANS=trans, num_warps=warps)
             name = f"N={N} triton rmw, {label}{', two reductions' if reduce else ''}"
-            report.item("kda", name, lambda rmw=rmw, split=split, bv=bv, warps=warps: {
-                "N": N, "v_split": split, "block_v": bv, "num_warps": warps, **_timed(calls(rmw), moved, copy_gbps)})
+            report.item("kda", name, lambda rmw=rmw, split=split, bv=bv, warps=warps, trans=trans: {
+                "N": N, "v_split": split, "block_v": bv, "num_warps": warps, "value_major": trans,
+                **_timed(calls(rmw), moved, copy_gbps)})
     P = H * D
     dt = torch.bfloat16 if not SMOKE else torch.float32
     qkv = torch.randn(N, 3 * P, generator=gen, device=DEV).to(dt)
