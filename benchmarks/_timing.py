@@ -141,6 +141,65 @@ def graph_time(calls: list, reps: int = 30, cuda: bool | None = None) -> dict:
             "calls_per_graph": len(calls), "graph": True}
 
 
+def timeline_stats(events: list[tuple[float, float, str]], top: int = 15) -> dict:
+    """What a stream of device kernels did with its span: events (start_us, end_us, name) of one replay, in any
+    order. busy: the union of the kernels' intervals; gap: the span's idle time (span - busy); the gap before a
+    kernel is its start less the latest end of every kernel before it (negative: it overlapped them, as a PDL
+    launch's prologue does), summed per kernel name (top by idle time, then by overlap)."""
+    ev = sorted(events)
+    if not ev:
+        return {"kernels": 0}
+    busy, cur_s, cur_e = 0.0, ev[0][0], ev[0][1]
+    latest = ev[0][1]
+    per: dict[str, list[float]] = {}
+    idle_before: dict[str, float] = {}
+    overlap_before: dict[str, float] = {}
+    for s, e, name in ev[1:]:
+        g = s - latest
+        per.setdefault(name, []).append(g)
+        if g >= 0:
+            idle_before[name] = idle_before.get(name, 0.0) + g
+        else:
+            overlap_before[name] = overlap_before.get(name, 0.0) - g
+        latest = max(latest, e)
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = latest - ev[0][0]
+    durations: dict[str, float] = {}
+    for s, e, name in ev:
+        durations[name] = durations.get(name, 0.0) + (e - s)
+
+    def rows(d: dict[str, float]) -> list[dict]:
+        return [{"kernel": k[:90], "us": round(v, 2), "count": len(per.get(k, []))}
+                for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+
+    return {"kernels": len(ev), "span_us": span, "busy_us": busy, "gap_us": span - busy,
+            "kernel_us": sum(durations.values()), "overlap_us": sum(overlap_before.values()),
+            "idle_before": rows(idle_before), "overlap_before": rows(overlap_before),
+            "duration": [{"kernel": k[:90], "us": round(v, 2)}
+                         for k, v in sorted(durations.items(), key=lambda kv: -kv[1])[:top]]}
+
+
+def device_timeline(fn, top: int = 15) -> dict:
+    """timeline_stats of the device kernels (and copies) of one call of fn, from torch.profiler (a graph replay's
+    kernels are traced one by one)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    events = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+              if "CUDA" in str(getattr(e, "device_type", ""))]
+    return timeline_stats(events, top)
+
+
 def l2_rotation(bytes_per_call: int, cuda: bool | None = None) -> int:
     """How many distinct input sets make one pass 3x the L2, so each call reads cold memory."""
     import torch

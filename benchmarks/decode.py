@@ -110,6 +110,10 @@ def _args() -> argparse.Namespace:
     p.add_argument("--profile", type=int, nargs="*", default=[], metavar="B",
                    help="also profile one eager decode step at each batch B: time per kernel name, top 30 "
                         "(kernel times as in the graph; the launch gaps are the graph's to remove)")
+    p.add_argument("--graph-timeline", type=int, nargs="*", default=[], metavar="B",
+                   help="last: one replay of the batch-B decode graph of the default and of each --variants under "
+                        "torch.profiler: span, kernels' busy time, idle gaps and PDL overlaps by the kernel after "
+                        "them (why a variant's graph is slower or faster)")
     p.add_argument("--profile-prefill", action="store_true",
                    help="--prefill: also profile the last chunk of each prefill (eager, as it runs): time per "
                         "kernel name, top 30")
@@ -123,7 +127,7 @@ ARGS = _args()
 
 import torch  # noqa: E402
 from _routing import distinct_experts  # noqa: E402
-from _timing import Report, copy_bandwidth, default_out, time_ms  # noqa: E402
+from _timing import Report, copy_bandwidth, default_out, device_timeline, time_ms  # noqa: E402
 
 from k3rt.backend.cache.pool import PagePool  # noqa: E402
 from k3rt.kernels.kda.chunk_tables import INTRA_FORMS  # noqa: E402
@@ -293,6 +297,41 @@ def profile_step(runner: GpuModelRunner, cfg, layout, B: int) -> dict:
     for r in top:
         print(f"  {r['us']:9.1f} us {100 * r['share']:5.1f} %  x{r['calls']:<4} {r['kernel']}")
     return {"batch": B, "kernel_ms": kernel_ms, "launches": launches, "top": top}
+
+
+def use_variant(runner: GpuModelRunner, name: str) -> None:
+    """Switch the runner to decode.py variant `name` and capture its decode graphs."""
+    runner.fwd.k = KernelConfig(triton=True, **VARIANTS[name])
+    # the persistent one-token layers' start-up check (a launch that did not finish cleanly turns them off, and
+    # the variant then times the separate launches: recorded, never a silent number)
+    faults = runner.check_persistent()
+    if faults:
+        RESULT.setdefault("variant_faults", {})[name] = faults
+        log(f"variant {name}: persistent launches did not finish cleanly, timed without them: {faults}")
+    runner.graphs.clear()
+    runner.capture(mixed=False)
+
+
+def graph_timeline(runner: GpuModelRunner, cfg, layout, name: str, B: int) -> dict:
+    """One replay of variant `name`'s batch-B decode graph under torch.profiler: its span, the kernels' busy time,
+    the idle gaps and PDL overlaps by the kernel after them (_timing.timeline_stats)."""
+    use_variant(runner, name)
+    size = next(s for s in sorted(runner.graphs) if s >= B)
+    seqs = decode_seqs(runner.pool, layout, B, ARGS.context, cfg.vocab_size)
+    runner._replay(seqs, size)
+    g = runner.graphs[size]
+    for _ in range(3):
+        g.graph.replay()
+    row = {"variant": name, "batch": B, **device_timeline(g.graph.replay)}
+    release(runner.pool, seqs)
+    print(f"\ngraph timeline, batch {B}, {name}: span {row.get('span_us', 0):.1f} us, kernels busy "
+          f"{row.get('busy_us', 0):.1f}, idle {row.get('gap_us', 0):.1f}, overlapped {row.get('overlap_us', 0):.1f} "
+          f"({row['kernels']} kernels)")
+    for r in row.get("idle_before", [])[:10]:
+        print(f"  idle {r['us']:8.1f} us before x{r['count']:<4} {r['kernel']}")
+    for r in row.get("overlap_before", [])[:5]:
+        print(f"  overlap {r['us']:5.1f} us by x{r['count']:<4} {r['kernel']}")
+    return row
 
 
 def bench_mixed(runner: GpuModelRunner, cfg, layout, B: int, P: int) -> dict:
@@ -519,15 +558,7 @@ def main() -> int:
     for name in ARGS.variants if cuda else []:
         if over_budget():
             break
-        runner.fwd.k = KernelConfig(triton=True, **VARIANTS[name])
-        # the persistent one-token layers' start-up check (a launch that did not finish cleanly turns them off, and
-        # the variant then times the separate launches: recorded, never a silent number)
-        faults = runner.check_persistent()
-        if faults:
-            RESULT.setdefault("variant_faults", {})[name] = faults
-            log(f"variant {name}: persistent launches did not finish cleanly, timed without them: {faults}")
-        runner.graphs.clear()
-        runner.capture(mixed=False)
+        use_variant(runner, name)
         for row in RESULT["decode"]:
             if "graph_size" in row:
                 seqs = decode_seqs(pool, layout, row["batch"], ARGS.context, cfg.vocab_size)
@@ -591,6 +622,14 @@ def main() -> int:
         if not over_budget():
             RESULT["profile"].append(profile_step(runner, cfg, layout, B))
             save()
+    RESULT["graph_timeline"] = []
+    for B in ARGS.graph_timeline if cuda else []:
+        for name in ["control", *(v for v in ARGS.variants if v != "control")]:
+            if over_budget():
+                break
+            RESULT["graph_timeline"].append(graph_timeline(runner, cfg, layout, name, B))
+            save()
+        use_variant(runner, "control")
     save()
     print_table()
     return 0
