@@ -145,7 +145,8 @@ def timeline_stats(events: list[tuple[float, float, str]], top: int = 15) -> dic
     """What a stream of device kernels did with its span: events (start_us, end_us, name) of one replay, in any
     order. busy: the union of the kernels' intervals; gap: the span's idle time (span - busy); the gap before a
     kernel is its start less the latest end of every kernel before it (negative: it overlapped them, as a PDL
-    launch's prologue does), summed per kernel name (top by idle time, then by overlap)."""
+    launch's prologue does), summed per kernel name (top by idle time, then by overlap); every kernel name's total
+    duration and count."""
     ev = sorted(events)
     if not ev:
         return {"kernels": 0}
@@ -180,8 +181,8 @@ def timeline_stats(events: list[tuple[float, float, str]], top: int = 15) -> dic
     return {"kernels": len(ev), "span_us": span, "busy_us": busy, "gap_us": span - busy,
             "kernel_us": sum(durations.values()), "overlap_us": sum(overlap_before.values()),
             "idle_before": rows(idle_before), "overlap_before": rows(overlap_before),
-            "duration": [{"kernel": k[:90], "us": round(v, 2)}
-                         for k, v in sorted(durations.items(), key=lambda kv: -kv[1])[:top]]}
+            "duration": [{"kernel": k[:90], "us": round(v, 2), "count": sum(1 for *_, n in ev if n == k)}
+                         for k, v in sorted(durations.items(), key=lambda kv: -kv[1])]}
 
 
 def device_timeline(fn, top: int = 15) -> dict:

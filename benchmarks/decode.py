@@ -331,6 +331,13 @@ def graph_timeline(runner: GpuModelRunner, cfg, layout, name: str, B: int) -> di
         print(f"  idle {r['us']:8.1f} us before x{r['count']:<4} {r['kernel']}")
     for r in row.get("overlap_before", [])[:5]:
         print(f"  overlap {r['us']:5.1f} us by x{r['count']:<4} {r['kernel']}")
+    base = next((t for t in RESULT.get("graph_timeline", []) if t["variant"] == "control" and t["batch"] == B), None)
+    if base is not None and name != "control":  # which kernels got longer or shorter than in the default's graph
+        was = {d["kernel"]: d["us"] for d in base.get("duration", [])}
+        now = {d["kernel"]: d["us"] for d in row.get("duration", [])}
+        delta = sorted(((now.get(k, 0.0) - was.get(k, 0.0), k) for k in set(was) | set(now)), key=lambda d: -abs(d[0]))
+        for d, k in delta[:8]:
+            print(f"  {d:+8.1f} us against control: {k[:90]}")
     return row
 
 

@@ -24,7 +24,8 @@ def test_timeline_gaps_overlaps_and_busy_time():
     assert t["overlap_us"] == pytest.approx(2.0)
     assert t["idle_before"] == [{"kernel": "a", "us": 5.0, "count": 1}, {"kernel": "b", "us": 2.0, "count": 1}]
     assert t["overlap_before"] == [{"kernel": "c", "us": 2.0, "count": 1}]
-    assert t["duration"][0] == {"kernel": "a", "us": 11.0}
+    assert t["duration"] == [{"kernel": "a", "us": 11.0, "count": 2}, {"kernel": "b", "us": 8.0, "count": 1},
+                             {"kernel": "c", "us": 7.0, "count": 1}]
 
 
 def test_timeline_nested_kernel_is_not_idle():
