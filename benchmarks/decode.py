@@ -66,7 +66,10 @@ VARIANTS = {"control": {}, "pdl": dict(use_pdl=True), "cublas_gemv": dict(skinny
             # session 44: the KDA decode launched with PDL, its state and windows loaded before the wait
             "kda_decode_pdl": dict(kda_decode_pdl=True),
             # ... and the gates' up-projection before it in the skinny GEMV, triggering the decode at once
-            "kda_decode_pdl_trigger": dict(kda_decode_pdl=True, kda_decode_pdl_trigger=True)}
+            "kda_decode_pdl_trigger": dict(kda_decode_pdl=True, kda_decode_pdl_trigger=True),
+            # session 45: the skinny GEMVs with PDL, their first weight tile loaded before the wait; alone (the
+            # kernels before them trigger at their end), and with every kernel's PDL (they trigger early)
+            "gemv_prefetch": dict(gemv_pdl_prefetch=True), "gemv_prefetch_pdl": dict(gemv_pdl_prefetch=True, use_pdl=True)}
 
 
 def _args() -> argparse.Namespace:

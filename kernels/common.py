@@ -18,6 +18,7 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 from torch import Tensor
 
 # Under TRITON_INTERPRET=1 (CPU) PDL intrinsics cannot run and 16-bit dots are wrong: launchers
@@ -69,6 +70,15 @@ def check_same_device(**tensors: Tensor) -> None:
 def pdl_kwargs(use_pdl: bool) -> dict:
     """Launch kwargs for programmatic dependent launch (never under the interpreter)."""
     return {"launch_pdl": True} if use_pdl and not INTERPRET else {}
+
+
+@triton.jit
+def fence_cta(x):
+    """A CTA-scope fence (`fence.acq_rel.cta`, SASS MEMBAR.ALL.CTA), returning x: no load moves past it, so the loads
+    before it are issued before the loads after it (ptxas otherwise sinks loads past a PDL wait). Not for the
+    interpreter (inline PTX)."""
+    return tl.inline_asm_elementwise("fence.acq_rel.cta; mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                     is_pure=False, pack=1)
 
 
 def has_tma(device: torch.device) -> bool:

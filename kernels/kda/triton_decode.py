@@ -40,6 +40,7 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from k3rt.kernels.common import INTERPRET, check, pdl_kwargs, poison_like, set_poison  # noqa: F401  (re-exported)
+from k3rt.kernels.common import fence_cta as _fence_cta
 from k3rt.kernels.kda.triton_step import (
     _conv_hist,
     _conv_shift_store,
@@ -47,7 +48,6 @@ from k3rt.kernels.kda.triton_step import (
     _conv_window,
     _decay,
     _delta_step,
-    _fence_cta,
     _gate_beta,
     _gate_consts,
     _gate_weight,

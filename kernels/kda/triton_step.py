@@ -125,14 +125,6 @@ def _shift_store(win, cs_ptr, ch, mask, C: tl.constexpr, W: tl.constexpr, WP: tl
 
 
 @triton.jit
-def _fence_cta(x):
-    """A CTA-scope fence (`fence.acq_rel.cta`, SASS MEMBAR.ALL.CTA), returning x: no load moves past it, so the loads
-    before it are issued before the loads after it. Not for the interpreter (inline PTX)."""
-    return tl.inline_asm_elementwise("fence.acq_rel.cta; mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
 def _gate_consts(dt_ptr, a_log_ptr, i_h, offs_k, mask_k, D: tl.constexpr):
     """A head's gate constants: (dt_bias [BK], exp(A_log))."""
     return tl.load(dt_ptr + i_h * D + offs_k, mask=mask_k, other=0.0), tl.exp(tl.load(a_log_ptr + i_h).to(tl.float32))

@@ -20,9 +20,12 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from k3rt.kernels.common import INTERPRET, check, check_same_device, poison_like
+from k3rt.kernels.common import INTERPRET, check, check_same_device, fence_cta, pdl_kwargs, poison_like
+
+# the CTA fence is inline PTX: not for the interpreter
+_FENCE = tl.constexpr(not INTERPRET)
 
 MAX_ROWS = 16
 # the [BLOCK_M, BLOCK_N, BLOCK_K] fp32 partial products a program keeps in registers: BLOCK_K shrinks to keep
@@ -144,6 +147,8 @@ def _gemv_kernel(
     P: tl.constexpr = 1,  # ROW_RMS: partial sums a group
     PP: tl.constexpr = 1,  # P's next power of two
     TRIGGER: tl.constexpr = False,  # skinny_linear(trigger=)
+    USE_PDL: tl.constexpr = False,  # skinny_linear(use_pdl=): gdc_wait before x is read
+    PREFETCH: tl.constexpr = False,  # skinny_linear(prefetch=): the first weight tile loaded before that wait
 ):
     if TRIGGER:
         gdc_launch_dependents()
@@ -156,7 +161,30 @@ def _gemv_kernel(
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_first = 0
+    if PREFETCH:
+        # The weight does not depend on the kernel before us: its first tile loads before the PDL wait, in that
+        # kernel's shadow (the fence keeps ptxas from sinking the load past the wait), then the first step runs on
+        # it after the wait. Not with ROW_RMS (skinny_linear refuses the pair).
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        if _FENCE:
+            fence_cta(pid)
+        if USE_PDL:
+            gdc_wait()
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        else:
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        k_first = BLOCK_K
+    elif USE_PDL:
+        gdc_wait()
+    for k0 in range(k_first, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
@@ -185,7 +213,7 @@ def _gemv_kernel(
 
 def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None, out: Tensor | None = None,
                   tiles: GemvTiles | None = None, row_rms: tuple[Tensor, float] | None = None,
-                  trigger: bool = False) -> Tensor:
+                  trigger: bool = False, use_pdl: bool = False, prefetch: bool = False) -> Tensor:
     """y = x @ w^T for M <= MAX_ROWS rows.
 
     Args:
@@ -202,6 +230,11 @@ def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None,
         trigger: let a PDL launch after this one start at once (`gdc_launch_dependents` first thing; GPU only):
             it runs what it does before its PDL wait beside this kernel, and its wait still waits for all of it
             (the KDA decode step's late wait, KernelConfig.kda_decode_pdl).
+        use_pdl: launch with programmatic dependent launch (GPU only): the kernel may start while the one before
+            it finishes, and waits for it (`gdc_wait`) before reading x.
+        prefetch: each program's first weight tile is loaded before that wait (KernelConfig.gemv_prefetch): with
+            use_pdl its latency hides behind the kernel before. The plain form only (not unrolled tiles, not
+            row_rms); the sums are the same, in the same order.
 
     Returns:
         [M, N]: fp32 sums of fp32 products, rounded once to the output dtype.
@@ -225,6 +258,9 @@ def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None,
             raise ValueError(f"out must have a contiguous last dim, got strides {out.stride()}")
     check_same_device(x=x, w=w, out=out)
     cfg = tiles or pick_tiles(N, K)
+    if prefetch and (row_rms is not None or (cfg.unrolled and M == 1)):
+        raise ValueError("skinny_linear(prefetch=True) takes the plain form only: not with row_rms, not with "
+                         "unrolled tiles")
     if cfg.unrolled and M == 1 and row_rms is None:
         bk = 16 if INTERPRET else min(cfg.block_k, max(16, triton.next_power_of_2(K)))  # the tile's own step
         _gemv_rows_kernel[(triton.cdiv(N, cfg.block_n),)](x, w, w.stride(0), out, N, K=K, ROWS=cfg.block_n,
@@ -251,6 +287,7 @@ def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None,
         x, x.stride(0), w, w.stride(0), out, out.stride(0), M, N, K, partials, float(eps),
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=bk, EVEN_K=K % bk == 0,
         ROW_RMS=row_rms is not None, GS=gs, P=parts, PP=triton.next_power_of_2(parts),
-        TRIGGER=trigger and not INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TRIGGER=trigger and not INTERPRET, USE_PDL=use_pdl and not INTERPRET, PREFETCH=prefetch,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(use_pdl),
     )
     return out

@@ -787,6 +787,38 @@ def test_gpu_kda_decode_pdl_gives_the_same_step(trigger: bool, tmp_path, monkeyp
             assert a is None or (torch.equal(a, b) if not trigger else rel(a.float(), b.float()) < 2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("pdl", [False, True], ids=["alone", "with_use_pdl"])
+def test_gpu_gemv_pdl_prefetch_gives_the_same_step(pdl: bool, tmp_path, monkeypatch) -> None:
+    """KernelConfig.gemv_pdl_prefetch (session 45): every skinny GEMV of a one-sequence bf16 decode launches with PDL,
+    its first weight tile loaded before the wait; with use_pdl the kernels before trigger early, so the GEMVs start
+    while their inputs are written. The same bits as without, in the logits and every KDA state, twice."""
+    from k3rt.kernels.linear import triton_gemv
+
+    calls, real = [], triton_gemv.skinny_linear
+
+    def spy(*a, **kw):
+        calls.append((kw.get("use_pdl", False), kw.get("prefetch", False)))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(triton_gemv, "skinny_linear", spy)
+    import k3rt.kernels.linear as linear_pkg
+    monkeypatch.setattr(linear_pkg, "skinny_linear", spy)
+    runner, step, _ = _k3_decode_forward_counted(tmp_path / "a", arch="kimi_linear", bf16_on_cuda=True,
+                                                 gemv_pdl_prefetch=True, use_pdl=pdl)
+    assert calls and any(c == (True, True) for c in calls), calls
+    plain_runner, plain_step, _ = _k3_decode_forward_counted(tmp_path / "b", arch="kimi_linear", bf16_on_cuda=True,
+                                                             use_pdl=pdl)
+    with torch.no_grad():
+        for _ in range(2):
+            got, want = runner.fwd(step, decode=True), plain_runner.fwd(plain_step, decode=True)
+            torch.cuda.synchronize()
+            assert torch.equal(got, want)
+    for a, b in zip(runner.fwd.pool.rec, plain_runner.fwd.pool.rec):
+        assert a is None or torch.equal(a, b)
+
+
 def test_a_small_router_computes_its_logits_in_the_top_k_launch(tmp_path) -> None:
     """Issue 16 (launch-bound batch-1 round): k3's 8-expert router takes its logits inside the top-k launch
     (KernelConfig.moe_fused_router, kernels/moe/triton_router.py moe_route_from_x): one GEMM per MoE layer fewer,

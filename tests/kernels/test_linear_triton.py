@@ -171,3 +171,59 @@ def test_gpu_trigger_first_changes_nothing_but_the_launch(tiles) -> None:
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want) and torch.equal(normed, rms_norm(want, weight, 1e-5))
+
+
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("N,K", [(40, 96), (7, 50), (130, 33), (9, 16)])
+def test_prefetch_gives_the_same_bits(M: int, N: int, K: int) -> None:
+    """skinny_linear(prefetch=True) (KernelConfig.gemv_pdl_prefetch, session 45) peels the first K step so its weight
+    tile can load before the PDL wait: the same products summed in the same order, so the same bits, whole and
+    ragged K (one step only at K = 16)."""
+    g = torch.Generator().manual_seed(M * 7 + N + K)
+    x = torch.randn(M, K, generator=g).to(DEV)
+    w = torch.randn(N, K, generator=g).to(DEV)
+    want = skinny_linear(x, w)
+    assert torch.equal(skinny_linear(x, w, prefetch=True), want)
+    assert torch.equal(skinny_linear(x, w, prefetch=True, use_pdl=True), want)  # PDL: nothing on the CPU
+    assert rel_err(want, skinny_linear_ref(x, w)) <= 1e-6
+
+
+def test_prefetch_refuses_the_forms_it_does_not_take() -> None:
+    x = torch.randn(1, 64).to(DEV)
+    w = torch.randn(8, 64).to(DEV)
+    with pytest.raises(ValueError, match="prefetch=True.*plain form"):
+        skinny_linear(x, w, prefetch=True, tiles=GemvTiles(2, 256, 2, 1, True))
+    parts = torch.ones(1, 2, 1).to(DEV)
+    with pytest.raises(ValueError, match="prefetch=True.*row_rms"):
+        skinny_linear(x, w, prefetch=True, row_rms=(parts, 1e-6))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("N,K", [(2304, 4096), (256, 2304), (4096, 2304)])
+def test_gpu_prefetch_after_a_writer_in_a_pdl_graph(N: int, K: int) -> None:
+    """The PDL launch with its first weight tile loaded before the wait reads x only after it: behind a kernel that
+    writes x (an early-triggering GEMV, so the prefetching one starts while its input is being written), in a graph
+    replayed with new inputs, the same bits as the eager launches without PDL."""
+    g = torch.Generator(device="cuda").manual_seed(N + K)
+    x0 = torch.randn(1, 512, device="cuda", generator=g).bfloat16()
+    w0 = (torch.randn(K, 512, device="cuda", generator=g) * 0.05).bfloat16()
+    w = (torch.randn(N, K, device="cuda", generator=g) * 0.02).bfloat16()
+    x = torch.empty(1, K, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(1, N, device="cuda", dtype=torch.bfloat16)
+
+    def chain() -> None:
+        skinny_linear(x0, w0, out=x, trigger=True)
+        skinny_linear(x, w, out=y, use_pdl=True, prefetch=True)
+
+    chain()  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for seed in range(3):
+        x0.copy_(torch.randn(1, 512, device="cuda", generator=g).bfloat16())
+        y.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        want = skinny_linear(skinny_linear(x0, w0), w)
+        assert torch.equal(y, want), seed

@@ -183,6 +183,12 @@ class KernelConfig:
     # before its wait run beside that GEMV (cuBLAS's PDL trigger is not ours to place). Off: the 48B step at batch 1
     # 2.628 against 2.576 ms (H200, session 44; decode.py variant kda_decode_pdl_trigger)
     kda_decode_pdl_trigger: bool = False
+    # the skinny GEMVs (one decode row: o_proj, the dense projections, the fp32 router; `linear`) launched with PDL,
+    # each program's first weight tile loaded before the PDL wait (kernels/linear skinny_linear use_pdl=, prefetch=):
+    # the weights are never written by a step, so their first trip to memory can run in the tail of the kernel
+    # before. Session 44's next lever for the 48B batch-1 step (~300 short launches, each losing its ramp). Off until
+    # timed on the H200 (decode.py variants gemv_prefetch, gemv_prefetch_pdl)
+    gemv_pdl_prefetch: bool = False
     # a few tokens' MoE pairs as blocks of one row, no alignment launch, while their experts' weights (read once per
     # pair) stay within this many bytes (kernels/moe/triton_experts.py align_blocks: k3-tiny's verify steps; never the
     # 48B's 14 MB experts); None: the kernel's own bound (PAIR_BLOCKS_MAX_BYTES, 4 MB); 0: one token only, as before
@@ -259,6 +265,8 @@ def linear(x, w, k: KernelConfig, out_dtype=None):
     if k.triton and k.skinny_gemv and x.dim() == 2 and x.stride(-1) == 1:
         prefer = kernel("linear", "prefer_skinny")
         if prefer is not None and prefer(x.shape[0], w.shape[0], x.dtype, w.dtype):
+            if k.gemv_pdl_prefetch:
+                return kernel("linear", "skinny_linear")(x, w, out_dtype=out_dtype, use_pdl=True, prefetch=True)
             return kernel("linear", "skinny_linear")(x, w, out_dtype=out_dtype)
     if out_dtype is not None and (x.dtype != out_dtype or w.dtype != out_dtype):
         return F.linear(x.to(out_dtype), w.to(out_dtype))
