@@ -67,9 +67,13 @@ VARIANTS = {"control": {}, "pdl": dict(use_pdl=True), "cublas_gemv": dict(skinny
             "kda_decode_pdl": dict(kda_decode_pdl=True),
             # ... and the gates' up-projection before it in the skinny GEMV, triggering the decode at once
             "kda_decode_pdl_trigger": dict(kda_decode_pdl=True, kda_decode_pdl_trigger=True),
-            # session 45: the skinny GEMVs with PDL, their first weight tile loaded before the wait; alone (the
-            # kernels before them trigger at their end), and with every kernel's PDL (they trigger early)
-            "gemv_prefetch": dict(gemv_pdl_prefetch=True), "gemv_prefetch_pdl": dict(gemv_pdl_prefetch=True, use_pdl=True)}
+            # session 45: the skinny GEMVs with PDL, their weight rows asked into the L2 ("l2") or their first K
+            # step loaded ("tile") before the wait; alone (the kernels before them trigger as they end), and with
+            # every kernel's PDL (they trigger early)
+            "gemv_prefetch": dict(gemv_prefetch="l2"), "gemv_prefetch_tile": dict(gemv_prefetch="tile"),
+            "gemv_prefetch_pdl": dict(gemv_prefetch="l2", use_pdl=True),
+            # session 45: the one-row GEMVs in the unrolled form (session 40's rows_dot), 2 or 4 rows a program
+            "gemv_unrolled2": dict(gemv_unrolled=2), "gemv_unrolled4": dict(gemv_unrolled=4)}
 
 
 def _args() -> argparse.Namespace:

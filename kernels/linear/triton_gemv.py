@@ -23,6 +23,7 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from k3rt.kernels.common import INTERPRET, check, check_same_device, fence_cta, pdl_kwargs, poison_like
+from k3rt.kernels.linear import PREFETCH_FORMS, UNROLLED_ROWS
 
 # the CTA fence is inline PTX: not for the interpreter
 _FENCE = tl.constexpr(not INTERPRET)
@@ -66,6 +67,14 @@ def pick_tiles(n: int, k: int) -> GemvTiles:
     if n < 1024:
         return GemvTiles(1, 1024, 2, 4)
     return GemvTiles(2, 1024 if k >= 1024 else 256, 4, 4)
+
+
+def unrolled_tiles(rows: int) -> GemvTiles:
+    """The unrolled form at `rows` weight rows a program, a warp each, one 16-byte load a lane a K step
+    (KernelConfig.gemv_unrolled)."""
+    if rows not in UNROLLED_ROWS:
+        raise ValueError(f"unrolled GEMV rows a program must be one of {UNROLLED_ROWS}, got {rows}")
+    return GemvTiles(rows, 256, rows, 1, True)
 
 
 def block_k(tiles: GemvTiles, block_m: int, k: int) -> int:
@@ -130,6 +139,23 @@ def _gemv_rows_kernel(x_ptr, w_ptr, stride_wn, y_ptr, N, K: tl.constexpr, ROWS: 
 
 # not specialized per step (kernels/common.py, Compiles): M: the step's rows (BLOCK_M keeps one compile per power of
 # two)
+@triton.jit
+def _prefetch_rows_l2(w_ptr, row0, N, stride_wn, K, LINES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Ask every 128-byte line of weight rows [row0, row0 + BLOCK_N) (K elements each, rows past N skipped) into the
+    L2 (`prefetch.global.L2`: no register held, nothing waited for), LINES (a power of two, at least the rows' line
+    count) spread over the program's threads; the spare ones ask for row0's first line again. Inline PTX: nothing
+    under the interpreter."""
+    if _FENCE:
+        PER_LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth
+        idx = tl.arange(0, LINES)
+        row = row0 + idx % BLOCK_N
+        col = (idx // BLOCK_N) * PER_LINE
+        ok = (row < N) & (col < K)
+        ptrs = w_ptr + tl.where(ok, row, row0).to(tl.int64) * stride_wn + tl.where(ok, col, 0)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.b32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr, stride_xm,
@@ -148,7 +174,8 @@ def _gemv_kernel(
     PP: tl.constexpr = 1,  # P's next power of two
     TRIGGER: tl.constexpr = False,  # skinny_linear(trigger=)
     USE_PDL: tl.constexpr = False,  # skinny_linear(use_pdl=): gdc_wait before x is read
-    PREFETCH: tl.constexpr = False,  # skinny_linear(prefetch=): the first weight tile loaded before that wait
+    PREFETCH: tl.constexpr = 0,  # skinny_linear(prefetch=): 1 "tile", 2 "l2" (PREFETCH_FORMS), before that wait
+    L2_LINES: tl.constexpr = 1,  # "l2": 128-byte lines of a program's weight rows, a power of two
 ):
     if TRIGGER:
         gdc_launch_dependents()
@@ -162,7 +189,15 @@ def _gemv_kernel(
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_first = 0
-    if PREFETCH:
+    if PREFETCH == 2:
+        # "l2": every 128-byte line of this program's BLOCK_N weight rows asked into the L2 (`prefetch.global.L2`,
+        # no register held), before the wait; the loop below then reads them from there
+        _prefetch_rows_l2(w_ptr, pid * BLOCK_N, N, stride_wn, K, L2_LINES, BLOCK_N)
+        if _FENCE:
+            fence_cta(pid)
+        if USE_PDL:
+            gdc_wait()
+    elif PREFETCH == 1:
         # The weight does not depend on the kernel before us: its first tile loads before the PDL wait, in that
         # kernel's shadow (the fence keeps ptxas from sinking the load past the wait), then the first step runs on
         # it after the wait. Not with ROW_RMS (skinny_linear refuses the pair).
@@ -213,7 +248,7 @@ def _gemv_kernel(
 
 def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None, out: Tensor | None = None,
                   tiles: GemvTiles | None = None, row_rms: tuple[Tensor, float] | None = None,
-                  trigger: bool = False, use_pdl: bool = False, prefetch: bool = False) -> Tensor:
+                  trigger: bool = False, use_pdl: bool = False, prefetch: str | None = None) -> Tensor:
     """y = x @ w^T for M <= MAX_ROWS rows.
 
     Args:
@@ -232,9 +267,10 @@ def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None,
             (the KDA decode step's late wait, KernelConfig.kda_decode_pdl).
         use_pdl: launch with programmatic dependent launch (GPU only): the kernel may start while the one before
             it finishes, and waits for it (`gdc_wait`) before reading x.
-        prefetch: each program's first weight tile is loaded before that wait (KernelConfig.gemv_prefetch): with
-            use_pdl its latency hides behind the kernel before. The plain form only (not unrolled tiles, not
-            row_rms); the sums are the same, in the same order.
+        prefetch: what each program reads of its weight rows before that wait (KernelConfig.gemv_prefetch; with
+            use_pdl it runs in the shadow of the kernel before): "tile", its first K step into registers; "l2", every
+            line of its rows into the L2 (no registers held; the loop then reads them there). The plain form only
+            (not unrolled tiles, not row_rms); the sums are the same, in the same order.
 
     Returns:
         [M, N]: fp32 sums of fp32 products, rounded once to the output dtype.
@@ -258,8 +294,10 @@ def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None,
             raise ValueError(f"out must have a contiguous last dim, got strides {out.stride()}")
     check_same_device(x=x, w=w, out=out)
     cfg = tiles or pick_tiles(N, K)
+    if prefetch is not None and prefetch not in PREFETCH_FORMS:
+        raise ValueError(f"skinny_linear: prefetch must be one of {PREFETCH_FORMS} or None, got {prefetch!r}")
     if prefetch and (row_rms is not None or (cfg.unrolled and M == 1)):
-        raise ValueError("skinny_linear(prefetch=True) takes the plain form only: not with row_rms, not with "
+        raise ValueError(f"skinny_linear(prefetch={prefetch!r}) takes the plain form only: not with row_rms, not with "
                          "unrolled tiles")
     if cfg.unrolled and M == 1 and row_rms is None:
         bk = 16 if INTERPRET else min(cfg.block_k, max(16, triton.next_power_of_2(K)))  # the tile's own step
@@ -287,7 +325,9 @@ def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None,
         x, x.stride(0), w, w.stride(0), out, out.stride(0), M, N, K, partials, float(eps),
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=bk, EVEN_K=K % bk == 0,
         ROW_RMS=row_rms is not None, GS=gs, P=parts, PP=triton.next_power_of_2(parts),
-        TRIGGER=trigger and not INTERPRET, USE_PDL=use_pdl and not INTERPRET, PREFETCH=prefetch,
+        TRIGGER=trigger and not INTERPRET, USE_PDL=use_pdl and not INTERPRET,
+        PREFETCH=PREFETCH_FORMS.index(prefetch) + 1 if prefetch else 0,
+        L2_LINES=triton.next_power_of_2(cfg.block_n * triton.cdiv(K * w.element_size(), 128)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(use_pdl),
     )
     return out

@@ -789,25 +789,18 @@ def test_gpu_kda_decode_pdl_gives_the_same_step(trigger: bool, tmp_path, monkeyp
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("pdl", [False, True], ids=["alone", "with_use_pdl"])
-def test_gpu_gemv_pdl_prefetch_gives_the_same_step(pdl: bool, tmp_path, monkeypatch) -> None:
-    """KernelConfig.gemv_pdl_prefetch (session 45): every skinny GEMV of a one-sequence bf16 decode launches with PDL,
-    its first weight tile loaded before the wait; with use_pdl the kernels before trigger early, so the GEMVs start
-    while their inputs are written. The same bits as without, in the logits and every KDA state, twice."""
-    from k3rt.kernels.linear import triton_gemv
+@pytest.mark.parametrize("form,pdl", [("l2", False), ("tile", False), ("l2", True), ("tile", True)])
+def test_gpu_gemv_pdl_prefetch_gives_the_same_step(form: str, pdl: bool, tmp_path, monkeypatch) -> None:
+    """KernelConfig.gemv_prefetch (session 45): every skinny GEMV of a one-sequence bf16 decode launches with PDL,
+    its weight rows asked into the L2 or its first K step loaded before the wait; with use_pdl the kernels before
+    trigger early, so the GEMVs start while their inputs are written. The same bits as without, in the logits and
+    every KDA state, twice."""
+    from tests.backend.test_gpu_ops_linear import _spy
 
-    calls, real = [], triton_gemv.skinny_linear
-
-    def spy(*a, **kw):
-        calls.append((kw.get("use_pdl", False), kw.get("prefetch", False)))
-        return real(*a, **kw)
-
-    monkeypatch.setattr(triton_gemv, "skinny_linear", spy)
-    import k3rt.kernels.linear as linear_pkg
-    monkeypatch.setattr(linear_pkg, "skinny_linear", spy)
+    seen = _spy(monkeypatch)
     runner, step, _ = _k3_decode_forward_counted(tmp_path / "a", arch="kimi_linear", bf16_on_cuda=True,
-                                                 gemv_pdl_prefetch=True, use_pdl=pdl)
-    assert calls and any(c == (True, True) for c in calls), calls
+                                                 gemv_prefetch=form, use_pdl=pdl)
+    assert seen and all(kw.get("use_pdl") and kw.get("prefetch") == form for kw in seen), seen
     plain_runner, plain_step, _ = _k3_decode_forward_counted(tmp_path / "b", arch="kimi_linear", bf16_on_cuda=True,
                                                              use_pdl=pdl)
     with torch.no_grad():

@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("triton")
 
 from k3rt.kernels.linear import MAX_ROWS, prefer_skinny, skinny_linear, skinny_linear_ref  # noqa: E402
-from k3rt.kernels.linear.triton_gemv import CANDIDATES, GemvTiles  # noqa: E402
+from k3rt.kernels.linear.triton_gemv import CANDIDATES, GemvTiles, unrolled_tiles  # noqa: E402
 from tests.kernels.helpers import DEV, HAS_CUDA, rel_err, run_benchmark_smoke  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")
@@ -176,32 +176,38 @@ def test_gpu_trigger_first_changes_nothing_but_the_launch(tiles) -> None:
 @pytest.mark.parametrize("M", [1, 3, 16])
 @pytest.mark.parametrize("N,K", [(40, 96), (7, 50), (130, 33), (9, 16)])
 def test_prefetch_gives_the_same_bits(M: int, N: int, K: int) -> None:
-    """skinny_linear(prefetch=True) (KernelConfig.gemv_pdl_prefetch, session 45) peels the first K step so its weight
-    tile can load before the PDL wait: the same products summed in the same order, so the same bits, whole and
-    ragged K (one step only at K = 16)."""
+    """skinny_linear(prefetch=) (KernelConfig.gemv_prefetch, session 45): "tile" peels the first K step so its
+    weight tile can load before the PDL wait, "l2" asks the rows into the L2 first (nothing on the interpreter):
+    the same products summed in the same order, so the same bits, whole and ragged K (one step only at K = 16)."""
     g = torch.Generator().manual_seed(M * 7 + N + K)
     x = torch.randn(M, K, generator=g).to(DEV)
     w = torch.randn(N, K, generator=g).to(DEV)
     want = skinny_linear(x, w)
-    assert torch.equal(skinny_linear(x, w, prefetch=True), want)
-    assert torch.equal(skinny_linear(x, w, prefetch=True, use_pdl=True), want)  # PDL: nothing on the CPU
+    for form in ("tile", "l2"):
+        assert torch.equal(skinny_linear(x, w, prefetch=form), want), form
+        assert torch.equal(skinny_linear(x, w, prefetch=form, use_pdl=True), want), form  # PDL: nothing on the CPU
     assert rel_err(want, skinny_linear_ref(x, w)) <= 1e-6
 
 
 def test_prefetch_refuses_the_forms_it_does_not_take() -> None:
     x = torch.randn(1, 64).to(DEV)
     w = torch.randn(8, 64).to(DEV)
-    with pytest.raises(ValueError, match="prefetch=True.*plain form"):
-        skinny_linear(x, w, prefetch=True, tiles=GemvTiles(2, 256, 2, 1, True))
+    with pytest.raises(ValueError, match="prefetch='tile'.*plain form"):
+        skinny_linear(x, w, prefetch="tile", tiles=GemvTiles(2, 256, 2, 1, True))
     parts = torch.ones(1, 2, 1).to(DEV)
-    with pytest.raises(ValueError, match="prefetch=True.*row_rms"):
-        skinny_linear(x, w, prefetch=True, row_rms=(parts, 1e-6))
+    with pytest.raises(ValueError, match="prefetch='l2'.*row_rms"):
+        skinny_linear(x, w, prefetch="l2", row_rms=(parts, 1e-6))
+    with pytest.raises(ValueError, match="prefetch must be one of"):
+        skinny_linear(x, w, prefetch="dram")
+    with pytest.raises(ValueError, match="rows a program must be"):
+        unrolled_tiles(3)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("N,K", [(2304, 4096), (256, 2304), (4096, 2304)])
-def test_gpu_prefetch_after_a_writer_in_a_pdl_graph(N: int, K: int) -> None:
+@pytest.mark.parametrize("form", ["tile", "l2"])
+@pytest.mark.parametrize("N,K", [(2304, 4096), (256, 2304), (4096, 2304), (130, 1000)])
+def test_gpu_prefetch_after_a_writer_in_a_pdl_graph(form: str, N: int, K: int) -> None:
     """The PDL launch with its first weight tile loaded before the wait reads x only after it: behind a kernel that
     writes x (an early-triggering GEMV, so the prefetching one starts while its input is being written), in a graph
     replayed with new inputs, the same bits as the eager launches without PDL."""
@@ -214,7 +220,7 @@ def test_gpu_prefetch_after_a_writer_in_a_pdl_graph(N: int, K: int) -> None:
 
     def chain() -> None:
         skinny_linear(x0, w0, out=x, trigger=True)
-        skinny_linear(x, w, out=y, use_pdl=True, prefetch=True)
+        skinny_linear(x, w, out=y, use_pdl=True, prefetch=form)
 
     chain()  # compiled outside the capture
     graph = torch.cuda.CUDAGraph()

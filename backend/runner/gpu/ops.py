@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from k3rt.backend.layers.batch_invariant import invariant_linear
 from k3rt.backend.layers.norm import rms_norm
 from k3rt.kernels.kda.chunk_tables import INTRA_FORMS
+from k3rt.kernels.linear import PREFETCH_FORMS, UNROLLED_ROWS
 
 
 MXFP4_EXPERT_PATHS = ("planar", "dot_scaled")
@@ -184,11 +185,17 @@ class KernelConfig:
     # 2.628 against 2.576 ms (H200, session 44; decode.py variant kda_decode_pdl_trigger)
     kda_decode_pdl_trigger: bool = False
     # the skinny GEMVs (one decode row: o_proj, the dense projections, the fp32 router; `linear`) launched with PDL,
-    # each program's first weight tile loaded before the PDL wait (kernels/linear skinny_linear use_pdl=, prefetch=):
-    # the weights are never written by a step, so their first trip to memory can run in the tail of the kernel
-    # before. Session 44's next lever for the 48B batch-1 step (~300 short launches, each losing its ramp). Off until
-    # timed on the H200 (decode.py variants gemv_prefetch, gemv_prefetch_pdl)
-    gemv_pdl_prefetch: bool = False
+    # each program reading its weight rows before the PDL wait (kernels/linear skinny_linear use_pdl=, prefetch=):
+    # "l2", every line into the L2; "tile", its first K step into registers. The weights are never written by a
+    # step, so that trip to memory can run in the tail of the kernel before. Session 44's next lever for the 48B
+    # batch-1 step (~300 short launches, each losing its ramp). None (off) until timed on the H200 (decode.py
+    # variants gemv_prefetch, gemv_prefetch_tile, gemv_prefetch_pdl)
+    gemv_prefetch: str | None = None
+    # one-row skinny GEMVs in the unrolled form (kernels/linear GemvTiles(rows, 256, rows, 1, unrolled=True):
+    # `rows_dot`, every K step's loads issued in one basic block, a warp a row) with this many rows a program; 0: the
+    # tiles pick_tiles chooses (the looped form, whose K steps each wait for their loads: sm_90 SASS, session 45).
+    # Built in session 40, never timed in the runner; decode.py variants gemv_unrolled2 / gemv_unrolled4
+    gemv_unrolled: int = 0
     # a few tokens' MoE pairs as blocks of one row, no alignment launch, while their experts' weights (read once per
     # pair) stay within this many bytes (kernels/moe/triton_experts.py align_blocks: k3-tiny's verify steps; never the
     # 48B's 14 MB experts); None: the kernel's own bound (PAIR_BLOCKS_MAX_BYTES, 4 MB); 0: one token only, as before
@@ -217,6 +224,10 @@ class KernelConfig:
                 raise ValueError(f"{name}: a form of kda_intra='blocks', got kda_intra={self.kda_intra!r}")
         if self.mxfp4_experts not in MXFP4_EXPERT_PATHS:
             raise ValueError(f"mxfp4_experts: must be one of {MXFP4_EXPERT_PATHS}, got {self.mxfp4_experts!r}")
+        if self.gemv_prefetch is not None and self.gemv_prefetch not in PREFETCH_FORMS:
+            raise ValueError(f"gemv_prefetch: must be one of {PREFETCH_FORMS} or None, got {self.gemv_prefetch!r}")
+        if self.gemv_unrolled and self.gemv_unrolled not in UNROLLED_ROWS:
+            raise ValueError(f"gemv_unrolled: rows a program, one of {UNROLLED_ROWS} (0: off), got {self.gemv_unrolled}")
         if self.kda_verify_launch not in KDA_VERIFY_LAUNCHES:
             raise ValueError(f"kda_verify_launch: must be one of {KDA_VERIFY_LAUNCHES}, "
                              f"got {self.kda_verify_launch!r}")
@@ -265,8 +276,12 @@ def linear(x, w, k: KernelConfig, out_dtype=None):
     if k.triton and k.skinny_gemv and x.dim() == 2 and x.stride(-1) == 1:
         prefer = kernel("linear", "prefer_skinny")
         if prefer is not None and prefer(x.shape[0], w.shape[0], x.dtype, w.dtype):
-            if k.gemv_pdl_prefetch:
-                return kernel("linear", "skinny_linear")(x, w, out_dtype=out_dtype, use_pdl=True, prefetch=True)
+            if k.gemv_prefetch:
+                return kernel("linear", "skinny_linear")(x, w, out_dtype=out_dtype, use_pdl=True,
+                                                         prefetch=k.gemv_prefetch)
+            if k.gemv_unrolled and x.shape[0] == 1:
+                tiles = kernel("linear", "unrolled_tiles")(k.gemv_unrolled)
+                return kernel("linear", "skinny_linear")(x, w, out_dtype=out_dtype, tiles=tiles)
             return kernel("linear", "skinny_linear")(x, w, out_dtype=out_dtype)
     if out_dtype is not None and (x.dtype != out_dtype or w.dtype != out_dtype):
         return F.linear(x.to(out_dtype), w.to(out_dtype))

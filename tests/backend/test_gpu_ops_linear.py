@@ -1,0 +1,71 @@
+"""backend/runner/gpu/ops.linear's one-row GEMV switches (session 45): KernelConfig.gemv_prefetch launches every
+skinny GEMV with PDL and the prefetch form asked, KernelConfig.gemv_unrolled the unrolled form at that many rows a
+program; both checked as the config is built. CPU: the interpreter, fp16 (the skinny kernel's 16-bit path)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from k3rt.backend.runner.gpu.ops import KernelConfig, linear  # noqa: E402
+from k3rt.kernels.linear import skinny_linear_ref  # noqa: E402
+
+
+def _spy(monkeypatch) -> list[dict]:
+    """The kwargs of every skinny_linear call `linear` makes from here on (ops.kernel is cached: patch its lookup)."""
+    from k3rt.backend.runner.gpu import ops
+
+    seen, lookup = [], ops.kernel
+
+    def spied(module: str, name: str):
+        fn = lookup(module, name)
+        if (module, name) != ("linear", "skinny_linear"):
+            return fn
+
+        def spy(*a, **kw):
+            seen.append(kw)
+            return fn(*a, **kw)
+        return spy
+
+    monkeypatch.setattr(ops, "kernel", spied)
+    return seen
+
+
+@pytest.mark.parametrize("fields,want", [
+    ({}, {}),
+    ({"gemv_prefetch": "l2"}, {"use_pdl": True, "prefetch": "l2"}),
+    ({"gemv_prefetch": "tile"}, {"use_pdl": True, "prefetch": "tile"}),
+])
+def test_linear_passes_the_prefetch_form(fields: dict, want: dict, monkeypatch) -> None:
+    seen = _spy(monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 96, generator=g).half()
+    w = (torch.randn(40, 96, generator=g) * 0.1).half()
+    y = linear(x, w, KernelConfig(**fields))
+    assert len(seen) == 1 and {k: seen[0][k] for k in want} == want and ("prefetch" in seen[0]) == bool(want)
+    assert torch.equal(y, linear(x, w, KernelConfig()))  # the same bits as the plain launch
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_linear_takes_the_unrolled_form_for_one_row(rows: int, monkeypatch) -> None:
+    from k3rt.kernels.linear import unrolled_tiles
+
+    seen = _spy(monkeypatch)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(1, 96, generator=g).half()
+    w = (torch.randn(40, 96, generator=g) * 0.1).half()
+    y = linear(x, w, KernelConfig(gemv_unrolled=rows))
+    assert seen[-1]["tiles"] == unrolled_tiles(rows) and seen[-1]["tiles"].unrolled
+    ref = skinny_linear_ref(x, w, torch.float32)
+    assert (y.float() - ref).abs().max() <= 2e-3 * ref.abs().max()
+    # two rows (the fp32-weight router's form, which takes the GEMV at any M <= 16): the looped form
+    linear(torch.randn(2, 96).half(), w.float(), KernelConfig(gemv_unrolled=rows), out_dtype=torch.float32)
+    assert len(seen) == 2 and "tiles" not in seen[-1]
+
+
+def test_the_switches_are_checked_as_the_config_is_built() -> None:
+    with pytest.raises(ValueError, match="gemv_prefetch: must be one of"):
+        KernelConfig(gemv_prefetch="dram")
+    with pytest.raises(ValueError, match="gemv_unrolled: rows a program"):
+        KernelConfig(gemv_unrolled=3)
