@@ -128,10 +128,17 @@ def rows_dot_step(w: Tensor, k: int, loads: int = 1) -> int:
 
 @triton.jit
 def _gemv_rows_kernel(x_ptr, w_ptr, stride_wn, y_ptr, N, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                      TRIGGER: tl.constexpr = False):
-    """The unrolled form (GemvTiles.unrolled, one row of x): ROWS weight rows a program through `rows_dot`."""
+                      TRIGGER: tl.constexpr = False, USE_PDL: tl.constexpr = False, L2_LINES: tl.constexpr = 0):
+    """The unrolled form (GemvTiles.unrolled, one row of x): ROWS weight rows a program through `rows_dot`. USE_PDL:
+    gdc_wait before x is read; L2_LINES > 0 (skinny_linear prefetch="l2"): the rows asked into the L2 before it."""
     if TRIGGER:
         gdc_launch_dependents()
+    if L2_LINES > 0:
+        _prefetch_rows_l2(w_ptr, tl.program_id(0) * ROWS, N, stride_wn, K, L2_LINES, ROWS)
+        if _FENCE:
+            fence_cta(tl.program_id(0))
+    if USE_PDL:
+        gdc_wait()
     n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     y = rows_dot(w_ptr, n.to(tl.int64), n < N, x_ptr, stride_wn, K, BLOCK_K)
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n < N)
@@ -269,8 +276,8 @@ def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None,
             it finishes, and waits for it (`gdc_wait`) before reading x.
         prefetch: what each program reads of its weight rows before that wait (KernelConfig.gemv_prefetch; with
             use_pdl it runs in the shadow of the kernel before): "tile", its first K step into registers; "l2", every
-            line of its rows into the L2 (no registers held; the loop then reads them there). The plain form only
-            (not unrolled tiles, not row_rms); the sums are the same, in the same order.
+            line of its rows into the L2 (no registers held; the loop then reads them there). Not with row_rms;
+            "tile" not with unrolled tiles. The sums are the same, in the same order.
 
     Returns:
         [M, N]: fp32 sums of fp32 products, rounded once to the output dtype.
@@ -296,14 +303,18 @@ def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None,
     cfg = tiles or pick_tiles(N, K)
     if prefetch is not None and prefetch not in PREFETCH_FORMS:
         raise ValueError(f"skinny_linear: prefetch must be one of {PREFETCH_FORMS} or None, got {prefetch!r}")
-    if prefetch and (row_rms is not None or (cfg.unrolled and M == 1)):
-        raise ValueError(f"skinny_linear(prefetch={prefetch!r}) takes the plain form only: not with row_rms, not with "
-                         "unrolled tiles")
-    if cfg.unrolled and M == 1 and row_rms is None:
+    unrolled = cfg.unrolled and M == 1 and row_rms is None
+    if (prefetch and row_rms is not None) or (prefetch == "tile" and unrolled):
+        raise ValueError(f"skinny_linear(prefetch={prefetch!r}): not with row_rms; 'tile' takes the plain form only "
+                         "(not unrolled tiles)")
+    lines = triton.next_power_of_2(cfg.block_n * triton.cdiv(K * w.element_size(), 128))
+    if unrolled:
         bk = 16 if INTERPRET else min(cfg.block_k, max(16, triton.next_power_of_2(K)))  # the tile's own step
         _gemv_rows_kernel[(triton.cdiv(N, cfg.block_n),)](x, w, w.stride(0), out, N, K=K, ROWS=cfg.block_n,
                                                           BLOCK_K=bk, TRIGGER=trigger and not INTERPRET,
-                                                          num_warps=cfg.num_warps, num_stages=1)
+                                                          USE_PDL=use_pdl and not INTERPRET,
+                                                          L2_LINES=lines if prefetch == "l2" else 0,
+                                                          num_warps=cfg.num_warps, num_stages=1, **pdl_kwargs(use_pdl))
         return out
     bm = max(1, triton.next_power_of_2(M))
     bk = block_k(cfg, bm, K)
@@ -327,7 +338,7 @@ def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None,
         ROW_RMS=row_rms is not None, GS=gs, P=parts, PP=triton.next_power_of_2(parts),
         TRIGGER=trigger and not INTERPRET, USE_PDL=use_pdl and not INTERPRET,
         PREFETCH=PREFETCH_FORMS.index(prefetch) + 1 if prefetch else 0,
-        L2_LINES=triton.next_power_of_2(cfg.block_n * triton.cdiv(K * w.element_size(), 128)),
+        L2_LINES=lines,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(use_pdl),
     )
     return out

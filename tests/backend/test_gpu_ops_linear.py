@@ -64,6 +64,17 @@ def test_linear_takes_the_unrolled_form_for_one_row(rows: int, monkeypatch) -> N
     assert len(seen) == 2 and "tiles" not in seen[-1]
 
 
+@pytest.mark.parametrize("form,want", [("l2", {"use_pdl": True, "prefetch": "l2"}), ("tile", {})])
+def test_unrolled_takes_the_l2_prefetch_not_the_tile(form: str, want: dict, monkeypatch) -> None:
+    from k3rt.kernels.linear import unrolled_tiles
+
+    seen = _spy(monkeypatch)
+    x = torch.randn(1, 96).half()
+    w = (torch.randn(40, 96) * 0.1).half()
+    linear(x, w, KernelConfig(gemv_unrolled=2, gemv_prefetch=form))
+    assert seen[-1] == {"out_dtype": None, "tiles": unrolled_tiles(2), **want}
+
+
 def test_the_switches_are_checked_as_the_config_is_built() -> None:
     with pytest.raises(ValueError, match="gemv_prefetch: must be one of"):
         KernelConfig(gemv_prefetch="dram")

@@ -186,16 +186,19 @@ def test_prefetch_gives_the_same_bits(M: int, N: int, K: int) -> None:
     for form in ("tile", "l2"):
         assert torch.equal(skinny_linear(x, w, prefetch=form), want), form
         assert torch.equal(skinny_linear(x, w, prefetch=form, use_pdl=True), want), form  # PDL: nothing on the CPU
+    if M == 1:  # the unrolled form takes "l2" too
+        tiles = unrolled_tiles(2)
+        assert torch.equal(skinny_linear(x, w, tiles=tiles, prefetch="l2", use_pdl=True), skinny_linear(x, w, tiles=tiles))
     assert rel_err(want, skinny_linear_ref(x, w)) <= 1e-6
 
 
 def test_prefetch_refuses_the_forms_it_does_not_take() -> None:
     x = torch.randn(1, 64).to(DEV)
     w = torch.randn(8, 64).to(DEV)
-    with pytest.raises(ValueError, match="prefetch='tile'.*plain form"):
+    with pytest.raises(ValueError, match="prefetch='tile'.*plain form only"):
         skinny_linear(x, w, prefetch="tile", tiles=GemvTiles(2, 256, 2, 1, True))
     parts = torch.ones(1, 2, 1).to(DEV)
-    with pytest.raises(ValueError, match="prefetch='l2'.*row_rms"):
+    with pytest.raises(ValueError, match="prefetch='l2'.*not with row_rms"):
         skinny_linear(x, w, prefetch="l2", row_rms=(parts, 1e-6))
     with pytest.raises(ValueError, match="prefetch must be one of"):
         skinny_linear(x, w, prefetch="dram")
@@ -205,7 +208,7 @@ def test_prefetch_refuses_the_forms_it_does_not_take() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("form", ["tile", "l2"])
+@pytest.mark.parametrize("form", ["tile", "l2", "l2_unrolled"])
 @pytest.mark.parametrize("N,K", [(2304, 4096), (256, 2304), (4096, 2304), (130, 1000)])
 def test_gpu_prefetch_after_a_writer_in_a_pdl_graph(form: str, N: int, K: int) -> None:
     """The PDL launch with its first weight tile loaded before the wait reads x only after it: behind a kernel that
@@ -217,10 +220,11 @@ def test_gpu_prefetch_after_a_writer_in_a_pdl_graph(form: str, N: int, K: int) -
     w = (torch.randn(N, K, device="cuda", generator=g) * 0.02).bfloat16()
     x = torch.empty(1, K, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(1, N, device="cuda", dtype=torch.bfloat16)
+    tiles = unrolled_tiles(2) if form == "l2_unrolled" else None
 
     def chain() -> None:
         skinny_linear(x0, w0, out=x, trigger=True)
-        skinny_linear(x, w, out=y, use_pdl=True, prefetch=form)
+        skinny_linear(x, w, out=y, use_pdl=True, prefetch=form[:2] if form != "tile" else form, tiles=tiles)
 
     chain()  # compiled outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -231,5 +235,5 @@ def test_gpu_prefetch_after_a_writer_in_a_pdl_graph(form: str, N: int, K: int) -
         y.zero_()
         graph.replay()
         torch.cuda.synchronize()
-        want = skinny_linear(skinny_linear(x0, w0), w)
+        want = skinny_linear(skinny_linear(x0, w0), w, tiles=tiles)
         assert torch.equal(y, want), seed

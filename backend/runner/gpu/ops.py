@@ -189,7 +189,8 @@ class KernelConfig:
     # "l2", every line into the L2; "tile", its first K step into registers. The weights are never written by a
     # step, so that trip to memory can run in the tail of the kernel before. Session 44's next lever for the 48B
     # batch-1 step (~300 short launches, each losing its ramp). None (off) until timed on the H200 (decode.py
-    # variants gemv_prefetch, gemv_prefetch_tile, gemv_prefetch_pdl)
+    # variants gemv_prefetch, gemv_prefetch_tile, gemv_prefetch_pdl). With gemv_unrolled, "l2" applies to the
+    # unrolled launches too; "tile" to the looped ones only
     gemv_prefetch: str | None = None
     # one-row skinny GEMVs in the unrolled form (kernels/linear GemvTiles(rows, 256, rows, 1, unrolled=True):
     # `rows_dot`, every K step's loads issued in one basic block, a warp a row) with this many rows a program; 0: the
@@ -276,13 +277,12 @@ def linear(x, w, k: KernelConfig, out_dtype=None):
     if k.triton and k.skinny_gemv and x.dim() == 2 and x.stride(-1) == 1:
         prefer = kernel("linear", "prefer_skinny")
         if prefer is not None and prefer(x.shape[0], w.shape[0], x.dtype, w.dtype):
-            if k.gemv_prefetch:
-                return kernel("linear", "skinny_linear")(x, w, out_dtype=out_dtype, use_pdl=True,
-                                                         prefetch=k.gemv_prefetch)
+            launch = {}
             if k.gemv_unrolled and x.shape[0] == 1:
-                tiles = kernel("linear", "unrolled_tiles")(k.gemv_unrolled)
-                return kernel("linear", "skinny_linear")(x, w, out_dtype=out_dtype, tiles=tiles)
-            return kernel("linear", "skinny_linear")(x, w, out_dtype=out_dtype)
+                launch["tiles"] = kernel("linear", "unrolled_tiles")(k.gemv_unrolled)
+            if k.gemv_prefetch and not (k.gemv_prefetch == "tile" and "tiles" in launch):
+                launch.update(use_pdl=True, prefetch=k.gemv_prefetch)
+            return kernel("linear", "skinny_linear")(x, w, out_dtype=out_dtype, **launch)
     if out_dtype is not None and (x.dtype != out_dtype or w.dtype != out_dtype):
         return F.linear(x.to(out_dtype), w.to(out_dtype))
     return F.linear(x, w)
