@@ -74,7 +74,10 @@ VARIANTS = {"control": {}, "pdl": dict(use_pdl=True), "cublas_gemv": dict(skinny
             "gemv_prefetch_pdl": dict(gemv_prefetch="l2", use_pdl=True),
             # session 45: the one-row GEMVs in the unrolled form (session 40's rows_dot), 2 or 4 rows a program
             "gemv_unrolled2": dict(gemv_unrolled=2), "gemv_unrolled4": dict(gemv_unrolled=4),
-            "gemv_unrolled2_prefetch_pdl": dict(gemv_unrolled=2, gemv_prefetch="l2", use_pdl=True)}
+            "gemv_unrolled2_prefetch_pdl": dict(gemv_unrolled=2, gemv_prefetch="l2", use_pdl=True),
+            # session 45: batch 1's experts as GEMVs of a few rows a program (kernels/moe/triton_gemv_experts.py)
+            "moe_gemv": dict(moe_gemv=True),
+            "moe_gemv_unrolled2": dict(moe_gemv=True, gemv_unrolled=2)}
 
 
 def _args() -> argparse.Namespace:

@@ -124,6 +124,10 @@ def correctness(w13, w2) -> None:
     save()
 
 
+# the GEMV form's (ROWS_1, ROWS_2, WARPS_1, WARPS_2) at T = 1, its default first
+GEMV_ROWS = ((4, 8, 4, 4), (2, 4, 2, 2), (4, 4, 4, 4), (8, 8, 4, 4), (2, 8, 2, 4), (8, 16, 8, 8))
+
+
 def decode(T: int, w13, w2, bw_GBps: float) -> None:
     D, inter = SHAPE["D"], SHAPE["I"]
     expert_bytes = 3 * D * inter * w13.element_size()
@@ -149,6 +153,27 @@ def decode(T: int, w13, w2, bw_GBps: float) -> None:
                    ours(tiles))
         if "us" in rec:
             log(f"decode T={T} tiles{i}: {rec['us']:.1f} us, floor {floor_us:.1f} us ({rec['pct_of_floor']:.0f}%)")
+    if T == 1:  # session 45: the experts as GEMVs of a few rows a program (fused_experts(gemv=True)), checked first
+        from k3rt.kernels.moe.triton_experts import sum_slots
+        from k3rt.kernels.moe.triton_gemv_experts import gemv_expert_outputs
+
+        def gemv(rows: tuple, w, ids) -> torch.Tensor:
+            y = gemv_expert_outputs(x, w13, w2, w, ids, situ=ACT.name == "situ", beta=ACT.situ_beta or 1.0,
+                                    lin_beta=ACT.situ_linear_beta, shared_experts=0, use_pdl=False, rows=rows)
+            return sum_slots(y, out, SHAPE["k"], 0, False)
+
+        def gemv_item(rows: tuple):
+            def run() -> dict:
+                w, ids = sets[0]
+                err = rel_err(gemv(rows, w, ids).clone(), fused_experts(x, w13, w2, w, ids, act=ACT))
+                t = graph_time([lambda w=w, ids=ids: gemv(rows, w, ids) for w, ids in sets], reps=REPS)
+                return {**base, "gemv_rows": rows, "rel_err_vs_grouped": err, "ok": err < 2e-2,
+                        "us": t["us_per_call"], "pct_of_floor": 100 * floor_us / t["us_per_call"]}
+            return run
+        for rows in GEMV_ROWS if not ARGS.smoke else GEMV_ROWS[:1]:
+            rec = item("decode", f"T=1 gemv rows {rows}", gemv_item(rows))
+            if "us" in rec:
+                log(f"decode T=1 gemv {rows}: {rec['us']:.1f} us ({rec['pct_of_floor']:.0f}%), err {rec['rel_err_vs_grouped']:.1e}")
     bm = pick_tiles(T * SHAPE["k"], SHAPE["E"]).block_m
     for split in (True, False):  # the single chunk over several programs (the default) or in one
         item("decode", f"T={T} align only" + ("" if split else " (one program)"), lambda split=split: {

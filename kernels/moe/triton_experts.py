@@ -575,6 +575,7 @@ def fused_experts(
     one_token: bool = False,
     norm: SumNorm | tuple[Tensor, float] | None = None,
     pair_blocks_bytes: int | None = None,
+    gemv: bool = False,
 ) -> Tensor:
     """Routed experts of one MoE layer for T tokens (model-facts §6; SiTU §7.3).
 
@@ -604,6 +605,9 @@ def fused_experts(
         pair_blocks_bytes: a few tokens' pairs as blocks of one row (no alignment) while their experts' weights,
             read once per pair, stay within this many bytes (`align_blocks`; None: PAIR_BLOCKS_MAX_BYTES; 0: one
             token only; KernelConfig.moe_pair_blocks_bytes).
+        gemv: with T == 1 and no tiles given, the experts as GEMVs of a few weight rows a program
+            (triton_gemv_experts.py: thousands of equal programs instead of 288 / 324 MMA tiles; KernelConfig.moe_gemv),
+            then the same slot sum.
 
     Returns:
         [T, D] in x.dtype. Rounding: h and the per-pair outputs are stored in x.dtype (ref.py).
@@ -621,6 +625,13 @@ def fused_experts(
                                     out=out if norm is None else torch.empty_like(out), shared_experts=S,
                                     use_pdl=use_pdl)
         return y if norm is None else norm_after(y, norm, out, use_pdl)
+    if gemv and T == 1 and tiles is None:
+        from k3rt.kernels.moe.triton_gemv_experts import gemv_expert_outputs  # imports this module
+
+        y = gemv_expert_outputs(x, w13, w2, topk_weights, topk_ids, situ=act.name == "situ",
+                                beta=act.situ_beta or 1.0, lin_beta=act.situ_linear_beta, shared_experts=S,
+                                use_pdl=use_pdl)
+        return sum_slots(y, out, k, S, use_pdl, norm)
     cfg = tiles or pick_tiles(P + S * T, E, grouped_tiles)
     sub = cfg.tail or cfg  # the alignment's block
     b = align_blocks(x, topk_ids, E, I, S, sub.block_m, use_pdl, cfg.block_m // sub.block_m, pair_blocks_bytes)

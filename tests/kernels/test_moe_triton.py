@@ -266,7 +266,7 @@ def _sum_norm_case(monkeypatch, path: str, seed: int):
     one-token path; NORM_MAX_D below D for wide_rows (the norm kernel after the sum)."""
     import k3rt.kernels.moe.triton_experts as te
 
-    T = 1 if path == "one_token" else 5
+    T = 1 if path in ("one_token", "gemv") else 5
     if path == "wide_rows":
         monkeypatch.setattr(te, "NORM_MAX_D", 16)
     gen = torch.Generator().manual_seed(seed + T)
@@ -274,7 +274,7 @@ def _sum_norm_case(monkeypatch, path: str, seed: int):
     return T, gen, case, ACTS["situ"], (torch.rand(32, generator=gen) + 0.5).half().to(DEV)
 
 
-@pytest.mark.parametrize("path", ["grouped", "one_token", "wide_rows"])
+@pytest.mark.parametrize("path", ["grouped", "one_token", "gemv", "wide_rows"])
 def test_fused_experts_norm_equals_the_norm_kernel_after_the_sum(monkeypatch, path: str) -> None:
     """LatentMoE's routed_expert_norm in the experts' sum launch (`norm=`): bit-identical in fp16 to the sum
     rounded to x's dtype and then kernels/norm's rms_norm, written into a strided out (the latent tail's input
@@ -285,14 +285,17 @@ def test_fused_experts_norm_equals_the_norm_kernel_after_the_sum(monkeypatch, pa
     T, gen, case, act, weight = _sum_norm_case(monkeypatch, path, seed=77)
     want = rms_norm(fused_experts(**case, act=act), weight, 1e-5)
     wide = torch.full((T, 48), float("nan"), dtype=torch.float16, device=DEV)
-    got = fused_experts(**case, act=act, out=wide[:, 16:], norm=(weight, 1e-5), one_token=path == "one_token")
+    got = fused_experts(**case, act=act, out=wide[:, 16:], norm=(weight, 1e-5), one_token=path == "one_token",
+                        gemv=path == "gemv")
+    if path == "gemv":  # its own fp32 sums: the norm applied to its sum, bit for bit
+        want = rms_norm(fused_experts(**case, act=act, gemv=True), weight, 1e-5)
     assert got.data_ptr() == wide[:, 16:].data_ptr() and torch.equal(got, want)
     assert wide[:, :16].isnan().all()
     with pytest.raises(ValueError, match="norm weight must have shape"):
         fused_experts(**case, act=act, norm=(weight[:16], 1e-5))
 
 
-@pytest.mark.parametrize("path", ["grouped", "one_token", "wide_rows", "in_place"])
+@pytest.mark.parametrize("path", ["grouped", "one_token", "gemv", "wide_rows", "in_place"])
 def test_fused_experts_residual_add_and_norm_equal_the_norm_kernel_after_the_sum(monkeypatch, path: str) -> None:
     """`norm=SumNorm(weight, eps, residual, residual_out)`: the decoder layer's residual add and its next norm in
     the experts' sum launch, bit-identical in fp16 to the sum and then kernels/norm's rms_norm(residual=): the normed
@@ -303,10 +306,11 @@ def test_fused_experts_residual_add_and_norm_equal_the_norm_kernel_after_the_sum
 
     T, gen, case, act, weight = _sum_norm_case(monkeypatch, path, seed=91)
     residual = torch.randn(T, 32, generator=gen).half().to(DEV)
-    want, want_h = rms_norm(fused_experts(**case, act=act), weight, 1e-5, residual=residual)
+    want, want_h = rms_norm(fused_experts(**case, act=act, gemv=path == "gemv"), weight, 1e-5, residual=residual)
     h_out = residual.clone() if path == "in_place" else torch.full_like(residual, float("nan"))
     r_in = h_out if path == "in_place" else residual
-    got = fused_experts(**case, act=act, norm=SumNorm(weight, 1e-5, r_in, h_out), one_token=path == "one_token")
+    got = fused_experts(**case, act=act, norm=SumNorm(weight, 1e-5, r_in, h_out), one_token=path == "one_token",
+                        gemv=path == "gemv")
     assert torch.equal(got, want) and torch.equal(h_out, want_h)
     with pytest.raises(ValueError, match="residual and residual_out must be given together"):
         fused_experts(**case, act=act, norm=SumNorm(weight, 1e-5, residual))
@@ -436,6 +440,48 @@ def test_one_token_in_two_launches(monkeypatch, D: int, inter: int, shared: int,
     assert torch.equal(fused_experts(**case, **kw, one_token=True), out)
 
 
+@pytest.mark.parametrize("act", ["silu", "situ_lin"])
+@pytest.mark.parametrize("shared", [0, 1])
+@pytest.mark.parametrize("D,inter", [(40, 24), (64, 32), (24, 20)], ids=["odd", "even", "short"])
+def test_one_token_as_gemvs(monkeypatch, D: int, inter: int, shared: int, act: str) -> None:
+    """gemv (triton_gemv_experts.py, KernelConfig.moe_gemv, session 45): each program a few gate/up or down rows of
+    one slot's expert through rows_dot, then the grouped path's slot sum: the oracle's values with D and I not
+    multiples of the rows or the K step and a shared expert; bit-reproducible; the grouped GEMMs do not run."""
+    import k3rt.kernels.moe.triton_experts as te
+
+    gen = torch.Generator().manual_seed(700 + D + shared)
+    case = experts_case(gen, 1, E=8 + shared, k=4, D=D, inter=inter, dtype=torch.float32, experts=8)
+    kw = dict(act=ACTS[act], shared_experts=shared)
+    grouped_path = fused_experts(**case, **kw)
+
+    def no_grouped(*a, **k):
+        raise AssertionError("gemv ran the grouped GEMMs")
+    monkeypatch.setattr(te, "align_blocks", no_grouped)
+    out = fused_experts(**case, **kw, gemv=True)
+    assert rel_err(out, fused_experts_ref(**case, **kw)) <= 1e-5
+    assert rel_err(out, grouped_path) <= 1e-5
+    assert torch.equal(fused_experts(**case, **kw, gemv=True), out)
+
+
+@pytest.mark.parametrize("rows", [(1, 1, 1, 1), (2, 4, 2, 4), (8, 16, 4, 8)])
+def test_gemv_experts_per_slot_outputs_at_every_row_count(rows) -> None:
+    """The per-slot outputs (routing weight applied, rounded to x's dtype: the grouped path's per-pair rounding)
+    against the oracle slot by slot in fp16, at row counts that do and do not divide I = 20 and D = 36."""
+    from k3rt.kernels.moe.triton_gemv_experts import gemv_expert_outputs
+
+    gen = torch.Generator().manual_seed(41)
+    case = experts_case(gen, 1, E=9, k=3, D=36, inter=20, dtype=torch.float16, experts=8)
+    y = gemv_expert_outputs(case["x"], case["w13"], case["w2"], case["topk_weights"], case["topk_ids"], situ=False,
+                            beta=1.0, lin_beta=None, shared_experts=1, use_pdl=False, rows=rows)
+    for j in range(3):
+        one = dict(case, topk_ids=case["topk_ids"][:, j:j + 1].contiguous(),
+                   topk_weights=case["topk_weights"][:, j:j + 1].contiguous())
+        assert rel_err(y[j:j + 1], fused_experts_ref(**one, act=ACTS["silu"])) <= 2e-3, j
+    shared = dict(case, topk_ids=torch.full((1, 1), 8, dtype=torch.int32, device=DEV),
+                  topk_weights=torch.ones(1, 1, device=DEV))
+    assert rel_err(y[3:4], fused_experts_ref(**shared, act=ACTS["silu"])) <= 2e-3
+
+
 def test_tma_tiles_fall_back_to_pointer_loads_where_rows_are_not_16_byte_aligned(monkeypatch) -> None:
     """fp16 with D = 36 and I = 20: rows of 72 and 40 bytes, which a TMA descriptor cannot take; the TMA tiles
     then run the pointer loads (the same bits as the pointer tiles), and no descriptor is built."""
@@ -510,6 +556,9 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
     # item 6: the one-token layer's phased form checked against its oracle and timed beside the grouped path
     layer = {r["name"]: r for r in result["layer"]}
     assert layer["phased (3 launches)"]["ok"] and "us" in layer["grouped (5 launches)"], layer
+    # T = 1's GEMV form (session 45): checked against the grouped path, then timed
+    gemv = [r for r in result["decode"] if "gemv_rows" in r]
+    assert gemv and all(r["ok"] and "us" in r for r in gemv), gemv
 
 
 # --------------------------------------------------------------------------------------------
@@ -578,6 +627,34 @@ def test_gpu_one_token_two_launches_48b(use_pdl: bool) -> None:
     torch.cuda.synchronize()
     assert rel_err(out, fused_experts_ref(**case, **kw)) <= 1e-2
     assert rel_err(out, fused_experts(**case, **kw)) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("use_pdl", [False, True])
+def test_gpu_gemv_experts_48b(use_pdl: bool) -> None:
+    """gemv (session 45) at the 48B shape (8 routed + 1 shared expert, SiTU), from a CUDA graph replayed twice with
+    new routing between: the oracle's values and the grouped path's to bf16 rounding, bit-reproducible."""
+    case = gpu_case(1, seed=19)
+    E = case["w13"].shape[0]
+    case = dict(case, topk_ids=case["topk_ids"].clamp(max=E - 2))  # the last expert is shared
+    kw = dict(act=ACTS["situ_lin"], shared_experts=1)
+    out = torch.empty(1, D48, dtype=torch.bfloat16, device="cuda")
+    fused_experts(**case, **kw, gemv=True, use_pdl=use_pdl, out=out)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fused_experts(**case, **kw, gemv=True, use_pdl=use_pdl, out=out)
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    for _ in range(2):
+        w, ids = moe_route(torch.randn(1, E48, device="cuda", generator=gen), torch.zeros(E48, device="cuda"),
+                           top_k=K48, renormalize=True, scaling=2.446)
+        case["topk_ids"].copy_(ids.clamp(max=E - 2))
+        case["topk_weights"].copy_(w)
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, fused_experts_ref(**case, **kw)) <= 1e-2
+        assert rel_err(out, fused_experts(**case, **kw)) <= 1e-2
+        assert torch.equal(out, fused_experts(**case, **kw, gemv=True))
 
 
 @pytest.mark.gpu

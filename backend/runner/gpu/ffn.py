@@ -262,7 +262,7 @@ def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig, sum_n
                            out=out, norm=norm)
         return experts(z, w.w13, w.w2, tw, ids.to(torch.int32), act=moe.act, shared_experts=w.shared_fused,
                        use_pdl=k.use_pdl, tiles=tiles, grouped_tiles=k.moe_grouped_tiles, one_token=k.moe_one_token,
-                       out=out, norm=norm, pair_blocks_bytes=k.moe_pair_blocks_bytes)
+                       out=out, norm=norm, pair_blocks_bytes=k.moe_pair_blocks_bytes, gemv=k.moe_gemv)
 
     if sum_norm is not None:
         assert experts is not None and w.shared_fused and moe.tp.size == 1, "sums_add_norm decides"

@@ -114,6 +114,12 @@ class KernelConfig:
     # Off: slower on the H200 (session 32, the 48B decode graph at batch 1: 2.851 vs 2.669 ms; k3-tiny 0.276 vs
     # 0.278)
     moe_one_token: bool = False
+    # one token's MoE (batch-1 decode) as GEMVs of a few weight rows a program (kernels/moe/triton_gemv_experts.py:
+    # 2,304 gate/up and 2,592 down programs at the 48B shape, each walking its rows' whole K in one basic block,
+    # against the grouped path's 288 / 324 16-row MMA tiles, 2.2 / 2.5 an SM on 132 SMs: session 29 measured that path
+    # at 72 % of copy at T = 1, 97-100 % from 16 tokens). The same slot sum after. Off until timed on the H200
+    # (decode.py variant moe_gemv; kernels_moe.py --decode-t 1)
+    moe_gemv: bool = False
     # one token's whole MoE layer in one persistent launch (kernels/moe/triton_layer.py moe_layer_one_token: the
     # router GEMV, the top-k, gate/up, down, the sum and the residual add + next norm, the programs ordered by arrival
     # counters instead of five launch boundaries): batch-1 decode of a plain MoE at TP 1 (the 48B's 26 layers, ~47 us
