@@ -125,6 +125,8 @@ def _args() -> argparse.Namespace:
                    help="last: one replay of the batch-B decode graph of the default and of each --variants under "
                         "torch.profiler: span, kernels' busy time, idle gaps and PDL overlaps by the kernel after "
                         "them (why a variant's graph is slower or faster)")
+    p.add_argument("--graph-timeline-variants", nargs="*", default=None, metavar="NAME",
+                   help="--graph-timeline: only these of --variants (default: all of them)")
     p.add_argument("--profile-prefill", action="store_true",
                    help="--prefill: also profile the last chunk of each prefill (eager, as it runs): time per "
                         "kernel name, top 30")
@@ -642,7 +644,8 @@ def main() -> int:
             save()
     RESULT["graph_timeline"] = []
     for B in ARGS.graph_timeline if cuda else []:
-        for name in ["control", *(v for v in ARGS.variants if v != "control")]:
+        chosen = ARGS.variants if ARGS.graph_timeline_variants is None else ARGS.graph_timeline_variants
+        for name in ["control", *(v for v in chosen if v != "control")]:
             if over_budget():
                 break
             RESULT["graph_timeline"].append(graph_timeline(runner, cfg, layout, name, B))
