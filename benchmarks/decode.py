@@ -72,12 +72,15 @@ VARIANTS = {"control": {}, "pdl": dict(use_pdl=True), "cublas_gemv": dict(skinny
             # every kernel's PDL (they trigger early)
             "gemv_prefetch": dict(gemv_prefetch="l2"), "gemv_prefetch_tile": dict(gemv_prefetch="tile"),
             "gemv_prefetch_pdl": dict(gemv_prefetch="l2", use_pdl=True),
-            # session 45: the one-row GEMVs in the unrolled form (session 40's rows_dot), 2 or 4 rows a program
-            "gemv_unrolled2": dict(gemv_unrolled=2), "gemv_unrolled4": dict(gemv_unrolled=4),
-            "gemv_unrolled2_prefetch_pdl": dict(gemv_unrolled=2, gemv_prefetch="l2", use_pdl=True),
+            # session 45: the one-row GEMVs in the unrolled form where it led on the H100 (pick_unrolled), and the
+            # wide projections (KDA/MLA input, LM head) through it too instead of cuBLAS
+            "gemv_unrolled": dict(gemv_unrolled=True),
+            "gemv_unrolled_wide": dict(gemv_unrolled=True, gemv_wide=True),
+            "gemv_unrolled_wide_prefetch_pdl": dict(gemv_unrolled=True, gemv_wide=True, gemv_prefetch="l2",
+                                                    use_pdl=True),
             # session 45: batch 1's experts as GEMVs of a few rows a program (kernels/moe/triton_gemv_experts.py)
             "moe_gemv": dict(moe_gemv=True),
-            "moe_gemv_unrolled2": dict(moe_gemv=True, gemv_unrolled=2)}
+            "moe_gemv_unrolled_wide": dict(moe_gemv=True, gemv_unrolled=True, gemv_wide=True)}
 
 
 def _args() -> argparse.Namespace:

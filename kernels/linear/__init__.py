@@ -9,7 +9,7 @@ from k3rt.kernels.linear.ref import skinny_linear_ref
 # skinny_linear(prefetch=): what a PDL-launched program reads of its weight rows before its wait: its first K step
 # into registers ("tile"), or every line of its rows into the L2 ("l2"). Here, Triton-free: KernelConfig checks it
 PREFETCH_FORMS = ("tile", "l2")
-# KernelConfig.gemv_unrolled / unrolled_tiles: rows a program of the unrolled form (a warp each)
+# unrolled_tiles: rows a program of the unrolled form (a warp each)
 UNROLLED_ROWS = (1, 2, 4, 8)
 
 _TRITON_EXPORTS = {
@@ -18,8 +18,10 @@ _TRITON_EXPORTS = {
     "MAX_ROWS": "k3rt.kernels.linear.triton_gemv",
     "prefer_skinny": "k3rt.kernels.linear.triton_gemv",
     "unrolled_tiles": "k3rt.kernels.linear.triton_gemv",
+    "pick_unrolled": "k3rt.kernels.linear.triton_gemv",
 }
 
-__all__ = ["GemvTiles", "MAX_ROWS", "PREFETCH_FORMS", "UNROLLED_ROWS", "prefer_skinny", "skinny_linear", "skinny_linear_ref", "unrolled_tiles"]
+__all__ = ["GemvTiles", "MAX_ROWS", "PREFETCH_FORMS", "UNROLLED_ROWS", "prefer_skinny", "pick_unrolled", "skinny_linear", "skinny_linear_ref",
+           "unrolled_tiles"]
 
 __getattr__ = lazy_exports(__name__, _TRITON_EXPORTS)

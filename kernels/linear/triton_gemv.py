@@ -70,11 +70,24 @@ def pick_tiles(n: int, k: int) -> GemvTiles:
 
 
 def unrolled_tiles(rows: int) -> GemvTiles:
-    """The unrolled form at `rows` weight rows a program, a warp each, one 16-byte load a lane a K step
-    (KernelConfig.gemv_unrolled)."""
+    """The unrolled form at `rows` weight rows a program, a warp each, one 16-byte load a lane a K step."""
     if rows not in UNROLLED_ROWS:
         raise ValueError(f"unrolled GEMV rows a program must be one of {UNROLLED_ROWS}, got {rows}")
     return GemvTiles(rows, 256, rows, 1, True)
+
+
+def pick_unrolled(n: int, k: int) -> GemvTiles | None:
+    """One row of x by the unrolled form where it led on the H100 (session 45, kernels_linear.py --rows 1, every
+    candidate; us): one row a program for K up to 3072 (the 48B's K = 2304: KDA input 21.8 against cuBLAS 24.7 and
+    the looped default 27.4, MLA input 12.6 / 13.9 / 16.1, dense gate/up 30.7 / 34.3 / 37.8, LM head 241 / 265 /
+    290, fp32 router 3.2 / 6.7 / 3.9), four for K up to 512 (the gates' up-projections: 2.2 / 3.2 / 3.1, block-diag
+    3.3 / 4.2); None past 3072 (o_proj, K = 4096: the looped 2 x 1024 tiles 9.0 against 9.7; dense down 17.4 / 19.5),
+    where pick_tiles' choice stays (KernelConfig.gemv_unrolled)."""
+    if k <= 512:
+        return unrolled_tiles(4)
+    if k <= 3072:
+        return unrolled_tiles(1)
+    return None
 
 
 def block_k(tiles: GemvTiles, block_m: int, k: int) -> int:
@@ -83,16 +96,17 @@ def block_k(tiles: GemvTiles, block_m: int, k: int) -> int:
     return min(tiles.block_k, max(16, triton.next_power_of_2(k)), max(16, MAX_PARTIALS // (block_m * tiles.block_n)))
 
 
-def prefer_skinny(m: int, n: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
+def prefer_skinny(m: int, n: int, x_dtype: torch.dtype, w_dtype: torch.dtype, wide: bool = False) -> bool:
     """Where the kernel beat torch's matmul on the H200 (benchmarks/kernels_linear.py), for 16-bit
     activations: one row and outputs up to 4096 wide, and the fp32-weight router at any M <= MAX_ROWS
     (torch needs a cast kernel there, and at M = 16 cuBLAS ran a SIMT sgemm of 4 thread blocks: 11.5 us for
     a 2.4 MB weight, session 24's 48B batch-16 profile). For wide outputs at M=1 and for M > 1, cuBLAS's tiles are as
     fast or faster. fp32 activations (the test checkpoints) stay on torch: nothing was measured there,
-    and their reference numerics are cuBLAS's."""
+    and their reference numerics are cuBLAS's. wide (KernelConfig.gemv_wide, with the unrolled tiles): one row at
+    any output width."""
     if not 1 <= m <= MAX_ROWS or x_dtype not in (torch.bfloat16, torch.float16):
         return False
-    return w_dtype == torch.float32 or (m == 1 and n <= 4096)
+    return w_dtype == torch.float32 or (m == 1 and (n <= 4096 or wide))
 
 
 @triton.jit

@@ -47,21 +47,38 @@ def test_linear_passes_the_prefetch_form(fields: dict, want: dict, monkeypatch) 
     assert torch.equal(y, linear(x, w, KernelConfig()))  # the same bits as the plain launch
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4])
-def test_linear_takes_the_unrolled_form_for_one_row(rows: int, monkeypatch) -> None:
+@pytest.mark.parametrize("K,rows", [(96, 4), (600, 1), (3100, None)])
+def test_linear_takes_the_unrolled_form_by_shape(K: int, rows: int | None, monkeypatch) -> None:
+    """gemv_unrolled: one row of x through the unrolled form at pick_unrolled's rows (four for K <= 512, one to
+    3072, the looped tiles past that); two rows (the fp32 router's form) keep the looped form."""
     from k3rt.kernels.linear import unrolled_tiles
 
     seen = _spy(monkeypatch)
-    g = torch.Generator().manual_seed(rows)
-    x = torch.randn(1, 96, generator=g).half()
-    w = (torch.randn(40, 96, generator=g) * 0.1).half()
-    y = linear(x, w, KernelConfig(gemv_unrolled=rows))
-    assert seen[-1]["tiles"] == unrolled_tiles(rows) and seen[-1]["tiles"].unrolled
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(1, K, generator=g).half()
+    w = (torch.randn(40, K, generator=g) * 0.05).half()
+    y = linear(x, w, KernelConfig(gemv_unrolled=True))
+    assert seen[-1].get("tiles") == (unrolled_tiles(rows) if rows else None)
     ref = skinny_linear_ref(x, w, torch.float32)
     assert (y.float() - ref).abs().max() <= 2e-3 * ref.abs().max()
-    # two rows (the fp32-weight router's form, which takes the GEMV at any M <= 16): the looped form
-    linear(torch.randn(2, 96).half(), w.float(), KernelConfig(gemv_unrolled=rows), out_dtype=torch.float32)
+    linear(torch.randn(2, K).half(), w.float(), KernelConfig(gemv_unrolled=True), out_dtype=torch.float32)
     assert len(seen) == 2 and "tiles" not in seen[-1]
+
+
+def test_wide_outputs_take_the_gemv_only_with_gemv_wide(monkeypatch) -> None:
+    """One row onto 4,100 outputs (past prefer_skinny's 4,096): cuBLAS by default, the unrolled GEMV with
+    gemv_wide."""
+    from k3rt.kernels.linear import unrolled_tiles
+
+    seen = _spy(monkeypatch)
+    x = torch.randn(1, 64).half()
+    w = (torch.randn(4100, 64) * 0.1).half()
+    linear(x, w, KernelConfig(gemv_unrolled=True))
+    assert not seen
+    y = linear(x, w, KernelConfig(gemv_unrolled=True, gemv_wide=True))
+    assert len(seen) == 1 and seen[0]["tiles"] == unrolled_tiles(4)
+    ref = skinny_linear_ref(x, w, torch.float32)
+    assert (y.float() - ref).abs().max() <= 2e-3 * ref.abs().max()
 
 
 @pytest.mark.parametrize("form,want", [("l2", {"use_pdl": True, "prefetch": "l2"}), ("tile", {})])
@@ -71,12 +88,12 @@ def test_unrolled_takes_the_l2_prefetch_not_the_tile(form: str, want: dict, monk
     seen = _spy(monkeypatch)
     x = torch.randn(1, 96).half()
     w = (torch.randn(40, 96) * 0.1).half()
-    linear(x, w, KernelConfig(gemv_unrolled=2, gemv_prefetch=form))
-    assert seen[-1] == {"out_dtype": None, "tiles": unrolled_tiles(2), **want}
+    linear(x, w, KernelConfig(gemv_unrolled=True, gemv_prefetch=form))
+    assert seen[-1] == {"out_dtype": None, "tiles": unrolled_tiles(4), **want}
 
 
 def test_the_switches_are_checked_as_the_config_is_built() -> None:
     with pytest.raises(ValueError, match="gemv_prefetch: must be one of"):
         KernelConfig(gemv_prefetch="dram")
-    with pytest.raises(ValueError, match="gemv_unrolled: rows a program"):
-        KernelConfig(gemv_unrolled=3)
+    with pytest.raises(ValueError, match="gemv_wide: .* need gemv_unrolled"):
+        KernelConfig(gemv_wide=True)

@@ -812,6 +812,24 @@ def test_gpu_gemv_pdl_prefetch_gives_the_same_step(form: str, pdl: bool, tmp_pat
         assert a is None or torch.equal(a, b)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("fields", [dict(gemv_unrolled=True), dict(gemv_unrolled=True, gemv_wide=True),
+                                    dict(moe_gemv=True)], ids=["unrolled", "unrolled_wide", "moe_gemv"])
+def test_gpu_one_row_gemv_forms_give_the_step(fields: dict, tmp_path) -> None:
+    """Session 45's one-row forms in a bf16 decode step (the unrolled GEMVs by shape, also for the wide projections
+    and the LM head; one token's experts as GEMVs): the logits and KDA states of the default step within bf16
+    rounding (their fp32 sums run in another order)."""
+    runner, step, _ = _k3_decode_forward_counted(tmp_path / "a", arch="kimi_linear", bf16_on_cuda=True, **fields)
+    plain_runner, plain_step, _ = _k3_decode_forward_counted(tmp_path / "b", arch="kimi_linear", bf16_on_cuda=True)
+    with torch.no_grad():
+        got, want = runner.fwd(step, decode=True), plain_runner.fwd(plain_step, decode=True)
+        torch.cuda.synchronize()
+    assert rel(got.float(), want.float()) < 2e-2
+    for a, b in zip(runner.fwd.pool.rec, plain_runner.fwd.pool.rec):
+        assert a is None or rel(a.float(), b.float()) < 5e-2
+
+
 def test_a_small_router_computes_its_logits_in_the_top_k_launch(tmp_path) -> None:
     """Issue 16 (launch-bound batch-1 round): k3's 8-expert router takes its logits inside the top-k launch
     (KernelConfig.moe_fused_router, kernels/moe/triton_router.py moe_route_from_x): one GEMM per MoE layer fewer,

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from k3rt.backend.layers.batch_invariant import invariant_linear
 from k3rt.backend.layers.norm import rms_norm
 from k3rt.kernels.kda.chunk_tables import INTRA_FORMS
-from k3rt.kernels.linear import PREFETCH_FORMS, UNROLLED_ROWS
+from k3rt.kernels.linear import PREFETCH_FORMS
 
 
 MXFP4_EXPERT_PATHS = ("planar", "dot_scaled")
@@ -198,11 +198,15 @@ class KernelConfig:
     # variants gemv_prefetch, gemv_prefetch_tile, gemv_prefetch_pdl). With gemv_unrolled, "l2" applies to the
     # unrolled launches too; "tile" to the looped ones only
     gemv_prefetch: str | None = None
-    # one-row skinny GEMVs in the unrolled form (kernels/linear GemvTiles(rows, 256, rows, 1, unrolled=True):
-    # `rows_dot`, every K step's loads issued in one basic block, a warp a row) with this many rows a program; 0: the
-    # tiles pick_tiles chooses (the looped form, whose K steps each wait for their loads: sm_90 SASS, session 45).
-    # Built in session 40, never timed in the runner; decode.py variants gemv_unrolled2 / gemv_unrolled4
-    gemv_unrolled: int = 0
+    # one-row skinny GEMVs in the unrolled form where it led on the H100 (kernels/linear pick_unrolled: `rows_dot`,
+    # every K step's loads in one basic block, a warp a row; the looped form's K steps each wait for their loads,
+    # sm_90 SASS, session 45): K <= 3072 one row a program (KDA input 21.8 us against cuBLAS 24.7), K <= 512 four;
+    # past that pick_tiles' looped tiles. Off until timed in the 48B step on the H200 (decode.py gemv_unrolled)
+    gemv_unrolled: bool = False
+    # with gemv_unrolled, one-row projections wider than 4096 outputs (KDA and MLA input, dense gate/up, the LM head,
+    # the gates' block-diagonal up-projection) through the skinny GEMV too instead of cuBLAS (prefer_skinny's wide
+    # rule; H100: 0.8-0.9x cuBLAS's time). Off until timed (decode.py gemv_unrolled_wide)
+    gemv_wide: bool = False
     # a few tokens' MoE pairs as blocks of one row, no alignment launch, while their experts' weights (read once per
     # pair) stay within this many bytes (kernels/moe/triton_experts.py align_blocks: k3-tiny's verify steps; never the
     # 48B's 14 MB experts); None: the kernel's own bound (PAIR_BLOCKS_MAX_BYTES, 4 MB); 0: one token only, as before
@@ -233,8 +237,9 @@ class KernelConfig:
             raise ValueError(f"mxfp4_experts: must be one of {MXFP4_EXPERT_PATHS}, got {self.mxfp4_experts!r}")
         if self.gemv_prefetch is not None and self.gemv_prefetch not in PREFETCH_FORMS:
             raise ValueError(f"gemv_prefetch: must be one of {PREFETCH_FORMS} or None, got {self.gemv_prefetch!r}")
-        if self.gemv_unrolled and self.gemv_unrolled not in UNROLLED_ROWS:
-            raise ValueError(f"gemv_unrolled: rows a program, one of {UNROLLED_ROWS} (0: off), got {self.gemv_unrolled}")
+        if self.gemv_wide and not self.gemv_unrolled:
+            raise ValueError("gemv_wide: wide projections through the skinny GEMV need gemv_unrolled (the looped tiles "
+                             "lose to cuBLAS there)")
         if self.kda_verify_launch not in KDA_VERIFY_LAUNCHES:
             raise ValueError(f"kda_verify_launch: must be one of {KDA_VERIFY_LAUNCHES}, "
                              f"got {self.kda_verify_launch!r}")
@@ -282,10 +287,11 @@ def linear(x, w, k: KernelConfig, out_dtype=None):
         return invariant_linear(x, w)
     if k.triton and k.skinny_gemv and x.dim() == 2 and x.stride(-1) == 1:
         prefer = kernel("linear", "prefer_skinny")
-        if prefer is not None and prefer(x.shape[0], w.shape[0], x.dtype, w.dtype):
+        if prefer is not None and prefer(x.shape[0], w.shape[0], x.dtype, w.dtype, wide=k.gemv_wide):
             launch = {}
-            if k.gemv_unrolled and x.shape[0] == 1:
-                launch["tiles"] = kernel("linear", "unrolled_tiles")(k.gemv_unrolled)
+            tiles = kernel("linear", "pick_unrolled")(*w.shape) if k.gemv_unrolled and x.shape[0] == 1 else None
+            if tiles is not None:
+                launch["tiles"] = tiles
             if k.gemv_prefetch and not (k.gemv_prefetch == "tile" and "tiles" in launch):
                 launch.update(use_pdl=True, prefetch=k.gemv_prefetch)
             return kernel("linear", "skinny_linear")(x, w, out_dtype=out_dtype, **launch)
