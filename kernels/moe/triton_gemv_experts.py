@@ -35,45 +35,42 @@ ROWS_1, ROWS_2, WARPS_1, WARPS_2 = 4, 8, 4, 4
 
 
 @triton.jit
-def _slot_expert(ids_ptr, slot, TOPK: tl.constexpr, E_ROUTED):
-    """The expert of slot `slot`: the routed id for the first TOPK slots, then the shared experts in order (after
-    the routed ones in the stacks)."""
-    return tl.where(slot < TOPK, tl.load(ids_ptr + tl.minimum(slot, TOPK - 1)), E_ROUTED + slot - TOPK).to(tl.int64)
+def _slot_rows(ids_ptr, n, TOPK: tl.constexpr, E_ROUTED, ROWS: tl.constexpr, USE_PDL: tl.constexpr):
+    """This program's slot, its first output row of n (ROWS a program) and the slot's expert: the routed id for the
+    first TOPK slots, then the shared experts in order (after the routed ones in the stacks); after the PDL wait
+    (the ids, and the down GEMV's h, are the kernel before's)."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(n, ROWS)
+    slot = pid // n_tiles
+    if USE_PDL:
+        gdc_wait()
+    e = tl.where(slot < TOPK, tl.load(ids_ptr + tl.minimum(slot, TOPK - 1)), E_ROUTED + slot - TOPK).to(tl.int64)
+    return slot, (pid % n_tiles) * ROWS, e
 
 
 @triton.jit
 def _gemv_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, h_ptr, I, beta, lin_beta, E_ROUTED, D: tl.constexpr,
                          TOPK: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, SITU: tl.constexpr,
                          LIN_SAT: tl.constexpr, USE_PDL: tl.constexpr):
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(I, ROWS)
-    slot = pid // n_tiles
-    if USE_PDL:
-        gdc_wait()
-    e = _slot_expert(ids_ptr, slot, TOPK, E_ROUTED)
+    slot, c0, e = _slot_rows(ids_ptr, I, TOPK, E_ROUTED, ROWS, USE_PDL)
     # 2 * ROWS rows: row 2c is column c's gate row (e's row c of w13), 2c + 1 its up row (row I + c)
     r = tl.arange(0, 2 * ROWS)
-    col = (pid % n_tiles) * ROWS + r // 2
+    col = c0 + r // 2
     rows = e * 2 * I + col + (r % 2) * I
     y = rows_dot(w13_ptr, rows, col < I, x_ptr, D, D, BLOCK_K)  # [2 * ROWS] fp32
     gate, up = tl.split(tl.reshape(y, [ROWS, 2]))
     if USE_PDL:
         gdc_launch_dependents()
     h = _act_mul(gate, up, beta, lin_beta, SITU, LIN_SAT)
-    offs = (pid % n_tiles) * ROWS + tl.arange(0, ROWS)
+    offs = c0 + tl.arange(0, ROWS)
     tl.store(h_ptr + slot.to(tl.int64) * I + offs, h.to(h_ptr.dtype.element_ty), mask=offs < I)
 
 
 @triton.jit
 def _gemv_down_kernel(h_ptr, w2_ptr, ids_ptr, topk_w_ptr, y_ptr, D, E_ROUTED, I: tl.constexpr, TOPK: tl.constexpr,
                       ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(D, ROWS)
-    slot = pid // n_tiles
-    if USE_PDL:
-        gdc_wait()
-    e = _slot_expert(ids_ptr, slot, TOPK, E_ROUTED)
-    offs = (pid % n_tiles) * ROWS + tl.arange(0, ROWS)
+    slot, d0, e = _slot_rows(ids_ptr, D, TOPK, E_ROUTED, ROWS, USE_PDL)
+    offs = d0 + tl.arange(0, ROWS)
     y = rows_dot(w2_ptr, e * D + offs, offs < D, h_ptr + slot.to(tl.int64) * I, I, I, BLOCK_K)  # [ROWS] fp32
     if USE_PDL:
         gdc_launch_dependents()

@@ -416,14 +416,17 @@ def test_grouped_tiles_pad_each_expert_to_the_tail_block_only() -> None:
     assert big[big >= 0].tolist() == [0, 3] and small[small >= 0].tolist() == [2, 5]
 
 
+@pytest.mark.parametrize("path", ["one_token", "gemv"])
 @pytest.mark.parametrize("act", ["silu", "situ_lin"])
 @pytest.mark.parametrize("shared", [0, 1])
-@pytest.mark.parametrize("D,inter", [(40, 24), (64, 32)], ids=["odd", "even"])
-def test_one_token_in_two_launches(monkeypatch, D: int, inter: int, shared: int, act: str) -> None:
-    """one_token (triton_one_token.py): the gate/up and the down product of each (slot, column tile) in one
-    program, the partials summed per slot, weighted, rounded and summed over the slots in a second launch: the
-    oracle's values, with D and I not multiples of the tiles and a shared expert; bit-reproducible; the grouped
-    GEMMs do not run."""
+@pytest.mark.parametrize("D,inter", [(40, 24), (64, 32), (24, 20)], ids=["odd", "even", "short"])
+def test_one_token_paths(monkeypatch, path: str, D: int, inter: int, shared: int, act: str) -> None:
+    """The one-token paths instead of the grouped GEMMs: one_token (triton_one_token.py: the gate/up and the down
+    product of each (slot, column tile) in one program, the partials summed per slot, weighted, rounded and summed
+    over the slots in a second launch) and gemv (triton_gemv_experts.py, KernelConfig.moe_gemv, session 45: each
+    program a few gate/up or down rows of one slot's expert through rows_dot, then the grouped path's slot sum): the
+    oracle's values, with D and I not multiples of the tiles, rows or K step and a shared expert;
+    bit-reproducible; the grouped GEMMs do not run."""
     import k3rt.kernels.moe.triton_experts as te
 
     gen = torch.Generator().manual_seed(500 + D + shared)
@@ -432,35 +435,12 @@ def test_one_token_in_two_launches(monkeypatch, D: int, inter: int, shared: int,
     grouped_path = fused_experts(**case, **kw)
 
     def no_grouped(*a, **k):
-        raise AssertionError("one_token ran the grouped GEMMs")
+        raise AssertionError(f"{path} ran the grouped GEMMs")
     monkeypatch.setattr(te, "align_blocks", no_grouped)
-    out = fused_experts(**case, **kw, one_token=True)
+    out = fused_experts(**case, **kw, **{path: True})
     assert rel_err(out, fused_experts_ref(**case, **kw)) <= 1e-5
     assert rel_err(out, grouped_path) <= 1e-5
-    assert torch.equal(fused_experts(**case, **kw, one_token=True), out)
-
-
-@pytest.mark.parametrize("act", ["silu", "situ_lin"])
-@pytest.mark.parametrize("shared", [0, 1])
-@pytest.mark.parametrize("D,inter", [(40, 24), (64, 32), (24, 20)], ids=["odd", "even", "short"])
-def test_one_token_as_gemvs(monkeypatch, D: int, inter: int, shared: int, act: str) -> None:
-    """gemv (triton_gemv_experts.py, KernelConfig.moe_gemv, session 45): each program a few gate/up or down rows of
-    one slot's expert through rows_dot, then the grouped path's slot sum: the oracle's values with D and I not
-    multiples of the rows or the K step and a shared expert; bit-reproducible; the grouped GEMMs do not run."""
-    import k3rt.kernels.moe.triton_experts as te
-
-    gen = torch.Generator().manual_seed(700 + D + shared)
-    case = experts_case(gen, 1, E=8 + shared, k=4, D=D, inter=inter, dtype=torch.float32, experts=8)
-    kw = dict(act=ACTS[act], shared_experts=shared)
-    grouped_path = fused_experts(**case, **kw)
-
-    def no_grouped(*a, **k):
-        raise AssertionError("gemv ran the grouped GEMMs")
-    monkeypatch.setattr(te, "align_blocks", no_grouped)
-    out = fused_experts(**case, **kw, gemv=True)
-    assert rel_err(out, fused_experts_ref(**case, **kw)) <= 1e-5
-    assert rel_err(out, grouped_path) <= 1e-5
-    assert torch.equal(fused_experts(**case, **kw, gemv=True), out)
+    assert torch.equal(fused_experts(**case, **kw, **{path: True}), out)
 
 
 @pytest.mark.parametrize("rows", [(1, 1, 1, 1), (2, 4, 2, 4), (8, 16, 4, 8)])
@@ -610,40 +590,21 @@ def test_gpu_fused_experts_tile_candidates(T: int, tiles: ExpertTiles) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("path", ["one_token", "gemv"])
 @pytest.mark.parametrize("use_pdl", [False, True])
-def test_gpu_one_token_two_launches_48b(use_pdl: bool) -> None:
-    """one_token at the 48B shape (8 routed + 1 shared expert, SiTU), from a CUDA graph: the oracle's values and the
-    grouped path's to bf16 rounding."""
+def test_gpu_one_token_paths_48b(path: str, use_pdl: bool) -> None:
+    """The one-token paths (one_token: two launches; gemv, session 45: rows a program) at the 48B shape (8 routed + 1
+    shared expert, SiTU), from a CUDA graph replayed with new routing between: the oracle's values and the grouped
+    path's to bf16 rounding, bit-reproducible."""
     case = gpu_case(1, seed=17)
     E = case["w13"].shape[0]
     case = dict(case, topk_ids=case["topk_ids"].clamp(max=E - 2))  # the last expert is shared
     kw = dict(act=ACTS["situ_lin"], shared_experts=1)
     out = torch.empty(1, D48, dtype=torch.bfloat16, device="cuda")
-    fused_experts(**case, **kw, one_token=True, use_pdl=use_pdl, out=out)
+    fused_experts(**case, **kw, **{path: True}, use_pdl=use_pdl, out=out)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fused_experts(**case, **kw, one_token=True, use_pdl=use_pdl, out=out)
-    g.replay()
-    torch.cuda.synchronize()
-    assert rel_err(out, fused_experts_ref(**case, **kw)) <= 1e-2
-    assert rel_err(out, fused_experts(**case, **kw)) <= 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("use_pdl", [False, True])
-def test_gpu_gemv_experts_48b(use_pdl: bool) -> None:
-    """gemv (session 45) at the 48B shape (8 routed + 1 shared expert, SiTU), from a CUDA graph replayed twice with
-    new routing between: the oracle's values and the grouped path's to bf16 rounding, bit-reproducible."""
-    case = gpu_case(1, seed=19)
-    E = case["w13"].shape[0]
-    case = dict(case, topk_ids=case["topk_ids"].clamp(max=E - 2))  # the last expert is shared
-    kw = dict(act=ACTS["situ_lin"], shared_experts=1)
-    out = torch.empty(1, D48, dtype=torch.bfloat16, device="cuda")
-    fused_experts(**case, **kw, gemv=True, use_pdl=use_pdl, out=out)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fused_experts(**case, **kw, gemv=True, use_pdl=use_pdl, out=out)
+        fused_experts(**case, **kw, **{path: True}, use_pdl=use_pdl, out=out)
     gen = torch.Generator(device="cuda").manual_seed(23)
     for _ in range(2):
         w, ids = moe_route(torch.randn(1, E48, device="cuda", generator=gen), torch.zeros(E48, device="cuda"),
@@ -654,7 +615,7 @@ def test_gpu_gemv_experts_48b(use_pdl: bool) -> None:
         torch.cuda.synchronize()
         assert rel_err(out, fused_experts_ref(**case, **kw)) <= 1e-2
         assert rel_err(out, fused_experts(**case, **kw)) <= 1e-2
-        assert torch.equal(out, fused_experts(**case, **kw, gemv=True))
+        assert torch.equal(out, fused_experts(**case, **kw, **{path: True}))
 
 
 @pytest.mark.gpu
