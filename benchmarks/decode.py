@@ -86,6 +86,9 @@ VARIANTS = {"control": {}, "pdl": dict(use_pdl=True), "cublas_gemv": dict(skinny
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="kimi-linear-48b", help="preset name or checkpoint folder (config only)")
+    p.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="keep the preset's first N layers (its KDA and full-attention layer lists cut to them): the "
+                        "48B's per-layer behaviour on a GPU its 27 layers do not fit (12 layers: ~42 GB, an H100)")
     p.add_argument("--batch", type=int, nargs="*", default=[1, 16, 64])
     p.add_argument("--context", type=int, default=4096, help="tokens already in each sequence's cache")
     p.add_argument("--prefill", type=int, nargs="*", default=[8192, 32768])
@@ -169,7 +172,13 @@ def config() -> ModelConfig:
         from k3rt.backend.models.tiny import TINY_CONFIGS
 
         return parse_model_config(TINY_CONFIGS["k3"])
-    return load_model_config(ARGS.model)
+    if ARGS.layers is None:
+        return load_model_config(ARGS.model)
+    from k3rt.presets import PRESETS, cut_layers
+
+    if ARGS.model not in PRESETS:
+        raise SystemExit(f"--layers cuts a preset ({', '.join(PRESETS)}), not {ARGS.model!r}")
+    return parse_model_config(cut_layers(PRESETS[ARGS.model], ARGS.layers))
 
 
 def step_bytes(model, cfg: ModelConfig, B: int, ctx: int, layout) -> dict:

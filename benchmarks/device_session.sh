@@ -94,6 +94,13 @@
 #                       layers against the eager chain without PDL, bit for bit; the runner's step with
 #                       kda_decode_pdl), then the N = 1 decode sweep (kernels.py --decode-sweep: PDL with the wait
 #                       first and last, the probes; issue 18's 4 us)
+#   gemv-forms (400)    benchmarks/decode.py at the 48B shape, batch 1 (session 45's switches, built and timed on the
+#                       H100 only): the unrolled one-row GEMVs by shape (gemv_unrolled), also for the projections
+#                       past 4,096 outputs and the LM head (gemv_unrolled_wide), one token's experts as GEMVs
+#                       (moe_gemv), both, the GEMVs' PDL prefetch into the L2 (gemv_prefetch_pdl), kda_decode_pdl;
+#                       then --graph-timeline: why a variant's graph is slower (needs the H200)
+#   gemv-forms-h100 (300) the same at the 48B's first 12 layers (decode.py --layers 12: 9 KDA + 3 MLA, ~42 GB of
+#                       weights), for an H100
 #   moe (200)           benchmarks/kernels_moe.py: decode T=1/64, prefill 2K/8K/32K (every tile candidate, the
 #                       grouped tiles among them; the alignment alone in both multi-chunk forms), route
 #   linear (100)        benchmarks/kernels_linear.py
@@ -158,7 +165,7 @@ for stage in "$@"; do
     spec-tests|spec-verify|dspark-pass|spec-bench|spec-gate|spec-rounds|jit-churn|tp-tests|tp|tp-symm|k3-slice) ;;
     profile|kda-probe|tiny-linear|spec-round|prep|kda-blocks|k3-launches|kda-warps|spec-b1) ;;
     kda-multi|kda-fused-gc|kda-forms-48b|bf16-paths|spec-b16|kda-phases|kda-default|kda-decode-probe|kda-decode) ;;
-    moe-layer|kda-layer|mla-gluon|decode-mla|kda-pdl|bw-probe) ;;
+    moe-layer|kda-layer|mla-gluon|decode-mla|kda-pdl|bw-probe|gemv-forms|gemv-forms-h100) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -305,6 +312,12 @@ for stage in "$@"; do
         layers_one_token \
         --budget-s 220 \
         --out "$OUT/decode_mla.json" ;;
+    gemv-forms|gemv-forms-h100)
+      run "$stage" "$([ "$stage" = gemv-forms ] && echo 400 || echo 300)" python3 benchmarks/decode.py --batch 1 \
+        $([ "$stage" = gemv-forms-h100 ] && echo --layers 12) --prefill --variants control gemv_unrolled \
+        gemv_unrolled_wide moe_gemv moe_gemv_unrolled_wide gemv_prefetch_pdl kda_decode_pdl \
+        --graph-timeline 1 --graph-timeline-variants moe_gemv_unrolled_wide kda_decode_pdl \
+        --budget-s "$([ "$stage" = gemv-forms ] && echo 370 || echo 270)" --out "$OUT/$stage.json" ;;
     moe)
       run moe 200 python3 benchmarks/kernels_moe.py --decode-t 1 64 --prefill-t 2048 8192 32768 --budget-s 180 \
         --out "$OUT/moe.json" ;;

@@ -72,3 +72,20 @@ KIMI_K3_SLICE: dict[str, Any] = {
 }
 
 PRESETS: dict[str, dict[str, Any]] = {"kimi-linear-48b": KIMI_LINEAR_48B, "kimi-k3-slice": KIMI_K3_SLICE}
+
+
+def cut_layers(raw: dict[str, Any], n: int) -> dict[str, Any]:
+    """A copy of config dict `raw` with only its first n layers: num_hidden_layers, and the linear-attention config's
+    1-based KDA and full-attention layer lists cut to them (benchmarks/decode.py --layers: the 48B's per-layer
+    behaviour on a GPU its 27 layers do not fit)."""
+    import copy
+
+    if not 1 <= n <= raw["num_hidden_layers"]:
+        raise ValueError(f"layers: 1 to {raw['num_hidden_layers']}, got {n}")
+    out = copy.deepcopy(raw)
+    out["num_hidden_layers"] = n
+    lac = out.get("linear_attn_config")
+    if lac:
+        for key in ("kda_layers", "full_attn_layers"):
+            lac[key] = [i for i in lac[key] if i <= n]
+    return out
