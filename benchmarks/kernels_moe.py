@@ -173,7 +173,8 @@ def decode(T: int, w13, w2, bw_GBps: float) -> None:
         for rows in GEMV_ROWS if not ARGS.smoke else GEMV_ROWS[:1]:
             rec = item("decode", f"T=1 gemv rows {rows}", gemv_item(rows))
             if "us" in rec:
-                log(f"decode T=1 gemv {rows}: {rec['us']:.1f} us ({rec['pct_of_floor']:.0f}%), err {rec['rel_err_vs_grouped']:.1e}")
+                log(f"decode T=1 gemv {rows}: {rec['us']:.1f} us ({rec['pct_of_floor']:.0f}%), "
+                    f"err {rec['rel_err_vs_grouped']:.1e}")
     bm = pick_tiles(T * SHAPE["k"], SHAPE["E"]).block_m
     for split in (True, False):  # the single chunk over several programs (the default) or in one
         item("decode", f"T={T} align only" + ("" if split else " (one program)"), lambda split=split: {

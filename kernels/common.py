@@ -72,6 +72,10 @@ def pdl_kwargs(use_pdl: bool) -> dict:
     return {"launch_pdl": True} if use_pdl and not INTERPRET else {}
 
 
+# whether fence_cta may be emitted: it is inline PTX, not for the interpreter
+CTA_FENCE = tl.constexpr(not INTERPRET)
+
+
 @triton.jit
 def fence_cta(x):
     """A CTA-scope fence (`fence.acq_rel.cta`, SASS MEMBAR.ALL.CTA), returning x: no load moves past it, so the loads

@@ -40,6 +40,7 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from k3rt.kernels.common import INTERPRET, check, pdl_kwargs, poison_like, set_poison  # noqa: F401  (re-exported)
+from k3rt.kernels.common import CTA_FENCE as _FENCE
 from k3rt.kernels.common import fence_cta as _fence_cta
 from k3rt.kernels.kda.triton_step import (
     _conv_hist,
@@ -76,8 +77,6 @@ _NARROW_TILE_PROGRAMS = 512
 # same process (session 39): N = 1 (256 programs) 5.20 -> 4.77 us, N = 2 6.25 -> 6.18; N = 8 (1,024) 12.9 -> 13.0 and
 # with the norm 13.5 -> 14.1, N = 16 24.3 -> 24.9
 _PIN_PROGRAMS = 256
-# the CTA fence is inline PTX: not for the interpreter
-_FENCE = tl.constexpr(not INTERPRET)
 
 
 def _slots_contiguous(t: Tensor) -> bool:

@@ -21,7 +21,7 @@ _TRITON_EXPORTS = {
     "pick_unrolled": "k3rt.kernels.linear.triton_gemv",
 }
 
-__all__ = ["GemvTiles", "MAX_ROWS", "PREFETCH_FORMS", "UNROLLED_ROWS", "prefer_skinny", "pick_unrolled", "skinny_linear", "skinny_linear_ref",
-           "unrolled_tiles"]
+__all__ = ["GemvTiles", "MAX_ROWS", "PREFETCH_FORMS", "UNROLLED_ROWS", "pick_unrolled", "prefer_skinny", "skinny_linear",
+           "skinny_linear_ref", "unrolled_tiles"]
 
 __getattr__ = lazy_exports(__name__, _TRITON_EXPORTS)

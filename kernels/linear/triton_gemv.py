@@ -22,11 +22,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from k3rt.kernels.common import INTERPRET, check, check_same_device, fence_cta, pdl_kwargs, poison_like
+from k3rt.kernels.common import CTA_FENCE, INTERPRET, check, check_same_device, fence_cta, pdl_kwargs, poison_like
 from k3rt.kernels.linear import PREFETCH_FORMS, UNROLLED_ROWS
-
-# the CTA fence is inline PTX: not for the interpreter
-_FENCE = tl.constexpr(not INTERPRET)
 
 MAX_ROWS = 16
 # the [BLOCK_M, BLOCK_N, BLOCK_K] fp32 partial products a program keeps in registers: BLOCK_K shrinks to keep
@@ -149,24 +146,37 @@ def _gemv_rows_kernel(x_ptr, w_ptr, stride_wn, y_ptr, N, K: tl.constexpr, ROWS: 
         gdc_launch_dependents()
     if L2_LINES > 0:
         _prefetch_rows_l2(w_ptr, tl.program_id(0) * ROWS, N, stride_wn, K, L2_LINES, ROWS)
-        if _FENCE:
-            fence_cta(tl.program_id(0))
-    if USE_PDL:
-        gdc_wait()
+    _wait_after_prefetch(tl.program_id(0), L2_LINES > 0, USE_PDL)
     n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     y = rows_dot(w_ptr, n.to(tl.int64), n < N, x_ptr, stride_wn, K, BLOCK_K)
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n < N)
 
 
-# not specialized per step (kernels/common.py, Compiles): M: the step's rows (BLOCK_M keeps one compile per power of
-# two)
+@triton.jit
+def _wait_after_prefetch(pid, PREFETCHED: tl.constexpr, USE_PDL: tl.constexpr):
+    """The PDL wait (USE_PDL), after a CTA fence where loads or prefetches were issued before it (PREFETCHED): the
+    fence keeps ptxas from sinking them past the wait."""
+    if PREFETCHED and CTA_FENCE:
+        fence_cta(pid)
+    if USE_PDL:
+        gdc_wait()
+
+
+@triton.jit
+def _row_tile(ptrs, row_ok, k_ok, EVEN_K: tl.constexpr):
+    """A [rows, BLOCK_K] tile at ptrs: rows past row_ok and (unless EVEN_K) columns past k_ok read as 0."""
+    if EVEN_K:
+        return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    return tl.load(ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+
+
 @triton.jit
 def _prefetch_rows_l2(w_ptr, row0, N, stride_wn, K, LINES: tl.constexpr, BLOCK_N: tl.constexpr):
     """Ask every 128-byte line of weight rows [row0, row0 + BLOCK_N) (K elements each, rows past N skipped) into the
     L2 (`prefetch.global.L2`: no register held, nothing waited for), LINES (a power of two, at least the rows' line
     count) spread over the program's threads; the spare ones ask for row0's first line again. Inline PTX: nothing
     under the interpreter."""
-    if _FENCE:
+    if CTA_FENCE:
         PER_LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth
         idx = tl.arange(0, LINES)
         row = row0 + idx % BLOCK_N
@@ -177,6 +187,8 @@ def _prefetch_rows_l2(w_ptr, row0, N, stride_wn, K, LINES: tl.constexpr, BLOCK_N
                                   is_pure=False, pack=1)
 
 
+# not specialized per step (kernels/common.py, Compiles): M: the step's rows (BLOCK_M keeps one compile per power of
+# two)
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr, stride_xm,
@@ -214,40 +226,22 @@ def _gemv_kernel(
         # "l2": every 128-byte line of this program's BLOCK_N weight rows asked into the L2 (`prefetch.global.L2`,
         # no register held), before the wait; the loop below then reads them from there
         _prefetch_rows_l2(w_ptr, pid * BLOCK_N, N, stride_wn, K, L2_LINES, BLOCK_N)
-        if _FENCE:
-            fence_cta(pid)
-        if USE_PDL:
-            gdc_wait()
     elif PREFETCH == 1:
-        # The weight does not depend on the kernel before us: its first tile loads before the PDL wait, in that
-        # kernel's shadow (the fence keeps ptxas from sinking the load past the wait), then the first step runs on
-        # it after the wait. Not with ROW_RMS (skinny_linear refuses the pair).
-        if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-        else:
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
-        if _FENCE:
-            fence_cta(pid)
-        if USE_PDL:
-            gdc_wait()
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-        else:
-            x = tl.load(x_ptrs, mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        # "tile": the weight does not depend on the kernel before us, so its first tile loads before the PDL wait, in
+        # that kernel's shadow, and the first step runs on it after the wait. Not with ROW_RMS (skinny_linear
+        # refuses the pair).
+        w = _row_tile(w_ptrs, n_ok, offs_k < K, EVEN_K)
+    _wait_after_prefetch(pid, PREFETCH > 0, USE_PDL)
+    if PREFETCH == 1:
+        x = _row_tile(x_ptrs, m_ok, offs_k < K, EVEN_K)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         k_first = BLOCK_K
-    elif USE_PDL:
-        gdc_wait()
     for k0 in range(k_first, K, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-        else:
-            k_ok = k0 + offs_k < K
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        k_ok = k0 + offs_k < K
+        w = _row_tile(w_ptrs, n_ok, k_ok, EVEN_K)
+        x = _row_tile(x_ptrs, m_ok, k_ok, EVEN_K)
         xf = x.to(tl.float32)
         if ROW_RMS:
             # the block's BLOCK_K // GS groups, each scaled by its rsqrt(mean of squares + eps) (EVEN_K here)

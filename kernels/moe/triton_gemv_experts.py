@@ -26,7 +26,7 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from k3rt.kernels.common import INTERPRET, pdl_kwargs, poison_like
-from k3rt.kernels.linear.triton_gemv import rows_dot
+from k3rt.kernels.linear.triton_gemv import rows_dot, rows_dot_step
 from k3rt.kernels.moe.triton_experts import _act_mul
 
 # weight rows a program: gate/up columns of I (2x that many rows, gate and up interleaved) and D rows of the down
@@ -80,14 +80,6 @@ def _gemv_down_kernel(h_ptr, w2_ptr, ids_ptr, topk_w_ptr, y_ptr, D, E_ROUTED, I:
     tl.store(y_ptr + slot.to(tl.int64) * D + offs, y.to(y_ptr.dtype.element_ty), mask=offs < D)
 
 
-def _step(t: Tensor, k: int) -> int:
-    """rows_dot's K step: one 16-byte load a lane (bf16: 256 columns), no wider than K needs; 16 on the
-    interpreter."""
-    if INTERPRET:
-        return 16
-    return min(32 * 16 // t.element_size(), max(16, triton.next_power_of_2(k)))
-
-
 def gemv_expert_outputs(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, *, situ: bool,
                         beta: float, lin_beta: float | None, shared_experts: int, use_pdl: bool,
                         rows: tuple[int, int, int, int] | None = None) -> Tensor:
@@ -104,11 +96,11 @@ def gemv_expert_outputs(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor
     pdl = use_pdl and not INTERPRET
     _gemv_gate_up_kernel[((k + S) * triton.cdiv(I, r1),)](
         x, w13, topk_ids, h, I, float(beta), float(lin_beta or 1.0), E - S, D=D, TOPK=k, ROWS=r1,
-        BLOCK_K=_step(w13, D), SITU=situ, LIN_SAT=situ and lin_beta is not None, USE_PDL=pdl, num_warps=nw1,
+        BLOCK_K=rows_dot_step(w13, D), SITU=situ, LIN_SAT=situ and lin_beta is not None, USE_PDL=pdl, num_warps=nw1,
         num_stages=1, **pdl_kwargs(use_pdl),
     )
     _gemv_down_kernel[((k + S) * triton.cdiv(D, r2),)](
-        h, w2, topk_ids, topk_weights, y, D, E - S, I=I, TOPK=k, ROWS=r2, BLOCK_K=_step(w2, I), USE_PDL=pdl,
+        h, w2, topk_ids, topk_weights, y, D, E - S, I=I, TOPK=k, ROWS=r2, BLOCK_K=rows_dot_step(w2, I), USE_PDL=pdl,
         num_warps=nw2, num_stages=1, **pdl_kwargs(use_pdl),
     )
     return y
