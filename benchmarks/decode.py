@@ -80,7 +80,10 @@ VARIANTS = {"control": {}, "pdl": dict(use_pdl=True), "cublas_gemv": dict(skinny
                                                     use_pdl=True),
             # session 45: batch 1's experts as GEMVs of a few rows a program (kernels/moe/triton_gemv_experts.py)
             "moe_gemv": dict(moe_gemv=True),
-            "moe_gemv_unrolled_wide": dict(moe_gemv=True, gemv_unrolled=True, gemv_wide=True)}
+            "moe_gemv_unrolled_wide": dict(moe_gemv=True, gemv_unrolled=True, gemv_wide=True),
+            # session 46: all of session 45's forms together, every kernel with PDL and the GEMVs' L2 prefetch
+            "moe_gemv_unrolled_wide_prefetch_pdl": dict(moe_gemv=True, gemv_unrolled=True, gemv_wide=True,
+                                                        gemv_prefetch="l2", use_pdl=True)}
 
 
 def _args() -> argparse.Namespace:

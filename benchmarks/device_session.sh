@@ -315,7 +315,8 @@ for stage in "$@"; do
     gemv-forms|gemv-forms-h100)
       run "$stage" "$([ "$stage" = gemv-forms ] && echo 400 || echo 300)" python3 benchmarks/decode.py --batch 1 \
         $([ "$stage" = gemv-forms-h100 ] && echo --layers 12) --prefill --variants control gemv_unrolled \
-        gemv_unrolled_wide moe_gemv moe_gemv_unrolled_wide gemv_prefetch_pdl kda_decode_pdl \
+        gemv_unrolled_wide moe_gemv moe_gemv_unrolled_wide gemv_prefetch_pdl moe_gemv_unrolled_wide_prefetch_pdl \
+        kda_decode_pdl \
         --graph-timeline 1 --graph-timeline-variants moe_gemv_unrolled_wide kda_decode_pdl \
         --budget-s "$([ "$stage" = gemv-forms ] && echo 370 || echo 270)" --out "$OUT/$stage.json" ;;
     moe)
