@@ -94,6 +94,9 @@
 #                       layers against the eager chain without PDL, bit for bit; the runner's step with
 #                       kda_decode_pdl), then the N = 1 decode sweep (kernels.py --decode-sweep: PDL with the wait
 #                       first and last, the probes; issue 18's 4 us)
+#   bw-kda (220)        bandwidth_probe.py at N = 16 / 64 only (and 1x32K): every --kda-tilings row, the value-major
+#                       tilings among them (session 45): does a contiguous-column program pass the decode tiles' 77 %?
+#   gemv-tests (240)    the GPU tests of session 45's GEMV forms (linear, the MoE GEMV, the runner's step with them)
 #   gemv-forms (400)    benchmarks/decode.py at the 48B shape, batch 1 (session 45's switches, built and timed on the
 #                       H100 only): the unrolled one-row GEMVs by shape (gemv_unrolled), also for the projections
 #                       past 4,096 outputs and the LM head (gemv_unrolled_wide), one token's experts as GEMVs
@@ -165,7 +168,7 @@ for stage in "$@"; do
     spec-tests|spec-verify|dspark-pass|spec-bench|spec-gate|spec-rounds|jit-churn|tp-tests|tp|tp-symm|k3-slice) ;;
     profile|kda-probe|tiny-linear|spec-round|prep|kda-blocks|k3-launches|kda-warps|spec-b1) ;;
     kda-multi|kda-fused-gc|kda-forms-48b|bf16-paths|spec-b16|kda-phases|kda-default|kda-decode-probe|kda-decode) ;;
-    moe-layer|kda-layer|mla-gluon|decode-mla|kda-pdl|bw-probe|gemv-forms|gemv-forms-h100) ;;
+    moe-layer|kda-layer|mla-gluon|decode-mla|kda-pdl|bw-probe|bw-kda|gemv-tests|gemv-forms|gemv-forms-h100) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -258,6 +261,12 @@ for stage in "$@"; do
         tests/kernels/test_kda_triton.py -k "chunk_kimi_shape or out_chunk or norms_in_l or per_phase" ;;
     bw-probe)
       run bw-probe 150 python3 benchmarks/bandwidth_probe.py --budget-s 140 --out "$OUT/bandwidth_probe.json" ;;
+    bw-kda)
+      run bw-kda 220 python3 benchmarks/bandwidth_probe.py --kda-n 16 64 --mla 1x32768 --budget-s 210 \
+        --out "$OUT/bandwidth_probe_kda.json" ;;
+    gemv-tests)
+      gpu_pytest gemv-tests 240 tests/backend/test_gpu_runner.py tests/kernels/test_moe_triton.py \
+        tests/kernels/test_linear_triton.py -k "one_row_gemv or one_token_paths or prefetch or unrolled or gemv" ;;
     kda-pdl)
       gpu_pytest kda-pdl 120 tests/kernels/test_kda_triton.py tests/kernels/test_linear_triton.py \
         tests/backend/test_gpu_runner.py -k "pdl or trigger"
