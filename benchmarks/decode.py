@@ -68,22 +68,15 @@ VARIANTS = {"control": {}, "pdl": dict(use_pdl=True), "cublas_gemv": dict(skinny
             # ... and the gates' up-projection before it in the skinny GEMV, triggering the decode at once
             "kda_decode_pdl_trigger": dict(kda_decode_pdl=True, kda_decode_pdl_trigger=True),
             # session 45: the skinny GEMVs with PDL, their weight rows asked into the L2 ("l2") or their first K
-            # step loaded ("tile") before the wait; alone (the kernels before them trigger as they end), and with
-            # every kernel's PDL (they trigger early)
+            # step loaded ("tile": the looped launches only, o_proj's K = 4096 among them) before the wait; alone (the
+            # kernels before them trigger as they end), and with every kernel's PDL (they trigger early)
             "gemv_prefetch": dict(gemv_prefetch="l2"), "gemv_prefetch_tile": dict(gemv_prefetch="tile"),
             "gemv_prefetch_pdl": dict(gemv_prefetch="l2", use_pdl=True),
-            # session 45: the one-row GEMVs in the unrolled form where it led on the H100 (pick_unrolled), and the
-            # wide projections (KDA/MLA input, LM head) through it too instead of cuBLAS
-            "gemv_unrolled": dict(gemv_unrolled=True),
-            "gemv_unrolled_wide": dict(gemv_unrolled=True, gemv_wide=True),
-            "gemv_unrolled_wide_prefetch_pdl": dict(gemv_unrolled=True, gemv_wide=True, gemv_prefetch="l2",
-                                                    use_pdl=True),
-            # session 45: batch 1's experts as GEMVs of a few rows a program (kernels/moe/triton_gemv_experts.py)
-            "moe_gemv": dict(moe_gemv=True),
-            "moe_gemv_unrolled_wide": dict(moe_gemv=True, gemv_unrolled=True, gemv_wide=True),
-            # session 46: all of session 45's forms together, every kernel with PDL and the GEMVs' L2 prefetch
-            "moe_gemv_unrolled_wide_prefetch_pdl": dict(moe_gemv=True, gemv_unrolled=True, gemv_wide=True,
-                                                        gemv_prefetch="l2", use_pdl=True)}
+            # session 45's one-row forms, the default since session 46, off: the wide projections (KDA/MLA input, LM
+            # head) back on cuBLAS; the one-row GEMVs in the looped form (and so no wide GEMV); one token's experts
+            # through the grouped MMA tiles; all of them (the default before session 46)
+            "no_gemv_wide": dict(gemv_wide=False), "no_gemv_unrolled": dict(gemv_unrolled=False),
+            "no_moe_gemv": dict(moe_gemv=False), "no_gemv_forms": dict(gemv_unrolled=False, moe_gemv=False)}
 
 
 def _args() -> argparse.Namespace:

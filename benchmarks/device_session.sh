@@ -97,11 +97,11 @@
 #   bw-kda (220)        bandwidth_probe.py at N = 16 / 64 only (and 1x32K): every --kda-tilings row, the value-major
 #                       tilings among them (session 45): does a contiguous-column program pass the decode tiles' 77 %?
 #   gemv-tests (240)    the GPU tests of session 45's GEMV forms (linear, the MoE GEMV, the runner's step with them)
-#   gemv-forms (400)    benchmarks/decode.py at the 48B shape, batch 1 (session 45's switches, built and timed on the
-#                       H100 only): the unrolled one-row GEMVs by shape (gemv_unrolled), also for the projections
-#                       past 4,096 outputs and the LM head (gemv_unrolled_wide), one token's experts as GEMVs
-#                       (moe_gemv), both, the GEMVs' PDL prefetch into the L2 (gemv_prefetch_pdl), kda_decode_pdl;
-#                       then --graph-timeline: why a variant's graph is slower (needs the H200)
+#   gemv-forms (400)    benchmarks/decode.py at the 48B shape, batch 1: session 45's one-row forms (the default since
+#                       session 46, on the H100's 12-layer evidence) each off against the default: the wide projections
+#                       on cuBLAS (no_gemv_wide), the looped GEMVs (no_gemv_unrolled), the grouped experts
+#                       (no_moe_gemv), all (no_gemv_forms); the GEMVs' PDL prefetch into the L2 (gemv_prefetch_pdl),
+#                       kda_decode_pdl; then --graph-timeline of no_gemv_forms and kda_decode_pdl
 #   gemv-forms-h100 (300) the same at the 48B's first 12 layers (decode.py --layers 12: 9 KDA + 3 MLA, ~42 GB of
 #                       weights), for an H100
 #   moe (200)           benchmarks/kernels_moe.py: decode T=1/64, prefill 2K/8K/32K (every tile candidate, the
@@ -323,10 +323,9 @@ for stage in "$@"; do
         --out "$OUT/decode_mla.json" ;;
     gemv-forms|gemv-forms-h100)
       run "$stage" "$([ "$stage" = gemv-forms ] && echo 400 || echo 300)" python3 benchmarks/decode.py --batch 1 \
-        $([ "$stage" = gemv-forms-h100 ] && echo --layers 12) --prefill --variants control gemv_unrolled \
-        gemv_unrolled_wide moe_gemv moe_gemv_unrolled_wide gemv_prefetch_pdl moe_gemv_unrolled_wide_prefetch_pdl \
-        kda_decode_pdl \
-        --graph-timeline 1 --graph-timeline-variants moe_gemv_unrolled_wide kda_decode_pdl \
+        $([ "$stage" = gemv-forms-h100 ] && echo --layers 12) --prefill --variants control no_gemv_wide \
+        no_gemv_unrolled no_moe_gemv no_gemv_forms gemv_prefetch_pdl kda_decode_pdl \
+        --graph-timeline 1 --graph-timeline-variants no_gemv_forms kda_decode_pdl \
         --budget-s "$([ "$stage" = gemv-forms ] && echo 370 || echo 270)" --out "$OUT/$stage.json" ;;
     moe)
       run moe 200 python3 benchmarks/kernels_moe.py --decode-t 1 64 --prefill-t 2048 8192 32768 --budget-s 180 \

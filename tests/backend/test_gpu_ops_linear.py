@@ -1,6 +1,6 @@
 """backend/runner/gpu/ops.linear's one-row GEMV switches (session 45): KernelConfig.gemv_prefetch launches every
 skinny GEMV with PDL and the prefetch form asked, KernelConfig.gemv_unrolled the unrolled form at that many rows a
-program; both checked as the config is built. CPU: the interpreter, fp16 (the skinny kernel's 16-bit path)."""
+program (the default since session 46, with gemv_wide); both checked as the config is built. CPU: the interpreter, fp16 (the skinny kernel's 16-bit path)."""
 from __future__ import annotations
 
 import pytest
@@ -42,9 +42,9 @@ def test_linear_passes_the_prefetch_form(fields: dict, want: dict, monkeypatch) 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(1, 96, generator=g).half()
     w = (torch.randn(40, 96, generator=g) * 0.1).half()
-    y = linear(x, w, KernelConfig(**fields))
+    y = linear(x, w, KernelConfig(gemv_unrolled=False, **fields))  # the looped form: "tile" is its prefetch
     assert len(seen) == 1 and {k: seen[0][k] for k in want} == want and ("prefetch" in seen[0]) == bool(want)
-    assert torch.equal(y, linear(x, w, KernelConfig()))  # the same bits as the plain launch
+    assert torch.equal(y, linear(x, w, KernelConfig(gemv_unrolled=False)))  # the same bits as the plain launch
 
 
 @pytest.mark.parametrize("K,rows", [(96, 4), (600, 1), (3100, None)])
@@ -66,16 +66,17 @@ def test_linear_takes_the_unrolled_form_by_shape(K: int, rows: int | None, monke
 
 
 def test_wide_outputs_take_the_gemv_only_with_gemv_wide(monkeypatch) -> None:
-    """One row onto 4,100 outputs (past prefer_skinny's 4,096): cuBLAS by default, the unrolled GEMV with
-    gemv_wide."""
+    """One row onto 4,100 outputs (past prefer_skinny's 4,096): cuBLAS without gemv_wide, and without gemv_unrolled
+    whatever gemv_wide says (the looped tiles lose to cuBLAS there); the unrolled GEMV by default (both on)."""
     from k3rt.kernels.linear import unrolled_tiles
 
     seen = _spy(monkeypatch)
     x = torch.randn(1, 64).half()
     w = (torch.randn(4100, 64) * 0.1).half()
-    linear(x, w, KernelConfig(gemv_unrolled=True))
+    linear(x, w, KernelConfig(gemv_wide=False))
+    linear(x, w, KernelConfig(gemv_unrolled=False))
     assert not seen
-    y = linear(x, w, KernelConfig(gemv_unrolled=True, gemv_wide=True))
+    y = linear(x, w, KernelConfig())
     assert len(seen) == 1 and seen[0]["tiles"] == unrolled_tiles(4)
     ref = skinny_linear_ref(x, w, torch.float32)
     assert (y.float() - ref).abs().max() <= 2e-3 * ref.abs().max()
@@ -95,5 +96,4 @@ def test_unrolled_takes_the_l2_prefetch_not_the_tile(form: str, want: dict, monk
 def test_the_switches_are_checked_as_the_config_is_built() -> None:
     with pytest.raises(ValueError, match="gemv_prefetch: must be one of"):
         KernelConfig(gemv_prefetch="dram")
-    with pytest.raises(ValueError, match="gemv_wide: .* need gemv_unrolled"):
-        KernelConfig(gemv_wide=True)
+    assert KernelConfig().gemv_unrolled and KernelConfig().gemv_wide and KernelConfig().moe_gemv

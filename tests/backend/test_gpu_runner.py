@@ -805,24 +805,28 @@ def test_gpu_gemv_pdl_prefetch_gives_the_same_step(form: str, pdl: bool, tmp_pat
     from tests.backend.test_gpu_ops_linear import _spy
 
     seen = _spy(monkeypatch)
+    # "tile" is the looped form's prefetch (the unrolled form, the default, takes "l2" only)
+    looped = dict(gemv_unrolled=False) if form == "tile" else {}
     runner, step, _ = _k3_decode_forward_counted(tmp_path / "a", arch="kimi_linear", bf16_on_cuda=True,
-                                                 gemv_prefetch=form, use_pdl=pdl)
+                                                 gemv_prefetch=form, use_pdl=pdl, **looped)
     assert seen and all(kw.get("use_pdl") and kw.get("prefetch") == form for kw in seen), seen
     plain_runner, plain_step, _ = _k3_decode_forward_counted(tmp_path / "b", arch="kimi_linear", bf16_on_cuda=True,
-                                                             use_pdl=pdl)
+                                                             use_pdl=pdl, **looped)
     _gpu_steps_agree(runner, step, plain_runner, plain_step, exact=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("fields", [dict(gemv_unrolled=True), dict(gemv_unrolled=True, gemv_wide=True),
-                                    dict(moe_gemv=True)], ids=["unrolled", "unrolled_wide", "moe_gemv"])
-def test_gpu_one_row_gemv_forms_give_the_step(fields: dict, tmp_path) -> None:
-    """Session 45's one-row forms in a bf16 decode step (the unrolled GEMVs by shape, also for the wide projections
-    and the LM head; one token's experts as GEMVs): the logits and KDA states of the default step within bf16
-    rounding (their fp32 sums run in another order)."""
-    runner, step, _ = _k3_decode_forward_counted(tmp_path / "a", arch="kimi_linear", bf16_on_cuda=True, **fields)
-    plain_runner, plain_step, _ = _k3_decode_forward_counted(tmp_path / "b", arch="kimi_linear", bf16_on_cuda=True)
+@pytest.mark.parametrize("off", [dict(gemv_wide=False), dict(gemv_unrolled=False), dict(moe_gemv=False),
+                                 dict(gemv_unrolled=False, moe_gemv=False)],
+                         ids=["no_wide", "no_unrolled", "no_moe_gemv", "none"])
+def test_gpu_one_row_gemv_forms_give_the_step(off: dict, tmp_path) -> None:
+    """Session 45's one-row forms, the default since session 46 (the unrolled GEMVs by shape, also for the wide
+    projections and the LM head; one token's experts as GEMVs), in a bf16 decode step: the logits and KDA states of
+    the step with some or all of them off within bf16 rounding (their fp32 sums run in another order)."""
+    runner, step, _ = _k3_decode_forward_counted(tmp_path / "a", arch="kimi_linear", bf16_on_cuda=True)
+    plain_runner, plain_step, _ = _k3_decode_forward_counted(tmp_path / "b", arch="kimi_linear", bf16_on_cuda=True,
+                                                             **off)
     _gpu_steps_agree(runner, step, plain_runner, plain_step, exact=False, times=1, state_tol=5e-2)
 
 

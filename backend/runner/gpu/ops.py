@@ -117,9 +117,11 @@ class KernelConfig:
     # one token's MoE (batch-1 decode) as GEMVs of a few weight rows a program (kernels/moe/triton_gemv_experts.py:
     # 2,304 gate/up and 2,592 down programs at the 48B shape, each walking its rows' whole K in one basic block,
     # against the grouped path's 288 / 324 16-row MMA tiles, 2.2 / 2.5 an SM on 132 SMs: session 29 measured that path
-    # at 72 % of copy at T = 1, 97-100 % from 16 tokens). The same slot sum after. Off until timed on the H200
-    # (decode.py variant moe_gemv; kernels_moe.py --decode-t 1)
-    moe_gemv: bool = False
+    # at 72 % of copy at T = 1, 97-100 % from 16 tokens). The same slot sum after. The default since session 46: H100,
+    # 46.6 against 50.0 us a 48B layer (kernels_moe.py --decode-t 1), and the 48B's first 12 layers' batch-1 graph
+    # 1.534 against 1.581 ms (decode.py --layers 12, variant no_moe_gemv; with gemv_unrolled/gemv_wide 1.463). Not
+    # yet timed in the whole 48B step on the H200 (device stage gemv-forms)
+    moe_gemv: bool = True
     # one token's whole MoE layer in one persistent launch (kernels/moe/triton_layer.py moe_layer_one_token: the
     # router GEMV, the top-k, gate/up, down, the sum and the residual add + next norm, the programs ordered by arrival
     # counters instead of five launch boundaries): batch-1 decode of a plain MoE at TP 1 (the 48B's 26 layers, ~47 us
@@ -201,12 +203,14 @@ class KernelConfig:
     # one-row skinny GEMVs in the unrolled form where it led on the H100 (kernels/linear pick_unrolled: `rows_dot`,
     # every K step's loads in one basic block, a warp a row; the looped form's K steps each wait for their loads,
     # sm_90 SASS, session 45): K <= 3072 one row a program (KDA input 21.8 us against cuBLAS 24.7), K <= 512 four;
-    # past that pick_tiles' looped tiles. Off until timed in the 48B step on the H200 (decode.py gemv_unrolled)
-    gemv_unrolled: bool = False
-    # with gemv_unrolled, one-row projections wider than 4096 outputs (KDA and MLA input, dense gate/up, the LM head,
-    # the gates' block-diagonal up-projection) through the skinny GEMV too instead of cuBLAS (prefer_skinny's wide
-    # rule; H100: 0.8-0.9x cuBLAS's time). Off until timed (decode.py gemv_unrolled_wide)
-    gemv_wide: bool = False
+    # past that pick_tiles' looped tiles. The default since session 46, with gemv_wide: the 48B's first 12 layers'
+    # batch-1 graph on the H100 (decode.py --layers 12) 1.515 ms with both against 1.581 without, 1.577 with this
+    # alone; with moe_gemv 1.461-1.463 against 1.581-1.585 (two runs). Not yet timed in the whole 48B step on the H200
+    gemv_unrolled: bool = True
+    # gemv_unrolled's one-row projections wider than 4096 outputs (KDA and MLA input, dense gate/up, the LM head, the
+    # gates' block-diagonal up-projection) through the skinny GEMV too instead of cuBLAS (prefer_skinny's wide rule;
+    # H100: 0.8-0.9x cuBLAS's time). No effect without gemv_unrolled (the looped tiles lose to cuBLAS there)
+    gemv_wide: bool = True
     # a few tokens' MoE pairs as blocks of one row, no alignment launch, while their experts' weights (read once per
     # pair) stay within this many bytes (kernels/moe/triton_experts.py align_blocks: k3-tiny's verify steps; never the
     # 48B's 14 MB experts); None: the kernel's own bound (PAIR_BLOCKS_MAX_BYTES, 4 MB); 0: one token only, as before
@@ -237,9 +241,6 @@ class KernelConfig:
             raise ValueError(f"mxfp4_experts: must be one of {MXFP4_EXPERT_PATHS}, got {self.mxfp4_experts!r}")
         if self.gemv_prefetch is not None and self.gemv_prefetch not in PREFETCH_FORMS:
             raise ValueError(f"gemv_prefetch: must be one of {PREFETCH_FORMS} or None, got {self.gemv_prefetch!r}")
-        if self.gemv_wide and not self.gemv_unrolled:
-            raise ValueError("gemv_wide: wide projections through the skinny GEMV need gemv_unrolled (the looped tiles "
-                             "lose to cuBLAS there)")
         if self.kda_verify_launch not in KDA_VERIFY_LAUNCHES:
             raise ValueError(f"kda_verify_launch: must be one of {KDA_VERIFY_LAUNCHES}, "
                              f"got {self.kda_verify_launch!r}")
@@ -287,7 +288,7 @@ def linear(x, w, k: KernelConfig, out_dtype=None):
         return invariant_linear(x, w)
     if k.triton and k.skinny_gemv and x.dim() == 2 and x.stride(-1) == 1:
         prefer = kernel("linear", "prefer_skinny")
-        if prefer is not None and prefer(x.shape[0], w.shape[0], x.dtype, w.dtype, wide=k.gemv_wide):
+        if prefer is not None and prefer(x.shape[0], w.shape[0], x.dtype, w.dtype, wide=k.gemv_wide and k.gemv_unrolled):
             launch = {}
             tiles = kernel("linear", "pick_unrolled")(*w.shape) if k.gemv_unrolled and x.shape[0] == 1 else None
             if tiles is not None:
