@@ -76,9 +76,7 @@ VARIANTS = {"control": {}, "pdl": dict(use_pdl=True), "cublas_gemv": dict(skinny
             # head) back on cuBLAS; the one-row GEMVs in the looped form (and so no wide GEMV); one token's experts
             # through the grouped MMA tiles; all of them (the default before session 46)
             "no_gemv_wide": dict(gemv_wide=False), "no_gemv_unrolled": dict(gemv_unrolled=False),
-            "no_moe_gemv": dict(moe_gemv=False), "no_gemv_forms": dict(gemv_unrolled=False, moe_gemv=False),
-            # session 46: one token's router GEMV and top-k in one launch (kernels/moe moe_route_gemv)
-            "moe_route_in_gemv": dict(moe_route_in_gemv=True)}
+            "no_moe_gemv": dict(moe_gemv=False), "no_gemv_forms": dict(gemv_unrolled=False, moe_gemv=False)}
 
 
 def _args() -> argparse.Namespace:

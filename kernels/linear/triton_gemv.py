@@ -87,12 +87,6 @@ def pick_unrolled(n: int, k: int) -> GemvTiles | None:
     return None
 
 
-def unrolled_block_k(tiles: GemvTiles, k: int) -> int:
-    """The unrolled form's K step: the tile's, no longer than K needs (16 under the interpreter: several masked steps
-    on the tests' small shapes). Every caller of `rows_dot` that must give skinny_linear's bits takes it from here."""
-    return 16 if INTERPRET else min(tiles.block_k, max(16, triton.next_power_of_2(k)))
-
-
 def block_k(tiles: GemvTiles, block_m: int, k: int) -> int:
     """The K step a launch uses: the tile's, no longer than K (rounded up to a power of two, >= 16), and short
     enough that the [block_m, block_n, K step] fp32 partial products stay within MAX_PARTIALS."""
@@ -323,7 +317,7 @@ def skinny_linear(x: Tensor, w: Tensor, *, out_dtype: torch.dtype | None = None,
                          "(not unrolled tiles)")
     lines = triton.next_power_of_2(cfg.block_n * triton.cdiv(K * w.element_size(), 128))
     if unrolled:
-        bk = unrolled_block_k(cfg, K)
+        bk = 16 if INTERPRET else min(cfg.block_k, max(16, triton.next_power_of_2(K)))  # the tile's own step
         _gemv_rows_kernel[(triton.cdiv(N, cfg.block_n),)](x, w, w.stride(0), out, N, K=K, ROWS=cfg.block_n,
                                                           BLOCK_K=bk, TRIGGER=trigger and not INTERPRET,
                                                           USE_PDL=use_pdl and not INTERPRET,

@@ -4,8 +4,7 @@ oracles every MoE kernel is tested against.
 MXFP4 experts: `mxfp4_ref` (the format, quantizer, oracle), `fused_experts_mxfp4` and, on the planar
 in-memory layout (`PlanarMxfp4.from_packed`, `mxfp4_planar_layout`), `fused_experts_mxfp4_planar`
 (the GPU runner's default, its `PLANAR_SERVE_VARIANT`).
-The Triton ops (`act_and_mul`, `moe_route` (and `moe_route_from_x`: small routers' logits in the same launch;
-`moe_route_gemv`: one token's router GEMV with its top-k in the last program),
+The Triton ops (`act_and_mul`, `moe_route` (and `moe_route_from_x`: small routers' logits in the same launch),
 `fused_experts` (its one-token form: triton_one_token.py),
 `fused_experts_mxfp4`, `moe_align_fwd`, `moe_layer_one_token`: batch 1's whole layer in one persistent launch)
 are exported lazily, so importing the
@@ -19,7 +18,6 @@ _TRITON_EXPORTS = {
     "act_and_mul": "k3rt.kernels.moe.triton_act",
     "moe_route": "k3rt.kernels.moe.triton_router",
     "moe_route_from_x": "k3rt.kernels.moe.triton_router",
-    "moe_route_gemv": "k3rt.kernels.moe.triton_router",
     "fused_router_fits": "k3rt.kernels.moe.triton_router",
     "fused_experts": "k3rt.kernels.moe.triton_experts",
     "fused_experts_grouped": "k3rt.kernels.moe.grouped",
@@ -55,7 +53,6 @@ __all__ = [
     "moe_layer_one_token",
     "moe_route",
     "moe_route_from_x",
-    "moe_route_gemv",
     "route_ref",
 ]
 

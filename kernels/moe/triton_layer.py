@@ -51,7 +51,7 @@ from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs,
 from k3rt.kernels.linear.triton_gemv import rows_dot, rows_dot_step
 from k3rt.kernels.persistent import arrive, last_arrival, launch_persistent, prefetch_l2, row_rms_norm, wait
 from k3rt.kernels.moe.triton_experts import NORM_MAX_D, SumNorm, _act_mul, check_routing, check_stacks, check_x
-from k3rt.kernels.moe.triton_router import MAX_EXPERTS, _routing, check_gate_weight
+from k3rt.kernels.moe.triton_router import MAX_EXPERTS, _select_topk, check_gate_weight
 from k3rt.model_config import ActivationConfig
 
 # The launch's counters: int32 words, zero between launches (constexpr globals: the kernels read them, host code
@@ -140,6 +140,17 @@ def _prefetch_l2_rows(w2_ptr, ids, d, ok, K: tl.constexpr, D: tl.constexpr, I: t
     ptrs = w2_ptr + rows[:, :, None] * I + offs[None, None, :]
     live = ((j < K)[:, None] & ok[None, :])[:, :, None] & (offs < I)[None, None, :]
     prefetch_l2(ptrs, live)
+
+
+@triton.jit
+def _routing(logits_ptr, bias_ptr, scaling, E, BLOCK_E: tl.constexpr, K: tl.constexpr, BLOCK_KS: tl.constexpr,
+             RENORMALIZE: tl.constexpr):
+    """(weights, ids) [BLOCK_KS] of the top-k over the launch's fp32 logits."""
+    offs_e = tl.arange(0, BLOCK_E)
+    ok = offs_e < E
+    s = tl.sigmoid(tl.load(logits_ptr + offs_e, mask=ok, other=0.0))
+    sel = tl.where(ok, s + tl.load(bias_ptr + offs_e, mask=ok, other=0.0), float("-inf"))
+    return _select_topk(s, sel, scaling, K, BLOCK_KS, RENORMALIZE)
 
 
 @triton.jit

@@ -9,8 +9,7 @@ router GEMM (x @ W_gate^T, fp32) stays a matmul outside (cuBLAS or the skinny GE
 `moe_route_from_x` computes a token's logits in its own program first ([E, D] products in fp32, summed over D),
 one launch instead of two. That pays where the weight is a few KB (k3-tiny: 8 x 384, read by every token's
 program from L2) and a decode forward is launch-bound; `fused_router_fits` bounds it (at the 48B's 256 x 2304 one
-program would stream 2.4 MB). For one token of a large router, `moe_route_gemv` (session 46) is one launch of the
-router's GEMV programs, the top-k done by the one that arrives last.
+program would stream 2.4 MB).
 """
 from __future__ import annotations
 
@@ -22,8 +21,6 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from k3rt.kernels.common import INTERPRET, check, check_same_device, pdl_kwargs
-from k3rt.kernels.linear.triton_gemv import rows_dot, unrolled_block_k
-from k3rt.kernels.persistent import last_arrival
 
 MAX_EXPERTS = 512
 # moe_route_from_x: at most this many router weights (E * D; fp32: 128 KB a program reads) and rows
@@ -164,38 +161,6 @@ def _select_topk(s, sel, scaling, K: tl.constexpr, BLOCK_K: tl.constexpr, RENORM
     return w * scaling, ids
 
 
-@triton.jit
-def _routing(logits_ptr, bias_ptr, scaling, E, BLOCK_E: tl.constexpr, K: tl.constexpr, BLOCK_KS: tl.constexpr,
-             RENORMALIZE: tl.constexpr):
-    """(weights, ids) [BLOCK_KS] of one token's ungrouped top-k over its fp32 logits at logits_ptr (an epilogue's:
-    triton_layer.py's persistent layer, `moe_route_gemv`)."""
-    offs_e = tl.arange(0, BLOCK_E)
-    ok = offs_e < E
-    s = tl.sigmoid(tl.load(logits_ptr + offs_e, mask=ok, other=0.0))
-    sel = tl.where(ok, s + tl.load(bias_ptr + offs_e, mask=ok, other=0.0), float("-inf"))
-    return _select_topk(s, sel, scaling, K, BLOCK_KS, RENORMALIZE)
-
-
-@triton.jit
-def _moe_route_gemv_kernel(x_ptr, gate_ptr, stride_g, logits_ptr, ctr_ptr, bias_ptr, w_ptr, ids_ptr, scaling,
-                           E: tl.constexpr, BLOCK_E: tl.constexpr, K: tl.constexpr, BLOCK_KS: tl.constexpr,
-                           D: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, RENORMALIZE: tl.constexpr,
-                           USE_PDL: tl.constexpr):
-    """One token's router GEMV in skinny_linear's unrolled form (ROWS router rows a program through `rows_dot`: the
-    same fp32 logits, bit for bit), and its top-k in the program that arrives last, which sees every program's
-    logits (`last_arrival`); it then zeroes the counter for the next launch (a replayed graph's)."""
-    if USE_PDL:
-        gdc_wait()
-    e = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    tl.store(logits_ptr + e, rows_dot(gate_ptr, e.to(tl.int64), e < E, x_ptr, stride_g, D, BLOCK_D), mask=e < E)
-    if last_arrival(ctr_ptr, tl.num_programs(0)):
-        tw, ids = _routing(logits_ptr, bias_ptr, scaling, E, BLOCK_E, K, BLOCK_KS, RENORMALIZE)
-        offs = tl.arange(0, BLOCK_KS)
-        tl.store(w_ptr + offs, tw, mask=offs < K)
-        tl.store(ids_ptr + offs, ids, mask=offs < K)
-        tl.atomic_xchg(ctr_ptr, 0, sem="relaxed", scope="gpu")
-
-
 def moe_route(
     logits: Tensor,
     bias: Tensor,
@@ -271,51 +236,6 @@ def moe_route_from_x(
                   out_ids, use_pdl, num_warps)
 
 
-def moe_route_gemv(
-    x: Tensor,
-    gate_weight: Tensor,
-    bias: Tensor,
-    counter: Tensor,
-    *,
-    tiles,
-    top_k: int,
-    renormalize: bool = True,
-    scaling: float = 1.0,
-    out_weights: Tensor | None = None,
-    out_ids: Tensor | None = None,
-    use_pdl: bool = False,
-) -> tuple[Tensor, Tensor]:
-    """One token's `moe_route(skinny_linear(x, gate_weight, out_dtype=fp32, tiles=tiles), bias, ...)` in one launch
-    instead of two (KernelConfig.moe_route_in_gemv): the router rows in skinny_linear's unrolled form (the same
-    logits, bit for bit), the top-k in the program that arrives last. Ungrouped selection only.
-
-    Args:
-        x: [1, D] float activations (last dim contiguous).
-        gate_weight: [E, D] contiguous float router weight (Kimi keeps it fp32).
-        bias, top_k, renormalize, scaling, out_weights, out_ids, use_pdl: as `moe_route`.
-        counter: int32 [1] arrival counter, zero between launches (each launch leaves it zero); one launch in
-            flight per counter (a layer's own: the runner's forward runs on one stream).
-        tiles: the router's unrolled GemvTiles (kernels/linear `pick_unrolled`).
-    """
-    if x.dim() != 2 or x.shape[0] != 1 or not x.is_floating_point() or x.stride(-1) != 1:
-        raise ValueError(f"x must be one float row [1, D] with a contiguous last dim, got {x.dtype} {list(x.shape)} "
-                         f"strides {x.stride()}")
-    D = x.shape[1]
-    E = check_gate_weight(gate_weight, D)
-    if tiles is None or not tiles.unrolled:
-        raise ValueError(f"moe_route_gemv: tiles must be the unrolled form's (kernels/linear pick_unrolled), got {tiles}")
-    check(counter, "counter", (1,), torch.int32)
-    check_same_device(x=x, gate_weight=gate_weight, counter=counter)
-    w, ids = _route_outputs(x, E, bias, top_k, 1, 1, out_weights, out_ids)
-    logits = torch.empty(E, dtype=torch.float32, device=x.device)
-    _moe_route_gemv_kernel[(triton.cdiv(E, tiles.block_n),)](
-        x, gate_weight, gate_weight.stride(0), logits, counter, bias, w, ids, float(scaling), E=E,
-        BLOCK_E=triton.next_power_of_2(E), K=top_k, BLOCK_KS=triton.next_power_of_2(top_k), D=D, ROWS=tiles.block_n,
-        BLOCK_D=unrolled_block_k(tiles, D), RENORMALIZE=bool(renormalize), USE_PDL=use_pdl and not INTERPRET,
-        num_warps=tiles.num_warps, num_stages=1, **pdl_kwargs(use_pdl))
-    return w, ids
-
-
 def check_gate_weight(gate_weight: Tensor, D: int) -> int:
     """A router weight for rows of D: a contiguous float [E, D] tensor -> E (ValueError naming what is wrong)."""
     if gate_weight.dim() != 2 or gate_weight.shape[1] != D or not gate_weight.is_floating_point():
@@ -330,33 +250,6 @@ def _route(rows: Tensor, gate_weight: Tensor | None, E: int, bias: Tensor, top_k
            topk_group: int, renormalize: bool, scaling: float, out_weights: Tensor | None, out_ids: Tensor | None,
            use_pdl: bool, num_warps: int) -> tuple[Tensor, Tensor]:
     """The checks and the launch of both forms: rows are the logits [T, E], or x [T, D] with gate_weight."""
-    T = rows.shape[0]
-    w, ids = _route_outputs(rows, E, bias, top_k, num_expert_group, topk_group, out_weights, out_ids)
-    per = E // num_expert_group
-    if T == 0:
-        return w, ids
-    common = dict(E=E, BLOCK_E=triton.next_power_of_2(E), K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
-                  RENORMALIZE=bool(renormalize), USE_PDL=use_pdl and not INTERPRET, num_warps=num_warps,
-                  **pdl_kwargs(use_pdl))
-    if gate_weight is not None:  # moe_route_from_x (ungrouped: fused_router_fits)
-        D = rows.shape[1]
-        # the [BLOCK_E, BLOCK_D] fp32 products: at most 2048 (64 registers a thread at one warp)
-        block_d = max(16, min(128, triton.next_power_of_2(max(D, 1)), 2048 // triton.next_power_of_2(E)))
-        _moe_route_from_x_kernel[(T,)](rows, rows.stride(0), gate_weight, D, bias, w, ids, float(scaling),
-                                       BLOCK_D=block_d, **common)
-    else:
-        _moe_route_kernel[(T,)](
-            rows, rows.stride(0), bias, w, ids, float(scaling), GROUPS=num_expert_group,
-            BLOCK_G=triton.next_power_of_2(num_expert_group), BLOCK_PER=triton.next_power_of_2(per),
-            TOPK_GROUP=topk_group, **common,
-        )
-    return w, ids
-
-
-def _route_outputs(rows: Tensor, E: int, bias: Tensor, top_k: int, num_expert_group: int, topk_group: int,
-                   out_weights: Tensor | None, out_ids: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Every router form's checks (ValueError naming the argument and its bound), then its outputs: out_weights and
-    out_ids, or new [T, top_k] fp32 / int32 tensors (T = rows' rows)."""
     T = rows.shape[0]
     if not 1 <= E <= MAX_EXPERTS:
         raise ValueError(f"logits: E must be in [1, {MAX_EXPERTS}], got {E}")
@@ -381,4 +274,21 @@ def _route_outputs(rows: Tensor, E: int, bias: Tensor, top_k: int, num_expert_gr
     check_same_device(rows=rows, bias=bias, out_weights=out_weights, out_ids=out_ids)
     w = out_weights if out_weights is not None else torch.empty(T, top_k, dtype=torch.float32, device=rows.device)
     ids = out_ids if out_ids is not None else torch.empty(T, top_k, dtype=torch.int32, device=rows.device)
+    if T == 0:
+        return w, ids
+    common = dict(E=E, BLOCK_E=triton.next_power_of_2(E), K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
+                  RENORMALIZE=bool(renormalize), USE_PDL=use_pdl and not INTERPRET, num_warps=num_warps,
+                  **pdl_kwargs(use_pdl))
+    if gate_weight is not None:  # moe_route_from_x (ungrouped: fused_router_fits)
+        D = rows.shape[1]
+        # the [BLOCK_E, BLOCK_D] fp32 products: at most 2048 (64 registers a thread at one warp)
+        block_d = max(16, min(128, triton.next_power_of_2(max(D, 1)), 2048 // triton.next_power_of_2(E)))
+        _moe_route_from_x_kernel[(T,)](rows, rows.stride(0), gate_weight, D, bias, w, ids, float(scaling),
+                                       BLOCK_D=block_d, **common)
+    else:
+        _moe_route_kernel[(T,)](
+            rows, rows.stride(0), bias, w, ids, float(scaling), GROUPS=num_expert_group,
+            BLOCK_G=triton.next_power_of_2(num_expert_group), BLOCK_PER=triton.next_power_of_2(per),
+            TOPK_GROUP=topk_group, **common,
+        )
     return w, ids

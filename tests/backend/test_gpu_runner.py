@@ -823,8 +823,8 @@ def test_gpu_gemv_pdl_prefetch_gives_the_same_step(form: str, pdl: bool, tmp_pat
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("off", [dict(gemv_wide=False), dict(gemv_unrolled=False), dict(moe_gemv=False),
-                                 dict(gemv_unrolled=False, moe_gemv=False), dict(moe_route_in_gemv=True)],
-                         ids=["no_wide", "no_unrolled", "no_moe_gemv", "none", "route_in_gemv"])
+                                 dict(gemv_unrolled=False, moe_gemv=False)],
+                         ids=["no_wide", "no_unrolled", "no_moe_gemv", "none"])
 def test_gpu_one_row_gemv_forms_give_the_step(off: dict, tmp_path) -> None:
     """Session 45's one-row forms, the default since session 46 (the unrolled GEMVs by shape, also for the wide
     projections and the LM head; one token's experts as GEMVs), in a bf16 decode step: the logits and KDA states of
@@ -846,23 +846,6 @@ def test_a_small_router_computes_its_logits_in_the_top_k_launch(tmp_path) -> Non
     with torch.no_grad():
         got, want = fused_runner.fwd(step, decode=True), plain_runner.fwd(plain_step, decode=True)
     assert rel(got, want) < 1e-5
-
-
-def test_one_tokens_router_gemv_and_top_k_run_as_one_launch(tmp_path) -> None:
-    """KernelConfig.moe_route_in_gemv (session 46): a one-token decode's router logits and top-k in one launch
-    (kernels/moe moe_route_gemv) where the small router's fused form is off: one matmul per MoE layer fewer, as
-    many Triton launches, the same logits up to fp32 summation order, every layer's counter back at zero."""
-    one_runner, step, one = _k3_decode_forward_counted(tmp_path / "a", arch="kimi_linear", moe_fused_router=False,
-                                                       moe_route_in_gemv=True)
-    plain_runner, plain_step, plain = _k3_decode_forward_counted(tmp_path / "b", arch="kimi_linear",
-                                                                 moe_fused_router=False)
-    moes = list(one_runner.fwd.moe.values())
-    assert moes and all(w.route_ctr is not None for w in moes)
-    assert plain.torch_ops.count("mm") - one.torch_ops.count("mm") == len(moes) and one.triton == plain.triton
-    with torch.no_grad():
-        got, want = one_runner.fwd(step, decode=True), plain_runner.fwd(plain_step, decode=True)
-    assert rel(got, want) < 1e-5
-    assert all(int(w.route_ctr.item()) == 0 for w in moes)
 
 
 def test_a_verify_form_forward_derives_per_row_tables_and_run_lengths_once(tmp_path) -> None:

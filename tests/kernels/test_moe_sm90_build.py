@@ -1,6 +1,5 @@
 """The MoE kernels build for sm_90 (H100/H200) at the 48B shape without a GPU (Triton's frontend,
-ptxas and cuobjdump ship in the triton wheel): router (and k3-tiny's with its logits in the launch, and one token's
-router GEMV with its top-k in the last program), alignment
+ptxas and cuobjdump ship in the triton wheel): router (and k3-tiny's with its logits in the launch), alignment
 (one chunk and many), the default decode and prefill tiles of both grouped GEMMs with PDL on, and the k-sum (and
 its norm epilogue). No build may spill
 registers; the GEMMs must pipeline their loads (cp.async) and the prefill tiles must use wgmma.
@@ -28,9 +27,6 @@ route = dict(logits_ptr="*fp32", stride_lt=I32, bias_ptr="*fp32", w_ptr="*fp32",
              E=C, BLOCK_E=C, K=C, BLOCK_K=C, GROUPS=C, BLOCK_G=C, BLOCK_PER=C, TOPK_GROUP=C, RENORMALIZE=C, USE_PDL=C)
 route_x = dict(x_ptr="*bf16", stride_x=I32, gate_ptr="*fp32", D=I32, bias_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i32",
                scaling="fp32", E=C, BLOCK_E=C, K=C, BLOCK_K=C, RENORMALIZE=C, USE_PDL=C, BLOCK_D=C)
-route_gemv = dict(x_ptr="*bf16", gate_ptr="*fp32", stride_g=I32, logits_ptr="*fp32", ctr_ptr="*i32", bias_ptr="*fp32",
-                  w_ptr="*fp32", ids_ptr="*i32", scaling="fp32", E=C, BLOCK_E=C, K=C, BLOCK_KS=C, D=C, ROWS=C,
-                  BLOCK_D=C, RENORMALIZE=C, USE_PDL=C)
 count = dict(ids_ptr="*i32", counts_ptr="*i32", P=I32, E_P=C, BP=C, USE_PDL=C)
 offsets = dict(ids_ptr="*i32", counts_ptr="*i32", start_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32",
                big_ptr="*i32", small_ptr="*i32", P=I32, NC=I32, NB=I32, NBIG=I32, NSMALL=I32, E_P=C, BLOCK_M=C, BP=C,
@@ -56,10 +52,6 @@ res = {
     # k3-tiny's router with its logits in the launch (moe_route_from_x): bf16 x, the fp32 8 x 384 weight, one warp
     "route_from_x": build(R._moe_route_from_x_kernel, route_x, dict(E=8, BLOCK_E=8, K=2, BLOCK_K=2, RENORMALIZE=True,
                                                                     USE_PDL=True, BLOCK_D=128), 1),
-    # the 48B's router GEMV (256 x 2304 fp32, one row a program: pick_unrolled) with its top-k in the last program
-    # (moe_route_gemv, session 46)
-    "route_gemv": build(R._moe_route_gemv_kernel, route_gemv, dict(E=256, BLOCK_E=256, K=8, BLOCK_KS=8, D=2304, ROWS=1,
-                                                                    BLOCK_D=256, RENORMALIZE=True, USE_PDL=True), 1, 1),
     "align_single": build(A._moe_align_offsets_kernel, offsets, dict(E_P=256, BLOCK_M=16, BP=A.CHUNK, SUB=A._SUB, TILE_C=16,
                           BLOCK_B=32, SINGLE_CHUNK=True, USE_PDL=True, GROUP=1), 8),
     "align_count": build(A._moe_align_count_kernel, count, dict(E_P=256, BP=A.CHUNK, USE_PDL=True), 4),

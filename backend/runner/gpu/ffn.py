@@ -66,8 +66,6 @@ class MoeWeights:
     # kernels/moe moe_layer_one_token's counters (zero between launches; one launch in flight per layer at a time:
     # the runner's forward runs on one stream): for a layer it can run (`one_token_layer`), whatever the config says
     sync: torch.Tensor | None = None
-    # kernels/moe moe_route_gemv's arrival counter (zero between launches; KernelConfig.moe_route_in_gemv)
-    route_ctr: torch.Tensor | None = None
 
     @staticmethod
     def of(moe: MoE, k: KernelConfig) -> "MoeWeights":
@@ -77,8 +75,6 @@ class MoeWeights:
             w.gate_split = bf16_parts(gate)
         if k.triton and not k.batch_invariant:
             w.latent = LatentFusion.of(moe)
-            if gate.is_contiguous():
-                w.route_ctr = torch.zeros(1, dtype=torch.int32, device=gate.device)
             if w.mx is None and w.planar is None and m_plain(moe) and gate.is_contiguous():
                 w.sync = torch.zeros(kernel("moe", "LAYER_SYNC_WORDS"), dtype=torch.int32, device=gate.device)
         return w
@@ -216,19 +212,6 @@ def one_token_layer(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig, s
     return out
 
 
-def _route_gemv_tiles(w: MoeWeights, x: torch.Tensor, gate: torch.Tensor, k: KernelConfig, groups: int):
-    """The router's unrolled GEMV tiles where one token's logits and top-k run as one launch (kernels/moe
-    moe_route_gemv; KernelConfig.moe_route_in_gemv): one row, ungrouped selection, a layer with its counter, a width
-    the unrolled form takes (kernels/linear pick_unrolled); else None. Its logits are the unrolled GEMV's, so with
-    gemv_unrolled off (or where `linear` keeps torch's matmul: fp32 activations) the same token may route otherwise
-    than through the two launches, by fp32 summation order."""
-    if not k.moe_route_in_gemv or k.batch_invariant or w.route_ctr is None or x.shape[0] != 1 or groups != 1:
-        return None
-    if x.stride(-1) != 1 or not gate.is_contiguous():
-        return None
-    return kernel("linear", "pick_unrolled")(*gate.shape)
-
-
 def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig, sum_norm=None) -> torch.Tensor:
     """The MoE layer's output for x's rows (reduced across ranks, routed + shared, the latent tail); with sum_norm
     (a kernels/moe SumNorm, `moe_add_norm`) the normed rows of residual + that output instead."""
@@ -240,15 +223,12 @@ def moe_forward(moe: MoE, w: MoeWeights, x: torch.Tensor, k: KernelConfig, sum_n
     experts = kernel("moe", name) if k.triton else None
     router = kernel("moe", "moe_route") if k.triton else None
     if router is not None:
-        pick = dict(top_k=m.num_experts_per_token, renormalize=m.renormalize, scaling=m.routed_scaling_factor)
-        how = dict(pick, num_expert_group=m.num_expert_group, topk_group=m.topk_group)
+        how = dict(top_k=m.num_experts_per_token, num_expert_group=m.num_expert_group, topk_group=m.topk_group,
+                   renormalize=m.renormalize, scaling=m.routed_scaling_factor)
         gate, bias = moe.gate_weight, moe.e_score_correction_bias.float()
         if (k.moe_fused_router and not k.batch_invariant and gate.is_contiguous()
                 and kernel("moe", "fused_router_fits")(x.shape[0], *gate.shape, m.num_expert_group)):
             tw, ids = kernel("moe", "moe_route_from_x")(x, gate, bias, **how)  # the logits in the same launch
-        elif (tiles := _route_gemv_tiles(w, x, gate, k, m.num_expert_group)) is not None:
-            tw, ids = kernel("moe", "moe_route_gemv")(x, gate, bias, w.route_ctr, tiles=tiles, use_pdl=k.use_pdl,
-                                                      **pick)  # ungrouped: _route_gemv_tiles
         else:
             if w.gate_split is not None and 0 < k.split_router_min_rows <= x.shape[0] and x.dtype == torch.bfloat16:
                 logits = split_router(x, w.gate_split)

@@ -122,12 +122,6 @@ class KernelConfig:
     # 1.534 against 1.581 ms (decode.py --layers 12, variant no_moe_gemv; with gemv_unrolled/gemv_wide 1.463). Not
     # yet timed in the whole 48B step on the H200 (device stage gemv-forms)
     moe_gemv: bool = True
-    # one token's router GEMV and top-k in one launch (kernels/moe moe_route_gemv: the router's rows in the unrolled
-    # GEMV's form, the top-k in the program that arrives last, kernels/persistent last_arrival) instead of two: the
-    # top-k launch took 2.96 us and 0.44 us of idle before it per layer in the 48B's first 12 layers' batch-1 graph on
-    # the H100 (session 46). Where the small router's moe_fused_router does not apply. Off until timed (decode.py
-    # variant moe_route_in_gemv)
-    moe_route_in_gemv: bool = False
     # one token's whole MoE layer in one persistent launch (kernels/moe/triton_layer.py moe_layer_one_token: the
     # router GEMV, the top-k, gate/up, down, the sum and the residual add + next norm, the programs ordered by arrival
     # counters instead of five launch boundaries): batch-1 decode of a plain MoE at TP 1 (the 48B's 26 layers, ~47 us
