@@ -185,7 +185,9 @@ class KernelConfig:
     # PDL wait, so those trips overlap the input projection's tail and the launch (kernels/kda kda_decode
     # late_wait). Sound: no kernel right before a decode step's KDA writes its states. Off: in a chain of PDL decode
     # calls N = 1 runs 3.78 us against 5.15 (H200, fused norm, benchmarks/kernels.py), but the 48B step at batch 1 is
-    # slower with it (H200, session 44: 2.618 against 2.576 ms; decode.py variant kda_decode_pdl)
+    # slower with it (H200, session 44: 2.618 against 2.576 ms; decode.py variant kda_decode_pdl). Why (session 46,
+    # the graph timeline of the 48B's first 12 layers on the H100): no overlap at all (the GEMM before it does not
+    # trigger early), and the late-wait form itself 5.94 against 5.43 us a call
     kda_decode_pdl: bool = False
     # with kda_decode_pdl, a one-sequence decode's last KDA projection (the gates' up-projection) through the skinny
     # GEMV, which triggers the PDL launch after it first thing (skinny_linear trigger=), so the decode step's loads
