@@ -1,6 +1,7 @@
 """backend/runner/gpu/ops.linear's one-row GEMV switches (session 45): KernelConfig.gemv_prefetch launches every
 skinny GEMV with PDL and the prefetch form asked, KernelConfig.gemv_unrolled the unrolled form at that many rows a
-program (the default since session 46, with gemv_wide); both checked as the config is built. CPU: the interpreter, fp16 (the skinny kernel's 16-bit path)."""
+program (the default since session 46, with gemv_wide); both checked as the config is built. CPU: the interpreter,
+fp16 (the skinny kernel's 16-bit path)."""
 from __future__ import annotations
 
 import pytest

@@ -290,7 +290,8 @@ def linear(x, w, k: KernelConfig, out_dtype=None):
         return invariant_linear(x, w)
     if k.triton and k.skinny_gemv and x.dim() == 2 and x.stride(-1) == 1:
         prefer = kernel("linear", "prefer_skinny")
-        if prefer is not None and prefer(x.shape[0], w.shape[0], x.dtype, w.dtype, wide=k.gemv_wide and k.gemv_unrolled):
+        wide = k.gemv_wide and k.gemv_unrolled
+        if prefer is not None and prefer(x.shape[0], w.shape[0], x.dtype, w.dtype, wide=wide):
             launch = {}
             tiles = kernel("linear", "pick_unrolled")(*w.shape) if k.gemv_unrolled and x.shape[0] == 1 else None
             if tiles is not None:
