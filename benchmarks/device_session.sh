@@ -101,7 +101,9 @@
 #                       session 46, on the H100's 12-layer evidence) each off against the default: the wide projections
 #                       on cuBLAS (no_gemv_wide), the looped GEMVs (no_gemv_unrolled), the grouped experts
 #                       (no_moe_gemv), all (no_gemv_forms); the GEMVs' PDL prefetch into the L2 (gemv_prefetch_pdl),
-#                       kda_decode_pdl; then --graph-timeline of no_gemv_forms and kda_decode_pdl
+#                       kda_decode_pdl, and with the gates' up-projection (now the unrolled GEMV) triggering it early
+#                       (kda_decode_pdl_trigger: session 46's timeline found no overlap after cuBLAS); then
+#                       --graph-timeline of no_gemv_forms and kda_decode_pdl_trigger
 #   gemv-forms-h100 (300) the same at the 48B's first 12 layers (decode.py --layers 12: 9 KDA + 3 MLA, ~42 GB of
 #                       weights), for an H100
 #   moe (200)           benchmarks/kernels_moe.py: decode T=1/64, prefill 2K/8K/32K (every tile candidate, the
@@ -324,8 +326,8 @@ for stage in "$@"; do
     gemv-forms|gemv-forms-h100)
       run "$stage" "$([ "$stage" = gemv-forms ] && echo 400 || echo 300)" python3 benchmarks/decode.py --batch 1 \
         $([ "$stage" = gemv-forms-h100 ] && echo --layers 12) --prefill --variants control no_gemv_wide \
-        no_gemv_unrolled no_moe_gemv no_gemv_forms gemv_prefetch_pdl kda_decode_pdl \
-        --graph-timeline 1 --graph-timeline-variants no_gemv_forms kda_decode_pdl \
+        no_gemv_unrolled no_moe_gemv no_gemv_forms gemv_prefetch_pdl kda_decode_pdl kda_decode_pdl_trigger \
+        --graph-timeline 1 --graph-timeline-variants no_gemv_forms kda_decode_pdl_trigger \
         --budget-s "$([ "$stage" = gemv-forms ] && echo 370 || echo 270)" --out "$OUT/$stage.json" ;;
     moe)
       run moe 200 python3 benchmarks/kernels_moe.py --decode-t 1 64 --prefill-t 2048 8192 32768 --budget-s 180 \
