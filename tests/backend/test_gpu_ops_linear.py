@@ -98,3 +98,21 @@ def test_the_switches_are_checked_as_the_config_is_built() -> None:
     with pytest.raises(ValueError, match="gemv_prefetch: must be one of"):
         KernelConfig(gemv_prefetch="dram")
     assert KernelConfig().gemv_unrolled and KernelConfig().gemv_wide and KernelConfig().moe_gemv
+
+
+@pytest.mark.parametrize("unrolled", [True, False])
+def test_the_kda_gates_trigger_launch_takes_linears_tiles(unrolled: bool, monkeypatch) -> None:
+    """kda_decode_pdl_trigger's gates' up-projection (backend/runner/gpu/kda.py _gate_linear) runs the skinny GEMV
+    with its PDL trigger in the tiles `linear` would pick: the unrolled form's at one row with gemv_unrolled (the
+    default since session 46), so the switch changes the trigger only. Before, it always took the looped tiles."""
+    from k3rt.backend.runner.gpu import kda, ops
+    from k3rt.kernels.linear import pick_unrolled
+
+    seen = _spy(monkeypatch)
+    monkeypatch.setattr(kda, "kernel", ops.kernel)  # kda.py's own name for the (spied) lookup
+    x = torch.randn(1, 64).half()
+    w = (torch.randn(96, 64) * 0.1).half()
+    k = KernelConfig(gemv_unrolled=unrolled)
+    y = kda._gate_linear(x, w, k, trigger=True)
+    assert seen[-1].get("trigger") is True and seen[-1].get("tiles") == (pick_unrolled(96, 64) if unrolled else None)
+    assert torch.equal(y, linear(x, w, k))  # the same bits as the launch without the trigger

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from k3rt.backend.layers.norm import rms_norm_gated
 from k3rt.backend.models.kda import KimiDeltaAttention
-from k3rt.backend.runner.gpu.ops import ROW_ALIGN, KernelConfig, fuse_rows, kernel, linear
+from k3rt.backend.runner.gpu.ops import ROW_ALIGN, KernelConfig, fuse_rows, gemv_launch, kernel, linear
 from k3rt.backend.runner.gpu.step import GpuStep, KdaRows
 from k3rt.kernels.kda.ref import kda_chunked, kda_gate_lower_bound, kda_gate_softplus, kda_recurrent
 from k3rt.kernels.short_conv.ref import causal_conv1d_rows, conv_windows_store
@@ -178,7 +178,7 @@ def _gate_linear(x: torch.Tensor, wt: torch.Tensor, k: KernelConfig, trigger: bo
     (16-bit, the kernels on, not batch-invariant)."""
     if (trigger and k.triton and k.skinny_gemv and not k.batch_invariant
             and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2 and x.stride(-1) == 1):
-        return kernel("linear", "skinny_linear")(x, wt, trigger=True)
+        return kernel("linear", "skinny_linear")(x, wt, trigger=True, **gemv_launch(x, wt, k))
     return linear(x, wt, k)
 
 

@@ -278,6 +278,14 @@ def kernel(module: str, name: str):
         return None
 
 
+def gemv_launch(x, w, k: KernelConfig) -> dict:
+    """The skinny GEMV's tiles for x @ w^T as the config picks them: the unrolled form's at one row with
+    gemv_unrolled (kernels/linear pick_unrolled), else the kernel's own ({}). Every caller of skinny_linear for a
+    projection `linear` could run takes them from here, so a switch of its own (a PDL trigger) changes nothing else."""
+    tiles = kernel("linear", "pick_unrolled")(*w.shape) if k.gemv_unrolled and x.shape[0] == 1 else None
+    return {} if tiles is None else {"tiles": tiles}
+
+
 def linear(x, w, k: KernelConfig, out_dtype=None):
     """x @ w^T (no bias): the skinny GEMV kernel where it measured faster than torch's matmul
     (`kernels.linear.prefer_skinny`: one decode row and a narrow output, or the fp32 router), when
@@ -292,10 +300,7 @@ def linear(x, w, k: KernelConfig, out_dtype=None):
         prefer = kernel("linear", "prefer_skinny")
         wide = k.gemv_wide and k.gemv_unrolled
         if prefer is not None and prefer(x.shape[0], w.shape[0], x.dtype, w.dtype, wide=wide):
-            launch = {}
-            tiles = kernel("linear", "pick_unrolled")(*w.shape) if k.gemv_unrolled and x.shape[0] == 1 else None
-            if tiles is not None:
-                launch["tiles"] = tiles
+            launch = gemv_launch(x, w, k)
             if k.gemv_prefetch and not (k.gemv_prefetch == "tile" and "tiles" in launch):
                 launch.update(use_pdl=True, prefetch=k.gemv_prefetch)
             return kernel("linear", "skinny_linear")(x, w, out_dtype=out_dtype, **launch)
