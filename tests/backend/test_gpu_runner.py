@@ -634,8 +634,10 @@ def _k3_decode_forward_counted(tmp_path, arch: str = "k3", bf16_on_cuda: bool = 
     # refused as it is built (session 42's version set them after, so its bf16_on_cuda cases never ran). Off the
     # interpreter with a GPU (the CPU tests a gpu-marked test calls, test_gpu_one_token_layers_in_persistent_launches)
     # the checkpoint's fp32 on CUDA: before session 46 those refused the CPU as well
+    from k3rt.kernels.common import INTERPRET
+
     on_cuda = (dict(device="cuda", dtype="bfloat16") if bf16_on_cuda
-               else dict(device="cuda") if HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1" else {})
+               else dict(device="cuda") if HAS_CUDA and not INTERPRET else {})
     eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64, **dtypes), runner="gpu", cuda_graphs=False,
                          **on_cuda))
     runner, pool = eng.runner, eng.pool
