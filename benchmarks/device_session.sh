@@ -100,14 +100,15 @@
 #   bw-kda (220)        bandwidth_probe.py at N = 16 / 64 only (and 1x32K): every --kda-tilings row, the value-major
 #                       tilings among them (session 45): does a contiguous-column program pass the decode tiles' 77 %?
 #   gemv-tests (240)    the GPU tests of session 45's GEMV forms (linear, the MoE GEMV, the runner's step with them)
-#   gemv-forms (400)    benchmarks/decode.py at the 48B shape, batch 1: session 45's one-row forms (the default since
-#                       session 46, on the H100's 12-layer evidence) each off against the default: the wide projections
-#                       on cuBLAS (no_gemv_wide), the looped GEMVs (no_gemv_unrolled), the grouped experts
-#                       (no_moe_gemv), all (no_gemv_forms); the GEMVs' PDL prefetch into the L2 (gemv_prefetch_pdl),
-#                       kda_decode_pdl, and with the gates' up-projection (now the unrolled GEMV) triggering it early
-#                       (kda_decode_pdl_trigger: session 46's timeline found no overlap after cuBLAS); then
-#                       --graph-timeline of no_gemv_forms and kda_decode_pdl_trigger
-#   gemv-forms-h100 (300) the same at the 48B's first 12 layers (decode.py --layers 12: 9 KDA + 3 MLA, ~42 GB of
+#   gemv-forms (330)    benchmarks/decode.py at the 48B shape, batch 1: session 45's one-row forms (the default since
+#                       session 46, on the H100's 12-layer evidence) off against the default: all of them
+#                       (no_gemv_forms), the wide projections on cuBLAS (no_gemv_wide), the grouped experts
+#                       (no_moe_gemv); and the gates' up-projection (now the unrolled GEMV) triggering the KDA decode
+#                       early (kda_decode_pdl_trigger: session 46's timeline found no overlap after cuBLAS); then
+#                       --graph-timeline of control and kda_decode_pdl_trigger (session 47 dropped the variants that
+#                       lost on the H200 before and --prefill: the H200 is seldom lent, and this fits one call
+#                       with mla-l2)
+#   gemv-forms-h100 (330) the same at the 48B's first 12 layers (decode.py --layers 12: 9 KDA + 3 MLA, ~42 GB of
 #                       weights), for an H100
 #   moe (200)           benchmarks/kernels_moe.py: decode T=1/64, prefill 2K/8K/32K (every tile candidate, the
 #                       grouped tiles among them; the alignment alone in both multi-chunk forms), route
@@ -332,11 +333,10 @@ for stage in "$@"; do
         --budget-s 220 \
         --out "$OUT/decode_mla.json" ;;
     gemv-forms|gemv-forms-h100)
-      run "$stage" "$([ "$stage" = gemv-forms ] && echo 400 || echo 300)" python3 benchmarks/decode.py --batch 1 \
-        $([ "$stage" = gemv-forms-h100 ] && echo --layers 12) --prefill --variants control no_gemv_wide \
-        no_gemv_unrolled no_moe_gemv no_gemv_forms gemv_prefetch_pdl kda_decode_pdl kda_decode_pdl_trigger \
-        --graph-timeline 1 --graph-timeline-variants no_gemv_forms kda_decode_pdl_trigger \
-        --budget-s "$([ "$stage" = gemv-forms ] && echo 370 || echo 270)" --out "$OUT/$stage.json" ;;
+      run "$stage" 330 python3 benchmarks/decode.py --batch 1 $([ "$stage" = gemv-forms-h100 ] && echo --layers 12) \
+        --variants control no_gemv_forms no_gemv_wide no_moe_gemv kda_decode_pdl_trigger \
+        --graph-timeline 1 --graph-timeline-variants control kda_decode_pdl_trigger \
+        --budget-s 300 --out "$OUT/$stage.json" ;;
     moe)
       run moe 200 python3 benchmarks/kernels_moe.py --decode-t 1 64 --prefill-t 2048 8192 32768 --budget-s 180 \
         --out "$OUT/moe.json" ;;
