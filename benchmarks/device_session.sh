@@ -325,7 +325,8 @@ for stage in "$@"; do
       gpu_pytest mla-l2 90 tests/kernels/test_mla_gluon.py -k "tokens"
       run mla-l2 120 python3 benchmarks/kernels_mla.py --decode-only --budget-s 110 --decode-variants \
         "gluon tokens n64 x2" "gluon tokens n64 x2 l2a2" "gluon tokens n64 x2 l2a4" \
-        "gluon tokens n64 x2 l2a2 bf16 partials" --out "$OUT/mla_l2.json" ;;
+        "gluon tokens n64 x2 l2a2 bf16 partials" "gluon tokens n64 x2 l2a2 bf16 partials pdl" \
+        --out "$OUT/mla_l2.json" ;;
     decode-mla)
       run decode-mla 240 python3 benchmarks/decode.py --batch 1 16 64 --profile 1 --prefill --variants control \
         mla_triton mla_gluon kda_decode_pdl kda_decode_pdl_trigger kda_norm_in_o_proj mla_two_step_combine \

@@ -194,6 +194,9 @@ DECODE_VARIANTS = {
     "gluon tokens n64 x2 l2a4": dict(gluon=True, block_n=64, num_stages=2, gluon_layout="tokens", gluon_l2_ahead=4),
     "gluon tokens n64 x2 l2a2 bf16 partials": dict(gluon=True, block_n=64, num_stages=2, gluon_layout="tokens",
                                                    gluon_l2_ahead=2, partial_dtype="input"),
+    # ... and the combine launched with PDL: it waits at its start (gdc_wait) instead of for its launch
+    "gluon tokens n64 x2 l2a2 bf16 partials pdl": dict(gluon=True, block_n=64, num_stages=2, gluon_layout="tokens",
+                                                       gluon_l2_ahead=2, partial_dtype="input", use_pdl=True),
     "gluon n32 x3 pv": dict(gluon=True, block_n=32, num_stages=3, gluon_pipeline="pv"),
     "gluon n32 x4 pv": dict(gluon=True, block_n=32, num_stages=4, gluon_pipeline="pv"),
     "gluon n64 x2 pv": dict(gluon=True, block_n=64, num_stages=2, gluon_pipeline="pv"),
