@@ -79,9 +79,6 @@
 #                       session 43), then kernels_mla.py: the Triton default (one-pass combine) and its two-step
 #                       combine, the Gluon heads and tokens layouts, bf16 partials (issue 18's >= 80 % at batch >= 16
 #                       and >= 50 % at batch 1 on the H200)
-#   mla-l2 (90 + 120)   the Gluon tokens layout with the tiles past its ring asked of the L2 ahead (session 47,
-#                       gluon_l2_ahead 2 / 4, with bf16 partials): its GPU tests, then kernels_mla.py against the
-#                       runner's launch (batch 1 at 32K: 4 tiles a program, the ring holds 2)
 #   decode-mla (240)    benchmarks/decode.py at the 48B shape, batch 1/16/64 at 4K, --profile 1: the default (the
 #                       Gluon MLA decode's tokens layout since session 44) against the Triton MLA decode, its
 #                       two-step combine, the Gluon heads layout, batch 1's KDA norm in
@@ -107,7 +104,7 @@
 #                       early (kda_decode_pdl_trigger: session 46's timeline found no overlap after cuBLAS); then
 #                       --graph-timeline of control and kda_decode_pdl_trigger (session 47 dropped the variants that
 #                       lost on the H200 before and --prefill: the H200 is seldom lent, and this fits one call
-#                       with mla-l2)
+#                       with bw-kda)
 #   gemv-forms-h100 (330) the same at the 48B's first 12 layers (decode.py --layers 12: 9 KDA + 3 MLA, ~42 GB of
 #                       weights), for an H100
 #   moe (200)           benchmarks/kernels_moe.py: decode T=1/64, prefill 2K/8K/32K (every tile candidate, the
@@ -174,7 +171,7 @@ for stage in "$@"; do
     spec-tests|spec-verify|dspark-pass|spec-bench|spec-gate|spec-rounds|jit-churn|tp-tests|tp|tp-symm|k3-slice) ;;
     profile|kda-probe|tiny-linear|spec-round|prep|kda-blocks|k3-launches|kda-warps|spec-b1) ;;
     kda-multi|kda-fused-gc|kda-forms-48b|bf16-paths|spec-b16|kda-phases|kda-default|kda-decode-probe|kda-decode) ;;
-    moe-layer|kda-layer|mla-gluon|mla-l2|decode-mla|kda-pdl|bw-probe|bw-kda|gemv-tests|gemv-forms|gemv-forms-h100) ;;
+    moe-layer|kda-layer|mla-gluon|decode-mla|kda-pdl|bw-probe|bw-kda|gemv-tests|gemv-forms|gemv-forms-h100) ;;
     *) echo "unknown stage: $stage (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -321,12 +318,6 @@ for stage in "$@"; do
       run mla-gluon 100 python3 benchmarks/kernels_mla.py --decode-only --budget-s 90 --decode-variants \
         "default (h32 n32 w4 x3 2/SM)" "default two-step combine" "gluon n64 x2" "gluon tokens n64 x2" \
         "gluon tokens n64 x2 bf16 partials" --out "$OUT/mla_gluon.json" ;;
-    mla-l2)
-      gpu_pytest mla-l2 90 tests/kernels/test_mla_gluon.py -k "tokens"
-      run mla-l2 120 python3 benchmarks/kernels_mla.py --decode-only --budget-s 110 --decode-variants \
-        "gluon tokens n64 x2" "gluon tokens n64 x2 l2a2" "gluon tokens n64 x2 l2a4" \
-        "gluon tokens n64 x2 l2a2 bf16 partials" "gluon tokens n64 x2 l2a2 bf16 partials pdl" \
-        --out "$OUT/mla_l2.json" ;;
     decode-mla)
       run decode-mla 240 python3 benchmarks/decode.py --batch 1 16 64 --profile 1 --prefill --variants control \
         mla_triton mla_gluon kda_decode_pdl kda_decode_pdl_trigger kda_norm_in_o_proj mla_two_step_combine \

@@ -188,15 +188,6 @@ DECODE_VARIANTS = {
     # the partials written and merged. H100 (session 43): ahead at 1x8K only (23.0 against 19.6 %), 9-29 points
     # behind from batch 16 (every tile read twice through L2)
     "gluon tokens h16 n64 x2": dict(gluon=True, block_n=64, num_stages=2, gluon_layout="tokens", block_h=16),
-    # session 47: the tiles past the ring's two asked of the L2 ahead of their TMA copy (batch 1 at 32K: 4 tiles a
-    # program, so 2 ahead covers all of them)
-    "gluon tokens n64 x2 l2a2": dict(gluon=True, block_n=64, num_stages=2, gluon_layout="tokens", gluon_l2_ahead=2),
-    "gluon tokens n64 x2 l2a4": dict(gluon=True, block_n=64, num_stages=2, gluon_layout="tokens", gluon_l2_ahead=4),
-    "gluon tokens n64 x2 l2a2 bf16 partials": dict(gluon=True, block_n=64, num_stages=2, gluon_layout="tokens",
-                                                   gluon_l2_ahead=2, partial_dtype="input"),
-    # ... and the combine launched with PDL: it waits at its start (gdc_wait) instead of for its launch
-    "gluon tokens n64 x2 l2a2 bf16 partials pdl": dict(gluon=True, block_n=64, num_stages=2, gluon_layout="tokens",
-                                                       gluon_l2_ahead=2, partial_dtype="input", use_pdl=True),
     "gluon n32 x3 pv": dict(gluon=True, block_n=32, num_stages=3, gluon_pipeline="pv"),
     "gluon n32 x4 pv": dict(gluon=True, block_n=32, num_stages=4, gluon_pipeline="pv"),
     "gluon n64 x2 pv": dict(gluon=True, block_n=64, num_stages=2, gluon_pipeline="pv"),

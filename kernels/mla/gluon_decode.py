@@ -115,27 +115,6 @@ def _refill(c_desc, pe_desc, c_ring, pe_ring, bars, bt_row, page_a, page_b, t, t
 
 
 @gluon.jit
-def _l2_tile(kv_ptr, page_a, page_b, t, t_full, block_size, D: gl.constexpr, BLOCK_N: gl.constexpr,
-             SUB: gl.constexpr, SPAN: gl.constexpr, num_warps: gl.constexpr):
-    """Ask the L2 for tile t's rows (`prefetch.global.L2` on every 128-byte line of its boxes; nothing past the
-    split's full tiles), so its TMA copy into the ring later reads the L2: the DRAM reads of a program run that far
-    ahead of its few ring stages. SPAN: a power of 2 above a box's lines at 2 bytes an element, plus one for a box
-    that starts mid-line (its last element is asked for by the clamp)."""
-    NB: gl.constexpr = BLOCK_N // SUB
-    LINES: gl.constexpr = (SUB * D + 63) // 64 + 1
-    offs = gl.arange(0, NB * SPAN, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-    box = offs // SPAN
-    k = offs % SPAN
-    page = gl.where(box == 0, page_a, page_b)
-    pos = t * BLOCK_N + box * SUB
-    row0 = page.to(gl.int64) * block_size + pos % block_size
-    ptrs = kv_ptr + row0 * D + gl.minimum(k * 64, SUB * D - 1)
-    live = (k < LINES) & (t < t_full)
-    gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                              "=r,l,r", [ptrs, live.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _split_tiles(seq_lens_ptr, i_n, i_s, num_splits, BLOCK_N: gl.constexpr):
     """Split i_s's share of sequence i_n: its tiles [t_start, t_end), the first tile holding rows past the end
     (t_full: tiles before it hold only live rows) and its count of full tiles."""
@@ -412,8 +391,6 @@ def _mla_decode_gluon_tokens_kernel(
     BLOCK_N: gl.constexpr,  # 64 tokens a tile: wgmma's M
     SUB: gl.constexpr,  # rows of a TMA box (block_size a multiple of it: a box never straddles a page)
     STAGES: gl.constexpr,  # KV buffers in the ring
-    L2_AHEAD: gl.constexpr,  # tiles past the ring's asked of the L2 ahead of their copy (0: none)
-    L2_SPAN: gl.constexpr,  # _l2_tile's SPAN
     num_warps: gl.constexpr,  # 4: one warpgroup
 ):
     """The tokens layout: the score dot is s^T = c . q^T (tokens on M, heads on N), so no MMA row is a padded
@@ -446,9 +423,6 @@ def _mla_decode_gluon_tokens_kernel(
     bt_row = block_table_ptr + i_n.to(gl.int64) * stride_bt_n
     page_a, page_b = _prologue(c_desc, pe_desc, c_ring, pe_ring, bars, bt_row, t_start, t_full, n_full, block_size,
                                STAGES, BLOCK_N, SUB)
-    for b in gl.static_range(L2_AHEAD):  # the tiles after the ring's first: their DRAM reads start now
-        la, lb = _tile_pages(bt_row, t_start + STAGES + b, t_full, block_size, BLOCK_N, SUB)
-        _l2_tile(kv_ptr, la, lb, t_start + STAGES + b, t_full, block_size, L + R, BLOCK_N, SUB, L2_SPAN, num_warps)
 
     q_c, q_pe = _load_q(q_ptr, stride_q_n, stride_q_h, i_n, i_hb, H, L, R, BLOCK_H, ld_layout)
     qc_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, L], gl.NVMMASharedLayout.get_default_for([BLOCK_H, L], dtype),
@@ -465,17 +439,12 @@ def _mla_decode_gluon_tokens_kernel(
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(0, layout))
     for i in range(n_full):
         j = i % STAGES
-        t_l2 = t_start + i + STAGES + L2_AHEAD
-        if L2_AHEAD > 0:  # its page ids now, so the prefetch after the tile's math never waits on them
-            la, lb = _tile_pages(bt_row, t_l2, t_full, block_size, BLOCK_N, SUB)
         mbarrier.wait(bars.index(j), (i // STAGES) & 1)
         acc, m_i, l_i = _tokens_tile(qc_smem, qpe_smem, c_ring.index(j), pe_ring.index(j), p_smem, BLOCK_N, acc, m_i,
                                      l_i, qk_scale, BLOCK_N, layout)
         gl.thread_barrier()  # every warp past its reads of stage j before the refill
         page_a, page_b = _refill(c_desc, pe_desc, c_ring, pe_ring, bars, bt_row, page_a, page_b,
                                  t_start + i + STAGES, t_start, t_full, block_size, STAGES, BLOCK_N, SUB)
-        if L2_AHEAD > 0:
-            _l2_tile(kv_ptr, la, lb, t_l2, t_full, block_size, L + R, BLOCK_N, SUB, L2_SPAN, num_warps)
 
     if (t_full < t_end) & (t_full >= t_start):  # the sequence's partial last tile: masked rows, zeros past the end
         c, pe, n_live = _last_tile_rows(kv_ptr, bt_row, t_full, seq_len, block_size, L, R, BLOCK_N, ld_layout)
@@ -536,11 +505,6 @@ def gluon_runs(q: Tensor, block_size: int, block_n: int, layout: str = "heads",
     return _unfit(q, block_size, block_n, layout, kv_lora_rank) is None
 
 
-def l2_span(sub: int, d: int) -> int:
-    """_l2_tile's SPAN: a power of 2 above a box's 128-byte lines (sub rows of d 2-byte elements) plus one."""
-    return triton.next_power_of_2(-(-sub * d // 64) + 1)
-
-
 def gluon_block_h(layout: str, block_h: int) -> int:
     """Heads a program of the Gluon kernel: 64 (wgmma's M) in the heads layout; in the tokens layout the heads are
     wgmma's N, `block_h` of them (MlaDecodeConfig.block_h, 16 or 32: past 32 the [L, BLOCK_H] accumulator
@@ -550,10 +514,9 @@ def gluon_block_h(layout: str, block_h: int) -> int:
 
 def launch_gluon_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, qk_scale: float,
                         part: Tensor, lse: Tensor, num_splits: int, block_n: int, stages: int,
-                        pipeline: str, layout: str, block_h: int, l2_ahead: int = 0) -> None:
+                        pipeline: str, layout: str, block_h: int) -> None:
     """The split kernel's launch (grid N x head blocks x num_splits) writing part [N, S, H, L] and lse [N, S, H];
-    `triton_decode.mla_decode` checks the shapes and merges the partials. qk_scale is scale * log2(e). l2_ahead
-    (tokens layout only): tiles past the ring's asked of the L2 ahead of their copy."""
+    `triton_decode.mla_decode` checks the shapes and merges the partials. qk_scale is scale * log2(e)."""
     N, H, D = q.shape
     L = part.shape[-1]
     block_size = kv_cache.shape[1]
@@ -572,10 +535,7 @@ def launch_gluon_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_le
             part, lse, qk_scale, H, block_size, num_splits)
     if layout == "tokens":
         _mla_decode_gluon_tokens_kernel[grid](*args, L=L, R=D - L, BLOCK_H=block_h, BLOCK_N=block_n, SUB=sub,
-                                              STAGES=stages, L2_AHEAD=l2_ahead, L2_SPAN=l2_span(sub, D),
-                                              num_warps=4)
-    elif l2_ahead:
-        raise ValueError(f"l2_ahead is a choice of the tokens layout, got layout={layout!r}")
+                                              STAGES=stages, num_warps=4)
     else:
         _mla_decode_gluon_kernel[grid](*args, L=L, R=D - L, BLOCK_H=block_h, BLOCK_N=block_n, SUB=sub, STAGES=stages,
                                        PIPELINE=PIPELINES.index(pipeline), num_warps=8)

@@ -389,9 +389,6 @@ class MlaDecodeConfig:
     gluon_layout: str = "heads"  # gluon only: wgmma's M (gluon_decode.GLUON_LAYOUTS): "heads" (padded to 64, two
     #                              warpgroups), "tokens" (the tile's tokens for the scores, the latent columns for
     #                              p . c; block_h heads (16 or 32) on N unpadded, one warpgroup, 64-token tiles, serial)
-    gluon_l2_ahead: int = 0  # tokens layout only: tiles past the ring's num_stages asked of the L2 (prefetch.global.L2)
-    #                          ahead of their TMA copy, so a program's DRAM reads are not bounded by its two ring
-    #                          stages (batch 1 at 32K: 4 tiles a program, half of them waiting on the ring)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_splits, int) or self.num_splits < 1:
@@ -427,11 +424,6 @@ class MlaDecodeConfig:
         if self.gluon_layout == "tokens" and (self.block_n != TOKENS_BLOCK_N or self.gluon_pipeline != "serial"):
             raise ValueError(f"gluon_layout='tokens' takes block_n={TOKENS_BLOCK_N} (wgmma's M) and gluon_pipeline="
                              f"'serial', got block_n={self.block_n}, gluon_pipeline={self.gluon_pipeline!r}")
-        if not (isinstance(self.gluon_l2_ahead, int) and 0 <= self.gluon_l2_ahead <= 8):
-            raise ValueError(f"gluon_l2_ahead must be an int in [0, 8], got {self.gluon_l2_ahead!r}")
-        if self.gluon_l2_ahead and self.gluon_layout != "tokens":
-            raise ValueError(f"gluon_l2_ahead={self.gluon_l2_ahead} is a choice of gluon_layout='tokens', got "
-                             f"gluon_layout={self.gluon_layout!r}")
         if self.gluon and self.gluon_pipeline == "two_tile" and self.num_stages < 3:
             raise ValueError(f"gluon_pipeline='two_tile' needs num_stages >= 3, got {self.num_stages}")
         if self.partial_dtype not in _PARTIAL_DTYPES:
@@ -548,7 +540,6 @@ def mla_decode(
     gluon: bool | None = None,
     gluon_pipeline: str | None = None,
     gluon_layout: str | None = None,
-    gluon_l2_ahead: int | None = None,
     wide_combine: bool | None = None,
 ) -> Tensor:
     """Absorbed MLA decode, one query token per sequence, over the paged latent cache.
@@ -570,8 +561,8 @@ def mla_decode(
         out: optional preallocated contiguous [N, H, L] output in q's dtype.
         use_pdl: launch with programmatic dependent launch (GPU only).
         block_n, block_h, num_warps, num_stages, layout, prefetch, paged, max_registers, schedule,
-        partial_dtype, tma, gluon, gluon_pipeline, gluon_layout, gluon_l2_ahead, wide_combine: tuning overrides of
-            `mla_decode_config`'s choice (see `MlaDecodeConfig`).
+        partial_dtype, tma, gluon, gluon_pipeline, gluon_layout, wide_combine: tuning overrides of `mla_decode_config`'s
+            choice (see `MlaDecodeConfig`).
 
     Returns:
         out: [N, H, L] in q.dtype, softmax(scale * q·kv^T) · kv[:, :L] per head.
@@ -606,7 +597,7 @@ def mla_decode(
                      num_stages=num_stages, layout=layout, prefetch=prefetch, paged=paged,
                      max_registers=max_registers, schedule=schedule, partial_dtype=partial_dtype, tma=tma,
                      gluon=gluon, gluon_pipeline=gluon_pipeline, gluon_layout=gluon_layout,
-                     gluon_l2_ahead=gluon_l2_ahead, wide_combine=wide_combine)
+                     wide_combine=wide_combine)
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if cfg.gluon and num_splits is None:
         cfg = replace(cfg, num_splits=gluon_num_splits(N, H, block_table.shape[1] * block_size,
@@ -646,7 +637,7 @@ def mla_decode(
     grid = (N, triton.cdiv(H, cfg.block_h), S)
     if cfg.gluon:
         launch_gluon_decode(q, kv_cache, block_table, seq_lens, float(scale) * _LOG2E, part, lse, S, cfg.block_n,
-                            cfg.num_stages, cfg.gluon_pipeline, cfg.gluon_layout, cfg.block_h, cfg.gluon_l2_ahead)
+                            cfg.num_stages, cfg.gluon_pipeline, cfg.gluon_layout, cfg.block_h)
     elif cfg.tma:
         if block_size % cfg.block_n:
             raise ValueError(f"tma=True needs kv_cache's block_size ({block_size}) to be a multiple of block_n "

@@ -25,17 +25,15 @@ pytestmark = pytest.mark.usefixtures("poison_outputs")
 
 # the tiles, stage counts and pipelines the benchmark times (the 48B page of 1888 = 59 x 32 tokens)
 LAUNCHES = [(32, 2, "serial"), (32, 3, "serial"), (32, 4, "serial"), (64, 2, "serial"), (32, 3, "pv"), (32, 4, "pv"),
-            (64, 2, "pv"), (32, 3, "two_tile"), (32, 4, "two_tile"), (64, 2, "tokens"), (64, 2, "tokens16"),
-            (64, 2, "tokens_l2")]
+            (64, 2, "pv"), (32, 3, "two_tile"), (32, 4, "two_tile"), (64, 2, "tokens"), (64, 2, "tokens16")]
 
 
 def _tune(block_n: int, stages: int, pipeline: str) -> dict:
     """mla_decode's overrides for a LAUNCHES entry ("tokens": gluon_layout="tokens", whose pipeline is serial;
-    "tokens16": with 16 heads a program; "tokens_l2": two tiles past the ring asked of the L2 ahead)."""
+    "tokens16": with 16 heads a program)."""
     if pipeline.startswith("tokens"):
         return dict(gluon=True, block_n=block_n, num_stages=stages, gluon_layout="tokens",
-                    block_h=16 if pipeline == "tokens16" else None,
-                    gluon_l2_ahead=2 if pipeline == "tokens_l2" else None)
+                    block_h=16 if pipeline == "tokens16" else None)
     return dict(gluon=True, block_n=block_n, num_stages=stages, gluon_pipeline=pipeline)
 
 
@@ -57,11 +55,9 @@ def build(block_n, stages, pipeline, L=512, R=64):
                STAGES=C, PIPELINE=C, num_warps=C)
     if pipeline.startswith("tokens"):  # the tokens layout: one warpgroup, the 48B's 32 heads (or 16) on N
         del sig["PIPELINE"]
-        sig.update(L2_AHEAD=C, L2_SPAN=C)
         fn, warps = g._mla_decode_gluon_tokens_kernel, 4
         consts = dict(L=L, R=R, BLOCK_H=16 if pipeline == "tokens16" else 32,
-                      BLOCK_N=block_n, SUB=sub, STAGES=stages, L2_AHEAD=2 if pipeline == "tokens_l2" else 0,
-                      L2_SPAN=g.l2_span(sub, L + R), num_warps=warps)
+                      BLOCK_N=block_n, SUB=sub, STAGES=stages, num_warps=warps)
     else:
         fn, warps = g._mla_decode_gluon_kernel, 8
         consts = dict(L=L, R=R, BLOCK_H=g.GLUON_BLOCK_H, BLOCK_N=block_n, SUB=sub, STAGES=stages,
@@ -74,8 +70,7 @@ def build(block_n, stages, pipeline, L=512, R=64):
     return {"regs": int(re.search(r"REG:(\d+)", usage).group(1)),
             "stack": int(re.search(r"STACK:(\d+)", usage).group(1)),
             "local": int(re.search(r"LOCAL:(\d+)", usage).group(1)), "shared": k.metadata.shared,
-            "tma": k.asm["ptx"].count("cp.async.bulk.tensor"), "wgmma": k.asm["ptx"].count("wgmma.mma_async"),
-            "l2": k.asm["ptx"].count("prefetch.global.L2")}
+            "tma": k.asm["ptx"].count("cp.async.bulk.tensor"), "wgmma": k.asm["ptx"].count("wgmma.mma_async")}
 
 print(json.dumps({f"n{n}x{s} {p}": build(n, s, p) for n, s, p in BUILDS}))
 '''
@@ -87,7 +82,6 @@ def test_sm90_build_has_no_spills_and_fits_shared_memory() -> None:
         assert r["stack"] == 0 and r["local"] == 0, (name, r)
         assert r["shared"] <= 227 * 1024, (name, r)  # one program per SM
         assert r["tma"] > 0 and r["wgmma"] > 0, (name, r)
-        assert (r["l2"] > 0) == name.endswith("tokens_l2"), (name, r)  # the L2 requests only where asked for
 
 
 def test_config_refusals() -> None:
@@ -111,11 +105,6 @@ def test_config_refusals() -> None:
     with pytest.raises(ValueError, match="gluon_layout='tokens' takes block_n=64"):
         MlaDecodeConfig(num_splits=2, gluon=True, paged=True, prefetch="none", gluon_layout="tokens", block_n=64,
                         gluon_pipeline="pv")
-    with pytest.raises(ValueError, match="gluon_l2_ahead=2 is a choice of gluon_layout='tokens'"):
-        MlaDecodeConfig(num_splits=2, gluon=True, paged=True, prefetch="none", gluon_l2_ahead=2)
-    with pytest.raises(ValueError, match="gluon_l2_ahead must be an int in \\[0, 8\\], got 9"):
-        MlaDecodeConfig(num_splits=2, gluon=True, paged=True, prefetch="none", gluon_layout="tokens", block_n=64,
-                        gluon_l2_ahead=9)
     with pytest.raises(ValueError, match="gluon_pipeline='two_tile' needs num_stages >= 3"):
         MlaDecodeConfig(num_splits=2, gluon=True, paged=True, prefetch="none", gluon_pipeline="two_tile",
                         num_stages=2)
