@@ -21,6 +21,7 @@ from k3rt.backend.engine import Engine, engine_config_for_tests
 from k3rt.backend.models.batch import ForwardBatch
 from k3rt.backend.models.loader import load_model
 from k3rt.backend.models.tiny import TINY_CONFIGS, make_tiny, two_layer_overrides
+from k3rt.kernels.common import INTERPRET
 from k3rt.sampling_params import SamplingParams
 from tests.backend.engine_fixtures import staggered
 
@@ -634,8 +635,6 @@ def _k3_decode_forward_counted(tmp_path, arch: str = "k3", bf16_on_cuda: bool = 
     # refused as it is built (session 42's version set them after, so its bf16_on_cuda cases never ran). Off the
     # interpreter with a GPU (the CPU tests a gpu-marked test calls, test_gpu_one_token_layers_in_persistent_launches)
     # the checkpoint's fp32 on CUDA: before session 46 those refused the CPU as well
-    from k3rt.kernels.common import INTERPRET
-
     on_cuda = (dict(device="cuda", dtype="bfloat16") if bf16_on_cuda
                else dict(device="cuda") if HAS_CUDA and not INTERPRET else {})
     eng = Engine(replace(engine_config_for_tests(str(ckpt), num_pages=64, **dtypes), runner="gpu", cuda_graphs=False,
